@@ -1,0 +1,86 @@
+# forkvm — build, set-up and tests. `make test` and `make fanout` install what is missing.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := build
+
+GO      ?= go
+BIN     := $(CURDIR)/bin
+# The guest kernel/image cache; tests and benchmarks share it (built once per machine).
+export FORKVM_CACHE ?= $(HOME)/.cache/forkvm
+export PATH := /usr/local/go/bin:$(PATH)
+
+QEMU_MIN_MAJOR := 10
+APT_PKGS := busybox-static e2fsprogs
+# Go test flags for integration tests (they boot real VMs under TCG: give them time).
+ITEST_TIMEOUT ?= 30m
+
+.PHONY: build setup setup-host image test unit itest cross fuzz fanout bench clean
+
+## build: compile forkvm, forkbench and the static guest agent into ./bin
+build:
+	@mkdir -p $(BIN)
+	$(GO) build -o $(BIN)/forkvm ./cmd/forkvm
+	@if ls cmd/forkbench/*.go >/dev/null 2>&1; then $(GO) build -o $(BIN)/forkbench ./cmd/forkbench; fi
+	CGO_ENABLED=0 GOOS=linux $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/forkvm-agent ./cmd/forkvm-agent
+
+## setup: install QEMU >= 10 and guest tools when missing, build, build the guest image
+setup: setup-host build image
+
+setup-host:
+	@command -v $(GO) >/dev/null || { echo "setup: Go is missing (install Go >= 1.26 at /usr/local/go)"; exit 1; }
+	@need=""; \
+	v=$$(qemu-system-x86_64 --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1); \
+	if [ -z "$$v" ] || [ "$$v" -lt $(QEMU_MIN_MAJOR) ] || ! command -v qemu-img >/dev/null; then need="qemu"; fi; \
+	for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || need="$$need $$p"; done; \
+	if [ -z "$$need" ]; then echo "setup: QEMU $$v and guest tools present"; exit 0; fi; \
+	. /etc/os-release; codename=$${VERSION_CODENAME:-bookworm}; \
+	cmds="apt-get update"; \
+	if [ "$$codename" = bookworm ]; then \
+	  bp='deb http://deb.debian.org/debian bookworm-backports main'; \
+	  grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/ || \
+	    cmds="echo '$$bp' > /etc/apt/sources.list.d/forkvm-backports.list && $$cmds"; \
+	  qemu_install="apt-get install -y -t bookworm-backports qemu-system-x86 qemu-utils"; \
+	else qemu_install="apt-get install -y qemu-system-x86 qemu-utils"; fi; \
+	cmds="$$cmds && DEBIAN_FRONTEND=noninteractive $$qemu_install && DEBIAN_FRONTEND=noninteractive apt-get install -y $(APT_PKGS)"; \
+	if [ "$$(id -u)" != 0 ]; then echo "setup: missing:$$need. Run as root:"; echo "  $$cmds"; exit 1; fi; \
+	echo "setup: installing:$$need"; bash -c "$$cmds" >/tmp/forkvm-setup.log 2>&1 || { tail -20 /tmp/forkvm-setup.log; exit 1; }; \
+	qemu-system-x86_64 --version | head -1
+
+## image: fetch the guest kernel (Debian package) and build the initramfs (cached)
+image: build
+	$(BIN)/forkvm image build --agent $(BIN)/forkvm-agent
+
+## unit: vet and unit tests (no VMs)
+unit:
+	$(GO) vet ./...
+	$(GO) test -count=1 ./engine/ ./qmp/ ./vsockd/ ./memfile/ ./guest/ ./cmd/...
+
+## cross: the darwin build must keep compiling
+cross:
+	GOOS=darwin GOARCH=arm64 $(GO) build ./...
+	GOOS=darwin GOARCH=arm64 $(GO) vet ./engine/ ./memfile/ ./qmp/ ./vsockd/
+
+## fuzz: run each fuzz target briefly
+fuzz:
+	$(GO) test -run='^$$' -fuzz=FuzzDecode -fuzztime=5s ./qmp/
+	$(GO) test -run='^$$' -fuzz=FuzzReadFrame -fuzztime=5s ./vsockd/
+	$(GO) test -run='^$$' -fuzz=FuzzManifest -fuzztime=5s ./engine/
+
+## itest: integration tests that boot real QEMU
+itest: setup
+	$(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|_test.go' ; \
+	  exit $${PIPESTATUS[0]}
+
+## test: everything CI runs
+test: setup unit cross fuzz itest
+
+## fanout: the main job — reproduce the published fork fan-out benchmark
+fanout: setup
+	$(BIN)/forkbench fanout $(FANOUT_ARGS)
+
+## bench: Go benchmarks that boot VMs (boot -> first command, exec round trip)
+bench: setup
+	$(GO) test -run='^$$' -bench=. -benchtime=5x -timeout 30m ./tests/
+
+clean:
+	rm -rf $(BIN)

@@ -1,0 +1,190 @@
+//go:build linux
+
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/mdlayher/vsock"
+	"golang.org/x/sys/unix"
+
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+const (
+	modulesList              = "/etc/forkvm/modules"
+	defaultPath              = "/bin:/sbin:/usr/bin:/usr/sbin"
+	moduleInitCompressedFile = 4 // MODULE_INIT_COMPRESSED_FILE
+)
+
+// runInit is the PID 1 entry point. It never returns: if PID 1 exits the
+// kernel panics.
+func runInit() {
+	mountBasics()
+	console := openConsole()
+	logger := log.New(console, "forkvm-agent: ", 0)
+	os.Setenv("PATH", defaultPath)
+	os.Setenv("HOME", "/root")
+	loadModules(logger, modulesList)
+	if cmdlineHas("forkvm.disk=1") {
+		mountDisk(logger)
+	}
+	srv := &vsockd.Server{Log: logger}
+
+	ready := make(chan string, 2)
+	if _, err := os.Stat("/dev/vsock"); err == nil {
+		go serveVsock(srv, logger, ready)
+	}
+	go serveVirtioPort(srv, logger, ready)
+	fmt.Fprintf(console, "forkvm-agent: ready (%s)\n", <-ready)
+	select {} // PID 1 must never exit; the reaper runs in vsockd
+}
+
+// mountBasics mounts the pseudo file systems; errors (e.g. already mounted
+// by the kernel) are ignored and reported later via the console if needed.
+func mountBasics() {
+	type m struct{ src, dst, fstype, data string }
+	mounts := []m{
+		{"proc", "/proc", "proc", ""},
+		{"sysfs", "/sys", "sysfs", ""},
+		{"devtmpfs", "/dev", "devtmpfs", "mode=0755"},
+		{"devpts", "/dev/pts", "devpts", "mode=0620,ptmxmode=0666"},
+		{"tmpfs", "/dev/shm", "tmpfs", "mode=1777"},
+		{"tmpfs", "/tmp", "tmpfs", "mode=1777"},
+		{"tmpfs", "/run", "tmpfs", "mode=0755"},
+	}
+	for _, x := range mounts {
+		os.MkdirAll(x.dst, 0o755)
+		err := unix.Mount(x.src, x.dst, x.fstype, unix.MS_NOSUID, x.data)
+		if err != nil && err != unix.EBUSY {
+			fmt.Fprintf(os.Stderr, "forkvm-agent: mount %s: %v\n", x.dst, err)
+		}
+	}
+	if _, err := os.Lstat("/dev/ptmx"); err != nil {
+		os.Symlink("pts/ptmx", "/dev/ptmx")
+	}
+}
+
+func openConsole() io.Writer {
+	f, err := os.OpenFile("/dev/console", os.O_WRONLY|unix.O_NOCTTY, 0)
+	if err != nil {
+		return os.Stderr
+	}
+	return f
+}
+
+// loadModules loads the modules listed (absolute paths, dependency order)
+// in list with finit_module. Failures are logged and skipped.
+func loadModules(logger *log.Logger, list string) {
+	f, err := os.Open(list)
+	if err != nil {
+		if !errors.Is(err, os.ErrNotExist) {
+			logger.Printf("modules: %v", err)
+		}
+		return
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		path := strings.TrimSpace(sc.Text())
+		if path == "" || strings.HasPrefix(path, "#") {
+			continue
+		}
+		if err := loadModule(path); err != nil {
+			logger.Printf("load module %s: %v", path, err)
+		}
+	}
+}
+
+func loadModule(path string) error {
+	m, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer m.Close()
+	flags := 0
+	if strings.HasSuffix(path, ".xz") || strings.HasSuffix(path, ".zst") {
+		flags = moduleInitCompressedFile
+	}
+	err = unix.FinitModule(int(m.Fd()), "", flags)
+	if err == unix.EEXIST {
+		return nil
+	}
+	return err
+}
+
+func cmdlineHas(word string) bool {
+	b, err := os.ReadFile("/proc/cmdline")
+	if err != nil {
+		return false
+	}
+	for _, f := range strings.Fields(string(b)) {
+		if f == word {
+			return true
+		}
+	}
+	return false
+}
+
+// mountDisk waits up to 3 s for /dev/vda and mounts it (ext4) on /data.
+func mountDisk(logger *log.Logger) {
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		if _, err := os.Stat("/dev/vda"); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			logger.Printf("disk: /dev/vda did not appear")
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	os.MkdirAll("/data", 0o755)
+	if err := unix.Mount("/dev/vda", "/data", "ext4", 0, ""); err != nil {
+		logger.Printf("disk: mount /dev/vda on /data: %v", err)
+	}
+}
+
+// serveVsock serves each AF_VSOCK connection as its own session.
+func serveVsock(srv *vsockd.Server, logger *log.Logger, ready chan<- string) {
+	ln, err := vsock.Listen(vsockd.DefaultVsockPort, nil)
+	if err != nil {
+		logger.Printf("vsock: %v", err)
+		return
+	}
+	ready <- fmt.Sprintf("vsock port %d", vsockd.DefaultVsockPort)
+	for {
+		conn, err := ln.Accept()
+		if err != nil {
+			logger.Printf("vsock accept: %v", err)
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		go func() {
+			if err := srv.ServeConn(context.Background(), conn); err != nil {
+				logger.Printf("vsock session: %v", err)
+			}
+		}()
+	}
+}
+
+// findPort returns the /dev node of the virtio-serial port called name.
+func findPort(name string) (string, bool) {
+	dirs, _ := filepath.Glob("/sys/class/virtio-ports/*")
+	for _, d := range dirs {
+		b, err := os.ReadFile(filepath.Join(d, "name"))
+		if err == nil && strings.TrimSpace(string(b)) == name {
+			return "/dev/" + filepath.Base(d), true
+		}
+	}
+	return "", false
+}

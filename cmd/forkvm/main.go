@@ -1,0 +1,440 @@
+// Command forkvm is the thin operations CLI of the forkvm engine: create forkable VMs,
+// run commands in them, checkpoint them and fork them.
+//
+// It is built on github.com/urfave/cli/v3 (v2 is in maintenance mode: bug and security
+// fixes only). Each invocation opens the engine on the state directory ($FORKVM_HOME),
+// does its work and exits; VMs are separate QEMU processes that keep running.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/guest"
+)
+
+// exitError carries a process exit code out of an action (exec's pass-through).
+type exitError struct{ code int }
+
+func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := newApp().Run(ctx, os.Args)
+	stop()
+	var ee exitError
+	switch {
+	case errors.As(err, &ee):
+		os.Exit(ee.code)
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "forkvm:", err)
+		os.Exit(1)
+	}
+}
+
+func newApp() *cli.Command {
+	return &cli.Command{
+		Name:  "forkvm",
+		Usage: "create, checkpoint and fork QEMU VMs",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "home", Usage: "state directory", Sources: cli.EnvVars("FORKVM_HOME")},
+			&cli.StringFlag{Name: "accel", Usage: "accelerator: auto, kvm, hvf or tcg", Value: "auto"},
+			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
+		},
+		Commands: []*cli.Command{
+			createCmd(), execCmd(), lsCmd(), rmCmd(),
+			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
+			imageCmd(),
+		},
+	}
+}
+
+// open opens the engine for one CLI operation, waiting for another CLI run holding the
+// state directory.
+func open(ctx context.Context, cmd *cli.Command) (*engine.Engine, error) {
+	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: cmd.String("accel"), LockWait: 2 * time.Minute}
+	if cmd.Bool("verbose") {
+		cfg.Log = os.Stderr
+	}
+	return engine.New(ctx, cfg)
+}
+
+func createCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "create",
+		Usage:     "boot a new VM and wait for its agent",
+		ArgsUsage: "NAME",
+		Flags: []cli.Flag{
+			&cli.IntFlag{Name: "cpus", Value: 2, Usage: "vCPUs"},
+			&cli.IntFlag{Name: "memory-mb", Value: 1024, Usage: "guest RAM in MiB (multiple of 2)"},
+			&cli.BoolFlag{Name: "forkable", Usage: "put guest RAM in a shared RAM file (needed to checkpoint and fork)"},
+			&cli.IntFlag{Name: "disk-mb", Usage: "attach an ext4 data disk of this size, mounted at /data"},
+			&cli.BoolFlag{Name: "json", Usage: "print the VM as JSON"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 1 {
+				return fmt.Errorf("usage: forkvm create NAME [flags]")
+			}
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			vm, err := e.Create(ctx, engine.Spec{
+				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")),
+				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")),
+			})
+			if err != nil {
+				return err
+			}
+			inf := vm.Info()
+			if cmd.Bool("json") {
+				return printJSON(inf)
+			}
+			fmt.Printf("%s ready in %v (pid %d, %s)\n", inf.Name, inf.Timings.Total.Round(time.Millisecond), inf.PID, inf.Accel)
+			return nil
+		},
+	}
+}
+
+func execCmd() *cli.Command {
+	one := 1
+	return &cli.Command{
+		Name:      "exec",
+		Usage:     "run a command in a VM; exits with the command's exit code",
+		ArgsUsage: "NAME [--] COMMAND [ARG...]",
+		// Everything after the VM name belongs to the guest command.
+		StopOnNthArg: &one,
+		Flags: []cli.Flag{
+			&cli.BoolFlag{Name: "tty", Aliases: []string{"t"}, Usage: "allocate a terminal (interactive, raw mode)"},
+			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "KEY=VALUE environment entries"},
+			&cli.StringFlag{Name: "workdir", Aliases: []string{"w"}, Usage: "working directory in the guest"},
+			&cli.DurationFlag{Name: "timeout", Usage: "kill the command after this long (0 = none)"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			args := cmd.Args().Slice()
+			if len(args) > 1 && args[1] == "--" {
+				args = append(args[:1], args[2:]...)
+			}
+			if len(args) < 2 {
+				return fmt.Errorf("usage: forkvm exec [-t] NAME -- COMMAND [ARG...]")
+			}
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			vm, err := e.Get(args[0])
+			if err != nil {
+				e.Close()
+				return err
+			}
+			target := vm.Target()
+			// Release the state directory before a possibly long interactive session.
+			e.Close()
+			code, err := runExec(ctx, target, args[1:], cmd)
+			if err != nil {
+				return err
+			}
+			if code != 0 {
+				return exitError{code}
+			}
+			return nil
+		},
+	}
+}
+
+func lsCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "ls",
+		Usage: "list VMs",
+		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			vms := e.List()
+			if cmd.Bool("json") {
+				return printJSON(vms)
+			}
+			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "NAME\tSTATE\tPID\tCPUS\tMEMORY\tDISK\tFORKABLE\tPARENT\tREADY IN")
+			for _, v := range vms {
+				parent := v.Parent
+				if parent == "" {
+					parent = "-"
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%v\n", v.Name, v.State, v.PID, v.CPUs, v.MemoryMiB,
+					v.DiskMiB, v.Forkable, parent, v.Timings.Total.Round(time.Millisecond))
+			}
+			return tw.Flush()
+		},
+	}
+}
+
+func rmCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "rm",
+		Usage:     "stop and delete VMs (everything they own)",
+		ArgsUsage: "NAME...",
+		Flags:     []cli.Flag{&cli.BoolFlag{Name: "dead", Usage: "delete every VM whose QEMU is gone"}},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() == 0 && !cmd.Bool("dead") {
+				return fmt.Errorf("usage: forkvm rm NAME... | forkvm rm --dead")
+			}
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			var errs []error
+			for _, n := range cmd.Args().Slice() {
+				if err := e.Delete(ctx, n); err != nil {
+					errs = append(errs, err)
+				}
+			}
+			if cmd.Bool("dead") {
+				for _, n := range e.Reap(ctx) {
+					fmt.Println("removed dead vm", n)
+				}
+			}
+			return errors.Join(errs...)
+		},
+	}
+}
+
+func checkpointCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "checkpoint",
+		Usage:     "take a memory+disk checkpoint of a running VM (it keeps running)",
+		ArgsUsage: "VM NAME",
+		Flags: []cli.Flag{
+			&cli.BoolFlag{Name: "pin", Usage: "keep the checkpoint when its last fork is deleted"},
+			&cli.BoolFlag{Name: "json", Usage: "print the checkpoint as JSON"},
+		},
+		Commands: []*cli.Command{{
+			Name:      "rm",
+			Usage:     "delete a checkpoint (refused while it has forks unless --force)",
+			ArgsUsage: "NAME...",
+			Flags:     []cli.Flag{&cli.BoolFlag{Name: "force", Usage: "delete its forks too"}},
+			Action: func(ctx context.Context, cmd *cli.Command) error {
+				if cmd.Args().Len() == 0 {
+					return fmt.Errorf("usage: forkvm checkpoint rm NAME...")
+				}
+				e, err := open(ctx, cmd)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				var errs []error
+				for _, n := range cmd.Args().Slice() {
+					errs = append(errs, e.DeleteCheckpoint(ctx, n, cmd.Bool("force")))
+				}
+				return errors.Join(errs...)
+			},
+		}},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 2 {
+				return fmt.Errorf("usage: forkvm checkpoint VM NAME [--pin]")
+			}
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			ck, err := e.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &engine.CheckpointOptions{Pin: cmd.Bool("pin")})
+			if err != nil {
+				return err
+			}
+			if cmd.Bool("json") {
+				return printJSON(ck.Manifest)
+			}
+			m := ck.Manifest
+			fmt.Printf("%s: %v (guest paused %v; ram %s; disk %s; device state %d KB)\n", m.Name,
+				m.Timings.Total.Round(time.Millisecond), m.Timings.Paused.Round(time.Millisecond),
+				m.RAMMethod, orDash(m.DiskMethod), m.StateSize/1024)
+			return nil
+		},
+	}
+}
+
+func checkpointsCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "checkpoints",
+		Usage: "list checkpoints",
+		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			cks, err := e.Checkpoints()
+			if err != nil {
+				return err
+			}
+			if cmd.Bool("json") {
+				return printJSON(cks)
+			}
+			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "NAME\tSOURCE\tPINNED\tCPUS\tMEMORY\tDISK\tFORKS\tCREATED")
+			for _, c := range cks {
+				fmt.Fprintf(tw, "%s\t%s\t%v\t%d\t%dM\t%s\t%d\t%s\n", c.Name, c.Source, c.Pinned, c.CPUs, c.MemoryMiB,
+					orDash(c.DiskMethod), len(c.Forks), c.CreatedAt.Local().Format(time.DateTime))
+			}
+			return tw.Flush()
+		},
+	}
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func pinCmd(pin bool) *cli.Command {
+	name, usage := "pin", "keep a checkpoint after its last fork is deleted"
+	if !pin {
+		name, usage = "unpin", "let a checkpoint go with its last fork (deleted now if its forks are gone)"
+	}
+	return &cli.Command{
+		Name: name, Usage: usage, ArgsUsage: "CHECKPOINT",
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 1 {
+				return fmt.Errorf("usage: forkvm %s CHECKPOINT", name)
+			}
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			return e.SetPinned(ctx, cmd.Args().First(), pin)
+		},
+	}
+}
+
+func forkCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "fork",
+		Usage:     "fork a checkpoint (or a running VM) into new VMs",
+		ArgsUsage: "SOURCE [NAME]",
+		Flags: []cli.Flag{
+			&cli.IntFlag{Name: "n", Value: 1, Usage: "number of forks"},
+			&cli.StringFlag{Name: "prefix", Usage: "name forks PREFIX1..PREFIXn (with --n)"},
+			&cli.IntFlag{Name: "conc", Usage: "forks started at once (0 = all)"},
+			&cli.FloatFlag{Name: "overcommit", Usage: "vCPU overcommit for admission (0 = engine default 8)"},
+			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
+			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			src := cmd.Args().First()
+			n := int(cmd.Int("n"))
+			if src == "" || cmd.Args().Len() > 2 || n < 1 {
+				return fmt.Errorf("usage: forkvm fork SOURCE [NAME] | forkvm fork SOURCE --n N --prefix P")
+			}
+			var names []string
+			switch {
+			case cmd.Args().Len() == 2 && n == 1:
+				names = []string{cmd.Args().Get(1)}
+			case cmd.String("prefix") != "":
+			case n == 1:
+				names = []string{src + "-f" + time.Now().Format("150405")}
+			default:
+				return fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
+			}
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			evs, err := e.ForkMany(ctx, src, n, engine.ManyOptions{
+				Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
+				Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),
+			})
+			if err != nil {
+				return err
+			}
+			var errs []error
+			for ev := range evs {
+				if cmd.Bool("json") {
+					rec := map[string]any{"name": ev.Name, "ok": ev.Err == nil, "latency_ms": ms(ev.Latency()), "timings": ev.Timings}
+					if ev.Err != nil {
+						rec["error"] = ev.Err.Error()
+					} else {
+						rec["pid"] = ev.VM.PID()
+					}
+					b, _ := json.Marshal(rec)
+					fmt.Println(string(b))
+				} else if ev.Err != nil {
+					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency().Round(time.Millisecond), ev.Err)
+				} else {
+					t := ev.Timings
+					fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d\n", ev.Name,
+						ev.Latency().Round(time.Millisecond), t.Spawn.Round(time.Millisecond),
+						t.Restore.Round(time.Millisecond), t.Agent.Round(time.Millisecond), ev.VM.PID())
+				}
+				if ev.Err != nil {
+					errs = append(errs, ev.Err)
+				}
+			}
+			if len(errs) > 0 {
+				return fmt.Errorf("%d of %d forks failed: %w", len(errs), n, errs[0])
+			}
+			return nil
+		},
+	}
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func imageCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "image",
+		Usage: "guest image commands",
+		Commands: []*cli.Command{{
+			Name:  "build",
+			Usage: "fetch the guest kernel and build the initramfs (cached by content hash)",
+			Flags: []cli.Flag{
+				&cli.StringFlag{Name: "agent", Usage: "guest agent binary (default: forkvm-agent next to this binary)"},
+				&cli.StringFlag{Name: "cache", Usage: "cache directory", Sources: cli.EnvVars("FORKVM_CACHE")},
+			},
+			Action: func(ctx context.Context, cmd *cli.Command) error {
+				agent := cmd.String("agent")
+				if agent == "" {
+					exe, err := os.Executable()
+					if err != nil {
+						return err
+					}
+					agent = filepath.Join(filepath.Dir(exe), "forkvm-agent")
+				}
+				img, err := guest.Build(ctx, &guest.Config{CacheDir: cmd.String("cache"), AgentBinary: agent, Log: os.Stderr})
+				if err != nil {
+					return err
+				}
+				fmt.Printf("image %s: kernel %s\n  %s\n  %s\n", img.Hash, img.KernelVersion, img.Kernel, img.Initrd)
+				return nil
+			},
+		}},
+	}
+}
+
+func printJSON(v any) error {
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+

@@ -1,0 +1,6 @@
+//go:build !linux && !darwin
+
+package engine
+
+// detectAccel returns "tcg": no hardware accelerator is supported on this OS.
+func detectAccel() string { return "tcg" }

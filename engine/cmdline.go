@@ -1,0 +1,200 @@
+package engine
+
+import (
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// Launch is everything needed to build one QEMU command line. It is plain data so that
+// Cmdline is a pure function, table-tested without QEMU. All QEMU argv in forkvm is
+// built here and nowhere else.
+type Launch struct {
+	// QEMU is the qemu-system binary.
+	QEMU string
+	// Name is the VM's validated name.
+	Name string
+	// Accel is "kvm", "hvf" or "tcg".
+	Accel string
+	// TBSizeMiB bounds TCG's translation buffer (tcg only; 0 = QEMU default).
+	TBSizeMiB int
+	// Machine is the QEMU machine type ("q35").
+	Machine string
+	// CPUs and MemoryMiB are the machine shape.
+	CPUs      int
+	MemoryMiB int
+	// Kernel, Initrd and Append boot the guest (ignored by QEMU when Incoming is set,
+	// but kept identical so that the machine matches the checkpoint).
+	Kernel, Initrd, Append string
+	// RAM selects how guest RAM is backed.
+	RAM RAMBacking
+	// Disk is the data disk chain, base first; the last layer is the writable top.
+	// Empty means no disk.
+	Disk []DiskLayer
+	// RunDir holds qmp.sock and agent.sock.
+	RunDir string
+	// SerialLog receives the guest console.
+	SerialLog string
+	// Incoming starts QEMU with -incoming defer (a fork or a restore).
+	Incoming bool
+	// VsockCID, when non-zero, adds a vhost-vsock device with that guest CID.
+	VsockCID uint32
+}
+
+// RAMBacking says how guest RAM is mapped.
+type RAMBacking struct {
+	// Path of the RAM file; empty means anonymous RAM (not forkable).
+	Path string
+	// Shared maps it share=on (a forkable world); otherwise share=off, readonly=on,
+	// rom=off: a private copy-on-write mapping of a frozen checkpoint file.
+	Shared bool
+}
+
+// DiskLayer is one file of a disk chain.
+type DiskLayer struct {
+	Path   string `json:"path"`
+	Format string `json:"format"` // "raw" or "qcow2"
+}
+
+// Socket names inside a run dir.
+const (
+	qmpSockName   = "qmp.sock"
+	agentSockName = "agent.sock"
+)
+
+// QMPSocket is the path of the QMP socket of a launch.
+func (l *Launch) QMPSocket() string { return filepath.Join(l.RunDir, qmpSockName) }
+
+// AgentSocket is the path of the agent's virtio-serial chardev socket of a launch.
+func (l *Launch) AgentSocket() string { return filepath.Join(l.RunDir, agentSockName) }
+
+// escapeOpt escapes a value for QEMU's key=value option syntax (commas are doubled).
+func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }
+
+// Cmdline returns QEMU's argv (without argv[0]) for l. It is pure: same input, same output.
+func (l *Launch) Cmdline() ([]string, error) {
+	if err := ValidateName(l.Name); err != nil {
+		return nil, err
+	}
+	if l.CPUs < 1 || l.MemoryMiB < 2 || l.RunDir == "" || l.Kernel == "" {
+		return nil, fmt.Errorf("%w: incomplete launch (cpus %d, memory %d, rundir %q, kernel %q)",
+			ErrInvalidSpec, l.CPUs, l.MemoryMiB, l.RunDir, l.Kernel)
+	}
+	machine := l.Machine
+	if machine == "" {
+		machine = "q35"
+	}
+	var accel string
+	var cpu string
+	switch l.Accel {
+	case "kvm":
+		accel, cpu = "kvm", "host"
+	case "hvf":
+		accel, cpu = "hvf", "host"
+	case "tcg", "":
+		accel, cpu = "tcg", "max"
+		if l.TBSizeMiB > 0 {
+			accel += ",tb-size=" + strconv.Itoa(l.TBSizeMiB)
+		}
+	default:
+		return nil, fmt.Errorf("%w: unknown accelerator %q", ErrInvalidSpec, l.Accel)
+	}
+	args := []string{
+		"-name", l.Name + ",process=forkvm-" + l.Name,
+		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+		"-accel", accel,
+		"-cpu", cpu,
+		"-smp", strconv.Itoa(l.CPUs),
+		"-m", strconv.Itoa(l.MemoryMiB) + "M",
+	}
+	if l.RAM.Path != "" {
+		mem := map[string]any{
+			"qom-type": "memory-backend-file",
+			"id":       "mem",
+			"size":     int64(l.MemoryMiB) << 20,
+			"mem-path": l.RAM.Path,
+			"share":    l.RAM.Shared,
+		}
+		if !l.RAM.Shared {
+			// Private copy-on-write mapping of a frozen file, opened read-only so the
+			// checkpoint can never be written through this process.
+			mem["readonly"] = true
+			mem["rom"] = "off"
+		}
+		js, _ := json.Marshal(mem)
+		args = append(args, "-object", string(js), "-machine", machine+",memory-backend=mem")
+	} else {
+		args = append(args, "-machine", machine)
+	}
+	args = append(args,
+		"-kernel", l.Kernel,
+		"-append", l.Append,
+	)
+	if l.Initrd != "" {
+		args = append(args, "-initrd", l.Initrd)
+	}
+	args = append(args,
+		"-chardev", "socket,id=qmp,path="+escapeOpt(l.QMPSocket())+",server=on,wait=off",
+		"-mon", "chardev=qmp,mode=control",
+		"-chardev", "file,id=console,path="+escapeOpt(l.SerialLog),
+		"-serial", "chardev:console",
+		"-device", "virtio-serial-pci,id=vser0",
+		"-chardev", "socket,id=agent,path="+escapeOpt(l.AgentSocket())+",server=on,wait=off",
+		"-device", "virtserialport,bus=vser0.0,chardev=agent,name="+vsockd.PortName,
+		// vmgenid: every QEMU start (every fork) gets a fresh generation ID, which
+		// makes the guest kernel reseed its RNG after a restore.
+		"-device", "vmgenid,guid=auto",
+	)
+	if len(l.Disk) > 0 {
+		bd, err := blockdevJSON(l.Disk)
+		if err != nil {
+			return nil, err
+		}
+		args = append(args, "-blockdev", bd, "-device", "virtio-blk-pci,drive=disk0,id=vda")
+	}
+	if l.VsockCID != 0 {
+		args = append(args, "-device", "vhost-vsock-pci,id=vsock0,guest-cid="+strconv.FormatUint(uint64(l.VsockCID), 10))
+	}
+	if l.Incoming {
+		args = append(args, "-incoming", "defer")
+	}
+	return args, nil
+}
+
+// blockdevJSON renders a disk chain as one -blockdev JSON tree. Backing files are named
+// explicitly, so the backing paths stored inside qcow2 headers are never used.
+func blockdevJSON(layers []DiskLayer) (string, error) {
+	var node map[string]any
+	for i, l := range layers {
+		switch l.Format {
+		case "raw", "qcow2":
+		default:
+			return "", fmt.Errorf("%w: disk layer %d: unknown format %q", ErrInvalidSpec, i, l.Format)
+		}
+		n := map[string]any{
+			"driver": l.Format,
+			"file":   map[string]any{"driver": "file", "filename": l.Path},
+		}
+		if l.Format == "qcow2" {
+			if node != nil {
+				n["backing"] = node
+			} else {
+				n["backing"] = nil
+			}
+		} else if node != nil {
+			return "", fmt.Errorf("%w: raw disk layer %d cannot have a backing file", ErrInvalidSpec, i)
+		}
+		if i < len(layers)-1 {
+			n["read-only"] = true
+		}
+		node = n
+	}
+	node["node-name"] = "disk0"
+	node["discard"] = "unmap"
+	js, err := json.Marshal(node)
+	return string(js), err
+}

@@ -1,0 +1,353 @@
+package engine
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/forkvm/forkvm/guest"
+)
+
+// Config configures an Engine. A nil *Config means all defaults.
+type Config struct {
+	// StateDir holds manifests, disks and checkpoints. Default: $FORKVM_HOME, else
+	// $XDG_STATE_HOME/forkvm, else ~/.local/state/forkvm.
+	StateDir string
+	// RAMDir holds RAM files of forkable VMs and checkpoints. It should be a memory-backed
+	// file system. Default: /dev/shm/forkvm-<hash of StateDir> (os.TempDir() when /dev/shm
+	// does not exist).
+	RAMDir string
+	// RunDir holds per-VM socket directories (unix socket paths are limited to 107 bytes).
+	// Default: StateDir/run when that is short, else os.TempDir()/forkvm-<hash>.
+	RunDir string
+	// CacheDir holds the guest kernel and images. Default: guest.DefaultCacheDir().
+	CacheDir string
+	// QEMU is the qemu-system binary. Default: qemu-system-x86_64 (qemu-system-aarch64
+	// on arm64) from PATH.
+	QEMU string
+	// QEMUImg is the qemu-img binary. Default: qemu-img from PATH.
+	QEMUImg string
+	// Kernel and Initrd boot new VMs. Default: the current image in CacheDir.
+	Kernel, Initrd string
+	// Accel is "auto" (default), "kvm", "hvf" or "tcg". Auto picks kvm when /dev/kvm is
+	// usable (probed, not just present), hvf on darwin, else tcg. $FORKVM_ACCEL overrides.
+	Accel string
+	// TBSizeMiB bounds TCG's translation buffer per VM. Default 64.
+	TBSizeMiB int
+	// Overcommit is the vCPU budget factor: budget = host CPUs * Overcommit. Default 8.
+	Overcommit float64
+	// MemoryReserveMiB is the MemAvailable reserve that forks may not push the host
+	// under. Default 512.
+	MemoryReserveMiB int64
+	// BootTimeout bounds a cold boot until the agent answers. Default 60s.
+	BootTimeout time.Duration
+	// ForkTimeout bounds a fork until its agent answers. Default 30s.
+	ForkTimeout time.Duration
+	// LockWait is how long New waits for another engine to release the state dir.
+	// Zero means fail at once with ErrLocked.
+	LockWait time.Duration
+	// Log receives progress lines; nil discards them.
+	Log io.Writer
+}
+
+// Engine manages VMs, checkpoints and forks in one state directory. It holds an exclusive
+// lock on the state directory for its lifetime. Its methods are safe for concurrent use.
+type Engine struct {
+	cfg      Config
+	accel    string
+	qemuVer  string
+	lockFile *os.File
+
+	// mu guards the maps below and manifest writes; it is never held across QEMU start-up
+	// or agent round trips.
+	mu        sync.Mutex
+	vms       map[string]*VM
+	reserved  map[string]bool // names being created (not yet in vms/checkpoints)
+	verified  map[string]string // checkpoint name -> verified fingerprint
+	closed    bool
+	closeOnce sync.Once
+	// pendingCPUs and pendingForks count admitted forks not yet in vms.
+	pendingCPUs  int
+	pendingForks int
+	// admitMu serializes admission decisions (check + reserve).
+	admitMu sync.Mutex
+}
+
+var versionRE = regexp.MustCompile(`version (\d+)\.(\d+)\.(\d+)`)
+
+// New opens (creating if needed) the state directory, takes its lock, re-finds live VMs
+// and reaps dead ones.
+func New(ctx context.Context, cfg *Config) (*Engine, error) {
+	e := &Engine{vms: map[string]*VM{}, reserved: map[string]bool{}, verified: map[string]string{}}
+	if cfg != nil {
+		e.cfg = *cfg
+	}
+	if err := e.defaults(); err != nil {
+		return nil, err
+	}
+	for _, d := range []string{e.cfg.StateDir, e.vmsDir(), e.checkpointsDir(), e.cfg.RAMDir, e.cfg.RunDir} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, fmt.Errorf("engine: create %s: %w", d, err)
+		}
+	}
+	if err := e.lock(ctx); err != nil {
+		return nil, err
+	}
+	if err := e.load(ctx); err != nil {
+		e.unlock()
+		return nil, err
+	}
+	return e, nil
+}
+
+func (e *Engine) defaults() error {
+	c := &e.cfg
+	if c.StateDir == "" {
+		c.StateDir = DefaultStateDir()
+	}
+	abs, err := filepath.Abs(c.StateDir)
+	if err != nil {
+		return fmt.Errorf("engine: state dir: %w", err)
+	}
+	c.StateDir = abs
+	sum := sha256.Sum256([]byte(c.StateDir))
+	tag := hex.EncodeToString(sum[:])[:10]
+	if c.RAMDir == "" {
+		base := "/dev/shm"
+		if st, err := os.Stat(base); err != nil || !st.IsDir() {
+			base = os.TempDir()
+		}
+		c.RAMDir = filepath.Join(base, "forkvm-"+tag)
+	}
+	if c.RunDir == "" {
+		c.RunDir = filepath.Join(c.StateDir, "run")
+		// <rundir>/<name(48)>/agent.sock must fit in sun_path (107 bytes).
+		if len(c.RunDir)+1+MaxNameLen+1+len(agentSockName) > 100 {
+			c.RunDir = filepath.Join(os.TempDir(), "forkvm-"+tag)
+		}
+	}
+	if c.CacheDir == "" {
+		c.CacheDir = guest.DefaultCacheDir()
+	}
+	if c.TBSizeMiB == 0 {
+		c.TBSizeMiB = 64
+	}
+	if c.Overcommit <= 0 {
+		c.Overcommit = 8
+	}
+	if c.MemoryReserveMiB == 0 {
+		c.MemoryReserveMiB = 512
+	}
+	if c.BootTimeout == 0 {
+		c.BootTimeout = 60 * time.Second
+	}
+	if c.ForkTimeout == 0 {
+		c.ForkTimeout = 30 * time.Second
+	}
+	if c.Log == nil {
+		c.Log = io.Discard
+	}
+	if v := os.Getenv("FORKVM_ACCEL"); v != "" {
+		c.Accel = v
+	}
+	if c.Accel == "" {
+		c.Accel = "auto"
+	}
+	switch c.Accel {
+	case "auto":
+		e.accel = detectAccel()
+	case "kvm", "hvf", "tcg":
+		e.accel = c.Accel
+	default:
+		return fmt.Errorf("%w: accelerator %q (want auto, kvm, hvf or tcg)", ErrInvalidSpec, c.Accel)
+	}
+	return nil
+}
+
+// DefaultStateDir is $FORKVM_HOME, else $XDG_STATE_HOME/forkvm, else ~/.local/state/forkvm.
+func DefaultStateDir() string {
+	if d := os.Getenv("FORKVM_HOME"); d != "" {
+		return d
+	}
+	if d := os.Getenv("XDG_STATE_HOME"); d != "" {
+		return filepath.Join(d, "forkvm")
+	}
+	home, err := os.UserHomeDir()
+	if err != nil {
+		return filepath.Join(os.TempDir(), "forkvm")
+	}
+	return filepath.Join(home, ".local", "state", "forkvm")
+}
+
+// Accel is the accelerator this engine uses.
+func (e *Engine) Accel() string { return e.accel }
+
+// StateDir is the engine's state directory.
+func (e *Engine) StateDir() string { return e.cfg.StateDir }
+
+// RAMDir is the engine's RAM file directory.
+func (e *Engine) RAMDir() string { return e.cfg.RAMDir }
+
+func (e *Engine) vmsDir() string         { return filepath.Join(e.cfg.StateDir, "vms") }
+func (e *Engine) checkpointsDir() string { return filepath.Join(e.cfg.StateDir, "checkpoints") }
+
+func (e *Engine) logf(format string, a ...any) {
+	fmt.Fprintf(e.cfg.Log, format+"\n", a...)
+}
+
+// lock takes the exclusive state-dir lock, waiting up to LockWait.
+func (e *Engine) lock(ctx context.Context) error {
+	path := filepath.Join(e.cfg.StateDir, "lock")
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("engine: open lock: %w", err)
+	}
+	deadline := time.Now().Add(e.cfg.LockWait)
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			f.Close()
+			return fmt.Errorf("engine: lock %s: %w", path, err)
+		}
+		if time.Now().After(deadline) {
+			f.Close()
+			return fmt.Errorf("%w: %s", ErrLocked, e.cfg.StateDir)
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return fmt.Errorf("%w: %s: %w", ErrLocked, e.cfg.StateDir, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	_ = f.Truncate(0)
+	_, _ = f.WriteString(strconv.Itoa(os.Getpid()) + "\n")
+	e.lockFile = f
+	return nil
+}
+
+func (e *Engine) unlock() {
+	if e.lockFile != nil {
+		_ = unix.Flock(int(e.lockFile.Fd()), unix.LOCK_UN)
+		e.lockFile.Close()
+		e.lockFile = nil
+	}
+}
+
+// Close releases the engine. Running VMs keep running (they are separate processes) and
+// are re-found by the next engine on the same state directory.
+func (e *Engine) Close() error {
+	e.closeOnce.Do(func() {
+		e.mu.Lock()
+		e.closed = true
+		vms := make([]*VM, 0, len(e.vms))
+		for _, vm := range e.vms {
+			vms = append(vms, vm)
+		}
+		e.mu.Unlock()
+		for _, vm := range vms {
+			vm.closeConns()
+		}
+		e.unlock()
+	})
+	return nil
+}
+
+// QEMUPath resolves the QEMU binary or returns ErrQEMUMissing naming the fix.
+func (e *Engine) QEMUPath() (string, error) {
+	if e.cfg.QEMU != "" {
+		if _, err := os.Stat(e.cfg.QEMU); err != nil {
+			return "", fmt.Errorf("%w: %s: %v", ErrQEMUMissing, e.cfg.QEMU, err)
+		}
+		return e.cfg.QEMU, nil
+	}
+	name := "qemu-system-x86_64"
+	if runtime.GOARCH == "arm64" {
+		name = "qemu-system-aarch64"
+	}
+	p, err := exec.LookPath(name)
+	if err != nil {
+		return "", fmt.Errorf("%w: %s is not in PATH", ErrQEMUMissing, name)
+	}
+	return p, nil
+}
+
+func (e *Engine) qemuImgPath() (string, error) {
+	if e.cfg.QEMUImg != "" {
+		return e.cfg.QEMUImg, nil
+	}
+	p, err := exec.LookPath("qemu-img")
+	if err != nil {
+		return "", fmt.Errorf("%w: qemu-img is not in PATH", ErrQEMUMissing)
+	}
+	return p, nil
+}
+
+// QEMUVersion returns QEMU's version ("10.0.2"), checking it is >= 10.0. It runs
+// `qemu --version` once per engine.
+func (e *Engine) QEMUVersion(ctx context.Context) (string, error) {
+	e.mu.Lock()
+	v := e.qemuVer
+	e.mu.Unlock()
+	if v != "" {
+		return v, nil
+	}
+	q, err := e.QEMUPath()
+	if err != nil {
+		return "", err
+	}
+	out, err := exec.CommandContext(ctx, q, "--version").Output()
+	if err != nil {
+		return "", fmt.Errorf("%w: %s --version: %v", ErrQEMUMissing, q, err)
+	}
+	m := versionRE.FindStringSubmatch(string(out))
+	if m == nil {
+		return "", fmt.Errorf("%w: cannot parse %q", ErrQEMUMissing, out)
+	}
+	major, _ := strconv.Atoi(m[1])
+	if major < 10 {
+		return "", fmt.Errorf("%w: %s is %s.%s.%s", ErrQEMUTooOld, q, m[1], m[2], m[3])
+	}
+	v = m[1] + "." + m[2] + "." + m[3]
+	e.mu.Lock()
+	e.qemuVer = v
+	e.mu.Unlock()
+	return v, nil
+}
+
+// image returns kernel and initrd paths, or ErrImageMissing naming the fix.
+func (e *Engine) image() (kernel, initrd string, err error) {
+	kernel, initrd = e.cfg.Kernel, e.cfg.Initrd
+	if kernel == "" {
+		img, err := guest.Current(e.cfg.CacheDir)
+		if err != nil {
+			return "", "", fmt.Errorf("%w: %v", ErrImageMissing, err)
+		}
+		kernel, initrd = img.Kernel, img.Initrd
+	}
+	for _, p := range []string{kernel, initrd} {
+		if p == "" {
+			continue
+		}
+		if _, err := os.Stat(p); err != nil {
+			return "", "", fmt.Errorf("%w: %v", ErrImageMissing, err)
+		}
+	}
+	return kernel, initrd, nil
+}

@@ -1,0 +1,89 @@
+package engine
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors returned (wrapped with %w) by the engine. Test them with errors.Is.
+var (
+	// ErrInvalidSpec reports a VM spec or option that fails validation; nothing was started.
+	ErrInvalidSpec = errors.New("engine: invalid spec")
+	// ErrInvalidName reports a VM or checkpoint name that is not allowed.
+	ErrInvalidName = errors.New("engine: invalid name")
+	// ErrExists reports a name that is already used by a VM or checkpoint.
+	ErrExists = errors.New("engine: name already exists")
+	// ErrNotFound reports an unknown VM or checkpoint.
+	ErrNotFound = errors.New("engine: not found")
+	// ErrQEMUMissing reports that no usable QEMU binary was found.
+	ErrQEMUMissing = errors.New("engine: qemu not found (run `make setup`)")
+	// ErrQEMUTooOld reports a QEMU older than the minimum forkvm supports.
+	ErrQEMUTooOld = errors.New("engine: qemu too old (need >= 10.0; run `make setup`)")
+	// ErrImageMissing reports that the guest kernel or initramfs is missing.
+	ErrImageMissing = errors.New("engine: guest image missing (run `make setup` or `forkvm image build`)")
+	// ErrQEMUExited reports a QEMU process that exited (at start or later).
+	ErrQEMUExited = errors.New("engine: qemu exited")
+	// ErrAgentTimeout reports a guest agent that did not answer within its deadline.
+	ErrAgentTimeout = errors.New("engine: guest agent did not answer in time")
+	// ErrNotRunning reports an operation on a VM whose QEMU is not alive.
+	ErrNotRunning = errors.New("engine: vm not running")
+	// ErrNotForkable reports a checkpoint of a VM that cannot be checkpointed.
+	ErrNotForkable = errors.New("engine: vm is not forkable")
+	// ErrLocked reports another engine holding the state directory.
+	ErrLocked = errors.New("engine: state directory is locked by another engine")
+	// ErrCheckpointCorrupt reports a checkpoint whose files fail verification.
+	ErrCheckpointCorrupt = errors.New("engine: checkpoint corrupt")
+	// ErrIncompatible reports a checkpoint made by another QEMU or machine shape.
+	ErrIncompatible = errors.New("engine: checkpoint incompatible")
+	// ErrInUse reports a checkpoint that still has live forks.
+	ErrInUse = errors.New("engine: checkpoint in use")
+	// ErrAdmission reports a fork refused by the vCPU or memory budget.
+	ErrAdmission = errors.New("engine: admission refused")
+	// ErrClosed reports use of a closed engine.
+	ErrClosed = errors.New("engine: closed")
+)
+
+// QEMUError is returned when a QEMU process fails; it carries the tail of QEMU's stderr.
+type QEMUError struct {
+	VM       string
+	Op       string
+	ExitCode int
+	Stderr   string
+	Err      error
+}
+
+// Error implements error.
+func (e *QEMUError) Error() string {
+	msg := fmt.Sprintf("engine: %s %s: %v", e.Op, e.VM, e.Err)
+	if e.ExitCode != 0 {
+		msg += fmt.Sprintf(" (exit %d)", e.ExitCode)
+	}
+	if e.Stderr != "" {
+		msg += ": qemu said: " + e.Stderr
+	}
+	return msg
+}
+
+// Unwrap returns the underlying error (often ErrQEMUExited).
+func (e *QEMUError) Unwrap() error { return e.Err }
+
+// AdmissionError is returned (wrapping ErrAdmission) when a fork does not fit the budget.
+type AdmissionError struct {
+	Resource  string // "vcpu" or "memory"
+	Requested int64
+	Available int64
+	Budget    int64
+}
+
+// Error implements error.
+func (e *AdmissionError) Error() string {
+	if e.Resource == "memory" {
+		return fmt.Sprintf("engine: admission refused: memory: fork needs ~%d MiB, %d MiB available above the reserve",
+			e.Requested>>20, e.Available>>20)
+	}
+	return fmt.Sprintf("engine: admission refused: vcpu: requested %d vCPUs, %d available of a budget of %d",
+		e.Requested, e.Available, e.Budget)
+}
+
+// Unwrap returns ErrAdmission.
+func (e *AdmissionError) Unwrap() error { return ErrAdmission }

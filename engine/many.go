@@ -1,0 +1,123 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// ManyOptions tune ForkMany.
+type ManyOptions struct {
+	// Prefix names the forks Prefix1..PrefixN (ignored when Names is set).
+	Prefix string
+	// Names, when set, names the forks explicitly (len(Names) must equal n).
+	Names []string
+	// Concurrency is how many forks start at once; 0 means all n.
+	Concurrency int
+	// Overcommit overrides the engine's vCPU overcommit for these admissions.
+	Overcommit float64
+	// Pin keeps an implicit checkpoint (when src is a running VM).
+	Pin bool
+}
+
+// ForkEvent reports one fork of ForkMany: ready (VM set) or failed (Err set).
+type ForkEvent struct {
+	Index   int          `json:"index"`
+	Name    string       `json:"name"`
+	VM      *VM          `json:"-"`
+	Err     error        `json:"-"`
+	Start   time.Time    `json:"start"`
+	Done    time.Time    `json:"done"`
+	Timings PhaseTimings `json:"timings"`
+}
+
+// Latency is the time from this fork's start to ready (or failure).
+func (ev ForkEvent) Latency() time.Duration { return ev.Done.Sub(ev.Start) }
+
+// ForkMany starts n forks of src, up to Concurrency at once, and streams one event per
+// fork as it becomes ready or fails; the channel is closed after the last one. A failure
+// never stops the others. If ctx is cancelled, forks in flight are abandoned and every
+// fork this call made ready is deleted before the channel closes.
+//
+// Concurrency: one goroutine per fork, gated by a semaphore; events go to a channel
+// buffered for all n, so a slow reader never stalls forking.
+func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts ManyOptions) (<-chan ForkEvent, error) {
+	if n < 1 || n > 4096 {
+		return nil, fmt.Errorf("%w: n must be 1..4096, got %d", ErrInvalidSpec, n)
+	}
+	names := opts.Names
+	if names == nil {
+		if err := ValidateName(opts.Prefix + "x"); err != nil {
+			return nil, err
+		}
+		for i := 1; i <= n; i++ {
+			names = append(names, fmt.Sprintf("%s%d", opts.Prefix, i))
+		}
+	}
+	if len(names) != n {
+		return nil, fmt.Errorf("%w: %d names for %d forks", ErrInvalidSpec, len(names), n)
+	}
+	seen := map[string]bool{}
+	for _, nm := range names {
+		if err := ValidateName(nm); err != nil {
+			return nil, err
+		}
+		if seen[nm] {
+			return nil, fmt.Errorf("%w: duplicate name %s", ErrInvalidSpec, nm)
+		}
+		seen[nm] = true
+	}
+	ck, err := e.resolveSource(ctx, src, opts.Pin)
+	if err != nil {
+		return nil, err
+	}
+	conc := opts.Concurrency
+	if conc <= 0 || conc > n {
+		conc = n
+	}
+	out := make(chan ForkEvent, n)
+	go func() {
+		defer close(out)
+		sem := make(chan struct{}, conc)
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		var made []string
+		for i, nm := range names {
+			select {
+			case sem <- struct{}{}:
+			case <-ctx.Done():
+				out <- ForkEvent{Index: i, Name: nm, Err: ctx.Err(), Start: time.Now(), Done: time.Now()}
+				continue
+			}
+			wg.Add(1)
+			go func(i int, nm string) {
+				defer wg.Done()
+				defer func() { <-sem }()
+				ev := ForkEvent{Index: i, Name: nm, Start: time.Now()}
+				vm, err := e.forkFrom(ctx, ck, ForkOptions{Name: nm, Overcommit: opts.Overcommit})
+				ev.Done = time.Now()
+				ev.VM, ev.Err = vm, err
+				if vm != nil {
+					ev.Timings = vm.m.Timings
+					mu.Lock()
+					made = append(made, nm)
+					mu.Unlock()
+				}
+				out <- ev
+			}(i, nm)
+		}
+		wg.Wait()
+		if ctx.Err() != nil {
+			dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			for _, nm := range made {
+				_ = e.Delete(dctx, nm)
+			}
+		}
+		if ck.Manifest.Implicit {
+			e.collectCheckpoint(context.Background(), ck.Manifest.Name)
+		}
+	}()
+	return out, nil
+}

@@ -1,0 +1,405 @@
+package guest
+
+import (
+	"bytes"
+	"compress/gzip"
+	"context"
+	"crypto/sha256"
+	"debug/elf"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// DefaultBusybox is the busybox used when Config.Busybox is empty.
+const DefaultBusybox = "/bin/busybox"
+
+// Config configures Build. A nil field takes its default.
+type Config struct {
+	CacheDir    string    // default DefaultCacheDir()
+	AgentBinary string    // required: the static guest agent, becomes /init
+	Busybox     string    // default DefaultBusybox (a static busybox)
+	Log         io.Writer // progress messages; default discard
+}
+
+// Image is a built guest image in the cache.
+type Image struct {
+	Dir           string // cache directory of the image
+	Kernel        string // path of vmlinuz
+	Initrd        string // path of initrd.gz
+	KernelVersion string // kernel release
+	Hash          string // hex sha256 content hash; Dir is named by its first 16 digits
+}
+
+// imageMeta is the content of image.json.
+type imageMeta struct {
+	Hash                 string   `json:"hash"`
+	KernelVersion        string   `json:"kernelVersion"`
+	KernelPackage        string   `json:"kernelPackage"`
+	KernelPackageVersion string   `json:"kernelPackageVersion"`
+	Modules              []string `json:"modules"`
+	InitrdBytes          int64    `json:"initrdBytes"`
+	CpioBytes            int64    `json:"cpioBytes"`
+}
+
+const (
+	imageFormat    = "forkvm-image-v1"
+	guestModulesFn = "etc/forkvm/modules"
+	guestKverFn    = "etc/forkvm/kernel-version"
+)
+
+// Build fetches the kernel if needed, assembles the initramfs and stores
+// both under cacheDir/images/<hash[:16]>, reusing that directory when it
+// already exists. The hash covers the kernel package, vmlinuz and the
+// uncompressed cpio archive, which is reproducible byte for byte, so the same
+// inputs always give the same image. cacheDir/images/current is updated to
+// name the result (see Current).
+func Build(ctx context.Context, cfg *Config) (*Image, error) {
+	var c Config
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.CacheDir == "" {
+		c.CacheDir = DefaultCacheDir()
+	}
+	if c.Busybox == "" {
+		c.Busybox = DefaultBusybox
+	}
+	logw := c.Log
+	if logw == nil {
+		logw = io.Discard
+	}
+	logf := func(format string, a ...any) { fmt.Fprintf(logw, "guest: "+format+"\n", a...) }
+	start := time.Now()
+
+	if c.AgentBinary == "" {
+		return nil, fmt.Errorf("%w: Config.AgentBinary is empty", ErrAgentMissing)
+	}
+	agent, err := os.ReadFile(c.AgentBinary)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrAgentMissing, err)
+	}
+	if isDynamicELF(agent) {
+		return nil, fmt.Errorf("%w: %s is dynamically linked; build it with CGO_ENABLED=0", ErrAgentMissing, c.AgentBinary)
+	}
+	bb, applets, err := loadBusybox(ctx, c.Busybox)
+	if err != nil {
+		return nil, err
+	}
+
+	logf("fetching kernel into %s", c.CacheDir)
+	k, err := FetchKernel(ctx, c.CacheDir)
+	if err != nil {
+		return nil, err
+	}
+	logf("kernel %s (%s %s)", k.Version, k.Package, k.PackageVersion)
+	mods, err := ResolveModules(k.ModulesDir, initramfsModules)
+	if err != nil {
+		return nil, err
+	}
+
+	arc, guestMods, err := buildArchive(k, mods, agent, bb, applets)
+	if err != nil {
+		return nil, err
+	}
+	cpio := arc.bytes()
+
+	vmlinuz, err := os.ReadFile(k.Vmlinuz)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrKernelUnavailable, err)
+	}
+	h := sha256.New()
+	for _, s := range []string{imageFormat, k.Package, k.PackageVersion, k.Version} {
+		io.WriteString(h, s)
+		h.Write([]byte{0})
+	}
+	kh := sha256.Sum256(vmlinuz)
+	h.Write(kh[:])
+	h.Write(cpio)
+	hash := hex.EncodeToString(h.Sum(nil))
+
+	imagesDir := filepath.Join(c.CacheDir, "images")
+	dir := filepath.Join(imagesDir, hash[:16])
+	img := &Image{
+		Dir:           dir,
+		Kernel:        filepath.Join(dir, "vmlinuz"),
+		Initrd:        filepath.Join(dir, "initrd.gz"),
+		KernelVersion: k.Version,
+		Hash:          hash,
+	}
+	if imageComplete(img) {
+		logf("image %s is cached (%s)", hash[:16], time.Since(start).Round(time.Millisecond))
+	} else {
+		if err := writeImage(imagesDir, img, k, cpio, guestMods); err != nil {
+			return nil, err
+		}
+		logf("built image %s in %s", hash[:16], time.Since(start).Round(time.Millisecond))
+	}
+	if err := writeFileAtomic(filepath.Join(imagesDir, "current"), []byte(hash[:16]+"\n"), 0o644); err != nil {
+		return nil, fmt.Errorf("guest: recording current image: %w", err)
+	}
+	return img, nil
+}
+
+// buildArchive lays out the initramfs. It returns the archive and the guest
+// paths of the modules in load order.
+func buildArchive(k *Kernel, mods []string, agent, bb []byte, applets []string) (*cpioArchive, []string, error) {
+	a := newCpioArchive()
+	var errs []error
+	must := func(err error) {
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	must(a.file("init", 0o755, agent))
+	must(a.dir("bin", 0o755))
+	must(a.file("bin/busybox", 0o755, bb))
+	hasSh := false
+	for _, ap := range applets {
+		if ap == "busybox" {
+			continue
+		}
+		if ap == "sh" {
+			hasSh = true
+		}
+		must(a.symlink("bin/"+ap, "busybox"))
+	}
+	if !hasSh {
+		must(a.symlink("bin/sh", "busybox"))
+	}
+	must(a.symlink("sbin", "bin"))
+	must(a.dir("usr", 0o755))
+	must(a.symlink("usr/bin", "../bin"))
+	must(a.symlink("usr/sbin", "../bin"))
+	for _, d := range []string{"dev", "proc", "sys", "run", "data", "etc/forkvm"} {
+		must(a.dir(d, 0o755))
+	}
+	must(a.dir("root", 0o700))
+	must(a.dir("tmp", 0o777|fs.ModeSticky))
+	must(a.chardev("dev/console", 0o600, 5, 1))
+	must(a.chardev("dev/null", 0o666, 1, 3))
+	must(a.file("etc/passwd", 0o644, []byte("root:x:0:0:root:/root:/bin/sh\n")))
+	must(a.file("etc/group", 0o644, []byte("root:x:0:\n")))
+	modRoot := "lib/modules/" + k.Version
+	must(a.dir(modRoot, 0o755))
+	var list bytes.Buffer
+	var guestMods []string
+	for _, rel := range mods {
+		data, err := os.ReadFile(filepath.Join(k.ModulesDir, filepath.FromSlash(rel)))
+		if err != nil {
+			return nil, nil, fmt.Errorf("guest: reading module: %w", err)
+		}
+		gp := path.Join(modRoot, rel)
+		must(a.file(gp, 0o644, data))
+		guestMods = append(guestMods, "/"+gp)
+		list.WriteString("/" + gp + "\n")
+	}
+	must(a.file(guestModulesFn, 0o644, list.Bytes()))
+	must(a.file(guestKverFn, 0o644, []byte(k.Version+"\n")))
+	if err := errors.Join(errs...); err != nil {
+		return nil, nil, err
+	}
+	return a, guestMods, nil
+}
+
+// loadBusybox reads a static busybox and lists its applets.
+func loadBusybox(ctx context.Context, name string) ([]byte, []string, error) {
+	bb, err := os.ReadFile(name)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %v", ErrBusyboxMissing, err)
+	}
+	if isDynamicELF(bb) {
+		return nil, nil, fmt.Errorf("%w: %s is dynamically linked", ErrBusyboxMissing, name)
+	}
+	out, err := exec.CommandContext(ctx, name, "--list").Output()
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: `%s --list`: %v", ErrBusyboxMissing, name, err)
+	}
+	seen := make(map[string]bool)
+	var applets []string
+	for _, f := range strings.Fields(string(out)) {
+		if f == "" || strings.ContainsAny(f, "/\\") || f == "." || f == ".." || seen[f] {
+			continue
+		}
+		seen[f] = true
+		applets = append(applets, f)
+	}
+	if len(applets) == 0 {
+		return nil, nil, fmt.Errorf("%w: `%s --list` printed no applets", ErrBusyboxMissing, name)
+	}
+	return bb, applets, nil
+}
+
+// isDynamicELF reports whether b is an ELF executable with an interpreter.
+func isDynamicELF(b []byte) bool {
+	f, err := elf.NewFile(bytes.NewReader(b))
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			return true
+		}
+	}
+	return false
+}
+
+func imageComplete(img *Image) bool {
+	for _, f := range []string{img.Kernel, img.Initrd, filepath.Join(img.Dir, "image.json")} {
+		if st, err := os.Stat(f); err != nil || !st.Mode().IsRegular() {
+			return false
+		}
+	}
+	return true
+}
+
+// gzipBytes compresses deterministically: no name, zero mtime.
+func gzipBytes(data []byte) ([]byte, error) {
+	var buf bytes.Buffer
+	zw, err := gzip.NewWriterLevel(&buf, gzip.BestCompression)
+	if err != nil {
+		return nil, err
+	}
+	zw.Header = gzip.Header{OS: 255}
+	if _, err := zw.Write(data); err != nil {
+		return nil, err
+	}
+	if err := zw.Close(); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
+}
+
+func writeImage(imagesDir string, img *Image, k *Kernel, cpio []byte, guestMods []string) error {
+	if err := os.MkdirAll(imagesDir, 0o755); err != nil {
+		return fmt.Errorf("guest: creating image cache: %w", err)
+	}
+	tmp, err := os.MkdirTemp(imagesDir, ".tmp-"+img.Hash[:16]+"-")
+	if err != nil {
+		return fmt.Errorf("guest: creating image cache: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	if err := os.Chmod(tmp, 0o755); err != nil {
+		return err
+	}
+	gz, err := gzipBytes(cpio)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(tmp, "initrd.gz"), gz, 0o644); err != nil {
+		return err
+	}
+	if err := linkOrCopy(k.Vmlinuz, filepath.Join(tmp, "vmlinuz")); err != nil {
+		return fmt.Errorf("guest: copying kernel: %w", err)
+	}
+	meta := imageMeta{
+		Hash:                 img.Hash,
+		KernelVersion:        k.Version,
+		KernelPackage:        k.Package,
+		KernelPackageVersion: k.PackageVersion,
+		Modules:              guestMods,
+		InitrdBytes:          int64(len(gz)),
+		CpioBytes:            int64(len(cpio)),
+	}
+	b, _ := json.MarshalIndent(meta, "", "  ")
+	if err := os.WriteFile(filepath.Join(tmp, "image.json"), append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, img.Dir); err != nil {
+		if imageComplete(img) { // a concurrent Build got there first
+			return nil
+		}
+		// A stale, incomplete directory: replace it.
+		if rerr := os.RemoveAll(img.Dir); rerr != nil {
+			return fmt.Errorf("guest: installing image: %w", err)
+		}
+		if err := os.Rename(tmp, img.Dir); err != nil {
+			return fmt.Errorf("guest: installing image: %w", err)
+		}
+	}
+	return nil
+}
+
+// linkOrCopy hard-links src to dst, copying when linking is impossible.
+func linkOrCopy(src, dst string) error {
+	if err := os.Link(src, dst); err == nil {
+		return nil
+	}
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	return writeFileFrom(dst, in, 0o644)
+}
+
+// writeFileAtomic writes via a temporary file in the same directory and
+// renames it over name.
+func writeFileAtomic(name string, data []byte, perm os.FileMode) error {
+	f, err := os.CreateTemp(filepath.Dir(name), ".tmp-"+filepath.Base(name)+"-")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp)
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Chmod(perm); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp, name)
+}
+
+// Current returns the image last recorded by Build in cacheDir (default
+// DefaultCacheDir()), or an error wrapping ErrNoImage when there is none or
+// its files are missing.
+func Current(cacheDir string) (*Image, error) {
+	if cacheDir == "" {
+		cacheDir = DefaultCacheDir()
+	}
+	imagesDir := filepath.Join(cacheDir, "images")
+	b, err := os.ReadFile(filepath.Join(imagesDir, "current"))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrNoImage, err)
+	}
+	name := strings.TrimSpace(string(b))
+	if name == "" || strings.ContainsAny(name, "/\\") || strings.HasPrefix(name, ".") {
+		return nil, fmt.Errorf("%w: corrupt %s", ErrNoImage, filepath.Join(imagesDir, "current"))
+	}
+	dir := filepath.Join(imagesDir, name)
+	mb, err := os.ReadFile(filepath.Join(dir, "image.json"))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrNoImage, err)
+	}
+	var m imageMeta
+	if err := json.Unmarshal(mb, &m); err != nil {
+		return nil, fmt.Errorf("%w: corrupt %s: %v", ErrNoImage, filepath.Join(dir, "image.json"), err)
+	}
+	img := &Image{
+		Dir:           dir,
+		Kernel:        filepath.Join(dir, "vmlinuz"),
+		Initrd:        filepath.Join(dir, "initrd.gz"),
+		KernelVersion: m.KernelVersion,
+		Hash:          m.Hash,
+	}
+	if !imageComplete(img) {
+		return nil, fmt.Errorf("%w: image %s is incomplete", ErrNoImage, dir)
+	}
+	return img, nil
+}

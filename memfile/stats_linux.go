@@ -1,0 +1,166 @@
+package memfile
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// userHZ is the unit of the utime/stime fields of /proc/PID/stat. Linux
+// fixes USER_HZ (sysconf(_SC_CLK_TCK)) at 100 on every architecture Go
+// supports, so no sysconf call (which would need cgo) is made.
+const userHZ = 100
+
+// residencyWindow bounds how much of the file is mapped at once.
+const residencyWindow = 1 << 30
+
+// Residency reports the size of path, its data bytes (SEEK_DATA extents)
+// and how many of its bytes are resident in memory (mincore over a
+// read-only shared mapping, which does not fault pages in).
+func Residency(path string) (*ResidencyStats, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("memfile: residency: %w", err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("memfile: residency: %w", err)
+	}
+	r := &ResidencyStats{Size: st.Size()}
+	exts, err := dataExtents(f, r.Size)
+	if err != nil {
+		return nil, fmt.Errorf("memfile: residency %s: %w", path, err)
+	}
+	for _, e := range exts {
+		r.DataBytes += e.len
+	}
+	ps := int64(os.Getpagesize())
+	vec := make([]byte, residencyWindow/ps)
+	for off := int64(0); off < r.Size; off += residencyWindow {
+		n := min(r.Size-off, residencyWindow)
+		m, err := unix.Mmap(int(f.Fd()), off, int(n), unix.PROT_READ, unix.MAP_SHARED)
+		if err != nil {
+			return nil, fmt.Errorf("memfile: residency %s: mmap: %w", path, err)
+		}
+		pages := (n + ps - 1) / ps
+		_, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(n), uintptr(unsafe.Pointer(&vec[0])))
+		unix.Munmap(m)
+		if e != 0 {
+			return nil, fmt.Errorf("memfile: residency %s: mincore: %w", path, e)
+		}
+		for _, v := range vec[:pages] {
+			if v&1 != 0 {
+				r.ResidentBytes += ps
+			}
+		}
+	}
+	r.ResidentBytes = min(r.ResidentBytes, r.Size)
+	return r, nil
+}
+
+// ProcessMemory reads /proc/PID/smaps_rollup. Unknown keys are ignored.
+func ProcessMemory(pid int) (*ProcMem, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
+	if err != nil {
+		return nil, fmt.Errorf("memfile: process memory: %w", err)
+	}
+	m := &ProcMem{}
+	fields := map[string]*int64{
+		"Rss": &m.Rss, "Pss": &m.Pss, "Pss_Anon": &m.PssAnon, "Pss_File": &m.PssFile,
+		"Pss_Shmem": &m.PssShmem, "Shared_Clean": &m.SharedClean, "Shared_Dirty": &m.SharedDirty,
+		"Private_Clean": &m.PrivateClean, "Private_Dirty": &m.PrivateDirty,
+		"Anonymous": &m.Anonymous, "Swap": &m.Swap,
+	}
+	found := false
+	err = eachKB(b, func(key string, v int64) {
+		if p := fields[key]; p != nil {
+			*p = v
+			found = true
+		}
+	})
+	if err != nil {
+		return nil, fmt.Errorf("memfile: process memory: smaps_rollup: %w", err)
+	}
+	if !found {
+		return nil, errors.New("memfile: process memory: no fields in smaps_rollup")
+	}
+	return m, nil
+}
+
+// eachKB calls fn for every "Key: N kB" line of b, with N in bytes. Lines
+// of other shapes (the header line) are skipped.
+func eachKB(b []byte, fn func(key string, bytes int64)) error {
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		key, rest, ok := strings.Cut(sc.Text(), ":")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(rest)
+		if len(f) != 2 || f[1] != "kB" {
+			continue
+		}
+		v, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil {
+			return fmt.Errorf("%s: %w", key, err)
+		}
+		fn(key, v*1024)
+	}
+	return sc.Err()
+}
+
+// ProcessCPU returns the user and system CPU time of pid from
+// /proc/PID/stat.
+func ProcessCPU(pid int) (user, sys time.Duration, err error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, 0, fmt.Errorf("memfile: process cpu: %w", err)
+	}
+	// The command name (field 2) may contain spaces and parentheses;
+	// fields after the last ')' start with field 3 (state).
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, 0, errors.New("memfile: process cpu: malformed stat")
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0, 0, errors.New("memfile: process cpu: short stat")
+	}
+	ut, err1 := strconv.ParseInt(f[11], 10, 64) // field 14 utime
+	st, err2 := strconv.ParseInt(f[12], 10, 64) // field 15 stime
+	if err := errors.Join(err1, err2); err != nil {
+		return 0, 0, fmt.Errorf("memfile: process cpu: %w", err)
+	}
+	tick := time.Second / userHZ
+	return time.Duration(ut) * tick, time.Duration(st) * tick, nil
+}
+
+// MemAvailable returns MemAvailable from /proc/meminfo in bytes.
+func MemAvailable() (int64, error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, fmt.Errorf("memfile: meminfo: %w", err)
+	}
+	v := int64(-1)
+	err = eachKB(b, func(key string, n int64) {
+		if key == "MemAvailable" {
+			v = n
+		}
+	})
+	if err != nil {
+		return 0, fmt.Errorf("memfile: meminfo: %w", err)
+	}
+	if v < 0 {
+		return 0, errors.New("memfile: meminfo: no MemAvailable")
+	}
+	return v, nil
+}

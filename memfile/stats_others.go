@@ -1,0 +1,17 @@
+//go:build !linux && !darwin
+
+package memfile
+
+import "time"
+
+// Residency is not implemented on this platform; it returns ErrUnsupported.
+func Residency(path string) (*ResidencyStats, error) { return nil, ErrUnsupported }
+
+// ProcessMemory is not implemented on this platform; it returns ErrUnsupported.
+func ProcessMemory(pid int) (*ProcMem, error) { return nil, ErrUnsupported }
+
+// ProcessCPU is not implemented on this platform; it returns ErrUnsupported.
+func ProcessCPU(pid int) (user, sys time.Duration, err error) { return 0, 0, ErrUnsupported }
+
+// MemAvailable is not implemented on this platform; it returns ErrUnsupported.
+func MemAvailable() (int64, error) { return 0, ErrUnsupported }

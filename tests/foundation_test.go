@@ -1,0 +1,287 @@
+package tests
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/creack/pty"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// TestVMLifecycle boots a forkable VM with a disk and exercises exec, files, list and
+// delete through the engine API.
+func TestVMLifecycle(t *testing.T) {
+	env := newEnv(t, nil)
+	ctx := ctxT(t, 3*time.Minute)
+	vm, err := env.E.Create(ctx, engine.Spec{Name: "w1", CPUs: 2, MemoryMiB: 512, Forkable: true, DiskMiB: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("boot -> agent ready: %v", vm.Info().Timings.Total)
+
+	out, errs, code := run(t, vm, "echo hi; echo oops >&2; exit 3")
+	if out != "hi\n" || errs != "oops\n" || code != 3 {
+		t.Fatalf("exec = %q %q %d, want hi/oops/3", out, errs, code)
+	}
+	// stdin, env and working directory
+	var buf bytes.Buffer
+	code, err = vm.Exec(ctx, &vsockd.ExecRequest{
+		Argv: []string{"sh", "-c", "cat; echo \"$FOO\"; pwd"}, Env: []string{"FOO=bar"}, Dir: "/tmp",
+		Stdin: strings.NewReader("from-stdin\n"), Stdout: &buf,
+	})
+	if err != nil || code != 0 || buf.String() != "from-stdin\nbar\n/tmp\n" {
+		t.Fatalf("exec stdin/env/dir = %q, %d, %v", buf.String(), code, err)
+	}
+	// The data disk is mounted at /data and is ext4.
+	if got := mustRun(t, vm, "grep ' /data ' /proc/mounts | cut -d' ' -f3"); got != "ext4" {
+		t.Fatalf("/data mount type = %q, want ext4", got)
+	}
+	// Files in and out.
+	ag, err := vm.Agent(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	payload := bytes.Repeat([]byte("forkvm\n"), 100000)
+	if err := ag.PutFile(ctx, "/data/blob", 0o644, bytes.NewReader(payload)); err != nil {
+		t.Fatal(err)
+	}
+	var got bytes.Buffer
+	if err := ag.GetFile(ctx, "/data/blob", &got, 10<<20); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got.Bytes(), payload) {
+		t.Fatalf("GetFile returned %d bytes, want %d", got.Len(), len(payload))
+	}
+	// Timeout is enforced in the guest.
+	start := time.Now()
+	code, err = vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sleep", "30"}, Timeout: 500 * time.Millisecond})
+	if err != nil || code == 0 || time.Since(start) > 20*time.Second {
+		t.Fatalf("timeout exec = %d, %v after %v", code, err, time.Since(start))
+	}
+
+	list := env.E.List()
+	if len(list) != 1 || list[0].Name != "w1" || list[0].State != engine.StateRunning || !list[0].Forkable {
+		t.Fatalf("List = %+v", list)
+	}
+	pid := vm.PID()
+	ramFiles, _ := filepath.Glob(filepath.Join(env.E.RAMDir(), "*"))
+	if len(ramFiles) != 1 {
+		t.Fatalf("RAM files = %v, want one", ramFiles)
+	}
+	if st, _ := os.Stat(ramFiles[0]); st.Mode().Perm() != 0o600 {
+		t.Fatalf("RAM file mode %v, want 0600", st.Mode().Perm())
+	}
+	if err := env.E.Delete(ctx, "w1"); err != nil {
+		t.Fatal(err)
+	}
+	if processAlive(pid) {
+		t.Fatalf("qemu %d alive after Delete", pid)
+	}
+	if _, err := os.Stat(ramFiles[0]); !os.IsNotExist(err) {
+		t.Fatalf("RAM file left after Delete: %v", err)
+	}
+	if _, err := env.E.Get("w1"); err == nil {
+		t.Fatal("Get after Delete succeeded")
+	}
+}
+
+// TestCLI drives the forkvm binary as a user would, including exec exit codes and an
+// interactive exec -t through a real pty.
+func TestCLI(t *testing.T) {
+	home, err := os.MkdirTemp("/tmp", "fvc-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(home)
+	bin := filepath.Join(binDir, "forkvm")
+	cli := func(args ...string) (string, int) {
+		t.Helper()
+		cmd := exec.Command(bin, args...)
+		cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+		out, err := cmd.CombinedOutput()
+		code := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			code = ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		return string(out), code
+	}
+	t.Cleanup(func() { cli("rm", "c1") })
+	if out, code := cli("create", "c1", "--cpus", "1", "--memory-mb", "256", "--forkable", "--disk-mb", "32"); code != 0 {
+		t.Fatalf("create: %d %s", code, out)
+	}
+	if out, code := cli("exec", "c1", "--", "sh", "-c", "echo hi; exit 3"); code != 3 || out != "hi\n" {
+		t.Fatalf("exec = %q exit %d, want hi / 3", out, code)
+	}
+	out, code := cli("ls", "--json")
+	var vms []engine.Info
+	if code != 0 || json.Unmarshal([]byte(out), &vms) != nil || len(vms) != 1 || vms[0].Name != "c1" || vms[0].State != "running" {
+		t.Fatalf("ls --json = %d %s", code, out)
+	}
+	if out, code := cli("create", "bad,name", "--memory-mb", "256"); code == 0 || !strings.Contains(out, "invalid name") {
+		t.Fatalf("create bad,name = %d %s", code, out)
+	}
+	if out, code := cli("create", "c2", "--memory-mb", "255"); code == 0 || !strings.Contains(out, "multiple of 2") {
+		t.Fatalf("create odd memory = %d %s", code, out)
+	}
+
+	// exec -t: a real terminal on our side; the guest sees its size and a tty.
+	cmd := exec.Command(bin, "exec", "-t", "c1", "--", "sh", "-c", "stty size; tty; exit 7")
+	cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	ptmx, err := pty.StartWithSize(cmd, &pty.Winsize{Rows: 33, Cols: 101})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ttyOut bytes.Buffer
+	done := make(chan struct{})
+	go func() { ttyOut.ReadFrom(ptmx); close(done) }()
+	werr := cmd.Wait()
+	ptmx.Close()
+	<-done
+	if ee, ok := werr.(*exec.ExitError); !ok || ee.ExitCode() != 7 {
+		t.Fatalf("exec -t exit = %v, want 7; output %q", werr, ttyOut.String())
+	}
+	if !strings.Contains(ttyOut.String(), "33 101") || !strings.Contains(ttyOut.String(), "/dev/pts/") {
+		t.Fatalf("exec -t output = %q, want size 33 101 and a /dev/pts tty", ttyOut.String())
+	}
+
+	if out, code := cli("rm", "c1"); code != 0 {
+		t.Fatalf("rm: %d %s", code, out)
+	}
+	if out, _ := cli("ls"); strings.Contains(out, "c1") {
+		t.Fatalf("ls after rm: %s", out)
+	}
+}
+
+// TestBadInput checks each bad input gets a typed error and leaves nothing behind.
+func TestBadInput(t *testing.T) {
+	env := newEnv(t, nil)
+	ctx := ctxT(t, 5*time.Minute)
+	for _, tc := range []struct {
+		name string
+		spec engine.Spec
+		want error
+	}{
+		{"zero cpus", engine.Spec{Name: "a", CPUs: 0, MemoryMiB: 256}, engine.ErrInvalidSpec},
+		{"odd memory", engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 257}, engine.ErrInvalidSpec},
+		{"comma", engine.Spec{Name: "a,b", CPUs: 1, MemoryMiB: 256}, engine.ErrInvalidName},
+		{"slash", engine.Spec{Name: "a/b", CPUs: 1, MemoryMiB: 256}, engine.ErrInvalidName},
+		{"dotdot", engine.Spec{Name: "..", CPUs: 1, MemoryMiB: 256}, engine.ErrInvalidName},
+		{"tiny disk", engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 256, DiskMiB: 1}, engine.ErrInvalidSpec},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := env.E.Create(ctx, tc.spec)
+			wantErr(t, err, tc.want)
+			if len(env.E.List()) != 0 {
+				t.Fatal("a VM exists after a refused create")
+			}
+		})
+	}
+
+	t.Run("missing qemu", func(t *testing.T) {
+		env2 := newEnv(t, func(c *engine.Config) { c.QEMU = "/nonexistent/qemu-system-x86_64" })
+		_, err := env2.E.Create(ctx, engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 256})
+		wantErr(t, err, engine.ErrQEMUMissing)
+		if !strings.Contains(err.Error(), "make setup") {
+			t.Fatalf("error does not name the fix: %v", err)
+		}
+	})
+	t.Run("missing kernel", func(t *testing.T) {
+		env2 := newEnv(t, func(c *engine.Config) { c.Kernel = "/nonexistent/vmlinuz"; c.Initrd = "" })
+		_, err := env2.E.Create(ctx, engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 256})
+		wantErr(t, err, engine.ErrImageMissing)
+		if !strings.Contains(err.Error(), "make setup") {
+			t.Fatalf("error does not name the fix: %v", err)
+		}
+	})
+	t.Run("qemu dies at start", func(t *testing.T) {
+		// A kernel file QEMU cannot load: QEMU exits at once with an error on stderr.
+		bad := filepath.Join(t.TempDir(), "vmlinuz")
+		os.WriteFile(bad, []byte("not a kernel"), 0o644)
+		env2 := newEnv(t, func(c *engine.Config) { c.Kernel = bad })
+		_, err := env2.E.Create(ctx, engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
+		wantErr(t, err, engine.ErrQEMUExited)
+		var qe *engine.QEMUError
+		if !asQEMUError(err, &qe) || qe.Stderr == "" {
+			t.Fatalf("error carries no QEMU stderr: %v", err)
+		}
+		if ents, _ := os.ReadDir(filepath.Join(env2.Home, "vms")); len(ents) != 0 {
+			t.Fatalf("files left behind: %v", ents)
+		}
+	})
+	t.Run("agent never answers", func(t *testing.T) {
+		// A guest without our agent: the kernel boots, nothing answers the token.
+		env2 := newEnv(t, func(c *engine.Config) {
+			c.Initrd = ""
+			c.BootTimeout = 3 * time.Second
+		})
+		_, err := env2.E.Create(ctx, engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 256})
+		wantErr(t, err, engine.ErrAgentTimeout)
+		if len(env2.E.List()) != 0 {
+			t.Fatal("VM left after agent timeout")
+		}
+	})
+	t.Run("kill -9 then reap", func(t *testing.T) {
+		vm, err := env.E.Create(ctx, engine.Spec{Name: "k1", CPUs: 1, MemoryMiB: 256, Forkable: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		syscall.Kill(vm.PID(), syscall.SIGKILL)
+		deadline := time.Now().Add(10 * time.Second)
+		for vm.Info().State != engine.StateDead && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if st := vm.Info().State; st != engine.StateDead {
+			t.Fatalf("state after kill -9 = %s, want dead", st)
+		}
+		_, err = vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"true"}})
+		wantErr(t, err, engine.ErrNotRunning)
+		// A new engine on the same state dir still reports it; Reap cleans it.
+		env.E.Close()
+		e2, err := engine.New(context.Background(), &env.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		env.E = e2
+		if l := e2.List(); len(l) != 1 || l[0].State != engine.StateDead {
+			t.Fatalf("new engine List = %+v, want k1 dead", l)
+		}
+		if dead := e2.Reap(context.Background()); len(dead) != 1 || dead[0] != "k1" {
+			t.Fatalf("Reap = %v", dead)
+		}
+		if ents, _ := os.ReadDir(e2.RAMDir()); len(ents) != 0 {
+			t.Fatalf("RAM files left after reap: %v", ents)
+		}
+	})
+	t.Run("second engine refused", func(t *testing.T) {
+		_, err := engine.New(context.Background(), &env.cfg)
+		wantErr(t, err, engine.ErrLocked)
+	})
+	_ = context.Background
+}
+
+func asQEMUError(err error, target **engine.QEMUError) bool {
+	for err != nil {
+		if qe, ok := err.(*engine.QEMUError); ok {
+			*target = qe
+			return true
+		}
+		u, ok := err.(interface{ Unwrap() error })
+		if !ok {
+			return false
+		}
+		err = u.Unwrap()
+	}
+	return false
+}

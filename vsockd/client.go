@@ -1,0 +1,707 @@
+package vsockd
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// DefaultMaxOutput is the default ClientConfig.MaxOutput.
+const DefaultMaxOutput = 64 << 20
+
+// ExitCodeTimeout is the exit code reported for a process killed because its
+// ExecRequest.Timeout expired (like timeout(1)).
+const ExitCodeTimeout = 124
+
+// ClientConfig tunes a Client. A nil *ClientConfig selects the defaults.
+type ClientConfig struct {
+	// MaxOutput bounds the stdout+stderr bytes copied per exec; 0 selects
+	// DefaultMaxOutput, a negative value disables the limit. An exec that
+	// exceeds it is killed and fails with ErrOutputLimit.
+	MaxOutput int64
+	// ReadTimeout, if positive, additionally bounds waiting for the replies
+	// to Hello and Ping.
+	ReadTimeout time.Duration
+}
+
+// Hello is the host's session greeting. Sending it resets the guest session.
+type Hello struct {
+	Token    [16]byte  // echoed by the guest
+	Entropy  []byte    // mixed into the guest CRNG; nil: 32 fresh random bytes
+	Time     time.Time // guest wall clock is set to this (PID 1 only); zero: now
+	Hostname string    // guest hostname (PID 1 only); empty: unchanged
+}
+
+// HelloReply is the guest's answer to Hello.
+type HelloReply struct {
+	Version int
+	Token   [16]byte
+	BootID  string
+	Uptime  time.Duration
+}
+
+// ExecRequest describes a process to run in the guest.
+type ExecRequest struct {
+	Argv []string // Argv[0] is looked up in the PATH of the process environment
+	// Env entries override the defaults PATH=/bin:/sbin:/usr/bin:/usr/sbin,
+	// HOME=/root (and TERM in TTY mode).
+	Env []string
+	Dir string
+	// TTY runs the process on a pseudo terminal of Rows x Cols; all output
+	// arrives on Stdout and Stderr is unused.
+	TTY        bool
+	Rows, Cols uint16
+	Term       string // TERM in TTY mode; default "xterm"
+	// Timeout, if positive, is enforced by the guest: the process group is
+	// killed with SIGKILL and the exit code is ExitCodeTimeout.
+	Timeout time.Duration
+	Stdin   io.Reader // nil: empty stdin
+	Stdout  io.Writer // nil: discarded
+	Stderr  io.Writer // nil: discarded
+}
+
+// Client is the host side of an agent connection. All methods are safe for
+// concurrent use; any number of execs and file transfers may be in flight.
+//
+// Concurrency design: one reader goroutine decodes frames and hands each to
+// its stream's inbox without ever blocking (see inbox); flow-control credit
+// (window) keeps every inbox bounded, so a stream whose consumer is slow
+// stalls only that stream. Writes are serialised by a ctx-aware semaphore.
+type Client struct {
+	conn        net.Conn
+	maxOutput   int64
+	readTimeout time.Duration
+
+	wsem chan struct{} // write lock
+
+	ctx    context.Context // canceled when the client fails or is closed
+	cancel context.CancelFunc
+
+	mu      sync.Mutex
+	streams map[uint32]*cstream
+	nextID  uint32
+	err     error // terminal error, set once
+}
+
+type cstream struct {
+	id  uint32
+	in  *inbox
+	win *window
+}
+
+// NewClient starts a client on conn. The client owns conn and closes it on
+// Close or on a fatal protocol error.
+func NewClient(conn net.Conn, cfg *ClientConfig) *Client {
+	c := &Client{
+		conn:      conn,
+		maxOutput: DefaultMaxOutput,
+		wsem:      make(chan struct{}, 1),
+		streams:   make(map[uint32]*cstream),
+		nextID:    1,
+	}
+	if cfg != nil {
+		if cfg.MaxOutput != 0 {
+			c.maxOutput = cfg.MaxOutput
+		}
+		c.readTimeout = cfg.ReadTimeout
+	}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	go c.readLoop()
+	return c
+}
+
+// Close closes the connection; pending operations fail with ErrClosed.
+func (c *Client) Close() error {
+	c.fail(ErrClosed)
+	return nil
+}
+
+// Done is closed when the client has failed or been closed.
+func (c *Client) Done() <-chan struct{} { return c.ctx.Done() }
+
+// Err returns the error that terminated the client, or nil.
+func (c *Client) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+func (c *Client) fail(err error) {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	c.err = err
+	streams := c.streams
+	c.streams = map[uint32]*cstream{}
+	c.mu.Unlock()
+	c.cancel()
+	c.conn.Close()
+	for _, st := range streams {
+		st.in.fail(err, true)
+		st.win.close(err)
+	}
+}
+
+func (c *Client) readLoop() {
+	br := bufio.NewReaderSize(c.conn, 64<<10)
+	for {
+		f, err := ReadFrame(br)
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF
+			}
+			c.fail(fmt.Errorf("vsockd: connection: %w", err))
+			return
+		}
+		c.dispatch(f)
+	}
+}
+
+// dispatch routes f to its stream. It must never block.
+func (c *Client) dispatch(f Frame) {
+	c.mu.Lock()
+	st := c.streams[f.Stream]
+	c.mu.Unlock()
+	if st == nil {
+		return // stream 0 diagnostics or late frames of a finished stream
+	}
+	switch f.Type {
+	case TypeWindow:
+		n, ok := parseWindow(f.Payload)
+		if !ok {
+			c.abort(st, fmt.Errorf("%w: bad window frame", ErrProtocol), true)
+			return
+		}
+		st.win.add(n)
+		return
+	case TypeReset:
+		c.abort(st, ErrStreamReset, false)
+		return
+	case TypeError:
+		// Wake senders blocked on credit; the error itself is delivered
+		// through the inbox in order.
+		st.win.close(decodeRemoteError(f.Payload))
+	}
+	if err := st.in.push(f); err != nil {
+		c.abort(st, fmt.Errorf("%w: %v", ErrProtocol, err), true)
+	}
+}
+
+// abort terminates st with err and, if sendReset, tells the guest to drop it
+// (which kills its process). It never blocks.
+func (c *Client) abort(st *cstream, err error, sendReset bool) {
+	st.in.fail(err, true)
+	st.win.close(err)
+	c.mu.Lock()
+	if c.streams[st.id] == st {
+		delete(c.streams, st.id)
+	}
+	c.mu.Unlock()
+	if sendReset {
+		go func() {
+			ctx, cancel := context.WithTimeout(c.ctx, 5*time.Second)
+			defer cancel()
+			c.send(ctx, Frame{Type: TypeReset, Stream: st.id})
+		}()
+	}
+}
+
+// finish removes a stream that ended normally.
+func (c *Client) finish(st *cstream) {
+	st.in.fail(ErrClosed, true)
+	st.win.close(ErrClosed)
+	c.mu.Lock()
+	if c.streams[st.id] == st {
+		delete(c.streams, st.id)
+	}
+	c.mu.Unlock()
+}
+
+func (c *Client) newStream() (*cstream, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil {
+		return nil, c.err
+	}
+	id := c.nextID
+	for id == 0 || c.streams[id] != nil {
+		id++
+	}
+	c.nextID = id + 1
+	st := &cstream{id: id, in: newInbox(), win: newWindow()}
+	c.streams[id] = st
+	return st, nil
+}
+
+// send writes one frame. If ctx ends while the frame is blocked in the
+// connection, the write is interrupted via a deadline; a partially written
+// frame would corrupt the stream, so in that case the client fails.
+func (c *Client) send(ctx context.Context, f Frame) error {
+	b, err := AppendFrame(nil, f)
+	if err != nil {
+		return err
+	}
+	select {
+	case c.wsem <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-c.ctx.Done():
+		return c.Err()
+	}
+	defer func() { <-c.wsem }()
+	if err := c.Err(); err != nil {
+		return err
+	}
+	fired := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		c.conn.SetWriteDeadline(time.Unix(1, 0))
+		close(fired)
+	})
+	n, err := c.conn.Write(b)
+	if !stop() {
+		<-fired
+		c.conn.SetWriteDeadline(time.Time{})
+	}
+	if err != nil {
+		if n == 0 && ctx.Err() != nil {
+			return ctx.Err()
+		}
+		err = fmt.Errorf("vsockd: write: %w", err)
+		c.fail(err)
+		return err
+	}
+	return nil
+}
+
+func (c *Client) sendJSON(ctx context.Context, t FrameType, id uint32, v any) error {
+	p, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return c.send(ctx, Frame{Type: t, Stream: id, Payload: p})
+}
+
+func decodeRemoteError(p []byte) error {
+	var e errorWire
+	if err := json.Unmarshal(p, &e); err != nil {
+		return fmt.Errorf("%w: undecodable error frame", ErrProtocol)
+	}
+	return &RemoteError{Code: e.Code, Message: e.Message}
+}
+
+// expect pops the next frame of st and checks its type. Error frames become
+// *RemoteError.
+func (c *Client) expect(ctx context.Context, st *cstream, want FrameType) (Frame, error) {
+	f, err := st.in.pop(ctx)
+	if err != nil {
+		return f, err
+	}
+	switch f.Type {
+	case want:
+		return f, nil
+	case TypeError:
+		return f, decodeRemoteError(f.Payload)
+	}
+	return f, fmt.Errorf("%w: got %v, want %v", ErrProtocol, f.Type, want)
+}
+
+// Hello performs the session handshake. It resets the guest session: all
+// guest processes of the previous session are killed, and all operations
+// still pending on this client fail with ErrSessionReset. It fails with an
+// error wrapping ErrTokenMismatch if the guest echoes a different token.
+func (c *Client) Hello(ctx context.Context, h Hello) (*HelloReply, error) {
+	if c.readTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.readTimeout)
+		defer cancel()
+	}
+	c.mu.Lock()
+	old := c.streams
+	if c.err == nil {
+		c.streams = make(map[uint32]*cstream)
+	}
+	c.mu.Unlock()
+	for _, st := range old {
+		st.in.fail(ErrSessionReset, true)
+		st.win.close(ErrSessionReset)
+	}
+	w := helloWire{Version: ProtocolVersion, Token: h.Token[:], Entropy: h.Entropy, TimeNs: h.Time.UnixNano(), Hostname: h.Hostname}
+	if len(w.Entropy) == 0 {
+		w.Entropy = make([]byte, 32)
+		rand.Read(w.Entropy)
+	}
+	if h.Time.IsZero() {
+		w.TimeNs = time.Now().UnixNano()
+	}
+	st, err := c.newStream()
+	if err != nil {
+		return nil, err
+	}
+	defer c.finish(st)
+	if err := c.sendJSON(ctx, TypeHello, st.id, w); err != nil {
+		return nil, fmt.Errorf("vsockd: hello: %w", err)
+	}
+	f, err := c.expect(ctx, st, TypeHelloReply)
+	if err != nil {
+		return nil, fmt.Errorf("vsockd: hello: %w", err)
+	}
+	var r helloReplyWire
+	if err := json.Unmarshal(f.Payload, &r); err != nil {
+		return nil, fmt.Errorf("vsockd: hello: %w: %v", ErrProtocol, err)
+	}
+	reply := &HelloReply{Version: r.Version, BootID: r.BootID, Uptime: time.Duration(r.UptimeNs)}
+	copy(reply.Token[:], r.Token)
+	if len(r.Token) != 16 || reply.Token != h.Token {
+		return reply, fmt.Errorf("%w: sent %x, guest echoed %x", ErrTokenMismatch, h.Token, r.Token)
+	}
+	return reply, nil
+}
+
+// Ping checks that the guest is responsive.
+func (c *Client) Ping(ctx context.Context) error {
+	if c.readTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.readTimeout)
+		defer cancel()
+	}
+	st, err := c.newStream()
+	if err != nil {
+		return err
+	}
+	defer c.finish(st)
+	if err := c.send(ctx, Frame{Type: TypePing, Stream: st.id}); err != nil {
+		return fmt.Errorf("vsockd: ping: %w", err)
+	}
+	if _, err := c.expect(ctx, st, TypePong); err != nil {
+		return fmt.Errorf("vsockd: ping: %w", err)
+	}
+	return nil
+}
+
+// Process is a guest process started with Client.Start.
+type Process struct {
+	c   *Client
+	st  *cstream
+	req *ExecRequest
+	// Pid is the guest pid of the process.
+	Pid int
+
+	done     chan struct{}
+	code     int
+	err      error
+	timedOut bool
+}
+
+// Run runs req to completion and returns its exit code: the exit status,
+// 128+signal if it was killed by a signal, or ExitCodeTimeout if
+// req.Timeout expired. If ctx ends first the process is sent SIGKILL and
+// ctx.Err() is returned.
+func (c *Client) Run(ctx context.Context, req *ExecRequest) (int, error) {
+	p, err := c.Start(ctx, req)
+	if err != nil {
+		return -1, err
+	}
+	return p.Wait(ctx)
+}
+
+// Start starts req in the guest. ctx bounds only the start handshake; use
+// Wait (or Signal) to control the running process. Output is copied to
+// req.Stdout/req.Stderr by a background goroutine and req.Stdin is copied
+// until EOF.
+func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) {
+	if req == nil || len(req.Argv) == 0 {
+		return nil, errors.New("vsockd: exec: empty argv")
+	}
+	st, err := c.newStream()
+	if err != nil {
+		return nil, err
+	}
+	w := execStartWire{Argv: req.Argv, Env: req.Env, Dir: req.Dir, TTY: req.TTY,
+		Rows: req.Rows, Cols: req.Cols, Term: req.Term, TimeoutNs: int64(req.Timeout)}
+	if err := c.sendJSON(ctx, TypeExecStart, st.id, w); err != nil {
+		c.abort(st, err, true)
+		return nil, fmt.Errorf("vsockd: exec %q: %w", req.Argv[0], err)
+	}
+	f, err := c.expect(ctx, st, TypeExecStarted)
+	if err != nil {
+		c.abort(st, err, true)
+		return nil, fmt.Errorf("vsockd: exec %q: %w", req.Argv[0], err)
+	}
+	var sw execStartedWire
+	json.Unmarshal(f.Payload, &sw)
+	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{})}
+	go p.pump()
+	go p.feedStdin(req.Stdin)
+	return p, nil
+}
+
+// pump copies output to the caller's writers, returning credit to the guest
+// as it goes, until the Exit frame (or a failure).
+func (p *Process) pump() {
+	c, st := p.c, p.st
+	var total int64
+	for {
+		f, err := st.in.pop(context.Background()) // the inbox fails on abort/close
+		if err != nil {
+			p.end(-1, err)
+			return
+		}
+		switch f.Type {
+		case TypeStdout, TypeStderr:
+			w := p.req.Stdout
+			if f.Type == TypeStderr {
+				w = p.req.Stderr
+			}
+			data := f.Payload
+			over := c.maxOutput >= 0 && total+int64(len(data)) > c.maxOutput
+			if over {
+				data = data[:c.maxOutput-total]
+			}
+			if w != nil && len(data) > 0 {
+				if _, err := w.Write(data); err != nil {
+					c.abort(st, err, true)
+					p.end(-1, fmt.Errorf("vsockd: writing output: %w", err))
+					return
+				}
+			}
+			if over {
+				c.abort(st, ErrOutputLimit, true)
+				p.end(-1, fmt.Errorf("%w (%d bytes)", ErrOutputLimit, c.maxOutput))
+				return
+			}
+			total += int64(len(data))
+			st.in.release(len(f.Payload))
+			c.send(c.ctx, windowFrame(st.id, len(f.Payload)))
+		case TypeExit:
+			var e exitWire
+			if err := json.Unmarshal(f.Payload, &e); err != nil {
+				c.abort(st, err, true)
+				p.end(-1, fmt.Errorf("vsockd: exit: %w: %v", ErrProtocol, err))
+				return
+			}
+			p.timedOut = e.TimedOut
+			c.finish(st)
+			p.end(e.Code, nil)
+			return
+		case TypeError:
+			c.finish(st)
+			p.end(-1, decodeRemoteError(f.Payload))
+			return
+		}
+	}
+}
+
+func (p *Process) end(code int, err error) {
+	p.code, p.err = code, err
+	close(p.done)
+}
+
+// feedStdin copies r to the guest within the stream's credit. It stops when
+// the stream ends; a Read blocked in r is not interrupted (as with os/exec
+// for non-file readers).
+func (p *Process) feedStdin(r io.Reader) {
+	c, st := p.c, p.st
+	if r != nil {
+		buf := make([]byte, chunkSize)
+		for {
+			n, err := r.Read(buf)
+			data := buf[:n]
+			for len(data) > 0 {
+				k, werr := st.win.acquire(c.ctx, len(data))
+				if werr != nil {
+					return
+				}
+				if c.send(c.ctx, Frame{Type: TypeStdin, Stream: st.id, Payload: data[:k]}) != nil {
+					return
+				}
+				data = data[k:]
+			}
+			if err != nil {
+				break
+			}
+		}
+	}
+	select {
+	case <-p.done:
+	default:
+		c.send(c.ctx, Frame{Type: TypeStdinClose, Stream: st.id})
+	}
+}
+
+// Wait waits for the process to exit and returns its exit code (see Run).
+// If ctx ends first, Wait sends SIGKILL to the process group, aborts the
+// stream and returns ctx.Err().
+func (p *Process) Wait(ctx context.Context) (int, error) {
+	select {
+	case <-p.done:
+		return p.code, p.err
+	case <-ctx.Done():
+	}
+	kctx, cancel := context.WithTimeout(p.c.ctx, time.Second)
+	p.Signal(kctx, int(syscall.SIGKILL))
+	cancel()
+	p.c.abort(p.st, ctx.Err(), true)
+	return -1, ctx.Err()
+}
+
+// Exited reports whether the process has finished (or its stream failed).
+func (p *Process) Exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// TimedOut reports whether the guest killed the process because
+// ExecRequest.Timeout expired. Valid after Wait returned.
+func (p *Process) TimedOut() bool {
+	<-p.done
+	return p.timedOut
+}
+
+// Resize changes the terminal size of a TTY process.
+func (p *Process) Resize(ctx context.Context, rows, cols uint16) error {
+	return p.c.sendJSON(ctx, TypeResize, p.st.id, resizeWire{Rows: rows, Cols: cols})
+}
+
+// Signal sends signal sig to the process group of the process.
+func (p *Process) Signal(ctx context.Context, sig int) error {
+	return p.c.sendJSON(ctx, TypeSignal, p.st.id, signalWire{Signal: sig})
+}
+
+// PutFile writes the contents of r to guestPath with permission mode. The
+// guest writes a temporary file in the same directory and renames it into
+// place, so the file appears atomically (or not at all).
+func (c *Client) PutFile(ctx context.Context, guestPath string, mode os.FileMode, r io.Reader) error {
+	st, err := c.newStream()
+	if err != nil {
+		return err
+	}
+	fail := func(err error) error {
+		c.abort(st, err, true)
+		return fmt.Errorf("vsockd: put %s: %w", guestPath, err)
+	}
+	if err := c.sendJSON(ctx, TypeFilePut, st.id, filePutWire{Path: guestPath, Mode: uint32(mode.Perm())}); err != nil {
+		return fail(err)
+	}
+	buf := make([]byte, chunkSize)
+	for {
+		n, rerr := r.Read(buf)
+		data := buf[:n]
+		for len(data) > 0 {
+			k, err := st.win.acquire(ctx, len(data))
+			if err != nil {
+				if re := (*RemoteError)(nil); errors.As(err, &re) {
+					c.finish(st)
+					return fmt.Errorf("vsockd: put %s: %w", guestPath, err)
+				}
+				return fail(err)
+			}
+			if err := c.send(ctx, Frame{Type: TypeFileData, Stream: st.id, Payload: data[:k]}); err != nil {
+				return fail(err)
+			}
+			data = data[k:]
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			return fail(rerr)
+		}
+	}
+	if err := c.send(ctx, Frame{Type: TypeFileEnd, Stream: st.id}); err != nil {
+		return fail(err)
+	}
+	if _, err := c.expect(ctx, st, TypeFileEnd); err != nil {
+		if re := (*RemoteError)(nil); errors.As(err, &re) {
+			c.finish(st)
+			return fmt.Errorf("vsockd: put %s: %w", guestPath, err)
+		}
+		return fail(err)
+	}
+	c.finish(st)
+	return nil
+}
+
+// GetFile copies the guest file guestPath to w. If max > 0 and the file is
+// larger than max bytes, it fails with an error wrapping ErrFileTooLarge
+// (w may have received up to max bytes). A missing file matches
+// fs.ErrNotExist.
+func (c *Client) GetFile(ctx context.Context, guestPath string, w io.Writer, max int64) error {
+	st, err := c.newStream()
+	if err != nil {
+		return err
+	}
+	fail := func(err error) error {
+		c.abort(st, err, true)
+		return fmt.Errorf("vsockd: get %s: %w", guestPath, err)
+	}
+	if err := c.sendJSON(ctx, TypeFileGet, st.id, fileGetWire{Path: guestPath, Max: max}); err != nil {
+		return fail(err)
+	}
+	var total int64
+	for {
+		f, err := st.in.pop(ctx)
+		if err != nil {
+			return fail(err)
+		}
+		switch f.Type {
+		case TypeFileData:
+			total += int64(len(f.Payload))
+			if max > 0 && total > max {
+				return fail(fmt.Errorf("%w: more than %d bytes", ErrFileTooLarge, max))
+			}
+			if _, err := w.Write(f.Payload); err != nil {
+				return fail(err)
+			}
+			st.in.release(len(f.Payload))
+			if err := c.send(ctx, windowFrame(st.id, len(f.Payload))); err != nil {
+				return fail(err)
+			}
+		case TypeFileEnd:
+			c.finish(st)
+			return nil
+		case TypeError:
+			c.finish(st)
+			return fmt.Errorf("vsockd: get %s: %w", guestPath, decodeRemoteError(f.Payload))
+		default:
+			return fail(fmt.Errorf("%w: unexpected %v", ErrProtocol, f.Type))
+		}
+	}
+}
+
+// DialUnix connects to the unix socket at path, retrying every 2ms while
+// the socket does not exist yet or refuses connections, until ctx is done.
+func DialUnix(ctx context.Context, path string) (net.Conn, error) {
+	var d net.Dialer
+	for {
+		conn, err := d.DialContext(ctx, "unix", path)
+		if err == nil {
+			return conn, nil
+		}
+		if !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, syscall.ENOENT) && !errors.Is(err, syscall.ECONNREFUSED) {
+			return nil, fmt.Errorf("vsockd: dial %s: %w", path, err)
+		}
+		t := time.NewTimer(2 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, fmt.Errorf("vsockd: dial %s: %w (last error: %v)", path, ctx.Err(), err)
+		case <-t.C:
+		}
+	}
+}

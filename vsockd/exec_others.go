@@ -1,0 +1,37 @@
+//go:build !unix
+
+package vsockd
+
+import (
+	"os"
+	"sync/atomic"
+)
+
+const sigKill = 9
+
+type waitResult struct {
+	code   int
+	signal int
+}
+
+// proc is not available without unix process primitives.
+type proc struct {
+	pid    int
+	status <-chan waitResult
+	exited atomic.Bool
+}
+
+type output struct {
+	t FrameType
+	f *os.File
+}
+
+func (p *proc) outputs() []output                { return nil }
+func (p *proc) stdinWriter() *os.File            { return nil }
+func (p *proc) closeStdin()                      {}
+func (p *proc) markExited()                      {}
+func (p *proc) signal(int)                       {}
+func (p *proc) kill()                            {}
+func (p *proc) resize(rows, cols uint16) error   { return ErrUnsupported }
+func (p *proc) closeFiles()                      {}
+func startProcess(*execStartWire) (*proc, error) { return nil, ErrUnsupported }

@@ -1,0 +1,374 @@
+//go:build unix
+
+package vsockd
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/creack/pty"
+	"golang.org/x/sys/unix"
+)
+
+const sigKill = int(syscall.SIGKILL)
+
+// defaultPath is the PATH given to processes that do not set one.
+const defaultPath = "/bin:/sbin:/usr/bin:/usr/sbin"
+
+// waitResult is the decoded exit status of a process.
+type waitResult struct {
+	code   int // exit status or 128+signal
+	signal int
+}
+
+func decodeStatus(ws syscall.WaitStatus) waitResult {
+	if ws.Signaled() {
+		return waitResult{code: 128 + int(ws.Signal()), signal: int(ws.Signal())}
+	}
+	return waitResult{code: ws.ExitStatus()}
+}
+
+// reaper collects exit statuses of child processes.
+//
+// As PID 1 (all == true) it must also reap orphans re-parented to it, so a
+// single goroutine handles SIGCHLD with a wait4(-1, WNOHANG) loop and
+// dispatches each status to the waiter registered for that pid; statuses of
+// unknown pids (orphans) are dropped. start holds mu across fork and
+// registration, and the loop looks pids up under mu after wait4 returns, so
+// a child that exits immediately can never be reaped before it is
+// registered.
+//
+// Otherwise (tests, development) wait4(-1) would steal children of the rest
+// of the program, so each process gets a goroutine blocked in wait4(pid).
+type reaper struct {
+	all     bool
+	mu      sync.Mutex
+	waiters map[int]chan waitResult
+}
+
+var (
+	theReaper     *reaper
+	theReaperOnce sync.Once
+)
+
+func getReaper() *reaper {
+	theReaperOnce.Do(func() {
+		theReaper = &reaper{all: os.Getpid() == 1, waiters: map[int]chan waitResult{}}
+		if theReaper.all {
+			sigs := make(chan os.Signal, 16)
+			signal.Notify(sigs, syscall.SIGCHLD)
+			go theReaper.loop(sigs)
+		}
+	})
+	return theReaper
+}
+
+func (r *reaper) loop(sigs chan os.Signal) {
+	// The ticker is a safety net; SIGCHLD delivery may coalesce, but one
+	// pending notification suffices because reapAll drains every zombie.
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-sigs:
+		case <-tick.C:
+		}
+		r.reapAll()
+	}
+}
+
+func (r *reaper) reapAll() {
+	for {
+		var ws syscall.WaitStatus
+		pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil)
+		if err == syscall.EINTR {
+			continue
+		}
+		if err != nil || pid <= 0 {
+			return
+		}
+		r.mu.Lock()
+		ch := r.waiters[pid]
+		delete(r.waiters, pid)
+		r.mu.Unlock()
+		if ch != nil {
+			ch <- decodeStatus(ws)
+		}
+	}
+}
+
+// start runs fork and arranges for the child's status to be delivered on
+// the returned channel (buffered, so nobody has to receive it).
+func (r *reaper) start(fork func() (int, error)) (int, <-chan waitResult, error) {
+	ch := make(chan waitResult, 1)
+	r.mu.Lock()
+	pid, err := fork()
+	if err != nil {
+		r.mu.Unlock()
+		return 0, nil, err
+	}
+	if r.all {
+		r.waiters[pid] = ch
+		r.mu.Unlock()
+		return pid, ch, nil
+	}
+	r.mu.Unlock()
+	go func() {
+		for {
+			var ws syscall.WaitStatus
+			_, err := syscall.Wait4(pid, &ws, 0, nil)
+			if err == syscall.EINTR {
+				continue
+			}
+			if err != nil {
+				ch <- waitResult{code: -1}
+			} else {
+				ch <- decodeStatus(ws)
+			}
+			return
+		}
+	}()
+	return pid, ch, nil
+}
+
+// proc is a running guest process.
+type proc struct {
+	pid    int // also the process group id
+	status <-chan waitResult
+	exited atomic.Bool
+
+	tty    *os.File // pty master (TTY mode)
+	stdin  *os.File // pipe write end (pipe mode)
+	stdout *os.File
+	stderr *os.File
+
+	stdinOnce sync.Once
+	closeOnce sync.Once
+}
+
+type output struct {
+	t FrameType
+	f *os.File
+}
+
+func (p *proc) outputs() []output {
+	if p.tty != nil {
+		return []output{{TypeStdout, p.tty}}
+	}
+	return []output{{TypeStdout, p.stdout}, {TypeStderr, p.stderr}}
+}
+
+func (p *proc) stdinWriter() *os.File {
+	if p.tty != nil {
+		return p.tty
+	}
+	return p.stdin
+}
+
+// closeStdin closes the stdin pipe. In TTY mode it does nothing: the
+// terminal stays open until the process exits.
+func (p *proc) closeStdin() {
+	if p.stdin != nil {
+		p.stdinOnce.Do(func() { p.stdin.Close() })
+	}
+}
+
+// markExited records that the process was reaped and makes output reads
+// give up after drainIdle of inactivity.
+func (p *proc) markExited() {
+	p.exited.Store(true)
+	for _, o := range p.outputs() {
+		o.f.SetReadDeadline(time.Now().Add(drainIdle))
+	}
+}
+
+// signal sends sig to the process group unless the process has already
+// been reaped (its pid could have been reused).
+func (p *proc) signal(sig int) {
+	if p.exited.Load() {
+		return
+	}
+	if err := unix.Kill(-p.pid, syscall.Signal(sig)); err != nil {
+		unix.Kill(p.pid, syscall.Signal(sig))
+	}
+}
+
+func (p *proc) kill() { p.signal(sigKill) }
+
+func (p *proc) resize(rows, cols uint16) error {
+	if p.tty == nil {
+		return errors.New("not a tty")
+	}
+	return setWinsize(p.tty, rows, cols)
+}
+
+func (p *proc) closeFiles() {
+	p.closeOnce.Do(func() {
+		p.closeStdin()
+		for _, f := range []*os.File{p.tty, p.stdout, p.stderr} {
+			if f != nil {
+				f.Close()
+			}
+		}
+	})
+}
+
+// setWinsize sets the terminal size without switching f to blocking mode
+// (pty.Setsize uses f.Fd(), which would defeat deadlines and Close).
+func setWinsize(f *os.File, rows, cols uint16) error {
+	sc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var ierr error
+	err = sc.Control(func(fd uintptr) {
+		ierr = unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: rows, Col: cols})
+	})
+	if err != nil {
+		return err
+	}
+	return ierr
+}
+
+// buildEnv merges the request environment over the defaults.
+func buildEnv(req *execStartWire) []string {
+	env := []string{"PATH=" + defaultPath, "HOME=/root"}
+	if req.TTY {
+		term := req.Term
+		if term == "" {
+			term = "xterm"
+		}
+		env = append(env, "TERM="+term)
+	}
+	env = append(env, req.Env...)
+	// Deduplicate: the last assignment of a key wins, order of first use kept.
+	idx := map[string]int{}
+	out := env[:0:0]
+	for _, kv := range env {
+		k, _, _ := strings.Cut(kv, "=")
+		if i, ok := idx[k]; ok {
+			out[i] = kv
+			continue
+		}
+		idx[k] = len(out)
+		out = append(out, kv)
+	}
+	return out
+}
+
+func envValue(env []string, key string) string {
+	for _, kv := range env {
+		if k, v, ok := strings.Cut(kv, "="); ok && k == key {
+			return v
+		}
+	}
+	return ""
+}
+
+// lookPath resolves file using the PATH of the child environment (not the
+// agent's own), relative to dir for relative PATH entries.
+func lookPath(file string, env []string, dir string) (string, error) {
+	if strings.Contains(file, "/") {
+		return file, nil
+	}
+	for _, d := range filepath.SplitList(envValue(env, "PATH")) {
+		if d == "" {
+			d = "."
+		}
+		p := filepath.Join(d, file)
+		check := p
+		if !filepath.IsAbs(check) && dir != "" {
+			check = filepath.Join(dir, check)
+		}
+		if fi, err := os.Stat(check); err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("%s: executable file not found in PATH", file)
+}
+
+// startProcess starts req without os/exec, in its own process group (pipe
+// mode) or session with a controlling pty (TTY mode).
+func startProcess(req *execStartWire) (*proc, error) {
+	env := buildEnv(req)
+	path, err := lookPath(req.Argv[0], env, req.Dir)
+	if err != nil {
+		return nil, err
+	}
+	p := &proc{}
+	var childFiles []*os.File
+	closeChild := func() {
+		for _, f := range childFiles {
+			f.Close()
+		}
+	}
+	attr := &syscall.ProcAttr{Dir: req.Dir, Env: env}
+	if req.TTY {
+		master, slave, err := pty.Open()
+		if err != nil {
+			return nil, fmt.Errorf("open pty: %w", err)
+		}
+		// pty.Open leaves the master in blocking mode; re-open it as a
+		// non-blocking, poller-managed file so deadlines and Close work.
+		fd, err := unix.Dup(int(master.Fd()))
+		master.Close()
+		if err != nil {
+			slave.Close()
+			return nil, err
+		}
+		unix.CloseOnExec(fd)
+		if err := unix.SetNonblock(fd, true); err != nil {
+			unix.Close(fd)
+			slave.Close()
+			return nil, err
+		}
+		p.tty = os.NewFile(uintptr(fd), "/dev/ptmx")
+		if req.Rows > 0 && req.Cols > 0 {
+			setWinsize(p.tty, req.Rows, req.Cols)
+		}
+		childFiles = []*os.File{slave}
+		attr.Files = []uintptr{slave.Fd(), slave.Fd(), slave.Fd()}
+		attr.Sys = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
+	} else {
+		inR, inW, err := os.Pipe()
+		if err != nil {
+			return nil, err
+		}
+		outR, outW, err := os.Pipe()
+		if err != nil {
+			inR.Close()
+			inW.Close()
+			return nil, err
+		}
+		errR, errW, err := os.Pipe()
+		if err != nil {
+			inR.Close()
+			inW.Close()
+			outR.Close()
+			outW.Close()
+			return nil, err
+		}
+		p.stdin, p.stdout, p.stderr = inW, outR, errR
+		childFiles = []*os.File{inR, outW, errW}
+		attr.Files = []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}
+		attr.Sys = &syscall.SysProcAttr{Setpgid: true}
+	}
+	pid, status, err := getReaper().start(func() (int, error) {
+		return syscall.ForkExec(path, req.Argv, attr)
+	})
+	closeChild()
+	if err != nil {
+		p.closeFiles()
+		return nil, fmt.Errorf("start %s: %w", req.Argv[0], err)
+	}
+	p.pid, p.status = pid, status
+	return p, nil
+}

@@ -1,0 +1,128 @@
+package vsockd
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+)
+
+// Wire payloads (JSON). They are separate from the public API types so the
+// public types can use Go-friendly field types.
+
+type helloWire struct {
+	Version  int    `json:"version"`
+	Token    []byte `json:"token"`   // 16 bytes
+	Entropy  []byte `json:"entropy"` // random bytes for the guest CRNG
+	TimeNs   int64  `json:"time_ns"` // host CLOCK_REALTIME, unix nanoseconds
+	Hostname string `json:"hostname,omitempty"`
+}
+
+type helloReplyWire struct {
+	Version  int    `json:"version"`
+	Token    []byte `json:"token"`
+	BootID   string `json:"boot_id"`
+	UptimeNs int64  `json:"uptime_ns"`
+}
+
+type execStartWire struct {
+	Argv      []string `json:"argv"`
+	Env       []string `json:"env,omitempty"`
+	Dir       string   `json:"dir,omitempty"`
+	TTY       bool     `json:"tty,omitempty"`
+	Rows      uint16   `json:"rows,omitempty"`
+	Cols      uint16   `json:"cols,omitempty"`
+	Term      string   `json:"term,omitempty"`
+	TimeoutNs int64    `json:"timeout_ns,omitempty"`
+}
+
+type execStartedWire struct {
+	Pid int `json:"pid"`
+}
+
+type resizeWire struct {
+	Rows uint16 `json:"rows"`
+	Cols uint16 `json:"cols"`
+}
+
+type signalWire struct {
+	Signal int `json:"signal"`
+}
+
+type exitWire struct {
+	Code     int  `json:"code"`             // exit status, or 128+signal
+	Signal   int  `json:"signal,omitempty"` // terminating signal, if any
+	TimedOut bool `json:"timed_out,omitempty"`
+}
+
+type filePutWire struct {
+	Path string `json:"path"`
+	Mode uint32 `json:"mode"` // permission bits
+}
+
+type fileGetWire struct {
+	Path string `json:"path"`
+	Max  int64  `json:"max"` // <= 0: unlimited
+}
+
+// Error codes carried in Error frames.
+const (
+	CodeBadFrame   = "bad_frame" // undecodable frame (stream 0)
+	CodeBadRequest = "bad_request"
+	CodeNotExist   = "not_exist"
+	CodeTooLarge   = "too_large"
+	CodeExec       = "exec_failed"
+	CodeIO         = "io"
+	CodeOverrun    = "overrun"
+	CodeUnknown    = "unknown_stream"
+)
+
+type errorWire struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// Errors returned by the client.
+var (
+	// ErrTokenMismatch is returned (wrapped) by Client.Hello when the guest
+	// echoes a different token.
+	ErrTokenMismatch = errors.New("vsockd: hello token mismatch")
+	// ErrClosed is returned after the client is closed or its connection failed.
+	ErrClosed = errors.New("vsockd: client closed")
+	// ErrOutputLimit is returned when an exec produced more than
+	// ClientConfig.MaxOutput bytes of output; the process is killed.
+	ErrOutputLimit = errors.New("vsockd: output limit exceeded")
+	// ErrFileTooLarge is returned by GetFile when the file exceeds max.
+	ErrFileTooLarge = errors.New("vsockd: file too large")
+	// ErrStreamReset is returned when the peer aborted the stream.
+	ErrStreamReset = errors.New("vsockd: stream reset by peer")
+	// ErrSessionReset is returned for operations interrupted by a new Hello.
+	ErrSessionReset = errors.New("vsockd: session reset by hello")
+	// ErrProtocol reports a peer violating the protocol.
+	ErrProtocol = errors.New("vsockd: protocol error")
+	// ErrUnsupported is returned by operations not available on this platform.
+	ErrUnsupported = errors.New("vsockd: unsupported on this platform")
+)
+
+// RemoteError is an error reported by the guest in an Error frame. It
+// matches fs.ErrNotExist and ErrFileTooLarge with errors.Is where the code
+// says so.
+type RemoteError struct {
+	Code    string
+	Message string
+}
+
+// Error implements error.
+func (e *RemoteError) Error() string { return fmt.Sprintf("vsockd: guest: %s (%s)", e.Message, e.Code) }
+
+// Is maps well-known codes onto sentinel errors.
+func (e *RemoteError) Is(target error) bool {
+	switch e.Code {
+	case CodeNotExist:
+		return target == fs.ErrNotExist
+	case CodeTooLarge:
+		return target == ErrFileTooLarge
+	case CodeOverrun:
+		return target == ErrProtocol
+	}
+	return false
+}

@@ -1,0 +1,153 @@
+package vsockd
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"strings"
+	"testing"
+)
+
+func TestFrameRoundTrip(t *testing.T) {
+	tests := []Frame{
+		{Type: TypePing, Stream: 0},
+		{Type: TypeHello, Stream: 1, Payload: []byte(`{"version":1}`)},
+		{Type: TypeStdout, Stream: 0xdeadbeef, Payload: bytes.Repeat([]byte{0}, 1000)},
+		{Type: TypeFileData, Stream: 7, Payload: bytes.Repeat([]byte("x"), MaxPayload)},
+		{Type: FrameType(200), Stream: 9, Payload: []byte{1, 2, 3}},
+	}
+	for _, f := range tests {
+		t.Run(f.Type.String(), func(t *testing.T) {
+			var buf bytes.Buffer
+			if err := WriteFrame(&buf, f); err != nil {
+				t.Fatal(err)
+			}
+			if buf.Len() != HeaderSize+len(f.Payload) {
+				t.Fatalf("encoded %d bytes", buf.Len())
+			}
+			if !bytes.HasPrefix(buf.Bytes(), []byte("FK\x01")) {
+				t.Fatalf("bad header %q", buf.Bytes()[:4])
+			}
+			got, err := ReadFrame(bytes.NewReader(buf.Bytes()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Type != f.Type || got.Stream != f.Stream || !bytes.Equal(got.Payload, f.Payload) {
+				t.Fatalf("round trip mismatch: %v/%d/%d", got.Type, got.Stream, len(got.Payload))
+			}
+			got, err = NewDecoder(&buf).ReadFrame()
+			if err != nil || got.Stream != f.Stream || !bytes.Equal(got.Payload, f.Payload) {
+				t.Fatalf("decoder: %v", err)
+			}
+		})
+	}
+}
+
+func TestWriteFrameTooLarge(t *testing.T) {
+	err := WriteFrame(io.Discard, Frame{Type: TypeStdout, Payload: make([]byte, MaxPayload+1)})
+	if !errors.Is(err, ErrFrameTooLarge) {
+		t.Fatalf("got %v", err)
+	}
+}
+
+func TestReadFrameErrors(t *testing.T) {
+	valid, _ := AppendFrame(nil, Frame{Type: TypeStdout, Stream: 1, Payload: []byte("hello")})
+	oversize := []byte{'F', 'K', 1, byte(TypeStdout), 0, 0, 0, 1, 0, 0x10, 0, 1}
+	tests := []struct {
+		name string
+		in   []byte
+		want error
+	}{
+		{"empty", nil, io.EOF},
+		{"oversize", oversize, ErrFrameTooLarge},
+		{"bad magic", append([]byte("XK"), valid[2:]...), ErrBadFrame},
+		{"bad version", append([]byte("FK\x02"), valid[3:]...), ErrBadFrame},
+		{"truncated header", valid[:7], io.ErrUnexpectedEOF},
+		{"truncated payload", valid[:len(valid)-1], io.ErrUnexpectedEOF},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := ReadFrame(bytes.NewReader(tt.in))
+			if !errors.Is(err, tt.want) {
+				t.Fatalf("ReadFrame: got %v, want %v", err, tt.want)
+			}
+			_, err = NewDecoder(bytes.NewReader(tt.in)).ReadFrame()
+			if !errors.Is(err, tt.want) {
+				t.Fatalf("Decoder: got %v, want %v", err, tt.want)
+			}
+			var fe *FrameError
+			if (tt.want == ErrBadFrame || tt.want == ErrFrameTooLarge) && (!errors.As(err, &fe) || !strings.HasPrefix(err.Error(), "vsockd: ")) {
+				t.Fatalf("want *FrameError with vsockd prefix, got %T %v", err, err)
+			}
+		})
+	}
+}
+
+func TestDecoderResync(t *testing.T) {
+	f1, _ := AppendFrame(nil, Frame{Type: TypePing, Stream: 1})
+	f2, _ := AppendFrame(nil, Frame{Type: TypeStdin, Stream: 2, Payload: []byte("FK")})
+	oversize := []byte{'F', 'K', 1, 6, 0, 0, 0, 1, 0xff, 0xff, 0xff, 0xff}
+	var in []byte
+	in = append(in, "garbage FK\x02 F"...)
+	in = append(in, f1...)
+	in = append(in, oversize...)
+	in = append(in, "FFFF"...)
+	in = append(in, f2...)
+	d := NewDecoder(bytes.NewReader(in))
+	var got []uint32
+	var bad int
+	for {
+		f, err := d.ReadFrame()
+		if err == io.EOF {
+			break
+		}
+		var fe *FrameError
+		if errors.As(err, &fe) {
+			bad++
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, f.Stream)
+	}
+	if len(got) != 2 || got[0] != 1 || got[1] != 2 || bad != 2 {
+		t.Fatalf("frames %v, bad %d", got, bad)
+	}
+}
+
+func FuzzReadFrame(f *testing.F) {
+	valid, _ := AppendFrame(nil, Frame{Type: TypeHello, Stream: 1, Payload: []byte(`{"version":1}`)})
+	f.Add(valid)
+	f.Add([]byte("FK\x01\x03\x00\x00\x00\x01\x00\x00\x00\x00"))
+	f.Add([]byte("FK\x01\x08\x00\x00\x00\x01\xff\xff\xff\xff"))
+	f.Add([]byte("garbageFK\x01"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		fr, err := ReadFrame(bytes.NewReader(data))
+		if err == nil {
+			if len(fr.Payload) > MaxPayload {
+				t.Fatalf("payload %d > MaxPayload", len(fr.Payload))
+			}
+			enc, err := AppendFrame(nil, fr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(enc, data[:len(enc)]) {
+				t.Fatalf("re-encoding differs")
+			}
+		}
+		// The resynchronising decoder must always make progress.
+		d := NewDecoder(bytes.NewReader(data))
+		for i := 0; i <= len(data); i++ {
+			fr, err := d.ReadFrame()
+			var fe *FrameError
+			if err != nil && !errors.As(err, &fe) {
+				return
+			}
+			if len(fr.Payload) > MaxPayload {
+				t.Fatal("oversize payload")
+			}
+		}
+		t.Fatalf("decoder did not terminate on %d bytes", len(data))
+	})
+}

@@ -1,0 +1,502 @@
+//go:build linux
+
+package vsockd
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// pair connects a Client and a Server over net.Pipe.
+func pair(t *testing.T, cfg *ClientConfig) *Client {
+	t.Helper()
+	a, b := net.Pipe()
+	done := make(chan error, 1)
+	go func() { done <- (&Server{}).ServeConn(context.Background(), b) }()
+	c := NewClient(a, cfg)
+	t.Cleanup(func() {
+		c.Close()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Error("server did not stop")
+		}
+	})
+	return c
+}
+
+func tctx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func TestHello(t *testing.T) {
+	c := pair(t, nil)
+	var tok [16]byte
+	rand.Read(tok[:])
+	r, err := c.Hello(tctx(t), Hello{Token: tok, Hostname: "ignored-when-not-pid1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Token != tok || r.Version != ProtocolVersion || r.BootID == "" || r.Uptime <= 0 {
+		t.Fatalf("bad reply %+v", r)
+	}
+	if err := c.Ping(tctx(t)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// fakeGuest runs handler for every frame the client sends on conn.
+func fakeGuest(t *testing.T, cfg *ClientConfig, handler func(conn net.Conn, f Frame)) *Client {
+	a, b := net.Pipe()
+	go func() {
+		for {
+			f, err := ReadFrame(b)
+			if err != nil {
+				b.Close()
+				return
+			}
+			handler(b, f)
+		}
+	}()
+	c := NewClient(a, cfg)
+	t.Cleanup(func() { c.Close(); b.Close() })
+	return c
+}
+
+func TestHelloTokenMismatch(t *testing.T) {
+	c := fakeGuest(t, nil, func(conn net.Conn, f Frame) {
+		if f.Type == TypeHello {
+			p, _ := json.Marshal(helloReplyWire{Version: 1, Token: make([]byte, 16)})
+			WriteFrame(conn, Frame{Type: TypeHelloReply, Stream: f.Stream, Payload: p})
+		}
+	})
+	_, err := c.Hello(tctx(t), Hello{Token: [16]byte{1, 2, 3}})
+	if !errors.Is(err, ErrTokenMismatch) {
+		t.Fatalf("got %v", err)
+	}
+}
+
+func TestExecExitCode(t *testing.T) {
+	c := pair(t, nil)
+	var out bytes.Buffer
+	code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"/bin/sh", "-c", "echo hi; exit 3"}, Stdout: &out})
+	if err != nil || code != 3 || out.String() != "hi\n" {
+		t.Fatalf("code %d err %v out %q", code, err, out.String())
+	}
+	// PATH lookup with the default PATH.
+	code, err = c.Run(tctx(t), &ExecRequest{Argv: []string{"true"}})
+	if err != nil || code != 0 {
+		t.Fatalf("true: %d %v", code, err)
+	}
+	_, err = c.Run(tctx(t), &ExecRequest{Argv: []string{"no-such-binary-xyz"}})
+	var re *RemoteError
+	if !errors.As(err, &re) || re.Code != CodeExec {
+		t.Fatalf("missing binary: %v", err)
+	}
+}
+
+func TestExecStdin(t *testing.T) {
+	c := pair(t, nil)
+	in := make([]byte, 3<<20) // several windows
+	rand.Read(in)
+	var out bytes.Buffer
+	code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"cat"}, Stdin: bytes.NewReader(in), Stdout: &out})
+	if err != nil || code != 0 || !bytes.Equal(out.Bytes(), in) {
+		t.Fatalf("code %d err %v len %d", code, err, out.Len())
+	}
+}
+
+func TestExecStderrEnvDir(t *testing.T) {
+	c := pair(t, nil)
+	dir := t.TempDir()
+	var out, errb bytes.Buffer
+	code, err := c.Run(tctx(t), &ExecRequest{
+		Argv:   []string{"sh", "-c", `echo "$FOO $HOME" >&2; pwd`},
+		Env:    []string{"FOO=bar", "HOME=/nowhere"},
+		Dir:    dir,
+		Stdout: &out, Stderr: &errb,
+	})
+	if err != nil || code != 0 {
+		t.Fatal(code, err)
+	}
+	if errb.String() != "bar /nowhere\n" || out.String() != dir+"\n" {
+		t.Fatalf("stderr %q stdout %q", errb.String(), out.String())
+	}
+}
+
+func TestExecTimeout(t *testing.T) {
+	c := pair(t, nil)
+	start := time.Now()
+	p, err := c.Start(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", "sleep 30; echo no"}, Timeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	code, err := p.Wait(tctx(t))
+	if err != nil || code != ExitCodeTimeout || !p.TimedOut() {
+		t.Fatalf("code %d err %v", code, err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("took %v", d)
+	}
+}
+
+func TestExecSignal(t *testing.T) {
+	c := pair(t, nil)
+	p, err := c.Start(tctx(t), &ExecRequest{Argv: []string{"sleep", "30"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Signal(tctx(t), int(syscall.SIGTERM)); err != nil {
+		t.Fatal(err)
+	}
+	code, err := p.Wait(tctx(t))
+	if err != nil || code != 128+int(syscall.SIGTERM) {
+		t.Fatalf("code %d err %v", code, err)
+	}
+}
+
+func TestRunContextCancel(t *testing.T) {
+	c := pair(t, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := c.Run(ctx, &ExecRequest{Argv: []string{"sleep", "30"}})
+	if !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 5*time.Second {
+		t.Fatalf("err %v after %v", err, time.Since(start))
+	}
+	// The connection is still usable.
+	if code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"true"}}); err != nil || code != 0 {
+		t.Fatal(code, err)
+	}
+}
+
+func TestExecTTY(t *testing.T) {
+	c := pair(t, nil)
+	var out bytes.Buffer
+	code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", "stty size; test -t 0 && echo tty; echo $TERM"},
+		TTY: true, Rows: 40, Cols: 100, Stdout: &out})
+	if err != nil || code != 0 {
+		t.Fatal(code, err)
+	}
+	if got := strings.ReplaceAll(out.String(), "\r", ""); got != "40 100\ntty\nxterm\n" {
+		t.Fatalf("output %q", out.String())
+	}
+
+	// Resize while running.
+	pr, pw := io.Pipe()
+	var out2 syncBuffer
+	p, err := c.Start(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", "read x; stty size"}, TTY: true, Rows: 10, Cols: 20, Stdin: pr, Stdout: &out2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Resize(tctx(t), 50, 120); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	pw.Write([]byte("go\n"))
+	code, err = p.Wait(tctx(t))
+	pw.Close()
+	if err != nil || code != 0 || !strings.Contains(out2.String(), "50 120") {
+		t.Fatalf("code %d err %v out %q", code, err, out2.String())
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func TestConcurrentExecs(t *testing.T) {
+	c := pair(t, nil)
+	var wg sync.WaitGroup
+	errs := make(chan error, 20)
+	for i := range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var out bytes.Buffer
+			// Interleave: a slow consumer must not stall the others.
+			code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("head -c 300000 /dev/zero; sleep 0.%d; echo %d; exit %d", i%5, i, i)}, Stdout: &out})
+			if err != nil || code != i || out.Len() != 300000+len(fmt.Sprint(i))+1 {
+				errs <- fmt.Errorf("exec %d: code %d err %v len %d", i, code, err, out.Len())
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+func TestPutGetFile(t *testing.T) {
+	c := pair(t, nil)
+	dir := t.TempDir()
+	data := make([]byte, 700<<10)
+	rand.Read(data)
+	path := filepath.Join(dir, "f.bin")
+	if err := c.PutFile(tctx(t), path, 0o640, bytes.NewReader(data)); err != nil {
+		t.Fatal(err)
+	}
+	fi, err := os.Stat(path)
+	if err != nil || fi.Mode().Perm() != 0o640 {
+		t.Fatalf("stat %v %v", fi, err)
+	}
+	var got bytes.Buffer
+	if err := c.GetFile(tctx(t), path, &got, 0); err != nil || !bytes.Equal(got.Bytes(), data) {
+		t.Fatalf("get: %v len %d", err, got.Len())
+	}
+	if err := c.GetFile(tctx(t), path, io.Discard, 1000); !errors.Is(err, ErrFileTooLarge) {
+		t.Fatalf("max: %v", err)
+	}
+	if err := c.GetFile(tctx(t), filepath.Join(dir, "missing"), io.Discard, 0); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("missing: %v", err)
+	}
+	if err := c.PutFile(tctx(t), filepath.Join(dir, "nodir", "x"), 0o600, strings.NewReader("x")); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("put into missing dir: %v", err)
+	}
+	// Non-regular file with unknown size, limited while streaming.
+	if err := c.GetFile(tctx(t), "/dev/zero", io.Discard, 100000); !errors.Is(err, ErrFileTooLarge) {
+		t.Fatalf("/dev/zero: %v", err)
+	}
+	entries, _ := os.ReadDir(dir)
+	if len(entries) != 1 {
+		t.Fatalf("leftover temp files: %v", entries)
+	}
+}
+
+func TestOutputLimit(t *testing.T) {
+	c := pair(t, &ClientConfig{MaxOutput: 100 << 10})
+	var out bytes.Buffer
+	_, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", "while :; do head -c 65536 /dev/zero; done"}, Stdout: &out})
+	if !errors.Is(err, ErrOutputLimit) || out.Len() != 100<<10 {
+		t.Fatalf("err %v len %d", err, out.Len())
+	}
+	if err := c.Ping(tctx(t)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestHelloResetsSession(t *testing.T) {
+	c := pair(t, nil)
+	p, err := c.Start(tctx(t), &ExecRequest{Argv: []string{"sleep", "30"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Hello(tctx(t), Hello{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Wait(tctx(t)); !errors.Is(err, ErrSessionReset) {
+		t.Fatalf("wait: %v", err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for syscall.Kill(p.Pid, 0) == nil {
+		if time.Now().After(deadline) {
+			t.Fatal("old process still alive")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// rawServer returns a raw connection to a Server.
+func rawServer(t *testing.T) net.Conn {
+	a, b := net.Pipe()
+	go (&Server{}).ServeConn(context.Background(), b)
+	t.Cleanup(func() { a.Close() })
+	a.SetDeadline(time.Now().Add(10 * time.Second))
+	return a
+}
+
+func TestServerMalformedFrame(t *testing.T) {
+	conn := rawServer(t)
+	go func() {
+		conn.Write([]byte("this is not a frame"))
+		conn.Write([]byte{'F', 'K', 1, byte(TypePing), 0, 0, 0, 1, 0xff, 0, 0, 0}) // oversize
+		WriteFrame(conn, Frame{Type: TypePing, Stream: 42})
+	}()
+	var errs int
+	for {
+		f, err := ReadFrame(conn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f.Type == TypeError && f.Stream == 0 {
+			errs++
+			continue
+		}
+		if f.Type != TypePong || f.Stream != 42 {
+			t.Fatalf("got %v on %d", f.Type, f.Stream)
+		}
+		break
+	}
+	if errs != 2 {
+		t.Fatalf("%d error frames", errs)
+	}
+}
+
+func TestMaliciousGuestOversize(t *testing.T) {
+	c := fakeGuest(t, nil, func(conn net.Conn, f Frame) {
+		conn.Write([]byte{'F', 'K', 1, byte(TypePong), 0, 0, 0, 1, 0x7f, 0xff, 0xff, 0xff})
+	})
+	err := c.Ping(tctx(t))
+	if !errors.Is(err, ErrFrameTooLarge) {
+		t.Fatalf("got %v", err)
+	}
+	if _, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"x"}}); err == nil {
+		t.Fatal("client still usable")
+	}
+}
+
+func TestMaliciousGuestFlood(t *testing.T) {
+	// The fake guest ignores flow control and floods stdout.
+	c := fakeGuest(t, nil, func(conn net.Conn, f Frame) {
+		if f.Type == TypeExecStart {
+			p, _ := json.Marshal(execStartedWire{Pid: 1})
+			WriteFrame(conn, Frame{Type: TypeExecStarted, Stream: f.Stream, Payload: p})
+			go func() {
+				chunk := make([]byte, MaxPayload)
+				for {
+					if WriteFrame(conn, Frame{Type: TypeStdout, Stream: f.Stream, Payload: chunk}) != nil {
+						return
+					}
+				}
+			}()
+		}
+	})
+	var m0, m1 runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&m0)
+	block := make(chan struct{})
+	defer close(block)
+	// A stdout writer that never returns: without flow control the client
+	// would have to buffer everything.
+	_, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"x"}, Stdout: blockingWriter(block)})
+	if !errors.Is(err, ErrProtocol) {
+		t.Fatalf("got %v", err)
+	}
+	runtime.ReadMemStats(&m1)
+	if grow := int64(m1.HeapAlloc) - int64(m0.HeapAlloc); grow > 64<<20 {
+		t.Fatalf("heap grew by %d bytes", grow)
+	}
+}
+
+type blockingWriter chan struct{}
+
+func (b blockingWriter) Write(p []byte) (int, error) {
+	<-b
+	return len(p), nil
+}
+
+func TestMaliciousGuestSilent(t *testing.T) {
+	c := fakeGuest(t, &ClientConfig{ReadTimeout: 100 * time.Millisecond}, func(net.Conn, Frame) {})
+	start := time.Now()
+	if _, err := c.Hello(context.Background(), Hello{}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("hello: %v", err)
+	}
+	if err := c.Ping(context.Background()); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("ping: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if _, err := c.Run(ctx, &ExecRequest{Argv: []string{"x"}}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("run: %v", err)
+	}
+	if time.Since(start) > 5*time.Second {
+		t.Fatal("too slow")
+	}
+}
+
+func TestMaliciousGuestEndlessHonestOutput(t *testing.T) {
+	// A guest respecting flow control but never exiting: bounded by MaxOutput.
+	credit := make(chan int, 1024)
+	c := fakeGuest(t, &ClientConfig{MaxOutput: 1 << 20}, func(conn net.Conn, f Frame) {
+		switch f.Type {
+		case TypeWindow:
+			n, _ := parseWindow(f.Payload)
+			credit <- int(n)
+		case TypeExecStart:
+			p, _ := json.Marshal(execStartedWire{Pid: 1})
+			WriteFrame(conn, Frame{Type: TypeExecStarted, Stream: f.Stream, Payload: p})
+			go func() {
+				avail := InitialWindow
+				chunk := make([]byte, chunkSize)
+				for {
+					for avail < len(chunk) {
+						avail += <-credit
+					}
+					if WriteFrame(conn, Frame{Type: TypeStderr, Stream: f.Stream, Payload: chunk}) != nil {
+						return
+					}
+					avail -= len(chunk)
+				}
+			}()
+		}
+	})
+	var n countWriter
+	_, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"x"}, Stderr: &n})
+	if !errors.Is(err, ErrOutputLimit) || n != 1<<20 {
+		t.Fatalf("err %v, %d bytes", err, n)
+	}
+}
+
+type countWriter int64
+
+func (c *countWriter) Write(p []byte) (int, error) {
+	*c += countWriter(len(p))
+	return len(p), nil
+}
+
+func TestDialUnixRetries(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s.sock")
+	go func() {
+		time.Sleep(50 * time.Millisecond)
+		ln, err := net.Listen("unix", path)
+		if err != nil {
+			return
+		}
+		c, _ := ln.Accept()
+		if c != nil {
+			c.Close()
+		}
+		ln.Close()
+	}()
+	conn, err := DialUnix(tctx(t), path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+	defer cancel()
+	if _, err := DialUnix(ctx, filepath.Join(t.TempDir(), "none")); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("got %v", err)
+	}
+}
