@@ -52,6 +52,10 @@ type RAMBacking struct {
 	// Shared maps it share=on (a forkable world); otherwise share=off, readonly=on,
 	// rom=off: a private copy-on-write mapping of a frozen checkpoint file.
 	Shared bool
+	// Anonymous, with an empty Path, backs RAM by a memory-backend-ram named like the
+	// file backend, so a full save of a forkable VM restores into ordinary RAM (the
+	// stock save/restore path).
+	Anonymous bool
 }
 
 // DiskLayer is one file of a disk chain.
@@ -126,6 +130,9 @@ func (l *Launch) Cmdline() ([]string, error) {
 			mem["rom"] = "off"
 		}
 		js, _ := json.Marshal(mem)
+		args = append(args, "-object", string(js), "-machine", machine+",memory-backend=mem")
+	} else if l.RAM.Anonymous {
+		js, _ := json.Marshal(map[string]any{"qom-type": "memory-backend-ram", "id": "mem", "size": int64(l.MemoryMiB) << 20})
 		args = append(args, "-object", string(js), "-machine", machine+",memory-backend=mem")
 	} else {
 		args = append(args, "-machine", machine)

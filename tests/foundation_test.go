@@ -221,10 +221,12 @@ func TestBadInput(t *testing.T) {
 		}
 	})
 	t.Run("agent never answers", func(t *testing.T) {
-		// A guest without our agent: the kernel boots, nothing answers the token.
+		// A guest without our agent: the kernel boots an init that only sleeps, so
+		// nothing ever answers the token.
+		initrd := noAgentInitrd(t)
 		env2 := newEnv(t, func(c *engine.Config) {
-			c.Initrd = ""
-			c.BootTimeout = 3 * time.Second
+			c.Initrd = initrd
+			c.BootTimeout = 6 * time.Second
 		})
 		_, err := env2.E.Create(ctx, engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 256})
 		wantErr(t, err, engine.ErrAgentTimeout)
@@ -269,6 +271,27 @@ func TestBadInput(t *testing.T) {
 		wantErr(t, err, engine.ErrLocked)
 	})
 	_ = context.Background
+}
+
+// noAgentInitrd builds (with busybox cpio) an initramfs whose /init sleeps forever.
+func noAgentInitrd(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	root := filepath.Join(dir, "root")
+	os.MkdirAll(filepath.Join(root, "bin"), 0o755)
+	bb, err := os.ReadFile("/bin/busybox")
+	if err != nil {
+		t.Fatalf("busybox-static is needed (make setup installs it): %v", err)
+	}
+	os.WriteFile(filepath.Join(root, "bin", "busybox"), bb, 0o755)
+	os.WriteFile(filepath.Join(root, "init"), []byte("#!/bin/busybox sh\nwhile true; do /bin/busybox sleep 100; done\n"), 0o755)
+	out := filepath.Join(dir, "noagent.cpio")
+	cmd := exec.Command("sh", "-c", "find . | /bin/busybox cpio -o -H newc > "+out)
+	cmd.Dir = root
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("cpio: %v %s", err, b)
+	}
+	return out
 }
 
 func asQEMUError(err error, target **engine.QEMUError) bool {

@@ -1,0 +1,232 @@
+package main
+
+import (
+	"encoding/csv"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+)
+
+// SchemaVersion names the result.json format.
+const SchemaVersion = "forkvm.bench-result/v1"
+
+// Result is result.json.
+type Result struct {
+	Schema      string         `json:"schema"`
+	Bench       string         `json:"bench"`
+	Metric      string         `json:"metric"`
+	Value       float64        `json:"value"`
+	Unit        string         `json:"unit"`
+	Stat        string         `json:"stat"`
+	N           int            `json:"n"`
+	Percentiles Percentiles    `json:"percentiles"`
+	Extra       map[string]any `json:"extra"`
+	MeasuredAt  string         `json:"measured_at"`
+	Build       BuildInfo      `json:"build"`
+	Host        HostInfo       `json:"host"`
+	Environment Environment    `json:"environment"`
+	Method      string         `json:"method"`
+	Caveats     []string       `json:"caveats"`
+	OK          bool           `json:"ok"`
+	Failures    int            `json:"failures"`
+}
+
+// BuildInfo identifies what was measured.
+type BuildInfo struct {
+	Forkvm string `json:"forkvm"`
+	QEMU   string `json:"qemu"`
+	Kernel string `json:"kernel"`
+	Go     string `json:"go"`
+}
+
+// HostInfo describes the machine.
+type HostInfo struct {
+	Model    string  `json:"model"`
+	CPUs     int     `json:"cpus"`
+	MemoryGB float64 `json:"memory_gb"`
+	OS       string  `json:"os"`
+	Kernel   string  `json:"kernel"`
+	Accel    string  `json:"accel"`
+}
+
+// Shape is the VM shape of the world.
+type Shape struct {
+	CPUs      int `json:"cpus"`
+	MemoryMiB int `json:"memory_mb"`
+	DirtyMB   int `json:"dirty_mb"`
+	DiskMiB   int `json:"disk_mb"`
+}
+
+// Environment is the run's context.
+type Environment struct {
+	Shape         Shape          `json:"shape"`
+	Settings      map[string]any `json:"settings"`
+	LoadAvgBefore string         `json:"load_avg_before"`
+	OtherVMs      int            `json:"other_vms"`
+}
+
+// Sample is one row of samples.csv.
+type Sample struct {
+	Bench      string
+	Group      string // wave/batch/step label
+	Index      int
+	Name       string
+	OK         bool
+	LatencyMS  float64
+	PrepareMS  float64
+	SpawnMS    float64
+	RestoreMS  float64
+	AgentMS    float64
+	FirstCmdMS float64
+	CPUUserMS  float64
+	CPUSysMS   float64
+	AnonMB     float64
+	Error      string
+}
+
+// csvHeader is the first row of samples.csv.
+var csvHeader = []string{"bench", "wave", "index", "name", "ok", "latency_ms", "prepare_ms", "spawn_ms",
+	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "error"}
+
+func fnum(x float64) string { return strconv.FormatFloat(round3(x), 'f', -1, 64) }
+
+// writeCSV writes samples as CSV with csvHeader.
+func writeCSV(w io.Writer, samples []Sample) error {
+	cw := csv.NewWriter(w)
+	if err := cw.Write(csvHeader); err != nil {
+		return err
+	}
+	for _, s := range samples {
+		row := []string{s.Bench, s.Group, strconv.Itoa(s.Index), s.Name, strconv.FormatBool(s.OK),
+			fnum(s.LatencyMS), fnum(s.PrepareMS), fnum(s.SpawnMS), fnum(s.RestoreMS), fnum(s.AgentMS),
+			fnum(s.FirstCmdMS), fnum(s.CPUUserMS), fnum(s.CPUSysMS), fnum(s.AnonMB), s.Error}
+		if err := cw.Write(row); err != nil {
+			return err
+		}
+	}
+	cw.Flush()
+	return cw.Error()
+}
+
+// writeResultJSON writes r as indented JSON. Nil maps and slices become {} and [] so
+// every schema field is present.
+func writeResultJSON(w io.Writer, r *Result) error {
+	if r.Extra == nil {
+		r.Extra = map[string]any{}
+	}
+	if r.Caveats == nil {
+		r.Caveats = []string{}
+	}
+	if r.Environment.Settings == nil {
+		r.Environment.Settings = map[string]any{}
+	}
+	sanitize(r.Extra)
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(b, '\n'))
+	return err
+}
+
+// sanitize replaces NaN and Inf (which JSON cannot carry) by 0, recursively.
+func sanitize(m map[string]any) {
+	for k, v := range m {
+		switch x := v.(type) {
+		case float64:
+			if math.IsNaN(x) || math.IsInf(x, 0) {
+				m[k] = 0.0
+			}
+		case map[string]any:
+			sanitize(x)
+		}
+	}
+}
+
+// Bar is one bar of an ASCII chart.
+type Bar struct {
+	Label string
+	Value float64
+}
+
+// asciiChart renders bars scaled to width characters, one per line, with the value.
+func asciiChart(bars []Bar, width int, unit string) string {
+	if width < 1 {
+		width = 40
+	}
+	maxV, maxL := 0.0, 0
+	for _, b := range bars {
+		maxV = math.Max(maxV, b.Value)
+		maxL = max(maxL, len(b.Label))
+	}
+	var sb strings.Builder
+	for _, b := range bars {
+		n := 0
+		if maxV > 0 && b.Value > 0 {
+			n = int(math.Round(b.Value / maxV * float64(width)))
+			n = max(n, 1)
+		}
+		fmt.Fprintf(&sb, "%-*s |%s%s %s %s\n", maxL, b.Label, strings.Repeat("#", n), strings.Repeat(" ", width-n), fnum(b.Value), unit)
+	}
+	return sb.String()
+}
+
+// histogramBars buckets values into at most nb equal-width buckets labelled by range.
+func histogramBars(xs []float64, nb int) []Bar {
+	if len(xs) == 0 || nb < 1 {
+		return nil
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	lo, hi := s[0], s[len(s)-1]
+	if hi == lo {
+		return []Bar{{Label: fmt.Sprintf("%.0f ms", lo), Value: float64(len(s))}}
+	}
+	w := (hi - lo) / float64(nb)
+	counts := make([]int, nb)
+	for _, x := range s {
+		i := min(int((x-lo)/w), nb-1)
+		counts[i]++
+	}
+	bars := make([]Bar, nb)
+	for i := range counts {
+		bars[i] = Bar{Label: fmt.Sprintf("%5.0f-%5.0f ms", lo+float64(i)*w, lo+float64(i+1)*w), Value: float64(counts[i])}
+	}
+	return bars
+}
+
+// writeOutputs writes result.json, samples.csv and report.md into dir.
+func writeOutputs(dir string, r *Result, samples []Sample, report string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	f, err := os.Create(filepath.Join(dir, "result.json"))
+	if err != nil {
+		return err
+	}
+	if err := writeResultJSON(f, r); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	f, err = os.Create(filepath.Join(dir, "samples.csv"))
+	if err != nil {
+		return err
+	}
+	if err := writeCSV(f, samples); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, "report.md"), []byte(report), 0o644)
+}

@@ -1,0 +1,295 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/guest"
+)
+
+// runner is one benchmark run: the engine on its state dir, the result being built and
+// the outputs.
+type runner struct {
+	ctx        context.Context
+	bench      string
+	shape      Shape
+	outDir     string
+	jsonOut    bool
+	tracePath  string
+	hold       bool
+	home       string
+	ownHome    bool
+	overcommit float64
+	e          *engine.Engine
+	res        *Result
+	trace      *Trace
+	progress   bool
+	ramDir     string
+
+	mu       sync.Mutex
+	samples  []Sample
+	failures int
+	caveats  []string
+	report   strings.Builder
+	held     map[string]bool // VMs kept alive by --hold
+	heldCks  map[string]bool
+}
+
+// fail counts a measured failure (not a broken run).
+func (r *runner) fail(format string, a ...any) {
+	r.mu.Lock()
+	r.failures++
+	r.mu.Unlock()
+	r.logf("FAIL: "+format, a...)
+}
+
+func (r *runner) caveat(format string, a ...any) {
+	r.mu.Lock()
+	r.caveats = append(r.caveats, fmt.Sprintf(format, a...))
+	r.mu.Unlock()
+}
+
+func (r *runner) addSample(s Sample) {
+	s.Bench = r.bench
+	r.mu.Lock()
+	r.samples = append(r.samples, s)
+	r.mu.Unlock()
+}
+
+// logf writes a progress line to stderr.
+func (r *runner) logf(format string, a ...any) {
+	fmt.Fprintf(os.Stderr, "forkbench %s: "+format+"\n", append([]any{r.bench}, a...)...)
+}
+
+// section appends markdown to report.md.
+func (r *runner) section(format string, a ...any) {
+	r.mu.Lock()
+	fmt.Fprintf(&r.report, format, a...)
+	r.mu.Unlock()
+}
+
+// keep marks VMs that --hold keeps alive (with their checkpoint).
+func (r *runner) keep(ck string, names ...string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, n := range names {
+		r.held[n] = true
+	}
+	r.heldCks[ck] = true
+}
+
+// benchFunc runs the measurements and fills r.res (metric, value, unit, stat, n,
+// percentiles, extra, method). An error means the run broke.
+type benchFunc func(r *runner) error
+
+// runBench is the common lifecycle of every subcommand.
+func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[string]any, fn benchFunc) (err error) {
+	r := &runner{
+		ctx: ctx, bench: bench,
+		shape: Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
+		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
+		home: cmd.String("home"), overcommit: cmd.Float("overcommit"),
+		held: map[string]bool{}, heldCks: map[string]bool{},
+	}
+	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
+		return fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
+	}
+	if r.overcommit <= 0 {
+		return fmt.Errorf("--overcommit must be > 0")
+	}
+	start := time.Now()
+	if r.outDir == "" {
+		r.outDir = filepath.Join("bench-results", bench+"-"+start.UTC().Format("20060102T150405Z"))
+	}
+	if st, err := os.Stderr.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+		r.progress = true
+	}
+	if r.tracePath != "" {
+		r.trace = newTrace(start)
+	}
+	if settings == nil {
+		settings = map[string]any{}
+	}
+	settings["overcommit"] = r.overcommit
+	r.res = &Result{
+		Schema: SchemaVersion, Bench: bench, Extra: map[string]any{},
+		Environment: Environment{Shape: r.shape, Settings: settings, LoadAvgBefore: loadAvg()},
+	}
+	if r.home == "" {
+		r.home, err = os.MkdirTemp("/tmp", "fb-")
+		if err != nil {
+			return err
+		}
+		r.ownHome = true
+	}
+	_, others := qemuProcs(r.home)
+	r.res.Environment.OtherVMs = len(others)
+	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second}
+	if cmd.Bool("verbose") {
+		cfg.Log = os.Stderr
+	}
+	r.e, err = engine.New(ctx, cfg)
+	if err != nil {
+		if r.ownHome {
+			os.RemoveAll(r.home)
+		}
+		return err
+	}
+	r.ramDir = r.e.RAMDir()
+	r.res.Build = buildInfo(ctx, r.e, guest.DefaultCacheDir())
+	r.res.Host = hostInfo(r.e)
+	r.res.MeasuredAt = start.UTC().Format(time.RFC3339)
+	if r.res.Host.Accel == "tcg" {
+		r.caveat("accelerator is TCG (no usable KVM): guest execution is emulated, so guest-side work (commands, md5sum) is far slower than under KVM")
+	}
+	if r.res.Environment.OtherVMs > 0 {
+		r.caveat("%d other qemu-system processes were running on the host at start (not ours): timings are noisy", r.res.Environment.OtherVMs)
+	}
+
+	runErr := fn(r)
+	if runErr != nil {
+		r.logf("run broke: %v", runErr)
+	}
+	r.cleanup()
+
+	r.res.Failures = r.failures
+	r.res.OK = runErr == nil && r.failures == 0
+	if v, ok := r.res.Extra["flat"].(bool); ok && !v {
+		r.res.OK = false
+	}
+	if runErr != nil {
+		r.caveat("run broke: %v", runErr)
+	}
+	r.res.Caveats = append(r.res.Caveats, r.caveats...)
+	r.res.Extra["duration_s"] = round3(time.Since(start).Seconds())
+	if r.trace != nil {
+		if err := r.trace.writeFile(r.tracePath); err != nil {
+			r.logf("trace: %v", err)
+		}
+	}
+	sort.SliceStable(r.samples, func(i, j int) bool { return false })
+	if err := writeOutputs(r.outDir, r.res, r.samples, r.renderReport()); err != nil {
+		return fmt.Errorf("write results: %w", err)
+	}
+	if r.jsonOut {
+		_ = writeResultJSON(os.Stdout, r.res)
+	}
+	fmt.Fprintf(os.Stderr, "forkbench %s: %s = %s %s (%s, n=%d) ok=%v failures=%d -> %s\n", bench, r.res.Metric,
+		fnum(r.res.Value), r.res.Unit, r.res.Stat, r.res.N, r.res.OK, r.res.Failures, r.outDir)
+	switch {
+	case runErr != nil:
+		return runErr
+	case !r.res.OK:
+		return fmt.Errorf("%s: %w (failures=%d)", bench, errNotOK, r.failures)
+	}
+	return nil
+}
+
+// cleanup deletes every VM and checkpoint (except those --hold keeps), closes the engine
+// and removes the state dir we made; it records leaks as failures.
+func (r *runner) cleanup() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	e := r.e
+	var pids []int
+	for _, vm := range e.List() {
+		if r.hold && r.held[vm.Name] {
+			pids = append(pids, vm.PID)
+			continue
+		}
+		if err := e.Delete(ctx, vm.Name); err != nil {
+			r.logf("cleanup: delete %s: %v", vm.Name, err)
+		}
+	}
+	cks, _ := e.Checkpoints()
+	for _, c := range cks {
+		if r.hold && r.heldCks[c.Name] {
+			continue
+		}
+		if err := e.DeleteCheckpoint(ctx, c.Name, true); err != nil {
+			r.logf("cleanup: delete checkpoint %s: %v", c.Name, err)
+		}
+	}
+	e.Close()
+	if r.hold && len(pids) > 0 {
+		sort.Ints(pids)
+		fmt.Fprintf(os.Stderr, "forkbench %s: --hold: %d forks kept alive, state dir %s (RAM dir %s)\n", r.bench, len(pids), r.home, r.ramDir)
+		for _, vm := range e.List() {
+			if r.held[vm.Name] {
+				fmt.Fprintf(os.Stderr, "  %s pid %d\n", vm.Name, vm.PID)
+			}
+		}
+		fmt.Fprintf(os.Stderr, "  clean up with: FORKVM_HOME=%s forkvm rm --all (or kill the pids and rm -rf %s %s)\n", r.home, r.home, r.ramDir)
+		r.res.Extra["held_pids"] = pids
+		r.res.Extra["held_state_dir"] = r.home
+		r.caveat("--hold: %d forks were kept alive in %s and were not cleaned up", len(pids), r.home)
+		return
+	}
+	time.Sleep(50 * time.Millisecond)
+	mine, _ := qemuProcs(r.home, r.ramDir)
+	leftRAM := countFiles(r.ramDir)
+	if len(mine) > 0 || leftRAM > 0 {
+		r.fail("cleanup leak: %d qemu processes (%v) and %d RAM files left", len(mine), mine, leftRAM)
+		r.caveat("cleanup leaked %d qemu processes and %d RAM files", len(mine), leftRAM)
+	}
+	os.RemoveAll(r.ramDir)
+	if r.ownHome {
+		os.RemoveAll(r.home)
+	}
+}
+
+// renderReport builds report.md.
+func (r *runner) renderReport() string {
+	res := r.res
+	var b strings.Builder
+	fmt.Fprintf(&b, "# forkbench %s\n\n", res.Bench)
+	fmt.Fprintf(&b, "**%s = %s %s** (%s, n=%d) — ok: %v, failures: %d\n\n", res.Metric, fnum(res.Value), res.Unit, res.Stat, res.N, res.OK, res.Failures)
+	p := res.Percentiles
+	fmt.Fprintf(&b, "percentiles: p50 %s, p90 %s, p95 %s, p99 %s, min %s, max %s\n\n", fnum(p.P50), fnum(p.P90), fnum(p.P95), fnum(p.P99), fnum(p.Min), fnum(p.Max))
+	fmt.Fprintf(&b, "Measured %s on %s (%d CPUs, %.1f GB, %s, kernel %s, accel %s); forkvm %s, QEMU %s, guest kernel %s, %s.\n\n",
+		res.MeasuredAt, res.Host.Model, res.Host.CPUs, res.Host.MemoryGB, res.Host.OS, res.Host.Kernel, res.Host.Accel,
+		res.Build.Forkvm, res.Build.QEMU, res.Build.Kernel, res.Build.Go)
+	s := res.Environment.Shape
+	fmt.Fprintf(&b, "World: %d vCPU, %d MiB RAM, %d MB dirtied, %d MiB disk. Load before: %s. Other VMs on the host: %d.\n\n",
+		s.CPUs, s.MemoryMiB, s.DirtyMB, s.DiskMiB, res.Environment.LoadAvgBefore, res.Environment.OtherVMs)
+	fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
+	b.WriteString(r.report.String())
+	if len(res.Caveats) > 0 {
+		b.WriteString("\n## Caveats\n\n")
+		for _, c := range res.Caveats {
+			fmt.Fprintf(&b, "- %s\n", c)
+		}
+	}
+	return b.String()
+}
+
+// isAdmission reports whether err is an admission refusal, returning its details.
+func isAdmission(err error) (*engine.AdmissionError, bool) {
+	var ae *engine.AdmissionError
+	if errors.As(err, &ae) {
+		return ae, true
+	}
+	return nil, errors.Is(err, engine.ErrAdmission)
+}
+
+// memAvailableMB is MemAvailable in MB (-1 when unknown).
+func memAvailableMB() float64 {
+	v, err := memAvailable()
+	if err != nil {
+		return -1
+	}
+	return float64(v) / 1e6
+}
+
+func numCPU() int { return runtime.NumCPU() }

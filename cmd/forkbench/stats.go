@@ -1,0 +1,74 @@
+package main
+
+import (
+	"math"
+	"sort"
+	"time"
+)
+
+// Percentiles summarises a sample set. Values are in the unit of the input.
+type Percentiles struct {
+	P50 float64 `json:"p50"`
+	P90 float64 `json:"p90"`
+	P95 float64 `json:"p95"`
+	P99 float64 `json:"p99"`
+	Min float64 `json:"min"`
+	Max float64 `json:"max"`
+}
+
+// percentile returns the q-th percentile (0..100) of xs by linear interpolation between
+// closest ranks (the definition numpy uses by default). xs need not be sorted; an empty
+// set gives 0.
+func percentile(xs []float64, q float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	return percentileSorted(s, q)
+}
+
+func percentileSorted(s []float64, q float64) float64 {
+	if len(s) == 0 {
+		return 0
+	}
+	q = math.Max(0, math.Min(100, q))
+	pos := q / 100 * float64(len(s)-1)
+	lo := int(math.Floor(pos))
+	hi := int(math.Ceil(pos))
+	if lo == hi {
+		return s[lo]
+	}
+	frac := pos - float64(lo)
+	return s[lo] + (s[hi]-s[lo])*frac
+}
+
+// summarize computes every percentile of xs.
+func summarize(xs []float64) Percentiles {
+	if len(xs) == 0 {
+		return Percentiles{}
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	return Percentiles{
+		P50: percentileSorted(s, 50), P90: percentileSorted(s, 90), P95: percentileSorted(s, 95),
+		P99: percentileSorted(s, 99), Min: s[0], Max: s[len(s)-1],
+	}
+}
+
+// median is the 50th percentile.
+func median(xs []float64) float64 { return percentile(xs, 50) }
+
+// ms converts a duration to float milliseconds.
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// round3 rounds to 3 decimals (keeps JSON readable).
+func round3(x float64) float64 { return math.Round(x*1000) / 1000 }
+
+// ratio returns a/b, or 0 when b is 0.
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return a / b
+}

@@ -1,0 +1,114 @@
+package main
+
+import (
+	"encoding/json"
+	"io"
+	"os"
+	"sync"
+	"time"
+)
+
+// TraceEvent is one Chrome trace event (the JSON Perfetto and chrome://tracing open).
+type TraceEvent struct {
+	Name string         `json:"name"`
+	Cat  string         `json:"cat,omitempty"`
+	Ph   string         `json:"ph"`
+	Ts   float64        `json:"ts"` // microseconds
+	Dur  float64        `json:"dur,omitempty"`
+	Pid  int            `json:"pid"`
+	Tid  int            `json:"tid"`
+	Args map[string]any `json:"args,omitempty"`
+}
+
+// Trace collects spans; a nil *Trace records nothing.
+type Trace struct {
+	mu     sync.Mutex
+	t0     time.Time
+	events []TraceEvent
+	named  map[[2]int]bool
+}
+
+func newTrace(t0 time.Time) *Trace { return &Trace{t0: t0, named: map[[2]int]bool{}} }
+
+func (t *Trace) us(at time.Time) float64 { return float64(at.Sub(t.t0)) / float64(time.Microsecond) }
+
+// Group names a trace process (pid): one per wave or batch.
+func (t *Trace) Group(pid int, name string) {
+	if t == nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.events = append(t.events, TraceEvent{Name: "process_name", Ph: "M", Pid: pid, Args: map[string]any{"name": name}})
+}
+
+// Span records one complete event.
+func (t *Trace) Span(pid, tid int, thread, name string, start time.Time, d time.Duration, args map[string]any) {
+	if t == nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !t.named[[2]int{pid, tid}] {
+		t.named[[2]int{pid, tid}] = true
+		t.events = append(t.events, TraceEvent{Name: "thread_name", Ph: "M", Pid: pid, Tid: tid, Args: map[string]any{"name": thread}})
+	}
+	dur := float64(d) / float64(time.Microsecond)
+	if dur <= 0 {
+		dur = 0.001
+	}
+	t.events = append(t.events, TraceEvent{Name: name, Cat: "fork", Ph: "X", Ts: t.us(start), Dur: dur, Pid: pid, Tid: tid, Args: args})
+}
+
+// ForkSpans records the phases of one fork laid end to end from start: prepare, spawn,
+// restore, agent, then first-command at cmdStart (if cmd > 0). args go on every span.
+func (t *Trace) ForkSpans(pid, tid int, name string, start time.Time, p phases, cmdStart time.Time, cmd time.Duration, args map[string]any) {
+	if t == nil {
+		return
+	}
+	at := start
+	for _, ph := range []struct {
+		n string
+		d time.Duration
+	}{{"prepare", p.Prepare}, {"spawn", p.Spawn}, {"restore", p.Restore}, {"agent", p.Agent}} {
+		if ph.d > 0 {
+			t.Span(pid, tid, name, ph.n, at, ph.d, args)
+		}
+		at = at.Add(ph.d)
+	}
+	if cmd > 0 {
+		t.Span(pid, tid, name, "first-command", cmdStart, cmd, args)
+	}
+}
+
+// phases are a fork's phase durations (engine.PhaseTimings without the JSON tags).
+type phases struct{ Prepare, Spawn, Restore, Agent time.Duration }
+
+// WriteTo writes the trace JSON object.
+func (t *Trace) WriteTo(w io.Writer) (int64, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	evs := t.events
+	if evs == nil {
+		evs = []TraceEvent{}
+	}
+	b, err := json.Marshal(map[string]any{"traceEvents": evs, "displayTimeUnit": "ms"})
+	if err != nil {
+		return 0, err
+	}
+	n, err := w.Write(b)
+	return int64(n), err
+}
+
+// writeFile writes the trace to path.
+func (t *Trace) writeFile(path string) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := t.WriteTo(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}

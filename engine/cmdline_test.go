@@ -1,0 +1,499 @@
+package engine
+
+import (
+	"encoding/json"
+	"errors"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// baseLaunch is a minimal valid launch; tests modify copies of it.
+func baseLaunch() Launch {
+	return Launch{
+		QEMU:      "/usr/bin/qemu-system-x86_64",
+		Name:      "w1",
+		Accel:     "tcg",
+		TBSizeMiB: 64,
+		Machine:   "q35",
+		CPUs:      2,
+		MemoryMiB: 256,
+		Kernel:    "/cache/vmlinuz",
+		Initrd:    "/cache/initrd.img",
+		Append:    "console=ttyS0 quiet",
+		RunDir:    "/run/forkvm/w1",
+		SerialLog: "/state/vms/w1/serial.log",
+	}
+}
+
+// flagValues returns the values following every occurrence of flag in argv.
+func flagValues(argv []string, flag string) []string {
+	var out []string
+	for i := 0; i < len(argv); i++ {
+		if argv[i] == flag {
+			if i+1 < len(argv) {
+				out = append(out, argv[i+1])
+				i++
+			} else {
+				out = append(out, "")
+			}
+		}
+	}
+	return out
+}
+
+// flagValue returns the single value of flag, failing if it is not present exactly once.
+func flagValue(t *testing.T, argv []string, flag string) string {
+	t.Helper()
+	vs := flagValues(argv, flag)
+	if len(vs) != 1 {
+		t.Fatalf("%s: want exactly one occurrence, got %d in %q", flag, len(vs), argv)
+	}
+	return vs[0]
+}
+
+func hasFlag(argv []string, flag string) bool { return len(flagValues(argv, flag)) > 0 }
+
+// hasPair reports whether flag value appears as a pair in argv.
+func hasPair(argv []string, flag, value string) bool {
+	for _, v := range flagValues(argv, flag) {
+		if v == value {
+			return true
+		}
+	}
+	return false
+}
+
+func mustCmdline(t *testing.T, l Launch) []string {
+	t.Helper()
+	argv, err := l.Cmdline()
+	if err != nil {
+		t.Fatalf("Cmdline: %v", err)
+	}
+	return argv
+}
+
+// memObject decodes the single -object JSON argument.
+func memObject(t *testing.T, argv []string) map[string]any {
+	t.Helper()
+	obj := flagValue(t, argv, "-object")
+	var m map[string]any
+	if err := json.Unmarshal([]byte(obj), &m); err != nil {
+		t.Fatalf("-object is not JSON: %v: %s", err, obj)
+	}
+	return m
+}
+
+func TestCmdlineForkableWorld(t *testing.T) {
+	l := baseLaunch()
+	l.RAM = RAMBacking{Path: "/dev/shm/forkvm/vm-w1.ram", Shared: true}
+	argv := mustCmdline(t, l)
+
+	m := memObject(t, argv)
+	want := map[string]any{
+		"qom-type": "memory-backend-file",
+		"id":       "mem",
+		"mem-path": "/dev/shm/forkvm/vm-w1.ram",
+		"size":     float64(256 << 20),
+		"share":    true,
+	}
+	if !reflect.DeepEqual(m, want) {
+		t.Errorf("-object = %v, want %v", m, want)
+	}
+	if got := flagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
+		t.Errorf("-machine = %q", got)
+	}
+	if got := flagValue(t, argv, "-accel"); got != "tcg,tb-size=64" {
+		t.Errorf("-accel = %q", got)
+	}
+	if got := flagValue(t, argv, "-cpu"); got != "max" {
+		t.Errorf("-cpu = %q", got)
+	}
+	if got := flagValue(t, argv, "-smp"); got != "2" {
+		t.Errorf("-smp = %q", got)
+	}
+	if got := flagValue(t, argv, "-m"); got != "256M" {
+		t.Errorf("-m = %q", got)
+	}
+	if got := flagValue(t, argv, "-kernel"); got != l.Kernel {
+		t.Errorf("-kernel = %q", got)
+	}
+	if got := flagValue(t, argv, "-initrd"); got != l.Initrd {
+		t.Errorf("-initrd = %q", got)
+	}
+	if got := flagValue(t, argv, "-append"); got != l.Append {
+		t.Errorf("-append = %q", got)
+	}
+	if got := flagValue(t, argv, "-name"); got != "w1,process=forkvm-w1" {
+		t.Errorf("-name = %q", got)
+	}
+	if hasFlag(argv, "-incoming") {
+		t.Errorf("world has -incoming: %q", argv)
+	}
+	if hasFlag(argv, "-blockdev") {
+		t.Errorf("no disk but -blockdev present: %q", argv)
+	}
+	for _, f := range []string{"-nodefaults", "-no-user-config", "-no-reboot"} {
+		found := false
+		for _, a := range argv {
+			if a == f {
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("missing %s", f)
+		}
+	}
+}
+
+func TestCmdlineTBSizeDefault(t *testing.T) {
+	l := baseLaunch()
+	l.TBSizeMiB = 0
+	if got := flagValue(t, mustCmdline(t, l), "-accel"); got != "tcg" {
+		t.Errorf("-accel with TBSizeMiB 0 = %q, want tcg", got)
+	}
+	l.Accel = "" // empty means tcg
+	l.TBSizeMiB = 128
+	argv := mustCmdline(t, l)
+	if got := flagValue(t, argv, "-accel"); got != "tcg,tb-size=128" {
+		t.Errorf("-accel = %q", got)
+	}
+	if got := flagValue(t, argv, "-cpu"); got != "max" {
+		t.Errorf("-cpu = %q", got)
+	}
+}
+
+func TestCmdlineFork(t *testing.T) {
+	l := baseLaunch()
+	l.RAM = RAMBacking{Path: "/dev/shm/forkvm/ck-base.ram", Shared: false}
+	l.Incoming = true
+	argv := mustCmdline(t, l)
+
+	m := memObject(t, argv)
+	if m["qom-type"] != "memory-backend-file" || m["mem-path"] != "/dev/shm/forkvm/ck-base.ram" {
+		t.Errorf("-object = %v", m)
+	}
+	if m["share"] != false {
+		t.Errorf("share = %v, want false", m["share"])
+	}
+	if m["readonly"] != true {
+		t.Errorf("readonly = %v, want true", m["readonly"])
+	}
+	if m["rom"] != "off" {
+		t.Errorf("rom = %v (%T), want string \"off\"", m["rom"], m["rom"])
+	}
+	if got := flagValue(t, argv, "-incoming"); got != "defer" {
+		t.Errorf("-incoming = %q", got)
+	}
+	if got := flagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
+		t.Errorf("-machine = %q", got)
+	}
+}
+
+func TestCmdlineAccel(t *testing.T) {
+	for _, tc := range []struct {
+		accel, wantAccel, wantCPU string
+	}{
+		{"kvm", "kvm", "host"},
+		{"hvf", "hvf", "host"},
+		{"tcg", "tcg,tb-size=64", "max"},
+	} {
+		t.Run(tc.accel, func(t *testing.T) {
+			l := baseLaunch()
+			l.Accel = tc.accel
+			argv := mustCmdline(t, l)
+			if got := flagValue(t, argv, "-accel"); got != tc.wantAccel {
+				t.Errorf("-accel = %q, want %q", got, tc.wantAccel)
+			}
+			if got := flagValue(t, argv, "-cpu"); got != tc.wantCPU {
+				t.Errorf("-cpu = %q, want %q", got, tc.wantCPU)
+			}
+		})
+	}
+}
+
+func TestCmdlineAnonymousRAM(t *testing.T) {
+	l := baseLaunch()
+	l.RAM = RAMBacking{Anonymous: true}
+	argv := mustCmdline(t, l)
+	m := memObject(t, argv)
+	want := map[string]any{"qom-type": "memory-backend-ram", "id": "mem", "size": float64(256 << 20)}
+	if !reflect.DeepEqual(m, want) {
+		t.Errorf("-object = %v, want %v", m, want)
+	}
+	if got := flagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
+		t.Errorf("-machine = %q", got)
+	}
+}
+
+func TestCmdlineNoRAMPath(t *testing.T) {
+	l := baseLaunch()
+	l.Machine = "" // defaults to q35
+	argv := mustCmdline(t, l)
+	if hasFlag(argv, "-object") {
+		t.Errorf("no RAM path but -object present: %q", argv)
+	}
+	if got := flagValue(t, argv, "-machine"); got != "q35" {
+		t.Errorf("-machine = %q, want q35", got)
+	}
+	// No initrd: no -initrd.
+	l.Initrd = ""
+	if argv := mustCmdline(t, l); hasFlag(argv, "-initrd") {
+		t.Errorf("empty Initrd but -initrd present")
+	}
+}
+
+func TestCmdlineLargeMemorySize(t *testing.T) {
+	l := baseLaunch()
+	l.MemoryMiB = 256 * 1024 // 256 GiB: size must not overflow 32 bits
+	l.RAM = RAMBacking{Path: "/r", Shared: true}
+	obj := flagValue(t, mustCmdline(t, l), "-object")
+	if !strings.Contains(obj, `"size":274877906944`) {
+		t.Errorf("-object = %s, want size 274877906944", obj)
+	}
+}
+
+func TestCmdlineDiskChain(t *testing.T) {
+	l := baseLaunch()
+	l.Disk = []DiskLayer{
+		{Path: "/ck/base/layer0.raw", Format: "raw"},
+		{Path: "/ck/base/layer1.qcow2", Format: "qcow2"},
+		{Path: "/vms/f1/disk-top.qcow2", Format: "qcow2"},
+	}
+	argv := mustCmdline(t, l)
+	if !hasPair(argv, "-device", "virtio-blk-pci,drive=disk0,id=vda") {
+		t.Errorf("missing virtio-blk device: %q", argv)
+	}
+	var top map[string]any
+	if err := json.Unmarshal([]byte(flagValue(t, argv, "-blockdev")), &top); err != nil {
+		t.Fatal(err)
+	}
+	if top["node-name"] != "disk0" {
+		t.Errorf("top node-name = %v", top["node-name"])
+	}
+	if top["discard"] != "unmap" {
+		t.Errorf("top discard = %v", top["discard"])
+	}
+	// Walk the chain from the top: layer 2, 1, 0.
+	node := top
+	for i := len(l.Disk) - 1; i >= 0; i-- {
+		want := l.Disk[i]
+		if node["driver"] != want.Format {
+			t.Errorf("layer %d driver = %v, want %s", i, node["driver"], want.Format)
+		}
+		file, _ := node["file"].(map[string]any)
+		if file["driver"] != "file" || file["filename"] != want.Path {
+			t.Errorf("layer %d file = %v, want %s", i, file, want.Path)
+		}
+		ro, hasRO := node["read-only"]
+		if i == len(l.Disk)-1 {
+			if hasRO {
+				t.Errorf("top layer is read-only=%v", ro)
+			}
+		} else if ro != true {
+			t.Errorf("inner layer %d read-only = %v, want true", i, ro)
+		}
+		if i < len(l.Disk)-1 {
+			if nn, ok := node["node-name"]; ok {
+				t.Errorf("inner layer %d has node-name %v; only the top is named", i, nn)
+			}
+		}
+		if i > 0 {
+			next, ok := node["backing"].(map[string]any)
+			if !ok {
+				t.Fatalf("layer %d backing = %v, want object", i, node["backing"])
+			}
+			node = next
+		} else if _, ok := node["backing"]; ok {
+			t.Errorf("raw base has a backing key: %v", node["backing"])
+		}
+	}
+}
+
+func TestCmdlineDiskSingleQcow2HasNullBacking(t *testing.T) {
+	l := baseLaunch()
+	l.Disk = []DiskLayer{{Path: "/d/top.qcow2", Format: "qcow2"}}
+	bd := flagValue(t, mustCmdline(t, l), "-blockdev")
+	var top map[string]any
+	if err := json.Unmarshal([]byte(bd), &top); err != nil {
+		t.Fatal(err)
+	}
+	// "backing": null stops QEMU from opening the backing path in the qcow2 header.
+	if v, ok := top["backing"]; !ok || v != nil {
+		t.Errorf("backing = %v (present %v), want explicit null in %s", v, ok, bd)
+	}
+	if _, ok := top["read-only"]; ok {
+		t.Errorf("single writable layer is read-only: %s", bd)
+	}
+}
+
+func TestCmdlineDiskErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		disk []DiskLayer
+	}{
+		{"raw with backing", []DiskLayer{{"/a.qcow2", "qcow2"}, {"/b.raw", "raw"}}},
+		{"two raws", []DiskLayer{{"/a.raw", "raw"}, {"/b.raw", "raw"}}},
+		{"unknown format", []DiskLayer{{"/a.vmdk", "vmdk"}}},
+		{"empty format", []DiskLayer{{"/a", ""}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := baseLaunch()
+			l.Disk = tc.disk
+			argv, err := l.Cmdline()
+			if !errors.Is(err, ErrInvalidSpec) {
+				t.Fatalf("err = %v, argv %q; want ErrInvalidSpec", err, argv)
+			}
+			if argv != nil {
+				t.Errorf("argv not nil on error")
+			}
+		})
+	}
+}
+
+func TestCmdlineCommaEscaping(t *testing.T) {
+	l := baseLaunch()
+	l.RunDir = "/tmp/a,b/run"
+	l.SerialLog = "/tmp/a,b/serial,log"
+	l.RAM = RAMBacking{Path: "/dev/shm/x,y/vm.ram", Shared: true}
+	l.Disk = []DiskLayer{{Path: "/tmp/a,b/disk,0.raw", Format: "raw"}}
+	argv := mustCmdline(t, l)
+
+	chardevs := flagValues(argv, "-chardev")
+	want := []string{
+		"socket,id=qmp,path=/tmp/a,,b/run/qmp.sock,server=on,wait=off",
+		"file,id=console,path=/tmp/a,,b/serial,,log",
+		"socket,id=agent,path=/tmp/a,,b/run/agent.sock,server=on,wait=off",
+	}
+	if !reflect.DeepEqual(chardevs, want) {
+		t.Errorf("-chardev = %q\nwant %q", chardevs, want)
+	}
+	// Inside JSON the paths are verbatim (JSON needs no comma escaping).
+	if m := memObject(t, argv); m["mem-path"] != "/dev/shm/x,y/vm.ram" {
+		t.Errorf("mem-path = %v", m["mem-path"])
+	}
+	var bd map[string]any
+	if err := json.Unmarshal([]byte(flagValue(t, argv, "-blockdev")), &bd); err != nil {
+		t.Fatal(err)
+	}
+	if f := bd["file"].(map[string]any); f["filename"] != "/tmp/a,b/disk,0.raw" {
+		t.Errorf("filename = %v", f["filename"])
+	}
+	// The sockets the engine dials are the unescaped paths.
+	if l.QMPSocket() != "/tmp/a,b/run/qmp.sock" || l.AgentSocket() != "/tmp/a,b/run/agent.sock" {
+		t.Errorf("sockets %q %q", l.QMPSocket(), l.AgentSocket())
+	}
+}
+
+func TestEscapeOpt(t *testing.T) {
+	for in, want := range map[string]string{"": "", "a": "a", ",": ",,", "a,,b": "a,,,,b", "/x,y,z": "/x,,y,,z"} {
+		if got := escapeOpt(in); got != want {
+			t.Errorf("escapeOpt(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func TestCmdlineDevices(t *testing.T) {
+	l := baseLaunch()
+	argv := mustCmdline(t, l)
+	if !hasPair(argv, "-device", "vmgenid,guid=auto") {
+		t.Errorf("no vmgenid device: %q", argv)
+	}
+	if !hasPair(argv, "-device", "virtserialport,bus=vser0.0,chardev=agent,name="+vsockd.PortName) {
+		t.Errorf("no virtserialport named %s: %q", vsockd.PortName, argv)
+	}
+	if vsockd.PortName != "org.forkvm.agent" {
+		t.Errorf("PortName = %q (the guest agent looks for org.forkvm.agent)", vsockd.PortName)
+	}
+	if !hasPair(argv, "-device", "virtio-serial-pci,id=vser0") {
+		t.Errorf("no virtio-serial bus")
+	}
+	if !hasPair(argv, "-mon", "chardev=qmp,mode=control") {
+		t.Errorf("no QMP monitor")
+	}
+	if !hasPair(argv, "-serial", "chardev:console") {
+		t.Errorf("no serial console")
+	}
+	if !hasPair(argv, "-display", "none") {
+		t.Errorf("no -display none")
+	}
+	for _, d := range flagValues(argv, "-device") {
+		if strings.HasPrefix(d, "vhost-vsock-pci") {
+			t.Errorf("VsockCID 0 but vsock device %q", d)
+		}
+	}
+	l.VsockCID = 4242
+	argv = mustCmdline(t, l)
+	if !hasPair(argv, "-device", "vhost-vsock-pci,id=vsock0,guest-cid=4242") {
+		t.Errorf("no vsock device: %q", argv)
+	}
+}
+
+func TestCmdlineInvalidName(t *testing.T) {
+	for _, name := range []string{"", "a,b", "a/b", "..", strings.Repeat("a", MaxNameLen+1)} {
+		t.Run(name, func(t *testing.T) {
+			l := baseLaunch()
+			l.Name = name
+			argv, err := l.Cmdline()
+			if !errors.Is(err, ErrInvalidName) {
+				t.Errorf("Cmdline(name %q) = %q, %v; want ErrInvalidName", name, argv, err)
+			}
+		})
+	}
+}
+
+func TestCmdlineInvalidSpec(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mod  func(*Launch)
+	}{
+		{"unknown accel", func(l *Launch) { l.Accel = "xen" }},
+		{"accel case", func(l *Launch) { l.Accel = "KVM" }},
+		{"zero cpus", func(l *Launch) { l.CPUs = 0 }},
+		{"tiny memory", func(l *Launch) { l.MemoryMiB = 1 }},
+		{"no rundir", func(l *Launch) { l.RunDir = "" }},
+		{"no kernel", func(l *Launch) { l.Kernel = "" }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := baseLaunch()
+			tc.mod(&l)
+			argv, err := l.Cmdline()
+			if !errors.Is(err, ErrInvalidSpec) {
+				t.Errorf("Cmdline = %q, %v; want ErrInvalidSpec", argv, err)
+			}
+		})
+	}
+}
+
+func TestCmdlineDeterministic(t *testing.T) {
+	l := baseLaunch()
+	l.RAM = RAMBacking{Path: "/dev/shm/r,1.ram", Shared: false}
+	l.Incoming = true
+	l.VsockCID = 7
+	l.Disk = []DiskLayer{{"/a.raw", "raw"}, {"/b.qcow2", "qcow2"}, {"/c.qcow2", "qcow2"}}
+	first := mustCmdline(t, l)
+	for i := 0; i < 50; i++ {
+		l2 := l // a copy: Cmdline must not depend on identity or mutate its input
+		l2.Disk = append([]DiskLayer(nil), l.Disk...)
+		if got := mustCmdline(t, l2); !reflect.DeepEqual(got, first) {
+			t.Fatalf("run %d differs:\n%q\n%q", i, got, first)
+		}
+	}
+	if !reflect.DeepEqual(l.Disk, []DiskLayer{{"/a.raw", "raw"}, {"/b.qcow2", "qcow2"}, {"/c.qcow2", "qcow2"}}) {
+		t.Errorf("Cmdline mutated Disk: %v", l.Disk)
+	}
+	// Round trip through the manifest's JSON (as a restarted engine would) gives the same argv.
+	b, err := json.Marshal(l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var l3 Launch
+	if err := json.Unmarshal(b, &l3); err != nil {
+		t.Fatal(err)
+	}
+	if got := mustCmdline(t, l3); !reflect.DeepEqual(got, first) {
+		t.Errorf("after JSON round trip:\n%q\n%q", got, first)
+	}
+}

@@ -1,0 +1,351 @@
+package tests
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// dirtyMB is how much guest RAM the world dirties before its checkpoint.
+const dirtyMB = 300
+
+// forkAnonBoundMB bounds the anonymous memory a fork holds after restore plus a few
+// commands: QEMU's heap and TCG translation buffers plus the guest pages it wrote.
+// Measured here at 40-70 MB (TCG, tb-size 64 MiB); an implementation that copied or
+// touched the 300 MB the world dirtied would blow it.
+const forkAnonBoundMB = 150
+
+// worldState is what the world holds in RAM (/dev/shm) and on disk (/data).
+const stateScript = "md5sum /dev/shm/dirty /data/world | cut -d' ' -f1 | tr '\\n' ' '"
+
+// TestCheckpointFork covers checkpoints and forks end to end: state, isolation, sharing,
+// identity, forks of forks, lifecycle and a restarted engine.
+func TestCheckpointFork(t *testing.T) {
+	env := newEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 10*time.Minute)
+
+	world, err := e.Create(ctx, engine.Spec{Name: "world", CPUs: 2, MemoryMiB: 1024, Forkable: true, DiskMiB: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, world, fmt.Sprintf(
+		"head -c 1048576 /dev/urandom > /dev/shm/seed && for i in $(seq %d); do cat /dev/shm/seed; done > /dev/shm/dirty && "+
+			"head -c 1048576 /dev/urandom > /data/world && sync", dirtyMB))
+	want := mustRun(t, world, stateScript)
+
+	ck, err := e.Checkpoint(ctx, "world", "ck1", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("checkpoint: total %v, paused %v, migrate %v, freeze %v (%d MB), disk %v (%s)", ck.Manifest.Timings.Total,
+		ck.Manifest.Timings.Paused, ck.Manifest.Timings.Migrate, ck.Manifest.Timings.Freeze,
+		ck.Manifest.Freeze.Bytes>>20, ck.Manifest.Timings.Disk, ck.Manifest.DiskMethod)
+	if ck.Manifest.QEMUVersion == "" || len(ck.Manifest.StateSHA256) != 64 || ck.Manifest.CPUs != 2 || ck.Manifest.MemoryMiB != 1024 {
+		t.Fatalf("checkpoint manifest incomplete: %+v", ck.Manifest)
+	}
+	// The world keeps running and changes after the checkpoint: no fork may see it.
+	mustRun(t, world, "echo after > /dev/shm/after && echo after > /data/after && echo changed >> /data/world && sync")
+
+	_, err = e.Checkpoint(ctx, "world", "ck1", nil)
+	wantErr(t, err, engine.ErrExists)
+
+	f1, err := e.Fork(ctx, "ck1", engine.ForkOptions{Name: "f1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f2, err := e.Fork(ctx, "ck1", engine.ForkOptions{Name: "f2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("fork f1: %+v", f1.Info().Timings)
+
+	t.Run("forks hold the world state", func(t *testing.T) {
+		for _, f := range []*engine.VM{f1, f2} {
+			if got := mustRun(t, f, stateScript); got != want {
+				t.Fatalf("%s state %q, world had %q at the checkpoint", f.Name(), got, want)
+			}
+			if out := mustRun(t, f, "ls /dev/shm/after /data/after 2>/dev/null; true"); out != "" {
+				t.Fatalf("%s sees the world's writes after the checkpoint: %q", f.Name(), out)
+			}
+		}
+	})
+	t.Run("fork writes are private", func(t *testing.T) {
+		mustRun(t, f1, "echo f1 > /dev/shm/mine && echo f1 > /data/mine && echo f1 >> /data/world && sync")
+		for _, vm := range []*engine.VM{f2, world} {
+			if out := mustRun(t, vm, "cat /dev/shm/mine /data/mine 2>/dev/null; true"); out != "" {
+				t.Fatalf("%s sees f1's writes: %q", vm.Name(), out)
+			}
+		}
+		if got := mustRun(t, f2, stateScript); got != want {
+			t.Fatalf("f2 state changed by f1's writes: %q", got)
+		}
+		// A new fork of the same checkpoint sees neither f1's nor the world's writes.
+		f3, err := e.Fork(ctx, "ck1", engine.ForkOptions{Name: "f3"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := mustRun(t, f3, stateScript+"; ls /dev/shm/mine /data/mine /dev/shm/after 2>/dev/null; true"); got != want {
+			t.Fatalf("f3 = %q, want exactly the checkpoint state %q", got, want)
+		}
+		if err := e.Delete(ctx, "f3"); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("unwritten pages are shared", func(t *testing.T) {
+		for _, f := range []*engine.VM{f1, f2} {
+			pm, err := memfile.ProcessMemory(f.PID())
+			if err != nil {
+				t.Fatal(err)
+			}
+			anon := pm.Anonymous >> 20
+			t.Logf("%s: anon %d MB, pss %d MB, pss_shmem %d MB, rss %d MB", f.Name(), anon, pm.Pss>>20, pm.PssShmem>>20, pm.Rss>>20)
+			if anon > forkAnonBoundMB {
+				t.Fatalf("%s holds %d MB of private anonymous memory with %d MB dirtied in the world; want < %d MB",
+					f.Name(), anon, dirtyMB, forkAnonBoundMB)
+			}
+		}
+	})
+	t.Run("forks have their own identity", func(t *testing.T) {
+		r1 := mustRun(t, f1, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'")
+		r2 := mustRun(t, f2, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'")
+		if r1 == r2 || len(r1) != 64 {
+			t.Fatalf("urandom of two forks: %q %q", r1, r2)
+		}
+		if f1.Target().Token == f2.Target().Token {
+			t.Fatal("two forks share a token")
+		}
+		if h := mustRun(t, f1, "hostname"); h != "f1" {
+			t.Fatalf("hostname = %q, want f1", h)
+		}
+		if out := mustRun(t, f1, "ls /sys/bus/acpi/devices/ | grep -c QEMUVGID"); out != "1" {
+			t.Fatalf("vmgenid device not visible in the guest: %q", out)
+		}
+		// The clock was set from the host at the handshake, though the checkpoint is older.
+		g, _ := strconv.ParseInt(mustRun(t, f2, "date +%s"), 10, 64)
+		if d := time.Now().Unix() - g; d < -2 || d > 2 {
+			t.Fatalf("fork clock off by %d s", d)
+		}
+	})
+	t.Run("fork of a fork", func(t *testing.T) {
+		ck2, err := e.Checkpoint(ctx, "f1", "ck2", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("checkpoint of a fork: %v (%s)", ck2.Manifest.Timings.Total, ck2.Manifest.RAMMethod)
+		g1, err := e.Fork(ctx, "ck2", engine.ForkOptions{Name: "g1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out := mustRun(t, g1, "cat /dev/shm/mine /data/mine"); out != "f1\nf1" {
+			t.Fatalf("fork of fork lacks f1's state: %q", out)
+		}
+		// f1 keeps running after its checkpoint.
+		mustRun(t, f1, "echo still > /dev/shm/still")
+		// Unpinned: ck2 goes with its last fork.
+		if err := e.Delete(ctx, "g1"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.LoadCheckpoint("ck2"); !errors.Is(err, engine.ErrNotFound) {
+			t.Fatalf("unpinned ck2 after its last fork: %v, want ErrNotFound", err)
+		}
+	})
+	t.Run("fork of a running vm", func(t *testing.T) {
+		i1, err := e.Fork(ctx, "world", engine.ForkOptions{Name: "i1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out := mustRun(t, i1, "cat /dev/shm/after"); out != "after" {
+			t.Fatalf("implicit fork lacks the world's current state: %q", out)
+		}
+		parent := i1.Info().Parent
+		if _, err := e.LoadCheckpoint(parent); err != nil {
+			t.Fatalf("implicit checkpoint %s: %v", parent, err)
+		}
+		if err := e.Delete(ctx, "i1"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.LoadCheckpoint(parent); !errors.Is(err, engine.ErrNotFound) {
+			t.Fatalf("implicit checkpoint after its last fork: %v", err)
+		}
+	})
+	t.Run("lifecycle", func(t *testing.T) {
+		err := e.DeleteCheckpoint(ctx, "ck1", false)
+		wantErr(t, err, engine.ErrInUse)
+		// A restarted engine knows the checkpoint and its forks.
+		e.Close()
+		e2, err := engine.New(context.Background(), &env.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		env.E, e = e2, e2
+		cks, err := e.Checkpoints()
+		if err != nil || len(cks) != 1 || cks[0].Name != "ck1" || !cks[0].Pinned || strings.Join(cks[0].Forks, ",") != "f1,f2" {
+			t.Fatalf("Checkpoints after restart = %+v, %v", cks, err)
+		}
+		f2b, err := e.Get("f2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := mustRun(t, f2b, "cat /proc/sys/kernel/random/boot_id >/dev/null && echo ok"); got != "ok" {
+			t.Fatalf("exec through restarted engine: %q", got)
+		}
+		// Pinned: survives its forks.
+		for _, n := range []string{"f1", "f2"} {
+			if err := e.Delete(ctx, n); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := e.LoadCheckpoint("ck1"); err != nil {
+			t.Fatalf("pinned checkpoint gone after its forks: %v", err)
+		}
+	})
+}
+
+// TestCheckpointBadInput covers refused checkpoints and forks.
+func TestCheckpointBadInput(t *testing.T) {
+	env := newEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 10*time.Minute)
+	w, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain, err := e.Create(ctx, engine.Spec{Name: "plain", CPUs: 1, MemoryMiB: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = plain
+	t.Run("not forkable", func(t *testing.T) {
+		_, err := e.Checkpoint(ctx, "plain", "x", nil)
+		wantErr(t, err, engine.ErrNotForkable)
+		_, err = e.Fork(ctx, "plain", engine.ForkOptions{Name: "x"})
+		wantErr(t, err, engine.ErrNotForkable)
+	})
+	t.Run("bad names", func(t *testing.T) {
+		_, err := e.Checkpoint(ctx, "w", "a,b", nil)
+		wantErr(t, err, engine.ErrInvalidName)
+		_, err = e.Fork(ctx, "../w", engine.ForkOptions{Name: "x"})
+		wantErr(t, err, engine.ErrInvalidName)
+		_, err = e.Fork(ctx, "nope", engine.ForkOptions{Name: "x"})
+		wantErr(t, err, engine.ErrNotFound)
+		_, err = e.Checkpoint(ctx, "w", "w", nil)
+		wantErr(t, err, engine.ErrExists)
+	})
+	if _, err := e.Checkpoint(ctx, "w", "good", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	ckDir := filepath.Join(env.Home, "checkpoints")
+	// Each corruption is tested on a copy made with a fresh checkpoint, through a fresh
+	// engine (verification is cached per engine).
+	corrupt := func(t *testing.T, name string, mutate func(dir string, m map[string]any)) error {
+		t.Helper()
+		if _, err := e.Checkpoint(ctx, "w", name, &engine.CheckpointOptions{Pin: true}); err != nil {
+			t.Fatal(err)
+		}
+		dir := filepath.Join(ckDir, name)
+		b, _ := os.ReadFile(filepath.Join(dir, "manifest.json"))
+		var m map[string]any
+		json.Unmarshal(b, &m)
+		mutate(dir, m)
+		b, _ = json.Marshal(m)
+		os.WriteFile(filepath.Join(dir, "manifest.json"), b, 0o600)
+		e.Close()
+		e2, err := engine.New(context.Background(), &env.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		env.E, e = e2, e2
+		before := len(e.List())
+		_, ferr := e.Fork(ctx, name, engine.ForkOptions{Name: "bad"})
+		if len(e.List()) != before {
+			t.Fatal("a refused fork left a VM behind")
+		}
+		return ferr
+	}
+	t.Run("device state corrupted", func(t *testing.T) {
+		err := corrupt(t, "c1", func(dir string, m map[string]any) {
+			f, _ := os.OpenFile(filepath.Join(dir, "state.mig"), os.O_RDWR, 0)
+			f.WriteAt([]byte{0xff, 0xee}, 4096)
+			f.Close()
+		})
+		wantErr(t, err, engine.ErrCheckpointCorrupt)
+		if !strings.Contains(err.Error(), "sha256") {
+			t.Fatalf("error does not name the checksum: %v", err)
+		}
+	})
+	t.Run("ram file truncated", func(t *testing.T) {
+		err := corrupt(t, "c2", func(dir string, m map[string]any) {
+			os.Truncate(m["ram_path"].(string), 4096)
+		})
+		wantErr(t, err, engine.ErrCheckpointCorrupt)
+	})
+	t.Run("other qemu version", func(t *testing.T) {
+		err := corrupt(t, "c3", func(dir string, m map[string]any) { m["qemu_version"] = "9.2.0" })
+		wantErr(t, err, engine.ErrIncompatible)
+		if !strings.Contains(err.Error(), "9.2.0") || !strings.Contains(err.Error(), "10.") {
+			t.Fatalf("error does not name both versions: %v", err)
+		}
+	})
+	t.Run("ENOSPC while checkpointing", func(t *testing.T) {
+		if os.Getuid() != 0 {
+			t.Skip("needs root to mount a small tmpfs")
+		}
+		small := filepath.Join(t.TempDir(), "small")
+		os.MkdirAll(small, 0o700)
+		if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=300m,mode=0700", "tmpfs", small).CombinedOutput(); err != nil {
+			t.Skipf("cannot mount tmpfs: %v %s", err, out)
+		}
+		t.Cleanup(func() { exec.Command("umount", "-l", small).Run() })
+		env2 := newEnv(t, func(c *engine.Config) { c.RAMDir = filepath.Join(small, "ram") })
+		w2, err := env2.E.Create(ctx, engine.Spec{Name: "w2", CPUs: 1, MemoryMiB: 512, Forkable: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Fill the RAM file system past half (world RAM file ~200 MB of 300 MB; the world
+		// itself must still fit, or QEMU dies of SIGBUS): the frozen copy cannot fit.
+		mustRun(t, w2, "head -c 1048576 /dev/urandom > /dev/shm/seed; for i in $(seq 130); do cat /dev/shm/seed; done > /dev/shm/fill")
+		_, err = env2.E.Checkpoint(ctx, "w2", "full", nil)
+		if !errors.Is(err, syscall.ENOSPC) {
+			t.Fatalf("checkpoint on a full file system: %v, want ENOSPC", err)
+		}
+		if !strings.Contains(err.Error(), small) {
+			t.Fatalf("error does not say which file system is full: %v", err)
+		}
+		// Nothing partial remains, and the world keeps running.
+		if ents, _ := os.ReadDir(filepath.Join(env2.Home, "checkpoints")); len(ents) != 0 {
+			t.Fatalf("partial checkpoint left: %v", ents)
+		}
+		if ents, _ := os.ReadDir(filepath.Join(small, "ram")); len(ents) != 1 {
+			t.Fatalf("RAM dir holds %v, want only the world's RAM file", ents)
+		}
+		if out := mustRun(t, w2, "echo alive"); out != "alive" {
+			t.Fatalf("world after failed checkpoint: %q", out)
+		}
+	})
+	t.Run("delete with forks refused unless forced", func(t *testing.T) {
+		if _, err := e.Fork(ctx, "good", engine.ForkOptions{Name: "gf"}); err != nil {
+			t.Fatal(err)
+		}
+		wantErr(t, e.DeleteCheckpoint(ctx, "good", false), engine.ErrInUse)
+		if err := e.DeleteCheckpoint(ctx, "good", true); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.Get("gf"); !errors.Is(err, engine.ErrNotFound) {
+			t.Fatalf("fork of force-deleted checkpoint: %v", err)
+		}
+	})
+	_ = w
+}
