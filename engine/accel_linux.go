@@ -10,12 +10,12 @@ import (
 
 // KVM ioctls used by the probe.
 const (
-	kvmGetAPIVersion      = 0xAE00
-	kvmCreateVM           = 0xAE01
-	kvmGetSupportedCPUID  = 0xC008AE05
-	kvmAPIVersion         = 12
-	cpuidLeaf1ECXSSE3Bit  = 1 << 0
-	maxCPUIDEntries       = 256
+	kvmGetAPIVersion     = 0xAE00
+	kvmCreateVM          = 0xAE01
+	kvmGetSupportedCPUID = 0xC008AE05
+	kvmAPIVersion        = 12
+	cpuidLeaf1ECXSSE3Bit = 1 << 0
+	maxCPUIDEntries      = 256
 )
 
 type kvmCPUIDEntry2 struct {

@@ -57,8 +57,8 @@ type CheckpointManifest struct {
 	// DiskMethod says how the disk was frozen: "reflink" or "qcow2-overlay".
 	DiskMethod string `json:"disk_method,omitempty"`
 	// RAMMethod says how RAM was frozen: "copy" (world) or "full-save" (fork of a fork).
-	RAMMethod string             `json:"ram_method"`
-	Timings   CheckpointTimings  `json:"timings"`
+	RAMMethod string               `json:"ram_method"`
+	Timings   CheckpointTimings    `json:"timings"`
 	Freeze    *memfile.FreezeStats `json:"freeze,omitempty"`
 }
 

@@ -75,7 +75,7 @@ type Engine struct {
 	// or agent round trips.
 	mu        sync.Mutex
 	vms       map[string]*VM
-	reserved  map[string]bool // names being created (not yet in vms/checkpoints)
+	reserved  map[string]bool   // names being created (not yet in vms/checkpoints)
 	verified  map[string]string // checkpoint name -> verified fingerprint
 	closed    bool
 	closeOnce sync.Once

@@ -41,17 +41,17 @@ type Manifest struct {
 	// Parent is the checkpoint a fork was made from ("" for a created VM).
 	Parent string `json:"parent,omitempty"`
 	// State is the last recorded state (starting or running).
-	State       string      `json:"state"`
-	PID         int         `json:"pid"`
-	StartTime   uint64      `json:"start_time"`
-	Accel       string      `json:"accel"`
-	QEMUVersion string      `json:"qemu_version"`
-	Launch      Launch      `json:"launch"`
-	DiskNode    string      `json:"disk_node,omitempty"`
-	DiskSeq     int         `json:"disk_seq,omitempty"`
-	Token       string      `json:"token"`
-	CreatedAt   time.Time   `json:"created_at"`
-	ReadyAt     time.Time   `json:"ready_at,omitzero"`
+	State       string       `json:"state"`
+	PID         int          `json:"pid"`
+	StartTime   uint64       `json:"start_time"`
+	Accel       string       `json:"accel"`
+	QEMUVersion string       `json:"qemu_version"`
+	Launch      Launch       `json:"launch"`
+	DiskNode    string       `json:"disk_node,omitempty"`
+	DiskSeq     int          `json:"disk_seq,omitempty"`
+	Token       string       `json:"token"`
+	CreatedAt   time.Time    `json:"created_at"`
+	ReadyAt     time.Time    `json:"ready_at,omitzero"`
 	Timings     PhaseTimings `json:"timings"`
 }
 
@@ -74,7 +74,7 @@ type VM struct {
 	m        Manifest
 	qmp      *qmp.Client
 	agent    *vsockd.Client
-	agentMu  sync.Mutex // guards agent (re)connection
+	agentMu  sync.Mutex    // guards agent (re)connection
 	exited   chan struct{} // closed when our child QEMU exits (nil if not our child)
 	ignoreSh bool          // x-ignore-shared already set on qmp
 }

@@ -85,10 +85,10 @@ func setup() (int, error) {
 // testEnv is one engine on a fresh state directory, torn down (with leak checks) at the
 // end of the test.
 type testEnv struct {
-	t     *testing.T
-	E     *engine.Engine
-	Home  string
-	cfg   engine.Config
+	t    *testing.T
+	E    *engine.Engine
+	Home string
+	cfg  engine.Config
 }
 
 func newEnv(t *testing.T, mod func(*engine.Config)) *testEnv {
