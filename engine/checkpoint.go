@@ -44,6 +44,9 @@ type CheckpointManifest struct {
 	Initrd      string `json:"initrd"`
 	Append      string `json:"append"`
 	TBSizeMiB   int    `json:"tb_size_mib"`
+	CPUModel    string `json:"cpu_model,omitempty"`
+	// Vsock records a vhost-vsock device in the source: forks must have one too.
+	Vsock bool `json:"vsock,omitempty"`
 	// RAMPath is the frozen RAM file; RAMSize its size in bytes.
 	RAMPath string `json:"ram_path"`
 	RAMSize int64  `json:"ram_size"`
@@ -149,7 +152,7 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: opts.Pin, Implicit: opts.implicit,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,
 		CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.Launch.Kernel,
-		Initrd: m.Launch.Initrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB,
+		Initrd: m.Launch.Initrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel, Vsock: m.Launch.VsockCID != 0,
 		RAMPath: ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
 	}
 	statePath := filepath.Join(tmp, "state.mig")
@@ -554,7 +557,10 @@ func (e *Engine) rebase(ctx context.Context, src Manifest, ck *CheckpointManifes
 	h.m.Launch.SerialLog = filepath.Join(e.vmsDir(), name, "serial.log")
 	h.m.Launch.RAM = RAMBacking{Path: ramPath, Shared: true}
 	h.m.Launch.Incoming = true
-	h.m.Launch.VsockCID = 0
+	if ck.Vsock {
+		// Same devices as the source (a vhost-vsock device), but its own context id.
+		h.m.Launch.VsockCID = randomCID()
+	}
 	if err := os.Mkdir(h.dir(), 0o700); err != nil {
 		return err
 	}
@@ -633,7 +639,7 @@ func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
 	if ck.CPUs < 1 || ck.MemoryMiB < 2 || ck.RAMSize != int64(ck.MemoryMiB)<<20 {
 		return nil, fmt.Errorf("bad machine shape (cpus %d, memory %d MiB, ram size %d)", ck.CPUs, ck.MemoryMiB, ck.RAMSize)
 	}
-	if len(ck.StateSHA256) != 64 {
+	if _, err := hex.DecodeString(ck.StateSHA256); err != nil || len(ck.StateSHA256) != 64 {
 		return nil, fmt.Errorf("bad state checksum")
 	}
 	if ck.RAMPath == "" || !filepath.IsAbs(ck.RAMPath) {

@@ -22,6 +22,8 @@ type Launch struct {
 	Accel string
 	// TBSizeMiB bounds TCG's translation buffer (tcg only; 0 = QEMU default).
 	TBSizeMiB int
+	// CPUModel is the -cpu model; empty means "host" under kvm/hvf and "max" under tcg.
+	CPUModel string
 	// Machine is the QEMU machine type ("q35").
 	Machine string
 	// CPUs and MemoryMiB are the machine shape.
@@ -106,6 +108,12 @@ func (l *Launch) Cmdline() ([]string, error) {
 		}
 	default:
 		return nil, fmt.Errorf("%w: unknown accelerator %q", ErrInvalidSpec, l.Accel)
+	}
+	if l.CPUModel != "" {
+		if strings.ContainsAny(l.CPUModel, ", \x00") {
+			return nil, fmt.Errorf("%w: cpu model %q", ErrInvalidSpec, l.CPUModel)
+		}
+		cpu = l.CPUModel
 	}
 	args := []string{
 		"-name", l.Name + ",process=forkvm-" + l.Name,

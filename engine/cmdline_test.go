@@ -497,3 +497,18 @@ func TestCmdlineDeterministic(t *testing.T) {
 		t.Errorf("after JSON round trip:\n%q\n%q", got, first)
 	}
 }
+
+func TestCmdlineCPUModel(t *testing.T) {
+	l := baseLaunch()
+	l.Accel = "kvm"
+	l.CPUModel = "Skylake-Client-v4"
+	if got := flagValue(t, mustCmdline(t, l), "-cpu"); got != "Skylake-Client-v4" {
+		t.Errorf("-cpu = %q", got)
+	}
+	for _, bad := range []string{"max,+x", "a b", "a\x00"} {
+		l.CPUModel = bad
+		if argv, err := l.Cmdline(); !errors.Is(err, ErrInvalidSpec) {
+			t.Errorf("CPUModel %q: %q, %v; want ErrInvalidSpec", bad, argv, err)
+		}
+	}
+}

@@ -2,7 +2,9 @@ package engine
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -47,6 +49,9 @@ type Config struct {
 	Accel string
 	// TBSizeMiB bounds TCG's translation buffer per VM. Default 64.
 	TBSizeMiB int
+	// CPUModel is QEMU's -cpu model for new VMs. Default: "host" under kvm/hvf, "max"
+	// under tcg. $FORKVM_CPU overrides. Checkpoints record it; forks use the recorded one.
+	CPUModel string
 	// Overcommit is the vCPU budget factor: budget = host CPUs * Overcommit. Default 8.
 	Overcommit float64
 	// MemoryReserveMiB is the MemAvailable reserve that forks may not push the host
@@ -56,6 +61,11 @@ type Config struct {
 	BootTimeout time.Duration
 	// ForkTimeout bounds a fork until its agent answers. Default 30s.
 	ForkTimeout time.Duration
+	// Transport selects how the host reaches guest agents: "auto" (default) uses AF_VSOCK
+	// (a vhost-vsock-pci device per VM) when /dev/vhost-vsock exists and the accelerator
+	// is kvm, else virtio-serial; "serial" or "vsock" force one. virtio-serial works
+	// everywhere (a unix socket on the host) but allows one host connection at a time.
+	Transport string
 	// LockWait is how long New waits for another engine to release the state dir.
 	// Zero means fail at once with ErrLocked.
 	LockWait time.Duration
@@ -68,6 +78,7 @@ type Config struct {
 type Engine struct {
 	cfg      Config
 	accel    string
+	vsock    bool // agents are reached over AF_VSOCK
 	qemuVer  string
 	lockFile *os.File
 
@@ -160,11 +171,24 @@ func (e *Engine) defaults() error {
 	if c.Log == nil {
 		c.Log = io.Discard
 	}
+	if v := os.Getenv("FORKVM_CPU"); v != "" {
+		c.CPUModel = v
+	}
 	if v := os.Getenv("FORKVM_ACCEL"); v != "" {
 		c.Accel = v
 	}
 	if c.Accel == "" {
 		c.Accel = "auto"
+	}
+	switch c.Transport {
+	case "", "auto":
+		_, err := os.Stat("/dev/vhost-vsock")
+		e.vsock = err == nil && e.accelFor(c.Accel) == "kvm"
+	case "vsock":
+		e.vsock = true
+	case "serial":
+	default:
+		return fmt.Errorf("%w: transport %q (want auto, serial or vsock)", ErrInvalidSpec, c.Transport)
 	}
 	switch c.Accel {
 	case "auto":
@@ -175,6 +199,30 @@ func (e *Engine) defaults() error {
 		return fmt.Errorf("%w: accelerator %q (want auto, kvm, hvf or tcg)", ErrInvalidSpec, c.Accel)
 	}
 	return nil
+}
+
+// accelFor resolves an accelerator setting ("auto" probes).
+func (e *Engine) accelFor(a string) string {
+	if a == "auto" {
+		return detectAccel()
+	}
+	return a
+}
+
+// newCID returns a random AF_VSOCK context id for a new VM when agents use vsock, else 0.
+func (e *Engine) newCID() uint32 {
+	if !e.vsock {
+		return 0
+	}
+	return randomCID()
+}
+
+// randomCID returns a random context id. CIDs are host-global; a random one in
+// [3, 2^31) collides with negligible probability.
+func randomCID() uint32 {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return 3 + binary.BigEndian.Uint32(b[:])%(1<<31-3)
 }
 
 // DefaultStateDir is $FORKVM_HOME, else $XDG_STATE_HOME/forkvm, else ~/.local/state/forkvm.

@@ -116,13 +116,18 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true},
 		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: tok, CreatedAt: time.Now().UTC(),
 		Launch: Launch{
-			QEMU: qemuPath, Name: name, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, Machine: ck.Machine,
+			QEMU: qemuPath, Name: name, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
 			CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, Kernel: ck.Kernel, Initrd: ck.Initrd, Append: ck.Append,
 			RAM:       RAMBacking{Path: ck.RAMPath, Shared: false},
 			RunDir:    filepath.Join(e.cfg.RunDir, name),
 			SerialLog: filepath.Join(e.vmsDir(), name, "serial.log"),
 			Incoming:  true,
 		},
+	}
+	if ck.Vsock {
+		// The device set must match the checkpoint's; the context id is the fork's own
+		// (the guest driver re-reads it on the transport reset that follows a restore).
+		vm.m.Launch.VsockCID = randomCID()
 	}
 	ok := false
 	defer func() {

@@ -34,8 +34,8 @@ func testCheckpointManifest() CheckpointManifest {
 		Kernel: "/k", Initrd: "/i", Append: "console=ttyS0", TBSizeMiB: 64,
 		RAMPath: "/dev/shm/forkvm/ck-base.ram", RAMSize: 256 << 20,
 		StateSHA256: strings.Repeat("ab", 32), StateSize: 1000,
-		Disk:        []DiskLayer{{"/ck/base/layer0.raw", "raw"}},
-		DiskMethod:  "reflink", RAMMethod: "copy",
+		Disk:       []DiskLayer{{"/ck/base/layer0.raw", "raw"}},
+		DiskMethod: "reflink", RAMMethod: "copy",
 		Timings: CheckpointTimings{Migrate: 1, Freeze: 2, Disk: 3, Paused: 4, Total: 5},
 	}
 }
@@ -151,7 +151,7 @@ func TestDecodeCheckpointManifestErrors(t *testing.T) {
 		{"0 cpus", func(c *CheckpointManifest) { c.CPUs = 0 }},
 		{"memory 0", func(c *CheckpointManifest) { c.MemoryMiB, c.RAMSize = 0, 0 }},
 		{"ram size mismatch", func(c *CheckpointManifest) { c.RAMSize++ }},
-		{"negative memory", func(c *CheckpointManifest) { c.MemoryMiB, c.RAMSize = -2, -2 << 20 }},
+		{"negative memory", func(c *CheckpointManifest) { c.MemoryMiB, c.RAMSize = -2, -2<<20 }},
 		{"short sha", func(c *CheckpointManifest) { c.StateSHA256 = "abcd" }},
 		{"empty sha", func(c *CheckpointManifest) { c.StateSHA256 = "" }},
 		{"empty ram path", func(c *CheckpointManifest) { c.RAMPath = "" }},

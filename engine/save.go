@@ -86,13 +86,14 @@ func (e *Engine) Restore(ctx context.Context, path string, spec Spec) (*VM, erro
 		Version: manifestVersion, Name: spec.Name, Spec: spec, State: StateStarting, Accel: e.accel,
 		QEMUVersion: ver, Token: tok, CreatedAt: time.Now().UTC(),
 		Launch: Launch{
-			QEMU: qemuPath, Name: spec.Name, Accel: e.accel, TBSizeMiB: e.cfg.TBSizeMiB, Machine: "q35",
+			QEMU: qemuPath, Name: spec.Name, Accel: e.accel, TBSizeMiB: e.cfg.TBSizeMiB, CPUModel: e.cfg.CPUModel, Machine: "q35",
 			CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Kernel: kernel, Initrd: initrd,
 			Append:    "console=ttyS0 quiet panic=-1 rdinit=/init",
 			RAM:       RAMBacking{Anonymous: true},
 			RunDir:    filepath.Join(e.cfg.RunDir, spec.Name),
 			SerialLog: filepath.Join(e.vmsDir(), spec.Name, "serial.log"),
 			Incoming:  true,
+			VsockCID:  e.newCID(),
 		},
 	}
 	ok := false

@@ -3,6 +3,7 @@ package engine
 import (
 	"fmt"
 	"regexp"
+	"strings"
 )
 
 // MaxNameLen bounds VM and checkpoint names (they become file and socket names).
@@ -20,6 +21,8 @@ func ValidateName(name string) error {
 		return fmt.Errorf("%w: empty name", ErrInvalidName)
 	case len(name) > MaxNameLen:
 		return fmt.Errorf("%w: %q is longer than %d characters", ErrInvalidName, name[:MaxNameLen]+"...", MaxNameLen)
+	case strings.Contains(name, ".."):
+		return fmt.Errorf("%w: %q contains \"..\"", ErrInvalidName, name)
 	case !nameRE.MatchString(name):
 		return fmt.Errorf("%w: %q (allowed: letters, digits, '_', '.', '-'; must start with a letter or digit)", ErrInvalidName, name)
 	}

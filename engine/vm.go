@@ -1,13 +1,13 @@
 package engine
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -273,8 +273,7 @@ func loadManifest(path string) (*Manifest, error) {
 // error, never a panic.
 func decodeManifest(b []byte) (*Manifest, error) {
 	var m Manifest
-	dec := json.NewDecoder(bytes.NewReader(b))
-	if err := dec.Decode(&m); err != nil {
+	if err := json.Unmarshal(b, &m); err != nil {
 		return nil, fmt.Errorf("engine: manifest: %w", err)
 	}
 	if m.Version != manifestVersion {
@@ -363,10 +362,11 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		Accel: e.accel, QEMUVersion: ver, Token: tok, CreatedAt: time.Now().UTC(),
 		Launch: Launch{
 			QEMU: qemuPath, Name: spec.Name, Accel: e.accel, TBSizeMiB: e.cfg.TBSizeMiB,
-			Machine: "q35", CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
+			CPUModel: e.cfg.CPUModel, Machine: "q35", CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
 			Kernel: kernel, Initrd: initrd, Append: append_,
 			RunDir:    filepath.Join(e.cfg.RunDir, spec.Name),
 			SerialLog: filepath.Join(e.vmsDir(), spec.Name, "serial.log"),
+			VsockCID:  e.newCID(),
 		},
 	}
 	ok := false
@@ -552,8 +552,8 @@ func (vm *VM) agentClient(ctx context.Context) (*vsockd.Client, error) {
 		return vm.agent, nil
 	}
 	vm.mu.Lock()
-	target := AgentTarget{Socket: vm.m.Launch.AgentSocket(), Token: vm.m.Token, Name: vm.m.Name}
 	vm.mu.Unlock()
+	target := vm.Target()
 	type res struct {
 		c   *vsockd.Client
 		err error
@@ -591,16 +591,19 @@ func clientDone(c *vsockd.Client) bool {
 // AgentTarget is what is needed to reach a VM's agent without an engine (so that a
 // long interactive exec does not hold the state directory lock).
 type AgentTarget struct {
-	Name   string `json:"name"`
+	Name string `json:"name"`
+	// Socket is the agent's virtio-serial chardev socket (used when CID is 0).
 	Socket string `json:"socket"`
-	Token  string `json:"token"`
+	// CID is the guest's AF_VSOCK context id; non-zero means dial vsock.
+	CID   uint32 `json:"cid,omitempty"`
+	Token string `json:"token"`
 }
 
 // Target returns the VM's agent target.
 func (vm *VM) Target() AgentTarget {
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
-	return AgentTarget{Name: vm.m.Name, Socket: vm.m.Launch.AgentSocket(), Token: vm.m.Token}
+	return AgentTarget{Name: vm.m.Name, Socket: vm.m.Launch.AgentSocket(), CID: vm.m.Launch.VsockCID, Token: vm.m.Token}
 }
 
 // DialAgent connects to an agent and performs the handshake: a Hello carrying the VM's
@@ -611,7 +614,7 @@ func DialAgent(ctx context.Context, t AgentTarget) (*vsockd.Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	conn, err := vsockd.DialUnix(ctx, t.Socket)
+	conn, err := dialTarget(ctx, t)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("%w: %s: %w", ErrAgentTimeout, t.Name, err)
@@ -629,6 +632,25 @@ func DialAgent(ctx context.Context, t AgentTarget) (*vsockd.Client, error) {
 		return nil, fmt.Errorf("engine: agent %s: %w", t.Name, err)
 	}
 	return c, nil
+}
+
+// dialTarget connects to an agent over vsock (retrying while the guest's listener is not
+// up yet) or its virtio-serial socket.
+func dialTarget(ctx context.Context, t AgentTarget) (net.Conn, error) {
+	if t.CID == 0 {
+		return vsockd.DialUnix(ctx, t.Socket)
+	}
+	for {
+		conn, err := vsockd.DialVsock(ctx, t.CID, vsockd.DefaultVsockPort)
+		if err == nil {
+			return conn, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w (last: %v)", ctx.Err(), err)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }
 
 // Agent returns the VM's connected agent client (shared; do not Close it).
@@ -743,10 +765,11 @@ func (e *Engine) Delete(ctx context.Context, name string) error {
 // removeVMFiles deletes a VM's files; m may be nil when the manifest is unreadable.
 func (e *Engine) removeVMFiles(name string, m *Manifest) {
 	if m != nil {
-		if m.Launch.RAM.Path != "" && m.Launch.RAM.Shared {
+		// Only inside the engine's own directories, whatever a (corrupt) manifest says.
+		if m.Launch.RAM.Path != "" && m.Launch.RAM.Shared && filepath.Dir(m.Launch.RAM.Path) == e.cfg.RAMDir {
 			os.Remove(m.Launch.RAM.Path)
 		}
-		if m.Launch.RunDir != "" {
+		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == e.cfg.RunDir {
 			os.RemoveAll(m.Launch.RunDir)
 		}
 	}

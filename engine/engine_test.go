@@ -1,0 +1,686 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// testDirs makes a short state dir (unix socket paths are limited) and a RAM dir that
+// does not exist yet (so New must create it), removed at the end of the test.
+func testDirs(t *testing.T) (stateDir, ramDir string) {
+	t.Helper()
+	base, err := os.MkdirTemp("/tmp", "eut-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(base) })
+	return filepath.Join(base, "s"), filepath.Join(base, "ram")
+}
+
+// testConfig returns a config on fresh temp dirs with the tcg accelerator (no KVM probe).
+func testConfig(t *testing.T) *Config {
+	t.Helper()
+	t.Setenv("FORKVM_ACCEL", "")
+	t.Setenv("FORKVM_CPU", "")
+	sd, rd := testDirs(t)
+	return &Config{
+		StateDir: sd,
+		RAMDir:   rd,
+		CacheDir: filepath.Join(filepath.Dir(sd), "cache"),
+		QEMU:     "/nonexistent/qemu-system-x86_64",
+		QEMUImg:  "/nonexistent/qemu-img",
+		Accel:    "tcg",
+	}
+}
+
+func newTestEngine(t *testing.T, cfg *Config) *Engine {
+	t.Helper()
+	e, err := New(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// deadPID returns the pid of a process that has exited and been waited for.
+func deadPID(t *testing.T) int {
+	t.Helper()
+	cmd := exec.Command("true")
+	if err := cmd.Run(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	if _, err := procStartTime(pid); err == nil {
+		t.Skipf("pid %d was reused already", pid)
+	}
+	return pid
+}
+
+// fakeQEMU writes a shell script that prints a QEMU version banner.
+func fakeQEMU(t *testing.T, version string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "qemu-system-x86_64")
+	script := "#!/bin/sh\necho 'QEMU emulator version " + version + " (fake)'\necho 'Copyright (c) 2003-2025 Fabrice Bellard and the QEMU Project developers'\n"
+	if err := os.WriteFile(p, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func assertMode(t *testing.T, path string, want os.FileMode) {
+	t.Helper()
+	st, err := os.Stat(path)
+	if err != nil {
+		t.Errorf("stat %s: %v", path, err)
+		return
+	}
+	if got := st.Mode().Perm(); got != want {
+		t.Errorf("%s: mode %o, want %o", path, got, want)
+	}
+}
+
+func exists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
+}
+
+func TestNewCreatesDirsAndLock(t *testing.T) {
+	cfg := testConfig(t)
+	e := newTestEngine(t, cfg)
+	if e.StateDir() != cfg.StateDir || e.RAMDir() != cfg.RAMDir {
+		t.Errorf("dirs %s %s", e.StateDir(), e.RAMDir())
+	}
+	for _, d := range []string{cfg.StateDir, e.vmsDir(), e.checkpointsDir(), cfg.RAMDir, e.cfg.RunDir} {
+		assertMode(t, d, 0o700)
+	}
+	if want := filepath.Join(cfg.StateDir, "run"); e.cfg.RunDir != want {
+		t.Errorf("RunDir = %s, want %s (state dir is short)", e.cfg.RunDir, want)
+	}
+	b, err := os.ReadFile(filepath.Join(cfg.StateDir, "lock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.TrimSpace(string(b)) != strconv.Itoa(os.Getpid()) {
+		t.Errorf("lock file = %q, want our pid %d", b, os.Getpid())
+	}
+	assertMode(t, filepath.Join(cfg.StateDir, "lock"), 0o600)
+	if e.Accel() != "tcg" {
+		t.Errorf("Accel = %s", e.Accel())
+	}
+	// Defaults.
+	if e.cfg.TBSizeMiB != 64 || e.cfg.Overcommit != 8 || e.cfg.MemoryReserveMiB != 512 ||
+		e.cfg.BootTimeout != 60*time.Second || e.cfg.ForkTimeout != 30*time.Second || e.cfg.Log == nil {
+		t.Errorf("defaults not applied: %+v", e.cfg)
+	}
+	if got := e.List(); len(got) != 0 {
+		t.Errorf("List on a fresh engine = %v", got)
+	}
+	if cks, err := e.Checkpoints(); err != nil || len(cks) != 0 {
+		t.Errorf("Checkpoints = %v, %v", cks, err)
+	}
+}
+
+func TestNewRelativeStateDirIsMadeAbsolute(t *testing.T) {
+	cfg := testConfig(t)
+	wd, _ := os.Getwd()
+	rel, err := filepath.Rel(wd, cfg.StateDir)
+	if err != nil {
+		t.Skip(err)
+	}
+	cfg.StateDir = rel
+	e := newTestEngine(t, cfg)
+	if !filepath.IsAbs(e.StateDir()) {
+		t.Errorf("StateDir %q is not absolute", e.StateDir())
+	}
+}
+
+func TestNewLongStateDirMovesRunDir(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.StateDir = filepath.Join(cfg.StateDir, strings.Repeat("d", 60))
+	e := newTestEngine(t, cfg)
+	if n := len(filepath.Join(e.cfg.RunDir, strings.Repeat("n", MaxNameLen), agentSockName)); n > 107 {
+		t.Errorf("agent socket path would be %d bytes (RunDir %s)", n, e.cfg.RunDir)
+	}
+	os.RemoveAll(e.cfg.RunDir) // outside our temp dir
+}
+
+func TestNewLocked(t *testing.T) {
+	cfg := testConfig(t)
+	e1, err := New(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg2 := *cfg
+	if e2, err := New(context.Background(), &cfg2); !errors.Is(err, ErrLocked) {
+		if e2 != nil {
+			e2.Close()
+		}
+		t.Fatalf("second New = %v, want ErrLocked", err)
+	}
+	if err := e1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e1.Close(); err != nil { // idempotent
+		t.Fatal(err)
+	}
+	e2, err := New(context.Background(), &cfg2)
+	if err != nil {
+		t.Fatalf("New after Close: %v", err)
+	}
+	e2.Close()
+}
+
+func TestNewLockWait(t *testing.T) {
+	cfg := testConfig(t)
+	e1, err := New(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		time.Sleep(100 * time.Millisecond)
+		e1.Close()
+	}()
+	cfg2 := *cfg
+	cfg2.LockWait = 5 * time.Second
+	t0 := time.Now()
+	e2, err := New(context.Background(), &cfg2)
+	<-done
+	if err != nil {
+		t.Fatalf("New with LockWait: %v", err)
+	}
+	defer e2.Close()
+	if d := time.Since(t0); d < 80*time.Millisecond || d > 4*time.Second {
+		t.Errorf("waited %v, want ~100ms", d)
+	}
+}
+
+func TestNewLockWaitContextCancelled(t *testing.T) {
+	cfg := testConfig(t)
+	e1 := newTestEngine(t, cfg)
+	_ = e1
+	cfg2 := *cfg
+	cfg2.LockWait = 10 * time.Second
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	t0 := time.Now()
+	_, err := New(ctx, &cfg2)
+	if !errors.Is(err, ErrLocked) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("New = %v, want ErrLocked and DeadlineExceeded", err)
+	}
+	if d := time.Since(t0); d > 3*time.Second {
+		t.Errorf("New took %v after ctx ended", d)
+	}
+}
+
+func TestNewAccel(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.Accel = "foo"
+	if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidSpec) {
+		t.Errorf("Accel foo: %v, want ErrInvalidSpec", err)
+	}
+	cfg.Accel = "tcg"
+	e := newTestEngine(t, cfg)
+	if e.Accel() != "tcg" {
+		t.Errorf("Accel = %s", e.Accel())
+	}
+	e.Close()
+	// $FORKVM_ACCEL overrides the config.
+	t.Setenv("FORKVM_ACCEL", "tcg")
+	cfg.Accel = "kvm"
+	e = newTestEngine(t, cfg)
+	if e.Accel() != "tcg" {
+		t.Errorf("with FORKVM_ACCEL=tcg: Accel = %s", e.Accel())
+	}
+	e.Close()
+	t.Setenv("FORKVM_ACCEL", "bogus")
+	cfg.Accel = "tcg"
+	if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidSpec) {
+		t.Errorf("FORKVM_ACCEL=bogus: %v, want ErrInvalidSpec", err)
+	}
+}
+
+func TestQEMUPathAndVersion(t *testing.T) {
+	cfg := testConfig(t)
+	e := newTestEngine(t, cfg)
+	if _, err := e.QEMUPath(); !errors.Is(err, ErrQEMUMissing) {
+		t.Errorf("QEMUPath with missing binary: %v, want ErrQEMUMissing", err)
+	}
+	if _, err := e.QEMUVersion(context.Background()); !errors.Is(err, ErrQEMUMissing) {
+		t.Errorf("QEMUVersion with missing binary: %v, want ErrQEMUMissing", err)
+	}
+	if _, err := e.Create(context.Background(), Spec{Name: "w1", CPUs: 1, MemoryMiB: 64}); !errors.Is(err, ErrQEMUMissing) {
+		t.Errorf("Create with missing QEMU: %v, want ErrQEMUMissing", err)
+	}
+	if _, err := e.Create(context.Background(), Spec{Name: "w1", CPUs: 0, MemoryMiB: 64}); !errors.Is(err, ErrInvalidSpec) {
+		t.Errorf("Create with a bad spec: %v, want ErrInvalidSpec (validation first)", err)
+	}
+
+	e.cfg.QEMU = fakeQEMU(t, "10.0.2")
+	if p, err := e.QEMUPath(); err != nil || p != e.cfg.QEMU {
+		t.Errorf("QEMUPath = %q, %v", p, err)
+	}
+	v, err := e.QEMUVersion(context.Background())
+	if err != nil || v != "10.0.2" {
+		t.Fatalf("QEMUVersion = %q, %v", v, err)
+	}
+	// Cached: replacing the binary does not change the answer.
+	e.cfg.QEMU = fakeQEMU(t, "11.0.0")
+	if v, _ := e.QEMUVersion(context.Background()); v != "10.0.2" {
+		t.Errorf("QEMUVersion not cached: %q", v)
+	}
+
+	e.qemuVer = ""
+	e.cfg.QEMU = fakeQEMU(t, "9.2.0")
+	if _, err := e.QEMUVersion(context.Background()); !errors.Is(err, ErrQEMUTooOld) {
+		t.Errorf("QEMU 9.2.0: %v, want ErrQEMUTooOld", err)
+	}
+	p := filepath.Join(t.TempDir(), "garbage")
+	os.WriteFile(p, []byte("#!/bin/sh\necho hello\n"), 0o755)
+	e.cfg.QEMU = p
+	if _, err := e.QEMUVersion(context.Background()); !errors.Is(err, ErrQEMUMissing) {
+		t.Errorf("unparsable version: %v, want ErrQEMUMissing", err)
+	}
+}
+
+func writeVMManifest(t *testing.T, vmsDir, dirName string, m *Manifest) {
+	t.Helper()
+	d := filepath.Join(vmsDir, dirName)
+	if err := os.MkdirAll(d, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeJSON(filepath.Join(d, "manifest.json"), m); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// vmManifest is a manifest of a VM that lived under e's directories.
+func vmManifest(cfg *Config, name, state string, pid int) *Manifest {
+	runDir := filepath.Join(cfg.StateDir, "run")
+	return &Manifest{
+		Version: manifestVersion, Name: name, State: state, PID: pid, StartTime: 1,
+		Spec: Spec{Name: name, CPUs: 1, MemoryMiB: 64, Forkable: true}, Accel: "tcg", QEMUVersion: "10.0.2",
+		Token: testToken,
+		Launch: Launch{
+			Name: name, Accel: "tcg", CPUs: 1, MemoryMiB: 64, Kernel: "/k",
+			RunDir:    filepath.Join(runDir, name),
+			SerialLog: filepath.Join(cfg.StateDir, "vms", name, "serial.log"),
+			RAM:       RAMBacking{Path: filepath.Join(cfg.RAMDir, "vm-"+name+".ram"), Shared: true},
+		},
+	}
+}
+
+func touch(t *testing.T, path string, size int64) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if size > 0 {
+		if err := f.Truncate(size); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.Close()
+}
+
+func TestNewReaps(t *testing.T) {
+	cfg := testConfig(t)
+	vms := filepath.Join(cfg.StateDir, "vms")
+	cks := filepath.Join(cfg.StateDir, "checkpoints")
+	runDir := filepath.Join(cfg.StateDir, "run")
+	pid := deadPID(t)
+
+	// A VM directory without a manifest.
+	os.MkdirAll(filepath.Join(vms, "half"), 0o700)
+	touch(t, filepath.Join(vms, "half", "qemu.log"), 0)
+	touch(t, filepath.Join(cfg.RAMDir, "vm-half.ram"), 4096)
+	// A VM directory whose manifest is corrupt, and one whose manifest names another VM.
+	touch(t, filepath.Join(vms, "corrupt", "manifest.json"), 0)
+	writeVMManifest(t, vms, "misnamed", vmManifest(cfg, "other", StateRunning, pid))
+	// A half-made VM: starting, QEMU dead. Its RAM file and run dir go with it.
+	writeVMManifest(t, vms, "starting1", vmManifest(cfg, "starting1", StateStarting, pid))
+	touch(t, filepath.Join(cfg.RAMDir, "vm-starting1.ram"), 4096)
+	touch(t, filepath.Join(runDir, "starting1", "qmp.sock"), 0)
+	// A VM that ran and died: kept (reported dead) until Reap.
+	writeVMManifest(t, vms, "dead1", vmManifest(cfg, "dead1", StateRunning, pid))
+	touch(t, filepath.Join(cfg.RAMDir, "vm-dead1.ram"), 4096)
+	touch(t, filepath.Join(runDir, "dead1", "agent.sock"), 0)
+	// A half-written checkpoint and orphan RAM files.
+	touch(t, filepath.Join(cks, ".tmp-x-1234", "state.mig"), 10)
+	touch(t, filepath.Join(cfg.RAMDir, "ck-nothere.ram"), 4096)
+	touch(t, filepath.Join(cfg.RAMDir, "vm-ghost.ram"), 4096)
+	touch(t, filepath.Join(cfg.RAMDir, "ck-keep.ram.tmp-abcd"), 4096)
+	// A pinned checkpoint is kept with its RAM file; an unpinned, forked checkpoint
+	// without forks is collected.
+	os.MkdirAll(cks, 0o700)
+	keep := writeCheckpoint(t, cfg, "keep", func(c *CheckpointManifest) { c.Pinned = true })
+	writeCheckpoint(t, cfg, "gone", nil)
+	touch(t, filepath.Join(cks, "gone", forkedMarker), 0)
+	// A file in RAMDir that is not ours is left alone.
+	touch(t, filepath.Join(cfg.RAMDir, "unrelated.bin"), 1)
+
+	e := newTestEngine(t, cfg)
+
+	for _, p := range []string{
+		filepath.Join(vms, "half"), filepath.Join(cfg.RAMDir, "vm-half.ram"),
+		filepath.Join(vms, "corrupt"), filepath.Join(vms, "misnamed"),
+		filepath.Join(vms, "starting1"), filepath.Join(cfg.RAMDir, "vm-starting1.ram"), filepath.Join(runDir, "starting1"),
+		filepath.Join(cks, ".tmp-x-1234"),
+		filepath.Join(cfg.RAMDir, "ck-nothere.ram"), filepath.Join(cfg.RAMDir, "vm-ghost.ram"),
+		filepath.Join(cfg.RAMDir, "ck-keep.ram.tmp-abcd"),
+		filepath.Join(cks, "gone"), filepath.Join(cfg.RAMDir, "ck-gone.ram"),
+	} {
+		if exists(p) {
+			t.Errorf("%s survived New", p)
+		}
+	}
+	for _, p := range []string{
+		filepath.Join(vms, "dead1", "manifest.json"), filepath.Join(cfg.RAMDir, "vm-dead1.ram"),
+		filepath.Join(cks, "keep", "manifest.json"), keep.RAMPath, filepath.Join(cfg.RAMDir, "unrelated.bin"),
+	} {
+		if !exists(p) {
+			t.Errorf("%s was removed by New", p)
+		}
+	}
+
+	list := e.List()
+	if len(list) != 1 || list[0].Name != "dead1" || list[0].State != StateDead || list[0].PID != pid {
+		t.Fatalf("List = %+v, want dead1 dead", list)
+	}
+	vm, err := e.Get("dead1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := vm.Agent(context.Background()); !errors.Is(err, ErrNotRunning) {
+		t.Errorf("Agent of a dead VM: %v, want ErrNotRunning", err)
+	}
+	if _, err := e.Checkpoint(context.Background(), "dead1", "ck1", nil); !errors.Is(err, ErrNotRunning) {
+		t.Errorf("Checkpoint of a dead VM: %v, want ErrNotRunning", err)
+	}
+	if _, err := e.Get("nope"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Get(nope) = %v", err)
+	}
+
+	got := e.Reap(context.Background())
+	if len(got) != 1 || got[0] != "dead1" {
+		t.Errorf("Reap = %v, want [dead1]", got)
+	}
+	for _, p := range []string{filepath.Join(vms, "dead1"), filepath.Join(cfg.RAMDir, "vm-dead1.ram"), filepath.Join(runDir, "dead1")} {
+		if exists(p) {
+			t.Errorf("%s survived Reap", p)
+		}
+	}
+	if len(e.List()) != 0 {
+		t.Errorf("List after Reap = %v", e.List())
+	}
+	if got := e.Reap(context.Background()); len(got) != 0 {
+		t.Errorf("second Reap = %v", got)
+	}
+}
+
+// TestReapStaysInsideItsDirs: a manifest is input from disk; reaping a half-made VM must
+// not delete files outside the engine's RAM and run dirs because its manifest says so.
+func TestReapStaysInsideItsDirs(t *testing.T) {
+	cfg := testConfig(t)
+	victimDir := t.TempDir()
+	victimFile := filepath.Join(victimDir, "precious.txt")
+	victimRun := filepath.Join(victimDir, "rundir")
+	touch(t, victimFile, 1)
+	touch(t, filepath.Join(victimRun, "keep.txt"), 1)
+	m := vmManifest(cfg, "evil", StateStarting, deadPID(t))
+	m.Launch.RAM.Path = victimFile
+	m.Launch.RunDir = victimRun
+	writeVMManifest(t, filepath.Join(cfg.StateDir, "vms"), "evil", m)
+
+	newTestEngine(t, cfg)
+
+	if exists(filepath.Join(cfg.StateDir, "vms", "evil")) {
+		t.Errorf("half-made vm not reaped")
+	}
+	if !exists(victimFile) || !exists(victimRun) {
+		t.Errorf("reaping deleted files outside the engine's dirs: %s exists=%v, %s exists=%v",
+			victimFile, exists(victimFile), victimRun, exists(victimRun))
+	}
+}
+
+func TestClosedEngine(t *testing.T) {
+	e := newTestEngine(t, testConfig(t))
+	e.Close()
+	if _, err := e.Get("w1"); !errors.Is(err, ErrClosed) {
+		t.Errorf("Get after Close: %v", err)
+	}
+	if err := e.reserve("w1"); !errors.Is(err, ErrClosed) {
+		t.Errorf("reserve after Close: %v", err)
+	}
+}
+
+func TestReserve(t *testing.T) {
+	e := newTestEngine(t, testConfig(t))
+	if err := e.reserve("a,b"); !errors.Is(err, ErrInvalidName) {
+		t.Errorf("reserve(a,b) = %v", err)
+	}
+	if err := e.reserve("w1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.reserve("w1"); !errors.Is(err, ErrExists) {
+		t.Errorf("second reserve = %v, want ErrExists", err)
+	}
+	e.unreserve("w1")
+	if err := e.reserve("w1"); err != nil {
+		t.Errorf("reserve after unreserve = %v", err)
+	}
+	writeCheckpoint(t, &e.cfg, "ck1", nil)
+	if err := e.reserve("ck1"); !errors.Is(err, ErrExists) {
+		t.Errorf("reserve of a checkpoint name = %v, want ErrExists", err)
+	}
+	os.MkdirAll(filepath.Join(e.vmsDir(), "v2"), 0o700)
+	if err := e.reserve("v2"); !errors.Is(err, ErrExists) {
+		t.Errorf("reserve of an existing vm dir = %v, want ErrExists", err)
+	}
+}
+
+// admissionEngine returns an engine whose vCPU budget is total and whose memory check
+// always passes (a negative reserve), so admission is deterministic on any host.
+func admissionEngine(t *testing.T, total int) (*Engine, float64) {
+	t.Helper()
+	e := newTestEngine(t, testConfig(t))
+	e.cfg.MemoryReserveMiB = -(1 << 30)
+	oc := (float64(total) + 0.5) / float64(runtime.NumCPU())
+	if b := e.Budget(oc); b.Total != total || b.Used != 0 || b.HostCPUs != runtime.NumCPU() {
+		t.Fatalf("Budget(%v) = %+v, want total %d", oc, b, total)
+	}
+	return e, oc
+}
+
+func TestAdmit(t *testing.T) {
+	e, oc := admissionEngine(t, 4)
+	var releases []func()
+	for i := 0; i < 4; i++ {
+		rel, err := e.admit(1, oc)
+		if err != nil {
+			t.Fatalf("admit %d: %v", i, err)
+		}
+		releases = append(releases, rel)
+	}
+	if b := e.Budget(oc); b.Used != 4 {
+		t.Errorf("Used = %d, want 4", b.Used)
+	}
+	_, err := e.admit(1, oc)
+	if !errors.Is(err, ErrAdmission) {
+		t.Fatalf("fifth admit: %v, want ErrAdmission", err)
+	}
+	var ae *AdmissionError
+	if !errors.As(err, &ae) {
+		t.Fatalf("not an *AdmissionError: %T", err)
+	}
+	if ae.Resource != "vcpu" || ae.Requested != 1 || ae.Available != 0 || ae.Budget != 4 {
+		t.Errorf("AdmissionError = %+v", ae)
+	}
+	if !strings.Contains(err.Error(), "requested 1 vCPUs, 0 available of a budget of 4") {
+		t.Errorf("message %q", err.Error())
+	}
+
+	// Releasing frees exactly one slot, once.
+	releases[0]()
+	releases[0]()
+	if b := e.Budget(oc); b.Used != 3 {
+		t.Errorf("Used after double release = %d, want 3", b.Used)
+	}
+	rel, err := e.admit(1, oc)
+	if err != nil {
+		t.Fatalf("admit after release: %v", err)
+	}
+	releases[0] = rel
+
+	// A bigger request reports what is available.
+	releases[1]()
+	releases[2]()
+	_, err = e.admit(3, oc)
+	if !errors.As(err, &ae) || ae.Requested != 3 || ae.Available != 2 || ae.Budget != 4 {
+		t.Errorf("admit(3) with 2 free = %v (%+v)", err, ae)
+	}
+	rel, err = e.admit(2, oc)
+	if err != nil {
+		t.Fatalf("admit(2) with 2 free: %v", err)
+	}
+	rel()
+	releases[0]()
+	releases[3]()
+	if b := e.Budget(oc); b.Used != 0 || e.pendingForks != 0 {
+		t.Errorf("after all releases: used %d, pending forks %d", b.Used, e.pendingForks)
+	}
+	// A request larger than the whole budget is refused on an idle engine.
+	if _, err := e.admit(5, oc); !errors.Is(err, ErrAdmission) {
+		t.Errorf("admit(5) of 4: %v", err)
+	}
+	// Overcommit 0 means the engine's.
+	if b := e.Budget(0); b.Overcommit != e.cfg.Overcommit {
+		t.Errorf("Budget(0).Overcommit = %v, want %v", b.Overcommit, e.cfg.Overcommit)
+	}
+}
+
+func TestAdmitMemory(t *testing.T) {
+	e, oc := admissionEngine(t, 4)
+	e.cfg.MemoryReserveMiB = 1 << 40 // a reserve no host has
+	_, err := e.admit(1, oc)
+	var ae *AdmissionError
+	if !errors.As(err, &ae) || ae.Resource != "memory" || !errors.Is(err, ErrAdmission) {
+		if runtime.GOOS != "linux" {
+			t.Skip("MemAvailable unsupported here")
+		}
+		t.Fatalf("admit with a huge reserve: %v", err)
+	}
+	if !strings.Contains(err.Error(), "memory") {
+		t.Errorf("message %q", err.Error())
+	}
+	if e.pendingCPUs != 0 || e.pendingForks != 0 {
+		t.Errorf("a refused admission reserved: %d cpus, %d forks", e.pendingCPUs, e.pendingForks)
+	}
+}
+
+func TestAdmitConcurrentHold(t *testing.T) {
+	const total = 10
+	e, oc := admissionEngine(t, total)
+	var ok, refused atomic.Int32
+	var mu sync.Mutex
+	var releases []func()
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := 0; i < 50; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			rel, err := e.admit(1, oc)
+			if err != nil {
+				if !errors.Is(err, ErrAdmission) {
+					t.Errorf("admit: %v", err)
+				}
+				refused.Add(1)
+				return
+			}
+			ok.Add(1)
+			mu.Lock()
+			releases = append(releases, rel)
+			mu.Unlock()
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if ok.Load() != total || refused.Load() != 50-total {
+		t.Errorf("%d admitted, %d refused; want %d and %d", ok.Load(), refused.Load(), total, 50-total)
+	}
+	for _, r := range releases {
+		r()
+	}
+	if b := e.Budget(oc); b.Used != 0 {
+		t.Errorf("Used after releases = %d", b.Used)
+	}
+}
+
+func TestAdmitConcurrentChurn(t *testing.T) {
+	const total = 7
+	e, oc := admissionEngine(t, total)
+	var inUse, maxInUse, admitted atomic.Int32
+	var wg sync.WaitGroup
+	for g := 0; g < 50; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			cpus := 1 + g%3
+			for i := 0; i < 20; i++ {
+				rel, err := e.admit(cpus, oc)
+				if err != nil {
+					if !errors.Is(err, ErrAdmission) {
+						t.Errorf("admit: %v", err)
+						return
+					}
+					runtime.Gosched()
+					continue
+				}
+				admitted.Add(1)
+				n := inUse.Add(int32(cpus))
+				for {
+					m := maxInUse.Load()
+					if n <= m || maxInUse.CompareAndSwap(m, n) {
+						break
+					}
+				}
+				if n > total {
+					t.Errorf("%d vCPUs admitted, budget %d", n, total)
+				}
+				if i%4 == 0 {
+					time.Sleep(50 * time.Microsecond)
+				}
+				inUse.Add(-int32(cpus))
+				rel()
+			}
+		}(g)
+	}
+	wg.Wait()
+	if maxInUse.Load() > total {
+		t.Errorf("max in use %d > budget %d", maxInUse.Load(), total)
+	}
+	if admitted.Load() == 0 {
+		t.Errorf("nothing admitted")
+	}
+	if b := e.Budget(oc); b.Used != 0 || e.pendingForks != 0 {
+		t.Errorf("after churn: used %d, pending forks %d", b.Used, e.pendingForks)
+	}
+}
