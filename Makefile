@@ -20,7 +20,7 @@ ITEST_TIMEOUT ?= 30m
 build:
 	@mkdir -p $(BIN)
 	$(GO) build -o $(BIN)/forkvm ./cmd/forkvm
-	@if ls cmd/forkbench/*.go >/dev/null 2>&1; then $(GO) build -o $(BIN)/forkbench ./cmd/forkbench; fi
+	$(GO) build -o $(BIN)/forkbench ./cmd/forkbench
 	CGO_ENABLED=0 GOOS=linux $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/forkvm-agent ./cmd/forkvm-agent
 
 ## setup: install QEMU >= 10 and guest tools when missing, build, build the guest image

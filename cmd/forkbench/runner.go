@@ -16,6 +16,7 @@ import (
 
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // runner is one benchmark run: the engine on its state dir, the result being built and
@@ -97,7 +98,7 @@ type benchFunc func(r *runner) error
 func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[string]any, fn benchFunc) (err error) {
 	r := &runner{
 		ctx: ctx, bench: bench,
-		shape: Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
+		shape:  Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
 		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 		home: cmd.String("home"), overcommit: cmd.Float("overcommit"),
 		held: map[string]bool{}, heldCks: map[string]bool{},
@@ -178,7 +179,6 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 			r.logf("trace: %v", err)
 		}
 	}
-	sort.SliceStable(r.samples, func(i, j int) bool { return false })
 	if err := writeOutputs(r.outDir, r.res, r.samples, r.renderReport()); err != nil {
 		return fmt.Errorf("write results: %w", err)
 	}
@@ -285,11 +285,11 @@ func isAdmission(err error) (*engine.AdmissionError, bool) {
 
 // memAvailableMB is MemAvailable in MB (-1 when unknown).
 func memAvailableMB() float64 {
-	v, err := memAvailable()
+	v, err := memfile.MemAvailable()
 	if err != nil {
 		return -1
 	}
-	return float64(v) / 1e6
+	return float64(v) / (1 << 20)
 }
 
 func numCPU() int { return runtime.NumCPU() }

@@ -1,0 +1,121 @@
+package main
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+func checkpointRestoreCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "checkpoint-restore",
+		Usage: "checkpoints of the running world, forks of each, forks of the running VM, and a fan-out (headline: checkpoint p50 ms)",
+		Flags: flags(
+			&cli.IntFlag{Name: "n", Value: 10, Usage: "checkpoints (and forks of the running VM)"},
+			&cli.IntFlag{Name: "fanout", Value: 8, Usage: "forks at once for the fan-out"},
+		),
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			n, f := cmd.Int("n"), cmd.Int("fanout")
+			if n < 1 || f < 1 {
+				return fmt.Errorf("--n and --fanout must be >= 1")
+			}
+			return runBench(ctx, cmd, "checkpoint-restore", map[string]any{"n": n, "fanout": f}, func(r *runner) error {
+				return runCheckpointRestore(r, n, f)
+			})
+		},
+	}
+}
+
+func runCheckpointRestore(r *runner, n, fanout int) error {
+	ctx := r.ctx
+	w, err := r.bakeWorld("world", "world-ck")
+	if err != nil {
+		return err
+	}
+	r.worldExtra(w)
+	var ckTotal, ckPaused, restore, running []float64
+	r.trace.Group(1, "restore of a fresh checkpoint")
+	r.trace.Group(2, "fork of the running VM")
+	for i := 1; i <= n; i++ {
+		ckName := fmt.Sprintf("ck%d", i)
+		ck, err := r.e.Checkpoint(ctx, w.Name, ckName, nil)
+		if err != nil {
+			r.fail("checkpoint %s: %v", ckName, err)
+			r.addSample(Sample{Group: "checkpoint", Index: i - 1, Name: ckName, Error: err.Error()})
+			continue
+		}
+		ckTotal = append(ckTotal, ms(ck.Manifest.Timings.Total))
+		ckPaused = append(ckPaused, ms(ck.Manifest.Timings.Paused))
+		r.addSample(Sample{Group: "checkpoint", Index: i - 1, Name: ckName, OK: true, LatencyMS: ms(ck.Manifest.Timings.Total)})
+		name := fmt.Sprintf("r%d", i)
+		vm, s := r.serialFork(ckName, name, "restore", i-1, 1)
+		r.addSample(s)
+		if s.OK {
+			restore = append(restore, s.LatencyMS)
+		} else {
+			r.fail("restore %s: %s", name, s.Error)
+		}
+		if vm != nil {
+			_ = r.e.Delete(ctx, name)
+		}
+		// The unpinned checkpoint goes with its last fork; remove it if it did not fork.
+		if _, err := r.e.LoadCheckpoint(ckName); err == nil {
+			_ = r.e.DeleteCheckpoint(ctx, ckName, true)
+		}
+		name = fmt.Sprintf("rv%d", i)
+		vm, s = r.serialFork(w.Name, name, "fork-running", i-1, 2)
+		r.addSample(s)
+		if s.OK {
+			running = append(running, s.LatencyMS)
+		} else {
+			r.fail("fork of running vm %s: %s", name, s.Error)
+		}
+		if vm != nil {
+			_ = r.e.Delete(ctx, name)
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+	}
+	wr, err := r.wave(fmt.Sprintf("fanout%d", fanout), w.Ck, fanout, engine.ManyOptions{Prefix: "fo-"}, nil)
+	if err != nil {
+		if wr != nil {
+			r.deleteAll(wr.Ready)
+		}
+		return err
+	}
+	r.recordWave(3, wr, nil)
+	for _, e := range wr.FailedErrs {
+		r.fail("fanout: %s", e)
+	}
+	if r.hold {
+		var names []string
+		for _, vm := range wr.Ready {
+			names = append(names, vm.Name())
+		}
+		r.keep(w.Ck, names...)
+	} else {
+		r.deleteAll(wr.Ready)
+	}
+	pc := summarize(ckTotal)
+	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "checkpoint_p50_ms", round3(pc.P50), "ms", "p50"
+	r.res.N = len(ckTotal)
+	r.res.Percentiles = roundP(pc)
+	r.res.Extra["checkpoint_ms"] = roundP(pc)
+	r.res.Extra["checkpoint_paused_ms"] = roundP(summarize(ckPaused))
+	r.res.Extra["restore_ms"] = roundP(summarize(restore))
+	r.res.Extra["fork_running_vm_ms"] = roundP(summarize(running))
+	r.res.Extra["fanout"] = map[string]any{"n": fanout, "ready": wr.ReadyCount(), "refused": wr.AdmissionCount, "wall_ms": round3(ms(wr.Wall)),
+		"private_mb_per_fork": round3(wr.PrivateMBPerFork()), "admission": wr.admissionText()}
+	r.res.Method = fmt.Sprintf("%d times: an unpinned checkpoint of the running world (dirtied %d MB; checkpoint ms = engine Timings.Total, paused = Timings.Paused), a fork of it until the first `sh -c true` answered (restore ms), deleted with the checkpoint; then engine.Fork of the running world VM by name (implicit checkpoint + fork + first command, fork-of-running-VM ms). Finally %d forks at once (ForkMany) of the pinned world checkpoint: wall first start to last ready, host memory added per running fork = MemAvailable drop / ready forks. Percentiles are over checkpoint Total ms.",
+		n, r.shape.DirtyMB, fanout)
+	r.section("## Checkpoint / restore\n\ncheckpoint p50 %.0f ms (paused p50 %.0f ms); restore (fork of a fresh checkpoint → first command) p50 %.0f ms; fork of the running VM (implicit checkpoint) p50 %.0f ms; %d forks at once: wall %.0f ms, %.1f MiB host memory per running fork.\n\n",
+		pc.P50, median(ckPaused), median(restore), median(running), fanout, ms(wr.Wall), wr.PrivateMBPerFork())
+	if wr.AdmissionCount > 0 {
+		r.section("**Admission stop:** %s.\n\n", wr.admissionText())
+	}
+	return nil
+}

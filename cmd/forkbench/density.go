@@ -1,0 +1,140 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+func densityCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "density",
+		Usage: "grow a population of idle forks step by step until a step fails (headline: last passing population)",
+		Flags: flags(
+			&cli.IntFlag{Name: "step", Value: 16, Usage: "forks added per step"},
+			&cli.IntFlag{Name: "max", Value: 512, Usage: "stop at this population"},
+			&cli.IntFlag{Name: "cmds", Value: 10, Usage: "serial `sh -c true` round trips per fork per step"},
+		),
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			step, mx, cmds := cmd.Int("step"), cmd.Int("max"), cmd.Int("cmds")
+			if step < 1 || mx < step || cmds < 1 {
+				return fmt.Errorf("need --step >= 1, --max >= --step, --cmds >= 1")
+			}
+			return runBench(ctx, cmd, "density", map[string]any{"step": step, "max": mx, "cmds": cmds}, func(r *runner) error {
+				return runDensity(r, step, mx, cmds)
+			})
+		},
+	}
+}
+
+func runDensity(r *runner, step, mx, cmds int) error {
+	w, err := r.bakeWorld("world", "world-ck")
+	if err != nil {
+		return err
+	}
+	r.worldExtra(w)
+	var pop []*engine.VM
+	defer func() {
+		if !r.hold {
+			r.deleteAll(pop)
+		}
+	}()
+	steps := []map[string]any{}
+	lastPass := 0
+	stopReason := fmt.Sprintf("reached --max %d", mx)
+	var bars []Bar
+	for k := 1; len(pop) < mx; k++ {
+		n := min(step, mx-len(pop))
+		label := fmt.Sprintf("step%d", k)
+		wr, err := r.wave(label, w.Ck, n, engine.ManyOptions{Prefix: fmt.Sprintf("d%d-", k)}, nil)
+		if err != nil {
+			if wr != nil {
+				pop = append(pop, wr.Ready...)
+			}
+			return err
+		}
+		r.recordWave(k, wr, nil)
+		pop = append(pop, wr.Ready...)
+		st := map[string]any{"step": k, "population": len(pop), "added": wr.ReadyCount(), "fork_wall_ms": round3(ms(wr.Wall)),
+			"mem_available_mb": round3(wr.MemAfterMB)}
+		if wr.ReadyCount() < n {
+			st["passed"] = false
+			if wr.AdmissionCount > 0 {
+				stopReason = fmt.Sprintf("step %d: %s", k, wr.admissionText())
+			} else {
+				stopReason = fmt.Sprintf("step %d: %d forks failed: %v", k, wr.Failed, wr.FailedErrs)
+			}
+			st["stop"] = stopReason
+			steps = append(steps, st)
+			break
+		}
+		// Every fork (old and new) answers cmds serial round trips; all forks in parallel.
+		var mu sync.Mutex
+		var lat []float64
+		var cmdErr []string
+		var wg sync.WaitGroup
+		for _, vm := range pop {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range cmds {
+					d, err := firstCmd(r.ctx, vm)
+					mu.Lock()
+					if err != nil {
+						cmdErr = append(cmdErr, err.Error())
+						mu.Unlock()
+						return
+					}
+					lat = append(lat, ms(d))
+					mu.Unlock()
+				}
+			}()
+		}
+		wg.Wait()
+		pc := summarize(lat)
+		st["cmd_p50_ms"], st["cmd_p95_ms"], st["cmd_max_ms"] = round3(pc.P50), round3(pc.P95), round3(pc.Max)
+		r.logf("%s: population %d, command p95 %.0f ms", label, len(pop), pc.P95)
+		bars = append(bars, Bar{Label: fmt.Sprintf("%4d forks", len(pop)), Value: pc.P95})
+		if len(cmdErr) > 0 {
+			st["passed"] = false
+			stopReason = fmt.Sprintf("step %d: %d commands failed: %s", k, len(cmdErr), cmdErr[0])
+			st["stop"] = stopReason
+			steps = append(steps, st)
+			break
+		}
+		st["passed"] = true
+		steps = append(steps, st)
+		lastPass = len(pop)
+		if err := r.ctx.Err(); err != nil {
+			return err
+		}
+	}
+	if r.hold {
+		var names []string
+		for _, vm := range pop {
+			names = append(names, vm.Name())
+		}
+		r.keep(w.Ck, names...)
+	}
+	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "density_forks", float64(lastPass), "forks", "last passing population"
+	r.res.N = lastPass
+	var p95s []float64
+	for _, s := range steps {
+		if v, ok := s["cmd_p95_ms"].(float64); ok {
+			p95s = append(p95s, v)
+		}
+	}
+	r.res.Percentiles = roundP(summarize(p95s))
+	r.res.Extra["percentiles_of"] = "per-step command p95 (ms)"
+	r.res.Extra["steps"] = steps
+	r.res.Extra["stop"] = stopReason
+	r.res.Method = fmt.Sprintf("Density: grow a population of idle forks of a pinned checkpoint (world dirtied %d MB) by %d per step (ForkMany); after each step every fork, old and new, answers %d serial `sh -c true` round trips (all forks in parallel); stop at the first fork failure, admission refusal or command failure, or at %d forks; value = last population where every step passed. A refusal or failure at a step is the measured stop, not a failure of the run.", r.shape.DirtyMB, step, cmds, mx)
+	r.section("## Density\n\nLast passing population: %d forks. Stop: %s.\n\nCommand p95 per step:\n\n```\n%s```\n\n", lastPass, stopReason, asciiChart(bars, 40, "ms"))
+	_ = time.Now
+	return nil
+}

@@ -1,0 +1,127 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/memfile"
+)
+
+func forkCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "fork",
+		Usage: "serial forks: fork → first `sh -c true` → delete, n times (headline: p50 ms)",
+		Flags: flags(
+			&cli.IntFlag{Name: "n", Value: 30, Usage: "forks"},
+			&cli.BoolFlag{Name: "peer", Usage: "also measure the stock path: full save + restore"},
+			&cli.IntFlag{Name: "peer-n", Value: 3, Usage: "serial restores of the full save (with --peer)"},
+		),
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			n := cmd.Int("n")
+			if n < 1 {
+				return fmt.Errorf("--n must be >= 1")
+			}
+			settings := map[string]any{"n": n, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n")}
+			return runBench(ctx, cmd, "fork", settings, func(r *runner) error {
+				return runFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"))
+			})
+		},
+	}
+}
+
+// serialFork forks src as name, runs the first command and returns the sample (the VM is
+// left running).
+func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM, Sample) {
+	s := Sample{Group: group, Index: index, Name: name}
+	t0 := time.Now()
+	vm, err := r.e.Fork(r.ctx, src, engine.ForkOptions{Name: name})
+	if err != nil {
+		s.LatencyMS, s.Error = ms(time.Since(t0)), err.Error()
+		return nil, s
+	}
+	ready := time.Now()
+	if u, sy, err := memfile.ProcessCPU(vm.PID()); err == nil {
+		s.CPUUserMS, s.CPUSysMS = ms(u), ms(sy)
+	}
+	d, err := firstCmd(r.ctx, vm)
+	s.LatencyMS = ms(time.Since(t0))
+	s.FirstCmdMS = ms(d)
+	t := vm.Info().Timings
+	s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(t.Prepare), ms(t.Spawn), ms(t.Restore), ms(t.Agent)
+	if err != nil {
+		s.Error = err.Error()
+		return vm, s
+	}
+	s.OK = true
+	r.trace.ForkSpans(pid, index+1, name, t0, phases{t.Prepare, t.Spawn, t.Restore, t.Agent}, ready, d,
+		map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "qemu_pid": vm.PID()})
+	return vm, s
+}
+
+func runFork(r *runner, n int, peer bool, peerN int) error {
+	w, err := r.bakeWorld("world", "world-ck")
+	if err != nil {
+		return err
+	}
+	r.worldExtra(w)
+	r.trace.Group(1, "serial forks")
+	var lat, prep, spawn, rest, agent, cmd []float64
+	var bars []Bar
+	for i := range n {
+		name := fmt.Sprintf("f%d", i+1)
+		vm, s := r.serialFork(w.Ck, name, "serial", i, 1)
+		r.addSample(s)
+		if s.OK {
+			lat = append(lat, s.LatencyMS)
+			prep, spawn, rest = append(prep, s.PrepareMS), append(spawn, s.SpawnMS), append(rest, s.RestoreMS)
+			agent, cmd = append(agent, s.AgentMS), append(cmd, s.FirstCmdMS)
+			bars = append(bars, Bar{Label: name, Value: s.LatencyMS})
+		} else {
+			r.fail("fork %s: %s", name, s.Error)
+		}
+		if vm != nil {
+			if r.hold && i == n-1 {
+				r.keep(w.Ck, name)
+			} else if err := r.e.Delete(r.ctx, name); err != nil {
+				return fmt.Errorf("delete %s: %w", name, err)
+			}
+		}
+		if err := r.ctx.Err(); err != nil {
+			return err
+		}
+	}
+	// Isolation: two more forks, checked against each other and in full.
+	var iso []*engine.VM
+	for _, nm := range []string{"iso-a", "iso-b"} {
+		vm, err := r.e.Fork(r.ctx, w.Ck, engine.ForkOptions{Name: nm})
+		if err != nil {
+			r.fail("isolation fork %s: %v", nm, err)
+			continue
+		}
+		iso = append(iso, vm)
+	}
+	rep := r.checkIsolation(w, iso, nil, []int{0, 1})
+	r.deleteAll(iso)
+	pc := summarize(lat)
+	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "fork_p50_ms", round3(pc.P50), "ms", "p50"
+	r.res.N = len(lat)
+	r.res.Percentiles = roundP(pc)
+	r.res.Extra["phase_p50_ms"] = map[string]any{
+		"prepare": round3(median(prep)), "spawn": round3(median(spawn)), "restore": round3(median(rest)),
+		"agent": round3(median(agent)), "first_command": round3(median(cmd)),
+	}
+	r.res.Extra["isolation"] = rep
+	r.res.Method = fmt.Sprintf("Serial: for i in 1..%d, t0; engine.Fork of a pinned checkpoint of a world VM that dirtied %d MB of RAM; the first `sh -c true` through the agent; t1; delete the fork; sample = t1 - t0. Phase medians come from the engine's PhaseTimings. Two extra forks (iso-a, iso-b) run the isolation check, both with the full world-state check. %s",
+		n, r.shape.DirtyMB, r.isoMethod())
+	r.section("## Serial forks\n\nfork → first command p50 %.0f ms (p90 %.0f, p99 %.0f, min %.0f, max %.0f) over %d. Phase medians: prepare %.1f ms, spawn %.1f ms, restore %.1f ms, agent %.1f ms, first command %.1f ms.\n\n```\n%s```\n\nIsolation: %d forks cheap-checked, full world state on %v, failures %d.\n\n",
+		pc.P50, pc.P90, pc.P99, pc.Min, pc.Max, len(lat), median(prep), median(spawn), median(rest), median(agent), median(cmd), asciiChart(bars, 40, "ms"),
+		rep.CheapChecked, rep.FullChecked, len(rep.Failures))
+	if peer {
+		return r.runPeer(w, peerN, true, pc.P50)
+	}
+	return nil
+}

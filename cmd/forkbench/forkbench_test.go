@@ -1,0 +1,203 @@
+package main
+
+import (
+	"bytes"
+	"encoding/csv"
+	"encoding/json"
+	"math"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestPercentiles(t *testing.T) {
+	tests := []struct {
+		name string
+		xs   []float64
+		q    float64
+		want float64
+	}{
+		{"empty", nil, 50, 0},
+		{"one", []float64{7}, 99, 7},
+		{"median odd", []float64{3, 1, 2}, 50, 2},
+		{"median even", []float64{4, 1, 3, 2}, 50, 2.5},
+		{"min", []float64{5, 9, 1}, 0, 1},
+		{"max", []float64{5, 9, 1}, 100, 9},
+		{"p90 of 1..10", []float64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 90, 9.1},
+		{"p95 of 1..100", seq(100), 95, 95.05},
+		{"p99 of 1..100", seq(100), 99, 99.01},
+		{"clamped", []float64{1, 2}, 150, 2},
+	}
+	for _, tt := range tests {
+		if got := percentile(tt.xs, tt.q); math.Abs(got-tt.want) > 1e-9 {
+			t.Errorf("%s: percentile(%v, %v) = %v, want %v", tt.name, tt.xs, tt.q, got, tt.want)
+		}
+	}
+	xs := []float64{10, 30, 20}
+	p := summarize(xs)
+	if p.P50 != 20 || p.Min != 10 || p.Max != 30 || xs[0] != 10 {
+		t.Errorf("summarize = %+v (input %v must stay unsorted)", p, xs)
+	}
+	if (summarize(nil) != Percentiles{}) {
+		t.Error("summarize(nil) not zero")
+	}
+}
+
+func seq(n int) []float64 {
+	out := make([]float64, n)
+	for i := range out {
+		out[i] = float64(i + 1)
+	}
+	return out
+}
+
+func TestResultJSONHasEverySchemaField(t *testing.T) {
+	r := &Result{Schema: SchemaVersion, Bench: "fanout", Metric: "wave64_wall_s", Value: 1.5, Unit: "s", Stat: "wall", N: 3,
+		Extra: map[string]any{"bad": math.NaN()}}
+	var buf bytes.Buffer
+	if err := writeResultJSON(&buf, r); err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(buf.Bytes(), &m); err != nil {
+		t.Fatalf("result.json is not JSON: %v\n%s", err, buf.String())
+	}
+	for _, k := range []string{"schema", "bench", "metric", "value", "unit", "stat", "n", "percentiles", "extra", "measured_at",
+		"build", "host", "environment", "method", "caveats", "ok", "failures"} {
+		if _, ok := m[k]; !ok {
+			t.Errorf("missing %q", k)
+		}
+	}
+	sub := map[string][]string{
+		"percentiles": {"p50", "p90", "p95", "p99", "min", "max"},
+		"build":       {"forkvm", "qemu", "kernel", "go"},
+		"host":        {"model", "cpus", "memory_gb", "os", "kernel", "accel"},
+		"environment": {"shape", "settings", "load_avg_before", "other_vms"},
+	}
+	for k, fields := range sub {
+		obj, _ := m[k].(map[string]any)
+		for _, f := range fields {
+			if _, ok := obj[f]; !ok {
+				t.Errorf("missing %s.%s", k, f)
+			}
+		}
+	}
+	shape, _ := m["environment"].(map[string]any)["shape"].(map[string]any)
+	for _, f := range []string{"cpus", "memory_mb", "dirty_mb", "disk_mb"} {
+		if _, ok := shape[f]; !ok {
+			t.Errorf("missing environment.shape.%s", f)
+		}
+	}
+	if c, ok := m["caveats"].([]any); !ok || c == nil {
+		t.Errorf("caveats = %v, want []", m["caveats"])
+	}
+	if m["schema"] != "forkvm.bench-result/v1" {
+		t.Errorf("schema = %v", m["schema"])
+	}
+	if v := m["extra"].(map[string]any)["bad"]; v != 0.0 {
+		t.Errorf("NaN not sanitized: %v", v)
+	}
+}
+
+func TestTraceShape(t *testing.T) {
+	t0 := time.Now()
+	tr := newTrace(t0)
+	tr.Group(1, "wave8")
+	tr.ForkSpans(1, 1, "w8-1", t0.Add(time.Millisecond), phases{time.Millisecond, 50 * time.Millisecond, time.Millisecond, 100 * time.Millisecond},
+		t0.Add(200*time.Millisecond), 20*time.Millisecond, map[string]any{"cpu_user_ms": 12.0})
+	var nilTrace *Trace
+	nilTrace.Span(1, 1, "x", "y", t0, time.Second, nil) // must not panic
+	var buf bytes.Buffer
+	if _, err := tr.WriteTo(&buf); err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		TraceEvents []TraceEvent `json:"traceEvents"`
+	}
+	if err := json.Unmarshal(buf.Bytes(), &doc); err != nil {
+		t.Fatal(err)
+	}
+	var spans []string
+	var lastEnd float64
+	for _, e := range doc.TraceEvents {
+		if e.Ph != "X" {
+			if e.Ph != "M" {
+				t.Errorf("unexpected phase %q", e.Ph)
+			}
+			continue
+		}
+		spans = append(spans, e.Name)
+		if e.Pid != 1 || e.Tid != 1 || e.Dur <= 0 || e.Args["cpu_user_ms"] != 12.0 {
+			t.Errorf("bad span %+v", e)
+		}
+		if e.Ts+1e-6 < lastEnd {
+			t.Errorf("span %s at %v overlaps previous end %v", e.Name, e.Ts, lastEnd)
+		}
+		lastEnd = e.Ts + e.Dur
+	}
+	if got := strings.Join(spans, ","); got != "prepare,spawn,restore,agent,first-command" {
+		t.Errorf("spans = %s", got)
+	}
+	if doc.TraceEvents[len(doc.TraceEvents)-5].Ts != 1000 {
+		t.Errorf("prepare ts = %v us, want 1000", doc.TraceEvents[len(doc.TraceEvents)-5].Ts)
+	}
+}
+
+func TestCSVHeader(t *testing.T) {
+	var buf bytes.Buffer
+	err := writeCSV(&buf, []Sample{{Bench: "fork", Group: "serial", Index: 2, Name: "f3", OK: true, LatencyMS: 170.12345, Error: "a, \"b\""}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows, err := csv.NewReader(&buf).ReadAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "bench,wave,index,name,ok,latency_ms,prepare_ms,spawn_ms,restore_ms,agent_ms,first_cmd_ms,cpu_user_ms,cpu_sys_ms,anon_mb,error"
+	if got := strings.Join(rows[0], ","); got != want {
+		t.Errorf("header = %s\nwant     %s", got, want)
+	}
+	if len(rows) != 2 || rows[1][0] != "fork" || rows[1][5] != "170.123" || rows[1][14] != "a, \"b\"" || rows[1][4] != "true" {
+		t.Errorf("row = %v", rows[1])
+	}
+}
+
+func TestASCIIChart(t *testing.T) {
+	out := asciiChart([]Bar{{"a", 100}, {"bbb", 50}, {"c", 0}}, 10, "ms")
+	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
+	if len(lines) != 3 {
+		t.Fatalf("lines = %q", lines)
+	}
+	if !strings.HasPrefix(lines[0], "a   |##########") || !strings.HasSuffix(lines[0], "100 ms") {
+		t.Errorf("line 0 = %q", lines[0])
+	}
+	if !strings.HasPrefix(lines[1], "bbb |#####     ") {
+		t.Errorf("line 1 = %q", lines[1])
+	}
+	if strings.Contains(lines[2], "#") {
+		t.Errorf("zero bar drawn: %q", lines[2])
+	}
+	h := histogramBars([]float64{1, 2, 3, 10}, 3)
+	total := 0.0
+	for _, b := range h {
+		total += b.Value
+	}
+	if len(h) != 3 || total != 4 || h[0].Value != 3 {
+		t.Errorf("histogram = %+v", h)
+	}
+}
+
+func TestParseInts(t *testing.T) {
+	got, err := parseInts("8, 32,64")
+	if err != nil || len(got) != 3 || got[2] != 64 {
+		t.Errorf("parseInts = %v, %v", got, err)
+	}
+	for _, bad := range []string{"", "x", "0", "1,-2"} {
+		if _, err := parseInts(bad); err == nil {
+			t.Errorf("parseInts(%q) accepted", bad)
+		}
+	}
+	if s := sampleIndices(64); len(s) < 2 || s[0] != 0 || s[len(s)-1] != 63 {
+		t.Errorf("sampleIndices = %v", s)
+	}
+}

@@ -1,0 +1,142 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+// runPeer measures the stock path a user would take instead of a fork: a full save of
+// the world (engine.Save: stop + migrate all RAM), then n serial restores (engine.Restore
+// with anonymous RAM) until the first `sh -c true` answered; and, when coldBoot, one cold
+// boot (engine.Create + first command). forkP50 (ms) is the forkvm figure to compare.
+func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error {
+	if n < 1 {
+		n = 1
+	}
+	ctx := r.ctx
+	path := filepath.Join(r.home, "peer.sav")
+	defer os.Remove(path)
+	src := w.Name
+	if r.shape.DiskMiB > 0 {
+		// engine.Restore attaches no disk, and QEMU refuses a save stream that carries a
+		// virtio-blk device the destination lacks; save a diskless twin of the world.
+		r.caveat("peer: engine.Restore restores no disk and QEMU rejects a stream with a disk device it lacks, so the peer saves a diskless twin of the world (same shape, same %d MB dirtied) instead of the world itself", r.shape.DirtyMB)
+		old := r.shape.DiskMiB
+		r.shape.DiskMiB = 0
+		twin, err := r.bakeWorld("peer-src", "")
+		r.shape.DiskMiB = old
+		if err != nil {
+			return fmt.Errorf("peer: twin: %w", err)
+		}
+		src = twin.Name
+		defer func() { _ = r.e.Delete(ctx, twin.Name) }()
+	}
+	saveDur, err := r.e.Save(ctx, src, path)
+	if err != nil {
+		return fmt.Errorf("peer: save: %w", err)
+	}
+	var size int64
+	if st, err := os.Stat(path); err == nil {
+		size = st.Size()
+	}
+	r.logf("peer: full save of %s: %.0f ms, %.0f MiB", src, ms(saveDur), float64(size)/(1<<20))
+	var restores []float64
+	var restoreErr string
+	for i := 1; i <= n; i++ {
+		name := fmt.Sprintf("peer-%d", i)
+		t0 := time.Now()
+		vm, err := r.e.Restore(ctx, path, engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB})
+		s := Sample{Group: "peer-restore", Index: i - 1, Name: name}
+		if err != nil {
+			s.Error, s.LatencyMS = err.Error(), ms(time.Since(t0))
+			r.addSample(s)
+			restoreErr = err.Error()
+			r.fail("peer restore %s: %v", name, err)
+			break
+		}
+		tc := time.Now()
+		d, err := firstCmd(ctx, vm)
+		total := time.Since(t0)
+		inf := vm.Info()
+		s.OK = err == nil
+		s.LatencyMS, s.FirstCmdMS = ms(total), ms(d)
+		s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(inf.Timings.Prepare), ms(inf.Timings.Spawn), ms(inf.Timings.Restore), ms(inf.Timings.Agent)
+		if err != nil {
+			s.Error = err.Error()
+			r.fail("peer restore %s: first command: %v", name, err)
+		} else {
+			restores = append(restores, ms(total))
+		}
+		r.addSample(s)
+		r.trace.Group(9000, "peer restore")
+		r.trace.ForkSpans(9000, i, name, t0, phases{inf.Timings.Prepare, inf.Timings.Spawn, inf.Timings.Restore, inf.Timings.Agent}, tc, d, nil)
+		if err := r.e.Delete(ctx, name); err != nil {
+			r.logf("peer: delete %s: %v", name, err)
+		}
+	}
+	peer := map[string]any{
+		"save_ms": round3(ms(saveDur)), "save_mb": round3(float64(size) / (1 << 20)), "restores": len(restores),
+		"restore_to_first_cmd_ms": roundAll(restores),
+	}
+	rp50 := median(restores)
+	peer["restore_p50_ms"] = round3(rp50)
+	peer["fork_p50_ms"] = round3(forkP50)
+	if rp50 > 0 && forkP50 > 0 {
+		peer["forkvm_vs_restore_ratio"] = round3(forkP50 / rp50)
+		peer["restore_vs_forkvm_speedup"] = round3(rp50 / forkP50)
+	}
+	if restoreErr != "" {
+		peer["restore_error"] = restoreErr
+	}
+	r.section("## Peer (stock path)\n\nFull save of the world (engine.Save, stop + migrate all RAM): %.0f ms, %.0f MiB. Restore (engine.Restore, anonymous RAM) → first `sh -c true`: p50 %.0f ms over %d (%v).\n\n",
+		ms(saveDur), float64(size)/(1<<20), rp50, len(restores), roundAll(restores))
+	if coldBoot {
+		name := "peer-cold"
+		t0 := time.Now()
+		vm, err := r.e.Create(ctx, r.worldSpec(name, false))
+		if err != nil {
+			r.fail("peer cold boot: %v", err)
+			peer["cold_boot_error"] = err.Error()
+		} else {
+			d, err := firstCmd(ctx, vm)
+			total := time.Since(t0)
+			s := Sample{Group: "peer-cold-boot", Name: name, OK: err == nil, LatencyMS: ms(total), FirstCmdMS: ms(d)}
+			if err != nil {
+				s.Error = err.Error()
+				r.fail("peer cold boot: first command: %v", err)
+			} else {
+				peer["cold_boot_ms"] = round3(ms(total))
+				if forkP50 > 0 {
+					peer["forkvm_vs_cold_boot_ratio"] = round3(forkP50 / ms(total))
+					peer["cold_boot_vs_forkvm_speedup"] = round3(ms(total) / forkP50)
+				}
+				r.section("Cold boot (engine.Create → first `sh -c true`): %.0f ms.\n\n", ms(total))
+			}
+			r.addSample(s)
+			if err := r.e.Delete(ctx, name); err != nil {
+				r.logf("peer: delete %s: %v", name, err)
+			}
+		}
+	}
+	if v, ok := peer["forkvm_vs_restore_ratio"]; ok {
+		r.section("**forkvm/peer ratio** (fork p50 %.0f ms / restore p50 %.0f ms): %v (restore is %v× slower).\n\n", forkP50, rp50, v, peer["restore_vs_forkvm_speedup"])
+	}
+	if v, ok := peer["forkvm_vs_cold_boot_ratio"]; ok {
+		r.section("**forkvm/cold boot ratio**: %v (cold boot is %v× slower).\n\n", v, peer["cold_boot_vs_forkvm_speedup"])
+	}
+	r.res.Extra["peer"] = peer
+	r.res.Method += " Peer: engine.Save of the world to a file in the state dir (full RAM, VM stopped while saving), then serial engine.Restore (anonymous RAM, no disk) until the first `sh -c true` answered; the ratio is forkvm p50 / restore p50."
+	return nil
+}
+
+func roundAll(xs []float64) []float64 {
+	out := make([]float64, len(xs))
+	for i, x := range xs {
+		out[i] = round3(x)
+	}
+	return out
+}

@@ -1,0 +1,247 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// WaveResult is one ForkMany call as measured.
+type WaveResult struct {
+	Label      string
+	N          int
+	Events     []engine.ForkEvent // by index
+	Ready      []*engine.VM       // ready forks by index
+	CPU        map[string][2]time.Duration
+	FirstStart time.Time
+	LastReady  time.Time
+	Wall       time.Duration // first start -> last ready
+	// Admission: the first refusal (in fork order), the index it happened at and how many
+	// forks were refused.
+	Admission      *engine.AdmissionError
+	AdmissionIndex int
+	AdmissionCount int
+	Failed         int // failures other than admission
+	FailedErrs     []string
+	MemBeforeMB    float64
+	MemAfterMB     float64
+	CmdMS          map[string]float64
+	CmdStart       map[string]time.Time
+}
+
+// ReadyCount is the number of forks that became ready.
+func (w *WaveResult) ReadyCount() int { return len(w.Ready) }
+
+// PrivateMBPerFork is host memory added (MemAvailable drop) per ready fork.
+func (w *WaveResult) PrivateMBPerFork() float64 {
+	if len(w.Ready) == 0 || w.MemBeforeMB < 0 || w.MemAfterMB < 0 {
+		return 0
+	}
+	return (w.MemBeforeMB - w.MemAfterMB) / float64(len(w.Ready))
+}
+
+// progressLine prints a live status line on a TTY.
+type progressLine struct {
+	on    bool
+	label string
+	n     int
+	t0    time.Time
+}
+
+func (p *progressLine) update(ready, failed int) {
+	if !p.on {
+		return
+	}
+	fmt.Fprintf(os.Stderr, "\r\033[K%s: started %d  ready %d  failed %d  (%.1fs)", p.label, p.n, ready, failed, time.Since(p.t0).Seconds())
+}
+
+func (p *progressLine) done() {
+	if p.on {
+		fmt.Fprintln(os.Stderr)
+	}
+}
+
+// wave runs ForkMany(src, n, opts) and collects every event. onReady, when set, is called
+// (in its own goroutine) for each ready fork; wave waits for those calls to finish.
+func (r *runner) wave(label, src string, n int, opts engine.ManyOptions, onReady func(ev engine.ForkEvent)) (*WaveResult, error) {
+	w := &WaveResult{Label: label, N: n, Events: make([]engine.ForkEvent, n), CPU: map[string][2]time.Duration{},
+		AdmissionIndex: -1, CmdMS: map[string]float64{}, CmdStart: map[string]time.Time{}, FailedErrs: []string{}}
+	if opts.Overcommit == 0 {
+		opts.Overcommit = r.overcommit
+	}
+	w.MemBeforeMB = memAvailableMB()
+	pl := &progressLine{on: r.progress, label: label, n: n, t0: time.Now()}
+	ch, err := r.e.ForkMany(r.ctx, src, n, opts)
+	if err != nil {
+		return nil, fmt.Errorf("%s: ForkMany: %w", label, err)
+	}
+	var hooks sync.WaitGroup
+	ready, failed := 0, 0
+	var adm []engine.ForkEvent
+	for ev := range ch {
+		w.Events[ev.Index] = ev
+		if w.FirstStart.IsZero() || ev.Start.Before(w.FirstStart) {
+			w.FirstStart = ev.Start
+		}
+		if ev.Err != nil {
+			failed++
+			if _, ok := isAdmission(ev.Err); ok {
+				adm = append(adm, ev)
+			} else {
+				w.Failed++
+				w.FailedErrs = append(w.FailedErrs, fmt.Sprintf("%s: %v", ev.Name, ev.Err))
+			}
+		} else {
+			ready++
+			if u, s, err := memfile.ProcessCPU(ev.VM.PID()); err == nil {
+				w.CPU[ev.Name] = [2]time.Duration{u, s}
+			}
+			if ev.Done.After(w.LastReady) {
+				w.LastReady = ev.Done
+			}
+			if onReady != nil {
+				hooks.Add(1)
+				go func() { defer hooks.Done(); onReady(ev) }()
+			}
+		}
+		pl.update(ready, failed)
+	}
+	pl.done()
+	hooks.Wait()
+	if ready > 0 {
+		w.Wall = w.LastReady.Sub(w.FirstStart)
+	}
+	w.MemAfterMB = memAvailableMB()
+	for _, ev := range w.Events {
+		if ev.VM != nil && ev.Err == nil {
+			w.Ready = append(w.Ready, ev.VM)
+		}
+	}
+	if len(adm) > 0 {
+		sort.Slice(adm, func(i, j int) bool { return adm[i].Index < adm[j].Index })
+		w.AdmissionIndex = adm[0].Index
+		w.AdmissionCount = len(adm)
+		w.Admission, _ = isAdmission(adm[0].Err)
+	}
+	return w, r.ctx.Err()
+}
+
+// firstCommands runs `sh -c true` once in every ready fork of w, in parallel.
+func (r *runner) firstCommands(w *WaveResult) {
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, vm := range w.Ready {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t := time.Now()
+			d, err := firstCmd(r.ctx, vm)
+			mu.Lock()
+			defer mu.Unlock()
+			w.CmdStart[vm.Name()] = t
+			if err != nil {
+				w.Failed++
+				w.FailedErrs = append(w.FailedErrs, err.Error())
+				r.fail("first command: %v", err)
+				return
+			}
+			w.CmdMS[vm.Name()] = ms(d)
+		}()
+	}
+	wg.Wait()
+}
+
+// recordWave adds one sample per fork of w, and trace spans (pid = group).
+func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
+	r.trace.Group(group, w.Label)
+	for _, ev := range w.Events {
+		if ev.Name == "" {
+			continue
+		}
+		s := Sample{Group: w.Label, Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: ms(ev.Latency())}
+		if ev.Err != nil {
+			s.Error = ev.Err.Error()
+			r.addSample(s)
+			continue
+		}
+		t := ev.Timings
+		s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(t.Prepare), ms(t.Spawn), ms(t.Restore), ms(t.Agent)
+		s.FirstCmdMS = w.CmdMS[ev.Name]
+		cpu := w.CPU[ev.Name]
+		s.CPUUserMS, s.CPUSysMS = ms(cpu[0]), ms(cpu[1])
+		if m, ok := mems[ev.Name]; ok {
+			s.AnonMB = m.AnonMB
+		}
+		r.addSample(s)
+		args := map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "latency_ms": round3(s.LatencyMS), "anon_mb": round3(s.AnonMB)}
+		if ev.VM != nil {
+			args["qemu_pid"] = ev.VM.PID()
+		}
+		r.trace.ForkSpans(group, ev.Index+1, ev.Name, ev.Start, phases{t.Prepare, t.Spawn, t.Restore, t.Agent},
+			w.CmdStart[ev.Name], time.Duration(s.FirstCmdMS*float64(time.Millisecond)), args)
+	}
+}
+
+// latencies returns the latencies (ms) of ready forks.
+func (w *WaveResult) latencies() []float64 {
+	var xs []float64
+	for _, ev := range w.Events {
+		if ev.Err == nil && ev.Name != "" {
+			xs = append(xs, ms(ev.Latency()))
+		}
+	}
+	return xs
+}
+
+// measureMems reads the memory of every ready fork.
+func (r *runner) measureMems(w *WaveResult, ramPath string) map[string]forkMem {
+	out := map[string]forkMem{}
+	for _, vm := range w.Ready {
+		if m, err := measureMem(vm.PID(), ramPath); err == nil {
+			out[vm.Name()] = m
+		}
+	}
+	return out
+}
+
+// deleteAll deletes the given VMs (in parallel, bounded).
+func (r *runner) deleteAll(vms []*engine.VM) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for _, vm := range vms {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			if err := r.e.Delete(ctx, vm.Name()); err != nil {
+				r.logf("delete %s: %v", vm.Name(), err)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// admissionText describes a wave's admission stop.
+func (w *WaveResult) admissionText() string {
+	if w.AdmissionCount == 0 {
+		return ""
+	}
+	if a := w.Admission; a != nil {
+		if a.Resource == "memory" {
+			return fmt.Sprintf("admission refused %d of %d forks from index %d: memory (fork needs ~%d MiB, %d MiB available above the reserve)",
+				w.AdmissionCount, w.N, w.AdmissionIndex, a.Requested>>20, a.Available>>20)
+		}
+		return fmt.Sprintf("admission refused %d of %d forks from index %d: vcpu (requested %d, available %d of a budget of %d)",
+			w.AdmissionCount, w.N, w.AdmissionIndex, a.Requested, a.Available, a.Budget)
+	}
+	return fmt.Sprintf("admission refused %d of %d forks from index %d", w.AdmissionCount, w.N, w.AdmissionIndex)
+}

@@ -1,0 +1,318 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// World is a baked VM: dirtied RAM, a data file, a pinned checkpoint.
+type World struct {
+	Name, Ck         string
+	VM               *engine.VM
+	DirtyMD5         string
+	DiskMD5          string
+	RAMPath          string // the checkpoint's frozen RAM file
+	BootMS, BakeMS   float64
+	CheckpointMS     float64
+	PausedMS         float64
+	SharedFileMB     float64 // data bytes of the checkpoint RAM file
+	SharedResidentMB float64
+}
+
+// shell runs a script in vm and returns its stdout; a non-zero exit is an error.
+func shell(ctx context.Context, vm *engine.VM, script string, timeout time.Duration) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var out, errb bytes.Buffer
+	code, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", script}, Stdout: &out, Stderr: &errb})
+	if err != nil {
+		return "", fmt.Errorf("%s: exec: %w", vm.Name(), err)
+	}
+	if code != 0 {
+		return out.String(), fmt.Errorf("%s: %q exited %d: %s", vm.Name(), script, code, strings.TrimSpace(errb.String()))
+	}
+	return out.String(), nil
+}
+
+// firstCmd runs `sh -c true` and returns how long the round trip took.
+func firstCmd(ctx context.Context, vm *engine.VM) (time.Duration, error) {
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	t := time.Now()
+	code, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", "true"}})
+	d := time.Since(t)
+	if err == nil && code != 0 {
+		err = fmt.Errorf("%s: sh -c true exited %d", vm.Name(), code)
+	}
+	return d, err
+}
+
+// worldSpec is the spec of a world VM.
+func (r *runner) worldSpec(name string, forkable bool) engine.Spec {
+	return engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, Forkable: forkable, DiskMiB: r.shape.DiskMiB}
+}
+
+// dirtyScript dirties dirty-mb MB of guest RAM (tmpfs /dev/shm/dirty) and writes the
+// 1 MB disk file /data/world, syncs and prints md5sums.
+func (r *runner) dirtyScript() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "set -e; head -c 1048576 /dev/urandom > /dev/shm/seed; : > /dev/shm/dirty; i=0; while [ $i -lt %d ]; do cat /dev/shm/seed >> /dev/shm/dirty; i=$((i+1)); done; rm -f /dev/shm/seed; ", r.shape.DirtyMB)
+	if r.shape.DiskMiB > 0 {
+		b.WriteString("head -c 1048576 /dev/urandom > /data/world; ")
+	}
+	b.WriteString("sync; md5sum /dev/shm/dirty")
+	if r.shape.DiskMiB > 0 {
+		b.WriteString(" /data/world")
+	}
+	return b.String()
+}
+
+// parseMD5 reads "sum  path" lines into path -> sum.
+func parseMD5(out string) map[string]string {
+	m := map[string]string{}
+	for _, l := range strings.Split(out, "\n") {
+		f := strings.Fields(l)
+		if len(f) == 2 {
+			m[f[1]] = f[0]
+		}
+	}
+	return m
+}
+
+// bakeWorld boots the world, dirties it and (when ckName != "") takes a pinned checkpoint.
+func (r *runner) bakeWorld(name, ckName string) (*World, error) {
+	ctx := r.ctx
+	w := &World{Name: name, Ck: ckName}
+	t0 := time.Now()
+	vm, err := r.e.Create(ctx, r.worldSpec(name, true))
+	if err != nil {
+		return nil, fmt.Errorf("world %s: boot: %w", name, err)
+	}
+	w.VM = vm
+	w.BootMS = ms(time.Since(t0))
+	t1 := time.Now()
+	out, err := shell(ctx, vm, r.dirtyScript(), 10*time.Minute)
+	if err != nil {
+		return nil, fmt.Errorf("world %s: dirty: %w", name, err)
+	}
+	w.BakeMS = ms(time.Since(t1))
+	sums := parseMD5(out)
+	w.DirtyMD5, w.DiskMD5 = sums["/dev/shm/dirty"], sums["/data/world"]
+	if w.DirtyMD5 == "" || (r.shape.DiskMiB > 0 && w.DiskMD5 == "") {
+		return nil, fmt.Errorf("world %s: no md5sum in %q", name, out)
+	}
+	r.logf("world %s booted in %.0f ms, dirtied %d MB in %.0f ms", name, w.BootMS, r.shape.DirtyMB, w.BakeMS)
+	if ckName == "" {
+		return w, nil
+	}
+	ck, err := r.e.Checkpoint(ctx, name, ckName, &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		return nil, fmt.Errorf("world %s: checkpoint: %w", name, err)
+	}
+	w.CheckpointMS = ms(ck.Manifest.Timings.Total)
+	w.PausedMS = ms(ck.Manifest.Timings.Paused)
+	w.RAMPath = ck.Manifest.RAMPath
+	if rs, err := memfile.Residency(w.RAMPath); err == nil {
+		w.SharedFileMB = float64(rs.DataBytes) / (1 << 20)
+		w.SharedResidentMB = float64(rs.ResidentBytes) / (1 << 20)
+	}
+	r.logf("checkpoint %s: %.0f ms (paused %.0f ms), RAM file data %.0f MiB", ckName, w.CheckpointMS, w.PausedMS, w.SharedFileMB)
+	return w, nil
+}
+
+// worldExtra records the world's figures in extra.
+func (r *runner) worldExtra(w *World) {
+	r.res.Extra["world_boot_ms"] = round3(w.BootMS)
+	r.res.Extra["world_dirty_ms"] = round3(w.BakeMS)
+	if w.Ck != "" {
+		r.res.Extra["checkpoint_ms"] = round3(w.CheckpointMS)
+		r.res.Extra["checkpoint_paused_ms"] = round3(w.PausedMS)
+		r.res.Extra["shared_file_mb"] = round3(w.SharedFileMB)
+	}
+}
+
+// forkMem is a fork's memory: whole-process anonymous memory and the copied-on-write
+// part of its guest RAM mapping.
+type forkMem struct {
+	AnonMB    float64 // memfile.ProcessMemory Anonymous
+	PssAnonMB float64
+	RAMCowMB  float64 // Anonymous of the checkpoint RAM file mapping (-1 unknown)
+}
+
+func measureMem(pid int, ramPath string) (forkMem, error) {
+	m := forkMem{RAMCowMB: -1}
+	pm, err := memfile.ProcessMemory(pid)
+	if err != nil {
+		return m, err
+	}
+	m.AnonMB = float64(pm.Anonymous) / (1 << 20)
+	m.PssAnonMB = float64(pm.PssAnon) / (1 << 20)
+	if ramPath != "" {
+		if v, err := mappingAnon(pid, ramPath); err == nil {
+			m.RAMCowMB = float64(v) / (1 << 20)
+		}
+	}
+	return m, nil
+}
+
+// IsoReport summarises isolation checks over a set of forks.
+type IsoReport struct {
+	Forks        int      `json:"forks"`
+	FullChecked  []string `json:"full_checked"`  // md5sum of world state compared
+	CheapChecked int      `json:"cheap_checked"` // own write + neighbour + memory bound
+	Failures     []string `json:"failures"`
+	AnonBoundMB  float64  `json:"anon_bound_mb"`
+	MaxAnonMB    float64  `json:"max_anon_mb"`
+	MaxRAMCowMB  float64  `json:"max_ram_cow_mb"`
+}
+
+// isoMethod describes checkIsolation for result.json.
+func (r *runner) isoMethod() string {
+	return fmt.Sprintf("Isolation: every fork writes its own name to /dev/shm/mine%s, then every fork must read back only its own name (so no neighbour's write is visible), the world must not see /dev/shm/mine, and the fork's copied-on-write guest RAM (Anonymous of its mapping of the checkpoint RAM file in /proc/PID/smaps) must stay under dirty-mb/2 = %d MiB (its whole-process Anonymous from smaps_rollup is recorded as anon_mb, not bounded, since QEMU's heap and TCG buffers are in it); the full world state (md5sum of /dev/shm/dirty%s equal to the world's) is checked on a sample: the first, the last and one random fork of each wave.",
+		map[bool]string{true: " and /data/mine", false: ""}[r.shape.DiskMiB > 0], r.shape.DirtyMB/2,
+		map[bool]string{true: " and /data/world", false: ""}[r.shape.DiskMiB > 0])
+}
+
+// checkIsolation runs the isolation checks on vms (ready forks of w's checkpoint). mems
+// holds each fork's memory measured at ready (by name); missing ones are measured here.
+func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]forkMem, full []int) IsoReport {
+	ctx := r.ctx
+	rep := IsoReport{Forks: len(vms), AnonBoundMB: float64(r.shape.DirtyMB) / 2, Failures: []string{}, FullChecked: []string{}}
+	var mu sync.Mutex
+	failf := func(format string, a ...any) {
+		msg := fmt.Sprintf(format, a...)
+		mu.Lock()
+		rep.Failures = append(rep.Failures, msg)
+		mu.Unlock()
+		r.fail("isolation: %s", msg)
+	}
+	par := func(fn func(i int, vm *engine.VM)) {
+		var wg sync.WaitGroup
+		sem := make(chan struct{}, 8)
+		for i, vm := range vms {
+			wg.Add(1)
+			sem <- struct{}{}
+			go func() {
+				defer wg.Done()
+				defer func() { <-sem }()
+				fn(i, vm)
+			}()
+		}
+		wg.Wait()
+	}
+	disk := r.shape.DiskMiB > 0
+	okWrite := make([]bool, len(vms))
+	par(func(i int, vm *engine.VM) {
+		s := fmt.Sprintf("echo %s > /dev/shm/mine", vm.Name())
+		if disk {
+			s += fmt.Sprintf(" && echo %s > /data/mine && sync", vm.Name())
+		}
+		if _, err := shell(ctx, vm, s, 60*time.Second); err != nil {
+			failf("%s: own write: %v", vm.Name(), err)
+			return
+		}
+		okWrite[i] = true
+	})
+	par(func(i int, vm *engine.VM) {
+		if !okWrite[i] {
+			return
+		}
+		s := "cat /dev/shm/mine"
+		want := vm.Name() + "\n"
+		if disk {
+			s += " /data/mine"
+			want += vm.Name() + "\n"
+		}
+		out, err := shell(ctx, vm, s, 60*time.Second)
+		if err != nil {
+			failf("%s: read back: %v", vm.Name(), err)
+			return
+		}
+		if out != want {
+			failf("%s: sees %q, want only its own write", vm.Name(), out)
+			return
+		}
+		m, ok := mems[vm.Name()]
+		if !ok {
+			var err error
+			if m, err = measureMem(vm.PID(), w.RAMPath); err != nil {
+				failf("%s: memory: %v", vm.Name(), err)
+				return
+			}
+		}
+		mu.Lock()
+		rep.MaxAnonMB = max(rep.MaxAnonMB, m.AnonMB)
+		rep.MaxRAMCowMB = max(rep.MaxRAMCowMB, m.RAMCowMB)
+		mu.Unlock()
+		if m.RAMCowMB < 0 {
+			failf("%s: cannot measure its RAM mapping", vm.Name())
+			return
+		}
+		if m.RAMCowMB >= rep.AnonBoundMB && r.shape.DirtyMB > 0 {
+			failf("%s: %.1f MiB of its guest RAM is private (bound %.1f MiB): pages are not shared", vm.Name(), m.RAMCowMB, rep.AnonBoundMB)
+			return
+		}
+		mu.Lock()
+		rep.CheapChecked++
+		mu.Unlock()
+	})
+	if w.VM != nil {
+		if out, err := shell(ctx, w.VM, "if [ -e /dev/shm/mine ]; then cat /dev/shm/mine; exit 1; fi", 60*time.Second); err != nil {
+			failf("world %s sees a fork's write: %v %q", w.Name, err, out)
+		}
+	}
+	var fwg sync.WaitGroup
+	for _, i := range full {
+		if i < 0 || i >= len(vms) {
+			continue
+		}
+		vm := vms[i]
+		fwg.Add(1)
+		go func() {
+			defer fwg.Done()
+			s := "md5sum /dev/shm/dirty"
+			if disk {
+				s += " /data/world"
+			}
+			out, err := shell(ctx, vm, s, 10*time.Minute)
+			if err != nil {
+				failf("%s: world state: %v", vm.Name(), err)
+				return
+			}
+			sums := parseMD5(out)
+			if sums["/dev/shm/dirty"] != w.DirtyMD5 || (disk && sums["/data/world"] != w.DiskMD5) {
+				failf("%s: world state differs: %v, want dirty %s disk %s", vm.Name(), sums, w.DirtyMD5, w.DiskMD5)
+				return
+			}
+			mu.Lock()
+			rep.FullChecked = append(rep.FullChecked, vm.Name())
+			mu.Unlock()
+		}()
+	}
+	fwg.Wait()
+	return rep
+}
+
+// sampleIndices is first, last and one random index of n (deduplicated).
+func sampleIndices(n int) []int {
+	if n <= 0 {
+		return nil
+	}
+	set := map[int]bool{0: true, n - 1: true, rand.IntN(n): true}
+	var out []int
+	for i := range n {
+		if set[i] {
+			out = append(out, i)
+		}
+	}
+	return out
+}

@@ -1,0 +1,108 @@
+// Command enginehelper embeds the engine in a separate process so that the robustness
+// tests (tests/robust_test.go) can kill an engine mid-operation with SIGKILL, and probe
+// the engine's files as another user. It is built by the tests with `go build`; it is not
+// a user-facing tool.
+//
+// Modes:
+//
+//	enginehelper -state DIR -cache DIR -kernel K -initrd I -n N
+//	    open an engine on DIR, create the forkable world "w" (unless it exists), take the
+//	    pinned checkpoint "ck" (unless it exists), print "READY", then ForkMany(ck, N)
+//	    printing "FORK <name>" for each ready fork and "FAIL <name> <error>" for each
+//	    failure, then "DONE", and block until killed.
+//
+//	enginehelper -dial SOCKET
+//	    connect to a unix socket and exit 0 on success, 3 when permission was denied,
+//	    4 on any other error (used to check other users cannot reach engine sockets).
+//
+//	enginehelper -open FILE
+//	    open FILE read-only and exit 0 on success, 3 when permission was denied, 4
+//	    otherwise.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+func main() {
+	state := flag.String("state", "", "engine state directory")
+	cache := flag.String("cache", "", "guest image cache directory")
+	kernel := flag.String("kernel", "", "guest kernel")
+	initrd := flag.String("initrd", "", "guest initramfs")
+	n := flag.Int("n", 6, "number of forks")
+	dial := flag.String("dial", "", "only dial this unix socket")
+	open := flag.String("open", "", "only open this file")
+	flag.Parse()
+
+	if *dial != "" {
+		c, err := net.DialTimeout("unix", *dial, 5*time.Second)
+		exitFor(err)
+		c.Close()
+		os.Exit(0)
+	}
+	if *open != "" {
+		f, err := os.Open(*open)
+		exitFor(err)
+		f.Close()
+		os.Exit(0)
+	}
+	if err := run(*state, *cache, *kernel, *initrd, *n); err != nil {
+		fmt.Println("ERROR", err)
+		os.Exit(1)
+	}
+	select {} // wait to be killed
+}
+
+func exitFor(err error) {
+	if err == nil {
+		return
+	}
+	fmt.Fprintln(os.Stderr, err)
+	if errors.Is(err, os.ErrPermission) {
+		os.Exit(3)
+	}
+	os.Exit(4)
+}
+
+func run(state, cache, kernel, initrd string, n int) error {
+	ctx := context.Background()
+	e, err := engine.New(ctx, &engine.Config{
+		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
+		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second,
+	})
+	if err != nil {
+		return err
+	}
+	if _, err := e.Get("w"); err != nil {
+		if _, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16}); err != nil {
+			return err
+		}
+	}
+	if _, err := e.LoadCheckpoint("ck"); err != nil {
+		if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+			return err
+		}
+	}
+	fmt.Println("READY")
+	evs, err := e.ForkMany(ctx, "ck", n, engine.ManyOptions{Prefix: "h", Concurrency: n})
+	if err != nil {
+		return err
+	}
+	for ev := range evs {
+		if ev.Err != nil {
+			fmt.Println("FAIL", ev.Name, ev.Err)
+		} else {
+			fmt.Println("FORK", ev.Name)
+		}
+	}
+	fmt.Println("DONE")
+	return nil
+}

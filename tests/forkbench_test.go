@@ -1,0 +1,183 @@
+package tests
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// forkbenchResult is the part of result.json the test checks.
+type forkbenchResult struct {
+	Schema      string             `json:"schema"`
+	Bench       string             `json:"bench"`
+	Metric      string             `json:"metric"`
+	Value       float64            `json:"value"`
+	Unit        string             `json:"unit"`
+	Stat        string             `json:"stat"`
+	N           int                `json:"n"`
+	Percentiles map[string]float64 `json:"percentiles"`
+	Extra       map[string]any     `json:"extra"`
+	MeasuredAt  string             `json:"measured_at"`
+	Build       map[string]string  `json:"build"`
+	Host        struct {
+		Model    string  `json:"model"`
+		CPUs     int     `json:"cpus"`
+		MemoryGB float64 `json:"memory_gb"`
+		OS       string  `json:"os"`
+		Kernel   string  `json:"kernel"`
+		Accel    string  `json:"accel"`
+	} `json:"host"`
+	Environment struct {
+		Shape         map[string]int `json:"shape"`
+		Settings      map[string]any `json:"settings"`
+		LoadAvgBefore string         `json:"load_avg_before"`
+		OtherVMs      *int           `json:"other_vms"`
+	} `json:"environment"`
+	Method   string   `json:"method"`
+	Caveats  []string `json:"caveats"`
+	OK       bool     `json:"ok"`
+	Failures *int     `json:"failures"`
+}
+
+// runForkbench runs the forkbench binary with args plus --out and returns the result.
+func runForkbench(t *testing.T, bin string, args ...string) (*forkbenchResult, string) {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "out")
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, append(args, "--out", out)...)
+	cmd.Env = append(os.Environ(), "FORKVM_CACHE="+cacheDir)
+	stdout, err := cmd.Output()
+	var stderr string
+	if ee, ok := err.(*exec.ExitError); ok {
+		stderr = string(ee.Stderr)
+	}
+	if err != nil {
+		t.Fatalf("forkbench %v: %v\n%s", args, err, stderr)
+	}
+	b, err := os.ReadFile(filepath.Join(out, "result.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var r forkbenchResult
+	if err := json.Unmarshal(b, &r); err != nil {
+		t.Fatalf("result.json: %v", err)
+	}
+	for _, f := range []string{"samples.csv", "report.md"} {
+		if st, err := os.Stat(filepath.Join(out, f)); err != nil || st.Size() == 0 {
+			t.Errorf("%s missing or empty: %v", f, err)
+		}
+	}
+	return &r, string(stdout)
+}
+
+// checkCommon checks the fields every result carries.
+func checkCommon(t *testing.T, r *forkbenchResult, bench string, shape map[string]int) {
+	t.Helper()
+	if r.Schema != "forkvm.bench-result/v1" || r.Bench != bench {
+		t.Errorf("schema/bench = %q/%q", r.Schema, r.Bench)
+	}
+	if r.Metric == "" || r.Unit == "" || r.Stat == "" || r.Value <= 0 || r.N <= 0 {
+		t.Errorf("metric %q value %v unit %q stat %q n %d", r.Metric, r.Value, r.Unit, r.Stat, r.N)
+	}
+	for _, k := range []string{"p50", "p90", "p95", "p99", "min", "max"} {
+		if _, ok := r.Percentiles[k]; !ok {
+			t.Errorf("percentiles.%s missing", k)
+		}
+	}
+	if r.Percentiles["p50"] <= 0 || r.Percentiles["min"] > r.Percentiles["p50"] || r.Percentiles["p50"] > r.Percentiles["max"] {
+		t.Errorf("percentiles not sane: %v", r.Percentiles)
+	}
+	if _, err := time.Parse(time.RFC3339, r.MeasuredAt); err != nil || !strings.HasSuffix(r.MeasuredAt, "Z") {
+		t.Errorf("measured_at %q: %v", r.MeasuredAt, err)
+	}
+	if r.Build["forkvm"] == "" || !strings.HasPrefix(r.Build["qemu"], "10.") || r.Build["kernel"] == "" || !strings.HasPrefix(r.Build["go"], "go") {
+		t.Errorf("build = %v", r.Build)
+	}
+	h := r.Host
+	if h.CPUs <= 0 || h.MemoryGB <= 0 || h.OS == "" || h.Kernel == "" || h.Accel == "" {
+		t.Errorf("host = %+v", h)
+	}
+	for k, v := range shape {
+		if r.Environment.Shape[k] != v {
+			t.Errorf("shape.%s = %d, want %d", k, r.Environment.Shape[k], v)
+		}
+	}
+	if r.Environment.Settings == nil || r.Environment.LoadAvgBefore == "" || r.Environment.OtherVMs == nil {
+		t.Errorf("environment = %+v", r.Environment)
+	}
+	if r.Method == "" || r.Caveats == nil || r.Failures == nil || r.Extra == nil {
+		t.Errorf("method %q caveats %v failures %v", r.Method, r.Caveats, r.Failures)
+	}
+	if !r.OK || *r.Failures != 0 {
+		t.Errorf("ok = %v, failures = %d, caveats %v", r.OK, *r.Failures, r.Caveats)
+	}
+}
+
+func TestForkbench(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "forkbench")
+	build := exec.Command("go", "build", "-o", bin, "./cmd/forkbench")
+	build.Dir = repoRoot
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	small := []string{"--memory-mb", "512", "--dirty-mb", "32", "--disk-mb", "16"}
+	shape := map[string]int{"cpus": 2, "memory_mb": 512, "dirty_mb": 32, "disk_mb": 16}
+
+	t.Run("fanout", func(t *testing.T) {
+		r, stdout := runForkbench(t, bin, append([]string{"fanout", "--waves", "2,4", "--json"}, small...)...)
+		checkCommon(t, r, "fanout", shape)
+		var echoed map[string]any
+		if err := json.Unmarshal([]byte(stdout), &echoed); err != nil || echoed["schema"] != "forkvm.bench-result/v1" {
+			t.Errorf("--json did not print result.json: %v %.200q", err, stdout)
+		}
+		if r.Metric != "wave4_wall_s" || r.Unit != "s" || r.N != 4 || r.Value > 60 {
+			t.Errorf("metric %s = %v %s (n %d)", r.Metric, r.Value, r.Unit, r.N)
+		}
+		waves, _ := r.Extra["waves"].(map[string]any)
+		for _, w := range []string{"wave2", "wave4"} {
+			ws, _ := waves[w].(map[string]any)
+			if ws == nil || ws["ready"] != float64(map[string]int{"wave2": 2, "wave4": 4}[w]) {
+				t.Errorf("%s = %v", w, ws)
+				continue
+			}
+			iso, _ := ws["isolation"].(map[string]any)
+			if iso == nil || iso["cheap_checked"] != ws["ready"] || len(iso["full_checked"].([]any)) < 2 {
+				t.Errorf("%s isolation = %v", w, iso)
+			}
+		}
+		for _, k := range []string{"checkpoint_ms", "shared_file_mb", "private_mb_per_fork"} {
+			if v, _ := r.Extra[k].(float64); v <= 0 {
+				t.Errorf("extra.%s = %v", k, r.Extra[k])
+			}
+		}
+	})
+
+	t.Run("fork-peer", func(t *testing.T) {
+		r, _ := runForkbench(t, bin, append([]string{"fork", "--n", "3", "--peer", "--peer-n", "1"}, small...)...)
+		checkCommon(t, r, "fork", shape)
+		if r.Metric != "fork_p50_ms" || r.N != 3 {
+			t.Errorf("metric %s n %d", r.Metric, r.N)
+		}
+		peer, _ := r.Extra["peer"].(map[string]any)
+		if v, _ := peer["forkvm_vs_restore_ratio"].(float64); v <= 0 {
+			t.Errorf("peer = %v", peer)
+		}
+		if v, _ := peer["cold_boot_ms"].(float64); v <= 0 {
+			t.Errorf("peer cold boot = %v", peer["cold_boot_ms"])
+		}
+	})
+
+	t.Run("soak", func(t *testing.T) {
+		r, _ := runForkbench(t, bin, "soak", "--forks", "12", "--wave", "4", "--memory-mb", "256", "--dirty-mb", "8", "--disk-mb", "16")
+		checkCommon(t, r, "soak", map[string]int{"memory_mb": 256, "dirty_mb": 8, "disk_mb": 16})
+		if r.Extra["flat"] != true || r.N != 12 || r.Value != 12 {
+			t.Errorf("soak flat %v n %d value %v: start %v end %v", r.Extra["flat"], r.N, r.Value, r.Extra["start"], r.Extra["end"])
+		}
+	})
+}
