@@ -42,9 +42,12 @@ type CheckpointManifest struct {
 	DiskMiB     int    `json:"disk_mib"`
 	Kernel      string `json:"kernel"`
 	Initrd      string `json:"initrd"`
-	Append      string `json:"append"`
-	TBSizeMiB   int    `json:"tb_size_mib"`
-	CPUModel    string `json:"cpu_model,omitempty"`
+	// ForkKernel is the stub kernel forks start with (see writeStubKernel); empty means
+	// forks use Kernel and Initrd.
+	ForkKernel string `json:"fork_kernel,omitempty"`
+	Append     string `json:"append"`
+	TBSizeMiB  int    `json:"tb_size_mib"`
+	CPUModel   string `json:"cpu_model,omitempty"`
 	// Vsock records a vhost-vsock device in the source: forks must have one too.
 	Vsock bool `json:"vsock,omitempty"`
 	// RAMPath is the frozen RAM file; RAMSize its size in bytes.
@@ -151,8 +154,8 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 	ck := &CheckpointManifest{
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: opts.Pin, Implicit: opts.implicit,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,
-		CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.Launch.Kernel,
-		Initrd: m.Launch.Initrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel, Vsock: m.Launch.VsockCID != 0,
+		CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.BootKernel,
+		Initrd: m.BootInitrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel, Vsock: m.Launch.VsockCID != 0,
 		RAMPath: ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
 	}
 	statePath := filepath.Join(tmp, "state.mig")
@@ -177,6 +180,11 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 		if err := e.makeOverlayTemplate(ctx, ck, tmp); err != nil {
 			return nil, err
 		}
+	}
+	if ok, err := writeStubKernel(ck.Kernel, filepath.Join(tmp, "stub-kernel")); err != nil {
+		return nil, fmt.Errorf("engine: checkpoint stub kernel: %w", err)
+	} else if ok {
+		ck.ForkKernel = filepath.Join(final, "stub-kernel")
 	}
 	ck.Timings.Total = time.Since(t0)
 	if err := writeJSON(filepath.Join(tmp, "manifest.json"), ck); err != nil {
@@ -664,6 +672,11 @@ func (e *Engine) verifyCheckpoint(c *Checkpoint) error {
 	for _, l := range ck.Disk {
 		if _, err := os.Stat(l.Path); err != nil {
 			return fmt.Errorf("%w: %s: disk: %v", ErrCheckpointCorrupt, ck.Name, err)
+		}
+	}
+	if ck.ForkKernel != "" {
+		if _, err := os.Stat(ck.ForkKernel); err != nil {
+			return fmt.Errorf("%w: %s: stub kernel: %v", ErrCheckpointCorrupt, ck.Name, err)
 		}
 	}
 	fp := fmt.Sprintf("%d/%d/%d", sst.Size(), sst.ModTime().UnixNano(), st.Size())

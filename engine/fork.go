@@ -115,6 +115,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 		Version: manifestVersion, Name: name, Parent: ck.Name, State: StateStarting,
 		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true},
 		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: tok, CreatedAt: time.Now().UTC(),
+		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
 		Launch: Launch{
 			QEMU: qemuPath, Name: name, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
 			CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, Kernel: ck.Kernel, Initrd: ck.Initrd, Append: ck.Append,
@@ -123,6 +124,9 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 			SerialLog: filepath.Join(e.vmsDir(), name, "serial.log"),
 			Incoming:  true,
 		},
+	}
+	if ck.ForkKernel != "" {
+		vm.m.Launch.Kernel, vm.m.Launch.Initrd = ck.ForkKernel, ""
 	}
 	if ck.Vsock {
 		// The device set must match the checkpoint's; the context id is the fork's own

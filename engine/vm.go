@@ -41,18 +41,22 @@ type Manifest struct {
 	// Parent is the checkpoint a fork was made from ("" for a created VM).
 	Parent string `json:"parent,omitempty"`
 	// State is the last recorded state (starting or running).
-	State       string       `json:"state"`
-	PID         int          `json:"pid"`
-	StartTime   uint64       `json:"start_time"`
-	Accel       string       `json:"accel"`
-	QEMUVersion string       `json:"qemu_version"`
-	Launch      Launch       `json:"launch"`
-	DiskNode    string       `json:"disk_node,omitempty"`
-	DiskSeq     int          `json:"disk_seq,omitempty"`
-	Token       string       `json:"token"`
-	CreatedAt   time.Time    `json:"created_at"`
-	ReadyAt     time.Time    `json:"ready_at,omitzero"`
-	Timings     PhaseTimings `json:"timings"`
+	State       string `json:"state"`
+	PID         int    `json:"pid"`
+	StartTime   uint64 `json:"start_time"`
+	Accel       string `json:"accel"`
+	QEMUVersion string `json:"qemu_version"`
+	Launch      Launch `json:"launch"`
+	// BootKernel and BootInitrd are what the guest originally booted from (a fork's
+	// Launch.Kernel may be its checkpoint's stub).
+	BootKernel string       `json:"boot_kernel"`
+	BootInitrd string       `json:"boot_initrd,omitempty"`
+	DiskNode   string       `json:"disk_node,omitempty"`
+	DiskSeq    int          `json:"disk_seq,omitempty"`
+	Token      string       `json:"token"`
+	CreatedAt  time.Time    `json:"created_at"`
+	ReadyAt    time.Time    `json:"ready_at,omitzero"`
+	Timings    PhaseTimings `json:"timings"`
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.
@@ -360,6 +364,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	vm.m = Manifest{
 		Version: manifestVersion, Name: spec.Name, Spec: spec, State: StateStarting,
 		Accel: e.accel, QEMUVersion: ver, Token: tok, CreatedAt: time.Now().UTC(),
+		BootKernel: kernel, BootInitrd: initrd,
 		Launch: Launch{
 			QEMU: qemuPath, Name: spec.Name, Accel: e.accel, TBSizeMiB: e.cfg.TBSizeMiB,
 			CPUModel: e.cfg.CPUModel, Machine: "q35", CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
