@@ -60,11 +60,12 @@ cross:
 	GOOS=darwin GOARCH=arm64 $(GO) build ./...
 	GOOS=darwin GOARCH=arm64 $(GO) vet ./engine/ ./memfile/ ./qmp/ ./vsockd/
 
-## fuzz: run each fuzz target briefly
+## fuzz: run each fuzz target briefly (by execution count: a -fuzztime duration can end
+## in a spurious "context deadline exceeded" on a loaded machine)
 fuzz:
-	$(GO) test -run='^$$' -fuzz=FuzzDecode -fuzztime=5s ./qmp/
-	$(GO) test -run='^$$' -fuzz=FuzzReadFrame -fuzztime=5s ./vsockd/
-	$(GO) test -run='^$$' -fuzz=FuzzManifest -fuzztime=5s ./engine/
+	$(GO) test -run='^$$' -fuzz=FuzzDecode -fuzztime=100000x ./qmp/
+	$(GO) test -run='^$$' -fuzz=FuzzReadFrame -fuzztime=100000x ./vsockd/
+	$(GO) test -run='^$$' -fuzz=FuzzManifest -fuzztime=50000x ./engine/
 
 ## itest: integration tests that boot real QEMU
 itest: setup

@@ -95,6 +95,12 @@ type Engine struct {
 	pendingForks int
 	// admitMu serializes admission decisions (check + reserve).
 	admitMu sync.Mutex
+	// pools are warm pools by checkpoint name (guarded by mu).
+	pools map[string]*warmPool
+	// bg is cancelled by Close; background work (pool refills) runs under it.
+	bg       context.Context
+	bgCancel context.CancelFunc
+	bgWG     sync.WaitGroup
 }
 
 var versionRE = regexp.MustCompile(`version (\d+)\.(\d+)\.(\d+)`)
@@ -103,6 +109,7 @@ var versionRE = regexp.MustCompile(`version (\d+)\.(\d+)\.(\d+)`)
 // and reaps dead ones.
 func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e := &Engine{vms: map[string]*VM{}, reserved: map[string]bool{}, verified: map[string]string{}}
+	e.bg, e.bgCancel = context.WithCancel(context.Background())
 	if cfg != nil {
 		e.cfg = *cfg
 	}
@@ -115,9 +122,11 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 		}
 	}
 	if err := e.lock(ctx); err != nil {
+		e.bgCancel()
 		return nil, err
 	}
 	if err := e.load(ctx); err != nil {
+		e.bgCancel()
 		e.unlock()
 		return nil, err
 	}
@@ -302,8 +311,15 @@ func (e *Engine) unlock() {
 // are re-found by the next engine on the same state directory.
 func (e *Engine) Close() error {
 	e.closeOnce.Do(func() {
+		// Refuse new work, stop background spawns and wait for them, then empty the
+		// pools: a pool never outlives its engine.
 		e.mu.Lock()
 		e.closed = true
+		e.mu.Unlock()
+		e.bgCancel()
+		e.bgWG.Wait()
+		e.drainPools()
+		e.mu.Lock()
 		vms := make([]*VM, 0, len(e.vms))
 		for _, vm := range e.vms {
 			vms = append(vms, vm)

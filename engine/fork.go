@@ -85,30 +85,82 @@ func (e *Engine) checkCompatible(ctx context.Context, ck *CheckpointManifest) er
 	return nil
 }
 
-// forkFrom makes one fork of a verified checkpoint.
+// forkFrom makes one fork of a verified checkpoint, from a warm-pool process when one is
+// ready.
 func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) (*VM, error) {
 	t0 := time.Now()
 	ck := &c.Manifest
 	if err := e.checkCompatible(ctx, ck); err != nil {
 		return nil, err
 	}
-	qemuPath, err := e.QEMUPath()
-	if err != nil {
-		return nil, err
-	}
 	if err := e.reserve(opts.Name); err != nil {
 		return nil, err
 	}
 	defer e.unreserve(opts.Name)
-	if !opts.SkipAdmission {
-		release, err := e.admit(ck.CPUs, opts.Overcommit)
-		if err != nil {
+	name := opts.Name
+	fctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
+	defer cancel()
+	// A claimed pooled process already holds its vCPUs (pendingCPUs until it is in vms).
+	vm, release := e.claimPooled(ck.Name, name)
+	if vm != nil {
+		defer release()
+	} else {
+		if !opts.SkipAdmission {
+			release, err := e.admit(ck.CPUs, opts.Overcommit)
+			if err != nil {
+				return nil, err
+			}
+			// The pending reservation ends when the fork is in e.vms (counted there) or failed.
+			defer release()
+		}
+		var err error
+		if vm, err = e.prepareFork(ctx, c, name); err != nil {
 			return nil, err
 		}
-		// The pending reservation ends when the fork is in e.vms (counted there) or failed.
-		defer release()
 	}
-	name := opts.Name
+	ok := false
+	defer func() {
+		if !ok {
+			vm.kill()
+			e.removeVMFiles(name, &vm.m)
+		}
+	}()
+	vm.m.Timings.Prepare = time.Since(t0)
+	if vm.qmp == nil {
+		if err := vm.start(fctx); err != nil {
+			return nil, err
+		}
+	}
+	t1 := time.Now()
+	if err := restore(fctx, vm.qmp, c.StatePath(), !vm.ignoreSh); err != nil {
+		return nil, vm.failure("restore", err)
+	}
+	vm.ignoreSh = true
+	vm.m.Timings.Restore = time.Since(t1)
+	t2 := time.Now()
+	if err := vm.hello(fctx); err != nil {
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			err = fmt.Errorf("%w: %s after %v: %w", ErrAgentTimeout, name, e.cfg.ForkTimeout, err)
+		}
+		return nil, vm.failure("fork", err)
+	}
+	vm.m.Timings.Agent = time.Since(t2)
+	vm.m.Timings.Total = time.Since(t0)
+	if err := vm.markRunning(); err != nil {
+		return nil, err
+	}
+	e.markForked(ck.Name)
+	ok = true
+	return vm, nil
+}
+
+// prepareFork builds a fork's manifest, directory and disk (no process yet).
+func (e *Engine) prepareFork(ctx context.Context, c *Checkpoint, name string) (*VM, error) {
+	ck := &c.Manifest
+	qemuPath, err := e.QEMUPath()
+	if err != nil {
+		return nil, err
+	}
 	_, tok := newToken()
 	vm := &VM{e: e}
 	vm.m = Manifest{
@@ -133,50 +185,18 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 		// (the guest driver re-reads it on the transport reset that follows a restore).
 		vm.m.Launch.VsockCID = randomCID()
 	}
-	ok := false
-	defer func() {
-		if !ok {
-			vm.kill()
-			e.removeVMFiles(name, &vm.m)
-		}
-	}()
 	if err := os.Mkdir(vm.dir(), 0o700); err != nil {
 		return nil, fmt.Errorf("engine: create %s: %w", vm.dir(), err)
 	}
 	if len(ck.Disk) > 0 {
 		layers, err := e.forkDisk(ctx, ck, vm.dir())
 		if err != nil {
+			e.removeVMFiles(name, &vm.m)
 			return nil, err
 		}
 		vm.m.Launch.Disk = layers
 		vm.m.DiskNode = "disk0"
 	}
-	vm.m.Timings.Prepare = time.Since(t0)
-	fctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
-	defer cancel()
-	if err := vm.start(fctx); err != nil {
-		return nil, err
-	}
-	t1 := time.Now()
-	if err := restore(fctx, vm.qmp, c.StatePath()); err != nil {
-		return nil, vm.failure("restore", err)
-	}
-	vm.ignoreSh = true
-	vm.m.Timings.Restore = time.Since(t1)
-	t2 := time.Now()
-	if err := vm.hello(fctx); err != nil {
-		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
-			err = fmt.Errorf("%w: %s after %v: %w", ErrAgentTimeout, name, e.cfg.ForkTimeout, err)
-		}
-		return nil, vm.failure("fork", err)
-	}
-	vm.m.Timings.Agent = time.Since(t2)
-	vm.m.Timings.Total = time.Since(t0)
-	if err := vm.markRunning(); err != nil {
-		return nil, err
-	}
-	e.markForked(ck.Name)
-	ok = true
 	return vm, nil
 }
 
@@ -184,9 +204,11 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 // itself when the load completes (the checkpoint saved a running state), so readiness is
 // observed through the agent, not by polling QMP. The capability must be set before
 // migrate-incoming is sent (QEMU checks it against the stream's header).
-func restore(ctx context.Context, c *qmp.Client, statePath string) error {
-	if err := setCaps(ctx, c, map[string]bool{"x-ignore-shared": true}); err != nil {
-		return fmt.Errorf("migrate-set-capabilities: %w", err)
+func restore(ctx context.Context, c *qmp.Client, statePath string, setCap bool) error {
+	if setCap {
+		if err := setCaps(ctx, c, map[string]bool{"x-ignore-shared": true}); err != nil {
+			return fmt.Errorf("migrate-set-capabilities: %w", err)
+		}
 	}
 	if err := c.Execute(ctx, "migrate-incoming", map[string]any{"uri": "file:" + statePath}, nil); err != nil {
 		return fmt.Errorf("migrate-incoming: %w", err)
@@ -250,6 +272,11 @@ func (e *Engine) Budget(overcommit float64) Budget {
 		vms = append(vms, vm)
 	}
 	b.Used = e.pendingCPUs
+	for _, p := range e.pools {
+		for _, vm := range p.ready {
+			b.Used += vm.m.Spec.CPUs
+		}
+	}
 	e.mu.Unlock()
 	for _, vm := range vms {
 		if vm.alive() {

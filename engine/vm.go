@@ -245,6 +245,12 @@ func (e *Engine) load(ctx context.Context) error {
 			continue
 		}
 		vm := &VM{e: e, m: *m}
+		if m.State == StatePooled {
+			// A warm-pool process of an engine that did not close: it has no guest yet.
+			vm.kill()
+			e.removeVMFiles(m.Name, &vm.m)
+			continue
+		}
 		if m.State == StateStarting && !vm.alive() {
 			e.logf("reaping half-made vm %s", m.Name)
 			vm.kill()

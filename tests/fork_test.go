@@ -349,3 +349,92 @@ func TestCheckpointBadInput(t *testing.T) {
 	})
 	_ = w
 }
+
+// TestWarmPool checks that forks taken from a warm pool hold the checkpoint state, that
+// the pool refills, counts against the budget, and never outlives its engine.
+func TestWarmPool(t *testing.T) {
+	env := newEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, w, "echo pooled-state > /dev/shm/s && echo disk-state > /data/s && sync")
+	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	used := e.Budget(0).Used
+	if err := e.Warm(ctx, "ck", 2); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.PoolSize("ck"); n != 2 {
+		t.Fatalf("PoolSize = %d, want 2", n)
+	}
+	if got := e.Budget(0).Used; got != used+2 {
+		t.Fatalf("budget used %d with a pool of 2 one-vCPU processes, want %d", got, used+2)
+	}
+	f, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: "pf1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pooled fork: %+v", f.Info().Timings)
+	if out := mustRun(t, f, "cat /dev/shm/s /data/s; hostname"); out != "pooled-state\ndisk-state\npf1" {
+		t.Fatalf("pooled fork state = %q", out)
+	}
+	if f.Info().Timings.Spawn != 0 {
+		t.Fatalf("a pooled fork paid a spawn: %+v", f.Info().Timings)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for e.PoolSize("ck") < 2 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := e.PoolSize("ck"); n != 2 {
+		t.Fatalf("pool did not refill: %d", n)
+	}
+	// Closing the engine kills the pool; the fork and the world keep running.
+	var pooled []int
+	for _, p := range qemuPIDs(t, env.Home) {
+		if p != f.PID() && p != w.PID() {
+			pooled = append(pooled, p)
+		}
+	}
+	if len(pooled) != 2 {
+		t.Fatalf("pooled processes = %v, want 2", pooled)
+	}
+	e.Close()
+	for _, p := range pooled {
+		if processAlive(p) {
+			t.Fatalf("pooled qemu %d outlived its engine", p)
+		}
+	}
+	e2, err := engine.New(context.Background(), &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E = e2
+	if l := e2.List(); len(l) != 2 {
+		t.Fatalf("after restart: %+v, want w and pf1", l)
+	}
+}
+
+// qemuPIDs lists QEMU processes whose command line mentions dir.
+func qemuPIDs(t *testing.T, dir string) []int {
+	t.Helper()
+	ents, _ := os.ReadDir("/proc")
+	var pids []int
+	for _, ent := range ents {
+		pid, err := strconv.Atoi(ent.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
+		if err != nil || !strings.Contains(string(b), "qemu-system") || !strings.Contains(string(b), dir) {
+			continue
+		}
+		if processAlive(pid) {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
