@@ -37,7 +37,7 @@ func fanoutCmd() *cli.Command {
 		Usage: "fork waves of N forks at once from one checkpoint (headline: wall of the largest wave)",
 		Flags: flags(
 			&cli.StringFlag{Name: "waves", Value: "8,32,64", Usage: "wave sizes"},
-			&cli.IntFlag{Name: "warm", Value: 0, Usage: "warm pool size (not supported yet: must be 0)"},
+			&cli.IntFlag{Name: "warm", Value: 0, Usage: "warm pool size: pre-spawned QEMUs (filled, untimed, before each wave; they hold vCPU budget)"},
 			&cli.BoolFlag{Name: "peer", Usage: "also measure the stock path: full save + restore, and a cold boot"},
 			&cli.IntFlag{Name: "peer-n", Value: 3, Usage: "serial restores of the full save (with --peer)"},
 			&cli.BoolFlag{Name: "keep-world", Usage: "keep the world VM running during the waves (it then holds vCPU budget and CPU)"},
@@ -50,18 +50,19 @@ func fanoutCmd() *cli.Command {
 			if err != nil {
 				return fmt.Errorf("--waves: %w", err)
 			}
-			if cmd.Int("warm") > 0 {
-				return fmt.Errorf("--warm %d: the warm pool is not implemented yet (a later issue); run with --warm 0", cmd.Int("warm"))
+			warm := int(cmd.Int("warm"))
+			if warm < 0 {
+				return fmt.Errorf("--warm must be >= 0")
 			}
-			settings := map[string]any{"waves": waves, "warm": 0, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n")}
+			settings := map[string]any{"waves": waves, "warm": warm, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n")}
 			return runBench(ctx, cmd, "fanout", settings, func(r *runner) error {
-				return runFanout(r, waves, cmd.Bool("peer"), cmd.Int("peer-n"), cmd.Bool("keep-world"))
+				return runFanout(r, waves, cmd.Bool("peer"), cmd.Int("peer-n"), cmd.Bool("keep-world"), warm)
 			})
 		},
 	}
 }
 
-func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool) error {
+func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, warm int) error {
 	w, err := r.bakeWorld("world", "world-ck")
 	if err != nil {
 		return err
@@ -80,6 +81,9 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool) err
 	} else {
 		r.res.Environment.Settings["world_during_waves"] = "running (holds vCPU budget)"
 	}
+	if warm > 0 {
+		r.caveat("warm pool of %d: before each wave (untimed) the pool is filled with pre-spawned QEMUs (-incoming defer); the first %d forks of a wave claim them, the rest spawn", warm, warm)
+	}
 	perWave := map[string]any{}
 	var largest *WaveResult
 	var largestLat []float64
@@ -87,6 +91,11 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool) err
 	r.section("## Waves\n\n")
 	for wi, n := range waves {
 		label := fmt.Sprintf("wave%d", n)
+		if warm > 0 {
+			if err := r.e.Warm(r.ctx, w.Ck, warm); err != nil {
+				return fmt.Errorf("warm pool: %w", err)
+			}
+		}
 		wr, err := r.wave(label, w.Ck, n, engine.ManyOptions{Prefix: fmt.Sprintf("w%d-", n), Overcommit: r.overcommit}, nil)
 		if err != nil {
 			if wr != nil {

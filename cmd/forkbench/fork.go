@@ -19,15 +19,20 @@ func forkCmd() *cli.Command {
 			&cli.IntFlag{Name: "n", Value: 30, Usage: "forks"},
 			&cli.BoolFlag{Name: "peer", Usage: "also measure the stock path: full save + restore"},
 			&cli.IntFlag{Name: "peer-n", Value: 3, Usage: "serial restores of the full save (with --peer)"},
+			&cli.IntFlag{Name: "warm", Value: 0, Usage: "warm pool size: pre-spawned QEMUs, refilled (untimed) before each sample"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			n := cmd.Int("n")
 			if n < 1 {
 				return fmt.Errorf("--n must be >= 1")
 			}
-			settings := map[string]any{"n": n, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n")}
+			warm := int(cmd.Int("warm"))
+			if warm < 0 {
+				return fmt.Errorf("--warm must be >= 0")
+			}
+			settings := map[string]any{"n": n, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n"), "warm": warm}
 			return runBench(ctx, cmd, "fork", settings, func(r *runner) error {
-				return runFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"))
+				return runFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"), warm)
 			})
 		},
 	}
@@ -62,7 +67,7 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	return vm, s
 }
 
-func runFork(r *runner, n int, peer bool, peerN int) error {
+func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 	w, err := r.bakeWorld("world", "world-ck")
 	if err != nil {
 		return err
@@ -73,6 +78,12 @@ func runFork(r *runner, n int, peer bool, peerN int) error {
 	var bars []Bar
 	for i := range n {
 		name := fmt.Sprintf("f%d", i+1)
+		if warm > 0 {
+			// Untimed: the pool refills between samples, as a steady-state pool would.
+			if err := r.e.Warm(r.ctx, w.Ck, warm); err != nil {
+				return fmt.Errorf("warm pool: %w", err)
+			}
+		}
 		vm, s := r.serialFork(w.Ck, name, "serial", i, 1)
 		r.addSample(s)
 		if s.OK {
@@ -108,6 +119,9 @@ func runFork(r *runner, n int, peer bool, peerN int) error {
 	r.deleteAll(iso)
 	pc := summarize(lat)
 	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "fork_p50_ms", round3(pc.P50), "ms", "p50"
+	if warm > 0 {
+		r.res.Metric = "fork_warm_p50_ms"
+	}
 	r.res.N = len(lat)
 	r.res.Percentiles = roundP(pc)
 	r.res.Extra["phase_p50_ms"] = map[string]any{
@@ -115,6 +129,9 @@ func runFork(r *runner, n int, peer bool, peerN int) error {
 		"agent": round3(median(agent)), "first_command": round3(median(cmd)),
 	}
 	r.res.Extra["isolation"] = rep
+	if warm > 0 {
+		r.caveat("warm pool of %d: each fork claims a pre-spawned QEMU (-incoming defer, capabilities set); the pool is refilled, untimed, before each sample", warm)
+	}
 	r.res.Method = fmt.Sprintf("Serial: for i in 1..%d, t0; engine.Fork of a pinned checkpoint of a world VM that dirtied %d MB of RAM; the first `sh -c true` through the agent; t1; delete the fork; sample = t1 - t0. Phase medians come from the engine's PhaseTimings. Two extra forks (iso-a, iso-b) run the isolation check, both with the full world-state check. %s",
 		n, r.shape.DirtyMB, r.isoMethod())
 	r.section("## Serial forks\n\nfork → first command p50 %.0f ms (p90 %.0f, p99 %.0f, min %.0f, max %.0f) over %d. Phase medians: prepare %.1f ms, spawn %.1f ms, restore %.1f ms, agent %.1f ms, first command %.1f ms.\n\n```\n%s```\n\nIsolation: %d forks cheap-checked, full world state on %v, failures %d.\n\n",
