@@ -165,6 +165,14 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 		err = vm.checkpointFork(ctx, ck, statePath, ramTmp, tmp)
 	}
 	if err != nil {
+		// A world that died during the checkpoint is reported as such (ErrQEMUExited in
+		// a *QEMUError with QEMU's stderr), like a fork whose QEMU died.
+		var qe *QEMUError
+		if !errors.As(err, &qe) {
+			if ferr := vm.failure("checkpoint", err); errors.Is(ferr, ErrQEMUExited) {
+				err = ferr
+			}
+		}
 		return nil, err
 	}
 	sum, size, err := fileSHA256(statePath)

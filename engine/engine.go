@@ -16,6 +16,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -121,6 +122,13 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 			return nil, fmt.Errorf("engine: create %s: %w", d, err)
 		}
 	}
+	// The RAM and run dirs default to predictable names in shared, world-writable
+	// directories (/dev/shm, $TMPDIR): another user may have created them first.
+	for _, d := range []string{e.cfg.RAMDir, e.cfg.RunDir} {
+		if err := checkPrivateDir(d); err != nil {
+			return nil, err
+		}
+	}
 	if err := e.lock(ctx); err != nil {
 		e.bgCancel()
 		return nil, err
@@ -206,6 +214,28 @@ func (e *Engine) defaults() error {
 		e.accel = c.Accel
 	default:
 		return fmt.Errorf("%w: accelerator %q (want auto, kvm, hvf or tcg)", ErrInvalidSpec, c.Accel)
+	}
+	return nil
+}
+
+// checkPrivateDir refuses a directory that another user could control: it must be a
+// real directory (not a symlink) owned by this user; group/other permissions are
+// removed.
+func checkPrivateDir(d string) error {
+	st, err := os.Lstat(d)
+	if err != nil {
+		return fmt.Errorf("engine: %s: %w", d, err)
+	}
+	if !st.IsDir() {
+		return fmt.Errorf("engine: %s is not a directory (%v); refusing to keep VM files there", d, st.Mode().Type())
+	}
+	if s, ok := st.Sys().(*syscall.Stat_t); ok && int(s.Uid) != os.Geteuid() {
+		return fmt.Errorf("engine: %s is owned by uid %d, not by this user (uid %d); refusing to keep VM files there", d, s.Uid, os.Geteuid())
+	}
+	if st.Mode().Perm()&0o077 != 0 {
+		if err := os.Chmod(d, 0o700); err != nil {
+			return fmt.Errorf("engine: %s: %w", d, err)
+		}
 	}
 	return nil
 }
@@ -327,6 +357,12 @@ func (e *Engine) Close() error {
 		e.mu.Unlock()
 		for _, vm := range vms {
 			vm.closeConns()
+		}
+		// Leave no empty directories behind in shared places (fails harmlessly if not
+		// empty: VMs keep running after Close).
+		os.Remove(e.cfg.RAMDir)
+		if e.cfg.RunDir != filepath.Join(e.cfg.StateDir, "run") {
+			os.Remove(e.cfg.RunDir)
 		}
 		e.unlock()
 	})

@@ -139,7 +139,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 	vm.m.Timings.Restore = time.Since(t1)
 	t2 := time.Now()
 	if err := vm.hello(fctx); err != nil {
-		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil && !errors.Is(err, ErrAgentTimeout) {
 			err = fmt.Errorf("%w: %s after %v: %w", ErrAgentTimeout, name, e.cfg.ForkTimeout, err)
 		}
 		return nil, vm.failure("fork", err)

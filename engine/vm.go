@@ -254,6 +254,7 @@ func (e *Engine) load(ctx context.Context) error {
 		if m.State == StateStarting && !vm.alive() {
 			e.logf("reaping half-made vm %s", m.Name)
 			vm.kill()
+			killOrphans(m)
 			e.removeVMFiles(m.Name, &vm.m)
 			continue
 		}
@@ -262,12 +263,26 @@ func (e *Engine) load(ctx context.Context) error {
 			// confirmed ready; remove it rather than guess.
 			e.logf("reaping half-made vm %s (pid %d)", m.Name, m.PID)
 			vm.kill()
+			killOrphans(m)
 			e.removeVMFiles(m.Name, &vm.m)
 			continue
 		}
 		e.vms[m.Name] = vm
 	}
 	return e.reapCheckpoints(ctx)
+}
+
+// killOrphans SIGKILLs QEMU processes of a half-made VM that its manifest does not
+// name: the engine may have died between spawning QEMU and recording its pid. They are
+// recognised by their QMP socket argument, unique to this state dir and VM.
+func killOrphans(m *Manifest) {
+	if m.Launch.RunDir == "" {
+		return
+	}
+	arg := "path=" + escapeOpt(m.Launch.QMPSocket()) + ","
+	for _, pid := range procsWithArg(arg) {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
 }
 
 // loadManifest reads and validates a VM manifest.
@@ -441,6 +456,10 @@ func (vm *VM) start(ctx context.Context) error {
 	vm.mu.Unlock()
 	if err != nil {
 		return fmt.Errorf("engine: manifest: %w", err)
+	}
+	// QEMU would create the console log with 0644; create it private first.
+	if f, err := os.OpenFile(l.SerialLog, os.O_CREATE|os.O_WRONLY, 0o600); err == nil {
+		f.Close()
 	}
 	logf, err := os.OpenFile(filepath.Join(vm.dir(), "qemu.log"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
 	if err != nil {

@@ -929,3 +929,62 @@ func TestRobustSoak(t *testing.T) {
 	checkState(t, env, expectState{VMs: []string{"w"}, RAM: []string{"vm-w.ram", "ck-ck.ram"}, CKs: []string{"ck"}})
 	deleteAll(t, env)
 }
+
+// ---------------------------------------------------------------------------------------
+// 2b. the engine dies between spawning QEMU and recording its pid
+
+// TestRobustCrashBeforePIDRecorded reproduces the on-disk state an engine leaves when it
+// dies inside VM.start between the two manifest writes: the manifest says "starting"
+// with pid 0 while the QEMU it just spawned (with Setsid, so it outlives the engine)
+// runs. A new engine reaps the half-made VM; it must not leave that QEMU running with
+// its files deleted (an orphan nobody can see or delete any more).
+func TestRobustCrashBeforePIDRecorded(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	ctx := ctxT(t, 4*time.Minute)
+	makeWorld(t, env.E, "w", 256, 0)
+	if _, err := env.E.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	x, err := env.E.Fork(ctx, "ck", engine.ForkOptions{Name: "x"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := x.PID()
+	env.E.Close()
+	// The manifest as start() writes it before cmd.Start: state starting, no pid yet.
+	mp := filepath.Join(env.Home, "vms", "x", "manifest.json")
+	b, err := os.ReadFile(mp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	m["state"], m["pid"], m["start_time"] = engine.StateStarting, 0, 0
+	delete(m, "ready_at")
+	b, _ = json.Marshal(m)
+	if err := os.WriteFile(mp, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e2, err := engine.New(context.Background(), &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E = e2
+	if _, err := e2.Get("x"); !errors.Is(err, engine.ErrNotFound) {
+		t.Fatalf("half-made x after restart: %v", err)
+	}
+	// Give a kill time to land.
+	deadline := time.Now().Add(5 * time.Second)
+	for processAlive(pid) && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if processAlive(pid) {
+		t.Errorf("the half-made fork's QEMU (pid %d) still runs after the new engine reaped its files: an invisible orphan", pid)
+	}
+	assertGone(t, env, "x", 0)
+	checkState(t, env, expectState{VMs: []string{"w"}, RAM: []string{"vm-w.ram", "ck-ck.ram"}, CKs: []string{"ck"}})
+	syscall.Kill(pid, syscall.SIGKILL)
+	deleteAll(t, env)
+}

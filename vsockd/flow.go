@@ -23,6 +23,7 @@ type inbox struct {
 	mu     sync.Mutex
 	q      []Frame
 	bytes  int64 // unreleased data bytes
+	ctrl   int64 // queued control payload bytes
 	err    error // terminal error, reported once the queue is drained (or at once if hard)
 	hard   bool  // report err before queued frames
 	signal chan struct{}
@@ -50,6 +51,13 @@ func (b *inbox) push(f Frame) error {
 			return errOverrun
 		}
 		b.bytes += int64(len(f.Payload))
+	} else {
+		// Control frames are not flow controlled: bound what they may queue too, or a
+		// peer could park up to maxQueuedFrames*MaxPayload bytes on one stream.
+		if b.ctrl+int64(len(f.Payload)) > InitialWindow {
+			return errOverrun
+		}
+		b.ctrl += int64(len(f.Payload))
 	}
 	if len(b.q) >= maxQueuedFrames {
 		return errOverrun
@@ -73,6 +81,9 @@ func (b *inbox) pop(ctx context.Context) (Frame, error) {
 			f := b.q[0]
 			b.q[0] = Frame{}
 			b.q = b.q[1:]
+			if !f.Type.isData() {
+				b.ctrl -= int64(len(f.Payload))
+			}
 			b.mu.Unlock()
 			return f, nil
 		}
