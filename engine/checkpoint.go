@@ -90,6 +90,14 @@ func (c *Checkpoint) StatePath() string { return filepath.Join(c.Dir, "state.mig
 type CheckpointOptions struct {
 	// Pin keeps the checkpoint when its last fork is deleted.
 	Pin bool
+	// Handoff freezes RAM without copying it: the VM's RAM file itself becomes the
+	// checkpoint's, and the VM is restarted as a copy-on-write mapping of it (a new QEMU
+	// process restored from the checkpoint, like a fork, under the same name). The
+	// checkpoint takes the same time whatever the guest's size; the VM is paused until it
+	// is back (~one fork), and from then on is a fork of the checkpoint: the checkpoint
+	// cannot be deleted while it lives, and its own later checkpoints take the full-save
+	// path. For prepare-once, fork-many use. Only for VMs created forkable.
+	Handoff bool
 	// implicit marks a checkpoint made by forking a running VM.
 	implicit bool
 }
@@ -159,10 +167,53 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 		RAMPath: ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
 	}
 	statePath := filepath.Join(tmp, "state.mig")
-	if m.Launch.RAM.Shared {
+	// commit completes the checkpoint from its files in tmp and renames it into place.
+	commit := func() error {
+		sum, size, err := fileSHA256(statePath)
+		if err != nil {
+			return fmt.Errorf("engine: checkpoint state: %w", err)
+		}
+		ck.StateSHA256, ck.StateSize = sum, size
+		// Disk paths are recorded at their final location.
+		for i := range ck.Disk {
+			ck.Disk[i].Path = filepath.Join(final, filepath.Base(ck.Disk[i].Path))
+		}
+		if len(ck.Disk) > 0 {
+			if err := e.makeOverlayTemplate(ctx, ck, tmp); err != nil {
+				return err
+			}
+		}
+		if ok, err := writeStubKernel(ck.Kernel, filepath.Join(tmp, "stub-kernel")); err != nil {
+			return fmt.Errorf("engine: checkpoint stub kernel: %w", err)
+		} else if ok {
+			ck.ForkKernel = filepath.Join(final, "stub-kernel")
+		}
+		ck.Timings.Total = time.Since(t0)
+		if err := writeJSON(filepath.Join(tmp, "manifest.json"), ck); err != nil {
+			return fmt.Errorf("engine: checkpoint manifest: %w", err)
+		}
+		// Commit: RAM file first, then the directory (a manifest in place is the commit
+		// point; reaping removes RAM files without a checkpoint dir).
+		if err := os.Rename(ramTmp, ramFinal); err != nil {
+			return fmt.Errorf("engine: checkpoint ram: %w", err)
+		}
+		if err := os.Rename(tmp, final); err != nil {
+			os.Rename(ramFinal, ramTmp)
+			return fmt.Errorf("engine: checkpoint commit: %w", err)
+		}
+		ok = true
+		return nil
+	}
+	switch {
+	case m.Launch.RAM.Shared && opts.Handoff:
+		err = vm.checkpointHandoff(ctx, ck, statePath, ramTmp, tmp, commit)
+	case m.Launch.RAM.Shared:
 		err = vm.checkpointWorld(ctx, ck, statePath, ramTmp, tmp)
-	} else {
+	default:
 		err = vm.checkpointFork(ctx, ck, statePath, ramTmp, tmp)
+	}
+	if err == nil && !ok {
+		err = commit()
 	}
 	if err != nil {
 		// A world that died during the checkpoint is reported as such (ErrQEMUExited in
@@ -173,41 +224,12 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 				err = ferr
 			}
 		}
+		if ok {
+			// Handoff: the checkpoint exists, only the VM's restart failed.
+			return &Checkpoint{Manifest: *ck, Dir: final}, err
+		}
 		return nil, err
 	}
-	sum, size, err := fileSHA256(statePath)
-	if err != nil {
-		return nil, fmt.Errorf("engine: checkpoint state: %w", err)
-	}
-	ck.StateSHA256, ck.StateSize = sum, size
-	// Disk paths are recorded at their final location.
-	for i := range ck.Disk {
-		ck.Disk[i].Path = filepath.Join(final, filepath.Base(ck.Disk[i].Path))
-	}
-	if len(ck.Disk) > 0 {
-		if err := e.makeOverlayTemplate(ctx, ck, tmp); err != nil {
-			return nil, err
-		}
-	}
-	if ok, err := writeStubKernel(ck.Kernel, filepath.Join(tmp, "stub-kernel")); err != nil {
-		return nil, fmt.Errorf("engine: checkpoint stub kernel: %w", err)
-	} else if ok {
-		ck.ForkKernel = filepath.Join(final, "stub-kernel")
-	}
-	ck.Timings.Total = time.Since(t0)
-	if err := writeJSON(filepath.Join(tmp, "manifest.json"), ck); err != nil {
-		return nil, fmt.Errorf("engine: checkpoint manifest: %w", err)
-	}
-	// Commit: RAM file first, then the directory (a manifest in place is the commit
-	// point; reaping removes RAM files without a checkpoint dir).
-	if err := os.Rename(ramTmp, ramFinal); err != nil {
-		return nil, fmt.Errorf("engine: checkpoint ram: %w", err)
-	}
-	if err := os.Rename(tmp, final); err != nil {
-		os.Remove(ramFinal)
-		return nil, fmt.Errorf("engine: checkpoint commit: %w", err)
-	}
-	ok = true
 	e.logf("checkpoint %s of %s: %v (paused %v)", name, vmName, ck.Timings.Total.Round(time.Millisecond), ck.Timings.Paused.Round(time.Millisecond))
 	return &Checkpoint{Manifest: *ck, Dir: final}, nil
 }

@@ -438,3 +438,62 @@ func qemuPIDs(t *testing.T, dir string) []int {
 	}
 	return pids
 }
+
+// TestCheckpointHandoff checks the copy-free checkpoint: the world's RAM file becomes the
+// checkpoint's and the world continues as a copy-on-write fork of it.
+func TestCheckpointHandoff(t *testing.T) {
+	env := newEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 512, Forkable: true, DiskMiB: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, w, "head -c 1048576 /dev/urandom > /dev/shm/seed; for i in $(seq 64); do cat /dev/shm/seed; done > /dev/shm/dirty; echo disk > /data/d; sync")
+	want := mustRun(t, w, "md5sum /dev/shm/dirty /data/d | cut -d' ' -f1 | tr '\\n' ' '")
+	oldPID := w.PID()
+	ck, err := e.Checkpoint(ctx, "w", "hk", &engine.CheckpointOptions{Pin: true, Handoff: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tm := ck.Manifest.Timings
+	t.Logf("handoff checkpoint: total %v (migrate %v, freeze %v, disk %v), world paused %v", tm.Total, tm.Migrate, tm.Freeze, tm.Disk, tm.Paused)
+	if ck.Manifest.RAMMethod != "handoff" {
+		t.Fatalf("ram method %q", ck.Manifest.RAMMethod)
+	}
+	if w.PID() == oldPID || processAlive(oldPID) {
+		t.Fatalf("world was not restarted: pid %d -> %d (old alive %v)", oldPID, w.PID(), processAlive(oldPID))
+	}
+	if got := mustRun(t, w, "md5sum /dev/shm/dirty /data/d | cut -d' ' -f1 | tr '\\n' ' '"); got != want {
+		t.Fatalf("world after handoff = %q, want %q", got, want)
+	}
+	if w.Info().Parent != "hk" {
+		t.Fatalf("world parent = %q, want hk", w.Info().Parent)
+	}
+	// The world's later writes reach no fork; a fork's reach not the world.
+	mustRun(t, w, "echo after > /dev/shm/after; echo after > /data/after; sync")
+	f, err := e.Fork(ctx, "hk", engine.ForkOptions{Name: "hf"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := mustRun(t, f, "md5sum /dev/shm/dirty /data/d | cut -d' ' -f1 | tr '\\n' ' '; ls /dev/shm/after /data/after 2>/dev/null; true"); got != want {
+		t.Fatalf("fork of handoff checkpoint = %q, want %q", got, want)
+	}
+	mustRun(t, f, "echo fork > /dev/shm/fork; echo fork > /data/fork; sync")
+	if out := mustRun(t, w, "ls /dev/shm/fork /data/fork 2>/dev/null; true"); out != "" {
+		t.Fatalf("world sees the fork's writes: %q", out)
+	}
+	// The world is a fork of the checkpoint now: deleting it is refused while it lives.
+	wantErr(t, e.DeleteCheckpoint(ctx, "hk", false), engine.ErrInUse)
+	// A later (full-save) checkpoint of the handed-off world works.
+	if _, err := e.Checkpoint(ctx, "w", "hk2", nil); err != nil {
+		t.Fatal(err)
+	}
+	// A handoff that fails before its commit leaves the world as it was.
+	pid := w.PID()
+	_, err = e.Checkpoint(ctx, "w", "hk", &engine.CheckpointOptions{Handoff: true})
+	wantErr(t, err, engine.ErrExists)
+	if w.PID() != pid || mustRun(t, w, "cat /dev/shm/after") != "after" {
+		t.Fatal("world disturbed by a refused handoff")
+	}
+}

@@ -222,6 +222,7 @@ func checkpointCmd() *cli.Command {
 		ArgsUsage: "VM NAME",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "pin", Usage: "keep the checkpoint when its last fork is deleted"},
+			&cli.BoolFlag{Name: "handoff", Usage: "do not copy RAM: the VM restarts as a copy-on-write fork of the checkpoint (time independent of guest size)"},
 			&cli.BoolFlag{Name: "json", Usage: "print the checkpoint as JSON"},
 		},
 		Commands: []*cli.Command{{
@@ -254,7 +255,7 @@ func checkpointCmd() *cli.Command {
 				return err
 			}
 			defer e.Close()
-			ck, err := e.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &engine.CheckpointOptions{Pin: cmd.Bool("pin")})
+			ck, err := e.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &engine.CheckpointOptions{Pin: cmd.Bool("pin"), Handoff: cmd.Bool("handoff")})
 			if err != nil {
 				return err
 			}
