@@ -15,49 +15,51 @@ import (
 // built here and nowhere else.
 type Launch struct {
 	// QEMU is the qemu-system binary.
-	QEMU string
+	QEMU string `json:"qemu"`
 	// Name is the VM's validated name.
-	Name string
+	Name string `json:"name"`
 	// Accel is "kvm", "hvf" or "tcg".
-	Accel string
+	Accel string `json:"accel"`
 	// TBSizeMiB bounds TCG's translation buffer (tcg only; 0 = QEMU default).
-	TBSizeMiB int
+	TBSizeMiB int `json:"tb_size_mib"`
 	// CPUModel is the -cpu model; empty means "host" under kvm/hvf and "max" under tcg.
-	CPUModel string
+	CPUModel string `json:"cpu_model,omitempty"`
 	// Machine is the QEMU machine type ("q35").
-	Machine string
+	Machine string `json:"machine"`
 	// CPUs and MemoryMiB are the machine shape.
-	CPUs      int
-	MemoryMiB int
+	CPUs      int `json:"cpus"`
+	MemoryMiB int `json:"memory_mib"`
 	// Kernel, Initrd and Append boot the guest (ignored by QEMU when Incoming is set,
 	// but kept identical so that the machine matches the checkpoint).
-	Kernel, Initrd, Append string
+	Kernel string `json:"kernel"`
+	Initrd string `json:"initrd,omitempty"`
+	Append string `json:"append"`
 	// RAM selects how guest RAM is backed.
-	RAM RAMBacking
+	RAM RAMBacking `json:"ram"`
 	// Disk is the data disk chain, base first; the last layer is the writable top.
 	// Empty means no disk.
-	Disk []DiskLayer
+	Disk []DiskLayer `json:"disk,omitempty"`
 	// RunDir holds qmp.sock and agent.sock.
-	RunDir string
+	RunDir string `json:"run_dir"`
 	// SerialLog receives the guest console.
-	SerialLog string
+	SerialLog string `json:"serial_log"`
 	// Incoming starts QEMU with -incoming defer (a fork or a restore).
-	Incoming bool
+	Incoming bool `json:"incoming,omitempty"`
 	// VsockCID, when non-zero, adds a vhost-vsock device with that guest CID.
-	VsockCID uint32
+	VsockCID uint32 `json:"vsock_cid,omitempty"`
 }
 
 // RAMBacking says how guest RAM is mapped.
 type RAMBacking struct {
 	// Path of the RAM file; empty means anonymous RAM (not forkable).
-	Path string
+	Path string `json:"path,omitempty"`
 	// Shared maps it share=on (a forkable world); otherwise share=off, readonly=on,
 	// rom=off: a private copy-on-write mapping of a frozen checkpoint file.
-	Shared bool
+	Shared bool `json:"shared,omitempty"`
 	// Anonymous, with an empty Path, backs RAM by a memory-backend-ram named like the
 	// file backend, so a full save of a forkable VM restores into ordinary RAM (the
 	// stock save/restore path).
-	Anonymous bool
+	Anonymous bool `json:"anonymous,omitempty"`
 }
 
 // DiskLayer is one file of a disk chain.

@@ -50,6 +50,9 @@ type Config struct {
 	Accel string
 	// TBSizeMiB bounds TCG's translation buffer per VM. Default 64.
 	TBSizeMiB int
+	// KernelArgs are appended to the guest kernel command line of new VMs ($FORKVM_KERNEL_ARGS
+	// overrides). Checkpoints inherit them. Printable ASCII only.
+	KernelArgs string
 	// CPUModel is QEMU's -cpu model for new VMs. Default: "host" under kvm/hvf, "max"
 	// under tcg. $FORKVM_CPU overrides. Checkpoints record it; forks use the recorded one.
 	CPUModel string
@@ -187,6 +190,14 @@ func (e *Engine) defaults() error {
 	}
 	if c.Log == nil {
 		c.Log = io.Discard
+	}
+	if v, ok := os.LookupEnv("FORKVM_KERNEL_ARGS"); ok {
+		c.KernelArgs = v
+	}
+	for _, r := range c.KernelArgs {
+		if r < 0x20 || r > 0x7e {
+			return fmt.Errorf("%w: kernel args must be printable ASCII", ErrInvalidSpec)
+		}
 	}
 	if v := os.Getenv("FORKVM_CPU"); v != "" {
 		c.CPUModel = v

@@ -132,13 +132,19 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 		}
 	}
 	t1 := time.Now()
-	if err := restore(fctx, vm.qmp, c.StatePath(), !vm.ignoreSh); err != nil {
-		return nil, vm.failure("restore", err)
+	if !vm.restored {
+		if err := restore(fctx, vm.qmp, c.StatePath(), !vm.ignoreSh); err != nil {
+			return nil, vm.failure("restore", err)
+		}
+		vm.ignoreSh = true
+		vm.m.Timings.Restore = time.Since(t1)
 	}
-	vm.ignoreSh = true
-	vm.m.Timings.Restore = time.Since(t1)
 	t2 := time.Now()
-	if err := vm.hello(fctx); err != nil {
+	hello := vm.hello
+	if vm.restored {
+		hello = vm.resumeRestored
+	}
+	if err := hello(fctx); err != nil {
 		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil && !errors.Is(err, ErrAgentTimeout) {
 			err = fmt.Errorf("%w: %s after %v: %w", ErrAgentTimeout, name, e.cfg.ForkTimeout, err)
 		}

@@ -2,11 +2,14 @@ package engine
 
 import (
 	"context"
+	"crypto/rand"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/forkvm/forkvm/vsockd"
 )
 
 // StatePooled is the state of a warm-pool QEMU: spawned with a checkpoint's machine
@@ -16,9 +19,22 @@ const StatePooled = "pooled"
 // poolPrefix names pooled VMs; they are renamed when claimed.
 const poolPrefix = "pool-"
 
+// WarmOptions tune a warm pool. A nil *WarmOptions means defaults.
+type WarmOptions struct {
+	// Restored pre-restores pooled processes: each loads the checkpoint, answers a
+	// handshake and runs one warm-up command (so its TCG translation cache is warm), then
+	// is stopped. A claim is then cont + a handshake with the fork's own token, entropy,
+	// clock and hostname. Trade-off: a pooled fork has run ~0.2 s of guest time after the
+	// checkpoint (files and memory contents are those of the checkpoint, but processes
+	// that were running at checkpoint time have advanced by that much). Without it,
+	// pooled processes wait in -incoming defer and a fork pays restore + handshake.
+	Restored bool
+}
+
 // warmPool is the set of pooled QEMUs of one checkpoint.
 type warmPool struct {
-	target int
+	restored bool
+	target   int
 	ready  []*VM
 	// filling counts spawns in flight.
 	filling int
@@ -32,7 +48,8 @@ type warmPool struct {
 //
 // Concurrency: pools live under e.mu; spawns run without it. A claim takes the first
 // ready process under e.mu, so two forks never get the same one.
-func (e *Engine) Warm(ctx context.Context, ck string, n int) error {
+func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) error {
+	restored := opts != nil && opts.Restored
 	if n < 0 || n > 1024 {
 		return fmt.Errorf("%w: pool size must be 0..1024, got %d", ErrInvalidSpec, n)
 	}
@@ -49,11 +66,15 @@ func (e *Engine) Warm(ctx context.Context, ck string, n int) error {
 	}
 	p := e.pools[ck]
 	if p == nil {
-		p = &warmPool{}
+		p = &warmPool{restored: restored}
 		e.pools[ck] = p
 	}
 	p.target = n
 	var drop []*VM
+	if p.restored != restored {
+		// A different kind of pool: replace every pooled process.
+		drop, p.ready, p.restored = p.ready, nil, restored
+	}
 	for len(p.ready) > n {
 		drop = append(drop, p.ready[len(p.ready)-1])
 		p.ready = p.ready[:len(p.ready)-1]
@@ -117,7 +138,7 @@ func (e *Engine) refill(c *Checkpoint) {
 		e.bgWG.Add(1)
 		go func() {
 			defer e.bgWG.Done()
-			vm, err := e.spawnPooled(e.bg, c)
+			vm, err := e.spawnPooled(e.bg, c, p.restored)
 			e.mu.Lock()
 			p.filling--
 			if err == nil && !e.closed && e.pools[name] == p && len(p.ready) < p.target {
@@ -138,8 +159,9 @@ func (e *Engine) refill(c *Checkpoint) {
 	}
 }
 
-// spawnPooled starts one QEMU for checkpoint c, waiting for an incoming migration.
-func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint) (*VM, error) {
+// spawnPooled starts one QEMU for checkpoint c, waiting for an incoming migration (or,
+// restored, loaded, warmed up and stopped).
+func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) (*VM, error) {
 	name := poolPrefix + randHex(6)
 	vm, err := e.prepareFork(ctx, c, name)
 	if err != nil {
@@ -160,8 +182,62 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint) (*VM, error) {
 		return nil, vm.failure("pool", err)
 	}
 	vm.ignoreSh = true
+	if restored {
+		if err := vm.warmUp(ctx, c); err != nil {
+			return nil, vm.failure("pool", err)
+		}
+	}
 	ok = true
 	return vm, nil
+}
+
+// warmUp restores a pooled process, runs the handshake and one command, and stops it.
+func (vm *VM) warmUp(ctx context.Context, c *Checkpoint) error {
+	ctx, cancel := context.WithTimeout(ctx, vm.e.cfg.ForkTimeout)
+	defer cancel()
+	if err := restore(ctx, vm.qmp, c.StatePath(), false); err != nil {
+		return err
+	}
+	ag, err := vm.agentClient(ctx)
+	if err != nil {
+		return err
+	}
+	if code, err := ag.Run(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", "true"}}); err != nil || code != 0 {
+		return fmt.Errorf("warm-up command: exit %d: %v", code, err)
+	}
+	if err := vm.qmp.Execute(ctx, "stop", nil, nil); err != nil {
+		return err
+	}
+	vm.restored = true
+	return nil
+}
+
+// resumeRestored hands a restored pooled process to its fork: cont, then a handshake on
+// the pool's agent connection with the fork's own token (a Hello resets the agent's
+// session, reseeds its RNG, sets its clock and hostname).
+func (vm *VM) resumeRestored(ctx context.Context) error {
+	if err := vm.qmp.Execute(ctx, "cont", nil, nil); err != nil {
+		return err
+	}
+	vm.mu.Lock()
+	t := vm.targetLocked()
+	vm.mu.Unlock()
+	tok, err := parseToken(t.Token)
+	if err != nil {
+		return err
+	}
+	vm.agentMu.Lock()
+	ag := vm.agent
+	vm.agentMu.Unlock()
+	if ag == nil || clientDone(ag) {
+		return vm.hello(ctx)
+	}
+	ent := make([]byte, 32)
+	_, _ = rand.Read(ent)
+	if _, err := ag.Hello(ctx, vsockd.Hello{Token: tok, Entropy: ent, Time: time.Now(), Hostname: t.Name}); err != nil {
+		return err
+	}
+	return nil
 }
 
 // claimPooled takes a ready pooled process of checkpoint ck, if any, and renames it to
@@ -227,7 +303,7 @@ func (e *Engine) claimPooled(ck, name string) (vm *VM, release func()) {
 	_, vm.m.Token = newToken()
 	vm.m.State = StateStarting
 	vm.m.CreatedAt = time.Now().UTC()
-	vm.m.Timings = PhaseTimings{} // the spawn was paid by the pool, not this fork
+	vm.m.Timings = PhaseTimings{} // the spawn (and restore) were paid by the pool
 	err := vm.saveLocked()
 	vm.mu.Unlock()
 	if err != nil {

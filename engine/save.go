@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"time"
 )
 
@@ -60,42 +59,14 @@ func (e *Engine) Save(ctx context.Context, vmName, path string) (time.Duration, 
 func (e *Engine) Restore(ctx context.Context, path string, spec Spec) (*VM, error) {
 	spec.Forkable = false
 	spec.DiskMiB = 0
-	if err := spec.Validate(); err != nil {
-		return nil, err
-	}
-	qemuPath, err := e.QEMUPath()
+	t0 := time.Now()
+	vm, err := e.newBootVM(ctx, spec)
 	if err != nil {
-		return nil, err
-	}
-	ver, err := e.QEMUVersion(ctx)
-	if err != nil {
-		return nil, err
-	}
-	kernel, initrd, err := e.image()
-	if err != nil {
-		return nil, err
-	}
-	if err := e.reserve(spec.Name); err != nil {
 		return nil, err
 	}
 	defer e.unreserve(spec.Name)
-	t0 := time.Now()
-	_, tok := newToken()
-	vm := &VM{e: e}
-	vm.m = Manifest{
-		Version: manifestVersion, Name: spec.Name, Spec: spec, State: StateStarting, Accel: e.accel,
-		QEMUVersion: ver, Token: tok, CreatedAt: time.Now().UTC(),
-		Launch: Launch{
-			QEMU: qemuPath, Name: spec.Name, Accel: e.accel, TBSizeMiB: e.cfg.TBSizeMiB, CPUModel: e.cfg.CPUModel, Machine: "q35",
-			CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Kernel: kernel, Initrd: initrd,
-			Append:    "console=ttyS0 quiet panic=-1 rdinit=/init",
-			RAM:       RAMBacking{Anonymous: true},
-			RunDir:    filepath.Join(e.cfg.RunDir, spec.Name),
-			SerialLog: filepath.Join(e.vmsDir(), spec.Name, "serial.log"),
-			Incoming:  true,
-			VsockCID:  e.newCID(),
-		},
-	}
+	vm.m.Launch.RAM = RAMBacking{Anonymous: true}
+	vm.m.Launch.Incoming = true
 	ok := false
 	defer func() {
 		if !ok {

@@ -80,6 +80,7 @@ type VM struct {
 	agent    *vsockd.Client
 	agentMu  sync.Mutex    // guards agent (re)connection
 	exited   chan struct{} // closed when our child QEMU exits (nil if not our child)
+	restored bool          // a restored warm-pool process: guest loaded, stopped
 	ignoreSh bool          // x-ignore-shared already set on qmp
 }
 
@@ -354,8 +355,10 @@ func (e *Engine) List() []Info {
 	return out
 }
 
-// Create boots a new VM from the guest image and returns once its agent answered.
-func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
+// newBootVM checks what booting spec from the guest image needs (valid spec, QEMU,
+// image), reserves the name and returns an unstarted VM whose manifest boots that image.
+// The caller must unreserve spec.Name.
+func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 	if err := spec.Validate(); err != nil {
 		return nil, err
 	}
@@ -374,14 +377,8 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	if err := e.reserve(spec.Name); err != nil {
 		return nil, err
 	}
-	defer e.unreserve(spec.Name)
-	t0 := time.Now()
-	vm := &VM{e: e}
 	_, tok := newToken()
-	append_ := "console=ttyS0 quiet panic=-1 rdinit=/init"
-	if spec.DiskMiB > 0 {
-		append_ += " forkvm.disk=1"
-	}
+	vm := &VM{e: e}
 	vm.m = Manifest{
 		Version: manifestVersion, Name: spec.Name, Spec: spec, State: StateStarting,
 		Accel: e.accel, QEMUVersion: ver, Token: tok, CreatedAt: time.Now().UTC(),
@@ -389,11 +386,25 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		Launch: Launch{
 			QEMU: qemuPath, Name: spec.Name, Accel: e.accel, TBSizeMiB: e.cfg.TBSizeMiB,
 			CPUModel: e.cfg.CPUModel, Machine: "q35", CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
-			Kernel: kernel, Initrd: initrd, Append: append_,
+			Kernel: kernel, Initrd: initrd, Append: strings.TrimSpace("console=ttyS0 quiet panic=-1 rdinit=/init " + e.cfg.KernelArgs),
 			RunDir:    filepath.Join(e.cfg.RunDir, spec.Name),
 			SerialLog: filepath.Join(e.vmsDir(), spec.Name, "serial.log"),
 			VsockCID:  e.newCID(),
 		},
+	}
+	return vm, nil
+}
+
+// Create boots a new VM from the guest image and returns once its agent answered.
+func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
+	t0 := time.Now()
+	vm, err := e.newBootVM(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	defer e.unreserve(spec.Name)
+	if spec.DiskMiB > 0 {
+		vm.m.Launch.Append += " forkvm.disk=1"
 	}
 	ok := false
 	defer func() {
@@ -633,6 +644,10 @@ type AgentTarget struct {
 func (vm *VM) Target() AgentTarget {
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
+	return vm.targetLocked()
+}
+
+func (vm *VM) targetLocked() AgentTarget {
 	return AgentTarget{Name: vm.m.Name, Socket: vm.m.Launch.AgentSocket(), CID: vm.m.Launch.VsockCID, Token: vm.m.Token}
 }
 

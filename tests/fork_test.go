@@ -365,7 +365,7 @@ func TestWarmPool(t *testing.T) {
 		t.Fatal(err)
 	}
 	used := e.Budget(0).Used
-	if err := e.Warm(ctx, "ck", 2); err != nil {
+	if err := e.Warm(ctx, "ck", 2, nil); err != nil {
 		t.Fatal(err)
 	}
 	if n := e.PoolSize("ck"); n != 2 {
@@ -495,5 +495,41 @@ func TestCheckpointHandoff(t *testing.T) {
 	wantErr(t, err, engine.ErrExists)
 	if w.PID() != pid || mustRun(t, w, "cat /dev/shm/after") != "after" {
 		t.Fatal("world disturbed by a refused handoff")
+	}
+}
+
+// TestWarmPoolRestored checks forks taken from a pre-restored pool: the checkpoint's
+// files, the fork's own token, hostname and randomness.
+func TestWarmPoolRestored(t *testing.T) {
+	env := newEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, w, "echo pooled-state > /dev/shm/s && echo disk-state > /data/s && sync")
+	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Warm(ctx, "ck", 2, &engine.WarmOptions{Restored: true}); err != nil {
+		t.Fatal(err)
+	}
+	var rnd, toks []string
+	for _, name := range []string{"r1", "r2"} {
+		f, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%s from a restored pool: %+v", name, f.Info().Timings)
+		if out := mustRun(t, f, "cat /dev/shm/s /data/s; hostname"); out != "pooled-state\ndisk-state\n"+name {
+			t.Fatalf("%s state = %q", name, out)
+		}
+		// The engine's handshake checked the echoed token (ErrTokenMismatch otherwise).
+		toks = append(toks, f.Target().Token)
+		rnd = append(rnd, mustRun(t, f, "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"))
+	}
+	if rnd[0] == rnd[1] || toks[0] == toks[1] {
+		t.Fatal("two restored-pool forks share random bytes or a token")
 	}
 }

@@ -82,7 +82,7 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 		r.res.Environment.Settings["world_during_waves"] = "running (holds vCPU budget)"
 	}
 	if warm > 0 {
-		r.caveat("warm pool of %d: before each wave (untimed) the pool is filled with pre-spawned QEMUs (-incoming defer); the first %d forks of a wave claim them, the rest spawn", warm, warm)
+		r.caveat("warm pool of %d (restored: %v): before each wave (untimed) the pool is filled with pre-spawned QEMUs (-incoming defer; restored: already loaded, warmed up and stopped); the first %d forks of a wave claim them, the rest spawn", warm, r.warmRestored, warm)
 	}
 	perWave := map[string]any{}
 	var largest *WaveResult
@@ -92,7 +92,7 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 	for wi, n := range waves {
 		label := fmt.Sprintf("wave%d", n)
 		if warm > 0 {
-			if err := r.e.Warm(r.ctx, w.Ck, warm); err != nil {
+			if err := r.e.Warm(r.ctx, w.Ck, warm, &engine.WarmOptions{Restored: r.warmRestored}); err != nil {
 				return fmt.Errorf("warm pool: %w", err)
 			}
 		}

@@ -80,7 +80,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 		name := fmt.Sprintf("f%d", i+1)
 		if warm > 0 {
 			// Untimed: the pool refills between samples, as a steady-state pool would.
-			if err := r.e.Warm(r.ctx, w.Ck, warm); err != nil {
+			if err := r.e.Warm(r.ctx, w.Ck, warm, &engine.WarmOptions{Restored: r.warmRestored}); err != nil {
 				return fmt.Errorf("warm pool: %w", err)
 			}
 		}
@@ -121,6 +121,9 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "fork_p50_ms", round3(pc.P50), "ms", "p50"
 	if warm > 0 {
 		r.res.Metric = "fork_warm_p50_ms"
+		if r.warmRestored {
+			r.res.Metric = "fork_warm_restored_p50_ms"
+		}
 	}
 	r.res.N = len(lat)
 	r.res.Percentiles = roundP(pc)
@@ -130,7 +133,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 	}
 	r.res.Extra["isolation"] = rep
 	if warm > 0 {
-		r.caveat("warm pool of %d: each fork claims a pre-spawned QEMU (-incoming defer, capabilities set); the pool is refilled, untimed, before each sample", warm)
+		r.caveat("warm pool of %d (restored: %v): each fork claims a pre-spawned QEMU (-incoming defer, capabilities set; restored: already loaded, warmed up by one command and stopped, so the fork has run ~0.2 s of guest time after the checkpoint); the pool is refilled, untimed, before each sample", warm, r.warmRestored)
 	}
 	r.res.Method = fmt.Sprintf("Serial: for i in 1..%d, t0; engine.Fork of a pinned checkpoint of a world VM that dirtied %d MB of RAM; the first `sh -c true` through the agent; t1; delete the fork; sample = t1 - t0. Phase medians come from the engine's PhaseTimings. Two extra forks (iso-a, iso-b) run the isolation check, both with the full world-state check. %s",
 		n, r.shape.DirtyMB, r.isoMethod())

@@ -29,7 +29,9 @@ type runner struct {
 	jsonOut    bool
 	tracePath  string
 	hold       bool
-	home       string
+	// warmRestored makes --warm pools pre-restored (engine.WarmOptions.Restored).
+	warmRestored bool
+	home         string
 	ownHome    bool
 	overcommit float64
 	e          *engine.Engine
@@ -100,7 +102,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 		ctx: ctx, bench: bench,
 		shape:  Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
 		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
-		home: cmd.String("home"), overcommit: cmd.Float("overcommit"),
+		home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
 		held: map[string]bool{}, heldCks: map[string]bool{},
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {

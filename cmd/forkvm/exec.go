@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"github.com/containerd/console"
 	"github.com/urfave/cli/v3"
@@ -14,12 +15,19 @@ import (
 	"github.com/forkvm/forkvm/vsockd"
 )
 
+// handshakeTimeout bounds connecting to an agent and its handshake.
+const handshakeTimeout = 30 * time.Second
+
 // runExec runs argv in the VM behind target and returns its exit code. With --tty the
 // local terminal is put in raw mode and its size follows SIGWINCH.
 func runExec(ctx context.Context, target engine.AgentTarget, argv []string, cmd *cli.Command) (int, error) {
-	c, err := engine.DialAgent(ctx, target)
+	// A virtio-serial port serves one host connection at a time: bound the handshake so
+	// that a port held by another client (an embedding engine) is an error, not a hang.
+	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+	c, err := engine.DialAgent(hctx, target)
+	cancel()
 	if err != nil {
-		return -1, err
+		return -1, fmt.Errorf("%w (is another client connected to %s's agent?)", err, target.Name)
 	}
 	defer c.Close()
 	req := &vsockd.ExecRequest{
