@@ -35,7 +35,7 @@ type WarmOptions struct {
 type warmPool struct {
 	restored bool
 	target   int
-	ready  []*VM
+	ready    []*VM
 	// filling counts spawns in flight.
 	filling int
 }

@@ -22,23 +22,23 @@ import (
 // runner is one benchmark run: the engine on its state dir, the result being built and
 // the outputs.
 type runner struct {
-	ctx        context.Context
-	bench      string
-	shape      Shape
-	outDir     string
-	jsonOut    bool
-	tracePath  string
-	hold       bool
+	ctx       context.Context
+	bench     string
+	shape     Shape
+	outDir    string
+	jsonOut   bool
+	tracePath string
+	hold      bool
 	// warmRestored makes --warm pools pre-restored (engine.WarmOptions.Restored).
 	warmRestored bool
 	home         string
-	ownHome    bool
-	overcommit float64
-	e          *engine.Engine
-	res        *Result
-	trace      *Trace
-	progress   bool
-	ramDir     string
+	ownHome      bool
+	overcommit   float64
+	e            *engine.Engine
+	res          *Result
+	trace        *Trace
+	progress     bool
+	ramDir       string
 
 	mu       sync.Mutex
 	samples  []Sample
