@@ -533,3 +533,44 @@ func TestWarmPoolRestored(t *testing.T) {
 		t.Fatal("two restored-pool forks share random bytes or a token")
 	}
 }
+
+// TestForkManyCancel checks that cancelling ForkMany's context cleans up every fork it
+// started, including those already ready.
+func TestForkManyCancel(t *testing.T) {
+	env := newEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	if _, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	evs, err := e.ForkMany(wctx, "ck", 6, engine.ManyOptions{Prefix: "c", Concurrency: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ready, failed int
+	for ev := range evs {
+		if ev.Err == nil {
+			ready++
+			cancel() // cancel after the first ready fork
+		} else {
+			failed++
+		}
+	}
+	if ready == 0 || ready+failed != 6 {
+		t.Fatalf("ready %d failed %d, want at least one ready and 6 events", ready, failed)
+	}
+	if l := e.List(); len(l) != 1 || l[0].Name != "w" {
+		t.Fatalf("after a cancelled ForkMany: %+v, want only the world", l)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(env.Home, "vms")); len(ents) != 1 {
+		t.Fatalf("vm dirs left: %v", ents)
+	}
+	if pids := qemuPIDs(t, env.Home); len(pids) != 1 {
+		t.Fatalf("qemu processes: %v, want only the world's", pids)
+	}
+}

@@ -180,4 +180,28 @@ func TestForkbench(t *testing.T) {
 			t.Errorf("soak flat %v n %d value %v: start %v end %v", r.Extra["flat"], r.N, r.Value, r.Extra["start"], r.Extra["end"])
 		}
 	})
+	// The other subcommands at small sizes: each must run, check and clean up.
+	smallArgs := []string{"--memory-mb", "256", "--dirty-mb", "8", "--disk-mb", "16"}
+	smallShape := map[string]int{"memory_mb": 256, "dirty_mb": 8, "disk_mb": 16}
+	for _, tc := range []struct {
+		bench, metric string
+		args          []string
+		n             int
+	}{
+		{"fork-many", "batch3_wall_p50_ms", []string{"--batches", "2", "--n", "3"}, 2},
+		{"checkpoint-restore", "checkpoint_p50_ms", []string{"--n", "2", "--fanout", "2"}, 2},
+		{"create", "create_p50_ms", []string{"--n", "1"}, 1},
+		{"create", "create_golden_p50_ms", []string{"--golden", "--n", "3"}, 2},
+		{"create", "create_batch4_wall_s", []string{"--golden", "--batch", "4", "--conc", "2"}, 4},
+		{"density", "density_forks", []string{"--step", "2", "--max", "4"}, 4},
+		{"fork", "fork_warm_restored_p50_ms", []string{"--n", "2", "--warm", "1", "--warm-restored"}, 2},
+	} {
+		t.Run(tc.metric, func(t *testing.T) {
+			r, _ := runForkbench(t, bin, append(append([]string{tc.bench}, tc.args...), smallArgs...)...)
+			checkCommon(t, r, tc.bench, smallShape)
+			if r.Metric != tc.metric || r.Value <= 0 || r.N != tc.n {
+				t.Errorf("%s: metric %s = %v (n %d), want %s > 0 with n %d", tc.bench, r.Metric, r.Value, r.N, tc.metric, tc.n)
+			}
+		})
+	}
 }
