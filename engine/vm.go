@@ -615,6 +615,12 @@ func (vm *VM) agentClient(ctx context.Context) (*vsockd.Client, error) {
 		vm.agent = r.c
 		return r.c, nil
 	case <-vm.exitedChan():
+		// The dial ends with its ctx; close a connection it may still make.
+		go func() {
+			if r := <-ch; r.c != nil {
+				r.c.Close()
+			}
+		}()
 		return nil, vm.failure("agent", ErrQEMUExited)
 	}
 }
