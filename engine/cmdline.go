@@ -68,6 +68,11 @@ type DiskLayer struct {
 	Format string `json:"format"` // "raw" or "qcow2"
 }
 
+// defaultMachine is the machine type of new VMs: q35 (microvm hangs in firmware at exactly
+// 2048 MiB under TCG) without the SATA controller and SMBus no guest here uses (measured:
+// 1.7 MB less anonymous memory per QEMU). Checkpoints record it; forks reuse it.
+const defaultMachine = "q35,sata=off,smbus=off"
+
 // Socket names inside a run dir.
 const (
 	qmpSockName   = "qmp.sock"
@@ -94,7 +99,7 @@ func (l *Launch) Cmdline() ([]string, error) {
 	}
 	machine := l.Machine
 	if machine == "" {
-		machine = "q35"
+		machine = defaultMachine
 	}
 	var accel string
 	var cpu string

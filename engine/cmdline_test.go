@@ -230,13 +230,13 @@ func TestCmdlineAnonymousRAM(t *testing.T) {
 
 func TestCmdlineNoRAMPath(t *testing.T) {
 	l := baseLaunch()
-	l.Machine = "" // defaults to q35
+	l.Machine = "" // defaults to defaultMachine
 	argv := mustCmdline(t, l)
 	if hasFlag(argv, "-object") {
 		t.Errorf("no RAM path but -object present: %q", argv)
 	}
-	if got := flagValue(t, argv, "-machine"); got != "q35" {
-		t.Errorf("-machine = %q, want q35", got)
+	if got := flagValue(t, argv, "-machine"); got != defaultMachine {
+		t.Errorf("-machine = %q, want %q", got, defaultMachine)
 	}
 	// No initrd: no -initrd.
 	l.Initrd = ""
