@@ -139,20 +139,19 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 		vm.ignoreSh = true
 		vm.m.Timings.Restore = time.Since(t1)
 	}
-	t2 := time.Now()
-	hello := vm.hello
+	handshake := vm.hello
 	if vm.restored {
-		hello = vm.resumeRestored
+		handshake = vm.resumeRestored
 	}
-	if err := hello(fctx); err != nil {
-		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil && !errors.Is(err, ErrAgentTimeout) {
+	hello := func(hctx context.Context) error {
+		err := handshake(hctx)
+		// The fork's own deadline (not the caller's) is an agent timeout.
+		if err != nil && errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil && !errors.Is(err, ErrAgentTimeout) {
 			err = fmt.Errorf("%w: %s after %v: %w", ErrAgentTimeout, name, e.cfg.ForkTimeout, err)
 		}
-		return nil, vm.failure("fork", err)
+		return err
 	}
-	vm.m.Timings.Agent = time.Since(t2)
-	vm.m.Timings.Total = time.Since(t0)
-	if err := vm.markRunning(); err != nil {
+	if err := vm.becomeReady(fctx, "fork", t0, hello); err != nil {
 		return nil, err
 	}
 	e.markForked(ck.Name)

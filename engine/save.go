@@ -92,13 +92,7 @@ func (e *Engine) Restore(ctx context.Context, path string, spec Spec) (*VM, erro
 		return nil, vm.failure("restore", err)
 	}
 	vm.m.Timings.Restore = time.Since(t1)
-	t2 := time.Now()
-	if err := vm.hello(ctx); err != nil {
-		return nil, vm.failure("restore", err)
-	}
-	vm.m.Timings.Agent = time.Since(t2)
-	vm.m.Timings.Total = time.Since(t0)
-	if err := vm.markRunning(); err != nil {
+	if err := vm.becomeReady(ctx, "restore", t0, vm.hello); err != nil {
 		return nil, err
 	}
 	ok = true

@@ -436,17 +436,24 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	}
 	bctx, cancel := context.WithTimeout(ctx, e.cfg.BootTimeout)
 	defer cancel()
-	t1 := time.Now()
-	if err := vm.hello(bctx); err != nil {
-		return nil, vm.failure("boot", err)
-	}
-	vm.m.Timings.Agent = time.Since(t1)
-	vm.m.Timings.Total = time.Since(t0)
-	if err := vm.markRunning(); err != nil {
+	if err := vm.becomeReady(bctx, "boot", t0, vm.hello); err != nil {
 		return nil, err
 	}
 	ok = true
 	return vm, nil
+}
+
+// becomeReady runs the agent handshake with hello, records the agent and total phase
+// timings (total since t0) and marks the VM running. A failed handshake is reported as a
+// failure of op (with QEMU's stderr when QEMU died).
+func (vm *VM) becomeReady(ctx context.Context, op string, t0 time.Time, hello func(context.Context) error) error {
+	t := time.Now()
+	if err := hello(ctx); err != nil {
+		return vm.failure(op, err)
+	}
+	vm.m.Timings.Agent = time.Since(t)
+	vm.m.Timings.Total = time.Since(t0)
+	return vm.markRunning()
 }
 
 // start writes the manifest, spawns QEMU and connects QMP.

@@ -102,7 +102,9 @@ func TestCLI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer os.RemoveAll(home)
+	// Registered first, so it runs last: after the `forkvm rm` cleanup below, which
+	// opens (and so re-creates) the state directory.
+	t.Cleanup(func() { os.RemoveAll(home) })
 	bin := filepath.Join(binDir, "forkvm")
 	cli := func(args ...string) (string, int) {
 		t.Helper()

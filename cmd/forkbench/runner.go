@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -292,6 +293,27 @@ func memAvailableMB() float64 {
 		return -1
 	}
 	return float64(v) / (1 << 20)
+}
+
+// settledMemAvailableMB waits (up to 5 s, untimed by the benchmarks) until MemAvailable
+// stops moving — memory freed by a just-deleted VM or wave is returned asynchronously, and
+// a baseline taken too early makes "memory added per fork" too small, even negative —
+// then returns it.
+func settledMemAvailableMB(ctx context.Context) float64 {
+	prev := memAvailableMB()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
+		select {
+		case <-ctx.Done():
+			return prev
+		case <-time.After(250 * time.Millisecond):
+		}
+		cur := memAvailableMB()
+		if cur < 0 || math.Abs(cur-prev) < 2 {
+			return cur
+		}
+		prev = cur
+	}
+	return prev
 }
 
 func numCPU() int { return runtime.NumCPU() }

@@ -75,7 +75,7 @@ func (r *runner) wave(label, src string, n int, opts engine.ManyOptions, onReady
 	if opts.Overcommit == 0 {
 		opts.Overcommit = r.overcommit
 	}
-	w.MemBeforeMB = memAvailableMB()
+	w.MemBeforeMB = settledMemAvailableMB(r.ctx)
 	pl := &progressLine{on: r.progress, label: label, n: n, t0: time.Now()}
 	ch, err := r.e.ForkMany(r.ctx, src, n, opts)
 	if err != nil {
