@@ -219,10 +219,7 @@ func TestCheckpointBadInput(t *testing.T) {
 	env := newEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 10*time.Minute)
-	w, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := makeWorld(t, e, "w", 256, 16)
 	plain, err := e.Create(ctx, engine.Spec{Name: "plain", CPUs: 1, MemoryMiB: 256})
 	if err != nil {
 		t.Fatal(err)
@@ -356,10 +353,7 @@ func TestWarmPool(t *testing.T) {
 	env := newEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	w, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := makeWorld(t, e, "w", 256, 16)
 	mustRun(t, w, "echo pooled-state > /dev/shm/s && echo disk-state > /data/s && sync")
 	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
@@ -445,10 +439,7 @@ func TestCheckpointHandoff(t *testing.T) {
 	env := newEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	w, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 512, Forkable: true, DiskMiB: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := makeWorld(t, e, "w", 512, 16)
 	mustRun(t, w, "head -c 1048576 /dev/urandom > /dev/shm/seed; for i in $(seq 64); do cat /dev/shm/seed; done > /dev/shm/dirty; echo disk > /data/d; sync")
 	want := mustRun(t, w, "md5sum /dev/shm/dirty /data/d | cut -d' ' -f1 | tr '\\n' ' '")
 	oldPID := w.PID()
@@ -504,10 +495,7 @@ func TestWarmPoolRestored(t *testing.T) {
 	env := newEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	w, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := makeWorld(t, e, "w", 256, 16)
 	mustRun(t, w, "echo pooled-state > /dev/shm/s && echo disk-state > /data/s && sync")
 	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
@@ -540,9 +528,7 @@ func TestForkManyCancel(t *testing.T) {
 	env := newEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	if _, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true}); err != nil {
-		t.Fatal(err)
-	}
+	makeWorld(t, e, "w", 256, 0)
 	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
 	}
