@@ -403,19 +403,13 @@ func (vm *VM) prepareDiskFreeze(ctx context.Context, c *qmp.Client, tmpDir strin
 		d.none = true
 		return d, nil
 	}
-	if len(layers) == 1 && layers[0].Format == "raw" {
-		// Probe reflink support once on this file system.
-		probe := filepath.Join(tmpDir, "reflink-probe")
-		if err := memfile.Clone(ctx, layers[0].Path, probe); err == nil {
-			os.Remove(probe)
-			d.reflink = true
-			return d, nil
-		}
+	if canReflink(ctx, layers, tmpDir) {
+		d.reflink = true
+		return d, nil
 	}
 	top := layers[len(layers)-1]
-	seq := vm.m.DiskSeq + 1
-	d.newNode = "disk-l" + strconv.Itoa(seq)
-	d.newPath = filepath.Join(vm.dir(), fmt.Sprintf("disk%d.qcow2", seq))
+	d.newNode = "disk-l" + strconv.Itoa(vm.m.DiskSeq+1)
+	d.newPath = vm.nextDiskPath()
 	if err := vm.e.qemuImgCreate(ctx, d.newPath, top, int64(vm.m.Spec.DiskMiB)<<20); err != nil {
 		return nil, err
 	}
@@ -445,13 +439,9 @@ func (d *diskFreeze) commit(ctx context.Context, c *qmp.Client, ck *CheckpointMa
 		return nil
 	}
 	if d.reflink {
-		dst := filepath.Join(d.tmpDir, "disk0.raw")
-		if err := memfile.Clone(ctx, vm.m.Launch.Disk[0].Path, dst); err != nil {
-			return err
-		}
-		ck.Disk = []DiskLayer{{Path: dst, Format: "raw"}}
-		ck.DiskMethod = "reflink"
-		return nil
+		var err error
+		ck.Disk, ck.DiskMethod, err = freezeChain(ctx, vm.m.Launch.Disk, d.tmpDir, true)
+		return err
 	}
 	// After a completed migration QEMU has inactivated the block nodes (handing them to a
 	// destination that does not exist here); take them back before touching them.
@@ -464,20 +454,58 @@ func (d *diskFreeze) commit(ctx context.Context, c *qmp.Client, ck *CheckpointMa
 		return fmt.Errorf("blockdev-snapshot: %w", err)
 	}
 	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
-	var frozen []DiskLayer
-	for i, l := range vm.m.Launch.Disk {
-		dst := filepath.Join(d.tmpDir, fmt.Sprintf("layer%d.%s", i, l.Format))
-		if err := os.Link(l.Path, dst); err != nil {
-			return err
-		}
-		frozen = append(frozen, DiskLayer{Path: dst, Format: l.Format})
+	var err error
+	if ck.Disk, ck.DiskMethod, err = freezeChain(ctx, vm.m.Launch.Disk, d.tmpDir, false); err != nil {
+		return err
 	}
-	ck.Disk = frozen
-	ck.DiskMethod = "qcow2-overlay"
 	vm.m.Launch.Disk = append(vm.m.Launch.Disk, DiskLayer{Path: d.newPath, Format: "qcow2"})
 	vm.m.DiskNode = d.newNode
 	vm.m.DiskSeq++
 	return vm.saveLocked()
+}
+
+// canReflink reports whether a single raw disk can be cloned by reflink on its file
+// system (probed with a throwaway clone in dir).
+func canReflink(ctx context.Context, layers []DiskLayer, dir string) bool {
+	if len(layers) != 1 || layers[0].Format != "raw" {
+		return false
+	}
+	probe := filepath.Join(dir, "reflink-probe")
+	if memfile.Clone(ctx, layers[0].Path, probe) != nil {
+		return false
+	}
+	os.Remove(probe)
+	return true
+}
+
+// nextDiskPath is the file of the VM's next qcow2 overlay. vm.mu is held.
+func (vm *VM) nextDiskPath() string {
+	return filepath.Join(vm.dir(), fmt.Sprintf("disk%d.qcow2", vm.m.DiskSeq+1))
+}
+
+// freezeChain gives a checkpoint in dir its own copy of a disk chain that no longer
+// changes: a reflink clone of a single raw disk, or hard links of every layer (the
+// layers are read-only backing files from now on). It returns the layers and the method.
+func freezeChain(ctx context.Context, layers []DiskLayer, dir string, reflink bool) ([]DiskLayer, string, error) {
+	if len(layers) == 0 {
+		return nil, "", nil
+	}
+	if reflink {
+		dst := filepath.Join(dir, "disk0.raw")
+		if err := memfile.Clone(ctx, layers[0].Path, dst); err != nil {
+			return nil, "", err
+		}
+		return []DiskLayer{{Path: dst, Format: "raw"}}, "reflink", nil
+	}
+	var frozen []DiskLayer
+	for i, l := range layers {
+		dst := filepath.Join(dir, fmt.Sprintf("layer%d.%s", i, l.Format))
+		if err := os.Link(l.Path, dst); err != nil {
+			return nil, "", err
+		}
+		frozen = append(frozen, DiskLayer{Path: dst, Format: l.Format})
+	}
+	return frozen, "qcow2-overlay", nil
 }
 
 // qemuImgCreate creates an empty qcow2 overlay on backing. -u: the backing file is not

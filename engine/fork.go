@@ -101,7 +101,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 	fctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
 	// A claimed pooled process already holds its vCPUs (pendingCPUs until it is in vms).
-	vm, release := e.claimPooled(ck.Name, name)
+	vm, release := e.claimPooled(c, name)
 	if vm != nil {
 		defer release()
 	} else {

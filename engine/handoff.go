@@ -5,10 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"time"
-
-	"github.com/forkvm/forkvm/memfile"
 )
 
 // checkpointHandoff checkpoints a world without copying its RAM (see
@@ -34,16 +31,9 @@ func (vm *VM) checkpointHandoff(ctx context.Context, ck *CheckpointManifest, sta
 	ramPath := vm.m.Launch.RAM.Path
 	layers := append([]DiskLayer(nil), vm.m.Launch.Disk...)
 	var newTop *DiskLayer
-	reflink := false
-	if len(layers) == 1 && layers[0].Format == "raw" {
-		probe := filepath.Join(tmpDir, "reflink-probe")
-		if memfile.Clone(ctx, layers[0].Path, probe) == nil {
-			os.Remove(probe)
-			reflink = true
-		}
-	}
+	reflink := canReflink(ctx, layers, tmpDir)
 	if len(layers) > 0 && !reflink {
-		p := filepath.Join(vm.dir(), "disk"+strconv.Itoa(vm.m.DiskSeq+1)+".qcow2")
+		p := vm.nextDiskPath()
 		if err := e.qemuImgCreate(ctx, p, layers[len(layers)-1], int64(vm.m.Spec.DiskMiB)<<20); err != nil {
 			vm.mu.Unlock()
 			return err
@@ -98,25 +88,10 @@ func (vm *VM) checkpointHandoff(ctx context.Context, ck *CheckpointManifest, sta
 		resume()
 	}
 	t2 := time.Now()
-	if reflink {
-		dst := filepath.Join(tmpDir, "disk0.raw")
-		if err := memfile.Clone(ctx, layers[0].Path, dst); err != nil {
-			undo()
-			vm.mu.Unlock()
-			return err
-		}
-		ck.Disk, ck.DiskMethod = []DiskLayer{{Path: dst, Format: "raw"}}, "reflink"
-	} else if len(layers) > 0 {
-		for i, l := range layers {
-			dst := filepath.Join(tmpDir, fmt.Sprintf("layer%d.%s", i, l.Format))
-			if err := os.Link(l.Path, dst); err != nil {
-				undo()
-				vm.mu.Unlock()
-				return err
-			}
-			ck.Disk = append(ck.Disk, DiskLayer{Path: dst, Format: l.Format})
-		}
-		ck.DiskMethod = "qcow2-overlay"
+	if ck.Disk, ck.DiskMethod, err = freezeChain(ctx, layers, tmpDir, reflink); err != nil {
+		undo()
+		vm.mu.Unlock()
+		return err
 	}
 	ck.Timings.Disk = time.Since(t2)
 	if err := commit(); err != nil {

@@ -240,16 +240,16 @@ func (vm *VM) resumeRestored(ctx context.Context) error {
 	return nil
 }
 
-// claimPooled takes a ready pooled process of checkpoint ck, if any, and renames it to
+// claimPooled takes a ready pooled process of checkpoint c, if any, and renames it to
 // name: its directories are renamed (bound unix sockets stay reachable under the new
 // path; QEMU keeps its open files) and its manifest rewritten. The QEMU process keeps
 // its pool name as its process title.
 //
 // release ends the claimed process's vCPU reservation (it moves from the pool to
 // pendingCPUs here, and to vms when the fork is ready).
-func (e *Engine) claimPooled(ck, name string) (vm *VM, release func()) {
+func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()) {
 	e.mu.Lock()
-	p := e.pools[ck]
+	p := e.pools[c.Manifest.Name]
 	if p == nil || len(p.ready) == 0 {
 		e.mu.Unlock()
 		return nil, nil
@@ -311,9 +311,7 @@ func (e *Engine) claimPooled(ck, name string) (vm *VM, release func()) {
 		e.removeVMFiles(name, &vm.m)
 		return fail()
 	}
-	if c, err := e.LoadCheckpoint(ck); err == nil {
-		go e.refill(c)
-	}
+	go e.refill(c)
 	return vm, release
 }
 
