@@ -528,10 +528,7 @@ func TestForkManyCancel(t *testing.T) {
 	env := newEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	makeWorld(t, e, "w", 256, 0)
-	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatal(err)
-	}
+	makePinnedWorld(t, e, 256, 0)
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	evs, err := e.ForkMany(wctx, "ck", 6, engine.ManyOptions{Prefix: "c", Concurrency: 2})

@@ -239,6 +239,18 @@ func makeWorld(t *testing.T, e *engine.Engine, name string, memMiB, diskMiB int)
 	return vm
 }
 
+// makePinnedWorld makes the forkable VM "w" (1 vCPU) and its pinned checkpoint "ck".
+func makePinnedWorld(t *testing.T, e *engine.Engine, memMiB, diskMiB int) *engine.VM {
+	t.Helper()
+	w := makeWorld(t, e, "w", memMiB, diskMiB)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint w: %v", err)
+	}
+	return w
+}
+
 func waitDead(t *testing.T, vm *engine.VM) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
@@ -318,10 +330,7 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	makeWorld(t, e, "w", 256, 16)
-	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatal(err)
-	}
+	makePinnedWorld(t, e, 256, 16)
 	evs, err := e.ForkMany(ctx, "ck", 8, engine.ManyOptions{Prefix: "f", Concurrency: 8})
 	if err != nil {
 		t.Fatal(err)
@@ -575,10 +584,7 @@ func TestRobustQEMUDiesDuringFork(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	makeWorld(t, e, "w", 256, 16)
-	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatal(err)
-	}
+	makePinnedWorld(t, e, 256, 16)
 	// Two moments: as soon as the fork's QEMU process exists (start-up / QMP connect),
 	// and while QEMU holds the checkpoint's device state file open (migrate-incoming was
 	// sent and the device state is loading).
@@ -941,10 +947,7 @@ func TestRobustSoak(t *testing.T) {
 func TestRobustCrashBeforePIDRecorded(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	ctx := ctxT(t, 4*time.Minute)
-	makeWorld(t, env.E, "w", 256, 0)
-	if _, err := env.E.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatal(err)
-	}
+	makePinnedWorld(t, env.E, 256, 0)
 	x, err := env.E.Fork(ctx, "ck", engine.ForkOptions{Name: "x"})
 	if err != nil {
 		t.Fatal(err)

@@ -63,10 +63,7 @@ func TestSecurityModes(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	makeWorld(t, e, "w", 256, 16)
-	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatal(err)
-	}
+	makePinnedWorld(t, e, 256, 16)
 	if _, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: "f1"}); err != nil {
 		t.Fatal(err)
 	}
@@ -317,10 +314,7 @@ func TestSecurityEscapingNames(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
-	makeWorld(t, e, "w", 256, 16)
-	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatal(err)
-	}
+	makePinnedWorld(t, e, 256, 16)
 	b := make([]byte, 4)
 	rand.Read(b)
 	tok := "fvesc" + hex.EncodeToString(b)
