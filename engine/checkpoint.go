@@ -665,6 +665,18 @@ func (e *Engine) rebase(ctx context.Context, src Manifest, ck *CheckpointManifes
 // LoadCheckpoint reads and verifies a checkpoint's manifest and files. The device-state
 // checksum is verified once per engine and file identity, not on every fork.
 func (e *Engine) LoadCheckpoint(name string) (*Checkpoint, error) {
+	c, err := e.readCheckpoint(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := e.verifyCheckpoint(c); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// readCheckpoint reads and decodes a checkpoint's manifest without verifying its files.
+func (e *Engine) readCheckpoint(name string) (*Checkpoint, error) {
 	if err := ValidateName(name); err != nil {
 		return nil, err
 	}
@@ -683,11 +695,7 @@ func (e *Engine) LoadCheckpoint(name string) (*Checkpoint, error) {
 	if ck.Name != name {
 		return nil, fmt.Errorf("%w: %s: manifest names %q", ErrCheckpointCorrupt, name, ck.Name)
 	}
-	c := &Checkpoint{Manifest: *ck, Dir: dir}
-	if err := e.verifyCheckpoint(c); err != nil {
-		return nil, err
-	}
-	return c, nil
+	return &Checkpoint{Manifest: *ck, Dir: dir}, nil
 }
 
 // decodeCheckpointManifest parses and validates a checkpoint manifest.
@@ -769,15 +777,11 @@ func (e *Engine) Checkpoints() ([]CheckpointInfo, error) {
 		if !ent.IsDir() || strings.HasPrefix(ent.Name(), ".") {
 			continue
 		}
-		b, err := os.ReadFile(filepath.Join(e.checkpointsDir(), ent.Name(), "manifest.json"))
+		c, err := e.readCheckpoint(ent.Name())
 		if err != nil {
 			continue
 		}
-		ck, err := decodeCheckpointManifest(b)
-		if err != nil {
-			continue
-		}
-		out = append(out, CheckpointInfo{CheckpointManifest: *ck, Forks: forks[ck.Name]})
+		out = append(out, CheckpointInfo{CheckpointManifest: c.Manifest, Forks: forks[c.Manifest.Name]})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil
@@ -866,14 +870,16 @@ func (e *Engine) markForked(name string) {
 
 // collectCheckpoint deletes an unpinned checkpoint whose forks are all gone.
 func (e *Engine) collectCheckpoint(ctx context.Context, name string) {
-	c, err := e.LoadCheckpoint(name)
+	// The manifest decides; the files are verified (hashed) only for a checkpoint that
+	// is about to go, so an engine start does not hash every checkpoint.
+	c, err := e.readCheckpoint(name)
 	if err != nil || c.Manifest.Pinned {
 		return
 	}
 	if _, err := os.Stat(filepath.Join(c.Dir, forkedMarker)); err != nil && !c.Manifest.Implicit {
 		return
 	}
-	if len(e.forksByParent()[name]) == 0 {
+	if len(e.forksByParent()[name]) == 0 && e.verifyCheckpoint(c) == nil {
 		e.logf("deleting unpinned checkpoint %s (no forks left)", name)
 		e.removeCheckpointFiles(name)
 	}
