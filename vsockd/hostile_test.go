@@ -393,6 +393,10 @@ func TestHostileHugeControlFrames(t *testing.T) {
 	base := runtime.NumGoroutine()
 	func() {
 		sent := make(chan struct{})
+		// started gates the flood until Start has returned: a flood that overruns the
+		// stream before the host consumed ExecStarted resets it, and Start then
+		// (correctly) fails, which is not what this test is about.
+		started := make(chan struct{})
 		c, stop := hostileGuest(t, nil, func(conn net.Conn) {
 			readFrames(conn, func(f Frame) {
 				if f.Type != TypeExecStart {
@@ -402,6 +406,7 @@ func TestHostileHugeControlFrames(t *testing.T) {
 				WriteFrame(conn, Frame{Type: TypeExecStarted, Stream: f.Stream, Payload: p})
 				go func() {
 					defer close(sent)
+					<-started
 					// One byte of output: the host's consumer blocks writing it.
 					if WriteFrame(conn, Frame{Type: TypeStdout, Stream: f.Stream, Payload: []byte("x")}) != nil {
 						return
@@ -421,6 +426,7 @@ func TestHostileHugeControlFrames(t *testing.T) {
 		defer cancel()
 		block := make(chan struct{})
 		p, err := c.Start(ctx, &ExecRequest{Argv: []string{"x"}, Stdout: blockingWriter(block)})
+		close(started)
 		if err != nil {
 			close(block)
 			t.Fatal(err)
