@@ -72,9 +72,11 @@ func getReaper() *reaper {
 }
 
 func (r *reaper) loop(sigs chan os.Signal) {
-	// The ticker is a safety net; SIGCHLD delivery may coalesce, but one
-	// pending notification suffices because reapAll drains every zombie.
-	tick := time.NewTicker(time.Second)
+	// SIGCHLD delivery may coalesce, but one pending notification suffices
+	// because reapAll drains every zombie. There is no frequent wake-up: an
+	// idle agent must let its guest sleep (a wake-up costs host CPU under
+	// TCG); the rare recheck is only a safety net.
+	tick := time.NewTicker(time.Minute)
 	defer tick.Stop()
 	for {
 		select {
