@@ -37,11 +37,13 @@ type CheckpointManifest struct {
 	QEMUVersion string `json:"qemu_version"`
 	Accel       string `json:"accel"`
 	Machine     string `json:"machine"`
-	CPUs        int    `json:"cpus"`
-	MemoryMiB   int    `json:"memory_mib"`
-	DiskMiB     int    `json:"disk_mib"`
-	Kernel      string `json:"kernel"`
-	Initrd      string `json:"initrd"`
+	// AgentPorts is the source's Launch.AgentPorts (0: QEMU's default).
+	AgentPorts int    `json:"agent_ports,omitempty"`
+	CPUs       int    `json:"cpus"`
+	MemoryMiB  int    `json:"memory_mib"`
+	DiskMiB    int    `json:"disk_mib"`
+	Kernel     string `json:"kernel"`
+	Initrd     string `json:"initrd"`
 	// ForkKernel is the stub kernel forks start with (see writeStubKernel); empty means
 	// forks use Kernel and Initrd.
 	ForkKernel string `json:"fork_kernel,omitempty"`
@@ -162,7 +164,7 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 	ck := &CheckpointManifest{
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: opts.Pin, Implicit: opts.implicit,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,
-		CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.BootKernel,
+		AgentPorts: m.Launch.AgentPorts, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.BootKernel,
 		Initrd: m.BootInitrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel, Vsock: m.Launch.VsockCID != 0,
 		RAMPath: ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
 	}

@@ -408,7 +408,11 @@ func TestCmdlineDevices(t *testing.T) {
 		t.Errorf("PortName = %q (the guest agent looks for org.forkvm.agent)", vsockd.PortName)
 	}
 	if !hasPair(argv, "-device", "virtio-serial-pci,id=vser0") {
-		t.Errorf("no virtio-serial bus")
+		t.Errorf("no virtio-serial bus with QEMU's default ports (AgentPorts 0, as in old checkpoints)")
+	}
+	l.AgentPorts = defaultAgentPorts
+	if argv := mustCmdline(t, l); !hasPair(argv, "-device", "virtio-serial-pci,id=vser0,max_ports=2") {
+		t.Errorf("AgentPorts 2: no virtio-serial bus with max_ports=2: %q", argv)
 	}
 	if !hasPair(argv, "-mon", "chardev=qmp,mode=control") {
 		t.Errorf("no QMP monitor")
@@ -455,6 +459,9 @@ func TestCmdlineInvalidSpec(t *testing.T) {
 		{"tiny memory", func(l *Launch) { l.MemoryMiB = 1 }},
 		{"no rundir", func(l *Launch) { l.RunDir = "" }},
 		{"no kernel", func(l *Launch) { l.Kernel = "" }},
+		{"one agent port (port 0 is reserved)", func(l *Launch) { l.AgentPorts = 1 }},
+		{"negative agent ports", func(l *Launch) { l.AgentPorts = -2 }},
+		{"agent ports beyond QEMU's cap", func(l *Launch) { l.AgentPorts = 32 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := baseLaunch()

@@ -385,7 +385,7 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 		BootKernel: kernel, BootInitrd: initrd,
 		Launch: Launch{
 			QEMU: qemuPath, Name: spec.Name, Accel: e.accel, TBSizeMiB: e.cfg.TBSizeMiB,
-			CPUModel: e.cfg.CPUModel, Machine: defaultMachine, CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
+			CPUModel: e.cfg.CPUModel, Machine: defaultMachine, AgentPorts: defaultAgentPorts, CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
 			Kernel: kernel, Initrd: initrd, Append: strings.TrimSpace("console=ttyS0 quiet panic=-1 rdinit=/init " + e.cfg.KernelArgs),
 			RunDir:    filepath.Join(e.cfg.RunDir, spec.Name),
 			SerialLog: filepath.Join(e.vmsDir(), spec.Name, "serial.log"),
