@@ -19,6 +19,7 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sync/semaphore"
 	"golang.org/x/sys/unix"
 
 	"github.com/forkvm/forkvm/guest"
@@ -63,8 +64,17 @@ type Config struct {
 	MemoryReserveMiB int64
 	// BootTimeout bounds a cold boot until the agent answers. Default 60s.
 	BootTimeout time.Duration
-	// ForkTimeout bounds a fork until its agent answers. Default 30s.
+	// ForkTimeout bounds each part of a fork: start-up, and restore until its agent
+	// answers (time spent waiting for a restore slot is not counted). Default 30s.
 	ForkTimeout time.Duration
+	// RestoreVCPUs bounds the vCPUs of the forks that restore and run their guest
+	// towards ready at once; the others wait with their QEMU already started (a fork
+	// larger than the bound runs alone). Default: the host's CPU count; negative: no
+	// bound. Under TCG a restoring fork is CPU-bound, and when more guest vCPUs run than
+	// there are host CPUs each fork costs more host CPU (a guest vCPU that waits for an
+	// IPI or a spinlock spins while the vCPU thread it waits for is descheduled), so a
+	// wave ends sooner when its restores are bounded (measured: see README).
+	RestoreVCPUs int
 	// Transport selects how the host reaches guest agents: "auto" (default) uses AF_VSOCK
 	// (a vhost-vsock-pci device per VM) when /dev/vhost-vsock exists and the accelerator
 	// is kvm, else virtio-serial; "serial" or "vsock" force one. virtio-serial works
@@ -101,6 +111,8 @@ type Engine struct {
 	admitMu sync.Mutex
 	// pools are warm pools by checkpoint name (guarded by mu).
 	pools map[string]*warmPool
+	// restoreSlots holds Config.RestoreVCPUs (nil: no bound).
+	restoreSlots *semaphore.Weighted
 	// bg is cancelled by Close; background work (pool refills) runs under it.
 	bg       context.Context
 	bgCancel context.CancelFunc
@@ -119,6 +131,9 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	}
 	if err := e.defaults(); err != nil {
 		return nil, err
+	}
+	if e.cfg.RestoreVCPUs > 0 {
+		e.restoreSlots = semaphore.NewWeighted(int64(e.cfg.RestoreVCPUs))
 	}
 	for _, d := range []string{e.cfg.StateDir, e.vmsDir(), e.checkpointsDir(), e.cfg.RAMDir, e.cfg.RunDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
@@ -187,6 +202,9 @@ func (e *Engine) defaults() error {
 	}
 	if c.ForkTimeout == 0 {
 		c.ForkTimeout = 30 * time.Second
+	}
+	if c.RestoreVCPUs == 0 {
+		c.RestoreVCPUs = runtime.NumCPU()
 	}
 	if c.Log == nil {
 		c.Log = io.Discard

@@ -684,3 +684,70 @@ func TestAdmitConcurrentChurn(t *testing.T) {
 		t.Errorf("after churn: used %d, pending forks %d", b.Used, e.pendingForks)
 	}
 }
+
+// TestRestoreSlots: at most RestoreVCPUs vCPUs restore at once; a fork larger than the
+// bound runs alone instead of waiting forever; a waiter gives up with its ctx; a
+// negative bound is unbounded; the default is the host's CPU count.
+func TestRestoreSlots(t *testing.T) {
+	if e := newTestEngine(t, testConfig(t)); e.RestoreVCPUs() != runtime.NumCPU() {
+		t.Errorf("default RestoreVCPUs = %d, want %d", e.RestoreVCPUs(), runtime.NumCPU())
+	}
+	cfg := testConfig(t)
+	cfg.RestoreVCPUs = 4
+	e := newTestEngine(t, cfg)
+	ctx := context.Background()
+	var inUse, maxInUse atomic.Int32
+	var wg sync.WaitGroup
+	for g := 0; g < 16; g++ {
+		wg.Add(1)
+		go func(cpus int) {
+			defer wg.Done()
+			for i := 0; i < 50; i++ {
+				leave, err := e.restoreSlot(ctx, cpus)
+				if err != nil {
+					t.Errorf("restoreSlot: %v", err)
+					return
+				}
+				n := inUse.Add(int32(min(cpus, 4)))
+				for {
+					m := maxInUse.Load()
+					if n <= m || maxInUse.CompareAndSwap(m, n) {
+						break
+					}
+				}
+				runtime.Gosched()
+				inUse.Add(-int32(min(cpus, 4)))
+				leave()
+			}
+		}(1 + g%3*3) // 1, 4 and 7 vCPUs (7 > the bound: runs alone)
+	}
+	wg.Wait()
+	if m := maxInUse.Load(); m > 4 || m == 0 {
+		t.Errorf("max vCPUs restoring at once = %d, want 1..4", m)
+	}
+
+	leave, err := e.restoreSlot(ctx, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	if _, err := e.restoreSlot(cctx, 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("restoreSlot with the bound used up: %v, want DeadlineExceeded", err)
+	}
+	leave()
+	if leave, err := e.restoreSlot(ctx, 1); err != nil {
+		t.Errorf("restoreSlot after leave: %v", err)
+	} else {
+		leave()
+	}
+
+	cfg = testConfig(t)
+	cfg.RestoreVCPUs = -1
+	e = newTestEngine(t, cfg)
+	for i := 0; i < 100; i++ { // never released: unbounded never blocks
+		if _, err := e.restoreSlot(ctx, 64); err != nil {
+			t.Fatalf("unbounded restoreSlot: %v", err)
+		}
+	}
+}

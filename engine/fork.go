@@ -10,6 +10,8 @@ import (
 	"runtime"
 	"time"
 
+	"golang.org/x/sync/semaphore"
+
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/qmp"
 )
@@ -131,6 +133,16 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 			return nil, err
 		}
 	}
+	// The guest runs from here to ready: take a restore slot first, then give restore
+	// and handshake their own ForkTimeout.
+	leave, err := e.restoreSlot(ctx, ck.CPUs)
+	if err != nil {
+		return nil, err
+	}
+	defer leave()
+	cancel()
+	fctx, cancel = context.WithTimeout(ctx, e.cfg.ForkTimeout)
+	defer cancel()
 	t1 := time.Now()
 	if !vm.restored {
 		if err := restore(fctx, vm.qmp, c.StatePath(), !vm.ignoreSh); err != nil {
@@ -159,6 +171,27 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 	return vm, nil
 }
 
+// RestoreVCPUs is the engine's bound on the vCPUs of forks restoring at once (see
+// Config); negative means no bound.
+func (e *Engine) RestoreVCPUs() int { return e.cfg.RestoreVCPUs }
+
+// restoreSlot waits until a fork of cpus vCPUs may restore (see Config.RestoreVCPUs);
+// leave gives its share back. It returns ctx's error if ctx ends first.
+func (e *Engine) restoreSlot(ctx context.Context, cpus int) (leave func(), err error) {
+	if e.restoreSlots == nil {
+		return func() {}, nil
+	}
+	return acquire(ctx, e.restoreSlots, min(cpus, e.cfg.RestoreVCPUs))
+}
+
+// acquire takes n units of s; release gives them back.
+func acquire(ctx context.Context, s *semaphore.Weighted, n int) (release func(), err error) {
+	if err := s.Acquire(ctx, int64(n)); err != nil {
+		return nil, err
+	}
+	return func() { s.Release(int64(n)) }, nil
+}
+
 // prepareFork builds a fork's manifest, directory and disk (no process yet).
 func (e *Engine) prepareFork(ctx context.Context, c *Checkpoint, name string) (*VM, error) {
 	ck := &c.Manifest
@@ -174,7 +207,7 @@ func (e *Engine) prepareFork(ctx context.Context, c *Checkpoint, name string) (*
 		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: tok, CreatedAt: time.Now().UTC(),
 		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
 		Launch: Launch{
-			QEMU: qemuPath, Name: name, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
+			QEMU: qemuPath, Name: name, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine, AgentPorts: ck.AgentPorts,
 			CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, Kernel: ck.Kernel, Initrd: ck.Initrd, Append: ck.Append,
 			RAM:       RAMBacking{Path: ck.RAMPath, Shared: false},
 			RunDir:    filepath.Join(e.cfg.RunDir, name),

@@ -193,6 +193,11 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) 
 
 // warmUp restores a pooled process, runs the handshake and one command, and stops it.
 func (vm *VM) warmUp(ctx context.Context, c *Checkpoint) error {
+	leave, err := vm.e.restoreSlot(ctx, c.Manifest.CPUs)
+	if err != nil {
+		return err
+	}
+	defer leave()
 	ctx, cancel := context.WithTimeout(ctx, vm.e.cfg.ForkTimeout)
 	defer cancel()
 	if err := restore(ctx, vm.qmp, c.StatePath(), false); err != nil {
