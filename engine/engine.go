@@ -67,14 +67,14 @@ type Config struct {
 	// ForkTimeout bounds each part of a fork: start-up, and restore until its agent
 	// answers (time spent waiting for a restore slot is not counted). Default 30s.
 	ForkTimeout time.Duration
-	// RestoreVCPUs bounds the vCPUs of the forks that restore and run their guest
-	// towards ready at once; the others wait with their QEMU already started (a fork
-	// larger than the bound runs alone). Default: the host's CPU count; negative: no
-	// bound. Under TCG a restoring fork is CPU-bound, and when more guest vCPUs run than
-	// there are host CPUs each fork costs more host CPU (a guest vCPU that waits for an
-	// IPI or a spinlock spins while the vCPU thread it waits for is descheduled), so a
-	// wave ends sooner when its restores are bounded (measured: see README).
-	RestoreVCPUs int
+	// RestoreConcurrency bounds the forks that restore and run their guest towards
+	// ready at once; the others wait with their QEMU already started. Default: the
+	// host's CPU count; negative: no bound. Under TCG a fork on its way to ready keeps
+	// about one host CPU busy, and when more guest vCPUs run than there are host CPUs
+	// each fork costs more host CPU (a guest vCPU that waits for an IPI or a spinlock
+	// spins while the vCPU thread it waits for is descheduled), so a wave ends sooner
+	// when its restores are bounded (measured: see README).
+	RestoreConcurrency int
 	// Transport selects how the host reaches guest agents: "auto" (default) uses AF_VSOCK
 	// (a vhost-vsock-pci device per VM) when /dev/vhost-vsock exists and the accelerator
 	// is kvm, else virtio-serial; "serial" or "vsock" force one. virtio-serial works
@@ -111,7 +111,7 @@ type Engine struct {
 	admitMu sync.Mutex
 	// pools are warm pools by checkpoint name (guarded by mu).
 	pools map[string]*warmPool
-	// restoreSlots holds Config.RestoreVCPUs (nil: no bound).
+	// restoreSlots holds Config.RestoreConcurrency (nil: no bound).
 	restoreSlots *semaphore.Weighted
 	// bg is cancelled by Close; background work (pool refills) runs under it.
 	bg       context.Context
@@ -132,8 +132,8 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	if err := e.defaults(); err != nil {
 		return nil, err
 	}
-	if e.cfg.RestoreVCPUs > 0 {
-		e.restoreSlots = semaphore.NewWeighted(int64(e.cfg.RestoreVCPUs))
+	if e.cfg.RestoreConcurrency > 0 {
+		e.restoreSlots = semaphore.NewWeighted(int64(e.cfg.RestoreConcurrency))
 	}
 	for _, d := range []string{e.cfg.StateDir, e.vmsDir(), e.checkpointsDir(), e.cfg.RAMDir, e.cfg.RunDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
@@ -203,8 +203,8 @@ func (e *Engine) defaults() error {
 	if c.ForkTimeout == 0 {
 		c.ForkTimeout = 30 * time.Second
 	}
-	if c.RestoreVCPUs == 0 {
-		c.RestoreVCPUs = runtime.NumCPU()
+	if c.RestoreConcurrency == 0 {
+		c.RestoreConcurrency = runtime.NumCPU()
 	}
 	if c.Log == nil {
 		c.Log = io.Discard

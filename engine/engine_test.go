@@ -685,30 +685,29 @@ func TestAdmitConcurrentChurn(t *testing.T) {
 	}
 }
 
-// TestRestoreSlots: at most RestoreVCPUs vCPUs restore at once; a fork larger than the
-// bound runs alone instead of waiting forever; a waiter gives up with its ctx; a
-// negative bound is unbounded; the default is the host's CPU count.
+// TestRestoreSlots: at most RestoreConcurrency forks restore at once; a waiter gives up
+// with its ctx; a negative bound is unbounded; the default is the host's CPU count.
 func TestRestoreSlots(t *testing.T) {
-	if e := newTestEngine(t, testConfig(t)); e.RestoreVCPUs() != runtime.NumCPU() {
-		t.Errorf("default RestoreVCPUs = %d, want %d", e.RestoreVCPUs(), runtime.NumCPU())
+	if e := newTestEngine(t, testConfig(t)); e.RestoreConcurrency() != runtime.NumCPU() {
+		t.Errorf("default RestoreConcurrency = %d, want %d", e.RestoreConcurrency(), runtime.NumCPU())
 	}
 	cfg := testConfig(t)
-	cfg.RestoreVCPUs = 4
+	cfg.RestoreConcurrency = 3
 	e := newTestEngine(t, cfg)
 	ctx := context.Background()
 	var inUse, maxInUse atomic.Int32
 	var wg sync.WaitGroup
 	for g := 0; g < 16; g++ {
 		wg.Add(1)
-		go func(cpus int) {
+		go func() {
 			defer wg.Done()
 			for i := 0; i < 50; i++ {
-				leave, err := e.restoreSlot(ctx, cpus)
+				leave, err := e.restoreSlot(ctx)
 				if err != nil {
 					t.Errorf("restoreSlot: %v", err)
 					return
 				}
-				n := inUse.Add(int32(min(cpus, 4)))
+				n := inUse.Add(1)
 				for {
 					m := maxInUse.Load()
 					if n <= m || maxInUse.CompareAndSwap(m, n) {
@@ -716,37 +715,41 @@ func TestRestoreSlots(t *testing.T) {
 					}
 				}
 				runtime.Gosched()
-				inUse.Add(-int32(min(cpus, 4)))
+				inUse.Add(-1)
 				leave()
 			}
-		}(1 + g%3*3) // 1, 4 and 7 vCPUs (7 > the bound: runs alone)
+		}()
 	}
 	wg.Wait()
-	if m := maxInUse.Load(); m > 4 || m == 0 {
-		t.Errorf("max vCPUs restoring at once = %d, want 1..4", m)
+	if m := maxInUse.Load(); m > 3 || m == 0 {
+		t.Errorf("max forks restoring at once = %d, want 1..3", m)
 	}
 
-	leave, err := e.restoreSlot(ctx, 4)
-	if err != nil {
-		t.Fatal(err)
+	var leaves []func()
+	for i := 0; i < 3; i++ {
+		leave, err := e.restoreSlot(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		leaves = append(leaves, leave)
 	}
 	cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer cancel()
-	if _, err := e.restoreSlot(cctx, 1); !errors.Is(err, context.DeadlineExceeded) {
-		t.Errorf("restoreSlot with the bound used up: %v, want DeadlineExceeded", err)
+	if _, err := e.restoreSlot(cctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("restoreSlot with every slot taken: %v, want DeadlineExceeded", err)
 	}
-	leave()
-	if leave, err := e.restoreSlot(ctx, 1); err != nil {
+	leaves[0]()
+	if leave, err := e.restoreSlot(ctx); err != nil {
 		t.Errorf("restoreSlot after leave: %v", err)
 	} else {
 		leave()
 	}
 
 	cfg = testConfig(t)
-	cfg.RestoreVCPUs = -1
+	cfg.RestoreConcurrency = -1
 	e = newTestEngine(t, cfg)
 	for i := 0; i < 100; i++ { // never released: unbounded never blocks
-		if _, err := e.restoreSlot(ctx, 64); err != nil {
+		if _, err := e.restoreSlot(ctx); err != nil {
 			t.Fatalf("unbounded restoreSlot: %v", err)
 		}
 	}

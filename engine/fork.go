@@ -135,7 +135,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 	}
 	// The guest runs from here to ready: take a restore slot first, then give restore
 	// and handshake their own ForkTimeout.
-	leave, err := e.restoreSlot(ctx, ck.CPUs)
+	leave, err := e.restoreSlot(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -171,17 +171,17 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 	return vm, nil
 }
 
-// RestoreVCPUs is the engine's bound on the vCPUs of forks restoring at once (see
-// Config); negative means no bound.
-func (e *Engine) RestoreVCPUs() int { return e.cfg.RestoreVCPUs }
+// RestoreConcurrency is the engine's bound on forks restoring at once (see Config);
+// negative means no bound.
+func (e *Engine) RestoreConcurrency() int { return e.cfg.RestoreConcurrency }
 
-// restoreSlot waits until a fork of cpus vCPUs may restore (see Config.RestoreVCPUs);
-// leave gives its share back. It returns ctx's error if ctx ends first.
-func (e *Engine) restoreSlot(ctx context.Context, cpus int) (leave func(), err error) {
+// restoreSlot waits until one more fork may restore (see Config.RestoreConcurrency);
+// leave gives the slot back. It returns ctx's error if ctx ends first.
+func (e *Engine) restoreSlot(ctx context.Context) (leave func(), err error) {
 	if e.restoreSlots == nil {
 		return func() {}, nil
 	}
-	return acquire(ctx, e.restoreSlots, min(cpus, e.cfg.RestoreVCPUs))
+	return acquire(ctx, e.restoreSlots, 1)
 }
 
 // acquire takes n units of s; release gives them back.

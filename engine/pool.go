@@ -193,7 +193,7 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) 
 
 // warmUp restores a pooled process, runs the handshake and one command, and stops it.
 func (vm *VM) warmUp(ctx context.Context, c *Checkpoint) error {
-	leave, err := vm.e.restoreSlot(ctx, c.Manifest.CPUs)
+	leave, err := vm.e.restoreSlot(ctx)
 	if err != nil {
 		return err
 	}

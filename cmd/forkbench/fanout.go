@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/urfave/cli/v3"
 
@@ -41,6 +42,7 @@ func fanoutCmd() *cli.Command {
 			&cli.BoolFlag{Name: "peer", Usage: "also measure the stock path: full save + restore, and a cold boot"},
 			&cli.IntFlag{Name: "peer-n", Value: 3, Usage: "serial restores of the full save (with --peer)"},
 			&cli.BoolFlag{Name: "keep-world", Usage: "keep the world VM running during the waves (it then holds vCPU budget and CPU)"},
+			&cli.DurationFlag{Name: "idle-window", Value: 3 * time.Second, Usage: "after each wave's first commands, measure the host CPU its idle forks use over this window (0 = skip)"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if !cmd.IsSet("overcommit") {
@@ -54,15 +56,19 @@ func fanoutCmd() *cli.Command {
 			if warm < 0 {
 				return fmt.Errorf("--warm must be >= 0")
 			}
-			settings := map[string]any{"waves": waves, "warm": warm, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n")}
+			idle := cmd.Duration("idle-window")
+			if idle < 0 {
+				return fmt.Errorf("--idle-window must be >= 0")
+			}
+			settings := map[string]any{"waves": waves, "warm": warm, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n"), "idle_window_s": idle.Seconds()}
 			return runBench(ctx, cmd, "fanout", settings, func(r *runner) error {
-				return runFanout(r, waves, cmd.Bool("peer"), cmd.Int("peer-n"), cmd.Bool("keep-world"), warm)
+				return runFanout(r, waves, cmd.Bool("peer"), cmd.Int("peer-n"), cmd.Bool("keep-world"), warm, idle)
 			})
 		},
 	}
 }
 
-func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, warm int) error {
+func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, warm int, idleWindow time.Duration) error {
 	w, err := r.bakeWorld("world", "world-ck")
 	if err != nil {
 		return err
@@ -105,6 +111,7 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 		}
 		mems := r.measureMems(wr, w.RAMPath)
 		r.firstCommands(wr)
+		idle := r.measureIdle(wr, idleWindow)
 		iso := r.checkIsolation(w, wr.Ready, mems, sampleIndices(len(wr.Ready)))
 		isoAll = append(isoAll, iso)
 		r.recordWave(wi+1, wr, mems)
@@ -129,6 +136,11 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 			"cpu_user_ms_p50": round3(median(cpuU)), "cpu_sys_ms_p50": round3(median(cpuS)), "anon_mb_p50": round3(median(anon)),
 			"isolation": iso,
 		}
+		if idle.N > 0 {
+			ws["idle_cpu_pct_per_fork"] = round3(idle.PerForkPct)
+			ws["idle_cpu_cores_total"] = round3(idle.TotalCores)
+			ws["idle_window_s"] = round3(idle.Window.Seconds())
+		}
 		if wr.AdmissionCount > 0 {
 			ws["admission_stop"] = map[string]any{"index": wr.AdmissionIndex, "refused": wr.AdmissionCount, "text": wr.admissionText()}
 			if a := wr.Admission; a != nil {
@@ -145,6 +157,10 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 			label, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(cpuU), median(cpuS))
 		if wr.AdmissionCount > 0 {
 			r.section("**Admission stop:** %s.\n\n", wr.admissionText())
+		}
+		if idle.N > 0 {
+			r.section("Idle: after their first command, the %d forks used %.3f host cores together over %.1f s (%.2f%% of a core per fork).\n\n",
+				idle.N, idle.TotalCores, idle.Window.Seconds(), idle.PerForkPct)
 		}
 		r.section("Isolation: %d forks cheap-checked, full world state checked on %v, failures: %d.\n\n", iso.CheapChecked, iso.FullChecked, len(iso.Failures))
 		var bars []Bar

@@ -56,7 +56,7 @@ func commonFlags() []cli.Flag {
 		&cli.BoolFlag{Name: "hold", Usage: "keep the last forks alive after the run and print their PIDs and the state dir"},
 		&cli.StringFlag{Name: "home", Usage: "engine state dir (default: a fresh /tmp/fb-* removed at the end)"},
 		&cli.FloatFlag{Name: "overcommit", Value: 8, Usage: "vCPU overcommit factor of the admission budget"},
-		&cli.IntFlag{Name: "restore-vcpus", Usage: "vCPUs of forks restoring at once (engine Config.RestoreVCPUs; 0 = engine default: host CPUs, -1 = no bound)"},
+		&cli.IntFlag{Name: "restore-concurrency", Usage: "forks restoring at once (engine Config.RestoreConcurrency; 0 = engine default: host CPUs, -1 = no bound)"},
 		&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 		&cli.BoolFlag{Name: "warm-restored", Usage: "with --warm: pre-restored pool (forks run ~0.2 s of guest time before they are handed out; see engine.WarmOptions)"},
 	}

@@ -35,13 +35,13 @@ type runner struct {
 	home         string
 	ownHome      bool
 	overcommit   float64
-	// restoreVCPUs is engine.Config.RestoreVCPUs (0: the engine's default).
-	restoreVCPUs int
-	e            *engine.Engine
-	res          *Result
-	trace        *Trace
-	progress     bool
-	ramDir       string
+	// restoreConc is engine.Config.RestoreConcurrency (0: the engine's default).
+	restoreConc int
+	e           *engine.Engine
+	res         *Result
+	trace       *Trace
+	progress    bool
+	ramDir      string
 
 	mu       sync.Mutex
 	samples  []Sample
@@ -106,8 +106,8 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 		shape:  Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
 		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 		home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
-		restoreVCPUs: cmd.Int("restore-vcpus"),
-		held:         map[string]bool{}, heldCks: map[string]bool{},
+		restoreConc: cmd.Int("restore-concurrency"),
+		held:        map[string]bool{}, heldCks: map[string]bool{},
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
 		return fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
@@ -143,7 +143,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 	_, others := qemuProcs(r.home)
 	r.res.Environment.OtherVMs = len(others)
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
-		RestoreVCPUs: r.restoreVCPUs}
+		RestoreConcurrency: r.restoreConc}
 	if cmd.Bool("verbose") {
 		cfg.Log = os.Stderr
 	}
@@ -155,7 +155,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 		return err
 	}
 	r.ramDir = r.e.RAMDir()
-	settings["restore_vcpus"] = r.e.RestoreVCPUs()
+	settings["restore_concurrency"] = r.e.RestoreConcurrency()
 	r.res.Build = buildInfo(ctx, r.e, guest.DefaultCacheDir())
 	r.res.Host = hostInfo(r.e)
 	r.res.MeasuredAt = start.UTC().Format(time.RFC3339)

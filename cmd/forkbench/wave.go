@@ -157,6 +157,54 @@ func (r *runner) firstCommands(w *WaveResult) {
 	wg.Wait()
 }
 
+// IdleCPU is the host CPU that a wave's ready forks use while nothing runs in them.
+type IdleCPU struct {
+	N          int           // forks measured (alive at both ends of the window)
+	Window     time.Duration // measured wall time between the two samples
+	TotalCores float64       // QEMU user+sys CPU of all N forks / Window
+	PerForkPct float64       // TotalCores / N, in percent of one core
+}
+
+// measureIdle samples the QEMU CPU time of every ready fork of w, waits window and
+// samples again. Forks whose process cannot be read at both ends are left out. A zero
+// window skips the measurement.
+func (r *runner) measureIdle(w *WaveResult, window time.Duration) IdleCPU {
+	if window <= 0 || len(w.Ready) == 0 {
+		return IdleCPU{}
+	}
+	sample := func() map[int]time.Duration {
+		m := map[int]time.Duration{}
+		for _, vm := range w.Ready {
+			if u, s, err := memfile.ProcessCPU(vm.PID()); err == nil {
+				m[vm.PID()] = u + s
+			}
+		}
+		return m
+	}
+	before, t0 := sample(), time.Now()
+	select {
+	case <-time.After(window):
+	case <-r.ctx.Done():
+		return IdleCPU{}
+	}
+	after, el := sample(), time.Since(t0)
+	var res IdleCPU
+	var used time.Duration
+	for pid, b := range before {
+		if a, ok := after[pid]; ok {
+			res.N++
+			used += a - b
+		}
+	}
+	if res.N == 0 {
+		return IdleCPU{}
+	}
+	res.Window = el
+	res.TotalCores = used.Seconds() / el.Seconds()
+	res.PerForkPct = 100 * res.TotalCores / float64(res.N)
+	return res
+}
+
 // recordWave adds one sample per fork of w, and trace spans (pid = group).
 func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
 	r.trace.Group(group, w.Label)
