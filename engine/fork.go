@@ -10,8 +10,6 @@ import (
 	"runtime"
 	"time"
 
-	"golang.org/x/sync/semaphore"
-
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/qmp"
 )
@@ -178,18 +176,14 @@ func (e *Engine) RestoreConcurrency() int { return e.cfg.RestoreConcurrency }
 // restoreSlot waits until one more fork may restore (see Config.RestoreConcurrency);
 // leave gives the slot back. It returns ctx's error if ctx ends first.
 func (e *Engine) restoreSlot(ctx context.Context) (leave func(), err error) {
-	if e.restoreSlots == nil {
+	s := e.restoreSlots
+	if s == nil {
 		return func() {}, nil
 	}
-	return acquire(ctx, e.restoreSlots, 1)
-}
-
-// acquire takes n units of s; release gives them back.
-func acquire(ctx context.Context, s *semaphore.Weighted, n int) (release func(), err error) {
-	if err := s.Acquire(ctx, int64(n)); err != nil {
+	if err := s.Acquire(ctx, 1); err != nil {
 		return nil, err
 	}
-	return func() { s.Release(int64(n)) }, nil
+	return func() { s.Release(1) }, nil
 }
 
 // prepareFork builds a fork's manifest, directory and disk (no process yet).

@@ -43,6 +43,7 @@ func buildInfo(ctx context.Context, e *engine.Engine, cacheDir string) BuildInfo
 	}
 	if img, err := guest.Current(cacheDir); err == nil {
 		b.Kernel = img.KernelVersion
+		b.Image = img.Hash[:min(16, len(img.Hash))]
 	}
 	return b
 }

@@ -42,7 +42,10 @@ type BuildInfo struct {
 	Forkvm string `json:"forkvm"`
 	QEMU   string `json:"qemu"`
 	Kernel string `json:"kernel"`
-	Go     string `json:"go"`
+	// Image is the content hash of the guest image (kernel + initramfs with the agent)
+	// the VMs booted: rebuilding the agent changes it.
+	Image string `json:"image"`
+	Go    string `json:"go"`
 }
 
 // HostInfo describes the machine.
