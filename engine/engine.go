@@ -317,6 +317,9 @@ func (e *Engine) StateDir() string { return e.cfg.StateDir }
 // RAMDir is the engine's RAM file directory.
 func (e *Engine) RAMDir() string { return e.cfg.RAMDir }
 
+// TBSizeMiB is the TCG translation buffer size new VMs get (see Config).
+func (e *Engine) TBSizeMiB() int { return e.cfg.TBSizeMiB }
+
 func (e *Engine) vmsDir() string         { return filepath.Join(e.cfg.StateDir, "vms") }
 func (e *Engine) checkpointsDir() string { return filepath.Join(e.cfg.StateDir, "checkpoints") }
 

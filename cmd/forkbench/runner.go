@@ -37,11 +37,13 @@ type runner struct {
 	overcommit   float64
 	// restoreConc is engine.Config.RestoreConcurrency (0: the engine's default).
 	restoreConc int
-	e           *engine.Engine
-	res         *Result
-	trace       *Trace
-	progress    bool
-	ramDir      string
+	// tbSizeMiB is engine.Config.TBSizeMiB (0: the engine's default).
+	tbSizeMiB int
+	e         *engine.Engine
+	res       *Result
+	trace     *Trace
+	progress  bool
+	ramDir    string
 
 	mu       sync.Mutex
 	samples  []Sample
@@ -106,8 +108,8 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 		shape:  Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
 		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 		home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
-		restoreConc: cmd.Int("restore-concurrency"),
-		held:        map[string]bool{}, heldCks: map[string]bool{},
+		restoreConc: cmd.Int("restore-concurrency"), tbSizeMiB: cmd.Int("tb-size"),
+		held: map[string]bool{}, heldCks: map[string]bool{},
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
 		return fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
@@ -143,7 +145,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 	_, others := qemuProcs(r.home)
 	r.res.Environment.OtherVMs = len(others)
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
-		RestoreConcurrency: r.restoreConc}
+		RestoreConcurrency: r.restoreConc, TBSizeMiB: r.tbSizeMiB}
 	if cmd.Bool("verbose") {
 		cfg.Log = os.Stderr
 	}
@@ -156,6 +158,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 	}
 	r.ramDir = r.e.RAMDir()
 	settings["restore_concurrency"] = r.e.RestoreConcurrency()
+	settings["tb_size_mib"] = r.e.TBSizeMiB()
 	r.res.Build = buildInfo(ctx, r.e, guest.DefaultCacheDir())
 	r.res.Host = hostInfo(r.e)
 	r.res.MeasuredAt = start.UTC().Format(time.RFC3339)
@@ -233,12 +236,22 @@ func (r *runner) cleanup() {
 	if r.hold && len(pids) > 0 {
 		sort.Ints(pids)
 		fmt.Fprintf(os.Stderr, "forkbench %s: --hold: %d forks kept alive, state dir %s (RAM dir %s)\n", r.bench, len(pids), r.home, r.ramDir)
+		var names, ckNames []string
 		for _, vm := range e.List() {
 			if r.held[vm.Name] {
 				fmt.Fprintf(os.Stderr, "  %s pid %d\n", vm.Name, vm.PID)
+				names = append(names, vm.Name)
 			}
 		}
-		fmt.Fprintf(os.Stderr, "  clean up with: FORKVM_HOME=%s forkvm rm --all (or kill the pids and rm -rf %s %s)\n", r.home, r.home, r.ramDir)
+		for name := range r.heldCks {
+			ckNames = append(ckNames, name)
+		}
+		sort.Strings(ckNames)
+		clean := fmt.Sprintf("FORKVM_HOME=%s forkvm rm %s", r.home, strings.Join(names, " "))
+		if len(ckNames) > 0 {
+			clean += fmt.Sprintf(" && FORKVM_HOME=%s forkvm checkpoint rm %s", r.home, strings.Join(ckNames, " "))
+		}
+		fmt.Fprintf(os.Stderr, "  clean up with: %s && rm -rf %s (or kill the pids and rm -rf %s %s)\n", clean, r.home, r.home, r.ramDir)
 		r.res.Extra["held_pids"] = pids
 		r.res.Extra["held_state_dir"] = r.home
 		r.caveat("--hold: %d forks were kept alive in %s and were not cleaned up", len(pids), r.home)
