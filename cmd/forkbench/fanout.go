@@ -198,8 +198,8 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 	r.res.Extra["waves"] = perWave
 	r.res.Extra["percentiles_of"] = "fork latency (ms) of the largest wave"
 	r.res.Extra["private_mb_per_fork"] = round3(largest.PrivateMBPerFork())
-	r.res.Method = fmt.Sprintf("For each wave, ForkMany of N forks at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM and wrote a 1 MB disk file; wall is first fork start to last fork ready (agent answered with its token), per-fork latency is ForkEvent start to ready with the engine's phase timings, QEMU CPU (user/sys) is read at ready, host memory per fork is the MemAvailable drop from before the wave to all ready divided by ready forks; after the wave is ready each fork runs one `sh -c true` (first command). %s Forks are deleted before the next wave.",
-		r.shape.DirtyMB, r.isoMethod())
+	r.res.Method = fmt.Sprintf("For each wave, ForkMany of N forks at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM and wrote a 1 MB disk file; wall is first fork start to last fork ready (agent answered with its token), per-fork latency is ForkEvent start to ready with the engine's phase timings, QEMU CPU (user/sys) is read at ready, host memory per fork is the MemAvailable drop from before the wave to all ready divided by ready forks; after the wave is ready each fork runs one `sh -c true` (first command), then the QEMU CPU (user+sys) all ready forks use while idle is read over %v (idle_cpu_*; 0 = not measured). %s Forks are deleted before the next wave.",
+		r.shape.DirtyMB, idleWindow, r.isoMethod())
 	if largest.AdmissionCount > 0 {
 		r.caveat("the largest wave (%d) was cut by admission: %s; its wall covers the %d ready forks", largest.N, largest.admissionText(), largest.ReadyCount())
 	}
