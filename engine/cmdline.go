@@ -74,15 +74,15 @@ type DiskLayer struct {
 // defaultMachine is the machine type of new VMs: q35 (microvm hangs in firmware at exactly
 // 2048 MiB under TCG) without the SATA controller and SMBus no guest here uses (measured:
 // 1.7 MB less anonymous memory per QEMU), and without the HPET: with one, an idle guest
-// keeps QEMU's main loop waking at 250 Hz (measured under TCG: an idle fork used 3.5% of a
-// host core with it, 1.1% without). The guest keeps the PIT (its TSC calibration needs
+// keeps QEMU's main loop waking at 250 Hz (measured under TCG: an idle fork used 2.3% of a
+// host core with it, 1.1% without; see README). The guest keeps the PIT (its TSC calibration needs
 // a timer) and uses the TSC and LAPIC timer. Checkpoints record it; forks reuse it.
 const defaultMachine = "q35,sata=off,smbus=off,hpet=off"
 
 // defaultAgentPorts is max_ports of the agent's virtio-serial bus in new VMs. Port 0 is
 // reserved for a console, so the agent needs 2. QEMU's default of 31 ports means 64
 // virtqueues, each with an eventfd that the main loop polls on every wake-up (measured: 79
-// open fds per fork, 21 with 2 ports, and half the idle CPU).
+// open fds per fork, 21 with 2 ports; idle CPU 1.3% -> 1.1% of a host core; see README).
 const defaultAgentPorts = 2
 
 // Socket names inside a run dir.

@@ -320,6 +320,10 @@ func (e *Engine) RAMDir() string { return e.cfg.RAMDir }
 // TBSizeMiB is the TCG translation buffer size new VMs get (see Config).
 func (e *Engine) TBSizeMiB() int { return e.cfg.TBSizeMiB }
 
+// RestoreConcurrency is the engine's bound on forks restoring at once (see Config);
+// negative means no bound.
+func (e *Engine) RestoreConcurrency() int { return e.cfg.RestoreConcurrency }
+
 func (e *Engine) vmsDir() string         { return filepath.Join(e.cfg.StateDir, "vms") }
 func (e *Engine) checkpointsDir() string { return filepath.Join(e.cfg.StateDir, "checkpoints") }
 

@@ -169,10 +169,6 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 	return vm, nil
 }
 
-// RestoreConcurrency is the engine's bound on forks restoring at once (see Config);
-// negative means no bound.
-func (e *Engine) RestoreConcurrency() int { return e.cfg.RestoreConcurrency }
-
 // restoreSlot waits until one more fork may restore (see Config.RestoreConcurrency);
 // leave gives the slot back. It returns ctx's error if ctx ends first.
 func (e *Engine) restoreSlot(ctx context.Context) (leave func(), err error) {
