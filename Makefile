@@ -66,6 +66,7 @@ fuzz:
 	$(GO) test -run='^$$' -fuzz=FuzzDecode -fuzztime=100000x ./qmp/
 	$(GO) test -run='^$$' -fuzz=FuzzReadFrame -fuzztime=100000x ./vsockd/
 	$(GO) test -run='^$$' -fuzz=FuzzManifest -fuzztime=50000x ./engine/
+	$(GO) test -run='^$$' -fuzz=FuzzParseJIT -fuzztime=50000x ./engine/
 
 ## itest: integration tests that boot real QEMU
 itest: setup

@@ -395,12 +395,36 @@ func TestEscapeOpt(t *testing.T) {
 	}
 }
 
+// TestCmdlineVMGenID checks that a vmgenid device comes exactly with QEMU's ACPI tables:
+// new VMs have neither unless Spec.VMGenID, and checkpoints made before acpi=off (whose
+// machine lacks it) keep their device so that their device state still loads.
+func TestCmdlineVMGenID(t *testing.T) {
+	for _, tc := range []struct {
+		machine string
+		want    bool
+	}{
+		{"", false}, // defaultMachine
+		{defaultMachine, false},
+		{vmgenidMachine, true},
+		{"q35", true},
+		{"q35,sata=off,smbus=off,hpet=off", true}, // checkpoints made before acpi=off
+		{"q35,acpi=off", false},
+		{"q35,acpi=on", true},
+		{"q35,xacpi=off", true},
+		{"acpi=off", true}, // the first element is the machine type, not an option
+	} {
+		l := baseLaunch()
+		l.Machine = tc.machine
+		argv := mustCmdline(t, l)
+		if got := hasPair(argv, "-device", "vmgenid,guid=auto"); got != tc.want {
+			t.Errorf("machine %q: vmgenid device %v, want %v (%q)", tc.machine, got, tc.want, argv)
+		}
+	}
+}
+
 func TestCmdlineDevices(t *testing.T) {
 	l := baseLaunch()
 	argv := mustCmdline(t, l)
-	if !hasPair(argv, "-device", "vmgenid,guid=auto") {
-		t.Errorf("no vmgenid device: %q", argv)
-	}
 	if !hasPair(argv, "-device", "virtserialport,bus=vser0.0,chardev=agent,name="+vsockd.PortName) {
 		t.Errorf("no virtserialport named %s: %q", vsockd.PortName, argv)
 	}
@@ -516,6 +540,73 @@ func TestCmdlineCPUModel(t *testing.T) {
 		l.CPUModel = bad
 		if argv, err := l.Cmdline(); !errors.Is(err, ErrInvalidSpec) {
 			t.Errorf("CPUModel %q: %q, %v; want ErrInvalidSpec", bad, argv, err)
+		}
+	}
+}
+
+func TestGuestAppend(t *testing.T) {
+	for _, tc := range []struct{ accel, user, want string }{
+		{"tcg", "", baseKernelArgs + " " + tcgKernelArgs},
+		{"tcg", "  mitigations=auto ", baseKernelArgs + " " + tcgKernelArgs + " mitigations=auto"},
+		{"kvm", "", baseKernelArgs},
+		{"hvf", "loglevel=7", baseKernelArgs + " loglevel=7"},
+	} {
+		if got := guestAppend(tc.accel, tc.user); got != tc.want {
+			t.Errorf("guestAppend(%q, %q) = %q, want %q", tc.accel, tc.user, got, tc.want)
+		}
+	}
+}
+
+func TestCmdlineTCGThread(t *testing.T) {
+	for _, tc := range []struct {
+		accel, thread string
+		want          string // -accel value; "" = ErrInvalidSpec
+	}{
+		{"tcg", "", "tcg,tb-size=64"},
+		{"tcg", "single", "tcg,tb-size=64,thread=single"},
+		{"tcg", "multi", "tcg,tb-size=64,thread=multi"},
+		{"", "single", "tcg,tb-size=64,thread=single"},
+		{"tcg", "dual", ""},
+		{"tcg", "single,foo=bar", ""},
+		{"kvm", "single", ""},
+		{"kvm", "", "kvm"},
+	} {
+		l := baseLaunch()
+		l.Accel, l.TCGThread = tc.accel, tc.thread
+		argv, err := l.Cmdline()
+		if tc.want == "" {
+			if !errors.Is(err, ErrInvalidSpec) {
+				t.Errorf("accel %q thread %q: %v, want ErrInvalidSpec", tc.accel, tc.thread, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("accel %q thread %q: %v", tc.accel, tc.thread, err)
+			continue
+		}
+		if got := flagValue(t, argv, "-accel"); got != tc.want {
+			t.Errorf("accel %q thread %q: -accel %q, want %q", tc.accel, tc.thread, got, tc.want)
+		}
+	}
+}
+
+func TestTCGThreadFor(t *testing.T) {
+	for _, tc := range []struct {
+		mode, accel        string
+		inflight, hostCPUs int
+		want               string
+	}{
+		{"auto", "tcg", 2, 2, ""},       // a serial fork on 2 cores: a thread per vCPU
+		{"auto", "tcg", 4, 2, "single"}, // a second fork in flight: oversubscribed
+		{"auto", "tcg", 128, 12, "single"},
+		{"auto", "tcg", 12, 12, ""},
+		{"auto", "kvm", 128, 2, ""},
+		{"single", "tcg", 0, 2, "single"},
+		{"multi", "tcg", 128, 2, "multi"},
+		{"single", "hvf", 128, 2, ""},
+	} {
+		if got := tcgThreadFor(tc.mode, tc.accel, tc.inflight, tc.hostCPUs); got != tc.want {
+			t.Errorf("tcgThreadFor(%q, %q, %d, %d) = %q, want %q", tc.mode, tc.accel, tc.inflight, tc.hostCPUs, got, tc.want)
 		}
 	}
 }

@@ -252,6 +252,23 @@ func TestNewAccel(t *testing.T) {
 	}
 }
 
+func TestNewTCGThread(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{{"", "auto"}, {"auto", "auto"}, {"single", "single"}, {"multi", "multi"}} {
+		cfg := testConfig(t)
+		cfg.TCGThread = tc.in
+		e := newTestEngine(t, cfg)
+		if got := e.TCGThread(); got != tc.want {
+			t.Errorf("TCGThread %q: engine says %q, want %q", tc.in, got, tc.want)
+		}
+		e.Close()
+	}
+	cfg := testConfig(t)
+	cfg.TCGThread = "single,x=y"
+	if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidSpec) {
+		t.Errorf("TCGThread %q: %v, want ErrInvalidSpec", cfg.TCGThread, err)
+	}
+}
+
 func TestQEMUPathAndVersion(t *testing.T) {
 	cfg := testConfig(t)
 	e := newTestEngine(t, cfg)

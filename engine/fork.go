@@ -117,6 +117,16 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, opts ForkOptions) 
 		if vm, err = e.prepareFork(ctx, c, name); err != nil {
 			return nil, err
 		}
+		e.mu.Lock()
+		e.inflightCPUs += ck.CPUs
+		inflight := e.inflightCPUs
+		e.mu.Unlock()
+		defer func() {
+			e.mu.Lock()
+			e.inflightCPUs -= ck.CPUs
+			e.mu.Unlock()
+		}()
+		vm.m.Launch.TCGThread = tcgThreadFor(e.cfg.TCGThread, ck.Accel, inflight, runtime.NumCPU())
 	}
 	ok := false
 	defer func() {

@@ -126,6 +126,9 @@ func (e *Engine) refill(c *Checkpoint) {
 			return
 		}
 		p.filling++
+		// Added under e.mu after checking e.closed: Close sets closed under e.mu before
+		// it waits, so no spawn can start after Close stopped waiting.
+		e.bgWG.Add(1)
 		e.mu.Unlock()
 		release, err := e.admit(c.Manifest.CPUs, 0)
 		if err != nil {
@@ -133,9 +136,9 @@ func (e *Engine) refill(c *Checkpoint) {
 			e.mu.Lock()
 			p.filling--
 			e.mu.Unlock()
+			e.bgWG.Done()
 			return
 		}
-		e.bgWG.Add(1)
 		go func() {
 			defer e.bgWG.Done()
 			vm, err := e.spawnPooled(e.bg, c, p.restored)
@@ -175,6 +178,10 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) 
 		}
 	}()
 	vm.m.State = StatePooled
+	// A pool serves forks one at a time, so auto means QEMU's default (multi) here.
+	if m := e.cfg.TCGThread; m != "auto" {
+		vm.m.Launch.TCGThread = tcgThreadFor(m, c.Manifest.Accel, 0, 0)
+	}
 	if err := vm.start(ctx); err != nil {
 		return nil, err
 	}

@@ -41,6 +41,11 @@ type Spec struct {
 	Forkable bool `json:"forkable"`
 	// DiskMiB, when > 0, attaches a fresh ext4 data disk of that size, mounted at /data.
 	DiskMiB int `json:"disk_mib"`
+	// VMGenID gives the VM QEMU's ACPI tables and a vmgenid device, so that the guest
+	// kernel reseeds its CRNG the moment a fork resumes, before the agent handshake
+	// (which always reseeds it with host entropy). Forks of its checkpoints inherit
+	// it. Off by default: it costs each fork 2 MiB and ~9 ms (measured under TCG).
+	VMGenID bool `json:"vmgenid,omitempty"`
 }
 
 // Validate checks the spec; it is called by Create before anything starts.

@@ -86,15 +86,17 @@ type VM struct {
 
 // Info is a snapshot of a VM's state.
 type Info struct {
-	Name      string       `json:"name"`
-	State     string       `json:"state"`
-	PID       int          `json:"pid"`
-	CPUs      int          `json:"cpus"`
-	MemoryMiB int          `json:"memory_mib"`
-	DiskMiB   int          `json:"disk_mib"`
-	Forkable  bool         `json:"forkable"`
-	Parent    string       `json:"parent,omitempty"`
-	Accel     string       `json:"accel"`
+	Name      string `json:"name"`
+	State     string `json:"state"`
+	PID       int    `json:"pid"`
+	CPUs      int    `json:"cpus"`
+	MemoryMiB int    `json:"memory_mib"`
+	DiskMiB   int    `json:"disk_mib"`
+	Forkable  bool   `json:"forkable"`
+	Parent    string `json:"parent,omitempty"`
+	Accel     string `json:"accel"`
+	// TCGThread is the fork's TCG thread mode ("single" or "multi"; empty: QEMU's default).
+	TCGThread string       `json:"tcg_thread,omitempty"`
 	CreatedAt time.Time    `json:"created_at"`
 	Timings   PhaseTimings `json:"timings"`
 	RunDir    string       `json:"run_dir"`
@@ -121,7 +123,7 @@ func (vm *VM) Info() Info {
 	}
 	return Info{
 		Name: m.Name, State: st, PID: m.PID, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB,
-		DiskMiB: m.Spec.DiskMiB, Forkable: m.Spec.Forkable, Parent: m.Parent, Accel: m.Accel,
+		DiskMiB: m.Spec.DiskMiB, Forkable: m.Spec.Forkable, Parent: m.Parent, Accel: m.Accel, TCGThread: m.Launch.TCGThread,
 		CreatedAt: m.CreatedAt, Timings: m.Timings, RunDir: m.Launch.RunDir,
 	}
 }
@@ -378,6 +380,10 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 		return nil, err
 	}
 	_, tok := newToken()
+	machine := defaultMachine
+	if spec.VMGenID {
+		machine = vmgenidMachine
+	}
 	vm := &VM{e: e}
 	vm.m = Manifest{
 		Version: manifestVersion, Name: spec.Name, Spec: spec, State: StateStarting,
@@ -385,8 +391,8 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 		BootKernel: kernel, BootInitrd: initrd,
 		Launch: Launch{
 			QEMU: qemuPath, Name: spec.Name, Accel: e.accel, TBSizeMiB: e.cfg.TBSizeMiB,
-			CPUModel: e.cfg.CPUModel, Machine: defaultMachine, AgentPorts: defaultAgentPorts, CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
-			Kernel: kernel, Initrd: initrd, Append: strings.TrimSpace("console=ttyS0 quiet panic=-1 rdinit=/init " + e.cfg.KernelArgs),
+			CPUModel: e.cfg.CPUModel, Machine: machine, AgentPorts: defaultAgentPorts, CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
+			Kernel: kernel, Initrd: initrd, Append: guestAppend(e.accel, e.cfg.KernelArgs),
 			RunDir:    filepath.Join(e.cfg.RunDir, spec.Name),
 			SerialLog: filepath.Join(e.vmsDir(), spec.Name, "serial.log"),
 			VsockCID:  e.newCID(),

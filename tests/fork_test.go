@@ -130,13 +130,40 @@ func TestCheckpointFork(t *testing.T) {
 		if h := mustRun(t, f1, "hostname"); h != "f1" {
 			t.Fatalf("hostname = %q, want f1", h)
 		}
-		if out := mustRun(t, f1, "ls /sys/bus/acpi/devices/ | grep -c QEMUVGID"); out != "1" {
-			t.Fatalf("vmgenid device not visible in the guest: %q", out)
+		// No QEMU ACPI tables by default, so no vmgenid: the agent handshake reseeded
+		// the CRNG (the urandom check above).
+		if out, _, _ := run(t, f1, "ls /sys/bus/acpi/devices/ | grep -c QEMUVGID"); strings.TrimSpace(out) != "0" {
+			t.Fatalf("vmgenid device in a default fork: %q", out)
 		}
 		// The clock was set from the host at the handshake, though the checkpoint is older.
 		g, _ := strconv.ParseInt(mustRun(t, f2, "date +%s"), 10, 64)
 		if d := time.Now().Unix() - g; d < -2 || d > 2 {
 			t.Fatalf("fork clock off by %d s", d)
+		}
+	})
+	t.Run("vmgenid on request", func(t *testing.T) {
+		if _, err := e.Create(ctx, engine.Spec{Name: "vg", CPUs: 1, MemoryMiB: 256, Forkable: true, VMGenID: true}); err != nil {
+			t.Fatal(err)
+		}
+		vf, err := e.Fork(ctx, "vg", engine.ForkOptions{Name: "vf"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out := mustRun(t, vf, "ls /sys/bus/acpi/devices/ | grep -c QEMUVGID"); out != "1" {
+			t.Fatalf("vmgenid device not visible in a fork of a VMGenID world: %q", out)
+		}
+		// The guest kernel saw the generation ID change and reseeded (random.c logs it).
+		if out := mustRun(t, vf, "dmesg | grep -c 'crng reseeded due to virtual machine fork'"); out == "0" {
+			t.Fatalf("fork did not reseed on vmgenid: %q", out)
+		}
+		parent := vf.Info().Parent
+		for _, n := range []string{"vf", "vg"} {
+			if err := e.Delete(ctx, n); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := e.LoadCheckpoint(parent); !errors.Is(err, engine.ErrNotFound) {
+			t.Fatalf("implicit checkpoint %s after its fork: %v", parent, err)
 		}
 	})
 	t.Run("fork of a fork", func(t *testing.T) {
@@ -555,5 +582,54 @@ func TestForkManyCancel(t *testing.T) {
 	}
 	if pids := qemuPIDs(t, env.Home); len(pids) != 1 {
 		t.Fatalf("qemu processes: %v, want only the world's", pids)
+	}
+}
+
+// TestSingleThreadTCGFork checks that a fork started with one TCG thread for its vCPUs
+// (Config.TCGThread "single", what auto picks in a wave) restores, sees and uses all its
+// vCPUs, and that QEMU got the mode.
+func TestSingleThreadTCGFork(t *testing.T) {
+	env := newEnv(t, func(c *engine.Config) { c.TCGThread = "single" })
+	e := env.E
+	if e.Accel() != "tcg" {
+		t.Skip("TCG thread modes apply under tcg only")
+	}
+	ctx := ctxT(t, 5*time.Minute)
+	if _, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 2, MemoryMiB: 256, Forkable: true}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := e.Fork(ctx, "w", engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := f.Info().TCGThread; got != "single" {
+		t.Fatalf("fork TCGThread = %q, want single", got)
+	}
+	argv, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", f.PID()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(argv), "thread=single") {
+		t.Fatalf("QEMU argv lacks thread=single: %q", strings.ReplaceAll(string(argv), "\x00", " "))
+	}
+	// Both vCPUs run: a busy loop pinned to each finishes, and each CPU's user time grows.
+	if n := mustRun(t, f, "nproc"); n != "2" {
+		t.Fatalf("nproc = %q, want 2", n)
+	}
+	userTicks := func() []string {
+		return strings.Fields(mustRun(t, f, "awk '/^cpu[01] /{print $2}' /proc/stat"))
+	}
+	before := userTicks()
+	mustRun(t, f, "for c in 0 1; do taskset -c $c sh -c 'i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done' & done; wait")
+	after := userTicks()
+	if len(before) != 2 || len(after) != 2 {
+		t.Fatalf("cpu user ticks %q -> %q", before, after)
+	}
+	for i := range 2 {
+		b, _ := strconv.Atoi(before[i])
+		a, _ := strconv.Atoi(after[i])
+		if a <= b {
+			t.Errorf("cpu%d user ticks %d -> %d: that vCPU did not run the loop pinned to it", i, b, a)
+		}
 	}
 }

@@ -18,6 +18,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sort"
 	"strconv"
@@ -374,6 +375,23 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 	for _, vm := range alive {
 		if got := mustRun(t, vm, "hostname"); got != vm.Name() {
 			t.Fatalf("%s: hostname %q", vm.Name(), got)
+		}
+	}
+	// TCGThread auto: 8 forks of 1 vCPU in flight at once oversubscribe a host with
+	// fewer CPUs, so the forks that started last run single-threaded TCG.
+	if e.Accel() == "tcg" && runtime.NumCPU() < 8 {
+		modes := map[string]int{}
+		for _, vm := range append(alive, func() (l []*engine.VM) {
+			for _, vm := range killed {
+				l = append(l, vm)
+			}
+			return l
+		}()...) {
+			modes[vm.Info().TCGThread]++
+		}
+		t.Logf("TCG thread modes of the wave: %v", modes)
+		if modes["single"] == 0 {
+			t.Errorf("no fork of a wave of 8 on %d CPUs runs single-threaded TCG: %v", runtime.NumCPU(), modes)
 		}
 	}
 	for _, vm := range killed {

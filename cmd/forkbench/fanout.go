@@ -121,7 +121,9 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 		lat := wr.latencies()
 		pc := summarize(lat)
 		var cpuU, cpuS, anon []float64
+		threads := map[string]int{} // forks per TCG thread mode ("" = QEMU default)
 		for _, vm := range wr.Ready {
+			threads[threadLabel(vm.Info())]++
 			c := wr.CPU[vm.Name()]
 			cpuU = append(cpuU, ms(c[0]))
 			cpuS = append(cpuS, ms(c[1]))
@@ -135,6 +137,9 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 			"private_mb_per_fork": round3(wr.PrivateMBPerFork()), "mem_available_before_mb": round3(wr.MemBeforeMB), "mem_available_after_mb": round3(wr.MemAfterMB),
 			"cpu_user_ms_p50": round3(median(cpuU)), "cpu_sys_ms_p50": round3(median(cpuS)), "anon_mb_p50": round3(median(anon)),
 			"isolation": iso,
+		}
+		if r.res.Host.Accel == "tcg" {
+			ws["tcg_thread_forks"] = threads
 		}
 		if idle.N > 0 {
 			ws["idle_cpu_pct_per_fork"] = round3(idle.PerForkPct)
@@ -155,6 +160,9 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 			wr.Wall.Seconds(), pc.P50, pc.P95, wr.PrivateMBPerFork(), map[bool]string{true: "; " + wr.admissionText(), false: ""}[wr.AdmissionCount > 0])
 		r.section("### %s\n\n%d requested, %d ready, %d failed, %d refused by admission; wall %.3f s (first start → last ready); fork p50 %.0f ms, p95 %.0f ms, max %.0f ms; host memory added per fork %.1f MiB; QEMU CPU until ready p50 user %.0f ms sys %.0f ms.\n\n",
 			label, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(cpuU), median(cpuS))
+		if r.res.Host.Accel == "tcg" {
+			r.section("TCG thread mode of the ready forks (engine Config.TCGThread %s): %v.\n\n", r.e.TCGThread(), threads)
+		}
 		if wr.AdmissionCount > 0 {
 			r.section("**Admission stop:** %s.\n\n", wr.admissionText())
 		}
@@ -213,4 +221,12 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 
 func roundP(p Percentiles) Percentiles {
 	return Percentiles{P50: round3(p.P50), P90: round3(p.P90), P95: round3(p.P95), P99: round3(p.P99), Min: round3(p.Min), Max: round3(p.Max)}
+}
+
+// threadLabel names a VM's TCG thread mode for reports.
+func threadLabel(inf engine.Info) string {
+	if inf.TCGThread == "" {
+		return "multi (default)"
+	}
+	return inf.TCGThread
 }

@@ -145,7 +145,7 @@ func TestTraceShape(t *testing.T) {
 
 func TestCSVHeader(t *testing.T) {
 	var buf bytes.Buffer
-	err := writeCSV(&buf, []Sample{{Bench: "fork", Group: "serial", Index: 2, Name: "f3", OK: true, LatencyMS: 170.12345, Error: "a, \"b\""}})
+	err := writeCSV(&buf, []Sample{{Bench: "fork", Group: "serial", Index: 2, Name: "f3", OK: true, LatencyMS: 170.12345, TBsReady: 17000, TBsFirstCmd: 14000, Error: "a, \"b\""}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,11 +153,12 @@ func TestCSVHeader(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := "bench,wave,index,name,ok,latency_ms,prepare_ms,spawn_ms,restore_ms,agent_ms,first_cmd_ms,cpu_user_ms,cpu_sys_ms,anon_mb,error"
+	want := "bench,wave,index,name,ok,latency_ms,prepare_ms,spawn_ms,restore_ms,agent_ms,first_cmd_ms,cpu_user_ms,cpu_sys_ms,anon_mb,tbs_ready,tbs_first_cmd,error"
 	if got := strings.Join(rows[0], ","); got != want {
 		t.Errorf("header = %s\nwant     %s", got, want)
 	}
-	if len(rows) != 2 || rows[1][0] != "fork" || rows[1][5] != "170.123" || rows[1][14] != "a, \"b\"" || rows[1][4] != "true" {
+	if len(rows) != 2 || rows[1][0] != "fork" || rows[1][5] != "170.123" || rows[1][16] != "a, \"b\"" || rows[1][4] != "true" ||
+		rows[1][14] != "17000" || rows[1][15] != "14000" {
 		t.Errorf("row = %v", rows[1])
 	}
 }

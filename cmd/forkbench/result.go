@@ -90,12 +90,16 @@ type Sample struct {
 	CPUUserMS  float64
 	CPUSysMS   float64
 	AnonMB     float64
-	Error      string
+	// TBsReady and TBsFirstCmd are the TCG translation blocks a fork's QEMU generated
+	// until ready and during its first command (0 when not measured: kvm/hvf).
+	TBsReady    int64
+	TBsFirstCmd int64
+	Error       string
 }
 
 // csvHeader is the first row of samples.csv.
 var csvHeader = []string{"bench", "wave", "index", "name", "ok", "latency_ms", "prepare_ms", "spawn_ms",
-	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "error"}
+	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "tbs_ready", "tbs_first_cmd", "error"}
 
 func fnum(x float64) string { return strconv.FormatFloat(round3(x), 'f', -1, 64) }
 
@@ -108,7 +112,8 @@ func writeCSV(w io.Writer, samples []Sample) error {
 	for _, s := range samples {
 		row := []string{s.Bench, s.Group, strconv.Itoa(s.Index), s.Name, strconv.FormatBool(s.OK),
 			fnum(s.LatencyMS), fnum(s.PrepareMS), fnum(s.SpawnMS), fnum(s.RestoreMS), fnum(s.AgentMS),
-			fnum(s.FirstCmdMS), fnum(s.CPUUserMS), fnum(s.CPUSysMS), fnum(s.AnonMB), s.Error}
+			fnum(s.FirstCmdMS), fnum(s.CPUUserMS), fnum(s.CPUSysMS), fnum(s.AnonMB),
+			strconv.FormatInt(s.TBsReady, 10), strconv.FormatInt(s.TBsFirstCmd, 10), s.Error}
 		if err := cw.Write(row); err != nil {
 			return err
 		}

@@ -26,6 +26,7 @@ type runner struct {
 	ctx       context.Context
 	bench     string
 	shape     Shape
+	vmgenid   bool // worlds get Spec.VMGenID
 	outDir    string
 	jsonOut   bool
 	tracePath string
@@ -108,7 +109,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 		shape:  Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
 		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 		home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
-		restoreConc: cmd.Int("restore-concurrency"), tbSizeMiB: cmd.Int("tb-size"),
+		restoreConc: cmd.Int("restore-concurrency"), tbSizeMiB: cmd.Int("tb-size"), vmgenid: cmd.Bool("vmgenid"),
 		held: map[string]bool{}, heldCks: map[string]bool{},
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
@@ -131,6 +132,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 		settings = map[string]any{}
 	}
 	settings["overcommit"] = r.overcommit
+	settings["vmgenid"] = r.vmgenid
 	r.res = &Result{
 		Schema: SchemaVersion, Bench: bench, Extra: map[string]any{},
 		Environment: Environment{Shape: r.shape, Settings: settings, LoadAvgBefore: loadAvg()},
@@ -145,7 +147,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 	_, others := qemuProcs(r.home)
 	r.res.Environment.OtherVMs = len(others)
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
-		RestoreConcurrency: r.restoreConc, TBSizeMiB: r.tbSizeMiB}
+		RestoreConcurrency: r.restoreConc, TBSizeMiB: r.tbSizeMiB, TCGThread: cmd.String("tcg-thread")}
 	if cmd.Bool("verbose") {
 		cfg.Log = os.Stderr
 	}
@@ -159,6 +161,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 	r.ramDir = r.e.RAMDir()
 	settings["restore_concurrency"] = r.e.RestoreConcurrency()
 	settings["tb_size_mib"] = r.e.TBSizeMiB()
+	settings["tcg_thread"] = r.e.TCGThread()
 	r.res.Build = buildInfo(ctx, r.e, guest.DefaultCacheDir())
 	r.res.Host = hostInfo(r.e)
 	r.res.MeasuredAt = start.UTC().Format(time.RFC3339)

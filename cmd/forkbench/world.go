@@ -58,7 +58,7 @@ func firstCmd(ctx context.Context, vm *engine.VM) (time.Duration, error) {
 
 // worldSpec is the spec of a world VM.
 func (r *runner) worldSpec(name string, forkable bool) engine.Spec {
-	return engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, Forkable: forkable, DiskMiB: r.shape.DiskMiB}
+	return engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, Forkable: forkable, DiskMiB: r.shape.DiskMiB, VMGenID: r.vmgenid}
 }
 
 // dirtyScript dirties dirty-mb MB of guest RAM (tmpfs /dev/shm/dirty) and writes the
