@@ -81,9 +81,9 @@ type Config struct {
 	// "multi". Auto starts a fork with one host thread for all its vCPUs when the vCPUs
 	// of the forks on their way to ready (this one included) exceed the host's CPUs,
 	// as in a wave, and with a thread per vCPU otherwise (serial forks, warm pools,
-	// booted VMs). A fork keeps its mode for life. Measured on 2 cores: 64-wave 8.2/8.5 s
-	// (multi) vs 6.5/6.8 s (single); serial fork -> first command 207/220 ms (multi)
-	// vs 262/253 ms (single); see README.
+	// booted VMs). A fork keeps its mode for life. Measured on 2 cores (README): 64-wave
+	// 9.2/7.9 s with "multi", 6.5/6.2 s with "auto" (63 of 64 forks single); serial
+	// fork -> first command 207/220 ms with a thread per vCPU, 262/253 ms single.
 	TCGThread string
 	// Transport selects how the host reaches guest agents: "auto" (default) uses AF_VSOCK
 	// (a vhost-vsock-pci device per VM) when /dev/vhost-vsock exists and the accelerator
