@@ -128,9 +128,11 @@ const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugep
 // forced mode as is; in auto mode "single" when the vCPUs of the forks on their way to
 // ready, this one included, exceed the host's CPUs, else "" (QEMU's default, multi).
 // Under TCG a guest vCPU that waits for another (an IPI, a lock) spins in its own host
-// thread until the host schedules the other one; on an oversubscribed host that burns
-// most of a wave's CPU, while one thread per fork switches vCPUs at once (the guest's
-// PAUSE yields). With idle host CPUs, one thread per vCPU lets a fork use them.
+// thread until the host schedules the other one; on an oversubscribed host that costs
+// CPU (measured in a 64-wave on 2 cores: QEMU user CPU until ready 150-160 ms per fork
+// with a thread per vCPU, 110-120 ms single), while one thread per fork switches vCPUs
+// at once (the guest's PAUSE yields). With idle host CPUs, one thread per vCPU lets a
+// fork use them.
 func tcgThreadFor(mode, accel string, inflightCPUs, hostCPUs int) string {
 	if accel != "tcg" {
 		return ""
