@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"time"
 
@@ -178,10 +179,9 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) 
 		}
 	}()
 	vm.m.State = StatePooled
-	// A pool serves forks one at a time, so auto means QEMU's default (multi) here.
-	if m := e.cfg.TCGThread; m != "auto" {
-		vm.m.Launch.TCGThread = tcgThreadFor(m, c.Manifest.Accel, 0, 0)
-	}
+	// A pool serves forks one at a time: it counts as nothing in flight, so auto means
+	// QEMU's default (multi) here and a forced mode applies as is.
+	vm.m.Launch.TCGThread = tcgThreadFor(e.cfg.TCGThread, c.Manifest.Accel, 0, runtime.NumCPU())
 	if err := vm.start(ctx); err != nil {
 		return nil, err
 	}

@@ -5,8 +5,6 @@ import (
 	"os"
 	"path/filepath"
 	"time"
-
-	"github.com/forkvm/forkvm/engine"
 )
 
 // runPeer measures the stock path a user would take instead of a fork: a full save of
@@ -49,7 +47,7 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("peer-%d", i)
 		t0 := time.Now()
-		vm, err := r.e.Restore(ctx, path, engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, VMGenID: r.vmgenid})
+		vm, err := r.e.Restore(ctx, path, r.worldSpec(name, false))
 		s := Sample{Group: "peer-restore", Index: i - 1, Name: name}
 		if err != nil {
 			s.Error, s.LatencyMS = err.Error(), ms(time.Since(t0))

@@ -36,15 +36,11 @@ type runner struct {
 	home         string
 	ownHome      bool
 	overcommit   float64
-	// restoreConc is engine.Config.RestoreConcurrency (0: the engine's default).
-	restoreConc int
-	// tbSizeMiB is engine.Config.TBSizeMiB (0: the engine's default).
-	tbSizeMiB int
-	e         *engine.Engine
-	res       *Result
-	trace     *Trace
-	progress  bool
-	ramDir    string
+	e            *engine.Engine
+	res          *Result
+	trace        *Trace
+	progress     bool
+	ramDir       string
 
 	mu       sync.Mutex
 	samples  []Sample
@@ -109,8 +105,8 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 		shape:  Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
 		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 		home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
-		restoreConc: cmd.Int("restore-concurrency"), tbSizeMiB: cmd.Int("tb-size"), vmgenid: cmd.Bool("vmgenid"),
-		held: map[string]bool{}, heldCks: map[string]bool{},
+		vmgenid: cmd.Bool("vmgenid"),
+		held:    map[string]bool{}, heldCks: map[string]bool{},
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
 		return fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
@@ -147,7 +143,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 	_, others := qemuProcs(r.home)
 	r.res.Environment.OtherVMs = len(others)
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
-		RestoreConcurrency: r.restoreConc, TBSizeMiB: r.tbSizeMiB, TCGThread: cmd.String("tcg-thread")}
+		RestoreConcurrency: cmd.Int("restore-concurrency"), TBSizeMiB: cmd.Int("tb-size"), TCGThread: cmd.String("tcg-thread")}
 	if cmd.Bool("verbose") {
 		cfg.Log = os.Stderr
 	}
