@@ -67,6 +67,7 @@ fuzz:
 	$(GO) test -run='^$$' -fuzz=FuzzReadFrame -fuzztime=100000x ./vsockd/
 	$(GO) test -run='^$$' -fuzz=FuzzManifest -fuzztime=50000x ./engine/
 	$(GO) test -run='^$$' -fuzz=FuzzParseJIT -fuzztime=50000x ./engine/
+	$(GO) test -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./memfile/
 
 ## itest: integration tests that boot real QEMU
 itest: setup

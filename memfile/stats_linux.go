@@ -96,6 +96,39 @@ func ProcessMemory(pid int) (*ProcMem, error) {
 	return m, nil
 }
 
+// ProcessMappings reads /proc/PID/smaps: every mapping of pid with its
+// resident, shared, private and anonymous sizes.
+func ProcessMappings(pid int) ([]Mapping, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps", pid))
+	if err != nil {
+		return nil, fmt.Errorf("memfile: process mappings: %w", err)
+	}
+	return ParseSmaps(b)
+}
+
+// ProcessPageTables returns the memory of pid's page tables (VmPTE in
+// /proc/PID/status), which the kernel allocates for the process and which
+// counts in no mapping.
+func ProcessPageTables(pid int) (int64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, fmt.Errorf("memfile: page tables: %w", err)
+	}
+	v := int64(-1)
+	err = eachKB(b, func(key string, n int64) {
+		if key == "VmPTE" {
+			v = n
+		}
+	})
+	if err != nil {
+		return 0, fmt.Errorf("%w: status: %v", ErrBadFormat, err)
+	}
+	if v < 0 {
+		return 0, fmt.Errorf("%w: no VmPTE in /proc/%d/status", ErrBadFormat, pid)
+	}
+	return v, nil
+}
+
 // eachKB calls fn for every "Key: N kB" line of b, with N in bytes. Lines
 // of other shapes (the header line) are skipped.
 func eachKB(b []byte, fn func(key string, bytes int64)) error {

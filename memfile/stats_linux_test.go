@@ -1,6 +1,14 @@
 package memfile
 
-import "testing"
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
 
 func TestEachKB(t *testing.T) {
 	in := "55d0-7ffd ---p 00000000 00:00 0    [rollup]\nRss:   1752 kB\nNewKey:  3 kB\nWeird: x\nHugePages_Total: 0\n"
@@ -10,5 +18,74 @@ func TestEachKB(t *testing.T) {
 	}
 	if len(got) != 2 || got["Rss"] != 1752*1024 || got["NewKey"] != 3072 {
 		t.Errorf("got %v", got)
+	}
+}
+
+// TestProcessMappings checks the figures the engine's memory breakdown is built on, on
+// mappings of this process: anonymous pages touched in an anonymous mapping, and the
+// private copies a MAP_PRIVATE file mapping makes on write (pages only read stay file
+// pages).
+func TestProcessMappings(t *testing.T) {
+	const pg = 4096
+	anon, err := unix.Mmap(-1, 0, 64*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(anon)
+	unix.Madvise(anon, unix.MADV_NOHUGEPAGE)
+	for i := 0; i < 5; i++ {
+		anon[i*pg] = 1
+	}
+	path := filepath.Join(t.TempDir(), "ram file")
+	if err := os.WriteFile(path, bytes.Repeat([]byte{7}, 32*pg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	priv, err := unix.Mmap(int(f.Fd()), 0, 32*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(priv)
+	var sum byte
+	for i := 0; i < 10; i++ { // read 10 pages
+		sum += priv[i*pg]
+	}
+	for i := 0; i < 3; i++ { // write 3 of them
+		priv[i*pg] = sum
+	}
+
+	ms, err := ProcessMappings(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	find := func(p []byte) *Mapping {
+		a := uint64(uintptr(unsafe.Pointer(&p[0])))
+		for i := range ms {
+			if ms[i].Start <= a && a < ms[i].End {
+				return &ms[i]
+			}
+		}
+		t.Fatalf("no mapping contains %#x", a)
+		return nil
+	}
+	if m := find(anon); m.Path != "" || m.Anonymous != 5*pg || m.Rss != 5*pg || m.Executable() || !m.Writable() {
+		t.Errorf("anonymous mapping: %+v, want 5 anonymous pages", m)
+	}
+	m := find(priv)
+	// Rss may exceed the 10 pages read: read faults on a file map neighbouring cached
+	// pages too (fault-around).
+	if m.FilePath() != path || m.Anonymous != 3*pg || m.Rss < 10*pg {
+		t.Errorf("private file mapping: %+v (file %q), want >= 10 resident pages of %s, 3 of them anonymous", m, m.FilePath(), path)
+	}
+	pte, err := ProcessPageTables(os.Getpid())
+	if err != nil || pte <= 0 {
+		t.Errorf("page tables: %d, %v", pte, err)
+	}
+	if _, err := ProcessMappings(-1); err == nil {
+		t.Error("ProcessMappings(-1): no error")
 	}
 }

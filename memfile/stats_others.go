@@ -15,3 +15,9 @@ func ProcessCPU(pid int) (user, sys time.Duration, err error) { return 0, 0, Err
 
 // MemAvailable is not implemented on this platform; it returns ErrUnsupported.
 func MemAvailable() (int64, error) { return 0, ErrUnsupported }
+
+// ProcessMappings is not implemented on this platform; it returns ErrUnsupported.
+func ProcessMappings(pid int) ([]Mapping, error) { return nil, ErrUnsupported }
+
+// ProcessPageTables is not implemented on this platform; it returns ErrUnsupported.
+func ProcessPageTables(pid int) (int64, error) { return 0, ErrUnsupported }

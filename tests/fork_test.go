@@ -103,19 +103,46 @@ func TestCheckpointFork(t *testing.T) {
 		if err := e.Delete(ctx, "f3"); err != nil {
 			t.Fatal(err)
 		}
+		if _, err := f3.Memory(ctx); !errors.Is(err, engine.ErrNotRunning) {
+			t.Fatalf("memory of a deleted fork: %v, want ErrNotRunning", err)
+		}
 	})
 	t.Run("unwritten pages are shared", func(t *testing.T) {
 		for _, f := range []*engine.VM{f1, f2} {
-			pm, err := memfile.ProcessMemory(f.PID())
-			if err != nil {
-				t.Fatal(err)
+			u := memoryOf(t, f)
+			if u.GuestWritten>>20 > forkAnonBoundMB || u.GuestFile == 0 {
+				t.Fatalf("%s: %d MB of guest RAM copied, %d MB read from the checkpoint, with %d MB dirtied in the world; want < %d MB copied and some read",
+					f.Name(), u.GuestWritten>>20, u.GuestFile>>20, dirtyMB, forkAnonBoundMB)
 			}
-			anon := pm.Anonymous >> 20
-			t.Logf("%s: anon %d MB, pss %d MB, pss_shmem %d MB, rss %d MB", f.Name(), anon, pm.Pss>>20, pm.PssShmem>>20, pm.Rss>>20)
-			if anon > forkAnonBoundMB {
-				t.Fatalf("%s holds %d MB of private anonymous memory with %d MB dirtied in the world; want < %d MB",
-					f.Name(), anon, dirtyMB, forkAnonBoundMB)
-			}
+		}
+	})
+	t.Run("memory breakdown", func(t *testing.T) {
+		// The breakdown adds up to the process's own figures.
+		u := memoryOf(t, f1)
+		pm, err := memfile.ProcessMemory(f1.PID())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if anon := u.Private - u.PageTables; absDiff(anon, pm.Anonymous) > 4<<20 || absDiff(u.Rss, pm.Rss) > 4<<20 {
+			t.Fatalf("breakdown %+v: anonymous %d, rss %d; smaps_rollup says %d, %d", u, anon, u.Rss, pm.Anonymous, pm.Rss)
+		}
+		if u.Heap == 0 || u.Libraries == 0 || u.PageTables == 0 || (f1.Info().Accel == "tcg") != (u.TCGCode > 0) {
+			t.Fatalf("breakdown %+v (accel %s): want heap, libraries, page tables, and TCG code exactly under tcg", u, f1.Info().Accel)
+		}
+		// A guest write lands in the writer's GuestWritten only.
+		b1, b2 := memoryOf(t, f1), memoryOf(t, f2)
+		mustRun(t, f2, "dd if=/dev/urandom of=/dev/shm/big bs=1M count=32 2>/dev/null")
+		a1, a2 := memoryOf(t, f1), memoryOf(t, f2)
+		if d := a2.GuestWritten - b2.GuestWritten; d < 32<<20 {
+			t.Fatalf("f2 wrote 32 MiB of guest RAM; its GuestWritten grew by %.1f MiB", float64(d)/(1<<20))
+		}
+		if d := a1.GuestWritten - b1.GuestWritten; d > 8<<20 {
+			t.Fatalf("f1's GuestWritten grew by %.1f MiB while f2 wrote", float64(d)/(1<<20))
+		}
+		// The world's guest RAM is its shared RAM file: nothing copied on write.
+		w := memoryOf(t, world)
+		if w.GuestWritten != 0 || w.GuestFile>>20 < dirtyMB {
+			t.Fatalf("world breakdown %+v: want its %d MB of dirtied RAM in GuestFile and none copied", w, dirtyMB)
 		}
 	})
 	t.Run("forks have their own identity", func(t *testing.T) {
@@ -632,4 +659,28 @@ func TestSingleThreadTCGFork(t *testing.T) {
 			t.Errorf("cpu%d user ticks %d -> %d: that vCPU did not run the loop pinned to it", i, b, a)
 		}
 	}
+}
+
+// memoryOf is vm.Memory, logged; the test fails on error.
+func memoryOf(t *testing.T, vm *engine.VM) *engine.MemoryUsage {
+	t.Helper()
+	u, err := vm.Memory(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s memory (MiB): private %.1f = guest written %.1f + tcg code %.1f + heap %.1f + libraries %.1f + page tables %.1f; shared %.1f (guest file %.1f)",
+		vm.Name(), mib(u.Private), mib(u.GuestWritten), mib(u.TCGCode), mib(u.Heap), mib(u.Libraries), mib(u.PageTables), mib(u.Shared), mib(u.GuestFile))
+	if sum := u.GuestWritten + u.TCGCode + u.Heap + u.Libraries + u.PageTables; sum != u.Private || u.PID != vm.PID() {
+		t.Fatalf("%s: breakdown %+v does not add up (sum %d)", vm.Name(), u, sum)
+	}
+	return u
+}
+
+func mib(b int64) float64 { return float64(b) / (1 << 20) }
+
+func absDiff(a, b int64) int64 {
+	if a > b {
+		return a - b
+	}
+	return b - a
 }

@@ -109,7 +109,7 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 			}
 			return err
 		}
-		mems := r.measureMems(wr, w.RAMPath)
+		mems := r.measureMems(wr)
 		r.firstCommands(wr)
 		idle := r.measureIdle(wr, idleWindow)
 		iso := r.checkIsolation(w, wr.Ready, mems, sampleIndices(len(wr.Ready)))
@@ -121,6 +121,7 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 		lat := wr.latencies()
 		pc := summarize(lat)
 		var cpuU, cpuS, anon []float64
+		var memList []forkMem
 		threads := map[string]int{} // forks per TCG thread mode ("" = QEMU default)
 		for _, vm := range wr.Ready {
 			threads[threadLabel(vm.Info())]++
@@ -129,6 +130,7 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 			cpuS = append(cpuS, ms(c[1]))
 			if m, ok := mems[vm.Name()]; ok {
 				anon = append(anon, m.AnonMB)
+				memList = append(memList, m)
 			}
 		}
 		ws := map[string]any{
@@ -136,7 +138,8 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 			"wall_s": round3(wr.Wall.Seconds()), "fork_p50_ms": round3(pc.P50), "fork_p95_ms": round3(pc.P95), "fork_max_ms": round3(pc.Max),
 			"private_mb_per_fork": round3(wr.PrivateMBPerFork()), "mem_available_before_mb": round3(wr.MemBeforeMB), "mem_available_after_mb": round3(wr.MemAfterMB),
 			"cpu_user_ms_p50": round3(median(cpuU)), "cpu_sys_ms_p50": round3(median(cpuS)), "anon_mb_p50": round3(median(anon)),
-			"isolation": iso,
+			"memory_mb_p50": memSummary(memList),
+			"isolation":     iso,
 		}
 		if r.res.Host.Accel == "tcg" {
 			ws["tcg_thread_forks"] = threads
@@ -158,8 +161,9 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 		perWave[label] = ws
 		r.logf("%s: %d/%d ready in %.2fs wall (p50 %.0f ms, p95 %.0f ms), %.1f MiB host memory per fork%s", label, wr.ReadyCount(), n,
 			wr.Wall.Seconds(), pc.P50, pc.P95, wr.PrivateMBPerFork(), map[bool]string{true: "; " + wr.admissionText(), false: ""}[wr.AdmissionCount > 0])
-		r.section("### %s\n\n%d requested, %d ready, %d failed, %d refused by admission; wall %.3f s (first start → last ready); fork p50 %.0f ms, p95 %.0f ms, max %.0f ms; host memory added per fork %.1f MiB; QEMU CPU until ready p50 user %.0f ms sys %.0f ms.\n\n",
-			label, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(cpuU), median(cpuS))
+		r.section("### %s\n\n%d requested, %d ready, %d failed, %d refused by admission; wall %.3f s (first start → last ready); fork p50 %.0f ms, p95 %.0f ms, max %.0f ms; host memory added per fork %.1f MiB; QEMU CPU until ready p50 user %.0f ms sys %.0f ms.%s\n\n",
+			label, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(cpuU), median(cpuS),
+			memText(memList, "at ready"))
 		if r.res.Host.Accel == "tcg" {
 			r.section("TCG thread mode of the ready forks (engine Config.TCGThread %s): %v.\n\n", r.e.TCGThread(), threads)
 		}
@@ -206,8 +210,8 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 	r.res.Extra["waves"] = perWave
 	r.res.Extra["percentiles_of"] = "fork latency (ms) of the largest wave"
 	r.res.Extra["private_mb_per_fork"] = round3(largest.PrivateMBPerFork())
-	r.res.Method = fmt.Sprintf("For each wave, ForkMany of N forks at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM and wrote a 1 MB disk file; wall is first fork start to last fork ready (agent answered with its token), per-fork latency is ForkEvent start to ready with the engine's phase timings, QEMU CPU (user/sys) is read at ready, host memory per fork is the MemAvailable drop from before the wave to all ready divided by ready forks; after the wave is ready each fork runs one `sh -c true` (first command), then the QEMU CPU (user+sys) all ready forks use while idle is read over %v (idle_cpu_*; 0 = not measured). %s Forks are deleted before the next wave.",
-		r.shape.DirtyMB, idleWindow, r.isoMethod())
+	r.res.Method = fmt.Sprintf("For each wave, ForkMany of N forks at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM and wrote a 1 MB disk file; wall is first fork start to last fork ready (agent answered with its token), per-fork latency is ForkEvent start to ready with the engine's phase timings, QEMU CPU (user/sys) is read at ready, host memory per fork is the MemAvailable drop from before the wave to all ready divided by ready forks; after the wave is ready each fork runs one `sh -c true` (first command), then the QEMU CPU (user+sys) all ready forks use while idle is read over %v (idle_cpu_*; 0 = not measured). Each fork's memory breakdown (memory_mb_p50) is read at ready, before the first command. %s %s Forks are deleted before the next wave.",
+		r.shape.DirtyMB, idleWindow, memMethod, r.isoMethod())
 	if largest.AdmissionCount > 0 {
 		r.caveat("the largest wave (%d) was cut by admission: %s; its wall covers the %d ready forks", largest.N, largest.admissionText(), largest.ReadyCount())
 	}

@@ -63,6 +63,11 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 			s.TBsReady, s.TBsFirstCmd = jit0.TBs, jit1.TBs-jit0.TBs
 		}
 	}
+	if m, err := measureMem(r.ctx, vm); err == nil {
+		s.Mem = &m
+	} else {
+		r.logf("memory of %s: %v", name, err)
+	}
 	t := vm.Info().Timings
 	s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(t.Prepare), ms(t.Spawn), ms(t.Restore), ms(t.Agent)
 	if err != nil {
@@ -83,6 +88,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 	r.worldExtra(w)
 	r.trace.Group(1, "serial forks")
 	var lat, prep, spawn, rest, agent, cmd, tbReady, tbCmd []float64
+	var mems []forkMem
 	var bars []Bar
 	for i := range n {
 		name := fmt.Sprintf("f%d", i+1)
@@ -99,6 +105,9 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 			prep, spawn, rest = append(prep, s.PrepareMS), append(spawn, s.SpawnMS), append(rest, s.RestoreMS)
 			agent, cmd = append(agent, s.AgentMS), append(cmd, s.FirstCmdMS)
 			bars = append(bars, Bar{Label: name, Value: s.LatencyMS})
+			if s.Mem != nil {
+				mems = append(mems, *s.Mem)
+			}
 			if s.TBsReady > 0 {
 				tbReady, tbCmd = append(tbReady, float64(s.TBsReady)), append(tbCmd, float64(s.TBsFirstCmd))
 			}
@@ -143,6 +152,9 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 		"agent": round3(median(agent)), "first_command": round3(median(cmd)),
 	}
 	r.res.Extra["isolation"] = rep
+	if m := memSummary(mems); m != nil {
+		r.res.Extra["memory_mb_p50"] = m
+	}
 	jitLine := ""
 	if len(tbReady) > 0 {
 		r.res.Extra["tcg_blocks_p50"] = map[string]any{"ready": median(tbReady), "first_command": median(tbCmd), "n": len(tbReady)}
@@ -151,10 +163,10 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 	if warm > 0 {
 		r.caveat("warm pool of %d (restored: %v): each fork claims a pre-spawned QEMU (-incoming defer, capabilities set; restored: already loaded, warmed up by one command and stopped, so the fork has run ~0.2 s of guest time after the checkpoint); the pool is refilled, untimed, before each sample", warm, r.warmRestored)
 	}
-	r.res.Method = fmt.Sprintf("Serial: for i in 1..%d, t0; engine.Fork of a pinned checkpoint of a world VM that dirtied %d MB of RAM; the first `sh -c true` through the agent; t1; delete the fork; sample = (ready - t0) + (t1 - command start); under TCG an x-query-jit between the two and one after t1 count the translation blocks QEMU generated until ready and during the command. Phase medians come from the engine's PhaseTimings. Two extra forks (iso-a, iso-b) run the isolation check, both with the full world-state check. %s",
-		n, r.shape.DirtyMB, r.isoMethod())
-	r.section("## Serial forks\n\nfork → first command p50 %.0f ms (p90 %.0f, p99 %.0f, min %.0f, max %.0f) over %d. Phase medians: prepare %.1f ms, spawn %.1f ms, restore %.1f ms, agent %.1f ms, first command %.1f ms.%s\n\n```\n%s```\n\nIsolation: %d forks cheap-checked, full world state on %v, failures %d.\n\n",
-		pc.P50, pc.P90, pc.P99, pc.Min, pc.Max, len(lat), median(prep), median(spawn), median(rest), median(agent), median(cmd), jitLine, asciiChart(bars, 40, "ms"),
+	r.res.Method = fmt.Sprintf("Serial: for i in 1..%d, t0; engine.Fork of a pinned checkpoint of a world VM that dirtied %d MB of RAM; the first `sh -c true` through the agent; t1; delete the fork; sample = (ready - t0) + (t1 - command start); under TCG an x-query-jit between the two and one after t1 count the translation blocks QEMU generated until ready and during the command. Phase medians come from the engine's PhaseTimings. Two extra forks (iso-a, iso-b) run the isolation check, both with the full world-state check. Each fork's memory is read after its first command. %s %s",
+		n, r.shape.DirtyMB, memMethod, r.isoMethod())
+	r.section("## Serial forks\n\nfork → first command p50 %.0f ms (p90 %.0f, p99 %.0f, min %.0f, max %.0f) over %d. Phase medians: prepare %.1f ms, spawn %.1f ms, restore %.1f ms, agent %.1f ms, first command %.1f ms.%s%s\n\n```\n%s```\n\nIsolation: %d forks cheap-checked, full world state on %v, failures %d.\n\n",
+		pc.P50, pc.P90, pc.P99, pc.Min, pc.Max, len(lat), median(prep), median(spawn), median(rest), median(agent), median(cmd), jitLine, memText(mems, "after its first command"), asciiChart(bars, 40, "ms"),
 		rep.CheapChecked, rep.FullChecked, len(rep.Failures))
 	if peer {
 		return r.runPeer(w, peerN, true, pc.P50)

@@ -145,7 +145,11 @@ func TestTraceShape(t *testing.T) {
 
 func TestCSVHeader(t *testing.T) {
 	var buf bytes.Buffer
-	err := writeCSV(&buf, []Sample{{Bench: "fork", Group: "serial", Index: 2, Name: "f3", OK: true, LatencyMS: 170.12345, TBsReady: 17000, TBsFirstCmd: 14000, Error: "a, \"b\""}})
+	mem := &forkMem{AnonMB: 30, PrivateMB: 30.5, RAMCowMB: 2.5, TCGCodeMB: 16.25, HeapMB: 9, LibrariesMB: 2.25, PageTablesMB: 0.5, SharedMB: 40}
+	err := writeCSV(&buf, []Sample{
+		{Bench: "fork", Group: "serial", Index: 2, Name: "f3", OK: true, LatencyMS: 170.12345, TBsReady: 17000, TBsFirstCmd: 14000, Error: "a, \"b\""},
+		{Bench: "fork", Group: "serial", Index: 3, Name: "f4", OK: true, Mem: mem},
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,13 +157,31 @@ func TestCSVHeader(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := "bench,wave,index,name,ok,latency_ms,prepare_ms,spawn_ms,restore_ms,agent_ms,first_cmd_ms,cpu_user_ms,cpu_sys_ms,anon_mb,tbs_ready,tbs_first_cmd,error"
+	want := "bench,wave,index,name,ok,latency_ms,prepare_ms,spawn_ms,restore_ms,agent_ms,first_cmd_ms,cpu_user_ms,cpu_sys_ms,anon_mb,tbs_ready,tbs_first_cmd," +
+		"private_mb,guest_written_mb,tcg_code_mb,heap_mb,libraries_mb,page_tables_mb,shared_mb,error"
 	if got := strings.Join(rows[0], ","); got != want {
 		t.Errorf("header = %s\nwant     %s", got, want)
 	}
-	if len(rows) != 2 || rows[1][0] != "fork" || rows[1][5] != "170.123" || rows[1][16] != "a, \"b\"" || rows[1][4] != "true" ||
-		rows[1][14] != "17000" || rows[1][15] != "14000" {
-		t.Errorf("row = %v", rows[1])
+	if len(rows) != 3 || rows[1][0] != "fork" || rows[1][5] != "170.123" || rows[1][23] != "a, \"b\"" || rows[1][4] != "true" ||
+		rows[1][14] != "17000" || rows[1][15] != "14000" || rows[1][16] != "" || rows[1][13] != "0" {
+		t.Errorf("row 1 = %v", rows[1])
+	}
+	if got := strings.Join(rows[2][13:23], ","); got != "30,0,0,30.5,2.5,16.25,9,2.25,0.5,40" {
+		t.Errorf("row 2 memory cells = %s", got)
+	}
+}
+
+func TestMemSummary(t *testing.T) {
+	if memSummary(nil) != nil || memText(nil, "x") != "" {
+		t.Error("empty input must give nothing")
+	}
+	ms := []forkMem{{PrivateMB: 10, RAMCowMB: 1, TCGCodeMB: 5}, {PrivateMB: 30, RAMCowMB: 3, TCGCodeMB: 7}, {PrivateMB: 20, RAMCowMB: 2, TCGCodeMB: 6}}
+	s := memSummary(ms)
+	if s["n"] != 3 || s["private"] != 20.0 || s["guest_written"] != 2.0 || s["tcg_code"] != 6.0 || s["heap"] != 0.0 {
+		t.Errorf("summary = %v", s)
+	}
+	if txt := memText(ms, "at ready"); !strings.Contains(txt, "at ready (medians of 3, MiB): private 20.0 = guest pages written 2.0 + TCG code 6.0") {
+		t.Errorf("text = %q", txt)
 	}
 }
 

@@ -89,7 +89,8 @@ type Sample struct {
 	FirstCmdMS float64
 	CPUUserMS  float64
 	CPUSysMS   float64
-	AnonMB     float64
+	// Mem is the fork's memory breakdown (nil: not measured).
+	Mem *forkMem
 	// TBsReady and TBsFirstCmd are the TCG translation blocks a fork's QEMU generated
 	// until ready and during its first command (0 when not measured: kvm/hvf).
 	TBsReady    int64
@@ -97,9 +98,29 @@ type Sample struct {
 	Error       string
 }
 
+// anonMB is the fork's anonymous memory (0: not measured).
+func (s *Sample) anonMB() float64 {
+	if s.Mem == nil {
+		return 0
+	}
+	return s.Mem.AnonMB
+}
+
+// memValues are the samples.csv cells of memColumns ("" when not measured).
+func (s *Sample) memValues() []string {
+	out := make([]string, len(memColumns))
+	if s.Mem != nil {
+		for i, v := range s.Mem.values() {
+			out[i] = fnum(v)
+		}
+	}
+	return out
+}
+
 // csvHeader is the first row of samples.csv.
-var csvHeader = []string{"bench", "wave", "index", "name", "ok", "latency_ms", "prepare_ms", "spawn_ms",
-	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "tbs_ready", "tbs_first_cmd", "error"}
+var csvHeader = append(append([]string{"bench", "wave", "index", "name", "ok", "latency_ms", "prepare_ms", "spawn_ms",
+	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "tbs_ready", "tbs_first_cmd"},
+	memColumns...), "error")
 
 func fnum(x float64) string { return strconv.FormatFloat(round3(x), 'f', -1, 64) }
 
@@ -112,8 +133,9 @@ func writeCSV(w io.Writer, samples []Sample) error {
 	for _, s := range samples {
 		row := []string{s.Bench, s.Group, strconv.Itoa(s.Index), s.Name, strconv.FormatBool(s.OK),
 			fnum(s.LatencyMS), fnum(s.PrepareMS), fnum(s.SpawnMS), fnum(s.RestoreMS), fnum(s.AgentMS),
-			fnum(s.FirstCmdMS), fnum(s.CPUUserMS), fnum(s.CPUSysMS), fnum(s.AnonMB),
-			strconv.FormatInt(s.TBsReady, 10), strconv.FormatInt(s.TBsFirstCmd, 10), s.Error}
+			fnum(s.FirstCmdMS), fnum(s.CPUUserMS), fnum(s.CPUSysMS), fnum(s.anonMB()),
+			strconv.FormatInt(s.TBsReady, 10), strconv.FormatInt(s.TBsFirstCmd, 10)}
+		row = append(append(row, s.memValues()...), s.Error)
 		if err := cw.Write(row); err != nil {
 			return err
 		}

@@ -224,10 +224,10 @@ func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
 		cpu := w.CPU[ev.Name]
 		s.CPUUserMS, s.CPUSysMS = ms(cpu[0]), ms(cpu[1])
 		if m, ok := mems[ev.Name]; ok {
-			s.AnonMB = m.AnonMB
+			s.Mem = &m
 		}
 		r.addSample(s)
-		args := map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "latency_ms": round3(s.LatencyMS), "anon_mb": round3(s.AnonMB)}
+		args := map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "latency_ms": round3(s.LatencyMS), "anon_mb": round3(s.anonMB())}
 		if ev.VM != nil {
 			args["qemu_pid"] = ev.VM.PID()
 		}
@@ -247,12 +247,14 @@ func (w *WaveResult) latencies() []float64 {
 	return xs
 }
 
-// measureMems reads the memory of every ready fork.
-func (r *runner) measureMems(w *WaveResult, ramPath string) map[string]forkMem {
+// measureMems reads the memory breakdown of every ready fork.
+func (r *runner) measureMems(w *WaveResult) map[string]forkMem {
 	out := map[string]forkMem{}
 	for _, vm := range w.Ready {
-		if m, err := measureMem(vm.PID(), ramPath); err == nil {
+		if m, err := measureMem(r.ctx, vm); err == nil {
 			out[vm.Name()] = m
+		} else {
+			r.logf("memory of %s: %v", vm.Name(), err)
 		}
 	}
 	return out

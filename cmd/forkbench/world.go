@@ -140,28 +140,76 @@ func (r *runner) worldExtra(w *World) {
 	}
 }
 
-// forkMem is a fork's memory: whole-process anonymous memory and the copied-on-write
-// part of its guest RAM mapping.
+// forkMem is a fork's memory breakdown (engine VM.Memory), in MiB.
 type forkMem struct {
-	AnonMB    float64 // memfile.ProcessMemory Anonymous
-	PssAnonMB float64
-	RAMCowMB  float64 // Anonymous of the checkpoint RAM file mapping (-1 unknown)
+	AnonMB       float64 // all its anonymous memory: RAMCowMB + TCGCodeMB + HeapMB + LibrariesMB
+	PrivateMB    float64 // AnonMB + PageTablesMB: what the fork adds to the host
+	RAMCowMB     float64 // guest RAM pages it wrote (copied on write from the checkpoint file)
+	TCGCodeMB    float64
+	HeapMB       float64
+	LibrariesMB  float64
+	PageTablesMB float64
+	SharedMB     float64 // resident but shared: checkpoint pages read, QEMU code and libraries
+	GuestFileMB  float64 // checkpoint pages mapped and not copied (0 only if the RAM mapping was not found)
 }
 
-func measureMem(pid int, ramPath string) (forkMem, error) {
-	m := forkMem{RAMCowMB: -1}
-	pm, err := memfile.ProcessMemory(pid)
+func measureMem(ctx context.Context, vm *engine.VM) (forkMem, error) {
+	u, err := vm.Memory(ctx)
 	if err != nil {
-		return m, err
+		return forkMem{}, err
 	}
-	m.AnonMB = float64(pm.Anonymous) / (1 << 20)
-	m.PssAnonMB = float64(pm.PssAnon) / (1 << 20)
-	if ramPath != "" {
-		if v, err := mappingAnon(pid, ramPath); err == nil {
-			m.RAMCowMB = float64(v) / (1 << 20)
+	mb := func(b int64) float64 { return float64(b) / (1 << 20) }
+	return forkMem{
+		AnonMB: mb(u.Private - u.PageTables), PrivateMB: mb(u.Private), RAMCowMB: mb(u.GuestWritten),
+		TCGCodeMB: mb(u.TCGCode), HeapMB: mb(u.Heap), LibrariesMB: mb(u.Libraries),
+		PageTablesMB: mb(u.PageTables), SharedMB: mb(u.Shared), GuestFileMB: mb(u.GuestFile),
+	}, nil
+}
+
+// memColumns are the forkMem fields in samples.csv and in "memory_mb_p50".
+var memColumns = []string{"private_mb", "guest_written_mb", "tcg_code_mb", "heap_mb", "libraries_mb", "page_tables_mb", "shared_mb"}
+
+func (m forkMem) values() []float64 {
+	return []float64{m.PrivateMB, m.RAMCowMB, m.TCGCodeMB, m.HeapMB, m.LibrariesMB, m.PageTablesMB, m.SharedMB}
+}
+
+// memText describes the medians of ms in a sentence ("" when ms is empty); when says
+// when they were measured.
+func memText(ms []forkMem, when string) string {
+	if len(ms) == 0 {
+		return ""
+	}
+	med := func(f func(forkMem) float64) float64 {
+		var xs []float64
+		for _, m := range ms {
+			xs = append(xs, f(m))
 		}
+		return median(xs)
 	}
-	return m, nil
+	return fmt.Sprintf(" Memory per fork %s (medians of %d, MiB): private %.1f = guest pages written %.1f + TCG code %.1f + QEMU heap %.1f + libraries copied on write %.1f + page tables %.1f; shared %.1f.",
+		when, len(ms), med(func(m forkMem) float64 { return m.PrivateMB }), med(func(m forkMem) float64 { return m.RAMCowMB }),
+		med(func(m forkMem) float64 { return m.TCGCodeMB }), med(func(m forkMem) float64 { return m.HeapMB }),
+		med(func(m forkMem) float64 { return m.LibrariesMB }), med(func(m forkMem) float64 { return m.PageTablesMB }),
+		med(func(m forkMem) float64 { return m.SharedMB }))
+}
+
+// memMethod describes the memory breakdown for result.json.
+const memMethod = "Memory breakdown (engine VM.Memory, from the QEMU process's /proc/PID/smaps and VmPTE): guest pages written = Anonymous of its mapping of the checkpoint RAM file (copies on write); TCG code = anonymous executable mappings (the translation buffer); QEMU heap = other anonymous memory; libraries = Anonymous of QEMU's executable and library mappings (relocations); private = their sum + page tables; shared = Rss - private anonymous (checkpoint pages read, QEMU code)."
+
+// memSummary is the per-column medians of ms (nil when ms is empty).
+func memSummary(ms []forkMem) map[string]any {
+	if len(ms) == 0 {
+		return nil
+	}
+	out := map[string]any{"n": len(ms)}
+	for i, c := range memColumns {
+		var xs []float64
+		for _, m := range ms {
+			xs = append(xs, m.values()[i])
+		}
+		out[strings.TrimSuffix(c, "_mb")] = round3(median(xs))
+	}
+	return out
 }
 
 // IsoReport summarises isolation checks over a set of forks.
@@ -244,7 +292,7 @@ func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]fork
 		m, ok := mems[vm.Name()]
 		if !ok {
 			var err error
-			if m, err = measureMem(vm.PID(), w.RAMPath); err != nil {
+			if m, err = measureMem(ctx, vm); err != nil {
 				failf("%s: memory: %v", vm.Name(), err)
 				return
 			}
@@ -253,8 +301,8 @@ func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]fork
 		rep.MaxAnonMB = max(rep.MaxAnonMB, m.AnonMB)
 		rep.MaxRAMCowMB = max(rep.MaxRAMCowMB, m.RAMCowMB)
 		mu.Unlock()
-		if m.RAMCowMB < 0 {
-			failf("%s: cannot measure its RAM mapping", vm.Name())
+		if m.RAMCowMB+m.GuestFileMB == 0 {
+			failf("%s: no resident guest RAM in a mapping of %s", vm.Name(), w.RAMPath)
 			return
 		}
 		if m.RAMCowMB >= rep.AnonBoundMB && r.shape.DirtyMB > 0 {

@@ -53,7 +53,7 @@ func newApp() *cli.Command {
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 		},
 		Commands: []*cli.Command{
-			createCmd(), execCmd(), lsCmd(), rmCmd(),
+			createCmd(), execCmd(), lsCmd(), memCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
 			imageCmd(),
 		},
@@ -179,6 +179,58 @@ func lsCmd() *cli.Command {
 				}
 				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%v\n", v.Name, v.State, v.PID, v.CPUs, v.MemoryMiB,
 					v.DiskMiB, v.Forkable, parent, v.Timings.Total.Round(time.Millisecond))
+			}
+			return tw.Flush()
+		},
+	}
+}
+
+func memCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "mem",
+		Usage:     "where running VMs' host memory goes: private (guest pages written, TCG code, QEMU heap, libraries, page tables) and shared",
+		ArgsUsage: "[NAME...]",
+		Flags:     []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output (bytes)"}},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			names := cmd.Args().Slice()
+			if len(names) == 0 {
+				for _, v := range e.List() {
+					if v.State == engine.StateRunning {
+						names = append(names, v.Name)
+					}
+				}
+			}
+			type row struct {
+				Name string `json:"name"`
+				*engine.MemoryUsage
+			}
+			var rows []row
+			for _, n := range names {
+				vm, err := e.Get(n)
+				if err != nil {
+					return err
+				}
+				u, err := vm.Memory(ctx)
+				if err != nil {
+					return err
+				}
+				rows = append(rows, row{n, u})
+			}
+			if cmd.Bool("json") {
+				return printJSON(rows)
+			}
+			mib := func(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
+			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "NAME\tPRIVATE MiB\tGUEST WRITTEN\tTCG CODE\tHEAP\tLIBRARIES\tPAGE TABLES\tSHARED MiB\tGUEST FILE")
+			for _, r := range rows {
+				u := r.MemoryUsage
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.TCGCode),
+					mib(u.Heap), mib(u.Libraries), mib(u.PageTables), mib(u.Shared), mib(u.GuestFile))
 			}
 			return tw.Flush()
 		},
