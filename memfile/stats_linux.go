@@ -110,21 +110,31 @@ func ProcessMappings(pid int) ([]Mapping, error) {
 // /proc/PID/status), which the kernel allocates for the process and which
 // counts in no mapping.
 func ProcessPageTables(pid int) (int64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	v, err := procKB(fmt.Sprintf("/proc/%d/status", pid), "VmPTE")
 	if err != nil {
 		return 0, fmt.Errorf("memfile: page tables: %w", err)
 	}
+	return v, nil
+}
+
+// procKB reads the "key: N kB" line of a /proc file, in bytes. A file without
+// the key, or with a malformed kB line, is an error wrapping ErrBadFormat.
+func procKB(path, key string) (int64, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, err
+	}
 	v := int64(-1)
-	err = eachKB(b, func(key string, n int64) {
-		if key == "VmPTE" {
+	err = eachKB(b, func(k string, n int64) {
+		if k == key {
 			v = n
 		}
 	})
 	if err != nil {
-		return 0, fmt.Errorf("%w: status: %v", ErrBadFormat, err)
+		return 0, fmt.Errorf("%w: %s: %v", ErrBadFormat, path, err)
 	}
 	if v < 0 {
-		return 0, fmt.Errorf("%w: no VmPTE in /proc/%d/status", ErrBadFormat, pid)
+		return 0, fmt.Errorf("%w: no %s in %s", ErrBadFormat, key, path)
 	}
 	return v, nil
 }
@@ -179,21 +189,9 @@ func ProcessCPU(pid int) (user, sys time.Duration, err error) {
 
 // MemAvailable returns MemAvailable from /proc/meminfo in bytes.
 func MemAvailable() (int64, error) {
-	b, err := os.ReadFile("/proc/meminfo")
+	v, err := procKB("/proc/meminfo", "MemAvailable")
 	if err != nil {
 		return 0, fmt.Errorf("memfile: meminfo: %w", err)
-	}
-	v := int64(-1)
-	err = eachKB(b, func(key string, n int64) {
-		if key == "MemAvailable" {
-			v = n
-		}
-	})
-	if err != nil {
-		return 0, fmt.Errorf("memfile: meminfo: %w", err)
-	}
-	if v < 0 {
-		return 0, errors.New("memfile: meminfo: no MemAvailable")
 	}
 	return v, nil
 }
