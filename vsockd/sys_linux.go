@@ -6,6 +6,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -44,14 +46,27 @@ func applyHello(s *Server, h *helloWire) {
 	}
 }
 
+// urandom is /dev/urandom, opened once and kept: a fork answers its first Hello with the
+// file its checkpointed agent already holds, instead of running the kernel's open path
+// and Go's file setup, each of which a fresh TCG translation cache pays for.
+var urandom struct {
+	mu sync.Mutex
+	f  *os.File
+}
+
 // addEntropy credits b to the kernel pool (RNDADDENTROPY, needs
 // CAP_SYS_ADMIN) and forces a CRNG reseed.
 func addEntropy(b []byte) error {
-	f, err := os.OpenFile("/dev/urandom", os.O_WRONLY, 0)
-	if err != nil {
-		return err
+	urandom.mu.Lock()
+	defer urandom.mu.Unlock()
+	if urandom.f == nil {
+		f, err := os.OpenFile("/dev/urandom", os.O_WRONLY, 0)
+		if err != nil {
+			return err
+		}
+		urandom.f = f
 	}
-	defer f.Close()
+	f := urandom.f
 	// struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
 	buf := make([]byte, 8+(len(b)+3)/4*4)
 	*(*int32)(unsafe.Pointer(&buf[0])) = int32(len(b) * 8)
@@ -69,12 +84,22 @@ func addEntropy(b []byte) error {
 	return nil
 }
 
+// bootIDCache holds the kernel's boot_id once read: it is fixed for the kernel's
+// lifetime, so forks of a checkpoint report their world's (as they did when it was read
+// each time) without opening a file on their way to ready.
+var bootIDCache atomic.Pointer[string]
+
 func bootID() string {
+	if p := bootIDCache.Load(); p != nil {
+		return *p
+	}
 	b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
 	if err != nil {
 		return ""
 	}
-	return strings.TrimSpace(string(b))
+	id := strings.TrimSpace(string(b))
+	bootIDCache.Store(&id)
+	return id
 }
 
 func uptime() time.Duration {
