@@ -176,21 +176,13 @@ func (m forkMem) values() []float64 {
 // memText describes the medians of ms in a sentence ("" when ms is empty); when says
 // when they were measured.
 func memText(ms []forkMem, when string) string {
-	if len(ms) == 0 {
+	sum := memSummary(ms)
+	if sum == nil {
 		return ""
 	}
-	med := func(f func(forkMem) float64) float64 {
-		var xs []float64
-		for _, m := range ms {
-			xs = append(xs, f(m))
-		}
-		return median(xs)
-	}
+	v := func(k string) float64 { return sum[k].(float64) }
 	return fmt.Sprintf(" Memory per fork %s (medians of %d, MiB): private %.1f = guest pages written %.1f + TCG code %.1f + QEMU heap %.1f + libraries copied on write %.1f + page tables %.1f; shared %.1f.",
-		when, len(ms), med(func(m forkMem) float64 { return m.PrivateMB }), med(func(m forkMem) float64 { return m.RAMCowMB }),
-		med(func(m forkMem) float64 { return m.TCGCodeMB }), med(func(m forkMem) float64 { return m.HeapMB }),
-		med(func(m forkMem) float64 { return m.LibrariesMB }), med(func(m forkMem) float64 { return m.PageTablesMB }),
-		med(func(m forkMem) float64 { return m.SharedMB }))
+		when, len(ms), v("private"), v("guest_written"), v("tcg_code"), v("heap"), v("libraries"), v("page_tables"), v("shared"))
 }
 
 // memMethod describes the memory breakdown for result.json.
