@@ -29,7 +29,7 @@ setup: setup-host build image
 setup-host:
 	@command -v $(GO) >/dev/null || { echo "setup: Go is missing (install Go >= 1.26 at /usr/local/go)"; exit 1; }
 	@need=""; \
-	v=$$(qemu-system-x86_64 --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1); \
+	v=$$({ qemu-system-x86_64 --version 2>/dev/null || true; } | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1); \
 	if [ -z "$$v" ] || [ "$$v" -lt $(QEMU_MIN_MAJOR) ] || ! command -v qemu-img >/dev/null; then need="qemu"; fi; \
 	for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || need="$$need $$p"; done; \
 	if [ -z "$$need" ]; then echo "setup: QEMU $$v and guest tools present"; exit 0; fi; \
