@@ -74,37 +74,35 @@ func ParseSmaps(b []byte) ([]Mapping, error) {
 			out = append(out, m)
 			continue
 		}
-		f := strings.Fields(rest)
-		if len(f) != 2 || f[1] != "kB" {
+		key, v, ok, err := kbLine(line)
+		if !ok {
 			continue // VmFlags, THPeligible, ProtectionKey, ...
 		}
 		if len(out) == 0 {
 			return nil, fmt.Errorf("%w: smaps line %d: %q before any mapping", ErrBadFormat, n, first)
 		}
-		v, err := strconv.ParseInt(f[0], 10, 64)
-		if err != nil || v < 0 || v > 1<<43 {
-			return nil, fmt.Errorf("%w: smaps line %d: bad size %q", ErrBadFormat, n, f[0])
+		if err != nil {
+			return nil, fmt.Errorf("%w: smaps line %d: %v", ErrBadFormat, n, err)
 		}
 		m := &out[len(out)-1]
-		v <<= 10
-		switch first {
-		case "Rss:":
+		switch key {
+		case "Rss":
 			m.Rss = v
-		case "Pss:":
+		case "Pss":
 			m.Pss = v
-		case "Shared_Clean:":
+		case "Shared_Clean":
 			m.SharedClean = v
-		case "Shared_Dirty:":
+		case "Shared_Dirty":
 			m.SharedDirty = v
-		case "Private_Clean:":
+		case "Private_Clean":
 			m.PrivateClean = v
-		case "Private_Dirty:":
+		case "Private_Dirty":
 			m.PrivateDirty = v
-		case "Anonymous:":
+		case "Anonymous":
 			m.Anonymous = v
-		case "AnonHugePages:":
+		case "AnonHugePages":
 			m.AnonHugePages = v
-		case "Swap:":
+		case "Swap":
 			m.Swap = v
 		}
 	}
@@ -112,6 +110,26 @@ func ParseSmaps(b []byte) ([]Mapping, error) {
 		return nil, fmt.Errorf("%w: smaps: %v", ErrBadFormat, err)
 	}
 	return out, nil
+}
+
+// kbLine parses a "Key: N kB" line of /proc text (smaps, smaps_rollup,
+// status, meminfo) into the key and N in bytes. ok is false for lines of
+// other shapes; err is set, with ok true, for a size that is negative or
+// too large to be one.
+func kbLine(line string) (key string, n int64, ok bool, err error) {
+	key, rest, found := strings.Cut(line, ":")
+	if !found {
+		return "", 0, false, nil
+	}
+	f := strings.Fields(rest)
+	if len(f) != 2 || f[1] != "kB" {
+		return "", 0, false, nil
+	}
+	v, perr := strconv.ParseInt(f[0], 10, 64)
+	if perr != nil || v < 0 || v > 1<<43 {
+		return key, 0, true, fmt.Errorf("%s: bad size %q", key, f[0])
+	}
+	return key, v << 10, true, nil
 }
 
 // parseSmapsHeader parses "start-end" and the rest of a mapping's header line.

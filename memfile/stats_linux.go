@@ -144,19 +144,13 @@ func procKB(path, key string) (int64, error) {
 func eachKB(b []byte, fn func(key string, bytes int64)) error {
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
-		key, rest, ok := strings.Cut(sc.Text(), ":")
-		if !ok {
-			continue
-		}
-		f := strings.Fields(rest)
-		if len(f) != 2 || f[1] != "kB" {
-			continue
-		}
-		v, err := strconv.ParseInt(f[0], 10, 64)
+		key, v, ok, err := kbLine(sc.Text())
 		if err != nil {
-			return fmt.Errorf("%s: %w", key, err)
+			return err
 		}
-		fn(key, v*1024)
+		if ok {
+			fn(key, v)
+		}
 	}
 	return sc.Err()
 }
