@@ -63,20 +63,21 @@ func (vm *VM) Memory(ctx context.Context) (*MemoryUsage, error) {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}
 	ms, err := memfile.ProcessMappings(pid)
+	var pte int64
 	if err == nil {
-		var pte int64
-		if pte, err = memfile.ProcessPageTables(pid); err == nil {
-			u := ClassifyMemory(ms, ram, memBytes)
-			u.PID = pid
-			u.PageTables = pte
-			u.Private += pte
-			return u, nil
+		pte, err = memfile.ProcessPageTables(pid)
+	}
+	if err != nil {
+		if !vm.alive() { // exited while being read
+			return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 		}
+		return nil, fmt.Errorf("engine: memory of %s: %w", vm.Name(), err)
 	}
-	if !vm.alive() { // exited while being read
-		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
-	}
-	return nil, fmt.Errorf("engine: memory of %s: %w", vm.Name(), err)
+	u := ClassifyMemory(ms, ram, memBytes)
+	u.PID = pid
+	u.PageTables = pte
+	u.Private += pte
+	return u, nil
 }
 
 // tcgJITFile names the memfd that holds the TCG translation buffer when QEMU runs with

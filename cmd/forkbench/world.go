@@ -193,13 +193,15 @@ func memSummary(ms []forkMem) map[string]any {
 	if len(ms) == 0 {
 		return nil
 	}
+	cols := make([][]float64, len(memColumns))
+	for _, m := range ms {
+		for i, v := range m.values() {
+			cols[i] = append(cols[i], v)
+		}
+	}
 	out := map[string]any{"n": len(ms)}
 	for i, c := range memColumns {
-		var xs []float64
-		for _, m := range ms {
-			xs = append(xs, m.values()[i])
-		}
-		out[strings.TrimSuffix(c, "_mb")] = round3(median(xs))
+		out[strings.TrimSuffix(c, "_mb")] = round3(median(cols[i]))
 	}
 	return out
 }
