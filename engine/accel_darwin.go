@@ -4,4 +4,4 @@ package engine
 
 // detectAccel returns "hvf": Hypervisor.framework is available on every Mac that runs
 // a supported macOS.
-func detectAccel() string { return "hvf" }
+func detectAccel() Accel { return "hvf" }

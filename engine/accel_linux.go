@@ -36,11 +36,11 @@ type kvmCPUID2 struct {
 // QEMU aborts setting MSRs, and the supported CPUID lacks even SSE3). We require the
 // stable API version, a VM to be creatable and the supported CPUID to include SSE3,
 // which every x86-64 CPU since 2004 has.
-func detectAccel() string {
+func detectAccel() Accel {
 	if kvmUsable() {
-		return "kvm"
+		return AccelKVM
 	}
-	return "tcg"
+	return AccelTCG
 }
 
 func kvmUsable() bool {

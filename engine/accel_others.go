@@ -3,4 +3,4 @@
 package engine
 
 // detectAccel returns "tcg": no hardware accelerator is supported on this OS.
-func detectAccel() string { return "tcg" }
+func detectAccel() Accel { return AccelTCG }

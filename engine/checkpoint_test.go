@@ -167,25 +167,23 @@ func TestDeleteCheckpoint(t *testing.T) {
 	ck := writeCheckpoint(t, cfg, "base", nil)
 	dir := filepath.Join(cfg.StateDir, "checkpoints", "base")
 
-	if err := e.DeleteCheckpoint(ctx, "nothere", false); !errors.Is(err, ErrNotFound) {
+	if err := e.DeleteCheckpoint(ctx, "nothere", nil); !errors.Is(err, ErrNotFound) {
 		t.Errorf("delete missing: %v, want ErrNotFound", err)
 	}
-	if err := e.DeleteCheckpoint(ctx, "a/b", false); !errors.Is(err, ErrInvalidName) {
+	if err := e.DeleteCheckpoint(ctx, "a/b", nil); !errors.Is(err, ErrInvalidName) {
 		t.Errorf("delete bad name: %v, want ErrInvalidName", err)
 	}
 
 	// A live fork (an engine-known VM with this parent, QEMU long gone) blocks deletion.
 	fork := vmManifest(cfg, "f1", StateRunning, 0)
 	fork.Parent = "base"
-	writeVMManifest(t, e.vmsDir(), "f1", fork)
-	e.mu.Lock()
-	e.vms["f1"] = &VM{e: e, m: *fork}
-	e.mu.Unlock()
+	writeVMManifest(t, e.paths.vmsDir(), "f1", fork)
+	e.vms.add(&VM{dir: e.paths.vmDir("f1"), log: e.log, m: *fork})
 	infos, err := e.Checkpoints()
 	if err != nil || len(infos) != 1 || infos[0].Name != "base" || len(infos[0].Forks) != 1 || infos[0].Forks[0] != "f1" {
 		t.Errorf("Checkpoints = %+v, %v", infos, err)
 	}
-	err = e.DeleteCheckpoint(ctx, "base", false)
+	err = e.DeleteCheckpoint(ctx, "base", nil)
 	if !errors.Is(err, ErrInUse) || !strings.Contains(err.Error(), "f1") {
 		t.Errorf("delete with a fork: %v, want ErrInUse naming f1", err)
 	}
@@ -194,10 +192,10 @@ func TestDeleteCheckpoint(t *testing.T) {
 	}
 
 	// Force deletes the fork first.
-	if err := e.DeleteCheckpoint(ctx, "base", true); err != nil {
+	if err := e.DeleteCheckpoint(ctx, "base", &DeleteCheckpointOptions{Force: true}); err != nil {
 		t.Fatalf("forced delete: %v", err)
 	}
-	for _, p := range []string{dir, ck.RAMPath, filepath.Join(e.vmsDir(), "f1")} {
+	for _, p := range []string{dir, ck.RAMPath, filepath.Join(e.paths.vmsDir(), "f1")} {
 		if exists(p) {
 			t.Errorf("%s survived DeleteCheckpoint", p)
 		}
@@ -208,7 +206,7 @@ func TestDeleteCheckpoint(t *testing.T) {
 	if _, err := e.LoadCheckpoint("base"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("LoadCheckpoint after delete: %v, want ErrNotFound", err)
 	}
-	if err := e.DeleteCheckpoint(ctx, "base", false); !errors.Is(err, ErrNotFound) {
+	if err := e.DeleteCheckpoint(ctx, "base", nil); !errors.Is(err, ErrNotFound) {
 		t.Errorf("second delete: %v, want ErrNotFound", err)
 	}
 }
@@ -219,7 +217,7 @@ func TestDeleteCheckpointKeepsForeignRAM(t *testing.T) {
 	e := newTestEngine(t, cfg)
 	foreign := filepath.Join(t.TempDir(), "foreign.ram")
 	writeCheckpoint(t, cfg, "base", func(c *CheckpointManifest) { c.RAMPath = foreign })
-	if err := e.DeleteCheckpoint(context.Background(), "base", false); err != nil {
+	if err := e.DeleteCheckpoint(context.Background(), "base", nil); err != nil {
 		t.Fatal(err)
 	}
 	if !exists(foreign) {
@@ -246,7 +244,7 @@ func TestSetPinnedAndCollect(t *testing.T) {
 		t.Fatalf("never-forked checkpoint collected on unpin: %v", err)
 	}
 	// Once forked (and with no forks left), unpinning deletes it.
-	e.markForked("base")
+	e.cks.markForked("base")
 	e.SetPinned(ctx, "base", true)
 	if err := e.SetPinned(ctx, "base", false); err != nil {
 		t.Fatal(err)
@@ -263,31 +261,31 @@ func TestCheckCompatible(t *testing.T) {
 	ctx := context.Background()
 	ck := writeCheckpoint(t, cfg, "base", nil)
 
-	if err := e.checkCompatible(ctx, &ck); err != nil {
+	if err := compatible(ctx, e.bins, e.cfg.accel, &ck); err != nil {
 		t.Errorf("same QEMU and accel: %v", err)
 	}
 	ck.QEMUVersion = "10.1.0"
-	err := e.checkCompatible(ctx, &ck)
+	err := compatible(ctx, e.bins, e.cfg.accel, &ck)
 	if !errors.Is(err, ErrIncompatible) || !strings.Contains(err.Error(), "10.1.0") || !strings.Contains(err.Error(), "10.0.2") {
 		t.Errorf("other QEMU: %v, want ErrIncompatible naming both versions", err)
 	}
 	ck.QEMUVersion = "10.0.2"
 	ck.Accel = "kvm"
-	err = e.checkCompatible(ctx, &ck)
+	err = compatible(ctx, e.bins, e.cfg.accel, &ck)
 	if !errors.Is(err, ErrIncompatible) || !strings.Contains(err.Error(), "kvm") || !strings.Contains(err.Error(), "tcg") {
 		t.Errorf("other accel: %v, want ErrIncompatible naming both", err)
 	}
 
 	// Fork of an incompatible checkpoint is refused before anything is made.
 	writeCheckpoint(t, cfg, "old", func(c *CheckpointManifest) { c.QEMUVersion = "9.9.9" })
-	_, err = e.Fork(ctx, "old", ForkOptions{Name: "f1"})
+	_, err = e.Fork(ctx, "old", &ForkOptions{Name: "f1"})
 	if !errors.Is(err, ErrIncompatible) {
 		t.Errorf("Fork of an incompatible checkpoint: %v", err)
 	}
-	if exists(filepath.Join(e.vmsDir(), "f1")) {
+	if exists(filepath.Join(e.paths.vmsDir(), "f1")) {
 		t.Errorf("refused fork left a vm dir")
 	}
-	if _, err := e.Fork(ctx, "nothing", ForkOptions{Name: "f1"}); !errors.Is(err, ErrNotFound) {
+	if _, err := e.Fork(ctx, "nothing", &ForkOptions{Name: "f1"}); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Fork of nothing: %v, want ErrNotFound", err)
 	}
 }
@@ -310,7 +308,7 @@ func TestForkManyValidation(t *testing.T) {
 		{"no source", 2, ManyOptions{Prefix: "f"}, ErrNotFound},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ch, err := e.ForkMany(ctx, "nosuch", tc.n, tc.opts)
+			ch, err := e.ForkMany(ctx, "nosuch", tc.n, &tc.opts)
 			if !errors.Is(err, tc.want) || ch != nil {
 				t.Errorf("ForkMany = %v, %v; want %v", ch, err, tc.want)
 			}

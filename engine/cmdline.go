@@ -10,23 +10,23 @@ import (
 	"github.com/forkvm/forkvm/vsockd"
 )
 
-// Launch is everything needed to build one QEMU command line. It is plain data so that
-// Cmdline is a pure function, table-tested without QEMU. All QEMU argv in forkvm is
+// launch is everything needed to build one QEMU command line. It is plain data so that
+// cmdline is a pure function, table-tested without QEMU. All QEMU argv in forkvm is
 // built here and nowhere else.
-type Launch struct {
+type launch struct {
 	// QEMU is the qemu-system binary.
 	QEMU string `json:"qemu"`
 	// Name is the VM's validated name.
 	Name string `json:"name"`
 	// Accel is "kvm", "hvf" or "tcg".
-	Accel string `json:"accel"`
+	Accel Accel `json:"accel"`
 	// TBSizeMiB bounds TCG's translation buffer (tcg only; 0 = QEMU default).
 	TBSizeMiB int `json:"tb_size_mib"`
 	// TCGThread is TCG's vCPU threading (tcg only): "single" runs all vCPUs round-robin
 	// on one host thread, "multi" one thread per vCPU; empty means QEMU's default
 	// (multi for an x86 guest on an x86 host). It is not part of the device state, so
-	// forks of one checkpoint may differ. See Config.TCGThread.
-	TCGThread string `json:"tcg_thread,omitempty"`
+	// forks of one checkpoint may differ. See tcgThreadFor.
+	TCGThread TCGThread `json:"tcg_thread,omitempty"`
 	// CPUModel is the -cpu model; empty means "host" under kvm/hvf and "max" under tcg.
 	CPUModel string `json:"cpu_model,omitempty"`
 	// Machine is the QEMU -machine value (defaultMachine or vmgenidMachine). It must
@@ -44,7 +44,7 @@ type Launch struct {
 	Initrd string `json:"initrd,omitempty"`
 	Append string `json:"append"`
 	// RAM selects how guest RAM is backed.
-	RAM RAMBacking `json:"ram"`
+	RAM ramBacking `json:"ram"`
 	// Disk is the data disk chain, base first; the last layer is the writable top.
 	// Empty means no disk.
 	Disk []DiskLayer `json:"disk,omitempty"`
@@ -58,8 +58,8 @@ type Launch struct {
 	VsockCID uint32 `json:"vsock_cid,omitempty"`
 }
 
-// RAMBacking says how guest RAM is mapped.
-type RAMBacking struct {
+// ramBacking says how guest RAM is mapped.
+type ramBacking struct {
 	// Path of the RAM file; empty means anonymous RAM (not forkable).
 	Path string `json:"path,omitempty"`
 	// Shared maps it share=on (a forkable world); otherwise share=off, readonly=on,
@@ -78,20 +78,18 @@ type DiskLayer struct {
 }
 
 // defaultMachine is the machine type of new VMs: q35 (microvm hangs in firmware at exactly
-// 2048 MiB under TCG) without the SATA controller and SMBus no guest here uses (measured:
-// 1.7 MB less anonymous memory per QEMU), and without the HPET: with one, an idle guest
-// keeps QEMU's main loop waking at 250 Hz (measured under TCG: an idle fork used 2.3% of a
-// host core with it, 1.1% without; see README). The guest keeps the PIT (its TSC calibration needs
-// a timer) and uses the TSC and LAPIC timer. Checkpoints record it; forks reuse it.
+// 2048 MiB under TCG) without the SATA controller and SMBus no guest here uses (less
+// anonymous memory per QEMU), and without the HPET: with one, an idle guest keeps QEMU's
+// main loop waking at 250 Hz. The guest keeps the PIT (its TSC calibration needs a
+// timer) and uses the TSC and LAPIC timer. Checkpoints record it; forks reuse it.
 //
 // acpi=off stops QEMU building ACPI tables; SeaBIOS then supplies its own minimal ones
 // (the guest still finds both CPUs, its PCI devices and the PM timer). QEMU's tables live
 // in a 2 MiB ROM block that QEMU backs with a transparent huge page, so every fork paid
 // 2 MiB for 128 KiB of tables, and a fork's guest interpreted their AML (the vmgenid
-// notification) on the way to ready. Measured under TCG: 2.5 MB less anonymous memory and
-// ~9 ms less agent phase per fork, 64-wave 10.0-10.2 s -> 8.3-9.2 s (see README). Without
-// QEMU's ACPI there is no vmgenid; the agent handshake reseeds the guest CRNG with host
-// entropy before a fork is ready, and Spec.VMGenID brings both back (vmgenidMachine).
+// notification) on the way to ready. Without QEMU's ACPI there is no vmgenid; the agent
+// handshake reseeds the guest CRNG with host entropy before a fork is ready, and
+// Spec.VMGenID brings both back (vmgenidMachine). docs/benchmarks.md has the figures.
 const defaultMachine = "q35,sata=off,smbus=off,hpet=off,acpi=off"
 
 // vmgenidMachine is defaultMachine with QEMU's ACPI tables, for VMs created with
@@ -119,39 +117,36 @@ const baseKernelArgs = "console=ttyS0 quiet panic=-1 rdinit=/init"
 // syscall and return; TCG's TSC follows the host clock, so the clocksource watchdog
 // and the lockup detectors only add timer work; and without guest THP a fork's guest
 // runs no huge-page code on exec (khugepaged, alignment) and never collapses pages
-// into fresh 2 MiB copies. Measured under TCG, 2 alternating runs of 15 forks each:
-// fork -> first command p50 210.8/219.0 -> 201.8/206.5 ms, the first command's
-// translation blocks 15,068/15,095 -> 14,333/14,602 (see README).
+// into fresh 2 MiB copies. Fewer guest instructions on the fork path means fewer
+// blocks for TCG to translate in every new fork.
 const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugepage=never"
 
-// tcgThreadFor is the TCG thread mode of a fork about to start (Config.TCGThread): a
-// forced mode as is; in auto mode "single" when the vCPUs of the forks on their way to
+// tcgThreadFor is the TCG thread mode of a fork about to start (Experimental.TCGThread):
+// a forced mode as is; in auto mode single when the vCPUs of the forks on their way to
 // ready, this one included, exceed the host's CPUs, else "" (QEMU's default, multi).
 // Under TCG a guest vCPU that waits for another (an IPI, a lock) spins in its own host
-// thread until the host schedules the other one; on an oversubscribed host that costs
-// CPU (measured in a 64-wave on 2 cores: QEMU user CPU until ready 150-160 ms per fork
-// with a thread per vCPU, 110-120 ms single), while one thread per fork switches vCPUs
-// at once (the guest's PAUSE yields). With idle host CPUs, one thread per vCPU lets a
-// fork use them.
-func tcgThreadFor(mode, accel string, inflightCPUs, hostCPUs int) string {
-	if accel != "tcg" {
+// thread until the host schedules the other one, which on an oversubscribed host burns
+// CPU, while one thread per fork switches vCPUs at once (the guest's PAUSE yields).
+// With idle host CPUs, one thread per vCPU lets a fork use them.
+func tcgThreadFor(mode TCGThread, accel Accel, inflightCPUs, hostCPUs int) TCGThread {
+	if accel != AccelTCG {
 		return ""
 	}
 	switch mode {
-	case "single", "multi":
+	case TCGThreadSingle, TCGThreadMulti:
 		return mode
 	}
 	if inflightCPUs > hostCPUs {
-		return "single"
+		return TCGThreadSingle
 	}
 	return ""
 }
 
 // guestAppend is the guest kernel command line of a new VM under accel; user args
 // (Config.KernelArgs) come last, so they override the defaults.
-func guestAppend(accel, user string) string {
+func guestAppend(accel Accel, user string) string {
 	parts := []string{baseKernelArgs}
-	if accel == "tcg" {
+	if accel == AccelTCG {
 		parts = append(parts, tcgKernelArgs)
 	}
 	if user = strings.TrimSpace(user); user != "" {
@@ -162,27 +157,20 @@ func guestAppend(accel, user string) string {
 
 // defaultAgentPorts is max_ports of the agent's virtio-serial bus in new VMs. Port 0 is
 // reserved for a console, so the agent needs 2. QEMU's default of 31 ports means 64
-// virtqueues, each with an eventfd that the main loop polls on every wake-up (measured: 79
-// open fds per fork, 21 with 2 ports; idle CPU 1.3% -> 1.1% of a host core; see README).
+// virtqueues, each with an eventfd that the main loop polls on every wake-up.
 const defaultAgentPorts = 2
 
-// Socket names inside a run dir.
-const (
-	qmpSockName   = "qmp.sock"
-	agentSockName = "agent.sock"
-)
+// qmpSocket is the path of the QMP socket of a launch.
+func (l *launch) qmpSocket() string { return filepath.Join(l.RunDir, qmpSockName) }
 
-// QMPSocket is the path of the QMP socket of a launch.
-func (l *Launch) QMPSocket() string { return filepath.Join(l.RunDir, qmpSockName) }
-
-// AgentSocket is the path of the agent's virtio-serial chardev socket of a launch.
-func (l *Launch) AgentSocket() string { return filepath.Join(l.RunDir, agentSockName) }
+// agentSocket is the path of the agent's virtio-serial chardev socket of a launch.
+func (l *launch) agentSocket() string { return filepath.Join(l.RunDir, agentSockName) }
 
 // escapeOpt escapes a value for QEMU's key=value option syntax (commas are doubled).
 func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
-// Cmdline returns QEMU's argv (without argv[0]) for l. It is pure: same input, same output.
-func (l *Launch) Cmdline() ([]string, error) {
+// cmdline returns QEMU's argv (without argv[0]) for l. It is pure: same input, same output.
+func (l *launch) cmdline() ([]string, error) {
 	if err := ValidateName(l.Name); err != nil {
 		return nil, err
 	}
@@ -196,21 +184,19 @@ func (l *Launch) Cmdline() ([]string, error) {
 	}
 	var accel string
 	var cpu string
-	if l.TCGThread != "" && (l.Accel != "tcg" && l.Accel != "" || l.TCGThread != "single" && l.TCGThread != "multi") {
+	if l.TCGThread != "" && (l.Accel != AccelTCG && l.Accel != "" || l.TCGThread != TCGThreadSingle && l.TCGThread != TCGThreadMulti) {
 		return nil, fmt.Errorf("%w: tcg thread %q under %q (want single or multi, tcg only)", ErrInvalidSpec, l.TCGThread, l.Accel)
 	}
 	switch l.Accel {
-	case "kvm":
-		accel, cpu = "kvm", "host"
-	case "hvf":
-		accel, cpu = "hvf", "host"
-	case "tcg", "":
+	case AccelKVM, AccelHVF:
+		accel, cpu = string(l.Accel), "host"
+	case AccelTCG, "":
 		accel, cpu = "tcg", "max"
 		if l.TBSizeMiB > 0 {
 			accel += ",tb-size=" + strconv.Itoa(l.TBSizeMiB)
 		}
 		if l.TCGThread != "" {
-			accel += ",thread=" + l.TCGThread
+			accel += ",thread=" + string(l.TCGThread)
 		}
 	default:
 		return nil, fmt.Errorf("%w: unknown accelerator %q", ErrInvalidSpec, l.Accel)
@@ -267,12 +253,12 @@ func (l *Launch) Cmdline() ([]string, error) {
 		serialBus += ",max_ports=" + strconv.Itoa(l.AgentPorts)
 	}
 	args = append(args,
-		"-chardev", "socket,id=qmp,path="+escapeOpt(l.QMPSocket())+",server=on,wait=off",
+		"-chardev", "socket,id=qmp,path="+escapeOpt(l.qmpSocket())+",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		"-chardev", "file,id=console,path="+escapeOpt(l.SerialLog),
 		"-serial", "chardev:console",
 		"-device", serialBus,
-		"-chardev", "socket,id=agent,path="+escapeOpt(l.AgentSocket())+",server=on,wait=off",
+		"-chardev", "socket,id=agent,path="+escapeOpt(l.agentSocket())+",server=on,wait=off",
 		"-device", "virtserialport,bus=vser0.0,chardev=agent,name="+vsockd.PortName,
 	)
 	if machineACPI(machine) {

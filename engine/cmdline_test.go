@@ -11,8 +11,8 @@ import (
 )
 
 // baseLaunch is a minimal valid launch; tests modify copies of it.
-func baseLaunch() Launch {
-	return Launch{
+func baseLaunch() launch {
+	return launch{
 		QEMU:      "/usr/bin/qemu-system-x86_64",
 		Name:      "w1",
 		Accel:     "tcg",
@@ -66,9 +66,9 @@ func hasPair(argv []string, flag, value string) bool {
 	return false
 }
 
-func mustCmdline(t *testing.T, l Launch) []string {
+func mustCmdline(t *testing.T, l launch) []string {
 	t.Helper()
-	argv, err := l.Cmdline()
+	argv, err := l.cmdline()
 	if err != nil {
 		t.Fatalf("Cmdline: %v", err)
 	}
@@ -88,7 +88,7 @@ func memObject(t *testing.T, argv []string) map[string]any {
 
 func TestCmdlineForkableWorld(t *testing.T) {
 	l := baseLaunch()
-	l.RAM = RAMBacking{Path: "/dev/shm/forkvm/vm-w1.ram", Shared: true}
+	l.RAM = ramBacking{Path: "/dev/shm/forkvm/vm-w1.ram", Shared: true}
 	argv := mustCmdline(t, l)
 
 	m := memObject(t, argv)
@@ -167,7 +167,7 @@ func TestCmdlineTBSizeDefault(t *testing.T) {
 
 func TestCmdlineFork(t *testing.T) {
 	l := baseLaunch()
-	l.RAM = RAMBacking{Path: "/dev/shm/forkvm/ck-base.ram", Shared: false}
+	l.RAM = ramBacking{Path: "/dev/shm/forkvm/ck-base.ram", Shared: false}
 	l.Incoming = true
 	argv := mustCmdline(t, l)
 
@@ -202,12 +202,12 @@ func TestCmdlineAccel(t *testing.T) {
 	} {
 		t.Run(tc.accel, func(t *testing.T) {
 			l := baseLaunch()
-			l.Accel = tc.accel
+			l.Accel = Accel(tc.accel)
 			argv := mustCmdline(t, l)
-			if got := flagValue(t, argv, "-accel"); got != tc.wantAccel {
+			if got := flagValue(t, argv, "-accel"); string(got) != tc.wantAccel {
 				t.Errorf("-accel = %q, want %q", got, tc.wantAccel)
 			}
-			if got := flagValue(t, argv, "-cpu"); got != tc.wantCPU {
+			if got := flagValue(t, argv, "-cpu"); string(got) != tc.wantCPU {
 				t.Errorf("-cpu = %q, want %q", got, tc.wantCPU)
 			}
 		})
@@ -216,7 +216,7 @@ func TestCmdlineAccel(t *testing.T) {
 
 func TestCmdlineAnonymousRAM(t *testing.T) {
 	l := baseLaunch()
-	l.RAM = RAMBacking{Anonymous: true}
+	l.RAM = ramBacking{Anonymous: true}
 	argv := mustCmdline(t, l)
 	m := memObject(t, argv)
 	want := map[string]any{"qom-type": "memory-backend-ram", "id": "mem", "size": float64(256 << 20)}
@@ -248,7 +248,7 @@ func TestCmdlineNoRAMPath(t *testing.T) {
 func TestCmdlineLargeMemorySize(t *testing.T) {
 	l := baseLaunch()
 	l.MemoryMiB = 256 * 1024 // 256 GiB: size must not overflow 32 bits
-	l.RAM = RAMBacking{Path: "/r", Shared: true}
+	l.RAM = ramBacking{Path: "/r", Shared: true}
 	obj := flagValue(t, mustCmdline(t, l), "-object")
 	if !strings.Contains(obj, `"size":274877906944`) {
 		t.Errorf("-object = %s, want size 274877906944", obj)
@@ -342,7 +342,7 @@ func TestCmdlineDiskErrors(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := baseLaunch()
 			l.Disk = tc.disk
-			argv, err := l.Cmdline()
+			argv, err := l.cmdline()
 			if !errors.Is(err, ErrInvalidSpec) {
 				t.Fatalf("err = %v, argv %q; want ErrInvalidSpec", err, argv)
 			}
@@ -357,7 +357,7 @@ func TestCmdlineCommaEscaping(t *testing.T) {
 	l := baseLaunch()
 	l.RunDir = "/tmp/a,b/run"
 	l.SerialLog = "/tmp/a,b/serial,log"
-	l.RAM = RAMBacking{Path: "/dev/shm/x,y/vm.ram", Shared: true}
+	l.RAM = ramBacking{Path: "/dev/shm/x,y/vm.ram", Shared: true}
 	l.Disk = []DiskLayer{{Path: "/tmp/a,b/disk,0.raw", Format: "raw"}}
 	argv := mustCmdline(t, l)
 
@@ -382,8 +382,8 @@ func TestCmdlineCommaEscaping(t *testing.T) {
 		t.Errorf("filename = %v", f["filename"])
 	}
 	// The sockets the engine dials are the unescaped paths.
-	if l.QMPSocket() != "/tmp/a,b/run/qmp.sock" || l.AgentSocket() != "/tmp/a,b/run/agent.sock" {
-		t.Errorf("sockets %q %q", l.QMPSocket(), l.AgentSocket())
+	if l.qmpSocket() != "/tmp/a,b/run/qmp.sock" || l.agentSocket() != "/tmp/a,b/run/agent.sock" {
+		t.Errorf("sockets %q %q", l.qmpSocket(), l.agentSocket())
 	}
 }
 
@@ -464,7 +464,7 @@ func TestCmdlineInvalidName(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			l := baseLaunch()
 			l.Name = name
-			argv, err := l.Cmdline()
+			argv, err := l.cmdline()
 			if !errors.Is(err, ErrInvalidName) {
 				t.Errorf("Cmdline(name %q) = %q, %v; want ErrInvalidName", name, argv, err)
 			}
@@ -475,22 +475,22 @@ func TestCmdlineInvalidName(t *testing.T) {
 func TestCmdlineInvalidSpec(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		mod  func(*Launch)
+		mod  func(*launch)
 	}{
-		{"unknown accel", func(l *Launch) { l.Accel = "xen" }},
-		{"accel case", func(l *Launch) { l.Accel = "KVM" }},
-		{"zero cpus", func(l *Launch) { l.CPUs = 0 }},
-		{"tiny memory", func(l *Launch) { l.MemoryMiB = 1 }},
-		{"no rundir", func(l *Launch) { l.RunDir = "" }},
-		{"no kernel", func(l *Launch) { l.Kernel = "" }},
-		{"one agent port (port 0 is reserved)", func(l *Launch) { l.AgentPorts = 1 }},
-		{"negative agent ports", func(l *Launch) { l.AgentPorts = -2 }},
-		{"agent ports beyond QEMU's cap", func(l *Launch) { l.AgentPorts = 32 }},
+		{"unknown accel", func(l *launch) { l.Accel = "xen" }},
+		{"accel case", func(l *launch) { l.Accel = "KVM" }},
+		{"zero cpus", func(l *launch) { l.CPUs = 0 }},
+		{"tiny memory", func(l *launch) { l.MemoryMiB = 1 }},
+		{"no rundir", func(l *launch) { l.RunDir = "" }},
+		{"no kernel", func(l *launch) { l.Kernel = "" }},
+		{"one agent port (port 0 is reserved)", func(l *launch) { l.AgentPorts = 1 }},
+		{"negative agent ports", func(l *launch) { l.AgentPorts = -2 }},
+		{"agent ports beyond QEMU's cap", func(l *launch) { l.AgentPorts = 32 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := baseLaunch()
 			tc.mod(&l)
-			argv, err := l.Cmdline()
+			argv, err := l.cmdline()
 			if !errors.Is(err, ErrInvalidSpec) {
 				t.Errorf("Cmdline = %q, %v; want ErrInvalidSpec", argv, err)
 			}
@@ -500,7 +500,7 @@ func TestCmdlineInvalidSpec(t *testing.T) {
 
 func TestCmdlineDeterministic(t *testing.T) {
 	l := baseLaunch()
-	l.RAM = RAMBacking{Path: "/dev/shm/r,1.ram", Shared: false}
+	l.RAM = ramBacking{Path: "/dev/shm/r,1.ram", Shared: false}
 	l.Incoming = true
 	l.VsockCID = 7
 	l.Disk = []DiskLayer{{"/a.raw", "raw"}, {"/b.qcow2", "qcow2"}, {"/c.qcow2", "qcow2"}}
@@ -520,7 +520,7 @@ func TestCmdlineDeterministic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var l3 Launch
+	var l3 launch
 	if err := json.Unmarshal(b, &l3); err != nil {
 		t.Fatal(err)
 	}
@@ -538,7 +538,7 @@ func TestCmdlineCPUModel(t *testing.T) {
 	}
 	for _, bad := range []string{"max,+x", "a b", "a\x00"} {
 		l.CPUModel = bad
-		if argv, err := l.Cmdline(); !errors.Is(err, ErrInvalidSpec) {
+		if argv, err := l.cmdline(); !errors.Is(err, ErrInvalidSpec) {
 			t.Errorf("CPUModel %q: %q, %v; want ErrInvalidSpec", bad, argv, err)
 		}
 	}
@@ -551,7 +551,7 @@ func TestGuestAppend(t *testing.T) {
 		{"kvm", "", baseKernelArgs},
 		{"hvf", "loglevel=7", baseKernelArgs + " loglevel=7"},
 	} {
-		if got := guestAppend(tc.accel, tc.user); got != tc.want {
+		if got := guestAppend(Accel(tc.accel), tc.user); string(got) != tc.want {
 			t.Errorf("guestAppend(%q, %q) = %q, want %q", tc.accel, tc.user, got, tc.want)
 		}
 	}
@@ -572,8 +572,8 @@ func TestCmdlineTCGThread(t *testing.T) {
 		{"kvm", "", "kvm"},
 	} {
 		l := baseLaunch()
-		l.Accel, l.TCGThread = tc.accel, tc.thread
-		argv, err := l.Cmdline()
+		l.Accel, l.TCGThread = Accel(tc.accel), TCGThread(tc.thread)
+		argv, err := l.cmdline()
 		if tc.want == "" {
 			if !errors.Is(err, ErrInvalidSpec) {
 				t.Errorf("accel %q thread %q: %v, want ErrInvalidSpec", tc.accel, tc.thread, err)
@@ -584,7 +584,7 @@ func TestCmdlineTCGThread(t *testing.T) {
 			t.Errorf("accel %q thread %q: %v", tc.accel, tc.thread, err)
 			continue
 		}
-		if got := flagValue(t, argv, "-accel"); got != tc.want {
+		if got := flagValue(t, argv, "-accel"); string(got) != tc.want {
 			t.Errorf("accel %q thread %q: -accel %q, want %q", tc.accel, tc.thread, got, tc.want)
 		}
 	}
@@ -605,7 +605,7 @@ func TestTCGThreadFor(t *testing.T) {
 		{"multi", "tcg", 128, 2, "multi"},
 		{"single", "hvf", 128, 2, ""},
 	} {
-		if got := tcgThreadFor(tc.mode, tc.accel, tc.inflight, tc.hostCPUs); got != tc.want {
+		if got := tcgThreadFor(TCGThread(tc.mode), Accel(tc.accel), tc.inflight, tc.hostCPUs); string(got) != tc.want {
 			t.Errorf("tcgThreadFor(%q, %q, %d, %d) = %q, want %q", tc.mode, tc.accel, tc.inflight, tc.hostCPUs, got, tc.want)
 		}
 	}

@@ -98,10 +98,10 @@ func exists(path string) bool {
 func TestNewCreatesDirsAndLock(t *testing.T) {
 	cfg := testConfig(t)
 	e := newTestEngine(t, cfg)
-	if e.StateDir() != cfg.StateDir || e.RAMDir() != cfg.RAMDir {
-		t.Errorf("dirs %s %s", e.StateDir(), e.RAMDir())
+	if e.Config().StateDir != cfg.StateDir || e.Config().RAMDir != cfg.RAMDir {
+		t.Errorf("dirs %s %s", e.Config().StateDir, e.Config().RAMDir)
 	}
-	for _, d := range []string{cfg.StateDir, e.vmsDir(), e.checkpointsDir(), cfg.RAMDir, e.cfg.RunDir} {
+	for _, d := range []string{cfg.StateDir, e.paths.vmsDir(), e.paths.checkpointsDir(), cfg.RAMDir, e.cfg.RunDir} {
 		assertMode(t, d, 0o700)
 	}
 	if want := filepath.Join(cfg.StateDir, "run"); e.cfg.RunDir != want {
@@ -119,8 +119,8 @@ func TestNewCreatesDirsAndLock(t *testing.T) {
 		t.Errorf("Accel = %s", e.Accel())
 	}
 	// Defaults.
-	if e.cfg.TBSizeMiB != 64 || e.cfg.Overcommit != 8 || e.cfg.MemoryReserveMiB != 512 ||
-		e.cfg.BootTimeout != 60*time.Second || e.cfg.ForkTimeout != 30*time.Second || e.cfg.Log == nil {
+	if e.cfg.Experimental.TBSizeMiB != 64 || e.cfg.Overcommit != 8 || e.cfg.MemoryReserveMiB != 512 ||
+		e.cfg.BootTimeout != 60*time.Second || e.cfg.ForkTimeout != 30*time.Second || e.cfg.Logger == nil {
 		t.Errorf("defaults not applied: %+v", e.cfg)
 	}
 	if got := e.List(); len(got) != 0 {
@@ -140,8 +140,8 @@ func TestNewRelativeStateDirIsMadeAbsolute(t *testing.T) {
 	}
 	cfg.StateDir = rel
 	e := newTestEngine(t, cfg)
-	if !filepath.IsAbs(e.StateDir()) {
-		t.Errorf("StateDir %q is not absolute", e.StateDir())
+	if !filepath.IsAbs(e.Config().StateDir) {
+		t.Errorf("StateDir %q is not absolute", e.Config().StateDir)
 	}
 }
 
@@ -237,16 +237,22 @@ func TestNewAccel(t *testing.T) {
 		t.Errorf("Accel = %s", e.Accel())
 	}
 	e.Close()
-	// $FORKVM_ACCEL overrides the config.
-	t.Setenv("FORKVM_ACCEL", "tcg")
-	cfg.Accel = "kvm"
+	// $FORKVM_ACCEL is a fallback for an empty field; a field set by the embedder wins.
+	t.Setenv("FORKVM_ACCEL", "kvm")
+	cfg.Accel = AccelTCG
 	e = newTestEngine(t, cfg)
-	if e.Accel() != "tcg" {
-		t.Errorf("with FORKVM_ACCEL=tcg: Accel = %s", e.Accel())
+	if e.Accel() != AccelTCG {
+		t.Errorf("Accel tcg with FORKVM_ACCEL=kvm: Accel = %s, want the field's tcg", e.Accel())
+	}
+	e.Close()
+	t.Setenv("FORKVM_ACCEL", "tcg")
+	cfg.Accel = ""
+	e = newTestEngine(t, cfg)
+	if e.Accel() != AccelTCG || e.Config().Accel != AccelTCG {
+		t.Errorf("empty Accel with FORKVM_ACCEL=tcg: Accel = %s (config %s)", e.Accel(), e.Config().Accel)
 	}
 	e.Close()
 	t.Setenv("FORKVM_ACCEL", "bogus")
-	cfg.Accel = "tcg"
 	if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidSpec) {
 		t.Errorf("FORKVM_ACCEL=bogus: %v, want ErrInvalidSpec", err)
 	}
@@ -255,17 +261,17 @@ func TestNewAccel(t *testing.T) {
 func TestNewTCGThread(t *testing.T) {
 	for _, tc := range []struct{ in, want string }{{"", "auto"}, {"auto", "auto"}, {"single", "single"}, {"multi", "multi"}} {
 		cfg := testConfig(t)
-		cfg.TCGThread = tc.in
+		cfg.Experimental.TCGThread = TCGThread(tc.in)
 		e := newTestEngine(t, cfg)
-		if got := e.TCGThread(); got != tc.want {
+		if got := e.Config().Experimental.TCGThread; string(got) != tc.want {
 			t.Errorf("TCGThread %q: engine says %q, want %q", tc.in, got, tc.want)
 		}
 		e.Close()
 	}
 	cfg := testConfig(t)
-	cfg.TCGThread = "single,x=y"
+	cfg.Experimental.TCGThread = "single,x=y"
 	if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidSpec) {
-		t.Errorf("TCGThread %q: %v, want ErrInvalidSpec", cfg.TCGThread, err)
+		t.Errorf("TCGThread %q: %v, want ErrInvalidSpec", cfg.Experimental.TCGThread, err)
 	}
 }
 
@@ -285,8 +291,8 @@ func TestQEMUPathAndVersion(t *testing.T) {
 		t.Errorf("Create with a bad spec: %v, want ErrInvalidSpec (validation first)", err)
 	}
 
-	e.cfg.QEMU = fakeQEMU(t, "10.0.2")
-	if p, err := e.QEMUPath(); err != nil || p != e.cfg.QEMU {
+	e.bins.qemu = fakeQEMU(t, "10.0.2")
+	if p, err := e.QEMUPath(); err != nil || p != e.bins.qemu {
 		t.Errorf("QEMUPath = %q, %v", p, err)
 	}
 	v, err := e.QEMUVersion(context.Background())
@@ -294,25 +300,25 @@ func TestQEMUPathAndVersion(t *testing.T) {
 		t.Fatalf("QEMUVersion = %q, %v", v, err)
 	}
 	// Cached: replacing the binary does not change the answer.
-	e.cfg.QEMU = fakeQEMU(t, "11.0.0")
+	e.bins.qemu = fakeQEMU(t, "11.0.0")
 	if v, _ := e.QEMUVersion(context.Background()); v != "10.0.2" {
 		t.Errorf("QEMUVersion not cached: %q", v)
 	}
 
-	e.qemuVer = ""
-	e.cfg.QEMU = fakeQEMU(t, "9.2.0")
+	e.bins.ver = ""
+	e.bins.qemu = fakeQEMU(t, "9.2.0")
 	if _, err := e.QEMUVersion(context.Background()); !errors.Is(err, ErrQEMUTooOld) {
 		t.Errorf("QEMU 9.2.0: %v, want ErrQEMUTooOld", err)
 	}
 	p := filepath.Join(t.TempDir(), "garbage")
 	os.WriteFile(p, []byte("#!/bin/sh\necho hello\n"), 0o755)
-	e.cfg.QEMU = p
+	e.bins.qemu = p
 	if _, err := e.QEMUVersion(context.Background()); !errors.Is(err, ErrQEMUMissing) {
 		t.Errorf("unparsable version: %v, want ErrQEMUMissing", err)
 	}
 }
 
-func writeVMManifest(t *testing.T, vmsDir, dirName string, m *Manifest) {
+func writeVMManifest(t *testing.T, vmsDir, dirName string, m *manifest) {
 	t.Helper()
 	d := filepath.Join(vmsDir, dirName)
 	if err := os.MkdirAll(d, 0o700); err != nil {
@@ -324,17 +330,17 @@ func writeVMManifest(t *testing.T, vmsDir, dirName string, m *Manifest) {
 }
 
 // vmManifest is a manifest of a VM that lived under e's directories.
-func vmManifest(cfg *Config, name, state string, pid int) *Manifest {
+func vmManifest(cfg *Config, name string, state State, pid int) *manifest {
 	runDir := filepath.Join(cfg.StateDir, "run")
-	return &Manifest{
+	return &manifest{
 		Version: manifestVersion, Name: name, State: state, PID: pid, StartTime: 1,
 		Spec: Spec{Name: name, CPUs: 1, MemoryMiB: 64, Forkable: true}, Accel: "tcg", QEMUVersion: "10.0.2",
 		Token: testToken,
-		Launch: Launch{
+		Launch: launch{
 			Name: name, Accel: "tcg", CPUs: 1, MemoryMiB: 64, Kernel: "/k",
 			RunDir:    filepath.Join(runDir, name),
 			SerialLog: filepath.Join(cfg.StateDir, "vms", name, "serial.log"),
-			RAM:       RAMBacking{Path: filepath.Join(cfg.RAMDir, "vm-"+name+".ram"), Shared: true},
+			RAM:       ramBacking{Path: filepath.Join(cfg.RAMDir, "vm-"+name+".ram"), Shared: true},
 		},
 	}
 }
@@ -482,32 +488,32 @@ func TestClosedEngine(t *testing.T) {
 	if _, err := e.Get("w1"); !errors.Is(err, ErrClosed) {
 		t.Errorf("Get after Close: %v", err)
 	}
-	if err := e.reserve("w1"); !errors.Is(err, ErrClosed) {
+	if err := e.vms.reserve("w1"); !errors.Is(err, ErrClosed) {
 		t.Errorf("reserve after Close: %v", err)
 	}
 }
 
 func TestReserve(t *testing.T) {
 	e := newTestEngine(t, testConfig(t))
-	if err := e.reserve("a,b"); !errors.Is(err, ErrInvalidName) {
+	if err := e.vms.reserve("a,b"); !errors.Is(err, ErrInvalidName) {
 		t.Errorf("reserve(a,b) = %v", err)
 	}
-	if err := e.reserve("w1"); err != nil {
+	if err := e.vms.reserve("w1"); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.reserve("w1"); !errors.Is(err, ErrExists) {
+	if err := e.vms.reserve("w1"); !errors.Is(err, ErrExists) {
 		t.Errorf("second reserve = %v, want ErrExists", err)
 	}
-	e.unreserve("w1")
-	if err := e.reserve("w1"); err != nil {
+	e.vms.unreserve("w1")
+	if err := e.vms.reserve("w1"); err != nil {
 		t.Errorf("reserve after unreserve = %v", err)
 	}
-	writeCheckpoint(t, &e.cfg, "ck1", nil)
-	if err := e.reserve("ck1"); !errors.Is(err, ErrExists) {
+	writeCheckpoint(t, &e.cfg.Config, "ck1", nil)
+	if err := e.vms.reserve("ck1"); !errors.Is(err, ErrExists) {
 		t.Errorf("reserve of a checkpoint name = %v, want ErrExists", err)
 	}
-	os.MkdirAll(filepath.Join(e.vmsDir(), "v2"), 0o700)
-	if err := e.reserve("v2"); !errors.Is(err, ErrExists) {
+	os.MkdirAll(filepath.Join(e.paths.vmsDir(), "v2"), 0o700)
+	if err := e.vms.reserve("v2"); !errors.Is(err, ErrExists) {
 		t.Errorf("reserve of an existing vm dir = %v, want ErrExists", err)
 	}
 }
@@ -517,9 +523,9 @@ func TestReserve(t *testing.T) {
 func admissionEngine(t *testing.T, total int) (*Engine, float64) {
 	t.Helper()
 	e := newTestEngine(t, testConfig(t))
-	e.cfg.MemoryReserveMiB = -(1 << 30)
+	e.adm.reserveBytes = -(1 << 50)
 	oc := (float64(total) + 0.5) / float64(runtime.NumCPU())
-	if b := e.Budget(oc); b.Total != total || b.Used != 0 || b.HostCPUs != runtime.NumCPU() {
+	if b := e.adm.budget(oc); b.Total != total || b.Used != 0 || b.HostCPUs != runtime.NumCPU() {
 		t.Fatalf("Budget(%v) = %+v, want total %d", oc, b, total)
 	}
 	return e, oc
@@ -529,16 +535,16 @@ func TestAdmit(t *testing.T) {
 	e, oc := admissionEngine(t, 4)
 	var releases []func()
 	for i := 0; i < 4; i++ {
-		rel, err := e.admit(1, oc)
+		rel, err := e.adm.admit(1, oc)
 		if err != nil {
 			t.Fatalf("admit %d: %v", i, err)
 		}
 		releases = append(releases, rel)
 	}
-	if b := e.Budget(oc); b.Used != 4 {
+	if b := e.adm.budget(oc); b.Used != 4 {
 		t.Errorf("Used = %d, want 4", b.Used)
 	}
-	_, err := e.admit(1, oc)
+	_, err := e.adm.admit(1, oc)
 	if !errors.Is(err, ErrAdmission) {
 		t.Fatalf("fifth admit: %v, want ErrAdmission", err)
 	}
@@ -556,10 +562,10 @@ func TestAdmit(t *testing.T) {
 	// Releasing frees exactly one slot, once.
 	releases[0]()
 	releases[0]()
-	if b := e.Budget(oc); b.Used != 3 {
+	if b := e.adm.budget(oc); b.Used != 3 {
 		t.Errorf("Used after double release = %d, want 3", b.Used)
 	}
-	rel, err := e.admit(1, oc)
+	rel, err := e.adm.admit(1, oc)
 	if err != nil {
 		t.Fatalf("admit after release: %v", err)
 	}
@@ -568,34 +574,34 @@ func TestAdmit(t *testing.T) {
 	// A bigger request reports what is available.
 	releases[1]()
 	releases[2]()
-	_, err = e.admit(3, oc)
+	_, err = e.adm.admit(3, oc)
 	if !errors.As(err, &ae) || ae.Requested != 3 || ae.Available != 2 || ae.Budget != 4 {
 		t.Errorf("admit(3) with 2 free = %v (%+v)", err, ae)
 	}
-	rel, err = e.admit(2, oc)
+	rel, err = e.adm.admit(2, oc)
 	if err != nil {
 		t.Fatalf("admit(2) with 2 free: %v", err)
 	}
 	rel()
 	releases[0]()
 	releases[3]()
-	if b := e.Budget(oc); b.Used != 0 || e.pendingForks != 0 {
-		t.Errorf("after all releases: used %d, pending forks %d", b.Used, e.pendingForks)
+	if b := e.adm.budget(oc); b.Used != 0 || e.adm.pendingForks != 0 {
+		t.Errorf("after all releases: used %d, pending forks %d", b.Used, e.adm.pendingForks)
 	}
 	// A request larger than the whole budget is refused on an idle engine.
-	if _, err := e.admit(5, oc); !errors.Is(err, ErrAdmission) {
+	if _, err := e.adm.admit(5, oc); !errors.Is(err, ErrAdmission) {
 		t.Errorf("admit(5) of 4: %v", err)
 	}
 	// Overcommit 0 means the engine's.
-	if b := e.Budget(0); b.Overcommit != e.cfg.Overcommit {
+	if b := e.adm.budget(0); b.Overcommit != e.cfg.Overcommit {
 		t.Errorf("Budget(0).Overcommit = %v, want %v", b.Overcommit, e.cfg.Overcommit)
 	}
 }
 
 func TestAdmitMemory(t *testing.T) {
 	e, oc := admissionEngine(t, 4)
-	e.cfg.MemoryReserveMiB = 1 << 40 // a reserve no host has
-	_, err := e.admit(1, oc)
+	e.adm.reserveBytes = 1 << 60 // a reserve no host has
+	_, err := e.adm.admit(1, oc)
 	var ae *AdmissionError
 	if !errors.As(err, &ae) || ae.Resource != "memory" || !errors.Is(err, ErrAdmission) {
 		if runtime.GOOS != "linux" {
@@ -606,8 +612,8 @@ func TestAdmitMemory(t *testing.T) {
 	if !strings.Contains(err.Error(), "memory") {
 		t.Errorf("message %q", err.Error())
 	}
-	if e.pendingCPUs != 0 || e.pendingForks != 0 {
-		t.Errorf("a refused admission reserved: %d cpus, %d forks", e.pendingCPUs, e.pendingForks)
+	if e.adm.pendingCPUs != 0 || e.adm.pendingForks != 0 {
+		t.Errorf("a refused admission reserved: %d cpus, %d forks", e.adm.pendingCPUs, e.adm.pendingForks)
 	}
 }
 
@@ -624,7 +630,7 @@ func TestAdmitConcurrentHold(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			rel, err := e.admit(1, oc)
+			rel, err := e.adm.admit(1, oc)
 			if err != nil {
 				if !errors.Is(err, ErrAdmission) {
 					t.Errorf("admit: %v", err)
@@ -646,7 +652,7 @@ func TestAdmitConcurrentHold(t *testing.T) {
 	for _, r := range releases {
 		r()
 	}
-	if b := e.Budget(oc); b.Used != 0 {
+	if b := e.adm.budget(oc); b.Used != 0 {
 		t.Errorf("Used after releases = %d", b.Used)
 	}
 }
@@ -662,7 +668,7 @@ func TestAdmitConcurrentChurn(t *testing.T) {
 			defer wg.Done()
 			cpus := 1 + g%3
 			for i := 0; i < 20; i++ {
-				rel, err := e.admit(cpus, oc)
+				rel, err := e.adm.admit(cpus, oc)
 				if err != nil {
 					if !errors.Is(err, ErrAdmission) {
 						t.Errorf("admit: %v", err)
@@ -697,19 +703,19 @@ func TestAdmitConcurrentChurn(t *testing.T) {
 	if admitted.Load() == 0 {
 		t.Errorf("nothing admitted")
 	}
-	if b := e.Budget(oc); b.Used != 0 || e.pendingForks != 0 {
-		t.Errorf("after churn: used %d, pending forks %d", b.Used, e.pendingForks)
+	if b := e.adm.budget(oc); b.Used != 0 || e.adm.pendingForks != 0 {
+		t.Errorf("after churn: used %d, pending forks %d", b.Used, e.adm.pendingForks)
 	}
 }
 
 // TestRestoreSlots: at most RestoreConcurrency forks restore at once; a waiter gives up
 // with its ctx; a negative bound is unbounded; the default is the host's CPU count.
 func TestRestoreSlots(t *testing.T) {
-	if e := newTestEngine(t, testConfig(t)); e.RestoreConcurrency() != runtime.NumCPU() {
-		t.Errorf("default RestoreConcurrency = %d, want %d", e.RestoreConcurrency(), runtime.NumCPU())
+	if e := newTestEngine(t, testConfig(t)); e.Config().Experimental.RestoreConcurrency != runtime.NumCPU() {
+		t.Errorf("default RestoreConcurrency = %d, want %d", e.Config().Experimental.RestoreConcurrency, runtime.NumCPU())
 	}
 	cfg := testConfig(t)
-	cfg.RestoreConcurrency = 3
+	cfg.Experimental.RestoreConcurrency = 3
 	e := newTestEngine(t, cfg)
 	ctx := context.Background()
 	var inUse, maxInUse atomic.Int32
@@ -719,7 +725,7 @@ func TestRestoreSlots(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := 0; i < 50; i++ {
-				leave, err := e.restoreSlot(ctx)
+				leave, err := e.adm.restoreSlot(ctx)
 				if err != nil {
 					t.Errorf("restoreSlot: %v", err)
 					return
@@ -744,7 +750,7 @@ func TestRestoreSlots(t *testing.T) {
 
 	var leaves []func()
 	for i := 0; i < 3; i++ {
-		leave, err := e.restoreSlot(ctx)
+		leave, err := e.adm.restoreSlot(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -752,21 +758,21 @@ func TestRestoreSlots(t *testing.T) {
 	}
 	cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer cancel()
-	if _, err := e.restoreSlot(cctx); !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := e.adm.restoreSlot(cctx); !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("restoreSlot with every slot taken: %v, want DeadlineExceeded", err)
 	}
 	leaves[0]()
-	if leave, err := e.restoreSlot(ctx); err != nil {
+	if leave, err := e.adm.restoreSlot(ctx); err != nil {
 		t.Errorf("restoreSlot after leave: %v", err)
 	} else {
 		leave()
 	}
 
 	cfg = testConfig(t)
-	cfg.RestoreConcurrency = -1
+	cfg.Experimental.RestoreConcurrency = -1
 	e = newTestEngine(t, cfg)
 	for i := 0; i < 100; i++ { // never released: unbounded never blocks
-		if _, err := e.restoreSlot(ctx); err != nil {
+		if _, err := e.adm.restoreSlot(ctx); err != nil {
 			t.Fatalf("unbounded restoreSlot: %v", err)
 		}
 	}

@@ -45,17 +45,20 @@ var (
 
 // QEMUError is returned when a QEMU process fails; it carries the tail of QEMU's stderr.
 type QEMUError struct {
-	VM       string
-	Op       string
+	// VM is the VM's name and Op what the engine was doing ("start", "fork", "run", ...).
+	VM, Op string
+	// ExitCode is QEMU's exit status when it exited by itself; -1 when QEMU is alive, was
+	// ended by a signal, or is not this engine's child (a VM re-adopted after a restart).
 	ExitCode int
-	Stderr   string
-	Err      error
+	// Stderr is the tail of QEMU's output when it died.
+	Stderr string
+	Err    error
 }
 
 // Error implements error.
 func (e *QEMUError) Error() string {
 	msg := fmt.Sprintf("engine: %s %s: %v", e.Op, e.VM, e.Err)
-	if e.ExitCode != 0 {
+	if e.ExitCode > 0 {
 		msg += fmt.Sprintf(" (exit %d)", e.ExitCode)
 	}
 	if e.Stderr != "" {

@@ -36,10 +36,10 @@ func (vm *VM) JITStats(ctx context.Context) (JITStats, error) {
 	}
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
-	if vm.m.Accel != "tcg" {
+	if vm.m.Accel != AccelTCG {
 		return JITStats{}, fmt.Errorf("%w: %s runs under %s", ErrNotTCG, vm.m.Name, vm.m.Accel)
 	}
-	c, err := vm.qmpLocked(ctx)
+	c, err := vm.proc.client(ctx)
 	if err != nil {
 		return JITStats{}, err
 	}

@@ -10,12 +10,12 @@ import (
 
 const testToken = "00112233445566778899aabbccddeeff"
 
-func testManifest() Manifest {
+func testManifest() manifest {
 	l := baseLaunch()
-	l.RAM = RAMBacking{Path: "/dev/shm/forkvm/ck-base.ram"}
+	l.RAM = ramBacking{Path: "/dev/shm/forkvm/ck-base.ram"}
 	l.Incoming = true
 	l.Disk = []DiskLayer{{"/ck/base/layer0.raw", "raw"}, {"/vms/w1/disk-top.qcow2", "qcow2"}}
-	return Manifest{
+	return manifest{
 		Version: manifestVersion, Name: "w1", Parent: "base",
 		Spec:  Spec{Name: "w1", CPUs: 2, MemoryMiB: 256, Forkable: true, DiskMiB: 64},
 		State: StateRunning, PID: 4242, StartTime: 123456, Accel: "tcg", QEMUVersion: "10.0.2",
@@ -69,20 +69,20 @@ func TestDecodeManifestErrors(t *testing.T) {
 	valid := string(mustJSON(t, testManifest()))
 	for _, tc := range []struct {
 		name string
-		mod  func(*Manifest)
+		mod  func(*manifest)
 	}{
-		{"version 0", func(m *Manifest) { m.Version = 0 }},
-		{"version 2", func(m *Manifest) { m.Version = 2 }},
-		{"empty name", func(m *Manifest) { m.Name = "" }},
-		{"name with slash", func(m *Manifest) { m.Name = "../../etc" }},
-		{"name with comma", func(m *Manifest) { m.Name = "a,b" }},
-		{"bad parent", func(m *Manifest) { m.Parent = "../x" }},
-		{"parent dotdot", func(m *Manifest) { m.Parent = ".." }},
-		{"negative pid", func(m *Manifest) { m.PID = -1 }},
-		{"empty token", func(m *Manifest) { m.Token = "" }},
-		{"short token", func(m *Manifest) { m.Token = testToken[:30] }},
-		{"long token", func(m *Manifest) { m.Token = testToken + "00" }},
-		{"non-hex token", func(m *Manifest) { m.Token = strings.Repeat("zz", 16) }},
+		{"version 0", func(m *manifest) { m.Version = 0 }},
+		{"version 2", func(m *manifest) { m.Version = 2 }},
+		{"empty name", func(m *manifest) { m.Name = "" }},
+		{"name with slash", func(m *manifest) { m.Name = "../../etc" }},
+		{"name with comma", func(m *manifest) { m.Name = "a,b" }},
+		{"bad parent", func(m *manifest) { m.Parent = "../x" }},
+		{"parent dotdot", func(m *manifest) { m.Parent = ".." }},
+		{"negative pid", func(m *manifest) { m.PID = -1 }},
+		{"empty token", func(m *manifest) { m.Token = "" }},
+		{"short token", func(m *manifest) { m.Token = testToken[:30] }},
+		{"long token", func(m *manifest) { m.Token = testToken + "00" }},
+		{"non-hex token", func(m *manifest) { m.Token = strings.Repeat("zz", 16) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m := testManifest()

@@ -7,9 +7,10 @@ import (
 	"time"
 )
 
-// ManyOptions tune ForkMany.
+// ManyOptions tune ForkMany. A nil *ManyOptions means defaults.
 type ManyOptions struct {
-	// Prefix names the forks Prefix1..PrefixN (ignored when Names is set).
+	// Prefix names the forks Prefix1..PrefixN (ignored when Names is set). Default: the
+	// source's name and a random suffix, then "-".
 	Prefix string
 	// Names, when set, names the forks explicitly (len(Names) must equal n).
 	Names []string
@@ -42,17 +43,22 @@ func (ev ForkEvent) Latency() time.Duration { return ev.Done.Sub(ev.Start) }
 //
 // Concurrency: one goroutine per fork, gated by a semaphore; events go to a channel
 // buffered for all n, so a slow reader never stalls forking.
-func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts ManyOptions) (<-chan ForkEvent, error) {
+func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOptions) (<-chan ForkEvent, error) {
+	var o ManyOptions
+	if opts != nil {
+		o = *opts
+	}
 	if n < 1 || n > 4096 {
 		return nil, fmt.Errorf("%w: n must be 1..4096, got %d", ErrInvalidSpec, n)
 	}
-	names := opts.Names
+	names := o.Names
 	if names == nil {
-		if err := ValidateName(opts.Prefix + "x"); err != nil {
-			return nil, err
+		prefix := o.Prefix
+		if prefix == "" {
+			prefix = derivedName(src[:min(len(src), MaxNameLen-12)], "") + "-"
 		}
 		for i := 1; i <= n; i++ {
-			names = append(names, fmt.Sprintf("%s%d", opts.Prefix, i))
+			names = append(names, fmt.Sprintf("%s%d", prefix, i))
 		}
 	}
 	if len(names) != n {
@@ -68,11 +74,11 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts ManyOptio
 		}
 		seen[nm] = true
 	}
-	ck, err := e.resolveSource(ctx, src, opts.Pin)
+	ck, err := e.resolveSource(ctx, src, o.Pin)
 	if err != nil {
 		return nil, err
 	}
-	conc := opts.Concurrency
+	conc := o.Concurrency
 	if conc <= 0 || conc > n {
 		conc = n
 	}
@@ -95,7 +101,7 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts ManyOptio
 				defer wg.Done()
 				defer func() { <-sem }()
 				ev := ForkEvent{Index: i, Name: nm, Start: time.Now()}
-				vm, err := e.forkFrom(ctx, ck, ForkOptions{Name: nm, Overcommit: opts.Overcommit})
+				vm, err := e.forkFrom(ctx, ck, nm, o.Overcommit)
 				ev.Done = time.Now()
 				ev.VM, ev.Err = vm, err
 				if vm != nil {
@@ -116,7 +122,7 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts ManyOptio
 			}
 		}
 		if ck.Manifest.Implicit {
-			e.collectCheckpoint(context.Background(), ck.Manifest.Name)
+			e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
 		}
 	}()
 	return out, nil

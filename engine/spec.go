@@ -44,7 +44,8 @@ type Spec struct {
 	// VMGenID gives the VM QEMU's ACPI tables and a vmgenid device, so that the guest
 	// kernel reseeds its CRNG the moment a fork resumes, before the agent handshake
 	// (which always reseeds it with host entropy). Forks of its checkpoints inherit
-	// it. Off by default: it costs each fork 2 MiB and ~9 ms (measured under TCG).
+	// it. Off by default: it costs each fork a 2 MiB ROM block and the guest's ACPI
+	// notification path on the way to ready.
 	VMGenID bool `json:"vmgenid,omitempty"`
 }
 
@@ -67,3 +68,16 @@ func (s *Spec) Validate() error {
 	}
 	return nil
 }
+
+// State is a VM's lifecycle state as reported by List and Info.
+type State string
+
+// VM states.
+const (
+	StateStarting State = "starting" // being created or forked; not yet answered by its agent
+	StateRunning  State = "running"  // QEMU alive and the agent answered at least once
+	StateDead     State = "dead"     // QEMU is gone (crashed or killed); remove it with Delete
+	// statePooled is a warm-pool QEMU: spawned with a checkpoint's machine shape and
+	// -incoming defer, not yet given a name or a guest of its own.
+	statePooled State = "pooled"
+)

@@ -1,0 +1,88 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"time"
+)
+
+// Baseline is the stock path users take without forkvm: a full save of a running VM
+// (all RAM and device state, as `virsh save` does) and a restore of it into ordinary
+// anonymous RAM. It is not part of the fork API; benchmarks compare forkvm with it.
+type Baseline struct{ e *Engine }
+
+// Baseline returns the engine's stock save/restore path.
+func (e *Engine) Baseline() *Baseline { return &Baseline{e} }
+
+// Save writes a full save of the running VM vmName to path, stopping the guest while it
+// saves; the VM runs again afterwards. Migration bandwidth is unlimited (libvirt lifts
+// QEMU's network default too).
+func (b *Baseline) Save(ctx context.Context, vmName, path string) (time.Duration, error) {
+	vm, err := b.e.vms.get(vmName)
+	if err != nil {
+		return 0, err
+	}
+	if !vm.alive() {
+		return 0, fmt.Errorf("%w: %s", ErrNotRunning, vmName)
+	}
+	vm.mu.Lock()
+	defer vm.mu.Unlock()
+	p := vm.proc
+	c, err := p.client(ctx)
+	if err != nil {
+		return 0, err
+	}
+	t0 := time.Now()
+	if err := c.Execute(ctx, "stop", nil, nil); err != nil {
+		return 0, err
+	}
+	defer func() { _ = p.resume() }()
+	if err := p.saveToFile(ctx, path, true); err != nil {
+		os.Remove(path)
+		return 0, err
+	}
+	return time.Since(t0), nil
+}
+
+// Restore starts a new VM named spec.Name from a full save made by Save of a VM with
+// spec's shape, with anonymous RAM (no RAM file, no copy-on-write sharing), and returns
+// once its agent answered. The save was taken stopped, so Restore sends cont. A disk is
+// not restored (the comparison is about memory state).
+func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, error) {
+	e := b.e
+	spec.Forkable = false
+	spec.DiskMiB = 0
+	clock := startPhases()
+	vm, err := e.newBootVM(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	defer e.vms.unreserve(spec.Name)
+	vm.m.Launch.RAM = ramBacking{Anonymous: true}
+	vm.m.Launch.Incoming = true
+	ok := false
+	defer func() {
+		if !ok {
+			e.discard(vm)
+		}
+	}()
+	clock.lap(&vm.m.Timings.Prepare)
+	if err := vm.start(ctx); err != nil {
+		return nil, err
+	}
+	clock.lap(&vm.m.Timings.Spawn)
+	if err := vm.proc.loadFromFile(ctx, path, false, true); err != nil {
+		return nil, vm.failure("restore", err)
+	}
+	if err := vm.proc.resume(); err != nil {
+		return nil, vm.failure("restore", err)
+	}
+	clock.lap(&vm.m.Timings.Restore)
+	if err := vm.becomeReady(ctx, "restore", clock, vm.hello); err != nil {
+		return nil, err
+	}
+	e.vms.add(vm)
+	ok = true
+	return vm, nil
+}

@@ -1,0 +1,27 @@
+package engine
+
+import "context"
+
+// LoadCheckpoint reads and verifies a checkpoint's manifest and files. The device-state
+// checksum is verified once per engine and file identity, not on every fork.
+func (e *Engine) LoadCheckpoint(name string) (*Checkpoint, error) { return e.cks.load(name) }
+
+// Checkpoints lists checkpoints with their live forks (an empty list, never nil).
+func (e *Engine) Checkpoints() ([]CheckpointInfo, error) { return e.cks.list(e.vms.forksByParent()) }
+
+// SetPinned pins or unpins a checkpoint. Unpinning a checkpoint whose forks are all gone
+// deletes it.
+func (e *Engine) SetPinned(ctx context.Context, name string, pinned bool) error {
+	c, err := e.cks.load(name)
+	if err != nil {
+		return err
+	}
+	c.Manifest.Pinned = pinned
+	if err := e.cks.save(c); err != nil {
+		return err
+	}
+	if !pinned {
+		e.cks.collect(name, e.vms.forksOf)
+	}
+	return nil
+}

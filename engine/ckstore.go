@@ -1,0 +1,220 @@
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+)
+
+// Checkpoint is a checkpoint known to the engine.
+type Checkpoint struct {
+	Manifest CheckpointManifest
+	Dir      string
+}
+
+// StatePath is the device-state file of the checkpoint.
+func (c *Checkpoint) StatePath() string { return filepath.Join(c.Dir, stateFile) }
+
+// CheckpointInfo is a checkpoint as listed.
+type CheckpointInfo struct {
+	CheckpointManifest
+	Forks []string `json:"forks"`
+}
+
+// checkpointStore reads, verifies, lists and removes committed checkpoints. Writing one
+// is Engine.Checkpoint's; the rename of its directory into place is the commit point.
+//
+// Verification hashes the device state once per store and file identity (size, mtime),
+// not on every fork; mu guards that cache.
+type checkpointStore struct {
+	paths layout
+	log   *slog.Logger
+
+	mu       sync.Mutex
+	verified map[string]string // name -> fingerprint of the verified files
+}
+
+func (s *checkpointStore) exists(name string) bool {
+	_, err := os.Stat(s.paths.checkpointDir(name))
+	return err == nil
+}
+
+// read reads and decodes a checkpoint's manifest without verifying its files.
+func (s *checkpointStore) read(name string) (*Checkpoint, error) {
+	if err := ValidateName(name); err != nil {
+		return nil, err
+	}
+	dir := s.paths.checkpointDir(name)
+	b, err := os.ReadFile(filepath.Join(dir, manifestFile))
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("%w: checkpoint %s", ErrNotFound, name)
+		}
+		return nil, fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, name, err)
+	}
+	ck, err := decodeCheckpointManifest(b)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, name, err)
+	}
+	if ck.Name != name {
+		return nil, fmt.Errorf("%w: %s: manifest names %q", ErrCheckpointCorrupt, name, ck.Name)
+	}
+	return &Checkpoint{Manifest: *ck, Dir: dir}, nil
+}
+
+// load reads and verifies a checkpoint.
+func (s *checkpointStore) load(name string) (*Checkpoint, error) {
+	c, err := s.read(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.verify(c); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// verify checks that a checkpoint's files exist with their recorded sizes and that the
+// device state matches its checksum.
+func (s *checkpointStore) verify(c *Checkpoint) error {
+	ck := &c.Manifest
+	st, err := os.Stat(ck.RAMPath)
+	if err != nil {
+		return fmt.Errorf("%w: %s: ram file: %v", ErrCheckpointCorrupt, ck.Name, err)
+	}
+	if st.Size() != ck.RAMSize {
+		return fmt.Errorf("%w: %s: ram file is %d bytes, want %d", ErrCheckpointCorrupt, ck.Name, st.Size(), ck.RAMSize)
+	}
+	sst, err := os.Stat(c.StatePath())
+	if err != nil {
+		return fmt.Errorf("%w: %s: device state: %v", ErrCheckpointCorrupt, ck.Name, err)
+	}
+	for _, l := range ck.Disk {
+		if _, err := os.Stat(l.Path); err != nil {
+			return fmt.Errorf("%w: %s: disk: %v", ErrCheckpointCorrupt, ck.Name, err)
+		}
+	}
+	if ck.ForkKernel != "" {
+		if _, err := os.Stat(ck.ForkKernel); err != nil {
+			return fmt.Errorf("%w: %s: stub kernel: %v", ErrCheckpointCorrupt, ck.Name, err)
+		}
+	}
+	fp := fmt.Sprintf("%d/%d/%d", sst.Size(), sst.ModTime().UnixNano(), st.Size())
+	s.mu.Lock()
+	done := s.verified[ck.Name] == fp
+	s.mu.Unlock()
+	if done {
+		return nil
+	}
+	sum, _, err := fileSHA256(c.StatePath())
+	if err != nil {
+		return fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, ck.Name, err)
+	}
+	if sum != ck.StateSHA256 {
+		return fmt.Errorf("%w: %s: device state sha256 %s, manifest says %s", ErrCheckpointCorrupt, ck.Name, sum[:16], ck.StateSHA256[:16])
+	}
+	s.mu.Lock()
+	s.verified[ck.Name] = fp
+	s.mu.Unlock()
+	return nil
+}
+
+// list returns every committed checkpoint with its live forks.
+func (s *checkpointStore) list(forks map[string][]string) ([]CheckpointInfo, error) {
+	ents, err := os.ReadDir(s.paths.checkpointsDir())
+	if err != nil {
+		return nil, err
+	}
+	out := []CheckpointInfo{}
+	for _, ent := range ents {
+		if !ent.IsDir() || strings.HasPrefix(ent.Name(), ".") {
+			continue
+		}
+		c, err := s.read(ent.Name())
+		if err != nil {
+			continue
+		}
+		out = append(out, CheckpointInfo{CheckpointManifest: c.Manifest, Forks: forks[c.Manifest.Name]})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}
+
+// save rewrites a checkpoint's manifest (pinning).
+func (s *checkpointStore) save(c *Checkpoint) error {
+	return writeJSON(filepath.Join(c.Dir, manifestFile), &c.Manifest)
+}
+
+// remove deletes a checkpoint's directory and RAM file.
+func (s *checkpointStore) remove(name string) {
+	dir := s.paths.checkpointDir(name)
+	if b, err := os.ReadFile(filepath.Join(dir, manifestFile)); err == nil {
+		if ck, err := decodeCheckpointManifest(b); err == nil && s.paths.inRAMDir(ck.RAMPath) {
+			os.Remove(ck.RAMPath)
+		}
+	}
+	os.Remove(s.paths.checkpointRAM(name))
+	os.RemoveAll(dir)
+	s.mu.Lock()
+	delete(s.verified, name)
+	s.mu.Unlock()
+}
+
+// markForked records that a checkpoint has had a fork (see forkedMarker).
+func (s *checkpointStore) markForked(name string) {
+	f, err := os.OpenFile(filepath.Join(s.paths.checkpointDir(name), forkedMarker), os.O_CREATE|os.O_WRONLY, 0o600)
+	if err == nil {
+		f.Close()
+	}
+}
+
+// collect deletes an unpinned checkpoint that has had its forks (or is implicit) when
+// forks reports none left. The manifest decides; the files are verified (hashed) only
+// for a checkpoint that is about to go, so an engine start does not hash every one.
+func (s *checkpointStore) collect(name string, forks func(string) int) {
+	c, err := s.read(name)
+	if err != nil || c.Manifest.Pinned {
+		return
+	}
+	if _, err := os.Stat(filepath.Join(c.Dir, forkedMarker)); err != nil && !c.Manifest.Implicit {
+		return
+	}
+	if forks(name) == 0 && s.verify(c) == nil {
+		s.log.Info("deleting unpinned checkpoint (no forks left)", "checkpoint", name)
+		s.remove(name)
+	}
+}
+
+// reap removes half-written checkpoints and RAM files nothing owns (vmLive says which VM
+// names are registered), then collects unpinned checkpoints without forks.
+func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int) error {
+	ents, err := os.ReadDir(s.paths.checkpointsDir())
+	if err != nil {
+		return err
+	}
+	live := map[string]bool{}
+	for _, ent := range ents {
+		if strings.HasPrefix(ent.Name(), tmpCheckpointPrefix) {
+			s.log.Info("reaping half-written checkpoint", "dir", ent.Name())
+			os.RemoveAll(filepath.Join(s.paths.checkpointsDir(), ent.Name()))
+			continue
+		}
+		live[ent.Name()] = true
+	}
+	rams, _ := os.ReadDir(s.paths.ram)
+	for _, r := range rams {
+		kind, name := parseRAMName(r.Name())
+		if kind == "tmp" || kind == "checkpoint" && !live[name] || kind == "vm" && !vmLive(name) {
+			os.Remove(filepath.Join(s.paths.ram, r.Name()))
+		}
+	}
+	for name := range live {
+		s.collect(name, forks)
+	}
+	return nil
+}

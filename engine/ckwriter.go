@@ -1,0 +1,87 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// ckWriter writes one checkpoint: its files go to a temporary directory (and a temporary
+// RAM file) and commit renames them into place. The directory rename is the commit
+// point: a crash before it leaves a .tmp- directory that the next engine reaps, never a
+// half-written checkpoint.
+type ckWriter struct {
+	paths   layout
+	qemuImg string
+	ck      *CheckpointManifest
+	t0      time.Time
+
+	tmp, final       string // checkpoint directory: being written, committed
+	ramTmp, ramFinal string // RAM file: being written, committed
+	committed        bool
+}
+
+// newCkWriter starts writing checkpoint name.
+func newCkWriter(paths layout, qemuImg, name string) (*ckWriter, error) {
+	w := &ckWriter{paths: paths, qemuImg: qemuImg, t0: time.Now(),
+		tmp: paths.tmpCheckpointDir(name), final: paths.checkpointDir(name), ramFinal: paths.checkpointRAM(name)}
+	w.ramTmp = w.ramFinal + ".tmp-" + randHex(4)
+	if err := os.Mkdir(w.tmp, 0o700); err != nil {
+		return nil, fmt.Errorf("engine: checkpoint dir: %w", err)
+	}
+	return w, nil
+}
+
+// statePath is where the device state is saved.
+func (w *ckWriter) statePath() string { return filepath.Join(w.tmp, stateFile) }
+
+// commit completes the checkpoint from its files and renames it into place: the RAM
+// file first, then the directory (reaping removes RAM files without a checkpoint dir).
+func (w *ckWriter) commit(ctx context.Context) error {
+	ck := w.ck
+	sum, size, err := fileSHA256(w.statePath())
+	if err != nil {
+		return fmt.Errorf("engine: checkpoint state: %w", err)
+	}
+	ck.StateSHA256, ck.StateSize = sum, size
+	// Disk paths are recorded at their final location.
+	for i := range ck.Disk {
+		ck.Disk[i].Path = filepath.Join(w.final, filepath.Base(ck.Disk[i].Path))
+	}
+	if len(ck.Disk) > 0 {
+		if err := makeOverlayTemplate(ctx, w.qemuImg, ck, w.tmp, w.final); err != nil {
+			return err
+		}
+	}
+	if ok, err := writeStubKernel(ck.Kernel, filepath.Join(w.tmp, stubKernelFile)); err != nil {
+		return fmt.Errorf("engine: checkpoint stub kernel: %w", err)
+	} else if ok {
+		ck.ForkKernel = filepath.Join(w.final, stubKernelFile)
+	}
+	ck.Timings.Total = time.Since(w.t0)
+	if err := writeJSON(filepath.Join(w.tmp, manifestFile), ck); err != nil {
+		return fmt.Errorf("engine: checkpoint manifest: %w", err)
+	}
+	if err := os.Rename(w.ramTmp, w.ramFinal); err != nil {
+		return fmt.Errorf("engine: checkpoint ram: %w", err)
+	}
+	if err := os.Rename(w.tmp, w.final); err != nil {
+		os.Rename(w.ramFinal, w.ramTmp)
+		return fmt.Errorf("engine: checkpoint commit: %w", err)
+	}
+	w.committed = true
+	return nil
+}
+
+// cleanup removes what an uncommitted checkpoint left.
+func (w *ckWriter) cleanup() {
+	if !w.committed {
+		os.RemoveAll(w.tmp)
+		os.Remove(w.ramTmp)
+	}
+}
+
+// checkpoint is the committed checkpoint.
+func (w *ckWriter) checkpoint() *Checkpoint { return &Checkpoint{Manifest: *w.ck, Dir: w.final} }

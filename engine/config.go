@@ -1,0 +1,268 @@
+package engine
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"syscall"
+	"time"
+
+	"github.com/forkvm/forkvm/guest"
+)
+
+// Accel is a QEMU accelerator.
+type Accel string
+
+// Accelerators. AccelAuto picks kvm when /dev/kvm is usable (probed, not just present),
+// hvf on darwin, else tcg.
+const (
+	AccelAuto Accel = "auto"
+	AccelKVM  Accel = "kvm"
+	AccelHVF  Accel = "hvf"
+	AccelTCG  Accel = "tcg"
+)
+
+// Transport is how the host reaches guest agents.
+type Transport string
+
+// Transports. TransportAuto uses AF_VSOCK (a vhost-vsock-pci device per VM) when
+// /dev/vhost-vsock exists and the accelerator is kvm, else virtio-serial, which works
+// everywhere (a unix socket on the host) but allows one host connection at a time.
+const (
+	TransportAuto   Transport = "auto"
+	TransportSerial Transport = "serial"
+	TransportVsock  Transport = "vsock"
+)
+
+// TCGThread is TCG's vCPU threading for forks.
+type TCGThread string
+
+// TCG thread modes. TCGThreadAuto starts a fork with one host thread for all its vCPUs
+// when the vCPUs of the forks on their way to ready (this one included) exceed the
+// host's CPUs, as in a wave, and with a thread per vCPU otherwise (serial forks, warm
+// pools, booted VMs); see tcgThreadFor for why. A fork keeps its mode for life.
+const (
+	TCGThreadAuto   TCGThread = "auto"
+	TCGThreadSingle TCGThread = "single"
+	TCGThreadMulti  TCGThread = "multi"
+)
+
+// Config configures an Engine. A nil *Config means all defaults. Environment variables
+// named below are read only for fields left empty.
+type Config struct {
+	// StateDir holds manifests, disks and checkpoints. Default: $FORKVM_HOME, else
+	// $XDG_STATE_HOME/forkvm, else ~/.local/state/forkvm.
+	StateDir string
+	// RAMDir holds RAM files of forkable VMs and checkpoints. It should be a memory-backed
+	// file system. Default: /dev/shm/forkvm-<hash of StateDir> (os.TempDir() when /dev/shm
+	// does not exist).
+	RAMDir string
+	// RunDir holds per-VM socket directories (unix socket paths are limited to 107 bytes).
+	// Default: StateDir/run when that is short, else os.TempDir()/forkvm-<hash>.
+	RunDir string
+	// CacheDir holds the guest kernel and images. Default: guest.DefaultCacheDir().
+	CacheDir string
+	// QEMU is the qemu-system binary. Default: qemu-system-x86_64 (qemu-system-aarch64
+	// on arm64) from PATH.
+	QEMU string
+	// QEMUImg is the qemu-img binary. Default: qemu-img from PATH.
+	QEMUImg string
+	// Kernel and Initrd boot new VMs. Default: the current image in CacheDir.
+	Kernel, Initrd string
+	// Accel is the accelerator. Default: $FORKVM_ACCEL, else AccelAuto.
+	Accel Accel
+	// KernelArgs are appended to the guest kernel command line of new VMs, after forkvm's
+	// own (a later argument overrides an earlier one, e.g. mitigations=auto). Default:
+	// $FORKVM_KERNEL_ARGS. Checkpoints inherit them. Printable ASCII only.
+	KernelArgs string
+	// CPUModel is QEMU's -cpu model for new VMs. Default: $FORKVM_CPU, else "host" under
+	// kvm/hvf and "max" under tcg. Checkpoints record it; forks use the recorded one.
+	CPUModel string
+	// Overcommit is the vCPU budget factor: budget = host CPUs * Overcommit. Default 8.
+	Overcommit float64
+	// MemoryReserveMiB is the MemAvailable reserve that forks may not push the host
+	// under. Default 512.
+	MemoryReserveMiB int64
+	// BootTimeout bounds a cold boot until the agent answers. Default 60s.
+	BootTimeout time.Duration
+	// ForkTimeout bounds each part of a fork: start-up, and restore until its agent
+	// answers (time spent waiting for a restore slot is not counted). Default 30s.
+	ForkTimeout time.Duration
+	// Transport selects how the host reaches guest agents. Default TransportAuto.
+	Transport Transport
+	// LockWait is how long New waits for another engine to release the state dir.
+	// Zero means fail at once with ErrLocked.
+	LockWait time.Duration
+	// Logger receives progress and recovery messages. Default: discard.
+	Logger *slog.Logger
+	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
+	// forkvm is measured with; they may change or go away.
+	Experimental Experimental
+}
+
+// Experimental are tuning knobs for benchmarks (Config.Experimental). Zero values mean
+// the defaults.
+type Experimental struct {
+	// TBSizeMiB bounds TCG's translation buffer per VM. Default 64.
+	TBSizeMiB int
+	// TCGThread is the vCPU threading of forks under TCG. Default TCGThreadAuto.
+	TCGThread TCGThread
+	// RestoreConcurrency bounds the forks that restore and run their guest towards
+	// ready at once; the others wait with their QEMU already started. Default: the
+	// host's CPU count; negative: no bound. Under TCG a fork on its way to ready keeps
+	// about one host CPU busy, and when more guest vCPUs run than there are host CPUs
+	// each fork costs more host CPU (a guest vCPU that waits for an IPI or a spinlock
+	// spins while the vCPU thread it waits for is descheduled), so a wave ends sooner
+	// when its restores are bounded.
+	RestoreConcurrency int
+}
+
+// resolved is what Config's defaults and probes decided.
+type resolved struct {
+	Config
+	accel Accel // never AccelAuto
+	vsock bool  // agents are reached over AF_VSOCK
+	paths layout
+}
+
+// resolve fills defaults (environment variables only for empty fields), validates the
+// enums and probes the accelerator and transport.
+func (c Config) resolve() (*resolved, error) {
+	if c.StateDir == "" {
+		c.StateDir = DefaultStateDir()
+	}
+	abs, err := filepath.Abs(c.StateDir)
+	if err != nil {
+		return nil, fmt.Errorf("engine: state dir: %w", err)
+	}
+	c.StateDir = abs
+	sum := sha256.Sum256([]byte(c.StateDir))
+	tag := hex.EncodeToString(sum[:])[:10]
+	if c.RAMDir == "" {
+		base := "/dev/shm"
+		if st, err := os.Stat(base); err != nil || !st.IsDir() {
+			base = os.TempDir()
+		}
+		c.RAMDir = filepath.Join(base, "forkvm-"+tag)
+	}
+	if c.RunDir == "" {
+		c.RunDir = filepath.Join(c.StateDir, "run")
+		// <rundir>/<name(48)>/agent.sock must fit in sun_path (107 bytes).
+		if len(c.RunDir)+1+MaxNameLen+1+len(agentSockName) > 100 {
+			c.RunDir = filepath.Join(os.TempDir(), "forkvm-"+tag)
+		}
+	}
+	if c.CacheDir == "" {
+		c.CacheDir = guest.DefaultCacheDir()
+	}
+	x := &c.Experimental
+	if x.TBSizeMiB == 0 {
+		x.TBSizeMiB = 64
+	}
+	if x.RestoreConcurrency == 0 {
+		x.RestoreConcurrency = runtime.NumCPU()
+	}
+	if c.Overcommit <= 0 {
+		c.Overcommit = 8
+	}
+	if c.MemoryReserveMiB == 0 {
+		c.MemoryReserveMiB = 512
+	}
+	if c.BootTimeout == 0 {
+		c.BootTimeout = 60 * time.Second
+	}
+	if c.ForkTimeout == 0 {
+		c.ForkTimeout = 30 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.KernelArgs == "" {
+		c.KernelArgs = os.Getenv("FORKVM_KERNEL_ARGS")
+	}
+	for _, r := range c.KernelArgs {
+		if r < 0x20 || r > 0x7e {
+			return nil, fmt.Errorf("%w: kernel args must be printable ASCII", ErrInvalidSpec)
+		}
+	}
+	if c.CPUModel == "" {
+		c.CPUModel = os.Getenv("FORKVM_CPU")
+	}
+	if c.Accel == "" {
+		c.Accel = Accel(os.Getenv("FORKVM_ACCEL"))
+	}
+	if c.Accel == "" {
+		c.Accel = AccelAuto
+	}
+	var accel Accel
+	switch c.Accel {
+	case AccelAuto:
+		accel = detectAccel()
+	case AccelKVM, AccelHVF, AccelTCG:
+		accel = c.Accel
+	default:
+		return nil, fmt.Errorf("%w: accelerator %q (want auto, kvm, hvf or tcg)", ErrInvalidSpec, c.Accel)
+	}
+	switch x.TCGThread {
+	case "":
+		x.TCGThread = TCGThreadAuto
+	case TCGThreadAuto, TCGThreadSingle, TCGThreadMulti:
+	default:
+		return nil, fmt.Errorf("%w: tcg thread %q (want auto, single or multi)", ErrInvalidSpec, x.TCGThread)
+	}
+	var vsock bool
+	switch c.Transport {
+	case "", TransportAuto:
+		c.Transport = TransportAuto
+		_, err := os.Stat("/dev/vhost-vsock")
+		vsock = err == nil && accel == AccelKVM
+	case TransportVsock:
+		vsock = true
+	case TransportSerial:
+	default:
+		return nil, fmt.Errorf("%w: transport %q (want auto, serial or vsock)", ErrInvalidSpec, c.Transport)
+	}
+	return &resolved{Config: c, accel: accel, vsock: vsock, paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
+}
+
+// DefaultStateDir is $FORKVM_HOME, else $XDG_STATE_HOME/forkvm, else ~/.local/state/forkvm.
+func DefaultStateDir() string {
+	if d := os.Getenv("FORKVM_HOME"); d != "" {
+		return d
+	}
+	if d := os.Getenv("XDG_STATE_HOME"); d != "" {
+		return filepath.Join(d, "forkvm")
+	}
+	home, err := os.UserHomeDir()
+	if err != nil {
+		return filepath.Join(os.TempDir(), "forkvm")
+	}
+	return filepath.Join(home, ".local", "state", "forkvm")
+}
+
+// checkPrivateDir refuses a directory that another user could control: it must be a
+// real directory (not a symlink) owned by this user; group/other permissions are
+// removed. The RAM and run dirs default to predictable names in shared, world-writable
+// directories (/dev/shm, $TMPDIR): another user may have created them first.
+func checkPrivateDir(d string) error {
+	st, err := os.Lstat(d)
+	if err != nil {
+		return fmt.Errorf("engine: %s: %w", d, err)
+	}
+	if !st.IsDir() {
+		return fmt.Errorf("engine: %s is not a directory (%v); refusing to keep VM files there", d, st.Mode().Type())
+	}
+	if s, ok := st.Sys().(*syscall.Stat_t); ok && int(s.Uid) != os.Geteuid() {
+		return fmt.Errorf("engine: %s is owned by uid %d, not by this user (uid %d); refusing to keep VM files there", d, s.Uid, os.Geteuid())
+	}
+	if st.Mode().Perm()&0o077 != 0 {
+		if err := os.Chmod(d, 0o700); err != nil {
+			return fmt.Errorf("engine: %s: %w", d, err)
+		}
+	}
+	return nil
+}

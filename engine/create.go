@@ -1,0 +1,93 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// newBootVM checks what booting spec from the guest image needs (valid spec, QEMU,
+// image), reserves the name and returns an unstarted VM whose launch boots that image,
+// its directory created. The caller must unreserve spec.Name and discard the VM on
+// failure.
+func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
+	if err := spec.Validate(); err != nil {
+		return nil, err
+	}
+	qemu, err := e.bins.path()
+	if err != nil {
+		return nil, err
+	}
+	ver, err := e.bins.version(ctx)
+	if err != nil {
+		return nil, err
+	}
+	kernel, initrd, err := e.bins.image()
+	if err != nil {
+		return nil, err
+	}
+	if err := e.vms.reserve(spec.Name); err != nil {
+		return nil, err
+	}
+	vm := &VM{dir: e.paths.vmDir(spec.Name), log: e.log, m: manifest{
+		Version: manifestVersion, Name: spec.Name, Spec: spec, State: StateStarting,
+		Accel: e.cfg.accel, QEMUVersion: ver, Token: newToken(), CreatedAt: time.Now().UTC(),
+		BootKernel: kernel, BootInitrd: initrd,
+		Launch: bootLaunch(e.paths, qemu, spec.Name, spec, e.cfg.accel, e.cfg, kernel, initrd, e.newCID()),
+	}}
+	if err := os.Mkdir(vm.dir, 0o700); err != nil {
+		e.vms.unreserve(spec.Name)
+		return nil, fmt.Errorf("engine: create %s: %w", vm.dir, err)
+	}
+	return vm, nil
+}
+
+// Create boots a new VM from the guest image and returns once its agent answered.
+// spec.Name is required.
+func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
+	clock := startPhases()
+	vm, err := e.newBootVM(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	defer e.vms.unreserve(spec.Name)
+	ok := false
+	defer func() {
+		if !ok {
+			e.discard(vm)
+		}
+	}()
+	if spec.Forkable {
+		p := e.paths.vmRAM(spec.Name)
+		vm.m.Launch.RAM = ramBacking{Path: p, Shared: true}
+		if err := memfile.Create(p, int64(spec.MemoryMiB)<<20); err != nil {
+			return nil, fmt.Errorf("engine: ram file: %w", err)
+		}
+	}
+	if spec.DiskMiB > 0 {
+		p := filepath.Join(vm.dir, "disk0.raw")
+		if err := guest.CreateDisk(ctx, p, spec.DiskMiB); err != nil {
+			return nil, fmt.Errorf("engine: disk: %w", err)
+		}
+		vm.m.Launch.Disk = []DiskLayer{{Path: p, Format: "raw"}}
+		vm.m.DiskNode = "disk0"
+	}
+	clock.lap(&vm.m.Timings.Prepare)
+	if err := vm.start(ctx); err != nil {
+		return nil, err
+	}
+	clock.lap(&vm.m.Timings.Spawn)
+	bctx, cancel := context.WithTimeout(ctx, e.cfg.BootTimeout)
+	defer cancel()
+	if err := vm.becomeReady(bctx, "boot", clock, vm.hello); err != nil {
+		return nil, err
+	}
+	e.vms.add(vm)
+	ok = true
+	return vm, nil
+}

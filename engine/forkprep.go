@@ -1,0 +1,73 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+)
+
+// prepareFork is the first stage of a fork (or of a warm-pool process): the manifest, the
+// directory and the disk of VM name restoring checkpoint c. No process yet.
+func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu string, c *Checkpoint, name string) (*VM, error) {
+	ck := &c.Manifest
+	vm := &VM{dir: paths.vmDir(name), log: log, m: manifest{
+		Version: manifestVersion, Name: name, Parent: ck.Name, State: StateStarting,
+		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true},
+		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: newToken(), CreatedAt: time.Now().UTC(),
+		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
+		Launch: forkLaunch(paths, qemu, name, ck),
+	}}
+	if err := os.Mkdir(vm.dir, 0o700); err != nil {
+		return nil, fmt.Errorf("engine: create %s: %w", vm.dir, err)
+	}
+	if len(ck.Disk) > 0 {
+		layers, err := forkDisk(ctx, ck, vm.dir)
+		if err != nil {
+			paths.removeVMFiles(name, &vm.m)
+			return nil, err
+		}
+		vm.m.Launch.Disk = layers
+		vm.m.DiskNode = "disk0"
+	}
+	return vm, nil
+}
+
+// compatible refuses a checkpoint made by another QEMU or accelerator.
+func compatible(ctx context.Context, bins *qemuBins, accel Accel, ck *CheckpointManifest) error {
+	ver, err := bins.version(ctx)
+	if err != nil {
+		return err
+	}
+	if ck.QEMUVersion != ver {
+		return fmt.Errorf("%w: checkpoint %s was made by QEMU %s, this engine runs QEMU %s", ErrIncompatible, ck.Name, ck.QEMUVersion, ver)
+	}
+	if ck.Accel != accel {
+		return fmt.Errorf("%w: checkpoint %s was made with accelerator %s, this engine uses %s", ErrIncompatible, ck.Name, ck.Accel, accel)
+	}
+	return nil
+}
+
+// phaseClock takes the phase timings of a create or a fork in one place: each lap is the
+// time since the previous lap (or skip).
+type phaseClock struct{ t0, last time.Time }
+
+func startPhases() *phaseClock {
+	now := time.Now()
+	return &phaseClock{t0: now, last: now}
+}
+
+// lap sets *d to the time since the last lap.
+func (c *phaseClock) lap(d *time.Duration) {
+	now := time.Now()
+	*d = now.Sub(c.last)
+	c.last = now
+}
+
+// skip starts the next lap now: the time since the last one (a wait) counts only in the
+// total.
+func (c *phaseClock) skip() { c.last = time.Now() }
+
+// total is the time since the clock started.
+func (c *phaseClock) total() time.Duration { return time.Since(c.t0) }

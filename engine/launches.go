@@ -1,0 +1,53 @@
+package engine
+
+import "path/filepath"
+
+// The QEMU launches the engine makes. cmdline turns one into argv; these build the data.
+
+// bootLaunch is the launch of a new VM that boots the guest image.
+func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *resolved, kernel, initrd string, vsockCID uint32) launch {
+	machine := defaultMachine
+	if spec.VMGenID {
+		machine = vmgenidMachine
+	}
+	l := launch{
+		QEMU: qemu, Accel: accel, TBSizeMiB: cfg.Experimental.TBSizeMiB, CPUModel: cfg.CPUModel,
+		Machine: machine, AgentPorts: defaultAgentPorts, CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
+		Kernel: kernel, Initrd: initrd, Append: guestAppend(accel, cfg.KernelArgs), VsockCID: vsockCID,
+	}
+	if spec.DiskMiB > 0 {
+		l.Append += " forkvm.disk=1"
+	}
+	return l.named(paths, name)
+}
+
+// forkLaunch is the launch of a QEMU that restores checkpoint ck as VM name: a fork, a
+// warm-pool process, or a VM handed off to its own checkpoint. It maps the checkpoint's
+// RAM file privately (copy-on-write) and waits for the device state (-incoming defer).
+// The disk chain is the caller's.
+func forkLaunch(paths layout, qemu, name string, ck *CheckpointManifest) launch {
+	l := launch{
+		QEMU: qemu, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
+		AgentPorts: ck.AgentPorts, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB,
+		Kernel: ck.Kernel, Initrd: ck.Initrd, Append: ck.Append,
+		RAM:      ramBacking{Path: ck.RAMPath},
+		Incoming: true,
+	}
+	if ck.ForkKernel != "" {
+		l.Kernel, l.Initrd = ck.ForkKernel, ""
+	}
+	if ck.Vsock {
+		// The device set must match the checkpoint's; the context id is the fork's own
+		// (the guest driver re-reads it on the transport reset that follows a restore).
+		l.VsockCID = randomCID()
+	}
+	return l.named(paths, name)
+}
+
+// named returns l for VM name: its name and the per-VM paths (run dir, console log).
+func (l launch) named(paths layout, name string) launch {
+	l.Name = name
+	l.RunDir = paths.runDir(name)
+	l.SerialLog = filepath.Join(paths.vmDir(name), serialLogFile)
+	return l
+}

@@ -1,0 +1,227 @@
+package engine
+
+import (
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// manifestVersion is the version of VM and checkpoint manifests.
+const manifestVersion = 1
+
+// manifest is the on-disk record of a VM (StateDir/vms/NAME/manifest.json): enough to
+// re-find its QEMU process after the engine restarts and to rebuild its command line.
+type manifest struct {
+	Version int    `json:"version"`
+	Name    string `json:"name"`
+	Spec    Spec   `json:"spec"`
+	// Parent is the checkpoint a fork was made from ("" for a created VM).
+	Parent string `json:"parent,omitempty"`
+	// State is the last recorded state (starting, running or pooled).
+	State State `json:"state"`
+	// PID and StartTime identify the QEMU process across pid reuse.
+	PID         int    `json:"pid"`
+	StartTime   uint64 `json:"start_time"`
+	Accel       Accel  `json:"accel"`
+	QEMUVersion string `json:"qemu_version"`
+	Launch      launch `json:"launch"`
+	// BootKernel and BootInitrd are what the guest originally booted from (a fork's
+	// Launch.Kernel may be its checkpoint's stub).
+	BootKernel string       `json:"boot_kernel"`
+	BootInitrd string       `json:"boot_initrd,omitempty"`
+	DiskNode   string       `json:"disk_node,omitempty"`
+	DiskSeq    int          `json:"disk_seq,omitempty"`
+	Token      string       `json:"token"`
+	CreatedAt  time.Time    `json:"created_at"`
+	ReadyAt    time.Time    `json:"ready_at,omitzero"`
+	Timings    PhaseTimings `json:"timings"`
+}
+
+// PhaseTimings are the durations of the phases of a create or a fork.
+type PhaseTimings struct {
+	Prepare time.Duration `json:"prepare_ns"` // validation, files, disk
+	Spawn   time.Duration `json:"spawn_ns"`   // exec until QMP answered
+	Restore time.Duration `json:"restore_ns"` // incoming migration commands (forks)
+	Agent   time.Duration `json:"agent_ns"`   // until the agent answered with the token
+	Total   time.Duration `json:"total_ns"`
+}
+
+// CheckpointManifest is the on-disk record of a checkpoint
+// (StateDir/checkpoints/NAME/manifest.json).
+type CheckpointManifest struct {
+	Version int    `json:"version"`
+	Name    string `json:"name"`
+	// Source is the VM the checkpoint was taken of.
+	Source string `json:"source"`
+	// Pinned checkpoints survive the deletion of their last fork.
+	Pinned bool `json:"pinned"`
+	// Implicit checkpoints were made by forking a running VM.
+	Implicit  bool      `json:"implicit"`
+	CreatedAt time.Time `json:"created_at"`
+	// Machine shape and the QEMU that made it; forks must match.
+	QEMUVersion string `json:"qemu_version"`
+	Accel       Accel  `json:"accel"`
+	Machine     string `json:"machine"`
+	// AgentPorts is the source's Launch.AgentPorts (0: QEMU's default).
+	AgentPorts int    `json:"agent_ports,omitempty"`
+	CPUs       int    `json:"cpus"`
+	MemoryMiB  int    `json:"memory_mib"`
+	DiskMiB    int    `json:"disk_mib"`
+	Kernel     string `json:"kernel"`
+	Initrd     string `json:"initrd"`
+	// ForkKernel is the stub kernel forks start with (see writeStubKernel); empty means
+	// forks use Kernel and Initrd.
+	ForkKernel string `json:"fork_kernel,omitempty"`
+	Append     string `json:"append"`
+	TBSizeMiB  int    `json:"tb_size_mib"`
+	CPUModel   string `json:"cpu_model,omitempty"`
+	// Vsock records a vhost-vsock device in the source: forks must have one too.
+	Vsock bool `json:"vsock,omitempty"`
+	// RAMPath is the frozen RAM file; RAMSize its size in bytes.
+	RAMPath string `json:"ram_path"`
+	RAMSize int64  `json:"ram_size"`
+	// StateSHA256 is the SHA-256 of the device state file state.mig.
+	StateSHA256 string `json:"state_sha256"`
+	StateSize   int64  `json:"state_size"`
+	// Disk is the frozen disk chain (base first), files inside the checkpoint dir.
+	Disk []DiskLayer `json:"disk,omitempty"`
+	// OverlayTemplate is an empty qcow2 overlay on Disk, copied for each fork.
+	OverlayTemplate string `json:"overlay_template,omitempty"`
+	// DiskMethod says how the disk was frozen: "reflink" or "qcow2-overlay".
+	DiskMethod string `json:"disk_method,omitempty"`
+	// RAMMethod says how RAM was frozen: "copy" (world), "handoff" (world, renamed) or
+	// "full-save" (fork of a fork).
+	RAMMethod string               `json:"ram_method"`
+	Timings   CheckpointTimings    `json:"timings"`
+	Freeze    *memfile.FreezeStats `json:"freeze,omitempty"`
+}
+
+// CheckpointTimings are the phases of a checkpoint.
+type CheckpointTimings struct {
+	Migrate time.Duration `json:"migrate_ns"` // device state to file (VM stopped at the end)
+	Freeze  time.Duration `json:"freeze_ns"`  // RAM frozen
+	Disk    time.Duration `json:"disk_ns"`    // disk frozen
+	Paused  time.Duration `json:"paused_ns"`  // guest not running
+	Total   time.Duration `json:"total_ns"`
+}
+
+func newToken() string {
+	var t [16]byte
+	if _, err := rand.Read(t[:]); err != nil {
+		panic(err) // crypto/rand never fails on supported platforms
+	}
+	return hex.EncodeToString(t[:])
+}
+
+func parseToken(s string) ([16]byte, error) {
+	var t [16]byte
+	b, err := hex.DecodeString(s)
+	if err != nil || len(b) != 16 {
+		return t, fmt.Errorf("engine: bad token in manifest")
+	}
+	copy(t[:], b)
+	return t, nil
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// writeJSON writes v atomically (temp file + rename) with mode 0600.
+func writeJSON(path string, v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, append(b, '\n'), 0o600); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// fileSHA256 hashes a file.
+func fileSHA256(path string) (string, int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", 0, err
+	}
+	defer f.Close()
+	h := sha256.New()
+	n, err := io.Copy(h, f)
+	if err != nil {
+		return "", 0, err
+	}
+	return hex.EncodeToString(h.Sum(nil)), n, nil
+}
+
+// loadManifest reads and validates a VM manifest.
+func loadManifest(path string) (*manifest, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return decodeManifest(b)
+}
+
+// decodeManifest parses and validates a VM manifest; hostile or corrupt input yields an
+// error, never a panic.
+func decodeManifest(b []byte) (*manifest, error) {
+	var m manifest
+	if err := json.Unmarshal(b, &m); err != nil {
+		return nil, fmt.Errorf("engine: manifest: %w", err)
+	}
+	if m.Version != manifestVersion {
+		return nil, fmt.Errorf("engine: manifest version %d, want %d", m.Version, manifestVersion)
+	}
+	if err := ValidateName(m.Name); err != nil {
+		return nil, fmt.Errorf("engine: manifest: %w", err)
+	}
+	if m.Parent != "" {
+		if err := ValidateName(m.Parent); err != nil {
+			return nil, fmt.Errorf("engine: manifest parent: %w", err)
+		}
+	}
+	if m.PID < 0 {
+		return nil, fmt.Errorf("engine: manifest: negative pid")
+	}
+	if _, err := parseToken(m.Token); err != nil {
+		return nil, err
+	}
+	return &m, nil
+}
+
+// decodeCheckpointManifest parses and validates a checkpoint manifest.
+func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
+	var ck CheckpointManifest
+	if err := json.Unmarshal(b, &ck); err != nil {
+		return nil, err
+	}
+	if ck.Version != manifestVersion {
+		return nil, fmt.Errorf("manifest version %d, want %d", ck.Version, manifestVersion)
+	}
+	if err := ValidateName(ck.Name); err != nil {
+		return nil, err
+	}
+	if ck.CPUs < 1 || ck.MemoryMiB < 2 || ck.RAMSize != int64(ck.MemoryMiB)<<20 {
+		return nil, fmt.Errorf("bad machine shape (cpus %d, memory %d MiB, ram size %d)", ck.CPUs, ck.MemoryMiB, ck.RAMSize)
+	}
+	if _, err := hex.DecodeString(ck.StateSHA256); err != nil || len(ck.StateSHA256) != 64 {
+		return nil, fmt.Errorf("bad state checksum")
+	}
+	if ck.RAMPath == "" || !filepath.IsAbs(ck.RAMPath) {
+		return nil, fmt.Errorf("bad ram path")
+	}
+	return &ck, nil
+}

@@ -1,0 +1,148 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/forkvm/forkvm/qmp"
+)
+
+// Every migration verb forkvm sends to QEMU is here:
+//
+//   - saveToFile: migrate to a file and wait. Shared RAM skipped (x-ignore-shared) saves
+//     device state plus private RAM; full saves every RAM page.
+//   - loadFromFile: migrate-incoming from a file into a QEMU started with -incoming defer.
+//   - resume: cont, on a fresh context, after a save stopped the guest.
+//
+// A file migration that completes leaves the guest stopped (postmigrate); a failed one
+// leaves it as it was. Either way the caller resumes a VM that must keep running.
+
+type migrationCap struct {
+	Capability string `json:"capability"`
+	State      bool   `json:"state"`
+}
+
+// setCaps sets migration capabilities (in name order, so the command is deterministic).
+func setCaps(ctx context.Context, c *qmp.Client, caps map[string]bool) error {
+	keys := make([]string, 0, len(caps))
+	for k := range caps {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	list := make([]migrationCap, 0, len(keys))
+	for _, k := range keys {
+		list = append(list, migrationCap{k, caps[k]})
+	}
+	if err := c.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": list}, nil); err != nil {
+		return fmt.Errorf("migrate-set-capabilities: %w", err)
+	}
+	return nil
+}
+
+// setIgnoreShared sets x-ignore-shared in p's QEMU unless it is known to be set. QEMU
+// checks it against a stream's header, so it must be set before migrate-incoming.
+func (p *qemuProc) setIgnoreShared(ctx context.Context, c *qmp.Client, on bool) error {
+	p.mu.Lock()
+	known := p.ignoreShared
+	p.mu.Unlock()
+	if on && known {
+		return nil
+	}
+	if err := setCaps(ctx, c, map[string]bool{"x-ignore-shared": on}); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	p.ignoreShared = on
+	p.mu.Unlock()
+	return nil
+}
+
+// saveToFile migrates p's VM to path and waits until the migration completed or failed.
+// With full unset, RAM in share=on files is skipped (x-ignore-shared): the file holds
+// device state and private RAM. With full set, every RAM page is saved, at unlimited
+// bandwidth (QEMU's default of 128 MiB/s is meant for networks, not local files).
+func (p *qemuProc) saveToFile(ctx context.Context, path string, full bool) error {
+	c, err := p.client(ctx)
+	if err != nil {
+		return err
+	}
+	if err := p.setIgnoreShared(ctx, c, !full); err != nil {
+		return err
+	}
+	if full {
+		if err := c.Execute(ctx, "migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}, nil); err != nil {
+			return fmt.Errorf("migrate-set-parameters: %w", err)
+		}
+	}
+	if err := c.Execute(ctx, "migrate", map[string]any{"uri": "file:" + path}, nil); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	return waitMigration(ctx, c)
+}
+
+// loadFromFile starts an incoming migration from path into p, a QEMU started with
+// -incoming defer. ignoreShared must match how the file was saved. With wait unset it
+// returns once QEMU accepted the command: a checkpoint saved a running guest, so QEMU
+// runs it by itself when the load completes and readiness is observed through the
+// agent, not by polling QMP.
+func (p *qemuProc) loadFromFile(ctx context.Context, path string, ignoreShared, wait bool) error {
+	c, err := p.client(ctx)
+	if err != nil {
+		return err
+	}
+	if err := p.setIgnoreShared(ctx, c, ignoreShared); err != nil {
+		return err
+	}
+	if err := c.Execute(ctx, "migrate-incoming", map[string]any{"uri": "file:" + path}, nil); err != nil {
+		return fmt.Errorf("migrate-incoming: %w", err)
+	}
+	if wait {
+		return waitMigration(ctx, c)
+	}
+	return nil
+}
+
+// resume runs the guest again after a save. It uses its own short context: the
+// caller's may have ended, and a VM must not stay paused because its caller gave up.
+func (p *qemuProc) resume() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := p.client(ctx)
+	if err != nil {
+		return err
+	}
+	return c.Execute(ctx, "cont", nil, nil)
+}
+
+// migrationStatus is the part of query-migrate we read.
+type migrationStatus struct {
+	Status    string `json:"status"`
+	ErrorDesc string `json:"error-desc"`
+}
+
+// waitMigration polls query-migrate until the migration completed or failed.
+func waitMigration(ctx context.Context, c *qmp.Client) error {
+	delay := 200 * time.Microsecond
+	for {
+		var st migrationStatus
+		if err := c.Execute(ctx, "query-migrate", nil, &st); err != nil {
+			return err
+		}
+		switch st.Status {
+		case "completed":
+			return nil
+		case "failed", "cancelled":
+			return fmt.Errorf("engine: migration %s: %s", st.Status, st.ErrorDesc)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(delay):
+		}
+		if delay < 5*time.Millisecond {
+			delay *= 2
+		}
+	}
+}

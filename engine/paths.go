@@ -1,0 +1,88 @@
+package engine
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// File names inside the engine's directories. Every path the engine builds goes through
+// layout, so a file's name is written once.
+const (
+	manifestFile        = "manifest.json"
+	serialLogFile       = "serial.log" // guest console
+	qemuLogFile         = "qemu.log"   // QEMU's stdout and stderr
+	stateFile           = "state.mig"  // a checkpoint's device state
+	fullSaveFile        = "full.mig"   // a fork's full save while it is checkpointed
+	stubKernelFile      = "stub-kernel"
+	overlayTemplateFile = "overlay-template.qcow2"
+	lockFileName        = "lock"
+	qmpSockName         = "qmp.sock"
+	agentSockName       = "agent.sock"
+	// forkedMarker is created in a checkpoint's directory by its first fork. An unpinned
+	// checkpoint "goes with its last fork": it is collectable only once it has had one
+	// (or when it is implicit), so a fresh checkpoint is never collected before its
+	// first fork.
+	forkedMarker = "forked"
+	// tmpCheckpointPrefix starts the directory of a checkpoint being written; the rename
+	// to its name is the commit point, and New reaps what a crash left behind.
+	tmpCheckpointPrefix = ".tmp-"
+)
+
+// layout owns the engine's directories: StateDir (manifests, disks, checkpoints),
+// RAMDir (RAM files, memory-backed) and RunDir (sockets, short paths).
+type layout struct {
+	state, ram, run string
+}
+
+func (l layout) vmsDir() string                { return filepath.Join(l.state, "vms") }
+func (l layout) checkpointsDir() string        { return filepath.Join(l.state, "checkpoints") }
+func (l layout) lockPath() string              { return filepath.Join(l.state, lockFileName) }
+func (l layout) vmDir(name string) string      { return filepath.Join(l.vmsDir(), name) }
+func (l layout) runDir(name string) string     { return filepath.Join(l.run, name) }
+func (l layout) checkpointDir(n string) string { return filepath.Join(l.checkpointsDir(), n) }
+
+// vmRAM is the RAM file of a forkable VM (share=on).
+func (l layout) vmRAM(name string) string { return filepath.Join(l.ram, "vm-"+name+".ram") }
+
+// checkpointRAM is the frozen RAM file of a checkpoint.
+func (l layout) checkpointRAM(name string) string { return filepath.Join(l.ram, "ck-"+name+".ram") }
+
+// tmpCheckpointDir is a fresh directory name for a checkpoint being written.
+func (l layout) tmpCheckpointDir(name string) string {
+	return filepath.Join(l.checkpointsDir(), tmpCheckpointPrefix+name+"-"+randHex(4))
+}
+
+// inRAMDir reports whether p is a file directly inside the RAM directory: the engine
+// deletes only such files, whatever a (corrupt) manifest names.
+func (l layout) inRAMDir(p string) bool { return p != "" && filepath.Dir(p) == l.ram }
+
+// parseRAMName classifies a file name in the RAM directory: a VM's RAM file, a
+// checkpoint's, or a temporary one (a freeze that did not finish).
+func parseRAMName(n string) (kind, name string) {
+	switch {
+	case strings.Contains(n, ".ram.tmp-"):
+		return "tmp", ""
+	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".ram"):
+		return "checkpoint", strings.TrimSuffix(strings.TrimPrefix(n, "ck-"), ".ram")
+	case strings.HasPrefix(n, "vm-") && strings.HasSuffix(n, ".ram"):
+		return "vm", strings.TrimSuffix(strings.TrimPrefix(n, "vm-"), ".ram")
+	}
+	return "", ""
+}
+
+// removeVMFiles deletes a VM's files: its directory, run directory and RAM file. m may
+// be nil when the manifest is unreadable; the default locations are removed either way.
+func (l layout) removeVMFiles(name string, m *manifest) {
+	if m != nil {
+		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
+			os.Remove(m.Launch.RAM.Path)
+		}
+		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
+			os.RemoveAll(m.Launch.RunDir)
+		}
+	}
+	os.Remove(l.vmRAM(name))
+	os.RemoveAll(l.runDir(name))
+	os.RemoveAll(l.vmDir(name))
+}

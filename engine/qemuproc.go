@@ -1,0 +1,264 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/forkvm/forkvm/qmp"
+)
+
+// qemuProc is one QEMU process: spawned by this engine (a child, whose exit is seen at
+// once) or re-adopted from a manifest after an engine restart (watched by polling its
+// pid and start time). It owns the QMP connection to the process.
+//
+// Concurrency: mu guards the QMP client and ignoreShared; callers that need a sequence
+// of QMP commands to run alone (a checkpoint) serialize on the VM's own lock.
+type qemuProc struct {
+	name    string
+	qmpPath string
+	logPath string // QEMU's stdout and stderr, quoted in errors when it dies
+
+	pid   int
+	start uint64 // /proc start time: with pid it identifies the process across pid reuse
+	// exited is closed when our child exits (nil for a re-adopted process); exitCode is
+	// valid after that.
+	exited   chan struct{}
+	exitCode int
+	// stopping is set when the engine stops or kills the process on purpose.
+	stopping atomic.Bool
+
+	watchOnce sync.Once
+	watched   chan struct{} // closed when the process is gone (see done)
+
+	mu           sync.Mutex
+	qmp          *qmp.Client
+	ignoreShared bool // x-ignore-shared is set in this QEMU (reset on reconnect, to be safe)
+}
+
+// spawnQEMU starts QEMU with args, its output going to logPath. QEMU outlives this
+// process (a CLI run), so it gets its own session: the terminal's signals do not reach it.
+func spawnQEMU(name, bin string, args []string, qmpPath, logPath string) (*qemuProc, error) {
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("engine: qemu log: %w", err)
+	}
+	defer logf.Close()
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, &QEMUError{VM: name, Op: "start", ExitCode: -1, Err: err}
+	}
+	p := &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: cmd.Process.Pid, exited: make(chan struct{})}
+	p.start, _ = procStartTime(p.pid)
+	go func() {
+		_ = cmd.Wait()
+		p.exitCode = cmd.ProcessState.ExitCode()
+		close(p.exited)
+	}()
+	return p, nil
+}
+
+// adoptQEMU re-finds a QEMU process recorded in a manifest (not our child).
+func adoptQEMU(name string, pid int, start uint64, qmpPath, logPath string) *qemuProc {
+	return &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: pid, start: start}
+}
+
+// alive reports whether the process is the one recorded and still runs.
+func (p *qemuProc) alive() bool {
+	if p.exited != nil {
+		select {
+		case <-p.exited:
+			return false
+		default:
+		}
+	}
+	if p.pid <= 0 {
+		return false
+	}
+	got, err := procStartTime(p.pid)
+	return err == nil && got == p.start
+}
+
+// done returns a channel closed when the process is gone. For a re-adopted process a
+// goroutine polls until then.
+func (p *qemuProc) done() <-chan struct{} {
+	if p.exited != nil {
+		return p.exited
+	}
+	p.watchOnce.Do(func() {
+		p.watched = make(chan struct{})
+		go func() {
+			for p.alive() {
+				time.Sleep(50 * time.Millisecond)
+			}
+			close(p.watched)
+		}()
+	})
+	return p.watched
+}
+
+// exitErr describes how the process ended: nil when the engine stopped it or it exited
+// with status 0, else a *QEMUError wrapping ErrQEMUExited with QEMU's stderr tail.
+func (p *qemuProc) exitErr() error {
+	code := p.code()
+	if p.stopping.Load() || code == 0 {
+		return nil
+	}
+	return &QEMUError{VM: p.name, Op: "run", ExitCode: code, Err: ErrQEMUExited, Stderr: tail(p.logPath, 600)}
+}
+
+// code is the exit status of our exited child; -1 while it runs, when a signal ended
+// it, or for a re-adopted process (not our child: its status is not ours to read).
+func (p *qemuProc) code() int {
+	if p.exited == nil {
+		return -1
+	}
+	select {
+	case <-p.exited:
+		return p.exitCode
+	default:
+		return -1
+	}
+}
+
+// connect dials QMP, retrying until QEMU listens, QEMU exits or ctx ends.
+func (p *qemuProc) connect(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for {
+		c, err := qmp.Dial(ctx, p.qmpPath, nil)
+		if err == nil {
+			p.mu.Lock()
+			if p.qmp != nil {
+				p.qmp.Close()
+			}
+			p.qmp, p.ignoreShared = c, false
+			p.mu.Unlock()
+			return nil
+		}
+		if !p.alive() {
+			return ErrQEMUExited
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("engine: qmp %s: %w", p.qmpPath, err)
+		case <-p.done():
+			return ErrQEMUExited
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+}
+
+// client returns the QMP client, reconnecting when the connection ended.
+func (p *qemuProc) client(ctx context.Context) (*qmp.Client, error) {
+	p.mu.Lock()
+	c := p.qmp
+	p.mu.Unlock()
+	if c != nil {
+		select {
+		case <-c.Done():
+		default:
+			return c, nil
+		}
+	}
+	if err := p.connect(ctx); err != nil {
+		return nil, p.failure("qmp", err)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.qmp, nil
+}
+
+// closeQMP closes the QMP connection (the process keeps running).
+func (p *qemuProc) closeQMP() {
+	p.mu.Lock()
+	if p.qmp != nil {
+		p.qmp.Close()
+		p.qmp = nil
+	}
+	p.mu.Unlock()
+}
+
+// kill SIGKILLs the process if it is alive and waits briefly for it to go.
+func (p *qemuProc) kill() {
+	p.stopping.Store(true)
+	p.closeQMP()
+	if !p.alive() {
+		return
+	}
+	_ = syscall.Kill(p.pid, syscall.SIGKILL)
+	deadline := time.Now().Add(5 * time.Second)
+	for p.alive() && time.Now().Before(deadline) {
+		select {
+		case <-p.done():
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// quit asks QEMU to exit over QMP, then kills it if it is still there after a grace
+// period (or at once when ctx ends).
+func (p *qemuProc) quit(ctx context.Context) {
+	p.stopping.Store(true)
+	if p.alive() {
+		if c, err := p.client(ctx); err == nil {
+			qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			_ = c.Execute(qctx, "quit", nil, nil)
+			cancel()
+			select {
+			case <-p.done():
+			case <-ctx.Done():
+			case <-time.After(3 * time.Second):
+			}
+		}
+	}
+	p.kill()
+}
+
+// failure turns err into a *QEMUError, carrying QEMU's exit code and stderr tail when
+// QEMU died.
+func (p *qemuProc) failure(op string, err error) error {
+	var qe *QEMUError
+	if errors.As(err, &qe) {
+		return err
+	}
+	if p.exited != nil {
+		select {
+		case <-p.exited:
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	if p.alive() {
+		return &QEMUError{VM: p.name, Op: op, Err: err}
+	}
+	if !errors.Is(err, ErrQEMUExited) {
+		err = fmt.Errorf("%w: %w", ErrQEMUExited, err)
+	}
+	return &QEMUError{VM: p.name, Op: op, ExitCode: p.code(), Err: err, Stderr: tail(p.logPath, 600)}
+}
+
+// tail returns up to n trailing bytes of a file, trimmed.
+func tail(path string, n int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return ""
+	}
+	off := max(st.Size()-n, 0)
+	b := make([]byte, st.Size()-off)
+	n2, _ := f.ReadAt(b, off)
+	return strings.TrimSpace(string(b[:n2]))
+}

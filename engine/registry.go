@@ -1,0 +1,137 @@
+package engine
+
+import (
+	"fmt"
+	"os"
+	"sort"
+	"sync"
+)
+
+// registry holds the engine's VMs by name and the names being made, so that no two
+// VMs or checkpoints share a name. It never holds its lock across QEMU start-up or agent
+// round trips.
+type registry struct {
+	paths layout
+
+	mu       sync.Mutex
+	vms      map[string]*VM
+	reserved map[string]bool // names being created (not yet in vms or on disk)
+	closed   bool
+}
+
+func newRegistry(paths layout) *registry {
+	return &registry{paths: paths, vms: map[string]*VM{}, reserved: map[string]bool{}}
+}
+
+// reserve claims a valid, unused name for a VM or checkpoint being made; release it
+// with unreserve.
+func (r *registry) reserve(name string) error {
+	if err := ValidateName(name); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return ErrClosed
+	}
+	if r.reserved[name] || r.vms[name] != nil {
+		return fmt.Errorf("%w: %s", ErrExists, name)
+	}
+	if _, err := os.Stat(r.paths.checkpointDir(name)); err == nil {
+		return fmt.Errorf("%w: %s (a checkpoint)", ErrExists, name)
+	}
+	if _, err := os.Stat(r.paths.vmDir(name)); err == nil {
+		return fmt.Errorf("%w: %s", ErrExists, name)
+	}
+	r.reserved[name] = true
+	return nil
+}
+
+func (r *registry) unreserve(name string) {
+	r.mu.Lock()
+	delete(r.reserved, name)
+	r.mu.Unlock()
+}
+
+// get returns the named VM.
+func (r *registry) get(name string) (*VM, error) {
+	if err := ValidateName(name); err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, ErrClosed
+	}
+	vm := r.vms[name]
+	if vm == nil {
+		return nil, fmt.Errorf("%w: vm %s", ErrNotFound, name)
+	}
+	return vm, nil
+}
+
+func (r *registry) add(vm *VM) {
+	r.mu.Lock()
+	r.vms[vm.m.Name] = vm
+	r.mu.Unlock()
+}
+
+func (r *registry) remove(name string) {
+	r.mu.Lock()
+	delete(r.vms, name)
+	r.mu.Unlock()
+}
+
+func (r *registry) has(name string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.vms[name] != nil
+}
+
+// all returns the VMs sorted by name.
+func (r *registry) all() []*VM {
+	r.mu.Lock()
+	vms := make([]*VM, 0, len(r.vms))
+	for _, vm := range r.vms {
+		vms = append(vms, vm)
+	}
+	r.mu.Unlock()
+	sort.Slice(vms, func(i, j int) bool { return vms[i].m.Name < vms[j].m.Name })
+	return vms
+}
+
+// forksByParent maps each checkpoint to its live forks, sorted.
+func (r *registry) forksByParent() map[string][]string {
+	m := map[string][]string{}
+	for _, vm := range r.all() {
+		vm.mu.Lock()
+		parent := vm.m.Parent
+		vm.mu.Unlock()
+		if parent != "" {
+			m[parent] = append(m[parent], vm.m.Name)
+		}
+	}
+	return m
+}
+
+// forksOf counts a checkpoint's forks.
+func (r *registry) forksOf(ck string) int { return len(r.forksByParent()[ck]) }
+
+// usedCPUs counts the vCPUs of live VMs.
+func (r *registry) usedCPUs() int {
+	n := 0
+	for _, vm := range r.all() {
+		if vm.alive() {
+			n += vm.m.Spec.CPUs
+		}
+	}
+	return n
+}
+
+// close refuses new names and returns the VMs.
+func (r *registry) close() []*VM {
+	r.mu.Lock()
+	r.closed = true
+	r.mu.Unlock()
+	return r.all()
+}
