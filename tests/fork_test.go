@@ -442,7 +442,7 @@ func TestWarmPool(t *testing.T) {
 	}
 	// Closing the engine kills the pool; the fork and the world keep running.
 	var pooled []int
-	for _, p := range qemuPIDs(t, env.Home) {
+	for _, p := range qemuPIDs(env.Home) {
 		if p != f.PID() && p != w.PID() {
 			pooled = append(pooled, p)
 		}
@@ -464,27 +464,6 @@ func TestWarmPool(t *testing.T) {
 	if l := e2.List(); len(l) != 2 {
 		t.Fatalf("after restart: %+v, want w and pf1", l)
 	}
-}
-
-// qemuPIDs lists QEMU processes whose command line mentions dir.
-func qemuPIDs(t *testing.T, dir string) []int {
-	t.Helper()
-	ents, _ := os.ReadDir("/proc")
-	var pids []int
-	for _, ent := range ents {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
-		if err != nil || !strings.Contains(string(b), "qemu-system") || !strings.Contains(string(b), dir) {
-			continue
-		}
-		if processAlive(pid) {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
 }
 
 // TestCheckpointHandoff checks the copy-free checkpoint: the world's RAM file becomes the
@@ -607,7 +586,7 @@ func TestForkManyCancel(t *testing.T) {
 	if ents, _ := os.ReadDir(filepath.Join(env.Home, "vms")); len(ents) != 1 {
 		t.Fatalf("vm dirs left: %v", ents)
 	}
-	if pids := qemuPIDs(t, env.Home); len(pids) != 1 {
+	if pids := qemuPIDs(env.Home); len(pids) != 1 {
 		t.Fatalf("qemu processes: %v, want only the world's", pids)
 	}
 }
@@ -632,12 +611,12 @@ func TestSingleThreadTCGFork(t *testing.T) {
 	if got := f.Info().TCGThread; got != "single" {
 		t.Fatalf("fork TCGThread = %q, want single", got)
 	}
-	argv, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", f.PID()))
+	argv, err := memfile.ProcessArgs(f.PID())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(string(argv), "thread=single") {
-		t.Fatalf("QEMU argv lacks thread=single: %q", strings.ReplaceAll(string(argv), "\x00", " "))
+	if !hasArg(argv, "thread=single") {
+		t.Fatalf("QEMU argv lacks thread=single: %q", strings.Join(argv, " "))
 	}
 	// Both vCPUs run: a busy loop pinned to each finishes, and each CPU's user time grows.
 	if n := mustRun(t, f, "nproc"); n != "2" {

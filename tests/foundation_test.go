@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -215,7 +216,7 @@ func TestBadInput(t *testing.T) {
 		_, err := env2.E.Create(ctx, engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
 		wantErr(t, err, engine.ErrQEMUExited)
 		var qe *engine.QEMUError
-		if !asQEMUError(err, &qe) || qe.Stderr == "" {
+		if !errors.As(err, &qe) || qe.Stderr == "" {
 			t.Fatalf("error carries no QEMU stderr: %v", err)
 		}
 		if ents, _ := os.ReadDir(filepath.Join(env2.Home, "vms")); len(ents) != 0 {
@@ -242,13 +243,7 @@ func TestBadInput(t *testing.T) {
 			t.Fatal(err)
 		}
 		syscall.Kill(vm.PID(), syscall.SIGKILL)
-		deadline := time.Now().Add(10 * time.Second)
-		for vm.Info().State != engine.StateDead && time.Now().Before(deadline) {
-			time.Sleep(20 * time.Millisecond)
-		}
-		if st := vm.Info().State; st != engine.StateDead {
-			t.Fatalf("state after kill -9 = %s, want dead", st)
-		}
+		waitDead(t, vm, 10*time.Second)
 		_, err = vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"true"}})
 		wantErr(t, err, engine.ErrNotRunning)
 		// A new engine on the same state dir still reports it; Reap cleans it.
@@ -294,19 +289,4 @@ func noAgentInitrd(t *testing.T) string {
 		t.Fatalf("cpio: %v %s", err, b)
 	}
 	return out
-}
-
-func asQEMUError(err error, target **engine.QEMUError) bool {
-	for err != nil {
-		if qe, ok := err.(*engine.QEMUError); ok {
-			*target = qe
-			return true
-		}
-		u, ok := err.(interface{ Unwrap() error })
-		if !ok {
-			return false
-		}
-		err = u.Unwrap()
-	}
-	return false
 }

@@ -13,7 +13,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -23,7 +22,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -31,298 +29,6 @@ import (
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/vsockd"
 )
-
-// ---------------------------------------------------------------------------------------
-// helpers
-
-// newRobustEnv is newEnv plus a last-resort cleanup (it runs after the env's teardown and
-// its leak checks) that kills any process still referencing the state dir, so that a
-// failing test never leaves QEMU processes behind on a shared machine.
-func newRobustEnv(t *testing.T, mod func(*engine.Config)) *testEnv {
-	t.Helper()
-	var home, ramDir string
-	t.Cleanup(func() {
-		if home == "" {
-			return
-		}
-		for pid := range procsReferencing(home, ramDir) {
-			syscall.Kill(pid, syscall.SIGKILL)
-		}
-		os.RemoveAll(ramDir)
-		os.RemoveAll(home)
-	})
-	env := newEnv(t, mod)
-	home, ramDir = env.Home, env.E.RAMDir()
-	return env
-}
-
-// procsReferencing returns the live processes (other than this one) whose command line
-// contains any of subs, with their command lines (NULs shown as spaces).
-func procsReferencing(subs ...string) map[int]string {
-	out := map[int]string{}
-	ents, _ := os.ReadDir("/proc")
-	self := os.Getpid()
-	for _, ent := range ents {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil || pid == self {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + ent.Name() + "/cmdline")
-		if err != nil || len(b) == 0 {
-			continue
-		}
-		for _, s := range subs {
-			if s != "" && bytes.Contains(b, []byte(s)) {
-				out[pid] = string(bytes.ReplaceAll(b, []byte{0}, []byte{' '}))
-				break
-			}
-		}
-	}
-	return out
-}
-
-// qemuPIDOf returns the pid of the QEMU of VM name in the state dir home, or 0.
-func qemuPIDOf(home, name string) int {
-	tag := []byte("process=forkvm-" + name + "\x00")
-	for pid := range procsReferencing(home) {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		if err == nil && bytes.Contains(b, tag) {
-			return pid
-		}
-	}
-	return 0
-}
-
-// hasOpenFile reports whether process pid has path open.
-func hasOpenFile(pid int, path string) bool {
-	if pid <= 0 {
-		return false
-	}
-	dir := fmt.Sprintf("/proc/%d/fd", pid)
-	ents, _ := os.ReadDir(dir)
-	for _, ent := range ents {
-		if l, err := os.Readlink(filepath.Join(dir, ent.Name())); err == nil && l == path {
-			return true
-		}
-	}
-	return false
-}
-
-// vmOfCmdline returns the VM name a QEMU command line belongs to ("" if none).
-func vmOfCmdline(cmdline string) string {
-	const key = "process=forkvm-"
-	i := strings.Index(cmdline, key)
-	if i < 0 {
-		return ""
-	}
-	rest := cmdline[i+len(key):]
-	if j := strings.IndexByte(rest, ' '); j >= 0 {
-		rest = rest[:j]
-	}
-	return rest
-}
-
-func dirNames(dir string) []string {
-	ents, _ := os.ReadDir(dir)
-	names := []string{}
-	for _, e := range ents {
-		names = append(names, e.Name())
-	}
-	sort.Strings(names)
-	return names
-}
-
-func sorted(s []string) []string {
-	s = append([]string{}, s...)
-	sort.Strings(s)
-	if s == nil {
-		s = []string{}
-	}
-	return s
-}
-
-// expectState describes everything that may exist in an engine's directories.
-type expectState struct {
-	VMs  []string // VMs with a directory, a run dir and (if alive) a QEMU
-	RAM  []string // exact RAM dir entries
-	CKs  []string // exact checkpoint dir entries
-	Dead []string // VMs in VMs whose QEMU is known to be gone
-}
-
-// checkState asserts the engine's directories and processes hold exactly want: QEMU
-// processes of the state dir belong to listed VMs, VM dirs and run dirs are exactly the
-// listed VMs, sockets are only inside listed run dirs, RAM and checkpoint dirs hold
-// exactly the listed entries (no .tmp-* left overs).
-func checkState(t *testing.T, env *testEnv, want expectState) {
-	t.Helper()
-	home, ramDir := env.Home, env.E.RAMDir()
-	runDir := filepath.Join(home, "run")
-	vms := sorted(want.VMs)
-	for pid, cl := range procsReferencing(home, ramDir) {
-		name := vmOfCmdline(cl)
-		if name == "" || !slices.Contains(vms, name) || slices.Contains(want.Dead, name) {
-			t.Errorf("leak: process %d (vm %q) still references the state dir: %.300s", pid, name, cl)
-		}
-	}
-	if got := dirNames(filepath.Join(home, "vms")); !slices.Equal(got, vms) {
-		t.Errorf("vms dir holds %v, want %v", got, vms)
-	}
-	if got := dirNames(runDir); !slices.Equal(got, vms) {
-		t.Errorf("run dir holds %v, want %v", got, vms)
-	}
-	if got := dirNames(ramDir); !slices.Equal(got, sorted(want.RAM)) {
-		t.Errorf("RAM dir holds %v, want %v", got, sorted(want.RAM))
-	}
-	if got := dirNames(filepath.Join(home, "checkpoints")); !slices.Equal(got, sorted(want.CKs)) {
-		t.Errorf("checkpoints dir holds %v, want %v", got, sorted(want.CKs))
-	}
-	filepath.WalkDir(home, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || d.Type()&fs.ModeSocket == 0 {
-			return nil
-		}
-		rel, _ := filepath.Rel(runDir, p)
-		if strings.HasPrefix(rel, "..") || !slices.Contains(vms, strings.Split(rel, string(filepath.Separator))[0]) {
-			t.Errorf("leak: socket %s does not belong to a listed VM", p)
-		}
-		return nil
-	})
-}
-
-// treeSnapshot lists every path under roots with its type and permission bits.
-func treeSnapshot(roots ...string) []string {
-	var out []string
-	for _, r := range roots {
-		filepath.WalkDir(r, func(p string, d fs.DirEntry, err error) error {
-			if err != nil {
-				return nil
-			}
-			info, err := d.Info()
-			if err != nil {
-				return nil
-			}
-			out = append(out, p+" "+info.Mode().String())
-			return nil
-		})
-	}
-	sort.Strings(out)
-	return out
-}
-
-func diffLists(a, b []string) (onlyA, onlyB []string) {
-	ma := map[string]bool{}
-	for _, x := range a {
-		ma[x] = true
-	}
-	mb := map[string]bool{}
-	for _, x := range b {
-		mb[x] = true
-		if !ma[x] {
-			onlyB = append(onlyB, x)
-		}
-	}
-	for _, x := range a {
-		if !mb[x] {
-			onlyA = append(onlyA, x)
-		}
-	}
-	return
-}
-
-// makeWorld boots a small forkable world.
-func makeWorld(t *testing.T, e *engine.Engine, name string, memMiB, diskMiB int) *engine.VM {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	vm, err := e.Create(ctx, engine.Spec{Name: name, CPUs: 1, MemoryMiB: memMiB, Forkable: true, DiskMiB: diskMiB})
-	if err != nil {
-		t.Fatalf("create %s: %v", name, err)
-	}
-	return vm
-}
-
-// makePinnedWorld makes the forkable VM "w" (1 vCPU) and its pinned checkpoint "ck".
-func makePinnedWorld(t *testing.T, e *engine.Engine, memMiB, diskMiB int) *engine.VM {
-	t.Helper()
-	w := makeWorld(t, e, "w", memMiB, diskMiB)
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatalf("checkpoint w: %v", err)
-	}
-	return w
-}
-
-func waitDead(t *testing.T, vm *engine.VM) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for vm.Info().State != engine.StateDead && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	if st := vm.Info().State; st != engine.StateDead {
-		t.Fatalf("%s: state %s after SIGKILL, want %s", vm.Name(), st, engine.StateDead)
-	}
-}
-
-func assertGone(t *testing.T, env *testEnv, name string, pid int) {
-	t.Helper()
-	if _, err := env.E.Get(name); !errors.Is(err, engine.ErrNotFound) {
-		t.Errorf("%s: Get = %v, want ErrNotFound", name, err)
-	}
-	for _, p := range []string{filepath.Join(env.Home, "vms", name), filepath.Join(env.Home, "run", name),
-		filepath.Join(env.E.RAMDir(), "vm-"+name+".ram")} {
-		if _, err := os.Lstat(p); !errors.Is(err, fs.ErrNotExist) {
-			t.Errorf("%s: %s still exists (%v)", name, p, err)
-		}
-	}
-	if pid > 0 && processAlive(pid) {
-		t.Errorf("%s: qemu %d still alive", name, pid)
-	}
-	if p := qemuPIDOf(env.Home, name); p != 0 {
-		t.Errorf("%s: a qemu (pid %d) still runs", name, p)
-	}
-}
-
-// deleteAll deletes every VM and checkpoint of env and checks nothing is left.
-func deleteAll(t *testing.T, env *testEnv) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	for _, inf := range env.E.List() {
-		if err := env.E.Delete(ctx, inf.Name); err != nil {
-			t.Errorf("delete %s: %v", inf.Name, err)
-		}
-	}
-	cks, _ := env.E.Checkpoints()
-	for _, c := range cks {
-		if err := env.E.DeleteCheckpoint(ctx, c.Name, true); err != nil {
-			t.Errorf("delete checkpoint %s: %v", c.Name, err)
-		}
-	}
-	checkState(t, env, expectState{})
-}
-
-var (
-	helperOnce sync.Once
-	helperPath string
-	helperErr  error
-)
-
-// engineHelper builds tests/enginehelper once per run.
-func engineHelper(t *testing.T) string {
-	t.Helper()
-	helperOnce.Do(func() {
-		helperPath = filepath.Join(binDir, "enginehelper")
-		cmd := exec.Command("go", "build", "-o", helperPath, "./tests/enginehelper")
-		cmd.Dir = repoRoot
-		if out, err := cmd.CombinedOutput(); err != nil {
-			helperErr = fmt.Errorf("go build enginehelper: %v\n%s", err, out)
-		}
-	})
-	if helperErr != nil {
-		t.Fatal(helperErr)
-	}
-	return helperPath
-}
 
 // ---------------------------------------------------------------------------------------
 // 1. kill -9 of forks during a wave
@@ -393,7 +99,7 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 		}
 	}
 	for _, vm := range killed {
-		waitDead(t, vm)
+		waitDead(t, vm, 30*time.Second)
 		_, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"true"}})
 		wantErr(t, err, engine.ErrNotRunning)
 	}
@@ -511,8 +217,8 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 		leftover[n] = left{state: m.State, pid: m.PID}
 	}
 	qemus := map[string]int{}
-	for pid, cl := range procsReferencing(env.Home) {
-		qemus[vmOfCmdline(cl)] = pid
+	for pid, args := range procsReferencing(env.Home) {
+		qemus[vmOfArgs(args)] = pid
 	}
 	t.Logf("helper printed %v; left behind: %+v; qemus: %v", printed, leftover, qemus)
 	var running, halfMade []string
@@ -577,20 +283,6 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 		t.Fatalf("n1 hostname %q", got)
 	}
 	deleteAll(t, env)
-}
-
-// readManifest reads the fields of a VM manifest the tests need (without the engine's
-// validation, which is what is being tested).
-func readManifest(path string) (*engine.Manifest, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	var m engine.Manifest
-	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, err
-	}
-	return &m, nil
 }
 
 // ---------------------------------------------------------------------------------------
@@ -821,7 +513,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 			if !killed {
 				t.Fatalf("checkpoint finished before the kill: %v", err)
 			}
-			waitDead(t, world)
+			waitDead(t, world, 30*time.Second)
 			if err == nil {
 				// The kill landed after the guest was stopped and saved: the checkpoint is
 				// consistent. Accept, but this attempt did not test the failure path.
@@ -851,7 +543,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 		if !killed {
 			t.Fatalf("checkpoint finished before the kill (freeze never observed): %v", err)
 		}
-		waitDead(t, world)
+		waitDead(t, world, 30*time.Second)
 		if err != nil {
 			afterFailure(t, "wf", "cf", err)
 			reapWorld(t, "wf", nil)
@@ -875,11 +567,6 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 
 // ---------------------------------------------------------------------------------------
 // 6. a small soak
-
-func countFDs() int {
-	ents, _ := os.ReadDir("/proc/self/fd")
-	return len(ents) - 1 // the directory being read
-}
 
 func TestRobustSoak(t *testing.T) {
 	env := newRobustEnv(t, nil)
@@ -995,11 +682,7 @@ func TestRobustCrashBeforePIDRecorded(t *testing.T) {
 		t.Fatalf("half-made x after restart: %v", err)
 	}
 	// Give a kill time to land.
-	deadline := time.Now().Add(5 * time.Second)
-	for processAlive(pid) && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
-	if processAlive(pid) {
+	if !waitExited(pid, 5*time.Second) {
 		t.Errorf("the half-made fork's QEMU (pid %d) still runs after the new engine reaped its files: an invisible orphan", pid)
 	}
 	assertGone(t, env, "x", 0)

@@ -22,11 +22,28 @@ func checkpointRestoreCmd() *cli.Command {
 			if n < 1 || f < 1 {
 				return fmt.Errorf("--n and --fanout must be >= 1")
 			}
-			return runBench(ctx, cmd, "checkpoint-restore", map[string]any{"n": n, "fanout": f}, func(r *runner) error {
+			return runBench(ctx, cmd, "checkpoint-restore", &CheckpointRestoreSettings{N: n, Fanout: f}, func(r *runner) error {
 				return runCheckpointRestore(r, n, f)
 			})
 		},
 	}
+}
+
+// CheckpointRestoreSettings are checkpoint-restore's environment.settings.
+type CheckpointRestoreSettings struct {
+	N      int `json:"n"`
+	Fanout int `json:"fanout"`
+	RunSettings
+}
+
+// FanoutSummary is checkpoint-restore's fan-out in result.json (extra.fanout).
+type FanoutSummary struct {
+	N                int     `json:"n"`
+	Ready            int     `json:"ready"`
+	Refused          int     `json:"refused"`
+	WallMS           float64 `json:"wall_ms"`
+	PrivateMBPerFork float64 `json:"private_mb_per_fork"`
+	Admission        string  `json:"admission"` // "" when admission refused none
 }
 
 func runCheckpointRestore(r *runner, n, fanout int) error {
@@ -92,30 +109,21 @@ func runCheckpointRestore(r *runner, n, fanout int) error {
 		r.fail("fanout: %s", e)
 	}
 	if r.hold {
-		var names []string
-		for _, vm := range wr.Ready {
-			names = append(names, vm.Name())
-		}
-		r.keep(w.Ck, names...)
+		r.keepVMs(w.Ck, wr.Ready)
 	} else {
 		r.deleteAll(wr.Ready)
 	}
-	pc := summarize(ckTotal)
-	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "checkpoint_p50_ms", round3(pc.P50), "ms", "p50"
-	r.res.N = len(ckTotal)
-	r.res.Percentiles = roundP(pc)
+	pc := r.p50Headline("checkpoint_p50_ms", ckTotal)
 	r.res.Extra["checkpoint_ms"] = roundP(pc)
 	r.res.Extra["checkpoint_paused_ms"] = roundP(summarize(ckPaused))
 	r.res.Extra["restore_ms"] = roundP(summarize(restore))
 	r.res.Extra["fork_running_vm_ms"] = roundP(summarize(running))
-	r.res.Extra["fanout"] = map[string]any{"n": fanout, "ready": wr.ReadyCount(), "refused": wr.AdmissionCount, "wall_ms": round3(ms(wr.Wall)),
-		"private_mb_per_fork": round3(wr.PrivateMBPerFork()), "admission": wr.admissionText()}
+	r.res.Extra["fanout"] = FanoutSummary{N: fanout, Ready: wr.ReadyCount(), Refused: wr.AdmissionCount, WallMS: round3(ms(wr.Wall)),
+		PrivateMBPerFork: round3(wr.PrivateMBPerFork()), Admission: wr.admissionText()}
 	r.res.Method = fmt.Sprintf("%d times: an unpinned checkpoint of the running world (dirtied %d MB; checkpoint ms = engine Timings.Total, paused = Timings.Paused), a fork of it until the first `sh -c true` answered (restore ms), deleted with the checkpoint; then engine.Fork of the running world VM by name (implicit checkpoint + fork + first command, fork-of-running-VM ms). Finally %d forks at once (ForkMany) of the pinned world checkpoint: wall first start to last ready, host memory added per running fork = MemAvailable drop / ready forks. Percentiles are over checkpoint Total ms.",
 		n, r.shape.DirtyMB, fanout)
 	r.section("## Checkpoint / restore\n\ncheckpoint p50 %.0f ms (paused p50 %.0f ms); restore (fork of a fresh checkpoint → first command) p50 %.0f ms; fork of the running VM (implicit checkpoint) p50 %.0f ms; %d forks at once: wall %.0f ms, %.1f MiB host memory per running fork.\n\n",
 		pc.P50, median(ckPaused), median(restore), median(running), fanout, ms(wr.Wall), wr.PrivateMBPerFork())
-	if wr.AdmissionCount > 0 {
-		r.section("**Admission stop:** %s.\n\n", wr.admissionText())
-	}
+	r.admissionSection(wr)
 	return nil
 }

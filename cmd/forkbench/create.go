@@ -29,7 +29,7 @@ func createCmd() *cli.Command {
 			if batch > 0 && !golden {
 				return fmt.Errorf("--batch needs --golden (a batch is made of forks of the golden checkpoint)")
 			}
-			settings := map[string]any{"n": n, "golden": golden, "batch": batch, "conc": conc}
+			settings := &CreateSettings{N: n, Golden: golden, Batch: batch, Conc: conc}
 			return runBench(ctx, cmd, "create", settings, func(r *runner) error {
 				switch {
 				case batch > 0:
@@ -41,6 +41,15 @@ func createCmd() *cli.Command {
 			})
 		},
 	}
+}
+
+// CreateSettings are create's environment.settings.
+type CreateSettings struct {
+	N      int  `json:"n"`
+	Golden bool `json:"golden"`
+	Batch  int  `json:"batch"`
+	Conc   int  `json:"conc"`
+	RunSettings
 }
 
 // coldCreate boots name (forkable, with the world's disk) until the first command.
@@ -89,9 +98,7 @@ func runCreateCold(r *runner, n int) error {
 			return err
 		}
 	}
-	pc := summarize(lat)
-	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "create_p50_ms", round3(pc.P50), "ms", "p50"
-	r.res.N, r.res.Percentiles = len(lat), roundP(pc)
+	pc := r.p50Headline("create_p50_ms", lat)
 	r.res.Method = fmt.Sprintf("Serial cold boots: %d times engine.Create (%d vCPU, %d MiB, %d MiB disk, not forkable) until the agent answered, then the first `sh -c true`; each VM deleted after. Sample = create start to first command done.", n, r.shape.CPUs, r.shape.MemoryMiB, r.shape.DiskMiB)
 	r.section("## Cold creates\n\np50 %.0f ms (p90 %.0f, max %.0f) over %d.\n\n```\n%s```\n\n", pc.P50, pc.P90, pc.Max, len(lat), asciiChart(bars, 40, "ms"))
 	return nil
@@ -135,9 +142,7 @@ func runCreateGolden(r *runner, n int) error {
 			return err
 		}
 	}
-	pc := summarize(lat)
-	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "create_golden_p50_ms", round3(pc.P50), "ms", "p50"
-	r.res.N, r.res.Percentiles = len(lat), roundP(pc)
+	pc := r.p50Headline("create_golden_p50_ms", lat)
 	r.res.Extra["first_create_ms"] = round3(ms(first))
 	r.res.Method = fmt.Sprintf("Golden creates: the first create boots a world (dirtying %d MB), checkpoints it pinned as the golden checkpoint and runs the first command (reported separately as first_create_ms, not in the percentiles); the %d later creates are engine.Fork of the golden checkpoint until the first `sh -c true`, each deleted after.", r.shape.DirtyMB, n-1)
 	r.section("## Golden creates\n\nfirst create (boot + dirty + checkpoint + first command): %.0f ms. Later creates p50 %.0f ms (p90 %.0f, max %.0f) over %d.\n\n```\n%s```\n\n", ms(first), pc.P50, pc.P90, pc.Max, len(lat), asciiChart(bars, 40, "ms"))
@@ -153,15 +158,12 @@ func runCreateBatch(r *runner, batch, conc int) error {
 	var mu sync.Mutex
 	var cmdFail []string
 	wr, err := r.wave(fmt.Sprintf("batch%d", batch), w.Ck, batch, engine.ManyOptions{Prefix: "gb-", Concurrency: conc}, func(ev engine.ForkEvent) {
-		t := time.Now()
-		d, err := firstCmd(r.ctx, ev.VM)
+		_, err := firstCmd(r.ctx, ev.VM)
 		mu.Lock()
 		if err != nil {
 			cmdFail = append(cmdFail, err.Error())
 		}
 		mu.Unlock()
-		_ = t
-		_ = d
 		// A create is done after its first command: delete it so the budget frees up.
 		if !r.hold {
 			_ = r.e.Delete(r.ctx, ev.Name)
@@ -175,11 +177,7 @@ func runCreateBatch(r *runner, batch, conc int) error {
 		r.fail("batch: %s", e)
 	}
 	if r.hold {
-		var names []string
-		for _, vm := range wr.Ready {
-			names = append(names, vm.Name())
-		}
-		r.keep(w.Ck, names...)
+		r.keepVMs(w.Ck, wr.Ready)
 	}
 	lat := wr.latencies()
 	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = fmt.Sprintf("create_batch%d_wall_s", batch), round3(wr.Wall.Seconds()), "s", "wall"

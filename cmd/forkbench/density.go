@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sync"
-	"time"
 
 	"github.com/urfave/cli/v3"
 
@@ -25,11 +24,39 @@ func densityCmd() *cli.Command {
 			if step < 1 || mx < step || cmds < 1 {
 				return fmt.Errorf("need --step >= 1, --max >= --step, --cmds >= 1")
 			}
-			return runBench(ctx, cmd, "density", map[string]any{"step": step, "max": mx, "cmds": cmds}, func(r *runner) error {
+			return runBench(ctx, cmd, "density", &DensitySettings{Step: step, Max: mx, Cmds: cmds}, func(r *runner) error {
 				return runDensity(r, step, mx, cmds)
 			})
 		},
 	}
+}
+
+// DensitySettings are density's environment.settings.
+type DensitySettings struct {
+	Step int `json:"step"`
+	Max  int `json:"max"`
+	Cmds int `json:"cmds"`
+	RunSettings
+}
+
+// DensityStep is one step of density in result.json (extra.steps[]).
+type DensityStep struct {
+	Step           int     `json:"step"`
+	Population     int     `json:"population"`
+	Added          int     `json:"added"`
+	ForkWallMS     float64 `json:"fork_wall_ms"`
+	MemAvailableMB float64 `json:"mem_available_mb"`
+	Passed         bool    `json:"passed"`
+	Stop           string  `json:"stop,omitempty"` // why the run stopped at this step
+	// *StepCommands's fields are present when the step's commands ran.
+	*StepCommands
+}
+
+// StepCommands are the command round trips (ms) of a density step.
+type StepCommands struct {
+	CmdP50MS float64 `json:"cmd_p50_ms"`
+	CmdP95MS float64 `json:"cmd_p95_ms"`
+	CmdMaxMS float64 `json:"cmd_max_ms"`
 }
 
 func runDensity(r *runner, step, mx, cmds int) error {
@@ -44,7 +71,7 @@ func runDensity(r *runner, step, mx, cmds int) error {
 			r.deleteAll(pop)
 		}
 	}()
-	steps := []map[string]any{}
+	steps := []DensityStep{}
 	lastPass := 0
 	stopReason := fmt.Sprintf("reached --max %d", mx)
 	var bars []Bar
@@ -60,16 +87,15 @@ func runDensity(r *runner, step, mx, cmds int) error {
 		}
 		r.recordWave(k, wr, nil)
 		pop = append(pop, wr.Ready...)
-		st := map[string]any{"step": k, "population": len(pop), "added": wr.ReadyCount(), "fork_wall_ms": round3(ms(wr.Wall)),
-			"mem_available_mb": round3(wr.MemAfterMB)}
+		st := DensityStep{Step: k, Population: len(pop), Added: wr.ReadyCount(), ForkWallMS: round3(ms(wr.Wall)),
+			MemAvailableMB: round3(wr.MemAfterMB)}
 		if wr.ReadyCount() < n {
-			st["passed"] = false
 			if wr.AdmissionCount > 0 {
 				stopReason = fmt.Sprintf("step %d: %s", k, wr.admissionText())
 			} else {
 				stopReason = fmt.Sprintf("step %d: %d forks failed: %v", k, wr.Failed, wr.FailedErrs)
 			}
-			st["stop"] = stopReason
+			st.Stop = stopReason
 			steps = append(steps, st)
 			break
 		}
@@ -97,17 +123,16 @@ func runDensity(r *runner, step, mx, cmds int) error {
 		}
 		wg.Wait()
 		pc := summarize(lat)
-		st["cmd_p50_ms"], st["cmd_p95_ms"], st["cmd_max_ms"] = round3(pc.P50), round3(pc.P95), round3(pc.Max)
+		st.StepCommands = &StepCommands{CmdP50MS: round3(pc.P50), CmdP95MS: round3(pc.P95), CmdMaxMS: round3(pc.Max)}
 		r.logf("%s: population %d, command p95 %.0f ms", label, len(pop), pc.P95)
 		bars = append(bars, Bar{Label: fmt.Sprintf("%4d forks", len(pop)), Value: pc.P95})
 		if len(cmdErr) > 0 {
-			st["passed"] = false
 			stopReason = fmt.Sprintf("step %d: %d commands failed: %s", k, len(cmdErr), cmdErr[0])
-			st["stop"] = stopReason
+			st.Stop = stopReason
 			steps = append(steps, st)
 			break
 		}
-		st["passed"] = true
+		st.Passed = true
 		steps = append(steps, st)
 		lastPass = len(pop)
 		if err := r.ctx.Err(); err != nil {
@@ -115,18 +140,14 @@ func runDensity(r *runner, step, mx, cmds int) error {
 		}
 	}
 	if r.hold {
-		var names []string
-		for _, vm := range pop {
-			names = append(names, vm.Name())
-		}
-		r.keep(w.Ck, names...)
+		r.keepVMs(w.Ck, pop)
 	}
 	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "density_forks", float64(lastPass), "forks", "last passing population"
 	r.res.N = lastPass
 	var p95s []float64
 	for _, s := range steps {
-		if v, ok := s["cmd_p95_ms"].(float64); ok {
-			p95s = append(p95s, v)
+		if s.StepCommands != nil {
+			p95s = append(p95s, s.CmdP95MS)
 		}
 	}
 	r.res.Percentiles = roundP(summarize(p95s))
@@ -135,6 +156,5 @@ func runDensity(r *runner, step, mx, cmds int) error {
 	r.res.Extra["stop"] = stopReason
 	r.res.Method = fmt.Sprintf("Density: grow a population of idle forks of a pinned checkpoint (world dirtied %d MB) by %d per step (ForkMany); after each step every fork, old and new, answers %d serial `sh -c true` round trips (all forks in parallel); stop at the first fork failure, admission refusal or command failure, or at %d forks; value = last population where every step passed. A refusal or failure at a step is the measured stop, not a failure of the run.", r.shape.DirtyMB, step, cmds, mx)
 	r.section("## Density\n\nLast passing population: %d forks. Stop: %s.\n\nCommand p95 per step:\n\n```\n%s```\n\n", lastPass, stopReason, asciiChart(bars, 40, "ms"))
-	_ = time.Now
 	return nil
 }

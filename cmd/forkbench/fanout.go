@@ -37,6 +37,7 @@ func fanoutCmd() *cli.Command {
 		Name:  "fanout",
 		Usage: "fork waves of N forks at once from one checkpoint (headline: wall of the largest wave)",
 		Flags: flags(
+			overcommitFlag(12, ""),
 			&cli.StringFlag{Name: "waves", Value: "8,32,64", Usage: "wave sizes"},
 			&cli.IntFlag{Name: "warm", Value: 0, Usage: "warm pool size: pre-spawned QEMUs (filled, untimed, before each wave; they hold vCPU budget)"},
 			&cli.BoolFlag{Name: "peer", Usage: "also measure the stock path: full save + restore, and a cold boot"},
@@ -45,9 +46,6 @@ func fanoutCmd() *cli.Command {
 			&cli.DurationFlag{Name: "idle-window", Value: 3 * time.Second, Usage: "after each wave's first commands, measure the host CPU its idle forks use over this window (0 = skip)"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			if !cmd.IsSet("overcommit") {
-				_ = cmd.Set("overcommit", "12")
-			}
 			waves, err := parseInts(cmd.String("waves"))
 			if err != nil {
 				return fmt.Errorf("--waves: %w", err)
@@ -60,15 +58,110 @@ func fanoutCmd() *cli.Command {
 			if idle < 0 {
 				return fmt.Errorf("--idle-window must be >= 0")
 			}
-			settings := map[string]any{"waves": waves, "warm": warm, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n"), "idle_window_s": idle.Seconds()}
+			settings := &FanoutSettings{Waves: waves, Warm: warm, Peer: cmd.Bool("peer"), PeerN: cmd.Int("peer-n"), IdleWindowS: idle.Seconds()}
 			return runBench(ctx, cmd, "fanout", settings, func(r *runner) error {
-				return runFanout(r, waves, cmd.Bool("peer"), cmd.Int("peer-n"), cmd.Bool("keep-world"), warm, idle)
+				return runFanout(r, settings, cmd.Bool("keep-world"), idle)
 			})
 		},
 	}
 }
 
-func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, warm int, idleWindow time.Duration) error {
+// FanoutSettings are fanout's environment.settings.
+type FanoutSettings struct {
+	Waves       []int   `json:"waves"`
+	Warm        int     `json:"warm"`
+	Peer        bool    `json:"peer"`
+	PeerN       int     `json:"peer_n"`
+	IdleWindowS float64 `json:"idle_window_s"`
+	// WorldDuringWaves says whether the world ran during the waves (set once decided).
+	WorldDuringWaves string `json:"world_during_waves,omitempty"`
+	RunSettings
+}
+
+// WaveSummary is one wave of fanout in result.json (extra.waves.<label>).
+type WaveSummary struct {
+	N                    int         `json:"n"`
+	Ready                int         `json:"ready"`
+	Failed               int         `json:"failed"`
+	Refused              int         `json:"refused"`
+	WallS                float64     `json:"wall_s"`
+	ForkP50MS            float64     `json:"fork_p50_ms"`
+	ForkP95MS            float64     `json:"fork_p95_ms"`
+	ForkMaxMS            float64     `json:"fork_max_ms"`
+	PrivateMBPerFork     float64     `json:"private_mb_per_fork"`
+	MemAvailableBeforeMB float64     `json:"mem_available_before_mb"`
+	MemAvailableAfterMB  float64     `json:"mem_available_after_mb"`
+	CPUUserMSP50         float64     `json:"cpu_user_ms_p50"`
+	CPUSysMSP50          float64     `json:"cpu_sys_ms_p50"`
+	AnonMBP50            float64     `json:"anon_mb_p50"`
+	MemoryMBP50          *MemSummary `json:"memory_mb_p50"` // null when no fork's memory was read
+	Isolation            IsoReport   `json:"isolation"`
+	// TCGThreadForks counts ready forks per TCG thread mode (only under TCG).
+	TCGThreadForks map[string]int `json:"tcg_thread_forks,omitzero"`
+	// *WaveIdle's fields are present when the idle CPU was measured.
+	*WaveIdle
+	AdmissionStop *AdmissionStop `json:"admission_stop,omitempty"`
+}
+
+// WaveIdle is the host CPU a wave's idle forks used (IdleCPU, rounded).
+type WaveIdle struct {
+	IdleCPUPctPerFork float64 `json:"idle_cpu_pct_per_fork"`
+	IdleCPUCoresTotal float64 `json:"idle_cpu_cores_total"`
+	IdleWindowS       float64 `json:"idle_window_s"`
+}
+
+// AdmissionStop is where admission cut a wave.
+type AdmissionStop struct {
+	Index   int    `json:"index"`
+	Refused int    `json:"refused"`
+	Text    string `json:"text"`
+	// *AdmissionRefusal's fields are present when the engine said why (an
+	// *engine.AdmissionError).
+	*AdmissionRefusal
+}
+
+// AdmissionRefusal is the exported fields of the first refusal's *engine.AdmissionError.
+type AdmissionRefusal struct {
+	Resource  string `json:"resource"`
+	Requested int64  `json:"requested"`
+	Available int64  `json:"available"`
+	Budget    int64  `json:"budget"`
+}
+
+// forkStats are the per-fork figures of a wave's ready forks.
+type forkStats struct {
+	cpuUser, cpuSys, anon []float64 // ms, ms, MiB
+	mems                  []forkMem
+	threads               map[string]int // forks per TCG thread mode
+}
+
+// waveSummary is wr as result.json records it: pc are its fork latencies (ms), f its
+// ready forks' figures (threads nil unless under TCG), iso and idle what was checked and
+// measured after it was ready.
+func waveSummary(wr *WaveResult, pc Percentiles, f forkStats, iso IsoReport, idle IdleCPU) WaveSummary {
+	ws := WaveSummary{
+		N: wr.N, Ready: wr.ReadyCount(), Failed: wr.Failed, Refused: wr.AdmissionCount,
+		WallS: round3(wr.Wall.Seconds()), ForkP50MS: round3(pc.P50), ForkP95MS: round3(pc.P95), ForkMaxMS: round3(pc.Max),
+		PrivateMBPerFork: round3(wr.PrivateMBPerFork()), MemAvailableBeforeMB: round3(wr.MemBeforeMB), MemAvailableAfterMB: round3(wr.MemAfterMB),
+		CPUUserMSP50: round3(median(f.cpuUser)), CPUSysMSP50: round3(median(f.cpuSys)), AnonMBP50: round3(median(f.anon)),
+		MemoryMBP50:    memSummary(f.mems),
+		Isolation:      iso,
+		TCGThreadForks: f.threads,
+	}
+	if idle.N > 0 {
+		ws.WaveIdle = &WaveIdle{IdleCPUPctPerFork: round3(idle.PerForkPct), IdleCPUCoresTotal: round3(idle.TotalCores), IdleWindowS: round3(idle.Window.Seconds())}
+	}
+	if wr.AdmissionCount > 0 {
+		ws.AdmissionStop = &AdmissionStop{Index: wr.AdmissionIndex, Refused: wr.AdmissionCount, Text: wr.admissionText()}
+		if a := wr.Admission; a != nil {
+			ws.AdmissionStop.AdmissionRefusal = &AdmissionRefusal{Resource: a.Resource, Requested: a.Requested, Available: a.Available, Budget: a.Budget}
+		}
+	}
+	return ws
+}
+
+func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow time.Duration) error {
+	waves, peer, peerN, warm := settings.Waves, settings.Peer, settings.PeerN, settings.Warm
 	w, err := r.bakeWorld("world", "world-ck")
 	if err != nil {
 		return err
@@ -83,17 +176,16 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 			return fmt.Errorf("retire world: %w", err)
 		}
 		w.VM = nil
-		r.res.Environment.Settings["world_during_waves"] = "deleted after its pinned checkpoint"
+		settings.WorldDuringWaves = "deleted after its pinned checkpoint"
 	} else {
-		r.res.Environment.Settings["world_during_waves"] = "running (holds vCPU budget)"
+		settings.WorldDuringWaves = "running (holds vCPU budget)"
 	}
 	if warm > 0 {
 		r.caveat("warm pool of %d (restored: %v): before each wave (untimed) the pool is filled with pre-spawned QEMUs (-incoming defer; restored: already loaded, warmed up and stopped); the first %d forks of a wave claim them, the rest spawn", warm, r.warmRestored, warm)
 	}
-	perWave := map[string]any{}
+	perWave := map[string]WaveSummary{}
 	var largest *WaveResult
 	var largestLat []float64
-	isoAll := []IsoReport{}
 	r.section("## Waves\n\n")
 	for wi, n := range waves {
 		label := fmt.Sprintf("wave%d", n)
@@ -113,63 +205,37 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 		r.firstCommands(wr)
 		idle := r.measureIdle(wr, idleWindow)
 		iso := r.checkIsolation(w, wr.Ready, mems, sampleIndices(len(wr.Ready)))
-		isoAll = append(isoAll, iso)
 		r.recordWave(wi+1, wr, mems)
 		for _, e := range wr.FailedErrs {
 			r.fail("%s: %s", label, e)
 		}
 		lat := wr.latencies()
 		pc := summarize(lat)
-		var cpuU, cpuS, anon []float64
-		var memList []forkMem
+		var fs forkStats
 		threads := map[string]int{} // forks per TCG thread mode ("" = QEMU default)
 		for _, vm := range wr.Ready {
 			threads[threadLabel(vm.Info())]++
 			c := wr.CPU[vm.Name()]
-			cpuU = append(cpuU, ms(c[0]))
-			cpuS = append(cpuS, ms(c[1]))
+			fs.cpuUser = append(fs.cpuUser, ms(c[0]))
+			fs.cpuSys = append(fs.cpuSys, ms(c[1]))
 			if m, ok := mems[vm.Name()]; ok {
-				anon = append(anon, m.AnonMB)
-				memList = append(memList, m)
+				fs.anon = append(fs.anon, m.AnonMB)
+				fs.mems = append(fs.mems, m)
 			}
-		}
-		ws := map[string]any{
-			"n": n, "ready": wr.ReadyCount(), "failed": wr.Failed, "refused": wr.AdmissionCount,
-			"wall_s": round3(wr.Wall.Seconds()), "fork_p50_ms": round3(pc.P50), "fork_p95_ms": round3(pc.P95), "fork_max_ms": round3(pc.Max),
-			"private_mb_per_fork": round3(wr.PrivateMBPerFork()), "mem_available_before_mb": round3(wr.MemBeforeMB), "mem_available_after_mb": round3(wr.MemAfterMB),
-			"cpu_user_ms_p50": round3(median(cpuU)), "cpu_sys_ms_p50": round3(median(cpuS)), "anon_mb_p50": round3(median(anon)),
-			"memory_mb_p50": memSummary(memList),
-			"isolation":     iso,
 		}
 		if r.res.Host.Accel == "tcg" {
-			ws["tcg_thread_forks"] = threads
+			fs.threads = threads
 		}
-		if idle.N > 0 {
-			ws["idle_cpu_pct_per_fork"] = round3(idle.PerForkPct)
-			ws["idle_cpu_cores_total"] = round3(idle.TotalCores)
-			ws["idle_window_s"] = round3(idle.Window.Seconds())
-		}
-		if wr.AdmissionCount > 0 {
-			ws["admission_stop"] = map[string]any{"index": wr.AdmissionIndex, "refused": wr.AdmissionCount, "text": wr.admissionText()}
-			if a := wr.Admission; a != nil {
-				ws["admission_stop"].(map[string]any)["resource"] = a.Resource
-				ws["admission_stop"].(map[string]any)["requested"] = a.Requested
-				ws["admission_stop"].(map[string]any)["available"] = a.Available
-				ws["admission_stop"].(map[string]any)["budget"] = a.Budget
-			}
-		}
-		perWave[label] = ws
+		perWave[label] = waveSummary(wr, pc, fs, iso, idle)
 		r.logf("%s: %d/%d ready in %.2fs wall (p50 %.0f ms, p95 %.0f ms), %.1f MiB host memory per fork%s", label, wr.ReadyCount(), n,
 			wr.Wall.Seconds(), pc.P50, pc.P95, wr.PrivateMBPerFork(), map[bool]string{true: "; " + wr.admissionText(), false: ""}[wr.AdmissionCount > 0])
 		r.section("### %s\n\n%d requested, %d ready, %d failed, %d refused by admission; wall %.3f s (first start → last ready); fork p50 %.0f ms, p95 %.0f ms, max %.0f ms; host memory added per fork %.1f MiB; QEMU CPU until ready p50 user %.0f ms sys %.0f ms.%s\n\n",
-			label, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(cpuU), median(cpuS),
-			memText(memList, "at ready"))
+			label, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(fs.cpuUser), median(fs.cpuSys),
+			memText(fs.mems, "at ready"))
 		if r.res.Host.Accel == "tcg" {
 			r.section("TCG thread mode of the ready forks (engine Config.TCGThread %s): %v.\n\n", r.e.TCGThread(), threads)
 		}
-		if wr.AdmissionCount > 0 {
-			r.section("**Admission stop:** %s.\n\n", wr.admissionText())
-		}
+		r.admissionSection(wr)
 		if idle.N > 0 {
 			r.section("Idle: after their first command, the %d forks used %.3f host cores together over %.1f s (%.2f%% of a core per fork).\n\n",
 				idle.N, idle.TotalCores, idle.Window.Seconds(), idle.PerForkPct)
@@ -189,11 +255,7 @@ func runFanout(r *runner, waves []int, peer bool, peerN int, keepWorld bool, war
 		}
 		last := wi == len(waves)-1
 		if r.hold && last {
-			var names []string
-			for _, vm := range wr.Ready {
-				names = append(names, vm.Name())
-			}
-			r.keep(w.Ck, names...)
+			r.keepVMs(w.Ck, wr.Ready)
 		} else {
 			r.deleteAll(wr.Ready)
 		}

@@ -30,12 +30,38 @@ func forkCmd() *cli.Command {
 			if warm < 0 {
 				return fmt.Errorf("--warm must be >= 0")
 			}
-			settings := map[string]any{"n": n, "peer": cmd.Bool("peer"), "peer_n": cmd.Int("peer-n"), "warm": warm}
+			settings := &ForkSettings{N: n, Peer: cmd.Bool("peer"), PeerN: cmd.Int("peer-n"), Warm: warm}
 			return runBench(ctx, cmd, "fork", settings, func(r *runner) error {
 				return runFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"), warm)
 			})
 		},
 	}
+}
+
+// ForkSettings are fork's environment.settings.
+type ForkSettings struct {
+	N     int  `json:"n"`
+	Peer  bool `json:"peer"`
+	PeerN int  `json:"peer_n"`
+	Warm  int  `json:"warm"`
+	RunSettings
+}
+
+// PhaseMedians are the medians (ms) of serial forks' phases (extra.phase_p50_ms).
+type PhaseMedians struct {
+	Prepare      float64 `json:"prepare"`
+	Spawn        float64 `json:"spawn"`
+	Restore      float64 `json:"restore"`
+	Agent        float64 `json:"agent"`
+	FirstCommand float64 `json:"first_command"`
+}
+
+// TCGBlocks are the medians of the TCG translation blocks serial forks generated
+// (extra.tcg_blocks_p50).
+type TCGBlocks struct {
+	Ready        float64 `json:"ready"`
+	FirstCommand float64 `json:"first_command"`
+	N            int     `json:"n"`
 }
 
 // serialFork forks src as name, runs the first command and returns the sample (the VM is
@@ -68,14 +94,14 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	} else {
 		r.logf("memory of %s: %v", name, err)
 	}
-	t := vm.Info().Timings
-	s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(t.Prepare), ms(t.Spawn), ms(t.Restore), ms(t.Agent)
+	p := phasesOf(vm.Info().Timings)
+	s.setPhases(p)
 	if err != nil {
 		s.Error = err.Error()
 		return vm, s
 	}
 	s.OK = true
-	r.trace.ForkSpans(pid, index+1, name, t0, phases{t.Prepare, t.Spawn, t.Restore, t.Agent}, ready, d,
+	r.trace.ForkSpans(pid, index+1, name, t0, p, ready, d,
 		map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "qemu_pid": vm.PID()})
 	return vm, s
 }
@@ -137,19 +163,17 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 	}
 	rep := r.checkIsolation(w, iso, nil, []int{0, 1})
 	r.deleteAll(iso)
-	pc := summarize(lat)
-	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "fork_p50_ms", round3(pc.P50), "ms", "p50"
+	metric := "fork_p50_ms"
 	if warm > 0 {
-		r.res.Metric = "fork_warm_p50_ms"
+		metric = "fork_warm_p50_ms"
 		if r.warmRestored {
-			r.res.Metric = "fork_warm_restored_p50_ms"
+			metric = "fork_warm_restored_p50_ms"
 		}
 	}
-	r.res.N = len(lat)
-	r.res.Percentiles = roundP(pc)
-	r.res.Extra["phase_p50_ms"] = map[string]any{
-		"prepare": round3(median(prep)), "spawn": round3(median(spawn)), "restore": round3(median(rest)),
-		"agent": round3(median(agent)), "first_command": round3(median(cmd)),
+	pc := r.p50Headline(metric, lat)
+	r.res.Extra["phase_p50_ms"] = PhaseMedians{
+		Prepare: round3(median(prep)), Spawn: round3(median(spawn)), Restore: round3(median(rest)),
+		Agent: round3(median(agent)), FirstCommand: round3(median(cmd)),
 	}
 	r.res.Extra["isolation"] = rep
 	if m := memSummary(mems); m != nil {
@@ -157,7 +181,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 	}
 	jitLine := ""
 	if len(tbReady) > 0 {
-		r.res.Extra["tcg_blocks_p50"] = map[string]any{"ready": median(tbReady), "first_command": median(tbCmd), "n": len(tbReady)}
+		r.res.Extra["tcg_blocks_p50"] = TCGBlocks{Ready: median(tbReady), FirstCommand: median(tbCmd), N: len(tbReady)}
 		jitLine = fmt.Sprintf(" TCG translation blocks generated (medians): %.0f until ready, %.0f more by the first command.", median(tbReady), median(tbCmd))
 	}
 	if warm > 0 {

@@ -177,8 +177,20 @@ func TestMemSummary(t *testing.T) {
 	}
 	ms := []forkMem{{PrivateMB: 10, RAMCowMB: 1, TCGCodeMB: 5}, {PrivateMB: 30, RAMCowMB: 3, TCGCodeMB: 7}, {PrivateMB: 20, RAMCowMB: 2, TCGCodeMB: 6}}
 	s := memSummary(ms)
-	if s["n"] != 3 || s["private"] != 20.0 || s["guest_written"] != 2.0 || s["tcg_code"] != 6.0 || s["heap"] != 0.0 {
-		t.Errorf("summary = %v", s)
+	if (*s != MemSummary{N: 3, Private: 20, GuestWritten: 2, TCGCode: 6}) {
+		t.Errorf("summary = %+v", *s)
+	}
+	// Each column lands in its own field: forkMem.values, memColumns and MemSummary agree.
+	one := forkMem{PrivateMB: 1, RAMCowMB: 2, TCGCodeMB: 3, HeapMB: 4, LibrariesMB: 5, PageTablesMB: 6, SharedMB: 7}
+	var got map[string]any
+	b, _ := json.Marshal(memSummary([]forkMem{one}))
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range memColumns {
+		if k := strings.TrimSuffix(c, "_mb"); got[k] != one.values()[i] {
+			t.Errorf("memory_mb_p50.%s = %v, want %v (%s)", k, got[k], one.values()[i], b)
+		}
 	}
 	if txt := memText(ms, "at ready"); !strings.Contains(txt, "at ready (medians of 3, MiB): private 20.0 = guest pages written 2.0 + TCG code 6.0") {
 		t.Errorf("text = %q", txt)

@@ -22,11 +22,18 @@ func forkManyCmd() *cli.Command {
 			if b < 1 || n < 1 {
 				return fmt.Errorf("--batches and --n must be >= 1")
 			}
-			return runBench(ctx, cmd, "fork-many", map[string]any{"batches": b, "n": n}, func(r *runner) error {
+			return runBench(ctx, cmd, "fork-many", &ForkManySettings{Batches: b, N: n}, func(r *runner) error {
 				return runForkMany(r, b, n)
 			})
 		},
 	}
+}
+
+// ForkManySettings are fork-many's environment.settings.
+type ForkManySettings struct {
+	Batches int `json:"batches"`
+	N       int `json:"n"`
+	RunSettings
 }
 
 func runForkMany(r *runner, batches, n int) error {
@@ -62,19 +69,12 @@ func runForkMany(r *runner, batches, n int) error {
 			r.section("%s: %s.\n\n", label, wr.admissionText())
 		}
 		if r.hold && b == batches {
-			var names []string
-			for _, vm := range wr.Ready {
-				names = append(names, vm.Name())
-			}
-			r.keep(w.Ck, names...)
+			r.keepVMs(w.Ck, wr.Ready)
 		} else {
 			r.deleteAll(wr.Ready)
 		}
 	}
-	pc := summarize(walls)
-	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = fmt.Sprintf("batch%d_wall_p50_ms", n), round3(pc.P50), "ms", "p50"
-	r.res.N = len(walls)
-	r.res.Percentiles = roundP(pc)
+	pc := r.p50Headline(fmt.Sprintf("batch%d_wall_p50_ms", n), walls)
 	r.res.Extra["batch_walls_ms"] = roundAll(walls)
 	r.res.Extra["fork_latency_ms"] = roundP(summarize(lat))
 	r.res.Extra["refused_by_admission"] = refused

@@ -1,17 +1,18 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"os"
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // buildInfo collects versions of what is measured.
@@ -84,29 +85,18 @@ func loadAvg() string {
 	return strings.Join(f[:min(3, len(f))], " ")
 }
 
-// qemuProcs scans /proc for qemu-system processes and splits them into those whose
+// qemuProcs lists the qemu-system processes (argv[0]) and splits them into those whose
 // command line mentions one of ours (a state, RAM or run dir) and the others.
 func qemuProcs(ours ...string) (mine, other []int) {
-	ents, _ := os.ReadDir("/proc")
-	for _, ent := range ents {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil {
-			continue
-		}
-		cl, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
-		if err != nil || len(cl) == 0 {
-			continue
-		}
-		argv0 := string(cl[:max(0, bytes.IndexByte(cl, 0))])
-		if bytes.IndexByte(cl, 0) < 0 {
-			argv0 = string(cl)
-		}
-		if !strings.Contains(filepath.Base(argv0), "qemu-system") {
+	pids, _ := memfile.ProcessesWithArg("qemu-system")
+	for _, pid := range pids {
+		args, err := memfile.ProcessArgs(pid)
+		if err != nil || len(args) == 0 || !strings.Contains(filepath.Base(args[0]), "qemu-system") {
 			continue
 		}
 		m := false
 		for _, o := range ours {
-			if o != "" && bytes.Contains(cl, []byte(o)) {
+			if o != "" && slices.ContainsFunc(args, func(a string) bool { return strings.Contains(a, o) }) {
 				m = true
 			}
 		}

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"slices"
 	"syscall"
 
 	"github.com/urfave/cli/v3"
@@ -55,7 +56,7 @@ func commonFlags() []cli.Flag {
 		&cli.StringFlag{Name: "trace", Usage: "write a Chrome trace (Perfetto) of every fork's phases to this file"},
 		&cli.BoolFlag{Name: "hold", Usage: "keep the last forks alive after the run and print their PIDs and the state dir"},
 		&cli.StringFlag{Name: "home", Usage: "engine state dir (default: a fresh /tmp/fb-* removed at the end)"},
-		&cli.FloatFlag{Name: "overcommit", Value: 8, Usage: "vCPU overcommit factor of the admission budget"},
+		overcommitFlag(8, ""),
 		&cli.IntFlag{Name: "tb-size", Usage: "TCG translation buffer per VM in MiB (engine Config.TBSizeMiB; 0 = engine default)"},
 		&cli.BoolFlag{Name: "vmgenid", Usage: "give the world (and so every fork) QEMU's ACPI tables and a vmgenid device (engine Spec.VMGenID)"},
 		&cli.StringFlag{Name: "tcg-thread", Value: "auto", Usage: "TCG vCPU threading of forks: auto, single or multi (engine Config.TCGThread)"},
@@ -65,4 +66,22 @@ func commonFlags() []cli.Flag {
 	}
 }
 
-func flags(extra ...cli.Flag) []cli.Flag { return append(commonFlags(), extra...) }
+// flags is commonFlags followed by extra; an extra flag named like a common one takes its
+// place (a subcommand's own default, e.g. fanout's --overcommit).
+func flags(extra ...cli.Flag) []cli.Flag {
+	out := commonFlags()
+	for _, f := range extra {
+		i := slices.IndexFunc(out, func(c cli.Flag) bool { return c.Names()[0] == f.Names()[0] })
+		if i < 0 {
+			out = append(out, f)
+		} else {
+			out[i] = f
+		}
+	}
+	return out
+}
+
+// overcommitFlag is --overcommit with a subcommand's default; note is added to its usage.
+func overcommitFlag(def float64, note string) cli.Flag {
+	return &cli.FloatFlag{Name: "overcommit", Value: def, Usage: "vCPU overcommit factor of the admission budget" + note}
+}

@@ -7,6 +7,37 @@ import (
 	"time"
 )
 
+// PeerResult is the stock path as result.json records it (extra.peer): times in ms, the
+// save in MiB.
+type PeerResult struct {
+	SaveMS              float64   `json:"save_ms"`
+	SaveMB              float64   `json:"save_mb"`
+	Restores            int       `json:"restores"`
+	RestoreToFirstCmdMS []float64 `json:"restore_to_first_cmd_ms"`
+	RestoreP50MS        float64   `json:"restore_p50_ms"`
+	ForkP50MS           float64   `json:"fork_p50_ms"`
+	// *PeerRestoreRatio's fields are present when both p50s are known.
+	*PeerRestoreRatio
+	RestoreError  string `json:"restore_error,omitempty"`
+	ColdBootError string `json:"cold_boot_error,omitempty"`
+	// ColdBootMS is set when the cold boot answered its first command.
+	ColdBootMS *float64 `json:"cold_boot_ms,omitempty"`
+	// *PeerColdBootRatio's fields are present when ColdBootMS and the fork p50 are known.
+	*PeerColdBootRatio
+}
+
+// PeerRestoreRatio compares the fork p50 with the restore p50.
+type PeerRestoreRatio struct {
+	ForkvmVsRestoreRatio   float64 `json:"forkvm_vs_restore_ratio"`
+	RestoreVsForkvmSpeedup float64 `json:"restore_vs_forkvm_speedup"`
+}
+
+// PeerColdBootRatio compares the fork p50 with the cold boot.
+type PeerColdBootRatio struct {
+	ForkvmVsColdBootRatio   float64 `json:"forkvm_vs_cold_boot_ratio"`
+	ColdBootVsForkvmSpeedup float64 `json:"cold_boot_vs_forkvm_speedup"`
+}
+
 // runPeer measures the stock path a user would take instead of a fork: a full save of
 // the world (engine.Save: stop + migrate all RAM), then n serial restores (engine.Restore
 // with anonymous RAM) until the first `sh -c true` answered; and, when coldBoot, one cold
@@ -59,10 +90,10 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 		tc := time.Now()
 		d, err := firstCmd(ctx, vm)
 		total := time.Since(t0)
-		inf := vm.Info()
+		p := phasesOf(vm.Info().Timings)
 		s.OK = err == nil
 		s.LatencyMS, s.FirstCmdMS = ms(total), ms(d)
-		s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(inf.Timings.Prepare), ms(inf.Timings.Spawn), ms(inf.Timings.Restore), ms(inf.Timings.Agent)
+		s.setPhases(p)
 		if err != nil {
 			s.Error = err.Error()
 			r.fail("peer restore %s: first command: %v", name, err)
@@ -71,24 +102,19 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 		}
 		r.addSample(s)
 		r.trace.Group(9000, "peer restore")
-		r.trace.ForkSpans(9000, i, name, t0, phases{inf.Timings.Prepare, inf.Timings.Spawn, inf.Timings.Restore, inf.Timings.Agent}, tc, d, nil)
+		r.trace.ForkSpans(9000, i, name, t0, p, tc, d, nil)
 		if err := r.e.Delete(ctx, name); err != nil {
 			r.logf("peer: delete %s: %v", name, err)
 		}
 	}
-	peer := map[string]any{
-		"save_ms": round3(ms(saveDur)), "save_mb": round3(float64(size) / (1 << 20)), "restores": len(restores),
-		"restore_to_first_cmd_ms": roundAll(restores),
-	}
 	rp50 := median(restores)
-	peer["restore_p50_ms"] = round3(rp50)
-	peer["fork_p50_ms"] = round3(forkP50)
-	if rp50 > 0 && forkP50 > 0 {
-		peer["forkvm_vs_restore_ratio"] = round3(forkP50 / rp50)
-		peer["restore_vs_forkvm_speedup"] = round3(rp50 / forkP50)
+	peer := &PeerResult{
+		SaveMS: round3(ms(saveDur)), SaveMB: round3(float64(size) / (1 << 20)), Restores: len(restores),
+		RestoreToFirstCmdMS: roundAll(restores), RestoreP50MS: round3(rp50), ForkP50MS: round3(forkP50),
+		RestoreError: restoreErr,
 	}
-	if restoreErr != "" {
-		peer["restore_error"] = restoreErr
+	if rp50 > 0 && forkP50 > 0 {
+		peer.PeerRestoreRatio = &PeerRestoreRatio{ForkvmVsRestoreRatio: round3(forkP50 / rp50), RestoreVsForkvmSpeedup: round3(rp50 / forkP50)}
 	}
 	r.section("## Peer (stock path)\n\nFull save of the world (engine.Save, stop + migrate all RAM): %.0f ms, %.0f MiB. Restore (engine.Restore, anonymous RAM) → first `sh -c true`: p50 %.0f ms over %d (%v).\n\n",
 		ms(saveDur), float64(size)/(1<<20), rp50, len(restores), roundAll(restores))
@@ -98,7 +124,7 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 		vm, err := r.e.Create(ctx, r.worldSpec(name, false))
 		if err != nil {
 			r.fail("peer cold boot: %v", err)
-			peer["cold_boot_error"] = err.Error()
+			peer.ColdBootError = err.Error()
 		} else {
 			d, err := firstCmd(ctx, vm)
 			total := time.Since(t0)
@@ -107,10 +133,10 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 				s.Error = err.Error()
 				r.fail("peer cold boot: first command: %v", err)
 			} else {
-				peer["cold_boot_ms"] = round3(ms(total))
+				cold := round3(ms(total))
+				peer.ColdBootMS = &cold
 				if forkP50 > 0 {
-					peer["forkvm_vs_cold_boot_ratio"] = round3(forkP50 / ms(total))
-					peer["cold_boot_vs_forkvm_speedup"] = round3(ms(total) / forkP50)
+					peer.PeerColdBootRatio = &PeerColdBootRatio{ForkvmVsColdBootRatio: round3(forkP50 / ms(total)), ColdBootVsForkvmSpeedup: round3(ms(total) / forkP50)}
 				}
 				r.section("Cold boot (engine.Create → first `sh -c true`): %.0f ms.\n\n", ms(total))
 			}
@@ -120,11 +146,11 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 			}
 		}
 	}
-	if v, ok := peer["forkvm_vs_restore_ratio"]; ok {
-		r.section("**forkvm/peer ratio** (fork p50 %.0f ms / restore p50 %.0f ms): %v (restore is %v× slower).\n\n", forkP50, rp50, v, peer["restore_vs_forkvm_speedup"])
+	if q := peer.PeerRestoreRatio; q != nil {
+		r.section("**forkvm/peer ratio** (fork p50 %.0f ms / restore p50 %.0f ms): %v (restore is %v× slower).\n\n", forkP50, rp50, q.ForkvmVsRestoreRatio, q.RestoreVsForkvmSpeedup)
 	}
-	if v, ok := peer["forkvm_vs_cold_boot_ratio"]; ok {
-		r.section("**forkvm/cold boot ratio**: %v (cold boot is %v× slower).\n\n", v, peer["cold_boot_vs_forkvm_speedup"])
+	if q := peer.PeerColdBootRatio; q != nil {
+		r.section("**forkvm/cold boot ratio**: %v (cold boot is %v× slower).\n\n", q.ForkvmVsColdBootRatio, q.ColdBootVsForkvmSpeedup)
 	}
 	r.res.Extra["peer"] = peer
 	r.res.Method += " Peer: engine.Save of the world to a file in the state dir (full RAM, VM stopped while saving), then serial engine.Restore (anonymous RAM, no disk) until the first `sh -c true` answered; the ratio is forkvm p50 / restore p50."

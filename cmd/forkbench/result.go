@@ -68,10 +68,10 @@ type Shape struct {
 
 // Environment is the run's context.
 type Environment struct {
-	Shape         Shape          `json:"shape"`
-	Settings      map[string]any `json:"settings"`
-	LoadAvgBefore string         `json:"load_avg_before"`
-	OtherVMs      int            `json:"other_vms"`
+	Shape         Shape    `json:"shape"`
+	Settings      Settings `json:"settings"`
+	LoadAvgBefore string   `json:"load_avg_before"`
+	OtherVMs      int      `json:"other_vms"`
 }
 
 // Sample is one row of samples.csv.
@@ -117,6 +117,11 @@ func (s *Sample) memValues() []string {
 	return out
 }
 
+// setPhases records p in s (ms).
+func (s *Sample) setPhases(p phases) {
+	s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(p.Prepare), ms(p.Spawn), ms(p.Restore), ms(p.Agent)
+}
+
 // csvHeader is the first row of samples.csv.
 var csvHeader = append(append([]string{"bench", "wave", "index", "name", "ok", "latency_ms", "prepare_ms", "spawn_ms",
 	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "tbs_ready", "tbs_first_cmd"},
@@ -144,7 +149,7 @@ func writeCSV(w io.Writer, samples []Sample) error {
 	return cw.Error()
 }
 
-// writeResultJSON writes r as indented JSON. Nil maps and slices become {} and [] so
+// writeResultJSON writes r as indented JSON. A nil extra or caveats becomes {} or [] so
 // every schema field is present.
 func writeResultJSON(w io.Writer, r *Result) error {
 	if r.Extra == nil {
@@ -152,9 +157,6 @@ func writeResultJSON(w io.Writer, r *Result) error {
 	}
 	if r.Caveats == nil {
 		r.Caveats = []string{}
-	}
-	if r.Environment.Settings == nil {
-		r.Environment.Settings = map[string]any{}
 	}
 	sanitize(r.Extra)
 	b, err := json.MarshalIndent(r, "", "  ")

@@ -49,7 +49,25 @@ type runner struct {
 	report   strings.Builder
 	held     map[string]bool // VMs kept alive by --hold
 	heldCks  map[string]bool
+	// notOK marks a run whose measurement says it is not ok although nothing failed (a
+	// soak whose resources are not flat).
+	notOK bool
 }
+
+// Settings is a subcommand's environment.settings in result.json: its own flags, and the
+// RunSettings every run records (embedded; runBench fills them in).
+type Settings interface{ runSettings() *RunSettings }
+
+// RunSettings are the settings every run records.
+type RunSettings struct {
+	Overcommit         float64 `json:"overcommit"`
+	VMGenID            bool    `json:"vmgenid"`
+	RestoreConcurrency int     `json:"restore_concurrency"`
+	TBSizeMiB          int     `json:"tb_size_mib"`
+	TCGThread          string  `json:"tcg_thread"`
+}
+
+func (s *RunSettings) runSettings() *RunSettings { return s }
 
 // fail counts a measured failure (not a broken run).
 func (r *runner) fail(format string, a ...any) {
@@ -94,12 +112,30 @@ func (r *runner) keep(ck string, names ...string) {
 	r.heldCks[ck] = true
 }
 
+// keepVMs is keep for the names of vms.
+func (r *runner) keepVMs(ck string, vms []*engine.VM) {
+	var names []string
+	for _, vm := range vms {
+		names = append(names, vm.Name())
+	}
+	r.keep(ck, names...)
+}
+
+// p50Headline makes the p50 of xs (ms) the result's headline, with the percentiles of xs,
+// and returns those percentiles unrounded.
+func (r *runner) p50Headline(metric string, xs []float64) Percentiles {
+	pc := summarize(xs)
+	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = metric, round3(pc.P50), "ms", "p50"
+	r.res.N, r.res.Percentiles = len(xs), roundP(pc)
+	return pc
+}
+
 // benchFunc runs the measurements and fills r.res (metric, value, unit, stat, n,
 // percentiles, extra, method). An error means the run broke.
 type benchFunc func(r *runner) error
 
 // runBench is the common lifecycle of every subcommand.
-func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[string]any, fn benchFunc) (err error) {
+func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Settings, fn benchFunc) (err error) {
 	r := &runner{
 		ctx: ctx, bench: bench,
 		shape:  Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
@@ -124,11 +160,9 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 	if r.tracePath != "" {
 		r.trace = newTrace(start)
 	}
-	if settings == nil {
-		settings = map[string]any{}
-	}
-	settings["overcommit"] = r.overcommit
-	settings["vmgenid"] = r.vmgenid
+	rs := settings.runSettings()
+	rs.Overcommit = r.overcommit
+	rs.VMGenID = r.vmgenid
 	r.res = &Result{
 		Schema: SchemaVersion, Bench: bench, Extra: map[string]any{},
 		Environment: Environment{Shape: r.shape, Settings: settings, LoadAvgBefore: loadAvg()},
@@ -155,9 +189,9 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 		return err
 	}
 	r.ramDir = r.e.RAMDir()
-	settings["restore_concurrency"] = r.e.RestoreConcurrency()
-	settings["tb_size_mib"] = r.e.TBSizeMiB()
-	settings["tcg_thread"] = r.e.TCGThread()
+	rs.RestoreConcurrency = r.e.RestoreConcurrency()
+	rs.TBSizeMiB = r.e.TBSizeMiB()
+	rs.TCGThread = r.e.TCGThread()
 	r.res.Build = buildInfo(ctx, r.e, guest.DefaultCacheDir())
 	r.res.Host = hostInfo(r.e)
 	r.res.MeasuredAt = start.UTC().Format(time.RFC3339)
@@ -175,10 +209,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings map[
 	r.cleanup()
 
 	r.res.Failures = r.failures
-	r.res.OK = runErr == nil && r.failures == 0
-	if v, ok := r.res.Extra["flat"].(bool); ok && !v {
-		r.res.OK = false
-	}
+	r.res.OK = runErr == nil && r.failures == 0 && !r.notOK
 	if runErr != nil {
 		r.caveat("run broke: %v", runErr)
 	}

@@ -17,6 +17,7 @@ func soakCmd() *cli.Command {
 		Name:  "soak",
 		Usage: "fork in waves until --forks forks were made, checking fds, processes and files stay flat",
 		Flags: flags(
+			overcommitFlag(8, "; when not given, raised if needed so that a wave plus the world fits (noted in the caveats)"),
 			&cli.IntFlag{Name: "forks", Value: 1000, Usage: "forks to make in total"},
 			&cli.IntFlag{Name: "wave", Value: 16, Usage: "forks per wave"},
 		),
@@ -34,7 +35,7 @@ func soakCmd() *cli.Command {
 					note = fmt.Sprintf("--overcommit was raised to %.0f so that a wave of %d forks plus the world fits the vCPU budget of %d host CPUs", need, wave, numCPU())
 				}
 			}
-			return runBench(ctx, cmd, "soak", map[string]any{"forks": total, "wave": wave}, func(r *runner) error {
+			return runBench(ctx, cmd, "soak", &SoakSettings{Forks: total, Wave: wave}, func(r *runner) error {
 				if note != "" {
 					r.caveat("%s", note)
 				}
@@ -42,6 +43,13 @@ func soakCmd() *cli.Command {
 			})
 		},
 	}
+}
+
+// SoakSettings are soak's environment.settings.
+type SoakSettings struct {
+	Forks int `json:"forks"`
+	Wave  int `json:"wave"`
+	RunSettings
 }
 
 // soakCounts are the resources sampled after every wave.
@@ -97,14 +105,7 @@ func runSoak(r *runner, total, wave int) error {
 		r.deleteAll(wr.Ready)
 		made += n
 		for _, ev := range wr.Events {
-			s := Sample{Group: fmt.Sprintf("soak%d", k), Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: ms(ev.Latency())}
-			if ev.Err != nil {
-				s.Error = ev.Err.Error()
-			} else {
-				t := ev.Timings
-				s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(t.Prepare), ms(t.Spawn), ms(t.Restore), ms(t.Agent)
-			}
-			r.addSample(s)
+			r.addSample(eventSample(fmt.Sprintf("soak%d", k), ev))
 		}
 		lat = append(lat, wr.latencies()...)
 		if wr.ReadyCount() > 0 {
@@ -137,6 +138,7 @@ func runSoak(r *runner, total, wave int) error {
 	r.res.Percentiles = roundP(pc)
 	r.res.Extra["percentiles_of"] = "fork latency (ms)"
 	r.res.Extra["flat"] = flat
+	r.notOK = !flat
 	r.res.Extra["start"] = start
 	r.res.Extra["end"] = end
 	r.res.Extra["max"] = maxC

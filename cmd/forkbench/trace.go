@@ -6,6 +6,8 @@ import (
 	"os"
 	"sync"
 	"time"
+
+	"github.com/forkvm/forkvm/engine"
 )
 
 // TraceEvent is one Chrome trace event (the JSON Perfetto and chrome://tracing open).
@@ -83,6 +85,9 @@ func (t *Trace) ForkSpans(pid, tid int, name string, start time.Time, p phases, 
 
 // phases are a fork's phase durations (engine.PhaseTimings without the JSON tags).
 type phases struct{ Prepare, Spawn, Restore, Agent time.Duration }
+
+// phasesOf is the phases of t.
+func phasesOf(t engine.PhaseTimings) phases { return phases{t.Prepare, t.Spawn, t.Restore, t.Agent} }
 
 // WriteTo writes the trace JSON object.
 func (t *Trace) WriteTo(w io.Writer) (int64, error) {

@@ -212,14 +212,11 @@ func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
 		if ev.Name == "" {
 			continue
 		}
-		s := Sample{Group: w.Label, Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: ms(ev.Latency())}
+		s := eventSample(w.Label, ev)
 		if ev.Err != nil {
-			s.Error = ev.Err.Error()
 			r.addSample(s)
 			continue
 		}
-		t := ev.Timings
-		s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(t.Prepare), ms(t.Spawn), ms(t.Restore), ms(t.Agent)
 		s.FirstCmdMS = w.CmdMS[ev.Name]
 		cpu := w.CPU[ev.Name]
 		s.CPUUserMS, s.CPUSysMS = ms(cpu[0]), ms(cpu[1])
@@ -231,9 +228,20 @@ func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
 		if ev.VM != nil {
 			args["qemu_pid"] = ev.VM.PID()
 		}
-		r.trace.ForkSpans(group, ev.Index+1, ev.Name, ev.Start, phases{t.Prepare, t.Spawn, t.Restore, t.Agent},
+		r.trace.ForkSpans(group, ev.Index+1, ev.Name, ev.Start, phasesOf(ev.Timings),
 			w.CmdStart[ev.Name], time.Duration(s.FirstCmdMS*float64(time.Millisecond)), args)
 	}
+}
+
+// eventSample is the sample of one fork of a wave: its latency and phases, or its error.
+func eventSample(group string, ev engine.ForkEvent) Sample {
+	s := Sample{Group: group, Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: ms(ev.Latency())}
+	if ev.Err != nil {
+		s.Error = ev.Err.Error()
+	} else {
+		s.setPhases(phasesOf(ev.Timings))
+	}
+	return s
 }
 
 // latencies returns the latencies (ms) of ready forks.
@@ -280,18 +288,22 @@ func (r *runner) deleteAll(vms []*engine.VM) {
 	wg.Wait()
 }
 
-// admissionText describes a wave's admission stop.
+// admissionText describes a wave's admission stop: how many forks were refused from which
+// index, and why in the engine's words (the first refusal's *engine.AdmissionError).
 func (w *WaveResult) admissionText() string {
 	if w.AdmissionCount == 0 {
 		return ""
 	}
-	if a := w.Admission; a != nil {
-		if a.Resource == "memory" {
-			return fmt.Sprintf("admission refused %d of %d forks from index %d: memory (fork needs ~%d MiB, %d MiB available above the reserve)",
-				w.AdmissionCount, w.N, w.AdmissionIndex, a.Requested>>20, a.Available>>20)
-		}
-		return fmt.Sprintf("admission refused %d of %d forks from index %d: vcpu (requested %d, available %d of a budget of %d)",
-			w.AdmissionCount, w.N, w.AdmissionIndex, a.Requested, a.Available, a.Budget)
+	var why error = engine.ErrAdmission
+	if w.Admission != nil {
+		why = w.Admission
 	}
-	return fmt.Sprintf("admission refused %d of %d forks from index %d", w.AdmissionCount, w.N, w.AdmissionIndex)
+	return fmt.Sprintf("%d of %d forks refused from index %d: %v", w.AdmissionCount, w.N, w.AdmissionIndex, why)
+}
+
+// admissionSection adds the wave's admission stop (if any) to the report.
+func (r *runner) admissionSection(w *WaveResult) {
+	if w.AdmissionCount > 0 {
+		r.section("**Admission stop:** %s.\n\n", w.admissionText())
+	}
 }

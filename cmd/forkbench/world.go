@@ -180,16 +180,28 @@ func memText(ms []forkMem, when string) string {
 	if sum == nil {
 		return ""
 	}
-	v := func(k string) float64 { return sum[k].(float64) }
 	return fmt.Sprintf(" Memory per fork %s (medians of %d, MiB): private %.1f = guest pages written %.1f + TCG code %.1f + QEMU heap %.1f + libraries copied on write %.1f + page tables %.1f; shared %.1f.",
-		when, len(ms), v("private"), v("guest_written"), v("tcg_code"), v("heap"), v("libraries"), v("page_tables"), v("shared"))
+		when, sum.N, sum.Private, sum.GuestWritten, sum.TCGCode, sum.Heap, sum.Libraries, sum.PageTables, sum.Shared)
 }
 
 // memMethod describes the memory breakdown for result.json.
 const memMethod = "Memory breakdown (engine VM.Memory, from the QEMU process's /proc/PID/smaps and VmPTE): guest pages written = Anonymous of its mapping of the checkpoint RAM file (copies on write); TCG code = anonymous executable mappings (the translation buffer); QEMU heap = other anonymous memory; libraries = Anonymous of QEMU's executable and library mappings (relocations); private = their sum + page tables; shared = Rss - private anonymous (checkpoint pages read, QEMU code)."
 
+// MemSummary is the medians (MiB) of forks' memory breakdowns: memory_mb_p50 in
+// result.json. Its keys are memColumns without "_mb", in the same order.
+type MemSummary struct {
+	N            int     `json:"n"`
+	Private      float64 `json:"private"`
+	GuestWritten float64 `json:"guest_written"`
+	TCGCode      float64 `json:"tcg_code"`
+	Heap         float64 `json:"heap"`
+	Libraries    float64 `json:"libraries"`
+	PageTables   float64 `json:"page_tables"`
+	Shared       float64 `json:"shared"`
+}
+
 // memSummary is the per-column medians of ms (nil when ms is empty).
-func memSummary(ms []forkMem) map[string]any {
+func memSummary(ms []forkMem) *MemSummary {
 	if len(ms) == 0 {
 		return nil
 	}
@@ -199,11 +211,12 @@ func memSummary(ms []forkMem) map[string]any {
 			cols[i] = append(cols[i], v)
 		}
 	}
-	out := map[string]any{"n": len(ms)}
-	for i, c := range memColumns {
-		out[strings.TrimSuffix(c, "_mb")] = round3(median(cols[i]))
+	med := make([]float64, len(cols))
+	for i, c := range cols {
+		med[i] = round3(median(c))
 	}
-	return out
+	return &MemSummary{N: len(ms), Private: med[0], GuestWritten: med[1], TCGCode: med[2], Heap: med[3],
+		Libraries: med[4], PageTables: med[5], Shared: med[6]}
 }
 
 // IsoReport summarises isolation checks over a set of forks.

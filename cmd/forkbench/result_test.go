@@ -1,0 +1,242 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"regexp"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+// jsonObject marshals v and unmarshals it as a JSON object.
+func jsonObject(t *testing.T, v any) map[string]any {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatalf("marshal %T: %v", v, err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatalf("%T is not a JSON object: %v\n%s", v, err, b)
+	}
+	return m
+}
+
+// keysOf is the sorted key set of m; "" for nil (not an object).
+func keysOf(m any) string {
+	o, ok := m.(map[string]any)
+	if !ok {
+		return ""
+	}
+	var ks []string
+	for k := range o {
+		ks = append(ks, k)
+	}
+	sort.Strings(ks)
+	return strings.Join(ks, ",")
+}
+
+// sortedKeys is keys sorted and joined like keysOf.
+func sortedKeys(keys ...string) string {
+	ks := slices.Clone(keys)
+	sort.Strings(ks)
+	return strings.Join(ks, ",")
+}
+
+// The keys of fanout's extra.waves.<label> (result.json consumers read them).
+var waveKeys = []string{"n", "ready", "failed", "refused", "wall_s", "fork_p50_ms", "fork_p95_ms", "fork_max_ms",
+	"private_mb_per_fork", "mem_available_before_mb", "mem_available_after_mb", "cpu_user_ms_p50", "cpu_sys_ms_p50",
+	"anon_mb_p50", "memory_mb_p50", "isolation"}
+
+var (
+	idleKeys     = []string{"idle_cpu_pct_per_fork", "idle_cpu_cores_total", "idle_window_s"}
+	memKeys      = []string{"n", "private", "guest_written", "tcg_code", "heap", "libraries", "page_tables", "shared"}
+	isoKeys      = []string{"forks", "full_checked", "cheap_checked", "failures", "anon_bound_mb", "max_anon_mb", "max_ram_cow_mb"}
+	runSetKeys   = []string{"overcommit", "vmgenid", "restore_concurrency", "tb_size_mib", "tcg_thread"}
+	admStopKeys  = []string{"index", "refused", "text"}
+	admWhyKeys   = []string{"resource", "requested", "available", "budget"}
+	stepKeys     = []string{"step", "population", "added", "fork_wall_ms", "mem_available_mb", "passed"}
+	stepCmdKeys  = []string{"cmd_p50_ms", "cmd_p95_ms", "cmd_max_ms"}
+	peerKeys     = []string{"save_ms", "save_mb", "restores", "restore_to_first_cmd_ms", "restore_p50_ms", "fork_p50_ms"}
+	peerRestKeys = []string{"forkvm_vs_restore_ratio", "restore_vs_forkvm_speedup"}
+	peerColdKeys = []string{"cold_boot_ms", "forkvm_vs_cold_boot_ratio", "cold_boot_vs_forkvm_speedup"}
+)
+
+func cat(parts ...[]string) []string { return slices.Concat(parts...) }
+
+// testWave is a measured wave of 4 forks, 3 ready and 1 refused by admission.
+func testWave(adm *engine.AdmissionError) *WaveResult {
+	return &WaveResult{Label: "wave4", N: 4, Ready: make([]*engine.VM, 3), Wall: 1234567891 * time.Nanosecond,
+		Admission: adm, AdmissionIndex: 3, AdmissionCount: 1, MemBeforeMB: 1000.12345, MemAfterMB: 940.5}
+}
+
+func TestWaveSummaryJSON(t *testing.T) {
+	vcpu := &engine.AdmissionError{Resource: "vcpu", Requested: 2, Available: 0, Budget: 6}
+	mems := []forkMem{{AnonMB: 20, PrivateMB: 21}, {AnonMB: 22, PrivateMB: 23}}
+	stats := forkStats{cpuUser: []float64{100, 120, 140}, cpuSys: []float64{10, 20, 30}, anon: []float64{20, 22}, mems: mems}
+	tcg := stats
+	tcg.threads = map[string]int{"single": 3}
+	idle := IdleCPU{N: 3, Window: 3 * time.Second, TotalCores: 0.0123456, PerForkPct: 0.41152}
+	pc := summarize([]float64{300.1234, 400, 500})
+	tests := []struct {
+		name  string
+		ws    WaveSummary
+		keys  []string
+		nests map[string][]string // nested object -> its keys (nil: null)
+	}{
+		{"plain", waveSummary(&WaveResult{N: 2, Ready: make([]*engine.VM, 2), AdmissionIndex: -1}, pc, forkStats{}, IsoReport{}, IdleCPU{}),
+			waveKeys, map[string][]string{"memory_mb_p50": nil, "isolation": isoKeys}},
+		{"every part", waveSummary(testWave(vcpu), pc, tcg, IsoReport{Failures: []string{}, FullChecked: []string{}}, idle),
+			cat(waveKeys, []string{"tcg_thread_forks", "admission_stop"}, idleKeys),
+			map[string][]string{"memory_mb_p50": memKeys, "admission_stop": cat(admStopKeys, admWhyKeys), "tcg_thread_forks": {"single"}}},
+		{"tcg, nothing ready", waveSummary(&WaveResult{N: 1, AdmissionIndex: -1}, Percentiles{}, forkStats{threads: map[string]int{}}, IsoReport{}, IdleCPU{}),
+			cat(waveKeys, []string{"tcg_thread_forks"}), map[string][]string{"tcg_thread_forks": {}}},
+		{"refusal without details", waveSummary(testWave(nil), pc, stats, IsoReport{}, IdleCPU{}),
+			cat(waveKeys, []string{"admission_stop"}), map[string][]string{"admission_stop": admStopKeys}},
+	}
+	for _, tt := range tests {
+		m := jsonObject(t, tt.ws)
+		if got, want := keysOf(m), sortedKeys(tt.keys...); got != want {
+			t.Errorf("%s: keys\n got %s\nwant %s", tt.name, got, want)
+		}
+		for k, want := range tt.nests {
+			if want == nil {
+				if m[k] != nil {
+					t.Errorf("%s: %s = %v, want null", tt.name, k, m[k])
+				}
+				continue
+			}
+			if got := keysOf(m[k]); got != sortedKeys(want...) {
+				t.Errorf("%s: %s keys = %s, want %s", tt.name, k, got, sortedKeys(want...))
+			}
+		}
+	}
+	// Units and rounding: seconds and ms to 3 decimals, MiB per ready fork, counts as ints.
+	m := jsonObject(t, tests[1].ws)
+	want := map[string]any{"n": 4.0, "ready": 3.0, "failed": 0.0, "refused": 1.0, "wall_s": 1.235, "fork_p50_ms": 400.0,
+		"fork_p95_ms": 490.0, "fork_max_ms": 500.0, "private_mb_per_fork": 19.874, "mem_available_before_mb": 1000.123,
+		"mem_available_after_mb": 940.5, "cpu_user_ms_p50": 120.0, "cpu_sys_ms_p50": 20.0, "anon_mb_p50": 21.0,
+		"idle_cpu_pct_per_fork": 0.412, "idle_cpu_cores_total": 0.012, "idle_window_s": 3.0}
+	for k, v := range want {
+		if m[k] != v {
+			t.Errorf("%s = %v, want %v", k, m[k], v)
+		}
+	}
+	stop := m["admission_stop"].(map[string]any)
+	if stop["index"] != 3.0 || stop["resource"] != "vcpu" || stop["requested"] != 2.0 || stop["budget"] != 6.0 {
+		t.Errorf("admission_stop = %v", stop)
+	}
+	if m["memory_mb_p50"].(map[string]any)["private"] != 22.0 || m["tcg_thread_forks"].(map[string]any)["single"] != 3.0 {
+		t.Errorf("memory_mb_p50 = %v, tcg_thread_forks = %v", m["memory_mb_p50"], m["tcg_thread_forks"])
+	}
+}
+
+func TestResultPartsJSONKeys(t *testing.T) {
+	cold := 900.0
+	tests := []struct {
+		name string
+		v    any
+		keys []string
+	}{
+		{"density step, passed", DensityStep{Passed: true, StepCommands: &StepCommands{}}, cat(stepKeys, stepCmdKeys)},
+		{"density step, fork failure", DensityStep{Stop: "step 2: x"}, cat(stepKeys, []string{"stop"})},
+		{"density step, command failure", DensityStep{Stop: "step 2: y", StepCommands: &StepCommands{}}, cat(stepKeys, stepCmdKeys, []string{"stop"})},
+		{"checkpoint-restore fanout", FanoutSummary{}, []string{"n", "ready", "refused", "wall_ms", "private_mb_per_fork", "admission"}},
+		{"fork phases", PhaseMedians{}, []string{"prepare", "spawn", "restore", "agent", "first_command"}},
+		{"fork tcg blocks", TCGBlocks{}, []string{"ready", "first_command", "n"}},
+		{"memory", MemSummary{}, memKeys},
+		{"peer, restore failed", PeerResult{RestoreError: "e", ColdBootError: "c"}, cat(peerKeys, []string{"restore_error", "cold_boot_error"})},
+		{"peer, all", PeerResult{PeerRestoreRatio: &PeerRestoreRatio{}, ColdBootMS: &cold, PeerColdBootRatio: &PeerColdBootRatio{}},
+			cat(peerKeys, peerRestKeys, peerColdKeys)},
+		{"fanout settings", &FanoutSettings{WorldDuringWaves: "x"}, cat(runSetKeys, []string{"waves", "warm", "peer", "peer_n", "idle_window_s", "world_during_waves"})},
+		{"fanout settings, world undecided", &FanoutSettings{}, cat(runSetKeys, []string{"waves", "warm", "peer", "peer_n", "idle_window_s"})},
+		{"fork settings", &ForkSettings{}, cat(runSetKeys, []string{"n", "peer", "peer_n", "warm"})},
+		{"fork-many settings", &ForkManySettings{}, cat(runSetKeys, []string{"batches", "n"})},
+		{"checkpoint-restore settings", &CheckpointRestoreSettings{}, cat(runSetKeys, []string{"n", "fanout"})},
+		{"create settings", &CreateSettings{}, cat(runSetKeys, []string{"n", "golden", "batch", "conc"})},
+		{"density settings", &DensitySettings{}, cat(runSetKeys, []string{"step", "max", "cmds"})},
+		{"soak settings", &SoakSettings{}, cat(runSetKeys, []string{"forks", "wave"})},
+	}
+	for _, tt := range tests {
+		if got, want := keysOf(jsonObject(t, tt.v)), sortedKeys(tt.keys...); got != want {
+			t.Errorf("%s: keys\n got %s\nwant %s", tt.name, got, want)
+		}
+	}
+}
+
+func TestAdmissionText(t *testing.T) {
+	vcpu := &engine.AdmissionError{Resource: "vcpu", Requested: 2, Available: 0, Budget: 6}
+	mem := &engine.AdmissionError{Resource: "memory", Requested: 64 << 20, Available: 10 << 20}
+	tests := []struct {
+		w    *WaveResult
+		want string
+	}{
+		{&WaveResult{N: 4, AdmissionIndex: -1}, ""},
+		{testWave(vcpu), "1 of 4 forks refused from index 3: " + vcpu.Error()},
+		{testWave(mem), "1 of 4 forks refused from index 3: " + mem.Error()},
+		{testWave(nil), "1 of 4 forks refused from index 3: " + engine.ErrAdmission.Error()},
+	}
+	for _, tt := range tests {
+		if got := tt.w.admissionText(); got != tt.want {
+			t.Errorf("admissionText = %q, want %q", got, tt.want)
+		}
+	}
+}
+
+// helpDefault is the "(default: X)" --help prints for flag of a subcommand.
+func helpDefault(t *testing.T, sub, flag string) string {
+	t.Helper()
+	app := newApp()
+	var out bytes.Buffer
+	app.Writer, app.ErrWriter = &out, &out
+	if err := app.Run(context.Background(), []string{"forkbench", sub, "--help"}); err != nil {
+		t.Fatalf("%s --help: %v", sub, err)
+	}
+	m := regexp.MustCompile(`(?m)^\s*--` + flag + `\b.*\(default: ([^)]*)\)\s*$`).FindStringSubmatch(out.String())
+	if m == nil {
+		t.Fatalf("%s --help shows no default for --%s:\n%s", sub, flag, out.String())
+	}
+	return m[1]
+}
+
+// TestOvercommitDefault checks that every subcommand, given no --overcommit, runs with the
+// default its --help prints.
+func TestOvercommitDefault(t *testing.T) {
+	for _, sub := range newApp().Commands {
+		app := newApp()
+		var got float64
+		app.Command(sub.Name).Action = func(_ context.Context, cmd *cli.Command) error {
+			got = cmd.Float("overcommit")
+			return nil
+		}
+		if err := app.Run(context.Background(), []string{"forkbench", sub.Name}); err != nil {
+			t.Fatalf("%s: %v", sub.Name, err)
+		}
+		help := helpDefault(t, sub.Name, "overcommit")
+		if want, err := strconv.ParseFloat(help, 64); err != nil || got != want {
+			t.Errorf("%s: --overcommit resolves to %v, --help says %q", sub.Name, got, help)
+		}
+	}
+	if d := helpDefault(t, "fanout", "overcommit"); d != "12" {
+		t.Errorf("fanout --help: --overcommit default %s, want 12", d)
+	}
+	// fanout's own Action must not change it either: run it up to its first check.
+	app := newApp()
+	var out bytes.Buffer
+	app.Writer, app.ErrWriter = &out, &out
+	if err := app.Run(context.Background(), []string{"forkbench", "fanout", "--waves", "x"}); err == nil || !strings.Contains(err.Error(), "--waves") {
+		t.Fatalf("fanout --waves x: %v", err)
+	}
+	if got := app.Command("fanout").Float("overcommit"); got != 12 {
+		t.Errorf("fanout's Action changed --overcommit to %v", got)
+	}
+}

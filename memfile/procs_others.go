@@ -1,0 +1,9 @@
+//go:build !linux
+
+package memfile
+
+// ProcessesWithArg is not implemented on this platform; it returns ErrUnsupported.
+func ProcessesWithArg(substr string) ([]int, error) { return nil, ErrUnsupported }
+
+// ProcessArgs is not implemented on this platform; it returns ErrUnsupported.
+func ProcessArgs(pid int) ([]string, error) { return nil, ErrUnsupported }
