@@ -9,26 +9,18 @@ import (
 	"github.com/forkvm/forkvm/memfile"
 )
 
-// Budget describes vCPU admission.
-type Budget struct {
-	HostCPUs   int     `json:"host_cpus"`
-	Overcommit float64 `json:"overcommit"`
-	Total      int     `json:"total_vcpus"`
-	Used       int     `json:"used_vcpus"`
-}
-
 // forkMemoryEstimate is the host memory one fork is expected to add before its guest
 // dirties much: QEMU heap plus TCG buffers, rounded up.
 const forkMemoryEstimate = 64 << 20
 
-// admission decides whether one more VM fits the vCPU and memory budgets, bounds the
+// admitter decides whether one more VM fits the vCPU and memory budgets, bounds the
 // forks restoring at once, and picks a fork's TCG thread mode from the forks in flight.
 //
 // Concurrency: admitMu serializes check-and-reserve so that two forks cannot both take
 // the last slot; mu guards the counters. A VM moving between states (pool, pending,
 // registered) is counted twice for a moment rather than not at all: reservations are
 // released only after the VM is counted elsewhere.
-type admission struct {
+type admitter struct {
 	hostCPUs     int
 	overcommit   float64
 	reserveBytes int64
@@ -47,7 +39,7 @@ type admission struct {
 }
 
 // budget returns the current vCPU budget (overcommit 0 = the engine's).
-func (a *admission) budget(overcommit float64) Budget {
+func (a *admitter) budget(overcommit float64) Budget {
 	if overcommit <= 0 {
 		overcommit = a.overcommit
 	}
@@ -59,7 +51,7 @@ func (a *admission) budget(overcommit float64) Budget {
 
 // admit checks the budgets for one more VM of cpus vCPUs and reserves them until
 // release is called (once the VM is registered, or failed).
-func (a *admission) admit(cpus int, overcommit float64) (release func(), err error) {
+func (a *admitter) admit(cpus int, overcommit float64) (release func(), err error) {
 	a.admitMu.Lock()
 	defer a.admitMu.Unlock()
 	b := a.budget(overcommit)
@@ -79,7 +71,7 @@ func (a *admission) admit(cpus int, overcommit float64) (release func(), err err
 
 // hold reserves cpus vCPUs (and forks pending forks) without a check: a claimed pooled
 // process already had its admission.
-func (a *admission) hold(cpus, forks int) (release func()) {
+func (a *admitter) hold(cpus, forks int) (release func()) {
 	a.mu.Lock()
 	a.pendingCPUs += cpus
 	a.pendingForks += forks
@@ -97,7 +89,7 @@ func (a *admission) hold(cpus, forks int) (release func()) {
 
 // restoreSlot waits until one more fork may restore (Experimental.RestoreConcurrency);
 // leave gives the slot back. It returns ctx's error if ctx ends first.
-func (a *admission) restoreSlot(ctx context.Context) (leave func(), err error) {
+func (a *admitter) restoreSlot(ctx context.Context) (leave func(), err error) {
 	if a.slots == nil {
 		return func() {}, nil
 	}
@@ -109,7 +101,7 @@ func (a *admission) restoreSlot(ctx context.Context) (leave func(), err error) {
 
 // inflight counts a fork of cpus vCPUs as on its way to ready and returns its TCG
 // thread mode; done ends the count.
-func (a *admission) inflight(cpus int, accel Accel) (mode TCGThread, done func()) {
+func (a *admitter) inflight(cpus int, accel Accel) (mode TCGThread, done func()) {
 	a.mu.Lock()
 	a.inflightCPUs += cpus
 	n := a.inflightCPUs

@@ -171,42 +171,14 @@ func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
 // cmdline returns QEMU's argv (without argv[0]) for l. It is pure: same input, same output.
 func (l *launch) cmdline() ([]string, error) {
-	if err := ValidateName(l.Name); err != nil {
+	if err := l.validate(); err != nil {
 		return nil, err
-	}
-	if l.CPUs < 1 || l.MemoryMiB < 2 || l.RunDir == "" || l.Kernel == "" {
-		return nil, fmt.Errorf("%w: incomplete launch (cpus %d, memory %d, rundir %q, kernel %q)",
-			ErrInvalidSpec, l.CPUs, l.MemoryMiB, l.RunDir, l.Kernel)
 	}
 	machine := l.Machine
 	if machine == "" {
 		machine = defaultMachine
 	}
-	var accel string
-	var cpu string
-	if l.TCGThread != "" && (l.Accel != AccelTCG && l.Accel != "" || l.TCGThread != TCGThreadSingle && l.TCGThread != TCGThreadMulti) {
-		return nil, fmt.Errorf("%w: tcg thread %q under %q (want single or multi, tcg only)", ErrInvalidSpec, l.TCGThread, l.Accel)
-	}
-	switch l.Accel {
-	case AccelKVM, AccelHVF:
-		accel, cpu = string(l.Accel), "host"
-	case AccelTCG, "":
-		accel, cpu = "tcg", "max"
-		if l.TBSizeMiB > 0 {
-			accel += ",tb-size=" + strconv.Itoa(l.TBSizeMiB)
-		}
-		if l.TCGThread != "" {
-			accel += ",thread=" + string(l.TCGThread)
-		}
-	default:
-		return nil, fmt.Errorf("%w: unknown accelerator %q", ErrInvalidSpec, l.Accel)
-	}
-	if l.CPUModel != "" {
-		if strings.ContainsAny(l.CPUModel, ", \x00") {
-			return nil, fmt.Errorf("%w: cpu model %q", ErrInvalidSpec, l.CPUModel)
-		}
-		cpu = l.CPUModel
-	}
+	accel, cpu := l.accelCPU()
 	args := []string{
 		"-name", l.Name + ",process=forkvm-" + l.Name,
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -215,8 +187,79 @@ func (l *launch) cmdline() ([]string, error) {
 		"-smp", strconv.Itoa(l.CPUs),
 		"-m", strconv.Itoa(l.MemoryMiB) + "M",
 	}
-	if l.RAM.Path != "" {
-		mem := map[string]any{
+	args = append(args, l.memoryArgs(machine)...)
+	args = append(args, "-kernel", l.Kernel, "-append", l.Append)
+	if l.Initrd != "" {
+		args = append(args, "-initrd", l.Initrd)
+	}
+	args = append(args, l.channelArgs()...)
+	devs, err := l.deviceArgs(machine)
+	if err != nil {
+		return nil, err
+	}
+	args = append(args, devs...)
+	if l.Incoming {
+		args = append(args, "-incoming", "defer")
+	}
+	return args, nil
+}
+
+// validate refuses a launch that cmdline cannot render safely.
+func (l *launch) validate() error {
+	if err := ValidateName(l.Name); err != nil {
+		return err
+	}
+	if l.CPUs < 1 || l.MemoryMiB < 2 || l.RunDir == "" || l.Kernel == "" {
+		return fmt.Errorf("%w: incomplete launch (cpus %d, memory %d, rundir %q, kernel %q)",
+			ErrInvalidSpec, l.CPUs, l.MemoryMiB, l.RunDir, l.Kernel)
+	}
+	if l.TCGThread != "" && (l.Accel != AccelTCG && l.Accel != "" || l.TCGThread != TCGThreadSingle && l.TCGThread != TCGThreadMulti) {
+		return fmt.Errorf("%w: tcg thread %q under %q (want single or multi, tcg only)", ErrInvalidSpec, l.TCGThread, l.Accel)
+	}
+	switch l.Accel {
+	case AccelKVM, AccelHVF, AccelTCG, "":
+	default:
+		return fmt.Errorf("%w: unknown accelerator %q", ErrInvalidSpec, l.Accel)
+	}
+	if strings.ContainsAny(l.CPUModel, ", \x00") {
+		return fmt.Errorf("%w: cpu model %q", ErrInvalidSpec, l.CPUModel)
+	}
+	if l.AgentPorts < 0 || l.AgentPorts == 1 || l.AgentPorts > 31 {
+		// Port 0 is reserved for a console; QEMU caps a bus at 31 ports.
+		return fmt.Errorf("%w: agent ports %d (want 0 or 2..31)", ErrInvalidSpec, l.AgentPorts)
+	}
+	return nil
+}
+
+// accelCPU is the -accel and -cpu values: a model that matches the host under kvm/hvf,
+// QEMU's richest emulated one under tcg, unless CPUModel names one.
+func (l *launch) accelCPU() (accel, cpu string) {
+	switch l.Accel {
+	case AccelKVM, AccelHVF:
+		accel, cpu = string(l.Accel), "host"
+	default:
+		accel, cpu = "tcg", "max"
+		if l.TBSizeMiB > 0 {
+			accel += ",tb-size=" + strconv.Itoa(l.TBSizeMiB)
+		}
+		if l.TCGThread != "" {
+			accel += ",thread=" + string(l.TCGThread)
+		}
+	}
+	if l.CPUModel != "" {
+		cpu = l.CPUModel
+	}
+	return accel, cpu
+}
+
+// memoryArgs backs guest RAM: a RAM file (shared for a world, a private copy-on-write
+// mapping for a fork), anonymous RAM under the same backend id (a restore of a full
+// save), or QEMU's default.
+func (l *launch) memoryArgs(machine string) []string {
+	var mem map[string]any
+	switch {
+	case l.RAM.Path != "":
+		mem = map[string]any{
 			"qom-type": "memory-backend-file",
 			"id":       "mem",
 			"size":     int64(l.MemoryMiB) << 20,
@@ -229,38 +272,37 @@ func (l *launch) cmdline() ([]string, error) {
 			mem["readonly"] = true
 			mem["rom"] = "off"
 		}
-		js, _ := json.Marshal(mem)
-		args = append(args, "-object", string(js), "-machine", machine+",memory-backend=mem")
-	} else if l.RAM.Anonymous {
-		js, _ := json.Marshal(map[string]any{"qom-type": "memory-backend-ram", "id": "mem", "size": int64(l.MemoryMiB) << 20})
-		args = append(args, "-object", string(js), "-machine", machine+",memory-backend=mem")
-	} else {
-		args = append(args, "-machine", machine)
+	case l.RAM.Anonymous:
+		mem = map[string]any{"qom-type": "memory-backend-ram", "id": "mem", "size": int64(l.MemoryMiB) << 20}
+	default:
+		return []string{"-machine", machine}
 	}
-	args = append(args,
-		"-kernel", l.Kernel,
-		"-append", l.Append,
-	)
-	if l.Initrd != "" {
-		args = append(args, "-initrd", l.Initrd)
-	}
+	js, _ := json.Marshal(mem)
+	return []string{"-object", string(js), "-machine", machine + ",memory-backend=mem"}
+}
+
+// channelArgs are the host's ways in: QMP and the agent's virtio-serial port (unix
+// sockets in RunDir) and the console log.
+func (l *launch) channelArgs() []string {
 	serialBus := "virtio-serial-pci,id=vser0"
-	if l.AgentPorts < 0 || l.AgentPorts == 1 || l.AgentPorts > 31 {
-		// Port 0 is reserved for a console; QEMU caps a bus at 31 ports.
-		return nil, fmt.Errorf("%w: agent ports %d (want 0 or 2..31)", ErrInvalidSpec, l.AgentPorts)
-	}
 	if l.AgentPorts > 0 {
 		serialBus += ",max_ports=" + strconv.Itoa(l.AgentPorts)
 	}
-	args = append(args,
-		"-chardev", "socket,id=qmp,path="+escapeOpt(l.qmpSocket())+",server=on,wait=off",
+	return []string{
+		"-chardev", "socket,id=qmp,path=" + escapeOpt(l.qmpSocket()) + ",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
-		"-chardev", "file,id=console,path="+escapeOpt(l.SerialLog),
+		"-chardev", "file,id=console,path=" + escapeOpt(l.SerialLog),
 		"-serial", "chardev:console",
 		"-device", serialBus,
-		"-chardev", "socket,id=agent,path="+escapeOpt(l.agentSocket())+",server=on,wait=off",
-		"-device", "virtserialport,bus=vser0.0,chardev=agent,name="+vsockd.PortName,
-	)
+		"-chardev", "socket,id=agent,path=" + escapeOpt(l.agentSocket()) + ",server=on,wait=off",
+		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + vsockd.PortName,
+	}
+}
+
+// deviceArgs are the optional devices: vmgenid (with QEMU's ACPI tables), the disk
+// chain and a vhost-vsock device.
+func (l *launch) deviceArgs(machine string) ([]string, error) {
+	var args []string
 	if machineACPI(machine) {
 		// vmgenid: every QEMU start (every fork) gets a fresh generation ID, which
 		// makes the guest kernel reseed its CRNG as soon as a restored guest runs.
@@ -275,9 +317,6 @@ func (l *launch) cmdline() ([]string, error) {
 	}
 	if l.VsockCID != 0 {
 		args = append(args, "-device", "vhost-vsock-pci,id=vsock0,guest-cid="+strconv.FormatUint(uint64(l.VsockCID), 10))
-	}
-	if l.Incoming {
-		args = append(args, "-incoming", "defer")
 	}
 	return args, nil
 }

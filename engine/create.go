@@ -70,7 +70,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		}
 	}
 	if spec.DiskMiB > 0 {
-		p := filepath.Join(vm.dir, "disk0.raw")
+		p := filepath.Join(vm.dir, rawDiskFile)
 		if err := guest.CreateDisk(ctx, p, spec.DiskMiB); err != nil {
 			return nil, fmt.Errorf("engine: disk: %w", err)
 		}

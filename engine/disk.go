@@ -138,7 +138,7 @@ func freezeChain(ctx context.Context, layers []DiskLayer, dir string, reflink bo
 		return nil, "", nil
 	}
 	if reflink {
-		dst := filepath.Join(dir, "disk0.raw")
+		dst := filepath.Join(dir, rawDiskFile)
 		if err := memfile.Clone(ctx, layers[0].Path, dst); err != nil {
 			return nil, "", err
 		}
@@ -183,13 +183,13 @@ func makeOverlayTemplate(ctx context.Context, qemuImg string, ck *CheckpointMani
 // forkDisk gives a fork in dir its own writable disk on the checkpoint's frozen chain.
 func forkDisk(ctx context.Context, ck *CheckpointManifest, dir string) ([]DiskLayer, error) {
 	if ck.DiskMethod == "reflink" {
-		dst := filepath.Join(dir, "disk0.raw")
+		dst := filepath.Join(dir, rawDiskFile)
 		if err := memfile.Clone(ctx, ck.Disk[0].Path, dst); err != nil {
 			return nil, fmt.Errorf("engine: fork disk: %w", err)
 		}
 		return []DiskLayer{{Path: dst, Format: "raw"}}, nil
 	}
-	dst := filepath.Join(dir, "disk-top.qcow2")
+	dst := filepath.Join(dir, forkTopFile)
 	if err := copySmallFile(ck.OverlayTemplate, dst); err != nil {
 		return nil, fmt.Errorf("engine: fork disk: %w", err)
 	}

@@ -27,7 +27,7 @@ type Engine struct {
 	bins  *qemuBins
 	vms   *registry
 	cks   *checkpointStore
-	adm   *admission
+	adm   *admitter
 	pools *poolSet
 
 	lockFile  *os.File
@@ -55,7 +55,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.vms = newRegistry(e.paths)
 	e.cks = &checkpointStore{paths: e.paths, log: e.log, verified: map[string]string{}}
 	e.pools = &poolSet{}
-	e.adm = &admission{
+	e.adm = &admitter{
 		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, reserveBytes: r.MemoryReserveMiB << 20,
 		tcgMode: r.Experimental.TCGThread,
 		used:    func() int { return e.vms.usedCPUs() + e.pools.readyCPUs() },

@@ -61,19 +61,6 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 	return e.Checkpoint(ctx, src, derivedName(src, "auto"), &CheckpointOptions{Pin: pin, implicit: true})
 }
 
-// derivedName is a fresh name for something made from base: base, then kind (if any),
-// then a random suffix, shortened to fit MaxNameLen.
-func derivedName(base, kind string) string {
-	suffix := "-" + randHex(3)
-	if kind != "" {
-		suffix = "-" + kind + suffix
-	}
-	if len(base)+len(suffix) > MaxNameLen {
-		base = base[:MaxNameLen-len(suffix)]
-	}
-	return base + suffix
-}
-
 // forkFrom makes one fork of a verified checkpoint, in stages:
 //
 //	prepare   a claimed warm-pool process, or admission + manifest, directory, disk (forkprep.go)

@@ -48,26 +48,3 @@ func compatible(ctx context.Context, bins *qemuBins, accel Accel, ck *Checkpoint
 	}
 	return nil
 }
-
-// phaseClock takes the phase timings of a create or a fork in one place: each lap is the
-// time since the previous lap (or skip).
-type phaseClock struct{ t0, last time.Time }
-
-func startPhases() *phaseClock {
-	now := time.Now()
-	return &phaseClock{t0: now, last: now}
-}
-
-// lap sets *d to the time since the last lap.
-func (c *phaseClock) lap(d *time.Duration) {
-	now := time.Now()
-	*d = now.Sub(c.last)
-	c.last = now
-}
-
-// skip starts the next lap now: the time since the last one (a wait) counts only in the
-// total.
-func (c *phaseClock) skip() { c.last = time.Now() }
-
-// total is the time since the clock started.
-func (c *phaseClock) total() time.Duration { return time.Since(c.t0) }

@@ -131,12 +131,6 @@ func parseToken(s string) ([16]byte, error) {
 	return t, nil
 }
 
-func randHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
 // writeJSON writes v atomically (temp file + rename) with mode 0600.
 func writeJSON(path string, v any) error {
 	b, err := json.MarshalIndent(v, "", "  ")

@@ -1,7 +1,6 @@
 package engine
 
 import (
-	"os"
 	"path/filepath"
 	"strings"
 )
@@ -17,6 +16,8 @@ const (
 	stubKernelFile      = "stub-kernel"
 	overlayTemplateFile = "overlay-template.qcow2"
 	lockFileName        = "lock"
+	rawDiskFile         = "disk0.raw"      // a VM's (or a checkpoint's reflinked) raw disk
+	forkTopFile         = "disk-top.qcow2" // a fork's writable overlay on its checkpoint's chain
 	qmpSockName         = "qmp.sock"
 	agentSockName       = "agent.sock"
 	// forkedMarker is created in a checkpoint's directory by its first fork. An unpinned
@@ -54,7 +55,7 @@ func (l layout) tmpCheckpointDir(name string) string {
 }
 
 // inRAMDir reports whether p is a file directly inside the RAM directory: the engine
-// deletes only such files, whatever a (corrupt) manifest names.
+// deletes only such files, whatever a corrupt record names.
 func (l layout) inRAMDir(p string) bool { return p != "" && filepath.Dir(p) == l.ram }
 
 // parseRAMName classifies a file name in the RAM directory: a VM's RAM file, a
@@ -69,20 +70,4 @@ func parseRAMName(n string) (kind, name string) {
 		return "vm", strings.TrimSuffix(strings.TrimPrefix(n, "vm-"), ".ram")
 	}
 	return "", ""
-}
-
-// removeVMFiles deletes a VM's files: its directory, run directory and RAM file. m may
-// be nil when the manifest is unreadable; the default locations are removed either way.
-func (l layout) removeVMFiles(name string, m *manifest) {
-	if m != nil {
-		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
-			os.Remove(m.Launch.RAM.Path)
-		}
-		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
-			os.RemoveAll(m.Launch.RunDir)
-		}
-	}
-	os.Remove(l.vmRAM(name))
-	os.RemoveAll(l.runDir(name))
-	os.RemoveAll(l.vmDir(name))
 }

@@ -9,30 +9,6 @@ import (
 	"strconv"
 )
 
-// procsWithArg returns the pids of processes (other than this one) with a command-line
-// argument containing s.
-func procsWithArg(s string) []int {
-	ents, _ := os.ReadDir("/proc")
-	var pids []int
-	for _, ent := range ents {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil || pid == os.Getpid() {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + ent.Name() + "/cmdline")
-		if err != nil {
-			continue
-		}
-		for _, a := range bytes.Split(b, []byte{0}) {
-			if bytes.Contains(a, []byte(s)) {
-				pids = append(pids, pid)
-				break
-			}
-		}
-	}
-	return pids
-}
-
 // procStartTime returns the start time of pid (field 22 of /proc/PID/stat, in clock
 // ticks since boot). Together with the pid it identifies a process across pid reuse.
 func procStartTime(pid int) (uint64, error) {

@@ -12,6 +12,3 @@ func procStartTime(pid int) (uint64, error) {
 	}
 	return 1, nil
 }
-
-// procsWithArg is not implemented outside Linux.
-func procsWithArg(string) []int { return nil }

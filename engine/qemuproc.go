@@ -26,8 +26,8 @@ type qemuProc struct {
 	qmpPath string
 	logPath string // QEMU's stdout and stderr, quoted in errors when it dies
 
-	pid   int
-	start uint64 // /proc start time: with pid it identifies the process across pid reuse
+	pid       int
+	startTime uint64 // /proc start time: with pid it identifies the process across pid reuse
 	// exited is closed when our child exits (nil for a re-adopted process); exitCode is
 	// valid after that.
 	exited   chan struct{}
@@ -58,7 +58,7 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string) (*qemuP
 		return nil, &QEMUError{VM: name, Op: "start", ExitCode: -1, Err: err}
 	}
 	p := &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: cmd.Process.Pid, exited: make(chan struct{})}
-	p.start, _ = procStartTime(p.pid)
+	p.startTime, _ = procStartTime(p.pid)
 	go func() {
 		_ = cmd.Wait()
 		p.exitCode = cmd.ProcessState.ExitCode()
@@ -69,11 +69,11 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string) (*qemuP
 
 // adoptQEMU re-finds a QEMU process recorded in a manifest (not our child).
 func adoptQEMU(name string, pid int, start uint64, qmpPath, logPath string) *qemuProc {
-	return &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: pid, start: start}
+	return &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: pid, startTime: start}
 }
 
-// alive reports whether the process is the one recorded and still runs.
-func (p *qemuProc) alive() bool {
+// running reports whether the process is the one recorded and still runs.
+func (p *qemuProc) running() bool {
 	if p.exited != nil {
 		select {
 		case <-p.exited:
@@ -85,7 +85,7 @@ func (p *qemuProc) alive() bool {
 		return false
 	}
 	got, err := procStartTime(p.pid)
-	return err == nil && got == p.start
+	return err == nil && got == p.startTime
 }
 
 // done returns a channel closed when the process is gone. For a re-adopted process a
@@ -97,7 +97,7 @@ func (p *qemuProc) done() <-chan struct{} {
 	p.watchOnce.Do(func() {
 		p.watched = make(chan struct{})
 		go func() {
-			for p.alive() {
+			for p.running() {
 				time.Sleep(50 * time.Millisecond)
 			}
 			close(p.watched)
@@ -145,7 +145,7 @@ func (p *qemuProc) connect(ctx context.Context) error {
 			p.mu.Unlock()
 			return nil
 		}
-		if !p.alive() {
+		if !p.running() {
 			return ErrQEMUExited
 		}
 		select {
@@ -171,7 +171,7 @@ func (p *qemuProc) client(ctx context.Context) (*qmp.Client, error) {
 		}
 	}
 	if err := p.connect(ctx); err != nil {
-		return nil, p.failure("qmp", err)
+		return nil, p.failed("qmp", err)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -188,16 +188,16 @@ func (p *qemuProc) closeQMP() {
 	p.mu.Unlock()
 }
 
-// kill SIGKILLs the process if it is alive and waits briefly for it to go.
-func (p *qemuProc) kill() {
+// sigkill SIGKILLs the process if it is alive and waits briefly for it to go.
+func (p *qemuProc) sigkill() {
 	p.stopping.Store(true)
 	p.closeQMP()
-	if !p.alive() {
+	if !p.running() {
 		return
 	}
 	_ = syscall.Kill(p.pid, syscall.SIGKILL)
 	deadline := time.Now().Add(5 * time.Second)
-	for p.alive() && time.Now().Before(deadline) {
+	for p.running() && time.Now().Before(deadline) {
 		select {
 		case <-p.done():
 		case <-time.After(5 * time.Millisecond):
@@ -209,7 +209,7 @@ func (p *qemuProc) kill() {
 // period (or at once when ctx ends).
 func (p *qemuProc) quit(ctx context.Context) {
 	p.stopping.Store(true)
-	if p.alive() {
+	if p.running() {
 		if c, err := p.client(ctx); err == nil {
 			qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 			_ = c.Execute(qctx, "quit", nil, nil)
@@ -221,12 +221,12 @@ func (p *qemuProc) quit(ctx context.Context) {
 			}
 		}
 	}
-	p.kill()
+	p.sigkill()
 }
 
-// failure turns err into a *QEMUError, carrying QEMU's exit code and stderr tail when
+// failed turns err into a *QEMUError, carrying QEMU's exit code and stderr tail when
 // QEMU died.
-func (p *qemuProc) failure(op string, err error) error {
+func (p *qemuProc) failed(op string, err error) error {
 	var qe *QEMUError
 	if errors.As(err, &qe) {
 		return err
@@ -237,7 +237,7 @@ func (p *qemuProc) failure(op string, err error) error {
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
-	if p.alive() {
+	if p.running() {
 		return &QEMUError{VM: p.name, Op: op, Err: err}
 	}
 	if !errors.Is(err, ErrQEMUExited) {

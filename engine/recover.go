@@ -5,6 +5,8 @@ import (
 	"os"
 	"path/filepath"
 	"syscall"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // recoverVMs re-finds the VMs of a state directory after an engine start: live VMs are
@@ -48,7 +50,8 @@ func killOrphans(m *manifest) {
 	if m.Launch.RunDir == "" {
 		return
 	}
-	for _, pid := range procsWithArg("path=" + escapeOpt(m.Launch.qmpSocket()) + ",") {
+	pids, _ := memfile.ProcessesWithArg("path=" + escapeOpt(m.Launch.qmpSocket()) + ",")
+	for _, pid := range pids {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
 }

@@ -1,6 +1,8 @@
 package engine
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"fmt"
 	"regexp"
 	"strings"
@@ -27,6 +29,26 @@ func ValidateName(name string) error {
 		return fmt.Errorf("%w: %q (allowed: letters, digits, '_', '.', '-'; must start with a letter or digit)", ErrInvalidName, name)
 	}
 	return nil
+}
+
+// derivedName is a fresh name for something made from base: base, then kind (if any),
+// then a random suffix, shortened to fit MaxNameLen.
+func derivedName(base, kind string) string {
+	suffix := "-" + randHex(3)
+	if kind != "" {
+		suffix = "-" + kind + suffix
+	}
+	if len(base)+len(suffix) > MaxNameLen {
+		base = base[:MaxNameLen-len(suffix)]
+	}
+	return base + suffix
+}
+
+// randHex is n random bytes in hex, for generated names.
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
 }
 
 // Spec describes a VM to create.
@@ -68,16 +90,3 @@ func (s *Spec) Validate() error {
 	}
 	return nil
 }
-
-// State is a VM's lifecycle state as reported by List and Info.
-type State string
-
-// VM states.
-const (
-	StateStarting State = "starting" // being created or forked; not yet answered by its agent
-	StateRunning  State = "running"  // QEMU alive and the agent answered at least once
-	StateDead     State = "dead"     // QEMU is gone (crashed or killed); remove it with Delete
-	// statePooled is a warm-pool QEMU: spawned with a checkpoint's machine shape and
-	// -incoming defer, not yet given a name or a guest of its own.
-	statePooled State = "pooled"
-)

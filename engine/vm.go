@@ -121,7 +121,7 @@ func (vm *VM) process() *qemuProc {
 // alive reports whether the VM's QEMU process is the one recorded and still runs.
 func (vm *VM) alive() bool {
 	p := vm.process()
-	return p != nil && p.alive()
+	return p != nil && p.running()
 }
 
 // path is a file in the VM's directory.
@@ -166,14 +166,14 @@ func (vm *VM) start(ctx context.Context) error {
 	}
 	vm.mu.Lock()
 	vm.proc = p
-	vm.m.PID, vm.m.StartTime = p.pid, p.start
+	vm.m.PID, vm.m.StartTime = p.pid, p.startTime
 	err = vm.saveLocked()
 	vm.mu.Unlock()
 	if err != nil {
 		return err
 	}
 	if err := p.connect(ctx); err != nil {
-		return p.failure("start", err)
+		return p.failed("start", err)
 	}
 	return nil
 }
@@ -181,7 +181,7 @@ func (vm *VM) start(ctx context.Context) error {
 // failure turns err into a *QEMUError carrying QEMU's stderr tail when QEMU died.
 func (vm *VM) failure(op string, err error) error {
 	if p := vm.process(); p != nil {
-		return p.failure(op, err)
+		return p.failed(op, err)
 	}
 	return &QEMUError{VM: vm.m.Name, Op: op, ExitCode: -1, Err: err}
 }
@@ -306,7 +306,7 @@ func (vm *VM) closeConns() {
 func (vm *VM) kill() {
 	vm.closeConns()
 	if p := vm.process(); p != nil {
-		p.kill()
+		p.sigkill()
 	}
 }
 
@@ -323,3 +323,42 @@ func (vm *VM) Stop(ctx context.Context) error {
 	}
 	return nil
 }
+
+// removeVMFiles deletes a VM's files: its directory, run directory and RAM file. m may
+// be nil when the manifest is unreadable; the default locations are removed either way.
+func (l layout) removeVMFiles(name string, m *manifest) {
+	if m != nil {
+		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
+			os.Remove(m.Launch.RAM.Path)
+		}
+		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
+			os.RemoveAll(m.Launch.RunDir)
+		}
+	}
+	os.Remove(l.vmRAM(name))
+	os.RemoveAll(l.runDir(name))
+	os.RemoveAll(l.vmDir(name))
+}
+
+// phaseClock takes the phase timings of a create or a fork in one place: each lap is the
+// time since the previous lap (or skip).
+type phaseClock struct{ t0, last time.Time }
+
+func startPhases() *phaseClock {
+	now := time.Now()
+	return &phaseClock{t0: now, last: now}
+}
+
+// lap sets *d to the time since the last lap.
+func (c *phaseClock) lap(d *time.Duration) {
+	now := time.Now()
+	*d = now.Sub(c.last)
+	c.last = now
+}
+
+// skip starts the next lap now: the time since the last one (a wait) counts only in the
+// total.
+func (c *phaseClock) skip() { c.last = time.Now() }
+
+// total is the time since the clock started.
+func (c *phaseClock) total() time.Duration { return time.Since(c.t0) }

@@ -47,12 +47,12 @@ func renameNoReplace(tmp, dst string) error {
 	return nil
 }
 
-// defaultMethod is the fastest method measured on tmpfs -> tmpfs (see
-// BenchmarkFreeze): one kernel copy straight from the source mapping, and
+// defaultMethod is the fastest method on tmpfs -> tmpfs (BenchmarkFreeze
+// compares them): one kernel copy straight from the source mapping, and
 // all-zero pages are not written, so they stay holes (less memory used).
-// On the 2-core test VM all methods were within noise of the page
-// allocation floor; two goroutines, MADV_POPULATE_READ on the source and
-// memcpy into a MADV_POPULATE_WRITE dst mapping were slower.
+// The alternatives bound by the page allocation floor (two goroutines,
+// MADV_POPULATE_READ on the source, memcpy into a MADV_POPULATE_WRITE
+// mapping) gain nothing over it.
 var defaultMethod = methodMmapZero
 
 var (

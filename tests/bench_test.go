@@ -49,9 +49,9 @@ func benchEnv(b *testing.B) *engine.Engine {
 		}
 		cks, _ := e.Checkpoints()
 		for _, c := range cks {
-			e.DeleteCheckpoint(ctx, c.Name, true)
+			e.DeleteCheckpoint(ctx, c.Name, &engine.DeleteCheckpointOptions{Force: true})
 		}
-		ram := e.RAMDir()
+		ram := e.Config().RAMDir
 		e.Close()
 		os.RemoveAll(ram)
 		os.RemoveAll(home)
@@ -143,7 +143,7 @@ func BenchmarkForkToFirstCommand(b *testing.B) {
 	var samples, ready []time.Duration
 	for i := 0; b.Loop(); i++ {
 		t0 := time.Now()
-		f, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: fmt.Sprintf("f%d", i)})
+		f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: fmt.Sprintf("f%d", i)})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -192,7 +192,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 				total = append(total, ck.Manifest.Timings.Total)
 				paused = append(paused, ck.Manifest.Timings.Paused)
 				e.Delete(ctx, w.Name())
-				e.DeleteCheckpoint(ctx, ck.Manifest.Name, true)
+				e.DeleteCheckpoint(ctx, ck.Manifest.Name, &engine.DeleteCheckpointOptions{Force: true})
 				b.StartTimer()
 			}
 			sort.Slice(paused, func(i, j int) bool { return paused[i] < paused[j] })

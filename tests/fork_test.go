@@ -62,11 +62,11 @@ func TestCheckpointFork(t *testing.T) {
 	_, err = e.Checkpoint(ctx, "world", "ck1", nil)
 	wantErr(t, err, engine.ErrExists)
 
-	f1, err := e.Fork(ctx, "ck1", engine.ForkOptions{Name: "f1"})
+	f1, err := e.Fork(ctx, "ck1", &engine.ForkOptions{Name: "f1"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	f2, err := e.Fork(ctx, "ck1", engine.ForkOptions{Name: "f2"})
+	f2, err := e.Fork(ctx, "ck1", &engine.ForkOptions{Name: "f2"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -93,7 +93,7 @@ func TestCheckpointFork(t *testing.T) {
 			t.Fatalf("f2 state changed by f1's writes: %q", got)
 		}
 		// A new fork of the same checkpoint sees neither f1's nor the world's writes.
-		f3, err := e.Fork(ctx, "ck1", engine.ForkOptions{Name: "f3"})
+		f3, err := e.Fork(ctx, "ck1", &engine.ForkOptions{Name: "f3"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -172,7 +172,7 @@ func TestCheckpointFork(t *testing.T) {
 		if _, err := e.Create(ctx, engine.Spec{Name: "vg", CPUs: 1, MemoryMiB: 256, Forkable: true, VMGenID: true}); err != nil {
 			t.Fatal(err)
 		}
-		vf, err := e.Fork(ctx, "vg", engine.ForkOptions{Name: "vf"})
+		vf, err := e.Fork(ctx, "vg", &engine.ForkOptions{Name: "vf"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -199,7 +199,7 @@ func TestCheckpointFork(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Logf("checkpoint of a fork: %v (%s)", ck2.Manifest.Timings.Total, ck2.Manifest.RAMMethod)
-		g1, err := e.Fork(ctx, "ck2", engine.ForkOptions{Name: "g1"})
+		g1, err := e.Fork(ctx, "ck2", &engine.ForkOptions{Name: "g1"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -217,7 +217,7 @@ func TestCheckpointFork(t *testing.T) {
 		}
 	})
 	t.Run("fork of a running vm", func(t *testing.T) {
-		i1, err := e.Fork(ctx, "world", engine.ForkOptions{Name: "i1"})
+		i1, err := e.Fork(ctx, "world", &engine.ForkOptions{Name: "i1"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -236,7 +236,7 @@ func TestCheckpointFork(t *testing.T) {
 		}
 	})
 	t.Run("lifecycle", func(t *testing.T) {
-		err := e.DeleteCheckpoint(ctx, "ck1", false)
+		err := e.DeleteCheckpoint(ctx, "ck1", nil)
 		wantErr(t, err, engine.ErrInUse)
 		// A restarted engine knows the checkpoint and its forks.
 		e.Close()
@@ -282,15 +282,15 @@ func TestCheckpointBadInput(t *testing.T) {
 	t.Run("not forkable", func(t *testing.T) {
 		_, err := e.Checkpoint(ctx, "plain", "x", nil)
 		wantErr(t, err, engine.ErrNotForkable)
-		_, err = e.Fork(ctx, "plain", engine.ForkOptions{Name: "x"})
+		_, err = e.Fork(ctx, "plain", &engine.ForkOptions{Name: "x"})
 		wantErr(t, err, engine.ErrNotForkable)
 	})
 	t.Run("bad names", func(t *testing.T) {
 		_, err := e.Checkpoint(ctx, "w", "a,b", nil)
 		wantErr(t, err, engine.ErrInvalidName)
-		_, err = e.Fork(ctx, "../w", engine.ForkOptions{Name: "x"})
+		_, err = e.Fork(ctx, "../w", &engine.ForkOptions{Name: "x"})
 		wantErr(t, err, engine.ErrInvalidName)
-		_, err = e.Fork(ctx, "nope", engine.ForkOptions{Name: "x"})
+		_, err = e.Fork(ctx, "nope", &engine.ForkOptions{Name: "x"})
 		wantErr(t, err, engine.ErrNotFound)
 		_, err = e.Checkpoint(ctx, "w", "w", nil)
 		wantErr(t, err, engine.ErrExists)
@@ -320,7 +320,7 @@ func TestCheckpointBadInput(t *testing.T) {
 		}
 		env.E, e = e2, e2
 		before := len(e.List())
-		_, ferr := e.Fork(ctx, name, engine.ForkOptions{Name: "bad"})
+		_, ferr := e.Fork(ctx, name, &engine.ForkOptions{Name: "bad"})
 		if len(e.List()) != before {
 			t.Fatal("a refused fork left a VM behind")
 		}
@@ -387,11 +387,11 @@ func TestCheckpointBadInput(t *testing.T) {
 		}
 	})
 	t.Run("delete with forks refused unless forced", func(t *testing.T) {
-		if _, err := e.Fork(ctx, "good", engine.ForkOptions{Name: "gf"}); err != nil {
+		if _, err := e.Fork(ctx, "good", &engine.ForkOptions{Name: "gf"}); err != nil {
 			t.Fatal(err)
 		}
-		wantErr(t, e.DeleteCheckpoint(ctx, "good", false), engine.ErrInUse)
-		if err := e.DeleteCheckpoint(ctx, "good", true); err != nil {
+		wantErr(t, e.DeleteCheckpoint(ctx, "good", nil), engine.ErrInUse)
+		if err := e.DeleteCheckpoint(ctx, "good", &engine.DeleteCheckpointOptions{Force: true}); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := e.Get("gf"); !errors.Is(err, engine.ErrNotFound) {
@@ -412,17 +412,17 @@ func TestWarmPool(t *testing.T) {
 	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
 	}
-	used := e.Budget(0).Used
+	used := e.Budget().Used
 	if err := e.Warm(ctx, "ck", 2, nil); err != nil {
 		t.Fatal(err)
 	}
 	if n := e.PoolSize("ck"); n != 2 {
 		t.Fatalf("PoolSize = %d, want 2", n)
 	}
-	if got := e.Budget(0).Used; got != used+2 {
+	if got := e.Budget().Used; got != used+2 {
 		t.Fatalf("budget used %d with a pool of 2 one-vCPU processes, want %d", got, used+2)
 	}
-	f, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: "pf1"})
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "pf1"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -496,7 +496,7 @@ func TestCheckpointHandoff(t *testing.T) {
 	}
 	// The world's later writes reach no fork; a fork's reach not the world.
 	mustRun(t, w, "echo after > /dev/shm/after; echo after > /data/after; sync")
-	f, err := e.Fork(ctx, "hk", engine.ForkOptions{Name: "hf"})
+	f, err := e.Fork(ctx, "hk", &engine.ForkOptions{Name: "hf"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -508,7 +508,7 @@ func TestCheckpointHandoff(t *testing.T) {
 		t.Fatalf("world sees the fork's writes: %q", out)
 	}
 	// The world is a fork of the checkpoint now: deleting it is refused while it lives.
-	wantErr(t, e.DeleteCheckpoint(ctx, "hk", false), engine.ErrInUse)
+	wantErr(t, e.DeleteCheckpoint(ctx, "hk", nil), engine.ErrInUse)
 	// A later (full-save) checkpoint of the handed-off world works.
 	if _, err := e.Checkpoint(ctx, "w", "hk2", nil); err != nil {
 		t.Fatal(err)
@@ -538,7 +538,7 @@ func TestWarmPoolRestored(t *testing.T) {
 	}
 	var rnd, toks []string
 	for _, name := range []string{"r1", "r2"} {
-		f, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: name})
+		f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: name})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -564,7 +564,7 @@ func TestForkManyCancel(t *testing.T) {
 	makePinnedWorld(t, e, 256, 0)
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	evs, err := e.ForkMany(wctx, "ck", 6, engine.ManyOptions{Prefix: "c", Concurrency: 2})
+	evs, err := e.ForkMany(wctx, "ck", 6, &engine.ManyOptions{Prefix: "c", Concurrency: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -595,7 +595,7 @@ func TestForkManyCancel(t *testing.T) {
 // (Config.TCGThread "single", what auto picks in a wave) restores, sees and uses all its
 // vCPUs, and that QEMU got the mode.
 func TestSingleThreadTCGFork(t *testing.T) {
-	env := newEnv(t, func(c *engine.Config) { c.TCGThread = "single" })
+	env := newEnv(t, func(c *engine.Config) { c.Experimental.TCGThread = engine.TCGThreadSingle })
 	e := env.E
 	if e.Accel() != "tcg" {
 		t.Skip("TCG thread modes apply under tcg only")
@@ -604,7 +604,7 @@ func TestSingleThreadTCGFork(t *testing.T) {
 	if _, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 2, MemoryMiB: 256, Forkable: true}); err != nil {
 		t.Fatal(err)
 	}
-	f, err := e.Fork(ctx, "w", engine.ForkOptions{Name: "f"})
+	f, err := e.Fork(ctx, "w", &engine.ForkOptions{Name: "f"})
 	if err != nil {
 		t.Fatal(err)
 	}

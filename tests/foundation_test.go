@@ -75,7 +75,7 @@ func TestVMLifecycle(t *testing.T) {
 		t.Fatalf("List = %+v", list)
 	}
 	pid := vm.PID()
-	ramFiles, _ := filepath.Glob(filepath.Join(env.E.RAMDir(), "*"))
+	ramFiles, _ := filepath.Glob(filepath.Join(env.E.Config().RAMDir, "*"))
 	if len(ramFiles) != 1 {
 		t.Fatalf("RAM files = %v, want one", ramFiles)
 	}
@@ -259,7 +259,7 @@ func TestBadInput(t *testing.T) {
 		if dead := e2.Reap(context.Background()); len(dead) != 1 || dead[0] != "k1" {
 			t.Fatalf("Reap = %v", dead)
 		}
-		if ents, _ := os.ReadDir(e2.RAMDir()); len(ents) != 0 {
+		if ents, _ := os.ReadDir(e2.Config().RAMDir); len(ents) != 0 {
 			t.Fatalf("RAM files left after reap: %v", ents)
 		}
 	})

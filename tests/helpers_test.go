@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -51,7 +52,7 @@ func newEnv(t *testing.T, mod func(*engine.Config)) *testEnv {
 		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second,
 	}
 	if testing.Verbose() {
-		cfg.Log = testLog{t}
+		cfg.Logger = slog.New(slog.NewTextHandler(testLog{t}, nil))
 	}
 	if mod != nil {
 		mod(&cfg)
@@ -80,7 +81,7 @@ func (env *testEnv) teardown() {
 	defer cancel()
 	e := env.E
 	pids := deleteEverything(ctx, t, e, "teardown: ")
-	ramDir := e.RAMDir()
+	ramDir := e.Config().RAMDir
 	e.Close()
 	for _, pid := range pids {
 		if pid > 0 && processAlive(pid) {
@@ -119,7 +120,7 @@ func newRobustEnv(t *testing.T, mod func(*engine.Config)) *testEnv {
 		os.RemoveAll(home)
 	})
 	env := newEnv(t, mod)
-	home, ramDir = env.Home, env.E.RAMDir()
+	home, ramDir = env.Home, env.E.Config().RAMDir
 	return env
 }
 
@@ -137,7 +138,7 @@ func deleteEverything(ctx context.Context, t *testing.T, e *engine.Engine, prefi
 	}
 	cks, _ := e.Checkpoints()
 	for _, c := range cks {
-		if err := e.DeleteCheckpoint(ctx, c.Name, true); err != nil {
+		if err := e.DeleteCheckpoint(ctx, c.Name, &engine.DeleteCheckpointOptions{Force: true}); err != nil {
 			t.Errorf("%sdelete checkpoint %s: %v", prefix, c.Name, err)
 		}
 	}
@@ -255,14 +256,20 @@ func waitDead(t *testing.T, vm *engine.VM, within time.Duration) {
 	}
 }
 
+// vmRecord is the part of a VM's on-disk manifest the tests read.
+type vmRecord struct {
+	State engine.State `json:"state"`
+	PID   int          `json:"pid"`
+}
+
 // readManifest reads the fields of a VM manifest the tests need (without the engine's
 // validation, which is what is being tested).
-func readManifest(path string) (*engine.Manifest, error) {
+func readManifest(path string) (*vmRecord, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
-	var m engine.Manifest
+	var m vmRecord
 	if err := json.Unmarshal(b, &m); err != nil {
 		return nil, err
 	}
@@ -410,7 +417,7 @@ type expectState struct {
 // exactly the listed entries (no .tmp-* left overs).
 func checkState(t *testing.T, env *testEnv, want expectState) {
 	t.Helper()
-	home, ramDir := env.Home, env.E.RAMDir()
+	home, ramDir := env.Home, env.E.Config().RAMDir
 	runDir := filepath.Join(home, "run")
 	vms := sorted(want.VMs)
 	for pid, args := range procsReferencing(home, ramDir) {
@@ -451,7 +458,7 @@ func assertGone(t *testing.T, env *testEnv, name string, pid int) {
 		t.Errorf("%s: Get = %v, want ErrNotFound", name, err)
 	}
 	for _, p := range []string{filepath.Join(env.Home, "vms", name), filepath.Join(env.Home, "run", name),
-		filepath.Join(env.E.RAMDir(), "vm-"+name+".ram")} {
+		filepath.Join(env.E.Config().RAMDir, "vm-"+name+".ram")} {
 		if _, err := os.Lstat(p); !errors.Is(err, fs.ErrNotExist) {
 			t.Errorf("%s: %s still exists (%v)", name, p, err)
 		}

@@ -38,7 +38,7 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	makePinnedWorld(t, e, 256, 16)
-	evs, err := e.ForkMany(ctx, "ck", 8, engine.ManyOptions{Prefix: "f", Concurrency: 8})
+	evs, err := e.ForkMany(ctx, "ck", 8, &engine.ManyOptions{Prefix: "f", Concurrency: 8})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,10 +88,10 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 	if e.Accel() == "tcg" && runtime.NumCPU() < 8 {
 		modes := map[string]int{}
 		for _, vm := range alive {
-			modes[vm.Info().TCGThread]++
+			modes[string(vm.Info().TCGThread)]++
 		}
 		for _, vm := range killed {
-			modes[vm.Info().TCGThread]++
+			modes[string(vm.Info().TCGThread)]++
 		}
 		t.Logf("TCG thread modes of the wave: %v", modes)
 		if modes["single"] == 0 {
@@ -112,7 +112,7 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 			t.Errorf("List: %s is %s, want %s", inf.Name, inf.State, want)
 		}
 	}
-	if b := e.Budget(0); b.Used != 1+len(alive) {
+	if b := e.Budget(); b.Used != 1+len(alive) {
 		t.Errorf("Budget.Used = %d, want %d (world + %d live forks)", b.Used, 1+len(alive), len(alive))
 	}
 
@@ -136,7 +136,7 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 	if d := e.Reap(ctx); len(d) != 0 {
 		t.Fatalf("second Reap = %v", d)
 	}
-	if b := e.Budget(0); b.Used != 1+len(alive) {
+	if b := e.Budget(); b.Used != 1+len(alive) {
 		t.Errorf("Budget.Used after reap = %d, want %d", b.Used, 1+len(alive))
 	}
 	deleteAll(t, env)
@@ -214,7 +214,7 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 			leftover[n] = left{state: "no-manifest"}
 			continue
 		}
-		leftover[n] = left{state: m.State, pid: m.PID}
+		leftover[n] = left{state: string(m.State), pid: m.PID}
 	}
 	qemus := map[string]int{}
 	for pid, args := range procsReferencing(env.Home) {
@@ -223,7 +223,7 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 	t.Logf("helper printed %v; left behind: %+v; qemus: %v", printed, leftover, qemus)
 	var running, halfMade []string
 	for n, l := range leftover {
-		if l.state == engine.StateRunning {
+		if l.state == string(engine.StateRunning) {
 			running = append(running, n)
 		} else {
 			halfMade = append(halfMade, n)
@@ -275,7 +275,7 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 	if _, err := e2.LoadCheckpoint("ck"); err != nil {
 		t.Fatalf("checkpoint after engine crash: %v", err)
 	}
-	nf, err := e2.Fork(ctx, "ck", engine.ForkOptions{Name: "n1"})
+	nf, err := e2.Fork(ctx, "ck", &engine.ForkOptions{Name: "n1"})
 	if err != nil {
 		t.Fatalf("fork after engine crash: %v", err)
 	}
@@ -317,7 +317,7 @@ func TestRobustQEMUDiesDuringFork(t *testing.T) {
 				}
 				done := make(chan res, 1)
 				go func() {
-					vm, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: name})
+					vm, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: name})
 					done <- res{vm, err}
 				}()
 				var r res
@@ -354,7 +354,7 @@ func TestRobustQEMUDiesDuringFork(t *testing.T) {
 					t.Fatalf("error is not a *QEMUError: %v", r.err)
 				}
 				assertGone(t, env, name, killedPID)
-				if b := e.Budget(0); b.Used != 1 {
+				if b := e.Budget(); b.Used != 1 {
 					t.Errorf("Budget.Used = %d after a failed fork, want 1 (the world)", b.Used)
 				}
 				checkState(t, env, expectState{VMs: []string{"w"}, RAM: []string{"vm-w.ram", "ck-ck.ram"}, CKs: []string{"ck"}})
@@ -364,7 +364,7 @@ func TestRobustQEMUDiesDuringFork(t *testing.T) {
 		})
 	}
 	// The checkpoint is unharmed.
-	f, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: "ok"})
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "ok"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -403,7 +403,7 @@ func TestRobustForkAgentNeverAnswers(t *testing.T) {
 		t.Fatalf("checkpoint of a world with a frozen agent: %v", err)
 	}
 
-	_, err = e.Fork(ctx, "ck", engine.ForkOptions{Name: "nf"})
+	_, err = e.Fork(ctx, "ck", &engine.ForkOptions{Name: "nf"})
 	t.Logf("fork: %v", err)
 	wantErr(t, err, engine.ErrAgentTimeout)
 	if errors.Is(err, engine.ErrQEMUExited) {
@@ -411,7 +411,7 @@ func TestRobustForkAgentNeverAnswers(t *testing.T) {
 	}
 	assertGone(t, env, "nf", 0)
 
-	evs, err := e.ForkMany(ctx, "ck", 2, engine.ManyOptions{Prefix: "m"})
+	evs, err := e.ForkMany(ctx, "ck", 2, &engine.ManyOptions{Prefix: "m"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -425,7 +425,7 @@ func TestRobustForkAgentNeverAnswers(t *testing.T) {
 		}
 		assertGone(t, env, ev.Name, 0)
 	}
-	if b := e.Budget(0); b.Used != 1 {
+	if b := e.Budget(); b.Used != 1 {
 		t.Errorf("Budget.Used = %d after failed forks, want 1", b.Used)
 	}
 	checkState(t, env, expectState{VMs: []string{"w"}, RAM: []string{"vm-w.ram", "ck-ck.ram"}, CKs: []string{"ck"}})
@@ -521,7 +521,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 				if _, err := e.LoadCheckpoint(ck); err != nil {
 					t.Fatalf("checkpoint that succeeded does not load: %v", err)
 				}
-				if err := e.DeleteCheckpoint(ctx, ck, false); err != nil {
+				if err := e.DeleteCheckpoint(ctx, ck, nil); err != nil {
 					t.Fatal(err)
 				}
 				reapWorld(t, wn, nil)
@@ -539,7 +539,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 		// ~200 MB of dirty guest RAM so that the freeze (the copy of the RAM file) takes
 		// a while.
 		mustRun(t, world, "head -c 1048576 /dev/urandom > /dev/shm/seed && for i in $(seq 200); do cat /dev/shm/seed; done > /dev/shm/dirty && sync")
-		c, err, killed := checkpointAndKill(t, world, "cf", hasEntry(e.RAMDir(), ".ck-cf.ram"))
+		c, err, killed := checkpointAndKill(t, world, "cf", hasEntry(e.Config().RAMDir, ".ck-cf.ram"))
 		if !killed {
 			t.Fatalf("checkpoint finished before the kill (freeze never observed): %v", err)
 		}
@@ -554,7 +554,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 		// success is acceptable — but only if it really restores.
 		t.Logf("checkpoint completed although the world died during the freeze (%v)", c.Manifest.Timings.Total)
 		reapWorld(t, "wf", []string{"cf"})
-		f, err := e.Fork(ctx, "cf", engine.ForkOptions{Name: "ff"})
+		f, err := e.Fork(ctx, "cf", &engine.ForkOptions{Name: "ff"})
 		if err != nil {
 			t.Fatalf("fork of the checkpoint whose world died during the freeze: %v", err)
 		}
@@ -582,7 +582,7 @@ func TestRobustSoak(t *testing.T) {
 		for i := range names {
 			names[i] = fmt.Sprintf("s%d", base+i)
 		}
-		evs, err := e.ForkMany(ctx, "ck", n, engine.ManyOptions{Names: names, Concurrency: 8})
+		evs, err := e.ForkMany(ctx, "ck", n, &engine.ManyOptions{Names: names, Concurrency: 8})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -612,16 +612,16 @@ func TestRobustSoak(t *testing.T) {
 	wave(0, 1)
 	time.Sleep(200 * time.Millisecond)
 	fds0 := countFDs()
-	procs0 := procsReferencing(env.Home, e.RAMDir())
-	files0 := treeSnapshot(env.Home, e.RAMDir())
+	procs0 := procsReferencing(env.Home, e.Config().RAMDir)
+	files0 := treeSnapshot(env.Home, e.Config().RAMDir)
 	fails := 0
 	for i := 0; i < 5; i++ {
 		fails += wave(100+i*8, 8)
 	}
 	time.Sleep(200 * time.Millisecond)
 	fds1 := countFDs()
-	procs1 := procsReferencing(env.Home, e.RAMDir())
-	files1 := treeSnapshot(env.Home, e.RAMDir())
+	procs1 := procsReferencing(env.Home, e.Config().RAMDir)
+	files1 := treeSnapshot(env.Home, e.Config().RAMDir)
 	t.Logf("fds %d -> %d, processes %d -> %d, files %d -> %d, failures %d", fds0, fds1, len(procs0), len(procs1), len(files0), len(files1), fails)
 	if fails != 0 {
 		t.Errorf("%d failures in 40 forks", fails)
@@ -651,7 +651,7 @@ func TestRobustCrashBeforePIDRecorded(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	ctx := ctxT(t, 4*time.Minute)
 	makePinnedWorld(t, env.E, 256, 0)
-	x, err := env.E.Fork(ctx, "ck", engine.ForkOptions{Name: "x"})
+	x, err := env.E.Fork(ctx, "ck", &engine.ForkOptions{Name: "x"})
 	if err != nil {
 		t.Fatal(err)
 	}

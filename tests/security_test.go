@@ -64,7 +64,7 @@ func TestSecurityModes(t *testing.T) {
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	makePinnedWorld(t, e, 256, 16)
-	if _, err := e.Fork(ctx, "ck", engine.ForkOptions{Name: "f1"}); err != nil {
+	if _, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "f1"}); err != nil {
 		t.Fatal(err)
 	}
 	uid := uint32(os.Getuid())
@@ -91,7 +91,7 @@ func TestSecurityModes(t *testing.T) {
 			t.Errorf("%s: mode %v, want a 0600 file", p, m)
 		}
 	}
-	home, ram, runDir := env.Home, e.RAMDir(), filepath.Join(env.Home, "run")
+	home, ram, runDir := env.Home, e.Config().RAMDir, filepath.Join(env.Home, "run")
 
 	t.Run("directories are 0700", func(t *testing.T) {
 		for _, root := range []string{home, ram} {
@@ -248,7 +248,7 @@ func TestSecurityForeignRAMDir(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ram := e.RAMDir()
+			ram := e.Config().RAMDir
 			e.Close()
 			os.RemoveAll(ram)
 			var foreign string
@@ -279,7 +279,7 @@ func TestSecurityForeignRAMDir(t *testing.T) {
 				return
 			}
 			defer e2.Close()
-			got := e2.RAMDir()
+			got := e2.Config().RAMDir
 			st, lerr := os.Lstat(got)
 			var owner uint32 = 1<<32 - 1
 			if lerr == nil {
@@ -319,7 +319,7 @@ func TestSecurityEscapingNames(t *testing.T) {
 	rand.Read(b)
 	tok := "fvesc" + hex.EncodeToString(b)
 	cwd, _ := os.Getwd()
-	roots := []string{env.Home, e.RAMDir()}
+	roots := []string{env.Home, e.Config().RAMDir}
 	before := treeSnapshot(roots...)
 	listBefore := len(e.List())
 
@@ -328,16 +328,16 @@ func TestSecurityEscapingNames(t *testing.T) {
 		_, calls["Create"] = e.Create(ctx, engine.Spec{Name: bad, CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
 		_, calls["Checkpoint name"] = e.Checkpoint(ctx, "w", bad, nil)
 		_, calls["Checkpoint vm"] = e.Checkpoint(ctx, bad, "okname", nil)
-		_, calls["Fork name"] = e.Fork(ctx, "ck", engine.ForkOptions{Name: bad})
-		_, calls["Fork src"] = e.Fork(ctx, bad, engine.ForkOptions{Name: "okname"})
-		_, calls["ForkMany names"] = e.ForkMany(ctx, "ck", 1, engine.ManyOptions{Names: []string{bad}})
+		_, calls["Fork name"] = e.Fork(ctx, "ck", &engine.ForkOptions{Name: bad})
+		_, calls["Fork src"] = e.Fork(ctx, bad, &engine.ForkOptions{Name: "okname"})
+		_, calls["ForkMany names"] = e.ForkMany(ctx, "ck", 1, &engine.ManyOptions{Names: []string{bad}})
 		if bad != "" { // an empty prefix is fine: names "1", "2"
-			_, calls["ForkMany prefix"] = e.ForkMany(ctx, "ck", 2, engine.ManyOptions{Prefix: bad})
+			_, calls["ForkMany prefix"] = e.ForkMany(ctx, "ck", 2, &engine.ManyOptions{Prefix: bad})
 		}
 		_, calls["Get"] = e.Get(bad)
 		_, calls["LoadCheckpoint"] = e.LoadCheckpoint(bad)
 		calls["Delete"] = e.Delete(ctx, bad)
-		calls["DeleteCheckpoint"] = e.DeleteCheckpoint(ctx, bad, true)
+		calls["DeleteCheckpoint"] = e.DeleteCheckpoint(ctx, bad, &engine.DeleteCheckpointOptions{Force: true})
 		calls["SetPinned"] = e.SetPinned(ctx, bad, false)
 		for call, err := range calls {
 			if !errors.Is(err, engine.ErrInvalidName) {
@@ -352,8 +352,8 @@ func TestSecurityEscapingNames(t *testing.T) {
 		t.Errorf("refused names changed the engine's directories: gone %v, new %v", a, b)
 	}
 	// Nothing named after the token anywhere an escape could have reached.
-	for _, d := range []string{"/", "/tmp", "/dev/shm", cwd, filepath.Dir(env.Home), filepath.Dir(e.RAMDir()),
-		env.Home, filepath.Join(env.Home, "vms"), filepath.Join(env.Home, "run"), filepath.Join(env.Home, "checkpoints"), e.RAMDir()} {
+	for _, d := range []string{"/", "/tmp", "/dev/shm", cwd, filepath.Dir(env.Home), filepath.Dir(e.Config().RAMDir),
+		env.Home, filepath.Join(env.Home, "vms"), filepath.Join(env.Home, "run"), filepath.Join(env.Home, "checkpoints"), e.Config().RAMDir} {
 		for _, n := range dirNames(d) {
 			if strings.Contains(n, tok) {
 				t.Errorf("escape: %s created", filepath.Join(d, n))

@@ -80,7 +80,7 @@ func runCheckpointRestore(r *runner, n, fanout int) error {
 		}
 		// The unpinned checkpoint goes with its last fork; remove it if it did not fork.
 		if _, err := r.e.LoadCheckpoint(ckName); err == nil {
-			_ = r.e.DeleteCheckpoint(ctx, ckName, true)
+			_ = r.e.DeleteCheckpoint(ctx, ckName, &engine.DeleteCheckpointOptions{Force: true})
 		}
 		name = fmt.Sprintf("rv%d", i)
 		vm, s = r.serialFork(w.Name, name, "fork-running", i-1, 2)
@@ -97,7 +97,7 @@ func runCheckpointRestore(r *runner, n, fanout int) error {
 			return err
 		}
 	}
-	wr, err := r.wave(fmt.Sprintf("fanout%d", fanout), w.Ck, fanout, engine.ManyOptions{Prefix: "fo-"}, nil)
+	wr, err := r.wave(fmt.Sprintf("fanout%d", fanout), w.Ck, fanout, &engine.ManyOptions{Prefix: "fo-"}, nil)
 	if err != nil {
 		if wr != nil {
 			r.deleteAll(wr.Ready)

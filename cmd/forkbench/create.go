@@ -157,7 +157,7 @@ func runCreateBatch(r *runner, batch, conc int) error {
 	r.worldExtra(w)
 	var mu sync.Mutex
 	var cmdFail []string
-	wr, err := r.wave(fmt.Sprintf("batch%d", batch), w.Ck, batch, engine.ManyOptions{Prefix: "gb-", Concurrency: conc}, func(ev engine.ForkEvent) {
+	wr, err := r.wave(fmt.Sprintf("batch%d", batch), w.Ck, batch, &engine.ManyOptions{Prefix: "gb-", Concurrency: conc}, func(ev engine.ForkEvent) {
 		_, err := firstCmd(r.ctx, ev.VM)
 		mu.Lock()
 		if err != nil {

@@ -78,7 +78,7 @@ func runDensity(r *runner, step, mx, cmds int) error {
 	for k := 1; len(pop) < mx; k++ {
 		n := min(step, mx-len(pop))
 		label := fmt.Sprintf("step%d", k)
-		wr, err := r.wave(label, w.Ck, n, engine.ManyOptions{Prefix: fmt.Sprintf("d%d-", k)}, nil)
+		wr, err := r.wave(label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("d%d-", k)}, nil)
 		if err != nil {
 			if wr != nil {
 				pop = append(pop, wr.Ready...)

@@ -194,7 +194,7 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 				return fmt.Errorf("warm pool: %w", err)
 			}
 		}
-		wr, err := r.wave(label, w.Ck, n, engine.ManyOptions{Prefix: fmt.Sprintf("w%d-", n), Overcommit: r.overcommit}, nil)
+		wr, err := r.wave(label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("w%d-", n), Overcommit: r.overcommit}, nil)
 		if err != nil {
 			if wr != nil {
 				r.deleteAll(wr.Ready)
@@ -233,7 +233,7 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 			label, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(fs.cpuUser), median(fs.cpuSys),
 			memText(fs.mems, "at ready"))
 		if r.res.Host.Accel == "tcg" {
-			r.section("TCG thread mode of the ready forks (engine Config.TCGThread %s): %v.\n\n", r.e.TCGThread(), threads)
+			r.section("TCG thread mode of the ready forks (engine Config.TCGThread %s): %v.\n\n", string(r.e.Config().Experimental.TCGThread), threads)
 		}
 		r.admissionSection(wr)
 		if idle.N > 0 {
@@ -294,5 +294,5 @@ func threadLabel(inf engine.Info) string {
 	if inf.TCGThread == "" {
 		return "multi (default)"
 	}
-	return inf.TCGThread
+	return string(inf.TCGThread)
 }

@@ -69,7 +69,7 @@ type TCGBlocks struct {
 func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM, Sample) {
 	s := Sample{Group: group, Index: index, Name: name}
 	t0 := time.Now()
-	vm, err := r.e.Fork(r.ctx, src, engine.ForkOptions{Name: name})
+	vm, err := r.e.Fork(r.ctx, src, &engine.ForkOptions{Name: name})
 	if err != nil {
 		s.LatencyMS, s.Error = ms(time.Since(t0)), err.Error()
 		return nil, s
@@ -154,7 +154,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 	// Isolation: two more forks, checked against each other and in full.
 	var iso []*engine.VM
 	for _, nm := range []string{"iso-a", "iso-b"} {
-		vm, err := r.e.Fork(r.ctx, w.Ck, engine.ForkOptions{Name: nm})
+		vm, err := r.e.Fork(r.ctx, w.Ck, &engine.ForkOptions{Name: nm})
 		if err != nil {
 			r.fail("isolation fork %s: %v", nm, err)
 			continue

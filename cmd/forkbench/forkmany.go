@@ -48,7 +48,7 @@ func runForkMany(r *runner, batches, n int) error {
 	r.section("## Batches\n\n")
 	for b := 1; b <= batches; b++ {
 		label := fmt.Sprintf("batch%d", b)
-		wr, err := r.wave(label, w.Ck, n, engine.ManyOptions{Prefix: fmt.Sprintf("b%d-", b)}, nil)
+		wr, err := r.wave(label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("b%d-", b)}, nil)
 		if err != nil {
 			if wr != nil {
 				r.deleteAll(wr.Ready)

@@ -70,7 +70,7 @@ func hostInfo(e *engine.Engine) HostInfo {
 	}
 	h.Kernel = unameRelease()
 	if e != nil {
-		h.Accel = e.Accel()
+		h.Accel = string(e.Accel())
 	}
 	return h
 }

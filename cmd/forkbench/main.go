@@ -57,10 +57,10 @@ func commonFlags() []cli.Flag {
 		&cli.BoolFlag{Name: "hold", Usage: "keep the last forks alive after the run and print their PIDs and the state dir"},
 		&cli.StringFlag{Name: "home", Usage: "engine state dir (default: a fresh /tmp/fb-* removed at the end)"},
 		overcommitFlag(8, ""),
-		&cli.IntFlag{Name: "tb-size", Usage: "TCG translation buffer per VM in MiB (engine Config.TBSizeMiB; 0 = engine default)"},
+		&cli.IntFlag{Name: "tb-size", Usage: "TCG translation buffer per VM in MiB (engine Config.Experimental.TBSizeMiB; 0 = engine default)"},
 		&cli.BoolFlag{Name: "vmgenid", Usage: "give the world (and so every fork) QEMU's ACPI tables and a vmgenid device (engine Spec.VMGenID)"},
-		&cli.StringFlag{Name: "tcg-thread", Value: "auto", Usage: "TCG vCPU threading of forks: auto, single or multi (engine Config.TCGThread)"},
-		&cli.IntFlag{Name: "restore-concurrency", Usage: "forks restoring at once (engine Config.RestoreConcurrency; 0 = engine default: host CPUs, -1 = no bound)"},
+		&cli.StringFlag{Name: "tcg-thread", Value: "auto", Usage: "TCG vCPU threading of forks: auto, single or multi (engine Config.Experimental.TCGThread)"},
+		&cli.IntFlag{Name: "restore-concurrency", Usage: "forks restoring at once (engine Config.Experimental.RestoreConcurrency; 0 = engine default: host CPUs, -1 = no bound)"},
 		&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 		&cli.BoolFlag{Name: "warm-restored", Usage: "with --warm: pre-restored pool (forks run ~0.2 s of guest time before they are handed out; see engine.WarmOptions)"},
 	}

@@ -64,7 +64,7 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 		src = twin.Name
 		defer func() { _ = r.e.Delete(ctx, twin.Name) }()
 	}
-	saveDur, err := r.e.Save(ctx, src, path)
+	saveDur, err := r.e.Baseline().Save(ctx, src, path)
 	if err != nil {
 		return fmt.Errorf("peer: save: %w", err)
 	}
@@ -78,7 +78,7 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("peer-%d", i)
 		t0 := time.Now()
-		vm, err := r.e.Restore(ctx, path, r.worldSpec(name, false))
+		vm, err := r.e.Baseline().Restore(ctx, path, r.worldSpec(name, false))
 		s := Sample{Group: "peer-restore", Index: i - 1, Name: name}
 		if err != nil {
 			s.Error, s.LatencyMS = err.Error(), ms(time.Since(t0))

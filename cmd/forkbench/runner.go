@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"os"
 	"path/filepath"
@@ -177,9 +178,10 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 	_, others := qemuProcs(r.home)
 	r.res.Environment.OtherVMs = len(others)
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
-		RestoreConcurrency: cmd.Int("restore-concurrency"), TBSizeMiB: cmd.Int("tb-size"), TCGThread: cmd.String("tcg-thread")}
+		Experimental: engine.Experimental{RestoreConcurrency: cmd.Int("restore-concurrency"), TBSizeMiB: cmd.Int("tb-size"),
+			TCGThread: engine.TCGThread(cmd.String("tcg-thread"))}}
 	if cmd.Bool("verbose") {
-		cfg.Log = os.Stderr
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
 	r.e, err = engine.New(ctx, cfg)
 	if err != nil {
@@ -188,10 +190,10 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 		}
 		return err
 	}
-	r.ramDir = r.e.RAMDir()
-	rs.RestoreConcurrency = r.e.RestoreConcurrency()
-	rs.TBSizeMiB = r.e.TBSizeMiB()
-	rs.TCGThread = r.e.TCGThread()
+	r.ramDir = r.e.Config().RAMDir
+	rs.RestoreConcurrency = r.e.Config().Experimental.RestoreConcurrency
+	rs.TBSizeMiB = r.e.Config().Experimental.TBSizeMiB
+	rs.TCGThread = string(r.e.Config().Experimental.TCGThread)
 	r.res.Build = buildInfo(ctx, r.e, guest.DefaultCacheDir())
 	r.res.Host = hostInfo(r.e)
 	r.res.MeasuredAt = start.UTC().Format(time.RFC3339)
@@ -258,7 +260,7 @@ func (r *runner) cleanup() {
 		if r.hold && r.heldCks[c.Name] {
 			continue
 		}
-		if err := e.DeleteCheckpoint(ctx, c.Name, true); err != nil {
+		if err := e.DeleteCheckpoint(ctx, c.Name, &engine.DeleteCheckpointOptions{Force: true}); err != nil {
 			r.logf("cleanup: delete checkpoint %s: %v", c.Name, err)
 		}
 	}

@@ -75,7 +75,7 @@ func runSoak(r *runner, total, wave int) error {
 	r.worldExtra(w)
 	// A warm-up fork first, so one-time state (the checkpoint's "forked" marker) is in
 	// place before the start sample.
-	if vm, err := r.e.Fork(r.ctx, w.Ck, engine.ForkOptions{Name: "warmup"}); err != nil {
+	if vm, err := r.e.Fork(r.ctx, w.Ck, &engine.ForkOptions{Name: "warmup"}); err != nil {
 		return fmt.Errorf("soak warm-up fork: %w", err)
 	} else if err := r.e.Delete(r.ctx, vm.Name()); err != nil {
 		return fmt.Errorf("soak warm-up delete: %w", err)
@@ -89,7 +89,7 @@ func runSoak(r *runner, total, wave int) error {
 		n := min(wave, total-made)
 		var mu sync.Mutex
 		var cmdErr []string
-		wr, err := r.wave(fmt.Sprintf("soak%d", k), w.Ck, n, engine.ManyOptions{Prefix: fmt.Sprintf("s%d-", k)}, func(ev engine.ForkEvent) {
+		wr, err := r.wave(fmt.Sprintf("soak%d", k), w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("s%d-", k)}, func(ev engine.ForkEvent) {
 			if _, err := firstCmd(r.ctx, ev.VM); err != nil {
 				mu.Lock()
 				cmdErr = append(cmdErr, err.Error())

@@ -69,7 +69,7 @@ func (p *progressLine) done() {
 
 // wave runs ForkMany(src, n, opts) and collects every event. onReady, when set, is called
 // (in its own goroutine) for each ready fork; wave waits for those calls to finish.
-func (r *runner) wave(label, src string, n int, opts engine.ManyOptions, onReady func(ev engine.ForkEvent)) (*WaveResult, error) {
+func (r *runner) wave(label, src string, n int, opts *engine.ManyOptions, onReady func(ev engine.ForkEvent)) (*WaveResult, error) {
 	w := &WaveResult{Label: label, N: n, Events: make([]engine.ForkEvent, n), CPU: map[string][2]time.Duration{},
 		AdmissionIndex: -1, CmdMS: map[string]float64{}, CmdStart: map[string]time.Time{}, FailedErrs: []string{}}
 	if opts.Overcommit == 0 {

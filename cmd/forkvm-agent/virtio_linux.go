@@ -43,9 +43,9 @@ const (
 // after a snapshot restore) simply sends a new Hello, which the server
 // accepts at any time.
 //
-// The wait must not poll: under TCG every guest wake-up costs host CPU
-// (measured: an idle fork used 1.7% of a host core with a 100 ms poll,
-// 1.1% without; see README), and a host holds many idle forks. So the fallback timer is long
+// The wait must not poll: under TCG every guest wake-up costs host CPU, and a
+// host holds many idle forks (docs/benchmarks.md has the idle-CPU figures with
+// and without a poll). So the fallback timer is long
 // (idleRecheck) and exists only as a safety net; it is short only when
 // O_ASYNC could not be enabled.
 func serveVirtioPort(srv *vsockd.Server, logger *log.Logger, ready chan<- string) {

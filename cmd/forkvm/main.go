@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -63,9 +64,9 @@ func newApp() *cli.Command {
 // open opens the engine for one CLI operation, waiting for another CLI run holding the
 // state directory.
 func open(ctx context.Context, cmd *cli.Command) (*engine.Engine, error) {
-	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: cmd.String("accel"), LockWait: 2 * time.Minute}
+	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: 2 * time.Minute}
 	if cmd.Bool("verbose") {
-		cfg.Log = os.Stderr
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
 	return engine.New(ctx, cfg)
 }
@@ -294,7 +295,7 @@ func checkpointCmd() *cli.Command {
 				defer e.Close()
 				var errs []error
 				for _, n := range cmd.Args().Slice() {
-					errs = append(errs, e.DeleteCheckpoint(ctx, n, cmd.Bool("force")))
+					errs = append(errs, e.DeleteCheckpoint(ctx, n, &engine.DeleteCheckpointOptions{Force: cmd.Bool("force")}))
 				}
 				return errors.Join(errs...)
 			},
@@ -415,7 +416,7 @@ func forkCmd() *cli.Command {
 				return err
 			}
 			defer e.Close()
-			evs, err := e.ForkMany(ctx, src, n, engine.ManyOptions{
+			evs, err := e.ForkMany(ctx, src, n, &engine.ManyOptions{
 				Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
 				Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),
 			})

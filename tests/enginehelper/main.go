@@ -92,7 +92,7 @@ func run(state, cache, kernel, initrd string, n int) error {
 		}
 	}
 	fmt.Println("READY")
-	evs, err := e.ForkMany(ctx, "ck", n, engine.ManyOptions{Prefix: "h", Concurrency: n})
+	evs, err := e.ForkMany(ctx, "ck", n, &engine.ManyOptions{Prefix: "h", Concurrency: n})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,50 @@
+// Package engine is forkvm's embeddable fork engine: it creates QEMU VMs whose guest RAM
+// lives in a memory-backed file, checkpoints them while they run, and starts many
+// copy-on-write forks of a checkpoint at once.
+//
+// # The model
+//
+//   - A world is a VM created with Spec.Forkable: its guest RAM is a share=on file in
+//     Config.RAMDir, so the engine can freeze it without stopping the guest for long.
+//   - A checkpoint (Engine.Checkpoint) is a world frozen at one instant: its device state
+//     (migrated with x-ignore-shared), a copy of its RAM file (or, with
+//     CheckpointOptions.Handoff, the file itself) and its frozen disk chain. The world
+//     keeps running. Checkpoints are files under Config.StateDir; pinned ones stay
+//     until deleted, unpinned ones go with their last fork.
+//   - A fork (Engine.Fork) is a new VM that maps a checkpoint's RAM file privately
+//     (share=off) and restores its device state with -incoming: pages it only reads
+//     stay shared with every other fork through the page cache, pages it writes become
+//     its own. It gets its own disk overlay and counts as ready when the guest agent
+//     answers with the fork's own token. Forking a running VM takes an implicit
+//     checkpoint first.
+//   - A wave (Engine.ForkMany) starts n forks at once and streams one ForkEvent per
+//     fork as it becomes ready or fails.
+//   - The budget (Engine.Budget) admits a fork only while the vCPUs of live VMs stay
+//     within host CPUs × Config.Overcommit and MemAvailable stays above
+//     Config.MemoryReserveMiB; a refused fork fails with an *AdmissionError.
+//
+// VMs are separate QEMU processes: they outlive the Engine that made them, and the next
+// Engine on the same state directory re-adopts them (an Engine holds the directory's
+// lock for its lifetime).
+//
+// # Errors
+//
+// Every error wraps one of the Err* sentinels (test with errors.Is) or is an
+// *AdmissionError or *QEMUError (errors.As); bad input is refused before anything
+// starts, and a failed operation leaves no process, socket, RAM file or half-written
+// checkpoint behind.
+//
+// # Configuration
+//
+// A nil *Config means defaults; Config.Experimental holds tuning knobs that benchmarks
+// sweep, and Engine.Baseline the stock full save/restore path they compare with.
+// Environment variables (FORKVM_HOME, FORKVM_ACCEL, FORKVM_CPU, FORKVM_KERNEL_ARGS) only
+// fill fields left empty.
+//
+// # Where things are
+//
+// The fork path is one file per stage: forkprep.go (manifest, directory, disk),
+// qemuproc.go (the QEMU process; its argv is built only by cmdline.go), migrate.go
+// (every migration verb), handshake.go (the agent's token handshake) and fork.go, which
+// runs them in order. paths.go owns every path and file name.
+package engine
