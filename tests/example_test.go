@@ -27,7 +27,10 @@ func Example() {
 		for _, vm := range e.List() {
 			e.Delete(ctx, vm.Name)
 		}
-		e.DeleteCheckpoint(ctx, "prepared", &engine.DeleteCheckpointOptions{Force: true})
+		cks, _ := e.Checkpoints()
+		for _, c := range cks {
+			e.DeleteCheckpoint(ctx, c.Name, &engine.DeleteCheckpointOptions{Force: true})
+		}
 	}()
 
 	// sh runs a shell command in a VM and returns its output.
@@ -50,6 +53,9 @@ func Example() {
 		return
 	}
 	sh(world, "echo changed-after > /dev/shm/state") // the checkpoint does not see this
+	if later, err := e.Checkpoint(ctx, "world", "", nil); err == nil { // a generated name
+		fmt.Println("second checkpoint named after its vm:", strings.HasPrefix(later.Manifest.Name, "world-ck-"))
+	}
 
 	fork, err := e.Fork(ctx, "prepared", nil) // a generated name
 	if err != nil {
@@ -83,6 +89,7 @@ func Example() {
 	}
 	fmt.Println("deleted fork waited:", fork.Wait(ctx))
 	// Output:
+	// second checkpoint named after its vm: true
 	// fork of prepared named after it: true
 	// fork sees: prepared
 	// wave forks ready with the checkpoint's state: 3
