@@ -289,14 +289,19 @@ func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 	return code, err
 }
 
-// closeConns closes the agent and QMP connections (QEMU keeps running).
-func (vm *VM) closeConns() {
+// closeAgent closes the agent connection; the next call reconnects.
+func (vm *VM) closeAgent() {
 	vm.agentMu.Lock()
 	if vm.agent != nil {
 		vm.agent.Close()
 		vm.agent = nil
 	}
 	vm.agentMu.Unlock()
+}
+
+// closeConns closes the agent and QMP connections (QEMU keeps running).
+func (vm *VM) closeConns() {
+	vm.closeAgent()
 	if p := vm.process(); p != nil {
 		p.closeQMP()
 	}
@@ -312,12 +317,7 @@ func (vm *VM) kill() {
 
 // Stop asks QEMU to quit, killing it if it does not within a few seconds.
 func (vm *VM) Stop(ctx context.Context) error {
-	vm.agentMu.Lock()
-	if vm.agent != nil {
-		vm.agent.Close()
-		vm.agent = nil
-	}
-	vm.agentMu.Unlock()
+	vm.closeAgent()
 	if p := vm.process(); p != nil {
 		p.quit(ctx)
 	}
