@@ -28,7 +28,7 @@ func (b *Baseline) Save(ctx context.Context, vmName, path string) (time.Duration
 	}
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
-	p := vm.proc
+	p := vm.process()
 	c, err := p.client(ctx)
 	if err != nil {
 		return 0, err
@@ -72,10 +72,10 @@ func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, er
 		return nil, err
 	}
 	clock.lap(&vm.m.Timings.Spawn)
-	if err := vm.proc.loadFromFile(ctx, path, false, true); err != nil {
+	if err := vm.process().loadFromFile(ctx, path, false, true); err != nil {
 		return nil, vm.failure("restore", err)
 	}
-	if err := vm.proc.resume(); err != nil {
+	if err := vm.process().resume(); err != nil {
 		return nil, vm.failure("restore", err)
 	}
 	clock.lap(&vm.m.Timings.Restore)

@@ -114,7 +114,7 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 func checkpointWorld(ctx context.Context, vm *VM, w *ckWriter) error {
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
-	ck, p := w.ck, vm.proc
+	ck, p := w.ck, vm.process()
 	// Prepare the disk step before the guest pauses.
 	dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
 	if err != nil {

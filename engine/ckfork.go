@@ -23,7 +23,7 @@ func (e *Engine) checkpointFork(ctx context.Context, vm *VM, w *ckWriter) error 
 	err := func() error {
 		vm.mu.Lock()
 		defer vm.mu.Unlock()
-		p := vm.proc
+		p := vm.process()
 		dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
 		if err != nil {
 			return err
@@ -102,8 +102,8 @@ func (e *Engine) rebase(ctx context.Context, src manifest, w *ckWriter, full str
 	if err := h.start(ctx); err != nil {
 		return err
 	}
-	if err := h.proc.loadFromFile(ctx, full, false, true); err != nil {
+	if err := h.process().loadFromFile(ctx, full, false, true); err != nil {
 		return err
 	}
-	return h.proc.saveToFile(ctx, w.statePath(), false)
+	return h.process().saveToFile(ctx, w.statePath(), false)
 }

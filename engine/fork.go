@@ -133,7 +133,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 	defer cancel()
 	handshake := vm.resumeRestored
 	if !vm.restored {
-		if err := vm.proc.loadFromFile(fctx, c.StatePath(), true, false); err != nil {
+		if err := vm.process().loadFromFile(fctx, c.StatePath(), true, false); err != nil {
 			return nil, vm.failure("restore", err)
 		}
 		clock.lap(&vm.m.Timings.Restore)

@@ -44,10 +44,11 @@ func (e *Engine) checkpointHandoff(ctx context.Context, vm *VM, w *ckWriter) err
 		vm.m.DiskSeq++
 	}
 	vm.mu.Unlock()
+	e.vms.setParent(vm.m.Name, ck.Name)
 	if err := vm.start(ctx); err != nil {
 		return fmt.Errorf("restart after handoff: %w", err)
 	}
-	if err := vm.proc.loadFromFile(ctx, w.checkpoint().StatePath(), true, false); err != nil {
+	if err := vm.process().loadFromFile(ctx, w.checkpoint().StatePath(), true, false); err != nil {
 		return vm.failure("restart after handoff", err)
 	}
 	if err := vm.hello(ctx); err != nil {
@@ -67,7 +68,7 @@ func (e *Engine) checkpointHandoff(ctx context.Context, vm *VM, w *ckWriter) err
 func freezeForHandoff(ctx context.Context, vm *VM, w *ckWriter) (paused time.Time, reflink bool, newTop *DiskLayer, err error) {
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
-	ck, p := w.ck, vm.proc
+	ck, p := w.ck, vm.process()
 	ramPath := vm.m.Launch.RAM.Path
 	layers := append([]DiskLayer(nil), vm.m.Launch.Disk...)
 	reflink = canReflink(ctx, layers, w.tmp)

@@ -39,7 +39,7 @@ func (vm *VM) JITStats(ctx context.Context) (JITStats, error) {
 	if vm.m.Accel != AccelTCG {
 		return JITStats{}, fmt.Errorf("%w: %s runs under %s", ErrNotTCG, vm.m.Name, vm.m.Accel)
 	}
-	c, err := vm.proc.client(ctx)
+	c, err := vm.process().client(ctx)
 	if err != nil {
 		return JITStats{}, err
 	}

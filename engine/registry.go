@@ -15,12 +15,13 @@ type registry struct {
 
 	mu       sync.Mutex
 	vms      map[string]*VM
-	reserved map[string]bool // names being created (not yet in vms or on disk)
+	parents  map[string]string // VM name -> the checkpoint it was forked from
+	reserved map[string]bool   // names being created (not yet in vms or on disk)
 	closed   bool
 }
 
 func newRegistry(paths layout) *registry {
-	return &registry{paths: paths, vms: map[string]*VM{}, reserved: map[string]bool{}}
+	return &registry{paths: paths, vms: map[string]*VM{}, parents: map[string]string{}, reserved: map[string]bool{}}
 }
 
 // reserve claims a valid, unused name for a VM or checkpoint being made; release it
@@ -70,15 +71,31 @@ func (r *registry) get(name string) (*VM, error) {
 	return vm, nil
 }
 
+// add registers a VM. The registry keeps its parent itself, so that listing a
+// checkpoint's forks never waits on a VM's lock (a checkpoint holds it for its length).
 func (r *registry) add(vm *VM) {
+	vm.mu.Lock()
+	name, parent := vm.m.Name, vm.m.Parent
+	vm.mu.Unlock()
 	r.mu.Lock()
-	r.vms[vm.m.Name] = vm
+	r.vms[name] = vm
+	r.parents[name] = parent
+	r.mu.Unlock()
+}
+
+// setParent records a registered VM's new parent (a handoff makes a world a fork).
+func (r *registry) setParent(name, parent string) {
+	r.mu.Lock()
+	if r.vms[name] != nil {
+		r.parents[name] = parent
+	}
 	r.mu.Unlock()
 }
 
 func (r *registry) remove(name string) {
 	r.mu.Lock()
 	delete(r.vms, name)
+	delete(r.parents, name)
 	r.mu.Unlock()
 }
 
@@ -102,14 +119,16 @@ func (r *registry) all() []*VM {
 
 // forksByParent maps each checkpoint to its live forks, sorted.
 func (r *registry) forksByParent() map[string][]string {
+	r.mu.Lock()
 	m := map[string][]string{}
-	for _, vm := range r.all() {
-		vm.mu.Lock()
-		parent := vm.m.Parent
-		vm.mu.Unlock()
+	for name, parent := range r.parents {
 		if parent != "" {
-			m[parent] = append(m[parent], vm.m.Name)
+			m[parent] = append(m[parent], name)
 		}
+	}
+	r.mu.Unlock()
+	for _, forks := range m {
+		sort.Strings(forks)
 	}
 	return m
 }

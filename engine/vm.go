@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/forkvm/forkvm/vsockd"
@@ -21,9 +22,11 @@ type VM struct {
 	dir string // StateDir/vms/NAME
 	log *slog.Logger
 
-	mu   sync.Mutex
-	m    manifest
-	proc *qemuProc // nil until started
+	mu sync.Mutex
+	m  manifest
+	// proc is the VM's QEMU process (nil until started). It is read without mu, so that
+	// liveness checks (admission, List) never wait for a checkpoint holding mu.
+	proc atomic.Pointer[qemuProc]
 
 	agentMu sync.Mutex
 	agent   *vsockd.Client
@@ -53,7 +56,7 @@ type Info struct {
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
 func adoptVM(dir string, log *slog.Logger, m *manifest) *VM {
 	vm := &VM{dir: dir, log: log, m: *m}
-	vm.proc = adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile))
+	vm.proc.Store(adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile)))
 	return vm
 }
 
@@ -112,11 +115,7 @@ func (vm *VM) Wait(ctx context.Context) error {
 	}
 }
 
-func (vm *VM) process() *qemuProc {
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	return vm.proc
-}
+func (vm *VM) process() *qemuProc { return vm.proc.Load() }
 
 // alive reports whether the VM's QEMU process is the one recorded and still runs.
 func (vm *VM) alive() bool {
@@ -164,8 +163,8 @@ func (vm *VM) start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	vm.proc.Store(p)
 	vm.mu.Lock()
-	vm.proc = p
 	vm.m.PID, vm.m.StartTime = p.pid, p.startTime
 	err = vm.saveLocked()
 	vm.mu.Unlock()

@@ -156,9 +156,9 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) 
 	if err := vm.start(ctx); err != nil {
 		return nil, err
 	}
-	c0, err := vm.proc.client(ctx)
+	c0, err := vm.process().client(ctx)
 	if err == nil {
-		err = vm.proc.setIgnoreShared(ctx, c0, true)
+		err = vm.process().setIgnoreShared(ctx, c0, true)
 	}
 	if err != nil {
 		return nil, vm.failure("pool", err)
@@ -181,7 +181,7 @@ func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint) error {
 	defer leave()
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
-	if err := vm.proc.loadFromFile(ctx, c.StatePath(), true, false); err != nil {
+	if err := vm.process().loadFromFile(ctx, c.StatePath(), true, false); err != nil {
 		return err
 	}
 	ag, err := vm.agentClient(ctx)
@@ -191,7 +191,7 @@ func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint) error {
 	if code, err := ag.Run(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", "true"}}); err != nil || code != 0 {
 		return fmt.Errorf("warm-up command: exit %d: %v", code, err)
 	}
-	qc, err := vm.proc.client(ctx)
+	qc, err := vm.process().client(ctx)
 	if err == nil {
 		err = qc.Execute(ctx, "stop", nil, nil)
 	}
@@ -206,7 +206,7 @@ func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint) error {
 // the pool's agent connection with the fork's own token (a Hello resets the agent's
 // session, reseeds its RNG, sets its clock and hostname).
 func (vm *VM) resumeRestored(ctx context.Context) error {
-	if err := vm.proc.resume(); err != nil {
+	if err := vm.process().resume(); err != nil {
 		return err
 	}
 	vm.agentMu.Lock()
@@ -262,8 +262,8 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()
 	vm.m.State = StateStarting
 	vm.m.CreatedAt = time.Now().UTC()
 	vm.m.Timings = PhaseTimings{} // the spawn (and restore) were paid by the pool
-	vm.proc.name = name
-	vm.proc.qmpPath, vm.proc.logPath = vm.m.Launch.qmpSocket(), vm.path(qemuLogFile)
+	vm.process().name = name
+	vm.process().qmpPath, vm.process().logPath = vm.m.Launch.qmpSocket(), vm.path(qemuLogFile)
 	err = vm.saveLocked()
 	vm.mu.Unlock()
 	if err != nil {
