@@ -122,11 +122,14 @@ func TestDecoderResync(t *testing.T) {
 }
 
 func FuzzReadFrame(f *testing.F) {
-	valid, _ := AppendFrame(nil, Frame{Type: TypeHello, Stream: 1, Payload: []byte(`{"version":1}`)})
+	valid, _ := AppendFrame(nil, Frame{Type: TypeHello, Stream: 1, Payload: []byte(`{"version":2}`)})
 	f.Add(valid)
-	f.Add([]byte("FK\x01\x03\x00\x00\x00\x01\x00\x00\x00\x00"))
-	f.Add([]byte("FK\x01\x08\x00\x00\x00\x01\xff\xff\xff\xff"))
-	f.Add([]byte("garbageFK\x01"))
+	f.Add(rawHeader(TypePing, 1, 0))
+	f.Add(rawHeader(TypeStdout, 1, 0xffffffff))
+	f.Add([]byte("FK\x01\x03\x00\x00\x00\x01\x00\x00\x00\x00")) // version 1
+	f.Add([]byte("garbageFK\x02"))
+	two, _ := AppendFrame(append(bytes.Repeat([]byte{0}, 9), valid...), Frame{Type: TypeStdout, Stream: 7, Payload: []byte("FK\x02")})
+	f.Add(two) // a stale tail, then frames
 	f.Fuzz(func(t *testing.T, data []byte) {
 		fr, err := ReadFrame(bytes.NewReader(data))
 		if err == nil {
