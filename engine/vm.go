@@ -281,8 +281,14 @@ func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 			vm.agent = nil
 		}
 		vm.agentMu.Unlock()
+		// The connection broke (vsockd.ErrConnLost) or was closed by Stop/Delete
+		// (vsockd.ErrClosed): if QEMU is going away, the VM is not running.
+		select {
+		case <-vm.Done():
+		case <-time.After(time.Second):
+		}
 		if !vm.alive() {
-			return -1, vm.failure("exec", err)
+			return -1, fmt.Errorf("%w: %s: exec: %w", ErrNotRunning, vm.Name(), err)
 		}
 	}
 	return code, err

@@ -1,9 +1,9 @@
 package vsockd
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -23,11 +24,25 @@ const DefaultMaxOutput = 64 << 20
 // ExecRequest.Timeout expired (like timeout(1)).
 const ExitCodeTimeout = 124
 
+// writeStall bounds one frame write: a connection that accepts no bytes for
+// this long is considered lost (the agent never blocks its reader, so only a
+// dead or wedged guest stalls writes).
+const writeStall = 15 * time.Second
+
+// closeGrace is how long Close waits for a frame being written to finish, so
+// that closing never leaves half a frame on a virtio-serial port.
+const closeGrace = 2 * time.Second
+
+// maxResyncSkip bounds the bytes a new client discards before the first valid
+// frame: at most the tail of one frame an earlier connection left behind.
+const maxResyncSkip = HeaderSize + MaxPayload
+
 // ClientConfig tunes a Client. A nil *ClientConfig selects the defaults.
 type ClientConfig struct {
 	// MaxOutput bounds the stdout+stderr bytes copied per exec; 0 selects
 	// DefaultMaxOutput, a negative value disables the limit. An exec that
 	// exceeds it is killed and fails with ErrOutputLimit.
+	// ExecRequest.MaxOutput overrides it per exec.
 	MaxOutput int64
 	// ReadTimeout, if positive, additionally bounds waiting for the replies
 	// to Hello and Ping.
@@ -68,21 +83,46 @@ type ExecRequest struct {
 	Stdin   io.Reader // nil: empty stdin
 	Stdout  io.Writer // nil: discarded
 	Stderr  io.Writer // nil: discarded
+	// MaxOutput bounds the stdout+stderr bytes copied for this exec: 0 uses
+	// the client's limit (ClientConfig.MaxOutput, default DefaultMaxOutput
+	// = 64 MiB), a negative value disables the limit. When exceeded the
+	// process is killed in the guest and Run fails with ErrOutputLimit.
+	MaxOutput int64
 }
 
 // Client is the host side of an agent connection. All methods are safe for
-// concurrent use; any number of execs and file transfers may be in flight.
+// concurrent use; any number of execs and file transfers may be in flight
+// over the one connection (a virtio-serial port admits a single host
+// connection, so a VM's users share one Client).
 //
-// Concurrency design: one reader goroutine decodes frames and hands each to
-// its stream's inbox without ever blocking (see inbox); flow-control credit
-// (window) keeps every inbox bounded, so a stream whose consumer is slow
-// stalls only that stream. Writes are serialised by a ctx-aware semaphore.
+// Concurrency design:
+//   - Every request (Hello, Ping, exec, file transfer) gets its own stream id;
+//     all its frames in both directions carry that id. Ids start at a random
+//     value, so frames a previous connection left in flight never match a
+//     stream of this one.
+//   - One reader goroutine decodes frames and hands each to its stream's
+//     inbox without ever blocking (see inbox); flow-control credit (window)
+//     keeps every inbox bounded, so a stream whose consumer is slow (a
+//     blocked Stdout writer) stalls only that stream. Frames of streams that
+//     are unknown (finished, cancelled) are discarded by id.
+//   - One writer goroutine writes frames, each whole with a single Write.
+//     Callers hand it a frame and may stop waiting when their ctx ends; the
+//     frame is then written whole or not at all, never in part. Cancelling
+//     one exec (ctx, output limit, failing writer) therefore only resets its
+//     stream: the guest kills the process, and the connection stays in sync
+//     for the others and for the next exec.
+//   - A broken connection (EOF, I/O error, corrupt stream, write stalled for
+//     writeStall) fails every pending operation with ErrConnLost and makes
+//     the client Done; callers such as engine.VM redial.
 type Client struct {
 	conn        net.Conn
 	maxOutput   int64
 	readTimeout time.Duration
 
-	wsem chan struct{} // write lock
+	wq  chan *wreq // to the writer goroutine
+	wmu sync.Mutex // held by the writer while a frame is being written
+
+	synced atomic.Bool // a valid frame for a known stream was received
 
 	ctx    context.Context // canceled when the client fails or is closed
 	cancel context.CancelFunc
@@ -91,6 +131,13 @@ type Client struct {
 	streams map[uint32]*cstream
 	nextID  uint32
 	err     error // terminal error, set once
+}
+
+// wreq is one frame handed to the writer goroutine.
+type wreq struct {
+	ctx  context.Context
+	b    []byte
+	done chan error // buffered
 }
 
 type cstream struct {
@@ -102,12 +149,14 @@ type cstream struct {
 // NewClient starts a client on conn. The client owns conn and closes it on
 // Close or on a fatal protocol error.
 func NewClient(conn net.Conn, cfg *ClientConfig) *Client {
+	var rb [4]byte
+	rand.Read(rb[:])
 	c := &Client{
 		conn:      conn,
 		maxOutput: DefaultMaxOutput,
-		wsem:      make(chan struct{}, 1),
+		wq:        make(chan *wreq),
 		streams:   make(map[uint32]*cstream),
-		nextID:    1,
+		nextID:    binary.BigEndian.Uint32(rb[:]) >> 1, // >> 1: leave room before wrapping
 	}
 	if cfg != nil {
 		if cfg.MaxOutput != 0 {
@@ -117,6 +166,7 @@ func NewClient(conn net.Conn, cfg *ClientConfig) *Client {
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	go c.readLoop()
+	go c.writeLoop()
 	return c
 }
 
@@ -147,6 +197,16 @@ func (c *Client) fail(err error) {
 	c.streams = map[uint32]*cstream{}
 	c.mu.Unlock()
 	c.cancel()
+	if err == ErrClosed {
+		// Let a frame being written finish (the writer takes no new one
+		// after cancel), so the peer never sees half a frame.
+		idle := make(chan struct{})
+		go func() { c.wmu.Lock(); c.wmu.Unlock(); close(idle) }()
+		select {
+		case <-idle:
+		case <-time.After(closeGrace):
+		}
+	}
 	c.conn.Close()
 	for _, st := range streams {
 		st.in.fail(err, true)
@@ -154,18 +214,68 @@ func (c *Client) fail(err error) {
 	}
 }
 
+// readLoop decodes frames until the connection fails. Before the first
+// valid frame of one of its streams it skips up to maxResyncSkip bytes of
+// non-frames (the tail of a frame an earlier connection left on a
+// virtio-serial port); afterwards a corrupt frame fails the connection.
 func (c *Client) readLoop() {
-	br := bufio.NewReaderSize(c.conn, 64<<10)
+	d := NewDecoder(c.conn)
 	for {
-		f, err := ReadFrame(br)
+		f, err := d.ReadFrame()
 		if err != nil {
+			var fe *FrameError
+			if errors.As(err, &fe) {
+				if fe.Version > 0 && fe.Version < ProtocolVersion {
+					c.fail(fmt.Errorf("%w: %w (the guest agent speaks protocol version %d, this host %d: rebuild the guest image)",
+						ErrConnLost, err, fe.Version, ProtocolVersion))
+					return
+				}
+				// Only ErrBadFrame can be stale bytes; an oversize length
+				// behind a valid checksum is a broken peer.
+				if errors.Is(err, ErrBadFrame) && !c.synced.Load() && d.Skipped() <= maxResyncSkip {
+					continue
+				}
+			}
 			if errors.Is(err, io.EOF) {
 				err = io.ErrUnexpectedEOF
 			}
-			c.fail(fmt.Errorf("vsockd: connection: %w", err))
+			c.fail(fmt.Errorf("%w: %w", ErrConnLost, err))
 			return
 		}
 		c.dispatch(f)
+	}
+}
+
+// writeLoop writes the frames handed to send, each whole.
+func (c *Client) writeLoop() {
+	for {
+		var r *wreq
+		select {
+		case r = <-c.wq:
+		case <-c.ctx.Done():
+			return
+		}
+		if err := r.ctx.Err(); err != nil {
+			r.done <- err // abandoned before its first byte: not written at all
+			continue
+		}
+		if err := c.Err(); err != nil {
+			r.done <- err
+			return
+		}
+		c.wmu.Lock()
+		stall := time.AfterFunc(writeStall, func() {
+			c.fail(fmt.Errorf("%w: write stalled for %v", ErrConnLost, writeStall))
+		})
+		_, err := c.conn.Write(r.b)
+		stall.Stop()
+		c.wmu.Unlock()
+		if err != nil {
+			c.fail(fmt.Errorf("%w: write: %w", ErrConnLost, err))
+			r.done <- c.Err()
+			return
+		}
+		r.done <- nil
 	}
 }
 
@@ -177,6 +287,7 @@ func (c *Client) dispatch(f Frame) {
 	if st == nil {
 		return // stream 0 diagnostics or late frames of a finished stream
 	}
+	c.synced.Store(true)
 	switch f.Type {
 	case TypeWindow:
 		n, ok := parseWindow(f.Payload)
@@ -245,44 +356,30 @@ func (c *Client) newStream() (*cstream, error) {
 	return st, nil
 }
 
-// send writes one frame. If ctx ends while the frame is blocked in the
-// connection, the write is interrupted via a deadline; a partially written
-// frame would corrupt the stream, so in that case the client fails.
+// send writes one frame, whole. It returns when the frame is written, or
+// with ctx's error when ctx ends first: the frame is then either written
+// whole later or dropped before its first byte, never cut (see Client).
 func (c *Client) send(ctx context.Context, f Frame) error {
 	b, err := AppendFrame(nil, f)
 	if err != nil {
 		return err
 	}
+	r := &wreq{ctx: ctx, b: b, done: make(chan error, 1)}
 	select {
-	case c.wsem <- struct{}{}:
+	case c.wq <- r:
 	case <-ctx.Done():
 		return ctx.Err()
 	case <-c.ctx.Done():
 		return c.Err()
 	}
-	defer func() { <-c.wsem }()
-	if err := c.Err(); err != nil {
+	select {
+	case err := <-r.done:
 		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-c.ctx.Done():
+		return c.Err()
 	}
-	fired := make(chan struct{})
-	stop := context.AfterFunc(ctx, func() {
-		c.conn.SetWriteDeadline(time.Unix(1, 0))
-		close(fired)
-	})
-	n, err := c.conn.Write(b)
-	if !stop() {
-		<-fired
-		c.conn.SetWriteDeadline(time.Time{})
-	}
-	if err != nil {
-		if n == 0 && ctx.Err() != nil {
-			return ctx.Err()
-		}
-		err = fmt.Errorf("vsockd: write: %w", err)
-		c.fail(err)
-		return err
-	}
-	return nil
 }
 
 func (c *Client) sendJSON(ctx context.Context, t FrameType, id uint32, v any) error {
@@ -398,6 +495,8 @@ type Process struct {
 	// Pid is the guest pid of the process.
 	Pid int
 
+	maxOutput int64 // < 0: unlimited
+
 	done     chan struct{}
 	code     int
 	err      error
@@ -407,13 +506,47 @@ type Process struct {
 // Run runs req to completion and returns its exit code: the exit status,
 // 128+signal if it was killed by a signal, or ExitCodeTimeout if
 // req.Timeout expired. If ctx ends first the process is sent SIGKILL and
-// ctx.Err() is returned.
+// ctx.Err() is returned. Run is safe for concurrent use: any number of Runs
+// may share one Client.
+//
+// A command that could not be started returns ExitCodeNotFound (127) with
+// an error wrapping ErrNotFound, or ExitCodeNotExecutable (126) with
+// ErrNotExecutable; other failures return -1 and an error (ErrWorkdir,
+// ErrEmptyArgv, ErrOutputLimit, ErrConnLost, ...).
 func (c *Client) Run(ctx context.Context, req *ExecRequest) (int, error) {
 	p, err := c.Start(ctx, req)
 	if err != nil {
-		return -1, err
+		return StartErrorCode(err), err
 	}
 	return p.Wait(ctx)
+}
+
+// StartErrorCode is the shell-style exit code for an error from Start: 127
+// for ErrNotFound, 126 for ErrNotExecutable, else -1.
+func StartErrorCode(err error) int {
+	switch {
+	case errors.Is(err, ErrNotFound):
+		return ExitCodeNotFound
+	case errors.Is(err, ErrNotExecutable):
+		return ExitCodeNotExecutable
+	}
+	return -1
+}
+
+// startError turns the guest's answer to ExecStart into a typed error.
+func startError(argv0 string, err error) error {
+	var re *RemoteError
+	if errors.As(err, &re) {
+		switch re.Code {
+		case CodeNotFound:
+			return fmt.Errorf("%w: %s", ErrNotFound, re.Message)
+		case CodeNotExecutable:
+			return fmt.Errorf("%w: %s", ErrNotExecutable, re.Message)
+		case CodeWorkdir:
+			return fmt.Errorf("%w: %s", ErrWorkdir, re.Message)
+		}
+	}
+	return fmt.Errorf("vsockd: exec %q: %w", argv0, err)
 }
 
 // Start starts req in the guest. ctx bounds only the start handshake; use
@@ -421,8 +554,8 @@ func (c *Client) Run(ctx context.Context, req *ExecRequest) (int, error) {
 // req.Stdout/req.Stderr by a background goroutine and req.Stdin is copied
 // until EOF.
 func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) {
-	if req == nil || len(req.Argv) == 0 {
-		return nil, errors.New("vsockd: exec: empty argv")
+	if req == nil || len(req.Argv) == 0 || req.Argv[0] == "" {
+		return nil, ErrEmptyArgv
 	}
 	st, err := c.newStream()
 	if err != nil {
@@ -436,12 +569,20 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	}
 	f, err := c.expect(ctx, st, TypeExecStarted)
 	if err != nil {
-		c.abort(st, err, true)
-		return nil, fmt.Errorf("vsockd: exec %q: %w", req.Argv[0], err)
+		var re *RemoteError
+		if errors.As(err, &re) {
+			c.finish(st) // the guest ended the stream
+		} else {
+			c.abort(st, err, true)
+		}
+		return nil, startError(req.Argv[0], err)
 	}
 	var sw execStartedWire
 	json.Unmarshal(f.Payload, &sw)
-	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{})}
+	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{}), maxOutput: c.maxOutput}
+	if req.MaxOutput != 0 {
+		p.maxOutput = req.MaxOutput
+	}
 	go p.pump()
 	go p.feedStdin(req.Stdin)
 	return p, nil
@@ -465,9 +606,9 @@ func (p *Process) pump() {
 				w = p.req.Stderr
 			}
 			data := f.Payload
-			over := c.maxOutput >= 0 && total+int64(len(data)) > c.maxOutput
+			over := p.maxOutput >= 0 && total+int64(len(data)) > p.maxOutput
 			if over {
-				data = data[:c.maxOutput-total]
+				data = data[:p.maxOutput-total]
 			}
 			if w != nil && len(data) > 0 {
 				if _, err := w.Write(data); err != nil {
@@ -478,7 +619,7 @@ func (p *Process) pump() {
 			}
 			if over {
 				c.abort(st, ErrOutputLimit, true)
-				p.end(-1, fmt.Errorf("%w (%d bytes)", ErrOutputLimit, c.maxOutput))
+				p.end(-1, fmt.Errorf("%w (%d bytes)", ErrOutputLimit, p.maxOutput))
 				return
 			}
 			total += int64(len(data))

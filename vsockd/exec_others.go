@@ -35,3 +35,10 @@ func (p *proc) kill()                            {}
 func (p *proc) resize(rows, cols uint16) error   { return ErrUnsupported }
 func (p *proc) closeFiles()                      {}
 func startProcess(*execStartWire) (*proc, error) { return nil, ErrUnsupported }
+
+type execError struct {
+	code string
+	msg  string
+}
+
+func (e *execError) Error() string { return e.msg }

@@ -5,6 +5,7 @@ package vsockd
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -275,12 +276,59 @@ func envValue(env []string, key string) string {
 	return ""
 }
 
+// execError is a failure to start a command, classified for the host by an
+// Error frame code (CodeNotFound, CodeNotExecutable, CodeWorkdir, CodeExec).
+type execError struct {
+	code string
+	msg  string
+}
+
+func (e *execError) Error() string { return e.msg }
+
+// classifyExecErr maps an execve/fork errno to an error code, like a shell
+// does for its 127/126 exit codes.
+func classifyExecErr(err error) string {
+	switch {
+	case errors.Is(err, syscall.ENOENT):
+		return CodeNotFound
+	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.ENOEXEC), errors.Is(err, syscall.EISDIR),
+		errors.Is(err, syscall.EPERM), errors.Is(err, syscall.ENOTDIR), errors.Is(err, syscall.ETXTBSY),
+		errors.Is(err, syscall.ELOOP):
+		return CodeNotExecutable
+	}
+	return CodeExec
+}
+
+// checkDir reports a working directory that does not exist or is not a
+// directory, naming it (ForkExec cannot tell a failed chdir from a failed
+// execve: both come back as the child's errno).
+func checkDir(dir string) error {
+	if dir == "" {
+		return nil
+	}
+	fi, err := os.Stat(dir)
+	if err != nil {
+		var pe *fs.PathError
+		if errors.As(err, &pe) {
+			err = pe.Err
+		}
+		return &execError{CodeWorkdir, fmt.Sprintf("%s: %v", dir, err)}
+	}
+	if !fi.IsDir() {
+		return &execError{CodeWorkdir, fmt.Sprintf("%s: not a directory", dir)}
+	}
+	return nil
+}
+
 // lookPath resolves file using the PATH of the child environment (not the
-// agent's own), relative to dir for relative PATH entries.
+// agent's own), relative to dir for relative PATH entries. A file found in
+// PATH but not executable is reported as CodeNotExecutable (as sh does),
+// nothing at all as CodeNotFound.
 func lookPath(file string, env []string, dir string) (string, error) {
 	if strings.Contains(file, "/") {
 		return file, nil
 	}
+	denied := ""
 	for _, d := range filepath.SplitList(envValue(env, "PATH")) {
 		if d == "" {
 			d = "."
@@ -290,17 +338,30 @@ func lookPath(file string, env []string, dir string) (string, error) {
 		if !filepath.IsAbs(check) && dir != "" {
 			check = filepath.Join(dir, check)
 		}
-		if fi, err := os.Stat(check); err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0 {
+		fi, err := os.Stat(check)
+		if err != nil {
+			continue
+		}
+		if fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0 {
 			return p, nil
 		}
+		if denied == "" {
+			denied = p
+		}
 	}
-	return "", fmt.Errorf("%s: executable file not found in PATH", file)
+	if denied != "" {
+		return "", &execError{CodeNotExecutable, fmt.Sprintf("%s: permission denied", denied)}
+	}
+	return "", &execError{CodeNotFound, file}
 }
 
 // startProcess starts req without os/exec, in its own process group (pipe
 // mode) or session with a controlling pty (TTY mode).
 func startProcess(req *execStartWire) (*proc, error) {
 	env := buildEnv(req)
+	if err := checkDir(req.Dir); err != nil {
+		return nil, err
+	}
 	path, err := lookPath(req.Argv[0], env, req.Dir)
 	if err != nil {
 		return nil, err
@@ -369,7 +430,10 @@ func startProcess(req *execStartWire) (*proc, error) {
 	closeChild()
 	if err != nil {
 		p.closeFiles()
-		return nil, fmt.Errorf("start %s: %w", req.Argv[0], err)
+		if derr := checkDir(req.Dir); derr != nil { // removed while we started
+			return nil, derr
+		}
+		return nil, &execError{classifyExecErr(err), fmt.Sprintf("%s: %v", req.Argv[0], err)}
 	}
 	p.pid, p.status = pid, status
 	return p, nil

@@ -160,8 +160,10 @@ func TestHostileGarbage(t *testing.T) {
 	func() {
 		c, stop := hostileGuest(t, nil, func(conn net.Conn) {
 			readFrames(conn, func(f Frame) {
-				// Answer anything with bytes that are not a frame, then keep going.
-				conn.Write([]byte("HTTP/1.1 400 Bad Request\r\n\r\n\x00\x01\x02 garbage garbage garbage"))
+				// Answer anything with bytes that are not a frame, more than
+				// the stale tail a new client skips, then keep going.
+				junk := bytes.Repeat([]byte("HTTP/1.1 400 Bad Request\r\n\r\n\x00\x01\x02 garbage FK\x02 garbage"), maxResyncSkip/40+1)
+				conn.Write(junk)
 			})
 		})
 		defer stop()
@@ -189,7 +191,7 @@ func TestHostileTruncatedFrame(t *testing.T) {
 	c, _ := hostileGuest(t, nil, func(conn net.Conn) {
 		readFrames(conn, func(f Frame) {
 			// A header announcing MaxPayload bytes, a few of them, then hang up.
-			conn.Write([]byte{'F', 'K', 1, byte(TypeHelloReply), 0, 0, 0, byte(f.Stream), 0, 0x10, 0, 0})
+			conn.Write(rawHeader(TypeHelloReply, f.Stream, MaxPayload))
 			conn.Write([]byte("{\"version\":1"))
 			conn.Close()
 		})

@@ -74,6 +74,11 @@ const (
 	CodeIO         = "io"
 	CodeOverrun    = "overrun"
 	CodeUnknown    = "unknown_stream"
+	// Exec failures before the command ran (version 2). The message names
+	// the command, or the directory for CodeWorkdir.
+	CodeNotFound      = "not_found"      // command not found (ENOENT)
+	CodeNotExecutable = "not_executable" // command found but not executable (EACCES, ENOEXEC, ...)
+	CodeWorkdir       = "bad_workdir"    // working directory missing or unusable
 )
 
 type errorWire struct {
@@ -101,6 +106,29 @@ var (
 	ErrProtocol = errors.New("vsockd: protocol error")
 	// ErrUnsupported is returned by operations not available on this platform.
 	ErrUnsupported = errors.New("vsockd: unsupported on this platform")
+	// ErrConnLost is returned (wrapped, with the cause) by every pending and
+	// later operation once the connection to the agent broke (EOF, I/O
+	// error, undecodable stream). The client is then Done; dial a new one.
+	ErrConnLost = errors.New("vsockd: agent connection lost")
+	// ErrEmptyArgv is returned by Start/Run for a request without argv.
+	ErrEmptyArgv = errors.New("vsockd: exec: empty argv")
+	// ErrNotFound is returned (wrapped) by Start/Run when the command does
+	// not exist in the guest; Run returns ExitCodeNotFound with it.
+	ErrNotFound = errors.New("vsockd: command not found")
+	// ErrNotExecutable is returned (wrapped) by Start/Run when the command
+	// exists but cannot be executed; Run returns ExitCodeNotExecutable.
+	ErrNotExecutable = errors.New("vsockd: command not executable")
+	// ErrWorkdir is returned (wrapped, naming the directory) by Start/Run
+	// when ExecRequest.Dir does not exist or is not a usable directory.
+	ErrWorkdir = errors.New("vsockd: bad working directory")
+)
+
+// Shell-style exit codes for commands that could not run (see Run).
+const (
+	ExitCodeNotExecutable = 126
+	ExitCodeNotFound      = 127
+	// ExitCodeSignalBase + N is the exit code of a command killed by signal N.
+	ExitCodeSignalBase = 128
 )
 
 // RemoteError is an error reported by the guest in an Error frame. It
@@ -123,6 +151,12 @@ func (e *RemoteError) Is(target error) bool {
 		return target == ErrFileTooLarge
 	case CodeOverrun:
 		return target == ErrProtocol
+	case CodeNotFound:
+		return target == ErrNotFound
+	case CodeNotExecutable:
+		return target == ErrNotExecutable
+	case CodeWorkdir:
+		return target == ErrWorkdir
 	}
 	return false
 }

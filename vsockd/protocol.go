@@ -9,11 +9,25 @@
 //
 //	offset size field
 //	0      2    magic "FK"
-//	2      1    version (ProtocolVersion)
+//	2      1    version (ProtocolVersion, 2)
 //	3      1    type (FrameType)
 //	4      4    stream id, uint32 big endian
 //	8      4    payload length, uint32 big endian (<= MaxPayload)
-//	12     n    payload
+//	12     4    CRC-32C (Castagnoli) of bytes 0..11, big endian
+//	16     n    payload
+//
+// Version 2 added the header checksum (version 1 had a 12 byte header
+// without it). The stream id multiplexes any number of requests over one
+// connection; the checksum lets a reader that lost frame alignment (the tail
+// of a frame left on a virtio-serial port by an earlier host connection)
+// find the next real frame boundary instead of decoding payload bytes as a
+// header: a false "FK" in data passes the check with probability 2^-32.
+//
+// Senders keep every frame at most maxWireFrame (32 KiB) long. The guest's
+// virtio-serial driver moves at most 32 KiB per write(2), so a longer frame
+// would be split, and a host that disconnects between the pieces would leave
+// half a frame for the next connection; a frame that fits one write is
+// delivered whole or not at all.
 //
 // Control payloads (Hello, ExecStart, Exit, Error, ...) are JSON objects; data
 // payloads (Stdin, Stdout, Stderr, FileData) are raw bytes and Window is a
@@ -44,12 +58,15 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 )
 
 const (
-	// ProtocolVersion is the frame format version carried in every header.
-	ProtocolVersion = 1
+	// ProtocolVersion is the frame format version carried in every header
+	// and in Hello/HelloReply. Version 2: header checksum, exec error codes
+	// (not_found, not_executable, bad_workdir).
+	ProtocolVersion = 2
 	// DefaultVsockPort is the AF_VSOCK port the agent listens on.
 	DefaultVsockPort = 1024
 	// PortName is the virtio-serial port name the agent serves.
@@ -57,13 +74,21 @@ const (
 	// MaxPayload is the largest payload a frame may carry.
 	MaxPayload = 1 << 20
 	// HeaderSize is the size of the fixed frame header.
-	HeaderSize = 12
+	HeaderSize = 16
 	// InitialWindow is the per-stream, per-direction flow-control credit in
 	// bytes that each side starts with.
 	InitialWindow = 256 << 10
+	// maxWireFrame is the largest frame either side sends (see the package
+	// comment: one virtio-serial write).
+	maxWireFrame = 32 << 10
 	// chunkSize is the data payload size used by both sides when streaming.
-	chunkSize = 32 << 10
+	chunkSize = maxWireFrame - HeaderSize
 )
+
+var crcTable = crc32.MakeTable(crc32.Castagnoli)
+
+// headerSum is the checksum stored at bytes 12..15 of a header.
+func headerSum(h []byte) uint32 { return crc32.Checksum(h[:12], crcTable) }
 
 // Magic is the two byte frame marker.
 const Magic = "FK"
@@ -144,6 +169,9 @@ var (
 type FrameError struct {
 	Err    error  // ErrBadFrame or ErrFrameTooLarge
 	Reason string // human readable detail
+	// Version is the version byte of a header rejected only for its version
+	// (a peer speaking another protocol version), else 0.
+	Version int
 }
 
 // Error implements error.
@@ -155,11 +183,13 @@ func (e *FrameError) Unwrap() error { return e.Err }
 // AppendFrame appends the encoding of f to dst.
 func AppendFrame(dst []byte, f Frame) ([]byte, error) {
 	if len(f.Payload) > MaxPayload {
-		return dst, &FrameError{ErrFrameTooLarge, fmt.Sprintf("payload of %d bytes exceeds %d", len(f.Payload), MaxPayload)}
+		return dst, &FrameError{Err: ErrFrameTooLarge, Reason: fmt.Sprintf("payload of %d bytes exceeds %d", len(f.Payload), MaxPayload)}
 	}
+	start := len(dst)
 	dst = append(dst, Magic[0], Magic[1], ProtocolVersion, byte(f.Type))
 	dst = binary.BigEndian.AppendUint32(dst, f.Stream)
 	dst = binary.BigEndian.AppendUint32(dst, uint32(len(f.Payload)))
+	dst = binary.BigEndian.AppendUint32(dst, headerSum(dst[start:]))
 	return append(dst, f.Payload...), nil
 }
 
@@ -173,17 +203,21 @@ func WriteFrame(w io.Writer, f Frame) error {
 	return err
 }
 
-// parseHeader validates a 12 byte header and returns type, stream and length.
+// parseHeader validates a HeaderSize byte header and returns type, stream
+// and length.
 func parseHeader(h []byte) (FrameType, uint32, uint32, error) {
 	if h[0] != Magic[0] || h[1] != Magic[1] {
-		return 0, 0, 0, &FrameError{ErrBadFrame, fmt.Sprintf("bad magic %#x", h[:2])}
+		return 0, 0, 0, &FrameError{Err: ErrBadFrame, Reason: fmt.Sprintf("bad magic %#x", h[:2])}
 	}
 	if h[2] != ProtocolVersion {
-		return 0, 0, 0, &FrameError{ErrBadFrame, fmt.Sprintf("unsupported version %d", h[2])}
+		return 0, 0, 0, &FrameError{ErrBadFrame, fmt.Sprintf("unsupported version %d (want %d)", h[2], ProtocolVersion), int(h[2])}
+	}
+	if sum := binary.BigEndian.Uint32(h[12:16]); sum != headerSum(h) {
+		return 0, 0, 0, &FrameError{Err: ErrBadFrame, Reason: fmt.Sprintf("header checksum %#x, want %#x", sum, headerSum(h))}
 	}
 	n := binary.BigEndian.Uint32(h[8:12])
 	if n > MaxPayload {
-		return 0, 0, 0, &FrameError{ErrFrameTooLarge, fmt.Sprintf("payload length %d exceeds %d", n, MaxPayload)}
+		return 0, 0, 0, &FrameError{Err: ErrFrameTooLarge, Reason: fmt.Sprintf("payload length %d exceeds %d", n, MaxPayload)}
 	}
 	return FrameType(h[3]), binary.BigEndian.Uint32(h[4:8]), n, nil
 }
@@ -213,11 +247,17 @@ func ReadFrame(r io.Reader) (Frame, error) {
 
 // Decoder reads frames from a byte stream and can resynchronise after a
 // corrupt header: after ReadFrame returns a *FrameError, the next call
-// discards input until the next "FK"+version marker.
+// discards input until the next "FK"+version marker (and the header checksum
+// then rejects false markers found in payload bytes).
 type Decoder struct {
-	r      *bufio.Reader
-	resync bool
+	r       *bufio.Reader
+	resync  bool
+	skipped int64 // bytes discarded while resynchronising
 }
+
+// Skipped returns the number of input bytes discarded so far because they
+// were not part of a valid frame.
+func (d *Decoder) Skipped() int64 { return d.skipped }
 
 // NewDecoder returns a Decoder reading from r.
 func NewDecoder(r io.Reader) *Decoder {
@@ -246,6 +286,7 @@ func (d *Decoder) ReadFrame() (Frame, error) {
 	if err != nil {
 		// Skip one byte so the resync scan cannot match this position again.
 		d.r.Discard(1)
+		d.skipped++
 		d.resync = true
 		return Frame{}, err
 	}
@@ -278,8 +319,10 @@ func (d *Decoder) skipToMarker() error {
 		i := bytes.IndexByte(buf[1:], Magic[0])
 		if i < 0 {
 			d.r.Discard(len(buf))
+			d.skipped += int64(len(buf))
 		} else {
 			d.r.Discard(i + 1)
+			d.skipped += int64(i + 1)
 		}
 	}
 }

@@ -2,6 +2,7 @@ package vsockd
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"io"
 	"strings"
@@ -25,7 +26,7 @@ func TestFrameRoundTrip(t *testing.T) {
 			if buf.Len() != HeaderSize+len(f.Payload) {
 				t.Fatalf("encoded %d bytes", buf.Len())
 			}
-			if !bytes.HasPrefix(buf.Bytes(), []byte("FK\x01")) {
+			if !bytes.HasPrefix(buf.Bytes(), []byte("FK\x02")) {
 				t.Fatalf("bad header %q", buf.Bytes()[:4])
 			}
 			got, err := ReadFrame(bytes.NewReader(buf.Bytes()))
@@ -52,7 +53,9 @@ func TestWriteFrameTooLarge(t *testing.T) {
 
 func TestReadFrameErrors(t *testing.T) {
 	valid, _ := AppendFrame(nil, Frame{Type: TypeStdout, Stream: 1, Payload: []byte("hello")})
-	oversize := []byte{'F', 'K', 1, byte(TypeStdout), 0, 0, 0, 1, 0, 0x10, 0, 1}
+	oversize := rawHeader(TypeStdout, 1, MaxPayload+1)
+	badSum := append([]byte(nil), valid...)
+	badSum[12] ^= 1
 	tests := []struct {
 		name string
 		in   []byte
@@ -61,7 +64,9 @@ func TestReadFrameErrors(t *testing.T) {
 		{"empty", nil, io.EOF},
 		{"oversize", oversize, ErrFrameTooLarge},
 		{"bad magic", append([]byte("XK"), valid[2:]...), ErrBadFrame},
-		{"bad version", append([]byte("FK\x02"), valid[3:]...), ErrBadFrame},
+		{"bad version", append([]byte("FK\x01"), valid[3:]...), ErrBadFrame},
+		{"bad checksum", badSum, ErrBadFrame},
+		{"v1 header", []byte{'F', 'K', 1, byte(TypePong), 0, 0, 0, 1, 0, 0, 0, 0, 'F', 'K', 1, 3}, ErrBadFrame},
 		{"truncated header", valid[:7], io.ErrUnexpectedEOF},
 		{"truncated payload", valid[:len(valid)-1], io.ErrUnexpectedEOF},
 	}
@@ -86,9 +91,9 @@ func TestReadFrameErrors(t *testing.T) {
 func TestDecoderResync(t *testing.T) {
 	f1, _ := AppendFrame(nil, Frame{Type: TypePing, Stream: 1})
 	f2, _ := AppendFrame(nil, Frame{Type: TypeStdin, Stream: 2, Payload: []byte("FK")})
-	oversize := []byte{'F', 'K', 1, 6, 0, 0, 0, 1, 0xff, 0xff, 0xff, 0xff}
+	oversize := rawHeader(TypeStdin, 1, 0xffffffff)
 	var in []byte
-	in = append(in, "garbage FK\x02 F"...)
+	in = append(in, "garbage FK\x02 F"...) // a false marker: rejected by the checksum
 	in = append(in, f1...)
 	in = append(in, oversize...)
 	in = append(in, "FFFF"...)
@@ -111,17 +116,20 @@ func TestDecoderResync(t *testing.T) {
 		}
 		got = append(got, f.Stream)
 	}
-	if len(got) != 2 || got[0] != 1 || got[1] != 2 || bad != 2 {
+	if len(got) != 2 || got[0] != 1 || got[1] != 2 || bad != 3 {
 		t.Fatalf("frames %v, bad %d", got, bad)
 	}
 }
 
 func FuzzReadFrame(f *testing.F) {
-	valid, _ := AppendFrame(nil, Frame{Type: TypeHello, Stream: 1, Payload: []byte(`{"version":1}`)})
+	valid, _ := AppendFrame(nil, Frame{Type: TypeHello, Stream: 1, Payload: []byte(`{"version":2}`)})
 	f.Add(valid)
-	f.Add([]byte("FK\x01\x03\x00\x00\x00\x01\x00\x00\x00\x00"))
-	f.Add([]byte("FK\x01\x08\x00\x00\x00\x01\xff\xff\xff\xff"))
-	f.Add([]byte("garbageFK\x01"))
+	f.Add(rawHeader(TypePing, 1, 0))
+	f.Add(rawHeader(TypeStdout, 1, 0xffffffff))
+	f.Add([]byte("FK\x01\x03\x00\x00\x00\x01\x00\x00\x00\x00")) // version 1
+	f.Add([]byte("garbageFK\x02"))
+	two, _ := AppendFrame(append(bytes.Repeat([]byte{0}, 9), valid...), Frame{Type: TypeStdout, Stream: 7, Payload: []byte("FK\x02")})
+	f.Add(two) // a stale tail, then frames
 	f.Fuzz(func(t *testing.T, data []byte) {
 		fr, err := ReadFrame(bytes.NewReader(data))
 		if err == nil {
@@ -150,4 +158,13 @@ func FuzzReadFrame(f *testing.F) {
 		}
 		t.Fatalf("decoder did not terminate on %d bytes", len(data))
 	})
+}
+
+// rawHeader is a header with a valid checksum announcing n payload bytes
+// (which need not follow).
+func rawHeader(t FrameType, stream, n uint32) []byte {
+	h := []byte{'F', 'K', ProtocolVersion, byte(t)}
+	h = binary.BigEndian.AppendUint32(h, stream)
+	h = binary.BigEndian.AppendUint32(h, n)
+	return binary.BigEndian.AppendUint32(h, headerSum(h))
 }

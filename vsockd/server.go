@@ -53,6 +53,10 @@ func (s *Server) ServeConn(ctx context.Context, rw io.ReadWriteCloser) error {
 	stop := context.AfterFunc(ss.ctx, func() { rw.Close() })
 	defer stop()
 	ss.newGeneration()
+	// Runs last: once ServeConn returns, nothing of this session is written
+	// any more (a virtio-serial port outlives the session, and a late frame
+	// would reach the next host connection).
+	defer ss.closeWrites()
 	defer ss.resetStreams()
 
 	dec := NewDecoder(rw)
@@ -108,6 +112,16 @@ type gstream struct {
 func (ss *session) curGen() uint64 { return ss.gen.Load() }
 
 func (ss *session) newGeneration() uint64 { return ss.gen.Add(1) }
+
+// closeWrites ends writing: it waits for a frame being written (frames are
+// written whole) and makes every later send fail.
+func (ss *session) closeWrites() {
+	ss.wmu.Lock()
+	if ss.werr == nil {
+		ss.werr = ErrClosed
+	}
+	ss.wmu.Unlock()
+}
 
 func (ss *session) writeErr() error {
 	ss.wmu.Lock()
@@ -290,7 +304,12 @@ func (ss *session) startExec(f Frame) {
 	}
 	p, err := startProcess(&req)
 	if err != nil {
-		ss.sendError(gen, f.Stream, CodeExec, err.Error())
+		code := CodeExec
+		var ee *execError
+		if errors.As(err, &ee) {
+			code = ee.code
+		}
+		ss.sendError(gen, f.Stream, code, err.Error())
 		return
 	}
 	st := ss.addStream(f.Stream, p)

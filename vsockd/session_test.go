@@ -105,10 +105,9 @@ func TestExecExitCode(t *testing.T) {
 	if err != nil || code != 0 {
 		t.Fatalf("true: %d %v", code, err)
 	}
-	_, err = c.Run(tctx(t), &ExecRequest{Argv: []string{"no-such-binary-xyz"}})
-	var re *RemoteError
-	if !errors.As(err, &re) || re.Code != CodeExec {
-		t.Fatalf("missing binary: %v", err)
+	code, err = c.Run(tctx(t), &ExecRequest{Argv: []string{"no-such-binary-xyz"}})
+	if !errors.Is(err, ErrNotFound) || code != ExitCodeNotFound {
+		t.Fatalf("missing binary: %d %v", code, err)
 	}
 }
 
@@ -340,7 +339,7 @@ func TestServerMalformedFrame(t *testing.T) {
 	conn := rawServer(t)
 	go func() {
 		conn.Write([]byte("this is not a frame"))
-		conn.Write([]byte{'F', 'K', 1, byte(TypePing), 0, 0, 0, 1, 0xff, 0, 0, 0}) // oversize
+		conn.Write(rawHeader(TypePing, 1, 0xff000000)) // oversize
 		WriteFrame(conn, Frame{Type: TypePing, Stream: 42})
 	}()
 	var errs int
@@ -365,7 +364,7 @@ func TestServerMalformedFrame(t *testing.T) {
 
 func TestMaliciousGuestOversize(t *testing.T) {
 	c := fakeGuest(t, nil, func(conn net.Conn, f Frame) {
-		conn.Write([]byte{'F', 'K', 1, byte(TypePong), 0, 0, 0, 1, 0x7f, 0xff, 0xff, 0xff})
+		conn.Write(rawHeader(TypePong, f.Stream, 0x7fffffff))
 	})
 	err := c.Ping(tctx(t))
 	if !errors.Is(err, ErrFrameTooLarge) {

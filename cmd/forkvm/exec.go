@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -18,54 +21,239 @@ import (
 // handshakeTimeout bounds connecting to an agent and its handshake.
 const handshakeTimeout = 30 * time.Second
 
+// After a SIGINT/SIGTERM is forwarded to the guest command, it gets signalGrace to exit
+// before it is killed, and killGrace more before the CLI gives up waiting.
+const (
+	signalGrace = 5 * time.Second
+	killGrace   = 2 * time.Second
+)
+
+func execCmd() *cli.Command {
+	one := 1
+	return &cli.Command{
+		Name: "exec",
+		Usage: "run a command in a VM; exits with the command's exit code " +
+			"(127: not found, 126: not executable, 128+N: killed by signal N, 130 after Ctrl-C)",
+		ArgsUsage: "NAME [--] COMMAND [ARG...]",
+		// Everything after the VM name belongs to the guest command.
+		StopOnNthArg: &one,
+		Flags: []cli.Flag{
+			&cli.BoolFlag{Name: "tty", Aliases: []string{"t"}, Usage: "allocate a terminal (interactive, raw mode)"},
+			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "KEY=VALUE environment entries"},
+			&cli.StringFlag{Name: "workdir", Aliases: []string{"w"}, Usage: "working directory in the guest"},
+			&cli.DurationFlag{Name: "timeout", Usage: "kill the command after this long (0 = none)"},
+			&cli.StringFlag{Name: "max-output", Value: "64MiB",
+				Usage: "kill the command once its stdout+stderr exceed this many bytes (K/M/G suffixes; 'unlimited' or -1: no limit)"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			args := cmd.Args().Slice()
+			if len(args) > 1 && args[1] == "--" {
+				args = append(args[:1], args[2:]...)
+			}
+			if len(args) < 2 {
+				return fmt.Errorf("usage: forkvm exec [-t] NAME -- COMMAND [ARG...]")
+			}
+			maxOut, err := parseSize(cmd.String("max-output"))
+			if err != nil {
+				return fmt.Errorf("--max-output: %w", err)
+			}
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			vm, err := e.Get(args[0])
+			if err != nil {
+				e.Close()
+				return err
+			}
+			// A dead VM fails at once, instead of retrying its agent socket.
+			if vm.Info().State == engine.StateDead {
+				e.Close()
+				return fmt.Errorf("%w: %s", engine.ErrNotRunning, args[0])
+			}
+			target := vm.Target()
+			// Release the state directory before a possibly long interactive session.
+			e.Close()
+			code, err := runExec(ctx, target, args[1:], maxOut, cmd)
+			if err != nil {
+				if code <= 0 {
+					return err
+				}
+				fmt.Fprintln(os.Stderr, "forkvm:", err)
+			}
+			if code != 0 {
+				return exitError{code}
+			}
+			return nil
+		},
+	}
+}
+
+// parseSize parses a byte count with an optional K, M or G (binary) suffix; "unlimited"
+// and negative values mean no limit (-1).
+func parseSize(s string) (int64, error) {
+	s = strings.TrimSpace(s)
+	if s == "unlimited" || s == "none" {
+		return -1, nil
+	}
+	num := strings.TrimRight(strings.TrimSuffix(strings.TrimSuffix(strings.ToUpper(s), "B"), "I"), "KMG")
+	mult := int64(1)
+	switch strings.TrimSuffix(strings.TrimSuffix(strings.ToUpper(s), "B"), "I")[len(num):] {
+	case "":
+	case "K":
+		mult = 1 << 10
+	case "M":
+		mult = 1 << 20
+	case "G":
+		mult = 1 << 30
+	default:
+		return 0, fmt.Errorf("bad size %q", s)
+	}
+	n, err := strconv.ParseInt(num, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("bad size %q", s)
+	}
+	if n < 0 {
+		return -1, nil
+	}
+	if n == 0 {
+		return 0, fmt.Errorf("bad size %q (use 'unlimited' for no limit)", s)
+	}
+	return n * mult, nil
+}
+
 // runExec runs argv in the VM behind target and returns its exit code. With --tty the
-// local terminal is put in raw mode and its size follows SIGWINCH.
-func runExec(ctx context.Context, target engine.AgentTarget, argv []string, cmd *cli.Command) (int, error) {
+// local terminal is put in raw mode and its size follows SIGWINCH. A SIGINT or SIGTERM
+// is forwarded to the guest command (SIGKILL after signalGrace) and the exit code is
+// then 128+signal (130 for SIGINT).
+func runExec(ctx context.Context, target engine.AgentTarget, argv []string, maxOutput int64, cmd *cli.Command) (int, error) {
+	// Catch the signals before anything can block (main's NotifyContext also ends ctx).
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+
 	// A virtio-serial port serves one host connection at a time: bound the handshake so
 	// that a port held by another client (an embedding engine) is an error, not a hang.
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	c, err := engine.DialAgent(hctx, target)
 	cancel()
 	if err != nil {
+		if ctx.Err() != nil {
+			return interruptedCode(sigs), err
+		}
 		return -1, fmt.Errorf("%w (is another client connected to %s's agent?)", err, target.Name)
 	}
 	defer c.Close()
 	req := &vsockd.ExecRequest{
 		Argv: argv, Env: cmd.StringSlice("env"), Dir: cmd.String("workdir"), Timeout: cmd.Duration("timeout"),
-		Stdin: os.Stdin, Stdout: os.Stdout, Stderr: os.Stderr,
+		Stdin: os.Stdin, Stdout: os.Stdout, Stderr: os.Stderr, MaxOutput: maxOutput,
 	}
-	if !cmd.Bool("tty") {
-		return c.Run(ctx, req)
+	if cmd.Bool("tty") {
+		con, err := console.ConsoleFromFile(os.Stdin)
+		if err != nil {
+			return -1, fmt.Errorf("forkvm exec -t: stdin is not a terminal: %w", err)
+		}
+		if sz, err := con.Size(); err == nil {
+			req.Rows, req.Cols = sz.Height, sz.Width
+		}
+		req.TTY = true
+		req.Stderr = nil
+		if t := os.Getenv("TERM"); t != "" {
+			req.Env = append(req.Env, "TERM="+t)
+		}
+		if err := con.SetRaw(); err != nil {
+			return -1, fmt.Errorf("forkvm exec -t: raw mode: %w", err)
+		}
+		defer con.Reset()
+		p, err := c.Start(ctx, req)
+		if err != nil {
+			return startCode(ctx, sigs, err), err
+		}
+		winch := make(chan os.Signal, 1)
+		signal.Notify(winch, syscall.SIGWINCH)
+		defer signal.Stop(winch)
+		go func() {
+			for range winch {
+				if sz, err := con.Size(); err == nil {
+					_ = p.Resize(ctx, sz.Height, sz.Width)
+				}
+			}
+		}()
+		return waitForwarding(p, sigs)
 	}
-	con, err := console.ConsoleFromFile(os.Stdin)
-	if err != nil {
-		return -1, fmt.Errorf("forkvm exec -t: stdin is not a terminal: %w", err)
-	}
-	if sz, err := con.Size(); err == nil {
-		req.Rows, req.Cols = sz.Height, sz.Width
-	}
-	req.TTY = true
-	req.Stderr = nil
-	if t := os.Getenv("TERM"); t != "" {
-		req.Env = append(req.Env, "TERM="+t)
-	}
-	if err := con.SetRaw(); err != nil {
-		return -1, fmt.Errorf("forkvm exec -t: raw mode: %w", err)
-	}
-	defer con.Reset()
 	p, err := c.Start(ctx, req)
 	if err != nil {
-		return -1, err
+		return startCode(ctx, sigs, err), err
 	}
-	winch := make(chan os.Signal, 1)
-	signal.Notify(winch, syscall.SIGWINCH)
-	defer signal.Stop(winch)
-	go func() {
-		for range winch {
-			if sz, err := con.Size(); err == nil {
-				_ = p.Resize(ctx, sz.Height, sz.Width)
-			}
+	return waitForwarding(p, sigs)
+}
+
+// startCode is the exit code for a failed Start: 127/126 for a missing/non-executable
+// command, 128+signal when interrupted.
+func startCode(ctx context.Context, sigs <-chan os.Signal, err error) int {
+	if ctx.Err() != nil {
+		return interruptedCode(sigs)
+	}
+	return vsockd.StartErrorCode(err)
+}
+
+// interruptedCode is 128+N for the signal that interrupted the CLI (130 by default).
+func interruptedCode(sigs <-chan os.Signal) int {
+	select {
+	case s := <-sigs:
+		if n, ok := s.(syscall.Signal); ok {
+			return vsockd.ExitCodeSignalBase + int(n)
 		}
+	default:
+	}
+	return vsockd.ExitCodeSignalBase + int(syscall.SIGINT)
+}
+
+// waitForwarding waits for p, forwarding SIGINT/SIGTERM to it. Once a signal was
+// forwarded the result is 128+signal whatever the command does; a second signal, or
+// signalGrace without exit, kills it.
+func waitForwarding(p *vsockd.Process, sigs <-chan os.Signal) (int, error) {
+	type result struct {
+		code int
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		// Not bound by the CLI's ctx: an interrupt is forwarded, not a kill.
+		code, err := p.Wait(context.Background())
+		done <- result{code, err}
 	}()
-	return p.Wait(ctx)
+	signal := func(sig syscall.Signal) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_ = p.Signal(ctx, int(sig))
+		cancel()
+	}
+	var got syscall.Signal
+	var grace <-chan time.Time
+	var giveUp <-chan time.Time
+	for {
+		select {
+		case r := <-done:
+			if got != 0 {
+				return vsockd.ExitCodeSignalBase + int(got), nil
+			}
+			return r.code, r.err
+		case s := <-sigs:
+			sig, _ := s.(syscall.Signal)
+			if got != 0 || sig == 0 {
+				signal(syscall.SIGKILL)
+				giveUp = time.After(killGrace)
+				continue
+			}
+			got = sig
+			signal(sig)
+			grace = time.After(signalGrace)
+		case <-grace:
+			grace = nil
+			signal(syscall.SIGKILL)
+			giveUp = time.After(killGrace)
+		case <-giveUp:
+			return vsockd.ExitCodeSignalBase + int(got), errors.New("the guest command did not exit after SIGKILL")
+		}
+	}
 }

@@ -110,51 +110,7 @@ func createCmd() *cli.Command {
 	}
 }
 
-func execCmd() *cli.Command {
-	one := 1
-	return &cli.Command{
-		Name:      "exec",
-		Usage:     "run a command in a VM; exits with the command's exit code",
-		ArgsUsage: "NAME [--] COMMAND [ARG...]",
-		// Everything after the VM name belongs to the guest command.
-		StopOnNthArg: &one,
-		Flags: []cli.Flag{
-			&cli.BoolFlag{Name: "tty", Aliases: []string{"t"}, Usage: "allocate a terminal (interactive, raw mode)"},
-			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "KEY=VALUE environment entries"},
-			&cli.StringFlag{Name: "workdir", Aliases: []string{"w"}, Usage: "working directory in the guest"},
-			&cli.DurationFlag{Name: "timeout", Usage: "kill the command after this long (0 = none)"},
-		},
-		Action: func(ctx context.Context, cmd *cli.Command) error {
-			args := cmd.Args().Slice()
-			if len(args) > 1 && args[1] == "--" {
-				args = append(args[:1], args[2:]...)
-			}
-			if len(args) < 2 {
-				return fmt.Errorf("usage: forkvm exec [-t] NAME -- COMMAND [ARG...]")
-			}
-			e, err := open(ctx, cmd)
-			if err != nil {
-				return err
-			}
-			vm, err := e.Get(args[0])
-			if err != nil {
-				e.Close()
-				return err
-			}
-			target := vm.Target()
-			// Release the state directory before a possibly long interactive session.
-			e.Close()
-			code, err := runExec(ctx, target, args[1:], cmd)
-			if err != nil {
-				return err
-			}
-			if code != 0 {
-				return exitError{code}
-			}
-			return nil
-		},
-	}
-}
+// execCmd is in exec.go.
 
 func lsCmd() *cli.Command {
 	return &cli.Command{
