@@ -288,7 +288,9 @@ func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 		case <-time.After(time.Second):
 		}
 		if !vm.alive() {
-			return -1, fmt.Errorf("%w: %s: exec: %w", ErrNotRunning, vm.Name(), err)
+			// Both: ErrNotRunning for the caller's decision, the *QEMUError (exit code,
+			// stderr) for why.
+			return -1, fmt.Errorf("%w: %s: %w", ErrNotRunning, vm.Name(), vm.failure("exec", err))
 		}
 	}
 	return code, err
