@@ -10,7 +10,8 @@ export FORKVM_CACHE ?= $(HOME)/.cache/forkvm
 export PATH := /usr/local/go/bin:$(PATH)
 
 QEMU_MIN_MAJOR := 10
-APT_PKGS := busybox-static e2fsprogs
+# mmdebstrap builds Debian root images (`forkvm image create NAME --debian`).
+APT_PKGS := busybox-static e2fsprogs mmdebstrap
 # Go test flags for integration tests (they boot real VMs under TCG: give them time).
 ITEST_TIMEOUT ?= 30m
 

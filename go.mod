@@ -5,6 +5,8 @@ go 1.26.0
 require (
 	github.com/containerd/console v1.0.5
 	github.com/creack/pty v1.1.24
+	github.com/cyphar/filepath-securejoin v0.7.0
+	github.com/google/go-containerregistry v0.22.1
 	github.com/mdlayher/vsock v1.4.0
 	github.com/ulikunitz/xz v0.5.17
 	github.com/urfave/cli/v3 v3.14.0
@@ -13,6 +15,9 @@ require (
 )
 
 require (
+	github.com/klauspost/compress v1.19.2 // indirect
 	github.com/mdlayher/socket v0.8.0 // indirect
+	github.com/opencontainers/go-digest v1.0.0 // indirect
+	github.com/opencontainers/image-spec v1.1.1 // indirect
 	golang.org/x/net v0.62.0 // indirect
 )

@@ -33,4 +33,61 @@
 //
 // so building again with the same inputs is a cache hit. Every directory and
 // file is written to a temporary name first and renamed into place.
+//
+// # Root images
+//
+// CreateImage turns a real root filesystem into a root image: an ext4 disk
+// (made with `mkfs.ext4 -d`, no loop mount) holding the tree plus the agent
+// at ImageAgentPath. The source is a Debian minbase built with mmdebstrap
+// (DebianSource: suite, extra packages), or ImageConfig.From: a root
+// filesystem tarball (plain, gzip, xz), a directory, an OCI image layout
+// (directory or tar) or a `docker save` archive, whose layers
+// go-containerregistry flattens (mutate.Extract applies whiteouts). Every
+// entry is written through securejoin inside a staging directory; names
+// with "..", absolute names, relative symlinks that climb out of the root
+// and hard links to outside or to nothing are refused (ErrUnsafeEntry),
+// device nodes too (ErrDeviceNode: the guest mounts devtmpfs on /dev), and
+// FIFOs and sockets are skipped. Images are stored by content hash and
+// named (ListImages, LookupImage, RemoveImage); the layout is described in
+// images.go.
+//
+// An automatically sized disk holds the content, ext4's metadata and
+// AutoHeadroomMiB (1 GiB) free, in steps of 64 MiB; the file is sparse, so
+// the free space costs the host nothing until the guest writes it.
+//
+// # Booting a root image
+//
+// The kernel and initramfs stay those of Build; the image is a virtio-blk
+// disk, and the contract is two kernel arguments read by the agent in the
+// initramfs (/init, PID 1):
+//
+//	forkvm.root=DISK   switch root into the ext4 image on DISK
+//	forkvm.data=DISK   mount the ext4 data disk DISK on /data
+//
+// DISK is a device name ("vda") or "serial:NAME", the serial QEMU gives
+// the disk (-device virtio-blk-pci,drive=...,serial=NAME). Serials are the
+// recommended form: they do not depend on the order in which the disks are
+// probed. ImageKernelArgs returns the arguments for the serials
+// RootDiskSerial and DataDiskSerial. The older forkvm.disk=1 (data disk
+// vda) still works without forkvm.root and is ignored with it.
+//
+// With forkvm.root the initramfs agent loads its modules (virtio_blk among
+// them), waits up to 5 s for DISK, mounts it read-write, moves /dev (with
+// /dev/pts and /dev/shm), /proc, /sys and /run into it, frees the
+// initramfs's memory, makes the image the root (MS_MOVE and chroot, as
+// switch_root does) and executes the image's own agent, ImageAgentPath
+// --switched-root, as PID 1. That agent mounts a tmpfs on /tmp, makes sure
+// /root exists (HOME), mounts forkvm.data on /data and serves the host
+// exactly as in the initramfs: same ports, same Hello, so a fork counts as
+// ready when the agent answers with the fork's own token, and commands run
+// in the image's userland (its /bin/sh, libc, python3). If the root cannot
+// be entered, the reason is printed on the console and the guest reboots,
+// which ends QEMU under -no-reboot instead of leaving the host waiting for an
+// agent that never answers.
+//
+// The agent is PID 1 rather than the image's init because a fork's
+// readiness and identity come from the agent's handshake and must take
+// milliseconds; no init system runs. RootImage.AgentSHA256 records which
+// agent an image carries, so the host can tell an image built with an older
+// agent.
 package guest

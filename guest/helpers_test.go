@@ -280,5 +280,8 @@ func TestMain(m *testing.M) {
 	if realTemp != "" {
 		os.RemoveAll(realTemp)
 	}
+	if agentTemp != "" {
+		os.RemoveAll(agentTemp)
+	}
 	os.Exit(code)
 }

@@ -27,16 +27,26 @@ const (
 )
 
 // runInit is the PID 1 entry point. It never returns: if PID 1 exits the
-// kernel panics.
-func runInit() {
+// kernel panics. switched is set in the agent of a root image, executed by
+// the initramfs's agent after switching root (see root_linux.go).
+func runInit(switched bool) {
 	mountBasics()
 	console := openConsole()
 	logger := log.New(console, "forkvm-agent: ", 0)
 	os.Setenv("PATH", defaultPath)
 	os.Setenv("HOME", "/root")
-	loadModules(logger, modulesList)
-	if cmdlineHas("forkvm.disk=1") {
-		mountDisk(logger)
+	args := readBootArgs(logger)
+	if switched {
+		os.Setenv("PATH", imagePath)
+		prepareImage(logger)
+	} else {
+		loadModules(logger, modulesList)
+		if args.root != nil {
+			enterImage(logger, *args.root) // does not return
+		}
+	}
+	if args.data != nil {
+		mountData(logger, *args.data)
 	}
 	srv := &vsockd.Server{Log: logger}
 
@@ -49,8 +59,9 @@ func runInit() {
 	select {} // PID 1 must never exit; the reaper runs in vsockd
 }
 
-// mountBasics mounts the pseudo file systems; errors (e.g. already mounted
-// by the kernel) are ignored and reported later via the console if needed.
+// mountBasics mounts the pseudo file systems that are not mounted yet (in a
+// root image, /dev, /proc, /sys and /run come mounted from the initramfs);
+// errors are reported on stderr and otherwise ignored.
 func mountBasics() {
 	type m struct{ src, dst, fstype, data string }
 	mounts := []m{
@@ -63,6 +74,9 @@ func mountBasics() {
 		{"tmpfs", "/run", "tmpfs", "mode=0755"},
 	}
 	for _, x := range mounts {
+		if isMountpoint(x.dst) {
+			continue
+		}
 		os.MkdirAll(x.dst, 0o755)
 		err := unix.Mount(x.src, x.dst, x.fstype, unix.MS_NOSUID, x.data)
 		if err != nil && err != unix.EBUSY {
@@ -120,38 +134,6 @@ func loadModule(path string) error {
 		return nil
 	}
 	return err
-}
-
-func cmdlineHas(word string) bool {
-	b, err := os.ReadFile("/proc/cmdline")
-	if err != nil {
-		return false
-	}
-	for _, f := range strings.Fields(string(b)) {
-		if f == word {
-			return true
-		}
-	}
-	return false
-}
-
-// mountDisk waits up to 3 s for /dev/vda and mounts it (ext4) on /data.
-func mountDisk(logger *log.Logger) {
-	deadline := time.Now().Add(3 * time.Second)
-	for {
-		if _, err := os.Stat("/dev/vda"); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			logger.Printf("disk: /dev/vda did not appear")
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	os.MkdirAll("/data", 0o755)
-	if err := unix.Mount("/dev/vda", "/data", "ext4", 0, ""); err != nil {
-		logger.Printf("disk: mount /dev/vda on /data: %v", err)
-	}
 }
 
 // serveVsock serves each AF_VSOCK connection as its own session.

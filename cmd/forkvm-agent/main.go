@@ -4,6 +4,8 @@
 // /init (PID 1): it mounts the basic file systems, loads kernel modules,
 // mounts the data disk and serves the vsockd protocol on the virtio-serial
 // port named vsockd.PortName and on AF_VSOCK port vsockd.DefaultVsockPort.
+// With forkvm.root=DISK on the kernel command line it switches into that root
+// image and executes the image's copy of itself as PID 1 (root_linux.go).
 //
 // Outside a VM (tests, development) it serves sessions on a unix socket:
 //
@@ -26,10 +28,11 @@ import (
 func main() {
 	listen := flag.String("listen", "", "serve sessions on `unix:/path` (when not PID 1)")
 	once := flag.Bool("once", false, "exit after the first session (with --listen)")
+	switched := flag.Bool(strings.TrimPrefix(switchedRootArg, "--"), false, "internal: PID 1 of a root image, started by the initramfs")
 	flag.Parse()
 
 	if os.Getpid() == 1 {
-		runInit() // never returns
+		runInit(*switched) // never returns
 	}
 	if *listen == "" {
 		fmt.Fprintln(os.Stderr, "forkvm-agent: not running as PID 1; use --listen unix:/path")

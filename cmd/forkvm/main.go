@@ -56,7 +56,7 @@ func newApp() *cli.Command {
 		Commands: []*cli.Command{
 			createCmd(), execCmd(), lsCmd(), memCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
-			imageCmd(),
+			imageCmd(), imagesCmd(),
 		},
 	}
 }
@@ -439,7 +439,7 @@ func imageCmd() *cli.Command {
 				fmt.Printf("image %s: kernel %s\n  %s\n  %s\n", img.Hash, img.KernelVersion, img.Kernel, img.Initrd)
 				return nil
 			},
-		}},
+		}, imageCreateCmd(), imageRmCmd()},
 	}
 }
 

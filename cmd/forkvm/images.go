@@ -1,0 +1,179 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/guest"
+)
+
+// Root image commands: `forkvm image create`, `forkvm image rm` and
+// `forkvm images`. They work on the cache directory only (no engine, no
+// state directory), so they never wait for a running engine.
+
+func cacheFlag() cli.Flag {
+	return &cli.StringFlag{Name: "cache", Usage: "cache directory (default ~/.cache/forkvm)", Sources: cli.EnvVars("FORKVM_CACHE")}
+}
+
+// defaultAgent is the forkvm-agent next to this binary, as `image build` uses.
+func defaultAgent(cmd *cli.Command) (string, error) {
+	if a := cmd.String("agent"); a != "" {
+		return a, nil
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(filepath.Dir(exe), "forkvm-agent"), nil
+}
+
+func imageCreateCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "create",
+		Usage: "build a root image: Debian (mmdebstrap) or from a tarball, directory, OCI layout or docker-save archive",
+		ArgsUsage: "NAME (--debian [--suite S] [--include P,...] | --from PATH [--ref REF])\n\n" +
+			"   Needs root. The image is an ext4 disk with the forkvm agent at " + guest.ImageAgentPath + ",\n" +
+			"   stored by content hash in the cache; `forkvm images` lists them.",
+		Flags: []cli.Flag{
+			&cli.BoolFlag{Name: "debian", Usage: "build a Debian minbase root with mmdebstrap"},
+			&cli.StringFlag{Name: "suite", Usage: "Debian suite (with --debian)", Value: guest.DefaultSuite},
+			&cli.StringSliceFlag{Name: "include", Usage: "extra Debian packages, comma-separated (with --debian)"},
+			&cli.StringFlag{Name: "mirror", Usage: "Debian mirror URL (with --debian; default: mmdebstrap's)"},
+			&cli.StringFlag{Name: "from", Usage: "root filesystem: .tar[.gz|.xz], directory, OCI layout or docker-save archive"},
+			&cli.StringFlag{Name: "ref", Usage: "image to take from an OCI layout or docker-save archive holding several"},
+			&cli.IntFlag{Name: "size-mb", Usage: "disk size in MiB (default: content + 1 GiB free, in 64 MiB steps)"},
+			&cli.StringFlag{Name: "agent", Usage: "guest agent binary (default: forkvm-agent next to this binary)"},
+			cacheFlag(),
+			&cli.BoolFlag{Name: "json", Usage: "print the image as JSON"},
+			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress output"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 1 {
+				return fmt.Errorf("usage: forkvm image create NAME (--debian [--suite S] [--include P,...] | --from PATH)")
+			}
+			debian, from := cmd.Bool("debian"), cmd.String("from")
+			if debian == (from != "") {
+				return fmt.Errorf("forkvm image create: give exactly one of --debian and --from")
+			}
+			if !debian && (cmd.IsSet("suite") || cmd.IsSet("include") || cmd.IsSet("mirror")) {
+				return fmt.Errorf("forkvm image create: --suite, --include and --mirror go with --debian")
+			}
+			agent, err := defaultAgent(cmd)
+			if err != nil {
+				return err
+			}
+			cfg := &guest.ImageConfig{
+				Name: cmd.Args().First(), CacheDir: cmd.String("cache"), From: from, Ref: cmd.String("ref"),
+				AgentBinary: agent, SizeMiB: int(cmd.Int("size-mb")),
+			}
+			if !cmd.Bool("quiet") {
+				cfg.Log = os.Stderr
+			}
+			if debian {
+				cfg.Debian = &guest.DebianSource{Suite: cmd.String("suite"), Mirror: cmd.String("mirror")}
+				for _, p := range cmd.StringSlice("include") {
+					if p = strings.TrimSpace(p); p != "" {
+						cfg.Debian.Include = append(cfg.Debian.Include, p)
+					}
+				}
+			}
+			img, err := guest.CreateImage(ctx, cfg)
+			if err != nil {
+				return err
+			}
+			if cmd.Bool("json") {
+				return printJSON(img)
+			}
+			fmt.Printf("image %s: %s, %s disk, %s of files\n  %s\n", img.Name, img.Hash[:16],
+				mib(img.DiskBytes), mib(img.ContentBytes), img.Disk)
+			return nil
+		},
+	}
+}
+
+func imageRmCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "rm",
+		Usage:     "remove root images (and their disks when no other image shares them)",
+		ArgsUsage: "NAME...",
+		Flags:     []cli.Flag{cacheFlag()},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() == 0 {
+				return fmt.Errorf("usage: forkvm image rm NAME...")
+			}
+			for _, name := range cmd.Args().Slice() {
+				if err := guest.RemoveImage(ctx, cmd.String("cache"), name); err != nil {
+					return err
+				}
+			}
+			return nil
+		},
+	}
+}
+
+func imagesCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "images",
+		Usage: "list root images",
+		Flags: []cli.Flag{cacheFlag(), &cli.BoolFlag{Name: "json", Usage: "print JSON"}},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			imgs, err := guest.ListImages(cmd.String("cache"))
+			if err != nil {
+				return err
+			}
+			if cmd.Bool("json") {
+				if imgs == nil {
+					imgs = []*guest.RootImage{}
+				}
+				return printJSON(imgs)
+			}
+			return printImages(os.Stdout, imgs)
+		},
+	}
+}
+
+func printImages(w io.Writer, imgs []*guest.RootImage) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tHASH\tDISK\tFILES\tSOURCE\tCREATED")
+	for _, img := range imgs {
+		hash := img.Hash
+		if len(hash) > 16 {
+			hash = hash[:16]
+		}
+		if img.Broken != "" {
+			fmt.Fprintf(tw, "%s\t%s\tBROKEN: %s\t\t\t\n", img.Name, hash, img.Broken)
+			continue
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", img.Name, hash, mib(img.DiskBytes), mib(img.ContentBytes),
+			describeSource(&img.Source), img.Created.Local().Format(time.DateTime))
+	}
+	return tw.Flush()
+}
+
+func describeSource(s *guest.ImageSource) string {
+	switch s.Kind {
+	case guest.SourceDebian:
+		d := "debian " + s.Suite
+		if len(s.Include) > 0 {
+			d += " +" + strings.Join(s.Include, ",")
+		}
+		return d
+	case "":
+		return "?"
+	}
+	d := s.Kind + " " + s.Path
+	if s.Ref != "" {
+		d += " (" + s.Ref + ")"
+	}
+	return d
+}
+
+func mib(b int64) string { return fmt.Sprintf("%d MiB", (b+(1<<20)-1)>>20) }

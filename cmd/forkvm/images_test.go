@@ -1,0 +1,95 @@
+package main
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/forkvm/forkvm/guest"
+)
+
+// runCLI runs the forkvm CLI in-process and returns what it printed.
+func runCLI(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout := os.Stdout
+	os.Stdout = w
+	done := make(chan string)
+	go func() {
+		b, _ := io.ReadAll(r)
+		done <- string(b)
+	}()
+	err = newApp().Run(context.Background(), append([]string{"forkvm"}, args...))
+	os.Stdout = stdout
+	w.Close()
+	return <-done, err
+}
+
+func TestImageCommands(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("image create needs root")
+	}
+	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
+		t.Skip("mkfs.ext4 missing")
+	}
+	dir, cache := t.TempDir(), t.TempDir()
+	agent := filepath.Join(dir, "agent")
+	os.WriteFile(agent, []byte("#!/bin/sh\n"), 0o755)
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	tw.WriteHeader(&tar.Header{Name: "etc/", Typeflag: tar.TypeDir, Mode: 0o755})
+	tw.WriteHeader(&tar.Header{Name: "etc/motd", Typeflag: tar.TypeReg, Mode: 0o644, Size: 3})
+	tw.Write([]byte("hi\n"))
+	tw.Close()
+	root := filepath.Join(dir, "root.tar")
+	os.WriteFile(root, buf.Bytes(), 0o644)
+
+	out, err := runCLI(t, "image", "create", "small", "--from", root, "--agent", agent, "--cache", cache, "-q", "--size-mb", "64")
+	if err != nil || !strings.Contains(out, "image small: ") || !strings.Contains(out, "64 MiB disk") {
+		t.Fatalf("create: %v\n%s", err, out)
+	}
+	if _, err := runCLI(t, "image", "create", "small", "--from", root, "--agent", agent, "--cache", cache, "-q"); !errors.Is(err, guest.ErrImageExists) {
+		t.Errorf("create again: %v", err)
+	}
+	if _, err := runCLI(t, "image", "create", "x", "--debian", "--from", root, "--cache", cache); err == nil {
+		t.Error("--debian with --from accepted")
+	}
+	if _, err := runCLI(t, "image", "create", "x", "--from", root, "--include", "python3", "--cache", cache); err == nil {
+		t.Error("--include without --debian accepted")
+	}
+	if _, err := runCLI(t, "image", "create", "x", "--debian", "--include", "-bad", "--agent", agent, "--cache", cache); !errors.Is(err, guest.ErrUnknownPackage) {
+		t.Errorf("bad package: %v", err)
+	}
+
+	out, err = runCLI(t, "images", "--json", "--cache", cache)
+	var imgs []guest.RootImage
+	if err != nil || json.Unmarshal([]byte(out), &imgs) != nil || len(imgs) != 1 || imgs[0].Name != "small" ||
+		imgs[0].DiskBytes != 64<<20 || imgs[0].Source.Kind != guest.SourceTarball {
+		t.Fatalf("images --json: %v\n%s", err, out)
+	}
+	out, err = runCLI(t, "images", "--cache", cache)
+	if err != nil || !strings.Contains(out, "small") || !strings.Contains(out, "tarball "+root) {
+		t.Errorf("images: %v\n%s", err, out)
+	}
+	if _, err := runCLI(t, "image", "rm", "small", "--cache", cache); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := runCLI(t, "image", "rm", "small", "--cache", cache); !errors.Is(err, guest.ErrImageNotFound) {
+		t.Errorf("rm again: %v", err)
+	}
+	out, err = runCLI(t, "images", "--json", "--cache", cache)
+	if err != nil || strings.TrimSpace(out) != "[]" {
+		t.Errorf("images after rm: %v %q", err, out)
+	}
+}

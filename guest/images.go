@@ -1,0 +1,694 @@
+package guest
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Root images: a real root filesystem on an ext4 disk, with the forkvm agent
+// inside, that the engine attaches as a virtio-blk disk and the initramfs
+// switches into (see the package documentation for the boot contract).
+//
+// They live in the cache directory, next to the kernel images:
+//
+//	<cache>/rootfs/names/<name>.json          one record per image name
+//	<cache>/rootfs/sha256/<hash[:16]>/disk.ext4     the root disk (0400, sparse)
+//	<cache>/rootfs/sha256/<hash[:16]>/content.json  hash, sizes, agent
+//	<cache>/rootfs/.lock                      held while a disk or name is installed or removed
+//	<cache>/rootfs/.tmp-<name>-*              staging of a CreateImage in progress
+//
+// The rootfs directories are 0700 and disks 0400, like the engine's disks:
+// an image holds whatever the source held (/etc/shadow, set-user-ID files
+// owned by anyone while staged) and is its owner's alone.
+//
+// Disks are stored by content hash: two names with the same content (the
+// same tree, agent and disk size) share one disk, and a disk directory
+// never changes once installed, so a VM's copy-on-write overlay can use it
+// as a backing file.
+
+// ImageAgentPath is where CreateImage installs the forkvm agent inside every
+// root image, and what the initramfs executes after switching into it.
+const ImageAgentPath = "/sbin/forkvm-agent"
+
+// The boot contract of root images (see the package documentation): the
+// kernel arguments the initramfs reads and the virtio-blk serials that name
+// the disks independently of their probe order.
+const (
+	KernelArgRoot  = "forkvm.root" // forkvm.root=DISK: boot the root image on DISK
+	KernelArgData  = "forkvm.data" // forkvm.data=DISK: mount DISK on /data
+	RootDiskSerial = "forkvm-root" // -device virtio-blk-pci,...,serial=forkvm-root
+	DataDiskSerial = "forkvm-data" // -device virtio-blk-pci,...,serial=forkvm-data
+)
+
+// ImageKernelArgs returns the kernel arguments that boot a root image
+// attached with serial RootDiskSerial and, when withData, mount the data
+// disk attached with serial DataDiskSerial on /data: the engine appends them
+// to the command line (instead of forkvm.disk=1) when it attaches a
+// RootImage's disk.
+func ImageKernelArgs(withData bool) string {
+	s := KernelArgRoot + "=serial:" + RootDiskSerial
+	if withData {
+		s += " " + KernelArgData + "=serial:" + DataDiskSerial
+	}
+	return s
+}
+
+// MaxImageNameLen bounds image names, as engine.MaxNameLen bounds VM names.
+const MaxImageNameLen = 48
+
+var imageNameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]*$`)
+
+// imageRecordFormat and contentFormat version the JSON files.
+const (
+	imageRecordFormat = "forkvm-rootfs-name-v1"
+	contentFormat     = "forkvm-rootfs-content-v1"
+)
+
+// ValidateImageName checks an image name with the rule engine.ValidateName
+// applies to VM names: 1..MaxImageNameLen characters of [A-Za-z0-9_.-],
+// starting with a letter or digit, never "..". Such a name is a safe file
+// name in the cache. The rule is repeated here rather than imported: the
+// guest package does not depend on the engine.
+func ValidateImageName(name string) error {
+	switch {
+	case name == "":
+		return fmt.Errorf("%w: empty name", ErrInvalidImageName)
+	case len(name) > MaxImageNameLen:
+		return fmt.Errorf("%w: %q is longer than %d characters", ErrInvalidImageName, name[:MaxImageNameLen]+"...", MaxImageNameLen)
+	case strings.Contains(name, ".."):
+		return fmt.Errorf("%w: %q contains \"..\"", ErrInvalidImageName, name)
+	case !imageNameRE.MatchString(name):
+		return fmt.Errorf("%w: %q (allowed: letters, digits, '_', '.', '-'; must start with a letter or digit)", ErrInvalidImageName, name)
+	}
+	return nil
+}
+
+// DebianSource builds the root filesystem with `mmdebstrap --variant=minbase`.
+type DebianSource struct {
+	// Suite is the Debian suite or codename; "" means DefaultSuite (bookworm).
+	Suite string
+	// Include lists extra packages (e.g. "python3"); nil means minbase only.
+	// A name apt cannot find fails with ErrUnknownPackage naming it.
+	Include []string
+	// Mirror is the Debian mirror URL; "" lets mmdebstrap choose
+	// (deb.debian.org for Debian suites).
+	Mirror string
+}
+
+// ImageConfig configures CreateImage. Exactly one of Debian and From is set.
+type ImageConfig struct {
+	// Name names the image in the cache (ValidateImageName); required.
+	Name string
+	// CacheDir is the cache directory; "" means DefaultCacheDir().
+	CacheDir string
+	// Debian, when non-nil, builds a Debian root filesystem with mmdebstrap.
+	Debian *DebianSource
+	// From, when not empty, is a root filesystem to import: a tar archive
+	// (plain, gzip or xz), a directory, an OCI image layout directory
+	// (oci-layout + index.json), an OCI layout in a tar archive, or a
+	// `docker save` archive. The kind is recognised from the content.
+	From string
+	// Ref selects one image of an OCI layout or docker-save archive holding
+	// several (an org.opencontainers.image.ref.name annotation or a RepoTag);
+	// "" means the only linux/amd64 image.
+	Ref string
+	// AgentBinary is the static forkvm agent (the one guest.Build puts in
+	// the initramfs), installed at ImageAgentPath; required.
+	AgentBinary string
+	// SizeMiB is the disk size; 0 means automatic (see planDisk: content +
+	// ext4 metadata + AutoHeadroomMiB, in steps of 64 MiB). A size the
+	// content does not fit fails with ErrImageTooLarge.
+	SizeMiB int
+	// Log receives progress lines (and mmdebstrap's output); nil discards.
+	Log io.Writer
+}
+
+// ImageSource records where an image came from.
+type ImageSource struct {
+	Kind    string   `json:"kind"`              // one of the Source* constants
+	Path    string   `json:"path,omitempty"`    // absolute path of From
+	Ref     string   `json:"ref,omitempty"`     // ImageConfig.Ref
+	Digest  string   `json:"digest,omitempty"`  // manifest digest of an OCI or docker image
+	Suite   string   `json:"suite,omitempty"`   // Debian suite
+	Include []string `json:"include,omitempty"` // extra Debian packages
+	Mirror  string   `json:"mirror,omitempty"`  // Debian mirror
+}
+
+// RootImage is a root image in the cache.
+type RootImage struct {
+	Name    string      `json:"name"`
+	Hash    string      `json:"hash"` // hex SHA-256 of the tree (agent included) and the disk size
+	Source  ImageSource `json:"source"`
+	Created time.Time   `json:"created"`
+	// Disk is the path of the ext4 root disk (raw, sparse, read-only: attach
+	// it through a copy-on-write overlay).
+	Disk         string `json:"disk"`
+	DiskBytes    int64  `json:"diskBytes"`    // size of Disk
+	ContentBytes int64  `json:"contentBytes"` // bytes of regular files in the tree
+	Inodes       int64  `json:"inodes"`       // files, directories and symlinks in the tree
+	// AgentSHA256 is the SHA-256 of the agent installed at ImageAgentPath:
+	// the host can tell whether the image's agent is the one it expects.
+	AgentSHA256 string `json:"agentSha256"`
+	// Broken is set by ListImages for an image whose record or disk is
+	// unusable (LookupImage returns ErrCorruptImage for it); `forkvm image
+	// rm` removes it.
+	Broken string `json:"broken,omitempty"`
+}
+
+// nameRecord is names/<name>.json.
+type nameRecord struct {
+	Format  string      `json:"format"`
+	Name    string      `json:"name"`
+	Hash    string      `json:"hash"`
+	Source  ImageSource `json:"source"`
+	Created time.Time   `json:"created"`
+}
+
+// contentRecord is sha256/<hash[:16]>/content.json.
+type contentRecord struct {
+	Format       string `json:"format"`
+	Hash         string `json:"hash"`
+	DiskBytes    int64  `json:"diskBytes"`
+	ContentBytes int64  `json:"contentBytes"`
+	Inodes       int64  `json:"inodes"`
+	AgentSHA256  string `json:"agentSha256"`
+}
+
+type rootfsDirs struct{ base, names, blobs string }
+
+func imageDirs(cacheDir string) rootfsDirs {
+	if cacheDir == "" {
+		cacheDir = DefaultCacheDir()
+	}
+	base := filepath.Join(cacheDir, "rootfs")
+	return rootfsDirs{base: base, names: filepath.Join(base, "names"), blobs: filepath.Join(base, "sha256")}
+}
+
+func (d rootfsDirs) record(name string) string { return filepath.Join(d.names, name+".json") }
+func (d rootfsDirs) content(hash string) string {
+	return filepath.Join(d.blobs, hash[:16])
+}
+
+// CreateImage builds a root image from cfg's source and stores it in the
+// cache under cfg.Name:
+//
+//  1. the source is staged in <cache>/rootfs/.tmp-<name>-*/root: mmdebstrap
+//     writes there, an archive or directory is extracted there through the
+//     entry policy of the extractor (no path leaves the staging root; device
+//     nodes, ".." and absolute names, escaping links are refused), an OCI or
+//     docker image is flattened by go-containerregistry first;
+//  2. the agent is installed at ImageAgentPath and the mount points the
+//     guest needs are created (/dev /proc /sys /run /tmp /root /data);
+//  3. the tree is hashed (summarize) and the disk sized (planDisk);
+//  4. unless a disk of that hash is cached, `mkfs.ext4 -d` writes it;
+//  5. the name record is linked in, failing with ErrImageExists if the name
+//     was taken meanwhile.
+//
+// Every failure wraps one sentinel (ErrInvalidImageName, ErrImageExists,
+// ErrInvalidImageConfig, ErrSourceNotFound, ErrCorruptArchive,
+// ErrUnsafeEntry, ErrDeviceNode, ErrImageTooLarge, ErrUnknownPackage,
+// ErrMmdebstrapMissing, ErrDebianBuild, ErrNeedRoot, ErrAgentMissing,
+// ErrMkfsMissing, ErrMkfsFailed, ErrInvalidSize, or ctx's error) and leaves
+// nothing behind: the staging directory is removed (after detaching any
+// mount a killed mmdebstrap left in it) and nothing is installed in the
+// cache. CreateImage needs root: file owners must be reproduced in the
+// staging tree for mkfs to copy them, and mmdebstrap runs in root mode.
+func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
+	if cfg == nil {
+		return nil, fmt.Errorf("%w: nil config", ErrInvalidImageConfig)
+	}
+	c := *cfg
+	if err := ValidateImageName(c.Name); err != nil {
+		return nil, err
+	}
+	logw := c.Log
+	if logw == nil {
+		logw = io.Discard
+	}
+	logf := func(format string, a ...any) { fmt.Fprintf(logw, "guest: "+format+"\n", a...) }
+	dirs := imageDirs(c.CacheDir)
+
+	src, err := checkImageConfig(&c, dirs)
+	if err != nil {
+		return nil, err
+	}
+	agent, err := readAgent(c.AgentBinary)
+	if err != nil {
+		return nil, err
+	}
+	if os.Geteuid() != 0 {
+		return nil, fmt.Errorf("%w (running as uid %d)", ErrNeedRoot, os.Geteuid())
+	}
+	if _, err := findMkfs(); err != nil {
+		return nil, err
+	}
+	if c.Debian != nil {
+		if _, err := findMmdebstrap(); err != nil {
+			return nil, err
+		}
+	}
+	for _, d := range []string{dirs.base, dirs.names, dirs.blobs} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, fmt.Errorf("guest: creating image cache: %w", err)
+		}
+	}
+	if err := os.Chmod(dirs.base, 0o700); err != nil { // also when made by hand
+		return nil, fmt.Errorf("guest: image cache: %w", err)
+	}
+	if _, err := os.Lstat(dirs.record(c.Name)); err == nil {
+		return nil, fmt.Errorf("%w: %q (remove it first: forkvm image rm %s)", ErrImageExists, c.Name, c.Name)
+	}
+
+	start := time.Now()
+	tmp, err := os.MkdirTemp(dirs.base, ".tmp-"+c.Name+"-")
+	if err != nil {
+		return nil, fmt.Errorf("guest: creating staging directory: %w", err)
+	}
+	defer func() {
+		if err := removeStaging(tmp); err != nil {
+			logf("%v", err)
+		}
+	}()
+	root := filepath.Join(tmp, "root")
+
+	switch {
+	case c.Debian != nil:
+		logf("building Debian %s (minbase%s) with mmdebstrap", c.Debian.Suite, plusList(c.Debian.Include))
+		if err := buildDebian(ctx, c.Debian, root, tmp, logw); err != nil {
+			return nil, err
+		}
+	default:
+		if err := os.Mkdir(root, 0o755); err != nil {
+			return nil, fmt.Errorf("guest: creating staging directory: %w", err)
+		}
+		x := newExtractor(root, int64(c.SizeMiB)<<20, logf)
+		s, err := populateFrom(ctx, x, c.From, c.Ref, tmp)
+		if err != nil {
+			return nil, err
+		}
+		src.Kind, src.Digest = s.Kind, s.Digest
+		if x.skipped > 0 {
+			logf("skipped %d FIFOs and sockets", x.skipped)
+		}
+		logf("extracted %s %s (%d MiB of files)", src.Kind, c.From, x.written>>20)
+	}
+	if err := installAgent(root, agent); err != nil {
+		return nil, err
+	}
+	if err := ensureSkeleton(root); err != nil {
+		return nil, err
+	}
+	sum, err := summarize(ctx, root)
+	if err != nil {
+		return nil, err
+	}
+	plan, err := planDisk(sum, c.SizeMiB)
+	if err != nil {
+		return nil, err
+	}
+	h := sha256.New()
+	fmt.Fprintf(h, "%s\x00%s\x00%d\x00", contentFormat, sum.Hash, plan.SizeBytes)
+	hash := hex.EncodeToString(h.Sum(nil))
+	agentSum := sha256.Sum256(agent)
+	content := contentRecord{
+		Format: contentFormat, Hash: hash, DiskBytes: plan.SizeBytes,
+		ContentBytes: sum.ContentBytes, Inodes: sum.Inodes, AgentSHA256: hex.EncodeToString(agentSum[:]),
+	}
+
+	final := dirs.content(hash)
+	cached := contentComplete(final, hash)
+	staged := filepath.Join(tmp, "content")
+	if cached {
+		logf("disk %s is cached", hash[:16])
+	} else {
+		logf("writing %d MiB ext4 disk (%d files, %d MiB of content)", plan.SizeBytes>>20, sum.Inodes, sum.ContentBytes>>20)
+		if err := os.Mkdir(staged, 0o700); err != nil {
+			return nil, fmt.Errorf("guest: staging disk: %w", err)
+		}
+		disk := filepath.Join(staged, "disk.ext4")
+		if err := mkfsRoot(ctx, disk, root, plan, hash); err != nil {
+			return nil, err
+		}
+		if err := os.Chmod(disk, 0o400); err != nil {
+			return nil, fmt.Errorf("guest: staging disk: %w", err)
+		}
+		b, _ := json.MarshalIndent(content, "", "  ")
+		if err := os.WriteFile(filepath.Join(staged, "content.json"), append(b, '\n'), 0o600); err != nil {
+			return nil, fmt.Errorf("guest: staging disk: %w", err)
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+
+	rec := nameRecord{Format: imageRecordFormat, Name: c.Name, Hash: hash, Source: *src, Created: time.Now().UTC()}
+	unlock, err := lockImages(ctx, dirs)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if !contentComplete(final, hash) {
+		if cached { // removed by a concurrent RemoveImage since: cannot happen under the lock, but be exact
+			return nil, fmt.Errorf("guest: disk %s vanished while creating %q", hash[:16], c.Name)
+		}
+		if err := os.RemoveAll(final); err != nil {
+			return nil, fmt.Errorf("guest: installing disk: %w", err)
+		}
+		if err := os.Rename(staged, final); err != nil {
+			return nil, fmt.Errorf("guest: installing disk: %w", err)
+		}
+	}
+	if err := linkRecord(dirs, &rec); err != nil {
+		if !cached {
+			gcContent(dirs, hash) // not referenced by any name yet
+		}
+		return nil, err
+	}
+	logf("image %s: disk %s (%d MiB) in %s", c.Name, hash[:16], plan.SizeBytes>>20, time.Since(start).Round(time.Millisecond))
+	return rootImage(dirs, &rec, &content), nil
+}
+
+// checkImageConfig validates the source fields and fills defaults; it
+// returns the source record without Kind and Digest for From sources.
+func checkImageConfig(c *ImageConfig, dirs rootfsDirs) (*ImageSource, error) {
+	if c.SizeMiB < 0 || (c.SizeMiB > 0 && c.SizeMiB < MinDiskMiB) || int64(c.SizeMiB) > 16<<20 {
+		return nil, fmt.Errorf("%w: %d MiB (0 = automatic, else %d MiB to 16 TiB)", ErrInvalidSize, c.SizeMiB, MinDiskMiB)
+	}
+	switch {
+	case c.Debian != nil && c.From != "":
+		return nil, fmt.Errorf("%w: both a Debian source and From %q", ErrInvalidImageConfig, c.From)
+	case c.Debian == nil && c.From == "":
+		return nil, fmt.Errorf("%w: no source (set Debian or From)", ErrInvalidImageConfig)
+	case c.Debian != nil:
+		d := *c.Debian
+		if d.Suite == "" {
+			d.Suite = DefaultSuite
+		}
+		d.Include = append([]string(nil), d.Include...)
+		if err := checkDebian(&d); err != nil {
+			return nil, err
+		}
+		if c.Ref != "" {
+			return nil, fmt.Errorf("%w: Ref is only for OCI and docker archives", ErrInvalidImageConfig)
+		}
+		c.Debian = &d
+		return &ImageSource{Kind: SourceDebian, Suite: d.Suite, Include: d.Include, Mirror: d.Mirror}, nil
+	}
+	abs, err := filepath.Abs(c.From)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrSourceNotFound, err)
+	}
+	real, err := filepath.EvalSymlinks(abs)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrSourceNotFound, err)
+	}
+	c.From = real
+	// A directory source must not contain the image cache (the walk would
+	// read the staging tree it is writing) nor lie inside it.
+	if base, err := filepath.Abs(dirs.base); err == nil {
+		if rb, err := filepath.EvalSymlinks(filepath.Dir(base)); err == nil {
+			base = filepath.Join(rb, filepath.Base(base))
+		}
+		if within(base, real) || within(real, base) {
+			return nil, fmt.Errorf("%w: source %s overlaps the image cache %s", ErrInvalidImageConfig, real, base)
+		}
+	}
+	return &ImageSource{Path: real, Ref: c.Ref}, nil
+}
+
+// within reports whether p is dir or below it.
+func within(p, dir string) bool {
+	r, err := filepath.Rel(dir, p)
+	return err == nil && r != ".." && !strings.HasPrefix(r, ".."+string(filepath.Separator))
+}
+
+func plusList(pkgs []string) string {
+	if len(pkgs) == 0 {
+		return ""
+	}
+	return " + " + strings.Join(pkgs, ", ")
+}
+
+// readAgent reads the agent binary; it must be static (it runs as PID 1 in
+// any userland, with or without a C library).
+func readAgent(p string) ([]byte, error) {
+	if p == "" {
+		return nil, fmt.Errorf("%w: ImageConfig.AgentBinary is empty", ErrAgentMissing)
+	}
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrAgentMissing, err)
+	}
+	if len(b) == 0 {
+		return nil, fmt.Errorf("%w: %s is empty", ErrAgentMissing, p)
+	}
+	if isDynamicELF(b) {
+		return nil, fmt.Errorf("%w: %s is dynamically linked; build it with CGO_ENABLED=0", ErrAgentMissing, p)
+	}
+	return b, nil
+}
+
+// contentComplete reports whether dir holds an installed disk of hash.
+func contentComplete(dir, hash string) bool {
+	c, err := readContent(dir)
+	if err != nil || c.Hash != hash {
+		return false
+	}
+	st, err := os.Stat(filepath.Join(dir, "disk.ext4"))
+	return err == nil && st.Mode().IsRegular() && st.Size() == c.DiskBytes
+}
+
+func readContent(dir string) (*contentRecord, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "content.json"))
+	if err != nil {
+		return nil, err
+	}
+	var c contentRecord
+	if err := json.Unmarshal(b, &c); err != nil {
+		return nil, err
+	}
+	if c.Format != contentFormat || len(c.Hash) != 64 {
+		return nil, fmt.Errorf("unknown format %q", c.Format)
+	}
+	return &c, nil
+}
+
+// linkRecord writes names/<name>.json atomically and exclusively: a
+// temporary file hard-linked to the final name, which fails if it exists.
+func linkRecord(dirs rootfsDirs, rec *nameRecord) error {
+	b, _ := json.MarshalIndent(rec, "", "  ")
+	f, err := os.CreateTemp(dirs.names, ".tmp-"+rec.Name+"-")
+	if err != nil {
+		return fmt.Errorf("guest: writing image record: %w", err)
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp)
+	if _, err := f.Write(append(b, '\n')); err != nil {
+		f.Close()
+		return fmt.Errorf("guest: writing image record: %w", err)
+	}
+	if err := f.Chmod(0o600); err != nil {
+		f.Close()
+		return fmt.Errorf("guest: writing image record: %w", err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("guest: writing image record: %w", err)
+	}
+	if err := os.Link(tmp, dirs.record(rec.Name)); err != nil {
+		if errors.Is(err, fs.ErrExist) {
+			return fmt.Errorf("%w: %q", ErrImageExists, rec.Name)
+		}
+		return fmt.Errorf("guest: writing image record: %w", err)
+	}
+	return nil
+}
+
+// lockImages takes <cache>/rootfs/.lock exclusively. It is held only while
+// a disk directory or name record is installed or removed (milliseconds),
+// so waiting polls; ctx bounds the wait.
+func lockImages(ctx context.Context, dirs rootfsDirs) (func(), error) {
+	if err := os.MkdirAll(dirs.base, 0o700); err != nil {
+		return nil, fmt.Errorf("guest: image cache: %w", err)
+	}
+	f, err := os.OpenFile(filepath.Join(dirs.base, ".lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("guest: image cache lock: %w", err)
+	}
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return func() { f.Close() }, nil // closing releases the lock
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
+			f.Close()
+			return nil, fmt.Errorf("guest: image cache lock: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+func rootImage(dirs rootfsDirs, rec *nameRecord, c *contentRecord) *RootImage {
+	return &RootImage{
+		Name: rec.Name, Hash: rec.Hash, Source: rec.Source, Created: rec.Created,
+		Disk: filepath.Join(dirs.content(rec.Hash), "disk.ext4"), DiskBytes: c.DiskBytes,
+		ContentBytes: c.ContentBytes, Inodes: c.Inodes, AgentSHA256: c.AgentSHA256,
+	}
+}
+
+// readRecord loads names/<name>.json.
+func readRecord(dirs rootfsDirs, name string) (*nameRecord, error) {
+	b, err := os.ReadFile(dirs.record(name))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%w: %q", ErrImageNotFound, name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: %q: %v", ErrCorruptImage, name, err)
+	}
+	var rec nameRecord
+	if err := json.Unmarshal(b, &rec); err != nil {
+		return nil, fmt.Errorf("%w: %q: %v", ErrCorruptImage, name, err)
+	}
+	if rec.Format != imageRecordFormat || rec.Name != name || len(rec.Hash) != 64 || !isHex(rec.Hash) {
+		return nil, fmt.Errorf("%w: %q: bad record %s", ErrCorruptImage, name, dirs.record(name))
+	}
+	return &rec, nil
+}
+
+func isHex(s string) bool {
+	_, err := hex.DecodeString(s)
+	return err == nil
+}
+
+// LookupImage returns the image called name in cacheDir ("" means
+// DefaultCacheDir()): ErrInvalidImageName, ErrImageNotFound, or
+// ErrCorruptImage when its record or disk is unusable.
+func LookupImage(cacheDir, name string) (*RootImage, error) {
+	if err := ValidateImageName(name); err != nil {
+		return nil, err
+	}
+	dirs := imageDirs(cacheDir)
+	rec, err := readRecord(dirs, name)
+	if err != nil {
+		return nil, err
+	}
+	dir := dirs.content(rec.Hash)
+	c, err := readContent(dir)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %q: disk %s: %v", ErrCorruptImage, name, rec.Hash[:16], err)
+	}
+	if !contentComplete(dir, rec.Hash) {
+		return nil, fmt.Errorf("%w: %q: disk %s is missing or has the wrong size", ErrCorruptImage, name, filepath.Join(dir, "disk.ext4"))
+	}
+	return rootImage(dirs, rec, c), nil
+}
+
+// ListImages returns the images in cacheDir ("" means DefaultCacheDir()),
+// sorted by name; none is not an error. An image whose record or disk is
+// unusable is listed with Broken set, so it can be seen and removed.
+func ListImages(cacheDir string) ([]*RootImage, error) {
+	dirs := imageDirs(cacheDir)
+	ents, err := os.ReadDir(dirs.names)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("guest: listing images: %w", err)
+	}
+	var out []*RootImage
+	for _, e := range ents {
+		name, ok := strings.CutSuffix(e.Name(), ".json")
+		if !ok || strings.HasPrefix(e.Name(), ".") || ValidateImageName(name) != nil {
+			continue
+		}
+		img, err := LookupImage(cacheDir, name)
+		if err != nil {
+			img = &RootImage{Name: name, Broken: err.Error()}
+			if rec, rerr := readRecord(dirs, name); rerr == nil {
+				img.Hash, img.Source, img.Created = rec.Hash, rec.Source, rec.Created
+			}
+		}
+		out = append(out, img)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}
+
+// RemoveImage removes the image called name from cacheDir ("" means
+// DefaultCacheDir()), and its disk when no other name shares it. A broken
+// image (ErrCorruptImage from LookupImage) is removed too. It does not know
+// which VMs use the disk as a backing file: the engine must not remove an
+// image its VMs still run on. ctx bounds the wait for the cache lock.
+func RemoveImage(ctx context.Context, cacheDir, name string) error {
+	if err := ValidateImageName(name); err != nil {
+		return err
+	}
+	dirs := imageDirs(cacheDir)
+	if _, err := os.Lstat(dirs.record(name)); errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("%w: %q", ErrImageNotFound, name)
+	}
+	unlock, err := lockImages(ctx, dirs)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	rec, rerr := readRecord(dirs, name)
+	if errors.Is(rerr, ErrImageNotFound) {
+		return rerr
+	}
+	if err := os.Remove(dirs.record(name)); err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("%w: %q", ErrImageNotFound, name)
+		}
+		return fmt.Errorf("guest: removing image %q: %w", name, err)
+	}
+	if rerr == nil {
+		return gcContent(dirs, rec.Hash)
+	}
+	return nil
+}
+
+// gcContent removes the disk directory of hash unless a name record still
+// refers to it. The caller holds the lock.
+func gcContent(dirs rootfsDirs, hash string) error {
+	ents, err := os.ReadDir(dirs.names)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("guest: listing images: %w", err)
+	}
+	for _, e := range ents {
+		b, err := os.ReadFile(filepath.Join(dirs.names, e.Name()))
+		if err != nil || strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		var rec nameRecord
+		if json.Unmarshal(b, &rec) == nil && rec.Hash == hash {
+			return nil
+		}
+		if bytes.Contains(b, []byte(hash)) { // unparsable but mentions it: keep
+			return nil
+		}
+	}
+	if err := os.RemoveAll(dirs.content(hash)); err != nil {
+		return fmt.Errorf("guest: removing disk %s: %w", hash[:16], err)
+	}
+	return nil
+}
