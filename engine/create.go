@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -69,7 +70,12 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 			return nil, fmt.Errorf("engine: ram file: %w", err)
 		}
 	}
-	if spec.DiskMiB > 0 {
+	switch {
+	case spec.Image != "":
+		if err := e.attachImage(ctx, vm, spec); err != nil {
+			return nil, err
+		}
+	case spec.DiskMiB > 0:
 		p := filepath.Join(vm.dir, rawDiskFile)
 		if err := guest.CreateDisk(ctx, p, spec.DiskMiB); err != nil {
 			return nil, fmt.Errorf("engine: disk: %w", err)
@@ -90,4 +96,35 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	e.vms.add(vm)
 	ok = true
 	return vm, nil
+}
+
+// attachImage gives a VM booting a root image its disk chain: the image's disk, linked
+// into the VM's directory (so that checkpoints can link it in turn and removing the
+// image from the cache breaks nothing), under a writable qcow2 overlay.
+func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
+	img, err := guest.LookupImage(e.cfg.CacheDir, spec.Image)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrImageMissing, err)
+	}
+	size := max(img.DiskBytes, int64(spec.DiskMiB)<<20)
+	base := filepath.Join(vm.dir, rootBaseFile)
+	if err := os.Link(img.Disk, base); err != nil {
+		// Another file system (the cache and the state dir usually share one): a sparse
+		// copy, holes kept.
+		if _, cerr := memfile.Freeze(ctx, img.Disk, base); cerr != nil {
+			return fmt.Errorf("engine: image %s: %w", spec.Image, errors.Join(err, cerr))
+		}
+	}
+	qemuImg, err := e.bins.imgPath()
+	if err != nil {
+		return err
+	}
+	layer := DiskLayer{Path: base, Format: "raw"}
+	top := filepath.Join(vm.dir, rootTopFile)
+	if err := qemuImgCreate(ctx, qemuImg, top, layer, size); err != nil {
+		return err
+	}
+	vm.m.Launch.Disk = []DiskLayer{layer, {Path: top, Format: "qcow2"}}
+	vm.m.DiskNode = "disk0"
+	return nil
 }

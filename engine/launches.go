@@ -1,8 +1,16 @@
 package engine
 
-import "path/filepath"
+import (
+	"path/filepath"
+
+	"github.com/forkvm/forkvm/guest"
+)
 
 // The QEMU launches the engine makes. cmdline turns one into argv; these build the data.
+
+// rootDiskArg tells the guest's init to switch into the root file system on the first
+// virtio disk (the image's overlay chain is the VM's only disk).
+const rootDiskArg = guest.KernelArgRoot + "=vda"
 
 // bootLaunch is the launch of a new VM that boots the guest image.
 func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *resolved, kernel, initrd string, vsockCID uint32) launch {
@@ -15,7 +23,10 @@ func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *re
 		Machine: machine, AgentPorts: defaultAgentPorts, CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
 		Kernel: kernel, Initrd: initrd, Append: guestAppend(accel, cfg.KernelArgs), VsockCID: vsockCID,
 	}
-	if spec.DiskMiB > 0 {
+	switch {
+	case spec.Image != "":
+		l.Append += " " + rootDiskArg
+	case spec.DiskMiB > 0:
 		l.Append += " forkvm.disk=1"
 	}
 	return l.named(paths, name)

@@ -18,6 +18,8 @@ const (
 	lockFileName        = "lock"
 	rawDiskFile         = "disk0.raw"      // a VM's (or a checkpoint's reflinked) raw disk
 	forkTopFile         = "disk-top.qcow2" // a fork's writable overlay on its checkpoint's chain
+	rootBaseFile        = "root-base.raw"  // a root image's disk, linked into the VM
+	rootTopFile         = "root.qcow2"     // the VM's writable overlay on it
 	qmpSockName         = "qmp.sock"
 	agentSockName       = "agent.sock"
 	// forkedMarker is created in a checkpoint's directory by its first fork. An unpinned

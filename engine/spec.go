@@ -4,6 +4,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"github.com/forkvm/forkvm/guest"
 	"regexp"
 	"strings"
 )
@@ -62,7 +63,14 @@ type Spec struct {
 	// Forkable puts guest RAM in a shared RAM file so the VM can be checkpointed and forked.
 	Forkable bool `json:"forkable"`
 	// DiskMiB, when > 0, attaches a fresh ext4 data disk of that size, mounted at /data.
+	// With Image it is instead the size of the root disk's overlay (at least the
+	// image's size; the file system keeps the image's size).
 	DiskMiB int `json:"disk_mib"`
+	// Image names a root image in the cache (`forkvm image create`): the VM boots the
+	// forkvm kernel, whose init switches into the image's root file system on a
+	// copy-on-write overlay of the image's disk (the image itself is never written).
+	// Empty: the busybox initramfs.
+	Image string `json:"image,omitempty"`
 	// VMGenID gives the VM QEMU's ACPI tables and a vmgenid device, so that the guest
 	// kernel reseeds its CRNG the moment a fork resumes, before the agent handshake
 	// (which always reseeds it with host entropy). Forks of its checkpoints inherit
@@ -84,6 +92,11 @@ func (s *Spec) Validate() error {
 	}
 	if s.MemoryMiB%2 != 0 {
 		return fmt.Errorf("%w: memory must be a multiple of 2 MiB, got %d", ErrInvalidSpec, s.MemoryMiB)
+	}
+	if s.Image != "" {
+		if err := guest.ValidateImageName(s.Image); err != nil {
+			return fmt.Errorf("%w: image: %w", ErrInvalidSpec, err)
+		}
 	}
 	if s.DiskMiB != 0 && (s.DiskMiB < 8 || s.DiskMiB > 1024*1024) {
 		return fmt.Errorf("%w: disk must be 0 (none) or 8..1048576 MiB, got %d", ErrInvalidSpec, s.DiskMiB)

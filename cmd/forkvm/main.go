@@ -80,7 +80,8 @@ func createCmd() *cli.Command {
 			&cli.IntFlag{Name: "cpus", Value: 2, Usage: "vCPUs"},
 			&cli.IntFlag{Name: "memory-mb", Value: 1024, Usage: "guest RAM in MiB (multiple of 2)"},
 			&cli.BoolFlag{Name: "forkable", Usage: "put guest RAM in a shared RAM file (needed to checkpoint and fork)"},
-			&cli.IntFlag{Name: "disk-mb", Usage: "attach an ext4 data disk of this size, mounted at /data"},
+			&cli.IntFlag{Name: "disk-mb", Usage: "attach an ext4 data disk of this size, mounted at /data (with --image: the root disk's size)"},
+			&cli.StringFlag{Name: "image", Usage: "boot a root image (see `forkvm image create`) instead of the busybox initramfs"},
 			&cli.BoolFlag{Name: "vmgenid", Usage: "QEMU ACPI tables + vmgenid: forks reseed their kernel CRNG on resume (costs ~2 MiB per fork)"},
 			&cli.BoolFlag{Name: "json", Usage: "print the VM as JSON"},
 		},
@@ -95,7 +96,7 @@ func createCmd() *cli.Command {
 			defer e.Close()
 			vm, err := e.Create(ctx, engine.Spec{
 				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")),
-				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"),
+				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
 			})
 			if err != nil {
 				return err
