@@ -106,7 +106,10 @@ func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrImageMissing, err)
 	}
-	size := max(img.DiskBytes, int64(spec.DiskMiB)<<20)
+	// The root disk's size is recorded as the VM's DiskMiB: every later overlay (a
+	// checkpoint's, a fork's) is created with it.
+	sizeMiB := max(int((img.DiskBytes+1<<20-1)>>20), spec.DiskMiB)
+	vm.m.Spec.DiskMiB = sizeMiB
 	base := filepath.Join(vm.dir, rootBaseFile)
 	if err := os.Link(img.Disk, base); err != nil {
 		// Another file system (the cache and the state dir usually share one): a sparse
@@ -121,7 +124,7 @@ func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
 	}
 	layer := DiskLayer{Path: base, Format: "raw"}
 	top := filepath.Join(vm.dir, rootTopFile)
-	if err := qemuImgCreate(ctx, qemuImg, top, layer, size); err != nil {
+	if err := qemuImgCreate(ctx, qemuImg, top, layer, int64(sizeMiB)<<20); err != nil {
 		return err
 	}
 	vm.m.Launch.Disk = []DiskLayer{layer, {Path: top, Format: "qcow2"}}

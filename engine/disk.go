@@ -158,6 +158,10 @@ func freezeChain(ctx context.Context, layers []DiskLayer, dir string, reflink bo
 // qemuImgCreate creates an empty qcow2 overlay on backing. -u: the backing file is not
 // opened (it may not be at its recorded path yet; forks name their chain explicitly).
 func qemuImgCreate(ctx context.Context, qemuImg, path string, backing DiskLayer, size int64) error {
+	if size <= 0 {
+		// An overlay smaller than its chain shows the guest a truncated disk.
+		return fmt.Errorf("%w: overlay %s of %d bytes", ErrInvalidSpec, path, size)
+	}
 	out, err := exec.CommandContext(ctx, qemuImg, "create", "-q", "-u", "-f", "qcow2", "-o", "cluster_size=65536",
 		"-F", backing.Format, "-b", backing.Path, path, strconv.FormatInt(size, 10)).CombinedOutput()
 	if err != nil {
