@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -107,12 +108,12 @@ func (e *Engine) lock(ctx context.Context) error {
 		}
 		if time.Now().After(deadline) {
 			f.Close()
-			return fmt.Errorf("%w: %s", ErrLocked, e.paths.state)
+			return &LockedError{StateDir: e.paths.state, PID: LockHolder(e.paths.state)}
 		}
 		select {
 		case <-ctx.Done():
 			f.Close()
-			return fmt.Errorf("%w: %s: %w", ErrLocked, e.paths.state, ctx.Err())
+			return &LockedError{StateDir: e.paths.state, PID: LockHolder(e.paths.state), Err: ctx.Err()}
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
@@ -120,6 +121,29 @@ func (e *Engine) lock(ctx context.Context) error {
 	_, _ = f.WriteString(strconv.Itoa(os.Getpid()) + "\n")
 	e.lockFile = f
 	return nil
+}
+
+// LockHolder returns the pid of the engine that holds stateDir's lock, or 0 when none
+// does (or it cannot tell). An engine writes its pid into the lock file once it holds
+// the lock.
+func LockHolder(stateDir string) int {
+	l := layout{state: stateDir}
+	f, err := os.Open(l.lockPath())
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	if unix.Flock(int(f.Fd()), unix.LOCK_SH|unix.LOCK_NB) == nil {
+		_ = unix.Flock(int(f.Fd()), unix.LOCK_UN)
+		return 0 // nobody holds it
+	}
+	b := make([]byte, 32)
+	n, _ := f.Read(b)
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b[:n])))
+	if err != nil || pid <= 0 {
+		return 0
+	}
+	return pid
 }
 
 func (e *Engine) unlock() {

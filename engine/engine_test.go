@@ -162,11 +162,20 @@ func TestNewLocked(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg2 := *cfg
-	if e2, err := New(context.Background(), &cfg2); !errors.Is(err, ErrLocked) {
+	e2, err := New(context.Background(), &cfg2)
+	if !errors.Is(err, ErrLocked) {
 		if e2 != nil {
 			e2.Close()
 		}
 		t.Fatalf("second New = %v, want ErrLocked", err)
+	}
+	// The error names the holder, so a CLI can say who it waits for.
+	var le *LockedError
+	if !errors.As(err, &le) || le.PID != os.Getpid() || !strings.Contains(err.Error(), strconv.Itoa(os.Getpid())) {
+		t.Errorf("locked error %v (%+v), want *LockedError naming pid %d", err, le, os.Getpid())
+	}
+	if got := LockHolder(cfg.StateDir); got != os.Getpid() {
+		t.Errorf("LockHolder while held = %d, want %d", got, os.Getpid())
 	}
 	if err := e1.Close(); err != nil {
 		t.Fatal(err)
@@ -174,7 +183,10 @@ func TestNewLocked(t *testing.T) {
 	if err := e1.Close(); err != nil { // idempotent
 		t.Fatal(err)
 	}
-	e2, err := New(context.Background(), &cfg2)
+	if got := LockHolder(cfg.StateDir); got != 0 {
+		t.Errorf("LockHolder after Close = %d, want 0", got)
+	}
+	e2, err = New(context.Background(), &cfg2)
 	if err != nil {
 		t.Fatalf("New after Close: %v", err)
 	}

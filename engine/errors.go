@@ -90,3 +90,31 @@ func (e *AdmissionError) Error() string {
 
 // Unwrap returns ErrAdmission.
 func (e *AdmissionError) Unwrap() error { return ErrAdmission }
+
+// LockedError is returned (wrapping ErrLocked) when another engine holds the state
+// directory; PID is that engine's process (0 when unknown), so a caller can say who.
+type LockedError struct {
+	StateDir string
+	PID      int
+	Err      error // the context's error when the wait was cut short, else nil
+}
+
+// Error implements error.
+func (e *LockedError) Error() string {
+	msg := "engine: state directory " + e.StateDir + " is locked by another engine"
+	if e.PID > 0 {
+		msg += fmt.Sprintf(" (pid %d)", e.PID)
+	}
+	if e.Err != nil {
+		msg += ": " + e.Err.Error()
+	}
+	return msg
+}
+
+// Unwrap returns ErrLocked and the context's error, if any.
+func (e *LockedError) Unwrap() []error {
+	if e.Err != nil {
+		return []error{ErrLocked, e.Err}
+	}
+	return []error{ErrLocked}
+}

@@ -68,6 +68,20 @@ func open(ctx context.Context, cmd *cli.Command) (*engine.Engine, error) {
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
+	// Say at once who holds the state directory, then wait for it.
+	wait := cfg.LockWait
+	cfg.LockWait = 0
+	e, err := engine.New(ctx, cfg)
+	var le *engine.LockedError
+	if !errors.As(err, &le) {
+		return e, err
+	}
+	who := "another forkvm process"
+	if le.PID > 0 {
+		who = fmt.Sprintf("pid %d", le.PID)
+	}
+	fmt.Fprintf(os.Stderr, "forkvm: state directory %s is in use by %s; waiting up to %v\n", le.StateDir, who, wait)
+	cfg.LockWait = wait
 	return engine.New(ctx, cfg)
 }
 
