@@ -60,6 +60,11 @@ func (e *Engine) checkpointFork(ctx context.Context, vm *VM, w *ckWriter) error 
 	}
 	ck.Timings.Freeze = time.Since(t2)
 	ck.RAMMethod = "full-save"
+	// The full save read every page of the fork, faulting every hole of its parent's
+	// RAM file: give them back.
+	if src.Parent != "" {
+		e.cks.punch(src.Parent)
+	}
 	return nil
 }
 

@@ -9,6 +9,8 @@ import (
 	"sort"
 	"strings"
 	"sync"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // Checkpoint is a checkpoint known to the engine.
@@ -163,6 +165,35 @@ func (s *checkpointStore) remove(name string) {
 	s.mu.Lock()
 	delete(s.verified, name)
 	s.mu.Unlock()
+}
+
+// punch gives back the storage that forks faulted into the holes the checkpoint's RAM
+// file had when it was frozen: a fork's write to, or a full save's read of, guest memory
+// that nobody wrote allocates a zero page in the shared file (tmpfs). Those pages only
+// ever hold zeros, so punching them changes nothing any fork reads. Checkpoints frozen
+// without a hole list are left alone.
+func (s *checkpointStore) punch(name string) {
+	c, err := s.read(name)
+	if err != nil {
+		return
+	}
+	b, err := os.ReadFile(filepath.Join(c.Dir, ramHolesFile))
+	if err != nil {
+		return
+	}
+	holes, err := memfile.DecodeRanges(b, c.Manifest.RAMSize)
+	if err != nil {
+		s.log.Warn("checkpoint hole list unreadable", "checkpoint", name, "err", err)
+		return
+	}
+	freed, err := memfile.PunchHoles(c.Manifest.RAMPath, holes)
+	if err != nil {
+		s.log.Warn("punching checkpoint holes failed", "checkpoint", name, "err", err)
+		return
+	}
+	if freed > 0 {
+		s.log.Info("gave back pages faulted into a checkpoint's holes", "checkpoint", name, "bytes", freed)
+	}
 }
 
 // markForked records that a checkpoint has had a fork (see forkedMarker).

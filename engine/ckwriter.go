@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // ckWriter writes one checkpoint: its files go to a temporary directory (and a temporary
@@ -59,6 +61,13 @@ func (w *ckWriter) commit(ctx context.Context) error {
 		return fmt.Errorf("engine: checkpoint stub kernel: %w", err)
 	} else if ok {
 		ck.ForkKernel = filepath.Join(w.final, stubKernelFile)
+	}
+	// The RAM file's holes are pages nobody wrote: remember them, so that pages forks
+	// fault into them later can be punched back out (checkpointStore.punch).
+	if holes, err := memfile.Holes(w.ramTmp); err == nil {
+		if err := os.WriteFile(filepath.Join(w.tmp, ramHolesFile), memfile.EncodeRanges(holes), 0o600); err != nil {
+			return fmt.Errorf("engine: checkpoint holes: %w", err)
+		}
 	}
 	ck.Timings.Total = time.Since(w.t0)
 	if err := writeJSON(filepath.Join(w.tmp, manifestFile), ck); err != nil {

@@ -21,6 +21,7 @@ func (e *Engine) Delete(ctx context.Context, name string) error {
 	vm.mu.Unlock()
 	e.paths.removeVMFiles(name, &m)
 	if m.Parent != "" {
+		e.cks.punch(m.Parent)
 		e.cks.collect(m.Parent, e.vms.forksOf)
 	}
 	return nil

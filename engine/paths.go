@@ -15,6 +15,7 @@ const (
 	fullSaveFile        = "full.mig"   // a fork's full save while it is checkpointed
 	stubKernelFile      = "stub-kernel"
 	overlayTemplateFile = "overlay-template.qcow2"
+	ramHolesFile        = "ram-holes" // the holes of a checkpoint's RAM file when it was frozen
 	lockFileName        = "lock"
 	rawDiskFile         = "disk0.raw"      // a VM's (or a checkpoint's reflinked) raw disk
 	forkTopFile         = "disk-top.qcow2" // a fork's writable overlay on its checkpoint's chain
