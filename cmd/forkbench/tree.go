@@ -1,0 +1,253 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/memfile"
+)
+
+func treeCmd() *cli.Command {
+	return &cli.Command{
+		Name: "tree",
+		Usage: "fork trees: at each level checkpoint one node and fork --branch children of it, each writing --write-mb; " +
+			"per-level checkpoint and fork times, RAM-file bytes, host memory, verified state, and the stock full save/restore of the same node (headline: checkpoint of a fork p50 ms)",
+		Flags: flags(
+			&cli.IntFlag{Name: "depth", Value: 4, Usage: "levels below the world"},
+			&cli.IntFlag{Name: "branch", Value: 2, Usage: "children forked at each level"},
+			&cli.IntFlag{Name: "write-mb", Value: 20, Usage: "MB each child writes (/dev/shm) before the next level"},
+			// The stock restore path attaches no disk, so the tree's world has none by default.
+			&cli.IntFlag{Name: "disk-mb", Value: 0, Usage: "data disk of the world (MiB, 0 = none; with a disk the stock save/restore column is skipped)"},
+		),
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			d, b, w := cmd.Int("depth"), cmd.Int("branch"), cmd.Int("write-mb")
+			if d < 1 || d > 64 || b < 1 || b > 64 || w < 1 {
+				return fmt.Errorf("--depth and --branch must be 1..64, --write-mb >= 1")
+			}
+			return runBench(ctx, cmd, "tree", &TreeSettings{Depth: d, Branch: b, WriteMB: w}, func(r *runner) error {
+				return runTree(r, d, b, w)
+			})
+		},
+	}
+}
+
+// TreeSettings are tree's environment.settings.
+type TreeSettings struct {
+	Depth   int `json:"depth"`
+	Branch  int `json:"branch"`
+	WriteMB int `json:"write_mb"`
+	RunSettings
+}
+
+// TreeLevel is one level of the tree in result.json (extra.levels).
+type TreeLevel struct {
+	Level int    `json:"level"` // 0: the world's checkpoint
+	Node  string `json:"node"`  // the VM checkpointed at this level
+	// CheckpointMS and CheckpointRAMMethod: the node's checkpoint (engine Timings.Total).
+	CheckpointMS        float64 `json:"checkpoint_ms"`
+	CheckpointRAMMethod string  `json:"checkpoint_ram_method"`
+	// ForkP50MS: the level's children, fork until the first `sh -c true` answered.
+	ForkP50MS float64 `json:"fork_p50_ms"`
+	Ready     int     `json:"ready"`
+	// ForkRunningMS: engine.Fork of the running node by name (implicit checkpoint), until
+	// ready; 0 at level 0 (see checkpoint-restore for the world).
+	ForkRunningMS float64 `json:"fork_running_ms,omitzero"`
+	// RAMFilesMB is the storage all checkpoint RAM files hold after the level;
+	// WrittenMB what was written along the lineage (world dirt + one child per level).
+	RAMFilesMB float64 `json:"ram_files_mb"`
+	WrittenMB  int     `json:"written_mb"`
+	// HostMemPerForkMB: MemAvailable drop while the level's children run, per child.
+	HostMemPerForkMB float64 `json:"host_mem_per_fork_mb"`
+	// Verified children saw every ancestor's file with its md5 and no sibling's file.
+	Verified int `json:"verified"`
+	// StockSaveMS / StockRestoreMS: a full save of the node (all RAM, engine Baseline) and
+	// its restore until ready; 0 when skipped.
+	StockSaveMS    float64 `json:"stock_save_ms,omitzero"`
+	StockRestoreMS float64 `json:"stock_restore_ms,omitzero"`
+}
+
+// lineageFile is a file an ancestor wrote, with its md5.
+type lineageFile struct{ path, md5 string }
+
+func runTree(r *runner, depth, branch, writeMB int) error {
+	ctx := r.ctx
+	w, err := r.bakeWorld("world", "t0")
+	if err != nil {
+		return err
+	}
+	r.worldExtra(w)
+	lineage := []lineageFile{{"/dev/shm/dirty", w.DirtyMD5}}
+	node, ckName := w.VM, "t0"
+	written := r.shape.DirtyMB
+	var levels []TreeLevel
+	var ckOfFork []float64
+	for lvl := 0; lvl < depth; lvl++ {
+		L := TreeLevel{Level: lvl, Node: node.Name(), WrittenMB: written}
+		if lvl == 0 {
+			L.CheckpointMS, L.CheckpointRAMMethod = w.CheckpointMS, "copy"
+		} else {
+			t := time.Now()
+			fv, s := r.serialFork(node.Name(), fmt.Sprintf("run%d", lvl), "fork-running", lvl, 2)
+			r.addSample(s)
+			if fv != nil {
+				L.ForkRunningMS = ms(time.Since(t))
+				_ = r.e.Delete(ctx, fv.Name())
+			} else {
+				r.fail("level %d: fork of running %s: %s", lvl, node.Name(), s.Error)
+			}
+			ckName = fmt.Sprintf("t%d", lvl)
+			ck, err := r.e.Checkpoint(ctx, node.Name(), ckName, &engine.CheckpointOptions{Pin: true})
+			if err != nil {
+				return fmt.Errorf("level %d: checkpoint of %s: %w", lvl, node.Name(), err)
+			}
+			L.CheckpointMS, L.CheckpointRAMMethod = ms(ck.Manifest.Timings.Total), ck.Manifest.RAMMethod
+			ckOfFork = append(ckOfFork, L.CheckpointMS)
+			r.addSample(Sample{Group: "checkpoint", Index: lvl, Name: ckName, OK: true, LatencyMS: L.CheckpointMS})
+		}
+		if r.shape.DiskMiB == 0 {
+			L.StockSaveMS, L.StockRestoreMS = r.stockSaveRestore(node, lvl)
+		}
+		avail0, _ := memfile.MemAvailable()
+		var children []*engine.VM
+		var lat []float64
+		for i := 1; i <= branch; i++ {
+			vm, s := r.serialFork(ckName, fmt.Sprintf("n%d-%d", lvl+1, i), "fork", lvl*branch+i-1, 1)
+			r.addSample(s)
+			if vm == nil {
+				r.fail("level %d: fork %d: %s", lvl, i, s.Error)
+				continue
+			}
+			children = append(children, vm)
+			lat = append(lat, s.LatencyMS)
+		}
+		if avail1, err := memfile.MemAvailable(); err == nil && len(children) > 0 {
+			L.HostMemPerForkMB = round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
+		}
+		L.Ready, L.ForkP50MS = len(children), round3(median(lat))
+		// Each child writes its own file; every child must see the lineage and only its
+		// own file of its level.
+		mine := map[string]lineageFile{}
+		for _, c := range children {
+			p := fmt.Sprintf("/dev/shm/l%d-%s", lvl+1, c.Name())
+			out, err := shell(ctx, c, fmt.Sprintf("head -c %d /dev/urandom > %s && md5sum %s", writeMB<<20, p, p), 5*time.Minute)
+			if err != nil {
+				r.fail("level %d: %s: write: %v", lvl, c.Name(), err)
+				continue
+			}
+			mine[c.Name()] = lineageFile{p, parseMD5(out)[p]}
+		}
+		for _, c := range children {
+			if err := verifyNode(ctx, c, lineage, mine); err != nil {
+				r.fail("level %d: %s: %v", lvl, c.Name(), err)
+				continue
+			}
+			L.Verified++
+		}
+		L.RAMFilesMB = round3(float64(dirAllocated(r.ramDir, "ck-")) / (1 << 20))
+		levels = append(levels, L)
+		r.logf("level %d: checkpoint of %s %.0f ms (%s), %d forks p50 %.0f ms, RAM files %.0f MiB for %d MB written, %d/%d verified",
+			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, written, L.Verified, len(children))
+		if len(children) == 0 {
+			break
+		}
+		// The first child is the next node; its siblings and the old node go.
+		next := children[0]
+		for _, c := range children[1:] {
+			_ = r.e.Delete(ctx, c.Name())
+		}
+		if lvl > 0 {
+			_ = r.e.Delete(ctx, node.Name())
+		}
+		node = next
+		lineage = append(lineage, mine[next.Name()])
+		written += writeMB
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+	}
+	r.res.Extra["levels"] = levels
+	pc := r.p50Headline("tree_checkpoint_of_fork_p50_ms", ckOfFork)
+	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files; host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
+		r.shape.DirtyMB, depth, branch, writeMB)
+	var b strings.Builder
+	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | fork of running node ms | fork p50 ms | RAM files MiB (written MB) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|\n")
+	for _, L := range levels {
+		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f | %.0f | %.0f (%d) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
+			L.CheckpointRAMMethod, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.WrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
+	}
+	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", b.String(), pc.P50, len(ckOfFork))
+	return nil
+}
+
+// verifyNode checks that vm sees every lineage file with its md5, its own file, and no
+// file of a sibling.
+func verifyNode(ctx context.Context, vm *engine.VM, lineage []lineageFile, level map[string]lineageFile) error {
+	var paths []string
+	for _, f := range lineage {
+		paths = append(paths, f.path)
+	}
+	own, ok := level[vm.Name()]
+	if !ok {
+		return fmt.Errorf("wrote no file")
+	}
+	paths = append(paths, own.path)
+	out, err := shell(ctx, vm, "md5sum "+strings.Join(paths, " ")+"; ls /dev/shm", 5*time.Minute)
+	if err != nil {
+		return err
+	}
+	sums := parseMD5(out)
+	for _, f := range append(lineage, own) {
+		if sums[f.path] != f.md5 {
+			return fmt.Errorf("%s: md5 %q, want %q", f.path, sums[f.path], f.md5)
+		}
+	}
+	for name, f := range level {
+		if name != vm.Name() && strings.Contains(out, filepath.Base(f.path)) {
+			return fmt.Errorf("sees its sibling's %s", f.path)
+		}
+	}
+	return nil
+}
+
+// stockSaveRestore saves node in full (engine Baseline) and restores it as a new VM until
+// ready; it returns both times (0 on failure, which is recorded).
+func (r *runner) stockSaveRestore(node *engine.VM, lvl int) (saveMS, restoreMS float64) {
+	path := filepath.Join(r.home, fmt.Sprintf("stock-%d.sav", lvl))
+	defer os.Remove(path)
+	d, err := r.e.Baseline().Save(r.ctx, node.Name(), path)
+	if err != nil {
+		r.fail("level %d: stock save of %s: %v", lvl, node.Name(), err)
+		return 0, 0
+	}
+	name := fmt.Sprintf("stock%d", lvl)
+	t := time.Now()
+	vm, err := r.e.Baseline().Restore(r.ctx, path, r.worldSpec(name, false))
+	if err != nil {
+		r.fail("level %d: stock restore: %v", lvl, err)
+		return ms(d), 0
+	}
+	restore := ms(time.Since(t))
+	_ = r.e.Delete(r.ctx, vm.Name())
+	return ms(d), restore
+}
+
+// dirAllocated sums the storage held by the files of dir whose names start with prefix.
+func dirAllocated(dir, prefix string) int64 {
+	ents, _ := os.ReadDir(dir)
+	var n int64
+	for _, e := range ents {
+		var st syscall.Stat_t
+		if strings.HasPrefix(e.Name(), prefix) && syscall.Stat(filepath.Join(dir, e.Name()), &st) == nil {
+			n += st.Blocks * 512
+		}
+	}
+	return n
+}
