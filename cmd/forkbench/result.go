@@ -64,6 +64,10 @@ type Shape struct {
 	MemoryMiB int `json:"memory_mb"`
 	DirtyMB   int `json:"dirty_mb"`
 	DiskMiB   int `json:"disk_mb"`
+	// Image is the root image the world boots ("": the busybox initramfs); StateMB the
+	// size of its $HOME/state.bin.
+	Image   string `json:"image,omitempty"`
+	StateMB int    `json:"state_mb,omitempty"`
 }
 
 // Environment is the run's context.

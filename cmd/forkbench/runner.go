@@ -139,11 +139,15 @@ type benchFunc func(r *runner) error
 func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Settings, fn benchFunc) (err error) {
 	r := &runner{
 		ctx: ctx, bench: bench,
-		shape:  Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb")},
+		shape: Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb"),
+			Image: cmd.String("image")},
 		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 		home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
 		vmgenid: cmd.Bool("vmgenid"),
 		held:    map[string]bool{}, heldCks: map[string]bool{},
+	}
+	if r.shape.Image != "" {
+		r.shape.StateMB = cmd.Int("state-mb")
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
 		return fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)

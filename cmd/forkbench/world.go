@@ -58,20 +58,40 @@ func firstCmd(ctx context.Context, vm *engine.VM) (time.Duration, error) {
 
 // worldSpec is the spec of a world VM.
 func (r *runner) worldSpec(name string, forkable bool) engine.Spec {
-	return engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, Forkable: forkable, DiskMiB: r.shape.DiskMiB, VMGenID: r.vmgenid}
+	return engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, Forkable: forkable, DiskMiB: r.shape.DiskMiB,
+		VMGenID: r.vmgenid, Image: r.shape.Image}
+}
+
+// diskState is where the world keeps state on disk and each fork writes its own.
+type diskState struct {
+	world, mine string // paths in the guest
+	bytes       int    // size of the world's file
+}
+
+// disk is the world's disk state: with a root image, $HOME/state.bin (--state-mb, as in the
+// published benchmark's world); with a data disk, /data/world (1 MB); else nil.
+func (r *runner) disk() *diskState {
+	switch {
+	case r.shape.Image != "":
+		return &diskState{world: "/root/state.bin", mine: "/root/mine", bytes: r.shape.StateMB << 20}
+	case r.shape.DiskMiB > 0:
+		return &diskState{world: "/data/world", mine: "/data/mine", bytes: 1 << 20}
+	}
+	return nil
 }
 
 // dirtyScript dirties dirty-mb MB of guest RAM (tmpfs /dev/shm/dirty) and writes the
-// 1 MB disk file /data/world, syncs and prints md5sums.
+// world's disk file, syncs and prints md5sums.
 func (r *runner) dirtyScript() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "set -e; head -c 1048576 /dev/urandom > /dev/shm/seed; : > /dev/shm/dirty; i=0; while [ $i -lt %d ]; do cat /dev/shm/seed >> /dev/shm/dirty; i=$((i+1)); done; rm -f /dev/shm/seed; ", r.shape.DirtyMB)
-	if r.shape.DiskMiB > 0 {
-		b.WriteString("head -c 1048576 /dev/urandom > /data/world; ")
+	d := r.disk()
+	if d != nil {
+		fmt.Fprintf(&b, "head -c %d /dev/urandom > %s; ", d.bytes, d.world)
 	}
 	b.WriteString("sync; md5sum /dev/shm/dirty")
-	if r.shape.DiskMiB > 0 {
-		b.WriteString(" /data/world")
+	if d != nil {
+		b.WriteString(" " + d.world)
 	}
 	return b.String()
 }
@@ -106,8 +126,12 @@ func (r *runner) bakeWorld(name, ckName string) (*World, error) {
 	}
 	w.BakeMS = ms(time.Since(t1))
 	sums := parseMD5(out)
-	w.DirtyMD5, w.DiskMD5 = sums["/dev/shm/dirty"], sums["/data/world"]
-	if w.DirtyMD5 == "" || (r.shape.DiskMiB > 0 && w.DiskMD5 == "") {
+	d := r.disk()
+	w.DirtyMD5 = sums["/dev/shm/dirty"]
+	if d != nil {
+		w.DiskMD5 = sums[d.world]
+	}
+	if w.DirtyMD5 == "" || (d != nil && w.DiskMD5 == "") {
 		return nil, fmt.Errorf("world %s: no md5sum in %q", name, out)
 	}
 	r.logf("world %s booted in %.0f ms, dirtied %d MB in %.0f ms", name, w.BootMS, r.shape.DirtyMB, w.BakeMS)
@@ -232,9 +256,12 @@ type IsoReport struct {
 
 // isoMethod describes checkIsolation for result.json.
 func (r *runner) isoMethod() string {
+	mine, world := "", ""
+	if d := r.disk(); d != nil {
+		mine, world = " and "+d.mine, " and "+d.world
+	}
 	return fmt.Sprintf("Isolation: every fork writes its own name to /dev/shm/mine%s, then every fork must read back only its own name (so no neighbour's write is visible), the world must not see /dev/shm/mine, and the fork's copied-on-write guest RAM (Anonymous of its mapping of the checkpoint RAM file in /proc/PID/smaps) must stay under dirty-mb/2 = %d MiB (its whole-process Anonymous from smaps_rollup is recorded as anon_mb, not bounded, since QEMU's heap and TCG buffers are in it); the full world state (md5sum of /dev/shm/dirty%s equal to the world's) is checked on a sample: the first, the last and one random fork of each wave.",
-		map[bool]string{true: " and /data/mine", false: ""}[r.shape.DiskMiB > 0], r.shape.DirtyMB/2,
-		map[bool]string{true: " and /data/world", false: ""}[r.shape.DiskMiB > 0])
+		mine, r.shape.DirtyMB/2, world)
 }
 
 // checkIsolation runs the isolation checks on vms (ready forks of w's checkpoint). mems
@@ -264,12 +291,12 @@ func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]fork
 		}
 		wg.Wait()
 	}
-	disk := r.shape.DiskMiB > 0
+	disk := r.disk()
 	okWrite := make([]bool, len(vms))
 	par(func(i int, vm *engine.VM) {
 		s := fmt.Sprintf("echo %s > /dev/shm/mine", vm.Name())
-		if disk {
-			s += fmt.Sprintf(" && echo %s > /data/mine && sync", vm.Name())
+		if disk != nil {
+			s += fmt.Sprintf(" && echo %s > %s && sync", vm.Name(), disk.mine)
 		}
 		if _, err := shell(ctx, vm, s, 60*time.Second); err != nil {
 			failf("%s: own write: %v", vm.Name(), err)
@@ -283,8 +310,8 @@ func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]fork
 		}
 		s := "cat /dev/shm/mine"
 		want := vm.Name() + "\n"
-		if disk {
-			s += " /data/mine"
+		if disk != nil {
+			s += " " + disk.mine
 			want += vm.Name() + "\n"
 		}
 		out, err := shell(ctx, vm, s, 60*time.Second)
@@ -335,8 +362,8 @@ func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]fork
 		go func() {
 			defer fwg.Done()
 			s := "md5sum /dev/shm/dirty"
-			if disk {
-				s += " /data/world"
+			if disk != nil {
+				s += " " + disk.world
 			}
 			out, err := shell(ctx, vm, s, 10*time.Minute)
 			if err != nil {
@@ -344,7 +371,7 @@ func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]fork
 				return
 			}
 			sums := parseMD5(out)
-			if sums["/dev/shm/dirty"] != w.DirtyMD5 || (disk && sums["/data/world"] != w.DiskMD5) {
+			if sums["/dev/shm/dirty"] != w.DirtyMD5 || (disk != nil && sums[disk.world] != w.DiskMD5) {
 				failf("%s: world state differs: %v, want dirty %s disk %s", vm.Name(), sums, w.DirtyMD5, w.DiskMD5)
 				return
 			}
