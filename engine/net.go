@@ -36,9 +36,10 @@ import (
 // TCP connections open at checkpoint time: slirp does not migrate ordinary TCP
 // connections (only its own "guestfwd" sockets), so a fork's user-mode stack does not
 // know them. The fork's guest kernel still believes they are established; the first
-// segment it sends on one is answered with a reset (the guest sees ECONNRESET or EPIPE),
-// and a guest that only waits to read waits until its own timeout or keepalive. The
-// peer never hears from a fork: it keeps its single connection with the original VM.
+// segment it sends on one is answered with a reset (the guest kernel counts it in
+// EstabResets; the program sees ECONNRESET or end of stream), and a guest that only
+// waits to read waits until its own timeout or keepalive. The peer never hears from a
+// fork: it keeps its single connection with the original VM, which carries on.
 // Listening sockets survive (they are guest state), so a server in the checkpoint
 // serves each fork's own published ports. tests/net_test.go checks this.
 

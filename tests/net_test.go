@@ -2,7 +2,6 @@ package tests
 
 import (
 	"bufio"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -174,7 +173,7 @@ func TestNetForkPublish(t *testing.T) {
 	// Bad forwards are refused before anything starts.
 	_, err = e.Fork(ctx, "srvck", &engine.ForkOptions{Name: "f4", Publish: []engine.PortForward{{HostIP: "localhost", HostPort: p1 + 1, GuestPort: 80}}})
 	wantErr(t, err, engine.ErrInvalidSpec)
-	checkState(t, env, expectState{VMs: []string{"srv", "f1", "f2"}, RAM: []string{"vm-srv.ram"}, CKs: []string{"srvck"}})
+	checkState(t, env, expectState{VMs: []string{"srv", "f1", "f2"}, RAM: []string{"vm-srv.ram", "ck-srvck.ram"}, CKs: []string{"srvck"}})
 
 	// Deleting the forks frees their ports; the world keeps its own.
 	for _, n := range []string{"f1", "f2"} {
@@ -324,23 +323,31 @@ func TestNetTCPAtCheckpoint(t *testing.T) {
 	if err != nil {
 		t.Fatalf("fork: %v", err)
 	}
+	// EstabResets (/proc/net/snmp) counts connections the guest kernel saw reset.
+	const resets = "grep '^Tcp:' /proc/net/snmp | tail -1 | awk '{print $9}'"
+	if got := mustRun(t, f, "cat /dev/shm/nc.exit 2>/dev/null || echo running"); got != "running" {
+		t.Fatalf("fork's nc before it wrote: %q", got)
+	}
+	before := mustRun(t, f, resets)
 	mustRun(t, f, "echo from-fork > /dev/shm/in")
 	mustRun(t, w, "echo after > /dev/shm/in")
 	srv.waitLines(t, `[["before" "after"]]`)
-	// Give the fork's segment time to arrive if it were going to.
 	var forkSide string
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-		forkSide = mustRun(t, f, "cat /dev/shm/nc.exit 2>/dev/null; cat /dev/shm/out /dev/shm/nc.err 2>/dev/null; true")
-		if strings.HasPrefix(forkSide, "1") || strings.HasPrefix(forkSide, "0") {
+		if forkSide = mustRun(t, f, "cat /dev/shm/nc.exit 2>/dev/null || echo running"); forkSide != "running" {
 			break
 		}
 	}
-	t.Logf("fork's nc after it wrote on the checkpointed connection: %q", forkSide)
+	after := mustRun(t, f, resets)
+	t.Logf("fork's nc after it wrote on the checkpointed connection: exit %q, guest EstabResets %s -> %s", forkSide, before, after)
 	if got := srv.snapshot(); fmt.Sprintf("%q", got) != `[["before" "after"]]` {
 		t.Errorf("host server saw %q: the fork's data reached it", got)
 	}
-	if !strings.HasPrefix(forkSide, "1") {
-		t.Errorf("fork's nc did not fail on its dead connection: %q", forkSide)
+	if forkSide == "running" {
+		t.Errorf("fork's nc still runs on its dead connection")
+	}
+	if b, _ := strconv.Atoi(before); strconv.Itoa(b+1) != after {
+		t.Errorf("guest EstabResets %s -> %s, want one reset", before, after)
 	}
 	if got := mustRun(t, w, "cat /dev/shm/nc.exit 2>/dev/null || echo running; cat /dev/shm/out"); got != "running\nack before\nack after" {
 		t.Errorf("world's nc: %q", got)
@@ -393,4 +400,3 @@ func TestNetRootImage(t *testing.T) {
 	}
 }
 
-var _ = context.Background

@@ -2,7 +2,6 @@ package tests
 
 import (
 	"bufio"
-	"context"
 	"fmt"
 	"net"
 	"os"
@@ -185,4 +184,3 @@ func pssKiB(t *testing.T, pid int) int64 {
 	return 0
 }
 
-var _ = context.Background
