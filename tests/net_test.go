@@ -399,4 +399,3 @@ func TestNetRootImage(t *testing.T) {
 		t.Errorf("port %d still bound", p)
 	}
 }
-

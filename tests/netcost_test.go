@@ -183,4 +183,3 @@ func pssKiB(t *testing.T, pid int) int64 {
 	}
 	return 0
 }
-
