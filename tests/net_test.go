@@ -399,3 +399,51 @@ func TestNetRootImage(t *testing.T) {
 		t.Errorf("port %d still bound", p)
 	}
 }
+
+// TestNetHandoffAndForkOfFork: a networked world checkpointed with handoff keeps its
+// published port (its process is replaced); a fork with a published port can itself be
+// checkpointed (the helper QEMU of that path has the NIC but binds no port), and a fork
+// of that checkpoint serves the first fork's memory on a port of its own.
+func TestNetHandoffAndForkOfFork(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	pw, p1, p2 := freePort(t), freePort(t), freePort(t)
+	w := netWorld(t, e, "hw", []engine.PortForward{{HostPort: pw, GuestPort: 80}})
+	mustRun(t, w, "mkdir -p /dev/shm/www && echo world > /dev/shm/www/index.html && "+
+		"setsid httpd -f -p 80 -h /dev/shm/www </dev/null >/dev/null 2>&1 & echo started")
+	if got := httpGet(t, fmt.Sprintf("http://127.0.0.1:%d/", pw)); got != "world\n" {
+		t.Fatalf("world serves %q", got)
+	}
+	if _, err := e.Checkpoint(ctx, "hw", "hwck", &engine.CheckpointOptions{Pin: true, Handoff: true}); err != nil {
+		t.Fatalf("handoff checkpoint: %v", err)
+	}
+	if got := httpGet(t, fmt.Sprintf("http://127.0.0.1:%d/", pw)); got != "world\n" {
+		t.Errorf("world serves %q after its handoff", got)
+	}
+	f1, err := e.Fork(ctx, "hwck", &engine.ForkOptions{Name: "h1", Publish: []engine.PortForward{{HostPort: p1, GuestPort: 80}}})
+	if err != nil {
+		t.Fatalf("fork: %v", err)
+	}
+	mustRun(t, f1, "echo fork-one > /dev/shm/www/index.html")
+	if _, err := e.Checkpoint(ctx, "h1", "h1ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint of a fork with a published port: %v", err)
+	}
+	if _, err := e.Fork(ctx, "h1ck", &engine.ForkOptions{Name: "h2", Publish: []engine.PortForward{{HostPort: p2, GuestPort: 80}}}); err != nil {
+		t.Fatalf("fork of the fork: %v", err)
+	}
+	for _, c := range []struct {
+		port int
+		want string
+	}{{pw, "world\n"}, {p1, "fork-one\n"}, {p2, "fork-one\n"}} {
+		if got := httpGet(t, fmt.Sprintf("http://127.0.0.1:%d/", c.port)); got != c.want {
+			t.Errorf("port %d serves %q, want %q", c.port, got, c.want)
+		}
+	}
+	deleteAll(t, env)
+	for _, p := range []int{pw, p1, p2} {
+		if !portFree(p) {
+			t.Errorf("port %d still bound", p)
+		}
+	}
+}
