@@ -76,6 +76,8 @@ func createCmd() *cli.Command {
 		Name:      "create",
 		Usage:     "boot a new VM and wait for its agent",
 		ArgsUsage: "NAME",
+		// A --publish value is one forward: a comma is not a separator but an error.
+		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
 			&cli.IntFlag{Name: "cpus", Value: 2, Usage: "vCPUs"},
 			&cli.IntFlag{Name: "memory-mb", Value: 1024, Usage: "guest RAM in MiB (multiple of 2)"},
@@ -351,6 +353,8 @@ func forkCmd() *cli.Command {
 		Name:      "fork",
 		Usage:     "fork a checkpoint (or a running VM) into new VMs",
 		ArgsUsage: "SOURCE [NAME]",
+		// A --publish value is one forward: a comma is not a separator but an error.
+		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
 			&cli.IntFlag{Name: "n", Value: 1, Usage: "number of forks"},
 			&cli.StringFlag{Name: "prefix", Usage: "name forks PREFIX1..PREFIXn (with --n)"},
