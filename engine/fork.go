@@ -122,6 +122,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 		mode, done := e.adm.inflight(ck.CPUs, ck.Accel)
 		defer done()
 		vm.m.Launch.TCGThread = mode
+		publish = append([]PortForward(nil), publish...) // not the caller's slice
 		vm.m.Launch.Publish, vm.m.Spec.Publish = publish, publish
 	}
 	// The reservation ends once the fork is registered (counted there) or failed.

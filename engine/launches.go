@@ -31,7 +31,7 @@ func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *re
 	}
 	if spec.Net {
 		l.Append += " " + netKernelArg
-		l.Net, l.Publish = true, spec.Publish
+		l.Net, l.Publish = true, append([]PortForward(nil), spec.Publish...)
 	}
 	return l.named(paths, name)
 }

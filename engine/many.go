@@ -104,6 +104,16 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 	if err != nil {
 		return nil, err
 	}
+	if o.Publish != nil && !ck.Manifest.Net {
+		for i := range publish {
+			if len(publish[i]) > 0 {
+				if ck.Manifest.Implicit {
+					e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
+				}
+				return nil, fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck.Manifest.Name)
+			}
+		}
+	}
 	conc := o.Concurrency
 	if conc <= 0 || conc > n {
 		conc = n
