@@ -77,6 +77,7 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,
 		AgentPorts: m.Launch.AgentPorts, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.BootKernel,
 		Initrd: m.BootInitrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel, Vsock: m.Launch.VsockCID != 0,
+		Net:     m.Launch.Net,
 		RAMPath: w.ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
 	}
 	switch {

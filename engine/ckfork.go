@@ -84,6 +84,10 @@ func (e *Engine) rebase(ctx context.Context, src manifest, w *ckWriter, full str
 	h.m.Spec.Name = name
 	h.m.Launch.RAM = ramBacking{Path: w.ramTmp, Shared: true}
 	h.m.Launch.Incoming = true
+	// Same NIC as the source, but no host ports: the source still binds them, and the
+	// helper never runs the guest.
+	h.m.Launch.Publish = nil
+	h.m.Spec.Publish = nil
 	if ck.Vsock {
 		// Same devices as the source (a vhost-vsock device), but its own context id.
 		h.m.Launch.VsockCID = randomCID()

@@ -56,6 +56,11 @@ type launch struct {
 	Incoming bool `json:"incoming,omitempty"`
 	// VsockCID, when non-zero, adds a vhost-vsock device with that guest CID.
 	VsockCID uint32 `json:"vsock_cid,omitempty"`
+	// Net adds the user-mode network and its virtio-net NIC (netArgs in net.go).
+	Net bool `json:"net,omitempty"`
+	// Publish are this process's host port forwards (Net only). They are not part of
+	// the device state: each fork has its own (or none).
+	Publish []PortForward `json:"publish,omitempty"`
 }
 
 // ramBacking says how guest RAM is mapped.
@@ -198,6 +203,11 @@ func (l *launch) cmdline() ([]string, error) {
 		return nil, err
 	}
 	args = append(args, devs...)
+	netArgs, err := l.netArgs()
+	if err != nil {
+		return nil, err
+	}
+	args = append(args, netArgs...)
 	if l.Incoming {
 		args = append(args, "-incoming", "defer")
 	}
@@ -228,7 +238,10 @@ func (l *launch) validate() error {
 		// Port 0 is reserved for a console; QEMU caps a bus at 31 ports.
 		return fmt.Errorf("%w: agent ports %d (want 0 or 2..31)", ErrInvalidSpec, l.AgentPorts)
 	}
-	return nil
+	if len(l.Publish) > 0 && !l.Net {
+		return fmt.Errorf("%w: published ports without a network", ErrInvalidSpec)
+	}
+	return validatePublish(l.Publish)
 }
 
 // accelCPU is the -accel and -cpu values: a model that matches the host under kvm/hvf,

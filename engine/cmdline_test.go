@@ -610,3 +610,103 @@ func TestTCGThreadFor(t *testing.T) {
 		}
 	}
 }
+
+// netdev decodes the single -netdev JSON argument.
+func netdev(t *testing.T, argv []string) map[string]any {
+	t.Helper()
+	var m map[string]any
+	if err := json.Unmarshal([]byte(flagValue(t, argv, "-netdev")), &m); err != nil {
+		t.Fatalf("-netdev is not JSON: %v", err)
+	}
+	return m
+}
+
+func TestCmdlineNet(t *testing.T) {
+	const nic = "virtio-net-pci,netdev=net0,id=nic0,mac=52:54:00:12:34:56,romfile="
+	for _, tc := range []struct {
+		name    string
+		net     bool
+		publish []PortForward
+		hostfwd []string // nil: no hostfwd key
+	}{
+		{name: "off"},
+		{name: "no forwards", net: true},
+		{name: "one forward, loopback by default", net: true,
+			publish: []PortForward{{HostPort: 8080, GuestPort: 80}},
+			hostfwd: []string{"tcp:127.0.0.1:8080-10.0.2.15:80"}},
+		{name: "explicit addresses", net: true,
+			publish: []PortForward{{HostIP: "0.0.0.0", HostPort: 2222, GuestPort: 22}, {HostIP: "192.168.1.5", HostPort: 65535, GuestPort: 1}},
+			hostfwd: []string{"tcp:0.0.0.0:2222-10.0.2.15:22", "tcp:192.168.1.5:65535-10.0.2.15:1"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := baseLaunch()
+			l.Net, l.Publish = tc.net, tc.publish
+			argv := mustCmdline(t, l)
+			if !tc.net {
+				// No NIC at all: no -netdev, no network device (and -nodefaults, so
+				// QEMU adds none of its own).
+				if hasFlag(argv, "-netdev") || hasFlag(argv, "-net") || !hasFlag(argv, "-nodefaults") {
+					t.Errorf("network without Net: %q", argv)
+				}
+				for _, d := range flagValues(argv, "-device") {
+					if strings.Contains(d, "net") {
+						t.Errorf("device %q without Net", d)
+					}
+				}
+				return
+			}
+			m := netdev(t, argv)
+			want := map[string]any{"type": "user", "id": "net0", "net": "10.0.2.0/24", "host": "10.0.2.2", "dns": "10.0.2.3", "ipv4": true, "ipv6": false}
+			if tc.hostfwd != nil {
+				var fw []any
+				for _, f := range tc.hostfwd {
+					fw = append(fw, map[string]any{"str": f})
+				}
+				want["hostfwd"] = fw
+			}
+			if !reflect.DeepEqual(m, want) {
+				t.Errorf("-netdev = %v\nwant      %v", m, want)
+			}
+			if !hasPair(argv, "-device", nic) {
+				t.Errorf("no %s in %q", nic, argv)
+			}
+		})
+	}
+}
+
+func TestCmdlineNetInvalid(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mod  func(*launch)
+	}{
+		{"publish without net", func(l *launch) { l.Publish = []PortForward{{HostPort: 1, GuestPort: 1}} }},
+		{"port 0", func(l *launch) { l.Net, l.Publish = true, []PortForward{{HostPort: 0, GuestPort: 80}} }},
+		{"port too big", func(l *launch) { l.Net, l.Publish = true, []PortForward{{HostPort: 80, GuestPort: 65536}} }},
+		{"comma in address", func(l *launch) {
+			l.Net, l.Publish = true, []PortForward{{HostIP: "127.0.0.1,hostfwd=tcp::22-:22", HostPort: 80, GuestPort: 80}}
+		}},
+		{"name as address", func(l *launch) {
+			l.Net, l.Publish = true, []PortForward{{HostIP: "localhost", HostPort: 80, GuestPort: 80}}
+		}},
+		{"same host port twice", func(l *launch) {
+			l.Net, l.Publish = true, []PortForward{{HostPort: 80, GuestPort: 80}, {HostIP: "127.0.0.1", HostPort: 80, GuestPort: 81}}
+		}},
+		{"wildcard overlaps", func(l *launch) {
+			l.Net, l.Publish = true, []PortForward{{HostPort: 80, GuestPort: 80}, {HostIP: "0.0.0.0", HostPort: 80, GuestPort: 81}}
+		}},
+		{"too many", func(l *launch) {
+			l.Net = true
+			for i := 0; i <= maxPublish; i++ {
+				l.Publish = append(l.Publish, PortForward{HostPort: 1000 + i, GuestPort: 80})
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := baseLaunch()
+			tc.mod(&l)
+			if argv, err := l.cmdline(); !errors.Is(err, ErrInvalidSpec) {
+				t.Errorf("cmdline = %q, %v; want ErrInvalidSpec", argv, err)
+			}
+		})
+	}
+}

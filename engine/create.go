@@ -20,6 +20,9 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 	if err := spec.Validate(); err != nil {
 		return nil, err
 	}
+	if err := checkPortsFree(spec.Publish); err != nil {
+		return nil, err
+	}
 	qemu, err := e.bins.path()
 	if err != nil {
 		return nil, err
@@ -85,7 +88,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	}
 	clock.lap(&vm.m.Timings.Prepare)
 	if err := vm.start(ctx); err != nil {
-		return nil, err
+		return nil, portError(err, spec.Publish)
 	}
 	clock.lap(&vm.m.Timings.Spawn)
 	bctx, cancel := context.WithTimeout(ctx, e.cfg.BootTimeout)

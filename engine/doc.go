@@ -22,6 +22,12 @@
 //   - The budget (Engine.Budget) admits a fork only while the vCPUs of live VMs stay
 //     within host CPUs × Config.Overcommit and MemAvailable stays above
 //     Config.MemoryReserveMiB; a refused fork fails with an *AdmissionError.
+//   - Networking is off by default. Spec.Net gives a VM a NIC on QEMU's user-mode
+//     network (NAT; the host's loopback is host.internal in the guest), and forks of
+//     its checkpoints the same NIC; Spec.Publish, ForkOptions.Publish and
+//     ManyOptions.Publish forward host ports (127.0.0.1 unless given) to guest ports,
+//     per VM: forks never inherit their source's. See net.go for the contract, the
+//     choice of slirp and what happens to TCP connections across a checkpoint.
 //
 // VMs are separate QEMU processes: they outlive the Engine that made them, and the next
 // Engine on the same state directory re-adopts them (an Engine holds the directory's

@@ -41,6 +41,12 @@ var (
 	ErrAdmission = errors.New("engine: admission refused")
 	// ErrClosed reports use of a closed engine.
 	ErrClosed = errors.New("engine: closed")
+	// ErrPortInUse reports a published host port (PortForward) that something else
+	// already binds; nothing was started.
+	ErrPortInUse = errors.New("engine: host port already in use")
+	// ErrPortUnavailable reports a published host address that cannot be bound for
+	// another reason (a privileged port, an address not on this host).
+	ErrPortUnavailable = errors.New("engine: host port unavailable")
 )
 
 // QEMUError is returned when a QEMU process fails; it carries the tail of QEMU's stderr.

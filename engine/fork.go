@@ -14,6 +14,10 @@ type ForkOptions struct {
 	Pin bool
 	// Overcommit overrides the engine's vCPU overcommit for this admission (0 = engine's).
 	Overcommit float64
+	// Publish forwards host ports to the fork's guest TCP ports; the checkpoint must
+	// have a network (Spec.Net). A fork never inherits its source's forwards. A fork
+	// that publishes ports does not use the warm pool (pooled processes have none).
+	Publish []PortForward
 }
 
 // Fork starts a new VM from a checkpoint, or from a running VM through an implicit
@@ -35,11 +39,18 @@ func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, 
 	if err := ValidateName(o.Name); err != nil {
 		return nil, err
 	}
+	if err := validatePublish(o.Publish); err != nil {
+		return nil, err
+	}
+	// Before an implicit checkpoint is made for nothing (forkFrom checks again).
+	if err := checkPortsFree(o.Publish); err != nil {
+		return nil, err
+	}
 	ck, err := e.resolveSource(ctx, src, o.Pin)
 	if err != nil {
 		return nil, err
 	}
-	vm, err := e.forkFrom(ctx, ck, o.Name, o.Overcommit)
+	vm, err := e.forkFrom(ctx, ck, o.Name, o.Overcommit, o.Publish)
 	if err != nil && ck.Manifest.Implicit {
 		e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
 	}
@@ -70,10 +81,16 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 //	record    registered, the checkpoint marked as forked
 //
 // Each stage's duration is a lap of one phase clock.
-func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64) (*VM, error) {
+func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward) (*VM, error) {
 	clock := startPhases()
 	ck := &c.Manifest
 	if err := compatible(ctx, e.bins, e.cfg.accel, ck); err != nil {
+		return nil, err
+	}
+	if len(publish) > 0 && !ck.Net {
+		return nil, fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck.Name)
+	}
+	if err := checkPortsFree(publish); err != nil {
 		return nil, err
 	}
 	if err := e.vms.reserve(name); err != nil {
@@ -84,7 +101,11 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 	defer cancel()
 
 	// prepare
-	vm, release := e.claimPooled(c, name)
+	var vm *VM
+	var release func()
+	if len(publish) == 0 {
+		vm, release = e.claimPooled(c, name)
+	}
 	if vm == nil {
 		var err error
 		if release, err = e.adm.admit(ck.CPUs, overcommit); err != nil {
@@ -101,6 +122,8 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 		mode, done := e.adm.inflight(ck.CPUs, ck.Accel)
 		defer done()
 		vm.m.Launch.TCGThread = mode
+		publish = append([]PortForward(nil), publish...) // not the caller's slice
+		vm.m.Launch.Publish, vm.m.Spec.Publish = publish, publish
 	}
 	// The reservation ends once the fork is registered (counted there) or failed.
 	defer release()
@@ -115,7 +138,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 	// spawn
 	if vm.process() == nil {
 		if err := vm.start(fctx); err != nil {
-			return nil, err
+			return nil, portError(err, publish)
 		}
 		clock.lap(&vm.m.Timings.Spawn)
 	}

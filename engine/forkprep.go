@@ -14,7 +14,7 @@ func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu strin
 	ck := &c.Manifest
 	vm := &VM{dir: paths.vmDir(name), log: log, m: manifest{
 		Version: manifestVersion, Name: name, Parent: ck.Name, State: StateStarting,
-		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true},
+		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true, Net: ck.Net},
 		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: newToken(), CreatedAt: time.Now().UTC(),
 		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
 		Launch: forkLaunch(paths, qemu, name, ck),

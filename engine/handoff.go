@@ -31,9 +31,10 @@ func (e *Engine) checkpointHandoff(ctx context.Context, vm *VM, w *ckWriter) err
 	vm.mu.Lock()
 	vm.m.Parent = ck.Name
 	vm.m.State = StateStarting
-	disk, thread := vm.m.Launch.Disk, vm.m.Launch.TCGThread
+	disk, thread, publish := vm.m.Launch.Disk, vm.m.Launch.TCGThread, vm.m.Launch.Publish
 	vm.m.Launch = forkLaunch(e.paths, vm.m.Launch.QEMU, vm.m.Name, ck)
-	vm.m.Launch.TCGThread = thread
+	// The VM keeps its host ports: the old process is gone, so they are free again.
+	vm.m.Launch.TCGThread, vm.m.Launch.Publish = thread, publish
 	switch {
 	case reflink:
 		// The VM keeps writing its own raw file; the checkpoint holds a clone.

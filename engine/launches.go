@@ -29,13 +29,18 @@ func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *re
 	case spec.DiskMiB > 0:
 		l.Append += " forkvm.disk=1"
 	}
+	if spec.Net {
+		l.Append += " " + netKernelArg
+		l.Net, l.Publish = true, append([]PortForward(nil), spec.Publish...)
+	}
 	return l.named(paths, name)
 }
 
 // forkLaunch is the launch of a QEMU that restores checkpoint ck as VM name: a fork, a
 // warm-pool process, or a VM handed off to its own checkpoint. It maps the checkpoint's
 // RAM file privately (copy-on-write) and waits for the device state (-incoming defer).
-// The disk chain is the caller's.
+// The disk chain is the caller's, and so are the host port forwards (a networked
+// checkpoint's forks get its NIC but no forwards unless the caller sets Publish).
 func forkLaunch(paths layout, qemu, name string, ck *CheckpointManifest) launch {
 	l := launch{
 		QEMU: qemu, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
@@ -43,6 +48,7 @@ func forkLaunch(paths layout, qemu, name string, ck *CheckpointManifest) launch 
 		Kernel: ck.Kernel, Initrd: ck.Initrd, Append: ck.Append,
 		RAM:      ramBacking{Path: ck.RAMPath},
 		Incoming: true,
+		Net:      ck.Net,
 	}
 	if ck.ForkKernel != "" {
 		l.Kernel, l.Initrd = ck.ForkKernel, ""

@@ -85,6 +85,10 @@ type CheckpointManifest struct {
 	CPUModel   string `json:"cpu_model,omitempty"`
 	// Vsock records a vhost-vsock device in the source: forks must have one too.
 	Vsock bool `json:"vsock,omitempty"`
+	// Net records the source's user-mode network and NIC (Spec.Net): forks must have
+	// them too (the NIC's and slirp's state are in the device state). The source's
+	// published ports are not recorded: forks publish their own.
+	Net bool `json:"net,omitempty"`
 	// RAMPath is the frozen RAM file; RAMSize its size in bytes.
 	RAMPath string `json:"ram_path"`
 	RAMSize int64  `json:"ram_size"`

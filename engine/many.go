@@ -20,6 +20,13 @@ type ManyOptions struct {
 	Overcommit float64
 	// Pin keeps an implicit checkpoint (when src is a running VM).
 	Pin bool
+	// Publish, when set, gives the fork of each index (0..n-1, ForkEvent.Index) its own
+	// host port forwards (see ForkOptions.Publish), e.g. one host port per fork:
+	//
+	//	Publish: func(i int) []PortForward { return []PortForward{{HostPort: 8000 + i, GuestPort: 80}} }
+	//
+	// All are validated before any fork starts; no host address may repeat.
+	Publish func(index int) []PortForward
 }
 
 // ForkEvent reports one fork of ForkMany: ready (VM set) or failed (Err set).
@@ -74,9 +81,38 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 		}
 		seen[nm] = true
 	}
+	publish := make([][]PortForward, n)
+	if o.Publish != nil {
+		var all []PortForward
+		for i := range publish {
+			publish[i] = o.Publish(i)
+			all = append(all, publish[i]...)
+		}
+		if err := validatePublishMany(all); err != nil {
+			return nil, err
+		}
+		for i := range publish {
+			if err := validatePublish(publish[i]); err != nil {
+				return nil, err
+			}
+		}
+		if err := checkPortsFree(all); err != nil {
+			return nil, err
+		}
+	}
 	ck, err := e.resolveSource(ctx, src, o.Pin)
 	if err != nil {
 		return nil, err
+	}
+	if o.Publish != nil && !ck.Manifest.Net {
+		for i := range publish {
+			if len(publish[i]) > 0 {
+				if ck.Manifest.Implicit {
+					e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
+				}
+				return nil, fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck.Manifest.Name)
+			}
+		}
 	}
 	conc := o.Concurrency
 	if conc <= 0 || conc > n {
@@ -101,7 +137,7 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 				defer wg.Done()
 				defer func() { <-sem }()
 				ev := ForkEvent{Index: i, Name: nm, Start: time.Now()}
-				vm, err := e.forkFrom(ctx, ck, nm, o.Overcommit)
+				vm, err := e.forkFrom(ctx, ck, nm, o.Overcommit, publish[i])
 				ev.Done = time.Now()
 				ev.VM, ev.Err = vm, err
 				if vm != nil {

@@ -77,6 +77,14 @@ type Spec struct {
 	// it. Off by default: it costs each fork a 2 MiB ROM block and the guest's ACPI
 	// notification path on the way to ready.
 	VMGenID bool `json:"vmgenid,omitempty"`
+	// Net gives the VM a NIC on QEMU's user-mode network (NAT; see net.go): the guest
+	// is 10.0.2.15 and reaches the host's loopback as host.internal (10.0.2.2). Forks
+	// of its checkpoints have the same NIC. Off by default: without it the VM has no
+	// NIC at all.
+	Net bool `json:"net,omitempty"`
+	// Publish forwards host ports to guest TCP ports (Net only). A fork does not
+	// inherit them: it publishes its own (ForkOptions.Publish).
+	Publish []PortForward `json:"publish,omitempty"`
 }
 
 // Validate checks the spec; it is called by Create before anything starts.
@@ -101,5 +109,8 @@ func (s *Spec) Validate() error {
 	if s.DiskMiB != 0 && (s.DiskMiB < 8 || s.DiskMiB > 1024*1024) {
 		return fmt.Errorf("%w: disk must be 0 (none) or 8..1048576 MiB, got %d", ErrInvalidSpec, s.DiskMiB)
 	}
-	return nil
+	if len(s.Publish) > 0 && !s.Net {
+		return fmt.Errorf("%w: publish needs a network (Spec.Net, --net)", ErrInvalidSpec)
+	}
+	return validatePublish(s.Publish)
 }

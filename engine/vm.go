@@ -51,6 +51,10 @@ type Info struct {
 	CreatedAt time.Time    `json:"created_at"`
 	Timings   PhaseTimings `json:"timings"`
 	RunDir    string       `json:"run_dir"`
+	// Net says the VM has a NIC on the user-mode network; Publish lists its host port
+	// forwards.
+	Net     bool          `json:"net,omitempty"`
+	Publish []PortForward `json:"publish,omitempty"`
 }
 
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
@@ -83,6 +87,7 @@ func (vm *VM) Info() Info {
 		Name: m.Name, State: st, PID: m.PID, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB,
 		DiskMiB: m.Spec.DiskMiB, Forkable: m.Spec.Forkable, Parent: m.Parent, Accel: m.Accel, TCGThread: m.Launch.TCGThread,
 		CreatedAt: m.CreatedAt, Timings: m.Timings, RunDir: m.Launch.RunDir,
+		Net: m.Launch.Net, Publish: append([]PortForward(nil), m.Launch.Publish...),
 	}
 }
 

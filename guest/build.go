@@ -102,12 +102,12 @@ func Build(ctx context.Context, cfg *Config) (*Image, error) {
 		return nil, err
 	}
 	logf("kernel %s (%s %s)", k.Version, k.Package, k.PackageVersion)
-	mods, err := ResolveModules(k.ModulesDir, initramfsModules)
+	mods, netMods, err := resolveInitramfsModules(k.ModulesDir)
 	if err != nil {
 		return nil, err
 	}
 
-	arc, guestMods, err := buildArchive(k, mods, agent, bb, applets)
+	arc, guestMods, err := buildArchive(k, mods, netMods, agent, bb, applets)
 	if err != nil {
 		return nil, err
 	}
@@ -150,9 +150,34 @@ func Build(ctx context.Context, cfg *Config) (*Image, error) {
 	return img, nil
 }
 
+// resolveInitramfsModules returns the modules the agent always loads and, apart,
+// those it loads only with networking (netModules and the dependencies the first
+// list lacks), each in load order.
+func resolveInitramfsModules(modulesDir string) (mods, netMods []string, err error) {
+	mods, err = ResolveModules(modulesDir, initramfsModules)
+	if err != nil {
+		return nil, nil, err
+	}
+	all, err := ResolveModules(modulesDir, append(append([]string(nil), initramfsModules...), netModules...))
+	if err != nil {
+		return nil, nil, err
+	}
+	have := make(map[string]bool, len(mods))
+	for _, m := range mods {
+		have[m] = true
+	}
+	for _, m := range all {
+		if !have[m] {
+			netMods = append(netMods, m)
+		}
+	}
+	return mods, netMods, nil
+}
+
 // buildArchive lays out the initramfs. It returns the archive and the guest
-// paths of the modules in load order.
-func buildArchive(k *Kernel, mods []string, agent, bb []byte, applets []string) (*cpioArchive, []string, error) {
+// paths of the modules in load order (those loaded at every boot, then those
+// loaded only with networking).
+func buildArchive(k *Kernel, mods, netMods []string, agent, bb []byte, applets []string) (*cpioArchive, []string, error) {
 	a := newCpioArchive()
 	var errs []error
 	must := func(err error) {
@@ -191,19 +216,24 @@ func buildArchive(k *Kernel, mods []string, agent, bb []byte, applets []string) 
 	must(a.file("etc/group", 0o644, []byte("root:x:0:\n")))
 	modRoot := "lib/modules/" + k.Version
 	must(a.dir(modRoot, 0o755))
-	var list bytes.Buffer
 	var guestMods []string
-	for _, rel := range mods {
-		data, err := os.ReadFile(filepath.Join(k.ModulesDir, filepath.FromSlash(rel)))
-		if err != nil {
-			return nil, nil, fmt.Errorf("guest: reading module: %w", err)
+	for _, l := range []struct {
+		fn   string
+		mods []string
+	}{{guestModulesFn, mods}, {guestNetModulesFn, netMods}} {
+		var list bytes.Buffer
+		for _, rel := range l.mods {
+			data, err := os.ReadFile(filepath.Join(k.ModulesDir, filepath.FromSlash(rel)))
+			if err != nil {
+				return nil, nil, fmt.Errorf("guest: reading module: %w", err)
+			}
+			gp := path.Join(modRoot, rel)
+			must(a.file(gp, 0o644, data))
+			guestMods = append(guestMods, "/"+gp)
+			list.WriteString("/" + gp + "\n")
 		}
-		gp := path.Join(modRoot, rel)
-		must(a.file(gp, 0o644, data))
-		guestMods = append(guestMods, "/"+gp)
-		list.WriteString("/" + gp + "\n")
+		must(a.file(l.fn, 0o644, list.Bytes()))
 	}
-	must(a.file(guestModulesFn, 0o644, list.Bytes()))
 	must(a.file(guestKverFn, 0o644, []byte(k.Version+"\n")))
 	if err := errors.Join(errs...); err != nil {
 		return nil, nil, err

@@ -69,8 +69,20 @@ func TestBuildFake(t *testing.T) {
 	}
 	m := checkImage(t, img, fakeVersion)
 	want := "/lib/modules/" + fakeVersion + "/kernel/net/vmw_vsock/vsock.ko.xz\n"
-	if got := string(m["etc/forkvm/modules"].Data); !strings.HasPrefix(got, want) {
-		t.Errorf("modules list starts %q", got)
+	if got := string(m["etc/forkvm/modules"].Data); !strings.HasPrefix(got, want) || strings.Contains(got, "virtio_net") {
+		t.Errorf("modules list %q", got)
+	}
+	// The NIC's modules are listed apart: the agent loads them only with forkvm.net=1.
+	netList := "/lib/modules/" + fakeVersion + "/kernel/net/core/failover.ko.xz\n" +
+		"/lib/modules/" + fakeVersion + "/kernel/drivers/net/net_failover.ko.xz\n" +
+		"/lib/modules/" + fakeVersion + "/kernel/drivers/net/virtio_net.ko.xz\n"
+	if got := string(m["etc/forkvm/modules-net"].Data); got != netList {
+		t.Errorf("modules-net %q, want %q", got, netList)
+	}
+	for _, p := range strings.Fields(netList) {
+		if r, ok := m[strings.TrimPrefix(p, "/")]; !ok || len(r.Data) == 0 {
+			t.Errorf("net module %s not in initrd", p)
+		}
 	}
 	first, _ := os.ReadFile(img.Initrd)
 

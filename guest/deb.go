@@ -18,15 +18,20 @@ import (
 )
 
 // moduleSubdirs are the parts of lib/modules/<version>/kernel that are
-// unpacked into the cache; together they hold every module the initramfs
-// needs plus their dependencies, at about a tenth of the full tree.
+// unpacked into the cache (directories end in "/", other entries are file
+// name prefixes); together they hold every module the initramfs needs plus
+// their dependencies, at about a tenth of the full tree.
 var moduleSubdirs = []string{
-	"drivers/virtio",
-	"drivers/block",
-	"drivers/char/hw_random",
-	"net/vmw_vsock",
-	"lib",
-	"crypto",
+	"drivers/virtio/",
+	"drivers/block/",
+	"drivers/char/hw_random/",
+	"net/vmw_vsock/",
+	"lib/",
+	"crypto/",
+	// The virtio-net NIC (netModules) and its failover dependencies.
+	"drivers/net/virtio_net.ko",
+	"drivers/net/net_failover.ko",
+	"net/core/failover.ko",
 }
 
 // debInfo describes what extractKernelDeb unpacked.
@@ -215,7 +220,7 @@ func wantedDataPath(name, version string) string {
 		return "modules/modules.builtin"
 	}
 	for _, sub := range moduleSubdirs {
-		if strings.HasPrefix(rest, "kernel/"+sub+"/") {
+		if strings.HasPrefix(rest, "kernel/"+sub) {
 			return "modules/" + rest
 		}
 	}

@@ -164,8 +164,15 @@ func fetchKernel(ctx context.Context, cacheDir, pkg string, download downloadFun
 	}
 	kernelRoot := filepath.Join(cacheDir, "kernel")
 	final := filepath.Join(kernelRoot, version)
-	if k, err := loadKernel(final); err == nil {
-		return k, nil
+	cached, err := loadKernel(final)
+	if err == nil {
+		if _, rerr := ResolveModules(cached.ModulesDir, allGuestModules()); !errors.Is(rerr, ErrModuleNotFound) {
+			return cached, nil
+		}
+		// Cached by a forkvm that unpacked fewer modules: unpack the package again
+		// and add the missing files (below).
+	} else {
+		cached = nil
 	}
 	if err := os.MkdirAll(kernelRoot, 0o755); err != nil {
 		return nil, fmt.Errorf("guest: creating kernel cache: %w", err)
@@ -195,8 +202,14 @@ func fetchKernel(ctx context.Context, cacheDir, pkg string, download downloadFun
 		return nil, fmt.Errorf("%w: %s: %w", ErrKernelUnavailable, filepath.Base(deb), err)
 	}
 	// Verify the initramfs modules resolve before declaring success.
-	if _, err := ResolveModules(filepath.Join(out, "modules"), initramfsModules); err != nil {
+	if _, err := ResolveModules(filepath.Join(out, "modules"), allGuestModules()); err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", ErrKernelUnavailable, pkg, err)
+	}
+	if cached != nil {
+		if err := addMissingFiles(filepath.Join(out, "modules"), cached.ModulesDir); err != nil {
+			return nil, fmt.Errorf("guest: updating the cached kernel: %w", err)
+		}
+		return loadKernel(final)
 	}
 	meta := kernelMeta{Package: pkg, PackageVersion: info.PackageVersion, Version: version}
 	b, _ := json.MarshalIndent(meta, "", "  ")
@@ -219,6 +232,35 @@ func fetchKernel(ctx context.Context, cacheDir, pkg string, download downloadFun
 		}
 	}
 	return loadKernel(final)
+}
+
+// allGuestModules are the modules a cached kernel must provide: those of every
+// boot and those of networking.
+func allGuestModules() []string {
+	return append(append([]string(nil), initramfsModules...), netModules...)
+}
+
+// addMissingFiles moves each file under src that dst lacks to the same place
+// under dst. Files are only ever added (each by one rename), so a reader of dst
+// sees the files it knew and possibly new ones, never a partial file.
+func addMissingFiles(src, dst string) error {
+	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() || !d.Type().IsRegular() {
+			return err
+		}
+		rel, err := filepath.Rel(src, p)
+		if err != nil {
+			return err
+		}
+		target := filepath.Join(dst, rel)
+		if _, err := os.Lstat(target); err == nil {
+			return nil
+		}
+		if err := os.MkdirAll(filepath.Dir(target), 0o755); err != nil {
+			return err
+		}
+		return os.Rename(p, target)
+	})
 }
 
 func isNotEmpty(err error) bool {

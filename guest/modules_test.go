@@ -94,6 +94,43 @@ func TestFetchKernelFake(t *testing.T) {
 	}
 }
 
+// A kernel cached by a forkvm that unpacked fewer modules (no virtio_net) is topped up
+// from the package: the missing files are added, the others left as they were.
+func TestFetchKernelAddsMissingModules(t *testing.T) {
+	cache := t.TempDir()
+	k := installFakeKernel(t, cache)
+	netDir := filepath.Join(k.ModulesDir, "kernel", "drivers", "net")
+	if err := os.RemoveAll(netDir); err != nil {
+		t.Fatal(err)
+	}
+	keep := filepath.Join(k.ModulesDir, "kernel", "drivers", "block", "virtio_blk.ko.xz")
+	before, _ := os.Stat(keep)
+	downloads := 0
+	deb := fakeDeb(t, fakeKernelFiles(t))
+	k2, err := fetchKernel(context.Background(), cache, "linux-image-"+fakeVersion,
+		func(ctx context.Context, pkg, dir string) (string, error) {
+			downloads++
+			p := filepath.Join(dir, pkg+"_6.12.999-1_amd64.deb")
+			return p, os.WriteFile(p, deb, 0o644)
+		})
+	if err != nil || downloads != 1 || k2.Dir != k.Dir {
+		t.Fatalf("top-up: %+v %v (%d downloads)", k2, err, downloads)
+	}
+	got, err := ResolveModules(k2.ModulesDir, netModules)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "kernel/net/core/failover.ko.xz kernel/drivers/net/net_failover.ko.xz kernel/drivers/net/virtio_net.ko.xz"; strings.Join(got, " ") != want {
+		t.Errorf("net modules %v, want %s", got, want)
+	}
+	if after, _ := os.Stat(keep); !os.SameFile(before, after) {
+		t.Error("an existing module file was replaced")
+	}
+	if ents, _ := os.ReadDir(filepath.Join(cache, "kernel")); len(ents) != 1 {
+		t.Errorf("kernel cache has %d entries", len(ents))
+	}
+}
+
 func aptFails(ctx context.Context, pkg, dir string) (string, error) {
 	return "", errors.Join(ErrKernelUnavailable, errors.New("simulated"))
 }

@@ -41,9 +41,16 @@ func runInit(switched bool) {
 		prepareImage(logger)
 	} else {
 		loadModules(logger, modulesList)
+		if args.net {
+			loadModules(logger, netModules)
+		}
 		if args.root != nil {
 			enterImage(logger, *args.root) // does not return
 		}
+	}
+	if args.net {
+		// In a root image: after switch_root, so the files land in the image's /etc.
+		setUpNet(logger)
 	}
 	if args.data != nil {
 		mountData(logger, *args.data)

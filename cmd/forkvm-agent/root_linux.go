@@ -101,8 +101,18 @@ func parseDiskSpec(v string) (diskSpec, error) {
 //	forkvm.disk=1      the data disk is vda (the engine's original
 //	                   argument; ignored when forkvm.root is set, where the
 //	                   data disk must be named with forkvm.data)
+//	forkvm.net=1       configure the user-mode network (net_linux.go): load
+//	                   the NIC's modules (initramfs), then, in the system
+//	                   that serves the host (the initramfs, or the root image
+//	                   after switch_root, whose /etc is on its overlay), bring
+//	                   up lo and the NIC (MAC 52:54:00:12:34:56) as
+//	                   10.0.2.15/24 via 10.0.2.2, write /etc/resolv.conf
+//	                   (nameserver 10.0.2.3) and map host.internal to
+//	                   10.0.2.2 in /etc/hosts. Without it (or with any other
+//	                   value) the agent touches no network configuration.
 type bootArgs struct {
 	root, data *diskSpec
+	net        bool
 	problems   []string
 }
 
@@ -125,6 +135,11 @@ func parseBootArgs(cmdline string) bootArgs {
 			}
 		case "forkvm.disk":
 			legacyData = v == "1"
+		case kernelArgNet:
+			a.net = v == "1"
+			if v != "1" && v != "0" {
+				a.problems = append(a.problems, fmt.Sprintf("%s=%s ignored (want 1 or 0)", k, v))
+			}
 		}
 	}
 	switch {

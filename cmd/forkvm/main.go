@@ -90,6 +90,8 @@ func createCmd() *cli.Command {
 		Name:      "create",
 		Usage:     "boot a new VM and wait for its agent",
 		ArgsUsage: "NAME",
+		// A --publish value is one forward: a comma is not a separator but an error.
+		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
 			&cli.IntFlag{Name: "cpus", Value: 2, Usage: "vCPUs"},
 			&cli.IntFlag{Name: "memory-mb", Value: 1024, Usage: "guest RAM in MiB (multiple of 2)"},
@@ -97,11 +99,17 @@ func createCmd() *cli.Command {
 			&cli.IntFlag{Name: "disk-mb", Usage: "attach an ext4 data disk of this size, mounted at /data (with --image: the root disk's size)"},
 			&cli.StringFlag{Name: "image", Usage: "boot a root image (see `forkvm image create`) instead of the busybox initramfs"},
 			&cli.BoolFlag{Name: "vmgenid", Usage: "QEMU ACPI tables + vmgenid: forks reseed their kernel CRNG on resume (costs ~2 MiB per fork)"},
+			&cli.BoolFlag{Name: "net", Usage: "a NIC on QEMU's user-mode network (NAT; the host's loopback is host.internal); forks of its checkpoints get one too"},
+			publishFlag("publish host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "print the VM as JSON"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 1 {
 				return fmt.Errorf("usage: forkvm create NAME [flags]")
+			}
+			publish, err := parsePublish(cmd.StringSlice("publish"), 0)
+			if err != nil {
+				return err
 			}
 			e, err := open(ctx, cmd)
 			if err != nil {
@@ -111,6 +119,7 @@ func createCmd() *cli.Command {
 			vm, err := e.Create(ctx, engine.Spec{
 				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")),
 				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
+				Net: cmd.Bool("net"), Publish: publish,
 			})
 			if err != nil {
 				return err
@@ -358,12 +367,15 @@ func forkCmd() *cli.Command {
 		Name:      "fork",
 		Usage:     "fork a checkpoint (or a running VM) into new VMs",
 		ArgsUsage: "SOURCE [NAME]",
+		// A --publish value is one forward: a comma is not a separator but an error.
+		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
 			&cli.IntFlag{Name: "n", Value: 1, Usage: "number of forks"},
 			&cli.StringFlag{Name: "prefix", Usage: "name forks PREFIX1..PREFIXn (with --n)"},
 			&cli.IntFlag{Name: "conc", Usage: "forks started at once (0 = all)"},
 			&cli.FloatFlag{Name: "overcommit", Usage: "vCPU overcommit for admission (0 = engine default 8)"},
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
+			publishFlag("publish host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -382,15 +394,26 @@ func forkCmd() *cli.Command {
 			default:
 				return fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
 			}
+			opts := &engine.ManyOptions{
+				Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
+				Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),
+			}
+			if specs := cmd.StringSlice("publish"); len(specs) > 0 {
+				perFork := make([][]engine.PortForward, n)
+				var err error
+				for i := range perFork {
+					if perFork[i], err = parsePublish(specs, i); err != nil {
+						return err
+					}
+				}
+				opts.Publish = func(i int) []engine.PortForward { return perFork[i] }
+			}
 			e, err := open(ctx, cmd)
 			if err != nil {
 				return err
 			}
 			defer e.Close()
-			evs, err := e.ForkMany(ctx, src, n, &engine.ManyOptions{
-				Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
-				Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),
-			})
+			evs, err := e.ForkMany(ctx, src, n, opts)
 			if err != nil {
 				return err
 			}
@@ -426,6 +449,29 @@ func forkCmd() *cli.Command {
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// publishFlag is the repeatable --publish [HOSTIP:]HOSTPORT:GUESTPORT flag.
+func publishFlag(usage string) cli.Flag {
+	return &cli.StringSliceFlag{Name: "publish", Aliases: []string{"p"}, Usage: usage + ": `[HOSTIP:]HOSTPORT:GUESTPORT`"}
+}
+
+// parsePublish parses --publish values, each host port shifted by offset (the index of
+// a fork in a wave).
+func parsePublish(specs []string, offset int) ([]engine.PortForward, error) {
+	var out []engine.PortForward
+	for _, s := range specs {
+		p, err := engine.ParsePortForward(s)
+		if err != nil {
+			return nil, err
+		}
+		p.HostPort += offset
+		if err := p.Validate(); err != nil {
+			return nil, fmt.Errorf("--publish %s for fork %d: %w", s, offset, err)
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
 
 func imageCmd() *cli.Command {
 	return &cli.Command{

@@ -1,0 +1,251 @@
+package engine
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/forkvm/forkvm/guest"
+)
+
+// Guest networking (Spec.Net), off by default.
+//
+// A VM with Spec.Net gets one virtio-net NIC on QEMU's user-mode network (libslirp,
+// `-netdev user`): the guest is 10.0.2.15/24 behind a NAT whose router 10.0.2.2 also
+// reaches the host's loopback (the guest's host.internal) and whose 10.0.2.3 forwards
+// DNS to the host's resolvers; guest/net.go holds this contract and the agent applies
+// it (forkvm.net=1). Outside connections reach the guest only through the host ports
+// the caller publishes (Spec.Publish, ForkOptions.Publish), which bind on 127.0.0.1
+// unless an address is given. Without Spec.Net the VM has no NIC at all.
+//
+// Why slirp and not passt (-netdev stream to a passt process): a fork's network must
+// cost as little as the rest of the fork. slirp lives inside the fork's own QEMU: no
+// second process to exec, wait for and reap, no socket rendezvous on the fork's
+// critical path, nothing else to kill or leak when a fork dies, and its state (almost
+// none: no connections survive a checkpoint, see below) rides in the same migration
+// stream. passt is faster for bulk traffic and sandboxes the network stack in its own
+// process, but each fork would pay a process with its own resident buffers and a
+// socket connect before QEMU can even start restoring; forks here are many, short-lived
+// and mostly idle on the network. docs/benchmarks.md ("Networking") has the figures.
+//
+// TCP connections open at checkpoint time: slirp does not migrate ordinary TCP
+// connections (only its own "guestfwd" sockets), so a fork's user-mode stack does not
+// know them. The fork's guest kernel still believes they are established; the first
+// segment it sends on one is answered with a reset (the guest kernel counts it in
+// EstabResets; the program sees ECONNRESET or end of stream), and a guest that only
+// waits to read waits until its own timeout or keepalive. The peer never hears from a
+// fork: it keeps its single connection with the original VM, which carries on.
+// Listening sockets survive (they are guest state), so a server in the checkpoint
+// serves each fork's own published ports. tests/net_test.go checks this.
+
+// netID is the -netdev id of the user-mode network; nicID the NIC's device id.
+const (
+	netID = "net0"
+	nicID = "nic0"
+)
+
+// netKernelArg is what bootLaunch appends to a networked VM's kernel command line.
+const netKernelArg = guest.KernelArgNet + "=1"
+
+// PortForward publishes a guest TCP port on a host address: connections to
+// HostIP:HostPort on the host reach the guest's GuestPort (through the user-mode
+// network, so the guest sees them come from 10.0.2.2).
+type PortForward struct {
+	// HostIP is an IPv4 literal to bind on the host; empty means 127.0.0.1 (this host
+	// only). 0.0.0.0 publishes on every host interface.
+	HostIP string `json:"host_ip,omitempty"`
+	// HostPort and GuestPort are 1..65535.
+	HostPort  int `json:"host_port"`
+	GuestPort int `json:"guest_port"`
+}
+
+// defaultPublishIP is where published ports bind unless a forward names an address.
+const defaultPublishIP = "127.0.0.1"
+
+// maxPublish bounds the forwards of one VM.
+const maxPublish = 64
+
+// ParsePortForward parses a --publish value: [HOSTIP:]HOSTPORT:GUESTPORT, where HOSTIP
+// is an IPv4 literal (default 127.0.0.1) and both ports are decimal 1..65535. Anything
+// else (names, IPv6, signs, spaces, option syntax) is refused with ErrInvalidSpec.
+func ParsePortForward(s string) (PortForward, error) {
+	bad := func(why string) (PortForward, error) {
+		if len(s) > 64 {
+			s = s[:64] + "..."
+		}
+		return PortForward{}, fmt.Errorf("%w: publish %q: %s (want [HOSTIP:]HOSTPORT:GUESTPORT)", ErrInvalidSpec, s, why)
+	}
+	if len(s) > 64 {
+		return bad("too long")
+	}
+	parts := strings.Split(s, ":")
+	var p PortForward
+	switch len(parts) {
+	case 2:
+	case 3:
+		if parts[0] == "" {
+			return bad("empty host address")
+		}
+		p.HostIP = parts[0]
+		parts = parts[1:]
+	default:
+		return bad("want two or three ':'-separated fields (IPv6 host addresses are not supported)")
+	}
+	var err error
+	if p.HostPort, err = parsePort(parts[0]); err != nil {
+		return bad("host port: " + err.Error())
+	}
+	if p.GuestPort, err = parsePort(parts[1]); err != nil {
+		return bad("guest port: " + err.Error())
+	}
+	if err := p.Validate(); err != nil {
+		return PortForward{}, err
+	}
+	return p, nil
+}
+
+// parsePort parses 1..5 decimal digits as a port number 1..65535.
+func parsePort(s string) (int, error) {
+	if s == "" || len(s) > 5 || strings.Trim(s, "0123456789") != "" {
+		return 0, fmt.Errorf("%q is not a port number", s)
+	}
+	n, _ := strconv.Atoi(s)
+	if n < 1 || n > 65535 {
+		return 0, fmt.Errorf("%d is out of range 1..65535", n)
+	}
+	return n, nil
+}
+
+// Validate checks a forward: ports 1..65535 and HostIP empty or a canonical IPv4
+// literal. Only validated forwards reach a QEMU option.
+func (p PortForward) Validate() error {
+	if p.HostPort < 1 || p.HostPort > 65535 || p.GuestPort < 1 || p.GuestPort > 65535 {
+		return fmt.Errorf("%w: publish %d:%d: ports must be 1..65535", ErrInvalidSpec, p.HostPort, p.GuestPort)
+	}
+	if p.HostIP != "" {
+		a, err := netip.ParseAddr(p.HostIP)
+		if err != nil || !a.Is4() || a.String() != p.HostIP {
+			return fmt.Errorf("%w: publish host address %q: not an IPv4 literal", ErrInvalidSpec, p.HostIP)
+		}
+	}
+	return nil
+}
+
+// hostIP is the address the forward binds on the host.
+func (p PortForward) hostIP() string {
+	if p.HostIP == "" {
+		return defaultPublishIP
+	}
+	return p.HostIP
+}
+
+// hostAddr is HOSTIP:HOSTPORT.
+func (p PortForward) hostAddr() string {
+	return net.JoinHostPort(p.hostIP(), strconv.Itoa(p.HostPort))
+}
+
+// String renders the forward as ParsePortForward reads it, host address explicit.
+func (p PortForward) String() string {
+	return p.hostIP() + ":" + strconv.Itoa(p.HostPort) + ":" + strconv.Itoa(p.GuestPort)
+}
+
+// hostfwd is the forward as a slirp hostfwd rule. Every field is validated (an IPv4
+// literal and two integers), so the rule holds no separator of QEMU's option syntax.
+func (p PortForward) hostfwd() string {
+	return "tcp:" + p.hostIP() + ":" + strconv.Itoa(p.HostPort) + "-" + guest.NetGuestAddr + ":" + strconv.Itoa(p.GuestPort)
+}
+
+// validatePublish checks a VM's forwards: at most maxPublish, and what
+// validatePublishMany checks.
+func validatePublish(pubs []PortForward) error {
+	if len(pubs) > maxPublish {
+		return fmt.Errorf("%w: %d published ports (at most %d)", ErrInvalidSpec, len(pubs), maxPublish)
+	}
+	return validatePublishMany(pubs)
+}
+
+// validatePublishMany checks forwards (one VM's, or a whole wave's): each valid, no
+// host address bound twice (0.0.0.0 overlaps every address on the same port).
+func validatePublishMany(all []PortForward) error {
+	seen := map[int][]string{}
+	for _, p := range all {
+		if err := p.Validate(); err != nil {
+			return err
+		}
+		for _, ip := range seen[p.HostPort] {
+			if ip == p.hostIP() || ip == "0.0.0.0" || p.hostIP() == "0.0.0.0" {
+				return fmt.Errorf("%w: host port %s published twice", ErrInvalidSpec, p.hostAddr())
+			}
+		}
+		seen[p.HostPort] = append(seen[p.HostPort], p.hostIP())
+	}
+	return nil
+}
+
+// checkPortsFree refuses forwards whose host address is taken, before QEMU starts: a
+// listener is opened and closed on each. (QEMU binding a port taken in between fails
+// to start, which portError also reports as ErrPortInUse.)
+func checkPortsFree(pubs []PortForward) error {
+	for _, p := range pubs {
+		ln, err := net.Listen("tcp4", p.hostAddr())
+		if err != nil {
+			if errors.Is(err, syscall.EADDRINUSE) {
+				return fmt.Errorf("%w: %s", ErrPortInUse, p.hostAddr())
+			}
+			return fmt.Errorf("%w: %s: %w", ErrPortUnavailable, p.hostAddr(), err)
+		}
+		ln.Close()
+	}
+	return nil
+}
+
+// portError turns a QEMU start failure caused by a host forward into ErrPortInUse (the
+// port was taken after checkPortsFree); other errors are returned as they are.
+func portError(err error, pubs []PortForward) error {
+	var qe *QEMUError
+	if len(pubs) == 0 || !errors.As(err, &qe) || !strings.Contains(qe.Stderr, "host forwarding rule") {
+		return err
+	}
+	addrs := make([]string, len(pubs))
+	for i, p := range pubs {
+		addrs[i] = p.hostAddr()
+	}
+	return fmt.Errorf("%w: one of %s: %w", ErrPortInUse, strings.Join(addrs, " "), err)
+}
+
+// netArgs are the user-mode network and its NIC, when l.Net. The -netdev is JSON, so
+// no value is parsed as QEMU option syntax; the network is spelled out rather than left
+// to QEMU's defaults, because the agent configures the guest with these addresses.
+// IPv6 is off: the guest reaches IPv4 only, as documented. The NIC has no option ROM
+// (romfile=): nothing boots from the network, and a ROM would be one more RAM block in
+// every fork's device state.
+func (l *launch) netArgs() ([]string, error) {
+	if !l.Net {
+		return nil, nil
+	}
+	nd := map[string]any{
+		"type": "user", "id": netID,
+		"net": guest.NetCIDR, "host": guest.NetGateway, "dns": guest.NetDNS,
+		"ipv4": true, "ipv6": false,
+	}
+	if len(l.Publish) > 0 {
+		fw := make([]map[string]string, len(l.Publish))
+		for i, p := range l.Publish {
+			fw[i] = map[string]string{"str": p.hostfwd()}
+		}
+		nd["hostfwd"] = fw
+	}
+	js, err := json.Marshal(nd)
+	if err != nil {
+		return nil, err
+	}
+	return []string{
+		"-netdev", string(js),
+		"-device", "virtio-net-pci,netdev=" + netID + ",id=" + nicID + ",mac=" + guest.NetMAC + ",romfile=",
+	}, nil
+}
