@@ -1,7 +1,6 @@
 package engine
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -216,36 +215,4 @@ func portError(err error, pubs []PortForward) error {
 		addrs[i] = p.hostAddr()
 	}
 	return fmt.Errorf("%w: one of %s: %w", ErrPortInUse, strings.Join(addrs, " "), err)
-}
-
-// netArgs are the user-mode network and its NIC, when l.Net. The -netdev is JSON, so
-// no value is parsed as QEMU option syntax; the network is spelled out rather than left
-// to QEMU's defaults, because the agent configures the guest with these addresses.
-// IPv6 is off: the guest reaches IPv4 only, as documented. The NIC has no option ROM
-// (romfile=): nothing boots from the network, and a ROM would be one more RAM block in
-// every fork's device state.
-func (l *launch) netArgs() ([]string, error) {
-	if !l.Net {
-		return nil, nil
-	}
-	nd := map[string]any{
-		"type": "user", "id": netID,
-		"net": guest.NetCIDR, "host": guest.NetGateway, "dns": guest.NetDNS,
-		"ipv4": true, "ipv6": false,
-	}
-	if len(l.Publish) > 0 {
-		fw := make([]map[string]string, len(l.Publish))
-		for i, p := range l.Publish {
-			fw[i] = map[string]string{"str": p.hostfwd()}
-		}
-		nd["hostfwd"] = fw
-	}
-	js, err := json.Marshal(nd)
-	if err != nil {
-		return nil, err
-	}
-	return []string{
-		"-netdev", string(js),
-		"-device", "virtio-net-pci,netdev=" + netID + ",id=" + nicID + ",mac=" + guest.NetMAC + ",romfile=",
-	}, nil
 }
