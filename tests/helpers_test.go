@@ -34,13 +34,13 @@ import (
 // testEnv is one engine on a fresh state directory, torn down (with leak checks) at the
 // end of the test.
 type testEnv struct {
-	t    *testing.T
+	t    testing.TB
 	E    *engine.Engine
 	Home string
 	cfg  engine.Config
 }
 
-func newEnv(t *testing.T, mod func(*engine.Config)) *testEnv {
+func newEnv(t testing.TB, mod func(*engine.Config)) *testEnv {
 	t.Helper()
 	// Short paths: unix socket paths live below the state dir.
 	home, err := os.MkdirTemp("/tmp", "fvt-")
@@ -66,7 +66,7 @@ func newEnv(t *testing.T, mod func(*engine.Config)) *testEnv {
 	return env
 }
 
-type testLog struct{ t *testing.T }
+type testLog struct{ t testing.TB }
 
 func (l testLog) Write(p []byte) (int, error) {
 	l.t.Log(strings.TrimSpace(string(p)))
@@ -106,7 +106,7 @@ func (env *testEnv) teardown() {
 // newRobustEnv is newEnv plus a last-resort cleanup (it runs after the env's teardown and
 // its leak checks) that kills any process still referencing the state dir, so that a
 // failing test never leaves QEMU processes behind on a shared machine.
-func newRobustEnv(t *testing.T, mod func(*engine.Config)) *testEnv {
+func newRobustEnv(t testing.TB, mod func(*engine.Config)) *testEnv {
 	t.Helper()
 	var home, ramDir string
 	t.Cleanup(func() {
@@ -127,7 +127,7 @@ func newRobustEnv(t *testing.T, mod func(*engine.Config)) *testEnv {
 // deleteEverything deletes every VM, then every checkpoint (forced), of e; each failure
 // is a test error whose message starts with prefix. It returns the QEMU pids the VMs
 // had.
-func deleteEverything(ctx context.Context, t *testing.T, e *engine.Engine, prefix string) []int {
+func deleteEverything(ctx context.Context, t testing.TB, e *engine.Engine, prefix string) []int {
 	t.Helper()
 	var pids []int
 	for _, vm := range e.List() {
@@ -146,7 +146,7 @@ func deleteEverything(ctx context.Context, t *testing.T, e *engine.Engine, prefi
 }
 
 // deleteAll deletes every VM and checkpoint of env and checks nothing is left.
-func deleteAll(t *testing.T, env *testEnv) {
+func deleteAll(t testing.TB, env *testEnv) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -161,7 +161,7 @@ var (
 )
 
 // engineHelper builds tests/enginehelper once per run.
-func engineHelper(t *testing.T) string {
+func engineHelper(t testing.TB) string {
 	t.Helper()
 	helperOnce.Do(func() {
 		helperPath = filepath.Join(binDir, "enginehelper")
@@ -177,13 +177,13 @@ func engineHelper(t *testing.T) string {
 	return helperPath
 }
 
-func ctxT(t *testing.T, d time.Duration) context.Context {
+func ctxT(t testing.TB, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	t.Cleanup(cancel)
 	return ctx
 }
 
-func wantErr(t *testing.T, err, target error) {
+func wantErr(t testing.TB, err, target error) {
 	t.Helper()
 	if !errors.Is(err, target) {
 		t.Fatalf("error = %v, want %v", err, target)
@@ -194,7 +194,7 @@ func wantErr(t *testing.T, err, target error) {
 // commands in a VM
 
 // run runs a shell script in vm and returns stdout, stderr and the exit code.
-func run(t *testing.T, vm *engine.VM, script string) (string, string, int) {
+func run(t testing.TB, vm *engine.VM, script string) (string, string, int) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -207,7 +207,7 @@ func run(t *testing.T, vm *engine.VM, script string) (string, string, int) {
 }
 
 // mustRun runs script and fails the test unless it exits 0; it returns trimmed stdout.
-func mustRun(t *testing.T, vm *engine.VM, script string) string {
+func mustRun(t testing.TB, vm *engine.VM, script string) string {
 	t.Helper()
 	out, errs, code := run(t, vm, script)
 	if code != 0 {
@@ -220,7 +220,7 @@ func mustRun(t *testing.T, vm *engine.VM, script string) string {
 // worlds
 
 // makeWorld boots a small forkable world.
-func makeWorld(t *testing.T, e *engine.Engine, name string, memMiB, diskMiB int) *engine.VM {
+func makeWorld(t testing.TB, e *engine.Engine, name string, memMiB, diskMiB int) *engine.VM {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -232,7 +232,7 @@ func makeWorld(t *testing.T, e *engine.Engine, name string, memMiB, diskMiB int)
 }
 
 // makePinnedWorld makes the forkable VM "w" (1 vCPU) and its pinned checkpoint "ck".
-func makePinnedWorld(t *testing.T, e *engine.Engine, memMiB, diskMiB int) *engine.VM {
+func makePinnedWorld(t testing.TB, e *engine.Engine, memMiB, diskMiB int) *engine.VM {
 	t.Helper()
 	w := makeWorld(t, e, "w", memMiB, diskMiB)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -245,7 +245,7 @@ func makePinnedWorld(t *testing.T, e *engine.Engine, memMiB, diskMiB int) *engin
 
 // waitDead waits up to within for vm (whose QEMU was killed) to be seen dead, and fails
 // the test if it is not.
-func waitDead(t *testing.T, vm *engine.VM, within time.Duration) {
+func waitDead(t testing.TB, vm *engine.VM, within time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(within)
 	for vm.Info().State != engine.StateDead && time.Now().Before(deadline) {
@@ -415,7 +415,7 @@ type expectState struct {
 // processes of the state dir belong to listed VMs, VM dirs and run dirs are exactly the
 // listed VMs, sockets are only inside listed run dirs, RAM and checkpoint dirs hold
 // exactly the listed entries (no .tmp-* left overs).
-func checkState(t *testing.T, env *testEnv, want expectState) {
+func checkState(t testing.TB, env *testEnv, want expectState) {
 	t.Helper()
 	home, ramDir := env.Home, env.E.Config().RAMDir
 	runDir := filepath.Join(home, "run")
@@ -452,7 +452,7 @@ func checkState(t *testing.T, env *testEnv, want expectState) {
 
 // assertGone checks VM name is gone from the engine, its directories and RAM file are
 // removed, and neither pid (if > 0) nor any QEMU of name is alive.
-func assertGone(t *testing.T, env *testEnv, name string, pid int) {
+func assertGone(t testing.TB, env *testEnv, name string, pid int) {
 	t.Helper()
 	if _, err := env.E.Get(name); !errors.Is(err, engine.ErrNotFound) {
 		t.Errorf("%s: Get = %v, want ErrNotFound", name, err)

@@ -17,21 +17,19 @@ import (
 	"github.com/forkvm/forkvm/engine"
 )
 
-// TestNetBackendCost is the experiment behind the choice of slirp over passt for forks
-// (docs/benchmarks.md, "Networking"). It is skipped unless FORKVM_NET_EXPERIMENT=1:
+// BenchmarkNetBackendCost is the experiment behind the choice of slirp over passt for
+// forks (docs/benchmarks.md, "Networking"); -benchtime Nx sets the runs per backend:
 //
-//	FORKVM_NET_EXPERIMENT=1 go test -count=1 -run TestNetBackendCost -v ./tests/
+//	go test -count=1 -run '^$' -bench NetBackendCost -benchtime 20x -v ./tests/
 //
 // Part 1 spawns a fork's QEMU (the machine forks use, waiting in -incoming defer) with
 // no network, with slirp (-netdev user + virtio-net) and with passt (a passt process,
 // then -netdev stream to its socket + virtio-net), and measures exec until QMP answers
 // (for passt: from passt's exec) and the proportional set size of the processes. Part 2
 // forks real networked and plain worlds through the engine and compares fork → ready.
-func TestNetBackendCost(t *testing.T) {
-	if os.Getenv("FORKVM_NET_EXPERIMENT") != "1" {
-		t.Skip("set FORKVM_NET_EXPERIMENT=1 to run the networking experiment")
-	}
-	const runs = 20
+func BenchmarkNetBackendCost(b *testing.B) {
+	var t testing.TB = b
+	runs := b.N
 	passt, perr := exec.LookPath("passt")
 	backends := []string{"none", "slirp", "passt"}
 	if perr != nil {
@@ -109,7 +107,7 @@ func TestNetBackendCost(t *testing.T) {
 // spawnWithNet starts a fork-shaped QEMU with backend b, waits for QMP, measures, and
 // kills what it started (by pid). It returns the time from the first exec to QMP's
 // greeting and, in KiB, QEMU's private memory and Pss, then passt's (0 without it).
-func spawnWithNet(t *testing.T, qemu, passt, b string) (time.Duration, [4]int64) {
+func spawnWithNet(t testing.TB, qemu, passt, b string) (time.Duration, [4]int64) {
 	t.Helper()
 	dir, err := os.MkdirTemp("/tmp", "fvnet-")
 	if err != nil {
@@ -195,7 +193,7 @@ func spawnWithNet(t *testing.T, qemu, passt, b string) (time.Duration, [4]int64)
 
 // memKiB is the private (Private_Clean + Private_Dirty) and proportional set size of a
 // process, from /proc/PID/smaps_rollup.
-func memKiB(t *testing.T, pid int) (private, pss int64) {
+func memKiB(t testing.TB, pid int) (private, pss int64) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
 	if err != nil {
 		t.Fatal(err)
