@@ -39,7 +39,7 @@ func newApp() *cli.Command {
 		Name:  "forkbench",
 		Usage: "benchmark forkvm forks (results: result.json, samples.csv, report.md)",
 		Commands: []*cli.Command{
-			fanoutCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(),
+			fanoutCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), pythonCmd(),
 		},
 	}
 }
