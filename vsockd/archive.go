@@ -197,8 +197,9 @@ type ExtractOptions struct {
 // ErrNotDirectory). Nothing is ever written outside dir, whatever the archive holds:
 //
 //   - entry names must be relative and free of ".." components (a leading "./" is
-//     fine); others are refused with ErrUnsafeEntry, as are device nodes and types
-//     other than directories, files, symlinks, hard links and FIFOs (skipped);
+//     fine); others are refused with ErrUnsafeEntry, as are device nodes, sparse files
+//     (a few bytes of archive could expand to any size) and types other than
+//     directories, files, symlinks, hard links and FIFOs (skipped);
 //   - every entry's parent directory is resolved inside dir with securejoin: symlinks
 //     already in dir are followed as if dir were the root, never out of it; missing
 //     parents are created;
@@ -244,6 +245,8 @@ func ExtractTar(ctx context.Context, r io.Reader, dir string, opts *ExtractOptio
 	if x.root, err = filepath.Abs(x.root); err != nil {
 		return fmt.Errorf("vsockd: extract into %s: %w", dir, err)
 	}
+	// Directory modes and times are set at the end, after an error too.
+	defer x.finish()
 	cr := ctxReader{ctx, r}
 	tr := tar.NewReader(cr)
 	for {
@@ -273,7 +276,6 @@ func ExtractTar(ctx context.Context, r io.Reader, dir string, opts *ExtractOptio
 	} else if err != nil && err != io.EOF {
 		return fmt.Errorf("vsockd: extract: %w", err)
 	}
-	x.finish()
 	return nil
 }
 
@@ -386,6 +388,14 @@ func (x *extractor) apply(ctx context.Context, hdr *tar.Header, data io.Reader) 
 		return nil
 	case tar.TypeChar, tar.TypeBlock:
 		return fmt.Errorf("%w: %q is a device node", ErrUnsafeEntry, hdr.Name)
+	}
+	// A sparse file (GNU PAX format; the old GNU format has its own type, refused below)
+	// is read back with its holes as zeros: a few bytes of archive could make a file of
+	// any size. WriteTar never writes one.
+	for k := range hdr.PAXRecords {
+		if strings.HasPrefix(k, "GNU.sparse.") {
+			return fmt.Errorf("%w: %q is a sparse file", ErrUnsafeEntry, hdr.Name)
+		}
 	}
 	rel, err := x.entryPath(hdr.Name)
 	if err != nil {

@@ -182,7 +182,7 @@ type hostileEntry struct {
 	data string
 }
 
-func craftTar(t *testing.T, entries []hostileEntry) []byte {
+func craftTar(t testing.TB, entries []hostileEntry) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -489,5 +489,99 @@ func TestCopyFeatureGate(t *testing.T) {
 	r, err := pair(t, nil).Hello(ctx, Hello{Token: [16]byte{2}})
 	if err != nil || strings.Join(r.Features, ",") != FeatureExecUser+","+FeatureCopy {
 		t.Fatalf("features %v, %v", r, err)
+	}
+}
+
+// FuzzExtractTar: whatever the bytes, ExtractTar writes nothing next to its destination
+// (with Top and Rename: nothing but the renamed entry inside it either) and never
+// changes a file outside.
+func FuzzExtractTar(f *testing.F) {
+	for _, tc := range hostileCases("/tmp/forkvm-fuzz-outside") {
+		f.Add(craftTar(f, tc.entries))
+	}
+	f.Add(craftTar(f, []hostileEntry{{name: "t", typ: tar.TypeDir}, {name: "t/f", data: "x"}, {name: "t/l", typ: tar.TypeSymlink, link: "f"},
+		{name: "t/h", typ: tar.TypeLink, link: "t/f"}, {name: "t/l", typ: tar.TypeDir}, {name: "t/l/g", data: "y"}}))
+	f.Add(append(paxHeader(map[string]string{"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": "100000"}),
+		craftTar(f, []hostileEntry{{name: "t/s", data: "0\n"}})...))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		base := t.TempDir()
+		dst, outside := filepath.Join(base, "dst"), filepath.Join(base, "outside")
+		os.Mkdir(dst, 0o755)
+		os.Mkdir(outside, 0o755)
+		os.WriteFile(filepath.Join(outside, "keep"), []byte("k"), 0o644)
+		os.Symlink("../outside", filepath.Join(dst, "pre"))
+		ExtractTar(context.Background(), bytes.NewReader(data), dst, &ExtractOptions{Top: "t", Rename: "new"})
+		checkOutside(t, outside, "fuzz")
+		for _, d := range []string{base, dst} {
+			ents, _ := os.ReadDir(d)
+			for _, e := range ents {
+				if n := e.Name(); n != "dst" && n != "outside" && n != "pre" && !(d == dst && n == "new") {
+					t.Fatalf("wrote %s in %s", n, d)
+				}
+			}
+		}
+		// Without Top, entries land anywhere below dst, but never outside it.
+		ExtractTar(context.Background(), bytes.NewReader(data), dst, nil)
+		checkOutside(t, outside, "fuzz without Top")
+		if ents, _ := os.ReadDir(base); len(ents) != 2 {
+			t.Fatalf("wrote next to dst: %v", ents)
+		}
+	})
+}
+
+// paxHeader is a raw PAX extended header block ('x') carrying records (archive/tar's
+// Writer drops GNU.sparse records, so a sparse entry must be made by hand).
+func paxHeader(records map[string]string) []byte {
+	var body []byte
+	for k, v := range records {
+		rec := fmt.Sprintf(" %s=%s\n", k, v)
+		n := len(rec) + len(fmt.Sprint(len(rec)))
+		if len(fmt.Sprint(n)) > len(fmt.Sprint(len(rec))) {
+			n++
+		}
+		body = append(body, fmt.Sprintf("%d%s", n, rec)...)
+	}
+	h := make([]byte, 512)
+	copy(h, "PaxHeaders/big")
+	copy(h[100:], "0000644\x00")
+	copy(h[124:], fmt.Sprintf("%011o\x00", len(body)))
+	copy(h[136:], "00000000000\x00")
+	h[156] = 'x'
+	copy(h[257:], "ustar\x0000")
+	copy(h[148:], "        ")
+	sum := 0
+	for _, b := range h {
+		sum += int(b)
+	}
+	copy(h[148:], fmt.Sprintf("%06o\x00 ", sum))
+	body = append(body, make([]byte, (512-len(body)%512)%512)...)
+	return append(h, body...)
+}
+
+// TestExtractSparse: a sparse entry (a few bytes of archive, a file of any size) is
+// refused, not expanded.
+func TestExtractSparse(t *testing.T) {
+	var entry bytes.Buffer
+	tw := tar.NewWriter(&entry)
+	mapBlock := make([]byte, 512)
+	copy(mapBlock, "0\n") // GNU sparse 1.0 map: no data regions
+	if err := tw.WriteHeader(&tar.Header{Name: "big", Typeflag: tar.TypeReg, Mode: 0o644, Size: 512}); err != nil {
+		t.Fatal(err)
+	}
+	tw.Write(mapBlock)
+	tw.Close()
+	archive := append(paxHeader(map[string]string{"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+		"GNU.sparse.realsize": "1099511627776", "GNU.sparse.name": "big"}), entry.Bytes()...)
+	// archive/tar reads it as a 1 TiB file of zeros.
+	tr := tar.NewReader(bytes.NewReader(archive))
+	if hdr, err := tr.Next(); err != nil || hdr.Size != 1<<40 {
+		t.Fatalf("the crafted entry is not a sparse 1 TiB file: %+v %v", hdr, err)
+	}
+	dst := t.TempDir()
+	if err := ExtractTar(context.Background(), bytes.NewReader(archive), dst, nil); !errors.Is(err, ErrUnsafeEntry) || !strings.Contains(err.Error(), "sparse") {
+		t.Fatalf("sparse entry: %v", err)
+	}
+	if ents, _ := os.ReadDir(dst); len(ents) != 0 {
+		t.Fatalf("extracted %v", ents)
 	}
 }

@@ -125,9 +125,10 @@ func copyToGuest(ctx context.Context, c *vsockd.Client, src, guestDst string) er
 	if err != nil {
 		return err
 	}
+	slash := strings.HasSuffix(guestDst, "/")
+	guestDst = path.Clean(guestDst)
 	dir, top := guestDst, filepath.Base(abs)
 	gi, err := c.Stat(ctx, guestDst)
-	slash := strings.HasSuffix(guestDst, "/")
 	switch {
 	case err == nil && gi.IsDir():
 	case err == nil:
@@ -162,9 +163,10 @@ func copyFromGuest(ctx context.Context, c *vsockd.Client, guestSrc, dst string) 
 	if name == "/" {
 		return fmt.Errorf("forkvm cp: cannot copy the guest's / as a whole (copy its directories)")
 	}
+	slash := strings.HasSuffix(dst, "/")
+	dst = filepath.Clean(dst)
 	dir, opts := dst, &vsockd.ExtractOptions{Top: name}
 	st, err := os.Stat(dst)
-	slash := strings.HasSuffix(dst, "/")
 	switch {
 	case err == nil && st.IsDir():
 	case err == nil || errors.Is(err, fs.ErrNotExist):
