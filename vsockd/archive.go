@@ -12,8 +12,6 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
-
-	securejoin "github.com/cyphar/filepath-securejoin"
 )
 
 // Tar streams of copies. The same two functions run on both ends of a copy: the guest
@@ -200,9 +198,10 @@ type ExtractOptions struct {
 //     fine); others are refused with ErrUnsafeEntry, as are device nodes, sparse files
 //     (a few bytes of archive could expand to any size) and types other than
 //     directories, files, symlinks, hard links and FIFOs (skipped);
-//   - every entry's parent directory is resolved inside dir with securejoin: symlinks
-//     already in dir are followed as if dir were the root, never out of it; missing
-//     parents are created;
+//   - every entry's parent directory is resolved inside dir with filepath-securejoin
+//     (on Linux, race-free: opened as a handle with pathrs-lite, and the entry made
+//     relative to it with the *at system calls): symlinks already in dir are followed
+//     as if dir were the root, never out of it; missing parents are created;
 //   - the entry itself is never followed: a file or symlink in its place is removed
 //     and the entry created afresh (O_EXCL|O_NOFOLLOW); a directory entry keeps an
 //     existing directory (or a symlink resolving to one inside dir); a directory is
@@ -239,12 +238,10 @@ func ExtractTar(ctx context.Context, r io.Reader, dir string, opts *ExtractOptio
 	if !st.IsDir() {
 		return fmt.Errorf("%w: %s", ErrNotDirectory, dir)
 	}
-	if x.root, err = filepath.EvalSymlinks(dir); err != nil {
+	if x.root, err = openRootDir(dir); err != nil {
 		return fmt.Errorf("vsockd: extract into %s: %w", dir, err)
 	}
-	if x.root, err = filepath.Abs(x.root); err != nil {
-		return fmt.Errorf("vsockd: extract into %s: %w", dir, err)
-	}
+	defer x.root.close()
 	// Directory modes and times are set at the end, after an error too.
 	defer x.finish()
 	cr := ctxReader{ctx, r}
@@ -280,15 +277,19 @@ func ExtractTar(ctx context.Context, r io.Reader, dir string, opts *ExtractOptio
 }
 
 type extractor struct {
-	root  string // absolute, symlinks resolved
-	opts  ExtractOptions
-	n     int
-	links map[string]bool // relative paths of the symlinks this archive made
-	dirs  []dirAttrs      // directories made or kept, for mode and times at the end
+	root *rootDir // see archive_at_*.go
+	// last is the parent directory opened last (entries of a directory come together);
+	// lastRel its relative path. The extractor owns it.
+	last    dirRef
+	lastRel string
+	opts    ExtractOptions
+	n       int
+	links   map[string]bool // relative paths of the symlinks this archive made
+	dirs    []dirAttrs      // directories made or kept, for mode and times at the end
 }
 
 type dirAttrs struct {
-	path  string
+	rel   string
 	mode  fs.FileMode
 	mtime time.Time
 }
@@ -350,33 +351,46 @@ func (x *extractor) entryPath(name string) (string, error) {
 	return rel, nil
 }
 
-// resolve returns the host path for the entry rel: its parent resolved inside the root
-// (and created when missing) joined with its last component, which is not followed.
-func (x *extractor) resolve(rel string) (string, error) {
-	parent, err := securejoin.SecureJoin(x.root, path.Dir(rel))
+// parent opens the parent directory of the entry rel inside the root, creating missing
+// parents (symlinks on the way are followed as if the root were /, never out of it).
+// The handle belongs to the extractor: callers do not close it.
+func (x *extractor) parent(rel string) (dirRef, error) {
+	if x.lastRel != "" && x.lastRel == path.Dir(rel) {
+		return x.last, nil
+	}
+	x.dropParent()
+	d, err := x.root.mkParent(rel)
 	if err != nil {
-		return "", fmt.Errorf("%w: %q: %v", ErrUnsafeEntry, rel, err)
+		var zero dirRef
+		return zero, fmt.Errorf("vsockd: extract %s: parent directory: %w", rel, err)
 	}
-	if err := os.MkdirAll(parent, 0o755); err != nil {
-		return "", fmt.Errorf("vsockd: extract %s: %w", rel, err)
-	}
-	return filepath.Join(parent, path.Base(rel)), nil
+	x.last, x.lastRel = d, path.Dir(rel)
+	return d, nil
 }
 
-// clearPath removes a file or symlink at p, so that the entry rel can be created there; a
-// directory in the way is an error.
-func clearPath(p, rel string) error {
-	st, err := os.Lstat(p)
+// dropParent closes the cached parent directory.
+func (x *extractor) dropParent() {
+	if x.lastRel != "" {
+		closeDir(x.last)
+		var zero dirRef
+		x.last, x.lastRel = zero, ""
+	}
+}
+
+// clearAt removes a file or symlink name in d, so that the entry rel can be created
+// there; a directory in the way is an error.
+func clearAt(d dirRef, name, rel string) error {
+	m, err := lstatAt(d, name)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
 	if err != nil {
 		return fmt.Errorf("vsockd: extract %s: %w", rel, err)
 	}
-	if st.IsDir() {
+	if m == fs.ModeDir {
 		return fmt.Errorf("vsockd: extract %s: a directory is in the way", rel)
 	}
-	if err := os.Remove(p); err != nil {
+	if err := unlinkAt(d, name); err != nil {
 		return fmt.Errorf("vsockd: extract %s: %w", rel, err)
 	}
 	return nil
@@ -425,33 +439,32 @@ func (x *extractor) dir(rel string, hdr *tar.Header) error {
 	if rel == "." {
 		return nil // the destination keeps its own attributes
 	}
-	p, err := x.resolve(rel)
+	d, err := x.parent(rel)
 	if err != nil {
 		return err
 	}
-	st, err := os.Lstat(p)
+	name := path.Base(rel)
+	m, err := lstatAt(d, name)
 	switch {
-	case err == nil && st.IsDir():
-	case err == nil && st.Mode()&fs.ModeSymlink != 0 && !x.links[rel]:
+	case err == nil && m == fs.ModeDir:
+	case err == nil && m == fs.ModeSymlink && !x.links[rel]:
 		// A symlink already in the destination: a directory entry goes where it leads,
 		// resolved inside the root; it keeps its own attributes.
-		t, err := securejoin.SecureJoin(x.root, rel)
-		if err != nil {
-			return fmt.Errorf("%w: %q: %v", ErrUnsafeEntry, rel, err)
-		}
-		if tst, err := os.Lstat(t); err != nil || !tst.IsDir() {
+		if !x.root.isDirInRoot(rel) {
 			return fmt.Errorf("%w: %s is a symlink to a non-directory", ErrNotDirectory, rel)
 		}
 		return nil
-	case err == nil && st.Mode()&fs.ModeSymlink != 0:
+	case err == nil && m == fs.ModeSymlink:
 		// A symlink of this archive, now replaced by a directory.
-		if err := os.Remove(p); err != nil {
+		if err := unlinkAt(d, name); err != nil {
 			return fmt.Errorf("vsockd: extract %s: %w", rel, err)
 		}
 		delete(x.links, rel)
-		fallthrough
+		if err := mkdirAt(d, name); err != nil {
+			return fmt.Errorf("vsockd: extract %s: %w", rel, err)
+		}
 	case errors.Is(err, fs.ErrNotExist):
-		if err := os.Mkdir(p, 0o700); err != nil {
+		if err := mkdirAt(d, name); err != nil {
 			return fmt.Errorf("vsockd: extract %s: %w", rel, err)
 		}
 	case err == nil:
@@ -461,20 +474,21 @@ func (x *extractor) dir(rel string, hdr *tar.Header) error {
 	}
 	// Mode and times are set at the end: a read-only directory must still take its
 	// entries, and each entry changes its directory's mtime.
-	x.dirs = append(x.dirs, dirAttrs{p, extractedMode(hdr.Mode), hdr.ModTime})
+	x.dirs = append(x.dirs, dirAttrs{rel, extractedMode(hdr.Mode), hdr.ModTime})
 	return nil
 }
 
 func (x *extractor) file(ctx context.Context, rel string, hdr *tar.Header, data io.Reader) error {
-	p, err := x.resolve(rel)
+	d, err := x.parent(rel)
 	if err != nil {
 		return err
 	}
-	if err := clearPath(p, rel); err != nil {
+	name := path.Base(rel)
+	if err := clearAt(d, name, rel); err != nil {
 		return err
 	}
 	delete(x.links, rel)
-	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL|oNoFollow, 0o600)
+	f, err := createAt(d, name)
 	if err != nil {
 		return fmt.Errorf("vsockd: extract %s: %w", rel, err)
 	}
@@ -494,7 +508,7 @@ func (x *extractor) file(ctx context.Context, rel string, hdr *tar.Header, data 
 		}
 		return fmt.Errorf("vsockd: extract %s: %w", rel, err)
 	}
-	setTimes(p, hdr.ModTime)
+	setTimesAt(d, name, hdr.ModTime)
 	return nil
 }
 
@@ -502,18 +516,19 @@ func (x *extractor) symlink(rel string, hdr *tar.Header) error {
 	if hdr.Linkname == "" || strings.IndexByte(hdr.Linkname, 0) >= 0 {
 		return fmt.Errorf("%w: symlink %q has an empty or NUL target", ErrUnsafeEntry, hdr.Name)
 	}
-	p, err := x.resolve(rel)
+	d, err := x.parent(rel)
 	if err != nil {
 		return err
 	}
-	if err := clearPath(p, rel); err != nil {
+	name := path.Base(rel)
+	if err := clearAt(d, name, rel); err != nil {
 		return err
 	}
-	if err := os.Symlink(hdr.Linkname, p); err != nil {
+	if err := symlinkAt(hdr.Linkname, d, name); err != nil {
 		return fmt.Errorf("vsockd: extract %s: %w", rel, err)
 	}
 	x.links[rel] = true
-	setTimes(p, hdr.ModTime)
+	setTimesAt(d, name, hdr.ModTime)
 	return nil
 }
 
@@ -525,27 +540,29 @@ func (x *extractor) hardLink(rel string, hdr *tar.Header) error {
 	if trel == "." {
 		return fmt.Errorf("%w: hard link %q to the destination itself", ErrUnsafeEntry, hdr.Name)
 	}
-	tparent, err := securejoin.SecureJoin(x.root, path.Dir(trel))
+	notFile := fmt.Errorf("%w: hard link %q -> %q: the target is not a file extracted before it", ErrUnsafeEntry, hdr.Name, hdr.Linkname)
+	td, err := x.root.openParent(trel)
 	if err != nil {
-		return fmt.Errorf("%w: hard link %q -> %q: %v", ErrUnsafeEntry, hdr.Name, hdr.Linkname, err)
+		return notFile
 	}
-	target := filepath.Join(tparent, path.Base(trel))
-	st, err := os.Lstat(target)
-	if err != nil || st.IsDir() || st.Mode()&fs.ModeSymlink != 0 {
-		return fmt.Errorf("%w: hard link %q -> %q: the target is not a file extracted before it", ErrUnsafeEntry, hdr.Name, hdr.Linkname)
+	defer closeDir(td)
+	tname := path.Base(trel)
+	if m, err := lstatAt(td, tname); err != nil || m != 0 {
+		return notFile
 	}
-	p, err := x.resolve(rel)
+	d, err := x.parent(rel)
 	if err != nil {
 		return err
 	}
-	if pst, err := os.Lstat(p); err == nil && os.SameFile(pst, st) {
+	name := path.Base(rel)
+	if sameFileAt(td, tname, d, name) {
 		return nil
 	}
-	if err := clearPath(p, rel); err != nil {
+	if err := clearAt(d, name, rel); err != nil {
 		return err
 	}
 	delete(x.links, rel)
-	if err := os.Link(target, p); err != nil {
+	if err := linkAt(td, tname, d, name); err != nil {
 		return fmt.Errorf("vsockd: extract hard link %s: %w", rel, err)
 	}
 	return nil
@@ -553,10 +570,16 @@ func (x *extractor) hardLink(rel string, hdr *tar.Header) error {
 
 // finish sets the directories' modes and times, deepest last made first.
 func (x *extractor) finish() {
+	x.dropParent()
 	for i := len(x.dirs) - 1; i >= 0; i-- {
-		d := x.dirs[i]
-		os.Chmod(d.path, d.mode)
-		setTimes(d.path, d.mtime)
+		a := x.dirs[i]
+		d, err := x.root.openParent(a.rel)
+		if err != nil {
+			continue
+		}
+		chmodDirAt(d, path.Base(a.rel), a.mode)
+		setTimesAt(d, path.Base(a.rel), a.mtime)
+		closeDir(d)
 	}
 	x.dirs = nil
 }

@@ -284,16 +284,34 @@ func TestExtractHostile(t *testing.T) {
 			checkOutside(t, outside, tc.name)
 		})
 	}
-	// A symlink already in the destination is followed inside it only.
+	// A symlink already in the destination is followed inside it only (a symlink out of
+	// it leads to a directory that does not exist inside it: an error, or on other
+	// systems than Linux that directory made inside it).
 	dst, outside := hostileDirs(t)
 	os.Symlink(outside, filepath.Join(dst, "link"))
 	os.Symlink("../outside", filepath.Join(dst, "rlink"))
-	tarball := craftTar(t, []hostileEntry{{name: "link/pwned", data: "x"}, {name: "rlink/pwned", data: "x"},
-		{name: "rlink", typ: tar.TypeDir}, {name: "rlink/pwned2", data: "x"}})
+	os.Mkdir(filepath.Join(dst, "sub"), 0o755)
+	os.Symlink("sub", filepath.Join(dst, "inlink"))
+	os.Symlink("/sub", filepath.Join(dst, "abslink"))
+	for _, entries := range [][]hostileEntry{
+		{{name: "link/pwned", data: "x"}},
+		{{name: "rlink/pwned", data: "x"}},
+		{{name: "rlink", typ: tar.TypeDir}, {name: "rlink/pwned2", data: "x"}},
+		{{name: "link/", typ: tar.TypeDir}},
+	} {
+		ExtractTar(context.Background(), bytes.NewReader(craftTar(t, entries)), dst, nil)
+		checkOutside(t, outside, "pre-existing symlink "+entries[0].name)
+	}
+	tarball := craftTar(t, []hostileEntry{{name: "inlink", typ: tar.TypeDir}, {name: "inlink/f", data: "x"}, {name: "abslink/g", data: "y"}})
 	if err := ExtractTar(context.Background(), bytes.NewReader(tarball), dst, nil); err != nil {
 		t.Fatal(err)
 	}
-	checkOutside(t, outside, "pre-existing symlinks")
+	if b, _ := os.ReadFile(filepath.Join(dst, "sub", "f")); string(b) != "x" {
+		t.Fatal("a symlink to a directory inside the destination was not followed")
+	}
+	if b, _ := os.ReadFile(filepath.Join(dst, "sub", "g")); string(b) != "y" {
+		t.Fatal("an absolute symlink was not followed inside the destination")
+	}
 	// Endless data after the archive's end.
 	junk := io.MultiReader(bytes.NewReader(craftTar(t, []hostileEntry{{name: "f", data: "x"}})), zeroReader{})
 	if err := ExtractTar(context.Background(), junk, dst, nil); err == nil || !strings.Contains(err.Error(), "after the end") {
@@ -584,4 +602,50 @@ func TestExtractSparse(t *testing.T) {
 	if ents, _ := os.ReadDir(dst); len(ents) != 0 {
 		t.Fatalf("extracted %v", ents)
 	}
+}
+
+// TestExtractRace: a guest process swapping a directory of the destination for a
+// symlink out of it while an archive is extracted into it (an unprivileged user racing
+// the root agent) never gets a file written outside: parents are opened race-free.
+func TestExtractRace(t *testing.T) {
+	dst, outside := hostileDirs(t)
+	real := filepath.Join(dst, "real")
+	os.Mkdir(real, 0o755)
+	var entries []hostileEntry
+	for i := range 500 {
+		entries = append(entries, hostileEntry{name: fmt.Sprintf("real/f%d", i), data: "x"})
+	}
+	tarball := craftTar(t, entries)
+	stop := make(chan struct{})
+	swapped := make(chan int)
+	go func() {
+		n := 0
+		defer func() { swapped <- n }()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if os.Rename(real, real+".parked") != nil {
+				continue
+			}
+			os.Symlink(outside, real+".tmp")
+			os.Rename(real+".tmp", real)
+			os.Remove(real)
+			os.Rename(real+".parked", real)
+			n++
+		}
+	}()
+	deadline := time.Now().Add(2 * time.Second)
+	rounds, failed := 0, 0
+	for time.Now().Before(deadline) {
+		if ExtractTar(context.Background(), bytes.NewReader(tarball), dst, nil) != nil {
+			failed++
+		}
+		rounds++
+	}
+	close(stop)
+	t.Logf("%d extractions (%d failed) against %d swaps", rounds, failed, <-swapped)
+	checkOutside(t, outside, "race")
 }
