@@ -201,7 +201,8 @@ type ExtractOptions struct {
 //   - every entry's parent directory is resolved inside dir with filepath-securejoin
 //     (on Linux, race-free: opened as a handle with pathrs-lite, and the entry made
 //     relative to it with the *at system calls): symlinks already in dir are followed
-//     as if dir were the root, never out of it; missing parents are created;
+//     as if dir were the root, never out of it (on Linux, one leading to a directory
+//     that does not exist inside dir is an error); missing parents are created;
 //   - the entry itself is never followed: a file or symlink in its place is removed
 //     and the entry created afresh (O_EXCL|O_NOFOLLOW); a directory entry keeps an
 //     existing directory (or a symlink resolving to one inside dir); a directory is

@@ -67,10 +67,10 @@ func cpCmd() *cli.Command {
 		Name:      "cp",
 		Usage:     "copy a file, directory tree or symlink between the host and a VM (VM:/path on exactly one side)",
 		ArgsUsage: "SRC DST",
-		Description: "forkvm cp ./dir w1:/root      copies ./dir to /root/dir in w1 (into an existing directory)\n" +
-			"forkvm cp w1:/etc/hostname ./h   copies to ./h (a new name, or over an existing file)\n" +
-			"forkvm cp - w1:/root            extracts a tar stream from stdin into /root\n" +
-			"forkvm cp w1:/var/log -         writes a tar stream of /var/log to stdout\n\n" +
+		Description: "forkvm cp ./dir w1:/root          copies ./dir to /root/dir in w1 (into an existing directory)\n" +
+			"forkvm cp w1:/etc/hostname ./h    copies to ./h (a new name, or over an existing file)\n" +
+			"forkvm cp - w1:/root              extracts a tar stream from stdin into /root\n" +
+			"forkvm cp w1:/var/log -           writes a tar stream of /var/log to stdout\n\n" +
 			"Directories are copied recursively and symlinks as symlinks; permission bits and\n" +
 			"modification times are kept, owners and set-ID bits are not. Nothing is written\n" +
 			"outside DST, whatever the guest sends.",
