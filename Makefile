@@ -68,6 +68,7 @@ cross:
 fuzz:
 	$(GO) test -run='^$$' -fuzz=FuzzDecode -fuzztime=100000x ./qmp/
 	$(GO) test -run='^$$' -fuzz=FuzzReadFrame -fuzztime=100000x ./vsockd/
+	$(GO) test -run='^$$' -fuzz=FuzzExtractTar -fuzztime=5000x ./vsockd/
 	$(GO) test -run='^$$' -fuzz=FuzzManifest -fuzztime=50000x ./engine/
 	$(GO) test -run='^$$' -fuzz=FuzzParseJIT -fuzztime=50000x ./engine/
 	$(GO) test -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./memfile/

@@ -52,5 +52,7 @@
 // The fork path is one file per stage: forkprep.go (manifest, directory, disk),
 // qemuproc.go (the QEMU process; its argv is built only by cmdline.go), migrate.go
 // (every migration verb), handshake.go (the agent's token handshake) and fork.go, which
-// runs them in order. paths.go owns every path and file name.
+// runs them in order. paths.go owns every path and file name. files.go moves files in
+// and out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut: the engine
+// never opens a host path for a copy) and reads its console (VM.Logs).
 package engine

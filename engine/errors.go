@@ -3,6 +3,8 @@ package engine
 import (
 	"errors"
 	"fmt"
+
+	"github.com/forkvm/forkvm/vsockd"
 )
 
 // Sentinel errors returned (wrapped with %w) by the engine. Test them with errors.Is.
@@ -47,6 +49,18 @@ var (
 	// ErrPortUnavailable reports a published host address that cannot be bound for
 	// another reason (a privileged port, an address not on this host).
 	ErrPortUnavailable = errors.New("engine: host port unavailable")
+)
+
+// Errors of copies (VM.CopyIn, VM.CopyOut). They are vsockd's sentinels under the
+// engine's names: errors.Is matches either.
+var (
+	// ErrSourceMissing reports a path to copy that does not exist.
+	ErrSourceMissing = vsockd.ErrSourceMissing
+	// ErrNotDirectory reports a copy destination that is missing or not a directory.
+	ErrNotDirectory = vsockd.ErrNotDirectory
+	// ErrUnsafeEntry reports an archive entry that would be written outside its
+	// destination; the message names it.
+	ErrUnsafeEntry = vsockd.ErrUnsafeEntry
 )
 
 // QEMUError is returned when a QEMU process fails; it carries the tail of QEMU's stderr.

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -275,11 +276,27 @@ func (vm *VM) Agent(ctx context.Context) (*vsockd.Client, error) {
 
 // Exec runs a command in the VM and returns its exit code.
 func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
-	c, err := vm.Agent(ctx)
-	if err != nil {
+	code := -1
+	err := vm.withAgent(ctx, "exec", func(c *vsockd.Client) error {
+		var err error
+		code, err = c.Run(ctx, req)
+		return err
+	})
+	if errors.Is(err, ErrNotRunning) {
 		return -1, err
 	}
-	code, err := c.Run(ctx, req)
+	return code, err
+}
+
+// withAgent runs fn (the operation op) on the VM's agent connection. When the connection
+// breaks because the VM's QEMU went away, the error wraps both ErrNotRunning (for the
+// caller's decision) and the *QEMUError (exit code, stderr) saying why.
+func (vm *VM) withAgent(ctx context.Context, op string, fn func(c *vsockd.Client) error) error {
+	c, err := vm.Agent(ctx)
+	if err != nil {
+		return err
+	}
+	err = fn(c)
 	if err != nil && clientDone(c) {
 		vm.agentMu.Lock()
 		if vm.agent == c {
@@ -293,12 +310,10 @@ func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 		case <-time.After(time.Second):
 		}
 		if !vm.alive() {
-			// Both: ErrNotRunning for the caller's decision, the *QEMUError (exit code,
-			// stderr) for why.
-			return -1, fmt.Errorf("%w: %s: %w", ErrNotRunning, vm.Name(), vm.failure("exec", err))
+			return fmt.Errorf("%w: %s: %w", ErrNotRunning, vm.Name(), vm.failure(op, err))
 		}
 	}
-	return code, err
+	return err
 }
 
 // closeAgent closes the agent connection; the next call reconnects.

@@ -212,8 +212,8 @@ func buildArchive(k *Kernel, mods, netMods []string, agent, bb []byte, applets [
 	must(a.dir("tmp", 0o777|fs.ModeSticky))
 	must(a.chardev("dev/console", 0o600, 5, 1))
 	must(a.chardev("dev/null", 0o666, 1, 3))
-	must(a.file("etc/passwd", 0o644, []byte("root:x:0:0:root:/root:/bin/sh\n")))
-	must(a.file("etc/group", 0o644, []byte("root:x:0:\n")))
+	must(a.file("etc/passwd", 0o644, []byte("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")))
+	must(a.file("etc/group", 0o644, []byte("root:x:0:\nnogroup:x:65534:\n")))
 	modRoot := "lib/modules/" + k.Version
 	must(a.dir(modRoot, 0o755))
 	var guestMods []string

@@ -17,7 +17,7 @@
 //	/sbin, /usr/bin, /usr/sbin     symlinks to /bin
 //	/dev/console, /dev/null        device nodes (before devtmpfs is mounted)
 //	/dev /proc /sys /tmp /run /data /root
-//	/etc/passwd, /etc/group        a root user only
+//	/etc/passwd, /etc/group        root, and nobody:nogroup (65534)
 //	/etc/forkvm/modules            absolute module paths, dependencies first
 //	/etc/forkvm/kernel-version     the kernel release
 //	/lib/modules/<version>/kernel/...   vsock, virtio_blk, virtio_rng and their

@@ -63,6 +63,9 @@ type HelloReply struct {
 	Token   [16]byte
 	BootID  string
 	Uptime  time.Duration
+	// Features lists what the agent supports beyond the version's base
+	// (FeatureExecUser, FeatureCopy); empty for agents that predate them.
+	Features []string
 }
 
 // ExecRequest describes a process to run in the guest.
@@ -72,6 +75,13 @@ type ExecRequest struct {
 	// HOME=/root (and TERM in TTY mode).
 	Env []string
 	Dir string
+	// User runs the process as USER[:GROUP] instead of root: each a name or a
+	// numeric id, looked up in the guest's /etc/passwd and /etc/group. The
+	// process gets the user's primary group (or GROUP), its supplementary
+	// groups from /etc/group and HOME (and USER, LOGNAME) from /etc/passwd.
+	// A name that is not there fails with ErrUnknownUser; a numeric uid that
+	// is not there runs with gid = uid and HOME=/.
+	User string
 	// TTY runs the process on a pseudo terminal of Rows x Cols; all output
 	// arrives on Stdout and Stderr is unused.
 	TTY        bool
@@ -131,6 +141,8 @@ type Client struct {
 	streams map[uint32]*cstream
 	nextID  uint32
 	err     error // terminal error, set once
+	// features are those the last HelloReply listed; nil before a Hello.
+	features map[string]bool
 }
 
 // wreq is one frame handed to the writer goroutine.
@@ -458,12 +470,32 @@ func (c *Client) Hello(ctx context.Context, h Hello) (*HelloReply, error) {
 	if err := json.Unmarshal(f.Payload, &r); err != nil {
 		return nil, fmt.Errorf("vsockd: hello: %w: %v", ErrProtocol, err)
 	}
-	reply := &HelloReply{Version: r.Version, BootID: r.BootID, Uptime: time.Duration(r.UptimeNs)}
+	reply := &HelloReply{Version: r.Version, BootID: r.BootID, Uptime: time.Duration(r.UptimeNs), Features: r.Features}
 	copy(reply.Token[:], r.Token)
+	features := make(map[string]bool, len(r.Features))
+	for _, f := range r.Features {
+		features[f] = true
+	}
+	c.mu.Lock()
+	c.features = features
+	c.mu.Unlock()
 	if len(r.Token) != 16 || reply.Token != h.Token {
 		return reply, fmt.Errorf("%w: sent %x, guest echoed %x", ErrTokenMismatch, h.Token, r.Token)
 	}
 	return reply, nil
+}
+
+// require fails with an error wrapping ErrUnsupported when the agent's
+// HelloReply did not list feature (an agent older than the feature). A client
+// that never said Hello does not know, and sends the request.
+func (c *Client) require(feature, what string) error {
+	c.mu.Lock()
+	f := c.features
+	c.mu.Unlock()
+	if f != nil && !f[feature] {
+		return fmt.Errorf("%w: the guest agent predates %s (rebuild the guest image)", ErrUnsupported, what)
+	}
+	return nil
 }
 
 // Ping checks that the guest is responsive.
@@ -544,6 +576,8 @@ func startError(argv0 string, err error) error {
 			return fmt.Errorf("%w: %s", ErrNotExecutable, re.Message)
 		case CodeWorkdir:
 			return fmt.Errorf("%w: %s", ErrWorkdir, re.Message)
+		case CodeUser:
+			return fmt.Errorf("%w: %s", ErrUnknownUser, re.Message)
 		}
 	}
 	return fmt.Errorf("vsockd: exec %q: %w", argv0, err)
@@ -557,12 +591,17 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	if req == nil || len(req.Argv) == 0 || req.Argv[0] == "" {
 		return nil, ErrEmptyArgv
 	}
+	if req.User != "" {
+		if err := c.require(FeatureExecUser, "exec as another user"); err != nil {
+			return nil, err
+		}
+	}
 	st, err := c.newStream()
 	if err != nil {
 		return nil, err
 	}
 	w := execStartWire{Argv: req.Argv, Env: req.Env, Dir: req.Dir, TTY: req.TTY,
-		Rows: req.Rows, Cols: req.Cols, Term: req.Term, TimeoutNs: int64(req.Timeout)}
+		Rows: req.Rows, Cols: req.Cols, Term: req.Term, TimeoutNs: int64(req.Timeout), User: req.User}
 	if err := c.sendJSON(ctx, TypeExecStart, st.id, w); err != nil {
 		c.abort(st, err, true)
 		return nil, fmt.Errorf("vsockd: exec %q: %w", req.Argv[0], err)
@@ -732,12 +771,48 @@ func (c *Client) PutFile(ctx context.Context, guestPath string, mode os.FileMode
 	if err != nil {
 		return err
 	}
+	what := "put " + guestPath
+	if err := c.sendJSON(ctx, TypeFilePut, st.id, filePutWire{Path: guestPath, Mode: uint32(mode.Perm())}); err != nil {
+		c.abort(st, err, true)
+		return fmt.Errorf("vsockd: %s: %w", what, err)
+	}
+	return c.upload(ctx, st, r, what)
+}
+
+// CopyIn extracts the tar stream r into the existing guest directory
+// guestDir. The guest extracts as the stream arrives (nothing is buffered
+// whole on either side) with ExtractTar's rules: no entry, however crafted,
+// is written outside guestDir. It returns once the guest has extracted
+// everything, or with the guest's error: it wraps ErrNotDirectory when
+// guestDir is missing or not a directory, ErrUnsafeEntry (naming the entry)
+// for an entry that would leave it. What was extracted before an error
+// stays. An error reading r aborts the copy.
+func (c *Client) CopyIn(ctx context.Context, guestDir string, r io.Reader) error {
+	what := "copy to " + guestDir
+	if err := c.require(FeatureCopy, "copies"); err != nil {
+		return fmt.Errorf("vsockd: %s: %w", what, err)
+	}
+	st, err := c.newStream()
+	if err != nil {
+		return err
+	}
+	if err := c.sendJSON(ctx, TypeCopyIn, st.id, copyInWire{Dir: guestDir}); err != nil {
+		c.abort(st, err, true)
+		return fmt.Errorf("vsockd: %s: %w", what, err)
+	}
+	return c.upload(ctx, st, r, what)
+}
+
+// upload sends r as FileData frames within st's credit, then FileEnd, and
+// waits for the guest's FileEnd. what names the operation in errors.
+func (c *Client) upload(ctx context.Context, st *cstream, r io.Reader, what string) error {
 	fail := func(err error) error {
 		c.abort(st, err, true)
-		return fmt.Errorf("vsockd: put %s: %w", guestPath, err)
+		return fmt.Errorf("vsockd: %s: %w", what, err)
 	}
-	if err := c.sendJSON(ctx, TypeFilePut, st.id, filePutWire{Path: guestPath, Mode: uint32(mode.Perm())}); err != nil {
-		return fail(err)
+	remote := func(err error) error {
+		c.finish(st) // the guest ended the stream
+		return fmt.Errorf("vsockd: %s: %w", what, err)
 	}
 	buf := make([]byte, chunkSize)
 	for {
@@ -747,8 +822,7 @@ func (c *Client) PutFile(ctx context.Context, guestPath string, mode os.FileMode
 			k, err := st.win.acquire(ctx, len(data))
 			if err != nil {
 				if re := (*RemoteError)(nil); errors.As(err, &re) {
-					c.finish(st)
-					return fmt.Errorf("vsockd: put %s: %w", guestPath, err)
+					return remote(err)
 				}
 				return fail(err)
 			}
@@ -769,8 +843,7 @@ func (c *Client) PutFile(ctx context.Context, guestPath string, mode os.FileMode
 	}
 	if _, err := c.expect(ctx, st, TypeFileEnd); err != nil {
 		if re := (*RemoteError)(nil); errors.As(err, &re) {
-			c.finish(st)
-			return fmt.Errorf("vsockd: put %s: %w", guestPath, err)
+			return remote(err)
 		}
 		return fail(err)
 	}
@@ -787,12 +860,43 @@ func (c *Client) GetFile(ctx context.Context, guestPath string, w io.Writer, max
 	if err != nil {
 		return err
 	}
+	what := "get " + guestPath
+	if err := c.sendJSON(ctx, TypeFileGet, st.id, fileGetWire{Path: guestPath, Max: max}); err != nil {
+		c.abort(st, err, true)
+		return fmt.Errorf("vsockd: %s: %w", what, err)
+	}
+	return c.download(ctx, st, w, max, what)
+}
+
+// CopyOut writes a tar stream of guestPath to w (see WriteTar): a file, a
+// directory and everything below it, or a symlink as a symlink, in entries
+// named after guestPath's base name. The stream is copied to w as it
+// arrives. A missing guestPath fails with an error wrapping
+// ErrSourceMissing (and fs.ErrNotExist). If the guest fails midway, w has
+// received part of the archive and the error is returned. w must not trust
+// the archive: extract it with ExtractTar (Top set to the base name).
+func (c *Client) CopyOut(ctx context.Context, guestPath string, w io.Writer) error {
+	what := "copy from " + guestPath
+	if err := c.require(FeatureCopy, "copies"); err != nil {
+		return fmt.Errorf("vsockd: %s: %w", what, err)
+	}
+	st, err := c.newStream()
+	if err != nil {
+		return err
+	}
+	if err := c.sendJSON(ctx, TypeCopyOut, st.id, copyOutWire{Path: guestPath}); err != nil {
+		c.abort(st, err, true)
+		return fmt.Errorf("vsockd: %s: %w", what, err)
+	}
+	return c.download(ctx, st, w, 0, what)
+}
+
+// download copies the FileData frames of st to w, returning credit as w
+// takes them, until FileEnd. max > 0 bounds the bytes (ErrFileTooLarge).
+func (c *Client) download(ctx context.Context, st *cstream, w io.Writer, max int64, what string) error {
 	fail := func(err error) error {
 		c.abort(st, err, true)
-		return fmt.Errorf("vsockd: get %s: %w", guestPath, err)
-	}
-	if err := c.sendJSON(ctx, TypeFileGet, st.id, fileGetWire{Path: guestPath, Max: max}); err != nil {
-		return fail(err)
+		return fmt.Errorf("vsockd: %s: %w", what, err)
 	}
 	var total int64
 	for {
@@ -818,12 +922,52 @@ func (c *Client) GetFile(ctx context.Context, guestPath string, w io.Writer, max
 			return nil
 		case TypeError:
 			c.finish(st)
-			return fmt.Errorf("vsockd: get %s: %w", guestPath, decodeRemoteError(f.Payload))
+			return fmt.Errorf("vsockd: %s: %w", what, decodeRemoteError(f.Payload))
 		default:
 			return fail(fmt.Errorf("%w: unexpected %v", ErrProtocol, f.Type))
 		}
 	}
 }
+
+// Stat returns the attributes of the guest path guestPath, following
+// symlinks. A missing path matches fs.ErrNotExist.
+func (c *Client) Stat(ctx context.Context, guestPath string) (fs.FileInfo, error) {
+	if err := c.require(FeatureCopy, "stat"); err != nil {
+		return nil, fmt.Errorf("vsockd: stat %s: %w", guestPath, err)
+	}
+	st, err := c.newStream()
+	if err != nil {
+		return nil, err
+	}
+	defer c.finish(st)
+	if err := c.sendJSON(ctx, TypeStat, st.id, statWire{Path: guestPath}); err != nil {
+		return nil, fmt.Errorf("vsockd: stat %s: %w", guestPath, err)
+	}
+	f, err := c.expect(ctx, st, TypeStatReply)
+	if err != nil {
+		return nil, fmt.Errorf("vsockd: stat %s: %w", guestPath, err)
+	}
+	var r statReplyWire
+	if err := json.Unmarshal(f.Payload, &r); err != nil {
+		return nil, fmt.Errorf("vsockd: stat %s: %w: %v", guestPath, ErrProtocol, err)
+	}
+	return &fileInfo{name: r.Name, size: r.Size, mode: fs.FileMode(r.Mode), mtime: time.Unix(0, r.MtimeNs)}, nil
+}
+
+// fileInfo is a guest file's attributes (Client.Stat).
+type fileInfo struct {
+	name  string
+	size  int64
+	mode  fs.FileMode
+	mtime time.Time
+}
+
+func (fi *fileInfo) Name() string       { return fi.name }
+func (fi *fileInfo) Size() int64        { return fi.size }
+func (fi *fileInfo) Mode() fs.FileMode  { return fi.mode }
+func (fi *fileInfo) ModTime() time.Time { return fi.mtime }
+func (fi *fileInfo) IsDir() bool        { return fi.mode.IsDir() }
+func (fi *fileInfo) Sys() any           { return nil }
 
 // DialUnix connects to the unix socket at path, retrying every 2ms while
 // the socket does not exist yet or refuses connections, until ctx is done.

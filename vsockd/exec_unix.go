@@ -241,9 +241,16 @@ func setWinsize(f *os.File, rows, cols uint16) error {
 	return ierr
 }
 
-// buildEnv merges the request environment over the defaults.
-func buildEnv(req *execStartWire) []string {
+// buildEnv merges the request environment over the defaults (HOME, USER and LOGNAME
+// from user when it is set).
+func buildEnv(req *execStartWire, user *execUser) []string {
 	env := []string{"PATH=" + defaultPath, "HOME=/root"}
+	if user != nil {
+		env[1] = "HOME=" + user.home
+		if user.name != "" {
+			env = append(env, "USER="+user.name, "LOGNAME="+user.name)
+		}
+	}
 	if req.TTY {
 		term := req.Term
 		if term == "" {
@@ -358,7 +365,20 @@ func lookPath(file string, env []string, dir string) (string, error) {
 // startProcess starts req without os/exec, in its own process group (pipe
 // mode) or session with a controlling pty (TTY mode).
 func startProcess(req *execStartWire) (*proc, error) {
-	env := buildEnv(req)
+	var user *execUser
+	var cred *syscall.Credential
+	if req.User != "" {
+		u, err := lookupUser(req.User, passwdFile, groupFile)
+		if err != nil {
+			return nil, err
+		}
+		if euid := os.Geteuid(); euid != 0 && uint32(euid) != u.uid {
+			return nil, &execError{CodeExec, fmt.Sprintf("running as %q needs a root agent", req.User)}
+		}
+		user = u
+		cred = &syscall.Credential{Uid: u.uid, Gid: u.gid, Groups: u.groups}
+	}
+	env := buildEnv(req, user)
 	if err := checkDir(req.Dir); err != nil {
 		return nil, err
 	}
@@ -398,8 +418,12 @@ func startProcess(req *execStartWire) (*proc, error) {
 			setWinsize(p.tty, req.Rows, req.Cols)
 		}
 		childFiles = []*os.File{slave}
+		if user != nil {
+			// The terminal belongs to its user, as login(1) makes it.
+			slave.Chown(int(user.uid), -1)
+		}
 		attr.Files = []uintptr{slave.Fd(), slave.Fd(), slave.Fd()}
-		attr.Sys = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
+		attr.Sys = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred}
 	} else {
 		inR, inW, err := os.Pipe()
 		if err != nil {
@@ -422,7 +446,7 @@ func startProcess(req *execStartWire) (*proc, error) {
 		p.stdin, p.stdout, p.stderr = inW, outR, errR
 		childFiles = []*os.File{inR, outW, errW}
 		attr.Files = []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}
-		attr.Sys = &syscall.SysProcAttr{Setpgid: true}
+		attr.Sys = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
 	}
 	pid, status, err := getReaper().start(func() (int, error) {
 		return syscall.ForkExec(path, req.Argv, attr)

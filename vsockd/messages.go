@@ -22,7 +22,23 @@ type helloReplyWire struct {
 	Token    []byte `json:"token"`
 	BootID   string `json:"boot_id"`
 	UptimeNs int64  `json:"uptime_ns"`
+	// Features lists what the agent supports beyond the version 2 base
+	// (FeatureExecUser, FeatureCopy). An agent that predates a feature does
+	// not list it, and the client refuses requests it would misread.
+	Features []string `json:"features,omitempty"`
 }
+
+// Agent features announced in HelloReply (see helloReplyWire.Features).
+const (
+	// FeatureExecUser: ExecStart honours "user" (an older agent would
+	// ignore the field and run the command as root).
+	FeatureExecUser = "exec-user"
+	// FeatureCopy: CopyIn, CopyOut and Stat requests.
+	FeatureCopy = "copy"
+)
+
+// serverFeatures is what this package's Server announces.
+var serverFeatures = []string{FeatureExecUser, FeatureCopy}
 
 type execStartWire struct {
 	Argv      []string `json:"argv"`
@@ -33,6 +49,7 @@ type execStartWire struct {
 	Cols      uint16   `json:"cols,omitempty"`
 	Term      string   `json:"term,omitempty"`
 	TimeoutNs int64    `json:"timeout_ns,omitempty"`
+	User      string   `json:"user,omitempty"` // USER[:GROUP], names or ids (FeatureExecUser)
 }
 
 type execStartedWire struct {
@@ -64,6 +81,32 @@ type fileGetWire struct {
 	Max  int64  `json:"max"` // <= 0: unlimited
 }
 
+// copyInWire starts a CopyIn: a tar stream (FileData frames, then FileEnd)
+// is extracted into the existing guest directory Dir.
+type copyInWire struct {
+	Dir string `json:"dir"`
+}
+
+// copyOutWire starts a CopyOut: the guest streams a tar of Path (a file,
+// a directory recursively, or a symlink as a symlink) in FileData frames,
+// then FileEnd.
+type copyOutWire struct {
+	Path string `json:"path"`
+}
+
+// statWire asks for the attributes of Path (symlinks followed).
+type statWire struct {
+	Path string `json:"path"`
+}
+
+// statReplyWire answers a Stat.
+type statReplyWire struct {
+	Name    string `json:"name"`
+	Size    int64  `json:"size"`
+	Mode    uint32 `json:"mode"` // Go fs.FileMode bits
+	MtimeNs int64  `json:"mtime_ns"`
+}
+
 // Error codes carried in Error frames.
 const (
 	CodeBadFrame   = "bad_frame" // undecodable frame (stream 0)
@@ -79,6 +122,11 @@ const (
 	CodeNotFound      = "not_found"      // command not found (ENOENT)
 	CodeNotExecutable = "not_executable" // command found but not executable (EACCES, ENOEXEC, ...)
 	CodeWorkdir       = "bad_workdir"    // working directory missing or unusable
+	CodeUser          = "unknown_user"   // ExecStart's user or group is not in /etc/passwd, /etc/group
+	// Copy failures (FeatureCopy).
+	CodeNoSource = "no_source"    // the path to copy does not exist
+	CodeNotDir   = "not_dir"      // the destination is missing or not a directory
+	CodeUnsafe   = "unsafe_entry" // an archive entry would leave the destination
 )
 
 type errorWire struct {
@@ -121,6 +169,26 @@ var (
 	// ErrWorkdir is returned (wrapped, naming the directory) by Start/Run
 	// when ExecRequest.Dir does not exist or is not a usable directory.
 	ErrWorkdir = errors.New("vsockd: bad working directory")
+	// ErrUnknownUser is returned (wrapped, naming the user or group) by
+	// Start/Run when ExecRequest.User is not in the guest's /etc/passwd (or
+	// its group not in /etc/group).
+	ErrUnknownUser = errors.New("vsockd: unknown user")
+)
+
+// Errors of copies (Client.CopyIn, Client.CopyOut, WriteTar, ExtractTar),
+// on either end: a guest's Error frame maps onto them too.
+var (
+	// ErrSourceMissing reports a path to copy that does not exist. It also
+	// matches fs.ErrNotExist.
+	ErrSourceMissing = errors.New("vsockd: copy source does not exist")
+	// ErrNotDirectory reports a copy destination that is missing or not a
+	// directory (or a directory to be written over a non-directory).
+	ErrNotDirectory = errors.New("vsockd: copy destination is not a directory")
+	// ErrUnsafeEntry reports an archive entry that would leave the
+	// destination directory (an absolute name, a ".." component, a path
+	// through a symlink the archive itself made, a device node); the
+	// message names it.
+	ErrUnsafeEntry = errors.New("vsockd: unsafe archive entry")
 )
 
 // Shell-style exit codes for commands that could not run (see Run).
@@ -157,6 +225,14 @@ func (e *RemoteError) Is(target error) bool {
 		return target == ErrNotExecutable
 	case CodeWorkdir:
 		return target == ErrWorkdir
+	case CodeUser:
+		return target == ErrUnknownUser
+	case CodeNoSource:
+		return target == ErrSourceMissing || target == fs.ErrNotExist
+	case CodeNotDir:
+		return target == ErrNotDirectory
+	case CodeUnsafe:
+		return target == ErrUnsafeEntry
 	}
 	return false
 }

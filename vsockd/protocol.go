@@ -50,6 +50,20 @@
 // stream reset. A slow consumer thus only stalls its own stream, and a
 // malicious peer can only make the receiver buffer InitialWindow bytes per
 // stream.
+//
+// # Features and copies
+//
+// Requests added after version 2 was fixed do not change the frame format or
+// the Hello exchange: the agent lists what it supports in
+// HelloReply.Features, and the client refuses (ErrUnsupported) a request an
+// older agent would misread instead of sending it. FeatureExecUser covers
+// ExecStart's "user" field; FeatureCopy the CopyIn, CopyOut and Stat
+// requests. A copy moves a tar stream (archive/tar, written and extracted in
+// Go on both ends: see WriteTar and ExtractTar) in flow-controlled FileData
+// frames ended by FileEnd, on the request's own stream: CopyIn sends it to the
+// guest, which answers FileEnd once it is extracted; CopyOut receives it.
+// Either side may end the stream early with an Error frame (codes no_source,
+// not_dir, unsafe_entry, io) or a Reset.
 package vsockd
 
 import (
@@ -97,9 +111,9 @@ const Magic = "FK"
 type FrameType uint8
 
 // Frame types. Host->guest requests: Hello, Ping, ExecStart, Stdin,
-// StdinClose, Resize, Signal, FilePut, FileData, FileEnd, FileGet, Reset,
-// Window. Guest->host: HelloReply, Pong, ExecStarted, Stdout, Stderr, Exit,
-// FileData, FileEnd, Error, Reset, Window.
+// StdinClose, Resize, Signal, FilePut, FileData, FileEnd, FileGet, CopyIn,
+// CopyOut, Stat, Reset, Window. Guest->host: HelloReply, Pong, ExecStarted,
+// Stdout, Stderr, Exit, FileData, FileEnd, StatReply, Error, Reset, Window.
 const (
 	TypeHello       FrameType = 1  // JSON helloWire; resets the guest session
 	TypeHelloReply  FrameType = 2  // JSON helloReplyWire
@@ -121,6 +135,12 @@ const (
 	TypeReset       FrameType = 18 // empty; abort the stream (kills its process)
 	TypeExecStarted FrameType = 19 // JSON execStartedWire
 	TypeWindow      FrameType = 20 // uint32 BE credit increment
+	// Copies (FeatureCopy; added within version 2: an agent without them
+	// answers with a bad_request Error, and does not announce FeatureCopy).
+	TypeCopyIn    FrameType = 21 // JSON copyInWire; then FileData (a tar stream) and FileEnd
+	TypeCopyOut   FrameType = 22 // JSON copyOutWire; answered with FileData (a tar stream) and FileEnd
+	TypeStat      FrameType = 23 // JSON statWire
+	TypeStatReply FrameType = 24 // JSON statReplyWire
 )
 
 var typeNames = map[FrameType]string{
@@ -130,6 +150,7 @@ var typeNames = map[FrameType]string{
 	TypeExit: "Exit", TypeFilePut: "FilePut", TypeFileData: "FileData", TypeFileEnd: "FileEnd",
 	TypeFileGet: "FileGet", TypeError: "Error", TypeReset: "Reset",
 	TypeExecStarted: "ExecStarted", TypeWindow: "Window",
+	TypeCopyIn: "CopyIn", TypeCopyOut: "CopyOut", TypeStat: "Stat", TypeStatReply: "StatReply",
 }
 
 // String returns the name of the frame type.

@@ -234,6 +234,15 @@ func (ss *session) handle(f Frame) {
 	case TypeFileGet:
 		ss.startGet(f)
 		return
+	case TypeCopyIn:
+		ss.startCopyIn(f)
+		return
+	case TypeCopyOut:
+		ss.startCopyOut(f)
+		return
+	case TypeStat:
+		ss.stat(f)
+		return
 	}
 	st := ss.lookup(f.Stream)
 	if st == nil {
@@ -286,7 +295,7 @@ func (ss *session) hello(f Frame) {
 	gen := ss.newGeneration()
 	ss.resetStreams()
 	applyHello(ss.srv, &h)
-	r := helloReplyWire{Version: ProtocolVersion, Token: h.Token, BootID: bootID(), UptimeNs: int64(uptime())}
+	r := helloReplyWire{Version: ProtocolVersion, Token: h.Token, BootID: bootID(), UptimeNs: int64(uptime()), Features: serverFeatures}
 	ss.sendJSON(gen, TypeHelloReply, f.Stream, r)
 }
 

@@ -41,6 +41,7 @@ func execCmd() *cli.Command {
 			&cli.BoolFlag{Name: "tty", Aliases: []string{"t"}, Usage: "allocate a terminal (interactive, raw mode)"},
 			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "KEY=VALUE environment entries"},
 			&cli.StringFlag{Name: "workdir", Aliases: []string{"w"}, Usage: "working directory in the guest"},
+			&cli.StringFlag{Name: "user", Aliases: []string{"u"}, Usage: "run as `USER[:GROUP]` (names or numeric ids, from the guest's /etc/passwd and /etc/group)"},
 			&cli.DurationFlag{Name: "timeout", Usage: "kill the command after this long (0 = none)"},
 			&cli.StringFlag{Name: "max-output", Value: "64MiB",
 				Usage: "kill the command once its stdout+stderr exceed this many bytes (K/M/G suffixes; 'unlimited' or -1: no limit)"},
@@ -145,7 +146,7 @@ func runExec(ctx context.Context, target engine.AgentTarget, argv []string, maxO
 	}
 	defer c.Close()
 	req := &vsockd.ExecRequest{
-		Argv: argv, Env: cmd.StringSlice("env"), Dir: cmd.String("workdir"), Timeout: cmd.Duration("timeout"),
+		Argv: argv, Env: cmd.StringSlice("env"), Dir: cmd.String("workdir"), User: cmd.String("user"), Timeout: cmd.Duration("timeout"),
 		Stdin: os.Stdin, Stdout: os.Stdout, Stderr: os.Stderr, MaxOutput: maxOutput,
 	}
 	if cmd.Bool("tty") {

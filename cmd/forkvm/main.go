@@ -54,7 +54,7 @@ func newApp() *cli.Command {
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 		},
 		Commands: []*cli.Command{
-			createCmd(), execCmd(), lsCmd(), memCmd(), rmCmd(),
+			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
 			imageCmd(), imagesCmd(),
 		},

@@ -1,0 +1,229 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path"
+	"path/filepath"
+	"regexp"
+	"strings"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// agentTarget resolves a running VM's agent target, then releases the state directory
+// (the engine is closed before a possibly long copy or session).
+func agentTarget(ctx context.Context, cmd *cli.Command, name string) (engine.AgentTarget, error) {
+	e, err := open(ctx, cmd)
+	if err != nil {
+		return engine.AgentTarget{}, err
+	}
+	defer e.Close()
+	vm, err := e.Get(name)
+	if err != nil {
+		return engine.AgentTarget{}, err
+	}
+	// A dead VM fails at once, instead of retrying its agent socket.
+	if vm.Info().State == engine.StateDead {
+		return engine.AgentTarget{}, fmt.Errorf("%w: %s", engine.ErrNotRunning, name)
+	}
+	return vm.Target(), nil
+}
+
+// dialTarget connects to the agent behind target within handshakeTimeout.
+func dialTarget(ctx context.Context, target engine.AgentTarget) (*vsockd.Client, error) {
+	// A virtio-serial port serves one host connection at a time: bound the handshake so
+	// that a port held by another client (an embedding engine) is an error, not a hang.
+	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+	defer cancel()
+	c, err := engine.DialAgent(hctx, target)
+	if err != nil && ctx.Err() == nil {
+		return nil, fmt.Errorf("%w (is another client connected to %s's agent?)", err, target.Name)
+	}
+	return c, err
+}
+
+// vmPathRE matches VM:/path (the VM name rule of the engine).
+var vmPathRE = regexp.MustCompile(`^([A-Za-z0-9][A-Za-z0-9_.-]*):(.*)$`)
+
+// splitVMPath splits "VM:/path"; ok is false for a host path.
+func splitVMPath(s string) (vm, p string, ok bool) {
+	m := vmPathRE.FindStringSubmatch(s)
+	if m == nil {
+		return "", "", false
+	}
+	return m[1], m[2], true
+}
+
+func cpCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "cp",
+		Usage:     "copy a file, directory tree or symlink between the host and a VM (VM:/path on exactly one side)",
+		ArgsUsage: "SRC DST",
+		Description: "forkvm cp ./dir w1:/root          copies ./dir to /root/dir in w1 (into an existing directory)\n" +
+			"forkvm cp w1:/etc/hostname ./h    copies to ./h (a new name, or over an existing file)\n" +
+			"forkvm cp - w1:/root              extracts a tar stream from stdin into /root\n" +
+			"forkvm cp w1:/var/log -           writes a tar stream of /var/log to stdout\n\n" +
+			"Directories are copied recursively and symlinks as symlinks; permission bits and\n" +
+			"modification times are kept, owners and set-ID bits are not. Nothing is written\n" +
+			"outside DST, whatever the guest sends.",
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 2 {
+				return fmt.Errorf("usage: forkvm cp SRC DST (one of them VM:/path)")
+			}
+			src, dst := cmd.Args().Get(0), cmd.Args().Get(1)
+			svm, spath, sIn := splitVMPath(src)
+			dvm, dpath, dIn := splitVMPath(dst)
+			if sIn == dIn {
+				return fmt.Errorf("forkvm cp: exactly one of SRC and DST must be VM:/path")
+			}
+			name, guestPath := dvm, dpath
+			if sIn {
+				name, guestPath = svm, spath
+			}
+			if !path.IsAbs(guestPath) {
+				return fmt.Errorf("forkvm cp: the guest path %q must be absolute", guestPath)
+			}
+			target, err := agentTarget(ctx, cmd, name)
+			if err != nil {
+				return err
+			}
+			c, err := dialTarget(ctx, target)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if dIn {
+				return copyToGuest(ctx, c, src, dpath)
+			}
+			return copyFromGuest(ctx, c, spath, dst)
+		},
+	}
+}
+
+// copyToGuest copies the host path src ("-": a tar stream on stdin) to guestDst: into
+// it when it is a directory, else as a new name (or over an existing file).
+func copyToGuest(ctx context.Context, c *vsockd.Client, src, guestDst string) error {
+	if src == "-" {
+		return c.CopyIn(ctx, guestDst, os.Stdin)
+	}
+	fi, err := os.Lstat(src)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("%w: %s", vsockd.ErrSourceMissing, src)
+		}
+		return err
+	}
+	abs, err := filepath.Abs(src)
+	if err != nil {
+		return err
+	}
+	slash := strings.HasSuffix(guestDst, "/")
+	guestDst = path.Clean(guestDst)
+	dir, top := guestDst, filepath.Base(abs)
+	gi, err := c.Stat(ctx, guestDst)
+	switch {
+	case err == nil && gi.IsDir():
+	case err == nil:
+		if fi.IsDir() || slash {
+			return fmt.Errorf("%w: %s", vsockd.ErrNotDirectory, guestDst)
+		}
+		dir, top = path.Dir(guestDst), path.Base(guestDst)
+	case errors.Is(err, fs.ErrNotExist):
+		if slash {
+			return fmt.Errorf("%w: %s: no such directory", vsockd.ErrNotDirectory, guestDst)
+		}
+		dir, top = path.Dir(guestDst), path.Base(guestDst)
+	default:
+		return err
+	}
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(vsockd.WriteTar(ctx, pw, src, top)) }()
+	err = c.CopyIn(ctx, dir, pr)
+	pr.CloseWithError(errors.Join(err, io.ErrClosedPipe)) // ends WriteTar if it still writes
+	return err
+}
+
+// copyFromGuest copies the guest path guestSrc to the host path dst ("-": a tar stream
+// on stdout): into dst when it is a directory, else as a new name (or over an existing
+// file). The guest's archive is extracted with vsockd.ExtractTar: every entry must be
+// below the name asked for, and nothing is written outside dst.
+func copyFromGuest(ctx context.Context, c *vsockd.Client, guestSrc, dst string) error {
+	if dst == "-" {
+		return c.CopyOut(ctx, guestSrc, os.Stdout)
+	}
+	name := path.Base(path.Clean(guestSrc))
+	if name == "/" {
+		return fmt.Errorf("forkvm cp: cannot copy the guest's / as a whole (copy its directories)")
+	}
+	slash := strings.HasSuffix(dst, "/")
+	dst = filepath.Clean(dst)
+	dir, opts := dst, &vsockd.ExtractOptions{Top: name}
+	st, err := os.Stat(dst)
+	switch {
+	case err == nil && st.IsDir():
+	case err == nil || errors.Is(err, fs.ErrNotExist):
+		if slash {
+			return fmt.Errorf("%w: %s", vsockd.ErrNotDirectory, dst)
+		}
+		// A new name, or over an existing file (a directory is refused by the extraction).
+		dir, opts.Rename = filepath.Dir(dst), filepath.Base(dst)
+	default:
+		return err
+	}
+	pr, pw := io.Pipe()
+	errc := make(chan error, 1)
+	go func() {
+		err := c.CopyOut(ctx, guestSrc, pw)
+		pw.CloseWithError(err)
+		errc <- err
+	}()
+	xerr := vsockd.ExtractTar(ctx, pr, dir, opts)
+	// Unblock CopyOut if the extraction stopped first (it then aborts the stream).
+	pr.CloseWithError(errors.Join(xerr, io.ErrClosedPipe))
+	cerr := <-errc
+	var re *vsockd.RemoteError
+	if cerr != nil && (xerr == nil || errors.As(cerr, &re)) {
+		return cerr // the guest's own error says best what went wrong
+	}
+	return xerr
+}
+
+func logsCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "logs",
+		Usage:     "print a VM's serial console (kernel and agent messages)",
+		ArgsUsage: "NAME",
+		Flags: []cli.Flag{
+			&cli.BoolFlag{Name: "follow", Aliases: []string{"f"}, Usage: "keep printing until the VM exits or Ctrl-C"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 1 {
+				return fmt.Errorf("usage: forkvm logs NAME [-f]")
+			}
+			e, err := open(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			vm, err := e.Get(cmd.Args().First())
+			// Release the state directory before a possibly long follow; Logs reads a
+			// file and watches the QEMU process only.
+			e.Close()
+			if err != nil {
+				return err
+			}
+			err = vm.Logs(ctx, cmd.Bool("follow"), os.Stdout)
+			if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+				return nil // interrupted while following
+			}
+			return err
+		},
+	}
+}

@@ -1,0 +1,140 @@
+package main
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+func TestSplitVMPath(t *testing.T) {
+	for _, tc := range []struct {
+		in, vm, path string
+		ok           bool
+	}{
+		{"w1:/root", "w1", "/root", true},
+		{"w-1.a_b:/", "w-1.a_b", "/", true},
+		{"w1:relative", "w1", "relative", true},
+		{"/tmp/a:b", "", "", false},
+		{"./w1:/x", "", "", false},
+		{"-", "", "", false},
+		{"file", "", "", false},
+		{":/x", "", "", false},
+	} {
+		vm, p, ok := splitVMPath(tc.in)
+		if vm != tc.vm || p != tc.path || ok != tc.ok {
+			t.Errorf("splitVMPath(%q) = %q %q %v", tc.in, vm, p, ok)
+		}
+	}
+}
+
+// hostileGuest is a fake agent that answers every CopyOut with tarball.
+func hostileGuest(t *testing.T, tarball []byte) *vsockd.Client {
+	a, b := net.Pipe()
+	go func() {
+		for {
+			f, err := vsockd.ReadFrame(b)
+			if err != nil {
+				b.Close()
+				return
+			}
+			if f.Type != vsockd.TypeCopyOut {
+				continue
+			}
+			for p := tarball; len(p) > 0; {
+				n := min(len(p), 16<<10)
+				vsockd.WriteFrame(b, vsockd.Frame{Type: vsockd.TypeFileData, Stream: f.Stream, Payload: p[:n]})
+				p = p[n:]
+			}
+			vsockd.WriteFrame(b, vsockd.Frame{Type: vsockd.TypeFileEnd, Stream: f.Stream})
+		}
+	}()
+	c := vsockd.NewClient(a, nil)
+	t.Cleanup(func() { c.Close(); b.Close() })
+	return c
+}
+
+// TestCopyFromHostileGuest: whatever a guest sends for `forkvm cp VM:/t DST`, the CLI
+// writes nothing outside DST (an existing directory, or a new name).
+func TestCopyFromHostileGuest(t *testing.T) {
+	type ent struct {
+		name string
+		typ  byte
+		link string
+	}
+	for _, tc := range []struct {
+		name    string
+		entries []ent
+	}{
+		{"dotdot", []ent{{name: "t", typ: tar.TypeDir}, {name: "t/../../outside/pwned"}}},
+		{"absolute", []ent{{name: "OUTSIDE/pwned"}}},
+		{"other top", []ent{{name: "t", typ: tar.TypeDir}, {name: "outside/pwned"}}},
+		{"sibling of a new name", []ent{{name: "t", typ: tar.TypeDir}, {name: "pwned"}}},
+		{"symlink escape", []ent{{name: "t", typ: tar.TypeDir}, {name: "t/esc", typ: tar.TypeSymlink, link: "OUTSIDE"}, {name: "t/esc/pwned"}}},
+		{"relative symlink escape", []ent{{name: "t", typ: tar.TypeDir}, {name: "t/esc", typ: tar.TypeSymlink, link: "../../outside"}, {name: "t/esc/pwned"}}},
+		{"hard link out", []ent{{name: "t", typ: tar.TypeDir}, {name: "t/h", typ: tar.TypeLink, link: "t/../../outside/keep"}}},
+		{"device", []ent{{name: "t", typ: tar.TypeChar}}},
+	} {
+		for _, newName := range []bool{false, true} {
+			base := t.TempDir()
+			outside := filepath.Join(base, "outside")
+			os.Mkdir(outside, 0o755)
+			os.WriteFile(filepath.Join(outside, "keep"), []byte("k"), 0o644)
+			dst := filepath.Join(base, "dst")
+			if !newName {
+				os.Mkdir(dst, 0o755)
+			}
+			var buf bytes.Buffer
+			tw := tar.NewWriter(&buf)
+			for _, e := range tc.entries {
+				typ := e.typ
+				if typ == 0 {
+					typ = tar.TypeReg
+				}
+				name := e.name
+				if name == "OUTSIDE/pwned" {
+					name = outside + "/pwned"
+				}
+				link := e.link
+				if link == "OUTSIDE" {
+					link = outside
+				}
+				hdr := &tar.Header{Name: name, Typeflag: typ, Linkname: link, Mode: 0o644}
+				if typ == tar.TypeReg {
+					hdr.Size = 1
+				}
+				tw.WriteHeader(hdr)
+				if typ == tar.TypeReg {
+					tw.Write([]byte("x"))
+				}
+			}
+			tw.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			err := copyFromGuest(ctx, hostileGuest(t, buf.Bytes()), "/t", dst)
+			cancel()
+			if !errors.Is(err, vsockd.ErrUnsafeEntry) {
+				t.Errorf("%s (new name %v): %v, want ErrUnsafeEntry", tc.name, newName, err)
+			}
+			ents, _ := os.ReadDir(outside)
+			if len(ents) != 1 {
+				t.Errorf("%s (new name %v): wrote outside DST: %v", tc.name, newName, ents)
+			}
+			if b, _ := os.ReadFile(filepath.Join(outside, "keep")); string(b) != "k" {
+				t.Errorf("%s (new name %v): outside/keep changed", tc.name, newName)
+			}
+			ents, _ = os.ReadDir(base)
+			for _, e := range ents {
+				if e.Name() != "outside" && e.Name() != "dst" {
+					t.Errorf("%s (new name %v): wrote %s next to DST", tc.name, newName, e.Name())
+				}
+			}
+		}
+	}
+}

@@ -1,0 +1,133 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"time"
+
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// Files in and out of a VM, and its console.
+//
+// The engine never opens a host path on a guest's behalf: a copy moves a tar stream
+// between the caller's reader or writer and the guest agent, which extracts (or writes)
+// it in the guest. Whoever extracts a stream the guest sent on the host must not trust
+// it: vsockd.ExtractTar confines every entry to its destination (the forkvm CLI uses it
+// with Top set to the source's base name).
+
+// logPoll is how often Logs looks for new console output while following.
+const logPoll = 200 * time.Millisecond
+
+// CopyIn extracts the tar stream r into the guest directory guestDir, which must exist
+// (else the error wraps ErrNotDirectory). The agent extracts while r is read, in Go, and
+// writes nothing outside guestDir whatever the archive holds (ErrUnsafeEntry names an
+// entry that tried; see vsockd.ExtractTar): modes and modification times are kept,
+// owners are not (files belong to root), set-ID bits are dropped. An archive made with
+// vsockd.WriteTar copies a file, a directory tree or a symlink. What was extracted
+// before an error stays.
+func (vm *VM) CopyIn(ctx context.Context, guestDir string, r io.Reader) error {
+	return vm.withAgent(ctx, "copy", func(c *vsockd.Client) error { return c.CopyIn(ctx, guestDir, r) })
+}
+
+// CopyOut writes a tar stream of the guest path guestPath to w as the agent produces
+// it: a file, a directory and everything below it, or a symlink as a symlink, in entries
+// named after guestPath's base name (see vsockd.WriteTar). A missing guestPath wraps
+// ErrSourceMissing. The stream comes from the guest: extract it with vsockd.ExtractTar
+// (ExtractOptions.Top set to the base name), never with a tool that trusts it.
+func (vm *VM) CopyOut(ctx context.Context, guestPath string, w io.Writer) error {
+	return vm.withAgent(ctx, "copy", func(c *vsockd.Client) error { return c.CopyOut(ctx, guestPath, w) })
+}
+
+// Stat returns the attributes of the guest path guestPath (symlinks followed); a missing
+// path matches fs.ErrNotExist.
+func (vm *VM) Stat(ctx context.Context, guestPath string) (fs.FileInfo, error) {
+	var fi fs.FileInfo
+	err := vm.withAgent(ctx, "stat", func(c *vsockd.Client) error {
+		var err error
+		fi, err = c.Stat(ctx, guestPath)
+		return err
+	})
+	return fi, err
+}
+
+// serialLog is the file QEMU writes the guest console to.
+func (vm *VM) serialLog() string {
+	vm.mu.Lock()
+	p := vm.m.Launch.SerialLog
+	vm.mu.Unlock()
+	if p == "" {
+		p = vm.path(serialLogFile)
+	}
+	return p
+}
+
+// Logs writes the guest's serial console to w: the kernel's messages and the agent's,
+// as QEMU records them in StateDir/vms/NAME/serial.log. Without follow it returns at the
+// end of what was written so far. With follow it then keeps copying what the guest
+// prints until the VM's QEMU exits (nil; a handoff checkpoint replaces the process, and
+// ends the following too) or ctx ends (ctx's error). Logs reads a file only: it works on
+// a VM whose QEMU is gone.
+func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
+	p := vm.serialLog()
+	f, err := os.Open(p)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("%w: %s has no console log", ErrNotFound, vm.Name())
+		}
+		return fmt.Errorf("engine: logs %s: %w", vm.Name(), err)
+	}
+	defer f.Close()
+	done := vm.Done()
+	buf := make([]byte, 32<<10)
+	var off int64
+	// drain copies up to the current end of the file.
+	drain := func() error {
+		for {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			n, err := f.Read(buf)
+			if n > 0 {
+				off += int64(n)
+				if _, werr := w.Write(buf[:n]); werr != nil {
+					return werr
+				}
+			}
+			if err == io.EOF {
+				return nil
+			}
+			if err != nil {
+				return fmt.Errorf("engine: logs %s: %w", vm.Name(), err)
+			}
+		}
+	}
+	if err := drain(); err != nil || !follow {
+		return err
+	}
+	tick := time.NewTicker(logPoll)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-done:
+			return drain()
+		case <-tick.C:
+		}
+		// A shorter file is a new one: QEMU truncates the log when it (re)starts.
+		if st, err := f.Stat(); err == nil && st.Size() < off {
+			if _, err := f.Seek(0, io.SeekStart); err != nil {
+				return fmt.Errorf("engine: logs %s: %w", vm.Name(), err)
+			}
+			off = 0
+		}
+		if err := drain(); err != nil {
+			return err
+		}
+	}
+}

@@ -1,0 +1,100 @@
+package engine
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+type syncBuf struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuf) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuf) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// waitFor waits until s holds want.
+func waitFor(t *testing.T, s *syncBuf, want string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(s.String(), want) {
+		if time.Now().After(deadline) {
+			t.Fatalf("output %q never held %q", s.String(), want)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestLogs: the console log is printed; following it shows what is appended, starts
+// over when QEMU truncates the file (a restart), and ends when the process exits or ctx
+// ends.
+func TestLogs(t *testing.T) {
+	dir := t.TempDir()
+	vm := &VM{dir: dir, m: manifest{Name: "l"}}
+	log := filepath.Join(dir, serialLogFile)
+	if err := vm.Logs(context.Background(), false, &bytes.Buffer{}); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("no log: %v, want ErrNotFound", err)
+	}
+	os.WriteFile(log, []byte("[    0.1] booting\nforkvm-agent: ready (virtio-serial)\n"), 0o600)
+	exited := make(chan struct{})
+	vm.proc.Store(&qemuProc{pid: os.Getpid(), exited: exited})
+
+	var all bytes.Buffer
+	if err := vm.Logs(context.Background(), false, &all); err != nil || all.String() != "[    0.1] booting\nforkvm-agent: ready (virtio-serial)\n" {
+		t.Fatalf("logs: %q %v", all.String(), err)
+	}
+
+	out := &syncBuf{}
+	done := make(chan error, 1)
+	go func() { done <- vm.Logs(context.Background(), true, out) }()
+	waitFor(t, out, "ready")
+	f, _ := os.OpenFile(log, os.O_WRONLY|os.O_APPEND, 0)
+	f.WriteString("appended line\n")
+	f.Close()
+	waitFor(t, out, "appended line\n")
+	os.WriteFile(log, []byte("restarted\n"), 0o600) // truncated, as by a new QEMU
+	waitFor(t, out, "appended line\nrestarted\n")
+	f, _ = os.OpenFile(log, os.O_WRONLY|os.O_APPEND, 0)
+	f.WriteString("last words\n")
+	f.Close()
+	close(exited)
+	select {
+	case err := <-done:
+		if err != nil || !strings.HasSuffix(out.String(), "restarted\nlast words\n") {
+			t.Fatalf("follow ended with %v, output %q", err, out.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("following did not end when the process exited")
+	}
+
+	// A live VM: following ends with ctx.
+	vm.proc.Store(&qemuProc{pid: os.Getpid(), exited: make(chan struct{})})
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { done <- vm.Logs(ctx, true, &syncBuf{}) }()
+	time.Sleep(3 * logPoll)
+	cancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("follow after cancel: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("following did not end with ctx")
+	}
+}
