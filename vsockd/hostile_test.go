@@ -261,7 +261,9 @@ func TestHostileGetFileMoreThanMax(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			base := runtime.NumGoroutine()
 			func() {
-				credit := make(chan int, 1024)
+				// credit is never closed (the frame reader may still send on it); done
+				// ends the fake guest's writer.
+				credit, done := make(chan int, 1024), make(chan struct{})
 				c, stop := hostileGuest(t, nil, func(conn net.Conn) {
 					readFrames(conn, func(f Frame) {
 						switch f.Type {
@@ -277,11 +279,12 @@ func TestHostileGetFileMoreThanMax(t *testing.T) {
 								chunk := bytes.Repeat([]byte{'x'}, chunkSize)
 								for {
 									for honestFlow && avail < len(chunk) {
-										n, ok := <-credit
-										if !ok {
+										select {
+										case n := <-credit:
+											avail += n
+										case <-done:
 											return
 										}
-										avail += n
 									}
 									if WriteFrame(conn, Frame{Type: TypeFileData, Stream: f.Stream, Payload: chunk}) != nil {
 										return
@@ -324,7 +327,7 @@ func TestHostileGetFileMoreThanMax(t *testing.T) {
 						t.Fatalf("Ping after an aborted GetFile: %v", err)
 					}
 				}
-				close(credit)
+				close(done)
 			}()
 			checkNoGoroutineLeak(t, base)
 		})
