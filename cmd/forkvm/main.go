@@ -45,7 +45,7 @@ func main() {
 }
 
 func newApp() *cli.Command {
-	return &cli.Command{
+	app := &cli.Command{
 		Name:  "forkvm",
 		Usage: "create, checkpoint and fork QEMU VMs",
 		Flags: []cli.Flag{
@@ -59,6 +59,31 @@ func newApp() *cli.Command {
 			imageCmd(), imagesCmd(),
 		},
 	}
+	noHelpCommands(app)
+	return app
+}
+
+// noHelpCommands removes the "help"/"h" subcommand below the top level (--help stays): a
+// VM named h or help would otherwise be read as it (`forkvm create h` printed help).
+func noHelpCommands(c *cli.Command) {
+	for _, sub := range c.Commands {
+		sub.HideHelpCommand = true
+		noHelpCommands(sub)
+	}
+}
+
+// subcommandNames are the words that stand where a VM or checkpoint name also may
+// (`forkvm checkpoint rm NAME` against `forkvm checkpoint VM NAME`); the CLI refuses them
+// as names so that every name it accepts can be used with every command.
+var subcommandNames = map[string]bool{"rm": true}
+
+// checkNewName refuses a name for a new VM or checkpoint that a command would read as a
+// subcommand.
+func checkNewName(name string) error {
+	if subcommandNames[name] {
+		return fmt.Errorf("%w: %q is a forkvm subcommand; pick another name", engine.ErrInvalidName, name)
+	}
+	return nil
 }
 
 // open opens the engine for one CLI operation, waiting for another CLI run holding the
@@ -97,7 +122,7 @@ func createCmd() *cli.Command {
 			&cli.IntFlag{Name: "memory-mb", Value: 1024, Usage: "guest RAM in MiB (multiple of 2)"},
 			&cli.BoolFlag{Name: "forkable", Usage: "put guest RAM in a shared RAM file (needed to checkpoint and fork)"},
 			&cli.IntFlag{Name: "disk-mb", Usage: "attach an ext4 data disk of this size, mounted at /data (with --image: the root disk's size)"},
-			&cli.StringFlag{Name: "image", Usage: "boot a root image (see `forkvm image create`) instead of the busybox initramfs"},
+			&cli.StringFlag{Name: "image", Usage: "boot a root image (made with forkvm image create) instead of the busybox initramfs"},
 			&cli.BoolFlag{Name: "vmgenid", Usage: "QEMU ACPI tables + vmgenid: forks reseed their kernel CRNG on resume (costs ~2 MiB per fork)"},
 			&cli.BoolFlag{Name: "net", Usage: "a NIC on QEMU's user-mode network (NAT; the host's loopback is host.internal); forks of its checkpoints get one too"},
 			publishFlag("publish host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
@@ -106,6 +131,9 @@ func createCmd() *cli.Command {
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 1 {
 				return fmt.Errorf("usage: forkvm create NAME [flags]")
+			}
+			if err := checkNewName(cmd.Args().First()); err != nil {
+				return err
 			}
 			publish, err := parsePublish(cmd.StringSlice("publish"), 0)
 			if err != nil {
@@ -284,6 +312,9 @@ func checkpointCmd() *cli.Command {
 			if cmd.Args().Len() != 2 {
 				return fmt.Errorf("usage: forkvm checkpoint VM NAME [--pin]")
 			}
+			if err := checkNewName(cmd.Args().Get(1)); err != nil {
+				return err
+			}
 			e, err := open(ctx, cmd)
 			if err != nil {
 				return err
@@ -387,6 +418,9 @@ func forkCmd() *cli.Command {
 			var names []string
 			switch {
 			case cmd.Args().Len() == 2 && n == 1:
+				if err := checkNewName(cmd.Args().Get(1)); err != nil {
+					return err
+				}
 				names = []string{cmd.Args().Get(1)}
 			case cmd.String("prefix") != "":
 			case n == 1:

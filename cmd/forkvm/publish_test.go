@@ -5,6 +5,8 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/urfave/cli/v3"
+
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -38,4 +40,28 @@ func TestParsePublish(t *testing.T) {
 			t.Errorf("parsePublish(%q, %d) = %v, %v; want %v", tc.specs, tc.offset, got, err, tc.want)
 		}
 	}
+}
+
+// TestNamesNeverReadAsSubcommands: a VM named like a help or rm subcommand is refused by
+// the commands that make names, and no command below the top level has a help
+// subcommand that a name could be taken for.
+func TestNamesNeverReadAsSubcommands(t *testing.T) {
+	if err := checkNewName("rm"); !errors.Is(err, engine.ErrInvalidName) {
+		t.Errorf("checkNewName(rm) = %v, want ErrInvalidName", err)
+	}
+	for _, n := range []string{"w1", "h", "help"} { // no help subcommand to collide with
+		if err := checkNewName(n); err != nil {
+			t.Errorf("checkNewName(%q) = %v", n, err)
+		}
+	}
+	var walk func(c *cli.Command, top bool)
+	walk = func(c *cli.Command, top bool) {
+		if !top && !c.HideHelpCommand {
+			t.Errorf("command %s keeps a help subcommand", c.Name)
+		}
+		for _, sub := range c.Commands {
+			walk(sub, false)
+		}
+	}
+	walk(newApp(), true)
 }
