@@ -59,6 +59,10 @@ func (e *Engine) checkpointHandoff(ctx context.Context, vm *VM, w *ckWriter) err
 		return err
 	}
 	ck.Timings.Paused = time.Since(paused)
+	// The manifest was committed while the guest was still paused: record the pause.
+	if err := e.cks.save(w.checkpoint()); err != nil {
+		return err
+	}
 	e.cks.markForked(ck.Name)
 	return nil
 }

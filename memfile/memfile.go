@@ -40,11 +40,11 @@ var (
 
 // FreezeStats describes a completed Freeze.
 type FreezeStats struct {
-	Bytes    int64         // data bytes written to the frozen copy
-	Extents  int           // data extents (SEEK_DATA runs) found in src
-	Size     int64         // apparent size of the file
-	Method   string        // copy method used
-	Duration time.Duration // wall time of the whole freeze
+	Bytes    int64         `json:"bytes"`       // data bytes written to the frozen copy
+	Extents  int           `json:"extents"`     // data extents (SEEK_DATA runs) found in src
+	Size     int64         `json:"size_bytes"`  // apparent size of the file
+	Method   string        `json:"method"`      // copy method used
+	Duration time.Duration `json:"duration_ns"` // wall time of the whole freeze
 }
 
 // ResidencyStats describes how much of a memory file holds data and how much of

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -131,6 +132,46 @@ func TestCLI(t *testing.T) {
 	var vms []engine.Info
 	if code != 0 || json.Unmarshal([]byte(out), &vms) != nil || len(vms) != 1 || vms[0].Name != "c1" || vms[0].State != "running" {
 		t.Fatalf("ls --json = %d %s", code, out)
+	}
+	// One JSON schema for a VM and one for a checkpoint, whichever command prints them.
+	var lsRaw []map[string]any
+	if json.Unmarshal([]byte(out), &lsRaw); lsRaw[0]["schema"] != "forkvm.vm/v1" || lsRaw[0]["memory_mib"] != 256.0 {
+		t.Fatalf("ls --json VM object = %v", lsRaw[0])
+	}
+	if out, code := cli("checkpoints", "--json"); code != 0 || strings.TrimSpace(out) != "[]" {
+		t.Fatalf("checkpoints --json with none = %d %q, want []", code, out)
+	}
+	t.Cleanup(func() { cli("rm", "cf"); cli("checkpoint", "rm", "--force", "cj") })
+	out, code = cli("checkpoint", "c1", "cj", "--pin", "--json")
+	var ck map[string]any
+	if code != 0 || json.Unmarshal([]byte(out), &ck) != nil || ck["schema"] != "forkvm.checkpoint/v1" || ck["name"] != "cj" {
+		t.Fatalf("checkpoint --json = %d %s", code, out)
+	}
+	if forks, ok := ck["forks"].([]any); !ok || len(forks) != 0 {
+		t.Errorf("checkpoint --json forks = %v, want []", ck["forks"])
+	}
+	if fr, ok := ck["freeze"].(map[string]any); !ok || fr["size_bytes"] != float64(256<<20) || fr["duration_ns"] == nil {
+		t.Errorf("checkpoint --json freeze = %v, want snake_case keys with units", ck["freeze"])
+	}
+	out, code = cli("fork", "cj", "cf", "--json")
+	var ev struct {
+		Schema string         `json:"schema"`
+		OK     bool           `json:"ok"`
+		VM     map[string]any `json:"vm"`
+	}
+	if code != 0 || json.Unmarshal([]byte(out), &ev) != nil || ev.Schema != "forkvm.fork-event/v1" || !ev.OK ||
+		ev.VM["schema"] != "forkvm.vm/v1" || ev.VM["parent"] != "cj" || ev.VM["state"] != "running" {
+		t.Fatalf("fork --json = %d %s", code, out)
+	}
+	out, _ = cli("checkpoints", "--json")
+	var cks []map[string]any
+	if json.Unmarshal([]byte(out), &cks) != nil || len(cks) != 1 || fmt.Sprint(cks[0]["forks"]) != "[cf]" {
+		t.Errorf("checkpoints --json = %s, want cj with fork cf", out)
+	}
+	// Names never collide with subcommands: h is a VM name like any other (no help
+	// subcommand below the top level), rm is refused where it would shadow `checkpoint rm`.
+	if out, code := cli("create", "rm", "--memory-mb", "256"); code == 0 || !strings.Contains(out, "subcommand") {
+		t.Fatalf("create rm = %d %s", code, out)
 	}
 	if out, code := cli("create", "bad,name", "--memory-mb", "256"); code == 0 || !strings.Contains(out, "invalid name") {
 		t.Fatalf("create bad,name = %d %s", code, out)

@@ -154,7 +154,7 @@ func createCmd() *cli.Command {
 			}
 			inf := vm.Info()
 			if cmd.Bool("json") {
-				return printJSON(inf)
+				return printJSON(vmObject(inf))
 			}
 			fmt.Printf("%s ready in %v (pid %d, %s)\n", inf.Name, inf.Timings.Total.Round(time.Millisecond), inf.PID, inf.Accel)
 			return nil
@@ -177,7 +177,7 @@ func lsCmd() *cli.Command {
 			defer e.Close()
 			vms := e.List()
 			if cmd.Bool("json") {
-				return printJSON(vms)
+				return printJSON(vmObjects(vms))
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "NAME\tSTATE\tPID\tCPUS\tMEMORY\tDISK\tFORKABLE\tPARENT\tREADY IN")
@@ -325,7 +325,16 @@ func checkpointCmd() *cli.Command {
 				return err
 			}
 			if cmd.Bool("json") {
-				return printJSON(ck.Manifest)
+				cks, err := e.Checkpoints()
+				if err != nil {
+					return err
+				}
+				for _, c := range checkpointObjects(cks) {
+					if c.Name == ck.Manifest.Name {
+						return printJSON(c)
+					}
+				}
+				return fmt.Errorf("checkpoint %s not listed after it was made", ck.Manifest.Name)
 			}
 			m := ck.Manifest
 			fmt.Printf("%s: %v (guest paused %v; ram %s; disk %s; device state %d KB)\n", m.Name,
@@ -352,7 +361,7 @@ func checkpointsCmd() *cli.Command {
 				return err
 			}
 			if cmd.Bool("json") {
-				return printJSON(cks)
+				return printJSON(checkpointObjects(cks))
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "NAME\tSOURCE\tPINNED\tCPUS\tMEMORY\tDISK\tFORKS\tCREATED")
@@ -454,13 +463,7 @@ func forkCmd() *cli.Command {
 			var errs []error
 			for ev := range evs {
 				if cmd.Bool("json") {
-					rec := map[string]any{"name": ev.Name, "ok": ev.Err == nil, "latency_ms": ms(ev.Latency()), "timings": ev.Timings}
-					if ev.Err != nil {
-						rec["error"] = ev.Err.Error()
-					} else {
-						rec["pid"] = ev.VM.PID()
-					}
-					b, _ := json.Marshal(rec)
+					b, _ := json.Marshal(forkEventObject(ev))
 					fmt.Println(string(b))
 				} else if ev.Err != nil {
 					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency().Round(time.Millisecond), ev.Err)
