@@ -1,16 +1,51 @@
 package engine
 
-import "sync"
+import (
+	"slices"
+	"sync"
+)
 
 // poolPrefix names pooled VMs; they are renamed when claimed.
 const poolPrefix = "pool-"
 
+// WarmOptions tune a warm pool. A nil *WarmOptions means defaults.
+type WarmOptions struct {
+	// Restored pre-restores pooled processes: each loads the checkpoint, answers a
+	// handshake and runs one warm-up command (so its TCG translation cache is warm), then
+	// is stopped. A claim is then cont + a handshake with the fork's own token, entropy,
+	// clock and hostname. Trade-off: a pooled fork has run a fraction of a second of guest
+	// time after the checkpoint (files and memory contents are those of the checkpoint,
+	// but processes that were running at checkpoint time have advanced by that much).
+	// Without it, pooled processes wait in -incoming defer and a fork pays restore +
+	// handshake.
+	Restored bool
+	// WarmUp is the command a restored pooled process runs before it is stopped. Default:
+	// `sh -c true`. Under TCG a fork is a fresh QEMU whose translation cache starts
+	// empty, so a warm-up that walks the path forks will take (ask the world's warm
+	// interpreter a question, say) makes that path fast in every fork handed out; its
+	// effects on the guest are part of what the fork gets. It must exit 0.
+	WarmUp []string
+}
+
+// warmUpArgv is the pool's warm-up command.
+func (o WarmOptions) warmUpArgv() []string {
+	if len(o.WarmUp) == 0 {
+		return []string{"sh", "-c", "true"}
+	}
+	return o.WarmUp
+}
+
+// same reports whether two pools of these options hold interchangeable processes.
+func (o WarmOptions) same(p WarmOptions) bool {
+	return o.Restored == p.Restored && (!o.Restored || slices.Equal(o.warmUpArgv(), p.warmUpArgv()))
+}
+
 // warmPool is the set of pooled QEMUs of one checkpoint.
 type warmPool struct {
-	restored bool
-	target   int
-	ready    []*VM
-	filling  int // spawns in flight
+	opts    WarmOptions
+	target  int
+	ready   []*VM
+	filling int // spawns in flight
 }
 
 // poolSet holds the warm pools by checkpoint name. Spawning and claiming are the
@@ -26,13 +61,13 @@ type poolSet struct {
 }
 
 // pool returns the pool of ck, creating it.
-func (s *poolSet) pool(ck string, restored bool) *warmPool {
+func (s *poolSet) pool(ck string, opts WarmOptions) *warmPool {
 	if s.pools == nil {
 		s.pools = map[string]*warmPool{}
 	}
 	p := s.pools[ck]
 	if p == nil {
-		p = &warmPool{restored: restored}
+		p = &warmPool{opts: opts}
 		s.pools[ck] = p
 	}
 	return p

@@ -4,24 +4,12 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/forkvm/forkvm/vsockd"
 )
-
-// WarmOptions tune a warm pool. A nil *WarmOptions means defaults.
-type WarmOptions struct {
-	// Restored pre-restores pooled processes: each loads the checkpoint, answers a
-	// handshake and runs one warm-up command (so its TCG translation cache is warm), then
-	// is stopped. A claim is then cont + a handshake with the fork's own token, entropy,
-	// clock and hostname. Trade-off: a pooled fork has run a fraction of a second of guest
-	// time after the checkpoint (files and memory contents are those of the checkpoint,
-	// but processes that were running at checkpoint time have advanced by that much).
-	// Without it, pooled processes wait in -incoming defer and a fork pays restore +
-	// handshake.
-	Restored bool
-}
 
 // Warm keeps n pre-spawned QEMU processes for checkpoint ck, so that a fork of it pays
 // only restore + agent token (no process start). It waits until the pool is full or ctx
@@ -29,7 +17,11 @@ type WarmOptions struct {
 // is refilled in the background after each claim and emptied by Close. A crashed engine's
 // pooled processes are reaped by the next engine.
 func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) error {
-	restored := opts != nil && opts.Restored
+	var o WarmOptions
+	if opts != nil {
+		o = *opts
+		o.WarmUp = slices.Clone(o.WarmUp)
+	}
 	if n < 0 || n > 1024 {
 		return fmt.Errorf("%w: pool size must be 0..1024, got %d", ErrInvalidSpec, n)
 	}
@@ -46,12 +38,12 @@ func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) 
 		s.mu.Unlock()
 		return ErrClosed
 	}
-	p := s.pool(ck, restored)
+	p := s.pool(ck, o)
 	p.target = n
 	var drop []*VM
-	if p.restored != restored {
+	if !p.opts.same(o) {
 		// A different kind of pool: replace every pooled process.
-		drop, p.ready, p.restored = p.ready, nil, restored
+		drop, p.ready, p.opts = p.ready, nil, o
 	}
 	for len(p.ready) > n {
 		drop = append(drop, p.ready[len(p.ready)-1])
@@ -99,7 +91,7 @@ func (e *Engine) refill(c *Checkpoint) {
 		// Added under s.mu after checking closed: Close sets closed under s.mu before it
 		// waits, so no spawn can start after Close stopped waiting.
 		e.bgWG.Add(1)
-		restored := p.restored
+		opts := p.opts
 		s.mu.Unlock()
 		release, err := e.adm.admit(c.Manifest.CPUs, 0)
 		if err != nil {
@@ -112,21 +104,31 @@ func (e *Engine) refill(c *Checkpoint) {
 		}
 		go func() {
 			defer e.bgWG.Done()
-			vm, err := e.spawnPooled(e.bg, c, restored)
-			s.mu.Lock()
-			p.filling--
-			if err == nil && !s.closed && s.pools[name] == p && len(p.ready) < p.target {
-				p.ready = append(p.ready, vm) // counted by the budget from here on
-				vm = nil
-			}
-			s.mu.Unlock()
-			release()
-			if err != nil {
-				e.log.Warn("warm pool spawn failed", "checkpoint", name, "err", err)
+			defer release()
+			for {
+				vm, err := e.spawnPooled(e.bg, c, opts)
+				s.mu.Lock()
+				wanted := !s.closed && s.pools[name] == p && len(p.ready) < p.target
+				if err == nil && wanted && !p.opts.same(opts) {
+					// Warm changed the pool's options while this process spawned: spawn
+					// again under the new ones, still counted as filling (so Warm waits).
+					opts = p.opts
+					s.mu.Unlock()
+					e.discard(vm)
+					continue
+				}
+				p.filling--
+				if err == nil && wanted {
+					p.ready = append(p.ready, vm) // counted by the budget from here on
+					vm = nil
+				}
+				s.mu.Unlock()
+				if err != nil {
+					e.log.Warn("warm pool spawn failed", "checkpoint", name, "err", err)
+				} else if vm != nil { // pool shrank or engine closed meanwhile
+					e.discard(vm)
+				}
 				return
-			}
-			if vm != nil { // pool shrank or engine closed meanwhile
-				e.discard(vm)
 			}
 		}()
 	}
@@ -134,7 +136,7 @@ func (e *Engine) refill(c *Checkpoint) {
 
 // spawnPooled starts one QEMU for checkpoint c, waiting for an incoming migration (or,
 // restored, loaded, warmed up and stopped).
-func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) (*VM, error) {
+func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, opts WarmOptions) (*VM, error) {
 	qemu, err := e.bins.path()
 	if err != nil {
 		return nil, err
@@ -163,8 +165,8 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) 
 	if err != nil {
 		return nil, vm.failure("pool", err)
 	}
-	if restored {
-		if err := e.warmUp(ctx, vm, c); err != nil {
+	if opts.Restored {
+		if err := e.warmUp(ctx, vm, c, opts.warmUpArgv()); err != nil {
 			return nil, vm.failure("pool", err)
 		}
 	}
@@ -172,8 +174,9 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, restored bool) 
 	return vm, nil
 }
 
-// warmUp restores a pooled process, runs the handshake and one command, and stops it.
-func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint) error {
+// warmUp restores a pooled process, runs the handshake and the warm-up command, and
+// stops it.
+func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint, argv []string) error {
 	leave, err := e.adm.restoreSlot(ctx)
 	if err != nil {
 		return err
@@ -188,7 +191,7 @@ func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint) error {
 	if err != nil {
 		return err
 	}
-	if code, err := ag.Run(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", "true"}}); err != nil || code != 0 {
+	if code, err := ag.Run(ctx, &vsockd.ExecRequest{Argv: argv}); err != nil || code != 0 {
 		return fmt.Errorf("warm-up command: exit %d: %v", code, err)
 	}
 	qc, err := vm.process().client(ctx)

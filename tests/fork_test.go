@@ -553,6 +553,26 @@ func TestWarmPoolRestored(t *testing.T) {
 	if rnd[0] == rnd[1] || toks[0] == toks[1] {
 		t.Fatal("two restored-pool forks share random bytes or a token")
 	}
+
+	// A warm-up command of the embedder's: every process handed out has run it (its
+	// effect is in the fork), and asking for another warm-up replaces the pool.
+	warm := &engine.WarmOptions{Restored: true, WarmUp: []string{"sh", "-c", "echo warmed >> /dev/shm/warm"}}
+	if err := e.Warm(ctx, "ck", 1, warm); err != nil {
+		t.Fatal(err)
+	}
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "r3"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out := mustRun(t, f, "cat /dev/shm/warm /dev/shm/s"); out != "warmed\npooled-state" {
+		t.Fatalf("fork of a pool warmed by a command sees %q", out)
+	}
+	if err := e.Warm(ctx, "ck", 1, &engine.WarmOptions{Restored: true, WarmUp: []string{"sh", "-c", "exit 3"}}); err == nil {
+		t.Fatal("a pool whose warm-up fails filled")
+	}
+	if n := e.PoolSize("ck"); n != 0 {
+		t.Fatalf("pool holds %d processes after its warm-up changed and failed", n)
+	}
 }
 
 // TestForkManyCancel checks that cancelling ForkMany's context cleans up every fork it

@@ -19,17 +19,18 @@ func pythonCmd() *cli.Command {
 		Flags: flags(
 			&cli.IntFlag{Name: "n", Value: 10, Usage: "forks of the warm world"},
 			&cli.IntFlag{Name: "cold", Value: 3, Usage: "freshly booted VMs for the cold starts"},
+			&cli.IntFlag{Name: "warm", Usage: "also fork --n times from a pre-restored pool of this many processes whose warm-up asks the interpreter once (engine WarmOptions.WarmUp)"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			n, cold := cmd.Int("n"), cmd.Int("cold")
-			if n < 1 || cold < 1 {
-				return fmt.Errorf("--n and --cold must be >= 1")
+			n, cold, warm := cmd.Int("n"), cmd.Int("cold"), cmd.Int("warm")
+			if n < 1 || cold < 1 || warm < 0 {
+				return fmt.Errorf("--n and --cold must be >= 1, --warm >= 0")
 			}
 			if cmd.String("image") == "" {
 				return fmt.Errorf("python needs --image: a root image with python3 (forkvm image create NAME --debian --include python3)")
 			}
-			return runBench(ctx, cmd, "python", &PythonSettings{N: n, Cold: cold}, func(r *runner) error {
-				return runPython(r, n, cold)
+			return runBench(ctx, cmd, "python", &PythonSettings{N: n, Cold: cold, Warm: warm}, func(r *runner) error {
+				return runPython(r, n, cold, warm)
 			})
 		},
 	}
@@ -39,6 +40,7 @@ func pythonCmd() *cli.Command {
 type PythonSettings struct {
 	N    int `json:"n"`
 	Cold int `json:"cold"`
+	Warm int `json:"warm"`
 	RunSettings
 }
 
@@ -69,7 +71,7 @@ while True:
 // askWarm is the command that asks the warm interpreter for 6*7.
 const askWarm = "echo '6*7' > /run/warm.in && cat /run/warm.out"
 
-func runPython(r *runner, n, cold int) error {
+func runPython(r *runner, n, cold, pool int) error {
 	ctx := r.ctx
 	w, err := r.bakeWorld("world", "")
 	if err != nil {
@@ -91,30 +93,19 @@ func runPython(r *runner, n, cold int) error {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	r.res.Extra["checkpoint_ms"] = round3(ms(ck.Manifest.Timings.Total))
-	var warm, coldMS []float64
-	for i := 0; i < n; i++ {
-		name := fmt.Sprintf("py%d", i+1)
-		s := Sample{Group: "warm", Index: i, Name: name}
-		t := time.Now()
-		vm, err := r.e.Fork(ctx, "warm-ck", &engine.ForkOptions{Name: name})
-		if err == nil {
-			var out string
-			out, err = shell(ctx, vm, askWarm, time.Minute)
-			if err == nil && strings.TrimSpace(out) != "42" {
-				err = fmt.Errorf("answered %q", out)
-			}
-			s.LatencyMS = ms(time.Since(t))
-			_ = r.e.Delete(ctx, name)
+	warm := r.forkAndAsk("warm", "py", n)
+	var pooled []float64
+	if pool > 0 {
+		opts := &engine.WarmOptions{Restored: true, WarmUp: []string{"sh", "-c", askWarm}}
+		if err := r.e.Warm(ctx, "warm-ck", pool, opts); err != nil {
+			return fmt.Errorf("warm pool: %w", err)
 		}
-		if err != nil {
-			s.Error = err.Error()
-			r.fail("warm fork %s: %v", name, err)
-		} else {
-			s.OK = true
-			warm = append(warm, s.LatencyMS)
+		pooled = r.forkAndAsk("pooled", "pp", n)
+		if err := r.e.Warm(ctx, "warm-ck", 0, nil); err != nil {
+			r.fail("emptying the pool: %v", err)
 		}
-		r.addSample(s)
 	}
+	var coldMS []float64
 	coldCmd := fmt.Sprintf("python3 -c 'import %s; print(6*7)'", pythonModules)
 	for i := 0; i < cold; i++ {
 		name := fmt.Sprintf("cold%d", i+1)
@@ -148,9 +139,49 @@ func runPython(r *runner, n, cold int) error {
 		ratio = round3(pc.P50 / pw.P50)
 	}
 	r.res.Extra["cold_over_warm"] = ratio
-	r.res.Method = fmt.Sprintf("A world booted from image %s (dirtied %d MB, %d MB in $HOME/state.bin) starts python3, which imports %s and then answers expressions written to a FIFO; the world is checkpointed. Warm: %d times, engine.Fork of that checkpoint, then `echo '6*7' > /run/warm.in && cat /run/warm.out` through the agent until it printed 42 (sample = fork start to answer), fork deleted. Cold: %d times, a freshly booted VM of the same image and shape (boot not timed), then `python3 -c 'import <the same modules>; print(6*7)'` (sample = that command's round trip). cold_over_warm = cold p50 / warm p50.",
-		r.shape.Image, r.shape.DirtyMB, r.shape.StateMB, pythonModules, n, cold)
-	r.section("## Warm interpreter\n\nfork → first answer of the world's warm python3: p50 %.0f ms (n=%d); cold python3 start with the same imports in a fresh VM: p50 %.0f ms (n=%d); cold / warm = %.1fx. The world's interpreter took %.0f ms to start and import.\n\n",
-		pw.P50, len(warm), pc.P50, len(coldMS), ratio, warmStartMS)
+	poolText := ""
+	if pool > 0 {
+		pp := summarize(pooled)
+		r.res.Extra["pooled_fork_first_answer_ms"] = roundP(pp)
+		if pp.P50 > 0 {
+			r.res.Extra["cold_over_pooled"] = round3(pc.P50 / pp.P50)
+			poolText = fmt.Sprintf(" From a pre-restored pool of %d warmed up by one question: p50 %.0f ms (n=%d), cold / pooled = %.1fx.", pool, pp.P50, len(pooled), pc.P50/pp.P50)
+		}
+	}
+	r.res.Method = fmt.Sprintf("A world booted from image %s (dirtied %d MB, %d MB in $HOME/state.bin) starts python3, which imports %s and then answers expressions written to a FIFO; the world is checkpointed. Warm: %d times, engine.Fork of that checkpoint, then `echo '6*7' > /run/warm.in && cat /run/warm.out` through the agent until it printed 42 (sample = fork start to answer), fork deleted. Pooled (with --warm N > 0): the same %d times with a pre-restored warm pool of N whose warm-up command is that same question (each pooled process has answered once and its QEMU has translated the path; refills run in the background while forks are measured). Cold: %d times, a freshly booted VM of the same image and shape (boot not timed), then `python3 -c 'import <the same modules>; print(6*7)'` (sample = that command's round trip). cold_over_warm = cold p50 / warm p50.",
+		r.shape.Image, r.shape.DirtyMB, r.shape.StateMB, pythonModules, n, n, cold)
+	r.section("## Warm interpreter\n\nfork → first answer of the world's warm python3: p50 %.0f ms (n=%d); cold python3 start with the same imports in a fresh VM: p50 %.0f ms (n=%d); cold / warm = %.1fx.%s The world's interpreter took %.0f ms to start and import.\n\n",
+		pw.P50, len(warm), pc.P50, len(coldMS), ratio, poolText, warmStartMS)
 	return nil
+}
+
+// forkAndAsk forks the warm checkpoint n times and asks each fork's interpreter once;
+// it returns the fork start → answer times of the forks that answered 42.
+func (r *runner) forkAndAsk(group, prefix string, n int) []float64 {
+	ctx := r.ctx
+	var out []float64
+	for i := 0; i < n; i++ {
+		name := fmt.Sprintf("%s%d", prefix, i+1)
+		s := Sample{Group: group, Index: i, Name: name}
+		t := time.Now()
+		vm, err := r.e.Fork(ctx, "warm-ck", &engine.ForkOptions{Name: name})
+		if err == nil {
+			var ans string
+			ans, err = shell(ctx, vm, askWarm, time.Minute)
+			if err == nil && strings.TrimSpace(ans) != "42" {
+				err = fmt.Errorf("answered %q", ans)
+			}
+			s.LatencyMS = ms(time.Since(t))
+			_ = r.e.Delete(ctx, name)
+		}
+		if err != nil {
+			s.Error = err.Error()
+			r.fail("%s fork %s: %v", group, name, err)
+		} else {
+			s.OK = true
+			out = append(out, s.LatencyMS)
+		}
+		r.addSample(s)
+	}
+	return out
 }
