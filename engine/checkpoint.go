@@ -34,7 +34,8 @@ type CheckpointOptions struct {
 // the old layers); cont. Because the migration ran with the VM running, the saved run
 // state is "running", so forks start running without an extra cont.
 //
-// A fork (private RAM): see checkpointFork. Handoff: see checkpointHandoff.
+// A fork (private RAM): a delta checkpoint (see checkpointDelta; checkpointFork where
+// page extraction is unsupported). Handoff: see checkpointHandoff.
 func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *CheckpointOptions) (*Checkpoint, error) {
 	var o CheckpointOptions
 	if opts != nil {
@@ -84,6 +85,8 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 		err = e.checkpointHandoff(ctx, vm, w)
 	case m.Launch.RAM.Shared:
 		err = checkpointWorld(ctx, vm, w)
+	case memfile.ExtractSupported:
+		err = e.checkpointDelta(ctx, vm, w)
 	default:
 		err = e.checkpointFork(ctx, vm, w)
 	}

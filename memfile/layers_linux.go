@@ -192,3 +192,6 @@ func InjectLayers(pid int, addr uint64, size int64, layers []string) (int64, err
 	}
 	return total, nil
 }
+
+// ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
+const ExtractSupported = true

@@ -14,3 +14,6 @@ func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string
 func InjectLayers(pid int, addr uint64, size int64, layers []string) (int64, error) {
 	return 0, ErrUnsupported
 }
+
+// ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
+const ExtractSupported = false
