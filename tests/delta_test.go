@@ -297,3 +297,51 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 	}
 	t.Fatal("the checkpoint completed before the kill 3 times")
 }
+
+// TestDeltaWarmPool: warm pools of a delta checkpoint (plain and restored) get the
+// lineage's layers before their restore, so a pooled fork sees its ancestors' memory and
+// disk.
+func TestDeltaWarmPool(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w := makeWorld(t, e, "w", 256, 16)
+	mustRun(t, w, "echo world > /dev/shm/w && echo disk > /data/w && sync")
+	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, f, "echo fork > /dev/shm/f && echo fdisk > /data/f && sync")
+	if _, err := e.Checkpoint(ctx, "f", "c1", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	const want = "world\nfork\ndisk\nfdisk"
+	for _, restored := range []bool{false, true} {
+		if err := e.Warm(ctx, "c1", 1, &engine.WarmOptions{Restored: restored}); err != nil {
+			t.Fatal(err)
+		}
+		name := fmt.Sprintf("p-%v", restored)
+		p, err := e.Fork(ctx, "c1", &engine.ForkOptions{Name: name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.Info().Timings.Spawn != 0 {
+			t.Errorf("%s did not come from the pool: %+v", name, p.Info().Timings)
+		}
+		if got := mustRun(t, p, "cat /dev/shm/w /dev/shm/f /data/w /data/f"); got != want {
+			t.Fatalf("%s sees %q", name, got)
+		}
+		// Let the pool's refill finish (its spawn injects too), then empty the pool.
+		deadline := time.Now().Add(time.Minute)
+		for e.PoolSize("c1") < 1 && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if err := e.Warm(ctx, "c1", 0, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deleteAll(t, env)
+}
