@@ -239,15 +239,38 @@ func (r *runner) stockSaveRestore(node *engine.VM, lvl int) (saveMS, restoreMS f
 	return ms(d), restore
 }
 
-// dirAllocated sums the storage held by the files of dir whose names start with prefix.
+// dirAllocated sums the storage held by the files of dir whose names start with prefix
+// and by the files inside such directories (a delta checkpoint's layer directory), each
+// file once however many hard links it has (a delta checkpoint links its root RAM file
+// and its ancestors' layers).
 func dirAllocated(dir, prefix string) int64 {
 	ents, _ := os.ReadDir(dir)
+	seen := map[[2]uint64]bool{}
 	var n int64
-	for _, e := range ents {
+	add := func(p string) {
 		var st syscall.Stat_t
-		if strings.HasPrefix(e.Name(), prefix) && syscall.Stat(filepath.Join(dir, e.Name()), &st) == nil {
+		if syscall.Stat(p, &st) != nil {
+			return
+		}
+		k := [2]uint64{uint64(st.Dev), uint64(st.Ino)}
+		if st.Mode&syscall.S_IFMT == syscall.S_IFREG && !seen[k] {
+			seen[k] = true
 			n += st.Blocks * 512
 		}
+	}
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), prefix) {
+			continue
+		}
+		p := filepath.Join(dir, e.Name())
+		if e.IsDir() {
+			sub, _ := os.ReadDir(p)
+			for _, f := range sub {
+				add(filepath.Join(p, f.Name()))
+			}
+			continue
+		}
+		add(p)
 	}
 	return n
 }
