@@ -28,6 +28,11 @@ func (b *Baseline) Save(ctx context.Context, vmName, path string) (time.Duration
 	}
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
+	if parent := vm.m.Parent; parent != "" && !vm.m.Launch.RAM.Shared {
+		// A full save of a fork reads every guest page, faulting every hole of its
+		// checkpoint's RAM file in: give them back afterwards.
+		defer b.e.cks.punch(parent)
+	}
 	p := vm.process()
 	c, err := p.client(ctx)
 	if err != nil {
