@@ -55,8 +55,8 @@ type PhaseTimings struct {
 	Restore time.Duration `json:"restore_ns"` // incoming migration commands (forks)
 	// Inject is writing a delta checkpoint's layers into the fork's RAM (before Restore).
 	Inject time.Duration `json:"inject_ns,omitempty"`
-	Agent   time.Duration `json:"agent_ns"`   // until the agent answered with the token
-	Total   time.Duration `json:"total_ns"`
+	Agent  time.Duration `json:"agent_ns"` // until the agent answered with the token
+	Total  time.Duration `json:"total_ns"`
 }
 
 // CheckpointManifest is the on-disk record of a checkpoint
@@ -115,9 +115,9 @@ type CheckpointManifest struct {
 	// Layers are the lineage's delta layers, oldest first; the last is this checkpoint's
 	// own. Forks write them into their private RAM mapping before loading the device
 	// state. Each path is this checkpoint's own hard link (see ramLayersDir).
-	Layers []RAMLayer `json:"layers,omitempty"`
-	Timings   CheckpointTimings    `json:"timings"`
-	Freeze    *memfile.FreezeStats `json:"freeze,omitempty"`
+	Layers  []RAMLayer           `json:"layers,omitempty"`
+	Timings CheckpointTimings    `json:"timings"`
+	Freeze  *memfile.FreezeStats `json:"freeze,omitempty"`
 }
 
 // RAMLayer is one generation's delta layer: a sparse file of the guest's size holding,
@@ -139,7 +139,7 @@ type CheckpointTimings struct {
 	Disk    time.Duration `json:"disk_ns"`    // disk frozen
 	// Extract is a delta checkpoint's page extraction (part of Freeze).
 	Extract time.Duration `json:"extract_ns,omitempty"`
-	Paused  time.Duration `json:"paused_ns"`  // guest not running
+	Paused  time.Duration `json:"paused_ns"` // guest not running
 	Total   time.Duration `json:"total_ns"`
 }
 
