@@ -114,7 +114,7 @@ type CheckpointManifest struct {
 	Root string `json:"root,omitempty"`
 	// Layers are the lineage's delta layers, oldest first; the last is this checkpoint's
 	// own. Forks write them into their private RAM mapping before loading the device
-	// state. Each path is this checkpoint's own hard link (see ramLayersDir).
+	// state. Each path is this checkpoint's own hard link (layout.checkpointLayers).
 	Layers  []RAMLayer           `json:"layers,omitempty"`
 	Timings CheckpointTimings    `json:"timings"`
 	Freeze  *memfile.FreezeStats `json:"freeze,omitempty"`
@@ -276,4 +276,19 @@ func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
 		}
 	}
 	return &ck, nil
+}
+
+// WrittenBytes is the storage this checkpoint added: its device state plus, for a delta
+// checkpoint, its own layer's pages, or for a world checkpoint the RAM data it froze
+// (0 when unknown, e.g. a handoff). Files shared with its lineage (the root RAM file,
+// ancestors' layers) are not counted.
+func (ck *CheckpointManifest) WrittenBytes() int64 {
+	n := ck.StateSize
+	switch {
+	case len(ck.Layers) > 0:
+		n += ck.Layers[len(ck.Layers)-1].Size
+	case ck.Freeze != nil:
+		n += ck.Freeze.Bytes
+	}
+	return n
 }
