@@ -18,8 +18,8 @@ type CheckpointOptions struct {
 	// process restored from the checkpoint, like a fork, under the same name). The
 	// checkpoint takes the same time whatever the guest's size; the VM is paused until it
 	// is back (~one fork), and from then on is a fork of the checkpoint: the checkpoint
-	// cannot be deleted while it lives, and its own later checkpoints take the full-save
-	// path. For prepare-once, fork-many use. Only for VMs created forkable.
+	// cannot be deleted while it lives, and its own later checkpoints are delta
+	// checkpoints. For prepare-once, fork-many use. Only for VMs created forkable.
 	Handoff bool
 	// implicit marks a checkpoint made by forking a running VM.
 	implicit bool
