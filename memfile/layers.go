@@ -28,17 +28,15 @@ const (
 // some ancestor layer holds: pages present and not file pages (private copies), swapped
 // pages (private copies on swap), and every page an ancestor layer holds (the mapping
 // holds it privately unless something dropped it; its current content must be compared
-// anyway). A present file page is the root file's page and never a candidate.
+// anyway).
 func candidatePages(pagemap []uint64, inLayers func(int64) bool) []int64 {
 	var out []int64
 	for i, e := range pagemap {
 		p := int64(i)
-		switch {
-		case e&pmPresent != 0 && e&pmFile == 0, e&pmSwapped != 0:
-			out = append(out, p)
-		case e&pmPresent != 0:
-			// the root file's page, shared
-		case inLayers(p):
+		// A present file page is the root file's page, shared: not a candidate unless a
+		// layer holds the page (then the mapping lost its private copy, e.g. to a discard,
+		// and the guest sees the root's content, which must be compared too).
+		if e&pmPresent != 0 && e&pmFile == 0 || e&pmSwapped != 0 || inLayers(p) {
 			out = append(out, p)
 		}
 	}
