@@ -114,7 +114,7 @@ func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string
 		first, n := cand[i], j-i
 		c, r := cur[:n*PageSize], ref[:n*PageSize]
 		if _, err := mem.ReadAt(c, int64(addr)+first*PageSize); err != nil {
-			return nil, fmt.Errorf("memfile: read guest page %d of %d: %w", first, pid, err)
+			return nil, fmt.Errorf("memfile: read guest page %d of process %d: %w", first, pid, err)
 		}
 		// The reference: sub-runs of one owner each.
 		for k := 0; k < n; {

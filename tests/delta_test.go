@@ -225,77 +225,112 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 	mustRun(t, g, "head -c 8388608 /dev/urandom > /dev/shm/g")
 	ckDir := filepath.Join(env.Home, "checkpoints")
 	ramDir := e.Config().RAMDir
-	for attempt := 1; attempt <= 3; attempt++ {
-		name := fmt.Sprintf("c2-%d", attempt)
-		pid := g.PID()
-		done := make(chan error, 1)
-		go func() {
-			_, err := e.Checkpoint(ctx, "g", name, nil)
-			done <- err
-		}()
-		// Kill while the device state streams (state.mig exists in the temporary dir).
-		killed := false
-	wait:
-		for {
-			select {
-			case err = <-done:
-				break wait
-			default:
+	// Two moments: while the device state streams (state.mig exists in the temporary
+	// checkpoint dir), and while the guest is stopped and its pages are extracted (the
+	// checkpoint's own layer exists in its temporary layer dir).
+	phases := []struct {
+		name    string
+		trigger func(ck string) bool
+	}{
+		{"device state", func(ck string) bool {
+			for _, d := range dirNames(ckDir) {
+				if strings.HasPrefix(d, ".tmp-"+ck+"-") {
+					if _, err := os.Stat(filepath.Join(ckDir, d, "state.mig")); err == nil {
+						return true
+					}
+				}
 			}
-			if !killed {
-				for _, d := range dirNames(ckDir) {
-					if strings.HasPrefix(d, ".tmp-"+name+"-") {
-						if _, err := os.Stat(filepath.Join(ckDir, d, "state.mig")); err == nil {
-							syscall.Kill(pid, syscall.SIGKILL)
-							killed = true
+			return false
+		}},
+		{"page extraction", func(ck string) bool {
+			for _, d := range dirNames(ramDir) {
+				if strings.HasPrefix(d, "ck-"+ck+".layers.tmp-") {
+					for _, f := range dirNames(filepath.Join(ramDir, d)) {
+						if strings.HasSuffix(f, "-"+ck+".layer") {
+							return true
 						}
 					}
 				}
 			}
-			time.Sleep(200 * time.Microsecond)
-		}
-		if err == nil {
-			t.Logf("attempt %d: checkpoint completed before the kill", attempt)
-			if err := e.DeleteCheckpoint(ctx, name, nil); err != nil {
-				t.Fatal(err)
-			}
-			waitDead(t, g, 30*time.Second)
-			e.Delete(ctx, "g")
-			if g, err = e.Fork(ctx, "c1", &engine.ForkOptions{Name: "g"}); err != nil {
-				t.Fatal(err)
-			}
-			continue
-		}
-		t.Logf("checkpoint of a killed fork: %v", err)
-		if !errors.Is(err, engine.ErrQEMUExited) {
-			t.Errorf("error does not wrap ErrQEMUExited: %v", err)
-		}
-		waitDead(t, g, 30*time.Second)
-		for _, d := range dirNames(ckDir) {
-			if strings.Contains(d, name) {
-				t.Errorf("left in checkpoints: %s", d)
-			}
-		}
-		for _, r := range dirNames(ramDir) {
-			if strings.Contains(r, name) {
-				t.Errorf("left in the RAM dir: %s", r)
-			}
-		}
-		if _, err := e.LoadCheckpoint(name); !errors.Is(err, engine.ErrNotFound) {
-			t.Errorf("partial checkpoint %s: %v", name, err)
-		}
-		// The lineage is whole: c1 forks with f's and the world's data.
-		h, err := e.Fork(ctx, "c1", nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := mustRun(t, h, "md5sum /dev/shm/w /dev/shm/f"); got != worldSum+"\n"+fSum {
-			t.Errorf("fork of c1 after the kill sees %q", got)
-		}
-		deleteAll(t, env)
-		return
+			return false
+		}},
 	}
-	t.Fatal("the checkpoint completed before the kill 3 times")
+	for pi, phase := range phases {
+		hit := false
+		for attempt := 1; attempt <= 3 && !hit; attempt++ {
+			name := fmt.Sprintf("c2-%d-%d", pi, attempt)
+			pid := g.PID()
+			done := make(chan error, 1)
+			go func() {
+				_, err := e.Checkpoint(ctx, "g", name, nil)
+				done <- err
+			}()
+			killed := false
+		wait:
+			for {
+				select {
+				case err = <-done:
+					break wait
+				default:
+				}
+				if !killed && phase.trigger(name) {
+					syscall.Kill(pid, syscall.SIGKILL)
+					killed = true
+				}
+				time.Sleep(100 * time.Microsecond)
+			}
+			if err == nil {
+				t.Logf("%s, attempt %d: checkpoint completed before the kill", phase.name, attempt)
+				if err := e.DeleteCheckpoint(ctx, name, nil); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				hit = true
+				t.Logf("%s: checkpoint of a killed fork: %v", phase.name, err)
+				if !errors.Is(err, engine.ErrQEMUExited) {
+					t.Errorf("error does not wrap ErrQEMUExited: %v", err)
+				}
+			}
+			if killed {
+				waitDead(t, g, 30*time.Second)
+			}
+			for _, d := range dirNames(ckDir) {
+				if strings.Contains(d, name) {
+					t.Errorf("left in checkpoints: %s", d)
+				}
+			}
+			for _, r := range dirNames(ramDir) {
+				if strings.Contains(r, name) {
+					t.Errorf("left in the RAM dir: %s", r)
+				}
+			}
+			if _, err := e.LoadCheckpoint(name); !errors.Is(err, engine.ErrNotFound) {
+				t.Errorf("partial checkpoint %s: %v", name, err)
+			}
+			// The lineage is whole: c1 forks with f's and the world's data.
+			if hit {
+				h, err := e.Fork(ctx, "c1", nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := mustRun(t, h, "md5sum /dev/shm/w /dev/shm/f"); got != worldSum+"\n"+fSum {
+					t.Errorf("fork of c1 after the kill sees %q", got)
+				}
+				e.Delete(ctx, h.Name())
+			}
+			if killed || hit {
+				e.Delete(ctx, "g")
+				if g, err = e.Fork(ctx, "c1", &engine.ForkOptions{Name: "g"}); err != nil {
+					t.Fatal(err)
+				}
+				mustRun(t, g, "head -c 8388608 /dev/urandom > /dev/shm/g")
+			}
+		}
+		if !hit {
+			t.Errorf("%s: the checkpoint completed before the kill 3 times", phase.name)
+		}
+	}
+	deleteAll(t, env)
 }
 
 // TestDeltaWarmPool: warm pools of a delta checkpoint (plain and restored) get the
