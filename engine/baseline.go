@@ -28,6 +28,11 @@ func (b *Baseline) Save(ctx context.Context, vmName, path string) (time.Duration
 	}
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
+	if parent := vm.m.Parent; parent != "" && !vm.m.Launch.RAM.Shared {
+		// A full save of a fork reads every guest page, faulting every hole of its
+		// checkpoint's RAM file in: give them back afterwards.
+		defer b.e.cks.punch(parent)
+	}
 	p := vm.process()
 	c, err := p.client(ctx)
 	if err != nil {
@@ -42,13 +47,7 @@ func (b *Baseline) Save(ctx context.Context, vmName, path string) (time.Duration
 		os.Remove(path)
 		return 0, err
 	}
-	d := time.Since(t0)
-	// A full save reads every guest page: for a fork, every hole of its checkpoint's RAM
-	// file was faulted in. Give them back (not counted in the save's time).
-	if vm.m.Parent != "" {
-		b.e.cks.punch(vm.m.Parent)
-	}
-	return d, nil
+	return time.Since(t0), nil
 }
 
 // Restore starts a new VM named spec.Name from a full save made by Save of a VM with

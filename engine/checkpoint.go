@@ -18,8 +18,8 @@ type CheckpointOptions struct {
 	// process restored from the checkpoint, like a fork, under the same name). The
 	// checkpoint takes the same time whatever the guest's size; the VM is paused until it
 	// is back (~one fork), and from then on is a fork of the checkpoint: the checkpoint
-	// cannot be deleted while it lives, and its own later checkpoints take the full-save
-	// path. For prepare-once, fork-many use. Only for VMs created forkable.
+	// cannot be deleted while it lives, and its own later checkpoints are delta
+	// checkpoints. For prepare-once, fork-many use. Only for VMs created forkable.
 	Handoff bool
 	// implicit marks a checkpoint made by forking a running VM.
 	implicit bool
@@ -34,7 +34,8 @@ type CheckpointOptions struct {
 // the old layers); cont. Because the migration ran with the VM running, the saved run
 // state is "running", so forks start running without an extra cont.
 //
-// A fork (private RAM): see checkpointFork. Handoff: see checkpointHandoff.
+// A fork (private RAM): a delta checkpoint (see checkpointDelta; checkpointFork where
+// page extraction is unsupported). Handoff: see checkpointHandoff.
 func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *CheckpointOptions) (*Checkpoint, error) {
 	var o CheckpointOptions
 	if opts != nil {
@@ -85,6 +86,8 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 		err = e.checkpointHandoff(ctx, vm, w)
 	case m.Launch.RAM.Shared:
 		err = checkpointWorld(ctx, vm, w)
+	case memfile.ExtractSupported:
+		err = e.checkpointDelta(ctx, vm, w)
 	default:
 		err = e.checkpointFork(ctx, vm, w)
 	}

@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 
 	"github.com/forkvm/forkvm/memfile"
 )
@@ -107,11 +108,32 @@ func (s *checkpointStore) verify(c *Checkpoint) error {
 		}
 	}
 	fp := fmt.Sprintf("%d/%d/%d", sst.Size(), sst.ModTime().UnixNano(), st.Size())
+	// Delta layers: every ancestor's must be there, whole, before any QEMU starts.
+	for _, l := range ck.Layers {
+		lst, err := os.Stat(l.Path)
+		if err != nil {
+			return fmt.Errorf("%w: %s: ram layer of ancestor %s: %v", ErrCheckpointCorrupt, ck.Name, l.Checkpoint, err)
+		}
+		if lst.Size() != ck.RAMSize {
+			return fmt.Errorf("%w: %s: ram layer of ancestor %s is %d bytes, want %d", ErrCheckpointCorrupt, ck.Name, l.Checkpoint, lst.Size(), ck.RAMSize)
+		}
+		fp += fmt.Sprintf("/%d/%d", lst.ModTime().UnixNano(), lst.Sys().(*syscall.Stat_t).Blocks)
+	}
 	s.mu.Lock()
 	done := s.verified[ck.Name] == fp
 	s.mu.Unlock()
 	if done {
 		return nil
+	}
+	for _, l := range ck.Layers {
+		sum, size, err := memfile.LayerDigest(l.Path)
+		if err != nil {
+			return fmt.Errorf("%w: %s: ram layer of ancestor %s: %v", ErrCheckpointCorrupt, ck.Name, l.Checkpoint, err)
+		}
+		if sum != l.SHA256 || size != l.Size {
+			return fmt.Errorf("%w: %s: ram layer of ancestor %s: sha256 %s (%d bytes), manifest says %s (%d bytes)",
+				ErrCheckpointCorrupt, ck.Name, l.Checkpoint, sum[:16], size, l.SHA256[:16], l.Size)
+		}
 	}
 	sum, _, err := fileSHA256(c.StatePath())
 	if err != nil {
@@ -161,6 +183,7 @@ func (s *checkpointStore) remove(name string) {
 		}
 	}
 	os.Remove(s.paths.checkpointRAM(name))
+	os.RemoveAll(s.paths.checkpointLayers(name))
 	os.RemoveAll(dir)
 	s.mu.Lock()
 	delete(s.verified, name)
@@ -241,7 +264,7 @@ func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int)
 	for _, r := range rams {
 		kind, name := parseRAMName(r.Name())
 		if kind == "tmp" || kind == "checkpoint" && !live[name] || kind == "vm" && !vmLive(name) {
-			os.Remove(filepath.Join(s.paths.ram, r.Name()))
+			os.RemoveAll(filepath.Join(s.paths.ram, r.Name()))
 		}
 	}
 	for name := range live {

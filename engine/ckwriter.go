@@ -22,7 +22,12 @@ type ckWriter struct {
 
 	tmp, final       string // checkpoint directory: being written, committed
 	ramTmp, ramFinal string // RAM file: being written, committed
-	committed        bool
+	// A delta checkpoint's layer directory (being written, committed), and the hole list
+	// of its root RAM file, copied from its parent instead of measured (the root file's
+	// holes may be faulted in by running forks right now).
+	layersTmp, layersFinal string
+	holesFrom              string
+	committed              bool
 }
 
 // newCkWriter starts writing checkpoint name.
@@ -64,7 +69,13 @@ func (w *ckWriter) commit(ctx context.Context) error {
 	}
 	// The RAM file's holes are pages nobody wrote: remember them, so that pages forks
 	// fault into them later can be punched back out (checkpointStore.punch).
-	if holes, err := memfile.Holes(w.ramTmp); err == nil {
+	if w.holesFrom != "" {
+		if b, err := os.ReadFile(w.holesFrom); err == nil {
+			if err := os.WriteFile(filepath.Join(w.tmp, ramHolesFile), b, 0o600); err != nil {
+				return fmt.Errorf("engine: checkpoint holes: %w", err)
+			}
+		}
+	} else if holes, err := memfile.Holes(w.ramTmp); err == nil {
 		if err := os.WriteFile(filepath.Join(w.tmp, ramHolesFile), memfile.EncodeRanges(holes), 0o600); err != nil {
 			return fmt.Errorf("engine: checkpoint holes: %w", err)
 		}
@@ -76,8 +87,17 @@ func (w *ckWriter) commit(ctx context.Context) error {
 	if err := os.Rename(w.ramTmp, w.ramFinal); err != nil {
 		return fmt.Errorf("engine: checkpoint ram: %w", err)
 	}
+	if w.layersTmp != "" {
+		if err := os.Rename(w.layersTmp, w.layersFinal); err != nil {
+			os.Rename(w.ramFinal, w.ramTmp)
+			return fmt.Errorf("engine: checkpoint ram layers: %w", err)
+		}
+	}
 	if err := os.Rename(w.tmp, w.final); err != nil {
 		os.Rename(w.ramFinal, w.ramTmp)
+		if w.layersTmp != "" {
+			os.Rename(w.layersFinal, w.layersTmp)
+		}
 		return fmt.Errorf("engine: checkpoint commit: %w", err)
 	}
 	w.committed = true
@@ -89,6 +109,9 @@ func (w *ckWriter) cleanup() {
 	if !w.committed {
 		os.RemoveAll(w.tmp)
 		os.Remove(w.ramTmp)
+		if w.layersTmp != "" {
+			os.RemoveAll(w.layersTmp)
+		}
 	}
 }
 

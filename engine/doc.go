@@ -17,6 +17,15 @@
 //     its own. It gets its own disk overlay and counts as ready when the guest agent
 //     answers with the fork's own token. Forking a running VM takes an implicit
 //     checkpoint first.
+//   - A checkpoint of a fork is a delta checkpoint (ckdelta.go): its device state
+//     (migrated with the guest RAM block's page records stripped on the fly, package
+//     migstream) and one layer, a sparse file in Config.RAMDir holding only the pages
+//     the fork changed relative to its lineage. Forks of it, at any depth, map the
+//     lineage's root RAM file share=off and get every layer written into their private
+//     mapping, oldest first, before the device state loads. A delta checkpoint holds
+//     hard links to the root file and to every ancestor's layer, so deleting an ancestor
+//     (its VMs or the checkpoint) never breaks a descendant; every layer's SHA-256 is
+//     checked before a fork's QEMU starts.
 //   - A wave (Engine.ForkMany) starts n forks at once and streams one ForkEvent per
 //     fork as it becomes ready or fails.
 //   - The budget (Engine.Budget) admits a fork only while the vCPUs of live VMs stay

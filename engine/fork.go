@@ -76,6 +76,7 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 //
 //	prepare   a claimed warm-pool process, or admission + manifest, directory, disk (forkprep.go)
 //	spawn     QEMU with the checkpoint's machine and -incoming defer (qemuproc.go, argv in cmdline.go)
+//	inject    a delta checkpoint's RAM layers into the fork's private mapping (ckdelta.go)
 //	restore   a restore slot, then the device state (migrate.go)
 //	handshake the agent answers with the fork's own token (handshake.go)
 //	record    registered, the checkpoint marked as forked
@@ -141,6 +142,11 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 			return nil, portError(err, publish)
 		}
 		clock.lap(&vm.m.Timings.Spawn)
+		// inject: a delta checkpoint's layers, before anything loads.
+		if err := injectLayers(vm, c); err != nil {
+			return nil, vm.failure("inject", err)
+		}
+		clock.lap(&vm.m.Timings.Inject)
 	}
 
 	// restore: the guest runs from here to ready, so take a restore slot first, then give

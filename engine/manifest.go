@@ -43,6 +43,9 @@ type manifest struct {
 	CreatedAt  time.Time    `json:"created_at"`
 	ReadyAt    time.Time    `json:"ready_at,omitzero"`
 	Timings    PhaseTimings `json:"timings"`
+	// LineageBytes is what the fork received from its checkpoint's delta layers (see
+	// MemoryUsage.GuestLineage).
+	LineageBytes int64 `json:"lineage_bytes,omitempty"`
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.
@@ -50,8 +53,10 @@ type PhaseTimings struct {
 	Prepare time.Duration `json:"prepare_ns"` // validation, files, disk
 	Spawn   time.Duration `json:"spawn_ns"`   // exec until QMP answered
 	Restore time.Duration `json:"restore_ns"` // incoming migration commands (forks)
-	Agent   time.Duration `json:"agent_ns"`   // until the agent answered with the token
-	Total   time.Duration `json:"total_ns"`
+	// Inject is writing a delta checkpoint's layers into the fork's RAM (before Restore).
+	Inject time.Duration `json:"inject_ns,omitempty"`
+	Agent  time.Duration `json:"agent_ns"` // until the agent answered with the token
+	Total  time.Duration `json:"total_ns"`
 }
 
 // CheckpointManifest is the on-disk record of a checkpoint
@@ -101,11 +106,34 @@ type CheckpointManifest struct {
 	OverlayTemplate string `json:"overlay_template,omitempty"`
 	// DiskMethod says how the disk was frozen: "reflink" or "qcow2-overlay".
 	DiskMethod string `json:"disk_method,omitempty"`
-	// RAMMethod says how RAM was frozen: "copy" (world), "handoff" (world, renamed) or
-	// "full-save" (fork of a fork).
-	RAMMethod string               `json:"ram_method"`
-	Timings   CheckpointTimings    `json:"timings"`
-	Freeze    *memfile.FreezeStats `json:"freeze,omitempty"`
+	// RAMMethod says how RAM was frozen: "copy" (world), "handoff" (world, renamed),
+	// "full-save" (fork of a fork, before delta checkpoints) or "delta" (fork of a fork).
+	RAMMethod string `json:"ram_method"`
+	// Kind is "delta" for a checkpoint of a fork: RAMPath is then the checkpoint's own
+	// hard link to its lineage's root RAM file (a world checkpoint's), and Layers the
+	// pages every generation since the root changed. Empty for a world checkpoint.
+	Kind string `json:"kind,omitempty"`
+	// Root names the world checkpoint whose RAM file RAMPath links to (delta only; it
+	// may have been deleted since: the link keeps the file).
+	Root string `json:"root,omitempty"`
+	// Layers are the lineage's delta layers, oldest first; the last is this checkpoint's
+	// own. Forks write them into their private RAM mapping before loading the device
+	// state. Each path is this checkpoint's own hard link (layout.checkpointLayers).
+	Layers  []RAMLayer           `json:"layers,omitempty"`
+	Timings CheckpointTimings    `json:"timings"`
+	Freeze  *memfile.FreezeStats `json:"freeze,omitempty"`
+}
+
+// RAMLayer is one generation's delta layer: a sparse file of the guest's size holding,
+// at their guest offsets, the pages that generation changed (memfile.ExtractDelta).
+type RAMLayer struct {
+	// Checkpoint is the checkpoint that wrote the layer.
+	Checkpoint string `json:"checkpoint"`
+	Path       string `json:"path"`
+	// Size is the layer's data in bytes (the pages it holds).
+	Size int64 `json:"size"`
+	// SHA256 is memfile.LayerDigest of the layer.
+	SHA256 string `json:"sha256"`
 }
 
 // CheckpointTimings are the phases of a checkpoint.
@@ -113,7 +141,9 @@ type CheckpointTimings struct {
 	Migrate time.Duration `json:"migrate_ns"` // device state to file (VM stopped at the end)
 	Freeze  time.Duration `json:"freeze_ns"`  // RAM frozen
 	Disk    time.Duration `json:"disk_ns"`    // disk frozen
-	Paused  time.Duration `json:"paused_ns"`  // guest not running
+	// Extract is a delta checkpoint's page extraction (part of Freeze).
+	Extract time.Duration `json:"extract_ns,omitempty"`
+	Paused  time.Duration `json:"paused_ns"` // guest not running
 	Total   time.Duration `json:"total_ns"`
 }
 
@@ -221,5 +251,48 @@ func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
 	if ck.RAMPath == "" || !filepath.IsAbs(ck.RAMPath) {
 		return nil, fmt.Errorf("bad ram path")
 	}
+	switch ck.Kind {
+	case "":
+		if len(ck.Layers) > 0 {
+			return nil, fmt.Errorf("ram layers on a world checkpoint")
+		}
+	case checkpointKindDelta:
+		if len(ck.Layers) == 0 {
+			return nil, fmt.Errorf("delta checkpoint without ram layers")
+		}
+		if ck.Root != "" {
+			if err := ValidateName(ck.Root); err != nil {
+				return nil, fmt.Errorf("root: %w", err)
+			}
+		}
+	default:
+		return nil, fmt.Errorf("unknown checkpoint kind %q", ck.Kind)
+	}
+	for i, l := range ck.Layers {
+		if err := ValidateName(l.Checkpoint); err != nil {
+			return nil, fmt.Errorf("ram layer %d: %w", i, err)
+		}
+		if _, err := hex.DecodeString(l.SHA256); err != nil || len(l.SHA256) != 64 {
+			return nil, fmt.Errorf("ram layer %d: bad checksum", i)
+		}
+		if l.Path == "" || !filepath.IsAbs(l.Path) || l.Size < 0 || l.Size > ck.RAMSize {
+			return nil, fmt.Errorf("ram layer %d: bad path or size", i)
+		}
+	}
 	return &ck, nil
+}
+
+// WrittenBytes is the storage this checkpoint added: its device state plus, for a delta
+// checkpoint, its own layer's pages, or for a world checkpoint the RAM data it froze
+// (0 when unknown, e.g. a handoff). Files shared with its lineage (the root RAM file,
+// ancestors' layers) are not counted.
+func (ck *CheckpointManifest) WrittenBytes() int64 {
+	n := ck.StateSize
+	switch {
+	case len(ck.Layers) > 0:
+		n += ck.Layers[len(ck.Layers)-1].Size
+	case ck.Freeze != nil:
+		n += ck.Freeze.Bytes
+	}
+	return n
 }

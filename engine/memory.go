@@ -24,6 +24,12 @@ type MemoryUsage struct {
 	// RAM (a restore of a full save), all the guest RAM it touched. A forkable VM's
 	// guest RAM is its RAM file (GuestFile) and this is 0.
 	GuestWritten int64 `json:"guest_written_bytes"`
+	// GuestLineage is the part of GuestWritten that a fork of a delta checkpoint received
+	// from its lineage's delta layers when it started (pages its ancestors wrote, written
+	// into its private mapping before the restore): private copies, not shared with
+	// sibling forks. Bounded by GuestWritten and by the layers' size (a page the fork
+	// rewrites since stays counted here).
+	GuestLineage int64 `json:"guest_lineage_bytes"`
 	// GuestFile is guest RAM resident in the VM's mapping of its RAM file and not copied:
 	// for a fork, checkpoint pages it read (in Shared); for a forkable VM, its own RAM
 	// file (share=on), which is in Shared too although only this VM and its checkpoints
@@ -57,7 +63,7 @@ func (vm *VM) Memory(ctx context.Context) (*MemoryUsage, error) {
 		return nil, err
 	}
 	vm.mu.Lock()
-	pid, ram, memBytes := vm.m.PID, vm.m.Launch.RAM.Path, int64(vm.m.Spec.MemoryMiB)<<20
+	pid, ram, memBytes, lineage := vm.m.PID, vm.m.Launch.RAM.Path, int64(vm.m.Spec.MemoryMiB)<<20, vm.m.LineageBytes
 	vm.mu.Unlock()
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
@@ -75,6 +81,7 @@ func (vm *VM) Memory(ctx context.Context) (*MemoryUsage, error) {
 	}
 	u := ClassifyMemory(ms, ram, memBytes)
 	u.PID = pid
+	u.GuestLineage = min(lineage, u.GuestWritten)
 	u.PageTables = pte
 	u.Private += pte
 	return u, nil

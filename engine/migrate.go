@@ -2,10 +2,15 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net"
+	"os"
+	"path/filepath"
 	"sort"
 	"time"
 
+	"github.com/forkvm/forkvm/migstream"
 	"github.com/forkvm/forkvm/qmp"
 )
 
@@ -14,6 +19,8 @@ import (
 //   - saveToFile: migrate to a file and wait. Shared RAM skipped (x-ignore-shared) saves
 //     device state plus private RAM; full saves every RAM page.
 //   - loadFromFile: migrate-incoming from a file into a QEMU started with -incoming defer.
+//   - saveStripped: migrate to a unix socket the engine listens on and strip the guest
+//     RAM block's page records as the stream goes by (a checkpoint of a fork).
 //   - resume: cont, on a fresh context, after a save stopped the guest.
 //
 // A file migration that completes leaves the guest stopped (postmigrate); a failed one
@@ -80,6 +87,85 @@ func (p *qemuProc) saveToFile(ctx context.Context, path string, full bool) error
 		return fmt.Errorf("migrate: %w", err)
 	}
 	return waitMigration(ctx, c)
+}
+
+// guestRAMBlock is the RAM block id of the guest's memory backend (cmdline.go).
+const guestRAMBlock = "mem"
+
+// saveStripped migrates p's VM (x-ignore-shared on, unlimited bandwidth) to a unix socket
+// in runDir that the engine reads, and writes the stream to path without the page records
+// of the guest RAM block (migstream.StripRAM): a device-state file that loads like a world
+// checkpoint's. QEMU still scans (and sends) every page of a share=off guest RAM; the
+// engine drops them as they arrive. It returns when the migration completed (the guest is
+// then stopped, postmigrate) and the file is written, or failed.
+func (p *qemuProc) saveStripped(ctx context.Context, runDir, path string) (*migstream.Stats, error) {
+	c, err := p.client(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.setIgnoreShared(ctx, c, true); err != nil {
+		return nil, err
+	}
+	if err := c.Execute(ctx, "migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}, nil); err != nil {
+		return nil, fmt.Errorf("migrate-set-parameters: %w", err)
+	}
+	sock := filepath.Join(runDir, "ck-"+randHex(4)+".sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		return nil, fmt.Errorf("engine: migration socket: %w", err)
+	}
+	defer os.Remove(sock)
+	defer ln.Close()
+	out, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer out.Close()
+	type result struct {
+		st  *migstream.Stats
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		conn, err := ln.Accept()
+		if err != nil {
+			done <- result{nil, err}
+			return
+		}
+		// Closing the connection on any error makes QEMU's writes fail, so the
+		// migration fails instead of blocking.
+		defer conn.Close()
+		st, err := migstream.StripRAM(out, conn, guestRAMBlock)
+		done <- result{st, err}
+	}()
+	err = c.Execute(ctx, "migrate", map[string]any{"uri": "unix:" + sock}, nil)
+	if err != nil {
+		err = fmt.Errorf("migrate: %w", err)
+	} else {
+		err = waitMigration(ctx, c)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			// Given up: stop QEMU's side too (it closes the socket).
+			cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			_ = c.Execute(cctx, "migrate_cancel", nil, nil)
+			cancel()
+		}
+		ln.Close() // unblocks Accept if QEMU never connected
+		r := <-done
+		if r.err != nil && errors.Is(r.err, migstream.ErrFormat) {
+			err = fmt.Errorf("%w (stream: %v)", err, r.err)
+		}
+		return nil, err
+	}
+	r := <-done
+	if r.err != nil {
+		return nil, fmt.Errorf("engine: device state: %w", r.err)
+	}
+	if !r.st.SawStripped {
+		return nil, fmt.Errorf("engine: device state: the stream has no %q RAM block", guestRAMBlock)
+	}
+	return r.st, nil
 }
 
 // loadFromFile starts an incoming migration from path into p, a QEMU started with

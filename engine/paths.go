@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"fmt"
 	"path/filepath"
 	"strings"
 )
@@ -52,6 +53,18 @@ func (l layout) vmRAM(name string) string { return filepath.Join(l.ram, "vm-"+na
 // checkpointRAM is the frozen RAM file of a checkpoint.
 func (l layout) checkpointRAM(name string) string { return filepath.Join(l.ram, "ck-"+name+".ram") }
 
+// checkpointLayers is the directory (in RAMDir) of a delta checkpoint's RAM layers: its
+// own layer and a hard link to every ancestor's, so that deleting an ancestor keeps them.
+func (l layout) checkpointLayers(name string) string {
+	return filepath.Join(l.ram, "ck-"+name+".layers")
+}
+
+// layerFile names the i-th layer (oldest first) of a lineage, written by checkpoint ck.
+func layerFile(i int, ck string) string { return fmt.Sprintf("%02d-%s.layer", i, ck) }
+
+// checkpointKindDelta is CheckpointManifest.Kind of a checkpoint of a fork.
+const checkpointKindDelta = "delta"
+
 // tmpCheckpointDir is a fresh directory name for a checkpoint being written.
 func (l layout) tmpCheckpointDir(name string) string {
 	return filepath.Join(l.checkpointsDir(), tmpCheckpointPrefix+name+"-"+randHex(4))
@@ -62,11 +75,14 @@ func (l layout) tmpCheckpointDir(name string) string {
 func (l layout) inRAMDir(p string) bool { return p != "" && filepath.Dir(p) == l.ram }
 
 // parseRAMName classifies a file name in the RAM directory: a VM's RAM file, a
-// checkpoint's, or a temporary one (a freeze that did not finish).
+// checkpoint's (its RAM file or its layer directory), or a temporary one (a freeze that
+// did not finish).
 func parseRAMName(n string) (kind, name string) {
 	switch {
-	case strings.Contains(n, ".ram.tmp-"):
+	case strings.Contains(n, ".ram.tmp-"), strings.Contains(n, ".layers.tmp-"):
 		return "tmp", ""
+	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".layers"):
+		return "checkpoint", strings.TrimSuffix(strings.TrimPrefix(n, "ck-"), ".layers")
 	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".ram"):
 		return "checkpoint", strings.TrimSuffix(strings.TrimPrefix(n, "ck-"), ".ram")
 	case strings.HasPrefix(n, "vm-") && strings.HasSuffix(n, ".ram"):

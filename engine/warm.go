@@ -158,6 +158,9 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, opts WarmOption
 	if err := vm.start(ctx); err != nil {
 		return nil, err
 	}
+	if err := injectLayers(vm, c); err != nil {
+		return nil, vm.failure("pool", err)
+	}
 	c0, err := vm.process().client(ctx)
 	if err == nil {
 		err = vm.process().setIgnoreShared(ctx, c0, true)

@@ -54,6 +54,12 @@ type TreeLevel struct {
 	// CheckpointMS and CheckpointRAMMethod: the node's checkpoint (engine Timings.Total).
 	CheckpointMS        float64 `json:"checkpoint_ms"`
 	CheckpointRAMMethod string  `json:"checkpoint_ram_method"`
+	// Phases of the checkpoint (engine CheckpointTimings): the migration (for a delta
+	// checkpoint: the guest RAM scan, device state streamed and stripped), the page
+	// extraction of a delta checkpoint, and the time the guest was paused.
+	CheckpointMigrateMS float64 `json:"checkpoint_migrate_ms,omitempty"`
+	CheckpointExtractMS float64 `json:"checkpoint_extract_ms,omitempty"`
+	CheckpointPausedMS  float64 `json:"checkpoint_paused_ms,omitempty"`
 	// ForkP50MS: the level's children, fork until the first `sh -c true` answered.
 	ForkP50MS float64 `json:"fork_p50_ms"`
 	Ready     int     `json:"ready"`
@@ -109,6 +115,7 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 				return fmt.Errorf("level %d: checkpoint of %s: %w", lvl, node.Name(), err)
 			}
 			L.CheckpointMS, L.CheckpointRAMMethod = ms(ck.Manifest.Timings.Total), ck.Manifest.RAMMethod
+			L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS = ms(ck.Manifest.Timings.Migrate), ms(ck.Manifest.Timings.Extract), ms(ck.Manifest.Timings.Paused)
 			ckOfFork = append(ckOfFork, L.CheckpointMS)
 			r.addSample(Sample{Group: "checkpoint", Index: lvl, Name: ckName, OK: true, LatencyMS: L.CheckpointMS})
 		}
@@ -178,10 +185,10 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files; host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
 		r.shape.DirtyMB, depth, branch, writeMB)
 	var b strings.Builder
-	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | fork of running node ms | fork p50 ms | RAM files MiB (written MB) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | migrate / extract / paused ms | fork of running node ms | fork p50 ms | RAM files MiB (written MB) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, L := range levels {
-		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f | %.0f | %.0f (%d) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
-			L.CheckpointRAMMethod, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.WrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
+		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%d) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
+			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.WrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
 	}
 	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", b.String(), pc.P50, len(ckOfFork))
 	return nil
@@ -239,15 +246,38 @@ func (r *runner) stockSaveRestore(node *engine.VM, lvl int) (saveMS, restoreMS f
 	return ms(d), restore
 }
 
-// dirAllocated sums the storage held by the files of dir whose names start with prefix.
+// dirAllocated sums the storage held by the files of dir whose names start with prefix
+// and by the files inside such directories (a delta checkpoint's layer directory), each
+// file once however many hard links it has (a delta checkpoint links its root RAM file
+// and its ancestors' layers).
 func dirAllocated(dir, prefix string) int64 {
 	ents, _ := os.ReadDir(dir)
+	seen := map[[2]uint64]bool{}
 	var n int64
-	for _, e := range ents {
+	add := func(p string) {
 		var st syscall.Stat_t
-		if strings.HasPrefix(e.Name(), prefix) && syscall.Stat(filepath.Join(dir, e.Name()), &st) == nil {
+		if syscall.Stat(p, &st) != nil {
+			return
+		}
+		k := [2]uint64{uint64(st.Dev), uint64(st.Ino)}
+		if st.Mode&syscall.S_IFMT == syscall.S_IFREG && !seen[k] {
+			seen[k] = true
 			n += st.Blocks * 512
 		}
+	}
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), prefix) {
+			continue
+		}
+		p := filepath.Join(dir, e.Name())
+		if e.IsDir() {
+			sub, _ := os.ReadDir(p)
+			for _, f := range sub {
+				add(filepath.Join(p, f.Name()))
+			}
+			continue
+		}
+		add(p)
 	}
 	return n
 }

@@ -468,6 +468,9 @@ func forkCmd() *cli.Command {
 				} else if ev.Err != nil {
 					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency().Round(time.Millisecond), ev.Err)
 				} else {
+					if ck, err := e.LoadCheckpoint(ev.VM.Info().Parent); err == nil && ck.Manifest.Implicit && ck.Manifest.Source == src && ev.Index == 0 {
+						fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Manifest.Name, src, ck.Manifest.Timings.Total.Round(time.Millisecond), ck.Manifest.WrittenBytes())
+					}
 					t := ev.Timings
 					fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d\n", ev.Name,
 						ev.Latency().Round(time.Millisecond), t.Spawn.Round(time.Millisecond),

@@ -1,0 +1,163 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// checkpointDelta checkpoints a fork (private copy-on-write RAM) as a delta checkpoint:
+// no RAM file of its own, only the pages this generation changed.
+//
+//  1. Prepare the disk freeze (as for a world).
+//  2. Migrate with x-ignore-shared to a socket the engine reads, dropping the guest RAM
+//     block's page records on the fly (saveStripped): the device state, as small as a
+//     world's. QEMU scans every guest page meanwhile (a share=off block is always sent);
+//     the guest runs until the migration completes and stops it.
+//  3. While the guest is stopped: extract the fork's private pages that differ from what
+//     the lineage holds for them (memfile.ExtractDelta) into this checkpoint's own layer,
+//     a sparse file in RAMDir.
+//  4. Freeze the disk, cont; after the commit, punch the root RAM file's holes (the scan
+//     faulted them in).
+//
+// The checkpoint's RAMPath is its own hard link to the lineage's root RAM file, and its
+// layer directory holds its own layer and a hard link to every ancestor's: deleting any
+// ancestor (its VMs or the checkpoint) leaves every descendant whole.
+func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error {
+	ck := w.ck
+	vm.mu.Lock()
+	parentName, ramMapped, runDir := vm.m.Parent, vm.m.Launch.RAM.Path, vm.m.Launch.RunDir
+	vm.mu.Unlock()
+	if parentName == "" {
+		return fmt.Errorf("%w: %s has private RAM but no parent checkpoint", ErrNotForkable, vm.m.Name)
+	}
+	parent, err := e.cks.load(parentName)
+	if err != nil {
+		return fmt.Errorf("engine: checkpoint %s: parent: %w", vm.m.Name, err)
+	}
+	pm := &parent.Manifest
+	if pm.RAMSize != ck.RAMSize {
+		return fmt.Errorf("%w: %s: parent %s has %d bytes of RAM, the fork %d", ErrCheckpointCorrupt, vm.m.Name, pm.Name, pm.RAMSize, ck.RAMSize)
+	}
+	ck.Kind, ck.Root = checkpointKindDelta, pm.Name
+	if pm.Kind == checkpointKindDelta {
+		ck.Root = pm.Root
+	}
+	// The lineage: this checkpoint's own links to the root file and to every ancestor
+	// layer, made before the guest pauses.
+	if err := os.Link(pm.RAMPath, w.ramTmp); err != nil {
+		return fmt.Errorf("engine: checkpoint %s: link root ram: %w", vm.m.Name, err)
+	}
+	w.layersFinal = e.paths.checkpointLayers(ck.Name)
+	w.layersTmp = w.layersFinal + ".tmp-" + randHex(4)
+	if err := os.Mkdir(w.layersTmp, 0o700); err != nil {
+		return fmt.Errorf("engine: checkpoint %s: layers: %w", vm.m.Name, err)
+	}
+	w.holesFrom = filepath.Join(parent.Dir, ramHolesFile)
+	var ancestors []string // paths to read now (the parent's links)
+	for i, l := range pm.Layers {
+		name := layerFile(i, l.Checkpoint)
+		if err := os.Link(l.Path, filepath.Join(w.layersTmp, name)); err != nil {
+			return fmt.Errorf("engine: checkpoint %s: link layer of %s: %w", vm.m.Name, l.Checkpoint, err)
+		}
+		ancestors = append(ancestors, l.Path)
+		l.Path = filepath.Join(w.layersFinal, name)
+		ck.Layers = append(ck.Layers, l)
+	}
+	ownName := layerFile(len(pm.Layers), ck.Name)
+	own := filepath.Join(w.layersTmp, ownName)
+
+	err = func() error {
+		vm.mu.Lock()
+		defer vm.mu.Unlock()
+		p := vm.process()
+		dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
+		if err != nil {
+			return err
+		}
+		t0 := time.Now()
+		_, err = p.saveStripped(ctx, runDir, w.statePath())
+		ck.Timings.Migrate = time.Since(t0)
+		paused := time.Now()
+		defer func() {
+			if cerr := p.resume(); cerr != nil {
+				vm.log.Warn("checkpoint: cont failed", "vm", vm.m.Name, "err", cerr)
+			}
+			ck.Timings.Paused = time.Since(paused)
+		}()
+		if err != nil {
+			dp.abort(ctx)
+			return err
+		}
+		t1 := time.Now()
+		err = func() error {
+			addr, err := memfile.FindMapping(vm.m.PID, ramMapped, ck.RAMSize)
+			if err != nil {
+				return err
+			}
+			_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, pm.RAMPath, ancestors, own)
+			return err
+		}()
+		ck.Timings.Extract = time.Since(t1)
+		ck.Timings.Freeze = ck.Timings.Extract
+		if err != nil {
+			dp.abort(ctx)
+			return fmt.Errorf("extract pages: %w", err)
+		}
+		t2 := time.Now()
+		err = dp.commit(ctx, ck)
+		ck.Timings.Disk = time.Since(t2)
+		if err != nil {
+			return err
+		}
+		return vm.saveLocked()
+	}()
+	if err != nil {
+		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
+	}
+	sum, size, err := memfile.LayerDigest(own)
+	if err != nil {
+		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
+	}
+	ck.Layers = append(ck.Layers, RAMLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, ownName), Size: size, SHA256: sum})
+	ck.RAMMethod = "delta"
+	if err := w.commit(ctx); err != nil {
+		return err
+	}
+	// The scan read every page of the fork, faulting every hole of the root file in:
+	// give them back (through this checkpoint's link and its copy of the hole list).
+	e.cks.punch(ck.Name)
+	return nil
+}
+
+// injectLayers writes a delta checkpoint's layers into a fork's private RAM mapping; its
+// QEMU was started with -incoming defer and has not loaded anything yet.
+func injectLayers(vm *VM, c *Checkpoint) error {
+	ck := &c.Manifest
+	if len(ck.Layers) == 0 {
+		return nil
+	}
+	vm.mu.Lock()
+	pid, ram := vm.m.PID, vm.m.Launch.RAM.Path
+	vm.mu.Unlock()
+	addr, err := memfile.FindMapping(pid, ram, ck.RAMSize)
+	if err != nil {
+		return err
+	}
+	paths := make([]string, len(ck.Layers))
+	for i, l := range ck.Layers {
+		paths[i] = l.Path
+	}
+	n, err := memfile.InjectLayers(pid, addr, ck.RAMSize, paths)
+	if err != nil {
+		return err
+	}
+	vm.mu.Lock()
+	vm.m.LineageBytes = n
+	vm.mu.Unlock()
+	return nil
+}

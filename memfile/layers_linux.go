@@ -1,0 +1,197 @@
+package memfile
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// FindMapping returns the start address of the mapping of file path in process pid's
+// address space that is at least size bytes long (/proc/PID/maps). A mapping of a path
+// that was unlinked since (" (deleted)") still matches.
+func FindMapping(pid int, path string, size int64) (uint64, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return 0, fmt.Errorf("memfile: maps: %w", err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 6 {
+			continue
+		}
+		p := strings.Join(fields[5:], " ")
+		if p != path && p != path+" (deleted)" {
+			continue
+		}
+		lo, hi, ok := strings.Cut(fields[0], "-")
+		if !ok {
+			continue
+		}
+		a, err1 := strconv.ParseUint(lo, 16, 64)
+		b, err2 := strconv.ParseUint(hi, 16, 64)
+		if err1 != nil || err2 != nil || b < a || int64(b-a) < size || fields[2] != "00000000" {
+			continue
+		}
+		return a, nil
+	}
+	if err := sc.Err(); err != nil {
+		return 0, fmt.Errorf("memfile: maps: %w", err)
+	}
+	return 0, fmt.Errorf("memfile: no mapping of %s (%d bytes) in process %d", path, size, pid)
+}
+
+// ExtractDelta writes to out (created sparse, size bytes) the pages of process pid's
+// private mapping at addr (size bytes) whose content differs from what the lineage holds
+// for that page: the newest of layers (oldest first) holding it, else the root file.
+// The process should be stopped. Pages are read through /proc/PID/mem; the root file
+// and the layers with pread (a hole reads as zeros and allocates nothing).
+func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
+	pages := size / PageSize
+	own, err := owners(layers, pages)
+	if err != nil {
+		return nil, err
+	}
+	pm, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", pid))
+	if err != nil {
+		return nil, fmt.Errorf("memfile: pagemap: %w", err)
+	}
+	defer pm.Close()
+	raw := make([]byte, pages*8)
+	if _, err := pm.ReadAt(raw, int64(addr/PageSize*8)); err != nil {
+		return nil, fmt.Errorf("memfile: pagemap of %d: %w", pid, err)
+	}
+	entries := make([]uint64, pages)
+	for i := range entries {
+		entries[i] = binary.LittleEndian.Uint64(raw[i*8:])
+	}
+	raw = nil
+	cand := candidatePages(entries, func(p int64) bool { return own[p] >= 0 })
+	mem, err := os.Open(fmt.Sprintf("/proc/%d/mem", pid))
+	if err != nil {
+		return nil, fmt.Errorf("memfile: mem: %w", err)
+	}
+	defer mem.Close()
+	files := make([]*os.File, len(layers)+1) // [0] root, [i+1] layers[i]
+	for i, p := range append([]string{root}, layers...) {
+		f, err := os.Open(p)
+		if err != nil {
+			return nil, fmt.Errorf("memfile: lineage: %w", err)
+		}
+		defer f.Close()
+		files[i] = f
+	}
+	o, err := os.OpenFile(out, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("memfile: layer: %w", err)
+	}
+	ok := false
+	defer func() {
+		o.Close()
+		if !ok {
+			os.Remove(out)
+		}
+	}()
+	if err := o.Truncate(size); err != nil {
+		return nil, fmt.Errorf("memfile: layer: %w", err)
+	}
+	st := &ExtractStats{Candidates: int64(len(cand))}
+	const maxRun = 256 // pages per read
+	cur := make([]byte, maxRun*PageSize)
+	ref := make([]byte, maxRun*PageSize)
+	for i := 0; i < len(cand); {
+		// A run of consecutive candidate pages.
+		j := i + 1
+		for j < len(cand) && j-i < maxRun && cand[j] == cand[j-1]+1 {
+			j++
+		}
+		first, n := cand[i], j-i
+		c, r := cur[:n*PageSize], ref[:n*PageSize]
+		if _, err := mem.ReadAt(c, int64(addr)+first*PageSize); err != nil {
+			return nil, fmt.Errorf("memfile: read guest page %d of process %d: %w", first, pid, err)
+		}
+		// The reference: sub-runs of one owner each.
+		for k := 0; k < n; {
+			l := k + 1
+			for l < n && own[first+int64(l)] == own[first+int64(k)] {
+				l++
+			}
+			f := files[own[first+int64(k)]+1]
+			if _, err := f.ReadAt(r[k*PageSize:l*PageSize], (first+int64(k))*PageSize); err != nil {
+				return nil, fmt.Errorf("memfile: read lineage %s: %w", f.Name(), err)
+			}
+			k = l
+		}
+		// Write the pages that differ, in sub-runs.
+		for k := 0; k < n; {
+			if bytes.Equal(c[k*PageSize:(k+1)*PageSize], r[k*PageSize:(k+1)*PageSize]) {
+				k++
+				continue
+			}
+			l := k + 1
+			for l < n && !bytes.Equal(c[l*PageSize:(l+1)*PageSize], r[l*PageSize:(l+1)*PageSize]) {
+				l++
+			}
+			if _, err := o.WriteAt(c[k*PageSize:l*PageSize], (first+int64(k))*PageSize); err != nil {
+				return nil, fmt.Errorf("memfile: write layer: %w", err)
+			}
+			st.Written += int64(l - k)
+			k = l
+		}
+		i = j
+	}
+	ok = true
+	return st, nil
+}
+
+// InjectLayers writes every layer's pages (oldest first, so a newer layer's page wins)
+// into process pid's private mapping at addr through /proc/PID/mem, and returns the
+// bytes written. Each write copies the page into the process's mapping (copy on write);
+// the mapped file is not changed.
+func InjectLayers(pid int, addr uint64, size int64, layers []string) (int64, error) {
+	mem, err := os.OpenFile(fmt.Sprintf("/proc/%d/mem", pid), os.O_RDWR, 0)
+	if err != nil {
+		return 0, fmt.Errorf("memfile: mem: %w", err)
+	}
+	defer mem.Close()
+	buf := make([]byte, 1<<20)
+	var total int64
+	for _, path := range layers {
+		f, err := os.Open(path)
+		if err != nil {
+			return total, fmt.Errorf("memfile: layer: %w", err)
+		}
+		st, err := f.Stat()
+		if err == nil && st.Size() != size {
+			err = fmt.Errorf("layer %s is %d bytes, guest RAM %d", path, st.Size(), size)
+		}
+		var exts []extent
+		if err == nil {
+			exts, err = dataExtents(f, st.Size())
+		}
+		for _, e := range exts {
+			for off := e.off; off < e.off+e.len && err == nil; {
+				n := min(int64(len(buf)), e.off+e.len-off)
+				if _, err = f.ReadAt(buf[:n], off); err == nil {
+					_, err = mem.WriteAt(buf[:n], int64(addr)+off)
+				}
+				off += n
+				total += n
+			}
+		}
+		f.Close()
+		if err != nil {
+			return total, fmt.Errorf("memfile: inject %s into %d: %w", path, pid, err)
+		}
+	}
+	return total, nil
+}
+
+// ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
+const ExtractSupported = true

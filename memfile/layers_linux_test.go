@@ -1,0 +1,159 @@
+package memfile
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestCandidatePages(t *testing.T) {
+	pm := []uint64{
+		0,                  // 0 absent
+		pmPresent | pmFile, // 1 root file page
+		pmPresent,          // 2 private copy
+		pmSwapped,          // 3 private copy on swap
+		0,                  // 4 absent, held by a layer
+		pmPresent | pmFile, // 5 root page though a layer holds it: compared too
+		pmPresent | 1<<56,  // 6 private, exclusive
+	}
+	inLayers := func(p int64) bool { return p == 4 || p == 5 }
+	got := candidatePages(pm, inLayers)
+	if want := []int64{2, 3, 4, 5, 6}; !slices.Equal(got, want) {
+		t.Fatalf("candidates %v, want %v", got, want)
+	}
+}
+
+func writePages(t *testing.T, path string, size int64, pages map[int64]byte) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	for p, c := range pages {
+		if _, err := f.WriteAt(bytes.Repeat([]byte{c}, PageSize), p*PageSize); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func mapPrivate(t *testing.T, path string, size int64) []byte {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	m, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Munmap(m) })
+	return m
+}
+
+func page(m []byte, p int64) []byte { return m[p*PageSize : (p+1)*PageSize] }
+
+// TestExtractInjectLayers runs the whole lineage cycle on mappings of the test process
+// itself: inject two layers over a root file, let the "guest" write, extract the delta
+// (only pages that differ from the lineage), and check that root + all three layers
+// rebuild the guest's memory exactly.
+func TestExtractInjectLayers(t *testing.T) {
+	d := shmDir(t)
+	const pages = 64
+	size := int64(pages * PageSize)
+	root, la, lb, lc := filepath.Join(d, "root"), filepath.Join(d, "a"), filepath.Join(d, "b"), filepath.Join(d, "c")
+	rootPages := map[int64]byte{}
+	for p := int64(0); p < 16; p++ {
+		rootPages[p] = 'r'
+	}
+	writePages(t, root, size, rootPages)
+	writePages(t, la, size, map[int64]byte{2: 'a', 3: 'a', 20: 'a'})
+	writePages(t, lb, size, map[int64]byte{3: 'b', 30: 'b'})
+	rootBlocks := func() int64 { var st unix.Stat_t; unix.Stat(root, &st); return st.Blocks }
+
+	pid := os.Getpid()
+	m := mapPrivate(t, root, size)
+	addr := uint64(uintptr(unsafe.Pointer(&m[0])))
+	if got, err := FindMapping(pid, root, size); err != nil || got != addr {
+		t.Fatalf("FindMapping = %#x, %v; want %#x", got, err, addr)
+	}
+	n, err := InjectLayers(pid, addr, size, []string{la, lb})
+	if err != nil || n != 5*PageSize {
+		t.Fatalf("inject: %d bytes, %v", n, err)
+	}
+	for p, want := range map[int64]byte{0: 'r', 2: 'a', 3: 'b', 20: 'a', 30: 'b', 40: 0} {
+		if page(m, p)[100] != want {
+			t.Fatalf("page %d after inject: %q, want %q", p, page(m, p)[100], want)
+		}
+	}
+	// The guest writes.
+	copy(page(m, 0), bytes.Repeat([]byte{'r'}, PageSize)) // same as root: not stored
+	page(m, 1)[7] = 'x'                                   // differs from root
+	copy(page(m, 3), bytes.Repeat([]byte{'a'}, PageSize)) // equals layer a, not b (newest): stored
+	page(m, 50)[0] = 'z'                                  // over a root hole
+	page(m, 51)[0] = 0                                    // zero over a hole: not stored
+	// A private page dropped (a discard): the guest sees the root's page again, which
+	// differs from layer a's: stored.
+	if err := unix.Madvise(page(m, 20), unix.MADV_DONTNEED); err != nil {
+		t.Fatal(err)
+	}
+	blocks0 := rootBlocks()
+	st, err := ExtractDelta(pid, addr, size, root, []string{la, lb}, lc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := rootBlocks(); b > blocks0+8 { // the dropped page, read through the hole
+		t.Fatalf("extraction grew the root file from %d to %d blocks", blocks0, b)
+	}
+	if st.Written != 4 {
+		t.Fatalf("written %d pages (stats %+v), want 4", st.Written, st)
+	}
+	exts, err := layerExtents(lc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []int64
+	for _, e := range exts {
+		for p := e.off / PageSize; p < (e.off+e.len)/PageSize; p++ {
+			got = append(got, p)
+		}
+	}
+	if want := []int64{1, 3, 20, 50}; !slices.Equal(got, want) {
+		t.Fatalf("layer pages %v, want %v", got, want)
+	}
+	if _, err := ExtractDelta(pid, addr, size, root, nil, lc); err == nil {
+		t.Fatal("ExtractDelta overwrote an existing layer")
+	}
+	// Rebuild from root + a + b + c in a fresh mapping.
+	m2 := mapPrivate(t, root, size)
+	addr2 := uint64(uintptr(unsafe.Pointer(&m2[0])))
+	if _, err := InjectLayers(pid, addr2, size, []string{la, lb, lc}); err != nil {
+		t.Fatal(err)
+	}
+	for p := int64(0); p < pages; p++ {
+		if !bytes.Equal(page(m, p), page(m2, p)) {
+			t.Fatalf("page %d differs after rebuild", p)
+		}
+	}
+	// Digests: stable, and a flipped byte changes them.
+	s1, data, err := LayerDigest(lc)
+	if err != nil || data != 4*PageSize {
+		t.Fatalf("digest: %d bytes, %v", data, err)
+	}
+	writePages(t, lc, size, map[int64]byte{50: 'y'})
+	if s2, _, _ := LayerDigest(lc); s2 == s1 {
+		t.Fatal("digest unchanged by a changed page")
+	}
+	if _, err := InjectLayers(pid, addr2, size*2, []string{la}); err == nil {
+		t.Fatal("a layer of another size was injected")
+	}
+}

@@ -1,0 +1,382 @@
+package tests
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+// TestDeltaTreeDepth8 builds a lineage eight checkpoints deep under a world checkpoint,
+// each level's fork writing its own file: every node sees every ancestor's file intact
+// (md5), siblings at every level are isolated, deleting middle generations (their VMs,
+// an unpinned checkpoint collected with its last fork, and the root checkpoint itself)
+// keeps every descendant forkable and correct, ancestors' files keep their allocated
+// size while descendants are checkpointed and forked, and a corrupt ancestor layer is
+// refused before QEMU starts, naming the ancestor.
+func TestDeltaTreeDepth8(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 10*time.Minute)
+	const depth = 8
+	w := makeWorld(t, e, "w", 512, 0)
+	sums := []string{mustRun(t, w, "head -c 8388608 /dev/urandom > /dev/shm/g0 && md5sum /dev/shm/g0")}
+	root, err := e.Checkpoint(ctx, "w", "ck0", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rootRAM := root.Manifest.RAMPath
+	rootFrozen := allocatedBytes(t, rootRAM)
+	if err := e.Delete(ctx, "w"); err != nil {
+		t.Fatal(err)
+	}
+	const slack = 2 << 20
+	type layerSize struct {
+		path  string
+		bytes int64
+	}
+	var layers []layerSize
+	var cks []*engine.Checkpoint
+	cks = append(cks, root)
+	checkLineage := func(vm *engine.VM, level int) {
+		t.Helper()
+		var files []string
+		for i := 0; i < level; i++ {
+			files = append(files, fmt.Sprintf("/dev/shm/g%d", i))
+		}
+		got := mustRun(t, vm, "md5sum "+strings.Join(files, " "))
+		if want := strings.Join(sums[:level], "\n"); got != want {
+			t.Fatalf("%s (level %d) sees\n%s\nwant\n%s", vm.Name(), level, got, want)
+		}
+	}
+	prev := []string{}
+	for level := 1; level <= depth; level++ {
+		parent := fmt.Sprintf("ck%d", level-1)
+		node, err := e.Fork(ctx, parent, &engine.ForkOptions{Name: fmt.Sprintf("n%d", level)})
+		if err != nil {
+			t.Fatalf("fork %s: %v", parent, err)
+		}
+		sib, err := e.Fork(ctx, parent, &engine.ForkOptions{Name: fmt.Sprintf("s%d", level)})
+		if err != nil {
+			t.Fatalf("fork %s: %v", parent, err)
+		}
+		t.Logf("level %d: fork %v (inject %v)", level, node.Info().Timings.Total.Round(time.Millisecond), node.Info().Timings.Inject.Round(time.Millisecond))
+		checkLineage(node, level)
+		checkLineage(sib, level)
+		// Siblings: each writes its own file and one over an ancestor's; neither sees
+		// the other's writes.
+		sums = append(sums, mustRun(t, node, fmt.Sprintf("head -c 4194304 /dev/urandom > /dev/shm/g%d && md5sum /dev/shm/g%d", level, level)))
+		mustRun(t, sib, fmt.Sprintf("echo sibling > /dev/shm/g%d; echo x > /dev/shm/g0", level))
+		if got := mustRun(t, sib, fmt.Sprintf("cat /dev/shm/g%d", level)); got != "sibling" {
+			t.Fatalf("s%d sees %q", level, got)
+		}
+		checkLineage(node, level+1)
+		// Middle generations go as the tree grows: the previous level's VMs.
+		for _, n := range prev {
+			if err := e.Delete(ctx, n); err != nil {
+				t.Fatal(err)
+			}
+		}
+		prev = []string{node.Name(), sib.Name()}
+		if level == 2 {
+			// The root checkpoint is gone too (its forks are): descendants hold links.
+			if err := e.DeleteCheckpoint(ctx, "ck0", nil); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := os.Stat(rootRAM); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("root RAM file link still there: %v", err)
+			}
+		}
+		name := fmt.Sprintf("ck%d", level)
+		// ck4 is unpinned: it goes with its last fork (at level 6).
+		c, err := e.Checkpoint(ctx, node.Name(), name, &engine.CheckpointOptions{Pin: level != 4})
+		if err != nil {
+			t.Fatalf("checkpoint %s: %v", node.Name(), err)
+		}
+		m := c.Manifest
+		if m.Kind != "delta" || len(m.Layers) != level || m.Layers[level-1].Checkpoint != name {
+			t.Fatalf("%s: kind %q, %d layers", name, m.Kind, len(m.Layers))
+		}
+		own := m.Layers[level-1]
+		t.Logf("level %d: checkpoint %v (migrate %v, extract %v, paused %v), layer %d KiB, state %d KiB",
+			level, m.Timings.Total.Round(time.Millisecond), m.Timings.Migrate.Round(time.Millisecond),
+			m.Timings.Extract.Round(time.Millisecond), m.Timings.Paused.Round(time.Millisecond), own.Size>>10, m.StateSize>>10)
+		if own.Size < 4<<20 || own.Size > 24<<20 {
+			t.Errorf("%s's own layer holds %d KiB for a 4 MiB write", name, own.Size>>10)
+		}
+		if m.StateSize > 2<<20 {
+			t.Errorf("%s's device state is %d bytes", name, m.StateSize)
+		}
+		layers = append(layers, layerSize{own.Path, allocatedBytes(t, own.Path)})
+		if a := allocatedBytes(t, m.RAMPath); a > rootFrozen+slack {
+			t.Errorf("root RAM file holds %d MiB after %s, %d MiB frozen", a>>20, name, rootFrozen>>20)
+		}
+		cks = append(cks, c)
+	}
+	for _, n := range prev {
+		if err := e.Delete(ctx, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := e.LoadCheckpoint("ck4"); !errors.Is(err, engine.ErrNotFound) {
+		t.Fatalf("unpinned ck4 not collected with its last fork: %v", err)
+	}
+	// The deepest and a middle checkpoint whose ancestors are partly deleted.
+	for _, src := range []string{"ck8", "ck5"} {
+		vm, err := e.Fork(ctx, src, nil)
+		if err != nil {
+			t.Fatalf("fork %s: %v", src, err)
+		}
+		level := int(src[2] - '0')
+		checkLineage(vm, level+1)
+		mem, err := vm.Memory(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("fork of %s: guest written %d MiB, of which lineage %d MiB; shared %d MiB", src, mem.GuestWritten>>20, mem.GuestLineage>>20, mem.Shared>>20)
+		if mem.GuestLineage < int64(level)*4<<20 || mem.GuestLineage > mem.GuestWritten {
+			t.Errorf("lineage pages %d bytes, guest written %d", mem.GuestLineage, mem.GuestWritten)
+		}
+		if err := e.Delete(ctx, vm.Name()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, l := range layers {
+		if _, err := os.Stat(l.path); errors.Is(err, os.ErrNotExist) {
+			continue // ck4's own link went with it; its descendants' links hold the pages
+		}
+		if a := allocatedBytes(t, l.path); a != l.bytes {
+			t.Errorf("layer %s holds %d bytes, %d when written", filepath.Base(l.path), a, l.bytes)
+		}
+	}
+	// A corrupt ancestor layer (ck2's, through ck8's link) is refused, naming ck2.
+	c8, err := e.LoadCheckpoint("ck8")
+	if err != nil {
+		t.Fatal(err)
+	}
+	anc := c8.Manifest.Layers[1]
+	if anc.Checkpoint != "ck2" {
+		t.Fatalf("layer 1 of ck8 is %s's", anc.Checkpoint)
+	}
+	corruptData(t, anc.Path)
+	_, err = e.Fork(ctx, "ck8", nil)
+	if !errors.Is(err, engine.ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor ck2") {
+		t.Fatalf("fork of ck8 with ck2's layer corrupt: %v", err)
+	}
+	t.Logf("refused: %v", err)
+	if len(e.List()) != 0 {
+		t.Fatalf("VMs left after a refused fork: %v", e.List())
+	}
+	deleteAll(t, env)
+}
+
+// corruptData flips one byte in the first data extent of a sparse file.
+func corruptData(t *testing.T, path string) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	off, err := f.Seek(0, 3 /* SEEK_DATA */)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	if _, err := f.ReadAt(b, off+100); err != nil {
+		t.Fatal(err)
+	}
+	b[0] ^= 0xff
+	if _, err := f.WriteAt(b, off+100); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDeltaCheckpointKilled: SIGKILL of a fork's QEMU while its delta checkpoint is being
+// taken loses nothing of its lineage and leaves no partial checkpoint (directory, RAM link
+// or layer directory).
+func TestDeltaCheckpointKilled(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w := makeWorld(t, e, "w", 512, 64)
+	worldSum := mustRun(t, w, "head -c 8388608 /dev/urandom > /dev/shm/w && md5sum /dev/shm/w")
+	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fSum := mustRun(t, f, "head -c 8388608 /dev/urandom > /dev/shm/f && md5sum /dev/shm/f")
+	if _, err := e.Checkpoint(ctx, "f", "c1", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	g, err := e.Fork(ctx, "c1", &engine.ForkOptions{Name: "g"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, g, "head -c 8388608 /dev/urandom > /dev/shm/g")
+	ckDir := filepath.Join(env.Home, "checkpoints")
+	ramDir := e.Config().RAMDir
+	// Two moments: while the device state streams (state.mig exists in the temporary
+	// checkpoint dir), and while the guest is stopped and its pages are extracted (the
+	// checkpoint's own layer exists in its temporary layer dir).
+	phases := []struct {
+		name    string
+		trigger func(ck string) bool
+	}{
+		{"device state", func(ck string) bool {
+			for _, d := range dirNames(ckDir) {
+				if strings.HasPrefix(d, ".tmp-"+ck+"-") {
+					if _, err := os.Stat(filepath.Join(ckDir, d, "state.mig")); err == nil {
+						return true
+					}
+				}
+			}
+			return false
+		}},
+		{"page extraction", func(ck string) bool {
+			for _, d := range dirNames(ramDir) {
+				if strings.HasPrefix(d, "ck-"+ck+".layers.tmp-") {
+					for _, f := range dirNames(filepath.Join(ramDir, d)) {
+						if strings.HasSuffix(f, "-"+ck+".layer") {
+							return true
+						}
+					}
+				}
+			}
+			return false
+		}},
+	}
+	for pi, phase := range phases {
+		hit := false
+		for attempt := 1; attempt <= 3 && !hit; attempt++ {
+			name := fmt.Sprintf("c2-%d-%d", pi, attempt)
+			pid := g.PID()
+			done := make(chan error, 1)
+			go func() {
+				_, err := e.Checkpoint(ctx, "g", name, nil)
+				done <- err
+			}()
+			killed := false
+		wait:
+			for {
+				select {
+				case err = <-done:
+					break wait
+				default:
+				}
+				if !killed && phase.trigger(name) {
+					syscall.Kill(pid, syscall.SIGKILL)
+					killed = true
+				}
+				time.Sleep(100 * time.Microsecond)
+			}
+			if err == nil {
+				t.Logf("%s, attempt %d: checkpoint completed before the kill", phase.name, attempt)
+				if err := e.DeleteCheckpoint(ctx, name, nil); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				hit = true
+				t.Logf("%s: checkpoint of a killed fork: %v", phase.name, err)
+				if !errors.Is(err, engine.ErrQEMUExited) {
+					t.Errorf("error does not wrap ErrQEMUExited: %v", err)
+				}
+			}
+			if killed {
+				waitDead(t, g, 30*time.Second)
+			}
+			for _, d := range dirNames(ckDir) {
+				if strings.Contains(d, name) {
+					t.Errorf("left in checkpoints: %s", d)
+				}
+			}
+			for _, r := range dirNames(ramDir) {
+				if strings.Contains(r, name) {
+					t.Errorf("left in the RAM dir: %s", r)
+				}
+			}
+			if _, err := e.LoadCheckpoint(name); !errors.Is(err, engine.ErrNotFound) {
+				t.Errorf("partial checkpoint %s: %v", name, err)
+			}
+			// The lineage is whole: c1 forks with f's and the world's data.
+			if hit {
+				h, err := e.Fork(ctx, "c1", nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := mustRun(t, h, "md5sum /dev/shm/w /dev/shm/f"); got != worldSum+"\n"+fSum {
+					t.Errorf("fork of c1 after the kill sees %q", got)
+				}
+				e.Delete(ctx, h.Name())
+			}
+			if killed || hit {
+				e.Delete(ctx, "g")
+				if g, err = e.Fork(ctx, "c1", &engine.ForkOptions{Name: "g"}); err != nil {
+					t.Fatal(err)
+				}
+				mustRun(t, g, "head -c 8388608 /dev/urandom > /dev/shm/g")
+			}
+		}
+		if !hit {
+			t.Errorf("%s: the checkpoint completed before the kill 3 times", phase.name)
+		}
+	}
+	deleteAll(t, env)
+}
+
+// TestDeltaWarmPool: warm pools of a delta checkpoint (plain and restored) get the
+// lineage's layers before their restore, so a pooled fork sees its ancestors' memory and
+// disk.
+func TestDeltaWarmPool(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w := makeWorld(t, e, "w", 256, 16)
+	mustRun(t, w, "echo world > /dev/shm/w && echo disk > /data/w && sync")
+	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, f, "echo fork > /dev/shm/f && echo fdisk > /data/f && sync")
+	if _, err := e.Checkpoint(ctx, "f", "c1", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	const want = "world\nfork\ndisk\nfdisk"
+	for _, restored := range []bool{false, true} {
+		if err := e.Warm(ctx, "c1", 1, &engine.WarmOptions{Restored: restored}); err != nil {
+			t.Fatal(err)
+		}
+		name := fmt.Sprintf("p-%v", restored)
+		p, err := e.Fork(ctx, "c1", &engine.ForkOptions{Name: name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.Info().Timings.Spawn != 0 {
+			t.Errorf("%s did not come from the pool: %+v", name, p.Info().Timings)
+		}
+		if got := mustRun(t, p, "cat /dev/shm/w /dev/shm/f /data/w /data/f"); got != want {
+			t.Fatalf("%s sees %q", name, got)
+		}
+		// Let the pool's refill finish (its spawn injects too), then empty the pool.
+		deadline := time.Now().Add(time.Minute)
+		for e.PoolSize("c1") < 1 && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if err := e.Warm(ctx, "c1", 0, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deleteAll(t, env)
+}
