@@ -144,7 +144,9 @@ const (
 	CodeTooLarge     = "too_large"    // body over the endpoint's limit
 	CodeUnauthorized = "unauthorized" // TCP request without the right bearer token
 	CodeNoRoute      = "no_route"     // no such endpoint
-	CodeInternal     = "internal"     // anything else (and recovered panics)
+	// CodeMethodNotAllowed: the path is an endpoint's, the method is not.
+	CodeMethodNotAllowed = "method_not_allowed"
+	CodeInternal         = "internal" // anything else (and recovered panics)
 )
 
 // errorCodes maps errors to codes and HTTP statuses, first match wins. The client maps

@@ -34,6 +34,9 @@ type Server struct {
 	e   *engine.Engine
 	log *slog.Logger
 	mux *http.ServeMux
+	// inflight counts handlers running, so the engine is closed only after the last
+	// one returned (a cancelled wave deletes its forks on its way out).
+	inflight sync.WaitGroup
 }
 
 // New returns a server for e. A nil logger discards.
@@ -52,14 +55,50 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	s.mux.HandleFunc("POST /v1/checkpoints", s.checkpoint)
 	s.mux.HandleFunc("DELETE /v1/checkpoints/{name}", s.deleteCheckpoint)
 	s.mux.HandleFunc("POST /v1/forks", s.fork)
-	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeErrorObject(w, http.StatusNotFound, ErrorObject{Code: CodeNoRoute, Message: fmt.Sprintf("no endpoint %s %s", r.Method, r.URL.Path)})
-	})
+	s.mux.HandleFunc("/", s.noRoute)
 	return s
+}
+
+// noRoute answers a request no pattern takes: 405 method_not_allowed (with Allow) when
+// the path is an endpoint's, else 404 no_route.
+func (s *Server) noRoute(w http.ResponseWriter, r *http.Request) {
+	var allow []string
+	for _, m := range []string{http.MethodGet, http.MethodPost, http.MethodDelete} {
+		if m == r.Method {
+			continue
+		}
+		probe := r.Clone(r.Context())
+		probe.Method = m
+		if _, pattern := s.mux.Handler(probe); pattern != "/" {
+			allow = append(allow, m)
+		}
+	}
+	if len(allow) > 0 {
+		w.Header().Set("Allow", strings.Join(allow, ", "))
+		writeErrorObject(w, http.StatusMethodNotAllowed, ErrorObject{Code: CodeMethodNotAllowed,
+			Message: fmt.Sprintf("%s %s: method not allowed (allowed: %s)", r.Method, r.URL.Path, strings.Join(allow, ", "))})
+		return
+	}
+	writeErrorObject(w, http.StatusNotFound, ErrorObject{Code: CodeNoRoute, Message: fmt.Sprintf("no endpoint %s %s", r.Method, r.URL.Path)})
 }
 
 // Handler is the API for the unix socket: no authentication (the socket is 0600).
 func (s *Server) Handler() http.Handler { return s.recoverer(s.mux) }
+
+// Wait blocks until no handler runs or ctx ends (ctx's error). Call it after Serve
+// returned and before closing the engine: Serve's forced close cancels the requests
+// still running but does not wait for their handlers, and a cancelled wave deletes its
+// forks on its way out.
+func (s *Server) Wait(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { s.inflight.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
 
 // TokenHandler is the API for a TCP listener: every request must carry
 // "Authorization: Bearer TOKEN", else 401.
@@ -101,6 +140,8 @@ func (w *recordingWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter
 // response had started) instead of a dead connection with no answer.
 func (s *Server) recoverer(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.inflight.Add(1)
+		defer s.inflight.Done()
 		rw := &recordingWriter{ResponseWriter: w}
 		defer func() {
 			v := recover()
@@ -464,6 +505,7 @@ func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Dura
 	srv := &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
 		MaxHeaderBytes:    64 << 10,
 	}
 	errc := make(chan error, 1)

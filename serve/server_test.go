@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -175,7 +176,10 @@ func TestServeBadRequests(t *testing.T) {
 		{"POST", "/v1/forks", `{"source":"x","n":100000}`, 400, "invalid_spec"},
 		{"POST", "/v1/forks", `{"source":"x","n":2,"name":"y"}`, 400, "invalid_spec"},
 		{"GET", "/v2/vms", "", 404, "no_route"},
-		{"PUT", "/v1/vms", "", 404, "no_route"},
+		{"PUT", "/v1/vms", "", 405, "method_not_allowed"},
+		{"POST", "/v1/vms/x", "", 405, "method_not_allowed"},
+		{"GET", "/v1/forks", "", 405, "method_not_allowed"},
+		{"GET", "/v1/vms/x/nothing", "", 404, "no_route"},
 	}
 	for _, c := range cases {
 		status, o, body := request(t, hc, c.method, c.path, c.body)
@@ -364,5 +368,46 @@ func TestServeSocket(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(sock); string(b) != "x" {
 		t.Errorf("regular file changed")
+	}
+}
+
+// TestServeShutdownWaits checks that Serve's forced close cancels a request still
+// running and that Wait returns only once its handler did (the daemon closes the engine
+// after Wait).
+func TestServeShutdownWaits(t *testing.T) {
+	s := New(nil, nil)
+	var finished atomic.Bool
+	s.mux.HandleFunc("GET /v1/slow", func(w http.ResponseWriter, r *http.Request) {
+		n := newNDJSON(w)
+		n.line(map[string]int{"started": 1})
+		<-r.Context().Done()
+		time.Sleep(300 * time.Millisecond)
+		finished.Store(true)
+	})
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	ln, err := ListenUnix(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, ln, s.Handler(), 100*time.Millisecond) }()
+	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", sock)
+	}}}
+	resp, err := hc.Get("http://forkvm/v1/slow")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	cancel()
+	if err := <-served; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+	wctx, wcancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer wcancel()
+	if err := s.Wait(wctx); err != nil || !finished.Load() {
+		t.Fatalf("Wait: %v, handler finished %v", err, finished.Load())
 	}
 }

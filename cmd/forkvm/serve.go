@@ -19,6 +19,10 @@ import (
 // serveGrace is how long a stopping daemon lets in-flight requests finish.
 const serveGrace = 5 * time.Second
 
+// serveDrain bounds the wait, after the grace, for handlers of cancelled requests to
+// return (a cancelled wave deletes the forks it made) before the engine is closed.
+const serveDrain = 2 * time.Minute
+
 // serveCmd runs the daemon: it owns the engine of the state directory for its lifetime
 // and serves the HTTP/JSON API of docs/api.md on a unix socket (and, with --listen, on
 // TCP with a bearer token). SIGTERM or SIGINT stops it: it stops accepting, lets
@@ -85,6 +89,13 @@ func serveCmd() *cli.Command {
 			if errors.Is(err, context.Canceled) {
 				err = nil
 			}
+			// Requests still running were cancelled: let their handlers finish (a wave
+			// deletes its forks) before the engine closes.
+			wctx, cancel := context.WithTimeout(context.Background(), serveDrain)
+			if werr := srv.Wait(wctx); werr != nil {
+				log.Warn("forkvm serve: requests still running at close", "err", werr)
+			}
+			cancel()
 			log.Info("forkvm serve: stopped; VMs keep running")
 			return err
 		},
