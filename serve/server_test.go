@@ -329,7 +329,7 @@ func TestServeSocket(t *testing.T) {
 		t.Errorf("dir holds %d entries", len(ents))
 	}
 	// A second daemon is refused while the first answers.
-	go func() {
+	go func(ln net.Listener) {
 		for {
 			c, err := ln.Accept()
 			if err != nil {
@@ -337,7 +337,7 @@ func TestServeSocket(t *testing.T) {
 			}
 			c.Close()
 		}
-	}()
+	}(ln)
 	if _, err := ListenUnix(sock); !errors.Is(err, ErrDaemonRunning) {
 		t.Errorf("second listen: %v, want ErrDaemonRunning", err)
 	}
