@@ -3,9 +3,12 @@ package tests
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os/exec"
 	"sort"
 	"strings"
@@ -72,8 +75,27 @@ func TestServeDaemon(t *testing.T) {
 	if out, _, code, err := execIn("sw", "tr a-z A-Z", "hello\x00bytes"); err != nil || out != "HELLO\x00BYTES" || code != 0 {
 		t.Errorf("exec with stdin: %q %d %v", out, code, err)
 	}
-	if _, err := c.Exec(ctx, "sw", &vsockd.ExecRequest{Argv: []string{"no-such-command"}}); err == nil {
-		t.Errorf("exec of a missing command succeeded")
+	if _, err := c.Exec(ctx, "sw", &vsockd.ExecRequest{Argv: []string{"no-such-command"}}); !errors.Is(err, vsockd.ErrNotFound) {
+		t.Errorf("exec of a missing command: %v, want vsockd.ErrNotFound", err)
+	}
+	// Binary output of several agent frames arrives whole.
+	out, _, code, err = execIn("sw", "head -c 3000000 /dev/urandom > /tmp/r; sha256sum /tmp/r >&2; cat /tmp/r", "")
+	if err != nil || code != 0 || len(out) != 3000000 {
+		t.Fatalf("3 MB of output: %d bytes, code %d, %v", len(out), code, err)
+	}
+	var sum bytes.Buffer
+	if _, err := c.Exec(ctx, "sw", &vsockd.ExecRequest{Argv: []string{"sha256sum", "/tmp/r"}, Stdout: &sum}); err != nil {
+		t.Fatal(err)
+	}
+	if h := sha256.Sum256([]byte(out)); !strings.HasPrefix(sum.String(), hex.EncodeToString(h[:])) {
+		t.Errorf("3 MB of output differs from the guest's file: %s", sum.String())
+	}
+	// max_output ends the stream with output_limit; timeout_ms gives exit code 124.
+	if _, err := c.Exec(ctx, "sw", &vsockd.ExecRequest{Argv: []string{"cat", "/tmp/r"}, MaxOutput: 1000, Stdout: io.Discard}); !errors.Is(err, vsockd.ErrOutputLimit) {
+		t.Errorf("max_output: %v, want vsockd.ErrOutputLimit", err)
+	}
+	if code, err := c.Exec(ctx, "sw", &vsockd.ExecRequest{Argv: []string{"sleep", "30"}, Timeout: time.Second}); err != nil || code != vsockd.ExitCodeTimeout {
+		t.Errorf("timeout: %d %v", code, err)
 	}
 
 	// Two execs at once on one VM: each waits for the other's file, so both finish only
