@@ -9,10 +9,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -266,4 +270,100 @@ func TestServeDaemon(t *testing.T) {
 	if vms, err := c.List(ctx); err != nil || len(vms) != 0 {
 		t.Errorf("ls at the end: %+v %v", vms, err)
 	}
+}
+
+// TestServeDaemonRestart runs the forkvm binary's daemon: a VM created through it keeps
+// running when the daemon gets SIGTERM (which exits 0 and removes its socket), and the
+// next daemon re-adopts it.
+func TestServeDaemonRestart(t *testing.T) {
+	home, err := os.MkdirTemp("/tmp", "fvd-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := serve.SocketPath(home)
+	var daemon *exec.Cmd
+	start := func() {
+		t.Helper()
+		daemon = exec.Command(filepath.Join(binDir, "forkvm"), "serve")
+		daemon.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+		var logb bytes.Buffer
+		daemon.Stdout, daemon.Stderr = &logb, &logb
+		if err := daemon.Start(); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if c, err := net.Dial("unix", sock); err == nil {
+				c.Close()
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("daemon did not listen: %s", logb.String())
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	stop := func() {
+		t.Helper()
+		daemon.Process.Signal(syscall.SIGTERM)
+		done := make(chan error, 1)
+		go func() { done <- daemon.Wait() }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("daemon exit: %v", err)
+			}
+		case <-time.After(30 * time.Second):
+			daemon.Process.Kill()
+			<-done
+			t.Fatal("daemon did not stop on SIGTERM")
+		}
+		daemon = nil
+	}
+	t.Cleanup(func() {
+		if daemon != nil {
+			daemon.Process.Kill()
+			daemon.Wait()
+		}
+		// Whatever is left goes with a CLI run (which takes the lock the daemon held).
+		cli := exec.Command(filepath.Join(binDir, "forkvm"), "rm", "r1")
+		cli.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+		cli.Run()
+		os.RemoveAll(home)
+	})
+	ctx := ctxT(t, 5*time.Minute)
+
+	start()
+	c := client.New(sock)
+	inf, err := c.Create(ctx, engine.Spec{Name: "r1", CPUs: 1, MemoryMiB: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	stop()
+	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket left after SIGTERM: %v", err)
+	}
+	if !processAlive(inf.PID) {
+		t.Fatal("the VM's QEMU died with the daemon")
+	}
+
+	start()
+	c = client.New(sock)
+	defer c.Close()
+	got, err := c.Get(ctx, "r1")
+	if err != nil || got.PID != inf.PID || got.State != engine.StateRunning {
+		t.Fatalf("re-adopted: %+v %v", got, err)
+	}
+	var out bytes.Buffer
+	if code, err := c.Exec(ctx, "r1", &vsockd.ExecRequest{Argv: []string{"echo", "back"}, Stdout: &out}); err != nil || code != 0 || out.String() != "back\n" {
+		t.Errorf("exec after re-adoption: %q %d %v", out.String(), code, err)
+	}
+	if err := c.Delete(ctx, "r1"); err != nil {
+		t.Fatal(err)
+	}
+	if !waitExited(inf.PID, 10*time.Second) {
+		t.Errorf("QEMU %d alive after delete", inf.PID)
+	}
+	stop()
 }
