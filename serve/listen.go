@@ -16,6 +16,10 @@ import (
 // SocketName is the daemon's socket in a state directory.
 const SocketName = "forkvm.sock"
 
+// maxSocketPath is the longest unix socket path (sun_path holds 108 bytes on Linux with
+// its NUL, 104 on macOS).
+const maxSocketPath = 103
+
 // SocketPath is the daemon's socket for the state directory stateDir.
 func SocketPath(stateDir string) string { return filepath.Join(stateDir, SocketName) }
 
@@ -49,7 +53,7 @@ func ListenUnix(path string) (net.Listener, error) {
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return nil, err
 	}
-	tmpDir, err := os.MkdirTemp(filepath.Dir(path), ".sock-")
+	tmpDir, err := os.MkdirTemp(filepath.Dir(path), ".s")
 	if err != nil {
 		return nil, err
 	}
@@ -58,6 +62,10 @@ func ListenUnix(path string) (net.Listener, error) {
 		return nil, err
 	}
 	tmp := filepath.Join(tmpDir, "s")
+	if len(tmp) > maxSocketPath {
+		return nil, fmt.Errorf("serve: socket path %s is too long: a unix socket path has at most %d bytes, and it is bound first at %s (%d bytes); pick a shorter one with --socket",
+			path, maxSocketPath, tmp, len(tmp))
+	}
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
 	if err != nil {
 		return nil, err

@@ -359,6 +359,15 @@ func TestServeSocket(t *testing.T) {
 		t.Fatalf("stale socket: %v", err)
 	}
 	ln.Close()
+	// A path too long to bind (with the temporary directory's name) is refused plainly.
+	long := filepath.Join(dir, strings.Repeat("d", 100-len(dir)), SocketName)
+	os.MkdirAll(filepath.Dir(long), 0o700)
+	if _, err := ListenUnix(long); err == nil || !strings.Contains(err.Error(), "too long") {
+		t.Errorf("long path: %v", err)
+	}
+	if ents, _ := os.ReadDir(filepath.Dir(long)); len(ents) != 0 {
+		t.Errorf("long path: %d entries left", len(ents))
+	}
 	// Anything else at the path is refused and kept.
 	if err := os.WriteFile(sock, []byte("x"), 0o600); err != nil {
 		t.Fatal(err)
