@@ -57,6 +57,7 @@ func newApp() *cli.Command {
 			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
 			imageCmd(), imagesCmd(),
+			serveCmd(),
 		},
 	}
 	noHelpCommands(app)

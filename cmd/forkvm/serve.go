@@ -1,0 +1,103 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+
+	"github.com/urfave/cli/v3"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve"
+)
+
+// serveGrace is how long a stopping daemon lets in-flight requests finish.
+const serveGrace = 5 * time.Second
+
+// serveDrain bounds the wait, after the grace, for handlers of cancelled requests to
+// return (a cancelled wave deletes the forks it made) before the engine is closed.
+const serveDrain = 2 * time.Minute
+
+// serveCmd runs the daemon: it owns the engine of the state directory for its lifetime
+// and serves the HTTP/JSON API of docs/api.md on a unix socket (and, with --listen, on
+// TCP with a bearer token). SIGTERM or SIGINT stops it: it stops accepting, lets
+// in-flight requests finish for a few seconds and closes the engine; VMs keep running
+// and the next daemon (or CLI run) re-adopts them.
+func serveCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "serve",
+		Usage: "run the daemon: own the state directory's engine and serve the HTTP/JSON API (docs/api.md)",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "socket", Usage: "unix socket (mode 0600); default: HOME/forkvm.sock"},
+			&cli.StringFlag{Name: "listen", Usage: "also listen on this TCP address (e.g. 127.0.0.1:7070); needs --token-file"},
+			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding the bearer token TCP requests must carry"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 0 {
+				return fmt.Errorf("usage: forkvm serve [--socket PATH] [--listen ADDR --token-file FILE]")
+			}
+			var token string
+			switch {
+			case cmd.String("listen") != "" && cmd.String("token-file") == "":
+				return fmt.Errorf("serve: --listen needs --token-file")
+			case cmd.String("listen") == "" && cmd.String("token-file") != "":
+				return fmt.Errorf("serve: --token-file is only used with --listen")
+			case cmd.String("listen") != "":
+				t, err := serve.ReadTokenFile(cmd.String("token-file"))
+				if err != nil {
+					return err
+				}
+				token = t
+			}
+			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel"))}
+			if cmd.Bool("verbose") {
+				cfg.Logger = log
+			}
+			e, err := engine.New(ctx, cfg)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			sock := cmd.String("socket")
+			if sock == "" {
+				sock = serve.SocketPath(e.Config().StateDir)
+			}
+			uln, err := serve.ListenUnix(sock)
+			if err != nil {
+				return err
+			}
+			srv := serve.New(e, log)
+			g, gctx := errgroup.WithContext(ctx)
+			g.Go(func() error { return serve.Serve(gctx, uln, srv.Handler(), serveGrace) })
+			if addr := cmd.String("listen"); addr != "" {
+				tln, err := net.Listen("tcp", addr)
+				if err != nil {
+					uln.Close()
+					return err
+				}
+				log.Info("forkvm serve: listening", "tcp", tln.Addr().String())
+				g.Go(func() error { return serve.Serve(gctx, tln, srv.TokenHandler(token), serveGrace) })
+			}
+			log.Info("forkvm serve: listening", "socket", sock, "state_dir", e.Config().StateDir, "pid", os.Getpid())
+			err = g.Wait()
+			if errors.Is(err, context.Canceled) {
+				err = nil
+			}
+			// Requests still running were cancelled: let their handlers finish (a wave
+			// deletes its forks) before the engine closes.
+			wctx, cancel := context.WithTimeout(context.Background(), serveDrain)
+			if werr := srv.Wait(wctx); werr != nil {
+				log.Warn("forkvm serve: requests still running at close", "err", werr)
+			}
+			cancel()
+			log.Info("forkvm serve: stopped; VMs keep running")
+			return err
+		},
+	}
+}

@@ -1,0 +1,366 @@
+// Package client is the Go client of forkvm's daemon (`forkvm serve`, package serve).
+// Its methods take and return the engine's own types (engine.Spec, engine.Info,
+// engine.CheckpointInfo, engine.MemoryUsage, engine options, vsockd.ExecRequest) and its
+// errors match the engine's sentinels with errors.Is (and *engine.AdmissionError with
+// errors.As), so code written against the engine moves to a daemon with little change.
+// VMs are returned as engine.Info values, not *engine.VM handles.
+package client
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve"
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// Client talks to one daemon. It is safe for concurrent use.
+type Client struct {
+	base  string // scheme://host, no trailing slash
+	token string
+	hc    *http.Client
+}
+
+// New returns a client of the daemon listening on the unix socket path (for the default
+// state directory: serve.SocketPath(engine.DefaultStateDir())).
+func New(socket string) *Client {
+	tr := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", socket)
+		},
+		MaxIdleConnsPerHost: 16,
+		IdleConnTimeout:     30 * time.Second,
+	}
+	return &Client{base: "http://forkvm", hc: &http.Client{Transport: tr}}
+}
+
+// NewTCP returns a client of a daemon's TCP listener (baseURL like
+// "http://127.0.0.1:7070") sending token as a bearer token.
+func NewTCP(baseURL, token string) *Client {
+	return &Client{base: strings.TrimRight(baseURL, "/"), token: token, hc: &http.Client{}}
+}
+
+// Close releases idle connections.
+func (c *Client) Close() error {
+	c.hc.CloseIdleConnections()
+	return nil
+}
+
+// Error is an error answered by the daemon. It unwraps to the engine (or agent) sentinel
+// its code stands for, or for code "admission" to an *engine.AdmissionError.
+type Error struct {
+	Status int
+	serve.ErrorObject
+}
+
+func (e *Error) Error() string {
+	if e.Message != "" {
+		return e.Message
+	}
+	return fmt.Sprintf("forkvm daemon: %s (HTTP %d)", e.Code, e.Status)
+}
+
+// Unwrap returns the error the code stands for.
+func (e *Error) Unwrap() error {
+	if e.Code == "admission" {
+		return &engine.AdmissionError{Resource: e.Resource, Requested: e.Requested, Available: e.Available, Budget: e.Budget}
+	}
+	return serve.SentinelOf(e.Code)
+}
+
+func errorFrom(status int, o serve.ErrorObject) error { return &Error{Status: status, ErrorObject: o} }
+
+// do sends a request with an optional JSON body and returns the response when its
+// status is 2xx; otherwise it decodes the error.
+func (c *Client) do(ctx context.Context, method, path string, body any) (*http.Response, error) {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return nil, err
+		}
+		rd = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, rd)
+	if err != nil {
+		return nil, err
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode/100 == 2 {
+		return resp, nil
+	}
+	defer resp.Body.Close()
+	var er serve.ErrorResponse
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if json.Unmarshal(b, &er) != nil || er.Error.Code == "" {
+		return nil, errorFrom(resp.StatusCode, serve.ErrorObject{Code: serve.CodeInternal,
+			Message: fmt.Sprintf("forkvm daemon: HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))})
+	}
+	return nil, errorFrom(resp.StatusCode, er.Error)
+}
+
+// call does a request and decodes a JSON response into out (nil: discard).
+func (c *Client) call(ctx context.Context, method, path string, body, out any) error {
+	resp, err := c.do(ctx, method, path, body)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if out == nil {
+		_, err = io.Copy(io.Discard, resp.Body)
+		return err
+	}
+	return json.NewDecoder(resp.Body).Decode(out)
+}
+
+func vmPath(name string) string { return "/v1/vms/" + url.PathEscape(name) }
+
+// List returns all VMs, sorted by name (engine.Engine.List).
+func (c *Client) List(ctx context.Context) ([]engine.Info, error) {
+	var objs []serve.VMObject
+	if err := c.call(ctx, http.MethodGet, "/v1/vms", nil, &objs); err != nil {
+		return nil, err
+	}
+	out := make([]engine.Info, 0, len(objs))
+	for _, o := range objs {
+		out = append(out, o.Info)
+	}
+	return out, nil
+}
+
+// Create boots a VM and returns once its agent answered (engine.Engine.Create).
+func (c *Client) Create(ctx context.Context, spec engine.Spec) (engine.Info, error) {
+	var o serve.VMObject
+	err := c.call(ctx, http.MethodPost, "/v1/vms", spec, &o)
+	return o.Info, err
+}
+
+// Get returns the named VM (engine.Engine.Get, then VM.Info).
+func (c *Client) Get(ctx context.Context, name string) (engine.Info, error) {
+	var o serve.VMObject
+	err := c.call(ctx, http.MethodGet, vmPath(name), nil, &o)
+	return o.Info, err
+}
+
+// Delete stops and removes a VM (engine.Engine.Delete).
+func (c *Client) Delete(ctx context.Context, name string) error {
+	return c.call(ctx, http.MethodDelete, vmPath(name), nil, nil)
+}
+
+// Memory measures a VM's host memory (engine.VM.Memory).
+func (c *Client) Memory(ctx context.Context, name string) (*engine.MemoryUsage, error) {
+	var mu engine.MemoryUsage
+	if err := c.call(ctx, http.MethodGet, vmPath(name)+"/memory", nil, &mu); err != nil {
+		return nil, err
+	}
+	return &mu, nil
+}
+
+// MaxStdin bounds the stdin an Exec sends (it travels in the request body).
+const MaxStdin = 12 << 20
+
+// Exec runs a command in the VM name and returns its exit code (engine.VM.Exec).
+// Output is copied to req.Stdout and req.Stderr as it arrives. req.Stdin is read whole
+// before the command starts (at most MaxStdin bytes); TTY is not supported. Cancelling
+// ctx disconnects, which ends the command in the guest.
+func (c *Client) Exec(ctx context.Context, name string, req *vsockd.ExecRequest) (int, error) {
+	if req.TTY {
+		return -1, fmt.Errorf("%w: client: interactive (tty) exec is not supported by the daemon yet", engine.ErrInvalidSpec)
+	}
+	body := serve.ExecRequest{Argv: req.Argv, Env: req.Env, Workdir: req.Dir, User: req.User, MaxOutput: req.MaxOutput,
+		TimeoutMS: req.Timeout.Milliseconds()}
+	if req.Stdin != nil {
+		b, err := io.ReadAll(io.LimitReader(req.Stdin, MaxStdin+1))
+		if err != nil {
+			return -1, err
+		}
+		if len(b) > MaxStdin {
+			return -1, fmt.Errorf("%w: client: stdin over %d bytes", engine.ErrInvalidSpec, MaxStdin)
+		}
+		body.StdinBase64 = b
+	}
+	resp, err := c.do(ctx, http.MethodPost, vmPath(name)+"/exec", body)
+	if err != nil {
+		return -1, err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 4<<20) // a line holds at most one agent frame (1 MiB) in base64
+	for sc.Scan() {
+		var l serve.ExecLine
+		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+			return -1, fmt.Errorf("client: exec stream: %w", err)
+		}
+		switch {
+		case l.Error != nil:
+			return -1, errorFrom(resp.StatusCode, *l.Error)
+		case l.ExitCode != nil:
+			return *l.ExitCode, nil
+		case l.Stdout != nil:
+			if req.Stdout != nil {
+				if _, err := req.Stdout.Write(l.Stdout); err != nil {
+					return -1, err
+				}
+			}
+		case l.Stderr != nil:
+			if req.Stderr != nil {
+				if _, err := req.Stderr.Write(l.Stderr); err != nil {
+					return -1, err
+				}
+			}
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return -1, err
+	}
+	if ctx.Err() != nil {
+		return -1, ctx.Err()
+	}
+	return -1, errors.New("client: exec stream ended without an exit code")
+}
+
+// Checkpoints lists checkpoints with their live forks (engine.Engine.Checkpoints).
+func (c *Client) Checkpoints(ctx context.Context) ([]engine.CheckpointInfo, error) {
+	var objs []serve.CheckpointObject
+	if err := c.call(ctx, http.MethodGet, "/v1/checkpoints", nil, &objs); err != nil {
+		return nil, err
+	}
+	out := make([]engine.CheckpointInfo, 0, len(objs))
+	for _, o := range objs {
+		out = append(out, o.CheckpointInfo)
+	}
+	return out, nil
+}
+
+// Checkpoint checkpoints the running VM vmName (engine.Engine.Checkpoint); "" name:
+// generated. A nil opts means defaults.
+func (c *Client) Checkpoint(ctx context.Context, vmName, name string, opts *engine.CheckpointOptions) (engine.CheckpointInfo, error) {
+	req := serve.CheckpointRequest{VM: vmName, Name: name}
+	if opts != nil {
+		req.Pin, req.Handoff = opts.Pin, opts.Handoff
+	}
+	var o serve.CheckpointObject
+	err := c.call(ctx, http.MethodPost, "/v1/checkpoints", req, &o)
+	return o.CheckpointInfo, err
+}
+
+// DeleteCheckpoint removes a checkpoint (engine.Engine.DeleteCheckpoint).
+func (c *Client) DeleteCheckpoint(ctx context.Context, name string, opts *engine.DeleteCheckpointOptions) error {
+	p := "/v1/checkpoints/" + url.PathEscape(name)
+	if opts != nil && opts.Force {
+		p += "?force=1"
+	}
+	return c.call(ctx, http.MethodDelete, p, nil, nil)
+}
+
+// ForkEvent is one fork of a wave: ready (VM set) or failed (Err set).
+type ForkEvent struct {
+	Index   int
+	Name    string
+	VM      *engine.Info
+	Err     error
+	Latency time.Duration
+}
+
+// Fork makes one fork of src (engine.Engine.Fork); opts.Name names it.
+func (c *Client) Fork(ctx context.Context, src string, opts *engine.ForkOptions) (engine.Info, error) {
+	mo := &engine.ManyOptions{}
+	if opts != nil {
+		if len(opts.Publish) > 0 {
+			return engine.Info{}, fmt.Errorf("%w: client: publish is not supported by the daemon yet", engine.ErrInvalidSpec)
+		}
+		mo.Overcommit, mo.Pin = opts.Overcommit, opts.Pin
+		if opts.Name != "" {
+			mo.Names = []string{opts.Name}
+		}
+	}
+	events, err := c.ForkMany(ctx, src, 1, mo)
+	if err != nil {
+		return engine.Info{}, err
+	}
+	var ev ForkEvent
+	got := false
+	for e := range events {
+		ev, got = e, true
+	}
+	switch {
+	case !got:
+		return engine.Info{}, errors.New("client: fork stream ended without an event")
+	case ev.Err != nil:
+		return engine.Info{}, ev.Err
+	}
+	return *ev.VM, nil
+}
+
+// ForkMany starts n forks of src and streams one event per fork as it becomes ready or
+// fails; the channel is closed after the last one (engine.Engine.ForkMany). Cancelling
+// ctx before the stream ends disconnects, and the daemon then deletes every fork of the
+// wave, reported ones too. opts.Names may name one fork only; Publish is not supported.
+// If the stream breaks, a last event with Index -1 carries the error.
+func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.ManyOptions) (<-chan ForkEvent, error) {
+	req := serve.ForkRequest{Source: src, N: n}
+	if opts != nil {
+		if opts.Publish != nil {
+			return nil, fmt.Errorf("%w: client: publish is not supported by the daemon yet", engine.ErrInvalidSpec)
+		}
+		switch len(opts.Names) {
+		case 0:
+		case 1:
+			req.Name = opts.Names[0]
+		default:
+			return nil, fmt.Errorf("%w: client: Names with more than one name is not supported by the daemon yet", engine.ErrInvalidSpec)
+		}
+		req.Prefix, req.Concurrency, req.Overcommit, req.Pin = opts.Prefix, opts.Concurrency, opts.Overcommit, opts.Pin
+	}
+	resp, err := c.do(ctx, http.MethodPost, "/v1/forks", req)
+	if err != nil {
+		return nil, err
+	}
+	out := make(chan ForkEvent, max(n, 1)+1)
+	go func() {
+		defer close(out)
+		defer resp.Body.Close()
+		sc := bufio.NewScanner(resp.Body)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			var o serve.ForkEventObject
+			if err := json.Unmarshal(sc.Bytes(), &o); err != nil {
+				out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: fork stream: %w", err)}
+				return
+			}
+			ev := ForkEvent{Index: o.Index, Name: o.Name, Latency: time.Duration(o.LatencyMS * float64(time.Millisecond))}
+			if o.OK && o.VM != nil {
+				inf := o.VM.Info
+				ev.VM = &inf
+			} else {
+				ev.Err = errorFrom(resp.StatusCode, serve.ErrorObject{Code: o.Code, Message: o.Error})
+			}
+			out <- ev
+		}
+		if err := sc.Err(); err != nil {
+			out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: fork stream: %w", err)}
+		}
+	}()
+	return out, nil
+}

@@ -1,0 +1,527 @@
+package serve
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// Body limits: JSON requests are small; an exec carries its stdin in its body.
+const (
+	MaxBodyBytes     = 1 << 20
+	MaxExecBodyBytes = 16 << 20
+	// MaxForks bounds n of one POST /v1/forks.
+	MaxForks = 1024
+)
+
+// Server serves the API for one engine. Its handlers are safe for concurrent use.
+type Server struct {
+	e   *engine.Engine
+	log *slog.Logger
+	mux *http.ServeMux
+	// inflight counts handlers running, so the engine is closed only after the last
+	// one returned (a cancelled wave deletes its forks on its way out).
+	inflight sync.WaitGroup
+}
+
+// New returns a server for e. A nil logger discards.
+func New(e *engine.Engine, log *slog.Logger) *Server {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{e: e, log: log, mux: http.NewServeMux()}
+	s.mux.HandleFunc("GET /v1/vms", s.listVMs)
+	s.mux.HandleFunc("POST /v1/vms", s.createVM)
+	s.mux.HandleFunc("GET /v1/vms/{name}", s.getVM)
+	s.mux.HandleFunc("DELETE /v1/vms/{name}", s.deleteVM)
+	s.mux.HandleFunc("GET /v1/vms/{name}/memory", s.memory)
+	s.mux.HandleFunc("POST /v1/vms/{name}/exec", s.exec)
+	s.mux.HandleFunc("GET /v1/checkpoints", s.listCheckpoints)
+	s.mux.HandleFunc("POST /v1/checkpoints", s.checkpoint)
+	s.mux.HandleFunc("DELETE /v1/checkpoints/{name}", s.deleteCheckpoint)
+	s.mux.HandleFunc("POST /v1/forks", s.fork)
+	s.mux.HandleFunc("/", s.noRoute)
+	return s
+}
+
+// noRoute answers a request no pattern takes: 405 method_not_allowed (with Allow) when
+// the path is an endpoint's, else 404 no_route.
+func (s *Server) noRoute(w http.ResponseWriter, r *http.Request) {
+	var allow []string
+	for _, m := range []string{http.MethodGet, http.MethodPost, http.MethodDelete} {
+		if m == r.Method {
+			continue
+		}
+		probe := r.Clone(r.Context())
+		probe.Method = m
+		if _, pattern := s.mux.Handler(probe); pattern != "/" {
+			allow = append(allow, m)
+		}
+	}
+	if len(allow) > 0 {
+		w.Header().Set("Allow", strings.Join(allow, ", "))
+		writeErrorObject(w, http.StatusMethodNotAllowed, ErrorObject{Code: CodeMethodNotAllowed,
+			Message: fmt.Sprintf("%s %s: method not allowed (allowed: %s)", r.Method, r.URL.Path, strings.Join(allow, ", "))})
+		return
+	}
+	writeErrorObject(w, http.StatusNotFound, ErrorObject{Code: CodeNoRoute, Message: fmt.Sprintf("no endpoint %s %s", r.Method, r.URL.Path)})
+}
+
+// Handler is the API for the unix socket: no authentication (the socket is 0600).
+func (s *Server) Handler() http.Handler { return s.recoverer(s.mux) }
+
+// Wait blocks until no handler runs or ctx ends (ctx's error). Call it after Serve
+// returned and before closing the engine: Serve's forced close cancels the requests
+// still running but does not wait for their handlers, and a cancelled wave deletes its
+// forks on its way out.
+func (s *Server) Wait(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { s.inflight.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// TokenHandler is the API for a TCP listener: every request must carry
+// "Authorization: Bearer TOKEN", else 401.
+func (s *Server) TokenHandler(token string) http.Handler {
+	want := sha256.Sum256([]byte("Bearer " + token))
+	h := s.Handler()
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got := sha256.Sum256([]byte(r.Header.Get("Authorization")))
+		if token == "" || subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="forkvm"`)
+			writeErrorObject(w, http.StatusUnauthorized, ErrorObject{Code: CodeUnauthorized, Message: "missing or wrong bearer token"})
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// recordingWriter notes whether a response has started, so the recoverer knows whether
+// it can still send an error.
+type recordingWriter struct {
+	http.ResponseWriter
+	started bool
+}
+
+func (w *recordingWriter) WriteHeader(code int) { w.started = true; w.ResponseWriter.WriteHeader(code) }
+func (w *recordingWriter) Write(p []byte) (int, error) {
+	w.started = true
+	return w.ResponseWriter.Write(p)
+}
+func (w *recordingWriter) Flush() {
+	w.started = true
+	if f, ok := w.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+func (w *recordingWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// recoverer turns a panic in a handler into a 500 internal (or a cut stream when the
+// response had started) instead of a dead connection with no answer.
+func (s *Server) recoverer(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.inflight.Add(1)
+		defer s.inflight.Done()
+		rw := &recordingWriter{ResponseWriter: w}
+		defer func() {
+			v := recover()
+			if v == nil {
+				return
+			}
+			if v == http.ErrAbortHandler {
+				panic(v)
+			}
+			s.log.Error("serve: handler panic", "method", r.Method, "path", r.URL.Path, "panic", v)
+			if !rw.started {
+				writeErrorObject(rw, http.StatusInternalServerError, ErrorObject{Code: CodeInternal, Message: "internal error"})
+				return
+			}
+			panic(http.ErrAbortHandler)
+		}()
+		h.ServeHTTP(rw, r)
+	})
+}
+
+// ---------------------------------------------------------------------------------------
+// helpers
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		writeErrorObject(w, http.StatusInternalServerError, ErrorObject{Code: CodeInternal, Message: err.Error()})
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	w.Write(append(b, '\n'))
+}
+
+func writeErrorObject(w http.ResponseWriter, status int, o ErrorObject) {
+	b, _ := json.Marshal(ErrorResponse{Error: o})
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	w.WriteHeader(status)
+	w.Write(append(b, '\n'))
+}
+
+func writeError(w http.ResponseWriter, err error) {
+	o, status := errorObject(err)
+	writeErrorObject(w, status, o)
+}
+
+// decode reads one JSON value of at most limit bytes into v, refusing unknown fields and
+// trailing data. It answers the error itself and returns false on failure.
+func decode(w http.ResponseWriter, r *http.Request, limit int64, v any) bool {
+	body := http.MaxBytesReader(w, r.Body, limit)
+	dec := json.NewDecoder(body)
+	dec.DisallowUnknownFields()
+	err := dec.Decode(v)
+	if err == nil {
+		if _, terr := dec.Token(); terr != io.EOF {
+			err = errors.New("trailing data after the JSON value")
+		}
+	}
+	if err == nil {
+		return true
+	}
+	var mbe *http.MaxBytesError
+	if errors.As(err, &mbe) {
+		writeErrorObject(w, http.StatusRequestEntityTooLarge, ErrorObject{Code: CodeTooLarge, Message: fmt.Sprintf("request body over %d bytes", limit)})
+		return false
+	}
+	if err == io.EOF {
+		err = errors.New("empty body")
+	}
+	writeErrorObject(w, http.StatusBadRequest, ErrorObject{Code: CodeBadRequest, Message: "bad request body: " + err.Error()})
+	return false
+}
+
+// ndjson writes one JSON line at a time and flushes it; safe for concurrent use. The
+// first line sends status 200.
+type ndjson struct {
+	mu      sync.Mutex
+	w       http.ResponseWriter
+	rc      *http.ResponseController
+	started bool
+}
+
+func newNDJSON(w http.ResponseWriter) *ndjson {
+	return &ndjson{w: w, rc: http.NewResponseController(w)}
+}
+
+func (n *ndjson) line(v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if !n.started {
+		n.started = true
+		n.w.Header().Set("Content-Type", "application/x-ndjson")
+		n.w.Header().Set("X-Content-Type-Options", "nosniff")
+		n.w.WriteHeader(http.StatusOK)
+	}
+	if _, err := n.w.Write(append(b, '\n')); err != nil {
+		return err
+	}
+	return n.rc.Flush()
+}
+
+func (n *ndjson) hasStarted() bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.started
+}
+
+// streamWriter sends what an exec writes as {"stdout": ...} or {"stderr": ...} lines.
+type streamWriter struct {
+	n      *ndjson
+	stderr bool
+}
+
+func (s streamWriter) Write(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	// The agent's writes are at most a frame (1 MiB); copy, as p may be reused.
+	b := bytes.Clone(p)
+	l := ExecLine{Stdout: b}
+	if s.stderr {
+		l = ExecLine{Stderr: b}
+	}
+	if err := s.n.line(l); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// ---------------------------------------------------------------------------------------
+// VMs
+
+func (s *Server) listVMs(w http.ResponseWriter, r *http.Request) {
+	infos := s.e.List()
+	out := make([]VMObject, 0, len(infos))
+	for _, inf := range infos {
+		out = append(out, NewVMObject(inf))
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *Server) createVM(w http.ResponseWriter, r *http.Request) {
+	var spec engine.Spec
+	if !decode(w, r, MaxBodyBytes, &spec) {
+		return
+	}
+	vm, err := s.e.Create(r.Context(), spec)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, NewVMObject(vm.Info()))
+}
+
+func (s *Server) getVM(w http.ResponseWriter, r *http.Request) {
+	vm, err := s.e.Get(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, NewVMObject(vm.Info()))
+}
+
+func (s *Server) deleteVM(w http.ResponseWriter, r *http.Request) {
+	// A delete is not cut short by a client that goes away: half a delete helps no one.
+	ctx := context.WithoutCancel(r.Context())
+	if err := s.e.Delete(ctx, r.PathValue("name")); err != nil {
+		writeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) memory(w http.ResponseWriter, r *http.Request) {
+	vm, err := s.e.Get(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	mu, err := vm.Memory(r.Context())
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, mu)
+}
+
+// exec runs a command and streams its output as NDJSON. The status is sent with the
+// first line, so an exec that fails before any output (unknown command, bad user) gets
+// a plain error response; after that a failure is a final {"error": ...} line. A client
+// that disconnects cancels the request's context, which ends the exec in the guest.
+func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
+	vm, err := s.e.Get(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	var req ExecRequest
+	if !decode(w, r, MaxExecBodyBytes, &req) {
+		return
+	}
+	if len(req.Argv) == 0 {
+		writeError(w, fmt.Errorf("%w: argv is empty", engine.ErrInvalidSpec))
+		return
+	}
+	if req.Stdin != "" && len(req.StdinBase64) > 0 {
+		writeError(w, fmt.Errorf("%w: stdin and stdin_base64 are exclusive", engine.ErrInvalidSpec))
+		return
+	}
+	if req.TimeoutMS < 0 {
+		writeError(w, fmt.Errorf("%w: timeout_ms is negative", engine.ErrInvalidSpec))
+		return
+	}
+	n := newNDJSON(w)
+	vreq := &vsockd.ExecRequest{
+		Argv: req.Argv, Env: req.Env, Dir: req.Workdir, User: req.User, MaxOutput: req.MaxOutput,
+		Timeout: time.Duration(req.TimeoutMS) * time.Millisecond,
+		Stdout:  streamWriter{n: n}, Stderr: streamWriter{n: n, stderr: true},
+	}
+	switch {
+	case req.Stdin != "":
+		vreq.Stdin = strings.NewReader(req.Stdin)
+	case len(req.StdinBase64) > 0:
+		vreq.Stdin = bytes.NewReader(req.StdinBase64)
+	}
+	code, err := vm.Exec(r.Context(), vreq)
+	if err != nil {
+		if !n.hasStarted() {
+			writeError(w, err)
+			return
+		}
+		o := ErrorObjectOf(err)
+		n.line(ExecLine{Error: &o})
+		return
+	}
+	n.line(ExecLine{ExitCode: &code})
+}
+
+// ---------------------------------------------------------------------------------------
+// checkpoints
+
+func (s *Server) listCheckpoints(w http.ResponseWriter, r *http.Request) {
+	cks, err := s.e.Checkpoints()
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	out := make([]CheckpointObject, 0, len(cks))
+	for _, c := range cks {
+		out = append(out, NewCheckpointObject(c))
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *Server) checkpoint(w http.ResponseWriter, r *http.Request) {
+	var req CheckpointRequest
+	if !decode(w, r, MaxBodyBytes, &req) {
+		return
+	}
+	if req.VM == "" {
+		writeError(w, fmt.Errorf("%w: vm is required", engine.ErrInvalidSpec))
+		return
+	}
+	ck, err := s.e.Checkpoint(r.Context(), req.VM, req.Name, &engine.CheckpointOptions{Pin: req.Pin, Handoff: req.Handoff})
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	info := engine.CheckpointInfo{CheckpointManifest: ck.Manifest}
+	if cks, err := s.e.Checkpoints(); err == nil {
+		for _, c := range cks {
+			if c.Name == ck.Manifest.Name {
+				info = c
+			}
+		}
+	}
+	writeJSON(w, http.StatusCreated, NewCheckpointObject(info))
+}
+
+func (s *Server) deleteCheckpoint(w http.ResponseWriter, r *http.Request) {
+	force := false
+	if v := r.URL.Query().Get("force"); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			writeErrorObject(w, http.StatusBadRequest, ErrorObject{Code: CodeBadRequest, Message: "force: not a boolean: " + strconv.Quote(v)})
+			return
+		}
+		force = b
+	}
+	ctx := context.WithoutCancel(r.Context())
+	if err := s.e.DeleteCheckpoint(ctx, r.PathValue("name"), &engine.DeleteCheckpointOptions{Force: force}); err != nil {
+		writeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// ---------------------------------------------------------------------------------------
+// forks
+
+// fork starts a wave and streams one forkvm.fork-event/v1 line per fork as it becomes
+// ready or fails. A client that disconnects before the stream ends cancels the wave:
+// forks in flight are abandoned and every fork the wave made is deleted, the ones
+// already reported too (engine.ForkMany's contract), so nothing is left that no one
+// knows about. A wave whose stream ended keeps its forks.
+func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
+	var req ForkRequest
+	if !decode(w, r, MaxBodyBytes, &req) {
+		return
+	}
+	n := req.N
+	if n == 0 {
+		n = 1
+	}
+	switch {
+	case req.Source == "":
+		writeError(w, fmt.Errorf("%w: source is required", engine.ErrInvalidSpec))
+		return
+	case n < 0 || n > MaxForks:
+		writeError(w, fmt.Errorf("%w: n must be 1..%d", engine.ErrInvalidSpec, MaxForks))
+		return
+	case req.Name != "" && n != 1:
+		writeError(w, fmt.Errorf("%w: name names a single fork (n 1); use prefix for n > 1", engine.ErrInvalidSpec))
+		return
+	case req.Name != "" && req.Prefix != "":
+		writeError(w, fmt.Errorf("%w: name and prefix are exclusive", engine.ErrInvalidSpec))
+		return
+	case req.Concurrency < 0 || req.Overcommit < 0:
+		writeError(w, fmt.Errorf("%w: concurrency and overcommit must not be negative", engine.ErrInvalidSpec))
+		return
+	}
+	opts := &engine.ManyOptions{Prefix: req.Prefix, Concurrency: req.Concurrency, Overcommit: req.Overcommit, Pin: req.Pin}
+	if req.Name != "" {
+		opts.Names = []string{req.Name}
+	}
+	events, err := s.e.ForkMany(r.Context(), req.Source, n, opts)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	out := newNDJSON(w)
+	for ev := range events {
+		// A write error means the client is gone: its context is cancelled too, and the
+		// engine cleans up; keep draining so the wave finishes.
+		out.line(NewForkEventObject(ev))
+	}
+}
+
+// ---------------------------------------------------------------------------------------
+// serving
+
+// Serve serves h on ln until ctx ends, then stops accepting, lets in-flight requests
+// finish for up to grace and closes what remains (which cancels their contexts: execs
+// end, waves delete their forks). It returns nil after a shutdown caused by ctx.
+func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Duration) error {
+	srv := &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		MaxHeaderBytes:    64 << 10,
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		srv.Close()
+	}
+	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
