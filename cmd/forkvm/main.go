@@ -23,6 +23,7 @@ import (
 
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/serve"
 )
 
 // exitError carries a process exit code out of an action (exec's pass-through).
@@ -155,7 +156,7 @@ func createCmd() *cli.Command {
 			}
 			inf := vm.Info()
 			if cmd.Bool("json") {
-				return printJSON(vmObject(inf))
+				return printJSON(serve.NewVMObject(inf))
 			}
 			fmt.Printf("%s ready in %v (pid %d, %s)\n", inf.Name, inf.Timings.Total.Round(time.Millisecond), inf.PID, inf.Accel)
 			return nil
@@ -464,7 +465,7 @@ func forkCmd() *cli.Command {
 			var errs []error
 			for ev := range evs {
 				if cmd.Bool("json") {
-					b, _ := json.Marshal(forkEventObject(ev))
+					b, _ := json.Marshal(serve.NewForkEventObject(ev))
 					fmt.Println(string(b))
 				} else if ev.Err != nil {
 					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency().Round(time.Millisecond), ev.Err)
