@@ -93,14 +93,20 @@ func runPython(r *runner, n, cold, pool int) error {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	r.res.Extra["checkpoint_ms"] = round3(ms(ck.Manifest.Timings.Total))
-	warm := r.forkAndAsk("warm", "py", n)
+	warm := r.forkAndAsk("warm", "py", n, nil)
 	var pooled []float64
 	if pool > 0 {
 		opts := &engine.WarmOptions{Restored: true, WarmUp: []string{"sh", "-c", askWarm}}
 		if err := r.e.Warm(ctx, "warm-ck", pool, opts); err != nil {
 			return fmt.Errorf("warm pool: %w", err)
 		}
-		pooled = r.forkAndAsk("pooled", "pp", n)
+		pooled = r.forkAndAsk("pooled", "pp", n, func() {
+			// Each sample is a fork served by a full pool: wait for the refill of the last
+			// claim (a fork that finds the pool empty is an ordinary fork).
+			for t := time.Now(); r.e.PoolSize("warm-ck") < pool && time.Since(t) < 2*time.Minute; {
+				time.Sleep(50 * time.Millisecond)
+			}
+		})
 		if err := r.e.Warm(ctx, "warm-ck", 0, nil); err != nil {
 			r.fail("emptying the pool: %v", err)
 		}
@@ -156,11 +162,15 @@ func runPython(r *runner, n, cold, pool int) error {
 }
 
 // forkAndAsk forks the warm checkpoint n times and asks each fork's interpreter once;
-// it returns the fork start → answer times of the forks that answered 42.
-func (r *runner) forkAndAsk(group, prefix string, n int) []float64 {
+// it returns the fork start → answer times of the forks that answered 42. before, if
+// set, runs before each fork (not timed).
+func (r *runner) forkAndAsk(group, prefix string, n int, before func()) []float64 {
 	ctx := r.ctx
 	var out []float64
 	for i := 0; i < n; i++ {
+		if before != nil {
+			before()
+		}
 		name := fmt.Sprintf("%s%d", prefix, i+1)
 		s := Sample{Group: group, Index: i, Name: name}
 		t := time.Now()
