@@ -127,14 +127,8 @@ func checkpointWorld(ctx context.Context, vm *VM, w *ckWriter) error {
 	t0 := time.Now()
 	err = p.saveToFile(ctx, w.statePath(), false)
 	ck.Timings.Migrate = time.Since(t0)
-	paused := time.Now()
 	// From here on the guest may be stopped (postmigrate) until cont, whatever happens.
-	defer func() {
-		if cerr := p.resume(); cerr != nil {
-			vm.log.Warn("checkpoint: cont failed", "vm", vm.m.Name, "err", cerr)
-		}
-		ck.Timings.Paused = time.Since(paused)
-	}()
+	defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
 	if err != nil {
 		dp.abort(ctx)
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)

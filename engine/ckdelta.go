@@ -82,13 +82,7 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 		t0 := time.Now()
 		_, err = p.saveStripped(ctx, runDir, w.statePath())
 		ck.Timings.Migrate = time.Since(t0)
-		paused := time.Now()
-		defer func() {
-			if cerr := p.resume(); cerr != nil {
-				vm.log.Warn("checkpoint: cont failed", "vm", vm.m.Name, "err", cerr)
-			}
-			ck.Timings.Paused = time.Since(paused)
-		}()
+		defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
 		if err != nil {
 			dp.abort(ctx)
 			return err

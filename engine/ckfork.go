@@ -31,11 +31,7 @@ func (e *Engine) checkpointFork(ctx context.Context, vm *VM, w *ckWriter) error 
 		t0 := time.Now()
 		err = p.saveToFile(ctx, full, true)
 		ck.Timings.Migrate = time.Since(t0)
-		paused := time.Now()
-		defer func() {
-			_ = p.resume()
-			ck.Timings.Paused = time.Since(paused)
-		}()
+		defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
 		if err != nil {
 			dp.abort(ctx)
 			return err

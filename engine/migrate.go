@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -200,6 +201,19 @@ func (p *qemuProc) resume() error {
 		return err
 	}
 	return c.Execute(ctx, "cont", nil, nil)
+}
+
+// resumeAfterSave starts timing the guest's pause after a save returned (the guest may
+// be stopped, postmigrate, whatever the save's outcome); the returned func resumes it,
+// logging a failure, and records the pause in *paused. Defer it.
+func (p *qemuProc) resumeAfterSave(log *slog.Logger, paused *time.Duration) func() {
+	t := time.Now()
+	return func() {
+		if err := p.resume(); err != nil {
+			log.Warn("checkpoint: cont failed", "vm", p.name, "err", err)
+		}
+		*paused = time.Since(t)
+	}
 }
 
 // migrationStatus is the part of query-migrate we read.

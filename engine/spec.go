@@ -4,30 +4,21 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+
 	"github.com/forkvm/forkvm/guest"
-	"regexp"
-	"strings"
+	"github.com/forkvm/forkvm/internal/names"
 )
 
 // MaxNameLen bounds VM and checkpoint names (they become file and socket names).
 const MaxNameLen = 48
-
-var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]*$`)
 
 // ValidateName checks a VM or checkpoint name: 1..MaxNameLen characters of
 // [A-Za-z0-9_.-], starting with a letter or digit. Such names cannot contain commas
 // (QEMU option separators), slashes, NUL or "..", so they can be used in paths and
 // QEMU options without escaping.
 func ValidateName(name string) error {
-	switch {
-	case name == "":
-		return fmt.Errorf("%w: empty name", ErrInvalidName)
-	case len(name) > MaxNameLen:
-		return fmt.Errorf("%w: %q is longer than %d characters", ErrInvalidName, name[:MaxNameLen]+"...", MaxNameLen)
-	case strings.Contains(name, ".."):
-		return fmt.Errorf("%w: %q contains \"..\"", ErrInvalidName, name)
-	case !nameRE.MatchString(name):
-		return fmt.Errorf("%w: %q (allowed: letters, digits, '_', '.', '-'; must start with a letter or digit)", ErrInvalidName, name)
+	if err := names.Check(name, MaxNameLen); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidName, err)
 	}
 	return nil
 }

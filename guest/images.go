@@ -12,12 +12,13 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"regexp"
 	"sort"
 	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/forkvm/forkvm/internal/names"
 )
 
 // Root images: a real root filesystem on an ext4 disk, with the forkvm agent
@@ -71,8 +72,6 @@ func ImageKernelArgs(withData bool) string {
 // MaxImageNameLen bounds image names, as engine.MaxNameLen bounds VM names.
 const MaxImageNameLen = 48
 
-var imageNameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]*$`)
-
 // imageRecordFormat and contentFormat version the JSON files.
 const (
 	imageRecordFormat = "forkvm-rootfs-name-v1"
@@ -85,15 +84,8 @@ const (
 // name in the cache. The rule is repeated here rather than imported: the
 // guest package does not depend on the engine.
 func ValidateImageName(name string) error {
-	switch {
-	case name == "":
-		return fmt.Errorf("%w: empty name", ErrInvalidImageName)
-	case len(name) > MaxImageNameLen:
-		return fmt.Errorf("%w: %q is longer than %d characters", ErrInvalidImageName, name[:MaxImageNameLen]+"...", MaxImageNameLen)
-	case strings.Contains(name, ".."):
-		return fmt.Errorf("%w: %q contains \"..\"", ErrInvalidImageName, name)
-	case !imageNameRE.MatchString(name):
-		return fmt.Errorf("%w: %q (allowed: letters, digits, '_', '.', '-'; must start with a letter or digit)", ErrInvalidImageName, name)
+	if err := names.Check(name, MaxImageNameLen); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidImageName, err)
 	}
 	return nil
 }

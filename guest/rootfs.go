@@ -19,6 +19,8 @@ import (
 
 	securejoin "github.com/cyphar/filepath-securejoin"
 	"golang.org/x/sys/unix"
+
+	"github.com/forkvm/forkvm/internal/names"
 )
 
 // extractor writes the entries of a root filesystem (from a tar stream or a
@@ -68,20 +70,11 @@ func newExtractor(root string, limit int64, logf func(string, ...any)) *extracto
 // cleanEntryName returns the root-relative, slash-separated clean form of an
 // archive entry name ("." for the root itself) or an ErrUnsafeEntry.
 func cleanEntryName(name string) (string, error) {
-	switch {
-	case name == "":
-		return "", fmt.Errorf("%w: empty name", ErrUnsafeEntry)
-	case strings.IndexByte(name, 0) >= 0:
-		return "", fmt.Errorf("%w: %q has a NUL byte", ErrUnsafeEntry, name)
-	case strings.HasPrefix(name, "/"):
-		return "", fmt.Errorf("%w: %q is an absolute path", ErrUnsafeEntry, name)
+	rel, err := names.CleanEntry(name)
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", ErrUnsafeEntry, err)
 	}
-	for _, p := range strings.Split(name, "/") {
-		if p == ".." {
-			return "", fmt.Errorf("%w: %q has a \"..\" component", ErrUnsafeEntry, name)
-		}
-	}
-	return path.Clean(name), nil
+	return rel, nil
 }
 
 // resolve returns the host path of the clean entry name rel: its parent

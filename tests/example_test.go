@@ -52,7 +52,7 @@ func Example() {
 		fmt.Println(err)
 		return
 	}
-	sh(world, "echo changed-after > /dev/shm/state") // the checkpoint does not see this
+	sh(world, "echo changed-after > /dev/shm/state")                   // the checkpoint does not see this
 	if later, err := e.Checkpoint(ctx, "world", "", nil); err == nil { // a generated name
 		fmt.Println("second checkpoint named after its vm:", strings.HasPrefix(later.Manifest.Name, "world-ck-"))
 	}

@@ -12,6 +12,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/forkvm/forkvm/internal/names"
 )
 
 // Tar streams of copies. The same two functions run on both ends of a copy: the guest
@@ -303,20 +305,11 @@ func validComponent(s string) bool {
 // cleanName returns the clean, slash-separated, dir-relative form of an entry name ("."
 // for dir itself), or an ErrUnsafeEntry.
 func cleanName(name string) (string, error) {
-	switch {
-	case name == "":
-		return "", fmt.Errorf("%w: empty name", ErrUnsafeEntry)
-	case strings.IndexByte(name, 0) >= 0:
-		return "", fmt.Errorf("%w: %q has a NUL byte", ErrUnsafeEntry, name)
-	case strings.HasPrefix(name, "/"):
-		return "", fmt.Errorf("%w: %q is an absolute path", ErrUnsafeEntry, name)
+	rel, err := names.CleanEntry(name)
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", ErrUnsafeEntry, err)
 	}
-	for _, c := range strings.Split(name, "/") {
-		if c == ".." {
-			return "", fmt.Errorf("%w: %q has a \"..\" component", ErrUnsafeEntry, name)
-		}
-	}
-	return path.Clean(name), nil
+	return rel, nil
 }
 
 // entryPath checks name and applies Top and Rename.
