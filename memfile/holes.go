@@ -26,6 +26,9 @@ func EncodeRanges(rs []Range) []byte {
 // sorted, disjoint and end at or before size. Hostile input yields ErrBadRanges, never a
 // panic.
 func DecodeRanges(b []byte, size int64) ([]Range, error) {
+	if size < 0 {
+		return nil, fmt.Errorf("%w: negative file size %d", ErrBadRanges, size)
+	}
 	if len(b)%16 != 0 {
 		return nil, fmt.Errorf("%w: %d bytes is not a whole number of ranges", ErrBadRanges, len(b))
 	}

@@ -39,6 +39,9 @@ func TestDecodeRangesRejects(t *testing.T) {
 			t.Errorf("%s: %v, want ErrBadRanges", name, err)
 		}
 	}
+	if _, err := DecodeRanges(EncodeRanges([]Range{{0, 4096}}), -4096); !errors.Is(err, ErrBadRanges) {
+		t.Errorf("negative size: %v, want ErrBadRanges", err)
+	}
 	if _, err := DecodeRanges(make([]byte, 15), 4<<20); !errors.Is(err, ErrBadRanges) {
 		t.Errorf("truncated: %v, want ErrBadRanges", err)
 	}
