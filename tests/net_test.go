@@ -402,8 +402,9 @@ func TestNetRootImage(t *testing.T) {
 
 // TestNetHandoffAndForkOfFork: a networked world checkpointed with handoff keeps its
 // published port (its process is replaced); a fork with a published port can itself be
-// checkpointed (the helper QEMU of that path has the NIC but binds no port), and a fork
-// of that checkpoint serves the first fork's memory on a port of its own.
+// checkpointed (a delta checkpoint binds no port; so does the full-save path's helper
+// QEMU where page extraction is unsupported), and a fork of that checkpoint serves the
+// first fork's memory on a port of its own.
 func TestNetHandoffAndForkOfFork(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	e := env.E
