@@ -116,36 +116,21 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 
 // checkpointWorld checkpoints a VM with share=on RAM (see Checkpoint).
 func checkpointWorld(ctx context.Context, vm *VM, w *ckWriter) error {
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	ck, p := w.ck, vm.process()
-	// Prepare the disk step before the guest pauses.
-	dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
+	ck := w.ck
+	err := w.freezeStopped(ctx, vm,
+		func(p *qemuProc) error { return p.saveToFile(ctx, w.statePath(), false) },
+		func() error {
+			t := time.Now()
+			fs, err := memfile.Freeze(ctx, vm.m.Launch.RAM.Path, w.ramTmp)
+			ck.Timings.Freeze = time.Since(t)
+			if err != nil {
+				return fmt.Errorf("freeze ram: %w", err)
+			}
+			ck.Freeze, ck.RAMMethod = fs, "copy"
+			return nil
+		})
 	if err != nil {
-		return err
-	}
-	t0 := time.Now()
-	err = p.saveToFile(ctx, w.statePath(), false)
-	ck.Timings.Migrate = time.Since(t0)
-	// From here on the guest may be stopped (postmigrate) until cont, whatever happens.
-	defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
-	if err != nil {
-		dp.abort(ctx)
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
 	}
-	t1 := time.Now()
-	fs, err := memfile.Freeze(ctx, vm.m.Launch.RAM.Path, w.ramTmp)
-	ck.Timings.Freeze = time.Since(t1)
-	if err != nil {
-		dp.abort(ctx)
-		return fmt.Errorf("engine: checkpoint %s: freeze ram: %w", vm.m.Name, err)
-	}
-	ck.Freeze = fs
-	ck.RAMMethod = "copy"
-	t2 := time.Now()
-	if err := dp.commit(ctx, ck); err != nil {
-		return fmt.Errorf("engine: checkpoint %s: disk: %w", vm.m.Name, err)
-	}
-	ck.Timings.Disk = time.Since(t2)
-	return vm.saveLocked()
+	return nil
 }

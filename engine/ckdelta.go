@@ -71,45 +71,24 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 	ownName := layerFile(len(pm.Layers), ck.Name)
 	own := filepath.Join(w.layersTmp, ownName)
 
-	err = func() error {
-		vm.mu.Lock()
-		defer vm.mu.Unlock()
-		p := vm.process()
-		dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
-		if err != nil {
+	err = w.freezeStopped(ctx, vm,
+		func(p *qemuProc) error {
+			_, err := p.saveStripped(ctx, runDir, w.statePath())
 			return err
-		}
-		t0 := time.Now()
-		_, err = p.saveStripped(ctx, runDir, w.statePath())
-		ck.Timings.Migrate = time.Since(t0)
-		defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
-		if err != nil {
-			dp.abort(ctx)
-			return err
-		}
-		t1 := time.Now()
-		err = func() error {
+		},
+		func() error { // vm.mu is held
+			t := time.Now()
 			addr, err := memfile.FindMapping(vm.m.PID, ramMapped, ck.RAMSize)
-			if err != nil {
-				return err
+			if err == nil {
+				_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, pm.RAMPath, ancestors, own)
 			}
-			_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, pm.RAMPath, ancestors, own)
-			return err
-		}()
-		ck.Timings.Extract = time.Since(t1)
-		ck.Timings.Freeze = ck.Timings.Extract
-		if err != nil {
-			dp.abort(ctx)
-			return fmt.Errorf("extract pages: %w", err)
-		}
-		t2 := time.Now()
-		err = dp.commit(ctx, ck)
-		ck.Timings.Disk = time.Since(t2)
-		if err != nil {
-			return err
-		}
-		return vm.saveLocked()
-	}()
+			ck.Timings.Extract = time.Since(t)
+			ck.Timings.Freeze = ck.Timings.Extract
+			if err != nil {
+				return fmt.Errorf("extract pages: %w", err)
+			}
+			return nil
+		})
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
 	}

@@ -20,30 +20,7 @@ func (e *Engine) checkpointFork(ctx context.Context, vm *VM, w *ckWriter) error 
 	ck := w.ck
 	full := filepath.Join(w.tmp, fullSaveFile)
 	defer os.Remove(full)
-	err := func() error {
-		vm.mu.Lock()
-		defer vm.mu.Unlock()
-		p := vm.process()
-		dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
-		if err != nil {
-			return err
-		}
-		t0 := time.Now()
-		err = p.saveToFile(ctx, full, true)
-		ck.Timings.Migrate = time.Since(t0)
-		defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
-		if err != nil {
-			dp.abort(ctx)
-			return err
-		}
-		t1 := time.Now()
-		err = dp.commit(ctx, ck)
-		ck.Timings.Disk = time.Since(t1)
-		if err != nil {
-			return err
-		}
-		return vm.saveLocked()
-	}()
+	err := w.freezeStopped(ctx, vm, func(p *qemuProc) error { return p.saveToFile(ctx, full, true) }, nil)
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
 	}

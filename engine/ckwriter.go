@@ -104,6 +104,39 @@ func (w *ckWriter) commit(ctx context.Context) error {
 	return nil
 }
 
+// freezeStopped runs the part of a checkpoint around the guest's stop, under the VM's
+// lock: prepare the disk freeze while the guest still runs, save (a migration, which
+// stops the guest when it completes), run paused while the guest is stopped (nil: none),
+// freeze the disk and save the VM's manifest. The guest is resumed on the way out,
+// whatever happened, and the pause is recorded.
+func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuProc) error, paused func() error) error {
+	vm.mu.Lock()
+	defer vm.mu.Unlock()
+	ck, p := w.ck, vm.process()
+	dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
+	if err != nil {
+		return err
+	}
+	t0 := time.Now()
+	err = save(p)
+	ck.Timings.Migrate = time.Since(t0)
+	// From here on the guest may be stopped (postmigrate) until cont, whatever happens.
+	defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
+	if err == nil && paused != nil {
+		err = paused()
+	}
+	if err != nil {
+		dp.abort(ctx)
+		return err
+	}
+	t1 := time.Now()
+	if err := dp.commit(ctx, ck); err != nil {
+		return fmt.Errorf("disk: %w", err)
+	}
+	ck.Timings.Disk = time.Since(t1)
+	return vm.saveLocked()
+}
+
 // cleanup removes what an uncommitted checkpoint left.
 func (w *ckWriter) cleanup() {
 	if !w.committed {
