@@ -288,6 +288,41 @@ func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 	return code, err
 }
 
+// Process is a command started with VM.Start: a *vsockd.Process whose Wait reports a
+// VM that went away as ErrNotRunning, like Exec.
+type Process struct {
+	*vsockd.Process
+	vm *VM
+	c  *vsockd.Client
+}
+
+// Start starts req in the VM and returns once the guest started it (see
+// vsockd.Client.Start); drive it with the Process's Wait, Signal and Resize. Any number
+// of processes may run at once on the VM's one agent connection.
+func (vm *VM) Start(ctx context.Context, req *vsockd.ExecRequest) (*Process, error) {
+	var p *Process
+	err := vm.withAgent(ctx, "exec", func(c *vsockd.Client) error {
+		vp, err := c.Start(ctx, req)
+		if err == nil {
+			p = &Process{Process: vp, vm: vm, c: c}
+		}
+		return err
+	})
+	return p, err
+}
+
+// Wait waits for the process (vsockd.Process.Wait); an exec cut by the VM's end (a
+// Delete, a QEMU crash) fails with ErrNotRunning.
+func (p *Process) Wait(ctx context.Context) (int, error) {
+	code, err := p.Process.Wait(ctx)
+	if err != nil {
+		if err = p.vm.agentFailed(p.c, "exec", err); errors.Is(err, ErrNotRunning) {
+			return -1, err
+		}
+	}
+	return code, err
+}
+
 // withAgent runs fn (the operation op) on the VM's agent connection. When the connection
 // breaks because the VM's QEMU went away, the error wraps both ErrNotRunning (for the
 // caller's decision) and the *QEMUError (exit code, stderr) saying why.
@@ -296,7 +331,13 @@ func (vm *VM) withAgent(ctx context.Context, op string, fn func(c *vsockd.Client
 	if err != nil {
 		return err
 	}
-	err = fn(c)
+	return vm.agentFailed(c, op, fn(c))
+}
+
+// agentFailed is err from an operation on the agent connection c, wrapping ErrNotRunning
+// when c broke because the VM's QEMU is gone; a broken c is dropped so that the next
+// call redials.
+func (vm *VM) agentFailed(c *vsockd.Client, op string, err error) error {
 	if err != nil && clientDone(c) {
 		vm.agentMu.Lock()
 		if vm.agent == c {

@@ -10,6 +10,7 @@ package serve
 import (
 	"context"
 	"errors"
+	"io/fs"
 	"net/http"
 	"time"
 
@@ -22,7 +23,21 @@ const (
 	VMSchema         = "forkvm.vm/v1"
 	CheckpointSchema = "forkvm.checkpoint/v1"
 	ForkEventSchema  = "forkvm.fork-event/v1"
+	DaemonSchema     = "forkvm.daemon/v1"
 )
+
+// ExecUpgrade is the Upgrade protocol of an attached exec: POST /v1/vms/{name}/exec
+// with "Connection: Upgrade" and "Upgrade: forkvm-exec/1" is answered 101, after which
+// the connection carries ExecInput lines to the daemon and ExecLine lines back.
+const ExecUpgrade = "forkvm-exec/1"
+
+// DaemonObject describes the daemon (GET /v1/info).
+type DaemonObject struct {
+	Schema   string `json:"schema"`
+	PID      int    `json:"pid"`
+	StateDir string `json:"state_dir"`
+	Accel    string `json:"accel"`
+}
 
 // VMObject is a VM (forkvm.vm/v1): the engine's Info with a schema name.
 type VMObject struct {
@@ -62,13 +77,23 @@ type ForkEventObject struct {
 
 // NewForkEventObject converts an engine.ForkEvent.
 func NewForkEventObject(ev engine.ForkEvent) ForkEventObject {
-	out := ForkEventObject{Schema: ForkEventSchema, Index: ev.Index, Name: ev.Name, OK: ev.Err == nil,
-		LatencyMS: float64(ev.Latency()) / float64(time.Millisecond)}
-	if ev.Err != nil {
-		out.Error = ev.Err.Error()
-		out.Code = ErrorObjectOf(ev.Err).Code
-	} else if ev.VM != nil {
-		v := NewVMObject(ev.VM.Info())
+	var inf *engine.Info
+	if ev.Err == nil && ev.VM != nil {
+		i := ev.VM.Info()
+		inf = &i
+	}
+	return ForkEventObjectOf(ev.Index, ev.Name, ev.Latency(), inf, ev.Err)
+}
+
+// ForkEventObjectOf builds a fork event: a ready fork (inf set, err nil) or a failed one.
+func ForkEventObjectOf(index int, name string, latency time.Duration, inf *engine.Info, err error) ForkEventObject {
+	out := ForkEventObject{Schema: ForkEventSchema, Index: index, Name: name, OK: err == nil,
+		LatencyMS: float64(latency) / float64(time.Millisecond)}
+	if err != nil {
+		out.Error = err.Error()
+		out.Code = ErrorObjectOf(err).Code
+	} else if inf != nil {
+		v := NewVMObject(*inf)
 		out.VM = &v
 	}
 	return out
@@ -89,6 +114,65 @@ type ExecRequest struct {
 	MaxOutput int64 `json:"max_output,omitempty"`
 	// TimeoutMS, when > 0, is enforced by the guest (exit code 124).
 	TimeoutMS int64 `json:"timeout_ms,omitempty"`
+	// TTY runs the command on a pseudo terminal of Rows x Cols (TERM from Term, default
+	// xterm); all output arrives as stdout.
+	TTY  bool   `json:"tty,omitempty"`
+	Rows uint16 `json:"rows,omitempty"`
+	Cols uint16 `json:"cols,omitempty"`
+	Term string `json:"term,omitempty"`
+}
+
+// ExecInput is one line a client sends on an attached exec's connection: exactly one
+// field is set. Stdin is base64 in JSON; StdinEOF closes the command's stdin; Signal
+// sends a signal to its process group; Resize changes its terminal's size.
+type ExecInput struct {
+	Stdin    []byte      `json:"stdin,omitempty"`
+	StdinEOF bool        `json:"stdin_eof,omitempty"`
+	Signal   int         `json:"signal,omitempty"`
+	Resize   *ResizeSize `json:"resize,omitempty"`
+}
+
+// ResizeSize is a terminal size.
+type ResizeSize struct {
+	Rows uint16 `json:"rows"`
+	Cols uint16 `json:"cols"`
+}
+
+// FileStat is a guest path's attributes (GET /v1/vms/{name}/stat).
+type FileStat struct {
+	Name    string    `json:"name"`
+	Size    int64     `json:"size_bytes"`
+	Mode    uint32    `json:"mode"` // Go fs.FileMode bits
+	ModTime time.Time `json:"mod_time"`
+	IsDir   bool      `json:"is_dir"`
+}
+
+// NewFileStat converts an fs.FileInfo.
+func NewFileStat(fi fs.FileInfo) FileStat {
+	return FileStat{Name: fi.Name(), Size: fi.Size(), Mode: uint32(fi.Mode()), ModTime: fi.ModTime().UTC(), IsDir: fi.IsDir()}
+}
+
+// fileInfo is a FileStat as an fs.FileInfo.
+type fileInfo struct{ s FileStat }
+
+func (f fileInfo) Name() string       { return f.s.Name }
+func (f fileInfo) Size() int64        { return f.s.Size }
+func (f fileInfo) Mode() fs.FileMode  { return fs.FileMode(f.s.Mode) }
+func (f fileInfo) ModTime() time.Time { return f.s.ModTime }
+func (f fileInfo) IsDir() bool        { return f.s.IsDir }
+func (f fileInfo) Sys() any           { return nil }
+
+// FileInfo returns s as an fs.FileInfo.
+func (s FileStat) FileInfo() fs.FileInfo { return fileInfo{s} }
+
+// CheckpointPatch is the body of PATCH /v1/checkpoints/{name}.
+type CheckpointPatch struct {
+	Pinned *bool `json:"pinned"`
+}
+
+// ReapResponse is the answer of POST /v1/reap: the dead VMs removed.
+type ReapResponse struct {
+	Removed []string `json:"removed"`
 }
 
 // ExecLine is one NDJSON line of an exec response: exactly one field is set. Stdout and
@@ -111,14 +195,18 @@ type CheckpointRequest struct {
 // ForkRequest is the body of POST /v1/forks.
 type ForkRequest struct {
 	Source string `json:"source"`
-	// Name names a single fork (n must be 0 or 1).
-	Name string `json:"name,omitempty"`
+	// Name names a single fork (n must be 0 or 1); Names names each of the n forks.
+	Name  string   `json:"name,omitempty"`
+	Names []string `json:"names,omitempty"`
 	// N is the number of forks (0 means 1).
 	N           int     `json:"n,omitempty"`
 	Prefix      string  `json:"prefix,omitempty"`
 	Concurrency int     `json:"concurrency,omitempty"`
 	Overcommit  float64 `json:"overcommit,omitempty"`
 	Pin         bool    `json:"pin,omitempty"`
+	// Publish[i] are fork i's port forwards (the source VM must have a NIC); a shorter
+	// list leaves the rest without.
+	Publish [][]engine.PortForward `json:"publish,omitempty"`
 }
 
 // ErrorObject is the "error" member of an error response
@@ -183,6 +271,10 @@ var errorCodes = []struct {
 	{vsockd.ErrWorkdir, "bad_workdir", http.StatusUnprocessableEntity},
 	{vsockd.ErrUnknownUser, "unknown_user", http.StatusUnprocessableEntity},
 	{vsockd.ErrOutputLimit, "output_limit", http.StatusUnprocessableEntity},
+	// files
+	{vsockd.ErrSourceMissing, "source_missing", http.StatusNotFound},
+	{vsockd.ErrNotDirectory, "not_directory", http.StatusUnprocessableEntity},
+	{fs.ErrNotExist, "no_such_path", http.StatusNotFound},
 	{context.DeadlineExceeded, "timeout", http.StatusGatewayTimeout},
 	{context.Canceled, "canceled", http.StatusServiceUnavailable},
 }

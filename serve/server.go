@@ -1,7 +1,6 @@
 package serve
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"crypto/subtle"
@@ -12,13 +11,12 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"strconv"
+	"os"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/vsockd"
 )
 
 // Body limits: JSON requests are small; an exec carries its stdin in its body.
@@ -34,6 +32,7 @@ type Server struct {
 	e   *engine.Engine
 	log *slog.Logger
 	mux *http.ServeMux
+	pid int
 	// inflight counts handlers running, so the engine is closed only after the last
 	// one returned (a cancelled wave deletes its forks on its way out).
 	inflight sync.WaitGroup
@@ -44,15 +43,23 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{e: e, log: log, mux: http.NewServeMux()}
+	s := &Server{e: e, log: log, mux: http.NewServeMux(), pid: os.Getpid()}
+	s.mux.HandleFunc("GET /v1/info", s.info)
 	s.mux.HandleFunc("GET /v1/vms", s.listVMs)
 	s.mux.HandleFunc("POST /v1/vms", s.createVM)
 	s.mux.HandleFunc("GET /v1/vms/{name}", s.getVM)
 	s.mux.HandleFunc("DELETE /v1/vms/{name}", s.deleteVM)
 	s.mux.HandleFunc("GET /v1/vms/{name}/memory", s.memory)
 	s.mux.HandleFunc("POST /v1/vms/{name}/exec", s.exec)
+	s.mux.HandleFunc("PUT /v1/vms/{name}/files", s.copyIn)
+	s.mux.HandleFunc("GET /v1/vms/{name}/files", s.copyOut)
+	s.mux.HandleFunc("GET /v1/vms/{name}/stat", s.stat)
+	s.mux.HandleFunc("GET /v1/vms/{name}/logs", s.logs)
+	s.mux.HandleFunc("POST /v1/reap", s.reap)
 	s.mux.HandleFunc("GET /v1/checkpoints", s.listCheckpoints)
 	s.mux.HandleFunc("POST /v1/checkpoints", s.checkpoint)
+	s.mux.HandleFunc("GET /v1/checkpoints/{name}", s.getCheckpoint)
+	s.mux.HandleFunc("PATCH /v1/checkpoints/{name}", s.patchCheckpoint)
 	s.mux.HandleFunc("DELETE /v1/checkpoints/{name}", s.deleteCheckpoint)
 	s.mux.HandleFunc("POST /v1/forks", s.fork)
 	s.mux.HandleFunc("/", s.noRoute)
@@ -63,7 +70,7 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 // the path is an endpoint's, else 404 no_route.
 func (s *Server) noRoute(w http.ResponseWriter, r *http.Request) {
 	var allow []string
-	for _, m := range []string{http.MethodGet, http.MethodPost, http.MethodDelete} {
+	for _, m := range []string{http.MethodGet, http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete} {
 		if m == r.Method {
 			continue
 		}
@@ -254,28 +261,6 @@ func (n *ndjson) hasStarted() bool {
 	return n.started
 }
 
-// streamWriter sends what an exec writes as {"stdout": ...} or {"stderr": ...} lines.
-type streamWriter struct {
-	n      *ndjson
-	stderr bool
-}
-
-func (s streamWriter) Write(p []byte) (int, error) {
-	if len(p) == 0 {
-		return 0, nil
-	}
-	// The agent's writes are at most a frame (1 MiB); copy, as p may be reused.
-	b := bytes.Clone(p)
-	l := ExecLine{Stdout: b}
-	if s.stderr {
-		l = ExecLine{Stderr: b}
-	}
-	if err := s.n.line(l); err != nil {
-		return 0, err
-	}
-	return len(p), nil
-}
-
 // ---------------------------------------------------------------------------------------
 // VMs
 
@@ -334,57 +319,6 @@ func (s *Server) memory(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, mu)
 }
 
-// exec runs a command and streams its output as NDJSON. The status is sent with the
-// first line, so an exec that fails before any output (unknown command, bad user) gets
-// a plain error response; after that a failure is a final {"error": ...} line. A client
-// that disconnects cancels the request's context, which ends the exec in the guest.
-func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
-	vm, err := s.e.Get(r.PathValue("name"))
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	var req ExecRequest
-	if !decode(w, r, MaxExecBodyBytes, &req) {
-		return
-	}
-	if len(req.Argv) == 0 {
-		writeError(w, fmt.Errorf("%w: argv is empty", engine.ErrInvalidSpec))
-		return
-	}
-	if req.Stdin != "" && len(req.StdinBase64) > 0 {
-		writeError(w, fmt.Errorf("%w: stdin and stdin_base64 are exclusive", engine.ErrInvalidSpec))
-		return
-	}
-	if req.TimeoutMS < 0 {
-		writeError(w, fmt.Errorf("%w: timeout_ms is negative", engine.ErrInvalidSpec))
-		return
-	}
-	n := newNDJSON(w)
-	vreq := &vsockd.ExecRequest{
-		Argv: req.Argv, Env: req.Env, Dir: req.Workdir, User: req.User, MaxOutput: req.MaxOutput,
-		Timeout: time.Duration(req.TimeoutMS) * time.Millisecond,
-		Stdout:  streamWriter{n: n}, Stderr: streamWriter{n: n, stderr: true},
-	}
-	switch {
-	case req.Stdin != "":
-		vreq.Stdin = strings.NewReader(req.Stdin)
-	case len(req.StdinBase64) > 0:
-		vreq.Stdin = bytes.NewReader(req.StdinBase64)
-	}
-	code, err := vm.Exec(r.Context(), vreq)
-	if err != nil {
-		if !n.hasStarted() {
-			writeError(w, err)
-			return
-		}
-		o := ErrorObjectOf(err)
-		n.line(ExecLine{Error: &o})
-		return
-	}
-	n.line(ExecLine{ExitCode: &code})
-}
-
 // ---------------------------------------------------------------------------------------
 // checkpoints
 
@@ -415,26 +349,17 @@ func (s *Server) checkpoint(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	info := engine.CheckpointInfo{CheckpointManifest: ck.Manifest}
-	if cks, err := s.e.Checkpoints(); err == nil {
-		for _, c := range cks {
-			if c.Name == ck.Manifest.Name {
-				info = c
-			}
-		}
+	info, err := s.checkpointInfo(ck.Manifest.Name)
+	if err != nil {
+		info = engine.CheckpointInfo{CheckpointManifest: ck.Manifest}
 	}
 	writeJSON(w, http.StatusCreated, NewCheckpointObject(info))
 }
 
 func (s *Server) deleteCheckpoint(w http.ResponseWriter, r *http.Request) {
-	force := false
-	if v := r.URL.Query().Get("force"); v != "" {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			writeErrorObject(w, http.StatusBadRequest, ErrorObject{Code: CodeBadRequest, Message: "force: not a boolean: " + strconv.Quote(v)})
-			return
-		}
-		force = b
+	force, ok := boolQuery(w, r, "force")
+	if !ok {
+		return
 	}
 	ctx := context.WithoutCancel(r.Context())
 	if err := s.e.DeleteCheckpoint(ctx, r.PathValue("name"), &engine.DeleteCheckpointOptions{Force: force}); err != nil {
@@ -471,8 +396,14 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	case req.Name != "" && n != 1:
 		writeError(w, fmt.Errorf("%w: name names a single fork (n 1); use prefix for n > 1", engine.ErrInvalidSpec))
 		return
-	case req.Name != "" && req.Prefix != "":
-		writeError(w, fmt.Errorf("%w: name and prefix are exclusive", engine.ErrInvalidSpec))
+	case req.Name != "" && req.Prefix != "", req.Name != "" && len(req.Names) > 0, req.Prefix != "" && len(req.Names) > 0:
+		writeError(w, fmt.Errorf("%w: name, names and prefix are exclusive", engine.ErrInvalidSpec))
+		return
+	case len(req.Names) > 0 && len(req.Names) != n:
+		writeError(w, fmt.Errorf("%w: names has %d names for n %d", engine.ErrInvalidSpec, len(req.Names), n))
+		return
+	case len(req.Publish) > n:
+		writeError(w, fmt.Errorf("%w: publish has %d lists for n %d", engine.ErrInvalidSpec, len(req.Publish), n))
 		return
 	case req.Concurrency < 0 || req.Overcommit < 0:
 		writeError(w, fmt.Errorf("%w: concurrency and overcommit must not be negative", engine.ErrInvalidSpec))
@@ -481,6 +412,17 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	opts := &engine.ManyOptions{Prefix: req.Prefix, Concurrency: req.Concurrency, Overcommit: req.Overcommit, Pin: req.Pin}
 	if req.Name != "" {
 		opts.Names = []string{req.Name}
+	}
+	if len(req.Names) > 0 {
+		opts.Names = req.Names
+	}
+	if len(req.Publish) > 0 {
+		opts.Publish = func(i int) []engine.PortForward {
+			if i < len(req.Publish) {
+				return req.Publish[i]
+			}
+			return nil
+		}
 	}
 	events, err := s.e.ForkMany(r.Context(), req.Source, n, opts)
 	if err != nil {
@@ -501,24 +443,34 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 // Serve serves h on ln until ctx ends, then stops accepting, lets in-flight requests
 // finish for up to grace and closes what remains (which cancels their contexts: execs
 // end, waves delete their forks). It returns nil after a shutdown caused by ctx.
+//
+// Attached execs run on connections taken over from the server, which Shutdown neither
+// waits for nor closes: every request's context derives from a base context that is
+// cancelled when the grace ends, which ends them too (Serve may have returned by then;
+// Server.Wait waits for their handlers).
 func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Duration) error {
+	base, cancelBase := context.WithCancel(context.Background())
 	srv := &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		MaxHeaderBytes:    64 << 10,
+		BaseContext:       func(net.Listener) context.Context { return base },
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
 	case err := <-errc:
+		cancelBase()
 		return err
 	case <-ctx.Done():
 	}
+	time.AfterFunc(grace, cancelBase)
 	sctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
 		srv.Close()
+		cancelBase()
 	}
 	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err

@@ -14,7 +14,7 @@ import (
 	"github.com/containerd/console"
 	"github.com/urfave/cli/v3"
 
-	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -58,24 +58,12 @@ func execCmd() *cli.Command {
 			if err != nil {
 				return fmt.Errorf("--max-output: %w", err)
 			}
-			e, err := open(ctx, cmd)
+			start, done, err := execStarter(ctx, cmd, args[0])
 			if err != nil {
 				return err
 			}
-			vm, err := e.Get(args[0])
-			if err != nil {
-				e.Close()
-				return err
-			}
-			// A dead VM fails at once, instead of retrying its agent socket.
-			if vm.Info().State == engine.StateDead {
-				e.Close()
-				return fmt.Errorf("%w: %s", engine.ErrNotRunning, args[0])
-			}
-			target := vm.Target()
-			// Release the state directory before a possibly long interactive session.
-			e.Close()
-			code, err := runExec(ctx, target, args[1:], maxOut, cmd)
+			defer done()
+			code, err := runExec(ctx, start, args[1:], maxOut, cmd)
 			if err != nil {
 				if code <= 0 {
 					return err
@@ -123,28 +111,54 @@ func parseSize(s string) (int64, error) {
 	return n * mult, nil
 }
 
-// runExec runs argv in the VM behind target and returns its exit code. With --tty the
+// starter starts a command in the VM (client.API.Start, or the agent's own Start).
+type starter func(ctx context.Context, req *vsockd.ExecRequest) (client.Process, error)
+
+// execStarter returns how this CLI run starts commands in the VM name, and what to call
+// when done. Through a daemon, its API; otherwise the CLI resolves the VM's agent,
+// releases the state directory (a session may be long) and connects to the agent
+// itself. A virtio-serial port serves one host connection at a time: when another
+// client holds it, that fails at once with ErrInUse (a daemon multiplexes any number of
+// execs on its one connection).
+func execStarter(ctx context.Context, cmd *cli.Command, name string) (starter, func(), error) {
+	api, err := connect(ctx, cmd)
+	if err != nil {
+		return nil, nil, err
+	}
+	if _, local := api.(*client.Local); !local {
+		start := func(ctx context.Context, req *vsockd.ExecRequest) (client.Process, error) {
+			return api.Start(ctx, name, req)
+		}
+		return start, func() { api.Close() }, nil
+	}
+	target, err := localTarget(api.(*client.Local), name)
+	api.Close()
+	if err != nil {
+		return nil, nil, err
+	}
+	c, err := dialTarget(ctx, target)
+	if err != nil {
+		return nil, nil, err
+	}
+	start := func(ctx context.Context, req *vsockd.ExecRequest) (client.Process, error) {
+		p, err := c.Start(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		return p, nil
+	}
+	return start, func() { c.Close() }, nil
+}
+
+// runExec runs argv in the VM through start and returns its exit code. With --tty the
 // local terminal is put in raw mode and its size follows SIGWINCH. A SIGINT or SIGTERM
 // is forwarded to the guest command (SIGKILL after signalGrace) and the exit code is
 // then 128+signal (130 for SIGINT).
-func runExec(ctx context.Context, target engine.AgentTarget, argv []string, maxOutput int64, cmd *cli.Command) (int, error) {
+func runExec(ctx context.Context, start starter, argv []string, maxOutput int64, cmd *cli.Command) (int, error) {
 	// Catch the signals before anything can block (main's NotifyContext also ends ctx).
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
 	defer signal.Stop(sigs)
-
-	// A virtio-serial port serves one host connection at a time: bound the handshake so
-	// that a port held by another client (an embedding engine) is an error, not a hang.
-	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
-	c, err := engine.DialAgent(hctx, target)
-	cancel()
-	if err != nil {
-		if ctx.Err() != nil {
-			return interruptedCode(sigs), err
-		}
-		return -1, fmt.Errorf("%w (is another client connected to %s's agent?)", err, target.Name)
-	}
-	defer c.Close()
 	req := &vsockd.ExecRequest{
 		Argv: argv, Env: cmd.StringSlice("env"), Dir: cmd.String("workdir"), User: cmd.String("user"), Timeout: cmd.Duration("timeout"),
 		Stdin: os.Stdin, Stdout: os.Stdout, Stderr: os.Stderr, MaxOutput: maxOutput,
@@ -166,7 +180,7 @@ func runExec(ctx context.Context, target engine.AgentTarget, argv []string, maxO
 			return -1, fmt.Errorf("forkvm exec -t: raw mode: %w", err)
 		}
 		defer con.Reset()
-		p, err := c.Start(ctx, req)
+		p, err := start(ctx, req)
 		if err != nil {
 			return startCode(ctx, sigs, err), err
 		}
@@ -182,7 +196,7 @@ func runExec(ctx context.Context, target engine.AgentTarget, argv []string, maxO
 		}()
 		return waitForwarding(p, sigs)
 	}
-	p, err := c.Start(ctx, req)
+	p, err := start(ctx, req)
 	if err != nil {
 		return startCode(ctx, sigs, err), err
 	}
@@ -213,7 +227,7 @@ func interruptedCode(sigs <-chan os.Signal) int {
 // waitForwarding waits for p, forwarding SIGINT/SIGTERM to it. Once a signal was
 // forwarded the result is 128+signal whatever the command does; a second signal, or
 // signalGrace without exit, kills it.
-func waitForwarding(p *vsockd.Process, sigs <-chan os.Signal) (int, error) {
+func waitForwarding(p client.Process, sigs <-chan os.Signal) (int, error) {
 	type result struct {
 		code int
 		err  error

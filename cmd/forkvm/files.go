@@ -11,36 +11,36 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
-// agentTarget resolves a running VM's agent target, then releases the state directory
-// (the engine is closed before a possibly long copy or session).
-func agentTarget(ctx context.Context, cmd *cli.Command, name string) (engine.AgentTarget, error) {
-	e, err := open(ctx, cmd)
+// localTarget resolves a running VM's agent target in an embedded engine; a dead VM
+// fails at once with ErrNotRunning, instead of retrying its agent socket.
+func localTarget(l *client.Local, name string) (engine.AgentTarget, error) {
+	vm, err := l.E.Get(name)
 	if err != nil {
 		return engine.AgentTarget{}, err
 	}
-	defer e.Close()
-	vm, err := e.Get(name)
-	if err != nil {
-		return engine.AgentTarget{}, err
-	}
-	// A dead VM fails at once, instead of retrying its agent socket.
 	if vm.Info().State == engine.StateDead {
 		return engine.AgentTarget{}, fmt.Errorf("%w: %s", engine.ErrNotRunning, name)
 	}
 	return vm.Target(), nil
 }
 
-// dialTarget connects to the agent behind target within handshakeTimeout.
+// dialTarget connects to the agent behind target. A virtio-serial port serves one host
+// connection at a time and a second one waits unanswered: a port another client holds
+// fails at once with ErrInUse, and the handshake is bounded by handshakeTimeout.
 func dialTarget(ctx context.Context, target engine.AgentTarget) (*vsockd.Client, error) {
-	// A virtio-serial port serves one host connection at a time: bound the handshake so
-	// that a port held by another client (an embedding engine) is an error, not a hang.
+	if target.Socket != "" && socketHeldFor(ctx, target.Socket, releaseWait) {
+		return nil, fmt.Errorf("%w: %s's agent is connected to another client (a forkvm exec or cp, or a program embedding the engine); "+
+			"run `forkvm serve` for any number of clients at once", engine.ErrInUse, target.Name)
+	}
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	defer cancel()
 	c, err := engine.DialAgent(hctx, target)
@@ -48,6 +48,69 @@ func dialTarget(ctx context.Context, target engine.AgentTarget) (*vsockd.Client,
 		return nil, fmt.Errorf("%w (is another client connected to %s's agent?)", err, target.Name)
 	}
 	return c, err
+}
+
+// releaseWait is how long a held agent port may take to be released: QEMU closes its
+// side of a connection a client just closed (the previous forkvm exec) within moments.
+const releaseWait = 2 * time.Second
+
+// socketHeldFor reports whether path stays held (socketHeld) for d.
+func socketHeldFor(ctx context.Context, path string, d time.Duration) bool {
+	deadline := time.Now().Add(d)
+	for socketHeld(path) {
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return true
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return false
+}
+
+// guestFiles is what cp needs of a VM: a connected agent (*vsockd.Client) or a daemon.
+type guestFiles interface {
+	CopyIn(ctx context.Context, dir string, r io.Reader) error
+	CopyOut(ctx context.Context, p string, w io.Writer) error
+	Stat(ctx context.Context, p string) (fs.FileInfo, error)
+}
+
+// daemonFiles is guestFiles of one VM through a daemon.
+type daemonFiles struct {
+	api  client.API
+	name string
+}
+
+func (d daemonFiles) CopyIn(ctx context.Context, dir string, r io.Reader) error {
+	return d.api.CopyIn(ctx, d.name, dir, r)
+}
+func (d daemonFiles) CopyOut(ctx context.Context, p string, w io.Writer) error {
+	return d.api.CopyOut(ctx, d.name, p, w)
+}
+func (d daemonFiles) Stat(ctx context.Context, p string) (fs.FileInfo, error) {
+	return d.api.Stat(ctx, d.name, p)
+}
+
+// guestFilesOf returns guestFiles for the VM name and what to call when done: through a
+// daemon, its API; otherwise the VM's agent, connected after the state directory was
+// released.
+func guestFilesOf(ctx context.Context, cmd *cli.Command, name string) (guestFiles, func(), error) {
+	api, err := connect(ctx, cmd)
+	if err != nil {
+		return nil, nil, err
+	}
+	l, local := api.(*client.Local)
+	if !local {
+		return daemonFiles{api, name}, func() { api.Close() }, nil
+	}
+	target, err := localTarget(l, name)
+	api.Close()
+	if err != nil {
+		return nil, nil, err
+	}
+	c, err := dialTarget(ctx, target)
+	if err != nil {
+		return nil, nil, err
+	}
+	return c, func() { c.Close() }, nil
 }
 
 // vmPathRE matches VM:/path (the VM name rule of the engine).
@@ -91,15 +154,11 @@ func cpCmd() *cli.Command {
 			if !path.IsAbs(guestPath) {
 				return fmt.Errorf("forkvm cp: the guest path %q must be absolute", guestPath)
 			}
-			target, err := agentTarget(ctx, cmd, name)
+			c, done, err := guestFilesOf(ctx, cmd, name)
 			if err != nil {
 				return err
 			}
-			c, err := dialTarget(ctx, target)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
+			defer done()
 			if dIn {
 				return copyToGuest(ctx, c, src, dpath)
 			}
@@ -110,7 +169,7 @@ func cpCmd() *cli.Command {
 
 // copyToGuest copies the host path src ("-": a tar stream on stdin) to guestDst: into
 // it when it is a directory, else as a new name (or over an existing file).
-func copyToGuest(ctx context.Context, c *vsockd.Client, src, guestDst string) error {
+func copyToGuest(ctx context.Context, c guestFiles, src, guestDst string) error {
 	if src == "-" {
 		return c.CopyIn(ctx, guestDst, os.Stdin)
 	}
@@ -155,7 +214,7 @@ func copyToGuest(ctx context.Context, c *vsockd.Client, src, guestDst string) er
 // on stdout): into dst when it is a directory, else as a new name (or over an existing
 // file). The guest's archive is extracted with vsockd.ExtractTar: every entry must be
 // below the name asked for, and nothing is written outside dst.
-func copyFromGuest(ctx context.Context, c *vsockd.Client, guestSrc, dst string) error {
+func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string) error {
 	if dst == "-" {
 		return c.CopyOut(ctx, guestSrc, os.Stdout)
 	}
@@ -190,7 +249,8 @@ func copyFromGuest(ctx context.Context, c *vsockd.Client, guestSrc, dst string) 
 	pr.CloseWithError(errors.Join(xerr, io.ErrClosedPipe))
 	cerr := <-errc
 	var re *vsockd.RemoteError
-	if cerr != nil && (xerr == nil || errors.As(cerr, &re)) {
+	var de *client.Error
+	if cerr != nil && (xerr == nil || errors.As(cerr, &re) || errors.As(cerr, &de)) {
 		return cerr // the guest's own error says best what went wrong
 	}
 	return xerr
@@ -208,18 +268,24 @@ func logsCmd() *cli.Command {
 			if cmd.Args().Len() != 1 {
 				return fmt.Errorf("usage: forkvm logs NAME [-f]")
 			}
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			vm, err := e.Get(cmd.Args().First())
-			// Release the state directory before a possibly long follow; Logs reads a
-			// file and watches the QEMU process only.
-			e.Close()
-			if err != nil {
-				return err
+			name := cmd.Args().First()
+			if l, local := api.(*client.Local); local {
+				// Release the state directory before a possibly long follow; Logs
+				// reads a file and watches the QEMU process only.
+				vm, gerr := l.E.Get(name)
+				api.Close()
+				if gerr != nil {
+					return gerr
+				}
+				err = vm.Logs(ctx, cmd.Bool("follow"), os.Stdout)
+			} else {
+				err = api.Logs(ctx, name, cmd.Bool("follow"), os.Stdout)
+				api.Close()
 			}
-			err = vm.Logs(ctx, cmd.Bool("follow"), os.Stdout)
 			if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
 				return nil // interrupted while following
 			}

@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -24,6 +25,7 @@ import (
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 	"github.com/forkvm/forkvm/serve"
+	"github.com/forkvm/forkvm/serve/client"
 )
 
 // exitError carries a process exit code out of an action (exec's pass-through).
@@ -51,6 +53,7 @@ func newApp() *cli.Command {
 		Usage: "create, checkpoint and fork QEMU VMs",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "home", Usage: "state directory", Sources: cli.EnvVars("FORKVM_HOME")},
+			&cli.StringFlag{Name: "socket", Usage: "the daemon's socket (default HOME/forkvm.sock); when given, a daemon must answer there", Sources: cli.EnvVars("FORKVM_SOCKET")},
 			&cli.StringFlag{Name: "accel", Usage: "accelerator: auto, kvm, hvf or tcg", Value: "auto"},
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 		},
@@ -88,14 +91,44 @@ func checkNewName(name string) error {
 	return nil
 }
 
+// connect returns the API for one CLI operation: the daemon's when a daemon answers on
+// its socket (--socket, else HOME/forkvm.sock), so that the CLI works while `forkvm
+// serve` owns the state directory; else the engine embedded in this process (open).
+// The output is the same either way.
+func connect(ctx context.Context, cmd *cli.Command) (client.API, error) {
+	home := cmd.String("home")
+	if home == "" {
+		home = engine.DefaultStateDir()
+	}
+	sock := cmd.String("socket")
+	if sock == "" {
+		sock = serve.SocketPath(home)
+	} else if !client.Answers(ctx, sock) {
+		return nil, fmt.Errorf("%w: no forkvm daemon answers on %s", errNoDaemon, sock)
+	}
+	if client.Answers(ctx, sock) {
+		if cmd.IsSet("accel") {
+			return nil, fmt.Errorf("%w: --accel is chosen by the daemon on %s (forkvm serve --accel)", engine.ErrInvalidSpec, sock)
+		}
+		return client.New(sock), nil
+	}
+	e, err := open(ctx, cmd)
+	if err != nil {
+		return nil, err
+	}
+	return client.NewLocal(e), nil
+}
+
+// errNoDaemon: --socket names a socket nobody answers on.
+var errNoDaemon = errors.New("forkvm: no daemon")
+
 // open opens the engine for one CLI operation, waiting for another CLI run holding the
-// state directory.
+// state directory and saying at once who holds it.
 func open(ctx context.Context, cmd *cli.Command) (*engine.Engine, error) {
 	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: 2 * time.Minute}
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
-	// Say at once who holds the state directory, then wait for it.
 	wait := cfg.LockWait
 	cfg.LockWait = 0
 	e, err := engine.New(ctx, cfg)
@@ -106,10 +139,29 @@ func open(ctx context.Context, cmd *cli.Command) (*engine.Engine, error) {
 	who := "another forkvm process"
 	if le.PID > 0 {
 		who = fmt.Sprintf("pid %d", le.PID)
+		if isServe(le.PID) {
+			who = fmt.Sprintf("forkvm serve (pid %d), which does not answer on %s (pass --socket if it serves elsewhere)",
+				le.PID, serve.SocketPath(le.StateDir))
+		}
 	}
 	fmt.Fprintf(os.Stderr, "forkvm: state directory %s is in use by %s; waiting up to %v\n", le.StateDir, who, wait)
 	cfg.LockWait = wait
 	return engine.New(ctx, cfg)
+}
+
+// isServe reports whether pid runs `forkvm serve`.
+func isServe(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		return false
+	}
+	args := strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
+	for _, a := range args[1:] {
+		if a == "serve" {
+			return true
+		}
+	}
+	return false
 }
 
 func createCmd() *cli.Command {
@@ -141,12 +193,12 @@ func createCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			vm, err := e.Create(ctx, engine.Spec{
+			defer api.Close()
+			inf, err := api.Create(ctx, engine.Spec{
 				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")),
 				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
 				Net: cmd.Bool("net"), Publish: publish,
@@ -154,7 +206,6 @@ func createCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
-			inf := vm.Info()
 			if cmd.Bool("json") {
 				return printJSON(serve.NewVMObject(inf))
 			}
@@ -172,12 +223,15 @@ func lsCmd() *cli.Command {
 		Usage: "list VMs",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			vms := e.List()
+			defer api.Close()
+			vms, err := api.List(ctx)
+			if err != nil {
+				return err
+			}
 			if cmd.Bool("json") {
 				return printJSON(vmObjects(vms))
 			}
@@ -203,14 +257,18 @@ func memCmd() *cli.Command {
 		ArgsUsage: "[NAME...]",
 		Flags:     []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output (bytes)"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
+			defer api.Close()
 			names := cmd.Args().Slice()
 			if len(names) == 0 {
-				for _, v := range e.List() {
+				vms, err := api.List(ctx)
+				if err != nil {
+					return err
+				}
+				for _, v := range vms {
 					if v.State == engine.StateRunning {
 						names = append(names, v.Name)
 					}
@@ -222,11 +280,7 @@ func memCmd() *cli.Command {
 			}
 			var rows []row
 			for _, n := range names {
-				vm, err := e.Get(n)
-				if err != nil {
-					return err
-				}
-				u, err := vm.Memory(ctx)
+				u, err := api.Memory(ctx, n)
 				if err != nil {
 					return err
 				}
@@ -258,21 +312,23 @@ func rmCmd() *cli.Command {
 			if cmd.Args().Len() == 0 && !cmd.Bool("dead") {
 				return fmt.Errorf("usage: forkvm rm NAME... | forkvm rm --dead")
 			}
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
+			defer api.Close()
 			var errs []error
 			for _, n := range cmd.Args().Slice() {
-				if err := e.Delete(ctx, n); err != nil {
+				if err := api.Delete(ctx, n); err != nil {
 					errs = append(errs, err)
 				}
 			}
 			if cmd.Bool("dead") {
-				for _, n := range e.Reap(ctx) {
+				removed, err := api.Reap(ctx)
+				for _, n := range removed {
 					fmt.Println("removed dead vm", n)
 				}
+				errs = append(errs, err)
 			}
 			return errors.Join(errs...)
 		},
@@ -298,14 +354,14 @@ func checkpointCmd() *cli.Command {
 				if cmd.Args().Len() == 0 {
 					return fmt.Errorf("usage: forkvm checkpoint rm NAME...")
 				}
-				e, err := open(ctx, cmd)
+				api, err := connect(ctx, cmd)
 				if err != nil {
 					return err
 				}
-				defer e.Close()
+				defer api.Close()
 				var errs []error
 				for _, n := range cmd.Args().Slice() {
-					errs = append(errs, e.DeleteCheckpoint(ctx, n, &engine.DeleteCheckpointOptions{Force: cmd.Bool("force")}))
+					errs = append(errs, api.DeleteCheckpoint(ctx, n, &engine.DeleteCheckpointOptions{Force: cmd.Bool("force")}))
 				}
 				return errors.Join(errs...)
 			},
@@ -317,28 +373,19 @@ func checkpointCmd() *cli.Command {
 			if err := checkNewName(cmd.Args().Get(1)); err != nil {
 				return err
 			}
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			ck, err := e.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &engine.CheckpointOptions{Pin: cmd.Bool("pin"), Handoff: cmd.Bool("handoff")})
+			defer api.Close()
+			ck, err := api.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &engine.CheckpointOptions{Pin: cmd.Bool("pin"), Handoff: cmd.Bool("handoff")})
 			if err != nil {
 				return err
 			}
 			if cmd.Bool("json") {
-				cks, err := e.Checkpoints()
-				if err != nil {
-					return err
-				}
-				for _, c := range checkpointObjects(cks) {
-					if c.Name == ck.Manifest.Name {
-						return printJSON(c)
-					}
-				}
-				return fmt.Errorf("checkpoint %s not listed after it was made", ck.Manifest.Name)
+				return printJSON(serve.NewCheckpointObject(ck))
 			}
-			m := ck.Manifest
+			m := ck.CheckpointManifest
 			fmt.Printf("%s: %v (guest paused %v; ram %s; disk %s; device state %d KB)\n", m.Name,
 				m.Timings.Total.Round(time.Millisecond), m.Timings.Paused.Round(time.Millisecond),
 				m.RAMMethod, orDash(m.DiskMethod), m.StateSize/1024)
@@ -353,12 +400,12 @@ func checkpointsCmd() *cli.Command {
 		Usage: "list checkpoints",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			cks, err := e.Checkpoints()
+			defer api.Close()
+			cks, err := api.Checkpoints(ctx)
 			if err != nil {
 				return err
 			}
@@ -394,12 +441,12 @@ func pinCmd(pin bool) *cli.Command {
 			if cmd.Args().Len() != 1 {
 				return fmt.Errorf("usage: forkvm %s CHECKPOINT", name)
 			}
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			return e.SetPinned(ctx, cmd.Args().First(), pin)
+			defer api.Close()
+			return api.SetPinned(ctx, cmd.Args().First(), pin)
 		},
 	}
 }
@@ -453,30 +500,32 @@ func forkCmd() *cli.Command {
 				}
 				opts.Publish = func(i int) []engine.PortForward { return perFork[i] }
 			}
-			e, err := open(ctx, cmd)
+			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			evs, err := e.ForkMany(ctx, src, n, opts)
+			defer api.Close()
+			evs, err := api.ForkMany(ctx, src, n, opts)
 			if err != nil {
 				return err
 			}
 			var errs []error
+			implicitShown := false
 			for ev := range evs {
 				if cmd.Bool("json") {
-					b, _ := json.Marshal(serve.NewForkEventObject(ev))
+					b, _ := json.Marshal(serve.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
 					fmt.Println(string(b))
 				} else if ev.Err != nil {
-					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency().Round(time.Millisecond), ev.Err)
+					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
 				} else {
-					if ck, err := e.LoadCheckpoint(ev.VM.Info().Parent); err == nil && ck.Manifest.Implicit && ck.Manifest.Source == src && ev.Index == 0 {
-						fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Manifest.Name, src, ck.Manifest.Timings.Total.Round(time.Millisecond), ck.Manifest.WrittenBytes())
+					if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); !implicitShown && err == nil && ck.Implicit && ck.Source == src {
+						implicitShown = true
+						fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Name, src, ck.Timings.Total.Round(time.Millisecond), ck.WrittenBytes())
 					}
 					t := ev.Timings
 					fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d\n", ev.Name,
-						ev.Latency().Round(time.Millisecond), t.Spawn.Round(time.Millisecond),
-						t.Restore.Round(time.Millisecond), t.Agent.Round(time.Millisecond), ev.VM.PID())
+						ev.Latency.Round(time.Millisecond), t.Spawn.Round(time.Millisecond),
+						t.Restore.Round(time.Millisecond), t.Agent.Round(time.Millisecond), ev.VM.PID)
 				}
 				if ev.Err != nil {
 					errs = append(errs, ev.Err)

@@ -85,20 +85,24 @@ func errorFrom(status int, o serve.ErrorObject) error { return &Error{Status: st
 // do sends a request with an optional JSON body and returns the response when its
 // status is 2xx; otherwise it decodes the error.
 func (c *Client) do(ctx context.Context, method, path string, body any) (*http.Response, error) {
-	var rd io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
-			return nil, err
-		}
-		rd = bytes.NewReader(b)
+	if body == nil {
+		return c.doBody(ctx, method, path, "", nil)
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+path, rd)
+	b, err := json.Marshal(body)
 	if err != nil {
 		return nil, err
 	}
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
+	return c.doBody(ctx, method, path, "application/json", bytes.NewReader(b))
+}
+
+// doBody is do with a body of the given content type (nil: none), streamed as read.
+func (c *Client) doBody(ctx context.Context, method, path, contentType string, body io.Reader) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, body)
+	if err != nil {
+		return nil, err
+	}
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
 	}
 	if c.token != "" {
 		req.Header.Set("Authorization", "Bearer "+c.token)
@@ -111,13 +115,18 @@ func (c *Client) do(ctx context.Context, method, path string, body any) (*http.R
 		return resp, nil
 	}
 	defer resp.Body.Close()
+	return nil, decodeError(resp)
+}
+
+// decodeError turns a non-2xx response into an *Error.
+func decodeError(resp *http.Response) error {
 	var er serve.ErrorResponse
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 	if json.Unmarshal(b, &er) != nil || er.Error.Code == "" {
-		return nil, errorFrom(resp.StatusCode, serve.ErrorObject{Code: serve.CodeInternal,
+		return errorFrom(resp.StatusCode, serve.ErrorObject{Code: serve.CodeInternal,
 			Message: fmt.Sprintf("forkvm daemon: HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))})
 	}
-	return nil, errorFrom(resp.StatusCode, er.Error)
+	return errorFrom(resp.StatusCode, er.Error)
 }
 
 // call does a request and decodes a JSON response into out (nil: discard).
@@ -177,35 +186,40 @@ func (c *Client) Memory(ctx context.Context, name string) (*engine.MemoryUsage, 
 	return &mu, nil
 }
 
-// MaxStdin bounds the stdin an Exec sends (it travels in the request body).
-const MaxStdin = 12 << 20
-
 // Exec runs a command in the VM name and returns its exit code (engine.VM.Exec).
-// Output is copied to req.Stdout and req.Stderr as it arrives. req.Stdin is read whole
-// before the command starts (at most MaxStdin bytes); TTY is not supported. Cancelling
-// ctx disconnects, which ends the command in the guest.
+// Output is copied to req.Stdout and req.Stderr as it arrives. Without stdin or a TTY it
+// is one streamed POST; otherwise an attached exec (Start) that streams req.Stdin.
+// Cancelling ctx disconnects, which ends the command in the guest.
 func (c *Client) Exec(ctx context.Context, name string, req *vsockd.ExecRequest) (int, error) {
-	if req.TTY {
-		return -1, fmt.Errorf("%w: client: interactive (tty) exec is not supported by the daemon yet", engine.ErrInvalidSpec)
-	}
-	body := serve.ExecRequest{Argv: req.Argv, Env: req.Env, Workdir: req.Dir, User: req.User, MaxOutput: req.MaxOutput,
-		TimeoutMS: req.Timeout.Milliseconds()}
-	if req.Stdin != nil {
-		b, err := io.ReadAll(io.LimitReader(req.Stdin, MaxStdin+1))
+	if req.Stdin != nil || req.TTY {
+		p, err := c.Start(ctx, name, req)
 		if err != nil {
-			return -1, err
+			return vsockd.StartErrorCode(err), err
 		}
-		if len(b) > MaxStdin {
-			return -1, fmt.Errorf("%w: client: stdin over %d bytes", engine.ErrInvalidSpec, MaxStdin)
-		}
-		body.StdinBase64 = b
+		return p.Wait(ctx)
 	}
+	body := execBody(req)
 	resp, err := c.do(ctx, http.MethodPost, vmPath(name)+"/exec", body)
 	if err != nil {
-		return -1, err
+		return vsockd.StartErrorCode(err), err
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
+	code, err := readExecLines(resp.Body, req, resp.StatusCode)
+	if err != nil && ctx.Err() != nil {
+		return -1, ctx.Err()
+	}
+	return code, err
+}
+
+func execBody(req *vsockd.ExecRequest) serve.ExecRequest {
+	return serve.ExecRequest{Argv: req.Argv, Env: req.Env, Workdir: req.Dir, User: req.User, MaxOutput: req.MaxOutput,
+		TimeoutMS: req.Timeout.Milliseconds(), TTY: req.TTY, Rows: req.Rows, Cols: req.Cols, Term: req.Term}
+}
+
+// readExecLines copies an exec stream's output to req's writers and returns its exit
+// code or error.
+func readExecLines(r io.Reader, req *vsockd.ExecRequest, status int) (int, error) {
+	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 4<<20) // a line holds at most one agent frame (1 MiB) in base64
 	for sc.Scan() {
 		var l serve.ExecLine
@@ -214,7 +228,7 @@ func (c *Client) Exec(ctx context.Context, name string, req *vsockd.ExecRequest)
 		}
 		switch {
 		case l.Error != nil:
-			return -1, errorFrom(resp.StatusCode, *l.Error)
+			return -1, errorFrom(status, *l.Error)
 		case l.ExitCode != nil:
 			return *l.ExitCode, nil
 		case l.Stdout != nil:
@@ -232,10 +246,7 @@ func (c *Client) Exec(ctx context.Context, name string, req *vsockd.ExecRequest)
 		}
 	}
 	if err := sc.Err(); err != nil {
-		return -1, err
-	}
-	if ctx.Err() != nil {
-		return -1, ctx.Err()
+		return -1, fmt.Errorf("client: exec stream: %w", err)
 	}
 	return -1, errors.New("client: exec stream ended without an exit code")
 }
@@ -274,25 +285,16 @@ func (c *Client) DeleteCheckpoint(ctx context.Context, name string, opts *engine
 	return c.call(ctx, http.MethodDelete, p, nil, nil)
 }
 
-// ForkEvent is one fork of a wave: ready (VM set) or failed (Err set).
-type ForkEvent struct {
-	Index   int
-	Name    string
-	VM      *engine.Info
-	Err     error
-	Latency time.Duration
-}
-
 // Fork makes one fork of src (engine.Engine.Fork); opts.Name names it.
 func (c *Client) Fork(ctx context.Context, src string, opts *engine.ForkOptions) (engine.Info, error) {
 	mo := &engine.ManyOptions{}
 	if opts != nil {
-		if len(opts.Publish) > 0 {
-			return engine.Info{}, fmt.Errorf("%w: client: publish is not supported by the daemon yet", engine.ErrInvalidSpec)
-		}
 		mo.Overcommit, mo.Pin = opts.Overcommit, opts.Pin
 		if opts.Name != "" {
 			mo.Names = []string{opts.Name}
+		}
+		if len(opts.Publish) > 0 {
+			mo.Publish = func(int) []engine.PortForward { return opts.Publish }
 		}
 	}
 	events, err := c.ForkMany(ctx, src, 1, mo)
@@ -316,22 +318,25 @@ func (c *Client) Fork(ctx context.Context, src string, opts *engine.ForkOptions)
 // ForkMany starts n forks of src and streams one event per fork as it becomes ready or
 // fails; the channel is closed after the last one (engine.Engine.ForkMany). Cancelling
 // ctx before the stream ends disconnects, and the daemon then deletes every fork of the
-// wave, reported ones too. opts.Names may name one fork only; Publish is not supported.
-// If the stream breaks, a last event with Index -1 carries the error.
+// wave, reported ones too. opts.Publish is evaluated here for each index and sent as
+// lists. If the stream breaks, a last event with Index -1 carries the error.
 func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.ManyOptions) (<-chan ForkEvent, error) {
 	req := serve.ForkRequest{Source: src, N: n}
 	if opts != nil {
-		if opts.Publish != nil {
-			return nil, fmt.Errorf("%w: client: publish is not supported by the daemon yet", engine.ErrInvalidSpec)
-		}
-		switch len(opts.Names) {
-		case 0:
-		case 1:
+		if len(opts.Names) == 1 && n == 1 {
 			req.Name = opts.Names[0]
-		default:
-			return nil, fmt.Errorf("%w: client: Names with more than one name is not supported by the daemon yet", engine.ErrInvalidSpec)
+		} else {
+			req.Names = opts.Names
+		}
+		if opts.Publish != nil {
+			for i := 0; i < n; i++ {
+				req.Publish = append(req.Publish, opts.Publish(i))
+			}
 		}
 		req.Prefix, req.Concurrency, req.Overcommit, req.Pin = opts.Prefix, opts.Concurrency, opts.Overcommit, opts.Pin
+		if len(opts.Names) > 0 {
+			req.Prefix = "" // the engine ignores Prefix when Names is set
+		}
 	}
 	resp, err := c.do(ctx, http.MethodPost, "/v1/forks", req)
 	if err != nil {
@@ -352,7 +357,7 @@ func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.M
 			ev := ForkEvent{Index: o.Index, Name: o.Name, Latency: time.Duration(o.LatencyMS * float64(time.Millisecond))}
 			if o.OK && o.VM != nil {
 				inf := o.VM.Info
-				ev.VM = &inf
+				ev.VM, ev.Timings = &inf, inf.Timings
 			} else {
 				ev.Err = errorFrom(resp.StatusCode, serve.ErrorObject{Code: o.Code, Message: o.Error})
 			}

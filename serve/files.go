@@ -1,0 +1,216 @@
+package serve
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"path"
+	"strconv"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+// guestPath is the "path" query parameter: an absolute guest path. It answers the error
+// itself and returns false when the parameter is missing or relative.
+func guestPath(w http.ResponseWriter, r *http.Request) (string, bool) {
+	p := r.URL.Query().Get("path")
+	if p == "" || !path.IsAbs(p) {
+		writeErrorObject(w, http.StatusBadRequest, ErrorObject{Code: CodeBadRequest,
+			Message: fmt.Sprintf("path: an absolute guest path is required (got %q)", p)})
+		return "", false
+	}
+	return p, true
+}
+
+// copyIn extracts the request body, a tar stream, into the guest directory ?path=
+// (vsockd.Client.CopyIn: entries stay below it).
+func (s *Server) copyIn(w http.ResponseWriter, r *http.Request) {
+	vm, err := s.e.Get(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	dir, ok := guestPath(w, r)
+	if !ok {
+		return
+	}
+	if err := vm.CopyIn(r.Context(), dir, r.Body); err != nil {
+		writeError(w, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// lazyWriter sends the response's status and headers with the first byte, so that a
+// copy that fails before writing anything gets a plain error response.
+type lazyWriter struct {
+	w           http.ResponseWriter
+	contentType string
+	started     bool
+	flush       bool
+}
+
+func (l *lazyWriter) Write(p []byte) (int, error) {
+	if !l.started {
+		l.started = true
+		l.w.Header().Set("Content-Type", l.contentType)
+		l.w.Header().Set("X-Content-Type-Options", "nosniff")
+		l.w.WriteHeader(http.StatusOK)
+	}
+	n, err := l.w.Write(p)
+	if err == nil && l.flush {
+		err = http.NewResponseController(l.w).Flush()
+	}
+	return n, err
+}
+
+// finish ends a response whose body is written through l: nil sends an empty 200 if
+// nothing was written; an error before the first byte is a plain error response; an
+// error after it aborts the connection, so that the client sees a broken transfer, not a
+// short one.
+func (l *lazyWriter) finish(err error) {
+	switch {
+	case err == nil && !l.started:
+		l.Write(nil)
+	case err == nil:
+	case !l.started:
+		writeError(l.w, err)
+	default:
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// copyOut streams the guest path ?path= as a tar archive (vsockd.Client.CopyOut).
+func (s *Server) copyOut(w http.ResponseWriter, r *http.Request) {
+	vm, err := s.e.Get(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	p, ok := guestPath(w, r)
+	if !ok {
+		return
+	}
+	lw := &lazyWriter{w: w, contentType: "application/x-tar"}
+	lw.finish(vm.CopyOut(r.Context(), p, lw))
+}
+
+// stat answers a guest path's attributes.
+func (s *Server) stat(w http.ResponseWriter, r *http.Request) {
+	vm, err := s.e.Get(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	p, ok := guestPath(w, r)
+	if !ok {
+		return
+	}
+	fi, err := vm.Stat(r.Context(), p)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, NewFileStat(fi))
+}
+
+// logs streams the VM's serial console (engine.VM.Logs); ?follow=1 keeps streaming
+// until the VM's QEMU exits or the client disconnects.
+func (s *Server) logs(w http.ResponseWriter, r *http.Request) {
+	vm, err := s.e.Get(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	follow, ok := boolQuery(w, r, "follow")
+	if !ok {
+		return
+	}
+	lw := &lazyWriter{w: w, contentType: "text/plain; charset=utf-8", flush: follow}
+	err = vm.Logs(r.Context(), follow, lw)
+	if err != nil && errors.Is(err, context.Canceled) && r.Context().Err() != nil {
+		return // the client went away while following
+	}
+	lw.finish(err)
+}
+
+// boolQuery parses an optional boolean query parameter; it answers 400 itself and
+// returns false when the value is not a boolean.
+func boolQuery(w http.ResponseWriter, r *http.Request, name string) (bool, bool) {
+	v := r.URL.Query().Get(name)
+	if v == "" {
+		return false, true
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		writeErrorObject(w, http.StatusBadRequest, ErrorObject{Code: CodeBadRequest, Message: name + ": not a boolean: " + strconv.Quote(v)})
+		return false, false
+	}
+	return b, true
+}
+
+// info describes the daemon.
+func (s *Server) info(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, DaemonObject{Schema: DaemonSchema, PID: s.pid, StateDir: s.e.Config().StateDir, Accel: string(s.e.Accel())})
+}
+
+// reap deletes every VM whose QEMU is gone.
+func (s *Server) reap(w http.ResponseWriter, r *http.Request) {
+	removed := s.e.Reap(context.WithoutCancel(r.Context()))
+	if removed == nil {
+		removed = []string{}
+	}
+	writeJSON(w, http.StatusOK, ReapResponse{Removed: removed})
+}
+
+// getCheckpoint answers one checkpoint with its live forks.
+func (s *Server) getCheckpoint(w http.ResponseWriter, r *http.Request) {
+	info, err := s.checkpointInfo(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, NewCheckpointObject(info))
+}
+
+// checkpointInfo finds a checkpoint in the engine's list (which carries its forks).
+func (s *Server) checkpointInfo(name string) (engine.CheckpointInfo, error) {
+	cks, err := s.e.Checkpoints()
+	if err != nil {
+		return engine.CheckpointInfo{}, err
+	}
+	for _, c := range cks {
+		if c.Name == name {
+			return c, nil
+		}
+	}
+	if _, err := s.e.LoadCheckpoint(name); err != nil {
+		return engine.CheckpointInfo{}, err
+	}
+	return engine.CheckpointInfo{}, fmt.Errorf("%w: checkpoint %s", engine.ErrNotFound, name)
+}
+
+// patchCheckpoint pins or unpins a checkpoint ({"pinned": bool}).
+func (s *Server) patchCheckpoint(w http.ResponseWriter, r *http.Request) {
+	var req CheckpointPatch
+	if !decode(w, r, MaxBodyBytes, &req) {
+		return
+	}
+	if req.Pinned == nil {
+		writeError(w, fmt.Errorf("%w: pinned is required", engine.ErrInvalidSpec))
+		return
+	}
+	name := r.PathValue("name")
+	if err := s.e.SetPinned(context.WithoutCancel(r.Context()), name, *req.Pinned); err != nil {
+		writeError(w, err)
+		return
+	}
+	info, err := s.checkpointInfo(name)
+	if err != nil {
+		// Unpinned without forks: SetPinned deleted it.
+		w.WriteHeader(http.StatusNoContent)
+		return
+	}
+	writeJSON(w, http.StatusOK, NewCheckpointObject(info))
+}
