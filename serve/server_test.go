@@ -180,6 +180,18 @@ func TestServeBadRequests(t *testing.T) {
 		{"POST", "/v1/vms/x", "", 405, "method_not_allowed"},
 		{"GET", "/v1/forks", "", 405, "method_not_allowed"},
 		{"GET", "/v1/vms/x/nothing", "", 404, "no_route"},
+		{"POST", "/v1/forks", `{"source":"x","n":2,"names":["a"]}`, 400, "invalid_spec"},
+		{"POST", "/v1/forks", `{"source":"x","n":1,"names":["a"],"prefix":"p"}`, 400, "invalid_spec"},
+		{"POST", "/v1/forks", `{"source":"x","n":1,"publish":[[],[]]}`, 400, "invalid_spec"},
+		{"PUT", "/v1/vms/nope/files?path=/root", "", 404, "not_found"},
+		{"GET", "/v1/vms/nope/files?path=/etc", "", 404, "not_found"},
+		{"GET", "/v1/vms/nope/stat?path=/etc", "", 404, "not_found"},
+		{"GET", "/v1/vms/nope/logs", "", 404, "not_found"},
+		{"DELETE", "/v1/vms/x/files", "", 405, "method_not_allowed"},
+		{"GET", "/v1/checkpoints/nope", "", 404, "not_found"},
+		{"PATCH", "/v1/checkpoints/nope", `{"pinned":true}`, 404, "not_found"},
+		{"PATCH", "/v1/checkpoints/nope", `{}`, 400, "invalid_spec"},
+		{"PATCH", "/v1/checkpoints/nope", `{"pinned":"yes"}`, 400, "bad_request"},
 	}
 	for _, c := range cases {
 		status, o, body := request(t, hc, c.method, c.path, c.body)
@@ -197,6 +209,40 @@ func TestServeBadRequests(t *testing.T) {
 	status, _, body = request(t, hc, "GET", "/v1/checkpoints", "")
 	if status != 200 || strings.TrimSpace(string(body)) != "[]" {
 		t.Errorf("GET /v1/checkpoints: %d %q", status, body)
+	}
+	status, _, body = request(t, hc, "POST", "/v1/reap", "")
+	if status != 200 || strings.TrimSpace(string(body)) != `{"removed":[]}` {
+		t.Errorf("POST /v1/reap: %d %q", status, body)
+	}
+	status, _, body = request(t, hc, "GET", "/v1/info", "")
+	var d DaemonObject
+	if status != 200 || json.Unmarshal(body, &d) != nil || d.Schema != DaemonSchema || d.PID != os.Getpid() || d.StateDir == "" {
+		t.Errorf("GET /v1/info: %d %q", status, body)
+	}
+}
+
+// TestWantsExecUpgrade: an attached exec needs both headers.
+func TestWantsExecUpgrade(t *testing.T) {
+	for _, c := range []struct {
+		conn, upgrade string
+		want          bool
+	}{
+		{"Upgrade", ExecUpgrade, true},
+		{"keep-alive, upgrade", ExecUpgrade, true},
+		{"keep-alive", ExecUpgrade, false},
+		{"Upgrade", "websocket", false},
+		{"", "", false},
+	} {
+		r := httptest.NewRequest("POST", "/v1/vms/x/exec", nil)
+		if c.conn != "" {
+			r.Header.Set("Connection", c.conn)
+		}
+		if c.upgrade != "" {
+			r.Header.Set("Upgrade", c.upgrade)
+		}
+		if got := wantsExecUpgrade(r); got != c.want {
+			t.Errorf("Connection %q Upgrade %q: %v, want %v", c.conn, c.upgrade, got, c.want)
+		}
 	}
 }
 

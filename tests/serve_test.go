@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
@@ -9,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"os"
 	"os/exec"
@@ -100,6 +102,71 @@ func TestServeDaemon(t *testing.T) {
 	}
 	if code, err := c.Exec(ctx, "sw", &vsockd.ExecRequest{Argv: []string{"sleep", "30"}, Timeout: time.Second}); err != nil || code != vsockd.ExitCodeTimeout {
 		t.Errorf("timeout: %d %v", code, err)
+	}
+
+	// Attached exec (client.Start): stdin streams to a running command, a signal reaches
+	// it, a terminal is resized.
+	pin, pinW := io.Pipe()
+	pout, poutW := io.Pipe()
+	p, err := c.Start(ctx, "sw", &vsockd.ExecRequest{Argv: []string{"sh", "-c",
+		`read l; echo got:$l; trap 'echo term; exit 5' TERM; echo ready; while :; do sleep 0.1; done`}, Stdin: pin, Stdout: poutW})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := bufio.NewReader(pout)
+	go pinW.Write([]byte("x\n"))
+	if l1, _ := lines.ReadString('\n'); l1 != "got:x\n" {
+		t.Errorf("attached stdin: %q", l1)
+	}
+	if l2, _ := lines.ReadString('\n'); l2 != "ready\n" {
+		t.Errorf("attached: %q", l2)
+	}
+	if err := p.Signal(ctx, int(syscall.SIGTERM)); err != nil {
+		t.Fatal(err)
+	}
+	go io.Copy(io.Discard, pout)
+	if code, err := p.Wait(ctx); code != 5 || err != nil {
+		t.Errorf("attached exec after SIGTERM: %d %v, want 5", code, err)
+	}
+	pinW.Close()
+	tin, tinW := io.Pipe()
+	tout, toutW := io.Pipe()
+	p, err = c.Start(ctx, "sw", &vsockd.ExecRequest{Argv: []string{"sh", "-c", "stty size; read l; stty size"},
+		TTY: true, Rows: 24, Cols: 80, Stdin: tin, Stdout: toutW})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tlines := bufio.NewReader(tout)
+	if l, _ := tlines.ReadString('\n'); !strings.Contains(l, "24 80") {
+		t.Errorf("tty size: %q", l)
+	}
+	if err := p.Resize(ctx, 50, 100); err != nil {
+		t.Fatal(err)
+	}
+	go tinW.Write([]byte("\n"))
+	for {
+		l, err := tlines.ReadString('\n')
+		if strings.Contains(l, "50 100") {
+			break
+		}
+		if err != nil {
+			t.Errorf("tty size after resize: not seen (%v)", err)
+			break
+		}
+	}
+	go io.Copy(io.Discard, tout)
+	if code, err := p.Wait(ctx); code != 0 || err != nil {
+		t.Errorf("tty exec: %d %v", code, err)
+	}
+	tinW.Close()
+	if _, err := c.Stat(ctx, "sw", "relative/path"); err == nil || !strings.Contains(err.Error(), "absolute") {
+		t.Errorf("stat of a relative path: %v", err)
+	}
+	if fi, err := c.Stat(ctx, "sw", "/etc"); err != nil || !fi.IsDir() {
+		t.Errorf("stat /etc: %v %v", fi, err)
+	}
+	if _, err := c.Stat(ctx, "sw", "/nonexist"); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("stat of a missing path: %v, want fs.ErrNotExist", err)
 	}
 
 	// Two execs at once on one VM: each waits for the other's file, so both finish only
