@@ -170,6 +170,20 @@ type CheckpointPatch struct {
 	Pinned *bool `json:"pinned"`
 }
 
+// PoolRequest is the body of PUT /v1/checkpoints/{name}/pool: keep N pooled processes
+// (0 empties the pool); Restored and WarmUp as in engine.WarmOptions.
+type PoolRequest struct {
+	N        int      `json:"n"`
+	Restored bool     `json:"restored,omitempty"`
+	WarmUp   []string `json:"warm_up,omitempty"`
+}
+
+// PoolObject is a checkpoint's warm pool.
+type PoolObject struct {
+	Checkpoint string `json:"checkpoint"`
+	Size       int    `json:"size"`
+}
+
 // ReapResponse is the answer of POST /v1/reap: the dead VMs removed.
 type ReapResponse struct {
 	Removed []string `json:"removed"`

@@ -214,3 +214,37 @@ func (s *Server) patchCheckpoint(w http.ResponseWriter, r *http.Request) {
 	}
 	writeJSON(w, http.StatusOK, NewCheckpointObject(info))
 }
+
+// budget answers the engine's vCPU admission budget.
+func (s *Server) budget(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, s.e.Budget())
+}
+
+// getPool answers a checkpoint's warm pool size.
+func (s *Server) getPool(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	if _, err := s.e.LoadCheckpoint(name); err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, PoolObject{Checkpoint: name, Size: s.e.PoolSize(name)})
+}
+
+// putPool fills (or empties) a checkpoint's warm pool and answers once it is full. The
+// pool lives as long as the daemon (or until emptied).
+func (s *Server) putPool(w http.ResponseWriter, r *http.Request) {
+	var req PoolRequest
+	if !decode(w, r, MaxBodyBytes, &req) {
+		return
+	}
+	if req.N < 0 || req.N > MaxForks {
+		writeError(w, fmt.Errorf("%w: n must be 0..%d", engine.ErrInvalidSpec, MaxForks))
+		return
+	}
+	name := r.PathValue("name")
+	if err := s.e.Warm(r.Context(), name, req.N, &engine.WarmOptions{Restored: req.Restored, WarmUp: req.WarmUp}); err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, PoolObject{Checkpoint: name, Size: s.e.PoolSize(name)})
+}

@@ -61,6 +61,9 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	s.mux.HandleFunc("GET /v1/checkpoints/{name}", s.getCheckpoint)
 	s.mux.HandleFunc("PATCH /v1/checkpoints/{name}", s.patchCheckpoint)
 	s.mux.HandleFunc("DELETE /v1/checkpoints/{name}", s.deleteCheckpoint)
+	s.mux.HandleFunc("GET /v1/checkpoints/{name}/pool", s.getPool)
+	s.mux.HandleFunc("PUT /v1/checkpoints/{name}/pool", s.putPool)
+	s.mux.HandleFunc("GET /v1/budget", s.budget)
 	s.mux.HandleFunc("POST /v1/forks", s.fork)
 	s.mux.HandleFunc("/", s.noRoute)
 	return s

@@ -239,6 +239,19 @@ func TestServeCLI(t *testing.T) {
 		t.Errorf("curl exec: %s %v", out, err)
 	}
 
+	// A warm pool lives in the daemon; a fork claims a pooled process.
+	if out := ok(nil, "warm", "sck", "1"); out != "sck: 1 pooled\n" {
+		t.Errorf("warm: %q", out)
+	}
+	var b struct {
+		Total int `json:"total_vcpus"`
+		Used  int `json:"used_vcpus"`
+	}
+	if err := json.Unmarshal([]byte(ok(nil, "budget", "--json")), &b); err != nil || b.Used != 4 || b.Total < b.Used {
+		t.Errorf("budget with 3 VMs and 1 pooled: %+v %v", b, err)
+	}
+	ok(nil, "warm", "sck", "0")
+
 	// A VM whose QEMU died: exec fails at once with not running.
 	ok(nil, "fork", "sck", "dead1")
 	pid := qemuPIDOf(home, "dead1")
@@ -285,6 +298,9 @@ func TestServeCLI(t *testing.T) {
 	wg.Wait()
 	if out := ok(nil, "exec", "s1", "--", "echo", "free"); out != "free\n" {
 		t.Errorf("exec after the holder ended: %q", out)
+	}
+	if _, errs, code := cli(nil, "warm", "sck", "1"); code != 1 || !strings.Contains(errs, "forkvm serve") {
+		t.Errorf("warm without a daemon: %d %q", code, errs)
 	}
 	ok(nil, "rm", "g1", "g2")
 	ok(nil, "checkpoint", "rm", "sck")

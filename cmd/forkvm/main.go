@@ -60,7 +60,7 @@ func newApp() *cli.Command {
 		Commands: []*cli.Command{
 			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
-			imageCmd(), imagesCmd(),
+			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
 			serveCmd(),
 		},
 	}

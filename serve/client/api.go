@@ -52,6 +52,13 @@ type API interface {
 	DeleteCheckpoint(ctx context.Context, name string, opts *engine.DeleteCheckpointOptions) error
 	SetPinned(ctx context.Context, name string, pinned bool) error
 
+	// Budget is the vCPU admission budget.
+	Budget(ctx context.Context) (engine.Budget, error)
+	// Warm keeps n pooled processes for checkpoint ck (engine.Engine.Warm); a pool lives
+	// as long as its engine: the daemon, or the Local API until Close.
+	Warm(ctx context.Context, ck string, n int, opts *engine.WarmOptions) error
+	PoolSize(ctx context.Context, ck string) (int, error)
+
 	Fork(ctx context.Context, src string, opts *engine.ForkOptions) (engine.Info, error)
 	ForkMany(ctx context.Context, src string, n int, opts *engine.ManyOptions) (<-chan ForkEvent, error)
 
@@ -267,6 +274,19 @@ func (l *Local) DeleteCheckpoint(ctx context.Context, name string, opts *engine.
 
 func (l *Local) SetPinned(ctx context.Context, name string, pinned bool) error {
 	return l.E.SetPinned(ctx, name, pinned)
+}
+
+func (l *Local) Budget(context.Context) (engine.Budget, error) { return l.E.Budget(), nil }
+
+func (l *Local) Warm(ctx context.Context, ck string, n int, opts *engine.WarmOptions) error {
+	return l.E.Warm(ctx, ck, n, opts)
+}
+
+func (l *Local) PoolSize(_ context.Context, ck string) (int, error) {
+	if _, err := l.E.LoadCheckpoint(ck); err != nil {
+		return 0, err
+	}
+	return l.E.PoolSize(ck), nil
 }
 
 func (l *Local) Fork(ctx context.Context, src string, opts *engine.ForkOptions) (engine.Info, error) {

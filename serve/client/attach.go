@@ -46,6 +46,29 @@ func (c *Client) SetPinned(ctx context.Context, name string, pinned bool) error 
 	return c.call(ctx, http.MethodPatch, ckPath(name), serve.CheckpointPatch{Pinned: &pinned}, nil)
 }
 
+// Budget returns the daemon engine's vCPU admission budget (engine.Engine.Budget).
+func (c *Client) Budget(ctx context.Context) (engine.Budget, error) {
+	var b engine.Budget
+	err := c.call(ctx, http.MethodGet, "/v1/budget", nil, &b)
+	return b, err
+}
+
+// Warm keeps n pooled processes for checkpoint ck in the daemon (engine.Engine.Warm).
+func (c *Client) Warm(ctx context.Context, ck string, n int, opts *engine.WarmOptions) error {
+	req := serve.PoolRequest{N: n}
+	if opts != nil {
+		req.Restored, req.WarmUp = opts.Restored, opts.WarmUp
+	}
+	return c.call(ctx, http.MethodPut, ckPath(ck)+"/pool", req, nil)
+}
+
+// PoolSize returns how many pooled processes checkpoint ck has (engine.Engine.PoolSize).
+func (c *Client) PoolSize(ctx context.Context, ck string) (int, error) {
+	var p serve.PoolObject
+	err := c.call(ctx, http.MethodGet, ckPath(ck)+"/pool", nil, &p)
+	return p.Size, err
+}
+
 func filesPath(name, op, p string) string {
 	return vmPath(name) + "/" + op + "?path=" + url.QueryEscape(p)
 }

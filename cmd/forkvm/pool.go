@@ -1,0 +1,78 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve/client"
+)
+
+// warmCmd fills a checkpoint's warm pool in the daemon. A pool lives in its engine's
+// process, so without a daemon it would die with this CLI run: that is refused.
+func warmCmd() *cli.Command {
+	return &cli.Command{
+		Name:      "warm",
+		Usage:     "keep N pre-spawned QEMU processes for a checkpoint in the daemon, so forks of it skip process start (0 empties)",
+		ArgsUsage: "CHECKPOINT N",
+		Flags: []cli.Flag{
+			&cli.BoolFlag{Name: "restored", Usage: "pre-restore pooled processes (see engine.WarmOptions.Restored)"},
+			&cli.StringSliceFlag{Name: "warm-up", Usage: "with --restored: the command each pooled process runs before it is stopped (one argv word per flag)"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 2 {
+				return fmt.Errorf("usage: forkvm warm CHECKPOINT N")
+			}
+			n, err := strconv.Atoi(cmd.Args().Get(1))
+			if err != nil || n < 0 {
+				return fmt.Errorf("%w: N must be a count, got %q", engine.ErrInvalidSpec, cmd.Args().Get(1))
+			}
+			api, err := connect(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer api.Close()
+			if _, local := api.(*client.Local); local {
+				return fmt.Errorf("%w: a warm pool lives in its engine's process and would end with this command: run `forkvm serve`, then warm through it", engine.ErrInvalidSpec)
+			}
+			ck := cmd.Args().First()
+			if err := api.Warm(ctx, ck, n, &engine.WarmOptions{Restored: cmd.Bool("restored"), WarmUp: cmd.StringSlice("warm-up")}); err != nil {
+				return err
+			}
+			size, err := api.PoolSize(ctx, ck)
+			if err != nil {
+				return err
+			}
+			fmt.Printf("%s: %d pooled\n", ck, size)
+			return nil
+		},
+	}
+}
+
+// budgetCmd prints the vCPU admission budget.
+func budgetCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "budget",
+		Usage: "print the vCPU admission budget (host CPUs x overcommit) and what running VMs use",
+		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			api, err := connect(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer api.Close()
+			b, err := api.Budget(ctx)
+			if err != nil {
+				return err
+			}
+			if cmd.Bool("json") {
+				return printJSON(b)
+			}
+			fmt.Printf("vCPUs %d used of %d (%d host CPUs x overcommit %g)\n", b.Used, b.Total, b.HostCPUs, b.Overcommit)
+			return nil
+		},
+	}
+}
