@@ -244,8 +244,8 @@ func (s *checkpointStore) collect(name string, forks func(string) int) {
 	}
 }
 
-// reap removes half-written checkpoints and RAM files nothing owns (vmLive says which VM
-// names are registered), then collects unpinned checkpoints without forks.
+// reap removes half-written checkpoints (and manifests), RAM files nothing owns (vmLive
+// says which VM names are registered), then collects unpinned checkpoints without forks.
 func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int) error {
 	ents, err := os.ReadDir(s.paths.checkpointsDir())
 	if err != nil {
@@ -259,6 +259,8 @@ func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int)
 			continue
 		}
 		live[ent.Name()] = true
+		// A manifest rewrite (SetPinned) that a crash cut short: writeJSON's temporary file.
+		os.Remove(filepath.Join(s.paths.checkpointsDir(), ent.Name(), manifestFile+".tmp"))
 	}
 	rams, _ := os.ReadDir(s.paths.ram)
 	for _, r := range rams {

@@ -40,7 +40,9 @@
 //
 // VMs are separate QEMU processes: they outlive the Engine that made them, and the next
 // Engine on the same state directory re-adopts them (an Engine holds the directory's
-// lock for its lifetime).
+// lock for its lifetime). After a crash (kill -9 of the process embedding the engine,
+// e.g. mid-wave) the next Engine re-adopts every VM that was confirmed ready, told to
+// its caller or not, and kills and removes every one still on its way (recover.go).
 //
 // # Errors
 //

@@ -77,11 +77,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	if err := e.lock(ctx); err != nil {
 		return nil, err
 	}
-	err = recoverVMs(e.paths, e.vms, e.log)
-	if err == nil {
-		err = e.cks.reap(e.vms.has, e.vms.forksOf)
-	}
-	if err != nil {
+	if err := e.recoverState(); err != nil {
 		e.unlock()
 		return nil, fmt.Errorf("engine: recover %s: %w", e.paths.state, err)
 	}

@@ -1,0 +1,104 @@
+package engine
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// allocated is the storage path holds.
+func allocated(t *testing.T, path string) int64 {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Blocks * 512
+}
+
+// TestNewRecoverRepairsCheckpoints reproduces what an engine killed mid-wave leaves for
+// the checkpoints of its forks, and checks the next engine repairs it:
+//
+//   - a fork still on its way (manifest "starting") is reaped, and the zero pages it
+//     faulted into its checkpoint's RAM file holes are given back, as a deleted fork's
+//     are (they would otherwise stay until some other fork of it is deleted);
+//   - a fork confirmed ready whose checkpoint was not marked forked yet (the engine died
+//     between the two) is re-adopted and its checkpoint marked, so that an unpinned
+//     checkpoint still goes with its last fork;
+//   - manifest rewrites the crash cut short (writeJSON's temporary files) are removed.
+func TestNewRecoverRepairsCheckpoints(t *testing.T) {
+	if st, err := os.Stat("/dev/shm"); err != nil || !st.IsDir() {
+		t.Skip("no /dev/shm")
+	}
+	cfg := testConfig(t)
+	shm, err := os.MkdirTemp("/dev/shm", "eut-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(shm) })
+	cfg.RAMDir = filepath.Join(shm, "ram") // tmpfs, as in use: holes can be punched
+	vms := filepath.Join(cfg.StateDir, "vms")
+	cks := filepath.Join(cfg.StateDir, "checkpoints")
+
+	// ck: a pinned checkpoint frozen all holes, into which its half-made fork f wrote.
+	ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned = true })
+	if err := os.WriteFile(filepath.Join(cks, "ck", ramHolesFile), memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: ck.RAMSize}}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(ck.RAMPath, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(make([]byte, 256<<10), 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if a := allocated(t, ck.RAMPath); a < 256<<10 {
+		t.Fatalf("ck's RAM file holds %d bytes after a write of 256 KiB", a)
+	}
+	half := vmManifest(cfg, "f", StateStarting, deadPID(t))
+	half.Parent = "ck"
+	writeVMManifest(t, vms, "f", half)
+
+	// ck2: an unpinned checkpoint whose ready fork g was recorded, but the checkpoint
+	// not yet marked forked.
+	writeCheckpoint(t, cfg, "ck2", nil)
+	ready := vmManifest(cfg, "g", StateRunning, deadPID(t))
+	ready.Parent = "ck2"
+	writeVMManifest(t, vms, "g", ready)
+	touch(t, filepath.Join(vms, "g", manifestFile+".tmp"), 10)
+	touch(t, filepath.Join(cks, "ck", manifestFile+".tmp"), 10)
+
+	e := newTestEngine(t, cfg)
+
+	if exists(filepath.Join(vms, "f")) {
+		t.Errorf("half-made fork f survived New")
+	}
+	if a := allocated(t, ck.RAMPath); a != 0 {
+		t.Errorf("ck's RAM file holds %d bytes after New reaped its half-made fork, 0 when frozen", a)
+	}
+	if _, err := e.Get("g"); err != nil {
+		t.Fatalf("ready fork g: %v", err)
+	}
+	if !exists(filepath.Join(cks, "ck2", forkedMarker)) {
+		t.Errorf("ck2 has a re-adopted fork but is not marked forked")
+	}
+	for _, p := range []string{filepath.Join(vms, "g", manifestFile+".tmp"), filepath.Join(cks, "ck", manifestFile+".tmp")} {
+		if exists(p) {
+			t.Errorf("%s survived New", p)
+		}
+	}
+	if err := e.Delete(context.Background(), "g"); err != nil {
+		t.Fatal(err)
+	}
+	if exists(filepath.Join(cks, "ck2")) {
+		t.Errorf("unpinned ck2 was not collected with its last fork")
+	}
+	if _, err := e.LoadCheckpoint("ck"); err != nil {
+		t.Errorf("pinned ck after New: %v", err)
+	}
+}
