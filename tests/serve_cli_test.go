@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,48 +20,6 @@ import (
 
 	"github.com/forkvm/forkvm/serve"
 )
-
-// startDaemon runs `forkvm serve` on home until the test ends (SIGTERM, then SIGKILL)
-// and returns it once its socket answers.
-func startDaemon(t *testing.T, home string) *exec.Cmd {
-	t.Helper()
-	sock := serve.SocketPath(home)
-	d := exec.Command(filepath.Join(binDir, "forkvm"), "serve")
-	d.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
-	logf, err := os.Create(filepath.Join(t.TempDir(), "daemon.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	d.Stdout, d.Stderr = logf, logf
-	if err := d.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { d.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		d.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(30 * time.Second):
-			d.Process.Kill()
-			<-exited
-			t.Error("daemon did not stop on SIGTERM")
-		}
-		logf.Close()
-	})
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if c, err := net.Dial("unix", sock); err == nil {
-			c.Close()
-			return d
-		}
-		if time.Now().After(deadline) {
-			b, _ := os.ReadFile(logf.Name())
-			t.Fatalf("daemon did not listen: %s", b)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
 
 // TestServeCLI runs the forkvm CLI while `forkvm serve` owns the state directory: every
 // command goes through the daemon (it would otherwise wait for the lock) with the
@@ -93,8 +50,8 @@ func TestServeCLI(t *testing.T) {
 		}
 		return out
 	}
-	daemon := startDaemon(t, home)
 	sock := serve.SocketPath(home)
+	daemon := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"))
 
 	ok(nil, "create", "s1", "--cpus", "1", "--memory-mb", "256", "--forkable")
 	if _, errs, code := cli(nil, "--accel", "tcg", "ls"); code == 0 || !strings.Contains(errs, "chosen by the daemon") {
@@ -269,7 +226,7 @@ func TestServeCLI(t *testing.T) {
 
 	// Without a daemon the CLI embeds the engine; a second exec on a port another CLI
 	// exec holds fails at once, saying why.
-	daemon.Process.Signal(syscall.SIGTERM)
+	daemon.cmd.Process.Signal(syscall.SIGTERM)
 	for i := 0; i < 300; i++ {
 		if _, err := os.Lstat(sock); err != nil {
 			break
