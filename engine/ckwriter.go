@@ -113,6 +113,13 @@ func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuPro
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
 	ck, p := w.ck, vm.process()
+	// The marker outlives a crash from here to the resume (and the manifest's new disk
+	// chain); it goes after the resume, deferred before it so that it runs last.
+	marker := vm.path(checkpointingFile)
+	if err := os.WriteFile(marker, []byte(ck.Name+"\n"), 0o600); err != nil {
+		return err
+	}
+	defer os.Remove(marker)
 	dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
 	if err != nil {
 		return err

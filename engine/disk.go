@@ -45,7 +45,7 @@ func prepareDiskFreeze(ctx context.Context, p *qemuProc, m *manifest, vmDir, tmp
 		return d, nil
 	}
 	top := layers[len(layers)-1]
-	d.newNode = "disk-l" + strconv.Itoa(m.DiskSeq+1)
+	d.newNode = nextDiskNode(m.DiskSeq)
 	d.newPath = nextDiskPath(vmDir, m.DiskSeq)
 	if err := qemuImgCreate(ctx, qemuImg, d.newPath, top, int64(m.Spec.DiskMiB)<<20); err != nil {
 		return nil, err
@@ -124,6 +124,9 @@ func canReflink(ctx context.Context, layers []DiskLayer, dir string) bool {
 	os.Remove(probe)
 	return true
 }
+
+// nextDiskNode is the block node name of a VM's next qcow2 overlay.
+func nextDiskNode(seq int) string { return "disk-l" + strconv.Itoa(seq+1) }
 
 // nextDiskPath is the file of a VM's next qcow2 overlay.
 func nextDiskPath(vmDir string, seq int) string {

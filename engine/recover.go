@@ -1,11 +1,13 @@
 package engine
 
 import (
+	"context"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"sort"
 	"syscall"
+	"time"
 
 	"github.com/forkvm/forkvm/memfile"
 )
@@ -23,6 +25,9 @@ import (
 //   - a re-adopted fork's checkpoint is marked forked: a fork's manifest says running
 //     before its checkpoint is marked, and an unpinned checkpoint left unmarked would
 //     never be collected after its last fork.
+//   - a VM whose checkpoint was cut short between its disk freeze and its resume is
+//     repaired (VM.recoverCheckpointing): migration cancelled, disk chain settled, guest
+//     resumed.
 //   - checkpoints (checkpointStore.reap): half-written ones, RAM files and temporary
 //     files nothing owns are removed; unpinned checkpoints without forks are collected.
 //   - the checkpoints of reaped forks get back the zero pages those forks faulted into
@@ -70,6 +75,9 @@ func recoverVMs(paths layout, reg *registry, log *slog.Logger) ([]string, error)
 		if m.State == StateRunning {
 			// A manifest rewrite the crash cut short (writeJSON's temporary file).
 			os.Remove(filepath.Join(dir, manifestFile+".tmp"))
+			if _, err := os.Stat(vm.path(checkpointingFile)); err == nil {
+				vm.recoverCheckpointing(log)
+			}
 			reg.add(vm)
 			continue
 		}
@@ -101,4 +109,78 @@ func killOrphans(m *manifest) {
 	for _, pid := range pids {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
+}
+
+// recoverCheckpointing repairs a VM whose engine died during a checkpoint, between the
+// disk freeze's preparation and the guest's resume (the checkpointing marker): a
+// migration still running is cancelled; the overlay the freeze prepared is adopted into
+// the manifest when QEMU already switched to it (blockdev-snapshot ran) and removed
+// otherwise, so that the next checkpoint can prepare it again; a guest left stopped
+// (postmigrate) is resumed. The half-written checkpoint itself is reaped with the others.
+// Failures are logged: the VM is re-adopted either way.
+func (vm *VM) recoverCheckpointing(log *slog.Logger) {
+	defer os.Remove(vm.path(checkpointingFile))
+	p := vm.process()
+	if !p.running() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	c, err := p.client(ctx)
+	if err != nil {
+		log.Warn("recover: checkpoint cut short: no qmp", "vm", vm.m.Name, "err", err)
+		return
+	}
+	var mig migrationStatus
+	if err := c.Execute(ctx, "query-migrate", nil, &mig); err == nil && migrationActive(mig.Status) {
+		c.Execute(ctx, "migrate_cancel", nil, nil)
+		for migrationActive(mig.Status) && ctx.Err() == nil {
+			time.Sleep(20 * time.Millisecond)
+			if c.Execute(ctx, "query-migrate", nil, &mig) != nil {
+				break
+			}
+		}
+	}
+	if len(vm.m.Launch.Disk) > 0 && vm.m.DiskNode != "" {
+		node, path := nextDiskNode(vm.m.DiskSeq), nextDiskPath(vm.dir, vm.m.DiskSeq)
+		var blocks []struct {
+			Inserted *struct {
+				NodeName string `json:"node-name"`
+			} `json:"inserted"`
+		}
+		switched := false
+		if err := c.Execute(ctx, "query-block", nil, &blocks); err == nil {
+			for _, b := range blocks {
+				switched = switched || (b.Inserted != nil && b.Inserted.NodeName == node)
+			}
+		}
+		if switched {
+			vm.mu.Lock()
+			vm.m.Launch.Disk = append(vm.m.Launch.Disk, DiskLayer{Path: path, Format: "qcow2"})
+			vm.m.DiskNode = node
+			vm.m.DiskSeq++
+			err := vm.saveLocked()
+			vm.mu.Unlock()
+			log.Info("recover: adopted the disk overlay of a checkpoint cut short", "vm", vm.m.Name, "overlay", path, "err", err)
+		} else {
+			c.Execute(ctx, "blockdev-del", map[string]any{"node-name": node}, nil)
+			os.Remove(path)
+		}
+	}
+	var st struct {
+		Status string `json:"status"`
+	}
+	if err := c.Execute(ctx, "query-status", nil, &st); err == nil && st.Status != "running" {
+		err := c.Execute(ctx, "cont", nil, nil)
+		log.Info("recover: resumed a guest a checkpoint left stopped", "vm", vm.m.Name, "status", st.Status, "err", err)
+	}
+}
+
+// migrationActive reports whether a query-migrate status is of a migration still going.
+func migrationActive(status string) bool {
+	switch status {
+	case "", "none", "completed", "failed", "cancelled":
+		return false
+	}
+	return true
 }

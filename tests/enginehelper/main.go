@@ -11,6 +11,11 @@
 //	    printing "FORK <name>" for each ready fork and "FAIL <name> <error>" for each
 //	    failure, then "DONE", and block until killed.
 //
+//	enginehelper -state DIR -cache DIR -kernel K -initrd I -ckloop
+//	    like the first mode up to "READY" (the world only), then checkpoint the world over
+//	    and over: pinned checkpoint c<i>, the previous one deleted, printing "CK <i>"
+//	    after each; the world writes /data/<i> between them. Runs until killed.
+//
 //	enginehelper -dial SOCKET
 //	    connect to a unix socket and exit 0 on success, 3 when permission was denied,
 //	    4 on any other error (used to check other users cannot reach engine sockets).
@@ -30,6 +35,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/vsockd"
 )
 
 func main() {
@@ -38,6 +44,7 @@ func main() {
 	kernel := flag.String("kernel", "", "guest kernel")
 	initrd := flag.String("initrd", "", "guest initramfs")
 	n := flag.Int("n", 6, "number of forks")
+	ckloop := flag.Bool("ckloop", false, "checkpoint the world in a loop")
 	dial := flag.String("dial", "", "only dial this unix socket")
 	open := flag.String("open", "", "only open this file")
 	flag.Parse()
@@ -54,7 +61,7 @@ func main() {
 		f.Close()
 		os.Exit(0)
 	}
-	if err := run(*state, *cache, *kernel, *initrd, *n); err != nil {
+	if err := run(*state, *cache, *kernel, *initrd, *n, *ckloop); err != nil {
 		fmt.Println("ERROR", err)
 		os.Exit(1)
 	}
@@ -72,7 +79,7 @@ func exitFor(err error) {
 	os.Exit(4)
 }
 
-func run(state, cache, kernel, initrd string, n int) error {
+func run(state, cache, kernel, initrd string, n int, ckloop bool) error {
 	ctx := context.Background()
 	e, err := engine.New(ctx, &engine.Config{
 		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
@@ -84,6 +91,29 @@ func run(state, cache, kernel, initrd string, n int) error {
 	if _, err := e.Get("w"); err != nil {
 		if _, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16}); err != nil {
 			return err
+		}
+	}
+	if ckloop {
+		fmt.Println("READY")
+		for i := 0; ; i++ {
+			name := fmt.Sprintf("c%d", i)
+			if _, err := e.LoadCheckpoint(name); err == nil {
+				continue // an earlier helper's
+			}
+			if _, err := e.Checkpoint(ctx, "w", name, &engine.CheckpointOptions{Pin: true}); err != nil {
+				return err
+			}
+			if i > 0 {
+				e.DeleteCheckpoint(ctx, fmt.Sprintf("c%d", i-1), nil)
+			}
+			fmt.Println("CK", i)
+			w, err := e.Get("w")
+			if err != nil {
+				return err
+			}
+			if code, err := w.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("echo %d > /data/%d && sync", i, i)}}); err != nil || code != 0 {
+				return fmt.Errorf("write /data/%d: %d %v", i, code, err)
+			}
 		}
 	}
 	if _, err := e.LoadCheckpoint("ck"); err != nil {
