@@ -9,11 +9,11 @@ import (
 // File names inside the engine's directories. Every path the engine builds goes through
 // layout, so a file's name is written once.
 const (
-	manifestFile        = "manifest.json"
+	manifestFile = "manifest.json"
 	// checkpointingFile marks a VM whose checkpoint is between its disk freeze's
 	// preparation and the guest's resume: a crash there may leave the guest stopped and
 	// a disk overlay half-switched, which the next engine repairs (recoverCheckpointing).
-	checkpointingFile = "checkpointing"
+	checkpointingFile   = "checkpointing"
 	serialLogFile       = "serial.log" // guest console
 	qemuLogFile         = "qemu.log"   // QEMU's stdout and stderr
 	stateFile           = "state.mig"  // a checkpoint's device state
