@@ -692,17 +692,18 @@ func TestRobustCrashBeforePIDRecorded(t *testing.T) {
 }
 
 // TestRobustKillEngineMidCheckpoint kills an engine (SIGKILL) while it checkpoints a
-// world with a disk over and over, at a different moment each round, then opens a new
-// engine: the world runs (a guest a checkpoint left stopped is resumed), its disk chain
-// is the one QEMU writes (an overlay a cut-short freeze switched to is adopted, one it
-// only prepared is removed), and it can be checkpointed and forked with its data.
+// world with a disk and a fork of it in turn (copy and delta checkpoints), at a different
+// moment each round, then opens a new engine: both VMs run (a guest a checkpoint left
+// stopped is resumed), their disk chains are the ones QEMU writes (an overlay a
+// cut-short freeze switched to is adopted, one it only prepared is removed), no partial
+// checkpoint is left, and both can be checkpointed and forked with their data.
 func TestRobustKillEngineMidCheckpoint(t *testing.T) {
 	helper := engineHelper(t)
 	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second })
 	env.E.Close()
-	marker := filepath.Join(env.Home, "vms", "w", "checkpointing")
 	cut := 0
-	for round, delay := range []time.Duration{0, 30 * time.Millisecond, 70 * time.Millisecond, 120 * time.Millisecond, 180 * time.Millisecond} {
+	delays := []time.Duration{0, 30 * time.Millisecond, 70 * time.Millisecond, 120 * time.Millisecond, 180 * time.Millisecond, 260 * time.Millisecond}
+	for round, delay := range delays {
 		cmd := exec.Command(helper, "-state", env.Home, "-cache", cacheDir, "-kernel", imageInfo.Kernel,
 			"-initrd", imageInfo.Initrd, "-ckloop")
 		var stderr bytes.Buffer
@@ -716,8 +717,9 @@ func TestRobustKillEngineMidCheckpoint(t *testing.T) {
 		}
 		pid := cmd.Process.Pid
 		sc := bufio.NewScanner(stdout)
+		// Kill after 2 or 3 checkpoints: the next one is of w or of fw.
 		cks := 0
-		for cks < 2 && sc.Scan() {
+		for cks < 2+round%2 && sc.Scan() {
 			switch l := sc.Text(); {
 			case strings.HasPrefix(l, "CK "):
 				cks++
@@ -725,7 +727,7 @@ func TestRobustKillEngineMidCheckpoint(t *testing.T) {
 				t.Fatalf("round %d: helper: %s\n%s", round, l, stderr.String())
 			}
 		}
-		if cks < 2 {
+		if cks < 2+round%2 {
 			syscall.Kill(pid, syscall.SIGKILL)
 			cmd.Wait()
 			t.Fatalf("round %d: helper ended: %s", round, stderr.String())
@@ -733,8 +735,10 @@ func TestRobustKillEngineMidCheckpoint(t *testing.T) {
 		time.Sleep(delay)
 		syscall.Kill(pid, syscall.SIGKILL)
 		cmd.Wait()
-		if _, err := os.Stat(marker); err == nil {
-			cut++
+		for _, vm := range []string{"w", "fw"} {
+			if _, err := os.Stat(filepath.Join(env.Home, "vms", vm, "checkpointing")); err == nil {
+				cut++
+			}
 		}
 
 		e2, err := engine.New(context.Background(), &env.cfg)
@@ -743,46 +747,49 @@ func TestRobustKillEngineMidCheckpoint(t *testing.T) {
 		}
 		env.E = e2
 		ctx := ctxT(t, 3*time.Minute)
-		w, err := e2.Get("w")
-		if err != nil {
-			t.Fatal(err)
-		}
-		// A guest left stopped would not answer: bound the exec.
-		ectx, cancel := context.WithTimeout(ctx, 45*time.Second)
-		var out bytes.Buffer
-		code, err := w.Exec(ectx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("echo r%d > /data/r && sync && cat /data/r", round)}, Stdout: &out})
-		cancel()
-		if err != nil || code != 0 || out.String() != fmt.Sprintf("r%d\n", round) {
-			t.Fatalf("round %d: the world after the engine died mid-checkpoint: %q %d %v", round, out.String(), code, err)
-		}
-		if _, err := os.Stat(marker); err == nil {
-			t.Errorf("round %d: the checkpointing marker is still there", round)
-		}
 		for _, n := range dirNames(filepath.Join(env.Home, "checkpoints")) {
 			if strings.Contains(n, ".tmp") {
 				t.Errorf("round %d: half-written checkpoint left: %s", round, n)
 			}
 		}
-		v := fmt.Sprintf("v%d", round)
-		if _, err := e2.Checkpoint(ctx, "w", v, &engine.CheckpointOptions{Pin: true}); err != nil {
-			t.Fatalf("round %d: checkpoint after the crash: %v", round, err)
-		}
-		f, err := e2.Fork(ctx, v, &engine.ForkOptions{Name: "f"})
-		if err != nil {
-			t.Fatalf("round %d: fork after the crash: %v", round, err)
-		}
-		if got := mustRun(t, f, "cat /data/r"); got != fmt.Sprintf("r%d", round) {
-			t.Errorf("round %d: the fork's disk: %q", round, got)
-		}
-		if err := e2.Delete(ctx, "f"); err != nil {
-			t.Fatal(err)
-		}
-		if err := e2.DeleteCheckpoint(ctx, v, nil); err != nil {
-			t.Fatal(err)
+		for _, name := range []string{"w", "fw"} {
+			vm, err := e2.Get(name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := os.Stat(filepath.Join(env.Home, "vms", name, "checkpointing")); err == nil {
+				t.Errorf("round %d: %s's checkpointing marker is still there", round, name)
+			}
+			// A guest left stopped would not answer: bound the exec.
+			ectx, cancel := context.WithTimeout(ctx, 45*time.Second)
+			var out bytes.Buffer
+			want := fmt.Sprintf("%s-r%d", name, round)
+			code, err := vm.Exec(ectx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", "echo " + want + " > /data/r && sync && cat /data/r"}, Stdout: &out})
+			cancel()
+			if err != nil || code != 0 || out.String() != want+"\n" {
+				t.Fatalf("round %d: %s after the engine died mid-checkpoint: %q %d %v", round, name, out.String(), code, err)
+			}
+			v := fmt.Sprintf("v%d-%s", round, name)
+			if _, err := e2.Checkpoint(ctx, name, v, &engine.CheckpointOptions{Pin: true}); err != nil {
+				t.Fatalf("round %d: checkpoint of %s after the crash: %v", round, name, err)
+			}
+			f, err := e2.Fork(ctx, v, &engine.ForkOptions{Name: "f"})
+			if err != nil {
+				t.Fatalf("round %d: fork of %s after the crash: %v", round, v, err)
+			}
+			if got := mustRun(t, f, "cat /data/r"); got != want {
+				t.Errorf("round %d: the fork of %s reads %q from its disk", round, v, got)
+			}
+			if err := e2.Delete(ctx, "f"); err != nil {
+				t.Fatal(err)
+			}
+			if err := e2.DeleteCheckpoint(ctx, v, nil); err != nil {
+				t.Fatal(err)
+			}
 		}
 		e2.Close()
 	}
-	t.Logf("%d of 5 kills landed between a checkpoint's disk freeze and its resume", cut)
+	t.Logf("%d of %d kills landed between a checkpoint's disk freeze and its resume", cut, len(delays))
 	e3, err := engine.New(context.Background(), &env.cfg)
 	if err != nil {
 		t.Fatal(err)

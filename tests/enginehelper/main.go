@@ -12,9 +12,10 @@
 //	    failure, then "DONE", and block until killed.
 //
 //	enginehelper -state DIR -cache DIR -kernel K -initrd I -ckloop
-//	    like the first mode up to "READY" (the world only), then checkpoint the world over
-//	    and over: pinned checkpoint c<i>, the previous one deleted, printing "CK <i>"
-//	    after each; the world writes /data/<i> between them. Runs until killed.
+//	    create the world "w" and its fork "fw" (of the pinned checkpoint "base") unless
+//	    they exist, print "READY", then checkpoint w and fw in turn over and over: pinned
+//	    checkpoint c<i>, the previous one deleted, printing "CK <i> <vm>" after each; the
+//	    VM writes /data/<i> after its checkpoint. Runs until killed.
 //
 //	enginehelper -dial SOCKET
 //	    connect to a unix socket and exit 0 on success, 3 when permission was denied,
@@ -94,20 +95,30 @@ func run(state, cache, kernel, initrd string, n int, ckloop bool) error {
 		}
 	}
 	if ckloop {
+		if _, err := e.Get("fw"); err != nil {
+			if _, err := e.Checkpoint(ctx, "w", "base", &engine.CheckpointOptions{Pin: true}); err != nil {
+				return err
+			}
+			if _, err := e.Fork(ctx, "base", &engine.ForkOptions{Name: "fw"}); err != nil {
+				return err
+			}
+		}
 		fmt.Println("READY")
 		for i := 0; ; i++ {
 			name := fmt.Sprintf("c%d", i)
 			if _, err := e.LoadCheckpoint(name); err == nil {
 				continue // an earlier helper's
 			}
-			if _, err := e.Checkpoint(ctx, "w", name, &engine.CheckpointOptions{Pin: true}); err != nil {
+			// The world and its fork in turn: a copy checkpoint and a delta one.
+			vm := []string{"w", "fw"}[i%2]
+			if _, err := e.Checkpoint(ctx, vm, name, &engine.CheckpointOptions{Pin: true}); err != nil {
 				return err
 			}
 			if i > 0 {
 				e.DeleteCheckpoint(ctx, fmt.Sprintf("c%d", i-1), nil)
 			}
-			fmt.Println("CK", i)
-			w, err := e.Get("w")
+			fmt.Println("CK", i, vm)
+			w, err := e.Get(vm)
 			if err != nil {
 				return err
 			}
