@@ -15,7 +15,8 @@ import (
 
 // TestDeltaTreeDepth8 builds a lineage eight checkpoints deep under a world checkpoint,
 // each level's fork writing its own file: every node sees every ancestor's file intact
-// (md5), siblings at every level are isolated, deleting middle generations (their VMs,
+// (md5), siblings at every level and eight forks of the deepest checkpoint are
+// isolated, deleting middle generations (their VMs,
 // an unpinned checkpoint collected with its last fork, and the root checkpoint itself)
 // keeps every descendant forkable and correct, ancestors' files keep their allocated
 // size while descendants are checkpointed and forked, and a corrupt ancestor layer is
@@ -142,6 +143,31 @@ func TestDeltaTreeDepth8(t *testing.T) {
 		t.Logf("fork of %s: guest written %d MiB, of which lineage %d MiB; shared %d MiB", src, mem.GuestWritten>>20, mem.GuestLineage>>20, mem.Shared>>20)
 		if mem.GuestLineage < int64(level)*4<<20 || mem.GuestLineage > mem.GuestWritten {
 			t.Errorf("lineage pages %d bytes, guest written %d", mem.GuestLineage, mem.GuestWritten)
+		}
+		if err := e.Delete(ctx, vm.Name()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Width: eight forks of the deepest checkpoint at once, each sees the whole lineage
+	// and none sees another's write.
+	evs, err := e.ForkMany(ctx, "ck8", 8, &engine.ManyOptions{Prefix: "wide"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wide []*engine.VM
+	for ev := range evs {
+		if ev.Err != nil {
+			t.Fatalf("wide fork %s: %v", ev.Name, ev.Err)
+		}
+		wide = append(wide, ev.VM)
+	}
+	for _, vm := range wide {
+		checkLineage(vm, depth+1)
+		mustRun(t, vm, "echo "+vm.Name()+" > /dev/shm/mine")
+	}
+	for _, vm := range wide {
+		if got := mustRun(t, vm, "cat /dev/shm/mine"); got != vm.Name() {
+			t.Errorf("%s reads %q", vm.Name(), got)
 		}
 		if err := e.Delete(ctx, vm.Name()); err != nil {
 			t.Fatal(err)
