@@ -67,9 +67,14 @@ type TreeLevel struct {
 	// ready; 0 at level 0 (see checkpoint-restore for the world).
 	ForkRunningMS float64 `json:"fork_running_ms,omitzero"`
 	// RAMFilesMB is the storage all checkpoint RAM files hold after the level;
-	// WrittenMB what was written along the lineage (world dirt + one child per level).
-	RAMFilesMB float64 `json:"ram_files_mb"`
-	WrittenMB  int     `json:"written_mb"`
+	// WrittenMB what the benchmark wrote along the lineage (world dirt + one child per
+	// level); GuestWrittenMB (MiB) what the guests wrote along it, measured: the data of
+	// the world's checkpoint file plus, for each checkpointed node, the guest pages it
+	// copied on write itself (VM.Memory GuestWritten - GuestLineage, from pagemap) — the
+	// guest's kernel and agent write pages besides the benchmark's files.
+	RAMFilesMB     float64 `json:"ram_files_mb"`
+	WrittenMB      int     `json:"written_mb"`
+	GuestWrittenMB float64 `json:"guest_written_mb"`
 	// HostMemPerForkMB: MemAvailable drop while the level's children run, per child.
 	HostMemPerForkMB float64 `json:"host_mem_per_fork_mb"`
 	// Verified children saw every ancestor's file with its md5 and no sibling's file.
@@ -93,10 +98,11 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 	lineage := []lineageFile{{"/dev/shm/dirty", w.DirtyMD5}}
 	node, ckName := w.VM, "t0"
 	written := r.shape.DirtyMB
+	guestWritten := w.SharedFileMB
 	var levels []TreeLevel
 	var ckOfFork []float64
 	for lvl := 0; lvl < depth; lvl++ {
-		L := TreeLevel{Level: lvl, Node: node.Name(), WrittenMB: written}
+		L := TreeLevel{Level: lvl, Node: node.Name(), WrittenMB: written, GuestWrittenMB: round3(guestWritten)}
 		if lvl == 0 {
 			L.CheckpointMS, L.CheckpointRAMMethod = w.CheckpointMS, "copy"
 		} else {
@@ -109,6 +115,12 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 			} else {
 				r.fail("level %d: fork of running %s: %s", lvl, node.Name(), s.Error)
 			}
+			if mu, err := node.Memory(ctx); err == nil {
+				guestWritten += float64(mu.GuestWritten-mu.GuestLineage) / (1 << 20)
+			} else {
+				r.fail("level %d: memory of %s: %v", lvl, node.Name(), err)
+			}
+			L.GuestWrittenMB = round3(guestWritten)
 			ckName = fmt.Sprintf("t%d", lvl)
 			ck, err := r.e.Checkpoint(ctx, node.Name(), ckName, &engine.CheckpointOptions{Pin: true})
 			if err != nil {
@@ -160,8 +172,8 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 		}
 		L.RAMFilesMB = round3(float64(dirAllocated(r.ramDir, "ck-")) / (1 << 20))
 		levels = append(levels, L)
-		r.logf("level %d: checkpoint of %s %.0f ms (%s), %d forks p50 %.0f ms, RAM files %.0f MiB for %d MB written, %d/%d verified",
-			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, written, L.Verified, len(children))
+		r.logf("level %d: checkpoint of %s %.0f ms (%s), %d forks p50 %.0f ms, RAM files %.0f MiB for %d MB written by the benchmark (%.0f MiB by the guests), %d/%d verified",
+			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, written, L.GuestWrittenMB, L.Verified, len(children))
 		if len(children) == 0 {
 			break
 		}
@@ -182,13 +194,13 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 	}
 	r.res.Extra["levels"] = levels
 	pc := r.p50Headline("tree_checkpoint_of_fork_p50_ms", ckOfFork)
-	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files; host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
+	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files, against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
 		r.shape.DirtyMB, depth, branch, writeMB)
 	var b strings.Builder
-	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | migrate / extract / paused ms | fork of running node ms | fork p50 ms | RAM files MiB (written MB) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | migrate / extract / paused ms | fork of running node ms | fork p50 ms | RAM files MiB (written MB; by the guests MiB) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, L := range levels {
-		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%d) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
-			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.WrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
+		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%d; %.0f) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
+			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.WrittenMB, L.GuestWrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
 	}
 	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", b.String(), pc.P50, len(ckOfFork))
 	return nil
