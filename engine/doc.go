@@ -42,7 +42,9 @@
 // Engine on the same state directory re-adopts them (an Engine holds the directory's
 // lock for its lifetime). After a crash (kill -9 of the process embedding the engine,
 // e.g. mid-wave) the next Engine re-adopts every VM that was confirmed ready, told to
-// its caller or not, and kills and removes every one still on its way (recover.go).
+// its caller or not, and kills and removes every one still on its way; a checkpoint
+// the crash cut short leaves nothing, and its VM is resumed with the disk chain QEMU
+// writes (recover.go).
 //
 // # Errors
 //
