@@ -224,9 +224,32 @@ func TestServeCLI(t *testing.T) {
 		t.Errorf("rm --dead: %q", out)
 	}
 
+	// A daemon that stops ends the execs attached to it (after its grace): the CLI exec
+	// fails, and the command is gone from the guest.
+	att := exec.Command(filepath.Join(binDir, "forkvm"), "exec", "s1", "--", "sh", "-c", "echo up; sleep 61")
+	att.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	aout, _ := att.StdoutPipe()
+	if err := att.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if line, _ := bufio.NewReader(aout).ReadString('\n'); line != "up\n" {
+		t.Fatalf("attached exec: %q", line)
+	}
+	attDone := make(chan error, 1)
+	go func() { attDone <- att.Wait() }()
+
 	// Without a daemon the CLI embeds the engine; a second exec on a port another CLI
 	// exec holds fails at once, saying why.
 	daemon.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-attDone:
+		if err == nil {
+			t.Errorf("an exec attached to a stopping daemon exited 0")
+		}
+	case <-time.After(60 * time.Second):
+		att.Process.Kill()
+		t.Fatalf("an exec attached to a stopping daemon did not end")
+	}
 	for i := 0; i < 300; i++ {
 		if _, err := os.Lstat(sock); err != nil {
 			break
@@ -255,6 +278,9 @@ func TestServeCLI(t *testing.T) {
 	wg.Wait()
 	if out := ok(nil, "exec", "s1", "--", "echo", "free"); out != "free\n" {
 		t.Errorf("exec after the holder ended: %q", out)
+	}
+	if out := ok(nil, "exec", "s1", "--", "sh", "-c", "pgrep -f 'sleep 61' || echo none"); out != "none\n" {
+		t.Errorf("the command of an exec ended by the daemon's stop still runs: %q", out)
 	}
 	if _, errs, code := cli(nil, "warm", "sck", "1"); code != 1 || !strings.Contains(errs, "forkvm serve") {
 		t.Errorf("warm without a daemon: %d %q", code, errs)
