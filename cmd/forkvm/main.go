@@ -510,7 +510,7 @@ func forkCmd() *cli.Command {
 				return err
 			}
 			var errs []error
-			implicitShown := false
+			implicitChecked := false // the first ready fork's parent says whether it is implicit
 			for ev := range evs {
 				if cmd.Bool("json") {
 					b, _ := json.Marshal(serve.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
@@ -518,9 +518,11 @@ func forkCmd() *cli.Command {
 				} else if ev.Err != nil {
 					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
 				} else {
-					if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); !implicitShown && err == nil && ck.Implicit && ck.Source == src {
-						implicitShown = true
-						fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Name, src, ck.Timings.Total.Round(time.Millisecond), ck.WrittenBytes())
+					if !implicitChecked {
+						implicitChecked = true
+						if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
+							fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Name, src, ck.Timings.Total.Round(time.Millisecond), ck.WrittenBytes())
+						}
 					}
 					t := ev.Timings
 					fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d\n", ev.Name,
