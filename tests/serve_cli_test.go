@@ -35,7 +35,7 @@ func TestServeCLI(t *testing.T) {
 	}
 	cli := cliRunner(t, home)
 	t.Cleanup(func() {
-		cli(nil, "rm", "s1", "g1", "g2", "dead1")
+		cli(nil, "rm", "s1", "g1", "g2", "dead1", "imp")
 		cli(nil, "checkpoint", "rm", "--force", "sck")
 		for pid := range procsReferencing(home) {
 			t.Errorf("leak: process %d still references %s", pid, home)
@@ -176,6 +176,11 @@ func TestServeCLI(t *testing.T) {
 	if out := ok(nil, "exec", "g1", "--", "sh", "-c", "test -e /tmp/b && echo inherited"); out != "inherited\n" {
 		t.Errorf("fork's state: %q", out)
 	}
+	// A fork of a running VM says what its implicit checkpoint cost.
+	if out := ok(nil, "fork", "s1", "imp"); !strings.Contains(out, "implicit checkpoint s1-") || !strings.Contains(out, "bytes written") || !strings.Contains(out, "imp ready in") {
+		t.Errorf("fork of a running VM: %q", out)
+	}
+	ok(nil, "rm", "imp")
 	ok(nil, "pin", "sck")
 	var cks []serve.CheckpointObject
 	if err := json.Unmarshal([]byte(ok(nil, "checkpoints", "--json")), &cks); err != nil || len(cks) != 1 || !cks[0].Pinned || len(cks[0].Forks) != 2 {
