@@ -130,7 +130,8 @@ type ExecPhase struct {
 	Round int    `json:"round"`
 	Mode  string `json:"mode"`
 	// Execs were attempted in the timed part; OK of them succeeded (exit 0, expected
-	// output); Failures = Execs - OK, plus WarmupFailures of the untimed warm-up.
+	// output) and Failures = Execs - OK did not. WarmupFailures failed in the untimed
+	// warm-up.
 	Execs          int      `json:"execs"`
 	OK             int      `json:"ok"`
 	Failures       int      `json:"failures"`
@@ -157,6 +158,7 @@ type ExecMode struct {
 	Execs          int         `json:"execs"`
 	OK             int         `json:"ok"`
 	Failures       int         `json:"failures"`
+	WarmupFailures int         `json:"warmup_failures"`
 	Errors         []string    `json:"errors"`
 	WallS          float64     `json:"wall_s"`
 	ThroughputPerS float64     `json:"throughput_per_s"`
@@ -184,6 +186,7 @@ func summarizeMode(phases []ExecPhase, mode string) ExecMode {
 		m.Execs += p.Execs
 		m.OK += p.OK
 		m.Failures += p.Failures
+		m.WarmupFailures += p.WarmupFailures
 		m.WallS += p.WallS
 		for _, e := range p.Errors {
 			if len(m.Errors) < execLoadMaxErrors {
@@ -328,6 +331,7 @@ func execLoadTable(s *ExecLoadSettings, in, dm ExecMode, phases []ExecPhase, r50
 	var b strings.Builder
 	fmt.Fprintf(&b, "exec-load: %d clients x %d execs of %q against %d forks, %d round(s), daemon: %s\n\n",
 		s.Clients, s.Execs, s.Argv, s.Forks, s.Rounds, s.Daemon)
+	// failures: timed and warm-up.
 	fmt.Fprintf(&b, "%-16s %7s %7s %8s %8s %8s %8s %8s %9s\n", "phase", "execs", "ok", "failures", "p50 ms", "p90 ms", "p99 ms", "max ms", "execs/s")
 	row := func(label string, execs, ok, failures int, p Percentiles, tput float64) {
 		fmt.Fprintf(&b, "%-16s %7d %7d %8d %8.1f %8.1f %8.1f %8.1f %9.1f\n", label, execs, ok, failures, p.P50, p.P90, p.P99, p.Max, tput)
@@ -336,8 +340,8 @@ func execLoadTable(s *ExecLoadSettings, in, dm ExecMode, phases []ExecPhase, r50
 		row(fmt.Sprintf("r%d %s", p.Round, p.Mode), p.Execs, p.OK, p.Failures+p.WarmupFailures, p.Percentiles, p.ThroughputPerS)
 	}
 	b.WriteString(strings.Repeat("-", 87) + "\n")
-	row(modeInProcess, in.Execs, in.OK, in.Failures, in.Percentiles, in.ThroughputPerS)
-	row(modeDaemon, dm.Execs, dm.OK, dm.Failures, dm.Percentiles, dm.ThroughputPerS)
+	row(modeInProcess, in.Execs, in.OK, in.Failures+in.WarmupFailures, in.Percentiles, in.ThroughputPerS)
+	row(modeDaemon, dm.Execs, dm.OK, dm.Failures+dm.WarmupFailures, dm.Percentiles, dm.ThroughputPerS)
 	verdict := "met"
 	if !met {
 		verdict = "NOT met"

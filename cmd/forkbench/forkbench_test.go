@@ -262,22 +262,23 @@ func TestExecLoadSummarizeMode(t *testing.T) {
 		phase(1, modeInProcess, 0, 2, nil, 10, 20, 30, 40),
 		phase(1, modeDaemon, 4, 1, many, 12, 22),
 		phase(2, modeDaemon, 4, 1, many, 32, 42),
+		{Round: 2, Mode: modeDaemon, WarmupFailures: 2},
 		phase(2, modeInProcess, 0, 2, nil, 50, 60, 70, 80),
 	}
 	tests := []struct {
 		mode                      string
-		execs, ok, failures       int
+		execs, ok, failures, warm int
 		tput, p50, min, max, wall float64
 		errors                    []string
 	}{
-		{modeInProcess, 8, 8, 0, 2, 45, 10, 80, 4, []string{}},
-		{modeDaemon, 12, 4, 8, 2, 27, 12, 42, 2,
+		{modeInProcess, 8, 8, 0, 0, 2, 45, 10, 80, 4, []string{}},
+		{modeDaemon, 12, 4, 8, 2, 2, 27, 12, 42, 2,
 			[]string{"round 1: e1", "round 1: e2", "round 1: e3", "round 1: e4", "round 2: e1"}},
-		{"other", 0, 0, 0, 0, 0, 0, 0, 0, []string{}},
+		{"other", 0, 0, 0, 0, 0, 0, 0, 0, 0, []string{}},
 	}
 	for _, tt := range tests {
 		m := summarizeMode(phases, tt.mode)
-		if m.Execs != tt.execs || m.OK != tt.ok || m.Failures != tt.failures || m.ThroughputPerS != tt.tput || m.WallS != tt.wall ||
+		if m.Execs != tt.execs || m.OK != tt.ok || m.Failures != tt.failures || m.WarmupFailures != tt.warm || m.ThroughputPerS != tt.tput || m.WallS != tt.wall ||
 			m.Percentiles.P50 != tt.p50 || m.Percentiles.Min != tt.min || m.Percentiles.Max != tt.max {
 			t.Errorf("%s: %+v", tt.mode, m)
 		}
