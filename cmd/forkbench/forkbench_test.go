@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/csv"
 	"encoding/json"
 	"math"
@@ -234,5 +235,103 @@ func TestParseInts(t *testing.T) {
 	}
 	if s := sampleIndices(64); len(s) < 2 || s[0] != 0 || s[len(s)-1] != 63 {
 		t.Errorf("sampleIndices = %v", s)
+	}
+}
+
+func TestExecLoadPhaseModes(t *testing.T) {
+	// ABBA: each mode runs first in half of an even number of rounds.
+	want := [][]string{
+		{modeInProcess, modeDaemon},
+		{modeDaemon, modeInProcess},
+		{modeInProcess, modeDaemon},
+		{modeDaemon, modeInProcess},
+	}
+	for i, w := range want {
+		if got := phaseModes(i + 1); strings.Join(got, ",") != strings.Join(w, ",") {
+			t.Errorf("round %d: %v, want %v", i+1, got, w)
+		}
+	}
+}
+
+func TestExecLoadSummarizeMode(t *testing.T) {
+	phase := func(round int, mode string, failures int, wall float64, errs []string, lat ...float64) ExecPhase {
+		return ExecPhase{Round: round, Mode: mode, Execs: len(lat) + failures, OK: len(lat), Failures: failures, WallS: wall, Errors: errs, lat: lat}
+	}
+	many := []string{"e1", "e2", "e3", "e4"}
+	phases := []ExecPhase{
+		phase(1, modeInProcess, 0, 2, nil, 10, 20, 30, 40),
+		phase(1, modeDaemon, 4, 1, many, 12, 22),
+		phase(2, modeDaemon, 4, 1, many, 32, 42),
+		{Round: 2, Mode: modeDaemon, WarmupFailures: 2},
+		phase(2, modeInProcess, 0, 2, nil, 50, 60, 70, 80),
+	}
+	tests := []struct {
+		mode                      string
+		execs, ok, failures, warm int
+		tput, p50, min, max, wall float64
+		errors                    []string
+	}{
+		{modeInProcess, 8, 8, 0, 0, 2, 45, 10, 80, 4, []string{}},
+		{modeDaemon, 12, 4, 8, 2, 2, 27, 12, 42, 2,
+			[]string{"round 1: e1", "round 1: e2", "round 1: e3", "round 1: e4", "round 2: e1"}},
+		{"other", 0, 0, 0, 0, 0, 0, 0, 0, 0, []string{}},
+	}
+	for _, tt := range tests {
+		m := summarizeMode(phases, tt.mode)
+		if m.Execs != tt.execs || m.OK != tt.ok || m.Failures != tt.failures || m.WarmupFailures != tt.warm || m.ThroughputPerS != tt.tput || m.WallS != tt.wall ||
+			m.Percentiles.P50 != tt.p50 || m.Percentiles.Min != tt.min || m.Percentiles.Max != tt.max {
+			t.Errorf("%s: %+v", tt.mode, m)
+		}
+		if strings.Join(m.Errors, "|") != strings.Join(tt.errors, "|") || m.Errors == nil {
+			t.Errorf("%s: errors %q, want %q (at most %d, never nil)", tt.mode, m.Errors, tt.errors, execLoadMaxErrors)
+		}
+	}
+}
+
+func TestExecLoadTargetMet(t *testing.T) {
+	tests := []struct {
+		ratio, target float64
+		want          bool
+	}{
+		{1.0, 1.2, true},
+		{1.2, 1.2, true},
+		{1.2001, 1.2, false},
+		{0.8, 1.2, true},
+		{0, 1.2, false}, // no measurement
+		{5, 0, true},    // no target
+	}
+	for _, tt := range tests {
+		if got := targetMet(tt.ratio, tt.target); got != tt.want {
+			t.Errorf("targetMet(%v, %v) = %v, want %v", tt.ratio, tt.target, got, tt.want)
+		}
+	}
+}
+
+// TestExecLoadFlags checks exec-load's world defaults and that bad flags are refused
+// before anything boots.
+func TestExecLoadFlags(t *testing.T) {
+	for flag, want := range map[string]string{"cpus": "1", "memory-mb": "256", "dirty-mb": "32", "disk-mb": "0",
+		"clients": "32", "execs": "100", "forks": "8", "target": "1.2"} {
+		if got := helpDefault(t, "exec-load", flag); got != want {
+			t.Errorf("exec-load --%s default %s, want %s", flag, got, want)
+		}
+	}
+	for _, args := range [][]string{
+		{"--forks", "9", "--clients", "8"},
+		{"--clients", "0"},
+		{"--execs", "0"},
+		{"--rounds", "0"},
+		{"--target", "-1"},
+		{"--cmd", "true", "--", "echo", "x"},
+		{"--cmd", " "},
+		{"--daemon-binary", "/nonexistent/forkvm"},
+	} {
+		app := newApp()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		err := app.Run(context.Background(), append([]string{"forkbench", "exec-load"}, args...))
+		if err == nil || !strings.Contains(err.Error(), "exec-load") {
+			t.Errorf("exec-load %v: %v, want a refusal", args, err)
+		}
 	}
 }

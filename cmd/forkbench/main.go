@@ -1,7 +1,8 @@
 // Command forkbench measures forkvm: fan-out waves, serial forks, checkpoints, cold and
-// golden creates, density and soak. Each subcommand bakes its own world (a forkable VM
-// with dirtied RAM and a data disk), checkpoints it and measures against it. Results go
-// to --out as result.json (forkvm.bench-result/v1), samples.csv and report.md.
+// golden creates, density, soak and exec load through the daemon. Each subcommand bakes
+// its own world (a forkable VM with dirtied RAM and a data disk), checkpoints it and
+// measures against it. Results go to --out as result.json (forkvm.bench-result/v1),
+// samples.csv and report.md.
 package main
 
 import (
@@ -39,7 +40,7 @@ func newApp() *cli.Command {
 		Name:  "forkbench",
 		Usage: "benchmark forkvm forks (results: result.json, samples.csv, report.md)",
 		Commands: []*cli.Command{
-			fanoutCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), pythonCmd(),
+			fanoutCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), pythonCmd(), execLoadCmd(),
 		},
 	}
 }
