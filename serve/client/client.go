@@ -40,7 +40,9 @@ func New(socket string) *Client {
 			var d net.Dialer
 			return d.DialContext(ctx, "unix", socket)
 		},
-		MaxIdleConnsPerHost: 16,
+		// Clients often run many execs at once: keep a connection for each (a local
+		// daemon's connections are cheap).
+		MaxIdleConnsPerHost: 256,
 		IdleConnTimeout:     30 * time.Second,
 	}
 	return &Client{base: "http://forkvm", hc: &http.Client{Transport: tr}}
@@ -49,7 +51,9 @@ func New(socket string) *Client {
 // NewTCP returns a client of a daemon's TCP listener (baseURL like
 // "http://127.0.0.1:7070") sending token as a bearer token.
 func NewTCP(baseURL, token string) *Client {
-	return &Client{base: strings.TrimRight(baseURL, "/"), token: token, hc: &http.Client{}}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConnsPerHost = 256 // the default (2) redials under concurrent execs
+	return &Client{base: strings.TrimRight(baseURL, "/"), token: token, hc: &http.Client{Transport: tr}}
 }
 
 // Close releases idle connections.
@@ -140,8 +144,17 @@ func (c *Client) call(ctx context.Context, method, path string, body, out any) e
 		_, err = io.Copy(io.Discard, resp.Body)
 		return err
 	}
-	return json.NewDecoder(resp.Body).Decode(out)
+	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+		return err
+	}
+	drainBody(resp.Body) // the newline after the value and the end of the body
+	return nil
 }
+
+// drainBody reads what is left of a response after its last line (the end of the
+// chunked stream) so that the transport reuses the connection: net/http closes a
+// connection whose body is closed before its end.
+func drainBody(r io.Reader) { io.Copy(io.Discard, io.LimitReader(r, 4<<10)) }
 
 func vmPath(name string) string { return "/v1/vms/" + url.PathEscape(name) }
 
@@ -205,6 +218,7 @@ func (c *Client) Exec(ctx context.Context, name string, req *vsockd.ExecRequest)
 	}
 	defer resp.Body.Close()
 	code, err := readExecLines(resp.Body, req, resp.StatusCode)
+	drainBody(resp.Body)
 	if err != nil && ctx.Err() != nil {
 		return -1, ctx.Err()
 	}
