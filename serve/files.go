@@ -11,6 +11,18 @@ import (
 	"github.com/forkvm/forkvm/engine"
 )
 
+// vmAndPath returns the VM {name} and the guest path ?path= of a files request; it
+// answers the error itself and returns false when either is bad.
+func (s *Server) vmAndPath(w http.ResponseWriter, r *http.Request) (*engine.VM, string, bool) {
+	vm, err := s.e.Get(r.PathValue("name"))
+	if err != nil {
+		writeError(w, err)
+		return nil, "", false
+	}
+	p, ok := guestPath(w, r)
+	return vm, p, ok
+}
+
 // guestPath is the "path" query parameter: an absolute guest path. It answers the error
 // itself and returns false when the parameter is missing or relative.
 func guestPath(w http.ResponseWriter, r *http.Request) (string, bool) {
@@ -26,12 +38,7 @@ func guestPath(w http.ResponseWriter, r *http.Request) (string, bool) {
 // copyIn extracts the request body, a tar stream, into the guest directory ?path=
 // (vsockd.Client.CopyIn: entries stay below it).
 func (s *Server) copyIn(w http.ResponseWriter, r *http.Request) {
-	vm, err := s.e.Get(r.PathValue("name"))
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	dir, ok := guestPath(w, r)
+	vm, dir, ok := s.vmAndPath(w, r)
 	if !ok {
 		return
 	}
@@ -83,12 +90,7 @@ func (l *lazyWriter) finish(err error) {
 
 // copyOut streams the guest path ?path= as a tar archive (vsockd.Client.CopyOut).
 func (s *Server) copyOut(w http.ResponseWriter, r *http.Request) {
-	vm, err := s.e.Get(r.PathValue("name"))
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	p, ok := guestPath(w, r)
+	vm, p, ok := s.vmAndPath(w, r)
 	if !ok {
 		return
 	}
@@ -98,12 +100,7 @@ func (s *Server) copyOut(w http.ResponseWriter, r *http.Request) {
 
 // stat answers a guest path's attributes.
 func (s *Server) stat(w http.ResponseWriter, r *http.Request) {
-	vm, err := s.e.Get(r.PathValue("name"))
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	p, ok := guestPath(w, r)
+	vm, p, ok := s.vmAndPath(w, r)
 	if !ok {
 		return
 	}

@@ -121,24 +121,15 @@ type starter func(ctx context.Context, req *vsockd.ExecRequest) (client.Process,
 // client holds it, that fails at once with ErrInUse (a daemon multiplexes any number of
 // execs on its one connection).
 func execStarter(ctx context.Context, cmd *cli.Command, name string) (starter, func(), error) {
-	api, err := connect(ctx, cmd)
+	api, c, err := daemonOrAgent(ctx, cmd, name)
 	if err != nil {
 		return nil, nil, err
 	}
-	if _, local := api.(*client.Local); !local {
+	if api != nil {
 		start := func(ctx context.Context, req *vsockd.ExecRequest) (client.Process, error) {
 			return api.Start(ctx, name, req)
 		}
 		return start, func() { api.Close() }, nil
-	}
-	target, err := localTarget(api.(*client.Local), name)
-	api.Close()
-	if err != nil {
-		return nil, nil, err
-	}
-	c, err := dialTarget(ctx, target)
-	if err != nil {
-		return nil, nil, err
 	}
 	start := func(ctx context.Context, req *vsockd.ExecRequest) (client.Process, error) {
 		p, err := c.Start(ctx, req)

@@ -89,28 +89,40 @@ func (d daemonFiles) Stat(ctx context.Context, p string) (fs.FileInfo, error) {
 	return d.api.Stat(ctx, d.name, p)
 }
 
-// guestFilesOf returns guestFiles for the VM name and what to call when done: through a
-// daemon, its API; otherwise the VM's agent, connected after the state directory was
-// released.
+// guestFilesOf returns guestFiles for the VM name and what to call when done.
 func guestFilesOf(ctx context.Context, cmd *cli.Command, name string) (guestFiles, func(), error) {
-	api, err := connect(ctx, cmd)
+	api, c, err := daemonOrAgent(ctx, cmd, name)
+	if err != nil {
+		return nil, nil, err
+	}
+	if api != nil {
+		return daemonFiles{api, name}, func() { api.Close() }, nil
+	}
+	return c, func() { c.Close() }, nil
+}
+
+// daemonOrAgent returns the daemon's API when a daemon answers (c nil); otherwise the
+// VM name's agent, connected after the state directory was released (api nil), since a
+// session or a copy may be long.
+func daemonOrAgent(ctx context.Context, cmd *cli.Command, name string) (api client.API, c *vsockd.Client, err error) {
+	api, err = connect(ctx, cmd)
 	if err != nil {
 		return nil, nil, err
 	}
 	l, local := api.(*client.Local)
 	if !local {
-		return daemonFiles{api, name}, func() { api.Close() }, nil
+		return api, nil, nil
 	}
 	target, err := localTarget(l, name)
 	api.Close()
 	if err != nil {
 		return nil, nil, err
 	}
-	c, err := dialTarget(ctx, target)
+	c, err = dialTarget(ctx, target)
 	if err != nil {
 		return nil, nil, err
 	}
-	return c, func() { c.Close() }, nil
+	return nil, c, nil
 }
 
 // vmPathRE matches VM:/path (the VM name rule of the engine).
