@@ -74,6 +74,9 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 			return nil, err
 		}
 	}
+	if err := checkRAMDirPages(e.paths.ram); err != nil {
+		return nil, err
+	}
 	if err := e.lock(ctx); err != nil {
 		return nil, err
 	}

@@ -443,3 +443,26 @@ func TestSecurityNameProperty(t *testing.T) {
 	}
 	_ = slices.Contains[[]string]
 }
+
+// TestSecurityHugePageRAMDir: a RAM directory on a tmpfs mounted with transparent huge
+// pages is refused when the engine opens (a fork of a fork restored a corrupt guest
+// there), with ErrInvalidSpec naming the mount option.
+func TestSecurityHugePageRAMDir(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	dir, err := os.MkdirTemp("/dev/shm", "fvhuge-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(dir)
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "huge=within_size,mode=0700,size=64m", "tmpfs", dir).CombinedOutput(); err != nil {
+		t.Skipf("mount tmpfs: %v %s", err, out)
+	}
+	defer exec.Command("umount", dir).Run()
+	home := t.TempDir()
+	_, err = engine.New(context.Background(), &engine.Config{StateDir: home, RAMDir: filepath.Join(dir, "ram")})
+	if !errors.Is(err, engine.ErrInvalidSpec) || !strings.Contains(err.Error(), "huge=within_size") {
+		t.Fatalf("engine on a huge-page RAM dir: %v, want ErrInvalidSpec naming huge=within_size", err)
+	}
+}

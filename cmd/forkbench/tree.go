@@ -72,7 +72,15 @@ type TreeLevel struct {
 	// the world's checkpoint file plus, for each checkpointed node, the guest pages it
 	// copied on write itself (VM.Memory GuestWritten - GuestLineage, from pagemap) — the
 	// guest's kernel and agent write pages besides the benchmark's files.
+	//
+	// LineageMB (MiB) is what the lineage itself keeps: the world checkpoint file's data
+	// when frozen plus each delta checkpoint's own layer. RAMFilesMB exceeds it by the
+	// zero pages running forks' writes fault into the root file's holes (tmpfs allocates
+	// a page cache page before the private copy), given back when a fork is deleted or
+	// checkpointed. GuestWrittenMB is a lower bound (a node's rewrites of pages its
+	// lineage gave it count as lineage).
 	RAMFilesMB     float64 `json:"ram_files_mb"`
+	LineageMB      float64 `json:"lineage_mb"`
 	WrittenMB      int     `json:"written_mb"`
 	GuestWrittenMB float64 `json:"guest_written_mb"`
 	// HostMemPerForkMB: MemAvailable drop while the level's children run, per child.
@@ -99,6 +107,7 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 	node, ckName := w.VM, "t0"
 	written := r.shape.DirtyMB
 	guestWritten := w.SharedFileMB
+	lineageMB := w.SharedFileMB
 	var levels []TreeLevel
 	var ckOfFork []float64
 	for lvl := 0; lvl < depth; lvl++ {
@@ -127,6 +136,9 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 				return fmt.Errorf("level %d: checkpoint of %s: %w", lvl, node.Name(), err)
 			}
 			L.CheckpointMS, L.CheckpointRAMMethod = ms(ck.Manifest.Timings.Total), ck.Manifest.RAMMethod
+			if n := len(ck.Manifest.Layers); n > 0 {
+				lineageMB += float64(ck.Manifest.Layers[n-1].Size) / (1 << 20)
+			}
 			L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS = ms(ck.Manifest.Timings.Migrate), ms(ck.Manifest.Timings.Extract), ms(ck.Manifest.Timings.Paused)
 			ckOfFork = append(ckOfFork, L.CheckpointMS)
 			r.addSample(Sample{Group: "checkpoint", Index: lvl, Name: ckName, OK: true, LatencyMS: L.CheckpointMS})
@@ -171,9 +183,10 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 			L.Verified++
 		}
 		L.RAMFilesMB = round3(float64(dirAllocated(r.ramDir, "ck-")) / (1 << 20))
+		L.LineageMB = round3(lineageMB)
 		levels = append(levels, L)
-		r.logf("level %d: checkpoint of %s %.0f ms (%s), %d forks p50 %.0f ms, RAM files %.0f MiB for %d MB written by the benchmark (%.0f MiB by the guests), %d/%d verified",
-			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, written, L.GuestWrittenMB, L.Verified, len(children))
+		r.logf("level %d: checkpoint of %s %.0f ms (%s), %d forks p50 %.0f ms, RAM files %.0f MiB (lineage %.0f MiB) for %d MB written by the benchmark (at least %.0f MiB by the guests), %d/%d verified",
+			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, L.LineageMB, written, L.GuestWrittenMB, L.Verified, len(children))
 		if len(children) == 0 {
 			break
 		}
@@ -194,13 +207,13 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 	}
 	r.res.Extra["levels"] = levels
 	pc := r.p50Headline("tree_checkpoint_of_fork_p50_ms", ckOfFork)
-	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files, against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
+	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files (lineage MB: the world file's frozen data + each delta checkpoint's own layer), against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
 		r.shape.DirtyMB, depth, branch, writeMB)
 	var b strings.Builder
-	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | migrate / extract / paused ms | fork of running node ms | fork p50 ms | RAM files MiB (written MB; by the guests MiB) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | migrate / extract / paused ms | fork of running node ms | fork p50 ms | RAM files MiB (lineage MiB; written MB; by the guests MiB, at least) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, L := range levels {
-		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%d; %.0f) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
-			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.WrittenMB, L.GuestWrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
+		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%.0f; %d; %.0f) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
+			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.LineageMB, L.WrittenMB, L.GuestWrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
 	}
 	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", b.String(), pc.P50, len(ckOfFork))
 	return nil
