@@ -53,7 +53,7 @@ func newApp() *cli.Command {
 		Usage: "create, checkpoint and fork QEMU VMs",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "home", Usage: "state directory", Sources: cli.EnvVars("FORKVM_HOME")},
-			&cli.StringFlag{Name: "socket", Usage: "the daemon's socket (default HOME/forkvm.sock); when given, a daemon must answer there", Sources: cli.EnvVars("FORKVM_SOCKET")},
+			&cli.StringFlag{Name: "socket", Usage: "the daemon's socket (default HOME/forkvm.sock): where forkvm serve listens; for other commands, a daemon must answer there when it is given", Sources: cli.EnvVars("FORKVM_SOCKET")},
 			&cli.StringFlag{Name: "accel", Usage: "accelerator: auto, kvm, hvf or tcg", Value: "auto"},
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 		},

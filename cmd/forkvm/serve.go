@@ -33,10 +33,11 @@ func serveCmd() *cli.Command {
 		Name:  "serve",
 		Usage: "run the daemon: own the state directory's engine and serve the HTTP/JSON API (docs/api.md)",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "socket", Usage: "unix socket (mode 0600); default: HOME/forkvm.sock"},
 			&cli.StringFlag{Name: "listen", Usage: "also listen on this TCP address (e.g. 127.0.0.1:7070); needs --token-file"},
 			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding the bearer token TCP requests must carry"},
 		},
+		// The unix socket (mode 0600) is the global --socket ($FORKVM_SOCKET), the one
+		// the CLI looks for; default HOME/forkvm.sock.
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 0 {
 				return fmt.Errorf("usage: forkvm serve [--socket PATH] [--listen ADDR --token-file FILE]")
