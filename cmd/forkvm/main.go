@@ -100,13 +100,15 @@ func connect(ctx context.Context, cmd *cli.Command) (client.API, error) {
 	if home == "" {
 		home = engine.DefaultStateDir()
 	}
-	sock := cmd.String("socket")
-	if sock == "" {
+	sock, explicit := cmd.String("socket"), cmd.String("socket") != ""
+	if !explicit {
 		sock = serve.SocketPath(home)
-	} else if !client.Answers(ctx, sock) {
+	}
+	answers := client.Answers(ctx, sock)
+	if explicit && !answers {
 		return nil, fmt.Errorf("%w: no forkvm daemon answers on %s", errNoDaemon, sock)
 	}
-	if client.Answers(ctx, sock) {
+	if answers {
 		if cmd.IsSet("accel") {
 			return nil, fmt.Errorf("%w: --accel is chosen by the daemon on %s (forkvm serve --accel)", engine.ErrInvalidSpec, sock)
 		}
