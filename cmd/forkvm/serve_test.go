@@ -92,6 +92,21 @@ func TestServeCmd(t *testing.T) {
 	if err := run(context.Background()); !errors.Is(err, engine.ErrLocked) {
 		t.Errorf("second daemon: %v, want ErrLocked", err)
 	}
+	// The CLI goes through the daemon (embedded, it would wait for the daemon's lock).
+	cli := func(args ...string) error {
+		cctx, ccancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer ccancel()
+		return newApp().Run(cctx, append([]string{"forkvm", "--home", home}, args...))
+	}
+	if err := cli("budget"); err != nil {
+		t.Errorf("budget through the daemon: %v", err)
+	}
+	if err := cli("--accel", "tcg", "ls"); !errors.Is(err, engine.ErrInvalidSpec) {
+		t.Errorf("--accel with a daemon: %v, want ErrInvalidSpec", err)
+	}
+	if err := cli("--socket", filepath.Join(home, "nobody.sock"), "ls"); !errors.Is(err, errNoDaemon) {
+		t.Errorf("--socket with no daemon there: %v, want errNoDaemon", err)
+	}
 	cancel()
 	select {
 	case err := <-done:
