@@ -116,7 +116,7 @@ func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuPro
 	// The marker outlives a crash from here to the resume (and the manifest's new disk
 	// chain); it goes after the resume, deferred before it so that it runs last.
 	marker := vm.path(checkpointingFile)
-	if err := os.WriteFile(marker, []byte(ck.Name+"\n"), 0o600); err != nil {
+	if err := writeJSON(marker, checkpointing{Checkpoint: ck.Name}); err != nil {
 		return err
 	}
 	defer os.Remove(marker)
@@ -157,3 +157,14 @@ func (w *ckWriter) cleanup() {
 
 // checkpoint is the committed checkpoint.
 func (w *ckWriter) checkpoint() *Checkpoint { return &Checkpoint{Manifest: *w.ck, Dir: w.final} }
+
+// checkpointing is the content of a VM's checkpointing marker: the checkpoint under way
+// and, for a handoff, where the VM's RAM file was and is being moved to (and the disk
+// overlay prepared for the restarted VM), so that the next engine can put them back.
+type checkpointing struct {
+	Checkpoint string `json:"checkpoint"`
+	Handoff    bool   `json:"handoff,omitempty"`
+	RAM        string `json:"ram,omitempty"`
+	RAMTmp     string `json:"ram_tmp,omitempty"`
+	NewTop     string `json:"new_top,omitempty"`
+}

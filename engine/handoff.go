@@ -21,6 +21,9 @@ import (
 //     overlay, its name and its token.
 func (e *Engine) checkpointHandoff(ctx context.Context, vm *VM, w *ckWriter) error {
 	ck := w.ck
+	// The marker (written by freezeForHandoff) outlives a crash until the VM runs again
+	// or failed for good: see VM.recoverHandoff.
+	defer os.Remove(vm.path(checkpointingFile))
 	paused, reflink, newTop, err := freezeForHandoff(ctx, vm, w)
 	if err != nil {
 		return err
@@ -77,12 +80,18 @@ func freezeForHandoff(ctx context.Context, vm *VM, w *ckWriter) (paused time.Tim
 	ramPath := vm.m.Launch.RAM.Path
 	layers := append([]DiskLayer(nil), vm.m.Launch.Disk...)
 	reflink = canReflink(ctx, layers, w.tmp)
+	mk := checkpointing{Checkpoint: ck.Name, Handoff: true, RAM: ramPath, RAMTmp: w.ramTmp}
 	if len(layers) > 0 && !reflink {
-		path := nextDiskPath(vm.dir, vm.m.DiskSeq)
-		if err := qemuImgCreate(ctx, w.qemuImg, path, layers[len(layers)-1], int64(vm.m.Spec.DiskMiB)<<20); err != nil {
+		mk.NewTop = nextDiskPath(vm.dir, vm.m.DiskSeq)
+	}
+	if err := writeJSON(vm.path(checkpointingFile), mk); err != nil {
+		return paused, false, nil, err
+	}
+	if mk.NewTop != "" {
+		if err := qemuImgCreate(ctx, w.qemuImg, mk.NewTop, layers[len(layers)-1], int64(vm.m.Spec.DiskMiB)<<20); err != nil {
 			return paused, false, nil, err
 		}
-		newTop = &DiskLayer{Path: path, Format: "qcow2"}
+		newTop = &DiskLayer{Path: mk.NewTop, Format: "qcow2"}
 	}
 	// undo puts everything back as it was; the old process resumes.
 	renamed := false

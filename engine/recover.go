@@ -2,6 +2,8 @@ package engine
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -28,6 +30,9 @@ import (
 //   - a VM whose checkpoint was cut short between its disk freeze and its resume is
 //     repaired (VM.recoverCheckpointing): migration cancelled, disk chain settled, guest
 //     resumed.
+//   - a VM whose handoff checkpoint the crash cut short (VM.recoverHandoff) runs on as
+//     before when the checkpoint was not committed; once it was, the RAM file is the
+//     checkpoint's and the VM is kept as dead (its QEMU killed): fork the checkpoint.
 //   - checkpoints (checkpointStore.reap): half-written ones, RAM files and temporary
 //     files nothing owns are removed; unpinned checkpoints without forks are collected.
 //   - the checkpoints of reaped forks get back the zero pages those forks faulted into
@@ -72,6 +77,10 @@ func recoverVMs(paths layout, reg *registry, log *slog.Logger) ([]string, error)
 			continue
 		}
 		vm := adoptVM(dir, log, m)
+		if mk, ok := readCheckpointing(vm.path(checkpointingFile)); ok && mk.Handoff {
+			vm.recoverHandoff(paths, log, mk)
+			m = &vm.m
+		}
 		if m.State == StateRunning {
 			// A manifest rewrite the crash cut short (writeJSON's temporary file).
 			os.Remove(filepath.Join(dir, manifestFile+".tmp"))
@@ -183,4 +192,49 @@ func migrationActive(status string) bool {
 		return false
 	}
 	return true
+}
+
+// readCheckpointing reads a VM's checkpointing marker.
+func readCheckpointing(path string) (checkpointing, bool) {
+	var mk checkpointing
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return mk, false
+	}
+	if json.Unmarshal(b, &mk) != nil {
+		return checkpointing{}, true // a marker without details: not a handoff
+	}
+	return mk, true
+}
+
+// recoverHandoff settles a VM whose engine died during a handoff checkpoint (its
+// marker says where the RAM file was going). Before the checkpoint was committed, the
+// RAM file and the disk go back as they were and the marker stays for
+// recoverCheckpointing, which resumes the old QEMU. After, the RAM file belongs to the
+// checkpoint and the old QEMU must never run again (it maps that file share=on): every
+// QEMU of the VM is killed, and the VM is kept, as dead, for its owner to see and
+// delete; the checkpoint holds its state (fork it to go on).
+func (vm *VM) recoverHandoff(paths layout, log *slog.Logger, mk checkpointing) {
+	if _, err := os.Stat(filepath.Join(paths.checkpointDir(mk.Checkpoint), manifestFile)); err != nil {
+		if mk.RAMTmp != "" && mk.RAM != "" {
+			if _, err := os.Stat(mk.RAM); errors.Is(err, os.ErrNotExist) {
+				if err := os.Rename(mk.RAMTmp, mk.RAM); err != nil {
+					log.Warn("recover: handoff cut short: cannot put the RAM file back", "vm", vm.m.Name, "err", err)
+				}
+			}
+		}
+		if mk.NewTop != "" {
+			os.Remove(mk.NewTop)
+		}
+		return
+	}
+	defer os.Remove(vm.path(checkpointingFile))
+	vm.kill()
+	killOrphans(&vm.m)
+	vm.mu.Lock()
+	vm.m.State = StateRunning // listed as dead: its QEMU is gone
+	err := vm.saveLocked()
+	vm.mu.Unlock()
+	log.Warn("recover: handoff cut short after its checkpoint was committed; the vm is dead, fork the checkpoint to go on",
+		"vm", vm.m.Name, "checkpoint", mk.Checkpoint, "err", err)
 }

@@ -797,3 +797,111 @@ func TestRobustKillEngineMidCheckpoint(t *testing.T) {
 	env.E = e3
 	deleteAll(t, env)
 }
+
+// TestRobustKillEngineMidHandoff kills an engine (SIGKILL) at a different moment of a
+// handoff checkpoint each round (the VM's RAM file becomes the checkpoint's and the VM
+// restarts as its fork), then opens a new engine: no partial checkpoint is left, and
+// the VM either runs with its data (the handoff not committed: the old QEMU resumed; or
+// completed) or, when the checkpoint was committed but the VM not restarted, is dead
+// while the checkpoint forks with the VM's data. A committed checkpoint is never
+// written to by a resumed old QEMU.
+func TestRobustKillEngineMidHandoff(t *testing.T) {
+	helper := engineHelper(t)
+	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second })
+	env.E.Close()
+	outcomes := map[string]int{}
+	for round, delay := range []time.Duration{0, 40 * time.Millisecond, 90 * time.Millisecond, 150 * time.Millisecond, 250 * time.Millisecond, 400 * time.Millisecond} {
+		name := fmt.Sprintf("h%d", round)
+		cmd := exec.Command(helper, "-state", env.Home, "-cache", cacheDir, "-kernel", imageInfo.Kernel,
+			"-initrd", imageInfo.Initrd, "-handoff", name)
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		sc := bufio.NewScanner(stdout)
+		ready := false
+		for !ready && sc.Scan() {
+			if l := sc.Text(); l == "READY" {
+				ready = true
+			} else if strings.HasPrefix(l, "ERROR") {
+				t.Fatalf("round %d: helper: %s\n%s", round, l, stderr.String())
+			}
+		}
+		if !ready {
+			cmd.Process.Kill()
+			cmd.Wait()
+			t.Fatalf("round %d: helper ended: %s", round, stderr.String())
+		}
+		time.Sleep(delay)
+		cmd.Process.Kill()
+		cmd.Wait()
+
+		e2, err := engine.New(context.Background(), &env.cfg)
+		if err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		env.E = e2
+		ctx := ctxT(t, 3*time.Minute)
+		for _, n := range dirNames(filepath.Join(env.Home, "checkpoints")) {
+			if strings.Contains(n, ".tmp") {
+				t.Errorf("round %d: half-written checkpoint left: %s", round, n)
+			}
+		}
+		if _, err := os.Stat(filepath.Join(env.Home, "vms", name, "checkpointing")); err == nil {
+			t.Errorf("round %d: the checkpointing marker is still there", round)
+		}
+		vm, err := e2.Get(name)
+		if err != nil {
+			t.Fatalf("round %d: the VM is gone: %v", round, err)
+		}
+		_, ckErr := e2.LoadCheckpoint(name + "-ck")
+		state := vm.Info().State
+		switch {
+		case state == engine.StateRunning:
+			ectx, cancel := context.WithTimeout(ctx, 45*time.Second)
+			var out bytes.Buffer
+			code, err := vm.Exec(ectx, &vsockd.ExecRequest{Argv: []string{"cat", "/data/m"}, Stdout: &out})
+			cancel()
+			if err != nil || code != 0 || out.String() != name+"\n" {
+				t.Fatalf("round %d: running VM after the crash: %q %d %v", round, out.String(), code, err)
+			}
+		case ckErr != nil:
+			t.Fatalf("round %d: the VM is %s and its checkpoint is missing: %v", round, state, ckErr)
+		}
+		outcome := fmt.Sprintf("vm %s, checkpoint %v", state, ckErr == nil)
+		outcomes[outcome]++
+		if ckErr == nil {
+			f, err := e2.Fork(ctx, name+"-ck", &engine.ForkOptions{Name: "f"})
+			if err != nil {
+				t.Fatalf("round %d (%s): fork of the checkpoint: %v", round, outcome, err)
+			}
+			if got := mustRun(t, f, "cat /data/m"); got != name {
+				t.Errorf("round %d (%s): the fork reads %q", round, outcome, got)
+			}
+			if err := e2.Delete(ctx, "f"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := e2.Delete(ctx, name); err != nil {
+			t.Fatal(err)
+		}
+		if ckErr == nil {
+			if err := e2.DeleteCheckpoint(ctx, name+"-ck", nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+		e2.Close()
+	}
+	t.Logf("outcomes: %v", outcomes)
+	e3, err := engine.New(context.Background(), &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E = e3
+	deleteAll(t, env)
+}

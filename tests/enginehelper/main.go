@@ -17,6 +17,10 @@
 //	    checkpoint c<i>, the previous one deleted, printing "CK <i> <vm>" after each; the
 //	    VM writes /data/<i> after its checkpoint. Runs until killed.
 //
+//	enginehelper -state DIR -cache DIR -kernel K -initrd I -handoff NAME
+//	    create the forkable world NAME with a 16 MiB disk, write NAME to /data/m, print
+//	    "READY", take the handoff checkpoint NAME-ck, print "CK", and block until killed.
+//
 //	enginehelper -dial SOCKET
 //	    connect to a unix socket and exit 0 on success, 3 when permission was denied,
 //	    4 on any other error (used to check other users cannot reach engine sockets).
@@ -46,6 +50,7 @@ func main() {
 	initrd := flag.String("initrd", "", "guest initramfs")
 	n := flag.Int("n", 6, "number of forks")
 	ckloop := flag.Bool("ckloop", false, "checkpoint the world in a loop")
+	handoff := flag.String("handoff", "", "create this world, then take a handoff checkpoint of it")
 	dial := flag.String("dial", "", "only dial this unix socket")
 	open := flag.String("open", "", "only open this file")
 	flag.Parse()
@@ -61,6 +66,13 @@ func main() {
 		exitFor(err)
 		f.Close()
 		os.Exit(0)
+	}
+	if *handoff != "" {
+		if err := runHandoff(*state, *cache, *kernel, *initrd, *handoff); err != nil {
+			fmt.Println("ERROR", err)
+			os.Exit(1)
+		}
+		select {}
 	}
 	if err := run(*state, *cache, *kernel, *initrd, *n, *ckloop); err != nil {
 		fmt.Println("ERROR", err)
@@ -145,5 +157,29 @@ func run(state, cache, kernel, initrd string, n int, ckloop bool) error {
 		}
 	}
 	fmt.Println("DONE")
+	return nil
+}
+
+func runHandoff(state, cache, kernel, initrd, name string) error {
+	ctx := context.Background()
+	e, err := engine.New(ctx, &engine.Config{
+		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
+		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second,
+	})
+	if err != nil {
+		return err
+	}
+	w, err := e.Create(ctx, engine.Spec{Name: name, CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
+	if err != nil {
+		return err
+	}
+	if code, err := w.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", "echo " + name + " > /data/m && sync"}}); err != nil || code != 0 {
+		return fmt.Errorf("write /data/m: %d %v", code, err)
+	}
+	fmt.Println("READY")
+	if _, err := e.Checkpoint(ctx, name, name+"-ck", &engine.CheckpointOptions{Handoff: true, Pin: true}); err != nil {
+		return err
+	}
+	fmt.Println("CK")
 	return nil
 }
