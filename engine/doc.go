@@ -44,7 +44,8 @@
 // e.g. mid-wave) the next Engine re-adopts every VM that was confirmed ready, told to
 // its caller or not, and kills and removes every one still on its way; a checkpoint
 // the crash cut short leaves nothing, and its VM is resumed with the disk chain QEMU
-// writes (recover.go).
+// writes (a handoff whose checkpoint was committed leaves the VM dead and the
+// checkpoint whole: recover.go).
 //
 // # Errors
 //
