@@ -691,6 +691,24 @@ func TestRobustCrashBeforePIDRecorded(t *testing.T) {
 	deleteAll(t, env)
 }
 
+// startEngineHelper starts the engine helper binary on env's state directory with
+// args; it returns the process, a scanner of its stdout and its stderr.
+func startEngineHelper(t *testing.T, helper string, env *testEnv, args ...string) (*exec.Cmd, *bufio.Scanner, *bytes.Buffer) {
+	t.Helper()
+	cmd := exec.Command(helper, append([]string{"-state", env.Home, "-cache", cacheDir, "-kernel", imageInfo.Kernel,
+		"-initrd", imageInfo.Initrd}, args...)...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	return cmd, bufio.NewScanner(stdout), &stderr
+}
+
 // TestRobustKillEngineMidCheckpoint kills an engine (SIGKILL) while it checkpoints a
 // world with a disk and a fork of it in turn (copy and delta checkpoints), at a different
 // moment each round, then opens a new engine: both VMs run (a guest a checkpoint left
@@ -704,19 +722,8 @@ func TestRobustKillEngineMidCheckpoint(t *testing.T) {
 	cut := 0
 	delays := []time.Duration{0, 30 * time.Millisecond, 70 * time.Millisecond, 120 * time.Millisecond, 180 * time.Millisecond, 260 * time.Millisecond}
 	for round, delay := range delays {
-		cmd := exec.Command(helper, "-state", env.Home, "-cache", cacheDir, "-kernel", imageInfo.Kernel,
-			"-initrd", imageInfo.Initrd, "-ckloop")
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		stdout, err := cmd.StdoutPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
+		cmd, sc, stderr := startEngineHelper(t, helper, env, "-ckloop")
 		pid := cmd.Process.Pid
-		sc := bufio.NewScanner(stdout)
 		// Kill after 2 or 3 checkpoints: the next one is of w or of fw.
 		cks := 0
 		for cks < 2+round%2 && sc.Scan() {
@@ -812,18 +819,7 @@ func TestRobustKillEngineMidHandoff(t *testing.T) {
 	outcomes := map[string]int{}
 	for round, delay := range []time.Duration{0, 40 * time.Millisecond, 90 * time.Millisecond, 150 * time.Millisecond, 250 * time.Millisecond, 400 * time.Millisecond} {
 		name := fmt.Sprintf("h%d", round)
-		cmd := exec.Command(helper, "-state", env.Home, "-cache", cacheDir, "-kernel", imageInfo.Kernel,
-			"-initrd", imageInfo.Initrd, "-handoff", name)
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		stdout, err := cmd.StdoutPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		sc := bufio.NewScanner(stdout)
+		cmd, sc, stderr := startEngineHelper(t, helper, env, "-handoff", name)
 		ready := false
 		for !ready && sc.Scan() {
 			if l := sc.Text(); l == "READY" {
