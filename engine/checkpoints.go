@@ -9,6 +9,16 @@ func (e *Engine) LoadCheckpoint(name string) (*Checkpoint, error) { return e.cks
 // Checkpoints lists checkpoints with their live forks (an empty list, never nil).
 func (e *Engine) Checkpoints() ([]CheckpointInfo, error) { return e.cks.list(e.vms.forksByParent()) }
 
+// CheckpointInfo returns one checkpoint with its live forks, as Checkpoints lists it
+// (its manifest is read, its files are not verified: see LoadCheckpoint).
+func (e *Engine) CheckpointInfo(name string) (CheckpointInfo, error) {
+	c, err := e.cks.read(name)
+	if err != nil {
+		return CheckpointInfo{}, err
+	}
+	return CheckpointInfo{CheckpointManifest: c.Manifest, Forks: e.vms.forksByParent()[name]}, nil
+}
+
 // SetPinned pins or unpins a checkpoint. Unpinning a checkpoint whose forks are all gone
 // deletes it.
 func (e *Engine) SetPinned(ctx context.Context, name string, pinned bool) error {

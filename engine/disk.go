@@ -105,9 +105,7 @@ func (d *diskFreeze) commit(ctx context.Context, ck *CheckpointManifest) error {
 	if ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.m.Launch.Disk, d.tmpDir, false); err != nil {
 		return err
 	}
-	d.m.Launch.Disk = append(d.m.Launch.Disk, DiskLayer{Path: d.newPath, Format: "qcow2"})
-	d.m.DiskNode = d.newNode
-	d.m.DiskSeq++
+	d.m.pushOverlay(d.newNode, d.newPath)
 	return nil
 }
 

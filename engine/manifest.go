@@ -165,6 +165,14 @@ func parseToken(s string) ([16]byte, error) {
 	return t, nil
 }
 
+// pushOverlay records that the VM now writes the qcow2 overlay path, block node node,
+// on top of its disk chain (a checkpoint's disk freeze switched it there).
+func (m *manifest) pushOverlay(node, path string) {
+	m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: path, Format: "qcow2"})
+	m.DiskNode = node
+	m.DiskSeq++
+}
+
 // writeJSON writes v atomically (temp file + rename) with mode 0600.
 func writeJSON(path string, v any) error {
 	b, err := json.MarshalIndent(v, "", "  ")

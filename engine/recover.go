@@ -165,9 +165,7 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 		}
 		if switched {
 			vm.mu.Lock()
-			vm.m.Launch.Disk = append(vm.m.Launch.Disk, DiskLayer{Path: path, Format: "qcow2"})
-			vm.m.DiskNode = node
-			vm.m.DiskSeq++
+			vm.m.pushOverlay(node, path)
 			err := vm.saveLocked()
 			vm.mu.Unlock()
 			log.Info("recover: adopted the disk overlay of a checkpoint cut short", "vm", vm.m.Name, "overlay", path, "err", err)

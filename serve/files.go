@@ -163,29 +163,12 @@ func (s *Server) reap(w http.ResponseWriter, r *http.Request) {
 
 // getCheckpoint answers one checkpoint with its live forks.
 func (s *Server) getCheckpoint(w http.ResponseWriter, r *http.Request) {
-	info, err := s.checkpointInfo(r.PathValue("name"))
+	info, err := s.e.CheckpointInfo(r.PathValue("name"))
 	if err != nil {
 		writeError(w, err)
 		return
 	}
 	writeJSON(w, http.StatusOK, NewCheckpointObject(info))
-}
-
-// checkpointInfo finds a checkpoint in the engine's list (which carries its forks).
-func (s *Server) checkpointInfo(name string) (engine.CheckpointInfo, error) {
-	cks, err := s.e.Checkpoints()
-	if err != nil {
-		return engine.CheckpointInfo{}, err
-	}
-	for _, c := range cks {
-		if c.Name == name {
-			return c, nil
-		}
-	}
-	if _, err := s.e.LoadCheckpoint(name); err != nil {
-		return engine.CheckpointInfo{}, err
-	}
-	return engine.CheckpointInfo{}, fmt.Errorf("%w: checkpoint %s", engine.ErrNotFound, name)
 }
 
 // patchCheckpoint pins or unpins a checkpoint ({"pinned": bool}).
@@ -203,7 +186,7 @@ func (s *Server) patchCheckpoint(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	info, err := s.checkpointInfo(name)
+	info, err := s.e.CheckpointInfo(name)
 	if err != nil {
 		// Unpinned without forks: SetPinned deleted it.
 		w.WriteHeader(http.StatusNoContent)

@@ -352,7 +352,7 @@ func (s *Server) checkpoint(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	info, err := s.checkpointInfo(ck.Manifest.Name)
+	info, err := s.e.CheckpointInfo(ck.Manifest.Name)
 	if err != nil {
 		info = engine.CheckpointInfo{CheckpointManifest: ck.Manifest}
 	}

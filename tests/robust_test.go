@@ -151,22 +151,11 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 	// The helper process owns the state dir until it is killed.
 	env.E.Close()
 
-	cmd := exec.Command(helper, "-state", env.Home, "-cache", cacheDir, "-kernel", imageInfo.Kernel,
-		"-initrd", imageInfo.Initrd, "-n", "6")
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	cmd, sc, stderr := startEngineHelper(t, helper, env, "-n", "6")
 	helperPID := cmd.Process.Pid
 	t.Cleanup(func() { syscall.Kill(helperPID, syscall.SIGKILL); cmd.Wait() })
 	lines := make(chan string, 64)
 	go func() {
-		sc := bufio.NewScanner(stdout)
 		for sc.Scan() {
 			lines <- sc.Text()
 		}

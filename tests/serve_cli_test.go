@@ -245,7 +245,7 @@ func TestServeCLI(t *testing.T) {
 
 	// Without a daemon the CLI embeds the engine; a second exec on a port another CLI
 	// exec holds fails at once, saying why.
-	daemon.cmd.Process.Signal(syscall.SIGTERM)
+	daemon.stop()
 	select {
 	case err := <-attDone:
 		if err == nil {
@@ -254,12 +254,6 @@ func TestServeCLI(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		att.Process.Kill()
 		t.Fatalf("an exec attached to a stopping daemon did not end")
-	}
-	for i := 0; i < 300; i++ {
-		if _, err := os.Lstat(sock); err != nil {
-			break
-		}
-		time.Sleep(100 * time.Millisecond)
 	}
 	long := exec.Command(filepath.Join(binDir, "forkvm"), "exec", "s1", "--", "sh", "-c", "echo holding; sleep 30")
 	long.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)

@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -348,51 +347,12 @@ func TestServeDaemonRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := serve.SocketPath(home)
-	var daemon *exec.Cmd
-	start := func() {
-		t.Helper()
-		daemon = exec.Command(filepath.Join(binDir, "forkvm"), "serve")
-		daemon.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
-		var logb bytes.Buffer
-		daemon.Stdout, daemon.Stderr = &logb, &logb
-		if err := daemon.Start(); err != nil {
-			t.Fatal(err)
-		}
-		deadline := time.Now().Add(30 * time.Second)
-		for {
-			if c, err := net.Dial("unix", sock); err == nil {
-				c.Close()
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("daemon did not listen: %s", logb.String())
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-	stop := func() {
-		t.Helper()
-		daemon.Process.Signal(syscall.SIGTERM)
-		done := make(chan error, 1)
-		go func() { done <- daemon.Wait() }()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("daemon exit: %v", err)
-			}
-		case <-time.After(30 * time.Second):
-			daemon.Process.Kill()
-			<-done
-			t.Fatal("daemon did not stop on SIGTERM")
-		}
-		daemon = nil
-	}
+	logs := t.TempDir()
+	var daemon *daemonProc
+	start := func() { daemon = startDaemon(t, home, sock, filepath.Join(logs, "daemon.log")) }
+	stop := func() { daemon.stop() }
 	t.Cleanup(func() {
-		if daemon != nil {
-			daemon.Process.Kill()
-			daemon.Wait()
-		}
-		// Whatever is left goes with a CLI run (which takes the lock the daemon held).
+		// Each daemon is killed at the end if it still runs (startDaemon). Whatever is left goes with a CLI run (which takes the lock the daemon held).
 		cli := exec.Command(filepath.Join(binDir, "forkvm"), "rm", "r1")
 		cli.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
 		cli.Run()

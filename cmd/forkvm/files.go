@@ -20,19 +20,6 @@ import (
 	"github.com/forkvm/forkvm/vsockd"
 )
 
-// localTarget resolves a running VM's agent target in an embedded engine; a dead VM
-// fails at once with ErrNotRunning, instead of retrying its agent socket.
-func localTarget(l *client.Local, name string) (engine.AgentTarget, error) {
-	vm, err := l.E.Get(name)
-	if err != nil {
-		return engine.AgentTarget{}, err
-	}
-	if vm.Info().State == engine.StateDead {
-		return engine.AgentTarget{}, fmt.Errorf("%w: %s", engine.ErrNotRunning, name)
-	}
-	return vm.Target(), nil
-}
-
 // dialTarget connects to the agent behind target. A virtio-serial port serves one host
 // connection at a time and a second one waits unanswered: a port another client holds
 // fails at once with ErrInUse, and the handshake is bounded by handshakeTimeout.
@@ -113,12 +100,12 @@ func daemonOrAgent(ctx context.Context, cmd *cli.Command, name string) (api clie
 	if !local {
 		return api, nil, nil
 	}
-	target, err := localTarget(l, name)
+	vm, err := l.Running(name)
 	api.Close()
 	if err != nil {
 		return nil, nil, err
 	}
-	c, err = dialTarget(ctx, target)
+	c, err = dialTarget(ctx, vm.Target())
 	if err != nil {
 		return nil, nil, err
 	}

@@ -172,9 +172,9 @@ func (l *Local) Memory(ctx context.Context, name string) (*engine.MemoryUsage, e
 	return vm.Memory(ctx)
 }
 
-// running returns the named VM, failing at once with ErrNotRunning for a dead one
+// Running returns the named VM, failing at once with ErrNotRunning for a dead one
 // (instead of waiting for its agent).
-func (l *Local) running(name string) (*engine.VM, error) {
+func (l *Local) Running(name string) (*engine.VM, error) {
 	vm, err := l.E.Get(name)
 	if err != nil {
 		return nil, err
@@ -186,7 +186,7 @@ func (l *Local) running(name string) (*engine.VM, error) {
 }
 
 func (l *Local) Exec(ctx context.Context, name string, req *vsockd.ExecRequest) (int, error) {
-	vm, err := l.running(name)
+	vm, err := l.Running(name)
 	if err != nil {
 		return -1, err
 	}
@@ -194,7 +194,7 @@ func (l *Local) Exec(ctx context.Context, name string, req *vsockd.ExecRequest) 
 }
 
 func (l *Local) Start(ctx context.Context, name string, req *vsockd.ExecRequest) (Process, error) {
-	vm, err := l.running(name)
+	vm, err := l.Running(name)
 	if err != nil {
 		return nil, err
 	}
@@ -206,7 +206,7 @@ func (l *Local) Start(ctx context.Context, name string, req *vsockd.ExecRequest)
 }
 
 func (l *Local) CopyIn(ctx context.Context, name, dir string, r io.Reader) error {
-	vm, err := l.running(name)
+	vm, err := l.Running(name)
 	if err != nil {
 		return err
 	}
@@ -214,7 +214,7 @@ func (l *Local) CopyIn(ctx context.Context, name, dir string, r io.Reader) error
 }
 
 func (l *Local) CopyOut(ctx context.Context, name, p string, w io.Writer) error {
-	vm, err := l.running(name)
+	vm, err := l.Running(name)
 	if err != nil {
 		return err
 	}
@@ -222,7 +222,7 @@ func (l *Local) CopyOut(ctx context.Context, name, p string, w io.Writer) error 
 }
 
 func (l *Local) Stat(ctx context.Context, name, p string) (fs.FileInfo, error) {
-	vm, err := l.running(name)
+	vm, err := l.Running(name)
 	if err != nil {
 		return nil, err
 	}
@@ -242,19 +242,7 @@ func (l *Local) Checkpoints(context.Context) ([]engine.CheckpointInfo, error) {
 }
 
 func (l *Local) GetCheckpoint(_ context.Context, name string) (engine.CheckpointInfo, error) {
-	cks, err := l.E.Checkpoints()
-	if err != nil {
-		return engine.CheckpointInfo{}, err
-	}
-	for _, c := range cks {
-		if c.Name == name {
-			return c, nil
-		}
-	}
-	if _, err := l.E.LoadCheckpoint(name); err != nil {
-		return engine.CheckpointInfo{}, err
-	}
-	return engine.CheckpointInfo{}, fmt.Errorf("%w: checkpoint %s", engine.ErrNotFound, name)
+	return l.E.CheckpointInfo(name)
 }
 
 func (l *Local) Checkpoint(ctx context.Context, vmName, name string, opts *engine.CheckpointOptions) (engine.CheckpointInfo, error) {
@@ -262,7 +250,7 @@ func (l *Local) Checkpoint(ctx context.Context, vmName, name string, opts *engin
 	if err != nil {
 		return engine.CheckpointInfo{}, err
 	}
-	if info, err := l.GetCheckpoint(ctx, ck.Manifest.Name); err == nil {
+	if info, err := l.E.CheckpointInfo(ck.Manifest.Name); err == nil {
 		return info, nil
 	}
 	return engine.CheckpointInfo{CheckpointManifest: ck.Manifest}, nil
