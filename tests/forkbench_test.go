@@ -1,11 +1,16 @@
 package tests
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"encoding/xml"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -40,12 +45,20 @@ type forkbenchResult struct {
 	} `json:"environment"`
 	Method   string   `json:"method"`
 	Caveats  []string `json:"caveats"`
+	Complete bool     `json:"complete"`
 	OK       bool     `json:"ok"`
 	Failures *int     `json:"failures"`
 }
 
 // runForkbench runs the forkbench binary with args plus --out and returns the result.
 func runForkbench(t *testing.T, bin string, args ...string) (*forkbenchResult, string) {
+	t.Helper()
+	r, stdout, _ := runForkbenchOut(t, bin, args...)
+	return r, stdout
+}
+
+// runForkbenchOut is runForkbench that also returns the output directory.
+func runForkbenchOut(t *testing.T, bin string, args ...string) (*forkbenchResult, string, string) {
 	t.Helper()
 	out := filepath.Join(t.TempDir(), "out")
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
@@ -73,7 +86,7 @@ func runForkbench(t *testing.T, bin string, args ...string) (*forkbenchResult, s
 			t.Errorf("%s missing or empty: %v", f, err)
 		}
 	}
-	return &r, string(stdout)
+	return &r, string(stdout), out
 }
 
 // checkCommon checks the fields every result carries.
@@ -130,19 +143,23 @@ func TestForkbench(t *testing.T) {
 	shape := map[string]int{"cpus": 2, "memory_mb": 512, "dirty_mb": 32, "disk_mb": 16}
 
 	t.Run("fanout", func(t *testing.T) {
-		r, stdout := runForkbench(t, bin, append([]string{"fanout", "--waves", "2,4", "--json"}, small...)...)
+		// A budget of 4 vCPUs holds the 2-wave but not the 4-wave of 2-vCPU forks: the
+		// waves run at that setting first (the 4-wave stops at 2 forks), then at the
+		// overcommit that fits, labelled non-default.
+		oc := strconv.FormatFloat(4/float64(runtime.NumCPU()), 'f', -1, 64)
+		r, stdout, out := runForkbenchOut(t, bin, append([]string{"fanout", "--waves", "2,4", "--overcommit", oc, "--json"}, small...)...)
 		checkCommon(t, r, "fanout", shape)
 		var echoed map[string]any
 		if err := json.Unmarshal([]byte(stdout), &echoed); err != nil || echoed["schema"] != "forkvm.bench-result/v1" {
 			t.Errorf("--json did not print result.json: %v %.200q", err, stdout)
 		}
-		if r.Metric != "wave4_wall_s" || r.Unit != "s" || r.N != 4 || r.Value > 60 {
-			t.Errorf("metric %s = %v %s (n %d)", r.Metric, r.Value, r.Unit, r.N)
+		if r.Metric != "wave4_wall_s" || r.Unit != "s" || r.N != 4 || r.Value > 60 || !r.Complete {
+			t.Errorf("metric %s = %v %s (n %d, complete %v)", r.Metric, r.Value, r.Unit, r.N, r.Complete)
 		}
 		waves, _ := r.Extra["waves"].(map[string]any)
 		for _, w := range []string{"wave2", "wave4"} {
 			ws, _ := waves[w].(map[string]any)
-			if ws == nil || ws["ready"] != float64(map[string]int{"wave2": 2, "wave4": 4}[w]) {
+			if ws == nil || ws["ready"] != float64(map[string]int{"wave2": 2, "wave4": 4}[w]) || ws["complete"] != true || ws["ok"] != true {
 				t.Errorf("%s = %v", w, ws)
 				continue
 			}
@@ -151,9 +168,45 @@ func TestForkbench(t *testing.T) {
 				t.Errorf("%s isolation = %v", w, iso)
 			}
 		}
-		for _, k := range []string{"checkpoint_ms", "shared_file_mb", "private_mb_per_fork"} {
+		for _, k := range []string{"checkpoint_ms", "shared_file_mb", "private_mb_per_fork", "wave4_wall_s", "wave2_wall_s", "wave4_fork_ms_p50",
+			"private_mb_per_fork_4", "shared_file_mb_4", "default_settings_wave2_wall_s"} {
 			if v, _ := r.Extra[k].(float64); v <= 0 {
 				t.Errorf("extra.%s = %v", k, r.Extra[k])
+			}
+		}
+		if r.Percentiles["fork_ms_p50"] <= 0 || r.Percentiles["fork_ms_max"] < r.Percentiles["fork_ms_p50"] {
+			t.Errorf("percentiles = %v", r.Percentiles)
+		}
+		// The pass at the given setting: the 4-wave was partial, named so and not a figure.
+		def, _ := r.Extra["default_settings"].(map[string]any)
+		dw, _ := def["waves"].(map[string]any)
+		d4, _ := dw["wave4"].(map[string]any)
+		stop, _ := d4["admission_stop"].(map[string]any)
+		if d4["complete"] != false || d4["ok"] != false || stop == nil || len(stop["refused_names"].([]any)) != int(d4["refused"].(float64)) {
+			t.Errorf("default_settings wave4 = %v", d4)
+		}
+		if _, ok := r.Extra["default_settings_wave4_wall_s"]; ok || r.Extra["default_settings_wave4_admitted"] == 4.0 {
+			t.Errorf("partial wave given a figure: %v", r.Extra)
+		}
+		fit, _ := r.Environment.Settings["fit"].(map[string]any)
+		if fit["non_default"] != true || fit["default_pass"] != true || fit["headline_overcommit"].(float64)*float64(runtime.NumCPU()) < 8 {
+			t.Errorf("fit = %v", fit)
+		}
+		report, _ := os.ReadFile(filepath.Join(out, "report.md"))
+		for _, want := range []string{"NON-DEFAULT", "## Against the published figures", "](fanout.svg)", "Memory per fork (wave4)"} {
+			if !strings.Contains(string(report), want) {
+				t.Errorf("report.md lacks %q", want)
+			}
+		}
+		svg, err := os.ReadFile(filepath.Join(out, "fanout.svg"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for dec := xml.NewDecoder(bytes.NewReader(svg)); ; {
+			if _, err := dec.Token(); err == io.EOF {
+				break
+			} else if err != nil {
+				t.Fatalf("fanout.svg: %v", err)
 			}
 		}
 	})

@@ -2,11 +2,13 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"sort"
 	"strconv"
 	"strings"
 
@@ -128,4 +130,71 @@ func countFiles(dir string) int {
 		return nil
 	})
 	return n
+}
+
+// OtherVMs sorts the qemu-system processes that are not this run's: forkvm VMs by the
+// state directory they belong to (another engine, another user's FORKVM_HOME) and other
+// QEMU processes. Its JSON is environment.other_vms_detail.
+type OtherVMs struct {
+	ByStateDir map[string]int `json:"forkvm_by_state_dir"`
+	NotForkvm  int            `json:"not_forkvm"`
+}
+
+// classifyOthers sorts pids (qemu-system processes) into OtherVMs by their command lines.
+func classifyOthers(pids []int) OtherVMs {
+	o := OtherVMs{ByStateDir: map[string]int{}}
+	for _, pid := range pids {
+		args, err := memfile.ProcessArgs(pid)
+		if dir := stateDirOf(args); err == nil && dir != "" {
+			o.ByStateDir[dir]++
+		} else {
+			o.NotForkvm++
+		}
+	}
+	return o
+}
+
+// stateDirOf is the forkvm state directory of a QEMU command line ("" when it is not a
+// forkvm VM): the engine names its processes "forkvm-NAME" and writes the console to
+// STATEDIR/vms/NAME/serial.log.
+func stateDirOf(args []string) string {
+	forkvm := false
+	var console string
+	for i, a := range args {
+		if a == "-name" && i+1 < len(args) && strings.Contains(args[i+1], "process=forkvm-") {
+			forkvm = true
+		}
+		if a == "-chardev" && i+1 < len(args) && strings.HasPrefix(args[i+1], "file,id=console,path=") {
+			console = strings.ReplaceAll(strings.TrimPrefix(args[i+1], "file,id=console,path="), ",,", ",")
+		}
+	}
+	if !forkvm || console == "" {
+		return ""
+	}
+	vmDir := filepath.Dir(console)
+	if vms := filepath.Dir(vmDir); filepath.Base(vms) == "vms" {
+		return filepath.Dir(vms)
+	}
+	return vmDir
+}
+
+// otherVMsText is the report's sentence for the other VMs on the host.
+func otherVMsText(total int, o *OtherVMs) string {
+	if o == nil || total == 0 {
+		return fmt.Sprintf("%d", total)
+	}
+	dirs := make([]string, 0, len(o.ByStateDir))
+	for d := range o.ByStateDir {
+		dirs = append(dirs, d)
+	}
+	sort.Strings(dirs)
+	var parts []string
+	for _, d := range dirs {
+		parts = append(parts, fmt.Sprintf("%s %d", d, o.ByStateDir[d]))
+	}
+	s := fmt.Sprintf("%d (forkvm VMs of %d other state directories", total, len(dirs))
+	if len(parts) > 0 {
+		s += ": " + strings.Join(parts, ", ")
+	}
+	return s + fmt.Sprintf("; %d QEMU processes not forkvm's)", o.NotForkvm)
 }

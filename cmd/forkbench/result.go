@@ -33,8 +33,11 @@ type Result struct {
 	Environment Environment    `json:"environment"`
 	Method      string         `json:"method"`
 	Caveats     []string       `json:"caveats"`
-	OK          bool           `json:"ok"`
-	Failures    int            `json:"failures"`
+	// Complete is false when what the headline stands for was not all measured (fanout:
+	// a wave of the headline pass was not all admitted or ready); OK is then false too.
+	Complete bool `json:"complete"`
+	OK       bool `json:"ok"`
+	Failures int  `json:"failures"`
 }
 
 // BuildInfo identifies what was measured.
@@ -76,6 +79,8 @@ type Environment struct {
 	Settings      Settings `json:"settings"`
 	LoadAvgBefore string   `json:"load_avg_before"`
 	OtherVMs      int      `json:"other_vms"`
+	// OtherVMsDetail sorts OtherVMs: forkvm VMs per other state directory, and the rest.
+	OtherVMsDetail *OtherVMs `json:"other_vms_detail,omitempty"`
 }
 
 // Sample is one row of samples.csv.

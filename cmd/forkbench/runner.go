@@ -53,7 +53,19 @@ type runner struct {
 	// notOK marks a run whose measurement says it is not ok although nothing failed (a
 	// soak whose resources are not flat).
 	notOK bool
+	// incomplete marks a run whose headline does not stand for all it was asked to
+	// measure (result complete: false, ok: false).
+	incomplete bool
+	// headlineNote is added to the terminal's headline line; summary goes above the
+	// report's comparison table; files are written beside result.json.
+	headlineNote string
+	summary      string
+	files        map[string][]byte
 }
+
+// engineOvercommitter is a Settings that gives the engine an overcommit other than
+// --overcommit (fanout with a warm pool, whose admission uses the engine's).
+type engineOvercommitter interface{ engineOvercommit() float64 }
 
 // Settings is a subcommand's environment.settings in result.json: its own flags, and the
 // RunSettings every run records (embedded; runBench fills them in).
@@ -144,7 +156,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 		home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
 		vmgenid: cmd.Bool("vmgenid"),
-		held:    map[string]bool{}, heldCks: map[string]bool{},
+		held:    map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{},
 	}
 	if r.shape.Image != "" {
 		r.shape.StateMB = cmd.Int("state-mb")
@@ -181,9 +193,16 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 	}
 	_, others := qemuProcs(r.home)
 	r.res.Environment.OtherVMs = len(others)
+	if len(others) > 0 {
+		o := classifyOthers(others)
+		r.res.Environment.OtherVMsDetail = &o
+	}
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
 		Experimental: engine.Experimental{RestoreConcurrency: cmd.Int("restore-concurrency"), TBSizeMiB: cmd.Int("tb-size"),
 			TCGThread: engine.TCGThread(cmd.String("tcg-thread"))}}
+	if eo, ok := settings.(engineOvercommitter); ok && eo.engineOvercommit() > 0 {
+		cfg.Overcommit = eo.engineOvercommit()
+	}
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
@@ -205,7 +224,8 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 		r.caveat("accelerator is TCG (no usable KVM): guest execution is emulated, so guest-side work (commands, md5sum) is far slower than under KVM")
 	}
 	if r.res.Environment.OtherVMs > 0 {
-		r.caveat("%d other qemu-system processes were running on the host at start (not ours): timings are noisy", r.res.Environment.OtherVMs)
+		r.caveat("other qemu-system processes were running on the host at start (not ours): %s: timings are noisy",
+			otherVMsText(r.res.Environment.OtherVMs, r.res.Environment.OtherVMsDetail))
 	}
 
 	runErr := fn(r)
@@ -215,7 +235,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 	r.cleanup()
 
 	r.res.Failures = r.failures
-	r.res.OK = runErr == nil && r.failures == 0 && !r.notOK
+	r.res.Complete, r.res.OK = r.status(runErr)
 	if runErr != nil {
 		r.caveat("run broke: %v", runErr)
 	}
@@ -226,14 +246,28 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 			r.logf("trace: %v", err)
 		}
 	}
-	if err := writeOutputs(r.outDir, r.res, r.samples, r.renderReport()); err != nil {
+	ref := reference()
+	rows := compareWithReference(r.res, ref)
+	if err := writeOutputs(r.outDir, r.res, r.samples, r.renderReport(ref, rows)); err != nil {
 		return fmt.Errorf("write results: %w", err)
+	}
+	for name, b := range r.files {
+		if err := os.WriteFile(filepath.Join(r.outDir, name), b, 0o644); err != nil {
+			return fmt.Errorf("write results: %w", err)
+		}
 	}
 	if r.jsonOut {
 		_ = writeResultJSON(os.Stdout, r.res)
 	}
-	fmt.Fprintf(os.Stderr, "forkbench %s: %s = %s %s (%s, n=%d) ok=%v failures=%d -> %s\n", bench, r.res.Metric,
-		fnum(r.res.Value), r.res.Unit, r.res.Stat, r.res.N, r.res.OK, r.res.Failures, r.outDir)
+	if t := terminalTable(r.res, ref, rows); t != "" {
+		fmt.Fprintf(os.Stderr, "\nforkbench %s against the published figures (%s; machines differ: not like for like):\n%s\n", bench, ref.Name, t)
+	}
+	note := ""
+	if r.headlineNote != "" {
+		note = " [" + r.headlineNote + "]"
+	}
+	fmt.Fprintf(os.Stderr, "forkbench %s: %s = %s %s (%s, n=%d) complete=%v ok=%v failures=%d%s -> %s\n", bench, r.res.Metric,
+		fnum(r.res.Value), r.res.Unit, r.res.Stat, r.res.N, r.res.Complete, r.res.OK, r.res.Failures, note, r.outDir)
 	switch {
 	case runErr != nil:
 		return runErr
@@ -241,6 +275,13 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 		return fmt.Errorf("%s: %w (failures=%d)", bench, errNotOK, r.failures)
 	}
 	return nil
+}
+
+// status is the run's complete and ok: a broken run is neither; an incomplete one is not
+// ok; failures and a measurement that says not ok (notOK) make it not ok.
+func (r *runner) status(runErr error) (complete, ok bool) {
+	complete = runErr == nil && !r.incomplete
+	return complete, complete && r.failures == 0 && !r.notOK
 }
 
 // cleanup deletes every VM and checkpoint (except those --hold keeps), closes the engine
@@ -306,20 +347,30 @@ func (r *runner) cleanup() {
 	}
 }
 
-// renderReport builds report.md.
-func (r *runner) renderReport() string {
+// renderReport builds report.md: the headline, the side-by-side table with the
+// reference (rows), then the method and every section.
+func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 	res := r.res
 	var b strings.Builder
 	fmt.Fprintf(&b, "# forkbench %s\n\n", res.Bench)
-	fmt.Fprintf(&b, "**%s = %s %s** (%s, n=%d) — ok: %v, failures: %d\n\n", res.Metric, fnum(res.Value), res.Unit, res.Stat, res.N, res.OK, res.Failures)
+	fmt.Fprintf(&b, "**%s = %s %s** (%s, n=%d) — complete: %v, ok: %v, failures: %d\n\n", res.Metric, fnum(res.Value), res.Unit, res.Stat, res.N, res.Complete, res.OK, res.Failures)
+	if r.headlineNote != "" {
+		fmt.Fprintf(&b, "**%s**\n\n", r.headlineNote)
+	}
 	p := res.Percentiles
 	fmt.Fprintf(&b, "percentiles: p50 %s, p90 %s, p95 %s, p99 %s, min %s, max %s\n\n", fnum(p.P50), fnum(p.P90), fnum(p.P95), fnum(p.P99), fnum(p.Min), fnum(p.Max))
 	fmt.Fprintf(&b, "Measured %s on %s (%d CPUs, %.1f GB, %s, kernel %s, accel %s); forkvm %s, QEMU %s, guest kernel %s, %s.\n\n",
 		res.MeasuredAt, res.Host.Model, res.Host.CPUs, res.Host.MemoryGB, res.Host.OS, res.Host.Kernel, res.Host.Accel,
 		res.Build.Forkvm, res.Build.QEMU, res.Build.Kernel, res.Build.Go)
 	s := res.Environment.Shape
-	fmt.Fprintf(&b, "World: %d vCPU, %d MiB RAM, %d MB dirtied, %d MiB disk. Load before: %s. Other VMs on the host: %d.\n\n",
-		s.CPUs, s.MemoryMiB, s.DirtyMB, s.DiskMiB, res.Environment.LoadAvgBefore, res.Environment.OtherVMs)
+	fmt.Fprintf(&b, "World: %d vCPU, %d MiB RAM, %d MB dirtied, %d MiB disk. Load before: %s. Other VMs on the host: %s.\n\n",
+		s.CPUs, s.MemoryMiB, s.DirtyMB, s.DiskMiB, res.Environment.LoadAvgBefore, otherVMsText(res.Environment.OtherVMs, res.Environment.OtherVMsDetail))
+	b.WriteString(r.summary)
+	if t := comparisonTable(res, ref, rows); t != "" {
+		fmt.Fprintf(&b, "## Against the published figures\n\n%s\n", t)
+		fmt.Fprintf(&b, "Reference: %s Machines: forkvm %s (%s); reference %s. Ratio = forkvm / reference (lower is faster or smaller). forkvm memory is MiB; the reference says MB. A partial wave gives no ratio.\n\n",
+			ref.About, res.Host.Model, hostShort(res.Host), refMachinesText(ref, rows))
+	}
 	fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
 	b.WriteString(r.report.String())
 	if len(res.Caveats) > 0 {

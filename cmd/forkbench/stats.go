@@ -14,6 +14,11 @@ type Percentiles struct {
 	P99 float64 `json:"p99"`
 	Min float64 `json:"min"`
 	Max float64 `json:"max"`
+	// ForkMSP50, ForkMSP95 and ForkMSMax repeat the headline wave's fork latencies under
+	// the published result's names (fanout only; omitted when 0).
+	ForkMSP50 float64 `json:"fork_ms_p50,omitempty"`
+	ForkMSP95 float64 `json:"fork_ms_p95,omitempty"`
+	ForkMSMax float64 `json:"fork_ms_max,omitempty"`
 }
 
 // percentile returns the q-th percentile (0..100) of xs by linear interpolation between

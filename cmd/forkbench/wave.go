@@ -4,7 +4,10 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"sort"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,12 +30,21 @@ type WaveResult struct {
 	Admission      *engine.AdmissionError
 	AdmissionIndex int
 	AdmissionCount int
-	Failed         int // failures other than admission
-	FailedErrs     []string
-	MemBeforeMB    float64
-	MemAfterMB     float64
-	CmdMS          map[string]float64
-	CmdStart       map[string]time.Time
+	// Refused are the names of the refused forks by index, and RefusedBy counts them per
+	// resource ("vcpu", "memory"; "" when the engine gave no *engine.AdmissionError). The
+	// forks of a wave race for admission, so which ones lose is not their index order.
+	Refused   []string
+	RefusedBy map[string]int
+	// Budget is the vCPU budget the wave was admitted against (Overcommit: the one it
+	// used) and ForkCPUs each fork's vCPUs: they say where admission stops.
+	Budget      engine.Budget
+	ForkCPUs    int
+	Failed      int // failures other than admission
+	FailedErrs  []string
+	MemBeforeMB float64
+	MemAfterMB  float64
+	CmdMS       map[string]float64
+	CmdStart    map[string]time.Time
 }
 
 // ReadyCount is the number of forks that became ready.
@@ -75,6 +87,9 @@ func (r *runner) wave(label, src string, n int, opts *engine.ManyOptions, onRead
 	if opts.Overcommit == 0 {
 		opts.Overcommit = r.overcommit
 	}
+	w.Budget, w.ForkCPUs = r.e.Budget(), r.shape.CPUs
+	w.Budget.Overcommit = opts.Overcommit
+	w.Budget.Total = int(float64(w.Budget.HostCPUs) * opts.Overcommit)
 	w.MemBeforeMB = settledMemAvailableMB(r.ctx)
 	pl := &progressLine{on: r.progress, label: label, n: n, t0: time.Now()}
 	ch, err := r.e.ForkMany(r.ctx, src, n, opts)
@@ -123,13 +138,30 @@ func (r *runner) wave(label, src string, n int, opts *engine.ManyOptions, onRead
 			w.Ready = append(w.Ready, ev.VM)
 		}
 	}
-	if len(adm) > 0 {
-		sort.Slice(adm, func(i, j int) bool { return adm[i].Index < adm[j].Index })
-		w.AdmissionIndex = adm[0].Index
-		w.AdmissionCount = len(adm)
-		w.Admission, _ = isAdmission(adm[0].Err)
-	}
+	w.noteRefusals(adm)
 	return w, r.ctx.Err()
+}
+
+// noteRefusals records the admission refusals adm (in the order they arrived): the
+// first by index, and every refused fork's name and resource.
+func (w *WaveResult) noteRefusals(adm []engine.ForkEvent) {
+	if len(adm) == 0 {
+		return
+	}
+	adm = slices.Clone(adm)
+	sort.Slice(adm, func(i, j int) bool { return adm[i].Index < adm[j].Index })
+	w.AdmissionIndex = adm[0].Index
+	w.AdmissionCount = len(adm)
+	w.Admission, _ = isAdmission(adm[0].Err)
+	w.Refused, w.RefusedBy = nil, map[string]int{}
+	for _, ev := range adm {
+		w.Refused = append(w.Refused, ev.Name)
+		res := ""
+		if ae, _ := isAdmission(ev.Err); ae != nil {
+			res = ae.Resource
+		}
+		w.RefusedBy[res]++
+	}
 }
 
 // firstCommands runs `sh -c true` once in every ready fork of w, in parallel.
@@ -288,8 +320,13 @@ func (r *runner) deleteAll(vms []*engine.VM) {
 	wg.Wait()
 }
 
-// admissionText describes a wave's admission stop: how many forks were refused from which
-// index, and why in the engine's words (the first refusal's *engine.AdmissionError).
+// Complete reports whether every fork of the wave became ready: only a complete wave
+// may be a headline or be held against a published figure.
+func (w *WaveResult) Complete() bool { return w.N > 0 && w.ReadyCount() == w.N }
+
+// admissionText describes a wave's admission stop: how many forks were admitted, which
+// were refused (by name: they race for admission, so not the last indices) and why (the
+// budget the wave was admitted against and the first refusal's *engine.AdmissionError).
 func (w *WaveResult) admissionText() string {
 	if w.AdmissionCount == 0 {
 		return ""
@@ -298,7 +335,64 @@ func (w *WaveResult) admissionText() string {
 	if w.Admission != nil {
 		why = w.Admission
 	}
-	return fmt.Sprintf("%d of %d forks refused from index %d: %v", w.AdmissionCount, w.N, w.AdmissionIndex, why)
+	txt := fmt.Sprintf("admission stopped the wave at %d of %d forks", w.N-w.AdmissionCount, w.N)
+	if b := w.budgetText(); b != "" && w.RefusedBy["vcpu"] > 0 {
+		txt += " (" + b + ")"
+	}
+	if n := w.RefusedBy["memory"]; n > 0 {
+		txt += fmt.Sprintf(" (%d refused by the memory budget)", n)
+	}
+	names := compressNames(w.Refused)
+	if names == "" {
+		names = fmt.Sprintf("first at index %d", w.AdmissionIndex)
+	}
+	return fmt.Sprintf("%s; %d refused: %s; first refusal: %v", txt, w.AdmissionCount, names, why)
+}
+
+// budgetText says what the wave's vCPU budget holds: "budget 24 vCPUs = 2 CPUs ×
+// overcommit 12 holds 12 forks of 2 vCPUs" ("" when the budget is unknown).
+func (w *WaveResult) budgetText() string {
+	b := w.Budget
+	if b.HostCPUs == 0 || w.ForkCPUs == 0 {
+		return ""
+	}
+	return fmt.Sprintf("budget %d vCPUs = %d CPUs × overcommit %s holds %d forks of %d vCPUs",
+		b.Total, b.HostCPUs, fnum(b.Overcommit), b.Total/w.ForkCPUs, w.ForkCPUs)
+}
+
+// compressNames lists names, folding runs of the same prefix with consecutive numeric
+// suffixes: [w16-1 w16-2 w16-3 w16-9] -> "w16-1…w16-3, w16-9".
+func compressNames(names []string) string {
+	split := func(s string) (string, int, bool) {
+		i := len(s)
+		for i > 0 && s[i-1] >= '0' && s[i-1] <= '9' {
+			i--
+		}
+		if i == len(s) || len(s)-i > 9 {
+			return s, 0, false
+		}
+		n, err := strconv.Atoi(s[i:])
+		return s[:i], n, err == nil
+	}
+	var parts []string
+	for i := 0; i < len(names); {
+		p, n, ok := split(names[i])
+		j := i + 1
+		for ok && j < len(names) {
+			q, m, ok2 := split(names[j])
+			if !ok2 || q != p || m != n+(j-i) {
+				break
+			}
+			j++
+		}
+		if j-i >= 3 {
+			parts = append(parts, names[i]+"…"+names[j-1])
+		} else {
+			parts = append(parts, names[i:j]...)
+		}
+		i = j
+	}
+	return strings.Join(parts, ", ")
 }
 
 // admissionSection adds the wave's admission stop (if any) to the report.

@@ -1,0 +1,348 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"encoding/xml"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+// outcome is a measured wave of n forks with ready of them ready, wall and latencies.
+func outcome(n, ready int, wall time.Duration, lat ...float64) *waveOutcome {
+	t0 := time.Unix(1000, 0)
+	wr := &WaveResult{Label: fmt.Sprintf("wave%d", n), N: n, Ready: make([]*engine.VM, ready), Wall: wall, AdmissionIndex: -1,
+		MemBeforeMB: 1000, MemAfterMB: 1000 - 20*float64(ready), FirstStart: t0,
+		Budget: engine.Budget{HostCPUs: 2, Overcommit: 12, Total: 24}, ForkCPUs: 2}
+	var adm []engine.ForkEvent
+	for i := range n {
+		ev := engine.ForkEvent{Index: i, Name: fmt.Sprintf("w%d-%d", n, i+1), Start: t0, Done: t0.Add(time.Duration(i+1) * time.Millisecond)}
+		if i >= ready {
+			ev.Err = &engine.AdmissionError{Resource: "vcpu", Requested: 2, Budget: 24}
+			adm = append(adm, ev)
+		}
+		wr.Events = append(wr.Events, ev)
+	}
+	wr.noteRefusals(adm)
+	o := &waveOutcome{n: n, wr: wr, lat: lat, mems: map[string]forkMem{"a": {PrivateMB: 22, RAMCowMB: 2, TCGCodeMB: 10, HeapMB: 8}}}
+	o.sum = waveSummary(wr, summarize(lat), forkStats{}, IsoReport{Failures: []string{}}, IdleCPU{})
+	return o
+}
+
+// TestPartialWaveNeverHeadline: a wave that was not all admitted is complete=false and
+// ok=false, gives no flat waveN key and is never the headline; the run is then
+// complete=false and ok=false.
+func TestPartialWaveNeverHeadline(t *testing.T) {
+	tests := []struct {
+		name             string
+		outs             []*waveOutcome
+		metric, stat     string
+		value            float64
+		n                int
+		flat, absent     []string
+		incomplete       bool
+		forkP50, forkMax float64
+	}{
+		{"all complete", []*waveOutcome{outcome(8, 8, 600*time.Millisecond, 100, 200), outcome(64, 64, 5500*time.Millisecond, 1000, 3000, 5000)},
+			"wave64_wall_s", "wall", 5.5, 64, []string{"wave8_wall_s", "wave64_wall_s", "wave64_fork_ms_p50", "private_mb_per_fork_64", "shared_file_mb_64"}, nil, false, 3000, 5000},
+		{"the 2-core host at overcommit 12", []*waveOutcome{outcome(8, 8, 600*time.Millisecond, 100, 200), outcome(32, 12, 700*time.Millisecond, 300), outcome(64, 12, 672*time.Millisecond, 400)},
+			"wave8_wall_s", "wall", 0.6, 8, []string{"wave8_wall_s", "wave32_admitted", "wave64_admitted"}, []string{"wave32_wall_s", "wave64_wall_s", "wave64_fork_ms_p50", "private_mb_per_fork_64"}, true, 150, 200},
+		{"nothing complete", []*waveOutcome{outcome(64, 12, 672*time.Millisecond, 400)},
+			"wave64_wall_s", "incomplete", 0, 0, []string{"wave64_admitted"}, []string{"wave64_wall_s"}, true, 0, 0},
+	}
+	for _, tt := range tests {
+		res := &Result{Extra: map[string]any{}}
+		_, stop := fanoutHeadline(res, tt.outs, 640, 64)
+		if res.Metric != tt.metric || res.Stat != tt.stat || res.Value != tt.value || res.N != tt.n {
+			t.Errorf("%s: headline %s = %v (%s, n %d)", tt.name, res.Metric, res.Value, res.Stat, res.N)
+		}
+		if (stop != "") != tt.incomplete {
+			t.Errorf("%s: stop %q", tt.name, stop)
+		}
+		for _, k := range tt.flat {
+			if _, ok := res.Extra[k]; !ok {
+				t.Errorf("%s: extra.%s missing", tt.name, k)
+			}
+		}
+		for _, k := range tt.absent {
+			if v, ok := res.Extra[k]; ok {
+				t.Errorf("%s: extra.%s = %v for a partial wave", tt.name, k, v)
+			}
+		}
+		if res.Percentiles.ForkMSP50 != tt.forkP50 || res.Percentiles.ForkMSMax != tt.forkMax {
+			t.Errorf("%s: percentiles %+v", tt.name, res.Percentiles)
+		}
+		for _, o := range tt.outs {
+			ws := res.Extra["waves"].(map[string]WaveSummary)[fmt.Sprintf("wave%d", o.n)]
+			if full := o.wr.ReadyCount() == o.n; ws.Complete != full || ws.OK != full {
+				t.Errorf("%s: wave%d complete %v ok %v", tt.name, o.n, ws.Complete, ws.OK)
+			}
+		}
+		r := &runner{incomplete: stop != ""}
+		if c, ok := r.status(nil); c == tt.incomplete || ok == tt.incomplete {
+			t.Errorf("%s: run complete %v ok %v", tt.name, c, ok)
+		}
+		note := headlineNote(&FitDecision{}, largestComplete(tt.outs), tt.outs)
+		if tt.incomplete != strings.Contains(note, "INCOMPLETE") {
+			t.Errorf("%s: headline note %q", tt.name, note)
+		}
+	}
+}
+
+func TestFitOvercommit(t *testing.T) {
+	for _, tt := range []struct {
+		cpus, need int
+		def, want  float64
+	}{
+		{2, 128, 12, 64},  // this host: 64 forks of 2 vCPUs
+		{12, 128, 12, 12}, // the published Mac at its raised setting: 144 vCPUs
+		{12, 128, 8, 11},  // at the published default (96 vCPUs) 11 is the least that fits
+		{2, 16, 12, 12},   // an 8-wave fits the default
+		{3, 128, 12, 43},  // 3 × 43 = 129
+		{2, 25, 12.4, 13}, // a fractional default rounds down like the engine (24 < 25)
+		{2, 24, 12, 12},   // exactly full
+		{0, 128, 12, 12},  // unknown CPUs: keep the setting
+		{2, 130, 64, 65},  // a world kept running adds its vCPUs
+	} {
+		got := fitOvercommit(tt.cpus, tt.need, tt.def)
+		if got != tt.want || int(float64(tt.cpus)*got) < tt.need && tt.cpus > 0 {
+			t.Errorf("fitOvercommit(%d, %d, %v) = %v, want %v", tt.cpus, tt.need, tt.def, got, tt.want)
+		}
+	}
+	for _, tt := range []struct {
+		avail, reserve, per float64
+		n, fit              int
+		fits                bool
+	}{
+		{20000, 512, 21.3, 64, 914, true},
+		{2000, 512, 25, 64, 59, false},
+		{400, 512, 25, 8, 0, false},
+		{5000, 512, 0, 64, 4488, true}, // no estimate: 1 MiB per fork
+	} {
+		m := memoryFit(tt.avail, tt.reserve, tt.per, tt.n)
+		if m.ForksFit != tt.fit || m.Fits != tt.fits {
+			t.Errorf("memoryFit(%v, %v, %v, %d) = %+v, want %d fit %v", tt.avail, tt.reserve, tt.per, tt.n, m, tt.fit, tt.fits)
+		}
+	}
+}
+
+// TestReferenceFigures checks every figure of the embedded reference against the values
+// published on the pages in its URL (copied here by hand from those pages).
+func TestReferenceFigures(t *testing.T) {
+	const fan, fork, micro = "https://cua.ai/benchmarks/fork-64-sandboxes-one-mac", "https://cua.ai/benchmarks/fork-from-checkpoint", "https://cua.ai/benchmarks/microvm-checkpoint-restore"
+	want := map[string]struct {
+		value float64
+		unit  string
+		n     int
+		url   string
+	}{
+		"wave64_wall_s": {7.34, "s", 64, fan}, "wave32_wall_s": {3.09, "s", 32, fan}, "wave8_wall_s": {0.79, "s", 8, fan},
+		"wave64_fork_ms_p50": {4988.2, "ms", 64, fan}, "wave64_fork_ms_p95": {6736.2, "ms", 64, fan}, "fork_ms_max": {7050, "ms", 64, fan},
+		"wave32_fork_ms_p50": {2075.9, "ms", 32, fan}, "wave32_fork_ms_p95": {2757.3, "ms", 32, fan},
+		"wave8_fork_ms_p50": {736.2, "ms", 8, fan}, "wave8_fork_ms_p95": {784.5, "ms", 8, fan},
+		"private_mb_per_fork_64": {249.8, "MB", 64, fan}, "shared_file_mb_64": {644.2, "MB", 64, fan}, "checkpoint_ms": {648.4, "ms", 1, fan},
+		"default_settings_wave8_wall_s": {0.75, "s", 8, fan}, "default_settings_wave32_wall_s": {3.68, "s", 32, fan},
+		"default_settings_wave32_fork_ms_p50": {2770.7, "ms", 32, fan}, "default_settings_wave64_admitted": {48, "forks", 64, fan},
+		"fork_first_cmd_ms_p50": {328.8, "ms", 30, fork}, "fork_first_cmd_ms_p90": {411.8, "ms", 30, fork},
+		"fork_first_cmd_ms_min": {225.5, "ms", 30, fork}, "fork_first_cmd_ms_max": {447.9, "ms", 30, fork},
+		"fork_many16_wall_ms_p50":   {2768, "ms", 10, fork},
+		"microvm_checkpoint_ms_p50": {695.5, "ms", 10, micro}, "microvm_restore_ms_p50": {611, "ms", 10, micro},
+		"microvm_fork_running_s_p50": {1.21, "s", 10, micro}, "microvm_fanout8_wall_s": {1.54, "s", 8, micro},
+	}
+	ref, err := parseReference(referenceJSON)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ref.Figures) != len(want) {
+		t.Errorf("%d figures, want %d", len(ref.Figures), len(want))
+	}
+	for _, f := range ref.Figures {
+		w, ok := want[f.Key]
+		if !ok {
+			t.Errorf("%s: not a published figure this test knows", f.Key)
+			continue
+		}
+		if f.Value != w.value || f.Unit != w.unit || f.N != w.n || f.URL != w.url {
+			t.Errorf("%s = %v %s n=%d %s, published %v %s n=%d %s", f.Key, f.Value, f.Unit, f.N, f.URL, w.value, w.unit, w.n, w.url)
+		}
+		if !strings.Contains(ref.Machines[f.Machine].Full, "M2 Max") {
+			t.Errorf("%s: machine %q", f.Key, f.Machine)
+		}
+	}
+	for _, bad := range []string{
+		`{`, `{"schema":"x"}`,
+		`{"schema":"forkvm.reference/v1","machines":{},"figures":[{"key":"a","value":1,"unit":"s","bench":"fanout","ours":"value","ours_unit":"s","url":"https://x","machine":"m"}]}`,
+		`{"schema":"forkvm.reference/v1","machines":{"m":{"short":"m","full":"m"}},"figures":[{"key":"a","value":1,"unit":"s","bench":"fanout","ours":"value","ours_unit":"MB","url":"https://x","machine":"m"}]}`,
+		`{"schema":"forkvm.reference/v1","machines":{"m":{"short":"m","full":"m"}},"figures":[{"key":"a","value":1,"unit":"s","bench":"fanout","ours":"value","ours_unit":"s","url":"","machine":"m"}]}`,
+		`{"schema":"forkvm.reference/v1","unknown":1}`,
+	} {
+		if _, err := parseReference([]byte(bad)); !errors.Is(err, ErrBadReference) {
+			t.Errorf("parseReference(%.60s) = %v, want ErrBadReference", bad, err)
+		}
+	}
+}
+
+// TestCompareWithReference: complete waves get a ratio in the reference's unit, partial
+// ones say so and get none.
+func TestCompareWithReference(t *testing.T) {
+	res := &Result{Bench: "fanout", Extra: map[string]any{}, Host: HostInfo{CPUs: 2, Model: "EPYC", Accel: "tcg"}}
+	fanoutHeadline(res, []*waveOutcome{outcome(8, 8, 790*time.Millisecond, 100), outcome(64, 12, 672*time.Millisecond, 400)}, 640, 64)
+	res.Extra["checkpoint_ms"] = 324.2
+	rows := map[string]CompareRow{}
+	for _, r := range compareWithReference(res, reference()) {
+		rows[r.Figure.Key] = r
+	}
+	if r := rows["wave8_wall_s"]; !r.Have || r.Ratio != 1 || r.Note != "" {
+		t.Errorf("wave8 row %+v", r)
+	}
+	if r := rows["checkpoint_ms"]; r.Ratio != 0.5 {
+		t.Errorf("checkpoint row %+v", r)
+	}
+	if r := rows["wave64_wall_s"]; r.Have || r.Ratio != 0 || r.Note != "partial: 12/64 ready" {
+		t.Errorf("wave64 row %+v", r)
+	}
+	if r, ok := rows["default_settings_wave8_wall_s"]; ok {
+		t.Errorf("a wave the run did not ask for has a row: %+v", r)
+	}
+	if _, ok := rows["fork_first_cmd_ms_p50"]; ok {
+		t.Errorf("a fanout result is compared with the fork bench's figure")
+	}
+	table := comparisonTable(res, reference(), compareWithReference(res, reference()))
+	if !strings.Contains(table, "| 64 forks at once, first start → last ready (`wave64_wall_s`) | partial: 12/64 ready | [7.34 s](https://cua.ai/benchmarks/fork-64-sandboxes-one-mac) | — |") {
+		t.Errorf("table:\n%s", table)
+	}
+	fork := &Result{Bench: "fork", Metric: "fork_p50_ms", Percentiles: Percentiles{P50: 164.4}, Extra: map[string]any{}}
+	for _, r := range compareWithReference(fork, reference()) {
+		if r.Figure.Key == "fork_first_cmd_ms_p50" && r.Ratio != 0.5 {
+			t.Errorf("fork row %+v", r)
+		}
+	}
+	ck := &Result{Bench: "checkpoint-restore", Extra: map[string]any{"fork_running_vm_ms": Percentiles{P50: 605}}}
+	for _, r := range compareWithReference(ck, reference()) {
+		if r.Figure.Key == "microvm_fork_running_s_p50" && (r.Ours != 0.605 || r.Ratio != 0.5) {
+			t.Errorf("fork of a running VM (ms against s) %+v", r)
+		}
+	}
+}
+
+func TestCompare(t *testing.T) {
+	a := `{"schema":"forkvm.bench-result/v1","bench":"fanout","metric":"wave64_wall_s","value":5.5,"complete":true,"ok":true,
+		"percentiles":{"fork_ms_p50":2000},"extra":{"wave8_wall_s":0.6,"waves":{"wave8":{"complete":true,"wall_s":0.6},"wave64":{"complete":true,"wall_s":5.5}}},
+		"host":{"cpus":2}}`
+	b := `{"schema":"forkvm.bench-result/v1","bench":"fanout","metric":"wave8_wall_s","value":1.2,"complete":false,"ok":false,
+		"percentiles":{"fork_ms_p50":1000},"extra":{"wave8_wall_s":1.2,"waves":{"wave8":{"complete":true,"wall_s":1.2},"wave64":{"complete":false,"wall_s":0.672}}},
+		"host":{"cpus":2}}`
+	da, err := parseResultDoc("a", []byte(a))
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, _ := parseResultDoc("b", []byte(b))
+	var out bytes.Buffer
+	if err := writeComparison(&out, da, db, false); err != nil {
+		t.Fatal(err)
+	}
+	o := out.String()
+	for _, want := range []string{"(fanout, wave64_wall_s = 5.5, complete)", "(fanout, wave8_wall_s = 1.2, PARTIAL, ok=false)",
+		"extra.wave8_wall_s", "2.000", "percentiles.fork_ms_p50", "0.500", "B partial", "different metrics"} {
+		if !strings.Contains(o, want) {
+			t.Errorf("comparison lacks %q:\n%s", want, o)
+		}
+	}
+	if strings.Contains(o, "host.cpus") {
+		t.Errorf("host numbers compared without --all:\n%s", o)
+	}
+	for _, line := range strings.Split(o, "\n") {
+		if strings.HasPrefix(line, "extra.waves.wave64.wall_s") && !strings.Contains(line, "B partial") {
+			t.Errorf("partial wave not flagged: %s", line)
+		}
+		if strings.HasPrefix(line, "extra.waves.wave8.wall_s") && strings.Contains(line, "partial") {
+			t.Errorf("complete wave flagged: %s", line)
+		}
+	}
+	// The published result JSON (its result under "current") reads the same way.
+	pub := `{"slug":"x","current":{"bench":"fork-fanout.qemu","metric":"wave64_wall_s","value":7.34,"extra":{"wave8_wall_s":0.79}}}`
+	dp, err := parseResultDoc("pub", []byte(pub))
+	if err != nil || dp.Nums["extra.wave8_wall_s"] != 0.79 || dp.Status != "complete: unknown" {
+		t.Errorf("published doc %+v: %v", dp, err)
+	}
+	for _, bad := range []string{"", "[]", `{"value":1}`, "nope"} {
+		if _, err := parseResultDoc("bad", []byte(bad)); !errors.Is(err, ErrBadResult) {
+			t.Errorf("parseResultDoc(%q) = %v, want ErrBadResult", bad, err)
+		}
+	}
+}
+
+// TestFanoutSVG: the picture is well-formed XML with its three panels, escapes labels
+// and marks partial waves.
+func TestFanoutSVG(t *testing.T) {
+	outs := []*waveOutcome{outcome(8, 8, 600*time.Millisecond, 100, 200, 300), outcome(64, 12, 672*time.Millisecond, 400)}
+	for _, waves := range [][]svgWave{svgWaves(nil, outs), svgWaves(outs, outs), nil} {
+		b := fanoutSVG(waves, `host <"a&b">`)
+		dec := xml.NewDecoder(bytes.NewReader(b))
+		var texts []string
+		circles, root := 0, ""
+		for {
+			tok, err := dec.Token()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				t.Fatalf("SVG does not decode: %v\n%s", err, b)
+			}
+			switch x := tok.(type) {
+			case xml.StartElement:
+				if root == "" {
+					root = x.Name.Local
+				}
+				if x.Name.Local == "circle" {
+					circles++
+				}
+			case xml.CharData:
+				texts = append(texts, string(x))
+			}
+		}
+		all := strings.Join(texts, "|")
+		if root != "svg" || !strings.Contains(all, `host <"a&b">`) || !strings.Contains(all, "Forks ready over time") || !strings.Contains(all, "Memory per fork") {
+			t.Errorf("svg root %s texts %s", root, all)
+		}
+		lat := 0
+		for _, w := range waves {
+			lat += len(w.LatMS)
+		}
+		if circles != lat {
+			t.Errorf("%d circles for %d forks", circles, lat)
+		}
+		if len(waves) > 0 && !strings.Contains(all, "wave64 (12/64, PARTIAL)") {
+			t.Errorf("partial wave not marked: %s", all)
+		}
+	}
+}
+
+func TestStateDirOf(t *testing.T) {
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "file,id=console,path=/work/homes/a/vms/f1/serial.log"}, "/work/homes/a"},
+		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "file,id=console,path=/tmp/a,,b/vms/f1/serial.log"}, "/tmp/a,b"},
+		{[]string{"qemu-system-x86_64", "-chardev", "file,id=console,path=/x/vms/f1/serial.log"}, ""},
+		{[]string{"qemu-system-x86_64", "-m", "512"}, ""},
+	} {
+		if got := stateDirOf(tt.args); got != tt.want {
+			t.Errorf("stateDirOf(%v) = %q, want %q", tt.args, got, tt.want)
+		}
+	}
+	o := &OtherVMs{ByStateDir: map[string]int{"/b": 1, "/a": 3}, NotForkvm: 2}
+	if got := otherVMsText(6, o); got != "6 (forkvm VMs of 2 other state directories: /a 3, /b 1; 2 QEMU processes not forkvm's)" {
+		t.Errorf("otherVMsText = %q", got)
+	}
+	if b, _ := json.Marshal(o); string(b) != `{"forkvm_by_state_dir":{"/a":3,"/b":1},"not_forkvm":2}` {
+		t.Errorf("json %s", b)
+	}
+}

@@ -1,0 +1,239 @@
+package main
+
+import (
+	"bytes"
+	"encoding/xml"
+	"fmt"
+	"math"
+	"sort"
+	"strings"
+)
+
+// svgWave is one wave as the report's picture draws it.
+type svgWave struct {
+	Label    string
+	N, Ready int
+	Complete bool
+	LatMS    []float64 // fork start → ready of the ready forks
+	ReadyAtS []float64 // each ready fork's ready time since the wave's first start
+	Mem      *MemSummary
+	// HostAddedMB is host memory the wave added per fork (MemAvailable drop / forks).
+	HostAddedMB float64
+}
+
+// svgWaves turns the measured waves of both passes (default settings first) into what
+// fanoutSVG draws; waves not run are left out.
+func svgWaves(defaults, outs []*waveOutcome) []svgWave {
+	var out []svgWave
+	add := func(prefix string, os []*waveOutcome) {
+		for _, o := range os {
+			if o.wr == nil {
+				continue
+			}
+			sw := svgWave{Label: fmt.Sprintf("%swave%d", prefix, o.n), N: o.n, Ready: o.wr.ReadyCount(), Complete: o.complete(),
+				LatMS: o.lat, HostAddedMB: o.wr.PrivateMBPerFork()}
+			for _, ev := range o.wr.Events {
+				if ev.Err == nil && ev.Name != "" && !ev.Done.IsZero() {
+					sw.ReadyAtS = append(sw.ReadyAtS, ev.Done.Sub(o.wr.FirstStart).Seconds())
+				}
+			}
+			var ms []forkMem
+			for _, m := range o.mems {
+				ms = append(ms, m)
+			}
+			sw.Mem = memSummary(ms)
+			out = append(out, sw)
+		}
+	}
+	add("default ", defaults)
+	add("", outs)
+	return out
+}
+
+// niceStep is a 1/2/5×10^k tick step giving about n ticks over [0, hi].
+func niceStep(hi float64, n int) float64 {
+	if hi <= 0 || n < 1 {
+		return 1
+	}
+	raw := hi / float64(n)
+	p := math.Pow(10, math.Floor(math.Log10(raw)))
+	for _, m := range []float64{1, 2, 5, 10} {
+		if m*p >= raw {
+			return m * p
+		}
+	}
+	return 10 * p
+}
+
+// svgDoc is a small SVG writer: every text goes through XML escaping.
+type svgDoc struct{ b bytes.Buffer }
+
+func (d *svgDoc) f(format string, a ...any) { fmt.Fprintf(&d.b, format, a...) }
+
+func (d *svgDoc) text(x, y float64, anchor, style, s string) {
+	d.f(`<text x="%.1f" y="%.1f" text-anchor="%s" %s>`, x, y, anchor, style)
+	_ = xml.EscapeText(&d.b, []byte(s))
+	d.f("</text>\n")
+}
+
+// axis draws an x axis from x0 to x1 at y for values 0..hi, with ticks and unit.
+func (d *svgDoc) axis(x0, x1, y, hi float64, unit string) {
+	d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#444"/>`+"\n", x0, y, x1, y)
+	step := niceStep(hi, 6)
+	for v := 0.0; v <= hi+step/1e6; v += step {
+		x := x0 + (x1-x0)*v/hi
+		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#444"/>`+"\n", x, y, x, y+4)
+		d.text(x, y+16, "middle", `font-size="11"`, fnum(v))
+	}
+	d.text(x1, y+30, "end", `font-size="11" fill="#444"`, unit)
+}
+
+var svgColors = []string{"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"}
+
+// waveLabel names a wave with its completeness for the picture.
+func (w svgWave) label() string {
+	if w.Complete {
+		return fmt.Sprintf("%s (%d/%d)", w.Label, w.Ready, w.N)
+	}
+	return fmt.Sprintf("%s (%d/%d, PARTIAL)", w.Label, w.Ready, w.N)
+}
+
+// fanoutSVG draws three panels: per-fork latency per wave, forks ready over time, and
+// memory per fork by class. It is self-contained SVG 1.1 (no script, no fonts).
+func fanoutSVG(waves []svgWave, title string) []byte {
+	const W, left, right = 960.0, 230.0, 930.0
+	rowH := 22.0
+	h1 := 50 + rowH*float64(len(waves)) + 40
+	h2 := 260.0
+	h3 := 50 + rowH*float64(len(waves)) + 70
+	H := 40 + h1 + h2 + h3
+	d := &svgDoc{}
+	d.f(`<?xml version="1.0" encoding="UTF-8"?>` + "\n")
+	d.f(`<svg xmlns="http://www.w3.org/2000/svg" version="1.1" width="%.0f" height="%.0f" viewBox="0 0 %.0f %.0f" font-family="sans-serif">`+"\n", W, H, W, H)
+	d.f(`<rect width="100%%" height="100%%" fill="white"/>` + "\n")
+	d.text(W/2, 24, "middle", `font-size="16" font-weight="bold"`, title)
+
+	// Panel 1: per-fork latency, one row per wave; the tick is the p50.
+	y0 := 40.0
+	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Fork start → ready, each fork (ms); | = p50")
+	maxLat := 1.0
+	for _, w := range waves {
+		for _, v := range w.LatMS {
+			maxLat = math.Max(maxLat, v)
+		}
+	}
+	for i, w := range waves {
+		y := y0 + 45 + rowH*float64(i)
+		col := svgColors[i%len(svgColors)]
+		style := `font-size="12"`
+		if !w.Complete {
+			style = `font-size="12" fill="#b00"`
+		}
+		d.text(left-8, y+4, "end", style, w.label())
+		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#eee"/>`+"\n", left, y, right, y)
+		for _, v := range w.LatMS {
+			d.f(`<circle cx="%.1f" cy="%.1f" r="3" fill="%s" fill-opacity="0.55"/>`+"\n", left+(right-left)*v/maxLat, y, col)
+		}
+		if len(w.LatMS) > 0 {
+			x := left + (right-left)*median(w.LatMS)/maxLat
+			d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="black" stroke-width="2"/>`+"\n", x, y-8, x, y+8)
+		}
+	}
+	d.axis(left, right, y0+45+rowH*float64(len(waves))-rowH/2+6, maxLat, "ms")
+
+	// Panel 2: forks ready over time since each wave's first start.
+	y0 += h1
+	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Forks ready over time (s since the wave's first start)")
+	top, bot := y0+35, y0+h2-50
+	maxT, maxN := 0.1, 1
+	for _, w := range waves {
+		maxN = max(maxN, w.N)
+		for _, t := range w.ReadyAtS {
+			maxT = math.Max(maxT, t)
+		}
+	}
+	d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#444"/>`+"\n", left, top, left, bot)
+	step := niceStep(float64(maxN), 4)
+	for v := 0.0; v <= float64(maxN)+step/1e6; v += step {
+		y := bot - (bot-top)*v/float64(maxN)
+		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#eee"/>`+"\n", left, y, right, y)
+		d.text(left-6, y+4, "end", `font-size="11"`, fnum(v))
+	}
+	d.text(left-40, (top+bot)/2, "middle", `font-size="11" fill="#444" transform="rotate(-90 `+fmt.Sprintf("%.1f %.1f", left-40, (top+bot)/2)+`)"`, "forks ready")
+	for i, w := range waves {
+		ts := append([]float64(nil), w.ReadyAtS...)
+		sort.Float64s(ts)
+		col := svgColors[i%len(svgColors)]
+		pts := []string{fmt.Sprintf("%.1f,%.1f", left, bot)}
+		for k, t := range ts {
+			x := left + (right-left)*t/maxT
+			pts = append(pts, fmt.Sprintf("%.1f,%.1f", x, bot-(bot-top)*float64(k)/float64(maxN)),
+				fmt.Sprintf("%.1f,%.1f", x, bot-(bot-top)*float64(k+1)/float64(maxN)))
+		}
+		dash := ""
+		if !w.Complete {
+			dash = ` stroke-dasharray="5,3"`
+		}
+		d.f(`<polyline points="%s" fill="none" stroke="%s" stroke-width="2"%s/>`+"\n", strings.Join(pts, " "), col, dash)
+		ly := top + 14*float64(i)
+		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s" stroke-width="2"%s/>`+"\n", 20.0, ly, 40.0, ly, col, dash)
+		d.text(45, ly+4, "start", `font-size="11"`, w.label())
+	}
+	d.axis(left, right, bot, maxT, "s")
+
+	// Panel 3: memory per fork by class (p50, stacked) and host memory added per fork.
+	y0 += h2
+	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Memory per fork (MiB): private by class (p50, VM.Memory) and ◆ host memory added / forks")
+	classes := []struct {
+		name string
+		get  func(*MemSummary) float64
+		col  string
+	}{
+		{"guest pages written", func(m *MemSummary) float64 { return m.GuestWritten }, "#1f77b4"},
+		{"TCG code", func(m *MemSummary) float64 { return m.TCGCode }, "#ff7f0e"},
+		{"QEMU heap", func(m *MemSummary) float64 { return m.Heap }, "#2ca02c"},
+		{"libraries", func(m *MemSummary) float64 { return m.Libraries }, "#9467bd"},
+		{"page tables", func(m *MemSummary) float64 { return m.PageTables }, "#8c564b"},
+	}
+	maxMB := 1.0
+	for _, w := range waves {
+		maxMB = math.Max(maxMB, w.HostAddedMB)
+		if w.Mem != nil {
+			sum := 0.0
+			for _, c := range classes {
+				sum += c.get(w.Mem)
+			}
+			maxMB = math.Max(maxMB, sum)
+		}
+	}
+	for i, w := range waves {
+		y := y0 + 45 + rowH*float64(i)
+		style := `font-size="12"`
+		if !w.Complete {
+			style = `font-size="12" fill="#b00"`
+		}
+		d.text(left-8, y+4, "end", style, w.label())
+		x := left
+		if w.Mem != nil {
+			for _, c := range classes {
+				wd := (right - left) * c.get(w.Mem) / maxMB
+				d.f(`<rect x="%.1f" y="%.1f" width="%.1f" height="14" fill="%s"/>`+"\n", x, y-7, math.Max(0, wd), c.col)
+				x += wd
+			}
+		}
+		if w.HostAddedMB > 0 {
+			hx := left + (right-left)*w.HostAddedMB/maxMB
+			d.f(`<path d="M %.1f %.1f l 6 7 l -6 7 l -6 -7 z" fill="black"/>`+"\n", hx, y-7)
+		}
+	}
+	ay := y0 + 45 + rowH*float64(len(waves)) - rowH/2 + 6
+	d.axis(left, right, ay, maxMB, "MiB")
+	lx := 20.0
+	for _, c := range classes {
+		d.f(`<rect x="%.1f" y="%.1f" width="12" height="12" fill="%s"/>`+"\n", lx, ay+36, c.col)
+		d.text(lx+16, ay+46, "start", `font-size="11"`, c.name)
+		lx += 150
+	}
+	d.f("</svg>\n")
+	return d.b.Bytes()
+}
