@@ -59,6 +59,15 @@ type RefFigure struct {
 	Pass string `json:"pass,omitempty"`
 }
 
+// oursShownUnit is the unit our figure is shown in: the reference's, after conversion,
+// except that forkvm's MiB stay MiB beside a published MB.
+func (f RefFigure) oursShownUnit() string {
+	if f.OursUnit == "MiB" {
+		return "MiB"
+	}
+	return f.Unit
+}
+
 // parseReference decodes and checks a reference file.
 func parseReference(b []byte) (*Reference, error) {
 	dec := json.NewDecoder(bytes.NewReader(b))
@@ -191,7 +200,10 @@ func compareWithReference(res *Result, ref *Reference) []CompareRow {
 		if v, ok := nums[f.Ours]; ok {
 			scale, _ := unitScale(f.OursUnit, f.Unit)
 			row.Ours, row.Have = v*scale, true
-			if row.Note == "" || strings.HasSuffix(f.Key, "_admitted") {
+			if strings.HasSuffix(f.Key, "_admitted") {
+				row.Note = "" // how far a partial wave got is the figure itself
+			}
+			if row.Note == "" {
 				row.Ratio = ratio(row.Ours, f.Value)
 			}
 		} else if row.Note == "" {
@@ -224,9 +236,9 @@ func comparisonTable(res *Result, ref *Reference, rows []CompareRow) string {
 		ours := r.Note
 		switch {
 		case r.Have && r.Note != "":
-			ours = fmt.Sprintf("%s %s (%s)", fnum(r.Ours), f.Unit, r.Note)
+			ours = fmt.Sprintf("%s %s (%s)", fnum(r.Ours), f.oursShownUnit(), r.Note)
 		case r.Have:
-			ours = fmt.Sprintf("%s %s", fnum(r.Ours), f.Unit)
+			ours = fmt.Sprintf("%s %s", fnum(r.Ours), f.oursShownUnit())
 		}
 		rat := "—"
 		if r.Ratio > 0 {
@@ -248,7 +260,7 @@ func terminalTable(res *Result, ref *Reference, rows []CompareRow) string {
 		f := r.Figure
 		ours := r.Note
 		if r.Have {
-			ours = fnum(r.Ours) + " " + f.Unit
+			ours = fnum(r.Ours) + " " + f.oursShownUnit()
 			if r.Note != "" {
 				ours += " (" + r.Note + ")"
 			}

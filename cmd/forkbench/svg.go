@@ -104,7 +104,7 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 	const W, left, right = 960.0, 230.0, 930.0
 	rowH := 22.0
 	h1 := 50 + rowH*float64(len(waves)) + 40
-	h2 := 260.0
+	h2 := 280.0 + 16*math.Ceil(float64(len(waves))/3)
 	h3 := 50 + rowH*float64(len(waves)) + 70
 	H := 40 + h1 + h2 + h3
 	d := &svgDoc{}
@@ -144,7 +144,7 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 	// Panel 2: forks ready over time since each wave's first start.
 	y0 += h1
 	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Forks ready over time (s since the wave's first start)")
-	top, bot := y0+35, y0+h2-50
+	top, bot := y0+35, y0+245
 	maxT, maxN := 0.1, 1
 	for _, w := range waves {
 		maxN = max(maxN, w.N)
@@ -159,7 +159,7 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#eee"/>`+"\n", left, y, right, y)
 		d.text(left-6, y+4, "end", `font-size="11"`, fnum(v))
 	}
-	d.text(left-40, (top+bot)/2, "middle", `font-size="11" fill="#444" transform="rotate(-90 `+fmt.Sprintf("%.1f %.1f", left-40, (top+bot)/2)+`)"`, "forks ready")
+	d.text(left+6, top+12, "start", `font-size="11" fill="#444"`, "forks ready")
 	for i, w := range waves {
 		ts := append([]float64(nil), w.ReadyAtS...)
 		sort.Float64s(ts)
@@ -175,9 +175,9 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 			dash = ` stroke-dasharray="5,3"`
 		}
 		d.f(`<polyline points="%s" fill="none" stroke="%s" stroke-width="2"%s/>`+"\n", strings.Join(pts, " "), col, dash)
-		ly := top + 14*float64(i)
-		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s" stroke-width="2"%s/>`+"\n", 20.0, ly, 40.0, ly, col, dash)
-		d.text(45, ly+4, "start", `font-size="11"`, w.label())
+		lx, ly := left+float64(i%3)*235, bot+44+16*float64(i/3)
+		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s" stroke-width="2"%s/>`+"\n", lx, ly, lx+20, ly, col, dash)
+		d.text(lx+25, ly+4, "start", `font-size="11"`, w.label())
 	}
 	d.axis(left, right, bot, maxT, "s")
 
