@@ -106,6 +106,9 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 // image from the cache breaks nothing), under a writable qcow2 overlay.
 func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
 	img, err := guest.LookupImage(e.cfg.CacheDir, spec.Image)
+	if errors.Is(err, guest.ErrImageNotFound) {
+		return fmt.Errorf("%w: no image named %q (`forkvm images` lists them)", ErrImageNotFound, spec.Image)
+	}
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrImageMissing, err)
 	}

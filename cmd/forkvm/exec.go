@@ -118,7 +118,7 @@ type starter func(ctx context.Context, req *vsockd.ExecRequest) (client.Process,
 // when done. Through a daemon, its API; otherwise the CLI resolves the VM's agent,
 // releases the state directory (a session may be long) and connects to the agent
 // itself. A virtio-serial port serves one host connection at a time: when another
-// client holds it, that fails at once with ErrInUse (a daemon multiplexes any number of
+// client holds it, that fails at once with ErrAgentBusy (a daemon multiplexes any number of
 // execs on its one connection).
 func execStarter(ctx context.Context, cmd *cli.Command, name string) (starter, func(), error) {
 	api, c, err := daemonOrAgent(ctx, cmd, name)
