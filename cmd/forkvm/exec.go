@@ -29,14 +29,16 @@ const (
 )
 
 func execCmd() *cli.Command {
-	one := 1
+	two := 2
 	return &cli.Command{
 		Name: "exec",
 		Usage: "run a command in a VM; exits with the command's exit code " +
 			"(127: not found, 126: not executable, 128+N: killed by signal N, 130 after Ctrl-C)",
 		ArgsUsage: "NAME [--] COMMAND [ARG...]",
-		// Everything after the VM name belongs to the guest command.
-		StopOnNthArg: &one,
+		// The CLI's one rule: flags may stand anywhere before "--", which ends them.
+		// Without "--", the command's first word (the second positional) ends them too,
+		// so `exec w1 ls -la` passes -la to ls.
+		StopOnNthArg: &two,
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "tty", Aliases: []string{"t"}, Usage: "allocate a terminal (interactive, raw mode)"},
 			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "KEY=VALUE environment entries"},
@@ -48,9 +50,6 @@ func execCmd() *cli.Command {
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			args := cmd.Args().Slice()
-			if len(args) > 1 && args[1] == "--" {
-				args = append(args[:1], args[2:]...)
-			}
 			if len(args) < 2 {
 				return fmt.Errorf("usage: forkvm exec [-t] NAME -- COMMAND [ARG...]")
 			}

@@ -1,0 +1,72 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/urfave/cli/v3"
+)
+
+// parsed runs the CLI on args with every action replaced by one that records what the
+// command received: its path, positional arguments and the named flags' values.
+func parsed(t *testing.T, args []string, flags ...string) (path string, pos []string, vals map[string]string, err error) {
+	t.Helper()
+	app := newApp()
+	var walk func(c *cli.Command)
+	walk = func(c *cli.Command) {
+		if c.Action != nil {
+			c.Action = func(ctx context.Context, cmd *cli.Command) error {
+				path, pos, vals = cmd.FullName(), cmd.Args().Slice(), map[string]string{}
+				for _, f := range flags {
+					if cmd.IsSet(f) {
+						vals[f] = fmt.Sprint(cmd.Value(f))
+					}
+				}
+				return nil
+			}
+		}
+		for _, s := range c.Commands {
+			walk(s)
+		}
+	}
+	walk(app)
+	app.Writer, app.ErrWriter = &strings.Builder{}, &strings.Builder{}
+	err = app.Run(context.Background(), append([]string{"forkvm"}, args...))
+	return path, pos, vals, err
+}
+
+
+// TestFlagsAfterNames: one rule everywhere: flags may follow the names, "--" ends the
+// flags, and exec's command (its second positional) ends them too.
+func TestFlagsAfterNames(t *testing.T) {
+	tests := []struct {
+		args  []string
+		flags []string
+		pos   []string
+		vals  map[string]string
+	}{
+		{[]string{"exec", "w1", "--timeout", "1s", "--", "sleep", "10"}, []string{"timeout"},
+			[]string{"w1", "sleep", "10"}, map[string]string{"timeout": (time.Second).String()}},
+		{[]string{"exec", "--timeout", "1s", "w1", "sleep", "10"}, []string{"timeout"},
+			[]string{"w1", "sleep", "10"}, map[string]string{"timeout": (time.Second).String()}},
+		{[]string{"exec", "w1", "ls", "-la", "--timeout", "1s"}, []string{"timeout"},
+			[]string{"w1", "ls", "-la", "--timeout", "1s"}, map[string]string{}},
+		{[]string{"exec", "w1", "--", "--weird", "x"}, nil, []string{"w1", "--weird", "x"}, map[string]string{}},
+		{[]string{"exec", "w1", "--", "--", "x"}, nil, []string{"w1", "--", "x"}, map[string]string{}},
+		{[]string{"checkpoint", "w1", "ck1", "--pin"}, []string{"pin"}, []string{"w1", "ck1"}, map[string]string{"pin": "true"}},
+		{[]string{"fork", "ck1", "--n", "8", "--prefix", "g"}, []string{"n", "prefix"}, []string{"ck1"},
+			map[string]string{"n": "8", "prefix": "g"}},
+		{[]string{"checkpoint", "rm", "ck1", "--force"}, []string{"force"}, []string{"ck1"}, map[string]string{"force": "true"}},
+		{[]string{"rm", "a", "b", "--dead"}, []string{"dead"}, []string{"a", "b"}, map[string]string{"dead": "true"}},
+	}
+	for _, tt := range tests {
+		_, pos, vals, err := parsed(t, tt.args, tt.flags...)
+		if err != nil || !reflect.DeepEqual(pos, tt.pos) || !reflect.DeepEqual(vals, tt.vals) {
+			t.Errorf("forkvm %s: args %q flags %v err %v; want %q %v", strings.Join(tt.args, " "), pos, vals, err, tt.pos, tt.vals)
+		}
+	}
+}
