@@ -52,9 +52,10 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 }
 
 // Create boots a new VM from the guest image and returns once its agent answered.
-// spec.Name is required.
+// spec.Name is required; zero CPUs and MemoryMiB take the defaults (Spec.WithDefaults).
 func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	clock := startPhases()
+	spec = spec.WithDefaults()
 	vm, err := e.newBootVM(ctx, spec)
 	if err != nil {
 		return nil, err

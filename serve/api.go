@@ -289,6 +289,7 @@ var errorCodes = []struct {
 	{engine.ErrNotTCG, "not_tcg", http.StatusConflict},
 	// exec, reported by the guest agent
 	{vsockd.ErrEmptyArgv, "empty_argv", http.StatusBadRequest},
+	{vsockd.ErrInvalidRequest, "invalid_exec", http.StatusBadRequest},
 	{vsockd.ErrNotFound, "command_not_found", http.StatusUnprocessableEntity},
 	{vsockd.ErrNotExecutable, "not_executable", http.StatusUnprocessableEntity},
 	{vsockd.ErrWorkdir, "bad_workdir", http.StatusUnprocessableEntity},

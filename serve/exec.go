@@ -62,7 +62,7 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 	attached := wantsExecUpgrade(r)
 	switch {
 	case len(req.Argv) == 0:
-		err = fmt.Errorf("%w: argv is empty", engine.ErrInvalidSpec)
+		err = vsockd.ErrEmptyArgv
 	case req.Stdin != "" && len(req.StdinBase64) > 0:
 		err = fmt.Errorf("%w: stdin and stdin_base64 are exclusive", engine.ErrInvalidSpec)
 	case attached && (req.Stdin != "" || len(req.StdinBase64) > 0):

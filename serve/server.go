@@ -23,8 +23,8 @@ import (
 const (
 	MaxBodyBytes     = 1 << 20
 	MaxExecBodyBytes = 16 << 20
-	// MaxForks bounds n of one POST /v1/forks.
-	MaxForks = 1024
+	// MaxForks bounds n of one POST /v1/forks: the engine's own limit.
+	MaxForks = engine.MaxForks
 )
 
 // Server serves the API for one engine. Its handlers are safe for concurrent use.

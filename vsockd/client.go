@@ -11,6 +11,7 @@ import (
 	"io/fs"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -591,17 +592,23 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	if req == nil || len(req.Argv) == 0 || req.Argv[0] == "" {
 		return nil, ErrEmptyArgv
 	}
+	if err := checkExecStrings(req); err != nil {
+		return nil, err
+	}
 	if req.User != "" {
 		if err := c.require(FeatureExecUser, "exec as another user"); err != nil {
 			return nil, err
 		}
 	}
+	w := execStartWire{Argv: req.Argv, Env: req.Env, Dir: req.Dir, TTY: req.TTY,
+		Rows: req.Rows, Cols: req.Cols, Term: req.Term, TimeoutNs: int64(req.Timeout), User: req.User}
+	if b, err := json.Marshal(w); err == nil && len(b) > MaxPayload {
+		return nil, fmt.Errorf("vsockd: exec %q: argv and env take %d bytes encoded, over %d: %w", req.Argv[0], len(b), MaxPayload, syscall.E2BIG)
+	}
 	st, err := c.newStream()
 	if err != nil {
 		return nil, err
 	}
-	w := execStartWire{Argv: req.Argv, Env: req.Env, Dir: req.Dir, TTY: req.TTY,
-		Rows: req.Rows, Cols: req.Cols, Term: req.Term, TimeoutNs: int64(req.Timeout), User: req.User}
 	if err := c.sendJSON(ctx, TypeExecStart, st.id, w); err != nil {
 		c.abort(st, err, true)
 		return nil, fmt.Errorf("vsockd: exec %q: %w", req.Argv[0], err)
@@ -989,4 +996,36 @@ func DialUnix(ctx context.Context, path string) (net.Conn, error) {
 		case <-t.C:
 		}
 	}
+}
+
+// MaxArgLen is the longest argv or env string the guest kernel takes (MAX_ARG_STRLEN:
+// 32 pages, with its NUL).
+const MaxArgLen = 32*4096 - 1
+
+// checkExecStrings refuses what execve would (a string over MaxArgLen: E2BIG) or cannot
+// express (a NUL byte: ErrInvalidRequest) before anything is sent to the guest.
+func checkExecStrings(req *ExecRequest) error {
+	check := func(what, s string, limit bool) error {
+		if strings.IndexByte(s, 0) >= 0 {
+			return fmt.Errorf("%w: NUL byte in %s", ErrInvalidRequest, what)
+		}
+		if limit && len(s) > MaxArgLen {
+			return fmt.Errorf("vsockd: exec: %s is %d bytes, over the %d a guest command may take: %w", what, len(s), MaxArgLen, syscall.E2BIG)
+		}
+		return nil
+	}
+	for i, a := range req.Argv {
+		if err := check(fmt.Sprintf("argv[%d]", i), a, true); err != nil {
+			return err
+		}
+	}
+	for i, e := range req.Env {
+		if err := check(fmt.Sprintf("env[%d]", i), e, true); err != nil {
+			return err
+		}
+	}
+	if err := check("the working directory", req.Dir, false); err != nil {
+		return err
+	}
+	return check("the user", req.User, false)
 }

@@ -160,6 +160,9 @@ var (
 	ErrConnLost = errors.New("vsockd: agent connection lost")
 	// ErrEmptyArgv is returned by Start/Run for a request without argv.
 	ErrEmptyArgv = errors.New("vsockd: exec: empty argv")
+	// ErrInvalidRequest is returned (wrapped) by Start/Run for a request the guest
+	// cannot run as given (a NUL byte in argv, env, dir or user).
+	ErrInvalidRequest = errors.New("vsockd: exec: invalid request")
 	// ErrNotFound is returned (wrapped) by Start/Run when the command does
 	// not exist in the guest; Run returns ExitCodeNotFound with it.
 	ErrNotFound = errors.New("vsockd: command not found")

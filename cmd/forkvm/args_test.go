@@ -39,7 +39,6 @@ func parsed(t *testing.T, args []string, flags ...string) (path string, pos []st
 	return path, pos, vals, err
 }
 
-
 // TestFlagsAfterNames: one rule everywhere: flags may follow the names, "--" ends the
 // flags, and exec's command (its second positional) ends them too.
 func TestFlagsAfterNames(t *testing.T) {

@@ -174,8 +174,8 @@ func createCmd() *cli.Command {
 		// A --publish value is one forward: a comma is not a separator but an error.
 		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
-			&cli.IntFlag{Name: "cpus", Value: 2, Usage: "vCPUs"},
-			&cli.IntFlag{Name: "memory-mb", Value: 1024, Usage: "guest RAM in MiB (multiple of 2)"},
+			&cli.IntFlag{Name: "cpus", Value: engine.DefaultCPUs, Usage: "vCPUs"},
+			&cli.IntFlag{Name: "memory-mb", Value: engine.DefaultMemoryMiB, Usage: "guest RAM in MiB (multiple of 2)"},
 			&cli.BoolFlag{Name: "forkable", Usage: "put guest RAM in a shared RAM file (needed to checkpoint and fork)"},
 			&cli.IntFlag{Name: "disk-mb", Usage: "attach an ext4 data disk of this size, mounted at /data (with --image: the root disk's size)"},
 			&cli.StringFlag{Name: "image", Usage: "boot a root image (made with forkvm image create) instead of the busybox initramfs"},

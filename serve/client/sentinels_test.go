@@ -58,6 +58,7 @@ var sentinels = map[string]error{
 	"vsockd.ErrUnsupported":       vsockd.ErrUnsupported,
 	"vsockd.ErrConnLost":          vsockd.ErrConnLost,
 	"vsockd.ErrEmptyArgv":         vsockd.ErrEmptyArgv,
+	"vsockd.ErrInvalidRequest":    vsockd.ErrInvalidRequest,
 	"vsockd.ErrNotFound":          vsockd.ErrNotFound,
 	"vsockd.ErrNotExecutable":     vsockd.ErrNotExecutable,
 	"vsockd.ErrWorkdir":           vsockd.ErrWorkdir,
