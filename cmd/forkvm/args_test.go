@@ -69,3 +69,63 @@ func TestFlagsAfterNames(t *testing.T) {
 		}
 	}
 }
+
+// helpOf runs the CLI on args and returns what it printed.
+func helpOf(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	app := newApp()
+	var out strings.Builder
+	app.Writer, app.ErrWriter = &out, &out
+	err := app.Run(context.Background(), append([]string{"forkvm"}, args...))
+	return out.String(), err
+}
+
+// TestHelp: help reaches every command however it is asked for, a command's flags are
+// not listed as its subcommands' global options, and no line is wider than 80 columns.
+func TestHelp(t *testing.T) {
+	for _, tc := range []struct {
+		args      []string
+		want, not []string
+	}{
+		{[]string{"help", "image", "create"}, []string{"forkvm image create - ", "--debian"}, []string{"forkvm help"}},
+		{[]string{"image", "help"}, []string{"forkvm image - ", "COMMANDS:", "create"}, nil},
+		{[]string{"checkpoint", "help"}, []string{"forkvm checkpoint - ", "rm ", "--pin"}, nil},
+		{[]string{"checkpoint", "rm", "--help"}, []string{"--force"}, []string{"--pin", "--handoff", "--json"}},
+		{[]string{"fork", "--help"}, []string{"--n int", "--publish PORTS"}, []string{"   -n int"}},
+		{[]string{"help", "exec"}, []string{"forkvm exec - "}, nil},
+	} {
+		out, err := helpOf(t, tc.args...)
+		if err != nil {
+			t.Errorf("%q: %v", tc.args, err)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(out, w) {
+				t.Errorf("%q: no %q in:\n%s", tc.args, w, out)
+			}
+		}
+		for _, n := range tc.not {
+			if strings.Contains(out, n) {
+				t.Errorf("%q: %q in:\n%s", tc.args, n, out)
+			}
+		}
+	}
+	if _, err := helpOf(t, "checkpoint", "rm", "--pin", "ck"); err == nil {
+		t.Error("checkpoint rm --pin was accepted")
+	}
+	if _, err := helpOf(t, "help", "nope"); err == nil {
+		t.Error("help nope: no error")
+	}
+	var walk func(path []string, c *cli.Command)
+	walk = func(path []string, c *cli.Command) {
+		out, _ := helpOf(t, append(append([]string{}, path...), "--help")...)
+		for _, l := range strings.Split(out, "\n") {
+			if len(l) > helpWidth {
+				t.Errorf("forkvm %s --help: a line of %d columns: %q", strings.Join(path, " "), len(l), l)
+			}
+		}
+		for _, s := range c.Commands {
+			walk(append(append([]string{}, path...), s.Name), s)
+		}
+	}
+	walk(nil, newApp())
+}

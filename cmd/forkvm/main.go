@@ -61,10 +61,13 @@ func newApp() *cli.Command {
 			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
 			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
-			serveCmd(),
+			serveCmd(), helpCmd(),
 		},
 	}
 	noHelpCommands(app)
+	for _, c := range app.Commands {
+		helpWords(c)
+	}
 	return app
 }
 
@@ -181,7 +184,7 @@ func createCmd() *cli.Command {
 			&cli.StringFlag{Name: "image", Usage: "boot a root image (made with forkvm image create) instead of the busybox initramfs"},
 			&cli.BoolFlag{Name: "vmgenid", Usage: "QEMU ACPI tables + vmgenid: forks reseed their kernel CRNG on resume (costs ~2 MiB per fork)"},
 			&cli.BoolFlag{Name: "net", Usage: "a NIC on QEMU's user-mode network (NAT; the host's loopback is host.internal); forks of its checkpoints get one too"},
-			publishFlag("publish host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
+			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "print the VM as JSON"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -466,7 +469,7 @@ func forkCmd() *cli.Command {
 			&cli.IntFlag{Name: "conc", Usage: "forks started at once (0 = all)"},
 			&cli.FloatFlag{Name: "overcommit", Usage: "vCPU overcommit for admission (0 = engine default 8)"},
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
-			publishFlag("publish host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
+			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -547,7 +550,7 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // publishFlag is the repeatable --publish [HOSTIP:]HOSTPORT:GUESTPORT flag.
 func publishFlag(usage string) cli.Flag {
-	return &cli.StringSliceFlag{Name: "publish", Aliases: []string{"p"}, Usage: usage + ": `[HOSTIP:]HOSTPORT:GUESTPORT`"}
+	return &cli.StringSliceFlag{Name: "publish", Aliases: []string{"p"}, Usage: usage + "; `PORTS` is [HOSTIP:]HOSTPORT:GUESTPORT"}
 }
 
 // parsePublish parses --publish values, each host port shifted by offset (the index of
