@@ -97,7 +97,7 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 			writeError(w, err)
 			return
 		}
-		o := ErrorObjectOf(err)
+		o := ErrorObjectOf(stoppingErr(r, err))
 		n.line(ExecLine{Error: &o})
 		return
 	}
@@ -245,9 +245,18 @@ func (s *Server) execAttached(w http.ResponseWriter, r *http.Request, vm *engine
 		if errors.Is(err, context.Canceled) && r.Context().Err() == nil {
 			return // the client went away (or sent a bad line, already answered)
 		}
-		o := ErrorObjectOf(err)
+		o := ErrorObjectOf(stoppingErr(r, err))
 		out.line(ExecLine{Error: &o})
 		return
 	}
 	out.line(ExecLine{ExitCode: &code})
+}
+
+// stoppingErr says so when err is the cancellation of a request by a daemon that stops
+// (an exec cut by SIGTERM printed only "context canceled").
+func stoppingErr(r *http.Request, err error) error {
+	if errors.Is(err, context.Canceled) && errors.Is(context.Cause(r.Context()), ErrStopping) {
+		return fmt.Errorf("%w; the command was ended in the guest (%w)", ErrStopping, err)
+	}
+	return err
 }

@@ -27,6 +27,10 @@ const (
 	MaxForks = engine.MaxForks
 )
 
+// ErrStopping is the cause of the cancellation of requests still running when the
+// daemon stops (after its grace); an exec it cuts short says so.
+var ErrStopping = errors.New("serve: the daemon is stopping")
+
 // Server serves the API for one engine. Its handlers are safe for concurrent use.
 type Server struct {
 	e   *engine.Engine
@@ -452,7 +456,8 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 // cancelled when the grace ends, which ends them too (Serve may have returned by then;
 // Server.Wait waits for their handlers).
 func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Duration) error {
-	base, cancelBase := context.WithCancel(context.Background())
+	base, cancelBaseCause := context.WithCancelCause(context.Background())
+	cancelBase := func() { cancelBaseCause(ErrStopping) }
 	srv := &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
@@ -472,8 +477,10 @@ func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Dura
 	sctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
-		srv.Close()
+		// Cancel first, so that requests see ErrStopping as the cause, not their
+		// connection's close.
 		cancelBase()
+		srv.Close()
 	}
 	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err

@@ -14,7 +14,9 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"net"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -241,14 +243,10 @@ func lsCmd() *cli.Command {
 				return printJSON(vmObjects(vms))
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NAME\tSTATE\tPID\tCPUS\tMEMORY\tDISK\tFORKABLE\tPARENT\tREADY IN")
+			fmt.Fprintln(tw, "NAME\tSTATE\tPID\tCPUS\tMEMORY\tDISK\tFORKABLE\tPARENT\tNET/PORTS\tREADY IN")
 			for _, v := range vms {
-				parent := v.Parent
-				if parent == "" {
-					parent = "-"
-				}
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%v\n", v.Name, v.State, v.PID, v.CPUs, v.MemoryMiB,
-					v.DiskMiB, v.Forkable, parent, v.Timings.Total.Round(time.Millisecond))
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%s\t%v\n", v.Name, v.State, v.PID, v.CPUs, v.MemoryMiB,
+					v.DiskMiB, v.Forkable, orDash(v.Parent), netColumn(v), v.Timings.Total.Round(time.Millisecond))
 			}
 			return tw.Flush()
 		},
@@ -294,9 +292,9 @@ func memCmd() *cli.Command {
 			if cmd.Bool("json") {
 				return printJSON(rows)
 			}
-			mib := func(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
+			mib := func(b int64) string { return fmt.Sprintf("%.1fM", float64(b)/(1<<20)) }
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NAME\tPRIVATE MiB\tGUEST WRITTEN\tTCG CODE\tHEAP\tLIBRARIES\tPAGE TABLES\tSHARED MiB\tGUEST FILE")
+			fmt.Fprintln(tw, "NAME\tPRIVATE\t= GUEST WRITTEN\t+ TCG CODE\t+ HEAP\t+ LIBRARIES\t+ PAGE TABLES\tSHARED\tGUEST FILE")
 			for _, r := range rows {
 				u := r.MemoryUsage
 				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.TCGCode),
@@ -326,7 +324,9 @@ func rmCmd() *cli.Command {
 			for _, n := range cmd.Args().Slice() {
 				if err := api.Delete(ctx, n); err != nil {
 					errs = append(errs, err)
+					continue
 				}
+				fmt.Println("removed vm", n)
 			}
 			if cmd.Bool("dead") {
 				removed, err := api.Reap(ctx)
@@ -366,7 +366,11 @@ func checkpointCmd() *cli.Command {
 				defer api.Close()
 				var errs []error
 				for _, n := range cmd.Args().Slice() {
-					errs = append(errs, api.DeleteCheckpoint(ctx, n, &engine.DeleteCheckpointOptions{Force: cmd.Bool("force")}))
+					if err := api.DeleteCheckpoint(ctx, n, &engine.DeleteCheckpointOptions{Force: cmd.Bool("force")}); err != nil {
+						errs = append(errs, err)
+						continue
+					}
+					fmt.Println("removed checkpoint", n)
 				}
 				return errors.Join(errs...)
 			},
@@ -426,6 +430,27 @@ func checkpointsCmd() *cli.Command {
 			return tw.Flush()
 		},
 	}
+}
+
+// netColumn is ls's NET/PORTS: "-" without a NIC, "nat" with one, then its forwards
+// (HOSTPORT->GUESTPORT, the host address when not loopback).
+func netColumn(v engine.Info) string {
+	if !v.Net {
+		return "-"
+	}
+	out := "nat"
+	for i, p := range v.Publish {
+		sep := ","
+		if i == 0 {
+			sep = " "
+		}
+		host := strconv.Itoa(p.HostPort)
+		if p.HostIP != "" && p.HostIP != "127.0.0.1" {
+			host = net.JoinHostPort(p.HostIP, host)
+		}
+		out += fmt.Sprintf("%s%s->%d", sep, host, p.GuestPort)
+	}
+	return out
 }
 
 func orDash(s string) string {
@@ -510,19 +535,26 @@ func forkCmd() *cli.Command {
 				return err
 			}
 			defer api.Close()
+			start := time.Now()
 			evs, err := api.ForkMany(ctx, src, n, opts)
 			if err != nil {
 				return err
 			}
 			var errs []error
+			var broken error
+			ready, failed := 0, 0
 			implicitChecked := false // the first ready fork's parent says whether it is implicit
 			for ev := range evs {
-				if cmd.Bool("json") {
+				switch {
+				case ev.Index < 0: // the stream broke: no fork of its own
+					broken = ev.Err
+					continue
+				case cmd.Bool("json"):
 					b, _ := json.Marshal(serve.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
 					fmt.Println(string(b))
-				} else if ev.Err != nil {
+				case ev.Err != nil:
 					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
-				} else {
+				default:
 					if !implicitChecked {
 						implicitChecked = true
 						if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
@@ -535,15 +567,47 @@ func forkCmd() *cli.Command {
 						t.Restore.Round(time.Millisecond), t.Agent.Round(time.Millisecond), ev.VM.PID)
 				}
 				if ev.Err != nil {
+					failed++
 					errs = append(errs, ev.Err)
+				} else {
+					ready++
 				}
 			}
-			if len(errs) > 0 {
+			summary := forkSummary(n, ready, failed, time.Since(start))
+			if n > 1 || broken != nil {
+				fmt.Fprintln(summaryOut(cmd.Bool("json")), summary)
+			}
+			switch {
+			case broken != nil:
+				return fmt.Errorf("%s: %w", summary, broken)
+			case len(errs) > 0:
 				return fmt.Errorf("%d of %d forks failed: %w", len(errs), n, errs[0])
 			}
 			return nil
 		},
 	}
+}
+
+// forkSummary is a wave's last line: "8/8 ready in 459ms", "6/8 ready in 1.2s, 2
+// failed", and for a stream cut short the forks nobody heard of.
+func forkSummary(n, ready, failed int, wall time.Duration) string {
+	s := fmt.Sprintf("%d/%d ready in %v", ready, n, wall.Round(time.Millisecond))
+	if failed > 0 {
+		s += fmt.Sprintf(", %d failed", failed)
+	}
+	if unknown := n - ready - failed; unknown > 0 {
+		s += fmt.Sprintf(", %d not accounted for (the stream ended early)", unknown)
+	}
+	return s
+}
+
+// summaryOut is where fork's summary goes: stdout, or stderr when stdout carries JSON
+// lines.
+func summaryOut(json bool) *os.File {
+	if json {
+		return os.Stderr
+	}
+	return os.Stdout
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"reflect"
 	"testing"
+	"time"
 
 	"github.com/urfave/cli/v3"
 
@@ -64,4 +65,38 @@ func TestNamesNeverReadAsSubcommands(t *testing.T) {
 		}
 	}
 	walk(newApp(), true)
+}
+
+func TestNetColumn(t *testing.T) {
+	for _, tc := range []struct {
+		v    engine.Info
+		want string
+	}{
+		{engine.Info{}, "-"},
+		{engine.Info{Net: true}, "nat"},
+		{engine.Info{Net: true, Publish: []engine.PortForward{{HostPort: 8080, GuestPort: 80}, {HostIP: "0.0.0.0", HostPort: 2222, GuestPort: 22}}},
+			"nat 8080->80,0.0.0.0:2222->22"},
+	} {
+		if got := netColumn(tc.v); got != tc.want {
+			t.Errorf("netColumn(%+v) = %q, want %q", tc.v, got, tc.want)
+		}
+	}
+}
+
+// TestForkSummary: a wave's summary accounts for every requested fork, those a broken
+// stream never reported too (after kill -9 of the daemon mid-wave, 6 of 8 were
+// missing from "1 of 8 forks failed").
+func TestForkSummary(t *testing.T) {
+	for _, tc := range []struct {
+		n, ready, failed int
+		want             string
+	}{
+		{8, 8, 0, "8/8 ready in 459ms"},
+		{8, 6, 2, "6/8 ready in 459ms, 2 failed"},
+		{8, 1, 1, "1/8 ready in 459ms, 1 failed, 6 not accounted for (the stream ended early)"},
+	} {
+		if got := forkSummary(tc.n, tc.ready, tc.failed, 459*time.Millisecond); got != tc.want {
+			t.Errorf("forkSummary(%d, %d, %d) = %q, want %q", tc.n, tc.ready, tc.failed, got, tc.want)
+		}
+	}
 }
