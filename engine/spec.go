@@ -53,6 +53,9 @@ const (
 // MaxForks bounds n of one ForkMany (and of the daemon's POST /v1/forks).
 const MaxForks = 4096
 
+// MaxPoolSize bounds a checkpoint's warm pool (Warm; the daemon's PUT .../pool).
+const MaxPoolSize = 1024
+
 // Spec describes a VM to create. Only Name is required: see WithDefaults.
 type Spec struct {
 	// Name is the VM's name (see ValidateName).

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -128,4 +130,17 @@ func TestHelp(t *testing.T) {
 		}
 	}
 	walk(nil, newApp())
+}
+
+// TestWarmWithoutDaemon: warm is refused before an engine is opened (which would take
+// the state directory's lock, create it and run recovery for nothing).
+func TestWarmWithoutDaemon(t *testing.T) {
+	home := filepath.Join(t.TempDir(), "home")
+	out, err := helpOf(t, "--home", home, "warm", "ck", "2")
+	if err == nil || !strings.Contains(err.Error(), "forkvm serve") {
+		t.Fatalf("warm without a daemon: %v (%s)", err, out)
+	}
+	if _, err := os.Stat(home); !os.IsNotExist(err) {
+		t.Errorf("warm touched the state directory: %v", err)
+	}
 }

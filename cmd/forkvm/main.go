@@ -101,14 +101,7 @@ func checkNewName(name string) error {
 // serve` owns the state directory; else the engine embedded in this process (open).
 // The output is the same either way.
 func connect(ctx context.Context, cmd *cli.Command) (client.API, error) {
-	home := cmd.String("home")
-	if home == "" {
-		home = engine.DefaultStateDir()
-	}
-	sock, explicit := cmd.String("socket"), cmd.String("socket") != ""
-	if !explicit {
-		sock = serve.SocketPath(home)
-	}
+	sock, explicit := daemonSocket(cmd)
 	answers := client.Answers(ctx, sock)
 	if explicit && !answers {
 		return nil, fmt.Errorf("%w: no forkvm daemon answers on %s", errNoDaemon, sock)
@@ -124,6 +117,25 @@ func connect(ctx context.Context, cmd *cli.Command) (client.API, error) {
 		return nil, err
 	}
 	return client.NewLocal(e), nil
+}
+
+// daemonSocket is where this CLI run looks for a daemon: --socket (explicit), else
+// HOME/forkvm.sock.
+func daemonSocket(cmd *cli.Command) (sock string, explicit bool) {
+	if s := cmd.String("socket"); s != "" {
+		return s, true
+	}
+	home := cmd.String("home")
+	if home == "" {
+		home = engine.DefaultStateDir()
+	}
+	return serve.SocketPath(home), false
+}
+
+// daemonAnswers reports whether a daemon answers on this run's socket.
+func daemonAnswers(ctx context.Context, cmd *cli.Command) bool {
+	sock, _ := daemonSocket(cmd)
+	return client.Answers(ctx, sock)
 }
 
 // errNoDaemon: --socket names a socket nobody answers on.
