@@ -250,6 +250,9 @@ const (
 	// CodeMethodNotAllowed: the path is an endpoint's, the method is not.
 	CodeMethodNotAllowed = "method_not_allowed"
 	CodeInternal         = "internal" // anything else (and recovered panics)
+	// CodeBusy: the daemon holds MaxExecBodiesBytes of exec bodies already (503,
+	// Retry-After); try again.
+	CodeBusy = "busy"
 )
 
 // CodeInsufficientStorage is the code of an ENOSPC (507): the state directory's file

@@ -50,6 +50,17 @@ func (s streamWriter) Write(p []byte) (int, error) {
 // line. A client that disconnects cancels the request's context, which ends the exec in
 // the guest. With "Upgrade: forkvm-exec/1" it is an attached exec (execAttached).
 func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
+	weight := int64(MaxExecBodyBytes)
+	if r.ContentLength >= 0 && r.ContentLength < weight {
+		weight = r.ContentLength
+	}
+	if !s.execBodies.TryAcquire(weight) {
+		w.Header().Set("Retry-After", "1")
+		writeErrorObject(w, http.StatusServiceUnavailable, ErrorObject{Code: CodeBusy,
+			Message: fmt.Sprintf("the daemon holds %d MiB of exec bodies already; try again", MaxExecBodiesBytes>>20)})
+		return
+	}
+	defer s.execBodies.Release(weight)
 	vm, err := s.e.Get(r.PathValue("name"))
 	if err != nil {
 		writeError(w, err)
