@@ -302,6 +302,7 @@ var errorCodes = []struct {
 	{vsockd.ErrSourceMissing, "source_missing", http.StatusNotFound},
 	{vsockd.ErrNotDirectory, "not_directory", http.StatusUnprocessableEntity},
 	{vsockd.ErrUnsafeEntry, "unsafe_entry", http.StatusBadRequest},
+	{vsockd.ErrBadArchive, "bad_archive", http.StatusBadRequest},
 	{vsockd.ErrFileTooLarge, "file_too_large", http.StatusRequestEntityTooLarge},
 	// the agent's connection
 	{vsockd.ErrTokenMismatch, "agent_token_mismatch", http.StatusBadGateway},

@@ -66,6 +66,7 @@ var sentinels = map[string]error{
 	"vsockd.ErrSourceMissing":     vsockd.ErrSourceMissing,
 	"vsockd.ErrNotDirectory":      vsockd.ErrNotDirectory,
 	"vsockd.ErrUnsafeEntry":       vsockd.ErrUnsafeEntry,
+	"vsockd.ErrBadArchive":        vsockd.ErrBadArchive,
 	"vsockd.ErrBadFrame":          vsockd.ErrBadFrame,
 	"vsockd.ErrFrameTooLarge":     vsockd.ErrFrameTooLarge,
 }
