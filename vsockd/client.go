@@ -48,7 +48,16 @@ type ClientConfig struct {
 	// ReadTimeout, if positive, additionally bounds waiting for the replies
 	// to Hello and Ping.
 	ReadTimeout time.Duration
+	// TimeoutGrace is how long after an ExecRequest.Timeout the host waits for
+	// the guest to report the command's end (0: DefaultTimeoutGrace). Past it,
+	// Wait sends SIGKILL to the command's process group itself and returns
+	// ExitCodeTimeout with an error: a guest too loaded to run its own timer (a
+	// fork bomb) cannot stretch the timeout.
+	TimeoutGrace time.Duration
 }
+
+// DefaultTimeoutGrace is the default ClientConfig.TimeoutGrace.
+const DefaultTimeoutGrace = 5 * time.Second
 
 // Hello is the host's session greeting. Sending it resets the guest session.
 type Hello struct {
@@ -126,9 +135,10 @@ type ExecRequest struct {
 //     writeStall) fails every pending operation with ErrConnLost and makes
 //     the client Done; callers such as engine.VM redial.
 type Client struct {
-	conn        net.Conn
-	maxOutput   int64
-	readTimeout time.Duration
+	conn         net.Conn
+	maxOutput    int64
+	readTimeout  time.Duration
+	timeoutGrace time.Duration
 
 	wq  chan *wreq // to the writer goroutine
 	wmu sync.Mutex // held by the writer while a frame is being written
@@ -176,6 +186,7 @@ func NewClient(conn net.Conn, cfg *ClientConfig) *Client {
 			c.maxOutput = cfg.MaxOutput
 		}
 		c.readTimeout = cfg.ReadTimeout
+		c.timeoutGrace = cfg.TimeoutGrace
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	go c.readLoop()
@@ -529,6 +540,7 @@ type Process struct {
 	Pid int
 
 	maxOutput int64 // < 0: unlimited
+	started   time.Time
 
 	done     chan struct{}
 	code     int
@@ -625,7 +637,7 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	}
 	var sw execStartedWire
 	json.Unmarshal(f.Payload, &sw)
-	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{}), maxOutput: c.maxOutput}
+	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{}), maxOutput: c.maxOutput, started: time.Now()}
 	if req.MaxOutput != 0 {
 		p.maxOutput = req.MaxOutput
 	}
@@ -731,16 +743,39 @@ func (p *Process) feedStdin(r io.Reader) {
 // If ctx ends first, Wait sends SIGKILL to the process group, aborts the
 // stream and returns ctx.Err().
 func (p *Process) Wait(ctx context.Context) (int, error) {
+	var bound <-chan time.Time
+	if p.req.Timeout > 0 {
+		grace := p.c.timeoutGrace
+		if grace <= 0 {
+			grace = DefaultTimeoutGrace
+		}
+		t := time.NewTimer(time.Until(p.started.Add(p.req.Timeout + grace)))
+		defer t.Stop()
+		bound = t.C
+	}
 	select {
 	case <-p.done:
 		return p.code, p.err
+	case <-bound:
+		// The guest did not end the command in time: kill its process group from
+		// here and stop waiting (what it still prints is dropped).
+		p.kill()
+		err := fmt.Errorf("vsockd: exec %q: the guest had not ended the command %v after its %v timeout; sent SIGKILL to its process group and stopped waiting: %w",
+			p.req.Argv[0], time.Since(p.started.Add(p.req.Timeout)).Round(time.Millisecond), p.req.Timeout, context.DeadlineExceeded)
+		p.c.abort(p.st, err, true)
+		return ExitCodeTimeout, err
 	case <-ctx.Done():
 	}
+	p.kill()
+	p.c.abort(p.st, ctx.Err(), true)
+	return -1, ctx.Err()
+}
+
+// kill sends SIGKILL to the process group, bounded by a second.
+func (p *Process) kill() {
 	kctx, cancel := context.WithTimeout(p.c.ctx, time.Second)
 	p.Signal(kctx, int(syscall.SIGKILL))
 	cancel()
-	p.c.abort(p.st, ctx.Err(), true)
-	return -1, ctx.Err()
 }
 
 // Exited reports whether the process has finished (or its stream failed).

@@ -532,3 +532,38 @@ func TestExecRefusesBadStrings(t *testing.T) {
 		t.Errorf("after the refusals: %d %v %q", code, err, out.String())
 	}
 }
+
+// TestExecTimeoutBoundedOnHost: a guest that never reports the end of a timed-out
+// command (a fork bomb starved its timer: --timeout 15s returned after 74 s) does not
+// stretch the timeout: past the grace, the host kills the process group itself and
+// Wait returns ExitCodeTimeout with an error.
+func TestExecTimeoutBoundedOnHost(t *testing.T) {
+	signals := make(chan int, 4)
+	c := fakeGuest(t, &ClientConfig{TimeoutGrace: 200 * time.Millisecond}, func(conn net.Conn, f Frame) {
+		switch f.Type {
+		case TypeExecStart:
+			p, _ := json.Marshal(execStartedWire{Pid: 42})
+			WriteFrame(conn, Frame{Type: TypeExecStarted, Stream: f.Stream, Payload: p})
+		case TypeSignal:
+			var s signalWire
+			json.Unmarshal(f.Payload, &s)
+			signals <- s.Signal
+		}
+	})
+	start := time.Now()
+	code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"fork-bomb"}, Timeout: 100 * time.Millisecond})
+	if code != ExitCodeTimeout || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Run = %d, %v; want %d and a deadline error", code, err, ExitCodeTimeout)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Errorf("Run returned after %v", d)
+	}
+	select {
+	case s := <-signals:
+		if s != int(syscall.SIGKILL) {
+			t.Errorf("signal %d, want SIGKILL", s)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("no SIGKILL was sent to the guest")
+	}
+}
