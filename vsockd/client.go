@@ -98,7 +98,8 @@ type ExecRequest struct {
 	Rows, Cols uint16
 	Term       string // TERM in TTY mode; default "xterm"
 	// Timeout, if positive, is enforced by the guest: the process group is
-	// killed with SIGKILL and the exit code is ExitCodeTimeout.
+	// killed with SIGKILL and the exit code is ExitCodeTimeout. The host bounds
+	// it too (ClientConfig.TimeoutGrace).
 	Timeout time.Duration
 	Stdin   io.Reader // nil: empty stdin
 	Stdout  io.Writer // nil: discarded
