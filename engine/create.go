@@ -52,9 +52,10 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 }
 
 // Create boots a new VM from the guest image and returns once its agent answered.
-// spec.Name is required.
+// spec.Name is required; zero CPUs and MemoryMiB take the defaults (Spec.WithDefaults).
 func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	clock := startPhases()
+	spec = spec.WithDefaults()
 	vm, err := e.newBootVM(ctx, spec)
 	if err != nil {
 		return nil, err
@@ -106,6 +107,9 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 // image from the cache breaks nothing), under a writable qcow2 overlay.
 func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
 	img, err := guest.LookupImage(e.cfg.CacheDir, spec.Image)
+	if errors.Is(err, guest.ErrImageNotFound) {
+		return fmt.Errorf("%w: no image named %q (`forkvm images` lists them)", ErrImageNotFound, spec.Image)
+	}
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrImageMissing, err)
 	}

@@ -299,7 +299,7 @@ func TestQEMUPathAndVersion(t *testing.T) {
 	if _, err := e.Create(context.Background(), Spec{Name: "w1", CPUs: 1, MemoryMiB: 64}); !errors.Is(err, ErrQEMUMissing) {
 		t.Errorf("Create with missing QEMU: %v, want ErrQEMUMissing", err)
 	}
-	if _, err := e.Create(context.Background(), Spec{Name: "w1", CPUs: 0, MemoryMiB: 64}); !errors.Is(err, ErrInvalidSpec) {
+	if _, err := e.Create(context.Background(), Spec{Name: "w1", CPUs: 65, MemoryMiB: 64}); !errors.Is(err, ErrInvalidSpec) {
 		t.Errorf("Create with a bad spec: %v, want ErrInvalidSpec (validation first)", err)
 	}
 

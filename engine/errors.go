@@ -23,6 +23,13 @@ var (
 	ErrQEMUTooOld = errors.New("engine: qemu too old (need >= 10.0; run `make setup`)")
 	// ErrImageMissing reports that the guest kernel or initramfs is missing.
 	ErrImageMissing = errors.New("engine: guest image missing (run `make setup` or `forkvm image build`)")
+	// ErrImageNotFound reports a Spec.Image that names no root image in the cache
+	// (`forkvm images` lists them).
+	ErrImageNotFound = errors.New("engine: image not found")
+	// ErrAgentBusy reports a VM's guest agent connected to another client: its
+	// virtio-serial port serves one host connection at a time (a daemon multiplexes
+	// any number of clients on its one connection).
+	ErrAgentBusy = errors.New("engine: guest agent busy")
 	// ErrQEMUExited reports a QEMU process that exited (at start or later).
 	ErrQEMUExited = errors.New("engine: qemu exited")
 	// ErrAgentTimeout reports a guest agent that did not answer within its deadline.

@@ -44,7 +44,7 @@ func ExampleEngine_Create_invalid() {
 	defer e.Close()
 	_, err = e.Create(context.Background(), engine.Spec{Name: "w,1", CPUs: 2, MemoryMiB: 1024})
 	fmt.Println(errors.Is(err, engine.ErrInvalidName))
-	_, err = e.Create(context.Background(), engine.Spec{Name: "w1", CPUs: 0, MemoryMiB: 1024})
+	_, err = e.Create(context.Background(), engine.Spec{Name: "w1", CPUs: 65, MemoryMiB: 1024})
 	fmt.Println(errors.Is(err, engine.ErrInvalidSpec))
 	_, err = e.Fork(context.Background(), "no-such-checkpoint", nil)
 	fmt.Println(errors.Is(err, engine.ErrNotFound))

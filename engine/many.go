@@ -55,8 +55,8 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 	if opts != nil {
 		o = *opts
 	}
-	if n < 1 || n > 4096 {
-		return nil, fmt.Errorf("%w: n must be 1..4096, got %d", ErrInvalidSpec, n)
+	if n < 1 || n > MaxForks {
+		return nil, fmt.Errorf("%w: n must be 1..%d, got %d", ErrInvalidSpec, MaxForks, n)
 	}
 	names := o.Names
 	if names == nil {

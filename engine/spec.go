@@ -43,13 +43,26 @@ func randHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-// Spec describes a VM to create.
+// Defaults of a Spec's zero fields (Spec.WithDefaults): the CLI's flags, the daemon
+// and Engine.Create all use these.
+const (
+	DefaultCPUs      = 2
+	DefaultMemoryMiB = 1024
+)
+
+// MaxForks bounds n of one ForkMany (and of the daemon's POST /v1/forks).
+const MaxForks = 4096
+
+// MaxPoolSize bounds a checkpoint's warm pool (Warm; the daemon's PUT .../pool).
+const MaxPoolSize = 1024
+
+// Spec describes a VM to create. Only Name is required: see WithDefaults.
 type Spec struct {
 	// Name is the VM's name (see ValidateName).
 	Name string `json:"name"`
-	// CPUs is the number of vCPUs (1..64).
+	// CPUs is the number of vCPUs (1..64; 0: DefaultCPUs).
 	CPUs int `json:"cpus"`
-	// MemoryMiB is guest RAM in MiB: a multiple of 2, 64..262144.
+	// MemoryMiB is guest RAM in MiB: a multiple of 2, 64..262144 (0: DefaultMemoryMiB).
 	MemoryMiB int `json:"memory_mib"`
 	// Forkable puts guest RAM in a shared RAM file so the VM can be checkpointed and forked.
 	Forkable bool `json:"forkable"`
@@ -78,7 +91,21 @@ type Spec struct {
 	Publish []PortForward `json:"publish,omitempty"`
 }
 
-// Validate checks the spec; it is called by Create before anything starts.
+// WithDefaults returns s with its zero CPUs and MemoryMiB set to DefaultCPUs and
+// DefaultMemoryMiB, so that a spec naming only the VM is valid; Create applies it.
+// Every other field's zero value is its default (no disk, no NIC, the busybox
+// initramfs, not forkable).
+func (s Spec) WithDefaults() Spec {
+	if s.CPUs == 0 {
+		s.CPUs = DefaultCPUs
+	}
+	if s.MemoryMiB == 0 {
+		s.MemoryMiB = DefaultMemoryMiB
+	}
+	return s
+}
+
+// Validate checks the spec (after WithDefaults, for a spec to Create); it is called by Create before anything starts.
 func (s *Spec) Validate() error {
 	if err := ValidateName(s.Name); err != nil {
 		return err

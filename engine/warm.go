@@ -22,8 +22,8 @@ func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) 
 		o = *opts
 		o.WarmUp = slices.Clone(o.WarmUp)
 	}
-	if n < 0 || n > 1024 {
-		return fmt.Errorf("%w: pool size must be 0..1024, got %d", ErrInvalidSpec, n)
+	if n < 0 || n > MaxPoolSize {
+		return fmt.Errorf("%w: pool size must be 0..%d, got %d", ErrInvalidSpec, MaxPoolSize, n)
 	}
 	c, err := e.cks.load(ck)
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"io/fs"
 	"net/http"
+	"syscall"
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
@@ -249,15 +250,25 @@ const (
 	// CodeMethodNotAllowed: the path is an endpoint's, the method is not.
 	CodeMethodNotAllowed = "method_not_allowed"
 	CodeInternal         = "internal" // anything else (and recovered panics)
+	// CodeBusy: the daemon holds MaxExecBodiesBytes of exec bodies already (503,
+	// Retry-After); try again.
+	CodeBusy = "busy"
 )
 
+// CodeInsufficientStorage is the code of an ENOSPC (507): the state directory's file
+// system, or a guest's, is full.
+const CodeInsufficientStorage = "insufficient_storage"
+
 // errorCodes maps errors to codes and HTTP statuses, first match wins. The client maps
-// codes back to the same errors, so errors.Is works on both sides.
+// codes back to the same errors, so errors.Is works on both sides. Every exported Err*
+// sentinel of packages engine and vsockd has a row (a test walks their source), and
+// no two rows share a code.
 var errorCodes = []struct {
 	err    error
 	code   string
 	status int
 }{
+	{engine.ErrImageNotFound, "image_not_found", http.StatusNotFound},
 	{engine.ErrNotFound, "not_found", http.StatusNotFound},
 	{engine.ErrExists, "exists", http.StatusConflict},
 	{engine.ErrInvalidName, "invalid_name", http.StatusBadRequest},
@@ -265,6 +276,7 @@ var errorCodes = []struct {
 	{engine.ErrNotRunning, "not_running", http.StatusConflict},
 	{engine.ErrNotForkable, "not_forkable", http.StatusConflict},
 	{engine.ErrInUse, "in_use", http.StatusConflict},
+	{engine.ErrAgentBusy, "agent_busy", http.StatusConflict},
 	{engine.ErrAdmission, "admission", http.StatusServiceUnavailable},
 	{engine.ErrIncompatible, "incompatible", http.StatusConflict},
 	{engine.ErrCheckpointCorrupt, "checkpoint_corrupt", http.StatusInternalServerError},
@@ -280,6 +292,7 @@ var errorCodes = []struct {
 	{engine.ErrNotTCG, "not_tcg", http.StatusConflict},
 	// exec, reported by the guest agent
 	{vsockd.ErrEmptyArgv, "empty_argv", http.StatusBadRequest},
+	{vsockd.ErrInvalidRequest, "invalid_exec", http.StatusBadRequest},
 	{vsockd.ErrNotFound, "command_not_found", http.StatusUnprocessableEntity},
 	{vsockd.ErrNotExecutable, "not_executable", http.StatusUnprocessableEntity},
 	{vsockd.ErrWorkdir, "bad_workdir", http.StatusUnprocessableEntity},
@@ -288,6 +301,22 @@ var errorCodes = []struct {
 	// files
 	{vsockd.ErrSourceMissing, "source_missing", http.StatusNotFound},
 	{vsockd.ErrNotDirectory, "not_directory", http.StatusUnprocessableEntity},
+	{vsockd.ErrUnsafeEntry, "unsafe_entry", http.StatusBadRequest},
+	{vsockd.ErrBadArchive, "bad_archive", http.StatusBadRequest},
+	{vsockd.ErrFileTooLarge, "file_too_large", http.StatusRequestEntityTooLarge},
+	// the agent's connection
+	{vsockd.ErrTokenMismatch, "agent_token_mismatch", http.StatusBadGateway},
+	{vsockd.ErrConnLost, "agent_connection_lost", http.StatusBadGateway},
+	{vsockd.ErrClosed, "agent_closed", http.StatusBadGateway},
+	{vsockd.ErrStreamReset, "agent_stream_reset", http.StatusBadGateway},
+	{vsockd.ErrSessionReset, "agent_session_reset", http.StatusBadGateway},
+	{vsockd.ErrProtocol, "agent_protocol", http.StatusBadGateway},
+	{vsockd.ErrBadFrame, "agent_bad_frame", http.StatusBadGateway},
+	{vsockd.ErrFrameTooLarge, "agent_frame_too_large", http.StatusBadGateway},
+	{vsockd.ErrUnsupported, "unsupported", http.StatusNotImplemented},
+	// the host
+	{syscall.ENOSPC, CodeInsufficientStorage, http.StatusInsufficientStorage},
+	{syscall.E2BIG, "argument_list_too_long", http.StatusBadRequest},
 	{fs.ErrNotExist, "no_such_path", http.StatusNotFound},
 	{context.DeadlineExceeded, "timeout", http.StatusGatewayTimeout},
 	{context.Canceled, "canceled", http.StatusServiceUnavailable},

@@ -50,6 +50,17 @@ func (s streamWriter) Write(p []byte) (int, error) {
 // line. A client that disconnects cancels the request's context, which ends the exec in
 // the guest. With "Upgrade: forkvm-exec/1" it is an attached exec (execAttached).
 func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
+	weight := int64(MaxExecBodyBytes)
+	if r.ContentLength >= 0 && r.ContentLength < weight {
+		weight = r.ContentLength
+	}
+	if !s.execBodies.TryAcquire(weight) {
+		w.Header().Set("Retry-After", "1")
+		writeErrorObject(w, http.StatusServiceUnavailable, ErrorObject{Code: CodeBusy,
+			Message: fmt.Sprintf("the daemon holds %d MiB of exec bodies already; try again", MaxExecBodiesBytes>>20)})
+		return
+	}
+	defer s.execBodies.Release(weight)
 	vm, err := s.e.Get(r.PathValue("name"))
 	if err != nil {
 		writeError(w, err)
@@ -62,7 +73,7 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 	attached := wantsExecUpgrade(r)
 	switch {
 	case len(req.Argv) == 0:
-		err = fmt.Errorf("%w: argv is empty", engine.ErrInvalidSpec)
+		err = vsockd.ErrEmptyArgv
 	case req.Stdin != "" && len(req.StdinBase64) > 0:
 		err = fmt.Errorf("%w: stdin and stdin_base64 are exclusive", engine.ErrInvalidSpec)
 	case attached && (req.Stdin != "" || len(req.StdinBase64) > 0):
@@ -97,7 +108,7 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 			writeError(w, err)
 			return
 		}
-		o := ErrorObjectOf(err)
+		o := ErrorObjectOf(stoppingErr(r, err))
 		n.line(ExecLine{Error: &o})
 		return
 	}
@@ -245,9 +256,18 @@ func (s *Server) execAttached(w http.ResponseWriter, r *http.Request, vm *engine
 		if errors.Is(err, context.Canceled) && r.Context().Err() == nil {
 			return // the client went away (or sent a bad line, already answered)
 		}
-		o := ErrorObjectOf(err)
+		o := ErrorObjectOf(stoppingErr(r, err))
 		out.line(ExecLine{Error: &o})
 		return
 	}
 	out.line(ExecLine{ExitCode: &code})
+}
+
+// stoppingErr says so when err is the cancellation of a request by a daemon that stops
+// (an exec cut by SIGTERM printed only "context canceled").
+func stoppingErr(r *http.Request, err error) error {
+	if errors.Is(err, context.Canceled) && errors.Is(context.Cause(r.Context()), ErrStopping) {
+		return fmt.Errorf("%w; the command was ended in the guest (%w)", ErrStopping, err)
+	}
+	return err
 }

@@ -217,8 +217,8 @@ func (s *Server) putPool(w http.ResponseWriter, r *http.Request) {
 	if !decode(w, r, MaxBodyBytes, &req) {
 		return
 	}
-	if req.N < 0 || req.N > MaxForks {
-		writeError(w, fmt.Errorf("%w: n must be 0..%d", engine.ErrInvalidSpec, MaxForks))
+	if req.N < 0 || req.N > engine.MaxPoolSize {
+		writeError(w, fmt.Errorf("%w: n must be 0..%d", engine.ErrInvalidSpec, engine.MaxPoolSize))
 		return
 	}
 	name := r.PathValue("name")

@@ -16,6 +16,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sync/semaphore"
+
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -23,9 +25,18 @@ import (
 const (
 	MaxBodyBytes     = 1 << 20
 	MaxExecBodyBytes = 16 << 20
-	// MaxForks bounds n of one POST /v1/forks.
-	MaxForks = 1024
+	// MaxExecBodiesBytes bounds the exec request bodies the daemon holds at once
+	// (each decoded body costs about twice its size while its exec runs); an exec
+	// beyond it is answered 503 busy, with Retry-After. A body without a
+	// Content-Length counts as MaxExecBodyBytes.
+	MaxExecBodiesBytes = 64 << 20
+	// MaxForks bounds n of one POST /v1/forks: the engine's own limit.
+	MaxForks = engine.MaxForks
 )
+
+// ErrStopping is the cause of the cancellation of requests still running when the
+// daemon stops (after its grace); an exec it cuts short says so.
+var ErrStopping = errors.New("serve: the daemon is stopping")
 
 // Server serves the API for one engine. Its handlers are safe for concurrent use.
 type Server struct {
@@ -36,6 +47,8 @@ type Server struct {
 	// inflight counts handlers running, so the engine is closed only after the last
 	// one returned (a cancelled wave deletes its forks on its way out).
 	inflight sync.WaitGroup
+	// execBodies holds the bytes of the exec bodies being served (MaxExecBodiesBytes).
+	execBodies *semaphore.Weighted
 }
 
 // New returns a server for e. A nil logger discards.
@@ -43,7 +56,7 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{e: e, log: log, mux: http.NewServeMux(), pid: os.Getpid()}
+	s := &Server{e: e, log: log, mux: http.NewServeMux(), pid: os.Getpid(), execBodies: semaphore.NewWeighted(MaxExecBodiesBytes)}
 	s.mux.HandleFunc("GET /v1/info", s.info)
 	s.mux.HandleFunc("GET /v1/vms", s.listVMs)
 	s.mux.HandleFunc("POST /v1/vms", s.createVM)
@@ -111,13 +124,14 @@ func (s *Server) Wait(ctx context.Context) error {
 }
 
 // TokenHandler is the API for a TCP listener: every request must carry
-// "Authorization: Bearer TOKEN", else 401.
+// "Authorization: Bearer TOKEN" (the scheme in any case, RFC 7235), else 401.
 func (s *Server) TokenHandler(token string) http.Handler {
-	want := sha256.Sum256([]byte("Bearer " + token))
+	want := sha256.Sum256([]byte(token))
 	h := s.Handler()
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got := sha256.Sum256([]byte(r.Header.Get("Authorization")))
-		if token == "" || subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
+		scheme, cred, _ := strings.Cut(r.Header.Get("Authorization"), " ")
+		got := sha256.Sum256([]byte(strings.TrimLeft(cred, " ")))
+		if token == "" || !strings.EqualFold(scheme, "Bearer") || subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="forkvm"`)
 			writeErrorObject(w, http.StatusUnauthorized, ErrorObject{Code: CodeUnauthorized, Message: "missing or wrong bearer token"})
 			return
@@ -452,7 +466,8 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 // cancelled when the grace ends, which ends them too (Serve may have returned by then;
 // Server.Wait waits for their handlers).
 func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Duration) error {
-	base, cancelBase := context.WithCancel(context.Background())
+	base, cancelBaseCause := context.WithCancelCause(context.Background())
+	cancelBase := func() { cancelBaseCause(ErrStopping) }
 	srv := &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
@@ -472,8 +487,10 @@ func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Dura
 	sctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
-		srv.Close()
+		// Cancel first, so that requests see ErrStopping as the cause, not their
+		// connection's close.
 		cancelBase()
+		srv.Close()
 	}
 	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err

@@ -271,7 +271,10 @@ func TestServeTokenAuth(t *testing.T) {
 		{"Bearer", 401},
 		{"Bearer ", 401},
 		{"Bearer wrong", 401},
-		{"bearer " + token, 401},
+		{"bearer " + token, 200}, // the scheme is case-insensitive (RFC 7235)
+		{"BEARER  " + token, 200},
+		{"Bearer" + token, 401},
+		{token, 401},
 		{"Bearer " + token + "x", 401},
 		{"Basic " + token, 401},
 		{"Bearer " + token, 200},
@@ -464,5 +467,39 @@ func TestServeShutdownWaits(t *testing.T) {
 	defer wcancel()
 	if err := s.Wait(wctx); err != nil || !finished.Load() {
 		t.Fatalf("Wait: %v, handler finished %v", err, finished.Load())
+	}
+}
+
+// TestServeExecBodiesBounded: the exec bodies the daemon holds at once are bounded
+// (each concurrent 15 MiB body cost ~35 MB with no cap): beyond the bound an exec is
+// answered 503 busy with Retry-After, and the bound counts a body's Content-Length.
+func TestServeExecBodiesBounded(t *testing.T) {
+	s, hc, _ := newTestServer(t)
+	post := func() (int, ErrorResponse, http.Header) {
+		resp, err := hc.Post("http://forkvm/v1/vms/nope/exec", "application/json", strings.NewReader(`{"argv":["true"]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var er ErrorResponse
+		json.NewDecoder(resp.Body).Decode(&er)
+		return resp.StatusCode, er, resp.Header
+	}
+	if !s.execBodies.TryAcquire(MaxExecBodiesBytes - 10) {
+		t.Fatal("acquire")
+	}
+	if code, er, h := post(); code != 503 || er.Error.Code != CodeBusy || h.Get("Retry-After") == "" {
+		t.Errorf("over the bound: %d %+v", code, er)
+	}
+	s.execBodies.Release(MaxExecBodiesBytes - 10)
+	if !s.execBodies.TryAcquire(MaxExecBodiesBytes - 100) {
+		t.Fatal("acquire")
+	}
+	if code, er, _ := post(); code != 404 || er.Error.Code != "not_found" {
+		t.Errorf("a small body under the bound: %d %+v", code, er)
+	}
+	s.execBodies.Release(MaxExecBodiesBytes - 100)
+	if !s.execBodies.TryAcquire(MaxExecBodiesBytes) {
+		t.Error("the handlers did not release what they took")
 	}
 }

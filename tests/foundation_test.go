@@ -217,7 +217,7 @@ func TestBadInput(t *testing.T) {
 		spec engine.Spec
 		want error
 	}{
-		{"zero cpus", engine.Spec{Name: "a", CPUs: 0, MemoryMiB: 256}, engine.ErrInvalidSpec},
+		{"65 cpus", engine.Spec{Name: "a", CPUs: 65, MemoryMiB: 256}, engine.ErrInvalidSpec},
 		{"odd memory", engine.Spec{Name: "a", CPUs: 1, MemoryMiB: 257}, engine.ErrInvalidSpec},
 		{"comma", engine.Spec{Name: "a,b", CPUs: 1, MemoryMiB: 256}, engine.ErrInvalidName},
 		{"slash", engine.Spec{Name: "a/b", CPUs: 1, MemoryMiB: 256}, engine.ErrInvalidName},

@@ -96,8 +96,8 @@ func TestRootImageBadInput(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	ctx := ctxT(t, time.Minute)
 	_, err := env.E.Create(ctx, engine.Spec{Name: "x", CPUs: 1, MemoryMiB: 256, Image: "no-such-image"})
-	if !errors.Is(err, engine.ErrImageMissing) || !errors.Is(err, guest.ErrImageNotFound) {
-		t.Errorf("unknown image: %v, want ErrImageMissing wrapping guest.ErrImageNotFound", err)
+	if !errors.Is(err, engine.ErrImageNotFound) || !strings.Contains(err.Error(), "forkvm images") {
+		t.Errorf("unknown image: %v, want ErrImageNotFound pointing to forkvm images", err)
 	}
 	_, err = env.E.Create(ctx, engine.Spec{Name: "x", CPUs: 1, MemoryMiB: 256, Image: "../etc"})
 	if !errors.Is(err, engine.ErrInvalidSpec) {

@@ -261,7 +261,7 @@ func ExtractTar(ctx context.Context, r io.Reader, dir string, opts *ExtractOptio
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			return fmt.Errorf("vsockd: extract: corrupt archive after %d entries: %w", x.n, err)
+			return fmt.Errorf("%w: after %d entries: %w", ErrBadArchive, x.n, err)
 		}
 		x.n++
 		if err := x.apply(ctx, hdr, tr); err != nil {
@@ -269,10 +269,10 @@ func ExtractTar(ctx context.Context, r io.Reader, dir string, opts *ExtractOptio
 		}
 	}
 	if x.opts.Top != "" && x.n == 0 {
-		return fmt.Errorf("vsockd: extract: empty archive (expected %q)", x.opts.Top)
+		return fmt.Errorf("%w: empty (expected %q)", ErrBadArchive, x.opts.Top)
 	}
 	if n, err := io.CopyN(io.Discard, cr, maxTrailing+1); n > maxTrailing {
-		return fmt.Errorf("vsockd: extract: more than %d bytes after the end of the archive", maxTrailing)
+		return fmt.Errorf("%w: more than %d bytes after the end of the archive", ErrBadArchive, maxTrailing)
 	} else if err != nil && err != io.EOF {
 		return fmt.Errorf("vsockd: extract: %w", err)
 	}

@@ -11,6 +11,7 @@ import (
 	"io/fs"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -47,7 +48,16 @@ type ClientConfig struct {
 	// ReadTimeout, if positive, additionally bounds waiting for the replies
 	// to Hello and Ping.
 	ReadTimeout time.Duration
+	// TimeoutGrace is how long after an ExecRequest.Timeout the host waits for
+	// the guest to report the command's end (0: DefaultTimeoutGrace). Past it,
+	// Wait sends SIGKILL to the command's process group itself and returns
+	// ExitCodeTimeout with an error: a guest too loaded to run its own timer (a
+	// fork bomb) cannot stretch the timeout.
+	TimeoutGrace time.Duration
 }
+
+// DefaultTimeoutGrace is the default ClientConfig.TimeoutGrace.
+const DefaultTimeoutGrace = 5 * time.Second
 
 // Hello is the host's session greeting. Sending it resets the guest session.
 type Hello struct {
@@ -88,7 +98,8 @@ type ExecRequest struct {
 	Rows, Cols uint16
 	Term       string // TERM in TTY mode; default "xterm"
 	// Timeout, if positive, is enforced by the guest: the process group is
-	// killed with SIGKILL and the exit code is ExitCodeTimeout.
+	// killed with SIGKILL and the exit code is ExitCodeTimeout. The host bounds
+	// it too (ClientConfig.TimeoutGrace).
 	Timeout time.Duration
 	Stdin   io.Reader // nil: empty stdin
 	Stdout  io.Writer // nil: discarded
@@ -125,9 +136,10 @@ type ExecRequest struct {
 //     writeStall) fails every pending operation with ErrConnLost and makes
 //     the client Done; callers such as engine.VM redial.
 type Client struct {
-	conn        net.Conn
-	maxOutput   int64
-	readTimeout time.Duration
+	conn         net.Conn
+	maxOutput    int64
+	readTimeout  time.Duration
+	timeoutGrace time.Duration
 
 	wq  chan *wreq // to the writer goroutine
 	wmu sync.Mutex // held by the writer while a frame is being written
@@ -175,6 +187,7 @@ func NewClient(conn net.Conn, cfg *ClientConfig) *Client {
 			c.maxOutput = cfg.MaxOutput
 		}
 		c.readTimeout = cfg.ReadTimeout
+		c.timeoutGrace = cfg.TimeoutGrace
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	go c.readLoop()
@@ -528,6 +541,7 @@ type Process struct {
 	Pid int
 
 	maxOutput int64 // < 0: unlimited
+	started   time.Time
 
 	done     chan struct{}
 	code     int
@@ -591,17 +605,23 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	if req == nil || len(req.Argv) == 0 || req.Argv[0] == "" {
 		return nil, ErrEmptyArgv
 	}
+	if err := checkExecStrings(req); err != nil {
+		return nil, err
+	}
 	if req.User != "" {
 		if err := c.require(FeatureExecUser, "exec as another user"); err != nil {
 			return nil, err
 		}
 	}
+	w := execStartWire{Argv: req.Argv, Env: req.Env, Dir: req.Dir, TTY: req.TTY,
+		Rows: req.Rows, Cols: req.Cols, Term: req.Term, TimeoutNs: int64(req.Timeout), User: req.User}
+	if b, err := json.Marshal(w); err == nil && len(b) > MaxPayload {
+		return nil, fmt.Errorf("vsockd: exec %q: argv and env take %d bytes encoded, over %d: %w", req.Argv[0], len(b), MaxPayload, syscall.E2BIG)
+	}
 	st, err := c.newStream()
 	if err != nil {
 		return nil, err
 	}
-	w := execStartWire{Argv: req.Argv, Env: req.Env, Dir: req.Dir, TTY: req.TTY,
-		Rows: req.Rows, Cols: req.Cols, Term: req.Term, TimeoutNs: int64(req.Timeout), User: req.User}
 	if err := c.sendJSON(ctx, TypeExecStart, st.id, w); err != nil {
 		c.abort(st, err, true)
 		return nil, fmt.Errorf("vsockd: exec %q: %w", req.Argv[0], err)
@@ -618,7 +638,7 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	}
 	var sw execStartedWire
 	json.Unmarshal(f.Payload, &sw)
-	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{}), maxOutput: c.maxOutput}
+	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{}), maxOutput: c.maxOutput, started: time.Now()}
 	if req.MaxOutput != 0 {
 		p.maxOutput = req.MaxOutput
 	}
@@ -724,16 +744,39 @@ func (p *Process) feedStdin(r io.Reader) {
 // If ctx ends first, Wait sends SIGKILL to the process group, aborts the
 // stream and returns ctx.Err().
 func (p *Process) Wait(ctx context.Context) (int, error) {
+	var bound <-chan time.Time
+	if p.req.Timeout > 0 {
+		grace := p.c.timeoutGrace
+		if grace <= 0 {
+			grace = DefaultTimeoutGrace
+		}
+		t := time.NewTimer(time.Until(p.started.Add(p.req.Timeout + grace)))
+		defer t.Stop()
+		bound = t.C
+	}
 	select {
 	case <-p.done:
 		return p.code, p.err
+	case <-bound:
+		// The guest did not end the command in time: kill its process group from
+		// here and stop waiting (what it still prints is dropped).
+		p.kill()
+		err := fmt.Errorf("vsockd: exec %q: the guest had not ended the command %v after its %v timeout; sent SIGKILL to its process group and stopped waiting: %w",
+			p.req.Argv[0], time.Since(p.started.Add(p.req.Timeout)).Round(time.Millisecond), p.req.Timeout, context.DeadlineExceeded)
+		p.c.abort(p.st, err, true)
+		return ExitCodeTimeout, err
 	case <-ctx.Done():
 	}
+	p.kill()
+	p.c.abort(p.st, ctx.Err(), true)
+	return -1, ctx.Err()
+}
+
+// kill sends SIGKILL to the process group, bounded by a second.
+func (p *Process) kill() {
 	kctx, cancel := context.WithTimeout(p.c.ctx, time.Second)
 	p.Signal(kctx, int(syscall.SIGKILL))
 	cancel()
-	p.c.abort(p.st, ctx.Err(), true)
-	return -1, ctx.Err()
 }
 
 // Exited reports whether the process has finished (or its stream failed).
@@ -989,4 +1032,36 @@ func DialUnix(ctx context.Context, path string) (net.Conn, error) {
 		case <-t.C:
 		}
 	}
+}
+
+// MaxArgLen is the longest argv or env string the guest kernel takes (MAX_ARG_STRLEN:
+// 32 pages, with its NUL).
+const MaxArgLen = 32*4096 - 1
+
+// checkExecStrings refuses what execve would (a string over MaxArgLen: E2BIG) or cannot
+// express (a NUL byte: ErrInvalidRequest) before anything is sent to the guest.
+func checkExecStrings(req *ExecRequest) error {
+	check := func(what, s string, limit bool) error {
+		if strings.IndexByte(s, 0) >= 0 {
+			return fmt.Errorf("%w: NUL byte in %s", ErrInvalidRequest, what)
+		}
+		if limit && len(s) > MaxArgLen {
+			return fmt.Errorf("vsockd: exec: %s is %d bytes, over the %d a guest command may take: %w", what, len(s), MaxArgLen, syscall.E2BIG)
+		}
+		return nil
+	}
+	for i, a := range req.Argv {
+		if err := check(fmt.Sprintf("argv[%d]", i), a, true); err != nil {
+			return err
+		}
+	}
+	for i, e := range req.Env {
+		if err := check(fmt.Sprintf("env[%d]", i), e, true); err != nil {
+			return err
+		}
+	}
+	if err := check("the working directory", req.Dir, false); err != nil {
+		return err
+	}
+	return check("the user", req.User, false)
 }

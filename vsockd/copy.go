@@ -24,6 +24,8 @@ func copyErrCode(err error) string {
 		return CodeNotDir
 	case errors.Is(err, ErrSourceMissing):
 		return CodeNoSource
+	case errors.Is(err, ErrBadArchive):
+		return CodeBadArchive
 	}
 	return errCode(err)
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"strings"
 )
 
 // Wire payloads (JSON). They are separate from the public API types so the
@@ -127,6 +128,9 @@ const (
 	CodeNoSource = "no_source"    // the path to copy does not exist
 	CodeNotDir   = "not_dir"      // the destination is missing or not a directory
 	CodeUnsafe   = "unsafe_entry" // an archive entry would leave the destination
+	// CodeBadArchive: the tar stream is malformed (a bad header, more than 1 MiB after
+	// its end, empty where an entry was expected).
+	CodeBadArchive = "bad_archive"
 )
 
 type errorWire struct {
@@ -160,6 +164,9 @@ var (
 	ErrConnLost = errors.New("vsockd: agent connection lost")
 	// ErrEmptyArgv is returned by Start/Run for a request without argv.
 	ErrEmptyArgv = errors.New("vsockd: exec: empty argv")
+	// ErrInvalidRequest is returned (wrapped) by Start/Run for a request the guest
+	// cannot run as given (a NUL byte in argv, env, dir or user).
+	ErrInvalidRequest = errors.New("vsockd: exec: invalid request")
 	// ErrNotFound is returned (wrapped) by Start/Run when the command does
 	// not exist in the guest; Run returns ExitCodeNotFound with it.
 	ErrNotFound = errors.New("vsockd: command not found")
@@ -189,6 +196,9 @@ var (
 	// through a symlink the archive itself made, a device node); the
 	// message names it.
 	ErrUnsafeEntry = errors.New("vsockd: unsafe archive entry")
+	// ErrBadArchive reports a malformed tar stream (a bad header, more than 1 MiB of
+	// data after the end of the archive, such as an all-zero body).
+	ErrBadArchive = errors.New("vsockd: malformed archive")
 )
 
 // Shell-style exit codes for commands that could not run (see Run).
@@ -208,7 +218,14 @@ type RemoteError struct {
 }
 
 // Error implements error.
-func (e *RemoteError) Error() string { return fmt.Sprintf("vsockd: guest: %s (%s)", e.Message, e.Code) }
+// Error is the guest's message under one "guest:" prefix (the guest's own "vsockd:"
+// dropped: the host's caller adds its own), with the code only when there is no message.
+func (e *RemoteError) Error() string {
+	if e.Message == "" {
+		return fmt.Sprintf("guest: error %s", e.Code)
+	}
+	return "guest: " + strings.TrimPrefix(e.Message, "vsockd: ")
+}
 
 // Is maps well-known codes onto sentinel errors.
 func (e *RemoteError) Is(target error) bool {
@@ -233,6 +250,8 @@ func (e *RemoteError) Is(target error) bool {
 		return target == ErrNotDirectory
 	case CodeUnsafe:
 		return target == ErrUnsafeEntry
+	case CodeBadArchive:
+		return target == ErrBadArchive
 	}
 	return false
 }

@@ -499,3 +499,71 @@ func TestDialUnixRetries(t *testing.T) {
 		t.Fatalf("got %v", err)
 	}
 }
+
+// TestExecRefusesBadStrings: what execve cannot take is refused before anything reaches
+// the guest, with a typed error (an argv over 1 MiB, a NUL byte once came back as
+// internal errors through the daemon).
+func TestExecRefusesBadStrings(t *testing.T) {
+	c := pair(t, nil)
+	big := strings.Repeat("x", MaxArgLen+1)
+	many := make([]string, 0, 20)
+	for range 20 {
+		many = append(many, strings.Repeat("y", 64<<10))
+	}
+	for _, tc := range []struct {
+		name string
+		req  ExecRequest
+		want error
+	}{
+		{"nul in argv", ExecRequest{Argv: []string{"echo", "a\x00b"}}, ErrInvalidRequest},
+		{"nul in env", ExecRequest{Argv: []string{"true"}, Env: []string{"A=\x00"}}, ErrInvalidRequest},
+		{"nul in dir", ExecRequest{Argv: []string{"true"}, Dir: "/\x00"}, ErrInvalidRequest},
+		{"one long argument", ExecRequest{Argv: []string{"echo", big}}, syscall.E2BIG},
+		{"argv over a frame", ExecRequest{Argv: append([]string{"echo"}, many...)}, syscall.E2BIG},
+	} {
+		_, err := c.Run(tctx(t), &tc.req)
+		if !errors.Is(err, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.want)
+		}
+	}
+	// The session still works.
+	var out strings.Builder
+	if code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"echo", "ok"}, Stdout: &out}); err != nil || code != 0 || out.String() != "ok\n" {
+		t.Errorf("after the refusals: %d %v %q", code, err, out.String())
+	}
+}
+
+// TestExecTimeoutBoundedOnHost: a guest that never reports the end of a timed-out
+// command (a fork bomb starved its timer: --timeout 15s returned after 74 s) does not
+// stretch the timeout: past the grace, the host kills the process group itself and
+// Wait returns ExitCodeTimeout with an error.
+func TestExecTimeoutBoundedOnHost(t *testing.T) {
+	signals := make(chan int, 4)
+	c := fakeGuest(t, &ClientConfig{TimeoutGrace: 200 * time.Millisecond}, func(conn net.Conn, f Frame) {
+		switch f.Type {
+		case TypeExecStart:
+			p, _ := json.Marshal(execStartedWire{Pid: 42})
+			WriteFrame(conn, Frame{Type: TypeExecStarted, Stream: f.Stream, Payload: p})
+		case TypeSignal:
+			var s signalWire
+			json.Unmarshal(f.Payload, &s)
+			signals <- s.Signal
+		}
+	})
+	start := time.Now()
+	code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"fork-bomb"}, Timeout: 100 * time.Millisecond})
+	if code != ExitCodeTimeout || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Run = %d, %v; want %d and a deadline error", code, err, ExitCodeTimeout)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Errorf("Run returned after %v", d)
+	}
+	select {
+	case s := <-signals:
+		if s != int(syscall.SIGKILL) {
+			t.Errorf("signal %d, want SIGKILL", s)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("no SIGKILL was sent to the guest")
+	}
+}

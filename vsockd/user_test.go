@@ -54,6 +54,8 @@ func TestLookupUser(t *testing.T) {
 		{spec: "tester:", err: "bad user"},
 		{spec: ":0", err: "bad user"},
 		{spec: "-1", err: `unknown user "-1"`},
+		{spec: "4294967295", err: `unknown user "4294967295"`}, // (uid_t)-1 is "unchanged"
+		{spec: "tester:4294967295", err: `unknown group "4294967295"`},
 	} {
 		u, err := lookupUser(tc.spec, passwd, group)
 		if tc.err != "" {

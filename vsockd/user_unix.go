@@ -67,9 +67,11 @@ func readColonFile(path string, n int, fn func(f []string)) error {
 	return sc.Err()
 }
 
+// parseID parses a numeric uid or gid; 4294967295 is (uid_t)-1, which set*id read as
+// "unchanged", so it is no id.
 func parseID(s string) (uint32, bool) {
 	n, err := strconv.ParseUint(s, 10, 32)
-	return uint32(n), err == nil
+	return uint32(n), err == nil && n != 1<<32-1
 }
 
 func readPasswd(path string) ([]passwdEntry, error) {

@@ -57,11 +57,13 @@ func runInit(switched bool) {
 	}
 	srv := &vsockd.Server{Log: logger}
 
-	ready := make(chan string, 2)
+	ready := make(chan string, 1)
 	if _, err := os.Stat("/dev/vsock"); err == nil {
-		go serveVsock(srv, logger, ready)
+		go serveVsock(srv, logger)
 	}
 	go serveVirtioPort(srv, logger, ready)
+	// Ready is the virtio-serial port's, the transport forkvm's host side uses (the
+	// vsock listener, for hosts that add a vsock device, only logs that it listens).
 	fmt.Fprintf(console, "forkvm-agent: ready (%s)\n", <-ready)
 	select {} // PID 1 must never exit; the reaper runs in vsockd
 }
@@ -144,13 +146,13 @@ func loadModule(path string) error {
 }
 
 // serveVsock serves each AF_VSOCK connection as its own session.
-func serveVsock(srv *vsockd.Server, logger *log.Logger, ready chan<- string) {
+func serveVsock(srv *vsockd.Server, logger *log.Logger) {
 	ln, err := vsock.Listen(vsockd.DefaultVsockPort, nil)
 	if err != nil {
 		logger.Printf("vsock: %v", err)
 		return
 	}
-	ready <- fmt.Sprintf("vsock port %d", vsockd.DefaultVsockPort)
+	logger.Printf("listening on AF_VSOCK port %d", vsockd.DefaultVsockPort)
 	for {
 		conn, err := ln.Accept()
 		if err != nil {

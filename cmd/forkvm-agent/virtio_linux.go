@@ -77,7 +77,7 @@ func serveVirtioPort(srv *vsockd.Server, logger *log.Logger, ready chan<- string
 		logger.Printf("%s: O_ASYNC: %v (falling back to polling)", dev, err)
 		recheck = pollRecheck
 	}
-	ready <- dev
+	ready <- "virtio-serial port " + vsockd.PortName + " on " + dev
 	for {
 		if err := srv.ServeConn(context.Background(), portConn{f}); err != nil {
 			logger.Printf("%s session: %v", dev, err)

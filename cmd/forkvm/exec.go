@@ -29,14 +29,16 @@ const (
 )
 
 func execCmd() *cli.Command {
-	one := 1
+	two := 2
 	return &cli.Command{
 		Name: "exec",
 		Usage: "run a command in a VM; exits with the command's exit code " +
 			"(127: not found, 126: not executable, 128+N: killed by signal N, 130 after Ctrl-C)",
 		ArgsUsage: "NAME [--] COMMAND [ARG...]",
-		// Everything after the VM name belongs to the guest command.
-		StopOnNthArg: &one,
+		// The CLI's one rule: flags may stand anywhere before "--", which ends them.
+		// Without "--", the command's first word (the second positional) ends them too,
+		// so `exec w1 ls -la` passes -la to ls.
+		StopOnNthArg: &two,
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "tty", Aliases: []string{"t"}, Usage: "allocate a terminal (interactive, raw mode)"},
 			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "KEY=VALUE environment entries"},
@@ -48,9 +50,6 @@ func execCmd() *cli.Command {
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			args := cmd.Args().Slice()
-			if len(args) > 1 && args[1] == "--" {
-				args = append(args[:1], args[2:]...)
-			}
 			if len(args) < 2 {
 				return fmt.Errorf("usage: forkvm exec [-t] NAME -- COMMAND [ARG...]")
 			}
@@ -118,7 +117,7 @@ type starter func(ctx context.Context, req *vsockd.ExecRequest) (client.Process,
 // when done. Through a daemon, its API; otherwise the CLI resolves the VM's agent,
 // releases the state directory (a session may be long) and connects to the agent
 // itself. A virtio-serial port serves one host connection at a time: when another
-// client holds it, that fails at once with ErrInUse (a daemon multiplexes any number of
+// client holds it, that fails at once with ErrAgentBusy (a daemon multiplexes any number of
 // execs on its one connection).
 func execStarter(ctx context.Context, cmd *cli.Command, name string) (starter, func(), error) {
 	api, c, err := daemonOrAgent(ctx, cmd, name)

@@ -22,11 +22,11 @@ import (
 
 // dialTarget connects to the agent behind target. A virtio-serial port serves one host
 // connection at a time and a second one waits unanswered: a port another client holds
-// fails at once with ErrInUse, and the handshake is bounded by handshakeTimeout.
+// fails at once with ErrAgentBusy, and the handshake is bounded by handshakeTimeout.
 func dialTarget(ctx context.Context, target engine.AgentTarget) (*vsockd.Client, error) {
 	if target.Socket != "" && socketHeldFor(ctx, target.Socket, releaseWait) {
 		return nil, fmt.Errorf("%w: %s's agent is connected to another client (a forkvm exec or cp, or a program embedding the engine); "+
-			"run `forkvm serve` for any number of clients at once", engine.ErrInUse, target.Name)
+			"run `forkvm serve` for any number of clients at once", engine.ErrAgentBusy, target.Name)
 	}
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	defer cancel()

@@ -12,9 +12,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -61,10 +63,13 @@ func newApp() *cli.Command {
 			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
 			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
-			serveCmd(),
+			serveCmd(), helpCmd(),
 		},
 	}
 	noHelpCommands(app)
+	for _, c := range app.Commands {
+		helpWords(c)
+	}
 	return app
 }
 
@@ -96,14 +101,7 @@ func checkNewName(name string) error {
 // serve` owns the state directory; else the engine embedded in this process (open).
 // The output is the same either way.
 func connect(ctx context.Context, cmd *cli.Command) (client.API, error) {
-	home := cmd.String("home")
-	if home == "" {
-		home = engine.DefaultStateDir()
-	}
-	sock, explicit := cmd.String("socket"), cmd.String("socket") != ""
-	if !explicit {
-		sock = serve.SocketPath(home)
-	}
+	sock, explicit := daemonSocket(cmd)
 	answers := client.Answers(ctx, sock)
 	if explicit && !answers {
 		return nil, fmt.Errorf("%w: no forkvm daemon answers on %s", errNoDaemon, sock)
@@ -119,6 +117,25 @@ func connect(ctx context.Context, cmd *cli.Command) (client.API, error) {
 		return nil, err
 	}
 	return client.NewLocal(e), nil
+}
+
+// daemonSocket is where this CLI run looks for a daemon: --socket (explicit), else
+// HOME/forkvm.sock.
+func daemonSocket(cmd *cli.Command) (sock string, explicit bool) {
+	if s := cmd.String("socket"); s != "" {
+		return s, true
+	}
+	home := cmd.String("home")
+	if home == "" {
+		home = engine.DefaultStateDir()
+	}
+	return serve.SocketPath(home), false
+}
+
+// daemonAnswers reports whether a daemon answers on this run's socket.
+func daemonAnswers(ctx context.Context, cmd *cli.Command) bool {
+	sock, _ := daemonSocket(cmd)
+	return client.Answers(ctx, sock)
 }
 
 // errNoDaemon: --socket names a socket nobody answers on.
@@ -174,14 +191,14 @@ func createCmd() *cli.Command {
 		// A --publish value is one forward: a comma is not a separator but an error.
 		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
-			&cli.IntFlag{Name: "cpus", Value: 2, Usage: "vCPUs"},
-			&cli.IntFlag{Name: "memory-mb", Value: 1024, Usage: "guest RAM in MiB (multiple of 2)"},
+			&cli.IntFlag{Name: "cpus", Value: engine.DefaultCPUs, Usage: "vCPUs"},
+			&cli.IntFlag{Name: "memory-mb", Value: engine.DefaultMemoryMiB, Usage: "guest RAM in MiB (multiple of 2)"},
 			&cli.BoolFlag{Name: "forkable", Usage: "put guest RAM in a shared RAM file (needed to checkpoint and fork)"},
 			&cli.IntFlag{Name: "disk-mb", Usage: "attach an ext4 data disk of this size, mounted at /data (with --image: the root disk's size)"},
 			&cli.StringFlag{Name: "image", Usage: "boot a root image (made with forkvm image create) instead of the busybox initramfs"},
 			&cli.BoolFlag{Name: "vmgenid", Usage: "QEMU ACPI tables + vmgenid: forks reseed their kernel CRNG on resume (costs ~2 MiB per fork)"},
 			&cli.BoolFlag{Name: "net", Usage: "a NIC on QEMU's user-mode network (NAT; the host's loopback is host.internal); forks of its checkpoints get one too"},
-			publishFlag("publish host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
+			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "print the VM as JSON"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -238,14 +255,20 @@ func lsCmd() *cli.Command {
 				return printJSON(vmObjects(vms))
 			}
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NAME\tSTATE\tPID\tCPUS\tMEMORY\tDISK\tFORKABLE\tPARENT\tREADY IN")
-			for _, v := range vms {
-				parent := v.Parent
-				if parent == "" {
-					parent = "-"
+			// A VM restarted by a handoff checkpoint was ready again after that
+			// checkpoint's pause, not after its first boot's time.
+			handoffs := map[string]engine.CheckpointInfo{}
+			if cks, err := api.Checkpoints(ctx); err == nil {
+				for _, c := range cks {
+					if c.RAMMethod == "handoff" {
+						handoffs[c.Name] = c
+					}
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%v\n", v.Name, v.State, v.PID, v.CPUs, v.MemoryMiB,
-					v.DiskMiB, v.Forkable, parent, v.Timings.Total.Round(time.Millisecond))
+			}
+			fmt.Fprintln(tw, "NAME\tSTATE\tPID\tCPUS\tMEMORY\tDISK\tFORKABLE\tPARENT\tNET/PORTS\tREADY IN")
+			for _, v := range vms {
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%s\t%s\n", v.Name, v.State, v.PID, v.CPUs, v.MemoryMiB,
+					v.DiskMiB, v.Forkable, orDash(v.Parent), netColumn(v), readyIn(v, handoffs))
 			}
 			return tw.Flush()
 		},
@@ -291,9 +314,9 @@ func memCmd() *cli.Command {
 			if cmd.Bool("json") {
 				return printJSON(rows)
 			}
-			mib := func(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
+			mib := func(b int64) string { return fmt.Sprintf("%.1fM", float64(b)/(1<<20)) }
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NAME\tPRIVATE MiB\tGUEST WRITTEN\tTCG CODE\tHEAP\tLIBRARIES\tPAGE TABLES\tSHARED MiB\tGUEST FILE")
+			fmt.Fprintln(tw, "NAME\tPRIVATE\t= GUEST WRITTEN\t+ TCG CODE\t+ HEAP\t+ LIBRARIES\t+ PAGE TABLES\tSHARED\tGUEST FILE")
 			for _, r := range rows {
 				u := r.MemoryUsage
 				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.TCGCode),
@@ -323,7 +346,9 @@ func rmCmd() *cli.Command {
 			for _, n := range cmd.Args().Slice() {
 				if err := api.Delete(ctx, n); err != nil {
 					errs = append(errs, err)
+					continue
 				}
+				fmt.Println("removed vm", n)
 			}
 			if cmd.Bool("dead") {
 				removed, err := api.Reap(ctx)
@@ -363,7 +388,11 @@ func checkpointCmd() *cli.Command {
 				defer api.Close()
 				var errs []error
 				for _, n := range cmd.Args().Slice() {
-					errs = append(errs, api.DeleteCheckpoint(ctx, n, &engine.DeleteCheckpointOptions{Force: cmd.Bool("force")}))
+					if err := api.DeleteCheckpoint(ctx, n, &engine.DeleteCheckpointOptions{Force: cmd.Bool("force")}); err != nil {
+						errs = append(errs, err)
+						continue
+					}
+					fmt.Println("removed checkpoint", n)
 				}
 				return errors.Join(errs...)
 			},
@@ -387,13 +416,24 @@ func checkpointCmd() *cli.Command {
 			if cmd.Bool("json") {
 				return printJSON(serve.NewCheckpointObject(ck))
 			}
-			m := ck.CheckpointManifest
-			fmt.Printf("%s: %v (guest paused %v; ram %s; disk %s; device state %d KB)\n", m.Name,
-				m.Timings.Total.Round(time.Millisecond), m.Timings.Paused.Round(time.Millisecond),
-				m.RAMMethod, orDash(m.DiskMethod), m.StateSize/1024)
+			fmt.Println(checkpointLine(&ck.CheckpointManifest))
 			return nil
 		},
 	}
+}
+
+// checkpointLine is checkpoint's report: how long it took and how long of it the guest
+// was paused. A handoff's checkpoint is committed before the VM restarts from it, and
+// the guest stays paused until then: its pause is the longer figure ("ckh: 31ms (guest
+// paused 173ms)" read as a pause longer than the whole).
+func checkpointLine(m *engine.CheckpointManifest) string {
+	t := m.Timings
+	rest := fmt.Sprintf("ram %s; disk %s; device state %d KB", m.RAMMethod, orDash(m.DiskMethod), m.StateSize/1024)
+	if m.RAMMethod == "handoff" {
+		return fmt.Sprintf("%s: guest paused %v until the VM ran again from it (checkpoint committed after %v; %s)",
+			m.Name, t.Paused.Round(time.Millisecond), t.Total.Round(time.Millisecond), rest)
+	}
+	return fmt.Sprintf("%s: %v, guest paused %v of it (%s)", m.Name, t.Total.Round(time.Millisecond), t.Paused.Round(time.Millisecond), rest)
 }
 
 func checkpointsCmd() *cli.Command {
@@ -423,6 +463,37 @@ func checkpointsCmd() *cli.Command {
 			return tw.Flush()
 		},
 	}
+}
+
+// readyIn is ls's READY IN: how long the VM's current QEMU took to be ready; for a VM
+// restarted by a handoff checkpoint of itself, that checkpoint's pause (its boot's time
+// belonged to a QEMU that is gone).
+func readyIn(v engine.Info, handoffs map[string]engine.CheckpointInfo) string {
+	if c, ok := handoffs[v.Parent]; ok && c.Source == v.Name {
+		return fmt.Sprintf("%v (handoff)", c.Timings.Paused.Round(time.Millisecond))
+	}
+	return v.Timings.Total.Round(time.Millisecond).String()
+}
+
+// netColumn is ls's NET/PORTS: "-" without a NIC, "nat" with one, then its forwards
+// (HOSTPORT->GUESTPORT, the host address when not loopback).
+func netColumn(v engine.Info) string {
+	if !v.Net {
+		return "-"
+	}
+	out := "nat"
+	for i, p := range v.Publish {
+		sep := ","
+		if i == 0 {
+			sep = " "
+		}
+		host := strconv.Itoa(p.HostPort)
+		if p.HostIP != "" && p.HostIP != "127.0.0.1" {
+			host = net.JoinHostPort(p.HostIP, host)
+		}
+		out += fmt.Sprintf("%s%s->%d", sep, host, p.GuestPort)
+	}
+	return out
 }
 
 func orDash(s string) string {
@@ -466,7 +537,7 @@ func forkCmd() *cli.Command {
 			&cli.IntFlag{Name: "conc", Usage: "forks started at once (0 = all)"},
 			&cli.FloatFlag{Name: "overcommit", Usage: "vCPU overcommit for admission (0 = engine default 8)"},
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
-			publishFlag("publish host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
+			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -507,19 +578,26 @@ func forkCmd() *cli.Command {
 				return err
 			}
 			defer api.Close()
+			start := time.Now()
 			evs, err := api.ForkMany(ctx, src, n, opts)
 			if err != nil {
 				return err
 			}
 			var errs []error
+			var broken error
+			ready, failed := 0, 0
 			implicitChecked := false // the first ready fork's parent says whether it is implicit
 			for ev := range evs {
-				if cmd.Bool("json") {
+				switch {
+				case ev.Index < 0: // the stream broke: no fork of its own
+					broken = ev.Err
+					continue
+				case cmd.Bool("json"):
 					b, _ := json.Marshal(serve.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
 					fmt.Println(string(b))
-				} else if ev.Err != nil {
+				case ev.Err != nil:
 					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
-				} else {
+				default:
 					if !implicitChecked {
 						implicitChecked = true
 						if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
@@ -532,10 +610,20 @@ func forkCmd() *cli.Command {
 						t.Restore.Round(time.Millisecond), t.Agent.Round(time.Millisecond), ev.VM.PID)
 				}
 				if ev.Err != nil {
+					failed++
 					errs = append(errs, ev.Err)
+				} else {
+					ready++
 				}
 			}
-			if len(errs) > 0 {
+			summary := forkSummary(n, ready, failed, time.Since(start))
+			if n > 1 || broken != nil {
+				fmt.Fprintln(summaryOut(cmd.Bool("json")), summary)
+			}
+			switch {
+			case broken != nil:
+				return fmt.Errorf("%s: %w", summary, broken)
+			case len(errs) > 0:
 				return fmt.Errorf("%d of %d forks failed: %w", len(errs), n, errs[0])
 			}
 			return nil
@@ -543,11 +631,33 @@ func forkCmd() *cli.Command {
 	}
 }
 
+// forkSummary is a wave's last line: "8/8 ready in 459ms", "6/8 ready in 1.2s, 2
+// failed", and for a stream cut short the forks nobody heard of.
+func forkSummary(n, ready, failed int, wall time.Duration) string {
+	s := fmt.Sprintf("%d/%d ready in %v", ready, n, wall.Round(time.Millisecond))
+	if failed > 0 {
+		s += fmt.Sprintf(", %d failed", failed)
+	}
+	if unknown := n - ready - failed; unknown > 0 {
+		s += fmt.Sprintf(", %d not accounted for (the stream ended early)", unknown)
+	}
+	return s
+}
+
+// summaryOut is where fork's summary goes: stdout, or stderr when stdout carries JSON
+// lines.
+func summaryOut(json bool) *os.File {
+	if json {
+		return os.Stderr
+	}
+	return os.Stdout
+}
+
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // publishFlag is the repeatable --publish [HOSTIP:]HOSTPORT:GUESTPORT flag.
 func publishFlag(usage string) cli.Flag {
-	return &cli.StringSliceFlag{Name: "publish", Aliases: []string{"p"}, Usage: usage + ": `[HOSTIP:]HOSTPORT:GUESTPORT`"}
+	return &cli.StringSliceFlag{Name: "publish", Aliases: []string{"p"}, Usage: usage + "; `PORTS` is [HOSTIP:]HOSTPORT:GUESTPORT"}
 }
 
 // parsePublish parses --publish values, each host port shifted by offset (the index of

@@ -8,7 +8,6 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve/client"
 )
 
 // warmCmd fills a checkpoint's warm pool in the daemon. A pool lives in its engine's
@@ -30,14 +29,16 @@ func warmCmd() *cli.Command {
 			if err != nil || n < 0 {
 				return fmt.Errorf("%w: N must be a count, got %q", engine.ErrInvalidSpec, cmd.Args().Get(1))
 			}
+			// Asked before connect: without a daemon, connect would open the engine
+			// (taking the state directory's lock and running recovery) for nothing.
+			if !daemonAnswers(ctx, cmd) {
+				return fmt.Errorf("%w: a warm pool lives in its engine's process and would end with this command: run `forkvm serve`, then warm through it", engine.ErrInvalidSpec)
+			}
 			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
 			defer api.Close()
-			if _, local := api.(*client.Local); local {
-				return fmt.Errorf("%w: a warm pool lives in its engine's process and would end with this command: run `forkvm serve`, then warm through it", engine.ErrInvalidSpec)
-			}
 			ck := cmd.Args().First()
 			if err := api.Warm(ctx, ck, n, &engine.WarmOptions{Restored: cmd.Bool("restored"), WarmUp: cmd.StringSlice("warm-up")}); err != nil {
 				return err

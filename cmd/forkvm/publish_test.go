@@ -3,7 +3,9 @@ package main
 import (
 	"errors"
 	"reflect"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/urfave/cli/v3"
 
@@ -64,4 +66,63 @@ func TestNamesNeverReadAsSubcommands(t *testing.T) {
 		}
 	}
 	walk(newApp(), true)
+}
+
+func TestNetColumn(t *testing.T) {
+	for _, tc := range []struct {
+		v    engine.Info
+		want string
+	}{
+		{engine.Info{}, "-"},
+		{engine.Info{Net: true}, "nat"},
+		{engine.Info{Net: true, Publish: []engine.PortForward{{HostPort: 8080, GuestPort: 80}, {HostIP: "0.0.0.0", HostPort: 2222, GuestPort: 22}}},
+			"nat 8080->80,0.0.0.0:2222->22"},
+	} {
+		if got := netColumn(tc.v); got != tc.want {
+			t.Errorf("netColumn(%+v) = %q, want %q", tc.v, got, tc.want)
+		}
+	}
+}
+
+// TestForkSummary: a wave's summary accounts for every requested fork, those a broken
+// stream never reported too (after kill -9 of the daemon mid-wave, 6 of 8 were
+// missing from "1 of 8 forks failed").
+func TestForkSummary(t *testing.T) {
+	for _, tc := range []struct {
+		n, ready, failed int
+		want             string
+	}{
+		{8, 8, 0, "8/8 ready in 459ms"},
+		{8, 6, 2, "6/8 ready in 459ms, 2 failed"},
+		{8, 1, 1, "1/8 ready in 459ms, 1 failed, 6 not accounted for (the stream ended early)"},
+	} {
+		if got := forkSummary(tc.n, tc.ready, tc.failed, 459*time.Millisecond); got != tc.want {
+			t.Errorf("forkSummary(%d, %d, %d) = %q, want %q", tc.n, tc.ready, tc.failed, got, tc.want)
+		}
+	}
+}
+
+// TestCheckpointTimings: the checkpoint line never reads as a pause longer than the
+// whole, and ls's READY IN of a VM restarted by its own handoff is that restart's.
+func TestCheckpointTimings(t *testing.T) {
+	h := &engine.CheckpointManifest{Name: "ckh", RAMMethod: "handoff"}
+	h.Timings.Total, h.Timings.Paused = 31*time.Millisecond, 173*time.Millisecond
+	if got, want := checkpointLine(h), "ckh: guest paused 173ms until the VM ran again from it (checkpoint committed after 31ms;"; !strings.HasPrefix(got, want) {
+		t.Errorf("handoff: %q, want %q...", got, want)
+	}
+	c := &engine.CheckpointManifest{Name: "ck0", RAMMethod: "copy"}
+	c.Timings.Total, c.Timings.Paused = 941*time.Millisecond, 897*time.Millisecond
+	if got, want := checkpointLine(c), "ck0: 941ms, guest paused 897ms of it (ram copy;"; !strings.HasPrefix(got, want) {
+		t.Errorf("copy: %q, want %q...", got, want)
+	}
+	h.Source = "w1"
+	hs := map[string]engine.CheckpointInfo{"ckh": {CheckpointManifest: *h}}
+	v := engine.Info{Name: "w1", Parent: "ckh"}
+	v.Timings.Total = 3321 * time.Millisecond
+	if got := readyIn(v, hs); got != "173ms (handoff)" {
+		t.Errorf("after a handoff: %q", got)
+	}
+	if got := readyIn(engine.Info{Name: "f1", Parent: "ckh", Timings: v.Timings}, hs); got != "3.321s" {
+		t.Errorf("a fork of the handoff checkpoint: %q", got)
+	}
 }

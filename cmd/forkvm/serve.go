@@ -35,6 +35,7 @@ func serveCmd() *cli.Command {
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "listen", Usage: "also listen on this TCP address (e.g. 127.0.0.1:7070); needs --token-file"},
 			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding the bearer token TCP requests must carry"},
+			&cli.BoolFlag{Name: "listen-public", Usage: "allow a --listen address that is not loopback (there is no TLS: the token crosses the network in clear)"},
 		},
 		// The unix socket (mode 0600) is the global --socket ($FORKVM_SOCKET), the one
 		// the CLI looks for; default HOME/forkvm.sock.
@@ -49,6 +50,9 @@ func serveCmd() *cli.Command {
 			case cmd.String("listen") == "" && cmd.String("token-file") != "":
 				return fmt.Errorf("serve: --token-file is only used with --listen")
 			case cmd.String("listen") != "":
+				if err := checkListen(cmd.String("listen"), cmd.Bool("listen-public")); err != nil {
+					return err
+				}
 				t, err := serve.ReadTokenFile(cmd.String("token-file"))
 				if err != nil {
 					return err
@@ -101,4 +105,19 @@ func serveCmd() *cli.Command {
 			return err
 		},
 	}
+}
+
+// checkListen refuses a --listen address that is not loopback (":7070", "0.0.0.0:P", a
+// host name other than localhost) unless public is set: the API has no TLS, and binding
+// every interface was silent.
+func checkListen(addr string, public bool) error {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("serve: --listen %s: %w", addr, err)
+	}
+	if ip := net.ParseIP(host); (ip != nil && ip.IsLoopback()) || host == "localhost" || public {
+		return nil
+	}
+	return fmt.Errorf("serve: --listen %s is not a loopback address: the API has no TLS and its bearer token would cross the network in clear; "+
+		"pass --listen-public to serve it there anyway (behind a TLS proxy)", addr)
 }

@@ -333,7 +333,8 @@ func (c *Client) Fork(ctx context.Context, src string, opts *engine.ForkOptions)
 // fails; the channel is closed after the last one (engine.Engine.ForkMany). Cancelling
 // ctx before the stream ends disconnects, and the daemon then deletes every fork of the
 // wave, reported ones too. opts.Publish is evaluated here for each index and sent as
-// lists. If the stream breaks, a last event with Index -1 carries the error.
+// lists. If the stream breaks or ends before n events, a last event with Index -1
+// carries the error, which says how many events arrived.
 func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.ManyOptions) (<-chan ForkEvent, error) {
 	req := serve.ForkRequest{Source: src, N: n}
 	if opts != nil {
@@ -362,7 +363,8 @@ func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.M
 		defer resp.Body.Close()
 		sc := bufio.NewScanner(resp.Body)
 		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
+		got := 0
+		for ; sc.Scan(); got++ {
 			var o serve.ForkEventObject
 			if err := json.Unmarshal(sc.Bytes(), &o); err != nil {
 				out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: fork stream: %w", err)}
@@ -377,8 +379,12 @@ func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.M
 			}
 			out <- ev
 		}
-		if err := sc.Err(); err != nil {
-			out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: fork stream: %w", err)}
+		err := sc.Err()
+		if err == nil && got < max(n, 1) {
+			err = io.ErrUnexpectedEOF
+		}
+		if err != nil {
+			out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: the fork stream ended after %d of %d forks (did the daemon stop? `forkvm ls` shows which forks exist): %w", got, max(n, 1), err)}
 		}
 	}()
 	return out, nil
