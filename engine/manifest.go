@@ -35,14 +35,17 @@ type manifest struct {
 	Launch      launch `json:"launch"`
 	// BootKernel and BootInitrd are what the guest originally booted from (a fork's
 	// Launch.Kernel may be its checkpoint's stub).
-	BootKernel string       `json:"boot_kernel"`
-	BootInitrd string       `json:"boot_initrd,omitempty"`
-	DiskNode   string       `json:"disk_node,omitempty"`
-	DiskSeq    int          `json:"disk_seq,omitempty"`
-	Token      string       `json:"token"`
-	CreatedAt  time.Time    `json:"created_at"`
-	ReadyAt    time.Time    `json:"ready_at,omitzero"`
-	Timings    PhaseTimings `json:"timings"`
+	BootKernel string `json:"boot_kernel"`
+	BootInitrd string `json:"boot_initrd,omitempty"`
+	DiskNode   string `json:"disk_node,omitempty"`
+	DiskSeq    int    `json:"disk_seq,omitempty"`
+	// DiskCollapse is the block-stream job collapsing the disk chain, recorded before it
+	// starts and cleared once its outcome is read (see settleCollapse).
+	DiskCollapse *diskCollapse `json:"disk_collapse,omitempty"`
+	Token        string        `json:"token"`
+	CreatedAt    time.Time     `json:"created_at"`
+	ReadyAt      time.Time     `json:"ready_at,omitzero"`
+	Timings      PhaseTimings  `json:"timings"`
 	// LineageBytes is what the fork received from its checkpoint's delta layers (see
 	// MemoryUsage.GuestLineage).
 	LineageBytes int64 `json:"lineage_bytes,omitempty"`
@@ -168,9 +171,27 @@ func parseToken(s string) ([16]byte, error) {
 // pushOverlay records that the VM now writes the qcow2 overlay path, block node node,
 // on top of its disk chain (a checkpoint's disk freeze switched it there).
 func (m *manifest) pushOverlay(node, path string) {
-	m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: path, Format: "qcow2"})
+	m.pinDiskNodes()
+	m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: path, Format: "qcow2", Node: node})
 	m.DiskNode = node
 	m.DiskSeq++
+}
+
+// pinDiskNodes records every disk layer's block node name before the chain changes
+// shape: a layer without one still has its launch name (launchNodeName), except the top,
+// which is DiskNode.
+func (m *manifest) pinDiskNodes() {
+	n := len(m.Launch.Disk)
+	for i := range m.Launch.Disk {
+		l := &m.Launch.Disk[i]
+		switch {
+		case l.Node != "":
+		case i == n-1 && m.DiskNode != "":
+			l.Node = m.DiskNode
+		default:
+			l.Node = launchNodeName(i, n)
+		}
+	}
 }
 
 // writeJSON writes v atomically (temp file + rename) with mode 0600.

@@ -1,0 +1,158 @@
+package tests
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+// Generations of one world's checkpoints: a VM that checkpoints again and again (and
+// deletes its old checkpoints) keeps a disk chain, a directory and a QEMU of bounded
+// size, its disk data survives every collapse of the chain, in the VM and in forks, and
+// the checkpoints it keeps fork with the disk they froze.
+
+const (
+	genCycles = 100
+	genKeep   = 4  // checkpoints kept at once
+	genProbe  = 25 // a fork and a full read-back every genProbe cycles
+	// Bounds, a small constant each, whatever the number of cycles: the VM's chain (its
+	// settled chain plus the freeze that a collapse is still taking in), a checkpoint's,
+	// the files in the VM's directory, QEMU's descriptors above the first cycle's.
+	genMaxVMDepth  = 6
+	genMaxCkDepth  = 5
+	genMaxVMFiles  = 14
+	genMaxExtraFDs = 12
+)
+
+// diskRecord is the part of a VM manifest the test reads: its disk chain.
+type diskRecord struct {
+	Launch struct {
+		Disk []struct {
+			Path string `json:"path"`
+		} `json:"disk"`
+	} `json:"launch"`
+}
+
+func vmDiskChain(t testing.TB, home, name string) []string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(home, "vms", name, "manifest.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m diskRecord
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, l := range m.Launch.Disk {
+		out = append(out, l.Path)
+	}
+	return out
+}
+
+func fdCount(pid int) int {
+	ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	return len(ents)
+}
+
+// writeRecord writes record i, a file on the VM's data disk (/data), through to the
+// disk.
+func writeRecord(t testing.TB, vm *engine.VM, i int) {
+	t.Helper()
+	mustRun(t, vm, fmt.Sprintf("echo gen-%06d > /data/gen-%06d && sync", i, i))
+}
+
+// checkRecords reads the records back from the disk itself (the page cache dropped
+// first) and fails unless they are exactly 1..n, each holding its generation.
+func checkRecords(t testing.TB, vm *engine.VM, n int) {
+	t.Helper()
+	out := mustRun(t, vm, "sync; echo 3 > /proc/sys/vm/drop_caches; cd /data && for f in gen-*; do echo \"$f $(cat $f)\"; done")
+	lines := strings.Split(out, "\n")
+	if n == 0 && out == "gen-* " {
+		return
+	}
+	if len(lines) != n {
+		t.Fatalf("%s: %d records on the disk, want %d (%.200q)", vm.Name(), len(lines), n, out)
+	}
+	for i, l := range lines {
+		if want := fmt.Sprintf("gen-%06d gen-%06d", i+1, i+1); l != want {
+			t.Fatalf("%s: record %d = %q, want %q", vm.Name(), i+1, l, want)
+		}
+	}
+}
+
+func TestGenerationsBoundedChain(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	w := makeWorld(t, e, "gw", 256, 64)
+	ctx := ctxT(t, 15*time.Minute)
+	pid := w.PID()
+	var kept []string // kept checkpoints, oldest first
+	ckCycle := map[string]int{}
+	baseFDs := 0
+	for i := 1; i <= genCycles; i++ {
+		writeRecord(t, w, i)
+		name := "g" + strconv.Itoa(i)
+		c, err := e.Checkpoint(ctx, "gw", name, &engine.CheckpointOptions{Pin: true})
+		if err != nil {
+			t.Fatalf("cycle %d: checkpoint: %v", i, err)
+		}
+		if d := len(c.Manifest.Disk); d > genMaxCkDepth {
+			t.Fatalf("cycle %d: checkpoint %s has a %d-layer disk chain, want at most %d", i, name, d, genMaxCkDepth)
+		}
+		kept = append(kept, name)
+		ckCycle[name] = i
+		if len(kept) > genKeep {
+			if err := e.DeleteCheckpoint(ctx, kept[0], nil); err != nil {
+				t.Fatalf("cycle %d: checkpoint rm %s: %v", i, kept[0], err)
+			}
+			kept = kept[1:]
+		}
+		if d := len(vmDiskChain(t, env.Home, "gw")); d > genMaxVMDepth {
+			t.Fatalf("cycle %d: the vm's disk chain has %d layers, want at most %d", i, d, genMaxVMDepth)
+		}
+		if n := len(dirNames(filepath.Join(env.Home, "vms", "gw"))); n > genMaxVMFiles {
+			t.Fatalf("cycle %d: %d files in the vm's directory, want at most %d: %v", i, n, genMaxVMFiles, dirNames(filepath.Join(env.Home, "vms", "gw")))
+		}
+		fds := fdCount(pid)
+		if i == 1 {
+			baseFDs = fds
+		} else if fds > baseFDs+genMaxExtraFDs {
+			t.Fatalf("cycle %d: qemu has %d fds, %d after the first cycle", i, fds, baseFDs)
+		}
+		if i%genProbe != 0 {
+			continue
+		}
+		// The VM reads its whole history back from the collapsed chain.
+		checkRecords(t, w, i)
+		// Every kept checkpoint forks with exactly the records it froze.
+		for _, ck := range kept {
+			f, err := e.Fork(ctx, ck, &engine.ForkOptions{Name: "f" + ck})
+			if err != nil {
+				t.Fatalf("cycle %d: fork %s: %v", i, ck, err)
+			}
+			checkRecords(t, f, ckCycle[ck])
+			// The fork writes its own disk without touching the checkpoint's.
+			writeRecord(t, f, ckCycle[ck]+1)
+			checkRecords(t, f, ckCycle[ck]+1)
+			if err := e.Delete(ctx, f.Name()); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// The oldest kept checkpoint still forks without the fork's write above.
+	f, err := e.Fork(ctx, kept[0], &engine.ForkOptions{Name: "flast"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkRecords(t, f, ckCycle[kept[0]])
+	t.Logf("after %d cycles: vm chain %d layers, %d files in its dir, qemu fds %d (first cycle %d)",
+		genCycles, len(vmDiskChain(t, env.Home, "gw")), len(dirNames(filepath.Join(env.Home, "vms", "gw"))), fdCount(pid), baseFDs)
+}
