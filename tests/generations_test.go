@@ -20,15 +20,15 @@ import (
 
 const (
 	genCycles = 100
-	genKeep   = 4  // checkpoints kept at once
-	genProbe  = 25 // a fork and a full read-back every genProbe cycles
+	genKeep   = 3  // checkpoints kept at once
+	genProbe  = 50 // forks and a full read-back every genProbe cycles
 	// Bounds, a small constant each, whatever the number of cycles: the VM's chain (its
 	// settled chain plus the freeze that a collapse is still taking in), a checkpoint's,
 	// the files in the VM's directory, QEMU's descriptors above the first cycle's.
-	genMaxVMDepth  = 6
-	genMaxCkDepth  = 5
+	genMaxVMDepth  = 9
+	genMaxCkDepth  = 8
 	genMaxVMFiles  = 14
-	genMaxExtraFDs = 12
+	genMaxExtraFDs = 20
 )
 
 // diskRecord is the part of a VM manifest the test reads: its disk chain.
