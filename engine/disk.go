@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/qmp"
@@ -308,9 +309,12 @@ func layerSize(path string) int64 {
 
 // startCollapse starts the block-stream job that brings vm's chain back to maxDiskDepth
 // layers, when it is longer and no job is pending. The job is recorded in the manifest
-// before it starts. Failures are logged: the chain stays as it is, a valid chain. The
+// before it starts. Failures are logged: the chain stays as it is, a valid chain. It runs
+// once the checkpoint is committed, so on its own short context, not the caller's. The
 // caller holds the VM's lock.
 func (vm *VM) startCollapse(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
 	m := &vm.m
 	layers := m.Launch.Disk
 	if m.DiskCollapse != nil || m.DiskNode == "" || len(layers) <= maxDiskDepth {
@@ -339,10 +343,17 @@ func (vm *VM) startCollapse(ctx context.Context) {
 		return
 	}
 	err = blockStream(ctx, c, streamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report"})
-	if err != nil {
+	var qerr *qmp.Error
+	switch {
+	case errors.As(err, &qerr):
+		// QEMU refused: no job.
 		m.DiskCollapse = nil
 		serr := vm.saveLocked()
 		vm.log.Warn("disk collapse: not started", "vm", m.Name, "err", err, "manifest", serr)
+		return
+	case err != nil:
+		// No answer: the job may run. The record stays for the next settle to read.
+		vm.log.Warn("disk collapse: start not confirmed", "vm", m.Name, "job", job, "err", err)
 		return
 	}
 	vm.log.Debug("disk collapse started", "vm", m.Name, "job", job, "layers", len(layers), "keep", keep)

@@ -333,3 +333,42 @@ func loadRawManifest(path string) (*manifest, error) {
 	var m manifest
 	return &m, json.Unmarshal(b, &m)
 }
+
+// startCollapse records the job in the manifest before QEMU sees block-stream, streams
+// into the active node down to the planned base, and forgets a job QEMU refused.
+func TestStartCollapse(t *testing.T) {
+	for _, refuse := range []bool{false, true} {
+		t.Run(fmt.Sprintf("refused=%v", refuse), func(t *testing.T) {
+			var vm *VM
+			var args streamArgs
+			recorded := false
+			vm, _ = collapseVM(t, func(cmd string, raw json.RawMessage) (string, string) {
+				if cmd != "block-stream" {
+					return "{}", ""
+				}
+				json.Unmarshal(raw, &args)
+				saved, err := loadRawManifest(vm.path(manifestFile))
+				recorded = err == nil && saved.DiskCollapse != nil && saved.DiskCollapse.Job == args.JobID
+				if refuse {
+					return "no", "GenericError"
+				}
+				return "{}", ""
+			})
+			m := &vm.m
+			m.DiskCollapse = nil
+			for i := 5; i <= maxDiskDepth; i++ {
+				m.pushOverlay(nextDiskNode(m.DiskSeq), nextDiskPath(vm.dir, m.DiskSeq))
+			}
+			vm.startCollapse(context.Background())
+			if !recorded {
+				t.Fatal("block-stream sent before the job was recorded")
+			}
+			if args.Device != m.DiskNode || args.BaseNode != m.Launch.Disk[0].Node || args.AutoDismiss || args.JobID == "" {
+				t.Fatalf("block-stream %+v (top %s, base %s)", args, m.DiskNode, m.Launch.Disk[0].Node)
+			}
+			if refuse != (m.DiskCollapse == nil) {
+				t.Fatalf("record %+v after refused=%v", m.DiskCollapse, refuse)
+			}
+		})
+	}
+}
