@@ -31,16 +31,18 @@ const (
 	genMaxExtraFDs = 20
 )
 
-// diskRecord is the part of a VM manifest the test reads: its disk chain.
+// diskRecord is the part of a VM manifest the test reads: its disk chain and its
+// pending collapse.
 type diskRecord struct {
 	Launch struct {
 		Disk []struct {
 			Path string `json:"path"`
 		} `json:"disk"`
 	} `json:"launch"`
+	Collapse json.RawMessage `json:"disk_collapse"`
 }
 
-func vmDiskChain(t testing.TB, home, name string) []string {
+func readDiskRecord(t testing.TB, home, name string) diskRecord {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join(home, "vms", name, "manifest.json"))
 	if err != nil {
@@ -50,8 +52,13 @@ func vmDiskChain(t testing.TB, home, name string) []string {
 	if err := json.Unmarshal(b, &m); err != nil {
 		t.Fatal(err)
 	}
+	return m
+}
+
+func vmDiskChain(t testing.TB, home, name string) []string {
+	t.Helper()
 	var out []string
-	for _, l := range m.Launch.Disk {
+	for _, l := range readDiskRecord(t, home, name).Launch.Disk {
 		out = append(out, l.Path)
 	}
 	return out
@@ -153,6 +160,53 @@ func TestGenerationsBoundedChain(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkRecords(t, f, ckCycle[kept[0]])
+	if err := e.Delete(ctx, f.Name()); err != nil {
+		t.Fatal(err)
+	}
 	t.Logf("after %d cycles: vm chain %d layers, %d files in its dir, qemu fds %d (first cycle %d)",
 		genCycles, len(vmDiskChain(t, env.Home, "gw")), len(dirNames(filepath.Join(env.Home, "vms", "gw"))), fdCount(pid), baseFDs)
+
+	// The engine goes away while a collapse is pending (as a crash would leave it: the
+	// job is recorded before it starts, and nothing else happens until the next
+	// freeze). The next engine re-adopts the VM on the chain its manifest names; its
+	// next checkpoint reads the job's outcome and settles the chain.
+	n := genCycles
+	for readDiskRecord(t, env.Home, "gw").Collapse == nil {
+		if n++; n > genCycles+genMaxCkDepth+1 {
+			t.Fatal("no collapse started")
+		}
+		writeRecord(t, w, n)
+		if _, err := e.Checkpoint(ctx, "gw", "g"+strconv.Itoa(n), &engine.CheckpointOptions{Pin: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := len(vmDiskChain(t, env.Home, "gw"))
+	e.Close()
+	e2, err := engine.New(ctx, &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E, e = e2, e2
+	if w, err = e.Get("gw"); err != nil {
+		t.Fatal(err)
+	}
+	checkRecords(t, w, n)
+	if got := len(vmDiskChain(t, env.Home, "gw")); got != before {
+		t.Fatalf("re-adopted with a %d-layer chain, was %d", got, before)
+	}
+	writeRecord(t, w, n+1)
+	c, err := e.Checkpoint(ctx, "gw", "after-restart", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Unsettled, the freeze would have frozen all of them and added one more.
+	if got := len(vmDiskChain(t, env.Home, "gw")); got > before || len(c.Manifest.Disk) >= before {
+		t.Fatalf("collapse not settled after the restart: vm chain %d layers, checkpoint's %d (were %d)", got, len(c.Manifest.Disk), before)
+	}
+	checkRecords(t, w, n+1)
+	f, err = e.Fork(ctx, "after-restart", &engine.ForkOptions{Name: "frestart"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkRecords(t, f, n+1)
 }
