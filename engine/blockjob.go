@@ -124,7 +124,6 @@ func blockJobCancel(ctx context.Context, c *qmp.Client, id string) error {
 
 // blockInfo is QEMU's BlockInfo, the members we read.
 type blockInfo struct {
-	QDev     string `json:"qdev"`
 	Inserted *struct {
 		NodeName string `json:"node-name"`
 		// BackingDepth is the number of files in the backing chain (0: none).
@@ -132,23 +131,21 @@ type blockInfo struct {
 	} `json:"inserted"`
 }
 
-// queryChainDepth returns the node name of the guest disk's active layer and the number
-// of backing files below it, as QEMU has them now.
-func queryChainDepth(ctx context.Context, c *qmp.Client) (node string, depth int, err error) {
+// queryChainDepth returns the number of backing files below node, a guest drive's
+// active layer, as QEMU has them now; ok is false when no drive has node on top (a
+// block job's filter node sits there while the job runs).
+func queryChainDepth(ctx context.Context, c *qmp.Client, node string) (depth int, ok bool, err error) {
 	var blocks []blockInfo
 	if err := c.Execute(ctx, "query-block", nil, &blocks); err != nil {
-		return "", 0, fmt.Errorf("query-block: %w", err)
+		return 0, false, fmt.Errorf("query-block: %w", err)
 	}
 	for _, b := range blocks {
-		if b.Inserted != nil && (b.QDev == diskDevice || len(blocks) == 1) {
-			return b.Inserted.NodeName, b.Inserted.BackingDepth, nil
+		if b.Inserted != nil && b.Inserted.NodeName == node {
+			return b.Inserted.BackingDepth, true, nil
 		}
 	}
-	return "", 0, fmt.Errorf("query-block: no disk %s", diskDevice)
+	return 0, false, nil
 }
-
-// diskDevice is the qdev id of the guest's virtio-blk device (cmdline.go).
-const diskDevice = "/machine/peripheral/vda/virtio-backend"
 
 // queryNodeNames returns the names of QEMU's named block nodes (flat: without their
 // backing chains).

@@ -390,16 +390,16 @@ func (vm *VM) settleCollapse(ctx context.Context) error {
 	default:
 		return fmt.Errorf("engine: disk collapse %s: %w", pc.Job, err)
 	}
-	node, depth, err := queryChainDepth(ctx, c)
+	depth, found, err := queryChainDepth(ctx, c, m.DiskNode)
 	if err != nil {
 		return fmt.Errorf("engine: disk collapse %s: %w", pc.Job, err)
 	}
 	layers := m.Launch.Disk
 	m.DiskCollapse = nil
 	switch {
-	case node != m.DiskNode || pc.Layers != len(layers) || pc.Keep < 1 || pc.Keep >= len(layers)-1:
+	case !found || pc.Layers != len(layers) || pc.Keep < 1 || pc.Keep >= len(layers)-1:
 		vm.log.Warn("disk collapse: chain changed under the job; left as it is", "vm", m.Name, "job", pc.Job,
-			"node", node, "want_node", m.DiskNode, "layers", len(layers), "job_layers", pc.Layers)
+			"top_found", found, "top", m.DiskNode, "layers", len(layers), "job_layers", pc.Layers)
 		return vm.saveLocked()
 	case depth == len(layers)-1:
 		return vm.saveLocked() // unchanged

@@ -258,7 +258,7 @@ func TestSettleCollapse(t *testing.T) {
 				case "query-block-jobs":
 					return tc.jobs, ""
 				case "query-block":
-					return fmt.Sprintf(`[{"device":"","qdev":%q,"inserted":{"node-name":"disk-l4","backing_file_depth":%d}}]`, diskDevice, tc.depth), ""
+					return fmt.Sprintf(`[{"device":"","qdev":"/machine/peripheral/vda/virtio-backend","inserted":{"node-name":"disk-l4","backing_file_depth":%d}}]`, tc.depth), ""
 				case "query-named-block-nodes":
 					return `[{"node-name":"disk0"},{"node-name":"disk-l1"},{"node-name":"disk-l2"},{"node-name":"disk-l3"},{"node-name":"disk-l4"},{"node-name":"#block1"}]`, ""
 				case "blockdev-del":

@@ -35,20 +35,20 @@ type manifest struct {
 	Launch      launch `json:"launch"`
 	// BootKernel and BootInitrd are what the guest originally booted from (a fork's
 	// Launch.Kernel may be its checkpoint's stub).
-	BootKernel string `json:"boot_kernel"`
-	BootInitrd string `json:"boot_initrd,omitempty"`
-	DiskNode   string `json:"disk_node,omitempty"`
-	DiskSeq    int    `json:"disk_seq,omitempty"`
-	// DiskCollapse is the block-stream job collapsing the disk chain, recorded before it
-	// starts and cleared once its outcome is read (see settleCollapse).
-	DiskCollapse *diskCollapse `json:"disk_collapse,omitempty"`
-	Token        string        `json:"token"`
-	CreatedAt    time.Time     `json:"created_at"`
-	ReadyAt      time.Time     `json:"ready_at,omitzero"`
-	Timings      PhaseTimings  `json:"timings"`
+	BootKernel string       `json:"boot_kernel"`
+	BootInitrd string       `json:"boot_initrd,omitempty"`
+	DiskNode   string       `json:"disk_node,omitempty"`
+	DiskSeq    int          `json:"disk_seq,omitempty"`
+	Token      string       `json:"token"`
+	CreatedAt  time.Time    `json:"created_at"`
+	ReadyAt    time.Time    `json:"ready_at,omitzero"`
+	Timings    PhaseTimings `json:"timings"`
 	// LineageBytes is what the fork received from its checkpoint's delta layers (see
 	// MemoryUsage.GuestLineage).
 	LineageBytes int64 `json:"lineage_bytes,omitempty"`
+	// DiskCollapse is the block-stream job collapsing the disk chain, recorded before it
+	// starts and cleared once its outcome is read (see settleCollapse).
+	DiskCollapse *diskCollapse `json:"disk_collapse,omitempty"`
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.
