@@ -250,6 +250,7 @@ func TestSettleCollapse(t *testing.T) {
 		{"never started", `[]`, 4, 5, nil},
 		{"dismissed before a crash", `[]`, 1, 2, []string{"disk1.qcow2", "disk2.qcow2", "disk3.qcow2"}},
 		{"unexpected depth", `[]`, 2, 5, nil},
+		{"another node on top", `[]`, -1, 5, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var deleted []string
@@ -258,7 +259,11 @@ func TestSettleCollapse(t *testing.T) {
 				case "query-block-jobs":
 					return tc.jobs, ""
 				case "query-block":
-					return fmt.Sprintf(`[{"device":"","qdev":"/machine/peripheral/vda/virtio-backend","inserted":{"node-name":"disk-l4","backing_file_depth":%d}}]`, tc.depth), ""
+					top, depth := "disk-l4", tc.depth
+					if depth < 0 {
+						top, depth = "#block42", 1
+					}
+					return fmt.Sprintf(`[{"device":"","qdev":"/machine/peripheral/vda/virtio-backend","inserted":{"node-name":%q,"backing_file_depth":%d}}]`, top, depth), ""
 				case "query-named-block-nodes":
 					return `[{"node-name":"disk0"},{"node-name":"disk-l1"},{"node-name":"disk-l2"},{"node-name":"disk-l3"},{"node-name":"disk-l4"},{"node-name":"#block1"}]`, ""
 				case "blockdev-del":
