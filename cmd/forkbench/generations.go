@@ -30,7 +30,7 @@ func generationsCmd() *cli.Command {
 			&cli.IntFlag{Name: "cycles", Value: 1000, Usage: "checkpoint/rm cycles"},
 			&cli.IntFlag{Name: "keep", Value: 50, Usage: "checkpoints kept at once (the oldest is removed beyond)"},
 			&cli.IntFlag{Name: "fork-every", Value: 50, Usage: "fork the newest checkpoint every N cycles (and at cycle 1)"},
-			&cli.IntFlag{Name: "window", Value: 20, Usage: "cycles (checkpoints) or forks (forks: a third of it, at least 1) in the first and last medians"},
+			&cli.IntFlag{Name: "window", Value: 20, Usage: "checkpoints (forks: a third as many, at least 1) in the first and in the last median; at most half of those measured"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			s := &GenerationsSettings{Cycles: cmd.Int("cycles"), Keep: cmd.Int("keep"), ForkEvery: cmd.Int("fork-every"), Window: cmd.Int("window")}
@@ -118,9 +118,10 @@ func qemuFDs(pid int) int {
 	return len(ents)
 }
 
-// window returns the first and last n values of xs (fewer when xs is shorter).
+// window returns the first and last n values of xs, at most half of xs each so that
+// they do not overlap (one value when xs has one).
 func window(xs []float64, n int) (first, last []float64) {
-	n = min(n, len(xs))
+	n = max(min(n, len(xs)/2), min(1, len(xs)))
 	return xs[:n], xs[len(xs)-n:]
 }
 
@@ -240,7 +241,7 @@ cycle:
 	r.res.Extra["summary"] = sum
 	r.res.Extra["cycles"] = cycles
 	r.res.Extra["target_ratio"] = generationsTarget
-	r.res.Method = fmt.Sprintf("Generations: one forkable VM (its data disk a qcow2 chain: the state dir has no reflink or it does) runs %d cycles of: write a file to its data disk and sync (exec), checkpoint it (pinned; timed: Engine.Checkpoint wall), remove the oldest checkpoint beyond %d kept; at cycle 1, every %d cycles and at the last, fork that cycle's checkpoint (timed: the fork's Timings.Total, to ready), check the fork reads the cycle's file from its disk, delete it. After every cycle: the VM's disk chain length (its manifest), the checkpoint's frozen chain length, the entries of the VM's directory and its QEMU's open fds (/proc/PID/fd). Ratios are the median of the last %d checkpoints (last %d forks) over the median of the first as many; within_target needs every cycle done and both ratios <= %.1f.",
+	r.res.Method = fmt.Sprintf("Generations: one forkable VM (its data disk a qcow2 chain: the state dir has no reflink or it does) runs %d cycles of: write a file to its data disk and sync (exec), checkpoint it (pinned; timed: Engine.Checkpoint wall), remove the oldest checkpoint beyond %d kept; at cycle 1, every %d cycles and at the last, fork that cycle's checkpoint (timed: the fork's Timings.Total, to ready), check the fork reads the cycle's file from its disk, delete it. After every cycle: the VM's disk chain length (its manifest), the checkpoint's frozen chain length, the entries of the VM's directory and its QEMU's open fds (/proc/PID/fd). Ratios are the median of the last %d checkpoints (last %d forks; at most half of those measured) over the median of the first as many; within_target needs every cycle done and both ratios <= %.1f.",
 		s.Cycles, s.Keep, s.ForkEvery, s.Window, max(1, s.Window/3), generationsTarget)
 	r.section("## Generations\n\n%d of %d cycles, %d kept, a fork every %d cycles (%d forks).\n\n| | first cycle | first window p50 | last window p50 | ratio |\n|---|---|---|---|---|\n| checkpoint ms | %.1f | %.1f | %.1f | %.2f |\n| fork ms | %.1f | %.1f | %.1f | %.2f |\n\nMax chain: VM %d layers, checkpoint %d. Max files in the VM dir %d. QEMU fds: first %d, max %d, last %d. Within the %.1fx target: %v.\n\n",
 		sum.CyclesDone, s.Cycles, s.Keep, s.ForkEvery, sum.Forks,

@@ -254,7 +254,8 @@ func TestGenerationsWindow(t *testing.T) {
 		first, last []float64
 	}{
 		{[]float64{1, 2, 3, 4, 5}, 2, []float64{1, 2}, []float64{4, 5}},
-		{[]float64{1, 2}, 5, []float64{1, 2}, []float64{1, 2}},
+		{[]float64{1, 2, 3}, 5, []float64{1}, []float64{3}},
+		{[]float64{7}, 5, []float64{7}, []float64{7}},
 		{nil, 3, []float64{}, []float64{}},
 	} {
 		f, l := window(tc.xs, tc.n)
