@@ -115,7 +115,7 @@ func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuPro
 	ck, p := w.ck, vm.process()
 	// The previous checkpoint's disk collapse first (so this one freezes a short chain);
 	// this checkpoint's starts once the guest runs again and the marker is gone.
-	if err := vm.settleCollapse(ctx); err != nil {
+	if err := vm.settleForFreeze(ctx); err != nil {
 		return err
 	}
 	collapse := false

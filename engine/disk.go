@@ -417,6 +417,22 @@ func (vm *VM) settleCollapse(ctx context.Context) error {
 	return nil
 }
 
+// settleForFreeze prepares vm's chain for a disk freeze: the previous collapse settled
+// and, when the chain is still longer than maxDiskDepth (a fork's first checkpoint: its
+// checkpoint's chain plus its own top, so a tree of checkpoints of forks of checkpoints
+// would otherwise add a layer per generation), a collapse run to its end now, so that
+// the checkpoint freezes at most maxDiskDepth layers. The caller holds the VM's lock.
+func (vm *VM) settleForFreeze(ctx context.Context) error {
+	if err := vm.settleCollapse(ctx); err != nil {
+		return err
+	}
+	if len(vm.m.Launch.Disk) <= maxDiskDepth {
+		return nil
+	}
+	vm.startCollapse(ctx)
+	return vm.settleCollapse(ctx)
+}
+
 // sweepDisk deletes what the VM's chain no longer uses: the monitor-owned block nodes
 // (the launch top and every blockdev-added overlay) that are not in the chain, and the
 // layer files in the VM's directory that it does not list (dropped, or left by a crash

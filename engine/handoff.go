@@ -77,7 +77,7 @@ func freezeForHandoff(ctx context.Context, vm *VM, w *ckWriter) (paused time.Tim
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
 	ck, p := w.ck, vm.process()
-	if err := vm.settleCollapse(ctx); err != nil {
+	if err := vm.settleForFreeze(ctx); err != nil {
 		return paused, false, nil, err
 	}
 	ramPath := vm.m.Launch.RAM.Path

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -209,4 +210,39 @@ func TestGenerationsBoundedChain(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkRecords(t, f, n+1)
+	if err := e.Delete(ctx, f.Name()); err != nil {
+		t.Fatal(err)
+	}
+
+	// A tree: forks of a checkpoint with a full-depth chain, checkpointed in turn, and
+	// forks of those: every generation's checkpoint stays within the bound (a fork's
+	// chain is its checkpoint's plus its own top, so each generation would add one).
+	src := "g" + strconv.Itoa(n)
+	if ck, err := e.Checkpoints(); err != nil {
+		t.Fatal(err)
+	} else if i := slices.IndexFunc(ck, func(c engine.CheckpointInfo) bool { return c.Name == src }); i < 0 || len(ck[i].Disk) != before-1 {
+		t.Fatalf("checkpoint %s: not a full-depth chain (%d layers listed)", src, before-1)
+	}
+	for gen := 1; gen <= 3; gen++ {
+		f, err := e.Fork(ctx, src, &engine.ForkOptions{Name: "tree" + strconv.Itoa(gen)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkRecords(t, f, n+gen-1)
+		writeRecord(t, f, n+gen)
+		src = "treeck" + strconv.Itoa(gen)
+		c, err := e.Checkpoint(ctx, f.Name(), src, &engine.CheckpointOptions{Pin: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := len(c.Manifest.Disk); d > genMaxCkDepth {
+			t.Fatalf("generation %d of the tree: checkpoint %s has a %d-layer chain, want at most %d", gen, src, d, genMaxCkDepth)
+		}
+		checkRecords(t, f, n+gen)
+	}
+	f, err = e.Fork(ctx, src, &engine.ForkOptions{Name: "treeleaf"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkRecords(t, f, n+3)
 }
