@@ -113,6 +113,17 @@ func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuPro
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
 	ck, p := w.ck, vm.process()
+	// The previous checkpoint's disk collapse first (so this one freezes a short chain);
+	// this checkpoint's starts once the guest runs again and the marker is gone.
+	if err := vm.settleForFreeze(ctx); err != nil {
+		return err
+	}
+	collapse := false
+	defer func() {
+		if collapse {
+			vm.startCollapse(ctx)
+		}
+	}()
 	// The marker outlives a crash from here to the resume (and the manifest's new disk
 	// chain); it goes after the resume, deferred before it so that it runs last.
 	marker := vm.path(checkpointingFile)
@@ -141,7 +152,11 @@ func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuPro
 		return fmt.Errorf("disk: %w", err)
 	}
 	ck.Timings.Disk = time.Since(t1)
-	return vm.saveLocked()
+	if err := vm.saveLocked(); err != nil {
+		return err
+	}
+	collapse = true
+	return nil
 }
 
 // cleanup removes what an uncommitted checkpoint left.

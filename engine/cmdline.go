@@ -81,6 +81,10 @@ type ramBacking struct {
 type DiskLayer struct {
 	Path   string `json:"path"`
 	Format string `json:"format"` // "raw" or "qcow2"
+	// Node is the layer's block node name in the VM's running QEMU, recorded once the
+	// chain changes under it (empty: launchNodeName of its place in the launch chain).
+	// Checkpoint chains leave it empty: each fork names its own nodes.
+	Node string `json:"node,omitempty"`
 }
 
 // defaultMachine is the machine type of new VMs: q35 (microvm hangs in firmware at exactly
@@ -336,7 +340,8 @@ func (l *launch) deviceArgs(machine string) ([]string, error) {
 }
 
 // blockdevJSON renders a disk chain as one -blockdev JSON tree. Backing files are named
-// explicitly, so the backing paths stored inside qcow2 headers are never used.
+// explicitly, so the backing paths stored inside qcow2 headers are never used. Every
+// layer gets a node name (launchNodeName), so a block job can name any of them.
 func blockdevJSON(layers []DiskLayer) (string, error) {
 	var node map[string]any
 	for i, l := range layers {
@@ -360,10 +365,11 @@ func blockdevJSON(layers []DiskLayer) (string, error) {
 		}
 		if i < len(layers)-1 {
 			n["read-only"] = true
+			n["node-name"] = launchNodeName(i, len(layers))
 		}
 		node = n
 	}
-	node["node-name"] = "disk0"
+	node["node-name"] = launchNodeName(len(layers)-1, len(layers))
 	node["discard"] = "unmap"
 	js, err := json.Marshal(node)
 	return string(js), err

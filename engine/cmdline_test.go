@@ -296,8 +296,9 @@ func TestCmdlineDiskChain(t *testing.T) {
 			t.Errorf("inner layer %d read-only = %v, want true", i, ro)
 		}
 		if i < len(l.Disk)-1 {
-			if nn, ok := node["node-name"]; ok {
-				t.Errorf("inner layer %d has node-name %v; only the top is named", i, nn)
+			// Inner layers are named too, so that a block job can name its base.
+			if nn := node["node-name"]; nn != launchNodeName(i, len(l.Disk)) {
+				t.Errorf("inner layer %d has node-name %v, want %s", i, nn, launchNodeName(i, len(l.Disk)))
 			}
 		}
 		if i > 0 {
@@ -334,10 +335,10 @@ func TestCmdlineDiskErrors(t *testing.T) {
 		name string
 		disk []DiskLayer
 	}{
-		{"raw with backing", []DiskLayer{{"/a.qcow2", "qcow2"}, {"/b.raw", "raw"}}},
-		{"two raws", []DiskLayer{{"/a.raw", "raw"}, {"/b.raw", "raw"}}},
-		{"unknown format", []DiskLayer{{"/a.vmdk", "vmdk"}}},
-		{"empty format", []DiskLayer{{"/a", ""}}},
+		{"raw with backing", []DiskLayer{{Path: "/a.qcow2", Format: "qcow2"}, {Path: "/b.raw", Format: "raw"}}},
+		{"two raws", []DiskLayer{{Path: "/a.raw", Format: "raw"}, {Path: "/b.raw", Format: "raw"}}},
+		{"unknown format", []DiskLayer{{Path: "/a.vmdk", Format: "vmdk"}}},
+		{"empty format", []DiskLayer{{Path: "/a", Format: ""}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := baseLaunch()
@@ -503,7 +504,7 @@ func TestCmdlineDeterministic(t *testing.T) {
 	l.RAM = ramBacking{Path: "/dev/shm/r,1.ram", Shared: false}
 	l.Incoming = true
 	l.VsockCID = 7
-	l.Disk = []DiskLayer{{"/a.raw", "raw"}, {"/b.qcow2", "qcow2"}, {"/c.qcow2", "qcow2"}}
+	l.Disk = []DiskLayer{{Path: "/a.raw", Format: "raw"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2"}}
 	first := mustCmdline(t, l)
 	for i := 0; i < 50; i++ {
 		l2 := l // a copy: Cmdline must not depend on identity or mutate its input
@@ -512,7 +513,7 @@ func TestCmdlineDeterministic(t *testing.T) {
 			t.Fatalf("run %d differs:\n%q\n%q", i, got, first)
 		}
 	}
-	if !reflect.DeepEqual(l.Disk, []DiskLayer{{"/a.raw", "raw"}, {"/b.qcow2", "qcow2"}, {"/c.qcow2", "qcow2"}}) {
+	if !reflect.DeepEqual(l.Disk, []DiskLayer{{Path: "/a.raw", Format: "raw"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2"}}) {
 		t.Errorf("Cmdline mutated Disk: %v", l.Disk)
 	}
 	// Round trip through the manifest's JSON (as a restarted engine would) gives the same argv.

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -9,8 +10,11 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
+	"time"
 
 	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/qmp"
 )
 
 // The disk chain. A VM's disk is a chain of layers, base first, the last one writable.
@@ -218,4 +222,281 @@ func copySmallFile(src, dst string) error {
 		return err
 	}
 	return out.Close()
+}
+
+// Collapsing the live chain. Each qcow2 disk freeze adds a layer under the VM's active
+// one; left alone, a VM that took a thousand checkpoints has a thousand-layer chain
+// (every fork opens all of it: fork time, QEMU's file descriptors and its -blockdev
+// argument grow with it, until QEMU fails to start). Frozen layers cannot be merged in
+// place: checkpoints hold hard links to them. So after a freeze that made the chain
+// longer than maxDiskDepth, the VM streams the newest frozen layers (block-stream) into
+// its active layer, which then backs onto an older one; QEMU drops the streamed layers
+// from its chain when the job completes, and the VM's own names for them go. A chain
+// therefore never exceeds maxDiskDepth layers once settled (maxDiskDepth+1 between a
+// freeze and the stream's end), nor does a checkpoint's (it freezes a settled chain),
+// and a fork's has one more.
+//
+// The job runs in QEMU while the guest runs; its outcome is read by the VM's next disk
+// freeze (settleCollapse), which waits for it under its context. Until then, and if the
+// engine dies meanwhile, the manifest still lists the streamed layers: a superset of
+// QEMU's chain whose extra layers the active layer shadows (it holds all their data once
+// the stream completed), so it stays a valid description of the disk, and no file is
+// removed before the manifest stopped naming it.
+
+// maxDiskDepth is the most layers (base and active included) a VM's settled disk chain,
+// and so a checkpoint's frozen chain, has.
+// Eight leaves six layers between the base and the active one for the size tiers:
+// simulated over thousands of freezes of 64 KiB each, streams then copy about 4-7 times
+// what was written (four layers: 56-213 times, growing with the VM's age), and a fork
+// opens at most nine files.
+const maxDiskDepth = 8
+
+// collapseRatio is how much bigger than what a stream moves already an older layer may
+// be and still go with it.
+const collapseRatio = 2
+
+// diskCollapse is a VM's block-stream job of its disk chain: the active layer takes in
+// the layers above Keep, and the chain becomes Launch.Disk[:Keep] plus the active layer.
+type diskCollapse struct {
+	Job string `json:"job"`
+	// Keep is the number of layers the stream keeps below the active one.
+	Keep int `json:"keep"`
+	// Layers is the chain's length when the job started.
+	Layers int `json:"layers"`
+}
+
+// launchNodeName is the block node name blockdevJSON gives layer i (base first) of an
+// n-layer chain: "disk0" for the top (the guest's drive), "disk0-b<i>" below it.
+func launchNodeName(i, n int) string {
+	if i == n-1 {
+		return "disk0"
+	}
+	return "disk0-b" + strconv.Itoa(i)
+}
+
+// planCollapse chooses how a chain of frozen layers (sizes in bytes, base first) under a
+// new active layer is collapsed so that the chain has at most maxDepth layers: keep is
+// how many frozen layers stay (the others are streamed into the active layer). None
+// (ok false) while the chain is short enough. The newest layer always goes; an older
+// one goes with it while it is at most collapseRatio times what goes already, so that frozen layers
+// grow geometrically towards the base and each stream copies a small part of the disk
+// (a byte is copied O(log) times over a VM's life, not once per checkpoint). The base
+// layer always stays (it may be a raw image shared by many VMs).
+func planCollapse(sizes []int64, maxDepth int) (keep int, ok bool) {
+	if maxDepth < 2 || len(sizes)+1 <= maxDepth || len(sizes) < 2 {
+		return 0, false
+	}
+	keep = min(len(sizes)-1, maxDepth-1)
+	var moved int64
+	for _, s := range sizes[keep:] {
+		moved += s
+	}
+	for keep > 1 && sizes[keep-1] <= collapseRatio*moved {
+		keep--
+		moved += sizes[keep]
+	}
+	return keep, true
+}
+
+// layerSize is the storage a layer file holds (its allocated blocks).
+func layerSize(path string) int64 {
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		return 0
+	}
+	return st.Blocks * 512
+}
+
+// startCollapse starts the block-stream job that brings vm's chain back to maxDiskDepth
+// layers, when it is longer and no job is pending. The job is recorded in the manifest
+// before it starts. Failures are logged: the chain stays as it is, a valid chain. It runs
+// once the checkpoint is committed, so on its own short context, not the caller's. The
+// caller holds the VM's lock.
+func (vm *VM) startCollapse(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	m := &vm.m
+	layers := m.Launch.Disk
+	if m.DiskCollapse != nil || m.DiskNode == "" || len(layers) <= maxDiskDepth {
+		return
+	}
+	sizes := make([]int64, len(layers)-1)
+	for i, l := range layers[:len(layers)-1] {
+		sizes[i] = layerSize(l.Path)
+	}
+	keep, ok := planCollapse(sizes, maxDiskDepth)
+	if !ok {
+		return
+	}
+	p := vm.process()
+	c, err := p.client(ctx)
+	if err != nil {
+		vm.log.Warn("disk collapse: no qmp", "vm", m.Name, "err", err)
+		return
+	}
+	m.pinDiskNodes()
+	job := fmt.Sprintf("collapse-%d", m.DiskSeq)
+	m.DiskCollapse = &diskCollapse{Job: job, Keep: keep, Layers: len(layers)}
+	if err := vm.saveLocked(); err != nil {
+		m.DiskCollapse = nil
+		vm.log.Warn("disk collapse: manifest", "vm", m.Name, "err", err)
+		return
+	}
+	err = blockStream(ctx, c, streamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report"})
+	var qerr *qmp.Error
+	switch {
+	case errors.As(err, &qerr):
+		// QEMU refused: no job.
+		m.DiskCollapse = nil
+		serr := vm.saveLocked()
+		vm.log.Warn("disk collapse: not started", "vm", m.Name, "err", err, "manifest", serr)
+		return
+	case err != nil:
+		// No answer: the job may run. The record stays for the next settle to read.
+		vm.log.Warn("disk collapse: start not confirmed", "vm", m.Name, "job", job, "err", err)
+		return
+	}
+	vm.log.Debug("disk collapse started", "vm", m.Name, "job", job, "layers", len(layers), "keep", keep)
+}
+
+// settleCollapse reads the outcome of vm's pending collapse job, waiting under ctx for
+// it to conclude: QEMU's chain is then compared with the manifest's. When QEMU dropped
+// the streamed layers, so does the manifest (saved first), then the nodes the monitor
+// owned for them are deleted and the VM's own files among them removed (a checkpoint
+// that froze them holds its own hard links). When the chain is unchanged (the job
+// failed, was cancelled or never started), the record just goes. Anything else is left
+// as it is, logged. An error (ctx ended, QMP gone) leaves the record for a later
+// settle; the chain QEMU uses is valid either way. The caller holds the VM's lock.
+func (vm *VM) settleCollapse(ctx context.Context) error {
+	m := &vm.m
+	pc := m.DiskCollapse
+	if pc == nil {
+		return nil
+	}
+	c, err := vm.process().client(ctx)
+	if err != nil {
+		return err
+	}
+	j, err := waitBlockJob(ctx, c, pc.Job)
+	switch {
+	case err == nil:
+		if derr := blockJobDismiss(ctx, c, pc.Job); derr != nil {
+			vm.log.Warn("disk collapse: dismiss", "vm", m.Name, "job", pc.Job, "err", derr)
+		}
+		if j.Error != "" {
+			vm.log.Warn("disk collapse failed; the chain stays as it was", "vm", m.Name, "job", pc.Job, "err", j.Error)
+		}
+	case errors.Is(err, errNoSuchJob):
+	default:
+		return fmt.Errorf("engine: disk collapse %s: %w", pc.Job, err)
+	}
+	depth, found, err := queryChainDepth(ctx, c, m.DiskNode)
+	if err != nil {
+		return fmt.Errorf("engine: disk collapse %s: %w", pc.Job, err)
+	}
+	layers := m.Launch.Disk
+	m.DiskCollapse = nil
+	switch {
+	case !found || pc.Layers != len(layers) || pc.Keep < 1 || pc.Keep >= len(layers)-1:
+		vm.log.Warn("disk collapse: chain changed under the job; left as it is", "vm", m.Name, "job", pc.Job,
+			"top_found", found, "top", m.DiskNode, "layers", len(layers), "job_layers", pc.Layers)
+		return vm.saveLocked()
+	case depth == len(layers)-1:
+		return vm.saveLocked() // unchanged
+	case depth != pc.Keep:
+		vm.log.Warn("disk collapse: unexpected chain depth; left as it is", "vm", m.Name, "job", pc.Job, "depth", depth, "want", pc.Keep)
+		return vm.saveLocked()
+	}
+	dropped := append([]DiskLayer(nil), layers[pc.Keep:len(layers)-1]...)
+	m.Launch.Disk = append(append([]DiskLayer(nil), layers[:pc.Keep]...), layers[len(layers)-1])
+	if err := vm.saveLocked(); err != nil {
+		m.Launch.Disk, m.DiskCollapse = layers, pc
+		return err
+	}
+	vm.sweepDisk(ctx, c, dropped)
+	return nil
+}
+
+// settleForFreeze prepares vm's chain for a disk freeze: the previous collapse settled
+// and, when the chain is still longer than maxDiskDepth (a fork's first checkpoint: its
+// checkpoint's chain plus its own top, so a tree of checkpoints of forks of checkpoints
+// would otherwise add a layer per generation), a collapse run to its end now, so that
+// the checkpoint freezes at most maxDiskDepth layers. The caller holds the VM's lock.
+func (vm *VM) settleForFreeze(ctx context.Context) error {
+	if err := vm.settleCollapse(ctx); err != nil {
+		return err
+	}
+	if len(vm.m.Launch.Disk) <= maxDiskDepth {
+		return nil
+	}
+	vm.startCollapse(ctx)
+	return vm.settleCollapse(ctx)
+}
+
+// sweepDisk deletes what the VM's chain no longer uses: the monitor-owned block nodes
+// (the launch top and every blockdev-added overlay) that are not in the chain, and the
+// layer files in the VM's directory that it does not list (dropped, or left by a crash
+// between a settle's manifest save and its removals), named as only the VM's own disk
+// layers are. QEMU refuses to delete a node still in use; a checkpoint that froze a file
+// holds its own link. The caller holds the VM's lock.
+func (vm *VM) sweepDisk(ctx context.Context, c *qmp.Client, dropped []DiskLayer) {
+	inChain := map[string]bool{}
+	files := map[string]bool{}
+	for _, l := range vm.m.Launch.Disk {
+		inChain[l.Node] = true
+		files[l.Path] = true
+	}
+	inChain[vm.m.DiskNode] = true
+	if names, err := queryNodeNames(ctx, c); err == nil {
+		for _, n := range names {
+			if !inChain[n] && ownDiskNode(n) {
+				if err := blockdevDel(ctx, c, n); err != nil {
+					vm.log.Debug("disk sweep", "vm", vm.m.Name, "err", err)
+				}
+			}
+		}
+	}
+	candidates := map[string]bool{}
+	for _, l := range dropped {
+		candidates[l.Path] = true
+	}
+	if ents, err := os.ReadDir(vm.dir); err == nil {
+		for _, e := range ents {
+			candidates[filepath.Join(vm.dir, e.Name())] = true
+		}
+	}
+	for p := range candidates {
+		if !files[p] && filepath.Dir(p) == vm.dir && ownLayerFile(filepath.Base(p)) {
+			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+				vm.log.Warn("disk sweep", "vm", vm.m.Name, "err", err)
+			}
+		}
+	}
+}
+
+// ownDiskNode reports whether a node name is one the engine gives a node the monitor
+// owns: a launch chain's top or a freeze's overlay.
+func ownDiskNode(n string) bool {
+	if n == "disk0" {
+		return true
+	}
+	s, ok := strings.CutPrefix(n, "disk-l")
+	_, err := strconv.Atoi(s)
+	return ok && err == nil
+}
+
+// ownLayerFile reports whether a file name in a VM's directory is one of the VM's own
+// qcow2 layers: a freeze's overlay, a fork's top or an image VM's first top. Raw bases
+// are never streamed away.
+func ownLayerFile(name string) bool {
+	if name == forkTopFile || name == rootTopFile {
+		return true
+	}
+	s, ok := strings.CutPrefix(name, "disk")
+	if !ok {
+		return false
+	}
+	s, ok = strings.CutSuffix(s, ".qcow2")
+	n, err := strconv.Atoi(s)
+	return ok && err == nil && n >= 1
 }

@@ -11,6 +11,11 @@
 //     CheckpointOptions.Handoff, the file itself) and its frozen disk chain. The world
 //     keeps running. Checkpoints are files under Config.StateDir; pinned ones stay
 //     until deleted, unpinned ones go with their last fork.
+//   - Without reflinks a disk freeze moves the world onto a new qcow2 layer and the
+//     checkpoint hard-links the old ones. The world then streams its newest frozen
+//     layers into its active one (block-stream, in QEMU, while the guest runs), so no
+//     chain, of a VM, a checkpoint or a fork, grows past a few layers however many
+//     checkpoints a VM takes (disk.go).
 //   - A fork (Engine.Fork) is a new VM that maps a checkpoint's RAM file privately
 //     (share=off) and restores its device state with -incoming: pages it only reads
 //     stay shared with every other fork through the page cache, pages it writes become

@@ -77,6 +77,9 @@ func freezeForHandoff(ctx context.Context, vm *VM, w *ckWriter) (paused time.Tim
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
 	ck, p := w.ck, vm.process()
+	if err := vm.settleForFreeze(ctx); err != nil {
+		return paused, false, nil, err
+	}
 	ramPath := vm.m.Launch.RAM.Path
 	layers := append([]DiskLayer(nil), vm.m.Launch.Disk...)
 	reflink = canReflink(ctx, layers, w.tmp)

@@ -46,6 +46,9 @@ type manifest struct {
 	// LineageBytes is what the fork received from its checkpoint's delta layers (see
 	// MemoryUsage.GuestLineage).
 	LineageBytes int64 `json:"lineage_bytes,omitempty"`
+	// DiskCollapse is the block-stream job collapsing the disk chain, recorded before it
+	// starts and cleared once its outcome is read (see settleCollapse).
+	DiskCollapse *diskCollapse `json:"disk_collapse,omitempty"`
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.
@@ -168,9 +171,27 @@ func parseToken(s string) ([16]byte, error) {
 // pushOverlay records that the VM now writes the qcow2 overlay path, block node node,
 // on top of its disk chain (a checkpoint's disk freeze switched it there).
 func (m *manifest) pushOverlay(node, path string) {
-	m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: path, Format: "qcow2"})
+	m.pinDiskNodes()
+	m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: path, Format: "qcow2", Node: node})
 	m.DiskNode = node
 	m.DiskSeq++
+}
+
+// pinDiskNodes records every disk layer's block node name before the chain changes
+// shape: a layer without one still has its launch name (launchNodeName), except the top,
+// which is DiskNode.
+func (m *manifest) pinDiskNodes() {
+	n := len(m.Launch.Disk)
+	for i := range m.Launch.Disk {
+		l := &m.Launch.Disk[i]
+		switch {
+		case l.Node != "":
+		case i == n-1 && m.DiskNode != "":
+			l.Node = m.DiskNode
+		default:
+			l.Node = launchNodeName(i, n)
+		}
+	}
 }
 
 // writeJSON writes v atomically (temp file + rename) with mode 0600.

@@ -167,6 +167,12 @@ func TestResultPartsJSONKeys(t *testing.T) {
 		{"create settings", &CreateSettings{}, cat(runSetKeys, []string{"n", "golden", "batch", "conc"})},
 		{"density settings", &DensitySettings{}, cat(runSetKeys, []string{"step", "max", "cmds"})},
 		{"soak settings", &SoakSettings{}, cat(runSetKeys, []string{"forks", "wave"})},
+		{"generations settings", &GenerationsSettings{}, cat(runSetKeys, []string{"cycles", "keep", "fork_every", "window"})},
+		{"generations cycle, no fork", GenerationCycle{}, []string{"cycle", "checkpoint_ms", "vm_chain", "ck_chain", "vm_files", "qemu_fds"}},
+		{"generations cycle, fork", GenerationCycle{ForkMS: 1}, []string{"cycle", "checkpoint_ms", "fork_ms", "vm_chain", "ck_chain", "vm_files", "qemu_fds"}},
+		{"generations summary", GenerationsSummary{}, []string{"cycles_done", "forks", "checkpoint_first_ms", "checkpoint_first_window_ms",
+			"checkpoint_last_window_ms", "checkpoint_ratio", "fork_first_ms", "fork_first_window_ms", "fork_last_window_ms", "fork_ratio",
+			"max_vm_chain", "max_ck_chain", "max_vm_files", "first_qemu_fds", "max_qemu_fds", "last_qemu_fds", "within_target"}},
 	}
 	for _, tt := range tests {
 		if got, want := keysOf(jsonObject(t, tt.v)), sortedKeys(tt.keys...); got != want {
@@ -292,5 +298,23 @@ func TestOvercommitDefault(t *testing.T) {
 	}
 	if got := app.Command("fanout").Float("overcommit"); got != 12 {
 		t.Errorf("fanout's Action changed --overcommit to %v", got)
+	}
+}
+
+func TestGenerationsWindow(t *testing.T) {
+	for _, tc := range []struct {
+		xs          []float64
+		n           int
+		first, last []float64
+	}{
+		{[]float64{1, 2, 3, 4, 5}, 2, []float64{1, 2}, []float64{4, 5}},
+		{[]float64{1, 2, 3}, 5, []float64{1}, []float64{3}},
+		{[]float64{7}, 5, []float64{7}, []float64{7}},
+		{nil, 3, []float64{}, []float64{}},
+	} {
+		f, l := window(tc.xs, tc.n)
+		if !slices.Equal(f, tc.first) || !slices.Equal(l, tc.last) {
+			t.Errorf("window(%v, %d) = %v, %v; want %v, %v", tc.xs, tc.n, f, l, tc.first, tc.last)
+		}
 	}
 }

@@ -1,0 +1,379 @@
+package engine
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/qmp"
+)
+
+func TestPlanCollapse(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		sizes    []int64
+		maxDepth int
+		keep     int
+		ok       bool
+	}{
+		{"short chain", []int64{100, 1, 1}, 4, 0, false},
+		{"at the limit", []int64{100, 1, 1, 1}, 5, 0, false},
+		{"one frozen layer", []int64{100}, 1, 0, false},
+		{"equal small layers all go but the base", []int64{1000, 10, 10, 10}, 4, 1, true},
+		{"a big layer stays", []int64{1000, 500, 10, 10}, 4, 2, true},
+		{"newest goes alone when the one below is bigger", []int64{1000, 500, 100, 10}, 4, 3, true},
+		{"the base stays even when small", []int64{1, 1, 1, 1}, 4, 1, true},
+		{"a long chain comes back under the limit", []int64{1000, 500, 300, 200, 100, 50, 10}, 4, 1, true},
+		{"an older layer up to twice what goes goes too", []int64{1000, 30, 10, 10}, 4, 1, true},
+		{"a bigger one stays", []int64{1000, 50, 10, 10}, 4, 2, true},
+		{"degenerate limit", []int64{1, 1, 1}, 1, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			keep, ok := planCollapse(tc.sizes, tc.maxDepth)
+			if keep != tc.keep || ok != tc.ok {
+				t.Fatalf("planCollapse(%v, %d) = %d, %v; want %d, %v", tc.sizes, tc.maxDepth, keep, ok, tc.keep, tc.ok)
+			}
+			if ok && keep+1 > tc.maxDepth {
+				t.Fatalf("collapsed chain has %d layers, over %d", keep+1, tc.maxDepth)
+			}
+		})
+	}
+}
+
+// TestPlanCollapseBoundsWork runs many generations of a chain whose every freeze adds a
+// small layer, checking the depth stays bounded and streams copy much less than the
+// whole disk each time.
+func TestPlanCollapseBoundsWork(t *testing.T) {
+	frozen := []int64{1 << 30} // the base
+	var active, copied, written int64
+	for gen := 0; gen < 5000; gen++ {
+		active += 64 << 10 // this generation's writes
+		written += 64 << 10
+		frozen, active = append(frozen, active), 0 // the freeze: a new empty active layer
+		if keep, ok := planCollapse(frozen, maxDiskDepth); ok {
+			for _, s := range frozen[keep:] {
+				active += s
+			}
+			copied += active
+			frozen = frozen[:keep]
+		}
+		if len(frozen)+1 > maxDiskDepth {
+			t.Fatalf("generation %d: chain of %d layers after the collapse", gen, len(frozen)+1)
+		}
+	}
+	// Each byte written is copied a bounded number of times, not once per generation.
+	if copied > 16*written {
+		t.Fatalf("streams copied %d bytes for %d written", copied, written)
+	}
+	t.Logf("copied %.1fx what was written", float64(copied)/float64(written))
+}
+
+func TestNodeAndFileNames(t *testing.T) {
+	if got := launchNodeName(2, 3); got != "disk0" {
+		t.Errorf("top = %s", got)
+	}
+	if got := launchNodeName(0, 3); got != "disk0-b0" {
+		t.Errorf("base = %s", got)
+	}
+	for n, want := range map[string]bool{"disk0": true, "disk-l1": true, "disk-l12": true, "disk0-b1": false, "disk-lx": false, "#block123": false} {
+		if ownDiskNode(n) != want {
+			t.Errorf("ownDiskNode(%q) = %v", n, !want)
+		}
+	}
+	for n, want := range map[string]bool{"disk1.qcow2": true, "disk42.qcow2": true, forkTopFile: true, rootTopFile: true,
+		"disk0.raw": false, rootBaseFile: false, "disk0.qcow2": false, "manifest.json": false, "diskx.qcow2": false, "disk1.qcow2.tmp": false} {
+		if ownLayerFile(n) != want {
+			t.Errorf("ownLayerFile(%q) = %v", n, !want)
+		}
+	}
+}
+
+func TestPushOverlayPinsNodeNames(t *testing.T) {
+	m := &manifest{DiskNode: "disk0", DiskSeq: 0}
+	m.Launch.Disk = []DiskLayer{{Path: "/ck/layer0.raw", Format: "raw"}, {Path: "/ck/layer1.qcow2", Format: "qcow2"}, {Path: "/vm/disk-top.qcow2", Format: "qcow2"}}
+	m.pushOverlay("disk-l1", "/vm/disk1.qcow2")
+	m.pushOverlay("disk-l2", "/vm/disk2.qcow2")
+	var got []string
+	for _, l := range m.Launch.Disk {
+		got = append(got, l.Node)
+	}
+	want := []string{"disk0-b0", "disk0-b1", "disk0", "disk-l1", "disk-l2"}
+	if !slices.Equal(got, want) {
+		t.Fatalf("nodes %v, want %v", got, want)
+	}
+	if m.DiskNode != "disk-l2" || m.DiskSeq != 2 {
+		t.Fatalf("top %s seq %d", m.DiskNode, m.DiskSeq)
+	}
+	// The launch names are the ones the command line gives.
+	bd, err := blockdevJSON(m.Launch.Disk[:3])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range want[:3] {
+		if !json.Valid([]byte(bd)) || !strings.Contains(bd, `"node-name":"`+n+`"`) {
+			t.Errorf("-blockdev %s lacks node %s", bd, n)
+		}
+	}
+}
+
+// fakeQMP is a scripted QMP server on a net.Pipe: each command's reply comes from
+// handle (a raw JSON return value, or an error class and description).
+type fakeQMP struct {
+	mu     sync.Mutex
+	calls  []string
+	handle func(cmd string, args json.RawMessage) (ret string, errClass string)
+}
+
+func (f *fakeQMP) called() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]string(nil), f.calls...)
+}
+
+func newFakeQMP(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (*qmp.Client, *fakeQMP) {
+	t.Helper()
+	cc, sc := net.Pipe()
+	f := &fakeQMP{handle: handle}
+	go func() {
+		defer sc.Close()
+		dec := json.NewDecoder(sc)
+		io.WriteString(sc, `{"QMP": {"version": {"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": ""}, "capabilities": []}}`+"\r\n")
+		for {
+			var c struct {
+				Execute   string          `json:"execute"`
+				Arguments json.RawMessage `json:"arguments"`
+				ID        string          `json:"id"`
+			}
+			if dec.Decode(&c) != nil {
+				return
+			}
+			ret, class := "{}", ""
+			if c.Execute != "qmp_capabilities" {
+				f.mu.Lock()
+				f.calls = append(f.calls, c.Execute)
+				f.mu.Unlock()
+				ret, class = f.handle(c.Execute, c.Arguments)
+			}
+			var msg string
+			if class != "" {
+				msg = fmt.Sprintf(`{"error": {"class": %q, "desc": %q}, "id": %q}`, class, ret, c.ID)
+			} else {
+				msg = fmt.Sprintf(`{"return": %s, "id": %q}`, ret, c.ID)
+			}
+			if _, err := io.WriteString(sc, msg+"\r\n"); err != nil {
+				return
+			}
+		}
+	}()
+	c, err := qmp.NewClient(context.Background(), cc, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c, f
+}
+
+func TestWaitBlockJob(t *testing.T) {
+	polls := 0
+	c, _ := newFakeQMP(t, func(cmd string, _ json.RawMessage) (string, string) {
+		polls++
+		if polls < 3 {
+			return `[{"type":"stream","device":"j1","len":10,"offset":5,"status":"running"},{"type":"stream","device":"other","status":"running"}]`, ""
+		}
+		return `[{"type":"stream","device":"j1","len":10,"offset":10,"status":"concluded","error":"boom"}]`, ""
+	})
+	j, err := waitBlockJob(context.Background(), c, "j1")
+	if err != nil || !j.concluded() || j.Error != "boom" || j.Offset != 10 {
+		t.Fatalf("waitBlockJob = %+v, %v", j, err)
+	}
+	if _, err := waitBlockJob(context.Background(), c, "gone"); !errors.Is(err, errNoSuchJob) {
+		t.Fatalf("missing job: %v, want errNoSuchJob", err)
+	}
+}
+
+func TestWaitBlockJobContext(t *testing.T) {
+	c, _ := newFakeQMP(t, func(string, json.RawMessage) (string, string) {
+		return `[{"type":"stream","device":"j1","status":"running"}]`, ""
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+	defer cancel()
+	if _, err := waitBlockJob(ctx, c, "j1"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("err = %v, want deadline", err)
+	}
+}
+
+// collapseVM is a VM with a five-layer chain whose collapse (keep 1) is recorded, its
+// own layer files in its directory, and a QEMU played by handle.
+func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (*VM, *fakeQMP) {
+	t.Helper()
+	dir := t.TempDir()
+	vm := &VM{dir: dir, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	m := &vm.m
+	m.Name, m.DiskNode, m.DiskSeq = "w", "disk-l4", 4
+	m.Launch.Disk = []DiskLayer{{Path: filepath.Join(dir, rawDiskFile), Format: "raw", Node: "disk0"}}
+	for i := 1; i <= 4; i++ {
+		m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: nextDiskPath(dir, i-1), Format: "qcow2", Node: nextDiskNode(i - 1)})
+	}
+	for _, l := range m.Launch.Disk {
+		if err := os.WriteFile(l.Path, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m.DiskCollapse = &diskCollapse{Job: "collapse-4", Keep: 1, Layers: 5}
+	c, f := newFakeQMP(t, handle)
+	p := &qemuProc{qmp: c}
+	vm.proc.Store(p)
+	return vm, f
+}
+
+func TestSettleCollapse(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		jobs      string
+		depth     int
+		wantChain int
+		wantGone  []string
+	}{
+		{"completed", `[{"device":"collapse-4","status":"concluded"}]`, 1, 2, []string{"disk1.qcow2", "disk2.qcow2", "disk3.qcow2"}},
+		{"failed", `[{"device":"collapse-4","status":"concluded","error":"io"}]`, 4, 5, nil},
+		{"never started", `[]`, 4, 5, nil},
+		{"dismissed before a crash", `[]`, 1, 2, []string{"disk1.qcow2", "disk2.qcow2", "disk3.qcow2"}},
+		{"unexpected depth", `[]`, 2, 5, nil},
+		{"another node on top", `[]`, -1, 5, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var deleted []string
+			vm, f := collapseVM(t, func(cmd string, args json.RawMessage) (string, string) {
+				switch cmd {
+				case "query-block-jobs":
+					return tc.jobs, ""
+				case "query-block":
+					top, depth := "disk-l4", tc.depth
+					if depth < 0 {
+						top, depth = "#block42", 1
+					}
+					return fmt.Sprintf(`[{"device":"","qdev":"/machine/peripheral/vda/virtio-backend","inserted":{"node-name":%q,"backing_file_depth":%d}}]`, top, depth), ""
+				case "query-named-block-nodes":
+					return `[{"node-name":"disk0"},{"node-name":"disk-l1"},{"node-name":"disk-l2"},{"node-name":"disk-l3"},{"node-name":"disk-l4"},{"node-name":"#block1"}]`, ""
+				case "blockdev-del":
+					var a struct {
+						Node string `json:"node-name"`
+					}
+					json.Unmarshal(args, &a)
+					deleted = append(deleted, a.Node)
+				}
+				return "{}", ""
+			})
+			if err := vm.settleCollapse(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			if vm.m.DiskCollapse != nil {
+				t.Fatalf("record kept: %+v", vm.m.DiskCollapse)
+			}
+			if len(vm.m.Launch.Disk) != tc.wantChain {
+				t.Fatalf("chain %d layers, want %d", len(vm.m.Launch.Disk), tc.wantChain)
+			}
+			saved, err := loadRawManifest(vm.path(manifestFile))
+			if err != nil || len(saved.Launch.Disk) != tc.wantChain || saved.DiskCollapse != nil {
+				t.Fatalf("saved manifest %+v, %v", saved, err)
+			}
+			var gone []string
+			for _, n := range []string{rawDiskFile, "disk1.qcow2", "disk2.qcow2", "disk3.qcow2", "disk4.qcow2"} {
+				if _, err := os.Stat(filepath.Join(vm.dir, n)); errors.Is(err, os.ErrNotExist) {
+					gone = append(gone, n)
+				}
+			}
+			if !slices.Equal(gone, tc.wantGone) {
+				t.Fatalf("removed %v, want %v", gone, tc.wantGone)
+			}
+			if tc.wantGone != nil {
+				slices.Sort(deleted)
+				if !slices.Equal(deleted, []string{"disk-l1", "disk-l2", "disk-l3"}) {
+					t.Fatalf("blockdev-del %v (calls %v)", deleted, f.called())
+				}
+			} else if len(deleted) > 0 {
+				t.Fatalf("blockdev-del %v of an unchanged chain", deleted)
+			}
+		})
+	}
+}
+
+// A job still running when the context ends: the record stays, nothing is removed.
+func TestSettleCollapseRunningJob(t *testing.T) {
+	vm, f := collapseVM(t, func(cmd string, _ json.RawMessage) (string, string) {
+		return `[{"device":"collapse-4","status":"running"}]`, ""
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+	defer cancel()
+	if err := vm.settleCollapse(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("err = %v, want deadline", err)
+	}
+	if vm.m.DiskCollapse == nil || len(vm.m.Launch.Disk) != 5 {
+		t.Fatalf("record %+v, chain %d", vm.m.DiskCollapse, len(vm.m.Launch.Disk))
+	}
+	for _, c := range f.called() {
+		if c != "query-block-jobs" {
+			t.Fatalf("sent %s while the job runs", c)
+		}
+	}
+}
+
+// loadRawManifest reads a manifest without validation (the test VMs have no token).
+func loadRawManifest(path string) (*manifest, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var m manifest
+	return &m, json.Unmarshal(b, &m)
+}
+
+// startCollapse records the job in the manifest before QEMU sees block-stream, streams
+// into the active node down to the planned base, and forgets a job QEMU refused.
+func TestStartCollapse(t *testing.T) {
+	for _, refuse := range []bool{false, true} {
+		t.Run(fmt.Sprintf("refused=%v", refuse), func(t *testing.T) {
+			var vm *VM
+			var args streamArgs
+			recorded := false
+			vm, _ = collapseVM(t, func(cmd string, raw json.RawMessage) (string, string) {
+				if cmd != "block-stream" {
+					return "{}", ""
+				}
+				json.Unmarshal(raw, &args)
+				saved, err := loadRawManifest(vm.path(manifestFile))
+				recorded = err == nil && saved.DiskCollapse != nil && saved.DiskCollapse.Job == args.JobID
+				if refuse {
+					return "no", "GenericError"
+				}
+				return "{}", ""
+			})
+			m := &vm.m
+			m.DiskCollapse = nil
+			for i := 5; i <= maxDiskDepth; i++ {
+				m.pushOverlay(nextDiskNode(m.DiskSeq), nextDiskPath(vm.dir, m.DiskSeq))
+			}
+			vm.startCollapse(context.Background())
+			if !recorded {
+				t.Fatal("block-stream sent before the job was recorded")
+			}
+			if args.Device != m.DiskNode || args.BaseNode != m.Launch.Disk[0].Node || args.AutoDismiss || args.JobID == "" {
+				t.Fatalf("block-stream %+v (top %s, base %s)", args, m.DiskNode, m.Launch.Disk[0].Node)
+			}
+			if refuse != (m.DiskCollapse == nil) {
+				t.Fatalf("record %+v after refused=%v", m.DiskCollapse, refuse)
+			}
+		})
+	}
+}
