@@ -69,6 +69,11 @@ func layerFile(i int, ck string) string { return fmt.Sprintf("%02d-%s.layer", i,
 // checkpointKindDelta is CheckpointManifest.Kind of a checkpoint of a fork.
 const checkpointKindDelta = "delta"
 
+// DeviceStateDevices is CheckpointManifest.DeviceState of a checkpoint whose device
+// state holds the device sections alone (QMP xen-save-devices-state of the stopped
+// guest), not a migration stream.
+const DeviceStateDevices = "devices"
+
 // tmpCheckpointDir is a fresh directory name for a checkpoint being written.
 func (l layout) tmpCheckpointDir(name string) string {
 	return filepath.Join(l.checkpointsDir(), tmpCheckpointPrefix+name+"-"+randHex(4))
