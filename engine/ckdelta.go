@@ -114,6 +114,9 @@ func injectLayers(vm *VM, c *Checkpoint) error {
 	vm.mu.Lock()
 	pid, ram := vm.m.PID, vm.m.Launch.RAM.Path
 	vm.mu.Unlock()
+	if ram != ck.RAMPath {
+		return nil // it maps the checkpoint's flattened RAM file (prepareFork)
+	}
 	addr, err := memfile.FindMapping(pid, ram, ck.RAMSize)
 	if err != nil {
 		return err

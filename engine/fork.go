@@ -187,6 +187,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 	// record
 	e.vms.add(vm)
 	e.cks.markForked(ck.Name)
+	e.flattenLater(ck)
 	ok = true
 	return vm, nil
 }

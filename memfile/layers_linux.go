@@ -195,3 +195,45 @@ func InjectLayers(pid int, addr uint64, size int64, layers []string) (int64, err
 
 // ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
 const ExtractSupported = true
+
+// ApplyLayers writes every layer's pages (oldest first, so a newer layer's page wins)
+// into the file at path at their offsets, and returns the bytes written. It is how a
+// lineage (a root file plus layers) becomes one file: path is a copy of the root.
+// Holes of a layer are not read and change nothing.
+func ApplyLayers(path string, size int64, layers []string) (int64, error) {
+	dst, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return 0, fmt.Errorf("memfile: apply layers: %w", err)
+	}
+	defer dst.Close()
+	if st, err := dst.Stat(); err != nil || st.Size() != size {
+		return 0, fmt.Errorf("memfile: apply layers: %s is not %d bytes (%v)", path, size, err)
+	}
+	buf := make([]byte, 1<<20)
+	var total int64
+	for _, l := range layers {
+		exts, err := layerExtents(l)
+		if err != nil {
+			return total, err
+		}
+		f, err := os.Open(l)
+		if err != nil {
+			return total, fmt.Errorf("memfile: layer: %w", err)
+		}
+		for _, e := range exts {
+			for off := e.off; off < e.off+e.len && err == nil; {
+				n := min(int64(len(buf)), e.off+e.len-off)
+				if _, err = f.ReadAt(buf[:n], off); err == nil {
+					_, err = dst.WriteAt(buf[:n], off)
+				}
+				off += n
+				total += n
+			}
+		}
+		f.Close()
+		if err != nil {
+			return total, fmt.Errorf("memfile: apply %s to %s: %w", l, path, err)
+		}
+	}
+	return total, nil
+}

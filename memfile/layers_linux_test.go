@@ -157,3 +157,46 @@ func TestExtractInjectLayers(t *testing.T) {
 		t.Fatal("a layer of another size was injected")
 	}
 }
+
+// TestApplyLayers: a root copy with the layers applied holds, for every page, the
+// newest layer's page or else the root's; holes stay holes where no one wrote.
+func TestApplyLayers(t *testing.T) {
+	dir := t.TempDir()
+	const size = 16 * PageSize
+	root, l0, l1, flat := filepath.Join(dir, "root"), filepath.Join(dir, "l0"), filepath.Join(dir, "l1"), filepath.Join(dir, "flat")
+	writePages(t, root, size, map[int64]byte{0: 'r', 1: 'r', 2: 'r'})
+	writePages(t, l0, size, map[int64]byte{1: 'a', 5: 'a'})
+	writePages(t, l1, size, map[int64]byte{5: 'b', 7: 'b'})
+	writePages(t, flat, size, map[int64]byte{0: 'r', 1: 'r', 2: 'r'}) // the root's copy
+	n, err := ApplyLayers(flat, size, []string{l0, l1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != 4*PageSize {
+		t.Errorf("applied %d bytes, want %d", n, 4*PageSize)
+	}
+	b, err := os.ReadFile(flat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[int64]byte{0: 'r', 1: 'a', 2: 'r', 5: 'b', 7: 'b'}
+	for p := int64(0); p < size/PageSize; p++ {
+		if got := b[p*PageSize]; got != want[p] {
+			t.Errorf("page %d holds %q, want %q", p, got, want[p])
+		}
+	}
+	holes, err := Holes(flat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var holeBytes int64
+	for _, h := range holes {
+		holeBytes += h.Len
+	}
+	if holeBytes < 8*PageSize {
+		t.Errorf("the flattened file has %d bytes of holes: unwritten pages were filled", holeBytes)
+	}
+	if _, err := ApplyLayers(flat, size*2, []string{l0}); err == nil {
+		t.Error("a layer applied to a file of another size")
+	}
+}

@@ -15,5 +15,10 @@ func InjectLayers(pid int, addr uint64, size int64, layers []string) (int64, err
 	return 0, ErrUnsupported
 }
 
+// ApplyLayers is not implemented outside Linux (ErrUnsupported).
+func ApplyLayers(path string, size int64, layers []string) (int64, error) {
+	return 0, ErrUnsupported
+}
+
 // ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
 const ExtractSupported = false

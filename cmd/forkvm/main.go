@@ -293,10 +293,12 @@ func memCmd() *cli.Command {
 			}
 			mib := func(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NAME\tPRIVATE MiB\tGUEST WRITTEN\tTCG CODE\tHEAP\tLIBRARIES\tPAGE TABLES\tSHARED MiB\tGUEST FILE")
+			// LINEAGE is the part of GUEST WRITTEN that a fork of a delta checkpoint got
+			// from its ancestors' layers (private copies; 0 for a flattened checkpoint's).
+			fmt.Fprintln(tw, "NAME\tPRIVATE MiB\tGUEST WRITTEN\tLINEAGE\tTCG CODE\tHEAP\tLIBRARIES\tPAGE TABLES\tSHARED MiB\tGUEST FILE")
 			for _, r := range rows {
 				u := r.MemoryUsage
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.TCGCode),
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.GuestLineage), mib(u.TCGCode),
 					mib(u.Heap), mib(u.Libraries), mib(u.PageTables), mib(u.Shared), mib(u.GuestFile))
 			}
 			return tw.Flush()
