@@ -346,7 +346,8 @@ func checkpointCmd() *cli.Command {
 		ArgsUsage: "VM NAME",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "pin", Usage: "keep the checkpoint when its last fork is deleted"},
-			&cli.BoolFlag{Name: "handoff", Usage: "do not copy RAM: the VM restarts as a copy-on-write fork of the checkpoint (time independent of guest size)"},
+			&cli.BoolFlag{Name: "handoff", Usage: "do not copy RAM: the VM restarts as a copy-on-write fork of the checkpoint (time independent of guest size); " +
+				"from then on it is a fork, so its later checkpoints are delta checkpoints (device state and the pages it wrote since: their cost follows what it wrote, not its size)"},
 			&cli.BoolFlag{Name: "json", Usage: "print the checkpoint as JSON"},
 		},
 		Commands: []*cli.Command{{
