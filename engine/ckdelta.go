@@ -83,7 +83,13 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 			t := time.Now()
 			addr, err := memfile.FindMapping(vm.m.PID, ramMapped, ck.RAMSize)
 			if err == nil {
-				_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, pm.RAMPath, ancestors, own)
+				extract := memfile.ExtractDelta
+				if ramMapped != pm.RAMPath {
+					// The fork maps its parent's flattened file (prepareFork): pages
+					// mapped from it are the lineage's; compare only its own.
+					extract = memfile.ExtractDeltaFlat
+				}
+				_, err = extract(vm.m.PID, addr, ck.RAMSize, pm.RAMPath, ancestors, own)
 			}
 			ck.Timings.Extract = time.Since(t)
 			ck.Timings.Freeze = ck.Timings.Extract

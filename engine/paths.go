@@ -20,7 +20,7 @@ const (
 	fullSaveFile        = "full.mig"   // a fork's full save while it is checkpointed
 	stubKernelFile      = "stub-kernel"
 	overlayTemplateFile = "overlay-template.qcow2"
-	ramHolesFile        = "ram-holes" // the holes of a checkpoint's RAM file when it was frozen
+	ramHolesFile        = "ram-holes"  // the holes of a checkpoint's RAM file when it was frozen
 	flatHolesFile       = "flat-holes" // the holes of a delta checkpoint's flattened RAM file
 	lockFileName        = "lock"
 	rawDiskFile         = "disk0.raw"      // a VM's (or a checkpoint's reflinked) raw disk

@@ -53,6 +53,19 @@ func FindMapping(pid int, path string, size int64) (uint64, error) {
 // The process should be stopped. Pages are read through /proc/PID/mem; the root file
 // and the layers with pread (a hole reads as zeros and allocates nothing).
 func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
+	return extractDelta(pid, addr, size, root, layers, out, false)
+}
+
+// ExtractDeltaFlat is ExtractDelta for a process whose mapping is of a file that already
+// holds the lineage (root and layers applied: a flattened copy): a page still mapped
+// from that file (or never touched) is the lineage's, so only the process's private
+// pages are read and compared, and the cost follows what the process wrote rather than
+// the lineage's size.
+func ExtractDeltaFlat(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
+	return extractDelta(pid, addr, size, root, layers, out, true)
+}
+
+func extractDelta(pid int, addr uint64, size int64, root string, layers []string, out string, flat bool) (*ExtractStats, error) {
 	pages := size / PageSize
 	own, err := owners(layers, pages)
 	if err != nil {
@@ -72,7 +85,11 @@ func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string
 		entries[i] = binary.LittleEndian.Uint64(raw[i*8:])
 	}
 	raw = nil
-	cand := candidatePages(entries, func(p int64) bool { return own[p] >= 0 })
+	inLayers := func(p int64) bool { return own[p] >= 0 }
+	if flat {
+		inLayers = func(int64) bool { return false }
+	}
+	cand := candidatePages(entries, inLayers)
 	mem, err := os.Open(fmt.Sprintf("/proc/%d/mem", pid))
 	if err != nil {
 		return nil, fmt.Errorf("memfile: mem: %w", err)
