@@ -144,9 +144,11 @@ type RAMLayer struct {
 
 // CheckpointTimings are the phases of a checkpoint.
 type CheckpointTimings struct {
-	Migrate time.Duration `json:"migrate_ns"` // device state to file (VM stopped at the end)
-	Freeze  time.Duration `json:"freeze_ns"`  // RAM frozen
-	Disk    time.Duration `json:"disk_ns"`    // disk frozen
+	// Migrate is saving the device state, the guest stopped at its end: a migration
+	// (a world) or stop and a device-state-only save (a fork).
+	Migrate time.Duration `json:"migrate_ns"`
+	Freeze  time.Duration `json:"freeze_ns"` // RAM frozen
+	Disk    time.Duration `json:"disk_ns"`   // disk frozen
 	// Extract is a delta checkpoint's page extraction (part of Freeze).
 	Extract time.Duration `json:"extract_ns,omitempty"`
 	Paused  time.Duration `json:"paused_ns"` // guest not running

@@ -128,21 +128,6 @@ func (p *qemuProc) saveDevices(ctx context.Context, path string) error {
 	return nil
 }
 
-// runStatus is the result of query-status.
-type runStatus struct {
-	Running bool   `json:"running"`
-	Status  string `json:"status"`
-}
-
-// queryStatus returns the guest's run state.
-func queryStatus(ctx context.Context, c *qmp.Client) (runStatus, error) {
-	var st runStatus
-	if err := c.Execute(ctx, "query-status", nil, &st); err != nil {
-		return st, fmt.Errorf("query-status: %w", err)
-	}
-	return st, nil
-}
-
 // loadFromFile starts an incoming migration from path into p, a QEMU started with
 // -incoming defer. ignoreShared must match how the file was saved. With wait unset it
 // returns once QEMU accepted the command: a checkpoint saved a running guest, so QEMU
