@@ -25,7 +25,11 @@
 //     resumed. Forks of it, at any depth, map the lineage's root RAM file share=off and
 //     get every layer written into their private mapping, oldest first, before the
 //     device state loads (with QEMU told that the file has no configuration section:
-//     CheckpointManifest.DeviceState). A delta checkpoint holds
+//     CheckpointManifest.DeviceState).
+//   - Flattening (Engine.Flatten, Config.FlattenMiB) writes a delta checkpoint's lineage
+//     into one RAM file of its own (the root's data once more), in the background after
+//     its first fork once its layers are big enough: forks started afterwards map it and
+//     share every inherited page instead of holding the layers as private copies. A delta checkpoint holds
 //     hard links to the root file and to every ancestor's layer, so deleting an ancestor
 //     (its VMs or the checkpoint) never breaks a descendant; every layer's SHA-256 is
 //     checked before a fork's QEMU starts.
