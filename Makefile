@@ -73,7 +73,6 @@ fuzz:
 	$(GO) test -run='^$$' -fuzz=FuzzParseJIT -fuzztime=50000x ./engine/
 	$(GO) test -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./memfile/
 	$(GO) test -run='^$$' -fuzz=FuzzDecodeRanges -fuzztime=20000x ./memfile/
-	$(GO) test -run='^$$' -fuzz=FuzzStripRAM -fuzztime=20000x ./migstream/
 
 ## itest: integration tests that boot real QEMU
 itest: setup

@@ -66,6 +66,14 @@ func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, er
 	defer e.vms.unreserve(spec.Name)
 	vm.m.Launch.RAM = ramBacking{Anonymous: true}
 	vm.m.Launch.Incoming = true
+	// A fork of a delta checkpoint runs with send-configuration off, so its full save
+	// has no configuration section either.
+	withConfig, err := hasConfigurationSection(path)
+	if err != nil {
+		e.paths.removeVMFiles(spec.Name, &vm.m)
+		return nil, err
+	}
+	vm.m.Launch.DevicesOnly = !withConfig
 	ok := false
 	defer func() {
 		if !ok {

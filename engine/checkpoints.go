@@ -7,7 +7,15 @@ import "context"
 func (e *Engine) LoadCheckpoint(name string) (*Checkpoint, error) { return e.cks.load(name) }
 
 // Checkpoints lists checkpoints with their live forks (an empty list, never nil).
-func (e *Engine) Checkpoints() ([]CheckpointInfo, error) { return e.cks.list(e.vms.forksByParent()) }
+func (e *Engine) Checkpoints() ([]CheckpointInfo, error) {
+	infos, err := e.cks.list(e.vms.forksByParent())
+	for i := range infos {
+		if p := flatPath(e.paths, &infos[i].CheckpointManifest); p != "" {
+			infos[i].FlatBytes = allocatedBytes(p)
+		}
+	}
+	return infos, err
+}
 
 // CheckpointInfo returns one checkpoint with its live forks, as Checkpoints lists it
 // (its manifest is read, its files are not verified: see LoadCheckpoint).
@@ -16,7 +24,11 @@ func (e *Engine) CheckpointInfo(name string) (CheckpointInfo, error) {
 	if err != nil {
 		return CheckpointInfo{}, err
 	}
-	return CheckpointInfo{CheckpointManifest: c.Manifest, Forks: e.vms.forksByParent()[name]}, nil
+	info := CheckpointInfo{CheckpointManifest: c.Manifest, Forks: e.vms.forksByParent()[name]}
+	if p := flatPath(e.paths, &c.Manifest); p != "" {
+		info.FlatBytes = allocatedBytes(p)
+	}
+	return info, nil
 }
 
 // SetPinned pins or unpins a checkpoint. Unpinning a checkpoint whose forks are all gone

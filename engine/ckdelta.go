@@ -14,15 +14,16 @@ import (
 // no RAM file of its own, only the pages this generation changed.
 //
 //  1. Prepare the disk freeze (as for a world).
-//  2. Migrate with x-ignore-shared to a socket the engine reads, dropping the guest RAM
-//     block's page records on the fly (saveStripped): the device state, as small as a
-//     world's. QEMU scans every guest page meanwhile (a share=off block is always sent);
-//     the guest runs until the migration completes and stops it.
+//  2. stop the guest, save its device state alone (saveDevices: every device section,
+//     no RAM block, so no guest page is read and the lineage's files gain nothing).
 //  3. While the guest is stopped: extract the fork's private pages that differ from what
 //     the lineage holds for them (memfile.ExtractDelta) into this checkpoint's own layer,
 //     a sparse file in RAMDir.
-//  4. Freeze the disk, cont; after the commit, punch the root RAM file's holes (the scan
-//     faulted them in).
+//  4. Freeze the disk, cont.
+//
+// Its cost is the pages the fork wrote (pagemap and the copies), not the guest's size.
+// A migration cannot do this: x-ignore-shared skips only share=on RAM, so migrating a
+// fork scans (and faults in) every page of its guest RAM.
 //
 // The checkpoint's RAMPath is its own hard link to the lineage's root RAM file, and its
 // layer directory holds its own layer and a hard link to every ancestor's: deleting any
@@ -30,7 +31,7 @@ import (
 func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error {
 	ck := w.ck
 	vm.mu.Lock()
-	parentName, ramMapped, runDir := vm.m.Parent, vm.m.Launch.RAM.Path, vm.m.Launch.RunDir
+	parentName, ramMapped := vm.m.Parent, vm.m.Launch.RAM.Path
 	vm.mu.Unlock()
 	if parentName == "" {
 		return fmt.Errorf("%w: %s has private RAM but no parent checkpoint", ErrNotForkable, vm.m.Name)
@@ -73,14 +74,22 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 
 	err = w.freezeStopped(ctx, vm,
 		func(p *qemuProc) error {
-			_, err := p.saveStripped(ctx, runDir, w.statePath())
-			return err
+			if err := p.stopGuest(ctx); err != nil {
+				return err
+			}
+			return p.saveDevices(ctx, w.statePath())
 		},
 		func() error { // vm.mu is held
 			t := time.Now()
 			addr, err := memfile.FindMapping(vm.m.PID, ramMapped, ck.RAMSize)
 			if err == nil {
-				_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, pm.RAMPath, ancestors, own)
+				extract := memfile.ExtractDelta
+				if ramMapped != pm.RAMPath {
+					// The fork maps its parent's flattened file (prepareFork): pages
+					// mapped from it are the lineage's; compare only its own.
+					extract = memfile.ExtractDeltaFlat
+				}
+				_, err = extract(vm.m.PID, addr, ck.RAMSize, pm.RAMPath, ancestors, own)
 			}
 			ck.Timings.Extract = time.Since(t)
 			ck.Timings.Freeze = ck.Timings.Extract
@@ -97,14 +106,8 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
 	}
 	ck.Layers = append(ck.Layers, RAMLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, ownName), Size: size, SHA256: sum})
-	ck.RAMMethod = "delta"
-	if err := w.commit(ctx); err != nil {
-		return err
-	}
-	// The scan read every page of the fork, faulting every hole of the root file in:
-	// give them back (through this checkpoint's link and its copy of the hole list).
-	e.cks.punch(ck.Name)
-	return nil
+	ck.RAMMethod, ck.DeviceState = "delta", DeviceStateDevices
+	return w.commit(ctx)
 }
 
 // injectLayers writes a delta checkpoint's layers into a fork's private RAM mapping; its
@@ -117,6 +120,9 @@ func injectLayers(vm *VM, c *Checkpoint) error {
 	vm.mu.Lock()
 	pid, ram := vm.m.PID, vm.m.Launch.RAM.Path
 	vm.mu.Unlock()
+	if ram != ck.RAMPath {
+		return nil // it maps the checkpoint's flattened RAM file (prepareFork)
+	}
 	addr, err := memfile.FindMapping(pid, ram, ck.RAMSize)
 	if err != nil {
 		return err

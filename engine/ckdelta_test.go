@@ -51,14 +51,15 @@ func TestDeltaCheckpointManifest(t *testing.T) {
 		t.Fatalf("valid delta manifest refused: %v", err)
 	}
 	for name, mod := range map[string]func(*CheckpointManifest){
-		"no layers":         func(c *CheckpointManifest) { c.Layers = nil },
-		"unknown kind":      func(c *CheckpointManifest) { c.Kind = "future" },
-		"layers on a world": func(c *CheckpointManifest) { c.Kind = "" },
-		"bad root":          func(c *CheckpointManifest) { c.Root = "../x" },
-		"bad layer name":    func(c *CheckpointManifest) { c.Layers[0].Checkpoint = "a/b" },
-		"bad layer sum":     func(c *CheckpointManifest) { c.Layers[0].SHA256 = "zz" },
-		"relative layer":    func(c *CheckpointManifest) { c.Layers[0].Path = "00-a.layer" },
-		"layer too big":     func(c *CheckpointManifest) { c.Layers[0].Size = c.RAMSize + 1 },
+		"no layers":            func(c *CheckpointManifest) { c.Layers = nil },
+		"unknown kind":         func(c *CheckpointManifest) { c.Kind = "future" },
+		"layers on a world":    func(c *CheckpointManifest) { c.Kind = "" },
+		"bad root":             func(c *CheckpointManifest) { c.Root = "../x" },
+		"bad layer name":       func(c *CheckpointManifest) { c.Layers[0].Checkpoint = "a/b" },
+		"unknown device state": func(c *CheckpointManifest) { c.DeviceState = "stripped" },
+		"bad layer sum":        func(c *CheckpointManifest) { c.Layers[0].SHA256 = "zz" },
+		"relative layer":       func(c *CheckpointManifest) { c.Layers[0].Path = "00-a.layer" },
+		"layer too big":        func(c *CheckpointManifest) { c.Layers[0].Size = c.RAMSize + 1 },
 	} {
 		c := ck
 		c.Layers = append([]RAMLayer(nil), ck.Layers...)
@@ -128,5 +129,49 @@ func TestReapDeltaFiles(t *testing.T) {
 		if !exists(p) {
 			t.Errorf("%s was reaped", p)
 		}
+	}
+}
+
+// TestDeviceStateHeader: a fork reads how its checkpoint's device state was saved from
+// the file's header too, and refuses a manifest that disagrees with it.
+func TestDeviceStateHeader(t *testing.T) {
+	dir := t.TempDir()
+	stream := func(b ...byte) []byte { return append([]byte{'Q', 'E', 'V', 'M', 0, 0, 0, 3}, b...) }
+	for _, tc := range []struct {
+		name       string
+		file       []byte
+		manifest   string
+		wantConfig bool
+		wantErr    bool // from hasConfigurationSection
+		refused    bool // by checkDeviceState
+	}{
+		{"migration stream", stream(0x07, 0, 0, 0, 9), "", true, false, false},
+		{"devices only", stream(0x04, 0, 0, 0, 1), DeviceStateDevices, false, false, false},
+		{"stream recorded as devices only", stream(0x07), DeviceStateDevices, true, false, true},
+		{"devices only recorded as a stream", stream(0x04), "", false, false, true},
+		{"short", []byte("QEV"), "", false, true, true},
+		{"not a stream", []byte("hello, world"), "", false, true, true},
+		{"version 2", []byte{'Q', 'E', 'V', 'M', 0, 0, 0, 2, 7}, "", false, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &Checkpoint{Dir: filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "-")), Manifest: CheckpointManifest{Name: "ck", DeviceState: tc.manifest}}
+			if err := os.Mkdir(c.Dir, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(c.StatePath(), tc.file, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			got, err := hasConfigurationSection(c.StatePath())
+			if (err != nil) != tc.wantErr || err == nil && got != tc.wantConfig {
+				t.Errorf("hasConfigurationSection = %v, %v", got, err)
+			}
+			if err != nil && !errors.Is(err, ErrCheckpointCorrupt) {
+				t.Errorf("error %v does not wrap ErrCheckpointCorrupt", err)
+			}
+			err = checkDeviceState(c)
+			if (err != nil) != tc.refused || err != nil && !errors.Is(err, ErrCheckpointCorrupt) {
+				t.Errorf("checkDeviceState = %v, refused want %v", err, tc.refused)
+			}
+		})
 	}
 }

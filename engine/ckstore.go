@@ -27,6 +27,9 @@ func (c *Checkpoint) StatePath() string { return filepath.Join(c.Dir, stateFile)
 type CheckpointInfo struct {
 	CheckpointManifest
 	Forks []string `json:"forks"`
+	// FlatBytes is the storage of the checkpoint's flattened RAM file, when it has one
+	// (Config.FlattenMiB): a copy of its lineage, counted apart from what was written.
+	FlatBytes int64 `json:"flat_bytes,omitempty"`
 }
 
 // checkpointStore reads, verifies, lists and removes committed checkpoints. Writing one
@@ -184,6 +187,7 @@ func (s *checkpointStore) remove(name string) {
 	}
 	os.Remove(s.paths.checkpointRAM(name))
 	os.RemoveAll(s.paths.checkpointLayers(name))
+	os.Remove(s.paths.checkpointFlat(name))
 	os.RemoveAll(dir)
 	s.mu.Lock()
 	delete(s.verified, name)

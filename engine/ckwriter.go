@@ -105,8 +105,9 @@ func (w *ckWriter) commit(ctx context.Context) error {
 }
 
 // freezeStopped runs the part of a checkpoint around the guest's stop, under the VM's
-// lock: prepare the disk freeze while the guest still runs, save (a migration, which
-// stops the guest when it completes), run paused while the guest is stopped (nil: none),
+// lock: prepare the disk freeze while the guest still runs, save (which leaves the
+// guest stopped: a migration when it completes, or stop and a device-state save), run
+// paused while the guest is stopped (nil: none),
 // freeze the disk and save the VM's manifest. The guest is resumed on the way out,
 // whatever happened, and the pause is recorded.
 func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuProc) error, paused func() error) error {

@@ -55,6 +55,15 @@ type launch struct {
 	SerialLog string `json:"serial_log"`
 	// Incoming starts QEMU with -incoming defer (a fork or a restore).
 	Incoming bool `json:"incoming,omitempty"`
+	// DevicesOnly makes an Incoming QEMU accept a device state saved without a
+	// configuration section and vmdesc (a delta checkpoint's: CheckpointManifest's
+	// DeviceState): -global migration.send-configuration=off (QEMU otherwise refuses a
+	// stream without one) and -machine suppress-vmdesc=on. Both also shape what this
+	// process saves later, which is why they are set only for such checkpoints. The
+	// alternative, splicing the configuration section of the root's migration stream
+	// onto the file, would mean parsing QEMU's stream format in forkvm again; these are
+	// the properties QEMU has for exactly this.
+	DevicesOnly bool `json:"devices_only,omitempty"`
 	// VsockCID, when non-zero, adds a vhost-vsock device with that guest CID.
 	VsockCID uint32 `json:"vsock_cid,omitempty"`
 	// Net adds the user-mode network and its virtio-net NIC (netArgs in net.go).
@@ -188,6 +197,9 @@ func (l *launch) cmdline() ([]string, error) {
 	if machine == "" {
 		machine = defaultMachine
 	}
+	if l.DevicesOnly {
+		machine += ",suppress-vmdesc=on"
+	}
 	accel, cpu := l.accelCPU()
 	args := []string{
 		"-name", l.Name + ",process=forkvm-" + l.Name,
@@ -215,6 +227,9 @@ func (l *launch) cmdline() ([]string, error) {
 	args = append(args, netArgs...)
 	if l.Incoming {
 		args = append(args, "-incoming", "defer")
+		if l.DevicesOnly {
+			args = append(args, "-global", "migration.send-configuration=off")
+		}
 	}
 	return args, nil
 }
@@ -242,6 +257,9 @@ func (l *launch) validate() error {
 	if l.AgentPorts < 0 || l.AgentPorts == 1 || l.AgentPorts > 31 {
 		// Port 0 is reserved for a console; QEMU caps a bus at 31 ports.
 		return fmt.Errorf("%w: agent ports %d (want 0 or 2..31)", ErrInvalidSpec, l.AgentPorts)
+	}
+	if l.DevicesOnly && !l.Incoming {
+		return fmt.Errorf("%w: a device-state-only launch must be incoming", ErrInvalidSpec)
 	}
 	if len(l.Publish) > 0 && !l.Net {
 		return fmt.Errorf("%w: published ports without a network", ErrInvalidSpec)

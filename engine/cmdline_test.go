@@ -192,6 +192,56 @@ func TestCmdlineFork(t *testing.T) {
 	}
 }
 
+// TestCmdlineDevicesOnly: a fork of a checkpoint whose device state was saved alone
+// (no configuration section, no vmdesc) gets the two QEMU properties that accept it, and
+// only then: forks of migration streams keep QEMU's defaults.
+func TestCmdlineDevicesOnly(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		devicesOnly bool
+		machine     string
+		wantMachine string
+		wantGlobal  bool
+	}{
+		{"migration stream", false, "q35", "q35,memory-backend=mem", false},
+		{"devices only", true, "q35", "q35,suppress-vmdesc=on,memory-backend=mem", true},
+		{"devices only, forkvm machine", true, defaultMachine, defaultMachine + ",suppress-vmdesc=on,memory-backend=mem", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := baseLaunch()
+			l.Machine = tc.machine
+			l.RAM = ramBacking{Path: "/dev/shm/forkvm/ck-base.ram"}
+			l.Incoming, l.DevicesOnly = true, tc.devicesOnly
+			argv := mustCmdline(t, l)
+			if got := flagValue(t, argv, "-machine"); got != tc.wantMachine {
+				t.Errorf("-machine = %q, want %q", got, tc.wantMachine)
+			}
+			if got := hasPair(argv, "-global", "migration.send-configuration=off"); got != tc.wantGlobal {
+				t.Errorf("-global migration.send-configuration=off present %v, want %v: %q", got, tc.wantGlobal, argv)
+			}
+			if got := flagValue(t, argv, "-incoming"); got != "defer" {
+				t.Errorf("-incoming = %q", got)
+			}
+		})
+	}
+}
+
+// TestForkLaunchDeviceState: a fork's launch follows how its checkpoint's device state
+// was taken (a checkpoint written before the field existed is a migration stream).
+func TestForkLaunchDeviceState(t *testing.T) {
+	for _, tc := range []struct {
+		state string
+		want  bool
+	}{{"", false}, {DeviceStateDevices, true}} {
+		ck := testCheckpointManifest()
+		ck.DeviceState = tc.state
+		l := forkLaunch(layout{state: "/s", ram: "/r", run: "/run"}, "/q", "f", &ck)
+		if l.DevicesOnly != tc.want || !l.Incoming {
+			t.Errorf("device state %q: DevicesOnly %v Incoming %v, want %v true", tc.state, l.DevicesOnly, l.Incoming, tc.want)
+		}
+	}
+}
+
 func TestCmdlineAccel(t *testing.T) {
 	for _, tc := range []struct {
 		accel, wantAccel, wantCPU string
@@ -487,6 +537,7 @@ func TestCmdlineInvalidSpec(t *testing.T) {
 		{"one agent port (port 0 is reserved)", func(l *launch) { l.AgentPorts = 1 }},
 		{"negative agent ports", func(l *launch) { l.AgentPorts = -2 }},
 		{"agent ports beyond QEMU's cap", func(l *launch) { l.AgentPorts = 32 }},
+		{"device-state-only without incoming", func(l *launch) { l.DevicesOnly = true }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := baseLaunch()

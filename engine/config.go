@@ -50,6 +50,14 @@ type Config struct {
 	// MemoryReserveMiB is the MemAvailable reserve that forks may not push the host
 	// under. Default 512.
 	MemoryReserveMiB int64
+	// FlattenMiB decides which delta checkpoints (checkpoints of forks) are flattened:
+	// once one has had its first fork and its lineage's layers hold at least this many
+	// MiB, the engine writes, in the background, one RAM file holding its root's data
+	// and every layer (storage: the root's data once more). Forks started after that map
+	// it and share all of it; forks started before hold the lineage's pages as private
+	// copies (MemoryUsage.GuestLineage). Default 64; negative: never (Engine.Flatten
+	// still flattens on request).
+	FlattenMiB int64
 	// BootTimeout bounds a cold boot until the agent answers. Default 60s.
 	BootTimeout time.Duration
 	// ForkTimeout bounds each part of a fork: start-up, and restore until its agent
@@ -134,6 +142,9 @@ func (c Config) resolve() (*resolved, error) {
 	}
 	if c.MemoryReserveMiB == 0 {
 		c.MemoryReserveMiB = 512
+	}
+	if c.FlattenMiB == 0 {
+		c.FlattenMiB = 64
 	}
 	if c.BootTimeout == 0 {
 		c.BootTimeout = 60 * time.Second

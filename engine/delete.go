@@ -22,6 +22,9 @@ func (e *Engine) Delete(ctx context.Context, name string) error {
 	e.paths.removeVMFiles(name, &m)
 	if m.Parent != "" {
 		e.cks.punch(m.Parent)
+		if m.Launch.RAM.Path == e.paths.checkpointFlat(m.Parent) {
+			e.punchFlat(m.Parent)
+		}
 		e.cks.collect(m.Parent, e.vms.forksOf)
 	}
 	return nil

@@ -22,12 +22,19 @@
 //     its own. It gets its own disk overlay and counts as ready when the guest agent
 //     answers with the fork's own token. Forking a running VM takes an implicit
 //     checkpoint first.
-//   - A checkpoint of a fork is a delta checkpoint (ckdelta.go): its device state
-//     (migrated with the guest RAM block's page records stripped on the fly, package
-//     migstream) and one layer, a sparse file in Config.RAMDir holding only the pages
-//     the fork changed relative to its lineage. Forks of it, at any depth, map the
-//     lineage's root RAM file share=off and get every layer written into their private
-//     mapping, oldest first, before the device state loads. A delta checkpoint holds
+//   - A checkpoint of a fork (a VM after a handoff is one) is a delta checkpoint: the
+//     guest is stopped, its device sections are saved alone (QMP
+//     xen-save-devices-state: no RAM block is read, so the cost does not depend on the
+//     guest's size), and the pages the fork changed relative to its lineage go to one
+//     layer, a sparse file in Config.RAMDir; then the disk is frozen and the guest
+//     resumed. Forks of it, at any depth, map the lineage's root RAM file share=off and
+//     get every layer written into their private mapping, oldest first, before the
+//     device state loads (with QEMU told that the file has no configuration section:
+//     CheckpointManifest.DeviceState).
+//   - Flattening (Engine.Flatten, Config.FlattenMiB) writes a delta checkpoint's lineage
+//     into one RAM file of its own (the root's data once more), in the background after
+//     its first fork once its layers are big enough: forks started afterwards map it and
+//     share every inherited page instead of holding the layers as private copies. A delta checkpoint holds
 //     hard links to the root file and to every ancestor's layer, so deleting an ancestor
 //     (its VMs or the checkpoint) never breaks a descendant; every layer's SHA-256 is
 //     checked before a fork's QEMU starts.

@@ -30,6 +30,7 @@ type Engine struct {
 	cks   *checkpointStore
 	adm   *admitter
 	pools *poolSet
+	flat  *flattener
 
 	lockFile  *os.File
 	closeOnce sync.Once
@@ -56,6 +57,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.vms = newRegistry(e.paths)
 	e.cks = &checkpointStore{paths: e.paths, log: e.log, verified: map[string]string{}}
 	e.pools = &poolSet{}
+	e.flat = newFlattener()
 	e.adm = &admitter{
 		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, reserveBytes: r.MemoryReserveMiB << 20,
 		tcgMode: r.Experimental.TCGThread,
@@ -85,6 +87,12 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 		return nil, fmt.Errorf("engine: recover %s: %w", e.paths.state, err)
 	}
 	e.bg, e.bgCancel = context.WithCancel(context.Background())
+	e.bgWG.Add(1)
+	go func() {
+		defer e.bgWG.Done()
+		e.flattenLoop(e.bg)
+	}()
+	e.queueFlattens()
 	return e, nil
 }
 

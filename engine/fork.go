@@ -88,6 +88,9 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 	if err := compatible(ctx, e.bins, e.cfg.accel, ck); err != nil {
 		return nil, err
 	}
+	if err := checkDeviceState(c); err != nil {
+		return nil, err
+	}
 	if len(publish) > 0 && !ck.Net {
 		return nil, fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck.Name)
 	}
@@ -184,6 +187,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 	// record
 	e.vms.add(vm)
 	e.cks.markForked(ck.Name)
+	e.flattenLater(ck)
 	ok = true
 	return vm, nil
 }

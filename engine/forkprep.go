@@ -19,6 +19,10 @@ func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu strin
 		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
 		Launch: forkLaunch(paths, qemu, name, ck),
 	}}
+	if flat := flatPath(paths, ck); flat != "" {
+		// Flattened: map the lineage as one file, nothing to inject (injectLayers).
+		vm.m.Launch.RAM.Path = flat
+	}
 	if err := os.Mkdir(vm.dir, 0o700); err != nil {
 		return nil, fmt.Errorf("engine: create %s: %w", vm.dir, err)
 	}

@@ -46,9 +46,10 @@ func forkLaunch(paths layout, qemu, name string, ck *CheckpointManifest) launch 
 		QEMU: qemu, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
 		AgentPorts: ck.AgentPorts, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB,
 		Kernel: ck.Kernel, Initrd: ck.Initrd, Append: ck.Append,
-		RAM:      ramBacking{Path: ck.RAMPath},
-		Incoming: true,
-		Net:      ck.Net,
+		RAM:         ramBacking{Path: ck.RAMPath},
+		Incoming:    true,
+		DevicesOnly: ck.DeviceState == DeviceStateDevices,
+		Net:         ck.Net,
 	}
 	if ck.ForkKernel != "" {
 		l.Kernel, l.Initrd = ck.ForkKernel, ""

@@ -100,6 +100,12 @@ type CheckpointManifest struct {
 	// RAMPath is the frozen RAM file; RAMSize its size in bytes.
 	RAMPath string `json:"ram_path"`
 	RAMSize int64  `json:"ram_size"`
+	// DeviceState says how state.mig was taken, so that a fork knows how to load it:
+	// empty for a migration stream (a world's checkpoint, with x-ignore-shared; and a
+	// delta checkpoint taken before device-only saves, whose stream had the guest RAM
+	// block's pages stripped), DeviceStateDevices for the device sections alone
+	// (xen-save-devices-state of the stopped guest: no configuration section, no RAM).
+	DeviceState string `json:"device_state,omitempty"`
 	// StateSHA256 is the SHA-256 of the device state file state.mig.
 	StateSHA256 string `json:"state_sha256"`
 	StateSize   int64  `json:"state_size"`
@@ -141,9 +147,11 @@ type RAMLayer struct {
 
 // CheckpointTimings are the phases of a checkpoint.
 type CheckpointTimings struct {
-	Migrate time.Duration `json:"migrate_ns"` // device state to file (VM stopped at the end)
-	Freeze  time.Duration `json:"freeze_ns"`  // RAM frozen
-	Disk    time.Duration `json:"disk_ns"`    // disk frozen
+	// Migrate is saving the device state, the guest stopped at its end: a migration
+	// (a world) or stop and a device-state-only save (a fork).
+	Migrate time.Duration `json:"migrate_ns"`
+	Freeze  time.Duration `json:"freeze_ns"` // RAM frozen
+	Disk    time.Duration `json:"disk_ns"`   // disk frozen
 	// Extract is a delta checkpoint's page extraction (part of Freeze).
 	Extract time.Duration `json:"extract_ns,omitempty"`
 	Paused  time.Duration `json:"paused_ns"` // guest not running
@@ -296,6 +304,11 @@ func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
 		}
 	default:
 		return nil, fmt.Errorf("unknown checkpoint kind %q", ck.Kind)
+	}
+	switch ck.DeviceState {
+	case "", DeviceStateDevices:
+	default:
+		return nil, fmt.Errorf("unknown device state kind %q", ck.DeviceState)
 	}
 	for i, l := range ck.Layers {
 		if err := ValidateName(l.Checkpoint); err != nil {

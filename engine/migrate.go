@@ -2,16 +2,14 @@ package engine
 
 import (
 	"context"
-	"errors"
+	"encoding/binary"
 	"fmt"
+	"io"
 	"log/slog"
-	"net"
 	"os"
-	"path/filepath"
 	"sort"
 	"time"
 
-	"github.com/forkvm/forkvm/migstream"
 	"github.com/forkvm/forkvm/qmp"
 )
 
@@ -20,8 +18,8 @@ import (
 //   - saveToFile: migrate to a file and wait. Shared RAM skipped (x-ignore-shared) saves
 //     device state plus private RAM; full saves every RAM page.
 //   - loadFromFile: migrate-incoming from a file into a QEMU started with -incoming defer.
-//   - saveStripped: migrate to a unix socket the engine listens on and strip the guest
-//     RAM block's page records as the stream goes by (a checkpoint of a fork).
+//   - stopGuest + saveDevices: the device state of a stopped guest, no RAM at all (a
+//     checkpoint of a fork).
 //   - resume: cont, on a fresh context, after a save stopped the guest.
 //
 // A file migration that completes leaves the guest stopped (postmigrate); a failed one
@@ -90,83 +88,44 @@ func (p *qemuProc) saveToFile(ctx context.Context, path string, full bool) error
 	return waitMigration(ctx, c)
 }
 
-// guestRAMBlock is the RAM block id of the guest's memory backend (cmdline.go).
-const guestRAMBlock = "mem"
-
-// saveStripped migrates p's VM (x-ignore-shared on, unlimited bandwidth) to a unix socket
-// in runDir that the engine reads, and writes the stream to path without the page records
-// of the guest RAM block (migstream.StripRAM): a device-state file that loads like a world
-// checkpoint's. QEMU still scans (and sends) every page of a share=off guest RAM; the
-// engine drops them as they arrive. It returns when the migration completed (the guest is
-// then stopped, postmigrate) and the file is written, or failed.
-func (p *qemuProc) saveStripped(ctx context.Context, runDir, path string) (*migstream.Stats, error) {
+// stopGuest stops the guest's vCPUs (QMP stop). A stopped guest stays stopped until
+// resume; nothing else about the VM changes.
+func (p *qemuProc) stopGuest(ctx context.Context) error {
 	c, err := p.client(ctx)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	if err := p.setIgnoreShared(ctx, c, true); err != nil {
-		return nil, err
+	if err := c.Execute(ctx, "stop", nil, nil); err != nil {
+		return fmt.Errorf("stop: %w", err)
 	}
-	if err := c.Execute(ctx, "migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}, nil); err != nil {
-		return nil, fmt.Errorf("migrate-set-parameters: %w", err)
-	}
-	sock := filepath.Join(runDir, "ck-"+randHex(4)+".sock")
-	ln, err := net.Listen("unix", sock)
+	return nil
+}
+
+// saveDevicesArgs are the arguments of xen-save-devices-state.
+type saveDevicesArgs struct {
+	Filename string `json:"filename"`
+	// Live must be false: with true and the guest stopped, QEMU inactivates the block
+	// devices (it hands them to a migration destination), and the guest could not write
+	// its disk after cont.
+	Live bool `json:"live"`
+}
+
+// saveDevices writes the device state of p's stopped guest to path, and nothing else:
+// QMP xen-save-devices-state (target-independent despite its name: QEMU's
+// qemu_save_device_state writes every device section and skips every RAM block, so no
+// guest page is read). The file has no configuration section and no vmdesc, and its
+// global run state says running; it loads into a QEMU started with DevicesOnly
+// (cmdline.go). The guest must be stopped first (stopGuest): QEMU would stop it itself,
+// but also start it again at once.
+func (p *qemuProc) saveDevices(ctx context.Context, path string) error {
+	c, err := p.client(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("engine: migration socket: %w", err)
+		return err
 	}
-	defer os.Remove(sock)
-	defer ln.Close()
-	out, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return nil, err
+	if err := c.Execute(ctx, "xen-save-devices-state", saveDevicesArgs{Filename: path}, nil); err != nil {
+		return fmt.Errorf("xen-save-devices-state: %w", err)
 	}
-	defer out.Close()
-	type result struct {
-		st  *migstream.Stats
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		conn, err := ln.Accept()
-		if err != nil {
-			done <- result{nil, err}
-			return
-		}
-		// Closing the connection on any error makes QEMU's writes fail, so the
-		// migration fails instead of blocking.
-		defer conn.Close()
-		st, err := migstream.StripRAM(out, conn, guestRAMBlock)
-		done <- result{st, err}
-	}()
-	err = c.Execute(ctx, "migrate", map[string]any{"uri": "unix:" + sock}, nil)
-	if err != nil {
-		err = fmt.Errorf("migrate: %w", err)
-	} else {
-		err = waitMigration(ctx, c)
-	}
-	if err != nil {
-		if ctx.Err() != nil {
-			// Given up: stop QEMU's side too (it closes the socket).
-			cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			_ = c.Execute(cctx, "migrate_cancel", nil, nil)
-			cancel()
-		}
-		ln.Close() // unblocks Accept if QEMU never connected
-		r := <-done
-		if r.err != nil && errors.Is(r.err, migstream.ErrFormat) {
-			err = fmt.Errorf("%w (stream: %v)", err, r.err)
-		}
-		return nil, err
-	}
-	r := <-done
-	if r.err != nil {
-		return nil, fmt.Errorf("engine: device state: %w", r.err)
-	}
-	if !r.st.SawStripped {
-		return nil, fmt.Errorf("engine: device state: the stream has no %q RAM block", guestRAMBlock)
-	}
-	return r.st, nil
+	return nil
 }
 
 // loadFromFile starts an incoming migration from path into p, a QEMU started with
@@ -245,4 +204,47 @@ func waitMigration(ctx context.Context, c *qmp.Client) error {
 			delay *= 2
 		}
 	}
+}
+
+// Migration stream header (QEMU's migration/savevm.c): magic "QEVM", version 3, then
+// the configuration section when the source sends one.
+const (
+	qemuVMFileMagic     = 0x5145564d
+	qemuVMFileVersion   = 3
+	qemuVMConfiguration = 0x07
+)
+
+// hasConfigurationSection reports whether the migration stream in path starts with a
+// configuration section (QEMU's default) or not (a source with send-configuration off,
+// or a device-state-only save). Anything that is not a version-3 stream is an error
+// wrapping ErrCheckpointCorrupt.
+func hasConfigurationSection(path string) (bool, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	var hdr [9]byte
+	if _, err := io.ReadFull(f, hdr[:]); err != nil {
+		return false, fmt.Errorf("%w: %s: migration stream header: %v", ErrCheckpointCorrupt, path, err)
+	}
+	if binary.BigEndian.Uint32(hdr[0:4]) != qemuVMFileMagic || binary.BigEndian.Uint32(hdr[4:8]) != qemuVMFileVersion {
+		return false, fmt.Errorf("%w: %s is not a QEMU migration stream (header %x)", ErrCheckpointCorrupt, path, hdr[:8])
+	}
+	return hdr[8] == qemuVMConfiguration, nil
+}
+
+// checkDeviceState refuses a checkpoint whose device state is not what its manifest says
+// it is (a migration stream, or the device sections alone): the fork's argv depends on it,
+// and QEMU would only fail later with a less clear error.
+func checkDeviceState(c *Checkpoint) error {
+	withConfig, err := hasConfigurationSection(c.StatePath())
+	if err != nil {
+		return fmt.Errorf("%w: %s: device state: %v", ErrCheckpointCorrupt, c.Manifest.Name, err)
+	}
+	if devicesOnly := c.Manifest.DeviceState == DeviceStateDevices; withConfig == devicesOnly {
+		return fmt.Errorf("%w: %s: the manifest says device state %q, the file %s a configuration section",
+			ErrCheckpointCorrupt, c.Manifest.Name, c.Manifest.DeviceState, map[bool]string{true: "has", false: "lacks"}[withConfig])
+	}
+	return nil
 }

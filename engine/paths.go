@@ -20,7 +20,8 @@ const (
 	fullSaveFile        = "full.mig"   // a fork's full save while it is checkpointed
 	stubKernelFile      = "stub-kernel"
 	overlayTemplateFile = "overlay-template.qcow2"
-	ramHolesFile        = "ram-holes" // the holes of a checkpoint's RAM file when it was frozen
+	ramHolesFile        = "ram-holes"  // the holes of a checkpoint's RAM file when it was frozen
+	flatHolesFile       = "flat-holes" // the holes of a delta checkpoint's flattened RAM file
 	lockFileName        = "lock"
 	rawDiskFile         = "disk0.raw"      // a VM's (or a checkpoint's reflinked) raw disk
 	forkTopFile         = "disk-top.qcow2" // a fork's writable overlay on its checkpoint's chain
@@ -63,11 +64,22 @@ func (l layout) checkpointLayers(name string) string {
 	return filepath.Join(l.ram, "ck-"+name+".layers")
 }
 
+// checkpointFlat is a delta checkpoint's flattened RAM file (its root's data with every
+// layer applied): written under a temporary name, renamed here when complete.
+func (l layout) checkpointFlat(name string) string {
+	return filepath.Join(l.ram, "ck-"+name+".flat")
+}
+
 // layerFile names the i-th layer (oldest first) of a lineage, written by checkpoint ck.
 func layerFile(i int, ck string) string { return fmt.Sprintf("%02d-%s.layer", i, ck) }
 
 // checkpointKindDelta is CheckpointManifest.Kind of a checkpoint of a fork.
 const checkpointKindDelta = "delta"
+
+// DeviceStateDevices is CheckpointManifest.DeviceState of a checkpoint whose device
+// state holds the device sections alone (QMP xen-save-devices-state of the stopped
+// guest), not a migration stream.
+const DeviceStateDevices = "devices"
 
 // tmpCheckpointDir is a fresh directory name for a checkpoint being written.
 func (l layout) tmpCheckpointDir(name string) string {
@@ -83,8 +95,10 @@ func (l layout) inRAMDir(p string) bool { return p != "" && filepath.Dir(p) == l
 // did not finish).
 func parseRAMName(n string) (kind, name string) {
 	switch {
-	case strings.Contains(n, ".ram.tmp-"), strings.Contains(n, ".layers.tmp-"):
+	case strings.Contains(n, ".ram.tmp-"), strings.Contains(n, ".layers.tmp-"), strings.Contains(n, ".flat.tmp-"):
 		return "tmp", ""
+	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".flat"):
+		return "checkpoint", strings.TrimSuffix(strings.TrimPrefix(n, "ck-"), ".flat")
 	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".layers"):
 		return "checkpoint", strings.TrimSuffix(strings.TrimPrefix(n, "ck-"), ".layers")
 	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".ram"):

@@ -53,6 +53,19 @@ func FindMapping(pid int, path string, size int64) (uint64, error) {
 // The process should be stopped. Pages are read through /proc/PID/mem; the root file
 // and the layers with pread (a hole reads as zeros and allocates nothing).
 func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
+	return extractDelta(pid, addr, size, root, layers, out, false)
+}
+
+// ExtractDeltaFlat is ExtractDelta for a process whose mapping is of a file that already
+// holds the lineage (root and layers applied: a flattened copy): a page still mapped
+// from that file (or never touched) is the lineage's, so only the process's private
+// pages are read and compared, and the cost follows what the process wrote rather than
+// the lineage's size.
+func ExtractDeltaFlat(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
+	return extractDelta(pid, addr, size, root, layers, out, true)
+}
+
+func extractDelta(pid int, addr uint64, size int64, root string, layers []string, out string, flat bool) (*ExtractStats, error) {
 	pages := size / PageSize
 	own, err := owners(layers, pages)
 	if err != nil {
@@ -72,7 +85,11 @@ func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string
 		entries[i] = binary.LittleEndian.Uint64(raw[i*8:])
 	}
 	raw = nil
-	cand := candidatePages(entries, func(p int64) bool { return own[p] >= 0 })
+	inLayers := func(p int64) bool { return own[p] >= 0 }
+	if flat {
+		inLayers = func(int64) bool { return false }
+	}
+	cand := candidatePages(entries, inLayers)
 	mem, err := os.Open(fmt.Sprintf("/proc/%d/mem", pid))
 	if err != nil {
 		return nil, fmt.Errorf("memfile: mem: %w", err)
@@ -195,3 +212,45 @@ func InjectLayers(pid int, addr uint64, size int64, layers []string) (int64, err
 
 // ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
 const ExtractSupported = true
+
+// ApplyLayers writes every layer's pages (oldest first, so a newer layer's page wins)
+// into the file at path at their offsets, and returns the bytes written. It is how a
+// lineage (a root file plus layers) becomes one file: path is a copy of the root.
+// Holes of a layer are not read and change nothing.
+func ApplyLayers(path string, size int64, layers []string) (int64, error) {
+	dst, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return 0, fmt.Errorf("memfile: apply layers: %w", err)
+	}
+	defer dst.Close()
+	if st, err := dst.Stat(); err != nil || st.Size() != size {
+		return 0, fmt.Errorf("memfile: apply layers: %s is not %d bytes (%v)", path, size, err)
+	}
+	buf := make([]byte, 1<<20)
+	var total int64
+	for _, l := range layers {
+		exts, err := layerExtents(l)
+		if err != nil {
+			return total, err
+		}
+		f, err := os.Open(l)
+		if err != nil {
+			return total, fmt.Errorf("memfile: layer: %w", err)
+		}
+		for _, e := range exts {
+			for off := e.off; off < e.off+e.len && err == nil; {
+				n := min(int64(len(buf)), e.off+e.len-off)
+				if _, err = f.ReadAt(buf[:n], off); err == nil {
+					_, err = dst.WriteAt(buf[:n], off)
+				}
+				off += n
+				total += n
+			}
+		}
+		f.Close()
+		if err != nil {
+			return total, fmt.Errorf("memfile: apply %s to %s: %w", l, path, err)
+		}
+	}
+	return total, nil
+}

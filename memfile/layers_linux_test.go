@@ -157,3 +157,89 @@ func TestExtractInjectLayers(t *testing.T) {
 		t.Fatal("a layer of another size was injected")
 	}
 }
+
+// TestApplyLayers: a root copy with the layers applied holds, for every page, the
+// newest layer's page or else the root's; holes stay holes where no one wrote.
+func TestApplyLayers(t *testing.T) {
+	dir := t.TempDir()
+	const size = 16 * PageSize
+	root, l0, l1, flat := filepath.Join(dir, "root"), filepath.Join(dir, "l0"), filepath.Join(dir, "l1"), filepath.Join(dir, "flat")
+	writePages(t, root, size, map[int64]byte{0: 'r', 1: 'r', 2: 'r'})
+	writePages(t, l0, size, map[int64]byte{1: 'a', 5: 'a'})
+	writePages(t, l1, size, map[int64]byte{5: 'b', 7: 'b'})
+	writePages(t, flat, size, map[int64]byte{0: 'r', 1: 'r', 2: 'r'}) // the root's copy
+	n, err := ApplyLayers(flat, size, []string{l0, l1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != 4*PageSize {
+		t.Errorf("applied %d bytes, want %d", n, 4*PageSize)
+	}
+	b, err := os.ReadFile(flat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[int64]byte{0: 'r', 1: 'a', 2: 'r', 5: 'b', 7: 'b'}
+	for p := int64(0); p < size/PageSize; p++ {
+		if got := b[p*PageSize]; got != want[p] {
+			t.Errorf("page %d holds %q, want %q", p, got, want[p])
+		}
+	}
+	holes, err := Holes(flat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var holeBytes int64
+	for _, h := range holes {
+		holeBytes += h.Len
+	}
+	if holeBytes < 8*PageSize {
+		t.Errorf("the flattened file has %d bytes of holes: unwritten pages were filled", holeBytes)
+	}
+	if _, err := ApplyLayers(flat, size*2, []string{l0}); err == nil {
+		t.Error("a layer applied to a file of another size")
+	}
+}
+
+// TestExtractDeltaFlat: a process mapping a flattened copy of its lineage gets, in its
+// delta, exactly the pages it wrote that differ from the lineage; the lineage's pages it
+// only maps are neither read nor stored.
+func TestExtractDeltaFlat(t *testing.T) {
+	d := shmDir(t)
+	const pages = 32
+	size := int64(pages * PageSize)
+	root, la, flat, out := filepath.Join(d, "root"), filepath.Join(d, "a"), filepath.Join(d, "flat"), filepath.Join(d, "out")
+	writePages(t, root, size, map[int64]byte{0: 'r', 1: 'r'})
+	writePages(t, la, size, map[int64]byte{1: 'a', 5: 'a'})
+	writePages(t, flat, size, map[int64]byte{0: 'r', 1: 'r'})
+	if _, err := ApplyLayers(flat, size, []string{la}); err != nil {
+		t.Fatal(err)
+	}
+	pid := os.Getpid()
+	m := mapPrivate(t, flat, size)
+	addr := uint64(uintptr(unsafe.Pointer(&m[0])))
+	_ = page(m, 5)[0]                                     // read: a lineage page, mapped
+	copy(page(m, 1), bytes.Repeat([]byte{'a'}, PageSize)) // rewritten equal to the layer: not stored
+	page(m, 0)[9] = 'x'                                   // differs from root: stored
+	page(m, 9)[0] = 'y'                                   // over a hole: stored
+	st, err := ExtractDeltaFlat(pid, addr, size, root, []string{la}, out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Written != 2 || st.Candidates != 3 {
+		t.Errorf("stats %+v, want 3 candidates (the private pages) and 2 written", st)
+	}
+	exts, err := layerExtents(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []int64
+	for _, e := range exts {
+		for p := e.off / PageSize; p < (e.off+e.len)/PageSize; p++ {
+			got = append(got, p)
+		}
+	}
+	if want := []int64{0, 9}; !slices.Equal(got, want) {
+		t.Errorf("layer pages %v, want %v", got, want)
+	}
+}

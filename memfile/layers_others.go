@@ -10,8 +10,18 @@ func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string
 	return nil, ErrUnsupported
 }
 
+// ExtractDeltaFlat is not implemented outside Linux (ErrUnsupported).
+func ExtractDeltaFlat(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
+	return nil, ErrUnsupported
+}
+
 // InjectLayers is not implemented outside Linux (ErrUnsupported).
 func InjectLayers(pid int, addr uint64, size int64, layers []string) (int64, error) {
+	return 0, ErrUnsupported
+}
+
+// ApplyLayers is not implemented outside Linux (ErrUnsupported).
+func ApplyLayers(path string, size int64, layers []string) (int64, error) {
 	return 0, ErrUnsupported
 }
 

@@ -2,6 +2,8 @@ package qmp
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -71,7 +73,10 @@ type Client struct {
 	caps    []string
 
 	nextID atomic.Uint64
-	wmu    sync.Mutex // serializes writes to conn
+	// session prefixes this client's ids: a monitor hands the reply to a command whose
+	// client died to the next client, which must not take it for one of its own.
+	session string
+	wmu     sync.Mutex // serializes writes to conn
 
 	mu       sync.Mutex // guards the fields below
 	pending  map[string]chan reply
@@ -103,7 +108,10 @@ func Dial(ctx context.Context, socketPath string, cfg *Config) (*Client, error) 
 // its reader goroutine; on failure conn is closed and the returned error
 // wraps ErrHandshake. ctx only bounds the handshake, not the Client's life.
 func NewClient(ctx context.Context, conn net.Conn, cfg *Config) (*Client, error) {
+	var sb [4]byte
+	_, _ = rand.Read(sb[:]) // crypto/rand never fails on supported platforms
 	c := &Client{
+		session: hex.EncodeToString(sb[:]),
 		conn:    conn,
 		dec:     json.NewDecoder(conn),
 		cfg:     cfg,
@@ -176,7 +184,10 @@ func (c *Client) handshake(ctx context.Context) (err error) {
 			continue // no subscribers exist yet; events are dropped
 		}
 		if m.id != id {
-			return fmt.Errorf("%w: qmp_capabilities reply has id %q, want %q", ErrProtocol, m.id, id)
+			// A reply to a command an earlier client of this monitor sent and did not
+			// wait for (it died mid-command): QEMU gives it to whoever is connected when
+			// the command completes. Not ours.
+			continue
 		}
 		if m.err != nil {
 			return m.err
@@ -211,7 +222,7 @@ type errDecode struct{ error }
 func (e errDecode) Unwrap() error { return e.error }
 
 func (c *Client) newID() string {
-	return "fk-" + strconv.FormatUint(c.nextID.Add(1)-1, 10)
+	return "fk-" + c.session + "-" + strconv.FormatUint(c.nextID.Add(1)-1, 10)
 }
 
 func encodeCommand(cmd string, args any, id string) ([]byte, error) {

@@ -107,6 +107,15 @@ func TestHandshake(t *testing.T) {
 			},
 		},
 		{
+			name: "an earlier client's reply before ours is skipped",
+			script: func(p *peer) {
+				p.send(testGreeting)
+				c, _ := p.recv()
+				p.send(`{"return":{},"id":"fk-5"}`)
+				p.reply(c, "{}")
+			},
+		},
+		{
 			name:    "silent peer times out",
 			cfg:     &Config{HandshakeTimeout: 50 * time.Millisecond},
 			script:  func(p *peer) {},

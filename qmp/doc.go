@@ -29,7 +29,7 @@
 // A Client owns exactly one reader goroutine, started after the handshake.
 // It is the only code reading from the connection. Every Execute registers
 // a buffered (capacity 1) channel in the pending map under a fresh id
-// ("fk-<n>") before writing the command; writes are serialized by a mutex.
+// ("fk-<session>-<n>", the session random per client) before writing the command; writes are serialized by a mutex.
 // The reader decodes each message: replies are looked up and removed from
 // the pending map and handed to the waiting caller without blocking; replies
 // with an unknown id (for example, the caller's context was cancelled and

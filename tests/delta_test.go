@@ -1,6 +1,8 @@
 package tests
 
 import (
+	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -11,6 +13,9 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/qmp"
+	"github.com/forkvm/forkvm/vsockd"
 )
 
 // TestDeltaTreeDepth8 builds a lineage eight checkpoints deep under a world checkpoint,
@@ -96,11 +101,18 @@ func TestDeltaTreeDepth8(t *testing.T) {
 		}
 		name := fmt.Sprintf("ck%d", level)
 		// ck4 is unpinned: it goes with its last fork (at level 6).
+		// The root file (through the newest checkpoint's link) before the checkpoint:
+		// running forks' writes and injections fault zero pages into its holes (given
+		// back when they are deleted), the checkpoint itself reads nothing through it.
+		rootBefore := allocatedBytes(t, cks[len(cks)-1].Manifest.RAMPath)
 		c, err := e.Checkpoint(ctx, node.Name(), name, &engine.CheckpointOptions{Pin: level != 4})
 		if err != nil {
 			t.Fatalf("checkpoint %s: %v", node.Name(), err)
 		}
 		m := c.Manifest
+		if m.DeviceState != engine.DeviceStateDevices {
+			t.Errorf("%s: device state %q, want %q", name, m.DeviceState, engine.DeviceStateDevices)
+		}
 		if m.Kind != "delta" || len(m.Layers) != level || m.Layers[level-1].Checkpoint != name {
 			t.Fatalf("%s: kind %q, %d layers", name, m.Kind, len(m.Layers))
 		}
@@ -115,8 +127,8 @@ func TestDeltaTreeDepth8(t *testing.T) {
 			t.Errorf("%s's device state is %d bytes", name, m.StateSize)
 		}
 		layers = append(layers, layerSize{own.Path, allocatedBytes(t, own.Path)})
-		if a := allocatedBytes(t, m.RAMPath); a > rootFrozen+slack {
-			t.Errorf("root RAM file holds %d MiB after %s, %d MiB frozen", a>>20, name, rootFrozen>>20)
+		if a := allocatedBytes(t, m.RAMPath); a > rootBefore+slack {
+			t.Errorf("root RAM file holds %d MiB after %s, %d MiB before it (%d MiB frozen)", a>>20, name, rootBefore>>20, rootFrozen>>20)
 		}
 		cks = append(cks, c)
 	}
@@ -405,4 +417,291 @@ func TestDeltaWarmPool(t *testing.T) {
 		}
 	}
 	deleteAll(t, env)
+}
+
+// qmpStatus asks a VM's QEMU for its run state over its QMP socket (no engine holds it).
+func qmpStatus(t *testing.T, home, vm string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(home, "vms", vm, "manifest.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m struct {
+		Launch struct {
+			RunDir string `json:"run_dir"`
+		} `json:"launch"`
+	}
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxT(t, 30*time.Second)
+	c, err := qmp.Dial(ctx, filepath.Join(m.Launch.RunDir, "qmp.sock"), nil)
+	if err != nil {
+		t.Fatalf("qmp of %s: %v", vm, err)
+	}
+	defer c.Close()
+	var st struct {
+		Status string `json:"status"`
+	}
+	if err := c.Execute(ctx, "query-status", nil, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Status
+}
+
+// TestDeltaEngineKilledWhilePaused: SIGKILL of the engine while a delta checkpoint has
+// the fork's guest stopped (between stop and cont: device state written, pages being
+// extracted) leaves no partial checkpoint, and the next engine resumes the guest with
+// its memory and disk; it checkpoints and forks as before.
+func TestDeltaEngineKilledWhilePaused(t *testing.T) {
+	helper := engineHelper(t)
+	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second })
+	ramDir := env.E.Config().RAMDir
+	env.E.Close()
+	ckDir := filepath.Join(env.Home, "checkpoints")
+	landed := false
+	var bigSum string
+	for attempt := 1; attempt <= 4 && !landed; attempt++ {
+		name := fmt.Sprintf("c%d", attempt)
+		cmd, sc, stderr := startEngineHelper(t, helper, env, "-deltack", name)
+		ready := false
+		for !ready && sc.Scan() {
+			if l := sc.Text(); l == "READY" {
+				ready = true
+			} else if strings.HasPrefix(l, "ERROR") {
+				cmd.Process.Kill()
+				cmd.Wait()
+				t.Fatalf("helper: %s\n%s", l, stderr.String())
+			}
+		}
+		if !ready {
+			cmd.Process.Kill()
+			cmd.Wait()
+			t.Fatalf("helper ended: %s", stderr.String())
+		}
+		// The device state exists in the checkpoint's temporary directory once the
+		// guest is stopped; the checkpoint's directory once it was committed.
+		stopped, committed := false, false
+		for deadline := time.Now().Add(2 * time.Minute); !stopped && !committed && time.Now().Before(deadline); {
+			for _, d := range dirNames(ckDir) {
+				if strings.HasPrefix(d, ".tmp-"+name+"-") {
+					if _, err := os.Stat(filepath.Join(ckDir, d, "state.mig")); err == nil {
+						stopped = true
+					}
+				}
+			}
+			_, err := os.Stat(filepath.Join(ckDir, name))
+			committed = err == nil
+			if !stopped && !committed {
+				time.Sleep(300 * time.Microsecond)
+			}
+		}
+		syscall.Kill(cmd.Process.Pid, syscall.SIGKILL)
+		cmd.Wait()
+		status := qmpStatus(t, env.Home, "fw")
+		landed = stopped && status != "running"
+		t.Logf("attempt %d: device state seen %v, committed %v, guest %s at the kill", attempt, stopped, committed, status)
+
+		e2, err := engine.New(context.Background(), &env.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		env.E = e2
+		for _, n := range dirNames(ckDir) {
+			if strings.Contains(n, ".tmp") {
+				t.Errorf("attempt %d: half-written checkpoint left: %s", attempt, n)
+			}
+		}
+		for _, n := range dirNames(ramDir) {
+			if strings.Contains(n, ".tmp-") {
+				t.Errorf("attempt %d: temporary RAM file left: %s", attempt, n)
+			}
+		}
+		if landed {
+			if _, err := e2.LoadCheckpoint(name); !errors.Is(err, engine.ErrNotFound) {
+				t.Errorf("attempt %d: checkpoint cut short while the guest was stopped: %v", attempt, err)
+			}
+		}
+		if _, err := os.Stat(filepath.Join(env.Home, "vms", "fw", "checkpointing")); err == nil {
+			t.Errorf("attempt %d: fw's checkpointing marker is still there", attempt)
+		}
+		fw, err := e2.Get("fw")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st := agentState(t, fw); st != "running" {
+			t.Errorf("attempt %d: fw is %s after the restart", attempt, st)
+		}
+		got := mustRun(t, fw, "md5sum /dev/shm/big | cut -d' ' -f1; cat /data/m")
+		if bigSum == "" {
+			bigSum = got
+		} else if got != bigSum {
+			t.Errorf("attempt %d: fw reads %q, before %q", attempt, got, bigSum)
+		}
+		e2.Close()
+	}
+	if !landed {
+		t.Fatalf("no kill landed while the guest was stopped in 4 attempts")
+	}
+	e3, err := engine.New(context.Background(), &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E = e3
+	ctx := ctxT(t, 3*time.Minute)
+	if _, err := e3.Checkpoint(ctx, "fw", "after", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint of fw after the crash: %v", err)
+	}
+	g, err := e3.Fork(ctx, "after", &engine.ForkOptions{Name: "g"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := mustRun(t, g, "md5sum /dev/shm/big | cut -d' ' -f1; cat /data/m"); got != bigSum {
+		t.Errorf("fork of fw's checkpoint reads %q, want %q", got, bigSum)
+	}
+	deleteAll(t, env)
+}
+
+// agentState is "running" when a VM the engine holds runs a guest command (the engine
+// owns its QMP socket), else why not.
+func agentState(t *testing.T, vm *engine.VM) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
+	defer cancel()
+	if code, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"true"}}); err != nil || code != 0 {
+		return fmt.Sprintf("not answering (%d %v)", code, err)
+	}
+	return "running"
+}
+
+// TestDeltaOldFormatAfterRestart: a delta checkpoint written before device-state-only
+// saves (its state.mig a migration stream with a configuration section, no device_state
+// in its manifest) still forks after an engine restart, and its fork's own checkpoint
+// is a device-state-only delta checkpoint whose forks see the whole lineage. The old
+// checkpoint is made by hand from a world checkpoint: a stripped fork stream and a
+// world's x-ignore-shared stream have the same sections (devices, the ROM blocks), and
+// its one layer holds a page equal to the root's.
+func TestDeltaOldFormatAfterRestart(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w := makeWorld(t, e, "w", 256, 0)
+	sum := mustRun(t, w, "head -c 4194304 /dev/urandom > /dev/shm/w && md5sum /dev/shm/w")
+	root, err := e.Checkpoint(ctx, "w", "ck0", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Delete(ctx, "w"); err != nil {
+		t.Fatal(err)
+	}
+	ramDir := e.Config().RAMDir
+	e.Close()
+
+	// The old checkpoint "old": a hard link to the root file, one layer, the root's
+	// device state, the manifest without device_state.
+	rm := root.Manifest
+	dir := filepath.Join(env.Home, "checkpoints", "old")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	copyFile(t, root.StatePath(), filepath.Join(dir, "state.mig"))
+	ram := filepath.Join(ramDir, "ck-old.ram")
+	if err := os.Link(rm.RAMPath, ram); err != nil {
+		t.Fatal(err)
+	}
+	layers := filepath.Join(ramDir, "ck-old.layers")
+	if err := os.Mkdir(layers, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	layer := filepath.Join(layers, "00-old.layer")
+	holes, err := memfile.Holes(rm.RAMPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dataAt := int64(0) // the first page with data: before the first hole, or after it
+	if len(holes) > 0 && holes[0].Off == 0 {
+		dataAt = holes[0].Len
+	}
+	page := make([]byte, 4096)
+	rf, err := os.Open(rm.RAMPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rf.ReadAt(page, dataAt); err != nil {
+		t.Fatal(err)
+	}
+	rf.Close()
+	lf, err := os.OpenFile(layer, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lf.Truncate(rm.RAMSize)
+	lf.WriteAt(page, dataAt)
+	lf.Close()
+	lsum, lsize, err := memfile.LayerDigest(layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(filepath.Join(root.Dir, "manifest.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := m["device_state"]; ok {
+		t.Fatalf("a world checkpoint's manifest has device_state %v", m["device_state"])
+	}
+	if rm.ForkKernel != "" {
+		copyFile(t, rm.ForkKernel, filepath.Join(dir, filepath.Base(rm.ForkKernel)))
+		m["fork_kernel"] = filepath.Join(dir, filepath.Base(rm.ForkKernel))
+	}
+	m["name"], m["kind"], m["root"], m["ram_path"], m["ram_method"], m["implicit"] = "old", "delta", "ck0", ram, "delta", false
+	m["layers"] = []map[string]any{{"checkpoint": "old", "path": layer, "size": lsize, "sha256": lsum}}
+	b, _ = json.MarshalIndent(m, "", "  ")
+	if err := os.WriteFile(filepath.Join(dir, "manifest.json"), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	e2, err := engine.New(context.Background(), &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E = e2
+	f, err := e2.Fork(ctx, "old", &engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatalf("fork of an old-format delta checkpoint after a restart: %v", err)
+	}
+	if got := mustRun(t, f, "md5sum /dev/shm/w"); got != sum {
+		t.Errorf("fork of old reads %q, want %q", got, sum)
+	}
+	fsum := mustRun(t, f, "head -c 4194304 /dev/urandom > /dev/shm/f && md5sum /dev/shm/f")
+	c1, err := e2.Checkpoint(ctx, "f", "c1", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c1.Manifest.DeviceState != engine.DeviceStateDevices || len(c1.Manifest.Layers) != 2 {
+		t.Errorf("c1: device state %q, %d layers", c1.Manifest.DeviceState, len(c1.Manifest.Layers))
+	}
+	g, err := e2.Fork(ctx, "c1", &engine.ForkOptions{Name: "g"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := mustRun(t, g, "md5sum /dev/shm/w /dev/shm/f"); got != sum+"\n"+fsum {
+		t.Errorf("fork of c1 reads %q", got)
+	}
+	deleteAll(t, env)
+}
+
+// copyFile copies src to dst (mode 0600).
+func copyFile(t *testing.T, src, dst string) {
+	t.Helper()
+	b, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dst, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -26,14 +26,29 @@ func treeCmd() *cli.Command {
 			&cli.IntFlag{Name: "write-mb", Value: 20, Usage: "MB each child writes (/dev/shm) before the next level"},
 			// The stock restore path attaches no disk, so the tree's world has none by default.
 			&cli.IntFlag{Name: "disk-mb", Value: 0, Usage: "data disk of the world (MiB, 0 = none; with a disk the stock save/restore column is skipped)"},
+			&cli.IntFlag{Name: "size-mb", Value: 8192, Usage: "after the tree, a second world of this guest size: its checkpoint and the checkpoint of its fork, to compare with the tree's (0 = skip)"},
+			&cli.IntFlag{Name: "mem-forks", Value: 2, Usage: "forks of the shallowest and the deepest checkpoint measured for memory per fork, after flattening (0 = skip)"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			d, b, w := cmd.Int("depth"), cmd.Int("branch"), cmd.Int("write-mb")
 			if d < 1 || d > 64 || b < 1 || b > 64 || w < 1 {
 				return fmt.Errorf("--depth and --branch must be 1..64, --write-mb >= 1")
 			}
-			return runBench(ctx, cmd, "tree", &TreeSettings{Depth: d, Branch: b, WriteMB: w}, func(r *runner) error {
-				return runTree(r, d, b, w)
+			size, memForks := cmd.Int("size-mb"), cmd.Int("mem-forks")
+			if size < 0 || memForks < 0 || memForks > 64 {
+				return fmt.Errorf("--size-mb must be >= 0, --mem-forks 0..64")
+			}
+			return runBench(ctx, cmd, "tree", &TreeSettings{Depth: d, Branch: b, WriteMB: w, SizeMB: size, MemForks: memForks}, func(r *runner) error {
+				if err := runTree(r, d, b, w); err != nil {
+					return err
+				}
+				if memForks > 0 {
+					treeMemory(r, d, memForks)
+				}
+				if size > 0 {
+					return treeSize(r, size, w)
+				}
+				return nil
 			})
 		},
 	}
@@ -44,6 +59,10 @@ type TreeSettings struct {
 	Depth   int `json:"depth"`
 	Branch  int `json:"branch"`
 	WriteMB int `json:"write_mb"`
+	// SizeMB is the guest size of the second world (0: none); MemForks the forks per
+	// checkpoint of the memory comparison.
+	SizeMB   int `json:"size_mb"`
+	MemForks int `json:"mem_forks"`
 	RunSettings
 }
 
@@ -79,7 +98,10 @@ type TreeLevel struct {
 	// a page cache page before the private copy), given back when a fork is deleted or
 	// checkpointed. GuestWrittenMB is a lower bound (a node's rewrites of pages its
 	// lineage gave it count as lineage).
-	RAMFilesMB     float64 `json:"ram_files_mb"`
+	RAMFilesMB float64 `json:"ram_files_mb"`
+	// FlatMB is the part of RAMFilesMB that flattened checkpoints' RAM files hold (a
+	// copy of their lineage each: engine Config.FlattenMiB), reported apart from it.
+	FlatMB         float64 `json:"flat_mb"`
 	LineageMB      float64 `json:"lineage_mb"`
 	WrittenMB      int     `json:"written_mb"`
 	GuestWrittenMB float64 `json:"guest_written_mb"`
@@ -183,10 +205,17 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 			L.Verified++
 		}
 		L.RAMFilesMB = round3(float64(dirAllocated(r.ramDir, "ck-")) / (1 << 20))
+		if infos, err := r.e.Checkpoints(); err == nil {
+			var flat int64
+			for _, in := range infos {
+				flat += in.FlatBytes
+			}
+			L.FlatMB = round3(float64(flat) / (1 << 20))
+		}
 		L.LineageMB = round3(lineageMB)
 		levels = append(levels, L)
-		r.logf("level %d: checkpoint of %s %.0f ms (%s), %d forks p50 %.0f ms, RAM files %.0f MiB (lineage %.0f MiB) for %d MB written by the benchmark (at least %.0f MiB by the guests), %d/%d verified",
-			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, L.LineageMB, written, L.GuestWrittenMB, L.Verified, len(children))
+		r.logf("level %d: checkpoint of %s %.0f ms (%s), %d forks p50 %.0f ms, RAM files %.0f MiB (flattened copies %.0f MiB, lineage %.0f MiB) for %d MB written by the benchmark (at least %.0f MiB by the guests), %d/%d verified",
+			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, L.FlatMB, L.LineageMB, written, L.GuestWrittenMB, L.Verified, len(children))
 		if len(children) == 0 {
 			break
 		}
@@ -207,13 +236,16 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 	}
 	r.res.Extra["levels"] = levels
 	pc := r.p50Headline("tree_checkpoint_of_fork_p50_ms", ckOfFork)
+	if len(ckOfFork) > 0 && w.CheckpointMS > 0 {
+		r.res.Extra["checkpoint_of_fork_vs_world"] = round3(pc.P50 / w.CheckpointMS)
+	}
 	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files (lineage MB: the world file's frozen data + each delta checkpoint's own layer), against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
 		r.shape.DirtyMB, depth, branch, writeMB)
 	var b strings.Builder
-	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | migrate / extract / paused ms | fork of running node ms | fork p50 ms | RAM files MiB (lineage MiB; written MB; by the guests MiB, at least) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | migrate / extract / paused ms | fork of running node ms | fork p50 ms | RAM files MiB (flattened copies; lineage MiB; written MB; by the guests MiB, at least) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, L := range levels {
-		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%.0f; %d; %.0f) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
-			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.LineageMB, L.WrittenMB, L.GuestWrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
+		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%.0f; %.0f; %d; %.0f) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
+			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.FlatMB, L.LineageMB, L.WrittenMB, L.GuestWrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
 	}
 	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", b.String(), pc.P50, len(ckOfFork))
 	return nil
@@ -305,4 +337,182 @@ func dirAllocated(dir, prefix string) int64 {
 		add(p)
 	}
 	return n
+}
+
+// TreeMemory is one checkpoint of the memory-per-fork comparison (extra.memory).
+type TreeMemory struct {
+	Checkpoint string  `json:"checkpoint"`
+	Depth      int     `json:"depth"` // delta layers in its lineage
+	LayersMB   float64 `json:"layers_mb"`
+	// Before: one fork started before the flatten (the lineage injected as private
+	// copies); After: forks started once it was flattened. MiB per fork: Private and its
+	// GuestLineage part (engine VM.Memory), averaged.
+	BeforePrivateMB float64 `json:"before_private_mb"`
+	BeforeLineageMB float64 `json:"before_lineage_mb"`
+	AfterPrivateMB  float64 `json:"after_private_mb"`
+	AfterLineageMB  float64 `json:"after_lineage_mb"`
+	AfterForks      int     `json:"after_forks"`
+	// Flatten: the time and the storage of the flattened RAM file (counted apart from
+	// the lineage).
+	FlattenMS      float64 `json:"flatten_ms"`
+	FlatMB         float64 `json:"flat_mb"`
+	FlattenedEarly bool    `json:"flattened_early,omitempty"` // in the background, before this measurement
+}
+
+// treeMemory forks the shallowest (t1) and the deepest pinned checkpoint of the tree:
+// one fork, then engine.Flatten, then n forks, each measured by VM.Memory after a shell
+// command; it records private MiB per fork and the ratio deepest / shallowest.
+func treeMemory(r *runner, depth, n int) {
+	ctx := r.ctx
+	if depth < 2 {
+		return
+	}
+	var out []TreeMemory
+	for _, ck := range []string{"t1", fmt.Sprintf("t%d", depth-1)} {
+		c, err := r.e.LoadCheckpoint(ck)
+		if err != nil {
+			r.fail("memory: %s: %v", ck, err)
+			continue
+		}
+		M := TreeMemory{Checkpoint: ck, Depth: len(c.Manifest.Layers)}
+		for _, l := range c.Manifest.Layers {
+			M.LayersMB += float64(l.Size) / (1 << 20)
+		}
+		M.LayersMB = round3(M.LayersMB)
+		measure := func(name string) (priv, lin float64, ok bool) {
+			vm, s := r.serialFork(ck, name, "fork-memory", 0, 1)
+			if vm == nil {
+				r.fail("memory: fork of %s: %s", ck, s.Error)
+				return 0, 0, false
+			}
+			defer r.e.Delete(ctx, vm.Name())
+			if _, err := shell(ctx, vm, "true", time.Minute); err != nil {
+				r.fail("memory: %s: %v", name, err)
+				return 0, 0, false
+			}
+			mu, err := vm.Memory(ctx)
+			if err != nil {
+				r.fail("memory: %s: %v", name, err)
+				return 0, 0, false
+			}
+			return float64(mu.Private) / (1 << 20), float64(mu.GuestLineage) / (1 << 20), true
+		}
+		if info, err := r.e.CheckpointInfo(ck); err == nil && info.FlatBytes > 0 {
+			M.FlattenedEarly = true
+		}
+		if p, l, ok := measure("mem-" + ck + "-before"); ok {
+			M.BeforePrivateMB, M.BeforeLineageMB = round3(p), round3(l)
+		}
+		st, err := r.e.Flatten(ctx, ck)
+		if err != nil {
+			r.fail("memory: flatten %s: %v", ck, err)
+		} else {
+			M.FlattenMS, M.FlatMB = ms(st.Took), round3(float64(st.Allocated)/(1<<20))
+		}
+		var priv, lin float64
+		for i := 1; i <= n; i++ {
+			if p, l, ok := measure(fmt.Sprintf("mem-%s-%d", ck, i)); ok {
+				priv += p
+				lin += l
+				M.AfterForks++
+			}
+		}
+		if M.AfterForks > 0 {
+			M.AfterPrivateMB, M.AfterLineageMB = round3(priv/float64(M.AfterForks)), round3(lin/float64(M.AfterForks))
+		}
+		r.logf("memory: forks of %s (%d layers, %.0f MiB): before flatten %.1f MiB private (lineage %.1f), after %.1f MiB (lineage %.1f) over %d forks; flatten %.0f ms, %.0f MiB",
+			ck, M.Depth, M.LayersMB, M.BeforePrivateMB, M.BeforeLineageMB, M.AfterPrivateMB, M.AfterLineageMB, M.AfterForks, M.FlattenMS, M.FlatMB)
+		out = append(out, M)
+	}
+	r.res.Extra["memory"] = out
+	var b strings.Builder
+	b.WriteString("## Memory per fork\n\n| checkpoint | layers (MiB) | private MiB/fork before flatten (lineage) | after (lineage), forks | flatten ms | flat file MiB |\n|---|---|---|---|---|---|\n")
+	for _, M := range out {
+		fmt.Fprintf(&b, "| %s | %d (%.0f) | %.1f (%.1f) | %.1f (%.1f), %d | %.0f | %.0f |\n", M.Checkpoint, M.Depth, M.LayersMB, M.BeforePrivateMB, M.BeforeLineageMB, M.AfterPrivateMB, M.AfterLineageMB, M.AfterForks, M.FlattenMS, M.FlatMB)
+	}
+	if len(out) == 2 && out[0].AfterPrivateMB > 0 && out[1].AfterForks > 0 {
+		ratio := out[1].AfterPrivateMB / out[0].AfterPrivateMB
+		r.res.Extra["memory_deep_vs_shallow"] = round3(ratio)
+		fmt.Fprintf(&b, "\nprivate memory per fork, depth %d / depth %d after flattening: %.2fx\n", out[1].Depth, out[0].Depth, ratio)
+	}
+	r.section("%s\n", b.String())
+}
+
+// TreeSize is the guest-size comparison (extra.size).
+type TreeSize struct {
+	MemoryMiB              int     `json:"memory_mib"`
+	WorldCheckpointMS      float64 `json:"world_checkpoint_ms"`
+	ForkCheckpointMS       float64 `json:"fork_checkpoint_ms"`
+	ForkCheckpointPausedMS float64 `json:"fork_checkpoint_paused_ms"`
+	ForkOfRunningForkMS    float64 `json:"fork_of_running_fork_ms"`
+	GrewBytes              int64   `json:"checkpoint_file_grew_bytes"` // the world checkpoint's RAM file, across the fork's checkpoint
+}
+
+// treeSize boots a second world of sizeMB, dirties it like the tree's, checkpoints it,
+// forks it, lets the fork write writeMB, checkpoints the fork and forks the running
+// fork: a checkpoint of a fork should cost the same at any guest size.
+func treeSize(r *runner, sizeMB, writeMB int) error {
+	ctx := r.ctx
+	spec := r.worldSpec("big", true)
+	spec.MemoryMiB = sizeMB
+	S := TreeSize{MemoryMiB: sizeMB}
+	vm, err := r.e.Create(ctx, spec)
+	if err != nil {
+		r.fail("size %d: boot: %v", sizeMB, err)
+		return nil
+	}
+	defer r.e.Delete(ctx, vm.Name())
+	if _, err := shell(ctx, vm, r.dirtyScript(), 10*time.Minute); err != nil {
+		r.fail("size %d: dirty: %v", sizeMB, err)
+		return nil
+	}
+	ck, err := r.e.Checkpoint(ctx, "big", "big0", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		r.fail("size %d: checkpoint: %v", sizeMB, err)
+		return nil
+	}
+	defer r.e.DeleteCheckpoint(ctx, "big0", &engine.DeleteCheckpointOptions{Force: true})
+	S.WorldCheckpointMS = ms(ck.Manifest.Timings.Total)
+	f, s := r.serialFork("big0", "bigf", "size-fork", 0, 1)
+	if f == nil {
+		r.fail("size %d: fork: %s", sizeMB, s.Error)
+		return nil
+	}
+	defer r.e.Delete(ctx, f.Name())
+	if _, err := shell(ctx, f, fmt.Sprintf("head -c %d /dev/urandom > /dev/shm/bigf", writeMB<<20), 5*time.Minute); err != nil {
+		r.fail("size %d: write: %v", sizeMB, err)
+		return nil
+	}
+	before := allocated(ck.Manifest.RAMPath)
+	c1, err := r.e.Checkpoint(ctx, "bigf", "big1", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		r.fail("size %d: checkpoint of the fork: %v", sizeMB, err)
+		return nil
+	}
+	defer r.e.DeleteCheckpoint(ctx, "big1", &engine.DeleteCheckpointOptions{Force: true})
+	S.GrewBytes = allocated(ck.Manifest.RAMPath) - before
+	S.ForkCheckpointMS, S.ForkCheckpointPausedMS = ms(c1.Manifest.Timings.Total), ms(c1.Manifest.Timings.Paused)
+	t := time.Now()
+	g, s := r.serialFork("bigf", "bigg", "size-fork-running", 0, 1)
+	if g == nil {
+		r.fail("size %d: fork of the running fork: %s", sizeMB, s.Error)
+	} else {
+		S.ForkOfRunningForkMS = ms(time.Since(t))
+		r.e.Delete(ctx, g.Name())
+	}
+	r.res.Extra["size"] = S
+	r.logf("size %d MiB: world checkpoint %.0f ms, checkpoint of its fork %.0f ms (paused %.0f), fork of the running fork %.0f ms; the world checkpoint's file grew %d bytes",
+		sizeMB, S.WorldCheckpointMS, S.ForkCheckpointMS, S.ForkCheckpointPausedMS, S.ForkOfRunningForkMS, S.GrewBytes)
+	r.section("## Guest size\n\n| guest MiB | world checkpoint ms | checkpoint of its fork ms (paused) | fork of the running fork ms | world file grew bytes |\n|---|---|---|---|---|\n| %d | %.0f | %.0f (%.0f) | %.0f | %d |\n\n",
+		sizeMB, S.WorldCheckpointMS, S.ForkCheckpointMS, S.ForkCheckpointPausedMS, S.ForkOfRunningForkMS, S.GrewBytes)
+	return nil
+}
+
+// allocated is a file's storage (st_blocks), 0 when unknown.
+func allocated(path string) int64 {
+	var st syscall.Stat_t
+	if syscall.Stat(path, &st) != nil {
+		return 0
+	}
+	return st.Blocks * 512
 }

@@ -316,10 +316,12 @@ func memCmd() *cli.Command {
 			}
 			mib := func(b int64) string { return fmt.Sprintf("%.1fM", float64(b)/(1<<20)) }
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "NAME\tPRIVATE\t= GUEST WRITTEN\t+ TCG CODE\t+ HEAP\t+ LIBRARIES\t+ PAGE TABLES\tSHARED\tGUEST FILE")
+			// LINEAGE is the part of GUEST WRITTEN that a fork of a delta checkpoint got
+			// from its ancestors' layers (private copies; 0 for a flattened checkpoint's).
+			fmt.Fprintln(tw, "NAME\tPRIVATE\t= GUEST WRITTEN\t(LINEAGE)\t+ TCG CODE\t+ HEAP\t+ LIBRARIES\t+ PAGE TABLES\tSHARED\tGUEST FILE")
 			for _, r := range rows {
 				u := r.MemoryUsage
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.TCGCode),
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.GuestLineage), mib(u.TCGCode),
 					mib(u.Heap), mib(u.Libraries), mib(u.PageTables), mib(u.Shared), mib(u.GuestFile))
 			}
 			return tw.Flush()
@@ -369,7 +371,8 @@ func checkpointCmd() *cli.Command {
 		ArgsUsage: "VM NAME",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "pin", Usage: "keep the checkpoint when its last fork is deleted"},
-			&cli.BoolFlag{Name: "handoff", Usage: "do not copy RAM: the VM restarts as a copy-on-write fork of the checkpoint (time independent of guest size)"},
+			&cli.BoolFlag{Name: "handoff", Usage: "do not copy RAM: the VM restarts as a copy-on-write fork of the checkpoint (time independent of guest size); " +
+				"from then on it is a fork, so its later checkpoints are delta checkpoints (device state and the pages it wrote since: their cost follows what it wrote, not its size)"},
 			&cli.BoolFlag{Name: "json", Usage: "print the checkpoint as JSON"},
 		},
 		Commands: []*cli.Command{{

@@ -21,6 +21,12 @@
 //	    create the forkable world NAME with a 16 MiB disk, write NAME to /data/m, print
 //	    "READY", take the handoff checkpoint NAME-ck, print "CK", and block until killed.
 //
+//	enginehelper -state DIR -cache DIR -kernel K -initrd I -deltack NAME
+//	    create the world "w" (16 MiB disk), its pinned checkpoint "base" and its fork
+//	    "fw", which writes 128 MiB to /dev/shm/big and "fw" to /data/m, unless they
+//	    exist; print "READY", take the pinned delta checkpoint NAME of fw, print "CK",
+//	    and block until killed.
+//
 //	enginehelper -dial SOCKET
 //	    connect to a unix socket and exit 0 on success, 3 when permission was denied,
 //	    4 on any other error (used to check other users cannot reach engine sockets).
@@ -51,6 +57,7 @@ func main() {
 	n := flag.Int("n", 6, "number of forks")
 	ckloop := flag.Bool("ckloop", false, "checkpoint the world in a loop")
 	handoff := flag.String("handoff", "", "create this world, then take a handoff checkpoint of it")
+	deltack := flag.String("deltack", "", "make a fork, then take this delta checkpoint of it")
 	dial := flag.String("dial", "", "only dial this unix socket")
 	open := flag.String("open", "", "only open this file")
 	flag.Parse()
@@ -66,6 +73,13 @@ func main() {
 		exitFor(err)
 		f.Close()
 		os.Exit(0)
+	}
+	if *deltack != "" {
+		if err := runDeltaCheckpoint(*state, *cache, *kernel, *initrd, *deltack); err != nil {
+			fmt.Println("ERROR", err)
+			os.Exit(1)
+		}
+		select {}
 	}
 	if *handoff != "" {
 		if err := runHandoff(*state, *cache, *kernel, *initrd, *handoff); err != nil {
@@ -178,6 +192,40 @@ func runHandoff(state, cache, kernel, initrd, name string) error {
 	}
 	fmt.Println("READY")
 	if _, err := e.Checkpoint(ctx, name, name+"-ck", &engine.CheckpointOptions{Handoff: true, Pin: true}); err != nil {
+		return err
+	}
+	fmt.Println("CK")
+	return nil
+}
+
+func runDeltaCheckpoint(state, cache, kernel, initrd, name string) error {
+	ctx := context.Background()
+	e, err := engine.New(ctx, &engine.Config{
+		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
+		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second,
+	})
+	if err != nil {
+		return err
+	}
+	if _, err := e.Get("fw"); err != nil {
+		if _, err := e.Create(ctx, engine.Spec{Name: "w", CPUs: 1, MemoryMiB: 384, Forkable: true, DiskMiB: 16}); err != nil {
+			return err
+		}
+		if _, err := e.Checkpoint(ctx, "w", "base", &engine.CheckpointOptions{Pin: true}); err != nil {
+			return err
+		}
+		fw, err := e.Fork(ctx, "base", &engine.ForkOptions{Name: "fw"})
+		if err != nil {
+			return err
+		}
+		// Many pages to extract: the guest stays stopped for a while.
+		script := "head -c 134217728 /dev/urandom > /dev/shm/big && echo fw > /data/m && sync"
+		if code, err := fw.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", script}}); err != nil || code != 0 {
+			return fmt.Errorf("fw: write: %d %v", code, err)
+		}
+	}
+	fmt.Println("READY")
+	if _, err := e.Checkpoint(ctx, "fw", name, &engine.CheckpointOptions{Pin: true}); err != nil {
 		return err
 	}
 	fmt.Println("CK")

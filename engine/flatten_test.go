@@ -1,0 +1,142 @@
+package engine
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestFlatten: a delta checkpoint's flattened RAM file holds its root's data with every
+// layer applied (a newer layer's page wins), forks are prepared to map it, a world
+// checkpoint is refused, a second flatten is a no-op, a half-written one is reaped by
+// the next engine and a committed one is kept, and it goes with its checkpoint.
+func TestFlatten(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.FlattenMiB = -1
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *CheckpointManifest) { c.Pinned = true })
+	// Layers: d1 writes page 0, d2 page 1 (writeDeltaCheckpoint: layer i writes page i).
+	d := writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
+	// The root's data (written after: making the delta truncates the shared file).
+	rootPage := bytes.Repeat([]byte{'R'}, 4096)
+	f, err := os.OpenFile(root.RAMPath, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt(rootPage, 0)
+	f.WriteAt(rootPage, 5*4096)
+	f.Close()
+	if _, err := e.Flatten(t.Context(), "root"); !errors.Is(err, ErrInvalidSpec) {
+		t.Errorf("flatten of a world checkpoint: %v", err)
+	}
+	if _, err := e.Flatten(t.Context(), "nope"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("flatten of a missing checkpoint: %v", err)
+	}
+	st, err := e.Flatten(t.Context(), "d2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Path != filepath.Join(cfg.RAMDir, "ck-d2.flat") || st.LayerBytes != 2*4096 || st.RootBytes < 2*4096 {
+		t.Errorf("stats %+v", st)
+	}
+	b, err := os.ReadFile(st.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range map[int]byte{0: 'd', 1: 'd', 2: 0, 5: 'R'} {
+		if got := b[p*4096]; got != want {
+			t.Errorf("page %d of the flat file starts %q, want %q", p, got, want)
+		}
+	}
+	if again, err := e.Flatten(t.Context(), "d2"); err != nil || !again.Already {
+		t.Errorf("second flatten: %+v %v", again, err)
+	}
+	c, err := e.LoadCheckpoint("d2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vm, err := prepareFork(t.Context(), e.paths, e.log, "/q", c, "f")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if vm.m.Launch.RAM.Path != st.Path || vm.m.Launch.RAM.Shared {
+		t.Errorf("a fork of the flattened checkpoint maps %q (shared %v)", vm.m.Launch.RAM.Path, vm.m.Launch.RAM.Shared)
+	}
+	if err := injectLayers(vm, c); err != nil { // no process: it must not try
+		t.Errorf("inject for a flat mapping: %v", err)
+	}
+	e.paths.removeVMFiles("f", &vm.m)
+	infos, err := e.Checkpoints()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range infos {
+		if (in.Name == "d2") != (in.FlatBytes > 0) {
+			t.Errorf("%s: flat bytes %d", in.Name, in.FlatBytes)
+		}
+	}
+	if in, err := e.CheckpointInfo("d2"); err != nil || in.FlatBytes == 0 {
+		t.Errorf("CheckpointInfo d2: %d %v", in.FlatBytes, err)
+	}
+
+	// Restart: a half-written flatten is reaped, the committed one stays.
+	e.Close()
+	half := filepath.Join(cfg.RAMDir, "ck-d2.flat.tmp-abcd")
+	touch(t, half, d.RAMSize)
+	orphan := filepath.Join(cfg.RAMDir, "ck-gone.flat")
+	touch(t, orphan, d.RAMSize)
+	e2 := newTestEngine(t, cfg)
+	if exists(half) || exists(orphan) {
+		t.Errorf("after New: half-written %v, orphan %v", exists(half), exists(orphan))
+	}
+	if !exists(st.Path) {
+		t.Fatal("the committed flat file was reaped")
+	}
+	if err := e2.DeleteCheckpoint(t.Context(), "d2", &DeleteCheckpointOptions{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	if exists(st.Path) {
+		t.Error("the flat file outlived its checkpoint")
+	}
+}
+
+// TestFlattenPolicy: the background flatten is queued for delta checkpoints whose layers
+// hold at least FlattenMiB, never for world checkpoints or with FlattenMiB negative.
+func TestFlattenPolicy(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		kind   string
+		minMiB int64
+		layers int64
+		queued bool
+	}{
+		{"deep enough", checkpointKindDelta, 1, 2 << 20, true},
+		{"shallow", checkpointKindDelta, 64, 20 << 20, false},
+		{"world", "", 1, 0, false},
+		{"never", checkpointKindDelta, -1, 1 << 30, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig(t)
+			cfg.FlattenMiB = tc.minMiB
+			r, err := cfg.resolve()
+			if err != nil {
+				t.Fatal(err)
+			}
+			e := &Engine{cfg: r, paths: r.paths, flat: newFlattener()}
+			ck := &CheckpointManifest{Name: "c", Kind: tc.kind, RAMSize: 2 << 20}
+			if tc.layers > 0 {
+				ck.Layers = []RAMLayer{{Checkpoint: "c", Size: tc.layers}}
+			}
+			e.flattenLater(ck)
+			if got := e.flat.queued["c"]; got != tc.queued {
+				t.Errorf("queued %v, want %v", got, tc.queued)
+			}
+			if strings.Contains(tc.name, "deep") && len(e.flat.pending) != 1 {
+				t.Errorf("pending %v", e.flat.pending)
+			}
+		})
+	}
+}
