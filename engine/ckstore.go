@@ -193,30 +193,55 @@ func (s *checkpointStore) remove(name string) {
 // punch gives back the storage that forks faulted into the holes the checkpoint's RAM
 // file had when it was frozen: a fork's write to, or a full save's read of, guest memory
 // that nobody wrote allocates a zero page in the shared file (tmpfs). Those pages only
-// ever hold zeros, so punching them changes nothing any fork reads. Checkpoints frozen
-// without a hole list are left alone.
+// ever hold zeros, so punching them changes nothing any fork reads. The hole list is
+// acted on only when it matches the manifest's digest, and even then only pages that
+// read as zero are punched (memfile.PunchHoles): a damaged list is reported
+// (ErrCheckpointCorrupt, logged) and never zeroes data. Checkpoints frozen without a
+// recorded list are left alone.
 func (s *checkpointStore) punch(name string) {
-	c, err := s.read(name)
+	freed, err := s.punchHoles(name)
 	if err != nil {
-		return
-	}
-	b, err := os.ReadFile(filepath.Join(c.Dir, ramHolesFile))
-	if err != nil {
-		return
-	}
-	holes, err := memfile.DecodeRanges(b, c.Manifest.RAMSize)
-	if err != nil {
-		s.log.Warn("checkpoint hole list unreadable", "checkpoint", name, "err", err)
-		return
-	}
-	freed, err := memfile.PunchHoles(c.Manifest.RAMPath, holes)
-	if err != nil {
-		s.log.Warn("punching checkpoint holes failed", "checkpoint", name, "err", err)
+		s.log.Warn("not punching a checkpoint's holes", "checkpoint", name, "err", err)
 		return
 	}
 	if freed > 0 {
 		s.log.Info("gave back pages faulted into a checkpoint's holes", "checkpoint", name, "bytes", freed)
 	}
+}
+
+// punchHoles is punch, returning the bytes freed; a missing list is no error.
+func (s *checkpointStore) punchHoles(name string) (int64, error) {
+	c, err := s.read(name)
+	if err != nil {
+		if errors.Is(err, ErrNotFound) {
+			return 0, nil
+		}
+		return 0, err
+	}
+	b, err := os.ReadFile(filepath.Join(c.Dir, ramHolesFile))
+	if errors.Is(err, os.ErrNotExist) && c.Manifest.RAMHolesSHA256 == "" {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("%w: %s: hole list: %v", ErrCheckpointCorrupt, name, err)
+	}
+	if c.Manifest.RAMHolesSHA256 == "" {
+		// Written before lists had digests: unverifiable, so never acted on.
+		s.log.Debug("checkpoint hole list has no digest: not punching", "checkpoint", name)
+		return 0, nil
+	}
+	if sum := bytesSHA256(b); sum != c.Manifest.RAMHolesSHA256 {
+		return 0, fmt.Errorf("%w: %s: hole list sha256 %s, manifest says %s", ErrCheckpointCorrupt, name, sum[:16], c.Manifest.RAMHolesSHA256[:min(16, len(c.Manifest.RAMHolesSHA256))])
+	}
+	holes, err := memfile.DecodeRanges(b, c.Manifest.RAMSize)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %s: hole list: %v", ErrCheckpointCorrupt, name, err)
+	}
+	freed, err := memfile.PunchHoles(c.Manifest.RAMPath, holes)
+	if err != nil {
+		return 0, fmt.Errorf("engine: checkpoint %s: %w", name, err)
+	}
+	return freed, nil
 }
 
 // markForked records that a checkpoint has had a fork (see forkedMarker).

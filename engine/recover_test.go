@@ -45,8 +45,9 @@ func TestNewRecoverRepairsCheckpoints(t *testing.T) {
 	cks := filepath.Join(cfg.StateDir, "checkpoints")
 
 	// ck: a pinned checkpoint frozen all holes, into which its half-made fork f wrote.
-	ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned = true })
-	if err := os.WriteFile(filepath.Join(cks, "ck", ramHolesFile), memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: ck.RAMSize}}), 0o600); err != nil {
+	holes := memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: 2 << 20}})
+	ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned, c.RAMHolesSHA256 = true, bytesSHA256(holes) })
+	if err := os.WriteFile(filepath.Join(cks, "ck", ramHolesFile), holes, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	f, err := os.OpenFile(ck.RAMPath, os.O_WRONLY, 0)
@@ -100,5 +101,70 @@ func TestNewRecoverRepairsCheckpoints(t *testing.T) {
 	}
 	if _, err := e.LoadCheckpoint("ck"); err != nil {
 		t.Errorf("pinned ck after New: %v", err)
+	}
+}
+
+// TestPunchNeverZeroesData: a hole list that covers the checkpoint's data (one range
+// over the whole RAM file, as a damaged or hostile file would say) must never zero it.
+// A half-made fork of the checkpoint is reaped at New, which punches the checkpoint's
+// holes: with no digest in the manifest, or one that does not match, the list is not
+// acted on; with a matching digest only the pages that read as zero are punched.
+func TestPunchNeverZeroesData(t *testing.T) {
+	if st, err := os.Stat("/dev/shm"); err != nil || !st.IsDir() {
+		t.Skip("no /dev/shm")
+	}
+	bad := memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: 2 << 20}})
+	for _, tc := range []struct {
+		name   string
+		digest string
+		freed  bool // the zero pages faulted in are given back
+	}{
+		{"no digest", "", false},
+		{"wrong digest", bytesSHA256([]byte("another list")), false},
+		{"digest of the bad list", bytesSHA256(bad), true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig(t)
+			shm, err := os.MkdirTemp("/dev/shm", "eut-")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { os.RemoveAll(shm) })
+			cfg.RAMDir = filepath.Join(shm, "ram")
+			ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned, c.RAMHolesSHA256 = true, tc.digest })
+			if err := os.WriteFile(filepath.Join(cfg.StateDir, "checkpoints", "ck", ramHolesFile), bad, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			f, err := os.OpenFile(ck.RAMPath, os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			data := []byte("guest memory that must survive")
+			if _, err := f.WriteAt(data, 1<<20); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := f.WriteAt(make([]byte, 64<<10), 1536<<10); err != nil { // faulted-in zeros
+				t.Fatal(err)
+			}
+			f.Close()
+			before := allocated(t, ck.RAMPath)
+			half := vmManifest(cfg, "f", StateStarting, deadPID(t))
+			half.Parent = "ck"
+			writeVMManifest(t, filepath.Join(cfg.StateDir, "vms"), "f", half)
+
+			newTestEngine(t, cfg)
+
+			b, err := os.ReadFile(ck.RAMPath)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := b[1<<20 : 1<<20+len(data)]; string(got) != string(data) {
+				t.Fatalf("checkpoint RAM at 1 MiB reads %q after the punch, want %q", got, data)
+			}
+			after := allocated(t, ck.RAMPath)
+			if tc.freed != (after < before) || after == 0 {
+				t.Errorf("allocated %d before, %d after the punch (want freed: %v, data kept)", before, after, tc.freed)
+			}
+		})
 	}
 }
