@@ -27,6 +27,10 @@ func (c *Checkpoint) StatePath() string { return filepath.Join(c.Dir, stateFile)
 type CheckpointInfo struct {
 	CheckpointManifest
 	Forks []string `json:"forks"`
+	// Corrupt, when set, says why the checkpoint's manifest cannot be read: only Name
+	// and Forks are known. A corrupt checkpoint is listed and kept (never collected)
+	// until it is deleted explicitly.
+	Corrupt string `json:"corrupt,omitempty"`
 }
 
 // checkpointStore reads, verifies, lists and removes committed checkpoints. Writing one
@@ -40,6 +44,9 @@ type checkpointStore struct {
 
 	mu       sync.Mutex
 	verified map[string]string // name -> fingerprint of the verified files
+	// held names the checkpoints that VMs kept aside at recovery (their manifests
+	// unreadable) were forked from: never collected while this engine runs.
+	held map[string]bool
 }
 
 func (s *checkpointStore) exists(name string) bool {
@@ -160,7 +167,11 @@ func (s *checkpointStore) list(forks map[string][]string) ([]CheckpointInfo, err
 			continue
 		}
 		c, err := s.read(ent.Name())
+		if errors.Is(err, ErrNotFound) {
+			continue // deleted meanwhile
+		}
 		if err != nil {
+			out = append(out, CheckpointInfo{CheckpointManifest: CheckpointManifest{Name: ent.Name()}, Forks: forks[ent.Name()], Corrupt: err.Error()})
 			continue
 		}
 		out = append(out, CheckpointInfo{CheckpointManifest: c.Manifest, Forks: forks[c.Manifest.Name]})
@@ -244,6 +255,16 @@ func (s *checkpointStore) punchHoles(name string) (int64, error) {
 	return freed, nil
 }
 
+// hold keeps checkpoint name from being collected while the engine runs.
+func (s *checkpointStore) hold(name string) {
+	s.mu.Lock()
+	if s.held == nil {
+		s.held = map[string]bool{}
+	}
+	s.held[name] = true
+	s.mu.Unlock()
+}
+
 // markForked records that a checkpoint has had a fork (see forkedMarker).
 func (s *checkpointStore) markForked(name string) {
 	f, err := os.OpenFile(filepath.Join(s.paths.checkpointDir(name), forkedMarker), os.O_CREATE|os.O_WRONLY, 0o600)
@@ -253,7 +274,7 @@ func (s *checkpointStore) markForked(name string) {
 }
 
 // collect deletes an unpinned checkpoint that has had its forks (or is implicit) when
-// forks reports none left. The manifest decides; the files are verified (hashed) only
+// forks reports none left (and no VM kept aside holds it). The manifest decides; the files are verified (hashed) only
 // for a checkpoint that is about to go, so an engine start does not hash every one.
 func (s *checkpointStore) collect(name string, forks func(string) int) {
 	c, err := s.read(name)
@@ -263,7 +284,10 @@ func (s *checkpointStore) collect(name string, forks func(string) int) {
 	if _, err := os.Stat(filepath.Join(c.Dir, forkedMarker)); err != nil && !c.Manifest.Implicit {
 		return
 	}
-	if forks(name) == 0 && s.verify(c) == nil {
+	s.mu.Lock()
+	held := s.held[name]
+	s.mu.Unlock()
+	if forks(name) == 0 && !held && s.verify(c) == nil {
 		s.log.Info("deleting unpinned checkpoint (no forks left)", "checkpoint", name)
 		s.remove(name)
 	}

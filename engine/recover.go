@@ -4,10 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sort"
+	"strings"
 	"syscall"
 	"time"
 
@@ -38,7 +41,7 @@ import (
 //   - the checkpoints of reaped forks get back the zero pages those forks faulted into
 //     their RAM files' holes (checkpointStore.punch), as a deleted fork's checkpoint does.
 func (e *Engine) recoverState() error {
-	reapedFrom, err := recoverVMs(e.paths, e.vms, e.log)
+	reapedFrom, err := recoverVMs(e.paths, e.vms, e.log, e.cks.hold)
 	if err != nil {
 		return err
 	}
@@ -59,7 +62,7 @@ func (e *Engine) recoverState() error {
 // confirmed ready) are killed and removed. Nothing is guessed: a VM counts only once its
 // agent answered. It returns the checkpoints (sorted, once each) that the half-made
 // forks it removed were made from.
-func recoverVMs(paths layout, reg *registry, log *slog.Logger) ([]string, error) {
+func recoverVMs(paths layout, reg *registry, log *slog.Logger, held func(ck string)) ([]string, error) {
 	ents, err := os.ReadDir(paths.vmsDir())
 	if err != nil {
 		return nil, err
@@ -69,11 +72,24 @@ func recoverVMs(paths layout, reg *registry, log *slog.Logger) ([]string, error)
 		if !ent.IsDir() {
 			continue
 		}
+		if strings.HasPrefix(ent.Name(), corruptPrefix) {
+			continue // kept aside by an earlier start
+		}
 		dir := paths.vmDir(ent.Name())
 		m, err := loadManifest(filepath.Join(dir, manifestFile))
-		if err != nil || m.Name != ent.Name() {
-			log.Info("reaping vm directory without a valid manifest", "dir", dir, "err", err)
-			paths.removeVMFiles(ent.Name(), nil)
+		if err == nil && m.Name != ent.Name() {
+			err = fmt.Errorf("manifest names %q", m.Name)
+		}
+		if err != nil {
+			pids := qemusOf(paths.runDir(ent.Name()))
+			if errors.Is(err, os.ErrNotExist) && len(pids) == 0 {
+				// The first manifest is written before QEMU is spawned: no manifest
+				// and no QEMU is a create or fork that never started.
+				log.Info("reaping vm directory that never had a manifest", "dir", dir)
+				paths.removeVMFiles(ent.Name(), nil)
+				continue
+			}
+			keepAside(paths, log, ent.Name(), err, pids, held)
 			continue
 		}
 		vm := adoptVM(dir, log, m)
@@ -107,6 +123,54 @@ func recoverVMs(paths layout, reg *registry, log *slog.Logger) ([]string, error)
 	return out, nil
 }
 
+// corruptPrefix starts the name of a VM directory (and its run directory and RAM file)
+// kept aside because its manifest could not be read: no valid name starts with '.'.
+const corruptPrefix = ".corrupt-"
+
+// parentRE finds a fork's checkpoint in a manifest too damaged to decode.
+var parentRE = regexp.MustCompile(`"parent":\s*"([^"]+)"`)
+
+// keepAside moves a VM whose manifest cannot be read out of the engine's way, deleting
+// nothing: its directory, run directory and RAM file get the name .corrupt-NAME (with a
+// number when that is taken), and a warning names them, the error and the QEMU
+// processes still using its QMP socket (left running: nothing proves they are half-made;
+// their data may be needed). The checkpoint a damaged fork names, if any can be read, is
+// held (never collected while this engine runs).
+func keepAside(paths layout, log *slog.Logger, name string, cause error, pids []int, held func(string)) {
+	aside := corruptPrefix + name
+	for i := 2; ; i++ {
+		_, e1 := os.Lstat(paths.vmDir(aside))
+		_, e2 := os.Lstat(paths.runDir(aside))
+		_, e3 := os.Lstat(filepath.Join(paths.ram, aside+".ram"))
+		if errors.Is(e1, os.ErrNotExist) && errors.Is(e2, os.ErrNotExist) && errors.Is(e3, os.ErrNotExist) {
+			break
+		}
+		aside = fmt.Sprintf("%s%s-%d", corruptPrefix, name, i)
+	}
+	if err := os.Rename(paths.vmDir(name), paths.vmDir(aside)); err != nil {
+		log.Warn("vm manifest unreadable and the vm cannot be moved aside: left in place, not adopted",
+			"vm", name, "err", cause, "move_err", err, "qemu_pids", pids)
+		return
+	}
+	os.Rename(paths.runDir(name), paths.runDir(aside))
+	os.Rename(paths.vmRAM(name), filepath.Join(paths.ram, aside+".ram"))
+	parent := ""
+	if b, err := os.ReadFile(filepath.Join(paths.vmDir(aside), manifestFile)); err == nil {
+		if m := parentRE.FindSubmatch(b); m != nil && ValidateName(string(m[1])) == nil {
+			parent = string(m[1])
+			held(parent)
+		}
+	}
+	log.Warn("vm manifest unreadable: kept aside, not adopted (nothing deleted; inspect and remove it yourself)",
+		"vm", name, "moved_to", paths.vmDir(aside), "err", cause, "qemu_pids", pids, "checkpoint", parent)
+}
+
+// qemusOf returns the processes using the QMP socket of a VM's run directory.
+func qemusOf(runDir string) []int {
+	pids, _ := memfile.ProcessesWithArg("path=" + escapeOpt(filepath.Join(runDir, qmpSockName)) + ",")
+	return pids
+}
+
 // killOrphans SIGKILLs QEMU processes of a half-made VM that its manifest does not
 // name: the engine may have died between spawning QEMU and recording its pid. They are
 // recognised by their QMP socket argument, unique to this state dir and VM.
@@ -114,8 +178,7 @@ func killOrphans(m *manifest) {
 	if m.Launch.RunDir == "" {
 		return
 	}
-	pids, _ := memfile.ProcessesWithArg("path=" + escapeOpt(m.Launch.qmpSocket()) + ",")
-	for _, pid := range pids {
+	for _, pid := range qemusOf(m.Launch.RunDir) {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
 }

@@ -1,9 +1,16 @@
 package engine
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -167,4 +174,109 @@ func TestPunchNeverZeroesData(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestNewKeepsCorruptVMAside: a VM whose manifest cannot be read (truncated, or naming
+// another VM) is not deleted at New: its directory, run directory and RAM file are
+// moved to .corrupt-NAME (numbered when taken), a warning names it and the QEMU still
+// using its QMP socket (left running), and the checkpoint a damaged fork names is not
+// collected. A directory that never had a manifest and no QEMU is a create that never
+// started: removed. A checkpoint whose manifest is corrupt is listed as corrupt with its
+// live forks, never dropped silently.
+func TestNewKeepsCorruptVMAside(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.RunDir = filepath.Join(cfg.StateDir, "run")
+	var logBuf bytes.Buffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logBuf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	vms := filepath.Join(cfg.StateDir, "vms")
+
+	// dl: a world with a disk whose manifest was truncated; its "QEMU" still runs.
+	good, _ := json.Marshal(vmManifest(cfg, "dl", StateRunning, deadPID(t)))
+	touch(t, filepath.Join(vms, "dl", rawDiskFile), 1<<20)
+	if err := os.WriteFile(filepath.Join(vms, "dl", manifestFile), good[:len(good)/2], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	touch(t, filepath.Join(cfg.RAMDir, "vm-dl.ram"), 1<<20)
+	qmpSock := filepath.Join(cfg.RunDir, "dl", qmpSockName)
+	touch(t, qmpSock, 0)
+	proc := exec.Command("sh", "-c", "sleep 60", "-chardev", "socket,id=qmp,path="+qmpSock+",server=on,wait=off")
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proc.Process.Kill(); proc.Wait() })
+	// An earlier start kept a dl aside already: the new one gets a number.
+	touch(t, filepath.Join(vms, ".corrupt-dl", manifestFile), 3)
+
+	// f: a fork of the unpinned, forked checkpoint ck whose manifest names another VM;
+	// ck must not be collected although no registered VM is its fork.
+	writeCheckpoint(t, cfg, "ck", nil)
+	touch(t, filepath.Join(cfg.StateDir, "checkpoints", "ck", forkedMarker), 0)
+	fm := vmManifest(cfg, "other", StateRunning, deadPID(t))
+	fm.Parent = "ck"
+	writeVMManifest(t, vms, "f", fm)
+
+	// half: a directory without a manifest and without a QEMU.
+	touch(t, filepath.Join(vms, "half", rawDiskFile), 1<<20)
+
+	// bad: a checkpoint with a corrupt manifest and a live fork g.
+	writeCheckpoint(t, cfg, "bad", func(c *CheckpointManifest) { c.Pinned = true })
+	if err := os.WriteFile(filepath.Join(cfg.StateDir, "checkpoints", "bad", manifestFile), []byte(`{"version":1,"na`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	g := vmManifest(cfg, "g", StateRunning, deadPID(t))
+	g.Parent = "bad"
+	writeVMManifest(t, vms, "g", g)
+
+	e := newTestEngine(t, cfg)
+
+	for _, p := range []string{
+		filepath.Join(vms, ".corrupt-dl-2", rawDiskFile), filepath.Join(vms, ".corrupt-dl-2", manifestFile),
+		filepath.Join(cfg.RAMDir, ".corrupt-dl-2.ram"), filepath.Join(cfg.RunDir, ".corrupt-dl-2", qmpSockName),
+		filepath.Join(vms, ".corrupt-dl", manifestFile), filepath.Join(vms, ".corrupt-f", manifestFile),
+	} {
+		if !exists(p) {
+			t.Errorf("%s is missing after New", p)
+		}
+	}
+	for _, p := range []string{filepath.Join(vms, "dl"), filepath.Join(vms, "f"), filepath.Join(vms, "half")} {
+		if exists(p) {
+			t.Errorf("%s is still there (the name must be free for a new VM)", p)
+		}
+	}
+	if !processAliveT(proc.Process.Pid) {
+		t.Errorf("the QEMU of the kept-aside VM was killed")
+	}
+	log := logBuf.String()
+	for _, want := range []string{"vm=dl", ".corrupt-dl-2", fmt.Sprintf("qemu_pids=[%d]", proc.Process.Pid), "vm=f", "checkpoint=ck"} {
+		if !strings.Contains(log, want) {
+			t.Errorf("warnings do not say %q:\n%s", want, log)
+		}
+	}
+	if _, err := e.Get("dl"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Get(dl) = %v, want ErrNotFound", err)
+	}
+	if !exists(filepath.Join(cfg.StateDir, "checkpoints", "ck", manifestFile)) {
+		t.Errorf("checkpoint ck of the kept-aside fork f was collected")
+	}
+	cks, err := e.Checkpoints()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found bool
+	for _, c := range cks {
+		if c.Name == "bad" {
+			found = true
+			if c.Corrupt == "" || len(c.Forks) != 1 || c.Forks[0] != "g" {
+				t.Errorf("corrupt checkpoint listed as %+v", c)
+			}
+		}
+	}
+	if !found {
+		t.Errorf("corrupt checkpoint bad is not listed: %+v", cks)
+	}
+}
+
+func processAliveT(pid int) bool {
+	_, err := procStartTime(pid)
+	return err == nil
 }
