@@ -80,7 +80,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	if err := e.lock(ctx); err != nil {
 		return nil, err
 	}
-	if err := e.recoverState(); err != nil {
+	if err := e.recoverState(ctx); err != nil {
 		e.unlock()
 		return nil, fmt.Errorf("engine: recover %s: %w", e.paths.state, err)
 	}

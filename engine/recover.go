@@ -34,14 +34,15 @@ import (
 //     repaired (VM.recoverCheckpointing): migration cancelled, disk chain settled, guest
 //     resumed.
 //   - a VM whose handoff checkpoint the crash cut short (VM.recoverHandoff) runs on as
-//     before when the checkpoint was not committed; once it was, the RAM file is the
-//     checkpoint's and the VM is kept as dead (its QEMU killed): fork the checkpoint.
+//     before when the checkpoint was not committed; once it was, the handoff is
+//     finished: the VM restarts from the checkpoint under its own name (kept as dead,
+//     the checkpoint holding its state, only if that restart fails).
 //   - checkpoints (checkpointStore.reap): half-written ones, RAM files and temporary
 //     files nothing owns are removed; unpinned checkpoints without forks are collected.
 //   - the checkpoints of reaped forks get back the zero pages those forks faulted into
 //     their RAM files' holes (checkpointStore.punch), as a deleted fork's checkpoint does.
-func (e *Engine) recoverState() error {
-	reapedFrom, err := recoverVMs(e.paths, e.vms, e.log, e.cks.hold)
+func (e *Engine) recoverState(ctx context.Context) error {
+	reapedFrom, err := recoverVMs(ctx, e.paths, e.vms, e.log, e.cks.hold, e.cfg.ForkTimeout)
 	if err != nil {
 		return err
 	}
@@ -62,7 +63,7 @@ func (e *Engine) recoverState() error {
 // confirmed ready) are killed and removed. Nothing is guessed: a VM counts only once its
 // agent answered. It returns the checkpoints (sorted, once each) that the half-made
 // forks it removed were made from.
-func recoverVMs(paths layout, reg *registry, log *slog.Logger, held func(ck string)) ([]string, error) {
+func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logger, held func(ck string), timeout time.Duration) ([]string, error) {
 	ents, err := os.ReadDir(paths.vmsDir())
 	if err != nil {
 		return nil, err
@@ -94,7 +95,7 @@ func recoverVMs(paths layout, reg *registry, log *slog.Logger, held func(ck stri
 		}
 		vm := adoptVM(dir, log, m)
 		if mk, ok := readCheckpointing(vm.path(checkpointingFile)); ok && mk.Handoff {
-			vm.recoverHandoff(paths, log, mk)
+			vm.recoverHandoff(ctx, paths, log, mk, timeout)
 			m = &vm.m
 		}
 		if m.State == StateRunning {
@@ -270,16 +271,31 @@ func readCheckpointing(path string) (checkpointing, bool) {
 
 // recoverHandoff settles a VM whose engine died during a handoff checkpoint (its
 // marker says where the RAM file was going). Before the checkpoint was committed, the
-// RAM file and the disk go back as they were and the marker stays for
+// RAM file (still at its temporary name, or already at the checkpoint's, whose directory
+// never got there) and the disk go back as they were and the marker stays for
 // recoverCheckpointing, which resumes the old QEMU. After, the RAM file belongs to the
-// checkpoint and the old QEMU must never run again (it maps that file share=on): every
-// QEMU of the VM is killed, and the VM is kept, as dead, for its owner to see and
-// delete; the checkpoint holds its state (fork it to go on).
-func (vm *VM) recoverHandoff(paths layout, log *slog.Logger, mk checkpointing) {
-	if _, err := os.Stat(filepath.Join(paths.checkpointDir(mk.Checkpoint), manifestFile)); err != nil {
-		if mk.RAMTmp != "" && mk.RAM != "" {
+// checkpoint and the old QEMU must never run again (it maps that file share=on): the
+// handoff is finished as it would have been: every QEMU of the VM is killed and the VM
+// restarts from the checkpoint under its own name, with its token, disk and ports (a
+// handoff that had already finished is left alone). Only when that restart fails is the
+// VM kept as dead, the checkpoint holding its state (fork it to go on).
+func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger, mk checkpointing, timeout time.Duration) {
+	ckDir := paths.checkpointDir(mk.Checkpoint)
+	b, err := os.ReadFile(filepath.Join(ckDir, manifestFile))
+	if errors.Is(err, os.ErrNotExist) {
+		if mk.RAM != "" {
 			if _, err := os.Stat(mk.RAM); errors.Is(err, os.ErrNotExist) {
-				if err := os.Rename(mk.RAMTmp, mk.RAM); err != nil {
+				// The commit renames the RAM file to the checkpoint's name before the
+				// directory: it may be at either.
+				for _, from := range []string{mk.RAMTmp, paths.checkpointRAM(mk.Checkpoint)} {
+					if from == "" {
+						continue
+					}
+					if err = os.Rename(from, mk.RAM); err == nil {
+						break
+					}
+				}
+				if err != nil {
 					log.Warn("recover: handoff cut short: cannot put the RAM file back", "vm", vm.m.Name, "err", err)
 				}
 			}
@@ -290,12 +306,50 @@ func (vm *VM) recoverHandoff(paths layout, log *slog.Logger, mk checkpointing) {
 		return
 	}
 	defer os.Remove(vm.path(checkpointingFile))
+	var ck *CheckpointManifest
+	if err == nil {
+		ck, err = decodeCheckpointManifest(b)
+	}
+	if err == nil && ck.Name != mk.Checkpoint {
+		err = fmt.Errorf("manifest names %q", ck.Name)
+	}
+	vm.mu.Lock()
+	done := vm.m.State == StateRunning && vm.m.Parent == mk.Checkpoint && !vm.m.Launch.RAM.Shared
+	vm.mu.Unlock()
+	if done && vm.alive() {
+		return // the crash came after the restart, before the marker went
+	}
 	vm.kill()
+	pids := qemusOf(vm.m.Launch.RunDir)
 	killOrphans(&vm.m)
+	waitGone(pids, 5*time.Second)
+	if err == nil {
+		rctx, cancel := context.WithTimeout(ctx, timeout)
+		vm.mu.Lock()
+		vm.relaunchHandedOff(paths, ck, mk.NewTop)
+		vm.mu.Unlock()
+		err = vm.restartHandedOff(rctx, &Checkpoint{Manifest: *ck, Dir: ckDir})
+		cancel()
+		if err == nil {
+			log.Warn("recover: finished a handoff cut short: the vm runs again from its checkpoint", "vm", vm.m.Name, "checkpoint", mk.Checkpoint)
+			return
+		}
+		vm.kill()
+	}
 	vm.mu.Lock()
 	vm.m.State = StateRunning // listed as dead: its QEMU is gone
-	err := vm.saveLocked()
+	serr := vm.saveLocked()
 	vm.mu.Unlock()
-	log.Warn("recover: handoff cut short after its checkpoint was committed; the vm is dead, fork the checkpoint to go on",
-		"vm", vm.m.Name, "checkpoint", mk.Checkpoint, "err", err)
+	log.Warn("recover: handoff cut short after its checkpoint was committed and the vm cannot restart from it; the vm is dead, fork the checkpoint to go on",
+		"vm", vm.m.Name, "checkpoint", mk.Checkpoint, "err", err, "save_err", serr)
+}
+
+// waitGone waits (up to d) until none of pids runs.
+func waitGone(pids []int, d time.Duration) {
+	deadline := time.Now().Add(d)
+	for _, pid := range pids {
+		for syscall.Kill(pid, 0) == nil && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
 }
