@@ -30,6 +30,8 @@ type Engine struct {
 	cks   *checkpointStore
 	adm   *admitter
 	pools *poolSet
+	// forking tracks forks under way per checkpoint (a forced delete cancels them).
+	forking forkGuard
 
 	lockFile  *os.File
 	closeOnce sync.Once
