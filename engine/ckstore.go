@@ -45,7 +45,7 @@ type checkpointStore struct {
 	mu       sync.Mutex
 	verified map[string]string // name -> fingerprint of the verified files
 	// held names the checkpoints that VMs kept aside at recovery (their manifests
-	// unreadable) were forked from: never collected while this engine runs.
+	// unreadable) were forked from: never collected while they are kept.
 	held map[string]bool
 }
 

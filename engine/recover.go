@@ -74,7 +74,9 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 			continue
 		}
 		if strings.HasPrefix(ent.Name(), corruptPrefix) {
-			continue // kept aside by an earlier start
+			// Kept aside by an earlier start: still holds the checkpoint it names.
+			holdParent(paths.vmDir(ent.Name()), held)
+			continue
 		}
 		dir := paths.vmDir(ent.Name())
 		m, err := loadManifest(filepath.Join(dir, manifestFile))
@@ -136,7 +138,7 @@ var parentRE = regexp.MustCompile(`"parent":\s*"([^"]+)"`)
 // number when that is taken), and a warning names them, the error and the QEMU
 // processes still using its QMP socket (left running: nothing proves they are half-made;
 // their data may be needed). The checkpoint a damaged fork names, if any can be read, is
-// held (never collected while this engine runs).
+// held: never collected while the directory is there.
 func keepAside(paths layout, log *slog.Logger, name string, cause error, pids []int, held func(string)) {
 	aside := corruptPrefix + name
 	for i := 2; ; i++ {
@@ -155,15 +157,24 @@ func keepAside(paths layout, log *slog.Logger, name string, cause error, pids []
 	}
 	os.Rename(paths.runDir(name), paths.runDir(aside))
 	os.Rename(paths.vmRAM(name), filepath.Join(paths.ram, aside+".ram"))
-	parent := ""
-	if b, err := os.ReadFile(filepath.Join(paths.vmDir(aside), manifestFile)); err == nil {
-		if m := parentRE.FindSubmatch(b); m != nil && ValidateName(string(m[1])) == nil {
-			parent = string(m[1])
-			held(parent)
-		}
-	}
+	parent := holdParent(paths.vmDir(aside), held)
 	log.Warn("vm manifest unreadable: kept aside, not adopted (nothing deleted; inspect and remove it yourself)",
 		"vm", name, "moved_to", paths.vmDir(aside), "err", cause, "qemu_pids", pids, "checkpoint", parent)
+}
+
+// holdParent holds the checkpoint that the damaged manifest in dir names, if it names
+// one, and returns its name.
+func holdParent(dir string, held func(string)) string {
+	b, err := os.ReadFile(filepath.Join(dir, manifestFile))
+	if err != nil {
+		return ""
+	}
+	m := parentRE.FindSubmatch(b)
+	if m == nil || ValidateName(string(m[1])) != nil {
+		return ""
+	}
+	held(string(m[1]))
+	return string(m[1])
 }
 
 // qemusOf returns the processes using the QMP socket of a VM's run directory.

@@ -258,6 +258,12 @@ func TestNewKeepsCorruptVMAside(t *testing.T) {
 	if !exists(filepath.Join(cfg.StateDir, "checkpoints", "ck", manifestFile)) {
 		t.Errorf("checkpoint ck of the kept-aside fork f was collected")
 	}
+	// The next start still holds ck for the fork kept aside.
+	e.Close()
+	e = newTestEngine(t, cfg)
+	if !exists(filepath.Join(cfg.StateDir, "checkpoints", "ck", manifestFile)) {
+		t.Errorf("checkpoint ck of the kept-aside fork f was collected at the next start")
+	}
 	cks, err := e.Checkpoints()
 	if err != nil {
 		t.Fatal(err)
