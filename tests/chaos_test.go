@@ -115,7 +115,48 @@ func TestChaos(t *testing.T) {
 	c.ops["create"]++
 
 	t0 := time.Now()
-	deadline := t0.Add(25 * time.Second)
+	// A checkpoint and two forks to start from, then every kind of fault once, in an
+	// order the RNG picks, each followed by a random operation; then random steps until
+	// the deadline.
+	c.checkpoint("w", false, false)
+	if ck := c.pickCk(); ck != "" {
+		c.fork(ck, false)
+		c.fork(ck, false)
+	}
+	planned := []func(){
+		func() { c.checkpoint(c.pickVM(), true, false) },
+		func() {
+			if ck := c.pickCk(); ck != "" {
+				c.fork(ck, true)
+			}
+		},
+		func() {
+			if c.vms["w"] != nil && c.vms["w"].parent == "" {
+				c.checkpoint("w", true, true)
+			}
+		},
+		c.killQEMU,
+		func() {
+			if ck := c.pickCk(); ck != "" {
+				c.corruptHoles(ck)
+			}
+		},
+		c.corruptManifest,
+		func() {
+			if c.tmpfs {
+				c.enospc(c.pickVM())
+			}
+		},
+	}
+	c.rng.Shuffle(len(planned), func(i, j int) { planned[i], planned[j] = planned[j], planned[i] })
+	for _, f := range planned {
+		if t.Failed() || c.pickVM() == "" {
+			break
+		}
+		f()
+		c.step()
+	}
+	deadline := t0.Add(30 * time.Second)
 	for time.Now().Before(deadline) && !t.Failed() {
 		c.step()
 	}
@@ -144,7 +185,7 @@ func (c *chaosRun) step() {
 		c.checkpoint(vm, false, false)
 	case r < 38 && vm != "":
 		c.checkpoint(vm, true, false) // the engine killed mid-checkpoint
-	case r < 42 && c.vms["w"] != nil && c.vms["w"].parent == "":
+	case r < 44 && c.vms["w"] != nil && c.vms["w"].parent == "":
 		c.checkpoint("w", c.rng.Intn(2) == 0, true) // a handoff (of the world, whose RAM is shared), killed or not
 	case r < 58 && ck != "":
 		c.fork(ck, false)
@@ -490,6 +531,21 @@ func (c *chaosRun) corruptHoles(ck string) {
 		return
 	}
 	c.faults["corrupt-holes"]++
+	// A fork deleted punches its checkpoint's holes: the RAM file must not change.
+	name := c.name("f")
+	if _, err := c.cli("fork", ck, name); err != nil {
+		c.t.Errorf("fork %s of %s: %v", name, ck, err)
+		return
+	}
+	c.ops["fork"]++
+	if _, err := c.cli("rm", name); err != nil {
+		c.t.Errorf("rm %s: %v", name, err)
+	}
+	c.ops["rm"]++
+	if sum := fileSum(c.t, inf.RAMPath); sum != c.cks[ck].ramSHA {
+		c.lost++
+		c.t.Errorf("DATA LOST: the RAM file of checkpoint %s changed when a fork was deleted after its hole list was damaged", ck)
+	}
 }
 
 // corruptManifest truncates a fork's manifest while no engine runs: the next engine
