@@ -551,8 +551,14 @@ func (c *chaosRun) corruptHoles(ck string) {
 // corruptManifest truncates a fork's manifest while no engine runs: the next engine
 // must keep the VM aside (.corrupt-NAME, its disk there) and leave its QEMU running.
 func (c *chaosRun) corruptManifest() {
-	vm := c.pickVM()
-	if vm == "" || vm == "w" || c.vms[vm].parent == "" {
+	forks := map[string]bool{}
+	for n, v := range c.vms {
+		if n != "w" && v.parent != "" {
+			forks[n] = true
+		}
+	}
+	vm := pick(c.rng, forks)
+	if vm == "" {
 		return
 	}
 	inf := c.ls()[vm]
