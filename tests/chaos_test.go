@@ -1,3 +1,5 @@
+//go:build linux
+
 package tests
 
 // The chaos run: bounded mixed operations through the forkvm CLI (each run is one
