@@ -30,6 +30,10 @@ type CheckpointInfo struct {
 	// FlatBytes is the storage of the checkpoint's flattened RAM file, when it has one
 	// (Config.FlattenMiB): a copy of its lineage, counted apart from what was written.
 	FlatBytes int64 `json:"flat_bytes,omitempty"`
+	// Corrupt, when set, says why the checkpoint's manifest cannot be read: only Name
+	// and Forks are known. A corrupt checkpoint is listed and kept (never collected)
+	// until it is deleted explicitly.
+	Corrupt string `json:"corrupt,omitempty"`
 }
 
 // checkpointStore reads, verifies, lists and removes committed checkpoints. Writing one
@@ -43,6 +47,9 @@ type checkpointStore struct {
 
 	mu       sync.Mutex
 	verified map[string]string // name -> fingerprint of the verified files
+	// held names the checkpoints that VMs kept aside at recovery (their manifests
+	// unreadable) were forked from: never collected while they are kept.
+	held map[string]bool
 }
 
 func (s *checkpointStore) exists(name string) bool {
@@ -163,7 +170,11 @@ func (s *checkpointStore) list(forks map[string][]string) ([]CheckpointInfo, err
 			continue
 		}
 		c, err := s.read(ent.Name())
+		if errors.Is(err, ErrNotFound) {
+			continue // deleted meanwhile
+		}
 		if err != nil {
+			out = append(out, CheckpointInfo{CheckpointManifest: CheckpointManifest{Name: ent.Name()}, Forks: forks[ent.Name()], Corrupt: err.Error()})
 			continue
 		}
 		out = append(out, CheckpointInfo{CheckpointManifest: c.Manifest, Forks: forks[c.Manifest.Name]})
@@ -197,30 +208,65 @@ func (s *checkpointStore) remove(name string) {
 // punch gives back the storage that forks faulted into the holes the checkpoint's RAM
 // file had when it was frozen: a fork's write to, or a full save's read of, guest memory
 // that nobody wrote allocates a zero page in the shared file (tmpfs). Those pages only
-// ever hold zeros, so punching them changes nothing any fork reads. Checkpoints frozen
-// without a hole list are left alone.
+// ever hold zeros, so punching them changes nothing any fork reads. The hole list is
+// acted on only when it matches the manifest's digest, and even then only pages that
+// read as zero are punched (memfile.PunchHoles): a damaged list is reported
+// (ErrCheckpointCorrupt, logged) and never zeroes data. Checkpoints frozen without a
+// recorded list are left alone.
 func (s *checkpointStore) punch(name string) {
-	c, err := s.read(name)
+	freed, err := s.punchHoles(name)
 	if err != nil {
-		return
-	}
-	b, err := os.ReadFile(filepath.Join(c.Dir, ramHolesFile))
-	if err != nil {
-		return
-	}
-	holes, err := memfile.DecodeRanges(b, c.Manifest.RAMSize)
-	if err != nil {
-		s.log.Warn("checkpoint hole list unreadable", "checkpoint", name, "err", err)
-		return
-	}
-	freed, err := memfile.PunchHoles(c.Manifest.RAMPath, holes)
-	if err != nil {
-		s.log.Warn("punching checkpoint holes failed", "checkpoint", name, "err", err)
+		s.log.Warn("not punching a checkpoint's holes", "checkpoint", name, "err", err)
 		return
 	}
 	if freed > 0 {
 		s.log.Info("gave back pages faulted into a checkpoint's holes", "checkpoint", name, "bytes", freed)
 	}
+}
+
+// punchHoles is punch, returning the bytes freed; a missing list is no error.
+func (s *checkpointStore) punchHoles(name string) (int64, error) {
+	c, err := s.read(name)
+	if err != nil {
+		if errors.Is(err, ErrNotFound) {
+			return 0, nil
+		}
+		return 0, err
+	}
+	b, err := os.ReadFile(filepath.Join(c.Dir, ramHolesFile))
+	if errors.Is(err, os.ErrNotExist) && c.Manifest.RAMHolesSHA256 == "" {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("%w: %s: hole list: %v", ErrCheckpointCorrupt, name, err)
+	}
+	if c.Manifest.RAMHolesSHA256 == "" {
+		// Written before lists had digests: unverifiable, so never acted on.
+		s.log.Debug("checkpoint hole list has no digest: not punching", "checkpoint", name)
+		return 0, nil
+	}
+	if sum := bytesSHA256(b); sum != c.Manifest.RAMHolesSHA256 {
+		return 0, fmt.Errorf("%w: %s: hole list sha256 %s, manifest says %s", ErrCheckpointCorrupt, name, sum[:16], c.Manifest.RAMHolesSHA256[:min(16, len(c.Manifest.RAMHolesSHA256))])
+	}
+	holes, err := memfile.DecodeRanges(b, c.Manifest.RAMSize)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %s: hole list: %v", ErrCheckpointCorrupt, name, err)
+	}
+	freed, err := memfile.PunchHoles(c.Manifest.RAMPath, holes)
+	if err != nil {
+		return 0, fmt.Errorf("engine: checkpoint %s: %w", name, err)
+	}
+	return freed, nil
+}
+
+// hold keeps checkpoint name from being collected while the engine runs.
+func (s *checkpointStore) hold(name string) {
+	s.mu.Lock()
+	if s.held == nil {
+		s.held = map[string]bool{}
+	}
+	s.held[name] = true
+	s.mu.Unlock()
 }
 
 // markForked records that a checkpoint has had a fork (see forkedMarker).
@@ -232,7 +278,7 @@ func (s *checkpointStore) markForked(name string) {
 }
 
 // collect deletes an unpinned checkpoint that has had its forks (or is implicit) when
-// forks reports none left. The manifest decides; the files are verified (hashed) only
+// forks reports none left (and no VM kept aside holds it). The manifest decides; the files are verified (hashed) only
 // for a checkpoint that is about to go, so an engine start does not hash every one.
 func (s *checkpointStore) collect(name string, forks func(string) int) {
 	c, err := s.read(name)
@@ -242,7 +288,10 @@ func (s *checkpointStore) collect(name string, forks func(string) int) {
 	if _, err := os.Stat(filepath.Join(c.Dir, forkedMarker)); err != nil && !c.Manifest.Implicit {
 		return
 	}
-	if forks(name) == 0 && s.verify(c) == nil {
+	s.mu.Lock()
+	held := s.held[name]
+	s.mu.Unlock()
+	if forks(name) == 0 && !held && s.verify(c) == nil {
 		s.log.Info("deleting unpinned checkpoint (no forks left)", "checkpoint", name)
 		s.remove(name)
 	}

@@ -69,16 +69,21 @@ func (w *ckWriter) commit(ctx context.Context) error {
 	}
 	// The RAM file's holes are pages nobody wrote: remember them, so that pages forks
 	// fault into them later can be punched back out (checkpointStore.punch).
+	// The list is covered by the manifest (RAMHolesSHA256): a damaged one is never
+	// acted on.
+	var holes []byte
 	if w.holesFrom != "" {
 		if b, err := os.ReadFile(w.holesFrom); err == nil {
-			if err := os.WriteFile(filepath.Join(w.tmp, ramHolesFile), b, 0o600); err != nil {
-				return fmt.Errorf("engine: checkpoint holes: %w", err)
-			}
+			holes = b
 		}
-	} else if holes, err := memfile.Holes(w.ramTmp); err == nil {
-		if err := os.WriteFile(filepath.Join(w.tmp, ramHolesFile), memfile.EncodeRanges(holes), 0o600); err != nil {
+	} else if hs, err := memfile.Holes(w.ramTmp); err == nil {
+		holes = memfile.EncodeRanges(hs)
+	}
+	if holes != nil {
+		if err := os.WriteFile(filepath.Join(w.tmp, ramHolesFile), holes, 0o600); err != nil {
 			return fmt.Errorf("engine: checkpoint holes: %w", err)
 		}
+		ck.RAMHolesSHA256 = bytesSHA256(holes)
 	}
 	ck.Timings.Total = time.Since(w.t0)
 	if err := writeJSON(filepath.Join(w.tmp, manifestFile), ck); err != nil {

@@ -56,8 +56,10 @@
 // e.g. mid-wave) the next Engine re-adopts every VM that was confirmed ready, told to
 // its caller or not, and kills and removes every one still on its way; a checkpoint
 // the crash cut short leaves nothing, and its VM is resumed with the disk chain QEMU
-// writes (a handoff whose checkpoint was committed leaves the VM dead and the
-// checkpoint whole: recover.go).
+// writes (a handoff whose checkpoint was committed is finished: the VM restarts from
+// the checkpoint under its own name). A VM whose manifest cannot be read is moved aside
+// (StateDir/vms/.corrupt-NAME) with a warning naming its QEMU, never deleted; a
+// checkpoint whose manifest cannot be read is listed with CheckpointInfo.Corrupt set.
 //
 // # Errors
 //

@@ -31,6 +31,8 @@ type Engine struct {
 	adm   *admitter
 	pools *poolSet
 	flat  *flattener
+	// forking tracks forks under way per checkpoint (a forced delete cancels them).
+	forking forkGuard
 
 	lockFile  *os.File
 	closeOnce sync.Once
@@ -82,7 +84,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	if err := e.lock(ctx); err != nil {
 		return nil, err
 	}
-	if err := e.recoverState(); err != nil {
+	if err := e.recoverState(ctx); err != nil {
 		e.unlock()
 		return nil, fmt.Errorf("engine: recover %s: %w", e.paths.state, err)
 	}

@@ -72,7 +72,7 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 	return e.Checkpoint(ctx, src, derivedName(src, "auto"), &CheckpointOptions{Pin: pin, implicit: true})
 }
 
-// forkFrom makes one fork of a verified checkpoint, in stages:
+// forkOne makes one fork of a verified checkpoint (see forkFrom), in stages:
 //
 //	prepare   a claimed warm-pool process, or admission + manifest, directory, disk (forkprep.go)
 //	spawn     QEMU with the checkpoint's machine and -incoming defer (qemuproc.go, argv in cmdline.go)
@@ -82,7 +82,7 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 //	record    registered, the checkpoint marked as forked
 //
 // Each stage's duration is a lap of one phase clock.
-func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward) (*VM, error) {
+func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward) (*VM, error) {
 	clock := startPhases()
 	ck := &c.Manifest
 	if err := compatible(ctx, e.bins, e.cfg.accel, ck); err != nil {

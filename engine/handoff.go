@@ -31,34 +31,15 @@ func (e *Engine) checkpointHandoff(ctx context.Context, vm *VM, w *ckWriter) err
 
 	// Point of no return: the checkpoint exists. Replace the VM's process.
 	vm.kill()
-	vm.mu.Lock()
-	vm.m.Parent = ck.Name
-	vm.m.State = StateStarting
-	disk, thread, publish := vm.m.Launch.Disk, vm.m.Launch.TCGThread, vm.m.Launch.Publish
-	vm.m.Launch = forkLaunch(e.paths, vm.m.Launch.QEMU, vm.m.Name, ck)
-	// The VM keeps its host ports: the old process is gone, so they are free again.
-	vm.m.Launch.TCGThread, vm.m.Launch.Publish = thread, publish
-	switch {
-	case reflink:
-		// The VM keeps writing its own raw file; the checkpoint holds a clone.
-		vm.m.Launch.Disk = disk
-	case newTop != nil:
-		vm.m.Launch.Disk = append(append([]DiskLayer(nil), ck.Disk...), *newTop)
-		vm.m.DiskNode = "disk0"
-		vm.m.DiskSeq++
+	top := ""
+	if newTop != nil && !reflink {
+		top = newTop.Path
 	}
+	vm.mu.Lock()
+	vm.relaunchHandedOff(e.paths, ck, top)
 	vm.mu.Unlock()
 	e.vms.setParent(vm.m.Name, ck.Name)
-	if err := vm.start(ctx); err != nil {
-		return fmt.Errorf("restart after handoff: %w", err)
-	}
-	if err := vm.process().loadFromFile(ctx, w.checkpoint().StatePath(), true, false); err != nil {
-		return vm.failure("restart after handoff", err)
-	}
-	if err := vm.hello(ctx); err != nil {
-		return vm.failure("restart after handoff", err)
-	}
-	if err := vm.markRunning(); err != nil {
+	if err := vm.restartHandedOff(ctx, w.checkpoint()); err != nil {
 		return err
 	}
 	ck.Timings.Paused = time.Since(paused)
@@ -134,4 +115,44 @@ func freezeForHandoff(ctx context.Context, vm *VM, w *ckWriter) (paused time.Tim
 		return paused, false, nil, err
 	}
 	return paused, reflink, newTop, nil
+}
+
+// relaunchHandedOff makes the VM's launch the one that restores its own handoff
+// checkpoint ck: private RAM from the checkpoint's file, the VM's name, host ports and
+// TCG mode, and its disk: its own raw file when the checkpoint holds a reflinked clone
+// (newTop empty), else the checkpoint's chain with the overlay newTop on top. Running it
+// again (crash recovery) gives the same launch. vm.mu is held.
+func (vm *VM) relaunchHandedOff(paths layout, ck *CheckpointManifest, newTop string) {
+	vm.m.Parent = ck.Name
+	vm.m.State = StateStarting
+	disk, thread, publish := vm.m.Launch.Disk, vm.m.Launch.TCGThread, vm.m.Launch.Publish
+	vm.m.Launch = forkLaunch(paths, vm.m.Launch.QEMU, vm.m.Name, ck)
+	// The VM keeps its host ports: the old process is gone, so they are free again.
+	vm.m.Launch.TCGThread, vm.m.Launch.Publish = thread, publish
+	if newTop == "" {
+		// The VM keeps writing its own raw file (or has no disk).
+		vm.m.Launch.Disk = disk
+		return
+	}
+	switched := len(disk) > 0 && disk[len(disk)-1].Path == newTop
+	vm.m.Launch.Disk = append(append([]DiskLayer(nil), ck.Disk...), DiskLayer{Path: newTop, Format: "qcow2"})
+	vm.m.DiskNode = "disk0"
+	if !switched {
+		vm.m.DiskSeq++
+	}
+}
+
+// restartHandedOff starts the VM's QEMU from its relaunched launch, loads the
+// checkpoint's device state and waits for the agent.
+func (vm *VM) restartHandedOff(ctx context.Context, c *Checkpoint) error {
+	if err := vm.start(ctx); err != nil {
+		return fmt.Errorf("restart after handoff: %w", err)
+	}
+	if err := vm.process().loadFromFile(ctx, c.StatePath(), true, false); err != nil {
+		return vm.failure("restart after handoff", err)
+	}
+	if err := vm.hello(ctx); err != nil {
+		return vm.failure("restart after handoff", err)
+	}
+	return vm.markRunning()
 }

@@ -109,6 +109,10 @@ type CheckpointManifest struct {
 	// StateSHA256 is the SHA-256 of the device state file state.mig.
 	StateSHA256 string `json:"state_sha256"`
 	StateSize   int64  `json:"state_size"`
+	// RAMHolesSHA256 is the SHA-256 of the checkpoint's hole list (the ranges of its RAM
+	// file nobody wrote when it was frozen, whose faulted-in zero pages are given back
+	// when forks go). Empty: no list, nothing is ever punched.
+	RAMHolesSHA256 string `json:"ram_holes_sha256,omitempty"`
 	// Disk is the frozen disk chain (base first), files inside the checkpoint dir.
 	Disk []DiskLayer `json:"disk,omitempty"`
 	// OverlayTemplate is an empty qcow2 overlay on Disk, copied for each fork.
@@ -214,6 +218,12 @@ func writeJSON(path string, v any) error {
 		return err
 	}
 	return os.Rename(tmp, path)
+}
+
+// bytesSHA256 is the hex SHA-256 of b.
+func bytesSHA256(b []byte) string {
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
 }
 
 // fileSHA256 hashes a file.

@@ -4,10 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sort"
+	"strings"
 	"syscall"
 	"time"
 
@@ -31,14 +34,15 @@ import (
 //     repaired (VM.recoverCheckpointing): migration cancelled, disk chain settled, guest
 //     resumed.
 //   - a VM whose handoff checkpoint the crash cut short (VM.recoverHandoff) runs on as
-//     before when the checkpoint was not committed; once it was, the RAM file is the
-//     checkpoint's and the VM is kept as dead (its QEMU killed): fork the checkpoint.
+//     before when the checkpoint was not committed; once it was, the handoff is
+//     finished: the VM restarts from the checkpoint under its own name (kept as dead,
+//     the checkpoint holding its state, only if that restart fails).
 //   - checkpoints (checkpointStore.reap): half-written ones, RAM files and temporary
 //     files nothing owns are removed; unpinned checkpoints without forks are collected.
 //   - the checkpoints of reaped forks get back the zero pages those forks faulted into
 //     their RAM files' holes (checkpointStore.punch), as a deleted fork's checkpoint does.
-func (e *Engine) recoverState() error {
-	reapedFrom, err := recoverVMs(e.paths, e.vms, e.log)
+func (e *Engine) recoverState(ctx context.Context) error {
+	reapedFrom, err := recoverVMs(ctx, e.paths, e.vms, e.log, e.cks.hold, e.cfg.ForkTimeout)
 	if err != nil {
 		return err
 	}
@@ -59,7 +63,7 @@ func (e *Engine) recoverState() error {
 // confirmed ready) are killed and removed. Nothing is guessed: a VM counts only once its
 // agent answered. It returns the checkpoints (sorted, once each) that the half-made
 // forks it removed were made from.
-func recoverVMs(paths layout, reg *registry, log *slog.Logger) ([]string, error) {
+func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logger, held func(ck string), timeout time.Duration) ([]string, error) {
 	ents, err := os.ReadDir(paths.vmsDir())
 	if err != nil {
 		return nil, err
@@ -69,16 +73,31 @@ func recoverVMs(paths layout, reg *registry, log *slog.Logger) ([]string, error)
 		if !ent.IsDir() {
 			continue
 		}
+		if strings.HasPrefix(ent.Name(), corruptPrefix) {
+			// Kept aside by an earlier start: still holds the checkpoint it names.
+			holdParent(paths.vmDir(ent.Name()), held)
+			continue
+		}
 		dir := paths.vmDir(ent.Name())
 		m, err := loadManifest(filepath.Join(dir, manifestFile))
-		if err != nil || m.Name != ent.Name() {
-			log.Info("reaping vm directory without a valid manifest", "dir", dir, "err", err)
-			paths.removeVMFiles(ent.Name(), nil)
+		if err == nil && m.Name != ent.Name() {
+			err = fmt.Errorf("manifest names %q", m.Name)
+		}
+		if err != nil {
+			pids := qemusOf(paths.runDir(ent.Name()))
+			if errors.Is(err, os.ErrNotExist) && len(pids) == 0 {
+				// The first manifest is written before QEMU is spawned: no manifest
+				// and no QEMU is a create or fork that never started.
+				log.Info("reaping vm directory that never had a manifest", "dir", dir)
+				paths.removeVMFiles(ent.Name(), nil)
+				continue
+			}
+			keepAside(paths, log, ent.Name(), err, pids, held)
 			continue
 		}
 		vm := adoptVM(dir, log, m)
 		if mk, ok := readCheckpointing(vm.path(checkpointingFile)); ok && mk.Handoff {
-			vm.recoverHandoff(paths, log, mk)
+			vm.recoverHandoff(ctx, paths, log, mk, timeout)
 			m = &vm.m
 		}
 		if m.State == StateRunning {
@@ -107,6 +126,63 @@ func recoverVMs(paths layout, reg *registry, log *slog.Logger) ([]string, error)
 	return out, nil
 }
 
+// corruptPrefix starts the name of a VM directory (and its run directory and RAM file)
+// kept aside because its manifest could not be read: no valid name starts with '.'.
+const corruptPrefix = ".corrupt-"
+
+// parentRE finds a fork's checkpoint in a manifest too damaged to decode.
+var parentRE = regexp.MustCompile(`"parent":\s*"([^"]+)"`)
+
+// keepAside moves a VM whose manifest cannot be read out of the engine's way, deleting
+// nothing: its directory, run directory and RAM file get the name .corrupt-NAME (with a
+// number when that is taken), and a warning names them, the error and the QEMU
+// processes still using its QMP socket (left running: nothing proves they are half-made;
+// their data may be needed). The checkpoint a damaged fork names, if any can be read, is
+// held: never collected while the directory is there.
+func keepAside(paths layout, log *slog.Logger, name string, cause error, pids []int, held func(string)) {
+	aside := corruptPrefix + name
+	for i := 2; ; i++ {
+		_, e1 := os.Lstat(paths.vmDir(aside))
+		_, e2 := os.Lstat(paths.runDir(aside))
+		_, e3 := os.Lstat(filepath.Join(paths.ram, aside+".ram"))
+		if errors.Is(e1, os.ErrNotExist) && errors.Is(e2, os.ErrNotExist) && errors.Is(e3, os.ErrNotExist) {
+			break
+		}
+		aside = fmt.Sprintf("%s%s-%d", corruptPrefix, name, i)
+	}
+	if err := os.Rename(paths.vmDir(name), paths.vmDir(aside)); err != nil {
+		log.Warn("vm manifest unreadable and the vm cannot be moved aside: left in place, not adopted",
+			"vm", name, "err", cause, "move_err", err, "qemu_pids", pids)
+		return
+	}
+	os.Rename(paths.runDir(name), paths.runDir(aside))
+	os.Rename(paths.vmRAM(name), filepath.Join(paths.ram, aside+".ram"))
+	parent := holdParent(paths.vmDir(aside), held)
+	log.Warn("vm manifest unreadable: kept aside, not adopted (nothing deleted; inspect and remove it yourself)",
+		"vm", name, "moved_to", paths.vmDir(aside), "err", cause, "qemu_pids", pids, "checkpoint", parent)
+}
+
+// holdParent holds the checkpoint that the damaged manifest in dir names, if it names
+// one, and returns its name.
+func holdParent(dir string, held func(string)) string {
+	b, err := os.ReadFile(filepath.Join(dir, manifestFile))
+	if err != nil {
+		return ""
+	}
+	m := parentRE.FindSubmatch(b)
+	if m == nil || ValidateName(string(m[1])) != nil {
+		return ""
+	}
+	held(string(m[1]))
+	return string(m[1])
+}
+
+// qemusOf returns the processes using the QMP socket of a VM's run directory.
+func qemusOf(runDir string) []int {
+	pids, _ := memfile.ProcessesWithArg("path=" + escapeOpt(filepath.Join(runDir, qmpSockName)) + ",")
+	return pids
+}
+
 // killOrphans SIGKILLs QEMU processes of a half-made VM that its manifest does not
 // name: the engine may have died between spawning QEMU and recording its pid. They are
 // recognised by their QMP socket argument, unique to this state dir and VM.
@@ -114,8 +190,7 @@ func killOrphans(m *manifest) {
 	if m.Launch.RunDir == "" {
 		return
 	}
-	pids, _ := memfile.ProcessesWithArg("path=" + escapeOpt(m.Launch.qmpSocket()) + ",")
-	for _, pid := range pids {
+	for _, pid := range qemusOf(m.Launch.RunDir) {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
 }
@@ -207,16 +282,31 @@ func readCheckpointing(path string) (checkpointing, bool) {
 
 // recoverHandoff settles a VM whose engine died during a handoff checkpoint (its
 // marker says where the RAM file was going). Before the checkpoint was committed, the
-// RAM file and the disk go back as they were and the marker stays for
+// RAM file (still at its temporary name, or already at the checkpoint's, whose directory
+// never got there) and the disk go back as they were and the marker stays for
 // recoverCheckpointing, which resumes the old QEMU. After, the RAM file belongs to the
-// checkpoint and the old QEMU must never run again (it maps that file share=on): every
-// QEMU of the VM is killed, and the VM is kept, as dead, for its owner to see and
-// delete; the checkpoint holds its state (fork it to go on).
-func (vm *VM) recoverHandoff(paths layout, log *slog.Logger, mk checkpointing) {
-	if _, err := os.Stat(filepath.Join(paths.checkpointDir(mk.Checkpoint), manifestFile)); err != nil {
-		if mk.RAMTmp != "" && mk.RAM != "" {
+// checkpoint and the old QEMU must never run again (it maps that file share=on): the
+// handoff is finished as it would have been: every QEMU of the VM is killed and the VM
+// restarts from the checkpoint under its own name, with its token, disk and ports (a
+// handoff that had already finished is left alone). Only when that restart fails is the
+// VM kept as dead, the checkpoint holding its state (fork it to go on).
+func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger, mk checkpointing, timeout time.Duration) {
+	ckDir := paths.checkpointDir(mk.Checkpoint)
+	b, err := os.ReadFile(filepath.Join(ckDir, manifestFile))
+	if errors.Is(err, os.ErrNotExist) {
+		if mk.RAM != "" {
 			if _, err := os.Stat(mk.RAM); errors.Is(err, os.ErrNotExist) {
-				if err := os.Rename(mk.RAMTmp, mk.RAM); err != nil {
+				// The commit renames the RAM file to the checkpoint's name before the
+				// directory: it may be at either.
+				for _, from := range []string{mk.RAMTmp, paths.checkpointRAM(mk.Checkpoint)} {
+					if from == "" {
+						continue
+					}
+					if err = os.Rename(from, mk.RAM); err == nil {
+						break
+					}
+				}
+				if err != nil {
 					log.Warn("recover: handoff cut short: cannot put the RAM file back", "vm", vm.m.Name, "err", err)
 				}
 			}
@@ -227,12 +317,50 @@ func (vm *VM) recoverHandoff(paths layout, log *slog.Logger, mk checkpointing) {
 		return
 	}
 	defer os.Remove(vm.path(checkpointingFile))
+	var ck *CheckpointManifest
+	if err == nil {
+		ck, err = decodeCheckpointManifest(b)
+	}
+	if err == nil && ck.Name != mk.Checkpoint {
+		err = fmt.Errorf("manifest names %q", ck.Name)
+	}
+	vm.mu.Lock()
+	done := vm.m.State == StateRunning && vm.m.Parent == mk.Checkpoint && !vm.m.Launch.RAM.Shared
+	vm.mu.Unlock()
+	if done && vm.alive() {
+		return // the crash came after the restart, before the marker went
+	}
 	vm.kill()
+	pids := qemusOf(vm.m.Launch.RunDir)
 	killOrphans(&vm.m)
+	waitGone(pids, 5*time.Second)
+	if err == nil {
+		rctx, cancel := context.WithTimeout(ctx, timeout)
+		vm.mu.Lock()
+		vm.relaunchHandedOff(paths, ck, mk.NewTop)
+		vm.mu.Unlock()
+		err = vm.restartHandedOff(rctx, &Checkpoint{Manifest: *ck, Dir: ckDir})
+		cancel()
+		if err == nil {
+			log.Warn("recover: finished a handoff cut short: the vm runs again from its checkpoint", "vm", vm.m.Name, "checkpoint", mk.Checkpoint)
+			return
+		}
+		vm.kill()
+	}
 	vm.mu.Lock()
 	vm.m.State = StateRunning // listed as dead: its QEMU is gone
-	err := vm.saveLocked()
+	serr := vm.saveLocked()
 	vm.mu.Unlock()
-	log.Warn("recover: handoff cut short after its checkpoint was committed; the vm is dead, fork the checkpoint to go on",
-		"vm", vm.m.Name, "checkpoint", mk.Checkpoint, "err", err)
+	log.Warn("recover: handoff cut short after its checkpoint was committed and the vm cannot restart from it; the vm is dead, fork the checkpoint to go on",
+		"vm", vm.m.Name, "checkpoint", mk.Checkpoint, "err", err, "save_err", serr)
+}
+
+// waitGone waits (up to d) until none of pids runs.
+func waitGone(pids []int, d time.Duration) {
+	deadline := time.Now().Add(d)
+	for _, pid := range pids {
+		for syscall.Kill(pid, 0) == nil && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
 }

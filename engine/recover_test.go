@@ -1,9 +1,16 @@
 package engine
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -45,8 +52,9 @@ func TestNewRecoverRepairsCheckpoints(t *testing.T) {
 	cks := filepath.Join(cfg.StateDir, "checkpoints")
 
 	// ck: a pinned checkpoint frozen all holes, into which its half-made fork f wrote.
-	ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned = true })
-	if err := os.WriteFile(filepath.Join(cks, "ck", ramHolesFile), memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: ck.RAMSize}}), 0o600); err != nil {
+	holes := memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: 2 << 20}})
+	ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned, c.RAMHolesSHA256 = true, bytesSHA256(holes) })
+	if err := os.WriteFile(filepath.Join(cks, "ck", ramHolesFile), holes, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	f, err := os.OpenFile(ck.RAMPath, os.O_WRONLY, 0)
@@ -101,4 +109,180 @@ func TestNewRecoverRepairsCheckpoints(t *testing.T) {
 	if _, err := e.LoadCheckpoint("ck"); err != nil {
 		t.Errorf("pinned ck after New: %v", err)
 	}
+}
+
+// TestPunchNeverZeroesData: a hole list that covers the checkpoint's data (one range
+// over the whole RAM file, as a damaged or hostile file would say) must never zero it.
+// A half-made fork of the checkpoint is reaped at New, which punches the checkpoint's
+// holes: with no digest in the manifest, or one that does not match, the list is not
+// acted on; with a matching digest only the pages that read as zero are punched.
+func TestPunchNeverZeroesData(t *testing.T) {
+	if st, err := os.Stat("/dev/shm"); err != nil || !st.IsDir() {
+		t.Skip("no /dev/shm")
+	}
+	bad := memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: 2 << 20}})
+	for _, tc := range []struct {
+		name   string
+		digest string
+		freed  bool // the zero pages faulted in are given back
+	}{
+		{"no digest", "", false},
+		{"wrong digest", bytesSHA256([]byte("another list")), false},
+		{"digest of the bad list", bytesSHA256(bad), true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig(t)
+			shm, err := os.MkdirTemp("/dev/shm", "eut-")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { os.RemoveAll(shm) })
+			cfg.RAMDir = filepath.Join(shm, "ram")
+			ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned, c.RAMHolesSHA256 = true, tc.digest })
+			if err := os.WriteFile(filepath.Join(cfg.StateDir, "checkpoints", "ck", ramHolesFile), bad, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			f, err := os.OpenFile(ck.RAMPath, os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			data := []byte("guest memory that must survive")
+			if _, err := f.WriteAt(data, 1<<20); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := f.WriteAt(make([]byte, 64<<10), 1536<<10); err != nil { // faulted-in zeros
+				t.Fatal(err)
+			}
+			f.Close()
+			before := allocated(t, ck.RAMPath)
+			half := vmManifest(cfg, "f", StateStarting, deadPID(t))
+			half.Parent = "ck"
+			writeVMManifest(t, filepath.Join(cfg.StateDir, "vms"), "f", half)
+
+			newTestEngine(t, cfg)
+
+			b, err := os.ReadFile(ck.RAMPath)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := b[1<<20 : 1<<20+len(data)]; string(got) != string(data) {
+				t.Fatalf("checkpoint RAM at 1 MiB reads %q after the punch, want %q", got, data)
+			}
+			after := allocated(t, ck.RAMPath)
+			if tc.freed != (after < before) || after == 0 {
+				t.Errorf("allocated %d before, %d after the punch (want freed: %v, data kept)", before, after, tc.freed)
+			}
+		})
+	}
+}
+
+// TestNewKeepsCorruptVMAside: a VM whose manifest cannot be read (truncated, or naming
+// another VM) is not deleted at New: its directory, run directory and RAM file are
+// moved to .corrupt-NAME (numbered when taken), a warning names it and the QEMU still
+// using its QMP socket (left running), and the checkpoint a damaged fork names is not
+// collected. A directory that never had a manifest and no QEMU is a create that never
+// started: removed. A checkpoint whose manifest is corrupt is listed as corrupt with its
+// live forks, never dropped silently.
+func TestNewKeepsCorruptVMAside(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.RunDir = filepath.Join(cfg.StateDir, "run")
+	var logBuf bytes.Buffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logBuf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	vms := filepath.Join(cfg.StateDir, "vms")
+
+	// dl: a world with a disk whose manifest was truncated; its "QEMU" still runs.
+	good, _ := json.Marshal(vmManifest(cfg, "dl", StateRunning, deadPID(t)))
+	touch(t, filepath.Join(vms, "dl", rawDiskFile), 1<<20)
+	if err := os.WriteFile(filepath.Join(vms, "dl", manifestFile), good[:len(good)/2], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	touch(t, filepath.Join(cfg.RAMDir, "vm-dl.ram"), 1<<20)
+	qmpSock := filepath.Join(cfg.RunDir, "dl", qmpSockName)
+	touch(t, qmpSock, 0)
+	proc := exec.Command("sh", "-c", "sleep 60", "-chardev", "socket,id=qmp,path="+qmpSock+",server=on,wait=off")
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proc.Process.Kill(); proc.Wait() })
+	// An earlier start kept a dl aside already: the new one gets a number.
+	touch(t, filepath.Join(vms, ".corrupt-dl", manifestFile), 3)
+
+	// f: a fork of the unpinned, forked checkpoint ck whose manifest names another VM;
+	// ck must not be collected although no registered VM is its fork.
+	writeCheckpoint(t, cfg, "ck", nil)
+	touch(t, filepath.Join(cfg.StateDir, "checkpoints", "ck", forkedMarker), 0)
+	fm := vmManifest(cfg, "other", StateRunning, deadPID(t))
+	fm.Parent = "ck"
+	writeVMManifest(t, vms, "f", fm)
+
+	// half: a directory without a manifest and without a QEMU.
+	touch(t, filepath.Join(vms, "half", rawDiskFile), 1<<20)
+
+	// bad: a checkpoint with a corrupt manifest and a live fork g.
+	writeCheckpoint(t, cfg, "bad", func(c *CheckpointManifest) { c.Pinned = true })
+	if err := os.WriteFile(filepath.Join(cfg.StateDir, "checkpoints", "bad", manifestFile), []byte(`{"version":1,"na`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	g := vmManifest(cfg, "g", StateRunning, deadPID(t))
+	g.Parent = "bad"
+	writeVMManifest(t, vms, "g", g)
+
+	e := newTestEngine(t, cfg)
+
+	for _, p := range []string{
+		filepath.Join(vms, ".corrupt-dl-2", rawDiskFile), filepath.Join(vms, ".corrupt-dl-2", manifestFile),
+		filepath.Join(cfg.RAMDir, ".corrupt-dl-2.ram"), filepath.Join(cfg.RunDir, ".corrupt-dl-2", qmpSockName),
+		filepath.Join(vms, ".corrupt-dl", manifestFile), filepath.Join(vms, ".corrupt-f", manifestFile),
+	} {
+		if !exists(p) {
+			t.Errorf("%s is missing after New", p)
+		}
+	}
+	for _, p := range []string{filepath.Join(vms, "dl"), filepath.Join(vms, "f"), filepath.Join(vms, "half")} {
+		if exists(p) {
+			t.Errorf("%s is still there (the name must be free for a new VM)", p)
+		}
+	}
+	if !processAliveT(proc.Process.Pid) {
+		t.Errorf("the QEMU of the kept-aside VM was killed")
+	}
+	log := logBuf.String()
+	for _, want := range []string{"vm=dl", ".corrupt-dl-2", fmt.Sprintf("qemu_pids=[%d]", proc.Process.Pid), "vm=f", "checkpoint=ck"} {
+		if !strings.Contains(log, want) {
+			t.Errorf("warnings do not say %q:\n%s", want, log)
+		}
+	}
+	if _, err := e.Get("dl"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Get(dl) = %v, want ErrNotFound", err)
+	}
+	if !exists(filepath.Join(cfg.StateDir, "checkpoints", "ck", manifestFile)) {
+		t.Errorf("checkpoint ck of the kept-aside fork f was collected")
+	}
+	// The next start still holds ck for the fork kept aside.
+	e.Close()
+	e = newTestEngine(t, cfg)
+	if !exists(filepath.Join(cfg.StateDir, "checkpoints", "ck", manifestFile)) {
+		t.Errorf("checkpoint ck of the kept-aside fork f was collected at the next start")
+	}
+	cks, err := e.Checkpoints()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found bool
+	for _, c := range cks {
+		if c.Name == "bad" {
+			found = true
+			if c.Corrupt == "" || len(c.Forks) != 1 || c.Forks[0] != "g" {
+				t.Errorf("corrupt checkpoint listed as %+v", c)
+			}
+		}
+	}
+	if !found {
+		t.Errorf("corrupt checkpoint bad is not listed: %+v", cks)
+	}
+}
+
+func processAliveT(pid int) bool {
+	_, err := procStartTime(pid)
+	return err == nil
 }

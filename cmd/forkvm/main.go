@@ -145,6 +145,8 @@ var errNoDaemon = errors.New("forkvm: no daemon")
 // state directory and saying at once who holds it.
 func open(ctx context.Context, cmd *cli.Command) (*engine.Engine, error) {
 	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: 2 * time.Minute}
+	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
@@ -460,6 +462,10 @@ func checkpointsCmd() *cli.Command {
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "NAME\tSOURCE\tPINNED\tCPUS\tMEMORY\tDISK\tFORKS\tCREATED")
 			for _, c := range cks {
+				if c.Corrupt != "" {
+					fmt.Fprintf(tw, "%s\tCORRUPT: %s\t\t\t\t\t%d\t\n", c.Name, c.Corrupt, len(c.Forks))
+					continue
+				}
 				fmt.Fprintf(tw, "%s\t%s\t%v\t%d\t%dM\t%s\t%d\t%s\n", c.Name, c.Source, c.Pinned, c.CPUs, c.MemoryMiB,
 					orDash(c.DiskMethod), len(c.Forks), c.CreatedAt.Local().Format(time.DateTime))
 			}

@@ -61,6 +61,8 @@ func serveCmd() *cli.Command {
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel"))}
+			// Warnings (a VM kept aside at recovery, a damaged hole list) are always logged.
+			cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 			if cmd.Bool("verbose") {
 				cfg.Logger = log
 			}
