@@ -46,6 +46,10 @@ const (
 	consoleSockName = "console.sock"
 	// consoleHistoryFile is the console tail a checkpoint keeps for its forks.
 	consoleHistoryFile = "console.log"
+	// consoleKeeperFile in a VM's run directory records its keeper ("PID STARTTIME").
+	consoleKeeperFile = "console.pid"
+	// keeperExitWait bounds how long removing a VM waits for its keeper to be gone.
+	keeperExitWait = time.Second
 )
 
 // init turns a process started by startConsoleKeeper into the keeper: every binary
@@ -107,7 +111,33 @@ func startConsoleKeeper(sock, logPath string) (*os.Process, error) {
 	}
 	p := cmd.Process
 	go cmd.Wait() // reap it if it ends while this engine runs
+	start, _ := procStartTime(p.Pid)
+	os.WriteFile(filepath.Join(filepath.Dir(sock), consoleKeeperFile), []byte(fmt.Sprintf("%d %d\n", p.Pid, start)), 0o600)
 	return p, nil
+}
+
+// stopConsoleKeeper ends the keeper recorded in runDir, when a VM's files are removed
+// (its QEMU is gone, so the keeper is about to exit anyway), and waits up to
+// keeperExitWait for it to be gone: nothing of a deleted VM outlives its deletion.
+// The pid is only signalled while its start time matches the record.
+func stopConsoleKeeper(runDir string) {
+	b, err := os.ReadFile(filepath.Join(runDir, consoleKeeperFile))
+	if err != nil {
+		return
+	}
+	var pid int
+	var start uint64
+	if _, err := fmt.Sscan(string(b), &pid, &start); err != nil || pid <= 1 {
+		return
+	}
+	same := func() bool { got, err := procStartTime(pid); return err == nil && got == start }
+	if !same() {
+		return
+	}
+	syscall.Kill(pid, syscall.SIGKILL)
+	for deadline := time.Now().Add(keeperExitWait); same() && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // runConsoleKeeper is the keeper's body: accept QEMU's connection on fd 3 and copy it

@@ -101,3 +101,25 @@ func TestConsoleTailAndFork(t *testing.T) {
 		t.Errorf("fork Logs before its QEMU wrote = %q, %v", out.String(), err)
 	}
 }
+
+// TestStopConsoleKeeper: removing a VM's files ends its keeper, found by its record,
+// even while the connection is open.
+func TestStopConsoleKeeper(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, consoleSockName)
+	p, err := startConsoleKeeper(sock, filepath.Join(dir, serialLogFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Kill()
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	stopConsoleKeeper(dir)
+	if _, err := procStartTime(p.Pid); err == nil {
+		t.Errorf("keeper %d still runs", p.Pid)
+	}
+	stopConsoleKeeper(t.TempDir()) // no record: nothing to do
+}

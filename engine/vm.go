@@ -401,10 +401,12 @@ func (l layout) removeVMFiles(name string, m *manifest) {
 			os.Remove(m.Launch.RAM.Path)
 		}
 		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
+			stopConsoleKeeper(m.Launch.RunDir)
 			os.RemoveAll(m.Launch.RunDir)
 		}
 	}
 	os.Remove(l.vmRAM(name))
+	stopConsoleKeeper(l.runDir(name))
 	os.RemoveAll(l.runDir(name))
 	os.RemoveAll(l.vmDir(name))
 }
