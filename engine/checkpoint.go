@@ -73,6 +73,7 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 		return nil, err
 	}
 	defer w.cleanup()
+	saveConsoleHistory(m.Launch.SerialLog, w.tmp)
 	w.ck = &CheckpointManifest{
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: o.implicit,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,

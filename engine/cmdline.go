@@ -318,7 +318,7 @@ func (l *launch) memoryArgs(machine string) []string {
 }
 
 // channelArgs are the host's ways in: QMP and the agent's virtio-serial port (unix
-// sockets in RunDir) and the console log.
+// sockets in RunDir) and the console (a unix socket its keeper listens on).
 func (l *launch) channelArgs() []string {
 	serialBus := "virtio-serial-pci,id=vser0"
 	if l.AgentPorts > 0 {
@@ -327,7 +327,9 @@ func (l *launch) channelArgs() []string {
 	return []string{
 		"-chardev", "socket,id=qmp,path=" + escapeOpt(l.qmpSocket()) + ",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
-		"-chardev", "file,id=console,path=" + escapeOpt(l.SerialLog),
+		// The console goes to a keeper that bounds its log (console.go), never to a
+		// file QEMU appends to without limit.
+		"-chardev", "socket,id=console,path=" + escapeOpt(l.consoleSocket()) + ",server=off",
 		"-serial", "chardev:console",
 		"-device", serialBus,
 		"-chardev", "socket,id=agent,path=" + escapeOpt(l.agentSocket()) + ",server=on,wait=off",

@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
-	"syscall"
 	"time"
 
 	"github.com/forkvm/forkvm/guest"
@@ -22,10 +21,12 @@ type Config struct {
 	StateDir string
 	// RAMDir holds RAM files of forkable VMs and checkpoints. It should be a memory-backed
 	// file system. Default: /dev/shm/forkvm-<hash of StateDir> (os.TempDir() when /dev/shm
-	// does not exist).
+	// does not exist), or, when another user took that name, a private directory beside
+	// it with a random suffix, recorded in StateDir.
 	RAMDir string
 	// RunDir holds per-VM socket directories (unix socket paths are limited to 107 bytes).
-	// Default: StateDir/run when that is short, else os.TempDir()/forkvm-<hash>.
+	// Default: StateDir/run when that is short, else os.TempDir()/forkvm-<hash> (or
+	// beside it, like RAMDir).
 	RunDir string
 	// CacheDir holds the guest kernel and images. Default: guest.DefaultCacheDir().
 	CacheDir string
@@ -97,7 +98,10 @@ type resolved struct {
 	Config
 	accel Accel // never AccelAuto
 	vsock bool  // agents are reached over AF_VSOCK
-	paths layout
+	// sharedRAM and sharedRun: RAMDir and RunDir are defaults in a shared directory,
+	// which another user may have taken (New picks another: shareddir.go).
+	sharedRAM, sharedRun bool
+	paths                layout
 }
 
 // resolve fills defaults (environment variables only for empty fields), validates the
@@ -113,18 +117,19 @@ func (c Config) resolve() (*resolved, error) {
 	c.StateDir = abs
 	sum := sha256.Sum256([]byte(c.StateDir))
 	tag := hex.EncodeToString(sum[:])[:10]
+	var sharedRAM, sharedRun bool
 	if c.RAMDir == "" {
 		base := "/dev/shm"
 		if st, err := os.Stat(base); err != nil || !st.IsDir() {
 			base = os.TempDir()
 		}
-		c.RAMDir = filepath.Join(base, "forkvm-"+tag)
+		c.RAMDir, sharedRAM = filepath.Join(base, "forkvm-"+tag), true
 	}
 	if c.RunDir == "" {
 		c.RunDir = filepath.Join(c.StateDir, "run")
-		// <rundir>/<name(48)>/agent.sock must fit in sun_path (107 bytes).
-		if len(c.RunDir)+1+MaxNameLen+1+len(agentSockName) > 100 {
-			c.RunDir = filepath.Join(os.TempDir(), "forkvm-"+tag)
+		// <rundir>/<name(48)>/console.sock must fit in sun_path (107 bytes).
+		if len(c.RunDir)+1+MaxNameLen+1+len(consoleSockName) > 100 {
+			c.RunDir, sharedRun = filepath.Join(os.TempDir(), "forkvm-"+tag), true
 		}
 	}
 	if c.CacheDir == "" {
@@ -200,7 +205,8 @@ func (c Config) resolve() (*resolved, error) {
 	default:
 		return nil, fmt.Errorf("%w: transport %q (want auto, serial or vsock)", ErrInvalidSpec, c.Transport)
 	}
-	return &resolved{Config: c, accel: accel, vsock: vsock, paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
+	return &resolved{Config: c, accel: accel, vsock: vsock, sharedRAM: sharedRAM, sharedRun: sharedRun,
+		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
 }
 
 // DefaultStateDir is $FORKVM_HOME, else $XDG_STATE_HOME/forkvm, else ~/.local/state/forkvm.
@@ -216,27 +222,4 @@ func DefaultStateDir() string {
 		return filepath.Join(os.TempDir(), "forkvm")
 	}
 	return filepath.Join(home, ".local", "state", "forkvm")
-}
-
-// checkPrivateDir refuses a directory that another user could control: it must be a
-// real directory (not a symlink) owned by this user; group/other permissions are
-// removed. The RAM and run dirs default to predictable names in shared, world-writable
-// directories (/dev/shm, $TMPDIR): another user may have created them first.
-func checkPrivateDir(d string) error {
-	st, err := os.Lstat(d)
-	if err != nil {
-		return fmt.Errorf("engine: %s: %w", d, err)
-	}
-	if !st.IsDir() {
-		return fmt.Errorf("engine: %s is not a directory (%v); refusing to keep VM files there", d, st.Mode().Type())
-	}
-	if s, ok := st.Sys().(*syscall.Stat_t); ok && int(s.Uid) != os.Geteuid() {
-		return fmt.Errorf("engine: %s is owned by uid %d, not by this user (uid %d); refusing to keep VM files there", d, s.Uid, os.Geteuid())
-	}
-	if st.Mode().Perm()&0o077 != 0 {
-		if err := os.Chmod(d, 0o700); err != nil {
-			return fmt.Errorf("engine: %s: %w", d, err)
-		}
-	}
-	return nil
 }

@@ -106,7 +106,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 // into the VM's directory (so that checkpoints can link it in turn and removing the
 // image from the cache breaks nothing), under a writable qcow2 overlay.
 func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
-	img, err := guest.LookupImage(e.cfg.CacheDir, spec.Image)
+	img, err := guest.ImageStore{CacheDir: e.cfg.CacheDir, NamesDir: ImageNamesDir(e.paths.state)}.Lookup(spec.Image)
 	if errors.Is(err, guest.ErrImageNotFound) {
 		return fmt.Errorf("%w: no image named %q (`forkvm images` lists them)", ErrImageNotFound, spec.Image)
 	}

@@ -50,8 +50,10 @@
 //     per VM: forks never inherit their source's. See net.go for the contract, the
 //     choice of slirp and what happens to TCP connections across a checkpoint.
 //
-// VMs are separate QEMU processes: they outlive the Engine that made them, and the next
-// Engine on the same state directory re-adopts them (an Engine holds the directory's
+// VMs are separate QEMU processes: they outlive the Engine that made them (so does each
+// VM's console keeper, a re-executed copy of the program embedding the engine that
+// bounds the console log to 1 MiB: VM.Logs), and the next Engine on the same state
+// directory re-adopts them (an Engine holds the directory's
 // lock for its lifetime). After a crash (kill -9 of the process embedding the engine,
 // e.g. mid-wave) the next Engine re-adopts every VM that was confirmed ready, told to
 // its caller or not, and kills and removes every one still on its way; a checkpoint
@@ -82,5 +84,7 @@
 // (every migration verb), handshake.go (the agent's token handshake) and fork.go, which
 // runs them in order. paths.go owns every path and file name. files.go moves files in
 // and out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut: the engine
-// never opens a host path for a copy) and reads its console (VM.Logs).
+// never opens a host path for a copy) and reads its console (VM.Logs), which
+// console.go's keeper writes. shareddir.go picks the RAM and run directories in shared
+// places (another user cannot squat them).
 package engine

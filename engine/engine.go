@@ -55,6 +55,19 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 		return nil, err
 	}
 	e := &Engine{cfg: r, paths: r.paths, log: r.Logger}
+	// The directories first: everything below copies e.paths.
+	made, err := e.makeDirs()
+	if err != nil {
+		return nil, err
+	}
+	// A refused start removes the directories it made in shared places (only if
+	// still empty: os.Remove), so it leaves nothing there.
+	fail := func(err error) (*Engine, error) {
+		for _, d := range made {
+			os.Remove(d)
+		}
+		return nil, err
+	}
 	e.bins = &qemuBins{qemu: r.QEMU, qemuImg: r.QEMUImg, kernel: r.Kernel, initrd: r.Initrd, cacheDir: r.CacheDir}
 	e.vms = newRegistry(e.paths)
 	e.cks = &checkpointStore{paths: e.paths, log: e.log, verified: map[string]string{}}
@@ -68,25 +81,15 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	if n := r.Experimental.RestoreConcurrency; n > 0 {
 		e.adm.slots = semaphore.NewWeighted(int64(n))
 	}
-	for _, d := range []string{e.paths.state, e.paths.vmsDir(), e.paths.checkpointsDir(), e.paths.ram, e.paths.run} {
-		if err := os.MkdirAll(d, 0o700); err != nil {
-			return nil, fmt.Errorf("engine: create %s: %w", d, err)
-		}
-	}
-	for _, d := range []string{e.paths.ram, e.paths.run} {
-		if err := checkPrivateDir(d); err != nil {
-			return nil, err
-		}
-	}
 	if err := checkRAMDirPages(e.paths.ram); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := e.lock(ctx); err != nil {
-		return nil, err
+		return fail(err)
 	}
 	if err := e.recoverState(ctx); err != nil {
 		e.unlock()
-		return nil, fmt.Errorf("engine: recover %s: %w", e.paths.state, err)
+		return fail(fmt.Errorf("engine: recover %s: %w", e.paths.state, err))
 	}
 	e.bg, e.bgCancel = context.WithCancel(context.Background())
 	e.bgWG.Add(1)
@@ -96,6 +99,49 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	}()
 	e.queueFlattens()
 	return e, nil
+}
+
+// makeDirs creates the state directory (tightened to 0700) and its subdirectories,
+// and picks the RAM and run directories (sharedDir for defaults in shared places,
+// ownDirAll for a caller's). It returns the RAM and run directories it created.
+func (e *Engine) makeDirs() (made []string, err error) {
+	r := e.cfg
+	if err := os.MkdirAll(r.StateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("engine: create %s: %w", r.StateDir, err)
+	}
+	if err := checkStateDir(e.log, r.StateDir); err != nil {
+		return nil, err
+	}
+	for _, d := range []string{e.paths.vmsDir(), e.paths.checkpointsDir()} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, fmt.Errorf("engine: create %s: %w", d, err)
+		}
+	}
+	pick := func(shared bool, record string, dir *string) error {
+		var created bool
+		var err error
+		if shared {
+			*dir, created, err = sharedDir(e.log, r.StateDir, record, *dir)
+		} else {
+			created, err = ownDirAll(*dir)
+		}
+		if created {
+			made = append(made, *dir)
+		}
+		return err
+	}
+	if err := pick(r.sharedRAM, ramDirRecord, &r.RAMDir); err != nil {
+		return nil, err
+	}
+	if err := pick(r.sharedRun, runDirRecord, &r.RunDir); err != nil {
+		for _, d := range made {
+			os.Remove(d)
+		}
+		return nil, err
+	}
+	r.paths.ram, r.paths.run = r.RAMDir, r.RunDir
+	e.paths = r.paths
+	return made, nil
 }
 
 // lock takes the exclusive state-dir lock, waiting up to LockWait.

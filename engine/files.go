@@ -67,21 +67,35 @@ func (vm *VM) serialLog() string {
 }
 
 // Logs writes the guest's serial console to w: the kernel's messages and the agent's,
-// as QEMU records them in StateDir/vms/NAME/serial.log. Without follow it returns at the
-// end of what was written so far. With follow it then keeps copying what the guest
+// as the VM's console keeper records them in StateDir/vms/NAME (the last MiB at most:
+// older output is dropped). A fork's console starts with its checkpoint's, up to the
+// checkpoint, and a line saying where the fork begins. Without follow it returns at
+// the end of what was written so far. With follow it then keeps copying what the guest
 // prints until the VM's QEMU exits (nil; a handoff checkpoint replaces the process, and
-// ends the following too) or ctx ends (ctx's error). Logs reads a file only: it works on
+// ends the following too) or ctx ends (ctx's error). Logs reads files only: it works on
 // a VM whose QEMU is gone.
 func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
 	p := vm.serialLog()
+	fail := func(err error) error { return fmt.Errorf("engine: logs %s: %w", vm.Name(), err) }
+	// The rotated half first (it may be missing).
+	if old, err := os.Open(p + rotatedLogSuffix); err == nil {
+		_, err := io.Copy(w, old)
+		old.Close()
+		if err != nil {
+			return fail(err)
+		}
+	}
 	f, err := os.Open(p)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
+			if _, serr := os.Stat(p + rotatedLogSuffix); serr == nil && !follow {
+				return nil
+			}
 			return fmt.Errorf("%w: %s has no console log", ErrNotFound, vm.Name())
 		}
-		return fmt.Errorf("engine: logs %s: %w", vm.Name(), err)
+		return fail(err)
 	}
-	defer f.Close()
+	defer func() { f.Close() }()
 	done := vm.Done()
 	buf := make([]byte, 32<<10)
 	var off int64
@@ -102,7 +116,7 @@ func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
 				return nil
 			}
 			if err != nil {
-				return fmt.Errorf("engine: logs %s: %w", vm.Name(), err)
+				return fail(err)
 			}
 		}
 	}
@@ -119,10 +133,29 @@ func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
 			return drain()
 		case <-tick.C:
 		}
-		// A shorter file is a new one: QEMU truncates the log when it (re)starts.
-		if st, err := f.Stat(); err == nil && st.Size() < off {
+		if err := drain(); err != nil {
+			return err
+		}
+		// The keeper rotated the log: what f holds is complete (drained above); go on
+		// with the new file. A shorter file is a truncated one: start over.
+		cur, err := os.Stat(p)
+		if err != nil {
+			continue
+		}
+		if st, err := f.Stat(); err == nil && !os.SameFile(st, cur) {
+			nf, err := os.Open(p)
+			if err != nil {
+				continue
+			}
+			if err := drain(); err != nil { // what was written before the rotation
+				nf.Close()
+				return err
+			}
+			f.Close()
+			f, off = nf, 0
+		} else if err == nil && st.Size() < off {
 			if _, err := f.Seek(0, io.SeekStart); err != nil {
-				return fmt.Errorf("engine: logs %s: %w", vm.Name(), err)
+				return fail(err)
 			}
 			off = 0
 		}

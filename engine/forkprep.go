@@ -26,6 +26,7 @@ func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu strin
 	if err := os.Mkdir(vm.dir, 0o700); err != nil {
 		return nil, fmt.Errorf("engine: create %s: %w", vm.dir, err)
 	}
+	seedForkConsole(c.Dir, ck.Name, vm.m.Launch.SerialLog, name)
 	if len(ck.Disk) > 0 {
 		layers, err := forkDisk(ctx, ck, vm.dir)
 		if err != nil {

@@ -39,6 +39,11 @@ const (
 	tmpCheckpointPrefix = ".tmp-"
 )
 
+// ImageNamesDir is where the names of a state directory's root images live
+// (guest.ImageStore.NamesDir): images are named per state directory, their disks
+// are shared in the cache.
+func ImageNamesDir(stateDir string) string { return filepath.Join(stateDir, "images") }
+
 // layout owns the engine's directories: StateDir (manifests, disks, checkpoints),
 // RAMDir (RAM files, memory-backed) and RunDir (sockets, short paths).
 type layout struct {

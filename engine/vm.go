@@ -161,12 +161,13 @@ func (vm *VM) start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	// QEMU would create the console log with 0644; create it private first.
-	if f, err := os.OpenFile(l.SerialLog, os.O_CREATE|os.O_WRONLY, 0o600); err == nil {
-		f.Close()
+	keeper, err := startConsoleKeeper(l.consoleSocket(), l.SerialLog)
+	if err != nil {
+		return err
 	}
 	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile))
 	if err != nil {
+		keeper.Kill()
 		return err
 	}
 	vm.proc.Store(p)
@@ -400,10 +401,12 @@ func (l layout) removeVMFiles(name string, m *manifest) {
 			os.Remove(m.Launch.RAM.Path)
 		}
 		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
+			stopConsoleKeeper(m.Launch.RunDir)
 			os.RemoveAll(m.Launch.RunDir)
 		}
 	}
 	os.Remove(l.vmRAM(name))
+	stopConsoleKeeper(l.runDir(name))
 	os.RemoveAll(l.runDir(name))
 	os.RemoveAll(l.vmDir(name))
 }

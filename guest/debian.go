@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -90,7 +91,8 @@ func buildDebian(ctx context.Context, d *DebianSource, root, tmp string, logw io
 		args = append(args, d.Mirror)
 	}
 	cmd := exec.CommandContext(ctx, bin, args...)
-	cmd.Env = append(os.Environ(), "LC_ALL=C", "TMPDIR="+tmp)
+	// SOURCE_DATE_EPOCH: mmdebstrap's reproducible mode (recipe.go).
+	cmd.Env = append(os.Environ(), "LC_ALL=C", "TMPDIR="+tmp, "SOURCE_DATE_EPOCH="+strconv.Itoa(debianSourceDateEpoch))
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 	cmd.WaitDelay = 30 * time.Second
 	out := &tailBuffer{max: 64 << 10}

@@ -77,7 +77,7 @@ func debianTestImage(t *testing.T) (img *RootImage, agent string, built bool) {
 	// either builds a new one.
 	h := sha256.New()
 	h.Write(b)
-	for _, f := range []string{"images.go", "rootfs.go", "rootdisk.go", "debian.go", "staging_linux.go", "xattr_linux.go"} {
+	for _, f := range []string{"images.go", "rootfs.go", "rootdisk.go", "debian.go", "recipe.go", "staging_linux.go", "xattr_linux.go"} {
 		src, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
@@ -128,8 +128,41 @@ func TestCreateImageDebian(t *testing.T) {
 			t.Errorf("unknown package: %v", err)
 		}
 		assertNothingLeft(t, cache)
+		// Reproducible: the same recipe built again (mmdebstrap run again, same
+		// archive content) is the same content, so the same disk. Once per
+		// machine with the build, like the run above.
+		var log bytes.Buffer
+		again, err := CreateImage(ctx, &ImageConfig{Name: "again", CacheDir: DefaultCacheDir(), NamesDir: t.TempDir(),
+			AgentBinary: agent, Rebuild: true, Log: &log, Debian: &DebianSource{Include: []string{"python3"}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(log.String(), "building it again") {
+			t.Errorf("rebuild did not build:\n%s", lastLines(log.String(), 10))
+		}
+		if again.Hash != img.Hash {
+			t.Errorf("the same recipe built twice: hashes %s and %s", img.Hash[:16], again.Hash[:16])
+		}
 	} else {
-		t.Log("image cached: the unknown-package run (real mmdebstrap) ran when it was built")
+		t.Log("image cached: the unknown-package and rebuild runs (real mmdebstrap) ran when it was built")
+	}
+	// The same recipe under another name (another state directory's store) is
+	// not built again: the recipe cache names the disk of the earlier build.
+	var log bytes.Buffer
+	names := t.TempDir()
+	same, err := CreateImage(context.Background(), &ImageConfig{Name: "same-recipe", CacheDir: DefaultCacheDir(), NamesDir: names,
+		AgentBinary: agent, Log: &log, Debian: &DebianSource{Include: []string{"python3", "python3"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if same.Hash != img.Hash || !strings.Contains(log.String(), "mmdebstrap not run") || strings.Contains(log.String(), "building Debian") {
+		t.Errorf("same recipe: hash %s (want %s), log:\n%s", same.Hash[:16], img.Hash[:16], log.String())
+	}
+	if err := (ImageStore{CacheDir: DefaultCacheDir(), NamesDir: names}).Remove(context.Background(), "same-recipe"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(img.Disk); err != nil {
+		t.Errorf("removing the other name removed the disk: %v", err)
 	}
 	if img.Source.Kind != SourceDebian || img.Source.Suite != DefaultSuite || strings.Join(img.Source.Include, ",") != "python3" {
 		t.Errorf("source %+v", img.Source)

@@ -27,9 +27,12 @@ import (
 //
 // They live in the cache directory, next to the kernel images:
 //
-//	<cache>/rootfs/names/<name>.json          one record per image name
+//	<names>/<name>.json                       one record per image name (ImageStore.NamesDir)
+//	<cache>/rootfs/names/<name>.json          the same, for a store without a NamesDir
 //	<cache>/rootfs/sha256/<hash[:16]>/disk.ext4     the root disk (0400, sparse)
 //	<cache>/rootfs/sha256/<hash[:16]>/content.json  hash, sizes, agent
+//	<cache>/rootfs/refs/<hash[:16]>/<id>      the path of each name record using the disk
+//	<cache>/rootfs/recipes/<key[:16]>.json    the disk a Debian recipe was built into
 //	<cache>/rootfs/.lock                      held while a disk or name is installed or removed
 //	<cache>/rootfs/.tmp-<name>-*              staging of a CreateImage in progress
 //
@@ -40,7 +43,21 @@ import (
 // Disks are stored by content hash: two names with the same content (the
 // same tree, agent and disk size) share one disk, and a disk directory
 // never changes once installed, so a VM's copy-on-write overlay can use it
-// as a backing file.
+// as a backing file. Names are per ImageStore.NamesDir (the engine and the
+// CLI use one per state directory), disks are shared by every store on the
+// cache: a disk is removed with the last name record, in any store, that
+// refers to it.
+//
+// A Debian build is also cached by its recipe (suite, packages, mirror,
+// mmdebstrap's version, the agent and the requested size): the same recipe
+// again reuses the disk without running mmdebstrap, unless
+// ImageConfig.Rebuild asks for a fresh build (Debian's archive moves: a
+// rebuild may install newer packages; a snapshot.debian.org mirror URL
+// pins them). Builds are reproducible in content: mmdebstrap runs with
+// SOURCE_DATE_EPOCH (it then drops its logs and caches and empties
+// machine-id), host files are scrubbed, and the staged tree's mtimes are
+// clamped to that epoch, so a recipe built twice from the same archive
+// content gets the same content hash, hence the same disk.
 
 // ImageAgentPath is where CreateImage installs the forkvm agent inside every
 // root image, and what the initramfs executes after switching into it.
@@ -128,6 +145,22 @@ type ImageConfig struct {
 	SizeMiB int
 	// Log receives progress lines (and mmdebstrap's output); nil discards.
 	Log io.Writer
+	// NamesDir holds the image's name record (see ImageStore); "" means the
+	// cache's own names directory.
+	NamesDir string
+	// Rebuild builds a Debian image even when its recipe was built before
+	// (and records the new build for the recipe).
+	Rebuild bool
+}
+
+// ImageStore is where root images live: their disks in CacheDir ("" means
+// DefaultCacheDir()), stored by content hash and shared, and their names in
+// NamesDir, so that two state directories on one cache neither see nor
+// collide with each other's names. An empty NamesDir means the cache's own
+// names directory, shared by every user of the cache.
+type ImageStore struct {
+	CacheDir string
+	NamesDir string
 }
 
 // ImageSource records where an image came from.
@@ -181,14 +214,25 @@ type contentRecord struct {
 	AgentSHA256  string `json:"agentSha256"`
 }
 
-type rootfsDirs struct{ base, names, blobs string }
+type rootfsDirs struct{ base, names, legacyNames, blobs, refs, recipes string }
 
-func imageDirs(cacheDir string) rootfsDirs {
+func imageDirs(cacheDir string) rootfsDirs { return ImageStore{CacheDir: cacheDir}.dirs() }
+
+func (st ImageStore) dirs() rootfsDirs {
+	cacheDir := st.CacheDir
 	if cacheDir == "" {
 		cacheDir = DefaultCacheDir()
 	}
 	base := filepath.Join(cacheDir, "rootfs")
-	return rootfsDirs{base: base, names: filepath.Join(base, "names"), blobs: filepath.Join(base, "sha256")}
+	d := rootfsDirs{base: base, legacyNames: filepath.Join(base, "names"), blobs: filepath.Join(base, "sha256"),
+		refs: filepath.Join(base, "refs"), recipes: filepath.Join(base, "recipes")}
+	d.names = d.legacyNames
+	if st.NamesDir != "" {
+		if abs, err := filepath.Abs(st.NamesDir); err == nil {
+			d.names = abs
+		}
+	}
+	return d
 }
 
 func (d rootfsDirs) record(name string) string { return filepath.Join(d.names, name+".json") }
@@ -233,7 +277,7 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 		logw = io.Discard
 	}
 	logf := func(format string, a ...any) { fmt.Fprintf(logw, "guest: "+format+"\n", a...) }
-	dirs := imageDirs(c.CacheDir)
+	dirs := ImageStore{CacheDir: c.CacheDir, NamesDir: c.NamesDir}.dirs()
 
 	src, err := checkImageConfig(&c, dirs)
 	if err != nil {
@@ -254,7 +298,7 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 			return nil, err
 		}
 	}
-	for _, d := range []string{dirs.base, dirs.names, dirs.blobs} {
+	for _, d := range []string{dirs.base, dirs.names, dirs.blobs, dirs.refs, dirs.recipes} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, fmt.Errorf("guest: creating image cache: %w", err)
 		}
@@ -264,6 +308,29 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 	}
 	if _, err := os.Lstat(dirs.record(c.Name)); err == nil {
 		return nil, fmt.Errorf("%w: %q (remove it first: forkvm image rm %s)", ErrImageExists, c.Name, c.Name)
+	}
+	agentSum := sha256.Sum256(agent)
+	var recipe *debianRecipe
+	if c.Debian != nil {
+		if recipe, err = newDebianRecipe(ctx, c.Debian, hex.EncodeToString(agentSum[:]), c.SizeMiB); err != nil {
+			return nil, err
+		}
+		prev := findRecipe(dirs, recipe)
+		switch {
+		case prev != nil && !c.Rebuild:
+			img, err := linkRecipe(ctx, dirs, prev, c.Name, src)
+			if err != nil {
+				return nil, err
+			}
+			logf("recipe %s was built on %s into disk %s: reusing it, mmdebstrap not run (--rebuild builds it again with the archive's current packages)",
+				recipe.Key[:16], prev.Built.Local().Format(time.DateTime), img.Hash[:16])
+			logf("image %s: %s of files on a %s sparse disk", img.Name, FormatBytes(img.ContentBytes), FormatBytes(img.DiskBytes))
+			return img, nil
+		case c.Rebuild:
+			logf("recipe %s: building it again (rebuild asked for)", recipe.Key[:16])
+		default:
+			logf("recipe %s: not built before: building", recipe.Key[:16])
+		}
 	}
 
 	start := time.Now()
@@ -284,6 +351,9 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 		if err := buildDebian(ctx, c.Debian, root, tmp, logw); err != nil {
 			return nil, err
 		}
+		if err := clampTimes(ctx, root, time.Unix(debianSourceDateEpoch, 0)); err != nil {
+			return nil, err
+		}
 	default:
 		if err := os.Mkdir(root, 0o755); err != nil {
 			return nil, fmt.Errorf("guest: creating staging directory: %w", err)
@@ -297,7 +367,7 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 		if x.skipped > 0 {
 			logf("skipped %d FIFOs and sockets", x.skipped)
 		}
-		logf("extracted %s %s (%d MiB of files)", src.Kind, c.From, x.written>>20)
+		logf("extracted %s %s", src.Kind, c.From)
 	}
 	if err := installAgent(root, agent); err != nil {
 		return nil, err
@@ -316,7 +386,6 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 	h := sha256.New()
 	fmt.Fprintf(h, "%s\x00%s\x00%d\x00", contentFormat, sum.Hash, plan.SizeBytes)
 	hash := hex.EncodeToString(h.Sum(nil))
-	agentSum := sha256.Sum256(agent)
 	content := contentRecord{
 		Format: contentFormat, Hash: hash, DiskBytes: plan.SizeBytes,
 		ContentBytes: sum.ContentBytes, Inodes: sum.Inodes, AgentSHA256: hex.EncodeToString(agentSum[:]),
@@ -328,7 +397,7 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 	if cached {
 		logf("disk %s is cached", hash[:16])
 	} else {
-		logf("writing %d MiB ext4 disk (%d files, %d MiB of content)", plan.SizeBytes>>20, sum.Inodes, sum.ContentBytes>>20)
+		logf("writing the ext4 disk: %d inodes, %s of files, on a %s sparse disk", sum.Inodes, FormatBytes(sum.ContentBytes), FormatBytes(plan.SizeBytes))
 		if err := os.Mkdir(staged, 0o700); err != nil {
 			return nil, fmt.Errorf("guest: staging disk: %w", err)
 		}
@@ -371,7 +440,14 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 		}
 		return nil, err
 	}
-	logf("image %s: disk %s (%d MiB) in %s", c.Name, hash[:16], plan.SizeBytes>>20, time.Since(start).Round(time.Millisecond))
+	if recipe != nil {
+		recipe.Hash, recipe.Built = hash, time.Now().UTC()
+		if err := writeRecipe(dirs, recipe); err != nil {
+			logf("%v (the next build of this recipe runs mmdebstrap again)", err)
+		}
+	}
+	logf("image %s: disk %s, %s of files on a %s sparse disk, in %s", c.Name, hash[:16], FormatBytes(sum.ContentBytes),
+		FormatBytes(plan.SizeBytes), time.Since(start).Round(time.Millisecond))
 	return rootImage(dirs, &rec, &content), nil
 }
 
@@ -507,6 +583,31 @@ func linkRecord(dirs rootfsDirs, rec *nameRecord) error {
 		}
 		return fmt.Errorf("guest: writing image record: %w", err)
 	}
+	if err := addRef(dirs, rec); err != nil {
+		os.Remove(dirs.record(rec.Name))
+		return err
+	}
+	return nil
+}
+
+// refID names the reference of a name record (by its path) in refs/<hash[:16]>.
+func refID(record string) string {
+	h := sha256.Sum256([]byte(record))
+	return hex.EncodeToString(h[:16])
+}
+
+// addRef records that the name record of rec refers to its disk, so that removing
+// a name in another store (another state directory) keeps the disk. The caller
+// holds the lock.
+func addRef(dirs rootfsDirs, rec *nameRecord) error {
+	d := filepath.Join(dirs.refs, rec.Hash[:16])
+	if err := os.MkdirAll(d, 0o700); err != nil {
+		return fmt.Errorf("guest: image reference: %w", err)
+	}
+	p := dirs.record(rec.Name)
+	if err := os.WriteFile(filepath.Join(d, refID(p)), []byte(p+"\n"), 0o600); err != nil {
+		return fmt.Errorf("guest: image reference: %w", err)
+	}
 	return nil
 }
 
@@ -571,14 +672,19 @@ func isHex(s string) bool {
 	return err == nil
 }
 
-// LookupImage returns the image called name in cacheDir ("" means
-// DefaultCacheDir()): ErrInvalidImageName, ErrImageNotFound, or
-// ErrCorruptImage when its record or disk is unusable.
+// LookupImage returns the image called name in cacheDir's own names
+// (ImageStore with no NamesDir).
 func LookupImage(cacheDir, name string) (*RootImage, error) {
+	return ImageStore{CacheDir: cacheDir}.Lookup(name)
+}
+
+// Lookup returns the image called name: ErrInvalidImageName,
+// ErrImageNotFound, or ErrCorruptImage when its record or disk is unusable.
+func (st ImageStore) Lookup(name string) (*RootImage, error) {
 	if err := ValidateImageName(name); err != nil {
 		return nil, err
 	}
-	dirs := imageDirs(cacheDir)
+	dirs := st.dirs()
 	rec, err := readRecord(dirs, name)
 	if err != nil {
 		return nil, err
@@ -594,11 +700,16 @@ func LookupImage(cacheDir, name string) (*RootImage, error) {
 	return rootImage(dirs, rec, c), nil
 }
 
-// ListImages returns the images in cacheDir ("" means DefaultCacheDir()),
-// sorted by name; none is not an error. An image whose record or disk is
-// unusable is listed with Broken set, so it can be seen and removed.
+// ListImages lists cacheDir's own names (ImageStore with no NamesDir).
 func ListImages(cacheDir string) ([]*RootImage, error) {
-	dirs := imageDirs(cacheDir)
+	return ImageStore{CacheDir: cacheDir}.List()
+}
+
+// List returns the store's images sorted by name; none is not an error. An
+// image whose record or disk is unusable is listed with Broken set, so it can
+// be seen and removed.
+func (st ImageStore) List() ([]*RootImage, error) {
+	dirs := st.dirs()
 	ents, err := os.ReadDir(dirs.names)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
@@ -612,7 +723,7 @@ func ListImages(cacheDir string) ([]*RootImage, error) {
 		if !ok || strings.HasPrefix(e.Name(), ".") || ValidateImageName(name) != nil {
 			continue
 		}
-		img, err := LookupImage(cacheDir, name)
+		img, err := st.Lookup(name)
 		if err != nil {
 			img = &RootImage{Name: name, Broken: err.Error()}
 			if rec, rerr := readRecord(dirs, name); rerr == nil {
@@ -625,16 +736,22 @@ func ListImages(cacheDir string) ([]*RootImage, error) {
 	return out, nil
 }
 
-// RemoveImage removes the image called name from cacheDir ("" means
-// DefaultCacheDir()), and its disk when no other name shares it. A broken
-// image (ErrCorruptImage from LookupImage) is removed too. It does not know
-// which VMs use the disk as a backing file: the engine must not remove an
-// image its VMs still run on. ctx bounds the wait for the cache lock.
+// RemoveImage removes name from cacheDir's own names (ImageStore with no
+// NamesDir).
 func RemoveImage(ctx context.Context, cacheDir, name string) error {
+	return ImageStore{CacheDir: cacheDir}.Remove(ctx, name)
+}
+
+// Remove removes the image called name, and its disk when no name in any
+// store on the cache refers to it any more. A broken image (ErrCorruptImage
+// from Lookup) is removed too. It does not know which VMs use the disk as a
+// backing file (the engine links the disk into each VM, so removing it
+// breaks none). ctx bounds the wait for the cache lock.
+func (st ImageStore) Remove(ctx context.Context, name string) error {
 	if err := ValidateImageName(name); err != nil {
 		return err
 	}
-	dirs := imageDirs(cacheDir)
+	dirs := st.dirs()
 	if _, err := os.Lstat(dirs.record(name)); errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("%w: %q", ErrImageNotFound, name)
 	}
@@ -654,33 +771,78 @@ func RemoveImage(ctx context.Context, cacheDir, name string) error {
 		return fmt.Errorf("guest: removing image %q: %w", name, err)
 	}
 	if rerr == nil {
+		os.Remove(filepath.Join(dirs.refs, rec.Hash[:16], refID(dirs.record(name))))
 		return gcContent(dirs, rec.Hash)
 	}
 	return nil
 }
 
 // gcContent removes the disk directory of hash unless a name record still
-// refers to it. The caller holds the lock.
+// refers to it: one in the cache's own names directory, or one whose path a
+// reference in refs/ names (stale references are dropped). The caller holds
+// the lock.
 func gcContent(dirs rootfsDirs, hash string) error {
-	ents, err := os.ReadDir(dirs.names)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("guest: listing images: %w", err)
+	for _, names := range []string{dirs.legacyNames, dirs.names} {
+		ents, err := os.ReadDir(names)
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("guest: listing images: %w", err)
+		}
+		for _, e := range ents {
+			if strings.HasPrefix(e.Name(), ".") {
+				continue
+			}
+			if refersTo(filepath.Join(names, e.Name()), hash) {
+				return nil
+			}
+		}
 	}
+	refs := filepath.Join(dirs.refs, hash[:16])
+	ents, _ := os.ReadDir(refs)
 	for _, e := range ents {
-		b, err := os.ReadFile(filepath.Join(dirs.names, e.Name()))
-		if err != nil || strings.HasPrefix(e.Name(), ".") {
+		r := filepath.Join(refs, e.Name())
+		b, err := os.ReadFile(r)
+		if err != nil {
 			continue
 		}
-		var rec nameRecord
-		if json.Unmarshal(b, &rec) == nil && rec.Hash == hash {
+		if refersTo(strings.TrimSpace(string(b)), hash) {
 			return nil
 		}
-		if bytes.Contains(b, []byte(hash)) { // unparsable but mentions it: keep
-			return nil
-		}
+		os.Remove(r)
 	}
+	os.Remove(refs)
 	if err := os.RemoveAll(dirs.content(hash)); err != nil {
 		return fmt.Errorf("guest: removing disk %s: %w", hash[:16], err)
 	}
 	return nil
+}
+
+// refersTo reports whether the name record file p refers to hash (an
+// unparsable record that mentions it counts: keep rather than lose a disk).
+func refersTo(p, hash string) bool {
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return false
+	}
+	var rec nameRecord
+	if json.Unmarshal(b, &rec) == nil && rec.Hash == hash {
+		return true
+	}
+	return bytes.Contains(b, []byte(hash))
+}
+
+// FormatBytes prints a size for people: bytes under 1 KiB, else KiB, MiB or
+// GiB with one decimal. Every size CreateImage and the CLI print uses it.
+func FormatBytes(b int64) string {
+	const unit = 1024
+	if b < unit {
+		return fmt.Sprintf("%d B", b)
+	}
+	v, u := float64(b)/unit, "KiB"
+	for _, next := range []string{"MiB", "GiB", "TiB"} {
+		if v < unit {
+			break
+		}
+		v, u = v/unit, next
+	}
+	return fmt.Sprintf("%.1f %s", v, u)
 }

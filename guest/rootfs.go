@@ -161,7 +161,7 @@ func (x *extractor) apply(ctx context.Context, hdr *tar.Header, data io.Reader) 
 		return nil
 	case tar.TypeDir:
 		return x.dir(rel, hdr)
-	case tar.TypeReg, tar.TypeRegA:
+	case tar.TypeReg: // archive/tar reports the old TypeRegA as TypeReg
 		return x.file(ctx, rel, hdr, data)
 	case tar.TypeSymlink:
 		return x.symlink(rel, hdr)

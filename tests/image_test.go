@@ -13,30 +13,27 @@ import (
 	"github.com/forkvm/forkvm/guest"
 )
 
-// debianImage returns a Debian root image with python3, built once per agent build and
-// kept in the shared cache (a build takes tens of seconds: mmdebstrap + mkfs).
-func debianImage(t *testing.T) string {
+// debianImage names a Debian root image with python3 in env's state directory
+// (image names are per state directory). The recipe cache builds it once per agent
+// build (mmdebstrap + mkfs: tens of seconds) and then only names the cached disk.
+func debianImage(t *testing.T, env *testEnv) string {
 	t.Helper()
 	if _, err := exec.LookPath("mmdebstrap"); err != nil {
 		t.Fatalf("mmdebstrap is missing (make setup installs it): %v", err)
 	}
-	name := "fvt-py3-" + imageInfo.Hash[:12]
-	if _, err := guest.LookupImage(cacheDir, name); err == nil {
-		return name
-	} else if !errors.Is(err, guest.ErrImageNotFound) {
-		t.Fatalf("lookup %s: %v", name, err)
-	}
+	const name = "deb-py3"
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	t0 := time.Now()
+	var log strings.Builder
 	_, err := guest.CreateImage(ctx, &guest.ImageConfig{
-		Name: name, CacheDir: cacheDir, Debian: &guest.DebianSource{Include: []string{"python3"}},
-		AgentBinary: filepath.Join(binDir, "forkvm-agent"),
+		Name: name, CacheDir: cacheDir, NamesDir: engine.ImageNamesDir(env.Home), Log: &log,
+		Debian: &guest.DebianSource{Include: []string{"python3"}}, AgentBinary: filepath.Join(binDir, "forkvm-agent"),
 	})
-	if err != nil && !errors.Is(err, guest.ErrImageExists) {
-		t.Fatalf("create image %s: %v", name, err)
+	if err != nil {
+		t.Fatalf("create image %s: %v\n%s", name, err, log.String())
 	}
-	t.Logf("built image %s in %v", name, time.Since(t0).Round(time.Millisecond))
+	t.Logf("image %s in %v: %s", name, time.Since(t0).Round(time.Millisecond), strings.TrimSpace(log.String()))
 	return name
 }
 
@@ -44,8 +41,8 @@ func debianImage(t *testing.T) string {
 // checks that a checkpoint and forks of it keep the real userland, its state and their
 // isolation, with nothing left behind.
 func TestRootImage(t *testing.T) {
-	img := debianImage(t)
 	env := newRobustEnv(t, nil)
+	img := debianImage(t, env)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 
@@ -56,6 +53,11 @@ func TestRootImage(t *testing.T) {
 	t.Logf("boot from image: %v", w.Info().Timings.Total.Round(time.Millisecond))
 	if got := mustRun(t, w, ". /etc/os-release && echo $ID"); got != "debian" {
 		t.Fatalf("os-release ID = %q, want debian", got)
+	}
+	// The image's agent is PID 1 too: signals from guest root do not kill it.
+	mustRun(t, w, "kill -TERM 1; kill -QUIT 1; kill -SEGV 1; kill -HUP 1")
+	if got := mustRun(t, w, "echo alive"); got != "alive" {
+		t.Fatalf("after signals to PID 1: %q", got)
 	}
 	if got := mustRun(t, w, "python3 -c 'import json,sys; print(json.dumps({\"v\": sys.version_info[0]}))'"); got != `{"v": 3}` {
 		t.Fatalf("python3 = %q", got)

@@ -360,8 +360,8 @@ func TestNetTCPAtCheckpoint(t *testing.T) {
 // serving in a fork through the fork's published port, and the world reaches the host
 // as host.internal.
 func TestNetRootImage(t *testing.T) {
-	img := debianImage(t)
 	env := newRobustEnv(t, nil)
+	img := debianImage(t, env)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "host says hi") }))

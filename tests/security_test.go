@@ -230,7 +230,8 @@ func TestSecurityModes(t *testing.T) {
 // /dev/shm, a world-writable directory. If another user created it first (or planted a
 // symlink there), the engine must not put guest RAM and checkpoint RAM files into a
 // directory that user controls (they could read, delete or replace checkpoint RAM and so
-// inject code into every fork).
+// inject code into every fork), and must not be locked out either: it uses a private
+// directory of its own.
 func TestSecurityForeignRAMDir(t *testing.T) {
 	if os.Getuid() != 0 {
 		t.Skip("needs root to create a directory owned by another user")
@@ -273,13 +274,18 @@ func TestSecurityForeignRAMDir(t *testing.T) {
 			if err := os.Chown(foreign, 65534, 65534); err != nil {
 				t.Fatal(err)
 			}
+			// Refusing would let any user lock the owner out (a denial of service): the
+			// engine must use a private directory of its own instead.
 			e2, err := engine.New(context.Background(), &cfg)
 			if err != nil {
-				t.Logf("refused: %v", err)
-				return
+				t.Fatalf("a squatted default RAM dir locks its owner out: %v", err)
 			}
-			defer e2.Close()
 			got := e2.Config().RAMDir
+			defer os.RemoveAll(got)
+			defer e2.Close()
+			if got == ram {
+				t.Fatalf("engine uses the squatted %s", ram)
+			}
 			st, lerr := os.Lstat(got)
 			var owner uint32 = 1<<32 - 1
 			if lerr == nil {

@@ -419,7 +419,7 @@ func (x *extractor) apply(ctx context.Context, hdr *tar.Header, data io.Reader) 
 		return fmt.Errorf("%w: %q: a non-directory as the destination itself", ErrUnsafeEntry, hdr.Name)
 	}
 	switch hdr.Typeflag {
-	case tar.TypeReg, tar.TypeRegA:
+	case tar.TypeReg: // archive/tar reports the old TypeRegA as TypeReg
 		return x.file(ctx, rel, hdr, data)
 	case tar.TypeSymlink:
 		return x.symlink(rel, hdr)

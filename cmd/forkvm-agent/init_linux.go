@@ -33,6 +33,7 @@ func runInit(switched bool) {
 	mountBasics()
 	console := openConsole()
 	logger := log.New(console, "forkvm-agent: ", 0)
+	surviveSignals(logger)
 	os.Setenv("PATH", defaultPath)
 	os.Setenv("HOME", "/root")
 	args := readBootArgs(logger)

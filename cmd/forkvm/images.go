@@ -12,15 +12,25 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 )
 
 // Root image commands: `forkvm image create`, `forkvm image rm` and
-// `forkvm images`. They work on the cache directory only (no engine, no
-// state directory), so they never wait for a running engine.
+// `forkvm images`. Names belong to the state directory (--home), disks to the
+// shared cache; they open no engine, so they never wait for a running one.
 
 func cacheFlag() cli.Flag {
 	return &cli.StringFlag{Name: "cache", Usage: "cache directory (default ~/.cache/forkvm)", Sources: cli.EnvVars("FORKVM_CACHE")}
+}
+
+// imageStore is the state directory's image names on the cache.
+func imageStore(cmd *cli.Command) guest.ImageStore {
+	home := cmd.String("home")
+	if home == "" {
+		home = engine.DefaultStateDir()
+	}
+	return guest.ImageStore{CacheDir: cmd.String("cache"), NamesDir: engine.ImageNamesDir(home)}
 }
 
 // defaultAgent is the forkvm-agent next to this binary, as `image build` uses.
@@ -41,7 +51,8 @@ func imageCreateCmd() *cli.Command {
 		Usage: "build a root image: Debian (mmdebstrap) or from a tarball, directory, OCI layout or docker-save archive",
 		ArgsUsage: "NAME (--debian [--suite S] [--include P,...] | --from PATH [--ref REF])\n\n" +
 			"   Needs root. The image is an ext4 disk with the forkvm agent at " + guest.ImageAgentPath + ",\n" +
-			"   stored by content hash in the cache; `forkvm images` lists them.",
+			"   stored by content hash in the cache, named in the state directory; `forkvm images`\n" +
+			"   lists them. A Debian recipe built before is reused (--rebuild builds it again).",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "debian", Usage: "build a Debian minbase root with mmdebstrap"},
 			&cli.StringFlag{Name: "suite", Usage: "Debian suite (with --debian)", Value: guest.DefaultSuite},
@@ -52,6 +63,7 @@ func imageCreateCmd() *cli.Command {
 			&cli.IntFlag{Name: "size-mb", Usage: "disk size in MiB (default: content + 1 GiB free, in 64 MiB steps)"},
 			&cli.StringFlag{Name: "agent", Usage: "guest agent binary (default: forkvm-agent next to this binary)"},
 			cacheFlag(),
+			&cli.BoolFlag{Name: "rebuild", Usage: "build a Debian recipe again even if it was built before"},
 			&cli.BoolFlag{Name: "json", Usage: "print the image as JSON"},
 			&cli.BoolFlag{Name: "quiet", Aliases: []string{"q"}, Usage: "no progress output"},
 		},
@@ -70,9 +82,10 @@ func imageCreateCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
+			st := imageStore(cmd)
 			cfg := &guest.ImageConfig{
-				Name: cmd.Args().First(), CacheDir: cmd.String("cache"), From: from, Ref: cmd.String("ref"),
-				AgentBinary: agent, SizeMiB: int(cmd.Int("size-mb")),
+				Name: cmd.Args().First(), CacheDir: st.CacheDir, NamesDir: st.NamesDir, From: from, Ref: cmd.String("ref"),
+				AgentBinary: agent, SizeMiB: int(cmd.Int("size-mb")), Rebuild: cmd.Bool("rebuild"),
 			}
 			if !cmd.Bool("quiet") {
 				cfg.Log = os.Stderr
@@ -92,8 +105,8 @@ func imageCreateCmd() *cli.Command {
 			if cmd.Bool("json") {
 				return printJSON(img)
 			}
-			fmt.Printf("image %s: %s, %s disk, %s of files\n  %s\n", img.Name, img.Hash[:16],
-				mib(img.DiskBytes), mib(img.ContentBytes), img.Disk)
+			fmt.Printf("image %s: disk %s, %s of files (on a %s sparse disk)\n  %s\n", img.Name, img.Hash[:16],
+				guest.FormatBytes(img.ContentBytes), guest.FormatBytes(img.DiskBytes), img.Disk)
 			return nil
 		},
 	}
@@ -110,7 +123,7 @@ func imageRmCmd() *cli.Command {
 				return fmt.Errorf("usage: forkvm image rm NAME...")
 			}
 			for _, name := range cmd.Args().Slice() {
-				if err := guest.RemoveImage(ctx, cmd.String("cache"), name); err != nil {
+				if err := imageStore(cmd).Remove(ctx, name); err != nil {
 					return err
 				}
 			}
@@ -125,7 +138,7 @@ func imagesCmd() *cli.Command {
 		Usage: "list root images",
 		Flags: []cli.Flag{cacheFlag(), &cli.BoolFlag{Name: "json", Usage: "print JSON"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			imgs, err := guest.ListImages(cmd.String("cache"))
+			imgs, err := imageStore(cmd).List()
 			if err != nil {
 				return err
 			}
@@ -142,7 +155,7 @@ func imagesCmd() *cli.Command {
 
 func printImages(w io.Writer, imgs []*guest.RootImage) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tHASH\tDISK\tFILES\tSOURCE\tCREATED")
+	fmt.Fprintln(tw, "NAME\tHASH\tFILES\tDISK (SPARSE)\tSOURCE\tCREATED")
 	for _, img := range imgs {
 		hash := img.Hash
 		if len(hash) > 16 {
@@ -152,7 +165,7 @@ func printImages(w io.Writer, imgs []*guest.RootImage) error {
 			fmt.Fprintf(tw, "%s\t%s\tBROKEN: %s\t\t\t\n", img.Name, hash, img.Broken)
 			continue
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", img.Name, hash, mib(img.DiskBytes), mib(img.ContentBytes),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", img.Name, hash, guest.FormatBytes(img.ContentBytes), guest.FormatBytes(img.DiskBytes),
 			describeSource(&img.Source), img.Created.Local().Format(time.DateTime))
 	}
 	return tw.Flush()

@@ -44,6 +44,7 @@ func TestImageCommands(t *testing.T) {
 		t.Skip("mkfs.ext4 missing")
 	}
 	dir, cache := t.TempDir(), t.TempDir()
+	t.Setenv("FORKVM_HOME", filepath.Join(dir, "home")) // names are per state directory
 	agent := filepath.Join(dir, "agent")
 	os.WriteFile(agent, []byte("#!/bin/sh\n"), 0o755)
 	var buf bytes.Buffer
@@ -56,7 +57,7 @@ func TestImageCommands(t *testing.T) {
 	os.WriteFile(root, buf.Bytes(), 0o644)
 
 	out, err := runCLI(t, "image", "create", "small", "--from", root, "--agent", agent, "--cache", cache, "-q", "--size-mb", "64")
-	if err != nil || !strings.Contains(out, "image small: ") || !strings.Contains(out, "64 MiB disk") {
+	if err != nil || !strings.Contains(out, "image small: ") || !strings.Contains(out, "on a 64.0 MiB sparse disk") {
 		t.Fatalf("create: %v\n%s", err, out)
 	}
 	if _, err := runCLI(t, "image", "create", "small", "--from", root, "--agent", agent, "--cache", cache, "-q"); !errors.Is(err, guest.ErrImageExists) {

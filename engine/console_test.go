@@ -1,0 +1,125 @@
+package engine
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestConsoleKeeperBounded runs a real keeper (this test binary, re-executed) and
+// sends it far more than the cap, as a guest flooding its console would: the log
+// stays within 2 × consoleLogHalf, holds the end of the output, is private, and the
+// keeper exits when its QEMU (here the test) closes the connection.
+func TestConsoleKeeperBounded(t *testing.T) {
+	dir := t.TempDir()
+	sock, logPath := filepath.Join(dir, consoleSockName), filepath.Join(dir, serialLogFile)
+	p, err := startConsoleKeeper(sock, logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Kill()
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	line := bytes.Repeat([]byte("A"), 1023)
+	line = append(line, '\n')
+	const total = 5 * consoleLogHalf
+	for n := 0; n < total; n += len(line) {
+		if _, err := c.Write(line); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.Write([]byte("the end\n"))
+	c.Close()
+	deadline := time.Now().Add(30 * time.Second)
+	for syscall.Kill(p.Pid, 0) == nil && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if syscall.Kill(p.Pid, 0) == nil {
+		t.Fatalf("keeper %d still runs after its connection closed", p.Pid)
+	}
+	var size int64
+	for _, f := range []string{logPath, logPath + rotatedLogSuffix} {
+		st, err := os.Stat(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Size() > consoleLogHalf {
+			t.Errorf("%s: %d bytes, cap %d", f, st.Size(), consoleLogHalf)
+		}
+		if st.Mode().Perm() != 0o600 {
+			t.Errorf("%s: mode %v, want 0600", f, st.Mode().Perm())
+		}
+		size += st.Size()
+	}
+	if size > 2*consoleLogHalf || size < consoleLogHalf {
+		t.Errorf("console log holds %d bytes of %d sent; want between %d and %d", size, total, consoleLogHalf, 2*consoleLogHalf)
+	}
+	vm := &VM{dir: dir, m: manifest{Name: "k", Launch: launch{SerialLog: logPath}}}
+	var out bytes.Buffer
+	if err := vm.Logs(context.Background(), false, &out); err != nil {
+		t.Fatal(err)
+	}
+	if int64(out.Len()) != size || !strings.HasSuffix(out.String(), "A\nthe end\n") {
+		t.Errorf("Logs: %d bytes ending %q; want %d ending with the last line", out.Len(), out.String()[max(0, out.Len()-20):], size)
+	}
+}
+
+// TestConsoleTailAndFork: a checkpoint keeps the tail of its VM's console, and a
+// fork's log starts with it and a line naming the fork.
+func TestConsoleTailAndFork(t *testing.T) {
+	dir := t.TempDir()
+	logPath := filepath.Join(dir, serialLogFile)
+	os.WriteFile(logPath+rotatedLogSuffix, []byte("boot\n"), 0o600)
+	os.WriteFile(logPath, []byte("later\n"), 0o600)
+	ck := filepath.Join(dir, "ck")
+	os.Mkdir(ck, 0o700)
+	saveConsoleHistory(logPath, ck)
+	if b, _ := os.ReadFile(filepath.Join(ck, consoleHistoryFile)); string(b) != "boot\nlater\n" {
+		t.Fatalf("history %q", b)
+	}
+	var tail bytes.Buffer
+	if err := consoleTail(logPath, 8, &tail); err != nil || tail.String() != "t\nlater\n" {
+		t.Errorf("tail 8 = %q, %v", tail.String(), err)
+	}
+	forkLog := filepath.Join(dir, "f1.log")
+	seedForkConsole(ck, "ck1", forkLog, "f1")
+	b, _ := os.ReadFile(forkLog + rotatedLogSuffix)
+	if want := "boot\nlater\nforkvm: ---- the console of checkpoint ck1 above; fork f1 starts here ----\n"; string(b) != want {
+		t.Errorf("fork console %q, want %q", b, want)
+	}
+	vm := &VM{dir: dir, m: manifest{Name: "f1", Launch: launch{SerialLog: forkLog}}}
+	var out bytes.Buffer
+	if err := vm.Logs(context.Background(), false, &out); err != nil || out.String() != string(b) {
+		t.Errorf("fork Logs before its QEMU wrote = %q, %v", out.String(), err)
+	}
+}
+
+// TestStopConsoleKeeper: removing a VM's files ends its keeper, found by its record,
+// even while the connection is open.
+func TestStopConsoleKeeper(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, consoleSockName)
+	p, err := startConsoleKeeper(sock, filepath.Join(dir, serialLogFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Kill()
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	stopConsoleKeeper(dir)
+	if _, err := procStartTime(p.Pid); err == nil {
+		t.Errorf("keeper %d still runs", p.Pid)
+	}
+	stopConsoleKeeper(t.TempDir()) // no record: nothing to do
+}
