@@ -47,9 +47,18 @@ type Config struct {
 	CPUModel string
 	// Overcommit is the vCPU budget factor: budget = host CPUs * Overcommit. Default 8.
 	Overcommit float64
-	// MemoryReserveMiB is the MemAvailable reserve that forks may not push the host
-	// under. Default 512.
+	// MaxOvercommit caps the overcommit a single request may ask for
+	// (ForkOptions.Overcommit, ManyOptions.Overcommit, a daemon client's): a request
+	// above it is refused with an *OvercommitError. Default: 2 × Overcommit.
+	MaxOvercommit float64
+	// MemoryReserveMiB is the memory (MemAvailable, or the memory cgroup's headroom when
+	// lower) that admitting a VM may not push the host under. Default 512.
 	MemoryReserveMiB int64
+	// MemoryCommitRatio is the part of a VM's guest RAM that admission expects its guest
+	// to write (copies on write of a fork, pages of a booted VM) and keeps room for
+	// while the VM runs, beyond 64 MiB for QEMU itself. Default 0.1; negative: 0 (count
+	// QEMU only).
+	MemoryCommitRatio float64
 	// BootTimeout bounds a cold boot until the agent answers. Default 60s.
 	BootTimeout time.Duration
 	// ForkTimeout bounds each part of a fork: start-up, and restore until its agent
@@ -131,6 +140,16 @@ func (c Config) resolve() (*resolved, error) {
 	}
 	if c.Overcommit <= 0 {
 		c.Overcommit = 8
+	}
+	if c.MaxOvercommit <= 0 {
+		c.MaxOvercommit = 2 * c.Overcommit
+	}
+	c.MaxOvercommit = max(c.MaxOvercommit, c.Overcommit)
+	switch {
+	case c.MemoryCommitRatio == 0:
+		c.MemoryCommitRatio = 0.1
+	case c.MemoryCommitRatio < 0:
+		c.MemoryCommitRatio = 0
 	}
 	if c.MemoryReserveMiB == 0 {
 		c.MemoryReserveMiB = 512

@@ -90,7 +90,8 @@ func (e *QEMUError) Error() string {
 // Unwrap returns the underlying error (often ErrQEMUExited).
 func (e *QEMUError) Unwrap() error { return e.Err }
 
-// AdmissionError is returned (wrapping ErrAdmission) when a fork does not fit the budget.
+// AdmissionError is returned (wrapping ErrAdmission) when a VM (a fork or a create)
+// does not fit the host's budget (Budget).
 type AdmissionError struct {
 	Resource  string // "vcpu" or "memory"
 	Requested int64
@@ -101,8 +102,8 @@ type AdmissionError struct {
 // Error implements error.
 func (e *AdmissionError) Error() string {
 	if e.Resource == "memory" {
-		return fmt.Sprintf("engine: admission refused: memory: fork needs ~%d MiB, %d MiB available above the reserve",
-			e.Requested>>20, e.Available>>20)
+		return fmt.Sprintf("engine: admission refused: memory: VM needs ~%d MiB, %d MiB free for VMs (of %d MiB: available memory less the reserve and running VMs' expected growth)",
+			e.Requested>>20, e.Available>>20, e.Budget>>20)
 	}
 	return fmt.Sprintf("engine: admission refused: vcpu: requested %d vCPUs, %d available of a budget of %d",
 		e.Requested, e.Available, e.Budget)
@@ -110,6 +111,20 @@ func (e *AdmissionError) Error() string {
 
 // Unwrap returns ErrAdmission.
 func (e *AdmissionError) Unwrap() error { return ErrAdmission }
+
+// OvercommitError is returned (wrapping ErrAdmission) when a request asks for an
+// overcommit above the operator's cap (Config.MaxOvercommit).
+type OvercommitError struct {
+	Requested, Max float64
+}
+
+// Error implements error.
+func (e *OvercommitError) Error() string {
+	return fmt.Sprintf("engine: admission refused: overcommit %g above the cap of %g (Config.MaxOvercommit, serve --max-overcommit)", e.Requested, e.Max)
+}
+
+// Unwrap returns ErrAdmission.
+func (e *OvercommitError) Unwrap() error { return ErrAdmission }
 
 // LockedError is returned (wrapping ErrLocked) when another engine holds the state
 // directory; PID is that engine's process (0 when unknown), so a caller can say who.

@@ -123,6 +123,16 @@ func (vm *VM) Wait(ctx context.Context) error {
 
 func (vm *VM) process() *qemuProc { return vm.proc.Load() }
 
+// use is the VM as admission counts it: its vCPUs, guest RAM and the anonymous memory
+// its QEMU holds; ok is false when its QEMU is gone.
+func (vm *VM) use(h hostProbe) (u qemuUse, ok bool) {
+	p := vm.process()
+	if p == nil || !p.running() {
+		return qemuUse{}, false
+	}
+	return qemuUse{pid: p.pid, cpus: vm.m.Spec.CPUs, guest: int64(vm.m.Spec.MemoryMiB) << 20, private: h.rssAnon(p.pid)}, true
+}
+
 // alive reports whether the VM's QEMU process is the one recorded and still runs.
 func (vm *VM) alive() bool {
 	p := vm.process()
