@@ -386,7 +386,3 @@ func memFree(avail int64, cg memCgroup, reserve, committed int64) int64 {
 	}
 	return room - reserve - committed
 }
-
-
-
-

@@ -82,9 +82,9 @@ type MemoryBudget struct {
 	// CgroupLimitBytes is the tightest memory cgroup limit the engine runs under (0:
 	// none) and CgroupHeadroomBytes what it leaves (limit − usage, inactive file pages
 	// not counted as used).
-	CgroupLimitBytes    int64 `json:"cgroup_limit_bytes,omitempty"`
-	CgroupHeadroomBytes int64 `json:"cgroup_headroom_bytes,omitempty"`
-	ReserveBytes        int64 `json:"reserve_bytes"`
+	CgroupLimitBytes    int64   `json:"cgroup_limit_bytes,omitempty"`
+	CgroupHeadroomBytes int64   `json:"cgroup_headroom_bytes,omitempty"`
+	ReserveBytes        int64   `json:"reserve_bytes"`
 	CommitRatio         float64 `json:"commit_ratio"`
 	// CommittedBytes is the growth still expected of the host's forkvm VMs (each VM's
 	// commitment less its resident anonymous memory) plus the commitments of VMs
