@@ -59,6 +59,11 @@ type Config struct {
 	// while the VM runs, beyond 64 MiB for QEMU itself. Default 0.1; negative: 0 (count
 	// QEMU only).
 	MemoryCommitRatio float64
+	// MemoryCgroup is the memory cgroup directory (v1 or v2) below which VMs with a
+	// memory limit (Spec.MemoryLimitMiB) get their own cgroups. Default: the memory
+	// cgroup the engine runs in (which works on cgroup v1; on v2 name a cgroup that holds
+	// no processes and has the memory controller enabled for its children).
+	MemoryCgroup string
 	// BootTimeout bounds a cold boot until the agent answers. Default 60s.
 	BootTimeout time.Duration
 	// ForkTimeout bounds each part of a fork: start-up, and restore until its agent
@@ -97,6 +102,7 @@ type Experimental struct {
 type resolved struct {
 	Config
 	accel Accel // never AccelAuto
+	tag   string // tells state directories apart in shared names
 	vsock bool  // agents are reached over AF_VSOCK
 	paths layout
 }
@@ -208,7 +214,7 @@ func (c Config) resolve() (*resolved, error) {
 	default:
 		return nil, fmt.Errorf("%w: transport %q (want auto, serial or vsock)", ErrInvalidSpec, c.Transport)
 	}
-	return &resolved{Config: c, accel: accel, vsock: vsock, paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
+	return &resolved{Config: c, accel: accel, tag: tag, vsock: vsock, paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
 }
 
 // DefaultStateDir is $FORKVM_HOME, else $XDG_STATE_HOME/forkvm, else ~/.local/state/forkvm.

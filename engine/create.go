@@ -77,6 +77,13 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		}
 	}()
 
+	if spec.MemoryLimitMiB > 0 {
+		version, dir, err := vmCgroupDir(e.cfg.MemoryCgroup, e.cfg.tag, spec.Name)
+		if err != nil {
+			return nil, err
+		}
+		vm.m.MemoryCgroup, vm.cgVersion = dir, version
+	}
 	if spec.Forkable {
 		p := e.paths.vmRAM(spec.Name)
 		vm.m.Launch.RAM = ramBacking{Path: p, Shared: true}

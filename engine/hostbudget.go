@@ -340,13 +340,17 @@ func statField(path, name string) int64 {
 }
 
 // oomKills is the count of OOM kills in the cgroup at dir (v1 memory.oom_control's
-// oom_kill, v2 memory.events' oom_kill); ok is false when it cannot be read.
+// oom_kill, v2 memory.events' oom_kill; version 0: the kernel's, /proc/vmstat); ok is
+// false when it cannot be read.
 func oomKills(version int, dir string) (n int64, ok bool) {
-	file := "memory.oom_control"
-	if version == 2 {
-		file = "memory.events"
+	path := filepath.Join(dir, "memory.oom_control")
+	switch version {
+	case 0: // no memory cgroup: the kernel's count
+		path = "/proc/vmstat"
+	case 2:
+		path = filepath.Join(dir, "memory.events")
 	}
-	b, err := os.ReadFile(filepath.Join(dir, file))
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return 0, false
 	}

@@ -34,6 +34,8 @@ type VM struct {
 
 	// restored marks a pre-restored warm-pool process: guest loaded, stopped.
 	restored bool
+	// cgVersion is the cgroup version of m.MemoryCgroup (set by Create).
+	cgVersion int
 }
 
 // Info is a snapshot of a VM's state.
@@ -56,6 +58,9 @@ type Info struct {
 	// forwards.
 	Net     bool          `json:"net,omitempty"`
 	Publish []PortForward `json:"publish,omitempty"`
+	// Reason says why a dead VM died ("oom-killed", "signal N (NAME)", "qemu exit N:
+	// STDERR", or that its status is unknown).
+	Reason string `json:"reason,omitempty"`
 }
 
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
@@ -80,11 +85,14 @@ func (vm *VM) Info() Info {
 	vm.mu.Lock()
 	m := vm.m
 	vm.mu.Unlock()
-	st := m.State
+	st, reason := m.State, ""
 	if !vm.alive() {
-		st = StateDead
+		st, reason = StateDead, m.DeadReason
+		if p := vm.process(); reason == "" && p != nil {
+			reason = p.exitReason()
+		}
 	}
-	return Info{
+	return Info{Reason: reason,
 		Name: m.Name, State: st, PID: m.PID, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB,
 		DiskMiB: m.Spec.DiskMiB, Forkable: m.Spec.Forkable, Parent: m.Parent, Accel: m.Accel, TCGThread: m.Launch.TCGThread,
 		CreatedAt: m.CreatedAt, Timings: m.Timings, RunDir: m.Launch.RunDir,
@@ -175,7 +183,13 @@ func (vm *VM) start(ctx context.Context) error {
 	if f, err := os.OpenFile(l.SerialLog, os.O_CREATE|os.O_WRONLY, 0o600); err == nil {
 		f.Close()
 	}
-	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile))
+	var cg *vmCgroup
+	if vm.m.MemoryCgroup != "" && vm.cgVersion != 0 {
+		if cg, err = openVMCgroup(vm.cgVersion, vm.m.MemoryCgroup, int64(vm.m.Spec.MemoryLimitMiB)<<20); err != nil {
+			return err
+		}
+	}
+	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.died)
 	if err != nil {
 		return err
 	}
@@ -191,6 +205,17 @@ func (vm *VM) start(ctx context.Context) error {
 		return p.failed("start", err)
 	}
 	return nil
+}
+
+// died records why the VM's QEMU ended on its own, in the manifest and the log.
+func (vm *VM) died(reason string) {
+	vm.mu.Lock()
+	vm.m.DeadReason = reason
+	if _, err := os.Stat(vm.dir); err == nil { // not being deleted
+		_ = vm.saveLocked()
+	}
+	vm.mu.Unlock()
+	vm.log.Warn("vm died", "vm", vm.Name(), "reason", reason)
 }
 
 // failure turns err into a *QEMUError carrying QEMU's stderr tail when QEMU died.
@@ -406,6 +431,7 @@ func (vm *VM) Stop(ctx context.Context) error {
 // be nil when the manifest is unreadable; the default locations are removed either way.
 func (l layout) removeVMFiles(name string, m *manifest) {
 	if m != nil {
+		removeCgroupDir(m.MemoryCgroup)
 		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
 			os.Remove(m.Launch.RAM.Path)
 		}

@@ -244,7 +244,7 @@ func lsCmd() *cli.Command {
 				if parent == "" {
 					parent = "-"
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%v\n", v.Name, v.State, v.PID, v.CPUs, v.MemoryMiB,
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%v\n", v.Name, stateText(v), v.PID, v.CPUs, v.MemoryMiB,
 					v.DiskMiB, v.Forkable, parent, v.Timings.Total.Round(time.Millisecond))
 			}
 			return tw.Flush()
@@ -603,4 +603,17 @@ func printJSON(v any) error {
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+// stateText is a VM's state for ls, with its reason when it has one ("dead (oom-killed)"),
+// cut to one short line (--json has it whole).
+func stateText(v engine.Info) string {
+	if v.Reason == "" {
+		return string(v.State)
+	}
+	r, _, _ := strings.Cut(v.Reason, "\n")
+	if len(r) > 60 {
+		r = r[:57] + "..."
+	}
+	return fmt.Sprintf("%s (%s)", v.State, r)
 }
