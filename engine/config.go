@@ -101,9 +101,9 @@ type Experimental struct {
 // resolved is what Config's defaults and probes decided.
 type resolved struct {
 	Config
-	accel Accel // never AccelAuto
+	accel Accel  // never AccelAuto
 	tag   string // tells state directories apart in shared names
-	vsock bool  // agents are reached over AF_VSOCK
+	vsock bool   // agents are reached over AF_VSOCK
 	paths layout
 }
 
