@@ -29,6 +29,9 @@ var (
 	ErrAgentTimeout = errors.New("engine: guest agent did not answer in time")
 	// ErrNotRunning reports an operation on a VM whose QEMU is not alive.
 	ErrNotRunning = errors.New("engine: vm not running")
+	// ErrPaused reports an agent operation on a VM that QEMU paused on a disk I/O error
+	// (see *PausedError).
+	ErrPaused = errors.New("engine: vm paused on a disk error")
 	// ErrNotForkable reports a checkpoint of a VM that cannot be checkpointed.
 	ErrNotForkable = errors.New("engine: vm is not forkable")
 	// ErrLocked reports another engine holding the state directory.
@@ -111,6 +114,20 @@ func (e *AdmissionError) Error() string {
 
 // Unwrap returns ErrAdmission.
 func (e *AdmissionError) Unwrap() error { return ErrAdmission }
+
+// PausedError is returned (wrapping ErrPaused and ErrNotRunning) by agent operations on
+// a VM that QEMU paused on a disk I/O error, and ends those in flight when it pauses.
+type PausedError struct {
+	VM, Reason string
+}
+
+// Error implements error.
+func (e *PausedError) Error() string {
+	return fmt.Sprintf("engine: %s is paused (%s); it resumes once its disk's file system has space again", e.VM, e.Reason)
+}
+
+// Unwrap returns ErrPaused and ErrNotRunning.
+func (e *PausedError) Unwrap() []error { return []error{ErrPaused, ErrNotRunning} }
 
 // OvercommitError is returned (wrapping ErrAdmission) when a request asks for an
 // overcommit above the operator's cap (Config.MaxOvercommit).

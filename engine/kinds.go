@@ -47,6 +47,10 @@ const (
 	StateStarting State = "starting" // being created or forked; not yet answered by its agent
 	StateRunning  State = "running"  // QEMU alive and the agent answered at least once
 	StateDead     State = "dead"     // QEMU is gone (crashed or killed); remove it with Delete
+	// StatePaused: QEMU stopped the guest on a disk I/O error (Info.Reason "io-error: no
+	// space"); the engine resumes it once the disk's file system has space again
+	// (Engine.Resume: at once). Agent operations fail with a *PausedError meanwhile.
+	StatePaused State = "paused"
 	// statePooled is a warm-pool QEMU: spawned with a checkpoint's machine shape and
 	// -incoming defer, not yet given a name or a guest of its own.
 	statePooled State = "pooled"

@@ -44,6 +44,10 @@ type qemuProc struct {
 	// onExit, when set, is called with the reason once our child ended on its own
 	// (not stopped by the engine).
 	onExit func(reason string)
+	// onPause and onResume, when set (before connect), hear QEMU stopping the guest on
+	// a disk I/O error and running it again.
+	onPause  func(reason string)
+	onResume func()
 	// stopping is set when the engine stops or kills the process on purpose.
 	stopping atomic.Bool
 
@@ -223,12 +227,14 @@ func (p *qemuProc) connect(ctx context.Context) error {
 	for {
 		c, err := qmp.Dial(ctx, p.qmpPath, nil)
 		if err == nil {
+			events, stop := c.Subscribe(0)
 			p.mu.Lock()
 			if p.qmp != nil {
 				p.qmp.Close()
 			}
 			p.qmp, p.ignoreShared = c, false
 			p.mu.Unlock()
+			go p.watchEvents(c, events, stop)
 			return nil
 		}
 		if !p.running() {

@@ -36,6 +36,8 @@ type VM struct {
 	restored bool
 	// cgVersion is the cgroup version of m.MemoryCgroup (set by Create).
 	cgVersion int
+	// pause is set while QEMU holds the guest stopped on a disk I/O error.
+	pause pauseState
 }
 
 // Info is a snapshot of a VM's state.
@@ -66,7 +68,9 @@ type Info struct {
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
 func adoptVM(dir string, log *slog.Logger, m *manifest) *VM {
 	vm := &VM{dir: dir, log: log, m: *m}
-	vm.proc.Store(adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile)))
+	p := adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile))
+	p.onPause, p.onResume = vm.paused, vm.resumed
+	vm.proc.Store(p)
 	return vm
 }
 
@@ -91,6 +95,9 @@ func (vm *VM) Info() Info {
 		if p := vm.process(); reason == "" && p != nil {
 			reason = p.exitReason()
 		}
+	}
+	if r := vm.pauseReason(); r != "" && st != StateDead {
+		st, reason = StatePaused, r
 	}
 	return Info{Reason: reason,
 		Name: m.Name, State: st, PID: m.PID, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB,
@@ -193,6 +200,7 @@ func (vm *VM) start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
 	vm.mu.Lock()
 	vm.m.PID, vm.m.StartTime = p.pid, p.startTime
@@ -312,7 +320,7 @@ func (vm *VM) Agent(ctx context.Context) (*vsockd.Client, error) {
 // Exec runs a command in the VM and returns its exit code.
 func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 	code := -1
-	err := vm.withAgent(ctx, "exec", func(c *vsockd.Client) error {
+	err := vm.withAgent(ctx, "exec", func(ctx context.Context, c *vsockd.Client) error {
 		var err error
 		code, err = c.Run(ctx, req)
 		return err
@@ -336,7 +344,7 @@ type Process struct {
 // of processes may run at once on the VM's one agent connection.
 func (vm *VM) Start(ctx context.Context, req *vsockd.ExecRequest) (*Process, error) {
 	var p *Process
-	err := vm.withAgent(ctx, "exec", func(c *vsockd.Client) error {
+	err := vm.withAgent(ctx, "exec", func(ctx context.Context, c *vsockd.Client) error {
 		vp, err := c.Start(ctx, req)
 		if err == nil {
 			p = &Process{Process: vp, vm: vm, c: c}
@@ -349,7 +357,14 @@ func (vm *VM) Start(ctx context.Context, req *vsockd.ExecRequest) (*Process, err
 // Wait waits for the process (vsockd.Process.Wait); an exec cut by the VM's end (a
 // Delete, a QEMU crash) fails with ErrNotRunning.
 func (p *Process) Wait(ctx context.Context) (int, error) {
-	code, err := p.Process.Wait(ctx)
+	pctx, done, err := p.vm.pauseCtx(ctx)
+	if err != nil {
+		return -1, err
+	}
+	code, err := p.Process.Wait(pctx)
+	if perr := done(); perr != nil {
+		return -1, perr
+	}
 	if err != nil {
 		if err = p.vm.agentFailed(p.c, "exec", err); errors.Is(err, ErrNotRunning) {
 			return -1, err
@@ -361,12 +376,22 @@ func (p *Process) Wait(ctx context.Context) (int, error) {
 // withAgent runs fn (the operation op) on the VM's agent connection. When the connection
 // breaks because the VM's QEMU went away, the error wraps both ErrNotRunning (for the
 // caller's decision) and the *QEMUError (exit code, stderr) saying why.
-func (vm *VM) withAgent(ctx context.Context, op string, fn func(c *vsockd.Client) error) error {
-	c, err := vm.Agent(ctx)
+//
+// A VM paused on an I/O error fails at once with a *PausedError, and an operation in
+// flight when it pauses ends with one.
+func (vm *VM) withAgent(ctx context.Context, op string, fn func(ctx context.Context, c *vsockd.Client) error) error {
+	pctx, done, err := vm.pauseCtx(ctx)
 	if err != nil {
 		return err
 	}
-	return vm.agentFailed(c, op, fn(c))
+	c, err := vm.Agent(pctx)
+	if err == nil {
+		err = vm.agentFailed(c, op, fn(pctx, c))
+	}
+	if perr := done(); perr != nil {
+		return perr
+	}
+	return err
 }
 
 // agentFailed is err from an operation on the agent connection c, wrapping ErrNotRunning

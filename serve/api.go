@@ -269,6 +269,7 @@ var errorCodes = []struct {
 	{engine.ErrExists, "exists", http.StatusConflict},
 	{engine.ErrInvalidName, "invalid_name", http.StatusBadRequest},
 	{engine.ErrInvalidSpec, "invalid_spec", http.StatusBadRequest},
+	{engine.ErrPaused, "paused", http.StatusConflict},
 	{engine.ErrNotRunning, "not_running", http.StatusConflict},
 	{engine.ErrNotForkable, "not_forkable", http.StatusConflict},
 	{engine.ErrInUse, "in_use", http.StatusConflict},
