@@ -1,3 +1,5 @@
+//go:build linux
+
 package tests
 
 // Host-wide admission: creates are admitted, other state directories' VMs count, and a
