@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"sync"
+	"time"
 
 	"golang.org/x/sync/semaphore"
 )
@@ -46,6 +47,28 @@ type admitter struct {
 	// inflightCPUs counts the vCPUs of forks between their start and ready (or
 	// failure), admitted or not; it picks their TCG thread mode.
 	inflightCPUs int
+	// others caches the scan for other engines' QEMUs (taken at othersAt) for
+	// othersTTL: the scan costs milliseconds, and a wave admits many forks at once.
+	others   []qemuUse
+	othersAt time.Time
+}
+
+// othersTTL is how long a scan for other engines' QEMUs is reused. Another engine's VM
+// started within it is seen late; its reservations not yet spawned are never seen.
+const othersTTL = 250 * time.Millisecond
+
+// otherQEMUs returns the forkvm QEMUs of other engines on the host, scanned at most
+// othersTTL ago.
+func (a *admitter) otherQEMUs() []qemuUse {
+	a.mu.Lock()
+	if a.othersAt.IsZero() || time.Since(a.othersAt) > othersTTL {
+		a.mu.Unlock()
+		others := a.host.qemus(a.ownArg)
+		a.mu.Lock()
+		a.others, a.othersAt = others, time.Now()
+	}
+	defer a.mu.Unlock()
+	return append([]qemuUse(nil), a.others...)
 }
 
 // budget returns the current budgets (overcommit 0 = the engine's).
@@ -57,7 +80,7 @@ func (a *admitter) budget(overcommit float64) Budget {
 	pendingCPUs, pendingMem := a.pendingCPUs, a.pendingMem
 	a.mu.Unlock()
 	own := a.own()
-	others := a.host.qemus(a.ownArg)
+	others := a.otherQEMUs()
 	b := Budget{HostCPUs: a.hostCPUs, Overcommit: overcommit, MaxOvercommit: a.maxOvercommit,
 		Total: int(float64(a.hostCPUs) * overcommit), Used: pendingCPUs}
 	for _, u := range own {

@@ -247,3 +247,13 @@ func TestAdmitHost(t *testing.T) {
 		t.Errorf("committed = %d, want the other VM's commitment %d", b.Memory.CommittedBytes, commitBytes(1<<30, e.adm.commitRatio))
 	}
 }
+
+// BenchmarkBudgetRealHost is the cost of one admission check on this host (the /proc
+// scan for other engines' QEMUs, meminfo and the memory cgroup).
+func BenchmarkBudgetRealHost(b *testing.B) {
+	a := &admitter{hostCPUs: 2, overcommit: 8, maxOvercommit: 16, commitRatio: 0.1, host: realHost,
+		ownArg: "path=/nonexistent/run/", own: func() []qemuUse { return nil }}
+	for b.Loop() {
+		_ = a.budget(0)
+	}
+}
