@@ -3,85 +3,164 @@ package engine
 import (
 	"context"
 	"sync"
+	"time"
 
 	"golang.org/x/sync/semaphore"
-
-	"github.com/forkvm/forkvm/memfile"
 )
 
-// forkMemoryEstimate is the host memory one fork is expected to add before its guest
-// dirties much: QEMU heap plus TCG buffers, rounded up.
+// forkMemoryEstimate is the host memory one VM is expected to add before its guest
+// writes much: QEMU heap plus TCG buffers, rounded up (measured: ~22 MiB per fork).
 const forkMemoryEstimate = 64 << 20
 
-// admitter decides whether one more VM fits the vCPU and memory budgets, bounds the
-// forks restoring at once, and picks a fork's TCG thread mode from the forks in flight.
+// admitter decides whether one more VM fits the host's vCPU and memory budgets, bounds
+// the forks restoring at once, and picks a fork's TCG thread mode from the forks in
+// flight.
+//
+// The budgets are the host's, not the state directory's: every forkvm QEMU on the host
+// counts (found by qemuMarker in its argv), this engine's through its registry and
+// pending reservations, other engines' through the /proc scan.
 //
 // Concurrency: admitMu serializes check-and-reserve so that two forks cannot both take
 // the last slot; mu guards the counters. A VM moving between states (pool, pending,
 // registered) is counted twice for a moment rather than not at all: reservations are
 // released only after the VM is counted elsewhere.
 type admitter struct {
-	hostCPUs     int
-	overcommit   float64
-	reserveBytes int64
-	tcgMode      TCGThread
-	slots        *semaphore.Weighted // nil: no bound
-	// used counts the vCPUs of live VMs and pooled processes.
-	used func() int
+	hostCPUs      int
+	overcommit    float64
+	maxOvercommit float64
+	reserveBytes  int64
+	commitRatio   float64
+	tcgMode       TCGThread
+	slots         *semaphore.Weighted // nil: no bound
+	host          hostProbe
+	// ownArg is in the argv of every QEMU this engine started (its run directory): the
+	// scan skips those, own counts them.
+	ownArg string
+	// own returns this engine's live VMs and pooled processes.
+	own func() []qemuUse
 
 	admitMu sync.Mutex
 	mu      sync.Mutex
-	// pendingCPUs and pendingForks count admitted VMs not yet registered.
-	pendingCPUs, pendingForks int
+	// pendingCPUs and pendingMem count admitted VMs not yet registered.
+	pendingCPUs int
+	pendingMem  int64
 	// inflightCPUs counts the vCPUs of forks between their start and ready (or
 	// failure), admitted or not; it picks their TCG thread mode.
 	inflightCPUs int
+	// others caches the scan for other engines' QEMUs (taken at othersAt) for
+	// othersTTL: the scan costs milliseconds, and a wave admits many forks at once.
+	others   []qemuUse
+	othersAt time.Time
 }
 
-// budget returns the current vCPU budget (overcommit 0 = the engine's).
+// othersTTL is how long a scan for other engines' QEMUs is reused. Another engine's VM
+// started within it is seen late; its reservations not yet spawned are never seen.
+const othersTTL = 250 * time.Millisecond
+
+// otherQEMUs returns the forkvm QEMUs of other engines on the host, scanned at most
+// othersTTL ago.
+func (a *admitter) otherQEMUs() []qemuUse {
+	a.mu.Lock()
+	if a.othersAt.IsZero() || time.Since(a.othersAt) > othersTTL {
+		a.mu.Unlock()
+		others := a.host.qemus(a.ownArg)
+		a.mu.Lock()
+		a.others, a.othersAt = others, time.Now()
+	}
+	defer a.mu.Unlock()
+	return append([]qemuUse(nil), a.others...)
+}
+
+// budget returns the current budgets (overcommit 0 = the engine's).
 func (a *admitter) budget(overcommit float64) Budget {
 	if overcommit <= 0 {
 		overcommit = a.overcommit
 	}
 	a.mu.Lock()
-	pending := a.pendingCPUs
+	pendingCPUs, pendingMem := a.pendingCPUs, a.pendingMem
 	a.mu.Unlock()
-	return Budget{HostCPUs: a.hostCPUs, Overcommit: overcommit, Total: int(float64(a.hostCPUs) * overcommit), Used: a.used() + pending}
+	own := a.own()
+	others := a.otherQEMUs()
+	b := Budget{HostCPUs: a.hostCPUs, Overcommit: overcommit, MaxOvercommit: a.maxOvercommit,
+		Total: int(float64(a.hostCPUs) * overcommit), Used: pendingCPUs}
+	for _, u := range own {
+		b.Used += u.cpus
+	}
+	for _, u := range others {
+		b.Used += u.cpus
+		b.OtherUsed += u.cpus
+	}
+	b.Memory = a.memory(append(own, others...), pendingMem)
+	return b
 }
 
-// admit checks the budgets for one more VM of cpus vCPUs and reserves them until
-// release is called (once the VM is registered, or failed).
-func (a *admitter) admit(cpus int, overcommit float64) (release func(), err error) {
+// memory is the memory budget given every forkvm QEMU on the host and pending, the
+// commitments of admitted VMs not yet running.
+func (a *admitter) memory(vms []qemuUse, pending int64) MemoryBudget {
+	avail, total, err := a.host.meminfo()
+	if err != nil {
+		return MemoryBudget{}
+	}
+	m := MemoryBudget{Known: true, AvailableBytes: avail, TotalBytes: total, ReserveBytes: a.reserveBytes,
+		CommitRatio: a.commitRatio, CommittedBytes: outstanding(vms, a.commitRatio) + pending}
+	cg, err := a.host.memCgroup()
+	if err == nil && cg.limit > 0 {
+		m.CgroupLimitBytes, m.CgroupHeadroomBytes = cg.limit, cg.headroom
+		m.TotalBytes = min(m.TotalBytes, cg.limit)
+	}
+	m.FreeBytes = memFree(avail, cg, a.reserveBytes, m.CommittedBytes)
+	return m
+}
+
+// admit checks the budgets for one more VM of cpus vCPUs and guest bytes of RAM, with
+// the request's overcommit (0: the engine's), and reserves it until release is called
+// (once the VM is registered, or failed).
+func (a *admitter) admit(cpus int, guest int64, overcommit float64) (release func(), err error) {
+	if overcommit > a.maxOvercommit {
+		return nil, &OvercommitError{Requested: overcommit, Max: a.maxOvercommit}
+	}
 	a.admitMu.Lock()
 	defer a.admitMu.Unlock()
 	b := a.budget(overcommit)
-	if b.Used+cpus > b.Total {
-		return nil, &AdmissionError{Resource: "vcpu", Requested: int64(cpus), Available: int64(b.Total - b.Used), Budget: int64(b.Total)}
+	if err := b.check(cpus, guest); err != nil {
+		return nil, err
 	}
-	if avail, err := memfile.MemAvailable(); err == nil {
-		a.mu.Lock()
-		pendingMem := int64(a.pendingForks) * forkMemoryEstimate
-		a.mu.Unlock()
-		if free := avail - pendingMem - a.reserveBytes; free < forkMemoryEstimate {
-			return nil, &AdmissionError{Resource: "memory", Requested: forkMemoryEstimate, Available: free}
-		}
-	}
-	return a.hold(cpus, 1), nil
+	return a.hold(cpus, commitBytes(guest, a.commitRatio)), nil
 }
 
-// hold reserves cpus vCPUs (and forks pending forks) without a check: a claimed pooled
-// process already had its admission.
-func (a *admitter) hold(cpus, forks int) (release func()) {
+// check says whether one more VM of cpus vCPUs and guest bytes fits b.
+func (b Budget) check(cpus int, guest int64) error {
+	if b.Used+cpus > b.Total {
+		return &AdmissionError{Resource: "vcpu", Requested: int64(cpus), Available: int64(max(b.Total-b.Used, 0)), Budget: int64(b.Total)}
+	}
+	m := b.Memory
+	if !m.Known {
+		return nil
+	}
+	// A guest larger than the host (or the cgroup) could ever hold is refused whatever
+	// the ratio: QEMU would die allocating it, or the OOM killer take it later.
+	if limit := m.TotalBytes - m.ReserveBytes; guest > limit {
+		return &AdmissionError{Resource: "memory", Requested: guest, Available: max(limit, 0), Budget: m.TotalBytes}
+	}
+	if need := commitBytes(guest, m.CommitRatio); need > m.FreeBytes {
+		return &AdmissionError{Resource: "memory", Requested: need, Available: m.FreeBytes, Budget: m.TotalBytes}
+	}
+	return nil
+}
+
+// hold reserves cpus vCPUs and mem bytes without a check: a claimed pooled process
+// already had its admission.
+func (a *admitter) hold(cpus int, mem int64) (release func()) {
 	a.mu.Lock()
 	a.pendingCPUs += cpus
-	a.pendingForks += forks
+	a.pendingMem += mem
 	a.mu.Unlock()
 	var once sync.Once
 	return func() {
 		once.Do(func() {
 			a.mu.Lock()
 			a.pendingCPUs -= cpus
-			a.pendingForks -= forks
+			a.pendingMem -= mem
 			a.mu.Unlock()
 		})
 	}

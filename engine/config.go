@@ -48,8 +48,12 @@ type Config struct {
 	CPUModel string
 	// Overcommit is the vCPU budget factor: budget = host CPUs * Overcommit. Default 8.
 	Overcommit float64
-	// MemoryReserveMiB is the MemAvailable reserve that forks may not push the host
-	// under. Default 512.
+	// MaxOvercommit caps the overcommit a single request may ask for
+	// (ForkOptions.Overcommit, ManyOptions.Overcommit, a daemon client's): a request
+	// above it is refused with an *OvercommitError. Default: 2 × Overcommit.
+	MaxOvercommit float64
+	// MemoryReserveMiB is the memory (MemAvailable, or the memory cgroup's headroom when
+	// lower) that admitting a VM may not push the host under. Default 512.
 	MemoryReserveMiB int64
 	// FlattenMiB decides which delta checkpoints (checkpoints of forks) are flattened:
 	// once one has had its first fork and its lineage's layers hold at least this many
@@ -59,6 +63,16 @@ type Config struct {
 	// copies (MemoryUsage.GuestLineage). Default 64; negative: never (Engine.Flatten
 	// still flattens on request).
 	FlattenMiB int64
+	// MemoryCommitRatio is the part of a VM's guest RAM that admission expects its guest
+	// to write (copies on write of a fork, pages of a booted VM) and keeps room for
+	// while the VM runs, beyond 64 MiB for QEMU itself. Default 0.1; negative: 0 (count
+	// QEMU only).
+	MemoryCommitRatio float64
+	// MemoryCgroup is the memory cgroup directory (v1 or v2) below which VMs with a
+	// memory limit (Spec.MemoryLimitMiB) get their own cgroups. Default: the memory
+	// cgroup the engine runs in (which works on cgroup v1; on v2 name a cgroup that holds
+	// no processes and has the memory controller enabled for its children).
+	MemoryCgroup string
 	// BootTimeout bounds a cold boot until the agent answers. Default 60s.
 	BootTimeout time.Duration
 	// ForkTimeout bounds each part of a fork: start-up, and restore until its agent
@@ -101,6 +115,7 @@ type resolved struct {
 	// sharedRAM and sharedRun: RAMDir and RunDir are defaults in a shared directory,
 	// which another user may have taken (New picks another: shareddir.go).
 	sharedRAM, sharedRun bool
+	tag                  string // tells state directories apart in shared names
 	paths                layout
 }
 
@@ -144,6 +159,16 @@ func (c Config) resolve() (*resolved, error) {
 	}
 	if c.Overcommit <= 0 {
 		c.Overcommit = 8
+	}
+	if c.MaxOvercommit <= 0 {
+		c.MaxOvercommit = 2 * c.Overcommit
+	}
+	c.MaxOvercommit = max(c.MaxOvercommit, c.Overcommit)
+	switch {
+	case c.MemoryCommitRatio == 0:
+		c.MemoryCommitRatio = 0.1
+	case c.MemoryCommitRatio < 0:
+		c.MemoryCommitRatio = 0
 	}
 	if c.MemoryReserveMiB == 0 {
 		c.MemoryReserveMiB = 512
@@ -205,7 +230,7 @@ func (c Config) resolve() (*resolved, error) {
 	default:
 		return nil, fmt.Errorf("%w: transport %q (want auto, serial or vsock)", ErrInvalidSpec, c.Transport)
 	}
-	return &resolved{Config: c, accel: accel, vsock: vsock, sharedRAM: sharedRAM, sharedRun: sharedRun,
+	return &resolved{Config: c, accel: accel, tag: tag, vsock: vsock, sharedRAM: sharedRAM, sharedRun: sharedRun,
 		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
 }
 

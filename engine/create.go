@@ -56,6 +56,16 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	clock := startPhases()
 	spec = spec.WithDefaults()
+	if err := spec.Validate(); err != nil {
+		return nil, err
+	}
+	// A create is admitted like a fork, before anything is made: the reservation ends
+	// once the VM is registered (counted there) or failed.
+	release, err := e.adm.admit(spec.CPUs, int64(spec.MemoryMiB)<<20, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	vm, err := e.newBootVM(ctx, spec)
 	if err != nil {
 		return nil, err
@@ -67,6 +77,14 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 			e.discard(vm)
 		}
 	}()
+
+	if spec.MemoryLimitMiB > 0 {
+		version, dir, err := vmCgroupDir(e.cfg.MemoryCgroup, e.cfg.tag, spec.Name)
+		if err != nil {
+			return nil, err
+		}
+		vm.m.MemoryCgroup, vm.cgVersion = dir, version
+	}
 	if spec.Forkable {
 		p := e.paths.vmRAM(spec.Name)
 		vm.m.Launch.RAM = ramBacking{Path: p, Shared: true}

@@ -175,8 +175,13 @@ func (g *forkGuard) stop(ctx context.Context, ck string) (end func(), err error)
 
 // forkFrom makes one fork of checkpoint c (forkOne) under the fork guard: refused while
 // the checkpoint is being deleted, and failed with an error wrapping ErrNotFound when a
-// forced delete cancels it.
-func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward) (*VM, error) {
+// forced delete cancels it. held, when set, is the fork's admission, made before its
+// checkpoint was taken (admitSource); it is released when forkFrom returns (it is
+// idempotent: forkOne releases it as soon as the fork is registered or failed).
+func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func()) (*VM, error) {
+	if held != nil {
+		defer held()
+	}
 	gctx, leave, err := e.forking.enter(ctx, c.Manifest.Name)
 	if err != nil {
 		return nil, err
@@ -185,7 +190,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 	if !e.cks.exists(c.Manifest.Name) {
 		return nil, fmt.Errorf("%w: checkpoint %s was deleted", ErrNotFound, c.Manifest.Name)
 	}
-	vm, err := e.forkOne(gctx, c, name, overcommit, publish)
+	vm, err := e.forkOne(gctx, c, name, overcommit, publish, held)
 	if err != nil && ctx.Err() == nil {
 		if cause := context.Cause(gctx); cause != nil && errors.Is(cause, ErrNotFound) {
 			return nil, fmt.Errorf("engine: fork %s: %w (%v)", name, cause, err)

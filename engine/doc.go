@@ -40,9 +40,15 @@
 //     checked before a fork's QEMU starts.
 //   - A wave (Engine.ForkMany) starts n forks at once and streams one ForkEvent per
 //     fork as it becomes ready or fails.
-//   - The budget (Engine.Budget) admits a fork only while the vCPUs of live VMs stay
-//     within host CPUs × Config.Overcommit and MemAvailable stays above
-//     Config.MemoryReserveMiB; a refused fork fails with an *AdmissionError.
+//   - The budget (Engine.Budget) is the host's: every forkvm QEMU on it counts, whichever
+//     state directory started it. A create or fork is admitted, before any work (a fork
+//     of a running VM before its implicit checkpoint), only while the vCPUs stay within
+//     host CPUs × Config.Overcommit and its memory commitment (64 MiB +
+//     Config.MemoryCommitRatio × guest RAM) fits min(MemAvailable, the memory cgroup's
+//     headroom) less Config.MemoryReserveMiB and the running VMs' expected growth; a
+//     refused one fails with an *AdmissionError. A VM whose disk's host file system
+//     fills is paused (StatePaused) and resumed once space is back; a dead VM's
+//     Info.Reason says why it died.
 //   - Networking is off by default. Spec.Net gives a VM a NIC on QEMU's user-mode
 //     network (NAT; the host's loopback is host.internal in the guest), and forks of
 //     its checkpoints the same NIC; Spec.Publish, ForkOptions.Publish and

@@ -74,9 +74,11 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.pools = &poolSet{}
 	e.flat = newFlattener()
 	e.adm = &admitter{
-		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, reserveBytes: r.MemoryReserveMiB << 20,
-		tcgMode: r.Experimental.TCGThread,
-		used:    func() int { return e.vms.usedCPUs() + e.pools.readyCPUs() },
+		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, maxOvercommit: r.MaxOvercommit,
+		reserveBytes: r.MemoryReserveMiB << 20, commitRatio: r.MemoryCommitRatio,
+		tcgMode: r.Experimental.TCGThread, host: realHost,
+		ownArg: "path=" + escapeOpt(e.paths.run) + "/",
+		own:    func() []qemuUse { return append(e.vms.uses(realHost), e.pools.uses(realHost)...) },
 	}
 	if n := r.Experimental.RestoreConcurrency; n > 0 {
 		e.adm.slots = semaphore.NewWeighted(int64(n))
@@ -257,7 +259,7 @@ func (e *Engine) QEMUPath() (string, error) { return e.bins.path() }
 // QEMUVersion returns QEMU's version ("10.0.2"), checking it is >= 10.0.
 func (e *Engine) QEMUVersion(ctx context.Context) (string, error) { return e.bins.version(ctx) }
 
-// Budget returns the current vCPU budget.
+// Budget returns the host's current vCPU and memory budgets.
 func (e *Engine) Budget() Budget { return e.adm.budget(0) }
 
 // Get returns the named VM.

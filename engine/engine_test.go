@@ -536,6 +536,7 @@ func admissionEngine(t *testing.T, total int) (*Engine, float64) {
 	t.Helper()
 	e := newTestEngine(t, testConfig(t))
 	e.adm.reserveBytes = -(1 << 50)
+	e.adm.host = fakeHost(t, 16<<30, 8<<30) // no other forkvm QEMU, whatever runs on this host
 	oc := (float64(total) + 0.5) / float64(runtime.NumCPU())
 	if b := e.adm.budget(oc); b.Total != total || b.Used != 0 || b.HostCPUs != runtime.NumCPU() {
 		t.Fatalf("Budget(%v) = %+v, want total %d", oc, b, total)
@@ -547,7 +548,7 @@ func TestAdmit(t *testing.T) {
 	e, oc := admissionEngine(t, 4)
 	var releases []func()
 	for i := 0; i < 4; i++ {
-		rel, err := e.adm.admit(1, oc)
+		rel, err := e.adm.admit(1, 0, oc)
 		if err != nil {
 			t.Fatalf("admit %d: %v", i, err)
 		}
@@ -556,7 +557,7 @@ func TestAdmit(t *testing.T) {
 	if b := e.adm.budget(oc); b.Used != 4 {
 		t.Errorf("Used = %d, want 4", b.Used)
 	}
-	_, err := e.adm.admit(1, oc)
+	_, err := e.adm.admit(1, 0, oc)
 	if !errors.Is(err, ErrAdmission) {
 		t.Fatalf("fifth admit: %v, want ErrAdmission", err)
 	}
@@ -577,7 +578,7 @@ func TestAdmit(t *testing.T) {
 	if b := e.adm.budget(oc); b.Used != 3 {
 		t.Errorf("Used after double release = %d, want 3", b.Used)
 	}
-	rel, err := e.adm.admit(1, oc)
+	rel, err := e.adm.admit(1, 0, oc)
 	if err != nil {
 		t.Fatalf("admit after release: %v", err)
 	}
@@ -586,22 +587,22 @@ func TestAdmit(t *testing.T) {
 	// A bigger request reports what is available.
 	releases[1]()
 	releases[2]()
-	_, err = e.adm.admit(3, oc)
+	_, err = e.adm.admit(3, 0, oc)
 	if !errors.As(err, &ae) || ae.Requested != 3 || ae.Available != 2 || ae.Budget != 4 {
 		t.Errorf("admit(3) with 2 free = %v (%+v)", err, ae)
 	}
-	rel, err = e.adm.admit(2, oc)
+	rel, err = e.adm.admit(2, 0, oc)
 	if err != nil {
 		t.Fatalf("admit(2) with 2 free: %v", err)
 	}
 	rel()
 	releases[0]()
 	releases[3]()
-	if b := e.adm.budget(oc); b.Used != 0 || e.adm.pendingForks != 0 {
-		t.Errorf("after all releases: used %d, pending forks %d", b.Used, e.adm.pendingForks)
+	if b := e.adm.budget(oc); b.Used != 0 || e.adm.pendingMem != 0 {
+		t.Errorf("after all releases: used %d, pending bytes %d", b.Used, e.adm.pendingMem)
 	}
 	// A request larger than the whole budget is refused on an idle engine.
-	if _, err := e.adm.admit(5, oc); !errors.Is(err, ErrAdmission) {
+	if _, err := e.adm.admit(5, 0, oc); !errors.Is(err, ErrAdmission) {
 		t.Errorf("admit(5) of 4: %v", err)
 	}
 	// Overcommit 0 means the engine's.
@@ -613,7 +614,7 @@ func TestAdmit(t *testing.T) {
 func TestAdmitMemory(t *testing.T) {
 	e, oc := admissionEngine(t, 4)
 	e.adm.reserveBytes = 1 << 60 // a reserve no host has
-	_, err := e.adm.admit(1, oc)
+	_, err := e.adm.admit(1, 0, oc)
 	var ae *AdmissionError
 	if !errors.As(err, &ae) || ae.Resource != "memory" || !errors.Is(err, ErrAdmission) {
 		if runtime.GOOS != "linux" {
@@ -624,8 +625,8 @@ func TestAdmitMemory(t *testing.T) {
 	if !strings.Contains(err.Error(), "memory") {
 		t.Errorf("message %q", err.Error())
 	}
-	if e.adm.pendingCPUs != 0 || e.adm.pendingForks != 0 {
-		t.Errorf("a refused admission reserved: %d cpus, %d forks", e.adm.pendingCPUs, e.adm.pendingForks)
+	if e.adm.pendingCPUs != 0 || e.adm.pendingMem != 0 {
+		t.Errorf("a refused admission reserved: %d cpus, %d bytes", e.adm.pendingCPUs, e.adm.pendingMem)
 	}
 }
 
@@ -642,7 +643,7 @@ func TestAdmitConcurrentHold(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			rel, err := e.adm.admit(1, oc)
+			rel, err := e.adm.admit(1, 0, oc)
 			if err != nil {
 				if !errors.Is(err, ErrAdmission) {
 					t.Errorf("admit: %v", err)
@@ -680,7 +681,7 @@ func TestAdmitConcurrentChurn(t *testing.T) {
 			defer wg.Done()
 			cpus := 1 + g%3
 			for i := 0; i < 20; i++ {
-				rel, err := e.adm.admit(cpus, oc)
+				rel, err := e.adm.admit(cpus, 0, oc)
 				if err != nil {
 					if !errors.Is(err, ErrAdmission) {
 						t.Errorf("admit: %v", err)
@@ -715,8 +716,8 @@ func TestAdmitConcurrentChurn(t *testing.T) {
 	if admitted.Load() == 0 {
 		t.Errorf("nothing admitted")
 	}
-	if b := e.adm.budget(oc); b.Used != 0 || e.adm.pendingForks != 0 {
-		t.Errorf("after churn: used %d, pending forks %d", b.Used, e.adm.pendingForks)
+	if b := e.adm.budget(oc); b.Used != 0 || e.adm.pendingMem != 0 {
+		t.Errorf("after churn: used %d, pending bytes %d", b.Used, e.adm.pendingMem)
 	}
 }
 

@@ -36,6 +36,9 @@ var (
 	ErrAgentTimeout = errors.New("engine: guest agent did not answer in time")
 	// ErrNotRunning reports an operation on a VM whose QEMU is not alive.
 	ErrNotRunning = errors.New("engine: vm not running")
+	// ErrPaused reports an agent operation on a VM that QEMU paused on a disk I/O error
+	// (see *PausedError).
+	ErrPaused = errors.New("engine: vm paused on a disk error")
 	// ErrNotForkable reports a checkpoint of a VM that cannot be checkpointed.
 	ErrNotForkable = errors.New("engine: vm is not forkable")
 	// ErrLocked reports another engine holding the state directory.
@@ -97,7 +100,8 @@ func (e *QEMUError) Error() string {
 // Unwrap returns the underlying error (often ErrQEMUExited).
 func (e *QEMUError) Unwrap() error { return e.Err }
 
-// AdmissionError is returned (wrapping ErrAdmission) when a fork does not fit the budget.
+// AdmissionError is returned (wrapping ErrAdmission) when a VM (a fork or a create)
+// does not fit the host's budget (Budget).
 type AdmissionError struct {
 	Resource  string // "vcpu" or "memory"
 	Requested int64
@@ -108,8 +112,8 @@ type AdmissionError struct {
 // Error implements error.
 func (e *AdmissionError) Error() string {
 	if e.Resource == "memory" {
-		return fmt.Sprintf("engine: admission refused: memory: fork needs ~%d MiB, %d MiB available above the reserve",
-			e.Requested>>20, e.Available>>20)
+		return fmt.Sprintf("engine: admission refused: memory: VM needs ~%d MiB, %d MiB free for VMs (of %d MiB: available memory less the reserve and running VMs' expected growth)",
+			e.Requested>>20, e.Available>>20, e.Budget>>20)
 	}
 	return fmt.Sprintf("engine: admission refused: vcpu: requested %d vCPUs, %d available of a budget of %d",
 		e.Requested, e.Available, e.Budget)
@@ -117,6 +121,34 @@ func (e *AdmissionError) Error() string {
 
 // Unwrap returns ErrAdmission.
 func (e *AdmissionError) Unwrap() error { return ErrAdmission }
+
+// PausedError is returned (wrapping ErrPaused and ErrNotRunning) by agent operations on
+// a VM that QEMU paused on a disk I/O error, and ends those in flight when it pauses.
+type PausedError struct {
+	VM, Reason string
+}
+
+// Error implements error.
+func (e *PausedError) Error() string {
+	return fmt.Sprintf("engine: %s is paused (%s); it resumes once its disk's file system has space again", e.VM, e.Reason)
+}
+
+// Unwrap returns ErrPaused and ErrNotRunning.
+func (e *PausedError) Unwrap() []error { return []error{ErrPaused, ErrNotRunning} }
+
+// OvercommitError is returned (wrapping ErrAdmission) when a request asks for an
+// overcommit above the operator's cap (Config.MaxOvercommit).
+type OvercommitError struct {
+	Requested, Max float64
+}
+
+// Error implements error.
+func (e *OvercommitError) Error() string {
+	return fmt.Sprintf("engine: admission refused: overcommit %g above the cap of %g (Config.MaxOvercommit, serve --max-overcommit)", e.Requested, e.Max)
+}
+
+// Unwrap returns ErrAdmission.
+func (e *OvercommitError) Unwrap() error { return ErrAdmission }
 
 // LockedError is returned (wrapping ErrLocked) when another engine holds the state
 // directory; PID is that engine's process (0 when unknown), so a caller can say who.

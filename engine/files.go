@@ -31,7 +31,7 @@ const logPoll = 200 * time.Millisecond
 // vsockd.WriteTar copies a file, a directory tree or a symlink. What was extracted
 // before an error stays.
 func (vm *VM) CopyIn(ctx context.Context, guestDir string, r io.Reader) error {
-	return vm.withAgent(ctx, "copy", func(c *vsockd.Client) error { return c.CopyIn(ctx, guestDir, r) })
+	return vm.withAgent(ctx, "copy", func(ctx context.Context, c *vsockd.Client) error { return c.CopyIn(ctx, guestDir, r) })
 }
 
 // CopyOut writes a tar stream of the guest path guestPath to w as the agent produces
@@ -40,14 +40,14 @@ func (vm *VM) CopyIn(ctx context.Context, guestDir string, r io.Reader) error {
 // ErrSourceMissing. The stream comes from the guest: extract it with vsockd.ExtractTar
 // (ExtractOptions.Top set to the base name), never with a tool that trusts it.
 func (vm *VM) CopyOut(ctx context.Context, guestPath string, w io.Writer) error {
-	return vm.withAgent(ctx, "copy", func(c *vsockd.Client) error { return c.CopyOut(ctx, guestPath, w) })
+	return vm.withAgent(ctx, "copy", func(ctx context.Context, c *vsockd.Client) error { return c.CopyOut(ctx, guestPath, w) })
 }
 
 // Stat returns the attributes of the guest path guestPath (symlinks followed); a missing
 // path matches fs.ErrNotExist.
 func (vm *VM) Stat(ctx context.Context, guestPath string) (fs.FileInfo, error) {
 	var fi fs.FileInfo
-	err := vm.withAgent(ctx, "stat", func(c *vsockd.Client) error {
+	err := vm.withAgent(ctx, "stat", func(ctx context.Context, c *vsockd.Client) error {
 		var err error
 		fi, err = c.Stat(ctx, guestPath)
 		return err

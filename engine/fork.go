@@ -46,15 +46,57 @@ func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, 
 	if err := checkPortsFree(o.Publish); err != nil {
 		return nil, err
 	}
-	ck, err := e.resolveSource(ctx, src, o.Pin)
+	// A fork of a running VM is admitted before its implicit checkpoint is taken.
+	held, err := e.admitSource(src, 1, o.Overcommit)
 	if err != nil {
 		return nil, err
 	}
-	vm, err := e.forkFrom(ctx, ck, o.Name, o.Overcommit, o.Publish)
+	var hold func()
+	if len(held) > 0 {
+		hold = held[0]
+	}
+	ck, err := e.resolveSource(ctx, src, o.Pin)
+	if err != nil {
+		if hold != nil {
+			hold()
+		}
+		return nil, err
+	}
+	vm, err := e.forkFrom(ctx, ck, o.Name, o.Overcommit, o.Publish, hold)
 	if err != nil && ck.Manifest.Implicit {
 		e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
 	}
 	return vm, err
+}
+
+// admitSource admits, in order, up to n forks of src when src is a running VM (whose
+// checkpoint is yet to be taken), stopping at the first refusal: the forks of a running
+// VM are admitted before its implicit checkpoint costs anything. It returns their
+// reservations (none when src is a checkpoint or not found: forkFrom admits then), and
+// the refusal when not even one fits.
+func (e *Engine) admitSource(src string, n int, overcommit float64) ([]func(), error) {
+	if ValidateName(src) != nil || e.cks.exists(src) {
+		return nil, nil
+	}
+	vm, err := e.vms.get(src)
+	if err != nil {
+		return nil, nil
+	}
+	vm.mu.Lock()
+	cpus, guest := vm.m.Spec.CPUs, int64(vm.m.Spec.MemoryMiB)<<20
+	vm.mu.Unlock()
+	var held []func()
+	for range n {
+		rel, err := e.adm.admit(cpus, guest, overcommit)
+		if err != nil {
+			if len(held) == 0 {
+				return nil, err
+			}
+			break
+		}
+		held = append(held, rel)
+	}
+	return held, nil
 }
 
 // resolveSource returns the checkpoint to fork from: src itself, or an implicit
@@ -81,9 +123,13 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 //	handshake the agent answers with the fork's own token (handshake.go)
 //	record    registered, the checkpoint marked as forked
 //
-// Each stage's duration is a lap of one phase clock.
-func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward) (*VM, error) {
+// Each stage's duration is a lap of one phase clock. held, when set, is the fork's
+// admission, made before its checkpoint was taken (admitSource); forkOne releases it.
+func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func()) (*VM, error) {
 	clock := startPhases()
+	if held != nil {
+		defer held()
+	}
 	ck := &c.Manifest
 	if err := compatible(ctx, e.bins, e.cfg.accel, ck); err != nil {
 		return nil, err
@@ -107,12 +153,14 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	// prepare
 	var vm *VM
 	var release func()
-	if len(publish) == 0 {
+	if len(publish) == 0 && held == nil {
 		vm, release = e.claimPooled(c, name)
 	}
 	if vm == nil {
 		var err error
-		if release, err = e.adm.admit(ck.CPUs, overcommit); err != nil {
+		if held != nil {
+			release = held
+		} else if release, err = e.adm.admit(ck.CPUs, int64(ck.MemoryMiB)<<20, overcommit); err != nil {
 			return nil, err
 		}
 		qemu, err := e.bins.path()

@@ -43,6 +43,11 @@ type manifest struct {
 	CreatedAt  time.Time    `json:"created_at"`
 	ReadyAt    time.Time    `json:"ready_at,omitzero"`
 	Timings    PhaseTimings `json:"timings"`
+	// MemoryCgroup is the VM's own memory cgroup directory (Spec.MemoryLimitMiB).
+	MemoryCgroup string `json:"memory_cgroup,omitempty"`
+	// DeadReason says why the VM's QEMU ended on its own ("oom-killed", "signal N
+	// (NAME)", "qemu exit N: STDERR"), recorded when the engine saw it end.
+	DeadReason string `json:"dead_reason,omitempty"`
 	// LineageBytes is what the fork received from its checkpoint's delta layers (see
 	// MemoryUsage.GuestLineage).
 	LineageBytes int64 `json:"lineage_bytes,omitempty"`

@@ -100,13 +100,27 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 			return nil, err
 		}
 	}
+	// Forks of a running VM are admitted before its implicit checkpoint: the wave's first
+	// admissible part is reserved (forks past it are admitted, or refused, as they start);
+	// a wave of which not one fork fits is refused without a checkpoint.
+	held, err := e.admitSource(src, n, o.Overcommit)
+	if err != nil {
+		return refusedWave(names, err), nil
+	}
+	releaseHeld := func() {
+		for _, h := range held {
+			h()
+		}
+	}
 	ck, err := e.resolveSource(ctx, src, o.Pin)
 	if err != nil {
+		releaseHeld()
 		return nil, err
 	}
 	if o.Publish != nil && !ck.Manifest.Net {
 		for i := range publish {
 			if len(publish[i]) > 0 {
+				releaseHeld()
 				if ck.Manifest.Implicit {
 					e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
 				}
@@ -129,15 +143,22 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 			select {
 			case sem <- struct{}{}:
 			case <-ctx.Done():
+				if i < len(held) {
+					held[i]()
+				}
 				out <- ForkEvent{Index: i, Name: nm, Err: ctx.Err(), Start: time.Now(), Done: time.Now()}
 				continue
 			}
+			var hold func()
+			if i < len(held) {
+				hold = held[i]
+			}
 			wg.Add(1)
-			go func(i int, nm string) {
+			go func(i int, nm string, hold func()) {
 				defer wg.Done()
 				defer func() { <-sem }()
 				ev := ForkEvent{Index: i, Name: nm, Start: time.Now()}
-				vm, err := e.forkFrom(ctx, ck, nm, o.Overcommit, publish[i])
+				vm, err := e.forkFrom(ctx, ck, nm, o.Overcommit, publish[i], hold)
 				ev.Done = time.Now()
 				ev.VM, ev.Err = vm, err
 				if vm != nil {
@@ -147,7 +168,7 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 					mu.Unlock()
 				}
 				out <- ev
-			}(i, nm)
+			}(i, nm, hold)
 		}
 		wg.Wait()
 		if ctx.Err() != nil {
@@ -162,4 +183,16 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 		}
 	}()
 	return out, nil
+}
+
+// refusedWave is the events of a wave refused before it started: every fork failed
+// with err.
+func refusedWave(names []string, err error) <-chan ForkEvent {
+	out := make(chan ForkEvent, len(names))
+	now := time.Now()
+	for i, nm := range names {
+		out <- ForkEvent{Index: i, Name: nm, Err: err, Start: now, Done: now}
+	}
+	close(out)
+	return out
 }

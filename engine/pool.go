@@ -83,17 +83,21 @@ func (s *poolSet) size(ck string) int {
 	return 0
 }
 
-// readyCPUs counts the vCPUs held by ready pooled processes.
-func (s *poolSet) readyCPUs() int {
+// uses returns the ready pooled processes as admission counts them.
+func (s *poolSet) uses(h hostProbe) []qemuUse {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	n := 0
+	var vms []*VM
 	for _, p := range s.pools {
-		for _, vm := range p.ready {
-			n += vm.m.Spec.CPUs
+		vms = append(vms, p.ready...)
+	}
+	s.mu.Unlock()
+	var out []qemuUse
+	for _, vm := range vms {
+		if u, ok := vm.use(h); ok {
+			out = append(out, u)
 		}
 	}
-	return n
+	return out
 }
 
 // take removes and returns the first ready process of ck's pool, or nil.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -32,6 +33,21 @@ type qemuProc struct {
 	// valid after that.
 	exited   chan struct{}
 	exitCode int
+	// reason says why our child ended (deathReason), set before exited is closed.
+	reason string
+	// oomDir/oomVersion name the memory cgroup whose OOM kill counter tells an OOM kill
+	// (the VM's own cgroup, or the engine's); oomBefore is its value at spawn.
+	oomDir     string
+	oomVersion int
+	oomBefore  int64
+	oomKnown   bool
+	// onExit, when set, is called with the reason once our child ended on its own
+	// (not stopped by the engine).
+	onExit func(reason string)
+	// onPause and onResume, when set (before connect), hear QEMU stopping the guest on
+	// a disk I/O error and running it again.
+	onPause  func(reason string)
+	onResume func()
 	// stopping is set when the engine stops or kills the process on purpose.
 	stopping atomic.Bool
 
@@ -43,9 +59,16 @@ type qemuProc struct {
 	ignoreShared bool // x-ignore-shared is set in this QEMU (reset on reconnect, to be safe)
 }
 
+// qemuOOMScoreAdj is every QEMU's oom_score_adj: the OOM killer picks a VM before the
+// engine (whose own score is left as it is), so a guest that grows kills its VM, not the
+// daemon that owns the others.
+const qemuOOMScoreAdj = 800
+
 // spawnQEMU starts QEMU with args, its output going to logPath. QEMU outlives this
 // process (a CLI run), so it gets its own session: the terminal's signals do not reach it.
-func spawnQEMU(name, bin string, args []string, qmpPath, logPath string) (*qemuProc, error) {
+// It is made more killable than the engine (qemuOOMScoreAdj) and, with cg set, moved
+// into its own memory cgroup; onExit (optional) hears why it ended on its own.
+func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmCgroup, onExit func(reason string)) (*qemuProc, error) {
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("engine: qemu log: %w", err)
@@ -57,14 +80,81 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string) (*qemuP
 	if err := cmd.Start(); err != nil {
 		return nil, &QEMUError{VM: name, Op: "start", ExitCode: -1, Err: err}
 	}
-	p := &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: cmd.Process.Pid, exited: make(chan struct{})}
+	p := &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: cmd.Process.Pid, exited: make(chan struct{}), onExit: onExit}
 	p.startTime, _ = procStartTime(p.pid)
+	_ = os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", p.pid), []byte(strconv.Itoa(qemuOOMScoreAdj)), 0)
+	p.oomVersion, p.oomDir = engineMemCgroup()
+	if cg != nil {
+		if err := cg.add(p.pid); err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			return nil, err
+		}
+		p.oomVersion, p.oomDir = cg.version, cg.dir
+	}
+	p.oomBefore, p.oomKnown = oomKills(p.oomVersion, p.oomDir)
 	go func() {
 		_ = cmd.Wait()
 		p.exitCode = cmd.ProcessState.ExitCode()
+		p.reason = p.deathReason(cmd.ProcessState)
 		close(p.exited)
+		if p.onExit != nil && !p.stopping.Load() {
+			p.onExit(p.reason)
+		}
 	}()
 	return p, nil
+}
+
+// engineMemCgroup is the memory cgroup the engine (and so a QEMU it starts) runs in:
+// its OOM kill counter, or the kernel's (/proc/vmstat) when there is none.
+func engineMemCgroup() (version int, dir string) {
+	cg, err := realHost.memCgroup()
+	if err != nil || cg.version == 0 {
+		return 0, ""
+	}
+	return cg.version, cg.dir
+}
+
+// deathReason says why our child ended: "qemu exit N: STDERR" for an exit (its
+// stderr's tail), "oom-killed" for a SIGKILL while the OOM kill counter of its memory
+// cgroup rose (exact with the VM's own cgroup, Spec.MemoryLimitMiB; with a cgroup
+// shared with other processes another process's OOM kill in the same moment could be
+// taken for its), "signal N (NAME)" for any other signal.
+func (p *qemuProc) deathReason(st *os.ProcessState) string {
+	ws, ok := st.Sys().(syscall.WaitStatus)
+	switch {
+	case ok && ws.Signaled():
+		sig := ws.Signal()
+		if sig == syscall.SIGKILL && p.oomKnown {
+			if n, ok := oomKills(p.oomVersion, p.oomDir); ok && n > p.oomBefore {
+				return "oom-killed"
+			}
+		}
+		return fmt.Sprintf("signal %d (%v)", int(sig), sig)
+	case st.ExitCode() == 0:
+		return "qemu exit 0"
+	default:
+		msg := fmt.Sprintf("qemu exit %d", st.ExitCode())
+		if t := tail(p.logPath, 400); t != "" {
+			msg += ": " + t
+		}
+		return msg
+	}
+}
+
+// exitReason is why the process ended: deathReason for our child, and for a re-adopted
+// process (whose status only its parent could read) that it is gone.
+func (p *qemuProc) exitReason() string {
+	if p.exited == nil {
+		return "gone (started by an earlier engine: exit status unknown)"
+	}
+	// Our child may be seen gone (a zombie) a moment before its wait returns.
+	select {
+	case <-p.exited:
+		return p.reason
+	case <-time.After(time.Second):
+		return ""
+	}
 }
 
 // adoptQEMU re-finds a QEMU process recorded in a manifest (not our child).
@@ -137,12 +227,14 @@ func (p *qemuProc) connect(ctx context.Context) error {
 	for {
 		c, err := qmp.Dial(ctx, p.qmpPath, nil)
 		if err == nil {
+			events, stop := c.Subscribe(0)
 			p.mu.Lock()
 			if p.qmp != nil {
 				p.qmp.Close()
 			}
 			p.qmp, p.ignoreShared = c, false
 			p.mu.Unlock()
+			go p.watchEvents(c, events, stop)
 			return nil
 		}
 		if !p.running() {

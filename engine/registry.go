@@ -136,15 +136,15 @@ func (r *registry) forksByParent() map[string][]string {
 // forksOf counts a checkpoint's forks.
 func (r *registry) forksOf(ck string) int { return len(r.forksByParent()[ck]) }
 
-// usedCPUs counts the vCPUs of live VMs.
-func (r *registry) usedCPUs() int {
-	n := 0
+// uses returns the live VMs as admission counts them.
+func (r *registry) uses(h hostProbe) []qemuUse {
+	var out []qemuUse
 	for _, vm := range r.all() {
-		if vm.alive() {
-			n += vm.m.Spec.CPUs
+		if u, ok := vm.use(h); ok {
+			out = append(out, u)
 		}
 	}
-	return n
+	return out
 }
 
 // close refuses new names and returns the VMs.

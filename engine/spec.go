@@ -66,6 +66,12 @@ type Spec struct {
 	MemoryMiB int `json:"memory_mib"`
 	// Forkable puts guest RAM in a shared RAM file so the VM can be checkpointed and forked.
 	Forkable bool `json:"forkable"`
+	// MemoryLimitMiB, when > 0 (at least 64), puts the created VM's QEMU in a memory
+	// cgroup of its own limited to that much (swap included where the host accounts
+	// it): a guest that grows past it is OOM-killed alone, and its death is reported
+	// exactly as "oom-killed". Needs a writable memory cgroup (Config.MemoryCgroup).
+	// Forks do not inherit it.
+	MemoryLimitMiB int `json:"memory_limit_mib,omitempty"`
 	// DiskMiB, when > 0, attaches a fresh ext4 data disk of that size, mounted at /data.
 	// With Image it is instead the size of the root disk's overlay (at least the
 	// image's size; the file system keeps the image's size).
@@ -118,6 +124,9 @@ func (s *Spec) Validate() error {
 	}
 	if s.MemoryMiB%2 != 0 {
 		return fmt.Errorf("%w: memory must be a multiple of 2 MiB, got %d", ErrInvalidSpec, s.MemoryMiB)
+	}
+	if s.MemoryLimitMiB != 0 && (s.MemoryLimitMiB < 64 || s.MemoryLimitMiB > 1024*1024) {
+		return fmt.Errorf("%w: memory limit must be 0 or 64..1048576 MiB, got %d", ErrInvalidSpec, s.MemoryLimitMiB)
 	}
 	if s.Image != "" {
 		if err := guest.ValidateImageName(s.Image); err != nil {

@@ -34,6 +34,10 @@ type VM struct {
 
 	// restored marks a pre-restored warm-pool process: guest loaded, stopped.
 	restored bool
+	// cgVersion is the cgroup version of m.MemoryCgroup (set by Create).
+	cgVersion int
+	// pause is set while QEMU holds the guest stopped on a disk I/O error.
+	pause pauseState
 }
 
 // Info is a snapshot of a VM's state.
@@ -56,12 +60,17 @@ type Info struct {
 	// forwards.
 	Net     bool          `json:"net,omitempty"`
 	Publish []PortForward `json:"publish,omitempty"`
+	// Reason says why a dead VM died ("oom-killed", "signal N (NAME)", "qemu exit N:
+	// STDERR", or that its status is unknown).
+	Reason string `json:"reason,omitempty"`
 }
 
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
 func adoptVM(dir string, log *slog.Logger, m *manifest) *VM {
 	vm := &VM{dir: dir, log: log, m: *m}
-	vm.proc.Store(adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile)))
+	p := adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile))
+	p.onPause, p.onResume = vm.paused, vm.resumed
+	vm.proc.Store(p)
 	return vm
 }
 
@@ -80,11 +89,17 @@ func (vm *VM) Info() Info {
 	vm.mu.Lock()
 	m := vm.m
 	vm.mu.Unlock()
-	st := m.State
+	st, reason := m.State, ""
 	if !vm.alive() {
-		st = StateDead
+		st, reason = StateDead, m.DeadReason
+		if p := vm.process(); reason == "" && p != nil {
+			reason = p.exitReason()
+		}
 	}
-	return Info{
+	if r := vm.pauseReason(); r != "" && st != StateDead {
+		st, reason = StatePaused, r
+	}
+	return Info{Reason: reason,
 		Name: m.Name, State: st, PID: m.PID, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB,
 		DiskMiB: m.Spec.DiskMiB, Forkable: m.Spec.Forkable, Parent: m.Parent, Accel: m.Accel, TCGThread: m.Launch.TCGThread,
 		CreatedAt: m.CreatedAt, Timings: m.Timings, RunDir: m.Launch.RunDir,
@@ -122,6 +137,16 @@ func (vm *VM) Wait(ctx context.Context) error {
 }
 
 func (vm *VM) process() *qemuProc { return vm.proc.Load() }
+
+// use is the VM as admission counts it: its vCPUs, guest RAM and the anonymous memory
+// its QEMU holds; ok is false when its QEMU is gone.
+func (vm *VM) use(h hostProbe) (u qemuUse, ok bool) {
+	p := vm.process()
+	if p == nil || !p.running() {
+		return qemuUse{}, false
+	}
+	return qemuUse{pid: p.pid, cpus: vm.m.Spec.CPUs, guest: int64(vm.m.Spec.MemoryMiB) << 20, private: h.rssAnon(p.pid)}, true
+}
 
 // alive reports whether the VM's QEMU process is the one recorded and still runs.
 func (vm *VM) alive() bool {
@@ -165,11 +190,18 @@ func (vm *VM) start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile))
+	var cg *vmCgroup
+	if vm.m.MemoryCgroup != "" && vm.cgVersion != 0 {
+		if cg, err = openVMCgroup(vm.cgVersion, vm.m.MemoryCgroup, int64(vm.m.Spec.MemoryLimitMiB)<<20); err != nil {
+			return err
+		}
+	}
+	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.died)
 	if err != nil {
 		keeper.Kill()
 		return err
 	}
+	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
 	vm.mu.Lock()
 	vm.m.PID, vm.m.StartTime = p.pid, p.startTime
@@ -182,6 +214,17 @@ func (vm *VM) start(ctx context.Context) error {
 		return p.failed("start", err)
 	}
 	return nil
+}
+
+// died records why the VM's QEMU ended on its own, in the manifest and the log.
+func (vm *VM) died(reason string) {
+	vm.mu.Lock()
+	vm.m.DeadReason = reason
+	if _, err := os.Stat(vm.dir); err == nil { // not being deleted
+		_ = vm.saveLocked()
+	}
+	vm.mu.Unlock()
+	vm.log.Warn("vm died", "vm", vm.Name(), "reason", reason)
 }
 
 // failure turns err into a *QEMUError carrying QEMU's stderr tail when QEMU died.
@@ -278,7 +321,7 @@ func (vm *VM) Agent(ctx context.Context) (*vsockd.Client, error) {
 // Exec runs a command in the VM and returns its exit code.
 func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 	code := -1
-	err := vm.withAgent(ctx, "exec", func(c *vsockd.Client) error {
+	err := vm.withAgent(ctx, "exec", func(ctx context.Context, c *vsockd.Client) error {
 		var err error
 		code, err = c.Run(ctx, req)
 		return err
@@ -302,7 +345,7 @@ type Process struct {
 // of processes may run at once on the VM's one agent connection.
 func (vm *VM) Start(ctx context.Context, req *vsockd.ExecRequest) (*Process, error) {
 	var p *Process
-	err := vm.withAgent(ctx, "exec", func(c *vsockd.Client) error {
+	err := vm.withAgent(ctx, "exec", func(ctx context.Context, c *vsockd.Client) error {
 		vp, err := c.Start(ctx, req)
 		if err == nil {
 			p = &Process{Process: vp, vm: vm, c: c}
@@ -315,7 +358,14 @@ func (vm *VM) Start(ctx context.Context, req *vsockd.ExecRequest) (*Process, err
 // Wait waits for the process (vsockd.Process.Wait); an exec cut by the VM's end (a
 // Delete, a QEMU crash) fails with ErrNotRunning.
 func (p *Process) Wait(ctx context.Context) (int, error) {
-	code, err := p.Process.Wait(ctx)
+	pctx, done, err := p.vm.pauseCtx(ctx)
+	if err != nil {
+		return -1, err
+	}
+	code, err := p.Process.Wait(pctx)
+	if perr := done(); perr != nil {
+		return -1, perr
+	}
 	if err != nil {
 		if err = p.vm.agentFailed(p.c, "exec", err); errors.Is(err, ErrNotRunning) {
 			return -1, err
@@ -327,12 +377,22 @@ func (p *Process) Wait(ctx context.Context) (int, error) {
 // withAgent runs fn (the operation op) on the VM's agent connection. When the connection
 // breaks because the VM's QEMU went away, the error wraps both ErrNotRunning (for the
 // caller's decision) and the *QEMUError (exit code, stderr) saying why.
-func (vm *VM) withAgent(ctx context.Context, op string, fn func(c *vsockd.Client) error) error {
-	c, err := vm.Agent(ctx)
+//
+// A VM paused on an I/O error fails at once with a *PausedError, and an operation in
+// flight when it pauses ends with one.
+func (vm *VM) withAgent(ctx context.Context, op string, fn func(ctx context.Context, c *vsockd.Client) error) error {
+	pctx, done, err := vm.pauseCtx(ctx)
 	if err != nil {
 		return err
 	}
-	return vm.agentFailed(c, op, fn(c))
+	c, err := vm.Agent(pctx)
+	if err == nil {
+		err = vm.agentFailed(c, op, fn(pctx, c))
+	}
+	if perr := done(); perr != nil {
+		return perr
+	}
+	return err
 }
 
 // agentFailed is err from an operation on the agent connection c, wrapping ErrNotRunning
@@ -397,6 +457,7 @@ func (vm *VM) Stop(ctx context.Context) error {
 // be nil when the manifest is unreadable; the default locations are removed either way.
 func (l layout) removeVMFiles(name string, m *manifest) {
 	if m != nil {
+		removeCgroupDir(m.MemoryCgroup)
 		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
 			os.Remove(m.Launch.RAM.Path)
 		}

@@ -93,7 +93,7 @@ func (e *Engine) refill(c *Checkpoint) {
 		e.bgWG.Add(1)
 		opts := p.opts
 		s.mu.Unlock()
-		release, err := e.adm.admit(c.Manifest.CPUs, 0)
+		release, err := e.adm.admit(c.Manifest.CPUs, int64(c.Manifest.MemoryMiB)<<20, 0)
 		if err != nil {
 			e.log.Warn("warm pool refill refused", "checkpoint", name, "err", err)
 			s.mu.Lock()

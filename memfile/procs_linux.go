@@ -15,7 +15,13 @@ import (
 // (kernel threads, zombies) never match. The error is non-nil only when
 // /proc itself cannot be listed.
 func ProcessesWithArg(substr string) ([]int, error) {
-	ents, err := os.ReadDir("/proc")
+	return ProcessesWithArgAt("/proc", substr)
+}
+
+// ProcessesWithArgAt is ProcessesWithArg over the proc file system mounted at
+// procRoot (a directory of fake PID/cmdline files in tests).
+func ProcessesWithArgAt(procRoot, substr string) ([]int, error) {
+	ents, err := os.ReadDir(procRoot)
 	if err != nil {
 		return nil, fmt.Errorf("memfile: process scan: %w", err)
 	}
@@ -26,7 +32,7 @@ func ProcessesWithArg(substr string) ([]int, error) {
 		if err != nil || pid == self {
 			continue
 		}
-		b, err := os.ReadFile("/proc/" + ent.Name() + "/cmdline")
+		b, err := os.ReadFile(procRoot + "/" + ent.Name() + "/cmdline")
 		if err != nil {
 			continue
 		}

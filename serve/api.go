@@ -66,13 +66,19 @@ func NewCheckpointObject(c engine.CheckpointInfo) CheckpointObject {
 // ForkEventObject is one line of a fork stream (forkvm.fork-event/v1): a fork that
 // became ready (VM set) or failed (Error and Code set).
 type ForkEventObject struct {
-	Schema    string    `json:"schema"`
-	Index     int       `json:"index"`
-	Name      string    `json:"name"`
-	OK        bool      `json:"ok"`
-	LatencyMS float64   `json:"latency_ms"`
-	Error     string    `json:"error,omitempty"`
-	Code      string    `json:"code,omitempty"`
+	Schema    string  `json:"schema"`
+	Index     int     `json:"index"`
+	Name      string  `json:"name"`
+	OK        bool    `json:"ok"`
+	LatencyMS float64 `json:"latency_ms"`
+	Error     string  `json:"error,omitempty"`
+	Code      string  `json:"code,omitempty"`
+	// Resource, Requested, Available and Budget are an admission refusal's figures
+	// (code "admission"), as in ErrorObject.
+	Resource  string    `json:"resource,omitempty"`
+	Requested int64     `json:"requested,omitempty"`
+	Available int64     `json:"available,omitempty"`
+	Budget    int64     `json:"budget,omitempty"`
 	VM        *VMObject `json:"vm,omitempty"`
 }
 
@@ -91,8 +97,9 @@ func ForkEventObjectOf(index int, name string, latency time.Duration, inf *engin
 	out := ForkEventObject{Schema: ForkEventSchema, Index: index, Name: name, OK: err == nil,
 		LatencyMS: float64(latency) / float64(time.Millisecond)}
 	if err != nil {
-		out.Error = err.Error()
-		out.Code = ErrorObjectOf(err).Code
+		o := ErrorObjectOf(err)
+		out.Error, out.Code = err.Error(), o.Code
+		out.Resource, out.Requested, out.Available, out.Budget = o.Resource, o.Requested, o.Available, o.Budget
 	} else if inf != nil {
 		v := NewVMObject(*inf)
 		out.VM = &v
@@ -273,6 +280,7 @@ var errorCodes = []struct {
 	{engine.ErrExists, "exists", http.StatusConflict},
 	{engine.ErrInvalidName, "invalid_name", http.StatusBadRequest},
 	{engine.ErrInvalidSpec, "invalid_spec", http.StatusBadRequest},
+	{engine.ErrPaused, "paused", http.StatusConflict},
 	{engine.ErrNotRunning, "not_running", http.StatusConflict},
 	{engine.ErrNotForkable, "not_forkable", http.StatusConflict},
 	{engine.ErrInUse, "in_use", http.StatusConflict},

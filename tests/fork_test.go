@@ -412,14 +412,14 @@ func TestWarmPool(t *testing.T) {
 	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
 	}
-	used := e.Budget().Used
+	used := ownUsed(e.Budget())
 	if err := e.Warm(ctx, "ck", 2, nil); err != nil {
 		t.Fatal(err)
 	}
 	if n := e.PoolSize("ck"); n != 2 {
 		t.Fatalf("PoolSize = %d, want 2", n)
 	}
-	if got := e.Budget().Used; got != used+2 {
+	if got := ownUsed(e.Budget()); got != used+2 {
 		t.Fatalf("budget used %d with a pool of 2 one-vCPU processes, want %d", got, used+2)
 	}
 	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "pf1"})

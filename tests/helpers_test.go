@@ -510,3 +510,7 @@ func diffLists(a, b []string) (onlyA, onlyB []string) {
 	}
 	return
 }
+
+// ownUsed is the vCPUs of b used by this engine's VMs: the budget is the host's, and
+// other state directories' VMs (other tests, other users) count in Used too.
+func ownUsed(b engine.Budget) int { return b.Used - b.OtherUsed }

@@ -112,8 +112,8 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 			t.Errorf("List: %s is %s, want %s", inf.Name, inf.State, want)
 		}
 	}
-	if b := e.Budget(); b.Used != 1+len(alive) {
-		t.Errorf("Budget.Used = %d, want %d (world + %d live forks)", b.Used, 1+len(alive), len(alive))
+	if b := e.Budget(); ownUsed(b) != 1+len(alive) {
+		t.Errorf("Budget.Used = %d, want %d (world + %d live forks)", ownUsed(b), 1+len(alive), len(alive))
 	}
 
 	dead := e.Reap(ctx)
@@ -136,8 +136,8 @@ func TestRobustKillForksDuringWave(t *testing.T) {
 	if d := e.Reap(ctx); len(d) != 0 {
 		t.Fatalf("second Reap = %v", d)
 	}
-	if b := e.Budget(); b.Used != 1+len(alive) {
-		t.Errorf("Budget.Used after reap = %d, want %d", b.Used, 1+len(alive))
+	if b := e.Budget(); ownUsed(b) != 1+len(alive) {
+		t.Errorf("Budget.Used after reap = %d, want %d", ownUsed(b), 1+len(alive))
 	}
 	deleteAll(t, env)
 }
@@ -343,8 +343,8 @@ func TestRobustQEMUDiesDuringFork(t *testing.T) {
 					t.Fatalf("error is not a *QEMUError: %v", r.err)
 				}
 				assertGone(t, env, name, killedPID)
-				if b := e.Budget(); b.Used != 1 {
-					t.Errorf("Budget.Used = %d after a failed fork, want 1 (the world)", b.Used)
+				if b := e.Budget(); ownUsed(b) != 1 {
+					t.Errorf("Budget.Used = %d after a failed fork, want 1 (the world)", ownUsed(b))
 				}
 				checkState(t, env, expectState{VMs: []string{"w"}, RAM: []string{"vm-w.ram", "ck-ck.ram"}, CKs: []string{"ck"}})
 				return
@@ -414,8 +414,8 @@ func TestRobustForkAgentNeverAnswers(t *testing.T) {
 		}
 		assertGone(t, env, ev.Name, 0)
 	}
-	if b := e.Budget(); b.Used != 1 {
-		t.Errorf("Budget.Used = %d after failed forks, want 1", b.Used)
+	if b := e.Budget(); ownUsed(b) != 1 {
+		t.Errorf("Budget.Used = %d after failed forks, want 1", ownUsed(b))
 	}
 	checkState(t, env, expectState{VMs: []string{"w"}, RAM: []string{"vm-w.ram", "ck-ck.ram"}, CKs: []string{"ck"}})
 	deleteAll(t, env)

@@ -269,7 +269,7 @@ func lsCmd() *cli.Command {
 			}
 			fmt.Fprintln(tw, "NAME\tSTATE\tPID\tCPUS\tMEMORY\tDISK\tFORKABLE\tPARENT\tNET/PORTS\tREADY IN")
 			for _, v := range vms {
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%s\t%s\n", v.Name, v.State, v.PID, v.CPUs, v.MemoryMiB,
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%dM\t%dM\t%v\t%s\t%s\t%s\n", v.Name, stateText(v), v.PID, v.CPUs, v.MemoryMiB,
 					v.DiskMiB, v.Forkable, orDash(v.Parent), netColumn(v), readyIn(v, handoffs))
 			}
 			return tw.Flush()
@@ -722,4 +722,17 @@ func printJSON(v any) error {
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+// stateText is a VM's state for ls, with its reason when it has one ("dead (oom-killed)"),
+// cut to one short line (--json has it whole).
+func stateText(v engine.Info) string {
+	if v.Reason == "" {
+		return string(v.State)
+	}
+	r, _, _ := strings.Cut(v.Reason, "\n")
+	if len(r) > 60 {
+		r = r[:57] + "..."
+	}
+	return fmt.Sprintf("%s (%s)", v.State, r)
 }

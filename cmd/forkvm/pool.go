@@ -57,7 +57,7 @@ func warmCmd() *cli.Command {
 func budgetCmd() *cli.Command {
 	return &cli.Command{
 		Name:  "budget",
-		Usage: "print the vCPU admission budget (host CPUs x overcommit) and what running VMs use",
+		Usage: "print the host's admission budgets (vCPUs: host CPUs x overcommit; memory) and what every forkvm VM on the host uses",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			api, err := connect(ctx, cmd)
@@ -72,7 +72,16 @@ func budgetCmd() *cli.Command {
 			if cmd.Bool("json") {
 				return printJSON(b)
 			}
-			fmt.Printf("vCPUs %d used of %d (%d host CPUs x overcommit %g)\n", b.Used, b.Total, b.HostCPUs, b.Overcommit)
+			fmt.Printf("vCPUs %d used of %d (%d host CPUs x overcommit %g; %d by other state directories; requests may ask up to %g)\n",
+				b.Used, b.Total, b.HostCPUs, b.Overcommit, b.OtherUsed, b.MaxOvercommit)
+			if m := b.Memory; m.Known {
+				fmt.Printf("memory %d MiB free for VMs = %d MiB available", m.FreeBytes>>20, m.AvailableBytes>>20)
+				if m.CgroupLimitBytes > 0 {
+					fmt.Printf(" (cgroup: %d MiB left of %d)", m.CgroupHeadroomBytes>>20, m.CgroupLimitBytes>>20)
+				}
+				fmt.Printf(" - %d reserve - %d committed (64 MiB + %g x guest RAM per VM, less what it holds)\n",
+					m.ReserveBytes>>20, m.CommittedBytes>>20, m.CommitRatio)
+			}
 			return nil
 		},
 	}

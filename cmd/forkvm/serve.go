@@ -36,6 +36,9 @@ func serveCmd() *cli.Command {
 			&cli.StringFlag{Name: "listen", Usage: "also listen on this TCP address (e.g. 127.0.0.1:7070); needs --token-file"},
 			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding the bearer token TCP requests must carry"},
 			&cli.BoolFlag{Name: "listen-public", Usage: "allow a --listen address that is not loopback (there is no TLS: the token crosses the network in clear)"},
+			&cli.FloatFlag{Name: "overcommit", Usage: "vCPU budget = host CPUs x this (0 = engine default 8)"},
+			&cli.FloatFlag{Name: "max-overcommit", Usage: "refuse requests asking for a higher overcommit than this (0 = 2 x --overcommit)"},
+			&cli.FloatFlag{Name: "memory-commit-ratio", Usage: "part of each VM's guest RAM admission keeps room for (0 = engine default 0.1)"},
 		},
 		// The unix socket (mode 0600) is the global --socket ($FORKVM_SOCKET), the one
 		// the CLI looks for; default HOME/forkvm.sock.
@@ -60,7 +63,8 @@ func serveCmd() *cli.Command {
 				token = t
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel"))}
+			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")),
+				Overcommit: cmd.Float("overcommit"), MaxOvercommit: cmd.Float("max-overcommit"), MemoryCommitRatio: cmd.Float("memory-commit-ratio")}
 			// Warnings (a VM kept aside at recovery, a damaged hole list) are always logged.
 			cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 			if cmd.Bool("verbose") {

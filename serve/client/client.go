@@ -86,6 +86,12 @@ func (e *Error) Unwrap() error {
 
 func errorFrom(status int, o serve.ErrorObject) error { return &Error{Status: status, ErrorObject: o} }
 
+// eventError is a failed fork event's error, an admission refusal's figures kept.
+func eventError(status int, o serve.ForkEventObject) error {
+	return errorFrom(status, serve.ErrorObject{Code: o.Code, Message: o.Error,
+		Resource: o.Resource, Requested: o.Requested, Available: o.Available, Budget: o.Budget})
+}
+
 // do sends a request with an optional JSON body and returns the response when its
 // status is 2xx; otherwise it decodes the error.
 func (c *Client) do(ctx context.Context, method, path string, body any) (*http.Response, error) {
@@ -375,7 +381,7 @@ func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.M
 				inf := o.VM.Info
 				ev.VM, ev.Timings = &inf, inf.Timings
 			} else {
-				ev.Err = errorFrom(resp.StatusCode, serve.ErrorObject{Code: o.Code, Message: o.Error})
+				ev.Err = eventError(resp.StatusCode, o)
 			}
 			out <- ev
 		}

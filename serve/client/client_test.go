@@ -3,6 +3,7 @@ package client
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -80,5 +81,23 @@ func TestServeClientErrors(t *testing.T) {
 	var got *engine.AdmissionError
 	if !errors.Is(ae, engine.ErrAdmission) || !errors.As(ae, &got) || got.Budget != 16 || got.Resource != "vcpu" {
 		t.Errorf("admission: %v %+v", ae, got)
+	}
+}
+
+// TestForkEventAdmission checks that a fork refused in a wave reaches a daemon client
+// with its admission figures (the event line as the daemon writes it, decoded).
+func TestForkEventAdmission(t *testing.T) {
+	refusal := &engine.AdmissionError{Resource: "vcpu", Requested: 2, Available: 1, Budget: 16}
+	line, err := json.Marshal(serve.ForkEventObjectOf(3, "w-4", time.Millisecond, nil, refusal))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var o serve.ForkEventObject
+	if err := json.Unmarshal(line, &o); err != nil {
+		t.Fatal(err)
+	}
+	var got *engine.AdmissionError
+	if err := eventError(200, o); !errors.As(err, &got) || *got != *refusal {
+		t.Errorf("event error %v: %+v, want %+v", err, got, refusal)
 	}
 }

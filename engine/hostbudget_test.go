@@ -1,0 +1,259 @@
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// writeFiles creates files (path relative to dir → content) under dir.
+func writeFiles(t *testing.T, dir string, files map[string]string) {
+	t.Helper()
+	for p, c := range files {
+		full := filepath.Join(dir, p)
+		if err := os.MkdirAll(filepath.Dir(full), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(full, []byte(c), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// fakeHost is a probe of a fake host with avail of total bytes of memory, no memory
+// cgroup and no process.
+func fakeHost(t *testing.T, total, avail int64) hostProbe {
+	t.Helper()
+	dir := t.TempDir()
+	writeFiles(t, dir, map[string]string{
+		"proc/meminfo":        fmt.Sprintf("MemTotal:       %d kB\nMemFree:  1 kB\nMemAvailable:   %d kB\n", total>>10, avail>>10),
+		"proc/self/cgroup":    "0::/\n",
+		"proc/self/mountinfo": "",
+	})
+	return hostProbe{proc: filepath.Join(dir, "proc"), selfCgroup: filepath.Join(dir, "proc/self/cgroup"), mountinfo: filepath.Join(dir, "proc/self/mountinfo")}
+}
+
+// cmdline joins argv as /proc/PID/cmdline has it.
+func cmdline(args ...string) string { return strings.Join(args, "\x00") + "\x00" }
+
+func TestParseQEMUArgs(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		args  []string
+		skip  string
+		ok    bool
+		cpus  int
+		guest int64
+	}{
+		{"forkvm vm", []string{"qemu", "-name", "w1,process=forkvm-w1", "-smp", "2", "-m", "2048M"}, "", true, 2, 2 << 30},
+		{"keyed forms", []string{"qemu", "-name", "a,process=forkvm-a", "-smp", "cpus=4,sockets=1", "-m", "size=1G"}, "", true, 4, 1 << 30},
+		{"plain MiB, no -smp", []string{"qemu", "-name", "a,process=forkvm-a", "-m", "512"}, "", true, 1, 512 << 20},
+		{"not forkvm's", []string{"qemu", "-name", "other", "-smp", "8", "-m", "8G"}, "", false, 0, 0},
+		{"marker elsewhere", []string{"sh", "-c", "echo ,process=forkvm-x", "-smp", "8"}, "", false, 0, 0},
+		{"own run dir skipped", []string{"qemu", "-name", "a,process=forkvm-a", "-chardev", "socket,id=qmp,path=/s/run/a/qmp.sock", "-smp", "2"}, "path=/s/run/", false, 0, 0},
+		{"other run dir counted", []string{"qemu", "-name", "a,process=forkvm-a", "-chardev", "socket,id=qmp,path=/s/run2/a/qmp.sock", "-smp", "2", "-m", "256M"}, "path=/s/run/", true, 2, 256 << 20},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			u, ok := parseQEMUArgs(tc.args, tc.skip)
+			if ok != tc.ok || u.cpus != tc.cpus || u.guest != tc.guest {
+				t.Errorf("parseQEMUArgs = %+v, %v; want cpus %d guest %d ok %v", u, ok, tc.cpus, tc.guest, tc.ok)
+			}
+		})
+	}
+}
+
+func TestHostQEMUScan(t *testing.T) {
+	h := fakeHost(t, 16<<30, 8<<30)
+	writeFiles(t, h.proc, map[string]string{
+		// another state directory's VM: counted, with its resident anonymous memory
+		"101/cmdline": cmdline("qemu-system-x86_64", "-name", "w1,process=forkvm-w1", "-smp", "7", "-m", "2048M",
+			"-chardev", "socket,id=qmp,path=/other/run/w1/qmp.sock,server=on"),
+		"101/status": "Name:\tqemu\nRssAnon:\t   204800 kB\n",
+		// this engine's own: counted by the engine itself
+		"102/cmdline": cmdline("qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-smp", "2", "-m", "512M",
+			"-chardev", "socket,id=qmp,path=/mine/run/f1/qmp.sock,server=on"),
+		// an unrelated QEMU and a shell
+		"103/cmdline":  cmdline("qemu-system-x86_64", "-name", "libvirt-vm", "-smp", "16"),
+		"104/cmdline":  cmdline("bash"),
+		"self/cmdline": cmdline("x"),
+	})
+	got := h.qemus("path=/mine/run/")
+	if len(got) != 1 || got[0].pid != 101 || got[0].cpus != 7 || got[0].guest != 2<<30 || got[0].private != 200<<20 {
+		t.Fatalf("qemus = %+v, want pid 101, 7 vCPUs, 2 GiB, 200 MiB private", got)
+	}
+}
+
+func TestMemCgroup(t *testing.T) {
+	const gib = int64(1) << 30
+	for _, tc := range []struct {
+		name     string
+		files    map[string]string
+		version  int
+		limit    int64
+		headroom int64
+	}{
+		{"v1 nested: the parent's limit is tighter", map[string]string{
+			"proc/self/cgroup":              "5:memory:/a/b\n4:cpu,cpuacct:/\n0::/\n",
+			"proc/self/mountinfo":           "30 25 0:26 / @/mem rw,nosuid - cgroup cgroup rw,memory\n31 25 0:27 / @/unified rw - cgroup2 cgroup2 rw\n",
+			"mem/memory.limit_in_bytes":     "9223372036854771712\n",
+			"mem/memory.usage_in_bytes":     "10000000000\n",
+			"mem/a/memory.limit_in_bytes":   fmt.Sprint(6 * gib),
+			"mem/a/memory.usage_in_bytes":   fmt.Sprint(5 * gib),
+			"mem/a/memory.stat":             fmt.Sprintf("cache 1\ntotal_inactive_file %d\n", gib/2),
+			"mem/a/b/memory.limit_in_bytes": fmt.Sprint(8 * gib),
+			"mem/a/b/memory.usage_in_bytes": fmt.Sprint(2 * gib),
+		}, 1, 6 * gib, gib + gib/2},
+		{"v1 leaf limit only", map[string]string{
+			"proc/self/cgroup":            "4:memory:/t\n",
+			"proc/self/mountinfo":         "30 25 0:26 / @/mem rw - cgroup cgroup rw,memory\n",
+			"mem/memory.limit_in_bytes":   "9223372036854771712\n",
+			"mem/t/memory.limit_in_bytes": fmt.Sprint(gib),
+			"mem/t/memory.usage_in_bytes": fmt.Sprint(gib / 4),
+		}, 1, gib, 3 * gib / 4},
+		{"v2", map[string]string{
+			"proc/self/cgroup":             "0::/svc/x\n",
+			"proc/self/mountinfo":          "31 25 0:27 / @/unified rw - cgroup2 cgroup2 rw\n",
+			"unified/svc/memory.max":       "max\n",
+			"unified/svc/memory.current":   "5\n",
+			"unified/svc/x/memory.max":     fmt.Sprint(2 * gib),
+			"unified/svc/x/memory.current": fmt.Sprint(gib + gib/2),
+			"unified/svc/x/memory.stat":    fmt.Sprintf("anon 1\ninactive_file %d\n", gib/2),
+		}, 2, 2 * gib, gib},
+		{"no limit anywhere", map[string]string{
+			"proc/self/cgroup":          "4:memory:/\n",
+			"proc/self/mountinfo":       "30 25 0:26 / @/mem rw - cgroup cgroup rw,memory\n",
+			"mem/memory.limit_in_bytes": "9223372036854771712\n",
+		}, 1, 0, 0},
+		{"no memory controller", map[string]string{
+			"proc/self/cgroup":    "0::/\n",
+			"proc/self/mountinfo": "31 25 0:27 / @/unified rw - cgroup2 cgroup2 rw\n",
+		}, 0, 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			files := map[string]string{}
+			for k, v := range tc.files {
+				files[k] = strings.ReplaceAll(v, "@", dir)
+			}
+			writeFiles(t, dir, files)
+			h := hostProbe{proc: filepath.Join(dir, "proc"), selfCgroup: filepath.Join(dir, "proc/self/cgroup"), mountinfo: filepath.Join(dir, "proc/self/mountinfo")}
+			cg, err := h.memCgroup()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if cg.limit != tc.limit || cg.headroom != tc.headroom || (tc.limit > 0 && cg.version != tc.version) {
+				t.Errorf("memCgroup = %+v, want v%d limit %d headroom %d", cg, tc.version, tc.limit, tc.headroom)
+			}
+		})
+	}
+}
+
+func TestBudgetCheck(t *testing.T) {
+	const mib = int64(1) << 20
+	mem := func(total, free int64) MemoryBudget {
+		return MemoryBudget{Known: true, TotalBytes: total, FreeBytes: free, ReserveBytes: 512 * mib, CommitRatio: 0.25}
+	}
+	for _, tc := range []struct {
+		name     string
+		b        Budget
+		cpus     int
+		guest    int64
+		resource string // "" admitted
+		req      int64
+	}{
+		{"fits", Budget{Total: 16, Used: 8, Memory: mem(23<<30, 4<<30)}, 2, 2 << 30, "", 0},
+		{"create --cpus 14 with 8 of 16 used", Budget{Total: 16, Used: 8, Memory: mem(23<<30, 4<<30)}, 14, 1 << 30, "vcpu", 14},
+		{"exactly the last vCPUs", Budget{Total: 16, Used: 14, Memory: mem(23<<30, 4<<30)}, 2, 1 << 30, "", 0},
+		{"guest larger than the host", Budget{Total: 16, Memory: mem(23<<30, 22<<30)}, 1, 30000 * mib, "memory", 30000 * mib},
+		{"commitment over what is free", Budget{Total: 16, Memory: mem(23<<30, 500*mib)}, 1, 2 << 30, "memory", 64*mib + 512*mib},
+		{"unknown memory is not checked", Budget{Total: 16, Memory: MemoryBudget{}}, 1, 30000 * mib, "", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.b.check(tc.cpus, tc.guest)
+			var ae *AdmissionError
+			switch {
+			case tc.resource == "" && err != nil:
+				t.Errorf("check = %v, want admitted", err)
+			case tc.resource != "" && (!errors.As(err, &ae) || !errors.Is(err, ErrAdmission) || ae.Resource != tc.resource || ae.Requested != tc.req):
+				t.Errorf("check = %v (%+v), want %s refused, requested %d", err, ae, tc.resource, tc.req)
+			}
+		})
+	}
+}
+
+func TestMemoryArithmetic(t *testing.T) {
+	const mib = int64(1) << 20
+	vms := []qemuUse{
+		{guest: 2048 * mib, private: 30 * mib},   // a fresh fork: 64 + 204.8 − 30 still to come
+		{guest: 2048 * mib, private: 1500 * mib}, // grew past its commitment: 0
+	}
+	if got, want := outstanding(vms, 0.1), commitBytes(2048*mib, 0.1)-30*mib; got != want {
+		t.Errorf("outstanding = %d, want %d", got, want)
+	}
+	for _, tc := range []struct {
+		name      string
+		avail     int64
+		cg        memCgroup
+		committed int64
+		want      int64
+	}{
+		{"no cgroup: MemAvailable", 10000 * mib, memCgroup{}, 1000 * mib, 10000*mib - 512*mib - 1000*mib},
+		{"cgroup headroom lower", 20000 * mib, memCgroup{limit: 6144 * mib, headroom: 1000 * mib}, 0, 1000*mib - 512*mib},
+		{"MemAvailable lower", 800 * mib, memCgroup{limit: 6144 * mib, headroom: 5000 * mib}, 100 * mib, 800*mib - 512*mib - 100*mib},
+		{"over-committed: negative", 1000 * mib, memCgroup{}, 2000 * mib, 1000*mib - 512*mib - 2000*mib},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := memFree(tc.avail, tc.cg, 512*mib, tc.committed); got != tc.want {
+				t.Errorf("memFree = %d MiB, want %d MiB", got/mib, tc.want/mib)
+			}
+		})
+	}
+}
+
+// TestAdmitHost admits against a fake host: another engine's 7 vCPUs count, a request
+// over the overcommit cap is refused, and a fake cgroup's headroom bounds memory.
+func TestAdmitHost(t *testing.T) {
+	e := newTestEngine(t, testConfig(t))
+	h := fakeHost(t, 23<<30, 20<<30)
+	writeFiles(t, h.proc, map[string]string{
+		"201/cmdline": cmdline("qemu", "-name", "o,process=forkvm-o", "-smp", "7", "-m", "1024M", "-chardev", "socket,id=qmp,path=/elsewhere/run/o/qmp.sock"),
+	})
+	e.adm.host, e.adm.hostCPUs, e.adm.overcommit, e.adm.maxOvercommit = h, 2, 4, 8 // budget 8 vCPUs
+	b := e.adm.budget(0)
+	if b.Used != 7 || b.OtherUsed != 7 || b.Total != 8 || !b.Memory.Known {
+		t.Fatalf("budget = %+v, want 7 of 8 used by another engine", b)
+	}
+	if _, err := e.adm.admit(2, 256<<20, 0); !errors.Is(err, ErrAdmission) {
+		t.Errorf("2 vCPUs with 1 free: %v, want ErrAdmission", err)
+	}
+	rel, err := e.adm.admit(1, 256<<20, 0)
+	if err != nil {
+		t.Fatalf("1 vCPU with 1 free: %v", err)
+	}
+	rel()
+	var oe *OvercommitError
+	if _, err := e.adm.admit(1, 0, 1e12); !errors.As(err, &oe) || !errors.Is(err, ErrAdmission) || oe.Max != 8 {
+		t.Errorf("overcommit 1e12: %v, want *OvercommitError (max 8)", err)
+	}
+	rel, err = e.adm.admit(1, 0, 8)
+	if err != nil {
+		t.Fatalf("overcommit at the cap: %v", err)
+	}
+	rel()
+	if b := e.adm.budget(0); b.Memory.CommittedBytes != commitBytes(1<<30, e.adm.commitRatio) {
+		t.Errorf("committed = %d, want the other VM's commitment %d", b.Memory.CommittedBytes, commitBytes(1<<30, e.adm.commitRatio))
+	}
+}
+
+// BenchmarkBudgetRealHost is the cost of one admission check on this host (the /proc
+// scan for other engines' QEMUs, meminfo and the memory cgroup).
+func BenchmarkBudgetRealHost(b *testing.B) {
+	a := &admitter{hostCPUs: 2, overcommit: 8, maxOvercommit: 16, commitRatio: 0.1, host: realHost,
+		ownArg: "path=/nonexistent/run/", own: func() []qemuUse { return nil }}
+	for b.Loop() {
+		_ = a.budget(0)
+	}
+}
