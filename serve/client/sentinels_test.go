@@ -35,6 +35,7 @@ var sentinels = map[string]error{
 	"engine.ErrQEMUExited":        engine.ErrQEMUExited,
 	"engine.ErrAgentTimeout":      engine.ErrAgentTimeout,
 	"engine.ErrNotRunning":        engine.ErrNotRunning,
+	"engine.ErrPaused":            engine.ErrPaused,
 	"engine.ErrNotForkable":       engine.ErrNotForkable,
 	"engine.ErrLocked":            engine.ErrLocked,
 	"engine.ErrCheckpointCorrupt": engine.ErrCheckpointCorrupt,
