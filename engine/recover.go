@@ -100,7 +100,9 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 			vm.recoverHandoff(ctx, paths, log, mk, timeout)
 			m = &vm.m
 		}
-		if m.State == StateRunning {
+		if m.State == StateRunning || m.State == StateDead {
+			// Confirmed ready once: kept (a dead one is listed dead with its reason
+			// until the user deletes it), never reaped as half-made.
 			// A manifest rewrite the crash cut short (writeJSON's temporary file).
 			os.Remove(filepath.Join(dir, manifestFile+".tmp"))
 			if _, err := os.Stat(vm.path(checkpointingFile)); err == nil {
@@ -348,7 +350,8 @@ func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger
 		vm.kill()
 	}
 	vm.mu.Lock()
-	vm.m.State = StateRunning // listed as dead: its QEMU is gone
+	vm.m.State = StateDead
+	vm.m.DeadReason = fmt.Sprintf("handoff to checkpoint %s cut short; restart failed: %v", mk.Checkpoint, err)
 	serr := vm.saveLocked()
 	vm.mu.Unlock()
 	log.Warn("recover: handoff cut short after its checkpoint was committed and the vm cannot restart from it; the vm is dead, fork the checkpoint to go on",

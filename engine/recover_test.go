@@ -286,3 +286,25 @@ func processAliveT(pid int) bool {
 	_, err := procStartTime(pid)
 	return err == nil
 }
+
+// TestNewKeepsDeadVM: a VM recorded dead (a handoff recovery that could not restart it)
+// is kept and listed dead with its reason by the next engine, never reaped as half-made
+// with its disk.
+func TestNewKeepsDeadVM(t *testing.T) {
+	cfg := testConfig(t)
+	vms := filepath.Join(cfg.StateDir, "vms")
+	m := vmManifest(cfg, "d", StateDead, deadPID(t))
+	m.DeadReason = "handoff to checkpoint ck cut short; restart failed: test"
+	writeVMManifest(t, vms, "d", m)
+	e := newTestEngine(t, cfg)
+	vm, err := e.Get("d")
+	if err != nil {
+		t.Fatalf("dead vm d after New: %v", err)
+	}
+	if inf := vm.Info(); inf.State != StateDead || inf.Reason != m.DeadReason {
+		t.Errorf("d: state %q reason %q, want dead with %q", inf.State, inf.Reason, m.DeadReason)
+	}
+	if !exists(filepath.Join(vms, "d", manifestFile)) {
+		t.Errorf("d's manifest is gone")
+	}
+}
