@@ -72,7 +72,12 @@ func (e *Engine) DeleteCheckpoint(ctx context.Context, name string, opts *Delete
 	}
 	forks := e.vms.forksByParent()[name]
 	if len(forks) > 0 && !force {
-		return fmt.Errorf("%w: %s has %d live forks (%s); use force", ErrInUse, name, len(forks), strings.Join(forks, ", "))
+		noun := "forks"
+		if len(forks) == 1 {
+			noun = "fork"
+		}
+		return fmt.Errorf("%w: checkpoint %s has %d live %s (%s): delete them first, or force the delete (forkvm checkpoint rm --force; DeleteCheckpoint with force) to delete them with it",
+			ErrInUse, name, len(forks), noun, strings.Join(forks, ", "))
 	}
 	if force {
 		// No fork of it starts from here on; those under way are cancelled and waited
