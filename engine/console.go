@@ -12,6 +12,8 @@ import (
 	"runtime"
 	"syscall"
 	"time"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // The guest console, bounded.
@@ -116,27 +118,46 @@ func startConsoleKeeper(sock, logPath string) (*os.Process, error) {
 	return p, nil
 }
 
-// stopConsoleKeeper ends the keeper recorded in runDir, when a VM's files are removed
-// (its QEMU is gone, so the keeper is about to exit anyway), and waits up to
-// keeperExitWait for it to be gone: nothing of a deleted VM outlives its deletion.
-// The pid is only signalled while its start time matches the record.
-func stopConsoleKeeper(runDir string) {
-	b, err := os.ReadFile(filepath.Join(runDir, consoleKeeperFile))
-	if err != nil {
-		return
+// stopConsoleKeeper ends the keeper of the VM whose run directory is runDir and whose
+// console log is logPath, when the VM's files are removed (its QEMU is gone, so the
+// keeper is about to exit anyway), and waits up to keeperExitWait for it to be gone:
+// nothing of a deleted VM outlives its deletion. The keeper recorded in runDir is only
+// signalled while its start time matches the record. An engine killed between starting
+// a keeper and recording it leaves one unrecorded: it is found by its exact argv
+// (argv[0] forkvm-console, argv[1] this VM's log, a path in this state directory).
+func stopConsoleKeeper(runDir, logPath string) {
+	type keeper struct {
+		pid   int
+		start uint64
 	}
-	var pid int
-	var start uint64
-	if _, err := fmt.Sscan(string(b), &pid, &start); err != nil || pid <= 1 {
-		return
+	var ks []keeper
+	if b, err := os.ReadFile(filepath.Join(runDir, consoleKeeperFile)); err == nil {
+		var k keeper
+		if _, err := fmt.Sscan(string(b), &k.pid, &k.start); err == nil && k.pid > 1 {
+			ks = append(ks, k)
+		}
 	}
-	same := func() bool { got, err := procStartTime(pid); return err == nil && got == start }
-	if !same() {
-		return
+	if len(ks) == 0 && logPath != "" {
+		pids, _ := memfile.ProcessesWithArg(logPath)
+		for _, pid := range pids {
+			args, err := memfile.ProcessArgs(pid)
+			if err != nil || len(args) != 2 || args[0] != consoleKeeperArg0 || args[1] != logPath {
+				continue
+			}
+			if start, err := procStartTime(pid); err == nil {
+				ks = append(ks, keeper{pid, start})
+			}
+		}
 	}
-	syscall.Kill(pid, syscall.SIGKILL)
-	for deadline := time.Now().Add(keeperExitWait); same() && time.Now().Before(deadline); {
-		time.Sleep(5 * time.Millisecond)
+	for _, k := range ks {
+		same := func() bool { got, err := procStartTime(k.pid); return err == nil && got == k.start }
+		if !same() {
+			continue
+		}
+		syscall.Kill(k.pid, syscall.SIGKILL)
+		for deadline := time.Now().Add(keeperExitWait); same() && time.Now().Before(deadline); {
+			time.Sleep(5 * time.Millisecond)
+		}
 	}
 }
 

@@ -103,23 +103,36 @@ func TestConsoleTailAndFork(t *testing.T) {
 }
 
 // TestStopConsoleKeeper: removing a VM's files ends its keeper, found by its record,
-// even while the connection is open.
+// even while the connection is open; and one whose record was never written (the
+// engine was killed between starting it and recording it), found by its argv.
 func TestStopConsoleKeeper(t *testing.T) {
-	dir := t.TempDir()
-	sock := filepath.Join(dir, consoleSockName)
-	p, err := startConsoleKeeper(sock, filepath.Join(dir, serialLogFile))
-	if err != nil {
-		t.Fatal(err)
+	for _, recorded := range []bool{true, false} {
+		dir := t.TempDir()
+		sock := filepath.Join(dir, consoleSockName)
+		logPath := filepath.Join(dir, serialLogFile)
+		p, err := startConsoleKeeper(sock, logPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Kill()
+		if !recorded {
+			if err := os.Remove(filepath.Join(dir, consoleKeeperFile)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		c, err := net.Dial("unix", sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		// Another VM's log path, and no record: nothing to do.
+		stopConsoleKeeper(t.TempDir(), filepath.Join(t.TempDir(), serialLogFile))
+		if _, err := procStartTime(p.Pid); err != nil {
+			t.Fatalf("recorded=%v: keeper %d ended by another VM's removal", recorded, p.Pid)
+		}
+		stopConsoleKeeper(dir, logPath)
+		if _, err := procStartTime(p.Pid); err == nil {
+			t.Errorf("recorded=%v: keeper %d still runs", recorded, p.Pid)
+		}
 	}
-	defer p.Kill()
-	c, err := net.Dial("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	stopConsoleKeeper(dir)
-	if _, err := procStartTime(p.Pid); err == nil {
-		t.Errorf("keeper %d still runs", p.Pid)
-	}
-	stopConsoleKeeper(t.TempDir()) // no record: nothing to do
 }

@@ -462,12 +462,12 @@ func (l layout) removeVMFiles(name string, m *manifest) {
 			os.Remove(m.Launch.RAM.Path)
 		}
 		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
-			stopConsoleKeeper(m.Launch.RunDir)
+			stopConsoleKeeper(m.Launch.RunDir, m.Launch.SerialLog)
 			os.RemoveAll(m.Launch.RunDir)
 		}
 	}
 	os.Remove(l.vmRAM(name))
-	stopConsoleKeeper(l.runDir(name))
+	stopConsoleKeeper(l.runDir(name), filepath.Join(l.vmDir(name), serialLogFile))
 	os.RemoveAll(l.runDir(name))
 	os.RemoveAll(l.vmDir(name))
 }

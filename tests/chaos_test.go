@@ -710,7 +710,13 @@ func (c *chaosRun) final() {
 			t.Errorf("leak: qemu %d still runs after delete", pid)
 		}
 	}
-	if procs := procsReferencing(c.home); len(procs) > 0 {
+	// A console keeper ends when its QEMU's connection closes, just after that QEMU
+	// (an aside VM's, killed above): give it the same 5 s as a QEMU.
+	procs := procsReferencing(c.home)
+	for deadline := time.Now().Add(5 * time.Second); len(procs) > 0 && time.Now().Before(deadline); procs = procsReferencing(c.home) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if len(procs) > 0 {
 		t.Errorf("leak: processes still reference %s: %v", c.home, procs)
 	}
 	// What is left is what the run kept aside on purpose (.corrupt-*), nothing else.
