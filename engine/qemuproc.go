@@ -44,6 +44,9 @@ type qemuProc struct {
 	// onExit, when set, is called with the reason once our child ended on its own
 	// (not stopped by the engine).
 	onExit func(reason string)
+	// settled is closed once our child's end has been handled (onExit returned): a
+	// VM's files are removed only after, so onExit never writes into a removal.
+	settled chan struct{}
 	// onPause and onResume, when set (before connect), hear QEMU stopping the guest on
 	// a disk I/O error and running it again.
 	onPause  func(reason string)
@@ -80,7 +83,7 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmC
 	if err := cmd.Start(); err != nil {
 		return nil, &QEMUError{VM: name, Op: "start", ExitCode: -1, Err: err}
 	}
-	p := &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: cmd.Process.Pid, exited: make(chan struct{}), onExit: onExit}
+	p := &qemuProc{name: name, qmpPath: qmpPath, logPath: logPath, pid: cmd.Process.Pid, exited: make(chan struct{}), settled: make(chan struct{}), onExit: onExit}
 	p.startTime, _ = procStartTime(p.pid)
 	_ = os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", p.pid), []byte(strconv.Itoa(qemuOOMScoreAdj)), 0)
 	p.oomVersion, p.oomDir = engineMemCgroup()
@@ -101,6 +104,7 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmC
 		if p.onExit != nil && !p.stopping.Load() {
 			p.onExit(p.reason)
 		}
+		close(p.settled)
 	}()
 	return p, nil
 }
@@ -294,6 +298,18 @@ func (p *qemuProc) sigkill() {
 		case <-p.done():
 		case <-time.After(5 * time.Millisecond):
 		}
+	}
+}
+
+// waitSettled waits (up to d) until the end of our child has been handled (its
+// onExit returned); it returns at once for a process we did not start.
+func (p *qemuProc) waitSettled(d time.Duration) {
+	if p.settled == nil {
+		return
+	}
+	select {
+	case <-p.settled:
+	case <-time.After(d):
 	}
 }
 

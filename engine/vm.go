@@ -441,6 +441,9 @@ func (vm *VM) kill() {
 	vm.closeConns()
 	if p := vm.process(); p != nil {
 		p.sigkill()
+		// A QEMU that died on its own just before may still be recording why
+		// (onExit writes the manifest): callers remove the VM's files next.
+		p.waitSettled(5 * time.Second)
 	}
 }
 
