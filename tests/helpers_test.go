@@ -338,6 +338,16 @@ func vmOfArgs(args []string) string {
 	return ""
 }
 
+// keeperOfArgs returns the VM name a console keeper's command line belongs to ("" if
+// it is not one): forkvm-console STATE/vms/NAME/serial.log. A live VM has one beside
+// its QEMU; a deleted one none.
+func keeperOfArgs(args []string) string {
+	if len(args) == 2 && args[0] == "forkvm-console" && filepath.Base(args[1]) == "serial.log" {
+		return filepath.Base(filepath.Dir(args[1]))
+	}
+	return ""
+}
+
 // qemuPIDOf returns the pid of the QEMU of VM name in the state dir home, or 0.
 func qemuPIDOf(home, name string) int {
 	for pid, args := range procsReferencing(home) {
@@ -422,6 +432,9 @@ func checkState(t testing.TB, env *testEnv, want expectState) {
 	vms := sorted(want.VMs)
 	for pid, args := range procsReferencing(home, ramDir) {
 		name := vmOfArgs(args)
+		if name == "" {
+			name = keeperOfArgs(args)
+		}
 		if name == "" || !slices.Contains(vms, name) || slices.Contains(want.Dead, name) {
 			t.Errorf("leak: process %d (vm %q) still references the state dir: %.300s", pid, name, strings.Join(args, " "))
 		}

@@ -207,7 +207,9 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 	}
 	qemus := map[string]int{}
 	for pid, args := range procsReferencing(env.Home) {
-		qemus[vmOfArgs(args)] = pid
+		if n := vmOfArgs(args); n != "" {
+			qemus[n] = pid
+		}
 	}
 	t.Logf("helper printed %v; left behind: %+v; qemus: %v", printed, leftover, qemus)
 	var running, halfMade []string

@@ -173,11 +173,14 @@ func clientRun(c *client.Client, name string, argv ...string) (string, error) {
 }
 
 // strayProcs lists the live processes referencing home or ramDir that are not the QEMU
-// of a VM in vms (name -> pid) with that pid.
+// of a VM in vms (name -> pid) with that pid, nor the console keeper of one.
 func strayProcs(home, ramDir string, vms map[string]int) map[int]string {
 	out := map[int]string{}
 	for pid, args := range procsReferencing(home, ramDir) {
 		if !processAlive(pid) {
+			continue
+		}
+		if k := keeperOfArgs(args); k != "" && vms[k] != 0 {
 			continue
 		}
 		if name := vmOfArgs(args); name == "" || vms[name] != pid {
