@@ -595,7 +595,8 @@ func TestServeCrashRefusals(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, resp.Header, b
 	}
-	for _, auth := range []string{"", "Bearer wrong-token-0123456789", "Bearer " + token + "x", "bearer " + token, "Basic " + token} {
+	// The scheme is case-insensitive (RFC 7235): "bearer TOKEN" is accepted, below.
+	for _, auth := range []string{"", "Bearer wrong-token-0123456789", "Bearer " + token + "x", "bearer wrong-token-0123456789", "Basic " + token} {
 		status, hdr, body := get(auth)
 		var er struct {
 			Error struct {
@@ -611,8 +612,10 @@ func TestServeCrashRefusals(t *testing.T) {
 			t.Errorf("a 401 body holds the token: %s", body)
 		}
 	}
-	if status, _, body := get("Bearer " + token); status != http.StatusOK || strings.TrimSpace(string(body)) != "[]" {
-		t.Errorf("TCP with the token: HTTP %d %s", status, body)
+	for _, auth := range []string{"Bearer " + token, "bearer " + token} {
+		if status, _, body := get(auth); status != http.StatusOK || strings.TrimSpace(string(body)) != "[]" {
+			t.Errorf("TCP with Authorization %q: HTTP %d %s", auth, status, body)
+		}
 	}
 	// The Go client gets the same answer as a *client.Error.
 	var ce *client.Error
