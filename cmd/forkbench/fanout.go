@@ -62,6 +62,13 @@ func fanoutCmd() *cli.Command {
 				return fmt.Errorf("--idle-window must be >= 0")
 			}
 			settings := &FanoutSettings{Waves: waves, Warm: warm, Peer: cmd.Bool("peer"), PeerN: cmd.Int("peer-n"), IdleWindowS: idle.Seconds(), fit: cmd.Bool("fit")}
+			if settings.fit {
+				// The engine caps the overcommit a request may ask for (Config.MaxOvercommit):
+				// this benchmark is its engine's operator and asks for at most the one that
+				// fits its largest wave (the world may keep running: count it).
+				held := map[bool]int{true: 1, false: 0}[cmd.Bool("keep-world") || cmd.Bool("peer")]
+				settings.maxOC = fitOvercommit(numCPU(), (max(slices.Max(waves), warm)+held)*int(cmd.Int("cpus")), cmd.Float("overcommit"))
+			}
 			if settings.fit && warm > 0 {
 				// A warm pool is admitted at the engine's overcommit: give the engine the
 				// one that fits (the world may keep running: count it).
@@ -90,11 +97,18 @@ type FanoutSettings struct {
 	// engineOC is the engine's own overcommit when the headline needs more than
 	// --overcommit and a warm pool (admitted at the engine's) is used; 0 = --overcommit.
 	engineOC float64
+	// maxOC is the most overcommit a wave will ask for (with --fit: the one that fits
+	// the largest wave); 0 = the engine's default cap.
+	maxOC float64
 	RunSettings
 }
 
 // engineOvercommit is the engine's overcommit runBench uses (0: --overcommit).
 func (s *FanoutSettings) engineOvercommit() float64 { return s.engineOC }
+
+// maxOvercommit is the per-request overcommit cap runBench gives the engine (0: its
+// default).
+func (s *FanoutSettings) maxOvercommit() float64 { return s.maxOC }
 
 // WaveSummary is one wave of fanout in result.json (extra.waves.<label>).
 type WaveSummary struct {

@@ -67,6 +67,10 @@ type runner struct {
 // --overcommit (fanout with a warm pool, whose admission uses the engine's).
 type engineOvercommitter interface{ engineOvercommit() float64 }
 
+// maxOvercommitter is a Settings that asks for per-request overcommits above the
+// engine's default cap (Config.MaxOvercommit, 2 × Overcommit).
+type maxOvercommitter interface{ maxOvercommit() float64 }
+
 // Settings is a subcommand's environment.settings in result.json: its own flags, and the
 // RunSettings every run records (embedded; runBench fills them in).
 type Settings interface{ runSettings() *RunSettings }
@@ -202,6 +206,9 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 			TCGThread: engine.TCGThread(cmd.String("tcg-thread"))}}
 	if eo, ok := settings.(engineOvercommitter); ok && eo.engineOvercommit() > 0 {
 		cfg.Overcommit = eo.engineOvercommit()
+	}
+	if mo, ok := settings.(maxOvercommitter); ok && mo.maxOvercommit() > 2*cfg.Overcommit {
+		cfg.MaxOvercommit = mo.maxOvercommit()
 	}
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
