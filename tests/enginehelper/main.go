@@ -108,10 +108,7 @@ func exitFor(err error) {
 
 func run(state, cache, kernel, initrd string, n int, ckloop bool) error {
 	ctx := context.Background()
-	e, err := engine.New(ctx, &engine.Config{
-		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
-		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second,
-	})
+	e, err := openEngine(ctx, state, cache, kernel, initrd)
 	if err != nil {
 		return err
 	}
@@ -176,10 +173,7 @@ func run(state, cache, kernel, initrd string, n int, ckloop bool) error {
 
 func runHandoff(state, cache, kernel, initrd, name string) error {
 	ctx := context.Background()
-	e, err := engine.New(ctx, &engine.Config{
-		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
-		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second,
-	})
+	e, err := openEngine(ctx, state, cache, kernel, initrd)
 	if err != nil {
 		return err
 	}
@@ -200,10 +194,7 @@ func runHandoff(state, cache, kernel, initrd, name string) error {
 
 func runDeltaCheckpoint(state, cache, kernel, initrd, name string) error {
 	ctx := context.Background()
-	e, err := engine.New(ctx, &engine.Config{
-		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
-		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second,
-	})
+	e, err := openEngine(ctx, state, cache, kernel, initrd)
 	if err != nil {
 		return err
 	}
@@ -230,4 +221,12 @@ func runDeltaCheckpoint(state, cache, kernel, initrd, name string) error {
 	}
 	fmt.Println("CK")
 	return nil
+}
+
+// openEngine opens the engine every mode of this helper runs, with the tests' timeouts.
+func openEngine(ctx context.Context, state, cache, kernel, initrd string) (*engine.Engine, error) {
+	return engine.New(ctx, &engine.Config{
+		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
+		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second,
+	})
 }
