@@ -188,13 +188,24 @@ func (s *checkpointStore) save(c *Checkpoint) error {
 	return writeJSON(filepath.Join(c.Dir, manifestFile), &c.Manifest)
 }
 
-// remove deletes a checkpoint's directory and RAM file.
+// remove deletes a checkpoint's directory and RAM file. The directory is first renamed
+// to a half-written checkpoint's name, the one atomic step: a crash at any later point
+// leaves no committed checkpoint without its RAM file (the next engine start reaps the
+// renamed directory and the RAM files nothing owns), where removing the RAM file first
+// left a checkpoint that no longer loaded yet still held its name.
 func (s *checkpointStore) remove(name string) {
 	dir := s.paths.checkpointDir(name)
+	var ramPath string
 	if b, err := os.ReadFile(filepath.Join(dir, manifestFile)); err == nil {
 		if ck, err := decodeCheckpointManifest(b); err == nil && s.paths.inRAMDir(ck.RAMPath) {
-			os.Remove(ck.RAMPath)
+			ramPath = ck.RAMPath
 		}
+	}
+	if gone := s.paths.tmpCheckpointDir(name); os.Rename(dir, gone) == nil {
+		dir = gone
+	}
+	if ramPath != "" {
+		os.Remove(ramPath)
 	}
 	os.Remove(s.paths.checkpointRAM(name))
 	os.RemoveAll(s.paths.checkpointLayers(name))
