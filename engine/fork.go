@@ -21,7 +21,9 @@ type ForkOptions struct {
 }
 
 // Fork starts a new VM from a checkpoint, or from a running VM through an implicit
-// checkpoint. It returns once the fork's agent answered with the fork's own token.
+// checkpoint. It returns once the fork's agent answered with the fork's own token. It is
+// ForkMany of one fork (the same names, checks and admission), except that a fork made
+// ready is returned even if ctx ends meanwhile.
 //
 // The fork maps the checkpoint's frozen RAM file privately (share=off): pages it never
 // writes stay shared with every other fork through the page cache; pages it writes are
@@ -33,40 +35,23 @@ func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, 
 	if opts != nil {
 		o = *opts
 	}
-	if o.Name == "" {
-		o.Name = derivedName(src, "")
+	mo := ManyOptions{Overcommit: o.Overcommit, Pin: o.Pin}
+	if o.Name != "" {
+		mo.Names = []string{o.Name}
 	}
-	if err := ValidateName(o.Name); err != nil {
-		return nil, err
+	if o.Publish != nil {
+		mo.Publish = func(int) []PortForward { return o.Publish }
 	}
-	if err := validatePublish(o.Publish); err != nil {
-		return nil, err
-	}
-	// Before an implicit checkpoint is made for nothing (forkFrom checks again).
-	if err := checkPortsFree(o.Publish); err != nil {
-		return nil, err
-	}
-	// A fork of a running VM is admitted before its implicit checkpoint is taken.
-	held, err := e.admitSource(src, 1, o.Overcommit)
+	p, err := e.plan(ctx, src, 1, mo)
 	if err != nil {
 		return nil, err
 	}
-	var hold func()
-	if len(held) > 0 {
-		hold = held[0]
-	}
-	ck, err := e.resolveSource(ctx, src, o.Pin)
-	if err != nil {
-		if hold != nil {
-			hold()
-		}
-		return nil, err
-	}
-	vm, err := e.forkFrom(ctx, ck, o.Name, o.Overcommit, o.Publish, hold)
-	if err != nil && ck.Manifest.Implicit {
-		e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
-	}
-	return vm, err
+	out := make(chan ForkEvent, 1)
+	// Run here, and keep the fork if ctx ends once it is ready: it is returned, not
+	// streamed to a reader that may be gone.
+	e.runPlan(ctx, p, out, false)
+	ev := <-out
+	return ev.VM, ev.Err
 }
 
 // admitSource admits, in order, up to n forks of src when src is a running VM (whose
@@ -116,11 +101,12 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 
 // forkOne makes one fork of a verified checkpoint (see forkFrom), in stages:
 //
-//	prepare   a claimed warm-pool process, or admission + manifest, directory, disk (forkprep.go)
-//	spawn     QEMU with the checkpoint's machine and -incoming defer (qemuproc.go, argv in cmdline.go)
-//	inject    a delta checkpoint's RAM layers into the fork's private mapping (ckdelta.go)
-//	restore   a restore slot, then the device state (migrate.go)
-//	handshake the agent answers with the fork's own token (handshake.go)
+//	check     the checkpoint fits this host and the fork's forwards (forkChecks)
+//	prepare   a claimed warm-pool process, or admission + manifest, directory, disk (prepareForkVM)
+//	spawn     QEMU with the checkpoint's machine and -incoming defer (spawnFork)
+//	inject    a delta checkpoint's RAM layers into the fork's private mapping (spawnFork)
+//	restore   a restore slot, then the device state (restoreFork)
+//	handshake the agent answers with the fork's own token (restoreFork)
 //	record    registered, the checkpoint marked as forked
 //
 // Each stage's duration is a lap of one phase clock. held, when set, is the fork's
@@ -130,17 +116,7 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	if held != nil {
 		defer held()
 	}
-	ck := &c.Manifest
-	if err := compatible(ctx, e.bins, e.cfg.accel, ck); err != nil {
-		return nil, err
-	}
-	if err := checkDeviceState(c); err != nil {
-		return nil, err
-	}
-	if len(publish) > 0 && !ck.Net {
-		return nil, fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck.Name)
-	}
-	if err := checkPortsFree(publish); err != nil {
+	if err := e.forkChecks(ctx, c, publish); err != nil {
 		return nil, err
 	}
 	if err := e.vms.reserve(name); err != nil {
@@ -150,33 +126,11 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	fctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
 
-	// prepare
-	var vm *VM
-	var release func()
-	if len(publish) == 0 && held == nil {
-		vm, release = e.claimPooled(c, name)
+	vm, release, done, err := e.prepareForkVM(ctx, c, name, overcommit, publish, held)
+	if err != nil {
+		return nil, err
 	}
-	if vm == nil {
-		var err error
-		if held != nil {
-			release = held
-		} else if release, err = e.adm.admit(ck.CPUs, int64(ck.MemoryMiB)<<20, overcommit); err != nil {
-			return nil, err
-		}
-		qemu, err := e.bins.path()
-		if err == nil {
-			vm, err = prepareFork(ctx, e.paths, e.log, qemu, c, name)
-		}
-		if err != nil {
-			release()
-			return nil, err
-		}
-		mode, done := e.adm.inflight(ck.CPUs, ck.Accel)
-		defer done()
-		vm.m.Launch.TCGThread = mode
-		publish = append([]PortForward(nil), publish...) // not the caller's slice
-		vm.m.Launch.Publish, vm.m.Spec.Publish = publish, publish
-	}
+	defer done()
 	// The reservation ends once the fork is registered (counted there) or failed.
 	defer release()
 	ok := false
@@ -187,40 +141,111 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	}()
 	clock.lap(&vm.m.Timings.Prepare)
 
-	// spawn
-	if vm.process() == nil {
-		if err := vm.start(fctx); err != nil {
-			return nil, portError(err, publish)
-		}
-		clock.lap(&vm.m.Timings.Spawn)
-		// inject: a delta checkpoint's layers, before anything loads.
-		if err := injectLayers(vm, c); err != nil {
-			return nil, vm.failure("inject", err)
-		}
-		clock.lap(&vm.m.Timings.Inject)
+	if err := spawnFork(fctx, vm, c, clock); err != nil {
+		return nil, err
+	}
+	// The guest runs from restore to ready under a deadline of its own (restoreFork).
+	cancel()
+	if err := e.restoreFork(ctx, vm, c, clock); err != nil {
+		return nil, err
 	}
 
-	// restore: the guest runs from here to ready, so take a restore slot first, then give
-	// restore and handshake their own ForkTimeout.
+	// record
+	e.vms.add(vm)
+	e.cks.markForked(c.Manifest.Name)
+	e.flattenLater(&c.Manifest)
+	ok = true
+	return vm, nil
+}
+
+// forkChecks refuses, before anything is spent on it, a fork of c this host cannot run
+// (its QEMU, accelerator or device state) or whose forwards cannot be had: c has no
+// network, or a host address is taken.
+func (e *Engine) forkChecks(ctx context.Context, c *Checkpoint, publish []PortForward) error {
+	ck := &c.Manifest
+	if err := compatible(ctx, e.bins, e.cfg.accel, ck); err != nil {
+		return err
+	}
+	if err := checkDeviceState(c); err != nil {
+		return err
+	}
+	if len(publish) > 0 && !ck.Net {
+		return fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck.Name)
+	}
+	return checkPortsFree(publish)
+}
+
+// prepareForkVM is the fork's VM before it runs: a claimed warm-pool process (never
+// for a fork that publishes ports, which pooled processes have none of, or one admitted
+// before its checkpoint), else a prepared fork directory under an admission (held, or
+// made here). release ends the admission (the caller releases it once the fork is
+// registered or failed); done ends the fork's count as in flight.
+func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func()) (vm *VM, release, done func(), err error) {
+	ck := &c.Manifest
+	if len(publish) == 0 && held == nil {
+		if vm, release = e.claimPooled(c, name); vm != nil {
+			return vm, release, func() {}, nil
+		}
+	}
+	if held != nil {
+		release = held
+	} else if release, err = e.adm.admit(ck.CPUs, int64(ck.MemoryMiB)<<20, overcommit); err != nil {
+		return nil, nil, nil, err
+	}
+	qemu, err := e.bins.path()
+	if err == nil {
+		vm, err = prepareFork(ctx, e.paths, e.log, qemu, c, name)
+	}
+	if err != nil {
+		release()
+		return nil, nil, nil, err
+	}
+	mode, done := e.adm.inflight(ck.CPUs, ck.Accel)
+	vm.m.Launch.TCGThread = mode
+	publish = append([]PortForward(nil), publish...) // not the caller's slice
+	vm.m.Launch.Publish, vm.m.Spec.Publish = publish, publish
+	return vm, release, done, nil
+}
+
+// spawnFork starts the fork's QEMU (waiting for its incoming state) and injects a delta
+// checkpoint's RAM layers before anything loads; a claimed pooled process runs already.
+func spawnFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) error {
+	if vm.process() != nil {
+		return nil
+	}
+	if err := vm.start(ctx); err != nil {
+		return portError(err, vm.m.Launch.Publish)
+	}
+	clock.lap(&vm.m.Timings.Spawn)
+	if err := injectLayers(vm, c); err != nil {
+		return vm.failure("inject", err)
+	}
+	clock.lap(&vm.m.Timings.Inject)
+	return nil
+}
+
+// restoreFork takes a restore slot, then gives restore and handshake their own
+// ForkTimeout: the device state is loaded (a restored pooled process only resumes) and
+// the agent answers with the fork's own token. The fork's own deadline passing (not the
+// caller's) is an agent timeout.
+func (e *Engine) restoreFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) error {
 	leave, err := e.adm.restoreSlot(ctx)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	defer leave()
 	clock.skip()
-	cancel()
-	fctx, cancel = context.WithTimeout(ctx, e.cfg.ForkTimeout)
+	fctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
 	handshake := vm.resumeRestored
 	if !vm.restored {
 		if err := vm.process().loadFromFile(fctx, c.StatePath(), true, false); err != nil {
-			return nil, vm.failure("restore", err)
+			return vm.failure("restore", err)
 		}
 		clock.lap(&vm.m.Timings.Restore)
 		handshake = vm.hello
 	}
-
-	// handshake: the fork's own deadline (not the caller's) is an agent timeout.
+	name := vm.m.Name
 	hello := func(hctx context.Context) error {
 		err := handshake(hctx)
 		if err != nil && errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil && !errors.Is(err, ErrAgentTimeout) {
@@ -228,14 +253,5 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 		}
 		return err
 	}
-	if err := vm.becomeReady(fctx, "fork", clock, hello); err != nil {
-		return nil, err
-	}
-
-	// record
-	e.vms.add(vm)
-	e.cks.markForked(ck.Name)
-	e.flattenLater(ck)
-	ok = true
-	return vm, nil
+	return vm.becomeReady(fctx, "fork", clock, hello)
 }

@@ -2,7 +2,6 @@ package engine
 
 import (
 	"context"
-	"fmt"
 	"sync"
 	"time"
 )
@@ -48,6 +47,14 @@ func (ev ForkEvent) Latency() time.Duration { return ev.Done.Sub(ev.Start) }
 // never stops the others. If ctx is cancelled, forks in flight are abandoned and every
 // fork this call made ready is deleted before the channel closes.
 //
+// Everything about the request is checked before any fork starts, and refused with an
+// error wrapping ErrInvalidSpec or ErrInvalidName: n (ValidateForkCount), the names
+// (valid, distinct; without Names and Prefix a single fork is named like
+// ForkOptions.Name's default, a wave SRC-TAG-1..SRC-TAG-N with one random TAG), the
+// forwards. A running VM's forks are admitted before its implicit checkpoint is taken:
+// a wave of which not one fork fits gets every fork's event failed with the refusal,
+// and no checkpoint.
+//
 // Concurrency: one goroutine per fork, gated by a semaphore; events go to a channel
 // buffered for all n, so a slow reader never stalls forking.
 func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOptions) (<-chan ForkEvent, error) {
@@ -55,144 +62,82 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 	if opts != nil {
 		o = *opts
 	}
-	if n < 1 || n > MaxForks {
-		return nil, fmt.Errorf("%w: n must be 1..%d, got %d", ErrInvalidSpec, MaxForks, n)
-	}
-	names := o.Names
-	if names == nil {
-		prefix := o.Prefix
-		if prefix == "" {
-			prefix = derivedName(src[:min(len(src), MaxNameLen-12)], "") + "-"
-		}
-		for i := 1; i <= n; i++ {
-			names = append(names, fmt.Sprintf("%s%d", prefix, i))
-		}
-	}
-	if len(names) != n {
-		return nil, fmt.Errorf("%w: %d names for %d forks", ErrInvalidSpec, len(names), n)
-	}
-	seen := map[string]bool{}
-	for _, nm := range names {
-		if err := ValidateName(nm); err != nil {
-			return nil, err
-		}
-		if seen[nm] {
-			return nil, fmt.Errorf("%w: duplicate name %s", ErrInvalidSpec, nm)
-		}
-		seen[nm] = true
-	}
-	publish := make([][]PortForward, n)
-	if o.Publish != nil {
-		var all []PortForward
-		for i := range publish {
-			publish[i] = o.Publish(i)
-			all = append(all, publish[i]...)
-		}
-		if err := validatePublishMany(all); err != nil {
-			return nil, err
-		}
-		for i := range publish {
-			if err := validatePublish(publish[i]); err != nil {
-				return nil, err
-			}
-		}
-		if err := checkPortsFree(all); err != nil {
-			return nil, err
-		}
-	}
-	// Forks of a running VM are admitted before its implicit checkpoint: the wave's first
-	// admissible part is reserved (forks past it are admitted, or refused, as they start);
-	// a wave of which not one fork fits is refused without a checkpoint.
-	held, err := e.admitSource(src, n, o.Overcommit)
+	p, err := e.plan(ctx, src, n, o)
 	if err != nil {
-		return refusedWave(names, err), nil
-	}
-	releaseHeld := func() {
-		for _, h := range held {
-			h()
-		}
-	}
-	ck, err := e.resolveSource(ctx, src, o.Pin)
-	if err != nil {
-		releaseHeld()
 		return nil, err
-	}
-	if o.Publish != nil && !ck.Manifest.Net {
-		for i := range publish {
-			if len(publish[i]) > 0 {
-				releaseHeld()
-				if ck.Manifest.Implicit {
-					e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
-				}
-				return nil, fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck.Manifest.Name)
-			}
-		}
-	}
-	conc := o.Concurrency
-	if conc <= 0 || conc > n {
-		conc = n
 	}
 	out := make(chan ForkEvent, n)
 	go func() {
 		defer close(out)
-		sem := make(chan struct{}, conc)
-		var wg sync.WaitGroup
-		var mu sync.Mutex
-		var made []string
-		for i, nm := range names {
-			select {
-			case sem <- struct{}{}:
-			case <-ctx.Done():
-				if i < len(held) {
-					held[i]()
-				}
-				out <- ForkEvent{Index: i, Name: nm, Err: ctx.Err(), Start: time.Now(), Done: time.Now()}
-				continue
-			}
-			var hold func()
-			if i < len(held) {
-				hold = held[i]
-			}
-			wg.Add(1)
-			go func(i int, nm string, hold func()) {
-				defer wg.Done()
-				defer func() { <-sem }()
-				ev := ForkEvent{Index: i, Name: nm, Start: time.Now()}
-				vm, err := e.forkFrom(ctx, ck, nm, o.Overcommit, publish[i], hold)
-				ev.Done = time.Now()
-				ev.VM, ev.Err = vm, err
-				if vm != nil {
-					ev.Timings = vm.m.Timings
-					mu.Lock()
-					made = append(made, nm)
-					mu.Unlock()
-				}
-				out <- ev
-			}(i, nm, hold)
-		}
-		wg.Wait()
-		if ctx.Err() != nil {
-			dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			for _, nm := range made {
-				_ = e.Delete(dctx, nm)
-			}
-		}
-		if ck.Manifest.Implicit {
-			e.cks.collect(ck.Manifest.Name, e.vms.forksOf)
-		}
+		e.runPlan(ctx, p, out, true)
 	}()
 	return out, nil
 }
 
-// refusedWave is the events of a wave refused before it started: every fork failed
-// with err.
-func refusedWave(names []string, err error) <-chan ForkEvent {
-	out := make(chan ForkEvent, len(names))
-	now := time.Now()
-	for i, nm := range names {
-		out <- ForkEvent{Index: i, Name: nm, Err: err, Start: now, Done: now}
+// runPlan forks every fork of p, up to p.conc at once, and sends one event per fork to
+// out (which has room for all of them), then collects an implicit checkpoint. When ctx
+// ends, forks not yet started fail with its error and, with deleteOnCancel, every fork
+// made ready is deleted before runPlan returns (ForkMany's contract). A refused plan
+// fails every fork with the refusal.
+func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent, deleteOnCancel bool) {
+	if p.refused != nil {
+		now := time.Now()
+		for i, nm := range p.names {
+			out <- ForkEvent{Index: i, Name: nm, Err: p.refused, Start: now, Done: now}
+		}
+		return
 	}
-	close(out)
-	return out
+	defer e.finishPlan(p)
+	sem := make(chan struct{}, p.conc)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var made []string
+	for i, nm := range p.names {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			if hold := p.hold(i); hold != nil {
+				hold()
+			}
+			out <- ForkEvent{Index: i, Name: nm, Err: ctx.Err(), Start: time.Now(), Done: time.Now()}
+			continue
+		}
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			defer func() { <-sem }()
+			ev := e.forkEvent(ctx, p, i)
+			if ev.VM != nil {
+				mu.Lock()
+				made = append(made, ev.Name)
+				mu.Unlock()
+			}
+			out <- ev
+		}(i)
+	}
+	wg.Wait()
+	if deleteOnCancel && ctx.Err() != nil {
+		e.deleteAll(made)
+	}
+}
+
+// forkEvent makes fork i of p and reports it.
+func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
+	ev := ForkEvent{Index: i, Name: p.names[i], Start: time.Now()}
+	vm, err := e.forkFrom(ctx, p.ck, ev.Name, p.overcommit, p.publish[i], p.hold(i))
+	ev.Done = time.Now()
+	ev.VM, ev.Err = vm, err
+	if vm != nil {
+		ev.Timings = vm.m.Timings
+	}
+	return ev
+}
+
+// deleteAll deletes the VMs named, under a context of its own: the caller's has ended.
+func (e *Engine) deleteAll(names []string) {
+	dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, nm := range names {
+		_ = e.Delete(dctx, nm)
+	}
 }

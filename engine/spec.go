@@ -25,13 +25,17 @@ func ValidateName(name string) error {
 
 // derivedName is a fresh name for something made from base: base, then kind (if any),
 // then a random suffix, shortened to fit MaxNameLen.
-func derivedName(base, kind string) string {
+func derivedName(base, kind string) string { return derivedNameRoom(base, kind, 0) }
+
+// derivedNameRoom is derivedName leaving room bytes of MaxNameLen free for the caller
+// to append (a fork's index in a wave).
+func derivedNameRoom(base, kind string, room int) string {
 	suffix := "-" + randHex(3)
 	if kind != "" {
 		suffix = "-" + kind + suffix
 	}
-	if len(base)+len(suffix) > MaxNameLen {
-		base = base[:MaxNameLen-len(suffix)]
+	if limit := MaxNameLen - room - len(suffix); len(base) > limit {
+		base = base[:max(limit, 0)]
 	}
 	return base + suffix
 }
@@ -50,7 +54,10 @@ const (
 	DefaultMemoryMiB = 1024
 )
 
-// MaxForks bounds n of one ForkMany (and of the daemon's POST /v1/forks).
+// MaxForks bounds n of one request for forks (ValidateForkCount): of ForkMany, of the
+// daemon's POST /v1/forks and of forkvm fork --n. It bounds what one request may ask
+// for (its names, events and forwards are held at once), not how many forks run:
+// admission bounds those by the host's budget.
 const MaxForks = 4096
 
 // MaxPoolSize bounds a checkpoint's warm pool (Warm; the daemon's PUT .../pool).

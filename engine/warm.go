@@ -6,10 +6,200 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/forkvm/forkvm/vsockd"
 )
+
+// poolPrefix names pooled VMs; they are renamed when claimed.
+const poolPrefix = "pool-"
+
+// WarmOptions tune a warm pool. A nil *WarmOptions means defaults.
+type WarmOptions struct {
+	// Restored pre-restores pooled processes: each loads the checkpoint, answers a
+	// handshake and runs one warm-up command (so its TCG translation cache is warm), then
+	// is stopped. A claim is then cont + a handshake with the fork's own token, entropy,
+	// clock and hostname. Trade-off: a pooled fork has run a fraction of a second of guest
+	// time after the checkpoint (files and memory contents are those of the checkpoint,
+	// but processes that were running at checkpoint time have advanced by that much).
+	// Without it, pooled processes wait in -incoming defer and a fork pays restore +
+	// handshake.
+	Restored bool
+	// WarmUp is the command a restored pooled process runs before it is stopped. Default:
+	// `sh -c true`. Under TCG a fork is a fresh QEMU whose translation cache starts
+	// empty, so a warm-up that walks the path forks will take (ask the world's warm
+	// interpreter a question, say) makes that path fast in every fork handed out; its
+	// effects on the guest are part of what the fork gets. It must exit 0.
+	WarmUp []string
+}
+
+// warmUpArgv is the pool's warm-up command.
+func (o WarmOptions) warmUpArgv() []string {
+	if len(o.WarmUp) == 0 {
+		return []string{"sh", "-c", "true"}
+	}
+	return o.WarmUp
+}
+
+// same reports whether two pools of these options hold interchangeable processes.
+func (o WarmOptions) same(p WarmOptions) bool {
+	return o.Restored == p.Restored && (!o.Restored || slices.Equal(o.warmUpArgv(), p.warmUpArgv()))
+}
+
+// warmPool is the set of pooled QEMUs of one checkpoint.
+type warmPool struct {
+	opts    WarmOptions
+	target  int
+	ready   []*VM
+	filling int // spawns in flight
+}
+
+// poolSet holds the warm pools by checkpoint name. Spawning and claiming are the
+// engine's (Engine.Warm, refill, claimPooled); this type only keeps the books, and only
+// its methods touch them.
+//
+// Concurrency: mu guards every pool. A claim takes the first ready process under mu, so
+// two forks never get the same one; closed is set under mu before Close waits for
+// background spawns, so none can start after that (see Engine.refill).
+type poolSet struct {
+	mu     sync.Mutex
+	pools  map[string]*warmPool
+	closed bool
+}
+
+// pool returns the pool of ck, creating it.
+func (s *poolSet) pool(ck string, opts WarmOptions) *warmPool {
+	if s.pools == nil {
+		s.pools = map[string]*warmPool{}
+	}
+	p := s.pools[ck]
+	if p == nil {
+		p = &warmPool{opts: opts}
+		s.pools[ck] = p
+	}
+	return p
+}
+
+// resize sets the target of ck's pool to n processes of opts, creating the pool, and
+// returns it with the ready processes it no longer wants (all of them when opts differ
+// from the pool's), for the caller to discard. ErrClosed once the engine closes.
+func (s *poolSet) resize(ck string, n int, opts WarmOptions) (p *warmPool, drop []*VM, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, nil, ErrClosed
+	}
+	p = s.pool(ck, opts)
+	p.target = n
+	if !p.opts.same(opts) {
+		// A different kind of pool: replace every pooled process.
+		drop, p.ready, p.opts = p.ready, nil, opts
+	}
+	for len(p.ready) > n {
+		drop = append(drop, p.ready[len(p.ready)-1])
+		p.ready = p.ready[:len(p.ready)-1]
+	}
+	return p, drop, nil
+}
+
+// progress returns how many processes of p are ready and how many are spawning.
+func (s *poolSet) progress(p *warmPool) (ready, filling int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(p.ready), p.filling
+}
+
+// startSpawn counts one more spawn for ck's pool, and adds it to wg, when the pool
+// wants one (it is below its target counting spawns in flight, and the engine is not
+// closed): the pool and the options to spawn under. wg is added to under mu after
+// closed is checked: close sets closed under mu before the engine waits on wg, so no
+// spawn can start after that wait ended.
+func (s *poolSet) startSpawn(ck string, wg *sync.WaitGroup) (p *warmPool, opts WarmOptions, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p = s.pools[ck]
+	if s.closed || p == nil || len(p.ready)+p.filling >= p.target {
+		return nil, WarmOptions{}, false
+	}
+	p.filling++
+	wg.Add(1)
+	return p, p.opts, true
+}
+
+// settle ends one spawn of ck's pool p under opts: vm is the process spawned (nil: the
+// spawn failed or was refused). It returns again, the pool's new options, when they
+// changed while vm spawned and the pool still wants it: vm is to be replaced by a spawn
+// under them, still counted as filling. Otherwise the spawn is no longer counted, and
+// kept says whether vm joined the pool (from then on counted by the budget); a vm not
+// kept is the caller's to discard.
+func (s *poolSet) settle(ck string, p *warmPool, vm *VM, opts WarmOptions) (again *WarmOptions, kept bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	wanted := vm != nil && !s.closed && s.pools[ck] == p && len(p.ready) < p.target
+	if wanted && !p.opts.same(opts) {
+		o := p.opts
+		return &o, false
+	}
+	p.filling--
+	if wanted {
+		p.ready = append(p.ready, vm)
+	}
+	return nil, wanted
+}
+
+// size returns the number of ready pooled processes for ck.
+func (s *poolSet) size(ck string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p := s.pools[ck]; p != nil {
+		return len(p.ready)
+	}
+	return 0
+}
+
+// uses returns the ready pooled processes as admission counts them.
+func (s *poolSet) uses(h hostProbe) []qemuUse {
+	s.mu.Lock()
+	var vms []*VM
+	for _, p := range s.pools {
+		vms = append(vms, p.ready...)
+	}
+	s.mu.Unlock()
+	var out []qemuUse
+	for _, vm := range vms {
+		if u, ok := vm.use(h); ok {
+			out = append(out, u)
+		}
+	}
+	return out
+}
+
+// take removes and returns the first ready process of ck's pool, or nil.
+func (s *poolSet) take(ck string) *VM {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p := s.pools[ck]
+	if p == nil || len(p.ready) == 0 {
+		return nil
+	}
+	vm := p.ready[0]
+	p.ready = p.ready[1:]
+	return vm
+}
+
+// close refuses new spawns and returns every ready process, for the caller to kill.
+func (s *poolSet) close() []*VM {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	var all []*VM
+	for _, p := range s.pools {
+		all = append(all, p.ready...)
+		p.ready, p.target = nil, 0
+	}
+	return all
+}
 
 // Warm keeps n pre-spawned QEMU processes for checkpoint ck, so that a fork of it pays
 // only restore + agent token (no process start). It waits until the pool is full or ctx
@@ -32,32 +222,16 @@ func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) 
 	if err := compatible(ctx, e.bins, e.cfg.accel, &c.Manifest); err != nil {
 		return err
 	}
-	s := e.pools
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return ErrClosed
+	p, drop, err := e.pools.resize(ck, n, o)
+	if err != nil {
+		return err
 	}
-	p := s.pool(ck, o)
-	p.target = n
-	var drop []*VM
-	if !p.opts.same(o) {
-		// A different kind of pool: replace every pooled process.
-		drop, p.ready, p.opts = p.ready, nil, o
-	}
-	for len(p.ready) > n {
-		drop = append(drop, p.ready[len(p.ready)-1])
-		p.ready = p.ready[:len(p.ready)-1]
-	}
-	s.mu.Unlock()
 	for _, vm := range drop {
 		e.discard(vm)
 	}
 	e.refill(c)
 	for {
-		s.mu.Lock()
-		ready, filling := len(p.ready), p.filling
-		s.mu.Unlock()
+		ready, filling := e.pools.progress(p)
 		if ready >= n {
 			return nil
 		}
@@ -79,26 +253,15 @@ func (e *Engine) PoolSize(ck string) int { return e.pools.size(ck) }
 // refill starts spawns in the background until the pool of c reaches its target.
 func (e *Engine) refill(c *Checkpoint) {
 	name := c.Manifest.Name
-	s := e.pools
 	for {
-		s.mu.Lock()
-		p := s.pools[name]
-		if s.closed || p == nil || len(p.ready)+p.filling >= p.target {
-			s.mu.Unlock()
+		p, opts, ok := e.pools.startSpawn(name, &e.bgWG)
+		if !ok {
 			return
 		}
-		p.filling++
-		// Added under s.mu after checking closed: Close sets closed under s.mu before it
-		// waits, so no spawn can start after Close stopped waiting.
-		e.bgWG.Add(1)
-		opts := p.opts
-		s.mu.Unlock()
 		release, err := e.adm.admit(c.Manifest.CPUs, int64(c.Manifest.MemoryMiB)<<20, 0)
 		if err != nil {
 			e.log.Warn("warm pool refill refused", "checkpoint", name, "err", err)
-			s.mu.Lock()
-			p.filling--
-			s.mu.Unlock()
+			e.pools.settle(name, p, nil, opts)
 			e.bgWG.Done()
 			return
 		}
@@ -107,28 +270,21 @@ func (e *Engine) refill(c *Checkpoint) {
 			defer release()
 			for {
 				vm, err := e.spawnPooled(e.bg, c, opts)
-				s.mu.Lock()
-				wanted := !s.closed && s.pools[name] == p && len(p.ready) < p.target
-				if err == nil && wanted && !p.opts.same(opts) {
-					// Warm changed the pool's options while this process spawned: spawn
-					// again under the new ones, still counted as filling (so Warm waits).
-					opts = p.opts
-					s.mu.Unlock()
-					e.discard(vm)
-					continue
-				}
-				p.filling--
-				if err == nil && wanted {
-					p.ready = append(p.ready, vm) // counted by the budget from here on
-					vm = nil
-				}
-				s.mu.Unlock()
 				if err != nil {
 					e.log.Warn("warm pool spawn failed", "checkpoint", name, "err", err)
-				} else if vm != nil { // pool shrank or engine closed meanwhile
+					vm = nil
+				}
+				again, kept := e.pools.settle(name, p, vm, opts)
+				if vm != nil && !kept {
+					// The pool shrank, changed its options or the engine closed meanwhile.
 					e.discard(vm)
 				}
-				return
+				if again == nil {
+					return
+				}
+				// Warm changed the pool's options while this process spawned: spawn again
+				// under the new ones, still counted as filling (so Warm waits).
+				opts = *again
 			}
 		}()
 	}

@@ -403,12 +403,15 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	if n == 0 {
 		n = 1
 	}
+	// The request's shape only: names, forwards and the rest are checked by the engine
+	// (ForkMany) before any fork starts.
+	if err := engine.ValidateForkCount(n); err != nil {
+		writeError(w, err)
+		return
+	}
 	switch {
 	case req.Source == "":
 		writeError(w, fmt.Errorf("%w: source is required", engine.ErrInvalidSpec))
-		return
-	case n < 0 || n > MaxForks:
-		writeError(w, fmt.Errorf("%w: n must be 1..%d", engine.ErrInvalidSpec, MaxForks))
 		return
 	case req.Name != "" && n != 1:
 		writeError(w, fmt.Errorf("%w: name names a single fork (n 1); use prefix for n > 1", engine.ErrInvalidSpec))
@@ -416,14 +419,8 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	case req.Name != "" && req.Prefix != "", req.Name != "" && len(req.Names) > 0, req.Prefix != "" && len(req.Names) > 0:
 		writeError(w, fmt.Errorf("%w: name, names and prefix are exclusive", engine.ErrInvalidSpec))
 		return
-	case len(req.Names) > 0 && len(req.Names) != n:
-		writeError(w, fmt.Errorf("%w: names has %d names for n %d", engine.ErrInvalidSpec, len(req.Names), n))
-		return
 	case len(req.Publish) > n:
 		writeError(w, fmt.Errorf("%w: publish has %d lists for n %d", engine.ErrInvalidSpec, len(req.Publish), n))
-		return
-	case req.Concurrency < 0 || req.Overcommit < 0:
-		writeError(w, fmt.Errorf("%w: concurrency and overcommit must not be negative", engine.ErrInvalidSpec))
 		return
 	}
 	opts := &engine.ManyOptions{Prefix: req.Prefix, Concurrency: req.Concurrency, Overcommit: req.Overcommit, Pin: req.Pin}

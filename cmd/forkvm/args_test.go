@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/engine"
 	"github.com/urfave/cli/v3"
 )
 
@@ -142,5 +144,20 @@ func TestWarmWithoutDaemon(t *testing.T) {
 	}
 	if _, err := os.Stat(home); !os.IsNotExist(err) {
 		t.Errorf("warm touched the state directory: %v", err)
+	}
+}
+
+// TestForkCountRefusedFirst: a fork count past engine.MaxForks is refused by the
+// engine's rule before --publish is expanded for every fork or an engine is opened.
+func TestForkCountRefusedFirst(t *testing.T) {
+	for _, n := range []string{"4097", "1000000000"} {
+		home := filepath.Join(t.TempDir(), "home")
+		out, err := helpOf(t, "--home", home, "fork", "ck", "--n", n, "--prefix", "g", "--publish", "8000:80")
+		if !errors.Is(err, engine.ErrInvalidSpec) || !strings.Contains(err.Error(), "1..4096") {
+			t.Fatalf("fork --n %s: %v (%s)", n, err, out)
+		}
+		if _, err := os.Stat(home); !os.IsNotExist(err) {
+			t.Errorf("fork --n %s touched the state directory: %v", n, err)
+		}
 	}
 }

@@ -555,6 +555,10 @@ func forkCmd() *cli.Command {
 			if src == "" || cmd.Args().Len() > 2 || n < 1 {
 				return fmt.Errorf("usage: forkvm fork SOURCE [NAME] | forkvm fork SOURCE --n N --prefix P")
 			}
+			// Before --publish is expanded for every fork.
+			if err := engine.ValidateForkCount(n); err != nil {
+				return err
+			}
 			var names []string
 			switch {
 			case cmd.Args().Len() == 2 && n == 1:
@@ -564,7 +568,7 @@ func forkCmd() *cli.Command {
 				names = []string{cmd.Args().Get(1)}
 			case cmd.String("prefix") != "":
 			case n == 1:
-				names = []string{src + "-f" + time.Now().Format("150405")}
+				// The engine names it (SOURCE-TAG, ForkOptions.Name's default).
 			default:
 				return fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
 			}

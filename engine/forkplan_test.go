@@ -1,0 +1,227 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+)
+
+func TestValidateForkCount(t *testing.T) {
+	for _, tc := range []struct {
+		n  int
+		ok bool
+	}{{-1, false}, {0, false}, {1, true}, {2, true}, {MaxForks, true}, {MaxForks + 1, false}, {1 << 40, false}} {
+		err := ValidateForkCount(tc.n)
+		if tc.ok != (err == nil) || err != nil && !errors.Is(err, ErrInvalidSpec) {
+			t.Errorf("ValidateForkCount(%d) = %v, want ok %v (else ErrInvalidSpec)", tc.n, err, tc.ok)
+		}
+	}
+}
+
+// checkNames fails t unless names are n valid, distinct names.
+func checkNames(t *testing.T, names []string, n int) {
+	t.Helper()
+	if len(names) != n {
+		t.Fatalf("%d names, want %d: %q", len(names), n, names)
+	}
+	seen := map[string]bool{}
+	for _, nm := range names {
+		if err := ValidateName(nm); err != nil {
+			t.Errorf("name %q (%d bytes): %v", nm, len(nm), err)
+		}
+		if seen[nm] {
+			t.Errorf("name %q twice", nm)
+		}
+		seen[nm] = true
+	}
+}
+
+func TestPlanForkNames(t *testing.T) {
+	long := func(n int) string { return strings.Repeat("s", n) }
+	for _, tc := range []struct {
+		name string
+		src  string
+		n    int
+		opts ManyOptions
+		want []string // exact names; nil: only checked valid, distinct, derived from src
+	}{
+		{"explicit", "ck", 2, ManyOptions{Names: []string{"a", "b"}}, []string{"a", "b"}},
+		{"names beat prefix", "ck", 1, ManyOptions{Names: []string{"a"}, Prefix: "p"}, []string{"a"}},
+		{"prefix", "ck", 3, ManyOptions{Prefix: "g"}, []string{"g1", "g2", "g3"}},
+		{"prefix of one", "ck", 1, ManyOptions{Prefix: "g"}, []string{"g1"}},
+		{"default one", "ck", 1, ManyOptions{}, nil},
+		{"default wave", "ck", 12, ManyOptions{}, nil},
+		{"default wave of MaxForks", "ck", MaxForks, ManyOptions{}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := planFork(tc.src, tc.n, tc.opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkNames(t, p.names, tc.n)
+			if tc.want != nil && fmt.Sprint(p.names) != fmt.Sprint(tc.want) {
+				t.Errorf("names %q, want %q", p.names, tc.want)
+			}
+			if tc.want == nil {
+				for _, nm := range p.names {
+					if !strings.HasPrefix(nm, tc.src+"-") {
+						t.Errorf("default name %q does not start with %s-", nm, tc.src)
+					}
+				}
+			}
+		})
+	}
+	// A source name of 41..48 bytes leaves no room for a suffix: the derived names are
+	// shortened to MaxNameLen, for one fork and for waves whose index takes 1..4 digits.
+	for l := 41; l <= MaxNameLen; l++ {
+		for _, n := range []int{1, 2, 10, 100, MaxForks} {
+			p, err := planFork(long(l), n, ManyOptions{})
+			if err != nil {
+				t.Fatalf("source of %d bytes, n %d: %v", l, n, err)
+			}
+			checkNames(t, p.names, n)
+			for _, nm := range p.names {
+				if !strings.HasPrefix(nm, "sss") || len(nm) > MaxNameLen {
+					t.Errorf("source of %d bytes, n %d: name %q", l, n, nm)
+				}
+				if n > 1 && len(strings.TrimRight(nm, "0123456789")) != len(strings.TrimRight(p.names[0], "0123456789")) {
+					t.Errorf("source of %d bytes, n %d: %q and %q have different prefixes", l, n, nm, p.names[0])
+				}
+			}
+		}
+	}
+	// Two unnamed forks of one source, made in the same second, get different names
+	// (the CLI once named them SOURCE-fHHMMSS).
+	a, err := planFork("ck", 1, ManyOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := planFork("ck", 1, ManyOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.names[0] == b.names[0] {
+		t.Errorf("two unnamed forks are both %s", a.names[0])
+	}
+}
+
+func TestPlanForkRefused(t *testing.T) {
+	many := func(n int) func(int) []PortForward {
+		return func(i int) []PortForward {
+			var out []PortForward
+			for j := range n {
+				out = append(out, PortForward{HostPort: 20000 + 100*i + j, GuestPort: 80})
+			}
+			return out
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		src  string
+		n    int
+		opts ManyOptions
+		want error
+	}{
+		{"n 0", "ck", 0, ManyOptions{}, ErrInvalidSpec},
+		{"n negative", "ck", -1, ManyOptions{}, ErrInvalidSpec},
+		{"n past MaxForks", "ck", MaxForks + 1, ManyOptions{Prefix: "f"}, ErrInvalidSpec},
+		{"bad source", "a/b", 1, ManyOptions{}, ErrInvalidName},
+		{"empty source", "", 1, ManyOptions{Names: []string{"a"}}, ErrInvalidName},
+		{"too few names", "ck", 2, ManyOptions{Names: []string{"a"}}, ErrInvalidSpec},
+		{"too many names", "ck", 1, ManyOptions{Names: []string{"a", "b"}}, ErrInvalidSpec},
+		{"empty names", "ck", 1, ManyOptions{Names: []string{}}, ErrInvalidSpec},
+		{"duplicate", "ck", 3, ManyOptions{Names: []string{"a", "b", "a"}}, ErrInvalidSpec},
+		{"bad name", "ck", 2, ManyOptions{Names: []string{"a", "b,c"}}, ErrInvalidName},
+		{"empty name", "ck", 1, ManyOptions{Names: []string{""}}, ErrInvalidName},
+		{"name too long", "ck", 1, ManyOptions{Names: []string{strings.Repeat("n", MaxNameLen+1)}}, ErrInvalidName},
+		{"bad prefix", "ck", 2, ManyOptions{Prefix: "a/"}, ErrInvalidName},
+		{"prefix too long", "ck", 10, ManyOptions{Prefix: strings.Repeat("p", MaxNameLen-1)}, ErrInvalidName},
+		{"negative concurrency", "ck", 2, ManyOptions{Concurrency: -1}, ErrInvalidSpec},
+		{"negative overcommit", "ck", 2, ManyOptions{Overcommit: -1}, ErrInvalidSpec},
+		{"bad port", "ck", 1, ManyOptions{Publish: func(int) []PortForward { return []PortForward{{HostPort: 0, GuestPort: 80}} }}, ErrInvalidSpec},
+		{"bad host address", "ck", 1, ManyOptions{Publish: func(int) []PortForward { return []PortForward{{HostIP: "localhost", HostPort: 80, GuestPort: 80}} }}, ErrInvalidSpec},
+		{"host port twice in a wave", "ck", 2, ManyOptions{Publish: func(int) []PortForward { return []PortForward{{HostPort: 8080, GuestPort: 80}} }}, ErrInvalidSpec},
+		{"any address overlaps", "ck", 2, ManyOptions{Publish: func(i int) []PortForward {
+			return []PortForward{{HostIP: []string{"0.0.0.0", "127.0.0.1"}[i], HostPort: 8080, GuestPort: 80}}
+		}}, ErrInvalidSpec},
+		{"too many forwards for one fork", "ck", 2, ManyOptions{Publish: many(maxPublish + 1)}, ErrInvalidSpec},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := planFork(tc.src, tc.n, tc.opts)
+			if !errors.Is(err, tc.want) || p != nil {
+				t.Errorf("planFork = %v, %v; want %v", p, err, tc.want)
+			}
+		})
+	}
+}
+
+func TestPlanForkPublishAndConcurrency(t *testing.T) {
+	pubs := []PortForward{{HostPort: 9100, GuestPort: 80}}
+	p, err := planFork("ck", 4, ManyOptions{Prefix: "g", Concurrency: 9, Publish: func(i int) []PortForward {
+		if i == 3 {
+			return nil // a fork may publish nothing
+		}
+		return []PortForward{{HostIP: "127.0.0.1", HostPort: 9100 + i, GuestPort: 80}}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fmt.Sprint(p.publish); got != "[[127.0.0.1:9100:80] [127.0.0.1:9101:80] [127.0.0.1:9102:80] []]" {
+		t.Errorf("publish %s", got)
+	}
+	if len(p.allPublish()) != 3 || p.conc != 4 {
+		t.Errorf("all %v, concurrency %d (want 3 forwards, 4)", p.allPublish(), p.conc)
+	}
+	// The plan's lists are its own: the caller may change its slice afterwards.
+	p, err = planFork("ck", 1, ManyOptions{Concurrency: 0, Publish: func(int) []PortForward { return pubs }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pubs[0].HostPort = 1
+	if p.publish[0][0].HostPort != 9100 || p.conc != 1 {
+		t.Errorf("publish %v, concurrency %d", p.publish, p.conc)
+	}
+	if p, err = planFork("ck", 3, ManyOptions{Prefix: "g", Concurrency: 2}); err != nil || p.conc != 2 || fmt.Sprint(p.publish) != "[[] [] []]" {
+		t.Errorf("plan %+v, %v", p, err)
+	}
+}
+
+// TestForkIsForkManyOfOne checks that Fork and ForkMany refuse alike, through the one
+// plan, before anything is made.
+func TestForkIsForkManyOfOne(t *testing.T) {
+	e := newTestEngine(t, testConfig(t))
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		src  string
+		fo   ForkOptions
+		want error
+	}{
+		{"no source", "nosuch", ForkOptions{}, ErrNotFound},
+		{"bad source", "a,b", ForkOptions{}, ErrInvalidName},
+		{"bad name", "nosuch", ForkOptions{Name: "a/b"}, ErrInvalidName},
+		{"negative overcommit", "nosuch", ForkOptions{Overcommit: -2}, ErrInvalidSpec},
+		{"bad port", "nosuch", ForkOptions{Publish: []PortForward{{HostPort: 70000, GuestPort: 1}}}, ErrInvalidSpec},
+		{"port twice", "nosuch", ForkOptions{Publish: []PortForward{{HostPort: 7000, GuestPort: 1}, {HostPort: 7000, GuestPort: 2}}}, ErrInvalidSpec},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			vm, err := e.Fork(ctx, tc.src, &tc.fo)
+			if !errors.Is(err, tc.want) || vm != nil {
+				t.Errorf("Fork = %v, %v; want %v", vm, err, tc.want)
+			}
+			mo := ManyOptions{Overcommit: tc.fo.Overcommit}
+			if tc.fo.Name != "" {
+				mo.Names = []string{tc.fo.Name}
+			}
+			if tc.fo.Publish != nil {
+				mo.Publish = func(int) []PortForward { return tc.fo.Publish }
+			}
+			ch, err := e.ForkMany(ctx, tc.src, 1, &mo)
+			if !errors.Is(err, tc.want) || ch != nil {
+				t.Errorf("ForkMany = %v, %v; want %v", ch, err, tc.want)
+			}
+		})
+	}
+}
