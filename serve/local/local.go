@@ -414,13 +414,13 @@ func (l *Local) Close() error {
 
 // dialTarget connects to the agent behind target. A virtio-serial port serves one host
 // connection at a time and a second one waits unanswered: a port another client holds
-// fails at once with ErrAgentBusy, and the handshake is bounded by HandshakeTimeout.
+// fails at once with ErrAgentBusy, and the handshake is bounded by handshakeTimeout.
 func dialTarget(ctx context.Context, target engine.AgentTarget) (*vsockd.Client, error) {
 	if target.Socket != "" && socketHeldFor(ctx, target.Socket, releaseWait) {
 		return nil, fmt.Errorf("%w: %s's agent is connected to another client (a forkvm exec or cp, or a program embedding the engine); "+
 			"run `forkvm serve` for any number of clients at once", engine.ErrAgentBusy, target.Name)
 	}
-	hctx, cancel := context.WithTimeout(ctx, HandshakeTimeout)
+	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	defer cancel()
 	c, err := engine.DialAgent(hctx, target)
 	if err != nil && ctx.Err() == nil {
@@ -429,8 +429,8 @@ func dialTarget(ctx context.Context, target engine.AgentTarget) (*vsockd.Client,
 	return c, err
 }
 
-// HandshakeTimeout bounds a one-shot API's connecting to an agent and its handshake.
-const HandshakeTimeout = 30 * time.Second
+// handshakeTimeout bounds a one-shot API's connecting to an agent and its handshake.
+const handshakeTimeout = 30 * time.Second
 
 // releaseWait is how long a held agent port may take to be released: QEMU closes its
 // side of a connection a client just closed (the previous forkvm exec) within moments.
