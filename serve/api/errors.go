@@ -290,7 +290,7 @@ func ErrorObjectOf(err error) (ErrorObject, int) {
 }
 
 // ErrorCodes lists every code that stands for an error, in the order the daemon
-// matches them (docs/api.md's table is generated from it).
+// matches them (the API documentation's code table is generated from it).
 func ErrorCodes() []ErrorCode {
 	out := make([]ErrorCode, len(errorCodes))
 	for i, c := range errorCodes {
