@@ -7,34 +7,67 @@ import (
 )
 
 // Sentinel errors returned (wrapped with %w) by the engine. Test them with errors.Is.
-// They are package api's (each documented there), so that a daemon's client, which
-// links api and not the engine, matches them too.
+// They are package api's under the engine's names, so that a daemon's client, which
+// links api and not the engine, matches them too. The copy errors (ErrSourceMissing,
+// ErrNotDirectory, ErrUnsafeEntry) are also vsockd's, on either end of a copy.
 var (
-	ErrInvalidSpec       = api.ErrInvalidSpec
-	ErrInvalidName       = api.ErrInvalidName
-	ErrExists            = api.ErrExists
-	ErrNotFound          = api.ErrNotFound
-	ErrQEMUMissing       = api.ErrQEMUMissing
-	ErrQEMUTooOld        = api.ErrQEMUTooOld
-	ErrImageMissing      = api.ErrImageMissing
-	ErrImageNotFound     = api.ErrImageNotFound
-	ErrAgentBusy         = api.ErrAgentBusy
-	ErrQEMUExited        = api.ErrQEMUExited
-	ErrAgentTimeout      = api.ErrAgentTimeout
-	ErrNotRunning        = api.ErrNotRunning
-	ErrPaused            = api.ErrPaused
-	ErrNotForkable       = api.ErrNotForkable
-	ErrLocked            = api.ErrLocked
+	// ErrInvalidSpec reports a VM spec or option that fails validation; nothing was started.
+	ErrInvalidSpec = api.ErrInvalidSpec
+	// ErrInvalidName reports a VM or checkpoint name that is not allowed.
+	ErrInvalidName = api.ErrInvalidName
+	// ErrExists reports a name that is already used by a VM or checkpoint.
+	ErrExists = api.ErrExists
+	// ErrNotFound reports an unknown VM or checkpoint.
+	ErrNotFound = api.ErrNotFound
+	// ErrQEMUMissing reports that no usable QEMU binary was found.
+	ErrQEMUMissing = api.ErrQEMUMissing
+	// ErrQEMUTooOld reports a QEMU older than the minimum forkvm supports.
+	ErrQEMUTooOld = api.ErrQEMUTooOld
+	// ErrImageMissing reports that the guest kernel or initramfs is missing.
+	ErrImageMissing = api.ErrImageMissing
+	// ErrImageNotFound reports a Spec.Image that names no root image in the cache
+	// (`forkvm images` lists them).
+	ErrImageNotFound = api.ErrImageNotFound
+	// ErrAgentBusy reports a VM's guest agent connected to another client: its
+	// virtio-serial port serves one host connection at a time (a daemon multiplexes
+	// any number of clients on its one connection).
+	ErrAgentBusy = api.ErrAgentBusy
+	// ErrQEMUExited reports a QEMU process that exited (at start or later).
+	ErrQEMUExited = api.ErrQEMUExited
+	// ErrAgentTimeout reports a guest agent that did not answer within its deadline.
+	ErrAgentTimeout = api.ErrAgentTimeout
+	// ErrNotRunning reports an operation on a VM whose QEMU is not alive.
+	ErrNotRunning = api.ErrNotRunning
+	// ErrPaused reports an agent operation on a VM that QEMU paused on a disk I/O error
+	// (see *PausedError).
+	ErrPaused = api.ErrPaused
+	// ErrNotForkable reports a checkpoint of a VM that cannot be checkpointed.
+	ErrNotForkable = api.ErrNotForkable
+	// ErrLocked reports another engine holding the state directory.
+	ErrLocked = api.ErrLocked
+	// ErrCheckpointCorrupt reports a checkpoint whose files fail verification.
 	ErrCheckpointCorrupt = api.ErrCheckpointCorrupt
-	ErrIncompatible      = api.ErrIncompatible
-	ErrInUse             = api.ErrInUse
-	ErrAdmission         = api.ErrAdmission
-	ErrClosed            = api.ErrClosed
-	ErrPortInUse         = api.ErrPortInUse
-	ErrPortUnavailable   = api.ErrPortUnavailable
-	ErrSourceMissing     = api.ErrSourceMissing
-	ErrNotDirectory      = api.ErrNotDirectory
-	ErrUnsafeEntry       = api.ErrUnsafeEntry
+	// ErrIncompatible reports a checkpoint made by another QEMU or machine shape.
+	ErrIncompatible = api.ErrIncompatible
+	// ErrInUse reports a checkpoint that still has live forks.
+	ErrInUse = api.ErrInUse
+	// ErrAdmission reports a fork refused by the vCPU or memory budget.
+	ErrAdmission = api.ErrAdmission
+	// ErrClosed reports use of a closed engine.
+	ErrClosed = api.ErrClosed
+	// ErrPortInUse reports a published host port (PortForward) that something else
+	// already binds; nothing was started.
+	ErrPortInUse = api.ErrPortInUse
+	// ErrPortUnavailable reports a published host address that cannot be bound for
+	// another reason (a privileged port, an address not on this host).
+	ErrPortUnavailable = api.ErrPortUnavailable
+	// ErrSourceMissing reports a path to copy that does not exist.
+	ErrSourceMissing = api.ErrSourceMissing
+	// ErrNotDirectory reports a copy destination that is missing or not a directory.
+	ErrNotDirectory = api.ErrNotDirectory
+	// ErrUnsafeEntry reports an archive entry that would be written outside its
+	// destination; the message names it.
+	ErrUnsafeEntry = api.ErrUnsafeEntry
 )
 
 // QEMUError is returned when a QEMU process fails; it carries the tail of QEMU's stderr.
