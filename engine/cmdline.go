@@ -413,7 +413,7 @@ func (l *launch) netArgs() ([]string, error) {
 	if len(l.Publish) > 0 {
 		fw := make([]map[string]string, len(l.Publish))
 		for i, p := range l.Publish {
-			fw[i] = map[string]string{"str": p.hostfwd()}
+			fw[i] = map[string]string{"str": hostfwd(p)}
 		}
 		nd["hostfwd"] = fw
 	}

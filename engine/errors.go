@@ -1,76 +1,73 @@
 package engine
 
 import (
-	"errors"
 	"fmt"
 
-	"github.com/forkvm/forkvm/vsockd"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Sentinel errors returned (wrapped with %w) by the engine. Test them with errors.Is.
+// They are package api's under the engine's names, so that a daemon's client, which
+// links api and not the engine, matches them too. The copy errors (ErrSourceMissing,
+// ErrNotDirectory, ErrUnsafeEntry) are also vsockd's, on either end of a copy.
 var (
 	// ErrInvalidSpec reports a VM spec or option that fails validation; nothing was started.
-	ErrInvalidSpec = errors.New("engine: invalid spec")
+	ErrInvalidSpec = api.ErrInvalidSpec
 	// ErrInvalidName reports a VM or checkpoint name that is not allowed.
-	ErrInvalidName = errors.New("engine: invalid name")
+	ErrInvalidName = api.ErrInvalidName
 	// ErrExists reports a name that is already used by a VM or checkpoint.
-	ErrExists = errors.New("engine: name already exists")
+	ErrExists = api.ErrExists
 	// ErrNotFound reports an unknown VM or checkpoint.
-	ErrNotFound = errors.New("engine: not found")
+	ErrNotFound = api.ErrNotFound
 	// ErrQEMUMissing reports that no usable QEMU binary was found.
-	ErrQEMUMissing = errors.New("engine: qemu not found (run `make setup`)")
+	ErrQEMUMissing = api.ErrQEMUMissing
 	// ErrQEMUTooOld reports a QEMU older than the minimum forkvm supports.
-	ErrQEMUTooOld = errors.New("engine: qemu too old (need >= 10.0; run `make setup`)")
+	ErrQEMUTooOld = api.ErrQEMUTooOld
 	// ErrImageMissing reports that the guest kernel or initramfs is missing.
-	ErrImageMissing = errors.New("engine: guest image missing (run `make setup` or `forkvm image build`)")
+	ErrImageMissing = api.ErrImageMissing
 	// ErrImageNotFound reports a Spec.Image that names no root image in the cache
 	// (`forkvm images` lists them).
-	ErrImageNotFound = errors.New("engine: image not found")
+	ErrImageNotFound = api.ErrImageNotFound
 	// ErrAgentBusy reports a VM's guest agent connected to another client: its
 	// virtio-serial port serves one host connection at a time (a daemon multiplexes
 	// any number of clients on its one connection).
-	ErrAgentBusy = errors.New("engine: guest agent busy")
+	ErrAgentBusy = api.ErrAgentBusy
 	// ErrQEMUExited reports a QEMU process that exited (at start or later).
-	ErrQEMUExited = errors.New("engine: qemu exited")
+	ErrQEMUExited = api.ErrQEMUExited
 	// ErrAgentTimeout reports a guest agent that did not answer within its deadline.
-	ErrAgentTimeout = errors.New("engine: guest agent did not answer in time")
+	ErrAgentTimeout = api.ErrAgentTimeout
 	// ErrNotRunning reports an operation on a VM whose QEMU is not alive.
-	ErrNotRunning = errors.New("engine: vm not running")
+	ErrNotRunning = api.ErrNotRunning
 	// ErrPaused reports an agent operation on a VM that QEMU paused on a disk I/O error
 	// (see *PausedError).
-	ErrPaused = errors.New("engine: vm paused on a disk error")
+	ErrPaused = api.ErrPaused
 	// ErrNotForkable reports a checkpoint of a VM that cannot be checkpointed.
-	ErrNotForkable = errors.New("engine: vm is not forkable")
+	ErrNotForkable = api.ErrNotForkable
 	// ErrLocked reports another engine holding the state directory.
-	ErrLocked = errors.New("engine: state directory is locked by another engine")
+	ErrLocked = api.ErrLocked
 	// ErrCheckpointCorrupt reports a checkpoint whose files fail verification.
-	ErrCheckpointCorrupt = errors.New("engine: checkpoint corrupt")
+	ErrCheckpointCorrupt = api.ErrCheckpointCorrupt
 	// ErrIncompatible reports a checkpoint made by another QEMU or machine shape.
-	ErrIncompatible = errors.New("engine: checkpoint incompatible")
+	ErrIncompatible = api.ErrIncompatible
 	// ErrInUse reports a checkpoint that still has live forks.
-	ErrInUse = errors.New("engine: checkpoint in use")
+	ErrInUse = api.ErrInUse
 	// ErrAdmission reports a fork refused by the vCPU or memory budget.
-	ErrAdmission = errors.New("engine: admission refused")
+	ErrAdmission = api.ErrAdmission
 	// ErrClosed reports use of a closed engine.
-	ErrClosed = errors.New("engine: closed")
+	ErrClosed = api.ErrClosed
 	// ErrPortInUse reports a published host port (PortForward) that something else
 	// already binds; nothing was started.
-	ErrPortInUse = errors.New("engine: host port already in use")
+	ErrPortInUse = api.ErrPortInUse
 	// ErrPortUnavailable reports a published host address that cannot be bound for
 	// another reason (a privileged port, an address not on this host).
-	ErrPortUnavailable = errors.New("engine: host port unavailable")
-)
-
-// Errors of copies (VM.CopyIn, VM.CopyOut). They are vsockd's sentinels under the
-// engine's names: errors.Is matches either.
-var (
+	ErrPortUnavailable = api.ErrPortUnavailable
 	// ErrSourceMissing reports a path to copy that does not exist.
-	ErrSourceMissing = vsockd.ErrSourceMissing
+	ErrSourceMissing = api.ErrSourceMissing
 	// ErrNotDirectory reports a copy destination that is missing or not a directory.
-	ErrNotDirectory = vsockd.ErrNotDirectory
+	ErrNotDirectory = api.ErrNotDirectory
 	// ErrUnsafeEntry reports an archive entry that would be written outside its
 	// destination; the message names it.
-	ErrUnsafeEntry = vsockd.ErrUnsafeEntry
+	ErrUnsafeEntry = api.ErrUnsafeEntry
 )
 
 // QEMUError is returned when a QEMU process fails; it carries the tail of QEMU's stderr.
@@ -102,25 +99,7 @@ func (e *QEMUError) Unwrap() error { return e.Err }
 
 // AdmissionError is returned (wrapping ErrAdmission) when a VM (a fork or a create)
 // does not fit the host's budget (Budget).
-type AdmissionError struct {
-	Resource  string // "vcpu" or "memory"
-	Requested int64
-	Available int64
-	Budget    int64
-}
-
-// Error implements error.
-func (e *AdmissionError) Error() string {
-	if e.Resource == "memory" {
-		return fmt.Sprintf("engine: admission refused: memory: VM needs ~%d MiB, %d MiB free for VMs (of %d MiB: available memory less the reserve and running VMs' expected growth)",
-			e.Requested>>20, e.Available>>20, e.Budget>>20)
-	}
-	return fmt.Sprintf("engine: admission refused: vcpu: requested %d vCPUs, %d available of a budget of %d",
-		e.Requested, e.Available, e.Budget)
-}
-
-// Unwrap returns ErrAdmission.
-func (e *AdmissionError) Unwrap() error { return ErrAdmission }
+type AdmissionError = api.AdmissionError
 
 // PausedError is returned (wrapping ErrPaused and ErrNotRunning) by agent operations on
 // a VM that QEMU paused on a disk I/O error, and ends those in flight when it pauses.

@@ -7,10 +7,12 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // ErrNotTCG reports a query that only a TCG (emulated) VM can answer.
-var ErrNotTCG = errors.New("engine: vm does not run under tcg")
+var ErrNotTCG = api.ErrNotTCG
 
 // JITStats is the state of a TCG VM's translation cache (QMP x-query-jit, HMP `info
 // jit`). A fork starts with an empty cache, and under TCG translating the guest code it

@@ -1,17 +1,19 @@
 package engine
 
+import "github.com/forkvm/forkvm/serve/api"
+
 // The engine's enumerations: plain string types, so they print and marshal as words.
 
 // Accel is a QEMU accelerator.
-type Accel string
+type Accel = api.Accel
 
 // Accelerators. AccelAuto picks kvm when /dev/kvm is usable (probed, not just present),
 // hvf on darwin, else tcg.
 const (
-	AccelAuto Accel = "auto"
-	AccelKVM  Accel = "kvm"
-	AccelHVF  Accel = "hvf"
-	AccelTCG  Accel = "tcg"
+	AccelAuto = api.AccelAuto
+	AccelKVM  = api.AccelKVM
+	AccelHVF  = api.AccelHVF
+	AccelTCG  = api.AccelTCG
 )
 
 // Transport is how the host reaches guest agents.
@@ -27,30 +29,30 @@ const (
 )
 
 // TCGThread is TCG's vCPU threading for forks.
-type TCGThread string
+type TCGThread = api.TCGThread
 
 // TCG thread modes. TCGThreadAuto starts a fork with one host thread for all its vCPUs
 // when the vCPUs of the forks on their way to ready (this one included) exceed the
 // host's CPUs, as in a wave, and with a thread per vCPU otherwise (serial forks, warm
 // pools, booted VMs); see tcgThreadFor for why. A fork keeps its mode for life.
 const (
-	TCGThreadAuto   TCGThread = "auto"
-	TCGThreadSingle TCGThread = "single"
-	TCGThreadMulti  TCGThread = "multi"
+	TCGThreadAuto   = api.TCGThreadAuto
+	TCGThreadSingle = api.TCGThreadSingle
+	TCGThreadMulti  = api.TCGThreadMulti
 )
 
 // State is a VM's lifecycle state as reported by List and Info.
-type State string
+type State = api.State
 
 // VM states.
 const (
-	StateStarting State = "starting" // being created or forked; not yet answered by its agent
-	StateRunning  State = "running"  // QEMU alive and the agent answered at least once
-	StateDead     State = "dead"     // QEMU is gone (crashed or killed); remove it with Delete
+	StateStarting = api.StateStarting // being created or forked; not yet answered by its agent
+	StateRunning  = api.StateRunning  // QEMU alive and the agent answered at least once
+	StateDead     = api.StateDead     // QEMU is gone (crashed or killed); remove it with Delete
 	// StatePaused: QEMU stopped the guest on a disk I/O error (Info.Reason "io-error: no
 	// space"); the engine resumes it once the disk's file system has space again
 	// (Engine.Resume: at once). Agent operations fail with a *PausedError meanwhile.
-	StatePaused State = "paused"
+	StatePaused = api.StatePaused
 	// statePooled is a warm-pool QEMU: spawned with a checkpoint's machine shape and
 	// -incoming defer, not yet given a name or a guest of its own.
 	statePooled State = "pooled"
@@ -72,29 +74,5 @@ type Budget struct {
 	Memory    MemoryBudget `json:"memory"`
 }
 
-// MemoryBudget describes memory admission. A VM is admitted when its commitment
-// (64 MiB for QEMU plus CommitRatio × its guest RAM) fits FreeBytes, and its guest RAM
-// fits TotalBytes less the reserve.
-type MemoryBudget struct {
-	// Known is false where the host's memory cannot be read (not Linux): memory is then
-	// not checked.
-	Known bool `json:"known"`
-	// AvailableBytes is the host's MemAvailable; TotalBytes its MemTotal, or the memory
-	// cgroup's limit when that is lower.
-	AvailableBytes int64 `json:"available_bytes"`
-	TotalBytes     int64 `json:"total_bytes"`
-	// CgroupLimitBytes is the tightest memory cgroup limit the engine runs under (0:
-	// none) and CgroupHeadroomBytes what it leaves (limit − usage, inactive file pages
-	// not counted as used).
-	CgroupLimitBytes    int64   `json:"cgroup_limit_bytes,omitempty"`
-	CgroupHeadroomBytes int64   `json:"cgroup_headroom_bytes,omitempty"`
-	ReserveBytes        int64   `json:"reserve_bytes"`
-	CommitRatio         float64 `json:"commit_ratio"`
-	// CommittedBytes is the growth still expected of the host's forkvm VMs (each VM's
-	// commitment less its resident anonymous memory) plus the commitments of VMs
-	// admitted but not yet running.
-	CommittedBytes int64 `json:"committed_bytes"`
-	// FreeBytes is what a new VM may commit: min(available, cgroup headroom) − reserve −
-	// committed.
-	FreeBytes int64 `json:"free_bytes"`
-}
+// MemoryBudget describes memory admission (api.MemoryBudget documents each figure).
+type MemoryBudget = api.MemoryBudget

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // manifestVersion is the version of VM and checkpoint manifests.
@@ -57,15 +58,7 @@ type manifest struct {
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.
-type PhaseTimings struct {
-	Prepare time.Duration `json:"prepare_ns"` // validation, files, disk
-	Spawn   time.Duration `json:"spawn_ns"`   // exec until QMP answered
-	Restore time.Duration `json:"restore_ns"` // incoming migration commands (forks)
-	// Inject is writing a delta checkpoint's layers into the fork's RAM (before Restore).
-	Inject time.Duration `json:"inject_ns,omitempty"`
-	Agent  time.Duration `json:"agent_ns"` // until the agent answered with the token
-	Total  time.Duration `json:"total_ns"`
-}
+type PhaseTimings = api.PhaseTimings
 
 // CheckpointManifest is the on-disk record of a checkpoint
 // (StateDir/checkpoints/NAME/manifest.json).
@@ -155,17 +148,7 @@ type RAMLayer struct {
 }
 
 // CheckpointTimings are the phases of a checkpoint.
-type CheckpointTimings struct {
-	// Migrate is saving the device state, the guest stopped at its end: a migration
-	// (a world) or stop and a device-state-only save (a fork).
-	Migrate time.Duration `json:"migrate_ns"`
-	Freeze  time.Duration `json:"freeze_ns"` // RAM frozen
-	Disk    time.Duration `json:"disk_ns"`   // disk frozen
-	// Extract is a delta checkpoint's page extraction (part of Freeze).
-	Extract time.Duration `json:"extract_ns,omitempty"`
-	Paused  time.Duration `json:"paused_ns"` // guest not running
-	Total   time.Duration `json:"total_ns"`
-}
+type CheckpointTimings = api.CheckpointTimings
 
 func newToken() string {
 	var t [16]byte

@@ -28,19 +28,21 @@ type ManyOptions struct {
 	Publish func(index int) []PortForward
 }
 
-// ForkEvent reports one fork of ForkMany: ready (VM set) or failed (Err set).
+// ForkEvent reports one fork of ForkMany: ready (VM set) or failed (Err set). Index,
+// Name, Err, Latency and Timings are those of api.ForkEvent, the event of a daemon's
+// wave, so code reading a wave reads either; VM is the fork's handle here where a
+// daemon's event has its Info. Start and Done are when this fork started and ended.
 type ForkEvent struct {
-	Index   int          `json:"index"`
-	Name    string       `json:"name"`
-	VM      *VM          `json:"-"`
-	Err     error        `json:"-"`
-	Start   time.Time    `json:"start"`
-	Done    time.Time    `json:"done"`
-	Timings PhaseTimings `json:"timings"`
+	Index int    `json:"index"`
+	Name  string `json:"name"`
+	VM    *VM    `json:"-"`
+	Err   error  `json:"-"`
+	// Latency is the time from this fork's start to ready (or failure): Done - Start.
+	Latency time.Duration `json:"-"`
+	Timings PhaseTimings  `json:"timings"`
+	Start   time.Time     `json:"start"`
+	Done    time.Time     `json:"done"`
 }
-
-// Latency is the time from this fork's start to ready (or failure).
-func (ev ForkEvent) Latency() time.Duration { return ev.Done.Sub(ev.Start) }
 
 // ForkMany starts n forks of src, up to Concurrency at once, and streams one event per
 // fork as it becomes ready or fails; the channel is closed after the last one. A failure
@@ -99,7 +101,8 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 			if hold := p.hold(i); hold != nil {
 				hold()
 			}
-			out <- ForkEvent{Index: i, Name: nm, Err: ctx.Err(), Start: time.Now(), Done: time.Now()}
+			now := time.Now()
+			out <- ForkEvent{Index: i, Name: nm, Err: ctx.Err(), Start: now, Done: now}
 			continue
 		}
 		wg.Add(1)
@@ -126,6 +129,7 @@ func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 	ev := ForkEvent{Index: i, Name: p.names[i], Start: time.Now()}
 	vm, err := e.forkFrom(ctx, p.ck, ev.Name, p.overcommit, p.publish[i], p.hold(i))
 	ev.Done = time.Now()
+	ev.Latency = ev.Done.Sub(ev.Start)
 	ev.VM, ev.Err = vm, err
 	if vm != nil {
 		ev.Timings = vm.m.Timings

@@ -4,12 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"net/netip"
 	"strconv"
 	"strings"
 	"syscall"
 
 	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Guest networking (Spec.Net), off by default.
@@ -51,20 +51,8 @@ const (
 // netKernelArg is what bootLaunch appends to a networked VM's kernel command line.
 const netKernelArg = guest.KernelArgNet + "=1"
 
-// PortForward publishes a guest TCP port on a host address: connections to
-// HostIP:HostPort on the host reach the guest's GuestPort (through the user-mode
-// network, so the guest sees them come from 10.0.2.2).
-type PortForward struct {
-	// HostIP is an IPv4 literal to bind on the host; empty means 127.0.0.1 (this host
-	// only). 0.0.0.0 publishes on every host interface.
-	HostIP string `json:"host_ip,omitempty"`
-	// HostPort and GuestPort are 1..65535.
-	HostPort  int `json:"host_port"`
-	GuestPort int `json:"guest_port"`
-}
-
-// defaultPublishIP is where published ports bind unless a forward names an address.
-const defaultPublishIP = "127.0.0.1"
+// PortForward publishes a guest TCP port on the host (api.PortForward).
+type PortForward = api.PortForward
 
 // maxPublish bounds the forwards of one VM.
 const maxPublish = 64
@@ -120,43 +108,15 @@ func parsePort(s string) (int, error) {
 	return n, nil
 }
 
-// Validate checks a forward: ports 1..65535 and HostIP empty or a canonical IPv4
-// literal. Only validated forwards reach a QEMU option.
-func (p PortForward) Validate() error {
-	if p.HostPort < 1 || p.HostPort > 65535 || p.GuestPort < 1 || p.GuestPort > 65535 {
-		return fmt.Errorf("%w: publish %d:%d: ports must be 1..65535", ErrInvalidSpec, p.HostPort, p.GuestPort)
-	}
-	if p.HostIP != "" {
-		a, err := netip.ParseAddr(p.HostIP)
-		if err != nil || !a.Is4() || a.String() != p.HostIP {
-			return fmt.Errorf("%w: publish host address %q: not an IPv4 literal", ErrInvalidSpec, p.HostIP)
-		}
-	}
-	return nil
-}
-
-// hostIP is the address the forward binds on the host.
-func (p PortForward) hostIP() string {
-	if p.HostIP == "" {
-		return defaultPublishIP
-	}
-	return p.HostIP
-}
-
-// hostAddr is HOSTIP:HOSTPORT.
-func (p PortForward) hostAddr() string {
-	return net.JoinHostPort(p.hostIP(), strconv.Itoa(p.HostPort))
-}
-
-// String renders the forward as ParsePortForward reads it, host address explicit.
-func (p PortForward) String() string {
-	return p.hostIP() + ":" + strconv.Itoa(p.HostPort) + ":" + strconv.Itoa(p.GuestPort)
+// hostAddr is the forward's HOSTIP:HOSTPORT.
+func hostAddr(p PortForward) string {
+	return net.JoinHostPort(p.BindIP(), strconv.Itoa(p.HostPort))
 }
 
 // hostfwd is the forward as a slirp hostfwd rule. Every field is validated (an IPv4
 // literal and two integers), so the rule holds no separator of QEMU's option syntax.
-func (p PortForward) hostfwd() string {
-	return "tcp:" + p.hostIP() + ":" + strconv.Itoa(p.HostPort) + "-" + guest.NetGuestAddr + ":" + strconv.Itoa(p.GuestPort)
+func hostfwd(p PortForward) string {
+	return "tcp:" + p.BindIP() + ":" + strconv.Itoa(p.HostPort) + "-" + guest.NetGuestAddr + ":" + strconv.Itoa(p.GuestPort)
 }
 
 // validatePublish checks a VM's forwards: at most maxPublish, and what
@@ -177,11 +137,11 @@ func validatePublishMany(all []PortForward) error {
 			return err
 		}
 		for _, ip := range seen[p.HostPort] {
-			if ip == p.hostIP() || ip == "0.0.0.0" || p.hostIP() == "0.0.0.0" {
-				return fmt.Errorf("%w: host port %s published twice", ErrInvalidSpec, p.hostAddr())
+			if ip == p.BindIP() || ip == "0.0.0.0" || p.BindIP() == "0.0.0.0" {
+				return fmt.Errorf("%w: host port %s published twice", ErrInvalidSpec, hostAddr(p))
 			}
 		}
-		seen[p.HostPort] = append(seen[p.HostPort], p.hostIP())
+		seen[p.HostPort] = append(seen[p.HostPort], p.BindIP())
 	}
 	return nil
 }
@@ -191,12 +151,12 @@ func validatePublishMany(all []PortForward) error {
 // to start, which portError also reports as ErrPortInUse.)
 func checkPortsFree(pubs []PortForward) error {
 	for _, p := range pubs {
-		ln, err := net.Listen("tcp4", p.hostAddr())
+		ln, err := net.Listen("tcp4", hostAddr(p))
 		if err != nil {
 			if errors.Is(err, syscall.EADDRINUSE) {
-				return fmt.Errorf("%w: %s", ErrPortInUse, p.hostAddr())
+				return fmt.Errorf("%w: %s", ErrPortInUse, hostAddr(p))
 			}
-			return fmt.Errorf("%w: %s: %w", ErrPortUnavailable, p.hostAddr(), err)
+			return fmt.Errorf("%w: %s: %w", ErrPortUnavailable, hostAddr(p), err)
 		}
 		ln.Close()
 	}
@@ -212,7 +172,7 @@ func portError(err error, pubs []PortForward) error {
 	}
 	addrs := make([]string, len(pubs))
 	for i, p := range pubs {
-		addrs[i] = p.hostAddr()
+		addrs[i] = hostAddr(p)
 	}
 	return fmt.Errorf("%w: one of %s: %w", ErrPortInUse, strings.Join(addrs, " "), err)
 }

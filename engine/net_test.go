@@ -52,7 +52,7 @@ func TestParsePortForward(t *testing.T) {
 			t.Errorf("ParsePortForward(%q) = %+v, %v; want %+v", tc.in, got, err, tc.want)
 		}
 		// String gives a spelling that parses back to the same forward (address explicit).
-		if back, err := ParsePortForward(got.String()); err != nil || back.hostIP() != got.hostIP() || back.HostPort != got.HostPort || back.GuestPort != got.GuestPort {
+		if back, err := ParsePortForward(got.String()); err != nil || back.BindIP() != got.BindIP() || back.HostPort != got.HostPort || back.GuestPort != got.GuestPort {
 			t.Errorf("%q: String %q parses to %+v, %v", tc.in, got.String(), back, err)
 		}
 	}
@@ -78,7 +78,7 @@ func TestParsePortForward(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if r := p.hostfwd(); strings.Trim(r[len("tcp:"):], "0123456789.:-") != "" {
+		if r := hostfwd(p); strings.Trim(r[len("tcp:"):], "0123456789.:-") != "" {
 			t.Errorf("hostfwd %q", r)
 		}
 	}

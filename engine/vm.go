@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -40,30 +41,8 @@ type VM struct {
 	pause pauseState
 }
 
-// Info is a snapshot of a VM's state.
-type Info struct {
-	Name      string `json:"name"`
-	State     State  `json:"state"`
-	PID       int    `json:"pid"`
-	CPUs      int    `json:"cpus"`
-	MemoryMiB int    `json:"memory_mib"`
-	DiskMiB   int    `json:"disk_mib"`
-	Forkable  bool   `json:"forkable"`
-	Parent    string `json:"parent,omitempty"`
-	Accel     Accel  `json:"accel"`
-	// TCGThread is the fork's TCG thread mode (single or multi; empty: QEMU's default).
-	TCGThread TCGThread    `json:"tcg_thread,omitempty"`
-	CreatedAt time.Time    `json:"created_at"`
-	Timings   PhaseTimings `json:"timings"`
-	RunDir    string       `json:"run_dir"`
-	// Net says the VM has a NIC on the user-mode network; Publish lists its host port
-	// forwards.
-	Net     bool          `json:"net,omitempty"`
-	Publish []PortForward `json:"publish,omitempty"`
-	// Reason says why a dead VM died ("oom-killed", "signal N (NAME)", "qemu exit N:
-	// STDERR", or that its status is unknown).
-	Reason string `json:"reason,omitempty"`
-}
+// Info is a snapshot of a VM's state (the API's VM object).
+type Info = api.Info
 
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
 func adoptVM(dir string, log *slog.Logger, m *manifest) *VM {

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 var updateAPIDoc = flag.Bool("update", false, "rewrite the generated parts of docs/api.md")
@@ -27,10 +27,10 @@ var docObjects = []struct {
 	{"VM (`forkvm.vm/v1`): GET /v1/vms, /v1/vms/{name}; `ls --json`", VMObject{}},
 	{"Checkpoint (`forkvm.checkpoint/v1`): GET /v1/checkpoints; `checkpoints --json`", CheckpointObject{}},
 	{"Fork event (`forkvm.fork-event/v1`): POST /v1/forks lines; `fork --json`", ForkEventObject{}},
-	{"Memory: GET /v1/vms/{name}/memory (`mem --json` adds `name`)", engine.MemoryUsage{}},
-	{"Budget: GET /v1/budget", engine.Budget{}},
+	{"Memory: GET /v1/vms/{name}/memory (`mem --json` adds `name`)", api.MemoryUsage{}},
+	{"Budget: GET /v1/budget", api.Budget{}},
 	{"Daemon (`forkvm.daemon/v1`): GET /v1/info", DaemonObject{}},
-	{"Create body: POST /v1/vms (`engine.Spec`; only `name` is required)", engine.Spec{}},
+	{"Create body: POST /v1/vms (`api.Spec`; only `name` is required)", api.Spec{}},
 	{"Exec body: POST /v1/vms/{name}/exec", ExecRequest{}},
 	{"Exec stream line (response, and daemon to client on an attached exec)", ExecLine{}},
 	{"Attached exec input line (client to daemon)", ExecInput{}},
@@ -130,8 +130,8 @@ func generatedSchemas() string {
 func generatedCodes() string {
 	var b strings.Builder
 	b.WriteString("\n| code | HTTP | error (`errors.Is`; its text) |\n|---|---|---|\n")
-	for _, c := range errorCodes {
-		fmt.Fprintf(&b, "| `%s` | %d %s | %s |\n", c.code, c.status, http.StatusText(c.status), strings.ReplaceAll(c.err.Error(), "|", `\|`))
+	for _, c := range api.ErrorCodes() {
+		fmt.Fprintf(&b, "| `%s` | %d %s | %s |\n", c.Code, c.Status, http.StatusText(c.Status), strings.ReplaceAll(c.Err.Error(), "|", `\|`))
 	}
 	return b.String() + "\n"
 }

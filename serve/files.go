@@ -9,6 +9,7 @@ import (
 	"strconv"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // vmAndPath returns the VM {name} and the guest path ?path= of a files request; it
@@ -109,7 +110,7 @@ func (s *Server) stat(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, NewFileStat(fi))
+	writeJSON(w, http.StatusOK, api.NewFileStat(fi))
 }
 
 // logs streams the VM's serial console (engine.VM.Logs); ?follow=1 keeps streaming

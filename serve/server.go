@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Body limits: JSON requests are small; an exec carries its stdin in its body.
@@ -209,7 +210,7 @@ func writeErrorObject(w http.ResponseWriter, status int, o ErrorObject) {
 }
 
 func writeError(w http.ResponseWriter, err error) {
-	o, status := errorObject(err)
+	o, status := api.ErrorObjectOf(err)
 	writeErrorObject(w, status, o)
 }
 

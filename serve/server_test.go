@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -116,7 +117,7 @@ func TestServeErrorCodes(t *testing.T) {
 		{errors.New("something else"), "internal", 500},
 	}
 	for _, c := range cases {
-		o, status := errorObject(c.err)
+		o, status := api.ErrorObjectOf(c.err)
 		if o.Code != c.code || status != c.status {
 			t.Errorf("%v: got %s/%d, want %s/%d", c.err, o.Code, status, c.code, c.status)
 		}
@@ -124,21 +125,21 @@ func TestServeErrorCodes(t *testing.T) {
 			t.Errorf("%v: message %q", c.err, o.Message)
 		}
 		// The code maps back to an error that matches the original's sentinel.
-		if s := SentinelOf(o.Code); c.code != "internal" && (s == nil || !errors.Is(c.err, s)) {
+		if s := api.SentinelOf(o.Code); c.code != "internal" && (s == nil || !errors.Is(c.err, s)) {
 			t.Errorf("%s: SentinelOf gives %v, not a match of %v", c.code, s, c.err)
 		}
 	}
-	o, _ := errorObject(fmt.Errorf("wave: %w", &engine.AdmissionError{Resource: "memory", Requested: 5, Available: 4, Budget: 9}))
+	o, _ := api.ErrorObjectOf(fmt.Errorf("wave: %w", &engine.AdmissionError{Resource: "memory", Requested: 5, Available: 4, Budget: 9}))
 	if o.Resource != "memory" || o.Requested != 5 || o.Available != 4 || o.Budget != 9 {
 		t.Errorf("admission fields lost: %+v", o)
 	}
 	// Every code is distinct.
 	seen := map[string]bool{}
-	for _, c := range errorCodes {
-		if seen[c.code] {
-			t.Errorf("code %s repeats", c.code)
+	for _, c := range api.ErrorCodes() {
+		if seen[c.Code] {
+			t.Errorf("code %s repeats", c.Code)
 		}
-		seen[c.code] = true
+		seen[c.Code] = true
 	}
 }
 

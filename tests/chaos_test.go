@@ -28,6 +28,7 @@ import (
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/serve"
+	wire "github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -286,7 +287,7 @@ func (c *chaosRun) ls() map[string]engine.Info {
 }
 
 // checkpoints lists the checkpoints.
-func (c *chaosRun) checkpoints() map[string]engine.CheckpointInfo {
+func (c *chaosRun) checkpoints() map[string]wire.CheckpointInfo {
 	out, err := c.cli("checkpoints", "--json")
 	if err != nil {
 		c.t.Fatalf("checkpoints: %v", err)
@@ -295,7 +296,7 @@ func (c *chaosRun) checkpoints() map[string]engine.CheckpointInfo {
 	if err := json.Unmarshal([]byte(out), &objs); err != nil {
 		c.t.Fatalf("checkpoints --json: %v: %s", err, out)
 	}
-	m := map[string]engine.CheckpointInfo{}
+	m := map[string]wire.CheckpointInfo{}
 	for _, o := range objs {
 		m[o.Name] = o.CheckpointInfo
 	}
@@ -367,7 +368,7 @@ func (c *chaosRun) checkpoint(vm string, kill, handoff bool) {
 }
 
 // commit records checkpoint name of vm.
-func (c *chaosRun) commit(name, vm string, inf engine.CheckpointInfo) {
+func (c *chaosRun) commit(name, vm string, inf wire.CheckpointInfo) {
 	if inf.Corrupt != "" {
 		c.t.Errorf("checkpoint %s is corrupt right after it was made: %s", name, inf.Corrupt)
 		return

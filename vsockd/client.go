@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // DefaultMaxOutput is the default ClientConfig.MaxOutput.
@@ -23,7 +25,7 @@ const DefaultMaxOutput = 64 << 20
 
 // ExitCodeTimeout is the exit code reported for a process killed because its
 // ExecRequest.Timeout expired (like timeout(1)).
-const ExitCodeTimeout = 124
+const ExitCodeTimeout = api.ExitCodeTimeout
 
 // writeStall bounds one frame write: a connection that accepts no bytes for
 // this long is considered lost (the agent never blocks its reader, so only a
@@ -78,38 +80,9 @@ type HelloReply struct {
 	Features []string
 }
 
-// ExecRequest describes a process to run in the guest.
-type ExecRequest struct {
-	Argv []string // Argv[0] is looked up in the PATH of the process environment
-	// Env entries override the defaults PATH=/bin:/sbin:/usr/bin:/usr/sbin,
-	// HOME=/root (and TERM in TTY mode).
-	Env []string
-	Dir string
-	// User runs the process as USER[:GROUP] instead of root: each a name or a
-	// numeric id, looked up in the guest's /etc/passwd and /etc/group. The
-	// process gets the user's primary group (or GROUP), its supplementary
-	// groups from /etc/group and HOME (and USER, LOGNAME) from /etc/passwd.
-	// A name that is not there fails with ErrUnknownUser; a numeric uid that
-	// is not there runs with gid = uid and HOME=/.
-	User string
-	// TTY runs the process on a pseudo terminal of Rows x Cols; all output
-	// arrives on Stdout and Stderr is unused.
-	TTY        bool
-	Rows, Cols uint16
-	Term       string // TERM in TTY mode; default "xterm"
-	// Timeout, if positive, is enforced by the guest: the process group is
-	// killed with SIGKILL and the exit code is ExitCodeTimeout. The host bounds
-	// it too (ClientConfig.TimeoutGrace).
-	Timeout time.Duration
-	Stdin   io.Reader // nil: empty stdin
-	Stdout  io.Writer // nil: discarded
-	Stderr  io.Writer // nil: discarded
-	// MaxOutput bounds the stdout+stderr bytes copied for this exec: 0 uses
-	// the client's limit (ClientConfig.MaxOutput, default DefaultMaxOutput
-	// = 64 MiB), a negative value disables the limit. When exceeded the
-	// process is killed in the guest and Run fails with ErrOutputLimit.
-	MaxOutput int64
-}
+// ExecRequest is a command to run in the guest (api.ExecRequest documents its
+// fields): the engine, the daemon and its client take the same value.
+type ExecRequest = api.ExecRequest
 
 // Client is the host side of an agent connection. All methods are safe for
 // concurrent use; any number of execs and file transfers may be in flight
@@ -569,15 +542,7 @@ func (c *Client) Run(ctx context.Context, req *ExecRequest) (int, error) {
 
 // StartErrorCode is the shell-style exit code for an error from Start: 127
 // for ErrNotFound, 126 for ErrNotExecutable, else -1.
-func StartErrorCode(err error) int {
-	switch {
-	case errors.Is(err, ErrNotFound):
-		return ExitCodeNotFound
-	case errors.Is(err, ErrNotExecutable):
-		return ExitCodeNotExecutable
-	}
-	return -1
-}
+func StartErrorCode(err error) int { return api.StartErrorCode(err) }
 
 // startError turns the guest's answer to ExecStart into a typed error.
 func startError(argv0 string, err error) error {

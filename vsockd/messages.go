@@ -1,10 +1,11 @@
 package vsockd
 
 import (
-	"errors"
 	"fmt"
 	"io/fs"
 	"strings"
+
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Wire payloads (JSON). They are separate from the public API types so the
@@ -142,44 +143,44 @@ type errorWire struct {
 var (
 	// ErrTokenMismatch is returned (wrapped) by Client.Hello when the guest
 	// echoes a different token.
-	ErrTokenMismatch = errors.New("vsockd: hello token mismatch")
+	ErrTokenMismatch = api.ErrTokenMismatch
 	// ErrClosed is returned after the client is closed or its connection failed.
-	ErrClosed = errors.New("vsockd: client closed")
+	ErrClosed = api.ErrAgentClosed
 	// ErrOutputLimit is returned when an exec produced more than
 	// ClientConfig.MaxOutput bytes of output; the process is killed.
-	ErrOutputLimit = errors.New("vsockd: output limit exceeded")
+	ErrOutputLimit = api.ErrOutputLimit
 	// ErrFileTooLarge is returned by GetFile when the file exceeds max.
-	ErrFileTooLarge = errors.New("vsockd: file too large")
+	ErrFileTooLarge = api.ErrFileTooLarge
 	// ErrStreamReset is returned when the peer aborted the stream.
-	ErrStreamReset = errors.New("vsockd: stream reset by peer")
+	ErrStreamReset = api.ErrStreamReset
 	// ErrSessionReset is returned for operations interrupted by a new Hello.
-	ErrSessionReset = errors.New("vsockd: session reset by hello")
+	ErrSessionReset = api.ErrSessionReset
 	// ErrProtocol reports a peer violating the protocol.
-	ErrProtocol = errors.New("vsockd: protocol error")
+	ErrProtocol = api.ErrProtocol
 	// ErrUnsupported is returned by operations not available on this platform.
-	ErrUnsupported = errors.New("vsockd: unsupported on this platform")
+	ErrUnsupported = api.ErrUnsupported
 	// ErrConnLost is returned (wrapped, with the cause) by every pending and
 	// later operation once the connection to the agent broke (EOF, I/O
 	// error, undecodable stream). The client is then Done; dial a new one.
-	ErrConnLost = errors.New("vsockd: agent connection lost")
+	ErrConnLost = api.ErrConnLost
 	// ErrEmptyArgv is returned by Start/Run for a request without argv.
-	ErrEmptyArgv = errors.New("vsockd: exec: empty argv")
+	ErrEmptyArgv = api.ErrEmptyArgv
 	// ErrInvalidRequest is returned (wrapped) by Start/Run for a request the guest
 	// cannot run as given (a NUL byte in argv, env, dir or user).
-	ErrInvalidRequest = errors.New("vsockd: exec: invalid request")
+	ErrInvalidRequest = api.ErrInvalidRequest
 	// ErrNotFound is returned (wrapped) by Start/Run when the command does
 	// not exist in the guest; Run returns ExitCodeNotFound with it.
-	ErrNotFound = errors.New("vsockd: command not found")
+	ErrNotFound = api.ErrCommandNotFound
 	// ErrNotExecutable is returned (wrapped) by Start/Run when the command
 	// exists but cannot be executed; Run returns ExitCodeNotExecutable.
-	ErrNotExecutable = errors.New("vsockd: command not executable")
+	ErrNotExecutable = api.ErrNotExecutable
 	// ErrWorkdir is returned (wrapped, naming the directory) by Start/Run
 	// when ExecRequest.Dir does not exist or is not a usable directory.
-	ErrWorkdir = errors.New("vsockd: bad working directory")
+	ErrWorkdir = api.ErrWorkdir
 	// ErrUnknownUser is returned (wrapped, naming the user or group) by
 	// Start/Run when ExecRequest.User is not in the guest's /etc/passwd (or
 	// its group not in /etc/group).
-	ErrUnknownUser = errors.New("vsockd: unknown user")
+	ErrUnknownUser = api.ErrUnknownUser
 )
 
 // Errors of copies (Client.CopyIn, Client.CopyOut, WriteTar, ExtractTar),
@@ -187,26 +188,26 @@ var (
 var (
 	// ErrSourceMissing reports a path to copy that does not exist. It also
 	// matches fs.ErrNotExist.
-	ErrSourceMissing = errors.New("vsockd: copy source does not exist")
+	ErrSourceMissing = api.ErrSourceMissing
 	// ErrNotDirectory reports a copy destination that is missing or not a
 	// directory (or a directory to be written over a non-directory).
-	ErrNotDirectory = errors.New("vsockd: copy destination is not a directory")
+	ErrNotDirectory = api.ErrNotDirectory
 	// ErrUnsafeEntry reports an archive entry that would leave the
 	// destination directory (an absolute name, a ".." component, a path
 	// through a symlink the archive itself made, a device node); the
 	// message names it.
-	ErrUnsafeEntry = errors.New("vsockd: unsafe archive entry")
+	ErrUnsafeEntry = api.ErrUnsafeEntry
 	// ErrBadArchive reports a malformed tar stream (a bad header, more than 1 MiB of
 	// data after the end of the archive, such as an all-zero body).
-	ErrBadArchive = errors.New("vsockd: malformed archive")
+	ErrBadArchive = api.ErrBadArchive
 )
 
 // Shell-style exit codes for commands that could not run (see Run).
 const (
-	ExitCodeNotExecutable = 126
-	ExitCodeNotFound      = 127
+	ExitCodeNotExecutable = api.ExitCodeNotExecutable
+	ExitCodeNotFound      = api.ExitCodeNotFound
 	// ExitCodeSignalBase + N is the exit code of a command killed by signal N.
-	ExitCodeSignalBase = 128
+	ExitCodeSignalBase = api.ExitCodeSignalBase
 )
 
 // RemoteError is an error reported by the guest in an Error frame. It

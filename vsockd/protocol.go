@@ -70,10 +70,11 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
+
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 const (
@@ -180,9 +181,9 @@ type Frame struct {
 // Sentinel errors of the frame codec.
 var (
 	// ErrBadFrame reports a header with a wrong magic or version.
-	ErrBadFrame = errors.New("vsockd: bad frame")
+	ErrBadFrame = api.ErrBadFrame
 	// ErrFrameTooLarge reports a payload longer than MaxPayload.
-	ErrFrameTooLarge = errors.New("vsockd: frame too large")
+	ErrFrameTooLarge = api.ErrFrameTooLarge
 )
 
 // FrameError describes a decoding or encoding failure. It unwraps to

@@ -267,7 +267,7 @@ func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
 
 // eventSample is the sample of one fork of a wave: its latency and phases, or its error.
 func eventSample(group string, ev engine.ForkEvent) Sample {
-	s := Sample{Group: group, Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: ms(ev.Latency())}
+	s := Sample{Group: group, Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: ms(ev.Latency)}
 	if ev.Err != nil {
 		s.Error = ev.Err.Error()
 	} else {
@@ -281,7 +281,7 @@ func (w *WaveResult) latencies() []float64 {
 	var xs []float64
 	for _, ev := range w.Events {
 		if ev.Err == nil && ev.Name != "" {
-			xs = append(xs, ms(ev.Latency()))
+			xs = append(xs, ms(ev.Latency))
 		}
 	}
 	return xs

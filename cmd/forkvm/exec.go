@@ -14,12 +14,9 @@ import (
 	"github.com/containerd/console"
 	"github.com/urfave/cli/v3"
 
-	"github.com/forkvm/forkvm/serve/client"
+	wire "github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
-
-// handshakeTimeout bounds connecting to an agent and its handshake.
-const handshakeTimeout = 30 * time.Second
 
 // After a SIGINT/SIGTERM is forwarded to the guest command, it gets signalGrace to exit
 // before it is killed, and killGrace more before the CLI gives up waiting.
@@ -110,34 +107,24 @@ func parseSize(s string) (int64, error) {
 	return n * mult, nil
 }
 
-// starter starts a command in the VM (client.API.Start, or the agent's own Start).
-type starter func(ctx context.Context, req *vsockd.ExecRequest) (client.Process, error)
+// starter starts a command in the VM (wire.API.Start).
+type starter func(ctx context.Context, req *vsockd.ExecRequest) (wire.Process, error)
 
 // execStarter returns how this CLI run starts commands in the VM name, and what to call
-// when done. Through a daemon, its API; otherwise the CLI resolves the VM's agent,
-// releases the state directory (a session may be long) and connects to the agent
-// itself. A virtio-serial port serves one host connection at a time: when another
-// client holds it, that fails at once with ErrAgentBusy (a daemon multiplexes any number of
-// execs on its one connection).
+// when done: the API's Start. Without a daemon the one-shot engine releases the state
+// directory (a session may be long) and connects to the VM's agent itself. A
+// virtio-serial port serves one host connection at a time: when another client holds
+// it, that fails at once with ErrAgentBusy (a daemon multiplexes any number of execs on
+// its one connection).
 func execStarter(ctx context.Context, cmd *cli.Command, name string) (starter, func(), error) {
-	api, c, err := daemonOrAgent(ctx, cmd, name)
+	api, err := connect(ctx, cmd, false)
 	if err != nil {
 		return nil, nil, err
 	}
-	if api != nil {
-		start := func(ctx context.Context, req *vsockd.ExecRequest) (client.Process, error) {
-			return api.Start(ctx, name, req)
-		}
-		return start, func() { api.Close() }, nil
+	start := func(ctx context.Context, req *vsockd.ExecRequest) (wire.Process, error) {
+		return api.Start(ctx, name, req)
 	}
-	start := func(ctx context.Context, req *vsockd.ExecRequest) (client.Process, error) {
-		p, err := c.Start(ctx, req)
-		if err != nil {
-			return nil, err
-		}
-		return p, nil
-	}
-	return start, func() { c.Close() }, nil
+	return start, func() { api.Close() }, nil
 }
 
 // runExec runs argv in the VM through start and returns its exit code. With --tty the
@@ -217,7 +204,7 @@ func interruptedCode(sigs <-chan os.Signal) int {
 // waitForwarding waits for p, forwarding SIGINT/SIGTERM to it. Once a signal was
 // forwarded the result is 128+signal whatever the command does; a second signal, or
 // signalGrace without exit, kills it.
-func waitForwarding(p client.Process, sigs <-chan os.Signal) (int, error) {
+func waitForwarding(p wire.Process, sigs <-chan os.Signal) (int, error) {
 	type result struct {
 		code int
 		err  error

@@ -11,105 +11,35 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"time"
 
 	"github.com/urfave/cli/v3"
 
-	"github.com/forkvm/forkvm/engine"
+	wire "github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
-// dialTarget connects to the agent behind target. A virtio-serial port serves one host
-// connection at a time and a second one waits unanswered: a port another client holds
-// fails at once with ErrAgentBusy, and the handshake is bounded by handshakeTimeout.
-func dialTarget(ctx context.Context, target engine.AgentTarget) (*vsockd.Client, error) {
-	if target.Socket != "" && socketHeldFor(ctx, target.Socket, releaseWait) {
-		return nil, fmt.Errorf("%w: %s's agent is connected to another client (a forkvm exec or cp, or a program embedding the engine); "+
-			"run `forkvm serve` for any number of clients at once", engine.ErrAgentBusy, target.Name)
-	}
-	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
-	defer cancel()
-	c, err := engine.DialAgent(hctx, target)
-	if err != nil && ctx.Err() == nil {
-		return nil, fmt.Errorf("%w (is another client connected to %s's agent?)", err, target.Name)
-	}
-	return c, err
-}
-
-// releaseWait is how long a held agent port may take to be released: QEMU closes its
-// side of a connection a client just closed (the previous forkvm exec) within moments.
-const releaseWait = 2 * time.Second
-
-// socketHeldFor reports whether path stays held (socketHeld) for d.
-func socketHeldFor(ctx context.Context, path string, d time.Duration) bool {
-	deadline := time.Now().Add(d)
-	for socketHeld(path) {
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			return true
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return false
-}
-
-// guestFiles is what cp needs of a VM: a connected agent (*vsockd.Client) or a daemon.
+// guestFiles is what cp needs of a VM.
 type guestFiles interface {
 	CopyIn(ctx context.Context, dir string, r io.Reader) error
 	CopyOut(ctx context.Context, p string, w io.Writer) error
 	Stat(ctx context.Context, p string) (fs.FileInfo, error)
 }
 
-// daemonFiles is guestFiles of one VM through a daemon.
-type daemonFiles struct {
-	api  client.API
+// vmFiles is guestFiles of one VM through the API.
+type vmFiles struct {
+	api  wire.API
 	name string
 }
 
-func (d daemonFiles) CopyIn(ctx context.Context, dir string, r io.Reader) error {
+func (d vmFiles) CopyIn(ctx context.Context, dir string, r io.Reader) error {
 	return d.api.CopyIn(ctx, d.name, dir, r)
 }
-func (d daemonFiles) CopyOut(ctx context.Context, p string, w io.Writer) error {
+func (d vmFiles) CopyOut(ctx context.Context, p string, w io.Writer) error {
 	return d.api.CopyOut(ctx, d.name, p, w)
 }
-func (d daemonFiles) Stat(ctx context.Context, p string) (fs.FileInfo, error) {
+func (d vmFiles) Stat(ctx context.Context, p string) (fs.FileInfo, error) {
 	return d.api.Stat(ctx, d.name, p)
-}
-
-// guestFilesOf returns guestFiles for the VM name and what to call when done.
-func guestFilesOf(ctx context.Context, cmd *cli.Command, name string) (guestFiles, func(), error) {
-	api, c, err := daemonOrAgent(ctx, cmd, name)
-	if err != nil {
-		return nil, nil, err
-	}
-	if api != nil {
-		return daemonFiles{api, name}, func() { api.Close() }, nil
-	}
-	return c, func() { c.Close() }, nil
-}
-
-// daemonOrAgent returns the daemon's API when a daemon answers (c nil); otherwise the
-// VM name's agent, connected after the state directory was released (api nil), since a
-// session or a copy may be long.
-func daemonOrAgent(ctx context.Context, cmd *cli.Command, name string) (api client.API, c *vsockd.Client, err error) {
-	api, err = connect(ctx, cmd)
-	if err != nil {
-		return nil, nil, err
-	}
-	l, local := api.(*client.Local)
-	if !local {
-		return api, nil, nil
-	}
-	vm, err := l.Running(name)
-	api.Close()
-	if err != nil {
-		return nil, nil, err
-	}
-	c, err = dialTarget(ctx, vm.Target())
-	if err != nil {
-		return nil, nil, err
-	}
-	return nil, c, nil
 }
 
 // vmPathRE matches VM:/path (the VM name rule of the engine).
@@ -153,11 +83,12 @@ func cpCmd() *cli.Command {
 			if !path.IsAbs(guestPath) {
 				return fmt.Errorf("forkvm cp: the guest path %q must be absolute", guestPath)
 			}
-			c, done, err := guestFilesOf(ctx, cmd, name)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer done()
+			defer api.Close()
+			c := vmFiles{api, name}
 			if dIn {
 				return copyToGuest(ctx, c, src, dpath)
 			}
@@ -267,24 +198,14 @@ func logsCmd() *cli.Command {
 			if cmd.Args().Len() != 1 {
 				return fmt.Errorf("usage: forkvm logs NAME [-f]")
 			}
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			name := cmd.Args().First()
-			if l, local := api.(*client.Local); local {
-				// Release the state directory before a possibly long follow; Logs
-				// reads a file and watches the QEMU process only.
-				vm, gerr := l.E.Get(name)
-				api.Close()
-				if gerr != nil {
-					return gerr
-				}
-				err = vm.Logs(ctx, cmd.Bool("follow"), os.Stdout)
-			} else {
-				err = api.Logs(ctx, name, cmd.Bool("follow"), os.Stdout)
-				api.Close()
-			}
+			// Without a daemon, the one-shot engine releases the state directory
+			// before a possibly long follow.
+			err = api.Logs(ctx, cmd.Args().First(), cmd.Bool("follow"), os.Stdout)
+			api.Close()
 			if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
 				return nil // interrupted while following
 			}

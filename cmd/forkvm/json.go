@@ -3,9 +3,10 @@ package main
 import (
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
+	wire "github.com/forkvm/forkvm/serve/api"
 )
 
-// The CLI's --json prints the daemon's JSON objects (serve/api.go, docs/api.md): one
+// The CLI's --json prints the daemon's JSON objects (package serve/api, docs/api.md): one
 // schema for a VM and one for a checkpoint, whichever command prints them; lists are []
 // when empty.
 
@@ -17,10 +18,10 @@ func vmObjects(infos []engine.Info) []serve.VMObject {
 	return out
 }
 
-func checkpointObjects(cks []engine.CheckpointInfo) []serve.CheckpointObject {
-	out := make([]serve.CheckpointObject, 0, len(cks))
+func checkpointObjects(cks []wire.CheckpointInfo) []wire.CheckpointObject {
+	out := make([]wire.CheckpointObject, 0, len(cks))
 	for _, c := range cks {
-		out = append(out, serve.NewCheckpointObject(c))
+		out = append(out, wire.NewCheckpointObject(c))
 	}
 	return out
 }

@@ -27,7 +27,8 @@ import (
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 	"github.com/forkvm/forkvm/serve"
-	"github.com/forkvm/forkvm/serve/client"
+	wire "github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/serve/local"
 )
 
 // exitError carries a process exit code out of an action (exec's pass-through).
@@ -96,79 +97,41 @@ func checkNewName(name string) error {
 	return nil
 }
 
-// connect returns the API for one CLI operation: the daemon's when a daemon answers on
-// its socket (--socket, else HOME/forkvm.sock), so that the CLI works while `forkvm
-// serve` owns the state directory; else the engine embedded in this process (open).
-// The output is the same either way.
-func connect(ctx context.Context, cmd *cli.Command) (client.API, error) {
-	sock, explicit := daemonSocket(cmd)
-	answers := client.Answers(ctx, sock)
-	if explicit && !answers {
-		return nil, fmt.Errorf("%w: no forkvm daemon answers on %s", errNoDaemon, sock)
-	}
-	if answers {
-		if cmd.IsSet("accel") {
-			return nil, fmt.Errorf("%w: --accel is chosen by the daemon on %s (forkvm serve --accel)", engine.ErrInvalidSpec, sock)
-		}
-		return client.New(sock), nil
-	}
-	e, err := open(ctx, cmd)
-	if err != nil {
-		return nil, err
-	}
-	return client.NewLocal(e), nil
-}
-
-// daemonSocket is where this CLI run looks for a daemon: --socket (explicit), else
-// HOME/forkvm.sock.
-func daemonSocket(cmd *cli.Command) (sock string, explicit bool) {
-	if s := cmd.String("socket"); s != "" {
-		return s, true
-	}
-	home := cmd.String("home")
-	if home == "" {
-		home = engine.DefaultStateDir()
-	}
-	return serve.SocketPath(home), false
-}
-
-// daemonAnswers reports whether a daemon answers on this run's socket.
-func daemonAnswers(ctx context.Context, cmd *cli.Command) bool {
-	sock, _ := daemonSocket(cmd)
-	return client.Answers(ctx, sock)
-}
-
-// errNoDaemon: --socket names a socket nobody answers on.
-var errNoDaemon = errors.New("forkvm: no daemon")
-
-// open opens the engine for one CLI operation, waiting for another CLI run holding the
-// state directory and saying at once who holds it.
-func open(ctx context.Context, cmd *cli.Command) (*engine.Engine, error) {
-	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: 2 * time.Minute}
+// connect returns the API for one CLI operation (local.Open): the daemon's when a daemon
+// answers on its socket (--socket, else HOME/forkvm.sock), so that the CLI works while
+// `forkvm serve` owns the state directory; else the engine embedded in this process,
+// waiting for another CLI run holding the state directory and saying at once who holds
+// it. The embedded engine is one-shot: an exec, cp or logs gives the state directory
+// up before it talks to the VM (a session or a copy may be long). The output is the
+// same either way. A --socket nobody answers on is an error (ErrNoDaemon), as is any
+// socket when requireDaemon.
+func connect(ctx context.Context, cmd *cli.Command, requireDaemon bool) (wire.API, error) {
+	const lockWait = 2 * time.Minute
+	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait}
 	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
-	wait := cfg.LockWait
-	cfg.LockWait = 0
-	e, err := engine.New(ctx, cfg)
-	var le *engine.LockedError
-	if !errors.As(err, &le) {
-		return e, err
-	}
-	who := "another forkvm process"
-	if le.PID > 0 {
-		who = fmt.Sprintf("pid %d", le.PID)
-		if isServe(le.PID) {
-			who = fmt.Sprintf("forkvm serve (pid %d), which does not answer on %s (pass --socket if it serves elsewhere)",
-				le.PID, serve.SocketPath(le.StateDir))
-		}
-	}
-	fmt.Fprintf(os.Stderr, "forkvm: state directory %s is in use by %s; waiting up to %v\n", le.StateDir, who, wait)
-	cfg.LockWait = wait
-	return engine.New(ctx, cfg)
+	sock := cmd.String("socket")
+	return local.Open(ctx, cfg, &local.Options{
+		Socket: sock, RequireDaemon: requireDaemon || sock != "", OneShot: true,
+		Hint: func(le *engine.LockedError) {
+			who := "another forkvm process"
+			if le.PID > 0 {
+				who = fmt.Sprintf("pid %d", le.PID)
+				if isServe(le.PID) {
+					who = fmt.Sprintf("forkvm serve (pid %d), which does not answer on %s (pass --socket if it serves elsewhere)",
+						le.PID, serve.SocketPath(le.StateDir))
+				}
+			}
+			fmt.Fprintf(os.Stderr, "forkvm: state directory %s is in use by %s; waiting up to %v\n", le.StateDir, who, lockWait)
+		},
+	})
 }
+
+// errNoDaemon: --socket names a socket nobody answers on.
+var errNoDaemon = local.ErrNoDaemon
 
 // isServe reports whether pid runs `forkvm serve`.
 func isServe(pid int) bool {
@@ -214,12 +177,12 @@ func createCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
 			defer api.Close()
-			inf, err := api.Create(ctx, engine.Spec{
+			inf, err := api.Create(ctx, wire.Spec{
 				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")),
 				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
 				Net: cmd.Bool("net"), Publish: publish,
@@ -244,7 +207,7 @@ func lsCmd() *cli.Command {
 		Usage: "list VMs",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
@@ -259,7 +222,7 @@ func lsCmd() *cli.Command {
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 			// A VM restarted by a handoff checkpoint was ready again after that
 			// checkpoint's pause, not after its first boot's time.
-			handoffs := map[string]engine.CheckpointInfo{}
+			handoffs := map[string]wire.CheckpointInfo{}
 			if cks, err := api.Checkpoints(ctx); err == nil {
 				for _, c := range cks {
 					if c.RAMMethod == "handoff" {
@@ -284,7 +247,7 @@ func memCmd() *cli.Command {
 		ArgsUsage: "[NAME...]",
 		Flags:     []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output (bytes)"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
@@ -341,7 +304,7 @@ func rmCmd() *cli.Command {
 			if cmd.Args().Len() == 0 && !cmd.Bool("dead") {
 				return fmt.Errorf("usage: forkvm rm NAME... | forkvm rm --dead")
 			}
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
@@ -386,14 +349,14 @@ func checkpointCmd() *cli.Command {
 				if cmd.Args().Len() == 0 {
 					return fmt.Errorf("usage: forkvm checkpoint rm NAME...")
 				}
-				api, err := connect(ctx, cmd)
+				api, err := connect(ctx, cmd, false)
 				if err != nil {
 					return err
 				}
 				defer api.Close()
 				var errs []error
 				for _, n := range cmd.Args().Slice() {
-					if err := api.DeleteCheckpoint(ctx, n, &engine.DeleteCheckpointOptions{Force: cmd.Bool("force")}); err != nil {
+					if err := api.DeleteCheckpoint(ctx, n, &wire.DeleteCheckpointOptions{Force: cmd.Bool("force")}); err != nil {
 						errs = append(errs, err)
 						continue
 					}
@@ -409,19 +372,19 @@ func checkpointCmd() *cli.Command {
 			if err := checkNewName(cmd.Args().Get(1)); err != nil {
 				return err
 			}
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
 			defer api.Close()
-			ck, err := api.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &engine.CheckpointOptions{Pin: cmd.Bool("pin"), Handoff: cmd.Bool("handoff")})
+			ck, err := api.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &wire.CheckpointOptions{Pin: cmd.Bool("pin"), Handoff: cmd.Bool("handoff")})
 			if err != nil {
 				return err
 			}
 			if cmd.Bool("json") {
-				return printJSON(serve.NewCheckpointObject(ck))
+				return printJSON(wire.NewCheckpointObject(ck))
 			}
-			fmt.Println(checkpointLine(&ck.CheckpointManifest))
+			fmt.Println(checkpointLine(&ck))
 			return nil
 		},
 	}
@@ -431,7 +394,7 @@ func checkpointCmd() *cli.Command {
 // was paused. A handoff's checkpoint is committed before the VM restarts from it, and
 // the guest stays paused until then: its pause is the longer figure ("ckh: 31ms (guest
 // paused 173ms)" read as a pause longer than the whole).
-func checkpointLine(m *engine.CheckpointManifest) string {
+func checkpointLine(m *wire.CheckpointInfo) string {
 	t := m.Timings
 	rest := fmt.Sprintf("ram %s; disk %s; device state %d KB", m.RAMMethod, orDash(m.DiskMethod), m.StateSize/1024)
 	if m.RAMMethod == "handoff" {
@@ -447,7 +410,7 @@ func checkpointsCmd() *cli.Command {
 		Usage: "list checkpoints",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
@@ -477,7 +440,7 @@ func checkpointsCmd() *cli.Command {
 // readyIn is ls's READY IN: how long the VM's current QEMU took to be ready; for a VM
 // restarted by a handoff checkpoint of itself, that checkpoint's pause (its boot's time
 // belonged to a QEMU that is gone).
-func readyIn(v engine.Info, handoffs map[string]engine.CheckpointInfo) string {
+func readyIn(v engine.Info, handoffs map[string]wire.CheckpointInfo) string {
 	if c, ok := handoffs[v.Parent]; ok && c.Source == v.Name {
 		return fmt.Sprintf("%v (handoff)", c.Timings.Paused.Round(time.Millisecond))
 	}
@@ -523,7 +486,7 @@ func pinCmd(pin bool) *cli.Command {
 			if cmd.Args().Len() != 1 {
 				return fmt.Errorf("usage: forkvm %s CHECKPOINT", name)
 			}
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
@@ -572,7 +535,7 @@ func forkCmd() *cli.Command {
 			default:
 				return fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
 			}
-			opts := &engine.ManyOptions{
+			opts := &wire.ManyOptions{
 				Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
 				Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),
 			}
@@ -586,7 +549,7 @@ func forkCmd() *cli.Command {
 				}
 				opts.Publish = func(i int) []engine.PortForward { return perFork[i] }
 			}
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
@@ -606,7 +569,7 @@ func forkCmd() *cli.Command {
 					broken = ev.Err
 					continue
 				case cmd.Bool("json"):
-					b, _ := json.Marshal(serve.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
+					b, _ := json.Marshal(wire.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
 					fmt.Println(string(b))
 				case ev.Err != nil:
 					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
@@ -614,7 +577,7 @@ func forkCmd() *cli.Command {
 					if !implicitChecked {
 						implicitChecked = true
 						if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
-							fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Name, src, ck.Timings.Total.Round(time.Millisecond), ck.WrittenBytes())
+							fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Name, src, ck.Timings.Total.Round(time.Millisecond), ck.WrittenBytes)
 						}
 					}
 					t := ev.Timings
@@ -665,8 +628,6 @@ func summaryOut(json bool) *os.File {
 	}
 	return os.Stdout
 }
-
-func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // publishFlag is the repeatable --publish [HOSTIP:]HOSTPORT:GUESTPORT flag.
 func publishFlag(usage string) cli.Flag {

@@ -2,12 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
+	wire "github.com/forkvm/forkvm/serve/api"
 )
 
 // warmCmd fills a checkpoint's warm pool in the daemon. A pool lives in its engine's
@@ -29,18 +31,19 @@ func warmCmd() *cli.Command {
 			if err != nil || n < 0 {
 				return fmt.Errorf("%w: N must be a count, got %q", engine.ErrInvalidSpec, cmd.Args().Get(1))
 			}
-			// Asked before connect: without a daemon, connect would open the engine
-			// (taking the state directory's lock and running recovery) for nothing.
-			if !daemonAnswers(ctx, cmd) {
+			// A daemon is required: without one, connect would open the engine (taking
+			// the state directory's lock and running recovery) for a pool that dies
+			// with this command.
+			api, err := connect(ctx, cmd, true)
+			if errors.Is(err, errNoDaemon) {
 				return fmt.Errorf("%w: a warm pool lives in its engine's process and would end with this command: run `forkvm serve`, then warm through it", engine.ErrInvalidSpec)
 			}
-			api, err := connect(ctx, cmd)
 			if err != nil {
 				return err
 			}
 			defer api.Close()
 			ck := cmd.Args().First()
-			if err := api.Warm(ctx, ck, n, &engine.WarmOptions{Restored: cmd.Bool("restored"), WarmUp: cmd.StringSlice("warm-up")}); err != nil {
+			if err := api.Warm(ctx, ck, n, &wire.WarmOptions{Restored: cmd.Bool("restored"), WarmUp: cmd.StringSlice("warm-up")}); err != nil {
 				return err
 			}
 			size, err := api.PoolSize(ctx, ck)
@@ -60,7 +63,7 @@ func budgetCmd() *cli.Command {
 		Usage: "print the host's admission budgets (vCPUs: host CPUs x overcommit; memory) and what every forkvm VM on the host uses",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			api, err := connect(ctx, cmd)
+			api, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}

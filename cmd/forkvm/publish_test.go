@@ -10,6 +10,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
+	wire "github.com/forkvm/forkvm/serve/api"
 )
 
 func TestParsePublish(t *testing.T) {
@@ -105,18 +106,18 @@ func TestForkSummary(t *testing.T) {
 // TestCheckpointTimings: the checkpoint line never reads as a pause longer than the
 // whole, and ls's READY IN of a VM restarted by its own handoff is that restart's.
 func TestCheckpointTimings(t *testing.T) {
-	h := &engine.CheckpointManifest{Name: "ckh", RAMMethod: "handoff"}
+	h := &wire.CheckpointInfo{Name: "ckh", RAMMethod: "handoff"}
 	h.Timings.Total, h.Timings.Paused = 31*time.Millisecond, 173*time.Millisecond
 	if got, want := checkpointLine(h), "ckh: guest paused 173ms until the VM ran again from it (checkpoint committed after 31ms;"; !strings.HasPrefix(got, want) {
 		t.Errorf("handoff: %q, want %q...", got, want)
 	}
-	c := &engine.CheckpointManifest{Name: "ck0", RAMMethod: "copy"}
+	c := &wire.CheckpointInfo{Name: "ck0", RAMMethod: "copy"}
 	c.Timings.Total, c.Timings.Paused = 941*time.Millisecond, 897*time.Millisecond
 	if got, want := checkpointLine(c), "ck0: 941ms, guest paused 897ms of it (ram copy;"; !strings.HasPrefix(got, want) {
 		t.Errorf("copy: %q, want %q...", got, want)
 	}
 	h.Source = "w1"
-	hs := map[string]engine.CheckpointInfo{"ckh": {CheckpointManifest: *h}}
+	hs := map[string]wire.CheckpointInfo{"ckh": *h}
 	v := engine.Info{Name: "w1", Parent: "ckh"}
 	v.Timings.Total = 3321 * time.Millisecond
 	if got := readyIn(v, hs); got != "173ms (handoff)" {

@@ -13,21 +13,19 @@ import (
 	"strconv"
 	"sync"
 
-	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve"
-	"github.com/forkvm/forkvm/vsockd"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Daemon describes the daemon (GET /v1/info).
-func (c *Client) Daemon(ctx context.Context) (serve.DaemonObject, bool, error) {
-	var d serve.DaemonObject
+func (c *Client) Daemon(ctx context.Context) (api.DaemonObject, bool, error) {
+	var d api.DaemonObject
 	err := c.call(ctx, http.MethodGet, "/v1/info", nil, &d)
 	return d, err == nil, err
 }
 
-// Reap deletes every VM whose QEMU is gone (engine.Engine.Reap).
+// Reap deletes every VM whose QEMU is gone (api.Engine.Reap).
 func (c *Client) Reap(ctx context.Context) ([]string, error) {
-	var r serve.ReapResponse
+	var r api.ReapResponse
 	err := c.call(ctx, http.MethodPost, "/v1/reap", struct{}{}, &r)
 	return r.Removed, err
 }
@@ -35,36 +33,36 @@ func (c *Client) Reap(ctx context.Context) ([]string, error) {
 func ckPath(name string) string { return "/v1/checkpoints/" + url.PathEscape(name) }
 
 // GetCheckpoint returns one checkpoint with its live forks.
-func (c *Client) GetCheckpoint(ctx context.Context, name string) (engine.CheckpointInfo, error) {
-	var o serve.CheckpointObject
+func (c *Client) GetCheckpoint(ctx context.Context, name string) (api.CheckpointInfo, error) {
+	var o api.CheckpointObject
 	err := c.call(ctx, http.MethodGet, ckPath(name), nil, &o)
 	return o.CheckpointInfo, err
 }
 
-// SetPinned pins or unpins a checkpoint (engine.Engine.SetPinned).
+// SetPinned pins or unpins a checkpoint (api.Engine.SetPinned).
 func (c *Client) SetPinned(ctx context.Context, name string, pinned bool) error {
-	return c.call(ctx, http.MethodPatch, ckPath(name), serve.CheckpointPatch{Pinned: &pinned}, nil)
+	return c.call(ctx, http.MethodPatch, ckPath(name), api.CheckpointPatch{Pinned: &pinned}, nil)
 }
 
-// Budget returns the daemon engine's vCPU admission budget (engine.Engine.Budget).
-func (c *Client) Budget(ctx context.Context) (engine.Budget, error) {
-	var b engine.Budget
+// Budget returns the daemon engine's vCPU admission budget (api.Engine.Budget).
+func (c *Client) Budget(ctx context.Context) (api.Budget, error) {
+	var b api.Budget
 	err := c.call(ctx, http.MethodGet, "/v1/budget", nil, &b)
 	return b, err
 }
 
-// Warm keeps n pooled processes for checkpoint ck in the daemon (engine.Engine.Warm).
-func (c *Client) Warm(ctx context.Context, ck string, n int, opts *engine.WarmOptions) error {
-	req := serve.PoolRequest{N: n}
+// Warm keeps n pooled processes for checkpoint ck in the daemon (api.Engine.Warm).
+func (c *Client) Warm(ctx context.Context, ck string, n int, opts *api.WarmOptions) error {
+	req := api.PoolRequest{N: n}
 	if opts != nil {
 		req.Restored, req.WarmUp = opts.Restored, opts.WarmUp
 	}
 	return c.call(ctx, http.MethodPut, ckPath(ck)+"/pool", req, nil)
 }
 
-// PoolSize returns how many pooled processes checkpoint ck has (engine.Engine.PoolSize).
+// PoolSize returns how many pooled processes checkpoint ck has (api.Engine.PoolSize).
 func (c *Client) PoolSize(ctx context.Context, ck string) (int, error) {
-	var p serve.PoolObject
+	var p api.PoolObject
 	err := c.call(ctx, http.MethodGet, ckPath(ck)+"/pool", nil, &p)
 	return p.Size, err
 }
@@ -73,7 +71,7 @@ func filesPath(name, op, p string) string {
 	return vmPath(name) + "/" + op + "?path=" + url.QueryEscape(p)
 }
 
-// CopyIn extracts the tar stream r into the guest directory dir (engine.VM.CopyIn); r
+// CopyIn extracts the tar stream r into the guest directory dir (api.VM.CopyIn); r
 // is streamed, not buffered.
 func (c *Client) CopyIn(ctx context.Context, name, dir string, r io.Reader) error {
 	resp, err := c.doBody(ctx, http.MethodPut, filesPath(name, "files", dir), "application/x-tar", r)
@@ -84,7 +82,7 @@ func (c *Client) CopyIn(ctx context.Context, name, dir string, r io.Reader) erro
 	return nil
 }
 
-// CopyOut writes the guest path p as a tar stream to w (engine.VM.CopyOut). A transfer
+// CopyOut writes the guest path p as a tar stream to w (api.VM.CopyOut). A transfer
 // the daemon cuts short fails (the daemon aborts the connection).
 func (c *Client) CopyOut(ctx context.Context, name, p string, w io.Writer) error {
 	resp, err := c.do(ctx, http.MethodGet, filesPath(name, "files", p), nil)
@@ -100,14 +98,14 @@ func (c *Client) CopyOut(ctx context.Context, name, p string, w io.Writer) error
 
 // Stat returns a guest path's attributes; a missing path matches fs.ErrNotExist.
 func (c *Client) Stat(ctx context.Context, name, p string) (fs.FileInfo, error) {
-	var st serve.FileStat
+	var st api.FileStat
 	if err := c.call(ctx, http.MethodGet, filesPath(name, "stat", p), nil, &st); err != nil {
 		return nil, err
 	}
 	return st.FileInfo(), nil
 }
 
-// Logs writes the VM's serial console to w (engine.VM.Logs); with follow it streams
+// Logs writes the VM's serial console to w (api.VM.Logs); with follow it streams
 // until the VM's QEMU exits or ctx ends (ctx's error).
 func (c *Client) Logs(ctx context.Context, name string, follow bool, w io.Writer) error {
 	resp, err := c.do(ctx, http.MethodGet, vmPath(name)+"/logs?follow="+strconv.FormatBool(follow), nil)
@@ -125,9 +123,9 @@ func (c *Client) Logs(ctx context.Context, name string, follow bool, w io.Writer
 // Start starts a command in the VM name as an attached exec (docs/api.md): the
 // connection is taken over and carries req.Stdin to the command, its output back to
 // req.Stdout/req.Stderr, and Signal and Resize. ctx bounds the start only; Wait's ctx
-// bounds the rest. A start failure is returned as from engine.VM.Start (errors.Is
+// bounds the rest. A start failure is returned as from api.VM.Start (errors.Is
 // matches vsockd.ErrNotFound for a missing command, ...).
-func (c *Client) Start(ctx context.Context, name string, req *vsockd.ExecRequest) (Process, error) {
+func (c *Client) Start(ctx context.Context, name string, req *api.ExecRequest) (Process, error) {
 	b, err := json.Marshal(execBody(req))
 	if err != nil {
 		return nil, err
@@ -143,7 +141,7 @@ func (c *Client) Start(ctx context.Context, name string, req *vsockd.ExecRequest
 	}
 	hreq.Header.Set("Content-Type", "application/json")
 	hreq.Header.Set("Connection", "Upgrade")
-	hreq.Header.Set("Upgrade", serve.ExecUpgrade)
+	hreq.Header.Set("Upgrade", api.ExecUpgrade)
 	if c.token != "" {
 		hreq.Header.Set("Authorization", "Bearer "+c.token)
 	}
@@ -188,7 +186,7 @@ type process struct {
 	err    error
 }
 
-func (p *process) send(in serve.ExecInput) error {
+func (p *process) send(in api.ExecInput) error {
 	b, err := json.Marshal(in)
 	if err != nil {
 		return err
@@ -199,7 +197,7 @@ func (p *process) send(in serve.ExecInput) error {
 	return err
 }
 
-func (p *process) read(req *vsockd.ExecRequest, status int) {
+func (p *process) read(req *api.ExecRequest, status int) {
 	p.code, p.err = readExecLines(p.conn, req, status)
 	close(p.done)
 	p.conn.Close()
@@ -215,7 +213,7 @@ func (p *process) feed(r io.Reader) {
 		for {
 			n, err := r.Read(buf)
 			if n > 0 {
-				if p.send(serve.ExecInput{Stdin: bytes.Clone(buf[:n])}) != nil {
+				if p.send(api.ExecInput{Stdin: bytes.Clone(buf[:n])}) != nil {
 					return
 				}
 			}
@@ -224,7 +222,7 @@ func (p *process) feed(r io.Reader) {
 			}
 		}
 	}
-	p.send(serve.ExecInput{StdinEOF: true})
+	p.send(api.ExecInput{StdinEOF: true})
 }
 
 func (p *process) Wait(ctx context.Context) (int, error) {
@@ -239,15 +237,15 @@ func (p *process) Wait(ctx context.Context) (int, error) {
 }
 
 func (p *process) Signal(ctx context.Context, sig int) error {
-	return p.sendCtx(ctx, serve.ExecInput{Signal: sig})
+	return p.sendCtx(ctx, api.ExecInput{Signal: sig})
 }
 
 func (p *process) Resize(ctx context.Context, rows, cols uint16) error {
-	return p.sendCtx(ctx, serve.ExecInput{Resize: &serve.ResizeSize{Rows: rows, Cols: cols}})
+	return p.sendCtx(ctx, api.ExecInput{Resize: &api.ResizeSize{Rows: rows, Cols: cols}})
 }
 
 // sendCtx sends a control line unless ctx has ended or the command is done.
-func (p *process) sendCtx(ctx context.Context, in serve.ExecInput) error {
+func (p *process) sendCtx(ctx context.Context, in api.ExecInput) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}

@@ -1,9 +1,15 @@
-// Package client is the Go client of forkvm's daemon (`forkvm serve`, package serve).
-// Its methods take and return the engine's own types (engine.Spec, engine.Info,
-// engine.CheckpointInfo, engine.MemoryUsage, engine options, vsockd.ExecRequest) and its
-// errors match the engine's sentinels with errors.Is (and *engine.AdmissionError with
-// errors.As), so code written against the engine moves to a daemon with little change.
-// VMs are returned as engine.Info values, not *engine.VM handles.
+// Package client is the Go client of forkvm's daemon (`forkvm serve`, package serve):
+// a *Client implements api.API over the daemon's HTTP API. Its methods take and return
+// package api's types, which the engine uses under its own names (engine.Info is
+// api.Info, vsockd.ExecRequest is api.ExecRequest), and its errors match the engine's
+// sentinels with errors.Is (and *engine.AdmissionError, which is *api.AdmissionError,
+// with errors.As), so code written against the engine moves to a daemon with little
+// change. VMs are returned as api.Info values, not *engine.VM handles.
+//
+// It links neither the engine nor the guest agent's protocol: a program that only
+// talks to a daemon, on this host or another, imports this package and serve/api.
+// Package serve/local is the in-process implementation of api.API and holds Open,
+// which picks a daemon when one answers and the engine otherwise.
 package client
 
 import (
@@ -20,9 +26,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve"
-	"github.com/forkvm/forkvm/vsockd"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Client talks to one daemon. It is safe for concurrent use.
@@ -32,8 +36,8 @@ type Client struct {
 	hc    *http.Client
 }
 
-// New returns a client of the daemon listening on the unix socket path (for the default
-// state directory: serve.SocketPath(engine.DefaultStateDir())).
+// New returns a client of the daemon listening on the unix socket path (a daemon of the
+// state directory DIR listens on DIR/forkvm.sock: serve.SocketPath).
 func New(socket string) *Client {
 	tr := &http.Transport{
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
@@ -63,10 +67,11 @@ func (c *Client) Close() error {
 }
 
 // Error is an error answered by the daemon. It unwraps to the engine (or agent) sentinel
-// its code stands for, or for code "admission" to an *engine.AdmissionError.
+// its code stands for (api.SentinelOf), or for code "admission" to an
+// *api.AdmissionError with the refusal's figures.
 type Error struct {
 	Status int
-	serve.ErrorObject
+	api.ErrorObject
 }
 
 func (e *Error) Error() string {
@@ -78,17 +83,17 @@ func (e *Error) Error() string {
 
 // Unwrap returns the error the code stands for.
 func (e *Error) Unwrap() error {
-	if e.Code == "admission" {
-		return &engine.AdmissionError{Resource: e.Resource, Requested: e.Requested, Available: e.Available, Budget: e.Budget}
+	if e.Code == api.CodeAdmission {
+		return &api.AdmissionError{Resource: e.Resource, Requested: e.Requested, Available: e.Available, Budget: e.Budget}
 	}
-	return serve.SentinelOf(e.Code)
+	return api.SentinelOf(e.Code)
 }
 
-func errorFrom(status int, o serve.ErrorObject) error { return &Error{Status: status, ErrorObject: o} }
+func errorFrom(status int, o api.ErrorObject) error { return &Error{Status: status, ErrorObject: o} }
 
 // eventError is a failed fork event's error, an admission refusal's figures kept.
-func eventError(status int, o serve.ForkEventObject) error {
-	return errorFrom(status, serve.ErrorObject{Code: o.Code, Message: o.Error,
+func eventError(status int, o api.ForkEventObject) error {
+	return errorFrom(status, api.ErrorObject{Code: o.Code, Message: o.Error,
 		Resource: o.Resource, Requested: o.Requested, Available: o.Available, Budget: o.Budget})
 }
 
@@ -130,10 +135,10 @@ func (c *Client) doBody(ctx context.Context, method, path, contentType string, b
 
 // decodeError turns a non-2xx response into an *Error.
 func decodeError(resp *http.Response) error {
-	var er serve.ErrorResponse
+	var er api.ErrorResponse
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 	if json.Unmarshal(b, &er) != nil || er.Error.Code == "" {
-		return errorFrom(resp.StatusCode, serve.ErrorObject{Code: serve.CodeInternal,
+		return errorFrom(resp.StatusCode, api.ErrorObject{Code: api.CodeInternal,
 			Message: fmt.Sprintf("forkvm daemon: HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))})
 	}
 	return errorFrom(resp.StatusCode, er.Error)
@@ -164,63 +169,63 @@ func drainBody(r io.Reader) { io.Copy(io.Discard, io.LimitReader(r, 4<<10)) }
 
 func vmPath(name string) string { return "/v1/vms/" + url.PathEscape(name) }
 
-// List returns all VMs, sorted by name (engine.Engine.List).
-func (c *Client) List(ctx context.Context) ([]engine.Info, error) {
-	var objs []serve.VMObject
+// List returns all VMs, sorted by name (api.Engine.List).
+func (c *Client) List(ctx context.Context) ([]api.Info, error) {
+	var objs []api.VMObject
 	if err := c.call(ctx, http.MethodGet, "/v1/vms", nil, &objs); err != nil {
 		return nil, err
 	}
-	out := make([]engine.Info, 0, len(objs))
+	out := make([]api.Info, 0, len(objs))
 	for _, o := range objs {
 		out = append(out, o.Info)
 	}
 	return out, nil
 }
 
-// Create boots a VM and returns once its agent answered (engine.Engine.Create).
-func (c *Client) Create(ctx context.Context, spec engine.Spec) (engine.Info, error) {
-	var o serve.VMObject
+// Create boots a VM and returns once its agent answered (api.Engine.Create).
+func (c *Client) Create(ctx context.Context, spec api.Spec) (api.Info, error) {
+	var o api.VMObject
 	err := c.call(ctx, http.MethodPost, "/v1/vms", spec, &o)
 	return o.Info, err
 }
 
-// Get returns the named VM (engine.Engine.Get, then VM.Info).
-func (c *Client) Get(ctx context.Context, name string) (engine.Info, error) {
-	var o serve.VMObject
+// Get returns the named VM (api.Engine.Get, then VM.Info).
+func (c *Client) Get(ctx context.Context, name string) (api.Info, error) {
+	var o api.VMObject
 	err := c.call(ctx, http.MethodGet, vmPath(name), nil, &o)
 	return o.Info, err
 }
 
-// Delete stops and removes a VM (engine.Engine.Delete).
+// Delete stops and removes a VM (api.Engine.Delete).
 func (c *Client) Delete(ctx context.Context, name string) error {
 	return c.call(ctx, http.MethodDelete, vmPath(name), nil, nil)
 }
 
-// Memory measures a VM's host memory (engine.VM.Memory).
-func (c *Client) Memory(ctx context.Context, name string) (*engine.MemoryUsage, error) {
-	var mu engine.MemoryUsage
+// Memory measures a VM's host memory (api.VM.Memory).
+func (c *Client) Memory(ctx context.Context, name string) (*api.MemoryUsage, error) {
+	var mu api.MemoryUsage
 	if err := c.call(ctx, http.MethodGet, vmPath(name)+"/memory", nil, &mu); err != nil {
 		return nil, err
 	}
 	return &mu, nil
 }
 
-// Exec runs a command in the VM name and returns its exit code (engine.VM.Exec).
+// Exec runs a command in the VM name and returns its exit code (api.VM.Exec).
 // Output is copied to req.Stdout and req.Stderr as it arrives. Without stdin or a TTY it
 // is one streamed POST; otherwise an attached exec (Start) that streams req.Stdin.
 // Cancelling ctx disconnects, which ends the command in the guest.
-func (c *Client) Exec(ctx context.Context, name string, req *vsockd.ExecRequest) (int, error) {
+func (c *Client) Exec(ctx context.Context, name string, req *api.ExecRequest) (int, error) {
 	if req.Stdin != nil || req.TTY {
 		p, err := c.Start(ctx, name, req)
 		if err != nil {
-			return vsockd.StartErrorCode(err), err
+			return api.StartErrorCode(err), err
 		}
 		return p.Wait(ctx)
 	}
 	body := execBody(req)
 	resp, err := c.do(ctx, http.MethodPost, vmPath(name)+"/exec", body)
 	if err != nil {
-		return vsockd.StartErrorCode(err), err
+		return api.StartErrorCode(err), err
 	}
 	defer resp.Body.Close()
 	code, err := readExecLines(resp.Body, req, resp.StatusCode)
@@ -231,18 +236,18 @@ func (c *Client) Exec(ctx context.Context, name string, req *vsockd.ExecRequest)
 	return code, err
 }
 
-func execBody(req *vsockd.ExecRequest) serve.ExecRequest {
-	return serve.ExecRequest{Argv: req.Argv, Env: req.Env, Workdir: req.Dir, User: req.User, MaxOutput: req.MaxOutput,
+func execBody(req *api.ExecRequest) api.ExecBody {
+	return api.ExecBody{Argv: req.Argv, Env: req.Env, Workdir: req.Dir, User: req.User, MaxOutput: req.MaxOutput,
 		TimeoutMS: req.Timeout.Milliseconds(), TTY: req.TTY, Rows: req.Rows, Cols: req.Cols, Term: req.Term}
 }
 
 // readExecLines copies an exec stream's output to req's writers and returns its exit
 // code or error.
-func readExecLines(r io.Reader, req *vsockd.ExecRequest, status int) (int, error) {
+func readExecLines(r io.Reader, req *api.ExecRequest, status int) (int, error) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 4<<20) // a line holds at most one agent frame (1 MiB) in base64
 	for sc.Scan() {
-		var l serve.ExecLine
+		var l api.ExecLine
 		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
 			return -1, fmt.Errorf("client: exec stream: %w", err)
 		}
@@ -271,33 +276,33 @@ func readExecLines(r io.Reader, req *vsockd.ExecRequest, status int) (int, error
 	return -1, errors.New("client: exec stream ended without an exit code")
 }
 
-// Checkpoints lists checkpoints with their live forks (engine.Engine.Checkpoints).
-func (c *Client) Checkpoints(ctx context.Context) ([]engine.CheckpointInfo, error) {
-	var objs []serve.CheckpointObject
+// Checkpoints lists checkpoints with their live forks (api.Engine.Checkpoints).
+func (c *Client) Checkpoints(ctx context.Context) ([]api.CheckpointInfo, error) {
+	var objs []api.CheckpointObject
 	if err := c.call(ctx, http.MethodGet, "/v1/checkpoints", nil, &objs); err != nil {
 		return nil, err
 	}
-	out := make([]engine.CheckpointInfo, 0, len(objs))
+	out := make([]api.CheckpointInfo, 0, len(objs))
 	for _, o := range objs {
 		out = append(out, o.CheckpointInfo)
 	}
 	return out, nil
 }
 
-// Checkpoint checkpoints the running VM vmName (engine.Engine.Checkpoint); "" name:
+// Checkpoint checkpoints the running VM vmName (api.Engine.Checkpoint); "" name:
 // generated. A nil opts means defaults.
-func (c *Client) Checkpoint(ctx context.Context, vmName, name string, opts *engine.CheckpointOptions) (engine.CheckpointInfo, error) {
-	req := serve.CheckpointRequest{VM: vmName, Name: name}
+func (c *Client) Checkpoint(ctx context.Context, vmName, name string, opts *api.CheckpointOptions) (api.CheckpointInfo, error) {
+	req := api.CheckpointRequest{VM: vmName, Name: name}
 	if opts != nil {
 		req.Pin, req.Handoff = opts.Pin, opts.Handoff
 	}
-	var o serve.CheckpointObject
+	var o api.CheckpointObject
 	err := c.call(ctx, http.MethodPost, "/v1/checkpoints", req, &o)
 	return o.CheckpointInfo, err
 }
 
-// DeleteCheckpoint removes a checkpoint (engine.Engine.DeleteCheckpoint).
-func (c *Client) DeleteCheckpoint(ctx context.Context, name string, opts *engine.DeleteCheckpointOptions) error {
+// DeleteCheckpoint removes a checkpoint (api.Engine.DeleteCheckpoint).
+func (c *Client) DeleteCheckpoint(ctx context.Context, name string, opts *api.DeleteCheckpointOptions) error {
 	p := "/v1/checkpoints/" + url.PathEscape(name)
 	if opts != nil && opts.Force {
 		p += "?force=1"
@@ -305,21 +310,21 @@ func (c *Client) DeleteCheckpoint(ctx context.Context, name string, opts *engine
 	return c.call(ctx, http.MethodDelete, p, nil, nil)
 }
 
-// Fork makes one fork of src (engine.Engine.Fork); opts.Name names it.
-func (c *Client) Fork(ctx context.Context, src string, opts *engine.ForkOptions) (engine.Info, error) {
-	mo := &engine.ManyOptions{}
+// Fork makes one fork of src (api.Engine.Fork); opts.Name names it.
+func (c *Client) Fork(ctx context.Context, src string, opts *api.ForkOptions) (api.Info, error) {
+	mo := &api.ManyOptions{}
 	if opts != nil {
 		mo.Overcommit, mo.Pin = opts.Overcommit, opts.Pin
 		if opts.Name != "" {
 			mo.Names = []string{opts.Name}
 		}
 		if len(opts.Publish) > 0 {
-			mo.Publish = func(int) []engine.PortForward { return opts.Publish }
+			mo.Publish = func(int) []api.PortForward { return opts.Publish }
 		}
 	}
 	events, err := c.ForkMany(ctx, src, 1, mo)
 	if err != nil {
-		return engine.Info{}, err
+		return api.Info{}, err
 	}
 	var ev ForkEvent
 	got := false
@@ -328,21 +333,21 @@ func (c *Client) Fork(ctx context.Context, src string, opts *engine.ForkOptions)
 	}
 	switch {
 	case !got:
-		return engine.Info{}, errors.New("client: fork stream ended without an event")
+		return api.Info{}, errors.New("client: fork stream ended without an event")
 	case ev.Err != nil:
-		return engine.Info{}, ev.Err
+		return api.Info{}, ev.Err
 	}
 	return *ev.VM, nil
 }
 
 // ForkMany starts n forks of src and streams one event per fork as it becomes ready or
-// fails; the channel is closed after the last one (engine.Engine.ForkMany). Cancelling
+// fails; the channel is closed after the last one (api.Engine.ForkMany). Cancelling
 // ctx before the stream ends disconnects, and the daemon then deletes every fork of the
 // wave, reported ones too. opts.Publish is evaluated here for each index and sent as
 // lists. If the stream breaks or ends before n events, a last event with Index -1
 // carries the error, which says how many events arrived.
-func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.ManyOptions) (<-chan ForkEvent, error) {
-	req := serve.ForkRequest{Source: src, N: n}
+func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *api.ManyOptions) (<-chan ForkEvent, error) {
+	req := api.ForkRequest{Source: src, N: n}
 	if opts != nil {
 		if len(opts.Names) == 1 && n == 1 {
 			req.Name = opts.Names[0]
@@ -371,7 +376,7 @@ func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *engine.M
 		sc.Buffer(make([]byte, 64<<10), 1<<20)
 		got := 0
 		for ; sc.Scan(); got++ {
-			var o serve.ForkEventObject
+			var o api.ForkEventObject
 			if err := json.Unmarshal(sc.Bytes(), &o); err != nil {
 				out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: fork stream: %w", err)}
 				return

@@ -14,12 +14,13 @@ import (
 	"testing"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve"
+	"github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
 // sentinels binds the exported Err* variables of the packages whose errors the API
-// returns to their values. TestEverySentinelHasACode parses those packages' source and
+// returns (api, which declares them, and engine and vsockd, which re-export them) to
+// their values. TestEverySentinelHasACode parses those packages' source and
 // fails on any Err* missing here, so a new sentinel cannot be added without a row in
 // serve's code table.
 var sentinels = map[string]error{
@@ -70,6 +71,50 @@ var sentinels = map[string]error{
 	"vsockd.ErrBadArchive":        vsockd.ErrBadArchive,
 	"vsockd.ErrBadFrame":          vsockd.ErrBadFrame,
 	"vsockd.ErrFrameTooLarge":     vsockd.ErrFrameTooLarge,
+	"api.ErrInvalidSpec":          api.ErrInvalidSpec,
+	"api.ErrInvalidName":          api.ErrInvalidName,
+	"api.ErrExists":               api.ErrExists,
+	"api.ErrNotFound":             api.ErrNotFound,
+	"api.ErrQEMUMissing":          api.ErrQEMUMissing,
+	"api.ErrQEMUTooOld":           api.ErrQEMUTooOld,
+	"api.ErrImageMissing":         api.ErrImageMissing,
+	"api.ErrImageNotFound":        api.ErrImageNotFound,
+	"api.ErrAgentBusy":            api.ErrAgentBusy,
+	"api.ErrQEMUExited":           api.ErrQEMUExited,
+	"api.ErrAgentTimeout":         api.ErrAgentTimeout,
+	"api.ErrNotRunning":           api.ErrNotRunning,
+	"api.ErrPaused":               api.ErrPaused,
+	"api.ErrNotForkable":          api.ErrNotForkable,
+	"api.ErrLocked":               api.ErrLocked,
+	"api.ErrCheckpointCorrupt":    api.ErrCheckpointCorrupt,
+	"api.ErrIncompatible":         api.ErrIncompatible,
+	"api.ErrInUse":                api.ErrInUse,
+	"api.ErrAdmission":            api.ErrAdmission,
+	"api.ErrClosed":               api.ErrClosed,
+	"api.ErrPortInUse":            api.ErrPortInUse,
+	"api.ErrPortUnavailable":      api.ErrPortUnavailable,
+	"api.ErrNotTCG":               api.ErrNotTCG,
+	"api.ErrTokenMismatch":        api.ErrTokenMismatch,
+	"api.ErrAgentClosed":          api.ErrAgentClosed,
+	"api.ErrOutputLimit":          api.ErrOutputLimit,
+	"api.ErrFileTooLarge":         api.ErrFileTooLarge,
+	"api.ErrStreamReset":          api.ErrStreamReset,
+	"api.ErrSessionReset":         api.ErrSessionReset,
+	"api.ErrProtocol":             api.ErrProtocol,
+	"api.ErrUnsupported":          api.ErrUnsupported,
+	"api.ErrConnLost":             api.ErrConnLost,
+	"api.ErrEmptyArgv":            api.ErrEmptyArgv,
+	"api.ErrInvalidRequest":       api.ErrInvalidRequest,
+	"api.ErrCommandNotFound":      api.ErrCommandNotFound,
+	"api.ErrNotExecutable":        api.ErrNotExecutable,
+	"api.ErrWorkdir":              api.ErrWorkdir,
+	"api.ErrUnknownUser":          api.ErrUnknownUser,
+	"api.ErrSourceMissing":        api.ErrSourceMissing,
+	"api.ErrNotDirectory":         api.ErrNotDirectory,
+	"api.ErrUnsafeEntry":          api.ErrUnsafeEntry,
+	"api.ErrBadArchive":           api.ErrBadArchive,
+	"api.ErrBadFrame":             api.ErrBadFrame,
+	"api.ErrFrameTooLarge":        api.ErrFrameTooLarge,
 }
 
 // exportedSentinels lists the exported package-level variables named Err* declared in
@@ -117,7 +162,7 @@ func exportedSentinels(t *testing.T, dir, pkg string) []string {
 // with errors.Is on the client side (ErrUnsafeEntry once came back as internal/500).
 func TestEverySentinelHasACode(t *testing.T) {
 	var names []string
-	for _, p := range []struct{ dir, pkg string }{{"../../engine", "engine"}, {"../../vsockd", "vsockd"}} {
+	for _, p := range []struct{ dir, pkg string }{{"../../engine", "engine"}, {"../../vsockd", "vsockd"}, {"../api", "api"}} {
 		names = append(names, exportedSentinels(t, p.dir, p.pkg)...)
 	}
 	if len(names) < 20 {
@@ -126,19 +171,18 @@ func TestEverySentinelHasACode(t *testing.T) {
 	for _, n := range names {
 		err, ok := sentinels[n]
 		if !ok {
-			t.Errorf("%s is not in this test's sentinel list (add it here and a row to serve's code table)", n)
+			t.Errorf("%s is not in this test's sentinel list (add it here and a row to api's code table)", n)
 			continue
 		}
 		wrapped := fmt.Errorf("context: %w", err)
-		o := serve.ErrorObjectOf(wrapped)
-		if o.Code == serve.CodeInternal {
+		o, status := api.ErrorObjectOf(wrapped)
+		if o.Code == api.CodeInternal {
 			t.Errorf("%s maps to %s", n, o.Code)
 			continue
 		}
-		if s := serve.SentinelOf(o.Code); s == nil || !errors.Is(err, s) {
+		if s := api.SentinelOf(o.Code); s == nil || !errors.Is(err, s) {
 			t.Errorf("%s: code %s maps back to %v", n, o.Code, s)
 		}
-		status := serve.StatusOf(wrapped)
 		got := errorFrom(status, o)
 		if !errors.Is(got, err) {
 			t.Errorf("%s: the client's error for code %s (HTTP %d) does not match it", n, o.Code, status)
@@ -151,7 +195,8 @@ func TestEverySentinelHasACode(t *testing.T) {
 	// vsockd.ErrUnsafeEntry share theirs).
 	codeOf := map[string]error{}
 	for n, err := range sentinels {
-		c := serve.ErrorObjectOf(err).Code
+		o, _ := api.ErrorObjectOf(err)
+		c := o.Code
 		if prev, ok := codeOf[c]; ok && prev != err {
 			t.Errorf("code %s stands for two errors (%v and %s)", c, prev, n)
 		}
@@ -166,7 +211,7 @@ func TestEverySentinelHasACode(t *testing.T) {
 		{&os.PathError{Op: "write", Path: "/x", Err: syscall.ENOSPC}, syscall.ENOSPC, 507},
 		{fmt.Errorf("start: %w", syscall.E2BIG), syscall.E2BIG, 400},
 	} {
-		o, status := serve.ErrorObjectOf(c.err), serve.StatusOf(c.err)
+		o, status := api.ErrorObjectOf(c.err)
 		if status != c.status || !errors.Is(errorFrom(status, o), c.errno) {
 			t.Errorf("%v: code %s HTTP %d, want %d and errors.Is %v on the client", c.err, o.Code, status, c.status, c.errno)
 		}
