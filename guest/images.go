@@ -216,8 +216,6 @@ type contentRecord struct {
 
 type rootfsDirs struct{ base, names, legacyNames, blobs, refs, recipes string }
 
-func imageDirs(cacheDir string) rootfsDirs { return ImageStore{CacheDir: cacheDir}.dirs() }
-
 func (st ImageStore) dirs() rootfsDirs {
 	cacheDir := st.CacheDir
 	if cacheDir == "" {

@@ -10,6 +10,71 @@ import (
 	"strings"
 )
 
+// Pagemap bits (Documentation/admin-guide/mm/pagemap.rst).
+const (
+	pmPresent = 1 << 63
+	pmSwapped = 1 << 62
+	pmFile    = 1 << 61 // file page or shared anonymous
+)
+
+// candidatePages returns the pages whose current content may differ from what the
+// lineage holds, given the pagemap entries of a private file mapping and which pages
+// some ancestor layer holds: pages present and not file pages (private copies), swapped
+// pages (private copies on swap), and every page an ancestor layer holds (the mapping
+// holds it privately unless something dropped it; its current content must be compared
+// anyway).
+func candidatePages(pagemap []uint64, inLayers func(int64) bool) []int64 {
+	var out []int64
+	for i, e := range pagemap {
+		p := int64(i)
+		// A present file page is the root file's page, shared: not a candidate unless a
+		// layer holds the page (then the mapping lost its private copy, e.g. to a discard,
+		// and the guest sees the root's content, which must be compared too).
+		if e&pmPresent != 0 && e&pmFile == 0 || e&pmSwapped != 0 || inLayers(p) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// owners maps each page to the newest layer holding it (index into layers), -1 for the
+// root file.
+func owners(layers []string, pages int64) ([]int16, error) {
+	own := make([]int16, pages)
+	for i := range own {
+		own[i] = -1
+	}
+	for li, path := range layers {
+		exts, err := layerExtents(path)
+		if err != nil {
+			return nil, err
+		}
+		for _, e := range exts {
+			for p := e.off / PageSize; p < (e.off+e.len+PageSize-1)/PageSize && p < pages; p++ {
+				own[p] = int16(li)
+			}
+		}
+	}
+	return own, nil
+}
+
+func layerExtents(path string) ([]extent, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("memfile: layer: %w", err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("memfile: layer: %w", err)
+	}
+	exts, err := dataExtents(f, st.Size())
+	if err != nil {
+		return nil, fmt.Errorf("memfile: layer %s: %w", path, err)
+	}
+	return exts, nil
+}
+
 // FindMapping returns the start address of the mapping of file path in process pid's
 // address space that is at least size bytes long (/proc/PID/maps). A mapping of a path
 // that was unlinked since (" (deleted)") still matches.
