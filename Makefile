@@ -60,7 +60,7 @@ image: build
 ## unit: vet and unit tests (no VMs)
 unit:
 	$(GO) vet ./...
-	$(GO) test -count=1 ./engine/ ./qmp/ ./vsockd/ ./memfile/ ./guest/ ./cmd/...
+	$(GO) test -count=1 ./engine/ ./qmp/ ./vsockd/ ./memfile/ ./procinfo/ ./guest/ ./cmd/...
 
 ## lint: staticcheck (checks in staticcheck.conf) over the Linux and the darwin build
 lint: $(STATICCHECK)
@@ -88,7 +88,7 @@ fuzz:
 	$(GO) test -run='^$$' -fuzz=FuzzExtractTar -fuzztime=5000x ./vsockd/
 	$(GO) test -run='^$$' -fuzz=FuzzManifest -fuzztime=50000x ./engine/
 	$(GO) test -run='^$$' -fuzz=FuzzParseJIT -fuzztime=50000x ./engine/
-	$(GO) test -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./memfile/
+	$(GO) test -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./procinfo/
 	$(GO) test -run='^$$' -fuzz=FuzzDecodeRanges -fuzztime=20000x ./memfile/
 
 ## itest: integration tests that boot real QEMU

@@ -6,12 +6,12 @@ import (
 	"path/filepath"
 	"strings"
 
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // MemoryUsage is where a running VM's host memory goes, read from its QEMU process's
 // /proc/PID/smaps and status (Linux; elsewhere Memory returns an error wrapping
-// memfile.ErrUnsupported). Sizes are in bytes (JSON keys end in _bytes).
+// procinfo.ErrUnsupported). Sizes are in bytes (JSON keys end in _bytes).
 //
 // Private is what the VM adds to the host; Shared is resident memory that other
 // processes or the page cache hold anyway. For a fork, reading the checkpoint's RAM
@@ -68,10 +68,10 @@ func (vm *VM) Memory(ctx context.Context) (*MemoryUsage, error) {
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}
-	ms, err := memfile.ProcessMappings(pid)
+	ms, err := procinfo.ProcessMappings(pid)
 	var pte int64
 	if err == nil {
-		pte, err = memfile.ProcessPageTables(pid)
+		pte, err = procinfo.ProcessPageTables(pid)
 	}
 	if err != nil {
 		if !vm.alive() { // exited while being read
@@ -94,7 +94,7 @@ const tcgJITFile = "/memfd:tcg-jit"
 // ClassifyMemory sorts a QEMU process's mappings into a MemoryUsage (PageTables and PID
 // left 0). ramPath is the guest RAM file the VM maps ("" for anonymous guest RAM, which
 // is then recognised as the anonymous mappings at least guestBytes long).
-func ClassifyMemory(ms []memfile.Mapping, ramPath string, guestBytes int64) *MemoryUsage {
+func ClassifyMemory(ms []procinfo.Mapping, ramPath string, guestBytes int64) *MemoryUsage {
 	u := &MemoryUsage{}
 	if ramPath != "" {
 		ramPath = filepath.Clean(ramPath)

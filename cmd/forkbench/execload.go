@@ -18,7 +18,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
@@ -540,7 +540,7 @@ func cpuOf(pid int) time.Duration {
 	if pid <= 0 {
 		return 0
 	}
-	u, s, err := memfile.ProcessCPU(pid)
+	u, s, err := procinfo.ProcessCPU(pid)
 	if err != nil {
 		return 0
 	}

@@ -18,7 +18,7 @@ import (
 
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // runner is one benchmark run: the engine on its state dir, the result being built and
@@ -400,7 +400,7 @@ func isAdmission(err error) (*engine.AdmissionError, bool) {
 
 // memAvailableMB is MemAvailable in MB (-1 when unknown).
 func memAvailableMB() float64 {
-	v, err := memfile.MemAvailable()
+	v, err := procinfo.MemAvailable()
 	if err != nil {
 		return -1
 	}

@@ -12,7 +12,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 func treeCmd() *cli.Command {
@@ -168,7 +168,7 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 		if r.shape.DiskMiB == 0 {
 			L.StockSaveMS, L.StockRestoreMS = r.stockSaveRestore(node, lvl)
 		}
-		avail0, _ := memfile.MemAvailable()
+		avail0, _ := procinfo.MemAvailable()
 		var children []*engine.VM
 		var lat []float64
 		for i := 1; i <= branch; i++ {
@@ -181,7 +181,7 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 			children = append(children, vm)
 			lat = append(lat, s.LatencyMS)
 		}
-		if avail1, err := memfile.MemAvailable(); err == nil && len(children) > 0 {
+		if avail1, err := procinfo.MemAvailable(); err == nil && len(children) > 0 {
 			L.HostMemPerForkMB = round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
 		}
 		L.Ready, L.ForkP50MS = len(children), round3(median(lat))
