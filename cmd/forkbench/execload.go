@@ -379,103 +379,147 @@ func execLoadTable(s *ExecLoadSettings, in, dm ExecMode, phases []ExecPhase, r50
 // runExecPhase runs one phase: the daemon up for a daemon phase (down for an in-process
 // one), the warm-up, then the timed clients.
 func runExecPhase(r *runner, s *ExecLoadSettings, d *execDaemon, names []string, pids []int, round int, mode string) (ExecPhase, error) {
-	ctx := r.ctx
-	p := ExecPhase{Round: round, Mode: mode, Errors: []string{}}
-	var run execFn
-	switch mode {
+	ph := &execPhase{r: r, s: s, names: names, p: ExecPhase{Round: round, Mode: mode, Errors: []string{}}}
+	run, closeRun, err := ph.path(d)
+	if err != nil {
+		return ph.p, err
+	}
+	defer closeRun()
+	ph.run = run
+	if err := ph.warmup(); err != nil {
+		return ph.p, err
+	}
+	return ph.p, ph.timed(d, pids)
+}
+
+// execPhase is one phase of runExecLoad while it runs; mu guards p's failure counts and
+// errors.
+type execPhase struct {
+	r     *runner
+	s     *ExecLoadSettings
+	names []string
+	run   execFn
+	mu    sync.Mutex
+	p     ExecPhase
+}
+
+// path returns the exec path of the phase's mode, with the daemon stopped (in-process)
+// or started (daemon), and what closes its clients.
+func (ph *execPhase) path(d *execDaemon) (execFn, func(), error) {
+	r, s, names := ph.r, ph.s, ph.names
+	switch ph.p.Mode {
 	case modeInProcess:
 		if err := d.down(); err != nil {
-			return p, fmt.Errorf("daemon: stop: %w", err)
+			return nil, nil, fmt.Errorf("daemon: stop: %w", err)
 		}
 		vms := make([]*engine.VM, len(names))
 		for i, n := range names {
 			vm, err := r.e.Get(n)
 			if err != nil {
-				return p, err
+				return nil, nil, err
 			}
 			vms[i] = vm
 		}
-		run = func(ctx context.Context, _, fork int, req *vsockd.ExecRequest) (int, error) {
+		return func(ctx context.Context, _, fork int, req *vsockd.ExecRequest) (int, error) {
 			return vms[fork].Exec(ctx, req)
-		}
+		}, func() {}, nil
 	case modeDaemon:
-		if err := d.up(ctx); err != nil {
-			return p, fmt.Errorf("daemon: start: %w", err)
+		if err := d.up(r.ctx); err != nil {
+			return nil, nil, fmt.Errorf("daemon: start: %w", err)
 		}
 		clients := make([]*client.Client, s.Clients)
 		for i := range clients {
 			if i == 0 || !s.SharedClient {
 				clients[i] = client.New(d.sock)
-				defer clients[i].Close()
 			} else {
 				clients[i] = clients[0]
 			}
 		}
-		run = func(ctx context.Context, c, fork int, req *vsockd.ExecRequest) (int, error) {
+		closeAll := func() {
+			for i, c := range clients {
+				if i == 0 || !s.SharedClient {
+					c.Close()
+				}
+			}
+		}
+		return func(ctx context.Context, c, fork int, req *vsockd.ExecRequest) (int, error) {
 			return clients[c].Exec(ctx, names[fork], req)
-		}
+		}, closeAll, nil
 	}
-	timeout := time.Duration(s.ExecTimeoutMS) * time.Millisecond
-	one := func(c, fork int) (time.Duration, error) {
-		ctx, cancel := context.WithTimeout(ctx, timeout)
-		defer cancel()
-		var out, errb bytes.Buffer
-		t := time.Now()
-		code, err := run(ctx, c, fork, &vsockd.ExecRequest{Argv: s.Argv, Stdout: &out, Stderr: &errb})
-		rt := time.Since(t)
-		switch {
-		case err != nil:
-			return rt, fmt.Errorf("%s: %w", names[fork], err)
-		case code != 0:
-			return rt, fmt.Errorf("%s: exit code %d, stderr %q", names[fork], code, strings.TrimSpace(errb.String()))
-		case s.Expect != nil && strings.TrimRight(out.String(), "\n") != *s.Expect:
-			return rt, fmt.Errorf("%s: stdout %q, want %q", names[fork], out.String(), *s.Expect)
-		}
-		return rt, nil
-	}
-	var mu sync.Mutex
-	failed := func(err error, warm bool) {
-		mu.Lock()
-		defer mu.Unlock()
-		if warm {
-			p.WarmupFailures++
-			err = fmt.Errorf("warm-up: %w", err)
-		} else {
-			p.Failures++
-		}
-		if len(p.Errors) < execLoadMaxErrors {
-			p.Errors = append(p.Errors, err.Error())
-			r.fail("round %d %s: %v", round, mode, err)
-		} else {
-			r.failQuiet()
-		}
-	}
+	return nil, nil, fmt.Errorf("exec phase: unknown mode %q", ph.p.Mode)
+}
 
-	// Warm-up: every client, concurrently, through this phase's path (the agent
-	// connections, the daemon's HTTP connections, translated guest code).
+// one runs client c's exec on fork and checks its exit code and output.
+func (ph *execPhase) one(c, fork int) (time.Duration, error) {
+	s, names := ph.s, ph.names
+	ctx, cancel := context.WithTimeout(ph.r.ctx, time.Duration(s.ExecTimeoutMS)*time.Millisecond)
+	defer cancel()
+	var out, errb bytes.Buffer
+	t := time.Now()
+	code, err := ph.run(ctx, c, fork, &vsockd.ExecRequest{Argv: s.Argv, Stdout: &out, Stderr: &errb})
+	rt := time.Since(t)
+	switch {
+	case err != nil:
+		return rt, fmt.Errorf("%s: %w", names[fork], err)
+	case code != 0:
+		return rt, fmt.Errorf("%s: exit code %d, stderr %q", names[fork], code, strings.TrimSpace(errb.String()))
+	case s.Expect != nil && strings.TrimRight(out.String(), "\n") != *s.Expect:
+		return rt, fmt.Errorf("%s: stdout %q, want %q", names[fork], out.String(), *s.Expect)
+	}
+	return rt, nil
+}
+
+// failed counts a failed exec (of the warm-up or timed) and reports the first few.
+func (ph *execPhase) failed(err error, warm bool) {
+	ph.mu.Lock()
+	defer ph.mu.Unlock()
+	p := &ph.p
+	if warm {
+		p.WarmupFailures++
+		err = fmt.Errorf("warm-up: %w", err)
+	} else {
+		p.Failures++
+	}
+	if len(p.Errors) < execLoadMaxErrors {
+		p.Errors = append(p.Errors, err.Error())
+		ph.r.fail("round %d %s: %v", p.Round, p.Mode, err)
+	} else {
+		ph.r.failQuiet()
+	}
+}
+
+// warmup runs every client's warm-up execs, concurrently, through this phase's path (the
+// agent connections, the daemon's HTTP connections, translated guest code).
+func (ph *execPhase) warmup() error {
+	ctx := ph.r.ctx
 	var wg sync.WaitGroup
-	for c := range s.Clients {
+	for c := range ph.s.Clients {
 		wg.Go(func() {
-			for range s.Warmup {
+			for range ph.s.Warmup {
 				if ctx.Err() != nil {
 					return
 				}
-				if _, err := one(c, c%len(names)); err != nil && ctx.Err() == nil {
-					failed(err, true)
+				if _, err := ph.one(c, c%len(ph.names)); err != nil && ctx.Err() == nil {
+					ph.failed(err, true)
 				}
 			}
 		})
 	}
 	wg.Wait()
-	if err := ctx.Err(); err != nil {
-		return p, err
-	}
+	return ctx.Err()
+}
 
+// timed runs the timed execs of every client, started together, and fills the phase's
+// latencies, throughput and CPU per exec (the benchmark's, QEMU's pids', the daemon's).
+func (ph *execPhase) timed(d *execDaemon, pids []int) error {
+	r, s, names, ctx := ph.r, ph.s, ph.names, ph.r.ctx
+	p := &ph.p
 	cpu0 := cpuOf(os.Getpid())
 	dcpu0, qcpu0, conns0 := d.cpu(), cpuOfAll(pids), d.accepts.Load()
 	lat := make([][]float64, s.Clients)
 	samples := make([][]Sample, s.Clients)
 	start := make(chan struct{})
+	var wg sync.WaitGroup
 	t0 := time.Now()
 	for c := range s.Clients {
 		wg.Go(func() {
@@ -485,14 +529,14 @@ func runExecPhase(r *runner, s *ExecLoadSettings, d *execDaemon, names []string,
 				if ctx.Err() != nil {
 					return
 				}
-				rt, err := one(c, fork)
-				sm := Sample{Group: fmt.Sprintf("r%d-%s", round, mode), Index: c*s.Execs + j, Name: names[fork], OK: err == nil, LatencyMS: ms(rt)}
+				rt, err := ph.one(c, fork)
+				sm := Sample{Group: fmt.Sprintf("r%d-%s", p.Round, p.Mode), Index: c*s.Execs + j, Name: names[fork], OK: err == nil, LatencyMS: ms(rt)}
 				if err != nil {
 					if ctx.Err() != nil {
 						return // the run is being stopped: not a failure of the exec
 					}
 					sm.Error = err.Error()
-					failed(err, false)
+					ph.failed(err, false)
 				} else {
 					lat[c] = append(lat[c], ms(rt))
 				}
@@ -505,7 +549,7 @@ func runExecPhase(r *runner, s *ExecLoadSettings, d *execDaemon, names []string,
 	wall := time.Since(t0)
 	cpu1, dcpu1, qcpu1, conns1 := cpuOf(os.Getpid()), d.cpu(), cpuOfAll(pids), d.accepts.Load()
 	if err := ctx.Err(); err != nil {
-		return p, err
+		return err
 	}
 	for c := range s.Clients {
 		p.lat = append(p.lat, lat[c]...)
@@ -521,11 +565,11 @@ func runExecPhase(r *runner, s *ExecLoadSettings, d *execDaemon, names []string,
 	perExec := func(d time.Duration) float64 { return round3(ratio(ms(d), float64(p.OK))) }
 	p.BenchCPUMSPerExec = perExec(cpu1 - cpu0)
 	p.QEMUCPUMSPerExec = perExec(qcpu1 - qcpu0)
-	if mode == modeDaemon && d.binary != "" {
+	if p.Mode == modeDaemon && d.binary != "" {
 		p.DaemonCPUMSPerExec = perExec(dcpu1 - dcpu0)
 	}
 	p.DaemonConns = conns1 - conns0
-	return p, nil
+	return nil
 }
 
 // failQuiet counts a failure without logging it (one of many already reported).
