@@ -260,7 +260,18 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 		return fmt.Errorf("daemon: stop: %w", err)
 	}
 
-	in, dm := summarizeMode(phases, modeInProcess), summarizeMode(phases, modeDaemon)
+	in, dm, r50, r99, met := r.execLoadResult(s, phases)
+	r.res.Method = execLoadMethod(r, s)
+	table := execLoadTable(s, in, dm, phases, r50, r99, met)
+	fmt.Print(table)
+	r.section("## Exec load\n\n```\n%s```\n\n", table)
+	return nil
+}
+
+// execLoadResult makes the daemon's p50 the headline and records both modes, their
+// ratios (pooled and per round) and whether the ratio is within the target.
+func (r *runner) execLoadResult(s *ExecLoadSettings, phases []ExecPhase) (in, dm ExecMode, r50, r99 float64, met bool) {
+	in, dm = summarizeMode(phases, modeInProcess), summarizeMode(phases, modeDaemon)
 	var daemonLat []float64
 	for _, p := range phases {
 		if p.Mode == modeDaemon {
@@ -268,8 +279,8 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 		}
 	}
 	r.p50Headline("exec_daemon_p50_ms", daemonLat)
-	r50, r99 := ratio(dm.Percentiles.P50, in.Percentiles.P50), ratio(dm.Percentiles.P99, in.Percentiles.P99)
-	met := targetMet(r50, s.Target)
+	r50, r99 = ratio(dm.Percentiles.P50, in.Percentiles.P50), ratio(dm.Percentiles.P99, in.Percentiles.P99)
+	met = targetMet(r50, s.Target)
 	var roundRatios []float64
 	for round := 1; round <= s.Rounds; round++ {
 		var pi, pd float64
@@ -295,6 +306,11 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 		r.notOK = true
 		r.caveat("daemon p50 / in-process p50 = %.3f, over the target %.2f", r50, s.Target)
 	}
+	return in, dm, r50, r99, met
+}
+
+// execLoadMethod is result.json's method of an exec-load run.
+func execLoadMethod(r *runner, s *ExecLoadSettings) string {
 	order := "ABBA"
 	if s.Rounds == 1 {
 		order = "in-process, then daemon"
@@ -307,7 +323,7 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 	if s.SharedClient {
 		clients = "one serve/client.Client shared by all clients"
 	}
-	r.res.Method = fmt.Sprintf("A world (%d vCPU, %d MiB, %d MB dirtied), its pinned checkpoint, the world deleted, %d forks of the checkpoint (ForkMany). "+
+	return fmt.Sprintf("A world (%d vCPU, %d MiB, %d MB dirtied), its pinned checkpoint, the world deleted, %d forks of the checkpoint (ForkMany). "+
 		"Then %d round(s) of two phases (%s; odd rounds in-process first). In each phase %d clients start together (client i uses fork i mod %d) and each runs %d execs of %q one after the other; "+
 		"an exec's round trip is timed from the call to its return with the exit code, and it succeeds with %s. "+
 		"In-process: engine VM.Exec. Daemon: %s; the clients use serve/client Exec (%s) on its unix socket. "+
@@ -318,11 +334,6 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 		"With the in-process daemon, the connections it accepted during each timed part are counted (HTTP connection reuse).",
 		r.shape.CPUs, r.shape.MemoryMiB, r.shape.DirtyMB, s.Forks, s.Rounds, order, s.Clients, s.Forks, s.Execs, s.Argv, check,
 		s.Daemon, clients, s.Warmup, s.Target)
-
-	table := execLoadTable(s, in, dm, phases, r50, r99, met)
-	fmt.Print(table)
-	r.section("## Exec load\n\n```\n%s```\n\n", table)
-	return nil
 }
 
 // execLoadTable is the human summary: a row per mode and per phase, the ratios and the
