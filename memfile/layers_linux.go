@@ -136,20 +136,10 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 	if err != nil {
 		return nil, err
 	}
-	pm, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", pid))
+	entries, err := readPagemap(pid, addr, pages)
 	if err != nil {
-		return nil, fmt.Errorf("memfile: pagemap: %w", err)
+		return nil, err
 	}
-	defer pm.Close()
-	raw := make([]byte, pages*8)
-	if _, err := pm.ReadAt(raw, int64(addr/PageSize*8)); err != nil {
-		return nil, fmt.Errorf("memfile: pagemap of %d: %w", pid, err)
-	}
-	entries := make([]uint64, pages)
-	for i := range entries {
-		entries[i] = binary.LittleEndian.Uint64(raw[i*8:])
-	}
-	raw = nil
 	inLayers := func(p int64) bool { return own[p] >= 0 }
 	if flat {
 		inLayers = func(int64) bool { return false }
@@ -184,6 +174,36 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 		return nil, fmt.Errorf("memfile: layer: %w", err)
 	}
 	st := &ExtractStats{Candidates: int64(len(cand))}
+	if err := copyDiffering(pid, mem, addr, cand, own, files, o, st); err != nil {
+		return nil, err
+	}
+	ok = true
+	return st, nil
+}
+
+// readPagemap reads the pagemap entries of pages pages of process pid from addr.
+func readPagemap(pid int, addr uint64, pages int64) ([]uint64, error) {
+	pm, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", pid))
+	if err != nil {
+		return nil, fmt.Errorf("memfile: pagemap: %w", err)
+	}
+	defer pm.Close()
+	raw := make([]byte, pages*8)
+	if _, err := pm.ReadAt(raw, int64(addr/PageSize*8)); err != nil {
+		return nil, fmt.Errorf("memfile: pagemap of %d: %w", pid, err)
+	}
+	entries := make([]uint64, pages)
+	for i := range entries {
+		entries[i] = binary.LittleEndian.Uint64(raw[i*8:])
+	}
+	return entries, nil
+}
+
+// copyDiffering reads the candidate pages (ascending) from the process's memory at
+// addr, in runs, compares each with its owner's page in the lineage (files[0] the root,
+// files[i+1] layer i; own from owners) and writes those that differ to o at their guest
+// offsets, counting them in st.
+func copyDiffering(pid int, mem *os.File, addr uint64, cand []int64, own []int16, files []*os.File, o *os.File, st *ExtractStats) error {
 	const maxRun = 256 // pages per read
 	cur := make([]byte, maxRun*PageSize)
 	ref := make([]byte, maxRun*PageSize)
@@ -196,7 +216,7 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 		first, n := cand[i], j-i
 		c, r := cur[:n*PageSize], ref[:n*PageSize]
 		if _, err := mem.ReadAt(c, int64(addr)+first*PageSize); err != nil {
-			return nil, fmt.Errorf("memfile: read guest page %d of process %d: %w", first, pid, err)
+			return fmt.Errorf("memfile: read guest page %d of process %d: %w", first, pid, err)
 		}
 		// The reference: sub-runs of one owner each.
 		for k := 0; k < n; {
@@ -206,7 +226,7 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 			}
 			f := files[own[first+int64(k)]+1]
 			if _, err := f.ReadAt(r[k*PageSize:l*PageSize], (first+int64(k))*PageSize); err != nil {
-				return nil, fmt.Errorf("memfile: read lineage %s: %w", f.Name(), err)
+				return fmt.Errorf("memfile: read lineage %s: %w", f.Name(), err)
 			}
 			k = l
 		}
@@ -221,15 +241,14 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 				l++
 			}
 			if _, err := o.WriteAt(c[k*PageSize:l*PageSize], (first+int64(k))*PageSize); err != nil {
-				return nil, fmt.Errorf("memfile: write layer: %w", err)
+				return fmt.Errorf("memfile: write layer: %w", err)
 			}
 			st.Written += int64(l - k)
 			k = l
 		}
 		i = j
 	}
-	ok = true
-	return st, nil
+	return nil
 }
 
 // InjectLayers writes every layer's pages (oldest first, so a newer layer's page wins)
