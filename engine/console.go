@@ -13,7 +13,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // The guest console, bounded.
@@ -138,9 +138,9 @@ func stopConsoleKeeper(runDir, logPath string) {
 		}
 	}
 	if len(ks) == 0 && logPath != "" {
-		pids, _ := memfile.ProcessesWithArg(logPath)
+		pids, _ := procinfo.ProcessesWithArg(logPath)
 		for _, pid := range pids {
-			args, err := memfile.ProcessArgs(pid)
+			args, err := procinfo.ProcessArgs(pid)
 			if err != nil || len(args) != 2 || args[0] != consoleKeeperArg0 || args[1] != logPath {
 				continue
 			}

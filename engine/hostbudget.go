@@ -10,7 +10,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // qemuMarker is in the -name argument of every QEMU a forkvm engine starts (its process
@@ -43,7 +43,7 @@ var realHost = hostProbe{proc: "/proc", selfCgroup: "/proc/self/cgroup", mountin
 // qemus returns the forkvm QEMU processes on the host whose argv contains no argument
 // containing skip (the engine's own run directory: those it counts itself).
 func (h hostProbe) qemus(skip string) []qemuUse {
-	pids, err := memfile.ProcessesWithArgAt(h.proc, qemuMarker)
+	pids, err := procinfo.ProcessesWithArgAt(h.proc, qemuMarker)
 	if err != nil {
 		return nil
 	}

@@ -6,7 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/serve/api"
 )
 
@@ -25,10 +25,10 @@ func (vm *VM) Memory(ctx context.Context) (*MemoryUsage, error) {
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}
-	ms, err := memfile.ProcessMappings(pid)
+	ms, err := procinfo.ProcessMappings(pid)
 	var pte int64
 	if err == nil {
-		pte, err = memfile.ProcessPageTables(pid)
+		pte, err = procinfo.ProcessPageTables(pid)
 	}
 	if err != nil {
 		if !vm.alive() { // exited while being read
@@ -51,7 +51,7 @@ const tcgJITFile = "/memfd:tcg-jit"
 // ClassifyMemory sorts a QEMU process's mappings into a MemoryUsage (PageTables and PID
 // left 0). ramPath is the guest RAM file the VM maps ("" for anonymous guest RAM, which
 // is then recognised as the anonymous mappings at least guestBytes long).
-func ClassifyMemory(ms []memfile.Mapping, ramPath string, guestBytes int64) *MemoryUsage {
+func ClassifyMemory(ms []procinfo.Mapping, ramPath string, guestBytes int64) *MemoryUsage {
 	u := &MemoryUsage{}
 	if ramPath != "" {
 		ramPath = filepath.Clean(ramPath)

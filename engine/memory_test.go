@@ -3,16 +3,16 @@ package engine
 import (
 	"testing"
 
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 func TestClassifyMemory(t *testing.T) {
 	const k = 1 << 10
 	const ram = "/dev/shm/forkvm-x/ck-a.ram"
-	mapping := func(perms, path string, size, rss, anon int64) memfile.Mapping {
-		return memfile.Mapping{Start: 1 << 30, End: 1<<30 + uint64(size), Perms: perms, Path: path, Rss: rss, Anonymous: anon}
+	mapping := func(perms, path string, size, rss, anon int64) procinfo.Mapping {
+		return procinfo.Mapping{Start: 1 << 30, End: 1<<30 + uint64(size), Perms: perms, Path: path, Rss: rss, Anonymous: anon}
 	}
-	qemu := []memfile.Mapping{
+	qemu := []procinfo.Mapping{
 		mapping("r-xp", "/usr/bin/qemu-system-x86_64", 6628*k, 6112*k, 0),       // shared code
 		mapping("r--p", "/usr/bin/qemu-system-x86_64", 12208*k, 1632*k, 1632*k), // relocated
 		mapping("rw-p", "/usr/lib/x86_64-linux-gnu/libglib-2.0.so.0", 8*k, 8*k, 4*k),
@@ -25,14 +25,14 @@ func TestClassifyMemory(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name    string
-		extra   []memfile.Mapping
+		extra   []procinfo.Mapping
 		ramPath string
 		guest   int64
 		want    MemoryUsage
 	}{
 		{
 			name:    "fork: copy-on-write mapping of the checkpoint file",
-			extra:   []memfile.Mapping{mapping("rw-p", ram, 2<<30, 22592*k, 2508*k)},
+			extra:   []procinfo.Mapping{mapping("rw-p", ram, 2<<30, 22592*k, 2508*k)},
 			ramPath: ram + "/", // not clean: compared cleaned
 			guest:   2 << 30,
 			want: MemoryUsage{GuestWritten: 2508 * k, GuestFile: (22592 - 2508) * k, TCGCode: 6140 * k,
@@ -40,7 +40,7 @@ func TestClassifyMemory(t *testing.T) {
 		},
 		{
 			name:    "forkable VM: shared RAM file, deleted while mapped",
-			extra:   []memfile.Mapping{mapping("rw-s", ram+" (deleted)", 2<<30, 300<<20, 0)},
+			extra:   []procinfo.Mapping{mapping("rw-s", ram+" (deleted)", 2<<30, 300<<20, 0)},
 			ramPath: ram,
 			guest:   2 << 30,
 			want: MemoryUsage{GuestFile: 300 << 20, TCGCode: 6140 * k,
@@ -48,14 +48,14 @@ func TestClassifyMemory(t *testing.T) {
 		},
 		{
 			name:  "anonymous guest RAM (restore of a full save)",
-			extra: []memfile.Mapping{mapping("rw-p", "", 2<<30, 400<<20, 400<<20)},
+			extra: []procinfo.Mapping{mapping("rw-p", "", 2<<30, 400<<20, 400<<20)},
 			guest: 2 << 30,
 			want: MemoryUsage{GuestWritten: 400 << 20, TCGCode: 6140 * k,
 				Heap: (5112 + 1284 + 24) * k, Libraries: (1632 + 4) * k},
 		},
 		{
 			name: "split-wx: TCG buffer in a memfd mapped twice",
-			extra: []memfile.Mapping{
+			extra: []procinfo.Mapping{
 				mapping("rw-s", "/memfd:tcg-jit (deleted)", 64<<20, 3<<20, 0),
 				mapping("r-xs", "/memfd:tcg-jit (deleted)", 64<<20, 3<<20, 0),
 				mapping("rw-p", ram, 2<<30, 8<<20, 1<<20),
@@ -67,7 +67,7 @@ func TestClassifyMemory(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ms := append(append([]memfile.Mapping{}, qemu...), tc.extra...)
+			ms := append(append([]procinfo.Mapping{}, qemu...), tc.extra...)
 			got := ClassifyMemory(ms, tc.ramPath, tc.guest)
 			want := tc.want
 			want.Private = want.GuestWritten + want.TCGCode + want.Heap + want.Libraries

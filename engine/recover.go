@@ -14,7 +14,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // recoverState re-finds what an earlier engine on the state directory left, after a clean
@@ -181,7 +181,7 @@ func holdParent(dir string, held func(string)) string {
 
 // qemusOf returns the processes using the QMP socket of a VM's run directory.
 func qemusOf(runDir string) []int {
-	pids, _ := memfile.ProcessesWithArg("path=" + escapeOpt(filepath.Join(runDir, qmpSockName)) + ",")
+	pids, _ := procinfo.ProcessesWithArg("path=" + escapeOpt(filepath.Join(runDir, qmpSockName)) + ",")
 	return pids
 }
 

@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -29,10 +28,6 @@ var (
 func buildTestAgent(t *testing.T) string {
 	t.Helper()
 	agentOnce.Do(func() {
-		goBin := filepath.Join(runtime.GOROOT(), "bin", "go")
-		if _, err := os.Stat(goBin); err != nil {
-			goBin = "go"
-		}
 		agentTemp, agentErr = os.MkdirTemp("", "forkvm-agent-test-")
 		if agentErr != nil {
 			return
@@ -40,7 +35,9 @@ func buildTestAgent(t *testing.T) string {
 		agentBin = filepath.Join(agentTemp, "forkvm-agent")
 		// -buildvcs=false: the binary (and so the cached image's name)
 		// changes with the agent's code, not with every commit.
-		cmd := exec.Command(goBin, "build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w", "-o", agentBin, "../cmd/forkvm-agent")
+		// "go" resolves to the go command running this test: go test puts
+		// its GOROOT/bin first on the test binary's PATH.
+		cmd := exec.Command("go", "build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w", "-o", agentBin, "../cmd/forkvm-agent")
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux")
 		if out, err := cmd.CombinedOutput(); err != nil {
 			agentErr = errors.New(err.Error() + ": " + string(out))

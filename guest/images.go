@@ -216,8 +216,6 @@ type contentRecord struct {
 
 type rootfsDirs struct{ base, names, legacyNames, blobs, refs, recipes string }
 
-func imageDirs(cacheDir string) rootfsDirs { return ImageStore{CacheDir: cacheDir}.dirs() }
-
 func (st ImageStore) dirs() rootfsDirs {
 	cacheDir := st.CacheDir
 	if cacheDir == "" {
@@ -272,107 +270,29 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 	if err := ValidateImageName(c.Name); err != nil {
 		return nil, err
 	}
-	logw := c.Log
-	if logw == nil {
-		logw = io.Discard
+	b := &imageBuild{cfg: &c, logw: c.Log, dirs: ImageStore{CacheDir: c.CacheDir, NamesDir: c.NamesDir}.dirs()}
+	if b.logw == nil {
+		b.logw = io.Discard
 	}
-	logf := func(format string, a ...any) { fmt.Fprintf(logw, "guest: "+format+"\n", a...) }
-	dirs := ImageStore{CacheDir: c.CacheDir, NamesDir: c.NamesDir}.dirs()
-
-	src, err := checkImageConfig(&c, dirs)
-	if err != nil {
+	if err := b.prepare(); err != nil {
 		return nil, err
 	}
-	agent, err := readAgent(c.AgentBinary)
-	if err != nil {
-		return nil, err
-	}
-	if os.Geteuid() != 0 {
-		return nil, fmt.Errorf("%w (running as uid %d)", ErrNeedRoot, os.Geteuid())
-	}
-	if _, err := findMkfs(); err != nil {
-		return nil, err
-	}
-	if c.Debian != nil {
-		if _, err := findMmdebstrap(); err != nil {
-			return nil, err
-		}
-	}
-	for _, d := range []string{dirs.base, dirs.names, dirs.blobs, dirs.refs, dirs.recipes} {
-		if err := os.MkdirAll(d, 0o700); err != nil {
-			return nil, fmt.Errorf("guest: creating image cache: %w", err)
-		}
-	}
-	if err := os.Chmod(dirs.base, 0o700); err != nil { // also when made by hand
-		return nil, fmt.Errorf("guest: image cache: %w", err)
-	}
-	if _, err := os.Lstat(dirs.record(c.Name)); err == nil {
-		return nil, fmt.Errorf("%w: %q (remove it first: forkvm image rm %s)", ErrImageExists, c.Name, c.Name)
-	}
-	agentSum := sha256.Sum256(agent)
-	var recipe *debianRecipe
-	if c.Debian != nil {
-		if recipe, err = newDebianRecipe(ctx, c.Debian, hex.EncodeToString(agentSum[:]), c.SizeMiB); err != nil {
-			return nil, err
-		}
-		prev := findRecipe(dirs, recipe)
-		switch {
-		case prev != nil && !c.Rebuild:
-			img, err := linkRecipe(ctx, dirs, prev, c.Name, src)
-			if err != nil {
-				return nil, err
-			}
-			logf("recipe %s was built on %s into disk %s: reusing it, mmdebstrap not run (--rebuild builds it again with the archive's current packages)",
-				recipe.Key[:16], prev.Built.Local().Format(time.DateTime), img.Hash[:16])
-			logf("image %s: %s of files on a %s sparse disk", img.Name, FormatBytes(img.ContentBytes), FormatBytes(img.DiskBytes))
-			return img, nil
-		case c.Rebuild:
-			logf("recipe %s: building it again (rebuild asked for)", recipe.Key[:16])
-		default:
-			logf("recipe %s: not built before: building", recipe.Key[:16])
-		}
+	if img, err := b.reuseRecipe(ctx); img != nil || err != nil {
+		return img, err
 	}
 
 	start := time.Now()
-	tmp, err := os.MkdirTemp(dirs.base, ".tmp-"+c.Name+"-")
+	tmp, err := os.MkdirTemp(b.dirs.base, ".tmp-"+c.Name+"-")
 	if err != nil {
 		return nil, fmt.Errorf("guest: creating staging directory: %w", err)
 	}
 	defer func() {
 		if err := removeStaging(tmp); err != nil {
-			logf("%v", err)
+			b.logf("%v", err)
 		}
 	}()
 	root := filepath.Join(tmp, "root")
-
-	switch {
-	case c.Debian != nil:
-		logf("building Debian %s (minbase%s) with mmdebstrap", c.Debian.Suite, plusList(c.Debian.Include))
-		if err := buildDebian(ctx, c.Debian, root, tmp, logw); err != nil {
-			return nil, err
-		}
-		if err := clampTimes(ctx, root, time.Unix(debianSourceDateEpoch, 0)); err != nil {
-			return nil, err
-		}
-	default:
-		if err := os.Mkdir(root, 0o755); err != nil {
-			return nil, fmt.Errorf("guest: creating staging directory: %w", err)
-		}
-		x := newExtractor(root, int64(c.SizeMiB)<<20, logf)
-		s, err := populateFrom(ctx, x, c.From, c.Ref, tmp)
-		if err != nil {
-			return nil, err
-		}
-		src.Kind, src.Digest = s.Kind, s.Digest
-		if x.skipped > 0 {
-			logf("skipped %d FIFOs and sockets", x.skipped)
-		}
-		logf("extracted %s %s", src.Kind, c.From)
-	}
-	if err := installAgent(root, agent); err != nil {
-		return nil, err
-	}
-	if err := ensureSkeleton(root); err != nil {
+	if err := b.populate(ctx, root, tmp); err != nil {
 		return nil, err
 	}
 	sum, err := summarize(ctx, root)
@@ -388,67 +308,203 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 	hash := hex.EncodeToString(h.Sum(nil))
 	content := contentRecord{
 		Format: contentFormat, Hash: hash, DiskBytes: plan.SizeBytes,
-		ContentBytes: sum.ContentBytes, Inodes: sum.Inodes, AgentSHA256: hex.EncodeToString(agentSum[:]),
+		ContentBytes: sum.ContentBytes, Inodes: sum.Inodes, AgentSHA256: b.agentSum,
 	}
-
-	final := dirs.content(hash)
-	cached := contentComplete(final, hash)
 	staged := filepath.Join(tmp, "content")
+	cached := contentComplete(b.dirs.content(hash), hash)
 	if cached {
-		logf("disk %s is cached", hash[:16])
-	} else {
-		logf("writing the ext4 disk: %d inodes, %s of files, on a %s sparse disk", sum.Inodes, FormatBytes(sum.ContentBytes), FormatBytes(plan.SizeBytes))
-		if err := os.Mkdir(staged, 0o700); err != nil {
-			return nil, fmt.Errorf("guest: staging disk: %w", err)
-		}
-		disk := filepath.Join(staged, "disk.ext4")
-		if err := mkfsRoot(ctx, disk, root, plan, hash); err != nil {
-			return nil, err
-		}
-		if err := os.Chmod(disk, 0o400); err != nil {
-			return nil, fmt.Errorf("guest: staging disk: %w", err)
-		}
-		b, _ := json.MarshalIndent(content, "", "  ")
-		if err := os.WriteFile(filepath.Join(staged, "content.json"), append(b, '\n'), 0o600); err != nil {
-			return nil, fmt.Errorf("guest: staging disk: %w", err)
-		}
+		b.logf("disk %s is cached", hash[:16])
+	} else if err := b.stageDisk(ctx, staged, root, sum, plan, &content); err != nil {
+		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	rec := nameRecord{Format: imageRecordFormat, Name: c.Name, Hash: hash, Source: *b.src, Created: time.Now().UTC()}
+	if err := b.install(ctx, &rec, staged, cached); err != nil {
+		return nil, err
+	}
+	b.logf("image %s: disk %s, %s of files on a %s sparse disk, in %s", c.Name, hash[:16], FormatBytes(sum.ContentBytes),
+		FormatBytes(plan.SizeBytes), time.Since(start).Round(time.Millisecond))
+	return rootImage(b.dirs, &rec, &content), nil
+}
 
-	rec := nameRecord{Format: imageRecordFormat, Name: c.Name, Hash: hash, Source: *src, Created: time.Now().UTC()}
-	unlock, err := lockImages(ctx, dirs)
+// imageBuild is one CreateImage call's state, shared by its steps.
+type imageBuild struct {
+	cfg      *ImageConfig
+	dirs     rootfsDirs
+	logw     io.Writer
+	src      *ImageSource  // the name record's source; Kind and Digest filled by populate for From sources
+	agent    []byte        // the agent binary installed at ImageAgentPath
+	agentSum string        // its SHA-256, hex
+	recipe   *debianRecipe // the Debian recipe being built, nil for other sources
+}
+
+func (b *imageBuild) logf(format string, a ...any) { fmt.Fprintf(b.logw, "guest: "+format+"\n", a...) }
+
+// prepare checks everything CreateImage needs before it stages anything: the
+// config, the agent, root, mkfs (and mmdebstrap for Debian), the cache
+// directories, and that the name is free.
+func (b *imageBuild) prepare() error {
+	c := b.cfg
+	src, err := checkImageConfig(c, b.dirs)
+	if err != nil {
+		return err
+	}
+	b.src = src
+	if b.agent, err = readAgent(c.AgentBinary); err != nil {
+		return err
+	}
+	sum := sha256.Sum256(b.agent)
+	b.agentSum = hex.EncodeToString(sum[:])
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("%w (running as uid %d)", ErrNeedRoot, os.Geteuid())
+	}
+	if _, err := findMkfs(); err != nil {
+		return err
+	}
+	if c.Debian != nil {
+		if _, err := findMmdebstrap(); err != nil {
+			return err
+		}
+	}
+	dirs := b.dirs
+	for _, d := range []string{dirs.base, dirs.names, dirs.blobs, dirs.refs, dirs.recipes} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return fmt.Errorf("guest: creating image cache: %w", err)
+		}
+	}
+	if err := os.Chmod(dirs.base, 0o700); err != nil { // also when made by hand
+		return fmt.Errorf("guest: image cache: %w", err)
+	}
+	if _, err := os.Lstat(dirs.record(c.Name)); err == nil {
+		return fmt.Errorf("%w: %q (remove it first: forkvm image rm %s)", ErrImageExists, c.Name, c.Name)
+	}
+	return nil
+}
+
+// reuseRecipe, for a Debian source, computes its recipe and returns the image
+// linked to the disk an earlier build of the same recipe made (unless a
+// rebuild is asked for); nil when the image must be built.
+func (b *imageBuild) reuseRecipe(ctx context.Context) (*RootImage, error) {
+	c := b.cfg
+	if c.Debian == nil {
+		return nil, nil
+	}
+	recipe, err := newDebianRecipe(ctx, c.Debian, b.agentSum, c.SizeMiB)
 	if err != nil {
 		return nil, err
 	}
+	b.recipe = recipe
+	prev := findRecipe(b.dirs, recipe)
+	switch {
+	case prev != nil && !c.Rebuild:
+		img, err := linkRecipe(ctx, b.dirs, prev, c.Name, b.src)
+		if err != nil {
+			return nil, err
+		}
+		b.logf("recipe %s was built on %s into disk %s: reusing it, mmdebstrap not run (--rebuild builds it again with the archive's current packages)",
+			recipe.Key[:16], prev.Built.Local().Format(time.DateTime), img.Hash[:16])
+		b.logf("image %s: %s of files on a %s sparse disk", img.Name, FormatBytes(img.ContentBytes), FormatBytes(img.DiskBytes))
+		return img, nil
+	case c.Rebuild:
+		b.logf("recipe %s: building it again (rebuild asked for)", recipe.Key[:16])
+	default:
+		b.logf("recipe %s: not built before: building", recipe.Key[:16])
+	}
+	return nil, nil
+}
+
+// populate writes the image's tree into root (mmdebstrap, or the extractor
+// for a From source), then the agent and the guest's mount points.
+func (b *imageBuild) populate(ctx context.Context, root, tmp string) error {
+	c := b.cfg
+	switch {
+	case c.Debian != nil:
+		b.logf("building Debian %s (minbase%s) with mmdebstrap", c.Debian.Suite, plusList(c.Debian.Include))
+		if err := buildDebian(ctx, c.Debian, root, tmp, b.logw); err != nil {
+			return err
+		}
+		if err := clampTimes(ctx, root, time.Unix(debianSourceDateEpoch, 0)); err != nil {
+			return err
+		}
+	default:
+		if err := os.Mkdir(root, 0o755); err != nil {
+			return fmt.Errorf("guest: creating staging directory: %w", err)
+		}
+		x := newExtractor(root, int64(c.SizeMiB)<<20, b.logf)
+		s, err := populateFrom(ctx, x, c.From, c.Ref, tmp)
+		if err != nil {
+			return err
+		}
+		b.src.Kind, b.src.Digest = s.Kind, s.Digest
+		if x.skipped > 0 {
+			b.logf("skipped %d FIFOs and sockets", x.skipped)
+		}
+		b.logf("extracted %s %s", b.src.Kind, c.From)
+	}
+	if err := installAgent(root, b.agent); err != nil {
+		return err
+	}
+	return ensureSkeleton(root)
+}
+
+// stageDisk writes the ext4 disk of root and its content record into the
+// staged directory, ready to be renamed into the cache.
+func (b *imageBuild) stageDisk(ctx context.Context, staged, root string, sum *treeSummary, plan *diskPlan, content *contentRecord) error {
+	b.logf("writing the ext4 disk: %d inodes, %s of files, on a %s sparse disk", sum.Inodes, FormatBytes(sum.ContentBytes), FormatBytes(plan.SizeBytes))
+	if err := os.Mkdir(staged, 0o700); err != nil {
+		return fmt.Errorf("guest: staging disk: %w", err)
+	}
+	disk := filepath.Join(staged, "disk.ext4")
+	if err := mkfsRoot(ctx, disk, root, plan, content.Hash); err != nil {
+		return err
+	}
+	if err := os.Chmod(disk, 0o400); err != nil {
+		return fmt.Errorf("guest: staging disk: %w", err)
+	}
+	j, _ := json.MarshalIndent(content, "", "  ")
+	if err := os.WriteFile(filepath.Join(staged, "content.json"), append(j, '\n'), 0o600); err != nil {
+		return fmt.Errorf("guest: staging disk: %w", err)
+	}
+	return nil
+}
+
+// install, under the image lock, renames the staged disk into the cache
+// (unless it was cached) and links the name record to it; then it records
+// a Debian recipe's disk for the next build.
+func (b *imageBuild) install(ctx context.Context, rec *nameRecord, staged string, cached bool) error {
+	dirs, hash := b.dirs, rec.Hash
+	unlock, err := lockImages(ctx, dirs)
+	if err != nil {
+		return err
+	}
 	defer unlock()
+	final := dirs.content(hash)
 	if !contentComplete(final, hash) {
 		if cached { // removed by a concurrent RemoveImage since: cannot happen under the lock, but be exact
-			return nil, fmt.Errorf("guest: disk %s vanished while creating %q", hash[:16], c.Name)
+			return fmt.Errorf("guest: disk %s vanished while creating %q", hash[:16], rec.Name)
 		}
 		if err := os.RemoveAll(final); err != nil {
-			return nil, fmt.Errorf("guest: installing disk: %w", err)
+			return fmt.Errorf("guest: installing disk: %w", err)
 		}
 		if err := os.Rename(staged, final); err != nil {
-			return nil, fmt.Errorf("guest: installing disk: %w", err)
+			return fmt.Errorf("guest: installing disk: %w", err)
 		}
 	}
-	if err := linkRecord(dirs, &rec); err != nil {
+	if err := linkRecord(dirs, rec); err != nil {
 		if !cached {
 			gcContent(dirs, hash) // not referenced by any name yet
 		}
-		return nil, err
+		return err
 	}
-	if recipe != nil {
-		recipe.Hash, recipe.Built = hash, time.Now().UTC()
-		if err := writeRecipe(dirs, recipe); err != nil {
-			logf("%v (the next build of this recipe runs mmdebstrap again)", err)
+	if b.recipe != nil {
+		b.recipe.Hash, b.recipe.Built = hash, time.Now().UTC()
+		if err := writeRecipe(dirs, b.recipe); err != nil {
+			b.logf("%v (the next build of this recipe runs mmdebstrap again)", err)
 		}
 	}
-	logf("image %s: disk %s, %s of files on a %s sparse disk, in %s", c.Name, hash[:16], FormatBytes(sum.ContentBytes),
-		FormatBytes(plan.SizeBytes), time.Since(start).Round(time.Millisecond))
-	return rootImage(dirs, &rec, &content), nil
+	return nil
 }
 
 // checkImageConfig validates the source fields and fills defaults; it

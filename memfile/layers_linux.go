@@ -10,6 +10,71 @@ import (
 	"strings"
 )
 
+// Pagemap bits (Documentation/admin-guide/mm/pagemap.rst).
+const (
+	pmPresent = 1 << 63
+	pmSwapped = 1 << 62
+	pmFile    = 1 << 61 // file page or shared anonymous
+)
+
+// candidatePages returns the pages whose current content may differ from what the
+// lineage holds, given the pagemap entries of a private file mapping and which pages
+// some ancestor layer holds: pages present and not file pages (private copies), swapped
+// pages (private copies on swap), and every page an ancestor layer holds (the mapping
+// holds it privately unless something dropped it; its current content must be compared
+// anyway).
+func candidatePages(pagemap []uint64, inLayers func(int64) bool) []int64 {
+	var out []int64
+	for i, e := range pagemap {
+		p := int64(i)
+		// A present file page is the root file's page, shared: not a candidate unless a
+		// layer holds the page (then the mapping lost its private copy, e.g. to a discard,
+		// and the guest sees the root's content, which must be compared too).
+		if e&pmPresent != 0 && e&pmFile == 0 || e&pmSwapped != 0 || inLayers(p) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// owners maps each page to the newest layer holding it (index into layers), -1 for the
+// root file.
+func owners(layers []string, pages int64) ([]int16, error) {
+	own := make([]int16, pages)
+	for i := range own {
+		own[i] = -1
+	}
+	for li, path := range layers {
+		exts, err := layerExtents(path)
+		if err != nil {
+			return nil, err
+		}
+		for _, e := range exts {
+			for p := e.off / PageSize; p < (e.off+e.len+PageSize-1)/PageSize && p < pages; p++ {
+				own[p] = int16(li)
+			}
+		}
+	}
+	return own, nil
+}
+
+func layerExtents(path string) ([]extent, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("memfile: layer: %w", err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("memfile: layer: %w", err)
+	}
+	exts, err := dataExtents(f, st.Size())
+	if err != nil {
+		return nil, fmt.Errorf("memfile: layer %s: %w", path, err)
+	}
+	return exts, nil
+}
+
 // FindMapping returns the start address of the mapping of file path in process pid's
 // address space that is at least size bytes long (/proc/PID/maps). A mapping of a path
 // that was unlinked since (" (deleted)") still matches.
@@ -71,20 +136,10 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 	if err != nil {
 		return nil, err
 	}
-	pm, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", pid))
+	entries, err := readPagemap(pid, addr, pages)
 	if err != nil {
-		return nil, fmt.Errorf("memfile: pagemap: %w", err)
+		return nil, err
 	}
-	defer pm.Close()
-	raw := make([]byte, pages*8)
-	if _, err := pm.ReadAt(raw, int64(addr/PageSize*8)); err != nil {
-		return nil, fmt.Errorf("memfile: pagemap of %d: %w", pid, err)
-	}
-	entries := make([]uint64, pages)
-	for i := range entries {
-		entries[i] = binary.LittleEndian.Uint64(raw[i*8:])
-	}
-	raw = nil
 	inLayers := func(p int64) bool { return own[p] >= 0 }
 	if flat {
 		inLayers = func(int64) bool { return false }
@@ -119,6 +174,36 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 		return nil, fmt.Errorf("memfile: layer: %w", err)
 	}
 	st := &ExtractStats{Candidates: int64(len(cand))}
+	if err := copyDiffering(pid, mem, addr, cand, own, files, o, st); err != nil {
+		return nil, err
+	}
+	ok = true
+	return st, nil
+}
+
+// readPagemap reads the pagemap entries of pages pages of process pid from addr.
+func readPagemap(pid int, addr uint64, pages int64) ([]uint64, error) {
+	pm, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", pid))
+	if err != nil {
+		return nil, fmt.Errorf("memfile: pagemap: %w", err)
+	}
+	defer pm.Close()
+	raw := make([]byte, pages*8)
+	if _, err := pm.ReadAt(raw, int64(addr/PageSize*8)); err != nil {
+		return nil, fmt.Errorf("memfile: pagemap of %d: %w", pid, err)
+	}
+	entries := make([]uint64, pages)
+	for i := range entries {
+		entries[i] = binary.LittleEndian.Uint64(raw[i*8:])
+	}
+	return entries, nil
+}
+
+// copyDiffering reads the candidate pages (ascending) from the process's memory at
+// addr, in runs, compares each with its owner's page in the lineage (files[0] the root,
+// files[i+1] layer i; own from owners) and writes those that differ to o at their guest
+// offsets, counting them in st.
+func copyDiffering(pid int, mem *os.File, addr uint64, cand []int64, own []int16, files []*os.File, o *os.File, st *ExtractStats) error {
 	const maxRun = 256 // pages per read
 	cur := make([]byte, maxRun*PageSize)
 	ref := make([]byte, maxRun*PageSize)
@@ -131,7 +216,7 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 		first, n := cand[i], j-i
 		c, r := cur[:n*PageSize], ref[:n*PageSize]
 		if _, err := mem.ReadAt(c, int64(addr)+first*PageSize); err != nil {
-			return nil, fmt.Errorf("memfile: read guest page %d of process %d: %w", first, pid, err)
+			return fmt.Errorf("memfile: read guest page %d of process %d: %w", first, pid, err)
 		}
 		// The reference: sub-runs of one owner each.
 		for k := 0; k < n; {
@@ -141,7 +226,7 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 			}
 			f := files[own[first+int64(k)]+1]
 			if _, err := f.ReadAt(r[k*PageSize:l*PageSize], (first+int64(k))*PageSize); err != nil {
-				return nil, fmt.Errorf("memfile: read lineage %s: %w", f.Name(), err)
+				return fmt.Errorf("memfile: read lineage %s: %w", f.Name(), err)
 			}
 			k = l
 		}
@@ -156,15 +241,14 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 				l++
 			}
 			if _, err := o.WriteAt(c[k*PageSize:l*PageSize], (first+int64(k))*PageSize); err != nil {
-				return nil, fmt.Errorf("memfile: write layer: %w", err)
+				return fmt.Errorf("memfile: write layer: %w", err)
 			}
 			st.Written += int64(l - k)
 			k = l
 		}
 		i = j
 	}
-	ok = true
-	return st, nil
+	return nil
 }
 
 // InjectLayers writes every layer's pages (oldest first, so a newer layer's page wins)

@@ -1,6 +1,8 @@
 // Package memfile manages guest RAM backing files: creating sparse memory
 // files, freezing them into immutable sparse copies for checkpoints,
-// reflink cloning, and measuring file residency and process memory usage.
+// reflink cloning, punching holes, the delta layers of fork trees, and
+// measuring how much of a file is resident. What a process uses (its
+// mappings, memory and CPU) is package procinfo's.
 package memfile
 
 import (
@@ -30,8 +32,8 @@ var (
 	// ErrCloneUnsupported is returned (possibly wrapped) by Clone when the
 	// file system or platform cannot reflink files.
 	ErrCloneUnsupported = errors.New("memfile: clone (reflink) unsupported")
-	// ErrUnsupported is returned by statistics functions not implemented on
-	// the current platform.
+	// ErrUnsupported is returned by functions not implemented on the
+	// current platform.
 	ErrUnsupported = errors.New("memfile: unsupported on this platform")
 	// ErrNoSpace wraps syscall.ENOSPC in Freeze errors; errors.Is works for
 	// both.
@@ -54,19 +56,6 @@ type ResidencyStats struct {
 	DataBytes     int64 // sum of SEEK_DATA extents
 	ResidentBytes int64 // pages resident in memory (mincore)
 }
-
-// ProcMem is a process memory summary in bytes (from smaps_rollup on
-// Linux). Fields not available on a platform are zero.
-type ProcMem struct {
-	Rss, Pss, PssAnon, PssFile, PssShmem int64
-	SharedClean, SharedDirty             int64
-	PrivateClean, PrivateDirty           int64
-	Anonymous, Swap                      int64
-}
-
-// Private returns the memory private to the process (PrivateClean +
-// PrivateDirty).
-func (m *ProcMem) Private() int64 { return m.PrivateClean + m.PrivateDirty }
 
 // Create creates a new sparse memory file of the given size with mode 0600.
 // It fails if path exists. size must be positive and page aligned.

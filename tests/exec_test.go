@@ -140,7 +140,7 @@ func TestCLIExecInterrupted(t *testing.T) {
 		{[]string{"sh", "-c", "kill -9 $$"}, 137, ""},
 		{[]string{"-w", "/nonexist", "pwd"}, 1, "/nonexist"},
 	} {
-		args := append([]string{"exec"}, tc.argv...)
+		var args []string
 		if tc.argv[0] == "-w" {
 			args = []string{"exec", "-w", "/nonexist", "x1", "--", "pwd"}
 		} else {

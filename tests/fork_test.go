@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // dirtyMB is how much guest RAM the world dirties before its checkpoint.
@@ -119,7 +119,7 @@ func TestCheckpointFork(t *testing.T) {
 	t.Run("memory breakdown", func(t *testing.T) {
 		// The breakdown adds up to the process's own figures.
 		u := memoryOf(t, f1)
-		pm, err := memfile.ProcessMemory(f1.PID())
+		pm, err := procinfo.ProcessMemory(f1.PID())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -631,7 +631,7 @@ func TestSingleThreadTCGFork(t *testing.T) {
 	if got := f.Info().TCGThread; got != "single" {
 		t.Fatalf("fork TCGThread = %q, want single", got)
 	}
-	argv, err := memfile.ProcessArgs(f.PID())
+	argv, err := procinfo.ProcessArgs(f.PID())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,7 +24,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -308,12 +308,12 @@ func procsReferencing(subs ...string) map[int][]string {
 		if s == "" {
 			continue
 		}
-		pids, _ := memfile.ProcessesWithArg(s)
+		pids, _ := procinfo.ProcessesWithArg(s)
 		for _, pid := range pids {
 			if _, ok := out[pid]; ok {
 				continue
 			}
-			if args, err := memfile.ProcessArgs(pid); err == nil && len(args) > 0 {
+			if args, err := procinfo.ProcessArgs(pid); err == nil && len(args) > 0 {
 				out[pid] = args
 			}
 		}

@@ -18,7 +18,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
@@ -260,7 +260,18 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 		return fmt.Errorf("daemon: stop: %w", err)
 	}
 
-	in, dm := summarizeMode(phases, modeInProcess), summarizeMode(phases, modeDaemon)
+	in, dm, r50, r99, met := r.execLoadResult(s, phases)
+	r.res.Method = execLoadMethod(r, s)
+	table := execLoadTable(s, in, dm, phases, r50, r99, met)
+	fmt.Print(table)
+	r.section("## Exec load\n\n```\n%s```\n\n", table)
+	return nil
+}
+
+// execLoadResult makes the daemon's p50 the headline and records both modes, their
+// ratios (pooled and per round) and whether the ratio is within the target.
+func (r *runner) execLoadResult(s *ExecLoadSettings, phases []ExecPhase) (in, dm ExecMode, r50, r99 float64, met bool) {
+	in, dm = summarizeMode(phases, modeInProcess), summarizeMode(phases, modeDaemon)
 	var daemonLat []float64
 	for _, p := range phases {
 		if p.Mode == modeDaemon {
@@ -268,8 +279,8 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 		}
 	}
 	r.p50Headline("exec_daemon_p50_ms", daemonLat)
-	r50, r99 := ratio(dm.Percentiles.P50, in.Percentiles.P50), ratio(dm.Percentiles.P99, in.Percentiles.P99)
-	met := targetMet(r50, s.Target)
+	r50, r99 = ratio(dm.Percentiles.P50, in.Percentiles.P50), ratio(dm.Percentiles.P99, in.Percentiles.P99)
+	met = targetMet(r50, s.Target)
 	var roundRatios []float64
 	for round := 1; round <= s.Rounds; round++ {
 		var pi, pd float64
@@ -295,6 +306,11 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 		r.notOK = true
 		r.caveat("daemon p50 / in-process p50 = %.3f, over the target %.2f", r50, s.Target)
 	}
+	return in, dm, r50, r99, met
+}
+
+// execLoadMethod is result.json's method of an exec-load run.
+func execLoadMethod(r *runner, s *ExecLoadSettings) string {
 	order := "ABBA"
 	if s.Rounds == 1 {
 		order = "in-process, then daemon"
@@ -307,7 +323,7 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 	if s.SharedClient {
 		clients = "one serve/client.Client shared by all clients"
 	}
-	r.res.Method = fmt.Sprintf("A world (%d vCPU, %d MiB, %d MB dirtied), its pinned checkpoint, the world deleted, %d forks of the checkpoint (ForkMany). "+
+	return fmt.Sprintf("A world (%d vCPU, %d MiB, %d MB dirtied), its pinned checkpoint, the world deleted, %d forks of the checkpoint (ForkMany). "+
 		"Then %d round(s) of two phases (%s; odd rounds in-process first). In each phase %d clients start together (client i uses fork i mod %d) and each runs %d execs of %q one after the other; "+
 		"an exec's round trip is timed from the call to its return with the exit code, and it succeeds with %s. "+
 		"In-process: engine VM.Exec. Daemon: %s; the clients use serve/client Exec (%s) on its unix socket. "+
@@ -318,11 +334,6 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 		"With the in-process daemon, the connections it accepted during each timed part are counted (HTTP connection reuse).",
 		r.shape.CPUs, r.shape.MemoryMiB, r.shape.DirtyMB, s.Forks, s.Rounds, order, s.Clients, s.Forks, s.Execs, s.Argv, check,
 		s.Daemon, clients, s.Warmup, s.Target)
-
-	table := execLoadTable(s, in, dm, phases, r50, r99, met)
-	fmt.Print(table)
-	r.section("## Exec load\n\n```\n%s```\n\n", table)
-	return nil
 }
 
 // execLoadTable is the human summary: a row per mode and per phase, the ratios and the
@@ -379,103 +390,147 @@ func execLoadTable(s *ExecLoadSettings, in, dm ExecMode, phases []ExecPhase, r50
 // runExecPhase runs one phase: the daemon up for a daemon phase (down for an in-process
 // one), the warm-up, then the timed clients.
 func runExecPhase(r *runner, s *ExecLoadSettings, d *execDaemon, names []string, pids []int, round int, mode string) (ExecPhase, error) {
-	ctx := r.ctx
-	p := ExecPhase{Round: round, Mode: mode, Errors: []string{}}
-	var run execFn
-	switch mode {
+	ph := &execPhase{r: r, s: s, names: names, p: ExecPhase{Round: round, Mode: mode, Errors: []string{}}}
+	run, closeRun, err := ph.path(d)
+	if err != nil {
+		return ph.p, err
+	}
+	defer closeRun()
+	ph.run = run
+	if err := ph.warmup(); err != nil {
+		return ph.p, err
+	}
+	return ph.p, ph.timed(d, pids)
+}
+
+// execPhase is one phase of runExecLoad while it runs; mu guards p's failure counts and
+// errors.
+type execPhase struct {
+	r     *runner
+	s     *ExecLoadSettings
+	names []string
+	run   execFn
+	mu    sync.Mutex
+	p     ExecPhase
+}
+
+// path returns the exec path of the phase's mode, with the daemon stopped (in-process)
+// or started (daemon), and what closes its clients.
+func (ph *execPhase) path(d *execDaemon) (execFn, func(), error) {
+	r, s, names := ph.r, ph.s, ph.names
+	switch ph.p.Mode {
 	case modeInProcess:
 		if err := d.down(); err != nil {
-			return p, fmt.Errorf("daemon: stop: %w", err)
+			return nil, nil, fmt.Errorf("daemon: stop: %w", err)
 		}
 		vms := make([]*engine.VM, len(names))
 		for i, n := range names {
 			vm, err := r.e.Get(n)
 			if err != nil {
-				return p, err
+				return nil, nil, err
 			}
 			vms[i] = vm
 		}
-		run = func(ctx context.Context, _, fork int, req *vsockd.ExecRequest) (int, error) {
+		return func(ctx context.Context, _, fork int, req *vsockd.ExecRequest) (int, error) {
 			return vms[fork].Exec(ctx, req)
-		}
+		}, func() {}, nil
 	case modeDaemon:
-		if err := d.up(ctx); err != nil {
-			return p, fmt.Errorf("daemon: start: %w", err)
+		if err := d.up(r.ctx); err != nil {
+			return nil, nil, fmt.Errorf("daemon: start: %w", err)
 		}
 		clients := make([]*client.Client, s.Clients)
 		for i := range clients {
 			if i == 0 || !s.SharedClient {
 				clients[i] = client.New(d.sock)
-				defer clients[i].Close()
 			} else {
 				clients[i] = clients[0]
 			}
 		}
-		run = func(ctx context.Context, c, fork int, req *vsockd.ExecRequest) (int, error) {
+		closeAll := func() {
+			for i, c := range clients {
+				if i == 0 || !s.SharedClient {
+					c.Close()
+				}
+			}
+		}
+		return func(ctx context.Context, c, fork int, req *vsockd.ExecRequest) (int, error) {
 			return clients[c].Exec(ctx, names[fork], req)
-		}
+		}, closeAll, nil
 	}
-	timeout := time.Duration(s.ExecTimeoutMS) * time.Millisecond
-	one := func(c, fork int) (time.Duration, error) {
-		ctx, cancel := context.WithTimeout(ctx, timeout)
-		defer cancel()
-		var out, errb bytes.Buffer
-		t := time.Now()
-		code, err := run(ctx, c, fork, &vsockd.ExecRequest{Argv: s.Argv, Stdout: &out, Stderr: &errb})
-		rt := time.Since(t)
-		switch {
-		case err != nil:
-			return rt, fmt.Errorf("%s: %w", names[fork], err)
-		case code != 0:
-			return rt, fmt.Errorf("%s: exit code %d, stderr %q", names[fork], code, strings.TrimSpace(errb.String()))
-		case s.Expect != nil && strings.TrimRight(out.String(), "\n") != *s.Expect:
-			return rt, fmt.Errorf("%s: stdout %q, want %q", names[fork], out.String(), *s.Expect)
-		}
-		return rt, nil
-	}
-	var mu sync.Mutex
-	failed := func(err error, warm bool) {
-		mu.Lock()
-		defer mu.Unlock()
-		if warm {
-			p.WarmupFailures++
-			err = fmt.Errorf("warm-up: %w", err)
-		} else {
-			p.Failures++
-		}
-		if len(p.Errors) < execLoadMaxErrors {
-			p.Errors = append(p.Errors, err.Error())
-			r.fail("round %d %s: %v", round, mode, err)
-		} else {
-			r.failQuiet()
-		}
-	}
+	return nil, nil, fmt.Errorf("exec phase: unknown mode %q", ph.p.Mode)
+}
 
-	// Warm-up: every client, concurrently, through this phase's path (the agent
-	// connections, the daemon's HTTP connections, translated guest code).
+// one runs client c's exec on fork and checks its exit code and output.
+func (ph *execPhase) one(c, fork int) (time.Duration, error) {
+	s, names := ph.s, ph.names
+	ctx, cancel := context.WithTimeout(ph.r.ctx, time.Duration(s.ExecTimeoutMS)*time.Millisecond)
+	defer cancel()
+	var out, errb bytes.Buffer
+	t := time.Now()
+	code, err := ph.run(ctx, c, fork, &vsockd.ExecRequest{Argv: s.Argv, Stdout: &out, Stderr: &errb})
+	rt := time.Since(t)
+	switch {
+	case err != nil:
+		return rt, fmt.Errorf("%s: %w", names[fork], err)
+	case code != 0:
+		return rt, fmt.Errorf("%s: exit code %d, stderr %q", names[fork], code, strings.TrimSpace(errb.String()))
+	case s.Expect != nil && strings.TrimRight(out.String(), "\n") != *s.Expect:
+		return rt, fmt.Errorf("%s: stdout %q, want %q", names[fork], out.String(), *s.Expect)
+	}
+	return rt, nil
+}
+
+// failed counts a failed exec (of the warm-up or timed) and reports the first few.
+func (ph *execPhase) failed(err error, warm bool) {
+	ph.mu.Lock()
+	defer ph.mu.Unlock()
+	p := &ph.p
+	if warm {
+		p.WarmupFailures++
+		err = fmt.Errorf("warm-up: %w", err)
+	} else {
+		p.Failures++
+	}
+	if len(p.Errors) < execLoadMaxErrors {
+		p.Errors = append(p.Errors, err.Error())
+		ph.r.fail("round %d %s: %v", p.Round, p.Mode, err)
+	} else {
+		ph.r.failQuiet()
+	}
+}
+
+// warmup runs every client's warm-up execs, concurrently, through this phase's path (the
+// agent connections, the daemon's HTTP connections, translated guest code).
+func (ph *execPhase) warmup() error {
+	ctx := ph.r.ctx
 	var wg sync.WaitGroup
-	for c := range s.Clients {
+	for c := range ph.s.Clients {
 		wg.Go(func() {
-			for range s.Warmup {
+			for range ph.s.Warmup {
 				if ctx.Err() != nil {
 					return
 				}
-				if _, err := one(c, c%len(names)); err != nil && ctx.Err() == nil {
-					failed(err, true)
+				if _, err := ph.one(c, c%len(ph.names)); err != nil && ctx.Err() == nil {
+					ph.failed(err, true)
 				}
 			}
 		})
 	}
 	wg.Wait()
-	if err := ctx.Err(); err != nil {
-		return p, err
-	}
+	return ctx.Err()
+}
 
+// timed runs the timed execs of every client, started together, and fills the phase's
+// latencies, throughput and CPU per exec (the benchmark's, QEMU's pids', the daemon's).
+func (ph *execPhase) timed(d *execDaemon, pids []int) error {
+	r, s, names, ctx := ph.r, ph.s, ph.names, ph.r.ctx
+	p := &ph.p
 	cpu0 := cpuOf(os.Getpid())
 	dcpu0, qcpu0, conns0 := d.cpu(), cpuOfAll(pids), d.accepts.Load()
 	lat := make([][]float64, s.Clients)
 	samples := make([][]Sample, s.Clients)
 	start := make(chan struct{})
+	var wg sync.WaitGroup
 	t0 := time.Now()
 	for c := range s.Clients {
 		wg.Go(func() {
@@ -485,14 +540,14 @@ func runExecPhase(r *runner, s *ExecLoadSettings, d *execDaemon, names []string,
 				if ctx.Err() != nil {
 					return
 				}
-				rt, err := one(c, fork)
-				sm := Sample{Group: fmt.Sprintf("r%d-%s", round, mode), Index: c*s.Execs + j, Name: names[fork], OK: err == nil, LatencyMS: ms(rt)}
+				rt, err := ph.one(c, fork)
+				sm := Sample{Group: fmt.Sprintf("r%d-%s", p.Round, p.Mode), Index: c*s.Execs + j, Name: names[fork], OK: err == nil, LatencyMS: ms(rt)}
 				if err != nil {
 					if ctx.Err() != nil {
 						return // the run is being stopped: not a failure of the exec
 					}
 					sm.Error = err.Error()
-					failed(err, false)
+					ph.failed(err, false)
 				} else {
 					lat[c] = append(lat[c], ms(rt))
 				}
@@ -505,7 +560,7 @@ func runExecPhase(r *runner, s *ExecLoadSettings, d *execDaemon, names []string,
 	wall := time.Since(t0)
 	cpu1, dcpu1, qcpu1, conns1 := cpuOf(os.Getpid()), d.cpu(), cpuOfAll(pids), d.accepts.Load()
 	if err := ctx.Err(); err != nil {
-		return p, err
+		return err
 	}
 	for c := range s.Clients {
 		p.lat = append(p.lat, lat[c]...)
@@ -521,11 +576,11 @@ func runExecPhase(r *runner, s *ExecLoadSettings, d *execDaemon, names []string,
 	perExec := func(d time.Duration) float64 { return round3(ratio(ms(d), float64(p.OK))) }
 	p.BenchCPUMSPerExec = perExec(cpu1 - cpu0)
 	p.QEMUCPUMSPerExec = perExec(qcpu1 - qcpu0)
-	if mode == modeDaemon && d.binary != "" {
+	if p.Mode == modeDaemon && d.binary != "" {
 		p.DaemonCPUMSPerExec = perExec(dcpu1 - dcpu0)
 	}
 	p.DaemonConns = conns1 - conns0
-	return p, nil
+	return nil
 }
 
 // failQuiet counts a failure without logging it (one of many already reported).
@@ -540,7 +595,7 @@ func cpuOf(pid int) time.Duration {
 	if pid <= 0 {
 		return 0
 	}
-	u, s, err := memfile.ProcessCPU(pid)
+	u, s, err := procinfo.ProcessCPU(pid)
 	if err != nil {
 		return 0
 	}

@@ -442,71 +442,14 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		r.caveat("warm pool of %d (restored: %v): before each wave (untimed) the pool is filled with pre-spawned QEMUs (-incoming defer; restored: already loaded, warmed up and stopped); the first %d forks of a wave claim them, the rest spawn", warm, r.warmRestored, warm)
 	}
 	maxWave := slices.Max(waves)
-	b := r.e.Budget()
-	fit := &FitDecision{HostCPUs: b.HostCPUs, ForkCPUs: r.shape.CPUs, NeedVCPUs: max(maxWave, warm)*r.shape.CPUs + b.Used,
-		DefaultOvercommit: r.overcommit, DefaultBudgetVCPUs: int(float64(b.HostCPUs) * r.overcommit)}
-	fit.HeadlineOvercommit = r.overcommit
-	if settings.fit {
-		fit.HeadlineOvercommit = fitOvercommit(b.HostCPUs, fit.NeedVCPUs, r.overcommit)
-	}
-	fit.NonDefault = fit.HeadlineOvercommit != r.overcommit
-	fit.DefaultPass = fit.NonDefault && warm == 0
-	settings.Fit = fit
-	budgetLine := fmt.Sprintf("budget %d vCPUs = %d CPUs × overcommit %s; the %d-wave needs %d vCPUs (%d forks × %d vCPUs%s)",
-		fit.DefaultBudgetVCPUs, b.HostCPUs, fnum(r.overcommit), maxWave, fit.NeedVCPUs, max(maxWave, warm), r.shape.CPUs,
-		map[bool]string{true: fmt.Sprintf(" + %d held", b.Used), false: ""}[b.Used > 0])
-
+	fit, budgetLine := r.fanoutFit(settings, maxWave)
 	var defaults []*waveOutcome
 	if fit.DefaultPass {
-		r.section("## Waves at --overcommit %s (the setting asked for)\n\nOn this host the %s, so the waves first run at this setting to record where admission stops (as the published run did at its default); the idle CPU is not measured in this pass.\n\n",
-			fnum(r.overcommit), budgetLine)
-		defaults, err = r.runWaves(w, settings, "default_settings_", r.overcommit, 0, false, 0)
-		if err != nil {
+		if defaults, err = r.fanoutDefaultPass(w, settings, fit, budgetLine, maxWave); err != nil {
 			return err
 		}
-		stop := passStop(defaults)
-		r.res.Extra["default_settings"] = map[string]any{"overcommit": r.overcommit, "budget_vcpus": fit.DefaultBudgetVCPUs, "host_cpus": b.HostCPUs,
-			"waves": waveMap(defaults), "stop": stop}
-		seedKeys(r.res.Extra, "default_settings_", defaults)
-		perFork := 0.0
-		for _, o := range defaults {
-			if o.wr != nil && o.wr.ReadyCount() > 0 {
-				perFork = max(perFork, o.wr.PrivateMBPerFork())
-			}
-		}
-		fit.Memory = memoryFit(settledMemAvailableMB(r.ctx), float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
 	}
-	maxForks := 0
-	asked := fmt.Sprintf("--overcommit %s", fnum(r.overcommit))
-	if r.overcommit == 12 {
-		asked += " (fanout's default, the published run's setting)"
-	}
-	fit.Text = fmt.Sprintf("%s: %s", asked, budgetLine)
-	fit.Short = fmt.Sprintf("--overcommit %s", fnum(r.overcommit))
-	if fit.NonDefault {
-		stopAt := fmt.Sprintf("cannot hold the %d-wave (%d vCPUs needed)", maxWave, fit.NeedVCPUs)
-		for _, o := range defaults {
-			if o.n == maxWave && o.wr != nil {
-				stopAt = fmt.Sprintf("stops the %d-wave at %d of %d forks", maxWave, o.n-o.wr.AdmissionCount, o.n)
-			}
-		}
-		fit.Short = fmt.Sprintf("NON-DEFAULT --overcommit %s: --overcommit %s (budget %d vCPUs = %d CPUs × %s) %s", fnum(fit.HeadlineOvercommit),
-			fnum(r.overcommit), fit.DefaultBudgetVCPUs, b.HostCPUs, fnum(r.overcommit), stopAt)
-		fit.Text = fmt.Sprintf("NON-DEFAULT --overcommit %s (budget %d vCPUs), raised from %s because its %s", fnum(fit.HeadlineOvercommit),
-			int(float64(b.HostCPUs)*fit.HeadlineOvercommit), asked, budgetLine)
-		if s := passStop(defaults); s != "" {
-			fit.Text += "; at " + fmt.Sprintf("--overcommit %s: ", fnum(r.overcommit)) + s
-		}
-		if m := fit.Memory; m != nil {
-			fit.Text += fmt.Sprintf("; memory: %.0f MiB available above the engine's %.0f MiB reserve holds ~%d forks at %.1f MiB per fork (the most a wave added per fork at --overcommit %s)",
-				m.AvailableMB-m.ReserveMB, m.ReserveMB, m.ForksFit, m.PerForkMB, fnum(r.overcommit))
-			if !m.Fits {
-				maxForks = max(1, m.ForksFit)
-				r.caveat("memory: the largest wave does not fit the host's memory budget (~%d forks); larger waves were not run", m.ForksFit)
-			}
-		}
-		r.caveat("%s", fit.Text)
-	}
+	maxForks := r.describeFit(fit, defaults, budgetLine, maxWave)
 	head := "## Waves"
 	if fit.NonDefault {
 		head = fmt.Sprintf("## Waves at --overcommit %s (NON-DEFAULT)", fnum(fit.HeadlineOvercommit))
@@ -541,6 +484,90 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		}
 	}
 	return nil
+}
+
+// fanoutFit decides the overcommit of the headline waves (--fit raises it until the
+// largest wave, or the warm pool, fits the vCPU budget) and whether the waves first run
+// at the overcommit asked for; it returns the decision (also settings.Fit) and the line
+// that explains the budget.
+func (r *runner) fanoutFit(settings *FanoutSettings, maxWave int) (*FitDecision, string) {
+	warm := settings.Warm
+	b := r.e.Budget()
+	fit := &FitDecision{HostCPUs: b.HostCPUs, ForkCPUs: r.shape.CPUs, NeedVCPUs: max(maxWave, warm)*r.shape.CPUs + b.Used,
+		DefaultOvercommit: r.overcommit, DefaultBudgetVCPUs: int(float64(b.HostCPUs) * r.overcommit)}
+	fit.HeadlineOvercommit = r.overcommit
+	if settings.fit {
+		fit.HeadlineOvercommit = fitOvercommit(b.HostCPUs, fit.NeedVCPUs, r.overcommit)
+	}
+	fit.NonDefault = fit.HeadlineOvercommit != r.overcommit
+	fit.DefaultPass = fit.NonDefault && warm == 0
+	settings.Fit = fit
+	budgetLine := fmt.Sprintf("budget %d vCPUs = %d CPUs × overcommit %s; the %d-wave needs %d vCPUs (%d forks × %d vCPUs%s)",
+		fit.DefaultBudgetVCPUs, b.HostCPUs, fnum(r.overcommit), maxWave, fit.NeedVCPUs, max(maxWave, warm), r.shape.CPUs,
+		map[bool]string{true: fmt.Sprintf(" + %d held", b.Used), false: ""}[b.Used > 0])
+	return fit, budgetLine
+}
+
+// fanoutDefaultPass runs the waves at the overcommit asked for, to record where
+// admission stops, and fills fit.Memory from the memory per fork they measured.
+func (r *runner) fanoutDefaultPass(w *World, settings *FanoutSettings, fit *FitDecision, budgetLine string, maxWave int) ([]*waveOutcome, error) {
+	r.section("## Waves at --overcommit %s (the setting asked for)\n\nOn this host the %s, so the waves first run at this setting to record where admission stops (as the published run did at its default); the idle CPU is not measured in this pass.\n\n",
+		fnum(r.overcommit), budgetLine)
+	defaults, err := r.runWaves(w, settings, "default_settings_", r.overcommit, 0, false, 0)
+	if err != nil {
+		return nil, err
+	}
+	stop := passStop(defaults)
+	r.res.Extra["default_settings"] = map[string]any{"overcommit": r.overcommit, "budget_vcpus": fit.DefaultBudgetVCPUs, "host_cpus": fit.HostCPUs,
+		"waves": waveMap(defaults), "stop": stop}
+	seedKeys(r.res.Extra, "default_settings_", defaults)
+	perFork := 0.0
+	for _, o := range defaults {
+		if o.wr != nil && o.wr.ReadyCount() > 0 {
+			perFork = max(perFork, o.wr.PrivateMBPerFork())
+		}
+	}
+	fit.Memory = memoryFit(settledMemAvailableMB(r.ctx), float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
+	return defaults, nil
+}
+
+// describeFit writes fit's Text and Short (what the headline says of its overcommit),
+// adds a non-default overcommit to the caveats and returns the most forks a wave may
+// start (0: no limit; the largest that fits memory when the largest wave does not).
+func (r *runner) describeFit(fit *FitDecision, defaults []*waveOutcome, budgetLine string, maxWave int) int {
+	maxForks := 0
+	asked := fmt.Sprintf("--overcommit %s", fnum(r.overcommit))
+	if r.overcommit == 12 {
+		asked += " (fanout's default, the published run's setting)"
+	}
+	fit.Text = fmt.Sprintf("%s: %s", asked, budgetLine)
+	fit.Short = fmt.Sprintf("--overcommit %s", fnum(r.overcommit))
+	if !fit.NonDefault {
+		return 0
+	}
+	stopAt := fmt.Sprintf("cannot hold the %d-wave (%d vCPUs needed)", maxWave, fit.NeedVCPUs)
+	for _, o := range defaults {
+		if o.n == maxWave && o.wr != nil {
+			stopAt = fmt.Sprintf("stops the %d-wave at %d of %d forks", maxWave, o.n-o.wr.AdmissionCount, o.n)
+		}
+	}
+	fit.Short = fmt.Sprintf("NON-DEFAULT --overcommit %s: --overcommit %s (budget %d vCPUs = %d CPUs × %s) %s", fnum(fit.HeadlineOvercommit),
+		fnum(r.overcommit), fit.DefaultBudgetVCPUs, fit.HostCPUs, fnum(r.overcommit), stopAt)
+	fit.Text = fmt.Sprintf("NON-DEFAULT --overcommit %s (budget %d vCPUs), raised from %s because its %s", fnum(fit.HeadlineOvercommit),
+		int(float64(fit.HostCPUs)*fit.HeadlineOvercommit), asked, budgetLine)
+	if s := passStop(defaults); s != "" {
+		fit.Text += "; at " + fmt.Sprintf("--overcommit %s: ", fnum(r.overcommit)) + s
+	}
+	if m := fit.Memory; m != nil {
+		fit.Text += fmt.Sprintf("; memory: %.0f MiB available above the engine's %.0f MiB reserve holds ~%d forks at %.1f MiB per fork (the most a wave added per fork at --overcommit %s)",
+			m.AvailableMB-m.ReserveMB, m.ReserveMB, m.ForksFit, m.PerForkMB, fnum(r.overcommit))
+		if !m.Fits {
+			maxForks = max(1, m.ForksFit)
+			r.caveat("memory: the largest wave does not fit the host's memory budget (~%d forks); larger waves were not run", m.ForksFit)
+		}
+	}
+	r.caveat("%s", fit.Text)
+	return maxForks
 }
 
 // fanoutHeadline fills res from the headline pass outs: the largest complete wave is the

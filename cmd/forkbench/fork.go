@@ -8,7 +8,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 func forkCmd() *cli.Command {
@@ -75,7 +75,7 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 		return nil, s
 	}
 	ready := time.Now()
-	if u, sy, err := memfile.ProcessCPU(vm.PID()); err == nil {
+	if u, sy, err := procinfo.ProcessCPU(vm.PID()); err == nil {
 		s.CPUUserMS, s.CPUSysMS = ms(u), ms(sy)
 	}
 	// Translation blocks at ready and after the first command (TCG only). The first

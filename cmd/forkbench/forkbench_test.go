@@ -131,16 +131,16 @@ func TestTraceShape(t *testing.T) {
 		if e.Pid != 1 || e.Tid != 1 || e.Dur <= 0 || e.Args["cpu_user_ms"] != 12.0 {
 			t.Errorf("bad span %+v", e)
 		}
-		if e.Ts+1e-6 < lastEnd {
-			t.Errorf("span %s at %v overlaps previous end %v", e.Name, e.Ts, lastEnd)
+		if e.TS+1e-6 < lastEnd {
+			t.Errorf("span %s at %v overlaps previous end %v", e.Name, e.TS, lastEnd)
 		}
-		lastEnd = e.Ts + e.Dur
+		lastEnd = e.TS + e.Dur
 	}
 	if got := strings.Join(spans, ","); got != "prepare,spawn,restore,agent,first-command" {
 		t.Errorf("spans = %s", got)
 	}
-	if doc.TraceEvents[len(doc.TraceEvents)-5].Ts != 1000 {
-		t.Errorf("prepare ts = %v us, want 1000", doc.TraceEvents[len(doc.TraceEvents)-5].Ts)
+	if doc.TraceEvents[len(doc.TraceEvents)-5].TS != 1000 {
+		t.Errorf("prepare ts = %v us, want 1000", doc.TraceEvents[len(doc.TraceEvents)-5].TS)
 	}
 }
 

@@ -173,28 +173,9 @@ cycle:
 			kept = kept[1:]
 		}
 		if i == 1 || i%s.ForkEvery == 0 || i == s.Cycles {
-			f, err := r.e.Fork(ctx, name, &engine.ForkOptions{Name: "fork-" + name})
-			ok := err == nil
-			sm := Sample{Group: "fork", Index: i, Name: "fork-" + name}
-			if ok {
-				sm.setPhases(phasesOf(f.Info().Timings))
-				sm.LatencyMS = ms(f.Info().Timings.Total)
-				// The fork has the disk its checkpoint froze.
-				out, cerr := shell(ctx, f, fmt.Sprintf("cat /data/gen-%06d", i), time.Minute)
-				if cerr != nil || strings.TrimSpace(out) != fmt.Sprintf("gen-%d", i) {
-					ok, err = false, fmt.Errorf("fork of %s reads %q from its disk (%v), want gen-%d", name, strings.TrimSpace(out), cerr, i)
-				}
-				if derr := r.e.Delete(ctx, f.Name()); derr != nil && err == nil {
-					ok, err = false, derr
-				}
-			}
-			sm.OK, sm.Error = ok, errText(err)
-			r.addSample(sm)
-			if !ok {
-				r.fail("cycle %d: fork: %v", i, err)
-			} else {
-				gc.ForkMS = round3(sm.LatencyMS)
-				forkMS = append(forkMS, sm.LatencyMS)
+			if lat, ok := r.generationFork(i, name); ok {
+				gc.ForkMS = round3(lat)
+				forkMS = append(forkMS, lat)
 				sum.Forks++
 			}
 		}
@@ -207,26 +188,7 @@ cycle:
 			r.logf("cycle %d: checkpoint %.0f ms, vm chain %d, ck chain %d, files %d, qemu fds %d", i, ms(d), gc.VMChain, gc.CkChain, gc.VMFiles, gc.QEMUFDs)
 		}
 	}
-	for _, c := range cycles {
-		sum.MaxVMChain, sum.MaxCkChain = max(sum.MaxVMChain, c.VMChain), max(sum.MaxCkChain, c.CkChain)
-		sum.MaxVMFiles, sum.MaxQEMUFDs = max(sum.MaxVMFiles, c.VMFiles), max(sum.MaxQEMUFDs, c.QEMUFDs)
-	}
-	if len(cycles) > 0 {
-		sum.FirstQEMUFDs, sum.LastQEMUFDs = cycles[0].QEMUFDs, cycles[len(cycles)-1].QEMUFDs
-	}
-	if len(ckMS) > 0 {
-		f, l := window(ckMS, s.Window)
-		sum.CheckpointFirstMS = round3(ckMS[0])
-		sum.CheckpointFirstWindowMS, sum.CheckpointLastWindowMS = round3(summarize(f).P50), round3(summarize(l).P50)
-		sum.CheckpointRatio = round3(ratio(summarize(l).P50, summarize(f).P50))
-	}
-	if len(forkMS) > 0 {
-		f, l := window(forkMS, max(1, s.Window/3))
-		sum.ForkFirstMS = round3(forkMS[0])
-		sum.ForkFirstWindowMS, sum.ForkLastWindowMS = round3(summarize(f).P50), round3(summarize(l).P50)
-		sum.ForkRatio = round3(ratio(summarize(l).P50, summarize(f).P50))
-	}
-	sum.WithinTarget = sum.CyclesDone == s.Cycles && sum.CheckpointRatio <= generationsTarget && sum.ForkRatio > 0 && sum.ForkRatio <= generationsTarget
+	summarizeGenerations(&sum, s, cycles, ckMS, forkMS)
 	r.notOK = !sum.WithinTarget
 	if stopped != "" {
 		r.caveat("partial run: stopped after %d of %d cycles: %s", sum.CyclesDone, s.Cycles, stopped)
@@ -249,6 +211,59 @@ cycle:
 		sum.ForkFirstMS, sum.ForkFirstWindowMS, sum.ForkLastWindowMS, sum.ForkRatio,
 		sum.MaxVMChain, sum.MaxCkChain, sum.MaxVMFiles, sum.FirstQEMUFDs, sum.MaxQEMUFDs, sum.LastQEMUFDs, generationsTarget, sum.WithinTarget)
 	return nil
+}
+
+// generationFork forks cycle i's checkpoint name until ready, checks the fork reads the
+// cycle's file from its disk, deletes it and returns its latency (ms) and whether all
+// of that succeeded (a failure is counted).
+func (r *runner) generationFork(i int, name string) (float64, bool) {
+	ctx := r.ctx
+	f, err := r.e.Fork(ctx, name, &engine.ForkOptions{Name: "fork-" + name})
+	ok := err == nil
+	sm := Sample{Group: "fork", Index: i, Name: "fork-" + name}
+	if ok {
+		sm.setPhases(phasesOf(f.Info().Timings))
+		sm.LatencyMS = ms(f.Info().Timings.Total)
+		// The fork has the disk its checkpoint froze.
+		out, cerr := shell(ctx, f, fmt.Sprintf("cat /data/gen-%06d", i), time.Minute)
+		if cerr != nil || strings.TrimSpace(out) != fmt.Sprintf("gen-%d", i) {
+			ok, err = false, fmt.Errorf("fork of %s reads %q from its disk (%v), want gen-%d", name, strings.TrimSpace(out), cerr, i)
+		}
+		if derr := r.e.Delete(ctx, f.Name()); derr != nil && err == nil {
+			ok, err = false, derr
+		}
+	}
+	sm.OK, sm.Error = ok, errText(err)
+	r.addSample(sm)
+	if !ok {
+		r.fail("cycle %d: fork: %v", i, err)
+	}
+	return sm.LatencyMS, ok
+}
+
+// summarizeGenerations fills sum's maxima, first and last windows, ratios and whether
+// they are within the target, from the cycles done.
+func summarizeGenerations(sum *GenerationsSummary, s *GenerationsSettings, cycles []GenerationCycle, ckMS, forkMS []float64) {
+	for _, c := range cycles {
+		sum.MaxVMChain, sum.MaxCkChain = max(sum.MaxVMChain, c.VMChain), max(sum.MaxCkChain, c.CkChain)
+		sum.MaxVMFiles, sum.MaxQEMUFDs = max(sum.MaxVMFiles, c.VMFiles), max(sum.MaxQEMUFDs, c.QEMUFDs)
+	}
+	if len(cycles) > 0 {
+		sum.FirstQEMUFDs, sum.LastQEMUFDs = cycles[0].QEMUFDs, cycles[len(cycles)-1].QEMUFDs
+	}
+	if len(ckMS) > 0 {
+		f, l := window(ckMS, s.Window)
+		sum.CheckpointFirstMS = round3(ckMS[0])
+		sum.CheckpointFirstWindowMS, sum.CheckpointLastWindowMS = round3(summarize(f).P50), round3(summarize(l).P50)
+		sum.CheckpointRatio = round3(ratio(summarize(l).P50, summarize(f).P50))
+	}
+	if len(forkMS) > 0 {
+		f, l := window(forkMS, max(1, s.Window/3))
+		sum.ForkFirstMS = round3(forkMS[0])
+		sum.ForkFirstWindowMS, sum.ForkLastWindowMS = round3(summarize(f).P50), round3(summarize(l).P50)
+		sum.ForkRatio = round3(ratio(summarize(l).P50, summarize(f).P50))
+	}
+	sum.WithinTarget = sum.CyclesDone == s.Cycles && sum.CheckpointRatio <= generationsTarget && sum.ForkRatio > 0 && sum.ForkRatio <= generationsTarget
 }
 
 // dirEntries lists a directory's entry names (none when unreadable).

@@ -14,7 +14,7 @@ import (
 
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // buildInfo collects versions of what is measured.
@@ -90,9 +90,9 @@ func loadAvg() string {
 // qemuProcs lists the qemu-system processes (argv[0]) and splits them into those whose
 // command line mentions one of ours (a state, RAM or run dir) and the others.
 func qemuProcs(ours ...string) (mine, other []int) {
-	pids, _ := memfile.ProcessesWithArg("qemu-system")
+	pids, _ := procinfo.ProcessesWithArg("qemu-system")
 	for _, pid := range pids {
-		args, err := memfile.ProcessArgs(pid)
+		args, err := procinfo.ProcessArgs(pid)
 		if err != nil || len(args) == 0 || !strings.Contains(filepath.Base(args[0]), "qemu-system") {
 			continue
 		}
@@ -144,7 +144,7 @@ type OtherVMs struct {
 func classifyOthers(pids []int) OtherVMs {
 	o := OtherVMs{ByStateDir: map[string]int{}}
 	for _, pid := range pids {
-		args, err := memfile.ProcessArgs(pid)
+		args, err := procinfo.ProcessArgs(pid)
 		if dir := stateDirOf(args); err == nil && dir != "" {
 			o.ByStateDir[dir]++
 		} else {

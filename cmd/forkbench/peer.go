@@ -49,21 +49,11 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 	ctx := r.ctx
 	path := filepath.Join(r.home, "peer.sav")
 	defer os.Remove(path)
-	src := w.Name
-	if r.shape.DiskMiB > 0 {
-		// engine.Restore attaches no disk, and QEMU refuses a save stream that carries a
-		// virtio-blk device the destination lacks; save a diskless twin of the world.
-		r.caveat("peer: engine.Restore restores no disk and QEMU rejects a stream with a disk device it lacks, so the peer saves a diskless twin of the world (same shape, same %d MB dirtied) instead of the world itself", r.shape.DirtyMB)
-		old := r.shape.DiskMiB
-		r.shape.DiskMiB = 0
-		twin, err := r.bakeWorld("peer-src", "")
-		r.shape.DiskMiB = old
-		if err != nil {
-			return fmt.Errorf("peer: twin: %w", err)
-		}
-		src = twin.Name
-		defer func() { _ = r.e.Delete(ctx, twin.Name) }()
+	src, done, err := r.peerSource(w)
+	if err != nil {
+		return err
 	}
+	defer done()
 	saveDur, err := r.e.Baseline().Save(ctx, src, path)
 	if err != nil {
 		return fmt.Errorf("peer: save: %w", err)
@@ -73,8 +63,55 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 		size = st.Size()
 	}
 	r.logf("peer: full save of %s: %.0f ms, %.0f MiB", src, ms(saveDur), float64(size)/(1<<20))
-	var restores []float64
-	var restoreErr string
+	restores, restoreErr := r.peerRestores(path, n)
+	rp50 := median(restores)
+	peer := &PeerResult{
+		SaveMS: round3(ms(saveDur)), SaveMB: round3(float64(size) / (1 << 20)), Restores: len(restores),
+		RestoreToFirstCmdMS: roundAll(restores), RestoreP50MS: round3(rp50), ForkP50MS: round3(forkP50),
+		RestoreError: restoreErr,
+	}
+	if rp50 > 0 && forkP50 > 0 {
+		peer.PeerRestoreRatio = &PeerRestoreRatio{ForkvmVsRestoreRatio: round3(forkP50 / rp50), RestoreVsForkvmSpeedup: round3(rp50 / forkP50)}
+	}
+	r.section("## Peer (stock path)\n\nFull save of the world (engine.Save, stop + migrate all RAM): %.0f ms, %.0f MiB. Restore (engine.Restore, anonymous RAM) → first `sh -c true`: p50 %.0f ms over %d (%v).\n\n",
+		ms(saveDur), float64(size)/(1<<20), rp50, len(restores), roundAll(restores))
+	if coldBoot {
+		r.peerColdBoot(peer, forkP50)
+	}
+	if q := peer.PeerRestoreRatio; q != nil {
+		r.section("**forkvm/peer ratio** (fork p50 %.0f ms / restore p50 %.0f ms): %v (restore is %v× slower).\n\n", forkP50, rp50, q.ForkvmVsRestoreRatio, q.RestoreVsForkvmSpeedup)
+	}
+	if q := peer.PeerColdBootRatio; q != nil {
+		r.section("**forkvm/cold boot ratio**: %v (cold boot is %v× slower).\n\n", q.ForkvmVsColdBootRatio, q.ColdBootVsForkvmSpeedup)
+	}
+	r.res.Extra["peer"] = peer
+	r.res.Method += " Peer: engine.Save of the world to a file in the state dir (full RAM, VM stopped while saving), then serial engine.Restore (anonymous RAM, no disk) until the first `sh -c true` answered; the ratio is forkvm p50 / restore p50."
+	return nil
+}
+
+// peerSource returns the VM the peer saves: the world, or a diskless twin of it when
+// the world has a disk (engine.Restore attaches no disk, and QEMU refuses a save stream
+// that carries a virtio-blk device the destination lacks). done deletes the twin.
+func (r *runner) peerSource(w *World) (name string, done func(), err error) {
+	if r.shape.DiskMiB == 0 {
+		return w.Name, func() {}, nil
+	}
+	r.caveat("peer: engine.Restore restores no disk and QEMU rejects a stream with a disk device it lacks, so the peer saves a diskless twin of the world (same shape, same %d MB dirtied) instead of the world itself", r.shape.DirtyMB)
+	old := r.shape.DiskMiB
+	r.shape.DiskMiB = 0
+	twin, err := r.bakeWorld("peer-src", "")
+	r.shape.DiskMiB = old
+	if err != nil {
+		return "", nil, fmt.Errorf("peer: twin: %w", err)
+	}
+	return twin.Name, func() { _ = r.e.Delete(r.ctx, twin.Name) }, nil
+}
+
+// peerRestores restores the save at path n times, serially, each until its first
+// command answered, and returns the restore-to-first-command times (ms) and the error
+// that stopped them.
+func (r *runner) peerRestores(path string, n int) (restores []float64, restoreErr string) {
+	ctx := r.ctx
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("peer-%d", i)
 		t0 := time.Now()
@@ -83,9 +120,8 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 		if err != nil {
 			s.Error, s.LatencyMS = err.Error(), ms(time.Since(t0))
 			r.addSample(s)
-			restoreErr = err.Error()
 			r.fail("peer restore %s: %v", name, err)
-			break
+			return restores, err.Error()
 		}
 		tc := time.Now()
 		d, err := firstCmd(ctx, vm)
@@ -107,54 +143,39 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 			r.logf("peer: delete %s: %v", name, err)
 		}
 	}
-	rp50 := median(restores)
-	peer := &PeerResult{
-		SaveMS: round3(ms(saveDur)), SaveMB: round3(float64(size) / (1 << 20)), Restores: len(restores),
-		RestoreToFirstCmdMS: roundAll(restores), RestoreP50MS: round3(rp50), ForkP50MS: round3(forkP50),
-		RestoreError: restoreErr,
+	return restores, ""
+}
+
+// peerColdBoot boots a VM of the world's shape until its first command and records it
+// in peer (with its ratio to forkP50, ms, when known).
+func (r *runner) peerColdBoot(peer *PeerResult, forkP50 float64) {
+	ctx := r.ctx
+	name := "peer-cold"
+	t0 := time.Now()
+	vm, err := r.e.Create(ctx, r.worldSpec(name, false))
+	if err != nil {
+		r.fail("peer cold boot: %v", err)
+		peer.ColdBootError = err.Error()
+		return
 	}
-	if rp50 > 0 && forkP50 > 0 {
-		peer.PeerRestoreRatio = &PeerRestoreRatio{ForkvmVsRestoreRatio: round3(forkP50 / rp50), RestoreVsForkvmSpeedup: round3(rp50 / forkP50)}
-	}
-	r.section("## Peer (stock path)\n\nFull save of the world (engine.Save, stop + migrate all RAM): %.0f ms, %.0f MiB. Restore (engine.Restore, anonymous RAM) → first `sh -c true`: p50 %.0f ms over %d (%v).\n\n",
-		ms(saveDur), float64(size)/(1<<20), rp50, len(restores), roundAll(restores))
-	if coldBoot {
-		name := "peer-cold"
-		t0 := time.Now()
-		vm, err := r.e.Create(ctx, r.worldSpec(name, false))
-		if err != nil {
-			r.fail("peer cold boot: %v", err)
-			peer.ColdBootError = err.Error()
-		} else {
-			d, err := firstCmd(ctx, vm)
-			total := time.Since(t0)
-			s := Sample{Group: "peer-cold-boot", Name: name, OK: err == nil, LatencyMS: ms(total), FirstCmdMS: ms(d)}
-			if err != nil {
-				s.Error = err.Error()
-				r.fail("peer cold boot: first command: %v", err)
-			} else {
-				cold := round3(ms(total))
-				peer.ColdBootMS = &cold
-				if forkP50 > 0 {
-					peer.PeerColdBootRatio = &PeerColdBootRatio{ForkvmVsColdBootRatio: round3(forkP50 / ms(total)), ColdBootVsForkvmSpeedup: round3(ms(total) / forkP50)}
-				}
-				r.section("Cold boot (engine.Create → first `sh -c true`): %.0f ms.\n\n", ms(total))
-			}
-			r.addSample(s)
-			if err := r.e.Delete(ctx, name); err != nil {
-				r.logf("peer: delete %s: %v", name, err)
-			}
+	d, err := firstCmd(ctx, vm)
+	total := time.Since(t0)
+	s := Sample{Group: "peer-cold-boot", Name: name, OK: err == nil, LatencyMS: ms(total), FirstCmdMS: ms(d)}
+	if err != nil {
+		s.Error = err.Error()
+		r.fail("peer cold boot: first command: %v", err)
+	} else {
+		cold := round3(ms(total))
+		peer.ColdBootMS = &cold
+		if forkP50 > 0 {
+			peer.PeerColdBootRatio = &PeerColdBootRatio{ForkvmVsColdBootRatio: round3(forkP50 / ms(total)), ColdBootVsForkvmSpeedup: round3(ms(total) / forkP50)}
 		}
+		r.section("Cold boot (engine.Create → first `sh -c true`): %.0f ms.\n\n", ms(total))
 	}
-	if q := peer.PeerRestoreRatio; q != nil {
-		r.section("**forkvm/peer ratio** (fork p50 %.0f ms / restore p50 %.0f ms): %v (restore is %v× slower).\n\n", forkP50, rp50, q.ForkvmVsRestoreRatio, q.RestoreVsForkvmSpeedup)
+	r.addSample(s)
+	if err := r.e.Delete(ctx, name); err != nil {
+		r.logf("peer: delete %s: %v", name, err)
 	}
-	if q := peer.PeerColdBootRatio; q != nil {
-		r.section("**forkvm/cold boot ratio**: %v (cold boot is %v× slower).\n\n", q.ForkvmVsColdBootRatio, q.ColdBootVsForkvmSpeedup)
-	}
-	r.res.Extra["peer"] = peer
-	r.res.Method += " Peer: engine.Save of the world to a file in the state dir (full RAM, VM stopped while saving), then serial engine.Restore (anonymous RAM, no disk) until the first `sh -c true` answered; the ratio is forkvm p50 / restore p50."
-	return nil
 }
 
 func roundAll(xs []float64) []float64 {

@@ -84,7 +84,7 @@ func TestPartialWaveNeverHeadline(t *testing.T) {
 				t.Errorf("%s: wave%d complete %v ok %v", tt.name, o.n, ws.Complete, ws.OK)
 			}
 		}
-		r := &runner{incomplete: stop != ""}
+		r := &runner{runOutput: runOutput{incomplete: stop != ""}}
 		if c, ok := r.status(nil); c == tt.incomplete || ok == tt.incomplete {
 			t.Errorf("%s: run complete %v ok %v", tt.name, c, ok)
 		}

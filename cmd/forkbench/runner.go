@@ -18,13 +18,24 @@ import (
 
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
-// runner is one benchmark run: the engine on its state dir, the result being built and
-// the outputs.
+// runner is one benchmark run: what its flags asked for, the engine on its state dir,
+// the result being built and what the run collects for its outputs.
 type runner struct {
-	ctx       context.Context
+	ctx context.Context
+	runOptions
+	ownHome bool   // home was made by this run (removed at the end)
+	ramDir  string // the engine's RAM dir
+	e       *engine.Engine
+	res     *Result
+	trace   *Trace
+	runOutput
+}
+
+// runOptions are a run's common flags, fixed for the run.
+type runOptions struct {
 	bench     string
 	shape     Shape
 	vmgenid   bool // worlds get Spec.VMGenID
@@ -35,14 +46,13 @@ type runner struct {
 	// warmRestored makes --warm pools pre-restored (engine.WarmOptions.Restored).
 	warmRestored bool
 	home         string
-	ownHome      bool
 	overcommit   float64
-	e            *engine.Engine
-	res          *Result
-	trace        *Trace
-	progress     bool
-	ramDir       string
+	progress     bool // stderr is a terminal: progress lines are redrawn
+}
 
+// runOutput is what a run collects while it measures; mu guards it (waves measure from
+// many goroutines).
+type runOutput struct {
 	mu       sync.Mutex
 	samples  []Sample
 	failures int
@@ -151,27 +161,48 @@ func (r *runner) p50Headline(metric string, xs []float64) Percentiles {
 // percentiles, extra, method). An error means the run broke.
 type benchFunc func(r *runner) error
 
-// runBench is the common lifecycle of every subcommand.
-func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Settings, fn benchFunc) (err error) {
+// runBench is the common lifecycle of every subcommand: check the flags, open the
+// engine, run fn, clean up, write the outputs.
+func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Settings, fn benchFunc) error {
+	start := time.Now()
+	r, err := newRunner(ctx, cmd, bench, settings, start)
+	if err != nil {
+		return err
+	}
+	if err := r.openEngine(cmd, settings); err != nil {
+		return err
+	}
+	runErr := fn(r)
+	if runErr != nil {
+		r.logf("run broke: %v", runErr)
+	}
+	r.cleanup()
+	return r.finish(runErr, start)
+}
+
+// newRunner checks the common flags and starts the result.
+func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings Settings, start time.Time) (*runner, error) {
 	r := &runner{
-		ctx: ctx, bench: bench,
-		shape: Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb"),
-			Image: cmd.String("image")},
-		outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
-		home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
-		vmgenid: cmd.Bool("vmgenid"),
-		held:    map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{},
+		ctx: ctx,
+		runOptions: runOptions{
+			bench: bench,
+			shape: Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb"),
+				Image: cmd.String("image")},
+			outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
+			home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
+			vmgenid: cmd.Bool("vmgenid"),
+		},
+		runOutput: runOutput{held: map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{}},
 	}
 	if r.shape.Image != "" {
 		r.shape.StateMB = cmd.Int("state-mb")
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
-		return fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
+		return nil, fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
 	}
 	if r.overcommit <= 0 {
-		return fmt.Errorf("--overcommit must be > 0")
+		return nil, fmt.Errorf("--overcommit must be > 0")
 	}
-	start := time.Now()
 	if r.outDir == "" {
 		r.outDir = filepath.Join("bench-results", bench+"-"+start.UTC().Format("20060102T150405Z"))
 	}
@@ -187,7 +218,14 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 	r.res = &Result{
 		Schema: SchemaVersion, Bench: bench, Extra: map[string]any{},
 		Environment: Environment{Shape: r.shape, Settings: settings, LoadAvgBefore: loadAvg()},
+		MeasuredAt:  start.UTC().Format(time.RFC3339),
 	}
+	return r, nil
+}
+
+// openEngine opens the engine on the run's state dir (a new temporary one unless --home)
+// and records the build, the host and the other VMs running on it.
+func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	if r.home == "" {
 		r.home, err = os.MkdirTemp("/tmp", "fb-")
 		if err != nil {
@@ -213,7 +251,7 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
-	r.e, err = engine.New(ctx, cfg)
+	r.e, err = engine.New(r.ctx, cfg)
 	if err != nil {
 		if r.ownHome {
 			os.RemoveAll(r.home)
@@ -221,12 +259,12 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 		return err
 	}
 	r.ramDir = r.e.Config().RAMDir
+	rs := settings.runSettings()
 	rs.RestoreConcurrency = r.e.Config().Experimental.RestoreConcurrency
 	rs.TBSizeMiB = r.e.Config().Experimental.TBSizeMiB
 	rs.TCGThread = string(r.e.Config().Experimental.TCGThread)
-	r.res.Build = buildInfo(ctx, r.e, guest.DefaultCacheDir())
+	r.res.Build = buildInfo(r.ctx, r.e, guest.DefaultCacheDir())
 	r.res.Host = hostInfo(r.e)
-	r.res.MeasuredAt = start.UTC().Format(time.RFC3339)
 	if r.res.Host.Accel == "tcg" {
 		r.caveat("accelerator is TCG (no usable KVM): guest execution is emulated, so guest-side work (commands, md5sum) is far slower than under KVM")
 	}
@@ -234,13 +272,13 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 		r.caveat("other qemu-system processes were running on the host at start (not ours): %s: timings are noisy",
 			otherVMsText(r.res.Environment.OtherVMs, r.res.Environment.OtherVMsDetail))
 	}
+	return nil
+}
 
-	runErr := fn(r)
-	if runErr != nil {
-		r.logf("run broke: %v", runErr)
-	}
-	r.cleanup()
-
+// finish completes the result after the run (and its clean-up), writes result.json,
+// samples, report.md and the run's files, prints the headline and returns the run's
+// error: runErr, errNotOK for a run that is not ok, or a failure to write.
+func (r *runner) finish(runErr error, start time.Time) error {
 	r.res.Failures = r.failures
 	r.res.Complete, r.res.OK = r.status(runErr)
 	if runErr != nil {
@@ -267,19 +305,19 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 		_ = writeResultJSON(os.Stdout, r.res)
 	}
 	if t := terminalTable(r.res, ref, rows); t != "" {
-		fmt.Fprintf(os.Stderr, "\nforkbench %s against the published figures (%s; machines differ: not like for like):\n%s\n", bench, ref.Name, t)
+		fmt.Fprintf(os.Stderr, "\nforkbench %s against the published figures (%s; machines differ: not like for like):\n%s\n", r.bench, ref.Name, t)
 	}
 	note := ""
 	if r.headlineNote != "" {
 		note = " [" + r.headlineNote + "]"
 	}
-	fmt.Fprintf(os.Stderr, "forkbench %s: %s = %s %s (%s, n=%d) complete=%v ok=%v failures=%d%s -> %s\n", bench, r.res.Metric,
+	fmt.Fprintf(os.Stderr, "forkbench %s: %s = %s %s (%s, n=%d) complete=%v ok=%v failures=%d%s -> %s\n", r.bench, r.res.Metric,
 		fnum(r.res.Value), r.res.Unit, r.res.Stat, r.res.N, r.res.Complete, r.res.OK, r.res.Failures, note, r.outDir)
 	switch {
 	case runErr != nil:
 		return runErr
 	case !r.res.OK:
-		return fmt.Errorf("%s: %w (failures=%d)", bench, errNotOK, r.failures)
+		return fmt.Errorf("%s: %w (failures=%d)", r.bench, errNotOK, r.failures)
 	}
 	return nil
 }
@@ -400,7 +438,7 @@ func isAdmission(err error) (*engine.AdmissionError, bool) {
 
 // memAvailableMB is MemAvailable in MB (-1 when unknown).
 func memAvailableMB() float64 {
-	v, err := memfile.MemAvailable()
+	v, err := procinfo.MemAvailable()
 	if err != nil {
 		return -1
 	}

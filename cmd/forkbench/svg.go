@@ -98,23 +98,37 @@ func (w svgWave) label() string {
 	return fmt.Sprintf("%s (%d/%d, PARTIAL)", w.Label, w.Ready, w.N)
 }
 
+// The fan-out chart's layout: labels end at svgLeft, plots span svgLeft..svgRight, a
+// wave's row is svgRowH high.
+const (
+	svgWidth, svgLeft, svgRight = 960.0, 230.0, 930.0
+	svgRowH                     = 22.0
+)
+
 // fanoutSVG draws three panels: per-fork latency per wave, forks ready over time, and
 // memory per fork by class. It is self-contained SVG 1.1 (no script, no fonts).
 func fanoutSVG(waves []svgWave, title string) []byte {
-	const W, left, right = 960.0, 230.0, 930.0
-	rowH := 22.0
-	h1 := 50 + rowH*float64(len(waves)) + 40
+	const W = svgWidth
+	h1 := 50 + svgRowH*float64(len(waves)) + 40
 	h2 := 280.0 + 16*math.Ceil(float64(len(waves))/3)
-	h3 := 50 + rowH*float64(len(waves)) + 70
+	h3 := 50 + svgRowH*float64(len(waves)) + 70
 	H := 40 + h1 + h2 + h3
 	d := &svgDoc{}
 	d.f(`<?xml version="1.0" encoding="UTF-8"?>` + "\n")
 	d.f(`<svg xmlns="http://www.w3.org/2000/svg" version="1.1" width="%.0f" height="%.0f" viewBox="0 0 %.0f %.0f" font-family="sans-serif">`+"\n", W, H, W, H)
 	d.f(`<rect width="100%%" height="100%%" fill="white"/>` + "\n")
 	d.text(W/2, 24, "middle", `font-size="16" font-weight="bold"`, title)
-
-	// Panel 1: per-fork latency, one row per wave; the tick is the p50.
 	y0 := 40.0
+	d.latencyPanel(waves, y0)
+	d.readyPanel(waves, y0+h1)
+	d.memoryPanel(waves, y0+h1+h2)
+	d.f("</svg>\n")
+	return d.b.Bytes()
+}
+
+// latencyPanel draws each fork's start → ready latency, one row per wave, at y0; the
+// tick is the p50.
+func (d *svgDoc) latencyPanel(waves []svgWave, y0 float64) {
 	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Fork start → ready, each fork (ms); | = p50")
 	maxLat := 1.0
 	for _, w := range waves {
@@ -123,26 +137,28 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 		}
 	}
 	for i, w := range waves {
-		y := y0 + 45 + rowH*float64(i)
+		y := y0 + 45 + svgRowH*float64(i)
 		col := svgColors[i%len(svgColors)]
 		style := `font-size="12"`
 		if !w.Complete {
 			style = `font-size="12" fill="#b00"`
 		}
-		d.text(left-8, y+4, "end", style, w.label())
-		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#eee"/>`+"\n", left, y, right, y)
+		d.text(svgLeft-8, y+4, "end", style, w.label())
+		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#eee"/>`+"\n", svgLeft, y, svgRight, y)
 		for _, v := range w.LatMS {
-			d.f(`<circle cx="%.1f" cy="%.1f" r="3" fill="%s" fill-opacity="0.55"/>`+"\n", left+(right-left)*v/maxLat, y, col)
+			d.f(`<circle cx="%.1f" cy="%.1f" r="3" fill="%s" fill-opacity="0.55"/>`+"\n", svgLeft+(svgRight-svgLeft)*v/maxLat, y, col)
 		}
 		if len(w.LatMS) > 0 {
-			x := left + (right-left)*median(w.LatMS)/maxLat
+			x := svgLeft + (svgRight-svgLeft)*median(w.LatMS)/maxLat
 			d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="black" stroke-width="2"/>`+"\n", x, y-8, x, y+8)
 		}
 	}
-	d.axis(left, right, y0+45+rowH*float64(len(waves))-rowH/2+6, maxLat, "ms")
+	d.axis(svgLeft, svgRight, y0+45+svgRowH*float64(len(waves))-svgRowH/2+6, maxLat, "ms")
 
-	// Panel 2: forks ready over time since each wave's first start.
-	y0 += h1
+}
+
+// readyPanel draws the forks ready over time since each wave's first start, at y0.
+func (d *svgDoc) readyPanel(waves []svgWave, y0 float64) {
 	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Forks ready over time (s since the wave's first start)")
 	top, bot := y0+35, y0+245
 	maxT, maxN := 0.1, 1
@@ -152,21 +168,21 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 			maxT = math.Max(maxT, t)
 		}
 	}
-	d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#444"/>`+"\n", left, top, left, bot)
+	d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#444"/>`+"\n", svgLeft, top, svgLeft, bot)
 	step := niceStep(float64(maxN), 4)
 	for v := 0.0; v <= float64(maxN)+step/1e6; v += step {
 		y := bot - (bot-top)*v/float64(maxN)
-		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#eee"/>`+"\n", left, y, right, y)
-		d.text(left-6, y+4, "end", `font-size="11"`, fnum(v))
+		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#eee"/>`+"\n", svgLeft, y, svgRight, y)
+		d.text(svgLeft-6, y+4, "end", `font-size="11"`, fnum(v))
 	}
-	d.text(left+6, top+12, "start", `font-size="11" fill="#444"`, "forks ready")
+	d.text(svgLeft+6, top+12, "start", `font-size="11" fill="#444"`, "forks ready")
 	for i, w := range waves {
 		ts := append([]float64(nil), w.ReadyAtS...)
 		sort.Float64s(ts)
 		col := svgColors[i%len(svgColors)]
-		pts := []string{fmt.Sprintf("%.1f,%.1f", left, bot)}
+		pts := []string{fmt.Sprintf("%.1f,%.1f", svgLeft, bot)}
 		for k, t := range ts {
-			x := left + (right-left)*t/maxT
+			x := svgLeft + (svgRight-svgLeft)*t/maxT
 			pts = append(pts, fmt.Sprintf("%.1f,%.1f", x, bot-(bot-top)*float64(k)/float64(maxN)),
 				fmt.Sprintf("%.1f,%.1f", x, bot-(bot-top)*float64(k+1)/float64(maxN)))
 		}
@@ -175,14 +191,17 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 			dash = ` stroke-dasharray="5,3"`
 		}
 		d.f(`<polyline points="%s" fill="none" stroke="%s" stroke-width="2"%s/>`+"\n", strings.Join(pts, " "), col, dash)
-		lx, ly := left+float64(i%3)*235, bot+44+16*float64(i/3)
+		lx, ly := svgLeft+float64(i%3)*235, bot+44+16*float64(i/3)
 		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s" stroke-width="2"%s/>`+"\n", lx, ly, lx+20, ly, col, dash)
 		d.text(lx+25, ly+4, "start", `font-size="11"`, w.label())
 	}
-	d.axis(left, right, bot, maxT, "s")
+	d.axis(svgLeft, svgRight, bot, maxT, "s")
 
-	// Panel 3: memory per fork by class (p50, stacked) and host memory added per fork.
-	y0 += h2
+}
+
+// memoryPanel draws memory per fork by class (p50, stacked) and host memory added per
+// fork, one row per wave, at y0.
+func (d *svgDoc) memoryPanel(waves []svgWave, y0 float64) {
 	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Memory per fork (MiB): private by class (p50, VM.Memory) and ◆ host memory added / forks")
 	classes := []struct {
 		name string
@@ -207,33 +226,31 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 		}
 	}
 	for i, w := range waves {
-		y := y0 + 45 + rowH*float64(i)
+		y := y0 + 45 + svgRowH*float64(i)
 		style := `font-size="12"`
 		if !w.Complete {
 			style = `font-size="12" fill="#b00"`
 		}
-		d.text(left-8, y+4, "end", style, w.label())
-		x := left
+		d.text(svgLeft-8, y+4, "end", style, w.label())
+		x := svgLeft
 		if w.Mem != nil {
 			for _, c := range classes {
-				wd := (right - left) * c.get(w.Mem) / maxMB
+				wd := (svgRight - svgLeft) * c.get(w.Mem) / maxMB
 				d.f(`<rect x="%.1f" y="%.1f" width="%.1f" height="14" fill="%s"/>`+"\n", x, y-7, math.Max(0, wd), c.col)
 				x += wd
 			}
 		}
 		if w.HostAddedMB > 0 {
-			hx := left + (right-left)*w.HostAddedMB/maxMB
+			hx := svgLeft + (svgRight-svgLeft)*w.HostAddedMB/maxMB
 			d.f(`<path d="M %.1f %.1f l 6 7 l -6 7 l -6 -7 z" fill="black"/>`+"\n", hx, y-7)
 		}
 	}
-	ay := y0 + 45 + rowH*float64(len(waves)) - rowH/2 + 6
-	d.axis(left, right, ay, maxMB, "MiB")
+	ay := y0 + 45 + svgRowH*float64(len(waves)) - svgRowH/2 + 6
+	d.axis(svgLeft, svgRight, ay, maxMB, "MiB")
 	lx := 20.0
 	for _, c := range classes {
 		d.f(`<rect x="%.1f" y="%.1f" width="12" height="12" fill="%s"/>`+"\n", lx, ay+36, c.col)
 		d.text(lx+16, ay+46, "start", `font-size="11"`, c.name)
 		lx += 150
 	}
-	d.f("</svg>\n")
-	return d.b.Bytes()
 }

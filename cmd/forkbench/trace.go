@@ -15,7 +15,7 @@ type TraceEvent struct {
 	Name string         `json:"name"`
 	Cat  string         `json:"cat,omitempty"`
 	Ph   string         `json:"ph"`
-	Ts   float64        `json:"ts"` // microseconds
+	TS   float64        `json:"ts"` // microseconds
 	Dur  float64        `json:"dur,omitempty"`
 	Pid  int            `json:"pid"`
 	Tid  int            `json:"tid"`
@@ -59,7 +59,7 @@ func (t *Trace) Span(pid, tid int, thread, name string, start time.Time, d time.
 	if dur <= 0 {
 		dur = 0.001
 	}
-	t.events = append(t.events, TraceEvent{Name: name, Cat: "fork", Ph: "X", Ts: t.us(start), Dur: dur, Pid: pid, Tid: tid, Args: args})
+	t.events = append(t.events, TraceEvent{Name: name, Cat: "fork", Ph: "X", TS: t.us(start), Dur: dur, Pid: pid, Tid: tid, Args: args})
 }
 
 // ForkSpans records the phases of one fork laid end to end from start: prepare, spawn,

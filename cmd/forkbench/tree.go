@@ -12,7 +12,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 func treeCmd() *cli.Command {
@@ -125,97 +125,29 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 		return err
 	}
 	r.worldExtra(w)
-	lineage := []lineageFile{{"/dev/shm/dirty", w.DirtyMD5}}
-	node, ckName := w.VM, "t0"
-	written := r.shape.DirtyMB
-	guestWritten := w.SharedFileMB
-	lineageMB := w.SharedFileMB
+	t := &treeWalk{r: r, lineage: []lineageFile{{"/dev/shm/dirty", w.DirtyMD5}}, node: w.VM, ckName: "t0",
+		written: r.shape.DirtyMB, guestWritten: w.SharedFileMB, lineageMB: w.SharedFileMB}
 	var levels []TreeLevel
 	var ckOfFork []float64
 	for lvl := 0; lvl < depth; lvl++ {
-		L := TreeLevel{Level: lvl, Node: node.Name(), WrittenMB: written, GuestWrittenMB: round3(guestWritten)}
+		L := TreeLevel{Level: lvl, Node: t.node.Name(), WrittenMB: t.written, GuestWrittenMB: round3(t.guestWritten)}
 		if lvl == 0 {
 			L.CheckpointMS, L.CheckpointRAMMethod = w.CheckpointMS, "copy"
 		} else {
-			t := time.Now()
-			fv, s := r.serialFork(node.Name(), fmt.Sprintf("run%d", lvl), "fork-running", lvl, 2)
-			r.addSample(s)
-			if fv != nil {
-				L.ForkRunningMS = ms(time.Since(t))
-				_ = r.e.Delete(ctx, fv.Name())
-			} else {
-				r.fail("level %d: fork of running %s: %s", lvl, node.Name(), s.Error)
+			if err := t.checkpointNode(lvl, &L); err != nil {
+				return err
 			}
-			if mu, err := node.Memory(ctx); err == nil {
-				guestWritten += float64(mu.GuestWritten-mu.GuestLineage) / (1 << 20)
-			} else {
-				r.fail("level %d: memory of %s: %v", lvl, node.Name(), err)
-			}
-			L.GuestWrittenMB = round3(guestWritten)
-			ckName = fmt.Sprintf("t%d", lvl)
-			ck, err := r.e.Checkpoint(ctx, node.Name(), ckName, &engine.CheckpointOptions{Pin: true})
-			if err != nil {
-				return fmt.Errorf("level %d: checkpoint of %s: %w", lvl, node.Name(), err)
-			}
-			L.CheckpointMS, L.CheckpointRAMMethod = ms(ck.Manifest.Timings.Total), ck.Manifest.RAMMethod
-			if n := len(ck.Manifest.Layers); n > 0 {
-				lineageMB += float64(ck.Manifest.Layers[n-1].Size) / (1 << 20)
-			}
-			L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS = ms(ck.Manifest.Timings.Migrate), ms(ck.Manifest.Timings.Extract), ms(ck.Manifest.Timings.Paused)
 			ckOfFork = append(ckOfFork, L.CheckpointMS)
-			r.addSample(Sample{Group: "checkpoint", Index: lvl, Name: ckName, OK: true, LatencyMS: L.CheckpointMS})
 		}
 		if r.shape.DiskMiB == 0 {
-			L.StockSaveMS, L.StockRestoreMS = r.stockSaveRestore(node, lvl)
+			L.StockSaveMS, L.StockRestoreMS = r.stockSaveRestore(t.node, lvl)
 		}
-		avail0, _ := memfile.MemAvailable()
-		var children []*engine.VM
-		var lat []float64
-		for i := 1; i <= branch; i++ {
-			vm, s := r.serialFork(ckName, fmt.Sprintf("n%d-%d", lvl+1, i), "fork", lvl*branch+i-1, 1)
-			r.addSample(s)
-			if vm == nil {
-				r.fail("level %d: fork %d: %s", lvl, i, s.Error)
-				continue
-			}
-			children = append(children, vm)
-			lat = append(lat, s.LatencyMS)
-		}
-		if avail1, err := memfile.MemAvailable(); err == nil && len(children) > 0 {
-			L.HostMemPerForkMB = round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
-		}
-		L.Ready, L.ForkP50MS = len(children), round3(median(lat))
-		// Each child writes its own file; every child must see the lineage and only its
-		// own file of its level.
-		mine := map[string]lineageFile{}
-		for _, c := range children {
-			p := fmt.Sprintf("/dev/shm/l%d-%s", lvl+1, c.Name())
-			out, err := shell(ctx, c, fmt.Sprintf("head -c %d /dev/urandom > %s && md5sum %s", writeMB<<20, p, p), 5*time.Minute)
-			if err != nil {
-				r.fail("level %d: %s: write: %v", lvl, c.Name(), err)
-				continue
-			}
-			mine[c.Name()] = lineageFile{p, parseMD5(out)[p]}
-		}
-		for _, c := range children {
-			if err := verifyNode(ctx, c, lineage, mine); err != nil {
-				r.fail("level %d: %s: %v", lvl, c.Name(), err)
-				continue
-			}
-			L.Verified++
-		}
-		L.RAMFilesMB = round3(float64(dirAllocated(r.ramDir, "ck-")) / (1 << 20))
-		if infos, err := r.e.Checkpoints(); err == nil {
-			var flat int64
-			for _, in := range infos {
-				flat += in.FlatBytes
-			}
-			L.FlatMB = round3(float64(flat) / (1 << 20))
-		}
-		L.LineageMB = round3(lineageMB)
+		children := t.forkChildren(lvl, branch, &L)
+		mine := t.writeAndVerify(children, lvl, writeMB, &L)
+		t.storage(&L)
 		levels = append(levels, L)
 		r.logf("level %d: checkpoint of %s %.0f ms (%s), %d forks p50 %.0f ms, RAM files %.0f MiB (flattened copies %.0f MiB, lineage %.0f MiB) for %d MB written by the benchmark (at least %.0f MiB by the guests), %d/%d verified",
-			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, L.FlatMB, L.LineageMB, written, L.GuestWrittenMB, L.Verified, len(children))
+			lvl, L.Node, L.CheckpointMS, L.CheckpointRAMMethod, L.Ready, L.ForkP50MS, L.RAMFilesMB, L.FlatMB, L.LineageMB, t.written, L.GuestWrittenMB, L.Verified, len(children))
 		if len(children) == 0 {
 			break
 		}
@@ -225,11 +157,11 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 			_ = r.e.Delete(ctx, c.Name())
 		}
 		if lvl > 0 {
-			_ = r.e.Delete(ctx, node.Name())
+			_ = r.e.Delete(ctx, t.node.Name())
 		}
-		node = next
-		lineage = append(lineage, mine[next.Name()])
-		written += writeMB
+		t.node = next
+		t.lineage = append(t.lineage, mine[next.Name()])
+		t.written += writeMB
 		if err := ctx.Err(); err != nil {
 			return err
 		}
@@ -241,14 +173,128 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 	}
 	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files (lineage MB: the world file's frozen data + each delta checkpoint's own layer), against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
 		r.shape.DirtyMB, depth, branch, writeMB)
+	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", treeTable(levels), pc.P50, len(ckOfFork))
+	return nil
+}
+
+// treeWalk is runTree's position in the tree: the node of the current level, the
+// checkpoint its children fork from, the files its lineage wrote, and the storage
+// counters carried from level to level.
+type treeWalk struct {
+	r            *runner
+	lineage      []lineageFile
+	node         *engine.VM
+	ckName       string
+	written      int     // MB the benchmark wrote into the lineage
+	guestWritten float64 // MiB the guests wrote (at least)
+	lineageMB    float64 // the world file's data + every delta layer
+}
+
+// checkpointNode forks the running node (timed, then deleted) and takes its pinned
+// checkpoint, the next level's parent, into L.
+func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
+	r, ctx, node := t.r, t.r.ctx, t.node
+	start := time.Now()
+	fv, s := r.serialFork(node.Name(), fmt.Sprintf("run%d", lvl), "fork-running", lvl, 2)
+	r.addSample(s)
+	if fv != nil {
+		L.ForkRunningMS = ms(time.Since(start))
+		_ = r.e.Delete(ctx, fv.Name())
+	} else {
+		r.fail("level %d: fork of running %s: %s", lvl, node.Name(), s.Error)
+	}
+	if mu, err := node.Memory(ctx); err == nil {
+		t.guestWritten += float64(mu.GuestWritten-mu.GuestLineage) / (1 << 20)
+	} else {
+		r.fail("level %d: memory of %s: %v", lvl, node.Name(), err)
+	}
+	L.GuestWrittenMB = round3(t.guestWritten)
+	t.ckName = fmt.Sprintf("t%d", lvl)
+	ck, err := r.e.Checkpoint(ctx, node.Name(), t.ckName, &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		return fmt.Errorf("level %d: checkpoint of %s: %w", lvl, node.Name(), err)
+	}
+	L.CheckpointMS, L.CheckpointRAMMethod = ms(ck.Manifest.Timings.Total), ck.Manifest.RAMMethod
+	if n := len(ck.Manifest.Layers); n > 0 {
+		t.lineageMB += float64(ck.Manifest.Layers[n-1].Size) / (1 << 20)
+	}
+	L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS = ms(ck.Manifest.Timings.Migrate), ms(ck.Manifest.Timings.Extract), ms(ck.Manifest.Timings.Paused)
+	r.addSample(Sample{Group: "checkpoint", Index: lvl, Name: t.ckName, OK: true, LatencyMS: L.CheckpointMS})
+	return nil
+}
+
+// forkChildren forks branch children of the level's checkpoint serially and records
+// their latency and the host memory they added.
+func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
+	r := t.r
+	avail0, _ := procinfo.MemAvailable()
+	var children []*engine.VM
+	var lat []float64
+	for i := 1; i <= branch; i++ {
+		vm, s := r.serialFork(t.ckName, fmt.Sprintf("n%d-%d", lvl+1, i), "fork", lvl*branch+i-1, 1)
+		r.addSample(s)
+		if vm == nil {
+			r.fail("level %d: fork %d: %s", lvl, i, s.Error)
+			continue
+		}
+		children = append(children, vm)
+		lat = append(lat, s.LatencyMS)
+	}
+	if avail1, err := procinfo.MemAvailable(); err == nil && len(children) > 0 {
+		L.HostMemPerForkMB = round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
+	}
+	L.Ready, L.ForkP50MS = len(children), round3(median(lat))
+	return children
+}
+
+// writeAndVerify has each child write its own file, then checks that every child sees
+// the lineage and only its own file of its level; it returns each child's file.
+func (t *treeWalk) writeAndVerify(children []*engine.VM, lvl, writeMB int, L *TreeLevel) map[string]lineageFile {
+	r, ctx := t.r, t.r.ctx
+	mine := map[string]lineageFile{}
+	for _, c := range children {
+		p := fmt.Sprintf("/dev/shm/l%d-%s", lvl+1, c.Name())
+		out, err := shell(ctx, c, fmt.Sprintf("head -c %d /dev/urandom > %s && md5sum %s", writeMB<<20, p, p), 5*time.Minute)
+		if err != nil {
+			r.fail("level %d: %s: write: %v", lvl, c.Name(), err)
+			continue
+		}
+		mine[c.Name()] = lineageFile{p, parseMD5(out)[p]}
+	}
+	for _, c := range children {
+		if err := verifyNode(ctx, c, t.lineage, mine); err != nil {
+			r.fail("level %d: %s: %v", lvl, c.Name(), err)
+			continue
+		}
+		L.Verified++
+	}
+	return mine
+}
+
+// storage records the level's checkpoint storage: every checkpoint RAM file, the
+// flattened copies, the lineage.
+func (t *treeWalk) storage(L *TreeLevel) {
+	r := t.r
+	L.RAMFilesMB = round3(float64(dirAllocated(r.ramDir, "ck-")) / (1 << 20))
+	if infos, err := r.e.Checkpoints(); err == nil {
+		var flat int64
+		for _, in := range infos {
+			flat += in.FlatBytes
+		}
+		L.FlatMB = round3(float64(flat) / (1 << 20))
+	}
+	L.LineageMB = round3(t.lineageMB)
+}
+
+// treeTable is the report's table of the tree's levels.
+func treeTable(levels []TreeLevel) string {
 	var b strings.Builder
 	b.WriteString("## Fork tree\n\n| level | node | checkpoint ms (RAM) | migrate / extract / paused ms | fork of running node ms | fork p50 ms | RAM files MiB (flattened copies; lineage MiB; written MB; by the guests MiB, at least) | host MiB/fork | verified | stock save / restore ms |\n|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, L := range levels {
 		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%.0f; %.0f; %d; %.0f) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
 			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.FlatMB, L.LineageMB, L.WrittenMB, L.GuestWrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
 	}
-	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", b.String(), pc.P50, len(ckOfFork))
-	return nil
+	return b.String()
 }
 
 // verifyNode checks that vm sees every lineage file with its md5, its own file, and no

@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // WaveResult is one ForkMany call as measured.
@@ -114,7 +114,7 @@ func (r *runner) wave(label, src string, n int, opts *engine.ManyOptions, onRead
 			}
 		} else {
 			ready++
-			if u, s, err := memfile.ProcessCPU(ev.VM.PID()); err == nil {
+			if u, s, err := procinfo.ProcessCPU(ev.VM.PID()); err == nil {
 				w.CPU[ev.Name] = [2]time.Duration{u, s}
 			}
 			if ev.Done.After(w.LastReady) {
@@ -207,7 +207,7 @@ func (r *runner) measureIdle(w *WaveResult, window time.Duration) IdleCPU {
 	sample := func() map[int]time.Duration {
 		m := map[int]time.Duration{}
 		for _, vm := range w.Ready {
-			if u, s, err := memfile.ProcessCPU(vm.PID()); err == nil {
+			if u, s, err := procinfo.ProcessCPU(vm.PID()); err == nil {
 				m[vm.PID()] = u + s
 			}
 		}

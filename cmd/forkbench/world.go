@@ -267,89 +267,18 @@ func (r *runner) isoMethod() string {
 // checkIsolation runs the isolation checks on vms (ready forks of w's checkpoint). mems
 // holds each fork's memory measured at ready (by name); missing ones are measured here.
 func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]forkMem, full []int) IsoReport {
-	ctx := r.ctx
-	rep := IsoReport{Forks: len(vms), AnonBoundMB: float64(r.shape.DirtyMB) / 2, Failures: []string{}, FullChecked: []string{}}
-	var mu sync.Mutex
-	failf := func(format string, a ...any) {
-		msg := fmt.Sprintf(format, a...)
-		mu.Lock()
-		rep.Failures = append(rep.Failures, msg)
-		mu.Unlock()
-		r.fail("isolation: %s", msg)
-	}
-	par := func(fn func(i int, vm *engine.VM)) {
-		var wg sync.WaitGroup
-		sem := make(chan struct{}, 8)
-		for i, vm := range vms {
-			wg.Add(1)
-			sem <- struct{}{}
-			go func() {
-				defer wg.Done()
-				defer func() { <-sem }()
-				fn(i, vm)
-			}()
-		}
-		wg.Wait()
-	}
-	disk := r.disk()
+	c := &isoCheck{r: r, w: w, disk: r.disk(), rep: IsoReport{Forks: len(vms), AnonBoundMB: float64(r.shape.DirtyMB) / 2,
+		Failures: []string{}, FullChecked: []string{}}}
 	okWrite := make([]bool, len(vms))
-	par(func(i int, vm *engine.VM) {
-		s := fmt.Sprintf("echo %s > /dev/shm/mine", vm.Name())
-		if disk != nil {
-			s += fmt.Sprintf(" && echo %s > %s && sync", vm.Name(), disk.mine)
+	eachFork(vms, func(i int, vm *engine.VM) { okWrite[i] = c.ownWrite(vm) })
+	eachFork(vms, func(i int, vm *engine.VM) {
+		if okWrite[i] {
+			c.readBack(vm, mems)
 		}
-		if _, err := shell(ctx, vm, s, 60*time.Second); err != nil {
-			failf("%s: own write: %v", vm.Name(), err)
-			return
-		}
-		okWrite[i] = true
-	})
-	par(func(i int, vm *engine.VM) {
-		if !okWrite[i] {
-			return
-		}
-		s := "cat /dev/shm/mine"
-		want := vm.Name() + "\n"
-		if disk != nil {
-			s += " " + disk.mine
-			want += vm.Name() + "\n"
-		}
-		out, err := shell(ctx, vm, s, 60*time.Second)
-		if err != nil {
-			failf("%s: read back: %v", vm.Name(), err)
-			return
-		}
-		if out != want {
-			failf("%s: sees %q, want only its own write", vm.Name(), out)
-			return
-		}
-		m, ok := mems[vm.Name()]
-		if !ok {
-			var err error
-			if m, err = measureMem(ctx, vm); err != nil {
-				failf("%s: memory: %v", vm.Name(), err)
-				return
-			}
-		}
-		mu.Lock()
-		rep.MaxAnonMB = max(rep.MaxAnonMB, m.AnonMB)
-		rep.MaxRAMCowMB = max(rep.MaxRAMCowMB, m.RAMCowMB)
-		mu.Unlock()
-		if m.RAMCowMB+m.GuestFileMB == 0 {
-			failf("%s: no resident guest RAM in a mapping of %s", vm.Name(), w.RAMPath)
-			return
-		}
-		if m.RAMCowMB >= rep.AnonBoundMB && r.shape.DirtyMB > 0 {
-			failf("%s: %.1f MiB of its guest RAM is private (bound %.1f MiB): pages are not shared", vm.Name(), m.RAMCowMB, rep.AnonBoundMB)
-			return
-		}
-		mu.Lock()
-		rep.CheapChecked++
-		mu.Unlock()
 	})
 	if w.VM != nil {
-		if out, err := shell(ctx, w.VM, "if [ -e /dev/shm/mine ]; then cat /dev/shm/mine; exit 1; fi", 60*time.Second); err != nil {
-			failf("world %s sees a fork's write: %v %q", w.Name, err, out)
+		if out, err := shell(r.ctx, w.VM, "if [ -e /dev/shm/mine ]; then cat /dev/shm/mine; exit 1; fi", 60*time.Second); err != nil {
+			c.failf("world %s sees a fork's write: %v %q", w.Name, err, out)
 		}
 	}
 	var fwg sync.WaitGroup
@@ -357,31 +286,124 @@ func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]fork
 		if i < 0 || i >= len(vms) {
 			continue
 		}
-		vm := vms[i]
-		fwg.Add(1)
-		go func() {
-			defer fwg.Done()
-			s := "md5sum /dev/shm/dirty"
-			if disk != nil {
-				s += " " + disk.world
-			}
-			out, err := shell(ctx, vm, s, 10*time.Minute)
-			if err != nil {
-				failf("%s: world state: %v", vm.Name(), err)
-				return
-			}
-			sums := parseMD5(out)
-			if sums["/dev/shm/dirty"] != w.DirtyMD5 || (disk != nil && sums[disk.world] != w.DiskMD5) {
-				failf("%s: world state differs: %v, want dirty %s disk %s", vm.Name(), sums, w.DirtyMD5, w.DiskMD5)
-				return
-			}
-			mu.Lock()
-			rep.FullChecked = append(rep.FullChecked, vm.Name())
-			mu.Unlock()
-		}()
+		fwg.Go(func() { c.worldState(vms[i]) })
 	}
 	fwg.Wait()
-	return rep
+	return c.rep
+}
+
+// isoCheck is one checkIsolation; mu guards rep (forks are checked concurrently).
+type isoCheck struct {
+	r    *runner
+	w    *World
+	disk *diskState
+	mu   sync.Mutex
+	rep  IsoReport
+}
+
+func (c *isoCheck) failf(format string, a ...any) {
+	msg := fmt.Sprintf(format, a...)
+	c.mu.Lock()
+	c.rep.Failures = append(c.rep.Failures, msg)
+	c.mu.Unlock()
+	c.r.fail("isolation: %s", msg)
+}
+
+// eachFork runs fn for every fork, at most 8 at a time.
+func eachFork(vms []*engine.VM, fn func(i int, vm *engine.VM)) {
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for i, vm := range vms {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			fn(i, vm)
+		}()
+	}
+	wg.Wait()
+}
+
+// ownWrite has vm write its name to /dev/shm/mine (and the disk's file); false when it
+// could not.
+func (c *isoCheck) ownWrite(vm *engine.VM) bool {
+	s := fmt.Sprintf("echo %s > /dev/shm/mine", vm.Name())
+	if c.disk != nil {
+		s += fmt.Sprintf(" && echo %s > %s && sync", vm.Name(), c.disk.mine)
+	}
+	if _, err := shell(c.r.ctx, vm, s, 60*time.Second); err != nil {
+		c.failf("%s: own write: %v", vm.Name(), err)
+		return false
+	}
+	return true
+}
+
+// readBack checks that vm reads back only its own write, and that its guest RAM is
+// still mostly shared with the checkpoint (its copied-on-write pages under the bound).
+func (c *isoCheck) readBack(vm *engine.VM, mems map[string]forkMem) {
+	ctx, rep := c.r.ctx, &c.rep
+	s := "cat /dev/shm/mine"
+	want := vm.Name() + "\n"
+	if c.disk != nil {
+		s += " " + c.disk.mine
+		want += vm.Name() + "\n"
+	}
+	out, err := shell(ctx, vm, s, 60*time.Second)
+	if err != nil {
+		c.failf("%s: read back: %v", vm.Name(), err)
+		return
+	}
+	if out != want {
+		c.failf("%s: sees %q, want only its own write", vm.Name(), out)
+		return
+	}
+	m, ok := mems[vm.Name()]
+	if !ok {
+		var err error
+		if m, err = measureMem(ctx, vm); err != nil {
+			c.failf("%s: memory: %v", vm.Name(), err)
+			return
+		}
+	}
+	c.mu.Lock()
+	rep.MaxAnonMB = max(rep.MaxAnonMB, m.AnonMB)
+	rep.MaxRAMCowMB = max(rep.MaxRAMCowMB, m.RAMCowMB)
+	c.mu.Unlock()
+	if m.RAMCowMB+m.GuestFileMB == 0 {
+		c.failf("%s: no resident guest RAM in a mapping of %s", vm.Name(), c.w.RAMPath)
+		return
+	}
+	if m.RAMCowMB >= rep.AnonBoundMB && c.r.shape.DirtyMB > 0 {
+		c.failf("%s: %.1f MiB of its guest RAM is private (bound %.1f MiB): pages are not shared", vm.Name(), m.RAMCowMB, rep.AnonBoundMB)
+		return
+	}
+	c.mu.Lock()
+	rep.CheapChecked++
+	c.mu.Unlock()
+}
+
+// worldState checks the whole world state in vm: the md5 of the file the world dirtied (and its
+// disk file) equal to the world's.
+func (c *isoCheck) worldState(vm *engine.VM) {
+	w := c.w
+	s := "md5sum /dev/shm/dirty"
+	if c.disk != nil {
+		s += " " + c.disk.world
+	}
+	out, err := shell(c.r.ctx, vm, s, 10*time.Minute)
+	if err != nil {
+		c.failf("%s: world state: %v", vm.Name(), err)
+		return
+	}
+	sums := parseMD5(out)
+	if sums["/dev/shm/dirty"] != w.DirtyMD5 || (c.disk != nil && sums[c.disk.world] != w.DiskMD5) {
+		c.failf("%s: world state differs: %v, want dirty %s disk %s", vm.Name(), sums, w.DirtyMD5, w.DiskMD5)
+		return
+	}
+	c.mu.Lock()
+	c.rep.FullChecked = append(c.rep.FullChecked, vm.Name())
+	c.mu.Unlock()
 }
 
 // sampleIndices is first, last and one random index of n (deduplicated).

@@ -96,7 +96,7 @@ type PortForward struct {
 
 // MemoryUsage is where a running VM's host memory goes, read from its QEMU process's
 // /proc/PID/smaps and status (Linux; elsewhere Memory returns an error wrapping
-// memfile.ErrUnsupported). Sizes are in bytes (JSON keys end in _bytes).
+// an unsupported-platform error). Sizes are in bytes (JSON keys end in _bytes).
 //
 // Private is what the VM adds to the host; Shared is resident memory that other
 // processes or the page cache hold anyway. For a fork, reading the checkpoint's RAM

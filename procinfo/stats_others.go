@@ -1,11 +1,8 @@
 //go:build !linux && !darwin
 
-package memfile
+package procinfo
 
 import "time"
-
-// Residency is not implemented on this platform; it returns ErrUnsupported.
-func Residency(path string) (*ResidencyStats, error) { return nil, ErrUnsupported }
 
 // ProcessMemory is not implemented on this platform; it returns ErrUnsupported.
 func ProcessMemory(pid int) (*ProcMem, error) { return nil, ErrUnsupported }

@@ -1,4 +1,6 @@
-package memfile
+package procinfo
+
+//lint:file-ignore ST1003 the libc_*_trampoline_addr names are x/sys/unix's scheme, and stats_darwin.s refers to them
 
 import (
 	"fmt"
@@ -100,7 +102,7 @@ func rusage(pid int) (*rusageInfoV2, error) {
 		if e == 0 {
 			err = fmt.Errorf("returned %d", int32(r))
 		}
-		return nil, fmt.Errorf("memfile: proc_pid_rusage(%d): %w", pid, err)
+		return nil, fmt.Errorf("procinfo: proc_pid_rusage(%d): %w", pid, err)
 	}
 	return &ri, nil
 }
@@ -113,7 +115,7 @@ var machTimebase = sync.OnceValues(func() (tb struct{ numer, denom uint32 }, err
 	r, _, _ := syscall_syscall6(libc_mach_timebase_info_trampoline_addr,
 		uintptr(unsafe.Pointer(&tb)), 0, 0, 0, 0, 0)
 	if int32(r) != 0 || tb.denom == 0 {
-		return tb, fmt.Errorf("memfile: mach_timebase_info: kern_return %d", int32(r))
+		return tb, fmt.Errorf("procinfo: mach_timebase_info: kern_return %d", int32(r))
 	}
 	return tb, nil
 })
@@ -145,9 +147,6 @@ func ProcessCPU(pid int) (user, sys time.Duration, err error) {
 	}
 	return conv(ri.UserTime), conv(ri.SystemTime), nil
 }
-
-// Residency is not implemented on darwin; it returns ErrUnsupported.
-func Residency(path string) (*ResidencyStats, error) { return nil, ErrUnsupported }
 
 // MemAvailable is not implemented on darwin; it returns ErrUnsupported.
 func MemAvailable() (int64, error) { return 0, ErrUnsupported }

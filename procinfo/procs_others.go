@@ -1,6 +1,6 @@
 //go:build !linux
 
-package memfile
+package procinfo
 
 // ProcessesWithArg is not implemented on this platform; it returns ErrUnsupported.
 func ProcessesWithArg(substr string) ([]int, error) { return nil, ErrUnsupported }

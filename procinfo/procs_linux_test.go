@@ -1,4 +1,4 @@
-package memfile
+package procinfo
 
 import (
 	"crypto/rand"
@@ -15,7 +15,7 @@ import (
 // TestProcessSleeper is the child process of TestProcessesWithArg: it only waits (until
 // its stdin closes) so that its command line can be found.
 func TestProcessSleeper(t *testing.T) {
-	if os.Getenv("MEMFILE_TEST_SLEEPER") != "1" {
+	if os.Getenv("PROCINFO_TEST_SLEEPER") != "1" {
 		t.Skip("child process of TestProcessesWithArg")
 	}
 	os.Stdin.Read(make([]byte, 1))
@@ -24,11 +24,11 @@ func TestProcessSleeper(t *testing.T) {
 func TestProcessesWithArg(t *testing.T) {
 	b := make([]byte, 8)
 	rand.Read(b)
-	mark := "memfile-test-" + hex.EncodeToString(b)
+	mark := "procinfo-test-" + hex.EncodeToString(b)
 	// This test binary again, with mark as a trailing argument (ignored by its flag
 	// parsing) and a last argument that contains a space.
 	cmd := exec.Command(os.Args[0], "-test.run=^TestProcessSleeper$", "--", mark, "two words")
-	cmd.Env = append(os.Environ(), "MEMFILE_TEST_SLEEPER=1")
+	cmd.Env = append(os.Environ(), "PROCINFO_TEST_SLEEPER=1")
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -1,4 +1,4 @@
-package memfile
+package procinfo
 
 import (
 	"bytes"
@@ -23,7 +23,7 @@ func ProcessesWithArg(substr string) ([]int, error) {
 func ProcessesWithArgAt(procRoot, substr string) ([]int, error) {
 	ents, err := os.ReadDir(procRoot)
 	if err != nil {
-		return nil, fmt.Errorf("memfile: process scan: %w", err)
+		return nil, fmt.Errorf("procinfo: process scan: %w", err)
 	}
 	self := os.Getpid()
 	var pids []int
@@ -55,7 +55,7 @@ func ProcessesWithArgAt(procRoot, substr string) ([]int, error) {
 func ProcessArgs(pid int) ([]string, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 	if err != nil {
-		return nil, fmt.Errorf("memfile: process args: %w", err)
+		return nil, fmt.Errorf("procinfo: process args: %w", err)
 	}
 	var args []string
 	for _, a := range splitArgs(b) {

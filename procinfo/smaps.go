@@ -1,17 +1,12 @@
-package memfile
+package procinfo
 
 import (
 	"bufio"
 	"bytes"
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 )
-
-// ErrBadFormat is returned (wrapped) by the parsers of /proc text that do not
-// recognise their input.
-var ErrBadFormat = errors.New("memfile: malformed /proc data")
 
 // Mapping is one mapping of a process's address space as /proc/PID/smaps
 // describes it. Sizes are in bytes.

@@ -1,4 +1,4 @@
-package memfile
+package procinfo
 
 import (
 	"bufio"
@@ -9,9 +9,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 )
 
 // userHZ is the unit of the utime/stime fields of /proc/PID/stat. Linux
@@ -19,59 +16,11 @@ import (
 // supports, so no sysconf call (which would need cgo) is made.
 const userHZ = 100
 
-// residencyWindow bounds how much of the file is mapped at once.
-const residencyWindow = 1 << 30
-
-// Residency reports the size of path, its data bytes (SEEK_DATA extents)
-// and how many of its bytes are resident in memory (mincore over a
-// read-only shared mapping, which does not fault pages in).
-func Residency(path string) (*ResidencyStats, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, fmt.Errorf("memfile: residency: %w", err)
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("memfile: residency: %w", err)
-	}
-	r := &ResidencyStats{Size: st.Size()}
-	exts, err := dataExtents(f, r.Size)
-	if err != nil {
-		return nil, fmt.Errorf("memfile: residency %s: %w", path, err)
-	}
-	for _, e := range exts {
-		r.DataBytes += e.len
-	}
-	ps := int64(os.Getpagesize())
-	vec := make([]byte, residencyWindow/ps)
-	for off := int64(0); off < r.Size; off += residencyWindow {
-		n := min(r.Size-off, residencyWindow)
-		m, err := unix.Mmap(int(f.Fd()), off, int(n), unix.PROT_READ, unix.MAP_SHARED)
-		if err != nil {
-			return nil, fmt.Errorf("memfile: residency %s: mmap: %w", path, err)
-		}
-		pages := (n + ps - 1) / ps
-		_, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(n), uintptr(unsafe.Pointer(&vec[0])))
-		unix.Munmap(m)
-		if e != 0 {
-			return nil, fmt.Errorf("memfile: residency %s: mincore: %w", path, e)
-		}
-		for _, v := range vec[:pages] {
-			if v&1 != 0 {
-				r.ResidentBytes += ps
-			}
-		}
-	}
-	r.ResidentBytes = min(r.ResidentBytes, r.Size)
-	return r, nil
-}
-
 // ProcessMemory reads /proc/PID/smaps_rollup. Unknown keys are ignored.
 func ProcessMemory(pid int) (*ProcMem, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
 	if err != nil {
-		return nil, fmt.Errorf("memfile: process memory: %w", err)
+		return nil, fmt.Errorf("procinfo: process memory: %w", err)
 	}
 	m := &ProcMem{}
 	fields := map[string]*int64{
@@ -88,10 +37,10 @@ func ProcessMemory(pid int) (*ProcMem, error) {
 		}
 	})
 	if err != nil {
-		return nil, fmt.Errorf("memfile: process memory: smaps_rollup: %w", err)
+		return nil, fmt.Errorf("procinfo: process memory: smaps_rollup: %w", err)
 	}
 	if !found {
-		return nil, errors.New("memfile: process memory: no fields in smaps_rollup")
+		return nil, errors.New("procinfo: process memory: no fields in smaps_rollup")
 	}
 	return m, nil
 }
@@ -101,7 +50,7 @@ func ProcessMemory(pid int) (*ProcMem, error) {
 func ProcessMappings(pid int) ([]Mapping, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps", pid))
 	if err != nil {
-		return nil, fmt.Errorf("memfile: process mappings: %w", err)
+		return nil, fmt.Errorf("procinfo: process mappings: %w", err)
 	}
 	return ParseSmaps(b)
 }
@@ -112,7 +61,7 @@ func ProcessMappings(pid int) ([]Mapping, error) {
 func ProcessPageTables(pid int) (int64, error) {
 	v, err := procKB(fmt.Sprintf("/proc/%d/status", pid), "VmPTE")
 	if err != nil {
-		return 0, fmt.Errorf("memfile: page tables: %w", err)
+		return 0, fmt.Errorf("procinfo: page tables: %w", err)
 	}
 	return v, nil
 }
@@ -160,22 +109,22 @@ func eachKB(b []byte, fn func(key string, bytes int64)) error {
 func ProcessCPU(pid int) (user, sys time.Duration, err error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
-		return 0, 0, fmt.Errorf("memfile: process cpu: %w", err)
+		return 0, 0, fmt.Errorf("procinfo: process cpu: %w", err)
 	}
 	// The command name (field 2) may contain spaces and parentheses;
 	// fields after the last ')' start with field 3 (state).
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
-		return 0, 0, errors.New("memfile: process cpu: malformed stat")
+		return 0, 0, errors.New("procinfo: process cpu: malformed stat")
 	}
 	f := strings.Fields(string(b[i+1:]))
 	if len(f) < 13 {
-		return 0, 0, errors.New("memfile: process cpu: short stat")
+		return 0, 0, errors.New("procinfo: process cpu: short stat")
 	}
 	ut, err1 := strconv.ParseInt(f[11], 10, 64) // field 14 utime
 	st, err2 := strconv.ParseInt(f[12], 10, 64) // field 15 stime
 	if err := errors.Join(err1, err2); err != nil {
-		return 0, 0, fmt.Errorf("memfile: process cpu: %w", err)
+		return 0, 0, fmt.Errorf("procinfo: process cpu: %w", err)
 	}
 	tick := time.Second / userHZ
 	return time.Duration(ut) * tick, time.Duration(st) * tick, nil
@@ -185,7 +134,7 @@ func ProcessCPU(pid int) (user, sys time.Duration, err error) {
 func MemAvailable() (int64, error) {
 	v, err := procKB("/proc/meminfo", "MemAvailable")
 	if err != nil {
-		return 0, fmt.Errorf("memfile: meminfo: %w", err)
+		return 0, fmt.Errorf("procinfo: meminfo: %w", err)
 	}
 	return v, nil
 }
