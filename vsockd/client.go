@@ -199,7 +199,12 @@ func (c *Client) fail(err error) {
 		// Let a frame being written finish (the writer takes no new one
 		// after cancel), so the peer never sees half a frame.
 		idle := make(chan struct{})
-		go func() { c.wmu.Lock(); c.wmu.Unlock(); close(idle) }()
+		go func() {
+			//lint:ignore SA2001 taking the write lock is the wait: the frame being written is done once it is free
+			c.wmu.Lock()
+			c.wmu.Unlock()
+			close(idle)
+		}()
 		select {
 		case <-idle:
 		case <-time.After(closeGrace):

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -120,7 +121,7 @@ func imageRmCmd() *cli.Command {
 		Flags:     []cli.Flag{cacheFlag()},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() == 0 {
-				return fmt.Errorf("usage: forkvm image rm NAME...")
+				return errors.New("usage: forkvm image rm NAME (one or more)")
 			}
 			for _, name := range cmd.Args().Slice() {
 				if err := imageStore(cmd).Remove(ctx, name); err != nil {
@@ -188,5 +189,3 @@ func describeSource(s *guest.ImageSource) string {
 	}
 	return d
 }
-
-func mib(b int64) string { return fmt.Sprintf("%d MiB", (b+(1<<20)-1)>>20) }

@@ -347,7 +347,7 @@ func checkpointCmd() *cli.Command {
 			Flags:     []cli.Flag{&cli.BoolFlag{Name: "force", Usage: "delete its forks too"}},
 			Action: func(ctx context.Context, cmd *cli.Command) error {
 				if cmd.Args().Len() == 0 {
-					return fmt.Errorf("usage: forkvm checkpoint rm NAME...")
+					return errors.New("usage: forkvm checkpoint rm NAME (one or more)")
 				}
 				api, err := connect(ctx, cmd, false)
 				if err != nil {
