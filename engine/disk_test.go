@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/qmp"
 )
 
@@ -184,35 +185,6 @@ func newFakeQMP(t *testing.T, handle func(cmd string, args json.RawMessage) (str
 	return c, f
 }
 
-func TestWaitBlockJob(t *testing.T) {
-	polls := 0
-	c, _ := newFakeQMP(t, func(cmd string, _ json.RawMessage) (string, string) {
-		polls++
-		if polls < 3 {
-			return `[{"type":"stream","device":"j1","len":10,"offset":5,"status":"running"},{"type":"stream","device":"other","status":"running"}]`, ""
-		}
-		return `[{"type":"stream","device":"j1","len":10,"offset":10,"status":"concluded","error":"boom"}]`, ""
-	})
-	j, err := waitBlockJob(context.Background(), c, "j1")
-	if err != nil || !j.concluded() || j.Error != "boom" || j.Offset != 10 {
-		t.Fatalf("waitBlockJob = %+v, %v", j, err)
-	}
-	if _, err := waitBlockJob(context.Background(), c, "gone"); !errors.Is(err, errNoSuchJob) {
-		t.Fatalf("missing job: %v, want errNoSuchJob", err)
-	}
-}
-
-func TestWaitBlockJobContext(t *testing.T) {
-	c, _ := newFakeQMP(t, func(string, json.RawMessage) (string, string) {
-		return `[{"type":"stream","device":"j1","status":"running"}]`, ""
-	})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
-	defer cancel()
-	if _, err := waitBlockJob(ctx, c, "j1"); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("err = %v, want deadline", err)
-	}
-}
-
 // collapseVM is a VM with a five-layer chain whose collapse (keep 1) is recorded, its
 // own layer files in its directory, and a QEMU played by handle.
 func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (*VM, *fakeQMP) {
@@ -232,7 +204,7 @@ func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (str
 	}
 	m.DiskCollapse = &diskCollapse{Job: "collapse-4", Keep: 1, Layers: 5}
 	c, f := newFakeQMP(t, handle)
-	p := &qemuProc{qmp: c}
+	p := &qemuProc{qmp: qemu.NewMonitor(c)}
 	vm.proc.Store(p)
 	return vm, f
 }
@@ -345,7 +317,7 @@ func TestStartCollapse(t *testing.T) {
 	for _, refuse := range []bool{false, true} {
 		t.Run(fmt.Sprintf("refused=%v", refuse), func(t *testing.T) {
 			var vm *VM
-			var args streamArgs
+			var args qemu.BlockStreamArgs
 			recorded := false
 			vm, _ = collapseVM(t, func(cmd string, raw json.RawMessage) (string, string) {
 				if cmd != "block-stream" {

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/qmp"
 )
 
@@ -58,7 +59,7 @@ type qemuProc struct {
 	watched   chan struct{} // closed when the process is gone (see done)
 
 	mu           sync.Mutex
-	qmp          *qmp.Client
+	qmp          *qemu.Monitor
 	ignoreShared bool // x-ignore-shared is set in this QEMU (reset on reconnect, to be safe)
 }
 
@@ -234,11 +235,12 @@ func (p *qemuProc) connect(ctx context.Context) error {
 			events, stop := c.Subscribe(0)
 			p.mu.Lock()
 			if p.qmp != nil {
-				p.qmp.Close()
+				p.qmp.Client().Close()
 			}
-			p.qmp, p.ignoreShared = c, false
+			mon := qemu.NewMonitor(c)
+			p.qmp, p.ignoreShared = mon, false
 			p.mu.Unlock()
-			go p.watchEvents(c, events, stop)
+			go p.watchEvents(mon, events, stop)
 			return nil
 		}
 		if !p.running() {
@@ -254,14 +256,14 @@ func (p *qemuProc) connect(ctx context.Context) error {
 	}
 }
 
-// client returns the QMP client, reconnecting when the connection ended.
-func (p *qemuProc) client(ctx context.Context) (*qmp.Client, error) {
+// client returns the QMP monitor, reconnecting when the connection ended.
+func (p *qemuProc) client(ctx context.Context) (*qemu.Monitor, error) {
 	p.mu.Lock()
 	c := p.qmp
 	p.mu.Unlock()
 	if c != nil {
 		select {
-		case <-c.Done():
+		case <-c.Client().Done():
 		default:
 			return c, nil
 		}
@@ -278,7 +280,7 @@ func (p *qemuProc) client(ctx context.Context) (*qmp.Client, error) {
 func (p *qemuProc) closeQMP() {
 	p.mu.Lock()
 	if p.qmp != nil {
-		p.qmp.Close()
+		p.qmp.Client().Close()
 		p.qmp = nil
 	}
 	p.mu.Unlock()
@@ -320,7 +322,7 @@ func (p *qemuProc) quit(ctx context.Context) {
 	if p.running() {
 		if c, err := p.client(ctx); err == nil {
 			qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			_ = c.Execute(qctx, "quit", nil, nil)
+			_ = c.Quit(qctx)
 			cancel()
 			select {
 			case <-p.done():

@@ -199,7 +199,7 @@ func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint, argv []strin
 	}
 	qc, err := vm.process().client(ctx)
 	if err == nil {
-		err = qc.Execute(ctx, "stop", nil, nil)
+		err = qc.Stop(ctx)
 	}
 	if err != nil {
 		return err
