@@ -262,7 +262,7 @@ type diskCollapse struct {
 	Layers int `json:"layers"`
 }
 
-// launchNodeName is the block node name blockdevJSON gives layer i (base first) of an
+// launchNodeName is the block node name a launch gives layer i (base first) of an
 // n-layer chain: "disk0" for the top (the guest's drive), "disk0-b<i>" below it.
 func launchNodeName(i, n int) string {
 	if i == n-1 {

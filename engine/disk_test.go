@@ -117,7 +117,8 @@ func TestPushOverlayPinsNodeNames(t *testing.T) {
 		t.Fatalf("top %s seq %d", m.DiskNode, m.DiskSeq)
 	}
 	// The launch names are the ones the command line gives.
-	bd, err := blockdevJSON(m.Launch.Disk[:3])
+	l := launch{Disk: m.Launch.Disk[:3]}
+	bd, err := qemu.BlockdevJSON(l.qemuLaunch().Disk)
 	if err != nil {
 		t.Fatal(err)
 	}
