@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
-	"github.com/forkvm/forkvm/qmp"
 )
 
 func TestPlanCollapse(t *testing.T) {
@@ -129,7 +128,7 @@ func TestPushOverlayPinsNodeNames(t *testing.T) {
 	}
 }
 
-// fakeQMP is a scripted QMP server on a net.Pipe: each command's reply comes from
+// fakeQMP is a scripted QMP server on a unix socket: each command's reply comes from
 // handle (a raw JSON return value, or an error class and description).
 type fakeQMP struct {
 	mu     sync.Mutex
@@ -143,47 +142,58 @@ func (f *fakeQMP) called() []string {
 	return append([]string(nil), f.calls...)
 }
 
-func newFakeQMP(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (*qmp.Client, *fakeQMP) {
+// newFakeQMP serves QMP on a socket in a fresh directory and returns its path.
+func newFakeQMP(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (string, *fakeQMP) {
 	t.Helper()
-	cc, sc := net.Pipe()
-	f := &fakeQMP{handle: handle}
-	go func() {
-		defer sc.Close()
-		dec := json.NewDecoder(sc)
-		io.WriteString(sc, `{"QMP": {"version": {"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": ""}, "capabilities": []}}`+"\r\n")
-		for {
-			var c struct {
-				Execute   string          `json:"execute"`
-				Arguments json.RawMessage `json:"arguments"`
-				ID        string          `json:"id"`
-			}
-			if dec.Decode(&c) != nil {
-				return
-			}
-			ret, class := "{}", ""
-			if c.Execute != "qmp_capabilities" {
-				f.mu.Lock()
-				f.calls = append(f.calls, c.Execute)
-				f.mu.Unlock()
-				ret, class = f.handle(c.Execute, c.Arguments)
-			}
-			var msg string
-			if class != "" {
-				msg = fmt.Sprintf(`{"error": {"class": %q, "desc": %q}, "id": %q}`, class, ret, c.ID)
-			} else {
-				msg = fmt.Sprintf(`{"return": %s, "id": %q}`, ret, c.ID)
-			}
-			if _, err := io.WriteString(sc, msg+"\r\n"); err != nil {
-				return
-			}
-		}
-	}()
-	c, err := qmp.NewClient(context.Background(), cc, nil)
+	sock := filepath.Join(t.TempDir(), "qmp.sock")
+	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.Close() })
-	return c, f
+	t.Cleanup(func() { ln.Close() })
+	f := &fakeQMP{handle: handle}
+	go func() {
+		for {
+			sc, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go f.serve(sc)
+		}
+	}()
+	return sock, f
+}
+
+func (f *fakeQMP) serve(sc net.Conn) {
+	defer sc.Close()
+	dec := json.NewDecoder(sc)
+	io.WriteString(sc, `{"QMP": {"version": {"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": ""}, "capabilities": []}}`+"\r\n")
+	for {
+		var c struct {
+			Execute   string          `json:"execute"`
+			Arguments json.RawMessage `json:"arguments"`
+			ID        string          `json:"id"`
+		}
+		if dec.Decode(&c) != nil {
+			return
+		}
+		ret, class := "{}", ""
+		if c.Execute != "qmp_capabilities" {
+			f.mu.Lock()
+			f.calls = append(f.calls, c.Execute)
+			f.mu.Unlock()
+			ret, class = f.handle(c.Execute, c.Arguments)
+		}
+		var msg string
+		if class != "" {
+			msg = fmt.Sprintf(`{"error": {"class": %q, "desc": %q}, "id": %q}`, class, ret, c.ID)
+		} else {
+			msg = fmt.Sprintf(`{"return": %s, "id": %q}`, ret, c.ID)
+		}
+		if _, err := io.WriteString(sc, msg+"\r\n"); err != nil {
+			return
+		}
+	}
 }
 
 // collapseVM is a VM with a five-layer chain whose collapse (keep 1) is recorded, its
@@ -204,8 +214,14 @@ func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (str
 		}
 	}
 	m.DiskCollapse = &diskCollapse{Job: "collapse-4", Keep: 1, Layers: 5}
-	c, f := newFakeQMP(t, handle)
-	p := &qemuProc{qmp: qemu.NewMonitor(c)}
+	sock, f := newFakeQMP(t, handle)
+	// The QEMU is this test process (alive for the test), its monitor the fake.
+	start, err := qemu.ProcStartTime(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := adoptQEMU(m.Name, os.Getpid(), start, sock, "")
+	t.Cleanup(p.CloseQMP)
 	vm.proc.Store(p)
 	return vm, f
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -18,9 +19,9 @@ var (
 	// ErrNotFound reports an unknown VM or checkpoint.
 	ErrNotFound = errors.New("engine: not found")
 	// ErrQEMUMissing reports that no usable QEMU binary was found.
-	ErrQEMUMissing = errors.New("engine: qemu not found (run `make setup`)")
+	ErrQEMUMissing = qemu.ErrMissing
 	// ErrQEMUTooOld reports a QEMU older than the minimum forkvm supports.
-	ErrQEMUTooOld = errors.New("engine: qemu too old (need >= 10.0; run `make setup`)")
+	ErrQEMUTooOld = qemu.ErrTooOld
 	// ErrImageMissing reports that the guest kernel or initramfs is missing.
 	ErrImageMissing = errors.New("engine: guest image missing (run `make setup` or `forkvm image build`)")
 	// ErrImageNotFound reports a Spec.Image that names no root image in the cache
@@ -31,7 +32,7 @@ var (
 	// any number of clients on its one connection).
 	ErrAgentBusy = errors.New("engine: guest agent busy")
 	// ErrQEMUExited reports a QEMU process that exited (at start or later).
-	ErrQEMUExited = errors.New("engine: qemu exited")
+	ErrQEMUExited = qemu.ErrExited
 	// ErrAgentTimeout reports a guest agent that did not answer within its deadline.
 	ErrAgentTimeout = errors.New("engine: guest agent did not answer in time")
 	// ErrNotRunning reports an operation on a VM whose QEMU is not alive.

@@ -26,24 +26,6 @@ import (
 // A file migration that completes leaves the guest stopped (postmigrate); a failed one
 // leaves it as it was. Either way the caller resumes a VM that must keep running.
 
-// setIgnoreShared sets x-ignore-shared in p's QEMU unless it is known to be set. QEMU
-// checks it against a stream's header, so it must be set before migrate-incoming.
-func (p *qemuProc) setIgnoreShared(ctx context.Context, c *qemu.Monitor, on bool) error {
-	p.mu.Lock()
-	known := p.ignoreShared
-	p.mu.Unlock()
-	if on && known {
-		return nil
-	}
-	if err := c.MigrateSetCapabilities(ctx, map[string]bool{"x-ignore-shared": on}); err != nil {
-		return err
-	}
-	p.mu.Lock()
-	p.ignoreShared = on
-	p.mu.Unlock()
-	return nil
-}
-
 // saveToFile migrates p's VM to path and waits until the migration completed or failed.
 // With full unset, RAM in share=on files is skipped (x-ignore-shared): the file holds
 // device state and private RAM. With full set, every RAM page is saved, at unlimited
@@ -53,7 +35,7 @@ func (p *qemuProc) saveToFile(ctx context.Context, path string, full bool) error
 	if err != nil {
 		return err
 	}
-	if err := p.setIgnoreShared(ctx, c, !full); err != nil {
+	if err := c.SetIgnoreShared(ctx, !full); err != nil {
 		return err
 	}
 	if full {
@@ -99,7 +81,7 @@ func (p *qemuProc) loadFromFile(ctx context.Context, path string, ignoreShared, 
 	if err != nil {
 		return err
 	}
-	if err := p.setIgnoreShared(ctx, c, ignoreShared); err != nil {
+	if err := c.SetIgnoreShared(ctx, ignoreShared); err != nil {
 		return err
 	}
 	if err := c.MigrateIncoming(ctx, "file:"+path); err != nil {
@@ -130,7 +112,7 @@ func (p *qemuProc) resumeAfterSave(log *slog.Logger, paused *time.Duration) func
 	t := time.Now()
 	return func() {
 		if err := p.resume(); err != nil {
-			log.Warn("checkpoint: cont failed", "vm", p.name, "err", err)
+			log.Warn("checkpoint: cont failed", "vm", p.Name(), "err", err)
 		}
 		*paused = time.Since(t)
 	}

@@ -204,8 +204,7 @@ func ioErrorReason(nospace bool, why string) string {
 // watchEvents follows QEMU's events on c until it closes: a BLOCK_IO_ERROR that stops
 // the guest pauses the VM, RESUME clears it. On (re)connecting it asks QEMU whether the
 // guest is stopped on an I/O error already (an engine restart, an event missed).
-func (p *qemuProc) watchEvents(mon *qemu.Monitor, events <-chan qmp.Event, stop func()) {
-	defer stop()
+func (p *qemuProc) watchEvents(mon *qemu.Monitor, events <-chan qmp.Event) {
 	c := mon.Client()
 	if p.onPause != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

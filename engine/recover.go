@@ -207,7 +207,7 @@ func killOrphans(m *manifest) {
 func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 	defer os.Remove(vm.path(checkpointingFile))
 	p := vm.process()
-	if !p.running() {
+	if !p.Running() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)

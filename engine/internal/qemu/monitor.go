@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"sync"
 	"time"
 
 	"github.com/forkvm/forkvm/qmp"
@@ -15,6 +16,9 @@ import (
 // ended) and wraps QEMU's refusal (*qmp.Error, errors.As) with the command's name.
 type Monitor struct {
 	c *qmp.Client
+
+	mu           sync.Mutex
+	ignoreShared bool // this connection set x-ignore-shared on
 }
 
 // NewMonitor wraps a connected QMP client.
@@ -74,6 +78,26 @@ func (m *Monitor) MigrateSetCapabilities(ctx context.Context, caps map[string]bo
 	return m.exec(ctx, "migrate-set-capabilities", struct {
 		Capabilities []MigrationCapability `json:"capabilities"`
 	}{list}, nil)
+}
+
+// SetIgnoreShared sets the x-ignore-shared migration capability (RAM in share=on
+// files is not migrated) unless this connection set it on already. QEMU checks it
+// against a stream's header, so it must be set before MigrateIncoming. A new
+// connection sets it again, to be safe.
+func (m *Monitor) SetIgnoreShared(ctx context.Context, on bool) error {
+	m.mu.Lock()
+	known := m.ignoreShared
+	m.mu.Unlock()
+	if on && known {
+		return nil
+	}
+	if err := m.MigrateSetCapabilities(ctx, map[string]bool{"x-ignore-shared": on}); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	m.ignoreShared = on
+	m.mu.Unlock()
+	return nil
 }
 
 // MigrationParameters are the members of migrate-set-parameters forkvm sets; a zero
