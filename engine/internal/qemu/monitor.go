@@ -204,7 +204,8 @@ type saveDevicesArgs struct {
 // The file has no configuration section and no vmdesc, and its global run state says
 // running; it loads into a QEMU launched with Launch.DevicesOnly. Stop the guest
 // first: QEMU would stop it itself, but also start it again at once. It is sent with
-// live off (see saveDevicesArgs), so the block devices stay the guest's.
+// live off: with live on and the guest stopped, QEMU inactivates the block devices
+// (for a migration destination) and the guest could not write its disk after Cont.
 func (m *Monitor) XenSaveDevicesState(ctx context.Context, filename string) error {
 	return m.exec(ctx, "xen-save-devices-state", saveDevicesArgs{Filename: filename}, nil)
 }
