@@ -36,9 +36,10 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmC
 		Name: name, Binary: bin, Args: args, QMPSocket: qmpPath, LogPath: logPath,
 		OOMScoreAdj: qemuOOMScoreAdj, OnExit: onExit, OnConnect: p.watchEvents,
 	}
+	var cgErr error
 	if cg != nil {
 		oomVersion, oomDir = cg.version, cg.dir
-		o.Setup = cg.add
+		o.Setup = func(pid int) error { cgErr = cg.add(pid); return cgErr }
 	}
 	o.OOMKills = func() (int64, bool) { return oomKills(oomVersion, oomDir) }
 	proc, err := qemu.Spawn(o)
@@ -46,6 +47,8 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmC
 	switch {
 	case errors.As(err, &se):
 		return nil, &QEMUError{VM: name, Op: "start", ExitCode: -1, Err: se.Err}
+	case err != nil && err == cgErr:
+		return nil, err // already the engine's
 	case err != nil:
 		return nil, fmt.Errorf("engine: %w", err)
 	}
