@@ -1,10 +1,18 @@
-// Package qemu is how forkvm drives QEMU: the typed QMP verbs the engine sends (this
-// package's Monitor), with typed arguments and results, and the polling sequences
-// built on them (a migration or a block job waited for to its end).
+// Package qemu is how forkvm drives QEMU, below the engine's orchestration:
+//
+//   - Launch is the data of one QEMU command line and Launch.Argv the one pure function
+//     that renders it (every argv forkvm gives QEMU);
+//   - Spawn and Adopt give a Process: a child watched to its end, or a process recorded
+//     earlier and re-found by pid and start time, with its QMP connection, Quit and Kill;
+//   - Monitor holds the typed QMP verbs the engine sends, with typed arguments and
+//     results, and the polling built on them (a migration or a block job waited for);
+//   - SystemBinary, ImgBinary and Version probe the binaries.
 //
 // The engine keeps the orchestration (create, checkpoint, fork, wave, pool, recovery)
-// as the stages it is; every QMP command it sends is one Monitor method here, so
-// nothing above this package spells a command name or builds a map of arguments.
+// as the stages it is, and the policy: which machine, which node names and paths, which
+// cgroup. Nothing above this package spells a QMP command or an argv flag. Errors the
+// engine promises (ErrExited, ErrMissing, ErrTooOld) are defined here with the engine's
+// messages and re-exported by it.
 //
 // # Why the verbs are not in package qmp
 //

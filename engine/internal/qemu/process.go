@@ -70,7 +70,7 @@ type SpawnOptions struct {
 	// OOMScoreAdj is written to the process's oom_score_adj (0 leaves it).
 	OOMScoreAdj int
 	// Setup, when set, runs with the new pid before anything else (moving the process
-	// into its memory cgroup); an error kills the process and is Spawn's error, as it is.
+	// into its memory cgroup); its error kills the process and is Spawn's, unwrapped.
 	Setup func(pid int) error
 	// OOMKills, when set, reads the OOM kill counter of the process's memory cgroup:
 	// a SIGKILL while it rose is reported as "oom-killed".
