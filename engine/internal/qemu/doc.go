@@ -10,7 +10,7 @@
 //
 // The engine keeps the orchestration (create, checkpoint, fork, wave, pool, recovery)
 // as the stages it is, and the policy: which machine, which node names and paths, which
-// cgroup. Nothing above this package spells a QMP command or an argv flag. Errors the
+// cgroup. Nothing above this package sends a QMP command or builds an argv. Errors the
 // engine promises (ErrExited, ErrMissing, ErrTooOld) are defined here with the engine's
 // messages and re-exported by it.
 //
