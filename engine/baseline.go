@@ -39,7 +39,7 @@ func (b *Baseline) Save(ctx context.Context, vmName, path string) (time.Duration
 		return 0, err
 	}
 	t0 := time.Now()
-	if err := c.Execute(ctx, "stop", nil, nil); err != nil {
+	if err := c.Stop(ctx); err != nil {
 		return 0, err
 	}
 	defer func() { _ = p.resume() }()

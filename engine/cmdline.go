@@ -1,19 +1,16 @@
 package engine
 
 import (
-	"encoding/json"
 	"fmt"
 	"path/filepath"
-	"strconv"
 	"strings"
 
-	"github.com/forkvm/forkvm/guest"
-	"github.com/forkvm/forkvm/vsockd"
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
-// launch is everything needed to build one QEMU command line. It is plain data so that
-// cmdline is a pure function, table-tested without QEMU. All QEMU argv in forkvm is
-// built here and nowhere else.
+// launch is the engine's record of how a VM's QEMU is started, saved in its manifest
+// (forks and restarts reuse it). cmdline turns it into the qemu package's Launch,
+// whose Argv renders every QEMU argv forkvm builds; nothing else builds one.
 type launch struct {
 	// QEMU is the qemu-system binary.
 	QEMU string `json:"qemu"`
@@ -66,7 +63,7 @@ type launch struct {
 	DevicesOnly bool `json:"devices_only,omitempty"`
 	// VsockCID, when non-zero, adds a vhost-vsock device with that guest CID.
 	VsockCID uint32 `json:"vsock_cid,omitempty"`
-	// Net adds the user-mode network and its virtio-net NIC (netArgs in net.go).
+	// Net adds the user-mode network and its virtio-net NIC.
 	Net bool `json:"net,omitempty"`
 	// Publish are this process's host port forwards (Net only). They are not part of
 	// the device state: each fork has its own (or none).
@@ -91,7 +88,7 @@ type DiskLayer struct {
 	Path   string `json:"path"`
 	Format string `json:"format"` // "raw" or "qcow2"
 	// Node is the layer's block node name in the VM's running QEMU, recorded once the
-	// chain changes under it (empty: launchNodeName of its place in the launch chain).
+	// chain changes under it (empty: the name a launch gives its place in the chain).
 	// Checkpoint chains leave it empty: each fork names its own nodes.
 	Node string `json:"node,omitempty"`
 }
@@ -112,21 +109,9 @@ type DiskLayer struct {
 const defaultMachine = "q35,sata=off,smbus=off,hpet=off,acpi=off"
 
 // vmgenidMachine is defaultMachine with QEMU's ACPI tables, for VMs created with
-// Spec.VMGenID.
+// Spec.VMGenID: the launch then has a vmgenid device (qemu.MachineACPI), and so do
+// checkpoints made before acpi=off.
 const vmgenidMachine = "q35,sata=off,smbus=off,hpet=off"
-
-// machineACPI reports whether QEMU builds ACPI tables for a -machine value, that is
-// whether it lacks the acpi=off option. A vmgenid device needs them, so Cmdline adds one
-// exactly when they are there: checkpoints made before acpi=off keep their device.
-func machineACPI(machine string) bool {
-	opts := strings.Split(machine, ",")
-	for _, o := range opts[1:] {
-		if o == "acpi=off" {
-			return false
-		}
-	}
-	return true
-}
 
 // baseKernelArgs start every guest kernel command line.
 const baseKernelArgs = "console=ttyS0 quiet panic=-1 rdinit=/init"
@@ -185,244 +170,56 @@ func (l *launch) qmpSocket() string { return filepath.Join(l.RunDir, qmpSockName
 // agentSocket is the path of the agent's virtio-serial chardev socket of a launch.
 func (l *launch) agentSocket() string { return filepath.Join(l.RunDir, agentSockName) }
 
-// escapeOpt escapes a value for QEMU's key=value option syntax (commas are doubled).
-func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }
+// escapeOpt is how argv escapes a value in QEMU's option syntax; the engine finds its
+// own QEMUs by an argument spelled that way.
+func escapeOpt(s string) string { return qemu.EscapeOpt(s) }
 
-// cmdline returns QEMU's argv (without argv[0]) for l. It is pure: same input, same output.
+// cmdline returns QEMU's argv (without argv[0]) for l. It is pure: same input, same
+// output. The engine's checks come first (the name, the published ports); a launch the
+// qemu package cannot render is an ErrInvalidSpec.
 func (l *launch) cmdline() ([]string, error) {
-	if err := l.validate(); err != nil {
+	if err := ValidateName(l.Name); err != nil {
 		return nil, err
 	}
+	if l.RunDir == "" {
+		return nil, fmt.Errorf("%w: incomplete launch (no run directory)", ErrInvalidSpec)
+	}
+	if len(l.Publish) > 0 && !l.Net {
+		return nil, fmt.Errorf("%w: published ports without a network", ErrInvalidSpec)
+	}
+	if err := validatePublish(l.Publish); err != nil {
+		return nil, err
+	}
+	ql := l.qemuLaunch()
+	argv, err := ql.Argv()
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidSpec, err)
+	}
+	return argv, nil
+}
+
+// qemuLaunch is l as the qemu package renders it: the engine's defaults filled in
+// (defaultMachine), its names and paths decided (block node names, sockets), its port
+// forwards as slirp rules.
+func (l *launch) qemuLaunch() qemu.Launch {
 	machine := l.Machine
 	if machine == "" {
 		machine = defaultMachine
 	}
-	if l.DevicesOnly {
-		machine += ",suppress-vmdesc=on"
+	ql := qemu.Launch{
+		Name: l.Name, Accel: string(l.Accel), TBSizeMiB: l.TBSizeMiB, TCGThread: string(l.TCGThread),
+		CPUModel: l.CPUModel, Machine: machine, AgentPorts: l.AgentPorts,
+		CPUs: l.CPUs, MemoryMiB: l.MemoryMiB, Kernel: l.Kernel, Initrd: l.Initrd, Append: l.Append,
+		RAM:       qemu.RAM{Path: l.RAM.Path, Shared: l.RAM.Shared, Anonymous: l.RAM.Anonymous},
+		QMPSocket: l.qmpSocket(), AgentSocket: l.agentSocket(), ConsoleSocket: l.consoleSocket(),
+		Incoming: l.Incoming, DevicesOnly: l.DevicesOnly, VsockCID: l.VsockCID, Net: l.Net,
 	}
-	accel, cpu := l.accelCPU()
-	args := []string{
-		"-name", l.Name + ",process=forkvm-" + l.Name,
-		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-		"-accel", accel,
-		"-cpu", cpu,
-		"-smp", strconv.Itoa(l.CPUs),
-		"-m", strconv.Itoa(l.MemoryMiB) + "M",
+	for i, d := range l.Disk {
+		// Every launch names its chain afresh (a recorded Node is the old process's).
+		ql.Disk = append(ql.Disk, qemu.Layer{Path: d.Path, Format: d.Format, Node: launchNodeName(i, len(l.Disk))})
 	}
-	args = append(args, l.memoryArgs(machine)...)
-	args = append(args, "-kernel", l.Kernel, "-append", l.Append)
-	if l.Initrd != "" {
-		args = append(args, "-initrd", l.Initrd)
+	for _, p := range l.Publish {
+		ql.HostFwd = append(ql.HostFwd, hostfwd(p))
 	}
-	args = append(args, l.channelArgs()...)
-	devs, err := l.deviceArgs(machine)
-	if err != nil {
-		return nil, err
-	}
-	args = append(args, devs...)
-	netArgs, err := l.netArgs()
-	if err != nil {
-		return nil, err
-	}
-	args = append(args, netArgs...)
-	if l.Incoming {
-		args = append(args, "-incoming", "defer")
-		if l.DevicesOnly {
-			args = append(args, "-global", "migration.send-configuration=off")
-		}
-	}
-	return args, nil
-}
-
-// validate refuses a launch that cmdline cannot render safely.
-func (l *launch) validate() error {
-	if err := ValidateName(l.Name); err != nil {
-		return err
-	}
-	if l.CPUs < 1 || l.MemoryMiB < 2 || l.RunDir == "" || l.Kernel == "" {
-		return fmt.Errorf("%w: incomplete launch (cpus %d, memory %d, rundir %q, kernel %q)",
-			ErrInvalidSpec, l.CPUs, l.MemoryMiB, l.RunDir, l.Kernel)
-	}
-	if l.TCGThread != "" && (l.Accel != AccelTCG && l.Accel != "" || l.TCGThread != TCGThreadSingle && l.TCGThread != TCGThreadMulti) {
-		return fmt.Errorf("%w: tcg thread %q under %q (want single or multi, tcg only)", ErrInvalidSpec, l.TCGThread, l.Accel)
-	}
-	switch l.Accel {
-	case AccelKVM, AccelHVF, AccelTCG, "":
-	default:
-		return fmt.Errorf("%w: unknown accelerator %q", ErrInvalidSpec, l.Accel)
-	}
-	if strings.ContainsAny(l.CPUModel, ", \x00") {
-		return fmt.Errorf("%w: cpu model %q", ErrInvalidSpec, l.CPUModel)
-	}
-	if l.AgentPorts < 0 || l.AgentPorts == 1 || l.AgentPorts > 31 {
-		// Port 0 is reserved for a console; QEMU caps a bus at 31 ports.
-		return fmt.Errorf("%w: agent ports %d (want 0 or 2..31)", ErrInvalidSpec, l.AgentPorts)
-	}
-	if l.DevicesOnly && !l.Incoming {
-		return fmt.Errorf("%w: a device-state-only launch must be incoming", ErrInvalidSpec)
-	}
-	if len(l.Publish) > 0 && !l.Net {
-		return fmt.Errorf("%w: published ports without a network", ErrInvalidSpec)
-	}
-	return validatePublish(l.Publish)
-}
-
-// accelCPU is the -accel and -cpu values: a model that matches the host under kvm/hvf,
-// QEMU's richest emulated one under tcg, unless CPUModel names one.
-func (l *launch) accelCPU() (accel, cpu string) {
-	switch l.Accel {
-	case AccelKVM, AccelHVF:
-		accel, cpu = string(l.Accel), "host"
-	default:
-		accel, cpu = "tcg", "max"
-		if l.TBSizeMiB > 0 {
-			accel += ",tb-size=" + strconv.Itoa(l.TBSizeMiB)
-		}
-		if l.TCGThread != "" {
-			accel += ",thread=" + string(l.TCGThread)
-		}
-	}
-	if l.CPUModel != "" {
-		cpu = l.CPUModel
-	}
-	return accel, cpu
-}
-
-// memoryArgs backs guest RAM: a RAM file (shared for a world, a private copy-on-write
-// mapping for a fork), anonymous RAM under the same backend id (a restore of a full
-// save), or QEMU's default.
-func (l *launch) memoryArgs(machine string) []string {
-	var mem map[string]any
-	switch {
-	case l.RAM.Path != "":
-		mem = map[string]any{
-			"qom-type": "memory-backend-file",
-			"id":       "mem",
-			"size":     int64(l.MemoryMiB) << 20,
-			"mem-path": l.RAM.Path,
-			"share":    l.RAM.Shared,
-		}
-		if !l.RAM.Shared {
-			// Private copy-on-write mapping of a frozen file, opened read-only so the
-			// checkpoint can never be written through this process.
-			mem["readonly"] = true
-			mem["rom"] = "off"
-		}
-	case l.RAM.Anonymous:
-		mem = map[string]any{"qom-type": "memory-backend-ram", "id": "mem", "size": int64(l.MemoryMiB) << 20}
-	default:
-		return []string{"-machine", machine}
-	}
-	js, _ := json.Marshal(mem)
-	return []string{"-object", string(js), "-machine", machine + ",memory-backend=mem"}
-}
-
-// channelArgs are the host's ways in: QMP and the agent's virtio-serial port (unix
-// sockets in RunDir) and the console (a unix socket its keeper listens on).
-func (l *launch) channelArgs() []string {
-	serialBus := "virtio-serial-pci,id=vser0"
-	if l.AgentPorts > 0 {
-		serialBus += ",max_ports=" + strconv.Itoa(l.AgentPorts)
-	}
-	return []string{
-		"-chardev", "socket,id=qmp,path=" + escapeOpt(l.qmpSocket()) + ",server=on,wait=off",
-		"-mon", "chardev=qmp,mode=control",
-		// The console goes to a keeper that bounds its log (console.go), never to a
-		// file QEMU appends to without limit.
-		"-chardev", "socket,id=console,path=" + escapeOpt(l.consoleSocket()) + ",server=off",
-		"-serial", "chardev:console",
-		"-device", serialBus,
-		"-chardev", "socket,id=agent,path=" + escapeOpt(l.agentSocket()) + ",server=on,wait=off",
-		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + vsockd.PortName,
-	}
-}
-
-// deviceArgs are the optional devices: vmgenid (with QEMU's ACPI tables), the disk
-// chain and a vhost-vsock device.
-func (l *launch) deviceArgs(machine string) ([]string, error) {
-	var args []string
-	if machineACPI(machine) {
-		// vmgenid: every QEMU start (every fork) gets a fresh generation ID, which
-		// makes the guest kernel reseed its CRNG as soon as a restored guest runs.
-		args = append(args, "-device", "vmgenid,guid=auto")
-	}
-	if len(l.Disk) > 0 {
-		bd, err := blockdevJSON(l.Disk)
-		if err != nil {
-			return nil, err
-		}
-		args = append(args, "-blockdev", bd, "-device", "virtio-blk-pci,drive=disk0,id=vda")
-	}
-	if l.VsockCID != 0 {
-		args = append(args, "-device", "vhost-vsock-pci,id=vsock0,guest-cid="+strconv.FormatUint(uint64(l.VsockCID), 10))
-	}
-	return args, nil
-}
-
-// blockdevJSON renders a disk chain as one -blockdev JSON tree. Backing files are named
-// explicitly, so the backing paths stored inside qcow2 headers are never used. Every
-// layer gets a node name (launchNodeName), so a block job can name any of them.
-func blockdevJSON(layers []DiskLayer) (string, error) {
-	var node map[string]any
-	for i, l := range layers {
-		switch l.Format {
-		case "raw", "qcow2":
-		default:
-			return "", fmt.Errorf("%w: disk layer %d: unknown format %q", ErrInvalidSpec, i, l.Format)
-		}
-		n := map[string]any{
-			"driver": l.Format,
-			"file":   map[string]any{"driver": "file", "filename": l.Path},
-		}
-		if l.Format == "qcow2" {
-			if node != nil {
-				n["backing"] = node
-			} else {
-				n["backing"] = nil
-			}
-		} else if node != nil {
-			return "", fmt.Errorf("%w: raw disk layer %d cannot have a backing file", ErrInvalidSpec, i)
-		}
-		if i < len(layers)-1 {
-			n["read-only"] = true
-			n["node-name"] = launchNodeName(i, len(layers))
-		}
-		node = n
-	}
-	node["node-name"] = launchNodeName(len(layers)-1, len(layers))
-	node["discard"] = "unmap"
-	js, err := json.Marshal(node)
-	return string(js), err
-}
-
-// netArgs are the user-mode network and its NIC, when l.Net. The -netdev is JSON, so
-// no value is parsed as QEMU option syntax; the network is spelled out rather than left
-// to QEMU's defaults, because the agent configures the guest with these addresses.
-// IPv6 is off: the guest reaches IPv4 only, as documented. The NIC has no option ROM
-// (romfile=): nothing boots from the network, and a ROM would be one more RAM block in
-// every fork's device state.
-func (l *launch) netArgs() ([]string, error) {
-	if !l.Net {
-		return nil, nil
-	}
-	nd := map[string]any{
-		"type": "user", "id": netID,
-		"net": guest.NetCIDR, "host": guest.NetGateway, "dns": guest.NetDNS,
-		"ipv4": true, "ipv6": false,
-	}
-	if len(l.Publish) > 0 {
-		fw := make([]map[string]string, len(l.Publish))
-		for i, p := range l.Publish {
-			fw[i] = map[string]string{"str": hostfwd(p)}
-		}
-		nd["hostfwd"] = fw
-	}
-	js, err := json.Marshal(nd)
-	if err != nil {
-		return nil, err
-	}
-	return []string{
-		"-netdev", string(js),
-		"-device", "virtio-net-pci,netdev=" + netID + ",id=" + nicID + ",mac=" + guest.NetMAC + ",romfile=",
-	}, nil
+	return ql
 }

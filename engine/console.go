@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/procinfo"
 )
 
@@ -113,7 +114,7 @@ func startConsoleKeeper(sock, logPath string) (*os.Process, error) {
 	}
 	p := cmd.Process
 	go cmd.Wait() // reap it if it ends while this engine runs
-	start, _ := procStartTime(p.Pid)
+	start, _ := qemu.ProcStartTime(p.Pid)
 	os.WriteFile(filepath.Join(filepath.Dir(sock), consoleKeeperFile), []byte(fmt.Sprintf("%d %d\n", p.Pid, start)), 0o600)
 	return p, nil
 }
@@ -144,13 +145,13 @@ func stopConsoleKeeper(runDir, logPath string) {
 			if err != nil || len(args) != 2 || args[0] != consoleKeeperArg0 || args[1] != logPath {
 				continue
 			}
-			if start, err := procStartTime(pid); err == nil {
+			if start, err := qemu.ProcStartTime(pid); err == nil {
 				ks = append(ks, keeper{pid, start})
 			}
 		}
 	}
 	for _, k := range ks {
-		same := func() bool { got, err := procStartTime(k.pid); return err == nil && got == k.start }
+		same := func() bool { got, err := qemu.ProcStartTime(k.pid); return err == nil && got == k.start }
 		if !same() {
 			continue
 		}

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
 // TestConsoleKeeperBounded runs a real keeper (this test binary, re-executed) and
@@ -127,11 +129,11 @@ func TestStopConsoleKeeper(t *testing.T) {
 		defer c.Close()
 		// Another VM's log path, and no record: nothing to do.
 		stopConsoleKeeper(t.TempDir(), filepath.Join(t.TempDir(), serialLogFile))
-		if _, err := procStartTime(p.Pid); err != nil {
+		if _, err := qemu.ProcStartTime(p.Pid); err != nil {
 			t.Fatalf("recorded=%v: keeper %d ended by another VM's removal", recorded, p.Pid)
 		}
 		stopConsoleKeeper(dir, logPath)
-		if _, err := procStartTime(p.Pid); err == nil {
+		if _, err := qemu.ProcStartTime(p.Pid); err == nil {
 			t.Errorf("recorded=%v: keeper %d still runs", recorded, p.Pid)
 		}
 	}

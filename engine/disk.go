@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/qmp"
 )
@@ -56,15 +57,11 @@ func prepareDiskFreeze(ctx context.Context, p *qemuProc, m *manifest, vmDir, tmp
 	}
 	c, err := p.client(ctx)
 	if err == nil {
-		err = c.Execute(ctx, "blockdev-add", map[string]any{
-			"driver": "qcow2", "node-name": d.newNode, "discard": "unmap",
-			"file":    map[string]any{"driver": "file", "filename": d.newPath},
-			"backing": nil,
-		}, nil)
+		err = c.BlockdevAdd(ctx, qemu.BlockdevQcow2{NodeName: d.newNode, Discard: "unmap", File: qemu.BlockdevFile{Filename: d.newPath}})
 	}
 	if err != nil {
 		os.Remove(d.newPath)
-		return nil, fmt.Errorf("engine: blockdev-add: %w", err)
+		return nil, fmt.Errorf("engine: disk freeze: %w", err)
 	}
 	return d, nil
 }
@@ -75,7 +72,7 @@ func (d *diskFreeze) abort(ctx context.Context) {
 		return
 	}
 	if c, err := d.p.client(ctx); err == nil {
-		_ = c.Execute(ctx, "blockdev-del", map[string]any{"node-name": d.newNode}, nil)
+		_ = c.BlockdevDel(ctx, d.newNode)
 	}
 	os.Remove(d.newPath)
 }
@@ -97,13 +94,13 @@ func (d *diskFreeze) commit(ctx context.Context, ck *CheckpointManifest) error {
 	}
 	// After a completed migration QEMU has inactivated the block nodes (handing them to a
 	// destination that does not exist here); take them back before touching them.
-	if err := c.Execute(ctx, "blockdev-set-active", map[string]any{"active": true}, nil); err != nil {
+	if err := c.BlockdevSetActive(ctx, true); err != nil {
 		d.abort(ctx)
-		return fmt.Errorf("blockdev-set-active: %w", err)
+		return err
 	}
-	if err := c.Execute(ctx, "blockdev-snapshot", map[string]any{"node": d.m.DiskNode, "overlay": d.newNode}, nil); err != nil {
+	if err := c.BlockdevSnapshot(ctx, d.m.DiskNode, d.newNode); err != nil {
 		d.abort(ctx)
-		return fmt.Errorf("blockdev-snapshot: %w", err)
+		return err
 	}
 	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
 	if ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.m.Launch.Disk, d.tmpDir, false); err != nil {
@@ -265,7 +262,7 @@ type diskCollapse struct {
 	Layers int `json:"layers"`
 }
 
-// launchNodeName is the block node name blockdevJSON gives layer i (base first) of an
+// launchNodeName is the block node name a launch gives layer i (base first) of an
 // n-layer chain: "disk0" for the top (the guest's drive), "disk0-b<i>" below it.
 func launchNodeName(i, n int) string {
 	if i == n-1 {
@@ -342,7 +339,7 @@ func (vm *VM) startCollapse(ctx context.Context) {
 		vm.log.Warn("disk collapse: manifest", "vm", m.Name, "err", err)
 		return
 	}
-	err = blockStream(ctx, c, streamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report"})
+	err = c.BlockStream(ctx, qemu.BlockStreamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report"})
 	var qerr *qmp.Error
 	switch {
 	case errors.As(err, &qerr):
@@ -377,20 +374,20 @@ func (vm *VM) settleCollapse(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	j, err := waitBlockJob(ctx, c, pc.Job)
+	j, err := c.WaitBlockJob(ctx, pc.Job)
 	switch {
 	case err == nil:
-		if derr := blockJobDismiss(ctx, c, pc.Job); derr != nil {
+		if derr := c.BlockJobDismiss(ctx, pc.Job); derr != nil {
 			vm.log.Warn("disk collapse: dismiss", "vm", m.Name, "job", pc.Job, "err", derr)
 		}
 		if j.Error != "" {
 			vm.log.Warn("disk collapse failed; the chain stays as it was", "vm", m.Name, "job", pc.Job, "err", j.Error)
 		}
-	case errors.Is(err, errNoSuchJob):
+	case errors.Is(err, qemu.ErrNoSuchJob):
 	default:
 		return fmt.Errorf("engine: disk collapse %s: %w", pc.Job, err)
 	}
-	depth, found, err := queryChainDepth(ctx, c, m.DiskNode)
+	depth, found, err := c.ChainDepth(ctx, m.DiskNode)
 	if err != nil {
 		return fmt.Errorf("engine: disk collapse %s: %w", pc.Job, err)
 	}
@@ -439,7 +436,7 @@ func (vm *VM) settleForFreeze(ctx context.Context) error {
 // between a settle's manifest save and its removals), named as only the VM's own disk
 // layers are. QEMU refuses to delete a node still in use; a checkpoint that froze a file
 // holds its own link. The caller holds the VM's lock.
-func (vm *VM) sweepDisk(ctx context.Context, c *qmp.Client, dropped []DiskLayer) {
+func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, dropped []DiskLayer) {
 	inChain := map[string]bool{}
 	files := map[string]bool{}
 	for _, l := range vm.m.Launch.Disk {
@@ -447,10 +444,10 @@ func (vm *VM) sweepDisk(ctx context.Context, c *qmp.Client, dropped []DiskLayer)
 		files[l.Path] = true
 	}
 	inChain[vm.m.DiskNode] = true
-	if names, err := queryNodeNames(ctx, c); err == nil {
+	if names, err := c.QueryNodeNames(ctx); err == nil {
 		for _, n := range names {
 			if !inChain[n] && ownDiskNode(n) {
-				if err := blockdevDel(ctx, c, n); err != nil {
+				if err := c.BlockdevDel(ctx, n); err != nil {
 					vm.log.Debug("disk sweep", "vm", vm.m.Name, "err", err)
 				}
 			}

@@ -16,7 +16,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/forkvm/forkvm/qmp"
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
 func TestPlanCollapse(t *testing.T) {
@@ -116,7 +116,8 @@ func TestPushOverlayPinsNodeNames(t *testing.T) {
 		t.Fatalf("top %s seq %d", m.DiskNode, m.DiskSeq)
 	}
 	// The launch names are the ones the command line gives.
-	bd, err := blockdevJSON(m.Launch.Disk[:3])
+	l := launch{Disk: m.Launch.Disk[:3]}
+	bd, err := qemu.BlockdevJSON(l.qemuLaunch().Disk)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,7 +128,7 @@ func TestPushOverlayPinsNodeNames(t *testing.T) {
 	}
 }
 
-// fakeQMP is a scripted QMP server on a net.Pipe: each command's reply comes from
+// fakeQMP is a scripted QMP server on a unix socket: each command's reply comes from
 // handle (a raw JSON return value, or an error class and description).
 type fakeQMP struct {
 	mu     sync.Mutex
@@ -141,75 +142,57 @@ func (f *fakeQMP) called() []string {
 	return append([]string(nil), f.calls...)
 }
 
-func newFakeQMP(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (*qmp.Client, *fakeQMP) {
+// newFakeQMP serves QMP on a socket in a fresh directory and returns its path.
+func newFakeQMP(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (string, *fakeQMP) {
 	t.Helper()
-	cc, sc := net.Pipe()
-	f := &fakeQMP{handle: handle}
-	go func() {
-		defer sc.Close()
-		dec := json.NewDecoder(sc)
-		io.WriteString(sc, `{"QMP": {"version": {"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": ""}, "capabilities": []}}`+"\r\n")
-		for {
-			var c struct {
-				Execute   string          `json:"execute"`
-				Arguments json.RawMessage `json:"arguments"`
-				ID        string          `json:"id"`
-			}
-			if dec.Decode(&c) != nil {
-				return
-			}
-			ret, class := "{}", ""
-			if c.Execute != "qmp_capabilities" {
-				f.mu.Lock()
-				f.calls = append(f.calls, c.Execute)
-				f.mu.Unlock()
-				ret, class = f.handle(c.Execute, c.Arguments)
-			}
-			var msg string
-			if class != "" {
-				msg = fmt.Sprintf(`{"error": {"class": %q, "desc": %q}, "id": %q}`, class, ret, c.ID)
-			} else {
-				msg = fmt.Sprintf(`{"return": %s, "id": %q}`, ret, c.ID)
-			}
-			if _, err := io.WriteString(sc, msg+"\r\n"); err != nil {
-				return
-			}
-		}
-	}()
-	c, err := qmp.NewClient(context.Background(), cc, nil)
+	sock := filepath.Join(t.TempDir(), "qmp.sock")
+	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.Close() })
-	return c, f
-}
-
-func TestWaitBlockJob(t *testing.T) {
-	polls := 0
-	c, _ := newFakeQMP(t, func(cmd string, _ json.RawMessage) (string, string) {
-		polls++
-		if polls < 3 {
-			return `[{"type":"stream","device":"j1","len":10,"offset":5,"status":"running"},{"type":"stream","device":"other","status":"running"}]`, ""
+	t.Cleanup(func() { ln.Close() })
+	f := &fakeQMP{handle: handle}
+	go func() {
+		for {
+			sc, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go f.serve(sc)
 		}
-		return `[{"type":"stream","device":"j1","len":10,"offset":10,"status":"concluded","error":"boom"}]`, ""
-	})
-	j, err := waitBlockJob(context.Background(), c, "j1")
-	if err != nil || !j.concluded() || j.Error != "boom" || j.Offset != 10 {
-		t.Fatalf("waitBlockJob = %+v, %v", j, err)
-	}
-	if _, err := waitBlockJob(context.Background(), c, "gone"); !errors.Is(err, errNoSuchJob) {
-		t.Fatalf("missing job: %v, want errNoSuchJob", err)
-	}
+	}()
+	return sock, f
 }
 
-func TestWaitBlockJobContext(t *testing.T) {
-	c, _ := newFakeQMP(t, func(string, json.RawMessage) (string, string) {
-		return `[{"type":"stream","device":"j1","status":"running"}]`, ""
-	})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
-	defer cancel()
-	if _, err := waitBlockJob(ctx, c, "j1"); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("err = %v, want deadline", err)
+func (f *fakeQMP) serve(sc net.Conn) {
+	defer sc.Close()
+	dec := json.NewDecoder(sc)
+	io.WriteString(sc, `{"QMP": {"version": {"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": ""}, "capabilities": []}}`+"\r\n")
+	for {
+		var c struct {
+			Execute   string          `json:"execute"`
+			Arguments json.RawMessage `json:"arguments"`
+			ID        string          `json:"id"`
+		}
+		if dec.Decode(&c) != nil {
+			return
+		}
+		ret, class := "{}", ""
+		if c.Execute != "qmp_capabilities" {
+			f.mu.Lock()
+			f.calls = append(f.calls, c.Execute)
+			f.mu.Unlock()
+			ret, class = f.handle(c.Execute, c.Arguments)
+		}
+		var msg string
+		if class != "" {
+			msg = fmt.Sprintf(`{"error": {"class": %q, "desc": %q}, "id": %q}`, class, ret, c.ID)
+		} else {
+			msg = fmt.Sprintf(`{"return": %s, "id": %q}`, ret, c.ID)
+		}
+		if _, err := io.WriteString(sc, msg+"\r\n"); err != nil {
+			return
+		}
 	}
 }
 
@@ -231,8 +214,14 @@ func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (str
 		}
 	}
 	m.DiskCollapse = &diskCollapse{Job: "collapse-4", Keep: 1, Layers: 5}
-	c, f := newFakeQMP(t, handle)
-	p := &qemuProc{qmp: c}
+	sock, f := newFakeQMP(t, handle)
+	// The QEMU is this test process (alive for the test), its monitor the fake.
+	start, err := qemu.ProcStartTime(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := adoptQEMU(m.Name, os.Getpid(), start, sock, "")
+	t.Cleanup(p.CloseQMP)
 	vm.proc.Store(p)
 	return vm, f
 }
@@ -345,7 +334,7 @@ func TestStartCollapse(t *testing.T) {
 	for _, refuse := range []bool{false, true} {
 		t.Run(fmt.Sprintf("refused=%v", refuse), func(t *testing.T) {
 			var vm *VM
-			var args streamArgs
+			var args qemu.BlockStreamArgs
 			recorded := false
 			vm, _ = collapseVM(t, func(cmd string, raw json.RawMessage) (string, string) {
 				if cmd != "block-stream" {

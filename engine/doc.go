@@ -15,7 +15,7 @@
 //     checkpoint hard-links the old ones. The world then streams its newest frozen
 //     layers into its active one (block-stream, in QEMU, while the guest runs), so no
 //     chain, of a VM, a checkpoint or a fork, grows past a few layers however many
-//     checkpoints a VM takes (disk.go).
+//     checkpoints a VM takes.
 //   - A fork (Engine.Fork) is a new VM that maps a checkpoint's RAM file privately
 //     (share=off) and restores its device state with -incoming: pages it only reads
 //     stay shared with every other fork through the page cache, pages it writes become
@@ -53,8 +53,9 @@
 //     network (NAT; the host's loopback is host.internal in the guest), and forks of
 //     its checkpoints the same NIC; Spec.Publish, ForkOptions.Publish and
 //     ManyOptions.Publish forward host ports (127.0.0.1 unless given) to guest ports,
-//     per VM: forks never inherit their source's. See net.go for the contract, the
-//     choice of slirp and what happens to TCP connections across a checkpoint.
+//     per VM: forks never inherit their source's. A TCP connection open at checkpoint
+//     time does not survive into a fork (slirp does not migrate it): the fork's guest
+//     gets a reset on the first segment it sends on one.
 //
 // VMs are separate QEMU processes: they outlive the Engine that made them (so does each
 // VM's console keeper, a re-executed copy of the program embedding the engine that
@@ -83,14 +84,33 @@
 // Environment variables (FORKVM_HOME, FORKVM_ACCEL, FORKVM_CPU, FORKVM_KERNEL_ARGS) only
 // fill fields left empty.
 //
-// # Where things are
+// # How it is built
 //
-// The fork path is one file per stage: forkprep.go (manifest, directory, disk),
-// qemuproc.go (the QEMU process; its argv is built only by cmdline.go), migrate.go
-// (every migration verb), handshake.go (the agent's token handshake) and fork.go, which
-// runs them in order. paths.go owns every path and file name. files.go moves files in
-// and out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut: the engine
-// never opens a host path for a copy) and reads its console (VM.Logs), which
-// console.go's keeper writes. shareddir.go picks the RAM and run directories in shared
-// places (another user cannot squat them).
+// The engine is the orchestration: create, checkpoint, fork, a wave, a warm pool and
+// the recovery after a crash, each written as the stages it runs. How QEMU is driven
+// is one layer below, in an internal package (engine/internal/qemu): the launch data
+// and the one pure function that renders every QEMU command line, the QEMU process
+// (spawn, watch, QMP connection, kill, re-adopt after a restart), the typed QMP verbs
+// (run state, migration, block graph and block jobs) and the probing of the binaries.
+// Package qmp, the QMP protocol client, is below that.
 package engine
+
+// A map of the source, for readers of the code.
+//
+// A fork, stage by stage: forkprep.go (manifest, directory, disk), launches.go (the
+// launch record of a new VM or a fork), cmdline.go (a launch record becomes a
+// qemu.Launch, whose Argv renders the argv), qemuproc.go (spawnQEMU: a qemu.Process
+// with the engine's errors and cgroup, and watchEvents, the pause on disk errors),
+// migrate.go (loadFromFile and the other migration stages over the monitor's verbs),
+// handshake.go (the agent's token handshake) and fork.go, which runs them in order;
+// many.go runs a wave of them. checkpoint.go, ckwriter.go, ckdelta.go, ckfork.go and
+// handoff.go make checkpoints; disk.go freezes and collapses disk chains (blockdev-add,
+// blockdev-snapshot, block-stream through the monitor); recover.go repairs what a
+// crash cut short. paths.go owns every path and file name. files.go moves files in and
+// out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut: the engine never
+// opens a host path for a copy) and reads its console (VM.Logs), which console.go's
+// keeper writes. shareddir.go picks the RAM and run directories in shared places
+// (another user cannot squat them).
+//
+// In engine/internal/qemu: argv.go (Launch, Argv), process.go (Process: Spawn, Adopt,
+// Monitor, Quit, Kill), monitor.go and block.go (the QMP verbs), binary.go (probing).

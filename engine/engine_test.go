@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
 // testDirs makes a short state dir (unix socket paths are limited) and a RAM dir that
@@ -61,7 +63,7 @@ func deadPID(t *testing.T) int {
 		t.Fatal(err)
 	}
 	pid := cmd.Process.Pid
-	if _, err := procStartTime(pid); err == nil {
+	if _, err := qemu.ProcStartTime(pid); err == nil {
 		t.Skipf("pid %d was reused already", pid)
 	}
 	return pid

@@ -52,8 +52,17 @@ func TestLogs(t *testing.T) {
 		t.Fatalf("no log: %v, want ErrNotFound", err)
 	}
 	os.WriteFile(log, []byte("[    0.1] booting\nforkvm-agent: ready (virtio-serial)\n"), 0o600)
-	exited := make(chan struct{})
-	vm.proc.Store(&qemuProc{pid: os.Getpid(), exited: exited})
+	// The VM's process is a child that runs until killed.
+	spawn := func() *qemuProc {
+		p, err := spawnQEMU("l", "sleep", []string{"600"}, "", filepath.Join(dir, "sleep.log"), nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Kill)
+		return p
+	}
+	p := spawn()
+	vm.proc.Store(p)
 
 	var all bytes.Buffer
 	if err := vm.Logs(context.Background(), false, &all); err != nil || all.String() != "[    0.1] booting\nforkvm-agent: ready (virtio-serial)\n" {
@@ -73,7 +82,7 @@ func TestLogs(t *testing.T) {
 	f, _ = os.OpenFile(log, os.O_WRONLY|os.O_APPEND, 0)
 	f.WriteString("last words\n")
 	f.Close()
-	close(exited)
+	p.Kill()
 	select {
 	case err := <-done:
 		if err != nil || !strings.HasSuffix(out.String(), "restarted\nlast words\n") {
@@ -84,7 +93,7 @@ func TestLogs(t *testing.T) {
 	}
 
 	// A live VM: following ends with ctx.
-	vm.proc.Store(&qemuProc{pid: os.Getpid(), exited: make(chan struct{})})
+	vm.proc.Store(spawn())
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() { done <- vm.Logs(ctx, true, &syncBuf{}) }()
 	time.Sleep(3 * logPoll)

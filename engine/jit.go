@@ -45,13 +45,11 @@ func (vm *VM) JITStats(ctx context.Context) (JITStats, error) {
 	if err != nil {
 		return JITStats{}, err
 	}
-	var out struct {
-		Text string `json:"human-readable-text"`
+	text, err := c.XQueryJIT(ctx)
+	if err != nil {
+		return JITStats{}, fmt.Errorf("engine: %s: %w", vm.Name(), err)
 	}
-	if err := c.Execute(ctx, "x-query-jit", nil, &out); err != nil {
-		return JITStats{}, fmt.Errorf("engine: x-query-jit %s: %w", vm.Name(), err)
-	}
-	return ParseJIT(out.Text)
+	return ParseJIT(text)
 }
 
 // ParseJIT parses the text of QEMU's `info jit` (x-query-jit), for example:

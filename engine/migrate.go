@@ -3,17 +3,18 @@ package engine
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"sort"
 	"time"
 
-	"github.com/forkvm/forkvm/qmp"
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
-// Every migration verb forkvm sends to QEMU is here:
+// The engine's migration stages, each a short sequence of the monitor's migration
+// verbs:
 //
 //   - saveToFile: migrate to a file and wait. Shared RAM skipped (x-ignore-shared) saves
 //     device state plus private RAM; full saves every RAM page.
@@ -25,46 +26,6 @@ import (
 // A file migration that completes leaves the guest stopped (postmigrate); a failed one
 // leaves it as it was. Either way the caller resumes a VM that must keep running.
 
-type migrationCap struct {
-	Capability string `json:"capability"`
-	State      bool   `json:"state"`
-}
-
-// setCaps sets migration capabilities (in name order, so the command is deterministic).
-func setCaps(ctx context.Context, c *qmp.Client, caps map[string]bool) error {
-	keys := make([]string, 0, len(caps))
-	for k := range caps {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	list := make([]migrationCap, 0, len(keys))
-	for _, k := range keys {
-		list = append(list, migrationCap{k, caps[k]})
-	}
-	if err := c.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": list}, nil); err != nil {
-		return fmt.Errorf("migrate-set-capabilities: %w", err)
-	}
-	return nil
-}
-
-// setIgnoreShared sets x-ignore-shared in p's QEMU unless it is known to be set. QEMU
-// checks it against a stream's header, so it must be set before migrate-incoming.
-func (p *qemuProc) setIgnoreShared(ctx context.Context, c *qmp.Client, on bool) error {
-	p.mu.Lock()
-	known := p.ignoreShared
-	p.mu.Unlock()
-	if on && known {
-		return nil
-	}
-	if err := setCaps(ctx, c, map[string]bool{"x-ignore-shared": on}); err != nil {
-		return err
-	}
-	p.mu.Lock()
-	p.ignoreShared = on
-	p.mu.Unlock()
-	return nil
-}
-
 // saveToFile migrates p's VM to path and waits until the migration completed or failed.
 // With full unset, RAM in share=on files is skipped (x-ignore-shared): the file holds
 // device state and private RAM. With full set, every RAM page is saved, at unlimited
@@ -74,16 +35,16 @@ func (p *qemuProc) saveToFile(ctx context.Context, path string, full bool) error
 	if err != nil {
 		return err
 	}
-	if err := p.setIgnoreShared(ctx, c, !full); err != nil {
+	if err := c.SetIgnoreShared(ctx, !full); err != nil {
 		return err
 	}
 	if full {
-		if err := c.Execute(ctx, "migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}, nil); err != nil {
-			return fmt.Errorf("migrate-set-parameters: %w", err)
+		if err := c.MigrateSetParameters(ctx, qemu.MigrationParameters{MaxBandwidth: 1 << 40}); err != nil {
+			return err
 		}
 	}
-	if err := c.Execute(ctx, "migrate", map[string]any{"uri": "file:" + path}, nil); err != nil {
-		return fmt.Errorf("migrate: %w", err)
+	if err := c.Migrate(ctx, "file:"+path); err != nil {
+		return err
 	}
 	return waitMigration(ctx, c)
 }
@@ -95,37 +56,19 @@ func (p *qemuProc) stopGuest(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := c.Execute(ctx, "stop", nil, nil); err != nil {
-		return fmt.Errorf("stop: %w", err)
-	}
-	return nil
+	return c.Stop(ctx)
 }
 
-// saveDevicesArgs are the arguments of xen-save-devices-state.
-type saveDevicesArgs struct {
-	Filename string `json:"filename"`
-	// Live must be false: with true and the guest stopped, QEMU inactivates the block
-	// devices (it hands them to a migration destination), and the guest could not write
-	// its disk after cont.
-	Live bool `json:"live"`
-}
-
-// saveDevices writes the device state of p's stopped guest to path, and nothing else:
-// QMP xen-save-devices-state (target-independent despite its name: QEMU's
-// qemu_save_device_state writes every device section and skips every RAM block, so no
-// guest page is read). The file has no configuration section and no vmdesc, and its
-// global run state says running; it loads into a QEMU started with DevicesOnly
-// (cmdline.go). The guest must be stopped first (stopGuest): QEMU would stop it itself,
-// but also start it again at once.
+// saveDevices writes the device state of p's stopped guest to path, and nothing else
+// (the monitor's XenSaveDevicesState: no guest page is read). It loads into a QEMU
+// launched with DevicesOnly. The guest must be stopped first (stopGuest): QEMU would
+// stop it itself, but also start it again at once.
 func (p *qemuProc) saveDevices(ctx context.Context, path string) error {
 	c, err := p.client(ctx)
 	if err != nil {
 		return err
 	}
-	if err := c.Execute(ctx, "xen-save-devices-state", saveDevicesArgs{Filename: path}, nil); err != nil {
-		return fmt.Errorf("xen-save-devices-state: %w", err)
-	}
-	return nil
+	return c.XenSaveDevicesState(ctx, path)
 }
 
 // loadFromFile starts an incoming migration from path into p, a QEMU started with
@@ -138,11 +81,11 @@ func (p *qemuProc) loadFromFile(ctx context.Context, path string, ignoreShared, 
 	if err != nil {
 		return err
 	}
-	if err := p.setIgnoreShared(ctx, c, ignoreShared); err != nil {
+	if err := c.SetIgnoreShared(ctx, ignoreShared); err != nil {
 		return err
 	}
-	if err := c.Execute(ctx, "migrate-incoming", map[string]any{"uri": "file:" + path}, nil); err != nil {
-		return fmt.Errorf("migrate-incoming: %w", err)
+	if err := c.MigrateIncoming(ctx, "file:"+path); err != nil {
+		return err
 	}
 	if wait {
 		return waitMigration(ctx, c)
@@ -159,7 +102,7 @@ func (p *qemuProc) resume() error {
 	if err != nil {
 		return err
 	}
-	return c.Execute(ctx, "cont", nil, nil)
+	return c.Cont(ctx)
 }
 
 // resumeAfterSave starts timing the guest's pause after a save returned (the guest may
@@ -169,41 +112,20 @@ func (p *qemuProc) resumeAfterSave(log *slog.Logger, paused *time.Duration) func
 	t := time.Now()
 	return func() {
 		if err := p.resume(); err != nil {
-			log.Warn("checkpoint: cont failed", "vm", p.name, "err", err)
+			log.Warn("checkpoint: cont failed", "vm", p.Name(), "err", err)
 		}
 		*paused = time.Since(t)
 	}
 }
 
-// migrationStatus is the part of query-migrate we read.
-type migrationStatus struct {
-	Status    string `json:"status"`
-	ErrorDesc string `json:"error-desc"`
-}
-
-// waitMigration polls query-migrate until the migration completed or failed.
-func waitMigration(ctx context.Context, c *qmp.Client) error {
-	delay := 200 * time.Microsecond
-	for {
-		var st migrationStatus
-		if err := c.Execute(ctx, "query-migrate", nil, &st); err != nil {
-			return err
-		}
-		switch st.Status {
-		case "completed":
-			return nil
-		case "failed", "cancelled":
-			return fmt.Errorf("engine: migration %s: %s", st.Status, st.ErrorDesc)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(delay):
-		}
-		if delay < 5*time.Millisecond {
-			delay *= 2
-		}
+// waitMigration waits until the migration completed or failed, the failure under the
+// engine's name.
+func waitMigration(ctx context.Context, c *qemu.Monitor) error {
+	err := c.WaitMigration(ctx)
+	if errors.Is(err, qemu.ErrMigrationFailed) {
+		return fmt.Errorf("engine: %w", err)
 	}
+	return err
 }
 
 // Migration stream header (QEMU's migration/savevm.c): magic "QEVM", version 3, then

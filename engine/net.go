@@ -42,12 +42,6 @@ import (
 // Listening sockets survive (they are guest state), so a server in the checkpoint
 // serves each fork's own published ports. tests/net_test.go checks this.
 
-// netID is the -netdev id of the user-mode network; nicID the NIC's device id.
-const (
-	netID = "net0"
-	nicID = "nic0"
-)
-
 // netKernelArg is what bootLaunch appends to a networked VM's kernel command line.
 const netKernelArg = guest.KernelArgNet + "=1"
 

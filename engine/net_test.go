@@ -18,8 +18,11 @@ func TestForkLaunchNet(t *testing.T) {
 	if !l.Net || l.Publish != nil {
 		t.Fatalf("fork launch: net %v publish %v", l.Net, l.Publish)
 	}
+	if ql := l.qemuLaunch(); !ql.Net || ql.HostFwd != nil {
+		t.Errorf("fork inherited forwards: %+v", ql)
+	}
 	argv := mustCmdline(t, l)
-	if _, ok := netdev(t, argv)["hostfwd"]; ok {
+	if strings.Contains(strings.Join(argv, " "), "hostfwd") {
 		t.Errorf("fork inherited forwards: %q", argv)
 	}
 	ck.Net = false

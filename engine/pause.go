@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/qmp"
 )
 
@@ -168,7 +169,7 @@ func (vm *VM) cont(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := c.Execute(ctx, "cont", nil, nil); err != nil {
+	if err := c.Cont(ctx); err != nil {
 		return p.failed("resume", err)
 	}
 	return nil
@@ -189,16 +190,6 @@ func (e *Engine) Resume(ctx context.Context, name string) error {
 	return vm.cont(ctx)
 }
 
-// blockIOError is the data of QEMU's BLOCK_IO_ERROR event (qapi/block-core.json).
-type blockIOError struct {
-	Device    string `json:"device"`
-	NodeName  string `json:"node-name"`
-	Operation string `json:"operation"`
-	Action    string `json:"action"` // "ignore", "report" or "stop"
-	NoSpace   bool   `json:"nospace"`
-	Reason    string `json:"reason"`
-}
-
 // ioErrorReason is how Info shows a pause on an I/O error.
 func ioErrorReason(nospace bool, why string) string {
 	if nospace {
@@ -213,19 +204,13 @@ func ioErrorReason(nospace bool, why string) string {
 // watchEvents follows QEMU's events on c until it closes: a BLOCK_IO_ERROR that stops
 // the guest pauses the VM, RESUME clears it. On (re)connecting it asks QEMU whether the
 // guest is stopped on an I/O error already (an engine restart, an event missed).
-func (p *qemuProc) watchEvents(c *qmp.Client, events <-chan qmp.Event, stop func()) {
-	defer stop()
+func (p *qemuProc) watchEvents(mon *qemu.Monitor, events <-chan qmp.Event) {
+	c := mon.Client()
 	if p.onPause != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		var st struct {
-			Status string `json:"status"`
-		}
-		if err := c.Execute(ctx, "query-status", nil, &st); err == nil && st.Status == "io-error" {
-			var blocks []struct {
-				IOStatus string `json:"io-status"`
-			}
+		if st, err := mon.QueryStatus(ctx); err == nil && st.Status == "io-error" {
 			nospace := false
-			if err := c.Execute(ctx, "query-block", nil, &blocks); err == nil {
+			if blocks, err := mon.QueryBlock(ctx); err == nil {
 				for _, b := range blocks {
 					nospace = nospace || b.IOStatus == "nospace"
 				}
@@ -244,7 +229,7 @@ func (p *qemuProc) watchEvents(c *qmp.Client, events <-chan qmp.Event, stop func
 			}
 			switch ev.Name {
 			case "BLOCK_IO_ERROR":
-				var d blockIOError
+				var d qemu.BlockIOError
 				if json.Unmarshal(ev.Data, &d) == nil && d.Action == "stop" && p.onPause != nil {
 					p.onPause(ioErrorReason(d.NoSpace, d.Reason))
 				}

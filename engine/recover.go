@@ -207,7 +207,7 @@ func killOrphans(m *manifest) {
 func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 	defer os.Remove(vm.path(checkpointingFile))
 	p := vm.process()
-	if !p.running() {
+	if !p.Running() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
@@ -217,25 +217,19 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 		log.Warn("recover: checkpoint cut short: no qmp", "vm", vm.m.Name, "err", err)
 		return
 	}
-	var mig migrationStatus
-	if err := c.Execute(ctx, "query-migrate", nil, &mig); err == nil && migrationActive(mig.Status) {
-		c.Execute(ctx, "migrate_cancel", nil, nil)
-		for migrationActive(mig.Status) && ctx.Err() == nil {
+	if mig, err := c.QueryMigrate(ctx); err == nil && mig.Active() {
+		_ = c.MigrateCancel(ctx)
+		for mig.Active() && ctx.Err() == nil {
 			time.Sleep(20 * time.Millisecond)
-			if c.Execute(ctx, "query-migrate", nil, &mig) != nil {
+			if mig, err = c.QueryMigrate(ctx); err != nil {
 				break
 			}
 		}
 	}
 	if len(vm.m.Launch.Disk) > 0 && vm.m.DiskNode != "" {
 		node, path := nextDiskNode(vm.m.DiskSeq), nextDiskPath(vm.dir, vm.m.DiskSeq)
-		var blocks []struct {
-			Inserted *struct {
-				NodeName string `json:"node-name"`
-			} `json:"inserted"`
-		}
 		switched := false
-		if err := c.Execute(ctx, "query-block", nil, &blocks); err == nil {
+		if blocks, err := c.QueryBlock(ctx); err == nil {
 			for _, b := range blocks {
 				switched = switched || (b.Inserted != nil && b.Inserted.NodeName == node)
 			}
@@ -247,26 +241,14 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 			vm.mu.Unlock()
 			log.Info("recover: adopted the disk overlay of a checkpoint cut short", "vm", vm.m.Name, "overlay", path, "err", err)
 		} else {
-			c.Execute(ctx, "blockdev-del", map[string]any{"node-name": node}, nil)
+			_ = c.BlockdevDel(ctx, node)
 			os.Remove(path)
 		}
 	}
-	var st struct {
-		Status string `json:"status"`
-	}
-	if err := c.Execute(ctx, "query-status", nil, &st); err == nil && st.Status != "running" {
-		err := c.Execute(ctx, "cont", nil, nil)
+	if st, err := c.QueryStatus(ctx); err == nil && st.Status != "running" {
+		err := c.Cont(ctx)
 		log.Info("recover: resumed a guest a checkpoint left stopped", "vm", vm.m.Name, "status", st.Status, "err", err)
 	}
-}
-
-// migrationActive reports whether a query-migrate status is of a migration still going.
-func migrationActive(status string) bool {
-	switch status {
-	case "", "none", "completed", "failed", "cancelled":
-		return false
-	}
-	return true
 }
 
 // readCheckpointing reads a VM's checkpointing marker.

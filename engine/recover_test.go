@@ -14,6 +14,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -283,7 +284,7 @@ func TestNewKeepsCorruptVMAside(t *testing.T) {
 }
 
 func processAliveT(pid int) bool {
-	_, err := procStartTime(pid)
+	_, err := qemu.ProcStartTime(pid)
 	return err == nil
 }
 

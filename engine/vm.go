@@ -72,7 +72,7 @@ func (vm *VM) Info() Info {
 	if !vm.alive() {
 		st, reason = StateDead, m.DeadReason
 		if p := vm.process(); reason == "" && p != nil {
-			reason = p.exitReason()
+			reason = p.ExitReason()
 		}
 	}
 	if r := vm.pauseReason(); r != "" && st != StateDead {
@@ -91,7 +91,7 @@ func (vm *VM) Info() Info {
 // to the process the VM had when they were called.
 func (vm *VM) Done() <-chan struct{} {
 	if p := vm.process(); p != nil {
-		return p.done()
+		return p.Done()
 	}
 	ch := make(chan struct{})
 	close(ch)
@@ -108,7 +108,7 @@ func (vm *VM) Wait(ctx context.Context) error {
 		return fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}
 	select {
-	case <-p.done():
+	case <-p.Done():
 		return p.exitErr()
 	case <-ctx.Done():
 		return ctx.Err()
@@ -121,16 +121,16 @@ func (vm *VM) process() *qemuProc { return vm.proc.Load() }
 // its QEMU holds; ok is false when its QEMU is gone.
 func (vm *VM) use(h hostProbe) (u qemuUse, ok bool) {
 	p := vm.process()
-	if p == nil || !p.running() {
+	if p == nil || !p.Running() {
 		return qemuUse{}, false
 	}
-	return qemuUse{pid: p.pid, cpus: vm.m.Spec.CPUs, guest: int64(vm.m.Spec.MemoryMiB) << 20, private: h.rssAnon(p.pid)}, true
+	return qemuUse{pid: p.PID(), cpus: vm.m.Spec.CPUs, guest: int64(vm.m.Spec.MemoryMiB) << 20, private: h.rssAnon(p.PID())}, true
 }
 
 // alive reports whether the VM's QEMU process is the one recorded and still runs.
 func (vm *VM) alive() bool {
 	p := vm.process()
-	return p != nil && p.running()
+	return p != nil && p.Running()
 }
 
 // path is a file in the VM's directory.
@@ -183,13 +183,13 @@ func (vm *VM) start(ctx context.Context) error {
 	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
 	vm.mu.Lock()
-	vm.m.PID, vm.m.StartTime = p.pid, p.startTime
+	vm.m.PID, vm.m.StartTime = p.PID(), p.StartTime()
 	err = vm.saveLocked()
 	vm.mu.Unlock()
 	if err != nil {
 		return err
 	}
-	if err := p.connect(ctx); err != nil {
+	if err := p.Connect(ctx); err != nil {
 		return p.failed("start", err)
 	}
 	return nil
@@ -411,7 +411,7 @@ func (vm *VM) closeAgent() {
 func (vm *VM) closeConns() {
 	vm.closeAgent()
 	if p := vm.process(); p != nil {
-		p.closeQMP()
+		p.CloseQMP()
 	}
 }
 
@@ -419,10 +419,10 @@ func (vm *VM) closeConns() {
 func (vm *VM) kill() {
 	vm.closeConns()
 	if p := vm.process(); p != nil {
-		p.sigkill()
+		p.Kill()
 		// A QEMU that died on its own just before may still be recording why
 		// (onExit writes the manifest): callers remove the VM's files next.
-		p.waitSettled(5 * time.Second)
+		p.WaitSettled(5 * time.Second)
 	}
 }
 
@@ -430,7 +430,7 @@ func (vm *VM) kill() {
 func (vm *VM) Stop(ctx context.Context) error {
 	vm.closeAgent()
 	if p := vm.process(); p != nil {
-		p.quit(ctx)
+		p.Quit(ctx)
 	}
 	return nil
 }

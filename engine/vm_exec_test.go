@@ -24,7 +24,7 @@ func TestExecDeadVMFailsAtOnce(t *testing.T) {
 	if err := <-done; !errors.Is(err, ErrNotRunning) {
 		t.Fatalf("Exec on a dead VM: %v, want ErrNotRunning", err)
 	}
-	vm.proc.Store(&qemuProc{pid: -1}) // a recorded process that is gone
+	vm.proc.Store(adoptQEMU("dead", -1, 0, "", "")) // a recorded process that is gone
 	if _, err := vm.Exec(context.Background(), &vsockd.ExecRequest{Argv: []string{"true"}}); !errors.Is(err, ErrNotRunning) {
 		t.Fatalf("Exec on a VM whose QEMU is gone: %v, want ErrNotRunning", err)
 	}

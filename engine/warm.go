@@ -319,7 +319,7 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, opts WarmOption
 	}
 	c0, err := vm.process().client(ctx)
 	if err == nil {
-		err = vm.process().setIgnoreShared(ctx, c0, true)
+		err = c0.SetIgnoreShared(ctx, true)
 	}
 	if err != nil {
 		return nil, vm.failure("pool", err)
@@ -355,7 +355,7 @@ func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint, argv []strin
 	}
 	qc, err := vm.process().client(ctx)
 	if err == nil {
-		err = qc.Execute(ctx, "stop", nil, nil)
+		err = qc.Stop(ctx)
 	}
 	if err != nil {
 		return err
@@ -424,8 +424,7 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()
 	vm.m.State = StateStarting
 	vm.m.CreatedAt = time.Now().UTC()
 	vm.m.Timings = PhaseTimings{} // the spawn (and restore) were paid by the pool
-	vm.process().name = name
-	vm.process().qmpPath, vm.process().logPath = vm.m.Launch.qmpSocket(), vm.path(qemuLogFile)
+	vm.process().Rename(name, vm.m.Launch.qmpSocket(), vm.path(qemuLogFile))
 	err = vm.saveLocked()
 	vm.mu.Unlock()
 	if err != nil {

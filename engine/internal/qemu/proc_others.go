@@ -1,12 +1,12 @@
 //go:build !linux
 
-package engine
+package qemu
 
 import "syscall"
 
-// procStartTime returns 1 when pid is alive (no portable start time outside Linux; the
+// ProcStartTime returns 1 when pid is alive (no portable start time outside Linux; the
 // pid alone identifies the process there).
-func procStartTime(pid int) (uint64, error) {
+func ProcStartTime(pid int) (uint64, error) {
 	if err := syscall.Kill(pid, 0); err != nil {
 		return 0, err
 	}

@@ -1,6 +1,6 @@
 //go:build linux
 
-package engine
+package qemu
 
 import (
 	"bytes"
@@ -9,9 +9,9 @@ import (
 	"strconv"
 )
 
-// procStartTime returns the start time of pid (field 22 of /proc/PID/stat, in clock
+// ProcStartTime returns the start time of pid (field 22 of /proc/PID/stat, in clock
 // ticks since boot). Together with the pid it identifies a process across pid reuse.
-func procStartTime(pid int) (uint64, error) {
+func ProcStartTime(pid int) (uint64, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, err
@@ -19,15 +19,15 @@ func procStartTime(pid int) (uint64, error) {
 	// comm may contain spaces and parentheses: fields start after the last ')'.
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
-		return 0, fmt.Errorf("engine: malformed /proc/%d/stat", pid)
+		return 0, fmt.Errorf("qemu: malformed /proc/%d/stat", pid)
 	}
 	fields := bytes.Fields(b[i+1:])
 	// fields[0] is field 3 (state); field 22 is fields[19].
 	if len(fields) < 20 {
-		return 0, fmt.Errorf("engine: short /proc/%d/stat", pid)
+		return 0, fmt.Errorf("qemu: short /proc/%d/stat", pid)
 	}
 	if fields[0][0] == 'Z' {
-		return 0, fmt.Errorf("engine: pid %d is a zombie", pid)
+		return 0, fmt.Errorf("qemu: pid %d is a zombie", pid)
 	}
 	return strconv.ParseUint(string(fields[19]), 10, 64)
 }

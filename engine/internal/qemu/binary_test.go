@@ -1,0 +1,40 @@
+package qemu
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+func TestVersion(t *testing.T) {
+	tests := []struct {
+		name, out string
+		want      string
+		wantErr   error
+	}{
+		{"10", "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-1)", "10.0.2", nil},
+		{"11", "QEMU emulator version 11.1.0", "11.1.0", nil},
+		{"too old", "QEMU emulator version 9.2.0", "", ErrTooOld},
+		{"unparsable", "something else", "", ErrMissing},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			bin := filepath.Join(t.TempDir(), "qemu-system-x86_64")
+			if err := os.WriteFile(bin, []byte("#!/bin/sh\necho '"+tt.out+"'\n"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			got, err := Version(context.Background(), bin)
+			if got != tt.want || !errors.Is(err, tt.wantErr) || (err == nil) != (tt.wantErr == nil) {
+				t.Fatalf("Version = %q, %v; want %q, %v", got, err, tt.want, tt.wantErr)
+			}
+		})
+	}
+	if _, err := Version(context.Background(), filepath.Join(t.TempDir(), "none")); !errors.Is(err, ErrMissing) {
+		t.Errorf("missing binary: %v, want ErrMissing", err)
+	}
+	if _, err := SystemBinary(filepath.Join(t.TempDir(), "none")); !errors.Is(err, ErrMissing) {
+		t.Errorf("configured binary missing: %v, want ErrMissing", err)
+	}
+}
