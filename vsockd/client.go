@@ -200,8 +200,8 @@ func (c *Client) fail(err error) {
 		// after cancel), so the peer never sees half a frame.
 		idle := make(chan struct{})
 		go func() {
-			//lint:ignore SA2001 taking the write lock is the wait: the frame being written is done once it is free
 			c.wmu.Lock()
+			//lint:ignore SA2001 taking the write lock is the wait: the frame being written is done once it is free
 			c.wmu.Unlock()
 			close(idle)
 		}()
