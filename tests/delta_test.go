@@ -27,7 +27,7 @@ import (
 // size while descendants are checkpointed and forked, and a corrupt ancestor layer is
 // refused before QEMU starts, naming the ancestor.
 func TestDeltaTreeDepth8(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 10*time.Minute)
 	const depth = 8

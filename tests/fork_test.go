@@ -33,7 +33,7 @@ const stateScript = "md5sum /dev/shm/dirty /data/world | cut -d' ' -f1 | tr '\\n
 // TestCheckpointFork covers checkpoints and forks end to end: state, isolation, sharing,
 // identity, forks of forks, lifecycle and a restarted engine.
 func TestCheckpointFork(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 10*time.Minute)
 
@@ -270,7 +270,7 @@ func TestCheckpointFork(t *testing.T) {
 
 // TestCheckpointBadInput covers refused checkpoints and forks.
 func TestCheckpointBadInput(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 10*time.Minute)
 	w := makeWorld(t, e, "w", 256, 16)
@@ -360,7 +360,7 @@ func TestCheckpointBadInput(t *testing.T) {
 			t.Skipf("cannot mount tmpfs: %v %s", err, out)
 		}
 		t.Cleanup(func() { exec.Command("umount", "-l", small).Run() })
-		env2 := newEnv(t, func(c *engine.Config) { c.RAMDir = filepath.Join(small, "ram") })
+		env2 := newEnv(t, func(c *engine.Config) { roomy(c); c.RAMDir = filepath.Join(small, "ram") })
 		w2, err := env2.E.Create(ctx, engine.Spec{Name: "w2", CPUs: 1, MemoryMiB: 512, Forkable: true})
 		if err != nil {
 			t.Fatal(err)

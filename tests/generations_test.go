@@ -20,9 +20,9 @@ import (
 // the checkpoints it keeps fork with the disk they froze.
 
 const (
-	genCycles = 100
+	genCycles = 60
 	genKeep   = 3  // checkpoints kept at once
-	genProbe  = 50 // forks and a full read-back every genProbe cycles
+	genProbe  = 30 // forks and a full read-back every genProbe cycles
 	// Bounds, a small constant each, whatever the number of cycles: the VM's chain (its
 	// settled chain plus the freeze that a collapse is still taking in), a checkpoint's,
 	// the files in the VM's directory, QEMU's descriptors above the first cycle's.
@@ -97,7 +97,7 @@ func checkRecords(t testing.TB, vm *engine.VM, n int) {
 }
 
 func TestGenerationsBoundedChain(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	w := makeWorld(t, e, "gw", 256, 64)
 	ctx := ctxT(t, 15*time.Minute)

@@ -66,6 +66,19 @@ func newEnv(t testing.TB, mod func(*engine.Config)) *testEnv {
 	return env
 }
 
+// parallelVMTest marks a long VM test parallel (go test runs such tests, two at a time
+// on this kind of machine, after the sequential ones) and returns the engine settings it
+// must use: host-wide admission counts the other parallel test's VMs too, so its vCPU
+// budget is raised to hold both. Only tests that check no budget, kill no process they
+// did not start and measure no time against another test's load are marked.
+func parallelVMTest(t *testing.T) func(*engine.Config) {
+	t.Parallel()
+	return roomy
+}
+
+// roomy raises an engine's vCPU budget for a test that runs beside another one.
+func roomy(c *engine.Config) { c.Overcommit = 32 }
+
 type testLog struct{ t testing.TB }
 
 func (l testLog) Write(p []byte) (int, error) {

@@ -41,7 +41,7 @@ func debianImage(t *testing.T, env *testEnv) string {
 // checks that a checkpoint and forks of it keep the real userland, its state and their
 // isolation, with nothing left behind.
 func TestRootImage(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	img := debianImage(t, env)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)

@@ -28,7 +28,7 @@ func allocatedBytes(t *testing.T, path string) int64 {
 // fresh memory: write faults on holes allocate zero pages in the shared file) when they
 // are deleted. Every fork keeps its data through the punching.
 func TestCheckpointFileKeepsItsSize(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 512, 0)
