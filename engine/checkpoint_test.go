@@ -69,14 +69,14 @@ func TestLoadCheckpoint(t *testing.T) {
 	e := newTestEngine(t, cfg)
 	want := writeCheckpoint(t, cfg, "base", nil)
 
-	c, err := e.LoadCheckpoint("base")
+	c, err := e.LoadCheckpoint(t.Context(), "base")
 	if err != nil {
 		t.Fatalf("LoadCheckpoint: %v", err)
 	}
 	if c.Dir != filepath.Join(cfg.StateDir, "checkpoints", "base") || c.StatePath() != filepath.Join(c.Dir, "state.mig") {
 		t.Errorf("Dir %s StatePath %s", c.Dir, c.StatePath())
 	}
-	if c.Manifest.Name != "base" || c.Manifest.StateSHA256 != want.StateSHA256 || c.Manifest.RAMSize != 2<<20 {
+	if c.Name() != "base" || c.Manifest.StateSHA256 != want.StateSHA256 || c.Manifest.RAMSize != 2<<20 {
 		t.Errorf("manifest %+v", c.Manifest)
 	}
 
@@ -84,12 +84,12 @@ func TestLoadCheckpoint(t *testing.T) {
 	// mtime is not re-hashed (documented behaviour, not a guarantee against tampering).
 	st, _ := os.Stat(c.StatePath())
 	corruptByte(t, c.StatePath(), 3, st.ModTime())
-	if _, err := e.LoadCheckpoint("base"); err != nil {
+	if _, err := e.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Logf("note: verification re-hashed although size and mtime are unchanged: %v", err)
 	}
 	// With a new mtime it is re-hashed and caught.
 	os.Chtimes(c.StatePath(), st.ModTime().Add(time.Second), st.ModTime().Add(time.Second))
-	_, err = e.LoadCheckpoint("base")
+	_, err = e.LoadCheckpoint(t.Context(), "base")
 	if !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "sha256") {
 		t.Errorf("corrupt state: %v, want ErrCheckpointCorrupt mentioning sha256", err)
 	}
@@ -97,13 +97,38 @@ func TestLoadCheckpoint(t *testing.T) {
 	os.Chtimes(c.StatePath(), st.ModTime(), st.ModTime())
 	e.Close()
 	e2 := newTestEngine(t, cfg)
-	if _, err := e2.LoadCheckpoint("base"); !errors.Is(err, ErrCheckpointCorrupt) {
+	if _, err := e2.LoadCheckpoint(t.Context(), "base"); !errors.Is(err, ErrCheckpointCorrupt) {
 		t.Errorf("fresh engine, corrupt state: %v, want ErrCheckpointCorrupt", err)
 	}
 	// Repairing the byte makes it load again.
 	corruptByte(t, c.StatePath(), 3, time.Now())
-	if _, err := e2.LoadCheckpoint("base"); err != nil {
+	if _, err := e2.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Errorf("after repair: %v", err)
+	}
+}
+
+// TestPoolSize: PoolSize tells a checkpoint without a pool (0) from one that cannot be
+// forked (LoadCheckpoint's error), and a cancelled context stops the verification.
+func TestPoolSize(t *testing.T) {
+	cfg := testConfig(t)
+	e := newTestEngine(t, cfg)
+	writeCheckpoint(t, cfg, "base", nil)
+	cancelled, cancel := context.WithCancel(t.Context())
+	cancel()
+	for _, tc := range []struct {
+		ctx  context.Context
+		name string
+		want error
+	}{
+		{t.Context(), "nothere", ErrNotFound},
+		{t.Context(), "../vms", ErrInvalidName},
+		{cancelled, "base", context.Canceled},
+		{t.Context(), "base", nil},
+	} {
+		n, err := e.PoolSize(tc.ctx, tc.name)
+		if !errors.Is(err, tc.want) || (tc.want == nil && err != nil) || n != 0 {
+			t.Errorf("PoolSize(%s) = %d, %v; want 0, %v", tc.name, n, err, tc.want)
+		}
 	}
 }
 
@@ -112,10 +137,10 @@ func TestLoadCheckpointErrors(t *testing.T) {
 	e := newTestEngine(t, cfg)
 	ckDir := func(n string) string { return filepath.Join(cfg.StateDir, "checkpoints", n) }
 
-	if _, err := e.LoadCheckpoint("nothere"); !errors.Is(err, ErrNotFound) {
+	if _, err := e.LoadCheckpoint(t.Context(), "nothere"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("missing: %v, want ErrNotFound", err)
 	}
-	if _, err := e.LoadCheckpoint("../vms"); !errors.Is(err, ErrInvalidName) {
+	if _, err := e.LoadCheckpoint(t.Context(), "../vms"); !errors.Is(err, ErrInvalidName) {
 		t.Errorf("bad name: %v, want ErrInvalidName", err)
 	}
 
@@ -149,7 +174,7 @@ func TestLoadCheckpointErrors(t *testing.T) {
 			name := "c-" + strings.Fields(tc.name)[len(strings.Fields(tc.name))-1]
 			ck := writeCheckpoint(t, cfg, name, nil)
 			tc.break_(ck)
-			_, err := e.LoadCheckpoint(name)
+			_, err := e.LoadCheckpoint(t.Context(), name)
 			if !errors.Is(err, ErrCheckpointCorrupt) {
 				t.Fatalf("LoadCheckpoint = %v, want ErrCheckpointCorrupt", err)
 			}
@@ -203,7 +228,7 @@ func TestDeleteCheckpoint(t *testing.T) {
 	if _, err := e.Get("f1"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("fork still known: %v", err)
 	}
-	if _, err := e.LoadCheckpoint("base"); !errors.Is(err, ErrNotFound) {
+	if _, err := e.LoadCheckpoint(t.Context(), "base"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("LoadCheckpoint after delete: %v, want ErrNotFound", err)
 	}
 	if err := e.DeleteCheckpoint(ctx, "base", nil); !errors.Is(err, ErrNotFound) {
@@ -233,14 +258,14 @@ func TestSetPinnedAndCollect(t *testing.T) {
 	if err := e.SetPinned(ctx, "base", true); err != nil {
 		t.Fatal(err)
 	}
-	if c, err := e.LoadCheckpoint("base"); err != nil || !c.Manifest.Pinned {
+	if c, err := e.LoadCheckpoint(t.Context(), "base"); err != nil || !c.Manifest.Pinned {
 		t.Fatalf("after pin: %v %v", c, err)
 	}
 	// Unpinning a never-forked checkpoint keeps it.
 	if err := e.SetPinned(ctx, "base", false); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.LoadCheckpoint("base"); err != nil {
+	if _, err := e.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Fatalf("never-forked checkpoint collected on unpin: %v", err)
 	}
 	// Once forked (and with no forks left), unpinning deletes it.

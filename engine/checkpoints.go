@@ -3,8 +3,11 @@ package engine
 import "context"
 
 // LoadCheckpoint reads and verifies a checkpoint's manifest and files. The device-state
-// checksum is verified once per engine and file identity, not on every fork.
-func (e *Engine) LoadCheckpoint(name string) (*Checkpoint, error) { return e.cks.load(name) }
+// checksum is verified once per engine and file identity, not on every fork; hashing
+// (hundreds of MiB for a large guest) stops with ctx's error when ctx ends.
+func (e *Engine) LoadCheckpoint(ctx context.Context, name string) (*Checkpoint, error) {
+	return e.cks.load(ctx, name)
+}
 
 // Checkpoints lists checkpoints with their live forks (an empty list, never nil).
 func (e *Engine) Checkpoints() ([]CheckpointInfo, error) {
@@ -34,7 +37,7 @@ func (e *Engine) CheckpointInfo(name string) (CheckpointInfo, error) {
 // SetPinned pins or unpins a checkpoint. Unpinning a checkpoint whose forks are all gone
 // deletes it.
 func (e *Engine) SetPinned(ctx context.Context, name string, pinned bool) error {
-	c, err := e.cks.load(name)
+	c, err := e.cks.load(ctx, name)
 	if err != nil {
 		return err
 	}

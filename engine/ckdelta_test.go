@@ -80,7 +80,7 @@ func TestLoadDeltaCheckpoint(t *testing.T) {
 	e := newTestEngine(t, cfg)
 	root := writeCheckpoint(t, cfg, "root", func(c *CheckpointManifest) { c.Pinned = true })
 	writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
-	c, err := e.LoadCheckpoint("d2")
+	c, err := e.LoadCheckpoint(t.Context(), "d2")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,18 +88,18 @@ func TestLoadDeltaCheckpoint(t *testing.T) {
 	if err := e.DeleteCheckpoint(t.Context(), "root", nil); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.LoadCheckpoint("d2"); err != nil {
+	if _, err := e.LoadCheckpoint(t.Context(), "d2"); err != nil {
 		t.Fatalf("delta checkpoint after its root was deleted: %v", err)
 	}
 	// A corrupt ancestor layer is named.
 	corruptByte(t, c.Manifest.Layers[0].Path, 10, time.Now().Add(time.Hour))
-	_, err = e.LoadCheckpoint("d2")
+	_, err = e.LoadCheckpoint(t.Context(), "d2")
 	if !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d1") {
 		t.Fatalf("corrupt layer of d1: %v", err)
 	}
 	// A missing one too.
 	os.Remove(c.Manifest.Layers[1].Path)
-	if _, err := e.LoadCheckpoint("d2"); !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d2") {
+	if _, err := e.LoadCheckpoint(t.Context(), "d2"); !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d2") {
 		t.Fatalf("missing layer: %v", err)
 	}
 	// Deleting the delta removes its link and its layer directory.

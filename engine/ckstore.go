@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -19,6 +20,9 @@ type Checkpoint struct {
 	Manifest CheckpointManifest
 	Dir      string
 }
+
+// Name is the checkpoint's name (as VM.Name is a VM's).
+func (c *Checkpoint) Name() string { return c.Manifest.Name }
 
 // StatePath is the device-state file of the checkpoint.
 func (c *Checkpoint) StatePath() string { return filepath.Join(c.Dir, stateFile) }
@@ -81,12 +85,12 @@ func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 }
 
 // load reads and verifies a checkpoint.
-func (s *checkpointStore) load(name string) (*Checkpoint, error) {
+func (s *checkpointStore) load(ctx context.Context, name string) (*Checkpoint, error) {
 	c, err := s.read(name)
 	if err != nil {
 		return nil, err
 	}
-	if err := s.verify(c); err != nil {
+	if err := s.verify(ctx, c); err != nil {
 		return nil, err
 	}
 	return c, nil
@@ -94,7 +98,8 @@ func (s *checkpointStore) load(name string) (*Checkpoint, error) {
 
 // verify checks that a checkpoint's files exist with their recorded sizes and that the
 // device state matches its checksum.
-func (s *checkpointStore) verify(c *Checkpoint) error {
+// Hashing stops with ctx's error when ctx ends.
+func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 	ck := &c.Manifest
 	st, err := os.Stat(ck.RAMPath)
 	if err != nil {
@@ -136,6 +141,9 @@ func (s *checkpointStore) verify(c *Checkpoint) error {
 		return nil
 	}
 	for _, l := range ck.Layers {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
 		sum, size, err := memfile.LayerDigest(l.Path)
 		if err != nil {
 			return fmt.Errorf("%w: %s: ram layer of ancestor %s: %v", ErrCheckpointCorrupt, ck.Name, l.Checkpoint, err)
@@ -145,7 +153,10 @@ func (s *checkpointStore) verify(c *Checkpoint) error {
 				ErrCheckpointCorrupt, ck.Name, l.Checkpoint, sum[:16], size, l.SHA256[:16], l.Size)
 		}
 	}
-	sum, _, err := fileSHA256(c.StatePath())
+	sum, _, err := fileSHA256(ctx, c.StatePath())
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 	if err != nil {
 		return fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, ck.Name, err)
 	}
@@ -302,7 +313,9 @@ func (s *checkpointStore) collect(name string, forks func(string) int) {
 	s.mu.Lock()
 	held := s.held[name]
 	s.mu.Unlock()
-	if forks(name) == 0 && !held && s.verify(c) == nil {
+	// Collection runs after the request that ended the last fork, on no caller's
+	// context: the hash is bounded by the checkpoint's size.
+	if forks(name) == 0 && !held && s.verify(context.Background(), c) == nil {
 		s.log.Info("deleting unpinned checkpoint (no forks left)", "checkpoint", name)
 		s.remove(name)
 	}

@@ -15,7 +15,7 @@
 //     checkpoint hard-links the old ones. The world then streams its newest frozen
 //     layers into its active one (block-stream, in QEMU, while the guest runs), so no
 //     chain, of a VM, a checkpoint or a fork, grows past a few layers however many
-//     checkpoints a VM takes (disk.go).
+//     checkpoints a VM takes.
 //   - A fork (Engine.Fork) is a new VM that maps a checkpoint's RAM file privately
 //     (share=off) and restores its device state with -incoming: pages it only reads
 //     stay shared with every other fork through the page cache, pages it writes become
@@ -53,8 +53,9 @@
 //     network (NAT; the host's loopback is host.internal in the guest), and forks of
 //     its checkpoints the same NIC; Spec.Publish, ForkOptions.Publish and
 //     ManyOptions.Publish forward host ports (127.0.0.1 unless given) to guest ports,
-//     per VM: forks never inherit their source's. See net.go for the contract, the
-//     choice of slirp and what happens to TCP connections across a checkpoint.
+//     per VM: forks never inherit their source's. TCP connections open at checkpoint
+//     time do not reach a fork (its first segment on one is answered with a reset);
+//     listening sockets do, so a server in the checkpoint serves each fork's ports.
 //
 // VMs are separate QEMU processes: they outlive the Engine that made them (so does each
 // VM's console keeper, a re-executed copy of the program embedding the engine that
@@ -82,8 +83,9 @@
 // sweep, and Engine.Baseline the stock full save/restore path they compare with.
 // Environment variables (FORKVM_HOME, FORKVM_ACCEL, FORKVM_CPU, FORKVM_KERNEL_ARGS) only
 // fill fields left empty.
-//
-// # Where things are
+package engine
+
+// Where things are (for maintainers; not part of the package documentation):
 //
 // The fork path is one file per stage: forkprep.go (manifest, directory, disk),
 // qemuproc.go (the QEMU process; its argv is built only by cmdline.go), migrate.go
@@ -93,4 +95,3 @@
 // never opens a host path for a copy) and reads its console (VM.Logs), which
 // console.go's keeper writes. shareddir.go picks the RAM and run directories in shared
 // places (another user cannot squat them).
-package engine

@@ -166,7 +166,7 @@ func (e *Engine) queueFlattens() {
 func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error) {
 	e.flat.mu.Lock()
 	defer e.flat.mu.Unlock()
-	c, err := e.cks.load(name)
+	c, err := e.cks.load(ctx, name)
 	if err != nil {
 		return nil, err
 	}

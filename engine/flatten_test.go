@@ -54,7 +54,7 @@ func TestFlatten(t *testing.T) {
 	if again, err := e.Flatten(t.Context(), "d2"); err != nil || !again.Already {
 		t.Errorf("second flatten: %+v %v", again, err)
 	}
-	c, err := e.LoadCheckpoint("d2")
+	c, err := e.LoadCheckpoint(t.Context(), "d2")
 	if err != nil {
 		t.Fatal(err)
 	}

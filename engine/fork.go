@@ -91,12 +91,12 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 		return nil, err
 	}
 	if e.cks.exists(src) {
-		return e.cks.load(src)
+		return e.cks.load(ctx, src)
 	}
 	if _, err := e.vms.get(src); err != nil {
 		return nil, fmt.Errorf("%w: no checkpoint or vm named %s", ErrNotFound, src)
 	}
-	return e.Checkpoint(ctx, src, derivedName(src, "auto"), &CheckpointOptions{Pin: pin, implicit: true})
+	return e.checkpoint(ctx, src, derivedName(src, "auto"), CheckpointOptions{Pin: pin}, true)
 }
 
 // forkOne makes one fork of a verified checkpoint (see forkFrom), in stages:

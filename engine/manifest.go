@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
@@ -83,7 +84,7 @@ type CheckpointManifest struct {
 	DiskMiB    int    `json:"disk_mib"`
 	Kernel     string `json:"kernel"`
 	Initrd     string `json:"initrd"`
-	// ForkKernel is the stub kernel forks start with (see writeStubKernel); empty means
+	// ForkKernel is the stub kernel forks start with ; empty means
 	// forks use Kernel and Initrd.
 	ForkKernel string `json:"fork_kernel,omitempty"`
 	Append     string `json:"append"`
@@ -214,15 +215,16 @@ func bytesSHA256(b []byte) string {
 	return hex.EncodeToString(sum[:])
 }
 
-// fileSHA256 hashes a file.
-func fileSHA256(path string) (string, int64, error) {
+// fileSHA256 hashes a file, stopping with ctx's error when ctx ends (a device state
+// can be hundreds of MiB).
+func fileSHA256(ctx context.Context, path string) (string, int64, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return "", 0, err
 	}
 	defer f.Close()
 	h := sha256.New()
-	n, err := io.Copy(h, f)
+	n, err := io.Copy(h, ctxReader{ctx, f})
 	if err != nil {
 		return "", 0, err
 	}
@@ -335,4 +337,17 @@ func (ck *CheckpointManifest) WrittenBytes() int64 {
 		n += ck.Freeze.Bytes
 	}
 	return n
+}
+
+// ctxReader is an io.Reader that fails with its context's error once the context ends.
+type ctxReader struct {
+	ctx context.Context
+	r   io.Reader
+}
+
+func (c ctxReader) Read(p []byte) (int, error) {
+	if err := c.ctx.Err(); err != nil {
+		return 0, err
+	}
+	return c.r.Read(p)
 }

@@ -106,7 +106,7 @@ func TestNewRecoverRepairsCheckpoints(t *testing.T) {
 	if exists(filepath.Join(cks, "ck2")) {
 		t.Errorf("unpinned ck2 was not collected with its last fork")
 	}
-	if _, err := e.LoadCheckpoint("ck"); err != nil {
+	if _, err := e.LoadCheckpoint(t.Context(), "ck"); err != nil {
 		t.Errorf("pinned ck after New: %v", err)
 	}
 }

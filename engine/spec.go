@@ -94,7 +94,7 @@ type Spec struct {
 	// it. Off by default: it costs each fork a 2 MiB ROM block and the guest's ACPI
 	// notification path on the way to ready.
 	VMGenID bool `json:"vmgenid,omitempty"`
-	// Net gives the VM a NIC on QEMU's user-mode network (NAT; see net.go): the guest
+	// Net gives the VM a NIC on QEMU's user-mode network (NAT): the guest
 	// is 10.0.2.15 and reaches the host's loopback as host.internal (10.0.2.2). Forks
 	// of its checkpoints have the same NIC. Off by default: without it the VM has no
 	// NIC at all.

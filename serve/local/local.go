@@ -346,15 +346,12 @@ func (l *Local) Warm(ctx context.Context, ck string, n int, opts *api.WarmOption
 	return e.Warm(ctx, ck, n, (*engine.WarmOptions)(opts))
 }
 
-func (l *Local) PoolSize(_ context.Context, ck string) (int, error) {
+func (l *Local) PoolSize(ctx context.Context, ck string) (int, error) {
 	e, err := l.engine()
 	if err != nil {
 		return 0, err
 	}
-	if _, err := e.LoadCheckpoint(ck); err != nil {
-		return 0, err
-	}
-	return e.PoolSize(ck), nil
+	return e.PoolSize(ctx, ck)
 }
 
 func (l *Local) Fork(ctx context.Context, src string, opts *api.ForkOptions) (api.Info, error) {
