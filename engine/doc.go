@@ -73,7 +73,7 @@
 // # Errors
 //
 // Every error wraps one of the Err* sentinels (test with errors.Is) or is an
-// *AdmissionError or *QEMUError (errors.As); bad input is refused before anything
+// *AdmissionError, a *QEMUError or (from VM.Output) an *ExitError (errors.As); bad input is refused before anything
 // starts, and a failed operation leaves no process, socket, RAM file or half-written
 // checkpoint behind.
 //
@@ -92,6 +92,6 @@ package engine
 // (every migration verb), handshake.go (the agent's token handshake) and fork.go, which
 // runs them in order. paths.go owns every path and file name. files.go moves files in
 // and out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut: the engine
-// never opens a host path for a copy) and reads its console (VM.Logs), which
+// opens a host path only in CopyInPath and CopyOutPath, named by their caller) and reads its console (VM.Logs), which
 // console.go's keeper writes. shareddir.go picks the RAM and run directories in shared
 // places (another user cannot squat them).

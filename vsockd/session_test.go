@@ -162,7 +162,7 @@ func TestExecSignal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Signal(tctx(t), int(syscall.SIGTERM)); err != nil {
+	if err := p.Signal(tctx(t), syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
 	code, err := p.Wait(tctx(t))

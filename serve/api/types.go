@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"net/netip"
 	"strconv"
+	"syscall"
 	"time"
 )
 
@@ -442,8 +443,9 @@ type Process interface {
 	// Wait waits for the command and returns its exit code; if ctx ends first the
 	// command is killed and ctx's error returned.
 	Wait(ctx context.Context) (int, error)
-	// Signal sends sig to the command's process group.
-	Signal(ctx context.Context, sig int) error
+	// Signal sends sig to the command's process group (in the guest: a Linux signal
+	// number, whatever the host).
+	Signal(ctx context.Context, sig syscall.Signal) error
 	// Resize changes the command's terminal size (TTY only).
 	Resize(ctx context.Context, rows, cols uint16) error
 }
