@@ -73,8 +73,8 @@ func TestLoadCheckpoint(t *testing.T) {
 	if err != nil {
 		t.Fatalf("LoadCheckpoint: %v", err)
 	}
-	if c.Dir != filepath.Join(cfg.StateDir, "checkpoints", "base") || c.StatePath() != filepath.Join(c.Dir, "state.mig") {
-		t.Errorf("Dir %s StatePath %s", c.Dir, c.StatePath())
+	if c.Dir != filepath.Join(cfg.StateDir, "checkpoints", "base") || c.statePath() != filepath.Join(c.Dir, "state.mig") {
+		t.Errorf("Dir %s StatePath %s", c.Dir, c.statePath())
 	}
 	if c.Name() != "base" || c.Manifest.StateSHA256 != want.StateSHA256 || c.Manifest.RAMSize != 2<<20 {
 		t.Errorf("manifest %+v", c.Manifest)
@@ -82,26 +82,26 @@ func TestLoadCheckpoint(t *testing.T) {
 
 	// Verification is cached by state size and mtime: a same-size change that keeps the
 	// mtime is not re-hashed (documented behaviour, not a guarantee against tampering).
-	st, _ := os.Stat(c.StatePath())
-	corruptByte(t, c.StatePath(), 3, st.ModTime())
+	st, _ := os.Stat(c.statePath())
+	corruptByte(t, c.statePath(), 3, st.ModTime())
 	if _, err := e.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Logf("note: verification re-hashed although size and mtime are unchanged: %v", err)
 	}
 	// With a new mtime it is re-hashed and caught.
-	os.Chtimes(c.StatePath(), st.ModTime().Add(time.Second), st.ModTime().Add(time.Second))
+	os.Chtimes(c.statePath(), st.ModTime().Add(time.Second), st.ModTime().Add(time.Second))
 	_, err = e.LoadCheckpoint(t.Context(), "base")
 	if !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "sha256") {
 		t.Errorf("corrupt state: %v, want ErrCheckpointCorrupt mentioning sha256", err)
 	}
 	// A fresh engine (no cache) catches it even with the original mtime.
-	os.Chtimes(c.StatePath(), st.ModTime(), st.ModTime())
+	os.Chtimes(c.statePath(), st.ModTime(), st.ModTime())
 	e.Close()
 	e2 := newTestEngine(t, cfg)
 	if _, err := e2.LoadCheckpoint(t.Context(), "base"); !errors.Is(err, ErrCheckpointCorrupt) {
 		t.Errorf("fresh engine, corrupt state: %v, want ErrCheckpointCorrupt", err)
 	}
 	// Repairing the byte makes it load again.
-	corruptByte(t, c.StatePath(), 3, time.Now())
+	corruptByte(t, c.statePath(), 3, time.Now())
 	if _, err := e2.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Errorf("after repair: %v", err)
 	}

@@ -158,10 +158,10 @@ func TestDeviceStateHeader(t *testing.T) {
 			if err := os.Mkdir(c.Dir, 0o700); err != nil {
 				t.Fatal(err)
 			}
-			if err := os.WriteFile(c.StatePath(), tc.file, 0o600); err != nil {
+			if err := os.WriteFile(c.statePath(), tc.file, 0o600); err != nil {
 				t.Fatal(err)
 			}
-			got, err := hasConfigurationSection(c.StatePath())
+			got, err := hasConfigurationSection(c.statePath())
 			if (err != nil) != tc.wantErr || err == nil && got != tc.wantConfig {
 				t.Errorf("hasConfigurationSection = %v, %v", got, err)
 			}

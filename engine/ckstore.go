@@ -24,8 +24,8 @@ type Checkpoint struct {
 // Name is the checkpoint's name (as VM.Name is a VM's).
 func (c *Checkpoint) Name() string { return c.Manifest.Name }
 
-// StatePath is the device-state file of the checkpoint.
-func (c *Checkpoint) StatePath() string { return filepath.Join(c.Dir, stateFile) }
+// statePath is the device-state file of the checkpoint.
+func (c *Checkpoint) statePath() string { return filepath.Join(c.Dir, stateFile) }
 
 // CheckpointInfo is a checkpoint as listed.
 type CheckpointInfo struct {
@@ -108,7 +108,7 @@ func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 	if st.Size() != ck.RAMSize {
 		return fmt.Errorf("%w: %s: ram file is %d bytes, want %d", ErrCheckpointCorrupt, ck.Name, st.Size(), ck.RAMSize)
 	}
-	sst, err := os.Stat(c.StatePath())
+	sst, err := os.Stat(c.statePath())
 	if err != nil {
 		return fmt.Errorf("%w: %s: device state: %v", ErrCheckpointCorrupt, ck.Name, err)
 	}
@@ -153,7 +153,7 @@ func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 				ErrCheckpointCorrupt, ck.Name, l.Checkpoint, sum[:16], size, l.SHA256[:16], l.Size)
 		}
 	}
-	sum, _, err := fileSHA256(ctx, c.StatePath())
+	sum, _, err := fileSHA256(ctx, c.statePath())
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}

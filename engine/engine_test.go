@@ -290,7 +290,7 @@ func TestNewTCGThread(t *testing.T) {
 func TestQEMUPathAndVersion(t *testing.T) {
 	cfg := testConfig(t)
 	e := newTestEngine(t, cfg)
-	if _, err := e.QEMUPath(); !errors.Is(err, ErrQEMUMissing) {
+	if _, err := e.bins.path(); !errors.Is(err, ErrQEMUMissing) {
 		t.Errorf("QEMUPath with missing binary: %v, want ErrQEMUMissing", err)
 	}
 	if _, err := e.QEMUVersion(context.Background()); !errors.Is(err, ErrQEMUMissing) {
@@ -304,7 +304,7 @@ func TestQEMUPathAndVersion(t *testing.T) {
 	}
 
 	e.bins.qemu = fakeQEMU(t, "10.0.2")
-	if p, err := e.QEMUPath(); err != nil || p != e.bins.qemu {
+	if p, err := e.bins.path(); err != nil || p != e.bins.qemu {
 		t.Errorf("QEMUPath = %q, %v", p, err)
 	}
 	v, err := e.QEMUVersion(context.Background())

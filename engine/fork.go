@@ -239,7 +239,7 @@ func (e *Engine) restoreFork(ctx context.Context, vm *VM, c *Checkpoint, clock *
 	defer cancel()
 	handshake := vm.resumeRestored
 	if !vm.restored {
-		if err := vm.process().loadFromFile(fctx, c.StatePath(), true, false); err != nil {
+		if err := vm.process().loadFromFile(fctx, c.statePath(), true, false); err != nil {
 			return vm.failure("restore", err)
 		}
 		clock.lap(&vm.m.Timings.Restore)

@@ -148,7 +148,7 @@ func (vm *VM) restartHandedOff(ctx context.Context, c *Checkpoint) error {
 	if err := vm.start(ctx); err != nil {
 		return fmt.Errorf("restart after handoff: %w", err)
 	}
-	if err := vm.process().loadFromFile(ctx, c.StatePath(), true, false); err != nil {
+	if err := vm.process().loadFromFile(ctx, c.statePath(), true, false); err != nil {
 		return vm.failure("restart after handoff", err)
 	}
 	if err := vm.hello(ctx); err != nil {

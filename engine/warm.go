@@ -351,7 +351,7 @@ func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint, argv []strin
 	defer leave()
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
-	if err := vm.process().loadFromFile(ctx, c.StatePath(), true, false); err != nil {
+	if err := vm.process().loadFromFile(ctx, c.statePath(), true, false); err != nil {
 		return err
 	}
 	ag, err := vm.agentClient(ctx)

@@ -604,7 +604,7 @@ func TestDeltaOldFormatAfterRestart(t *testing.T) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	copyFile(t, root.StatePath(), filepath.Join(dir, "state.mig"))
+	copyFile(t, filepath.Join(root.Dir, "state.mig"), filepath.Join(dir, "state.mig"))
 	ram := filepath.Join(ramDir, "ck-old.ram")
 	if err := os.Link(rm.RAMPath, ram); err != nil {
 		t.Fatal(err)
