@@ -76,6 +76,9 @@ func TestLoadCheckpoint(t *testing.T) {
 	if c.Dir != filepath.Join(cfg.StateDir, "checkpoints", "base") || c.statePath() != filepath.Join(c.Dir, "state.mig") {
 		t.Errorf("Dir %s StatePath %s", c.Dir, c.statePath())
 	}
+	if in := c.Info(); in.Name != "base" || in.Source != c.Manifest.Source || in.RAMSize != 2<<20 || in.WrittenBytes != c.Manifest.WrittenBytes() || in.Forks != nil {
+		t.Errorf("Info %+v", in)
+	}
 	if c.Name() != "base" || c.Manifest.StateSHA256 != want.StateSHA256 || c.Manifest.RAMSize != 2<<20 {
 		t.Errorf("manifest %+v", c.Manifest)
 	}

@@ -11,13 +11,15 @@ func (e *Engine) LoadCheckpoint(ctx context.Context, name string) (*Checkpoint, 
 
 // Checkpoints lists checkpoints with their live forks (an empty list, never nil).
 func (e *Engine) Checkpoints() ([]CheckpointInfo, error) {
-	infos, err := e.cks.list(e.vms.forksByParent())
-	for i := range infos {
-		if p := flatPath(e.paths, &infos[i].CheckpointManifest); p != "" {
-			infos[i].FlatBytes = allocatedBytes(p)
-		}
+	return e.cks.list(e.vms.forksByParent(), e.flatBytes)
+}
+
+// flatBytes is the storage of the flattened RAM file of the checkpoint m (0: none).
+func (e *Engine) flatBytes(m *CheckpointManifest) int64 {
+	if p := flatPath(e.paths, m); p != "" {
+		return allocatedBytes(p)
 	}
-	return infos, err
+	return 0
 }
 
 // CheckpointInfo returns one checkpoint with its live forks, as Checkpoints lists it
@@ -27,10 +29,8 @@ func (e *Engine) CheckpointInfo(name string) (CheckpointInfo, error) {
 	if err != nil {
 		return CheckpointInfo{}, err
 	}
-	info := CheckpointInfo{CheckpointManifest: c.Manifest, Forks: e.vms.forksByParent()[name]}
-	if p := flatPath(e.paths, &c.Manifest); p != "" {
-		info.FlatBytes = allocatedBytes(p)
-	}
+	info := c.Info()
+	info.Forks, info.FlatBytes = e.vms.forksByParent()[name], e.flatBytes(&c.Manifest)
 	return info, nil
 }
 

@@ -13,9 +13,11 @@ import (
 	"syscall"
 
 	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
-// Checkpoint is a checkpoint known to the engine.
+// Checkpoint is a checkpoint known to the engine: Name and Info are its stable view;
+// Manifest is the engine's versioned on-disk record (see CheckpointManifest).
 type Checkpoint struct {
 	Manifest CheckpointManifest
 	Dir      string
@@ -27,17 +29,30 @@ func (c *Checkpoint) Name() string { return c.Manifest.Name }
 // statePath is the device-state file of the checkpoint.
 func (c *Checkpoint) statePath() string { return filepath.Join(c.Dir, stateFile) }
 
-// CheckpointInfo is a checkpoint as listed.
-type CheckpointInfo struct {
-	CheckpointManifest
-	Forks []string `json:"forks"`
-	// FlatBytes is the storage of the checkpoint's flattened RAM file, when it has one
-	// (Config.FlattenMiB): a copy of its lineage, counted apart from what was written.
-	FlatBytes int64 `json:"flat_bytes,omitempty"`
-	// Corrupt, when set, says why the checkpoint's manifest cannot be read: only Name
-	// and Forks are known. A corrupt checkpoint is listed and kept (never collected)
-	// until it is deleted explicitly.
-	Corrupt string `json:"corrupt,omitempty"`
+// CheckpointInfo is a checkpoint as Checkpoints lists it (api.CheckpointInfo documents
+// each field): the part of its record that stays stable whatever the engine's manifest
+// version, its live forks and the storage of its flattened RAM file (Config.FlattenMiB).
+// A checkpoint whose manifest cannot be read is listed with Corrupt set (only Name and
+// Forks known) and kept, never collected, until it is deleted explicitly.
+type CheckpointInfo = api.CheckpointInfo
+
+// Info is the checkpoint's stable summary (without its forks and flattened file, which
+// Engine.CheckpointInfo adds).
+func (c *Checkpoint) Info() CheckpointInfo { return infoOf(&c.Manifest) }
+
+// infoOf is the stable summary of the manifest m.
+func infoOf(m *CheckpointManifest) CheckpointInfo {
+	out := CheckpointInfo{
+		Name: m.Name, Source: m.Source, Pinned: m.Pinned, Implicit: m.Implicit, CreatedAt: m.CreatedAt,
+		Accel: m.Accel, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB, DiskMiB: m.DiskMiB, Net: m.Net,
+		RAMPath: m.RAMPath, RAMSize: m.RAMSize, StateSize: m.StateSize, DiskMethod: m.DiskMethod,
+		RAMMethod: m.RAMMethod, Kind: m.Kind, WrittenBytes: m.WrittenBytes(), Timings: m.Timings,
+	}
+	if m.Freeze != nil {
+		f := api.FreezeStats(*m.Freeze)
+		out.Freeze = &f
+	}
+	return out
 }
 
 // checkpointStore reads, verifies, lists and removes committed checkpoints. Writing one
@@ -169,8 +184,9 @@ func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 	return nil
 }
 
-// list returns every committed checkpoint with its live forks.
-func (s *checkpointStore) list(forks map[string][]string) ([]CheckpointInfo, error) {
+// list returns every committed checkpoint with its live forks and, by flat, the
+// storage of its flattened RAM file.
+func (s *checkpointStore) list(forks map[string][]string, flat func(*CheckpointManifest) int64) ([]CheckpointInfo, error) {
 	ents, err := os.ReadDir(s.paths.checkpointsDir())
 	if err != nil {
 		return nil, err
@@ -185,10 +201,12 @@ func (s *checkpointStore) list(forks map[string][]string) ([]CheckpointInfo, err
 			continue // deleted meanwhile
 		}
 		if err != nil {
-			out = append(out, CheckpointInfo{CheckpointManifest: CheckpointManifest{Name: ent.Name()}, Forks: forks[ent.Name()], Corrupt: err.Error()})
+			out = append(out, CheckpointInfo{Name: ent.Name(), Forks: forks[ent.Name()], Corrupt: err.Error()})
 			continue
 		}
-		out = append(out, CheckpointInfo{CheckpointManifest: c.Manifest, Forks: forks[c.Manifest.Name]})
+		info := c.Info()
+		info.Forks, info.FlatBytes = forks[c.Manifest.Name], flat(&c.Manifest)
+		out = append(out, info)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil

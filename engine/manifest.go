@@ -62,7 +62,10 @@ type manifest struct {
 type PhaseTimings = api.PhaseTimings
 
 // CheckpointManifest is the on-disk record of a checkpoint
-// (StateDir/checkpoints/NAME/manifest.json).
+// (StateDir/checkpoints/NAME/manifest.json). Its fields follow the manifest's Version,
+// which is checked on every load (another version is ErrCheckpointCorrupt): they are
+// the engine's, for its own tools and tests. Embedders read Checkpoint.Info or
+// Engine.CheckpointInfo (a CheckpointInfo), which stay stable.
 type CheckpointManifest struct {
 	Version int    `json:"version"`
 	Name    string `json:"name"`

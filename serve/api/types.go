@@ -363,8 +363,9 @@ type FreezeStats struct {
 
 // CheckpointInfo is a checkpoint as the API lists it (forkvm.checkpoint/v1 without its
 // schema name): the part of the engine's record that stays stable across releases, and
-// its live forks. The engine's on-disk manifest (engine.CheckpointManifest: QEMU
-// command line, hashes, layer files) is its own and changes with its version.
+// its live forks; the engine lists checkpoints as this type too (engine.CheckpointInfo).
+// The engine's on-disk manifest (QEMU command line, hashes, layer files) is its own and
+// changes with its version.
 type CheckpointInfo struct {
 	Name string `json:"name"`
 	// Source is the VM the checkpoint was taken of.
