@@ -3,14 +3,14 @@ package engine
 import (
 	"path/filepath"
 
-	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // The QEMU launches the engine makes. cmdline turns one into argv; these build the data.
 
 // rootDiskArg tells the guest's init to switch into the root file system on the first
 // virtio disk (the image's overlay chain is the VM's only disk).
-const rootDiskArg = guest.KernelArgRoot + "=vda"
+const rootDiskArg = guestboot.KernelArgRoot + "=vda"
 
 // bootLaunch is the launch of a new VM that boots the guest image.
 func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *resolved, kernel, initrd string, vsockCID uint32) launch {

@@ -10,7 +10,7 @@ import (
 	"strconv"
 	"sync"
 
-	"github.com/forkvm/forkvm/guest"
+	guest "github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // qemuBins resolves the QEMU binaries and the guest image a VM boots, with errors that

@@ -5,7 +5,7 @@ import (
 	"encoding/hex"
 	"fmt"
 
-	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/internal/names"
 )
 
@@ -136,7 +136,7 @@ func (s *Spec) Validate() error {
 		return fmt.Errorf("%w: memory limit must be 0 or 64..1048576 MiB, got %d", ErrInvalidSpec, s.MemoryLimitMiB)
 	}
 	if s.Image != "" {
-		if err := guest.ValidateImageName(s.Image); err != nil {
+		if err := guestboot.ValidateImageName(s.Image); err != nil {
 			return fmt.Errorf("%w: image: %w", ErrInvalidSpec, err)
 		}
 	}
