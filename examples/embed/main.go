@@ -72,7 +72,7 @@ func run(ctx context.Context, n int, copyIn string) (err error) {
 			script += "; ls -d /root/" + filepath.Base(copyIn)
 		}
 		out, err := ev.VM.Output(ctx, "sh", "-c", script)
-		fmt.Printf("%s ready in %v: %s %v\n", ev.Name, ev.Latency, strings.TrimSpace(string(out)), err)
+		fmt.Printf("%s ready in %v: %s %v\n", ev.Name, ev.Latency, strings.ReplaceAll(strings.TrimSpace(string(out)), "\n", "; "), err)
 		defer e.Delete(context.Background(), ev.Name)
 	}
 	return nil
