@@ -82,7 +82,7 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	}
 	defer w.cleanup()
 	saveConsoleHistory(m.Launch.SerialLog, w.tmp)
-	w.ck = &CheckpointManifest{
+	w.ck = &checkpointManifest{
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: implicit,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,
 		AgentPorts: m.Launch.AgentPorts, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.BootKernel,

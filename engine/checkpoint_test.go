@@ -14,7 +14,7 @@ import (
 
 // writeCheckpoint hand-makes a valid checkpoint under cfg's dirs: manifest, state.mig and
 // a sparse RAM file of the right size (2 MiB guest). mod, if set, edits the manifest.
-func writeCheckpoint(t *testing.T, cfg *Config, name string, mod func(*CheckpointManifest)) CheckpointManifest {
+func writeCheckpoint(t *testing.T, cfg *Config, name string, mod func(*checkpointManifest)) checkpointManifest {
 	t.Helper()
 	dir := filepath.Join(cfg.StateDir, "checkpoints", name)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -25,7 +25,7 @@ func writeCheckpoint(t *testing.T, cfg *Config, name string, mod func(*Checkpoin
 		t.Fatal(err)
 	}
 	sum := sha256.Sum256(state)
-	ck := CheckpointManifest{
+	ck := checkpointManifest{
 		Version: manifestVersion, Name: name, Source: "w0",
 		CreatedAt: time.Now().UTC(), QEMUVersion: "10.0.2", Accel: "tcg", Machine: "q35",
 		CPUs: 1, MemoryMiB: 2, Kernel: "/k", Append: "console=ttyS0", TBSizeMiB: 64,
@@ -149,26 +149,26 @@ func TestLoadCheckpointErrors(t *testing.T) {
 
 	for _, tc := range []struct {
 		name   string
-		break_ func(ck CheckpointManifest)
+		break_ func(ck checkpointManifest)
 		want   string // in the message
 	}{
-		{"ram too small", func(ck CheckpointManifest) { os.Truncate(ck.RAMPath, ck.RAMSize-4096) }, "ram file"},
-		{"ram too big", func(ck CheckpointManifest) { os.Truncate(ck.RAMPath, ck.RAMSize+1) }, "ram file"},
-		{"ram missing", func(ck CheckpointManifest) { os.Remove(ck.RAMPath) }, "ram file"},
-		{"state missing", func(ck CheckpointManifest) { os.Remove(filepath.Join(ckDir(ck.Name), "state.mig")) }, "device state"},
-		{"state truncated", func(ck CheckpointManifest) { os.Truncate(filepath.Join(ckDir(ck.Name), "state.mig"), 10) }, "sha256"},
-		{"manifest garbage", func(ck CheckpointManifest) {
+		{"ram too small", func(ck checkpointManifest) { os.Truncate(ck.RAMPath, ck.RAMSize-4096) }, "ram file"},
+		{"ram too big", func(ck checkpointManifest) { os.Truncate(ck.RAMPath, ck.RAMSize+1) }, "ram file"},
+		{"ram missing", func(ck checkpointManifest) { os.Remove(ck.RAMPath) }, "ram file"},
+		{"state missing", func(ck checkpointManifest) { os.Remove(filepath.Join(ckDir(ck.Name), "state.mig")) }, "device state"},
+		{"state truncated", func(ck checkpointManifest) { os.Truncate(filepath.Join(ckDir(ck.Name), "state.mig"), 10) }, "sha256"},
+		{"manifest garbage", func(ck checkpointManifest) {
 			os.WriteFile(filepath.Join(ckDir(ck.Name), "manifest.json"), []byte("{garbage"), 0o600)
 		}, ""},
-		{"manifest empty", func(ck CheckpointManifest) {
+		{"manifest empty", func(ck checkpointManifest) {
 			os.WriteFile(filepath.Join(ckDir(ck.Name), "manifest.json"), nil, 0o600)
 		}, ""},
-		{"manifest names another", func(ck CheckpointManifest) {
+		{"manifest names another", func(ck checkpointManifest) {
 			dir := ckDir(ck.Name)
 			ck.Name = "other"
 			writeJSON(filepath.Join(dir, "manifest.json"), &ck)
 		}, "other"},
-		{"disk layer missing", func(ck CheckpointManifest) {
+		{"disk layer missing", func(ck checkpointManifest) {
 			ck.Disk = []DiskLayer{{Path: filepath.Join(ckDir(ck.Name), "layer0.raw"), Format: "raw"}}
 			writeJSON(filepath.Join(ckDir(ck.Name), "manifest.json"), &ck)
 		}, "disk"},
@@ -244,7 +244,7 @@ func TestDeleteCheckpointKeepsForeignRAM(t *testing.T) {
 	cfg := testConfig(t)
 	e := newTestEngine(t, cfg)
 	foreign := filepath.Join(t.TempDir(), "foreign.ram")
-	writeCheckpoint(t, cfg, "base", func(c *CheckpointManifest) { c.RAMPath = foreign })
+	writeCheckpoint(t, cfg, "base", func(c *checkpointManifest) { c.RAMPath = foreign })
 	if err := e.DeleteCheckpoint(context.Background(), "base", nil); err != nil {
 		t.Fatal(err)
 	}
@@ -305,7 +305,7 @@ func TestCheckCompatible(t *testing.T) {
 	}
 
 	// Fork of an incompatible checkpoint is refused before anything is made.
-	writeCheckpoint(t, cfg, "old", func(c *CheckpointManifest) { c.QEMUVersion = "9.9.9" })
+	writeCheckpoint(t, cfg, "old", func(c *checkpointManifest) { c.QEMUVersion = "9.9.9" })
 	_, err = e.Fork(ctx, "old", &ForkOptions{Name: "f1"})
 	if !errors.Is(err, ErrIncompatible) {
 		t.Errorf("Fork of an incompatible checkpoint: %v", err)

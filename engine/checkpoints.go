@@ -15,7 +15,7 @@ func (e *Engine) Checkpoints() ([]CheckpointInfo, error) {
 }
 
 // flatBytes is the storage of the flattened RAM file of the checkpoint m (0: none).
-func (e *Engine) flatBytes(m *CheckpointManifest) int64 {
+func (e *Engine) flatBytes(m *checkpointManifest) int64 {
 	if p := flatPath(e.paths, m); p != "" {
 		return allocatedBytes(p)
 	}

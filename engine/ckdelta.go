@@ -105,7 +105,7 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
 	}
-	ck.Layers = append(ck.Layers, RAMLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, ownName), Size: size, SHA256: sum})
+	ck.Layers = append(ck.Layers, ramLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, ownName), Size: size, SHA256: sum})
 	ck.RAMMethod, ck.DeviceState = "delta", DeviceStateDevices
 	return w.commit(ctx)
 }

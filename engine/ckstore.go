@@ -16,10 +16,12 @@ import (
 	"github.com/forkvm/forkvm/serve/api"
 )
 
-// Checkpoint is a checkpoint known to the engine: Name and Info are its stable view;
-// Manifest is the engine's versioned on-disk record (see CheckpointManifest).
+// Checkpoint is a checkpoint known to the engine: Name and Info are its stable view.
+// Manifest is the engine's on-disk record, of an unexported type: its fields change
+// with the manifest's version (checked on every load) and are for the engine's own
+// tools and tests; an embedder reads Info.
 type Checkpoint struct {
-	Manifest CheckpointManifest
+	Manifest checkpointManifest
 	Dir      string
 }
 
@@ -41,7 +43,7 @@ type CheckpointInfo = api.CheckpointInfo
 func (c *Checkpoint) Info() CheckpointInfo { return infoOf(&c.Manifest) }
 
 // infoOf is the stable summary of the manifest m.
-func infoOf(m *CheckpointManifest) CheckpointInfo {
+func infoOf(m *checkpointManifest) CheckpointInfo {
 	out := CheckpointInfo{
 		Name: m.Name, Source: m.Source, Pinned: m.Pinned, Implicit: m.Implicit, CreatedAt: m.CreatedAt,
 		Accel: m.Accel, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB, DiskMiB: m.DiskMiB, Net: m.Net,
@@ -186,7 +188,7 @@ func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 
 // list returns every committed checkpoint with its live forks and, by flat, the
 // storage of its flattened RAM file.
-func (s *checkpointStore) list(forks map[string][]string, flat func(*CheckpointManifest) int64) ([]CheckpointInfo, error) {
+func (s *checkpointStore) list(forks map[string][]string, flat func(*checkpointManifest) int64) ([]CheckpointInfo, error) {
 	ents, err := os.ReadDir(s.paths.checkpointsDir())
 	if err != nil {
 		return nil, err

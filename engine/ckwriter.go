@@ -17,7 +17,7 @@ import (
 type ckWriter struct {
 	paths   layout
 	qemuImg string
-	ck      *CheckpointManifest
+	ck      *checkpointManifest
 	t0      time.Time
 
 	tmp, final       string // checkpoint directory: being written, committed

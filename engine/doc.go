@@ -30,7 +30,7 @@
 //     resumed. Forks of it, at any depth, map the lineage's root RAM file share=off and
 //     get every layer written into their private mapping, oldest first, before the
 //     device state loads (with QEMU told that the file has no configuration section:
-//     CheckpointManifest.DeviceState).
+//     the manifest's device_state).
 //   - Flattening (Engine.Flatten, Config.FlattenMiB) writes a delta checkpoint's lineage
 //     into one RAM file of its own (the root's data once more), in the background after
 //     its first fork once its layers are big enough: forks started afterwards map it and

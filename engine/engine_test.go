@@ -404,7 +404,7 @@ func TestNewReaps(t *testing.T) {
 	// A pinned checkpoint is kept with its RAM file; an unpinned, forked checkpoint
 	// without forks is collected.
 	os.MkdirAll(cks, 0o700)
-	keep := writeCheckpoint(t, cfg, "keep", func(c *CheckpointManifest) { c.Pinned = true })
+	keep := writeCheckpoint(t, cfg, "keep", func(c *checkpointManifest) { c.Pinned = true })
 	writeCheckpoint(t, cfg, "gone", nil)
 	touch(t, filepath.Join(cks, "gone", forkedMarker), 0)
 	// A file in RAMDir that is not ours is left alone.

@@ -41,7 +41,7 @@ func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *re
 // RAM file privately (copy-on-write) and waits for the device state (-incoming defer).
 // The disk chain is the caller's, and so are the host port forwards (a networked
 // checkpoint's forks get its NIC but no forwards unless the caller sets Publish).
-func forkLaunch(paths layout, qemu, name string, ck *CheckpointManifest) launch {
+func forkLaunch(paths layout, qemu, name string, ck *checkpointManifest) launch {
 	l := launch{
 		QEMU: qemu, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
 		AgentPorts: ck.AgentPorts, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB,

@@ -61,12 +61,12 @@ type manifest struct {
 // PhaseTimings are the durations of the phases of a create or a fork.
 type PhaseTimings = api.PhaseTimings
 
-// CheckpointManifest is the on-disk record of a checkpoint
+// checkpointManifest is the on-disk record of a checkpoint
 // (StateDir/checkpoints/NAME/manifest.json). Its fields follow the manifest's Version,
 // which is checked on every load (another version is ErrCheckpointCorrupt): they are
 // the engine's, for its own tools and tests. Embedders read Checkpoint.Info or
 // Engine.CheckpointInfo (a CheckpointInfo), which stay stable.
-type CheckpointManifest struct {
+type checkpointManifest struct {
 	Version int    `json:"version"`
 	Name    string `json:"name"`
 	// Source is the VM the checkpoint was taken of.
@@ -134,14 +134,14 @@ type CheckpointManifest struct {
 	// Layers are the lineage's delta layers, oldest first; the last is this checkpoint's
 	// own. Forks write them into their private RAM mapping before loading the device
 	// state. Each path is this checkpoint's own hard link (layout.checkpointLayers).
-	Layers  []RAMLayer           `json:"layers,omitempty"`
+	Layers  []ramLayer           `json:"layers,omitempty"`
 	Timings CheckpointTimings    `json:"timings"`
 	Freeze  *memfile.FreezeStats `json:"freeze,omitempty"`
 }
 
-// RAMLayer is one generation's delta layer: a sparse file of the guest's size holding,
+// ramLayer is one generation's delta layer: a sparse file of the guest's size holding,
 // at their guest offsets, the pages that generation changed (memfile.ExtractDelta).
-type RAMLayer struct {
+type ramLayer struct {
 	// Checkpoint is the checkpoint that wrote the layer.
 	Checkpoint string `json:"checkpoint"`
 	Path       string `json:"path"`
@@ -271,8 +271,8 @@ func decodeManifest(b []byte) (*manifest, error) {
 }
 
 // decodeCheckpointManifest parses and validates a checkpoint manifest.
-func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
-	var ck CheckpointManifest
+func decodeCheckpointManifest(b []byte) (*checkpointManifest, error) {
+	var ck checkpointManifest
 	if err := json.Unmarshal(b, &ck); err != nil {
 		return nil, err
 	}
@@ -331,7 +331,7 @@ func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
 // checkpoint, its own layer's pages, or for a world checkpoint the RAM data it froze
 // (0 when unknown, e.g. a handoff). Files shared with its lineage (the root RAM file,
 // ancestors' layers) are not counted.
-func (ck *CheckpointManifest) WrittenBytes() int64 {
+func (ck *checkpointManifest) WrittenBytes() int64 {
 	n := ck.StateSize
 	switch {
 	case len(ck.Layers) > 0:
