@@ -21,8 +21,6 @@ type CheckpointOptions struct {
 	// cannot be deleted while it lives, and its own later checkpoints are delta
 	// checkpoints. For prepare-once, fork-many use. Only for VMs created forkable.
 	Handoff bool
-	// implicit marks a checkpoint made by forking a running VM.
-	implicit bool
 }
 
 // Checkpoint takes a memory+disk checkpoint of the running VM vmName; the VM keeps
@@ -34,13 +32,23 @@ type CheckpointOptions struct {
 // the old layers); cont. Because the migration ran with the VM running, the saved run
 // state is "running", so forks start running without an extra cont.
 //
-// A fork (private RAM): a delta checkpoint (see checkpointDelta; checkpointFork where
-// page extraction is unsupported). Handoff: see checkpointHandoff.
+// A fork (private RAM): a delta checkpoint, holding only the pages the fork changed
+// since its parent checkpoint (a copy of its RAM where the host cannot tell changed
+// pages). Handoff: see CheckpointOptions.Handoff.
+//
+// The checkpoint is named like a VM is by Spec.Name and a fork by ForkOptions.Name:
+// by the caller, or generated when empty. Its name is returned as Checkpoint.Name.
 func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *CheckpointOptions) (*Checkpoint, error) {
 	var o CheckpointOptions
 	if opts != nil {
 		o = *opts
 	}
+	return e.checkpoint(ctx, vmName, name, o, false)
+}
+
+// checkpoint is Checkpoint; implicit marks a checkpoint made by forking a running VM
+// (collected after its last fork even if never forked from again).
+func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o CheckpointOptions, implicit bool) (*Checkpoint, error) {
 	if name == "" {
 		name = derivedName(vmName, "ck")
 	}
@@ -74,8 +82,8 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 	}
 	defer w.cleanup()
 	saveConsoleHistory(m.Launch.SerialLog, w.tmp)
-	w.ck = &CheckpointManifest{
-		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: o.implicit,
+	w.ck = &checkpointManifest{
+		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: implicit,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,
 		AgentPorts: m.Launch.AgentPorts, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.BootKernel,
 		Initrd: m.BootInitrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel, Vsock: m.Launch.VsockCID != 0,

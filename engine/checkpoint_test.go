@@ -14,7 +14,7 @@ import (
 
 // writeCheckpoint hand-makes a valid checkpoint under cfg's dirs: manifest, state.mig and
 // a sparse RAM file of the right size (2 MiB guest). mod, if set, edits the manifest.
-func writeCheckpoint(t *testing.T, cfg *Config, name string, mod func(*CheckpointManifest)) CheckpointManifest {
+func writeCheckpoint(t *testing.T, cfg *Config, name string, mod func(*checkpointManifest)) checkpointManifest {
 	t.Helper()
 	dir := filepath.Join(cfg.StateDir, "checkpoints", name)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -25,7 +25,7 @@ func writeCheckpoint(t *testing.T, cfg *Config, name string, mod func(*Checkpoin
 		t.Fatal(err)
 	}
 	sum := sha256.Sum256(state)
-	ck := CheckpointManifest{
+	ck := checkpointManifest{
 		Version: manifestVersion, Name: name, Source: "w0",
 		CreatedAt: time.Now().UTC(), QEMUVersion: "10.0.2", Accel: "tcg", Machine: "q35",
 		CPUs: 1, MemoryMiB: 2, Kernel: "/k", Append: "console=ttyS0", TBSizeMiB: 64,
@@ -69,41 +69,69 @@ func TestLoadCheckpoint(t *testing.T) {
 	e := newTestEngine(t, cfg)
 	want := writeCheckpoint(t, cfg, "base", nil)
 
-	c, err := e.LoadCheckpoint("base")
+	c, err := e.LoadCheckpoint(t.Context(), "base")
 	if err != nil {
 		t.Fatalf("LoadCheckpoint: %v", err)
 	}
-	if c.Dir != filepath.Join(cfg.StateDir, "checkpoints", "base") || c.StatePath() != filepath.Join(c.Dir, "state.mig") {
-		t.Errorf("Dir %s StatePath %s", c.Dir, c.StatePath())
+	if c.Dir != filepath.Join(cfg.StateDir, "checkpoints", "base") || c.statePath() != filepath.Join(c.Dir, "state.mig") {
+		t.Errorf("Dir %s StatePath %s", c.Dir, c.statePath())
 	}
-	if c.Manifest.Name != "base" || c.Manifest.StateSHA256 != want.StateSHA256 || c.Manifest.RAMSize != 2<<20 {
+	if in := c.Info(); in.Name != "base" || in.Source != c.Manifest.Source || in.RAMSize != 2<<20 || in.WrittenBytes != c.Manifest.WrittenBytes() || in.Forks != nil {
+		t.Errorf("Info %+v", in)
+	}
+	if c.Name() != "base" || c.Manifest.StateSHA256 != want.StateSHA256 || c.Manifest.RAMSize != 2<<20 {
 		t.Errorf("manifest %+v", c.Manifest)
 	}
 
 	// Verification is cached by state size and mtime: a same-size change that keeps the
 	// mtime is not re-hashed (documented behaviour, not a guarantee against tampering).
-	st, _ := os.Stat(c.StatePath())
-	corruptByte(t, c.StatePath(), 3, st.ModTime())
-	if _, err := e.LoadCheckpoint("base"); err != nil {
+	st, _ := os.Stat(c.statePath())
+	corruptByte(t, c.statePath(), 3, st.ModTime())
+	if _, err := e.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Logf("note: verification re-hashed although size and mtime are unchanged: %v", err)
 	}
 	// With a new mtime it is re-hashed and caught.
-	os.Chtimes(c.StatePath(), st.ModTime().Add(time.Second), st.ModTime().Add(time.Second))
-	_, err = e.LoadCheckpoint("base")
+	os.Chtimes(c.statePath(), st.ModTime().Add(time.Second), st.ModTime().Add(time.Second))
+	_, err = e.LoadCheckpoint(t.Context(), "base")
 	if !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "sha256") {
 		t.Errorf("corrupt state: %v, want ErrCheckpointCorrupt mentioning sha256", err)
 	}
 	// A fresh engine (no cache) catches it even with the original mtime.
-	os.Chtimes(c.StatePath(), st.ModTime(), st.ModTime())
+	os.Chtimes(c.statePath(), st.ModTime(), st.ModTime())
 	e.Close()
 	e2 := newTestEngine(t, cfg)
-	if _, err := e2.LoadCheckpoint("base"); !errors.Is(err, ErrCheckpointCorrupt) {
+	if _, err := e2.LoadCheckpoint(t.Context(), "base"); !errors.Is(err, ErrCheckpointCorrupt) {
 		t.Errorf("fresh engine, corrupt state: %v, want ErrCheckpointCorrupt", err)
 	}
 	// Repairing the byte makes it load again.
-	corruptByte(t, c.StatePath(), 3, time.Now())
-	if _, err := e2.LoadCheckpoint("base"); err != nil {
+	corruptByte(t, c.statePath(), 3, time.Now())
+	if _, err := e2.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Errorf("after repair: %v", err)
+	}
+}
+
+// TestPoolSize: PoolSize tells a checkpoint without a pool (0) from one that cannot be
+// forked (LoadCheckpoint's error), and a cancelled context stops the verification.
+func TestPoolSize(t *testing.T) {
+	cfg := testConfig(t)
+	e := newTestEngine(t, cfg)
+	writeCheckpoint(t, cfg, "base", nil)
+	cancelled, cancel := context.WithCancel(t.Context())
+	cancel()
+	for _, tc := range []struct {
+		ctx  context.Context
+		name string
+		want error
+	}{
+		{t.Context(), "nothere", ErrNotFound},
+		{t.Context(), "../vms", ErrInvalidName},
+		{cancelled, "base", context.Canceled},
+		{t.Context(), "base", nil},
+	} {
+		n, err := e.PoolSize(tc.ctx, tc.name)
+		if !errors.Is(err, tc.want) || (tc.want == nil && err != nil) || n != 0 {
+			t.Errorf("PoolSize(%s) = %d, %v; want 0, %v", tc.name, n, err, tc.want)
+		}
 	}
 }
 
@@ -112,35 +140,35 @@ func TestLoadCheckpointErrors(t *testing.T) {
 	e := newTestEngine(t, cfg)
 	ckDir := func(n string) string { return filepath.Join(cfg.StateDir, "checkpoints", n) }
 
-	if _, err := e.LoadCheckpoint("nothere"); !errors.Is(err, ErrNotFound) {
+	if _, err := e.LoadCheckpoint(t.Context(), "nothere"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("missing: %v, want ErrNotFound", err)
 	}
-	if _, err := e.LoadCheckpoint("../vms"); !errors.Is(err, ErrInvalidName) {
+	if _, err := e.LoadCheckpoint(t.Context(), "../vms"); !errors.Is(err, ErrInvalidName) {
 		t.Errorf("bad name: %v, want ErrInvalidName", err)
 	}
 
 	for _, tc := range []struct {
 		name   string
-		break_ func(ck CheckpointManifest)
+		break_ func(ck checkpointManifest)
 		want   string // in the message
 	}{
-		{"ram too small", func(ck CheckpointManifest) { os.Truncate(ck.RAMPath, ck.RAMSize-4096) }, "ram file"},
-		{"ram too big", func(ck CheckpointManifest) { os.Truncate(ck.RAMPath, ck.RAMSize+1) }, "ram file"},
-		{"ram missing", func(ck CheckpointManifest) { os.Remove(ck.RAMPath) }, "ram file"},
-		{"state missing", func(ck CheckpointManifest) { os.Remove(filepath.Join(ckDir(ck.Name), "state.mig")) }, "device state"},
-		{"state truncated", func(ck CheckpointManifest) { os.Truncate(filepath.Join(ckDir(ck.Name), "state.mig"), 10) }, "sha256"},
-		{"manifest garbage", func(ck CheckpointManifest) {
+		{"ram too small", func(ck checkpointManifest) { os.Truncate(ck.RAMPath, ck.RAMSize-4096) }, "ram file"},
+		{"ram too big", func(ck checkpointManifest) { os.Truncate(ck.RAMPath, ck.RAMSize+1) }, "ram file"},
+		{"ram missing", func(ck checkpointManifest) { os.Remove(ck.RAMPath) }, "ram file"},
+		{"state missing", func(ck checkpointManifest) { os.Remove(filepath.Join(ckDir(ck.Name), "state.mig")) }, "device state"},
+		{"state truncated", func(ck checkpointManifest) { os.Truncate(filepath.Join(ckDir(ck.Name), "state.mig"), 10) }, "sha256"},
+		{"manifest garbage", func(ck checkpointManifest) {
 			os.WriteFile(filepath.Join(ckDir(ck.Name), "manifest.json"), []byte("{garbage"), 0o600)
 		}, ""},
-		{"manifest empty", func(ck CheckpointManifest) {
+		{"manifest empty", func(ck checkpointManifest) {
 			os.WriteFile(filepath.Join(ckDir(ck.Name), "manifest.json"), nil, 0o600)
 		}, ""},
-		{"manifest names another", func(ck CheckpointManifest) {
+		{"manifest names another", func(ck checkpointManifest) {
 			dir := ckDir(ck.Name)
 			ck.Name = "other"
 			writeJSON(filepath.Join(dir, "manifest.json"), &ck)
 		}, "other"},
-		{"disk layer missing", func(ck CheckpointManifest) {
+		{"disk layer missing", func(ck checkpointManifest) {
 			ck.Disk = []DiskLayer{{Path: filepath.Join(ckDir(ck.Name), "layer0.raw"), Format: "raw"}}
 			writeJSON(filepath.Join(ckDir(ck.Name), "manifest.json"), &ck)
 		}, "disk"},
@@ -149,7 +177,7 @@ func TestLoadCheckpointErrors(t *testing.T) {
 			name := "c-" + strings.Fields(tc.name)[len(strings.Fields(tc.name))-1]
 			ck := writeCheckpoint(t, cfg, name, nil)
 			tc.break_(ck)
-			_, err := e.LoadCheckpoint(name)
+			_, err := e.LoadCheckpoint(t.Context(), name)
 			if !errors.Is(err, ErrCheckpointCorrupt) {
 				t.Fatalf("LoadCheckpoint = %v, want ErrCheckpointCorrupt", err)
 			}
@@ -203,7 +231,7 @@ func TestDeleteCheckpoint(t *testing.T) {
 	if _, err := e.Get("f1"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("fork still known: %v", err)
 	}
-	if _, err := e.LoadCheckpoint("base"); !errors.Is(err, ErrNotFound) {
+	if _, err := e.LoadCheckpoint(t.Context(), "base"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("LoadCheckpoint after delete: %v, want ErrNotFound", err)
 	}
 	if err := e.DeleteCheckpoint(ctx, "base", nil); !errors.Is(err, ErrNotFound) {
@@ -216,7 +244,7 @@ func TestDeleteCheckpointKeepsForeignRAM(t *testing.T) {
 	cfg := testConfig(t)
 	e := newTestEngine(t, cfg)
 	foreign := filepath.Join(t.TempDir(), "foreign.ram")
-	writeCheckpoint(t, cfg, "base", func(c *CheckpointManifest) { c.RAMPath = foreign })
+	writeCheckpoint(t, cfg, "base", func(c *checkpointManifest) { c.RAMPath = foreign })
 	if err := e.DeleteCheckpoint(context.Background(), "base", nil); err != nil {
 		t.Fatal(err)
 	}
@@ -233,14 +261,14 @@ func TestSetPinnedAndCollect(t *testing.T) {
 	if err := e.SetPinned(ctx, "base", true); err != nil {
 		t.Fatal(err)
 	}
-	if c, err := e.LoadCheckpoint("base"); err != nil || !c.Manifest.Pinned {
+	if c, err := e.LoadCheckpoint(t.Context(), "base"); err != nil || !c.Manifest.Pinned {
 		t.Fatalf("after pin: %v %v", c, err)
 	}
 	// Unpinning a never-forked checkpoint keeps it.
 	if err := e.SetPinned(ctx, "base", false); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.LoadCheckpoint("base"); err != nil {
+	if _, err := e.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Fatalf("never-forked checkpoint collected on unpin: %v", err)
 	}
 	// Once forked (and with no forks left), unpinning deletes it.
@@ -277,7 +305,7 @@ func TestCheckCompatible(t *testing.T) {
 	}
 
 	// Fork of an incompatible checkpoint is refused before anything is made.
-	writeCheckpoint(t, cfg, "old", func(c *CheckpointManifest) { c.QEMUVersion = "9.9.9" })
+	writeCheckpoint(t, cfg, "old", func(c *checkpointManifest) { c.QEMUVersion = "9.9.9" })
 	_, err = e.Fork(ctx, "old", &ForkOptions{Name: "f1"})
 	if !errors.Is(err, ErrIncompatible) {
 		t.Errorf("Fork of an incompatible checkpoint: %v", err)

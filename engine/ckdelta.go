@@ -36,7 +36,7 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 	if parentName == "" {
 		return fmt.Errorf("%w: %s has private RAM but no parent checkpoint", ErrNotForkable, vm.m.Name)
 	}
-	parent, err := e.cks.load(parentName)
+	parent, err := e.cks.load(ctx, parentName)
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: parent: %w", vm.m.Name, err)
 	}
@@ -105,7 +105,7 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
 	}
-	ck.Layers = append(ck.Layers, RAMLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, ownName), Size: size, SHA256: sum})
+	ck.Layers = append(ck.Layers, ramLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, ownName), Size: size, SHA256: sum})
 	ck.RAMMethod, ck.DeviceState = "delta", DeviceStateDevices
 	return w.commit(ctx)
 }

@@ -14,13 +14,13 @@ import (
 // writeDeltaCheckpoint hand-makes a delta checkpoint over root: its RAM file is a hard link
 // to root's, its layer directory holds one layer per name in lineage (the last its own)
 // with one page each.
-func writeDeltaCheckpoint(t *testing.T, cfg *Config, name string, root CheckpointManifest, lineage []string) CheckpointManifest {
+func writeDeltaCheckpoint(t *testing.T, cfg *Config, name string, root checkpointManifest, lineage []string) checkpointManifest {
 	t.Helper()
 	dir := filepath.Join(cfg.RAMDir, "ck-"+name+".layers")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	var layers []RAMLayer
+	var layers []ramLayer
 	for i, anc := range lineage {
 		p := filepath.Join(dir, layerFile(i, anc))
 		f, err := os.Create(p)
@@ -34,9 +34,9 @@ func writeDeltaCheckpoint(t *testing.T, cfg *Config, name string, root Checkpoin
 		if err != nil {
 			t.Fatal(err)
 		}
-		layers = append(layers, RAMLayer{Checkpoint: anc, Path: p, Size: size, SHA256: sum})
+		layers = append(layers, ramLayer{Checkpoint: anc, Path: p, Size: size, SHA256: sum})
 	}
-	return writeCheckpoint(t, cfg, name, func(c *CheckpointManifest) {
+	return writeCheckpoint(t, cfg, name, func(c *checkpointManifest) {
 		c.Kind, c.Root, c.Layers, c.RAMMethod = checkpointKindDelta, root.Name, layers, "delta"
 		c.RAMPath = filepath.Join(cfg.RAMDir, "ck-"+name+".ram")
 		os.Link(root.RAMPath, c.RAMPath)
@@ -46,23 +46,23 @@ func writeDeltaCheckpoint(t *testing.T, cfg *Config, name string, root Checkpoin
 func TestDeltaCheckpointManifest(t *testing.T) {
 	ck := testCheckpointManifest()
 	ck.Kind, ck.Root, ck.RAMMethod = checkpointKindDelta, "root", "delta"
-	ck.Layers = []RAMLayer{{Checkpoint: "a", Path: "/dev/shm/x/ck-b.layers/00-a.layer", Size: 4096, SHA256: strings.Repeat("ab", 32)}}
+	ck.Layers = []ramLayer{{Checkpoint: "a", Path: "/dev/shm/x/ck-b.layers/00-a.layer", Size: 4096, SHA256: strings.Repeat("ab", 32)}}
 	if _, err := decodeCheckpointManifest(mustJSON(t, &ck)); err != nil {
 		t.Fatalf("valid delta manifest refused: %v", err)
 	}
-	for name, mod := range map[string]func(*CheckpointManifest){
-		"no layers":            func(c *CheckpointManifest) { c.Layers = nil },
-		"unknown kind":         func(c *CheckpointManifest) { c.Kind = "future" },
-		"layers on a world":    func(c *CheckpointManifest) { c.Kind = "" },
-		"bad root":             func(c *CheckpointManifest) { c.Root = "../x" },
-		"bad layer name":       func(c *CheckpointManifest) { c.Layers[0].Checkpoint = "a/b" },
-		"unknown device state": func(c *CheckpointManifest) { c.DeviceState = "stripped" },
-		"bad layer sum":        func(c *CheckpointManifest) { c.Layers[0].SHA256 = "zz" },
-		"relative layer":       func(c *CheckpointManifest) { c.Layers[0].Path = "00-a.layer" },
-		"layer too big":        func(c *CheckpointManifest) { c.Layers[0].Size = c.RAMSize + 1 },
+	for name, mod := range map[string]func(*checkpointManifest){
+		"no layers":            func(c *checkpointManifest) { c.Layers = nil },
+		"unknown kind":         func(c *checkpointManifest) { c.Kind = "future" },
+		"layers on a world":    func(c *checkpointManifest) { c.Kind = "" },
+		"bad root":             func(c *checkpointManifest) { c.Root = "../x" },
+		"bad layer name":       func(c *checkpointManifest) { c.Layers[0].Checkpoint = "a/b" },
+		"unknown device state": func(c *checkpointManifest) { c.DeviceState = "stripped" },
+		"bad layer sum":        func(c *checkpointManifest) { c.Layers[0].SHA256 = "zz" },
+		"relative layer":       func(c *checkpointManifest) { c.Layers[0].Path = "00-a.layer" },
+		"layer too big":        func(c *checkpointManifest) { c.Layers[0].Size = c.RAMSize + 1 },
 	} {
 		c := ck
-		c.Layers = append([]RAMLayer(nil), ck.Layers...)
+		c.Layers = append([]ramLayer(nil), ck.Layers...)
 		mod(&c)
 		if _, err := decodeCheckpointManifest(mustJSON(t, &c)); err == nil {
 			t.Errorf("%s: accepted", name)
@@ -78,9 +78,9 @@ func TestDeltaCheckpointManifest(t *testing.T) {
 func TestLoadDeltaCheckpoint(t *testing.T) {
 	cfg := testConfig(t)
 	e := newTestEngine(t, cfg)
-	root := writeCheckpoint(t, cfg, "root", func(c *CheckpointManifest) { c.Pinned = true })
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
 	writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
-	c, err := e.LoadCheckpoint("d2")
+	c, err := e.LoadCheckpoint(t.Context(), "d2")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,18 +88,18 @@ func TestLoadDeltaCheckpoint(t *testing.T) {
 	if err := e.DeleteCheckpoint(t.Context(), "root", nil); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.LoadCheckpoint("d2"); err != nil {
+	if _, err := e.LoadCheckpoint(t.Context(), "d2"); err != nil {
 		t.Fatalf("delta checkpoint after its root was deleted: %v", err)
 	}
 	// A corrupt ancestor layer is named.
 	corruptByte(t, c.Manifest.Layers[0].Path, 10, time.Now().Add(time.Hour))
-	_, err = e.LoadCheckpoint("d2")
+	_, err = e.LoadCheckpoint(t.Context(), "d2")
 	if !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d1") {
 		t.Fatalf("corrupt layer of d1: %v", err)
 	}
 	// A missing one too.
 	os.Remove(c.Manifest.Layers[1].Path)
-	if _, err := e.LoadCheckpoint("d2"); !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d2") {
+	if _, err := e.LoadCheckpoint(t.Context(), "d2"); !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d2") {
 		t.Fatalf("missing layer: %v", err)
 	}
 	// Deleting the delta removes its link and its layer directory.
@@ -115,7 +115,7 @@ func TestLoadDeltaCheckpoint(t *testing.T) {
 
 func TestReapDeltaFiles(t *testing.T) {
 	cfg := testConfig(t)
-	root := writeCheckpoint(t, cfg, "root", func(c *CheckpointManifest) { c.Pinned = true })
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
 	d := writeDeltaCheckpoint(t, cfg, "d1", root, []string{"d1"})
 	touch(t, filepath.Join(cfg.RAMDir, "ck-gone.layers", "00-gone.layer"), 4096)
 	touch(t, filepath.Join(cfg.RAMDir, "ck-half.layers.tmp-abcd", "00-half.layer"), 4096)
@@ -154,14 +154,14 @@ func TestDeviceStateHeader(t *testing.T) {
 		{"version 2", []byte{'Q', 'E', 'V', 'M', 0, 0, 0, 2, 7}, "", false, true, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := &Checkpoint{Dir: filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "-")), Manifest: CheckpointManifest{Name: "ck", DeviceState: tc.manifest}}
+			c := &Checkpoint{Dir: filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "-")), Manifest: checkpointManifest{Name: "ck", DeviceState: tc.manifest}}
 			if err := os.Mkdir(c.Dir, 0o700); err != nil {
 				t.Fatal(err)
 			}
-			if err := os.WriteFile(c.StatePath(), tc.file, 0o600); err != nil {
+			if err := os.WriteFile(c.statePath(), tc.file, 0o600); err != nil {
 				t.Fatal(err)
 			}
-			got, err := hasConfigurationSection(c.StatePath())
+			got, err := hasConfigurationSection(c.statePath())
 			if (err != nil) != tc.wantErr || err == nil && got != tc.wantConfig {
 				t.Errorf("hasConfigurationSection = %v, %v", got, err)
 			}

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,28 +13,48 @@ import (
 	"syscall"
 
 	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/serve/api"
 )
 
-// Checkpoint is a checkpoint known to the engine.
+// Checkpoint is a checkpoint known to the engine: Name and Info are its stable view.
+// Manifest is the engine's on-disk record, of an unexported type: its fields change
+// with the manifest's version (checked on every load) and are for the engine's own
+// tools and tests; an embedder reads Info.
 type Checkpoint struct {
-	Manifest CheckpointManifest
+	Manifest checkpointManifest
 	Dir      string
 }
 
-// StatePath is the device-state file of the checkpoint.
-func (c *Checkpoint) StatePath() string { return filepath.Join(c.Dir, stateFile) }
+// Name is the checkpoint's name (as VM.Name is a VM's).
+func (c *Checkpoint) Name() string { return c.Manifest.Name }
 
-// CheckpointInfo is a checkpoint as listed.
-type CheckpointInfo struct {
-	CheckpointManifest
-	Forks []string `json:"forks"`
-	// FlatBytes is the storage of the checkpoint's flattened RAM file, when it has one
-	// (Config.FlattenMiB): a copy of its lineage, counted apart from what was written.
-	FlatBytes int64 `json:"flat_bytes,omitempty"`
-	// Corrupt, when set, says why the checkpoint's manifest cannot be read: only Name
-	// and Forks are known. A corrupt checkpoint is listed and kept (never collected)
-	// until it is deleted explicitly.
-	Corrupt string `json:"corrupt,omitempty"`
+// statePath is the device-state file of the checkpoint.
+func (c *Checkpoint) statePath() string { return filepath.Join(c.Dir, stateFile) }
+
+// CheckpointInfo is a checkpoint as Checkpoints lists it (api.CheckpointInfo documents
+// each field): the part of its record that stays stable whatever the engine's manifest
+// version, its live forks and the storage of its flattened RAM file (Config.FlattenMiB).
+// A checkpoint whose manifest cannot be read is listed with Corrupt set (only Name and
+// Forks known) and kept, never collected, until it is deleted explicitly.
+type CheckpointInfo = api.CheckpointInfo
+
+// Info is the checkpoint's stable summary (without its forks and flattened file, which
+// Engine.CheckpointInfo adds).
+func (c *Checkpoint) Info() CheckpointInfo { return infoOf(&c.Manifest) }
+
+// infoOf is the stable summary of the manifest m.
+func infoOf(m *checkpointManifest) CheckpointInfo {
+	out := CheckpointInfo{
+		Name: m.Name, Source: m.Source, Pinned: m.Pinned, Implicit: m.Implicit, CreatedAt: m.CreatedAt,
+		Accel: m.Accel, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB, DiskMiB: m.DiskMiB, Net: m.Net,
+		RAMPath: m.RAMPath, RAMSize: m.RAMSize, StateSize: m.StateSize, DiskMethod: m.DiskMethod,
+		RAMMethod: m.RAMMethod, Kind: m.Kind, WrittenBytes: m.WrittenBytes(), Timings: m.Timings,
+	}
+	if m.Freeze != nil {
+		f := api.FreezeStats(*m.Freeze)
+		out.Freeze = &f
+	}
+	return out
 }
 
 // checkpointStore reads, verifies, lists and removes committed checkpoints. Writing one
@@ -81,12 +102,12 @@ func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 }
 
 // load reads and verifies a checkpoint.
-func (s *checkpointStore) load(name string) (*Checkpoint, error) {
+func (s *checkpointStore) load(ctx context.Context, name string) (*Checkpoint, error) {
 	c, err := s.read(name)
 	if err != nil {
 		return nil, err
 	}
-	if err := s.verify(c); err != nil {
+	if err := s.verify(ctx, c); err != nil {
 		return nil, err
 	}
 	return c, nil
@@ -94,7 +115,8 @@ func (s *checkpointStore) load(name string) (*Checkpoint, error) {
 
 // verify checks that a checkpoint's files exist with their recorded sizes and that the
 // device state matches its checksum.
-func (s *checkpointStore) verify(c *Checkpoint) error {
+// Hashing stops with ctx's error when ctx ends.
+func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 	ck := &c.Manifest
 	st, err := os.Stat(ck.RAMPath)
 	if err != nil {
@@ -103,7 +125,7 @@ func (s *checkpointStore) verify(c *Checkpoint) error {
 	if st.Size() != ck.RAMSize {
 		return fmt.Errorf("%w: %s: ram file is %d bytes, want %d", ErrCheckpointCorrupt, ck.Name, st.Size(), ck.RAMSize)
 	}
-	sst, err := os.Stat(c.StatePath())
+	sst, err := os.Stat(c.statePath())
 	if err != nil {
 		return fmt.Errorf("%w: %s: device state: %v", ErrCheckpointCorrupt, ck.Name, err)
 	}
@@ -136,6 +158,9 @@ func (s *checkpointStore) verify(c *Checkpoint) error {
 		return nil
 	}
 	for _, l := range ck.Layers {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
 		sum, size, err := memfile.LayerDigest(l.Path)
 		if err != nil {
 			return fmt.Errorf("%w: %s: ram layer of ancestor %s: %v", ErrCheckpointCorrupt, ck.Name, l.Checkpoint, err)
@@ -145,7 +170,10 @@ func (s *checkpointStore) verify(c *Checkpoint) error {
 				ErrCheckpointCorrupt, ck.Name, l.Checkpoint, sum[:16], size, l.SHA256[:16], l.Size)
 		}
 	}
-	sum, _, err := fileSHA256(c.StatePath())
+	sum, _, err := fileSHA256(ctx, c.statePath())
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 	if err != nil {
 		return fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, ck.Name, err)
 	}
@@ -158,8 +186,9 @@ func (s *checkpointStore) verify(c *Checkpoint) error {
 	return nil
 }
 
-// list returns every committed checkpoint with its live forks.
-func (s *checkpointStore) list(forks map[string][]string) ([]CheckpointInfo, error) {
+// list returns every committed checkpoint with its live forks and, by flat, the
+// storage of its flattened RAM file.
+func (s *checkpointStore) list(forks map[string][]string, flat func(*checkpointManifest) int64) ([]CheckpointInfo, error) {
 	ents, err := os.ReadDir(s.paths.checkpointsDir())
 	if err != nil {
 		return nil, err
@@ -174,10 +203,12 @@ func (s *checkpointStore) list(forks map[string][]string) ([]CheckpointInfo, err
 			continue // deleted meanwhile
 		}
 		if err != nil {
-			out = append(out, CheckpointInfo{CheckpointManifest: CheckpointManifest{Name: ent.Name()}, Forks: forks[ent.Name()], Corrupt: err.Error()})
+			out = append(out, CheckpointInfo{Name: ent.Name(), Forks: forks[ent.Name()], Corrupt: err.Error()})
 			continue
 		}
-		out = append(out, CheckpointInfo{CheckpointManifest: c.Manifest, Forks: forks[c.Manifest.Name]})
+		info := c.Info()
+		info.Forks, info.FlatBytes = forks[c.Manifest.Name], flat(&c.Manifest)
+		out = append(out, info)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil
@@ -302,7 +333,9 @@ func (s *checkpointStore) collect(name string, forks func(string) int) {
 	s.mu.Lock()
 	held := s.held[name]
 	s.mu.Unlock()
-	if forks(name) == 0 && !held && s.verify(c) == nil {
+	// Collection runs after the request that ended the last fork, on no caller's
+	// context: the hash is bounded by the checkpoint's size.
+	if forks(name) == 0 && !held && s.verify(context.Background(), c) == nil {
 		s.log.Info("deleting unpinned checkpoint (no forks left)", "checkpoint", name)
 		s.remove(name)
 	}

@@ -17,7 +17,7 @@ import (
 type ckWriter struct {
 	paths   layout
 	qemuImg string
-	ck      *CheckpointManifest
+	ck      *checkpointManifest
 	t0      time.Time
 
 	tmp, final       string // checkpoint directory: being written, committed
@@ -48,7 +48,7 @@ func (w *ckWriter) statePath() string { return filepath.Join(w.tmp, stateFile) }
 // file first, then the directory (reaping removes RAM files without a checkpoint dir).
 func (w *ckWriter) commit(ctx context.Context) error {
 	ck := w.ck
-	sum, size, err := fileSHA256(w.statePath())
+	sum, size, err := fileSHA256(ctx, w.statePath())
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint state: %w", err)
 	}

@@ -10,7 +10,7 @@ import (
 	"runtime"
 	"time"
 
-	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // Config configures an Engine. A nil *Config means all defaults. Environment variables
@@ -28,7 +28,7 @@ type Config struct {
 	// Default: StateDir/run when that is short, else os.TempDir()/forkvm-<hash> (or
 	// beside it, like RAMDir).
 	RunDir string
-	// CacheDir holds the guest kernel and images. Default: guest.DefaultCacheDir().
+	// CacheDir holds the guest kernel and images. Default: guestboot.DefaultCacheDir().
 	CacheDir string
 	// QEMU is the qemu-system binary. Default: qemu-system-x86_64 (qemu-system-aarch64
 	// on arm64) from PATH.
@@ -148,7 +148,7 @@ func (c Config) resolve() (*resolved, error) {
 		}
 	}
 	if c.CacheDir == "" {
-		c.CacheDir = guest.DefaultCacheDir()
+		c.CacheDir = guestboot.DefaultCacheDir()
 	}
 	x := &c.Experimental
 	if x.TBSizeMiB == 0 {

@@ -8,7 +8,7 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -99,7 +99,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		}
 	case spec.DiskMiB > 0:
 		p := filepath.Join(vm.dir, rawDiskFile)
-		if err := guest.CreateDisk(ctx, p, spec.DiskMiB); err != nil {
+		if err := guestboot.CreateDisk(ctx, p, spec.DiskMiB); err != nil {
 			return nil, fmt.Errorf("engine: disk: %w", err)
 		}
 		vm.m.Launch.Disk = []DiskLayer{{Path: p, Format: "raw"}}
@@ -124,8 +124,8 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 // into the VM's directory (so that checkpoints can link it in turn and removing the
 // image from the cache breaks nothing), under a writable qcow2 overlay.
 func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
-	img, err := guest.ImageStore{CacheDir: e.cfg.CacheDir, NamesDir: ImageNamesDir(e.paths.state)}.Lookup(spec.Image)
-	if errors.Is(err, guest.ErrImageNotFound) {
+	img, err := guestboot.LookupImageDisk(e.cfg.CacheDir, ImageNamesDir(e.paths.state), spec.Image)
+	if errors.Is(err, guestboot.ErrImageNotFound) {
 		return fmt.Errorf("%w: no image named %q (`forkvm images` lists them)", ErrImageNotFound, spec.Image)
 	}
 	if err != nil {
@@ -133,13 +133,13 @@ func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
 	}
 	// The root disk's size is recorded as the VM's DiskMiB: every later overlay (a
 	// checkpoint's, a fork's) is created with it.
-	sizeMiB := max(int((img.DiskBytes+1<<20-1)>>20), spec.DiskMiB)
+	sizeMiB := max(int((img.Bytes+1<<20-1)>>20), spec.DiskMiB)
 	vm.m.Spec.DiskMiB = sizeMiB
 	base := filepath.Join(vm.dir, rootBaseFile)
-	if err := os.Link(img.Disk, base); err != nil {
+	if err := os.Link(img.Path, base); err != nil {
 		// Another file system (the cache and the state dir usually share one): a sparse
 		// copy, holes kept.
-		if _, cerr := memfile.Freeze(ctx, img.Disk, base); cerr != nil {
+		if _, cerr := memfile.Freeze(ctx, img.Path, base); cerr != nil {
 			return fmt.Errorf("engine: image %s: %w", spec.Image, errors.Join(err, cerr))
 		}
 	}

@@ -79,7 +79,7 @@ func (d *diskFreeze) abort(ctx context.Context) {
 
 // commit freezes the disk while the guest is stopped, recording the frozen chain in ck
 // and, for qcow2, the VM's new chain in d.m (the caller saves the manifest).
-func (d *diskFreeze) commit(ctx context.Context, ck *CheckpointManifest) error {
+func (d *diskFreeze) commit(ctx context.Context, ck *checkpointManifest) error {
 	if d.none {
 		return nil
 	}
@@ -177,7 +177,7 @@ func qemuImgCreate(ctx context.Context, qemuImg, path string, backing DiskLayer,
 // qemu-img run per checkpoint instead of one per fork); finalDir is where the checkpoint
 // will live. The backing path stored in the header is informational: forks name their
 // backing chain explicitly in -blockdev.
-func makeOverlayTemplate(ctx context.Context, qemuImg string, ck *CheckpointManifest, tmpDir, finalDir string) error {
+func makeOverlayTemplate(ctx context.Context, qemuImg string, ck *checkpointManifest, tmpDir, finalDir string) error {
 	top := ck.Disk[len(ck.Disk)-1]
 	if err := qemuImgCreate(ctx, qemuImg, filepath.Join(tmpDir, overlayTemplateFile), top, int64(ck.DiskMiB)<<20); err != nil {
 		return err
@@ -187,7 +187,7 @@ func makeOverlayTemplate(ctx context.Context, qemuImg string, ck *CheckpointMani
 }
 
 // forkDisk gives a fork in dir its own writable disk on the checkpoint's frozen chain.
-func forkDisk(ctx context.Context, ck *CheckpointManifest, dir string) ([]DiskLayer, error) {
+func forkDisk(ctx context.Context, ck *checkpointManifest, dir string) ([]DiskLayer, error) {
 	if ck.DiskMethod == "reflink" {
 		dst := filepath.Join(dir, rawDiskFile)
 		if err := memfile.Clone(ctx, ck.Disk[0].Path, dst); err != nil {

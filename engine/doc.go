@@ -30,7 +30,7 @@
 //     resumed. Forks of it, at any depth, map the lineage's root RAM file share=off and
 //     get every layer written into their private mapping, oldest first, before the
 //     device state loads (with QEMU told that the file has no configuration section:
-//     CheckpointManifest.DeviceState).
+//     the manifest's device_state).
 //   - Flattening (Engine.Flatten, Config.FlattenMiB) writes a delta checkpoint's lineage
 //     into one RAM file of its own (the root's data once more), in the background after
 //     its first fork once its layers are big enough: forks started afterwards map it and
@@ -53,9 +53,9 @@
 //     network (NAT; the host's loopback is host.internal in the guest), and forks of
 //     its checkpoints the same NIC; Spec.Publish, ForkOptions.Publish and
 //     ManyOptions.Publish forward host ports (127.0.0.1 unless given) to guest ports,
-//     per VM: forks never inherit their source's. A TCP connection open at checkpoint
-//     time does not survive into a fork (slirp does not migrate it): the fork's guest
-//     gets a reset on the first segment it sends on one.
+//     per VM: forks never inherit their source's. TCP connections open at checkpoint
+//     time do not reach a fork (its first segment on one is answered with a reset);
+//     listening sockets do, so a server in the checkpoint serves each fork's ports.
 //
 // VMs are separate QEMU processes: they outlive the Engine that made them (so does each
 // VM's console keeper, a re-executed copy of the program embedding the engine that
@@ -73,7 +73,7 @@
 // # Errors
 //
 // Every error wraps one of the Err* sentinels (test with errors.Is) or is an
-// *AdmissionError or *QEMUError (errors.As); bad input is refused before anything
+// *AdmissionError, a *QEMUError or (from VM.Output) an *ExitError (errors.As); bad input is refused before anything
 // starts, and a failed operation leaves no process, socket, RAM file or half-written
 // checkpoint behind.
 //
@@ -107,8 +107,8 @@ package engine
 // handoff.go make checkpoints; disk.go freezes and collapses disk chains (blockdev-add,
 // blockdev-snapshot, block-stream through the monitor); recover.go repairs what a
 // crash cut short. paths.go owns every path and file name. files.go moves files in and
-// out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut: the engine never
-// opens a host path for a copy) and reads its console (VM.Logs), which console.go's
+// out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut; the engine opens a
+// host path only in CopyInPath and CopyOutPath, named by their caller) and reads its console (VM.Logs), which console.go's
 // keeper writes. shareddir.go picks the RAM and run directories in shared places
 // (another user cannot squat them).
 //

@@ -253,9 +253,6 @@ func (e *Engine) Config() Config { return e.cfg.Config }
 // Accel is the accelerator this engine uses (never AccelAuto).
 func (e *Engine) Accel() Accel { return e.cfg.accel }
 
-// QEMUPath resolves the QEMU binary or returns ErrQEMUMissing naming the fix.
-func (e *Engine) QEMUPath() (string, error) { return e.bins.path() }
-
 // QEMUVersion returns QEMU's version ("10.0.2"), checking it is >= 10.0.
 func (e *Engine) QEMUVersion(ctx context.Context) (string, error) { return e.bins.version(ctx) }
 

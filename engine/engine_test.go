@@ -292,7 +292,7 @@ func TestNewTCGThread(t *testing.T) {
 func TestQEMUPathAndVersion(t *testing.T) {
 	cfg := testConfig(t)
 	e := newTestEngine(t, cfg)
-	if _, err := e.QEMUPath(); !errors.Is(err, ErrQEMUMissing) {
+	if _, err := e.bins.path(); !errors.Is(err, ErrQEMUMissing) {
 		t.Errorf("QEMUPath with missing binary: %v, want ErrQEMUMissing", err)
 	}
 	if _, err := e.QEMUVersion(context.Background()); !errors.Is(err, ErrQEMUMissing) {
@@ -306,7 +306,7 @@ func TestQEMUPathAndVersion(t *testing.T) {
 	}
 
 	e.bins.qemu = fakeQEMU(t, "10.0.2")
-	if p, err := e.QEMUPath(); err != nil || p != e.bins.qemu {
+	if p, err := e.bins.path(); err != nil || p != e.bins.qemu {
 		t.Errorf("QEMUPath = %q, %v", p, err)
 	}
 	v, err := e.QEMUVersion(context.Background())
@@ -406,7 +406,7 @@ func TestNewReaps(t *testing.T) {
 	// A pinned checkpoint is kept with its RAM file; an unpinned, forked checkpoint
 	// without forks is collected.
 	os.MkdirAll(cks, 0o700)
-	keep := writeCheckpoint(t, cfg, "keep", func(c *CheckpointManifest) { c.Pinned = true })
+	keep := writeCheckpoint(t, cfg, "keep", func(c *checkpointManifest) { c.Pinned = true })
 	writeCheckpoint(t, cfg, "gone", nil)
 	touch(t, filepath.Join(cks, "gone", forkedMarker), 0)
 	// A file in RAMDir that is not ours is left alone.

@@ -7,6 +7,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"path"
 	"time"
 
 	"github.com/forkvm/forkvm/vsockd"
@@ -16,7 +17,8 @@ import (
 //
 // The engine never opens a host path on a guest's behalf: a copy moves a tar stream
 // between the caller's reader or writer and the guest agent, which extracts (or writes)
-// it in the guest. Whoever extracts a stream the guest sent on the host must not trust
+// it in the guest. CopyInPath and CopyOutPath open the host path their caller names,
+// with vsockd's WriteTar and ExtractTar, as the forkvm CLI does. Whoever extracts a stream the guest sent on the host must not trust
 // it: vsockd.ExtractTar confines every entry to its destination (the forkvm CLI uses it
 // with Top set to the source's base name).
 
@@ -41,6 +43,48 @@ func (vm *VM) CopyIn(ctx context.Context, guestDir string, r io.Reader) error {
 // (ExtractOptions.Top set to the base name), never with a tool that trusts it.
 func (vm *VM) CopyOut(ctx context.Context, guestPath string, w io.Writer) error {
 	return vm.withAgent(ctx, "copy", func(ctx context.Context, c *vsockd.Client) error { return c.CopyOut(ctx, guestPath, w) })
+}
+
+// CopyInPath copies the host path hostPath (a file, a directory tree or a symlink, as
+// vsockd.WriteTar archives it) into the existing guest directory guestDir under its
+// base name: CopyIn of a tar stream of hostPath, without the caller's pipe. A missing
+// hostPath wraps ErrSourceMissing, a missing guestDir ErrNotDirectory.
+func (vm *VM) CopyInPath(ctx context.Context, hostPath, guestDir string) error {
+	if _, err := os.Lstat(hostPath); errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("%w: %s", ErrSourceMissing, hostPath)
+	} else if err != nil {
+		return err
+	}
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(vsockd.WriteTar(ctx, pw, hostPath, "")) }()
+	err := vm.CopyIn(ctx, guestDir, pr)
+	pr.CloseWithError(errors.Join(err, io.ErrClosedPipe)) // ends WriteTar if it still writes
+	return err
+}
+
+// CopyOutPath copies the guest path guestPath into the existing host directory hostDir
+// under its base name. The guest's stream is extracted with vsockd.ExtractTar: every
+// entry must be below that name, and nothing is written outside hostDir. A missing
+// guestPath wraps ErrSourceMissing. What was extracted before an error stays.
+func (vm *VM) CopyOutPath(ctx context.Context, guestPath, hostDir string) error {
+	name := path.Base(path.Clean(guestPath))
+	if name == "/" || name == "." || name == ".." {
+		return fmt.Errorf("%w: copy out of %q: name a file or directory below /", ErrInvalidSpec, guestPath)
+	}
+	pr, pw := io.Pipe()
+	errc := make(chan error, 1)
+	go func() {
+		err := vm.CopyOut(ctx, guestPath, pw)
+		pw.CloseWithError(err)
+		errc <- err
+	}()
+	xerr := vsockd.ExtractTar(ctx, pr, hostDir, &vsockd.ExtractOptions{Top: name})
+	// Unblock CopyOut if the extraction stopped first (it then aborts the stream).
+	pr.CloseWithError(errors.Join(xerr, io.ErrClosedPipe))
+	if cerr := <-errc; cerr != nil && (xerr == nil || !errors.Is(cerr, io.ErrClosedPipe)) {
+		return cerr // the guest's own error says best what went wrong
+	}
+	return xerr
 }
 
 // Stat returns the attributes of the guest path guestPath (symlinks followed); a missing

@@ -70,7 +70,7 @@ func (e *Engine) Flatten(ctx context.Context, name string) (*FlattenStats, error
 
 // flatPath returns the committed flattened RAM file of checkpoint ck, or "" when it has
 // none (not a delta checkpoint, not flattened yet, or a file of the wrong size).
-func flatPath(paths layout, ck *CheckpointManifest) string {
+func flatPath(paths layout, ck *checkpointManifest) string {
 	if ck.Kind != checkpointKindDelta {
 		return ""
 	}
@@ -82,7 +82,7 @@ func flatPath(paths layout, ck *CheckpointManifest) string {
 }
 
 // layersBytes is the data of a checkpoint's lineage layers.
-func layersBytes(ck *CheckpointManifest) int64 {
+func layersBytes(ck *checkpointManifest) int64 {
 	var n int64
 	for _, l := range ck.Layers {
 		n += l.Size
@@ -91,7 +91,7 @@ func layersBytes(ck *CheckpointManifest) int64 {
 }
 
 // flattenLater queues checkpoint ck for a background flatten when the policy says so.
-func (e *Engine) flattenLater(ck *CheckpointManifest) {
+func (e *Engine) flattenLater(ck *checkpointManifest) {
 	if ck.Kind != checkpointKindDelta || e.cfg.FlattenMiB < 0 || layersBytes(ck) < e.cfg.FlattenMiB<<20 || !memfile.ExtractSupported {
 		return
 	}
@@ -166,7 +166,7 @@ func (e *Engine) queueFlattens() {
 func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error) {
 	e.flat.mu.Lock()
 	defer e.flat.mu.Unlock()
-	c, err := e.cks.load(name)
+	c, err := e.cks.load(ctx, name)
 	if err != nil {
 		return nil, err
 	}

@@ -17,7 +17,7 @@ func TestFlatten(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.FlattenMiB = -1
 	e := newTestEngine(t, cfg)
-	root := writeCheckpoint(t, cfg, "root", func(c *CheckpointManifest) { c.Pinned = true })
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
 	// Layers: d1 writes page 0, d2 page 1 (writeDeltaCheckpoint: layer i writes page i).
 	d := writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
 	// The root's data (written after: making the delta truncates the shared file).
@@ -54,7 +54,7 @@ func TestFlatten(t *testing.T) {
 	if again, err := e.Flatten(t.Context(), "d2"); err != nil || !again.Already {
 		t.Errorf("second flatten: %+v %v", again, err)
 	}
-	c, err := e.LoadCheckpoint("d2")
+	c, err := e.LoadCheckpoint(t.Context(), "d2")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,9 +126,9 @@ func TestFlattenPolicy(t *testing.T) {
 				t.Fatal(err)
 			}
 			e := &Engine{cfg: r, paths: r.paths, flat: newFlattener()}
-			ck := &CheckpointManifest{Name: "c", Kind: tc.kind, RAMSize: 2 << 20}
+			ck := &checkpointManifest{Name: "c", Kind: tc.kind, RAMSize: 2 << 20}
 			if tc.layers > 0 {
-				ck.Layers = []RAMLayer{{Checkpoint: "c", Size: tc.layers}}
+				ck.Layers = []ramLayer{{Checkpoint: "c", Size: tc.layers}}
 			}
 			e.flattenLater(ck)
 			if got := e.flat.queued["c"]; got != tc.queued {

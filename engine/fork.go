@@ -91,12 +91,12 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 		return nil, err
 	}
 	if e.cks.exists(src) {
-		return e.cks.load(src)
+		return e.cks.load(ctx, src)
 	}
 	if _, err := e.vms.get(src); err != nil {
 		return nil, fmt.Errorf("%w: no checkpoint or vm named %s", ErrNotFound, src)
 	}
-	return e.Checkpoint(ctx, src, derivedName(src, "auto"), &CheckpointOptions{Pin: pin, implicit: true})
+	return e.checkpoint(ctx, src, derivedName(src, "auto"), CheckpointOptions{Pin: pin}, true)
 }
 
 // forkOne makes one fork of a verified checkpoint (see forkFrom), in stages:
@@ -239,7 +239,7 @@ func (e *Engine) restoreFork(ctx context.Context, vm *VM, c *Checkpoint, clock *
 	defer cancel()
 	handshake := vm.resumeRestored
 	if !vm.restored {
-		if err := vm.process().loadFromFile(fctx, c.StatePath(), true, false); err != nil {
+		if err := vm.process().loadFromFile(fctx, c.statePath(), true, false); err != nil {
 			return vm.failure("restore", err)
 		}
 		clock.lap(&vm.m.Timings.Restore)

@@ -225,3 +225,24 @@ func TestForkIsForkManyOfOne(t *testing.T) {
 		})
 	}
 }
+
+// TestForkManyCountFromNames: ForkMany with n 0 takes its count from Names (the bad
+// name is then what is refused), and a count that disagrees with Names is refused.
+func TestForkManyCountFromNames(t *testing.T) {
+	e := newTestEngine(t, testConfig(t))
+	for _, tc := range []struct {
+		n     int
+		names []string
+		want  error
+	}{
+		{0, []string{"a1", "../bad"}, ErrInvalidName},
+		{3, []string{"a1", "a2"}, ErrInvalidSpec},
+		{0, nil, ErrInvalidSpec},
+		{0, []string{"a1", "a2"}, ErrNotFound}, // valid: then the source is looked up
+	} {
+		_, err := e.ForkMany(t.Context(), "nosuchck", tc.n, &ManyOptions{Names: tc.names})
+		if !errors.Is(err, tc.want) {
+			t.Errorf("ForkMany(n=%d, names %q) = %v, want %v", tc.n, tc.names, err, tc.want)
+		}
+	}
+}

@@ -40,7 +40,7 @@ func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu strin
 }
 
 // compatible refuses a checkpoint made by another QEMU or accelerator.
-func compatible(ctx context.Context, bins *qemuBins, accel Accel, ck *CheckpointManifest) error {
+func compatible(ctx context.Context, bins *qemuBins, accel Accel, ck *checkpointManifest) error {
 	ver, err := bins.version(ctx)
 	if err != nil {
 		return err

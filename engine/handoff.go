@@ -122,7 +122,7 @@ func freezeForHandoff(ctx context.Context, vm *VM, w *ckWriter) (paused time.Tim
 // TCG mode, and its disk: its own raw file when the checkpoint holds a reflinked clone
 // (newTop empty), else the checkpoint's chain with the overlay newTop on top. Running it
 // again (crash recovery) gives the same launch. vm.mu is held.
-func (vm *VM) relaunchHandedOff(paths layout, ck *CheckpointManifest, newTop string) {
+func (vm *VM) relaunchHandedOff(paths layout, ck *checkpointManifest, newTop string) {
 	vm.m.Parent = ck.Name
 	vm.m.State = StateStarting
 	disk, thread, publish := vm.m.Launch.Disk, vm.m.Launch.TCGThread, vm.m.Launch.Publish
@@ -148,7 +148,7 @@ func (vm *VM) restartHandedOff(ctx context.Context, c *Checkpoint) error {
 	if err := vm.start(ctx); err != nil {
 		return fmt.Errorf("restart after handoff: %w", err)
 	}
-	if err := vm.process().loadFromFile(ctx, c.StatePath(), true, false); err != nil {
+	if err := vm.process().loadFromFile(ctx, c.statePath(), true, false); err != nil {
 		return vm.failure("restart after handoff", err)
 	}
 	if err := vm.hello(ctx); err != nil {

@@ -49,17 +49,17 @@ func (vm *VM) JITStats(ctx context.Context) (JITStats, error) {
 	if err != nil {
 		return JITStats{}, fmt.Errorf("engine: %s: %w", vm.Name(), err)
 	}
-	return ParseJIT(text)
+	return parseJIT(text)
 }
 
-// ParseJIT parses the text of QEMU's `info jit` (x-query-jit), for example:
+// parseJIT parses the text of QEMU's `info jit` (x-query-jit), for example:
 //
 //	gen code size       18136499/67026944
 //	TB count            31386
 //	TB flush count      2
 //
 // A text without "gen code size" or "TB count" is an error; other lines are ignored.
-func ParseJIT(text string) (JITStats, error) {
+func parseJIT(text string) (JITStats, error) {
 	var s JITStats
 	var haveCode, haveTBs bool
 	sc := bufio.NewScanner(strings.NewReader(text))

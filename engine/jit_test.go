@@ -42,9 +42,9 @@ func TestParseJIT(t *testing.T) {
 		{"key as a prefix only", "gen code sizes 10/20\nTB counts 3\n", JITStats{}, false},
 		{"key without value", "gen code size \nTB count 3\n", JITStats{}, false},
 	} {
-		got, err := ParseJIT(tc.text)
+		got, err := parseJIT(tc.text)
 		if (err == nil) != tc.ok || got != tc.want {
-			t.Errorf("%s: ParseJIT = %+v, %v; want %+v, ok %v", tc.name, got, err, tc.want, tc.ok)
+			t.Errorf("%s: parseJIT = %+v, %v; want %+v, ok %v", tc.name, got, err, tc.want, tc.ok)
 		}
 	}
 }
@@ -56,15 +56,15 @@ func TestJITStatsNotRunning(t *testing.T) {
 	}
 }
 
-// FuzzParseJIT checks that ParseJIT never panics and that what it accepts is sane.
+// FuzzParseJIT checks that parseJIT never panics and that what it accepts is sane.
 func FuzzParseJIT(f *testing.F) {
 	f.Add(jitText)
 	f.Add("gen code size 10/20\nTB count 3\n")
 	f.Add("gen code size\t/\nTB count\t\n")
 	f.Fuzz(func(t *testing.T, text string) {
-		s, err := ParseJIT(text)
+		s, err := parseJIT(text)
 		if err == nil && (s.TBs < 0 || s.CodeBytes < 0 || s.BufferBytes < 0 || s.Flushes < 0) {
-			t.Fatalf("ParseJIT(%q) = %+v", text, s)
+			t.Fatalf("parseJIT(%q) = %+v", text, s)
 		}
 	})
 }

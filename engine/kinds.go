@@ -34,7 +34,8 @@ type TCGThread = api.TCGThread
 // TCG thread modes. TCGThreadAuto starts a fork with one host thread for all its vCPUs
 // when the vCPUs of the forks on their way to ready (this one included) exceed the
 // host's CPUs, as in a wave, and with a thread per vCPU otherwise (serial forks, warm
-// pools, booted VMs); see tcgThreadFor for why. A fork keeps its mode for life.
+// pools, booted VMs): a wave's forks then do not contend for the host's CPUs through
+// one thread per vCPU each. A fork keeps its mode for life.
 const (
 	TCGThreadAuto   = api.TCGThreadAuto
 	TCGThreadSingle = api.TCGThreadSingle

@@ -3,14 +3,14 @@ package engine
 import (
 	"path/filepath"
 
-	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // The QEMU launches the engine makes. cmdline turns one into argv; these build the data.
 
 // rootDiskArg tells the guest's init to switch into the root file system on the first
 // virtio disk (the image's overlay chain is the VM's only disk).
-const rootDiskArg = guest.KernelArgRoot + "=vda"
+const rootDiskArg = guestboot.KernelArgRoot + "=vda"
 
 // bootLaunch is the launch of a new VM that boots the guest image.
 func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *resolved, kernel, initrd string, vsockCID uint32) launch {
@@ -41,7 +41,7 @@ func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *re
 // RAM file privately (copy-on-write) and waits for the device state (-incoming defer).
 // The disk chain is the caller's, and so are the host port forwards (a networked
 // checkpoint's forks get its NIC but no forwards unless the caller sets Publish).
-func forkLaunch(paths layout, qemu, name string, ck *CheckpointManifest) launch {
+func forkLaunch(paths layout, qemu, name string, ck *checkpointManifest) launch {
 	l := launch{
 		QEMU: qemu, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
 		AgentPorts: ck.AgentPorts, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB,

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
@@ -60,9 +61,12 @@ type manifest struct {
 // PhaseTimings are the durations of the phases of a create or a fork.
 type PhaseTimings = api.PhaseTimings
 
-// CheckpointManifest is the on-disk record of a checkpoint
-// (StateDir/checkpoints/NAME/manifest.json).
-type CheckpointManifest struct {
+// checkpointManifest is the on-disk record of a checkpoint
+// (StateDir/checkpoints/NAME/manifest.json). Its fields follow the manifest's Version,
+// which is checked on every load (another version is ErrCheckpointCorrupt): they are
+// the engine's, for its own tools and tests. Embedders read Checkpoint.Info or
+// Engine.CheckpointInfo (a CheckpointInfo), which stay stable.
+type checkpointManifest struct {
 	Version int    `json:"version"`
 	Name    string `json:"name"`
 	// Source is the VM the checkpoint was taken of.
@@ -83,7 +87,7 @@ type CheckpointManifest struct {
 	DiskMiB    int    `json:"disk_mib"`
 	Kernel     string `json:"kernel"`
 	Initrd     string `json:"initrd"`
-	// ForkKernel is the stub kernel forks start with (see writeStubKernel); empty means
+	// ForkKernel is the stub kernel forks start with ; empty means
 	// forks use Kernel and Initrd.
 	ForkKernel string `json:"fork_kernel,omitempty"`
 	Append     string `json:"append"`
@@ -130,14 +134,14 @@ type CheckpointManifest struct {
 	// Layers are the lineage's delta layers, oldest first; the last is this checkpoint's
 	// own. Forks write them into their private RAM mapping before loading the device
 	// state. Each path is this checkpoint's own hard link (layout.checkpointLayers).
-	Layers  []RAMLayer           `json:"layers,omitempty"`
+	Layers  []ramLayer           `json:"layers,omitempty"`
 	Timings CheckpointTimings    `json:"timings"`
 	Freeze  *memfile.FreezeStats `json:"freeze,omitempty"`
 }
 
-// RAMLayer is one generation's delta layer: a sparse file of the guest's size holding,
+// ramLayer is one generation's delta layer: a sparse file of the guest's size holding,
 // at their guest offsets, the pages that generation changed (memfile.ExtractDelta).
-type RAMLayer struct {
+type ramLayer struct {
 	// Checkpoint is the checkpoint that wrote the layer.
 	Checkpoint string `json:"checkpoint"`
 	Path       string `json:"path"`
@@ -214,15 +218,16 @@ func bytesSHA256(b []byte) string {
 	return hex.EncodeToString(sum[:])
 }
 
-// fileSHA256 hashes a file.
-func fileSHA256(path string) (string, int64, error) {
+// fileSHA256 hashes a file, stopping with ctx's error when ctx ends (a device state
+// can be hundreds of MiB).
+func fileSHA256(ctx context.Context, path string) (string, int64, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return "", 0, err
 	}
 	defer f.Close()
 	h := sha256.New()
-	n, err := io.Copy(h, f)
+	n, err := io.Copy(h, ctxReader{ctx, f})
 	if err != nil {
 		return "", 0, err
 	}
@@ -266,8 +271,8 @@ func decodeManifest(b []byte) (*manifest, error) {
 }
 
 // decodeCheckpointManifest parses and validates a checkpoint manifest.
-func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
-	var ck CheckpointManifest
+func decodeCheckpointManifest(b []byte) (*checkpointManifest, error) {
+	var ck checkpointManifest
 	if err := json.Unmarshal(b, &ck); err != nil {
 		return nil, err
 	}
@@ -326,7 +331,7 @@ func decodeCheckpointManifest(b []byte) (*CheckpointManifest, error) {
 // checkpoint, its own layer's pages, or for a world checkpoint the RAM data it froze
 // (0 when unknown, e.g. a handoff). Files shared with its lineage (the root RAM file,
 // ancestors' layers) are not counted.
-func (ck *CheckpointManifest) WrittenBytes() int64 {
+func (ck *checkpointManifest) WrittenBytes() int64 {
 	n := ck.StateSize
 	switch {
 	case len(ck.Layers) > 0:
@@ -335,4 +340,17 @@ func (ck *CheckpointManifest) WrittenBytes() int64 {
 		n += ck.Freeze.Bytes
 	}
 	return n
+}
+
+// ctxReader is an io.Reader that fails with its context's error once the context ends.
+type ctxReader struct {
+	ctx context.Context
+	r   io.Reader
+}
+
+func (c ctxReader) Read(p []byte) (int, error) {
+	if err := c.ctx.Err(); err != nil {
+		return 0, err
+	}
+	return c.r.Read(p)
 }

@@ -26,8 +26,8 @@ func testManifest() manifest {
 	}
 }
 
-func testCheckpointManifest() CheckpointManifest {
-	return CheckpointManifest{
+func testCheckpointManifest() checkpointManifest {
+	return checkpointManifest{
 		Version: manifestVersion, Name: "base", Source: "w0", Pinned: true,
 		CreatedAt:   time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC),
 		QEMUVersion: "10.0.2", Accel: "tcg", Machine: "q35", CPUs: 2, MemoryMiB: 256,
@@ -141,21 +141,21 @@ func TestDecodeCheckpointManifestErrors(t *testing.T) {
 	valid := string(mustJSON(t, testCheckpointManifest()))
 	for _, tc := range []struct {
 		name string
-		mod  func(*CheckpointManifest)
+		mod  func(*checkpointManifest)
 	}{
-		{"version 0", func(c *CheckpointManifest) { c.Version = 0 }},
-		{"version 2", func(c *CheckpointManifest) { c.Version = 2 }},
-		{"empty name", func(c *CheckpointManifest) { c.Name = "" }},
-		{"bad name", func(c *CheckpointManifest) { c.Name = "a/b" }},
-		{"dotdot name", func(c *CheckpointManifest) { c.Name = ".." }},
-		{"0 cpus", func(c *CheckpointManifest) { c.CPUs = 0 }},
-		{"memory 0", func(c *CheckpointManifest) { c.MemoryMiB, c.RAMSize = 0, 0 }},
-		{"ram size mismatch", func(c *CheckpointManifest) { c.RAMSize++ }},
-		{"negative memory", func(c *CheckpointManifest) { c.MemoryMiB, c.RAMSize = -2, -2<<20 }},
-		{"short sha", func(c *CheckpointManifest) { c.StateSHA256 = "abcd" }},
-		{"empty sha", func(c *CheckpointManifest) { c.StateSHA256 = "" }},
-		{"empty ram path", func(c *CheckpointManifest) { c.RAMPath = "" }},
-		{"relative ram path", func(c *CheckpointManifest) { c.RAMPath = "ck-base.ram" }},
+		{"version 0", func(c *checkpointManifest) { c.Version = 0 }},
+		{"version 2", func(c *checkpointManifest) { c.Version = 2 }},
+		{"empty name", func(c *checkpointManifest) { c.Name = "" }},
+		{"bad name", func(c *checkpointManifest) { c.Name = "a/b" }},
+		{"dotdot name", func(c *checkpointManifest) { c.Name = ".." }},
+		{"0 cpus", func(c *checkpointManifest) { c.CPUs = 0 }},
+		{"memory 0", func(c *checkpointManifest) { c.MemoryMiB, c.RAMSize = 0, 0 }},
+		{"ram size mismatch", func(c *checkpointManifest) { c.RAMSize++ }},
+		{"negative memory", func(c *checkpointManifest) { c.MemoryMiB, c.RAMSize = -2, -2<<20 }},
+		{"short sha", func(c *checkpointManifest) { c.StateSHA256 = "abcd" }},
+		{"empty sha", func(c *checkpointManifest) { c.StateSHA256 = "" }},
+		{"empty ram path", func(c *checkpointManifest) { c.RAMPath = "" }},
+		{"relative ram path", func(c *checkpointManifest) { c.RAMPath = "ck-base.ram" }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ck := testCheckpointManifest()

@@ -11,7 +11,8 @@ type ManyOptions struct {
 	// Prefix names the forks Prefix1..PrefixN (ignored when Names is set). Default: the
 	// source's name and a random suffix, then "-".
 	Prefix string
-	// Names, when set, names the forks explicitly (len(Names) must equal n).
+	// Names, when set, names the forks explicitly: len(Names) must equal n, or n be 0
+	// (then n is len(Names)).
 	Names []string
 	// Concurrency is how many forks start at once; 0 means all n.
 	Concurrency int
@@ -63,6 +64,9 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 	var o ManyOptions
 	if opts != nil {
 		o = *opts
+	}
+	if n == 0 && len(o.Names) > 0 {
+		n = len(o.Names) // the names say how many: no count to keep in step with them
 	}
 	p, err := e.plan(ctx, src, n, o)
 	if err != nil {

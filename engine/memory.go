@@ -36,7 +36,7 @@ func (vm *VM) Memory(ctx context.Context) (*MemoryUsage, error) {
 		}
 		return nil, fmt.Errorf("engine: memory of %s: %w", vm.Name(), err)
 	}
-	u := ClassifyMemory(ms, ram, memBytes)
+	u := classifyMemory(ms, ram, memBytes)
 	u.PID = pid
 	u.GuestLineage = min(lineage, u.GuestWritten)
 	u.PageTables = pte
@@ -48,10 +48,10 @@ func (vm *VM) Memory(ctx context.Context) (*MemoryUsage, error) {
 // -accel tcg,split-wx=on (mapped twice: writable and executable).
 const tcgJITFile = "/memfd:tcg-jit"
 
-// ClassifyMemory sorts a QEMU process's mappings into a MemoryUsage (PageTables and PID
+// classifyMemory sorts a QEMU process's mappings into a MemoryUsage (PageTables and PID
 // left 0). ramPath is the guest RAM file the VM maps ("" for anonymous guest RAM, which
 // is then recognised as the anonymous mappings at least guestBytes long).
-func ClassifyMemory(ms []procinfo.Mapping, ramPath string, guestBytes int64) *MemoryUsage {
+func classifyMemory(ms []procinfo.Mapping, ramPath string, guestBytes int64) *MemoryUsage {
 	u := &MemoryUsage{}
 	if ramPath != "" {
 		ramPath = filepath.Clean(ramPath)

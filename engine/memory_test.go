@@ -68,7 +68,7 @@ func TestClassifyMemory(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ms := append(append([]procinfo.Mapping{}, qemu...), tc.extra...)
-			got := ClassifyMemory(ms, tc.ramPath, tc.guest)
+			got := classifyMemory(ms, tc.ramPath, tc.guest)
 			want := tc.want
 			want.Private = want.GuestWritten + want.TCGCode + want.Heap + want.Libraries
 			var rss int64

@@ -160,7 +160,7 @@ func hasConfigurationSection(path string) (bool, error) {
 // it is (a migration stream, or the device sections alone): the fork's argv depends on it,
 // and QEMU would only fail later with a less clear error.
 func checkDeviceState(c *Checkpoint) error {
-	withConfig, err := hasConfigurationSection(c.StatePath())
+	withConfig, err := hasConfigurationSection(c.statePath())
 	if err != nil {
 		return fmt.Errorf("%w: %s: device state: %v", ErrCheckpointCorrupt, c.Manifest.Name, err)
 	}

@@ -8,7 +8,7 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/serve/api"
 )
 
@@ -43,7 +43,7 @@ import (
 // serves each fork's own published ports. tests/net_test.go checks this.
 
 // netKernelArg is what bootLaunch appends to a networked VM's kernel command line.
-const netKernelArg = guest.KernelArgNet + "=1"
+const netKernelArg = guestboot.KernelArgNet + "=1"
 
 // PortForward publishes a guest TCP port on the host (api.PortForward).
 type PortForward = api.PortForward
@@ -110,7 +110,7 @@ func hostAddr(p PortForward) string {
 // hostfwd is the forward as a slirp hostfwd rule. Every field is validated (an IPv4
 // literal and two integers), so the rule holds no separator of QEMU's option syntax.
 func hostfwd(p PortForward) string {
-	return "tcp:" + p.BindIP() + ":" + strconv.Itoa(p.HostPort) + "-" + guest.NetGuestAddr + ":" + strconv.Itoa(p.GuestPort)
+	return "tcp:" + p.BindIP() + ":" + strconv.Itoa(p.HostPort) + "-" + guestboot.NetGuestAddr + ":" + strconv.Itoa(p.GuestPort)
 }
 
 // validatePublish checks a VM's forwards: at most maxPublish, and what

@@ -11,7 +11,7 @@ import (
 // A fork of a networked checkpoint gets the same NIC (the device set must match) and
 // only its own forwards; the kernel argument comes with the checkpoint's Append.
 func TestForkLaunchNet(t *testing.T) {
-	ck := &CheckpointManifest{Name: "ck", Accel: AccelTCG, Machine: defaultMachine, CPUs: 1, MemoryMiB: 256,
+	ck := &checkpointManifest{Name: "ck", Accel: AccelTCG, Machine: defaultMachine, CPUs: 1, MemoryMiB: 256,
 		Kernel: "/k", Append: "console=ttyS0 " + netKernelArg, RAMPath: "/dev/shm/x/ck.ram", Net: true}
 	paths := layout{state: "/s", run: "/s/run", ram: "/dev/shm/x"}
 	l := forkLaunch(paths, "/usr/bin/qemu-system-x86_64", "f1", ck)

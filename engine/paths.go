@@ -78,10 +78,10 @@ func (l layout) checkpointFlat(name string) string {
 // layerFile names the i-th layer (oldest first) of a lineage, written by checkpoint ck.
 func layerFile(i int, ck string) string { return fmt.Sprintf("%02d-%s.layer", i, ck) }
 
-// checkpointKindDelta is CheckpointManifest.Kind of a checkpoint of a fork.
+// checkpointKindDelta is checkpointManifest.Kind of a checkpoint of a fork.
 const checkpointKindDelta = "delta"
 
-// DeviceStateDevices is CheckpointManifest.DeviceState of a checkpoint whose device
+// DeviceStateDevices is the manifest's device_state of a checkpoint whose device
 // state holds the device sections alone (QMP xen-save-devices-state of the stopped
 // guest), not a migration stream.
 const DeviceStateDevices = "devices"

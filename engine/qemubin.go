@@ -7,7 +7,7 @@ import (
 	"sync"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
-	"github.com/forkvm/forkvm/guest"
+	guest "github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // qemuBins resolves the QEMU binaries (the qemu package probes them) and the guest image

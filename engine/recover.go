@@ -301,7 +301,7 @@ func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger
 		return
 	}
 	defer os.Remove(vm.path(checkpointingFile))
-	var ck *CheckpointManifest
+	var ck *checkpointManifest
 	if err == nil {
 		ck, err = decodeCheckpointManifest(b)
 	}

@@ -54,7 +54,7 @@ func TestNewRecoverRepairsCheckpoints(t *testing.T) {
 
 	// ck: a pinned checkpoint frozen all holes, into which its half-made fork f wrote.
 	holes := memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: 2 << 20}})
-	ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned, c.RAMHolesSHA256 = true, bytesSHA256(holes) })
+	ck := writeCheckpoint(t, cfg, "ck", func(c *checkpointManifest) { c.Pinned, c.RAMHolesSHA256 = true, bytesSHA256(holes) })
 	if err := os.WriteFile(filepath.Join(cks, "ck", ramHolesFile), holes, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func TestNewRecoverRepairsCheckpoints(t *testing.T) {
 	if exists(filepath.Join(cks, "ck2")) {
 		t.Errorf("unpinned ck2 was not collected with its last fork")
 	}
-	if _, err := e.LoadCheckpoint("ck"); err != nil {
+	if _, err := e.LoadCheckpoint(t.Context(), "ck"); err != nil {
 		t.Errorf("pinned ck after New: %v", err)
 	}
 }
@@ -139,7 +139,7 @@ func TestPunchNeverZeroesData(t *testing.T) {
 			}
 			t.Cleanup(func() { os.RemoveAll(shm) })
 			cfg.RAMDir = filepath.Join(shm, "ram")
-			ck := writeCheckpoint(t, cfg, "ck", func(c *CheckpointManifest) { c.Pinned, c.RAMHolesSHA256 = true, tc.digest })
+			ck := writeCheckpoint(t, cfg, "ck", func(c *checkpointManifest) { c.Pinned, c.RAMHolesSHA256 = true, tc.digest })
 			if err := os.WriteFile(filepath.Join(cfg.StateDir, "checkpoints", "ck", ramHolesFile), bad, 0o600); err != nil {
 				t.Fatal(err)
 			}
@@ -220,7 +220,7 @@ func TestNewKeepsCorruptVMAside(t *testing.T) {
 	touch(t, filepath.Join(vms, "half", rawDiskFile), 1<<20)
 
 	// bad: a checkpoint with a corrupt manifest and a live fork g.
-	writeCheckpoint(t, cfg, "bad", func(c *CheckpointManifest) { c.Pinned = true })
+	writeCheckpoint(t, cfg, "bad", func(c *checkpointManifest) { c.Pinned = true })
 	if err := os.WriteFile(filepath.Join(cfg.StateDir, "checkpoints", "bad", manifestFile), []byte(`{"version":1,"na`), 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -5,7 +5,7 @@ import (
 	"encoding/hex"
 	"fmt"
 
-	"github.com/forkvm/forkvm/guest"
+	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/internal/names"
 )
 
@@ -94,7 +94,7 @@ type Spec struct {
 	// it. Off by default: it costs each fork a 2 MiB ROM block and the guest's ACPI
 	// notification path on the way to ready.
 	VMGenID bool `json:"vmgenid,omitempty"`
-	// Net gives the VM a NIC on QEMU's user-mode network (NAT; see net.go): the guest
+	// Net gives the VM a NIC on QEMU's user-mode network (NAT): the guest
 	// is 10.0.2.15 and reaches the host's loopback as host.internal (10.0.2.2). Forks
 	// of its checkpoints have the same NIC. Off by default: without it the VM has no
 	// NIC at all.
@@ -136,7 +136,7 @@ func (s *Spec) Validate() error {
 		return fmt.Errorf("%w: memory limit must be 0 or 64..1048576 MiB, got %d", ErrInvalidSpec, s.MemoryLimitMiB)
 	}
 	if s.Image != "" {
-		if err := guest.ValidateImageName(s.Image); err != nil {
+		if err := guestboot.ValidateImageName(s.Image); err != nil {
 			return fmt.Errorf("%w: image: %w", ErrInvalidSpec, err)
 		}
 	}

@@ -16,11 +16,12 @@ import (
 )
 
 // VM is a VM known to the engine: its manifest, its QEMU process and its agent
-// connection.
-//
-// Concurrency: mu serializes QMP sequences on this VM (a checkpoint, a stop) and guards
-// the manifest; agent round trips do not take it. agentMu guards the agent connection.
+// connection. Its methods are safe for concurrent use.
 type VM struct {
+	// Concurrency: mu serializes QMP sequences on this VM (a checkpoint, a stop) and
+	// guards the manifest; agent round trips do not take it. agentMu guards the agent
+	// connection.
+
 	dir string // StateDir/vms/NAME
 	log *slog.Logger
 

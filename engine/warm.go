@@ -215,7 +215,7 @@ func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) 
 	if n < 0 || n > MaxPoolSize {
 		return fmt.Errorf("%w: pool size must be 0..%d, got %d", ErrInvalidSpec, MaxPoolSize, n)
 	}
-	c, err := e.cks.load(ck)
+	c, err := e.cks.load(ctx, ck)
 	if err != nil {
 		return err
 	}
@@ -247,8 +247,16 @@ func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) 
 	}
 }
 
-// PoolSize returns the number of ready pooled processes for ck.
-func (e *Engine) PoolSize(ck string) int { return e.pools.size(ck) }
+// PoolSize returns the number of ready pooled processes for checkpoint ck: 0 for a
+// checkpoint without a pool, and LoadCheckpoint's error (ErrNotFound,
+// ErrCheckpointCorrupt, ...) for a checkpoint that cannot be forked, so that a caller
+// need not load the checkpoint first to tell "no pool" from "no checkpoint".
+func (e *Engine) PoolSize(ctx context.Context, ck string) (int, error) {
+	if _, err := e.cks.load(ctx, ck); err != nil {
+		return 0, err
+	}
+	return e.pools.size(ck), nil
+}
 
 // refill starts spawns in the background until the pool of c reaches its target.
 func (e *Engine) refill(c *Checkpoint) {
@@ -343,7 +351,7 @@ func (e *Engine) warmUp(ctx context.Context, vm *VM, c *Checkpoint, argv []strin
 	defer leave()
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
-	if err := vm.process().loadFromFile(ctx, c.StatePath(), true, false); err != nil {
+	if err := vm.process().loadFromFile(ctx, c.statePath(), true, false); err != nil {
 		return err
 	}
 	ag, err := vm.agentClient(ctx)

@@ -18,6 +18,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // DefaultBusybox is the busybox used when Config.Busybox is empty.
@@ -32,24 +34,10 @@ type Config struct {
 }
 
 // Image is a built guest image in the cache.
-type Image struct {
-	Dir           string // cache directory of the image
-	Kernel        string // path of vmlinuz
-	Initrd        string // path of initrd.gz
-	KernelVersion string // kernel release
-	Hash          string // hex sha256 content hash; Dir is named by its first 16 digits
-}
+type Image = guestboot.Image
 
 // imageMeta is the content of image.json.
-type imageMeta struct {
-	Hash                 string   `json:"hash"`
-	KernelVersion        string   `json:"kernelVersion"`
-	KernelPackage        string   `json:"kernelPackage"`
-	KernelPackageVersion string   `json:"kernelPackageVersion"`
-	Modules              []string `json:"modules"`
-	InitrdBytes          int64    `json:"initrdBytes"`
-	CpioBytes            int64    `json:"cpioBytes"`
-}
+type imageMeta = guestboot.ImageMeta
 
 const (
 	imageFormat    = "forkvm-image-v1"
@@ -284,14 +272,8 @@ func isDynamicELF(b []byte) bool {
 	return false
 }
 
-func imageComplete(img *Image) bool {
-	for _, f := range []string{img.Kernel, img.Initrd, filepath.Join(img.Dir, "image.json")} {
-		if st, err := os.Stat(f); err != nil || !st.Mode().IsRegular() {
-			return false
-		}
-	}
-	return true
-}
+// imageComplete reports whether img's files are all there.
+func imageComplete(img *Image) bool { return guestboot.ImageComplete(img) }
 
 // gzipBytes compresses deterministically: no name, zero mtime.
 func gzipBytes(data []byte) ([]byte, error) {
@@ -399,37 +381,4 @@ func writeFileAtomic(name string, data []byte, perm os.FileMode) error {
 // Current returns the image last recorded by Build in cacheDir (default
 // DefaultCacheDir()), or an error wrapping ErrNoImage when there is none or
 // its files are missing.
-func Current(cacheDir string) (*Image, error) {
-	if cacheDir == "" {
-		cacheDir = DefaultCacheDir()
-	}
-	imagesDir := filepath.Join(cacheDir, "images")
-	b, err := os.ReadFile(filepath.Join(imagesDir, "current"))
-	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrNoImage, err)
-	}
-	name := strings.TrimSpace(string(b))
-	if name == "" || strings.ContainsAny(name, "/\\") || strings.HasPrefix(name, ".") {
-		return nil, fmt.Errorf("%w: corrupt %s", ErrNoImage, filepath.Join(imagesDir, "current"))
-	}
-	dir := filepath.Join(imagesDir, name)
-	mb, err := os.ReadFile(filepath.Join(dir, "image.json"))
-	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrNoImage, err)
-	}
-	var m imageMeta
-	if err := json.Unmarshal(mb, &m); err != nil {
-		return nil, fmt.Errorf("%w: corrupt %s: %v", ErrNoImage, filepath.Join(dir, "image.json"), err)
-	}
-	img := &Image{
-		Dir:           dir,
-		Kernel:        filepath.Join(dir, "vmlinuz"),
-		Initrd:        filepath.Join(dir, "initrd.gz"),
-		KernelVersion: m.KernelVersion,
-		Hash:          m.Hash,
-	}
-	if !imageComplete(img) {
-		return nil, fmt.Errorf("%w: image %s is incomplete", ErrNoImage, dir)
-	}
-	return img, nil
-}
+func Current(cacheDir string) (*Image, error) { return guestboot.Current(cacheDir) }

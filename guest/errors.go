@@ -1,6 +1,10 @@
 package guest
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/forkvm/forkvm/internal/guestboot"
+)
 
 var (
 	// ErrKernelUnavailable means the guest kernel could not be resolved,
@@ -14,11 +18,11 @@ var (
 	// ErrAgentMissing means Config.AgentBinary is empty or unusable.
 	ErrAgentMissing = errors.New("guest: guest agent binary missing (build cmd/forkvm-agent with CGO_ENABLED=0)")
 	// ErrNoImage means no guest image has been built yet in the cache.
-	ErrNoImage = errors.New("guest: no guest image built (run `make setup`)")
+	ErrNoImage = guestboot.ErrNoImage
 	// ErrInvalidSize means a disk size is below the 8 MiB minimum.
-	ErrInvalidSize = errors.New("guest: invalid disk size (minimum 8 MiB)")
+	ErrInvalidSize = guestboot.ErrInvalidSize
 	// ErrMkfsMissing means mkfs.ext4 was not found.
-	ErrMkfsMissing = errors.New("guest: mkfs.ext4 missing (install it with `apt-get install e2fsprogs`)")
+	ErrMkfsMissing = guestboot.ErrMkfsMissing
 	// ErrBadPackage means a kernel .deb does not have the expected layout.
 	ErrBadPackage = errors.New("guest: malformed kernel package")
 )
@@ -29,14 +33,14 @@ var (
 var (
 	// ErrInvalidImageName means an image name breaks the naming rule (see
 	// ValidateImageName).
-	ErrInvalidImageName = errors.New("guest: invalid image name")
+	ErrInvalidImageName = guestboot.ErrInvalidImageName
 	// ErrImageExists means an image of that name is already in the cache.
 	ErrImageExists = errors.New("guest: image already exists")
 	// ErrImageNotFound means no image of that name is in the cache.
-	ErrImageNotFound = errors.New("guest: image not found")
+	ErrImageNotFound = guestboot.ErrImageNotFound
 	// ErrCorruptImage means an image's record or disk in the cache is
 	// unreadable or missing; `forkvm image rm` removes it.
-	ErrCorruptImage = errors.New("guest: corrupt image in cache")
+	ErrCorruptImage = guestboot.ErrCorruptImage
 	// ErrInvalidImageConfig means an ImageConfig names no source, two
 	// sources, or a field out of range.
 	ErrInvalidImageConfig = errors.New("guest: invalid image configuration")

@@ -18,7 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/forkvm/forkvm/internal/names"
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // Root images: a real root filesystem on an ext4 disk, with the forkvm agent
@@ -67,10 +67,10 @@ const ImageAgentPath = "/sbin/forkvm-agent"
 // kernel arguments the initramfs reads and the virtio-blk serials that name
 // the disks independently of their probe order.
 const (
-	KernelArgRoot  = "forkvm.root" // forkvm.root=DISK: boot the root image on DISK
-	KernelArgData  = "forkvm.data" // forkvm.data=DISK: mount DISK on /data
-	RootDiskSerial = "forkvm-root" // -device virtio-blk-pci,...,serial=forkvm-root
-	DataDiskSerial = "forkvm-data" // -device virtio-blk-pci,...,serial=forkvm-data
+	KernelArgRoot  = guestboot.KernelArgRoot // forkvm.root=DISK: boot the root image on DISK
+	KernelArgData  = "forkvm.data"           // forkvm.data=DISK: mount DISK on /data
+	RootDiskSerial = "forkvm-root"           // -device virtio-blk-pci,...,serial=forkvm-root
+	DataDiskSerial = "forkvm-data"           // -device virtio-blk-pci,...,serial=forkvm-data
 )
 
 // ImageKernelArgs returns the kernel arguments that boot a root image
@@ -87,12 +87,12 @@ func ImageKernelArgs(withData bool) string {
 }
 
 // MaxImageNameLen bounds image names, as engine.MaxNameLen bounds VM names.
-const MaxImageNameLen = 48
+const MaxImageNameLen = guestboot.MaxImageNameLen
 
 // imageRecordFormat and contentFormat version the JSON files.
 const (
-	imageRecordFormat = "forkvm-rootfs-name-v1"
-	contentFormat     = "forkvm-rootfs-content-v1"
+	imageRecordFormat = guestboot.ImageRecordFormat
+	contentFormat     = guestboot.ContentFormat
 )
 
 // ValidateImageName checks an image name with the rule engine.ValidateName
@@ -100,12 +100,7 @@ const (
 // starting with a letter or digit, never "..". Such a name is a safe file
 // name in the cache. The rule is repeated here rather than imported: the
 // guest package does not depend on the engine.
-func ValidateImageName(name string) error {
-	if err := names.Check(name, MaxImageNameLen); err != nil {
-		return fmt.Errorf("%w: %w", ErrInvalidImageName, err)
-	}
-	return nil
-}
+func ValidateImageName(name string) error { return guestboot.ValidateImageName(name) }
 
 // DebianSource builds the root filesystem with `mmdebstrap --variant=minbase`.
 type DebianSource struct {

@@ -13,6 +13,8 @@ import (
 	"regexp"
 	"sort"
 	"strings"
+
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // KernelMetaPackage is the Debian meta package whose dependency names the
@@ -38,18 +40,7 @@ type kernelMeta struct {
 
 // DefaultCacheDir returns $FORKVM_CACHE, else $XDG_CACHE_HOME/forkvm, else
 // ~/.cache/forkvm (or a directory under the system temp dir without a home).
-func DefaultCacheDir() string {
-	if d := os.Getenv("FORKVM_CACHE"); d != "" {
-		return d
-	}
-	if d := os.Getenv("XDG_CACHE_HOME"); d != "" {
-		return filepath.Join(d, "forkvm")
-	}
-	if h, err := os.UserHomeDir(); err == nil && h != "" {
-		return filepath.Join(h, ".cache", "forkvm")
-	}
-	return filepath.Join(os.TempDir(), "forkvm-cache")
-}
+func DefaultCacheDir() string { return guestboot.DefaultCacheDir() }
 
 var dependsRE = regexp.MustCompile(`(?m)^\s*\|?Depends:\s*(linux-image-6\.12\.\S*-cloud-amd64)\s*$`)
 

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"regexp"
 	"testing"
+
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // TestImageStoresScoped: two stores (two state directories) on one cache name
@@ -94,5 +96,48 @@ func TestFormatBytes(t *testing.T) {
 		if got := FormatBytes(c.n); got != c.want {
 			t.Errorf("FormatBytes(%d) = %q, want %q", c.n, got, c.want)
 		}
+	}
+}
+
+// TestLookupImageDiskMatchesStore: the engine's reader of the store
+// (guestboot.LookupImageDisk) finds what ImageStore.Lookup finds, in a store
+// with and without a NamesDir, and fails the same way (same sentinels) for a
+// missing name, a bad name and a disk that is gone.
+func TestLookupImageDiskMatchesStore(t *testing.T) {
+	requireImageTools(t)
+	cache, agent, dir := t.TempDir(), testAgent(t), t.TempDir()
+	from := writeTestFile(t, dir, "root.tar", tarOf(t, richRoot(t)))
+	ctx := context.Background()
+	for _, st := range []ImageStore{{CacheDir: cache}, {CacheDir: cache, NamesDir: filepath.Join(dir, "names")}} {
+		if _, err := CreateImage(ctx, &ImageConfig{Name: "app", CacheDir: cache, NamesDir: st.NamesDir, From: from, AgentBinary: agent}); err != nil {
+			t.Fatal(err)
+		}
+		img, err := st.Lookup("app")
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, err := guestboot.LookupImageDisk(st.CacheDir, st.NamesDir, "app")
+		if err != nil || d.Path != img.Disk || d.Bytes != img.DiskBytes {
+			t.Fatalf("names %q: LookupImageDisk = %+v, %v; Lookup's disk %s (%d bytes)", st.NamesDir, d, err, img.Disk, img.DiskBytes)
+		}
+		for _, tc := range []struct {
+			name string
+			want error
+		}{{"nothere", ErrImageNotFound}, {"../x", ErrInvalidImageName}} {
+			_, serr := st.Lookup(tc.name)
+			_, berr := guestboot.LookupImageDisk(st.CacheDir, st.NamesDir, tc.name)
+			if !errors.Is(serr, tc.want) || !errors.Is(berr, tc.want) {
+				t.Errorf("%s: Lookup %v, LookupImageDisk %v; want %v", tc.name, serr, berr, tc.want)
+			}
+		}
+	}
+	img, _ := ImageStore{CacheDir: cache}.Lookup("app")
+	if err := os.Truncate(img.Disk, img.DiskBytes-4096); err != nil {
+		t.Fatal(err)
+	}
+	_, serr := ImageStore{CacheDir: cache}.Lookup("app")
+	_, berr := guestboot.LookupImageDisk(cache, "", "app")
+	if !errors.Is(serr, ErrCorruptImage) || !errors.Is(berr, ErrCorruptImage) {
+		t.Errorf("a truncated disk: Lookup %v, LookupImageDisk %v; want ErrCorruptImage", serr, berr)
 	}
 }

@@ -60,28 +60,10 @@ const (
 // NewVMObject wraps an engine.Info.
 func NewVMObject(inf engine.Info) VMObject { return api.NewVMObject(inf) }
 
-// CheckpointInfoOf is the API's stable view of a checkpoint the engine lists: the
-// engine's on-disk manifest stays the engine's.
-func CheckpointInfoOf(c engine.CheckpointInfo) api.CheckpointInfo {
-	m := &c.CheckpointManifest
-	out := api.CheckpointInfo{
-		Name: m.Name, Source: m.Source, Pinned: m.Pinned, Implicit: m.Implicit, CreatedAt: m.CreatedAt,
-		Accel: m.Accel, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB, DiskMiB: m.DiskMiB, Net: m.Net,
-		RAMPath: m.RAMPath, RAMSize: m.RAMSize, StateSize: m.StateSize, DiskMethod: m.DiskMethod,
-		RAMMethod: m.RAMMethod, Kind: m.Kind, WrittenBytes: m.WrittenBytes(), Timings: m.Timings,
-		Forks: c.Forks, FlatBytes: c.FlatBytes, Corrupt: c.Corrupt,
-	}
-	if m.Freeze != nil {
-		f := api.FreezeStats(*m.Freeze)
-		out.Freeze = &f
-	}
-	return out
-}
-
-// NewCheckpointObject wraps an engine.CheckpointInfo as the API's (Forks is [] when
-// empty).
+// NewCheckpointObject wraps an engine.CheckpointInfo (the API's own) as the API's
+// object (Forks is [] when empty).
 func NewCheckpointObject(c engine.CheckpointInfo) CheckpointObject {
-	return api.NewCheckpointObject(CheckpointInfoOf(c))
+	return api.NewCheckpointObject(c)
 }
 
 // NewForkEventObject converts an engine.ForkEvent.

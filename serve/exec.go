@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
@@ -243,7 +244,7 @@ func (s *Server) execAttached(w http.ResponseWriter, r *http.Request, vm *engine
 					out.line(ExecLine{Error: &o})
 					return
 				}
-				p.Signal(ctx, in.Signal)
+				p.Signal(ctx, syscall.Signal(in.Signal))
 			case in.Resize != nil:
 				p.Resize(ctx, in.Resize.Rows, in.Resize.Cols)
 			}

@@ -204,11 +204,12 @@ func (s *Server) budget(w http.ResponseWriter, r *http.Request) {
 // getPool answers a checkpoint's warm pool size.
 func (s *Server) getPool(w http.ResponseWriter, r *http.Request) {
 	name := r.PathValue("name")
-	if _, err := s.e.LoadCheckpoint(name); err != nil {
+	n, err := s.e.PoolSize(r.Context(), name)
+	if err != nil {
 		writeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, PoolObject{Checkpoint: name, Size: s.e.PoolSize(name)})
+	writeJSON(w, http.StatusOK, PoolObject{Checkpoint: name, Size: n})
 }
 
 // putPool fills (or empties) a checkpoint's warm pool and answers once it is full. The
@@ -227,5 +228,10 @@ func (s *Server) putPool(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, PoolObject{Checkpoint: name, Size: s.e.PoolSize(name)})
+	n, err := s.e.PoolSize(r.Context(), name)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, PoolObject{Checkpoint: name, Size: n})
 }

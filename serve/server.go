@@ -367,9 +367,9 @@ func (s *Server) checkpoint(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	info, err := s.e.CheckpointInfo(ck.Manifest.Name)
+	info, err := s.e.CheckpointInfo(ck.Name())
 	if err != nil {
-		info = engine.CheckpointInfo{CheckpointManifest: ck.Manifest}
+		info = ck.Info()
 	}
 	writeJSON(w, http.StatusCreated, NewCheckpointObject(info))
 }

@@ -639,7 +639,7 @@ func (c *chaosRun) final() {
 	defer e.Close()
 	ctx := ctxT(t, 3*time.Minute)
 	for name, ck := range c.cks {
-		got, err := e.LoadCheckpoint(name)
+		got, err := e.LoadCheckpoint(ctx, name)
 		if err != nil {
 			c.lost++
 			t.Errorf("DATA LOST: committed checkpoint %s: %v", name, err)

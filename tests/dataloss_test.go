@@ -50,7 +50,7 @@ func TestForcedCheckpointDelete(t *testing.T) {
 	if pids := qemuPIDs(env.Home); len(pids) != 1 {
 		t.Errorf("after the delete: %d QEMU processes, want 1 (the world)", len(pids))
 	}
-	if _, err := e.LoadCheckpoint("ck"); !errors.Is(err, engine.ErrNotFound) {
+	if _, err := e.LoadCheckpoint(ctx, "ck"); !errors.Is(err, engine.ErrNotFound) {
 		t.Errorf("checkpoint after its forced delete: %v", err)
 	}
 
@@ -65,13 +65,13 @@ func TestForcedCheckpointDelete(t *testing.T) {
 		t.Fatalf("the handoff's VM after the refused delete: %v", err)
 	}
 	mustRun(t, w, "true")
-	if _, err := e.LoadCheckpoint("ckh"); err != nil {
+	if _, err := e.LoadCheckpoint(ctx, "ckh"); err != nil {
 		t.Fatalf("handoff checkpoint after the refused delete: %v", err)
 	}
 	if err := e.Delete(ctx, "w"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.LoadCheckpoint("ckh"); !errors.Is(err, engine.ErrNotFound) {
+	if _, err := e.LoadCheckpoint(ctx, "ckh"); !errors.Is(err, engine.ErrNotFound) {
 		t.Errorf("unpinned handoff checkpoint after its VM was deleted: %v", err)
 	}
 }

@@ -137,7 +137,7 @@ func TestDeltaTreeDepth8(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := e.LoadCheckpoint("ck4"); !errors.Is(err, engine.ErrNotFound) {
+	if _, err := e.LoadCheckpoint(ctx, "ck4"); !errors.Is(err, engine.ErrNotFound) {
 		t.Fatalf("unpinned ck4 not collected with its last fork: %v", err)
 	}
 	// The deepest and a middle checkpoint whose ancestors are partly deleted.
@@ -194,7 +194,7 @@ func TestDeltaTreeDepth8(t *testing.T) {
 		}
 	}
 	// A corrupt ancestor layer (ck2's, through ck8's link) is refused, naming ck2.
-	c8, err := e.LoadCheckpoint("ck8")
+	c8, err := e.LoadCheckpoint(ctx, "ck8")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -342,7 +342,7 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 					t.Errorf("left in the RAM dir: %s", r)
 				}
 			}
-			if _, err := e.LoadCheckpoint(name); !errors.Is(err, engine.ErrNotFound) {
+			if _, err := e.LoadCheckpoint(ctx, name); !errors.Is(err, engine.ErrNotFound) {
 				t.Errorf("partial checkpoint %s: %v", name, err)
 			}
 			// The lineage is whole: c1 forks with f's and the world's data.
@@ -409,7 +409,7 @@ func TestDeltaWarmPool(t *testing.T) {
 		}
 		// Let the pool's refill finish (its spawn injects too), then empty the pool.
 		deadline := time.Now().Add(time.Minute)
-		for e.PoolSize("c1") < 1 && time.Now().Before(deadline) {
+		for poolSize(t, e, "c1") < 1 && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		if err := e.Warm(ctx, "c1", 0, nil); err != nil {
@@ -518,7 +518,7 @@ func TestDeltaEngineKilledWhilePaused(t *testing.T) {
 			}
 		}
 		if landed {
-			if _, err := e2.LoadCheckpoint(name); !errors.Is(err, engine.ErrNotFound) {
+			if _, err := e2.LoadCheckpoint(t.Context(), name); !errors.Is(err, engine.ErrNotFound) {
 				t.Errorf("attempt %d: checkpoint cut short while the guest was stopped: %v", attempt, err)
 			}
 		}
@@ -604,7 +604,7 @@ func TestDeltaOldFormatAfterRestart(t *testing.T) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	copyFile(t, root.StatePath(), filepath.Join(dir, "state.mig"))
+	copyFile(t, filepath.Join(root.Dir, "state.mig"), filepath.Join(dir, "state.mig"))
 	ram := filepath.Join(ramDir, "ck-old.ram")
 	if err := os.Link(rm.RAMPath, ram); err != nil {
 		t.Fatal(err)

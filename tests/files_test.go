@@ -7,7 +7,6 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
-	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"errors"
@@ -23,7 +22,6 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/vsockd"
 )
 
 // fileTime is the modification time given to every test file (nanoseconds kept).
@@ -106,33 +104,6 @@ func sameTrees(t *testing.T, want, got string) {
 	}
 }
 
-// copyIn copies the host path src into the guest directory dir through the engine API.
-func copyIn(ctx context.Context, vm *engine.VM, src, dir string) error {
-	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(vsockd.WriteTar(ctx, pw, src, "")) }()
-	err := vm.CopyIn(ctx, dir, pr)
-	pr.CloseWithError(errors.Join(err, io.ErrClosedPipe))
-	return err
-}
-
-// copyOut copies the guest path src into the host directory dir through the engine API,
-// extracting as the host must: entries below src's base name only.
-func copyOut(ctx context.Context, vm *engine.VM, src, dir string) error {
-	pr, pw := io.Pipe()
-	errc := make(chan error, 1)
-	go func() {
-		err := vm.CopyOut(ctx, src, pw)
-		pw.CloseWithError(err)
-		errc <- err
-	}()
-	xerr := vsockd.ExtractTar(ctx, pr, dir, &vsockd.ExtractOptions{Top: filepath.Base(src)})
-	pr.CloseWithError(errors.Join(xerr, io.ErrClosedPipe))
-	if cerr := <-errc; cerr != nil {
-		return cerr
-	}
-	return xerr
-}
-
 // TestFilesEngine: copies through the engine API into and out of a fork (byte-exact, a
 // 3 MB file and a tree), a copy into a fork does not appear in its sibling or its world,
 // typed errors, and the world's console log.
@@ -155,11 +126,11 @@ func TestFilesEngine(t *testing.T) {
 	data := writeRandomFile(t, filepath.Join(src, "rand.bin"), 3<<20, 0o640)
 	makeTestTree(t, filepath.Join(src, "tree"))
 	start := time.Now()
-	if err := copyIn(ctx, f1, filepath.Join(src, "rand.bin"), "/root"); err != nil {
+	if err := f1.CopyInPath(ctx, filepath.Join(src, "rand.bin"), "/root"); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("3 MB into f1 in %v", time.Since(start))
-	if err := copyIn(ctx, f1, filepath.Join(src, "tree"), "/root"); err != nil {
+	if err := f1.CopyInPath(ctx, filepath.Join(src, "tree"), "/root"); err != nil {
 		t.Fatal(err)
 	}
 	want := fmt.Sprintf("%x 640", sha256.Sum256(data))
@@ -172,11 +143,11 @@ func TestFilesEngine(t *testing.T) {
 	back := filepath.Join(host, "back")
 	os.Mkdir(back, 0o755)
 	start = time.Now()
-	if err := copyOut(ctx, f1, "/root/rand.bin", back); err != nil {
+	if err := f1.CopyOutPath(ctx, "/root/rand.bin", back); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("3 MB out of f1 in %v", time.Since(start))
-	if err := copyOut(ctx, f1, "/root/tree", back); err != nil {
+	if err := f1.CopyOutPath(ctx, "/root/tree", back); err != nil {
 		t.Fatal(err)
 	}
 	sameTrees(t, src, back)
@@ -198,7 +169,21 @@ func TestFilesEngine(t *testing.T) {
 	if err := f1.CopyOut(ctx, "/nonexistent", io.Discard); !errors.Is(err, engine.ErrSourceMissing) {
 		t.Errorf("copy out of a missing path: %v", err)
 	}
-	if err := copyIn(ctx, f1, filepath.Join(src, "tree"), "/etc/passwd"); !errors.Is(err, engine.ErrNotDirectory) {
+	if err := f1.CopyOutPath(ctx, "/nonexistent", back); !errors.Is(err, engine.ErrSourceMissing) {
+		t.Errorf("copy out of a missing path to a host directory: %v", err)
+	}
+	if err := f1.CopyInPath(ctx, filepath.Join(src, "nonexistent"), "/root"); !errors.Is(err, engine.ErrSourceMissing) {
+		t.Errorf("copy in of a missing host path: %v", err)
+	}
+	out, err := f1.Output(ctx, "sh", "-c", "echo out; echo err >&2; exit 3")
+	var ee *engine.ExitError
+	if !errors.As(err, &ee) || ee.Code != 3 || string(ee.Stderr) != "err\n" || string(out) != "out\n" {
+		t.Errorf("Output of a failing command: %q, %v", out, err)
+	}
+	if out, err := f1.Output(ctx, "cat", "/root/tree/link"); err != nil || len(out) == 0 {
+		t.Errorf("Output: %q, %v", out, err)
+	}
+	if err := f1.CopyInPath(ctx, filepath.Join(src, "tree"), "/etc/passwd"); !errors.Is(err, engine.ErrNotDirectory) {
 		t.Errorf("copy into a file: %v", err)
 	}
 	var evil bytes.Buffer

@@ -189,7 +189,7 @@ func TestCheckpointFork(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if _, err := e.LoadCheckpoint(parent); !errors.Is(err, engine.ErrNotFound) {
+		if _, err := e.LoadCheckpoint(ctx, parent); !errors.Is(err, engine.ErrNotFound) {
 			t.Fatalf("implicit checkpoint %s after its fork: %v", parent, err)
 		}
 	})
@@ -212,7 +212,7 @@ func TestCheckpointFork(t *testing.T) {
 		if err := e.Delete(ctx, "g1"); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := e.LoadCheckpoint("ck2"); !errors.Is(err, engine.ErrNotFound) {
+		if _, err := e.LoadCheckpoint(ctx, "ck2"); !errors.Is(err, engine.ErrNotFound) {
 			t.Fatalf("unpinned ck2 after its last fork: %v, want ErrNotFound", err)
 		}
 	})
@@ -225,13 +225,13 @@ func TestCheckpointFork(t *testing.T) {
 			t.Fatalf("implicit fork lacks the world's current state: %q", out)
 		}
 		parent := i1.Info().Parent
-		if _, err := e.LoadCheckpoint(parent); err != nil {
+		if _, err := e.LoadCheckpoint(ctx, parent); err != nil {
 			t.Fatalf("implicit checkpoint %s: %v", parent, err)
 		}
 		if err := e.Delete(ctx, "i1"); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := e.LoadCheckpoint(parent); !errors.Is(err, engine.ErrNotFound) {
+		if _, err := e.LoadCheckpoint(ctx, parent); !errors.Is(err, engine.ErrNotFound) {
 			t.Fatalf("implicit checkpoint after its last fork: %v", err)
 		}
 	})
@@ -262,7 +262,7 @@ func TestCheckpointFork(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if _, err := e.LoadCheckpoint("ck1"); err != nil {
+		if _, err := e.LoadCheckpoint(ctx, "ck1"); err != nil {
 			t.Fatalf("pinned checkpoint gone after its forks: %v", err)
 		}
 	})
@@ -416,7 +416,7 @@ func TestWarmPool(t *testing.T) {
 	if err := e.Warm(ctx, "ck", 2, nil); err != nil {
 		t.Fatal(err)
 	}
-	if n := e.PoolSize("ck"); n != 2 {
+	if n := poolSize(t, e, "ck"); n != 2 {
 		t.Fatalf("PoolSize = %d, want 2", n)
 	}
 	if got := ownUsed(e.Budget()); got != used+2 {
@@ -434,10 +434,10 @@ func TestWarmPool(t *testing.T) {
 		t.Fatalf("a pooled fork paid a spawn: %+v", f.Info().Timings)
 	}
 	deadline := time.Now().Add(time.Minute)
-	for e.PoolSize("ck") < 2 && time.Now().Before(deadline) {
+	for poolSize(t, e, "ck") < 2 && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 	}
-	if n := e.PoolSize("ck"); n != 2 {
+	if n := poolSize(t, e, "ck"); n != 2 {
 		t.Fatalf("pool did not refill: %d", n)
 	}
 	// Closing the engine kills the pool; the fork and the world keep running.
@@ -570,7 +570,7 @@ func TestWarmPoolRestored(t *testing.T) {
 	if err := e.Warm(ctx, "ck", 1, &engine.WarmOptions{Restored: true, WarmUp: []string{"sh", "-c", "exit 3"}}); err == nil {
 		t.Fatal("a pool whose warm-up fails filled")
 	}
-	if n := e.PoolSize("ck"); n != 0 {
+	if n := poolSize(t, e, "ck"); n != 0 {
 		t.Fatalf("pool holds %d processes after its warm-up changed and failed", n)
 	}
 }

@@ -220,7 +220,7 @@ func TestGenerationsBoundedChain(t *testing.T) {
 	src := "g" + strconv.Itoa(n)
 	if ck, err := e.Checkpoints(); err != nil {
 		t.Fatal(err)
-	} else if i := slices.IndexFunc(ck, func(c engine.CheckpointInfo) bool { return c.Name == src }); i < 0 || len(ck[i].Disk) != before-1 {
+	} else if c, err := e.LoadCheckpoint(ctx, src); slices.IndexFunc(ck, func(c engine.CheckpointInfo) bool { return c.Name == src }) < 0 || err != nil || len(c.Manifest.Disk) != before-1 {
 		t.Fatalf("checkpoint %s: not a full-depth chain (%d layers listed)", src, before-1)
 	}
 	for gen := 1; gen <= 3; gen++ {

@@ -540,3 +540,13 @@ func diffLists(a, b []string) (onlyA, onlyB []string) {
 // ownUsed is the vCPUs of b used by this engine's VMs: the budget is the host's, and
 // other state directories' VMs (other tests, other users) count in Used too.
 func ownUsed(b engine.Budget) int { return b.Used - b.OtherUsed }
+
+// poolSize is e.PoolSize of the checkpoint ck, failing t on an error.
+func poolSize(t *testing.T, e *engine.Engine, ck string) int {
+	t.Helper()
+	n, err := e.PoolSize(t.Context(), ck)
+	if err != nil {
+		t.Fatalf("PoolSize(%s): %v", ck, err)
+	}
+	return n
+}

@@ -263,7 +263,7 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 		}
 	}
 	checkState(t, env, expectState{VMs: append([]string{"w"}, running...), RAM: []string{"vm-w.ram", "ck-ck.ram"}, CKs: []string{"ck"}})
-	if _, err := e2.LoadCheckpoint("ck"); err != nil {
+	if _, err := e2.LoadCheckpoint(ctx, "ck"); err != nil {
 		t.Fatalf("checkpoint after engine crash: %v", err)
 	}
 	nf, err := e2.Fork(ctx, "ck", &engine.ForkOptions{Name: "n1"})
@@ -477,7 +477,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 		if !errors.Is(err, engine.ErrQEMUExited) {
 			t.Errorf("checkpoint of a world that died: %v; want an error wrapping ErrQEMUExited", err)
 		}
-		if _, lerr := e.LoadCheckpoint(ck); !errors.Is(lerr, engine.ErrNotFound) {
+		if _, lerr := e.LoadCheckpoint(ctx, ck); !errors.Is(lerr, engine.ErrNotFound) {
 			t.Errorf("LoadCheckpoint after a failed checkpoint: %v", lerr)
 		}
 		// Nothing of the checkpoint is left: no dir, no .tmp-*, no RAM file or temp.
@@ -509,7 +509,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 				// The kill landed after the guest was stopped and saved: the checkpoint is
 				// consistent. Accept, but this attempt did not test the failure path.
 				t.Logf("attempt %d: checkpoint completed before the world died (%v); retrying", attempt, c.Manifest.Timings.Total)
-				if _, err := e.LoadCheckpoint(ck); err != nil {
+				if _, err := e.LoadCheckpoint(ctx, ck); err != nil {
 					t.Fatalf("checkpoint that succeeded does not load: %v", err)
 				}
 				if err := e.DeleteCheckpoint(ctx, ck, nil); err != nil {
@@ -846,7 +846,7 @@ func TestRobustKillEngineMidHandoff(t *testing.T) {
 		if err != nil {
 			t.Fatalf("round %d: the VM is gone: %v", round, err)
 		}
-		_, ckErr := e2.LoadCheckpoint(name + "-ck")
+		_, ckErr := e2.LoadCheckpoint(ctx, name+"-ck")
 		state := vm.Info().State
 		if state != engine.StateRunning {
 			t.Fatalf("round %d (kill after %v): the VM is %s after recovery (checkpoint committed: %v)", round, delay, state, ckErr == nil)

@@ -129,7 +129,7 @@ func TestSecurityModes(t *testing.T) {
 			wantFile(filepath.Join(ram, n))
 		}
 		ckDir := filepath.Join(home, "checkpoints", "ck")
-		c, err := e.LoadCheckpoint("ck")
+		c, err := e.LoadCheckpoint(ctx, "ck")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -343,7 +343,7 @@ func TestSecurityEscapingNames(t *testing.T) {
 			_, calls["ForkMany prefix"] = e.ForkMany(ctx, "ck", 2, &engine.ManyOptions{Prefix: bad})
 		}
 		_, calls["Get"] = e.Get(bad)
-		_, calls["LoadCheckpoint"] = e.LoadCheckpoint(bad)
+		_, calls["LoadCheckpoint"] = e.LoadCheckpoint(ctx, bad)
 		calls["Delete"] = e.Delete(ctx, bad)
 		calls["DeleteCheckpoint"] = e.DeleteCheckpoint(ctx, bad, &engine.DeleteCheckpointOptions{Force: true})
 		calls["SetPinned"] = e.SetPinned(ctx, bad, false)

@@ -121,7 +121,7 @@ func TestServeDaemon(t *testing.T) {
 	if l2, _ := lines.ReadString('\n'); l2 != "ready\n" {
 		t.Errorf("attached: %q", l2)
 	}
-	if err := p.Signal(ctx, int(syscall.SIGTERM)); err != nil {
+	if err := p.Signal(ctx, syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
 	go io.Copy(io.Discard, pout)

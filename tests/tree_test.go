@@ -218,8 +218,8 @@ func TestFlattenMemory(t *testing.T) {
 	if err != nil || info.FlatBytes < 32<<20 {
 		t.Fatalf("c1's flat bytes %d, %v", info.FlatBytes, err)
 	}
-	if info.WrittenBytes() > 48<<20 {
-		t.Errorf("c1 counts %d bytes as written: the flattened copy is counted apart", info.WrittenBytes())
+	if info.WrittenBytes > 48<<20 {
+		t.Errorf("c1 counts %d bytes as written: the flattened copy is counted apart", info.WrittenBytes)
 	}
 
 	// A fork of the flattened checkpoint checkpointed: the flat file does not grow, its

@@ -745,7 +745,7 @@ func (p *Process) Wait(ctx context.Context) (int, error) {
 // kill sends SIGKILL to the process group, bounded by a second.
 func (p *Process) kill() {
 	kctx, cancel := context.WithTimeout(p.c.ctx, time.Second)
-	p.Signal(kctx, int(syscall.SIGKILL))
+	p.Signal(kctx, syscall.SIGKILL)
 	cancel()
 }
 
@@ -771,9 +771,10 @@ func (p *Process) Resize(ctx context.Context, rows, cols uint16) error {
 	return p.c.sendJSON(ctx, TypeResize, p.st.id, resizeWire{Rows: rows, Cols: cols})
 }
 
-// Signal sends signal sig to the process group of the process.
-func (p *Process) Signal(ctx context.Context, sig int) error {
-	return p.c.sendJSON(ctx, TypeSignal, p.st.id, signalWire{Signal: sig})
+// Signal sends signal sig to the process group of the process. sig is a Linux signal
+// number (the guest's), whatever the host.
+func (p *Process) Signal(ctx context.Context, sig syscall.Signal) error {
+	return p.c.sendJSON(ctx, TypeSignal, p.st.id, signalWire{Signal: int(sig)})
 }
 
 // PutFile writes the contents of r to guestPath with permission mode. The

@@ -47,7 +47,7 @@ func hostileGuest(t *testing.T, cfg *ClientConfig, handler func(conn net.Conn)) 
 // readFrames reads the client's frames and calls fn for each until the pipe closes.
 func readFrames(conn net.Conn, fn func(f Frame)) {
 	for {
-		f, err := ReadFrame(conn)
+		f, err := readFrame(conn)
 		if err != nil {
 			conn.Close()
 			return

@@ -244,29 +244,6 @@ func parseHeader(h []byte) (FrameType, uint32, uint32, error) {
 	return FrameType(h[3]), binary.BigEndian.Uint32(h[4:8]), n, nil
 }
 
-// ReadFrame reads exactly one frame from r. It returns io.EOF at a clean
-// frame boundary, io.ErrUnexpectedEOF for a truncated frame and a
-// *FrameError for an invalid header. It never allocates more than
-// MaxPayload bytes.
-func ReadFrame(r io.Reader) (Frame, error) {
-	var h [HeaderSize]byte
-	if _, err := io.ReadFull(r, h[:]); err != nil {
-		return Frame{}, err
-	}
-	t, id, n, err := parseHeader(h[:])
-	if err != nil {
-		return Frame{}, err
-	}
-	f := Frame{Type: t, Stream: id, Payload: make([]byte, n)}
-	if _, err := io.ReadFull(r, f.Payload); err != nil {
-		if err == io.EOF {
-			err = io.ErrUnexpectedEOF
-		}
-		return Frame{}, err
-	}
-	return f, nil
-}
-
 // Decoder reads frames from a byte stream and can resynchronise after a
 // corrupt header: after ReadFrame returns a *FrameError, the next call
 // discards input until the next "FK"+version marker (and the header checksum

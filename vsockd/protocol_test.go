@@ -29,7 +29,7 @@ func TestFrameRoundTrip(t *testing.T) {
 			if !bytes.HasPrefix(buf.Bytes(), []byte("FK\x02")) {
 				t.Fatalf("bad header %q", buf.Bytes()[:4])
 			}
-			got, err := ReadFrame(bytes.NewReader(buf.Bytes()))
+			got, err := readFrame(bytes.NewReader(buf.Bytes()))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -72,7 +72,7 @@ func TestReadFrameErrors(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, err := ReadFrame(bytes.NewReader(tt.in))
+			_, err := readFrame(bytes.NewReader(tt.in))
 			if !errors.Is(err, tt.want) {
 				t.Fatalf("ReadFrame: got %v, want %v", err, tt.want)
 			}
@@ -131,7 +131,7 @@ func FuzzReadFrame(f *testing.F) {
 	two, _ := AppendFrame(append(bytes.Repeat([]byte{0}, 9), valid...), Frame{Type: TypeStdout, Stream: 7, Payload: []byte("FK\x02")})
 	f.Add(two) // a stale tail, then frames
 	f.Fuzz(func(t *testing.T, data []byte) {
-		fr, err := ReadFrame(bytes.NewReader(data))
+		fr, err := readFrame(bytes.NewReader(data))
 		if err == nil {
 			if len(fr.Payload) > MaxPayload {
 				t.Fatalf("payload %d > MaxPayload", len(fr.Payload))
@@ -167,4 +167,28 @@ func rawHeader(t FrameType, stream, n uint32) []byte {
 	h = binary.BigEndian.AppendUint32(h, stream)
 	h = binary.BigEndian.AppendUint32(h, n)
 	return binary.BigEndian.AppendUint32(h, headerSum(h))
+}
+
+// readFrame reads exactly one frame from r (the tests' unbuffered reader: the
+// agent and the client use a Decoder). It returns io.EOF at a clean
+// frame boundary, io.ErrUnexpectedEOF for a truncated frame and a
+// *FrameError for an invalid header. It never allocates more than
+// MaxPayload bytes.
+func readFrame(r io.Reader) (Frame, error) {
+	var h [HeaderSize]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return Frame{}, err
+	}
+	t, id, n, err := parseHeader(h[:])
+	if err != nil {
+		return Frame{}, err
+	}
+	f := Frame{Type: t, Stream: id, Payload: make([]byte, n)}
+	if _, err := io.ReadFull(r, f.Payload); err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return Frame{}, err
+	}
+	return f, nil
 }

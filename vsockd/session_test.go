@@ -67,7 +67,7 @@ func fakeGuest(t *testing.T, cfg *ClientConfig, handler func(conn net.Conn, f Fr
 	a, b := net.Pipe()
 	go func() {
 		for {
-			f, err := ReadFrame(b)
+			f, err := readFrame(b)
 			if err != nil {
 				b.Close()
 				return
@@ -162,7 +162,7 @@ func TestExecSignal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Signal(tctx(t), int(syscall.SIGTERM)); err != nil {
+	if err := p.Signal(tctx(t), syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
 	code, err := p.Wait(tctx(t))
@@ -344,7 +344,7 @@ func TestServerMalformedFrame(t *testing.T) {
 	}()
 	var errs int
 	for {
-		f, err := ReadFrame(conn)
+		f, err := readFrame(conn)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -79,7 +79,7 @@ func runCheckpointRestore(r *runner, n, fanout int) error {
 			_ = r.e.Delete(ctx, name)
 		}
 		// The unpinned checkpoint goes with its last fork; remove it if it did not fork.
-		if _, err := r.e.LoadCheckpoint(ckName); err == nil {
+		if _, err := r.e.LoadCheckpoint(ctx, ckName); err == nil {
 			_ = r.e.DeleteCheckpoint(ctx, ckName, &engine.DeleteCheckpointOptions{Force: true})
 		}
 		name = fmt.Sprintf("rv%d", i)

@@ -103,8 +103,10 @@ func runPython(r *runner, n, cold, pool int) error {
 		pooled = r.forkAndAsk("pooled", "pp", n, func() {
 			// Each sample is a fork served by a full pool: wait for the refill of the last
 			// claim (a fork that finds the pool empty is an ordinary fork).
-			for t := time.Now(); r.e.PoolSize("warm-ck") < pool && time.Since(t) < 2*time.Minute; {
-				time.Sleep(50 * time.Millisecond)
+			for t := time.Now(); time.Since(t) < 2*time.Minute; time.Sleep(50 * time.Millisecond) {
+				if size, err := r.e.PoolSize(ctx, "warm-ck"); err != nil || size >= pool {
+					break
+				}
 			}
 		})
 		if err := r.e.Warm(ctx, "warm-ck", 0, nil); err != nil {

@@ -415,7 +415,7 @@ func treeMemory(r *runner, depth, n int) {
 	}
 	var out []TreeMemory
 	for _, ck := range []string{"t1", fmt.Sprintf("t%d", depth-1)} {
-		c, err := r.e.LoadCheckpoint(ck)
+		c, err := r.e.LoadCheckpoint(ctx, ck)
 		if err != nil {
 			r.fail("memory: %s: %v", ck, err)
 			continue

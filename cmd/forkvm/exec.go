@@ -217,7 +217,7 @@ func waitForwarding(p wire.Process, sigs <-chan os.Signal) (int, error) {
 	}()
 	signal := func(sig syscall.Signal) {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		_ = p.Signal(ctx, int(sig))
+		_ = p.Signal(ctx, sig)
 		cancel()
 	}
 	var got syscall.Signal

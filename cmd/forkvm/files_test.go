@@ -39,8 +39,9 @@ func TestSplitVMPath(t *testing.T) {
 func hostileGuest(t *testing.T, tarball []byte) *vsockd.Client {
 	a, b := net.Pipe()
 	go func() {
+		dec := vsockd.NewDecoder(b)
 		for {
-			f, err := vsockd.ReadFrame(b)
+			f, err := dec.ReadFrame()
 			if err != nil {
 				b.Close()
 				return

@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"net/netip"
 	"strconv"
+	"syscall"
 	"time"
 )
 
@@ -362,8 +363,9 @@ type FreezeStats struct {
 
 // CheckpointInfo is a checkpoint as the API lists it (forkvm.checkpoint/v1 without its
 // schema name): the part of the engine's record that stays stable across releases, and
-// its live forks. The engine's on-disk manifest (engine.CheckpointManifest: QEMU
-// command line, hashes, layer files) is its own and changes with its version.
+// its live forks; the engine lists checkpoints as this type too (engine.CheckpointInfo).
+// The engine's on-disk manifest (QEMU command line, hashes, layer files) is its own and
+// changes with its version.
 type CheckpointInfo struct {
 	Name string `json:"name"`
 	// Source is the VM the checkpoint was taken of.
@@ -442,8 +444,9 @@ type Process interface {
 	// Wait waits for the command and returns its exit code; if ctx ends first the
 	// command is killed and ctx's error returned.
 	Wait(ctx context.Context) (int, error)
-	// Signal sends sig to the command's process group.
-	Signal(ctx context.Context, sig int) error
+	// Signal sends sig to the command's process group (in the guest: a Linux signal
+	// number, whatever the host).
+	Signal(ctx context.Context, sig syscall.Signal) error
 	// Resize changes the command's terminal size (TTY only).
 	Resize(ctx context.Context, rows, cols uint16) error
 }

@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"strconv"
 	"sync"
+	"syscall"
 
 	"github.com/forkvm/forkvm/serve/api"
 )
@@ -236,8 +237,8 @@ func (p *process) Wait(ctx context.Context) (int, error) {
 	}
 }
 
-func (p *process) Signal(ctx context.Context, sig int) error {
-	return p.sendCtx(ctx, api.ExecInput{Signal: sig})
+func (p *process) Signal(ctx context.Context, sig syscall.Signal) error {
+	return p.sendCtx(ctx, api.ExecInput{Signal: int(sig)})
 }
 
 func (p *process) Resize(ctx context.Context, rows, cols uint16) error {

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
@@ -276,11 +275,7 @@ func (l *Local) Checkpoints(context.Context) ([]api.CheckpointInfo, error) {
 	if err != nil {
 		return nil, err
 	}
-	out := make([]api.CheckpointInfo, 0, len(cks))
-	for _, c := range cks {
-		out = append(out, serve.CheckpointInfoOf(c))
-	}
-	return out, nil
+	return cks, nil
 }
 
 func (l *Local) GetCheckpoint(_ context.Context, name string) (api.CheckpointInfo, error) {
@@ -288,11 +283,7 @@ func (l *Local) GetCheckpoint(_ context.Context, name string) (api.CheckpointInf
 	if err != nil {
 		return api.CheckpointInfo{}, err
 	}
-	c, err := e.CheckpointInfo(name)
-	if err != nil {
-		return api.CheckpointInfo{}, err
-	}
-	return serve.CheckpointInfoOf(c), nil
+	return e.CheckpointInfo(name)
 }
 
 func (l *Local) Checkpoint(ctx context.Context, vmName, name string, opts *api.CheckpointOptions) (api.CheckpointInfo, error) {
@@ -308,10 +299,10 @@ func (l *Local) Checkpoint(ctx context.Context, vmName, name string, opts *api.C
 	if err != nil {
 		return api.CheckpointInfo{}, err
 	}
-	if info, err := e.CheckpointInfo(ck.Manifest.Name); err == nil {
-		return serve.CheckpointInfoOf(info), nil
+	if info, err := e.CheckpointInfo(ck.Name()); err == nil {
+		return info, nil
 	}
-	return serve.CheckpointInfoOf(engine.CheckpointInfo{CheckpointManifest: ck.Manifest}), nil
+	return ck.Info(), nil
 }
 
 func (l *Local) DeleteCheckpoint(ctx context.Context, name string, opts *api.DeleteCheckpointOptions) error {
@@ -346,15 +337,12 @@ func (l *Local) Warm(ctx context.Context, ck string, n int, opts *api.WarmOption
 	return e.Warm(ctx, ck, n, (*engine.WarmOptions)(opts))
 }
 
-func (l *Local) PoolSize(_ context.Context, ck string) (int, error) {
+func (l *Local) PoolSize(ctx context.Context, ck string) (int, error) {
 	e, err := l.engine()
 	if err != nil {
 		return 0, err
 	}
-	if _, err := e.LoadCheckpoint(ck); err != nil {
-		return 0, err
-	}
-	return e.PoolSize(ck), nil
+	return e.PoolSize(ctx, ck)
 }
 
 func (l *Local) Fork(ctx context.Context, src string, opts *api.ForkOptions) (api.Info, error) {

@@ -129,7 +129,7 @@ func run(state, cache, kernel, initrd string, n int, ckloop bool) error {
 		fmt.Println("READY")
 		for i := 0; ; i++ {
 			name := fmt.Sprintf("c%d", i)
-			if _, err := e.LoadCheckpoint(name); err == nil {
+			if _, err := e.LoadCheckpoint(ctx, name); err == nil {
 				continue // an earlier helper's
 			}
 			// The world and its fork in turn: a copy checkpoint and a delta one.
@@ -150,7 +150,7 @@ func run(state, cache, kernel, initrd string, n int, ckloop bool) error {
 			}
 		}
 	}
-	if _, err := e.LoadCheckpoint("ck"); err != nil {
+	if _, err := e.LoadCheckpoint(ctx, "ck"); err != nil {
 		if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
 			return err
 		}
