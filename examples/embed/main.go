@@ -62,6 +62,12 @@ func run(ctx context.Context, n int, copyIn string) (err error) {
 	if err != nil {
 		return err
 	}
+	var forks []string
+	defer func() {
+		for _, f := range forks {
+			e.Delete(context.Background(), f)
+		}
+	}()
 	for ev := range events {
 		if ev.Err != nil {
 			fmt.Printf("%s: %v\n", ev.Name, ev.Err)
@@ -73,7 +79,7 @@ func run(ctx context.Context, n int, copyIn string) (err error) {
 		}
 		out, err := ev.VM.Output(ctx, "sh", "-c", script)
 		fmt.Printf("%s ready in %v: %s %v\n", ev.Name, ev.Latency, strings.ReplaceAll(strings.TrimSpace(string(out)), "\n", "; "), err)
-		defer e.Delete(context.Background(), ev.Name)
+		forks = append(forks, ev.Name)
 	}
 	return nil
 }

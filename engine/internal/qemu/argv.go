@@ -7,7 +7,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/forkvm/forkvm/guest"
+	guest "github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/internal/names"
 	"github.com/forkvm/forkvm/vsockd"
 )
