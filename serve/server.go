@@ -282,175 +282,11 @@ func (n *ndjson) hasStarted() bool {
 // ---------------------------------------------------------------------------------------
 // VMs
 
-func (s *Server) listVMs(w http.ResponseWriter, r *http.Request) {
-	infos := s.e.List()
-	out := make([]VMObject, 0, len(infos))
-	for _, inf := range infos {
-		out = append(out, NewVMObject(inf))
-	}
-	writeJSON(w, http.StatusOK, out)
-}
-
-func (s *Server) createVM(w http.ResponseWriter, r *http.Request) {
-	var spec engine.Spec
-	if !decode(w, r, MaxBodyBytes, &spec) {
-		return
-	}
-	vm, err := s.e.Create(r.Context(), spec)
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	writeJSON(w, http.StatusCreated, NewVMObject(vm.Info()))
-}
-
-func (s *Server) getVM(w http.ResponseWriter, r *http.Request) {
-	vm, err := s.e.Get(r.PathValue("name"))
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, NewVMObject(vm.Info()))
-}
-
-func (s *Server) deleteVM(w http.ResponseWriter, r *http.Request) {
-	// A delete is not cut short by a client that goes away: half a delete helps no one.
-	ctx := context.WithoutCancel(r.Context())
-	if err := s.e.Delete(ctx, r.PathValue("name")); err != nil {
-		writeError(w, err)
-		return
-	}
-	w.WriteHeader(http.StatusNoContent)
-}
-
-func (s *Server) memory(w http.ResponseWriter, r *http.Request) {
-	vm, err := s.e.Get(r.PathValue("name"))
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	mu, err := vm.Memory(r.Context())
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, mu)
-}
-
 // ---------------------------------------------------------------------------------------
 // checkpoints
 
-func (s *Server) listCheckpoints(w http.ResponseWriter, r *http.Request) {
-	cks, err := s.e.Checkpoints()
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	out := make([]CheckpointObject, 0, len(cks))
-	for _, c := range cks {
-		out = append(out, NewCheckpointObject(c))
-	}
-	writeJSON(w, http.StatusOK, out)
-}
-
-func (s *Server) checkpoint(w http.ResponseWriter, r *http.Request) {
-	var req CheckpointRequest
-	if !decode(w, r, MaxBodyBytes, &req) {
-		return
-	}
-	if req.VM == "" {
-		writeError(w, fmt.Errorf("%w: vm is required", engine.ErrInvalidSpec))
-		return
-	}
-	ck, err := s.e.Checkpoint(r.Context(), req.VM, req.Name, &engine.CheckpointOptions{Pin: req.Pin, Handoff: req.Handoff})
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	info, err := s.e.CheckpointInfo(ck.Name())
-	if err != nil {
-		info = ck.Info()
-	}
-	writeJSON(w, http.StatusCreated, NewCheckpointObject(info))
-}
-
-func (s *Server) deleteCheckpoint(w http.ResponseWriter, r *http.Request) {
-	force, ok := boolQuery(w, r, "force")
-	if !ok {
-		return
-	}
-	ctx := context.WithoutCancel(r.Context())
-	if err := s.e.DeleteCheckpoint(ctx, r.PathValue("name"), &engine.DeleteCheckpointOptions{Force: force}); err != nil {
-		writeError(w, err)
-		return
-	}
-	w.WriteHeader(http.StatusNoContent)
-}
-
 // ---------------------------------------------------------------------------------------
 // forks
-
-// fork starts a wave and streams one forkvm.fork-event/v1 line per fork as it becomes
-// ready or fails. A client that disconnects before the stream ends cancels the wave:
-// forks in flight are abandoned and every fork the wave made is deleted, the ones
-// already reported too (engine.ForkMany's contract), so nothing is left that no one
-// knows about. A wave whose stream ended keeps its forks.
-func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
-	var req ForkRequest
-	if !decode(w, r, MaxBodyBytes, &req) {
-		return
-	}
-	n := req.N
-	if n == 0 {
-		n = 1
-	}
-	// The request's shape only: names, forwards and the rest are checked by the engine
-	// (ForkMany) before any fork starts.
-	if err := engine.ValidateForkCount(n); err != nil {
-		writeError(w, err)
-		return
-	}
-	switch {
-	case req.Source == "":
-		writeError(w, fmt.Errorf("%w: source is required", engine.ErrInvalidSpec))
-		return
-	case req.Name != "" && n != 1:
-		writeError(w, fmt.Errorf("%w: name names a single fork (n 1); use prefix for n > 1", engine.ErrInvalidSpec))
-		return
-	case req.Name != "" && req.Prefix != "", req.Name != "" && len(req.Names) > 0, req.Prefix != "" && len(req.Names) > 0:
-		writeError(w, fmt.Errorf("%w: name, names and prefix are exclusive", engine.ErrInvalidSpec))
-		return
-	case len(req.Publish) > n:
-		writeError(w, fmt.Errorf("%w: publish has %d lists for n %d", engine.ErrInvalidSpec, len(req.Publish), n))
-		return
-	}
-	opts := &engine.ManyOptions{Prefix: req.Prefix, Concurrency: req.Concurrency, Overcommit: req.Overcommit, Pin: req.Pin}
-	if req.Name != "" {
-		opts.Names = []string{req.Name}
-	}
-	if len(req.Names) > 0 {
-		opts.Names = req.Names
-	}
-	if len(req.Publish) > 0 {
-		opts.Publish = func(i int) []engine.PortForward {
-			if i < len(req.Publish) {
-				return req.Publish[i]
-			}
-			return nil
-		}
-	}
-	events, err := s.e.ForkMany(r.Context(), req.Source, n, opts)
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	out := newNDJSON(w)
-	for ev := range events {
-		// A write error means the client is gone: its context is cancelled too, and the
-		// engine cleans up; keep draining so the wave finishes.
-		out.line(NewForkEventObject(ev))
-	}
-}
 
 // ---------------------------------------------------------------------------------------
 // serving
@@ -494,4 +330,14 @@ func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Dura
 		return err
 	}
 	return nil
+}
+
+// info describes the daemon.
+func (s *Server) info(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, DaemonObject{Schema: DaemonSchema, PID: s.pid, StateDir: s.e.Config().StateDir, Accel: string(s.e.Accel())})
+}
+
+// budget answers the engine's vCPU admission budget.
+func (s *Server) budget(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, s.e.Budget())
 }
