@@ -44,6 +44,7 @@ type manifest struct {
 	CreatedAt  time.Time    `json:"created_at"`
 	ReadyAt    time.Time    `json:"ready_at,omitzero"`
 	Timings    PhaseTimings `json:"timings"`
+	Spans      []Span       `json:"spans,omitempty"`
 	// MemoryCgroup is the VM's own memory cgroup directory (Spec.MemoryLimitMiB).
 	MemoryCgroup string `json:"memory_cgroup,omitempty"`
 	// DeadReason says why the VM's QEMU ended on its own ("oom-killed", "signal N
@@ -59,6 +60,9 @@ type manifest struct {
 
 // PhaseTimings are the durations of the phases of a create or a fork.
 type PhaseTimings = api.PhaseTimings
+
+// Span is one phase with its absolute start and end on the host's clocks.
+type Span = api.Span
 
 // CheckpointManifest is the on-disk record of a checkpoint
 // (StateDir/checkpoints/NAME/manifest.json).

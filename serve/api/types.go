@@ -61,7 +61,10 @@ type Info struct {
 	TCGThread TCGThread    `json:"tcg_thread,omitempty"`
 	CreatedAt time.Time    `json:"created_at"`
 	Timings   PhaseTimings `json:"timings"`
-	RunDir    string       `json:"run_dir"`
+	// Spans are the same phases with their absolute start and end (a ready VM's; empty
+	// for a VM the engine found on disk from before spans were recorded).
+	Spans  []Span `json:"spans,omitempty"`
+	RunDir string `json:"run_dir"`
 	// Net says the VM has a NIC on the user-mode network; Publish lists its host port
 	// forwards.
 	Net     bool          `json:"net,omitempty"`
@@ -81,6 +84,24 @@ type PhaseTimings struct {
 	Agent  time.Duration `json:"agent_ns"` // until the agent answered with the token
 	Total  time.Duration `json:"total_ns"`
 }
+
+// Span is one phase of a create, fork or checkpoint (Name: "prepare", "spawn",
+// "inject", "restore", "agent"; a checkpoint's "migrate", "freeze", "disk", "checkpoint")
+// with its start and end on two host clocks, in nanoseconds, so a kernel trace lines up
+// with it: CLOCK_MONOTONIC (ftrace's "mono" clock, perf record -k CLOCK_MONOTONIC) and
+// CLOCK_BOOTTIME (which also counts suspend; ftrace's "boot" clock). On hosts without
+// CLOCK_BOOTTIME both are CLOCK_MONOTONIC. Spans of one operation do not overlap; time
+// between two (waiting for a restore slot) is in no span.
+type Span struct {
+	Name      string `json:"name"`
+	StartMono int64  `json:"start_mono_ns"`
+	EndMono   int64  `json:"end_mono_ns"`
+	StartBoot int64  `json:"start_boottime_ns"`
+	EndBoot   int64  `json:"end_boottime_ns"`
+}
+
+// Duration is the span's length.
+func (s Span) Duration() time.Duration { return time.Duration(s.EndMono - s.StartMono) }
 
 // PortForward publishes a guest TCP port on a host address: connections to
 // HostIP:HostPort on the host reach the guest's GuestPort (through the user-mode
@@ -460,6 +481,8 @@ type ForkEvent struct {
 	// Latency is the time from this fork's start to ready (or failure).
 	Latency time.Duration
 	Timings PhaseTimings
+	// Spans are the fork's phases with absolute times (Info.Spans).
+	Spans []Span
 }
 
 // API is what a program (and the forkvm CLI) does with forkvm, with the same shapes

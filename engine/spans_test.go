@@ -1,0 +1,123 @@
+package engine
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+// markLog records each marker call with the time it came.
+type markLog struct{ calls []markCall }
+
+type markCall struct {
+	what string
+	at   stamp
+}
+
+func (m *markLog) PhaseStart(owner, phase string) {
+	m.calls = append(m.calls, markCall{"S " + owner + " " + phase, clockStamp()})
+}
+
+func (m *markLog) PhaseEnd(owner, phase string) {
+	m.calls = append(m.calls, markCall{"F " + owner + " " + phase, clockStamp()})
+}
+
+// TestPhaseClockSpans: begun phases become spans laid end to end (a skip leaves a gap in
+// no span), a lap with no begun phase makes none, the durations are the laps, and each
+// marker falls inside its span; an abandoned phase ends its marker with no span.
+func TestPhaseClockSpans(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		run       func(c *phaseClock, d []time.Duration)
+		wantSpans []string
+		wantMarks []string
+	}{
+		{"fork", func(c *phaseClock, d []time.Duration) {
+			c.begin("prepare")
+			c.lap(&d[0])
+			c.begin("spawn")
+			time.Sleep(time.Millisecond)
+			c.lap(&d[1])
+			c.skip()
+			c.begin("restore")
+			c.lap(&d[2])
+			c.begin("agent")
+			c.lap(&d[3])
+			c.abandon()
+		}, []string{"prepare", "spawn", "restore", "agent"},
+			[]string{"S f prepare", "F f prepare", "S f spawn", "F f spawn", "S f restore", "F f restore", "S f agent", "F f agent"}},
+		{"pooled: unnamed laps", func(c *phaseClock, d []time.Duration) {
+			c.begin("prepare")
+			c.lap(&d[0])
+			c.lap(&d[1])
+			c.begin("agent")
+			c.lap(&d[3])
+		}, []string{"prepare", "agent"},
+			[]string{"S f prepare", "F f prepare", "S f agent", "F f agent"}},
+		{"failed in spawn", func(c *phaseClock, d []time.Duration) {
+			c.begin("prepare")
+			c.lap(&d[0])
+			c.begin("spawn")
+			c.abandon()
+			c.abandon()
+		}, []string{"prepare"},
+			[]string{"S f prepare", "F f prepare", "S f spawn", "F f spawn"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var m markLog
+			c := markPhases(&m, "f")
+			d := make([]time.Duration, 4)
+			tc.run(c, d)
+			if got := fmt.Sprint(spanNames(c.spans)); got != fmt.Sprint(tc.wantSpans) {
+				t.Fatalf("spans %v, want %v", got, tc.wantSpans)
+			}
+			var marks []string
+			for _, mc := range m.calls {
+				marks = append(marks, mc.what)
+			}
+			if fmt.Sprint(marks) != fmt.Sprint(tc.wantMarks) {
+				t.Fatalf("marks %q, want %q", marks, tc.wantMarks)
+			}
+			for i, s := range c.spans {
+				if s.EndMono < s.StartMono || s.EndBoot < s.StartBoot || s.StartBoot < s.StartMono {
+					t.Errorf("span %d %+v: clocks out of order", i, s)
+				}
+				if i > 0 && s.StartMono < c.spans[i-1].EndMono {
+					t.Errorf("span %s starts before %s ends", s.Name, c.spans[i-1].Name)
+				}
+				// The marks of span i are calls 2i and 2i+1 where every phase got a span.
+				if len(m.calls) == 2*len(c.spans) {
+					if st, en := m.calls[2*i].at.mono, m.calls[2*i+1].at.mono; st < s.StartMono || en > s.EndMono {
+						t.Errorf("span %s [%d,%d]: markers at %d, %d fall outside", s.Name, s.StartMono, s.EndMono, st, en)
+					}
+				}
+			}
+			if tc.name == "fork" && c.spans[1].Duration() < time.Millisecond {
+				t.Errorf("spawn span %v, want >= the 1ms slept", c.spans[1].Duration())
+			}
+			if tc.name == "fork" && (c.spans[1].Duration()-d[1]).Abs() > time.Millisecond {
+				t.Errorf("spawn span %v differs from its lap %v", c.spans[1].Duration(), d[1])
+			}
+		})
+	}
+}
+
+func spanNames(spans []Span) []string {
+	var n []string
+	for _, s := range spans {
+		n = append(n, s.Name)
+	}
+	return n
+}
+
+// TestPhaseClockNoMarker: a clock with no marker still records spans.
+func TestPhaseClockNoMarker(t *testing.T) {
+	c := startPhases()
+	var d time.Duration
+	c.begin("prepare")
+	c.lap(&d)
+	c.abandon()
+	if len(c.spans) != 1 || c.spans[0].Name != "prepare" || c.spans[0].StartMono == 0 {
+		t.Fatalf("spans %+v", c.spans)
+	}
+}
