@@ -114,6 +114,10 @@ func TestTraceShape(t *testing.T) {
 	}
 	var doc struct {
 		TraceEvents []TraceEvent `json:"traceEvents"`
+		OtherData   struct {
+			Clock  string `json:"clock"`
+			T0Mono int64  `json:"t0_mono_ns"`
+		} `json:"otherData"`
 	}
 	if err := json.Unmarshal(buf.Bytes(), &doc); err != nil {
 		t.Fatal(err)
@@ -139,8 +143,15 @@ func TestTraceShape(t *testing.T) {
 	if got := strings.Join(spans, ","); got != "prepare,spawn,restore,agent,first-command" {
 		t.Errorf("spans = %s", got)
 	}
-	if doc.TraceEvents[len(doc.TraceEvents)-5].TS != 1000 {
-		t.Errorf("prepare ts = %v us, want 1000", doc.TraceEvents[len(doc.TraceEvents)-5].TS)
+	// Timestamps are CLOCK_MONOTONIC microseconds: prepare started 1 ms after t0.
+	if got := doc.TraceEvents[len(doc.TraceEvents)-5].TS - float64(doc.OtherData.T0Mono)/1e3; math.Abs(got-1000) > 0.01 {
+		t.Errorf("prepare ts = t0 + %v us, want t0 + 1000", got)
+	}
+	if doc.OtherData.Clock != "CLOCK_MONOTONIC" {
+		t.Errorf("otherData.clock = %q", doc.OtherData.Clock)
+	}
+	if now := float64(monoNow()) / 1e3; doc.OtherData.T0Mono <= 0 || math.Abs(float64(doc.OtherData.T0Mono)/1e3-now) > 60e6 {
+		t.Errorf("t0_mono_ns %d is not CLOCK_MONOTONIC (now %v us)", doc.OtherData.T0Mono, now)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"golang.org/x/sys/unix"
 )
 
 // TraceEvent is one Chrome trace event (the JSON Perfetto and chrome://tracing open).
@@ -15,24 +16,38 @@ type TraceEvent struct {
 	Name string         `json:"name"`
 	Cat  string         `json:"cat,omitempty"`
 	Ph   string         `json:"ph"`
-	TS   float64        `json:"ts"` // microseconds
+	TS   float64        `json:"ts"` // microseconds of CLOCK_MONOTONIC
 	Dur  float64        `json:"dur,omitempty"`
 	Pid  int            `json:"pid"`
 	Tid  int            `json:"tid"`
 	Args map[string]any `json:"args,omitempty"`
 }
 
-// Trace collects spans; a nil *Trace records nothing.
+// Trace collects spans; a nil *Trace records nothing. Its timestamps are absolute
+// CLOCK_MONOTONIC microseconds, the clock of the engine's spans, of a --trace-kernel
+// trace (ftrace's mono clock) and of perf record -k CLOCK_MONOTONIC, so the three line up.
 type Trace struct {
 	mu     sync.Mutex
 	t0     time.Time
+	monoT0 int64 // CLOCK_MONOTONIC at t0, in ns
 	events []TraceEvent
 	named  map[[2]int]bool
 }
 
-func newTrace(t0 time.Time) *Trace { return &Trace{t0: t0, named: map[[2]int]bool{}} }
+func newTrace(t0 time.Time) *Trace {
+	return &Trace{t0: t0, monoT0: monoNow() - int64(time.Since(t0)), named: map[[2]int]bool{}}
+}
 
-func (t *Trace) us(at time.Time) float64 { return float64(at.Sub(t.t0)) / float64(time.Microsecond) }
+func (t *Trace) us(at time.Time) float64 {
+	return float64(t.monoT0+int64(at.Sub(t.t0))) / float64(time.Microsecond)
+}
+
+// monoNow is CLOCK_MONOTONIC in nanoseconds.
+func monoNow() int64 {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	return ts.Nano()
+}
 
 // Group names a trace process (pid): one per wave or batch.
 func (t *Trace) Group(pid int, name string) {
@@ -97,7 +112,8 @@ func (t *Trace) WriteTo(w io.Writer) (int64, error) {
 	if evs == nil {
 		evs = []TraceEvent{}
 	}
-	b, err := json.Marshal(map[string]any{"traceEvents": evs, "displayTimeUnit": "ms"})
+	b, err := json.Marshal(map[string]any{"traceEvents": evs, "displayTimeUnit": "ms",
+		"otherData": map[string]any{"clock": "CLOCK_MONOTONIC", "ts_unit": "us", "t0_mono_ns": t.monoT0}})
 	if err != nil {
 		return 0, err
 	}
