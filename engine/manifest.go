@@ -137,7 +137,14 @@ type CheckpointManifest struct {
 	Layers  []RAMLayer           `json:"layers,omitempty"`
 	Timings CheckpointTimings    `json:"timings"`
 	Freeze  *memfile.FreezeStats `json:"freeze,omitempty"`
+	// Spans are the checkpoint's phases with absolute times; Migration is QEMU's account
+	// of the migration that saved the device state (nil without one).
+	Spans     []Span          `json:"spans,omitempty"`
+	Migration *MigrationStats `json:"migration,omitempty"`
 }
+
+// MigrationStats are QEMU's totals of a checkpoint's migration.
+type MigrationStats = api.MigrationStats
 
 // RAMLayer is one generation's delta layer: a sparse file of the guest's size holding,
 // at their guest offsets, the pages that generation changed (memfile.ExtractDelta).

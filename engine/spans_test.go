@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
 // markLog records each marker call with the time it came.
@@ -119,5 +121,58 @@ func TestPhaseClockNoMarker(t *testing.T) {
 	c.abandon()
 	if len(c.spans) != 1 || c.spans[0].Name != "prepare" || c.spans[0].StartMono == 0 {
 		t.Fatalf("spans %+v", c.spans)
+	}
+}
+
+// TestCheckpointPhases: a checkpoint's phases are spans in the order they ended, each
+// marker inside its span, an end called twice counts once, and all lie after the
+// writer's start (where commit's whole-checkpoint span begins).
+func TestCheckpointPhases(t *testing.T) {
+	var m markLog
+	w := &ckWriter{ck: &CheckpointManifest{Name: "ck"}, t0At: clockStamp(), marker: &m}
+	end := w.phase("migrate")
+	end()
+	end()
+	w.phase("disk")()
+	at := clockStamp()
+	if got := fmt.Sprint(spanNames(w.ck.Spans)); got != "[migrate disk]" {
+		t.Fatalf("spans %s", got)
+	}
+	var marks []string
+	for _, mc := range m.calls {
+		marks = append(marks, mc.what)
+	}
+	if got := fmt.Sprint(marks); got != "[S ck migrate F ck migrate S ck disk F ck disk]" {
+		t.Fatalf("marks %s", got)
+	}
+	for i, s := range w.ck.Spans {
+		if st, en := m.calls[2*i].at.mono, m.calls[2*i+1].at.mono; st < s.StartMono || en > s.EndMono {
+			t.Errorf("%s [%d,%d]: markers at %d, %d", s.Name, s.StartMono, s.EndMono, st, en)
+		}
+		if s.StartMono < w.t0At.mono || s.EndMono > at.mono {
+			t.Errorf("%s outside the writer's lifetime", s.Name)
+		}
+	}
+}
+
+// TestMigrationStats: QEMU's milliseconds become durations and its RAM counters keep
+// their values; a reply without RAM counts has none.
+func TestMigrationStats(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		in   qemu.MigrationInfo
+		want MigrationStats
+	}{
+		{"completed", qemu.MigrationInfo{Status: "completed", TotalTime: 25, SetupTime: 2, Downtime: 7,
+			RAM: &qemu.MigrationRAM{Transferred: 1 << 20, Total: 2 << 30, Duplicate: 100, Normal: 256, NormalBytes: 1 << 20}},
+			MigrationStats{TotalTime: 25 * time.Millisecond, SetupTime: 2 * time.Millisecond, Downtime: 7 * time.Millisecond,
+				TransferredBytes: 1 << 20, RAMBytes: 2 << 30, ZeroPages: 100, NormalPages: 256, NormalBytes: 1 << 20}},
+		{"no ram", qemu.MigrationInfo{Status: "completed", TotalTime: 3}, MigrationStats{TotalTime: 3 * time.Millisecond}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := *migrationStats(tc.in); got != tc.want {
+				t.Errorf("migrationStats = %+v, want %+v", got, tc.want)
+			}
+		})
 	}
 }

@@ -69,6 +69,7 @@ func CheckpointInfoOf(c engine.CheckpointInfo) api.CheckpointInfo {
 		Accel: m.Accel, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB, DiskMiB: m.DiskMiB, Net: m.Net,
 		RAMPath: m.RAMPath, RAMSize: m.RAMSize, StateSize: m.StateSize, DiskMethod: m.DiskMethod,
 		RAMMethod: m.RAMMethod, Kind: m.Kind, WrittenBytes: m.WrittenBytes(), Timings: m.Timings,
+		Spans: m.Spans, Migration: m.Migration,
 		Forks: c.Forks, FlatBytes: c.FlatBytes, Corrupt: c.Corrupt,
 	}
 	if m.Freeze != nil {

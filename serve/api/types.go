@@ -218,6 +218,23 @@ type CheckpointTimings struct {
 	Total   time.Duration `json:"total_ns"`
 }
 
+// MigrationStats are QEMU's totals (query-migrate) of a checkpoint's migration. A
+// checkpoint of a world skips the shared RAM (x-ignore-shared): its RAM counts are
+// near zero and the times are those of the device state.
+type MigrationStats struct {
+	TotalTime time.Duration `json:"total_time_ns"`
+	SetupTime time.Duration `json:"setup_time_ns"`
+	// Downtime is the time QEMU had the guest stopped for the migration.
+	Downtime time.Duration `json:"downtime_ns"`
+	// TransferredBytes is the RAM part of the stream; RAMBytes is the guest's RAM.
+	TransferredBytes int64 `json:"transferred_bytes"`
+	RAMBytes         int64 `json:"ram_bytes"`
+	// ZeroPages were sent as a flag, NormalPages whole (NormalBytes).
+	ZeroPages   int64 `json:"zero_pages"`
+	NormalPages int64 `json:"normal_pages"`
+	NormalBytes int64 `json:"normal_bytes"`
+}
+
 // Spec describes a VM to create (the body of POST /v1/vms). Only Name is required: the
 // engine gives a zero CPUs and MemoryMiB their defaults (engine.Spec.WithDefaults).
 // engine.Spec has the same fields, so either converts to the other.
@@ -416,8 +433,13 @@ type CheckpointInfo struct {
 	// RAM data or delta layer; files shared with its lineage not counted).
 	WrittenBytes int64             `json:"written_bytes"`
 	Timings      CheckpointTimings `json:"timings"`
-	Freeze       *FreezeStats      `json:"freeze,omitempty"`
-	Forks        []string          `json:"forks"`
+	// Spans are the checkpoint's phases with absolute times (see Span).
+	Spans []Span `json:"spans,omitempty"`
+	// Migration is QEMU's own account of the migration that saved the device state
+	// (nil for a delta checkpoint, whose device state is saved without one).
+	Migration *MigrationStats `json:"migration,omitempty"`
+	Freeze    *FreezeStats    `json:"freeze,omitempty"`
+	Forks     []string        `json:"forks"`
 	// FlatBytes is the storage of the checkpoint's flattened RAM file, when it has one.
 	FlatBytes int64 `json:"flat_bytes,omitempty"`
 	// Corrupt, when set, says why the checkpoint's record cannot be read: only Name and
