@@ -64,6 +64,11 @@ func (t *Trace) Span(pid, tid int, thread, name string, start time.Time, d time.
 	if t == nil {
 		return
 	}
+	t.spanAt(pid, tid, thread, name, t.us(start), d, args)
+}
+
+// spanAt records one complete event at ts (CLOCK_MONOTONIC microseconds).
+func (t *Trace) spanAt(pid, tid int, thread, name string, ts float64, d time.Duration, args map[string]any) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if !t.named[[2]int{pid, tid}] {
@@ -74,21 +79,26 @@ func (t *Trace) Span(pid, tid int, thread, name string, start time.Time, d time.
 	if dur <= 0 {
 		dur = 0.001
 	}
-	t.events = append(t.events, TraceEvent{Name: name, Cat: "fork", Ph: "X", TS: t.us(start), Dur: dur, Pid: pid, Tid: tid, Args: args})
+	t.events = append(t.events, TraceEvent{Name: name, Cat: "fork", Ph: "X", TS: ts, Dur: dur, Pid: pid, Tid: tid, Args: args})
 }
 
-// ForkSpans records the phases of one fork laid end to end from start: prepare, spawn,
-// restore, agent, then first-command at cmdStart (if cmd > 0). args go on every span.
-func (t *Trace) ForkSpans(pid, tid int, name string, start time.Time, p phases, cmdStart time.Time, cmd time.Duration, args map[string]any) {
+// ForkSpans records the phases of one fork: the engine's spans where it reported them
+// (at their own CLOCK_MONOTONIC times), else p laid end to end from start (prepare,
+// spawn, restore, agent); then first-command at cmdStart (if cmd > 0). args go on every
+// span.
+func (t *Trace) ForkSpans(pid, tid int, name string, start time.Time, p phases, spans []engine.Span, cmdStart time.Time, cmd time.Duration, args map[string]any) {
 	if t == nil {
 		return
+	}
+	for _, s := range spans {
+		t.spanAt(pid, tid, name, s.Name, float64(s.StartMono)/1e3, s.Duration(), args)
 	}
 	at := start
 	for _, ph := range []struct {
 		n string
 		d time.Duration
 	}{{"prepare", p.Prepare}, {"spawn", p.Spawn}, {"restore", p.Restore}, {"agent", p.Agent}} {
-		if ph.d > 0 {
+		if ph.d > 0 && len(spans) == 0 {
 			t.Span(pid, tid, name, ph.n, at, ph.d, args)
 		}
 		at = at.Add(ph.d)
