@@ -168,10 +168,7 @@ func (in *Instance) PhaseStart(owner, phase string) { in.mark('S', owner, phase)
 // PhaseEnd writes the matching atrace async end, F|PID|OWNER PHASE|COOKIE.
 func (in *Instance) PhaseEnd(owner, phase string) { in.mark('F', owner, phase) }
 
-// Marker writes one marker line as is (e.g. "B|PID|name" from a caller's own thread).
-// Errors are dropped, as a full or stopped buffer drops the marker.
-func (in *Instance) Marker(line string) { _, _ = in.marker.WriteString(line) }
-
+// mark writes one marker; errors are dropped, as a full or stopped buffer drops it.
 func (in *Instance) mark(kind byte, owner, phase string) {
 	b := make([]byte, 0, 64)
 	b = append(b, kind, '|')
