@@ -58,7 +58,9 @@ func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, er
 	e := b.e
 	spec.Forkable = false
 	spec.DiskMiB = 0
-	clock := startPhases()
+	clock := markPhases(e.cfg.Markers, spec.Name)
+	clock.begin("prepare")
+	defer clock.abandon() // a failure ends its phase's marker
 	vm, err := e.newBootVM(ctx, spec)
 	if err != nil {
 		return nil, err
@@ -81,10 +83,12 @@ func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, er
 		}
 	}()
 	clock.lap(&vm.m.Timings.Prepare)
+	clock.begin("spawn")
 	if err := vm.start(ctx); err != nil {
 		return nil, err
 	}
 	clock.lap(&vm.m.Timings.Spawn)
+	clock.begin("restore")
 	if err := vm.process().loadFromFile(ctx, path, false, true); err != nil {
 		return nil, vm.failure("restore", err)
 	}

@@ -81,6 +81,7 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 		return nil, err
 	}
 	defer w.cleanup()
+	w.marker = e.cfg.Markers
 	saveConsoleHistory(m.Launch.SerialLog, w.tmp)
 	w.ck = &checkpointManifest{
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: implicit,
@@ -127,10 +128,15 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 func checkpointWorld(ctx context.Context, vm *VM, w *ckWriter) error {
 	ck := w.ck
 	err := w.freezeStopped(ctx, vm,
-		func(p *qemuProc) error { return p.saveToFile(ctx, w.statePath(), false) },
+		func(p *qemuProc) (err error) {
+			ck.Migration, err = p.saveToFileStats(ctx, w.statePath(), false)
+			return err
+		},
 		func() error {
 			t := time.Now()
+			end := w.phase("freeze")
 			fs, err := memfile.Freeze(ctx, vm.m.Launch.RAM.Path, w.ramTmp)
+			end()
 			ck.Timings.Freeze = time.Since(t)
 			if err != nil {
 				return fmt.Errorf("freeze ram: %w", err)

@@ -81,6 +81,7 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 		},
 		func() error { // vm.mu is held
 			t := time.Now()
+			defer w.phase("freeze")()
 			addr, err := memfile.FindMapping(vm.m.PID, ramMapped, ck.RAMSize)
 			if err == nil {
 				extract := memfile.ExtractDelta

@@ -20,7 +20,10 @@ func (e *Engine) checkpointFork(ctx context.Context, vm *VM, w *ckWriter) error 
 	ck := w.ck
 	full := filepath.Join(w.tmp, fullSaveFile)
 	defer os.Remove(full)
-	err := w.freezeStopped(ctx, vm, func(p *qemuProc) error { return p.saveToFile(ctx, full, true) }, nil)
+	err := w.freezeStopped(ctx, vm, func(p *qemuProc) (err error) {
+		ck.Migration, err = p.saveToFileStats(ctx, full, true)
+		return err
+	}, nil)
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
 	}
@@ -28,6 +31,8 @@ func (e *Engine) checkpointFork(ctx context.Context, vm *VM, w *ckWriter) error 
 	src := vm.m
 	vm.mu.Unlock()
 	t2 := time.Now()
+	end := w.phase("freeze")
+	defer end()
 	if err := e.rebase(ctx, src, w, full); err != nil {
 		return fmt.Errorf("engine: checkpoint %s: rebase: %w", vm.m.Name, err)
 	}

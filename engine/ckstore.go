@@ -49,6 +49,7 @@ func infoOf(m *checkpointManifest) CheckpointInfo {
 		Accel: m.Accel, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB, DiskMiB: m.DiskMiB, Net: m.Net,
 		RAMPath: m.RAMPath, RAMSize: m.RAMSize, StateSize: m.StateSize, DiskMethod: m.DiskMethod,
 		RAMMethod: m.RAMMethod, Kind: m.Kind, WrittenBytes: m.WrittenBytes(), Timings: m.Timings,
+		Spans: m.Spans, Migration: m.Migration,
 	}
 	if m.Freeze != nil {
 		f := api.FreezeStats(*m.Freeze)

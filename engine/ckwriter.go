@@ -19,6 +19,8 @@ type ckWriter struct {
 	qemuImg string
 	ck      *checkpointManifest
 	t0      time.Time
+	t0At    stamp       // t0 on the spans' clocks
+	marker  PhaseMarker // Config.Markers (nil: none)
 
 	tmp, final       string // checkpoint directory: being written, committed
 	ramTmp, ramFinal string // RAM file: being written, committed
@@ -32,13 +34,35 @@ type ckWriter struct {
 
 // newCkWriter starts writing checkpoint name.
 func newCkWriter(paths layout, qemuImg, name string) (*ckWriter, error) {
-	w := &ckWriter{paths: paths, qemuImg: qemuImg, t0: time.Now(),
+	w := &ckWriter{paths: paths, qemuImg: qemuImg, t0: time.Now(), t0At: clockStamp(),
 		tmp: paths.tmpCheckpointDir(name), final: paths.checkpointDir(name), ramFinal: paths.checkpointRAM(name)}
 	w.ramTmp = w.ramFinal + ".tmp-" + randHex(4)
 	if err := os.Mkdir(w.tmp, 0o700); err != nil {
 		return nil, fmt.Errorf("engine: checkpoint dir: %w", err)
 	}
 	return w, nil
+}
+
+// phase starts the checkpoint's phase name (told to the marker); end records its span.
+// A phase that fails is ended too (its marker), with its span: the manifest is not
+// committed then.
+func (w *ckWriter) phase(name string) (end func()) {
+	start := clockStamp()
+	if w.marker != nil {
+		w.marker.PhaseStart(w.ck.Name, name)
+	}
+	done := false
+	return func() {
+		if done {
+			return
+		}
+		done = true
+		if w.marker != nil {
+			w.marker.PhaseEnd(w.ck.Name, name)
+		}
+		at := clockStamp()
+		w.ck.Spans = append(w.ck.Spans, Span{Name: name, StartMono: start.mono, EndMono: at.mono, StartBoot: start.boot, EndBoot: at.boot})
+	}
 }
 
 // statePath is where the device state is saved.
@@ -86,6 +110,8 @@ func (w *ckWriter) commit(ctx context.Context) error {
 		ck.RAMHolesSHA256 = bytesSHA256(holes)
 	}
 	ck.Timings.Total = time.Since(w.t0)
+	at := clockStamp()
+	ck.Spans = append(ck.Spans, Span{Name: "checkpoint", StartMono: w.t0At.mono, EndMono: at.mono, StartBoot: w.t0At.boot, EndBoot: at.boot})
 	if err := writeJSON(filepath.Join(w.tmp, manifestFile), ck); err != nil {
 		return fmt.Errorf("engine: checkpoint manifest: %w", err)
 	}
@@ -142,7 +168,9 @@ func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuPro
 		return err
 	}
 	t0 := time.Now()
+	endMigrate := w.phase("migrate")
 	err = save(p)
+	endMigrate()
 	ck.Timings.Migrate = time.Since(t0)
 	// From here on the guest may be stopped (postmigrate) until cont, whatever happens.
 	defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
@@ -154,7 +182,10 @@ func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuPro
 		return err
 	}
 	t1 := time.Now()
-	if err := dp.commit(ctx, ck); err != nil {
+	endDisk := w.phase("disk")
+	err = dp.commit(ctx, ck)
+	endDisk()
+	if err != nil {
 		return fmt.Errorf("disk: %w", err)
 	}
 	ck.Timings.Disk = time.Since(t1)

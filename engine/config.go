@@ -85,6 +85,10 @@ type Config struct {
 	LockWait time.Duration
 	// Logger receives progress and recovery messages. Default: discard.
 	Logger *slog.Logger
+	// Markers, when set, is told the start and end of every create's, fork's and
+	// checkpoint's phases, e.g. a tracefs.Instance writing them into a kernel trace.
+	// Default nil: no markers (the spans in Info and ForkEvent are recorded either way).
+	Markers PhaseMarker
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.
 	Experimental Experimental

@@ -54,7 +54,9 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 // Create boots a new VM from the guest image and returns once its agent answered.
 // spec.Name is required; zero CPUs and MemoryMiB take the defaults (Spec.WithDefaults).
 func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
-	clock := startPhases()
+	clock := markPhases(e.cfg.Markers, spec.Name)
+	clock.begin("prepare")
+	defer clock.abandon() // a failure ends its phase's marker
 	spec = spec.WithDefaults()
 	if err := spec.Validate(); err != nil {
 		return nil, err
@@ -106,6 +108,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		vm.m.DiskNode = "disk0"
 	}
 	clock.lap(&vm.m.Timings.Prepare)
+	clock.begin("spawn")
 	if err := vm.start(ctx); err != nil {
 		return nil, portError(err, spec.Publish)
 	}

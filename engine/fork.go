@@ -112,7 +112,9 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 // Each stage's duration is a lap of one phase clock. held, when set, is the fork's
 // admission, made before its checkpoint was taken (admitSource); forkOne releases it.
 func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func()) (*VM, error) {
-	clock := startPhases()
+	clock := markPhases(e.cfg.Markers, name)
+	clock.begin("prepare")
+	defer clock.abandon() // a failure ends its phase's marker
 	if held != nil {
 		defer held()
 	}
@@ -213,10 +215,14 @@ func spawnFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) er
 	if vm.process() != nil {
 		return nil
 	}
+	clock.begin("spawn")
 	if err := vm.start(ctx); err != nil {
 		return portError(err, vm.m.Launch.Publish)
 	}
 	clock.lap(&vm.m.Timings.Spawn)
+	if len(c.Manifest.Layers) > 0 {
+		clock.begin("inject")
+	}
 	if err := injectLayers(vm, c); err != nil {
 		return vm.failure("inject", err)
 	}
@@ -239,6 +245,7 @@ func (e *Engine) restoreFork(ctx context.Context, vm *VM, c *Checkpoint, clock *
 	defer cancel()
 	handshake := vm.resumeRestored
 	if !vm.restored {
+		clock.begin("restore")
 		if err := vm.process().loadFromFile(fctx, c.statePath(), true, false); err != nil {
 			return vm.failure("restore", err)
 		}

@@ -89,26 +89,35 @@ func freezeForHandoff(ctx context.Context, vm *VM, w *ckWriter) (paused time.Tim
 		_ = p.resume()
 	}
 	t0 := time.Now()
-	if err := p.saveToFile(ctx, w.statePath(), false); err != nil {
+	endMigrate := w.phase("migrate")
+	defer endMigrate() // a failure's marker ends too
+	if ck.Migration, err = p.saveToFileStats(ctx, w.statePath(), false); err != nil {
 		undo()
 		return paused, false, nil, err
 	}
+	endMigrate()
 	ck.Timings.Migrate = time.Since(t0)
 	paused = time.Now()
 	// The guest is stopped. Freeze by renaming: no byte is copied.
 	t1 := time.Now()
+	endFreeze := w.phase("freeze")
+	defer endFreeze() // a failure's marker ends too
 	if err := os.Rename(ramPath, w.ramTmp); err != nil {
 		undo()
 		return paused, false, nil, fmt.Errorf("freeze ram: %w", err)
 	}
 	renamed = true
+	endFreeze()
 	ck.Timings.Freeze = time.Since(t1)
 	ck.RAMMethod = "handoff"
 	t2 := time.Now()
+	endDisk := w.phase("disk")
+	defer endDisk() // a failure's marker ends too
 	if ck.Disk, ck.DiskMethod, err = freezeChain(ctx, layers, w.tmp, reflink); err != nil {
 		undo()
 		return paused, false, nil, err
 	}
+	endDisk()
 	ck.Timings.Disk = time.Since(t2)
 	if err := w.commit(ctx); err != nil {
 		undo()

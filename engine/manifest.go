@@ -45,6 +45,7 @@ type manifest struct {
 	CreatedAt  time.Time    `json:"created_at"`
 	ReadyAt    time.Time    `json:"ready_at,omitzero"`
 	Timings    PhaseTimings `json:"timings"`
+	Spans      []Span       `json:"spans,omitempty"`
 	// MemoryCgroup is the VM's own memory cgroup directory (Spec.MemoryLimitMiB).
 	MemoryCgroup string `json:"memory_cgroup,omitempty"`
 	// DeadReason says why the VM's QEMU ended on its own ("oom-killed", "signal N
@@ -60,6 +61,9 @@ type manifest struct {
 
 // PhaseTimings are the durations of the phases of a create or a fork.
 type PhaseTimings = api.PhaseTimings
+
+// Span is one phase with its absolute start and end on the host's clocks.
+type Span = api.Span
 
 // checkpointManifest is the on-disk record of a checkpoint
 // (StateDir/checkpoints/NAME/manifest.json). Its fields follow the manifest's Version,
@@ -137,7 +141,14 @@ type checkpointManifest struct {
 	Layers  []ramLayer           `json:"layers,omitempty"`
 	Timings CheckpointTimings    `json:"timings"`
 	Freeze  *memfile.FreezeStats `json:"freeze,omitempty"`
+	// Spans are the checkpoint's phases with absolute times; Migration is QEMU's account
+	// of the migration that saved the device state (nil without one).
+	Spans     []Span          `json:"spans,omitempty"`
+	Migration *MigrationStats `json:"migration,omitempty"`
 }
+
+// MigrationStats are QEMU's totals of a checkpoint's migration.
+type MigrationStats = api.MigrationStats
 
 // ramLayer is one generation's delta layer: a sparse file of the guest's size holding,
 // at their guest offsets, the pages that generation changed (memfile.ExtractDelta).

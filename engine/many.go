@@ -41,8 +41,10 @@ type ForkEvent struct {
 	// Latency is the time from this fork's start to ready (or failure): Done - Start.
 	Latency time.Duration `json:"-"`
 	Timings PhaseTimings  `json:"timings"`
-	Start   time.Time     `json:"start"`
-	Done    time.Time     `json:"done"`
+	// Spans are the fork's phases with absolute times (Info.Spans).
+	Spans []Span    `json:"spans,omitempty"`
+	Start time.Time `json:"start"`
+	Done  time.Time `json:"done"`
 }
 
 // ForkMany starts n forks of src, up to Concurrency at once, and streams one event per
@@ -136,7 +138,7 @@ func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 	ev.Latency = ev.Done.Sub(ev.Start)
 	ev.VM, ev.Err = vm, err
 	if vm != nil {
-		ev.Timings = vm.m.Timings
+		ev.Timings, ev.Spans = vm.m.Timings, vm.m.Spans
 	}
 	return ev
 }

@@ -31,22 +31,45 @@ import (
 // device state and private RAM. With full set, every RAM page is saved, at unlimited
 // bandwidth (QEMU's default of 128 MiB/s is meant for networks, not local files).
 func (p *qemuProc) saveToFile(ctx context.Context, path string, full bool) error {
+	_, err := p.saveToFileStats(ctx, path, full)
+	return err
+}
+
+// saveToFileStats is saveToFile that also returns QEMU's totals of the migration.
+func (p *qemuProc) saveToFileStats(ctx context.Context, path string, full bool) (*MigrationStats, error) {
 	c, err := p.client(ctx)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := c.SetIgnoreShared(ctx, !full); err != nil {
-		return err
+		return nil, err
 	}
 	if full {
 		if err := c.MigrateSetParameters(ctx, qemu.MigrationParameters{MaxBandwidth: 1 << 40}); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	if err := c.Migrate(ctx, "file:"+path); err != nil {
-		return err
+		return nil, err
 	}
-	return waitMigration(ctx, c)
+	st, err := c.WaitMigrationInfo(ctx)
+	if errors.Is(err, qemu.ErrMigrationFailed) {
+		return nil, fmt.Errorf("engine: %w", err)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return migrationStats(st), nil
+}
+
+// migrationStats is the wire's view of a completed migration's query-migrate answer.
+func migrationStats(st qemu.MigrationInfo) *MigrationStats {
+	ms := &MigrationStats{TotalTime: time.Duration(st.TotalTime) * time.Millisecond,
+		SetupTime: time.Duration(st.SetupTime) * time.Millisecond, Downtime: time.Duration(st.Downtime) * time.Millisecond}
+	if r := st.RAM; r != nil {
+		ms.TransferredBytes, ms.RAMBytes, ms.ZeroPages, ms.NormalPages, ms.NormalBytes = r.Transferred, r.Total, r.Duplicate, r.Normal, r.NormalBytes
+	}
+	return ms
 }
 
 // stopGuest stops the guest's vCPUs (QMP stop). A stopped guest stays stopped until

@@ -82,7 +82,7 @@ func (vm *VM) Info() Info {
 	return Info{Reason: reason,
 		Name: m.Name, State: st, PID: m.PID, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB,
 		DiskMiB: m.Spec.DiskMiB, Forkable: m.Spec.Forkable, Parent: m.Parent, Accel: m.Accel, TCGThread: m.Launch.TCGThread,
-		CreatedAt: m.CreatedAt, Timings: m.Timings, RunDir: m.Launch.RunDir,
+		CreatedAt: m.CreatedAt, Timings: m.Timings, Spans: append([]Span(nil), m.Spans...), RunDir: m.Launch.RunDir,
 		Net: m.Launch.Net, Publish: append([]PortForward(nil), m.Launch.Publish...),
 	}
 }
@@ -219,12 +219,14 @@ func (vm *VM) failure(op string, err error) error {
 // timings and marks the VM running. A failed handshake is reported as a failure of op
 // (with QEMU's stderr when QEMU died).
 func (vm *VM) becomeReady(ctx context.Context, op string, clock *phaseClock, hello func(context.Context) error) error {
+	clock.begin("agent")
 	if err := hello(ctx); err != nil {
 		return vm.failure(op, err)
 	}
 	vm.mu.Lock()
 	clock.lap(&vm.m.Timings.Agent)
 	vm.m.Timings.Total = clock.total()
+	vm.m.Spans = clock.spans
 	vm.mu.Unlock()
 	return vm.markRunning()
 }
@@ -454,26 +456,3 @@ func (l layout) removeVMFiles(name string, m *manifest) {
 	os.RemoveAll(l.runDir(name))
 	os.RemoveAll(l.vmDir(name))
 }
-
-// phaseClock takes the phase timings of a create or a fork in one place: each lap is the
-// time since the previous lap (or skip).
-type phaseClock struct{ t0, last time.Time }
-
-func startPhases() *phaseClock {
-	now := time.Now()
-	return &phaseClock{t0: now, last: now}
-}
-
-// lap sets *d to the time since the last lap.
-func (c *phaseClock) lap(d *time.Duration) {
-	now := time.Now()
-	*d = now.Sub(c.last)
-	c.last = now
-}
-
-// skip starts the next lap now: the time since the last one (a wait) counts only in the
-// total.
-func (c *phaseClock) skip() { c.last = time.Now() }
-
-// total is the time since the clock started.
-func (c *phaseClock) total() time.Duration { return time.Since(c.t0) }

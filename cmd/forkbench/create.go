@@ -71,7 +71,7 @@ func (r *runner) coldCreate(name string, index int) (*engine.VM, Sample) {
 		return vm, s
 	}
 	s.OK = true
-	r.trace.ForkSpans(1, index+1, name, t0, phases{t.Prepare, t.Spawn, 0, t.Agent}, ready, d, nil)
+	r.trace.ForkSpans(1, index+1, name, t0, phases{t.Prepare, t.Spawn, 0, t.Agent}, nil, ready, d, nil)
 	return vm, s
 }
 

@@ -101,7 +101,7 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 		return vm, s
 	}
 	s.OK = true
-	r.trace.ForkSpans(pid, index+1, name, t0, p, ready, d,
+	r.trace.ForkSpans(pid, index+1, name, t0, p, vm.Info().Spans, ready, d,
 		map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "qemu_pid": vm.PID()})
 	return vm, s
 }

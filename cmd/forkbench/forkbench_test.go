@@ -5,10 +5,13 @@ import (
 	"context"
 	"encoding/csv"
 	"encoding/json"
+	"fmt"
 	"math"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/engine"
 )
 
 func TestPercentiles(t *testing.T) {
@@ -104,7 +107,7 @@ func TestTraceShape(t *testing.T) {
 	t0 := time.Now()
 	tr := newTrace(t0)
 	tr.Group(1, "wave8")
-	tr.ForkSpans(1, 1, "w8-1", t0.Add(time.Millisecond), phases{time.Millisecond, 50 * time.Millisecond, time.Millisecond, 100 * time.Millisecond},
+	tr.ForkSpans(1, 1, "w8-1", t0.Add(time.Millisecond), phases{time.Millisecond, 50 * time.Millisecond, time.Millisecond, 100 * time.Millisecond}, nil,
 		t0.Add(200*time.Millisecond), 20*time.Millisecond, map[string]any{"cpu_user_ms": 12.0})
 	var nilTrace *Trace
 	nilTrace.Span(1, 1, "x", "y", t0, time.Second, nil) // must not panic
@@ -114,6 +117,10 @@ func TestTraceShape(t *testing.T) {
 	}
 	var doc struct {
 		TraceEvents []TraceEvent `json:"traceEvents"`
+		OtherData   struct {
+			Clock  string `json:"clock"`
+			T0Mono int64  `json:"t0_mono_ns"`
+		} `json:"otherData"`
 	}
 	if err := json.Unmarshal(buf.Bytes(), &doc); err != nil {
 		t.Fatal(err)
@@ -139,8 +146,15 @@ func TestTraceShape(t *testing.T) {
 	if got := strings.Join(spans, ","); got != "prepare,spawn,restore,agent,first-command" {
 		t.Errorf("spans = %s", got)
 	}
-	if doc.TraceEvents[len(doc.TraceEvents)-5].TS != 1000 {
-		t.Errorf("prepare ts = %v us, want 1000", doc.TraceEvents[len(doc.TraceEvents)-5].TS)
+	// Timestamps are CLOCK_MONOTONIC microseconds: prepare started 1 ms after t0.
+	if got := doc.TraceEvents[len(doc.TraceEvents)-5].TS - float64(doc.OtherData.T0Mono)/1e3; math.Abs(got-1000) > 0.01 {
+		t.Errorf("prepare ts = t0 + %v us, want t0 + 1000", got)
+	}
+	if doc.OtherData.Clock != "CLOCK_MONOTONIC" {
+		t.Errorf("otherData.clock = %q", doc.OtherData.Clock)
+	}
+	if now := float64(monoNow()) / 1e3; doc.OtherData.T0Mono <= 0 || math.Abs(float64(doc.OtherData.T0Mono)/1e3-now) > 60e6 {
+		t.Errorf("t0_mono_ns %d is not CLOCK_MONOTONIC (now %v us)", doc.OtherData.T0Mono, now)
 	}
 }
 
@@ -333,5 +347,24 @@ func TestExecLoadFlags(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "exec-load") {
 			t.Errorf("exec-load %v: %v, want a refusal", args, err)
 		}
+	}
+}
+
+// TestTraceEngineSpans: a fork the engine reported spans for is drawn at their own
+// CLOCK_MONOTONIC times (not laid out from the caller's start), then its first command.
+func TestTraceEngineSpans(t *testing.T) {
+	t0 := time.Now()
+	tr := newTrace(t0)
+	spans := []engine.Span{{Name: "prepare", StartMono: 5_000_000, EndMono: 6_000_000}, {Name: "agent", StartMono: 9_000_000, EndMono: 9_500_000}}
+	tr.ForkSpans(1, 1, "f", t0, phases{Prepare: time.Second, Spawn: time.Second}, spans, t0, time.Millisecond, nil)
+	var got []string
+	for _, e := range tr.events {
+		if e.Ph == "X" {
+			got = append(got, fmt.Sprintf("%s@%g+%g", e.Name, e.TS, e.Dur))
+		}
+	}
+	want := []string{"prepare@5000+1000", "agent@9000+500", fmt.Sprintf("first-command@%g+1000", tr.us(t0))}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("spans %q, want %q", got, want)
 	}
 }

@@ -138,7 +138,7 @@ func (r *runner) peerRestores(path string, n int) (restores []float64, restoreEr
 		}
 		r.addSample(s)
 		r.trace.Group(9000, "peer restore")
-		r.trace.ForkSpans(9000, i, name, t0, p, tc, d, nil)
+		r.trace.ForkSpans(9000, i, name, t0, p, nil, tc, d, nil)
 		if err := r.e.Delete(ctx, name); err != nil {
 			r.logf("peer: delete %s: %v", name, err)
 		}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -19,6 +20,7 @@ import (
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 	"github.com/forkvm/forkvm/procinfo"
+	"github.com/forkvm/forkvm/tracefs"
 )
 
 // runner is one benchmark run: what its flags asked for, the engine on its state dir,
@@ -31,6 +33,7 @@ type runner struct {
 	e       *engine.Engine
 	res     *Result
 	trace   *Trace
+	ktrace  *tracefs.Instance // --trace-kernel
 	runOutput
 }
 
@@ -251,8 +254,18 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
+	if cmd.Bool("trace-kernel") {
+		if r.ktrace, err = tracefs.Open(tracefs.Options{Mount: true, Name: fmt.Sprintf("forkvm-forkbench-%d", os.Getpid())}); err != nil {
+			if r.ownHome {
+				os.RemoveAll(r.home)
+			}
+			return fmt.Errorf("--trace-kernel: %w", err)
+		}
+		cfg.Markers = r.ktrace
+	}
 	r.e, err = engine.New(r.ctx, cfg)
 	if err != nil {
+		r.closeKernelTrace()
 		if r.ownHome {
 			os.RemoveAll(r.home)
 		}
@@ -275,6 +288,20 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	return nil
 }
 
+// kernelTraceFile is the --trace-kernel instance's trace, in the output directory.
+const kernelTraceFile = "kernel-trace.txt"
+
+// closeKernelTrace removes the --trace-kernel instance (if any).
+func (r *runner) closeKernelTrace() {
+	if r.ktrace == nil {
+		return
+	}
+	if err := r.ktrace.Close(); err != nil {
+		r.logf("kernel trace: %v", err)
+	}
+	r.ktrace = nil
+}
+
 // finish completes the result after the run (and its clean-up), writes result.json,
 // samples, report.md and the run's files, prints the headline and returns the run's
 // error: runErr, errNotOK for a run that is not ok, or a failure to write.
@@ -290,6 +317,16 @@ func (r *runner) finish(runErr error, start time.Time) error {
 		if err := r.trace.writeFile(r.tracePath); err != nil {
 			r.logf("trace: %v", err)
 		}
+	}
+	if r.ktrace != nil {
+		var b bytes.Buffer
+		if err := r.ktrace.WriteTrace(&b); err != nil {
+			r.logf("kernel trace: %v", err)
+		} else {
+			r.files[kernelTraceFile] = b.Bytes()
+			r.res.Extra["kernel_trace"] = kernelTraceFile
+		}
+		r.closeKernelTrace()
 	}
 	ref := reference()
 	rows := compareWithReference(r.res, ref)

@@ -260,7 +260,7 @@ func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
 		if ev.VM != nil {
 			args["qemu_pid"] = ev.VM.PID()
 		}
-		r.trace.ForkSpans(group, ev.Index+1, ev.Name, ev.Start, phasesOf(ev.Timings),
+		r.trace.ForkSpans(group, ev.Index+1, ev.Name, ev.Start, phasesOf(ev.Timings), ev.Spans,
 			w.CmdStart[ev.Name], time.Duration(s.FirstCmdMS*float64(time.Millisecond)), args)
 	}
 }

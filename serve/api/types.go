@@ -62,7 +62,10 @@ type Info struct {
 	TCGThread TCGThread    `json:"tcg_thread,omitempty"`
 	CreatedAt time.Time    `json:"created_at"`
 	Timings   PhaseTimings `json:"timings"`
-	RunDir    string       `json:"run_dir"`
+	// Spans are the same phases with their absolute start and end (a ready VM's; empty
+	// for a VM the engine found on disk from before spans were recorded).
+	Spans  []Span `json:"spans,omitempty"`
+	RunDir string `json:"run_dir"`
 	// Net says the VM has a NIC on the user-mode network; Publish lists its host port
 	// forwards.
 	Net     bool          `json:"net,omitempty"`
@@ -82,6 +85,24 @@ type PhaseTimings struct {
 	Agent  time.Duration `json:"agent_ns"` // until the agent answered with the token
 	Total  time.Duration `json:"total_ns"`
 }
+
+// Span is one phase of a create, fork or checkpoint (Name: "prepare", "spawn",
+// "inject", "restore", "agent"; a checkpoint's "migrate", "freeze", "disk", "checkpoint")
+// with its start and end on two host clocks, in nanoseconds, so a kernel trace lines up
+// with it: CLOCK_MONOTONIC (ftrace's "mono" clock, perf record -k CLOCK_MONOTONIC) and
+// CLOCK_BOOTTIME (which also counts suspend; ftrace's "boot" clock). On hosts without
+// CLOCK_BOOTTIME both are CLOCK_MONOTONIC. Spans of one operation do not overlap; time
+// between two (waiting for a restore slot) is in no span.
+type Span struct {
+	Name      string `json:"name"`
+	StartMono int64  `json:"start_mono_ns"`
+	EndMono   int64  `json:"end_mono_ns"`
+	StartBoot int64  `json:"start_boottime_ns"`
+	EndBoot   int64  `json:"end_boottime_ns"`
+}
+
+// Duration is the span's length.
+func (s Span) Duration() time.Duration { return time.Duration(s.EndMono - s.StartMono) }
 
 // PortForward publishes a guest TCP port on a host address: connections to
 // HostIP:HostPort on the host reach the guest's GuestPort (through the user-mode
@@ -196,6 +217,23 @@ type CheckpointTimings struct {
 	Extract time.Duration `json:"extract_ns,omitempty"`
 	Paused  time.Duration `json:"paused_ns"` // guest not running
 	Total   time.Duration `json:"total_ns"`
+}
+
+// MigrationStats are QEMU's totals (query-migrate) of a checkpoint's migration. A
+// checkpoint of a world skips the shared RAM (x-ignore-shared): its RAM counts are
+// near zero and the times are those of the device state.
+type MigrationStats struct {
+	TotalTime time.Duration `json:"total_time_ns"`
+	SetupTime time.Duration `json:"setup_time_ns"`
+	// Downtime is the time QEMU had the guest stopped for the migration.
+	Downtime time.Duration `json:"downtime_ns"`
+	// TransferredBytes is the RAM part of the stream; RAMBytes is the guest's RAM.
+	TransferredBytes int64 `json:"transferred_bytes"`
+	RAMBytes         int64 `json:"ram_bytes"`
+	// ZeroPages were sent as a flag, NormalPages whole (NormalBytes).
+	ZeroPages   int64 `json:"zero_pages"`
+	NormalPages int64 `json:"normal_pages"`
+	NormalBytes int64 `json:"normal_bytes"`
 }
 
 // Spec describes a VM to create (the body of POST /v1/vms). Only Name is required: the
@@ -397,8 +435,13 @@ type CheckpointInfo struct {
 	// RAM data or delta layer; files shared with its lineage not counted).
 	WrittenBytes int64             `json:"written_bytes"`
 	Timings      CheckpointTimings `json:"timings"`
-	Freeze       *FreezeStats      `json:"freeze,omitempty"`
-	Forks        []string          `json:"forks"`
+	// Spans are the checkpoint's phases with absolute times (see Span).
+	Spans []Span `json:"spans,omitempty"`
+	// Migration is QEMU's own account of the migration that saved the device state
+	// (nil for a delta checkpoint, whose device state is saved without one).
+	Migration *MigrationStats `json:"migration,omitempty"`
+	Freeze    *FreezeStats    `json:"freeze,omitempty"`
+	Forks     []string        `json:"forks"`
 	// FlatBytes is the storage of the checkpoint's flattened RAM file, when it has one.
 	FlatBytes int64 `json:"flat_bytes,omitempty"`
 	// Corrupt, when set, says why the checkpoint's record cannot be read: only Name and
@@ -463,6 +506,8 @@ type ForkEvent struct {
 	// Latency is the time from this fork's start to ready (or failure).
 	Latency time.Duration
 	Timings PhaseTimings
+	// Spans are the fork's phases with absolute times (Info.Spans).
+	Spans []Span
 }
 
 // API is what a program (and the forkvm CLI) does with forkvm, with the same shapes

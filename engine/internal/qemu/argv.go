@@ -140,7 +140,9 @@ func (l *Launch) Argv() ([]string, error) {
 	}
 	accel, cpu := l.accelCPU()
 	args := []string{
-		"-name", l.Name + ",process=forkvm-" + l.Name,
+		// debug-threads names QEMU's threads ("CPU 0/TCG", "migration") for perf and
+		// ps; process= stays last (its value is the rest of the argument).
+		"-name", l.Name + ",debug-threads=on,process=forkvm-" + l.Name,
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		"-accel", accel,
 		"-cpu", cpu,

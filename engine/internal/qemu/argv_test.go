@@ -129,7 +129,7 @@ func TestArgvForkableWorld(t *testing.T) {
 	if got := flagValue(t, argv, "-append"); got != l.Append {
 		t.Errorf("-append = %q", got)
 	}
-	if got := flagValue(t, argv, "-name"); got != "w1,process=forkvm-w1" {
+	if got := flagValue(t, argv, "-name"); got != "w1,debug-threads=on,process=forkvm-w1" {
 		t.Errorf("-name = %q", got)
 	}
 	if hasFlag(argv, "-incoming") {
@@ -645,5 +645,29 @@ func TestArgvExtraArgs(t *testing.T) {
 	got := mustArgv(t, l)
 	if want := append(append([]string(nil), plain...), l.ExtraArgs...); !reflect.DeepEqual(got, want) {
 		t.Fatalf("argv with ExtraArgs:\n%q\nwant\n%q", got, want)
+	}
+}
+
+// TestArgvNameDebugThreads: every launch names QEMU's threads (debug-threads=on, so a
+// profiler sees "CPU 0/TCG" rather than "qemu-system-x86") and keeps the process
+// marker last, where the host budget and the tests read the VM's name from.
+func TestArgvNameDebugThreads(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		edit func(*Launch)
+		want string
+	}{
+		{"boot", func(l *Launch) {}, "w1,debug-threads=on,process=forkvm-w1"},
+		{"fork", func(l *Launch) { l.Name, l.Incoming = "f-2", true }, "f-2,debug-threads=on,process=forkvm-f-2"},
+		{"devices only", func(l *Launch) { l.Name, l.Incoming, l.DevicesOnly = "d", true, true }, "d,debug-threads=on,process=forkvm-d"},
+		{"extra args", func(l *Launch) { l.ExtraArgs = []string{"-d", "nochain"} }, "w1,debug-threads=on,process=forkvm-w1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := baseLaunch()
+			tc.edit(&l)
+			if got := flagValue(t, mustArgv(t, l), "-name"); got != tc.want {
+				t.Errorf("-name = %q, want %q", got, tc.want)
+			}
+		})
 	}
 }

@@ -142,6 +142,22 @@ type MigrationInfo struct {
 	Status string `json:"status"`
 	// ErrorDesc says why a migration failed.
 	ErrorDesc string `json:"error-desc"`
+	// TotalTime, SetupTime and Downtime are QEMU's own times in milliseconds (total
+	// and downtime once completed).
+	TotalTime int64 `json:"total-time"`
+	SetupTime int64 `json:"setup-time"`
+	Downtime  int64 `json:"downtime"`
+	// RAM is the RAM part of the stream (nil before a migration).
+	RAM *MigrationRAM `json:"ram"`
+}
+
+// MigrationRAM is the part of QEMU's MigrationStats (query-migrate's "ram") forkvm reads.
+type MigrationRAM struct {
+	Transferred int64 `json:"transferred"`  // bytes written to the stream
+	Total       int64 `json:"total"`        // guest RAM
+	Duplicate   int64 `json:"duplicate"`    // zero pages (sent as a flag)
+	Normal      int64 `json:"normal"`       // pages sent whole
+	NormalBytes int64 `json:"normal-bytes"` // their bytes
 }
 
 // Active reports whether the migration is still going.
@@ -166,21 +182,28 @@ var ErrMigrationFailed = errors.New("migration did not complete")
 // WaitMigration polls query-migrate until the migration completed (nil) or failed
 // (an error wrapping ErrMigrationFailed with QEMU's description), or ctx ends.
 func (m *Monitor) WaitMigration(ctx context.Context) error {
+	_, err := m.WaitMigrationInfo(ctx)
+	return err
+}
+
+// WaitMigrationInfo is WaitMigration that also returns the last query-migrate answer:
+// a completed migration's totals.
+func (m *Monitor) WaitMigrationInfo(ctx context.Context) (MigrationInfo, error) {
 	delay := 200 * time.Microsecond
 	for {
 		st, err := m.QueryMigrate(ctx)
 		if err != nil {
-			return err
+			return st, err
 		}
 		switch st.Status {
 		case "completed":
-			return nil
+			return st, nil
 		case "failed", "cancelled":
-			return fmt.Errorf("%w (%s): %s", ErrMigrationFailed, st.Status, st.ErrorDesc)
+			return st, fmt.Errorf("%w (%s): %s", ErrMigrationFailed, st.Status, st.ErrorDesc)
 		}
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return st, ctx.Err()
 		case <-time.After(delay):
 		}
 		if delay < 5*time.Millisecond {

@@ -216,6 +216,32 @@ func TestWaitMigration(t *testing.T) {
 	}
 }
 
+// TestWaitMigrationInfo: the completed migration's totals, as QEMU reports them, come
+// back with it.
+func TestWaitMigrationInfo(t *testing.T) {
+	replies := []string{`{"status":"active","ram":{"total":4096}}`,
+		`{"status":"completed","total-time":12,"setup-time":1,"downtime":3,"ram":{"transferred":9000,"total":4096,"duplicate":7,"normal":2,"normal-bytes":8192}}`}
+	n := 0
+	m, _ := newFake(t, func(string) (string, string) {
+		r := replies[min(n, len(replies)-1)]
+		n++
+		return r, ""
+	})
+	st, err := m.WaitMigrationInfo(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := MigrationInfo{Status: "completed", TotalTime: 12, SetupTime: 1, Downtime: 3,
+		RAM: &MigrationRAM{Transferred: 9000, Total: 4096, Duplicate: 7, Normal: 2, NormalBytes: 8192}}
+	if st.RAM == nil || *st.RAM != *want.RAM {
+		t.Fatalf("RAM = %+v, want %+v", st.RAM, want.RAM)
+	}
+	st.RAM, want.RAM = nil, nil
+	if st != want {
+		t.Fatalf("WaitMigrationInfo = %+v, want %+v", st, want)
+	}
+}
+
 func TestWaitBlockJob(t *testing.T) {
 	polls := 0
 	m, _ := newFake(t, func(string) (string, string) {
