@@ -157,10 +157,7 @@ func TestMarkers(t *testing.T) {
 	got := read(t, filepath.Join(in.Dir(), "trace_marker"))
 	// The fake's trace_marker is a plain file: writes concatenate; tracefs makes each
 	// one a line. Split on the event kinds.
-	var lines []string
-	for _, part := range strings.FieldsFunc(strings.ReplaceAll(strings.ReplaceAll(got, "S|", "\nS|"), "F|", "\nF|"), func(r rune) bool { return r == '\n' }) {
-		lines = append(lines, part)
-	}
+	lines := strings.FieldsFunc(strings.ReplaceAll(strings.ReplaceAll(got, "S|", "\nS|"), "F|", "\nF|"), func(r rune) bool { return r == '\n' })
 	if len(lines) != 16 {
 		t.Fatalf("%d markers, want 16: %q", len(lines), got)
 	}
