@@ -12,8 +12,8 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/memfile"
-	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Checkpoint is a checkpoint known to the engine: Name and Info are its stable view.

@@ -9,7 +9,7 @@ import (
 // TestEmbedderLinksNoImageBuilder: a program that embeds the engine (this package, and
 // examples/embed, which uses only it) links neither image building (package guest,
 // go-containerregistry and what it pulls in: docker's CLI config, credential helpers,
-// logrus) nor the daemon (serve; serve/api's wire types are the engine's own), so an embedder's build and go.sum stay small. A new import of
+// logrus) nor the daemon (serve; api's wire types are the engine's own), so an embedder's build and go.sum stay small. A new import of
 // one of them anywhere below the engine fails here.
 func TestEmbedderLinksNoImageBuilder(t *testing.T) {
 	// "go" is the go command running this test: go test puts its GOROOT/bin first on

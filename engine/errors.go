@@ -3,7 +3,7 @@ package engine
 import (
 	"fmt"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // Sentinel errors returned (wrapped with %w) by the engine. Test them with errors.Is.

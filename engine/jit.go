@@ -8,7 +8,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // ErrNotTCG reports a query that only a TCG (emulated) VM can answer.

@@ -1,6 +1,6 @@
 package engine
 
-import "github.com/forkvm/forkvm/serve/api"
+import "github.com/forkvm/forkvm/api"
 
 // The engine's enumerations: plain string types, so they print and marshal as words.
 

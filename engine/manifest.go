@@ -12,8 +12,8 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/memfile"
-	"github.com/forkvm/forkvm/serve/api"
 )
 
 // manifestVersion is the version of VM and checkpoint manifests.

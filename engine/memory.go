@@ -6,8 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/procinfo"
-	"github.com/forkvm/forkvm/serve/api"
 )
 
 // MemoryUsage is where a VM's host memory goes (api.MemoryUsage documents each figure).

@@ -8,8 +8,8 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/internal/guestboot"
-	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Guest networking (Spec.Net), off by default.

@@ -11,7 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 

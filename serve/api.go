@@ -3,14 +3,14 @@
 // mode 0600) and, optionally, on a TCP address guarded by a bearer token. The API is
 // described in docs/api.md; package serve/client is its Go client.
 //
-// The wire types and the error codes are package serve/api's, shared by the server and
+// The wire types and the error codes are package api's, shared by the server and
 // the client; this file gives the daemon's names to them and converts the engine's
 // values.
 package serve
 
 import (
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Schema names of the JSON objects (the CLI's --json prints the same shapes).

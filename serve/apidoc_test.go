@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 var updateAPIDoc = flag.Bool("update", false, "rewrite the generated parts of docs/api.md")

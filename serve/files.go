@@ -8,8 +8,8 @@ import (
 	"path"
 	"strconv"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve/api"
 )
 
 // vmAndPath returns the VM {name} and the guest path ?path= of a files request; it

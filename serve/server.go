@@ -18,8 +18,8 @@ import (
 
 	"golang.org/x/sync/semaphore"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve/api"
 )
 
 // Body limits: JSON requests are small; an exec carries its stdin in its body.

@@ -25,10 +25,10 @@ import (
 	"testing"
 	"time"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/serve"
-	wire "github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 

@@ -17,7 +17,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // DefaultMaxOutput is the default ClientConfig.MaxOutput.

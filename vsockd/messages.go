@@ -5,7 +5,7 @@ import (
 	"io/fs"
 	"strings"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // Wire payloads (JSON). They are separate from the public API types so the

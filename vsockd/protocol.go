@@ -74,7 +74,7 @@ import (
 	"hash/crc32"
 	"io"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 const (

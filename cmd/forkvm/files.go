@@ -14,7 +14,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/serve/api"
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
 )

@@ -1,12 +1,12 @@
 package main
 
 import (
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
-	wire "github.com/forkvm/forkvm/serve/api"
 )
 
-// The CLI's --json prints the daemon's JSON objects (package serve/api, docs/api.md): one
+// The CLI's --json prints the daemon's JSON objects (package api, docs/api.md): one
 // schema for a VM and one for a checkpoint, whichever command prints them; lists are []
 // when empty.
 

@@ -24,10 +24,10 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 	"github.com/forkvm/forkvm/serve"
-	wire "github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/serve/local"
 )
 

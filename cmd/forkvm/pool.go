@@ -8,8 +8,8 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	wire "github.com/forkvm/forkvm/serve/api"
 )
 
 // warmCmd fills a checkpoint's warm pool in the daemon. A pool lives in its engine's

@@ -9,8 +9,8 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	wire "github.com/forkvm/forkvm/serve/api"
 )
 
 func TestParsePublish(t *testing.T) {

@@ -1,5 +1,5 @@
 // Command remote drives a forkvm daemon from a program that links no engine: it uses
-// only packages serve/api and serve/client, so it builds and runs on a host without
+// only packages api and serve/client, so it builds and runs on a host without
 // QEMU, the guest image or the agent protocol (a unit test of serve/client checks its
 // dependencies). It lists the daemon's VMs, runs a command in one, checkpoints it and
 // forks a wave of it, reading the wave exactly as code reading the engine's would.
@@ -17,7 +17,7 @@ import (
 	"os/signal"
 	"time"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/serve/client"
 )
 

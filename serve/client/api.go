@@ -7,7 +7,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // API is api.API: what a program does with forkvm, whether the engine runs in this

@@ -14,7 +14,7 @@ import (
 	"sync"
 	"syscall"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // Daemon describes the daemon (GET /v1/info).

@@ -7,7 +7,7 @@
 // change. VMs are returned as api.Info values, not *engine.VM handles.
 //
 // It links neither the engine nor the guest agent's protocol: a program that only
-// talks to a daemon, on this host or another, imports this package and serve/api.
+// talks to a daemon, on this host or another, imports this package and api.
 // Package serve/local is the in-process implementation of api.API and holds Open,
 // which picks a daemon when one answers and the engine otherwise.
 package client
@@ -26,7 +26,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/forkvm/forkvm/serve/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // Client talks to one daemon. It is safe for concurrent use.

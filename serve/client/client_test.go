@@ -10,9 +10,9 @@ import (
 	"testing"
 	"time"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
-	wire "github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 

@@ -13,8 +13,8 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -162,7 +162,7 @@ func exportedSentinels(t *testing.T, dir, pkg string) []string {
 // with errors.Is on the client side (ErrUnsafeEntry once came back as internal/500).
 func TestEverySentinelHasACode(t *testing.T) {
 	var names []string
-	for _, p := range []struct{ dir, pkg string }{{"../../engine", "engine"}, {"../../vsockd", "vsockd"}, {"../api", "api"}} {
+	for _, p := range []struct{ dir, pkg string }{{"../../engine", "engine"}, {"../../vsockd", "vsockd"}, {"../../api", "api"}} {
 		names = append(names, exportedSentinels(t, p.dir, p.pkg)...)
 	}
 	if len(names) < 20 {

@@ -7,7 +7,7 @@ import (
 )
 
 // TestRemoteLinksNoEngine: a program that talks to a daemon (this package, and
-// examples/remote, which uses it and serve/api only) links neither the engine, the
+// examples/remote, which uses it and api only) links neither the engine, the
 // guest image builder, the memory-file layer nor the agent protocol, so it builds for a
 // host without any of them. A new import of one of them anywhere below these packages
 // fails here.
@@ -19,7 +19,7 @@ func TestRemoteLinksNoEngine(t *testing.T) {
 		t.Fatalf("no go command to list dependencies with: %v", err)
 	}
 	forbidden := []string{"engine", "guest", "memfile", "vsockd"}
-	for _, pkg := range []string{".", "../api", "../../examples/remote"} {
+	for _, pkg := range []string{".", "../../api", "../../examples/remote"} {
 		out, err := exec.Command(goBin, "list", "-deps", pkg).CombinedOutput()
 		if err != nil {
 			t.Fatalf("go list -deps %s: %v\n%s", pkg, err, out)

@@ -5,9 +5,9 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
-	"github.com/forkvm/forkvm/serve/api"
 	"github.com/forkvm/forkvm/serve/client"
 )
 

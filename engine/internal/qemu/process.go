@@ -12,8 +12,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/qmp"
-	"github.com/forkvm/forkvm/serve/api"
 )
 
 // ErrExited reports a QEMU process that exited (at start or later): the API's sentinel,
