@@ -93,6 +93,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 		e.unlock()
 		return fail(fmt.Errorf("engine: recover %s: %w", e.paths.state, err))
 	}
+	e.syncPaused(ctx)
 	e.bg, e.bgCancel = context.WithCancel(context.Background())
 	e.bgWG.Add(1)
 	go func() {
@@ -227,6 +228,7 @@ func (e *Engine) Close() error {
 			e.discard(vm)
 		}
 		for _, vm := range vms {
+			vm.release()
 			vm.closeConns()
 		}
 		// Leave no empty directories behind in shared places (fails harmlessly if not

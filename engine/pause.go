@@ -33,6 +33,10 @@ type pauseState struct {
 	next    int
 	// watching is set while a goroutine waits for space to resume the VM.
 	watching bool
+	// released is set when the engine closes (VM.release): the VM is no longer this
+	// engine's to resume, nor its death to record; the next engine asks QEMU again
+	// (Engine.syncPaused).
+	released bool
 }
 
 // pauseCtx derives from ctx a context that is cancelled (with a *PausedError cause) if
@@ -77,8 +81,8 @@ func (vm *VM) paused(reason string) {
 		cancel(err)
 		delete(ps.cancels, id)
 	}
-	watch := !ps.watching
-	ps.watching = true
+	watch := !ps.watching && !ps.released
+	ps.watching = watch || ps.watching
 	ps.mu.Unlock()
 	if first {
 		vm.log.Warn("vm paused by QEMU on a disk error; resumes once its disk's file system has space", "vm", vm.Name(), "reason", reason)
@@ -100,6 +104,21 @@ func (vm *VM) resumed() {
 	}
 }
 
+// release marks the VM as no longer this engine's (the engine closes): it stops
+// resuming it and recording its death; the next engine does both.
+func (vm *VM) release() {
+	vm.pause.mu.Lock()
+	vm.pause.released = true
+	vm.pause.mu.Unlock()
+}
+
+// released reports whether release ran.
+func (vm *VM) released() bool {
+	vm.pause.mu.Lock()
+	defer vm.pause.mu.Unlock()
+	return vm.pause.released
+}
+
 // pauseReason is why the VM is paused ("" when it is not).
 func (vm *VM) pauseReason() string {
 	vm.pause.mu.Lock()
@@ -109,12 +128,12 @@ func (vm *VM) pauseReason() string {
 
 // resumeWhenSpace resumes the paused VM once every file system its disk chain writes to
 // has resumeFreeBytes free again (QEMU pauses it anew if the write still fails), and
-// returns when it runs again or its QEMU is gone.
+// returns when it runs again, its QEMU is gone or the engine closed.
 func (vm *VM) resumeWhenSpace() {
 	defer func() {
 		vm.pause.mu.Lock()
 		vm.pause.watching = false
-		again := vm.pause.reason != ""
+		again := vm.pause.reason != "" && !vm.pause.released
 		vm.pause.mu.Unlock()
 		if again && vm.alive() {
 			vm.pause.mu.Lock()
@@ -123,7 +142,7 @@ func (vm *VM) resumeWhenSpace() {
 			go vm.resumeWhenSpace()
 		}
 	}()
-	for vm.pauseReason() != "" {
+	for vm.pauseReason() != "" && !vm.released() {
 		select {
 		case <-vm.Done():
 			return
@@ -131,6 +150,9 @@ func (vm *VM) resumeWhenSpace() {
 		}
 		if !vm.diskHasSpace() {
 			continue
+		}
+		if vm.released() {
+			return
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		err := vm.cont(ctx)
@@ -208,14 +230,8 @@ func (p *qemuProc) watchEvents(mon *qemu.Monitor, events <-chan qmp.Event) {
 	c := mon.Client()
 	if p.onPause != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		if st, err := mon.QueryStatus(ctx); err == nil && st.Status == "io-error" {
-			nospace := false
-			if blocks, err := mon.QueryBlock(ctx); err == nil {
-				for _, b := range blocks {
-					nospace = nospace || b.IOStatus == "nospace"
-				}
-			}
-			p.onPause(ioErrorReason(nospace, ""))
+		if reason := ioPauseOf(ctx, mon); reason != "" {
+			p.onPause(reason)
 		}
 		cancel()
 	}
@@ -240,4 +256,56 @@ func (p *qemuProc) watchEvents(mon *qemu.Monitor, events <-chan qmp.Event) {
 			}
 		}
 	}
+}
+
+// ioPauseOf asks QEMU whether the guest is stopped on a disk I/O error and returns the
+// reason as Info shows it ("" when it is not, or QEMU does not answer).
+func ioPauseOf(ctx context.Context, mon *qemu.Monitor) string {
+	st, err := mon.QueryStatus(ctx)
+	if err != nil || st.Status != "io-error" {
+		return ""
+	}
+	nospace := false
+	if blocks, err := mon.QueryBlock(ctx); err == nil {
+		for _, b := range blocks {
+			nospace = nospace || b.IOStatus == "nospace"
+		}
+	}
+	return ioErrorReason(nospace, "")
+}
+
+// adoptedPauseWait bounds how long New waits for one re-adopted VM's QEMU to say
+// whether it is paused.
+const adoptedPauseWait = 3 * time.Second
+
+// syncPaused connects to the QEMU of every re-adopted VM that runs and asks whether it
+// stopped its guest on a disk I/O error while no engine was connected (a full disk
+// across an engine or daemon restart). Such a VM is listed paused, its agent
+// operations fail with a *PausedError and it resumes once its disk has space, as one
+// seen pausing does; without the question its first sign would be an exec that hangs,
+// and nothing would resume it. The connection stays (it carries the events). A QEMU
+// that does not answer in adoptedPauseWait is left to the next connection.
+func (e *Engine) syncPaused(ctx context.Context) {
+	sem := make(chan struct{}, 16)
+	var wg sync.WaitGroup
+	for _, vm := range e.vms.all() {
+		if !vm.alive() {
+			continue
+		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			ctx, cancel := context.WithTimeout(ctx, adoptedPauseWait)
+			defer cancel()
+			mon, err := vm.process().client(ctx)
+			if err != nil {
+				return
+			}
+			if reason := ioPauseOf(ctx, mon); reason != "" {
+				vm.paused(reason)
+			}
+		}()
+	}
+	wg.Wait()
 }

@@ -20,8 +20,9 @@ import (
 // TestENOSPCPauseResume: a guest write that fills the host file system under its disk
 // pauses the VM (QEMU's werror=enospc); the engine reports it paused ("io-error: no
 // space"), the exec in flight and a new one fail with a *PausedError, and once space is
-// freed the VM resumes by itself and runs commands again. The state directory is on a
-// small tmpfs this test mounts and unmounts.
+// freed the VM resumes by itself and runs commands again. An engine opened while the
+// VM is paused (a daemon restart) sees it paused and resumes it. The state directory
+// is on a small tmpfs this test mounts and unmounts.
 func TestENOSPCPauseResume(t *testing.T) {
 	mnt, err := os.MkdirTemp("/tmp", "fvt-nospc-")
 	if err != nil {
@@ -67,6 +68,27 @@ func TestENOSPCPauseResume(t *testing.T) {
 	if _, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"true"}}); !errors.Is(err, engine.ErrPaused) {
 		t.Errorf("exec on a paused VM: %v, want ErrPaused", err)
 	}
+
+	// An engine (daemon) restart while the disk is still full: the next engine asks
+	// QEMU and lists the VM paused at once (not running, with execs that hang), and it
+	// is that engine which resumes it once space is back.
+	env.E.Close()
+	e2, err := engine.New(ctx, &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E = e2
+	if vm, err = e2.Get("d"); err != nil {
+		t.Fatal(err)
+	}
+	if inf := vm.Info(); inf.State != engine.StatePaused || inf.Reason != "io-error: no space" {
+		t.Errorf("paused VM after an engine restart: state %s reason %q, want paused, io-error: no space", inf.State, inf.Reason)
+	}
+	xctx, xcancel := context.WithTimeout(ctx, 20*time.Second)
+	if _, err := vm.Exec(xctx, &vsockd.ExecRequest{Argv: []string{"true"}}); !errors.Is(err, engine.ErrPaused) {
+		t.Errorf("exec on a paused VM after an engine restart: %v, want ErrPaused", err)
+	}
+	xcancel()
 	os.Remove(ballast)
 	deadline := time.Now().Add(30 * time.Second)
 	for vm.Info().State != engine.StateRunning && time.Now().Before(deadline) {
