@@ -161,3 +161,18 @@ func TestForkCountRefusedFirst(t *testing.T) {
 		}
 	}
 }
+
+// TestCreateMemoryLimitReachesEngine: create's --memory-limit-mb is the VM spec's
+// memory limit: a value the engine refuses (under 64 MiB) comes back as its
+// ErrInvalidSpec naming the limit, before anything boots.
+func TestCreateMemoryLimitReachesEngine(t *testing.T) {
+	home := filepath.Join(t.TempDir(), "h")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	app := newApp()
+	app.Writer, app.ErrWriter = &strings.Builder{}, &strings.Builder{}
+	err := app.Run(ctx, []string{"forkvm", "--home", home, "create", "x", "--memory-limit-mb", "32"})
+	if !errors.Is(err, engine.ErrInvalidSpec) || !strings.Contains(err.Error(), "memory limit") {
+		t.Errorf("create --memory-limit-mb 32: %v, want ErrInvalidSpec about the memory limit", err)
+	}
+}

@@ -158,6 +158,7 @@ func createCmd() *cli.Command {
 		Flags: []cli.Flag{
 			&cli.IntFlag{Name: "cpus", Value: engine.DefaultCPUs, Usage: "vCPUs"},
 			&cli.IntFlag{Name: "memory-mb", Value: engine.DefaultMemoryMiB, Usage: "guest RAM in MiB (multiple of 2)"},
+			&cli.IntFlag{Name: "memory-limit-mb", Usage: "put the VM's QEMU in a memory cgroup of its own limited to this much (at least 64): a guest that grows past it is OOM-killed alone, listed dead (oom-killed)"},
 			&cli.BoolFlag{Name: "forkable", Usage: "put guest RAM in a shared RAM file (needed to checkpoint and fork)"},
 			&cli.IntFlag{Name: "disk-mb", Usage: "attach an ext4 data disk of this size, mounted at /data (with --image: the root disk's size)"},
 			&cli.StringFlag{Name: "image", Usage: "boot a root image (made with forkvm image create) instead of the busybox initramfs"},
@@ -183,7 +184,7 @@ func createCmd() *cli.Command {
 			}
 			defer api.Close()
 			inf, err := api.Create(ctx, wire.Spec{
-				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")),
+				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")), MemoryLimitMiB: int(cmd.Int("memory-limit-mb")),
 				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
 				Net: cmd.Bool("net"), Publish: publish,
 			})
@@ -562,8 +563,12 @@ func forkCmd() *cli.Command {
 			var errs []error
 			var broken error
 			ready, failed := 0, 0
+			reported := make([]bool, n)
 			implicitChecked := false // the first ready fork's parent says whether it is implicit
 			for ev := range evs {
+				if ev.Index >= 0 && ev.Index < n {
+					reported[ev.Index] = true
+				}
 				switch {
 				case ev.Index < 0: // the stream broke: no fork of its own
 					broken = ev.Err
@@ -592,7 +597,13 @@ func forkCmd() *cli.Command {
 					ready++
 				}
 			}
-			summary := forkSummary(n, ready, failed, time.Since(start))
+			var unreported []string
+			for i, r := range reported {
+				if !r && (len(names) > 0 || opts.Prefix != "") {
+					unreported = append(unreported, waveForkName(names, opts.Prefix, i))
+				}
+			}
+			summary := forkSummary(n, ready, failed, time.Since(start), unreported)
 			if n > 1 || broken != nil {
 				fmt.Fprintln(summaryOut(cmd.Bool("json")), summary)
 			}
@@ -608,16 +619,37 @@ func forkCmd() *cli.Command {
 }
 
 // forkSummary is a wave's last line: "8/8 ready in 459ms", "6/8 ready in 1.2s, 2
-// failed", and for a stream cut short the forks nobody heard of.
-func forkSummary(n, ready, failed int, wall time.Duration) string {
+// failed", and for a stream cut short the forks nobody heard of, named (the first
+// maxUnreportedNames of unreported, when the names are known) with where to look.
+func forkSummary(n, ready, failed int, wall time.Duration, unreported []string) string {
 	s := fmt.Sprintf("%d/%d ready in %v", ready, n, wall.Round(time.Millisecond))
 	if failed > 0 {
 		s += fmt.Sprintf(", %d failed", failed)
 	}
 	if unknown := n - ready - failed; unknown > 0 {
-		s += fmt.Sprintf(", %d not accounted for (the stream ended early)", unknown)
+		s += fmt.Sprintf(", %d not accounted for (the stream ended early", unknown)
+		if len(unreported) > 0 {
+			shown := unreported[:min(len(unreported), maxUnreportedNames)]
+			s += ": " + strings.Join(shown, ", ")
+			if more := len(unreported) - len(shown); more > 0 {
+				s += fmt.Sprintf(" and %d more", more)
+			}
+		}
+		s += "; forkvm ls lists those that became ready)"
 	}
 	return s
+}
+
+// maxUnreportedNames is how many unreported forks a wave's summary names.
+const maxUnreportedNames = 10
+
+// waveForkName is the name of a wave's fork i as the engine gives it: names[i], or the
+// prefix and its 1-based number.
+func waveForkName(names []string, prefix string, i int) string {
+	if i < len(names) {
+		return names[i]
+	}
+	return prefix + strconv.Itoa(i+1)
 }
 
 // summaryOut is where fork's summary goes: stdout, or stderr when stdout carries JSON

@@ -86,18 +86,26 @@ func TestNetColumn(t *testing.T) {
 }
 
 // TestForkSummary: a wave's summary accounts for every requested fork, those a broken
-// stream never reported too (after kill -9 of the daemon mid-wave, 6 of 8 were
-// missing from "1 of 8 forks failed").
+// stream never reported too, by name when the names are known (after kill -9 of the
+// daemon mid-wave, 6 of 8 were missing from "1 of 8 forks failed").
 func TestForkSummary(t *testing.T) {
+	many := make([]string, 12)
+	for i := range many {
+		many[i] = waveForkName(nil, "p", i+4)
+	}
 	for _, tc := range []struct {
 		n, ready, failed int
+		unreported       []string
 		want             string
 	}{
-		{8, 8, 0, "8/8 ready in 459ms"},
-		{8, 6, 2, "6/8 ready in 459ms, 2 failed"},
-		{8, 1, 1, "1/8 ready in 459ms, 1 failed, 6 not accounted for (the stream ended early)"},
+		{8, 8, 0, nil, "8/8 ready in 459ms"},
+		{8, 6, 2, nil, "6/8 ready in 459ms, 2 failed"},
+		{8, 1, 1, nil, "1/8 ready in 459ms, 1 failed, 6 not accounted for (the stream ended early; forkvm ls lists those that became ready)"},
+		{8, 1, 1, []string{"p3", "p4", "p5", "p6", "p7", "p8"},
+			"1/8 ready in 459ms, 1 failed, 6 not accounted for (the stream ended early: p3, p4, p5, p6, p7, p8; forkvm ls lists those that became ready)"},
+		{15, 1, 2, many, "1/15 ready in 459ms, 2 failed, 12 not accounted for (the stream ended early: p5, p6, p7, p8, p9, p10, p11, p12, p13, p14 and 2 more; forkvm ls lists those that became ready)"},
 	} {
-		if got := forkSummary(tc.n, tc.ready, tc.failed, 459*time.Millisecond); got != tc.want {
+		if got := forkSummary(tc.n, tc.ready, tc.failed, 459*time.Millisecond, tc.unreported); got != tc.want {
 			t.Errorf("forkSummary(%d, %d, %d) = %q, want %q", tc.n, tc.ready, tc.failed, got, tc.want)
 		}
 	}
