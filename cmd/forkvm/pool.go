@@ -75,17 +75,24 @@ func budgetCmd() *cli.Command {
 			if cmd.Bool("json") {
 				return printJSON(b)
 			}
-			fmt.Printf("vCPUs %d used of %d (%d host CPUs x overcommit %g; %d by other state directories; requests may ask up to %g)\n",
-				b.Used, b.Total, b.HostCPUs, b.Overcommit, b.OtherUsed, b.MaxOvercommit)
-			if m := b.Memory; m.Known {
-				fmt.Printf("memory %d MiB free for VMs = %d MiB available", m.FreeBytes>>20, m.AvailableBytes>>20)
-				if m.CgroupLimitBytes > 0 {
-					fmt.Printf(" (cgroup: %d MiB left of %d)", m.CgroupHeadroomBytes>>20, m.CgroupLimitBytes>>20)
-				}
-				fmt.Printf(" - %d reserve - %d committed (64 MiB + %g x guest RAM per VM, less what it holds)\n",
-					m.ReserveBytes>>20, m.CommittedBytes>>20, m.CommitRatio)
-			}
+			fmt.Print(budgetText(b))
 			return nil
 		},
 	}
+}
+
+// budgetText is budget's output: the vCPU budget and, where the host's memory is known,
+// the memory budget with the cgroup it runs under and the commitment per VM.
+func budgetText(b wire.Budget) string {
+	s := fmt.Sprintf("vCPUs %d used of %d (%d host CPUs x overcommit %g; %d by other state directories; requests may ask up to %g)\n",
+		b.Used, b.Total, b.HostCPUs, b.Overcommit, b.OtherUsed, b.MaxOvercommit)
+	if m := b.Memory; m.Known {
+		s += fmt.Sprintf("memory %d MiB free for VMs = %d MiB available", m.FreeBytes>>20, m.AvailableBytes>>20)
+		if m.CgroupLimitBytes > 0 {
+			s += fmt.Sprintf(" (cgroup: %d MiB left of %d)", m.CgroupHeadroomBytes>>20, m.CgroupLimitBytes>>20)
+		}
+		s += fmt.Sprintf(" - %d reserve - %d committed (64 MiB + %g x guest RAM per VM, less what it holds)\n",
+			m.ReserveBytes>>20, m.CommittedBytes>>20, m.CommitRatio)
+	}
+	return s
 }

@@ -135,3 +135,22 @@ func TestCheckpointTimings(t *testing.T) {
 		t.Errorf("a fork of the handoff checkpoint: %q", got)
 	}
 }
+
+// TestBudgetText: budget says what admission counts: other state directories' vCPUs,
+// the overcommit cap, the cgroup's headroom and limit, the reserve, what is committed
+// and the commit ratio per VM.
+func TestBudgetText(t *testing.T) {
+	const mib = 1 << 20
+	b := wire.Budget{HostCPUs: 2, Overcommit: 8, MaxOvercommit: 16, Total: 16, Used: 9, OtherUsed: 7,
+		Memory: wire.MemoryBudget{Known: true, AvailableBytes: 20000 * mib, TotalBytes: 6144 * mib, CgroupLimitBytes: 6144 * mib,
+			CgroupHeadroomBytes: 1000 * mib, ReserveBytes: 512 * mib, CommitRatio: 0.25, CommittedBytes: 300 * mib, FreeBytes: 188 * mib}}
+	want := "vCPUs 9 used of 16 (2 host CPUs x overcommit 8; 7 by other state directories; requests may ask up to 16)\n" +
+		"memory 188 MiB free for VMs = 20000 MiB available (cgroup: 1000 MiB left of 6144) - 512 reserve - 300 committed (64 MiB + 0.25 x guest RAM per VM, less what it holds)\n"
+	if got := budgetText(b); got != want {
+		t.Errorf("budget:\n%s\nwant:\n%s", got, want)
+	}
+	b.Memory = wire.MemoryBudget{}
+	if got := budgetText(b); strings.Contains(got, "memory") {
+		t.Errorf("unknown memory printed: %q", got)
+	}
+}
