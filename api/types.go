@@ -71,7 +71,8 @@ type Info struct {
 	Net     bool          `json:"net,omitempty"`
 	Publish []PortForward `json:"publish,omitempty"`
 	// Reason says why a dead VM died ("oom-killed", "signal N (NAME)", "qemu exit N:
-	// STDERR", or that its status is unknown).
+	// STDERR", "guest kernel panic: WHY", "qemu exit 0: the guest powered off or
+	// rebooted", or that its status is unknown).
 	Reason string `json:"reason,omitempty"`
 }
 

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -73,7 +74,15 @@ func (vm *VM) Info() Info {
 	if !vm.alive() {
 		st, reason = StateDead, m.DeadReason
 		if p := vm.process(); reason == "" && p != nil {
-			reason = p.ExitReason()
+			// Our child that just died may still be recording why (died: the
+			// console's panic line); settled at once otherwise.
+			p.WaitSettled(2 * guestEndWait)
+			vm.mu.Lock()
+			reason = vm.m.DeadReason
+			vm.mu.Unlock()
+			if reason == "" {
+				reason = p.ExitReason()
+			}
 		}
 	}
 	if r := vm.pauseReason(); r != "" && st != StateDead {
@@ -198,6 +207,13 @@ func (vm *VM) start(ctx context.Context) error {
 
 // died records why the VM's QEMU ended on its own, in the manifest and the log.
 func (vm *VM) died(reason string) {
+	if vm.released() {
+		// The engine closed: the VM is the next engine's, which records its death.
+		return
+	}
+	if reason == "qemu exit 0" {
+		reason = guestEnd(vm.m.Launch.SerialLog)
+	}
 	vm.mu.Lock()
 	vm.m.DeadReason = reason
 	if _, err := os.Stat(vm.dir); err == nil { // not being deleted
@@ -205,6 +221,61 @@ func (vm *VM) died(reason string) {
 	}
 	vm.mu.Unlock()
 	vm.log.Warn("vm died", "vm", vm.Name(), "reason", reason)
+}
+
+// guestEndWait bounds how long guestEnd waits for the console keeper to write the
+// guest's last output after QEMU exited.
+const guestEndWait = 500 * time.Millisecond
+
+// guestEnd says why a QEMU exited 0 on its own: the guest ended it (QEMU runs with
+// -no-reboot and the kernel with panic=-1), by a kernel panic, such as its PID 1
+// dying, whose console line says why ("guest kernel panic: ..."), or by powering off
+// or rebooting. serialLog is the VM's console log, which the keeper may still be
+// catching up on.
+func guestEnd(serialLog string) string {
+	deadline := time.Now().Add(guestEndWait)
+	for {
+		if line := lastPanic(serialLog); line != "" {
+			return "guest kernel panic: " + line
+		}
+		if time.Now().After(deadline) {
+			return "qemu exit 0: the guest powered off or rebooted"
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// lastPanic returns the text after "Kernel panic - not syncing: " on the last such
+// line in the tail of a console log ("" when there is none).
+func lastPanic(serialLog string) string {
+	const marker = "Kernel panic - not syncing: "
+	f, err := os.Open(serialLog)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	buf := make([]byte, 16<<10)
+	off := int64(0)
+	if st, err := f.Stat(); err == nil && st.Size() > int64(len(buf)) {
+		off = st.Size() - int64(len(buf))
+	}
+	n, _ := f.ReadAt(buf, off)
+	tail := string(buf[:n])
+	i := strings.LastIndex(tail, marker)
+	if i < 0 {
+		return ""
+	}
+	line := tail[i+len(marker):]
+	if j := strings.IndexAny(line, "\r\n"); j >= 0 {
+		line = line[:j]
+	}
+	line = strings.TrimSpace(strings.Map(func(r rune) rune {
+		if r < ' ' || r == 0x7f {
+			return -1
+		}
+		return r
+	}, line))
+	return strings.ToValidUTF8(line[:min(len(line), 200)], "")
 }
 
 // failure turns err into a *QEMUError carrying QEMU's stderr tail when QEMU died.

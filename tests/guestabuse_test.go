@@ -2,6 +2,7 @@ package tests
 
 import (
 	"bytes"
+	"context"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/vsockd"
 )
 
 // consoleCap is the most the console log of a VM may take on the host (serial.log and
@@ -30,7 +32,7 @@ func consoleBytes(t *testing.T, home, name string) int64 {
 // TestGuestAbuse is a hostile guest root: it floods its console (the host keeps at
 // most consoleCap of it, the end included), and sends PID 1 (the agent) the signals
 // that used to kill it (the VM keeps answering). A fork's console starts with its
-// checkpoint's.
+// checkpoint's. A guest that panics its kernel is listed dead with the panic's line.
 func TestGuestAbuse(t *testing.T) {
 	env := newRobustEnv(t, nil)
 	e := env.E
@@ -85,6 +87,19 @@ func TestGuestAbuse(t *testing.T) {
 	i, j, k := strings.Index(s, "FLOOD-END"), strings.Index(s, "fork f1 starts here"), strings.Index(s, "FORK-SAYS-HI")
 	if i < 0 || j < i || k < j {
 		t.Errorf("fork console: checkpoint's output at %d, fork line at %d, fork's output at %d; want in that order", i, j, k)
+	}
+
+	// A guest whose kernel panics (the end of a PID 1 that dies) is dead, saying so.
+	p, err := e.Create(ctx, engine.Spec{Name: "p", CPUs: 1, MemoryMiB: 128})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	_, _ = p.Exec(pctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", "echo c > /proc/sysrq-trigger"}}) // ends with the VM
+	cancel()
+	waitDead(t, p, 60*time.Second)
+	if r := p.Info().Reason; !strings.HasPrefix(r, "guest kernel panic: ") || !strings.Contains(r, "sysrq") {
+		t.Errorf("a guest kernel panic: reason %q, want \"guest kernel panic: ...sysrq...\"", r)
 	}
 	deleteAll(t, env)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -17,8 +18,9 @@ import (
 
 // TestDeadReason: a VM whose guest outgrows its memory limit is OOM-killed alone and
 // listed dead with reason "oom-killed" (manifest too); a VM whose QEMU is SIGKILLed is
-// dead with "signal 9". The limit lives in a v1 memory cgroup this test creates (capped
-// at 1 GiB, so the host is never exhausted) and removes.
+// dead with "signal 9"; QEMUs are more killable than the engine (oom_score_adj). The
+// limit lives in a v1 memory cgroup this test creates (capped at 1 GiB, so the host is
+// never exhausted) and removes.
 func TestDeadReason(t *testing.T) {
 	root := "/sys/fs/cgroup/memory"
 	if _, err := os.Stat(filepath.Join(root, "memory.limit_in_bytes")); err != nil {
@@ -40,7 +42,9 @@ func TestDeadReason(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(parent, "memory.limit_in_bytes"), []byte(fmt.Sprint(1<<30)), 0); err != nil {
 		t.Fatal(err)
 	}
-	env := newRobustEnv(t, func(c *engine.Config) { c.MemoryCgroup = parent })
+	// Overcommit: other state directories' VMs on a shared host count, and this test is
+	// not about admission.
+	env := newRobustEnv(t, func(c *engine.Config) { c.MemoryCgroup, c.Overcommit = parent, 64 })
 	e := env.E
 	ctx := ctxT(t, 4*time.Minute)
 	vm, err := e.Create(ctx, engine.Spec{Name: "hog", CPUs: 1, MemoryMiB: 512, MemoryLimitMiB: 256})
@@ -65,6 +69,22 @@ func TestDeadReason(t *testing.T) {
 	k, err := e.Create(ctx, engine.Spec{Name: "k", CPUs: 1, MemoryMiB: 128})
 	if err != nil {
 		t.Fatal(err)
+	}
+	// The OOM killer takes a VM before the engine (this process): QEMUs get a higher
+	// oom_score_adj.
+	adj := func(pid string) int {
+		b, err := os.ReadFile("/proc/" + pid + "/oom_score_adj")
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if q, own := adj(strconv.Itoa(k.PID())), adj("self"); q != 800 || own >= q {
+		t.Errorf("oom_score_adj: QEMU %d, engine %d; want 800 and the engine below it", q, own)
 	}
 	syscall.Kill(k.PID(), syscall.SIGKILL)
 	waitDead(t, k, 30*time.Second)
