@@ -348,8 +348,8 @@ func (r *runner) finish(runErr error, start time.Time) error {
 	if r.headlineNote != "" {
 		note = " [" + r.headlineNote + "]"
 	}
-	fmt.Fprintf(os.Stderr, "forkbench %s: %s = %s %s (%s, n=%d) complete=%v ok=%v failures=%d%s -> %s\n", r.bench, r.res.Metric,
-		fnum(r.res.Value), r.res.Unit, r.res.Stat, r.res.N, r.res.Complete, r.res.OK, r.res.Failures, note, r.outDir)
+	fmt.Fprintf(os.Stderr, "forkbench %s: %s (%s, n=%d) complete=%v ok=%v failures=%d%s -> %s\n", r.bench, headlineValue(r.res),
+		r.res.Stat, r.res.N, r.res.Complete, r.res.OK, r.res.Failures, note, r.outDir)
 	switch {
 	case runErr != nil:
 		return runErr
@@ -357,6 +357,15 @@ func (r *runner) finish(runErr error, start time.Time) error {
 		return fmt.Errorf("%s: %w (failures=%d)", r.bench, errNotOK, r.failures)
 	}
 	return nil
+}
+
+// headlineValue is the headline as printed: "wave64_wall_s = 5.5 s", or "wave64_wall_s:
+// no figure" when nothing was measured for it (result.json then says stat "incomplete").
+func headlineValue(res *Result) string {
+	if res.Stat == "incomplete" {
+		return res.Metric + ": no figure"
+	}
+	return fmt.Sprintf("%s = %s %s", res.Metric, fnum(res.Value), res.Unit)
 }
 
 // status is the run's complete and ok: a broken run is neither; an incomplete one is not
@@ -435,7 +444,7 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 	res := r.res
 	var b strings.Builder
 	fmt.Fprintf(&b, "# forkbench %s\n\n", res.Bench)
-	fmt.Fprintf(&b, "**%s = %s %s** (%s, n=%d) — complete: %v, ok: %v, failures: %d\n\n", res.Metric, fnum(res.Value), res.Unit, res.Stat, res.N, res.Complete, res.OK, res.Failures)
+	fmt.Fprintf(&b, "**%s** (%s, n=%d) — complete: %v, ok: %v, failures: %d\n\n", headlineValue(res), res.Stat, res.N, res.Complete, res.OK, res.Failures)
 	if r.headlineNote != "" {
 		fmt.Fprintf(&b, "**%s**\n\n", r.headlineNote)
 	}
