@@ -486,6 +486,9 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		"Host memory per fork = MemAvailable drop from before the wave to all ready / ready forks (the published definition); the breakdown is engine VM.Memory at ready. "+
 		"After a wave each fork runs `sh -c true`; idle QEMU CPU is read over %v. %s %s Forks are deleted before the next wave.",
 		r.shape.DirtyMB, idleWindow, memMethod, r.isoMethod())
+	r.methodShort = fmt.Sprintf("each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world that dirtied %d MB; "+
+		"wall = first start → last fork ready (its agent answered with its own token); a wave counts only when all N were ready; "+
+		"memory per fork = host memory the wave added / forks.", r.shape.DirtyMB)
 	if peer {
 		lat := []float64{}
 		if best != nil {

@@ -394,3 +394,20 @@ func TestHeldText(t *testing.T) {
 		}
 	}
 }
+
+// TestReportMethodBelowTable: with a short method, report.md gives it right below the
+// table and the full method after the measurements; an incomplete headline reads as
+// no figure, never as 0.
+func TestReportMethodBelowTable(t *testing.T) {
+	r := &runner{res: &Result{Bench: "fanout", Metric: "wave64_wall_s", Stat: "incomplete", Method: "FULL METHOD", Extra: map[string]any{}}}
+	r.methodShort = "SHORT"
+	r.section("### wave8\n\n")
+	md := r.renderReport(reference(), nil)
+	short, wave, full := strings.Index(md, "Method: SHORT"), strings.Index(md, "### wave8"), strings.Index(md, "## Method\n\nFULL METHOD")
+	if short < 0 || wave < short || full < wave {
+		t.Errorf("report order short %d, wave %d, full %d:\n%s", short, wave, full, md)
+	}
+	if !strings.Contains(md, "**wave64_wall_s: no figure** (incomplete") {
+		t.Errorf("incomplete headline:\n%s", md)
+	}
+}

@@ -74,6 +74,9 @@ type runOutput struct {
 	headlineNote string
 	summary      string
 	files        map[string][]byte
+	// methodShort, when set, is the method report.md gives below the table; the full
+	// method (result.json's) then follows the measurements.
+	methodShort string
 }
 
 // engineOvercommitter is a Settings that gives the engine an overcommit other than
@@ -462,8 +465,15 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 		fmt.Fprintf(&b, "Reference: %s Machines: forkvm %s (%s); reference %s. Ratio = forkvm / reference (lower is faster or smaller). forkvm memory is MiB; the reference says MB. A partial wave gives no ratio.\n\n",
 			ref.About, res.Host.Model, hostShort(res.Host), refMachinesText(ref, rows))
 	}
-	fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
+	if r.methodShort != "" {
+		fmt.Fprintf(&b, "Method: %s (In full under [Method](#method).)\n\n", r.methodShort)
+	} else {
+		fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
+	}
 	b.WriteString(r.report.String())
+	if r.methodShort != "" {
+		fmt.Fprintf(&b, "\n## Method\n\n%s\n", res.Method)
+	}
 	if len(res.Caveats) > 0 {
 		b.WriteString("\n## Caveats\n\n")
 		for _, c := range res.Caveats {
