@@ -478,7 +478,7 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 	}
 	r.headlineNote = headlineNote(fit, best, outs)
 	r.summary = r.fanoutSummary(fit, best, w)
-	r.files["fanout.svg"] = fanoutSVG(svgWaves(defaults, outs), fmt.Sprintf("forkbench fanout — %s", hostShort(r.res.Host)))
+	r.files["fanout.svg"] = fanoutSVG(svgWaves(defaults, outs, r.overcommit, fit.HeadlineOvercommit), fmt.Sprintf("forkbench fanout — %s", hostShort(r.res.Host)))
 	r.summary += "![per-fork latency, forks ready over time and memory per fork, by wave](fanout.svg)\n\n"
 	r.res.Method = fmt.Sprintf("Each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM (and wrote a disk file). "+
 		"Wall = first fork start → last fork ready (its agent answered with its own token); fork latency = each fork's start → ready. "+

@@ -57,8 +57,8 @@ type RefFigure struct {
 	// the wave run at the --overcommit asked for, before the one that fits), so a wave that was not complete shows as such.
 	Wave int    `json:"wave,omitempty"`
 	Pass string `json:"pass,omitempty"`
-	// Overcommit is the vCPU overcommit the published run used for the figure (0:
-	// not a fanout figure), shown beside the one forkvm's wave ran at.
+	// Overcommit is the vCPU overcommit the published wave ran at (only with Wave),
+	// shown beside the one forkvm's wave ran at.
 	Overcommit float64 `json:"overcommit,omitempty"`
 }
 
@@ -89,6 +89,8 @@ func parseReference(b []byte) (*Reference, error) {
 			return nil, fmt.Errorf("%w: empty or repeated key %q", ErrBadReference, f.Key)
 		case f.Value <= 0 || f.Unit == "" || f.OursUnit == "" || f.Ours == "" || f.Bench == "":
 			return nil, fmt.Errorf("%w: %s: value, unit, bench and ours are required", ErrBadReference, f.Key)
+		case f.Overcommit > 0 && f.Wave == 0:
+			return nil, fmt.Errorf("%w: %s: an overcommit without a wave", ErrBadReference, f.Key)
 		case !strings.HasPrefix(f.URL, "https://"):
 			return nil, fmt.Errorf("%w: %s: source URL %q", ErrBadReference, f.Key, f.URL)
 		case ref.Machines[f.Machine].Short == "":
@@ -318,7 +320,7 @@ func terminalTable(res *Result, ref *Reference, rows []CompareRow) string {
 // with the overcommit its wave ran at when the figure is a fan-out wave's.
 func (r CompareRow) machines(res *Result, ref *Reference) string {
 	ours, theirs := hostShort(res.Host), ref.Machines[r.Figure.Machine].Short
-	if r.Figure.Overcommit > 0 {
+	if r.Figure.Overcommit > 0 && r.Figure.Wave > 0 {
 		if r.Overcommit > 0 {
 			ours += ", overcommit " + fnum(r.Overcommit)
 		}

@@ -304,7 +304,7 @@ func TestCompare(t *testing.T) {
 // and marks partial waves.
 func TestFanoutSVG(t *testing.T) {
 	outs := []*waveOutcome{outcome(8, 8, 600*time.Millisecond, 100, 200, 300), outcome(64, 12, 672*time.Millisecond, 400)}
-	for _, waves := range [][]svgWave{svgWaves(nil, outs), svgWaves(outs, outs), nil} {
+	for _, waves := range [][]svgWave{svgWaves(nil, outs, 12, 12), svgWaves(outs, outs, 12, 64), nil} {
 		b := fanoutSVG(waves, `host <"a&b">`)
 		dec := xml.NewDecoder(bytes.NewReader(b))
 		var texts []string
@@ -340,8 +340,11 @@ func TestFanoutSVG(t *testing.T) {
 		if circles != lat {
 			t.Errorf("%d circles for %d forks", circles, lat)
 		}
-		if len(waves) > 0 && !strings.Contains(all, "wave64 (12/64, PARTIAL)") {
+		if len(waves) > 0 && !strings.Contains(all, "wave64 (12/64, PARTIAL)") && !strings.Contains(all, "wave64, overcommit 12 (12/64, PARTIAL)") {
 			t.Errorf("partial wave not marked: %s", all)
+		}
+		if len(waves) == 2*len(outs) && !strings.Contains(all, "wave8, overcommit 64 (8/8)") {
+			t.Errorf("two passes without their overcommits: %s", all)
 		}
 	}
 }

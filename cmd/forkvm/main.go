@@ -577,7 +577,7 @@ func forkCmd() *cli.Command {
 					if !implicitChecked {
 						implicitChecked = true
 						if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
-							fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Name, src, ck.Timings.Total.Round(time.Millisecond), ck.WrittenBytes)
+							fmt.Printf("implicit checkpoint of %s: %s; %.1f MiB written\n", src, checkpointLine(&ck), float64(ck.WrittenBytes)/(1<<20))
 						}
 					}
 					t := ev.Timings
