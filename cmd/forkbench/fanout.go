@@ -583,6 +583,9 @@ func (r *runner) describeFit(fit *FitDecision, defaults []*waveOutcome, budgetLi
 	for _, o := range defaults {
 		if o.n == maxWave && o.wr != nil {
 			stopAt = fmt.Sprintf("stops the %d-wave at %d of %d forks", maxWave, o.n-o.wr.AdmissionCount, o.n)
+			if held := o.wr.Budget.OtherUsed; held > 0 {
+				stopAt += fmt.Sprintf(" (%d vCPUs of it held by other state directories' VMs)", held)
+			}
 		}
 	}
 	fit.Short = fmt.Sprintf("NON-DEFAULT --overcommit %s: --overcommit %s (budget %d vCPUs = %d CPUs × %s) %s", fnum(fit.HeadlineOvercommit),

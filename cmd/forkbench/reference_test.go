@@ -414,3 +414,16 @@ func TestReportMethodBelowTable(t *testing.T) {
 		t.Errorf("incomplete headline:\n%s", md)
 	}
 }
+
+// TestDescribeFitNamesOthers: when other state directories' VMs fill the budget at the
+// setting asked for, the headline's note says so beside where the 64-wave stopped.
+func TestDescribeFitNamesOthers(t *testing.T) {
+	r := &runner{runOptions: runOptions{overcommit: 12}}
+	o := outcome(64, 0, 0)
+	o.wr.Budget.OtherUsed = 32
+	fit := &FitDecision{NonDefault: true, HeadlineOvercommit: 78, HostCPUs: 2, DefaultBudgetVCPUs: 24, NeedVCPUs: 156}
+	r.describeFit(fit, []*waveOutcome{o}, "budget 24 vCPUs", 64)
+	if want := "NON-DEFAULT --overcommit 78: --overcommit 12 (budget 24 vCPUs = 2 CPUs × 12) stops the 64-wave at 0 of 64 forks (32 vCPUs of it held by other state directories' VMs)"; fit.Short != want {
+		t.Errorf("short:\n got %q\nwant %q", fit.Short, want)
+	}
+}
