@@ -115,7 +115,7 @@ const (
 func fanoutSVG(waves []svgWave, title string) []byte {
 	const W = svgWidth
 	h1 := 50 + svgRowH*float64(len(waves)) + 40
-	h2 := 280.0 + 16*math.Ceil(float64(len(waves))/3)
+	h2 := 280.0 + 16*math.Ceil(float64(len(waves))/2)
 	h3 := 50 + svgRowH*float64(len(waves)) + 70
 	H := 40 + h1 + h2 + h3
 	d := &svgDoc{}
@@ -196,7 +196,7 @@ func (d *svgDoc) readyPanel(waves []svgWave, y0 float64) {
 			dash = ` stroke-dasharray="5,3"`
 		}
 		d.f(`<polyline points="%s" fill="none" stroke="%s" stroke-width="2"%s/>`+"\n", strings.Join(pts, " "), col, dash)
-		lx, ly := svgLeft+float64(i%3)*235, bot+44+16*float64(i/3)
+		lx, ly := svgLeft+float64(i%2)*350, bot+44+16*float64(i/2)
 		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s" stroke-width="2"%s/>`+"\n", lx, ly, lx+20, ly, col, dash)
 		d.text(lx+25, ly+4, "start", `font-size="11"`, w.label())
 	}
