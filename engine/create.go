@@ -61,6 +61,13 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	if err := spec.Validate(); err != nil {
 		return nil, err
 	}
+	// An image that does not exist is bad input, said as such before admission (a full
+	// budget would otherwise hide it).
+	if spec.Image != "" {
+		if _, err := guestboot.LookupImageDisk(e.cfg.CacheDir, ImageNamesDir(e.paths.state), spec.Image); errors.Is(err, guestboot.ErrImageNotFound) {
+			return nil, fmt.Errorf("%w: no image named %q (`forkvm images` lists them)", ErrImageNotFound, spec.Image)
+		}
+	}
 	// A create is admitted like a fork, before anything is made: the reservation ends
 	// once the VM is registered (counted there) or failed.
 	release, err := e.adm.admit(spec.CPUs, int64(spec.MemoryMiB)<<20, 0)

@@ -291,6 +291,7 @@ func TestNewTCGThread(t *testing.T) {
 
 func TestQEMUPathAndVersion(t *testing.T) {
 	cfg := testConfig(t)
+	cfg.Overcommit = 4096 // the host's budget, which other VMs may fill, must not refuse the create first
 	e := newTestEngine(t, cfg)
 	if _, err := e.bins.path(); !errors.Is(err, ErrQEMUMissing) {
 		t.Errorf("QEMUPath with missing binary: %v, want ErrQEMUMissing", err)

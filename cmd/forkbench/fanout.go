@@ -64,10 +64,12 @@ func fanoutCmd() *cli.Command {
 			settings := &FanoutSettings{Waves: waves, Warm: warm, Peer: cmd.Bool("peer"), PeerN: cmd.Int("peer-n"), IdleWindowS: idle.Seconds(), fit: cmd.Bool("fit")}
 			if settings.fit {
 				// The engine caps the overcommit a request may ask for (Config.MaxOvercommit):
-				// this benchmark is its engine's operator and asks for at most the one that
-				// fits its largest wave (the world may keep running: count it).
+				// this benchmark is its engine's operator and asks only for the one that fits
+				// its largest wave (the world may keep running: count it). The budget is the
+				// host's, so VMs of other state directories count too, and they are only
+				// known once the waves start: the cap leaves them as much room again.
 				held := map[bool]int{true: 1, false: 0}[cmd.Bool("keep-world") || cmd.Bool("peer")]
-				settings.maxOC = fitOvercommit(numCPU(), (max(slices.Max(waves), warm)+held)*int(cmd.Int("cpus")), cmd.Float("overcommit"))
+				settings.maxOC = 2 * fitOvercommit(numCPU(), (max(slices.Max(waves), warm)+held)*int(cmd.Int("cpus")), cmd.Float("overcommit"))
 			}
 			if settings.fit && warm > 0 {
 				// A warm pool is admitted at the engine's overcommit: give the engine the
@@ -135,6 +137,9 @@ type WaveSummary struct {
 	Isolation            IsoReport   `json:"isolation"`
 	// TCGThreadForks counts ready forks per TCG thread mode (only under TCG).
 	TCGThreadForks map[string]int `json:"tcg_thread_forks,omitzero"`
+	// OtherVCPUs are the vCPUs of the budget that other state directories' forkvm VMs
+	// held when the wave started (the budget is the host's).
+	OtherVCPUs int `json:"other_vcpus_at_start"`
 	// *WaveIdle's fields are present when the idle CPU was measured.
 	*WaveIdle
 	AdmissionStop *AdmissionStop `json:"admission_stop,omitempty"`
@@ -192,6 +197,7 @@ func waveSummary(wr *WaveResult, pc Percentiles, f forkStats, iso IsoReport, idl
 		MemoryMBP50:    memSummary(f.mems),
 		Isolation:      iso,
 		TCGThreadForks: f.threads,
+		OtherVCPUs:     wr.Budget.OtherUsed,
 		Complete:       wr.Complete(),
 		OK:             wr.Complete() && wr.Failed == 0 && len(iso.Failures) == 0,
 	}
@@ -335,8 +341,14 @@ func (r *runner) runWaves(w *World, settings *FanoutSettings, prefix string, ove
 		if !wr.Complete() {
 			state = fmt.Sprintf("PARTIAL (%d/%d ready)", wr.ReadyCount(), n)
 		}
-		r.logf("%s at --overcommit %s: %s: %d/%d ready in %.2fs wall (p50 %.0f ms, p95 %.0f ms), %.1f MiB host memory per fork%s", label, fnum(overcommit), state,
-			wr.ReadyCount(), n, wr.Wall.Seconds(), pc.P50, pc.P95, wr.PrivateMBPerFork(), map[bool]string{true: "; " + wr.admissionText(), false: ""}[wr.AdmissionCount > 0])
+		figures := fmt.Sprintf("%d/%d ready in %.2fs wall (p50 %.0f ms, p95 %.0f ms), %.1f MiB host memory per fork", n, n, wr.Wall.Seconds(), pc.P50, pc.P95, wr.PrivateMBPerFork())
+		switch {
+		case wr.ReadyCount() == 0:
+			figures = "no fork ready: no figure"
+		case !wr.Complete():
+			figures = fmt.Sprintf("its %d ready forks only, not wave figures: %.2fs wall, p50 %.0f ms", wr.ReadyCount(), wr.Wall.Seconds(), pc.P50)
+		}
+		r.logf("%s at --overcommit %s: %s: %s%s", label, fnum(overcommit), state, figures, map[bool]string{true: "; " + wr.admissionText(), false: ""}[wr.AdmissionCount > 0])
 		r.section("### %s — %s\n\n%d requested, %d ready, %d failed, %d refused by admission; wall %.3f s (first start → last ready%s); fork p50 %.0f ms, p95 %.0f ms, max %.0f ms; host memory added per fork %.1f MiB; QEMU CPU until ready p50 user %.0f ms sys %.0f ms.%s\n\n",
 			label, state, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), map[bool]string{true: "", false: " of the ready forks only: not a wave figure"}[wr.Complete()],
 			pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(fs.cpuUser), median(fs.cpuSys), memText(fs.mems, "at ready"))
@@ -466,7 +478,7 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 	}
 	r.headlineNote = headlineNote(fit, best, outs)
 	r.summary = r.fanoutSummary(fit, best, w)
-	r.files["fanout.svg"] = fanoutSVG(svgWaves(defaults, outs), fmt.Sprintf("forkbench fanout — %s", hostShort(r.res.Host)))
+	r.files["fanout.svg"] = fanoutSVG(svgWaves(defaults, outs, r.overcommit, fit.HeadlineOvercommit), fmt.Sprintf("forkbench fanout — %s", hostShort(r.res.Host)))
 	r.summary += "![per-fork latency, forks ready over time and memory per fork, by wave](fanout.svg)\n\n"
 	r.res.Method = fmt.Sprintf("Each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM (and wrote a disk file). "+
 		"Wall = first fork start → last fork ready (its agent answered with its own token); fork latency = each fork's start → ready. "+
@@ -474,6 +486,9 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		"Host memory per fork = MemAvailable drop from before the wave to all ready / ready forks (the published definition); the breakdown is engine VM.Memory at ready. "+
 		"After a wave each fork runs `sh -c true`; idle QEMU CPU is read over %v. %s %s Forks are deleted before the next wave.",
 		r.shape.DirtyMB, idleWindow, memMethod, r.isoMethod())
+	r.methodShort = fmt.Sprintf("each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world that dirtied %d MB; "+
+		"wall = first start → last fork ready (its agent answered with its own token); a wave counts only when all N were ready; "+
+		"memory per fork = host memory the wave added / forks.", r.shape.DirtyMB)
 	if peer {
 		lat := []float64{}
 		if best != nil {
@@ -498,14 +513,33 @@ func (r *runner) fanoutFit(settings *FanoutSettings, maxWave int) (*FitDecision,
 	fit.HeadlineOvercommit = r.overcommit
 	if settings.fit {
 		fit.HeadlineOvercommit = fitOvercommit(b.HostCPUs, fit.NeedVCPUs, r.overcommit)
+		if c := r.e.Config().MaxOvercommit; fit.HeadlineOvercommit > c {
+			fit.HeadlineOvercommit = c
+			r.caveat("the overcommit that holds the %d-wave beside the other VMs on the host (%s) is above this run's cap of %s: the waves run at %s and the largest may be partial",
+				maxWave, fnum(fitOvercommit(b.HostCPUs, fit.NeedVCPUs, r.overcommit)), fnum(c), fnum(c))
+		}
 	}
 	fit.NonDefault = fit.HeadlineOvercommit != r.overcommit
 	fit.DefaultPass = fit.NonDefault && warm == 0
 	settings.Fit = fit
 	budgetLine := fmt.Sprintf("budget %d vCPUs = %d CPUs × overcommit %s; the %d-wave needs %d vCPUs (%d forks × %d vCPUs%s)",
-		fit.DefaultBudgetVCPUs, b.HostCPUs, fnum(r.overcommit), maxWave, fit.NeedVCPUs, max(maxWave, warm), r.shape.CPUs,
-		map[bool]string{true: fmt.Sprintf(" + %d held", b.Used), false: ""}[b.Used > 0])
+		fit.DefaultBudgetVCPUs, b.HostCPUs, fnum(r.overcommit), maxWave, fit.NeedVCPUs, max(maxWave, warm), r.shape.CPUs, heldText(b))
 	return fit, budgetLine
+}
+
+// heldText says what vCPUs of the budget b are already held when the waves start (" +
+// 4 held by other forkvm VMs on the host"; "" when none are).
+func heldText(b engine.Budget) string {
+	own := b.Used - b.OtherUsed
+	switch {
+	case b.Used <= 0:
+		return ""
+	case b.OtherUsed == 0:
+		return fmt.Sprintf(" + %d held by this run's VMs", b.Used)
+	case own <= 0:
+		return fmt.Sprintf(" + %d held by other forkvm VMs on the host (other state directories; the budget is the host's)", b.OtherUsed)
+	}
+	return fmt.Sprintf(" + %d held: %d by this run's VMs, %d by other forkvm VMs on the host (other state directories; the budget is the host's)", b.Used, own, b.OtherUsed)
 }
 
 // fanoutDefaultPass runs the waves at the overcommit asked for, to record where
@@ -549,6 +583,9 @@ func (r *runner) describeFit(fit *FitDecision, defaults []*waveOutcome, budgetLi
 	for _, o := range defaults {
 		if o.n == maxWave && o.wr != nil {
 			stopAt = fmt.Sprintf("stops the %d-wave at %d of %d forks", maxWave, o.n-o.wr.AdmissionCount, o.n)
+			if held := o.wr.Budget.OtherUsed; held > 0 {
+				stopAt += fmt.Sprintf(" (%d vCPUs of it held by other state directories' VMs)", held)
+			}
 		}
 	}
 	fit.Short = fmt.Sprintf("NON-DEFAULT --overcommit %s: --overcommit %s (budget %d vCPUs = %d CPUs × %s) %s", fnum(fit.HeadlineOvercommit),

@@ -155,27 +155,76 @@ func classifyOthers(pids []int) OtherVMs {
 }
 
 // stateDirOf is the forkvm state directory of a QEMU command line ("" when it is not a
-// forkvm VM): the engine names its processes "forkvm-NAME" and writes the console to
-// STATEDIR/vms/NAME/serial.log.
+// forkvm VM): the engine names its processes "forkvm-NAME", puts the console socket at
+// RUNDIR/NAME/console.sock with RUNDIR = STATEDIR/run unless that path is too long for a
+// socket, and the disk layers under STATEDIR/vms/NAME. A VM whose run dir is elsewhere
+// and which has no disk is named by its run dir ("run dir /tmp/forkvm-…").
 func stateDirOf(args []string) string {
 	forkvm := false
-	var console string
+	var console, disk string
 	for i, a := range args {
-		if a == "-name" && i+1 < len(args) && strings.Contains(args[i+1], "process=forkvm-") {
-			forkvm = true
+		if i+1 >= len(args) {
+			break
 		}
-		if a == "-chardev" && i+1 < len(args) && strings.HasPrefix(args[i+1], "file,id=console,path=") {
-			console = strings.ReplaceAll(strings.TrimPrefix(args[i+1], "file,id=console,path="), ",,", ",")
+		v := args[i+1]
+		switch {
+		case a == "-name" && strings.Contains(v, "process=forkvm-"):
+			forkvm = true
+		case a == "-chardev" && strings.Contains(v, ",id=console,"):
+			console = qemuOpt(v, "path")
+		case a == "-blockdev" && disk == "":
+			if j := strings.Index(v, "/vms/"); j >= 0 {
+				if k := strings.LastIndex(v[:j], `"`); k >= 0 {
+					disk = v[k+1 : j]
+				}
+			}
 		}
 	}
-	if !forkvm || console == "" {
+	if !forkvm {
 		return ""
 	}
-	vmDir := filepath.Dir(console)
-	if vms := filepath.Dir(vmDir); filepath.Base(vms) == "vms" {
-		return filepath.Dir(vms)
+	dir := filepath.Dir(console)
+	switch {
+	case console == "":
+	case filepath.Base(console) == "serial.log" && filepath.Base(filepath.Dir(dir)) == "vms":
+		return filepath.Dir(filepath.Dir(dir)) // an older engine's console file
+	case filepath.Base(filepath.Dir(dir)) == "run":
+		return filepath.Dir(filepath.Dir(dir))
 	}
-	return vmDir
+	if disk != "" {
+		return disk
+	}
+	if console != "" {
+		return "run dir " + filepath.Dir(dir)
+	}
+	return ""
+}
+
+// qemuOpt is the value of key in a QEMU option string ("socket,id=x,path=/a,,b"), with
+// its doubled commas undone ("" when absent).
+func qemuOpt(s, key string) string {
+	var parts []string
+	var cur strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == ',' {
+			if i+1 < len(s) && s[i+1] == ',' {
+				cur.WriteByte(',')
+				i++
+				continue
+			}
+			parts = append(parts, cur.String())
+			cur.Reset()
+			continue
+		}
+		cur.WriteByte(s[i])
+	}
+	parts = append(parts, cur.String())
+	for _, p := range parts {
+		if v, ok := strings.CutPrefix(p, key+"="); ok {
+			return v
+		}
+	}
+	return ""
 }
 
 // otherVMsText is the report's sentence for the other VMs on the host.

@@ -57,6 +57,9 @@ type RefFigure struct {
 	// the wave run at the --overcommit asked for, before the one that fits), so a wave that was not complete shows as such.
 	Wave int    `json:"wave,omitempty"`
 	Pass string `json:"pass,omitempty"`
+	// Overcommit is the vCPU overcommit the published wave ran at (only with Wave),
+	// shown beside the one forkvm's wave ran at.
+	Overcommit float64 `json:"overcommit,omitempty"`
 }
 
 // oursShownUnit is the unit our figure is shown in: the reference's, after conversion,
@@ -86,6 +89,8 @@ func parseReference(b []byte) (*Reference, error) {
 			return nil, fmt.Errorf("%w: empty or repeated key %q", ErrBadReference, f.Key)
 		case f.Value <= 0 || f.Unit == "" || f.OursUnit == "" || f.Ours == "" || f.Bench == "":
 			return nil, fmt.Errorf("%w: %s: value, unit, bench and ours are required", ErrBadReference, f.Key)
+		case f.Overcommit > 0 && f.Wave == 0:
+			return nil, fmt.Errorf("%w: %s: an overcommit without a wave", ErrBadReference, f.Key)
 		case !strings.HasPrefix(f.URL, "https://"):
 			return nil, fmt.Errorf("%w: %s: source URL %q", ErrBadReference, f.Key, f.URL)
 		case ref.Machines[f.Machine].Short == "":
@@ -167,6 +172,8 @@ type CompareRow struct {
 	Have  bool
 	Note  string
 	Ratio float64 // Ours / reference; 0 when there is none
+	// Overcommit is the overcommit forkvm's wave ran at (0: unknown or not a wave).
+	Overcommit float64
 }
 
 // compareWithReference lines res up against the reference figures of its bench.
@@ -186,6 +193,15 @@ func compareWithReference(res *Result, ref *Reference) []CompareRow {
 			continue
 		}
 		row := CompareRow{Figure: f}
+		if f.Overcommit > 0 {
+			row.Overcommit = nums["environment.settings.overcommit"]
+			if v, ok := nums["environment.settings.fit.headline_overcommit"]; ok {
+				row.Overcommit = v
+			}
+			if f.Pass != "" {
+				row.Overcommit = nums["extra."+f.Pass+".overcommit"]
+			}
+		}
 		if f.Wave > 0 {
 			base := "extra.waves.wave" + strconv.Itoa(f.Wave)
 			if f.Pass != "" {
@@ -197,13 +213,22 @@ func compareWithReference(res *Result, ref *Reference) []CompareRow {
 				continue // a wave this run did not ask for
 			}
 		}
-		if v, ok := nums[f.Ours]; ok {
+		admitted := strings.HasSuffix(f.Key, "_admitted")
+		if v, ok := nums[f.Ours]; ok && (row.Note == "" || admitted) {
+			// A partial wave's figures cover its ready forks only: no value is shown for
+			// them, except how far admission let it go, which is a count of the budget,
+			// not a speed, so it gets no ratio.
 			scale, _ := unitScale(f.OursUnit, f.Unit)
 			row.Ours, row.Have = v*scale, true
-			if strings.HasSuffix(f.Key, "_admitted") {
-				row.Note = "" // how far a partial wave got is the figure itself
-			}
-			if row.Note == "" {
+			switch {
+			case admitted:
+				row.Note = "a count of the budget, no ratio"
+				if f.Pass != "" {
+					if b, ok := nums["extra."+f.Pass+".budget_vcpus"]; ok {
+						row.Note = fmt.Sprintf("budget %s vCPUs; a count of the budget, no ratio", fnum(b))
+					}
+				}
+			default:
 				row.Ratio = ratio(row.Ours, f.Value)
 			}
 		} else if row.Note == "" {
@@ -244,8 +269,8 @@ func comparisonTable(res *Result, ref *Reference, rows []CompareRow) string {
 		if r.Ratio > 0 {
 			rat = fmt.Sprintf("%.2f×", r.Ratio)
 		}
-		fmt.Fprintf(&sb, "| %s (`%s`) | %s | [%s %s](%s) | %s | %s vs %s |\n", f.Label, f.Key, ours, fnum(f.Value), f.Unit, f.URL, rat,
-			hostShort(res.Host), ref.Machines[f.Machine].Short)
+		fmt.Fprintf(&sb, "| %s (`%s`) | %s | [%s %s](%s) | %s | %s |\n", f.Label, f.Key, ours, fnum(f.Value), f.Unit, f.URL, rat,
+			r.machines(res, ref))
 	}
 	return sb.String()
 }
@@ -269,7 +294,7 @@ func terminalTable(res *Result, ref *Reference, rows []CompareRow) string {
 		if r.Ratio > 0 {
 			rat = fmt.Sprintf("%.2fx", r.Ratio)
 		}
-		cells = append(cells, []string{f.Key, ours, fnum(f.Value) + " " + f.Unit, rat, hostShort(res.Host) + " vs " + ref.Machines[f.Machine].Short})
+		cells = append(cells, []string{f.Key, ours, fnum(f.Value) + " " + f.Unit, rat, r.machines(res, ref)})
 	}
 	width := make([]int, 5)
 	for _, c := range cells {
@@ -289,6 +314,19 @@ func terminalTable(res *Result, ref *Reference, rows []CompareRow) string {
 		sb.WriteString("\n")
 	}
 	return sb.String()
+}
+
+// machines is the row's machines column: this host and the reference's machine, each
+// with the overcommit its wave ran at when the figure is a fan-out wave's.
+func (r CompareRow) machines(res *Result, ref *Reference) string {
+	ours, theirs := hostShort(res.Host), ref.Machines[r.Figure.Machine].Short
+	if r.Figure.Overcommit > 0 && r.Figure.Wave > 0 {
+		if r.Overcommit > 0 {
+			ours += ", overcommit " + fnum(r.Overcommit)
+		}
+		theirs += ", overcommit " + fnum(r.Figure.Overcommit)
+	}
+	return ours + " vs " + theirs
 }
 
 // refMachinesText lists the reference machines rows use, in full.

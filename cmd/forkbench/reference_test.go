@@ -207,6 +207,9 @@ func TestCompareWithReference(t *testing.T) {
 	if r := rows["wave64_wall_s"]; r.Have || r.Ratio != 0 || r.Note != "partial: 12/64 ready" {
 		t.Errorf("wave64 row %+v", r)
 	}
+	if r := rows["fork_ms_max"]; r.Have || r.Ratio != 0 || r.Note != "partial: 12/64 ready" {
+		t.Errorf("a partial wave's fork max (its ready forks only) is shown: %+v", r)
+	}
 	if r, ok := rows["default_settings_wave8_wall_s"]; ok {
 		t.Errorf("a wave the run did not ask for has a row: %+v", r)
 	}
@@ -216,6 +219,25 @@ func TestCompareWithReference(t *testing.T) {
 	table := comparisonTable(res, reference(), compareWithReference(res, reference()))
 	if !strings.Contains(table, "| 64 forks at once, first start → last ready (`wave64_wall_s`) | partial: 12/64 ready | [7.34 s](https://cua.ai/benchmarks/fork-64-sandboxes-one-mac) | — |") {
 		t.Errorf("table:\n%s", table)
+	}
+	// The default pass: how far admission let the 64-wave go is a count, not a speed;
+	// each wave's row says the overcommit it ran at beside the published one.
+	res.Extra["default_settings"] = map[string]any{"overcommit": 12, "budget_vcpus": 24,
+		"waves": map[string]WaveSummary{"wave64": {N: 64, Ready: 12}}}
+	res.Extra["default_settings_wave64_admitted"] = 12
+	res.Environment.Settings = &FanoutSettings{Fit: &FitDecision{HeadlineOvercommit: 64}, RunSettings: RunSettings{Overcommit: 12}}
+	rows = map[string]CompareRow{}
+	for _, r := range compareWithReference(res, reference()) {
+		rows[r.Figure.Key] = r
+	}
+	if r := rows["default_settings_wave64_admitted"]; !r.Have || r.Ours != 12 || r.Ratio != 0 || !strings.Contains(r.Note, "budget 24 vCPUs") {
+		t.Errorf("admitted row %+v", r)
+	}
+	if m := rows["default_settings_wave64_admitted"].machines(res, reference()); !strings.HasSuffix(m, ", overcommit 12 vs M2 Max 12 cores, QEMU/HVF, overcommit 8") {
+		t.Errorf("default pass machines %q", m)
+	}
+	if m := rows["wave8_wall_s"].machines(res, reference()); !strings.HasSuffix(m, ", overcommit 64 vs M2 Max 12 cores, QEMU/HVF, overcommit 12") {
+		t.Errorf("headline pass machines %q", m)
 	}
 	fork := &Result{Bench: "fork", Metric: "fork_p50_ms", Percentiles: Percentiles{P50: 164.4}, Extra: map[string]any{}}
 	for _, r := range compareWithReference(fork, reference()) {
@@ -282,7 +304,7 @@ func TestCompare(t *testing.T) {
 // and marks partial waves.
 func TestFanoutSVG(t *testing.T) {
 	outs := []*waveOutcome{outcome(8, 8, 600*time.Millisecond, 100, 200, 300), outcome(64, 12, 672*time.Millisecond, 400)}
-	for _, waves := range [][]svgWave{svgWaves(nil, outs), svgWaves(outs, outs), nil} {
+	for _, waves := range [][]svgWave{svgWaves(nil, outs, 12, 12), svgWaves(outs, outs, 12, 64), nil} {
 		b := fanoutSVG(waves, `host <"a&b">`)
 		dec := xml.NewDecoder(bytes.NewReader(b))
 		var texts []string
@@ -318,8 +340,11 @@ func TestFanoutSVG(t *testing.T) {
 		if circles != lat {
 			t.Errorf("%d circles for %d forks", circles, lat)
 		}
-		if len(waves) > 0 && !strings.Contains(all, "wave64 (12/64, PARTIAL)") {
+		if len(waves) > 0 && !strings.Contains(all, "wave64 (12/64, PARTIAL)") && !strings.Contains(all, "wave64, overcommit 12 (12/64, PARTIAL)") {
 			t.Errorf("partial wave not marked: %s", all)
+		}
+		if len(waves) == 2*len(outs) && !strings.Contains(all, "wave8, overcommit 64 (8/8)") {
+			t.Errorf("two passes without their overcommits: %s", all)
 		}
 	}
 }
@@ -329,9 +354,17 @@ func TestStateDirOf(t *testing.T) {
 		args []string
 		want string
 	}{
+		// The console socket in STATEDIR/run/NAME, as the engine launches a VM.
+		{[]string{"qemu-system-x86_64", "-name", "w1,debug-threads=on,process=forkvm-w1", "-chardev", "socket,id=qmp,path=/work/h/run/w1/qmp.sock,server=on,wait=off",
+			"-chardev", "socket,id=console,path=/work/h/run/w1/console.sock,server=off"}, "/work/h"},
+		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "socket,id=console,path=/tmp/a,,b/run/f1/console.sock,server=off"}, "/tmp/a,b"},
+		// A run dir outside the state dir (a long state dir path): the disk names it.
+		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "socket,id=console,path=/tmp/forkvm-ab12/f1/console.sock,server=off",
+			"-blockdev", `{"driver":"qcow2","file":{"driver":"file","filename":"/very/long/home/vms/f1/disk1.qcow2"},"node-name":"d1"}`}, "/very/long/home"},
+		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "socket,id=console,path=/tmp/forkvm-ab12/f1/console.sock,server=off"}, "run dir /tmp/forkvm-ab12"},
+		// An older engine's console file.
 		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "file,id=console,path=/work/homes/a/vms/f1/serial.log"}, "/work/homes/a"},
-		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "file,id=console,path=/tmp/a,,b/vms/f1/serial.log"}, "/tmp/a,b"},
-		{[]string{"qemu-system-x86_64", "-chardev", "file,id=console,path=/x/vms/f1/serial.log"}, ""},
+		{[]string{"qemu-system-x86_64", "-chardev", "socket,id=console,path=/x/run/f1/console.sock,server=off"}, ""},
 		{[]string{"qemu-system-x86_64", "-m", "512"}, ""},
 	} {
 		if got := stateDirOf(tt.args); got != tt.want {
@@ -344,5 +377,53 @@ func TestStateDirOf(t *testing.T) {
 	}
 	if b, _ := json.Marshal(o); string(b) != `{"forkvm_by_state_dir":{"/a":3,"/b":1},"not_forkvm":2}` {
 		t.Errorf("json %s", b)
+	}
+}
+
+// TestHeldText: vCPUs already held when the waves start are named by whose they are
+// (the budget is the host's: other state directories' VMs count in it).
+func TestHeldText(t *testing.T) {
+	for _, tt := range []struct {
+		used, other int
+		want        string
+	}{
+		{0, 0, ""},
+		{2, 0, " + 2 held by this run's VMs"},
+		{6, 6, " + 6 held by other forkvm VMs on the host (other state directories; the budget is the host's)"},
+		{8, 6, " + 8 held: 2 by this run's VMs, 6 by other forkvm VMs on the host (other state directories; the budget is the host's)"},
+	} {
+		if got := heldText(engine.Budget{Used: tt.used, OtherUsed: tt.other}); got != tt.want {
+			t.Errorf("heldText(%d, %d) = %q, want %q", tt.used, tt.other, got, tt.want)
+		}
+	}
+}
+
+// TestReportMethodBelowTable: with a short method, report.md gives it right below the
+// table and the full method after the measurements; an incomplete headline reads as
+// no figure, never as 0.
+func TestReportMethodBelowTable(t *testing.T) {
+	r := &runner{res: &Result{Bench: "fanout", Metric: "wave64_wall_s", Stat: "incomplete", Method: "FULL METHOD", Extra: map[string]any{}}}
+	r.methodShort = "SHORT"
+	r.section("### wave8\n\n")
+	md := r.renderReport(reference(), nil)
+	short, wave, full := strings.Index(md, "Method: SHORT"), strings.Index(md, "### wave8"), strings.Index(md, "## Method\n\nFULL METHOD")
+	if short < 0 || wave < short || full < wave {
+		t.Errorf("report order short %d, wave %d, full %d:\n%s", short, wave, full, md)
+	}
+	if !strings.Contains(md, "**wave64_wall_s: no figure** (incomplete") {
+		t.Errorf("incomplete headline:\n%s", md)
+	}
+}
+
+// TestDescribeFitNamesOthers: when other state directories' VMs fill the budget at the
+// setting asked for, the headline's note says so beside where the 64-wave stopped.
+func TestDescribeFitNamesOthers(t *testing.T) {
+	r := &runner{runOptions: runOptions{overcommit: 12}}
+	o := outcome(64, 0, 0)
+	o.wr.Budget.OtherUsed = 32
+	fit := &FitDecision{NonDefault: true, HeadlineOvercommit: 78, HostCPUs: 2, DefaultBudgetVCPUs: 24, NeedVCPUs: 156}
+	r.describeFit(fit, []*waveOutcome{o}, "budget 24 vCPUs", 64)
+	if want := "NON-DEFAULT --overcommit 78: --overcommit 12 (budget 24 vCPUs = 2 CPUs × 12) stops the 64-wave at 0 of 64 forks (32 vCPUs of it held by other state directories' VMs)"; fit.Short != want {
+		t.Errorf("short:\n got %q\nwant %q", fit.Short, want)
 	}
 }

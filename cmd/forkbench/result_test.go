@@ -56,7 +56,7 @@ func sortedKeys(keys ...string) string {
 // The keys of fanout's extra.waves.<label> (result.json consumers read them).
 var waveKeys = []string{"n", "complete", "ok", "ready", "failed", "refused", "wall_s", "fork_p50_ms", "fork_p95_ms", "fork_max_ms",
 	"private_mb_per_fork", "mem_available_before_mb", "mem_available_after_mb", "cpu_user_ms_p50", "cpu_sys_ms_p50",
-	"anon_mb_p50", "memory_mb_p50", "isolation"}
+	"anon_mb_p50", "memory_mb_p50", "isolation", "other_vcpus_at_start"}
 
 var (
 	idleKeys     = []string{"idle_cpu_pct_per_fork", "idle_cpu_cores_total", "idle_window_s"}
@@ -198,6 +198,20 @@ func TestAdmissionText(t *testing.T) {
 		{withBudget(vcpu), "admission stopped the wave at 3 of 4 forks (budget 6 vCPUs = 2 CPUs × overcommit 3 holds 3 forks of 2 vCPUs); 1 refused: w4-4; first refusal: " + vcpu.Error()},
 		{withBudget(mem), "admission stopped the wave at 3 of 4 forks (1 refused by the memory budget); 1 refused: w4-4; first refusal: " + mem.Error()},
 		{testWave(nil), "admission stopped the wave at 3 of 4 forks; 1 refused: first at index 3; first refusal: " + engine.ErrAdmission.Error()},
+		// Other state directories' VMs hold part of the host's budget: said, since the
+		// wave then stops before the budget's own count of forks.
+		{func() *WaveResult {
+			w := withBudget(vcpu)
+			w.Budget.OtherUsed = 2
+			return w
+		}(), "admission stopped the wave at 3 of 4 forks (budget 6 vCPUs = 2 CPUs × overcommit 3 holds 3 forks of 2 vCPUs; 2 of its vCPUs were held by other forkvm VMs on the host when the wave started (other state directories: the budget is the host's)); 1 refused: w4-4; first refusal: " + vcpu.Error()},
+		// A refusal that is not an *AdmissionError (an overcommit above the cap) is given as it came.
+		{func() *WaveResult {
+			w := withBudget(nil)
+			oc := &engine.OvercommitError{Requested: 65, Max: 64}
+			w.noteRefusals([]engine.ForkEvent{{Index: 3, Name: "w4-4", Err: oc}})
+			return w
+		}(), "admission stopped the wave at 3 of 4 forks; 1 refused: w4-4; first refusal: " + (&engine.OvercommitError{Requested: 65, Max: 64}).Error()},
 	}
 	for _, tt := range tests {
 		if got := tt.w.admissionText(); got != tt.want {

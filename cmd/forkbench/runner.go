@@ -74,6 +74,9 @@ type runOutput struct {
 	headlineNote string
 	summary      string
 	files        map[string][]byte
+	// methodShort, when set, is the method report.md gives below the table; the full
+	// method (result.json's) then follows the measurements.
+	methodShort string
 }
 
 // engineOvercommitter is a Settings that gives the engine an overcommit other than
@@ -348,8 +351,8 @@ func (r *runner) finish(runErr error, start time.Time) error {
 	if r.headlineNote != "" {
 		note = " [" + r.headlineNote + "]"
 	}
-	fmt.Fprintf(os.Stderr, "forkbench %s: %s = %s %s (%s, n=%d) complete=%v ok=%v failures=%d%s -> %s\n", r.bench, r.res.Metric,
-		fnum(r.res.Value), r.res.Unit, r.res.Stat, r.res.N, r.res.Complete, r.res.OK, r.res.Failures, note, r.outDir)
+	fmt.Fprintf(os.Stderr, "forkbench %s: %s (%s, n=%d) complete=%v ok=%v failures=%d%s -> %s\n", r.bench, headlineValue(r.res),
+		r.res.Stat, r.res.N, r.res.Complete, r.res.OK, r.res.Failures, note, r.outDir)
 	switch {
 	case runErr != nil:
 		return runErr
@@ -357,6 +360,15 @@ func (r *runner) finish(runErr error, start time.Time) error {
 		return fmt.Errorf("%s: %w (failures=%d)", r.bench, errNotOK, r.failures)
 	}
 	return nil
+}
+
+// headlineValue is the headline as printed: "wave64_wall_s = 5.5 s", or "wave64_wall_s:
+// no figure" when nothing was measured for it (result.json then says stat "incomplete").
+func headlineValue(res *Result) string {
+	if res.Stat == "incomplete" {
+		return res.Metric + ": no figure"
+	}
+	return fmt.Sprintf("%s = %s %s", res.Metric, fnum(res.Value), res.Unit)
 }
 
 // status is the run's complete and ok: a broken run is neither; an incomplete one is not
@@ -435,7 +447,7 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 	res := r.res
 	var b strings.Builder
 	fmt.Fprintf(&b, "# forkbench %s\n\n", res.Bench)
-	fmt.Fprintf(&b, "**%s = %s %s** (%s, n=%d) — complete: %v, ok: %v, failures: %d\n\n", res.Metric, fnum(res.Value), res.Unit, res.Stat, res.N, res.Complete, res.OK, res.Failures)
+	fmt.Fprintf(&b, "**%s** (%s, n=%d) — complete: %v, ok: %v, failures: %d\n\n", headlineValue(res), res.Stat, res.N, res.Complete, res.OK, res.Failures)
 	if r.headlineNote != "" {
 		fmt.Fprintf(&b, "**%s**\n\n", r.headlineNote)
 	}
@@ -453,8 +465,15 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 		fmt.Fprintf(&b, "Reference: %s Machines: forkvm %s (%s); reference %s. Ratio = forkvm / reference (lower is faster or smaller). forkvm memory is MiB; the reference says MB. A partial wave gives no ratio.\n\n",
 			ref.About, res.Host.Model, hostShort(res.Host), refMachinesText(ref, rows))
 	}
-	fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
+	if r.methodShort != "" {
+		fmt.Fprintf(&b, "Method: %s (In full under [Method](#method).)\n\n", r.methodShort)
+	} else {
+		fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
+	}
 	b.WriteString(r.report.String())
+	if r.methodShort != "" {
+		fmt.Fprintf(&b, "\n## Method\n\n%s\n", res.Method)
+	}
 	if len(res.Caveats) > 0 {
 		b.WriteString("\n## Caveats\n\n")
 		for _, c := range res.Caveats {

@@ -21,16 +21,21 @@ type svgWave struct {
 	HostAddedMB float64
 }
 
-// svgWaves turns the measured waves of both passes (default settings first) into what
-// fanoutSVG draws; waves not run are left out.
-func svgWaves(defaults, outs []*waveOutcome) []svgWave {
+// svgWaves turns the measured waves of both passes (the overcommit asked for first)
+// into what fanoutSVG draws; waves not run are left out. With a first pass, each label
+// says the overcommit of its pass.
+func svgWaves(defaults, outs []*waveOutcome, defaultOC, headlineOC float64) []svgWave {
 	var out []svgWave
-	add := func(prefix string, os []*waveOutcome) {
+	add := func(oc float64, os []*waveOutcome) {
 		for _, o := range os {
 			if o.wr == nil {
 				continue
 			}
-			sw := svgWave{Label: fmt.Sprintf("%swave%d", prefix, o.n), N: o.n, Ready: o.wr.ReadyCount(), Complete: o.complete(),
+			label := fmt.Sprintf("wave%d", o.n)
+			if len(defaults) > 0 {
+				label = fmt.Sprintf("wave%d, overcommit %s", o.n, fnum(oc))
+			}
+			sw := svgWave{Label: label, N: o.n, Ready: o.wr.ReadyCount(), Complete: o.complete(),
 				LatMS: o.lat, HostAddedMB: o.wr.PrivateMBPerFork()}
 			for _, ev := range o.wr.Events {
 				if ev.Err == nil && ev.Name != "" && !ev.Done.IsZero() {
@@ -45,8 +50,8 @@ func svgWaves(defaults, outs []*waveOutcome) []svgWave {
 			out = append(out, sw)
 		}
 	}
-	add("default ", defaults)
-	add("", outs)
+	add(defaultOC, defaults)
+	add(headlineOC, outs)
 	return out
 }
 
@@ -101,7 +106,7 @@ func (w svgWave) label() string {
 // The fan-out chart's layout: labels end at svgLeft, plots span svgLeft..svgRight, a
 // wave's row is svgRowH high.
 const (
-	svgWidth, svgLeft, svgRight = 960.0, 230.0, 930.0
+	svgWidth, svgLeft, svgRight = 1000.0, 270.0, 970.0
 	svgRowH                     = 22.0
 )
 
@@ -110,7 +115,7 @@ const (
 func fanoutSVG(waves []svgWave, title string) []byte {
 	const W = svgWidth
 	h1 := 50 + svgRowH*float64(len(waves)) + 40
-	h2 := 280.0 + 16*math.Ceil(float64(len(waves))/3)
+	h2 := 280.0 + 16*math.Ceil(float64(len(waves))/2)
 	h3 := 50 + svgRowH*float64(len(waves)) + 70
 	H := 40 + h1 + h2 + h3
 	d := &svgDoc{}
@@ -191,7 +196,7 @@ func (d *svgDoc) readyPanel(waves []svgWave, y0 float64) {
 			dash = ` stroke-dasharray="5,3"`
 		}
 		d.f(`<polyline points="%s" fill="none" stroke="%s" stroke-width="2"%s/>`+"\n", strings.Join(pts, " "), col, dash)
-		lx, ly := svgLeft+float64(i%3)*235, bot+44+16*float64(i/3)
+		lx, ly := svgLeft+float64(i%2)*350, bot+44+16*float64(i/2)
 		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s" stroke-width="2"%s/>`+"\n", lx, ly, lx+20, ly, col, dash)
 		d.text(lx+25, ly+4, "start", `font-size="11"`, w.label())
 	}

@@ -28,6 +28,7 @@ type WaveResult struct {
 	// Admission: the first refusal (in fork order), the index it happened at and how many
 	// forks were refused.
 	Admission      *engine.AdmissionError
+	FirstRefusal   error // the first refusal's error, whatever its type
 	AdmissionIndex int
 	AdmissionCount int
 	// Refused are the names of the refused forks by index, and RefusedBy counts them per
@@ -153,6 +154,7 @@ func (w *WaveResult) noteRefusals(adm []engine.ForkEvent) {
 	w.AdmissionIndex = adm[0].Index
 	w.AdmissionCount = len(adm)
 	w.Admission, _ = isAdmission(adm[0].Err)
+	w.FirstRefusal = adm[0].Err
 	w.Refused, w.RefusedBy = nil, map[string]int{}
 	for _, ev := range adm {
 		w.Refused = append(w.Refused, ev.Name)
@@ -332,8 +334,8 @@ func (w *WaveResult) admissionText() string {
 		return ""
 	}
 	var why error = engine.ErrAdmission
-	if w.Admission != nil {
-		why = w.Admission
+	if w.FirstRefusal != nil {
+		why = w.FirstRefusal
 	}
 	txt := fmt.Sprintf("admission stopped the wave at %d of %d forks", w.N-w.AdmissionCount, w.N)
 	if b := w.budgetText(); b != "" && w.RefusedBy["vcpu"] > 0 {
@@ -356,8 +358,12 @@ func (w *WaveResult) budgetText() string {
 	if b.HostCPUs == 0 || w.ForkCPUs == 0 {
 		return ""
 	}
-	return fmt.Sprintf("budget %d vCPUs = %d CPUs × overcommit %s holds %d forks of %d vCPUs",
+	txt := fmt.Sprintf("budget %d vCPUs = %d CPUs × overcommit %s holds %d forks of %d vCPUs",
 		b.Total, b.HostCPUs, fnum(b.Overcommit), b.Total/w.ForkCPUs, w.ForkCPUs)
+	if b.OtherUsed > 0 {
+		txt += fmt.Sprintf("; %d of its vCPUs were held by other forkvm VMs on the host when the wave started (other state directories: the budget is the host's)", b.OtherUsed)
+	}
+	return txt
 }
 
 // compressNames lists names, folding runs of the same prefix with consecutive numeric

@@ -176,3 +176,14 @@ func TestCreateMemoryLimitReachesEngine(t *testing.T) {
 		t.Errorf("create --memory-limit-mb 32: %v, want ErrInvalidSpec about the memory limit", err)
 	}
 }
+
+// TestErrorHint: an admission refusal points to forkvm budget; other errors get no hint.
+func TestErrorHint(t *testing.T) {
+	refusal := fmt.Errorf("create w1: %w", &engine.AdmissionError{Resource: "vcpu", Requested: 2, Budget: 16})
+	if h := errorHint(refusal); !strings.Contains(h, "forkvm budget") {
+		t.Errorf("admission hint %q", h)
+	}
+	if h := errorHint(engine.ErrNotFound); h != "" {
+		t.Errorf("hint for not found: %q", h)
+	}
+}

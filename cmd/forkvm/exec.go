@@ -41,7 +41,7 @@ func execCmd() *cli.Command {
 			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "KEY=VALUE environment entries"},
 			&cli.StringFlag{Name: "workdir", Aliases: []string{"w"}, Usage: "working directory in the guest"},
 			&cli.StringFlag{Name: "user", Aliases: []string{"u"}, Usage: "run as `USER[:GROUP]` (names or numeric ids, from the guest's /etc/passwd and /etc/group)"},
-			&cli.DurationFlag{Name: "timeout", Usage: "kill the command after this long (0 = none)"},
+			&cli.DurationFlag{Name: "timeout", Usage: fmt.Sprintf("kill the command after this long: it then exits %d, like timeout(1) (0 = none)", vsockd.ExitCodeTimeout)},
 			&cli.StringFlag{Name: "max-output", Value: "64MiB",
 				Usage: "kill the command once its stdout+stderr exceed this many bytes (K/M/G suffixes; 'unlimited' or -1: no limit)"},
 		},

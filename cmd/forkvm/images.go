@@ -127,6 +127,7 @@ func imageRmCmd() *cli.Command {
 				if err := imageStore(cmd).Remove(ctx, name); err != nil {
 					return err
 				}
+				fmt.Println("removed image", name)
 			}
 			return nil
 		},

@@ -83,8 +83,8 @@ func TestImageCommands(t *testing.T) {
 	if err != nil || !strings.Contains(out, "small") || !strings.Contains(out, "tarball "+root) {
 		t.Errorf("images: %v\n%s", err, out)
 	}
-	if _, err := runCLI(t, "image", "rm", "small", "--cache", cache); err != nil {
-		t.Fatal(err)
+	if out, err := runCLI(t, "image", "rm", "small", "--cache", cache); err != nil || out != "removed image small\n" {
+		t.Fatalf("image rm: %v %q", err, out)
 	}
 	if _, err := runCLI(t, "image", "rm", "small", "--cache", cache); !errors.Is(err, guest.ErrImageNotFound) {
 		t.Errorf("rm again: %v", err)

@@ -46,8 +46,21 @@ func main() {
 		os.Exit(ee.code)
 	case err != nil:
 		fmt.Fprintln(os.Stderr, "forkvm:", err)
+		if h := errorHint(err); h != "" {
+			fmt.Fprintln(os.Stderr, "forkvm:", h)
+		}
 		os.Exit(1)
 	}
+}
+
+// errorHint is a line that says where to look next after err ("" when none helps).
+// Admission counts every forkvm VM on the host, whichever state directory it belongs
+// to, so a refusal in an empty state directory needs the budget's own account.
+func errorHint(err error) string {
+	if errors.Is(err, engine.ErrAdmission) {
+		return "`forkvm budget` shows what holds the host's budget (other state directories' VMs count too); fork takes --overcommit"
+	}
+	return ""
 }
 
 func newApp() *cli.Command {
@@ -582,7 +595,7 @@ func forkCmd() *cli.Command {
 					if !implicitChecked {
 						implicitChecked = true
 						if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
-							fmt.Printf("implicit checkpoint %s of %s: %v, %d bytes written\n", ck.Name, src, ck.Timings.Total.Round(time.Millisecond), ck.WrittenBytes)
+							fmt.Printf("implicit checkpoint of %s: %s; %.1f MiB written\n", src, checkpointLine(&ck), float64(ck.WrittenBytes)/(1<<20))
 						}
 					}
 					t := ev.Timings
