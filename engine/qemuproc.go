@@ -37,7 +37,7 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmC
 		Name: name, Binary: bin, Args: args, QMPSocket: qmpPath, LogPath: logPath,
 		// The run directory, which holds the QMP socket: a file QEMU writes in its
 		// working directory goes with the VM.
-		Dir: filepath.Dir(qmpPath),
+		Dir:         filepath.Dir(qmpPath),
 		OOMScoreAdj: qemuOOMScoreAdj, OnExit: onExit, OnConnect: p.watchEvents,
 	}
 	var cgErr error
