@@ -20,6 +20,7 @@ func forkCmd() *cli.Command {
 			&cli.BoolFlag{Name: "peer", Usage: "also measure the stock path: full save + restore"},
 			&cli.IntFlag{Name: "peer-n", Value: 3, Usage: "serial restores of the full save (with --peer)"},
 			&cli.IntFlag{Name: "warm", Value: 0, Usage: "warm pool size: pre-spawned QEMUs, refilled (untimed) before each sample"},
+			&cli.BoolFlag{Name: "perf", Usage: "profile mode (root, perf installed): forks' QEMUs run with -perfmap (slower), perf record -a -g -k CLOCK_MONOTONIC runs during the serial forks, and perf-script.txt (in the output directory and a --trace bundle) holds their QEMUs' samples, TCG code named by guest kernel symbols"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			n := cmd.Int("n")
@@ -32,7 +33,7 @@ func forkCmd() *cli.Command {
 			}
 			settings := &ForkSettings{N: n, Peer: cmd.Bool("peer"), PeerN: cmd.Int("peer-n"), Warm: warm}
 			return runBench(ctx, cmd, "fork", settings, func(r *runner) error {
-				return runFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"), warm)
+				return runFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"), warm, cmd.Bool("perf"))
 			})
 		},
 	}
@@ -106,13 +107,18 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	return vm, s
 }
 
-func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
+func runFork(r *runner, n int, peer bool, peerN int, warm int, perfOn bool) error {
 	w, err := r.bakeWorld("world", "world-ck")
 	if err != nil {
 		return err
 	}
 	r.worldExtra(w)
 	r.trace.Group(1, "serial forks")
+	if perfOn {
+		if err := r.startPerf(); err != nil {
+			return err
+		}
+	}
 	var lat, prep, spawn, rest, agent, cmd, tbReady, tbCmd []float64
 	var mems []forkMem
 	var bars []Bar
@@ -141,6 +147,9 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 			r.fail("fork %s: %s", name, s.Error)
 		}
 		if vm != nil {
+			if err := r.perf.keep(r.ctx, w.Ck, vm); err != nil {
+				r.caveat("--perf: %v", err)
+			}
 			if r.hold && i == n-1 {
 				r.keep(w.Ck, name)
 			} else if err := r.e.Delete(r.ctx, name); err != nil {
@@ -151,6 +160,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 			return err
 		}
 	}
+	r.finishPerf()
 	// Isolation: two more forks, checked against each other and in full.
 	var iso []*engine.VM
 	for _, nm := range []string{"iso-a", "iso-b"} {
