@@ -245,7 +245,8 @@ func memCmd() *cli.Command {
 		Name:      "mem",
 		Usage:     "where running VMs' host memory goes: private (guest pages written, TCG code, QEMU heap, libraries, page tables) and shared",
 		ArgsUsage: "[NAME...]",
-		Flags:     []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output (bytes)"}},
+		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output (bytes)"},
+			&cli.BoolFlag{Name: "pages", Usage: "count each VM's guest RAM pages (root, Linux): shared with the checkpoint file and with how many siblings, copied on write, zero-filled, never touched"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			api, err := connect(ctx, cmd, false)
 			if err != nil {
@@ -253,6 +254,9 @@ func memCmd() *cli.Command {
 			}
 			defer api.Close()
 			names := cmd.Args().Slice()
+			if cmd.Bool("pages") {
+				return memPages(ctx, api, names, cmd.Bool("json"))
+			}
 			if len(names) == 0 {
 				vms, err := api.List(ctx)
 				if err != nil {
