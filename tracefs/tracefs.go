@@ -49,9 +49,11 @@ type Options struct {
 	// (e.g. "sched/sched_switch"); none by default, so the trace holds the markers only.
 	// An event this kernel lacks is an error wrapping ErrUnavailable.
 	Events []string
-	// PIDs, when set, limit the instance's events to these processes (set_event_pid;
-	// sched_switch and sched_wakeup are kept when either side is one of them). Markers
-	// are not events: they are always recorded.
+	// PIDs, when set, limit the instance's events to these tasks (set_event_pid;
+	// sched_switch and sched_wakeup are kept when either side is one of them). They are
+	// thread ids: a multi-threaded process (any Go program) forks from whichever thread
+	// runs, so pass all of them (Threads). Markers are not events: they are always
+	// recorded.
 	PIDs []int
 	// FollowForks extends PIDs to the processes they fork from now on
 	// (options/event-fork): with the engine's own pid, every QEMU it spawns is traced
@@ -62,6 +64,21 @@ type Options struct {
 // Events a fork wave's trace bundle wants: the QEMU threads' scheduling and their
 // user page faults (with FollowForks and the engine's pid, only its QEMUs').
 var WaveEvents = []string{"sched/sched_switch", "sched/sched_wakeup", "sched/sched_process_exit", "exceptions/page_fault_user"}
+
+// Threads lists the thread ids of process pid (/proc/PID/task), for Options.PIDs.
+func Threads(pid int) ([]int, error) {
+	ents, err := os.ReadDir(filepath.Join("/proc", strconv.Itoa(pid), "task"))
+	if err != nil {
+		return nil, fmt.Errorf("%w: threads of %d: %w", ErrUnavailable, pid, err)
+	}
+	var out []int
+	for _, e := range ents {
+		if n, err := strconv.Atoi(e.Name()); err == nil {
+			out = append(out, n)
+		}
+	}
+	return out, nil
+}
 
 // Instance is a private ftrace instance that records markers. Its methods may be
 // called from many goroutines at once.

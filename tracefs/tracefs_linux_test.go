@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -58,8 +59,12 @@ func TestRealWaveEvents(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root for a tracefs instance")
 	}
+	tids, err := Threads(os.Getpid())
+	if err != nil || len(tids) < 2 {
+		t.Fatalf("threads of this Go test: %v, %v", tids, err)
+	}
 	in, err := Open(Options{Mount: true, Name: "forkvm-unittest-" + strings.TrimPrefix(t.Name(), "Test"),
-		Events: WaveEvents, PIDs: []int{os.Getpid()}, FollowForks: true})
+		Events: WaveEvents, PIDs: tids, FollowForks: true})
 	if errors.Is(err, ErrUnavailable) {
 		t.Skipf("tracefs or its events cannot be used here: %v", err)
 	}
@@ -67,8 +72,16 @@ func TestRealWaveEvents(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer in.Close()
+	// From a goroutine of its own, locked to a thread started after Open: event-fork
+	// must follow the runtime's threads too.
 	cmd := exec.Command("/bin/sh", "-c", "sleep 0.05; echo x > /dev/null")
-	if err := cmd.Run(); err != nil {
+	errc := make(chan error)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		errc <- cmd.Run()
+	}()
+	if err := <-errc; err != nil {
 		t.Fatal(err)
 	}
 	var b bytes.Buffer

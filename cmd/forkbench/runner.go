@@ -316,7 +316,12 @@ func (r *runner) openKernelTrace() error {
 	}
 	opts := tracefs.Options{Mount: true, Name: fmt.Sprintf("forkvm-forkbench-%d", os.Getpid())}
 	if r.bundle {
-		opts.Events, opts.PIDs, opts.FollowForks = tracefs.WaveEvents, []int{os.Getpid()}, true
+		tids, err := tracefs.Threads(os.Getpid())
+		if err != nil {
+			tids = []int{os.Getpid()}
+		}
+		// Every thread of this process: QEMU is forked from whichever thread runs.
+		opts.Events, opts.PIDs, opts.FollowForks = tracefs.WaveEvents, tids, true
 		opts.BufferKiB = 32 << 10 // per CPU: a wave's QEMUs fault hundreds of thousands of times
 	}
 	var err error
