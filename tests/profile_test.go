@@ -40,9 +40,6 @@ func TestProfileMapsAndBundle(t *testing.T) {
 	defer in.Close()
 	env := newEnv(t, func(c *engine.Config) { c.Markers, c.PerfMap = in, true })
 	e := env.E
-	if e.Config().Accel != engine.AccelTCG {
-		t.Skipf("the perf map is TCG's; this engine runs %s", e.Config().Accel)
-	}
 	ctx := ctxT(t, 8*time.Minute)
 	makeWorld(t, e, "w", 256, 0)
 	if _, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
@@ -58,6 +55,9 @@ func TestProfileMapsAndBundle(t *testing.T) {
 			t.Fatalf("fork %d: %v", ev.Index, ev.Err)
 		}
 		forks = append(forks, ev)
+	}
+	if a := forks[0].VM.Info().Accel; a != engine.AccelTCG {
+		t.Skipf("the perf map is TCG's; these forks run under %s", a)
 	}
 
 	var spans []map[string]any

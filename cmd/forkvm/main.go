@@ -59,6 +59,7 @@ func newApp() *cli.Command {
 			&cli.StringFlag{Name: "socket", Usage: "the daemon's socket (default HOME/forkvm.sock): where forkvm serve listens; for other commands, a daemon must answer there when it is given", Sources: cli.EnvVars("FORKVM_SOCKET")},
 			&cli.StringFlag{Name: "accel", Usage: "accelerator: auto, kvm, hvf or tcg", Value: "auto"},
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
+			&cli.BoolFlag{Name: "perf-map", Usage: "start QEMUs (TCG) with -perfmap: /tmp/perf-PID.map names TCG code for perf (slower; removed with the VM; see docs/profiling.md)"},
 		},
 		Commands: []*cli.Command{
 			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
@@ -107,7 +108,7 @@ func checkNewName(name string) error {
 // socket when requireDaemon.
 func connect(ctx context.Context, cmd *cli.Command, requireDaemon bool) (wire.API, error) {
 	const lockWait = 2 * time.Minute
-	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait}
+	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map")}
 	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if cmd.Bool("verbose") {
