@@ -61,8 +61,9 @@ type Options struct {
 	FollowForks bool
 }
 
-// Events a fork wave's trace bundle wants: the QEMU threads' scheduling and their
-// user page faults (with FollowForks and the engine's pid, only its QEMUs').
+// WaveEvents are the events a fork wave's trace bundle wants: the QEMU threads'
+// scheduling and user page faults (with FollowForks and the engine's threads as PIDs,
+// only its QEMUs' and its own).
 var WaveEvents = []string{"sched/sched_switch", "sched/sched_wakeup", "sched/sched_process_exit", "exceptions/page_fault_user"}
 
 // Threads lists the thread ids of process pid (/proc/PID/task), for Options.PIDs.

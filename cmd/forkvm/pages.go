@@ -119,7 +119,7 @@ func siblingsText(m map[int]int64) string {
 // memPages is forkvm mem --pages VM...: one census per VM.
 func memPages(ctx context.Context, api wire.API, names []string, asJSON bool) error {
 	if len(names) == 0 {
-		return fmt.Errorf("usage: forkvm mem --pages VM...")
+		return fmt.Errorf("usage: forkvm mem --pages VM [VM...]")
 	}
 	var out []*PageCensus
 	for _, n := range names {
