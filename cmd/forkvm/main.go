@@ -107,8 +107,14 @@ func checkNewName(name string) error {
 // same either way. A --socket nobody answers on is an error (ErrNoDaemon), as is any
 // socket when requireDaemon.
 func connect(ctx context.Context, cmd *cli.Command, requireDaemon bool) (wire.API, error) {
+	return connectWith(ctx, cmd, requireDaemon, nil)
+}
+
+// connectWith is connect with markers for an in-process engine (nil: none).
+func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, markers engine.PhaseMarker) (wire.API, error) {
 	const lockWait = 2 * time.Minute
-	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map")}
+	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map"),
+		Markers: markers}
 	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if cmd.Bool("verbose") {
@@ -516,6 +522,7 @@ func forkCmd() *cli.Command {
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
+			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			src := cmd.Args().First()
@@ -554,11 +561,23 @@ func forkCmd() *cli.Command {
 				}
 				opts.Publish = func(i int) []engine.PortForward { return perFork[i] }
 			}
-			api, err := connect(ctx, cmd, false)
+			var tr *forkTrace
+			var markers engine.PhaseMarker
+			if cmd.String("trace") != "" {
+				tr = openForkTrace()
+				defer tr.close()
+				if tr.in != nil {
+					markers = tr.in
+				}
+			}
+			api, err := connectWith(ctx, cmd, false, markers)
 			if err != nil {
 				return err
 			}
 			defer api.Close()
+			if _, inProcess := api.(*local.Local); tr != nil && !inProcess {
+				return errTraceDaemon
+			}
 			start := time.Now()
 			evs, err := api.ForkMany(ctx, src, n, opts)
 			if err != nil {
@@ -595,7 +614,16 @@ func forkCmd() *cli.Command {
 					errs = append(errs, ev.Err)
 				} else {
 					ready++
+					if tr != nil {
+						tr.add(ev.Index, ev.Name, ev.Spans)
+					}
 				}
+			}
+			if tr != nil {
+				if err := tr.write(cmd.String("trace")); err != nil {
+					return fmt.Errorf("--trace: %w", err)
+				}
+				fmt.Fprintf(summaryOut(cmd.Bool("json")), "trace bundle: %s\n", cmd.String("trace"))
 			}
 			summary := forkSummary(n, ready, failed, time.Since(start))
 			if n > 1 || broken != nil {
