@@ -65,6 +65,22 @@ type TCGBlocks struct {
 	N            int     `json:"n"`
 }
 
+// JITFirstFork is QEMU's whole `info jit` of the run's first fork (extra.jit_first_fork):
+// at ready and after its first command.
+type JITFirstFork struct {
+	Ready        engine.JITStats `json:"ready"`
+	FirstCommand engine.JITStats `json:"first_command"`
+}
+
+// noteJIT keeps the first fork's translation cache statistics.
+func (r *runner) noteJIT(ready, cmd engine.JITStats) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.res.Extra["jit_first_fork"]; !ok {
+		r.res.Extra["jit_first_fork"] = JITFirstFork{Ready: ready, FirstCommand: cmd}
+	}
+}
+
 // serialFork forks src as name, runs the first command and returns the sample (the VM is
 // left running).
 func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM, Sample) {
@@ -88,6 +104,7 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	if jitErr == nil {
 		if jit1, err := vm.JITStats(r.ctx); err == nil {
 			s.TBsReady, s.TBsFirstCmd = jit0.TBs, jit1.TBs-jit0.TBs
+			r.noteJIT(jit0, jit1)
 		}
 	}
 	if m, err := measureMem(r.ctx, vm); err == nil {
