@@ -65,6 +65,9 @@ type launch struct {
 	VsockCID uint32 `json:"vsock_cid,omitempty"`
 	// Net adds the user-mode network and its virtio-net NIC.
 	Net bool `json:"net,omitempty"`
+	// PerfMap starts QEMU with -perfmap (Config.PerfMap): it writes /tmp/perf-PID.map,
+	// which the engine removes with the VM (and when a new process replaces this one).
+	PerfMap bool `json:"perf_map,omitempty"`
 	// Publish are this process's host port forwards (Net only). They are not part of
 	// the device state: each fork has its own (or none).
 	Publish []PortForward `json:"publish,omitempty"`
@@ -213,6 +216,7 @@ func (l *launch) qemuLaunch() qemu.Launch {
 		RAM:       qemu.RAM{Path: l.RAM.Path, Shared: l.RAM.Shared, Anonymous: l.RAM.Anonymous},
 		QMPSocket: l.qmpSocket(), AgentSocket: l.agentSocket(), ConsoleSocket: l.consoleSocket(),
 		Incoming: l.Incoming, DevicesOnly: l.DevicesOnly, VsockCID: l.VsockCID, Net: l.Net,
+		PerfMap: l.PerfMap,
 	}
 	for i, d := range l.Disk {
 		// Every launch names its chain afresh (a recorded Node is the old process's).

@@ -89,6 +89,11 @@ type Config struct {
 	// checkpoint's phases, e.g. a tracefs.Instance writing them into a kernel trace.
 	// Default nil: no markers (the spans in Info and ForkEvent are recorded either way).
 	Markers PhaseMarker
+	// PerfMap starts every QEMU (TCG only) with -perfmap, so perf record attributes
+	// samples in TCG's generated code to the guest addresses it translates (QEMU writes
+	// /tmp/perf-PID.map; the engine removes it with the VM). Off by default: writing the
+	// map slows every translation, so a fork takes longer.
+	PerfMap bool
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.
 	Experimental Experimental

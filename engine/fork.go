@@ -204,6 +204,7 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 	}
 	mode, done := e.adm.inflight(ck.CPUs, ck.Accel)
 	vm.m.Launch.TCGThread = mode
+	vm.m.Launch.PerfMap = e.cfg.PerfMap && ck.Accel == AccelTCG
 	publish = append([]PortForward(nil), publish...) // not the caller's slice
 	vm.m.Launch.Publish, vm.m.Spec.Publish = publish, publish
 	return vm, release, done, nil

@@ -22,6 +22,7 @@ func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *re
 		QEMU: qemu, Accel: accel, TBSizeMiB: cfg.Experimental.TBSizeMiB, CPUModel: cfg.CPUModel,
 		Machine: machine, AgentPorts: defaultAgentPorts, CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
 		Kernel: kernel, Initrd: initrd, Append: guestAppend(accel, cfg.KernelArgs), VsockCID: vsockCID,
+		PerfMap: cfg.PerfMap && accel == AccelTCG,
 	}
 	switch {
 	case spec.Image != "":

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
@@ -34,6 +35,9 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmC
 	oomVersion, oomDir := engineMemCgroup()
 	o := qemu.SpawnOptions{
 		Name: name, Binary: bin, Args: args, QMPSocket: qmpPath, LogPath: logPath,
+		// The run directory, which holds the QMP socket: a file QEMU writes in its
+		// working directory goes with the VM.
+		Dir:         filepath.Dir(qmpPath),
 		OOMScoreAdj: qemuOOMScoreAdj, OnExit: onExit, OnConnect: p.watchEvents,
 	}
 	var cgErr error

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -179,6 +180,9 @@ func (vm *VM) start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	vm.mu.Lock()
+	removePerfMap(&vm.m) // an earlier process's, replaced by this one
+	vm.mu.Unlock()
 	var cg *vmCgroup
 	if vm.m.MemoryCgroup != "" && vm.cgVersion != 0 {
 		if cg, err = openVMCgroup(vm.cgVersion, vm.m.MemoryCgroup, int64(vm.m.Spec.MemoryLimitMiB)<<20); err != nil {
@@ -511,8 +515,17 @@ func (vm *VM) Stop(ctx context.Context) error {
 
 // removeVMFiles deletes a VM's files: its directory, run directory and RAM file. m may
 // be nil when the manifest is unreadable; the default locations are removed either way.
+// removePerfMap removes the perf map file of m's recorded QEMU, if it was started with
+// one (QEMU never removes it). Called once that process is gone (or replaced).
+func removePerfMap(m *manifest) {
+	if m.Launch.PerfMap && m.PID > 0 {
+		os.Remove(qemu.PerfMapPath(m.PID))
+	}
+}
+
 func (l layout) removeVMFiles(name string, m *manifest) {
 	if m != nil {
+		removePerfMap(m)
 		removeCgroupDir(m.MemoryCgroup)
 		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
 			os.Remove(m.Launch.RAM.Path)

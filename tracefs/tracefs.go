@@ -47,7 +47,38 @@ type Options struct {
 	Clock string
 	// Events are trace events to enable in the instance, as "system/event"
 	// (e.g. "sched/sched_switch"); none by default, so the trace holds the markers only.
+	// An event this kernel lacks is an error wrapping ErrUnavailable.
 	Events []string
+	// PIDs, when set, limit the instance's events to these tasks (set_event_pid;
+	// sched_switch and sched_wakeup are kept when either side is one of them). They are
+	// thread ids: a multi-threaded process (any Go program) forks from whichever thread
+	// runs, so pass all of them (Threads). Markers are not events: they are always
+	// recorded.
+	PIDs []int
+	// FollowForks extends PIDs to the processes they fork from now on
+	// (options/event-fork): with the engine's own pid, every QEMU it spawns is traced
+	// from its first instruction, and other processes are not.
+	FollowForks bool
+}
+
+// WaveEvents are the events a fork wave's trace bundle wants: the QEMU threads'
+// scheduling and user page faults (with FollowForks and the engine's threads as PIDs,
+// only its QEMUs' and its own).
+var WaveEvents = []string{"sched/sched_switch", "sched/sched_wakeup", "sched/sched_process_exit", "exceptions/page_fault_user"}
+
+// Threads lists the thread ids of process pid (/proc/PID/task), for Options.PIDs.
+func Threads(pid int) ([]int, error) {
+	ents, err := os.ReadDir(filepath.Join("/proc", strconv.Itoa(pid), "task"))
+	if err != nil {
+		return nil, fmt.Errorf("%w: threads of %d: %w", ErrUnavailable, pid, err)
+	}
+	var out []int
+	for _, e := range ents {
+		if n, err := strconv.Atoi(e.Name()); err == nil {
+			out = append(out, n)
+		}
+	}
+	return out, nil
 }
 
 // Instance is a private ftrace instance that records markers. Its methods may be
@@ -118,10 +149,26 @@ func (in *Instance) setup(opts Options) error {
 		kib = 4096
 	}
 	writes := [][2]string{{"trace_clock", clock}, {"buffer_size_kb", strconv.Itoa(kib)}}
+	if len(opts.PIDs) > 0 {
+		pids := make([]string, len(opts.PIDs))
+		for i, p := range opts.PIDs {
+			if p <= 0 {
+				return fmt.Errorf("tracefs: pid %d", p)
+			}
+			pids[i] = strconv.Itoa(p)
+		}
+		writes = append(writes, [2]string{"set_event_pid", strings.Join(pids, " ")})
+		if opts.FollowForks {
+			writes = append(writes, [2]string{filepath.Join("options", "event-fork"), "1"})
+		}
+	}
 	for _, ev := range opts.Events {
 		sys, event, ok := strings.Cut(ev, "/")
 		if !ok || !validPart(sys) || !validPart(event) {
 			return fmt.Errorf("tracefs: event %q (want system/event)", ev)
+		}
+		if _, err := os.Stat(filepath.Join(in.dir, "events", sys, event)); err != nil {
+			return fmt.Errorf("%w: event %s is not in this kernel's tracefs: %w", ErrUnavailable, ev, err)
 		}
 		writes = append(writes, [2]string{filepath.Join("events", ev, "enable"), "1"})
 	}

@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"errors"
 	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -46,5 +49,56 @@ func TestRealInstance(t *testing.T) {
 	s, f := strings.Index(tr, "S|"), strings.Index(tr, "F|")
 	if s < 0 || f < s || !strings.Contains(tr, "|f1 spawn|") {
 		t.Fatalf("trace lacks S then F markers for f1 spawn:\n%s", tr)
+	}
+}
+
+// TestRealWaveEvents: with the wave's events, this process's pid and FollowForks, a
+// child spawned after Open shows up in the instance's trace with its user page faults
+// and its scheduling.
+func TestRealWaveEvents(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a tracefs instance")
+	}
+	tids, err := Threads(os.Getpid())
+	if err != nil || len(tids) < 2 {
+		t.Fatalf("threads of this Go test: %v, %v", tids, err)
+	}
+	in, err := Open(Options{Mount: true, Name: "forkvm-unittest-" + strings.TrimPrefix(t.Name(), "Test"),
+		Events: WaveEvents, PIDs: tids, FollowForks: true})
+	if errors.Is(err, ErrUnavailable) {
+		t.Skipf("tracefs or its events cannot be used here: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Close()
+	// From a goroutine of its own, locked to a thread started after Open: event-fork
+	// must follow the runtime's threads too.
+	cmd := exec.Command("/bin/sh", "-c", "sleep 0.05; echo x > /dev/null")
+	errc := make(chan error)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		errc <- cmd.Run()
+	}()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	var b bytes.Buffer
+	if err := in.WriteTrace(&b); err != nil {
+		t.Fatal(err)
+	}
+	child := "-" + strconv.Itoa(cmd.Process.Pid) + " "
+	var faults, switches int
+	for _, line := range strings.Split(b.String(), "\n") {
+		switch {
+		case strings.Contains(line, child) && strings.Contains(line, "page_fault_user:"):
+			faults++
+		case strings.Contains(line, "sched_switch:") && strings.Contains(line, "="+strconv.Itoa(cmd.Process.Pid)+" "):
+			switches++
+		}
+	}
+	if faults == 0 || switches == 0 {
+		t.Fatalf("child %d: %d page faults, %d switches in the trace:\n%.3000s", cmd.Process.Pid, faults, switches, b.String())
 	}
 }

@@ -95,6 +95,42 @@ func TestOpenEvents(t *testing.T) {
 	}
 }
 
+// TestOpenPIDs: PIDs go to set_event_pid, and FollowForks turns on event-fork; without
+// PIDs neither file is written (the instance traces every process).
+func TestOpenPIDs(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		opts      Options
+		wantPIDs  string
+		wantFork  bool
+		wantFiles bool
+	}{
+		{"none", Options{FollowForks: true}, "", false, false},
+		{"two pids", Options{PIDs: []int{12, 345}}, "12 345", false, true},
+		{"following forks", Options{PIDs: []int{7}, FollowForks: true}, "7", true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := filepath.Join(fakeRoot(t), "instances", "forkvm-pids")
+			in := &Instance{dir: dir, pid: "1"}
+			if err := os.MkdirAll(filepath.Join(dir, "options"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := in.setup(tc.opts); err != nil {
+				t.Fatal(err)
+			}
+			defer in.Close()
+			b, err := os.ReadFile(filepath.Join(dir, "set_event_pid"))
+			if (err == nil) != tc.wantFiles || string(b) != tc.wantPIDs {
+				t.Errorf("set_event_pid = %q (%v), want %q", b, err, tc.wantPIDs)
+			}
+			b, err = os.ReadFile(filepath.Join(dir, "options", "event-fork"))
+			if got := err == nil && string(b) == "1"; got != tc.wantFork {
+				t.Errorf("event-fork = %q (%v), want on %v", b, err, tc.wantFork)
+			}
+		})
+	}
+}
+
 // TestOpenRefuses: a root with no instances directory, a bad instance name and bad
 // events are refused, the first wrapping ErrUnavailable.
 func TestOpenRefuses(t *testing.T) {
@@ -108,7 +144,8 @@ func TestOpenRefuses(t *testing.T) {
 		{"name dot-dot", func(root string) Options { return Options{Root: root, Name: ".."} }, false},
 		{"event without system", func(root string) Options { return Options{Root: root, Events: []string{"sched_switch"}} }, false},
 		{"event escaping", func(root string) Options { return Options{Root: root, Events: []string{"../x"}} }, false},
-		{"event the kernel lacks", func(root string) Options { return Options{Root: root, Events: []string{"sched/nope"}} }, false},
+		{"event the kernel lacks", func(root string) Options { return Options{Root: root, Events: []string{"sched/nope"}} }, true},
+		{"bad pid", func(root string) Options { return Options{Root: root, PIDs: []int{0}} }, false},
 		{"taken name", func(root string) Options {
 			os.Mkdir(filepath.Join(root, "instances", "taken"), 0o700)
 			return Options{Root: root, Name: "taken"}

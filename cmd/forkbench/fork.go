@@ -20,6 +20,7 @@ func forkCmd() *cli.Command {
 			&cli.BoolFlag{Name: "peer", Usage: "also measure the stock path: full save + restore"},
 			&cli.IntFlag{Name: "peer-n", Value: 3, Usage: "serial restores of the full save (with --peer)"},
 			&cli.IntFlag{Name: "warm", Value: 0, Usage: "warm pool size: pre-spawned QEMUs, refilled (untimed) before each sample"},
+			&cli.BoolFlag{Name: "perf", Usage: "profile mode (root, perf installed): forks' QEMUs run with -perfmap (slower), perf record -a -g -k CLOCK_MONOTONIC runs during the serial forks, and perf-script.txt (in the output directory and a --trace bundle) holds their QEMUs' samples, TCG code named by guest kernel symbols"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			n := cmd.Int("n")
@@ -32,7 +33,7 @@ func forkCmd() *cli.Command {
 			}
 			settings := &ForkSettings{N: n, Peer: cmd.Bool("peer"), PeerN: cmd.Int("peer-n"), Warm: warm}
 			return runBench(ctx, cmd, "fork", settings, func(r *runner) error {
-				return runFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"), warm)
+				return runFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"), warm, cmd.Bool("perf"))
 			})
 		},
 	}
@@ -64,6 +65,22 @@ type TCGBlocks struct {
 	N            int     `json:"n"`
 }
 
+// JITFirstFork is QEMU's whole `info jit` of the run's first fork (extra.jit_first_fork):
+// at ready and after its first command.
+type JITFirstFork struct {
+	Ready        engine.JITStats `json:"ready"`
+	FirstCommand engine.JITStats `json:"first_command"`
+}
+
+// noteJIT keeps the first fork's translation cache statistics.
+func (r *runner) noteJIT(ready, cmd engine.JITStats) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.res.Extra["jit_first_fork"]; !ok {
+		r.res.Extra["jit_first_fork"] = JITFirstFork{Ready: ready, FirstCommand: cmd}
+	}
+}
+
 // serialFork forks src as name, runs the first command and returns the sample (the VM is
 // left running).
 func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM, Sample) {
@@ -87,6 +104,7 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	if jitErr == nil {
 		if jit1, err := vm.JITStats(r.ctx); err == nil {
 			s.TBsReady, s.TBsFirstCmd = jit0.TBs, jit1.TBs-jit0.TBs
+			r.noteJIT(jit0, jit1)
 		}
 	}
 	if m, err := measureMem(r.ctx, vm); err == nil {
@@ -106,13 +124,18 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	return vm, s
 }
 
-func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
+func runFork(r *runner, n int, peer bool, peerN int, warm int, perfOn bool) error {
 	w, err := r.bakeWorld("world", "world-ck")
 	if err != nil {
 		return err
 	}
 	r.worldExtra(w)
 	r.trace.Group(1, "serial forks")
+	if perfOn {
+		if err := r.startPerf(); err != nil {
+			return err
+		}
+	}
 	var lat, prep, spawn, rest, agent, cmd, tbReady, tbCmd []float64
 	var mems []forkMem
 	var bars []Bar
@@ -141,6 +164,9 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 			r.fail("fork %s: %s", name, s.Error)
 		}
 		if vm != nil {
+			if err := r.perf.keep(r.ctx, w.Ck, vm); err != nil {
+				r.caveat("--perf: %v", err)
+			}
 			if r.hold && i == n-1 {
 				r.keep(w.Ck, name)
 			} else if err := r.e.Delete(r.ctx, name); err != nil {
@@ -151,6 +177,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int) error {
 			return err
 		}
 	}
+	r.finishPerf()
 	// Isolation: two more forks, checked against each other and in full.
 	var iso []*engine.VM
 	for _, nm := range []string{"iso-a", "iso-b"} {

@@ -33,7 +33,8 @@ type runner struct {
 	e       *engine.Engine
 	res     *Result
 	trace   *Trace
-	ktrace  *tracefs.Instance // --trace-kernel
+	ktrace  *tracefs.Instance // --trace-kernel, or a --trace bundle's kernel events
+	perf    *perfSession      // --perf
 	runOutput
 }
 
@@ -45,7 +46,13 @@ type runOptions struct {
 	outDir    string
 	jsonOut   bool
 	tracePath string
-	hold      bool
+	// bundle: --trace names a .tar, a Perfetto bundle (tracebundle).
+	bundle bool
+	// traceKernel: --trace-kernel (markers, kernel-trace.txt).
+	traceKernel bool
+	// counterEvery samples host counters during waves (--host-counters-ms; 0 = off).
+	counterEvery time.Duration
+	hold         bool
 	// warmRestored makes --warm pools pre-restored (engine.WarmOptions.Restored).
 	warmRestored bool
 	home         string
@@ -196,7 +203,8 @@ func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings Set
 				Image: cmd.String("image")},
 			outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 			home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
-			vmgenid: cmd.Bool("vmgenid"),
+			vmgenid: cmd.Bool("vmgenid"), traceKernel: cmd.Bool("trace-kernel"),
+			counterEvery: time.Duration(cmd.Int("host-counters-ms")) * time.Millisecond,
 		},
 		runOutput: runOutput{held: map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{}},
 	}
@@ -215,6 +223,10 @@ func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings Set
 	if st, err := os.Stderr.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
 		r.progress = true
 	}
+	if ms := cmd.Int("host-counters-ms"); ms != 0 && (ms < 10 || ms > 50) {
+		return nil, fmt.Errorf("--host-counters-ms must be 10..50 (or 0: off)")
+	}
+	r.bundle = strings.HasSuffix(r.tracePath, ".tar")
 	if r.tracePath != "" {
 		r.trace = newTrace(start)
 	}
@@ -257,14 +269,17 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
-	if cmd.Bool("trace-kernel") {
-		if r.ktrace, err = tracefs.Open(tracefs.Options{Mount: true, Name: fmt.Sprintf("forkvm-forkbench-%d", os.Getpid())}); err != nil {
-			if r.ownHome {
-				os.RemoveAll(r.home)
-			}
-			return fmt.Errorf("--trace-kernel: %w", err)
+	if err := r.openKernelTrace(); err != nil {
+		if r.ownHome {
+			os.RemoveAll(r.home)
 		}
+		return err
+	}
+	if r.ktrace != nil {
 		cfg.Markers = r.ktrace
+	}
+	if cmd.Bool("perf") {
+		cfg.PerfMap = true
 	}
 	r.e, err = engine.New(r.ctx, cfg)
 	if err != nil {
@@ -294,6 +309,37 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 // kernelTraceFile is the --trace-kernel instance's trace, in the output directory.
 const kernelTraceFile = "kernel-trace.txt"
 
+// openKernelTrace opens the private ftrace instance of --trace-kernel (markers only;
+// refused with a clear error where tracefs cannot be used) or of a --trace bundle
+// (markers, and the scheduling and user faults of this process's children: its QEMUs).
+// A bundle on a host without tracefs is written without kernel events, with a caveat.
+func (r *runner) openKernelTrace() error {
+	if !r.traceKernel && !r.bundle {
+		return nil
+	}
+	opts := tracefs.Options{Mount: true, Name: fmt.Sprintf("forkvm-forkbench-%d", os.Getpid())}
+	if r.bundle {
+		tids, err := tracefs.Threads(os.Getpid())
+		if err != nil {
+			tids = []int{os.Getpid()}
+		}
+		// Every thread of this process: QEMU is forked from whichever thread runs.
+		opts.Events, opts.PIDs, opts.FollowForks = tracefs.WaveEvents, tids, true
+		opts.BufferKiB = 32 << 10 // per CPU: a wave's QEMUs fault hundreds of thousands of times
+	}
+	var err error
+	r.ktrace, err = tracefs.Open(opts)
+	switch {
+	case err == nil:
+		return nil
+	case r.traceKernel:
+		return fmt.Errorf("--trace-kernel: %w", err)
+	default:
+		r.caveat("the --trace bundle has no kernel events (scheduling, page faults, markers): %v", err)
+		return nil
+	}
+}
+
 // closeKernelTrace removes the --trace-kernel instance (if any).
 func (r *runner) closeKernelTrace() {
 	if r.ktrace == nil {
@@ -316,20 +362,25 @@ func (r *runner) finish(runErr error, start time.Time) error {
 	}
 	r.res.Caveats = append(r.res.Caveats, r.caveats...)
 	r.res.Extra["duration_s"] = round3(time.Since(start).Seconds())
-	if r.trace != nil {
-		if err := r.trace.writeFile(r.tracePath); err != nil {
-			r.logf("trace: %v", err)
-		}
-	}
+	var ktext []byte
 	if r.ktrace != nil {
 		var b bytes.Buffer
 		if err := r.ktrace.WriteTrace(&b); err != nil {
 			r.logf("kernel trace: %v", err)
-		} else {
-			r.files[kernelTraceFile] = b.Bytes()
+		} else if ktext = b.Bytes(); r.traceKernel {
+			r.files[kernelTraceFile] = ktext
 			r.res.Extra["kernel_trace"] = kernelTraceFile
 		}
 		r.closeKernelTrace()
+	}
+	if r.trace != nil {
+		write := r.trace.writeFile
+		if r.bundle {
+			write = func(path string) error { return r.writeBundle(path, ktext) }
+		}
+		if err := write(r.tracePath); err != nil {
+			r.logf("trace: %v", err)
+		}
 	}
 	ref := reference()
 	rows := compareWithReference(r.res, ref)
@@ -383,6 +434,10 @@ func (r *runner) status(runErr error) (complete, ok bool) {
 func (r *runner) cleanup() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
+	if r.perf != nil { // a run that broke while profiling
+		r.perf.close()
+		r.perf = nil
+	}
 	e := r.e
 	var pids []int
 	for _, vm := range e.List() {

@@ -82,6 +82,17 @@ func (t *Trace) spanAt(pid, tid int, thread, name string, ts float64, d time.Dur
 	t.events = append(t.events, TraceEvent{Name: name, Cat: "fork", Ph: "X", TS: ts, Dur: dur, Pid: pid, Tid: tid, Args: args})
 }
 
+// Counter records one sample of counter tracks: each key of values is a series of the
+// track name in process pid.
+func (t *Trace) Counter(pid int, name string, at time.Time, values map[string]any) {
+	if t == nil || len(values) == 0 {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.events = append(t.events, TraceEvent{Name: name, Cat: "host", Ph: "C", TS: t.us(at), Pid: pid, Args: values})
+}
+
 // ForkSpans records the phases of one fork: the engine's spans where it reported them
 // (at their own CLOCK_MONOTONIC times), else p laid end to end from start (prepare,
 // spawn, restore, agent); then first-command at cmdStart (if cmd > 0). args go on every

@@ -93,6 +93,14 @@ func (r *runner) wave(label, src string, n int, opts *engine.ManyOptions, onRead
 	w.Budget.Total = int(float64(w.Budget.HostCPUs) * opts.Overcommit)
 	w.MemBeforeMB = settledMemAvailableMB(r.ctx)
 	pl := &progressLine{on: r.progress, label: label, n: n, t0: time.Now()}
+	if r.counterEvery > 0 {
+		ram := ""
+		if ci, err := r.e.CheckpointInfo(src); err == nil {
+			ram = ci.RAMPath
+		}
+		hs := startHostSampler(r.trace, r.counterEvery, ram)
+		defer func() { r.noteHostCounters(label, hs.finish()) }()
+	}
 	ch, err := r.e.ForkMany(r.ctx, src, n, opts)
 	if err != nil {
 		return nil, fmt.Errorf("%s: ForkMany: %w", label, err)

@@ -72,6 +72,7 @@ func newApp() *cli.Command {
 			&cli.StringFlag{Name: "socket", Usage: "the daemon's socket (default HOME/forkvm.sock): where forkvm serve listens; for other commands, a daemon must answer there when it is given", Sources: cli.EnvVars("FORKVM_SOCKET")},
 			&cli.StringFlag{Name: "accel", Usage: "accelerator: auto, kvm, hvf or tcg", Value: "auto"},
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
+			&cli.BoolFlag{Name: "perf-map", Usage: "start QEMUs (TCG) with -perfmap: /tmp/perf-PID.map names TCG code for perf (slower; removed with the VM; see docs/profiling.md)"},
 		},
 		Commands: []*cli.Command{
 			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
@@ -119,8 +120,14 @@ func checkNewName(name string) error {
 // same either way. A --socket nobody answers on is an error (ErrNoDaemon), as is any
 // socket when requireDaemon.
 func connect(ctx context.Context, cmd *cli.Command, requireDaemon bool) (wire.API, error) {
+	return connectWith(ctx, cmd, requireDaemon, nil)
+}
+
+// connectWith is connect with markers for an in-process engine (nil: none).
+func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, markers engine.PhaseMarker) (wire.API, error) {
 	const lockWait = 2 * time.Minute
-	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait}
+	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map"),
+		Markers: markers}
 	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if cmd.Bool("verbose") {
@@ -259,7 +266,8 @@ func memCmd() *cli.Command {
 		Name:      "mem",
 		Usage:     "where running VMs' host memory goes: private (guest pages written, TCG code, QEMU heap, libraries, page tables) and shared",
 		ArgsUsage: "[NAME...]",
-		Flags:     []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output (bytes)"}},
+		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output (bytes)"},
+			&cli.BoolFlag{Name: "pages", Usage: "count each VM's guest RAM pages (root, Linux): shared with the checkpoint file and with how many siblings, copied on write, zero-filled, never touched"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			api, err := connect(ctx, cmd, false)
 			if err != nil {
@@ -267,6 +275,9 @@ func memCmd() *cli.Command {
 			}
 			defer api.Close()
 			names := cmd.Args().Slice()
+			if cmd.Bool("pages") {
+				return memPages(ctx, api, names, cmd.Bool("json"))
+			}
 			if len(names) == 0 {
 				vms, err := api.List(ctx)
 				if err != nil {
@@ -525,6 +536,7 @@ func forkCmd() *cli.Command {
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
+			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			src := cmd.Args().First()
@@ -563,11 +575,23 @@ func forkCmd() *cli.Command {
 				}
 				opts.Publish = func(i int) []engine.PortForward { return perFork[i] }
 			}
-			api, err := connect(ctx, cmd, false)
+			var tr *forkTrace
+			var markers engine.PhaseMarker
+			if cmd.String("trace") != "" {
+				tr = openForkTrace()
+				defer tr.close()
+				if tr.in != nil {
+					markers = tr.in
+				}
+			}
+			api, err := connectWith(ctx, cmd, false, markers)
 			if err != nil {
 				return err
 			}
 			defer api.Close()
+			if _, inProcess := api.(*local.Local); tr != nil && !inProcess {
+				return errTraceDaemon
+			}
 			start := time.Now()
 			evs, err := api.ForkMany(ctx, src, n, opts)
 			if err != nil {
@@ -608,7 +632,16 @@ func forkCmd() *cli.Command {
 					errs = append(errs, ev.Err)
 				} else {
 					ready++
+					if tr != nil {
+						tr.add(ev.Index, ev.Name, ev.Spans)
+					}
 				}
+			}
+			if tr != nil {
+				if err := tr.write(cmd.String("trace")); err != nil {
+					return fmt.Errorf("--trace: %w", err)
+				}
+				fmt.Fprintf(summaryOut(cmd.Bool("json")), "trace bundle: %s\n", cmd.String("trace"))
 			}
 			var unreported []string
 			for i, r := range reported {

@@ -64,7 +64,7 @@ func serveCmd() *cli.Command {
 				token = t
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")),
+			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), PerfMap: cmd.Bool("perf-map"),
 				Overcommit: cmd.Float("overcommit"), MaxOvercommit: cmd.Float("max-overcommit"), MemoryCommitRatio: cmd.Float("memory-commit-ratio"),
 				MemoryCgroup: cmd.String("memory-cgroup")}
 			// Warnings (a VM kept aside at recovery, a damaged hole list) are always logged.

@@ -75,6 +75,12 @@ type Launch struct {
 	// this process (Net only), validated by the caller: they go into JSON, never into
 	// option syntax, but QEMU parses each rule itself.
 	HostFwd []string
+	// PerfMap adds -perfmap: QEMU writes /tmp/perf-PID.map, naming each block of host
+	// code TCG generates after the guest address it translates (guest-0xADDR), so perf
+	// report and perf script attribute JIT samples. It slows QEMU (it writes a line per
+	// block) and QEMU never deletes the file: the caller removes it (PerfMapPath).
+	// tcg only.
+	PerfMap bool
 	// ExtraArgs are appended after forkvm's own argv, as given, for diagnosing one
 	// process (-d, -D, -trace, -plugin). They must not change the machine: a process
 	// restoring a saved state needs the devices the state was saved with. A wrapper
@@ -171,8 +177,15 @@ func (l *Launch) Argv() ([]string, error) {
 			args = append(args, "-global", "migration.send-configuration=off")
 		}
 	}
+	if l.PerfMap {
+		args = append(args, "-perfmap")
+	}
 	return append(args, l.ExtraArgs...), nil
 }
+
+// PerfMapPath is the map file a QEMU started with Launch.PerfMap writes: perf's
+// convention for JIT symbols, /tmp/perf-PID.map whatever the process's directory.
+func PerfMapPath(pid int) string { return "/tmp/perf-" + strconv.Itoa(pid) + ".map" }
 
 // invalid is an error wrapping ErrInvalidLaunch.
 func invalid(format string, a ...any) error {
@@ -205,6 +218,9 @@ func (l *Launch) validate() error {
 	}
 	if l.DevicesOnly && !l.Incoming {
 		return invalid("a device-state-only launch must be incoming")
+	}
+	if l.PerfMap && l.Accel != "tcg" && l.Accel != "" {
+		return invalid("a perf map under %q (TCG generates the code it maps)", l.Accel)
 	}
 	if len(l.HostFwd) > 0 && !l.Net {
 		return invalid("host forwards without a network")

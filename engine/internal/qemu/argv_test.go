@@ -671,3 +671,50 @@ func TestArgvNameDebugThreads(t *testing.T) {
 		})
 	}
 }
+
+// TestArgvPerfMap: -perfmap only when asked, and only under TCG.
+func TestArgvPerfMap(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		accel   string
+		perfMap bool
+		want    bool
+		err     bool
+	}{
+		{name: "off", accel: "tcg"},
+		{name: "tcg", accel: "tcg", perfMap: true, want: true},
+		{name: "default accel", accel: "", perfMap: true, want: true},
+		{name: "kvm refused", accel: "kvm", perfMap: true, err: true},
+		{name: "kvm off", accel: "kvm"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := baseLaunch()
+			l.Accel, l.PerfMap = tc.accel, tc.perfMap
+			if tc.accel != "tcg" && tc.accel != "" {
+				l.TBSizeMiB = 0
+			}
+			argv, err := l.Argv()
+			if tc.err {
+				if !errors.Is(err, ErrInvalidLaunch) {
+					t.Fatalf("err = %v, want ErrInvalidLaunch", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			n := 0
+			for _, a := range argv {
+				if a == "-perfmap" {
+					n++
+				}
+			}
+			if got := n == 1; got != tc.want || n > 1 {
+				t.Fatalf("-perfmap %d times in %q, want %v", n, argv, tc.want)
+			}
+		})
+	}
+	if got := PerfMapPath(4242); got != "/tmp/perf-4242.map" {
+		t.Fatalf("PerfMapPath = %q", got)
+	}
+}

@@ -64,6 +64,10 @@ type SpawnOptions struct {
 	// (Launch.Argv).
 	Binary string
 	Args   []string
+	// Dir is QEMU's working directory (the VM's run directory), where anything QEMU
+	// writes relative to it lands (-jitdump's jit-PID.dump) and is removed with the
+	// run directory. Empty: the caller's.
+	Dir string
 	// QMPSocket is the monitor socket QEMU listens on (Launch.QMPSocket) and LogPath
 	// the file that receives QEMU's stdout and stderr (truncated).
 	QMPSocket, LogPath string
@@ -103,6 +107,7 @@ func Spawn(o SpawnOptions) (*Process, error) {
 	defer logf.Close()
 	cmd := exec.Command(o.Binary, o.Args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Dir = o.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
 		return nil, &StartError{Err: err}

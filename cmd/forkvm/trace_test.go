@@ -1,0 +1,60 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"testing"
+
+	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/tracebundle"
+)
+
+// TestForkTraceBundle: without a kernel instance the bundle holds the forks' spans at
+// their CLOCK_MONOTONIC microseconds, one thread per fork, and decodes.
+func TestForkTraceBundle(t *testing.T) {
+	tr := &forkTrace{}
+	tr.add(0, "f1", []wire.Span{{Name: "spawn", StartMono: 5_000_000, EndMono: 6_500_000}, {Name: "restore", StartMono: 6_500_000, EndMono: 6_500_000}})
+	tr.add(1, "f2", []wire.Span{{Name: "spawn", StartMono: 5_100_000, EndMono: 7_000_000}})
+	path := filepath.Join(t.TempDir(), "f.perfetto.tar")
+	if err := tr.write(path); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b, err := tracebundle.Read(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		TraceEvents []struct {
+			Name string  `json:"name"`
+			Ph   string  `json:"ph"`
+			TS   float64 `json:"ts"`
+			Dur  float64 `json:"dur"`
+			Tid  int     `json:"tid"`
+		} `json:"traceEvents"`
+	}
+	if err := json.Unmarshal(b.Files["forkvm-spans.json"], &doc); err != nil {
+		t.Fatal(err)
+	}
+	var xs int
+	for _, e := range doc.TraceEvents {
+		if e.Ph != "X" {
+			continue
+		}
+		xs++
+		if e.Name == "spawn" && e.Tid == 1 && (e.TS != 5000 || e.Dur != 1500) {
+			t.Errorf("f1 spawn at %v for %v µs, want 5000 for 1500", e.TS, e.Dur)
+		}
+		if e.Dur <= 0 {
+			t.Errorf("%s: duration %v", e.Name, e.Dur)
+		}
+	}
+	if xs != 3 || len(b.Files) != 1 {
+		t.Fatalf("%d spans, %d files", xs, len(b.Files))
+	}
+}
