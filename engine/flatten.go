@@ -13,9 +13,10 @@ import (
 	"github.com/forkvm/forkvm/memfile"
 )
 
-// Flattening: a fork of a delta checkpoint maps its lineage's root RAM file and gets
-// every layer written into its private mapping, so each sibling holds its own copy of
-// every page its ancestors wrote (Σ layers per fork at depth n). A flattened checkpoint
+// Flattening: a fork of a delta checkpoint maps its lineage's root RAM file (or the
+// nearest flattened ancestor's file, see lineageBase) and gets the layers that file
+// lacks written into its private mapping, so each sibling holds its own copy of every
+// page those ancestors wrote (Σ layers per fork at depth n). A flattened checkpoint
 // has one more RAM file, the root's data with every layer applied, which forks started
 // afterwards map share=off like a world checkpoint's: no injection, every inherited
 // page shared through the page cache.
@@ -94,8 +95,12 @@ func layersBytes(ck *checkpointManifest) int64 {
 }
 
 // flattenLater queues checkpoint ck for a background flatten when the policy says so.
+// An implicit checkpoint (a fork of a running VM) is never flattened: it serves the
+// forks made with it, all prepared before any flatten could finish, and goes with them;
+// flattening it only took CPU from whatever ran next (measured: the checkpoint of the
+// forked node, taken right after, doubled while the implicit checkpoint's copy ran).
 func (e *Engine) flattenLater(ck *checkpointManifest) {
-	if ck.Kind != checkpointKindDelta || e.cfg.FlattenMiB < 0 || layersBytes(ck) < e.cfg.FlattenMiB<<20 || !memfile.ExtractSupported {
+	if ck.Kind != checkpointKindDelta || ck.Implicit || e.cfg.FlattenMiB < 0 || layersBytes(ck) < e.cfg.FlattenMiB<<20 || !memfile.ExtractSupported {
 		return
 	}
 	if flatPath(e.paths, ck) != "" {
