@@ -181,7 +181,14 @@ func pinBase(paths layout, ck *checkpointManifest, b lineageBase) (lineageBase, 
 		return lineageBase{Path: link, Layers: b.Layers, Holes: holes}, nil
 	}
 	if h, err := os.ReadFile(b.Holes); err == nil {
-		if err := writeFileAtomic(holes, h); err != nil {
+		// A temporary name of its own: forks of a wave pin at the same time.
+		tmp := holes + ".tmp-" + randHex(4)
+		err := os.WriteFile(tmp, h, 0o600)
+		if err == nil {
+			err = os.Rename(tmp, holes)
+		}
+		if err != nil {
+			os.Remove(tmp)
 			return b, fmt.Errorf("engine: pin base of %s: %w", ck.Name, err)
 		}
 	}

@@ -243,3 +243,43 @@ func sameFile(a, b string) bool {
 	s2, err2 := os.Stat(b)
 	return err1 == nil && err2 == nil && os.SameFile(s1, s2)
 }
+
+// TestPinBaseConcurrent: the forks of a wave pin the same ancestor's file at once; each
+// gets the one link, none falls back to the root.
+func TestPinBaseConcurrent(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.FlattenMiB = -1
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	writeDeltaCheckpoint(t, cfg, "d1", root, []string{"d1"})
+	d2 := writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
+	if _, err := e.Flatten(t.Context(), "d1"); err != nil {
+		t.Fatal(err)
+	}
+	want := filepath.Join(e.paths.checkpointLayers("d2"), baseFile(1, "d1"))
+	got := make([]lineageBase, 8)
+	done := make(chan int)
+	for i := range got {
+		go func() {
+			got[i] = forkBase(e.paths, e.log, &d2)
+			done <- i
+		}()
+	}
+	for range got {
+		<-done
+	}
+	for i, b := range got {
+		if b.Path != want || b.Layers != 1 {
+			t.Errorf("fork %d: base %+v, want %s", i, b, want)
+		}
+	}
+	if h, err := os.ReadFile(baseHoles(want)); err != nil || len(h) == 0 {
+		t.Errorf("hole list: %d bytes, %v", len(h), err)
+	}
+	ents, _ := os.ReadDir(e.paths.checkpointLayers("d2"))
+	for _, ent := range ents {
+		if filepath.Ext(ent.Name()) != ".layer" && ent.Name() != filepath.Base(want) && ent.Name() != filepath.Base(baseHoles(want)) {
+			t.Errorf("left in the layer directory: %s", ent.Name())
+		}
+	}
+}
