@@ -31,7 +31,7 @@ import (
 func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error {
 	ck := w.ck
 	vm.mu.Lock()
-	parentName, ramMapped := vm.m.Parent, vm.m.Launch.RAM.Path
+	parentName, ramMapped, baseLayers := vm.m.Parent, vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers
 	vm.mu.Unlock()
 	if parentName == "" {
 		return fmt.Errorf("%w: %s has private RAM but no parent checkpoint", ErrNotForkable, vm.m.Name)
@@ -84,13 +84,9 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 			defer w.phase("freeze")()
 			addr, err := memfile.FindMapping(vm.m.PID, ramMapped, ck.RAMSize)
 			if err == nil {
-				extract := memfile.ExtractDelta
-				if ramMapped != pm.RAMPath {
-					// The fork maps its parent's flattened file (prepareFork): pages
-					// mapped from it are the lineage's; compare only its own.
-					extract = memfile.ExtractDeltaFlat
-				}
-				_, err = extract(vm.m.PID, addr, ck.RAMSize, pm.RAMPath, ancestors, own)
+				// Against the file the fork maps and the layers above it (deltaBase).
+				base, upper := deltaBase(e.paths, pm, ramMapped, baseLayers, ancestors)
+				_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, base, upper, own)
 			}
 			ck.Timings.Extract = time.Since(t)
 			ck.Timings.Freeze = ck.Timings.Extract
@@ -111,26 +107,28 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 	return w.commit(ctx)
 }
 
-// injectLayers writes a delta checkpoint's layers into a fork's private RAM mapping; its
-// QEMU was started with -incoming defer and has not loaded anything yet.
+// injectLayers writes a delta checkpoint's layers that the fork's RAM file does not hold
+// (all but its base's, see lineageBase) into the fork's private RAM mapping; its QEMU was
+// started with -incoming defer and has not loaded anything yet.
 func injectLayers(vm *VM, c *Checkpoint) error {
 	ck := &c.Manifest
 	if len(ck.Layers) == 0 {
 		return nil
 	}
 	vm.mu.Lock()
-	pid, ram := vm.m.PID, vm.m.Launch.RAM.Path
+	pid, ram, k := vm.m.PID, vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers
 	vm.mu.Unlock()
-	if ram != ck.RAMPath {
+	if k >= len(ck.Layers) {
 		return nil // it maps the checkpoint's flattened RAM file (prepareFork)
 	}
 	addr, err := memfile.FindMapping(pid, ram, ck.RAMSize)
 	if err != nil {
 		return err
 	}
-	paths := make([]string, len(ck.Layers))
-	for i, l := range ck.Layers {
-		paths[i] = l.Path
+	// The layers its RAM file lacks: all over the root, those above a base.
+	var paths []string
+	for _, l := range ck.Layers[k:] {
+		paths = append(paths, l.Path)
 	}
 	n, err := memfile.InjectLayers(pid, addr, ck.RAMSize, paths)
 	if err != nil {

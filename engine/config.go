@@ -59,9 +59,10 @@ type Config struct {
 	// once one has had its first fork and its lineage's layers hold at least this many
 	// MiB, the engine writes, in the background, one RAM file holding its root's data
 	// and every layer (storage: the root's data once more). Forks started after that map
-	// it and share all of it; forks started before hold the lineage's pages as private
-	// copies (MemoryUsage.GuestLineage). Default 64; negative: never (Engine.Flatten
-	// still flattens on request).
+	// it and share all of it; forks started before map the nearest flattened ancestor's
+	// file (or the root) and hold the newer layers' pages as private copies
+	// (MemoryUsage.GuestLineage). Implicit checkpoints (forks of a running VM) are never
+	// flattened. Default 64; negative: never (Engine.Flatten still flattens on request).
 	FlattenMiB int64
 	// MemoryCommitRatio is the part of a VM's guest RAM that admission expects its guest
 	// to write (copies on write of a fork, pages of a booted VM) and keeps room for

@@ -23,9 +23,7 @@ func (e *Engine) Delete(ctx context.Context, name string) error {
 	e.paths.removeVMFiles(name, &m)
 	if m.Parent != "" {
 		e.cks.punch(m.Parent)
-		if m.Launch.RAM.Path == e.paths.checkpointFlat(m.Parent) {
-			e.punchFlat(m.Parent)
-		}
+		e.punchBase(m.Parent, m.Launch.RAM.Path)
 		e.cks.collect(m.Parent, e.vms.forksOf)
 	}
 	return nil

@@ -34,7 +34,10 @@
 //   - Flattening (Engine.Flatten, Config.FlattenMiB) writes a delta checkpoint's lineage
 //     into one RAM file of its own (the root's data once more), in the background after
 //     its first fork once its layers are big enough: forks started afterwards map it and
-//     share every inherited page instead of holding the layers as private copies. A delta checkpoint holds
+//     share every inherited page instead of holding the layers as private copies. Until
+//     then a fork maps the nearest flattened ancestor's file (hard-linked into the
+//     checkpoint, so deleting the ancestor keeps it) and gets only the newer layers
+//     written, and its own checkpoint compares only those. A delta checkpoint holds
 //     hard links to the root file and to every ancestor's layer, so deleting an ancestor
 //     (its VMs or the checkpoint) never breaks a descendant; every layer's SHA-256 is
 //     checked before a fork's QEMU starts.

@@ -13,9 +13,10 @@ import (
 	"github.com/forkvm/forkvm/memfile"
 )
 
-// Flattening: a fork of a delta checkpoint maps its lineage's root RAM file and gets
-// every layer written into its private mapping, so each sibling holds its own copy of
-// every page its ancestors wrote (Σ layers per fork at depth n). A flattened checkpoint
+// Flattening: a fork of a delta checkpoint maps its lineage's root RAM file (or the
+// nearest flattened ancestor's file, see lineageBase) and gets the layers that file
+// lacks written into its private mapping, so each sibling holds its own copy of every
+// page those ancestors wrote (Σ layers per fork at depth n). A flattened checkpoint
 // has one more RAM file, the root's data with every layer applied, which forks started
 // afterwards map share=off like a world checkpoint's: no injection, every inherited
 // page shared through the page cache.
@@ -51,8 +52,11 @@ func newFlattener() *flattener {
 type FlattenStats struct {
 	// Path is the flattened RAM file.
 	Path string `json:"path"`
-	// RootBytes is the root's data copied; LayerBytes the layers' pages applied over it.
+	// RootBytes is the data copied: the root's, or with BaseLayers > 0 an ancestor's
+	// flattened file holding that many of the lineage's layers; LayerBytes the pages of
+	// the layers above it, applied over it.
 	RootBytes  int64 `json:"root_bytes"`
+	BaseLayers int   `json:"base_layers,omitempty"`
 	LayerBytes int64 `json:"layer_bytes"`
 	// Allocated is the file's storage.
 	Allocated int64         `json:"allocated_bytes"`
@@ -91,8 +95,12 @@ func layersBytes(ck *checkpointManifest) int64 {
 }
 
 // flattenLater queues checkpoint ck for a background flatten when the policy says so.
+// An implicit checkpoint (a fork of a running VM) is never flattened: it serves the
+// forks made with it, all prepared before any flatten could finish, and goes with them;
+// flattening it only took CPU from whatever ran next (measured: the checkpoint of the
+// forked node, taken right after, doubled while the implicit checkpoint's copy ran).
 func (e *Engine) flattenLater(ck *checkpointManifest) {
-	if ck.Kind != checkpointKindDelta || e.cfg.FlattenMiB < 0 || layersBytes(ck) < e.cfg.FlattenMiB<<20 || !memfile.ExtractSupported {
+	if ck.Kind != checkpointKindDelta || ck.Implicit || e.cfg.FlattenMiB < 0 || layersBytes(ck) < e.cfg.FlattenMiB<<20 || !memfile.ExtractSupported {
 		return
 	}
 	if flatPath(e.paths, ck) != "" {
@@ -181,13 +189,21 @@ func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error
 	t0 := time.Now()
 	tmp := final + ".tmp-" + randHex(4)
 	defer os.Remove(tmp) // a no-op once renamed
-	fs, err := memfile.Freeze(ctx, ck.RAMPath, tmp)
+	// From the best base there is (an ancestor's flattened file: fewer layers to
+	// apply), else the root; a base deleted under the copy falls back to the root.
+	base := findBase(e.paths, ck)
+	fs, err := memfile.Freeze(ctx, base.Path, tmp)
+	if err != nil && base.Layers > 0 && ctx.Err() == nil {
+		os.Remove(tmp)
+		base = lineageBase{Path: ck.RAMPath}
+		fs, err = memfile.Freeze(ctx, base.Path, tmp)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("engine: flatten %s: %w", name, err)
 	}
-	paths := make([]string, len(ck.Layers))
-	for i, l := range ck.Layers {
-		paths[i] = l.Path
+	var paths []string
+	for _, l := range ck.Layers[base.Layers:] {
+		paths = append(paths, l.Path)
 	}
 	applied, err := memfile.ApplyLayers(tmp, ck.RAMSize, paths)
 	if err != nil {
@@ -212,7 +228,7 @@ func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error
 		os.Remove(final)
 		return nil, fmt.Errorf("%w: checkpoint %s (deleted while it was flattened)", ErrNotFound, name)
 	}
-	return &FlattenStats{Path: final, RootBytes: fs.Bytes, LayerBytes: applied, Allocated: allocatedBytes(final), Took: time.Since(t0)}, nil
+	return &FlattenStats{Path: final, RootBytes: fs.Bytes, BaseLayers: base.Layers, LayerBytes: applied, Allocated: allocatedBytes(final), Took: time.Since(t0)}, nil
 }
 
 // punchFlat gives back the zero pages that forks faulted into the holes of checkpoint

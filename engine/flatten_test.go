@@ -104,19 +104,22 @@ func TestFlatten(t *testing.T) {
 }
 
 // TestFlattenPolicy: the background flatten is queued for delta checkpoints whose layers
-// hold at least FlattenMiB, never for world checkpoints or with FlattenMiB negative.
+// hold at least FlattenMiB, never for world or implicit checkpoints or with FlattenMiB
+// negative.
 func TestFlattenPolicy(t *testing.T) {
 	for _, tc := range []struct {
-		name   string
-		kind   string
-		minMiB int64
-		layers int64
-		queued bool
+		name     string
+		kind     string
+		minMiB   int64
+		layers   int64
+		implicit bool
+		queued   bool
 	}{
-		{"deep enough", checkpointKindDelta, 1, 2 << 20, true},
-		{"shallow", checkpointKindDelta, 64, 20 << 20, false},
-		{"world", "", 1, 0, false},
-		{"never", checkpointKindDelta, -1, 1 << 30, false},
+		{"deep enough", checkpointKindDelta, 1, 2 << 20, false, true},
+		{"shallow", checkpointKindDelta, 64, 20 << 20, false, false},
+		{"world", "", 1, 0, false, false},
+		{"never", checkpointKindDelta, -1, 1 << 30, false, false},
+		{"implicit", checkpointKindDelta, 1, 1 << 30, true, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := testConfig(t)
@@ -126,7 +129,7 @@ func TestFlattenPolicy(t *testing.T) {
 				t.Fatal(err)
 			}
 			e := &Engine{cfg: r, paths: r.paths, flat: newFlattener()}
-			ck := &checkpointManifest{Name: "c", Kind: tc.kind, RAMSize: 2 << 20}
+			ck := &checkpointManifest{Name: "c", Kind: tc.kind, RAMSize: 2 << 20, Implicit: tc.implicit}
 			if tc.layers > 0 {
 				ck.Layers = []ramLayer{{Checkpoint: "c", Size: tc.layers}}
 			}

@@ -19,9 +19,10 @@ func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu strin
 		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
 		Launch: forkLaunch(paths, qemu, name, ck),
 	}}
-	if flat := flatPath(paths, ck); flat != "" {
-		// Flattened: map the lineage as one file, nothing to inject (injectLayers).
-		vm.m.Launch.RAM.Path = flat
+	if b := forkBase(paths, log, ck); b.Layers > 0 {
+		// A flattened copy of the lineage up to b.Layers: only the layers above it are
+		// injected (injectLayers).
+		vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers = b.Path, b.Layers
 	}
 	if err := os.Mkdir(vm.dir, 0o700); err != nil {
 		return nil, fmt.Errorf("engine: create %s: %w", vm.dir, err)

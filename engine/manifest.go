@@ -54,6 +54,11 @@ type manifest struct {
 	// LineageBytes is what the fork received from its checkpoint's delta layers (see
 	// MemoryUsage.GuestLineage).
 	LineageBytes int64 `json:"lineage_bytes,omitempty"`
+	// RAMBaseLayers is how many of its checkpoint's delta layers (oldest first) the RAM
+	// file the fork maps holds already: 0 when it maps the lineage's root file, else a
+	// flattened copy (the checkpoint's own or an ancestor's, see lineageBase). Only the
+	// layers above it were injected.
+	RAMBaseLayers int `json:"ram_base_layers,omitempty"`
 	// DiskCollapse is the block-stream job collapsing the disk chain, recorded before it
 	// starts and cleared once its outcome is read (see settleCollapse).
 	DiskCollapse *diskCollapse `json:"disk_collapse,omitempty"`

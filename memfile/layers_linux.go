@@ -38,7 +38,7 @@ func candidatePages(pagemap []uint64, inLayers func(int64) bool) []int64 {
 }
 
 // owners maps each page to the newest layer holding it (index into layers), -1 for the
-// root file.
+// base file under them.
 func owners(layers []string, pages int64) ([]int16, error) {
 	own := make([]int16, pages)
 	for i := range own {
@@ -114,23 +114,18 @@ func FindMapping(pid int, path string, size int64) (uint64, error) {
 
 // ExtractDelta writes to out (created sparse, size bytes) the pages of process pid's
 // private mapping at addr (size bytes) whose content differs from what the lineage holds
-// for that page: the newest of layers (oldest first) holding it, else the root file.
-// The process should be stopped. Pages are read through /proc/PID/mem; the root file
-// and the layers with pread (a hole reads as zeros and allocates nothing).
-func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
-	return extractDelta(pid, addr, size, root, layers, out, false)
-}
-
-// ExtractDeltaFlat is ExtractDelta for a process whose mapping is of a file that already
-// holds the lineage (root and layers applied: a flattened copy): a page still mapped
-// from that file (or never touched) is the lineage's, so only the process's private
-// pages are read and compared, and the cost follows what the process wrote rather than
-// the lineage's size.
-func ExtractDeltaFlat(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
-	return extractDelta(pid, addr, size, root, layers, out, true)
-}
-
-func extractDelta(pid int, addr uint64, size int64, root string, layers []string, out string, flat bool) (*ExtractStats, error) {
+// for that page: the newest of layers (oldest first) holding it, else base. base is the
+// file the process maps (share=off) holding the lineage below layers: the lineage's root
+// file (layers are then all of them), or a flattened copy of the root with the lineage's
+// older layers applied (layers are then only those above it; with none, the lineage is
+// base alone). The process should be stopped.
+//
+// Examined are the process's private pages and every page a layer holds (the process
+// holds it privately unless something dropped its copy): a page still mapped from base,
+// or never touched, is the lineage's, so the cost follows what the process wrote plus
+// the layers above base, not the lineage's depth. Pages are read through /proc/PID/mem;
+// base and the layers with pread (a hole reads as zeros and allocates nothing).
+func ExtractDelta(pid int, addr uint64, size int64, base string, layers []string, out string) (*ExtractStats, error) {
 	pages := size / PageSize
 	own, err := owners(layers, pages)
 	if err != nil {
@@ -140,18 +135,14 @@ func extractDelta(pid int, addr uint64, size int64, root string, layers []string
 	if err != nil {
 		return nil, err
 	}
-	inLayers := func(p int64) bool { return own[p] >= 0 }
-	if flat {
-		inLayers = func(int64) bool { return false }
-	}
-	cand := candidatePages(entries, inLayers)
+	cand := candidatePages(entries, func(p int64) bool { return own[p] >= 0 })
 	mem, err := os.Open(fmt.Sprintf("/proc/%d/mem", pid))
 	if err != nil {
 		return nil, fmt.Errorf("memfile: mem: %w", err)
 	}
 	defer mem.Close()
-	files := make([]*os.File, len(layers)+1) // [0] root, [i+1] layers[i]
-	for i, p := range append([]string{root}, layers...) {
+	files := make([]*os.File, len(layers)+1) // [0] base, [i+1] layers[i]
+	for i, p := range append([]string{base}, layers...) {
 		f, err := os.Open(p)
 		if err != nil {
 			return nil, fmt.Errorf("memfile: lineage: %w", err)

@@ -2,6 +2,7 @@ package memfile
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -45,7 +46,7 @@ func writePages(t *testing.T, path string, size int64, pages map[int64]byte) {
 	}
 }
 
-func mapPrivate(t *testing.T, path string, size int64) []byte {
+func mapPrivate(t testing.TB, path string, size int64) []byte {
 	t.Helper()
 	f, err := os.Open(path)
 	if err != nil {
@@ -201,45 +202,140 @@ func TestApplyLayers(t *testing.T) {
 	}
 }
 
-// TestExtractDeltaFlat: a process mapping a flattened copy of its lineage gets, in its
-// delta, exactly the pages it wrote that differ from the lineage; the lineage's pages it
-// only maps are neither read nor stored.
-func TestExtractDeltaFlat(t *testing.T) {
-	d := shmDir(t)
-	const pages = 32
-	size := int64(pages * PageSize)
-	root, la, flat, out := filepath.Join(d, "root"), filepath.Join(d, "a"), filepath.Join(d, "flat"), filepath.Join(d, "out")
-	writePages(t, root, size, map[int64]byte{0: 'r', 1: 'r'})
-	writePages(t, la, size, map[int64]byte{1: 'a', 5: 'a'})
-	writePages(t, flat, size, map[int64]byte{0: 'r', 1: 'r'})
-	if _, err := ApplyLayers(flat, size, []string{la}); err != nil {
-		t.Fatal(err)
+// TestExtractDeltaOverBase: a process mapping a flattened copy of its lineage's older
+// layers (the base), with the newer layers injected over it, gets in its delta exactly
+// the pages it wrote that differ from the lineage; the base's pages it only maps are
+// neither read nor stored, and only the private pages and the layers above the base are
+// examined.
+func TestExtractDeltaOverBase(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		upper     bool    // layer b above the base, injected
+		cand      int64   // pages examined
+		wantPages []int64 // pages stored
+	}{
+		{name: "flattened lineage", cand: 3, wantPages: []int64{0, 9}},
+		// b's pages 5 and 12 are injected (private, examined); 12 is then zeroed, which
+		// differs from b's page: stored; 5 is left equal to b's: not stored.
+		{name: "one layer above the base", upper: true, cand: 5, wantPages: []int64{0, 9, 12}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := shmDir(t)
+			const pages = 32
+			size := int64(pages * PageSize)
+			root, la, lb, base, out := filepath.Join(d, "root"), filepath.Join(d, "a"), filepath.Join(d, "b"), filepath.Join(d, "base"), filepath.Join(d, "out")
+			writePages(t, root, size, map[int64]byte{0: 'r', 1: 'r'})
+			writePages(t, la, size, map[int64]byte{1: 'a', 5: 'a'})
+			writePages(t, lb, size, map[int64]byte{5: 'b', 12: 'b'})
+			writePages(t, base, size, map[int64]byte{0: 'r', 1: 'r'})
+			if _, err := ApplyLayers(base, size, []string{la}); err != nil {
+				t.Fatal(err)
+			}
+			pid := os.Getpid()
+			m := mapPrivate(t, base, size)
+			addr := uint64(uintptr(unsafe.Pointer(&m[0])))
+			var upper []string
+			if tc.upper {
+				upper = []string{lb}
+				if n, err := InjectLayers(pid, addr, size, upper); err != nil || n != 2*PageSize {
+					t.Fatalf("inject: %d, %v", n, err)
+				}
+				clear(page(m, 12))
+			}
+			_ = page(m, 6)[0]                                     // read: a lineage page, mapped
+			copy(page(m, 1), bytes.Repeat([]byte{'a'}, PageSize)) // rewritten equal to the lineage: not stored
+			page(m, 0)[9] = 'x'                                   // differs from root: stored
+			page(m, 9)[0] = 'y'                                   // over a hole: stored
+			blocks := func() int64 { var st unix.Stat_t; unix.Stat(base, &st); return st.Blocks }
+			b0 := blocks()
+			st, err := ExtractDelta(pid, addr, size, base, upper, out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if b := blocks(); b != b0 {
+				t.Errorf("extraction changed the base's storage: %d -> %d blocks", b0, b)
+			}
+			if st.Candidates != tc.cand || st.Written != int64(len(tc.wantPages)) {
+				t.Errorf("stats %+v, want %d candidates and %d written", st, tc.cand, len(tc.wantPages))
+			}
+			exts, err := layerExtents(out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []int64
+			for _, e := range exts {
+				for p := e.off / PageSize; p < (e.off+e.len)/PageSize; p++ {
+					got = append(got, p)
+				}
+			}
+			if !slices.Equal(got, tc.wantPages) {
+				t.Errorf("layer pages %v, want %v", got, tc.wantPages)
+			}
+			// The lineage (base + upper layers) plus the delta rebuilds the process's memory.
+			m2 := mapPrivate(t, base, size)
+			addr2 := uint64(uintptr(unsafe.Pointer(&m2[0])))
+			if _, err := InjectLayers(pid, addr2, size, append(upper, out)); err != nil {
+				t.Fatal(err)
+			}
+			for p := int64(0); p < pages; p++ {
+				if !bytes.Equal(page(m, p), page(m2, p)) {
+					t.Fatalf("page %d differs after rebuild", p)
+				}
+			}
+		})
 	}
-	pid := os.Getpid()
-	m := mapPrivate(t, flat, size)
-	addr := uint64(uintptr(unsafe.Pointer(&m[0])))
-	_ = page(m, 5)[0]                                     // read: a lineage page, mapped
-	copy(page(m, 1), bytes.Repeat([]byte{'a'}, PageSize)) // rewritten equal to the layer: not stored
-	page(m, 0)[9] = 'x'                                   // differs from root: stored
-	page(m, 9)[0] = 'y'                                   // over a hole: stored
-	st, err := ExtractDeltaFlat(pid, addr, size, root, []string{la}, out)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st.Written != 2 || st.Candidates != 3 {
-		t.Errorf("stats %+v, want 3 candidates (the private pages) and 2 written", st)
-	}
-	exts, err := layerExtents(out)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var got []int64
-	for _, e := range exts {
-		for p := e.off / PageSize; p < (e.off+e.len)/PageSize; p++ {
-			got = append(got, p)
+}
+
+// BenchmarkExtractDelta measures a delta extraction against guest size: a root file
+// holding 256 MiB of data, mapped private and read whole (its pages mapped, as a fork's
+// guest reads them), 20 MiB of it then written (private copies). The whole extraction
+// and its size-bound part alone (reading the mapping's pagemap) are timed at 2 and 8 GiB.
+func BenchmarkExtractDelta(b *testing.B) {
+	for _, gib := range []int64{2, 8} {
+		size := gib << 30
+		d := shmDir(b)
+		root := filepath.Join(d, "root")
+		const data, written = 256 << 20, 20 << 20
+		writeRun := func(path string, off, n int64, c byte) {
+			f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer f.Close()
+			if err := f.Truncate(size); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := f.WriteAt(bytes.Repeat([]byte{c}, int(n)), off); err != nil {
+				b.Fatal(err)
+			}
 		}
-	}
-	if want := []int64{0, 9}; !slices.Equal(got, want) {
-		t.Errorf("layer pages %v, want %v", got, want)
+		writeRun(root, 0, data, 'r')
+		m := mapPrivate(b, root, size)
+		var sum byte
+		for p := int64(0); p < data/PageSize; p++ {
+			sum += m[p*PageSize]
+		}
+		for p := int64(0); p < written/PageSize; p++ {
+			m[(p*7%(data/PageSize))*PageSize+1] = byte(p) ^ sum // scattered over the data
+		}
+		pid, addr := os.Getpid(), uint64(uintptr(unsafe.Pointer(&m[0])))
+		b.Run(fmt.Sprintf("%dGiB/pagemap", gib), func(b *testing.B) {
+			for b.Loop() {
+				if _, err := readPagemap(pid, addr, size/PageSize); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(fmt.Sprintf("%dGiB/extract", gib), func(b *testing.B) {
+			i := 0
+			for b.Loop() {
+				out := filepath.Join(d, fmt.Sprintf("out%d", i))
+				i++
+				if _, err := ExtractDelta(pid, addr, size, root, nil, out); err != nil {
+					b.Fatal(err)
+				}
+				os.Remove(out)
+			}
+		})
 	}
 }

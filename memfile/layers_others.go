@@ -6,12 +6,7 @@ package memfile
 func FindMapping(pid int, path string, size int64) (uint64, error) { return 0, ErrUnsupported }
 
 // ExtractDelta is not implemented outside Linux (ErrUnsupported).
-func ExtractDelta(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
-	return nil, ErrUnsupported
-}
-
-// ExtractDeltaFlat is not implemented outside Linux (ErrUnsupported).
-func ExtractDeltaFlat(pid int, addr uint64, size int64, root string, layers []string, out string) (*ExtractStats, error) {
+func ExtractDelta(pid int, addr uint64, size int64, base string, layers []string, out string) (*ExtractStats, error) {
 	return nil, ErrUnsupported
 }
 

@@ -279,3 +279,79 @@ func mustFork(t *testing.T, e *engine.Engine, src, name string) *engine.VM {
 	}
 	return vm
 }
+
+// TestForkOverAncestorBase: a fork of a checkpoint that is not flattened maps its
+// nearest flattened ancestor's file and gets only the newer layer (its GuestLineage is
+// that layer, not the whole lineage); its own checkpoint and the forks of that see
+// every generation's file; deleting the ancestor (and its flattened file) leaves the
+// checkpoint forkable over the same base.
+func TestForkOverAncestorBase(t *testing.T) {
+	env := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB = -1; roomy(c) }) // flatten on request only
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w := makeWorld(t, e, "w", 512, 0)
+	sums := []string{mustRun(t, w, "head -c 8388608 /dev/urandom > /dev/shm/w && md5sum /dev/shm/w")}
+	files := "/dev/shm/w"
+	if _, err := e.Checkpoint(ctx, "w", "ck0", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	n1 := mustFork(t, e, "ck0", "n1")
+	sums = append(sums, mustRun(t, n1, "head -c 33554432 /dev/urandom > /dev/shm/n1 && md5sum /dev/shm/n1"))
+	files += " /dev/shm/n1"
+	if _, err := e.Checkpoint(ctx, "n1", "c1", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Flatten(ctx, "c1"); err != nil {
+		t.Fatal(err)
+	}
+	n2 := mustFork(t, e, "c1", "n2")
+	sums = append(sums, mustRun(t, n2, "head -c 4194304 /dev/urandom > /dev/shm/n2 && md5sum /dev/shm/n2"))
+	files += " /dev/shm/n2"
+	c2, err := e.Checkpoint(ctx, "n2", "c2", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	own := c2.Manifest.Layers[len(c2.Manifest.Layers)-1].Size
+	check := func(vm *engine.VM, files string, sums []string) {
+		t.Helper()
+		if got, want := mustRun(t, vm, "md5sum "+files), strings.Join(sums, "\n"); got != want {
+			t.Errorf("%s reads %q, want %q", vm.Name(), got, want)
+		}
+	}
+	// c2 is not flattened: its fork maps c1's file and gets c2's layer alone.
+	g := mustFork(t, e, "c2", "g")
+	check(g, files, sums)
+	mu, err := g.Memory(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("fork of c2: lineage %d KiB (c2's layer %d KiB, c1's %d KiB)", mu.GuestLineage>>10, own>>10, c2.Manifest.Layers[0].Size>>10)
+	if mu.GuestLineage > own+4<<20 || mu.GuestLineage >= c2.Manifest.Layers[0].Size {
+		t.Errorf("a fork of c2 holds %d bytes of its lineage, want about c2's own layer (%d)", mu.GuestLineage, own)
+	}
+	// Its checkpoint, compared over the base, holds what it wrote; its fork sees it all.
+	gsum := mustRun(t, g, "head -c 4194304 /dev/urandom > /dev/shm/g && md5sum /dev/shm/g")
+	c3, err := e.Checkpoint(ctx, "g", "c3", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l := c3.Manifest.Layers[len(c3.Manifest.Layers)-1].Size; l > 24<<20 {
+		t.Errorf("c3's own layer holds %d bytes for 4 MiB written", l)
+	}
+	h := mustFork(t, e, "c3", "h")
+	check(h, files+" /dev/shm/g", append(append([]string(nil), sums...), gsum))
+	// The ancestor goes (its forks first): c2 keeps its base.
+	for _, vm := range []string{"n2", "h", "g"} {
+		if err := e.Delete(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.DeleteCheckpoint(ctx, "c1", &engine.DeleteCheckpointOptions{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	g2 := mustFork(t, e, "c2", "g2")
+	check(g2, files, sums)
+	if mu, err := g2.Memory(ctx); err != nil || mu.GuestLineage > own+4<<20 {
+		t.Errorf("after c1 went, a fork of c2 holds %d bytes of its lineage (%v), want about %d", mu.GuestLineage, err, own)
+	}
+}

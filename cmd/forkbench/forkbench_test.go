@@ -368,3 +368,49 @@ func TestTraceEngineSpans(t *testing.T) {
 		t.Errorf("spans %q, want %q", got, want)
 	}
 }
+
+// TestTreeTargets: every fork-tree target is put next to its figure, met or missed by
+// the worst level, and a part not measured is neither met nor hidden.
+func TestTreeTargets(t *testing.T) {
+	levels := []TreeLevel{
+		{Level: 0, CheckpointMS: 200},
+		{Level: 1, CheckpointMS: 120, ForkRunningMS: 450},
+		{Level: 2, CheckpointMS: 310, ForkRunningMS: 480},
+	}
+	for _, tc := range []struct {
+		name     string
+		memRatio float64
+		size     *TreeSize
+		met      []bool
+		skipped  int
+	}{
+		{"no size, no memory", -1, nil, []bool{false, false, true, false, false, false, false}, 4},
+		{"all parts", 1.1, &TreeSize{MemoryMiB: 8192, WorldCheckpointMS: 400, ForkCheckpointMS: 250, ForkOfRunningForkMS: 600},
+			[]bool{false, false, true, true, false, true, true}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := &runner{res: &Result{Extra: map[string]any{}}}
+			r.shape.MemoryMiB = 2048
+			treeTargets(r, levels, 200, tc.memRatio, tc.size)
+			out := r.res.Extra["targets"].([]TreeTarget)
+			if len(out) != len(tc.met) {
+				t.Fatalf("%d targets, want %d", len(out), len(tc.met))
+			}
+			skipped := 0
+			for i, tt := range out {
+				if tt.Met != tc.met[i] {
+					t.Errorf("%s: met %v (%s), want %v", tt.Target, tt.Met, tt.Measured, tc.met[i])
+				}
+				if tt.Skipped {
+					skipped++
+				}
+			}
+			if skipped != tc.skipped || r.res.Extra["targets_met"] != false {
+				t.Errorf("skipped %d (want %d), all met %v", skipped, tc.skipped, r.res.Extra["targets_met"])
+			}
+			if !strings.Contains(r.report.String(), "level 2: 310 ms") {
+				t.Errorf("report does not name the worst level:\n%s", r.report.String())
+			}
+		})
+	}
+}

@@ -67,6 +67,14 @@ type GenerationCycle struct {
 	CkChain int `json:"ck_chain"`
 	VMFiles int `json:"vm_files"`
 	QEMUFDs int `json:"qemu_fds"`
+	// RAMFrozenMB is the guest RAM data the checkpoint copied (memfile FreezeStats: the
+	// allocated extents of the VM's RAM file, which grow as the guest touches memory it
+	// had never used); FreezeMS, DiskMS and MigrateMS its phases (engine
+	// CheckpointTimings).
+	RAMFrozenMB float64 `json:"ram_frozen_mb"`
+	FreezeMS    float64 `json:"freeze_ms"`
+	DiskMS      float64 `json:"disk_ms"`
+	MigrateMS   float64 `json:"migrate_ms"`
 }
 
 // GenerationsSummary is generations' extra.summary.
@@ -83,13 +91,34 @@ type GenerationsSummary struct {
 	ForkFirstWindowMS       float64 `json:"fork_first_window_ms"`
 	ForkLastWindowMS        float64 `json:"fork_last_window_ms"`
 	ForkRatio               float64 `json:"fork_ratio"`
-	MaxVMChain              int     `json:"max_vm_chain"`
-	MaxCkChain              int     `json:"max_ck_chain"`
-	MaxVMFiles              int     `json:"max_vm_files"`
-	FirstQEMUFDs            int     `json:"first_qemu_fds"`
-	MaxQEMUFDs              int     `json:"max_qemu_fds"`
-	LastQEMUFDs             int     `json:"last_qemu_fds"`
-	WithinTarget            bool    `json:"within_target"`
+	// Phase medians of the first and last checkpoint windows (ms; RAM frozen MiB):
+	// which part of a checkpoint grew.
+	FirstWindowPhases GenerationPhases `json:"first_window_phases"`
+	LastWindowPhases  GenerationPhases `json:"last_window_phases"`
+	MaxVMChain        int              `json:"max_vm_chain"`
+	MaxCkChain        int              `json:"max_ck_chain"`
+	MaxVMFiles        int              `json:"max_vm_files"`
+	FirstQEMUFDs      int              `json:"first_qemu_fds"`
+	MaxQEMUFDs        int              `json:"max_qemu_fds"`
+	LastQEMUFDs       int              `json:"last_qemu_fds"`
+	WithinTarget      bool             `json:"within_target"`
+}
+
+// GenerationPhases are medians of checkpoint phases over a window of cycles.
+type GenerationPhases struct {
+	MigrateMS   float64 `json:"migrate_ms"`
+	FreezeMS    float64 `json:"freeze_ms"`
+	DiskMS      float64 `json:"disk_ms"`
+	RAMFrozenMB float64 `json:"ram_frozen_mb"`
+}
+
+// windowPhases is the phase medians of cycles cs.
+func windowPhases(cs []GenerationCycle) GenerationPhases {
+	var m, f, d, r []float64
+	for _, c := range cs {
+		m, f, d, r = append(m, c.MigrateMS), append(f, c.FreezeMS), append(d, c.DiskMS), append(r, c.RAMFrozenMB)
+	}
+	return GenerationPhases{MigrateMS: round3(median(m)), FreezeMS: round3(median(f)), DiskMS: round3(median(d)), RAMFrozenMB: round3(median(r))}
 }
 
 // vmChainLen reads the length of VM name's disk chain from its manifest.
@@ -161,7 +190,11 @@ cycle:
 			stopped = fmt.Sprintf("cycle %d: checkpoint: %v", i, err)
 			break
 		}
-		gc := GenerationCycle{Cycle: i, CheckpointMS: round3(ms(d)), CkChain: len(c.Manifest.Disk)}
+		gc := GenerationCycle{Cycle: i, CheckpointMS: round3(ms(d)), CkChain: len(c.Manifest.Disk),
+			FreezeMS: round3(ms(c.Manifest.Timings.Freeze)), DiskMS: round3(ms(c.Manifest.Timings.Disk)), MigrateMS: round3(ms(c.Manifest.Timings.Migrate))}
+		if c.Manifest.Freeze != nil {
+			gc.RAMFrozenMB = round3(float64(c.Manifest.Freeze.Bytes) / (1 << 20))
+		}
 		ckMS = append(ckMS, ms(d))
 		kept = append(kept, name)
 		for len(kept) > s.Keep {
@@ -205,10 +238,12 @@ cycle:
 	r.res.Extra["target_ratio"] = generationsTarget
 	r.res.Method = fmt.Sprintf("Generations: one forkable VM (its data disk a qcow2 chain: the state dir has no reflink or it does) runs %d cycles of: write a file to its data disk and sync (exec), checkpoint it (pinned; timed: Engine.Checkpoint wall), remove the oldest checkpoint beyond %d kept; at cycle 1, every %d cycles and at the last, fork that cycle's checkpoint (timed: the fork's Timings.Total, to ready), check the fork reads the cycle's file from its disk, delete it. After every cycle: the VM's disk chain length (its manifest), the checkpoint's frozen chain length, the entries of the VM's directory and its QEMU's open fds (/proc/PID/fd). Ratios are the median of the last %d checkpoints (last %d forks; at most half of those measured) over the median of the first as many; within_target needs every cycle done and both ratios <= %.1f.",
 		s.Cycles, s.Keep, s.ForkEvery, s.Window, max(1, s.Window/3), generationsTarget)
-	r.section("## Generations\n\n%d of %d cycles, %d kept, a fork every %d cycles (%d forks).\n\n| | first cycle | first window p50 | last window p50 | ratio |\n|---|---|---|---|---|\n| checkpoint ms | %.1f | %.1f | %.1f | %.2f |\n| fork ms | %.1f | %.1f | %.1f | %.2f |\n\nMax chain: VM %d layers, checkpoint %d. Max files in the VM dir %d. QEMU fds: first %d, max %d, last %d. Within the %.1fx target: %v.\n\n",
+	r.section("## Generations\n\n%d of %d cycles, %d kept, a fork every %d cycles (%d forks).\n\n| | first cycle | first window p50 | last window p50 | ratio |\n|---|---|---|---|---|\n| checkpoint ms | %.1f | %.1f | %.1f | %.2f |\n| fork ms | %.1f | %.1f | %.1f | %.2f |\n\nCheckpoint phases, first window / last window medians: migrate %.1f / %.1f ms, RAM freeze %.1f / %.1f ms (%.1f / %.1f MiB copied), disk %.1f / %.1f ms.\n\nMax chain: VM %d layers, checkpoint %d. Max files in the VM dir %d. QEMU fds: first %d, max %d, last %d. Within the %.1fx target: %v.\n\n",
 		sum.CyclesDone, s.Cycles, s.Keep, s.ForkEvery, sum.Forks,
 		sum.CheckpointFirstMS, sum.CheckpointFirstWindowMS, sum.CheckpointLastWindowMS, sum.CheckpointRatio,
 		sum.ForkFirstMS, sum.ForkFirstWindowMS, sum.ForkLastWindowMS, sum.ForkRatio,
+		sum.FirstWindowPhases.MigrateMS, sum.LastWindowPhases.MigrateMS, sum.FirstWindowPhases.FreezeMS, sum.LastWindowPhases.FreezeMS,
+		sum.FirstWindowPhases.RAMFrozenMB, sum.LastWindowPhases.RAMFrozenMB, sum.FirstWindowPhases.DiskMS, sum.LastWindowPhases.DiskMS,
 		sum.MaxVMChain, sum.MaxCkChain, sum.MaxVMFiles, sum.FirstQEMUFDs, sum.MaxQEMUFDs, sum.LastQEMUFDs, generationsTarget, sum.WithinTarget)
 	return nil
 }
@@ -256,6 +291,9 @@ func summarizeGenerations(sum *GenerationsSummary, s *GenerationsSettings, cycle
 		sum.CheckpointFirstMS = round3(ckMS[0])
 		sum.CheckpointFirstWindowMS, sum.CheckpointLastWindowMS = round3(summarize(f).P50), round3(summarize(l).P50)
 		sum.CheckpointRatio = round3(ratio(summarize(l).P50, summarize(f).P50))
+		if len(cycles) == len(ckMS) {
+			sum.FirstWindowPhases, sum.LastWindowPhases = windowPhases(cycles[:len(f)]), windowPhases(cycles[len(cycles)-len(l):])
+		}
 	}
 	if len(forkMS) > 0 {
 		f, l := window(forkMS, max(1, s.Window/3))

@@ -168,10 +168,11 @@ func TestResultPartsJSONKeys(t *testing.T) {
 		{"density settings", &DensitySettings{}, cat(runSetKeys, []string{"step", "max", "cmds"})},
 		{"soak settings", &SoakSettings{}, cat(runSetKeys, []string{"forks", "wave"})},
 		{"generations settings", &GenerationsSettings{}, cat(runSetKeys, []string{"cycles", "keep", "fork_every", "window"})},
-		{"generations cycle, no fork", GenerationCycle{}, []string{"cycle", "checkpoint_ms", "vm_chain", "ck_chain", "vm_files", "qemu_fds"}},
-		{"generations cycle, fork", GenerationCycle{ForkMS: 1}, []string{"cycle", "checkpoint_ms", "fork_ms", "vm_chain", "ck_chain", "vm_files", "qemu_fds"}},
+		{"generations cycle, no fork", GenerationCycle{}, []string{"cycle", "checkpoint_ms", "vm_chain", "ck_chain", "vm_files", "qemu_fds", "ram_frozen_mb", "freeze_ms", "disk_ms", "migrate_ms"}},
+		{"generations cycle, fork", GenerationCycle{ForkMS: 1}, []string{"cycle", "checkpoint_ms", "fork_ms", "vm_chain", "ck_chain", "vm_files", "qemu_fds", "ram_frozen_mb", "freeze_ms", "disk_ms", "migrate_ms"}},
 		{"generations summary", GenerationsSummary{}, []string{"cycles_done", "forks", "checkpoint_first_ms", "checkpoint_first_window_ms",
 			"checkpoint_last_window_ms", "checkpoint_ratio", "fork_first_ms", "fork_first_window_ms", "fork_last_window_ms", "fork_ratio",
+			"first_window_phases", "last_window_phases",
 			"max_vm_chain", "max_ck_chain", "max_vm_files", "first_qemu_fds", "max_qemu_fds", "last_qemu_fds", "within_target"}},
 	}
 	for _, tt := range tests {

@@ -39,15 +39,19 @@ func treeCmd() *cli.Command {
 				return fmt.Errorf("--size-mb must be >= 0, --mem-forks 0..64")
 			}
 			return runBench(ctx, cmd, "tree", &TreeSettings{Depth: d, Branch: b, WriteMB: w, SizeMB: size, MemForks: memForks}, func(r *runner) error {
-				if err := runTree(r, d, b, w); err != nil {
+				levels, worldMS, err := runTree(r, d, b, w)
+				if err != nil {
 					return err
 				}
+				memRatio := -1.0
 				if memForks > 0 {
-					treeMemory(r, d, memForks)
+					memRatio = treeMemory(r, d, memForks)
 				}
+				var S *TreeSize
 				if size > 0 {
-					return treeSize(r, size, w)
+					S = treeSize(r, size, w)
 				}
+				treeTargets(r, levels, worldMS, memRatio, S)
 				return nil
 			})
 		},
@@ -79,12 +83,29 @@ type TreeLevel struct {
 	CheckpointMigrateMS float64 `json:"checkpoint_migrate_ms,omitempty"`
 	CheckpointExtractMS float64 `json:"checkpoint_extract_ms,omitempty"`
 	CheckpointPausedMS  float64 `json:"checkpoint_paused_ms,omitempty"`
+	// CheckpointDiskMS is the disk freeze; CheckpointFlattening whether a background
+	// flatten was running when the checkpoint returned (it competes for the CPUs).
+	CheckpointDiskMS     float64 `json:"checkpoint_disk_ms,omitempty"`
+	CheckpointFlattening bool    `json:"checkpoint_flattening,omitempty"`
 	// ForkP50MS: the level's children, fork until the first `sh -c true` answered.
 	ForkP50MS float64 `json:"fork_p50_ms"`
 	Ready     int     `json:"ready"`
 	// ForkRunningMS: engine.Fork of the running node by name (implicit checkpoint), until
-	// ready; 0 at level 0 (see checkpoint-restore for the world).
-	ForkRunningMS float64 `json:"fork_running_ms,omitzero"`
+	// ready; 0 at level 0 (see checkpoint-restore for the world). Where it went: the
+	// implicit checkpoint (engine Timings.Total, its extraction, the guest paused), then
+	// the fork's phases (engine PhaseTimings: prepare, spawn, inject of the layers its
+	// RAM file lacks, restore, agent), and the layers injected (MiB).
+	ForkRunningMS             float64 `json:"fork_running_ms,omitzero"`
+	ForkRunningCheckpointMS   float64 `json:"fork_running_checkpoint_ms,omitzero"`
+	ForkRunningCkExtractMS    float64 `json:"fork_running_checkpoint_extract_ms,omitzero"`
+	ForkRunningCkPausedMS     float64 `json:"fork_running_checkpoint_paused_ms,omitzero"`
+	ForkRunningPrepareMS      float64 `json:"fork_running_prepare_ms,omitzero"`
+	ForkRunningSpawnMS        float64 `json:"fork_running_spawn_ms,omitzero"`
+	ForkRunningInjectMS       float64 `json:"fork_running_inject_ms,omitzero"`
+	ForkRunningRestoreMS      float64 `json:"fork_running_restore_ms,omitzero"`
+	ForkRunningAgentMS        float64 `json:"fork_running_agent_ms,omitzero"`
+	ForkRunningInjectedMB     float64 `json:"fork_running_injected_mb,omitzero"`
+	ChildrenInjectedMBAverage float64 `json:"children_injected_mb,omitzero"`
 	// RAMFilesMB is the storage all checkpoint RAM files hold after the level;
 	// WrittenMB what the benchmark wrote along the lineage (world dirt + one child per
 	// level); GuestWrittenMB (MiB) what the guests wrote along it, measured: the data of
@@ -118,11 +139,11 @@ type TreeLevel struct {
 // lineageFile is a file an ancestor wrote, with its md5.
 type lineageFile struct{ path, md5 string }
 
-func runTree(r *runner, depth, branch, writeMB int) error {
+func runTree(r *runner, depth, branch, writeMB int) ([]TreeLevel, float64, error) {
 	ctx := r.ctx
 	w, err := r.bakeWorld("world", "t0")
 	if err != nil {
-		return err
+		return nil, 0, err
 	}
 	r.worldExtra(w)
 	t := &treeWalk{r: r, lineage: []lineageFile{{"/dev/shm/dirty", w.DirtyMD5}}, node: w.VM, ckName: "t0",
@@ -135,7 +156,7 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 			L.CheckpointMS, L.CheckpointRAMMethod = w.CheckpointMS, "copy"
 		} else {
 			if err := t.checkpointNode(lvl, &L); err != nil {
-				return err
+				return levels, w.CheckpointMS, err
 			}
 			ckOfFork = append(ckOfFork, L.CheckpointMS)
 		}
@@ -163,7 +184,7 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 		t.lineage = append(t.lineage, mine[next.Name()])
 		t.written += writeMB
 		if err := ctx.Err(); err != nil {
-			return err
+			return levels, w.CheckpointMS, err
 		}
 	}
 	r.res.Extra["levels"] = levels
@@ -174,7 +195,7 @@ func runTree(r *runner, depth, branch, writeMB int) error {
 	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files (lineage MB: the world file's frozen data + each delta checkpoint's own layer), against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
 		r.shape.DirtyMB, depth, branch, writeMB)
 	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", treeTable(levels), pc.P50, len(ckOfFork))
-	return nil
+	return levels, w.CheckpointMS, nil
 }
 
 // treeWalk is runTree's position in the tree: the node of the current level, the
@@ -194,11 +215,20 @@ type treeWalk struct {
 // checkpoint, the next level's parent, into L.
 func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
 	r, ctx, node := t.r, t.r.ctx, t.node
-	start := time.Now()
 	fv, s := r.serialFork(node.Name(), fmt.Sprintf("run%d", lvl), "fork-running", lvl, 2)
 	r.addSample(s)
 	if fv != nil {
-		L.ForkRunningMS = ms(time.Since(start))
+		// Until ready: serialFork's latency runs to the first command's answer.
+		in := fv.Info()
+		L.ForkRunningMS = round3(s.LatencyMS - s.FirstCmdMS)
+		L.ForkRunningPrepareMS, L.ForkRunningSpawnMS, L.ForkRunningInjectMS = ms(in.Timings.Prepare), ms(in.Timings.Spawn), ms(in.Timings.Inject)
+		L.ForkRunningRestoreMS, L.ForkRunningAgentMS = ms(in.Timings.Restore), ms(in.Timings.Agent)
+		if mu, err := fv.Memory(ctx); err == nil {
+			L.ForkRunningInjectedMB = round3(float64(mu.GuestLineage) / (1 << 20))
+		}
+		if ci, err := r.e.CheckpointInfo(in.Parent); err == nil {
+			L.ForkRunningCheckpointMS, L.ForkRunningCkExtractMS, L.ForkRunningCkPausedMS = ms(ci.Timings.Total), ms(ci.Timings.Extract), ms(ci.Timings.Paused)
+		}
 		_ = r.e.Delete(ctx, fv.Name())
 	} else {
 		r.fail("level %d: fork of running %s: %s", lvl, node.Name(), s.Error)
@@ -219,6 +249,8 @@ func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
 		t.lineageMB += float64(ck.Manifest.Layers[n-1].Size) / (1 << 20)
 	}
 	L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS = ms(ck.Manifest.Timings.Migrate), ms(ck.Manifest.Timings.Extract), ms(ck.Manifest.Timings.Paused)
+	L.CheckpointDiskMS = ms(ck.Manifest.Timings.Disk)
+	L.CheckpointFlattening = flattening(r.ramDir)
 	r.addSample(Sample{Group: "checkpoint", Index: lvl, Name: t.ckName, OK: true, LatencyMS: L.CheckpointMS})
 	return nil
 }
@@ -230,6 +262,7 @@ func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
 	avail0, _ := procinfo.MemAvailable()
 	var children []*engine.VM
 	var lat []float64
+	var injected float64
 	for i := 1; i <= branch; i++ {
 		vm, s := r.serialFork(t.ckName, fmt.Sprintf("n%d-%d", lvl+1, i), "fork", lvl*branch+i-1, 1)
 		r.addSample(s)
@@ -239,6 +272,12 @@ func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
 		}
 		children = append(children, vm)
 		lat = append(lat, s.LatencyMS)
+		if mu, err := vm.Memory(r.ctx); err == nil {
+			injected += float64(mu.GuestLineage) / (1 << 20)
+		}
+	}
+	if len(children) > 0 {
+		L.ChildrenInjectedMBAverage = round3(injected / float64(len(children)))
 	}
 	if avail1, err := procinfo.MemAvailable(); err == nil && len(children) > 0 {
 		L.HostMemPerForkMB = round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
@@ -293,6 +332,20 @@ func treeTable(levels []TreeLevel) string {
 	for _, L := range levels {
 		fmt.Fprintf(&b, "| %d | %s | %.0f (%s) | %.0f / %.0f / %.0f | %.0f | %.0f | %.0f (%.0f; %.0f; %d; %.0f) | %.1f | %d/%d | %.0f / %.0f |\n", L.Level, L.Node, L.CheckpointMS,
 			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.FlatMB, L.LineageMB, L.WrittenMB, L.GuestWrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
+	}
+	b.WriteString("\n### Where the time goes\n\n| level | checkpoint ms: migrate / extract / disk / paused / total (flatten running) | fork of running node ms: implicit checkpoint (extract / paused) + prepare / spawn / inject / restore / agent = ready | layers injected MiB: fork of running node; children (mean) |\n|---|---|---|---|\n")
+	for _, L := range levels {
+		if L.Level == 0 {
+			continue
+		}
+		fl := ""
+		if L.CheckpointFlattening {
+			fl = " (yes)"
+		}
+		fmt.Fprintf(&b, "| %d | %.0f / %.0f / %.0f / %.0f / %.0f%s | %.0f (%.0f / %.0f) + %.0f / %.0f / %.0f / %.0f / %.0f = %.0f | %.1f; %.1f |\n", L.Level,
+			L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointDiskMS, L.CheckpointPausedMS, L.CheckpointMS, fl,
+			L.ForkRunningCheckpointMS, L.ForkRunningCkExtractMS, L.ForkRunningCkPausedMS, L.ForkRunningPrepareMS, L.ForkRunningSpawnMS, L.ForkRunningInjectMS, L.ForkRunningRestoreMS, L.ForkRunningAgentMS, L.ForkRunningMS,
+			L.ForkRunningInjectedMB, L.ChildrenInjectedMBAverage)
 	}
 	return b.String()
 }
@@ -408,10 +461,11 @@ type TreeMemory struct {
 // treeMemory forks the shallowest (t1) and the deepest pinned checkpoint of the tree:
 // one fork, then engine.Flatten, then n forks, each measured by VM.Memory after a shell
 // command; it records private MiB per fork and the ratio deepest / shallowest.
-func treeMemory(r *runner, depth, n int) {
+func treeMemory(r *runner, depth, n int) float64 {
 	ctx := r.ctx
+	ratio := -1.0
 	if depth < 2 {
-		return
+		return ratio
 	}
 	var out []TreeMemory
 	for _, ck := range []string{"t1", fmt.Sprintf("t%d", depth-1)} {
@@ -477,11 +531,12 @@ func treeMemory(r *runner, depth, n int) {
 		fmt.Fprintf(&b, "| %s | %d (%.0f) | %.1f (%.1f) | %.1f (%.1f), %d | %.0f | %.0f |\n", M.Checkpoint, M.Depth, M.LayersMB, M.BeforePrivateMB, M.BeforeLineageMB, M.AfterPrivateMB, M.AfterLineageMB, M.AfterForks, M.FlattenMS, M.FlatMB)
 	}
 	if len(out) == 2 && out[0].AfterPrivateMB > 0 && out[1].AfterForks > 0 {
-		ratio := out[1].AfterPrivateMB / out[0].AfterPrivateMB
+		ratio = out[1].AfterPrivateMB / out[0].AfterPrivateMB
 		r.res.Extra["memory_deep_vs_shallow"] = round3(ratio)
 		fmt.Fprintf(&b, "\nprivate memory per fork, depth %d / depth %d after flattening: %.2fx\n", out[1].Depth, out[0].Depth, ratio)
 	}
 	r.section("%s\n", b.String())
+	return ratio
 }
 
 // TreeSize is the guest-size comparison (extra.size).
@@ -497,7 +552,7 @@ type TreeSize struct {
 // treeSize boots a second world of sizeMB, dirties it like the tree's, checkpoints it,
 // forks it, lets the fork write writeMB, checkpoints the fork and forks the running
 // fork: a checkpoint of a fork should cost the same at any guest size.
-func treeSize(r *runner, sizeMB, writeMB int) error {
+func treeSize(r *runner, sizeMB, writeMB int) *TreeSize {
 	ctx := r.ctx
 	spec := r.worldSpec("big", true)
 	spec.MemoryMiB = sizeMB
@@ -538,12 +593,11 @@ func treeSize(r *runner, sizeMB, writeMB int) error {
 	defer r.e.DeleteCheckpoint(ctx, "big1", &engine.DeleteCheckpointOptions{Force: true})
 	S.GrewBytes = allocated(ck.Manifest.RAMPath) - before
 	S.ForkCheckpointMS, S.ForkCheckpointPausedMS = ms(c1.Manifest.Timings.Total), ms(c1.Manifest.Timings.Paused)
-	t := time.Now()
 	g, s := r.serialFork("bigf", "bigg", "size-fork-running", 0, 1)
 	if g == nil {
 		r.fail("size %d: fork of the running fork: %s", sizeMB, s.Error)
 	} else {
-		S.ForkOfRunningForkMS = ms(time.Since(t))
+		S.ForkOfRunningForkMS = round3(s.LatencyMS - s.FirstCmdMS) // until ready
 		r.e.Delete(ctx, g.Name())
 	}
 	r.res.Extra["size"] = S
@@ -551,7 +605,7 @@ func treeSize(r *runner, sizeMB, writeMB int) error {
 		sizeMB, S.WorldCheckpointMS, S.ForkCheckpointMS, S.ForkCheckpointPausedMS, S.ForkOfRunningForkMS, S.GrewBytes)
 	r.section("## Guest size\n\n| guest MiB | world checkpoint ms | checkpoint of its fork ms (paused) | fork of the running fork ms | world file grew bytes |\n|---|---|---|---|---|\n| %d | %.0f | %.0f (%.0f) | %.0f | %d |\n\n",
 		sizeMB, S.WorldCheckpointMS, S.ForkCheckpointMS, S.ForkCheckpointPausedMS, S.ForkOfRunningForkMS, S.GrewBytes)
-	return nil
+	return &S
 }
 
 // allocated is a file's storage (st_blocks), 0 when unknown.

@@ -1,0 +1,285 @@
+package engine
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+func TestParseBaseFile(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		want int
+	}{
+		{baseFile(3, "t3"), 3},
+		{baseFile(12, "a-b-c"), 12},
+		{"base-00-x.flat", 0},
+		{"base-03-x.holes", 0},
+		{"03-x.layer", 0},
+		{"base-xx-y.flat", 0},
+		{"base-03.flat", 0},
+	} {
+		if got := parseBaseFile(tc.name); got != tc.want {
+			t.Errorf("parseBaseFile(%q) = %d, want %d", tc.name, got, tc.want)
+		}
+	}
+	if got := baseHoles("/r/ck-a.layers/base-02-b.flat"); got != "/r/ck-a.layers/base-02-b.holes" {
+		t.Errorf("baseHoles = %q", got)
+	}
+}
+
+// TestSharesLineage: an ancestor's flattened file is a base only for a checkpoint whose
+// first layers are the ancestor's, by name and digest, over the same root file.
+func TestSharesLineage(t *testing.T) {
+	cfg := testConfig(t)
+	root := writeCheckpoint(t, cfg, "root", nil)
+	other := writeCheckpoint(t, cfg, "other", nil)
+	d1 := writeDeltaCheckpoint(t, cfg, "d1", root, []string{"d1"})
+	d3 := writeDeltaCheckpoint(t, cfg, "d3", root, []string{"d1", "d2", "d3"})
+	for _, tc := range []struct {
+		name string
+		mod  func(x *checkpointManifest)
+		k    int
+		want bool
+	}{
+		{"ancestor", nil, 1, true},
+		{"wrong depth", nil, 2, false},
+		{"another layer", func(x *checkpointManifest) { x.Layers[0].SHA256 = d3.Layers[1].SHA256 }, 1, false},
+		{"another writer", func(x *checkpointManifest) { x.Layers[0].Checkpoint = "dx" }, 1, false},
+		{"another root", func(x *checkpointManifest) { x.RAMPath = other.RAMPath }, 1, false},
+		{"a world", func(x *checkpointManifest) { x.Kind = "" }, 1, false},
+		{"another size", func(x *checkpointManifest) { x.RAMSize *= 2 }, 1, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			x := d1
+			x.Layers = append([]ramLayer(nil), d1.Layers...)
+			if tc.mod != nil {
+				tc.mod(&x)
+			}
+			if got := sharesLineage(&d3, &x, tc.k); got != tc.want {
+				t.Errorf("sharesLineage = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestLineageBase: a fork of a delta checkpoint maps the nearest flattened file of its
+// lineage (its own, else its nearest flattened ancestor's, pinned into its layer
+// directory with its hole list), injects only the layers above it, and keeps it when
+// the ancestor is deleted; a flatten starts from the nearest base too.
+func TestLineageBase(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.FlattenMiB = -1
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	// Layer i writes page i (writeDeltaCheckpoint), so dN holds pages 0..N-1.
+	for i, name := range []string{"d1", "d2", "d3"} {
+		lineage := []string{"d1", "d2", "d3"}[:i+1]
+		writeDeltaCheckpoint(t, cfg, name, root, lineage)
+	}
+	f, err := os.OpenFile(root.RAMPath, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt(bytes.Repeat([]byte{'R'}, 4096), 5*4096)
+	f.Close()
+	d3, err := e.LoadCheckpoint(t.Context(), "d3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ck := &d3.Manifest
+	fork := func(name string) *VM {
+		t.Helper()
+		vm, err := prepareFork(t.Context(), e.paths, e.log, "/q", d3, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { e.paths.removeVMFiles(name, &vm.m) })
+		return vm
+	}
+	check := func(vm *VM, wantPath string, wantLayers int) {
+		t.Helper()
+		if vm.m.Launch.RAM.Path != wantPath || vm.m.RAMBaseLayers != wantLayers || vm.m.Launch.RAM.Shared {
+			t.Errorf("fork maps %q holding %d layers (shared %v), want %q holding %d", vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers, vm.m.Launch.RAM.Shared, wantPath, wantLayers)
+		}
+	}
+	layersDir := e.paths.checkpointLayers("d3")
+
+	// No flattened file anywhere: the root, every layer injected.
+	if b := findBase(e.paths, ck); b.Path != ck.RAMPath || b.Layers != 0 {
+		t.Errorf("base without flattened files: %+v", b)
+	}
+	check(fork("f0"), ck.RAMPath, 0)
+
+	// d1 flattened: d1's file, pinned into d3 with its holes.
+	if _, err := e.Flatten(t.Context(), "d1"); err != nil {
+		t.Fatal(err)
+	}
+	link1 := filepath.Join(layersDir, baseFile(1, "d1"))
+	check(fork("f1"), link1, 1)
+	if !sameFile(link1, e.paths.checkpointFlat("d1")) {
+		t.Error("the base link is not d1's flattened file")
+	}
+	if !exists(baseHoles(link1)) {
+		t.Error("the base link has no hole list")
+	}
+
+	// d2 flattened: from d1's file (one layer to apply), and forks of d3 now map it.
+	st, err := e.Flatten(t.Context(), "d2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.BaseLayers != 1 || st.LayerBytes != 4096 {
+		t.Errorf("flatten of d2: %+v, want it from d1's file with one layer applied", st)
+	}
+	link2 := filepath.Join(layersDir, baseFile(2, "d2"))
+	f2 := fork("f2")
+	check(f2, link2, 2)
+	b, err := os.ReadFile(link2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range map[int]byte{0: 'd', 1: 'd', 2: 0, 5: 'R'} {
+		if got := b[p*4096]; got != want {
+			t.Errorf("page %d of d2's flattened file starts %q, want %q", p, got, want)
+		}
+	}
+	// What a fork of d3 mapping it gets injected, and compares its delta against.
+	ancestors := []string{ck.Layers[0].Path, ck.Layers[1].Path, ck.Layers[2].Path}
+	if base, upper := deltaBase(e.paths, ck, link2, 2, ancestors); base != link2 || len(upper) != 1 || upper[0] != ancestors[2] {
+		t.Errorf("deltaBase over d2's file: %s %v", base, upper)
+	}
+
+	// The ancestors go: d3 keeps its links, and the best of them is still found.
+	for _, name := range []string{"d1", "d2"} {
+		if err := e.DeleteCheckpoint(t.Context(), name, &DeleteCheckpointOptions{Force: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if exists(e.paths.checkpointFlat("d2")) {
+		t.Fatal("d2's flattened file outlived d2 under its own name")
+	}
+	if b := findBase(e.paths, ck); b.Path != link2 || b.Layers != 2 {
+		t.Errorf("base after the ancestors went: %+v", b)
+	}
+	if b2, err := os.ReadFile(link2); err != nil || !bytes.Equal(b, b2) {
+		t.Errorf("d3's base changed when d2 went (%v)", err)
+	}
+
+	// d3 flattened: its own file, from its base; nothing to inject.
+	st, err = e.Flatten(t.Context(), "d3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.BaseLayers != 2 || st.LayerBytes != 4096 {
+		t.Errorf("flatten of d3: %+v", st)
+	}
+	f3 := fork("f3")
+	check(f3, e.paths.checkpointFlat("d3"), 3)
+	if err := injectLayers(f3, d3); err != nil { // no process: it must not try
+		t.Errorf("inject for a flattened mapping: %v", err)
+	}
+	// d3 goes: its links with it.
+	if err := e.DeleteCheckpoint(t.Context(), "d3", &DeleteCheckpointOptions{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	if exists(link1) || exists(link2) || exists(layersDir) {
+		t.Error("d3's base links outlived it")
+	}
+}
+
+// TestDeltaBase: a fork's delta is compared against the file it maps and the layers
+// above it when that file is a base, else against the root and every layer.
+func TestDeltaBase(t *testing.T) {
+	cfg := testConfig(t)
+	r, err := cfg.resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	paths := r.paths
+	if err := os.MkdirAll(paths.ram, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	const size = 2 << 20
+	rootPath := filepath.Join(paths.ram, "ck-p.ram")
+	touch(t, rootPath, size)
+	flat := paths.checkpointFlat("p")
+	touch(t, flat, size)
+	link := filepath.Join(paths.checkpointLayers("p"), baseFile(1, "a"))
+	os.MkdirAll(filepath.Dir(link), 0o700)
+	touch(t, link, size)
+	pm := &checkpointManifest{Name: "p", RAMPath: rootPath, RAMSize: size, Kind: checkpointKindDelta,
+		Layers: []ramLayer{{Checkpoint: "a"}, {Checkpoint: "b"}, {Checkpoint: "p"}}}
+	anc := []string{"/l/a", "/l/b", "/l/p"}
+	for _, tc := range []struct {
+		name     string
+		mapped   string
+		k        int
+		base     string
+		upperLen int
+	}{
+		{"root", rootPath, 0, rootPath, 3},
+		{"base link", link, 1, link, 2},
+		{"own flattened file", flat, 3, flat, 0},
+		{"flattened file, count not recorded", flat, 0, flat, 0},
+		{"unlinked base", filepath.Join(paths.ram, "gone"), 2, rootPath, 3},
+		{"count beyond the lineage", link, 4, rootPath, 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			base, upper := deltaBase(paths, pm, tc.mapped, tc.k, anc)
+			if base != tc.base || len(upper) != tc.upperLen {
+				t.Errorf("deltaBase = %s %v, want %s and %d layers", base, upper, tc.base, tc.upperLen)
+			}
+			if len(upper) > 0 && upper[len(upper)-1] != anc[2] {
+				t.Errorf("upper layers %v do not end with the parent's own", upper)
+			}
+		})
+	}
+}
+
+func sameFile(a, b string) bool {
+	s1, err1 := os.Stat(a)
+	s2, err2 := os.Stat(b)
+	return err1 == nil && err2 == nil && os.SameFile(s1, s2)
+}
+
+// TestPinBaseConcurrent: the forks of a wave pin the same ancestor's file at once; each
+// gets the one link, none falls back to the root.
+func TestPinBaseConcurrent(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.FlattenMiB = -1
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	writeDeltaCheckpoint(t, cfg, "d1", root, []string{"d1"})
+	d2 := writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
+	if _, err := e.Flatten(t.Context(), "d1"); err != nil {
+		t.Fatal(err)
+	}
+	want := filepath.Join(e.paths.checkpointLayers("d2"), baseFile(1, "d1"))
+	got := make([]lineageBase, 8)
+	done := make(chan int)
+	for i := range got {
+		go func() {
+			got[i] = forkBase(e.paths, e.log, &d2)
+			done <- i
+		}()
+	}
+	for range got {
+		<-done
+	}
+	for i, b := range got {
+		if b.Path != want || b.Layers != 1 {
+			t.Errorf("fork %d: base %+v, want %s", i, b, want)
+		}
+	}
+	if h, err := os.ReadFile(baseHoles(want)); err != nil || len(h) == 0 {
+		t.Errorf("hole list: %d bytes, %v", len(h), err)
+	}
+	ents, _ := os.ReadDir(e.paths.checkpointLayers("d2"))
+	for _, ent := range ents {
+		if filepath.Ext(ent.Name()) != ".layer" && ent.Name() != filepath.Base(want) && ent.Name() != filepath.Base(baseHoles(want)) {
+			t.Errorf("left in the layer directory: %s", ent.Name())
+		}
+	}
+}
