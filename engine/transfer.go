@@ -601,6 +601,11 @@ func (imp *CheckpointImport) Create(name string) (*FileWriter, error) {
 		if imp.closed || f.done {
 			return nil, fmt.Errorf("%w: import %s: file %q written already", ErrInvalidSpec, imp.name, name)
 		}
+		if f.blob {
+			if err := os.MkdirAll(filepath.Dir(f.stage), 0o755); err != nil {
+				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+			}
+		}
 		fd, err := os.OpenFile(f.stage, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
 		if err != nil {
 			return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
