@@ -262,7 +262,15 @@ func (e *Engine) ExportCheckpoint(ctx context.Context, name string) (*api.Checkp
 			ck.Digests[k] = v
 		}
 	}
+	// The boot files are named by their export names: the puller finds or fetches
+	// them by digest.
 	p, _ := portable(e.paths, ck, c.Dir)
+	if p.Kernel != "" {
+		p.Kernel = exportKernel
+	}
+	if p.Initrd != "" {
+		p.Initrd = exportInitrd
+	}
 	if out.Manifest, err = json.Marshal(p); err != nil {
 		return nil, err
 	}
