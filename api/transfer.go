@@ -44,6 +44,9 @@ type CheckpointFile struct {
 	Extents []Extent `json:"extents"`
 	// Data is the bytes of its non-zero pages.
 	Data int64 `json:"data"`
+	// Layout: the file's data extents are part of what it says (a delta layer holds a
+	// page, zeros too, to override its lineage's): fetch and write exactly them.
+	Layout bool `json:"layout,omitempty"`
 }
 
 // Extent is a byte range of a file: Len bytes at Off.

@@ -158,6 +158,9 @@ func writeCheckpointManifest(l layout, dir, file string, ck *checkpointManifest)
 type exportFile struct {
 	name, path string
 	optional   bool
+	// layer: a delta layer, whose data extents say which pages it holds (zero pages
+	// included), so they travel as they are.
+	layer bool
 }
 
 // exportFiles lists the files of checkpoint ck (paths resolved, directory dir) that a
@@ -187,7 +190,7 @@ func exportFiles(l layout, ck *checkpointManifest, dir string) ([]exportFile, er
 	}
 	out = append(out, exportFile{name: exportRAMPrefix + p.RAMPath, path: ck.RAMPath})
 	for i, lr := range p.Layers {
-		out = append(out, exportFile{name: exportRAMPrefix + lr.Path, path: ck.Layers[i].Path})
+		out = append(out, exportFile{name: exportRAMPrefix + lr.Path, path: ck.Layers[i].Path, layer: true})
 	}
 	if ck.Kernel != "" {
 		out = append(out, exportFile{name: exportKernel, path: ck.Kernel})
@@ -249,7 +252,7 @@ func (e *Engine) ExportCheckpoint(ctx context.Context, name string) (*api.Checkp
 		if err != nil {
 			return nil, fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, name, err)
 		}
-		out.Files = append(out.Files, api.CheckpointFile{Name: f.name, Size: d.Size, SHA256: d.SHA256, Data: d.Data, Extents: exts})
+		out.Files = append(out.Files, api.CheckpointFile{Name: f.name, Size: d.Size, SHA256: d.SHA256, Data: d.Data, Extents: exts, Layout: f.layer})
 	}
 	if len(fresh) > 0 {
 		if err := e.cks.recordDigests(name, fresh); err != nil {
@@ -459,6 +462,7 @@ func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport
 			}
 			return nil, fmt.Errorf("%w: import %s: the export lacks %q", ErrCheckpointCorrupt, name, w.name)
 		}
+		f.Layout = w.layer
 		fi := &importFile{CheckpointFile: f, final: w.path}
 		switch {
 		case w.name == exportKernel || w.name == exportInitrd || w.name == firstDisk(&final):
@@ -590,8 +594,9 @@ func (imp *CheckpointImport) Skipped() int {
 }
 
 // FileWriter writes one file of an import: ranges in increasing offset order, each
-// starting on a page boundary; zero pages are not written (they stay holes). Close
-// checks the content digest.
+// starting on a page boundary; zero pages are not written (they stay holes), except in
+// a file whose layout matters (api.CheckpointFile.Layout: a delta layer), which gets
+// every byte of every range. Close checks the content digest.
 type FileWriter struct {
 	f    *os.File
 	h    *memfile.ContentHash
@@ -647,7 +652,13 @@ func (w *FileWriter) WriteRange(ctx context.Context, off, n int64, r io.Reader) 
 			w.err = fmt.Errorf("%w: import %s: %v", ErrInvalidSpec, w.file.Name, err)
 			return w.err
 		}
-		if _, err := memfile.WriteNonZero(w.f, buf[:k], off+done); err != nil {
+		var err error
+		if w.file.Layout {
+			_, err = w.f.WriteAt(buf[:k], off+done)
+		} else {
+			_, err = memfile.WriteNonZero(w.f, buf[:k], off+done)
+		}
+		if err != nil {
 			w.err = fmt.Errorf("engine: import %s: %w", w.file.Name, err)
 			return w.err
 		}

@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // transferEngines are two engines on their own directories (as on two hosts) with the
@@ -313,5 +314,41 @@ func TestImportRefusesBadExports(t *testing.T) {
 	}
 	if l := leftovers(t, dstCfg); len(l) > 0 {
 		t.Errorf("refused imports left %v", l)
+	}
+}
+
+// TestImportDeltaLineage: a delta checkpoint's import carries its root RAM file and
+// every layer, and a layer's zero page (a page the fork zeroed, which overrides its
+// lineage's) arrives as a page the layer holds, not as a hole.
+func TestImportDeltaLineage(t *testing.T) {
+	src, dst, srcCfg, dstCfg, kernel := transferEngines(t)
+	ctx := context.Background()
+	root := writeCheckpoint(t, srcCfg, "root", func(c *checkpointManifest) { c.Kernel = kernel })
+	writeRAM(t, root.RAMPath, map[int64]byte{0: 1, 1: 1, 7: 1})
+	d := writeDeltaCheckpoint(t, srcCfg, "d2", root, []string{"a", "d2"})
+	// d2's own layer zeroes page 7 of the root.
+	own := d.Layers[len(d.Layers)-1].Path
+	f, _ := os.OpenFile(own, os.O_RDWR, 0)
+	f.WriteAt(make([]byte, 4096), 7*4096)
+	f.Close()
+	d.Kernel = kernel
+	d.Layers[len(d.Layers)-1].SHA256, d.Layers[len(d.Layers)-1].Size, _ = memfile.LayerDigest(own)
+	writeJSON(filepath.Join(srcCfg.StateDir, "checkpoints", "d2", manifestFile), &d)
+
+	c, _, err := pullLocal(t, ctx, src, dst, "d2")
+	if err != nil {
+		t.Fatalf("import of a delta: %v", err)
+	}
+	if len(c.Manifest.Layers) != 2 {
+		t.Fatalf("layers %+v", c.Manifest.Layers)
+	}
+	for i, l := range c.Manifest.Layers {
+		if filepath.Dir(l.Path) != filepath.Join(dstCfg.RAMDir, "ck-d2.layers") || l.SHA256 != d.Layers[i].SHA256 {
+			t.Errorf("layer %d: %+v, source %+v", i, l, d.Layers[i])
+		}
+	}
+	exts, err := fileExtents(c.Manifest.Layers[1].Path)
+	if err != nil || len(exts) != 2 || exts[1] != (api.Extent{Off: 7 * 4096, Len: 4096}) {
+		t.Errorf("own layer's extents on arrival %+v (%v): the zero page is not held", exts, err)
 	}
 }

@@ -103,7 +103,11 @@ func fetchFile(ctx context.Context, imp *engine.CheckpointImport, src Source, na
 		return 0, err
 	}
 	var total int64
-	for _, r := range ranges(f.Extents, o.MaxRange, o.MaxGap) {
+	gap := o.MaxGap
+	if f.Layout {
+		gap = -1 // its extents are its content: never fetch a gap with them
+	}
+	for _, r := range ranges(f.Extents, o.MaxRange, gap) {
 		body, err := src.ReadCheckpointFile(ctx, name, f.Name, r.Off, r.Len)
 		if err != nil {
 			w.Close()
@@ -136,7 +140,7 @@ func ranges(exts []api.Extent, maxRange, maxGap int64) []api.Extent {
 			if n := len(out); n > 0 {
 				last := &out[n-1]
 				end := last.Off + last.Len
-				if x.Off-end <= maxGap && x.Off+x.Len-last.Off <= maxRange {
+				if maxGap >= 0 && x.Off-end <= maxGap && x.Off+x.Len-last.Off <= maxRange {
 					last.Len = x.Off + x.Len - last.Off
 					break
 				}

@@ -1,0 +1,224 @@
+package tests
+
+import (
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/serve"
+)
+
+// pullHost is a daemon on its own state directory (a host), listening on loopback TCP
+// with a token, and a CLI runner for it.
+type pullHost struct {
+	home, url, tokenFile, token string
+	d                           *daemonProc
+	cli                         func(stdin io.Reader, args ...string) (string, string, int)
+}
+
+func newPullHost(t *testing.T, prefix string) *pullHost {
+	t.Helper()
+	home, err := os.MkdirTemp("/tmp", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &pullHost{home: home, cli: cliRunner(t, home), token: "pull-test-token-" + filepath.Base(home)}
+	h.tokenFile = filepath.Join(home, "token")
+	if err := os.WriteFile(h.tokenFile, []byte(h.token+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	h.url = "http://" + addr
+	// A raised overcommit: other tests' VMs on this host count against the budget.
+	h.d = startDaemon(t, home, serve.SocketPath(home), filepath.Join(home, "daemon.log"),
+		"--listen", addr, "--token-file", h.tokenFile, "--overcommit", "32")
+	return h
+}
+
+func (h *pullHost) ok(t *testing.T, args ...string) string {
+	t.Helper()
+	out, errs, code := h.cli(nil, args...)
+	if code != 0 {
+		t.Fatalf("forkvm %v: exit %d: %s%s\n%s", args, code, out, errs, h.d.logText())
+	}
+	return out
+}
+
+// get does an authenticated GET on the host's TCP API and decodes the JSON answer.
+func (h *pullHost) get(t *testing.T, path string, out any) {
+	t.Helper()
+	req, _ := http.NewRequest("GET", h.url+path, nil)
+	req.Header.Set("Authorization", "Bearer "+h.token)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		b, _ := io.ReadAll(resp.Body)
+		t.Fatalf("GET %s: HTTP %d: %s", path, resp.StatusCode, b)
+	}
+	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// allocated is a file's storage (st_blocks).
+func allocated(t *testing.T, path string) int64 {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Blocks * 512
+}
+
+// TestCheckpointPull: two daemons on loopback, each its own state directory. A world
+// checkpoint (with a disk) and a delta checkpoint of a fork of it are pulled from the
+// first to the second with `forkvm checkpoint pull` and forked there (the guest's files
+// from before each checkpoint are there); the RAM files arrive with their holes; the
+// boot files come from what the host has (same digest); pulling again fetches nothing;
+// a byte changed at the holder after its digest was recorded is refused with
+// digest_mismatch and leaves nothing.
+func TestCheckpointPull(t *testing.T) {
+	a, b := newPullHost(t, "fvpa-"), newPullHost(t, "fvpb-")
+	var blobs []string
+	t.Cleanup(func() {
+		b.cli(nil, "rm", "fb1", "fb2")
+		b.cli(nil, "checkpoint", "rm", "--force", "ck1", "ckd", "ck2")
+		a.cli(nil, "rm", "w1", "fa")
+		a.cli(nil, "checkpoint", "rm", "--force", "ck1", "ckd", "ck2")
+		a.d.stop()
+		b.d.stop()
+		for _, h := range []*pullHost{a, b} {
+			for pid := range procsReferencing(h.home) {
+				t.Errorf("leak: process %d still references %s", pid, h.home)
+			}
+			os.RemoveAll(h.home)
+		}
+		// Base disk images this test put in the host's blob store.
+		for _, p := range blobs {
+			os.Remove(p)
+		}
+	})
+	a.ok(t, "create", "w1", "--cpus", "1", "--memory-mb", "256", "--forkable", "--disk-mb", "64")
+	a.ok(t, "exec", "w1", "--", "sh", "-c", "echo world > /root/m; head -c 8000000 /dev/urandom > /dev/shm/r; sync")
+	a.ok(t, "checkpoint", "w1", "ck1", "--pin")
+	a.ok(t, "fork", "ck1", "fa")
+	a.ok(t, "exec", "fa", "--", "sh", "-c", "echo delta > /root/d; sync")
+	a.ok(t, "checkpoint", "fa", "ckd", "--pin")
+
+	var exp api.CheckpointExport
+	a.get(t, "/v1/checkpoints/ck1/export", &exp)
+	var ramData int64
+	for _, f := range exp.Files {
+		switch {
+		case f.Name == "ram/ck-ck1.ram":
+			ramData = f.Data
+		case strings.HasSuffix(f.Name, ".raw"):
+			blobs = append(blobs, filepath.Join(cacheDir, "blobs", "sha256", f.SHA256))
+		}
+	}
+	if ramData < 8e6 || ramData > 200<<20 {
+		t.Fatalf("ck1's RAM file holds %d bytes of data: %+v", ramData, exp.Files)
+	}
+
+	pull := func(name string) api.PullResult {
+		t.Helper()
+		var res api.PullResult
+		out := b.ok(t, "checkpoint", "pull", name, "--from", a.url, "--token-file", a.tokenFile, "--json")
+		if err := json.Unmarshal([]byte(out), &res); err != nil {
+			t.Fatalf("pull %s: %v: %s", name, err, out)
+		}
+		return res
+	}
+	res := pull("ck1")
+	t.Logf("pull ck1: %+v", res)
+	if res.Present || res.FilesSkipped < 1 || res.Bytes < ramData || res.Checkpoint.Name != "ck1" {
+		t.Errorf("pull ck1: %+v, want the kernel skipped and the RAM data fetched", res)
+	}
+	var info serve.CheckpointObject
+	b.get(t, "/v1/checkpoints/ck1", &info)
+	if !strings.HasPrefix(info.RAMPath, "/dev/shm/") || strings.Contains(info.RAMPath, a.home) {
+		t.Errorf("pulled RAM path %s", info.RAMPath)
+	}
+	if got := allocated(t, info.RAMPath); got > ramData+(4<<20) || got < ramData {
+		t.Errorf("pulled RAM file holds %d bytes, its data is %d: holes not kept", got, ramData)
+	}
+	if again := pull("ck1"); !again.Present || again.Bytes != 0 {
+		t.Errorf("second pull: %+v, want present and nothing fetched", again)
+	}
+	b.ok(t, "fork", "ck1", "fb1")
+	if out := b.ok(t, "exec", "fb1", "--", "cat", "/root/m"); out != "world\n" {
+		t.Errorf("fork of the pulled checkpoint: %q", out)
+	}
+
+	// The delta checkpoint: its lineage comes with it.
+	res = pull("ckd")
+	t.Logf("pull ckd: %+v", res)
+	b.ok(t, "fork", "ckd", "fb2")
+	if out := b.ok(t, "exec", "fb2", "--", "cat", "/root/m", "/root/d"); out != "world\ndelta\n" {
+		t.Errorf("fork of the pulled delta checkpoint: %q", out)
+	}
+
+	// A byte changed at the holder after its digest was recorded.
+	a.ok(t, "checkpoint", "w1", "ck2", "--pin")
+	var exp2 api.CheckpointExport
+	a.get(t, "/v1/checkpoints/ck2/export", &exp2)
+	var a2 serve.CheckpointObject
+	a.get(t, "/v1/checkpoints/ck2", &a2)
+	var off int64 = -1
+	for _, f := range exp2.Files {
+		if f.Name == "ram/ck-ck2.ram" && len(f.Extents) > 0 {
+			off = f.Extents[len(f.Extents)/2].Off + 123
+		}
+	}
+	if off < 0 {
+		t.Fatalf("ck2's export has no RAM data: %+v", exp2.Files)
+	}
+	fd, err := os.OpenFile(a2.RAMPath, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var one [1]byte
+	fd.ReadAt(one[:], off)
+	one[0] ^= 0x5a
+	fd.WriteAt(one[:], off)
+	fd.Close()
+	out, errs, code := b.cli(nil, "checkpoint", "pull", "ck2", "--from", a.url, "--token-file", a.tokenFile)
+	if code == 0 || !strings.Contains(errs, "digest") {
+		t.Errorf("pull of a corrupted checkpoint: exit %d: %s%s", code, out, errs)
+	}
+	if _, errs, code := b.cli(nil, "checkpoint", "rm", "ck2"); code == 0 || !strings.Contains(errs, "not found") {
+		t.Errorf("the refused checkpoint is there: %d %s", code, errs)
+	}
+	for _, dir := range []string{filepath.Join(b.home, "checkpoints")} {
+		for _, n := range dirNames(dir) {
+			if strings.Contains(n, "tmp") || strings.Contains(n, "ck2") {
+				t.Errorf("a refused pull left %s in %s", n, dir)
+			}
+		}
+	}
+	ramDir := filepath.Dir(info.RAMPath)
+	for _, n := range dirNames(ramDir) {
+		if strings.Contains(n, "ck2") || strings.Contains(n, "tmp") {
+			t.Errorf("a refused pull left %s in %s", n, ramDir)
+		}
+	}
+	// Without the token the holder refuses.
+	if _, errs, code := b.cli(nil, "checkpoint", "pull", "ck1x", "--from", a.url); code == 0 || !strings.Contains(errs, "token") {
+		t.Errorf("pull without a token: exit %d %s", code, errs)
+	}
+}
