@@ -453,6 +453,7 @@ func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport
 		}
 	}
 	blobs := filepath.Join(e.cfg.CacheDir, blobsDir)
+	local := e.lineageFiles()
 	for _, w := range want {
 		f, listed := got[w.name]
 		delete(got, w.name)
@@ -475,6 +476,7 @@ func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport
 			fi.had = e.hostHas(ctx, f, fi.final)
 		case strings.HasPrefix(w.name, exportRAMPrefix):
 			fi.stage = imp.ramStage(w.path)
+			fi.had = local.find(fi, ck, final.Layers, w)
 		default:
 			fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
 		}
@@ -512,6 +514,61 @@ func importLayout(l layout, ck *checkpointManifest, dir string) error {
 		}
 	}
 	return nil
+}
+
+// localLineage indexes the RAM files and layers of this engine's checkpoints, so that
+// an import links those it has instead of fetching them again (a delta checkpoint of a
+// lineage pulled before brings only its newer layers): RAM files by the content digest
+// recorded on their export or import, layers by their own digest (which covers which
+// pages they hold).
+type localLineage struct {
+	ram    map[string]string // content digest -> path
+	layers map[string]string // layer digest -> path
+}
+
+// lineageFiles reads the index from the committed checkpoints' manifests.
+func (e *Engine) lineageFiles() localLineage {
+	l := localLineage{ram: map[string]string{}, layers: map[string]string{}}
+	ents, _ := os.ReadDir(e.paths.checkpointsDir())
+	for _, ent := range ents {
+		if !ent.IsDir() || strings.HasPrefix(ent.Name(), ".") {
+			continue
+		}
+		c, err := e.cks.read(ent.Name())
+		if err != nil {
+			continue
+		}
+		m := &c.Manifest
+		if d, ok := m.Digests[exportRAMPrefix+filepath.Base(m.RAMPath)]; ok && e.paths.inRAMDir(m.RAMPath) {
+			l.ram[fmt.Sprintf("%s/%d", d.SHA256, d.Size)] = m.RAMPath
+		}
+		for _, lr := range m.Layers {
+			l.layers[fmt.Sprintf("%s/%d", lr.SHA256, lr.Size)] = lr.Path
+		}
+	}
+	return l
+}
+
+// find returns the local path holding file f of the import (final: its resolved
+// manifest's layers), or "".
+func (l localLineage) find(f *importFile, ck *checkpointManifest, layers []ramLayer, w exportFile) string {
+	var p string
+	if w.layer {
+		for i, lr := range layers {
+			if lr.Path == w.path {
+				p = l.layers[fmt.Sprintf("%s/%d", ck.Layers[i].SHA256, ck.Layers[i].Size)]
+			}
+		}
+	} else {
+		p = l.ram[fmt.Sprintf("%s/%d", f.SHA256, f.Size)]
+	}
+	if p == "" {
+		return ""
+	}
+	if st, err := os.Stat(p); err != nil || st.Size() != f.Size {
+		return ""
+	}
+	return p
 }
 
 // firstDisk is the export name of a checkpoint's base disk layer ("" without a disk).
@@ -726,6 +783,14 @@ func (imp *CheckpointImport) Commit(ctx context.Context) (*Checkpoint, error) {
 		}
 		if f.blob {
 			blobs = append(blobs, f)
+			continue
+		}
+		if f.had != "" {
+			// A lineage file another checkpoint here holds: linked, as a delta
+			// checkpoint links its lineage.
+			if err := os.Link(f.had, f.stage); err != nil {
+				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+			}
 		}
 	}
 	// Boot files and the base image go to the host's blob store (once per host); the

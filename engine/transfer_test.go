@@ -335,9 +335,19 @@ func TestImportDeltaLineage(t *testing.T) {
 	d.Layers[len(d.Layers)-1].SHA256, d.Layers[len(d.Layers)-1].Size, _ = memfile.LayerDigest(own)
 	writeJSON(filepath.Join(srcCfg.StateDir, "checkpoints", "d2", manifestFile), &d)
 
-	c, _, err := pullLocal(t, ctx, src, dst, "d2")
+	if _, _, err := pullLocal(t, ctx, src, dst, "root"); err != nil {
+		t.Fatal(err)
+	}
+	c, imp, err := pullLocal(t, ctx, src, dst, "d2")
 	if err != nil {
 		t.Fatalf("import of a delta: %v", err)
+	}
+	// The root's RAM file was here already (the root was pulled): linked, not fetched.
+	var a, b syscall.Stat_t
+	syscall.Stat(c.Manifest.RAMPath, &a)
+	syscall.Stat(filepath.Join(dstCfg.RAMDir, "ck-root.ram"), &b)
+	if imp.Skipped() != 2 || a.Ino != b.Ino {
+		t.Errorf("d2: skipped %d files (want the kernel and the root RAM file), RAM inode %d, root's %d", imp.Skipped(), a.Ino, b.Ino)
 	}
 	if len(c.Manifest.Layers) != 2 {
 		t.Fatalf("layers %+v", c.Manifest.Layers)

@@ -10,9 +10,12 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
+	"github.com/forkvm/forkvm/vsockd"
 )
 
 // pullHost is a daemon on its own state directory (a host), listening on loopback TCP
@@ -29,6 +32,12 @@ func newPullHost(t *testing.T, prefix string) *pullHost {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return startPullHost(t, home)
+}
+
+// startPullHost starts the daemon of a host on state directory home.
+func startPullHost(t *testing.T, home string) *pullHost {
+	t.Helper()
 	h := &pullHost{home: home, cli: cliRunner(t, home), token: "pull-test-token-" + filepath.Base(home)}
 	h.tokenFile = filepath.Join(home, "token")
 	if err := os.WriteFile(h.tokenFile, []byte(h.token+"\n"), 0o600); err != nil {
@@ -220,5 +229,79 @@ func TestCheckpointPull(t *testing.T) {
 	// Without the token the holder refuses.
 	if _, errs, code := b.cli(nil, "checkpoint", "pull", "ck1x", "--from", a.url); code == 0 || !strings.Contains(errs, "token") {
 		t.Errorf("pull without a token: exit %d %s", code, errs)
+	}
+}
+
+// TestCheckpointPullThroughput measures `forkvm checkpoint pull` of a 2 GiB world
+// checkpoint holding ~900 MB of data between two daemons on loopback (the
+// holder's first export, which hashes its files, timed apart), three times. It only
+// reports (docs/benchmarks.md records the figures); set FORKVM_PULL_BENCH=1 to run it.
+func TestCheckpointPullThroughput(t *testing.T) {
+	if os.Getenv("FORKVM_PULL_BENCH") == "" {
+		t.Skip("set FORKVM_PULL_BENCH=1 to measure")
+	}
+	// The world is made by an engine in this process, with boot and exec deadlines for
+	// a loaded machine (the CLI has none to give), then handed to the holder's daemon.
+	home, err := os.MkdirTemp("/tmp", "fvpa-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(home) })
+	ctx := ctxT(t, 30*time.Minute)
+	e, err := engine.New(ctx, &engine.Config{StateDir: home, CacheDir: cacheDir, Kernel: imageInfo.Kernel, Initrd: imageInfo.Initrd,
+		BootTimeout: 10 * time.Minute, Overcommit: 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := e.Create(ctx, engine.Spec{Name: "wbig", CPUs: 1, MemoryMiB: 2048, Forkable: true})
+	if err != nil {
+		ql, _ := os.ReadFile(filepath.Join(home, "vms", "wbig", "qemu.log"))
+		e.Delete(ctx, "wbig")
+		e.Close()
+		t.Fatalf("%v\nqemu.log: %s", err, ql)
+	}
+	// ~900 MB of guest data: 64 MiB of random bytes, copied 14 times (no zero pages).
+	code, xerr := w.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c",
+		"mount -o remount,size=1800M /dev/shm; head -c 67108864 /dev/urandom > /dev/shm/a; for i in $(seq 14); do cat /dev/shm/a >> /dev/shm/r; done; rm /dev/shm/a"}})
+	if xerr != nil {
+		code = -1
+	}
+	_, cerr := e.Checkpoint(ctx, "wbig", "big", &engine.CheckpointOptions{Pin: true})
+	derr := e.Delete(ctx, "wbig")
+	e.Close()
+	if code != 0 || cerr != nil || derr != nil {
+		t.Fatalf("filling the world: exit %d (%v); checkpoint: %v; delete: %v", code, xerr, cerr, derr)
+	}
+	a, b := startPullHost(t, home), newPullHost(t, "fvpb-")
+	t.Cleanup(func() {
+		b.cli(nil, "checkpoint", "rm", "--force", "big")
+		a.cli(nil, "checkpoint", "rm", "--force", "big")
+		a.d.stop()
+		b.d.stop()
+		os.RemoveAll(b.home)
+	})
+	var info serve.CheckpointObject
+	a.get(t, "/v1/checkpoints/big", &info)
+	t0 := time.Now()
+	var exp api.CheckpointExport
+	a.get(t, "/v1/checkpoints/big/export", &exp)
+	first := time.Since(t0)
+	var data int64
+	for _, f := range exp.Files {
+		data += f.Data
+	}
+	t.Logf("holder's first export (hashes every file): %v for %d MB of data in a %d MiB RAM file (%d MB allocated)",
+		first.Round(time.Millisecond), data/1e6, info.RAMSize>>20, allocated(t, info.RAMPath)/1e6)
+	for i := range 3 {
+		var res api.PullResult
+		out := b.ok(t, "checkpoint", "pull", "big", "--from", a.url, "--token-file", a.tokenFile, "--json")
+		if err := json.Unmarshal([]byte(out), &res); err != nil {
+			t.Fatal(err)
+		}
+		var bi serve.CheckpointObject
+		b.get(t, "/v1/checkpoints/big", &bi)
+		t.Logf("pull %d: %d MB in %.2fs = %.0f MB/s; %d files fetched, %d the host had; arrived with %d MB allocated",
+			i+1, res.Bytes/1e6, res.Seconds, float64(res.Bytes)/res.Seconds/1e6, res.FilesFetched, res.FilesSkipped, allocated(t, bi.RAMPath)/1e6)
+		b.ok(t, "checkpoint", "rm", "big")
 	}
 }
