@@ -103,8 +103,19 @@ func allocated(t *testing.T, path string) int64 {
 // digest_mismatch and leaves nothing.
 func TestCheckpointPull(t *testing.T) {
 	a, b := newPullHost(t, "fvpa-"), newPullHost(t, "fvpb-")
+	// The host's blob store (in the shared cache): what this test adds goes at its end.
+	blobDir := filepath.Join(cacheDir, "blobs", "sha256")
+	had := map[string]bool{}
+	for _, n := range dirNames(blobDir) {
+		had[n] = true
+	}
 	var blobs []string
 	t.Cleanup(func() {
+		for _, n := range dirNames(blobDir) {
+			if !had[n] {
+				blobs = append(blobs, filepath.Join(blobDir, n))
+			}
+		}
 		b.cli(nil, "rm", "fb1", "fb2")
 		b.cli(nil, "checkpoint", "rm", "--force", "ck1", "ckd", "ck2")
 		a.cli(nil, "rm", "w1", "fa")
@@ -154,7 +165,10 @@ func TestCheckpointPull(t *testing.T) {
 		return res
 	}
 	res := pull("ck1")
-	t.Logf("pull ck1: %+v", res)
+	t.Logf("pull ck1: %d bytes, %d fetched, %d skipped", res.Bytes, res.FilesFetched, res.FilesSkipped)
+	for _, f := range exp.Files {
+		t.Logf("ck1 file %s: %d bytes, %d data, sha %s", f.Name, f.Size, f.Data, f.SHA256[:12])
+	}
 	if res.Present || res.FilesSkipped < 1 || res.Bytes < ramData || res.Checkpoint.Name != "ck1" {
 		t.Errorf("pull ck1: %+v, want the kernel skipped and the RAM data fetched", res)
 	}
@@ -174,9 +188,16 @@ func TestCheckpointPull(t *testing.T) {
 		t.Errorf("fork of the pulled checkpoint: %q", out)
 	}
 
-	// The delta checkpoint: its lineage comes with it.
+	// The delta checkpoint: its lineage comes with it; the root RAM file and the base
+	// disk image (in the host's blob store since ck1) are linked, not fetched again.
+	var expd api.CheckpointExport
+	a.get(t, "/v1/checkpoints/ckd/export", &expd)
+	for _, f := range expd.Files {
+		t.Logf("ckd file %s: %d bytes, %d data, sha %s", f.Name, f.Size, f.Data, f.SHA256[:12])
+	}
+	t.Logf("blob store: %v", dirNames(filepath.Join(cacheDir, "blobs", "sha256")))
 	res = pull("ckd")
-	t.Logf("pull ckd: %+v", res)
+	t.Logf("pull ckd: %d bytes, %d fetched, %d skipped", res.Bytes, res.FilesFetched, res.FilesSkipped)
 	b.ok(t, "fork", "ckd", "fb2")
 	if out := b.ok(t, "exec", "fb2", "--", "cat", "/root/m", "/root/d"); out != "world\ndelta\n" {
 		t.Errorf("fork of the pulled delta checkpoint: %q", out)
