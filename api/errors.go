@@ -239,6 +239,7 @@ var errorCodes = []struct {
 	{ErrQEMUTooOld, "qemu_too_old", 500},
 	{ErrImageMissing, "image_missing", 500},
 	{ErrNotTCG, "not_tcg", 409},
+	{ErrDigest, "digest_mismatch", 502},
 	// exec, reported by the guest agent
 	{ErrEmptyArgv, "empty_argv", 400},
 	{ErrInvalidRequest, "invalid_exec", 400},

@@ -67,6 +67,9 @@ type checkpointStore struct {
 	paths layout
 	log   *slog.Logger
 
+	// wmu serialises the rewrites of committed manifests (pinning, recorded digests).
+	wmu sync.Mutex
+
 	mu       sync.Mutex
 	verified map[string]string // name -> fingerprint of the verified files
 	// held names the checkpoints that VMs kept aside at recovery (their manifests
@@ -92,7 +95,7 @@ func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 		}
 		return nil, fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, name, err)
 	}
-	ck, err := decodeCheckpointManifest(b)
+	ck, err := s.paths.decodeCheckpoint(b, dir)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, name, err)
 	}
@@ -217,7 +220,9 @@ func (s *checkpointStore) list(forks map[string][]string, flat func(*checkpointM
 
 // save rewrites a checkpoint's manifest (pinning).
 func (s *checkpointStore) save(c *Checkpoint) error {
-	return writeJSON(filepath.Join(c.Dir, manifestFile), &c.Manifest)
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	return writeCheckpointManifest(s.paths, c.Dir, filepath.Join(c.Dir, manifestFile), &c.Manifest)
 }
 
 // remove deletes a checkpoint's directory and RAM file. The directory is first renamed
@@ -229,7 +234,7 @@ func (s *checkpointStore) remove(name string) {
 	dir := s.paths.checkpointDir(name)
 	var ramPath string
 	if b, err := os.ReadFile(filepath.Join(dir, manifestFile)); err == nil {
-		if ck, err := decodeCheckpointManifest(b); err == nil && s.paths.inRAMDir(ck.RAMPath) {
+		if ck, err := s.paths.decodeCheckpoint(b, dir); err == nil && s.paths.inRAMDir(ck.RAMPath) {
 			ramPath = ck.RAMPath
 		}
 	}

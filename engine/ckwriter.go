@@ -112,7 +112,7 @@ func (w *ckWriter) commit(ctx context.Context) error {
 	ck.Timings.Total = time.Since(w.t0)
 	at := clockStamp()
 	ck.Spans = append(ck.Spans, Span{Name: "checkpoint", StartMono: w.t0At.mono, EndMono: at.mono, StartBoot: w.t0At.boot, EndBoot: at.boot})
-	if err := writeJSON(filepath.Join(w.tmp, manifestFile), ck); err != nil {
+	if err := writeCheckpointManifest(w.paths, w.final, filepath.Join(w.tmp, manifestFile), ck); err != nil {
 		return fmt.Errorf("engine: checkpoint manifest: %w", err)
 	}
 	if err := os.Rename(w.ramTmp, w.ramFinal); err != nil {

@@ -58,6 +58,9 @@ var (
 	// ErrPortInUse reports a published host port (PortForward) that something else
 	// already binds; nothing was started.
 	ErrPortInUse = api.ErrPortInUse
+	// ErrDigest reports a file of a checkpoint pulled from another host whose content
+	// does not match its recorded digest; nothing of the checkpoint is kept.
+	ErrDigest = api.ErrDigest
 	// ErrPortUnavailable reports a published host address that cannot be bound for
 	// another reason (a privileged port, an address not on this host).
 	ErrPortUnavailable = api.ErrPortUnavailable

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"time"
 
 	"github.com/forkvm/forkvm/api"
@@ -143,9 +142,13 @@ type checkpointManifest struct {
 	// Layers are the lineage's delta layers, oldest first; the last is this checkpoint's
 	// own. Forks write them into their private RAM mapping before loading the device
 	// state. Each path is this checkpoint's own hard link (layout.checkpointLayers).
-	Layers  []ramLayer           `json:"layers,omitempty"`
-	Timings CheckpointTimings    `json:"timings"`
-	Freeze  *memfile.FreezeStats `json:"freeze,omitempty"`
+	Layers []ramLayer `json:"layers,omitempty"`
+	// Digests are the content digests (memfile.ContentDigest) of the files another host
+	// needs to fork it, by export name, recorded on its first export
+	// (Engine.ExportCheckpoint) or when it was imported.
+	Digests map[string]fileDigest `json:"digests,omitempty"`
+	Timings CheckpointTimings     `json:"timings"`
+	Freeze  *memfile.FreezeStats  `json:"freeze,omitempty"`
 	// Spans are the checkpoint's phases with absolute times; Migration is QEMU's account
 	// of the migration that saved the device state (nil without one).
 	Spans     []Span          `json:"spans,omitempty"`
@@ -292,8 +295,8 @@ func decodeCheckpointManifest(b []byte) (*checkpointManifest, error) {
 	if err := json.Unmarshal(b, &ck); err != nil {
 		return nil, err
 	}
-	if ck.Version != manifestVersion {
-		return nil, fmt.Errorf("manifest version %d, want %d", ck.Version, manifestVersion)
+	if ck.Version != manifestVersion && ck.Version != checkpointFormat {
+		return nil, fmt.Errorf("manifest version %d, want %d or %d", ck.Version, manifestVersion, checkpointFormat)
 	}
 	if err := ValidateName(ck.Name); err != nil {
 		return nil, err
@@ -304,7 +307,7 @@ func decodeCheckpointManifest(b []byte) (*checkpointManifest, error) {
 	if _, err := hex.DecodeString(ck.StateSHA256); err != nil || len(ck.StateSHA256) != 64 {
 		return nil, fmt.Errorf("bad state checksum")
 	}
-	if ck.RAMPath == "" || !filepath.IsAbs(ck.RAMPath) {
+	if !manifestPathOK(ck.Version, ck.RAMPath) {
 		return nil, fmt.Errorf("bad ram path")
 	}
 	switch ck.Kind {
@@ -336,7 +339,7 @@ func decodeCheckpointManifest(b []byte) (*checkpointManifest, error) {
 		if _, err := hex.DecodeString(l.SHA256); err != nil || len(l.SHA256) != 64 {
 			return nil, fmt.Errorf("ram layer %d: bad checksum", i)
 		}
-		if l.Path == "" || !filepath.IsAbs(l.Path) || l.Size < 0 || l.Size > ck.RAMSize {
+		if !manifestPathOK(ck.Version, l.Path) || l.Size < 0 || l.Size > ck.RAMSize {
 			return nil, fmt.Errorf("ram layer %d: bad path or size", i)
 		}
 	}

@@ -303,7 +303,7 @@ func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger
 	defer os.Remove(vm.path(checkpointingFile))
 	var ck *checkpointManifest
 	if err == nil {
-		ck, err = decodeCheckpointManifest(b)
+		ck, err = paths.decodeCheckpoint(b, ckDir)
 	}
 	if err == nil && ck.Name != mk.Checkpoint {
 		err = fmt.Errorf("manifest names %q", ck.Name)

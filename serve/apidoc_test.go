@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"encoding/json"
 	"flag"
 	"fmt"
 	"net/http"
@@ -41,12 +42,16 @@ var docObjects = []struct {
 	{"Pool body: PUT /v1/checkpoints/{name}/pool", PoolRequest{}},
 	{"Pool: GET|PUT /v1/checkpoints/{name}/pool", PoolObject{}},
 	{"Reap: POST /v1/reap", ReapResponse{}},
+	{"Checkpoint export (`forkvm.checkpoint-export/v1`): GET /v1/checkpoints/{name}/export", api.CheckpointExport{}},
+	{"Pull body: POST /v1/checkpoints/pull", api.PullRequest{}},
+	{"Pull result: POST /v1/checkpoints/pull", api.PullResult{}},
 	{"Error response (every non-2xx)", ErrorResponse{}},
 }
 
 var (
 	timeType     = reflect.TypeFor[time.Time]()
 	durationType = reflect.TypeFor[time.Duration]()
+	rawType      = reflect.TypeFor[json.RawMessage]()
 )
 
 // typeName is a JSON type's name for the docs.
@@ -56,6 +61,8 @@ func typeName(t reflect.Type) string {
 		return "string (RFC 3339 time)"
 	case t == durationType:
 		return "integer (nanoseconds)"
+	case t == rawType:
+		return "object"
 	}
 	switch t.Kind() {
 	case reflect.Pointer:

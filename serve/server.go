@@ -79,6 +79,7 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	s.mux.HandleFunc("PUT /v1/checkpoints/{name}/pool", s.putPool)
 	s.mux.HandleFunc("GET /v1/budget", s.budget)
 	s.mux.HandleFunc("POST /v1/forks", s.fork)
+	s.transferRoutes()
 	s.mux.HandleFunc("/", s.noRoute)
 	return s
 }

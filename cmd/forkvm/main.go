@@ -100,7 +100,7 @@ func noHelpCommands(c *cli.Command) {
 // subcommandNames are the words that stand where a VM or checkpoint name also may
 // (`forkvm checkpoint rm NAME` against `forkvm checkpoint VM NAME`); the CLI refuses them
 // as names so that every name it accepts can be used with every command.
-var subcommandNames = map[string]bool{"rm": true}
+var subcommandNames = map[string]bool{"rm": true, "pull": true}
 
 // checkNewName refuses a name for a new VM or checkpoint that a command would read as a
 // subcommand.
@@ -365,7 +365,7 @@ func checkpointCmd() *cli.Command {
 				"from then on it is a fork, so its later checkpoints are delta checkpoints (device state and the pages it wrote since: their cost follows what it wrote, not its size)"},
 			&cli.BoolFlag{Name: "json", Usage: "print the checkpoint as JSON"},
 		},
-		Commands: []*cli.Command{{
+		Commands: []*cli.Command{checkpointPullCmd(), {
 			Name:      "rm",
 			Usage:     "delete a checkpoint (refused while it has forks unless --force)",
 			ArgsUsage: "NAME...",

@@ -1,0 +1,82 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+
+	"github.com/urfave/cli/v3"
+
+	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve"
+)
+
+// puller is the part of the API that pulls a checkpoint from another daemon (the
+// daemon's client and the in-process engine's API both have it).
+type puller interface {
+	PullCheckpoint(ctx context.Context, name, from, token string) (*wire.PullResult, error)
+}
+
+// checkpointPullCmd is `forkvm checkpoint pull CK --from URL [--token-file F]`.
+func checkpointPullCmd() *cli.Command {
+	return &cli.Command{
+		Name: "pull",
+		Usage: "copy a checkpoint from another host's daemon (its TCP API): data extents only, " +
+			"every file checked against its digest before the checkpoint appears",
+		ArgsUsage: "NAME",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "from", Usage: "the holding daemon's TCP API, e.g. http://10.0.0.2:7070 (required)"},
+			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding that daemon's bearer token"},
+			&cli.BoolFlag{Name: "json", Usage: "print the result as JSON"},
+		},
+		Action: func(ctx context.Context, cmd *cli.Command) error {
+			if cmd.Args().Len() != 1 || cmd.String("from") == "" {
+				return errors.New("usage: forkvm checkpoint pull NAME --from URL [--token-file FILE]")
+			}
+			name, from := cmd.Args().First(), cmd.String("from")
+			if err := engine.ValidateName(name); err != nil {
+				return err
+			}
+			if u, err := url.Parse(from); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+				return fmt.Errorf("%w: --from %q is not a daemon's http(s) URL", engine.ErrInvalidSpec, from)
+			}
+			token := ""
+			if f := cmd.String("token-file"); f != "" {
+				t, err := serve.ReadTokenFile(f)
+				if err != nil {
+					return err
+				}
+				token = t
+			}
+			api, err := connect(ctx, cmd, false)
+			if err != nil {
+				return err
+			}
+			defer api.Close()
+			p, ok := api.(puller)
+			if !ok {
+				return fmt.Errorf("%w: this API cannot pull checkpoints", engine.ErrInvalidSpec)
+			}
+			res, err := p.PullCheckpoint(ctx, name, from, token)
+			if err != nil {
+				return err
+			}
+			if cmd.Bool("json") {
+				return printJSON(res)
+			}
+			if res.Present {
+				fmt.Printf("%s: here already (nothing fetched)\n", name)
+				return nil
+			}
+			mbps := 0.0
+			if res.Seconds > 0 {
+				mbps = float64(res.Bytes) / res.Seconds / 1e6
+			}
+			fmt.Printf("%s: pulled %d files (%d MB in %.2fs, %.0f MB/s), %d the host had\n",
+				name, res.FilesFetched, res.Bytes/1e6, res.Seconds, mbps, res.FilesSkipped)
+			return nil
+		},
+	}
+}

@@ -1,0 +1,890 @@
+package engine
+
+import (
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// Moving checkpoints between hosts. A checkpoint's manifest is written relocatable
+// (format 2): every file in the engine's own directories is recorded relative to its
+// directory (the RAM file and delta layers to Config.RAMDir, the disk chain, overlay
+// template and stub kernel to the checkpoint's directory), so the record holds no path
+// of this host but the boot files' (kernel, initrd), which another host finds by
+// digest. Format 1 manifests (absolute paths) still load.
+//
+// Export lists the files a fork needs with their content digests
+// (memfile.ContentDigest: holes and zero pages never travel, a file's layout does not
+// change its digest) and data extents. The digests are computed on a checkpoint's first
+// export and kept in its manifest: hashing a 2 GiB world's RAM file holding 512 MiB of
+// data took 1.4 s on the loaded 2-core test machine (BenchmarkContentDigest2GiB), more
+// than the checkpoint itself, for checkpoints most of which never leave their host.
+//
+// Import takes an export and the files' bytes (a puller fetches them from the holder),
+// writes them under temporary names (zero pages stay holes), checks each file's digest
+// as it arrives (ErrDigest), and commits by rename like a checkpoint of this host.
+
+// checkpointFormat is the format of the checkpoint manifests the engine writes:
+// relocatable (see above). manifestVersion (1, absolute paths) is still read.
+const checkpointFormat = 2
+
+// Export names of a checkpoint's files outside its directory.
+const (
+	exportRAMPrefix = "ram/"
+	exportKernel    = "boot/kernel"
+	exportInitrd    = "boot/initrd"
+	// blobsDir, in Config.CacheDir, holds boot files and base disk images pulled from
+	// other hosts by content digest, once per host (the cache is the host's).
+	blobsDir = "blobs/sha256"
+)
+
+// fileDigest is a file's content digest as the manifest keeps it (Digests).
+type fileDigest struct {
+	Size   int64  `json:"size"`
+	SHA256 string `json:"sha256"`
+	Data   int64  `json:"data"`
+}
+
+// manifestPathOK checks a recorded path for the manifest's format: absolute in format
+// 1, relative and inside its directory in format 2.
+func manifestPathOK(version int, p string) bool {
+	if version == checkpointFormat {
+		return p != "" && filepath.IsLocal(p)
+	}
+	return p != "" && filepath.IsAbs(p)
+}
+
+// portable returns ck as format 2 writes it (paths relative to the RAM directory and to
+// dir, the checkpoint's final directory), or ck as format 1 (ok false) when one of its
+// files is outside those directories.
+func portable(l layout, ck *checkpointManifest, dir string) (out *checkpointManifest, ok bool) {
+	c := *ck
+	c.Layers = append([]ramLayer(nil), ck.Layers...)
+	c.Disk = append([]DiskLayer(nil), ck.Disk...)
+	ok = true
+	rel := func(base string, p *string) {
+		if *p == "" {
+			return
+		}
+		r, err := filepath.Rel(base, *p)
+		if err != nil || !filepath.IsLocal(r) {
+			ok = false
+			return
+		}
+		*p = r
+	}
+	rel(l.ram, &c.RAMPath)
+	for i := range c.Layers {
+		rel(l.ram, &c.Layers[i].Path)
+	}
+	for i := range c.Disk {
+		rel(dir, &c.Disk[i].Path)
+	}
+	rel(dir, &c.OverlayTemplate)
+	rel(dir, &c.ForkKernel)
+	if !ok {
+		c := *ck
+		c.Version = manifestVersion
+		return &c, false
+	}
+	c.Version = checkpointFormat
+	return &c, true
+}
+
+// resolve makes a format 2 manifest's relative paths this host's (the RAM directory's
+// and dir's); format 1 is left as it is.
+func (l layout) resolve(ck *checkpointManifest, dir string) error {
+	if ck.Version != checkpointFormat {
+		return nil
+	}
+	bad := ""
+	abs := func(base string, p *string) {
+		if *p == "" {
+			return
+		}
+		if !filepath.IsLocal(*p) {
+			bad = *p
+			return
+		}
+		*p = filepath.Join(base, *p)
+	}
+	abs(l.ram, &ck.RAMPath)
+	ck.Layers = append([]ramLayer(nil), ck.Layers...)
+	for i := range ck.Layers {
+		abs(l.ram, &ck.Layers[i].Path)
+	}
+	ck.Disk = append([]DiskLayer(nil), ck.Disk...)
+	for i := range ck.Disk {
+		abs(dir, &ck.Disk[i].Path)
+	}
+	abs(dir, &ck.OverlayTemplate)
+	abs(dir, &ck.ForkKernel)
+	if bad != "" {
+		return fmt.Errorf("path %q leaves its directory", bad)
+	}
+	return nil
+}
+
+// decodeCheckpoint decodes a checkpoint manifest read from dir and makes its paths this
+// host's.
+func (l layout) decodeCheckpoint(b []byte, dir string) (*checkpointManifest, error) {
+	ck, err := decodeCheckpointManifest(b)
+	if err != nil {
+		return nil, err
+	}
+	if err := l.resolve(ck, dir); err != nil {
+		return nil, err
+	}
+	return ck, nil
+}
+
+// writeCheckpointManifest writes ck, a checkpoint whose directory is (or will be) dir,
+// to file in the relocatable format.
+func writeCheckpointManifest(l layout, dir, file string, ck *checkpointManifest) error {
+	p, _ := portable(l, ck, dir)
+	return writeJSON(file, p)
+}
+
+// exportFile is one file of a checkpoint as export names it, and its path here.
+type exportFile struct {
+	name, path string
+	optional   bool
+	// layer: a delta layer, whose data extents say which pages it holds (zero pages
+	// included), so they travel as they are.
+	layer bool
+}
+
+// exportFiles lists the files of checkpoint ck (paths resolved, directory dir) that a
+// fork of it on another host needs, by export name. Names are derived from the
+// relocatable manifest alone, so the puller derives the same list.
+func exportFiles(l layout, ck *checkpointManifest, dir string) ([]exportFile, error) {
+	p, ok := portable(l, ck, dir)
+	if !ok {
+		return nil, fmt.Errorf("%w: %s: its files are not all in the engine's directories (not relocatable)", ErrCheckpointCorrupt, ck.Name)
+	}
+	var out []exportFile
+	inDir := func(name string) {
+		out = append(out, exportFile{name: name, path: filepath.Join(dir, name)})
+	}
+	inDir(stateFile)
+	if ck.RAMHolesSHA256 != "" {
+		inDir(ramHolesFile)
+	}
+	out = append(out, exportFile{name: consoleHistoryFile, path: filepath.Join(dir, consoleHistoryFile), optional: true})
+	for _, d := range p.Disk {
+		inDir(d.Path)
+	}
+	for _, f := range []string{p.OverlayTemplate, p.ForkKernel} {
+		if f != "" {
+			inDir(f)
+		}
+	}
+	out = append(out, exportFile{name: exportRAMPrefix + p.RAMPath, path: ck.RAMPath})
+	for i, lr := range p.Layers {
+		out = append(out, exportFile{name: exportRAMPrefix + lr.Path, path: ck.Layers[i].Path, layer: true})
+	}
+	if ck.Kernel != "" {
+		out = append(out, exportFile{name: exportKernel, path: ck.Kernel})
+	}
+	if ck.Initrd != "" {
+		out = append(out, exportFile{name: exportInitrd, path: ck.Initrd})
+	}
+	seen := map[string]bool{}
+	for _, f := range out {
+		if seen[f.name] || !filepath.IsLocal(f.name) {
+			return nil, fmt.Errorf("%w: %s: file %q twice or outside its directory", ErrCheckpointCorrupt, ck.Name, f.name)
+		}
+		seen[f.name] = true
+	}
+	return out, nil
+}
+
+// ExportCheckpoint describes checkpoint name for a host that pulls it: its relocatable
+// manifest and every file a fork needs, with content digests (computed on the first
+// export and kept in the manifest) and data extents. The checkpoint is verified first
+// (ErrNotFound, ErrCheckpointCorrupt).
+func (e *Engine) ExportCheckpoint(ctx context.Context, name string) (*api.CheckpointExport, error) {
+	c, err := e.cks.load(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	ck := &c.Manifest
+	files, err := exportFiles(e.paths, ck, c.Dir)
+	if err != nil {
+		return nil, err
+	}
+	ver, err := e.bins.version(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := &api.CheckpointExport{Schema: api.CheckpointExportSchema, Checkpoint: name, QEMUVersion: ver, Accel: string(ck.Accel)}
+	fresh := map[string]fileDigest{}
+	for _, f := range files {
+		st, err := os.Stat(f.path)
+		if f.optional && errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, name, err)
+		}
+		d, ok := ck.Digests[f.name]
+		if !ok || d.Size != st.Size() {
+			sum, data, err := memfile.ContentDigest(ctx, f.path)
+			if err != nil {
+				if ctx.Err() != nil {
+					return nil, ctx.Err()
+				}
+				return nil, fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, name, err)
+			}
+			d = fileDigest{Size: st.Size(), SHA256: sum, Data: data}
+			fresh[f.name] = d
+		}
+		exts, err := fileExtents(f.path)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %s: %v", ErrCheckpointCorrupt, name, err)
+		}
+		out.Files = append(out.Files, api.CheckpointFile{Name: f.name, Size: d.Size, SHA256: d.SHA256, Data: d.Data, Extents: exts, Layout: f.layer})
+	}
+	if len(fresh) > 0 {
+		if err := e.cks.recordDigests(name, fresh); err != nil {
+			e.log.Warn("cannot keep a checkpoint's file digests", "checkpoint", name, "err", err)
+		}
+		if ck.Digests == nil {
+			ck.Digests = map[string]fileDigest{}
+		}
+		for k, v := range fresh {
+			ck.Digests[k] = v
+		}
+	}
+	// The boot files are named by their export names: the puller finds or fetches
+	// them by digest.
+	p, _ := portable(e.paths, ck, c.Dir)
+	if p.Kernel != "" {
+		p.Kernel = exportKernel
+	}
+	if p.Initrd != "" {
+		p.Initrd = exportInitrd
+	}
+	if out.Manifest, err = json.Marshal(p); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// fileExtents lists a file's data extents.
+func fileExtents(path string) ([]api.Extent, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	exts, err := memfile.DataExtents(f, st.Size())
+	if err != nil {
+		return nil, err
+	}
+	out := make([]api.Extent, len(exts))
+	for i, x := range exts {
+		out[i] = api.Extent{Off: x.Off, Len: x.Len}
+	}
+	return out, nil
+}
+
+// OpenCheckpointFile opens the file of checkpoint name that its export calls file, for
+// reading (ErrNotFound for a name the export does not list).
+func (e *Engine) OpenCheckpointFile(ctx context.Context, name, file string) (*os.File, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	c, err := e.cks.read(name)
+	if err != nil {
+		return nil, err
+	}
+	files, err := exportFiles(e.paths, &c.Manifest, c.Dir)
+	if err != nil {
+		return nil, err
+	}
+	for _, f := range files {
+		if f.name == file {
+			fd, err := os.Open(f.path)
+			if errors.Is(err, os.ErrNotExist) {
+				return nil, fmt.Errorf("%w: checkpoint %s has no file %q", ErrNotFound, name, file)
+			}
+			return fd, err
+		}
+	}
+	return nil, fmt.Errorf("%w: checkpoint %s has no file %q", ErrNotFound, name, file)
+}
+
+// recordDigests adds file digests to a checkpoint's manifest (re-read under the
+// store's lock, so a concurrent pin is kept).
+func (s *checkpointStore) recordDigests(name string, ds map[string]fileDigest) error {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	c, err := s.read(name)
+	if err != nil {
+		return err
+	}
+	if c.Manifest.Digests == nil {
+		c.Manifest.Digests = map[string]fileDigest{}
+	}
+	for k, v := range ds {
+		c.Manifest.Digests[k] = v
+	}
+	return writeCheckpointManifest(s.paths, c.Dir, filepath.Join(c.Dir, manifestFile), &c.Manifest)
+}
+
+// CheckpointImport is a checkpoint being brought from another host (Engine.ImportCheckpoint):
+// Fetch lists the files to transfer, Create writes each one (checked against its digest
+// as it arrives), Commit makes the checkpoint visible and Abort drops it. Its methods
+// are not safe for concurrent use, but files may be written concurrently.
+type CheckpointImport struct {
+	e    *Engine
+	name string
+	ck   *checkpointManifest // as received (relocatable)
+	// Present: a checkpoint of this name and content is here already; nothing to do.
+	Present bool
+
+	files            []*importFile
+	tmp, ramTmp      string
+	layersTmp        string
+	reserved, closed bool
+}
+
+// importFile is one file of an import: where it is written (or, had, where this host
+// already has it) and its final place.
+type importFile struct {
+	api.CheckpointFile
+	stage, final string
+	blob         bool // a boot file or base image kept in the host's blob store
+	had          string
+	done         bool
+}
+
+// ImportCheckpoint starts importing the checkpoint exp describes (an export of another
+// engine): the manifest is checked (ErrCheckpointCorrupt), its QEMU and accelerator must
+// be this engine's (ErrIncompatible, as for a fork), and its name free (ErrExists) unless
+// the same checkpoint is here already (Present). Files this host has with the same
+// digest (boot files and base images in the host's blob store, the current guest
+// image's kernel and initrd) are not fetched again. Abort or Commit it.
+func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport) (*CheckpointImport, error) {
+	if exp == nil {
+		return nil, fmt.Errorf("%w: no export", ErrInvalidSpec)
+	}
+	ck, err := decodeCheckpointManifest(exp.Manifest)
+	if err != nil {
+		return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, exp.Checkpoint, err)
+	}
+	if ck.Version != checkpointFormat || ck.Name != exp.Checkpoint {
+		return nil, fmt.Errorf("%w: import %s: manifest version %d of %q is not relocatable", ErrCheckpointCorrupt, exp.Checkpoint, ck.Version, ck.Name)
+	}
+	name := ck.Name
+	if err := compatible(ctx, e.bins, e.cfg.accel, ck); err != nil {
+		return nil, err
+	}
+	imp := &CheckpointImport{e: e, name: name, ck: ck}
+	if old, err := e.cks.read(name); err == nil {
+		if old.Manifest.StateSHA256 == ck.StateSHA256 && old.Manifest.RAMSize == ck.RAMSize {
+			imp.Present = true
+			return imp, nil
+		}
+		return nil, fmt.Errorf("%w: checkpoint %s (another one)", ErrExists, name)
+	}
+	// Where each file goes: resolve a copy against this host's directories.
+	final := *ck
+	if err := e.paths.resolve(&final, e.paths.checkpointDir(name)); err != nil {
+		return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
+	}
+	if err := importLayout(e.paths, &final, e.paths.checkpointDir(name)); err != nil {
+		return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
+	}
+	final.Kernel, final.Initrd = "", ""
+	if ck.Kernel != "" {
+		final.Kernel = exportKernel
+	}
+	if ck.Initrd != "" {
+		final.Initrd = exportInitrd
+	}
+	want, err := exportFiles(e.paths, &final, e.paths.checkpointDir(name))
+	if err != nil {
+		return nil, err
+	}
+	got := map[string]api.CheckpointFile{}
+	for _, f := range exp.Files {
+		if _, dup := got[f.Name]; dup {
+			return nil, fmt.Errorf("%w: import %s: file %q listed twice", ErrCheckpointCorrupt, name, f.Name)
+		}
+		if err := checkExportFile(f); err != nil {
+			return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
+		}
+		got[f.Name] = f
+	}
+	if err := e.vms.reserve(name); err != nil {
+		return nil, err
+	}
+	imp.reserved = true
+	ok := false
+	defer func() {
+		if !ok {
+			imp.Abort()
+		}
+	}()
+	imp.tmp = e.paths.tmpCheckpointDir(name)
+	if err := os.Mkdir(imp.tmp, 0o700); err != nil {
+		return nil, fmt.Errorf("engine: import %s: %w", name, err)
+	}
+	imp.ramTmp = e.paths.checkpointRAM(name) + ".tmp-" + randHex(4)
+	if len(ck.Layers) > 0 {
+		imp.layersTmp = e.paths.checkpointLayers(name) + ".tmp-" + randHex(4)
+		if err := os.Mkdir(imp.layersTmp, 0o700); err != nil {
+			return nil, fmt.Errorf("engine: import %s: %w", name, err)
+		}
+	}
+	blobs := filepath.Join(e.cfg.CacheDir, blobsDir)
+	local := e.lineageFiles()
+	for _, w := range want {
+		f, listed := got[w.name]
+		delete(got, w.name)
+		if !listed {
+			if w.optional {
+				continue
+			}
+			return nil, fmt.Errorf("%w: import %s: the export lacks %q", ErrCheckpointCorrupt, name, w.name)
+		}
+		f.Layout = w.layer
+		fi := &importFile{CheckpointFile: f, final: w.path}
+		switch {
+		case w.name == exportKernel || w.name == exportInitrd || w.name == firstDisk(&final):
+			fi.blob = true
+			fi.final = filepath.Join(blobs, f.SHA256)
+			fi.stage = filepath.Join(blobs, ".tmp-"+f.SHA256[:16]+"-"+randHex(4))
+			if w.name == firstDisk(&final) {
+				fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
+			}
+			fi.had = e.hostHas(ctx, f, fi.final)
+		case strings.HasPrefix(w.name, exportRAMPrefix):
+			fi.stage = imp.ramStage(w.path)
+			fi.had = local.find(fi, ck, final.Layers, w)
+		default:
+			fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
+		}
+		imp.files = append(imp.files, fi)
+	}
+	for n := range got {
+		return nil, fmt.Errorf("%w: import %s: unexpected file %q", ErrCheckpointCorrupt, name, n)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	ok = true
+	return imp, nil
+}
+
+// importLayout checks that a resolved manifest places every file where this engine
+// keeps a checkpoint's: its RAM file and layers under its own names in the RAM
+// directory, the rest directly in its directory.
+func importLayout(l layout, ck *checkpointManifest, dir string) error {
+	if ck.RAMPath != l.checkpointRAM(ck.Name) {
+		return fmt.Errorf("ram file %s is not the checkpoint's own", filepath.Base(ck.RAMPath))
+	}
+	for _, lr := range ck.Layers {
+		if filepath.Dir(lr.Path) != l.checkpointLayers(ck.Name) {
+			return fmt.Errorf("ram layer %s is not in the checkpoint's layers", filepath.Base(lr.Path))
+		}
+	}
+	in := []string{ck.OverlayTemplate, ck.ForkKernel}
+	for _, d := range ck.Disk {
+		in = append(in, d.Path)
+	}
+	for _, p := range in {
+		if p != "" && filepath.Dir(p) != dir {
+			return fmt.Errorf("file %s is not directly in the checkpoint's directory", p)
+		}
+	}
+	return nil
+}
+
+// localLineage indexes the RAM files and layers of this engine's checkpoints, so that
+// an import links those it has instead of fetching them again (a delta checkpoint of a
+// lineage pulled before brings only its newer layers): RAM files by the content digest
+// recorded on their export or import, layers by their own digest (which covers which
+// pages they hold).
+type localLineage struct {
+	ram    map[string]string // content digest -> path
+	layers map[string]string // layer digest -> path
+}
+
+// lineageFiles reads the index from the committed checkpoints' manifests.
+func (e *Engine) lineageFiles() localLineage {
+	l := localLineage{ram: map[string]string{}, layers: map[string]string{}}
+	ents, _ := os.ReadDir(e.paths.checkpointsDir())
+	for _, ent := range ents {
+		if !ent.IsDir() || strings.HasPrefix(ent.Name(), ".") {
+			continue
+		}
+		c, err := e.cks.read(ent.Name())
+		if err != nil {
+			continue
+		}
+		m := &c.Manifest
+		if d, ok := m.Digests[exportRAMPrefix+filepath.Base(m.RAMPath)]; ok && e.paths.inRAMDir(m.RAMPath) {
+			l.ram[fmt.Sprintf("%s/%d", d.SHA256, d.Size)] = m.RAMPath
+		}
+		for _, lr := range m.Layers {
+			l.layers[fmt.Sprintf("%s/%d", lr.SHA256, lr.Size)] = lr.Path
+		}
+	}
+	return l
+}
+
+// find returns the local path holding file f of the import (final: its resolved
+// manifest's layers), or "".
+func (l localLineage) find(f *importFile, ck *checkpointManifest, layers []ramLayer, w exportFile) string {
+	var p string
+	if w.layer {
+		for i, lr := range layers {
+			if lr.Path == w.path {
+				p = l.layers[fmt.Sprintf("%s/%d", ck.Layers[i].SHA256, ck.Layers[i].Size)]
+			}
+		}
+	} else {
+		p = l.ram[fmt.Sprintf("%s/%d", f.SHA256, f.Size)]
+	}
+	if p == "" {
+		return ""
+	}
+	if st, err := os.Stat(p); err != nil || st.Size() != f.Size {
+		return ""
+	}
+	return p
+}
+
+// firstDisk is the export name of a checkpoint's base disk layer ("" without a disk).
+func firstDisk(ck *checkpointManifest) string {
+	if len(ck.Disk) == 0 {
+		return ""
+	}
+	return filepath.Base(ck.Disk[0].Path)
+}
+
+// ramStage maps a file's final place in the RAM directory to its temporary one.
+func (imp *CheckpointImport) ramStage(final string) string {
+	l := imp.e.paths
+	if final == l.checkpointRAM(imp.name) {
+		return imp.ramTmp
+	}
+	return filepath.Join(imp.layersTmp, filepath.Base(final))
+}
+
+// checkExportFile refuses an export's file record that is malformed: a bad digest,
+// size or extent list.
+func checkExportFile(f api.CheckpointFile) error {
+	if _, err := hex.DecodeString(f.SHA256); err != nil || len(f.SHA256) != 64 {
+		return fmt.Errorf("file %q: bad digest", f.Name)
+	}
+	if f.Size < 0 || f.Data < 0 || f.Data > f.Size {
+		return fmt.Errorf("file %q: bad size", f.Name)
+	}
+	var end int64
+	for _, x := range f.Extents {
+		if x.Off < end || x.Len <= 0 || x.Off%memfile.PageSize != 0 || x.Off+x.Len > f.Size || x.Off+x.Len < x.Off {
+			return fmt.Errorf("file %q: bad extent %d+%d", f.Name, x.Off, x.Len)
+		}
+		end = x.Off + x.Len
+	}
+	return nil
+}
+
+// hostHas returns a path of this host holding f's content (by digest): the blob
+// store's copy, or the current guest image's kernel or initrd; "" when none does.
+func (e *Engine) hostHas(ctx context.Context, f api.CheckpointFile, blob string) string {
+	cands := []string{blob}
+	if k, i, err := e.bins.image(); err == nil {
+		cands = append(cands, k, i)
+	}
+	for _, c := range cands {
+		if c == "" {
+			continue
+		}
+		if st, err := os.Stat(c); err != nil || st.Size() != f.Size {
+			continue
+		}
+		if sum, _, err := memfile.ContentDigest(ctx, c); err == nil && sum == f.SHA256 {
+			return c
+		}
+	}
+	return ""
+}
+
+// Fetch lists the files to transfer: those this host does not have.
+func (imp *CheckpointImport) Fetch() []api.CheckpointFile {
+	var out []api.CheckpointFile
+	for _, f := range imp.files {
+		if f.had == "" {
+			out = append(out, f.CheckpointFile)
+		}
+	}
+	return out
+}
+
+// Skipped is how many files the host had already (by digest).
+func (imp *CheckpointImport) Skipped() int {
+	n := 0
+	for _, f := range imp.files {
+		if f.had != "" {
+			n++
+		}
+	}
+	return n
+}
+
+// FileWriter writes one file of an import: ranges in increasing offset order, each
+// starting on a page boundary; zero pages are not written (they stay holes), except in
+// a file whose layout matters (api.CheckpointFile.Layout: a delta layer), which gets
+// every byte of every range. Close checks the content digest.
+type FileWriter struct {
+	f    *os.File
+	h    *memfile.ContentHash
+	file *importFile
+	err  error
+}
+
+// Create starts writing the file the export calls name (ErrNotFound if it is not one
+// to fetch).
+func (imp *CheckpointImport) Create(name string) (*FileWriter, error) {
+	for _, f := range imp.files {
+		if f.Name != name || f.had != "" {
+			continue
+		}
+		if imp.closed || f.done {
+			return nil, fmt.Errorf("%w: import %s: file %q written already", ErrInvalidSpec, imp.name, name)
+		}
+		if f.blob {
+			if err := os.MkdirAll(filepath.Dir(f.stage), 0o755); err != nil {
+				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+			}
+		}
+		fd, err := os.OpenFile(f.stage, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+		if err != nil {
+			return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+		}
+		if err := fd.Truncate(f.Size); err != nil {
+			fd.Close()
+			return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+		}
+		return &FileWriter{f: fd, h: memfile.NewContentHash(f.Size), file: f}, nil
+	}
+	return nil, fmt.Errorf("%w: import %s: no file %q to fetch", ErrNotFound, imp.name, name)
+}
+
+// WriteRange writes n bytes from r at off (ranges in increasing order, page aligned).
+func (w *FileWriter) WriteRange(ctx context.Context, off, n int64, r io.Reader) error {
+	if w.err != nil {
+		return w.err
+	}
+	buf := make([]byte, min(n, 1<<20))
+	for done := int64(0); done < n; {
+		if err := ctx.Err(); err != nil {
+			w.err = err
+			return err
+		}
+		k := int(min(int64(len(buf)), n-done))
+		if _, err := io.ReadFull(r, buf[:k]); err != nil {
+			w.err = fmt.Errorf("engine: import %s: %w", w.file.Name, err)
+			return w.err
+		}
+		if err := w.h.Add(off+done, buf[:k]); err != nil {
+			w.err = fmt.Errorf("%w: import %s: %v", ErrInvalidSpec, w.file.Name, err)
+			return w.err
+		}
+		var err error
+		if w.file.Layout {
+			_, err = w.f.WriteAt(buf[:k], off+done)
+		} else {
+			_, err = memfile.WriteNonZero(w.f, buf[:k], off+done)
+		}
+		if err != nil {
+			w.err = fmt.Errorf("engine: import %s: %w", w.file.Name, err)
+			return w.err
+		}
+		done += int64(k)
+	}
+	return nil
+}
+
+// Close finishes the file: its content must match the export's digest (ErrDigest).
+func (w *FileWriter) Close() error {
+	cerr := w.f.Close()
+	if w.err != nil {
+		return w.err
+	}
+	if cerr != nil {
+		return fmt.Errorf("engine: import %s: %w", w.file.Name, cerr)
+	}
+	if sum := w.h.Sum(); sum != w.file.SHA256 {
+		os.Remove(w.file.stage)
+		return fmt.Errorf("%w: %s: sha256 %s of what arrived, the holder recorded %s", ErrDigest, w.file.Name, sum[:16], w.file.SHA256[:16])
+	}
+	w.file.done = true
+	return nil
+}
+
+// Commit makes the imported checkpoint visible once every file arrived whole and
+// verified: its manifest gets this host's paths (its boot files where this host keeps
+// them), and the renames commit it as a checkpoint of this host's is. The engine then
+// loads and verifies it as it would its own. A failure leaves nothing.
+func (imp *CheckpointImport) Commit(ctx context.Context) (*Checkpoint, error) {
+	e := imp.e
+	if imp.Present {
+		return e.cks.load(ctx, imp.name)
+	}
+	if imp.closed {
+		return nil, fmt.Errorf("%w: import %s: closed", ErrInvalidSpec, imp.name)
+	}
+	defer imp.Abort()
+	ck := *imp.ck
+	final := e.paths.checkpointDir(imp.name)
+	if err := e.paths.resolve(&ck, final); err != nil {
+		return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, imp.name, err)
+	}
+	ck.Implicit = false
+	ck.Digests = map[string]fileDigest{}
+	var blobs []*importFile
+	for _, f := range imp.files {
+		if f.had == "" && !f.done {
+			return nil, fmt.Errorf("%w: import %s: file %q not transferred", ErrInvalidSpec, imp.name, f.Name)
+		}
+		ck.Digests[f.Name] = fileDigest{Size: f.Size, SHA256: f.SHA256, Data: f.Data}
+		switch f.Name {
+		case exportKernel:
+			ck.Kernel = f.final
+		case exportInitrd:
+			ck.Initrd = f.final
+		}
+		if f.had != "" && (f.Name == exportKernel || f.Name == exportInitrd) {
+			if f.Name == exportKernel {
+				ck.Kernel = f.had
+			} else {
+				ck.Initrd = f.had
+			}
+			continue
+		}
+		if f.blob {
+			blobs = append(blobs, f)
+			continue
+		}
+		if f.had != "" {
+			// A lineage file another checkpoint here holds: linked, as a delta
+			// checkpoint links its lineage.
+			if err := os.Link(f.had, f.stage); err != nil {
+				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+			}
+		}
+	}
+	// Boot files and the base image go to the host's blob store (once per host); the
+	// base image is hard-linked into the checkpoint (copied where the store is on
+	// another file system).
+	if len(blobs) > 0 {
+		if err := os.MkdirAll(filepath.Dir(blobs[0].final), 0o755); err != nil {
+			return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+		}
+	}
+	for _, f := range blobs {
+		inCk := f.Name != exportKernel && f.Name != exportInitrd
+		switch {
+		case f.had != "" && inCk:
+			if err := linkOrCopy(ctx, f.had, f.stage); err != nil {
+				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+			}
+		case inCk:
+			if _, err := os.Stat(f.final); err != nil {
+				_ = os.Link(f.stage, f.final) // best effort: the next pull finds it
+			}
+		default:
+			if err := os.Rename(f.stage, f.final); err != nil {
+				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+			}
+		}
+	}
+	if err := writeCheckpointManifest(e.paths, final, filepath.Join(imp.tmp, manifestFile), &ck); err != nil {
+		return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
+	}
+	ramFinal, layersFinal := e.paths.checkpointRAM(imp.name), e.paths.checkpointLayers(imp.name)
+	if err := os.Rename(imp.ramTmp, ramFinal); err != nil {
+		return nil, fmt.Errorf("engine: import %s: ram: %w", imp.name, err)
+	}
+	if imp.layersTmp != "" {
+		if err := os.Rename(imp.layersTmp, layersFinal); err != nil {
+			os.Rename(ramFinal, imp.ramTmp)
+			return nil, fmt.Errorf("engine: import %s: ram layers: %w", imp.name, err)
+		}
+	}
+	if err := os.Rename(imp.tmp, final); err != nil {
+		os.Rename(ramFinal, imp.ramTmp)
+		if imp.layersTmp != "" {
+			os.Rename(layersFinal, imp.layersTmp)
+		}
+		return nil, fmt.Errorf("engine: import %s: commit: %w", imp.name, err)
+	}
+	imp.closed = true
+	if imp.reserved {
+		e.vms.unreserve(imp.name)
+		imp.reserved = false
+	}
+	c, err := e.cks.load(ctx, imp.name)
+	if err != nil {
+		e.cks.remove(imp.name)
+		return nil, err
+	}
+	e.log.Info("imported checkpoint", "checkpoint", imp.name, "files", len(imp.files), "had", imp.Skipped())
+	return c, nil
+}
+
+// Abort drops an import that was not committed: its temporary files and its name.
+func (imp *CheckpointImport) Abort() {
+	if !imp.closed {
+		imp.closed = true
+		if imp.tmp != "" {
+			os.RemoveAll(imp.tmp)
+		}
+		if imp.ramTmp != "" {
+			os.Remove(imp.ramTmp)
+		}
+		if imp.layersTmp != "" {
+			os.RemoveAll(imp.layersTmp)
+		}
+		for _, f := range imp.files {
+			if f.blob && strings.HasPrefix(filepath.Base(f.stage), ".tmp-") {
+				os.Remove(f.stage)
+			}
+		}
+	}
+	if imp.reserved {
+		imp.e.vms.unreserve(imp.name)
+		imp.reserved = false
+	}
+}
+
+// linkOrCopy hard-links src to dst, or copies it (sparse) across file systems.
+func linkOrCopy(ctx context.Context, src, dst string) error {
+	if err := os.Link(src, dst); err == nil {
+		return nil
+	}
+	if err := memfile.Clone(ctx, src, dst); err == nil {
+		return nil
+	}
+	_, err := memfile.Freeze(ctx, src, dst)
+	return err
+}

@@ -1,0 +1,154 @@
+// Package pull copies a checkpoint from another forkvm daemon into a local engine: the
+// holder's export (its relocatable manifest and files with digests and data extents)
+// over its HTTP API, each file's data extents by Range requests (holes are never sent
+// and stay holes), every file checked against its digest before the checkpoint is
+// committed (engine.ErrDigest otherwise, leaving nothing), files the host already has
+// by digest (boot files, base images) skipped.
+//
+// A fleet node fetching a checkpoint from a holder calls
+//
+//	res, err := pull.Checkpoint(ctx, e, pull.Remote(holderURL, token), name, nil)
+//
+// (a *client.Client of the holder is a Source too; this package does not link the
+// client, so that the daemon, whose tests the client's use, can pull).
+package pull
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// Source is a daemon holding checkpoints; a *client.Client of its TCP API is one.
+type Source interface {
+	ExportCheckpoint(ctx context.Context, name string) (*api.CheckpointExport, error)
+	ReadCheckpointFile(ctx context.Context, name, file string, off, n int64) (io.ReadCloser, error)
+}
+
+// Options tune a pull. A nil *Options means defaults.
+type Options struct {
+	// MaxRange bounds one Range request (default 64 MiB); extents closer than MaxGap
+	// (default 1 MiB) are fetched in one request, their gap with them (zeros, not
+	// written).
+	MaxRange, MaxGap int64
+}
+
+// Checkpoint pulls checkpoint name from the daemon src into e (see the package
+// comment). Errors: the holder's (engine.ErrNotFound, ...), engine.ErrExists when e has
+// another checkpoint of that name, engine.ErrIncompatible when e's QEMU or accelerator
+// differs, engine.ErrDigest when a file arrived other than its holder recorded it.
+func Checkpoint(ctx context.Context, e *engine.Engine, src Source, name string, opts *Options) (*api.PullResult, error) {
+	o := Options{MaxRange: 64 << 20, MaxGap: 1 << 20}
+	if opts != nil {
+		if opts.MaxRange > 0 {
+			o.MaxRange = opts.MaxRange
+		}
+		if opts.MaxGap >= 0 {
+			o.MaxGap = opts.MaxGap
+		}
+	}
+	if err := engine.ValidateName(name); err != nil {
+		return nil, err
+	}
+	t0 := time.Now()
+	exp, err := src.ExportCheckpoint(ctx, name)
+	if err != nil {
+		return nil, fmt.Errorf("pull %s: export: %w", name, err)
+	}
+	if exp.Checkpoint != name {
+		return nil, fmt.Errorf("%w: pull %s: the holder exported %q", engine.ErrCheckpointCorrupt, name, exp.Checkpoint)
+	}
+	imp, err := e.ImportCheckpoint(ctx, exp)
+	if err != nil {
+		return nil, err
+	}
+	res := &api.PullResult{}
+	if !imp.Present {
+		defer imp.Abort()
+		for _, f := range imp.Fetch() {
+			n, err := fetchFile(ctx, imp, src, name, f, o)
+			res.Bytes += n
+			if err != nil {
+				return nil, err
+			}
+			res.FilesFetched++
+		}
+		res.FilesSkipped = imp.Skipped()
+	} else {
+		res.Present = true
+	}
+	c, err := imp.Commit(ctx)
+	if err != nil {
+		return nil, err
+	}
+	info, err := e.CheckpointInfo(c.Name())
+	if err != nil {
+		return nil, err
+	}
+	res.Checkpoint = info
+	res.Seconds = time.Since(t0).Seconds()
+	return res, nil
+}
+
+// fetchFile transfers one file's data extents and returns the bytes that crossed.
+func fetchFile(ctx context.Context, imp *engine.CheckpointImport, src Source, name string, f api.CheckpointFile, o Options) (int64, error) {
+	w, err := imp.Create(f.Name)
+	if err != nil {
+		return 0, err
+	}
+	var total int64
+	gap := o.MaxGap
+	if f.Layout {
+		gap = -1 // its extents are its content: never fetch a gap with them
+	}
+	for _, r := range ranges(f.Extents, o.MaxRange, gap) {
+		body, err := src.ReadCheckpointFile(ctx, name, f.Name, r.Off, r.Len)
+		if err != nil {
+			w.Close()
+			return total, fmt.Errorf("pull %s: %s: %w", name, f.Name, err)
+		}
+		err = w.WriteRange(ctx, r.Off, r.Len, body)
+		body.Close()
+		if err != nil {
+			w.Close()
+			return total, fmt.Errorf("pull %s: %s: %w", name, f.Name, err)
+		}
+		total += r.Len
+	}
+	if err := w.Close(); err != nil {
+		if errors.Is(err, engine.ErrDigest) {
+			return total, fmt.Errorf("pull %s: %w", name, err)
+		}
+		return total, err
+	}
+	return total, nil
+}
+
+// ranges groups extents into Range requests of at most maxRange bytes, joining extents
+// less than maxGap apart (an extent longer than maxRange is split at page boundaries).
+func ranges(exts []api.Extent, maxRange, maxGap int64) []api.Extent {
+	maxRange = max(maxRange&^(memfile.PageSize-1), memfile.PageSize)
+	var out []api.Extent
+	for _, x := range exts {
+		for x.Len > 0 {
+			if n := len(out); n > 0 {
+				last := &out[n-1]
+				end := last.Off + last.Len
+				if maxGap >= 0 && x.Off-end <= maxGap && x.Off+x.Len-last.Off <= maxRange {
+					last.Len = x.Off + x.Len - last.Off
+					break
+				}
+			}
+			k := min(x.Len, maxRange)
+			out = append(out, api.Extent{Off: x.Off, Len: k})
+			x.Off, x.Len = x.Off+k, x.Len-k
+		}
+	}
+	return out
+}

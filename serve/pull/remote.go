@@ -1,0 +1,98 @@
+package pull
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+
+	"github.com/forkvm/forkvm/api"
+)
+
+// Remote is the Source of the daemon whose TCP API is at baseURL ("http://host:port"),
+// authenticated with token.
+func Remote(baseURL, token string) Source {
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	return &remote{base: strings.TrimRight(baseURL, "/"), token: token, hc: &http.Client{Transport: tr}}
+}
+
+type remote struct {
+	base, token string
+	hc          *http.Client
+}
+
+func (r *remote) get(ctx context.Context, path, rng string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.base+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	if rng != "" {
+		req.Header.Set("Range", rng)
+	}
+	if r.token != "" {
+		req.Header.Set("Authorization", "Bearer "+r.token)
+	}
+	resp, err := r.hc.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode/100 == 2 {
+		return resp, nil
+	}
+	defer resp.Body.Close()
+	var er api.ErrorResponse
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if json.Unmarshal(b, &er) == nil && er.Error.Code != "" {
+		if s := api.SentinelOf(er.Error.Code); s != nil {
+			return nil, fmt.Errorf("%w: holder: %s", s, er.Error.Message)
+		}
+		return nil, fmt.Errorf("pull: holder: HTTP %d %s: %s", resp.StatusCode, er.Error.Code, er.Error.Message)
+	}
+	return nil, fmt.Errorf("pull: holder: HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(b)))
+}
+
+// ExportCheckpoint implements Source.
+func (r *remote) ExportCheckpoint(ctx context.Context, name string) (*api.CheckpointExport, error) {
+	resp, err := r.get(ctx, "/v1/checkpoints/"+url.PathEscape(name)+"/export", "")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	var out api.CheckpointExport
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 256<<20)).Decode(&out); err != nil {
+		return nil, fmt.Errorf("%w: export of %s: %v", api.ErrProtocol, name, err)
+	}
+	return &out, nil
+}
+
+// ReadCheckpointFile implements Source: one Range request, which must be answered with
+// exactly that range.
+func (r *remote) ReadCheckpointFile(ctx context.Context, name, file string, off, n int64) (io.ReadCloser, error) {
+	if off < 0 || n <= 0 {
+		return nil, fmt.Errorf("%w: range %d+%d", api.ErrInvalidSpec, off, n)
+	}
+	rng := "bytes=" + strconv.FormatInt(off, 10) + "-" + strconv.FormatInt(off+n-1, 10)
+	resp, err := r.get(ctx, "/v1/checkpoints/"+url.PathEscape(name)+"/export/file?name="+url.QueryEscape(file), rng)
+	if err != nil {
+		return nil, err
+	}
+	if err := CheckRange(resp, off, n); err != nil {
+		resp.Body.Close()
+		return nil, fmt.Errorf("%s of %s: %w", file, name, err)
+	}
+	return resp.Body, nil
+}
+
+// CheckRange checks that resp answers a Range request for n bytes at off with exactly
+// them (206, Content-Range, Content-Length); api.ErrProtocol otherwise.
+func CheckRange(resp *http.Response, off, n int64) error {
+	want := fmt.Sprintf("bytes %d-%d/", off, off+n-1)
+	if cr := resp.Header.Get("Content-Range"); resp.StatusCode != http.StatusPartialContent || !strings.HasPrefix(cr, want) || resp.ContentLength != n {
+		return fmt.Errorf("%w: asked bytes %d+%d, got HTTP %d %q (%d bytes)", api.ErrProtocol, off, n, resp.StatusCode, cr, resp.ContentLength)
+	}
+	return nil
+}
