@@ -61,10 +61,10 @@ func newApp() *cli.Command {
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 		},
 		Commands: []*cli.Command{
-			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
-			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
+			createCmd(), execCmd(), cpCmd(), logsCmd(), withFleetLs(lsCmd()), memCmd(), rmCmd(),
+			checkpointCmd(), checkpointsCmd(), withFleetFork(forkCmd()), pinCmd(true), pinCmd(false),
 			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
-			serveCmd(), helpCmd(),
+			serveCmd(), nodesCmd(), helpCmd(),
 		},
 	}
 	noHelpCommands(app)
