@@ -37,7 +37,8 @@ type Config struct {
 	// NKeys are public user nkeys also accepted from clients.
 	NKeys []string
 	// ClientListen, when set, also serves NATS clients there (host:port); empty: the
-	// server takes in-process connections only.
+	// server takes in-process connections only, or, with a cluster, serves clients on a
+	// random loopback port (the server's no-listener mode binds no routes either).
 	ClientListen string
 	// Insecure allows a server without credentials, on loopback addresses only.
 	Insecure bool
@@ -61,6 +62,14 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	if cfg.User == "" && cfg.ClusterListen != "" && !cfg.Insecure {
 		return nil, fmt.Errorf("%w: routes authenticate with a user and password", ErrConfig)
+	}
+	if cfg.ClusterListen != "" && len(cfg.Routes) == 0 {
+		return nil, fmt.Errorf("%w: a cluster listen address needs routes (a JetStream cluster of one refuses to start)", ErrConfig)
+	}
+	if cfg.ClusterListen != "" && cfg.ClientListen == "" {
+		// The server's "no listener" mode binds no route port either: a clustered
+		// server serves its clients on a random loopback port (authenticated).
+		cfg.ClientListen = "127.0.0.1:0"
 	}
 	opts := &server.Options{
 		ServerName: cfg.Name, JetStream: true, StoreDir: cfg.StoreDir,
