@@ -20,6 +20,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/fleet"
 )
 
 // Body limits: JSON requests are small; an exec carries its stdin in its body.
@@ -50,6 +51,8 @@ type Server struct {
 	inflight sync.WaitGroup
 	// execBodies holds the bytes of the exec bodies being served (MaxExecBodiesBytes).
 	execBodies *semaphore.Weighted
+	// fleet is the daemon's fleet membership (nil: none).
+	fleet *fleet.Fleet
 }
 
 // New returns a server for e. A nil logger discards.
@@ -80,6 +83,7 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	s.mux.HandleFunc("GET /v1/budget", s.budget)
 	s.mux.HandleFunc("POST /v1/forks", s.fork)
 	s.transferRoutes()
+	s.fleetRoutes()
 	s.mux.HandleFunc("/", s.noRoute)
 	return s
 }

@@ -32,7 +32,7 @@ func serveCmd() *cli.Command {
 	return &cli.Command{
 		Name:  "serve",
 		Usage: "run the daemon: own the state directory's engine and serve the HTTP/JSON API (docs/api.md)",
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "listen", Usage: "also listen on this TCP address (e.g. 127.0.0.1:7070); needs --token-file"},
 			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding the bearer token TCP requests must carry"},
 			&cli.BoolFlag{Name: "listen-public", Usage: "allow a --listen address that is not loopback (there is no TLS: the token crosses the network in clear)"},
@@ -40,7 +40,7 @@ func serveCmd() *cli.Command {
 			&cli.FloatFlag{Name: "max-overcommit", Usage: "refuse requests asking for a higher overcommit than this (0 = 2 x --overcommit)"},
 			&cli.FloatFlag{Name: "memory-commit-ratio", Usage: "part of each VM's guest RAM admission keeps room for (0 = engine default 0.1)"},
 			&cli.StringFlag{Name: "memory-cgroup", Usage: "memory cgroup directory below which VMs created with --memory-limit-mb get their own (default: the daemon's own cgroup; on cgroup v2 name one without processes that delegates memory)"},
-		},
+		}, fleetServeFlags()...),
 		// The unix socket (mode 0600) is the global --socket ($FORKVM_SOCKET), the one
 		// the CLI looks for; default HOME/forkvm.sock.
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -86,6 +86,15 @@ func serveCmd() *cli.Command {
 				return err
 			}
 			srv := serve.New(e, log)
+			// A fleet only with --cluster or --cluster-listen: else no NATS, no port.
+			member, err := joinFleet(ctx, cmd, e, log, fleetFetcher(e, token))
+			if err != nil {
+				uln.Close()
+				return err
+			}
+			if member != nil {
+				srv.SetFleet(member.f)
+			}
 			g, gctx := errgroup.WithContext(ctx)
 			g.Go(func() error { return serve.Serve(gctx, uln, srv.Handler(), serveGrace) })
 			if addr := cmd.String("listen"); addr != "" {
@@ -109,6 +118,9 @@ func serveCmd() *cli.Command {
 				log.Warn("forkvm serve: requests still running at close", "err", werr)
 			}
 			cancel()
+			if member != nil {
+				member.close()
+			}
 			log.Info("forkvm serve: stopped; VMs keep running")
 			return err
 		},

@@ -1,0 +1,95 @@
+package api
+
+import "time"
+
+// Schema names of the fleet's objects.
+const (
+	NodeSchema    = "forkvm.node/v1"
+	FleetVMSchema = "forkvm.fleet-vm/v1"
+)
+
+// Codes of a fleet wave's failures (ForkEventObject.Code) that have no sentinel of
+// this package: the fleet's own (package fleet has the errors).
+const (
+	// CodeNodeLost: the fork was ready on a node whose heartbeat then expired.
+	CodeNodeLost = "node_lost"
+	// CodeDeadLetter: no node completed the fork's job within its delivery limit.
+	CodeDeadLetter = "dead_letter"
+	// CodeNoFleet: the daemon is not part of a fleet (it was started without --cluster).
+	CodeNoFleet = "no_fleet"
+	// CodeNoNode: no live node can fork the checkpoint (none of its compatibility class).
+	CodeNoNode = "no_node"
+)
+
+// FleetClass is a node's compatibility class: a checkpoint forks only on nodes of the
+// class it was taken in (the same QEMU, accelerator and host architecture; the machine
+// type and guest kernel travel with the checkpoint).
+type FleetClass struct {
+	QEMU  string `json:"qemu"`
+	Accel string `json:"accel"`
+	Arch  string `json:"arch"`
+}
+
+// FleetNode is a node of the fleet as its last heartbeat describes it (forkvm.node/v1).
+type FleetNode struct {
+	Schema string `json:"schema,omitempty"`
+	Name   string `json:"name"`
+	// Addr is the node's daemon API for checkpoint pulls (empty: it serves none).
+	Addr   string            `json:"addr,omitempty"`
+	Labels map[string]string `json:"labels,omitempty"`
+	// Class is the compatibility class's id; ClassInfo what it stands for.
+	Class     string     `json:"class"`
+	ClassInfo FleetClass `json:"class_info"`
+	// Boot changes with every start of the node's daemon.
+	Boot string `json:"boot"`
+	// TotalVCPUs and FreeVCPUs are the node's fleet budget (its admission budget, or
+	// less when the node was given a cap); FreeMemoryBytes the engine's memory budget.
+	TotalVCPUs      int   `json:"total_vcpus"`
+	FreeVCPUs       int   `json:"free_vcpus"`
+	FreeMemoryBytes int64 `json:"free_memory_bytes"`
+	// VMs counts the node's live VMs; Running the fleet jobs it is forking now.
+	VMs       int       `json:"vms"`
+	Running   int       `json:"running_jobs"`
+	Heartbeat time.Time `json:"heartbeat"`
+	StartedAt time.Time `json:"started_at"`
+}
+
+// FleetVM is a fleet fork as its claim records it (forkvm.fleet-vm/v1): the claim, in
+// the fleet's key-value store, is the truth of which node holds which name.
+type FleetVM struct {
+	Schema     string `json:"schema,omitempty"`
+	Name       string `json:"name"`
+	Node       string `json:"node"`
+	Checkpoint string `json:"checkpoint"`
+	Wave       string `json:"wave"`
+	Index      int    `json:"index"`
+	// State is "forking" or "ready", or "node_lost" when the holding node's heartbeat
+	// has expired.
+	State     string    `json:"state"`
+	CPUs      int       `json:"cpus"`
+	ClaimedAt time.Time `json:"claimed_at"`
+}
+
+// FleetForkRequest is the body of POST /v1/fleet/forks: a wave spread over the fleet.
+// Source must be a checkpoint of the receiving daemon.
+type FleetForkRequest struct {
+	ForkRequest
+	// Pack lets each node take as many forks as its budget allows; the default
+	// (spread) gives no node more than ceil(n / live nodes of the class).
+	Pack bool `json:"pack,omitempty"`
+	// MaxPerNode, when > 0, caps the forks of this wave on any one node.
+	MaxPerNode int `json:"max_per_node,omitempty"`
+	// ReplaceLost forks again, on another node, every fork reported node_lost while the
+	// wave runs.
+	ReplaceLost bool `json:"replace_lost,omitempty"`
+}
+
+// FleetForkEventObject is one line of a fleet wave's stream: the fork event of a
+// local wave (forkvm.fork-event/v1) with the node that made the fork and the job's
+// attempt (1, then 2… for a fork replaced after its node was lost). A fork reported
+// ready may be reported again, failed with code node_lost.
+type FleetForkEventObject struct {
+	ForkEventObject
+	Node    string `json:"node,omitempty"`
+	Attempt int    `json:"attempt,omitempty"`
+}

@@ -1,0 +1,419 @@
+// Package fleet spreads fork waves over many forkvm daemons (nodes) through NATS
+// JetStream: one job per fork on a work-queue stream per compatibility class, pulled
+// by every node while its admission budget allows; placement and state in JetStream
+// key-value buckets, which are the truth (node heartbeats with a TTL, fork claims made
+// with Create and fenced by revision, checkpoints by digest with the nodes holding
+// them, one record per job). Checkpoint bytes never go through NATS: a node that lacks
+// a checkpoint has a CheckpointFetcher copy it from a node that holds it.
+//
+// A node that dies mid-wave loses its unfinished jobs to the others (redelivered after
+// the ack wait) and its ready forks are reported lost; a daemon that only restarted
+// within the heartbeat TTL keeps its VMs. Local forks never go through this package.
+package fleet
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/forkvm/forkvm/api"
+)
+
+// Errors of the fleet, wrapped with %w.
+var (
+	// ErrConfig reports a configuration refused before anything starts.
+	ErrConfig = errors.New("fleet: bad configuration")
+	// ErrUnavailable reports NATS not answering within a call's retries.
+	ErrUnavailable = errors.New("fleet: NATS unavailable")
+	// ErrNoNode reports a wave no live node can run (none of the checkpoint's class).
+	ErrNoNode = errors.New("fleet: no live node of the checkpoint's class")
+	// ErrNodeLost reports a fork whose node's heartbeat expired after it was ready.
+	ErrNodeLost = errors.New("fleet: node lost")
+	// ErrDeadLetter reports a job no node completed within its delivery limit.
+	ErrDeadLetter = errors.New("fleet: job exhausted its deliveries")
+	// ErrClosed reports use of a fleet that left.
+	ErrClosed = errors.New("fleet: closed")
+)
+
+// Defaults of Config's timing.
+const (
+	DefaultHeartbeat  = time.Second
+	DefaultTTL        = 6 * time.Second
+	DefaultAckWait    = 10 * time.Second
+	DefaultMaxDeliver = 10
+	// callTimeout bounds one JetStream call; calls are retried (callRetries) with a
+	// backoff, so that a stream or consumer without a leader for a few seconds (an
+	// election after a node died: 4-8 s measured) delays a call instead of hanging it.
+	callTimeout = 2 * time.Second
+	callRetries = 6
+)
+
+// Bucket and stream names.
+const (
+	bucketNodes  = "forkvm_nodes"
+	bucketClaims = "forkvm_claims"
+	bucketJobs   = "forkvm_jobs"
+	bucketCks    = "forkvm_checkpoints"
+	consumerName = "workers"
+)
+
+// Node is a peer as a CheckpointFetcher needs it: its name and its daemon's API.
+type Node struct {
+	Name string
+	// Addr is the node's daemon API (http://host:port).
+	Addr string
+}
+
+// CheckpointFetcher copies a checkpoint from another node into the local engine: after
+// Fetch returns nil the engine has checkpoint ck, with the same digest (its files
+// verified against the holder's digests).
+type CheckpointFetcher interface {
+	Fetch(ctx context.Context, ck string, from Node) error
+}
+
+// Config is a node's membership.
+type Config struct {
+	// Node is this node's name in the fleet (default: the host name).
+	Node   string
+	Labels map[string]string
+	// Addr is this daemon's API that other nodes pull checkpoints from (empty: none).
+	Addr string
+	// Connect opens the connection to NATS (an external cluster's URLs with
+	// credentials, or the embedded server in process). Required.
+	Connect func() (*nats.Conn, error)
+	// Replicas of every stream and bucket (default 1; 3 in a fleet of 3 or more).
+	Replicas int
+	// Heartbeat is the interval of the node's heartbeat, TTL how long after its last
+	// one a node counts as gone.
+	Heartbeat, TTL time.Duration
+	// AckWait is how long a job may go without an in-progress notice before it is
+	// redelivered; MaxDeliver how many deliveries a job gets before it is dead.
+	AckWait    time.Duration
+	MaxDeliver int
+	// MaxVCPUs, when > 0, caps the vCPUs of this node's VMs that fleet jobs may take
+	// (below the engine's own admission budget, which always applies).
+	MaxVCPUs int
+	// MaxJobs bounds the jobs this node forks at once (default 8).
+	MaxJobs int
+	// Dir holds the node's own records (the forks it made for the fleet); empty: none kept,
+	// and no orphan is ever deleted.
+	Dir    string
+	Logger *slog.Logger
+}
+
+// Fleet is one node's membership: it heartbeats, pulls jobs and runs waves.
+type Fleet struct {
+	cfg   Config
+	log   *slog.Logger
+	eng   Engine
+	fetch CheckpointFetcher
+	nc    *nats.Conn
+	js    jetstream.JetStream
+
+	nodes, claims, jobs, cks jetstream.KeyValue
+
+	class   api.FleetClass
+	classID string
+	boot    string
+	started time.Time
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu sync.Mutex
+	// running counts the jobs being handled and their vCPUs (reserved before the
+	// engine admits them).
+	running, runningCPUs int
+	// perWave counts, per wave, the jobs this node took (for MaxPerNode).
+	perWave map[string]int
+	// fetching holds a lock per checkpoint digest being fetched.
+	fetching map[string]*sync.Mutex
+	// slot is signalled when a job ends.
+	slot chan struct{}
+}
+
+// ClassID is the id of a compatibility class: a short digest of its fields.
+func ClassID(c api.FleetClass) string {
+	h := sha256.Sum256([]byte(c.QEMU + "\x00" + c.Accel + "\x00" + c.Arch))
+	return "c" + hex.EncodeToString(h[:6])
+}
+
+// HostArch is the architecture part of this host's classes.
+func HostArch() string { return runtime.GOARCH }
+
+// Join connects the node to the fleet, makes the buckets and its class's stream when
+// missing, deletes the forks it holds whose claims another node took while it was
+// gone, and starts its heartbeat and job loop. Close leaves.
+func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) (*Fleet, error) {
+	if cfg.Connect == nil {
+		return nil, fmt.Errorf("%w: no NATS connection", ErrConfig)
+	}
+	if cfg.Node == "" {
+		return nil, fmt.Errorf("%w: no node name", ErrConfig)
+	}
+	if err := checkToken(cfg.Node); err != nil {
+		return nil, fmt.Errorf("%w: node name: %v", ErrConfig, err)
+	}
+	if cfg.Replicas <= 0 {
+		cfg.Replicas = 1
+	}
+	if cfg.Heartbeat <= 0 {
+		cfg.Heartbeat = DefaultHeartbeat
+	}
+	if cfg.TTL <= 0 {
+		cfg.TTL = DefaultTTL
+	}
+	if cfg.TTL < 2*cfg.Heartbeat {
+		return nil, fmt.Errorf("%w: TTL %v under two heartbeats of %v", ErrConfig, cfg.TTL, cfg.Heartbeat)
+	}
+	if cfg.AckWait <= 0 {
+		cfg.AckWait = DefaultAckWait
+	}
+	if cfg.MaxDeliver <= 0 {
+		cfg.MaxDeliver = DefaultMaxDeliver
+	}
+	if cfg.MaxJobs <= 0 {
+		cfg.MaxJobs = 8
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	class, err := eng.Class(ctx)
+	if err != nil {
+		return nil, err
+	}
+	nc, err := cfg.Connect()
+	if err != nil {
+		return nil, fmt.Errorf("%w: connect: %w", ErrUnavailable, err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	}
+	f := &Fleet{cfg: cfg, log: log, eng: eng, fetch: fetch, nc: nc, js: js, class: class, classID: ClassID(class),
+		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]int{}, slot: make(chan struct{}, 1)}
+	if err := f.setup(ctx); err != nil {
+		nc.Close()
+		return nil, err
+	}
+	if err := f.beat(ctx); err != nil {
+		nc.Close()
+		return nil, err
+	}
+	f.ctx, f.cancel = context.WithCancel(context.Background())
+	if err := f.deleteOrphans(ctx); err != nil {
+		log.Warn("fleet: orphans not checked", "err", err)
+	}
+	f.wg.Add(2)
+	go f.heartbeatLoop()
+	go f.workLoop()
+	return f, nil
+}
+
+// Close stops pulling jobs, cancels the jobs running (they go to other nodes), waits
+// for them (up to ctx) and disconnects. The heartbeat is left to expire: a daemon that
+// restarts within the TTL is the same node to the others, its VMs kept and claimed.
+func (f *Fleet) Close(ctx context.Context) error {
+	f.cancel()
+	done := make(chan struct{})
+	go func() { f.wg.Wait(); close(done) }()
+	var err error
+	select {
+	case <-done:
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	f.nc.Close()
+	return err
+}
+
+// Name is this node's name.
+func (f *Fleet) Name() string { return f.cfg.Node }
+
+// Class is this node's compatibility class.
+func (f *Fleet) Class() api.FleetClass { return f.class }
+
+// setup makes the buckets and this node's class stream and consumer, each retried (a
+// replicated bucket made right after the cluster formed may find too few peers).
+func (f *Fleet) setup(ctx context.Context) error {
+	r := f.cfg.Replicas
+	buckets := []struct {
+		kv  *jetstream.KeyValue
+		cfg jetstream.KeyValueConfig
+	}{
+		{&f.nodes, jetstream.KeyValueConfig{Bucket: bucketNodes, History: 1, TTL: f.cfg.TTL, LimitMarkerTTL: f.cfg.TTL, Replicas: r, Storage: jetstream.MemoryStorage}},
+		{&f.claims, jetstream.KeyValueConfig{Bucket: bucketClaims, History: 1, Replicas: r, Storage: jetstream.FileStorage}},
+		{&f.jobs, jetstream.KeyValueConfig{Bucket: bucketJobs, History: 1, TTL: 24 * time.Hour, Replicas: r, Storage: jetstream.FileStorage}},
+		{&f.cks, jetstream.KeyValueConfig{Bucket: bucketCks, History: 1, Replicas: r, Storage: jetstream.FileStorage}},
+	}
+	for _, b := range buckets {
+		err := retry(ctx, "bucket "+b.cfg.Bucket, func(ctx context.Context) error {
+			kv, err := f.js.CreateOrUpdateKeyValue(ctx, b.cfg)
+			if err == nil {
+				*b.kv = kv
+			}
+			return err
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return f.ensureStream(ctx, f.classID)
+}
+
+// streamName is the work-queue stream of a class.
+func streamName(classID string) string { return "FORKVM_JOBS_" + classID }
+
+// subject is the subject of a class's jobs.
+func subject(classID string) string { return "forkvm.jobs." + classID }
+
+// ensureStream makes a class's work-queue stream and its one shared durable consumer
+// (a second consumer overlapping a work-queue stream is refused).
+func (f *Fleet) ensureStream(ctx context.Context, classID string) error {
+	err := retry(ctx, "stream "+classID, func(ctx context.Context) error {
+		_, err := f.js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+			Name: streamName(classID), Subjects: []string{subject(classID)},
+			Retention: jetstream.WorkQueuePolicy, Storage: jetstream.FileStorage, Replicas: f.cfg.Replicas,
+			Duplicates: 10 * time.Minute, MaxAge: time.Hour,
+		})
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	return retry(ctx, "consumer "+classID, func(ctx context.Context) error {
+		_, err := f.js.CreateOrUpdateConsumer(ctx, streamName(classID), jetstream.ConsumerConfig{
+			Durable: consumerName, AckPolicy: jetstream.AckExplicitPolicy, AckWait: f.cfg.AckWait,
+			MaxDeliver: f.cfg.MaxDeliver, MaxAckPending: 100000, Replicas: f.cfg.Replicas,
+		})
+		return err
+	})
+}
+
+// retry runs fn with its own short timeout until it succeeds, fails for good or the
+// retries are spent (then ErrUnavailable). ctx bounds it all.
+func retry(ctx context.Context, what string, fn func(ctx context.Context) error) error {
+	var err error
+	backoff := 100 * time.Millisecond
+	for attempt := 0; attempt < callRetries; attempt++ {
+		cctx, cancel := context.WithTimeout(ctx, callTimeout)
+		err = fn(cctx)
+		cancel()
+		if err == nil || final(err) {
+			return err
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("%s: %w", what, ctx.Err())
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s: %w", what, ctx.Err())
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+	return fmt.Errorf("%w: %s: %w", ErrUnavailable, what, err)
+}
+
+// final says whether a JetStream error is an answer (retrying cannot change it)
+// rather than a failure to get one.
+func final(err error) bool {
+	if errors.Is(err, jetstream.ErrKeyExists) || errors.Is(err, jetstream.ErrKeyNotFound) ||
+		errors.Is(err, jetstream.ErrKeyDeleted) || errors.Is(err, jetstream.ErrMsgNotFound) ||
+		errors.Is(err, jetstream.ErrInvalidKey) {
+		return true
+	}
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) {
+		switch apiErr.ErrorCode {
+		case jetstream.JSErrCodeStreamWrongLastSequence, jetstream.JSErrCodeMessageNotFound:
+			return true
+		}
+		// 10071: wrong last sequence on a KV update (the fence).
+		if apiErr.ErrorCode == 10071 {
+			return true
+		}
+	}
+	return false
+}
+
+// checkToken refuses a string that cannot be a token of a subject or key.
+func checkToken(s string) error {
+	if s == "" || len(s) > 128 {
+		return errors.New("empty or over 128 bytes")
+	}
+	for _, c := range s {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return fmt.Errorf("%q: only letters, digits, - and _", s)
+		}
+	}
+	return nil
+}
+
+// kvKey escapes a VM or checkpoint name into one key token ('.' is the separator of
+// key tokens): letters, digits, - and _ stay, anything else becomes =XX.
+func kvKey(name string) string {
+	var b strings.Builder
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_' {
+			b.WriteByte(c)
+		} else {
+			fmt.Fprintf(&b, "=%02X", c)
+		}
+	}
+	return b.String()
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// getJSON reads a key into v; ok is false when the key is absent (or deleted).
+func getJSON(ctx context.Context, kv jetstream.KeyValue, key string, v any) (rev uint64, ok bool, err error) {
+	var e jetstream.KeyValueEntry
+	err = retry(ctx, "get "+key, func(ctx context.Context) error {
+		var err error
+		e, err = kv.Get(ctx, key)
+		return err
+	})
+	if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, err
+	}
+	if err := json.Unmarshal(e.Value(), v); err != nil {
+		return 0, false, fmt.Errorf("fleet: key %s: %w", key, err)
+	}
+	return e.Revision(), true, nil
+}
+
+// putJSON writes v under key.
+func putJSON(ctx context.Context, kv jetstream.KeyValue, key string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return retry(ctx, "put "+key, func(ctx context.Context) error {
+		_, err := kv.Put(ctx, key, b)
+		return err
+	})
+}

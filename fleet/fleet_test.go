@@ -1,0 +1,409 @@
+package fleet
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/fleet/natsembed"
+)
+
+var testClass = api.FleetClass{QEMU: "10.0.2", Accel: "tcg", Arch: "amd64"}
+
+// fakeEngine is an engine with checkpoints as records and forks as map entries.
+type fakeEngine struct {
+	mu        sync.Mutex
+	cks       map[string]CheckpointRef
+	vms       map[string]api.Info
+	forkDelay atomic.Int64
+	total     atomic.Int32
+	forks     atomic.Int32
+	started   atomic.Int32
+	// hangAfter, when > 0, makes every fork after that many started wait for its
+	// context (a node that dies mid-fork).
+	hangAfter int32
+}
+
+func newFakeEngine(total int) *fakeEngine {
+	e := &fakeEngine{cks: map[string]CheckpointRef{}, vms: map[string]api.Info{}}
+	e.total.Store(int32(total))
+	e.forkDelay.Store(int64(20 * time.Millisecond))
+	return e
+}
+
+func (e *fakeEngine) Class(context.Context) (api.FleetClass, error) { return testClass, nil }
+
+func (e *fakeEngine) Checkpoint(_ context.Context, name string) (CheckpointRef, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, ok := e.cks[name]
+	if !ok {
+		return CheckpointRef{}, fmt.Errorf("%w: checkpoint %s", api.ErrNotFound, name)
+	}
+	return c, nil
+}
+
+func (e *fakeEngine) Fork(ctx context.Context, ck, name string, _ float64) (api.Info, error) {
+	c, err := e.Checkpoint(ctx, ck)
+	if err != nil {
+		return api.Info{}, err
+	}
+	e.mu.Lock()
+	if _, ok := e.vms[name]; ok {
+		e.mu.Unlock()
+		return api.Info{}, fmt.Errorf("%w: %s", api.ErrExists, name)
+	}
+	e.vms[name] = api.Info{Name: name, State: api.StateStarting, CPUs: c.CPUs, Parent: ck}
+	e.mu.Unlock()
+	d := time.Duration(e.forkDelay.Load())
+	if n := e.started.Add(1); e.hangAfter > 0 && n > e.hangAfter {
+		d = time.Hour
+	}
+	select {
+	case <-ctx.Done():
+		e.mu.Lock()
+		delete(e.vms, name)
+		e.mu.Unlock()
+		return api.Info{}, ctx.Err()
+	case <-time.After(d):
+	}
+	e.forks.Add(1)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	inf := api.Info{Name: name, State: api.StateRunning, CPUs: c.CPUs, Parent: ck}
+	e.vms[name] = inf
+	return inf, nil
+}
+
+func (e *fakeEngine) Get(name string) (api.Info, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	v, ok := e.vms[name]
+	if !ok {
+		return api.Info{}, api.ErrNotFound
+	}
+	return v, nil
+}
+
+func (e *fakeEngine) Delete(_ context.Context, name string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, ok := e.vms[name]; !ok {
+		return api.ErrNotFound
+	}
+	delete(e.vms, name)
+	return nil
+}
+
+func (e *fakeEngine) List() []api.Info {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []api.Info
+	for _, v := range e.vms {
+		out = append(out, v)
+	}
+	return out
+}
+
+func (e *fakeEngine) Budget() api.Budget {
+	used := 0
+	for _, v := range e.List() {
+		used += v.CPUs
+	}
+	return api.Budget{Total: int(e.total.Load()), Used: used, Memory: api.MemoryBudget{Known: true, FreeBytes: 8 << 30}}
+}
+
+// fakeFetcher copies a checkpoint record from the engine of the node named.
+type fakeFetcher struct {
+	to      *fakeEngine
+	engines map[string]*fakeEngine
+	mu      sync.Mutex
+	fetches map[string]int // "ck from" -> count
+}
+
+func (ff *fakeFetcher) Fetch(ctx context.Context, ck string, from Node) error {
+	src, ok := ff.engines[from.Name]
+	if !ok {
+		return fmt.Errorf("no node %s", from.Name)
+	}
+	ref, err := src.Checkpoint(ctx, ck)
+	if err != nil {
+		return err
+	}
+	ff.to.mu.Lock()
+	ff.to.cks[ck] = ref
+	ff.to.mu.Unlock()
+	ff.mu.Lock()
+	ff.fetches[ck+" "+from.Name]++
+	ff.mu.Unlock()
+	return nil
+}
+
+func (ff *fakeFetcher) count() int {
+	ff.mu.Lock()
+	defer ff.mu.Unlock()
+	n := 0
+	for _, c := range ff.fetches {
+		n += c
+	}
+	return n
+}
+
+// testServer starts an embedded server alone, with a password.
+func testServer(t *testing.T) *natsembed.Server {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	s, err := natsembed.Start(ctx, natsembed.Config{Name: "t", StoreDir: t.TempDir(), User: "fleet", Password: "pw"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Shutdown)
+	return s
+}
+
+type testNode struct {
+	f   *Fleet
+	eng *fakeEngine
+	ff  *fakeFetcher
+}
+
+// join joins n nodes to s, each with a budget of capCPUs vCPUs.
+func join(t *testing.T, s *natsembed.Server, n, capCPUs int, mod func(*Config)) []testNode {
+	t.Helper()
+	engines := map[string]*fakeEngine{}
+	var out []testNode
+	for i := range n {
+		name := fmt.Sprintf("n%d", i+1)
+		eng := newFakeEngine(100)
+		engines[name] = eng
+		ff := &fakeFetcher{to: eng, engines: engines, fetches: map[string]int{}}
+		cfg := Config{Node: name, Addr: "http://" + name, MaxVCPUs: capCPUs, Dir: t.TempDir(),
+			Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond,
+			Connect: func() (*nats.Conn, error) {
+				return nats.Connect("", nats.InProcessServer(s), nats.UserInfo("fleet", "pw"))
+			}}
+		if mod != nil {
+			mod(&cfg)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		f, err := Join(ctx, cfg, eng, ff)
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			f.Close(ctx)
+		})
+		out = append(out, testNode{f: f, eng: eng, ff: ff})
+	}
+	return out
+}
+
+// collect reads a wave's events until its channel closes or the deadline passes.
+func collect(t *testing.T, evs <-chan Event, d time.Duration) []Event {
+	t.Helper()
+	var out []Event
+	timeout := time.After(d)
+	for {
+		select {
+		case ev, ok := <-evs:
+			if !ok {
+				return out
+			}
+			out = append(out, ev)
+		case <-timeout:
+			t.Fatalf("wave not done after %v: %d events", d, len(out))
+		}
+	}
+}
+
+func TestWaveSpreadsUnderBudgets(t *testing.T) {
+	s := testServer(t)
+	nodes := join(t, s, 3, 2, nil)
+	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1, MemoryMiB: 256}
+	for _, pack := range []bool{false, true} {
+		t.Run(fmt.Sprintf("pack=%v", pack), func(t *testing.T) {
+			prefix := fmt.Sprintf("p%v-", pack)
+			evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{
+				ForkRequest: api.ForkRequest{Source: "ck", N: 6, Prefix: prefix}, Pack: pack})
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := collect(t, evs, 30*time.Second)
+			per := map[string]int{}
+			for _, ev := range got {
+				if !ev.OK {
+					t.Errorf("%s failed: %s (%s)", ev.Name, ev.Error, ev.Code)
+				}
+				per[ev.Node]++
+			}
+			if len(got) != 6 {
+				t.Fatalf("%d events, want 6", len(got))
+			}
+			for _, n := range nodes {
+				if per[n.f.Name()] != 2 {
+					t.Errorf("node %s made %d forks, want 2 (budget 2 vCPUs each): %v", n.f.Name(), per[n.f.Name()], per)
+				}
+			}
+			for _, n := range nodes {
+				for _, v := range n.eng.List() {
+					if v.State == api.StateRunning {
+						n.eng.Delete(context.Background(), v.Name)
+					}
+				}
+			}
+		})
+	}
+	// Each node without the checkpoint fetched it once, from the node holding it.
+	for _, n := range nodes[1:] {
+		if c := n.ff.count(); c != 1 {
+			t.Errorf("node %s fetched %d times, want 1", n.f.Name(), c)
+		}
+	}
+	vms, err := nodes[1].f.VMs(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(vms) != 12 {
+		t.Errorf("%d claims, want 12", len(vms))
+	}
+}
+
+func TestNameClaimedOnce(t *testing.T) {
+	s := testServer(t)
+	nodes := join(t, s, 2, 0, nil)
+	for _, n := range nodes {
+		n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	}
+	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "x"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := collect(t, evs, 20*time.Second); len(got) != 1 || !got[0].OK {
+		t.Fatalf("first wave: %+v", got)
+	}
+	evs, err = nodes[1].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "x"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := collect(t, evs, 20*time.Second)
+	if len(got) != 1 || got[0].OK || got[0].Code != "exists" {
+		t.Fatalf("second wave of the same name: %+v, want one failure with code exists", got)
+	}
+	if n := nodes[0].eng.forks.Load() + nodes[1].eng.forks.Load(); n != 1 {
+		t.Errorf("%d forks made, want 1", n)
+	}
+}
+
+func TestDigestMismatchRefused(t *testing.T) {
+	s := testServer(t)
+	nodes := join(t, s, 2, 0, func(c *Config) { c.MaxDeliver = 2 })
+	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	nodes[1].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "OTHER", Class: testClass, CPUs: 1}
+	nodes[0].f.cancel() // only node 2 pulls
+	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "y"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := collect(t, evs, 20*time.Second)
+	if len(got) != 1 || got[0].OK || got[0].Code != "incompatible" {
+		t.Fatalf("events %+v, want one failure with code incompatible", got)
+	}
+}
+
+func TestNodeKilledMidWave(t *testing.T) {
+	s := testServer(t)
+	// The ack wait is longer than the TTL here, so that the wave still runs (the dead
+	// node's unfinished job not yet redelivered) when the node's heartbeat expires.
+	nodes := join(t, s, 3, 0, func(c *Config) { c.AckWait = 3 * time.Second })
+	for i, n := range nodes {
+		n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+		if i < 2 {
+			// One fork each at first: the victim takes the rest.
+			n.eng.total.Store(1)
+			n.eng.forkDelay.Store(int64(300 * time.Millisecond))
+		}
+	}
+	// Node 3 makes one fork and hangs on the next: its daemon is killed then.
+	victim := nodes[2]
+	victim.eng.forkDelay.Store(0)
+	victim.eng.hangAfter = 1
+	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{
+		ForkRequest: api.ForkRequest{Source: "ck", N: 6, Prefix: "k"}, Pack: true, ReplaceLost: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []Event
+	killed := false
+	deadline := time.After(40 * time.Second)
+	for done := false; !done; {
+		select {
+		case ev, ok := <-evs:
+			if !ok {
+				done = true
+				break
+			}
+			got = append(got, ev)
+			if !killed && ev.Node == victim.f.Name() && ev.OK {
+				// kill -9: no more heartbeats, acks or progress; its fork in flight hangs.
+				killed = true
+				victim.f.cancel()
+				victim.f.nc.Close()
+				for _, n := range nodes[:2] {
+					n.eng.total.Store(10)
+				}
+			}
+		case <-deadline:
+			t.Fatalf("wave not done: %+v", got)
+		}
+	}
+	if !killed {
+		t.Fatalf("the victim made no fork: %+v", got)
+	}
+	final := map[int]Event{}
+	lost := 0
+	for _, ev := range got {
+		if ev.Code == api.CodeNodeLost {
+			lost++
+			if ev.Node != victim.f.Name() {
+				t.Errorf("node_lost for node %s", ev.Node)
+			}
+			continue
+		}
+		final[ev.Index] = ev
+	}
+	if lost != 1 {
+		t.Errorf("%d node_lost events, want 1: %+v", lost, got)
+	}
+	for i := range 6 {
+		ev, ok := final[i]
+		if !ok || !ev.OK || ev.Node == victim.f.Name() {
+			t.Errorf("fork %d: %+v, want ready on a live node", i, ev)
+		}
+	}
+	// Every claim is held by a live node, once per name.
+	vms, err := nodes[0].f.VMs(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(vms) != 6 {
+		t.Errorf("%d claims, want 6: %+v", len(vms), vms)
+	}
+	for _, v := range vms {
+		if v.Node == victim.f.Name() || v.State != stateReady {
+			t.Errorf("claim %+v", v)
+		}
+	}
+	if made := nodes[0].eng.forks.Load() + nodes[1].eng.forks.Load(); made != 6 {
+		t.Errorf("live nodes made %d forks, want 6", made)
+	}
+}

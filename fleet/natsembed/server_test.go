@@ -1,0 +1,102 @@
+package natsembed
+
+import (
+	"context"
+	"errors"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+func TestConfigRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+	}{
+		{"no credentials", Config{Name: "a", StoreDir: "x"}},
+		{"user without password", Config{Name: "a", StoreDir: "x", User: "u"}},
+		{"insecure off loopback", Config{Name: "a", StoreDir: "x", Insecure: true, ClusterListen: "0.0.0.0:0"}},
+		{"routes without a listener", Config{Name: "a", StoreDir: "x", User: "u", Password: "p", Routes: []string{"127.0.0.1:1"}}},
+		{"no name", Config{StoreDir: "x", User: "u", Password: "p"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := Start(context.Background(), tc.cfg); !errors.Is(err, ErrConfig) {
+				t.Fatalf("Start: %v, want ErrConfig", err)
+			}
+		})
+	}
+}
+
+// TestCluster forms a cluster of three servers with password routes and checks that a
+// client with a wrong password, or none, is refused.
+func TestCluster(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	ports := freePorts(t, 3)
+	var routes []string
+	for _, p := range ports[:3] {
+		routes = append(routes, "127.0.0.1:"+p)
+	}
+	// Started together, as the daemons of a fleet are: a clustered server is ready once
+	// it has peers.
+	servers := make([]*Server, 3)
+	errs := make(chan error, 3)
+	for i, p := range ports[:3] {
+		dir := t.TempDir()
+		go func() {
+			s, err := Start(ctx, Config{Name: string(rune('a' + i)), StoreDir: dir, ClusterListen: "127.0.0.1:" + p,
+				Routes: routes, User: "fleet", Password: "pw", ClientListen: "127.0.0.1:0"})
+			servers[i] = s
+			errs <- err
+		}()
+	}
+	for range 3 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, s := range servers {
+		t.Cleanup(s.Shutdown)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if servers[0].s.NumRoutes() >= 2 && (servers[0].s.JetStreamIsLeader() || servers[1].s.JetStreamIsLeader() || servers[2].s.JetStreamIsLeader()) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no JetStream meta leader within 20s")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if _, err := nats.Connect(servers[0].ClientURL(), nats.UserInfo("fleet", "wrong")); err == nil {
+		t.Error("a client with the wrong password connected")
+	}
+	if _, err := nats.Connect(servers[0].ClientURL()); err == nil {
+		t.Error("a client without credentials connected")
+	}
+	nc, err := nats.Connect("", nats.InProcessServer(servers[1]), nats.UserInfo("fleet", "pw"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc.Close()
+}
+
+func freePorts(t *testing.T, n int) []string {
+	var out []string
+	var lns []net.Listener
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lns = append(lns, ln)
+		_, p, _ := net.SplitHostPort(ln.Addr().String())
+		out = append(out, p)
+	}
+	for _, ln := range lns {
+		ln.Close()
+	}
+	return out
+}

@@ -1,0 +1,227 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/forkvm/forkvm/api"
+)
+
+// heartbeatLoop writes the node's heartbeat every Config.Heartbeat until Close.
+func (f *Fleet) heartbeatLoop() {
+	defer f.wg.Done()
+	t := time.NewTicker(f.cfg.Heartbeat)
+	defer t.Stop()
+	for {
+		select {
+		case <-f.ctx.Done():
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.Heartbeat)
+		if err := f.beat(ctx); err != nil && f.ctx.Err() == nil {
+			f.log.Warn("fleet: heartbeat", "err", err)
+		}
+		cancel()
+	}
+}
+
+// beat writes one heartbeat: one try with a short timeout (the next beat retries).
+func (f *Fleet) beat(ctx context.Context) error {
+	b, err := json.Marshal(f.self())
+	if err != nil {
+		return err
+	}
+	cctx, cancel := context.WithTimeout(ctx, callTimeout)
+	defer cancel()
+	if _, err := f.nodes.Put(cctx, f.cfg.Node, b); err != nil {
+		return fmt.Errorf("%w: heartbeat: %w", ErrUnavailable, err)
+	}
+	return nil
+}
+
+// self is this node's heartbeat.
+func (f *Fleet) self() api.FleetNode {
+	total, free, mem := f.budget()
+	f.mu.Lock()
+	running := f.running
+	f.mu.Unlock()
+	vms := 0
+	for _, v := range f.eng.List() {
+		if v.State != api.StateDead {
+			vms++
+		}
+	}
+	return api.FleetNode{Schema: api.NodeSchema, Name: f.cfg.Node, Addr: f.cfg.Addr, Labels: f.cfg.Labels, Class: f.classID,
+		ClassInfo: f.class, Boot: f.boot, TotalVCPUs: total, FreeVCPUs: free, FreeMemoryBytes: mem, VMs: vms,
+		Running: running, Heartbeat: time.Now().UTC(), StartedAt: f.started}
+}
+
+// budget is the node's fleet budget: total and free vCPUs (the engine's, capped by
+// Config.MaxVCPUs, less the jobs not yet admitted) and free memory.
+func (f *Fleet) budget() (total, free int, mem int64) {
+	b := f.eng.Budget()
+	total, free = b.Total, b.Total-b.Used
+	if f.cfg.MaxVCPUs > 0 {
+		used := 0
+		for _, v := range f.eng.List() {
+			if v.State != api.StateDead {
+				used += v.CPUs
+			}
+		}
+		total = min(total, f.cfg.MaxVCPUs)
+		free = min(free, f.cfg.MaxVCPUs-used)
+	}
+	f.mu.Lock()
+	free -= f.runningCPUs
+	f.mu.Unlock()
+	return total, max(free, 0), b.Memory.FreeBytes
+}
+
+// Nodes lists the live nodes (those whose heartbeat has not expired), by name.
+func (f *Fleet) Nodes(ctx context.Context) ([]api.FleetNode, error) {
+	var out []api.FleetNode
+	err := retry(ctx, "list nodes", func(ctx context.Context) error {
+		out = out[:0]
+		return eachEntry(ctx, f.nodes, func(e jetstream.KeyValueEntry) {
+			var n api.FleetNode
+			if json.Unmarshal(e.Value(), &n) == nil {
+				out = append(out, n)
+			}
+		})
+	})
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, err
+}
+
+// eachEntry calls fn with every live entry of kv (none: no error).
+func eachEntry(ctx context.Context, kv jetstream.KeyValue, fn func(jetstream.KeyValueEntry)) error {
+	w, err := kv.WatchAll(ctx, jetstream.IgnoreDeletes())
+	if err != nil {
+		return err
+	}
+	defer w.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case e, ok := <-w.Updates():
+			if !ok {
+				return errors.New("fleet: watch closed")
+			}
+			if e == nil {
+				return nil // the initial values are done
+			}
+			fn(e)
+		}
+	}
+}
+
+// node reads one node's heartbeat; ok is false when it has expired.
+func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool, err error) {
+	_, ok, err = getJSON(ctx, f.nodes, name, &n)
+	return n, ok, err
+}
+
+// VMs lists the fleet's forks as their claims record them; a fork whose node's
+// heartbeat expired is listed in state node_lost.
+func (f *Fleet) VMs(ctx context.Context) ([]api.FleetVM, error) {
+	nodes, err := f.Nodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	live := map[string]bool{}
+	for _, n := range nodes {
+		live[n.Name] = true
+	}
+	var out []api.FleetVM
+	err = retry(ctx, "list claims", func(ctx context.Context) error {
+		out = out[:0]
+		return eachEntry(ctx, f.claims, func(e jetstream.KeyValueEntry) {
+			var c claim
+			if json.Unmarshal(e.Value(), &c) != nil {
+				return
+			}
+			v := api.FleetVM{Schema: api.FleetVMSchema, Name: c.Name, Node: c.Node, Checkpoint: c.Checkpoint, Wave: c.Wave,
+				Index: c.Index, State: c.State, CPUs: c.CPUs, ClaimedAt: c.At}
+			if !live[c.Node] {
+				v.State = api.CodeNodeLost
+			}
+			out = append(out, v)
+		})
+	})
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, err
+}
+
+// journalPath is where this node notes a fork it makes for the fleet (before making
+// it): only those are ever deleted as orphans.
+func (f *Fleet) journalPath(name string) string {
+	return filepath.Join(f.cfg.Dir, "forks", kvKey(name))
+}
+
+func (f *Fleet) journal(name string, c claim) error {
+	if f.cfg.Dir == "" {
+		return nil
+	}
+	if err := os.MkdirAll(filepath.Dir(f.journalPath(name)), 0o700); err != nil {
+		return err
+	}
+	b, _ := json.Marshal(c)
+	return os.WriteFile(f.journalPath(name), b, 0o600)
+}
+
+func (f *Fleet) unjournal(name string) {
+	if f.cfg.Dir != "" {
+		os.Remove(f.journalPath(name))
+	}
+}
+
+// deleteOrphans deletes the fleet forks this node made whose claims are no longer its
+// own (taken over while it was gone, or released): another node runs them now.
+func (f *Fleet) deleteOrphans(ctx context.Context) error {
+	if f.cfg.Dir == "" {
+		return nil
+	}
+	ents, err := os.ReadDir(filepath.Join(f.cfg.Dir, "forks"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	for _, ent := range ents {
+		b, err := os.ReadFile(filepath.Join(f.cfg.Dir, "forks", ent.Name()))
+		if err != nil {
+			continue
+		}
+		var mine claim
+		if json.Unmarshal(b, &mine) != nil {
+			continue
+		}
+		var c claim
+		_, ok, err := getJSON(ctx, f.claims, kvKey(mine.Name), &c)
+		if err != nil {
+			return err
+		}
+		if ok && c.Node == f.cfg.Node && c.Job == mine.Job {
+			continue // still ours
+		}
+		if _, err := f.eng.Get(mine.Name); err == nil {
+			f.log.Warn("fleet: deleting an orphan (its claim was taken while this node was gone)", "vm", mine.Name, "claim_node", c.Node)
+			if err := f.eng.Delete(ctx, mine.Name); err != nil && !errors.Is(err, api.ErrNotFound) {
+				return err
+			}
+		}
+		f.unjournal(mine.Name)
+	}
+	return nil
+}

@@ -1,0 +1,303 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/forkvm/forkvm/api"
+)
+
+// MaxForks bounds one fleet wave.
+const MaxForks = 100000
+
+// Event is one fork of a fleet wave: the local wave's event, the node, the job's
+// attempt and the fleet's overhead (queue wait and claim) beside the fork.
+type Event struct {
+	api.FleetForkEventObject
+	QueueMS float64
+	ClaimMS float64
+}
+
+// ForkMany publishes one job per fork of a wave of checkpoint req.Source (a checkpoint
+// of this node) and streams one event per fork as its record becomes final, plus a
+// node_lost event for a fork whose node's heartbeat expires before the wave ends (and,
+// with req.ReplaceLost, the replacement's). The channel closes when every fork is
+// final or ctx ends. Bad input is refused before anything is published.
+func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan Event, error) {
+	n := max(req.N, 1)
+	if req.N < 0 || n > MaxForks {
+		return nil, fmt.Errorf("%w: n %d out of 1..%d", api.ErrInvalidSpec, req.N, MaxForks)
+	}
+	switch {
+	case req.Source == "":
+		return nil, fmt.Errorf("%w: source is required", api.ErrInvalidSpec)
+	case len(req.Publish) > 0:
+		return nil, fmt.Errorf("%w: a fleet wave publishes no ports (a fork's node is not known in advance)", api.ErrInvalidSpec)
+	case req.Pin:
+		return nil, fmt.Errorf("%w: a fleet wave forks a checkpoint, not a running VM (pin has no use)", api.ErrInvalidSpec)
+	case req.MaxPerNode < 0:
+		return nil, fmt.Errorf("%w: max_per_node %d", api.ErrInvalidSpec, req.MaxPerNode)
+	}
+	names, err := waveNames(req, n)
+	if err != nil {
+		return nil, err
+	}
+	ref, err := f.eng.Checkpoint(ctx, req.Source)
+	if err != nil {
+		return nil, err
+	}
+	if err := f.holds(ctx, ref); err != nil {
+		return nil, err
+	}
+	class := ClassID(ref.Class)
+	nodes, err := f.Nodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	live := 0
+	for _, nd := range nodes {
+		if nd.Class == class {
+			live++
+		}
+	}
+	if live == 0 {
+		return nil, fmt.Errorf("%w: class %s (QEMU %s, %s)", ErrNoNode, class, ref.Class.QEMU, ref.Class.Accel)
+	}
+	perNode := req.MaxPerNode
+	if perNode == 0 && !req.Pack {
+		perNode = (n + live - 1) / live
+	}
+	if class != f.classID {
+		if err := f.ensureStream(ctx, class); err != nil {
+			return nil, err
+		}
+	}
+	w := &wave{f: f, id: "w" + randHex(6), n: n, names: names, ref: ref, class: class, perNode: perNode,
+		overcommit: req.Overcommit, replace: req.ReplaceLost, out: make(chan Event, 64)}
+	// Watch before publishing, so that no record is missed.
+	recs, err := f.jobs.Watch(ctx, w.id+".*", jetstream.UpdatesOnly())
+	if err != nil {
+		return nil, fmt.Errorf("%w: watch: %w", ErrUnavailable, err)
+	}
+	nodeW, err := f.nodes.WatchAll(ctx, jetstream.UpdatesOnly())
+	if err != nil {
+		recs.Stop()
+		return nil, fmt.Errorf("%w: watch: %w", ErrUnavailable, err)
+	}
+	dead := make(chan *nats.Msg, 64)
+	sub, err := f.nc.ChanSubscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES."+streamName(class)+"."+consumerName, dead)
+	if err != nil {
+		recs.Stop()
+		nodeW.Stop()
+		return nil, fmt.Errorf("%w: subscribe: %w", ErrUnavailable, err)
+	}
+	for i := range n {
+		if err := w.publish(ctx, i, 1); err != nil {
+			recs.Stop()
+			nodeW.Stop()
+			sub.Unsubscribe()
+			// The jobs published run: their forks are claimed and listed.
+			return nil, err
+		}
+	}
+	go w.run(ctx, recs, nodeW, sub, dead)
+	return w.out, nil
+}
+
+// waveNames are the names of a wave's forks.
+func waveNames(req api.FleetForkRequest, n int) ([]string, error) {
+	switch {
+	case req.Name != "" && n != 1:
+		return nil, fmt.Errorf("%w: name names a single fork (n 1); use prefix for n > 1", api.ErrInvalidSpec)
+	case req.Name != "" && (req.Prefix != "" || len(req.Names) > 0), req.Prefix != "" && len(req.Names) > 0:
+		return nil, fmt.Errorf("%w: name, names and prefix are exclusive", api.ErrInvalidSpec)
+	case len(req.Names) > 0 && len(req.Names) != n:
+		return nil, fmt.Errorf("%w: %d names for n %d", api.ErrInvalidSpec, len(req.Names), n)
+	case req.Name != "":
+		return []string{req.Name}, nil
+	case len(req.Names) > 0:
+		seen := map[string]bool{}
+		for _, s := range req.Names {
+			if seen[s] {
+				return nil, fmt.Errorf("%w: name %s twice", api.ErrInvalidSpec, s)
+			}
+			seen[s] = true
+		}
+		return req.Names, nil
+	}
+	prefix := req.Prefix
+	if prefix == "" {
+		prefix = req.Source + "-" + randHex(3) + "-"
+	}
+	out := make([]string, n)
+	for i := range out {
+		out[i] = prefix + strconv.Itoa(i+1)
+	}
+	return out, nil
+}
+
+// wave is a fleet wave in flight on the daemon that received it.
+type wave struct {
+	f          *Fleet
+	id         string
+	n          int
+	names      []string
+	ref        CheckpointRef
+	class      string
+	perNode    int
+	overcommit float64
+	replace    bool
+	out        chan Event
+}
+
+// publish publishes the job of fork i, attempt a; its id is its Nats-Msg-Id.
+func (w *wave) publish(ctx context.Context, i, attempt int) error {
+	j := job{ID: fmt.Sprintf("%s.%d.%d", w.id, i, attempt), Wave: w.id, Index: i, Attempt: attempt, Name: w.names[i],
+		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MaxPerNode: w.perNode,
+		Overcommit: w.overcommit, Published: time.Now()}
+	b, _ := json.Marshal(j)
+	return retry(ctx, "publish "+j.ID, func(ctx context.Context) error {
+		_, err := w.f.js.Publish(ctx, subject(w.class), b, jetstream.WithMsgID(j.ID), jetstream.WithExpectStream(streamName(w.class)))
+		return err
+	})
+}
+
+// run streams the wave's events until every fork is final or ctx ends.
+func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *nats.Subscription, dead chan *nats.Msg) {
+	defer close(w.out)
+	defer recs.Stop()
+	defer nodeW.Stop()
+	defer sub.Unsubscribe()
+	type slot struct {
+		final   bool
+		ready   bool
+		node    string
+		attempt int
+	}
+	slots := make([]slot, w.n)
+	attempts := make([]int, w.n)
+	for i := range attempts {
+		attempts[i] = 1
+	}
+	left := w.n
+	send := func(ev Event) bool {
+		select {
+		case w.out <- ev:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+	for left > 0 {
+		select {
+		case <-ctx.Done():
+			return
+		case e, ok := <-recs.Updates():
+			if !ok {
+				return
+			}
+			if e == nil || e.Operation() != jetstream.KeyValuePut {
+				continue
+			}
+			var r record
+			if json.Unmarshal(e.Value(), &r) != nil || r.State == stateRunning {
+				continue
+			}
+			i := r.Event.Index
+			if i < 0 || i >= w.n || slots[i].final || r.Attempt != attempts[i] {
+				continue
+			}
+			slots[i] = slot{final: true, ready: r.State == stateReady, node: r.Node, attempt: r.Attempt}
+			left--
+			if !send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: r.Event, Node: r.Node, Attempt: r.Attempt},
+				QueueMS: r.QueueMS, ClaimMS: r.ClaimMS}) {
+				return
+			}
+		case e, ok := <-nodeW.Updates():
+			if !ok {
+				return
+			}
+			if e == nil || e.Operation() == jetstream.KeyValuePut {
+				continue
+			}
+			lost := e.Key()
+			for i := range slots {
+				if !slots[i].final || !slots[i].ready || slots[i].node != lost {
+					continue
+				}
+				ev := api.ForkEventObjectOf(i, w.names[i], 0, nil, fmt.Errorf("%w: %s was ready on node %s, whose heartbeat expired", ErrNodeLost, w.names[i], lost))
+				ev.Code = api.CodeNodeLost
+				if !send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: ev, Node: lost, Attempt: slots[i].attempt}}) {
+					return
+				}
+				slots[i].ready = false
+				if w.replace {
+					attempts[i]++
+					if err := w.publish(ctx, i, attempts[i]); err != nil {
+						w.f.log.Warn("fleet: replacement not published", "vm", w.names[i], "err", err)
+						continue
+					}
+					slots[i].final = false
+					left++
+				}
+			}
+		case m := <-dead:
+			w.deadLetter(ctx, m)
+		}
+	}
+}
+
+// deadLetter records as failed the job of a max-deliveries advisory, when it is this
+// wave's and still not final, and removes its message from the stream.
+func (w *wave) deadLetter(ctx context.Context, m *nats.Msg) {
+	var adv struct {
+		StreamSeq  uint64 `json:"stream_seq"`
+		Deliveries int    `json:"deliveries"`
+	}
+	if json.Unmarshal(m.Data, &adv) != nil || adv.StreamSeq == 0 {
+		return
+	}
+	var raw *jetstream.RawStreamMsg
+	err := retry(ctx, "dead letter", func(ctx context.Context) error {
+		s, err := w.f.js.Stream(ctx, streamName(w.class))
+		if err != nil {
+			return err
+		}
+		raw, err = s.GetMsg(ctx, adv.StreamSeq)
+		return err
+	})
+	if err != nil {
+		return
+	}
+	var j job
+	if json.Unmarshal(raw.Data, &j) != nil || j.Wave != w.id {
+		return
+	}
+	var r record
+	if _, ok, err := getJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), &r); err != nil || (ok && r.Job == j.ID && r.State != stateRunning) {
+		return
+	}
+	ev := api.ForkEventObjectOf(j.Index, j.Name, 0, nil, fmt.Errorf("%w: %s after %d deliveries", ErrDeadLetter, j.ID, adv.Deliveries))
+	ev.Code = api.CodeDeadLetter
+	if err := putJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), record{Job: j.ID, Attempt: j.Attempt, State: stateFailed, Event: ev}); err != nil {
+		return
+	}
+	retry(ctx, "remove dead letter", func(ctx context.Context) error {
+		s, err := w.f.js.Stream(ctx, streamName(w.class))
+		if err != nil {
+			return err
+		}
+		err = s.DeleteMsg(ctx, adv.StreamSeq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return nil
+		}
+		return err
+	})
+}

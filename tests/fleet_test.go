@@ -1,0 +1,160 @@
+package tests
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/serve"
+)
+
+// fleetPorts returns n free loopback ports.
+func fleetPorts(t *testing.T, n int) []string {
+	t.Helper()
+	var out []string
+	var lns []net.Listener
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lns = append(lns, ln)
+		out = append(out, ln.Addr().String())
+	}
+	for _, ln := range lns {
+		ln.Close()
+	}
+	return out
+}
+
+// TestFleetFormation starts three daemons, each its own state directory, with NATS
+// embedded and password routes on loopback: they form a fleet (forkvm nodes lists the
+// three of one class) with nothing else running. A fourth daemon with the wrong
+// password is refused (it exits, its routes rejected), as is a fleet without
+// credentials and a password file others may read.
+func TestFleetFormation(t *testing.T) {
+	dir := t.TempDir()
+	pw := filepath.Join(dir, "pw")
+	if err := os.WriteFile(pw, []byte("s3cret-fleet\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	bad := filepath.Join(dir, "bad")
+	if err := os.WriteFile(bad, []byte("wrong\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ports := fleetPorts(t, 4)
+	routes := strings.Join(ports[:3], ",")
+	var homes []string
+	for i := range 3 {
+		home, err := os.MkdirTemp("/tmp", "fvfl-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.RemoveAll(home) })
+		homes = append(homes, home)
+		startDaemon(t, home, serve.SocketPath(home), filepath.Join(dir, fmt.Sprintf("d%d.log", i)),
+			"--cluster-listen", ports[i], "--routes", routes, "--cluster-user", "fleet", "--cluster-password-file", pw,
+			"--node", fmt.Sprintf("n%d", i+1), "--label", "rack=r1")
+	}
+	cli := cliRunner(t, homes[0])
+	var nodes []api.FleetNode
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		out, errs, code := cli(nil, "nodes", "--json")
+		if code == 0 && json.Unmarshal([]byte(out), &nodes) == nil && len(nodes) == 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no fleet of 3 within 90s: %d %s %s", code, out, errs)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	for i, n := range nodes {
+		if n.Name != fmt.Sprintf("n%d", i+1) || n.Class != nodes[0].Class || n.Labels["rack"] != "r1" || n.TotalVCPUs == 0 {
+			t.Errorf("node %d: %+v", i, n)
+		}
+	}
+	if out, errs, code := cli(nil, "ls", "--fleet", "--json"); code != 0 || strings.TrimSpace(out) != "[]" {
+		t.Errorf("ls --fleet on an empty fleet: %d %q %s", code, out, errs)
+	}
+
+	// The wrong password: the fourth daemon's routes are refused, it cannot make its
+	// replicated buckets and exits with an error.
+	home4, err := os.MkdirTemp("/tmp", "fvfl-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(home4) })
+	cmd := exec.Command(filepath.Join(binDir, "forkvm"), "serve", "--cluster-listen", ports[3], "--routes", routes,
+		"--cluster-user", "fleet", "--cluster-password-file", bad, "--node", "n4")
+	cmd.Env = append(os.Environ(), "FORKVM_HOME="+home4, "FORKVM_CACHE="+cacheDir)
+	done := make(chan error, 1)
+	var out4 strings.Builder
+	cmd.Stdout, cmd.Stderr = &out4, &out4
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Errorf("a daemon with the wrong password served: %s", out4.String())
+		}
+	case <-time.After(90 * time.Second):
+		cmd.Process.Kill()
+		<-done
+		t.Errorf("a daemon with the wrong password still runs after 90s")
+	}
+	if out, _, _ := cli(nil, "nodes", "--json"); strings.Contains(out, `"n4"`) {
+		t.Errorf("n4 joined with the wrong password: %s", out)
+	}
+
+	// No credentials, and a password file others can read: refused at start.
+	for _, args := range [][]string{
+		{"serve", "--cluster-listen", "127.0.0.1:0"},
+		{"serve", "--cluster", "nats://10.1.2.3:4222", "--cluster-insecure"},
+	} {
+		c := exec.Command(filepath.Join(binDir, "forkvm"), args...)
+		c.Env = append(os.Environ(), "FORKVM_HOME="+home4, "FORKVM_CACHE="+cacheDir)
+		if out, err := c.CombinedOutput(); err == nil || !strings.Contains(string(out), "fleet") {
+			t.Errorf("forkvm %v: %v %s", args, err, out)
+		}
+	}
+	os.Chmod(pw, 0o644)
+	c := exec.Command(filepath.Join(binDir, "forkvm"), "serve", "--cluster-listen", "127.0.0.1:0", "--cluster-user", "fleet", "--cluster-password-file", pw)
+	c.Env = append(os.Environ(), "FORKVM_HOME="+home4, "FORKVM_CACHE="+cacheDir)
+	if out, err := c.CombinedOutput(); err == nil || !strings.Contains(string(out), "readable by others") {
+		t.Errorf("a world-readable password file: %v %s", err, out)
+	}
+}
+
+// TestServeNoPortWithoutCluster: a daemon started without --cluster opens no TCP or UDP
+// port (only its unix socket) and answers the fleet endpoints with no_fleet.
+func TestServeNoPortWithoutCluster(t *testing.T) {
+	home, err := os.MkdirTemp("/tmp", "fvnp-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(home) })
+	d := startDaemon(t, home, serve.SocketPath(home), filepath.Join(t.TempDir(), "d.log"))
+	time.Sleep(time.Second)
+	out, err := exec.Command("ss", "-Htulnp").CombinedOutput()
+	if err != nil {
+		t.Fatalf("ss: %v %s", err, out)
+	}
+	if want := fmt.Sprintf("pid=%d,", d.cmd.Process.Pid); strings.Contains(string(out), want) {
+		t.Errorf("the daemon without --cluster listens on a port:\n%s", out)
+	}
+	cli := cliRunner(t, home)
+	if _, errs, code := cli(nil, "nodes"); code == 0 || !strings.Contains(errs, "no fleet") {
+		t.Errorf("forkvm nodes without a fleet: %d %s", code, errs)
+	}
+	d.stop()
+}
