@@ -15,6 +15,7 @@ require (
 )
 
 require (
+	github.com/cilium/ebpf v0.22.0 // indirect
 	github.com/klauspost/compress v1.19.2 // indirect
 	github.com/mdlayher/socket v0.8.0 // indirect
 	github.com/opencontainers/go-digest v1.0.0 // indirect
