@@ -89,6 +89,15 @@ type Config struct {
 	// checkpoint's phases, e.g. a tracefs.Instance writing them into a kernel trace.
 	// Default nil: no markers (the spans in Info and ForkEvent are recorded either way).
 	Markers PhaseMarker
+	// Counters, when set, reads what the host kernel counted for each VM's QEMU (page
+	// faults, context switches, task clock, RSS classes, page-table bytes) at every
+	// phase boundary of a create or fork (Span.Counters), at ready and after the VM's
+	// first command (Info.Counters). Each QEMU is started straight into a cgroup v2
+	// directory of its own below the engine's (removed with the VM) and counted there
+	// with perf software counters from its first instruction; where that cannot be had
+	// (no cgroup v2, not root) the counters come from /proc, and Counters.Source says
+	// which. Default false: no cgroup, nothing read.
+	Counters bool
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.
 	Experimental Experimental

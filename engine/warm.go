@@ -309,6 +309,7 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, opts WarmOption
 	if err != nil {
 		return nil, err
 	}
+	e.count(vm)
 	ok := false
 	defer func() {
 		if !ok {
