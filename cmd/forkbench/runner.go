@@ -254,6 +254,7 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
+	cfg.Counters = cmd.Bool("counters")
 	if cmd.Bool("trace-kernel") {
 		if r.ktrace, err = tracefs.Open(tracefs.Options{Mount: true, Name: fmt.Sprintf("forkvm-forkbench-%d", os.Getpid())}); err != nil {
 			if r.ownHome {
@@ -455,6 +456,7 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 	}
 	fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
 	b.WriteString(r.report.String())
+	b.WriteString(countersSection(r.samples))
 	if len(res.Caveats) > 0 {
 		b.WriteString("\n## Caveats\n\n")
 		for _, c := range res.Caveats {
