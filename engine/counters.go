@@ -55,9 +55,10 @@ func (vm *VM) countersCgroupDir() string {
 }
 
 // count makes the engine's VM vm count its QEMU's kernel work when Config.Counters
-// says so.
+// says so, and tell a ProcessMarker (Config.Markers) of each QEMU it starts.
 func (e *Engine) count(vm *VM) {
 	vm.counters, vm.countersPrefix = e.cfg.Counters, e.countersPrefix
+	vm.procMarker, _ = e.cfg.Markers.(ProcessMarker)
 }
 
 // openCounters makes the VM's counter cgroup (its manifest names it already) and opens

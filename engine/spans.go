@@ -17,6 +17,21 @@ type PhaseMarker interface {
 	PhaseEnd(owner, phase string)
 }
 
+// ProcessMarker is a PhaseMarker (Config.Markers) that also wants each VM's QEMU
+// process as soon as it runs, before its guest does: a profiler that counts by pid
+// (package faultclass) starts there. QEMUStarted is called once per QEMU the engine
+// starts, owner being the VM's name (a warm pool's process has a pool name of its own).
+type ProcessMarker interface {
+	PhaseMarker
+	QEMUStarted(owner string, pid int)
+}
+
+// RAMHolesPath is the hole list recorded for the checkpoint RAM file ramFile of the
+// state directory stateDir (Info.RAMHoles), "" when there is none.
+func RAMHolesPath(stateDir, ramFile string) string {
+	return holesOf(stateDir, ramBacking{Path: ramFile})
+}
+
 // stamp is one instant on the two clocks of a Span, in nanoseconds.
 type stamp struct{ mono, boot int64 }
 

@@ -45,6 +45,8 @@ type VM struct {
 	// current process, firstCmd set once its first command was counted.
 	counters       bool
 	countersPrefix string
+	// procMarker, when set, is told of each QEMU the VM starts (Config.Markers).
+	procMarker ProcessMarker
 	ctr            atomic.Pointer[vmCounters]
 	firstCmd       atomic.Bool
 }
@@ -201,6 +203,9 @@ func (vm *VM) start(ctx context.Context) error {
 		return err
 	}
 	kc.watch(vm, p)
+	if vm.procMarker != nil {
+		vm.procMarker.QEMUStarted(vm.m.Name, p.PID())
+	}
 	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
 	vm.mu.Lock()

@@ -19,8 +19,13 @@ import (
 	"bufio"
 	"bytes"
 	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // ErrUnavailable reports that fault classes cannot be counted here: not Linux, not
@@ -174,3 +179,48 @@ func holeBitmap(m Mapping, holes []Range) []uint64 {
 }
 
 const pageSize = 4096
+
+// findMappingIn finds the largest mapping in a process's maps text of a file directly
+// in dir, and that file.
+func findMappingIn(maps []byte, dir string) (Mapping, string, bool) {
+	var best Mapping
+	file := ""
+	sc := bufio.NewScanner(bytes.NewReader(maps))
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) < 6 {
+			continue
+		}
+		path := strings.TrimSuffix(strings.Join(f[5:], " "), " (deleted)")
+		if filepath.Dir(path) != filepath.Clean(dir) {
+			continue
+		}
+		if m, ok := findMapping([]byte(sc.Text()), path); ok && m.End-m.Start > best.End-best.Start {
+			best, file = m, path
+		}
+	}
+	return best, file, file != ""
+}
+
+// LoadHoles reads a recorded hole list (engine Info.RAMHoles: ranges of 16 bytes,
+// offset and length, little endian) of the file ramFile.
+func LoadHoles(holesPath, ramFile string) ([]Range, error) {
+	st, err := os.Stat(ramFile)
+	if err != nil {
+		return nil, fmt.Errorf("faultclass: holes: %w", err)
+	}
+	b, err := os.ReadFile(holesPath)
+	if err != nil {
+		return nil, fmt.Errorf("faultclass: holes: %w", err)
+	}
+	rs, err := memfile.DecodeRanges(b, st.Size())
+	if err != nil {
+		return nil, fmt.Errorf("faultclass: holes of %s: %w", ramFile, err)
+	}
+	out := make([]Range, len(rs))
+	for i, r := range rs {
+		out[i] = Range{r.Off, r.Len}
+	}
+	return out, nil
+}

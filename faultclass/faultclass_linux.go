@@ -171,24 +171,44 @@ func program(targets, holes, counts int) asm.Instructions {
 	}
 }
 
-// Watch starts counting pid's faults. ram is its guest-RAM mapping (zero: none, every
-// fault is Other) and holes the hole ranges of the file it maps, shared by every
-// process given the same holesKey (the hole list's path; "" for none).
+// Watch starts counting pid's faults. ram is its guest-RAM mapping (zero: none yet,
+// every fault is Other until SetRAM) and holes the hole ranges of the file it maps,
+// shared by every process given the same holesKey (the hole list's path; "": none).
 func (s *Session) Watch(pid int, ram Mapping, holesKey string, holes []Range) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.targets == nil {
 		return fmt.Errorf("faultclass: watch: %w", os.ErrClosed)
 	}
-	if _, ok := s.procs[pid]; ok {
-		return nil
+	t, ok := s.procs[pid]
+	if !ok {
+		if s.nextSlot >= s.maxProcs {
+			return fmt.Errorf("%w: %d processes watched", ErrFull, s.maxProcs)
+		}
+		t = target{Slot: uint32(s.nextSlot)}
+		s.nextSlot++
 	}
-	if s.nextSlot >= s.maxProcs {
-		return fmt.Errorf("%w: %d processes watched", ErrFull, s.maxProcs)
+	return s.setRAM(pid, t, ram, holesKey, holes)
+}
+
+// SetRAM sets the guest-RAM mapping and holes of a watched process (one watched
+// before QEMU mapped its RAM), as Watch does.
+func (s *Session) SetRAM(pid int, ram Mapping, holesKey string, holes []Range) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t, ok := s.procs[pid]
+	if !ok || s.targets == nil {
+		return fmt.Errorf("%w: %d", ErrNotWatched, pid)
 	}
-	t := target{Start: ram.Start, End: ram.End, Slot: uint32(s.nextSlot)}
+	return s.setRAM(pid, t, ram, holesKey, holes)
+}
+
+// setRAM writes t with ram and its hole bitmap for pid; s.mu is held.
+func (s *Session) setRAM(pid int, t target, ram Mapping, holesKey string, holes []Range) error {
+	t.Start, t.End, t.HoleBase = ram.Start, ram.End, 0
 	if holesKey != "" && ram.End > ram.Start {
-		base, ok := s.bitmaps[holesKey]
+		key := fmt.Sprintf("%s@%d+%d", holesKey, ram.Offset, ram.End-ram.Start)
+		base, ok := s.bitmaps[key]
 		if !ok {
 			bm := holeBitmap(ram, holes)
 			if s.nextWord+len(bm) > s.holeWords {
@@ -204,33 +224,12 @@ func (s *Session) Watch(pid int, ram Mapping, holesKey string, holes []Range) er
 			}
 			base = uint32(s.nextWord) + 1
 			s.nextWord += len(bm)
-			s.bitmaps[holesKey] = base
+			s.bitmaps[key] = base
 		}
 		t.HoleBase = base
 	}
 	if err := s.targets.Update(uint32(pid), &t, ebpf.UpdateAny); err != nil {
 		return fmt.Errorf("faultclass: watch %d: %w", pid, err)
-	}
-	s.procs[pid] = t
-	s.nextSlot++
-	return nil
-}
-
-// SetRAM sets the guest-RAM mapping of a watched process (one watched before QEMU
-// mapped it), keeping its hole bitmap only when its size is unchanged.
-func (s *Session) SetRAM(pid int, ram Mapping) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	t, ok := s.procs[pid]
-	if !ok {
-		return fmt.Errorf("%w: %d", ErrNotWatched, pid)
-	}
-	if t.End-t.Start != ram.End-ram.Start {
-		t.HoleBase = 0
-	}
-	t.Start, t.End = ram.Start, ram.End
-	if err := s.targets.Update(uint32(pid), &t, ebpf.UpdateExist); err != nil {
-		return fmt.Errorf("faultclass: %d: %w", pid, err)
 	}
 	s.procs[pid] = t
 	return nil
@@ -302,6 +301,20 @@ func (s *Session) Close() error {
 	}
 	s.lnk, s.prog, s.targets, s.holes, s.counts = nil, nil, nil, nil, nil
 	return errors.Join(errs...)
+}
+
+// RAMMappingIn finds the largest mapping pid has of a file directly in dir (the
+// engine's RAM directory: a fork's checkpoint RAM file), and the file.
+func RAMMappingIn(pid int, dir string) (Mapping, string, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return Mapping{}, "", fmt.Errorf("faultclass: %w", err)
+	}
+	m, file, ok := findMappingIn(b, dir)
+	if !ok {
+		return Mapping{}, "", fmt.Errorf("faultclass: pid %d maps no file in %s", pid, dir)
+	}
+	return m, file, nil
 }
 
 // RAMMapping finds where pid maps file (its guest RAM) in /proc/PID/maps.

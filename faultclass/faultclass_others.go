@@ -24,7 +24,9 @@ func (s *Session) Watch(pid int, ram Mapping, holesKey string, holes []Range) er
 }
 
 // SetRAM fails outside Linux.
-func (s *Session) SetRAM(pid int, ram Mapping) error { return ErrUnavailable }
+func (s *Session) SetRAM(pid int, ram Mapping, holesKey string, holes []Range) error {
+	return ErrUnavailable
+}
 
 // Ready fails outside Linux.
 func (s *Session) Ready(pid int) error { return ErrUnavailable }
@@ -40,3 +42,6 @@ func (s *Session) Close() error { return nil }
 
 // RAMMapping fails outside Linux (no /proc/PID/maps).
 func RAMMapping(pid int, file string) (Mapping, error) { return Mapping{}, ErrUnavailable }
+
+// RAMMappingIn fails outside Linux (no /proc/PID/maps).
+func RAMMappingIn(pid int, dir string) (Mapping, string, error) { return Mapping{}, "", ErrUnavailable }

@@ -1,8 +1,12 @@
 package faultclass
 
 import (
+	"errors"
 	"os"
+	"path/filepath"
 	"testing"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 func TestFindMapping(t *testing.T) {
@@ -28,6 +32,40 @@ func TestFindMapping(t *testing.T) {
 	}
 	if _, ok := findMapping([]byte("zz-yy rw-p 0 00:00 0 /x\n7-5 rw-p 0 0:0 0 /x\n"), "/x"); ok {
 		t.Error("malformed lines matched")
+	}
+}
+
+func TestFindMappingIn(t *testing.T) {
+	maps, err := os.ReadFile("testdata/maps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, file, ok := findMappingIn(maps, "/dev/shm/forkvm-abc/")
+	if !ok || file != "/dev/shm/forkvm-abc/ck-world ck.ram" || m != (Mapping{0x7f1000000000, 0x7f1040000000, 0}) {
+		t.Errorf("got %+v %q %v", m, file, ok)
+	}
+	if _, _, ok := findMappingIn(maps, "/dev/shm"); ok {
+		t.Error("a file below dir's subdirectory matched")
+	}
+}
+
+func TestLoadHoles(t *testing.T) {
+	dir := t.TempDir()
+	ram, holes := filepath.Join(dir, "ram"), filepath.Join(dir, "holes")
+	if err := os.WriteFile(ram, make([]byte, 64*pageSize), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_ = os.WriteFile(holes, memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: 4 * pageSize}, {Off: 32 * pageSize, Len: 32 * pageSize}}), 0o600)
+	got, err := LoadHoles(holes, ram)
+	if err != nil || len(got) != 2 || got[1] != (Range{32 * pageSize, 32 * pageSize}) {
+		t.Fatalf("got %v, %v", got, err)
+	}
+	_ = os.WriteFile(holes, memfile.EncodeRanges([]memfile.Range{{Off: 0, Len: 65 * pageSize}}), 0o600)
+	if _, err := LoadHoles(holes, ram); !errors.Is(err, memfile.ErrBadRanges) {
+		t.Errorf("a hole past the file's end: %v", err)
+	}
+	if _, err := LoadHoles(filepath.Join(dir, "none"), ram); err == nil {
+		t.Error("a missing hole list loaded")
 	}
 }
 

@@ -98,6 +98,7 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	p := phasesOf(inf.Timings)
 	s.setPhases(p)
 	s.setCounters(inf.Counters, inf.Spans)
+	s.Faults = r.faults.counts(vm.PID())
 	if err != nil {
 		s.Error = err.Error()
 		return vm, s

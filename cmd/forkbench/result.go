@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/faultclass"
 )
 
 // SchemaVersion names the result.json format.
@@ -110,7 +111,9 @@ type Sample struct {
 	// (--counters; nil without), PhaseCounters by span name.
 	Counters      *engine.Counters
 	PhaseCounters map[string]*engine.KernelCounters
-	Error         string
+	// Faults are the fork's page faults by class (--faults; nil without).
+	Faults *faultclass.Counts
+	Error  string
 }
 
 // anonMB is the fork's anonymous memory (0: not measured).
@@ -140,7 +143,7 @@ func (s *Sample) setPhases(p phases) {
 // csvHeader is the first row of samples.csv.
 var csvHeader = append(append([]string{"bench", "wave", "index", "name", "ok", "latency_ms", "prepare_ms", "spawn_ms",
 	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "tbs_ready", "tbs_first_cmd"},
-	memColumns...), append(counterColumns, "error")...)
+	memColumns...), append(append(counterColumns, faultColumns...), "error")...)
 
 func fnum(x float64) string { return strconv.FormatFloat(round3(x), 'f', -1, 64) }
 
@@ -155,7 +158,8 @@ func writeCSV(w io.Writer, samples []Sample) error {
 			fnum(s.LatencyMS), fnum(s.PrepareMS), fnum(s.SpawnMS), fnum(s.RestoreMS), fnum(s.AgentMS),
 			fnum(s.FirstCmdMS), fnum(s.CPUUserMS), fnum(s.CPUSysMS), fnum(s.anonMB()),
 			strconv.FormatInt(s.TBsReady, 10), strconv.FormatInt(s.TBsFirstCmd, 10)}
-		row = append(append(append(row, s.memValues()...), s.counterValues()...), s.Error)
+		row = append(append(append(row, s.memValues()...), s.counterValues()...), s.faultValues()...)
+		row = append(row, s.Error)
 		if err := cw.Write(row); err != nil {
 			return err
 		}

@@ -18,6 +18,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/faultclass"
 	"github.com/forkvm/forkvm/guest"
 	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/tracefs"
@@ -34,6 +35,7 @@ type runner struct {
 	res     *Result
 	trace   *Trace
 	ktrace  *tracefs.Instance // --trace-kernel
+	faults  *faultMarker      // --faults
 	runOutput
 }
 
@@ -264,6 +266,18 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 		}
 		cfg.Markers = r.ktrace
 	}
+	if cmd.Bool("faults") {
+		s, err := faultclass.Open(faultclass.Options{MaxProcesses: 4096})
+		if err != nil {
+			r.closeKernelTrace()
+			if r.ownHome {
+				os.RemoveAll(r.home)
+			}
+			return fmt.Errorf("--faults: %w", err)
+		}
+		r.faults = &faultMarker{next: cfg.Markers, s: s, logf: r.logf, pids: map[string]int{}, warn: map[string]bool{}}
+		cfg.Markers = r.faults
+	}
 	r.e, err = engine.New(r.ctx, cfg)
 	if err != nil {
 		r.closeKernelTrace()
@@ -273,6 +287,9 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 		return err
 	}
 	r.ramDir = r.e.Config().RAMDir
+	if r.faults != nil {
+		r.faults.state, r.faults.ramDir = r.e.Config().StateDir, r.ramDir
+	}
 	rs := settings.runSettings()
 	rs.RestoreConcurrency = r.e.Config().Experimental.RestoreConcurrency
 	rs.TBSizeMiB = r.e.Config().Experimental.TBSizeMiB
@@ -292,8 +309,12 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 // kernelTraceFile is the --trace-kernel instance's trace, in the output directory.
 const kernelTraceFile = "kernel-trace.txt"
 
-// closeKernelTrace removes the --trace-kernel instance (if any).
+// closeKernelTrace removes the --trace-kernel instance and detaches the --faults
+// classifier (if any).
 func (r *runner) closeKernelTrace() {
+	if r.faults != nil {
+		_ = r.faults.s.Close()
+	}
 	if r.ktrace == nil {
 		return
 	}
@@ -457,6 +478,7 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 	fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
 	b.WriteString(r.report.String())
 	b.WriteString(countersSection(r.samples))
+	b.WriteString(faultsSection(r.samples))
 	if len(res.Caveats) > 0 {
 		b.WriteString("\n## Caveats\n\n")
 		for _, c := range res.Caveats {
