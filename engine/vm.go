@@ -47,8 +47,8 @@ type VM struct {
 	countersPrefix string
 	// procMarker, when set, is told of each QEMU the VM starts (Config.Markers).
 	procMarker ProcessMarker
-	ctr            atomic.Pointer[vmCounters]
-	firstCmd       atomic.Bool
+	ctr        atomic.Pointer[vmCounters]
+	firstCmd   atomic.Bool
 }
 
 // Info is a snapshot of a VM's state (the API's VM object).
