@@ -61,7 +61,7 @@ func newApp() *cli.Command {
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 		},
 		Commands: []*cli.Command{
-			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), rmCmd(),
+			createCmd(), execCmd(), cpCmd(), logsCmd(), lsCmd(), memCmd(), profileCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), forkCmd(), pinCmd(true), pinCmd(false),
 			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
 			serveCmd(), helpCmd(),
