@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -192,4 +193,19 @@ func holesOf(state string, ram ramBacking) string {
 		return ""
 	}
 	return p
+}
+
+// KernelCounters reads what the kernel counted for the VM's QEMU from its start until
+// now, and where the figures come from (Counters.Source). It fails with an error
+// wrapping ErrInvalidSpec when the engine does not count (Config.Counters) or the VM's
+// QEMU was started by an earlier engine, and ErrNotRunning when QEMU is gone.
+func (vm *VM) KernelCounters() (*KernelCounters, string, error) {
+	if vm.ctr.Load() == nil {
+		return nil, "", fmt.Errorf("%w: %s has no kernel counters (Config.Counters off, or its QEMU was started by an earlier engine)", ErrInvalidSpec, vm.Name())
+	}
+	s, src, ok := vm.sampleCounters()
+	if !ok {
+		return nil, "", fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
+	}
+	return kernelCounters(s), src, nil
 }
