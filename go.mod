@@ -3,6 +3,7 @@ module github.com/forkvm/forkvm
 go 1.26.0
 
 require (
+	github.com/cilium/ebpf v0.22.0
 	github.com/containerd/console v1.0.5
 	github.com/creack/pty v1.1.24
 	github.com/cyphar/filepath-securejoin v0.7.0
@@ -15,7 +16,7 @@ require (
 )
 
 require (
-	github.com/cilium/ebpf v0.22.0 // indirect
+	cyphar.com/go-pathrs v0.2.5 // indirect
 	github.com/klauspost/compress v1.19.2 // indirect
 	github.com/mdlayher/socket v0.8.0 // indirect
 	github.com/opencontainers/go-digest v1.0.0 // indirect

@@ -71,9 +71,6 @@ const (
 	numPhase    = 2
 )
 
-// classes is the number of counters per watched process.
-const classes = numPhase * int(numRegion) * int(numAccess)
-
 // Counts are a process's faults by phase, region and access.
 type Counts [numPhase][numRegion][numAccess]uint64
 

@@ -14,6 +14,9 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 )
 
+// classes is the number of counters per watched process.
+const classes = numPhase * int(numRegion) * int(numAccess)
+
 // Options size a Session's maps (fixed when it opens).
 type Options struct {
 	// MaxProcesses is how many processes the session can watch over its life (a

@@ -92,7 +92,8 @@ func profileFaults(ctx context.Context, cmd *cli.Command) error {
 				}
 			}
 		}
-		if err := s.Watch(inf.PID, ram, key, holes); err == nil {
+		err := s.Watch(inf.PID, ram, key, holes)
+		if err == nil {
 			err = s.Ready(inf.PID) // running VMs: every fault counted is after ready
 		}
 		if err != nil {
