@@ -74,6 +74,50 @@ type Info struct {
 	// STDERR", "guest kernel panic: WHY", "qemu exit 0: the guest powered off or
 	// rebooted", or that its status is unknown).
 	Reason string `json:"reason,omitempty"`
+	// Counters is what the host kernel counted for the VM's QEMU up to ready and after
+	// its first command (engine Config.Counters; nil when off).
+	Counters *Counters `json:"counters,omitempty"`
+	// RAMFile is the guest RAM file the VM's QEMU maps (its own for a forkable VM,
+	// shared; a fork's checkpoint's, private), for tools that look at the mapping's
+	// pages in /proc/PID/maps; empty for anonymous guest RAM. RAMHoles, when set, is
+	// the file's hole list as the checkpoint recorded it when it froze the file
+	// (ranges of 16 bytes: offset and length, little endian): guest pages that were
+	// never written.
+	RAMFile  string `json:"ram_file,omitempty"`
+	RAMHoles string `json:"ram_holes,omitempty"`
+}
+
+// Counters is the host kernel's account of one VM's QEMU process (engine
+// Config.Counters), read at each phase boundary of its create or fork (Span.Counters)
+// and kept here for two moments.
+type Counters struct {
+	// Source is where the figures come from: "perf-cgroup" (perf software counters on
+	// a cgroup v2 directory the QEMU was started into: every thread from its first
+	// instruction) or "proc" (/proc/PID/stat, the threads' status and schedstat: CPU
+	// time and context switches of exited threads are lost).
+	Source string `json:"source"`
+	// Ready is from QEMU's start until the VM was ready (for a fork taken from a warm
+	// pool, QEMU started with the pool).
+	Ready KernelCounters `json:"ready"`
+	// FirstCommand is from QEMU's start until the VM's first command (exec) ended; nil
+	// until then.
+	FirstCommand *KernelCounters `json:"first_command,omitempty"`
+}
+
+// KernelCounters are events the kernel counted for a QEMU over an interval and its
+// memory at the interval's end.
+type KernelCounters struct {
+	MinorFaults     int64         `json:"minor_faults"`
+	MajorFaults     int64         `json:"major_faults"`
+	ContextSwitches int64         `json:"context_switches"`
+	TaskClock       time.Duration `json:"task_clock_ns"` // CPU time of all its threads
+	// RSSAnon, RSSFile and RSSShmem are the resident memory classes of
+	// /proc/PID/status (a fork's copies on write are anonymous; its checkpoint's pages
+	// it maps are shmem on tmpfs), PageTables its page tables (VmPTE), at the end.
+	RSSAnon    int64 `json:"rss_anon_bytes"`
+	RSSFile    int64 `json:"rss_file_bytes"`
+	RSSShmem   int64 `json:"rss_shmem_bytes"`
+	PageTables int64 `json:"page_tables_bytes"`
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.
@@ -100,6 +144,9 @@ type Span struct {
 	EndMono   int64  `json:"end_mono_ns"`
 	StartBoot int64  `json:"start_boottime_ns"`
 	EndBoot   int64  `json:"end_boottime_ns"`
+	// Counters is what the kernel counted for the VM's QEMU during the span (engine
+	// Config.Counters; nil when off, and for phases before QEMU runs or of a checkpoint).
+	Counters *KernelCounters `json:"counters,omitempty"`
 }
 
 // Duration is the span's length.
@@ -509,6 +556,8 @@ type ForkEvent struct {
 	Timings PhaseTimings
 	// Spans are the fork's phases with absolute times (Info.Spans).
 	Spans []Span
+	// Counters is the kernel's account of the fork's QEMU until ready (Info.Counters).
+	Counters *Counters
 }
 
 // API is what a program (and the forkvm CLI) does with forkvm, with the same shapes

@@ -95,6 +95,15 @@ type Config struct {
 	// /tmp/perf-PID.map; the engine removes it with the VM). Off by default: writing the
 	// map slows every translation, so a fork takes longer.
 	PerfMap bool
+	// Counters, when set, reads what the host kernel counted for each VM's QEMU (page
+	// faults, context switches, task clock, RSS classes, page-table bytes) at every
+	// phase boundary of a create or fork (Span.Counters), at ready and after the VM's
+	// first command (Info.Counters). Each QEMU is started straight into a cgroup v2
+	// directory of its own below the engine's (removed with the VM) and counted there
+	// with perf software counters from its first instruction; where that cannot be had
+	// (no cgroup v2, not root) the counters come from /proc, and Counters.Source says
+	// which. Default false: no cgroup, nothing read.
+	Counters bool
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.
 	Experimental Experimental

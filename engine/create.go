@@ -44,6 +44,7 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 		BootKernel: kernel, BootInitrd: initrd,
 		Launch: bootLaunch(e.paths, qemu, spec.Name, spec, e.cfg.accel, e.cfg, kernel, initrd, e.newCID()),
 	}}
+	e.count(vm)
 	if err := os.Mkdir(vm.dir, 0o700); err != nil {
 		e.vms.unreserve(spec.Name)
 		return nil, fmt.Errorf("engine: create %s: %w", vm.dir, err)
@@ -79,6 +80,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	if err != nil {
 		return nil, err
 	}
+	clock.watch(vm)
 	defer e.vms.unreserve(spec.Name)
 	ok := false
 	defer func() {

@@ -109,7 +109,8 @@ package engine
 // many.go runs a wave of them. checkpoint.go, ckwriter.go, ckdelta.go, ckfork.go and
 // handoff.go make checkpoints; disk.go freezes and collapses disk chains (blockdev-add,
 // blockdev-snapshot, block-stream through the monitor); recover.go repairs what a
-// crash cut short. paths.go owns every path and file name. files.go moves files in and
+// crash cut short. paths.go owns every path and file name. spans.go times phases as spans
+// and counters.go reads the kernel's counters of a VM's QEMU (Config.Counters) at each. files.go moves files in and
 // out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut; the engine opens a
 // host path only in CopyInPath and CopyOutPath, named by their caller) and reads its console (VM.Logs), which console.go's
 // keeper writes. shareddir.go picks the RAM and run directories in shared places

@@ -132,6 +132,7 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	if err != nil {
 		return nil, err
 	}
+	clock.watch(vm)
 	defer done()
 	// The reservation ends once the fork is registered (counted there) or failed.
 	defer release()
@@ -197,6 +198,9 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 	qemu, err := e.bins.path()
 	if err == nil {
 		vm, err = prepareFork(ctx, e.paths, e.log, qemu, c, name)
+	}
+	if err == nil {
+		e.count(vm)
 	}
 	if err != nil {
 		release()

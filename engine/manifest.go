@@ -47,6 +47,11 @@ type manifest struct {
 	Spans      []Span       `json:"spans,omitempty"`
 	// MemoryCgroup is the VM's own memory cgroup directory (Spec.MemoryLimitMiB).
 	MemoryCgroup string `json:"memory_cgroup,omitempty"`
+	// CountersCgroup is the cgroup v2 directory the VM's QEMU was started into for its
+	// kernel counters (Config.Counters), recorded before it is made; removed with the VM.
+	CountersCgroup string `json:"counters_cgroup,omitempty"`
+	// Counters is the kernel's account of the VM's QEMU (Info.Counters).
+	Counters *Counters `json:"counters,omitempty"`
 	// DeadReason says why the VM's QEMU ended on its own ("oom-killed", "signal N
 	// (NAME)", "qemu exit N: STDERR"), recorded when the engine saw it end.
 	DeadReason string `json:"dead_reason,omitempty"`

@@ -42,9 +42,11 @@ type ForkEvent struct {
 	Latency time.Duration `json:"-"`
 	Timings PhaseTimings  `json:"timings"`
 	// Spans are the fork's phases with absolute times (Info.Spans).
-	Spans []Span    `json:"spans,omitempty"`
-	Start time.Time `json:"start"`
-	Done  time.Time `json:"done"`
+	Spans []Span `json:"spans,omitempty"`
+	// Counters is the kernel's account of the fork's QEMU until ready (Info.Counters).
+	Counters *Counters `json:"counters,omitempty"`
+	Start    time.Time `json:"start"`
+	Done     time.Time `json:"done"`
 }
 
 // ForkMany starts n forks of src, up to Concurrency at once, and streams one event per
@@ -138,7 +140,7 @@ func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 	ev.Latency = ev.Done.Sub(ev.Start)
 	ev.VM, ev.Err = vm, err
 	if vm != nil {
-		ev.Timings, ev.Spans = vm.m.Timings, vm.m.Spans
+		ev.Timings, ev.Spans, ev.Counters = vm.m.Timings, vm.m.Spans, vm.m.Counters
 	}
 	return ev
 }

@@ -1,6 +1,10 @@
 package engine
 
-import "time"
+import (
+	"time"
+
+	"github.com/forkvm/forkvm/kcounters"
+)
 
 // PhaseMarker is told when each phase of a create, a fork or a checkpoint starts and
 // ends (Config.Markers), to put the phases into a kernel trace beside what the kernel
@@ -11,6 +15,21 @@ import "time"
 type PhaseMarker interface {
 	PhaseStart(owner, phase string)
 	PhaseEnd(owner, phase string)
+}
+
+// ProcessMarker is a PhaseMarker (Config.Markers) that also wants each VM's QEMU
+// process as soon as it runs, before its guest does: a profiler that counts by pid
+// (package faultclass) starts there. QEMUStarted is called once per QEMU the engine
+// starts, owner being the VM's name (a warm pool's process has a pool name of its own).
+type ProcessMarker interface {
+	PhaseMarker
+	QEMUStarted(owner string, pid int)
+}
+
+// RAMHolesPath is the hole list recorded for the checkpoint RAM file ramFile of the
+// state directory stateDir (Info.RAMHoles), "" when there is none.
+func RAMHolesPath(stateDir, ramFile string) string {
+	return holesOf(stateDir, ramBacking{Path: ramFile})
 }
 
 // stamp is one instant on the two clocks of a Span, in nanoseconds.
@@ -26,6 +45,12 @@ type phaseClock struct {
 	spans    []Span
 	marker   PhaseMarker
 	owner    string
+	// vm, when watched, has its QEMU's counters (Config.Counters) read at each lap:
+	// prev is the last reading, latest (and its source) the latest.
+	vm     *VM
+	prev   kcounters.Sample
+	latest *kcounters.Sample
+	source string
 }
 
 func startPhases() *phaseClock {
@@ -56,8 +81,15 @@ func (c *phaseClock) lap(d *time.Duration) {
 	}
 	now, at := time.Now(), clockStamp()
 	*d = now.Sub(c.last)
+	var counted *KernelCounters
+	if c.vm != nil {
+		if s, src, ok := c.vm.sampleCounters(); ok {
+			counted = kernelCounters(s.Sub(c.prev))
+			c.prev, c.latest, c.source = s, &s, src
+		}
+	}
 	if c.cur != "" {
-		c.spans = append(c.spans, Span{Name: c.cur, StartMono: c.lastAt.mono, EndMono: at.mono, StartBoot: c.lastAt.boot, EndBoot: at.boot})
+		c.spans = append(c.spans, Span{Name: c.cur, StartMono: c.lastAt.mono, EndMono: at.mono, StartBoot: c.lastAt.boot, EndBoot: at.boot, Counters: counted})
 		c.cur = ""
 	}
 	c.last, c.lastAt = now, at
@@ -70,6 +102,27 @@ func (c *phaseClock) abandon() {
 		c.marker.PhaseEnd(c.owner, c.cur)
 	}
 	c.cur = ""
+}
+
+// watch reads vm's kernel counters at each lap from now on (nothing when they are off):
+// a span's counters are the events counted in it and the memory at its end. Counting
+// starts from the VM's QEMU as it is now (a process taken from a warm pool), else from
+// its start.
+func (c *phaseClock) watch(vm *VM) {
+	c.vm = vm
+	vm.firstCmd.Store(false) // a pooled process's warm-up is not the fork's command
+	if s, _, ok := vm.sampleCounters(); ok {
+		c.prev = s
+	}
+}
+
+// counters is what the kernel counted for the watched VM's QEMU from its start to the
+// last lap (nil when off).
+func (c *phaseClock) counters() *Counters {
+	if c.latest == nil {
+		return nil
+	}
+	return &Counters{Source: c.source, Ready: *kernelCounters(*c.latest)}
 }
 
 // skip starts the next lap now: the time since the last one (a wait) counts only in the

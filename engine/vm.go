@@ -42,6 +42,15 @@ type VM struct {
 	cgVersion int
 	// pause is set while QEMU holds the guest stopped on a disk I/O error.
 	pause pauseState
+	// counters says to count the kernel's work for the VM's QEMU (Config.Counters), in
+	// the cgroup countersPrefix+name ("": from /proc); ctr is the counting of its
+	// current process, firstCmd set once its first command was counted.
+	counters       bool
+	countersPrefix string
+	// procMarker, when set, is told of each QEMU the VM starts (Config.Markers).
+	procMarker ProcessMarker
+	ctr        atomic.Pointer[vmCounters]
+	firstCmd   atomic.Bool
 }
 
 // Info is a snapshot of a VM's state (the API's VM object).
@@ -94,6 +103,7 @@ func (vm *VM) Info() Info {
 		DiskMiB: m.Spec.DiskMiB, Forkable: m.Spec.Forkable, Parent: m.Parent, Accel: m.Accel, TCGThread: m.Launch.TCGThread,
 		CreatedAt: m.CreatedAt, Timings: m.Timings, Spans: append([]Span(nil), m.Spans...), RunDir: m.Launch.RunDir,
 		Net: m.Launch.Net, Publish: append([]PortForward(nil), m.Launch.Publish...),
+		Counters: m.Counters, RAMFile: m.Launch.RAM.Path, RAMHoles: holesOf(filepath.Dir(filepath.Dir(vm.dir)), m.Launch.RAM),
 	}
 }
 
@@ -171,6 +181,8 @@ func (vm *VM) start(ctx context.Context) error {
 	os.Remove(l.qmpSocket())
 	os.Remove(l.agentSocket())
 	vm.mu.Lock()
+	// The counters' cgroup is recorded before it is made, so a crash leaves none behind.
+	vm.m.CountersCgroup = vm.countersCgroupDir()
 	err = vm.saveLocked()
 	vm.mu.Unlock()
 	if err != nil {
@@ -189,10 +201,23 @@ func (vm *VM) start(ctx context.Context) error {
 			return err
 		}
 	}
-	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.died)
+	kc := vm.openCounters()
+	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.cgroupFD(), vm.died)
+	if err != nil && kc.cg != nil {
+		// Not started into the cgroup (an old kernel's clone3): count from /proc.
+		vm.log.Info("counters: starting QEMU in a cgroup failed; counting from /proc", "vm", vm.m.Name, "err", err)
+		kc.close()
+		kc = &vmCounters{}
+		p, err = spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, -1, vm.died)
+	}
 	if err != nil {
+		kc.close()
 		keeper.Kill()
 		return err
+	}
+	kc.watch(vm, p)
+	if vm.procMarker != nil {
+		vm.procMarker.QEMUStarted(vm.m.Name, p.PID())
 	}
 	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
@@ -302,6 +327,7 @@ func (vm *VM) becomeReady(ctx context.Context, op string, clock *phaseClock, hel
 	clock.lap(&vm.m.Timings.Agent)
 	vm.m.Timings.Total = clock.total()
 	vm.m.Spans = clock.spans
+	vm.m.Counters = clock.counters()
 	vm.mu.Unlock()
 	return vm.markRunning()
 }
@@ -383,6 +409,7 @@ func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 		code, err = c.Run(ctx, req)
 		return err
 	})
+	vm.firstCommandDone()
 	if errors.Is(err, ErrNotRunning) {
 		return -1, err
 	}
@@ -420,6 +447,7 @@ func (p *Process) Wait(ctx context.Context) (int, error) {
 		return -1, err
 	}
 	code, err := p.Process.Wait(pctx)
+	p.vm.firstCommandDone()
 	if perr := done(); perr != nil {
 		return -1, perr
 	}
@@ -527,6 +555,9 @@ func (l layout) removeVMFiles(name string, m *manifest) {
 	if m != nil {
 		removePerfMap(m)
 		removeCgroupDir(m.MemoryCgroup)
+		if m.CountersCgroup != m.MemoryCgroup {
+			removeCgroupDir(m.CountersCgroup)
+		}
 		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
 			os.Remove(m.Launch.RAM.Path)
 		}

@@ -310,6 +310,7 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, opts WarmOption
 		return nil, err
 	}
 	vm.m.Launch.PerfMap = e.cfg.PerfMap && c.Manifest.Accel == AccelTCG
+	e.count(vm)
 	ok := false
 	defer func() {
 		if !ok {

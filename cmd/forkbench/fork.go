@@ -112,8 +112,11 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	} else {
 		r.logf("memory of %s: %v", name, err)
 	}
-	p := phasesOf(vm.Info().Timings)
+	inf := vm.Info()
+	p := phasesOf(inf.Timings)
 	s.setPhases(p)
+	s.setCounters(inf.Counters, inf.Spans)
+	s.Faults = r.faults.counts(vm.PID())
 	if err != nil {
 		s.Error = err.Error()
 		return vm, s

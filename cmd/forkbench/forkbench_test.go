@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/faultclass"
 )
 
 func TestPercentiles(t *testing.T) {
@@ -160,10 +161,20 @@ func TestTraceShape(t *testing.T) {
 
 func TestCSVHeader(t *testing.T) {
 	var buf bytes.Buffer
+	var faults faultclass.Counts
+	faults[faultclass.BeforeReady][faultclass.Other][faultclass.WriteNotPresent] = 2000
+	faults[faultclass.AfterReady][faultclass.RAMData][faultclass.WritePresent] = 8192
+	faults[faultclass.AfterReady][faultclass.RAMHole][faultclass.ReadNotPresent] = 5
 	mem := &forkMem{AnonMB: 30, PrivateMB: 30.5, RAMCowMB: 2.5, TCGCodeMB: 16.25, HeapMB: 9, LibrariesMB: 2.25, PageTablesMB: 0.5, SharedMB: 40}
 	err := writeCSV(&buf, []Sample{
 		{Bench: "fork", Group: "serial", Index: 2, Name: "f3", OK: true, LatencyMS: 170.12345, TBsReady: 17000, TBsFirstCmd: 14000, Error: "a, \"b\""},
 		{Bench: "fork", Group: "serial", Index: 3, Name: "f4", OK: true, Mem: mem},
+		{Bench: "fork", Group: "serial", Index: 4, Name: "f5", OK: true,
+			Counters: &engine.Counters{Source: "perf-cgroup",
+				Ready:        engine.KernelCounters{MinorFaults: 2747, MajorFaults: 1, ContextSwitches: 40, TaskClock: 150 * time.Millisecond, RSSAnon: 30 << 20, RSSFile: 8 << 20, RSSShmem: 12 << 20, PageTables: 300 << 10},
+				FirstCommand: &engine.KernelCounters{MinorFaults: 3000, ContextSwitches: 50, TaskClock: 200 * time.Millisecond, RSSAnon: 32 << 20, PageTables: 320 << 10}},
+			PhaseCounters: map[string]*engine.KernelCounters{"spawn": {MinorFaults: 1800}, "restore": {MinorFaults: 500}},
+			Faults:        &faults},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -173,16 +184,39 @@ func TestCSVHeader(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := "bench,wave,index,name,ok,latency_ms,prepare_ms,spawn_ms,restore_ms,agent_ms,first_cmd_ms,cpu_user_ms,cpu_sys_ms,anon_mb,tbs_ready,tbs_first_cmd," +
-		"private_mb,guest_written_mb,tcg_code_mb,heap_mb,libraries_mb,page_tables_mb,shared_mb,error"
+		"private_mb,guest_written_mb,tcg_code_mb,heap_mb,libraries_mb,page_tables_mb,shared_mb," +
+		"counters_source,minflt_ready,majflt_ready,ctxsw_ready,task_clock_ready_ms,rss_anon_ready_mb,rss_file_ready_mb,rss_shmem_ready_mb,pte_ready_kb," +
+		"minflt_first_cmd,ctxsw_first_cmd,task_clock_first_cmd_ms,rss_anon_first_cmd_mb,pte_first_cmd_kb,minflt_spawn,minflt_inject,minflt_restore,minflt_agent," +
+		"faults_cow_before,faults_holes_before,faults_shared_reads_before,faults_qemu_before,faults_cow_after,faults_holes_after,faults_shared_reads_after,faults_qemu_after,error"
 	if got := strings.Join(rows[0], ","); got != want {
 		t.Errorf("header = %s\nwant     %s", got, want)
 	}
-	if len(rows) != 3 || rows[1][0] != "fork" || rows[1][5] != "170.123" || rows[1][23] != "a, \"b\"" || rows[1][4] != "true" ||
+	last := len(rows[0]) - 1
+	if len(rows) != 4 || rows[1][0] != "fork" || rows[1][5] != "170.123" || rows[1][last] != "a, \"b\"" || rows[1][4] != "true" ||
 		rows[1][14] != "17000" || rows[1][15] != "14000" || rows[1][16] != "" || rows[1][13] != "0" {
 		t.Errorf("row 1 = %v", rows[1])
 	}
 	if got := strings.Join(rows[2][13:23], ","); got != "30,0,0,30.5,2.5,16.25,9,2.25,0.5,40" {
 		t.Errorf("row 2 memory cells = %s", got)
+	}
+	if got := strings.Join(rows[1][23:last], ","); strings.Trim(got, ",") != "" {
+		t.Errorf("row 1 counter cells = %s, want empty (not measured)", got)
+	}
+	if got, want := strings.Join(rows[3][23:last-8], ","), "perf-cgroup,2747,1,40,150,30,8,12,300,253,10,50,32,320,1800,,500,"; got != want {
+		t.Errorf("row 3 counter cells = %s\nwant %s", got, want)
+	}
+	if got, want := strings.Join(rows[3][last-8:last], ","), "0,0,0,2000,8192,5,0,0"; got != want {
+		t.Errorf("row 3 fault cells = %s, want %s", got, want)
+	}
+	if sec := faultsSection([]Sample{{OK: true, Faults: &faults}}); !strings.Contains(sec, "| after ready | 8192 | 5 | 0 | 0 |") {
+		t.Errorf("faults section:\n%s", sec)
+	}
+	sec := countersSection([]Sample{{OK: true, Counters: &engine.Counters{Source: "proc", Ready: engine.KernelCounters{MinorFaults: 9}}}})
+	if !strings.Contains(sec, "source: proc (1 forks)") || !strings.Contains(sec, "| ready (QEMU start to ready) | 9 |") {
+		t.Errorf("counters section:\n%s", sec)
+	}
+	if countersSection([]Sample{{OK: true}}) != "" {
+		t.Error("a counters section without counters")
 	}
 }
 

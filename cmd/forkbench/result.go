@@ -11,6 +11,9 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/faultclass"
 )
 
 // SchemaVersion names the result.json format.
@@ -104,7 +107,13 @@ type Sample struct {
 	// until ready and during its first command (0 when not measured: kvm/hvf).
 	TBsReady    int64
 	TBsFirstCmd int64
-	Error       string
+	// Counters and PhaseCounters are the kernel's counters of the fork's QEMU
+	// (--counters; nil without), PhaseCounters by span name.
+	Counters      *engine.Counters
+	PhaseCounters map[string]*engine.KernelCounters
+	// Faults are the fork's page faults by class (--faults; nil without).
+	Faults *faultclass.Counts
+	Error  string
 }
 
 // anonMB is the fork's anonymous memory (0: not measured).
@@ -134,7 +143,7 @@ func (s *Sample) setPhases(p phases) {
 // csvHeader is the first row of samples.csv.
 var csvHeader = append(append([]string{"bench", "wave", "index", "name", "ok", "latency_ms", "prepare_ms", "spawn_ms",
 	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "tbs_ready", "tbs_first_cmd"},
-	memColumns...), "error")
+	memColumns...), append(append(counterColumns, faultColumns...), "error")...)
 
 func fnum(x float64) string { return strconv.FormatFloat(round3(x), 'f', -1, 64) }
 
@@ -149,7 +158,8 @@ func writeCSV(w io.Writer, samples []Sample) error {
 			fnum(s.LatencyMS), fnum(s.PrepareMS), fnum(s.SpawnMS), fnum(s.RestoreMS), fnum(s.AgentMS),
 			fnum(s.FirstCmdMS), fnum(s.CPUUserMS), fnum(s.CPUSysMS), fnum(s.anonMB()),
 			strconv.FormatInt(s.TBsReady, 10), strconv.FormatInt(s.TBsFirstCmd, 10)}
-		row = append(append(row, s.memValues()...), s.Error)
+		row = append(append(append(row, s.memValues()...), s.counterValues()...), s.faultValues()...)
+		row = append(row, s.Error)
 		if err := cw.Write(row); err != nil {
 			return err
 		}

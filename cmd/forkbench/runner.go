@@ -18,6 +18,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/faultclass"
 	"github.com/forkvm/forkvm/guest"
 	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/tracefs"
@@ -35,6 +36,7 @@ type runner struct {
 	trace   *Trace
 	ktrace  *tracefs.Instance // --trace-kernel, or a --trace bundle's kernel events
 	perf    *perfSession      // --perf
+	faults  *faultMarker      // --faults
 	runOutput
 }
 
@@ -269,6 +271,7 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	if cmd.Bool("verbose") {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
+	cfg.Counters = cmd.Bool("counters")
 	if err := r.openKernelTrace(); err != nil {
 		if r.ownHome {
 			os.RemoveAll(r.home)
@@ -281,6 +284,18 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	if cmd.Bool("perf") {
 		cfg.PerfMap = true
 	}
+	if cmd.Bool("faults") {
+		s, err := faultclass.Open(faultclass.Options{MaxProcesses: 4096})
+		if err != nil {
+			r.closeKernelTrace()
+			if r.ownHome {
+				os.RemoveAll(r.home)
+			}
+			return fmt.Errorf("--faults: %w", err)
+		}
+		r.faults = &faultMarker{next: cfg.Markers, s: s, logf: r.logf, pids: map[string]int{}, warn: map[string]bool{}}
+		cfg.Markers = r.faults
+	}
 	r.e, err = engine.New(r.ctx, cfg)
 	if err != nil {
 		r.closeKernelTrace()
@@ -290,6 +305,9 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 		return err
 	}
 	r.ramDir = r.e.Config().RAMDir
+	if r.faults != nil {
+		r.faults.state, r.faults.ramDir = r.e.Config().StateDir, r.ramDir
+	}
 	rs := settings.runSettings()
 	rs.RestoreConcurrency = r.e.Config().Experimental.RestoreConcurrency
 	rs.TBSizeMiB = r.e.Config().Experimental.TBSizeMiB
@@ -340,8 +358,12 @@ func (r *runner) openKernelTrace() error {
 	}
 }
 
-// closeKernelTrace removes the --trace-kernel instance (if any).
+// closeKernelTrace removes the --trace-kernel instance and detaches the --faults
+// classifier (if any).
 func (r *runner) closeKernelTrace() {
+	if r.faults != nil {
+		_ = r.faults.s.Close()
+	}
 	if r.ktrace == nil {
 		return
 	}
@@ -526,6 +548,8 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 		fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
 	}
 	b.WriteString(r.report.String())
+	b.WriteString(countersSection(r.samples))
+	b.WriteString(faultsSection(r.samples))
 	if r.methodShort != "" {
 		fmt.Fprintf(&b, "\n## Method\n\n%s\n", res.Method)
 	}

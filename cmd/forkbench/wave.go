@@ -265,6 +265,10 @@ func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
 		if m, ok := mems[ev.Name]; ok {
 			s.Mem = &m
 		}
+		if ev.VM != nil {
+			s.setCounters(ev.VM.Info().Counters, ev.Spans)
+			s.Faults = r.faults.counts(ev.VM.PID())
+		}
 		r.addSample(s)
 		args := map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "latency_ms": round3(s.LatencyMS), "anon_mb": round3(s.anonMB())}
 		if ev.VM != nil {

@@ -384,7 +384,7 @@ func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *api.Many
 			ev := ForkEvent{Index: o.Index, Name: o.Name, Latency: time.Duration(o.LatencyMS * float64(time.Millisecond))}
 			if o.OK && o.VM != nil {
 				inf := o.VM.Info
-				ev.VM, ev.Timings, ev.Spans = &inf, inf.Timings, inf.Spans
+				ev.VM, ev.Timings, ev.Spans, ev.Counters = &inf, inf.Timings, inf.Spans, inf.Counters
 			} else {
 				ev.Err = eventError(resp.StatusCode, o)
 			}

@@ -7,7 +7,14 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"syscall"
 )
+
+// intoCgroup makes the process start in the cgroup v2 directory open as fd.
+func intoCgroup(a *syscall.SysProcAttr, fd int) error {
+	a.UseCgroupFD, a.CgroupFD = true, fd
+	return nil
+}
 
 // ProcStartTime returns the start time of pid (field 22 of /proc/PID/stat, in clock
 // ticks since boot). Together with the pid it identifies a process across pid reuse.

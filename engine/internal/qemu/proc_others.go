@@ -2,7 +2,15 @@
 
 package qemu
 
-import "syscall"
+import (
+	"errors"
+	"syscall"
+)
+
+// intoCgroup fails: cgroups are Linux's.
+func intoCgroup(a *syscall.SysProcAttr, fd int) error {
+	return errors.New("qemu: starting in a cgroup needs Linux")
+}
 
 // ProcStartTime returns 1 when pid is alive (no portable start time outside Linux; the
 // pid alone identifies the process there).

@@ -73,6 +73,10 @@ type SpawnOptions struct {
 	QMPSocket, LogPath string
 	// OOMScoreAdj is written to the process's oom_score_adj (0 leaves it).
 	OOMScoreAdj int
+	// CgroupFD, when > 0, is an open cgroup v2 directory the process starts in (clone3
+	// CLONE_INTO_CGROUP: counted there from its first instruction; Linux only, else
+	// Spawn fails with a *StartError).
+	CgroupFD int
 	// Setup, when set, runs with the new pid before anything else (moving the process
 	// into its memory cgroup); its error kills the process and is Spawn's, unwrapped.
 	Setup func(pid int) error
@@ -109,6 +113,11 @@ func Spawn(o SpawnOptions) (*Process, error) {
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Dir = o.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if o.CgroupFD > 0 {
+		if err := intoCgroup(cmd.SysProcAttr, o.CgroupFD); err != nil {
+			return nil, &StartError{Err: err}
+		}
+	}
 	if err := cmd.Start(); err != nil {
 		return nil, &StartError{Err: err}
 	}

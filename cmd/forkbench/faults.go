@@ -1,0 +1,148 @@
+package main
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/faultclass"
+)
+
+// faultMarker counts each fork's page faults by class (--faults): the engine tells it
+// of each QEMU as it starts (watched from there), of the end of its spawn (its guest
+// RAM is mapped: the mapping and the checkpoint's holes are set) and of its ready (later
+// faults count as after ready). It passes every phase on to next (--trace-kernel).
+type faultMarker struct {
+	next          engine.PhaseMarker
+	s             *faultclass.Session
+	state, ramDir string
+	logf          func(format string, a ...any)
+
+	mu   sync.Mutex
+	pids map[string]int
+	warn map[string]bool
+}
+
+func (m *faultMarker) PhaseStart(owner, phase string) {
+	if m.next != nil {
+		m.next.PhaseStart(owner, phase)
+	}
+}
+
+func (m *faultMarker) PhaseEnd(owner, phase string) {
+	if m.next != nil {
+		m.next.PhaseEnd(owner, phase)
+	}
+	m.mu.Lock()
+	pid, ok := m.pids[owner]
+	m.mu.Unlock()
+	if !ok {
+		return
+	}
+	switch phase {
+	case "spawn":
+		ram, file, err := faultclass.RAMMappingIn(pid, m.ramDir)
+		if err != nil {
+			m.once("ram", "faults: %s: %v (its faults all count as QEMU's)", owner, err)
+			return
+		}
+		var holes []faultclass.Range
+		key := engine.RAMHolesPath(m.state, file)
+		if key != "" {
+			if holes, err = faultclass.LoadHoles(key, file); err != nil {
+				m.once("holes", "faults: %s: %v (no hole faults told apart)", owner, err)
+				key = ""
+			}
+		}
+		if err := m.s.SetRAM(pid, ram, key, holes); err != nil {
+			m.once("set", "faults: %s: %v", owner, err)
+		}
+	case "agent":
+		_ = m.s.Ready(pid)
+	}
+}
+
+func (m *faultMarker) QEMUStarted(owner string, pid int) {
+	if next, ok := m.next.(engine.ProcessMarker); ok {
+		next.QEMUStarted(owner, pid)
+	}
+	m.mu.Lock()
+	m.pids[owner] = pid
+	m.mu.Unlock()
+	if err := m.s.Watch(pid, faultclass.Mapping{}, "", nil); err != nil {
+		m.once("watch", "faults: %s: %v", owner, err)
+	}
+}
+
+// once logs a problem of one kind once per run.
+func (m *faultMarker) once(kind, format string, a ...any) {
+	m.mu.Lock()
+	seen := m.warn[kind]
+	m.warn[kind] = true
+	m.mu.Unlock()
+	if !seen {
+		m.logf(format, a...)
+	}
+}
+
+// counts is the fault classes of the fork whose QEMU is pid (nil: not counted).
+func (m *faultMarker) counts(pid int) *faultclass.Counts {
+	if m == nil {
+		return nil
+	}
+	c, err := m.s.Counts(pid)
+	if err != nil {
+		return nil
+	}
+	m.s.Unwatch(pid)
+	return &c
+}
+
+// faultColumns are samples.csv's fault class columns (--faults; empty without).
+var faultColumns = []string{"faults_cow_before", "faults_holes_before", "faults_shared_reads_before", "faults_qemu_before",
+	"faults_cow_after", "faults_holes_after", "faults_shared_reads_after", "faults_qemu_after"}
+
+// faultValues are the samples.csv cells of faultColumns.
+func (s *Sample) faultValues() []string {
+	out := make([]string, len(faultColumns))
+	if s.Faults == nil {
+		return out
+	}
+	u := func(v uint64) string { return strconv.FormatUint(v, 10) }
+	for i, ph := range []int{faultclass.BeforeReady, faultclass.AfterReady} {
+		sum := s.Faults.Summary(ph)
+		copy(out[4*i:], []string{u(sum.CopyOnWrite), u(sum.Holes), u(sum.SharedReads), u(sum.QEMU)})
+	}
+	return out
+}
+
+// faultsSection is report.md's table of fault classes (medians over the ready forks
+// counted), "" when none was.
+func faultsSection(samples []Sample) string {
+	var cols [8][]float64
+	n := 0
+	for i := range samples {
+		s := &samples[i]
+		if !s.OK || s.Faults == nil {
+			continue
+		}
+		n++
+		for j, v := range s.faultValues() {
+			x, _ := strconv.ParseFloat(v, 64)
+			cols[j] = append(cols[j], x)
+		}
+	}
+	if n == 0 {
+		return ""
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "\n## Page faults of each fork's QEMU by class\n\n")
+	fmt.Fprintf(&b, "Medians over %d ready forks, counted in the kernel (eBPF on exceptions:page_fault_user) from QEMU's start, split at ready; after ready runs to the end of the first command. Copy on write: writes to checkpoint data in guest RAM; holes: faults on guest RAM the checkpoint recorded as holes; shared reads: read faults on checkpoint data (one fault maps neighbouring cached pages too); QEMU: everything outside guest RAM.\n\n", n)
+	b.WriteString("| | copy on write | holes | shared reads | QEMU |\n|---|---|---|---|---|\n")
+	for i, label := range []string{"before ready", "after ready"} {
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s |\n", label, fnum(median(cols[4*i])), fnum(median(cols[4*i+1])), fnum(median(cols[4*i+2])), fnum(median(cols[4*i+3])))
+	}
+	return b.String()
+}

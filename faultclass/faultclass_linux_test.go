@@ -1,0 +1,128 @@
+//go:build linux
+
+package faultclass
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// The child of TestSessionClassifies: it maps the file named by FAULTCLASS_CHILD
+// privately, says "mapped", waits for a line, then writes the data pages 0..63, reads
+// the data pages 64..127, writes the hole pages 128..159 and says "done".
+func init() {
+	path := os.Getenv("FAULTCLASS_CHILD")
+	if path == "" {
+		return
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		os.Exit(2)
+	}
+	b, err := unix.Mmap(int(f.Fd()), 0, 256*pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE)
+	if err != nil {
+		os.Exit(3)
+	}
+	fmt.Println("mapped")
+	_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
+	sum := 0
+	for p := 0; p < 64; p++ {
+		b[p*pageSize] = 1
+	}
+	for p := 64; p < 128; p++ {
+		sum += int(b[p*pageSize])
+	}
+	for p := 128; p < 160; p++ {
+		b[p*pageSize] = 1
+	}
+	fmt.Println("done", sum)
+	_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
+	os.Exit(0)
+}
+
+// TestSessionClassifies: the faults of a process that writes 64 data pages of a private
+// file mapping, reads 64 others and writes 32 of its holes come out in those classes.
+func TestSessionClassifies(t *testing.T) {
+	s, err := Open(Options{MaxProcesses: 4, HolePages: 1024})
+	if errors.Is(err, ErrUnavailable) {
+		t.Skipf("fault classes unavailable here (needs root, BPF and the page_fault_user tracepoint): %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	// pages 0..127 hold data, 128..255 are a hole
+	file := filepath.Join(t.TempDir(), "ram")
+	f, err := os.Create(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := make([]byte, 128*pageSize)
+	for i := range data {
+		data[i] = 7
+	}
+	if _, err := f.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(256 * pageSize); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "FAULTCLASS_CHILD="+file)
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	out := bufio.NewReader(stdout)
+	if line, err := out.ReadString('\n'); err != nil || line != "mapped\n" {
+		t.Fatalf("child: %q %v", line, err)
+	}
+	pid := cmd.Process.Pid
+	m, err := RAMMapping(pid, file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Watch(pid, m, file+".holes", []Range{{128 * pageSize, 128 * pageSize}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Ready(pid); err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintln(stdin, "go")
+	if line, err := out.ReadString('\n'); err != nil || line != "done "+strconv.Itoa(64*7)+"\n" {
+		t.Fatalf("child: %q %v", line, err)
+	}
+	c, err := s.Counts(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := c.Summary(AfterReady)
+	t.Logf("counts %v\nsummary after ready %+v, before %+v", c, sum, c.Summary(BeforeReady))
+	// A read fault maps the page cache's neighbouring pages too (fault-around): 64
+	// pages read take between 1 and 64 faults.
+	if sum.CopyOnWrite != 64 || sum.SharedReads < 1 || sum.SharedReads > 64 || sum.Holes != 32 {
+		t.Errorf("summary %+v: want 64 copies on write, 1..64 shared reads, 32 hole faults", sum)
+	}
+	if c[AfterReady][RAMData][WriteNotPresent] != 64 || c[AfterReady][RAMHole][WriteNotPresent] != 32 {
+		t.Errorf("accesses %v %v: want 64 and 32 write-not-present faults", c[AfterReady][RAMData], c[AfterReady][RAMHole])
+	}
+	if b := c.Summary(BeforeReady); b.CopyOnWrite+b.Holes+b.SharedReads != 0 {
+		t.Errorf("guest-RAM faults before ready: %+v", b)
+	}
+	if _, err := s.Counts(pid + 1_000_000); !errors.Is(err, ErrNotWatched) {
+		t.Errorf("counts of an unwatched pid: %v", err)
+	}
+	fmt.Fprintln(stdin, "bye")
+}
