@@ -24,53 +24,69 @@ import (
 // read-only backing files, hard-linked into the checkpoint); a fork gets a clone or an
 // empty overlay on the frozen chain.
 
-// diskFreeze is a prepared disk freeze: nothing to do, a reflink clone (done at commit),
-// or a new qcow2 overlay already added to QEMU (blockdev-snapshot at commit).
+// diskFreeze is a live disk freeze: nothing to do, a reflink clone (done at commit),
+// or a new qcow2 overlay added to QEMU while the guest runs (prepare) that the VM
+// switches onto at commit (blockdev-snapshot); the old chain becomes the checkpoint's.
 type diskFreeze struct {
-	p       *qemuProc
-	m       *manifest // the VM's manifest; commit updates its chain
-	none    bool
-	reflink bool
-	tmpDir  string
-	newPath string // qcow2 overlay the VM will continue on
-	newNode string
+	p        *qemuProc
+	m        *manifest // the VM's manifest; commit updates its chain
+	none     bool
+	reflink  bool
+	tmpDir   string
+	qemuImg  string
+	newPath  string // qcow2 overlay the VM will continue on
+	newNode  string
+	added    bool // newNode is in QEMU (prepare)
+	switched bool // the VM writes newNode (commit): nothing to undo any more
 }
 
-// prepareDiskFreeze chooses the disk method and, for qcow2, creates and adds the new
-// overlay while the guest still runs. The caller holds the VM's lock.
-func prepareDiskFreeze(ctx context.Context, p *qemuProc, m *manifest, vmDir, tmpDir, qemuImg string) (*diskFreeze, error) {
-	d := &diskFreeze{p: p, m: m, tmpDir: tmpDir}
+// planDiskFreeze chooses the disk method; it creates nothing but a throwaway reflink
+// probe. The caller holds the VM's lock.
+func planDiskFreeze(ctx context.Context, p *qemuProc, m *manifest, vmDir, tmpDir, qemuImg string) *diskFreeze {
+	d := &diskFreeze{p: p, m: m, tmpDir: tmpDir, qemuImg: qemuImg}
 	layers := m.Launch.Disk
-	if len(layers) == 0 {
+	switch {
+	case len(layers) == 0:
 		d.none = true
-		return d, nil
-	}
-	if canReflink(ctx, layers, tmpDir) {
+	case canReflink(ctx, layers, tmpDir):
 		d.reflink = true
-		return d, nil
+	default:
+		d.newNode = nextDiskNode(m.DiskSeq)
+		d.newPath = nextDiskPath(vmDir, m.DiskSeq)
 	}
-	top := layers[len(layers)-1]
-	d.newNode = nextDiskNode(m.DiskSeq)
-	d.newPath = nextDiskPath(vmDir, m.DiskSeq)
-	if err := qemuImgCreate(ctx, qemuImg, d.newPath, top, int64(m.Spec.DiskMiB)<<20); err != nil {
-		return nil, err
+	return d
+}
+
+// newTop is the overlay the VM will continue on ("": none).
+func (d *diskFreeze) newTop() string { return d.newPath }
+
+// prepare creates the new qcow2 overlay and adds it to QEMU while the guest still runs.
+func (d *diskFreeze) prepare(ctx context.Context) error {
+	if d.newNode == "" {
+		return nil
 	}
-	c, err := p.client(ctx)
+	layers := d.m.Launch.Disk
+	if err := qemuImgCreate(ctx, d.qemuImg, d.newPath, layers[len(layers)-1], int64(d.m.Spec.DiskMiB)<<20); err != nil {
+		return err
+	}
+	c, err := d.p.client(ctx)
 	if err == nil {
 		err = c.BlockdevAdd(ctx, qemu.BlockdevQcow2{NodeName: d.newNode, Discard: "unmap", File: qemu.BlockdevFile{Filename: d.newPath}})
 	}
 	if err != nil {
 		os.Remove(d.newPath)
-		return nil, fmt.Errorf("engine: disk freeze: %w", err)
+		return fmt.Errorf("engine: disk freeze: %w", err)
 	}
-	return d, nil
+	d.added = true
+	return nil
 }
 
-// abort undoes prepare.
+// abort undoes prepare, unless the VM already switched onto the new overlay.
 func (d *diskFreeze) abort(ctx context.Context) {
-	if d.newNode == "" {
+	if !d.added || d.switched {
 		return
 	}
+	d.added = false
 	if c, err := d.p.client(ctx); err == nil {
 		_ = c.BlockdevDel(ctx, d.newNode)
 	}
@@ -95,19 +111,19 @@ func (d *diskFreeze) commit(ctx context.Context, ck *checkpointManifest) error {
 	// After a completed migration QEMU has inactivated the block nodes (handing them to a
 	// destination that does not exist here); take them back before touching them.
 	if err := c.BlockdevSetActive(ctx, true); err != nil {
-		d.abort(ctx)
 		return err
 	}
 	if err := c.BlockdevSnapshot(ctx, d.m.DiskNode, d.newNode); err != nil {
-		d.abort(ctx)
 		return err
 	}
-	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
-	if ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.m.Launch.Disk, d.tmpDir, false); err != nil {
-		return err
-	}
+	// The VM writes the new overlay from here on: its chain says so even if the
+	// checkpoint fails now (the caller saves the manifest).
+	d.switched = true
+	frozen := append([]DiskLayer(nil), d.m.Launch.Disk...)
 	d.m.pushOverlay(d.newNode, d.newPath)
-	return nil
+	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
+	ck.Disk, ck.DiskMethod, err = freezeChain(ctx, frozen, d.tmpDir, false)
+	return err
 }
 
 // canReflink reports whether a single raw disk can be cloned by reflink on its file
