@@ -95,7 +95,7 @@ func (e *Engine) rebase(ctx context.Context, src manifest, w *ckWriter, full str
 		if err := qemuImgCreate(ctx, w.qemuImg, scratch, ck.Disk[len(ck.Disk)-1], int64(ck.DiskMiB)<<20); err != nil {
 			return err
 		}
-		h.m.Launch.Disk = append(append([]DiskLayer(nil), ck.Disk...), DiskLayer{Path: scratch, Format: "qcow2"})
+		h.m.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: scratch, Format: "qcow2"})
 	}
 	if err := h.start(ctx); err != nil {
 		return err

@@ -162,7 +162,7 @@ func TestCmdlineNetInvalid(t *testing.T) {
 func TestQEMULaunch(t *testing.T) {
 	l := baseLaunch()
 	l.Machine = ""
-	l.Disk = []DiskLayer{{Path: "/a.raw", Format: "raw", Node: "old-name"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2", Node: "disk-l7"}}
+	l.Disk = []diskLayer{{Path: "/a.raw", Format: "raw", Node: "old-name"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2", Node: "disk-l7"}}
 	l.Net = true
 	l.Publish = []PortForward{{HostPort: 8080, GuestPort: 80}, {HostIP: "0.0.0.0", HostPort: 2222, GuestPort: 22}}
 	l.TCGThread = TCGThreadSingle
@@ -198,7 +198,7 @@ func TestCmdlineManifestRoundTrip(t *testing.T) {
 	l.RAM = ramBacking{Path: "/dev/shm/r,1.ram", Shared: false}
 	l.Incoming, l.DevicesOnly, l.VsockCID, l.Net = true, true, 7, true
 	l.Publish = []PortForward{{HostPort: 8080, GuestPort: 80}}
-	l.Disk = []DiskLayer{{Path: "/a.raw", Format: "raw"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2"}}
+	l.Disk = []diskLayer{{Path: "/a.raw", Format: "raw"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2"}}
 	first := mustCmdline(t, l)
 	b, err := json.Marshal(l)
 	if err != nil {
@@ -224,7 +224,7 @@ func TestCmdlineInvalidSpec(t *testing.T) {
 		{"zero cpus", func(l *launch) { l.CPUs = 0 }},
 		{"no rundir", func(l *launch) { l.RunDir = "" }},
 		{"no kernel", func(l *launch) { l.Kernel = "" }},
-		{"unknown disk format", func(l *launch) { l.Disk = []DiskLayer{{Path: "/a.vmdk", Format: "vmdk"}} }},
+		{"unknown disk format", func(l *launch) { l.Disk = []diskLayer{{Path: "/a.vmdk", Format: "vmdk"}} }},
 		{"device-state-only without incoming", func(l *launch) { l.DevicesOnly = true }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -104,7 +104,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		if err := guestboot.CreateDisk(ctx, p, spec.DiskMiB); err != nil {
 			return nil, fmt.Errorf("engine: disk: %w", err)
 		}
-		vm.m.Launch.Disk = []DiskLayer{{Path: p, Format: "raw"}}
+		vm.m.Launch.Disk = []diskLayer{{Path: p, Format: "raw"}}
 		vm.m.DiskNode = "disk0"
 	}
 	clock.lap(&vm.m.Timings.Prepare)
@@ -150,12 +150,12 @@ func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
 	if err != nil {
 		return err
 	}
-	layer := DiskLayer{Path: base, Format: "raw"}
+	layer := diskLayer{Path: base, Format: "raw"}
 	top := filepath.Join(vm.dir, rootTopFile)
 	if err := qemuImgCreate(ctx, qemuImg, top, layer, int64(sizeMiB)<<20); err != nil {
 		return err
 	}
-	vm.m.Launch.Disk = []DiskLayer{layer, {Path: top, Format: "qcow2"}}
+	vm.m.Launch.Disk = []diskLayer{layer, {Path: top, Format: "qcow2"}}
 	vm.m.DiskNode = "disk0"
 	return nil
 }

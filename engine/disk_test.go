@@ -100,7 +100,7 @@ func TestNodeAndFileNames(t *testing.T) {
 
 func TestPushOverlayPinsNodeNames(t *testing.T) {
 	m := &manifest{DiskNode: "disk0", DiskSeq: 0}
-	m.Launch.Disk = []DiskLayer{{Path: "/ck/layer0.raw", Format: "raw"}, {Path: "/ck/layer1.qcow2", Format: "qcow2"}, {Path: "/vm/disk-top.qcow2", Format: "qcow2"}}
+	m.Launch.Disk = []diskLayer{{Path: "/ck/layer0.raw", Format: "raw"}, {Path: "/ck/layer1.qcow2", Format: "qcow2"}, {Path: "/vm/disk-top.qcow2", Format: "qcow2"}}
 	m.pushOverlay("disk-l1", "/vm/disk1.qcow2")
 	m.pushOverlay("disk-l2", "/vm/disk2.qcow2")
 	var got []string
@@ -135,9 +135,9 @@ func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (str
 	vm := &VM{dir: dir, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	m := &vm.m
 	m.Name, m.DiskNode, m.DiskSeq = "w", "disk-l4", 4
-	m.Launch.Disk = []DiskLayer{{Path: filepath.Join(dir, rawDiskFile), Format: "raw", Node: "disk0"}}
+	m.Launch.Disk = []diskLayer{{Path: filepath.Join(dir, rawDiskFile), Format: "raw", Node: "disk0"}}
 	for i := 1; i <= 4; i++ {
-		m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: nextDiskPath(dir, i-1), Format: "qcow2", Node: nextDiskNode(i - 1)})
+		m.Launch.Disk = append(m.Launch.Disk, diskLayer{Path: nextDiskPath(dir, i-1), Format: "qcow2", Node: nextDiskNode(i - 1)})
 	}
 	for _, l := range m.Launch.Disk {
 		if err := os.WriteFile(l.Path, nil, 0o600); err != nil {

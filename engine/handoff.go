@@ -36,7 +36,7 @@ func (*handoffCheckpoint) handsOff() bool                                { retur
 
 // disk freezes the VM's whole chain into the checkpoint (vm.mu is held).
 func (h *handoffCheckpoint) disk(ctx context.Context, vm *VM, w *ckWriter) ckDisk {
-	layers := append([]DiskLayer(nil), vm.m.Launch.Disk...)
+	layers := append([]diskLayer(nil), vm.m.Launch.Disk...)
 	h.chain = &chainFreeze{layers: layers, tmpDir: w.tmp, qemuImg: w.qemuImg, size: int64(vm.m.Spec.DiskMiB) << 20}
 	h.chain.reflink = canReflink(ctx, layers, w.tmp)
 	if len(layers) > 0 && !h.chain.reflink {
@@ -91,7 +91,7 @@ func (h *handoffCheckpoint) committed(ctx context.Context, vm *VM, w *ckWriter) 
 // (hard links, or a reflink of a raw disk), and the restarted VM goes on with a new
 // qcow2 overlay on it (top, created while the guest runs) or its own raw file.
 type chainFreeze struct {
-	layers  []DiskLayer
+	layers  []diskLayer
 	reflink bool
 	top     string // the restarted VM's overlay ("": none)
 	created bool
@@ -143,7 +143,7 @@ func (vm *VM) relaunchHandedOff(paths layout, ck *checkpointManifest, newTop str
 		return
 	}
 	switched := len(disk) > 0 && disk[len(disk)-1].Path == newTop
-	vm.m.Launch.Disk = append(append([]DiskLayer(nil), ck.Disk...), DiskLayer{Path: newTop, Format: "qcow2"})
+	vm.m.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: newTop, Format: "qcow2"})
 	vm.m.DiskNode = "disk0"
 	if !switched {
 		vm.m.DiskSeq++
