@@ -7,21 +7,13 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/memfile"
+
+	"github.com/forkvm/forkvm/api"
 )
 
-// CheckpointOptions tune Checkpoint. A nil *CheckpointOptions means defaults.
-type CheckpointOptions struct {
-	// Pin keeps the checkpoint when its last fork is deleted.
-	Pin bool
-	// Handoff freezes RAM without copying it: the VM's RAM file itself becomes the
-	// checkpoint's, and the VM is restarted as a copy-on-write mapping of it (a new QEMU
-	// process restored from the checkpoint, like a fork, under the same name). The
-	// checkpoint takes the same time whatever the guest's size; the VM is paused until it
-	// is back (~one fork), and from then on is a fork of the checkpoint: the checkpoint
-	// cannot be deleted while it lives, and its own later checkpoints are delta
-	// checkpoints. For prepare-once, fork-many use. Only for VMs created forkable.
-	Handoff bool
-}
+// CheckpointOptions tune Checkpoint: api.CheckpointOptions documents Pin and Handoff.
+// A nil *CheckpointOptions means defaults.
+type CheckpointOptions = api.CheckpointOptions
 
 // Checkpoint takes a memory+disk checkpoint of the running VM vmName; the VM keeps
 // running. An empty name means a generated one.

@@ -17,7 +17,7 @@ import (
 // its directory created. The caller must unreserve spec.Name and discard the VM on
 // failure.
 func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
-	if err := spec.Validate(); err != nil {
+	if err := ValidateSpec(spec); err != nil {
 		return nil, err
 	}
 	if err := checkPortsFree(spec.Publish); err != nil {
@@ -52,13 +52,13 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 }
 
 // Create boots a new VM from the guest image and returns once its agent answered.
-// spec.Name is required; zero CPUs and MemoryMiB take the defaults (Spec.WithDefaults).
+// spec.Name is required; zero CPUs and MemoryMiB take the defaults (SpecWithDefaults).
 func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	clock := markPhases(e.cfg.Markers, spec.Name)
 	clock.begin("prepare")
 	defer clock.abandon() // a failure ends its phase's marker
-	spec = spec.WithDefaults()
-	if err := spec.Validate(); err != nil {
+	spec = SpecWithDefaults(spec)
+	if err := ValidateSpec(spec); err != nil {
 		return nil, err
 	}
 	// A create is admitted like a fork, before anything is made: the reservation ends
