@@ -9,7 +9,8 @@
 // layer or the agent protocol. The engine and the agent protocol use these types and
 // sentinels under their own names (engine.Info is Info, engine.ErrNotFound is
 // ErrNotFound, vsockd.ExecRequest is ExecRequest), so errors.Is and the values are the
-// same on both sides and nothing is declared twice. Where the engine's type carries
-// behaviour of its own (engine.Spec, engine.Budget, the option types) this package has
-// a type with the same fields, so that one converts to the other.
+// same on both sides and nothing is declared twice (engine.Spec and the checkpoint,
+// fork, wave, pool and delete options too). Where the engine's type carries behaviour
+// of its own (engine.Budget, with the admitter's methods) this package has a type of its
+// own, converted on the way in and out.
 package api

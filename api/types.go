@@ -285,8 +285,8 @@ type MigrationStats struct {
 }
 
 // Spec describes a VM to create (the body of POST /v1/vms). Only Name is required: the
-// engine gives a zero CPUs and MemoryMiB their defaults (engine.Spec.WithDefaults).
-// engine.Spec has the same fields, so either converts to the other.
+// engine gives a zero CPUs and MemoryMiB their defaults (engine.SpecWithDefaults).
+// engine.Spec is this type.
 type Spec struct {
 	// Name is the VM's name (engine.ValidateName).
 	Name string `json:"name"`
@@ -327,7 +327,7 @@ type Spec struct {
 	Publish []PortForward `json:"publish,omitempty"`
 }
 
-// ForkOptions tune a fork (engine.ForkOptions, which has the same fields). A nil
+// ForkOptions tune a fork (engine.ForkOptions is this type). A nil
 // *ForkOptions means defaults.
 type ForkOptions struct {
 	// Name of the new VM. Default: the source's name and a random suffix.
@@ -342,13 +342,14 @@ type ForkOptions struct {
 	Publish []PortForward
 }
 
-// ManyOptions tune a wave, API.ForkMany (engine.ManyOptions, which has the same fields).
+// ManyOptions tune a wave, API.ForkMany (engine.ManyOptions is this type).
 // A nil *ManyOptions means defaults.
 type ManyOptions struct {
 	// Prefix names the forks Prefix1..PrefixN (ignored when Names is set). Default: the
 	// source's name and a random suffix, then "-".
 	Prefix string
-	// Names, when set, names the forks explicitly (len(Names) must equal n).
+	// Names, when set, names the forks explicitly: len(Names) must equal n, or (engine
+	// ForkMany) n be 0, then n is len(Names).
 	Names []string
 	// Concurrency is how many forks start at once; 0 means all n.
 	Concurrency int
@@ -365,7 +366,7 @@ type ManyOptions struct {
 	Publish func(index int) []PortForward
 }
 
-// WarmOptions tune a warm pool (engine.WarmOptions, which has the same fields). A nil
+// WarmOptions tune a warm pool (engine.WarmOptions is this type). A nil
 // *WarmOptions means defaults.
 type WarmOptions struct {
 	// Restored pre-restores pooled processes: each loads the checkpoint, answers a
@@ -385,8 +386,8 @@ type WarmOptions struct {
 	WarmUp []string
 }
 
-// DeleteCheckpointOptions tune API.DeleteCheckpoint (engine.DeleteCheckpointOptions,
-// which has the same fields). A nil pointer means defaults.
+// DeleteCheckpointOptions tune API.DeleteCheckpoint (engine.DeleteCheckpointOptions is
+// this type). A nil pointer means defaults.
 type DeleteCheckpointOptions struct {
 	// Force deletes the checkpoint's live forks first, after cancelling the forks being
 	// made from it (their callers get an error wrapping ErrNotFound) and waiting for
@@ -427,13 +428,18 @@ func (p PortForward) String() string {
 	return p.BindIP() + ":" + strconv.Itoa(p.HostPort) + ":" + strconv.Itoa(p.GuestPort)
 }
 
-// CheckpointOptions tune API.Checkpoint. A nil *CheckpointOptions means defaults.
+// CheckpointOptions tune API.Checkpoint (engine.CheckpointOptions is this type). A nil
+// *CheckpointOptions means defaults.
 type CheckpointOptions struct {
 	// Pin keeps the checkpoint when its last fork is deleted.
 	Pin bool
 	// Handoff freezes RAM without copying it: the VM's RAM file itself becomes the
-	// checkpoint's and the VM is restarted as a copy-on-write fork of it under the same
-	// name (engine.CheckpointOptions.Handoff). Only for VMs created forkable.
+	// checkpoint's, and the VM is restarted as a copy-on-write mapping of it (a new QEMU
+	// process restored from the checkpoint, like a fork, under the same name). The
+	// checkpoint takes the same time whatever the guest's size; the VM is paused until it
+	// is back (~one fork), and from then on is a fork of the checkpoint: the checkpoint
+	// cannot be deleted while it lives, and its own later checkpoints are delta
+	// checkpoints. For prepare-once, fork-many use. Only for VMs created forkable.
 	Handoff bool
 }
 

@@ -7,21 +7,13 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/memfile"
+
+	"github.com/forkvm/forkvm/api"
 )
 
-// CheckpointOptions tune Checkpoint. A nil *CheckpointOptions means defaults.
-type CheckpointOptions struct {
-	// Pin keeps the checkpoint when its last fork is deleted.
-	Pin bool
-	// Handoff freezes RAM without copying it: the VM's RAM file itself becomes the
-	// checkpoint's, and the VM is restarted as a copy-on-write mapping of it (a new QEMU
-	// process restored from the checkpoint, like a fork, under the same name). The
-	// checkpoint takes the same time whatever the guest's size; the VM is paused until it
-	// is back (~one fork), and from then on is a fork of the checkpoint: the checkpoint
-	// cannot be deleted while it lives, and its own later checkpoints are delta
-	// checkpoints. For prepare-once, fork-many use. Only for VMs created forkable.
-	Handoff bool
-}
+// CheckpointOptions tune Checkpoint: api.CheckpointOptions documents Pin and Handoff.
+// A nil *CheckpointOptions means defaults.
+type CheckpointOptions = api.CheckpointOptions
 
 // Checkpoint takes a memory+disk checkpoint of the running VM vmName; the VM keeps
 // running. An empty name means a generated one.
@@ -91,20 +83,8 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 		Net:     m.Launch.Net,
 		RAMPath: w.ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
 	}
-	switch {
-	case m.Launch.RAM.Shared && o.Handoff:
-		err = e.checkpointHandoff(ctx, vm, w)
-	case m.Launch.RAM.Shared:
-		err = checkpointWorld(ctx, vm, w)
-	case memfile.ExtractSupported:
-		err = e.checkpointDelta(ctx, vm, w)
-	default:
-		err = e.checkpointFork(ctx, vm, w)
-	}
-	if err == nil && !w.committed {
-		err = w.commit(ctx)
-	}
-	if err != nil {
+	kind := e.checkpointKind(m, o)
+	if err := runCheckpoint(ctx, vm, w, kind); err != nil {
 		// A VM that died during the checkpoint is reported as such (ErrQEMUExited in a
 		// *QEMUError with QEMU's stderr), like a fork whose QEMU died.
 		var qe *QEMUError
@@ -124,28 +104,18 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	return w.checkpoint(), nil
 }
 
-// checkpointWorld checkpoints a VM with share=on RAM (see Checkpoint).
-func checkpointWorld(ctx context.Context, vm *VM, w *ckWriter) error {
-	ck := w.ck
-	err := w.freezeStopped(ctx, vm,
-		func(p *qemuProc) (err error) {
-			ck.Migration, err = p.saveToFileStats(ctx, w.statePath(), false)
-			return err
-		},
-		func() error {
-			t := time.Now()
-			end := w.phase("freeze")
-			fs, err := memfile.Freeze(ctx, vm.m.Launch.RAM.Path, w.ramTmp)
-			end()
-			ck.Timings.Freeze = time.Since(t)
-			if err != nil {
-				return fmt.Errorf("freeze ram: %w", err)
-			}
-			ck.Freeze, ck.RAMMethod = fs, "copy"
-			return nil
-		})
-	if err != nil {
-		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
+// checkpointKind chooses how a VM whose manifest is m is checkpointed: a world (share=on
+// RAM) by copy or by handoff, a fork (private RAM) as a delta where its pages can be
+// read from the host, else by the full-save fallback.
+func (e *Engine) checkpointKind(m manifest, o CheckpointOptions) ckKind {
+	switch {
+	case m.Launch.RAM.Shared && o.Handoff:
+		return &handoffCheckpoint{e: e}
+	case m.Launch.RAM.Shared:
+		return worldCheckpoint{}
+	case memfile.ExtractSupported:
+		return &deltaCheckpoint{e: e}
+	default:
+		return &fullSaveCheckpoint{e: e}
 	}
-	return nil
 }

@@ -169,7 +169,7 @@ func TestLoadCheckpointErrors(t *testing.T) {
 			writeJSON(filepath.Join(dir, "manifest.json"), &ck)
 		}, "other"},
 		{"disk layer missing", func(ck checkpointManifest) {
-			ck.Disk = []DiskLayer{{Path: filepath.Join(ckDir(ck.Name), "layer0.raw"), Format: "raw"}}
+			ck.Disk = []diskLayer{{Path: filepath.Join(ckDir(ck.Name), "layer0.raw"), Format: "raw"}}
 			writeJSON(filepath.Join(ckDir(ck.Name), "manifest.json"), &ck)
 		}, "disk"},
 	} {

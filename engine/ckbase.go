@@ -80,11 +80,12 @@ func readCheckpointManifest(paths layout, name string) (*checkpointManifest, err
 	if err := ValidateName(name); err != nil {
 		return nil, err
 	}
-	b, err := os.ReadFile(filepath.Join(paths.checkpointDir(name), manifestFile))
+	dir := paths.checkpointDir(name)
+	b, err := os.ReadFile(filepath.Join(dir, manifestFile))
 	if err != nil {
 		return nil, err
 	}
-	m, err := decodeCheckpointManifest(b)
+	m, err := paths.decodeCheckpoint(b, dir)
 	if err != nil {
 		return nil, err
 	}

@@ -10,16 +10,18 @@ import (
 	"github.com/forkvm/forkvm/memfile"
 )
 
-// checkpointDelta checkpoints a fork (private copy-on-write RAM) as a delta checkpoint:
+// deltaCheckpoint checkpoints a fork (private copy-on-write RAM) as a delta checkpoint:
 // no RAM file of its own, only the pages this generation changed.
 //
-//  1. Prepare the disk freeze (as for a world).
-//  2. stop the guest, save its device state alone (saveDevices: every device section,
-//     no RAM block, so no guest page is read and the lineage's files gain nothing).
-//  3. While the guest is stopped: extract the fork's private pages that differ from what
-//     the lineage holds for them (memfile.ExtractDelta) into this checkpoint's own layer,
-//     a sparse file in RAMDir.
-//  4. Freeze the disk, cont.
+//  1. prepare: link the lineage (the parent's root RAM file and every ancestor layer)
+//     into the checkpoint; the disk freeze is prepared as for a world.
+//  2. save: stop the guest, save its device state alone (saveDevices: every device
+//     section, no RAM block, so no guest page is read and the lineage's files gain
+//     nothing).
+//  3. paused: extract the fork's private pages that differ from what the lineage holds
+//     for them (memfile.ExtractDelta) into this checkpoint's own layer, a sparse file in
+//     RAMDir. The disk is frozen, the guest resumed.
+//  4. finish: digest the layer into the manifest.
 //
 // Its cost is the pages the fork wrote (pagemap and the copies), not the guest's size.
 // A migration cannot do this: x-ignore-shared skips only share=on RAM, so migrating a
@@ -27,20 +29,34 @@ import (
 //
 // The checkpoint's RAMPath is its own hard link to the lineage's root RAM file, and its
 // layer directory holds its own layer and a hard link to every ancestor's: deleting any
-// ancestor (its VMs or the checkpoint) leaves every descendant whole.
-func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error {
+// ancestor (its VMs or the checkpoint) leaves every descendant whole. Its crash recovery
+// is the pause's (recoverCheckpointing); the half-written layer directory is reaped with
+// the checkpoint's other temporary files.
+type deltaCheckpoint struct {
+	resumes
+	e          *Engine
+	parent     *checkpointManifest
+	ramMapped  string   // the RAM file the fork maps
+	baseLayers int      // how many of the lineage's layers that file already holds
+	ancestors  []string // the ancestors' layers, to read while paused
+	ownName    string   // this checkpoint's own layer, in its layer directory
+}
+
+func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) error {
 	ck := w.ck
 	vm.mu.Lock()
-	parentName, ramMapped, baseLayers := vm.m.Parent, vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers
+	parentName := vm.m.Parent
+	d.ramMapped, d.baseLayers = vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers
 	vm.mu.Unlock()
 	if parentName == "" {
 		return fmt.Errorf("%w: %s has private RAM but no parent checkpoint", ErrNotForkable, vm.m.Name)
 	}
-	parent, err := e.cks.load(ctx, parentName)
+	parent, err := d.e.cks.load(ctx, parentName)
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: parent: %w", vm.m.Name, err)
 	}
 	pm := &parent.Manifest
+	d.parent = pm
 	if pm.RAMSize != ck.RAMSize {
 		return fmt.Errorf("%w: %s: parent %s has %d bytes of RAM, the fork %d", ErrCheckpointCorrupt, vm.m.Name, pm.Name, pm.RAMSize, ck.RAMSize)
 	}
@@ -53,58 +69,61 @@ func (e *Engine) checkpointDelta(ctx context.Context, vm *VM, w *ckWriter) error
 	if err := os.Link(pm.RAMPath, w.ramTmp); err != nil {
 		return fmt.Errorf("engine: checkpoint %s: link root ram: %w", vm.m.Name, err)
 	}
-	w.layersFinal = e.paths.checkpointLayers(ck.Name)
+	w.layersFinal = d.e.paths.checkpointLayers(ck.Name)
 	w.layersTmp = w.layersFinal + ".tmp-" + randHex(4)
 	if err := os.Mkdir(w.layersTmp, 0o700); err != nil {
 		return fmt.Errorf("engine: checkpoint %s: layers: %w", vm.m.Name, err)
 	}
 	w.holesFrom = filepath.Join(parent.Dir, ramHolesFile)
-	var ancestors []string // paths to read now (the parent's links)
 	for i, l := range pm.Layers {
 		name := layerFile(i, l.Checkpoint)
 		if err := os.Link(l.Path, filepath.Join(w.layersTmp, name)); err != nil {
 			return fmt.Errorf("engine: checkpoint %s: link layer of %s: %w", vm.m.Name, l.Checkpoint, err)
 		}
-		ancestors = append(ancestors, l.Path)
+		d.ancestors = append(d.ancestors, l.Path)
 		l.Path = filepath.Join(w.layersFinal, name)
 		ck.Layers = append(ck.Layers, l)
 	}
-	ownName := layerFile(len(pm.Layers), ck.Name)
-	own := filepath.Join(w.layersTmp, ownName)
+	d.ownName = layerFile(len(pm.Layers), ck.Name)
+	return nil
+}
 
-	err = w.freezeStopped(ctx, vm,
-		func(p *qemuProc) error {
-			if err := p.stopGuest(ctx); err != nil {
-				return err
-			}
-			return p.saveDevices(ctx, w.statePath())
-		},
-		func() error { // vm.mu is held
-			t := time.Now()
-			defer w.phase("freeze")()
-			addr, err := memfile.FindMapping(vm.m.PID, ramMapped, ck.RAMSize)
-			if err == nil {
-				// Against the file the fork maps and the layers above it (deltaBase).
-				base, upper := deltaBase(e.paths, pm, ramMapped, baseLayers, ancestors)
-				_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, base, upper, own)
-			}
-			ck.Timings.Extract = time.Since(t)
-			ck.Timings.Freeze = ck.Timings.Extract
-			if err != nil {
-				return fmt.Errorf("extract pages: %w", err)
-			}
-			return nil
-		})
+func (*deltaCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) error {
+	if err := p.stopGuest(ctx); err != nil {
+		return err
+	}
+	return p.saveDevices(ctx, w.statePath())
+}
+
+// paused extracts the fork's own pages (vm.mu is held).
+func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, w *ckWriter) (func(), error) {
+	ck, pm := w.ck, d.parent
+	t := time.Now()
+	defer w.phase("freeze")()
+	addr, err := memfile.FindMapping(vm.m.PID, d.ramMapped, ck.RAMSize)
+	if err == nil {
+		// Against the file the fork maps and the layers above it (deltaBase).
+		base, upper := deltaBase(d.e.paths, pm, d.ramMapped, d.baseLayers, d.ancestors)
+		_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, base, upper, filepath.Join(w.layersTmp, d.ownName))
+	}
+	ck.Timings.Extract = time.Since(t)
+	ck.Timings.Freeze = ck.Timings.Extract
+	if err != nil {
+		return nil, fmt.Errorf("extract pages: %w", err)
+	}
+	return nil, nil
+}
+
+// finish records the checkpoint's own layer.
+func (d *deltaCheckpoint) finish(ctx context.Context, vm *VM, w *ckWriter) error {
+	ck := w.ck
+	sum, size, err := memfile.LayerDigest(filepath.Join(w.layersTmp, d.ownName))
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
 	}
-	sum, size, err := memfile.LayerDigest(own)
-	if err != nil {
-		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
-	}
-	ck.Layers = append(ck.Layers, ramLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, ownName), Size: size, SHA256: sum})
+	ck.Layers = append(ck.Layers, ramLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, d.ownName), Size: size, SHA256: sum})
 	ck.RAMMethod, ck.DeviceState = "delta", DeviceStateDevices
-	return w.commit(ctx)
+	return nil
 }
 
 // injectLayers writes a delta checkpoint's layers that the fork's RAM file does not hold

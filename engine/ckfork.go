@@ -10,38 +10,49 @@ import (
 	"github.com/forkvm/forkvm/memfile"
 )
 
-// checkpointFork checkpoints a fork (private copy-on-write RAM). x-ignore-shared cannot
-// skip private RAM, so: (1) save the fork in full (RAM + devices, zero pages skipped by
-// QEMU) to a temporary file, freezing its disk at the same stop; cont the fork; (2) load
-// that file into a helper QEMU whose RAM is a fresh share=on file — the new checkpoint's
-// RAM file; (3) save the helper with x-ignore-shared to get the device state; quit it.
-// The result is an ordinary checkpoint that forks map copy-on-write like any other.
-func (e *Engine) checkpointFork(ctx context.Context, vm *VM, w *ckWriter) error {
-	ck := w.ck
-	full := filepath.Join(w.tmp, fullSaveFile)
+// fullSaveCheckpoint checkpoints a fork (private copy-on-write RAM) where its pages
+// cannot be read from the host (no delta). x-ignore-shared cannot skip private RAM, so:
+// (1) save: the fork in full (RAM + devices, zero pages skipped by QEMU) to a temporary
+// file, freezing its disk at the same stop; the fork resumes; (2) finish: load that file
+// into a helper QEMU whose RAM is a fresh share=on file — the new checkpoint's RAM file
+// — and save the helper with x-ignore-shared to get the device state (rebase). The
+// result is an ordinary checkpoint that forks map copy-on-write like any other. Its
+// crash recovery is the pause's (recoverCheckpointing); a helper QEMU left by a crash
+// is reaped as a half-made VM.
+type fullSaveCheckpoint struct {
+	resumes
+	e *Engine
+}
+
+func fullSavePath(w *ckWriter) string { return filepath.Join(w.tmp, fullSaveFile) }
+
+func (*fullSaveCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) (err error) {
+	w.ck.Migration, err = p.saveToFileStats(ctx, fullSavePath(w), true)
+	return err
+}
+
+func (*fullSaveCheckpoint) paused(context.Context, *VM, *ckWriter) (func(), error) {
+	return nil, nil
+}
+
+func (f *fullSaveCheckpoint) finish(ctx context.Context, vm *VM, w *ckWriter) error {
+	ck, full := w.ck, fullSavePath(w)
 	defer os.Remove(full)
-	err := w.freezeStopped(ctx, vm, func(p *qemuProc) (err error) {
-		ck.Migration, err = p.saveToFileStats(ctx, full, true)
-		return err
-	}, nil)
-	if err != nil {
-		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
-	}
 	vm.mu.Lock()
 	src := vm.m
 	vm.mu.Unlock()
-	t2 := time.Now()
+	t := time.Now()
 	end := w.phase("freeze")
 	defer end()
-	if err := e.rebase(ctx, src, w, full); err != nil {
+	if err := f.e.rebase(ctx, src, w, full); err != nil {
 		return fmt.Errorf("engine: checkpoint %s: rebase: %w", vm.m.Name, err)
 	}
-	ck.Timings.Freeze = time.Since(t2)
+	ck.Timings.Freeze = time.Since(t)
 	ck.RAMMethod = "full-save"
 	// The full save read every page of the fork, faulting every hole of its parent's
 	// RAM file: give them back.
 	if src.Parent != "" {
-		e.cks.punch(src.Parent)
+		f.e.cks.punch(src.Parent)
 	}
 	return nil
 }
@@ -84,7 +95,7 @@ func (e *Engine) rebase(ctx context.Context, src manifest, w *ckWriter, full str
 		if err := qemuImgCreate(ctx, w.qemuImg, scratch, ck.Disk[len(ck.Disk)-1], int64(ck.DiskMiB)<<20); err != nil {
 			return err
 		}
-		h.m.Launch.Disk = append(append([]DiskLayer(nil), ck.Disk...), DiskLayer{Path: scratch, Format: "qcow2"})
+		h.m.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: scratch, Format: "qcow2"})
 	}
 	if err := h.start(ctx); err != nil {
 		return err

@@ -29,7 +29,9 @@ type ckWriter struct {
 	// holes may be faulted in by running forks right now).
 	layersTmp, layersFinal string
 	holesFrom              string
-	committed              bool
+	// pausedAt is when the guest stopped (the save returned); committed: the commit ran.
+	pausedAt  time.Time
+	committed bool
 }
 
 // newCkWriter starts writing checkpoint name.
@@ -70,7 +72,11 @@ func (w *ckWriter) statePath() string { return filepath.Join(w.tmp, stateFile) }
 
 // commit completes the checkpoint from its files and renames it into place: the RAM
 // file first, then the directory (reaping removes RAM files without a checkpoint dir).
+// It runs once per checkpoint (runCheckpoint, or the pause of a kind that hands off).
 func (w *ckWriter) commit(ctx context.Context) error {
+	if w.committed {
+		return fmt.Errorf("engine: checkpoint %s: committed twice", w.ck.Name)
+	}
 	ck := w.ck
 	sum, size, err := fileSHA256(ctx, w.statePath())
 	if err != nil {
@@ -135,67 +141,6 @@ func (w *ckWriter) commit(ctx context.Context) error {
 	return nil
 }
 
-// freezeStopped runs the part of a checkpoint around the guest's stop, under the VM's
-// lock: prepare the disk freeze while the guest still runs, save (which leaves the
-// guest stopped: a migration when it completes, or stop and a device-state save), run
-// paused while the guest is stopped (nil: none),
-// freeze the disk and save the VM's manifest. The guest is resumed on the way out,
-// whatever happened, and the pause is recorded.
-func (w *ckWriter) freezeStopped(ctx context.Context, vm *VM, save func(*qemuProc) error, paused func() error) error {
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	ck, p := w.ck, vm.process()
-	// The previous checkpoint's disk collapse first (so this one freezes a short chain);
-	// this checkpoint's starts once the guest runs again and the marker is gone.
-	if err := vm.settleForFreeze(ctx); err != nil {
-		return err
-	}
-	collapse := false
-	defer func() {
-		if collapse {
-			vm.startCollapse(ctx)
-		}
-	}()
-	// The marker outlives a crash from here to the resume (and the manifest's new disk
-	// chain); it goes after the resume, deferred before it so that it runs last.
-	marker := vm.path(checkpointingFile)
-	if err := writeJSON(marker, checkpointing{Checkpoint: ck.Name}); err != nil {
-		return err
-	}
-	defer os.Remove(marker)
-	dp, err := prepareDiskFreeze(ctx, p, &vm.m, vm.dir, w.tmp, w.qemuImg)
-	if err != nil {
-		return err
-	}
-	t0 := time.Now()
-	endMigrate := w.phase("migrate")
-	err = save(p)
-	endMigrate()
-	ck.Timings.Migrate = time.Since(t0)
-	// From here on the guest may be stopped (postmigrate) until cont, whatever happens.
-	defer p.resumeAfterSave(vm.log, &ck.Timings.Paused)()
-	if err == nil && paused != nil {
-		err = paused()
-	}
-	if err != nil {
-		dp.abort(ctx)
-		return err
-	}
-	t1 := time.Now()
-	endDisk := w.phase("disk")
-	err = dp.commit(ctx, ck)
-	endDisk()
-	if err != nil {
-		return fmt.Errorf("disk: %w", err)
-	}
-	ck.Timings.Disk = time.Since(t1)
-	if err := vm.saveLocked(); err != nil {
-		return err
-	}
-	collapse = true
-	return nil
-}
-
 // cleanup removes what an uncommitted checkpoint left.
 func (w *ckWriter) cleanup() {
 	if !w.committed {
@@ -209,14 +154,3 @@ func (w *ckWriter) cleanup() {
 
 // checkpoint is the committed checkpoint.
 func (w *ckWriter) checkpoint() *Checkpoint { return &Checkpoint{Manifest: *w.ck, Dir: w.final} }
-
-// checkpointing is the content of a VM's checkpointing marker: the checkpoint under way
-// and, for a handoff, where the VM's RAM file was and is being moved to (and the disk
-// overlay prepared for the restarted VM), so that the next engine can put them back.
-type checkpointing struct {
-	Checkpoint string `json:"checkpoint"`
-	Handoff    bool   `json:"handoff,omitempty"`
-	RAM        string `json:"ram,omitempty"`
-	RAMTmp     string `json:"ram_tmp,omitempty"`
-	NewTop     string `json:"new_top,omitempty"`
-}

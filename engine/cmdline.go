@@ -45,7 +45,7 @@ type launch struct {
 	RAM ramBacking `json:"ram"`
 	// Disk is the data disk chain, base first; the last layer is the writable top.
 	// Empty means no disk.
-	Disk []DiskLayer `json:"disk,omitempty"`
+	Disk []diskLayer `json:"disk,omitempty"`
 	// RunDir holds qmp.sock and agent.sock.
 	RunDir string `json:"run_dir"`
 	// SerialLog receives the guest console.
@@ -86,8 +86,8 @@ type ramBacking struct {
 	Anonymous bool `json:"anonymous,omitempty"`
 }
 
-// DiskLayer is one file of a disk chain.
-type DiskLayer struct {
+// diskLayer is one file of a disk chain.
+type diskLayer struct {
 	Path   string `json:"path"`
 	Format string `json:"format"` // "raw" or "qcow2"
 	// Node is the layer's block node name in the VM's running QEMU, recorded once the

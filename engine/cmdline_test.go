@@ -3,6 +3,7 @@ package engine
 import (
 	"encoding/json"
 	"errors"
+	"github.com/forkvm/forkvm/engine/internal/qemu/qemutest"
 	"reflect"
 	"strings"
 	"testing"
@@ -28,34 +29,6 @@ func baseLaunch() launch {
 		SerialLog: "/state/vms/w1/serial.log",
 	}
 }
-
-// flagValues returns the values following every occurrence of flag in argv.
-func flagValues(argv []string, flag string) []string {
-	var out []string
-	for i := 0; i < len(argv); i++ {
-		if argv[i] == flag {
-			if i+1 < len(argv) {
-				out = append(out, argv[i+1])
-				i++
-			} else {
-				out = append(out, "")
-			}
-		}
-	}
-	return out
-}
-
-// flagValue returns the single value of flag, failing if it is not present exactly once.
-func flagValue(t *testing.T, argv []string, flag string) string {
-	t.Helper()
-	vs := flagValues(argv, flag)
-	if len(vs) != 1 {
-		t.Fatalf("%s: want exactly one occurrence, got %d in %q", flag, len(vs), argv)
-	}
-	return vs[0]
-}
-
-func hasFlag(argv []string, flag string) bool { return len(flagValues(argv, flag)) > 0 }
 
 func mustCmdline(t *testing.T, l launch) []string {
 	t.Helper()
@@ -86,15 +59,15 @@ func TestCmdlineNoRAMPath(t *testing.T) {
 	l := baseLaunch()
 	l.Machine = "" // defaults to defaultMachine
 	argv := mustCmdline(t, l)
-	if hasFlag(argv, "-object") {
+	if qemutest.HasFlag(argv, "-object") {
 		t.Errorf("no RAM path but -object present: %q", argv)
 	}
-	if got := flagValue(t, argv, "-machine"); got != defaultMachine {
+	if got := qemutest.FlagValue(t, argv, "-machine"); got != defaultMachine {
 		t.Errorf("-machine = %q, want %q", got, defaultMachine)
 	}
 	// No initrd: no -initrd.
 	l.Initrd = ""
-	if argv := mustCmdline(t, l); hasFlag(argv, "-initrd") {
+	if argv := mustCmdline(t, l); qemutest.HasFlag(argv, "-initrd") {
 		t.Errorf("empty Initrd but -initrd present")
 	}
 }
@@ -189,7 +162,7 @@ func TestCmdlineNetInvalid(t *testing.T) {
 func TestQEMULaunch(t *testing.T) {
 	l := baseLaunch()
 	l.Machine = ""
-	l.Disk = []DiskLayer{{Path: "/a.raw", Format: "raw", Node: "old-name"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2", Node: "disk-l7"}}
+	l.Disk = []diskLayer{{Path: "/a.raw", Format: "raw", Node: "old-name"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2", Node: "disk-l7"}}
 	l.Net = true
 	l.Publish = []PortForward{{HostPort: 8080, GuestPort: 80}, {HostIP: "0.0.0.0", HostPort: 2222, GuestPort: 22}}
 	l.TCGThread = TCGThreadSingle
@@ -225,7 +198,7 @@ func TestCmdlineManifestRoundTrip(t *testing.T) {
 	l.RAM = ramBacking{Path: "/dev/shm/r,1.ram", Shared: false}
 	l.Incoming, l.DevicesOnly, l.VsockCID, l.Net = true, true, 7, true
 	l.Publish = []PortForward{{HostPort: 8080, GuestPort: 80}}
-	l.Disk = []DiskLayer{{Path: "/a.raw", Format: "raw"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2"}}
+	l.Disk = []diskLayer{{Path: "/a.raw", Format: "raw"}, {Path: "/b.qcow2", Format: "qcow2"}, {Path: "/c.qcow2", Format: "qcow2"}}
 	first := mustCmdline(t, l)
 	b, err := json.Marshal(l)
 	if err != nil {
@@ -251,7 +224,7 @@ func TestCmdlineInvalidSpec(t *testing.T) {
 		{"zero cpus", func(l *launch) { l.CPUs = 0 }},
 		{"no rundir", func(l *launch) { l.RunDir = "" }},
 		{"no kernel", func(l *launch) { l.Kernel = "" }},
-		{"unknown disk format", func(l *launch) { l.Disk = []DiskLayer{{Path: "/a.vmdk", Format: "vmdk"}} }},
+		{"unknown disk format", func(l *launch) { l.Disk = []diskLayer{{Path: "/a.vmdk", Format: "vmdk"}} }},
 		{"device-state-only without incoming", func(l *launch) { l.DevicesOnly = true }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

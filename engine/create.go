@@ -17,7 +17,7 @@ import (
 // its directory created. The caller must unreserve spec.Name and discard the VM on
 // failure.
 func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
-	if err := spec.Validate(); err != nil {
+	if err := ValidateSpec(spec); err != nil {
 		return nil, err
 	}
 	if err := checkPortsFree(spec.Publish); err != nil {
@@ -53,13 +53,13 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec) (*VM, error) {
 }
 
 // Create boots a new VM from the guest image and returns once its agent answered.
-// spec.Name is required; zero CPUs and MemoryMiB take the defaults (Spec.WithDefaults).
+// spec.Name is required; zero CPUs and MemoryMiB take the defaults (SpecWithDefaults).
 func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	clock := markPhases(e.cfg.Markers, spec.Name)
 	clock.begin("prepare")
 	defer clock.abandon() // a failure ends its phase's marker
-	spec = spec.WithDefaults()
-	if err := spec.Validate(); err != nil {
+	spec = SpecWithDefaults(spec)
+	if err := ValidateSpec(spec); err != nil {
 		return nil, err
 	}
 	// An image that does not exist is bad input, said as such before admission (a full
@@ -113,7 +113,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		if err := guestboot.CreateDisk(ctx, p, spec.DiskMiB); err != nil {
 			return nil, fmt.Errorf("engine: disk: %w", err)
 		}
-		vm.m.Launch.Disk = []DiskLayer{{Path: p, Format: "raw"}}
+		vm.m.Launch.Disk = []diskLayer{{Path: p, Format: "raw"}}
 		vm.m.DiskNode = "disk0"
 	}
 	clock.lap(&vm.m.Timings.Prepare)
@@ -159,12 +159,12 @@ func (e *Engine) attachImage(ctx context.Context, vm *VM, spec Spec) error {
 	if err != nil {
 		return err
 	}
-	layer := DiskLayer{Path: base, Format: "raw"}
+	layer := diskLayer{Path: base, Format: "raw"}
 	top := filepath.Join(vm.dir, rootTopFile)
 	if err := qemuImgCreate(ctx, qemuImg, top, layer, int64(sizeMiB)<<20); err != nil {
 		return err
 	}
-	vm.m.Launch.Disk = []DiskLayer{layer, {Path: top, Format: "qcow2"}}
+	vm.m.Launch.Disk = []diskLayer{layer, {Path: top, Format: "qcow2"}}
 	vm.m.DiskNode = "disk0"
 	return nil
 }

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+
+	"github.com/forkvm/forkvm/api"
 )
 
 // Delete stops the VM and removes everything it owns: process, sockets, RAM file, disk
@@ -42,15 +44,9 @@ func (e *Engine) Reap(ctx context.Context) []string {
 	return dead
 }
 
-// DeleteCheckpointOptions tune DeleteCheckpoint. A nil pointer means defaults.
-type DeleteCheckpointOptions struct {
-	// Force deletes the checkpoint's live forks first, after cancelling the forks being
-	// made from it (their callers get an error wrapping ErrNotFound) and waiting for
-	// them to settle; without it a checkpoint with forks is refused with ErrInUse. A
-	// handoff checkpoint whose source VM still runs from it is refused even so: that VM
-	// is the one the checkpoint was taken of, not a fork anyone asked for.
-	Force bool
-}
+// DeleteCheckpointOptions tune DeleteCheckpoint: api.DeleteCheckpointOptions documents
+// Force. A nil pointer means defaults.
+type DeleteCheckpointOptions = api.DeleteCheckpointOptions
 
 // DeleteCheckpoint removes a checkpoint and its files. A checkpoint with a corrupt
 // manifest can be deleted too (only explicitly: it is never collected).

@@ -24,53 +24,69 @@ import (
 // read-only backing files, hard-linked into the checkpoint); a fork gets a clone or an
 // empty overlay on the frozen chain.
 
-// diskFreeze is a prepared disk freeze: nothing to do, a reflink clone (done at commit),
-// or a new qcow2 overlay already added to QEMU (blockdev-snapshot at commit).
+// diskFreeze is a live disk freeze: nothing to do, a reflink clone (done at commit),
+// or a new qcow2 overlay added to QEMU while the guest runs (prepare) that the VM
+// switches onto at commit (blockdev-snapshot); the old chain becomes the checkpoint's.
 type diskFreeze struct {
-	p       *qemuProc
-	m       *manifest // the VM's manifest; commit updates its chain
-	none    bool
-	reflink bool
-	tmpDir  string
-	newPath string // qcow2 overlay the VM will continue on
-	newNode string
+	p        *qemuProc
+	m        *manifest // the VM's manifest; commit updates its chain
+	none     bool
+	reflink  bool
+	tmpDir   string
+	qemuImg  string
+	newPath  string // qcow2 overlay the VM will continue on
+	newNode  string
+	added    bool // newNode is in QEMU (prepare)
+	switched bool // the VM writes newNode (commit): nothing to undo any more
 }
 
-// prepareDiskFreeze chooses the disk method and, for qcow2, creates and adds the new
-// overlay while the guest still runs. The caller holds the VM's lock.
-func prepareDiskFreeze(ctx context.Context, p *qemuProc, m *manifest, vmDir, tmpDir, qemuImg string) (*diskFreeze, error) {
-	d := &diskFreeze{p: p, m: m, tmpDir: tmpDir}
+// planDiskFreeze chooses the disk method; it creates nothing but a throwaway reflink
+// probe. The caller holds the VM's lock.
+func planDiskFreeze(ctx context.Context, p *qemuProc, m *manifest, vmDir, tmpDir, qemuImg string) *diskFreeze {
+	d := &diskFreeze{p: p, m: m, tmpDir: tmpDir, qemuImg: qemuImg}
 	layers := m.Launch.Disk
-	if len(layers) == 0 {
+	switch {
+	case len(layers) == 0:
 		d.none = true
-		return d, nil
-	}
-	if canReflink(ctx, layers, tmpDir) {
+	case canReflink(ctx, layers, tmpDir):
 		d.reflink = true
-		return d, nil
+	default:
+		d.newNode = nextDiskNode(m.DiskSeq)
+		d.newPath = nextDiskPath(vmDir, m.DiskSeq)
 	}
-	top := layers[len(layers)-1]
-	d.newNode = nextDiskNode(m.DiskSeq)
-	d.newPath = nextDiskPath(vmDir, m.DiskSeq)
-	if err := qemuImgCreate(ctx, qemuImg, d.newPath, top, int64(m.Spec.DiskMiB)<<20); err != nil {
-		return nil, err
+	return d
+}
+
+// newTop is the overlay the VM will continue on ("": none).
+func (d *diskFreeze) newTop() string { return d.newPath }
+
+// prepare creates the new qcow2 overlay and adds it to QEMU while the guest still runs.
+func (d *diskFreeze) prepare(ctx context.Context) error {
+	if d.newNode == "" {
+		return nil
 	}
-	c, err := p.client(ctx)
+	layers := d.m.Launch.Disk
+	if err := qemuImgCreate(ctx, d.qemuImg, d.newPath, layers[len(layers)-1], int64(d.m.Spec.DiskMiB)<<20); err != nil {
+		return err
+	}
+	c, err := d.p.client(ctx)
 	if err == nil {
 		err = c.BlockdevAdd(ctx, qemu.BlockdevQcow2{NodeName: d.newNode, Discard: "unmap", File: qemu.BlockdevFile{Filename: d.newPath}})
 	}
 	if err != nil {
 		os.Remove(d.newPath)
-		return nil, fmt.Errorf("engine: disk freeze: %w", err)
+		return fmt.Errorf("engine: disk freeze: %w", err)
 	}
-	return d, nil
+	d.added = true
+	return nil
 }
 
-// abort undoes prepare.
+// abort undoes prepare, unless the VM already switched onto the new overlay.
 func (d *diskFreeze) abort(ctx context.Context) {
-	if d.newNode == "" {
+	if !d.added || d.switched {
 		return
 	}
+	d.added = false
 	if c, err := d.p.client(ctx); err == nil {
 		_ = c.BlockdevDel(ctx, d.newNode)
 	}
@@ -95,24 +111,24 @@ func (d *diskFreeze) commit(ctx context.Context, ck *checkpointManifest) error {
 	// After a completed migration QEMU has inactivated the block nodes (handing them to a
 	// destination that does not exist here); take them back before touching them.
 	if err := c.BlockdevSetActive(ctx, true); err != nil {
-		d.abort(ctx)
 		return err
 	}
 	if err := c.BlockdevSnapshot(ctx, d.m.DiskNode, d.newNode); err != nil {
-		d.abort(ctx)
 		return err
 	}
-	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
-	if ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.m.Launch.Disk, d.tmpDir, false); err != nil {
-		return err
-	}
+	// The VM writes the new overlay from here on: its chain says so even if the
+	// checkpoint fails now (the caller saves the manifest).
+	d.switched = true
+	frozen := append([]diskLayer(nil), d.m.Launch.Disk...)
 	d.m.pushOverlay(d.newNode, d.newPath)
-	return nil
+	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
+	ck.Disk, ck.DiskMethod, err = freezeChain(ctx, frozen, d.tmpDir, false)
+	return err
 }
 
 // canReflink reports whether a single raw disk can be cloned by reflink on its file
 // system (probed with a throwaway clone in dir).
-func canReflink(ctx context.Context, layers []DiskLayer, dir string) bool {
+func canReflink(ctx context.Context, layers []diskLayer, dir string) bool {
 	if len(layers) != 1 || layers[0].Format != "raw" {
 		return false
 	}
@@ -135,7 +151,7 @@ func nextDiskPath(vmDir string, seq int) string {
 // freezeChain gives a checkpoint in dir its own copy of a disk chain that no longer
 // changes: a reflink clone of a single raw disk, or hard links of every layer (the
 // layers are read-only backing files from now on). It returns the layers and the method.
-func freezeChain(ctx context.Context, layers []DiskLayer, dir string, reflink bool) ([]DiskLayer, string, error) {
+func freezeChain(ctx context.Context, layers []diskLayer, dir string, reflink bool) ([]diskLayer, string, error) {
 	if len(layers) == 0 {
 		return nil, "", nil
 	}
@@ -144,22 +160,22 @@ func freezeChain(ctx context.Context, layers []DiskLayer, dir string, reflink bo
 		if err := memfile.Clone(ctx, layers[0].Path, dst); err != nil {
 			return nil, "", err
 		}
-		return []DiskLayer{{Path: dst, Format: "raw"}}, "reflink", nil
+		return []diskLayer{{Path: dst, Format: "raw"}}, "reflink", nil
 	}
-	var frozen []DiskLayer
+	var frozen []diskLayer
 	for i, l := range layers {
 		dst := filepath.Join(dir, fmt.Sprintf("layer%d.%s", i, l.Format))
 		if err := os.Link(l.Path, dst); err != nil {
 			return nil, "", err
 		}
-		frozen = append(frozen, DiskLayer{Path: dst, Format: l.Format})
+		frozen = append(frozen, diskLayer{Path: dst, Format: l.Format})
 	}
 	return frozen, "qcow2-overlay", nil
 }
 
 // qemuImgCreate creates an empty qcow2 overlay on backing. -u: the backing file is not
 // opened (it may not be at its recorded path yet; forks name their chain explicitly).
-func qemuImgCreate(ctx context.Context, qemuImg, path string, backing DiskLayer, size int64) error {
+func qemuImgCreate(ctx context.Context, qemuImg, path string, backing diskLayer, size int64) error {
 	if size <= 0 {
 		// An overlay smaller than its chain shows the guest a truncated disk.
 		return fmt.Errorf("%w: overlay %s of %d bytes", ErrInvalidSpec, path, size)
@@ -187,19 +203,19 @@ func makeOverlayTemplate(ctx context.Context, qemuImg string, ck *checkpointMani
 }
 
 // forkDisk gives a fork in dir its own writable disk on the checkpoint's frozen chain.
-func forkDisk(ctx context.Context, ck *checkpointManifest, dir string) ([]DiskLayer, error) {
+func forkDisk(ctx context.Context, ck *checkpointManifest, dir string) ([]diskLayer, error) {
 	if ck.DiskMethod == "reflink" {
 		dst := filepath.Join(dir, rawDiskFile)
 		if err := memfile.Clone(ctx, ck.Disk[0].Path, dst); err != nil {
 			return nil, fmt.Errorf("engine: fork disk: %w", err)
 		}
-		return []DiskLayer{{Path: dst, Format: "raw"}}, nil
+		return []diskLayer{{Path: dst, Format: "raw"}}, nil
 	}
 	dst := filepath.Join(dir, forkTopFile)
 	if err := copySmallFile(ck.OverlayTemplate, dst); err != nil {
 		return nil, fmt.Errorf("engine: fork disk: %w", err)
 	}
-	return append(append([]DiskLayer(nil), ck.Disk...), DiskLayer{Path: dst, Format: "qcow2"}), nil
+	return append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: dst, Format: "qcow2"}), nil
 }
 
 // copySmallFile copies a small file (a qcow2 overlay template) to a new 0600 file.
@@ -404,8 +420,8 @@ func (vm *VM) settleCollapse(ctx context.Context) error {
 		vm.log.Warn("disk collapse: unexpected chain depth; left as it is", "vm", m.Name, "job", pc.Job, "depth", depth, "want", pc.Keep)
 		return vm.saveLocked()
 	}
-	dropped := append([]DiskLayer(nil), layers[pc.Keep:len(layers)-1]...)
-	m.Launch.Disk = append(append([]DiskLayer(nil), layers[:pc.Keep]...), layers[len(layers)-1])
+	dropped := append([]diskLayer(nil), layers[pc.Keep:len(layers)-1]...)
+	m.Launch.Disk = append(append([]diskLayer(nil), layers[:pc.Keep]...), layers[len(layers)-1])
 	if err := vm.saveLocked(); err != nil {
 		m.Launch.Disk, m.DiskCollapse = layers, pc
 		return err
@@ -436,7 +452,7 @@ func (vm *VM) settleForFreeze(ctx context.Context) error {
 // between a settle's manifest save and its removals), named as only the VM's own disk
 // layers are. QEMU refuses to delete a node still in use; a checkpoint that froze a file
 // holds its own link. The caller holds the VM's lock.
-func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, dropped []DiskLayer) {
+func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, dropped []diskLayer) {
 	inChain := map[string]bool{}
 	files := map[string]bool{}
 	for _, l := range vm.m.Launch.Disk {

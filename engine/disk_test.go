@@ -7,16 +7,15 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
+	"github.com/forkvm/forkvm/engine/internal/qemu/qemutest"
 )
 
 func TestPlanCollapse(t *testing.T) {
@@ -101,7 +100,7 @@ func TestNodeAndFileNames(t *testing.T) {
 
 func TestPushOverlayPinsNodeNames(t *testing.T) {
 	m := &manifest{DiskNode: "disk0", DiskSeq: 0}
-	m.Launch.Disk = []DiskLayer{{Path: "/ck/layer0.raw", Format: "raw"}, {Path: "/ck/layer1.qcow2", Format: "qcow2"}, {Path: "/vm/disk-top.qcow2", Format: "qcow2"}}
+	m.Launch.Disk = []diskLayer{{Path: "/ck/layer0.raw", Format: "raw"}, {Path: "/ck/layer1.qcow2", Format: "qcow2"}, {Path: "/vm/disk-top.qcow2", Format: "qcow2"}}
 	m.pushOverlay("disk-l1", "/vm/disk1.qcow2")
 	m.pushOverlay("disk-l2", "/vm/disk2.qcow2")
 	var got []string
@@ -128,85 +127,17 @@ func TestPushOverlayPinsNodeNames(t *testing.T) {
 	}
 }
 
-// fakeQMP is a scripted QMP server on a unix socket: each command's reply comes from
-// handle (a raw JSON return value, or an error class and description).
-type fakeQMP struct {
-	mu     sync.Mutex
-	calls  []string
-	handle func(cmd string, args json.RawMessage) (ret string, errClass string)
-}
-
-func (f *fakeQMP) called() []string {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return append([]string(nil), f.calls...)
-}
-
-// newFakeQMP serves QMP on a socket in a fresh directory and returns its path.
-func newFakeQMP(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (string, *fakeQMP) {
-	t.Helper()
-	sock := filepath.Join(t.TempDir(), "qmp.sock")
-	ln, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	f := &fakeQMP{handle: handle}
-	go func() {
-		for {
-			sc, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go f.serve(sc)
-		}
-	}()
-	return sock, f
-}
-
-func (f *fakeQMP) serve(sc net.Conn) {
-	defer sc.Close()
-	dec := json.NewDecoder(sc)
-	io.WriteString(sc, `{"QMP": {"version": {"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": ""}, "capabilities": []}}`+"\r\n")
-	for {
-		var c struct {
-			Execute   string          `json:"execute"`
-			Arguments json.RawMessage `json:"arguments"`
-			ID        string          `json:"id"`
-		}
-		if dec.Decode(&c) != nil {
-			return
-		}
-		ret, class := "{}", ""
-		if c.Execute != "qmp_capabilities" {
-			f.mu.Lock()
-			f.calls = append(f.calls, c.Execute)
-			f.mu.Unlock()
-			ret, class = f.handle(c.Execute, c.Arguments)
-		}
-		var msg string
-		if class != "" {
-			msg = fmt.Sprintf(`{"error": {"class": %q, "desc": %q}, "id": %q}`, class, ret, c.ID)
-		} else {
-			msg = fmt.Sprintf(`{"return": %s, "id": %q}`, ret, c.ID)
-		}
-		if _, err := io.WriteString(sc, msg+"\r\n"); err != nil {
-			return
-		}
-	}
-}
-
 // collapseVM is a VM with a five-layer chain whose collapse (keep 1) is recorded, its
 // own layer files in its directory, and a QEMU played by handle.
-func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (*VM, *fakeQMP) {
+func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (*VM, *qemutest.QMP) {
 	t.Helper()
 	dir := t.TempDir()
 	vm := &VM{dir: dir, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	m := &vm.m
 	m.Name, m.DiskNode, m.DiskSeq = "w", "disk-l4", 4
-	m.Launch.Disk = []DiskLayer{{Path: filepath.Join(dir, rawDiskFile), Format: "raw", Node: "disk0"}}
+	m.Launch.Disk = []diskLayer{{Path: filepath.Join(dir, rawDiskFile), Format: "raw", Node: "disk0"}}
 	for i := 1; i <= 4; i++ {
-		m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: nextDiskPath(dir, i-1), Format: "qcow2", Node: nextDiskNode(i - 1)})
+		m.Launch.Disk = append(m.Launch.Disk, diskLayer{Path: nextDiskPath(dir, i-1), Format: "qcow2", Node: nextDiskNode(i - 1)})
 	}
 	for _, l := range m.Launch.Disk {
 		if err := os.WriteFile(l.Path, nil, 0o600); err != nil {
@@ -214,7 +145,8 @@ func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (str
 		}
 	}
 	m.DiskCollapse = &diskCollapse{Job: "collapse-4", Keep: 1, Layers: 5}
-	sock, f := newFakeQMP(t, handle)
+	f := qemutest.NewQMP(handle)
+	sock := f.Listen(t)
 	// The QEMU is this test process (alive for the test), its monitor the fake.
 	start, err := qemu.ProcStartTime(os.Getpid())
 	if err != nil {
@@ -289,7 +221,7 @@ func TestSettleCollapse(t *testing.T) {
 			if tc.wantGone != nil {
 				slices.Sort(deleted)
 				if !slices.Equal(deleted, []string{"disk-l1", "disk-l2", "disk-l3"}) {
-					t.Fatalf("blockdev-del %v (calls %v)", deleted, f.called())
+					t.Fatalf("blockdev-del %v (calls %v)", deleted, f.Commands())
 				}
 			} else if len(deleted) > 0 {
 				t.Fatalf("blockdev-del %v of an unchanged chain", deleted)
@@ -311,7 +243,7 @@ func TestSettleCollapseRunningJob(t *testing.T) {
 	if vm.m.DiskCollapse == nil || len(vm.m.Launch.Disk) != 5 {
 		t.Fatalf("record %+v, chain %d", vm.m.DiskCollapse, len(vm.m.Launch.Disk))
 	}
-	for _, c := range f.called() {
+	for _, c := range f.Commands() {
 		if c != "query-block-jobs" {
 			t.Fatalf("sent %s while the job runs", c)
 		}

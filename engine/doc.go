@@ -106,10 +106,14 @@ package engine
 // with the engine's errors and cgroup, and watchEvents, the pause on disk errors),
 // migrate.go (loadFromFile and the other migration stages over the monitor's verbs),
 // handshake.go (the agent's token handshake) and fork.go, which runs them in order;
-// many.go runs a wave of them. checkpoint.go, ckwriter.go, ckdelta.go, ckfork.go and
-// handoff.go make checkpoints; disk.go freezes and collapses disk chains (blockdev-add,
-// blockdev-snapshot, block-stream through the monitor); recover.go repairs what a
-// crash cut short. paths.go owns every path and file name. spans.go times phases as spans
+// many.go runs a wave of them. A checkpoint: checkpoint.go chooses its kind, and
+// ckpause.go takes every kind through the same stages (prepare, the pause under the VM's
+// lock with the one crash marker, finish, the commit, committed) and holds the pause's
+// crash recovery; ckwriter.go writes the files and commits once; one file per kind:
+// ckworld.go (copy), handoff.go (with its crash recovery), ckdelta.go (delta of a fork),
+// ckfork.go (full-save fallback). disk.go freezes and collapses disk chains (blockdev-add,
+// blockdev-snapshot, block-stream through the monitor); recover.go re-finds VMs and
+// checkpoints after a crash, each VM's cut-short checkpoint settled by its kind's code. paths.go owns every path and file name. spans.go times phases as spans
 // and counters.go reads the kernel's counters of a VM's QEMU (Config.Counters) at each. files.go moves files in and
 // out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut; the engine opens a
 // host path only in CopyInPath and CopyOutPath, named by their caller) and reads its console (VM.Logs), which console.go's

@@ -4,21 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+
+	"github.com/forkvm/forkvm/api"
 )
 
-// ForkOptions tune a fork. A nil *ForkOptions means defaults.
-type ForkOptions struct {
-	// Name of the new VM. Default: the source's name and a random suffix.
-	Name string
-	// Pin, when forking a running VM, keeps the implicit checkpoint after the last fork.
-	Pin bool
-	// Overcommit overrides the engine's vCPU overcommit for this admission (0 = engine's).
-	Overcommit float64
-	// Publish forwards host ports to the fork's guest TCP ports; the checkpoint must
-	// have a network (Spec.Net). A fork never inherits its source's forwards. A fork
-	// that publishes ports does not use the warm pool (pooled processes have none).
-	Publish []PortForward
-}
+// ForkOptions tune a fork: api.ForkOptions documents every field. A nil *ForkOptions
+// means defaults.
+type ForkOptions = api.ForkOptions
 
 // Fork starts a new VM from a checkpoint, or from a running VM through an implicit
 // checkpoint. It returns once the fork's agent answered with the fork's own token. It is

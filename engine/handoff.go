@@ -2,47 +2,83 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"os"
+	"path/filepath"
 	"time"
 )
 
-// checkpointHandoff checkpoints a world without copying its RAM (see
+// handoffCheckpoint checkpoints a world without copying its RAM (see
 // CheckpointOptions.Handoff):
 //
-//  1. while the guest runs: prepare the VM's next disk (a new qcow2 overlay file, or
-//     reflink support);
+//  1. while the guest runs (disk, then the pause's prepare): choose the VM's next disk
+//     (a new qcow2 overlay file, or a reflink of its raw disk) and create the overlay;
 //  2. save device state with x-ignore-shared (QEMU stops the guest at completion);
-//  3. rename the RAM file into the checkpoint and link (or reflink) the disk chain;
-//  4. commit the checkpoint. Until here a failure renames the RAM file back and resumes
-//     the old process: the VM never notices;
-//  5. kill the old QEMU (it never runs again, so the file it mapped share=on stays
-//     frozen) and restart the VM from the checkpoint with private RAM, its new disk
-//     overlay, its name and its token.
-func (e *Engine) checkpointHandoff(ctx context.Context, vm *VM, w *ckWriter) error {
-	ck := w.ck
-	// The marker (written by freezeForHandoff) outlives a crash until the VM runs again
-	// or failed for good: see VM.recoverHandoff.
-	defer os.Remove(vm.path(checkpointingFile))
-	paused, reflink, newTop, err := freezeForHandoff(ctx, vm, w)
-	if err != nil {
-		return err
-	}
+//  3. paused: rename the RAM file into the checkpoint; the disk freeze links (or
+//     reflinks) the disk chain;
+//  4. commit the checkpoint, the guest still stopped. Until here a failure renames the
+//     RAM file back and resumes the old process: the VM never notices;
+//  5. committed: kill the old QEMU (it never runs again, so the file it mapped share=on
+//     stays frozen) and restart the VM from the checkpoint with private RAM, its new
+//     disk overlay, its name and its token.
+//
+// A crash in between is settled by recoverHandoff (below).
+type handoffCheckpoint struct {
+	e     *Engine
+	chain *chainFreeze
+}
 
-	// Point of no return: the checkpoint exists. Replace the VM's process.
-	vm.kill()
-	top := ""
-	if newTop != nil && !reflink {
-		top = newTop.Path
+func (*handoffCheckpoint) prepare(context.Context, *VM, *ckWriter) error { return nil }
+func (*handoffCheckpoint) finish(context.Context, *VM, *ckWriter) error  { return nil }
+func (*handoffCheckpoint) handsOff() bool                                { return true }
+
+// disk freezes the VM's whole chain into the checkpoint (vm.mu is held).
+func (h *handoffCheckpoint) disk(ctx context.Context, vm *VM, w *ckWriter) ckDisk {
+	layers := append([]diskLayer(nil), vm.m.Launch.Disk...)
+	h.chain = &chainFreeze{layers: layers, tmpDir: w.tmp, qemuImg: w.qemuImg, size: int64(vm.m.Spec.DiskMiB) << 20}
+	h.chain.reflink = canReflink(ctx, layers, w.tmp)
+	if len(layers) > 0 && !h.chain.reflink {
+		h.chain.top = nextDiskPath(vm.dir, vm.m.DiskSeq)
 	}
+	return h.chain
+}
+
+func (*handoffCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) (err error) {
+	w.ck.Migration, err = p.saveToFileStats(ctx, w.statePath(), false)
+	return err
+}
+
+// paused freezes the RAM by renaming it: no byte is copied. undo renames it back.
+func (*handoffCheckpoint) paused(ctx context.Context, vm *VM, w *ckWriter) (func(), error) {
+	ck, ramPath := w.ck, vm.m.Launch.RAM.Path
+	t := time.Now()
+	end := w.phase("freeze")
+	err := os.Rename(ramPath, w.ramTmp)
+	end()
+	if err != nil {
+		return nil, fmt.Errorf("freeze ram: %w", err)
+	}
+	ck.Timings.Freeze = time.Since(t)
+	ck.RAMMethod = "handoff"
+	return func() { os.Rename(w.ramTmp, ramPath) }, nil
+}
+
+// committed is the point of no return: the checkpoint exists; the VM's process is
+// replaced. The marker goes once the VM runs again or failed for good.
+func (h *handoffCheckpoint) committed(ctx context.Context, vm *VM, w *ckWriter) error {
+	defer os.Remove(vm.path(checkpointingFile))
+	e, ck := h.e, w.ck
+	vm.kill()
 	vm.mu.Lock()
-	vm.relaunchHandedOff(e.paths, ck, top)
+	vm.relaunchHandedOff(e.paths, ck, h.chain.top)
 	vm.mu.Unlock()
 	e.vms.setParent(vm.m.Name, ck.Name)
 	if err := vm.restartHandedOff(ctx, w.checkpoint()); err != nil {
 		return err
 	}
-	ck.Timings.Paused = time.Since(paused)
+	ck.Timings.Paused = time.Since(w.pausedAt)
 	// The manifest was committed while the guest was still paused: record the pause.
 	if err := e.cks.save(w.checkpoint()); err != nil {
 		return err
@@ -51,79 +87,42 @@ func (e *Engine) checkpointHandoff(ctx context.Context, vm *VM, w *ckWriter) err
 	return nil
 }
 
-// freezeForHandoff runs steps 1-4 of checkpointHandoff under the VM's lock; on failure
-// the VM runs on as before. It returns when the guest was paused, whether the disk was
-// reflinked, and the VM's next qcow2 overlay.
-func freezeForHandoff(ctx context.Context, vm *VM, w *ckWriter) (paused time.Time, reflink bool, newTop *DiskLayer, err error) {
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	ck, p := w.ck, vm.process()
-	if err := vm.settleForFreeze(ctx); err != nil {
-		return paused, false, nil, err
+// chainFreeze is a handoff's disk freeze: the VM's whole chain becomes the checkpoint's
+// (hard links, or a reflink of a raw disk), and the restarted VM goes on with a new
+// qcow2 overlay on it (top, created while the guest runs) or its own raw file.
+type chainFreeze struct {
+	layers  []diskLayer
+	reflink bool
+	top     string // the restarted VM's overlay ("": none)
+	created bool
+	tmpDir  string
+	qemuImg string
+	size    int64
+}
+
+func (d *chainFreeze) newTop() string { return d.top }
+
+func (d *chainFreeze) prepare(ctx context.Context) error {
+	if d.top == "" {
+		return nil
 	}
-	ramPath := vm.m.Launch.RAM.Path
-	layers := append([]DiskLayer(nil), vm.m.Launch.Disk...)
-	reflink = canReflink(ctx, layers, w.tmp)
-	mk := checkpointing{Checkpoint: ck.Name, Handoff: true, RAM: ramPath, RAMTmp: w.ramTmp}
-	if len(layers) > 0 && !reflink {
-		mk.NewTop = nextDiskPath(vm.dir, vm.m.DiskSeq)
+	if err := qemuImgCreate(ctx, d.qemuImg, d.top, d.layers[len(d.layers)-1], d.size); err != nil {
+		return err
 	}
-	if err := writeJSON(vm.path(checkpointingFile), mk); err != nil {
-		return paused, false, nil, err
+	d.created = true
+	return nil
+}
+
+func (d *chainFreeze) commit(ctx context.Context, ck *checkpointManifest) (err error) {
+	ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.layers, d.tmpDir, d.reflink)
+	return err
+}
+
+func (d *chainFreeze) abort(context.Context) {
+	if d.created {
+		os.Remove(d.top)
+		d.created = false
 	}
-	if mk.NewTop != "" {
-		if err := qemuImgCreate(ctx, w.qemuImg, mk.NewTop, layers[len(layers)-1], int64(vm.m.Spec.DiskMiB)<<20); err != nil {
-			return paused, false, nil, err
-		}
-		newTop = &DiskLayer{Path: mk.NewTop, Format: "qcow2"}
-	}
-	// undo puts everything back as it was; the old process resumes.
-	renamed := false
-	undo := func() {
-		if renamed {
-			os.Rename(w.ramTmp, ramPath)
-		}
-		if newTop != nil {
-			os.Remove(newTop.Path)
-		}
-		_ = p.resume()
-	}
-	t0 := time.Now()
-	endMigrate := w.phase("migrate")
-	defer endMigrate() // a failure's marker ends too
-	if ck.Migration, err = p.saveToFileStats(ctx, w.statePath(), false); err != nil {
-		undo()
-		return paused, false, nil, err
-	}
-	endMigrate()
-	ck.Timings.Migrate = time.Since(t0)
-	paused = time.Now()
-	// The guest is stopped. Freeze by renaming: no byte is copied.
-	t1 := time.Now()
-	endFreeze := w.phase("freeze")
-	defer endFreeze() // a failure's marker ends too
-	if err := os.Rename(ramPath, w.ramTmp); err != nil {
-		undo()
-		return paused, false, nil, fmt.Errorf("freeze ram: %w", err)
-	}
-	renamed = true
-	endFreeze()
-	ck.Timings.Freeze = time.Since(t1)
-	ck.RAMMethod = "handoff"
-	t2 := time.Now()
-	endDisk := w.phase("disk")
-	defer endDisk() // a failure's marker ends too
-	if ck.Disk, ck.DiskMethod, err = freezeChain(ctx, layers, w.tmp, reflink); err != nil {
-		undo()
-		return paused, false, nil, err
-	}
-	endDisk()
-	ck.Timings.Disk = time.Since(t2)
-	if err := w.commit(ctx); err != nil {
-		undo()
-		return paused, false, nil, err
-	}
-	return paused, reflink, newTop, nil
 }
 
 // relaunchHandedOff makes the VM's launch the one that restores its own handoff
@@ -144,7 +143,7 @@ func (vm *VM) relaunchHandedOff(paths layout, ck *checkpointManifest, newTop str
 		return
 	}
 	switched := len(disk) > 0 && disk[len(disk)-1].Path == newTop
-	vm.m.Launch.Disk = append(append([]DiskLayer(nil), ck.Disk...), DiskLayer{Path: newTop, Format: "qcow2"})
+	vm.m.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: newTop, Format: "qcow2"})
 	vm.m.DiskNode = "disk0"
 	if !switched {
 		vm.m.DiskSeq++
@@ -164,4 +163,80 @@ func (vm *VM) restartHandedOff(ctx context.Context, c *Checkpoint) error {
 		return vm.failure("restart after handoff", err)
 	}
 	return vm.markRunning()
+}
+
+// recoverHandoff settles a VM whose engine died during a handoff checkpoint (its
+// marker says where the RAM file was going). Before the checkpoint was committed, the
+// RAM file (still at its temporary name, or already at the checkpoint's, whose directory
+// never got there) and the disk go back as they were and the marker stays for
+// recoverCheckpointing, which resumes the old QEMU. After, the RAM file belongs to the
+// checkpoint and the old QEMU must never run again (it maps that file share=on): the
+// handoff is finished as it would have been: every QEMU of the VM is killed and the VM
+// restarts from the checkpoint under its own name, with its token, disk and ports (a
+// handoff that had already finished is left alone). Only when that restart fails is the
+// VM kept as dead, the checkpoint holding its state (fork it to go on).
+func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger, mk checkpointing, timeout time.Duration) {
+	ckDir := paths.checkpointDir(mk.Checkpoint)
+	b, err := os.ReadFile(filepath.Join(ckDir, manifestFile))
+	if errors.Is(err, os.ErrNotExist) {
+		if mk.RAM != "" {
+			if _, err := os.Stat(mk.RAM); errors.Is(err, os.ErrNotExist) {
+				// The commit renames the RAM file to the checkpoint's name before the
+				// directory: it may be at either.
+				for _, from := range []string{mk.RAMTmp, paths.checkpointRAM(mk.Checkpoint)} {
+					if from == "" {
+						continue
+					}
+					if err = os.Rename(from, mk.RAM); err == nil {
+						break
+					}
+				}
+				if err != nil {
+					log.Warn("recover: handoff cut short: cannot put the RAM file back", "vm", vm.m.Name, "err", err)
+				}
+			}
+		}
+		if mk.NewTop != "" {
+			os.Remove(mk.NewTop)
+		}
+		return
+	}
+	defer os.Remove(vm.path(checkpointingFile))
+	var ck *checkpointManifest
+	if err == nil {
+		ck, err = paths.decodeCheckpoint(b, ckDir)
+	}
+	if err == nil && ck.Name != mk.Checkpoint {
+		err = fmt.Errorf("manifest names %q", ck.Name)
+	}
+	vm.mu.Lock()
+	done := vm.m.State == StateRunning && vm.m.Parent == mk.Checkpoint && !vm.m.Launch.RAM.Shared
+	vm.mu.Unlock()
+	if done && vm.alive() {
+		return // the crash came after the restart, before the marker went
+	}
+	vm.kill()
+	pids := qemusOf(vm.m.Launch.RunDir)
+	killOrphans(&vm.m)
+	waitGone(pids, 5*time.Second)
+	if err == nil {
+		rctx, cancel := context.WithTimeout(ctx, timeout)
+		vm.mu.Lock()
+		vm.relaunchHandedOff(paths, ck, mk.NewTop)
+		vm.mu.Unlock()
+		err = vm.restartHandedOff(rctx, &Checkpoint{Manifest: *ck, Dir: ckDir})
+		cancel()
+		if err == nil {
+			log.Warn("recover: finished a handoff cut short: the vm runs again from its checkpoint", "vm", vm.m.Name, "checkpoint", mk.Checkpoint)
+			return
+		}
+		vm.kill()
+	}
+	vm.mu.Lock()
+	vm.m.State = StateDead
+	vm.m.DeadReason = fmt.Sprintf("handoff to checkpoint %s cut short; restart failed: %v", mk.Checkpoint, err)
+	serr := vm.saveLocked()
+	vm.mu.Unlock()
+	log.Warn("recover: handoff cut short after its checkpoint was committed and the vm cannot restart from it; the vm is dead, fork the checkpoint to go on",
+		"vm", vm.m.Name, "checkpoint", mk.Checkpoint, "err", err, "save_err", serr)
 }

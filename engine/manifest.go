@@ -129,7 +129,7 @@ type checkpointManifest struct {
 	// when forks go). Empty: no list, nothing is ever punched.
 	RAMHolesSHA256 string `json:"ram_holes_sha256,omitempty"`
 	// Disk is the frozen disk chain (base first), files inside the checkpoint dir.
-	Disk []DiskLayer `json:"disk,omitempty"`
+	Disk []diskLayer `json:"disk,omitempty"`
 	// OverlayTemplate is an empty qcow2 overlay on Disk, copied for each fork.
 	OverlayTemplate string `json:"overlay_template,omitempty"`
 	// DiskMethod says how the disk was frozen: "reflink" or "qcow2-overlay".
@@ -200,7 +200,7 @@ func parseToken(s string) ([16]byte, error) {
 // on top of its disk chain (a checkpoint's disk freeze switched it there).
 func (m *manifest) pushOverlay(node, path string) {
 	m.pinDiskNodes()
-	m.Launch.Disk = append(m.Launch.Disk, DiskLayer{Path: path, Format: "qcow2", Node: node})
+	m.Launch.Disk = append(m.Launch.Disk, diskLayer{Path: path, Format: "qcow2", Node: node})
 	m.DiskNode = node
 	m.DiskSeq++
 }

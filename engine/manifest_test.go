@@ -14,7 +14,7 @@ func testManifest() manifest {
 	l := baseLaunch()
 	l.RAM = ramBacking{Path: "/dev/shm/forkvm/ck-base.ram"}
 	l.Incoming = true
-	l.Disk = []DiskLayer{{Path: "/ck/base/layer0.raw", Format: "raw"}, {Path: "/vms/w1/disk-top.qcow2", Format: "qcow2"}}
+	l.Disk = []diskLayer{{Path: "/ck/base/layer0.raw", Format: "raw"}, {Path: "/vms/w1/disk-top.qcow2", Format: "qcow2"}}
 	return manifest{
 		Version: manifestVersion, Name: "w1", Parent: "base",
 		Spec:  Spec{Name: "w1", CPUs: 2, MemoryMiB: 256, Forkable: true, DiskMiB: 64},
@@ -34,7 +34,7 @@ func testCheckpointManifest() checkpointManifest {
 		Kernel: "/k", Initrd: "/i", Append: "console=ttyS0", TBSizeMiB: 64,
 		RAMPath: "/dev/shm/forkvm/ck-base.ram", RAMSize: 256 << 20,
 		StateSHA256: strings.Repeat("ab", 32), StateSize: 1000,
-		Disk:       []DiskLayer{{Path: "/ck/base/layer0.raw", Format: "raw"}},
+		Disk:       []diskLayer{{Path: "/ck/base/layer0.raw", Format: "raw"}},
 		DiskMethod: "reflink", RAMMethod: "copy",
 		Timings: CheckpointTimings{Migrate: 1, Freeze: 2, Disk: 3, Paused: 4, Total: 5},
 	}

@@ -4,30 +4,13 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/forkvm/forkvm/api"
 )
 
-// ManyOptions tune ForkMany. A nil *ManyOptions means defaults.
-type ManyOptions struct {
-	// Prefix names the forks Prefix1..PrefixN (ignored when Names is set). Default: the
-	// source's name and a random suffix, then "-".
-	Prefix string
-	// Names, when set, names the forks explicitly: len(Names) must equal n, or n be 0
-	// (then n is len(Names)).
-	Names []string
-	// Concurrency is how many forks start at once; 0 means all n.
-	Concurrency int
-	// Overcommit overrides the engine's vCPU overcommit for these admissions.
-	Overcommit float64
-	// Pin keeps an implicit checkpoint (when src is a running VM).
-	Pin bool
-	// Publish, when set, gives the fork of each index (0..n-1, ForkEvent.Index) its own
-	// host port forwards (see ForkOptions.Publish), e.g. one host port per fork:
-	//
-	//	Publish: func(i int) []PortForward { return []PortForward{{HostPort: 8000 + i, GuestPort: 80}} }
-	//
-	// All are validated before any fork starts; no host address may repeat.
-	Publish func(index int) []PortForward
-}
+// ManyOptions tune ForkMany: api.ManyOptions documents every field. A nil *ManyOptions
+// means defaults.
+type ManyOptions = api.ManyOptions
 
 // ForkEvent reports one fork of ForkMany: ready (VM set) or failed (Err set). Index,
 // Name, Err, Latency and Timings are those of api.ForkEvent, the event of a daemon's

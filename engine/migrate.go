@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"time"
 
@@ -126,19 +125,6 @@ func (p *qemuProc) resume() error {
 		return err
 	}
 	return c.Cont(ctx)
-}
-
-// resumeAfterSave starts timing the guest's pause after a save returned (the guest may
-// be stopped, postmigrate, whatever the save's outcome); the returned func resumes it,
-// logging a failure, and records the pause in *paused. Defer it.
-func (p *qemuProc) resumeAfterSave(log *slog.Logger, paused *time.Duration) func() {
-	t := time.Now()
-	return func() {
-		if err := p.resume(); err != nil {
-			log.Warn("checkpoint: cont failed", "vm", p.Name(), "err", err)
-		}
-		*paused = time.Since(t)
-	}
 }
 
 // waitMigration waits until the migration completed or failed, the failure under the

@@ -92,7 +92,7 @@ func TestSpecValidateNet(t *testing.T) {
 	ok := []Spec{base, {Name: "w", CPUs: 1, MemoryMiB: 256, Net: true},
 		{Name: "w", CPUs: 1, MemoryMiB: 256, Net: true, Publish: []PortForward{{HostPort: 8080, GuestPort: 80}, {HostPort: 8081, GuestPort: 80}}}}
 	for _, s := range ok {
-		if err := s.Validate(); err != nil {
+		if err := ValidateSpec(s); err != nil {
 			t.Errorf("%+v: %v", s, err)
 		}
 	}
@@ -103,7 +103,7 @@ func TestSpecValidateNet(t *testing.T) {
 		{Name: "w", CPUs: 1, MemoryMiB: 256, Net: true, Publish: []PortForward{{HostPort: 8080, GuestPort: 80}, {HostPort: 8080, GuestPort: 81}}},
 	}
 	for _, s := range bad {
-		if err := s.Validate(); !errors.Is(err, ErrInvalidSpec) {
+		if err := ValidateSpec(s); !errors.Is(err, ErrInvalidSpec) {
 			t.Errorf("%+v: %v, want ErrInvalidSpec", s, err)
 		}
 	}

@@ -167,7 +167,7 @@ func (vm *VM) resumeWhenSpace() {
 // resumeFreeBytes free.
 func (vm *VM) diskHasSpace() bool {
 	vm.mu.Lock()
-	disk := append([]DiskLayer(nil), vm.m.Launch.Disk...)
+	disk := append([]diskLayer(nil), vm.m.Launch.Disk...)
 	vm.mu.Unlock()
 	for _, d := range disk {
 		var st unix.Statfs_t

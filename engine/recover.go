@@ -2,7 +2,6 @@ package engine
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -30,13 +29,13 @@ import (
 //   - a re-adopted fork's checkpoint is marked forked: a fork's manifest says running
 //     before its checkpoint is marked, and an unpinned checkpoint left unmarked would
 //     never be collected after its last fork.
-//   - a VM whose checkpoint was cut short between its disk freeze and its resume is
-//     repaired (VM.recoverCheckpointing): migration cancelled, disk chain settled, guest
-//     resumed.
-//   - a VM whose handoff checkpoint the crash cut short (VM.recoverHandoff) runs on as
-//     before when the checkpoint was not committed; once it was, the handoff is
+//   - a VM whose checkpoint the crash cut short (its checkpointing marker) is settled by
+//     the recovery of its checkpoint's kind (VM.recoverCutShort): a handoff runs on as
+//     before when the checkpoint was not committed, and once it was, the handoff is
 //     finished: the VM restarts from the checkpoint under its own name (kept as dead,
-//     the checkpoint holding its state, only if that restart fails).
+//     the checkpoint holding its state, only if that restart fails); a pause cut short
+//     between the disk freeze and the resume is repaired: migration cancelled, disk
+//     chain settled, guest resumed.
 //   - checkpoints (checkpointStore.reap): half-written ones, RAM files and temporary
 //     files nothing owns are removed; unpinned checkpoints without forks are collected.
 //   - the checkpoints of reaped forks get back the zero pages those forks faulted into
@@ -96,18 +95,13 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 			continue
 		}
 		vm := adoptVM(dir, log, m)
-		if mk, ok := readCheckpointing(vm.path(checkpointingFile)); ok && mk.Handoff {
-			vm.recoverHandoff(ctx, paths, log, mk, timeout)
-			m = &vm.m
-		}
+		vm.recoverCutShort(ctx, paths, log, timeout)
+		m = &vm.m
 		if m.State == StateRunning || m.State == StateDead {
 			// Confirmed ready once: kept (a dead one is listed dead with its reason
 			// until the user deletes it), never reaped as half-made.
 			// A manifest rewrite the crash cut short (writeJSON's temporary file).
 			os.Remove(filepath.Join(dir, manifestFile+".tmp"))
-			if _, err := os.Stat(vm.path(checkpointingFile)); err == nil {
-				vm.recoverCheckpointing(log)
-			}
 			reg.add(vm)
 			continue
 		}
@@ -195,149 +189,6 @@ func killOrphans(m *manifest) {
 	for _, pid := range qemusOf(m.Launch.RunDir) {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
-}
-
-// recoverCheckpointing repairs a VM whose engine died during a checkpoint, between the
-// disk freeze's preparation and the guest's resume (the checkpointing marker): a
-// migration still running is cancelled; the overlay the freeze prepared is adopted into
-// the manifest when QEMU already switched to it (blockdev-snapshot ran) and removed
-// otherwise, so that the next checkpoint can prepare it again; a guest left stopped
-// (postmigrate) is resumed. The half-written checkpoint itself is reaped with the others.
-// Failures are logged: the VM is re-adopted either way.
-func (vm *VM) recoverCheckpointing(log *slog.Logger) {
-	defer os.Remove(vm.path(checkpointingFile))
-	p := vm.process()
-	if !p.Running() {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	c, err := p.client(ctx)
-	if err != nil {
-		log.Warn("recover: checkpoint cut short: no qmp", "vm", vm.m.Name, "err", err)
-		return
-	}
-	if mig, err := c.QueryMigrate(ctx); err == nil && mig.Active() {
-		_ = c.MigrateCancel(ctx)
-		for mig.Active() && ctx.Err() == nil {
-			time.Sleep(20 * time.Millisecond)
-			if mig, err = c.QueryMigrate(ctx); err != nil {
-				break
-			}
-		}
-	}
-	if len(vm.m.Launch.Disk) > 0 && vm.m.DiskNode != "" {
-		node, path := nextDiskNode(vm.m.DiskSeq), nextDiskPath(vm.dir, vm.m.DiskSeq)
-		switched := false
-		if blocks, err := c.QueryBlock(ctx); err == nil {
-			for _, b := range blocks {
-				switched = switched || (b.Inserted != nil && b.Inserted.NodeName == node)
-			}
-		}
-		if switched {
-			vm.mu.Lock()
-			vm.m.pushOverlay(node, path)
-			err := vm.saveLocked()
-			vm.mu.Unlock()
-			log.Info("recover: adopted the disk overlay of a checkpoint cut short", "vm", vm.m.Name, "overlay", path, "err", err)
-		} else {
-			_ = c.BlockdevDel(ctx, node)
-			os.Remove(path)
-		}
-	}
-	if st, err := c.QueryStatus(ctx); err == nil && st.Status != "running" {
-		err := c.Cont(ctx)
-		log.Info("recover: resumed a guest a checkpoint left stopped", "vm", vm.m.Name, "status", st.Status, "err", err)
-	}
-}
-
-// readCheckpointing reads a VM's checkpointing marker.
-func readCheckpointing(path string) (checkpointing, bool) {
-	var mk checkpointing
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return mk, false
-	}
-	if json.Unmarshal(b, &mk) != nil {
-		return checkpointing{}, true // a marker without details: not a handoff
-	}
-	return mk, true
-}
-
-// recoverHandoff settles a VM whose engine died during a handoff checkpoint (its
-// marker says where the RAM file was going). Before the checkpoint was committed, the
-// RAM file (still at its temporary name, or already at the checkpoint's, whose directory
-// never got there) and the disk go back as they were and the marker stays for
-// recoverCheckpointing, which resumes the old QEMU. After, the RAM file belongs to the
-// checkpoint and the old QEMU must never run again (it maps that file share=on): the
-// handoff is finished as it would have been: every QEMU of the VM is killed and the VM
-// restarts from the checkpoint under its own name, with its token, disk and ports (a
-// handoff that had already finished is left alone). Only when that restart fails is the
-// VM kept as dead, the checkpoint holding its state (fork it to go on).
-func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger, mk checkpointing, timeout time.Duration) {
-	ckDir := paths.checkpointDir(mk.Checkpoint)
-	b, err := os.ReadFile(filepath.Join(ckDir, manifestFile))
-	if errors.Is(err, os.ErrNotExist) {
-		if mk.RAM != "" {
-			if _, err := os.Stat(mk.RAM); errors.Is(err, os.ErrNotExist) {
-				// The commit renames the RAM file to the checkpoint's name before the
-				// directory: it may be at either.
-				for _, from := range []string{mk.RAMTmp, paths.checkpointRAM(mk.Checkpoint)} {
-					if from == "" {
-						continue
-					}
-					if err = os.Rename(from, mk.RAM); err == nil {
-						break
-					}
-				}
-				if err != nil {
-					log.Warn("recover: handoff cut short: cannot put the RAM file back", "vm", vm.m.Name, "err", err)
-				}
-			}
-		}
-		if mk.NewTop != "" {
-			os.Remove(mk.NewTop)
-		}
-		return
-	}
-	defer os.Remove(vm.path(checkpointingFile))
-	var ck *checkpointManifest
-	if err == nil {
-		ck, err = paths.decodeCheckpoint(b, ckDir)
-	}
-	if err == nil && ck.Name != mk.Checkpoint {
-		err = fmt.Errorf("manifest names %q", ck.Name)
-	}
-	vm.mu.Lock()
-	done := vm.m.State == StateRunning && vm.m.Parent == mk.Checkpoint && !vm.m.Launch.RAM.Shared
-	vm.mu.Unlock()
-	if done && vm.alive() {
-		return // the crash came after the restart, before the marker went
-	}
-	vm.kill()
-	pids := qemusOf(vm.m.Launch.RunDir)
-	killOrphans(&vm.m)
-	waitGone(pids, 5*time.Second)
-	if err == nil {
-		rctx, cancel := context.WithTimeout(ctx, timeout)
-		vm.mu.Lock()
-		vm.relaunchHandedOff(paths, ck, mk.NewTop)
-		vm.mu.Unlock()
-		err = vm.restartHandedOff(rctx, &Checkpoint{Manifest: *ck, Dir: ckDir})
-		cancel()
-		if err == nil {
-			log.Warn("recover: finished a handoff cut short: the vm runs again from its checkpoint", "vm", vm.m.Name, "checkpoint", mk.Checkpoint)
-			return
-		}
-		vm.kill()
-	}
-	vm.mu.Lock()
-	vm.m.State = StateDead
-	vm.m.DeadReason = fmt.Sprintf("handoff to checkpoint %s cut short; restart failed: %v", mk.Checkpoint, err)
-	serr := vm.saveLocked()
-	vm.mu.Unlock()
-	log.Warn("recover: handoff cut short after its checkpoint was committed and the vm cannot restart from it; the vm is dead, fork the checkpoint to go on",
-		"vm", vm.m.Name, "checkpoint", mk.Checkpoint, "err", err, "save_err", serr)
 }
 
 // waitGone waits (up to d) until none of pids runs.

@@ -7,6 +7,8 @@ import (
 
 	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/internal/names"
+
+	"github.com/forkvm/forkvm/api"
 )
 
 // MaxNameLen bounds VM and checkpoint names (they become file and socket names).
@@ -47,7 +49,7 @@ func randHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
-// Defaults of a Spec's zero fields (Spec.WithDefaults): the CLI's flags, the daemon
+// Defaults of a Spec's zero fields (SpecWithDefaults): the CLI's flags, the daemon
 // and Engine.Create all use these.
 const (
 	DefaultCPUs      = 2
@@ -63,52 +65,15 @@ const MaxForks = 4096
 // MaxPoolSize bounds a checkpoint's warm pool (Warm; the daemon's PUT .../pool).
 const MaxPoolSize = 1024
 
-// Spec describes a VM to create. Only Name is required: see WithDefaults.
-type Spec struct {
-	// Name is the VM's name (see ValidateName).
-	Name string `json:"name"`
-	// CPUs is the number of vCPUs (1..64; 0: DefaultCPUs).
-	CPUs int `json:"cpus"`
-	// MemoryMiB is guest RAM in MiB: a multiple of 2, 64..262144 (0: DefaultMemoryMiB).
-	MemoryMiB int `json:"memory_mib"`
-	// Forkable puts guest RAM in a shared RAM file so the VM can be checkpointed and forked.
-	Forkable bool `json:"forkable"`
-	// MemoryLimitMiB, when > 0 (at least 64), puts the created VM's QEMU in a memory
-	// cgroup of its own limited to that much (swap included where the host accounts
-	// it): a guest that grows past it is OOM-killed alone, and its death is reported
-	// exactly as "oom-killed". Needs a writable memory cgroup (Config.MemoryCgroup).
-	// Forks do not inherit it.
-	MemoryLimitMiB int `json:"memory_limit_mib,omitempty"`
-	// DiskMiB, when > 0, attaches a fresh ext4 data disk of that size, mounted at /data.
-	// With Image it is instead the size of the root disk's overlay (at least the
-	// image's size; the file system keeps the image's size).
-	DiskMiB int `json:"disk_mib"`
-	// Image names a root image in the cache (`forkvm image create`): the VM boots the
-	// forkvm kernel, whose init switches into the image's root file system on a
-	// copy-on-write overlay of the image's disk (the image itself is never written).
-	// Empty: the busybox initramfs.
-	Image string `json:"image,omitempty"`
-	// VMGenID gives the VM QEMU's ACPI tables and a vmgenid device, so that the guest
-	// kernel reseeds its CRNG the moment a fork resumes, before the agent handshake
-	// (which always reseeds it with host entropy). Forks of its checkpoints inherit
-	// it. Off by default: it costs each fork a 2 MiB ROM block and the guest's ACPI
-	// notification path on the way to ready.
-	VMGenID bool `json:"vmgenid,omitempty"`
-	// Net gives the VM a NIC on QEMU's user-mode network (NAT): the guest
-	// is 10.0.2.15 and reaches the host's loopback as host.internal (10.0.2.2). Forks
-	// of its checkpoints have the same NIC. Off by default: without it the VM has no
-	// NIC at all.
-	Net bool `json:"net,omitempty"`
-	// Publish forwards host ports to guest TCP ports (Net only). A fork does not
-	// inherit them: it publishes its own (ForkOptions.Publish).
-	Publish []PortForward `json:"publish,omitempty"`
-}
+// Spec describes a VM to create: api.Spec, the daemon's request body, documents every
+// field. Only Name is required: see SpecWithDefaults.
+type Spec = api.Spec
 
-// WithDefaults returns s with its zero CPUs and MemoryMiB set to DefaultCPUs and
+// SpecWithDefaults returns s with its zero CPUs and MemoryMiB set to DefaultCPUs and
 // DefaultMemoryMiB, so that a spec naming only the VM is valid; Create applies it.
 // Every other field's zero value is its default (no disk, no NIC, the busybox
 // initramfs, not forkable).
-func (s Spec) WithDefaults() Spec {
+func SpecWithDefaults(s Spec) Spec {
 	if s.CPUs == 0 {
 		s.CPUs = DefaultCPUs
 	}
@@ -118,8 +83,8 @@ func (s Spec) WithDefaults() Spec {
 	return s
 }
 
-// Validate checks the spec (after WithDefaults, for a spec to Create); it is called by Create before anything starts.
-func (s *Spec) Validate() error {
+// ValidateSpec checks a spec (after SpecWithDefaults, for a spec to Create); it is called by Create before anything starts.
+func ValidateSpec(s Spec) error {
 	if err := ValidateName(s.Name); err != nil {
 		return err
 	}

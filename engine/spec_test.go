@@ -138,7 +138,7 @@ func TestSpecValidate(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			s := ok
 			tc.mod(&s)
-			err := s.Validate()
+			err := ValidateSpec(s)
 			switch {
 			case tc.want == nil && err != nil:
 				t.Errorf("Validate(%+v) = %v, want nil", s, err)
@@ -152,19 +152,19 @@ func TestSpecValidate(t *testing.T) {
 // TestSpecWithDefaults: a spec naming only the VM is valid once defaulted (POST /v1/vms
 // with only a name failed "cpus must be 1..64, got 0"); set fields are kept.
 func TestSpecWithDefaults(t *testing.T) {
-	got := Spec{Name: "a"}.WithDefaults()
-	if err := got.Validate(); err != nil {
+	got := SpecWithDefaults(Spec{Name: "a"})
+	if err := ValidateSpec(got); err != nil {
 		t.Fatalf("a name-only spec: %v", err)
 	}
 	if got.CPUs != DefaultCPUs || got.MemoryMiB != DefaultMemoryMiB {
 		t.Errorf("defaults: %+v", got)
 	}
-	got = Spec{Name: "a", CPUs: 4, MemoryMiB: 256}.WithDefaults()
+	got = SpecWithDefaults(Spec{Name: "a", CPUs: 4, MemoryMiB: 256})
 	if got.CPUs != 4 || got.MemoryMiB != 256 {
 		t.Errorf("set fields changed: %+v", got)
 	}
-	neg := Spec{Name: "a", CPUs: -1}.WithDefaults()
-	if err := neg.Validate(); !errors.Is(err, ErrInvalidSpec) {
+	neg := SpecWithDefaults(Spec{Name: "a", CPUs: -1})
+	if err := ValidateSpec(neg); !errors.Is(err, ErrInvalidSpec) {
 		t.Errorf("negative cpus: %v", err)
 	}
 }

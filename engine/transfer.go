@@ -69,7 +69,7 @@ func manifestPathOK(version int, p string) bool {
 func portable(l layout, ck *checkpointManifest, dir string) (out *checkpointManifest, ok bool) {
 	c := *ck
 	c.Layers = append([]ramLayer(nil), ck.Layers...)
-	c.Disk = append([]DiskLayer(nil), ck.Disk...)
+	c.Disk = append([]diskLayer(nil), ck.Disk...)
 	ok = true
 	rel := func(base string, p *string) {
 		if *p == "" {
@@ -122,7 +122,7 @@ func (l layout) resolve(ck *checkpointManifest, dir string) error {
 	for i := range ck.Layers {
 		abs(l.ram, &ck.Layers[i].Path)
 	}
-	ck.Disk = append([]DiskLayer(nil), ck.Disk...)
+	ck.Disk = append([]diskLayer(nil), ck.Disk...)
 	for i := range ck.Disk {
 		abs(dir, &ck.Disk[i].Path)
 	}

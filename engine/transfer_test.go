@@ -154,7 +154,7 @@ func TestCheckpointManifestRelocatable(t *testing.T) {
 	}
 	c3 := c2.Manifest
 	c3.Version, c3.RAMPath = checkpointFormat, "ck-base.ram"
-	c3.Disk = []DiskLayer{{Path: "../../etc/passwd", Format: "raw"}}
+	c3.Disk = []diskLayer{{Path: "../../etc/passwd", Format: "raw"}}
 	if _, err := e.paths.decodeCheckpoint(mustJSON(t, &c3), c2.Dir); err == nil {
 		t.Errorf("format 2 disk path leaving the directory accepted")
 	}

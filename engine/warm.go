@@ -10,41 +10,28 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/vsockd"
+
+	"github.com/forkvm/forkvm/api"
 )
 
 // poolPrefix names pooled VMs; they are renamed when claimed.
 const poolPrefix = "pool-"
 
-// WarmOptions tune a warm pool. A nil *WarmOptions means defaults.
-type WarmOptions struct {
-	// Restored pre-restores pooled processes: each loads the checkpoint, answers a
-	// handshake and runs one warm-up command (so its TCG translation cache is warm), then
-	// is stopped. A claim is then cont + a handshake with the fork's own token, entropy,
-	// clock and hostname. Trade-off: a pooled fork has run a fraction of a second of guest
-	// time after the checkpoint (files and memory contents are those of the checkpoint,
-	// but processes that were running at checkpoint time have advanced by that much).
-	// Without it, pooled processes wait in -incoming defer and a fork pays restore +
-	// handshake.
-	Restored bool
-	// WarmUp is the command a restored pooled process runs before it is stopped. Default:
-	// `sh -c true`. Under TCG a fork is a fresh QEMU whose translation cache starts
-	// empty, so a warm-up that walks the path forks will take (ask the world's warm
-	// interpreter a question, say) makes that path fast in every fork handed out; its
-	// effects on the guest are part of what the fork gets. It must exit 0.
-	WarmUp []string
-}
+// WarmOptions tune a warm pool: api.WarmOptions documents every field. A nil
+// *WarmOptions means defaults.
+type WarmOptions = api.WarmOptions
 
 // warmUpArgv is the pool's warm-up command.
-func (o WarmOptions) warmUpArgv() []string {
+func warmUpArgv(o WarmOptions) []string {
 	if len(o.WarmUp) == 0 {
 		return []string{"sh", "-c", "true"}
 	}
 	return o.WarmUp
 }
 
-// same reports whether two pools of these options hold interchangeable processes.
-func (o WarmOptions) same(p WarmOptions) bool {
-	return o.Restored == p.Restored && (!o.Restored || slices.Equal(o.warmUpArgv(), p.warmUpArgv()))
+// sameWarm reports whether two pools of these options hold interchangeable processes.
+func sameWarm(o, p WarmOptions) bool {
+	return o.Restored == p.Restored && (!o.Restored || slices.Equal(warmUpArgv(o), warmUpArgv(p)))
 }
 
 // warmPool is the set of pooled QEMUs of one checkpoint.
@@ -92,7 +79,7 @@ func (s *poolSet) resize(ck string, n int, opts WarmOptions) (p *warmPool, drop 
 	}
 	p = s.pool(ck, opts)
 	p.target = n
-	if !p.opts.same(opts) {
+	if !sameWarm(p.opts, opts) {
 		// A different kind of pool: replace every pooled process.
 		drop, p.ready, p.opts = p.ready, nil, opts
 	}
@@ -137,7 +124,7 @@ func (s *poolSet) settle(ck string, p *warmPool, vm *VM, opts WarmOptions) (agai
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	wanted := vm != nil && !s.closed && s.pools[ck] == p && len(p.ready) < p.target
-	if wanted && !p.opts.same(opts) {
+	if wanted && !sameWarm(p.opts, opts) {
 		o := p.opts
 		return &o, false
 	}
@@ -335,7 +322,7 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, opts WarmOption
 		return nil, vm.failure("pool", err)
 	}
 	if opts.Restored {
-		if err := e.warmUp(ctx, vm, c, opts.warmUpArgv()); err != nil {
+		if err := e.warmUp(ctx, vm, c, warmUpArgv(opts)); err != nil {
 			return nil, vm.failure("pool", err)
 		}
 	}

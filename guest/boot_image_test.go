@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/vsockd"
+
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // TestBootRootImage boots the Debian test image with the real kernel, an
@@ -49,7 +51,7 @@ func TestBootRootImage(t *testing.T) {
 	args := []string{"-machine", "q35,acpi=off,accel=" + bootAccel(), "-cpu", bootCPU(), "-m", "512", "-smp", "2",
 		"-nodefaults", "-nographic", "-no-reboot", "-serial", "stdio",
 		"-kernel", boot.Kernel, "-initrd", boot.Initrd,
-		"-append", "console=ttyS0 panic=-1 rdinit=/init " + ImageKernelArgs(true),
+		"-append", "console=ttyS0 panic=-1 rdinit=/init " + guestboot.ImageKernelArgs(true),
 		"-drive", "file=" + data + ",if=none,id=data,format=raw",
 		"-device", "virtio-blk-pci,drive=data,serial=" + DataDiskSerial,
 		// snapshot=on: the guest's writes go to a temporary overlay, the

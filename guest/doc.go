@@ -67,8 +67,7 @@
 // DISK is a device name ("vda") or "serial:NAME", the serial QEMU gives
 // the disk (-device virtio-blk-pci,drive=...,serial=NAME). Serials are the
 // recommended form: they do not depend on the order in which the disks are
-// probed. ImageKernelArgs returns the arguments for the serials
-// RootDiskSerial and DataDiskSerial. The older forkvm.disk=1 (data disk
+// probed (serials RootDiskSerial and DataDiskSerial). The older forkvm.disk=1 (data disk
 // vda) still works without forkvm.root and is ignored with it.
 //
 // With forkvm.root the initramfs agent loads its modules (virtio_blk among

@@ -67,24 +67,11 @@ const ImageAgentPath = "/sbin/forkvm-agent"
 // kernel arguments the initramfs reads and the virtio-blk serials that name
 // the disks independently of their probe order.
 const (
-	KernelArgRoot  = guestboot.KernelArgRoot // forkvm.root=DISK: boot the root image on DISK
-	KernelArgData  = "forkvm.data"           // forkvm.data=DISK: mount DISK on /data
-	RootDiskSerial = "forkvm-root"           // -device virtio-blk-pci,...,serial=forkvm-root
-	DataDiskSerial = "forkvm-data"           // -device virtio-blk-pci,...,serial=forkvm-data
+	KernelArgRoot  = guestboot.KernelArgRoot  // forkvm.root=DISK: boot the root image on DISK
+	KernelArgData  = guestboot.KernelArgData  // forkvm.data=DISK: mount DISK on /data
+	RootDiskSerial = guestboot.RootDiskSerial // -device virtio-blk-pci,...,serial=forkvm-root
+	DataDiskSerial = guestboot.DataDiskSerial // -device virtio-blk-pci,...,serial=forkvm-data
 )
-
-// ImageKernelArgs returns the kernel arguments that boot a root image
-// attached with serial RootDiskSerial and, when withData, mount the data
-// disk attached with serial DataDiskSerial on /data: the engine appends them
-// to the command line (instead of forkvm.disk=1) when it attaches a
-// RootImage's disk.
-func ImageKernelArgs(withData bool) string {
-	s := KernelArgRoot + "=serial:" + RootDiskSerial
-	if withData {
-		s += " " + KernelArgData + "=serial:" + DataDiskSerial
-	}
-	return s
-}
 
 // MaxImageNameLen bounds image names, as engine.MaxNameLen bounds VM names.
 const MaxImageNameLen = guestboot.MaxImageNameLen

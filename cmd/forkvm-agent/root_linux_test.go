@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/forkvm/forkvm/guest"
+
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // The initramfs and CreateImage must agree on where the image's agent is.
@@ -14,12 +16,12 @@ func TestImageAgentPath(t *testing.T) {
 	if imageAgentPath != guest.ImageAgentPath {
 		t.Fatalf("agent execs %s, CreateImage installs %s", imageAgentPath, guest.ImageAgentPath)
 	}
-	// What guest.ImageKernelArgs tells the engine to pass must parse here.
-	a := parseBootArgs("console=ttyS0 " + guest.ImageKernelArgs(true))
+	// What guestboot.ImageKernelArgs says a root image boots with must parse here.
+	a := parseBootArgs("console=ttyS0 " + guestboot.ImageKernelArgs(true))
 	if a.root == nil || a.root.serial != guest.RootDiskSerial || a.data == nil || a.data.serial != guest.DataDiskSerial || len(a.problems) > 0 {
-		t.Fatalf("%q parsed as root %v data %v %q", guest.ImageKernelArgs(true), a.root, a.data, a.problems)
+		t.Fatalf("%q parsed as root %v data %v %q", guestboot.ImageKernelArgs(true), a.root, a.data, a.problems)
 	}
-	if a := parseBootArgs(guest.ImageKernelArgs(false)); a.root == nil || a.data != nil {
+	if a := parseBootArgs(guestboot.ImageKernelArgs(false)); a.root == nil || a.data != nil {
 		t.Fatalf("without data: root %v data %v", a.root, a.data)
 	}
 }

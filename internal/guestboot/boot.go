@@ -39,9 +39,27 @@ const (
 	HostInternalName = "host.internal"
 )
 
-// KernelArgRoot is "forkvm.root": forkvm.root=DISK boots the root image on DISK (the
-// boot contract of root images; package guest has the rest of it).
-const KernelArgRoot = "forkvm.root"
+// The boot contract of root images (package guest documents it): the kernel arguments
+// the initramfs reads and the virtio-blk serials that name the disks whatever their
+// probe order.
+const (
+	KernelArgRoot  = "forkvm.root" // forkvm.root=DISK: boot the root image on DISK
+	KernelArgData  = "forkvm.data" // forkvm.data=DISK: mount DISK on /data
+	RootDiskSerial = "forkvm-root" // -device virtio-blk-pci,...,serial=forkvm-root
+	DataDiskSerial = "forkvm-data" // -device virtio-blk-pci,...,serial=forkvm-data
+)
+
+// ImageKernelArgs returns the kernel arguments that boot a root image attached with
+// serial RootDiskSerial and, when withData, mount the data disk attached with serial
+// DataDiskSerial on /data, as a hand-made QEMU command line passes them (the engine
+// attaches the root image as vda). The tests of both ends of the contract use it.
+func ImageKernelArgs(withData bool) string {
+	s := KernelArgRoot + "=serial:" + RootDiskSerial
+	if withData {
+		s += " " + KernelArgData + "=serial:" + DataDiskSerial
+	}
+	return s
+}
 
 // DefaultCacheDir returns $FORKVM_CACHE, else $XDG_CACHE_HOME/forkvm, else
 // ~/.cache/forkvm (or a directory under the system temp dir without a home).

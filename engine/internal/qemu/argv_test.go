@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu/qemutest"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -31,44 +32,6 @@ func baseLaunch() Launch {
 	}
 }
 
-// flagValues returns the values following every occurrence of flag in argv.
-func flagValues(argv []string, flag string) []string {
-	var out []string
-	for i := 0; i < len(argv); i++ {
-		if argv[i] == flag {
-			if i+1 < len(argv) {
-				out = append(out, argv[i+1])
-				i++
-			} else {
-				out = append(out, "")
-			}
-		}
-	}
-	return out
-}
-
-// flagValue returns the single value of flag, failing if it is not present exactly once.
-func flagValue(t *testing.T, argv []string, flag string) string {
-	t.Helper()
-	vs := flagValues(argv, flag)
-	if len(vs) != 1 {
-		t.Fatalf("%s: want exactly one occurrence, got %d in %q", flag, len(vs), argv)
-	}
-	return vs[0]
-}
-
-func hasFlag(argv []string, flag string) bool { return len(flagValues(argv, flag)) > 0 }
-
-// hasPair reports whether flag value appears as a pair in argv.
-func hasPair(argv []string, flag, value string) bool {
-	for _, v := range flagValues(argv, flag) {
-		if v == value {
-			return true
-		}
-	}
-	return false
-}
-
 func mustArgv(t *testing.T, l Launch) []string {
 	t.Helper()
 	argv, err := l.Argv()
@@ -81,7 +44,7 @@ func mustArgv(t *testing.T, l Launch) []string {
 // memObject decodes the single -object JSON argument.
 func memObject(t *testing.T, argv []string) map[string]any {
 	t.Helper()
-	obj := flagValue(t, argv, "-object")
+	obj := qemutest.FlagValue(t, argv, "-object")
 	var m map[string]any
 	if err := json.Unmarshal([]byte(obj), &m); err != nil {
 		t.Fatalf("-object is not JSON: %v: %s", err, obj)
@@ -105,37 +68,37 @@ func TestArgvForkableWorld(t *testing.T) {
 	if !reflect.DeepEqual(m, want) {
 		t.Errorf("-object = %v, want %v", m, want)
 	}
-	if got := flagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
+	if got := qemutest.FlagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
 		t.Errorf("-machine = %q", got)
 	}
-	if got := flagValue(t, argv, "-accel"); got != "tcg,tb-size=64" {
+	if got := qemutest.FlagValue(t, argv, "-accel"); got != "tcg,tb-size=64" {
 		t.Errorf("-accel = %q", got)
 	}
-	if got := flagValue(t, argv, "-cpu"); got != "max" {
+	if got := qemutest.FlagValue(t, argv, "-cpu"); got != "max" {
 		t.Errorf("-cpu = %q", got)
 	}
-	if got := flagValue(t, argv, "-smp"); got != "2" {
+	if got := qemutest.FlagValue(t, argv, "-smp"); got != "2" {
 		t.Errorf("-smp = %q", got)
 	}
-	if got := flagValue(t, argv, "-m"); got != "256M" {
+	if got := qemutest.FlagValue(t, argv, "-m"); got != "256M" {
 		t.Errorf("-m = %q", got)
 	}
-	if got := flagValue(t, argv, "-kernel"); got != l.Kernel {
+	if got := qemutest.FlagValue(t, argv, "-kernel"); got != l.Kernel {
 		t.Errorf("-kernel = %q", got)
 	}
-	if got := flagValue(t, argv, "-initrd"); got != l.Initrd {
+	if got := qemutest.FlagValue(t, argv, "-initrd"); got != l.Initrd {
 		t.Errorf("-initrd = %q", got)
 	}
-	if got := flagValue(t, argv, "-append"); got != l.Append {
+	if got := qemutest.FlagValue(t, argv, "-append"); got != l.Append {
 		t.Errorf("-append = %q", got)
 	}
-	if got := flagValue(t, argv, "-name"); got != "w1,debug-threads=on,process=forkvm-w1" {
+	if got := qemutest.FlagValue(t, argv, "-name"); got != "w1,debug-threads=on,process=forkvm-w1" {
 		t.Errorf("-name = %q", got)
 	}
-	if hasFlag(argv, "-incoming") {
+	if qemutest.HasFlag(argv, "-incoming") {
 		t.Errorf("world has -incoming: %q", argv)
 	}
-	if hasFlag(argv, "-blockdev") {
+	if qemutest.HasFlag(argv, "-blockdev") {
 		t.Errorf("no disk but -blockdev present: %q", argv)
 	}
 	for _, f := range []string{"-nodefaults", "-no-user-config", "-no-reboot"} {
@@ -154,16 +117,16 @@ func TestArgvForkableWorld(t *testing.T) {
 func TestArgvTBSizeDefault(t *testing.T) {
 	l := baseLaunch()
 	l.TBSizeMiB = 0
-	if got := flagValue(t, mustArgv(t, l), "-accel"); got != "tcg" {
+	if got := qemutest.FlagValue(t, mustArgv(t, l), "-accel"); got != "tcg" {
 		t.Errorf("-accel with TBSizeMiB 0 = %q, want tcg", got)
 	}
 	l.Accel = "" // empty means tcg
 	l.TBSizeMiB = 128
 	argv := mustArgv(t, l)
-	if got := flagValue(t, argv, "-accel"); got != "tcg,tb-size=128" {
+	if got := qemutest.FlagValue(t, argv, "-accel"); got != "tcg,tb-size=128" {
 		t.Errorf("-accel = %q", got)
 	}
-	if got := flagValue(t, argv, "-cpu"); got != "max" {
+	if got := qemutest.FlagValue(t, argv, "-cpu"); got != "max" {
 		t.Errorf("-cpu = %q", got)
 	}
 }
@@ -187,10 +150,10 @@ func TestArgvFork(t *testing.T) {
 	if m["rom"] != "off" {
 		t.Errorf("rom = %v (%T), want string \"off\"", m["rom"], m["rom"])
 	}
-	if got := flagValue(t, argv, "-incoming"); got != "defer" {
+	if got := qemutest.FlagValue(t, argv, "-incoming"); got != "defer" {
 		t.Errorf("-incoming = %q", got)
 	}
-	if got := flagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
+	if got := qemutest.FlagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
 		t.Errorf("-machine = %q", got)
 	}
 }
@@ -216,13 +179,13 @@ func TestArgvDevicesOnly(t *testing.T) {
 			l.RAM = RAM{Path: "/dev/shm/forkvm/ck-base.ram"}
 			l.Incoming, l.DevicesOnly = true, tc.devicesOnly
 			argv := mustArgv(t, l)
-			if got := flagValue(t, argv, "-machine"); got != tc.wantMachine {
+			if got := qemutest.FlagValue(t, argv, "-machine"); got != tc.wantMachine {
 				t.Errorf("-machine = %q, want %q", got, tc.wantMachine)
 			}
-			if got := hasPair(argv, "-global", "migration.send-configuration=off"); got != tc.wantGlobal {
+			if got := qemutest.HasPair(argv, "-global", "migration.send-configuration=off"); got != tc.wantGlobal {
 				t.Errorf("-global migration.send-configuration=off present %v, want %v: %q", got, tc.wantGlobal, argv)
 			}
-			if got := flagValue(t, argv, "-incoming"); got != "defer" {
+			if got := qemutest.FlagValue(t, argv, "-incoming"); got != "defer" {
 				t.Errorf("-incoming = %q", got)
 			}
 		})
@@ -241,10 +204,10 @@ func TestArgvAccel(t *testing.T) {
 			l := baseLaunch()
 			l.Accel = tc.accel
 			argv := mustArgv(t, l)
-			if got := flagValue(t, argv, "-accel"); string(got) != tc.wantAccel {
+			if got := qemutest.FlagValue(t, argv, "-accel"); string(got) != tc.wantAccel {
 				t.Errorf("-accel = %q, want %q", got, tc.wantAccel)
 			}
-			if got := flagValue(t, argv, "-cpu"); string(got) != tc.wantCPU {
+			if got := qemutest.FlagValue(t, argv, "-cpu"); string(got) != tc.wantCPU {
 				t.Errorf("-cpu = %q, want %q", got, tc.wantCPU)
 			}
 		})
@@ -260,7 +223,7 @@ func TestArgvAnonymousRAM(t *testing.T) {
 	if !reflect.DeepEqual(m, want) {
 		t.Errorf("-object = %v, want %v", m, want)
 	}
-	if got := flagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
+	if got := qemutest.FlagValue(t, argv, "-machine"); got != "q35,memory-backend=mem" {
 		t.Errorf("-machine = %q", got)
 	}
 }
@@ -269,7 +232,7 @@ func TestArgvLargeMemorySize(t *testing.T) {
 	l := baseLaunch()
 	l.MemoryMiB = 256 * 1024 // 256 GiB: size must not overflow 32 bits
 	l.RAM = RAM{Path: "/r", Shared: true}
-	obj := flagValue(t, mustArgv(t, l), "-object")
+	obj := qemutest.FlagValue(t, mustArgv(t, l), "-object")
 	if !strings.Contains(obj, `"size":274877906944`) {
 		t.Errorf("-object = %s, want size 274877906944", obj)
 	}
@@ -283,11 +246,11 @@ func TestArgvDiskChain(t *testing.T) {
 		{Path: "/vms/f1/disk-top.qcow2", Format: "qcow2", Node: "disk0"},
 	}
 	argv := mustArgv(t, l)
-	if !hasPair(argv, "-device", "virtio-blk-pci,drive=disk0,id=vda") {
+	if !qemutest.HasPair(argv, "-device", "virtio-blk-pci,drive=disk0,id=vda") {
 		t.Errorf("missing virtio-blk device: %q", argv)
 	}
 	var top map[string]any
-	if err := json.Unmarshal([]byte(flagValue(t, argv, "-blockdev")), &top); err != nil {
+	if err := json.Unmarshal([]byte(qemutest.FlagValue(t, argv, "-blockdev")), &top); err != nil {
 		t.Fatal(err)
 	}
 	if top["node-name"] != "disk0" {
@@ -334,7 +297,7 @@ func TestArgvDiskChain(t *testing.T) {
 func TestArgvDiskSingleQcow2HasNullBacking(t *testing.T) {
 	l := baseLaunch()
 	l.Disk = []Layer{{Path: "/d/top.qcow2", Format: "qcow2", Node: "disk0"}}
-	bd := flagValue(t, mustArgv(t, l), "-blockdev")
+	bd := qemutest.FlagValue(t, mustArgv(t, l), "-blockdev")
 	var top map[string]any
 	if err := json.Unmarshal([]byte(bd), &top); err != nil {
 		t.Fatal(err)
@@ -381,7 +344,7 @@ func TestArgvCommaEscaping(t *testing.T) {
 	l.Disk = []Layer{{Path: "/tmp/a,b/disk,0.raw", Format: "raw", Node: "disk0"}}
 	argv := mustArgv(t, l)
 
-	chardevs := flagValues(argv, "-chardev")
+	chardevs := qemutest.FlagValues(argv, "-chardev")
 	want := []string{
 		"socket,id=qmp,path=/tmp/a,,b/run/qmp.sock,server=on,wait=off",
 		// The console is a client of its keeper's socket: QEMU never writes a file
@@ -397,7 +360,7 @@ func TestArgvCommaEscaping(t *testing.T) {
 		t.Errorf("mem-path = %v", m["mem-path"])
 	}
 	var bd map[string]any
-	if err := json.Unmarshal([]byte(flagValue(t, argv, "-blockdev")), &bd); err != nil {
+	if err := json.Unmarshal([]byte(qemutest.FlagValue(t, argv, "-blockdev")), &bd); err != nil {
 		t.Fatal(err)
 	}
 	if f := bd["file"].(map[string]any); f["filename"] != "/tmp/a,b/disk,0.raw" {
@@ -433,7 +396,7 @@ func TestArgvVMGenID(t *testing.T) {
 		l := baseLaunch()
 		l.Machine = tc.machine
 		argv := mustArgv(t, l)
-		if got := hasPair(argv, "-device", "vmgenid,guid=auto"); got != tc.want {
+		if got := qemutest.HasPair(argv, "-device", "vmgenid,guid=auto"); got != tc.want {
 			t.Errorf("machine %q: vmgenid device %v, want %v (%q)", tc.machine, got, tc.want, argv)
 		}
 	}
@@ -442,36 +405,36 @@ func TestArgvVMGenID(t *testing.T) {
 func TestArgvDevices(t *testing.T) {
 	l := baseLaunch()
 	argv := mustArgv(t, l)
-	if !hasPair(argv, "-device", "virtserialport,bus=vser0.0,chardev=agent,name="+vsockd.PortName) {
+	if !qemutest.HasPair(argv, "-device", "virtserialport,bus=vser0.0,chardev=agent,name="+vsockd.PortName) {
 		t.Errorf("no virtserialport named %s: %q", vsockd.PortName, argv)
 	}
 	if vsockd.PortName != "org.forkvm.agent" {
 		t.Errorf("PortName = %q (the guest agent looks for org.forkvm.agent)", vsockd.PortName)
 	}
-	if !hasPair(argv, "-device", "virtio-serial-pci,id=vser0") {
+	if !qemutest.HasPair(argv, "-device", "virtio-serial-pci,id=vser0") {
 		t.Errorf("no virtio-serial bus with QEMU's default ports (AgentPorts 0, as in old checkpoints)")
 	}
 	l.AgentPorts = 2
-	if argv := mustArgv(t, l); !hasPair(argv, "-device", "virtio-serial-pci,id=vser0,max_ports=2") {
+	if argv := mustArgv(t, l); !qemutest.HasPair(argv, "-device", "virtio-serial-pci,id=vser0,max_ports=2") {
 		t.Errorf("AgentPorts 2: no virtio-serial bus with max_ports=2: %q", argv)
 	}
-	if !hasPair(argv, "-mon", "chardev=qmp,mode=control") {
+	if !qemutest.HasPair(argv, "-mon", "chardev=qmp,mode=control") {
 		t.Errorf("no QMP monitor")
 	}
-	if !hasPair(argv, "-serial", "chardev:console") {
+	if !qemutest.HasPair(argv, "-serial", "chardev:console") {
 		t.Errorf("no serial console")
 	}
-	if !hasPair(argv, "-display", "none") {
+	if !qemutest.HasPair(argv, "-display", "none") {
 		t.Errorf("no -display none")
 	}
-	for _, d := range flagValues(argv, "-device") {
+	for _, d := range qemutest.FlagValues(argv, "-device") {
 		if strings.HasPrefix(d, "vhost-vsock-pci") {
 			t.Errorf("VsockCID 0 but vsock device %q", d)
 		}
 	}
 	l.VsockCID = 4242
 	argv = mustArgv(t, l)
-	if !hasPair(argv, "-device", "vhost-vsock-pci,id=vsock0,guest-cid=4242") {
+	if !qemutest.HasPair(argv, "-device", "vhost-vsock-pci,id=vsock0,guest-cid=4242") {
 		t.Errorf("no vsock device: %q", argv)
 	}
 }
@@ -532,7 +495,7 @@ func TestArgvCPUModel(t *testing.T) {
 	l := baseLaunch()
 	l.Accel = "kvm"
 	l.CPUModel = "Skylake-Client-v4"
-	if got := flagValue(t, mustArgv(t, l), "-cpu"); got != "Skylake-Client-v4" {
+	if got := qemutest.FlagValue(t, mustArgv(t, l), "-cpu"); got != "Skylake-Client-v4" {
 		t.Errorf("-cpu = %q", got)
 	}
 	for _, bad := range []string{"max,+x", "a b", "a\x00"} {
@@ -570,7 +533,7 @@ func TestArgvTCGThread(t *testing.T) {
 			t.Errorf("accel %q thread %q: %v", tc.accel, tc.thread, err)
 			continue
 		}
-		if got := flagValue(t, argv, "-accel"); string(got) != tc.want {
+		if got := qemutest.FlagValue(t, argv, "-accel"); string(got) != tc.want {
 			t.Errorf("accel %q thread %q: -accel %q, want %q", tc.accel, tc.thread, got, tc.want)
 		}
 	}
@@ -580,7 +543,7 @@ func TestArgvTCGThread(t *testing.T) {
 func netdev(t *testing.T, argv []string) map[string]any {
 	t.Helper()
 	var m map[string]any
-	if err := json.Unmarshal([]byte(flagValue(t, argv, "-netdev")), &m); err != nil {
+	if err := json.Unmarshal([]byte(qemutest.FlagValue(t, argv, "-netdev")), &m); err != nil {
 		t.Fatalf("-netdev is not JSON: %v", err)
 	}
 	return m
@@ -607,10 +570,10 @@ func TestArgvNet(t *testing.T) {
 			if !tc.net {
 				// No NIC at all: no -netdev, no network device (and -nodefaults, so
 				// QEMU adds none of its own).
-				if hasFlag(argv, "-netdev") || hasFlag(argv, "-net") || !hasFlag(argv, "-nodefaults") {
+				if qemutest.HasFlag(argv, "-netdev") || qemutest.HasFlag(argv, "-net") || !qemutest.HasFlag(argv, "-nodefaults") {
 					t.Errorf("network without Net: %q", argv)
 				}
-				for _, d := range flagValues(argv, "-device") {
+				for _, d := range qemutest.FlagValues(argv, "-device") {
 					if strings.Contains(d, "net") {
 						t.Errorf("device %q without Net", d)
 					}
@@ -629,7 +592,7 @@ func TestArgvNet(t *testing.T) {
 			if !reflect.DeepEqual(m, want) {
 				t.Errorf("-netdev = %v\nwant      %v", m, want)
 			}
-			if !hasPair(argv, "-device", nic) {
+			if !qemutest.HasPair(argv, "-device", nic) {
 				t.Errorf("no %s in %q", nic, argv)
 			}
 		})
@@ -665,7 +628,7 @@ func TestArgvNameDebugThreads(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := baseLaunch()
 			tc.edit(&l)
-			if got := flagValue(t, mustArgv(t, l), "-name"); got != tc.want {
+			if got := qemutest.FlagValue(t, mustArgv(t, l), "-name"); got != tc.want {
 				t.Errorf("-name = %q, want %q", got, tc.want)
 			}
 		})

@@ -5,71 +5,24 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"net"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/qemu/qemutest"
 	"github.com/forkvm/forkvm/qmp"
 )
 
-// call is one command a fake QEMU received.
-type call struct {
-	cmd  string
-	args string // compact JSON; "" without arguments
-}
-
-// fakeQEMU is a scripted QMP server on a net.Pipe: each command's reply comes from
-// handle (a raw JSON return value, or an error class and its description).
-type fakeQEMU struct {
-	mu     sync.Mutex
-	calls  []call
-	handle func(cmd string) (ret, errClass string)
-}
-
-func (f *fakeQEMU) received() []call {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return append([]call(nil), f.calls...)
-}
-
-func newFake(t *testing.T, handle func(cmd string) (string, string)) (*Monitor, *fakeQEMU) {
+// newFake is a Monitor on a scripted QEMU: each command's reply comes from handle (nil:
+// {}).
+func newFake(t *testing.T, handle func(cmd string) (string, string)) (*Monitor, *qemutest.QMP) {
 	t.Helper()
-	cc, sc := net.Pipe()
-	f := &fakeQEMU{handle: handle}
-	go func() {
-		defer sc.Close()
-		dec := json.NewDecoder(sc)
-		io.WriteString(sc, `{"QMP": {"version": {"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": ""}, "capabilities": []}}`+"\r\n")
-		for {
-			var c struct {
-				Execute   string          `json:"execute"`
-				Arguments json.RawMessage `json:"arguments"`
-				ID        string          `json:"id"`
-			}
-			if dec.Decode(&c) != nil {
-				return
-			}
-			ret, class := "{}", ""
-			if c.Execute != "qmp_capabilities" {
-				f.mu.Lock()
-				f.calls = append(f.calls, call{c.Execute, string(c.Arguments)})
-				f.mu.Unlock()
-				if f.handle != nil {
-					ret, class = f.handle(c.Execute)
-				}
-			}
-			msg := fmt.Sprintf(`{"return": %s, "id": %q}`, ret, c.ID)
-			if class != "" {
-				msg = fmt.Sprintf(`{"error": {"class": %q, "desc": %q}, "id": %q}`, class, ret, c.ID)
-			}
-			if _, err := io.WriteString(sc, msg+"\r\n"); err != nil {
-				return
-			}
+	f := qemutest.NewQMP(func(cmd string, _ json.RawMessage) (string, string) {
+		if handle == nil {
+			return "{}", ""
 		}
-	}()
-	c, err := qmp.NewClient(context.Background(), cc, nil)
+		return handle(cmd)
+	})
+	c, err := qmp.NewClient(context.Background(), f.Pipe(t), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,45 +30,48 @@ func newFake(t *testing.T, handle func(cmd string) (string, string)) (*Monitor, 
 	return NewMonitor(c), f
 }
 
+// call is the command cmd with args (compact JSON; "" without arguments).
+func call(cmd, args string) qemutest.Call { return qemutest.Call{Cmd: cmd, Args: args} }
+
 // Every verb sends its command with exactly the arguments QEMU's schema names.
 func TestVerbsOnTheWire(t *testing.T) {
 	tests := []struct {
 		name string
 		run  func(m *Monitor, ctx context.Context) error
-		want call
+		want qemutest.Call
 	}{
-		{"stop", (*Monitor).Stop, call{"stop", ""}},
-		{"cont", (*Monitor).Cont, call{"cont", ""}},
-		{"quit", (*Monitor).Quit, call{"quit", ""}},
+		{"stop", (*Monitor).Stop, call("stop", "")},
+		{"cont", (*Monitor).Cont, call("cont", "")},
+		{"quit", (*Monitor).Quit, call("quit", "")},
 		{"caps", func(m *Monitor, ctx context.Context) error {
 			return m.MigrateSetCapabilities(ctx, map[string]bool{"x-ignore-shared": true, "events": false})
-		}, call{"migrate-set-capabilities", `{"capabilities":[{"capability":"events","state":false},{"capability":"x-ignore-shared","state":true}]}`}},
+		}, call("migrate-set-capabilities", `{"capabilities":[{"capability":"events","state":false},{"capability":"x-ignore-shared","state":true}]}`)},
 		{"params", func(m *Monitor, ctx context.Context) error {
 			return m.MigrateSetParameters(ctx, MigrationParameters{MaxBandwidth: 1 << 40})
-		}, call{"migrate-set-parameters", `{"max-bandwidth":1099511627776}`}},
+		}, call("migrate-set-parameters", `{"max-bandwidth":1099511627776}`)},
 		{"migrate", func(m *Monitor, ctx context.Context) error { return m.Migrate(ctx, "file:/s") },
-			call{"migrate", `{"uri":"file:/s"}`}},
+			call("migrate", `{"uri":"file:/s"}`)},
 		{"incoming", func(m *Monitor, ctx context.Context) error { return m.MigrateIncoming(ctx, "file:/s") },
-			call{"migrate-incoming", `{"uri":"file:/s"}`}},
-		{"cancel", (*Monitor).MigrateCancel, call{"migrate_cancel", ""}},
+			call("migrate-incoming", `{"uri":"file:/s"}`)},
+		{"cancel", (*Monitor).MigrateCancel, call("migrate_cancel", "")},
 		{"save devices", func(m *Monitor, ctx context.Context) error { return m.XenSaveDevicesState(ctx, "/d") },
-			call{"xen-save-devices-state", `{"filename":"/d","live":false}`}},
+			call("xen-save-devices-state", `{"filename":"/d","live":false}`)},
 		{"blockdev-add", func(m *Monitor, ctx context.Context) error {
 			return m.BlockdevAdd(ctx, BlockdevQcow2{NodeName: "n1", Discard: "unmap", File: BlockdevFile{Filename: "/o.qcow2"}})
-		}, call{"blockdev-add", `{"driver":"qcow2","node-name":"n1","discard":"unmap","file":{"driver":"file","filename":"/o.qcow2"},"backing":null}`}},
+		}, call("blockdev-add", `{"driver":"qcow2","node-name":"n1","discard":"unmap","file":{"driver":"file","filename":"/o.qcow2"},"backing":null}`)},
 		{"blockdev-del", func(m *Monitor, ctx context.Context) error { return m.BlockdevDel(ctx, "n1") },
-			call{"blockdev-del", `{"node-name":"n1"}`}},
+			call("blockdev-del", `{"node-name":"n1"}`)},
 		{"set-active", func(m *Monitor, ctx context.Context) error { return m.BlockdevSetActive(ctx, true) },
-			call{"blockdev-set-active", `{"active":true}`}},
+			call("blockdev-set-active", `{"active":true}`)},
 		{"snapshot", func(m *Monitor, ctx context.Context) error { return m.BlockdevSnapshot(ctx, "n0", "n1") },
-			call{"blockdev-snapshot", `{"node":"n0","overlay":"n1"}`}},
+			call("blockdev-snapshot", `{"node":"n0","overlay":"n1"}`)},
 		{"stream", func(m *Monitor, ctx context.Context) error {
 			return m.BlockStream(ctx, BlockStreamArgs{JobID: "j", Device: "top", BaseNode: "base", OnError: "report"})
-		}, call{"block-stream", `{"job-id":"j","device":"top","base-node":"base","auto-dismiss":false,"on-error":"report"}`}},
+		}, call("block-stream", `{"job-id":"j","device":"top","base-node":"base","auto-dismiss":false,"on-error":"report"}`)},
 		{"dismiss", func(m *Monitor, ctx context.Context) error { return m.BlockJobDismiss(ctx, "j") },
-			call{"block-job-dismiss", `{"id":"j"}`}},
+			call("block-job-dismiss", `{"id":"j"}`)},
 		{"node names", func(m *Monitor, ctx context.Context) error { _, err := m.QueryNodeNames(ctx); return err },
-			call{"query-named-block-nodes", `{"flat":true}`}},
+			call("query-named-block-nodes", `{"flat":true}`)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -128,7 +84,7 @@ func TestVerbsOnTheWire(t *testing.T) {
 			if err := tt.run(m, context.Background()); err != nil {
 				t.Fatal(err)
 			}
-			if got := f.received(); len(got) != 1 || got[0] != tt.want {
+			if got := f.Calls(); len(got) != 1 || got[0] != tt.want {
 				t.Fatalf("sent %q, want %q", got, tt.want)
 			}
 		})
