@@ -203,7 +203,7 @@ func (vm *VM) start(ctx context.Context) error {
 	}
 	kc := vm.openCounters()
 	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.cgroupFD(), vm.died)
-	if err != nil && kc.cg != nil {
+	if err != nil && kc != nil && kc.cg != nil {
 		// Not started into the cgroup (an old kernel's clone3): count from /proc.
 		vm.log.Info("counters: starting QEMU in a cgroup failed; counting from /proc", "vm", vm.m.Name, "err", err)
 		kc.close()
