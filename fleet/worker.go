@@ -483,6 +483,7 @@ func (f *Fleet) ensureCheckpoint(ctx context.Context, j job) error {
 		if ref.Digest != j.Digest {
 			return fmt.Errorf("%w: checkpoint %s fetched from %s has digest %s, want %s", api.ErrCheckpointCorrupt, j.Checkpoint, h.Name, short(ref.Digest), short(j.Digest))
 		}
+		f.log.Info("fleet: checkpoint fetched", "ck", j.Checkpoint, "from", h.Name, "digest", short(ref.Digest))
 		return f.holds(ctx, ref)
 	}
 	return lastErr
