@@ -70,16 +70,16 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 	if live == 0 {
 		return nil, fmt.Errorf("%w: class %s (QEMU %s, %s)", ErrNoNode, class, ref.Class.QEMU, ref.Class.Accel)
 	}
-	perNode := req.MaxPerNode
+	perNode, spreadOf := req.MaxPerNode, 0
 	if perNode == 0 && !req.Pack {
-		perNode = (n + live - 1) / live
+		perNode, spreadOf = (n+live-1)/live, n
 	}
 	if class != f.classID {
 		if err := f.ensureStream(ctx, class); err != nil {
 			return nil, err
 		}
 	}
-	w := &wave{f: f, id: "w" + randHex(6), n: n, names: names, ref: ref, class: class, perNode: perNode,
+	w := &wave{f: f, id: "w" + randHex(6), n: n, names: names, ref: ref, class: class, perNode: perNode, spreadOf: spreadOf,
 		overcommit: req.Overcommit, replace: req.ReplaceLost, out: make(chan Event, 64)}
 	// Watch before publishing, so that no record is missed.
 	recs, err := f.jobs.Watch(ctx, w.id+".*", jetstream.UpdatesOnly())
@@ -152,6 +152,7 @@ type wave struct {
 	ref        CheckpointRef
 	class      string
 	perNode    int
+	spreadOf   int
 	overcommit float64
 	replace    bool
 	out        chan Event
@@ -160,7 +161,7 @@ type wave struct {
 // publish publishes the job of fork i, attempt a; its id is its Nats-Msg-Id.
 func (w *wave) publish(ctx context.Context, i, attempt int) error {
 	j := job{ID: fmt.Sprintf("%s.%d.%d", w.id, i, attempt), Wave: w.id, Index: i, Attempt: attempt, Name: w.names[i],
-		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MaxPerNode: w.perNode,
+		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MaxPerNode: w.perNode, SpreadOf: w.spreadOf,
 		Overcommit: w.overcommit, Published: time.Now()}
 	b, _ := json.Marshal(j)
 	return retry(ctx, "publish "+j.ID, func(ctx context.Context) error {

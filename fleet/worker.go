@@ -16,16 +16,20 @@ import (
 // job is one fork of a wave, as published on its class's stream (its ID is its
 // Nats-Msg-Id, so a publish repeated within the duplicate window is dropped).
 type job struct {
-	ID         string  `json:"id"`
-	Wave       string  `json:"wave"`
-	Index      int     `json:"index"`
-	Attempt    int     `json:"attempt"`
-	Name       string  `json:"name"`
-	Checkpoint string  `json:"checkpoint"`
-	Digest     string  `json:"digest"`
-	Class      string  `json:"class"`
-	CPUs       int     `json:"cpus"`
-	MaxPerNode int     `json:"max_per_node,omitempty"`
+	ID         string `json:"id"`
+	Wave       string `json:"wave"`
+	Index      int    `json:"index"`
+	Attempt    int    `json:"attempt"`
+	Name       string `json:"name"`
+	Checkpoint string `json:"checkpoint"`
+	Digest     string `json:"digest"`
+	Class      string `json:"class"`
+	CPUs       int    `json:"cpus"`
+	MaxPerNode int    `json:"max_per_node,omitempty"`
+	// SpreadOf, in a spread wave, is its size: a node's share is then at least
+	// ceil(SpreadOf / live nodes of the class), so that when a node dies the others
+	// take its part instead of leaving it queued for good.
+	SpreadOf   int     `json:"spread_of,omitempty"`
 	Overcommit float64 `json:"overcommit,omitempty"`
 	// Published is when the wave published it (the queue time is measured from it).
 	Published time.Time `json:"published"`
@@ -156,9 +160,10 @@ func (f *Fleet) take(msg jetstream.Msg) bool {
 		return true
 	}
 	j.CPUs = max(j.CPUs, 1)
+	share := f.share(j)
 	f.mu.Lock()
 	_, free, _ := f.budgetLocked()
-	if (j.MaxPerNode > 0 && f.perWave[j.Wave] >= j.MaxPerNode) || free < j.CPUs {
+	if (share > 0 && f.perWave[j.Wave] >= share) || free < j.CPUs {
 		f.mu.Unlock()
 		msg.NakWithDelay(time.Second)
 		return false
@@ -184,6 +189,30 @@ func (f *Fleet) take(msg jetstream.Msg) bool {
 		}
 	}()
 	return true
+}
+
+// share is how many of j's wave's jobs this node may take: its MaxPerNode, raised in a
+// spread wave to ceil(size / live nodes of its class) as nodes die (0: no limit).
+func (f *Fleet) share(j job) int {
+	if j.SpreadOf <= 0 {
+		return j.MaxPerNode
+	}
+	ctx, cancel := context.WithTimeout(f.ctx, 2*time.Second)
+	defer cancel()
+	nodes, err := f.Nodes(ctx)
+	if err != nil {
+		return j.MaxPerNode
+	}
+	live := 0
+	for _, nd := range nodes {
+		if nd.Class == j.Class {
+			live++
+		}
+	}
+	if live == 0 {
+		return j.MaxPerNode
+	}
+	return max(j.MaxPerNode, (j.SpreadOf+live-1)/live)
 }
 
 // budgetLocked is budget with f.mu held.
