@@ -260,7 +260,8 @@ func (f *Fleet) handle(msg jetstream.Msg, j job) (took bool) {
 
 	// Dedupe by job id: a job whose record is final was done (its ack was lost).
 	var rec record
-	if _, ok, err := getJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), &rec); err != nil {
+	_, ok, err := getJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), &rec)
+	if err != nil {
 		return giveBack("reading its record", err)
 	} else if ok && rec.Job == j.ID && rec.State != stateRunning {
 		f.ack(msg, j)
@@ -274,6 +275,16 @@ func (f *Fleet) handle(msg jetstream.Msg, j job) (took bool) {
 	case errors.Is(err, errBusy):
 		return giveBack("claimed by a live node", err)
 	case errors.Is(err, errDone):
+		// Ready on another live node. When that node's record was not written (the
+		// jobs bucket had no leader then), the wave would never see the fork: write
+		// it for that node before the ack.
+		if cl.Job == j.ID {
+			r := record{Job: j.ID, Attempt: j.Attempt, State: stateReady, Node: cl.Node,
+				Event: api.ForkEventObjectOf(j.Index, j.Name, 0, nil, nil)}
+			if err := putJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), r); err != nil {
+				return giveBack("recording a fork ready elsewhere", err)
+			}
+		}
 		f.ack(msg, j)
 		return false
 	case err != nil && errors.Is(err, api.ErrExists):
@@ -369,7 +380,7 @@ func (f *Fleet) claim(ctx context.Context, j job) (uint64, claim, error) {
 		case cur.Node == f.cfg.Node:
 			// This node, an earlier boot or attempt: the fork is here or nowhere.
 		case live && cur.State == stateReady && cur.Job == j.ID:
-			return 0, mine, errDone
+			return 0, cur, errDone
 		case live && cur.State == stateReady:
 			// A later attempt of a fork whose node was lost came back: it is there.
 			return 0, mine, errDone
