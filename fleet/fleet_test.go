@@ -328,8 +328,11 @@ func TestNodeKilledMidWave(t *testing.T) {
 	for i, n := range nodes {
 		n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
 		if i < 2 {
-			// One fork each at first: the victim takes the rest.
-			n.eng.total.Store(1)
+			// No budget at first: the victim takes every job (it makes one fork and
+			// hangs on the rest); the others get their budget once it is killed. With
+			// a budget of 1 here they could take all but one job before the victim
+			// pulls a second, and the wave would end before any node was lost.
+			n.eng.total.Store(0)
 			n.eng.forkDelay.Store(int64(300 * time.Millisecond))
 		}
 	}

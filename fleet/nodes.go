@@ -93,7 +93,7 @@ func (f *Fleet) Nodes(ctx context.Context) ([]api.FleetNode, error) {
 		out = out[:0]
 		return eachEntry(ctx, f.nodes, func(e jetstream.KeyValueEntry) {
 			var n api.FleetNode
-			if json.Unmarshal(e.Value(), &n) == nil {
+			if json.Unmarshal(e.Value(), &n) == nil && !f.expired(n) {
 				out = append(out, n)
 			}
 		})
@@ -128,7 +128,14 @@ func eachEntry(ctx context.Context, kv jetstream.KeyValue, fn func(jetstream.Key
 // node reads one node's heartbeat; ok is false when it has expired.
 func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool, err error) {
 	_, ok, err = getJSON(ctx, f.nodes, name, &n)
-	return n, ok, err
+	return n, ok && !f.expired(n), err
+}
+
+// expired says whether n's last heartbeat is older than the TTL though its key is still
+// there: the bucket's expiry can come late (or its marker be lost) when the bucket's
+// leader died with the node.
+func (f *Fleet) expired(n api.FleetNode) bool {
+	return !n.Heartbeat.IsZero() && time.Since(n.Heartbeat) > f.cfg.TTL
 }
 
 // VMs lists the fleet's forks as their claims record them; a fork whose node's

@@ -70,16 +70,16 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 	if live == 0 {
 		return nil, fmt.Errorf("%w: class %s (QEMU %s, %s)", ErrNoNode, class, ref.Class.QEMU, ref.Class.Accel)
 	}
-	perNode := req.MaxPerNode
+	perNode, spreadOf := req.MaxPerNode, 0
 	if perNode == 0 && !req.Pack {
-		perNode = (n + live - 1) / live
+		perNode, spreadOf = (n+live-1)/live, n
 	}
 	if class != f.classID {
 		if err := f.ensureStream(ctx, class); err != nil {
 			return nil, err
 		}
 	}
-	w := &wave{f: f, id: "w" + randHex(6), n: n, names: names, ref: ref, class: class, perNode: perNode,
+	w := &wave{f: f, id: "w" + randHex(6), n: n, names: names, ref: ref, class: class, perNode: perNode, spreadOf: spreadOf,
 		overcommit: req.Overcommit, replace: req.ReplaceLost, out: make(chan Event, 64)}
 	// Watch before publishing, so that no record is missed.
 	recs, err := f.jobs.Watch(ctx, w.id+".*", jetstream.UpdatesOnly())
@@ -152,6 +152,7 @@ type wave struct {
 	ref        CheckpointRef
 	class      string
 	perNode    int
+	spreadOf   int
 	overcommit float64
 	replace    bool
 	out        chan Event
@@ -160,7 +161,7 @@ type wave struct {
 // publish publishes the job of fork i, attempt a; its id is its Nats-Msg-Id.
 func (w *wave) publish(ctx context.Context, i, attempt int) error {
 	j := job{ID: fmt.Sprintf("%s.%d.%d", w.id, i, attempt), Wave: w.id, Index: i, Attempt: attempt, Name: w.names[i],
-		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MaxPerNode: w.perNode,
+		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MaxPerNode: w.perNode, SpreadOf: w.spreadOf,
 		Overcommit: w.overcommit, Published: time.Now()}
 	b, _ := json.Marshal(j)
 	return retry(ctx, "publish "+j.ID, func(ctx context.Context) error {
@@ -195,6 +196,33 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 			return false
 		}
 	}
+	// lose reports the ready forks of node lost as node_lost (and republishes them
+	// with --replace-lost); false when the wave's consumer is gone.
+	lose := func(lost string) bool {
+		for i := range slots {
+			if !slots[i].final || !slots[i].ready || slots[i].node != lost {
+				continue
+			}
+			ev := api.ForkEventObjectOf(i, w.names[i], 0, nil, fmt.Errorf("%w: %s was ready on node %s, whose heartbeat expired", ErrNodeLost, w.names[i], lost))
+			ev.Code = api.CodeNodeLost
+			if !send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: ev, Node: lost, Attempt: slots[i].attempt}}) {
+				return false
+			}
+			slots[i].ready = false
+			if w.replace {
+				attempts[i]++
+				if err := w.publish(ctx, i, attempts[i]); err != nil {
+					w.f.log.Warn("fleet: replacement not published", "vm", w.names[i], "err", err)
+					continue
+				}
+				slots[i].final = false
+				left++
+			}
+		}
+		return true
+	}
+	tick := time.NewTicker(w.f.cfg.Heartbeat)
+	defer tick.Stop()
 	for left > 0 {
 		select {
 		case <-ctx.Done():
@@ -220,6 +248,26 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 				QueueMS: r.QueueMS, ClaimMS: r.ClaimMS}) {
 				return
 			}
+		case <-tick.C:
+			// The watch can miss an expiry (its marker lost with the bucket's leader):
+			// look at the nodes of ready forks too.
+			lctx, cancel := context.WithTimeout(ctx, 3*callTimeout)
+			nodes, err := w.f.Nodes(lctx)
+			cancel()
+			if err != nil {
+				continue
+			}
+			live := map[string]bool{}
+			for _, nd := range nodes {
+				live[nd.Name] = true
+			}
+			for i := range slots {
+				if slots[i].final && slots[i].ready && !live[slots[i].node] {
+					if !lose(slots[i].node) {
+						return
+					}
+				}
+			}
 		case e, ok := <-nodeW.Updates():
 			if !ok {
 				return
@@ -227,26 +275,8 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 			if e == nil || e.Operation() == jetstream.KeyValuePut {
 				continue
 			}
-			lost := e.Key()
-			for i := range slots {
-				if !slots[i].final || !slots[i].ready || slots[i].node != lost {
-					continue
-				}
-				ev := api.ForkEventObjectOf(i, w.names[i], 0, nil, fmt.Errorf("%w: %s was ready on node %s, whose heartbeat expired", ErrNodeLost, w.names[i], lost))
-				ev.Code = api.CodeNodeLost
-				if !send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: ev, Node: lost, Attempt: slots[i].attempt}}) {
-					return
-				}
-				slots[i].ready = false
-				if w.replace {
-					attempts[i]++
-					if err := w.publish(ctx, i, attempts[i]); err != nil {
-						w.f.log.Warn("fleet: replacement not published", "vm", w.names[i], "err", err)
-						continue
-					}
-					slots[i].final = false
-					left++
-				}
+			if !lose(e.Key()) {
+				return
 			}
 		case m := <-dead:
 			w.deadLetter(ctx, m)
@@ -283,6 +313,11 @@ func (w *wave) deadLetter(ctx context.Context, m *nats.Msg) {
 	var r record
 	if _, ok, err := getJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), &r); err != nil || (ok && r.Job == j.ID && r.State != stateRunning) {
 		return
+	} else if ok && r.Job == j.ID && r.Node != "" {
+		// A live node took its last delivery and is forking it: its record will come.
+		if _, live, err := w.f.node(ctx, r.Node); err != nil || live {
+			return
+		}
 	}
 	ev := api.ForkEventObjectOf(j.Index, j.Name, 0, nil, fmt.Errorf("%w: %s after %d deliveries", ErrDeadLetter, j.ID, adv.Deliveries))
 	ev.Code = api.CodeDeadLetter

@@ -16,16 +16,20 @@ import (
 // job is one fork of a wave, as published on its class's stream (its ID is its
 // Nats-Msg-Id, so a publish repeated within the duplicate window is dropped).
 type job struct {
-	ID         string  `json:"id"`
-	Wave       string  `json:"wave"`
-	Index      int     `json:"index"`
-	Attempt    int     `json:"attempt"`
-	Name       string  `json:"name"`
-	Checkpoint string  `json:"checkpoint"`
-	Digest     string  `json:"digest"`
-	Class      string  `json:"class"`
-	CPUs       int     `json:"cpus"`
-	MaxPerNode int     `json:"max_per_node,omitempty"`
+	ID         string `json:"id"`
+	Wave       string `json:"wave"`
+	Index      int    `json:"index"`
+	Attempt    int    `json:"attempt"`
+	Name       string `json:"name"`
+	Checkpoint string `json:"checkpoint"`
+	Digest     string `json:"digest"`
+	Class      string `json:"class"`
+	CPUs       int    `json:"cpus"`
+	MaxPerNode int    `json:"max_per_node,omitempty"`
+	// SpreadOf, in a spread wave, is its size: a node's share is then at least
+	// ceil(SpreadOf / live nodes of the class), so that when a node dies the others
+	// take its part instead of leaving it queued for good.
+	SpreadOf   int     `json:"spread_of,omitempty"`
 	Overcommit float64 `json:"overcommit,omitempty"`
 	// Published is when the wave published it (the queue time is measured from it).
 	Published time.Time `json:"published"`
@@ -156,9 +160,10 @@ func (f *Fleet) take(msg jetstream.Msg) bool {
 		return true
 	}
 	j.CPUs = max(j.CPUs, 1)
+	share := f.share(j)
 	f.mu.Lock()
 	_, free, _ := f.budgetLocked()
-	if (j.MaxPerNode > 0 && f.perWave[j.Wave] >= j.MaxPerNode) || free < j.CPUs {
+	if (share > 0 && f.perWave[j.Wave] >= share) || free < j.CPUs {
 		f.mu.Unlock()
 		msg.NakWithDelay(time.Second)
 		return false
@@ -184,6 +189,30 @@ func (f *Fleet) take(msg jetstream.Msg) bool {
 		}
 	}()
 	return true
+}
+
+// share is how many of j's wave's jobs this node may take: its MaxPerNode, raised in a
+// spread wave to ceil(size / live nodes of its class) as nodes die (0: no limit).
+func (f *Fleet) share(j job) int {
+	if j.SpreadOf <= 0 {
+		return j.MaxPerNode
+	}
+	ctx, cancel := context.WithTimeout(f.ctx, 2*time.Second)
+	defer cancel()
+	nodes, err := f.Nodes(ctx)
+	if err != nil {
+		return j.MaxPerNode
+	}
+	live := 0
+	for _, nd := range nodes {
+		if nd.Class == j.Class {
+			live++
+		}
+	}
+	if live == 0 {
+		return j.MaxPerNode
+	}
+	return max(j.MaxPerNode, (j.SpreadOf+live-1)/live)
 }
 
 // budgetLocked is budget with f.mu held.
@@ -231,7 +260,8 @@ func (f *Fleet) handle(msg jetstream.Msg, j job) (took bool) {
 
 	// Dedupe by job id: a job whose record is final was done (its ack was lost).
 	var rec record
-	if _, ok, err := getJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), &rec); err != nil {
+	_, ok, err := getJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), &rec)
+	if err != nil {
 		return giveBack("reading its record", err)
 	} else if ok && rec.Job == j.ID && rec.State != stateRunning {
 		f.ack(msg, j)
@@ -245,6 +275,16 @@ func (f *Fleet) handle(msg jetstream.Msg, j job) (took bool) {
 	case errors.Is(err, errBusy):
 		return giveBack("claimed by a live node", err)
 	case errors.Is(err, errDone):
+		// Ready on another live node. When that node's record was not written (the
+		// jobs bucket had no leader then), the wave would never see the fork: write
+		// it for that node before the ack.
+		if cl.Job == j.ID {
+			r := record{Job: j.ID, Attempt: j.Attempt, State: stateReady, Node: cl.Node,
+				Event: api.ForkEventObjectOf(j.Index, j.Name, 0, nil, nil)}
+			if err := putJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), r); err != nil {
+				return giveBack("recording a fork ready elsewhere", err)
+			}
+		}
 		f.ack(msg, j)
 		return false
 	case err != nil && errors.Is(err, api.ErrExists):
@@ -340,7 +380,7 @@ func (f *Fleet) claim(ctx context.Context, j job) (uint64, claim, error) {
 		case cur.Node == f.cfg.Node:
 			// This node, an earlier boot or attempt: the fork is here or nowhere.
 		case live && cur.State == stateReady && cur.Job == j.ID:
-			return 0, mine, errDone
+			return 0, cur, errDone
 		case live && cur.State == stateReady:
 			// A later attempt of a fork whose node was lost came back: it is there.
 			return 0, mine, errDone
@@ -483,6 +523,7 @@ func (f *Fleet) ensureCheckpoint(ctx context.Context, j job) error {
 		if ref.Digest != j.Digest {
 			return fmt.Errorf("%w: checkpoint %s fetched from %s has digest %s, want %s", api.ErrCheckpointCorrupt, j.Checkpoint, h.Name, short(ref.Digest), short(j.Digest))
 		}
+		f.log.Info("fleet: checkpoint fetched", "ck", j.Checkpoint, "from", h.Name, "digest", short(ref.Digest))
 		return f.holds(ctx, ref)
 	}
 	return lastErr

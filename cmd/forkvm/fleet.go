@@ -394,6 +394,9 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 			fmt.Printf("%s lost with node %s: %s\n", ev.Name, ev.Node, ev.Error)
 		case !ev.OK:
 			fmt.Printf("%s failed on %s after %v: %s\n", ev.Name, orDash(ev.Node), msDur(ev.LatencyMS), ev.Error)
+		case ev.VM == nil:
+			// Recorded by another node after its maker's record was lost: no VM details.
+			fmt.Printf("%s ready on %s\n", ev.Name, ev.Node)
 		default:
 			fmt.Printf("%s ready on %s in %v pid %d\n", ev.Name, ev.Node, msDur(ev.LatencyMS), ev.VM.PID)
 		}
@@ -413,8 +416,11 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 			}
 		}
 	}
-	summary := forkSummary(n, ready, failed, time.Since(start), nil)
+	// A fork lost with its node is accounted for: it is not in the "stream ended early"
+	// count of the local summary.
+	summary := forkSummary(n-lost, ready, failed, time.Since(start), nil)
 	if lost > 0 {
+		summary = strings.Replace(summary, fmt.Sprintf("/%d ", n-lost), fmt.Sprintf("/%d ", n), 1)
 		summary += fmt.Sprintf(", %d lost with their node", lost)
 	}
 	fmt.Fprintln(summaryOut(cmd.Bool("json")), summary)
