@@ -81,6 +81,15 @@ func startDaemon(t *testing.T, home, sock, logPath string, args ...string) *daem
 		t.Fatal(err)
 	}
 	go func() { d.err = d.cmd.Wait(); close(d.exited) }()
+	// Runs after the daemon is gone (cleanups run last-registered first): the RAM
+	// directory its engine made for home, removed only when empty (a test that left
+	// RAM files there fails its own leak checks).
+	t.Cleanup(func() {
+		os.Remove(defaultRAMDir(home))
+		if b, err := os.ReadFile(filepath.Join(home, "ram-dir")); err == nil {
+			os.Remove(strings.TrimSpace(string(b)))
+		}
+	})
 	t.Cleanup(func() {
 		select {
 		case <-d.exited:
