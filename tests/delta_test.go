@@ -657,6 +657,21 @@ func TestDeltaOldFormatAfterRestart(t *testing.T) {
 		copyFile(t, rm.ForkKernel, filepath.Join(dir, filepath.Base(rm.ForkKernel)))
 		m["fork_kernel"] = filepath.Join(dir, filepath.Base(rm.ForkKernel))
 	}
+	// The previous build wrote manifest format 1, every path absolute (this build
+	// writes the root's relative to its directory).
+	m["version"] = 1
+	if disk, ok := m["disk"].([]any); ok {
+		for _, d := range disk {
+			if l, ok := d.(map[string]any); ok {
+				if p, ok := l["path"].(string); ok && !filepath.IsAbs(p) {
+					l["path"] = filepath.Join(root.Dir, p)
+				}
+			}
+		}
+	}
+	if p, ok := m["overlay_template"].(string); ok && p != "" && !filepath.IsAbs(p) {
+		m["overlay_template"] = filepath.Join(root.Dir, p)
+	}
 	m["name"], m["kind"], m["root"], m["ram_path"], m["ram_method"], m["implicit"] = "old", "delta", "ck0", ram, "delta", false
 	m["layers"] = []map[string]any{{"checkpoint": "old", "path": layer, "size": lsize, "sha256": lsum}}
 	b, _ = json.MarshalIndent(m, "", "  ")
