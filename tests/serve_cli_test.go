@@ -177,7 +177,7 @@ func TestServeCLI(t *testing.T) {
 		t.Errorf("fork's state: %q", out)
 	}
 	// A fork of a running VM says what its implicit checkpoint cost.
-	if out := ok(nil, "fork", "s1", "imp"); !strings.Contains(out, "implicit checkpoint s1-") || !strings.Contains(out, "bytes written") || !strings.Contains(out, "imp ready in") {
+	if out := ok(nil, "fork", "s1", "imp"); !strings.Contains(out, "implicit checkpoint of s1: s1-") || !strings.Contains(out, "MiB written") || !strings.Contains(out, "imp ready in") {
 		t.Errorf("fork of a running VM: %q", out)
 	}
 	ok(nil, "rm", "imp")
