@@ -339,7 +339,13 @@ func TestCheckpointBadInput(t *testing.T) {
 	})
 	t.Run("ram file truncated", func(t *testing.T) {
 		err := corrupt(t, "c2", func(dir string, m map[string]any) {
-			os.Truncate(m["ram_path"].(string), 4096)
+			ram := m["ram_path"].(string)
+			if !filepath.IsAbs(ram) { // manifest format 2: relative to the RAM directory
+				ram = filepath.Join(e.Config().RAMDir, ram)
+			}
+			if err := os.Truncate(ram, 4096); err != nil {
+				t.Fatal(err)
+			}
 		})
 		wantErr(t, err, engine.ErrCheckpointCorrupt)
 	})
