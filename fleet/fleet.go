@@ -23,6 +23,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -128,6 +129,9 @@ type Fleet struct {
 	classID string
 	boot    string
 	started time.Time
+	// beatingSince is when this node's heartbeat writes last began to succeed without
+	// a failure in between (UnixNano; 0 while they fail): see expired.
+	beatingSince atomic.Int64
 
 	ctx    context.Context
 	cancel context.CancelFunc

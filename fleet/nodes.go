@@ -43,8 +43,10 @@ func (f *Fleet) beat(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, callTimeout)
 	defer cancel()
 	if _, err := f.nodes.Put(cctx, f.cfg.Node, b); err != nil {
+		f.beatingSince.Store(0)
 		return fmt.Errorf("%w: heartbeat: %w", ErrUnavailable, err)
 	}
+	f.beatingSince.CompareAndSwap(0, time.Now().UnixNano())
 	return nil
 }
 
@@ -133,8 +135,15 @@ func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool
 
 // expired says whether n's last heartbeat is older than the TTL though its key is still
 // there: the bucket's expiry can come late (or its marker be lost) when the bucket's
-// leader died with the node.
+// leader died with the node. It judges only while this node's own heartbeats have gone
+// through for a whole TTL: while the bucket has no leader (an election after a node
+// died takes seconds) no node can write one, and a live node's heartbeat is as old as
+// a dead one's.
 func (f *Fleet) expired(n api.FleetNode) bool {
+	since := f.beatingSince.Load()
+	if since == 0 || time.Since(time.Unix(0, since)) <= f.cfg.TTL {
+		return false
+	}
 	return !n.Heartbeat.IsZero() && time.Since(n.Heartbeat) > f.cfg.TTL
 }
 
