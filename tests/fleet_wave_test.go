@@ -112,14 +112,8 @@ func waveEvents(t *testing.T, out string) []api.FleetForkEventObject {
 	return evs
 }
 
-// TestFleetWaveSpread: three daemons on loopback, each its own state directory and a
-// budget of 2 vCPUs for fleet jobs. A world checkpoint taken on n1 only is forked 6
-// times with --fleet --spread: the forks land 2 on each node (never more than its
-// budget), n2 and n3 each pull the checkpoint once, every fork answers exec with its
-// own name on its node, and the fleet's claims name each fork once.
-func TestFleetWaveSpread(t *testing.T) {
-	hosts := startFleet(t, 3, 2)
-	n1 := hosts[0]
+// cleanupFleet removes, when the test ends, every VM on each host and checkpoint ck.
+func cleanupFleet(t *testing.T, hosts []*fleetHost, ck string) {
 	t.Cleanup(func() {
 		for _, h := range hosts {
 			var vms []api.VMObject
@@ -128,9 +122,20 @@ func TestFleetWaveSpread(t *testing.T) {
 			for _, v := range vms {
 				h.cli(nil, "rm", v.Name)
 			}
-			h.cli(nil, "checkpoint", "rm", "--force", "fwck")
+			h.cli(nil, "checkpoint", "rm", "--force", ck)
 		}
 	})
+}
+
+// TestFleetWaveSpread: three daemons on loopback, each its own state directory and a
+// budget of 2 vCPUs for fleet jobs. A world checkpoint taken on n1 only is forked 6
+// times with --fleet --spread: the forks land 2 on each node (never more than its
+// budget), n2 and n3 each pull the checkpoint once, every fork answers exec with its
+// own name on its node, and the fleet's claims name each fork once.
+func TestFleetWaveSpread(t *testing.T) {
+	hosts := startFleet(t, 3, 2)
+	n1 := hosts[0]
+	cleanupFleet(t, hosts, "fwck")
 	n1.ok(t, "create", "fw", "--cpus", "1", "--memory-mb", "256", "--forkable")
 	n1.ok(t, "exec", "fw", "--", "sh", "-c", "echo fleet-world > /dev/shm/m")
 	n1.ok(t, "checkpoint", "fw", "fwck", "--pin")
@@ -218,17 +223,7 @@ func TestFleetWaveNodeKilled(t *testing.T) {
 	const n = 9
 	hosts := startFleet(t, 3, 5)
 	n1, victim := hosts[0], hosts[2]
-	t.Cleanup(func() {
-		for _, h := range hosts {
-			var vms []api.VMObject
-			out, _, _ := h.cli(nil, "ls", "--json")
-			json.Unmarshal([]byte(out), &vms)
-			for _, v := range vms {
-				h.cli(nil, "rm", v.Name)
-			}
-			h.cli(nil, "checkpoint", "rm", "--force", "fkck")
-		}
-	})
+	cleanupFleet(t, hosts, "fkck")
 	n1.ok(t, "create", "fk", "--cpus", "1", "--memory-mb", "256", "--forkable")
 	n1.ok(t, "checkpoint", "fk", "fkck", "--pin")
 	n1.ok(t, "rm", "fk")
