@@ -119,8 +119,11 @@ func (e *Engine) flattenLater(ck *checkpointManifest) {
 	}
 }
 
-// flattenLoop runs queued flattens until the engine closes.
+// flattenLoop runs queued flattens until the engine closes, at the lowest CPU priority:
+// a flatten copies the lineage's data (hundreds of MiB) while forks and checkpoints of the
+// same tree run, and those must not wait for it.
 func (e *Engine) flattenLoop(ctx context.Context) {
+	backgroundThread()
 	f := e.flat
 	for {
 		f.qmu.Lock()

@@ -53,4 +53,7 @@ func LayerDigest(path string) (sum string, data int64, err error) {
 type ExtractStats struct {
 	Candidates int64 // private (or lineage) pages examined
 	Written    int64 // pages that differ from the lineage, written to the layer
+	// PagemapScan says the private pages were found with the kernel's PAGEMAP_SCAN
+	// (Linux 6.7) rather than by reading the whole mapping's pagemap.
+	PagemapScan bool
 }

@@ -3,11 +3,16 @@ package memfile
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
+	"runtime"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 )
 
 // Pagemap bits (Documentation/admin-guide/mm/pagemap.rst).
@@ -38,24 +43,28 @@ func candidatePages(pagemap []uint64, inLayers func(int64) bool) []int64 {
 }
 
 // owners maps each page to the newest layer holding it (index into layers), -1 for the
-// base file under them.
-func owners(layers []string, pages int64) ([]int16, error) {
+// base file under them, and lists the pages some layer holds (ascending, once each).
+func owners(layers []string, pages int64) ([]int16, []int64, error) {
 	own := make([]int16, pages)
 	for i := range own {
 		own[i] = -1
 	}
+	var held []int64
 	for li, path := range layers {
 		exts, err := layerExtents(path)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		for _, e := range exts {
 			for p := e.off / PageSize; p < (e.off+e.len+PageSize-1)/PageSize && p < pages; p++ {
+				if own[p] < 0 {
+					held = append(held, p)
+				}
 				own[p] = int16(li)
 			}
 		}
 	}
-	return own, nil
+	return own, held, nil
 }
 
 func layerExtents(path string) ([]extent, error) {
@@ -124,18 +133,19 @@ func FindMapping(pid int, path string, size int64) (uint64, error) {
 // holds it privately unless something dropped its copy): a page still mapped from base,
 // or never touched, is the lineage's, so the cost follows what the process wrote plus
 // the layers above base, not the lineage's depth. Pages are read through /proc/PID/mem;
-// base and the layers with pread (a hole reads as zeros and allocates nothing).
+// base and the layers with pread (a hole reads as zeros and allocates nothing). The
+// private pages are found with the PAGEMAP_SCAN ioctl where the kernel has it (Linux
+// 6.7), which costs what the process mapped, else by reading the whole range's pagemap.
 func ExtractDelta(pid int, addr uint64, size int64, base string, layers []string, out string) (*ExtractStats, error) {
 	pages := size / PageSize
-	own, err := owners(layers, pages)
+	own, held, err := owners(layers, pages)
 	if err != nil {
 		return nil, err
 	}
-	entries, err := readPagemap(pid, addr, pages)
+	cand, scanned, err := privatePages(pid, addr, pages, own, held)
 	if err != nil {
 		return nil, err
 	}
-	cand := candidatePages(entries, func(p int64) bool { return own[p] >= 0 })
 	mem, err := os.Open(fmt.Sprintf("/proc/%d/mem", pid))
 	if err != nil {
 		return nil, fmt.Errorf("memfile: mem: %w", err)
@@ -164,12 +174,60 @@ func ExtractDelta(pid int, addr uint64, size int64, base string, layers []string
 	if err := o.Truncate(size); err != nil {
 		return nil, fmt.Errorf("memfile: layer: %w", err)
 	}
-	st := &ExtractStats{Candidates: int64(len(cand))}
-	if err := copyDiffering(pid, mem, addr, cand, own, files, o, st); err != nil {
+	st := &ExtractStats{Candidates: int64(len(cand)), PagemapScan: scanned}
+	if err := copyDifferingParallel(pid, mem, addr, cand, own, files, o, st); err != nil {
 		return nil, err
 	}
 	ok = true
 	return st, nil
+}
+
+// extractWorkers bounds the goroutines of one extraction: the process is stopped while
+// its pages are extracted, so its CPUs are idle and the copy spreads over them.
+const extractWorkers = 4
+
+// copyDifferingParallel runs copyDiffering over up to extractWorkers (at most the
+// host's CPUs) contiguous slices of the candidates at once; each writes its own pages
+// of o (pwrite at the page's offset), so the layer is the same as one copyDiffering's.
+func copyDifferingParallel(pid int, mem *os.File, addr uint64, cand []int64, own []int16, files []*os.File, o *os.File, st *ExtractStats) error {
+	const minPerWorker = 2048 // pages (8 MiB): below this a goroutine costs more than it saves
+	n := min(extractWorkers, runtime.NumCPU(), len(cand)/minPerWorker)
+	if n <= 1 {
+		return copyDiffering(pid, mem, addr, cand, own, files, o, st)
+	}
+	sts := make([]ExtractStats, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		part := cand[len(cand)*i/n : len(cand)*(i+1)/n]
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = copyDiffering(pid, mem, addr, part, own, files, o, &sts[i])
+		}()
+	}
+	wg.Wait()
+	for i := range n {
+		st.Written += sts[i].Written
+	}
+	return errors.Join(errs...)
+}
+
+// privatePages returns the candidate pages of ExtractDelta (candidatePages) and whether
+// PAGEMAP_SCAN found them.
+func privatePages(pid int, addr uint64, pages int64, own []int16, held []int64) ([]int64, bool, error) {
+	priv, err := scanPrivatePages(pid, addr, pages)
+	if err == nil {
+		return mergeLayerPages(priv, held), true, nil
+	}
+	if !errors.Is(err, errNoPagemapScan) {
+		return nil, false, err
+	}
+	entries, err := readPagemap(pid, addr, pages)
+	if err != nil {
+		return nil, false, err
+	}
+	return candidatePages(entries, func(p int64) bool { return own[p] >= 0 }), false, nil
 }
 
 // readPagemap reads the pagemap entries of pages pages of process pid from addr.
@@ -252,37 +310,92 @@ func InjectLayers(pid int, addr uint64, size int64, layers []string) (int64, err
 		return 0, fmt.Errorf("memfile: mem: %w", err)
 	}
 	defer mem.Close()
-	buf := make([]byte, 1<<20)
-	var total int64
-	for _, path := range layers {
+	files := make([]*os.File, len(layers))
+	exts := make([][]extent, len(layers))
+	var all []extent
+	for i, path := range layers {
 		f, err := os.Open(path)
 		if err != nil {
-			return total, fmt.Errorf("memfile: layer: %w", err)
+			return 0, fmt.Errorf("memfile: layer: %w", err)
 		}
+		defer f.Close()
 		st, err := f.Stat()
 		if err == nil && st.Size() != size {
 			err = fmt.Errorf("layer %s is %d bytes, guest RAM %d", path, st.Size(), size)
 		}
-		var exts []extent
 		if err == nil {
-			exts, err = dataExtents(f, st.Size())
+			exts[i], err = dataExtents(f, st.Size())
 		}
-		for _, e := range exts {
-			for off := e.off; off < e.off+e.len && err == nil; {
-				n := min(int64(len(buf)), e.off+e.len-off)
-				if _, err = f.ReadAt(buf[:n], off); err == nil {
-					_, err = mem.WriteAt(buf[:n], int64(addr)+off)
-				}
-				off += n
-				total += n
-			}
-		}
-		f.Close()
 		if err != nil {
-			return total, fmt.Errorf("memfile: inject %s into %d: %w", path, pid, err)
+			return 0, fmt.Errorf("memfile: inject %s into %d: %w", path, pid, err)
+		}
+		files[i] = f
+		all = append(all, exts[i]...)
+	}
+	// The guest's address range in slices of about equal layer bytes, one goroutine
+	// each: the process waits for its RAM (it has not started), so its CPUs are idle.
+	// Within a slice the layers go oldest first, so a newer layer's page wins.
+	bounds := splitExtents(all, size, min(extractWorkers, runtime.NumCPU()), 16<<20)
+	totals := make([]int64, len(bounds)-1)
+	errs := make([]error, len(bounds)-1)
+	var wg sync.WaitGroup
+	for w := range totals {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			lo, hi := bounds[w], bounds[w+1]
+			buf := make([]byte, 1<<20)
+			for i, f := range files {
+				for _, e := range exts[i] {
+					for off := max(e.off, lo); off < min(e.off+e.len, hi); {
+						n := min(int64(len(buf)), min(e.off+e.len, hi)-off)
+						_, err := f.ReadAt(buf[:n], off)
+						if err == nil {
+							_, err = mem.WriteAt(buf[:n], int64(addr)+off)
+						}
+						if err != nil {
+							errs[w] = fmt.Errorf("memfile: inject %s into %d: %w", layers[i], pid, err)
+							return
+						}
+						off += n
+						totals[w] += n
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	var total int64
+	for _, t := range totals {
+		total += t
+	}
+	return total, errors.Join(errs...)
+}
+
+// splitExtents cuts [0, size) at page boundaries into at most n slices holding about
+// the same bytes of the extents (any order, may overlap), at least minBytes each; it
+// returns the boundaries, 0 first and size last.
+func splitExtents(exts []extent, size int64, n int, minBytes int64) []int64 {
+	var sum int64
+	for _, e := range exts {
+		sum += e.len
+	}
+	n = max(1, min(n, int(sum/max(minBytes, 1))))
+	bounds := []int64{0}
+	if n > 1 {
+		sorted := slices.Clone(exts)
+		slices.SortFunc(sorted, func(a, b extent) int { return cmp.Compare(a.off, b.off) })
+		var acc int64
+		for _, e := range sorted {
+			for len(bounds) < n && acc+e.len >= sum*int64(len(bounds))/int64(n) {
+				cut := e.off + (sum*int64(len(bounds))/int64(n) - acc)
+				cut = min(max(cut/PageSize*PageSize, bounds[len(bounds)-1]), size)
+				bounds = append(bounds, cut)
+			}
+			acc += e.len
 		}
 	}
-	return total, nil
+	return append(bounds, size)
 }
 
 // ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.

@@ -545,8 +545,11 @@ type TreeSize struct {
 	WorldCheckpointMS      float64 `json:"world_checkpoint_ms"`
 	ForkCheckpointMS       float64 `json:"fork_checkpoint_ms"`
 	ForkCheckpointPausedMS float64 `json:"fork_checkpoint_paused_ms"`
-	ForkOfRunningForkMS    float64 `json:"fork_of_running_fork_ms"`
-	GrewBytes              int64   `json:"checkpoint_file_grew_bytes"` // the world checkpoint's RAM file, across the fork's checkpoint
+	// The checkpoint of the fork's device-state save and page extraction (both paused).
+	ForkCheckpointMigrateMS float64 `json:"fork_checkpoint_migrate_ms"`
+	ForkCheckpointExtractMS float64 `json:"fork_checkpoint_extract_ms"`
+	ForkOfRunningForkMS     float64 `json:"fork_of_running_fork_ms"`
+	GrewBytes               int64   `json:"checkpoint_file_grew_bytes"` // the world checkpoint's RAM file, across the fork's checkpoint
 }
 
 // treeSize boots a second world of sizeMB, dirties it like the tree's, checkpoints it,
@@ -593,6 +596,7 @@ func treeSize(r *runner, sizeMB, writeMB int) *TreeSize {
 	defer r.e.DeleteCheckpoint(ctx, "big1", &engine.DeleteCheckpointOptions{Force: true})
 	S.GrewBytes = allocated(ck.Manifest.RAMPath) - before
 	S.ForkCheckpointMS, S.ForkCheckpointPausedMS = ms(c1.Manifest.Timings.Total), ms(c1.Manifest.Timings.Paused)
+	S.ForkCheckpointMigrateMS, S.ForkCheckpointExtractMS = ms(c1.Manifest.Timings.Migrate), ms(c1.Manifest.Timings.Extract)
 	g, s := r.serialFork("bigf", "bigg", "size-fork-running", 0, 1)
 	if g == nil {
 		r.fail("size %d: fork of the running fork: %s", sizeMB, s.Error)
@@ -601,10 +605,10 @@ func treeSize(r *runner, sizeMB, writeMB int) *TreeSize {
 		r.e.Delete(ctx, g.Name())
 	}
 	r.res.Extra["size"] = S
-	r.logf("size %d MiB: world checkpoint %.0f ms, checkpoint of its fork %.0f ms (paused %.0f), fork of the running fork %.0f ms; the world checkpoint's file grew %d bytes",
-		sizeMB, S.WorldCheckpointMS, S.ForkCheckpointMS, S.ForkCheckpointPausedMS, S.ForkOfRunningForkMS, S.GrewBytes)
-	r.section("## Guest size\n\n| guest MiB | world checkpoint ms | checkpoint of its fork ms (paused) | fork of the running fork ms | world file grew bytes |\n|---|---|---|---|---|\n| %d | %.0f | %.0f (%.0f) | %.0f | %d |\n\n",
-		sizeMB, S.WorldCheckpointMS, S.ForkCheckpointMS, S.ForkCheckpointPausedMS, S.ForkOfRunningForkMS, S.GrewBytes)
+	r.logf("size %d MiB: world checkpoint %.0f ms, checkpoint of its fork %.0f ms (paused %.0f: device state %.0f, extract %.0f), fork of the running fork %.0f ms; the world checkpoint's file grew %d bytes",
+		sizeMB, S.WorldCheckpointMS, S.ForkCheckpointMS, S.ForkCheckpointPausedMS, S.ForkCheckpointMigrateMS, S.ForkCheckpointExtractMS, S.ForkOfRunningForkMS, S.GrewBytes)
+	r.section("## Guest size\n\n| guest MiB | world checkpoint ms | checkpoint of its fork ms (paused: device state / extract) | fork of the running fork ms | world file grew bytes |\n|---|---|---|---|---|\n| %d | %.0f | %.0f (%.0f: %.0f / %.0f) | %.0f | %d |\n\n",
+		sizeMB, S.WorldCheckpointMS, S.ForkCheckpointMS, S.ForkCheckpointPausedMS, S.ForkCheckpointMigrateMS, S.ForkCheckpointExtractMS, S.ForkOfRunningForkMS, S.GrewBytes)
 	return &S
 }
 
