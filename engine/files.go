@@ -101,9 +101,7 @@ func (vm *VM) Stat(ctx context.Context, guestPath string) (fs.FileInfo, error) {
 
 // serialLog is the file QEMU writes the guest console to.
 func (vm *VM) serialLog() string {
-	vm.mu.Lock()
-	p := vm.m.Launch.SerialLog
-	vm.mu.Unlock()
+	p := vm.snapshot().Launch.SerialLog
 	if p == "" {
 		p = vm.path(serialLogFile)
 	}
