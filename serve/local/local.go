@@ -16,6 +16,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/tarstream"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -226,6 +227,10 @@ func (l *Local) CopyIn(ctx context.Context, name, dir string, r io.Reader) error
 		return err
 	}
 	return g.CopyIn(ctx, dir, r)
+}
+
+func (l *Local) CopyInPath(ctx context.Context, name, hostPath, guestDir string) error {
+	return tarstream.CopyInPath(ctx, hostPath, func(r io.Reader) error { return l.CopyIn(ctx, name, guestDir, r) })
 }
 
 func (l *Local) CopyOut(ctx context.Context, name, p string, w io.Writer) error {
