@@ -591,6 +591,11 @@ type API interface {
 
 	// CopyIn extracts the tar stream r into the guest directory dir.
 	CopyIn(ctx context.Context, name, dir string, r io.Reader) error
+	// CopyInPath copies the host path hostPath (a file, a directory tree or a symlink)
+	// into the existing guest directory guestDir under its base name: CopyIn of its tar
+	// stream (package tarstream), read by this program, never by a daemon. A missing
+	// hostPath wraps ErrSourceMissing.
+	CopyInPath(ctx context.Context, name, hostPath, guestDir string) error
 	// CopyOut writes the guest path p as a tar stream to w.
 	CopyOut(ctx context.Context, name, p string, w io.Writer) error
 	// Stat returns a guest path's attributes; a missing path matches fs.ErrNotExist.

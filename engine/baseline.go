@@ -26,9 +26,17 @@ func (b *Baseline) Save(ctx context.Context, vmName, path string) (time.Duration
 	if !vm.alive() {
 		return 0, fmt.Errorf("%w: %s", ErrNotRunning, vmName)
 	}
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	if parent := vm.m.Parent; parent != "" && !vm.m.Launch.RAM.Shared {
+	var d time.Duration
+	err = vm.locked(func(s *vmState) (err error) {
+		d, err = b.save(ctx, vm, s, path)
+		return err
+	})
+	return d, err
+}
+
+// save is Save under the VM's lock, with its state s.
+func (b *Baseline) save(ctx context.Context, vm *VM, s *vmState, path string) (time.Duration, error) {
+	if parent := s.Parent; parent != "" && !s.Launch.RAM.Shared {
 		// A full save of a fork reads every guest page, faulting every hole of its
 		// checkpoint's RAM file in: give them back afterwards.
 		defer b.e.cks.punch(parent)
@@ -61,33 +69,36 @@ func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, er
 	clock := markPhases(e.cfg.Markers, spec.Name)
 	clock.begin("prepare")
 	defer clock.abandon() // a failure ends its phase's marker
-	vm, err := e.newBootVM(ctx, spec)
+	vm, err := e.newBootVM(ctx, spec, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer e.vms.unreserve(spec.Name)
-	vm.m.Launch.RAM = ramBacking{Anonymous: true}
-	vm.m.Launch.Incoming = true
+	vm.modify(func(s *vmState) {
+		s.Launch.RAM = ramBacking{Anonymous: true}
+		s.Launch.Incoming = true
+	})
 	// A fork of a delta checkpoint runs with send-configuration off, so its full save
 	// has no configuration section either.
 	withConfig, err := hasConfigurationSection(path)
 	if err != nil {
-		e.paths.removeVMFiles(spec.Name, &vm.m)
+		m := vm.manifest()
+		e.paths.removeVMFiles(spec.Name, &m)
 		return nil, err
 	}
-	vm.m.Launch.DevicesOnly = !withConfig
+	vm.modify(func(s *vmState) { s.Launch.DevicesOnly = !withConfig })
 	ok := false
 	defer func() {
 		if !ok {
 			e.discard(vm)
 		}
 	}()
-	clock.lap(&vm.m.Timings.Prepare)
+	vm.lap(clock, prepareTiming)
 	clock.begin("spawn")
 	if err := vm.start(ctx); err != nil {
 		return nil, err
 	}
-	clock.lap(&vm.m.Timings.Spawn)
+	vm.lap(clock, spawnTiming)
 	clock.begin("restore")
 	if err := vm.process().loadFromFile(ctx, path, false, true); err != nil {
 		return nil, vm.failure("restore", err)
@@ -95,7 +106,7 @@ func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, er
 	if err := vm.process().resume(); err != nil {
 		return nil, vm.failure("restore", err)
 	}
-	clock.lap(&vm.m.Timings.Restore)
+	vm.lap(clock, restoreTiming)
 	if err := vm.becomeReady(ctx, "restore", clock, vm.hello); err != nil {
 		return nil, err
 	}

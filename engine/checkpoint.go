@@ -54,9 +54,7 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vmName)
 	}
-	vm.mu.Lock()
-	m := vm.m
-	vm.mu.Unlock()
+	m := vm.manifest()
 	if m.Launch.RAM.Path == "" {
 		return nil, fmt.Errorf("%w: %s was created without --forkable (its RAM is anonymous)", ErrNotForkable, vmName)
 	}

@@ -206,7 +206,7 @@ func TestDeleteCheckpoint(t *testing.T) {
 	fork := vmManifest(cfg, "f1", StateRunning, 0)
 	fork.Parent = "base"
 	writeVMManifest(t, e.paths.vmsDir(), "f1", fork)
-	e.vms.add(&VM{dir: e.paths.vmDir("f1"), log: e.log, m: *fork})
+	e.vms.add(newVM(e.paths.vmDir("f1"), e.log, fork))
 	infos, err := e.Checkpoints()
 	if err != nil || len(infos) != 1 || infos[0].Name != "base" || len(infos[0].Forks) != 1 || infos[0].Forks[0] != "f1" {
 		t.Errorf("Checkpoints = %+v, %v", infos, err)

@@ -91,17 +91,19 @@ func TestLineageBase(t *testing.T) {
 	ck := &d3.Manifest
 	fork := func(name string) *VM {
 		t.Helper()
-		vm, err := prepareFork(t.Context(), e.paths, e.log, "/q", d3, name)
+		vm, err := prepareFork(t.Context(), e.paths, e.log, "/q", d3, name, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { e.paths.removeVMFiles(name, &vm.m) })
+		m := vm.manifest()
+		t.Cleanup(func() { e.paths.removeVMFiles(name, &m) })
 		return vm
 	}
 	check := func(vm *VM, wantPath string, wantLayers int) {
 		t.Helper()
-		if vm.m.Launch.RAM.Path != wantPath || vm.m.RAMBaseLayers != wantLayers || vm.m.Launch.RAM.Shared {
-			t.Errorf("fork maps %q holding %d layers (shared %v), want %q holding %d", vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers, vm.m.Launch.RAM.Shared, wantPath, wantLayers)
+		m := vm.snapshot()
+		if m.Launch.RAM.Path != wantPath || m.RAMBaseLayers != wantLayers || m.Launch.RAM.Shared {
+			t.Errorf("fork maps %q holding %d layers (shared %v), want %q holding %d", m.Launch.RAM.Path, m.RAMBaseLayers, m.Launch.RAM.Shared, wantPath, wantLayers)
 		}
 	}
 	layersDir := e.paths.checkpointLayers("d3")

@@ -44,21 +44,20 @@ type deltaCheckpoint struct {
 
 func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) error {
 	ck := w.ck
-	vm.mu.Lock()
-	parentName := vm.m.Parent
-	d.ramMapped, d.baseLayers = vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers
-	vm.mu.Unlock()
+	name, m := vm.Name(), vm.snapshot()
+	parentName := m.Parent
+	d.ramMapped, d.baseLayers = m.Launch.RAM.Path, m.RAMBaseLayers
 	if parentName == "" {
-		return fmt.Errorf("%w: %s has private RAM but no parent checkpoint", ErrNotForkable, vm.m.Name)
+		return fmt.Errorf("%w: %s has private RAM but no parent checkpoint", ErrNotForkable, name)
 	}
 	parent, err := d.e.cks.load(ctx, parentName)
 	if err != nil {
-		return fmt.Errorf("engine: checkpoint %s: parent: %w", vm.m.Name, err)
+		return fmt.Errorf("engine: checkpoint %s: parent: %w", name, err)
 	}
 	pm := &parent.Manifest
 	d.parent = pm
 	if pm.RAMSize != ck.RAMSize {
-		return fmt.Errorf("%w: %s: parent %s has %d bytes of RAM, the fork %d", ErrCheckpointCorrupt, vm.m.Name, pm.Name, pm.RAMSize, ck.RAMSize)
+		return fmt.Errorf("%w: %s: parent %s has %d bytes of RAM, the fork %d", ErrCheckpointCorrupt, name, pm.Name, pm.RAMSize, ck.RAMSize)
 	}
 	ck.Kind, ck.Root = checkpointKindDelta, pm.Name
 	if pm.Kind == checkpointKindDelta {
@@ -67,21 +66,21 @@ func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) erro
 	// The lineage: this checkpoint's own links to the root file and to every ancestor
 	// layer, made before the guest pauses.
 	if err := os.Link(pm.RAMPath, w.ramTmp); err != nil {
-		return fmt.Errorf("engine: checkpoint %s: link root ram: %w", vm.m.Name, err)
+		return fmt.Errorf("engine: checkpoint %s: link root ram: %w", name, err)
 	}
 	w.layersFinal = d.e.paths.checkpointLayers(ck.Name)
 	w.layersTmp = w.layersFinal + ".tmp-" + randHex(4)
 	if err := os.Mkdir(w.layersTmp, 0o700); err != nil {
-		return fmt.Errorf("engine: checkpoint %s: layers: %w", vm.m.Name, err)
+		return fmt.Errorf("engine: checkpoint %s: layers: %w", name, err)
 	}
 	w.holesFrom = filepath.Join(parent.Dir, ramHolesFile)
 	for i, l := range pm.Layers {
-		name := layerFile(i, l.Checkpoint)
-		if err := os.Link(l.Path, filepath.Join(w.layersTmp, name)); err != nil {
-			return fmt.Errorf("engine: checkpoint %s: link layer of %s: %w", vm.m.Name, l.Checkpoint, err)
+		file := layerFile(i, l.Checkpoint)
+		if err := os.Link(l.Path, filepath.Join(w.layersTmp, file)); err != nil {
+			return fmt.Errorf("engine: checkpoint %s: link layer of %s: %w", name, l.Checkpoint, err)
 		}
 		d.ancestors = append(d.ancestors, l.Path)
-		l.Path = filepath.Join(w.layersFinal, name)
+		l.Path = filepath.Join(w.layersFinal, file)
 		ck.Layers = append(ck.Layers, l)
 	}
 	d.ownName = layerFile(len(pm.Layers), ck.Name)
@@ -95,16 +94,16 @@ func (*deltaCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) erro
 	return p.saveDevices(ctx, w.statePath())
 }
 
-// paused extracts the fork's own pages (vm.mu is held).
-func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, w *ckWriter) (func(), error) {
+// paused extracts the fork's own pages (s is the VM's state, under its lock).
+func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckWriter) (func(), error) {
 	ck, pm := w.ck, d.parent
 	t := time.Now()
 	defer w.phase("freeze")()
-	addr, err := memfile.FindMapping(vm.m.PID, d.ramMapped, ck.RAMSize)
+	addr, err := memfile.FindMapping(s.PID, d.ramMapped, ck.RAMSize)
 	if err == nil {
 		// Against the file the fork maps and the layers above it (deltaBase).
 		base, upper := deltaBase(d.e.paths, pm, d.ramMapped, d.baseLayers, d.ancestors)
-		_, err = memfile.ExtractDelta(vm.m.PID, addr, ck.RAMSize, base, upper, filepath.Join(w.layersTmp, d.ownName))
+		_, err = memfile.ExtractDelta(s.PID, addr, ck.RAMSize, base, upper, filepath.Join(w.layersTmp, d.ownName))
 	}
 	ck.Timings.Extract = time.Since(t)
 	ck.Timings.Freeze = ck.Timings.Extract
@@ -119,7 +118,7 @@ func (d *deltaCheckpoint) finish(ctx context.Context, vm *VM, w *ckWriter) error
 	ck := w.ck
 	sum, size, err := memfile.LayerDigest(filepath.Join(w.layersTmp, d.ownName))
 	if err != nil {
-		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
+		return fmt.Errorf("engine: checkpoint %s: %w", vm.Name(), err)
 	}
 	ck.Layers = append(ck.Layers, ramLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, d.ownName), Size: size, SHA256: sum})
 	ck.RAMMethod, ck.DeviceState = "delta", DeviceStateDevices
@@ -134,9 +133,8 @@ func injectLayers(vm *VM, c *Checkpoint) error {
 	if len(ck.Layers) == 0 {
 		return nil
 	}
-	vm.mu.Lock()
-	pid, ram, k := vm.m.PID, vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers
-	vm.mu.Unlock()
+	m := vm.snapshot()
+	pid, ram, k := m.PID, m.Launch.RAM.Path, m.RAMBaseLayers
 	if k >= len(ck.Layers) {
 		return nil // it maps the checkpoint's flattened RAM file (prepareFork)
 	}
@@ -153,8 +151,6 @@ func injectLayers(vm *VM, c *Checkpoint) error {
 	if err != nil {
 		return err
 	}
-	vm.mu.Lock()
-	vm.m.LineageBytes = n
-	vm.mu.Unlock()
+	vm.modify(func(s *vmState) { s.LineageBytes = n })
 	return nil
 }

@@ -31,21 +31,19 @@ func (*fullSaveCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) (
 	return err
 }
 
-func (*fullSaveCheckpoint) paused(context.Context, *VM, *ckWriter) (func(), error) {
+func (*fullSaveCheckpoint) paused(context.Context, *VM, *vmState, *ckWriter) (func(), error) {
 	return nil, nil
 }
 
 func (f *fullSaveCheckpoint) finish(ctx context.Context, vm *VM, w *ckWriter) error {
 	ck, full := w.ck, fullSavePath(w)
 	defer os.Remove(full)
-	vm.mu.Lock()
-	src := vm.m
-	vm.mu.Unlock()
+	src := vm.manifest()
 	t := time.Now()
 	end := w.phase("freeze")
 	defer end()
 	if err := f.e.rebase(ctx, src, w, full); err != nil {
-		return fmt.Errorf("engine: checkpoint %s: rebase: %w", vm.m.Name, err)
+		return fmt.Errorf("engine: checkpoint %s: rebase: %w", vm.Name(), err)
 	}
 	ck.Timings.Freeze = time.Since(t)
 	ck.RAMMethod = "full-save"
@@ -65,23 +63,29 @@ func (e *Engine) rebase(ctx context.Context, src manifest, w *ckWriter, full str
 		return err
 	}
 	name := "rebase-" + randHex(4)
-	h := &VM{dir: e.paths.vmDir(name), log: e.log, m: manifest{
+	hm := manifest{
 		Version: manifestVersion, Name: name, Spec: src.Spec, State: StateStarting,
 		Accel: src.Accel, QEMUVersion: src.QEMUVersion, Token: newToken(),
 		Launch: src.Launch.named(e.paths, name),
-	}}
-	h.m.Spec.Name = name
-	h.m.Launch.RAM = ramBacking{Path: w.ramTmp, Shared: true}
-	h.m.Launch.Incoming = true
+	}
+	hm.Spec.Name = name
+	hm.Launch.RAM = ramBacking{Path: w.ramTmp, Shared: true}
+	hm.Launch.Incoming = true
 	// Same NIC as the source, but no host ports: the source still binds them, and the
 	// helper never runs the guest.
-	h.m.Launch.Publish = nil
-	h.m.Spec.Publish = nil
+	hm.Launch.Publish = nil
+	hm.Spec.Publish = nil
 	if ck.Vsock {
 		// Same devices as the source (a vhost-vsock device), but its own context id.
-		h.m.Launch.VsockCID = randomCID()
+		hm.Launch.VsockCID = randomCID()
 	}
-	if err := os.Mkdir(h.dir, 0o700); err != nil {
+	if len(ck.Disk) > 0 {
+		// A scratch overlay on the frozen chain: the helper never runs the guest, but the
+		// disk device must exist with the same shape.
+		hm.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: filepath.Join(e.paths.vmDir(name), "scratch.qcow2"), Format: "qcow2"})
+	}
+	h := newVM(e.paths.vmDir(name), e.log, &hm)
+	if err := os.Mkdir(h.dir(), 0o700); err != nil {
 		return err
 	}
 	defer func() {
@@ -89,13 +93,10 @@ func (e *Engine) rebase(ctx context.Context, src manifest, w *ckWriter, full str
 		e.paths.removeVMFiles(name, nil)
 	}()
 	if len(ck.Disk) > 0 {
-		// A scratch overlay on the frozen chain: the helper never runs the guest, but the
-		// disk device must exist with the same shape.
-		scratch := filepath.Join(h.dir, "scratch.qcow2")
+		scratch := hm.Launch.Disk[len(hm.Launch.Disk)-1].Path
 		if err := qemuImgCreate(ctx, w.qemuImg, scratch, ck.Disk[len(ck.Disk)-1], int64(ck.DiskMiB)<<20); err != nil {
 			return err
 		}
-		h.m.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: scratch, Format: "qcow2"})
 	}
 	if err := h.start(ctx); err != nil {
 		return err

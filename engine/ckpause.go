@@ -14,7 +14,8 @@ import (
 // same stages, calling its methods in this order:
 //
 //   - prepare: the guest runs, the VM is not locked; what needs no pause.
-//   - the pause (ckWriter.pause), under the VM's lock: disk chooses the disk freeze, the
+//   - the pause (ckWriter.pause), under the VM's lock (its state handed to disk and
+//     paused): disk chooses the disk freeze, the
 //     crash marker is written, the disk freeze prepared; save leaves the guest stopped
 //     (a migration's completion, or stop and a device-state save); paused runs while it
 //     is (the RAM freeze); the disk is frozen. A kind that hands off commits the
@@ -29,9 +30,9 @@ import (
 // is its own (recoverHandoff), both chosen by the marker (recoverCutShort).
 type ckKind interface {
 	prepare(ctx context.Context, vm *VM, w *ckWriter) error
-	disk(ctx context.Context, vm *VM, w *ckWriter) ckDisk
+	disk(ctx context.Context, vm *VM, s *vmState, w *ckWriter) ckDisk
 	save(ctx context.Context, p *qemuProc, w *ckWriter) error
-	paused(ctx context.Context, vm *VM, w *ckWriter) (undo func(), err error)
+	paused(ctx context.Context, vm *VM, s *vmState, w *ckWriter) (undo func(), err error)
 	finish(ctx context.Context, vm *VM, w *ckWriter) error
 	committed(ctx context.Context, vm *VM, w *ckWriter) error
 	// handsOff: the kind commits during the pause and never resumes the guest's process.
@@ -58,8 +59,8 @@ func (resumes) finish(context.Context, *VM, *ckWriter) error    { return nil }
 func (resumes) committed(context.Context, *VM, *ckWriter) error { return nil }
 func (resumes) handsOff() bool                                  { return false }
 
-func (resumes) disk(ctx context.Context, vm *VM, w *ckWriter) ckDisk {
-	return planDiskFreeze(ctx, vm.process(), &vm.m, vm.dir, w.tmp, w.qemuImg)
+func (resumes) disk(ctx context.Context, vm *VM, s *vmState, w *ckWriter) ckDisk {
+	return planDiskFreeze(ctx, vm.process(), s, vm.ident().Spec.DiskMiB, vm.dir(), w.tmp, w.qemuImg)
 }
 
 // runCheckpoint takes a checkpoint of vm of kind k through its stages (see ckKind).
@@ -68,7 +69,7 @@ func runCheckpoint(ctx context.Context, vm *VM, w *ckWriter, k ckKind) error {
 		return err
 	}
 	if err := w.pause(ctx, vm, k); err != nil {
-		return fmt.Errorf("engine: checkpoint %s: %w", vm.m.Name, err)
+		return fmt.Errorf("engine: checkpoint %s: %w", vm.Name(), err)
 	}
 	if err := k.finish(ctx, vm, w); err != nil {
 		return err
@@ -84,25 +85,28 @@ func runCheckpoint(ctx context.Context, vm *VM, w *ckWriter, k ckKind) error {
 // pause runs the part of a checkpoint around the guest's stop, under the VM's lock
 // (see ckKind). The pause is recorded in the checkpoint's timings (a handoff's ends when
 // the VM runs again: its committed stage records it).
-func (w *ckWriter) pause(ctx context.Context, vm *VM, k ckKind) (err error) {
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
+func (w *ckWriter) pause(ctx context.Context, vm *VM, k ckKind) error {
+	return vm.locked(func(s *vmState) error { return w.pauseLocked(ctx, vm, s, k) })
+}
+
+// pauseLocked is pause with the VM's state s, under its lock.
+func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind) (err error) {
 	ck, p := w.ck, vm.process()
 	// The previous checkpoint's disk collapse first (so this one freezes a short chain);
 	// this checkpoint's starts once the guest runs again and the marker is gone.
-	if err := vm.settleForFreeze(ctx); err != nil {
+	if err := vm.settleForFreeze(ctx, s); err != nil {
 		return err
 	}
 	collapse := false
 	defer func() {
 		if collapse {
-			vm.startCollapse(ctx)
+			vm.startCollapse(ctx, s)
 		}
 	}()
-	disk := k.disk(ctx, vm, w)
+	disk := k.disk(ctx, vm, s, w)
 	// The marker outlives a crash from here to the resume (deferred before it so that it
 	// goes after it), or for a handoff that committed, to the VM's restart.
-	if err := w.mark(vm, k.handsOff(), disk.newTop()); err != nil {
+	if err := w.mark(vm, s, k.handsOff(), disk.newTop()); err != nil {
 		return err
 	}
 	defer func() {
@@ -132,7 +136,7 @@ func (w *ckWriter) pause(ctx context.Context, vm *VM, k ckKind) (err error) {
 	}()
 	var undo func()
 	if err == nil {
-		undo, err = k.paused(ctx, vm, w)
+		undo, err = k.paused(ctx, vm, s, w)
 	}
 	if err == nil {
 		t1 := time.Now()
@@ -151,8 +155,8 @@ func (w *ckWriter) pause(ctx context.Context, vm *VM, k ckKind) (err error) {
 		disk.abort(ctx)
 		if !k.handsOff() {
 			// The VM may have switched onto its new overlay before the failure.
-			if serr := vm.saveLocked(); serr != nil {
-				vm.log.Warn("checkpoint failed; vm manifest not saved", "vm", vm.m.Name, "err", serr)
+			if serr := vm.save(s); serr != nil {
+				vm.log.Warn("checkpoint failed; vm manifest not saved", "vm", vm.Name(), "err", serr)
 			}
 		}
 		return err
@@ -161,7 +165,7 @@ func (w *ckWriter) pause(ctx context.Context, vm *VM, k ckKind) (err error) {
 		stayStopped = true
 		return nil
 	}
-	if err := vm.saveLocked(); err != nil {
+	if err := vm.save(s); err != nil {
 		return err
 	}
 	collapse = true
@@ -182,10 +186,10 @@ type checkpointing struct {
 	NewTop     string `json:"new_top,omitempty"`
 }
 
-// mark writes vm's checkpointing marker (vm.mu is held).
-func (w *ckWriter) mark(vm *VM, handoff bool, newTop string) error {
+// mark writes vm's checkpointing marker; s is its state, under its lock.
+func (w *ckWriter) mark(vm *VM, s *vmState, handoff bool, newTop string) error {
 	return writeJSON(vm.path(checkpointingFile), checkpointing{
-		Checkpoint: w.ck.Name, Handoff: handoff, RAM: vm.m.Launch.RAM.Path, RAMTmp: w.ramTmp, NewTop: newTop,
+		Checkpoint: w.ck.Name, Handoff: handoff, RAM: s.Launch.RAM.Path, RAMTmp: w.ramTmp, NewTop: newTop,
 	})
 }
 
@@ -214,7 +218,7 @@ func (vm *VM) recoverCutShort(ctx context.Context, paths layout, log *slog.Logge
 	if mk.Handoff {
 		vm.recoverHandoff(ctx, paths, log, mk, timeout)
 	}
-	if vm.m.State != StateRunning && vm.m.State != StateDead {
+	if st := vm.snapshot().State; st != StateRunning && st != StateDead {
 		return // half-made: reaped whole
 	}
 	if _, err := os.Stat(vm.path(checkpointingFile)); err == nil {
@@ -239,7 +243,7 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 	defer cancel()
 	c, err := p.client(ctx)
 	if err != nil {
-		log.Warn("recover: checkpoint cut short: no qmp", "vm", vm.m.Name, "err", err)
+		log.Warn("recover: checkpoint cut short: no qmp", "vm", vm.Name(), "err", err)
 		return
 	}
 	if mig, err := c.QueryMigrate(ctx); err == nil && mig.Active() {
@@ -251,8 +255,8 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 			}
 		}
 	}
-	if len(vm.m.Launch.Disk) > 0 && vm.m.DiskNode != "" {
-		node, path := nextDiskNode(vm.m.DiskSeq), nextDiskPath(vm.dir, vm.m.DiskSeq)
+	if m := vm.snapshot(); len(m.Launch.Disk) > 0 && m.DiskNode != "" {
+		node, path := nextDiskNode(m.DiskSeq), nextDiskPath(vm.dir(), m.DiskSeq)
 		switched := false
 		if blocks, err := c.QueryBlock(ctx); err == nil {
 			for _, b := range blocks {
@@ -260,11 +264,8 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 			}
 		}
 		if switched {
-			vm.mu.Lock()
-			vm.m.pushOverlay(node, path)
-			err := vm.saveLocked()
-			vm.mu.Unlock()
-			log.Info("recover: adopted the disk overlay of a checkpoint cut short", "vm", vm.m.Name, "overlay", path, "err", err)
+			err := vm.update(func(s *vmState) { s.pushOverlay(node, path) })
+			log.Info("recover: adopted the disk overlay of a checkpoint cut short", "vm", vm.Name(), "overlay", path, "err", err)
 		} else {
 			_ = c.BlockdevDel(ctx, node)
 			os.Remove(path)
@@ -272,6 +273,6 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 	}
 	if st, err := c.QueryStatus(ctx); err == nil && st.Status != "running" {
 		err := c.Cont(ctx)
-		log.Info("recover: resumed a guest a checkpoint left stopped", "vm", vm.m.Name, "status", st.Status, "err", err)
+		log.Info("recover: resumed a guest a checkpoint left stopped", "vm", vm.Name(), "status", st.Status, "err", err)
 	}
 }

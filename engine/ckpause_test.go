@@ -14,9 +14,9 @@ import (
 func TestCheckpointingMarkerShape(t *testing.T) {
 	for _, handoff := range []bool{false, true} {
 		dir := t.TempDir()
-		vm := &VM{dir: dir, m: manifest{Name: "w", Launch: launch{RAM: ramBacking{Path: "/ram/vm-w.ram", Shared: true}}}}
+		vm := newVM(dir, nil, &manifest{Name: "w", Launch: launch{RAM: ramBacking{Path: "/ram/vm-w.ram", Shared: true}}})
 		w := &ckWriter{ck: &checkpointManifest{Name: "c"}, ramTmp: "/ram/ck-c.ram.tmp-1"}
-		if err := w.mark(vm, handoff, "/vms/w/disk1.qcow2"); err != nil {
+		if err := vm.locked(func(s *vmState) error { return w.mark(vm, s, handoff, "/vms/w/disk1.qcow2") }); err != nil {
 			t.Fatal(err)
 		}
 		b, err := os.ReadFile(filepath.Join(dir, checkpointingFile))
@@ -95,9 +95,8 @@ func TestRecoverOldMarkers(t *testing.T) {
 			if err != nil {
 				t.Fatalf("w not re-adopted: %v", err)
 			}
-			vm.mu.Lock()
-			state, reason := vm.m.State, vm.m.DeadReason
-			vm.mu.Unlock()
+			st := vm.snapshot()
+			state, reason := st.State, st.DeadReason
 			if state != tc.wantState || !strings.Contains(reason, tc.wantDead) {
 				t.Errorf("w is %s (%q), want %s (%q)", state, reason, tc.wantState, tc.wantDead)
 			}

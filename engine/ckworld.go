@@ -19,11 +19,11 @@ func (worldCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) (err 
 	return err
 }
 
-func (worldCheckpoint) paused(ctx context.Context, vm *VM, w *ckWriter) (func(), error) {
+func (worldCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckWriter) (func(), error) {
 	ck := w.ck
 	t := time.Now()
 	end := w.phase("freeze")
-	fs, err := memfile.Freeze(ctx, vm.m.Launch.RAM.Path, w.ramTmp)
+	fs, err := memfile.Freeze(ctx, s.Launch.RAM.Path, w.ramTmp)
 	end()
 	ck.Timings.Freeze = time.Since(t)
 	if err != nil {

@@ -64,7 +64,7 @@ func TestConsoleKeeperBounded(t *testing.T) {
 	if size > 2*consoleLogHalf || size < consoleLogHalf {
 		t.Errorf("console log holds %d bytes of %d sent; want between %d and %d", size, total, consoleLogHalf, 2*consoleLogHalf)
 	}
-	vm := &VM{dir: dir, m: manifest{Name: "k", Launch: launch{SerialLog: logPath}}}
+	vm := newVM(dir, nil, &manifest{Name: "k", Launch: launch{SerialLog: logPath}})
 	var out bytes.Buffer
 	if err := vm.Logs(context.Background(), false, &out); err != nil {
 		t.Fatal(err)
@@ -97,7 +97,7 @@ func TestConsoleTailAndFork(t *testing.T) {
 	if want := "boot\nlater\nforkvm: ---- the console of checkpoint ck1 above; fork f1 starts here ----\n"; string(b) != want {
 		t.Errorf("fork console %q, want %q", b, want)
 	}
-	vm := &VM{dir: dir, m: manifest{Name: "f1", Launch: launch{SerialLog: forkLog}}}
+	vm := newVM(dir, nil, &manifest{Name: "f1", Launch: launch{SerialLog: forkLog}})
 	var out bytes.Buffer
 	if err := vm.Logs(context.Background(), false, &out); err != nil || out.String() != string(b) {
 		t.Errorf("fork Logs before its QEMU wrote = %q, %v", out.String(), err)

@@ -42,17 +42,17 @@ func countersPrefix(on bool, tag string) string {
 // countersCgroupDir is where the VM's QEMU is started for its counters: "" when the
 // counters are off or come from /proc. With a cgroup v2 memory limit (Spec.MemoryLimitMiB)
 // it is the VM's memory cgroup, which it must live in anyway (a process is in one v2
-// cgroup).
-func (vm *VM) countersCgroupDir() string {
+// cgroup). s is the VM's state, under its lock.
+func (vm *VM) countersCgroupDir(s *vmState) string {
 	switch {
 	case !vm.counters:
 		return ""
-	case vm.cgVersion == 2 && vm.m.MemoryCgroup != "":
-		return vm.m.MemoryCgroup
+	case vm.cgVersion == 2 && s.MemoryCgroup != "":
+		return s.MemoryCgroup
 	case vm.countersPrefix == "":
 		return ""
 	}
-	return vm.countersPrefix + vm.m.Name
+	return vm.countersPrefix + vm.Name()
 }
 
 // count makes the engine's VM vm count its QEMU's kernel work when Config.Counters
@@ -62,20 +62,19 @@ func (e *Engine) count(vm *VM) {
 	vm.procMarker, _ = e.cfg.Markers.(ProcessMarker)
 }
 
-// openCounters makes the VM's counter cgroup (its manifest names it already) and opens
-// its counters; nil when the counters are off. Where a cgroup cannot be had the VM is
-// counted from /proc (cg nil).
-func (vm *VM) openCounters() *vmCounters {
+// openCounters makes the VM's counter cgroup dir (its manifest names it already) and
+// opens its counters; nil when the counters are off. Where a cgroup cannot be had the VM
+// is counted from /proc (cg nil).
+func (vm *VM) openCounters(dir string) *vmCounters {
 	if !vm.counters {
 		return nil
 	}
-	dir := vm.m.CountersCgroup
 	if dir == "" {
 		return &vmCounters{}
 	}
 	cg, err := kcounters.NewCgroup(dir)
 	if err != nil {
-		vm.log.Info("counters: no perf counters on a cgroup; counting from /proc", "vm", vm.m.Name, "err", err)
+		vm.log.Info("counters: no perf counters on a cgroup; counting from /proc", "vm", vm.Name(), "err", err)
 		return &vmCounters{}
 	}
 	return &vmCounters{cg: cg}
@@ -151,15 +150,14 @@ func (vm *VM) firstCommandDone() {
 	if !ok {
 		return
 	}
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	c := Counters{Source: src}
-	if vm.m.Counters != nil {
-		c = *vm.m.Counters
-	}
-	c.FirstCommand = kernelCounters(s)
-	vm.m.Counters = &c // a new value: Info hands out the old one
-	_ = vm.saveLocked()
+	_ = vm.update(func(st *vmState) {
+		c := Counters{Source: src}
+		if st.Counters != nil {
+			c = *st.Counters
+		}
+		c.FirstCommand = kernelCounters(s)
+		st.Counters = &c // a new value: Info hands out the old one
+	})
 }
 
 // kernelCounters is a sample as the API has it.

@@ -19,9 +19,7 @@ func (e *Engine) Delete(ctx context.Context, name string) error {
 	}
 	_ = vm.Stop(ctx)
 	e.vms.remove(name)
-	vm.mu.Lock()
-	m := vm.m
-	vm.mu.Unlock()
+	m := vm.manifest()
 	e.paths.removeVMFiles(name, &m)
 	if m.Parent != "" {
 		e.cks.punch(m.Parent)

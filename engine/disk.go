@@ -29,7 +29,8 @@ import (
 // switches onto at commit (blockdev-snapshot); the old chain becomes the checkpoint's.
 type diskFreeze struct {
 	p        *qemuProc
-	m        *manifest // the VM's manifest; commit updates its chain
+	s        *vmState // the VM's state (its lock is held); commit updates its chain
+	size     int64    // the disk's size in bytes (Spec.DiskMiB)
 	none     bool
 	reflink  bool
 	tmpDir   string
@@ -41,18 +42,18 @@ type diskFreeze struct {
 }
 
 // planDiskFreeze chooses the disk method; it creates nothing but a throwaway reflink
-// probe. The caller holds the VM's lock.
-func planDiskFreeze(ctx context.Context, p *qemuProc, m *manifest, vmDir, tmpDir, qemuImg string) *diskFreeze {
-	d := &diskFreeze{p: p, m: m, tmpDir: tmpDir, qemuImg: qemuImg}
-	layers := m.Launch.Disk
+// probe. s is the VM's state, under its lock; diskMiB its Spec.DiskMiB.
+func planDiskFreeze(ctx context.Context, p *qemuProc, s *vmState, diskMiB int, vmDir, tmpDir, qemuImg string) *diskFreeze {
+	d := &diskFreeze{p: p, s: s, size: int64(diskMiB) << 20, tmpDir: tmpDir, qemuImg: qemuImg}
+	layers := s.Launch.Disk
 	switch {
 	case len(layers) == 0:
 		d.none = true
 	case canReflink(ctx, layers, tmpDir):
 		d.reflink = true
 	default:
-		d.newNode = nextDiskNode(m.DiskSeq)
-		d.newPath = nextDiskPath(vmDir, m.DiskSeq)
+		d.newNode = nextDiskNode(s.DiskSeq)
+		d.newPath = nextDiskPath(vmDir, s.DiskSeq)
 	}
 	return d
 }
@@ -65,8 +66,8 @@ func (d *diskFreeze) prepare(ctx context.Context) error {
 	if d.newNode == "" {
 		return nil
 	}
-	layers := d.m.Launch.Disk
-	if err := qemuImgCreate(ctx, d.qemuImg, d.newPath, layers[len(layers)-1], int64(d.m.Spec.DiskMiB)<<20); err != nil {
+	layers := d.s.Launch.Disk
+	if err := qemuImgCreate(ctx, d.qemuImg, d.newPath, layers[len(layers)-1], d.size); err != nil {
 		return err
 	}
 	c, err := d.p.client(ctx)
@@ -94,14 +95,14 @@ func (d *diskFreeze) abort(ctx context.Context) {
 }
 
 // commit freezes the disk while the guest is stopped, recording the frozen chain in ck
-// and, for qcow2, the VM's new chain in d.m (the caller saves the manifest).
+// and, for qcow2, the VM's new chain in d.s (the caller saves the manifest).
 func (d *diskFreeze) commit(ctx context.Context, ck *checkpointManifest) error {
 	if d.none {
 		return nil
 	}
 	if d.reflink {
 		var err error
-		ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.m.Launch.Disk, d.tmpDir, true)
+		ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.s.Launch.Disk, d.tmpDir, true)
 		return err
 	}
 	c, err := d.p.client(ctx)
@@ -113,14 +114,14 @@ func (d *diskFreeze) commit(ctx context.Context, ck *checkpointManifest) error {
 	if err := c.BlockdevSetActive(ctx, true); err != nil {
 		return err
 	}
-	if err := c.BlockdevSnapshot(ctx, d.m.DiskNode, d.newNode); err != nil {
+	if err := c.BlockdevSnapshot(ctx, d.s.DiskNode, d.newNode); err != nil {
 		return err
 	}
 	// The VM writes the new overlay from here on: its chain says so even if the
 	// checkpoint fails now (the caller saves the manifest).
 	d.switched = true
-	frozen := append([]diskLayer(nil), d.m.Launch.Disk...)
-	d.m.pushOverlay(d.newNode, d.newPath)
+	frozen := append([]diskLayer(nil), d.s.Launch.Disk...)
+	d.s.pushOverlay(d.newNode, d.newPath)
 	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
 	ck.Disk, ck.DiskMethod, err = freezeChain(ctx, frozen, d.tmpDir, false)
 	return err
@@ -323,12 +324,11 @@ func layerSize(path string) int64 {
 // startCollapse starts the block-stream job that brings vm's chain back to maxDiskDepth
 // layers, when it is longer and no job is pending. The job is recorded in the manifest
 // before it starts. Failures are logged: the chain stays as it is, a valid chain. It runs
-// once the checkpoint is committed, so on its own short context, not the caller's. The
-// caller holds the VM's lock.
-func (vm *VM) startCollapse(ctx context.Context) {
+// once the checkpoint is committed, so on its own short context, not the caller's. m is
+// the VM's state, under its lock.
+func (vm *VM) startCollapse(ctx context.Context, m *vmState) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	m := &vm.m
 	layers := m.Launch.Disk
 	if m.DiskCollapse != nil || m.DiskNode == "" || len(layers) <= maxDiskDepth {
 		return
@@ -344,15 +344,16 @@ func (vm *VM) startCollapse(ctx context.Context) {
 	p := vm.process()
 	c, err := p.client(ctx)
 	if err != nil {
-		vm.log.Warn("disk collapse: no qmp", "vm", m.Name, "err", err)
+		vm.log.Warn("disk collapse: no qmp", "vm", vm.Name(), "err", err)
 		return
 	}
 	m.pinDiskNodes()
+	layers = m.Launch.Disk // with their node names
 	job := fmt.Sprintf("collapse-%d", m.DiskSeq)
 	m.DiskCollapse = &diskCollapse{Job: job, Keep: keep, Layers: len(layers)}
-	if err := vm.saveLocked(); err != nil {
+	if err := vm.save(m); err != nil {
 		m.DiskCollapse = nil
-		vm.log.Warn("disk collapse: manifest", "vm", m.Name, "err", err)
+		vm.log.Warn("disk collapse: manifest", "vm", vm.Name(), "err", err)
 		return
 	}
 	err = c.BlockStream(ctx, qemu.BlockStreamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report"})
@@ -361,15 +362,15 @@ func (vm *VM) startCollapse(ctx context.Context) {
 	case errors.As(err, &qerr):
 		// QEMU refused: no job.
 		m.DiskCollapse = nil
-		serr := vm.saveLocked()
-		vm.log.Warn("disk collapse: not started", "vm", m.Name, "err", err, "manifest", serr)
+		serr := vm.save(m)
+		vm.log.Warn("disk collapse: not started", "vm", vm.Name(), "err", err, "manifest", serr)
 		return
 	case err != nil:
 		// No answer: the job may run. The record stays for the next settle to read.
-		vm.log.Warn("disk collapse: start not confirmed", "vm", m.Name, "job", job, "err", err)
+		vm.log.Warn("disk collapse: start not confirmed", "vm", vm.Name(), "job", job, "err", err)
 		return
 	}
-	vm.log.Debug("disk collapse started", "vm", m.Name, "job", job, "layers", len(layers), "keep", keep)
+	vm.log.Debug("disk collapse started", "vm", vm.Name(), "job", job, "layers", len(layers), "keep", keep)
 }
 
 // settleCollapse reads the outcome of vm's pending collapse job, waiting under ctx for
@@ -379,9 +380,8 @@ func (vm *VM) startCollapse(ctx context.Context) {
 // that froze them holds its own hard links). When the chain is unchanged (the job
 // failed, was cancelled or never started), the record just goes. Anything else is left
 // as it is, logged. An error (ctx ended, QMP gone) leaves the record for a later
-// settle; the chain QEMU uses is valid either way. The caller holds the VM's lock.
-func (vm *VM) settleCollapse(ctx context.Context) error {
-	m := &vm.m
+// settle; the chain QEMU uses is valid either way. m is the VM's state, under its lock.
+func (vm *VM) settleCollapse(ctx context.Context, m *vmState) error {
 	pc := m.DiskCollapse
 	if pc == nil {
 		return nil
@@ -394,10 +394,10 @@ func (vm *VM) settleCollapse(ctx context.Context) error {
 	switch {
 	case err == nil:
 		if derr := c.BlockJobDismiss(ctx, pc.Job); derr != nil {
-			vm.log.Warn("disk collapse: dismiss", "vm", m.Name, "job", pc.Job, "err", derr)
+			vm.log.Warn("disk collapse: dismiss", "vm", vm.Name(), "job", pc.Job, "err", derr)
 		}
 		if j.Error != "" {
-			vm.log.Warn("disk collapse failed; the chain stays as it was", "vm", m.Name, "job", pc.Job, "err", j.Error)
+			vm.log.Warn("disk collapse failed; the chain stays as it was", "vm", vm.Name(), "job", pc.Job, "err", j.Error)
 		}
 	case errors.Is(err, qemu.ErrNoSuchJob):
 	default:
@@ -411,22 +411,22 @@ func (vm *VM) settleCollapse(ctx context.Context) error {
 	m.DiskCollapse = nil
 	switch {
 	case !found || pc.Layers != len(layers) || pc.Keep < 1 || pc.Keep >= len(layers)-1:
-		vm.log.Warn("disk collapse: chain changed under the job; left as it is", "vm", m.Name, "job", pc.Job,
+		vm.log.Warn("disk collapse: chain changed under the job; left as it is", "vm", vm.Name(), "job", pc.Job,
 			"top_found", found, "top", m.DiskNode, "layers", len(layers), "job_layers", pc.Layers)
-		return vm.saveLocked()
+		return vm.save(m)
 	case depth == len(layers)-1:
-		return vm.saveLocked() // unchanged
+		return vm.save(m) // unchanged
 	case depth != pc.Keep:
-		vm.log.Warn("disk collapse: unexpected chain depth; left as it is", "vm", m.Name, "job", pc.Job, "depth", depth, "want", pc.Keep)
-		return vm.saveLocked()
+		vm.log.Warn("disk collapse: unexpected chain depth; left as it is", "vm", vm.Name(), "job", pc.Job, "depth", depth, "want", pc.Keep)
+		return vm.save(m)
 	}
 	dropped := append([]diskLayer(nil), layers[pc.Keep:len(layers)-1]...)
 	m.Launch.Disk = append(append([]diskLayer(nil), layers[:pc.Keep]...), layers[len(layers)-1])
-	if err := vm.saveLocked(); err != nil {
+	if err := vm.save(m); err != nil {
 		m.Launch.Disk, m.DiskCollapse = layers, pc
 		return err
 	}
-	vm.sweepDisk(ctx, c, dropped)
+	vm.sweepDisk(ctx, c, m, dropped)
 	return nil
 }
 
@@ -434,16 +434,17 @@ func (vm *VM) settleCollapse(ctx context.Context) error {
 // and, when the chain is still longer than maxDiskDepth (a fork's first checkpoint: its
 // checkpoint's chain plus its own top, so a tree of checkpoints of forks of checkpoints
 // would otherwise add a layer per generation), a collapse run to its end now, so that
-// the checkpoint freezes at most maxDiskDepth layers. The caller holds the VM's lock.
-func (vm *VM) settleForFreeze(ctx context.Context) error {
-	if err := vm.settleCollapse(ctx); err != nil {
+// the checkpoint freezes at most maxDiskDepth layers. s is the VM's state, under its
+// lock.
+func (vm *VM) settleForFreeze(ctx context.Context, s *vmState) error {
+	if err := vm.settleCollapse(ctx, s); err != nil {
 		return err
 	}
-	if len(vm.m.Launch.Disk) <= maxDiskDepth {
+	if len(s.Launch.Disk) <= maxDiskDepth {
 		return nil
 	}
-	vm.startCollapse(ctx)
-	return vm.settleCollapse(ctx)
+	vm.startCollapse(ctx, s)
+	return vm.settleCollapse(ctx, s)
 }
 
 // sweepDisk deletes what the VM's chain no longer uses: the monitor-owned block nodes
@@ -451,20 +452,20 @@ func (vm *VM) settleForFreeze(ctx context.Context) error {
 // layer files in the VM's directory that it does not list (dropped, or left by a crash
 // between a settle's manifest save and its removals), named as only the VM's own disk
 // layers are. QEMU refuses to delete a node still in use; a checkpoint that froze a file
-// holds its own link. The caller holds the VM's lock.
-func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, dropped []diskLayer) {
+// holds its own link. s is the VM's state, under its lock.
+func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, s *vmState, dropped []diskLayer) {
 	inChain := map[string]bool{}
 	files := map[string]bool{}
-	for _, l := range vm.m.Launch.Disk {
+	for _, l := range s.Launch.Disk {
 		inChain[l.Node] = true
 		files[l.Path] = true
 	}
-	inChain[vm.m.DiskNode] = true
+	inChain[s.DiskNode] = true
 	if names, err := c.QueryNodeNames(ctx); err == nil {
 		for _, n := range names {
 			if !inChain[n] && ownDiskNode(n) {
 				if err := c.BlockdevDel(ctx, n); err != nil {
-					vm.log.Debug("disk sweep", "vm", vm.m.Name, "err", err)
+					vm.log.Debug("disk sweep", "vm", vm.Name(), "err", err)
 				}
 			}
 		}
@@ -473,15 +474,15 @@ func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, dropped []diskLaye
 	for _, l := range dropped {
 		candidates[l.Path] = true
 	}
-	if ents, err := os.ReadDir(vm.dir); err == nil {
+	if ents, err := os.ReadDir(vm.dir()); err == nil {
 		for _, e := range ents {
-			candidates[filepath.Join(vm.dir, e.Name())] = true
+			candidates[filepath.Join(vm.dir(), e.Name())] = true
 		}
 	}
 	for p := range candidates {
-		if !files[p] && filepath.Dir(p) == vm.dir && ownLayerFile(filepath.Base(p)) {
+		if !files[p] && filepath.Dir(p) == vm.dir() && ownLayerFile(filepath.Base(p)) {
 			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-				vm.log.Warn("disk sweep", "vm", vm.m.Name, "err", err)
+				vm.log.Warn("disk sweep", "vm", vm.Name(), "err", err)
 			}
 		}
 	}

@@ -99,7 +99,7 @@ func TestNodeAndFileNames(t *testing.T) {
 }
 
 func TestPushOverlayPinsNodeNames(t *testing.T) {
-	m := &manifest{DiskNode: "disk0", DiskSeq: 0}
+	m := &vmState{DiskNode: "disk0", DiskSeq: 0}
 	m.Launch.Disk = []diskLayer{{Path: "/ck/layer0.raw", Format: "raw"}, {Path: "/ck/layer1.qcow2", Format: "qcow2"}, {Path: "/vm/disk-top.qcow2", Format: "qcow2"}}
 	m.pushOverlay("disk-l1", "/vm/disk1.qcow2")
 	m.pushOverlay("disk-l2", "/vm/disk2.qcow2")
@@ -132,9 +132,7 @@ func TestPushOverlayPinsNodeNames(t *testing.T) {
 func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (string, string)) (*VM, *qemutest.QMP) {
 	t.Helper()
 	dir := t.TempDir()
-	vm := &VM{dir: dir, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
-	m := &vm.m
-	m.Name, m.DiskNode, m.DiskSeq = "w", "disk-l4", 4
+	m := &manifest{Name: "w", DiskNode: "disk-l4", DiskSeq: 4}
 	m.Launch.Disk = []diskLayer{{Path: filepath.Join(dir, rawDiskFile), Format: "raw", Node: "disk0"}}
 	for i := 1; i <= 4; i++ {
 		m.Launch.Disk = append(m.Launch.Disk, diskLayer{Path: nextDiskPath(dir, i-1), Format: "qcow2", Node: nextDiskNode(i - 1)})
@@ -145,6 +143,7 @@ func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (str
 		}
 	}
 	m.DiskCollapse = &diskCollapse{Job: "collapse-4", Keep: 1, Layers: 5}
+	vm := newVM(dir, slog.New(slog.NewTextHandler(io.Discard, nil)), m)
 	f := qemutest.NewQMP(handle)
 	sock := f.Listen(t)
 	// The QEMU is this test process (alive for the test), its monitor the fake.
@@ -196,14 +195,14 @@ func TestSettleCollapse(t *testing.T) {
 				}
 				return "{}", ""
 			})
-			if err := vm.settleCollapse(context.Background()); err != nil {
+			if err := vm.locked(func(s *vmState) error { return vm.settleCollapse(context.Background(), s) }); err != nil {
 				t.Fatal(err)
 			}
-			if vm.m.DiskCollapse != nil {
-				t.Fatalf("record kept: %+v", vm.m.DiskCollapse)
+			if st := vm.snapshot(); st.DiskCollapse != nil {
+				t.Fatalf("record kept: %+v", st.DiskCollapse)
 			}
-			if len(vm.m.Launch.Disk) != tc.wantChain {
-				t.Fatalf("chain %d layers, want %d", len(vm.m.Launch.Disk), tc.wantChain)
+			if st := vm.snapshot(); len(st.Launch.Disk) != tc.wantChain {
+				t.Fatalf("chain %d layers, want %d", len(st.Launch.Disk), tc.wantChain)
 			}
 			saved, err := loadRawManifest(vm.path(manifestFile))
 			if err != nil || len(saved.Launch.Disk) != tc.wantChain || saved.DiskCollapse != nil {
@@ -211,7 +210,7 @@ func TestSettleCollapse(t *testing.T) {
 			}
 			var gone []string
 			for _, n := range []string{rawDiskFile, "disk1.qcow2", "disk2.qcow2", "disk3.qcow2", "disk4.qcow2"} {
-				if _, err := os.Stat(filepath.Join(vm.dir, n)); errors.Is(err, os.ErrNotExist) {
+				if _, err := os.Stat(filepath.Join(vm.dir(), n)); errors.Is(err, os.ErrNotExist) {
 					gone = append(gone, n)
 				}
 			}
@@ -237,11 +236,11 @@ func TestSettleCollapseRunningJob(t *testing.T) {
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
 	defer cancel()
-	if err := vm.settleCollapse(ctx); !errors.Is(err, context.DeadlineExceeded) {
+	if err := vm.locked(func(s *vmState) error { return vm.settleCollapse(ctx, s) }); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("err = %v, want deadline", err)
 	}
-	if vm.m.DiskCollapse == nil || len(vm.m.Launch.Disk) != 5 {
-		t.Fatalf("record %+v, chain %d", vm.m.DiskCollapse, len(vm.m.Launch.Disk))
+	if st := vm.snapshot(); st.DiskCollapse == nil || len(st.Launch.Disk) != 5 {
+		t.Fatalf("record %+v, chain %d", st.DiskCollapse, len(st.Launch.Disk))
 	}
 	for _, c := range f.Commands() {
 		if c != "query-block-jobs" {
@@ -280,12 +279,16 @@ func TestStartCollapse(t *testing.T) {
 				}
 				return "{}", ""
 			})
-			m := &vm.m
-			m.DiskCollapse = nil
-			for i := 5; i <= maxDiskDepth; i++ {
-				m.pushOverlay(nextDiskNode(m.DiskSeq), nextDiskPath(vm.dir, m.DiskSeq))
-			}
-			vm.startCollapse(context.Background())
+			var m vmState
+			_ = vm.locked(func(s *vmState) error {
+				s.DiskCollapse = nil
+				for i := 5; i <= maxDiskDepth; i++ {
+					s.pushOverlay(nextDiskNode(s.DiskSeq), nextDiskPath(vm.dir(), s.DiskSeq))
+				}
+				vm.startCollapse(context.Background(), s)
+				m = *s
+				return nil
+			})
 			if !recorded {
 				t.Fatal("block-stream sent before the job was recorded")
 			}

@@ -113,7 +113,10 @@ package engine
 // ckworld.go (copy), handoff.go (with its crash recovery), ckdelta.go (delta of a fork),
 // ckfork.go (full-save fallback). disk.go freezes and collapses disk chains (blockdev-add,
 // blockdev-snapshot, block-stream through the monitor); recover.go re-finds VMs and
-// checkpoints after a crash, each VM's cut-short checkpoint settled by its kind's code. paths.go owns every path and file name. spans.go times phases as spans
+// checkpoints after a crash, each VM's cut-short checkpoint settled by its kind's code.
+// vmstate.go splits a VM's manifest into its identity, never changed in place and read
+// without a lock, and its state, reached only through methods that hold the VM's lock.
+// paths.go owns every path and file name. spans.go times phases as spans
 // and counters.go reads the kernel's counters of a VM's QEMU (Config.Counters) at each. files.go moves files in and
 // out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut; the engine opens a
 // host path only in CopyInPath and CopyOutPath, named by their caller) and reads its console (VM.Logs), which console.go's

@@ -249,7 +249,8 @@ func (e *Engine) Close() error {
 // its files.
 func (e *Engine) discard(vm *VM) {
 	vm.kill()
-	e.paths.removeVMFiles(vm.m.Name, &vm.m)
+	m := vm.manifest()
+	e.paths.removeVMFiles(m.Name, &m)
 }
 
 // Config returns the engine's configuration with every default filled in.

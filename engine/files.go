@@ -10,6 +10,7 @@ import (
 	"path"
 	"time"
 
+	"github.com/forkvm/forkvm/tarstream"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -18,9 +19,9 @@ import (
 // The engine never opens a host path on a guest's behalf: a copy moves a tar stream
 // between the caller's reader or writer and the guest agent, which extracts (or writes)
 // it in the guest. CopyInPath and CopyOutPath open the host path their caller names,
-// with vsockd's WriteTar and ExtractTar, as the forkvm CLI does. Whoever extracts a stream the guest sent on the host must not trust
-// it: vsockd.ExtractTar confines every entry to its destination (the forkvm CLI uses it
-// with Top set to the source's base name).
+// with package tarstream, as the forkvm CLI does. Whoever extracts a stream the guest
+// sent on the host must not trust it: tarstream.ExtractTar confines every entry to its
+// destination (the forkvm CLI uses it with Top set to the source's base name).
 
 // logPoll is how often Logs looks for new console output while following.
 const logPoll = 200 * time.Millisecond
@@ -28,9 +29,9 @@ const logPoll = 200 * time.Millisecond
 // CopyIn extracts the tar stream r into the guest directory guestDir, which must exist
 // (else the error wraps ErrNotDirectory). The agent extracts while r is read, in Go, and
 // writes nothing outside guestDir whatever the archive holds (ErrUnsafeEntry names an
-// entry that tried; see vsockd.ExtractTar): modes and modification times are kept,
+// entry that tried; see tarstream.ExtractTar): modes and modification times are kept,
 // owners are not (files belong to root), set-ID bits are dropped. An archive made with
-// vsockd.WriteTar copies a file, a directory tree or a symlink. What was extracted
+// tarstream.WriteTar copies a file, a directory tree or a symlink. What was extracted
 // before an error stays.
 func (vm *VM) CopyIn(ctx context.Context, guestDir string, r io.Reader) error {
 	return vm.withAgent(ctx, "copy", func(ctx context.Context, c *vsockd.Client) error { return c.CopyIn(ctx, guestDir, r) })
@@ -38,32 +39,23 @@ func (vm *VM) CopyIn(ctx context.Context, guestDir string, r io.Reader) error {
 
 // CopyOut writes a tar stream of the guest path guestPath to w as the agent produces
 // it: a file, a directory and everything below it, or a symlink as a symlink, in entries
-// named after guestPath's base name (see vsockd.WriteTar). A missing guestPath wraps
-// ErrSourceMissing. The stream comes from the guest: extract it with vsockd.ExtractTar
+// named after guestPath's base name (see tarstream.WriteTar). A missing guestPath wraps
+// ErrSourceMissing. The stream comes from the guest: extract it with tarstream.ExtractTar
 // (ExtractOptions.Top set to the base name), never with a tool that trusts it.
 func (vm *VM) CopyOut(ctx context.Context, guestPath string, w io.Writer) error {
 	return vm.withAgent(ctx, "copy", func(ctx context.Context, c *vsockd.Client) error { return c.CopyOut(ctx, guestPath, w) })
 }
 
 // CopyInPath copies the host path hostPath (a file, a directory tree or a symlink, as
-// vsockd.WriteTar archives it) into the existing guest directory guestDir under its
+// tarstream.WriteTar archives it) into the existing guest directory guestDir under its
 // base name: CopyIn of a tar stream of hostPath, without the caller's pipe. A missing
 // hostPath wraps ErrSourceMissing, a missing guestDir ErrNotDirectory.
 func (vm *VM) CopyInPath(ctx context.Context, hostPath, guestDir string) error {
-	if _, err := os.Lstat(hostPath); errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("%w: %s", ErrSourceMissing, hostPath)
-	} else if err != nil {
-		return err
-	}
-	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(vsockd.WriteTar(ctx, pw, hostPath, "")) }()
-	err := vm.CopyIn(ctx, guestDir, pr)
-	pr.CloseWithError(errors.Join(err, io.ErrClosedPipe)) // ends WriteTar if it still writes
-	return err
+	return tarstream.CopyInPath(ctx, hostPath, func(r io.Reader) error { return vm.CopyIn(ctx, guestDir, r) })
 }
 
 // CopyOutPath copies the guest path guestPath into the existing host directory hostDir
-// under its base name. The guest's stream is extracted with vsockd.ExtractTar: every
+// under its base name. The guest's stream is extracted with tarstream.ExtractTar: every
 // entry must be below that name, and nothing is written outside hostDir. A missing
 // guestPath wraps ErrSourceMissing. What was extracted before an error stays.
 func (vm *VM) CopyOutPath(ctx context.Context, guestPath, hostDir string) error {
@@ -78,7 +70,7 @@ func (vm *VM) CopyOutPath(ctx context.Context, guestPath, hostDir string) error 
 		pw.CloseWithError(err)
 		errc <- err
 	}()
-	xerr := vsockd.ExtractTar(ctx, pr, hostDir, &vsockd.ExtractOptions{Top: name})
+	xerr := tarstream.ExtractTar(ctx, pr, hostDir, &tarstream.ExtractOptions{Top: name})
 	// Unblock CopyOut if the extraction stopped first (it then aborts the stream).
 	pr.CloseWithError(errors.Join(xerr, io.ErrClosedPipe))
 	if cerr := <-errc; cerr != nil && (xerr == nil || !errors.Is(cerr, io.ErrClosedPipe)) {
@@ -101,9 +93,7 @@ func (vm *VM) Stat(ctx context.Context, guestPath string) (fs.FileInfo, error) {
 
 // serialLog is the file QEMU writes the guest console to.
 func (vm *VM) serialLog() string {
-	vm.mu.Lock()
-	p := vm.m.Launch.SerialLog
-	vm.mu.Unlock()
+	p := vm.snapshot().Launch.SerialLog
 	if p == "" {
 		p = vm.path(serialLogFile)
 	}

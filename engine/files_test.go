@@ -46,7 +46,7 @@ func waitFor(t *testing.T, s *syncBuf, want string) {
 // ends.
 func TestLogs(t *testing.T) {
 	dir := t.TempDir()
-	vm := &VM{dir: dir, m: manifest{Name: "l"}}
+	vm := newVM(dir, nil, &manifest{Name: "l"})
 	log := filepath.Join(dir, serialLogFile)
 	if err := vm.Logs(context.Background(), false, &bytes.Buffer{}); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("no log: %v, want ErrNotFound", err)

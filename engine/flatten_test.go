@@ -58,17 +58,18 @@ func TestFlatten(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	vm, err := prepareFork(t.Context(), e.paths, e.log, "/q", c, "f")
+	vm, err := prepareFork(t.Context(), e.paths, e.log, "/q", c, "f", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if vm.m.Launch.RAM.Path != st.Path || vm.m.Launch.RAM.Shared {
-		t.Errorf("a fork of the flattened checkpoint maps %q (shared %v)", vm.m.Launch.RAM.Path, vm.m.Launch.RAM.Shared)
+	m := vm.manifest()
+	if m.Launch.RAM.Path != st.Path || m.Launch.RAM.Shared {
+		t.Errorf("a fork of the flattened checkpoint maps %q (shared %v)", m.Launch.RAM.Path, m.Launch.RAM.Shared)
 	}
 	if err := injectLayers(vm, c); err != nil { // no process: it must not try
 		t.Errorf("inject for a flat mapping: %v", err)
 	}
-	e.paths.removeVMFiles("f", &vm.m)
+	e.paths.removeVMFiles("f", &m)
 	infos, err := e.Checkpoints()
 	if err != nil {
 		t.Fatal(err)

@@ -59,9 +59,8 @@ func (e *Engine) admitSource(src string, n int, overcommit float64) ([]func(), e
 	if err != nil {
 		return nil, nil
 	}
-	vm.mu.Lock()
-	cpus, guest := vm.m.Spec.CPUs, int64(vm.m.Spec.MemoryMiB)<<20
-	vm.mu.Unlock()
+	spec := &vm.ident().Spec
+	cpus, guest := spec.CPUs, int64(spec.MemoryMiB)<<20
 	var held []func()
 	for range n {
 		rel, err := e.adm.admit(cpus, guest, overcommit)
@@ -134,7 +133,7 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 			e.discard(vm)
 		}
 	}()
-	clock.lap(&vm.m.Timings.Prepare)
+	vm.lap(clock, prepareTiming)
 
 	if err := spawnFork(fctx, vm, c, clock); err != nil {
 		return nil, err
@@ -189,7 +188,7 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 	}
 	qemu, err := e.bins.path()
 	if err == nil {
-		vm, err = prepareFork(ctx, e.paths, e.log, qemu, c, name)
+		vm, err = prepareFork(ctx, e.paths, e.log, qemu, c, name, publish)
 	}
 	if err == nil {
 		e.count(vm)
@@ -199,10 +198,10 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 		return nil, nil, nil, err
 	}
 	mode, done := e.adm.inflight(ck.CPUs, ck.Accel)
-	vm.m.Launch.TCGThread = mode
-	vm.m.Launch.PerfMap = e.cfg.PerfMap && ck.Accel == AccelTCG
-	publish = append([]PortForward(nil), publish...) // not the caller's slice
-	vm.m.Launch.Publish, vm.m.Spec.Publish = publish, publish
+	vm.modify(func(s *vmState) {
+		s.Launch.TCGThread = mode
+		s.Launch.PerfMap = e.cfg.PerfMap && ck.Accel == AccelTCG
+	})
 	return vm, release, done, nil
 }
 
@@ -214,16 +213,16 @@ func spawnFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) er
 	}
 	clock.begin("spawn")
 	if err := vm.start(ctx); err != nil {
-		return portError(err, vm.m.Launch.Publish)
+		return portError(err, vm.snapshot().Launch.Publish)
 	}
-	clock.lap(&vm.m.Timings.Spawn)
+	vm.lap(clock, spawnTiming)
 	if len(c.Manifest.Layers) > 0 {
 		clock.begin("inject")
 	}
 	if err := injectLayers(vm, c); err != nil {
 		return vm.failure("inject", err)
 	}
-	clock.lap(&vm.m.Timings.Inject)
+	vm.lap(clock, injectTiming)
 	return nil
 }
 
@@ -246,10 +245,10 @@ func (e *Engine) restoreFork(ctx context.Context, vm *VM, c *Checkpoint, clock *
 		if err := vm.process().loadFromFile(fctx, c.statePath(), true, false); err != nil {
 			return vm.failure("restore", err)
 		}
-		clock.lap(&vm.m.Timings.Restore)
+		vm.lap(clock, restoreTiming)
 		handshake = vm.hello
 	}
-	name := vm.m.Name
+	name := vm.Name()
 	hello := func(hctx context.Context) error {
 		err := handshake(hctx)
 		if err != nil && errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil && !errors.Is(err, ErrAgentTimeout) {

@@ -9,35 +9,39 @@ import (
 )
 
 // prepareFork is the first stage of a fork (or of a warm-pool process): the manifest, the
-// directory and the disk of VM name restoring checkpoint c. No process yet.
-func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu string, c *Checkpoint, name string) (*VM, error) {
+// directory and the disk of VM name restoring checkpoint c, forwarding the host ports
+// publish (nil for a pooled process). No process yet.
+func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu string, c *Checkpoint, name string, publish []PortForward) (*VM, error) {
 	ck := &c.Manifest
-	vm := &VM{dir: paths.vmDir(name), log: log, m: manifest{
+	dir := paths.vmDir(name)
+	m := manifest{
 		Version: manifestVersion, Name: name, Parent: ck.Name, State: StateStarting,
 		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true, Net: ck.Net},
 		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: newToken(), CreatedAt: time.Now().UTC(),
 		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
 		Launch: forkLaunch(paths, qemu, name, ck),
-	}}
+	}
+	publish = append([]PortForward(nil), publish...) // not the caller's slice
+	m.Launch.Publish, m.Spec.Publish = publish, publish
 	if b := forkBase(paths, log, ck); b.Layers > 0 {
 		// A flattened copy of the lineage up to b.Layers: only the layers above it are
 		// injected (injectLayers).
-		vm.m.Launch.RAM.Path, vm.m.RAMBaseLayers = b.Path, b.Layers
+		m.Launch.RAM.Path, m.RAMBaseLayers = b.Path, b.Layers
 	}
-	if err := os.Mkdir(vm.dir, 0o700); err != nil {
-		return nil, fmt.Errorf("engine: create %s: %w", vm.dir, err)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("engine: create %s: %w", dir, err)
 	}
-	seedForkConsole(c.Dir, ck.Name, vm.m.Launch.SerialLog, name)
+	seedForkConsole(c.Dir, ck.Name, m.Launch.SerialLog, name)
 	if len(ck.Disk) > 0 {
-		layers, err := forkDisk(ctx, ck, vm.dir)
+		layers, err := forkDisk(ctx, ck, dir)
 		if err != nil {
-			paths.removeVMFiles(name, &vm.m)
+			paths.removeVMFiles(name, &m)
 			return nil, err
 		}
-		vm.m.Launch.Disk = layers
-		vm.m.DiskNode = "disk0"
+		m.Launch.Disk = layers
+		m.DiskNode = "disk0"
 	}
-	return vm, nil
+	return newVM(dir, log, &m), nil
 }
 
 // compatible refuses a checkpoint made by another QEMU or accelerator.

@@ -34,13 +34,14 @@ func (*handoffCheckpoint) prepare(context.Context, *VM, *ckWriter) error { retur
 func (*handoffCheckpoint) finish(context.Context, *VM, *ckWriter) error  { return nil }
 func (*handoffCheckpoint) handsOff() bool                                { return true }
 
-// disk freezes the VM's whole chain into the checkpoint (vm.mu is held).
-func (h *handoffCheckpoint) disk(ctx context.Context, vm *VM, w *ckWriter) ckDisk {
-	layers := append([]diskLayer(nil), vm.m.Launch.Disk...)
-	h.chain = &chainFreeze{layers: layers, tmpDir: w.tmp, qemuImg: w.qemuImg, size: int64(vm.m.Spec.DiskMiB) << 20}
+// disk freezes the VM's whole chain into the checkpoint (s is the VM's state, under its
+// lock).
+func (h *handoffCheckpoint) disk(ctx context.Context, vm *VM, s *vmState, w *ckWriter) ckDisk {
+	layers := append([]diskLayer(nil), s.Launch.Disk...)
+	h.chain = &chainFreeze{layers: layers, tmpDir: w.tmp, qemuImg: w.qemuImg, size: int64(vm.ident().Spec.DiskMiB) << 20}
 	h.chain.reflink = canReflink(ctx, layers, w.tmp)
 	if len(layers) > 0 && !h.chain.reflink {
-		h.chain.top = nextDiskPath(vm.dir, vm.m.DiskSeq)
+		h.chain.top = nextDiskPath(vm.dir(), s.DiskSeq)
 	}
 	return h.chain
 }
@@ -51,8 +52,8 @@ func (*handoffCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) (e
 }
 
 // paused freezes the RAM by renaming it: no byte is copied. undo renames it back.
-func (*handoffCheckpoint) paused(ctx context.Context, vm *VM, w *ckWriter) (func(), error) {
-	ck, ramPath := w.ck, vm.m.Launch.RAM.Path
+func (*handoffCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckWriter) (func(), error) {
+	ck, ramPath := w.ck, s.Launch.RAM.Path
 	t := time.Now()
 	end := w.phase("freeze")
 	err := os.Rename(ramPath, w.ramTmp)
@@ -71,10 +72,8 @@ func (h *handoffCheckpoint) committed(ctx context.Context, vm *VM, w *ckWriter) 
 	defer os.Remove(vm.path(checkpointingFile))
 	e, ck := h.e, w.ck
 	vm.kill()
-	vm.mu.Lock()
-	vm.relaunchHandedOff(e.paths, ck, h.chain.top)
-	vm.mu.Unlock()
-	e.vms.setParent(vm.m.Name, ck.Name)
+	vm.modify(func(s *vmState) { s.relaunchHandedOff(e.paths, vm.Name(), ck, h.chain.top) })
+	e.vms.setParent(vm.Name(), ck.Name)
 	if err := vm.restartHandedOff(ctx, w.checkpoint()); err != nil {
 		return err
 	}
@@ -129,24 +128,25 @@ func (d *chainFreeze) abort(context.Context) {
 // checkpoint ck: private RAM from the checkpoint's file, the VM's name, host ports and
 // TCG mode, and its disk: its own raw file when the checkpoint holds a reflinked clone
 // (newTop empty), else the checkpoint's chain with the overlay newTop on top. Running it
-// again (crash recovery) gives the same launch. vm.mu is held.
-func (vm *VM) relaunchHandedOff(paths layout, ck *checkpointManifest, newTop string) {
-	vm.m.Parent = ck.Name
-	vm.m.State = StateStarting
-	disk, thread, publish := vm.m.Launch.Disk, vm.m.Launch.TCGThread, vm.m.Launch.Publish
-	vm.m.Launch = forkLaunch(paths, vm.m.Launch.QEMU, vm.m.Name, ck)
+// again (crash recovery) gives the same launch. It is the one transition of a VM's
+// Parent: the VM, named name, is from now on a fork of its own checkpoint ck.
+func (s *vmState) relaunchHandedOff(paths layout, name string, ck *checkpointManifest, newTop string) {
+	s.Parent = ck.Name
+	s.State = StateStarting
+	disk, thread, publish := s.Launch.Disk, s.Launch.TCGThread, s.Launch.Publish
+	s.Launch = forkLaunch(paths, s.Launch.QEMU, name, ck)
 	// The VM keeps its host ports: the old process is gone, so they are free again.
-	vm.m.Launch.TCGThread, vm.m.Launch.Publish = thread, publish
+	s.Launch.TCGThread, s.Launch.Publish = thread, publish
 	if newTop == "" {
 		// The VM keeps writing its own raw file (or has no disk).
-		vm.m.Launch.Disk = disk
+		s.Launch.Disk = disk
 		return
 	}
 	switched := len(disk) > 0 && disk[len(disk)-1].Path == newTop
-	vm.m.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: newTop, Format: "qcow2"})
-	vm.m.DiskNode = "disk0"
+	s.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: newTop, Format: "qcow2"})
+	s.DiskNode = "disk0"
 	if !switched {
-		vm.m.DiskSeq++
+		s.DiskSeq++
 	}
 }
 
@@ -192,7 +192,7 @@ func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger
 					}
 				}
 				if err != nil {
-					log.Warn("recover: handoff cut short: cannot put the RAM file back", "vm", vm.m.Name, "err", err)
+					log.Warn("recover: handoff cut short: cannot put the RAM file back", "vm", vm.Name(), "err", err)
 				}
 			}
 		}
@@ -209,34 +209,30 @@ func (vm *VM) recoverHandoff(ctx context.Context, paths layout, log *slog.Logger
 	if err == nil && ck.Name != mk.Checkpoint {
 		err = fmt.Errorf("manifest names %q", ck.Name)
 	}
-	vm.mu.Lock()
-	done := vm.m.State == StateRunning && vm.m.Parent == mk.Checkpoint && !vm.m.Launch.RAM.Shared
-	vm.mu.Unlock()
+	m := vm.manifest()
+	done := m.State == StateRunning && m.Parent == mk.Checkpoint && !m.Launch.RAM.Shared
 	if done && vm.alive() {
 		return // the crash came after the restart, before the marker went
 	}
 	vm.kill()
-	pids := qemusOf(vm.m.Launch.RunDir)
-	killOrphans(&vm.m)
+	pids := qemusOf(m.Launch.RunDir)
+	killOrphans(&m)
 	waitGone(pids, 5*time.Second)
 	if err == nil {
 		rctx, cancel := context.WithTimeout(ctx, timeout)
-		vm.mu.Lock()
-		vm.relaunchHandedOff(paths, ck, mk.NewTop)
-		vm.mu.Unlock()
+		vm.modify(func(s *vmState) { s.relaunchHandedOff(paths, vm.Name(), ck, mk.NewTop) })
 		err = vm.restartHandedOff(rctx, &Checkpoint{Manifest: *ck, Dir: ckDir})
 		cancel()
 		if err == nil {
-			log.Warn("recover: finished a handoff cut short: the vm runs again from its checkpoint", "vm", vm.m.Name, "checkpoint", mk.Checkpoint)
+			log.Warn("recover: finished a handoff cut short: the vm runs again from its checkpoint", "vm", vm.Name(), "checkpoint", mk.Checkpoint)
 			return
 		}
 		vm.kill()
 	}
-	vm.mu.Lock()
-	vm.m.State = StateDead
-	vm.m.DeadReason = fmt.Sprintf("handoff to checkpoint %s cut short; restart failed: %v", mk.Checkpoint, err)
-	serr := vm.saveLocked()
-	vm.mu.Unlock()
+	serr := vm.update(func(s *vmState) {
+		s.State = StateDead
+		s.DeadReason = fmt.Sprintf("handoff to checkpoint %s cut short; restart failed: %v", mk.Checkpoint, err)
+	})
 	log.Warn("recover: handoff cut short after its checkpoint was committed and the vm cannot restart from it; the vm is dead, fork the checkpoint to go on",
-		"vm", vm.m.Name, "checkpoint", mk.Checkpoint, "err", err, "save_err", serr)
+		"vm", vm.Name(), "checkpoint", mk.Checkpoint, "err", err, "save_err", serr)
 }

@@ -60,11 +60,11 @@ func (vm *VM) JITStats(ctx context.Context) (JITStats, error) {
 	if !vm.alive() {
 		return JITStats{}, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	if vm.m.Accel != AccelTCG {
-		return JITStats{}, fmt.Errorf("%w: %s runs under %s", ErrNotTCG, vm.m.Name, vm.m.Accel)
+	if id := vm.ident(); id.Accel != AccelTCG {
+		return JITStats{}, fmt.Errorf("%w: %s runs under %s", ErrNotTCG, id.Name, id.Accel)
 	}
+	vm.mu.Lock() // one QMP sequence at a time
+	defer vm.mu.Unlock()
 	c, err := vm.process().client(ctx)
 	if err != nil {
 		return JITStats{}, err

@@ -20,6 +20,8 @@ const manifestVersion = 1
 
 // manifest is the on-disk record of a VM (StateDir/vms/NAME/manifest.json): enough to
 // re-find its QEMU process after the engine restarts and to rebuild its command line.
+// A VM holds it split into its identity and its state (vmIdentity, vmState) and joins
+// the two to save it.
 type manifest struct {
 	Version int    `json:"version"`
 	Name    string `json:"name"`
@@ -194,32 +196,6 @@ func parseToken(s string) ([16]byte, error) {
 	}
 	copy(t[:], b)
 	return t, nil
-}
-
-// pushOverlay records that the VM now writes the qcow2 overlay path, block node node,
-// on top of its disk chain (a checkpoint's disk freeze switched it there).
-func (m *manifest) pushOverlay(node, path string) {
-	m.pinDiskNodes()
-	m.Launch.Disk = append(m.Launch.Disk, diskLayer{Path: path, Format: "qcow2", Node: node})
-	m.DiskNode = node
-	m.DiskSeq++
-}
-
-// pinDiskNodes records every disk layer's block node name before the chain changes
-// shape: a layer without one still has its launch name (launchNodeName), except the top,
-// which is DiskNode.
-func (m *manifest) pinDiskNodes() {
-	n := len(m.Launch.Disk)
-	for i := range m.Launch.Disk {
-		l := &m.Launch.Disk[i]
-		switch {
-		case l.Node != "":
-		case i == n-1 && m.DiskNode != "":
-			l.Node = m.DiskNode
-		default:
-			l.Node = launchNodeName(i, n)
-		}
-	}
 }
 
 // writeJSON writes v atomically (temp file + rename) with mode 0600.

@@ -123,7 +123,8 @@ func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 	ev.Latency = ev.Done.Sub(ev.Start)
 	ev.VM, ev.Err = vm, err
 	if vm != nil {
-		ev.Timings, ev.Spans, ev.Counters = vm.m.Timings, vm.m.Spans, vm.m.Counters
+		m := vm.snapshot()
+		ev.Timings, ev.Spans, ev.Counters = m.Timings, m.Spans, m.Counters
 	}
 	return ev
 }

@@ -19,9 +19,8 @@ func (vm *VM) Memory(ctx context.Context) (*MemoryUsage, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	vm.mu.Lock()
-	pid, ram, memBytes, lineage := vm.m.PID, vm.m.Launch.RAM.Path, int64(vm.m.Spec.MemoryMiB)<<20, vm.m.LineageBytes
-	vm.mu.Unlock()
+	m := vm.snapshot()
+	pid, ram, memBytes, lineage := m.PID, m.Launch.RAM.Path, int64(vm.ident().Spec.MemoryMiB)<<20, m.LineageBytes
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}

@@ -166,9 +166,7 @@ func (vm *VM) resumeWhenSpace() {
 // diskHasSpace reports whether the file systems of the VM's disk files have
 // resumeFreeBytes free.
 func (vm *VM) diskHasSpace() bool {
-	vm.mu.Lock()
-	disk := append([]diskLayer(nil), vm.m.Launch.Disk...)
-	vm.mu.Unlock()
+	disk := vm.snapshot().Launch.Disk
 	for _, d := range disk {
 		var st unix.Statfs_t
 		if err := unix.Statfs(filepath.Dir(d.Path), &st); err != nil {

@@ -96,7 +96,8 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 		}
 		vm := adoptVM(dir, log, m)
 		vm.recoverCutShort(ctx, paths, log, timeout)
-		m = &vm.m
+		mv := vm.manifest()
+		m = &mv
 		if m.State == StateRunning || m.State == StateDead {
 			// Confirmed ready once: kept (a dead one is listed dead with its reason
 			// until the user deletes it), never reaped as half-made.

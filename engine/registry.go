@@ -74,9 +74,7 @@ func (r *registry) get(name string) (*VM, error) {
 // add registers a VM. The registry keeps its parent itself, so that listing a
 // checkpoint's forks never waits on a VM's lock (a checkpoint holds it for its length).
 func (r *registry) add(vm *VM) {
-	vm.mu.Lock()
-	name, parent := vm.m.Name, vm.m.Parent
-	vm.mu.Unlock()
+	name, parent := vm.Name(), vm.snapshot().Parent
 	r.mu.Lock()
 	r.vms[name] = vm
 	r.parents[name] = parent
@@ -113,7 +111,7 @@ func (r *registry) all() []*VM {
 		vms = append(vms, vm)
 	}
 	r.mu.Unlock()
-	sort.Slice(vms, func(i, j int) bool { return vms[i].m.Name < vms[j].m.Name })
+	sort.Slice(vms, func(i, j int) bool { return vms[i].Name() < vms[j].Name() })
 	return vms
 }
 

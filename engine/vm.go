@@ -20,15 +20,16 @@ import (
 // VM is a VM known to the engine: its manifest, its QEMU process and its agent
 // connection. Its methods are safe for concurrent use.
 type VM struct {
-	// Concurrency: mu serializes QMP sequences on this VM (a checkpoint, a stop) and
-	// guards the manifest; agent round trips do not take it. agentMu guards the agent
-	// connection.
+	// Concurrency: id is the VM's identity, never changed in place (vmIdentity) and read
+	// without a lock. mu serializes QMP sequences on this VM (a checkpoint, a stop) and
+	// guards st, its state, reached only through its methods (snapshot, modify, update,
+	// locked); agent round trips do not take it. agentMu guards the agent connection.
 
-	dir string // StateDir/vms/NAME
 	log *slog.Logger
+	id  atomic.Pointer[vmIdentity]
 
 	mu sync.Mutex
-	m  manifest
+	st vmState
 	// proc is the VM's QEMU process (nil until started). It is read without mu, so that
 	// liveness checks (admission, List) never wait for a checkpoint holding mu.
 	proc atomic.Pointer[qemuProc]
@@ -58,7 +59,7 @@ type Info = api.Info
 
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
 func adoptVM(dir string, log *slog.Logger, m *manifest) *VM {
-	vm := &VM{dir: dir, log: log, m: *m}
+	vm := newVM(dir, log, m)
 	p := adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile))
 	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
@@ -66,20 +67,21 @@ func adoptVM(dir string, log *slog.Logger, m *manifest) *VM {
 }
 
 // Name is the VM's name.
-func (vm *VM) Name() string { return vm.m.Name }
+func (vm *VM) Name() string { return vm.ident().Name }
+
+// dir is the VM's directory (StateDir/vms/NAME).
+func (vm *VM) dir() string { return vm.ident().dir }
 
 // PID is the VM's QEMU process id.
 func (vm *VM) PID() int {
 	vm.mu.Lock()
 	defer vm.mu.Unlock()
-	return vm.m.PID
+	return vm.st.PID
 }
 
 // Info returns the VM's current state.
 func (vm *VM) Info() Info {
-	vm.mu.Lock()
-	m := vm.m
-	vm.mu.Unlock()
+	id, m := vm.ident(), vm.snapshot()
 	st, reason := m.State, ""
 	if !vm.alive() {
 		st, reason = StateDead, m.DeadReason
@@ -87,9 +89,7 @@ func (vm *VM) Info() Info {
 			// Our child that just died may still be recording why (died: the
 			// console's panic line); settled at once otherwise.
 			p.WaitSettled(2 * guestEndWait)
-			vm.mu.Lock()
-			reason = vm.m.DeadReason
-			vm.mu.Unlock()
+			reason = vm.snapshot().DeadReason
 			if reason == "" {
 				reason = p.ExitReason()
 			}
@@ -99,11 +99,11 @@ func (vm *VM) Info() Info {
 		st, reason = StatePaused, r
 	}
 	return Info{Reason: reason,
-		Name: m.Name, State: st, PID: m.PID, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB,
-		DiskMiB: m.Spec.DiskMiB, Forkable: m.Spec.Forkable, Parent: m.Parent, Accel: m.Accel, TCGThread: m.Launch.TCGThread,
-		CreatedAt: m.CreatedAt, Timings: m.Timings, Spans: append([]Span(nil), m.Spans...), RunDir: m.Launch.RunDir,
+		Name: id.Name, State: st, PID: m.PID, CPUs: id.Spec.CPUs, MemoryMiB: id.Spec.MemoryMiB,
+		DiskMiB: id.Spec.DiskMiB, Forkable: id.Spec.Forkable, Parent: m.Parent, Accel: id.Accel, TCGThread: m.Launch.TCGThread,
+		CreatedAt: id.CreatedAt, Timings: m.Timings, Spans: append([]Span(nil), m.Spans...), RunDir: m.Launch.RunDir,
 		Net: m.Launch.Net, Publish: append([]PortForward(nil), m.Launch.Publish...),
-		Counters: m.Counters, RAMFile: m.Launch.RAM.Path, RAMHoles: holesOf(filepath.Dir(filepath.Dir(vm.dir)), m.Launch.RAM),
+		Counters: m.Counters, RAMFile: m.Launch.RAM.Path, RAMHoles: holesOf(filepath.Dir(filepath.Dir(id.dir)), m.Launch.RAM),
 	}
 }
 
@@ -145,7 +145,8 @@ func (vm *VM) use(h hostProbe) (u qemuUse, ok bool) {
 	if p == nil || !p.Running() {
 		return qemuUse{}, false
 	}
-	return qemuUse{pid: p.PID(), cpus: vm.m.Spec.CPUs, guest: int64(vm.m.Spec.MemoryMiB) << 20, private: h.rssAnon(p.PID())}, true
+	spec := &vm.ident().Spec
+	return qemuUse{pid: p.PID(), cpus: spec.CPUs, guest: int64(spec.MemoryMiB) << 20, private: h.rssAnon(p.PID())}, true
 }
 
 // alive reports whether the VM's QEMU process is the one recorded and still runs.
@@ -155,21 +156,11 @@ func (vm *VM) alive() bool {
 }
 
 // path is a file in the VM's directory.
-func (vm *VM) path(name string) string { return filepath.Join(vm.dir, name) }
-
-// saveLocked writes the manifest; vm.mu is held.
-func (vm *VM) saveLocked() error {
-	if err := writeJSON(vm.path(manifestFile), &vm.m); err != nil {
-		return fmt.Errorf("engine: manifest: %w", err)
-	}
-	return nil
-}
+func (vm *VM) path(name string) string { return filepath.Join(vm.dir(), name) }
 
 // start writes the manifest, spawns QEMU from the manifest's launch and connects QMP.
 func (vm *VM) start(ctx context.Context) error {
-	vm.mu.Lock()
-	l := vm.m.Launch
-	vm.mu.Unlock()
+	l := vm.snapshot().Launch
 	args, err := l.cmdline()
 	if err != nil {
 		return err
@@ -180,35 +171,30 @@ func (vm *VM) start(ctx context.Context) error {
 	// Stale sockets from an earlier VM of the same name would confuse the dialers.
 	os.Remove(l.qmpSocket())
 	os.Remove(l.agentSocket())
-	vm.mu.Lock()
 	// The counters' cgroup is recorded before it is made, so a crash leaves none behind.
-	vm.m.CountersCgroup = vm.countersCgroupDir()
-	err = vm.saveLocked()
-	vm.mu.Unlock()
-	if err != nil {
+	if err := vm.update(func(s *vmState) { s.CountersCgroup = vm.countersCgroupDir(s) }); err != nil {
 		return err
 	}
 	keeper, err := startConsoleKeeper(l.consoleSocket(), l.SerialLog)
 	if err != nil {
 		return err
 	}
-	vm.mu.Lock()
-	removePerfMap(&vm.m) // an earlier process's, replaced by this one
-	vm.mu.Unlock()
+	m := vm.manifest()
+	removePerfMap(&m) // an earlier process's, replaced by this one
 	var cg *vmCgroup
-	if vm.m.MemoryCgroup != "" && vm.cgVersion != 0 {
-		if cg, err = openVMCgroup(vm.cgVersion, vm.m.MemoryCgroup, int64(vm.m.Spec.MemoryLimitMiB)<<20); err != nil {
+	if m.MemoryCgroup != "" && vm.cgVersion != 0 {
+		if cg, err = openVMCgroup(vm.cgVersion, m.MemoryCgroup, int64(m.Spec.MemoryLimitMiB)<<20); err != nil {
 			return err
 		}
 	}
-	kc := vm.openCounters()
-	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.cgroupFD(), vm.died)
+	kc := vm.openCounters(m.CountersCgroup)
+	p, err := spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.cgroupFD(), vm.died)
 	if err != nil && kc != nil && kc.cg != nil {
 		// Not started into the cgroup (an old kernel's clone3): count from /proc.
-		vm.log.Info("counters: starting QEMU in a cgroup failed; counting from /proc", "vm", vm.m.Name, "err", err)
+		vm.log.Info("counters: starting QEMU in a cgroup failed; counting from /proc", "vm", m.Name, "err", err)
 		kc.close()
 		kc = &vmCounters{}
-		p, err = spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, -1, vm.died)
+		p, err = spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, -1, vm.died)
 	}
 	if err != nil {
 		kc.close()
@@ -217,15 +203,11 @@ func (vm *VM) start(ctx context.Context) error {
 	}
 	kc.watch(vm, p)
 	if vm.procMarker != nil {
-		vm.procMarker.QEMUStarted(vm.m.Name, p.PID())
+		vm.procMarker.QEMUStarted(m.Name, p.PID())
 	}
 	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
-	vm.mu.Lock()
-	vm.m.PID, vm.m.StartTime = p.PID(), p.StartTime()
-	err = vm.saveLocked()
-	vm.mu.Unlock()
-	if err != nil {
+	if err := vm.update(func(s *vmState) { s.PID, s.StartTime = p.PID(), p.StartTime() }); err != nil {
 		return err
 	}
 	if err := p.Connect(ctx); err != nil {
@@ -241,14 +223,15 @@ func (vm *VM) died(reason string) {
 		return
 	}
 	if reason == "qemu exit 0" {
-		reason = guestEnd(vm.m.Launch.SerialLog)
+		reason = guestEnd(vm.snapshot().Launch.SerialLog)
 	}
-	vm.mu.Lock()
-	vm.m.DeadReason = reason
-	if _, err := os.Stat(vm.dir); err == nil { // not being deleted
-		_ = vm.saveLocked()
-	}
-	vm.mu.Unlock()
+	_ = vm.locked(func(s *vmState) error {
+		s.DeadReason = reason
+		if _, err := os.Stat(vm.dir()); err != nil {
+			return nil // being deleted
+		}
+		return vm.save(s)
+	})
 	vm.log.Warn("vm died", "vm", vm.Name(), "reason", reason)
 }
 
@@ -312,7 +295,7 @@ func (vm *VM) failure(op string, err error) error {
 	if p := vm.process(); p != nil {
 		return p.failed(op, err)
 	}
-	return &QEMUError{VM: vm.m.Name, Op: op, ExitCode: -1, Err: err}
+	return &QEMUError{VM: vm.Name(), Op: op, ExitCode: -1, Err: err}
 }
 
 // becomeReady runs the agent handshake with hello, records the agent and total phase
@@ -323,29 +306,24 @@ func (vm *VM) becomeReady(ctx context.Context, op string, clock *phaseClock, hel
 	if err := hello(ctx); err != nil {
 		return vm.failure(op, err)
 	}
-	vm.mu.Lock()
-	clock.lap(&vm.m.Timings.Agent)
-	vm.m.Timings.Total = clock.total()
-	vm.m.Spans = clock.spans
-	vm.m.Counters = clock.counters()
-	vm.mu.Unlock()
+	vm.lap(clock, agentTiming)
+	total, spans, counters := clock.total(), clock.spans, clock.counters()
+	vm.modify(func(s *vmState) { s.Timings.Total, s.Spans, s.Counters = total, spans, counters })
 	return vm.markRunning()
 }
 
 // markRunning records that the agent answered.
 func (vm *VM) markRunning() error {
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	vm.m.State = StateRunning
-	vm.m.ReadyAt = time.Now().UTC()
-	return vm.saveLocked()
+	return vm.update(func(s *vmState) {
+		s.State = StateRunning
+		s.ReadyAt = time.Now().UTC()
+	})
 }
 
 // Target returns the VM's agent target.
 func (vm *VM) Target() AgentTarget {
-	vm.mu.Lock()
-	defer vm.mu.Unlock()
-	return AgentTarget{Name: vm.m.Name, Socket: vm.m.Launch.agentSocket(), CID: vm.m.Launch.VsockCID, Token: vm.m.Token}
+	id, l := vm.ident(), vm.snapshot().Launch
+	return AgentTarget{Name: id.Name, Socket: l.agentSocket(), CID: l.VsockCID, Token: id.Token}
 }
 
 // hello connects the agent and checks it answers with this VM's token.
@@ -396,7 +374,7 @@ func (vm *VM) agentClient(ctx context.Context) (*vsockd.Client, error) {
 // Agent returns the VM's connected agent client (shared; do not Close it).
 func (vm *VM) Agent(ctx context.Context) (*vsockd.Client, error) {
 	if !vm.alive() {
-		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.m.Name)
+		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}
 	return vm.agentClient(ctx)
 }

@@ -12,8 +12,8 @@ import (
 // TestExecDeadVMFailsAtOnce: Exec on a VM without a live QEMU fails with
 // ErrNotRunning before any dial (a dial would run into ctx's deadline).
 func TestExecDeadVMFailsAtOnce(t *testing.T) {
-	vm := &VM{dir: t.TempDir(), m: manifest{Name: "dead", Token: "00112233445566778899aabbccddeeff"}}
-	vm.m.Launch.RunDir = t.TempDir() // its agent socket does not exist
+	vm := newVM(t.TempDir(), nil, &manifest{Name: "dead", Token: "00112233445566778899aabbccddeeff",
+		Launch: launch{RunDir: t.TempDir()}}) // its agent socket does not exist
 	done := make(chan error, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

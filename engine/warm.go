@@ -292,11 +292,11 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, opts WarmOption
 	if err != nil {
 		return nil, err
 	}
-	vm, err := prepareFork(ctx, e.paths, e.log, qemu, c, poolPrefix+randHex(6))
+	vm, err := prepareFork(ctx, e.paths, e.log, qemu, c, poolPrefix+randHex(6), nil)
 	if err != nil {
 		return nil, err
 	}
-	vm.m.Launch.PerfMap = e.cfg.PerfMap && c.Manifest.Accel == AccelTCG
+	vm.modify(func(s *vmState) { s.Launch.PerfMap = e.cfg.PerfMap && c.Manifest.Accel == AccelTCG })
 	e.count(vm)
 	ok := false
 	defer func() {
@@ -304,10 +304,10 @@ func (e *Engine) spawnPooled(ctx context.Context, c *Checkpoint, opts WarmOption
 			e.discard(vm)
 		}
 	}()
-	vm.m.State = statePooled
 	// A pool serves forks one at a time: it counts as nothing in flight, so auto means
 	// QEMU's default (multi) here and a forced mode applies as is.
-	vm.m.Launch.TCGThread = tcgThreadFor(e.cfg.Experimental.TCGThread, c.Manifest.Accel, 0, e.adm.hostCPUs)
+	thread := tcgThreadFor(e.cfg.Experimental.TCGThread, c.Manifest.Accel, 0, e.adm.hostCPUs)
+	vm.modify(func(s *vmState) { s.State, s.Launch.TCGThread = statePooled, thread })
 	if err := vm.start(ctx); err != nil {
 		return nil, err
 	}
@@ -390,13 +390,13 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()
 		release()
 		return nil, nil
 	}
-	old := vm.m.Name
+	old := vm.Name()
 	if !vm.alive() {
 		e.discard(vm)
 		release()
 		return nil, nil
 	}
-	oldDir, oldRun := vm.dir, vm.m.Launch.RunDir
+	oldDir, oldRun := vm.dir(), vm.snapshot().Launch.RunDir
 	newDir, newRun := e.paths.vmDir(name), e.paths.runDir(name)
 	err := os.Rename(oldDir, newDir)
 	if err == nil {
@@ -410,20 +410,14 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()
 		release()
 		return nil, nil
 	}
-	vm.mu.Lock()
-	vm.dir = newDir
-	vm.m.Name, vm.m.Spec.Name = name, name
-	vm.m.Launch = vm.m.Launch.named(e.paths, name)
-	for i := range vm.m.Launch.Disk {
-		vm.m.Launch.Disk[i].Path = strings.Replace(vm.m.Launch.Disk[i].Path, oldDir, newDir, 1)
-	}
-	vm.m.Token = newToken()
-	vm.m.State = StateStarting
-	vm.m.CreatedAt = time.Now().UTC()
-	vm.m.Timings = PhaseTimings{} // the spawn (and restore) were paid by the pool
-	vm.process().Rename(name, vm.m.Launch.qmpSocket(), vm.path(qemuLogFile))
-	err = vm.saveLocked()
-	vm.mu.Unlock()
+	err = vm.claimAs(name, newDir, func(l launch) launch {
+		l = l.named(e.paths, name)
+		l.Disk = append([]diskLayer(nil), l.Disk...)
+		for i := range l.Disk {
+			l.Disk[i].Path = strings.Replace(l.Disk[i].Path, oldDir, newDir, 1)
+		}
+		return l
+	})
 	if err != nil {
 		e.discard(vm)
 		release()

@@ -795,7 +795,7 @@ func (c *Client) PutFile(ctx context.Context, guestPath string, mode os.FileMode
 
 // CopyIn extracts the tar stream r into the existing guest directory
 // guestDir. The guest extracts as the stream arrives (nothing is buffered
-// whole on either side) with ExtractTar's rules: no entry, however crafted,
+// whole on either side) with tarstream.ExtractTar's rules: no entry, however crafted,
 // is written outside guestDir. It returns once the guest has extracted
 // everything, or with the guest's error: it wraps ErrNotDirectory when
 // guestDir is missing or not a directory, ErrUnsafeEntry (naming the entry)
@@ -882,13 +882,13 @@ func (c *Client) GetFile(ctx context.Context, guestPath string, w io.Writer, max
 	return c.download(ctx, st, w, max, what)
 }
 
-// CopyOut writes a tar stream of guestPath to w (see WriteTar): a file, a
+// CopyOut writes a tar stream of guestPath to w (see tarstream.WriteTar): a file, a
 // directory and everything below it, or a symlink as a symlink, in entries
 // named after guestPath's base name. The stream is copied to w as it
 // arrives. A missing guestPath fails with an error wrapping
 // ErrSourceMissing (and fs.ErrNotExist). If the guest fails midway, w has
 // received part of the archive and the error is returned. w must not trust
-// the archive: extract it with ExtractTar (Top set to the base name).
+// the archive: extract it with tarstream.ExtractTar (Top set to the base name).
 func (c *Client) CopyOut(ctx context.Context, guestPath string, w io.Writer) error {
 	what := "copy from " + guestPath
 	if err := c.require(FeatureCopy, "copies"); err != nil {

@@ -8,6 +8,8 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+
+	"github.com/forkvm/forkvm/tarstream"
 )
 
 // The guest side of copies (FeatureCopy): CopyIn extracts a tar stream into a guest
@@ -45,7 +47,7 @@ func (ss *session) startCopyIn(f Frame) {
 	}
 	go func() {
 		r := &streamReader{ss: ss, st: st}
-		err := ExtractTar(st.ctx, r, req.Dir, nil)
+		err := tarstream.ExtractTar(st.ctx, r, req.Dir, nil)
 		if err == nil && !r.ended {
 			err = fmt.Errorf("%w: data after the end of the archive", ErrProtocol)
 		}
@@ -79,7 +81,7 @@ func (ss *session) startCopyOut(f Frame) {
 	go func() {
 		// Buffer to whole frames: tar writes 512-byte headers one at a time.
 		bw := bufio.NewWriterSize(&streamWriter{ss: ss, st: st}, chunkSize)
-		err := WriteTar(st.ctx, bw, req.Path, "")
+		err := tarstream.WriteTar(st.ctx, bw, req.Path, "")
 		if err == nil {
 			err = bw.Flush()
 		}

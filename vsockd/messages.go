@@ -183,7 +183,7 @@ var (
 	ErrUnknownUser = api.ErrUnknownUser
 )
 
-// Errors of copies (Client.CopyIn, Client.CopyOut, WriteTar, ExtractTar),
+// Errors of copies (Client.CopyIn, Client.CopyOut, tarstream.WriteTar, tarstream.ExtractTar),
 // on either end: a guest's Error frame maps onto them too.
 var (
 	// ErrSourceMissing reports a path to copy that does not exist. It also

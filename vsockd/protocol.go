@@ -59,7 +59,7 @@
 // older agent would misread instead of sending it. FeatureExecUser covers
 // ExecStart's "user" field; FeatureCopy the CopyIn, CopyOut and Stat
 // requests. A copy moves a tar stream (archive/tar, written and extracted in
-// Go on both ends: see WriteTar and ExtractTar) in flow-controlled FileData
+// Go on both ends: see tarstream.WriteTar and tarstream.ExtractTar) in flow-controlled FileData
 // frames ended by FileEnd, on the request's own stream: CopyIn sends it to the
 // guest, which answers FileEnd once it is extracted; CopyOut receives it.
 // Either side may end the stream early with an Error frame (codes no_source,

@@ -16,6 +16,7 @@ import (
 
 	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/serve/client"
+	"github.com/forkvm/forkvm/tarstream"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -134,7 +135,7 @@ func copyToGuest(ctx context.Context, c guestFiles, src, guestDst string) error 
 		return err
 	}
 	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(vsockd.WriteTar(ctx, pw, src, top)) }()
+	go func() { pw.CloseWithError(tarstream.WriteTar(ctx, pw, src, top)) }()
 	err = c.CopyIn(ctx, dir, pr)
 	pr.CloseWithError(errors.Join(err, io.ErrClosedPipe)) // ends WriteTar if it still writes
 	return err
@@ -142,7 +143,7 @@ func copyToGuest(ctx context.Context, c guestFiles, src, guestDst string) error 
 
 // copyFromGuest copies the guest path guestSrc to the host path dst ("-": a tar stream
 // on stdout): into dst when it is a directory, else as a new name (or over an existing
-// file). The guest's archive is extracted with vsockd.ExtractTar: every entry must be
+// file). The guest's archive is extracted with tarstream.ExtractTar: every entry must be
 // below the name asked for, and nothing is written outside dst.
 func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string) error {
 	if dst == "-" {
@@ -154,7 +155,7 @@ func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string) erro
 	}
 	slash := strings.HasSuffix(dst, "/")
 	dst = filepath.Clean(dst)
-	dir, opts := dst, &vsockd.ExtractOptions{Top: name}
+	dir, opts := dst, &tarstream.ExtractOptions{Top: name}
 	st, err := os.Stat(dst)
 	switch {
 	case err == nil && st.IsDir():
@@ -174,7 +175,7 @@ func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string) erro
 		pw.CloseWithError(err)
 		errc <- err
 	}()
-	xerr := vsockd.ExtractTar(ctx, pr, dir, opts)
+	xerr := tarstream.ExtractTar(ctx, pr, dir, opts)
 	// Unblock CopyOut if the extraction stopped first (it then aborts the stream).
 	pr.CloseWithError(errors.Join(xerr, io.ErrClosedPipe))
 	cerr := <-errc

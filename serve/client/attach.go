@@ -15,6 +15,7 @@ import (
 	"syscall"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/tarstream"
 )
 
 // Daemon describes the daemon (GET /v1/info).
@@ -81,6 +82,13 @@ func (c *Client) CopyIn(ctx context.Context, name, dir string, r io.Reader) erro
 	}
 	resp.Body.Close()
 	return nil
+}
+
+// CopyInPath copies the host path hostPath into the guest directory guestDir under
+// its base name (api.API.CopyInPath): this program archives it and streams it to the
+// daemon.
+func (c *Client) CopyInPath(ctx context.Context, name, hostPath, guestDir string) error {
+	return tarstream.CopyInPath(ctx, hostPath, func(r io.Reader) error { return c.CopyIn(ctx, name, guestDir, r) })
 }
 
 // CopyOut writes the guest path p as a tar stream to w (api.VM.CopyOut). A transfer

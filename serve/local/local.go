@@ -16,6 +16,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/tarstream"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -83,7 +84,7 @@ func (l *Local) Create(ctx context.Context, spec api.Spec) (api.Info, error) {
 	if err != nil {
 		return api.Info{}, err
 	}
-	vm, err := e.Create(ctx, engine.Spec(spec))
+	vm, err := e.Create(ctx, spec)
 	if err != nil {
 		return api.Info{}, err
 	}
@@ -228,6 +229,10 @@ func (l *Local) CopyIn(ctx context.Context, name, dir string, r io.Reader) error
 	return g.CopyIn(ctx, dir, r)
 }
 
+func (l *Local) CopyInPath(ctx context.Context, name, hostPath, guestDir string) error {
+	return tarstream.CopyInPath(ctx, hostPath, func(r io.Reader) error { return l.CopyIn(ctx, name, guestDir, r) })
+}
+
 func (l *Local) CopyOut(ctx context.Context, name, p string, w io.Writer) error {
 	g, err := l.files(ctx, name)
 	if err != nil {
@@ -271,11 +276,7 @@ func (l *Local) Checkpoints(context.Context) ([]api.CheckpointInfo, error) {
 	if err != nil {
 		return nil, err
 	}
-	cks, err := e.Checkpoints()
-	if err != nil {
-		return nil, err
-	}
-	return cks, nil
+	return e.Checkpoints()
 }
 
 func (l *Local) GetCheckpoint(_ context.Context, name string) (api.CheckpointInfo, error) {
@@ -291,11 +292,7 @@ func (l *Local) Checkpoint(ctx context.Context, vmName, name string, opts *api.C
 	if err != nil {
 		return api.CheckpointInfo{}, err
 	}
-	var eo *engine.CheckpointOptions
-	if opts != nil {
-		eo = &engine.CheckpointOptions{Pin: opts.Pin, Handoff: opts.Handoff}
-	}
-	ck, err := e.Checkpoint(ctx, vmName, name, eo)
+	ck, err := e.Checkpoint(ctx, vmName, name, opts)
 	if err != nil {
 		return api.CheckpointInfo{}, err
 	}
@@ -310,7 +307,7 @@ func (l *Local) DeleteCheckpoint(ctx context.Context, name string, opts *api.Del
 	if err != nil {
 		return err
 	}
-	return e.DeleteCheckpoint(ctx, name, (*engine.DeleteCheckpointOptions)(opts))
+	return e.DeleteCheckpoint(ctx, name, opts)
 }
 
 func (l *Local) SetPinned(ctx context.Context, name string, pinned bool) error {
@@ -334,7 +331,7 @@ func (l *Local) Warm(ctx context.Context, ck string, n int, opts *api.WarmOption
 	if err != nil {
 		return err
 	}
-	return e.Warm(ctx, ck, n, (*engine.WarmOptions)(opts))
+	return e.Warm(ctx, ck, n, opts)
 }
 
 func (l *Local) PoolSize(ctx context.Context, ck string) (int, error) {
@@ -350,7 +347,7 @@ func (l *Local) Fork(ctx context.Context, src string, opts *api.ForkOptions) (ap
 	if err != nil {
 		return api.Info{}, err
 	}
-	vm, err := e.Fork(ctx, src, (*engine.ForkOptions)(opts))
+	vm, err := e.Fork(ctx, src, opts)
 	if err != nil {
 		return api.Info{}, err
 	}
@@ -362,7 +359,7 @@ func (l *Local) ForkMany(ctx context.Context, src string, n int, opts *api.ManyO
 	if err != nil {
 		return nil, err
 	}
-	evs, err := e.ForkMany(ctx, src, n, (*engine.ManyOptions)(opts))
+	evs, err := e.ForkMany(ctx, src, n, opts)
 	if err != nil {
 		return nil, err
 	}

@@ -1,6 +1,6 @@
 //go:build !unix
 
-package vsockd
+package tarstream
 
 import (
 	"archive/tar"

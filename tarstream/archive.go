@@ -1,4 +1,4 @@
-package vsockd
+package tarstream
 
 import (
 	"archive/tar"

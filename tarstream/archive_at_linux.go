@@ -1,6 +1,6 @@
 //go:build linux
 
-package vsockd
+package tarstream
 
 import (
 	"io/fs"

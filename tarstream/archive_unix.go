@@ -1,12 +1,11 @@
 //go:build unix
 
-package vsockd
+package tarstream
 
 import (
 	"archive/tar"
 	"io/fs"
 	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -31,14 +30,4 @@ func fillOwner(hdr *tar.Header, fi fs.FileInfo) {
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 		hdr.Uid, hdr.Gid = int(st.Uid), int(st.Gid)
 	}
-}
-
-// setTimes sets p's access and modification times to mtime without following a final
-// symlink. A failure only costs the timestamp and is ignored.
-func setTimes(p string, mtime time.Time) {
-	if mtime.IsZero() {
-		return
-	}
-	ts := unix.NsecToTimespec(mtime.UnixNano())
-	_ = unix.UtimesNanoAt(unix.AT_FDCWD, p, []unix.Timespec{ts, ts}, unix.AT_SYMLINK_NOFOLLOW)
 }
