@@ -162,6 +162,13 @@ type Fleet struct {
 	fetching map[string]*sync.Mutex
 	// slot is signalled when a job ends.
 	slot chan struct{}
+
+	// cacheMu guards the caches: the live nodes a share check saw last (nodesAt), and
+	// the checkpoint holder entries this node wrote.
+	cacheMu    sync.Mutex
+	nodesCache []api.FleetNode
+	nodesAt    time.Time
+	held       map[string]bool
 }
 
 // ClassID is the id of a compatibility class: a short digest of its fields.

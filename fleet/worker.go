@@ -225,9 +225,7 @@ func (f *Fleet) share(j job) int {
 	if j.SpreadOf <= 0 {
 		return j.MaxPerNode
 	}
-	ctx, cancel := context.WithTimeout(f.ctx, 2*time.Second)
-	defer cancel()
-	nodes, err := f.Nodes(ctx)
+	nodes, err := f.recentNodes()
 	if err != nil {
 		return j.MaxPerNode
 	}
@@ -245,6 +243,27 @@ func (f *Fleet) share(j job) int {
 		return j.MaxPerNode
 	}
 	return max(j.MaxPerNode, (j.SpreadOf+live-1)/live)
+}
+
+// recentNodes is Nodes as listed at most one heartbeat ago: a share check per job
+// listed every node each time (a watch of the whole bucket), serially for a batch.
+func (f *Fleet) recentNodes() ([]api.FleetNode, error) {
+	f.cacheMu.Lock()
+	nodes, at := f.nodesCache, f.nodesAt
+	f.cacheMu.Unlock()
+	if !at.IsZero() && time.Since(at) < f.cfg.Heartbeat {
+		return nodes, nil
+	}
+	ctx, cancel := context.WithTimeout(f.ctx, 2*time.Second)
+	defer cancel()
+	nodes, err := f.Nodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	f.cacheMu.Lock()
+	f.nodesCache, f.nodesAt = nodes, time.Now()
+	f.cacheMu.Unlock()
+	return nodes, nil
 }
 
 // budgetLocked is budget with f.mu held.
@@ -688,8 +707,26 @@ type ckHolder struct {
 }
 
 // holds records this node as a holder of ref.
+// It is written once per checkpoint and boot: no holder entry is ever deleted, and a
+// write per job was a round trip of every fork.
 func (f *Fleet) holds(ctx context.Context, ref CheckpointRef) error {
-	return putJSON(ctx, f.cks, ref.Digest+"."+f.cfg.Node, ckHolder{Name: ref.Name, Node: f.cfg.Node, Digest: ref.Digest, Class: ClassID(ref.Class)})
+	key := ref.Digest + "." + f.cfg.Node
+	f.cacheMu.Lock()
+	done := f.held[key]
+	f.cacheMu.Unlock()
+	if done {
+		return nil
+	}
+	if err := putJSON(ctx, f.cks, key, ckHolder{Name: ref.Name, Node: f.cfg.Node, Digest: ref.Digest, Class: ClassID(ref.Class)}); err != nil {
+		return err
+	}
+	f.cacheMu.Lock()
+	if f.held == nil {
+		f.held = map[string]bool{}
+	}
+	f.held[key] = true
+	f.cacheMu.Unlock()
+	return nil
 }
 
 // holders lists the live nodes holding digest, other than this one.
