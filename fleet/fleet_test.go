@@ -428,7 +428,8 @@ func TestNodeKilledMidWave(t *testing.T) {
 // even spent: nodes without room pull nothing), and their jobs are gone from the stream.
 func TestNoRoomFailsPromptly(t *testing.T) {
 	s := testServer(t)
-	nodes := join(t, s, 2, 1, func(c *Config) { c.RoomWait = time.Second })
+	// A TTL of 6 s: a node whose heartbeat lags on a loaded machine is not lost here.
+	nodes := join(t, s, 2, 1, func(c *Config) { c.RoomWait, c.TTL = time.Second, 6*time.Second })
 	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
 	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{
 		ForkRequest: api.ForkRequest{Source: "ck", N: 4, Prefix: "room-"}, Pack: true})
@@ -490,7 +491,7 @@ func TestNoNodeBigEnoughRefused(t *testing.T) {
 // give-backs for want of room are not failed tries.
 func TestRefusalsAreNotFailures(t *testing.T) {
 	s := testServer(t)
-	nodes := join(t, s, 1, 0, func(c *Config) { c.MaxDeliver = 2 })
+	nodes := join(t, s, 1, 0, func(c *Config) { c.MaxDeliver, c.TTL = 2, 6*time.Second })
 	n := nodes[0]
 	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
 	n.eng.refuse.Store(3)
