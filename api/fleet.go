@@ -92,4 +92,23 @@ type FleetForkEventObject struct {
 	ForkEventObject
 	Node    string `json:"node,omitempty"`
 	Attempt int    `json:"attempt,omitempty"`
+	FleetTiming
+}
+
+// FleetTiming is the fleet's time on one fork beside the fork itself (its LatencyMS),
+// in milliseconds, as the node that made it measured it: what a fleet wave costs over a
+// local one. Events of forks no node made (failed by the wave, node_lost) carry none.
+type FleetTiming struct {
+	// QueueMS runs from the wave's publish of the job to a node taking it, with any wait
+	// for a node with room; DispatchMS is its part after that node asked for jobs.
+	QueueMS    float64 `json:"queue_ms,omitempty"`
+	DispatchMS float64 `json:"dispatch_ms,omitempty"`
+	// ClaimMS is the claim of the fork's name.
+	ClaimMS float64 `json:"claim_ms,omitempty"`
+	// PullMS is the node's pull of the checkpoint from another node, or its wait for
+	// its own pull of it (0 when the node had it).
+	PullMS float64 `json:"pull_ms,omitempty"`
+	// FleetMS is the node's time on the job besides the fork and the pull: its record
+	// read and writes, the claim (ClaimMS), its share check and the ready fence.
+	FleetMS float64 `json:"fleet_ms,omitempty"`
 }

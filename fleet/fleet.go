@@ -44,6 +44,10 @@ var (
 	ErrNodeLost = errors.New("fleet: node lost")
 	// ErrDeadLetter reports a job no node completed within its delivery limit.
 	ErrDeadLetter = errors.New("fleet: job exhausted its deliveries")
+	// ErrNoRoom reports a fork no live node had room for: none of the class's budgets
+	// can ever hold one fork of its size, or none showed room for Config.RoomWait. It
+	// wraps an *api.AdmissionError (code admission) naming the largest budget seen.
+	ErrNoRoom = errors.New("fleet: no live node has room for the fork")
 	// ErrClosed reports use of a fleet that left.
 	ErrClosed = errors.New("fleet: closed")
 )
@@ -54,6 +58,12 @@ const (
 	DefaultTTL        = 6 * time.Second
 	DefaultAckWait    = 10 * time.Second
 	DefaultMaxDeliver = 10
+	DefaultRoomWait   = 10 * time.Second
+	// backstopDeliveries is the consumer's own delivery limit, in MaxDeliver units: a
+	// job's failures are counted in its record (give-backs for want of room are not
+	// failures), so the server's count, which every redelivery raises, only ends a job
+	// that loops for another reason.
+	backstopDeliveries = 20
 	// callTimeout bounds one JetStream call; calls are retried (callRetries) with a
 	// backoff, so that a stream or consumer without a leader for a few seconds (an
 	// election after a node died: 4-8 s measured) delays a call instead of hanging it.
@@ -100,9 +110,14 @@ type Config struct {
 	// one a node counts as gone.
 	Heartbeat, TTL time.Duration
 	// AckWait is how long a job may go without an in-progress notice before it is
-	// redelivered; MaxDeliver how many deliveries a job gets before it is dead.
+	// redelivered; MaxDeliver how many failed tries a job gets before it is dead (a node
+	// that gives a job back for want of room does not count).
 	AckWait    time.Duration
 	MaxDeliver int
+	// RoomWait is how long a wave this node receives lets its forks wait while no live
+	// node of the class shows room for one (its free vCPUs in its heartbeat) before it
+	// fails those not yet taken with ErrNoRoom (default 10 s).
+	RoomWait time.Duration
 	// MaxVCPUs, when > 0, caps the vCPUs of this node's VMs that fleet jobs may take
 	// (below the engine's own admission budget, which always applies).
 	MaxVCPUs int
@@ -147,6 +162,13 @@ type Fleet struct {
 	fetching map[string]*sync.Mutex
 	// slot is signalled when a job ends.
 	slot chan struct{}
+
+	// cacheMu guards the caches: the live nodes a share check saw last (nodesAt), and
+	// the checkpoint holder entries this node wrote.
+	cacheMu    sync.Mutex
+	nodesCache []api.FleetNode
+	nodesAt    time.Time
+	held       map[string]bool
 }
 
 // ClassID is the id of a compatibility class: a short digest of its fields.
@@ -191,6 +213,9 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 	}
 	if cfg.MaxJobs <= 0 {
 		cfg.MaxJobs = 8
+	}
+	if cfg.RoomWait <= 0 {
+		cfg.RoomWait = DefaultRoomWait
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -303,7 +328,7 @@ func (f *Fleet) ensureStream(ctx context.Context, classID string) error {
 	return retry(ctx, "consumer "+classID, func(ctx context.Context) error {
 		_, err := f.js.CreateOrUpdateConsumer(ctx, streamName(classID), jetstream.ConsumerConfig{
 			Durable: consumerName, AckPolicy: jetstream.AckExplicitPolicy, AckWait: f.cfg.AckWait,
-			MaxDeliver: f.cfg.MaxDeliver, MaxAckPending: 100000, Replicas: f.cfg.Replicas,
+			MaxDeliver: backstopDeliveries * f.cfg.MaxDeliver, MaxAckPending: 100000, Replicas: f.cfg.Replicas,
 		})
 		return err
 	})

@@ -2,7 +2,9 @@ package fleet
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -28,6 +30,10 @@ type fakeEngine struct {
 	// hangAfter, when > 0, makes every fork after that many started wait for its
 	// context (a node that dies mid-fork).
 	hangAfter int32
+	// refuse is how many forks are still to be refused admission (the host's budget
+	// taken by others between a node's pull and its fork).
+	refuse atomic.Int32
+	calls  atomic.Int32
 }
 
 func newFakeEngine(total int) *fakeEngine {
@@ -50,9 +56,13 @@ func (e *fakeEngine) Checkpoint(_ context.Context, name string) (CheckpointRef, 
 }
 
 func (e *fakeEngine) Fork(ctx context.Context, ck, name string, _ float64) (api.Info, error) {
+	e.calls.Add(1)
 	c, err := e.Checkpoint(ctx, ck)
 	if err != nil {
 		return api.Info{}, err
+	}
+	if e.refuse.Add(-1) >= 0 {
+		return api.Info{}, &api.AdmissionError{Resource: "vcpu", Requested: int64(c.CPUs), Available: 0, Budget: 2}
 	}
 	e.mu.Lock()
 	if _, ok := e.vms[name]; ok {
@@ -408,5 +418,95 @@ func TestNodeKilledMidWave(t *testing.T) {
 	}
 	if made := nodes[0].eng.forks.Load() + nodes[1].eng.forks.Load(); made != 6 {
 		t.Errorf("live nodes made %d forks, want 6", made)
+	}
+}
+
+// TestNoRoomFailsPromptly: two nodes with 1 vCPU each for fleet jobs and a packed wave
+// of 4 forks of a 1-vCPU checkpoint. Two are made; the two no node has room for fail
+// with ErrNoRoom (code admission, naming the budget) once no live node showed room for
+// the wave's RoomWait (without the rule they waited in the queue, their deliveries not
+// even spent: nodes without room pull nothing), and their jobs are gone from the stream.
+func TestNoRoomFailsPromptly(t *testing.T) {
+	s := testServer(t)
+	// A TTL of 6 s: a node whose heartbeat lags on a loaded machine is not lost here.
+	nodes := join(t, s, 2, 1, func(c *Config) { c.RoomWait, c.TTL = time.Second, 6*time.Second })
+	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{
+		ForkRequest: api.ForkRequest{Source: "ck", N: 4, Prefix: "room-"}, Pack: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := collect(t, evs, 30*time.Second)
+	ready, noRoom := 0, 0
+	for _, ev := range got {
+		switch {
+		case ev.OK:
+			ready++
+		case ev.Code == api.CodeAdmission && strings.Contains(ev.Error, ErrNoRoom.Error()) && ev.Resource == "vcpu" &&
+			ev.Requested == 1 && ev.Budget == 1 && ev.Available == 0:
+			noRoom++
+		default:
+			t.Errorf("%s: %s (code %s, %s %d/%d of %d)", ev.Name, ev.Error, ev.Code, ev.Resource, ev.Requested, ev.Available, ev.Budget)
+		}
+	}
+	if ready != 2 || noRoom != 2 {
+		t.Errorf("%d ready, %d failed for want of room; want 2 and 2: %+v", ready, noRoom, got)
+	}
+	if made := nodes[0].eng.forks.Load() + nodes[1].eng.forks.Load(); made != 2 {
+		t.Errorf("%d forks made, want 2", made)
+	}
+	st, err := nodes[0].f.js.Stream(context.Background(), streamName(nodes[0].f.classID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := st.Info(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != 0 {
+		t.Errorf("%d jobs left in the stream, want 0", info.State.Msgs)
+	}
+}
+
+// TestNoNodeBigEnoughRefused: a wave of a checkpoint larger than every live node's
+// budget is refused before anything is published, with ErrNoRoom and the admission
+// figures.
+func TestNoNodeBigEnoughRefused(t *testing.T) {
+	s := testServer(t)
+	nodes := join(t, s, 2, 2, nil)
+	nodes[0].eng.cks["big"] = CheckpointRef{Name: "big", Digest: "d4", Class: testClass, CPUs: 4}
+	_, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "big", N: 3, Prefix: "b-"}})
+	var ae *api.AdmissionError
+	if !errors.Is(err, ErrNoRoom) || !errors.Is(err, api.ErrAdmission) || !errors.As(err, &ae) || ae.Requested != 4 || ae.Budget != 2 {
+		t.Fatalf("err %v (%+v), want ErrNoRoom with an admission error of 4 vCPUs against a budget of 2", err, ae)
+	}
+	if o, _ := api.ErrorObjectOf(err); o.Code != api.CodeAdmission || o.Budget != 2 {
+		t.Errorf("error object %+v, want code admission with the budget", o)
+	}
+}
+
+// TestRefusalsAreNotFailures: a node whose engine refuses admission three times in a
+// row (the host's budget taken by others since its pull) gives the job back each time;
+// with MaxDeliver 2 the job is still made on the fourth delivery, not dead-lettered:
+// give-backs for want of room are not failed tries.
+func TestRefusalsAreNotFailures(t *testing.T) {
+	s := testServer(t)
+	nodes := join(t, s, 1, 0, func(c *Config) { c.MaxDeliver, c.TTL = 2, 6*time.Second })
+	n := nodes[0]
+	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	n.eng.refuse.Store(3)
+	evs, err := n.f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "refused"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := collect(t, evs, 30*time.Second)
+	if len(got) != 1 || !got[0].OK {
+		t.Fatalf("events %+v, want the fork ready", got)
+	}
+	if c := n.eng.calls.Load(); c != 4 {
+		t.Errorf("%d fork calls, want 4 (3 refused, then made)", c)
+	}
+	if got[0].QueueMS <= 0 || got[0].FleetMS <= 0 || got[0].ClaimMS <= 0 {
+		t.Errorf("timing %+v: want the queue, claim and fleet times", got[0].FleetTiming)
 	}
 }

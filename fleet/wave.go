@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -18,11 +19,9 @@ import (
 const MaxForks = 100000
 
 // Event is one fork of a fleet wave: the local wave's event, the node, the job's
-// attempt and the fleet's overhead (queue wait and claim) beside the fork.
+// attempt and the fleet's time on it beside the fork (api.FleetTiming).
 type Event struct {
 	api.FleetForkEventObject
-	QueueMS float64
-	ClaimMS float64
 }
 
 // ForkMany publishes one job per fork of a wave of checkpoint req.Source (a checkpoint
@@ -61,14 +60,21 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 	if err != nil {
 		return nil, err
 	}
-	live := 0
+	live, biggest := 0, 0
 	for _, nd := range nodes {
 		if nd.Class == class {
 			live++
+			biggest = max(biggest, nd.TotalVCPUs)
 		}
 	}
 	if live == 0 {
 		return nil, fmt.Errorf("%w: class %s (QEMU %s, %s)", ErrNoNode, class, ref.Class.QEMU, ref.Class.Accel)
+	}
+	if cpus := max(ref.CPUs, 1); biggest < cpus {
+		// No budget of the class can ever hold one fork: refused now, not after a wait.
+		return nil, fmt.Errorf("%w: a fork of %s takes %d vCPUs, the largest budget of the %d live nodes of class %s is %d: %w",
+			ErrNoRoom, ref.Name, cpus, live, class, biggest,
+			&api.AdmissionError{Resource: "vcpu", Requested: int64(cpus), Available: 0, Budget: int64(biggest)})
 	}
 	perNode, spreadOf := req.MaxPerNode, 0
 	if perNode == 0 && !req.Pack {
@@ -80,7 +86,7 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 		}
 	}
 	w := &wave{f: f, id: "w" + randHex(6), n: n, names: names, ref: ref, class: class, perNode: perNode, spreadOf: spreadOf,
-		overcommit: req.Overcommit, replace: req.ReplaceLost, out: make(chan Event, 64)}
+		overcommit: req.Overcommit, replace: req.ReplaceLost, out: make(chan Event, 64), seqs: make([]uint64, n)}
 	// Watch before publishing, so that no record is missed.
 	recs, err := f.jobs.Watch(ctx, w.id+".*", jetstream.UpdatesOnly())
 	if err != nil {
@@ -156,16 +162,94 @@ type wave struct {
 	overcommit float64
 	replace    bool
 	out        chan Event
+	// seqs are the stream sequences of the forks' jobs (the last attempt's).
+	seqs []uint64
 }
 
 // publish publishes the job of fork i, attempt a; its id is its Nats-Msg-Id.
 func (w *wave) publish(ctx context.Context, i, attempt int) error {
-	j := job{ID: fmt.Sprintf("%s.%d.%d", w.id, i, attempt), Wave: w.id, Index: i, Attempt: attempt, Name: w.names[i],
+	j := job{ID: w.jobID(i, attempt), Wave: w.id, Index: i, Attempt: attempt, Name: w.names[i],
 		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MaxPerNode: w.perNode, SpreadOf: w.spreadOf,
 		Overcommit: w.overcommit, Published: time.Now()}
 	b, _ := json.Marshal(j)
 	return retry(ctx, "publish "+j.ID, func(ctx context.Context) error {
-		_, err := w.f.js.Publish(ctx, subject(w.class), b, jetstream.WithMsgID(j.ID), jetstream.WithExpectStream(streamName(w.class)))
+		ack, err := w.f.js.Publish(ctx, subject(w.class), b, jetstream.WithMsgID(j.ID), jetstream.WithExpectStream(streamName(w.class)))
+		if err == nil {
+			w.seqs[i] = ack.Sequence
+		}
+		return err
+	})
+}
+
+// jobID is the id of fork i's job of attempt a.
+func (w *wave) jobID(i, attempt int) string { return fmt.Sprintf("%s.%d.%d", w.id, i, attempt) }
+
+// noRoom fails, with ErrNoRoom, the forks of pending whose jobs no node has taken (no
+// record, given back, or running on a node that is gone), each by a record write fenced
+// by the revision read (a node taking the job at the same time writes its start with
+// the same fence: one of them wins), and removes their jobs from the stream. The
+// records watch then reports them.
+func (w *wave) noRoom(ctx context.Context, pending []int, attempts []int, nodes []api.FleetNode) {
+	cpus := max(w.ref.CPUs, 1)
+	var parts []string
+	live, free, total := 0, 0, 0
+	for _, nd := range nodes {
+		if nd.Class != w.class {
+			continue
+		}
+		live++
+		free, total = max(free, nd.FreeVCPUs), max(total, nd.TotalVCPUs)
+		parts = append(parts, fmt.Sprintf("%s %d/%d free", nd.Name, nd.FreeVCPUs, nd.TotalVCPUs))
+	}
+	cause := fmt.Errorf("%w: a fork of %s takes %d vCPUs, and none of the %d live nodes of class %s had them free for %v (%s): %w",
+		ErrNoRoom, w.ref.Name, cpus, live, w.class, w.f.cfg.RoomWait, strings.Join(parts, ", "),
+		&api.AdmissionError{Resource: "vcpu", Requested: int64(cpus), Available: int64(free), Budget: int64(total)})
+	for _, i := range pending {
+		id := w.jobID(i, attempts[i])
+		var r record
+		rev, ok, err := getJSON(ctx, w.f.jobs, recordKey(w.id, i), &r)
+		if err != nil {
+			continue
+		}
+		failures := 0
+		if ok && r.Job == id {
+			if r.final() {
+				continue
+			}
+			if r.State == stateRunning {
+				if _, alive, err := w.f.node(ctx, r.Node); err != nil || alive {
+					continue // a live node is forking it
+				}
+			}
+			failures = r.Failures
+		}
+		if !ok {
+			rev = 0
+		}
+		rec := record{Job: id, Attempt: attempts[i], State: stateFailed, Failures: failures,
+			Event: api.ForkEventObjectOf(i, w.names[i], 0, nil, cause)}
+		if _, err := w.f.putRecord(ctx, recordKey(w.id, i), rec, rev); err != nil {
+			continue // a node took it meanwhile
+		}
+		w.f.log.Info("fleet: fork failed for want of room", "vm", w.names[i], "job", id)
+		w.removeJob(ctx, w.seqs[i])
+	}
+}
+
+// removeJob deletes the job at seq from the class's stream (gone already: nothing).
+func (w *wave) removeJob(ctx context.Context, seq uint64) {
+	if seq == 0 {
+		return
+	}
+	retry(ctx, "remove job", func(ctx context.Context) error {
+		s, err := w.f.js.Stream(ctx, streamName(w.class))
+		if err != nil {
+			return err
+		}
+		err = s.DeleteMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return nil
+		}
 		return err
 	})
 }
@@ -223,6 +307,8 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 	}
 	tick := time.NewTicker(w.f.cfg.Heartbeat)
 	defer tick.Stop()
+	// roomAt is when a live node of the class last showed room for one fork.
+	roomAt := time.Now()
 	for left > 0 {
 		select {
 		case <-ctx.Done():
@@ -235,7 +321,7 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 				continue
 			}
 			var r record
-			if json.Unmarshal(e.Value(), &r) != nil || r.State == stateRunning {
+			if json.Unmarshal(e.Value(), &r) != nil || !r.final() {
 				continue
 			}
 			i := r.Event.Index
@@ -244,8 +330,8 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 			}
 			slots[i] = slot{final: true, ready: r.State == stateReady, node: r.Node, attempt: r.Attempt}
 			left--
-			if !send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: r.Event, Node: r.Node, Attempt: r.Attempt},
-				QueueMS: r.QueueMS, ClaimMS: r.ClaimMS}) {
+			if !send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: r.Event, Node: r.Node, Attempt: r.Attempt,
+				FleetTiming: r.Timing}}) {
 				return
 			}
 		case <-tick.C:
@@ -260,6 +346,19 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 			live := map[string]bool{}
 			for _, nd := range nodes {
 				live[nd.Name] = true
+				if nd.Class == w.class && nd.FreeVCPUs >= max(w.ref.CPUs, 1) {
+					roomAt = time.Now()
+				}
+			}
+			if time.Since(roomAt) >= w.f.cfg.RoomWait {
+				var pending []int
+				for i := range slots {
+					if !slots[i].final {
+						pending = append(pending, i)
+					}
+				}
+				w.noRoom(ctx, pending, attempts, nodes)
+				roomAt = time.Now() // forks published since (replacements) get a whole wait
 			}
 			for i := range slots {
 				if slots[i].final && slots[i].ready && !live[slots[i].node] {
@@ -311,7 +410,7 @@ func (w *wave) deadLetter(ctx context.Context, m *nats.Msg) {
 		return
 	}
 	var r record
-	if _, ok, err := getJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), &r); err != nil || (ok && r.Job == j.ID && r.State != stateRunning) {
+	if _, ok, err := getJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), &r); err != nil || (ok && r.Job == j.ID && r.final()) {
 		return
 	} else if ok && r.Job == j.ID && r.Node != "" {
 		// A live node took its last delivery and is forking it: its record will come.

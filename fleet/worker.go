@@ -38,22 +38,33 @@ type job struct {
 // Job states in a record.
 const (
 	stateRunning = "running"
-	stateReady   = "ready"
-	stateFailed  = "failed"
+	// stateRetry: a try failed and the job went back to the queue (Failures counts).
+	stateRetry  = "retry"
+	stateReady  = "ready"
+	stateFailed = "failed"
 )
 
 // record is a job's outcome in the jobs bucket, key WAVE.INDEX: what the wave streams.
+// Writes that start or fail a job not yet claimed are fenced by the revision read
+// (putRecord), so that a wave failing a job for want of room and a node taking it
+// cannot both win.
 type record struct {
 	Job     string              `json:"job"`
 	Attempt int                 `json:"attempt"`
 	State   string              `json:"state"`
 	Node    string              `json:"node,omitempty"`
 	Event   api.ForkEventObject `json:"event"`
-	// QueueMS is the time from publish to the start of the fork on its node, ClaimMS
-	// the claim's round trip: the fleet's overhead beside the fork's own latency.
-	QueueMS float64 `json:"queue_ms,omitempty"`
-	ClaimMS float64 `json:"claim_ms,omitempty"`
+	// Failures counts the tries of Job that failed or whose node died while it ran:
+	// the job is dead at Config.MaxDeliver. A node giving it back for want of room does
+	// not count (the server's delivery count, which every redelivery raises, is not
+	// used for this).
+	Failures int `json:"failures,omitempty"`
+	// Timing is the fleet's time on the fork beside the fork itself.
+	Timing api.FleetTiming `json:"timing"`
 }
+
+// final says whether a record's state is an end.
+func (r record) final() bool { return r.State == stateReady || r.State == stateFailed }
 
 // claim is a fork's placement in the claims bucket, key the fork's name: made with
 // Create (a name is claimed once) and changed only with the revision read (a fence).
@@ -106,6 +117,7 @@ func (f *Fleet) workLoop() {
 			}
 			continue
 		}
+		asked := time.Now()
 		batch, err := cons.Fetch(n, jetstream.FetchMaxWait(2*time.Second))
 		if err != nil {
 			f.log.Warn("fleet: fetch", "err", err)
@@ -116,7 +128,7 @@ func (f *Fleet) workLoop() {
 		got := 0
 		for msg := range batch.Messages() {
 			got++
-			if !f.take(msg) {
+			if !f.take(msg, asked) {
 				refused++
 			}
 		}
@@ -150,9 +162,12 @@ func (f *Fleet) slots() int {
 	return max(min(free, f.cfg.MaxJobs-f.running), 0)
 }
 
-// take starts handling msg unless its wave already has its share of this node (then
-// it is given back, delayed, for another node); false when given back.
-func (f *Fleet) take(msg jetstream.Msg) bool {
+// take starts handling msg, delivered to a fetch this node began at asked, unless
+// its wave already has its share of this node or the node lacks room for it: then it
+// is given back, delayed, for another node, which does not count as a failed try.
+// False when given back.
+func (f *Fleet) take(msg jetstream.Msg, asked time.Time) bool {
+	got := time.Now()
 	var j job
 	if err := json.Unmarshal(msg.Data(), &j); err != nil || j.ID == "" || j.Name == "" {
 		f.log.Warn("fleet: dropping an unreadable job", "err", err)
@@ -165,17 +180,19 @@ func (f *Fleet) take(msg jetstream.Msg) bool {
 	_, free, _ := f.budgetLocked()
 	if (share > 0 && f.perWave[j.Wave] >= share) || free < j.CPUs {
 		f.mu.Unlock()
-		msg.NakWithDelay(time.Second)
+		msg.NakWithDelay(refuseDelay)
 		return false
 	}
 	f.perWave[j.Wave]++
 	f.running++
 	f.runningCPUs += j.CPUs
 	f.mu.Unlock()
+	t := &jobTry{f: f, msg: msg, j: j, key: recordKey(j.Wave, j.Index), got: got,
+		queue: got.Sub(j.Published), dispatch: got.Sub(later(j.Published, asked))}
 	f.wg.Add(1)
 	go func() {
 		defer f.wg.Done()
-		took := f.handle(msg, j)
+		took := t.handle()
 		f.mu.Lock()
 		f.running--
 		f.runningCPUs -= j.CPUs
@@ -191,21 +208,34 @@ func (f *Fleet) take(msg jetstream.Msg) bool {
 	return true
 }
 
+// refuseDelay is how long a job a node gives back for want of room stays away from
+// the consumer (every node's pulls, this one's too).
+const refuseDelay = time.Second
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
 // share is how many of j's wave's jobs this node may take: its MaxPerNode, raised in a
 // spread wave to ceil(size / live nodes of its class) as nodes die (0: no limit).
 func (f *Fleet) share(j job) int {
 	if j.SpreadOf <= 0 {
 		return j.MaxPerNode
 	}
-	ctx, cancel := context.WithTimeout(f.ctx, 2*time.Second)
-	defer cancel()
-	nodes, err := f.Nodes(ctx)
+	nodes, err := f.recentNodes()
 	if err != nil {
 		return j.MaxPerNode
 	}
+	// The share is over the nodes that can take a job of the wave now (room for one
+	// fork of its size in their heartbeat; this node asks, so it can): a node whose
+	// budget is full cannot take its part, and the others' shares grow instead of the
+	// job waiting for good.
 	live := 0
 	for _, nd := range nodes {
-		if nd.Class == j.Class {
+		if nd.Class == j.Class && (nd.FreeVCPUs >= j.CPUs || nd.Name == f.cfg.Node) {
 			live++
 		}
 	}
@@ -215,6 +245,27 @@ func (f *Fleet) share(j job) int {
 	return max(j.MaxPerNode, (j.SpreadOf+live-1)/live)
 }
 
+// recentNodes is Nodes as listed at most one heartbeat ago: a share check per job
+// listed every node each time (a watch of the whole bucket), serially for a batch.
+func (f *Fleet) recentNodes() ([]api.FleetNode, error) {
+	f.cacheMu.Lock()
+	nodes, at := f.nodesCache, f.nodesAt
+	f.cacheMu.Unlock()
+	if !at.IsZero() && time.Since(at) < f.cfg.Heartbeat {
+		return nodes, nil
+	}
+	ctx, cancel := context.WithTimeout(f.ctx, 2*time.Second)
+	defer cancel()
+	nodes, err := f.Nodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	f.cacheMu.Lock()
+	f.nodesCache, f.nodesAt = nodes, time.Now()
+	f.cacheMu.Unlock()
+	return nodes, nil
+}
+
 // budgetLocked is budget with f.mu held.
 func (f *Fleet) budgetLocked() (total, free int, mem int64) {
 	f.mu.Unlock()
@@ -222,58 +273,78 @@ func (f *Fleet) budgetLocked() (total, free int, mem int64) {
 	return f.budget()
 }
 
+// jobTry is one delivery of a job on this node.
+type jobTry struct {
+	f   *Fleet
+	msg jetstream.Msg
+	j   job
+	key string
+	// failures counts the job's failed tries before this one; rev is the revision of
+	// its record this try read or wrote last (0: none yet).
+	failures int
+	rev      uint64
+	// got is when this node took the delivery; queue and dispatch the job's wait
+	// before (api.FleetTiming).
+	got             time.Time
+	queue, dispatch time.Duration
+	claim, pull     time.Duration
+}
+
 // handle runs one job to its end: a record written and the message acked, or the
 // message given back for a later delivery. It reports whether this node made the fork
 // (it counts toward the wave's share).
-func (f *Fleet) handle(msg jetstream.Msg, j job) (took bool) {
+func (t *jobTry) handle() (took bool) {
+	f, j, msg := t.f, t.j, t.msg
 	ctx := f.ctx
-	meta, _ := msg.Metadata()
-	delivered := uint64(1)
-	if meta != nil {
-		delivered = meta.NumDelivered
-	}
 	// In progress while it runs: a fork may take longer than the ack wait.
 	stop := make(chan struct{})
 	defer close(stop)
 	go func() {
-		t := time.NewTicker(f.cfg.AckWait / 3)
-		defer t.Stop()
+		tk := time.NewTicker(f.cfg.AckWait / 3)
+		defer tk.Stop()
 		for {
 			select {
 			case <-stop:
 				return
-			case <-t.C:
+			case <-tk.C:
 				msg.InProgress()
 			}
 		}
 	}()
-	giveBack := func(why string, err error) bool {
-		if delivered >= uint64(f.cfg.MaxDeliver) {
-			f.finish(msg, j, stateFailed, api.ForkEventObjectOf(j.Index, j.Name, 0, nil, fmt.Errorf("%w: %s: %w", ErrDeadLetter, why, err)), 0, 0, api.CodeDeadLetter)
-			return false
-		}
-		// Back off with the deliveries: never a loop of immediate redeliveries.
-		msg.NakWithDelay(min(time.Duration(delivered)*time.Second, 5*time.Second))
-		f.log.Info("fleet: job given back", "job", j.ID, "why", why, "err", err)
-		return false
-	}
 
 	// Dedupe by job id: a job whose record is final was done (its ack was lost).
 	var rec record
-	_, ok, err := getJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), &rec)
+	rev, ok, err := getJSON(ctx, f.jobs, t.key, &rec)
 	if err != nil {
-		return giveBack("reading its record", err)
-	} else if ok && rec.Job == j.ID && rec.State != stateRunning {
-		f.ack(msg, j)
+		return t.refuse("reading its record", err)
+	}
+	if ok {
+		t.rev = rev
+	}
+	if ok && rec.Job == j.ID {
+		if rec.final() {
+			f.ack(msg, j)
+			return false
+		}
+		t.failures = rec.Failures
+		if rec.State == stateRunning {
+			// An earlier try ended without a word: its node died or left mid-job.
+			t.failures++
+		}
+	}
+	if t.failures >= f.cfg.MaxDeliver {
+		t.dead("its tries", fmt.Errorf("%d tries failed or ended with their node", t.failures))
 		return false
 	}
 
 	start := time.Now()
-	rev, cl, err := f.claim(ctx, j)
-	claimDur := time.Since(start)
+	crev, cl, err := f.claim(ctx, j)
+	t.claim = time.Since(start)
 	switch {
 	case errors.Is(err, errBusy):
-		return giveBack("claimed by a live node", err)
+		// Another live node runs it (this delivery came after its ack wait): not a
+		// failure of the job.
+		return t.refuse("claimed by a live node", err)
 	case errors.Is(err, errDone):
 		// Ready on another live node. When that node's record was not written (the
 		// jobs bucket had no leader then), the wave would never see the fork: write
@@ -281,55 +352,123 @@ func (f *Fleet) handle(msg jetstream.Msg, j job) (took bool) {
 		if cl.Job == j.ID {
 			r := record{Job: j.ID, Attempt: j.Attempt, State: stateReady, Node: cl.Node,
 				Event: api.ForkEventObjectOf(j.Index, j.Name, 0, nil, nil)}
-			if err := putJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), r); err != nil {
-				return giveBack("recording a fork ready elsewhere", err)
+			if err := putJSON(ctx, f.jobs, t.key, r); err != nil {
+				return t.fail("recording a fork ready elsewhere", err)
 			}
 		}
 		f.ack(msg, j)
 		return false
 	case err != nil && errors.Is(err, api.ErrExists):
-		f.finish(msg, j, stateFailed, api.ForkEventObjectOf(j.Index, j.Name, 0, nil, err), 0, 0, "")
+		t.finish(stateFailed, api.ForkEventObjectOf(j.Index, j.Name, 0, nil, err), "")
 		return false
 	case err != nil:
-		return giveBack("claim", err)
+		return t.fail("claim", err)
 	}
 	if err := f.journal(j.Name, cl); err != nil {
-		f.release(j.Name, rev)
-		return giveBack("journal", err)
+		f.release(j.Name, crev)
+		return t.fail("journal", err)
 	}
-	putJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), record{Job: j.ID, Attempt: j.Attempt, State: stateRunning, Node: f.cfg.Node})
+	// The try starts: fenced, so that a wave that failed the job for want of room
+	// meanwhile wins (or loses) as a whole.
+	run := record{Job: j.ID, Attempt: j.Attempt, State: stateRunning, Node: f.cfg.Node, Failures: t.failures}
+	nrev, err := f.putRecord(ctx, t.key, run, t.rev)
+	if err != nil {
+		f.release(j.Name, crev)
+		f.unjournal(j.Name)
+		var cur record
+		if _, ok, gerr := getJSON(ctx, f.jobs, t.key, &cur); gerr == nil && ok && cur.Job == j.ID && cur.final() {
+			f.ack(msg, j) // ended by the wave (no room) or another node
+			return false
+		}
+		return t.refuse("recording its start", err)
+	}
+	t.rev = nrev
 
 	// The fork may already be here: a redelivery to the node that made it.
 	info, err := f.eng.Get(j.Name)
 	if err == nil && info.State == api.StateRunning {
-		return f.ready(msg, j, rev, cl, info, time.Since(start), start, claimDur)
+		return t.ready(crev, cl, info, 0)
 	}
 	if err == nil {
 		f.eng.Delete(ctx, j.Name) // a dead or unfinished leftover of an earlier try
 	}
-	if err := f.ensureCheckpoint(ctx, j); err != nil {
-		f.release(j.Name, rev)
+	pull, err := f.ensureCheckpoint(ctx, j)
+	t.pull = pull
+	if err != nil {
+		f.release(j.Name, crev)
 		f.unjournal(j.Name)
 		if errors.Is(err, api.ErrIncompatible) || errors.Is(err, api.ErrCheckpointCorrupt) {
-			f.finish(msg, j, stateFailed, api.ForkEventObjectOf(j.Index, j.Name, time.Since(start), nil, err), 0, 0, "")
+			t.finish(stateFailed, api.ForkEventObjectOf(j.Index, j.Name, 0, nil, err), "")
 			return false
 		}
-		return giveBack("checkpoint", err)
+		return t.fail("checkpoint", err)
 	}
 	forkStart := time.Now()
 	info, err = f.eng.Fork(ctx, j.Checkpoint, j.Name, j.Overcommit)
+	forkDur := time.Since(forkStart)
 	if err != nil {
-		f.release(j.Name, rev)
+		f.release(j.Name, crev)
 		f.unjournal(j.Name)
-		if errors.Is(err, api.ErrAdmission) || errors.Is(err, context.Canceled) || errors.Is(err, api.ErrExists) {
-			// The budget moved since the pull, or this node is leaving, or a local
-			// VM has the name: another node may do it.
-			return giveBack("fork", err)
+		if errors.Is(err, api.ErrAdmission) || errors.Is(err, context.Canceled) {
+			// The budget moved since the pull, or this node is leaving: another node
+			// (or this one later) may do it; not a failure of the job.
+			return t.requeue("fork", err)
 		}
-		f.finish(msg, j, stateFailed, api.ForkEventObjectOf(j.Index, j.Name, time.Since(forkStart), nil, err), 0, 0, "")
+		if errors.Is(err, api.ErrExists) {
+			return t.fail("fork", err) // a local VM has the name: another node may do it
+		}
+		t.finish(stateFailed, api.ForkEventObjectOf(j.Index, j.Name, forkDur, nil, err), "")
 		return false
 	}
-	return f.ready(msg, j, rev, cl, info, time.Since(forkStart), start, claimDur)
+	return t.ready(crev, cl, info, forkDur)
+}
+
+// refuse gives the job back untouched (its record is not this node's to write): not a
+// failed try.
+func (t *jobTry) refuse(why string, err error) bool {
+	t.msg.NakWithDelay(refuseDelay)
+	t.f.log.Info("fleet: job given back", "job", t.j.ID, "why", why, "err", err)
+	return false
+}
+
+// requeue gives back a job this node had started (its record says running) without
+// counting a failed try: the record goes back to waiting, for the wave to see the job
+// untaken.
+func (t *jobTry) requeue(why string, err error) bool {
+	r := record{Job: t.j.ID, Attempt: t.j.Attempt, State: stateRetry, Failures: t.failures}
+	if _, perr := t.f.putRecord(context.Background(), t.key, r, t.rev); perr != nil {
+		t.f.log.Warn("fleet: record not written", "job", t.j.ID, "err", perr)
+	}
+	return t.refuse(why, err)
+}
+
+// fail counts a failed try in the job's record and gives the job back, delayed by its
+// failures (never a loop of immediate redeliveries); at MaxDeliver the job is dead.
+func (t *jobTry) fail(why string, err error) bool {
+	n := t.failures + 1
+	if n >= t.f.cfg.MaxDeliver {
+		t.dead(why, err)
+		return false
+	}
+	r := record{Job: t.j.ID, Attempt: t.j.Attempt, State: stateRetry, Failures: n}
+	if _, perr := t.f.putRecord(context.Background(), t.key, r, t.rev); perr != nil {
+		t.f.log.Warn("fleet: record not written", "job", t.j.ID, "err", perr)
+	}
+	t.msg.NakWithDelay(min(time.Duration(n)*time.Second, 5*time.Second))
+	t.f.log.Info("fleet: job given back after a failed try", "job", t.j.ID, "failures", n, "why", why, "err", err)
+	return false
+}
+
+// dead records the job failed for good (code dead_letter).
+func (t *jobTry) dead(why string, err error) {
+	t.finish(stateFailed, api.ForkEventObjectOf(t.j.Index, t.j.Name, 0, nil, fmt.Errorf("%w: %s: %w", ErrDeadLetter, why, err)), api.CodeDeadLetter)
+}
+
+// timing is the try's api.FleetTiming, fork being the fork's own time.
+func (t *jobTry) timing(fork time.Duration) api.FleetTiming {
+	fleet := time.Since(t.got) - fork - t.pull
+	return api.FleetTiming{QueueMS: ms(max(t.queue, 0)), DispatchMS: ms(max(t.dispatch, 0)), ClaimMS: ms(t.claim),
+		PullMS: ms(t.pull), FleetMS: ms(max(fleet, 0))}
 }
 
 var (
@@ -419,7 +558,8 @@ func (f *Fleet) release(name string, rev uint64) {
 // ready marks the claim ready (fenced), records the event and acks. When the fence
 // fails the claim was taken over while this node forked: the fork is an orphan and is
 // deleted.
-func (f *Fleet) ready(msg jetstream.Msg, j job, rev uint64, cl claim, info api.Info, latency time.Duration, start time.Time, claimDur time.Duration) bool {
+func (t *jobTry) ready(rev uint64, cl claim, info api.Info, fork time.Duration) bool {
+	f, j := t.f, t.j
 	ctx := context.Background()
 	cl.State = stateReady
 	b, _ := json.Marshal(cl)
@@ -437,26 +577,45 @@ func (f *Fleet) ready(msg jetstream.Msg, j job, rev uint64, cl claim, info api.I
 			return false
 		}
 	}
-	ev := api.ForkEventObjectOf(j.Index, j.Name, latency, &info, nil)
-	queue := start.Sub(j.Published)
-	f.finish(msg, j, stateReady, ev, queue, claimDur, "")
+	t.finish(stateReady, api.ForkEventObjectOf(j.Index, j.Name, fork, &info, nil), "")
 	return true
 }
 
 // finish writes a job's final record and acks its message (a confirmed ack, retried).
-func (f *Fleet) finish(msg jetstream.Msg, j job, state string, ev api.ForkEventObject, queue, claimDur time.Duration, code string) {
+func (t *jobTry) finish(state string, ev api.ForkEventObject, code string) {
+	f, j := t.f, t.j
 	if code != "" {
 		ev.Code = code
 	}
-	rec := record{Job: j.ID, Attempt: j.Attempt, State: state, Node: f.cfg.Node, Event: ev,
-		QueueMS: ms(queue), ClaimMS: ms(claimDur)}
-	if err := putJSON(context.Background(), f.jobs, recordKey(j.Wave, j.Index), rec); err != nil {
+	rec := record{Job: j.ID, Attempt: j.Attempt, State: state, Node: f.cfg.Node, Event: ev, Failures: t.failures,
+		Timing: t.timing(time.Duration(ev.LatencyMS * float64(time.Millisecond)))}
+	if err := putJSON(context.Background(), f.jobs, t.key, rec); err != nil {
 		// Without its record the wave cannot see the job: leave it to be delivered
 		// again (the claim and the fork dedupe it).
 		f.log.Warn("fleet: record not written", "job", j.ID, "err", err)
 		return
 	}
-	f.ack(msg, j)
+	f.ack(t.msg, j)
+}
+
+// putRecord writes r under key fenced by rev, the revision read (0: the key must be
+// absent), and returns the new revision.
+func (f *Fleet) putRecord(ctx context.Context, key string, r record, rev uint64) (uint64, error) {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return 0, err
+	}
+	var nrev uint64
+	err = retry(ctx, "record "+key, func(ctx context.Context) error {
+		var err error
+		if rev == 0 {
+			nrev, err = f.jobs.Create(ctx, key, b)
+		} else {
+			nrev, err = f.jobs.Update(ctx, key, b, rev)
+		}
+		return err
+	})
+	return nrev, err
 }
 
 // ack confirms a job done: a double ack (the server answers), retried, since an ack
@@ -478,18 +637,26 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 
 // ensureCheckpoint makes sure the local engine has j's checkpoint with j's digest,
 // fetching it from a node that holds it when it lacks it, and records this node as a
-// holder.
-func (f *Fleet) ensureCheckpoint(ctx context.Context, j job) error {
+// holder. pull is the time spent fetching it (or waiting for this node's fetch).
+func (f *Fleet) ensureCheckpoint(ctx context.Context, j job) (pull time.Duration, err error) {
 	ref, err := f.eng.Checkpoint(ctx, j.Checkpoint)
 	if err == nil {
 		if ref.Digest != j.Digest {
-			return fmt.Errorf("%w: checkpoint %s here has digest %s, the wave's has %s", api.ErrIncompatible, j.Checkpoint, short(ref.Digest), short(j.Digest))
+			return 0, fmt.Errorf("%w: checkpoint %s here has digest %s, the wave's has %s", api.ErrIncompatible, j.Checkpoint, short(ref.Digest), short(j.Digest))
 		}
-		return f.holds(ctx, ref)
+		return 0, f.holds(ctx, ref)
 	}
 	if !errors.Is(err, api.ErrNotFound) {
-		return err
+		return 0, err
 	}
+	start := time.Now()
+	err = f.pullCheckpoint(ctx, j)
+	return time.Since(start), err
+}
+
+// pullCheckpoint fetches j's checkpoint from a live node holding it (or waits for this
+// node's fetch of it in flight).
+func (f *Fleet) pullCheckpoint(ctx context.Context, j job) error {
 	// One fetch per checkpoint at a time: the jobs waiting for it find it here after.
 	unlock := f.lockCheckpoint(j.Digest)
 	defer unlock()
@@ -540,8 +707,26 @@ type ckHolder struct {
 }
 
 // holds records this node as a holder of ref.
+// It is written once per checkpoint and boot: no holder entry is ever deleted, and a
+// write per job was a round trip of every fork.
 func (f *Fleet) holds(ctx context.Context, ref CheckpointRef) error {
-	return putJSON(ctx, f.cks, ref.Digest+"."+f.cfg.Node, ckHolder{Name: ref.Name, Node: f.cfg.Node, Digest: ref.Digest, Class: ClassID(ref.Class)})
+	key := ref.Digest + "." + f.cfg.Node
+	f.cacheMu.Lock()
+	done := f.held[key]
+	f.cacheMu.Unlock()
+	if done {
+		return nil
+	}
+	if err := putJSON(ctx, f.cks, key, ckHolder{Name: ref.Name, Node: f.cfg.Node, Digest: ref.Digest, Class: ClassID(ref.Class)}); err != nil {
+		return err
+	}
+	f.cacheMu.Lock()
+	if f.held == nil {
+		f.held = map[string]bool{}
+	}
+	f.held[key] = true
+	f.cacheMu.Unlock()
+	return nil
 }
 
 // holders lists the live nodes holding digest, other than this one.
