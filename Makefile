@@ -21,7 +21,7 @@ ITEST_TIMEOUT ?= 30m
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 
-.PHONY: build setup setup-host image test unit lint itest cross fuzz fanout bench clean
+.PHONY: build setup setup-host image test checks unit lint itest itest-vms cross fuzz fanout bench clean
 
 ## build: compile forkvm, forkbench and the static guest agent into ./bin
 build:
@@ -93,11 +93,24 @@ fuzz:
 
 ## itest: integration tests that boot real QEMU
 itest: setup
+	$(MAKE) --no-print-directory itest-vms
+
+# itest-vms: itest without its set-up.
+itest-vms:
 	$(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|_test.go' ; \
 	  exit $${PIPESTATUS[0]}
 
-## test: everything CI runs
-test: setup unit lint cross fuzz itest
+## test: everything CI runs. The checks that boot no VM (unit, lint, cross, fuzz) run
+## beside the VM tests, one after another in the second job slot: the VM tests leave
+## much of the machine idle (a TCG guest keeps one core busy at most, and tests wait
+## on guests). Each target's output is printed when it ends; the VM tests' full log
+## grows in /tmp/forkvm-itest.log meanwhile.
+test: setup
+	$(MAKE) --no-print-directory -j2 --output-sync=target itest-vms checks
+
+# checks: the checks without VMs; beside itest-vms under -j2 they get one job slot.
+checks:
+	$(MAKE) --no-print-directory unit lint cross fuzz
 
 ## fanout: the main job — reproduce the published fork fan-out benchmark
 fanout: setup

@@ -3,8 +3,12 @@ package tests
 import (
 	"context"
 	"errors"
+	"flag"
+	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -13,24 +17,109 @@ import (
 	"github.com/forkvm/forkvm/guest"
 )
 
+// debianImageName is the Debian root image (minbase + python3) the image tests boot.
+const debianImageName = "deb-py3"
+
+// createDebianImage creates the Debian test image under namesDir, logging to log.
+func createDebianImage(ctx context.Context, namesDir string, log *strings.Builder) error {
+	_, err := guest.CreateImage(ctx, &guest.ImageConfig{
+		Name: debianImageName, CacheDir: cacheDir, NamesDir: namesDir, Log: log,
+		Debian: &guest.DebianSource{Include: []string{"python3"}}, AgentBinary: filepath.Join(binDir, "forkvm-agent"),
+	})
+	return err
+}
+
+// debianPrebuild is the build of the Debian test image's recipe that TestMain starts in
+// the background when the run includes a test that boots it: mmdebstrap (most of a
+// minute per agent build, much of it downloading and unpacking) then overlaps the tests
+// that run first instead of adding to the run. debianImage waits for it and fails on
+// its error, so a broken build still fails those tests.
+var debianPrebuild struct {
+	done     chan struct{} // closed when the build ended; nil when none was started
+	took     time.Duration
+	log      strings.Builder
+	err      error
+	namesDir string // the build's own names directory (removed after the run)
+}
+
+// debianTests are the tests that boot the Debian image.
+var debianTests = []string{"TestNetRootImage", "TestRootImage"}
+
+// startDebianPrebuild starts the background build when the -run pattern selects one of
+// debianTests and mmdebstrap is installed (without it, debianImage reports the error).
+func startDebianPrebuild() {
+	if _, err := exec.LookPath("mmdebstrap"); err != nil || !runSelectsAny(debianTests) {
+		return
+	}
+	dir, err := os.MkdirTemp("", "fvt-deb-names-")
+	if err != nil {
+		return
+	}
+	p := &debianPrebuild
+	p.namesDir, p.done = dir, make(chan struct{})
+	go func() {
+		defer close(p.done)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+		defer cancel()
+		t0 := time.Now()
+		p.err = createDebianImage(ctx, dir, &p.log)
+		p.took = time.Since(t0)
+	}()
+}
+
+// finishDebianPrebuild waits for the background build (a run whose image tests failed
+// early must not leave mmdebstrap running) and removes its names directory, as a test's
+// teardown removes the names of its state directory: the built disk stays cached for
+// its recipe.
+func finishDebianPrebuild() {
+	if p := &debianPrebuild; p.done != nil {
+		<-p.done
+		os.RemoveAll(p.namesDir)
+	}
+}
+
+// runSelectsAny reports whether go test's -run pattern (its top-level part) may select
+// one of the tests named; an empty or unparsable pattern selects them all.
+func runSelectsAny(names []string) bool {
+	f := flag.Lookup("test.run")
+	if f == nil || f.Value.String() == "" {
+		return true
+	}
+	re, err := regexp.Compile(strings.SplitN(f.Value.String(), "/", 2)[0])
+	if err != nil {
+		return true
+	}
+	return slices.ContainsFunc(names, re.MatchString)
+}
+
 // debianImage names a Debian root image with python3 in env's state directory
 // (image names are per state directory). The recipe cache builds it once per agent
-// build (mmdebstrap + mkfs: tens of seconds) and then only names the cached disk.
+// build (mmdebstrap + mkfs: tens of seconds; TestMain starts that build in the
+// background) and then only names the cached disk.
 func debianImage(t *testing.T, env *testEnv) string {
 	t.Helper()
 	if _, err := exec.LookPath("mmdebstrap"); err != nil {
 		t.Fatalf("mmdebstrap is missing (make setup installs it): %v", err)
 	}
-	const name = "deb-py3"
+	const name = debianImageName
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
+	if p := &debianPrebuild; p.done != nil {
+		t0 := time.Now()
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+			t.Fatalf("the background build of image %s did not end: %v", name, ctx.Err())
+		}
+		if p.err != nil {
+			t.Fatalf("create image %s (built in the background): %v\n%s", name, p.err, p.log.String())
+		}
+		t.Logf("image %s built in the background in %v (waited %v): %s", name, p.took.Round(time.Millisecond),
+			time.Since(t0).Round(time.Millisecond), strings.TrimSpace(p.log.String()))
+	}
 	t0 := time.Now()
 	var log strings.Builder
-	_, err := guest.CreateImage(ctx, &guest.ImageConfig{
-		Name: name, CacheDir: cacheDir, NamesDir: engine.ImageNamesDir(env.Home), Log: &log,
-		Debian: &guest.DebianSource{Include: []string{"python3"}}, AgentBinary: filepath.Join(binDir, "forkvm-agent"),
-	})
-	if err != nil {
+	if err := createDebianImage(ctx, engine.ImageNamesDir(env.Home), &log); err != nil {
 		t.Fatalf("create image %s: %v\n%s", name, err, log.String())
 	}
 	t.Logf("image %s in %v: %s", name, time.Since(t0).Round(time.Millisecond), strings.TrimSpace(log.String()))

@@ -4,6 +4,7 @@ package tests
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
@@ -30,7 +31,10 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	if code == 0 {
+		flag.Parse()
+		startDebianPrebuild()
 		code = m.Run()
+		finishDebianPrebuild()
 	}
 	os.RemoveAll(binDir)
 	os.Exit(code)
