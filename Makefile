@@ -100,17 +100,17 @@ itest-vms:
 	$(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|_test.go' ; \
 	  exit $${PIPESTATUS[0]}
 
-## test: everything CI runs. The checks that boot no VM (unit, lint, cross, fuzz) run
-## beside the VM tests, one after another in the second job slot: the VM tests leave
-## much of the machine idle (a TCG guest keeps one core busy at most, and tests wait
-## on guests). Each target's output is printed when it ends; the VM tests' full log
-## grows in /tmp/forkvm-itest.log meanwhile.
-test: setup
+## test: everything CI runs. The unit tests run first (some time heartbeats and must
+## not compete with guests); then the checks that need no timing (lint, cross, fuzz) run
+## at nice 19 beside the VM tests, in the second job slot: the VM tests leave much of
+## the machine idle (tests wait on guests) and keep priority. Each target's output is
+## printed when it ends; the VM tests' full log grows in /tmp/forkvm-itest.log meanwhile.
+test: setup unit
 	$(MAKE) --no-print-directory -j2 --output-sync=target itest-vms checks
 
-# checks: the checks without VMs; beside itest-vms under -j2 they get one job slot.
+# checks: lint, cross and fuzz at the lowest CPU priority (beside itest-vms in make test).
 checks:
-	$(MAKE) --no-print-directory unit lint cross fuzz
+	nice -n 19 $(MAKE) --no-print-directory lint cross fuzz
 
 ## fanout: the main job — reproduce the published fork fan-out benchmark
 fanout: setup
