@@ -310,7 +310,9 @@ func (f *Fleet) handle(msg jetstream.Msg, j job) (took bool) {
 	if err := f.ensureCheckpoint(ctx, j); err != nil {
 		f.release(j.Name, rev)
 		f.unjournal(j.Name)
-		if errors.Is(err, api.ErrIncompatible) || errors.Is(err, api.ErrCheckpointCorrupt) {
+		// A digest mismatch is final too: every holder was tried, and another
+		// delivery would fetch the same bytes.
+		if errors.Is(err, api.ErrIncompatible) || errors.Is(err, api.ErrCheckpointCorrupt) || errors.Is(err, api.ErrDigest) {
 			f.finish(msg, j, stateFailed, api.ForkEventObjectOf(j.Index, j.Name, time.Since(start), nil, err), 0, 0, "")
 			return false
 		}
