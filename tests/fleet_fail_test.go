@@ -5,10 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -384,7 +386,7 @@ func TestFleetFail(t *testing.T) {
 			holder.ok(t, "rm", name)
 		}
 		var keep string
-		for _, name := range sortedKeys(nodeVMs(t, other)) {
+		for _, name := range slices.Sorted(maps.Keys(nodeVMs(t, other))) {
 			if keep == "" && strings.HasPrefix(name, "fa-") {
 				keep = name
 				continue
