@@ -69,6 +69,10 @@ const (
 	// election after a node died: 4-8 s measured) delays a call instead of hanging it.
 	callTimeout = 2 * time.Second
 	callRetries = 6
+	// electionWait is how long a call keeps retrying failures however fast they come:
+	// during an election, requests fail at once ("no responders") and six quick tries
+	// spent 2.5 s, less than the election, losing records of forks that were made.
+	electionWait = 10 * time.Second
 )
 
 // Bucket and stream names.
@@ -89,7 +93,9 @@ type Node struct {
 
 // CheckpointFetcher copies a checkpoint from another node into the local engine: after
 // Fetch returns nil the engine has checkpoint ck, with the same digest (its files
-// verified against the holder's digests).
+// verified against the holder's digests). A file that arrives other than its holder
+// recorded it is refused with api.ErrDigest, keeping nothing: the job then fails (with
+// code digest_mismatch) unless another holder's copy is good.
 type CheckpointFetcher interface {
 	Fetch(ctx context.Context, ck string, from Node) error
 }
@@ -335,11 +341,13 @@ func (f *Fleet) ensureStream(ctx context.Context, classID string) error {
 }
 
 // retry runs fn with its own short timeout until it succeeds, fails for good or the
-// retries are spent (then ErrUnavailable). ctx bounds it all.
+// retries are spent, callRetries of them and, unless the connection is closed, at
+// least electionWait (then ErrUnavailable). ctx bounds it all.
 func retry(ctx context.Context, what string, fn func(ctx context.Context) error) error {
 	var err error
 	backoff := 100 * time.Millisecond
-	for attempt := 0; attempt < callRetries; attempt++ {
+	start := time.Now()
+	for attempt := 0; attempt < callRetries || (time.Since(start) < electionWait && !errors.Is(err, nats.ErrConnectionClosed)); attempt++ {
 		cctx, cancel := context.WithTimeout(ctx, callTimeout)
 		err = fn(cctx)
 		cancel()

@@ -135,9 +135,17 @@ type fakeFetcher struct {
 	engines map[string]*fakeEngine
 	mu      sync.Mutex
 	fetches map[string]int // "ck from" -> count
+	// refuse, when set, is what every fetch returns (counted, nothing copied).
+	refuse error
 }
 
 func (ff *fakeFetcher) Fetch(ctx context.Context, ck string, from Node) error {
+	if ff.refuse != nil {
+		ff.mu.Lock()
+		ff.fetches[ck+" "+from.Name]++
+		ff.mu.Unlock()
+		return ff.refuse
+	}
 	src, ok := ff.engines[from.Name]
 	if !ok {
 		return fmt.Errorf("no node %s", from.Name)
@@ -327,6 +335,31 @@ func TestDigestMismatchRefused(t *testing.T) {
 	got := collect(t, evs, 20*time.Second)
 	if len(got) != 1 || got[0].OK || got[0].Code != "incompatible" {
 		t.Fatalf("events %+v, want one failure with code incompatible", got)
+	}
+}
+
+// TestPulledDigestMismatchFails: a checkpoint whose copy arrives other than its holder
+// recorded it (api.ErrDigest from the fetcher) fails the job at once with code
+// digest_mismatch: it is not given back for deliveries that would fetch the same bytes.
+func TestPulledDigestMismatchFails(t *testing.T) {
+	s := testServer(t)
+	nodes := join(t, s, 2, 0, nil)
+	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	nodes[1].ff.refuse = fmt.Errorf("pull ck: %w: ram/ck-ck.ram", api.ErrDigest)
+	nodes[0].f.cancel() // only node 2 pulls
+	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "y"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := collect(t, evs, 20*time.Second)
+	if len(got) != 1 || got[0].OK || got[0].Code != "digest_mismatch" {
+		t.Fatalf("events %+v, want one failure with code digest_mismatch", got)
+	}
+	if n := nodes[1].ff.count(); n != 1 {
+		t.Errorf("%d fetches, want 1", n)
+	}
+	if _, err := nodes[1].eng.Get("y"); err == nil {
+		t.Error("the fork was made")
 	}
 }
 

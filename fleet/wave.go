@@ -413,9 +413,28 @@ func (w *wave) deadLetter(ctx context.Context, m *nats.Msg) {
 	if _, ok, err := getJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), &r); err != nil || (ok && r.Job == j.ID && r.final()) {
 		return
 	} else if ok && r.Job == j.ID && r.Node != "" {
-		// A live node took its last delivery and is forking it: its record will come.
-		if _, live, err := w.f.node(ctx, r.Node); err != nil || live {
+		// The record says a node is forking it: believe it only while that node is live
+		// and the fork's claim says the same (a node that gave the job back released
+		// the claim, leaving the record as it was).
+		n, live, err := w.f.node(ctx, r.Node)
+		if err != nil {
 			return
+		}
+		var c claim
+		if _, cok, err := getJSON(ctx, w.f.claims, kvKey(j.Name), &c); err != nil {
+			return
+		} else if cok && live && c.Node == r.Node && c.Job == j.ID {
+			switch {
+			case c.State == stateReady:
+				// Made there, its record lost (the bucket had no leader): record it.
+				rec := record{Job: j.ID, Attempt: j.Attempt, State: stateReady, Node: c.Node, Event: api.ForkEventObjectOf(j.Index, j.Name, 0, nil, nil)}
+				if putJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), rec) == nil {
+					w.removeDead(ctx, adv.StreamSeq)
+				}
+				return
+			case c.Boot == n.Boot:
+				return // being forked there: its record will come
+			}
 		}
 	}
 	ev := api.ForkEventObjectOf(j.Index, j.Name, 0, nil, fmt.Errorf("%w: %s after %d deliveries", ErrDeadLetter, j.ID, adv.Deliveries))
@@ -423,12 +442,17 @@ func (w *wave) deadLetter(ctx context.Context, m *nats.Msg) {
 	if err := putJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), record{Job: j.ID, Attempt: j.Attempt, State: stateFailed, Event: ev}); err != nil {
 		return
 	}
+	w.removeDead(ctx, adv.StreamSeq)
+}
+
+// removeDead removes a dead job's message from the stream.
+func (w *wave) removeDead(ctx context.Context, seq uint64) {
 	retry(ctx, "remove dead letter", func(ctx context.Context) error {
 		s, err := w.f.js.Stream(ctx, streamName(w.class))
 		if err != nil {
 			return err
 		}
-		err = s.DeleteMsg(ctx, adv.StreamSeq)
+		err = s.DeleteMsg(ctx, seq)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
 			return nil
 		}

@@ -397,7 +397,9 @@ func (t *jobTry) handle() (took bool) {
 	if err != nil {
 		f.release(j.Name, crev)
 		f.unjournal(j.Name)
-		if errors.Is(err, api.ErrIncompatible) || errors.Is(err, api.ErrCheckpointCorrupt) {
+		// A digest mismatch is final too: every holder was tried, and another
+		// delivery would fetch the same bytes.
+		if errors.Is(err, api.ErrIncompatible) || errors.Is(err, api.ErrCheckpointCorrupt) || errors.Is(err, api.ErrDigest) {
 			t.finish(stateFailed, api.ForkEventObjectOf(j.Index, j.Name, 0, nil, err), "")
 			return false
 		}

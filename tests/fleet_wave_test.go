@@ -23,11 +23,15 @@ type fleetHost struct {
 	name, home string
 	d          *daemonProc
 	cli        func(stdin io.Reader, args ...string) (string, string, int)
+	// args and log start its daemon again as it was started.
+	args []string
+	log  string
 }
 
 // startFleet starts n daemons forming a fleet on loopback: password routes, one shared
-// --token-file, each node's fleet jobs capped at vcpus.
-func startFleet(t *testing.T, n, vcpus int) []*fleetHost {
+// --token-file, each node's fleet jobs capped at vcpus; extra is added to each
+// daemon's flags.
+func startFleet(t *testing.T, n, vcpus int, extra ...string) []*fleetHost {
 	t.Helper()
 	dir, err := os.MkdirTemp("/tmp", "fvfw-")
 	if err != nil {
@@ -53,11 +57,12 @@ func startFleet(t *testing.T, n, vcpus int) []*fleetHost {
 		h := &fleetHost{name: name, home: home, cli: cliRunner(t, home)}
 		// A raised overcommit: other tests' VMs on this machine count against the
 		// admission budget; the fleet's cap is --node-vcpus.
-		h.d = startDaemon(t, home, serve.SocketPath(home), filepath.Join(dir, name+".log"),
-			"--listen", apis[i], "--token-file", tok, "--overcommit", "32",
+		h.args = append([]string{"--listen", apis[i], "--token-file", tok, "--overcommit", "32",
 			"--cluster-listen", routes[i], "--routes", strings.Join(routes, ","),
 			"--cluster-user", "fleet", "--cluster-password-file", pw,
-			"--node", name, "--node-vcpus", fmt.Sprint(vcpus))
+			"--node", name, "--node-vcpus", fmt.Sprint(vcpus)}, extra...)
+		h.log = filepath.Join(dir, name+".log")
+		h.d = startDaemon(t, home, serve.SocketPath(home), h.log, h.args...)
 		hosts = append(hosts, h)
 	}
 	t.Cleanup(func() {

@@ -34,6 +34,10 @@ func fleetServeFlags() []cli.Flag {
 		&cli.StringFlag{Name: "cluster-password-file", Usage: "file (mode 0600) holding the NATS password"},
 		&cli.StringFlag{Name: "cluster-nkey-file", Usage: "with --cluster: file (mode 0600) holding the NATS user's nkey seed"},
 		&cli.BoolFlag{Name: "cluster-insecure", Usage: "allow a fleet without credentials: loopback addresses only (tests)"},
+		&cli.StringFlag{Name: "cluster-tls-cert", Usage: "TLS certificate (PEM) for NATS: with --cluster-listen the embedded server's, for its routes and clients (server and client use); with --cluster this node's client certificate"},
+		&cli.StringFlag{Name: "cluster-tls-key", Usage: "file (mode 0600) holding --cluster-tls-cert's private key (PEM)"},
+		&cli.StringFlag{Name: "cluster-tls-ca", Usage: "CA certificates (PEM) NATS peers are verified against; with --cluster-listen and a certificate, TLS is mutual for routes and clients"},
+		&cli.StringFlag{Name: "cluster-client-listen", Usage: "with --cluster-listen: also serve NATS clients (the nats CLI, monitoring) at ADDR (host:port), with the fleet's credentials and TLS"},
 		&cli.IntFlag{Name: "cluster-replicas", Usage: "replicas of the fleet's streams and buckets (0: 3 with routes or several URLs, else 1)"},
 		&cli.StringFlag{Name: "node", Usage: "this node's name in the fleet (default: the host name)"},
 		&cli.StringSliceFlag{Name: "label", Usage: "a node label KEY=VALUE (repeatable)"},
@@ -49,6 +53,7 @@ var errFleetConfig = fleet.ErrConfig
 // embeddedServer is the NATS server embedded in the daemon.
 type embeddedServer interface {
 	InProcessConn() (net.Conn, error)
+	ClientURL() string
 	Shutdown()
 }
 
@@ -64,7 +69,8 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 	url, listen := cmd.String("cluster"), cmd.String("cluster-listen")
 	switch {
 	case url == "" && listen == "":
-		for _, f := range []string{"routes", "cluster-user", "cluster-password-file", "cluster-nkey-file", "node", "label", "node-vcpus", "node-addr", "cluster-replicas"} {
+		for _, f := range []string{"routes", "cluster-user", "cluster-password-file", "cluster-nkey-file", "node", "label", "node-vcpus", "node-addr", "cluster-replicas",
+			"cluster-tls-cert", "cluster-tls-key", "cluster-tls-ca", "cluster-client-listen"} {
 			if cmd.IsSet(f) {
 				return nil, fmt.Errorf("%w: --%s needs --cluster or --cluster-listen", errFleetConfig, f)
 			}
@@ -90,6 +96,13 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 	}
 	if (user == "") != (password == "") {
 		return nil, fmt.Errorf("%w: --cluster-user and --cluster-password-file go together", errFleetConfig)
+	}
+	tlsf, err := clusterTLS(cmd)
+	if err != nil {
+		return nil, err
+	}
+	if url != "" && cmd.String("cluster-client-listen") != "" {
+		return nil, fmt.Errorf("%w: --cluster-client-listen is for the embedded server (--cluster-listen)", errFleetConfig)
 	}
 	if user == "" && seed == "" && !insecure {
 		return nil, fmt.Errorf("%w: a fleet needs credentials (--cluster-user with --cluster-password-file, or --cluster-nkey-file): without them anyone reaching NATS could fork anything; --cluster-insecure allows none on loopback", errFleetConfig)
@@ -142,6 +155,12 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 				return nil, err
 			}
 		}
+		if tlsf.cert != "" {
+			opts = append(opts, nats.ClientCert(tlsf.cert, tlsf.key))
+		}
+		if tlsf.ca != "" {
+			opts = append(opts, nats.RootCAs(tlsf.ca))
+		}
 		if replicas == 0 {
 			replicas = 1
 			if strings.Count(url, ",") >= 2 {
@@ -154,9 +173,16 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 		if seed != "" {
 			return nil, fmt.Errorf("%w: the embedded server's routes authenticate with --cluster-user and --cluster-password-file", errFleetConfig)
 		}
-		srv, err := startEmbedded(ctx, node, filepath.Join(e.Config().StateDir, "fleet", "jetstream"), listen, routes, user, password, insecure, log)
+		if tlsf.ca != "" && tlsf.cert == "" {
+			return nil, fmt.Errorf("%w: --cluster-tls-ca with --cluster-listen needs the embedded server's own --cluster-tls-cert and --cluster-tls-key", errFleetConfig)
+		}
+		srv, err := startEmbedded(ctx, embedOptions{node: node, dir: filepath.Join(e.Config().StateDir, "fleet", "jetstream"), listen: listen,
+			clientListen: cmd.String("cluster-client-listen"), routes: routes, user: user, password: password, insecure: insecure, tls: tlsf}, log)
 		if err != nil {
 			return nil, err
+		}
+		if cmd.String("cluster-client-listen") != "" {
+			log.Info("forkvm serve: NATS clients served", "nats_url", srv.ClientURL())
 		}
 		if replicas == 0 {
 			replicas = 1
@@ -184,6 +210,41 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 		f.Close(cctx)
 		stop()
 	}}, nil
+}
+
+// embedOptions is the embedded NATS server serve's flags describe.
+type embedOptions struct {
+	node, dir, listen, clientListen string
+	routes                          []string
+	user, password                  string
+	insecure                        bool
+	tls                             tlsFiles
+}
+
+// tlsFiles are the PEM files of the fleet's TLS (empty: none).
+type tlsFiles struct{ cert, key, ca string }
+
+// clusterTLS reads and checks serve's TLS flags: a certificate and its key go
+// together, the key file must be private, every file must exist.
+func clusterTLS(cmd *cli.Command) (tlsFiles, error) {
+	t := tlsFiles{cert: cmd.String("cluster-tls-cert"), key: cmd.String("cluster-tls-key"), ca: cmd.String("cluster-tls-ca")}
+	if (t.cert == "") != (t.key == "") {
+		return t, fmt.Errorf("%w: --cluster-tls-cert and --cluster-tls-key go together", errFleetConfig)
+	}
+	if t.key != "" {
+		if _, err := readSecret(t.key); err != nil {
+			return t, err
+		}
+	}
+	for _, p := range []string{t.cert, t.ca} {
+		if p == "" {
+			continue
+		}
+		if _, err := os.Stat(p); err != nil {
+			return t, fmt.Errorf("%w: %v", errFleetConfig, err)
+		}
+	}
+	return t, nil
 }
 
 // readSecret reads a credential file, refusing one others may read.

@@ -12,9 +12,10 @@ import (
 
 // startEmbedded starts the NATS server embedded in the daemon (--cluster-listen). A
 // binary built with the tag nofleetserver links no server and refuses it.
-func startEmbedded(ctx context.Context, node, dir, listen string, routes []string, user, password string, insecure bool, log *slog.Logger) (embeddedServer, error) {
-	s, err := natsembed.Start(ctx, natsembed.Config{Name: node, StoreDir: dir, ClusterListen: listen, Routes: routes,
-		User: user, Password: password, Insecure: insecure,
+func startEmbedded(ctx context.Context, o embedOptions, log *slog.Logger) (embeddedServer, error) {
+	s, err := natsembed.Start(ctx, natsembed.Config{Name: o.node, StoreDir: o.dir, ClusterListen: o.listen, ClientListen: o.clientListen,
+		Routes: o.routes, User: o.user, Password: o.password, Insecure: o.insecure,
+		CertFile: o.tls.cert, KeyFile: o.tls.key, CAFile: o.tls.ca,
 		Logf: func(format string, args ...any) { log.Debug("nats", "msg", fmt.Sprintf(format, args...)) }})
 	if err != nil {
 		return nil, err

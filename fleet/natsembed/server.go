@@ -6,6 +6,7 @@ package natsembed
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -42,6 +43,15 @@ type Config struct {
 	ClientListen string
 	// Insecure allows a server without credentials, on loopback addresses only.
 	Insecure bool
+	// CertFile and KeyFile (PEM), when set, make the server require TLS of its routes
+	// and its socket clients (in-process connections stay in process), presenting this
+	// certificate. Routes are mutual TLS: each end presents its certificate and
+	// verifies the other's against CAFile's authorities (without CAFile, the system's
+	// roots), so a node's certificate needs both the server and the client extended
+	// key usage (or none). With CAFile, client TLS is mutual too: a client must present
+	// a certificate signed by one of its authorities. The credentials (User, Password,
+	// NKeys) are required all the same.
+	CertFile, KeyFile, CAFile string
 	// Logf, when set, receives the server's notices and errors.
 	Logf func(format string, args ...any)
 }
@@ -66,6 +76,10 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	if cfg.ClusterListen != "" && len(cfg.Routes) == 0 {
 		return nil, fmt.Errorf("%w: a cluster listen address needs routes (a JetStream cluster of one refuses to start)", ErrConfig)
 	}
+	tlsConfig, err := tlsOf(cfg)
+	if err != nil {
+		return nil, err
+	}
 	if cfg.ClusterListen != "" && cfg.ClientListen == "" {
 		// The server's "no listener" mode binds no route port either: a clustered
 		// server serves its clients on a random loopback port (authenticated).
@@ -76,6 +90,9 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		NoSigs: true, NoLog: cfg.Logf == nil, DontListen: cfg.ClientListen == "",
 		Host: "127.0.0.1", Port: server.RANDOM_PORT,
 		Username: cfg.User, Password: cfg.Password,
+	}
+	if tlsConfig != nil {
+		opts.TLSConfig, opts.TLSVerify, opts.TLSTimeout = tlsConfig, cfg.CAFile != "", tlsTimeout
 	}
 	for _, k := range cfg.NKeys {
 		opts.Nkeys = append(opts.Nkeys, &server.NkeyUser{Nkey: k})
@@ -100,6 +117,14 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		}
 		opts.Cluster = server.ClusterOpts{Name: "forkvm", Host: host, Port: port,
 			Username: cfg.User, Password: cfg.Password, ConnectRetries: -1}
+		if tlsConfig != nil {
+			// A route is a client of its peer as well as its server: it verifies the
+			// peer against the same roots, and routes always present certificates (as
+			// the server's own configuration files make them).
+			rc := tlsConfig.Clone()
+			rc.RootCAs, rc.ClientAuth = rc.ClientCAs, tls.RequireAndVerifyClientCert
+			opts.Cluster.TLSConfig, opts.Cluster.TLSTimeout = rc, tlsTimeout
+		}
 		for _, r := range cfg.Routes {
 			u, err := routeURL(r, cfg.User, cfg.Password)
 			if err != nil {
@@ -149,6 +174,32 @@ func (s *Server) ClusterAddr() net.Addr { return s.s.ClusterAddr() }
 func (s *Server) Shutdown() {
 	s.s.Shutdown()
 	s.s.WaitForShutdown()
+}
+
+// tlsTimeout bounds a TLS handshake, in seconds: the server's default (2 s) is short
+// for a loaded host.
+const tlsTimeout = 5
+
+// tlsOf is the TLS of cfg's routes and clients (nil: none).
+func tlsOf(cfg Config) (*tls.Config, error) {
+	switch {
+	case cfg.CertFile == "" && cfg.KeyFile == "" && cfg.CAFile == "":
+		return nil, nil
+	case cfg.CertFile == "" && cfg.KeyFile == "":
+		return nil, fmt.Errorf("%w: a TLS CA file needs the server's own certificate and key", ErrConfig)
+	case cfg.CertFile == "" || cfg.KeyFile == "":
+		return nil, fmt.Errorf("%w: a TLS certificate and its key go together", ErrConfig)
+	}
+	tc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.CertFile, KeyFile: cfg.KeyFile, CaFile: cfg.CAFile,
+		Verify: cfg.CAFile != "", Timeout: tlsTimeout})
+	if err != nil {
+		return nil, fmt.Errorf("%w: TLS: %v", ErrConfig, err)
+	}
+	if cfg.CAFile != "" && tc.ClientCAs == nil {
+		// The server reads an unreadable CA file as none.
+		return nil, fmt.Errorf("%w: TLS: CA file %s: unreadable", ErrConfig, cfg.CAFile)
+	}
+	return tc, nil
 }
 
 // hostPort splits an address; a host that is not loopback is refused with insecure (a
