@@ -42,11 +42,10 @@ type VM struct {
 	cgVersion int
 	// pause is set while QEMU holds the guest stopped on a disk I/O error.
 	pause pauseState
-	// counters says to count the kernel's work for the VM's QEMU (Config.Counters), in
-	// the cgroup countersPrefix+name ("": from /proc); ctr is the counting of its
-	// current process, firstCmd set once its first command was counted.
-	counters       bool
-	countersPrefix string
+	// counters says to count the kernel's work for the VM's QEMU (Config.Counters);
+	// ctr is the counting of its current process, firstCmd set once its first command
+	// was counted.
+	counters bool
 	// procMarker, when set, is told of each QEMU the VM starts (Config.Markers).
 	procMarker ProcessMarker
 	ctr        atomic.Pointer[vmCounters]
@@ -181,8 +180,6 @@ func (vm *VM) start(ctx context.Context) error {
 	os.Remove(l.qmpSocket())
 	os.Remove(l.agentSocket())
 	vm.mu.Lock()
-	// The counters' cgroup is recorded before it is made, so a crash leaves none behind.
-	vm.m.CountersCgroup = vm.countersCgroupDir()
 	err = vm.saveLocked()
 	vm.mu.Unlock()
 	if err != nil {
@@ -202,13 +199,15 @@ func (vm *VM) start(ctx context.Context) error {
 		}
 	}
 	kc := vm.openCounters()
-	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.cgroupFD(), vm.died)
-	if err != nil && kc != nil && kc.cg != nil {
-		// Not started into the cgroup (an old kernel's clone3): count from /proc.
-		vm.log.Info("counters: starting QEMU in a cgroup failed; counting from /proc", "vm", vm.m.Name, "err", err)
-		kc.close()
+	p, err := spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.beforeRun(), vm.died)
+	if err != nil && kc != nil {
+		// Not started stopped (ptrace refused): count from /proc.
+		vm.log.Info("counters: starting QEMU stopped failed; counting from /proc", "vm", vm.m.Name, "err", err)
 		kc = &vmCounters{}
-		p, err = spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, -1, vm.died)
+		p, err = spawnQEMU(vm.m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, nil, vm.died)
+	}
+	if err == nil && kc != nil && kc.pc == nil && kc.openErr != nil {
+		vm.log.Info("counters: no perf counters on the process; counting from /proc", "vm", vm.m.Name, "err", kc.openErr)
 	}
 	if err != nil {
 		kc.close()
