@@ -126,17 +126,19 @@ func (d *chainFreeze) abort(context.Context) {
 }
 
 // relaunchHandedOff makes the VM's launch the one that restores its own handoff
-// checkpoint ck: private RAM from the checkpoint's file, the VM's name, host ports and
-// TCG mode, and its disk: its own raw file when the checkpoint holds a reflinked clone
+// checkpoint ck: private RAM from the checkpoint's file, the VM's name, host ports, TCG
+// mode and perf map option, and its disk: its own raw file when the checkpoint holds a reflinked clone
 // (newTop empty), else the checkpoint's chain with the overlay newTop on top. Running it
 // again (crash recovery) gives the same launch. vm.mu is held.
 func (vm *VM) relaunchHandedOff(paths layout, ck *checkpointManifest, newTop string) {
 	vm.m.Parent = ck.Name
 	vm.m.State = StateStarting
-	disk, thread, publish := vm.m.Launch.Disk, vm.m.Launch.TCGThread, vm.m.Launch.Publish
+	disk, thread, publish, perfMap := vm.m.Launch.Disk, vm.m.Launch.TCGThread, vm.m.Launch.Publish, vm.m.Launch.PerfMap
 	vm.m.Launch = forkLaunch(paths, vm.m.Launch.QEMU, vm.m.Name, ck)
-	// The VM keeps its host ports: the old process is gone, so they are free again.
-	vm.m.Launch.TCGThread, vm.m.Launch.Publish = thread, publish
+	// The VM keeps its host ports: the old process is gone, so they are free again. It
+	// keeps its perf map too (Config.PerfMap): the restart removes the old process's
+	// map, and the VM's removal the new one's.
+	vm.m.Launch.TCGThread, vm.m.Launch.Publish, vm.m.Launch.PerfMap = thread, publish, perfMap
 	if newTop == "" {
 		// The VM keeps writing its own raw file (or has no disk).
 		vm.m.Launch.Disk = disk
