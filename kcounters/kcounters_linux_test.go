@@ -130,3 +130,58 @@ func TestProcessCountsFromStart(t *testing.T) {
 		t.Errorf("read after close: %v, want os.ErrClosed", err)
 	}
 }
+
+// The costs the engine pays per VM, as root (docs/benchmarks.md): go test -run '^$'
+// -bench . ./kcounters/
+
+// BenchmarkCgroupOpenClose: a cgroup made, its counters opened on every CPU, closed and
+// the cgroup removed.
+func BenchmarkCgroupOpenClose(b *testing.B) {
+	parent, err := V2Dir()
+	if err != nil {
+		b.Skipf("no cgroup v2 here: %v", err)
+	}
+	for i := range b.N {
+		dir := filepath.Join(parent, "kcounters-bench-"+strconv.Itoa(os.Getpid())+"-"+strconv.Itoa(i))
+		c, err := NewCgroup(dir)
+		if err != nil {
+			b.Skipf("perf counters on a cgroup unavailable here: %v", err)
+		}
+		c.Close()
+		os.Remove(dir)
+	}
+}
+
+// BenchmarkProcessOpenClose: counters opened on a process and closed.
+func BenchmarkProcessOpenClose(b *testing.B) {
+	for range b.N {
+		p, err := OpenProcess(os.Getpid())
+		if err != nil {
+			b.Skipf("perf counters on a process unavailable here: %v", err)
+		}
+		p.Close()
+	}
+}
+
+// BenchmarkProcessRead: one reading of a process's counters (with its memory levels).
+func BenchmarkProcessRead(b *testing.B) {
+	p, err := OpenProcess(os.Getpid())
+	if err != nil {
+		b.Skipf("perf counters on a process unavailable here: %v", err)
+	}
+	defer p.Close()
+	for range b.N {
+		if _, err := p.Read(os.Getpid()); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkReadProc: one reading from /proc (this process's threads).
+func BenchmarkReadProc(b *testing.B) {
+	for range b.N {
+		if _, err := ReadProc(os.Getpid()); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
