@@ -97,10 +97,15 @@ func TestKernelCounters(t *testing.T) {
 		if _, err := ctlW.WriteString(cmd + "\n"); err != nil {
 			t.Fatalf("perf stat %s: %v", cmd, err)
 		}
-		ack := make([]byte, 4)
+		// perf writes "ack\n" and its string's NUL: read up to the next "ack\n".
+		var ack []byte
+		b := make([]byte, 1)
 		ackR.SetReadDeadline(time.Now().Add(20 * time.Second))
-		if _, err := io.ReadFull(ackR, ack); err != nil || string(ack) != "ack\n" {
-			t.Fatalf("perf stat %s: ack %q: %v (%s)", cmd, ack, err, perfOut.String())
+		for !bytes.HasSuffix(ack, []byte("ack\n")) {
+			if _, err := io.ReadFull(ackR, b); err != nil {
+				t.Fatalf("perf stat %s: ack %q: %v (%s)", cmd, ack, err, perfOut.String())
+			}
+			ack = append(ack, b[0])
 		}
 	}
 	if perfErr == nil {
