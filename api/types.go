@@ -91,10 +91,12 @@ type Info struct {
 // Config.Counters), read at each phase boundary of its create or fork (Span.Counters)
 // and kept here for two moments.
 type Counters struct {
-	// Source is where the figures come from: "perf-cgroup" (perf software counters on
-	// a cgroup v2 directory the QEMU was started into: every thread from its first
-	// instruction) or "proc" (/proc/PID/stat, the threads' status and schedstat: CPU
-	// time and context switches of exited threads are lost).
+	// Source is where the figures come from: "perf-process" (perf software counters
+	// on the QEMU process, opened before its first instruction and inherited by every
+	// thread it starts, exited ones included), "perf-cgroup" (perf software counters on
+	// a cgroup v2 directory the QEMU was started into: an earlier engine's way) or
+	// "proc" (/proc/PID/stat, the threads' status and schedstat: CPU time and context
+	// switches of exited threads are lost).
 	Source string `json:"source"`
 	// Ready is from QEMU's start until the VM was ready (for a fork taken from a warm
 	// pool, QEMU started with the pool).

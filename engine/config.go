@@ -98,11 +98,13 @@ type Config struct {
 	// Counters, when set, reads what the host kernel counted for each VM's QEMU (page
 	// faults, context switches, task clock, RSS classes, page-table bytes) at every
 	// phase boundary of a create or fork (Span.Counters), at ready and after the VM's
-	// first command (Info.Counters). Each QEMU is started straight into a cgroup v2
-	// directory of its own below the engine's (removed with the VM) and counted there
-	// with perf software counters from its first instruction; where that cannot be had
-	// (no cgroup v2, not root) the counters come from /proc, and Counters.Source says
-	// which. Default false: no cgroup, nothing read.
+	// first command (Info.Counters). Each QEMU is started stopped right after its exec
+	// (ptrace) and perf software counters are opened on it there, inherited by every
+	// thread it starts: counted from its first instruction, at a cost only to its own
+	// context switches (docs/benchmarks.md has the measurement against a cgroup's
+	// counters). Where that cannot be had (ptrace or perf_event_open refused, not root
+	// under perf_event_paranoid 2) the counters come from /proc, and Counters.Source
+	// says which. Default false: nothing opened, nothing read.
 	Counters bool
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.

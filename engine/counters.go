@@ -17,81 +17,48 @@ type Counters = api.Counters
 // memory at the interval's end (the API's).
 type KernelCounters = api.KernelCounters
 
-// vmCounters counts one QEMU process: perf counters on the cgroup it was started into,
-// or (cg nil) its /proc files.
+// vmCounters counts one QEMU process: perf counters opened on it while it was stopped
+// before its first instruction, inherited by its threads (pc), or (pc nil) its /proc
+// files.
 type vmCounters struct {
-	cg  *kcounters.Cgroup
-	pid int
-}
-
-// countersPrefix starts the path of each VM's cgroup for its counters (the VM's name
-// follows): a directory below the engine's own cgroup v2 directory, tagged with the
-// state directory; "" when the counters are off or there is no cgroup v2 to use (they
-// then come from /proc).
-func countersPrefix(on bool, tag string) string {
-	if !on {
-		return ""
-	}
-	dir, err := kcounters.V2Dir()
-	if err != nil {
-		return ""
-	}
-	return filepath.Join(dir, "forkvm-"+tag+"-")
-}
-
-// countersCgroupDir is where the VM's QEMU is started for its counters: "" when the
-// counters are off or come from /proc. With a cgroup v2 memory limit (Spec.MemoryLimitMiB)
-// it is the VM's memory cgroup, which it must live in anyway (a process is in one v2
-// cgroup). s is the VM's state, under its lock.
-func (vm *VM) countersCgroupDir(s *vmState) string {
-	switch {
-	case !vm.counters:
-		return ""
-	case vm.cgVersion == 2 && s.MemoryCgroup != "":
-		return s.MemoryCgroup
-	case vm.countersPrefix == "":
-		return ""
-	}
-	return vm.countersPrefix + vm.Name()
+	pc      *kcounters.Process
+	openErr error // why pc could not be opened
+	pid     int
 }
 
 // count makes the engine's VM vm count its QEMU's kernel work when Config.Counters
 // says so, and tell a ProcessMarker (Config.Markers) of each QEMU it starts.
 func (e *Engine) count(vm *VM) {
-	vm.counters, vm.countersPrefix = e.cfg.Counters, e.countersPrefix
+	vm.counters = e.cfg.Counters
 	vm.procMarker, _ = e.cfg.Markers.(ProcessMarker)
 }
 
-// openCounters makes the VM's counter cgroup dir (its manifest names it already) and
-// opens its counters; nil when the counters are off. Where a cgroup cannot be had the VM
-// is counted from /proc (cg nil).
-func (vm *VM) openCounters(dir string) *vmCounters {
+// openCounters is the counting of the VM's next QEMU, its counters opened by
+// beforeRun; nil when the counters are off.
+func (vm *VM) openCounters() *vmCounters {
 	if !vm.counters {
 		return nil
 	}
-	if dir == "" {
-		return &vmCounters{}
-	}
-	cg, err := kcounters.NewCgroup(dir)
-	if err != nil {
-		vm.log.Info("counters: no perf counters on a cgroup; counting from /proc", "vm", vm.Name(), "err", err)
-		return &vmCounters{}
-	}
-	return &vmCounters{cg: cg}
+	return &vmCounters{}
 }
 
-// cgroupFD is the descriptor of the cgroup to start QEMU in, -1 for none.
-func (c *vmCounters) cgroupFD() int {
-	if c == nil || c.cg == nil {
-		return -1
+// beforeRun is the hook that opens the counters on the QEMU stopped before its first
+// instruction (nil when the counters are off). Counters that cannot be opened (not
+// allowed: perf_event_paranoid, seccomp) leave the process to be counted from /proc.
+func (c *vmCounters) beforeRun() func(pid int) error {
+	if c == nil {
+		return nil
 	}
-	return c.cg.FD()
+	return func(pid int) error {
+		c.pc, c.openErr = kcounters.OpenProcess(pid)
+		return nil
+	}
 }
 
-// close closes the counters (the cgroup directory goes with the VM's files).
+// close closes the counters.
 func (c *vmCounters) close() {
-	if c != nil && c.cg != nil {
-		c.cg.Close()
+	if c != nil && c.pc != nil {
+		c.pc.Close()
 	}
 }
 
@@ -103,7 +70,7 @@ func (c *vmCounters) watch(vm *VM, p *qemuProc) {
 	c.pid = p.PID()
 	vm.ctr.Store(c)
 	vm.firstCmd.Store(false)
-	if c.cg != nil {
+	if c.pc != nil {
 		go func() {
 			<-p.Done()
 			c.close()
@@ -113,16 +80,16 @@ func (c *vmCounters) watch(vm *VM, p *qemuProc) {
 
 // source says where c's figures come from (Counters.Source).
 func (c *vmCounters) source() string {
-	if c.cg != nil {
-		return kcounters.SourcePerfCgroup
+	if c.pc != nil {
+		return kcounters.SourcePerfProcess
 	}
 	return kcounters.SourceProc
 }
 
 // read is what was counted for the process since it started.
 func (c *vmCounters) read() (kcounters.Sample, error) {
-	if c.cg != nil {
-		return c.cg.Read(c.pid)
+	if c.pc != nil {
+		return c.pc.Read(c.pid)
 	}
 	return kcounters.ReadProc(c.pid)
 }

@@ -33,9 +33,6 @@ type Engine struct {
 	flat  *flattener
 	// forking tracks forks under way per checkpoint (a forced delete cancels them).
 	forking forkGuard
-	// countersPrefix starts each VM's counter cgroup path (Config.Counters; see
-	// VM.countersCgroupDir).
-	countersPrefix string
 
 	lockFile  *os.File
 	closeOnce sync.Once
@@ -57,7 +54,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &Engine{cfg: r, paths: r.paths, log: r.Logger, countersPrefix: countersPrefix(r.Counters, r.tag)}
+	e := &Engine{cfg: r, paths: r.paths, log: r.Logger}
 	// The directories first: everything below copies e.paths.
 	made, err := e.makeDirs()
 	if err != nil {

@@ -178,6 +178,10 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 	ck := &c.Manifest
 	if len(publish) == 0 && held == nil {
 		if vm, release = e.claimPooled(c, name); vm != nil {
+			if vm.procMarker != nil {
+				// The fork's QEMU runs already: told again, under the fork's name.
+				vm.procMarker.QEMUStarted(name, vm.PID())
+			}
 			return vm, release, func() {}, nil
 		}
 	}

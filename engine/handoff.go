@@ -125,18 +125,20 @@ func (d *chainFreeze) abort(context.Context) {
 }
 
 // relaunchHandedOff makes the VM's launch the one that restores its own handoff
-// checkpoint ck: private RAM from the checkpoint's file, the VM's name, host ports and
-// TCG mode, and its disk: its own raw file when the checkpoint holds a reflinked clone
+// checkpoint ck: private RAM from the checkpoint's file, the VM's name, host ports, TCG
+// mode and perf map option, and its disk: its own raw file when the checkpoint holds a reflinked clone
 // (newTop empty), else the checkpoint's chain with the overlay newTop on top. Running it
 // again (crash recovery) gives the same launch. It is the one transition of a VM's
 // Parent: the VM, named name, is from now on a fork of its own checkpoint ck.
 func (s *vmState) relaunchHandedOff(paths layout, name string, ck *checkpointManifest, newTop string) {
 	s.Parent = ck.Name
 	s.State = StateStarting
-	disk, thread, publish := s.Launch.Disk, s.Launch.TCGThread, s.Launch.Publish
+	disk, thread, publish, perfMap := s.Launch.Disk, s.Launch.TCGThread, s.Launch.Publish, s.Launch.PerfMap
 	s.Launch = forkLaunch(paths, s.Launch.QEMU, name, ck)
-	// The VM keeps its host ports: the old process is gone, so they are free again.
-	s.Launch.TCGThread, s.Launch.Publish = thread, publish
+	// The VM keeps its host ports: the old process is gone, so they are free again. It
+	// keeps its perf map too (Config.PerfMap): the restart removes the old process's
+	// map, and the VM's removal the new one's.
+	s.Launch.TCGThread, s.Launch.Publish, s.Launch.PerfMap = thread, publish, perfMap
 	if newTop == "" {
 		// The VM keeps writing its own raw file (or has no disk).
 		s.Launch.Disk = disk

@@ -49,8 +49,9 @@ type manifest struct {
 	Spans      []Span       `json:"spans,omitempty"`
 	// MemoryCgroup is the VM's own memory cgroup directory (Spec.MemoryLimitMiB).
 	MemoryCgroup string `json:"memory_cgroup,omitempty"`
-	// CountersCgroup is the cgroup v2 directory the VM's QEMU was started into for its
-	// kernel counters (Config.Counters), recorded before it is made; removed with the VM.
+	// CountersCgroup is the cgroup v2 directory an earlier engine started the VM's QEMU
+	// into for its kernel counters (Config.Counters; counted per process now): removed
+	// with the VM.
 	CountersCgroup string `json:"counters_cgroup,omitempty"`
 	// Counters is the kernel's account of the VM's QEMU (Info.Counters).
 	Counters *Counters `json:"counters,omitempty"`

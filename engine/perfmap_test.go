@@ -38,3 +38,20 @@ func TestPerfMapRemovedWithVMFiles(t *testing.T) {
 		})
 	}
 }
+
+// TestHandoffRelaunchKeepsPerfMap: a VM relaunched from its own handoff checkpoint keeps
+// the perf map option of its launch (and only that: a VM without keeps none), so its
+// new QEMU writes a map and the restart removes the old process's.
+func TestHandoffRelaunchKeepsPerfMap(t *testing.T) {
+	for _, perfMap := range []bool{true, false} {
+		dir := t.TempDir()
+		paths := layout{state: dir, ram: filepath.Join(dir, "ram"), run: filepath.Join(dir, "run")}
+		vm := newVM(paths.vmDir("w"), nil, &manifest{Name: "w", PID: 1 << 30,
+			Launch: launch{QEMU: "qemu", Accel: AccelTCG, PerfMap: perfMap, TCGThread: "single"}})
+		ck := &checkpointManifest{Name: "c", Accel: AccelTCG, RAMPath: filepath.Join(dir, "ram", "ck-c.ram"), CPUs: 1, MemoryMiB: 256}
+		vm.modify(func(s *vmState) { s.relaunchHandedOff(paths, vm.Name(), ck, "") })
+		if l := vm.snapshot().Launch; l.PerfMap != perfMap || l.TCGThread != "single" || l.RAM.Path != ck.RAMPath {
+			t.Errorf("perf map %v: relaunched as %+v", perfMap, l)
+		}
+	}
+}

@@ -29,9 +29,9 @@ const qemuOOMScoreAdj = 800
 // spawnQEMU starts QEMU with args, its output going to logPath. It is made more
 // killable than the engine (qemuOOMScoreAdj) and, with cg set, moved into its own
 // memory cgroup, whose OOM kill counter (else the engine's) tells an OOM kill; onExit
-// (optional) hears why it ended on its own. cgroupFD (-1: none) is a cgroup v2
-// directory QEMU starts in (its counters' cgroup).
-func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmCgroup, cgroupFD int, onExit func(reason string)) (*qemuProc, error) {
+// (optional) hears why it ended on its own. beforeRun (nil: none) runs while QEMU is
+// stopped before its first instruction (its counters open there).
+func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmCgroup, beforeRun func(pid int) error, onExit func(reason string)) (*qemuProc, error) {
 	p := &qemuProc{}
 	oomVersion, oomDir := engineMemCgroup()
 	o := qemu.SpawnOptions{
@@ -39,7 +39,7 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmC
 		// The run directory, which holds the QMP socket: a file QEMU writes in its
 		// working directory goes with the VM.
 		Dir:         filepath.Dir(qmpPath),
-		OOMScoreAdj: qemuOOMScoreAdj, OnExit: onExit, OnConnect: p.watchEvents, CgroupFD: cgroupFD,
+		OOMScoreAdj: qemuOOMScoreAdj, OnExit: onExit, OnConnect: p.watchEvents, BeforeRun: beforeRun,
 	}
 	var cgErr error
 	if cg != nil {

@@ -20,7 +20,10 @@ type PhaseMarker interface {
 // ProcessMarker is a PhaseMarker (Config.Markers) that also wants each VM's QEMU
 // process as soon as it runs, before its guest does: a profiler that counts by pid
 // (package faultclass) starts there. QEMUStarted is called once per QEMU the engine
-// starts, owner being the VM's name (a warm pool's process has a pool name of its own).
+// starts, owner being the VM's name (a warm pool's process has a pool name of its own),
+// and once more for a warm pool's process when a fork claims it, owner being the fork's
+// name: that process runs already and has its guest RAM mapped, and the fork's phases
+// (which have no spawn) follow under the fork's name.
 type ProcessMarker interface {
 	PhaseMarker
 	QEMUStarted(owner string, pid int)

@@ -43,11 +43,10 @@ type VM struct {
 	cgVersion int
 	// pause is set while QEMU holds the guest stopped on a disk I/O error.
 	pause pauseState
-	// counters says to count the kernel's work for the VM's QEMU (Config.Counters), in
-	// the cgroup countersPrefix+name ("": from /proc); ctr is the counting of its
-	// current process, firstCmd set once its first command was counted.
-	counters       bool
-	countersPrefix string
+	// counters says to count the kernel's work for the VM's QEMU (Config.Counters);
+	// ctr is the counting of its current process, firstCmd set once its first command
+	// was counted.
+	counters bool
 	// procMarker, when set, is told of each QEMU the VM starts (Config.Markers).
 	procMarker ProcessMarker
 	ctr        atomic.Pointer[vmCounters]
@@ -171,8 +170,7 @@ func (vm *VM) start(ctx context.Context) error {
 	// Stale sockets from an earlier VM of the same name would confuse the dialers.
 	os.Remove(l.qmpSocket())
 	os.Remove(l.agentSocket())
-	// The counters' cgroup is recorded before it is made, so a crash leaves none behind.
-	if err := vm.update(func(s *vmState) { s.CountersCgroup = vm.countersCgroupDir(s) }); err != nil {
+	if err := vm.update(func(*vmState) {}); err != nil {
 		return err
 	}
 	keeper, err := startConsoleKeeper(l.consoleSocket(), l.SerialLog)
@@ -187,14 +185,16 @@ func (vm *VM) start(ctx context.Context) error {
 			return err
 		}
 	}
-	kc := vm.openCounters(m.CountersCgroup)
-	p, err := spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.cgroupFD(), vm.died)
-	if err != nil && kc != nil && kc.cg != nil {
-		// Not started into the cgroup (an old kernel's clone3): count from /proc.
-		vm.log.Info("counters: starting QEMU in a cgroup failed; counting from /proc", "vm", m.Name, "err", err)
-		kc.close()
+	kc := vm.openCounters()
+	p, err := spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.beforeRun(), vm.died)
+	if err != nil && kc != nil {
+		// Not started stopped (ptrace refused): count from /proc.
+		vm.log.Info("counters: starting QEMU stopped failed; counting from /proc", "vm", m.Name, "err", err)
 		kc = &vmCounters{}
-		p, err = spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, -1, vm.died)
+		p, err = spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, nil, vm.died)
+	}
+	if err == nil && kc != nil && kc.pc == nil && kc.openErr != nil {
+		vm.log.Info("counters: no perf counters on the process; counting from /proc", "vm", m.Name, "err", kc.openErr)
 	}
 	if err != nil {
 		kc.close()

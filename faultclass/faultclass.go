@@ -114,6 +114,18 @@ func (c *Counts) Add(o *Counts) {
 	}
 }
 
+// Sub subtracts o's counts from c (o an earlier reading of the same process: what it
+// counted since).
+func (c *Counts) Sub(o *Counts) {
+	for p := range c {
+		for r := range c[p] {
+			for a := range c[p][r] {
+				c[p][r][a] -= o[p][r][a]
+			}
+		}
+	}
+}
+
 // Range is a byte range of a file.
 type Range struct{ Off, Len int64 }
 

@@ -3,12 +3,18 @@
 // and page-table bytes, so that each phase of a fork can be charged with what it cost
 // the kernel.
 //
-// Two sources, and every Sample says which it came from:
+// Three sources, and every Sample says which it came from:
 //
+//   - SourcePerfProcess: perf software counters on the process, inherited by every
+//     thread and process it starts (Process). Opened while the process is stopped right
+//     after its exec (the engine starts QEMU so), they count it from its first
+//     instruction, exited threads included, and cost a context switch only when one of
+//     its own threads is switched.
 //   - SourcePerfCgroup: perf software counters on a cgroup v2 directory made for the
 //     process before it starts (Cgroup; the process is started straight into it), one
-//     group per CPU counted with PERF_FLAG_PID_CGROUP. They count every thread from the
-//     process's first instruction, exited threads included.
+//     group per CPU counted with PERF_FLAG_PID_CGROUP: from the clone on, but every
+//     CPU switches the cgroup's counters whenever it passes between a task of the
+//     cgroup and any other task, and making the cgroup needs root.
 //   - SourceProc: /proc/PID/stat (faults), the threads' status and schedstat files
 //     (context switches, CPU time): there everywhere Linux is, but the CPU time and
 //     context switches of threads that already exited are lost.
@@ -24,13 +30,14 @@ import (
 
 // Sources of a Sample.
 const (
-	SourcePerfCgroup = "perf-cgroup"
-	SourceProc       = "proc"
+	SourcePerfCgroup  = "perf-cgroup"
+	SourcePerfProcess = "perf-process"
+	SourceProc        = "proc"
 )
 
-// ErrUnavailable reports that perf counters on a cgroup cannot be had here (no cgroup v2
-// hierarchy, not allowed to create a cgroup or open the counters, not Linux); the
-// caller falls back to ReadProc.
+// ErrUnavailable reports that perf counters cannot be had here (no cgroup v2 hierarchy,
+// not allowed to create a cgroup or open the counters, not Linux); the caller falls
+// back to ReadProc.
 var ErrUnavailable = errors.New("kcounters: perf counters on a cgroup unavailable")
 
 // Sample is what the kernel counted for a process up to one instant (the events) and

@@ -3,6 +3,7 @@
 package kcounters
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -217,4 +218,70 @@ func ReadProc(pid int) (Sample, error) {
 		return Sample{}, err
 	}
 	return s, nil
+}
+
+// Process is perf software counters on one process, inherited by every thread and
+// child process it starts after they were opened; an exited thread's counts are added
+// to the process's. Open them while the process is stopped before its first
+// instruction (a ptrace stop after exec) and they count all of it; unlike a Cgroup's,
+// they cost a context switch only when one of the process's own threads is switched.
+type Process struct {
+	mu  sync.Mutex
+	fds []int // one per event, in events' order
+}
+
+// OpenProcess opens the counters on pid. Its error wraps ErrUnavailable (perf
+// software events not allowed here: perf_event_paranoid, seccomp, no such pid).
+func OpenProcess(pid int) (*Process, error) {
+	p := &Process{}
+	for _, ev := range events {
+		attr := unix.PerfEventAttr{Type: unix.PERF_TYPE_SOFTWARE, Config: ev,
+			Size: uint32(unsafe.Sizeof(unix.PerfEventAttr{})), Bits: unix.PerfBitInherit}
+		fd, err := unix.PerfEventOpen(&attr, pid, -1, -1, unix.PERF_FLAG_FD_CLOEXEC)
+		if err != nil {
+			p.Close()
+			return nil, fmt.Errorf("%w: perf_event_open on pid %d: %w", ErrUnavailable, pid, err)
+		}
+		p.fds = append(p.fds, fd)
+	}
+	return p, nil
+}
+
+// Read reads the counters and adds pid's memory levels (pid is the process counted).
+func (p *Process) Read(pid int) (Sample, error) {
+	var v [4]uint64
+	buf := make([]byte, 8)
+	p.mu.Lock()
+	if p.fds == nil {
+		p.mu.Unlock()
+		return Sample{}, fmt.Errorf("kcounters: read counters: %w", os.ErrClosed)
+	}
+	for i, fd := range p.fds {
+		n, err := unix.Read(fd, buf)
+		if err == nil && n != len(buf) {
+			err = fmt.Errorf("short read (%d bytes)", n)
+		}
+		if err != nil {
+			p.mu.Unlock()
+			return Sample{}, fmt.Errorf("kcounters: read counters: %w", err)
+		}
+		v[i] = binary.NativeEndian.Uint64(buf)
+	}
+	p.mu.Unlock()
+	s := Sample{TaskClock: time.Duration(v[0]), MinorFaults: int64(v[1]), MajorFaults: int64(v[2]), ContextSwitches: int64(v[3])}
+	if err := s.readLevels(pid); err != nil {
+		return Sample{}, err
+	}
+	return s, nil
+}
+
+// Close closes the counters.
+func (p *Process) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, fd := range p.fds {
+		unix.Close(fd)
+	}
+	p.fds = nil
+	return nil
 }

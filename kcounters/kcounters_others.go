@@ -27,3 +27,17 @@ func (c *Cgroup) Close() error { return nil }
 
 // ReadProc fails outside Linux (no /proc with these files).
 func ReadProc(pid int) (Sample, error) { return Sample{}, fmt.Errorf("%w: not Linux", ErrUnavailable) }
+
+// Process is perf counters on a process: Linux only.
+type Process struct{}
+
+// OpenProcess fails with ErrUnavailable outside Linux.
+func OpenProcess(pid int) (*Process, error) {
+	return nil, fmt.Errorf("%w: not Linux", ErrUnavailable)
+}
+
+// Read fails with ErrUnavailable outside Linux.
+func (p *Process) Read(pid int) (Sample, error) { return Sample{}, ErrUnavailable }
+
+// Close does nothing outside Linux.
+func (p *Process) Close() error { return nil }

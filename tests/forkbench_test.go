@@ -3,6 +3,7 @@ package tests
 import (
 	"bytes"
 	"context"
+	"encoding/csv"
 	"encoding/json"
 	"encoding/xml"
 	"io"
@@ -14,6 +15,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/faultclass"
 )
 
 // forkbenchResult is the part of result.json the test checks.
@@ -258,11 +261,75 @@ func TestForkbench(t *testing.T) {
 	} {
 		t.Run(tc.metric, func(t *testing.T) {
 			t.Parallel()
-			r, _ := runForkbench(t, bin, append(append(append([]string{tc.bench}, tc.args...), smallArgs...), roomyArgs...)...)
+			args := append(append(append([]string{tc.bench}, tc.args...), smallArgs...), roomyArgs...)
+			// Forks from a warm pool get fault classes too (root and BPF only).
+			faults := tc.metric == "fork_warm_restored_p50_ms" && faultClassesHere()
+			if faults {
+				args = append(args, "--faults")
+			}
+			r, _, out := runForkbenchOut(t, bin, args...)
 			checkCommon(t, r, tc.bench, smallShape)
 			if r.Metric != tc.metric || r.Value <= 0 || r.N != tc.n {
 				t.Errorf("%s: metric %s = %v (n %d), want %s > 0 with n %d", tc.bench, r.Metric, r.Value, r.N, tc.metric, tc.n)
 			}
+			if faults {
+				checkWarmFaults(t, filepath.Join(out, "samples.csv"))
+			}
 		})
+	}
+}
+
+// faultClassesHere reports whether fault classes can be counted here (root, BPF).
+func faultClassesHere() bool {
+	s, err := faultclass.Open(faultclass.Options{MaxProcesses: 1})
+	if err != nil {
+		return false
+	}
+	s.Close()
+	return true
+}
+
+// checkWarmFaults: every serial fork of a warm pool in samples.csv has fault classes,
+// and its faults in guest RAM (copy on write, holes, shared reads) are told apart from
+// QEMU's: a claimed process's RAM mapping was set.
+func checkWarmFaults(t *testing.T, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows, err := csv.NewReader(bytes.NewReader(b)).ReadAll()
+	if err != nil || len(rows) < 2 {
+		t.Fatalf("samples.csv: %v (%d rows)", err, len(rows))
+	}
+	col := map[string]int{}
+	for i, h := range rows[0] {
+		col[h] = i
+	}
+	n := 0
+	for _, row := range rows[1:] {
+		if row[col["wave"]] != "serial" {
+			continue
+		}
+		n++
+		var ram, all int64
+		for _, c := range []string{"cow", "holes", "shared_reads", "qemu"} {
+			for _, ph := range []string{"before", "after"} {
+				v, err := strconv.ParseInt(row[col["faults_"+c+"_"+ph]], 10, 64)
+				if err != nil {
+					t.Fatalf("samples.csv %s: faults_%s_%s %q: %v", row[col["name"]], c, ph, row[col["faults_"+c+"_"+ph]], err)
+				}
+				all += v
+				if c != "qemu" {
+					ram += v
+				}
+			}
+		}
+		if ram == 0 {
+			t.Errorf("warm fork %s: %d faults, none in guest RAM: its RAM mapping was never set", row[col["name"]], all)
+		}
+	}
+	if n == 0 {
+		t.Errorf("samples.csv has no serial fork")
 	}
 }

@@ -15,8 +15,10 @@ import (
 	"time"
 
 	"github.com/creack/pty"
+	"golang.org/x/sys/unix"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/tracebundle"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -153,7 +155,26 @@ func TestCLI(t *testing.T) {
 	if fr, ok := ck["freeze"].(map[string]any); !ok || fr["size_bytes"] != float64(256<<20) || fr["duration_ns"] == nil {
 		t.Errorf("checkpoint --json freeze = %v, want snake_case keys with units", ck["freeze"])
 	}
-	out, code = cli("fork", "cj", "cf", "--json")
+	// The fork also writes a trace bundle (--trace): stdout stays the JSON, the bundle's
+	// path goes to stderr.
+	bundle := filepath.Join(t.TempDir(), "cf.perfetto.tar")
+	monoBefore := monoNow(t)
+	fc := exec.Command(bin, "fork", "cj", "cf", "--json", "--trace", bundle)
+	fc.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	var forkErr bytes.Buffer
+	fc.Stderr = &forkErr
+	fout, err := fc.Output()
+	monoAfter := monoNow(t)
+	out, code = string(fout), 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(forkErr.String(), "trace bundle: "+bundle) {
+		t.Errorf("fork --trace: stderr %q does not name the bundle", forkErr.String())
+	}
+	checkForkBundle(t, bundle, "cf", monoBefore, monoAfter, forkErr.String())
 	var ev struct {
 		Schema string         `json:"schema"`
 		OK     bool           `json:"ok"`
@@ -330,4 +351,74 @@ func noAgentInitrd(t *testing.T) string {
 		t.Fatalf("cpio: %v %s", err, b)
 	}
 	return out
+}
+
+// monoNow is CLOCK_MONOTONIC in microseconds (the trace bundle's span clock).
+func monoNow(t *testing.T) float64 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		t.Fatal(err)
+	}
+	return float64(ts.Nano()) / 1e3
+}
+
+// checkForkBundle checks the Perfetto bundle `forkvm fork --trace` wrote for the one
+// fork name: it decodes (manifest and members, as tracebundle.Read checks them), its
+// spans file holds the fork's phases as one named thread, each span on CLOCK_MONOTONIC
+// inside [from, to] (the command's run) and in order; with kernel events (root,
+// tracefs: else stderr says why not) the ftrace member holds the fork's restore marker.
+func checkForkBundle(t *testing.T, path, name string, from, to float64, stderr string) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatalf("fork --trace: %v", err)
+	}
+	defer f.Close()
+	b, err := tracebundle.Read(f)
+	if err != nil {
+		t.Fatalf("fork --trace: the bundle does not decode: %v", err)
+	}
+	if tt := b.Manifest.Perfetto.TraceTime; tt == nil || tt.Clock != "MONOTONIC" {
+		t.Errorf("bundle trace time %+v, want MONOTONIC", tt)
+	}
+	var doc struct {
+		TraceEvents []struct {
+			Name string         `json:"name"`
+			Ph   string         `json:"ph"`
+			TS   float64        `json:"ts"`
+			Dur  float64        `json:"dur"`
+			Tid  int            `json:"tid"`
+			Args map[string]any `json:"args"`
+		} `json:"traceEvents"`
+	}
+	if err := json.Unmarshal(b.Files["forkvm-spans.json"], &doc); err != nil {
+		t.Fatalf("bundle spans: %v", err)
+	}
+	tid, last := -1, 0.0
+	var phases []string
+	for _, e := range doc.TraceEvents {
+		switch {
+		case e.Ph == "M" && e.Name == "thread_name" && e.Args["name"] == name:
+			tid = e.Tid
+		case e.Ph == "X" && e.Tid == tid:
+			if e.TS < from || e.TS+e.Dur > to || e.TS < last {
+				t.Errorf("span %s at %.0f+%.0f us: not in order inside the command's run [%.0f, %.0f]", e.Name, e.TS, e.Dur, from, to)
+			}
+			last = e.TS
+			phases = append(phases, e.Name)
+		}
+	}
+	got := strings.Join(phases, ",")
+	for _, want := range []string{"prepare", "spawn", "restore", "agent"} {
+		if !strings.Contains(","+got+",", ","+want+",") {
+			t.Errorf("bundle spans of %s: %q, want %s among them", name, got, want)
+		}
+	}
+	trace, ok := b.Files["ftrace.txt"]
+	switch {
+	case !ok && !strings.Contains(stderr, "no kernel events"):
+		t.Errorf("bundle without kernel events, and stderr says nothing of it: %q", stderr)
+	case ok && !strings.Contains(string(trace), "|"+name+" restore|"):
+		t.Errorf("bundle's kernel trace lacks the marker of %s's restore", name)
+	}
 }

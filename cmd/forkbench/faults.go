@@ -13,7 +13,10 @@ import (
 // faultMarker counts each fork's page faults by class (--faults): the engine tells it
 // of each QEMU as it starts (watched from there), of the end of its spawn (its guest
 // RAM is mapped: the mapping and the checkpoint's holes are set) and of its ready (later
-// faults count as after ready). It passes every phase on to next (--trace-kernel).
+// faults count as after ready). A fork that claims a warm pool's QEMU is told of it
+// again under the fork's name: its RAM is set then, and the fork's counts start there
+// (the pool's spawn and restore are not the fork's, as in its timings). It passes every
+// phase on to next (--trace-kernel).
 type faultMarker struct {
 	next          engine.PhaseMarker
 	s             *faultclass.Session
@@ -22,6 +25,7 @@ type faultMarker struct {
 
 	mu   sync.Mutex
 	pids map[string]int
+	base map[int]faultclass.Counts // a claimed pool process's counts at its claim
 	warn map[string]bool
 }
 
@@ -43,24 +47,29 @@ func (m *faultMarker) PhaseEnd(owner, phase string) {
 	}
 	switch phase {
 	case "spawn":
-		ram, file, err := faultclass.RAMMappingIn(pid, m.ramDir)
-		if err != nil {
-			m.once("ram", "faults: %s: %v (its faults all count as QEMU's)", owner, err)
-			return
-		}
-		var holes []faultclass.Range
-		key := engine.RAMHolesPath(m.state, file)
-		if key != "" {
-			if holes, err = faultclass.LoadHoles(key, file); err != nil {
-				m.once("holes", "faults: %s: %v (no hole faults told apart)", owner, err)
-				key = ""
-			}
-		}
-		if err := m.s.SetRAM(pid, ram, key, holes); err != nil {
-			m.once("set", "faults: %s: %v", owner, err)
-		}
+		m.setRAM(owner, pid)
 	case "agent":
 		_ = m.s.Ready(pid)
+	}
+}
+
+// setRAM sets the guest-RAM mapping and the checkpoint's holes of owner's QEMU pid.
+func (m *faultMarker) setRAM(owner string, pid int) {
+	ram, file, err := faultclass.RAMMappingIn(pid, m.ramDir)
+	if err != nil {
+		m.once("ram", "faults: %s: %v (its faults all count as QEMU's)", owner, err)
+		return
+	}
+	var holes []faultclass.Range
+	key := engine.RAMHolesPath(m.state, file)
+	if key != "" {
+		if holes, err = faultclass.LoadHoles(key, file); err != nil {
+			m.once("holes", "faults: %s: %v (no hole faults told apart)", owner, err)
+			key = ""
+		}
+	}
+	if err := m.s.SetRAM(pid, ram, key, holes); err != nil {
+		m.once("set", "faults: %s: %v", owner, err)
 	}
 }
 
@@ -69,10 +78,28 @@ func (m *faultMarker) QEMUStarted(owner string, pid int) {
 		next.QEMUStarted(owner, pid)
 	}
 	m.mu.Lock()
+	claimed := false
+	for o, p := range m.pids {
+		if p == pid && o != owner {
+			// A warm pool's process, claimed by the fork owner.
+			delete(m.pids, o)
+			claimed = true
+		}
+	}
 	m.pids[owner] = pid
 	m.mu.Unlock()
-	if err := m.s.Watch(pid, faultclass.Mapping{}, "", nil); err != nil {
-		m.once("watch", "faults: %s: %v", owner, err)
+	if !claimed {
+		if err := m.s.Watch(pid, faultclass.Mapping{}, "", nil); err != nil {
+			m.once("watch", "faults: %s: %v", owner, err)
+		}
+		return
+	}
+	// Its RAM is mapped already (there is no spawn phase to wait for).
+	m.setRAM(owner, pid)
+	if c, err := m.s.Counts(pid); err == nil {
+		m.mu.Lock()
+		m.base[pid] = c
+		m.mu.Unlock()
 	}
 }
 
@@ -97,6 +124,13 @@ func (m *faultMarker) counts(pid int) *faultclass.Counts {
 		return nil
 	}
 	m.s.Unwatch(pid)
+	m.mu.Lock()
+	base, claimed := m.base[pid]
+	delete(m.base, pid)
+	m.mu.Unlock()
+	if claimed {
+		c.Sub(&base)
+	}
 	return &c
 }
 
@@ -139,7 +173,7 @@ func faultsSection(samples []Sample) string {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "\n## Page faults of each fork's QEMU by class\n\n")
-	fmt.Fprintf(&b, "Medians over %d ready forks, counted in the kernel (eBPF on exceptions:page_fault_user) from QEMU's start, split at ready; after ready runs to the end of the first command. Copy on write: writes to checkpoint data in guest RAM; holes: faults on guest RAM the checkpoint recorded as holes; shared reads: read faults on checkpoint data (one fault maps neighbouring cached pages too); QEMU: everything outside guest RAM.\n\n", n)
+	fmt.Fprintf(&b, "Medians over %d ready forks, counted in the kernel (eBPF on exceptions:page_fault_user) from QEMU's start (a warm pool's QEMU: from the fork's claim), split at ready; after ready runs to the end of the first command. Copy on write: writes to checkpoint data in guest RAM; holes: faults on guest RAM the checkpoint recorded as holes; shared reads: read faults on checkpoint data (one fault maps neighbouring cached pages too); QEMU: everything outside guest RAM.\n\n", n)
 	b.WriteString("| | copy on write | holes | shared reads | QEMU |\n|---|---|---|---|---|\n")
 	for i, label := range []string{"before ready", "after ready"} {
 		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s |\n", label, fnum(median(cols[4*i])), fnum(median(cols[4*i+1])), fnum(median(cols[4*i+2])), fnum(median(cols[4*i+3])))

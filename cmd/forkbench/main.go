@@ -59,7 +59,7 @@ func commonFlags() []cli.Flag {
 		&cli.StringFlag{Name: "trace", Usage: "write a Chrome trace (Perfetto) of every fork's phases to this file (CLOCK_MONOTONIC timestamps); a name ending in .tar writes one Perfetto bundle: the phases, the kernel's scheduling, user page faults and phase markers of this run's QEMUs (root: a private ftrace instance), --host-counters and --perf samples, and perfetto_manifest.json"},
 		&cli.IntFlag{Name: "host-counters-ms", Usage: "during each wave, sample /proc/vmstat faults, THP and reclaim, /proc/pressure and the checkpoint file's resident pages every N ms (10..50) into the trace's counter tracks and the report (0 = off)"},
 		&cli.BoolFlag{Name: "trace-kernel", Usage: "mark every phase in a private ftrace instance (root; mounts tracefs if needed) and write its trace to kernel-trace.txt in the output directory"},
-		&cli.BoolFlag{Name: "counters", Usage: "read the kernel's counters of each fork's QEMU per phase (engine Config.Counters: perf counters on a cgroup v2 per VM as root, else /proc) into samples.csv and report.md"},
+		&cli.BoolFlag{Name: "counters", Usage: "read the kernel's counters of each fork's QEMU per phase (engine Config.Counters: perf counters on each QEMU from its first instruction as root, else /proc) into samples.csv and report.md"},
 		&cli.BoolFlag{Name: "faults", Usage: "count each fork's page faults by class (copy on write, holes, shared reads, QEMU; before and after ready) with eBPF on exceptions:page_fault_user (root) into samples.csv and report.md"},
 		&cli.BoolFlag{Name: "hold", Usage: "keep the last forks alive after the run and print their PIDs and the state dir"},
 		&cli.StringFlag{Name: "home", Usage: "engine state dir (default: a fresh /tmp/fb-* removed at the end)"},

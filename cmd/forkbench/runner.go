@@ -293,7 +293,7 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 			}
 			return fmt.Errorf("--faults: %w", err)
 		}
-		r.faults = &faultMarker{next: cfg.Markers, s: s, logf: r.logf, pids: map[string]int{}, warn: map[string]bool{}}
+		r.faults = &faultMarker{next: cfg.Markers, s: s, logf: r.logf, pids: map[string]int{}, base: map[int]faultclass.Counts{}, warn: map[string]bool{}}
 		cfg.Markers = r.faults
 	}
 	r.e, err = engine.New(r.ctx, cfg)

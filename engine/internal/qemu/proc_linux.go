@@ -4,16 +4,52 @@ package qemu
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
+	"runtime"
 	"strconv"
-	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
-// intoCgroup makes the process start in the cgroup v2 directory open as fd.
-func intoCgroup(a *syscall.SysProcAttr, fd int) error {
-	a.UseCgroupFD, a.CgroupFD = true, fd
-	return nil
+// startStopped starts cmd stopped right after its exec, before its first instruction
+// (PTRACE_TRACEME: the exec stops it with SIGTRAP), runs hook with its pid and lets it
+// go (PTRACE_DETACH, the SIGTRAP suppressed). The tracer is the thread that forked, so
+// the whole sequence runs on one locked OS thread. A process that cannot be started so
+// (ptrace refused) fails to start; hook's error is returned with the process let go.
+func startStopped(cmd *exec.Cmd, hook func(pid int) error) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	cmd.SysProcAttr.Ptrace = true
+	if err := cmd.Start(); err != nil {
+		return &StartError{Err: err}
+	}
+	pid := cmd.Process.Pid
+	var ws unix.WaitStatus
+	for {
+		_, err := unix.Wait4(pid, &ws, unix.WALL, nil)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			_ = cmd.Process.Kill()
+			return &StartError{Err: fmt.Errorf("wait for the exec stop: %w", err)}
+		}
+		break
+	}
+	if !ws.Stopped() {
+		// Gone already (killed before it ran): reaped here, so Wait cannot see it.
+		return &StartError{Err: fmt.Errorf("exited before it ran (status %#x)", uint32(ws))}
+	}
+	herr := hook(pid)
+	if err := unix.PtraceDetach(pid); err != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return &StartError{Err: fmt.Errorf("ptrace detach: %w", err)}
+	}
+	return herr
 }
 
 // ProcStartTime returns the start time of pid (field 22 of /proc/PID/stat, in clock

@@ -4,12 +4,14 @@ package qemu
 
 import (
 	"errors"
+	"os/exec"
 	"syscall"
 )
 
-// intoCgroup fails: cgroups are Linux's.
-func intoCgroup(a *syscall.SysProcAttr, fd int) error {
-	return errors.New("qemu: starting in a cgroup needs Linux")
+// startStopped fails: starting a process stopped before its first instruction needs
+// Linux's ptrace here.
+func startStopped(cmd *exec.Cmd, hook func(pid int) error) error {
+	return &StartError{Err: errors.New("qemu: starting a process stopped needs Linux")}
 }
 
 // ProcStartTime returns 1 when pid is alive (no portable start time outside Linux; the

@@ -73,10 +73,12 @@ type SpawnOptions struct {
 	QMPSocket, LogPath string
 	// OOMScoreAdj is written to the process's oom_score_adj (0 leaves it).
 	OOMScoreAdj int
-	// CgroupFD, when > 0, is an open cgroup v2 directory the process starts in (clone3
-	// CLONE_INTO_CGROUP: counted there from its first instruction; Linux only, else
-	// Spawn fails with a *StartError).
-	CgroupFD int
+	// BeforeRun, when set, runs with the new pid while the process is stopped right
+	// after its exec, before its first instruction (Linux's ptrace), so that what it
+	// sets up (perf counters on the process) sees all of it. A process that cannot be
+	// started stopped fails with a *StartError (the caller may start it without);
+	// BeforeRun's own error kills the process and is Spawn's, unwrapped.
+	BeforeRun func(pid int) error
 	// Setup, when set, runs with the new pid before anything else (moving the process
 	// into its memory cgroup); its error kills the process and is Spawn's, unwrapped.
 	Setup func(pid int) error
@@ -113,12 +115,15 @@ func Spawn(o SpawnOptions) (*Process, error) {
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Dir = o.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if o.CgroupFD > 0 {
-		if err := intoCgroup(cmd.SysProcAttr, o.CgroupFD); err != nil {
-			return nil, &StartError{Err: err}
+	if o.BeforeRun != nil {
+		if err := startStopped(cmd, o.BeforeRun); err != nil {
+			if _, ok := err.(*StartError); !ok && cmd.Process != nil {
+				_ = cmd.Process.Kill()
+				_ = cmd.Wait()
+			}
+			return nil, err
 		}
-	}
-	if err := cmd.Start(); err != nil {
+	} else if err := cmd.Start(); err != nil {
 		return nil, &StartError{Err: err}
 	}
 	p := &Process{name: o.Name, qmpPath: o.QMPSocket, logPath: o.LogPath, pid: cmd.Process.Pid,
