@@ -429,7 +429,7 @@ func (w *wave) deadLetter(ctx context.Context, m *nats.Msg) {
 				// Made there, its record lost (the bucket had no leader): record it.
 				rec := record{Job: j.ID, Attempt: j.Attempt, State: stateReady, Node: c.Node, Event: api.ForkEventObjectOf(j.Index, j.Name, 0, nil, nil)}
 				if putJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), rec) == nil {
-					w.removeDead(ctx, adv.StreamSeq)
+					w.removeJob(ctx, adv.StreamSeq)
 				}
 				return
 			case c.Boot == n.Boot:
@@ -442,20 +442,5 @@ func (w *wave) deadLetter(ctx context.Context, m *nats.Msg) {
 	if err := putJSON(ctx, w.f.jobs, recordKey(j.Wave, j.Index), record{Job: j.ID, Attempt: j.Attempt, State: stateFailed, Event: ev}); err != nil {
 		return
 	}
-	w.removeDead(ctx, adv.StreamSeq)
-}
-
-// removeDead removes a dead job's message from the stream.
-func (w *wave) removeDead(ctx context.Context, seq uint64) {
-	retry(ctx, "remove dead letter", func(ctx context.Context) error {
-		s, err := w.f.js.Stream(ctx, streamName(w.class))
-		if err != nil {
-			return err
-		}
-		err = s.DeleteMsg(ctx, seq)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			return nil
-		}
-		return err
-	})
+	w.removeJob(ctx, adv.StreamSeq)
 }
