@@ -10,8 +10,9 @@ export FORKVM_CACHE ?= $(HOME)/.cache/forkvm
 export PATH := /usr/local/go/bin:$(PATH)
 
 QEMU_MIN_MAJOR := 10
-# mmdebstrap builds Debian root images (`forkvm image create NAME --debian`).
-APT_PKGS := busybox-static e2fsprogs mmdebstrap
+# mmdebstrap builds Debian root images (`forkvm image create NAME --debian`); linux-perf
+# is what TestKernelCounters compares the engine's counters with (`perf stat`).
+APT_PKGS := busybox-static e2fsprogs mmdebstrap linux-perf
 # Go test flags for integration tests (they boot real VMs under TCG: give them time).
 ITEST_TIMEOUT ?= 30m
 
