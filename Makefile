@@ -101,16 +101,15 @@ itest-vms:
 	$(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|_test.go' ; \
 	  exit $${PIPESTATUS[0]}
 
-## test: everything CI runs. The unit tests run first (some time heartbeats and must
-## not compete with guests); then the checks that need no timing (lint, cross, fuzz) run
-## at nice 19 beside the VM tests, in the second job slot: the VM tests leave much of
-## the machine idle (tests wait on guests) and keep priority. Each target's output is
+## test: everything CI runs. The checks that boot no VM run beside the VM tests, in the
+## second job slot: the unit tests first, then lint, cross and fuzz at nice 19 (the VM
+## tests leave much of the machine idle: tests wait on guests). Each target's output is
 ## printed when it ends; the VM tests' full log grows in /tmp/forkvm-itest.log meanwhile.
-test: setup unit
+test: setup
 	$(MAKE) --no-print-directory -j2 --output-sync=target itest-vms checks
 
-# checks: lint, cross and fuzz at the lowest CPU priority (beside itest-vms in make test).
-checks:
+# checks: the unit tests, then lint, cross and fuzz at the lowest CPU priority.
+checks: unit
 	nice -n 19 $(MAKE) --no-print-directory lint cross fuzz
 
 ## fanout: the main job — reproduce the published fork fan-out benchmark

@@ -3,6 +3,7 @@ package tests
 import (
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -15,21 +16,30 @@ import (
 	"github.com/forkvm/forkvm/serve"
 )
 
-// fleetPorts returns n free loopback ports.
+// fleetPorts returns n distinct free loopback ports below the kernel's ephemeral range
+// (20000-32767), so that no port the daemons are told to listen on can meanwhile be
+// taken as the local port of an outgoing connection (route dials, the CLI, QEMU), and
+// one call's ports never repeat the last call's.
 func fleetPorts(t *testing.T, n int) []string {
 	t.Helper()
 	var out []string
-	var lns []net.Listener
-	for range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
+	seen := map[int]bool{}
+	for tries := 0; len(out) < n; tries++ {
+		if tries > 1000 {
+			t.Fatalf("no %d free loopback ports in 20000-32767", n)
 		}
-		lns = append(lns, ln)
-		out = append(out, ln.Addr().String())
-	}
-	for _, ln := range lns {
+		port := 20000 + rand.IntN(12768)
+		if seen[port] {
+			continue
+		}
+		seen[port] = true
+		addr := fmt.Sprintf("127.0.0.1:%d", port)
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			continue
+		}
 		ln.Close()
+		out = append(out, addr)
 	}
 	return out
 }

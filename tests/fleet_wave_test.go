@@ -45,8 +45,8 @@ func startFleet(t *testing.T, n, vcpus int, extra ...string) []*fleetHost {
 	if err := os.WriteFile(tok, []byte("wave-fleet-token\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	routes := fleetPorts(t, n)
-	apis := fleetPorts(t, n)
+	ports := fleetPorts(t, 2*n)
+	routes, apis := ports[:n], ports[n:]
 	var hosts []*fleetHost
 	for i := range n {
 		home, err := os.MkdirTemp("/tmp", "fvfw-")
@@ -79,12 +79,15 @@ func startFleet(t *testing.T, n, vcpus int, extra ...string) []*fleetHost {
 	deadline := time.Now().Add(90 * time.Second)
 	for {
 		var nodes []api.FleetNode
-		out, _, code := hosts[0].cli(nil, "nodes", "--json")
+		out, errOut, code := hosts[0].cli(nil, "nodes", "--json")
 		if code == 0 && json.Unmarshal([]byte(out), &nodes) == nil && len(nodes) == n {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no fleet of %d within 90s: %s", n, out)
+			for _, h := range hosts {
+				t.Logf("%s log:\n%s", h.name, h.d.logText())
+			}
+			t.Fatalf("no fleet of %d within 90s: forkvm nodes exit %d: %s%s", n, code, out, errOut)
 		}
 		time.Sleep(500 * time.Millisecond)
 	}

@@ -362,14 +362,12 @@ func (fr *fleetRun) start() error {
 			return err
 		}
 	}
-	routes, err := freePorts(fr.s.Nodes)
+	// One call: two calls may hand out a port the first just released.
+	ports, err := freePorts(2 * fr.s.Nodes)
 	if err != nil {
 		return err
 	}
-	apis, err := freePorts(fr.s.Nodes)
-	if err != nil {
-		return err
-	}
+	routes, apis := ports[:fr.s.Nodes], ports[fr.s.Nodes:]
 	for i := range fr.s.Nodes {
 		n := &fleetNode{name: fmt.Sprintf("n%d", i+1), home: filepath.Join(fr.dir, fmt.Sprintf("n%d", i+1)),
 			api: apis[i], route: routes[i], logPath: filepath.Join(fr.dir, fmt.Sprintf("n%d.log", i+1)), exited: make(chan struct{})}
