@@ -65,20 +65,20 @@ type fleetMember struct {
 
 // joinFleet joins the fleet serve's flags describe, or returns nil when they describe
 // none.
-func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {
-	url, listen := cmd.String("cluster"), cmd.String("cluster-listen")
-	switch {
-	case url == "" && listen == "":
-		for _, f := range []string{"routes", "cluster-user", "cluster-password-file", "cluster-nkey-file", "node", "label", "node-vcpus", "node-addr", "cluster-replicas",
-			"cluster-tls-cert", "cluster-tls-key", "cluster-tls-ca", "cluster-client-listen"} {
-			if cmd.IsSet(f) {
-				return nil, fmt.Errorf("%w: --%s needs --cluster or --cluster-listen", errFleetConfig, f)
-			}
-		}
-		return nil, nil
-	case url != "" && listen != "":
-		return nil, fmt.Errorf("%w: --cluster (an external NATS) and --cluster-listen (the embedded one) are exclusive", errFleetConfig)
-	}
+// fleetFlags are serve's fleet flags once read and checked (the part of joining a fleet
+// that needs no server).
+type fleetFlags struct {
+	user, password, seed string
+	insecure             bool
+	tls                  tlsFiles
+	node, addr           string
+	labels               map[string]string
+	routes               []string
+}
+
+// readFleetFlags reads and checks the credentials, TLS files and node identity of
+// serve's fleet flags; url is --cluster (empty with the embedded server).
+func readFleetFlags(cmd *cli.Command, url string) (*fleetFlags, error) {
 	user, insecure := cmd.String("cluster-user"), cmd.Bool("cluster-insecure")
 	var password, seed string
 	if p := cmd.String("cluster-password-file"); p != "" {
@@ -135,6 +135,30 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 			}
 		}
 	}
+	return &fleetFlags{user: user, password: password, seed: seed, insecure: insecure, tls: tlsf,
+		node: node, addr: addr, labels: labels, routes: routes}, nil
+}
+
+func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {
+	url, listen := cmd.String("cluster"), cmd.String("cluster-listen")
+	switch {
+	case url == "" && listen == "":
+		for _, f := range []string{"routes", "cluster-user", "cluster-password-file", "cluster-nkey-file", "node", "label", "node-vcpus", "node-addr", "cluster-replicas",
+			"cluster-tls-cert", "cluster-tls-key", "cluster-tls-ca", "cluster-client-listen"} {
+			if cmd.IsSet(f) {
+				return nil, fmt.Errorf("%w: --%s needs --cluster or --cluster-listen", errFleetConfig, f)
+			}
+		}
+		return nil, nil
+	case url != "" && listen != "":
+		return nil, fmt.Errorf("%w: --cluster (an external NATS) and --cluster-listen (the embedded one) are exclusive", errFleetConfig)
+	}
+	ff, err := readFleetFlags(cmd, url)
+	if err != nil {
+		return nil, err
+	}
+	user, password, seed, insecure, tlsf := ff.user, ff.password, ff.seed, ff.insecure, ff.tls
+	node, addr, labels, routes := ff.node, ff.addr, ff.labels, ff.routes
 	replicas := int(cmd.Int("cluster-replicas"))
 	var connect func() (*nats.Conn, error)
 	var stop func()
