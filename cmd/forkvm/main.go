@@ -548,32 +548,9 @@ func forkCmd() *cli.Command {
 			if err := engine.ValidateForkCount(n); err != nil {
 				return err
 			}
-			var names []string
-			switch {
-			case cmd.Args().Len() == 2 && n == 1:
-				if err := checkNewName(cmd.Args().Get(1)); err != nil {
-					return err
-				}
-				names = []string{cmd.Args().Get(1)}
-			case cmd.String("prefix") != "":
-			case n == 1:
-				// The engine names it (SOURCE-TAG, ForkOptions.Name's default).
-			default:
-				return fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
-			}
-			opts := &wire.ManyOptions{
-				Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
-				Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),
-			}
-			if specs := cmd.StringSlice("publish"); len(specs) > 0 {
-				perFork := make([][]engine.PortForward, n)
-				var err error
-				for i := range perFork {
-					if perFork[i], err = parsePublish(specs, i); err != nil {
-						return err
-					}
-				}
-				opts.Publish = func(i int) []engine.PortForward { return perFork[i] }
+			opts, names, err := forkOptions(cmd, n)
+			if err != nil {
+				return err
 			}
 			var tr *forkTrace
 			var markers engine.PhaseMarker
@@ -662,6 +639,39 @@ func forkCmd() *cli.Command {
 			return nil
 		},
 	}
+}
+
+// forkOptions are the wave's options of forkvm fork's arguments and flags: its names (a
+// NAME argument, or none: the engine's or --prefix's), and --publish expanded per fork.
+func forkOptions(cmd *cli.Command, n int) (*wire.ManyOptions, []string, error) {
+	var names []string
+	switch {
+	case cmd.Args().Len() == 2 && n == 1:
+		if err := checkNewName(cmd.Args().Get(1)); err != nil {
+			return nil, nil, err
+		}
+		names = []string{cmd.Args().Get(1)}
+	case cmd.String("prefix") != "":
+	case n == 1:
+		// The engine names it (SOURCE-TAG, ForkOptions.Name's default).
+	default:
+		return nil, nil, fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
+	}
+	opts := &wire.ManyOptions{
+		Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
+		Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),
+	}
+	if specs := cmd.StringSlice("publish"); len(specs) > 0 {
+		perFork := make([][]engine.PortForward, n)
+		var err error
+		for i := range perFork {
+			if perFork[i], err = parsePublish(specs, i); err != nil {
+				return nil, nil, err
+			}
+		}
+		opts.Publish = func(i int) []engine.PortForward { return perFork[i] }
+	}
+	return opts, names, nil
 }
 
 // forkSummary is a wave's last line: "8/8 ready in 459ms", "6/8 ready in 1.2s, 2
