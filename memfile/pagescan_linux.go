@@ -61,11 +61,11 @@ func scanPrivatePages(pid int, addr uint64, pages int64) ([]int64, error) {
 	var out []int64
 	for start := addr; start < end; {
 		arg := pmScanArg{
-			Start: start,
-			End:   end,
-			Vec:   uint64(uintptr(unsafe.Pointer(&vec[0]))),
+			Start:  start,
+			End:    end,
+			Vec:    uint64(uintptr(unsafe.Pointer(&vec[0]))),
+			VecLen: uint64(len(vec)),
 			// Not file pages (inverted, then required), and present or swapped.
-			VecLen:            uint64(len(vec)),
 			CategoryInverted:  pageIsFile,
 			CategoryMask:      pageIsFile,
 			CategoryAnyofMask: pageIsPresent | pageIsSwapped,

@@ -17,18 +17,7 @@ import (
 func TestScanPrivatePagesMatchesPagemap(t *testing.T) {
 	const size = 64 << 20
 	d := shmDir(t)
-	root := filepath.Join(d, "root")
-	f, err := os.Create(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.WriteAt(make([]byte, 8<<20), 0); err != nil { // 8 MiB of data, the rest a hole
-		t.Fatal(err)
-	}
-	f.Close()
+	root := sparseFile(t, filepath.Join(d, "root"), size, 0, 8<<20, 0) // 8 MiB of data, the rest a hole
 	m := mapPrivate(t, root, size)
 	var sum byte
 	for p := int64(0); p < 2048; p++ { // read the data: file pages
@@ -65,15 +54,7 @@ func TestScanPrivatePagesMatchesPagemap(t *testing.T) {
 func TestExtractDeltaParallelSameLayer(t *testing.T) {
 	const size = 64 << 20
 	d := shmDir(t)
-	root := filepath.Join(d, "root")
-	f, err := os.Create(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
+	root := sparseFile(t, filepath.Join(d, "root"), size, 0, 0, 0)
 	m := mapPrivate(t, root, size)
 	for p := int64(0); p < 6000; p++ {
 		q := p * 2 % (size / PageSize)
@@ -165,26 +146,9 @@ func TestSplitExtents(t *testing.T) {
 func TestInjectLayersParallelNewestWins(t *testing.T) {
 	const size = 128 << 20
 	d := shmDir(t)
-	mk := func(name string, from, n int64, c byte) string {
-		p := filepath.Join(d, name)
-		f, err := os.Create(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		if err := f.Truncate(size); err != nil {
-			t.Fatal(err)
-		}
-		if n > 0 {
-			if _, err := f.WriteAt(bytes.Repeat([]byte{c}, int(n)), from); err != nil {
-				t.Fatal(err)
-			}
-		}
-		return p
-	}
-	root := mk("root", 0, 0, 0)
-	old := mk("old", 8<<20, 40<<20, 'o')
-	newer := mk("new", 24<<20, 40<<20, 'n')
+	root := sparseFile(t, filepath.Join(d, "root"), size, 0, 0, 0)
+	old := sparseFile(t, filepath.Join(d, "old"), size, 8<<20, 40<<20, 'o')
+	newer := sparseFile(t, filepath.Join(d, "new"), size, 24<<20, 40<<20, 'n')
 	m := mapPrivate(t, root, size)
 	pid, addr := os.Getpid(), uint64(uintptr(unsafe.Pointer(&m[0])))
 	n, err := InjectLayers(pid, addr, size, []string{old, newer})
@@ -207,4 +171,23 @@ func TestInjectLayersParallelNewestWins(t *testing.T) {
 			t.Fatalf("page %d holds %q, want %q", p, m[off], want)
 		}
 	}
+}
+
+// sparseFile creates path, size bytes, holding n bytes of c from off (n 0: all a hole).
+func sparseFile(t *testing.T, path string, size, off, n int64, c byte) string {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	if n > 0 {
+		if _, err := f.WriteAt(bytes.Repeat([]byte{c}, int(n)), off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return path
 }
