@@ -262,6 +262,21 @@ func CreateImage(ctx context.Context, cfg *ImageConfig) (*RootImage, error) {
 	if img, err := b.reuseRecipe(ctx); img != nil || err != nil {
 		return img, err
 	}
+	if b.recipe != nil {
+		// One build per recipe at a time: a concurrent CreateImage of the same recipe
+		// (two tests, two users) waits for this one and reuses its disk instead of
+		// running mmdebstrap beside it.
+		unlock, waited, err := b.lockRecipe(ctx)
+		if err != nil {
+			return nil, err
+		}
+		defer unlock()
+		if waited && !c.Rebuild {
+			if img, err := b.reuseRecipe(ctx); img != nil || err != nil {
+				return img, err
+			}
+		}
+	}
 
 	start := time.Now()
 	tmp, err := os.MkdirTemp(b.dirs.base, ".tmp-"+c.Name+"-")
@@ -653,10 +668,32 @@ func addRef(dirs rootfsDirs, rec *nameRecord) error {
 // a disk directory or name record is installed or removed (milliseconds),
 // so waiting polls; ctx bounds the wait.
 func lockImages(ctx context.Context, dirs rootfsDirs) (func(), error) {
-	if err := os.MkdirAll(dirs.base, 0o700); err != nil {
+	return flockPath(ctx, dirs.base, ".lock", 20*time.Millisecond)
+}
+
+// lockRecipe takes the build lock of b's recipe, held while it is built (minutes);
+// waited says another build of it held the lock first.
+func (b *imageBuild) lockRecipe(ctx context.Context) (unlock func(), waited bool, err error) {
+	name := ".build-" + b.recipe.Key[:16] + ".lock"
+	if unlock, err = flockPath(ctx, b.dirs.base, name, 0); !errors.Is(err, errLocked) {
+		return unlock, false, err
+	}
+	b.logf("recipe %s is being built by another process: waiting for it", b.recipe.Key[:16])
+	unlock, err = flockPath(ctx, b.dirs.base, name, 250*time.Millisecond)
+	return unlock, true, err
+}
+
+// errLocked is flockPath's answer when the lock is held and it was not to wait.
+var errLocked = errors.New("guest: lock held")
+
+// flockPath takes an exclusive flock on dir/name, polling every poll while another
+// process holds it (poll 0: errLocked at once); ctx bounds the wait. The returned
+// func releases it.
+func flockPath(ctx context.Context, dir, name string, poll time.Duration) (func(), error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("guest: image cache: %w", err)
 	}
-	f, err := os.OpenFile(filepath.Join(dirs.base, ".lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	f, err := os.OpenFile(filepath.Join(dir, name), os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("guest: image cache lock: %w", err)
 	}
@@ -669,11 +706,15 @@ func lockImages(ctx context.Context, dirs rootfsDirs) (func(), error) {
 			f.Close()
 			return nil, fmt.Errorf("guest: image cache lock: %w", err)
 		}
+		if poll == 0 && errors.Is(err, unix.EWOULDBLOCK) {
+			f.Close()
+			return nil, errLocked
+		}
 		select {
 		case <-ctx.Done():
 			f.Close()
 			return nil, ctx.Err()
-		case <-time.After(20 * time.Millisecond):
+		case <-time.After(max(poll, time.Millisecond)):
 		}
 	}
 }

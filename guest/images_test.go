@@ -633,3 +633,62 @@ func TestCleanEntryName(t *testing.T) {
 		}
 	}
 }
+
+// TestCreateImageDebianOneBuildPerRecipe: two CreateImage calls of one Debian recipe
+// at once run mmdebstrap once (the second waits for the first and reuses its disk);
+// a rebuild asked for meanwhile builds again. mmdebstrap is a fake on PATH that
+// counts its builds.
+func TestCreateImageDebianOneBuildPerRecipe(t *testing.T) {
+	requireImageTools(t)
+	bin, count := t.TempDir(), filepath.Join(t.TempDir(), "builds")
+	script := `#!/bin/sh
+if [ "$1" = --version ]; then echo "mmdebstrap 0.0-fake"; exit 0; fi
+for a; do root=$a; done
+case "$root" in http*) echo "fake mmdebstrap: no mirror expected" >&2; exit 2;; esac
+echo build >> "` + count + `"
+mkdir -p "$root/etc" "$root/usr/bin" && echo fake > "$root/etc/debian_version"
+sleep 1
+`
+	writeTestFile(t, bin, "mmdebstrap", []byte(script))
+	if err := os.Chmod(filepath.Join(bin, "mmdebstrap"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	cache, agent := t.TempDir(), testAgent(t)
+	ctx := context.Background()
+	src := func() *DebianSource { return &DebianSource{Include: []string{"python3"}} }
+
+	var logs [2]bytes.Buffer
+	imgs, errs := make([]*RootImage, 2), make([]error, 2)
+	done := make(chan int)
+	for i := range 2 {
+		go func() {
+			imgs[i], errs[i] = CreateImage(ctx, &ImageConfig{Name: "same-" + strconv.Itoa(i), CacheDir: cache, AgentBinary: agent,
+				Log: &logs[i], Debian: src()})
+			done <- i
+		}()
+	}
+	<-done
+	<-done
+	for i := range 2 {
+		if errs[i] != nil {
+			t.Fatalf("build %d: %v\n%s", i, errs[i], logs[i].String())
+		}
+	}
+	b, _ := os.ReadFile(count)
+	if n := strings.Count(string(b), "build"); n != 1 {
+		t.Errorf("two builds of one recipe at once ran mmdebstrap %d times:\n%s\n%s", n, logs[0].String(), logs[1].String())
+	}
+	if imgs[0].Hash != imgs[1].Hash {
+		t.Errorf("one recipe, two disks: %s and %s", imgs[0].Hash[:16], imgs[1].Hash[:16])
+	}
+	if !strings.Contains(logs[0].String()+logs[1].String(), "waiting for it") {
+		t.Errorf("neither build waited for the other:\n%s\n%s", logs[0].String(), logs[1].String())
+	}
+	if _, err := CreateImage(ctx, &ImageConfig{Name: "again", CacheDir: cache, AgentBinary: agent, Rebuild: true, Debian: src()}); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(count); strings.Count(string(b), "build") != 2 {
+		t.Errorf("a rebuild did not run mmdebstrap: %q", b)
+	}
+}
