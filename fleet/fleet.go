@@ -168,6 +168,8 @@ type Fleet struct {
 	fetching map[string]*sync.Mutex
 	// slot is signalled when a job ends.
 	slot chan struct{}
+	// closed is set by Close: no background work starts after it.
+	closed bool
 
 	// cacheMu guards the caches: the live nodes a share check saw last (nodesAt), and
 	// the checkpoint holder entries this node wrote.
@@ -188,7 +190,8 @@ func HostArch() string { return runtime.GOARCH }
 
 // Join connects the node to the fleet, makes the buckets and its class's stream when
 // missing, deletes the forks it holds whose claims another node took while it was
-// gone, and starts its heartbeat and job loop. Close leaves.
+// gone, releases its claims of forks it no longer holds, and starts its heartbeat and
+// job loop. Close leaves.
 func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) (*Fleet, error) {
 	if cfg.Connect == nil {
 		return nil, fmt.Errorf("%w: no NATS connection", ErrConfig)
@@ -264,6 +267,9 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 // for them (up to ctx) and disconnects. The heartbeat is left to expire: a daemon that
 // restarts within the TTL is the same node to the others, its VMs kept and claimed.
 func (f *Fleet) Close(ctx context.Context) error {
+	f.mu.Lock()
+	f.closed = true
+	f.mu.Unlock()
 	f.cancel()
 	done := make(chan struct{})
 	go func() { f.wg.Wait(); close(done) }()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -320,6 +321,49 @@ func TestNameClaimedOnce(t *testing.T) {
 	if n := nodes[0].eng.forks.Load() + nodes[1].eng.forks.Load(); n != 1 {
 		t.Errorf("%d forks made, want 1", n)
 	}
+
+	// Deleted by a node that does not hold it: the claim stays. Deleted by its holder
+	// (its user removed the VM there): the fleet lists it no more and the name can be
+	// forked again.
+	ctx := context.Background()
+	claimed := func() []string {
+		vms, err := nodes[0].f.VMs(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for _, v := range vms {
+			names = append(names, v.Name+"@"+v.Node)
+		}
+		return names
+	}
+	holder, other := nodes[0], nodes[1]
+	if _, err := holder.eng.Get("x"); err != nil {
+		holder, other = other, holder
+	}
+	before := claimed()
+	if err := other.f.releaseDeleted(ctx, "x"); err != nil {
+		t.Fatal(err)
+	}
+	if after := claimed(); !slices.Equal(after, before) || len(after) != 1 {
+		t.Errorf("claims %v after another node's delete, %v before", after, before)
+	}
+	if err := holder.eng.Delete(ctx, "x"); err != nil {
+		t.Fatal(err)
+	}
+	holder.f.Deleted("x") // released in the background
+	for deadline := time.Now().Add(10 * time.Second); len(claimed()) != 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("claims %v 10 s after the holder deleted x", claimed())
+		}
+	}
+	evs, err = other.f.ForkMany(ctx, api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "x"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := collect(t, evs, 20*time.Second); len(got) != 1 || !got[0].OK {
+		t.Errorf("a wave of a deleted fork's name: %+v", got)
+	}
 }
 
 func TestDigestMismatchRefused(t *testing.T) {
@@ -543,5 +587,42 @@ func TestRefusalsAreNotFailures(t *testing.T) {
 	}
 	if got[0].QueueMS <= 0 || got[0].FleetMS <= 0 || got[0].ClaimMS <= 0 {
 		t.Errorf("timing %+v: want the queue, claim and fleet times", got[0].FleetTiming)
+	}
+}
+
+// TestGoneForkReleasedAtStart: a node that starts again and finds the claim of a fork
+// it made, though the fork is gone (deleted while the node was not in the fleet),
+// releases the claim: the name is free again.
+func TestGoneForkReleasedAtStart(t *testing.T) {
+	s := testServer(t)
+	n := join(t, s, 1, 0, nil)[0]
+	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	evs, err := n.f.ForkMany(ctx, api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "y"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := collect(t, evs, 20*time.Second); len(got) != 1 || !got[0].OK {
+		t.Fatalf("wave: %+v", got)
+	}
+	cfg := n.f.cfg
+	if err := n.f.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.eng.Delete(ctx, "y"); err != nil {
+		t.Fatal(err)
+	}
+	f, err := Join(ctx, cfg, n.eng, n.ff)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close(ctx)
+	vms, err := f.VMs(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(vms) != 0 {
+		t.Errorf("claims %+v after the node started again without the fork", vms)
 	}
 }

@@ -229,7 +229,14 @@ func (f *Fleet) deleteOrphans(ctx context.Context) error {
 			return err
 		}
 		if ok && c.Node == f.cfg.Node && c.Job == mine.Job {
-			continue // still ours
+			if _, err := f.eng.Get(mine.Name); err != nil && errors.Is(err, api.ErrNotFound) {
+				// Ours, but the fork is gone (deleted while the fleet could not be
+				// told, or lost before it was ready): the name is free again.
+				if err := f.releaseDeleted(ctx, mine.Name); err != nil {
+					return err
+				}
+			}
+			continue
 		}
 		if _, err := f.eng.Get(mine.Name); err == nil {
 			f.log.Warn("fleet: deleting an orphan (its claim was taken while this node was gone)", "vm", mine.Name, "claim_node", c.Node)

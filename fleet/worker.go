@@ -557,6 +557,49 @@ func (f *Fleet) release(name string, rev uint64) {
 	})
 }
 
+// Deleted tells the fleet that this node's fork name was deleted here (by its user):
+// its claim is released in the background, so that the fleet lists it no more and its
+// name can be forked again (the delete does not wait on the fleet, which may have no
+// quorum then). A claim of the name by another node is left alone; a name the fleet
+// never made is not an error.
+func (f *Fleet) Deleted(name string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return // the next start releases it (deleteOrphans)
+	}
+	f.wg.Add(1)
+	go func() {
+		defer f.wg.Done()
+		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
+		defer cancel()
+		if err := f.releaseDeleted(ctx, name); err != nil && f.ctx.Err() == nil {
+			f.log.Warn("fleet: the claim of a deleted fork is kept", "vm", name, "err", err)
+		}
+	}()
+}
+
+// releaseDeleted deletes this node's claim of name (fenced by the revision read) and
+// its journal entry.
+func (f *Fleet) releaseDeleted(ctx context.Context, name string) error {
+	var c claim
+	rev, ok, err := getJSON(ctx, f.claims, kvKey(name), &c)
+	if err != nil {
+		return err
+	}
+	if ok && c.Node == f.cfg.Node {
+		err = retry(ctx, "release "+name, func(ctx context.Context) error {
+			return f.claims.Delete(ctx, kvKey(name), jetstream.LastRevision(rev))
+		})
+		if err != nil && !final(err) {
+			return err
+		}
+		// A final error: the claim changed since it was read (taken over): not ours.
+	}
+	f.unjournal(name)
+	return nil
+}
+
 // ready marks the claim ready (fenced), records the event and acks. When the fence
 // fails the claim was taken over while this node forked: the fork is an orphan and is
 // deleted.

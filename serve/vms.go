@@ -41,9 +41,13 @@ func (s *Server) getVM(w http.ResponseWriter, r *http.Request) {
 func (s *Server) deleteVM(w http.ResponseWriter, r *http.Request) {
 	// A delete is not cut short by a client that goes away: half a delete helps no one.
 	ctx := context.WithoutCancel(r.Context())
-	if err := s.e.Delete(ctx, r.PathValue("name")); err != nil {
+	name := r.PathValue("name")
+	if err := s.e.Delete(ctx, name); err != nil {
 		writeError(w, err)
 		return
+	}
+	if s.fleet != nil {
+		s.fleet.Deleted(name) // a fleet fork leaves the fleet's list with its VM
 	}
 	w.WriteHeader(http.StatusNoContent)
 }
