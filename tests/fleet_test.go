@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -44,65 +45,46 @@ func fleetPorts(t *testing.T, n int) []string {
 	return out
 }
 
-// TestFleetFormation starts three daemons, each its own state directory, with NATS
-// embedded and password routes on loopback: they form a fleet (forkvm nodes lists the
-// three of one class) with nothing else running. A fourth daemon with the wrong
-// password is refused (it exits, its routes rejected), as is a fleet without
-// credentials and a password file others may read.
-func TestFleetFormation(t *testing.T) {
-	dir := t.TempDir()
-	pw := filepath.Join(dir, "pw")
-	if err := os.WriteFile(pw, []byte("s3cret-fleet\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	bad := filepath.Join(dir, "bad")
-	if err := os.WriteFile(bad, []byte("wrong\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	ports := fleetPorts(t, 4)
-	routes := strings.Join(ports[:3], ",")
-	var homes []string
-	for i := range 3 {
-		home, err := os.MkdirTemp("/tmp", "fvfl-")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { os.RemoveAll(home) })
-		homes = append(homes, home)
-		startDaemon(t, home, serve.SocketPath(home), filepath.Join(dir, fmt.Sprintf("d%d.log", i)),
-			"--cluster-listen", ports[i], "--routes", routes, "--cluster-user", "fleet", "--cluster-password-file", pw,
-			"--node", fmt.Sprintf("n%d", i+1), "--label", "rack=r1")
-	}
-	cli := cliRunner(t, homes[0])
+// checkFleetFormation checks a fleet of three just formed (labelled rack=r1): the nodes
+// list the three, of one class, with their labels; the fleet has no claims; a fourth
+// daemon with the wrong password is refused (its routes rejected, it cannot make its
+// replicated buckets and exits with an error), as is a fleet without credentials and
+// a password file others may read.
+func checkFleetFormation(t *testing.T, hosts []*fleetHost) {
 	var nodes []api.FleetNode
-	deadline := time.Now().Add(90 * time.Second)
-	for {
-		out, errs, code := cli(nil, "nodes", "--json")
-		if code == 0 && json.Unmarshal([]byte(out), &nodes) == nil && len(nodes) == 3 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no fleet of 3 within 90s: %d %s %s", code, out, errs)
-		}
-		time.Sleep(500 * time.Millisecond)
+	if err := json.Unmarshal([]byte(hosts[0].ok(t, "nodes", "--json")), &nodes); err != nil || len(nodes) != 3 {
+		t.Fatalf("nodes: %v %+v", err, nodes)
 	}
 	for i, n := range nodes {
 		if n.Name != fmt.Sprintf("n%d", i+1) || n.Class != nodes[0].Class || n.Labels["rack"] != "r1" || n.TotalVCPUs == 0 {
 			t.Errorf("node %d: %+v", i, n)
 		}
 	}
-	if out, errs, code := cli(nil, "ls", "--fleet", "--json"); code != 0 || strings.TrimSpace(out) != "[]" {
-		t.Errorf("ls --fleet on an empty fleet: %d %q %s", code, out, errs)
+	if out := hosts[0].ok(t, "ls", "--fleet", "--json"); strings.TrimSpace(out) != "[]" {
+		t.Errorf("ls --fleet on an empty fleet: %q", out)
 	}
 
-	// The wrong password: the fourth daemon's routes are refused, it cannot make its
-	// replicated buckets and exits with an error.
+	// The wrong password: the fourth daemon's routes are refused.
+	flag := func(name string) string {
+		args := hosts[0].args
+		if i := slices.Index(args, name); i >= 0 && i+1 < len(args) {
+			return args[i+1]
+		}
+		t.Fatalf("the fleet's daemons have no %s", name)
+		return ""
+	}
+	routes, pw := flag("--routes"), flag("--cluster-password-file")
+	dir := t.TempDir()
+	bad := filepath.Join(dir, "bad")
+	if err := os.WriteFile(bad, []byte("wrong\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	home4, err := os.MkdirTemp("/tmp", "fvfl-")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(home4) })
-	cmd := exec.Command(filepath.Join(binDir, "forkvm"), "serve", "--cluster-listen", ports[3], "--routes", routes,
+	cmd := exec.Command(filepath.Join(binDir, "forkvm"), "serve", "--cluster-listen", fleetPorts(t, 1)[0], "--routes", routes,
 		"--cluster-user", "fleet", "--cluster-password-file", bad, "--node", "n4")
 	cmd.Env = append(os.Environ(), "FORKVM_HOME="+home4, "FORKVM_CACHE="+cacheDir)
 	done := make(chan error, 1)
@@ -122,7 +104,7 @@ func TestFleetFormation(t *testing.T) {
 		<-done
 		t.Errorf("a daemon with the wrong password still runs after 90s")
 	}
-	if out, _, _ := cli(nil, "nodes", "--json"); strings.Contains(out, `"n4"`) {
+	if out := hosts[0].ok(t, "nodes", "--json"); strings.Contains(out, `"n4"`) {
 		t.Errorf("n4 joined with the wrong password: %s", out)
 	}
 
@@ -137,8 +119,15 @@ func TestFleetFormation(t *testing.T) {
 			t.Errorf("forkvm %v: %v %s", args, err, out)
 		}
 	}
-	os.Chmod(pw, 0o644)
-	c := exec.Command(filepath.Join(binDir, "forkvm"), "serve", "--cluster-listen", "127.0.0.1:0", "--cluster-user", "fleet", "--cluster-password-file", pw)
+	open := filepath.Join(dir, "open")
+	b, err := os.ReadFile(pw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(open, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c := exec.Command(filepath.Join(binDir, "forkvm"), "serve", "--cluster-listen", "127.0.0.1:0", "--cluster-user", "fleet", "--cluster-password-file", open)
 	c.Env = append(os.Environ(), "FORKVM_HOME="+home4, "FORKVM_CACHE="+cacheDir)
 	if out, err := c.CombinedOutput(); err == nil || !strings.Contains(string(out), "readable by others") {
 		t.Errorf("a world-readable password file: %v %s", err, out)

@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -135,232 +137,248 @@ func cleanupFleet(t *testing.T, hosts []*fleetHost, ck string) {
 	})
 }
 
-// TestFleetWaveSpread: three daemons on loopback, each its own state directory and a
-// budget of 2 vCPUs for fleet jobs. A world checkpoint taken on n1 only is forked 6
-// times with --fleet --spread: the forks land 2 on each node (never more than its
-// budget), n2 and n3 each pull the checkpoint once, every fork answers exec with its
-// own name on its node, and the fleet's claims name each fork once.
-func TestFleetWaveSpread(t *testing.T) {
-	hosts := startFleet(t, 3, 2)
+// TestFleetWaves: one fleet of three daemons on loopback, each its own state directory
+// and a budget of 5 vCPUs for fleet jobs, and one world checkpoint taken on n1 only.
+//   - formation: the nodes list the three, of one class, with their labels; the fleet
+//     has no claims; a fourth daemon with the wrong password is refused (its routes
+//     rejected, it cannot make its replicated buckets and exits), as is a fleet without
+//     credentials and a password file others may read.
+//   - spread: the checkpoint is forked 6 times with --fleet --spread: the forks land 2
+//     on each node, n2 and n3 each pull the checkpoint once, every fork answers exec
+//     with its own name on its node, and the fleet's claims name each fork once.
+//   - node-killed: a wave of 9 forks; when n3 reports its first ready fork, its daemon
+//     and every QEMU of its state directory are killed with SIGKILL (the spread share
+//     of the two left grows to 5, within their budgets). Every requested fork ends
+//     ready on a live node, failed, or node_lost (a fork n3 had made); none is made
+//     twice, no name is claimed twice, and the live nodes run exactly the forks
+//     reported ready on them.
+func TestFleetWaves(t *testing.T) {
+	hosts := startFleet(t, 3, 5, "--label", "rack=r1")
 	n1 := hosts[0]
 	cleanupFleet(t, hosts, "fwck")
+	t.Run("formation", func(t *testing.T) { checkFleetFormation(t, hosts) })
 	n1.ok(t, "create", "fw", "--cpus", "1", "--memory-mb", "256", "--forkable")
 	n1.ok(t, "exec", "fw", "--", "sh", "-c", "echo fleet-world > /dev/shm/m")
 	n1.ok(t, "checkpoint", "fw", "fwck", "--pin")
 	n1.ok(t, "rm", "fw")
-
-	out, errs, code := n1.cli(nil, "fork", "fwck", "--n", "6", "--prefix", "fw-", "--fleet", "--spread", "--json")
-	evs := waveEvents(t, out)
-	t.Logf("wave: exit %d, %d events, %s", code, len(evs), strings.TrimSpace(errs))
-	if code != 0 {
+	t.Run("spread", func(t *testing.T) {
+		out, errs, code := n1.cli(nil, "fork", "fwck", "--n", "6", "--prefix", "fw-", "--fleet", "--spread", "--json")
+		evs := waveEvents(t, out)
+		t.Logf("wave: exit %d, %d events, %s", code, len(evs), strings.TrimSpace(errs))
+		if code != 0 {
+			for _, h := range hosts {
+				t.Logf("%s log:\n%s", h.name, h.d.logText())
+			}
+			t.Fatalf("fleet wave: exit %d: %s%s", code, out, errs)
+		}
+		perNode := map[string][]string{}
+		seen := map[string]bool{}
+		for _, ev := range evs {
+			if !ev.OK {
+				t.Errorf("fork %s failed on %s: %s (%s)", ev.Name, ev.Node, ev.Error, ev.Code)
+				continue
+			}
+			if seen[ev.Name] {
+				t.Errorf("fork %s reported ready twice", ev.Name)
+			}
+			seen[ev.Name] = true
+			perNode[ev.Node] = append(perNode[ev.Node], ev.Name)
+			t.Logf("%s ready on %s in %.0f ms", ev.Name, ev.Node, ev.LatencyMS)
+		}
+		if len(seen) != 6 {
+			t.Fatalf("%d of 6 forks ready: %v", len(seen), perNode)
+		}
 		for _, h := range hosts {
-			t.Logf("%s log:\n%s", h.name, h.d.logText())
+			names := perNode[h.name]
+			if len(names) == 0 || len(names) > 2 {
+				t.Errorf("node %s has %d forks of the wave (budget 2, spread): %v", h.name, len(names), names)
+			}
+			var vms []api.VMObject
+			if err := json.Unmarshal([]byte(h.ok(t, "ls", "--json")), &vms); err != nil {
+				t.Fatal(err)
+			}
+			if len(vms) != len(names) {
+				t.Errorf("node %s runs %d VMs, the wave says %d: %+v", h.name, len(vms), len(names), vms)
+			}
+			for _, name := range names {
+				if got := h.ok(t, "exec", name, "--", "sh", "-c", "hostname; cat /dev/shm/m"); got != name+"\nfleet-world\n" {
+					t.Errorf("exec %s on %s: %q", name, h.name, got)
+				}
+			}
+			fetched := strings.Count(h.d.logText(), "fleet: checkpoint fetched")
+			want := 1
+			if h == n1 {
+				want = 0
+			}
+			if fetched != want {
+				t.Errorf("node %s fetched the checkpoint %d times, want %d", h.name, fetched, want)
+			}
 		}
-		t.Fatalf("fleet wave: exit %d: %s%s", code, out, errs)
-	}
-	perNode := map[string][]string{}
-	seen := map[string]bool{}
-	for _, ev := range evs {
-		if !ev.OK {
-			t.Errorf("fork %s failed on %s: %s (%s)", ev.Name, ev.Node, ev.Error, ev.Code)
-			continue
-		}
-		if seen[ev.Name] {
-			t.Errorf("fork %s reported ready twice", ev.Name)
-		}
-		seen[ev.Name] = true
-		perNode[ev.Node] = append(perNode[ev.Node], ev.Name)
-		t.Logf("%s ready on %s in %.0f ms", ev.Name, ev.Node, ev.LatencyMS)
-	}
-	if len(seen) != 6 {
-		t.Fatalf("%d of 6 forks ready: %v", len(seen), perNode)
-	}
-	for _, h := range hosts {
-		names := perNode[h.name]
-		if len(names) == 0 || len(names) > 2 {
-			t.Errorf("node %s has %d forks of the wave (budget 2, spread): %v", h.name, len(names), names)
-		}
-		var vms []api.VMObject
-		if err := json.Unmarshal([]byte(h.ok(t, "ls", "--json")), &vms); err != nil {
+		var claims []api.FleetVM
+		if err := json.Unmarshal([]byte(n1.ok(t, "ls", "--fleet", "--json")), &claims); err != nil {
 			t.Fatal(err)
 		}
-		if len(vms) != len(names) {
-			t.Errorf("node %s runs %d VMs, the wave says %d: %+v", h.name, len(vms), len(names), vms)
+		claimed := map[string]string{}
+		for _, c := range claims {
+			if prev, dup := claimed[c.Name]; dup {
+				t.Errorf("%s claimed twice: %s and %s", c.Name, prev, c.Node)
+			}
+			claimed[c.Name] = c.Node
 		}
-		for _, name := range names {
-			if got := h.ok(t, "exec", name, "--", "sh", "-c", "hostname; cat /dev/shm/m"); got != name+"\nfleet-world\n" {
-				t.Errorf("exec %s on %s: %q", name, h.name, got)
+		for node, names := range perNode {
+			for _, name := range names {
+				if claimed[name] != node {
+					t.Errorf("%s ready on %s, claimed by %q", name, node, claimed[name])
+				}
 			}
 		}
-		fetched := strings.Count(h.d.logText(), "fleet: checkpoint fetched")
-		want := 1
-		if h == n1 {
-			want = 0
-		}
-		if fetched != want {
-			t.Errorf("node %s fetched the checkpoint %d times, want %d", h.name, fetched, want)
-		}
-	}
-	var claims []api.FleetVM
-	if err := json.Unmarshal([]byte(n1.ok(t, "ls", "--fleet", "--json")), &claims); err != nil {
-		t.Fatal(err)
-	}
-	claimed := map[string]string{}
-	for _, c := range claims {
-		if prev, dup := claimed[c.Name]; dup {
-			t.Errorf("%s claimed twice: %s and %s", c.Name, prev, c.Node)
-		}
-		claimed[c.Name] = c.Node
-	}
-	for node, names := range perNode {
-		for _, name := range names {
-			if claimed[name] != node {
-				t.Errorf("%s ready on %s, claimed by %q", name, node, claimed[name])
+		// Room for the next wave: the forks deleted where they run leave the fleet's
+		// list (their claims are released in the background).
+		for _, h := range hosts {
+			for name := range nodeVMs(t, h) {
+				h.ok(t, "rm", name)
 			}
 		}
-	}
-}
-
-// TestFleetWaveNodeKilled: a fleet wave of 9 forks over three daemons (5 vCPUs each for
-// fleet jobs); when n3 reports its first ready fork, its daemon and every QEMU of its
-// state directory are killed with SIGKILL (the spread share of the two left grows to 5,
-// within their budgets). Every requested fork ends ready on a live
-// node, failed, or node_lost (a fork n3 had made); none is made twice, no name is
-// claimed twice, and the live nodes run exactly the forks reported ready on them.
-func TestFleetWaveNodeKilled(t *testing.T) {
-	const n = 9
-	hosts := startFleet(t, 3, 5)
-	n1, victim := hosts[0], hosts[2]
-	cleanupFleet(t, hosts, "fkck")
-	n1.ok(t, "create", "fk", "--cpus", "1", "--memory-mb", "256", "--forkable")
-	n1.ok(t, "checkpoint", "fk", "fkck", "--pin")
-	n1.ok(t, "rm", "fk")
-
-	cmd := exec.Command(filepath.Join(binDir, "forkvm"), "fork", "fkck", "--n", fmt.Sprint(n), "--prefix", "fk-", "--fleet", "--spread", "--json")
-	cmd.Env = append(os.Environ(), "FORKVM_HOME="+n1.home, "FORKVM_CACHE="+cacheDir)
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	waveDone := make(chan struct{})
-	timer := time.AfterFunc(3*time.Minute, func() {
-		select {
-		case <-waveDone:
-		default:
-			cmd.Process.Kill()
+		for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(250 * time.Millisecond) {
+			left := fleetClaims(t, n1)
+			if len(left) == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("15 s after their VMs were deleted the fleet still lists %v", slices.Collect(maps.Keys(left)))
+				break
+			}
 		}
 	})
-	defer timer.Stop()
-	var evs []api.FleetForkEventObject
-	var killedAt time.Time
-	start := time.Now()
-	finalAtKill := 0
-	sc := bufio.NewScanner(stdout)
-	for sc.Scan() {
-		l := sc.Text()
-		if !strings.HasPrefix(l, "{") {
-			continue
-		}
-		var ev api.FleetForkEventObject
-		if err := json.Unmarshal([]byte(l), &ev); err != nil {
-			t.Fatalf("event %q: %v", l, err)
-		}
-		evs = append(evs, ev)
-		t.Logf("%.1fs %s on %s ok=%v code=%s %s", time.Since(start).Seconds(), ev.Name, ev.Node, ev.OK, ev.Code, ev.Error)
-		if killedAt.IsZero() && ev.OK && ev.Node == victim.name {
-			finalAtKill = len(evs)
-			// kill -9 of the node: its daemon, then its QEMUs.
-			victim.d.kill9()
-			for pid := range procsReferencing(victim.home) {
-				syscall.Kill(pid, syscall.SIGKILL)
-			}
-			killedAt = time.Now()
-		}
-	}
-	werr := cmd.Wait()
-	close(waveDone)
-	if killedAt.IsZero() {
-		t.Fatalf("n3 made no fork: %v %s", werr, stderr.String())
-	}
-	t.Logf("wave ended %.1fs after the kill (%d events before it): %v %s", time.Since(killedAt).Seconds(), finalAtKill, werr, strings.TrimSpace(stderr.String()))
-	if finalAtKill >= n {
-		t.Fatalf("the wave had ended when n3 was killed")
-	}
-
-	// The last event of each fork is its end: ready on a live node, failed, or node_lost.
-	last := map[int]api.FleetForkEventObject{}
-	readyOn := map[string]int{}
-	for _, ev := range evs {
-		last[ev.Index] = ev
-		if ev.OK && ev.Code == "" && ev.Node != victim.name {
-			readyOn[ev.Name]++
-		}
-	}
-	lost := 0
-	for i := range n {
-		ev, ok := last[i]
-		switch {
-		case !ok:
-			t.Errorf("fork %d: no event", i)
-		case ev.Code == api.CodeNodeLost:
-			lost++
-			if ev.Node != victim.name {
-				t.Errorf("fork %d lost with live node %s", i, ev.Node)
-			}
-		case ev.OK && ev.Node == victim.name:
-			t.Errorf("fork %d: ready on the killed node and not reported lost: %+v", i, ev)
-		case !ev.OK:
-			t.Logf("fork %d failed: %s (%s)", i, ev.Error, ev.Code)
-		}
-	}
-	if lost == 0 {
-		t.Errorf("no fork reported node_lost, yet n3 had made one")
-	}
-	for name, c := range readyOn {
-		if c > 1 {
-			t.Errorf("%s reported ready %d times", name, c)
-		}
-	}
-	// What runs on the live nodes is exactly what was reported ready there, once.
-	running := map[string]string{}
-	for _, h := range hosts[:2] {
-		var vms []api.VMObject
-		if err := json.Unmarshal([]byte(h.ok(t, "ls", "--json")), &vms); err != nil {
+	t.Run("node-killed", func(t *testing.T) {
+		const n = 9
+		victim := hosts[2]
+		cmd := exec.Command(filepath.Join(binDir, "forkvm"), "fork", "fwck", "--n", fmt.Sprint(n), "--prefix", "fk-", "--fleet", "--spread", "--json")
+		cmd.Env = append(os.Environ(), "FORKVM_HOME="+n1.home, "FORKVM_CACHE="+cacheDir)
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
 			t.Fatal(err)
 		}
-		for _, v := range vms {
-			if prev, dup := running[v.Name]; dup {
-				t.Errorf("%s runs on %s and %s", v.Name, prev, h.name)
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		waveDone := make(chan struct{})
+		timer := time.AfterFunc(3*time.Minute, func() {
+			select {
+			case <-waveDone:
+			default:
+				cmd.Process.Kill()
 			}
-			running[v.Name] = h.name
+		})
+		defer timer.Stop()
+		var evs []api.FleetForkEventObject
+		var killedAt time.Time
+		start := time.Now()
+		finalAtKill := 0
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			l := sc.Text()
+			if !strings.HasPrefix(l, "{") {
+				continue
+			}
+			var ev api.FleetForkEventObject
+			if err := json.Unmarshal([]byte(l), &ev); err != nil {
+				t.Fatalf("event %q: %v", l, err)
+			}
+			evs = append(evs, ev)
+			t.Logf("%.1fs %s on %s ok=%v code=%s %s", time.Since(start).Seconds(), ev.Name, ev.Node, ev.OK, ev.Code, ev.Error)
+			if killedAt.IsZero() && ev.OK && ev.Node == victim.name {
+				finalAtKill = len(evs)
+				// kill -9 of the node: its daemon, then its QEMUs.
+				victim.d.kill9()
+				for pid := range procsReferencing(victim.home) {
+					syscall.Kill(pid, syscall.SIGKILL)
+				}
+				killedAt = time.Now()
+			}
 		}
-	}
-	for i := range n {
-		ev := last[i]
-		if ev.OK && ev.Code == "" && running[ev.Name] != ev.Node {
-			t.Errorf("%s reported ready on %s, runs on %q", ev.Name, ev.Node, running[ev.Name])
+		werr := cmd.Wait()
+		close(waveDone)
+		if killedAt.IsZero() {
+			t.Fatalf("n3 made no fork: %v %s", werr, stderr.String())
 		}
-	}
-	if len(running) != len(readyOn) {
-		t.Errorf("live nodes run %d forks, %d were reported ready there: %v", len(running), len(readyOn), running)
-	}
-	var claims []api.FleetVM
-	if err := json.Unmarshal([]byte(n1.ok(t, "ls", "--fleet", "--json")), &claims); err != nil {
-		t.Fatal(err)
-	}
-	claimed := map[string]bool{}
-	for _, c := range claims {
-		if claimed[c.Name] {
-			t.Errorf("%s claimed twice", c.Name)
+		t.Logf("wave ended %.1fs after the kill (%d events before it): %v %s", time.Since(killedAt).Seconds(), finalAtKill, werr, strings.TrimSpace(stderr.String()))
+		if finalAtKill >= n {
+			t.Fatalf("the wave had ended when n3 was killed")
 		}
-		claimed[c.Name] = true
-		if c.Node != victim.name && running[c.Name] != c.Node {
-			t.Errorf("claim %+v: not running there", c)
+
+		// The last event of each fork is its end: ready on a live node, failed, or node_lost.
+		last := map[int]api.FleetForkEventObject{}
+		readyOn := map[string]int{}
+		for _, ev := range evs {
+			last[ev.Index] = ev
+			if ev.OK && ev.Code == "" && ev.Node != victim.name {
+				readyOn[ev.Name]++
+			}
 		}
-	}
+		lost := 0
+		for i := range n {
+			ev, ok := last[i]
+			switch {
+			case !ok:
+				t.Errorf("fork %d: no event", i)
+			case ev.Code == api.CodeNodeLost:
+				lost++
+				if ev.Node != victim.name {
+					t.Errorf("fork %d lost with live node %s", i, ev.Node)
+				}
+			case ev.OK && ev.Node == victim.name:
+				t.Errorf("fork %d: ready on the killed node and not reported lost: %+v", i, ev)
+			case !ev.OK:
+				t.Logf("fork %d failed: %s (%s)", i, ev.Error, ev.Code)
+			}
+		}
+		if lost == 0 {
+			t.Errorf("no fork reported node_lost, yet n3 had made one")
+		}
+		for name, c := range readyOn {
+			if c > 1 {
+				t.Errorf("%s reported ready %d times", name, c)
+			}
+		}
+		// What runs on the live nodes is exactly what was reported ready there, once.
+		running := map[string]string{}
+		for _, h := range hosts[:2] {
+			var vms []api.VMObject
+			if err := json.Unmarshal([]byte(h.ok(t, "ls", "--json")), &vms); err != nil {
+				t.Fatal(err)
+			}
+			for _, v := range vms {
+				if prev, dup := running[v.Name]; dup {
+					t.Errorf("%s runs on %s and %s", v.Name, prev, h.name)
+				}
+				running[v.Name] = h.name
+			}
+		}
+		for i := range n {
+			ev := last[i]
+			if ev.OK && ev.Code == "" && running[ev.Name] != ev.Node {
+				t.Errorf("%s reported ready on %s, runs on %q", ev.Name, ev.Node, running[ev.Name])
+			}
+		}
+		if len(running) != len(readyOn) {
+			t.Errorf("live nodes run %d forks, %d were reported ready there: %v", len(running), len(readyOn), running)
+		}
+		var claims []api.FleetVM
+		if err := json.Unmarshal([]byte(n1.ok(t, "ls", "--fleet", "--json")), &claims); err != nil {
+			t.Fatal(err)
+		}
+		claimed := map[string]bool{}
+		for _, c := range claims {
+			if claimed[c.Name] {
+				t.Errorf("%s claimed twice", c.Name)
+			}
+			claimed[c.Name] = true
+			if c.Node != victim.name && running[c.Name] != c.Node {
+				t.Errorf("claim %+v: not running there", c)
+			}
+		}
+	})
 }
