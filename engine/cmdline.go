@@ -126,7 +126,15 @@ const baseKernelArgs = "console=ttyS0 quiet panic=-1 rdinit=/init"
 // runs no huge-page code on exec (khugepaged, alignment) and never collapses pages
 // into fresh 2 MiB copies. Fewer guest instructions on the fork path means fewer
 // blocks for TCG to translate in every new fork.
-const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugepage=never"
+//
+// A cold boot under TCG also skips three initcalls that only cost emulated CPU time:
+// the crypto self-tests (known-answer tests of the kernel's own algorithms, which catch
+// a miscompiled build, not an attack), the CTR-KDF self-test (its initcall does nothing
+// else) and the jitter entropy source's start-up (timing loops; the guest has
+// virtio-rng, and the agent handshake seeds its CRNG from the host). Together they
+// took about a sixth of a 1-vCPU boot's CPU (docs/benchmarks.md).
+const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugepage=never " +
+	"cryptomgr.notests initcall_blacklist=jent_mod_init,crypto_kdf108_init"
 
 // tcgThreadFor is the TCG thread mode of a fork about to start (Experimental.TCGThread):
 // a forced mode as is; in auto mode single when the vCPUs of the forks on their way to
