@@ -171,6 +171,28 @@ func (c Config) resolve() (*resolved, error) {
 	if c.CacheDir == "" {
 		c.CacheDir = guestboot.DefaultCacheDir()
 	}
+	c.setDefaults()
+	if c.KernelArgs == "" {
+		c.KernelArgs = os.Getenv("FORKVM_KERNEL_ARGS")
+	}
+	for _, r := range c.KernelArgs {
+		if r < 0x20 || r > 0x7e {
+			return nil, fmt.Errorf("%w: kernel args must be printable ASCII", ErrInvalidSpec)
+		}
+	}
+	if c.CPUModel == "" {
+		c.CPUModel = os.Getenv("FORKVM_CPU")
+	}
+	accel, vsock, err := c.resolveAccel()
+	if err != nil {
+		return nil, err
+	}
+	return &resolved{Config: c, accel: accel, tag: tag, vsock: vsock, sharedRAM: sharedRAM, sharedRun: sharedRun,
+		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
+}
+
+// setDefaults fills the zero numeric settings, timeouts and logger of c.
+func (c *Config) setDefaults() {
 	x := &c.Experimental
 	if x.TBSizeMiB == 0 {
 		x.TBSizeMiB = 64
@@ -206,40 +228,32 @@ func (c Config) resolve() (*resolved, error) {
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
-	if c.KernelArgs == "" {
-		c.KernelArgs = os.Getenv("FORKVM_KERNEL_ARGS")
-	}
-	for _, r := range c.KernelArgs {
-		if r < 0x20 || r > 0x7e {
-			return nil, fmt.Errorf("%w: kernel args must be printable ASCII", ErrInvalidSpec)
-		}
-	}
-	if c.CPUModel == "" {
-		c.CPUModel = os.Getenv("FORKVM_CPU")
-	}
+}
+
+// resolveAccel resolves c's accelerator, TCG thread mode and agent transport (whether
+// the agent talks over vsock), from c and the environment.
+func (c *Config) resolveAccel() (accel Accel, vsock bool, err error) {
 	if c.Accel == "" {
 		c.Accel = Accel(os.Getenv("FORKVM_ACCEL"))
 	}
 	if c.Accel == "" {
 		c.Accel = AccelAuto
 	}
-	var accel Accel
 	switch c.Accel {
 	case AccelAuto:
 		accel = detectAccel()
 	case AccelKVM, AccelHVF, AccelTCG:
 		accel = c.Accel
 	default:
-		return nil, fmt.Errorf("%w: accelerator %q (want auto, kvm, hvf or tcg)", ErrInvalidSpec, c.Accel)
+		return "", false, fmt.Errorf("%w: accelerator %q (want auto, kvm, hvf or tcg)", ErrInvalidSpec, c.Accel)
 	}
-	switch x.TCGThread {
+	switch c.Experimental.TCGThread {
 	case "":
-		x.TCGThread = TCGThreadAuto
+		c.Experimental.TCGThread = TCGThreadAuto
 	case TCGThreadAuto, TCGThreadSingle, TCGThreadMulti:
 	default:
-		return nil, fmt.Errorf("%w: tcg thread %q (want auto, single or multi)", ErrInvalidSpec, x.TCGThread)
+		return "", false, fmt.Errorf("%w: tcg thread %q (want auto, single or multi)", ErrInvalidSpec, c.Experimental.TCGThread)
 	}
-	var vsock bool
 	switch c.Transport {
 	case "", TransportAuto:
 		c.Transport = TransportAuto
@@ -249,10 +263,9 @@ func (c Config) resolve() (*resolved, error) {
 		vsock = true
 	case TransportSerial:
 	default:
-		return nil, fmt.Errorf("%w: transport %q (want auto, serial or vsock)", ErrInvalidSpec, c.Transport)
+		return "", false, fmt.Errorf("%w: transport %q (want auto, serial or vsock)", ErrInvalidSpec, c.Transport)
 	}
-	return &resolved{Config: c, accel: accel, tag: tag, vsock: vsock, sharedRAM: sharedRAM, sharedRun: sharedRun,
-		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
+	return accel, vsock, nil
 }
 
 // DefaultStateDir is $FORKVM_HOME, else $XDG_STATE_HOME/forkvm, else ~/.local/state/forkvm.

@@ -402,34 +402,13 @@ func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport
 		}
 		return nil, fmt.Errorf("%w: checkpoint %s (another one)", ErrExists, name)
 	}
-	// Where each file goes: resolve a copy against this host's directories.
-	final := *ck
-	if err := e.paths.resolve(&final, e.paths.checkpointDir(name)); err != nil {
-		return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
-	}
-	if err := importLayout(e.paths, &final, e.paths.checkpointDir(name)); err != nil {
-		return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
-	}
-	final.Kernel, final.Initrd = "", ""
-	if ck.Kernel != "" {
-		final.Kernel = exportKernel
-	}
-	if ck.Initrd != "" {
-		final.Initrd = exportInitrd
-	}
-	want, err := exportFiles(e.paths, &final, e.paths.checkpointDir(name))
+	final, want, err := e.importTargets(name, ck)
 	if err != nil {
 		return nil, err
 	}
-	got := map[string]api.CheckpointFile{}
-	for _, f := range exp.Files {
-		if _, dup := got[f.Name]; dup {
-			return nil, fmt.Errorf("%w: import %s: file %q listed twice", ErrCheckpointCorrupt, name, f.Name)
-		}
-		if err := checkExportFile(f); err != nil {
-			return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
-		}
-		got[f.Name] = f
+	got, err := exportedFiles(name, exp.Files)
+	if err != nil {
+		return nil, err
 	}
 	if err := e.vms.reserve(name); err != nil {
 		return nil, err
@@ -452,8 +431,62 @@ func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport
 			return nil, fmt.Errorf("engine: import %s: %w", name, err)
 		}
 	}
-	blobs := filepath.Join(e.cfg.CacheDir, blobsDir)
-	local := e.lineageFiles()
+	if err := imp.planFiles(ctx, want, got, final); err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	ok = true
+	return imp, nil
+}
+
+// importTargets is where each file of checkpoint name (manifest ck, from another
+// engine) goes on this host: the manifest resolved against this engine's directories,
+// with the files the export must or may hold.
+func (e *Engine) importTargets(name string, ck *checkpointManifest) (*checkpointManifest, []exportFile, error) {
+	final := *ck
+	if err := e.paths.resolve(&final, e.paths.checkpointDir(name)); err != nil {
+		return nil, nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
+	}
+	if err := importLayout(e.paths, &final, e.paths.checkpointDir(name)); err != nil {
+		return nil, nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
+	}
+	final.Kernel, final.Initrd = "", ""
+	if ck.Kernel != "" {
+		final.Kernel = exportKernel
+	}
+	if ck.Initrd != "" {
+		final.Initrd = exportInitrd
+	}
+	want, err := exportFiles(e.paths, &final, e.paths.checkpointDir(name))
+	if err != nil {
+		return nil, nil, err
+	}
+	return &final, want, nil
+}
+
+// exportedFiles checks the files an export of checkpoint name lists, by name.
+func exportedFiles(name string, files []api.CheckpointFile) (map[string]api.CheckpointFile, error) {
+	got := map[string]api.CheckpointFile{}
+	for _, f := range files {
+		if _, dup := got[f.Name]; dup {
+			return nil, fmt.Errorf("%w: import %s: file %q listed twice", ErrCheckpointCorrupt, name, f.Name)
+		}
+		if err := checkExportFile(f); err != nil {
+			return nil, fmt.Errorf("%w: import %s: %v", ErrCheckpointCorrupt, name, err)
+		}
+		got[f.Name] = f
+	}
+	return got, nil
+}
+
+// planFiles decides, for each file the import wants, where it is staged and whether
+// this host has it already (blob store, the lineage's RAM files). The export must list
+// every file wanted that is not optional, and nothing else.
+func (imp *CheckpointImport) planFiles(ctx context.Context, want []exportFile, got map[string]api.CheckpointFile, final *checkpointManifest) error {
+	blobs := filepath.Join(imp.e.cfg.CacheDir, blobsDir)
+	local := imp.e.lineageFiles()
 	for _, w := range want {
 		f, listed := got[w.name]
 		delete(got, w.name)
@@ -461,35 +494,31 @@ func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport
 			if w.optional {
 				continue
 			}
-			return nil, fmt.Errorf("%w: import %s: the export lacks %q", ErrCheckpointCorrupt, name, w.name)
+			return fmt.Errorf("%w: import %s: the export lacks %q", ErrCheckpointCorrupt, imp.name, w.name)
 		}
 		f.Layout = w.layer
 		fi := &importFile{CheckpointFile: f, final: w.path}
 		switch {
-		case w.name == exportKernel || w.name == exportInitrd || w.name == firstDisk(&final):
+		case w.name == exportKernel || w.name == exportInitrd || w.name == firstDisk(final):
 			fi.blob = true
 			fi.final = filepath.Join(blobs, f.SHA256)
 			fi.stage = filepath.Join(blobs, ".tmp-"+f.SHA256[:16]+"-"+randHex(4))
-			if w.name == firstDisk(&final) {
+			if w.name == firstDisk(final) {
 				fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
 			}
-			fi.had = e.hostHas(ctx, f, fi.final)
+			fi.had = imp.e.hostHas(ctx, f, fi.final)
 		case strings.HasPrefix(w.name, exportRAMPrefix):
 			fi.stage = imp.ramStage(w.path)
-			fi.had = local.find(fi, ck, final.Layers, w)
+			fi.had = local.find(fi, imp.ck, final.Layers, w)
 		default:
 			fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
 		}
 		imp.files = append(imp.files, fi)
 	}
 	for n := range got {
-		return nil, fmt.Errorf("%w: import %s: unexpected file %q", ErrCheckpointCorrupt, name, n)
+		return fmt.Errorf("%w: import %s: unexpected file %q", ErrCheckpointCorrupt, imp.name, n)
 	}
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	ok = true
-	return imp, nil
+	return nil
 }
 
 // importLayout checks that a resolved manifest places every file where this engine
@@ -793,50 +822,14 @@ func (imp *CheckpointImport) Commit(ctx context.Context) (*Checkpoint, error) {
 			}
 		}
 	}
-	// Boot files and the base image go to the host's blob store (once per host); the
-	// base image is hard-linked into the checkpoint (copied where the store is on
-	// another file system).
-	if len(blobs) > 0 {
-		if err := os.MkdirAll(filepath.Dir(blobs[0].final), 0o755); err != nil {
-			return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
-		}
-	}
-	for _, f := range blobs {
-		inCk := f.Name != exportKernel && f.Name != exportInitrd
-		switch {
-		case f.had != "" && inCk:
-			if err := linkOrCopy(ctx, f.had, f.stage); err != nil {
-				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
-			}
-		case inCk:
-			if _, err := os.Stat(f.final); err != nil {
-				_ = os.Link(f.stage, f.final) // best effort: the next pull finds it
-			}
-		default:
-			if err := os.Rename(f.stage, f.final); err != nil {
-				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
-			}
-		}
+	if err := imp.storeBlobs(ctx, blobs); err != nil {
+		return nil, err
 	}
 	if err := writeCheckpointManifest(e.paths, final, filepath.Join(imp.tmp, manifestFile), &ck); err != nil {
 		return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
 	}
-	ramFinal, layersFinal := e.paths.checkpointRAM(imp.name), e.paths.checkpointLayers(imp.name)
-	if err := os.Rename(imp.ramTmp, ramFinal); err != nil {
-		return nil, fmt.Errorf("engine: import %s: ram: %w", imp.name, err)
-	}
-	if imp.layersTmp != "" {
-		if err := os.Rename(imp.layersTmp, layersFinal); err != nil {
-			os.Rename(ramFinal, imp.ramTmp)
-			return nil, fmt.Errorf("engine: import %s: ram layers: %w", imp.name, err)
-		}
-	}
-	if err := os.Rename(imp.tmp, final); err != nil {
-		os.Rename(ramFinal, imp.ramTmp)
-		if imp.layersTmp != "" {
-			os.Rename(layersFinal, imp.layersTmp)
-		}
-		return nil, fmt.Errorf("engine: import %s: commit: %w", imp.name, err)
+	if err := imp.rename(final); err != nil {
+		return nil, err
 	}
 	imp.closed = true
 	if imp.reserved {
@@ -850,6 +843,58 @@ func (imp *CheckpointImport) Commit(ctx context.Context) (*Checkpoint, error) {
 	}
 	e.log.Info("imported checkpoint", "checkpoint", imp.name, "files", len(imp.files), "had", imp.Skipped())
 	return c, nil
+}
+
+// storeBlobs moves the boot files and the base image an import brought into the host's
+// blob store (once per host); the base image is hard-linked into the checkpoint (copied
+// where the store is on another file system).
+func (imp *CheckpointImport) storeBlobs(ctx context.Context, blobs []*importFile) error {
+	if len(blobs) > 0 {
+		if err := os.MkdirAll(filepath.Dir(blobs[0].final), 0o755); err != nil {
+			return fmt.Errorf("engine: import %s: %w", imp.name, err)
+		}
+	}
+	for _, f := range blobs {
+		inCk := f.Name != exportKernel && f.Name != exportInitrd
+		switch {
+		case f.had != "" && inCk:
+			if err := linkOrCopy(ctx, f.had, f.stage); err != nil {
+				return fmt.Errorf("engine: import %s: %w", imp.name, err)
+			}
+		case inCk:
+			if _, err := os.Stat(f.final); err != nil {
+				_ = os.Link(f.stage, f.final) // best effort: the next pull finds it
+			}
+		default:
+			if err := os.Rename(f.stage, f.final); err != nil {
+				return fmt.Errorf("engine: import %s: %w", imp.name, err)
+			}
+		}
+	}
+	return nil
+}
+
+// rename commits the import's staged RAM file, layers and directory (final) by renames,
+// undoing the earlier ones when a later one fails.
+func (imp *CheckpointImport) rename(final string) error {
+	ramFinal, layersFinal := imp.e.paths.checkpointRAM(imp.name), imp.e.paths.checkpointLayers(imp.name)
+	if err := os.Rename(imp.ramTmp, ramFinal); err != nil {
+		return fmt.Errorf("engine: import %s: ram: %w", imp.name, err)
+	}
+	if imp.layersTmp != "" {
+		if err := os.Rename(imp.layersTmp, layersFinal); err != nil {
+			os.Rename(ramFinal, imp.ramTmp)
+			return fmt.Errorf("engine: import %s: ram layers: %w", imp.name, err)
+		}
+	}
+	if err := os.Rename(imp.tmp, final); err != nil {
+		os.Rename(ramFinal, imp.ramTmp)
+		if imp.layersTmp != "" {
+			os.Rename(layersFinal, imp.layersTmp)
+		}
+		return fmt.Errorf("engine: import %s: commit: %w", imp.name, err)
+	}
+	return nil
 }
 
 // Abort drops an import that was not committed: its temporary files and its name.
