@@ -260,112 +260,23 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 	defer recs.Stop()
 	defer nodeW.Stop()
 	defer sub.Unsubscribe()
-	type slot struct {
-		final   bool
-		ready   bool
-		node    string
-		attempt int
-	}
-	slots := make([]slot, w.n)
-	attempts := make([]int, w.n)
-	for i := range attempts {
-		attempts[i] = 1
-	}
-	left := w.n
-	send := func(ev Event) bool {
-		select {
-		case w.out <- ev:
-			return true
-		case <-ctx.Done():
-			return false
-		}
-	}
-	// lose reports the ready forks of node lost as node_lost (and republishes them
-	// with --replace-lost); false when the wave's consumer is gone.
-	lose := func(lost string) bool {
-		for i := range slots {
-			if !slots[i].final || !slots[i].ready || slots[i].node != lost {
-				continue
-			}
-			ev := api.ForkEventObjectOf(i, w.names[i], 0, nil, fmt.Errorf("%w: %s was ready on node %s, whose heartbeat expired", ErrNodeLost, w.names[i], lost))
-			ev.Code = api.CodeNodeLost
-			if !send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: ev, Node: lost, Attempt: slots[i].attempt}}) {
-				return false
-			}
-			slots[i].ready = false
-			if w.replace {
-				attempts[i]++
-				if err := w.publish(ctx, i, attempts[i]); err != nil {
-					w.f.log.Warn("fleet: replacement not published", "vm", w.names[i], "err", err)
-					continue
-				}
-				slots[i].final = false
-				left++
-			}
-		}
-		return true
+	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, w.n), attempts: make([]int, w.n), left: w.n, roomAt: time.Now()}
+	for i := range r.attempts {
+		r.attempts[i] = 1
 	}
 	tick := time.NewTicker(w.f.cfg.Heartbeat)
 	defer tick.Stop()
-	// roomAt is when a live node of the class last showed room for one fork.
-	roomAt := time.Now()
-	for left > 0 {
+	for r.left > 0 {
 		select {
 		case <-ctx.Done():
 			return
 		case e, ok := <-recs.Updates():
-			if !ok {
-				return
-			}
-			if e == nil || e.Operation() != jetstream.KeyValuePut {
-				continue
-			}
-			var r record
-			if json.Unmarshal(e.Value(), &r) != nil || !r.final() {
-				continue
-			}
-			i := r.Event.Index
-			if i < 0 || i >= w.n || slots[i].final || r.Attempt != attempts[i] {
-				continue
-			}
-			slots[i] = slot{final: true, ready: r.State == stateReady, node: r.Node, attempt: r.Attempt}
-			left--
-			if !send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: r.Event, Node: r.Node, Attempt: r.Attempt,
-				FleetTiming: r.Timing}}) {
+			if !ok || !r.recordUpdate(e) {
 				return
 			}
 		case <-tick.C:
-			// The watch can miss an expiry (its marker lost with the bucket's leader):
-			// look at the nodes of ready forks too.
-			lctx, cancel := context.WithTimeout(ctx, 3*callTimeout)
-			nodes, err := w.f.Nodes(lctx)
-			cancel()
-			if err != nil {
-				continue
-			}
-			live := map[string]bool{}
-			for _, nd := range nodes {
-				live[nd.Name] = true
-				if nd.Class == w.class && nd.FreeVCPUs >= max(w.ref.CPUs, 1) {
-					roomAt = time.Now()
-				}
-			}
-			if time.Since(roomAt) >= w.f.cfg.RoomWait {
-				var pending []int
-				for i := range slots {
-					if !slots[i].final {
-						pending = append(pending, i)
-					}
-				}
-				w.noRoom(ctx, pending, attempts, nodes)
-				roomAt = time.Now() // forks published since (replacements) get a whole wait
-			}
-			for i := range slots {
-				if slots[i].final && slots[i].ready && !live[slots[i].node] {
-					if !lose(slots[i].node) {
-						return
-					}
-				}
+			if !r.checkNodes() {
+				return
 			}
 		case e, ok := <-nodeW.Updates():
 			if !ok {
@@ -374,13 +285,129 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 			if e == nil || e.Operation() == jetstream.KeyValuePut {
 				continue
 			}
-			if !lose(e.Key()) {
+			if !r.lose(e.Key()) {
 				return
 			}
 		case m := <-dead:
 			w.deadLetter(ctx, m)
 		}
 	}
+}
+
+// waveRun is what a wave's run knows of its forks.
+type waveRun struct {
+	w   *wave
+	ctx context.Context
+	// slots are the forks' ends seen, attempts their current attempts; left counts
+	// the forks not final.
+	slots    []waveSlot
+	attempts []int
+	left     int
+	// roomAt is when a live node of the class last showed room for one fork.
+	roomAt time.Time
+}
+
+// waveSlot is one fork's end as the wave saw it.
+type waveSlot struct {
+	final, ready bool
+	node         string
+	attempt      int
+}
+
+// send streams ev; false when the wave's consumer is gone.
+func (r *waveRun) send(ev Event) bool {
+	select {
+	case r.w.out <- ev:
+		return true
+	case <-r.ctx.Done():
+		return false
+	}
+}
+
+// recordUpdate takes a job record's change: a final record of a fork's current attempt
+// ends the fork and is streamed. False when the wave's consumer is gone.
+func (r *waveRun) recordUpdate(e jetstream.KeyValueEntry) bool {
+	if e == nil || e.Operation() != jetstream.KeyValuePut {
+		return true
+	}
+	var rec record
+	if json.Unmarshal(e.Value(), &rec) != nil || !rec.final() {
+		return true
+	}
+	i := rec.Event.Index
+	if i < 0 || i >= r.w.n || r.slots[i].final || rec.Attempt != r.attempts[i] {
+		return true
+	}
+	r.slots[i] = waveSlot{final: true, ready: rec.State == stateReady, node: rec.Node, attempt: rec.Attempt}
+	r.left--
+	return r.send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: rec.Event, Node: rec.Node, Attempt: rec.Attempt,
+		FleetTiming: rec.Timing}})
+}
+
+// checkNodes, every heartbeat, fails the forks no live node has had room for over
+// RoomWait and loses the ready forks whose node is not live (the watch can miss an
+// expiry: its marker lost with the bucket's leader). False when the wave's consumer
+// is gone.
+func (r *waveRun) checkNodes() bool {
+	w := r.w
+	lctx, cancel := context.WithTimeout(r.ctx, 3*callTimeout)
+	nodes, err := w.f.Nodes(lctx)
+	cancel()
+	if err != nil {
+		return true
+	}
+	live := map[string]bool{}
+	for _, nd := range nodes {
+		live[nd.Name] = true
+		if nd.Class == w.class && nd.FreeVCPUs >= max(w.ref.CPUs, 1) {
+			r.roomAt = time.Now()
+		}
+	}
+	if time.Since(r.roomAt) >= w.f.cfg.RoomWait {
+		var pending []int
+		for i := range r.slots {
+			if !r.slots[i].final {
+				pending = append(pending, i)
+			}
+		}
+		w.noRoom(r.ctx, pending, r.attempts, nodes)
+		r.roomAt = time.Now() // forks published since (replacements) get a whole wait
+	}
+	for i := range r.slots {
+		if r.slots[i].final && r.slots[i].ready && !live[r.slots[i].node] {
+			if !r.lose(r.slots[i].node) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// lose reports the ready forks of node lost as node_lost (and republishes them with
+// --replace-lost); false when the wave's consumer is gone.
+func (r *waveRun) lose(lost string) bool {
+	w := r.w
+	for i := range r.slots {
+		if !r.slots[i].final || !r.slots[i].ready || r.slots[i].node != lost {
+			continue
+		}
+		ev := api.ForkEventObjectOf(i, w.names[i], 0, nil, fmt.Errorf("%w: %s was ready on node %s, whose heartbeat expired", ErrNodeLost, w.names[i], lost))
+		ev.Code = api.CodeNodeLost
+		if !r.send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: ev, Node: lost, Attempt: r.slots[i].attempt}}) {
+			return false
+		}
+		r.slots[i].ready = false
+		if w.replace {
+			r.attempts[i]++
+			if err := w.publish(r.ctx, i, r.attempts[i]); err != nil {
+				w.f.log.Warn("fleet: replacement not published", "vm", w.names[i], "err", err)
+				continue
+			}
+			r.slots[i].final = false
+			r.left++
+		}
+	}
+	return true
 }
 
 // deadLetter records as failed the job of a max-deliveries advisory, when it is this

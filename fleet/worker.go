@@ -294,25 +294,43 @@ type jobTry struct {
 // message given back for a later delivery. It reports whether this node made the fork
 // (it counts toward the wave's share).
 func (t *jobTry) handle() (took bool) {
-	f, j, msg := t.f, t.j, t.msg
-	ctx := f.ctx
-	// In progress while it runs: a fork may take longer than the ack wait.
-	stop := make(chan struct{})
-	defer close(stop)
+	defer t.keepInProgress()()
+	ctx := t.f.ctx
+	if !t.fresh(ctx) {
+		return false
+	}
+	crev, cl, ok := t.claimName(ctx)
+	if !ok {
+		return false
+	}
+	return t.fork(ctx, crev, cl)
+}
+
+// keepInProgress tells JetStream every third of the ack wait that the job is in
+// progress (a fork may take longer than the ack wait), until the returned func is
+// called.
+func (t *jobTry) keepInProgress() (stop func()) {
+	done := make(chan struct{})
 	go func() {
-		tk := time.NewTicker(f.cfg.AckWait / 3)
+		tk := time.NewTicker(t.f.cfg.AckWait / 3)
 		defer tk.Stop()
 		for {
 			select {
-			case <-stop:
+			case <-done:
 				return
 			case <-tk.C:
-				msg.InProgress()
+				t.msg.InProgress()
 			}
 		}
 	}()
+	return func() { close(done) }
+}
 
-	// Dedupe by job id: a job whose record is final was done (its ack was lost).
+// fresh dedupes the job by its id (a job whose record is final was done: its ack was
+// lost) and counts its earlier tries; false when the job needs nothing more from this
+// try (acked, given back or dead).
+func (t *jobTry) fresh(ctx context.Context) bool {
+	f, j := t.f, t.j
 	var rec record
 	rev, ok, err := getJSON(ctx, f.jobs, t.key, &rec)
 	if err != nil {
@@ -323,7 +341,7 @@ func (t *jobTry) handle() (took bool) {
 	}
 	if ok && rec.Job == j.ID {
 		if rec.final() {
-			f.ack(msg, j)
+			f.ack(t.msg, j)
 			return false
 		}
 		t.failures = rec.Failures
@@ -336,7 +354,13 @@ func (t *jobTry) handle() (took bool) {
 		t.dead("its tries", fmt.Errorf("%d tries failed or ended with their node", t.failures))
 		return false
 	}
+	return true
+}
 
+// claimName claims the job's name for this node, notes it in the journal and records
+// the try's start; ok is false when the job needs nothing more from this try.
+func (t *jobTry) claimName(ctx context.Context) (crev uint64, cl claim, ok bool) {
+	f, j, msg := t.f, t.j, t.msg
 	start := time.Now()
 	crev, cl, err := f.claim(ctx, j)
 	t.claim = time.Since(start)
@@ -344,7 +368,7 @@ func (t *jobTry) handle() (took bool) {
 	case errors.Is(err, errBusy):
 		// Another live node runs it (this delivery came after its ack wait): not a
 		// failure of the job.
-		return t.refuse("claimed by a live node", err)
+		return 0, cl, t.refuse("claimed by a live node", err)
 	case errors.Is(err, errDone):
 		// Ready on another live node. When that node's record was not written (the
 		// jobs bucket had no leader then), the wave would never see the fork: write
@@ -353,20 +377,20 @@ func (t *jobTry) handle() (took bool) {
 			r := record{Job: j.ID, Attempt: j.Attempt, State: stateReady, Node: cl.Node,
 				Event: api.ForkEventObjectOf(j.Index, j.Name, 0, nil, nil)}
 			if err := putJSON(ctx, f.jobs, t.key, r); err != nil {
-				return t.fail("recording a fork ready elsewhere", err)
+				return 0, cl, t.fail("recording a fork ready elsewhere", err)
 			}
 		}
 		f.ack(msg, j)
-		return false
+		return 0, cl, false
 	case err != nil && errors.Is(err, api.ErrExists):
 		t.finish(stateFailed, api.ForkEventObjectOf(j.Index, j.Name, 0, nil, err), "")
-		return false
+		return 0, cl, false
 	case err != nil:
-		return t.fail("claim", err)
+		return 0, cl, t.fail("claim", err)
 	}
 	if err := f.journal(j.Name, cl); err != nil {
 		f.release(j.Name, crev)
-		return t.fail("journal", err)
+		return 0, cl, t.fail("journal", err)
 	}
 	// The try starts: fenced, so that a wave that failed the job for want of room
 	// meanwhile wins (or loses) as a whole.
@@ -378,12 +402,18 @@ func (t *jobTry) handle() (took bool) {
 		var cur record
 		if _, ok, gerr := getJSON(ctx, f.jobs, t.key, &cur); gerr == nil && ok && cur.Job == j.ID && cur.final() {
 			f.ack(msg, j) // ended by the wave (no room) or another node
-			return false
+			return 0, cl, false
 		}
-		return t.refuse("recording its start", err)
+		return 0, cl, t.refuse("recording its start", err)
 	}
 	t.rev = nrev
+	return crev, cl, true
+}
 
+// fork makes the job's fork on this node (pulling its checkpoint when missing) under
+// the claim of revision crev, and reports whether it did.
+func (t *jobTry) fork(ctx context.Context, crev uint64, cl claim) bool {
+	f, j := t.f, t.j
 	// The fork may already be here: a redelivery to the node that made it.
 	info, err := f.eng.Get(j.Name)
 	if err == nil && info.State == api.StateRunning {
