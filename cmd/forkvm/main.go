@@ -574,46 +574,7 @@ func forkCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
-			var errs []error
-			var broken error
-			ready, failed := 0, 0
-			reported := make([]bool, n)
-			implicitChecked := false // the first ready fork's parent says whether it is implicit
-			for ev := range evs {
-				if ev.Index >= 0 && ev.Index < n {
-					reported[ev.Index] = true
-				}
-				switch {
-				case ev.Index < 0: // the stream broke: no fork of its own
-					broken = ev.Err
-					continue
-				case cmd.Bool("json"):
-					b, _ := json.Marshal(wire.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
-					fmt.Println(string(b))
-				case ev.Err != nil:
-					fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
-				default:
-					if !implicitChecked {
-						implicitChecked = true
-						if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
-							fmt.Printf("implicit checkpoint of %s: %s; %.1f MiB written\n", src, checkpointLine(&ck), float64(ck.WrittenBytes)/(1<<20))
-						}
-					}
-					t := ev.Timings
-					fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d\n", ev.Name,
-						ev.Latency.Round(time.Millisecond), t.Spawn.Round(time.Millisecond),
-						t.Restore.Round(time.Millisecond), t.Agent.Round(time.Millisecond), ev.VM.PID)
-				}
-				if ev.Err != nil {
-					failed++
-					errs = append(errs, ev.Err)
-				} else {
-					ready++
-					if tr != nil {
-						tr.add(ev.Index, ev.Name, ev.Spans)
-					}
-				}
-			}
+			tally := printForkEvents(ctx, cmd, api, src, n, evs, tr)
 			if tr != nil {
 				if err := tr.write(cmd.String("trace")); err != nil {
 					return fmt.Errorf("--trace: %w", err)
@@ -621,24 +582,77 @@ func forkCmd() *cli.Command {
 				fmt.Fprintf(summaryOut(cmd.Bool("json")), "trace bundle: %s\n", cmd.String("trace"))
 			}
 			var unreported []string
-			for i, r := range reported {
+			for i, r := range tally.reported {
 				if !r && (len(names) > 0 || opts.Prefix != "") {
 					unreported = append(unreported, waveForkName(names, opts.Prefix, i))
 				}
 			}
-			summary := forkSummary(n, ready, failed, time.Since(start), unreported)
-			if n > 1 || broken != nil {
+			summary := forkSummary(n, tally.ready, tally.failed, time.Since(start), unreported)
+			if n > 1 || tally.broken != nil {
 				fmt.Fprintln(summaryOut(cmd.Bool("json")), summary)
 			}
 			switch {
-			case broken != nil:
-				return fmt.Errorf("%s: %w", summary, broken)
-			case len(errs) > 0:
-				return fmt.Errorf("%d of %d forks failed: %w", len(errs), n, errs[0])
+			case tally.broken != nil:
+				return fmt.Errorf("%s: %w", summary, tally.broken)
+			case len(tally.errs) > 0:
+				return fmt.Errorf("%d of %d forks failed: %w", len(tally.errs), n, tally.errs[0])
 			}
 			return nil
 		},
 	}
+}
+
+// forkTally is what forkvm fork saw of its wave: the forks ready and failed, their
+// errors, which fork indexes had an event, and the error that broke the stream.
+type forkTally struct {
+	ready, failed int
+	errs          []error
+	reported      []bool
+	broken        error
+}
+
+// printForkEvents prints each fork's event as it comes (a line, or one JSON object
+// with --json; before the first ready fork of a running VM, its implicit checkpoint's
+// line), adds each ready fork's spans to tr, and tallies the wave.
+func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src string, n int, evs <-chan wire.ForkEvent, tr *forkTrace) forkTally {
+	t := forkTally{reported: make([]bool, n)}
+	implicitChecked := false // the first ready fork's parent says whether it is implicit
+	for ev := range evs {
+		if ev.Index >= 0 && ev.Index < n {
+			t.reported[ev.Index] = true
+		}
+		switch {
+		case ev.Index < 0: // the stream broke: no fork of its own
+			t.broken = ev.Err
+			continue
+		case cmd.Bool("json"):
+			b, _ := json.Marshal(wire.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
+			fmt.Println(string(b))
+		case ev.Err != nil:
+			fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
+		default:
+			if !implicitChecked {
+				implicitChecked = true
+				if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
+					fmt.Printf("implicit checkpoint of %s: %s; %.1f MiB written\n", src, checkpointLine(&ck), float64(ck.WrittenBytes)/(1<<20))
+				}
+			}
+			tm := ev.Timings
+			fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d\n", ev.Name,
+				ev.Latency.Round(time.Millisecond), tm.Spawn.Round(time.Millisecond),
+				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID)
+		}
+		if ev.Err != nil {
+			t.failed++
+			t.errs = append(t.errs, ev.Err)
+		} else {
+			t.ready++
+			if tr != nil {
+				tr.add(ev.Index, ev.Name, ev.Spans)
+			}
+		}
+	}
+	return t
 }
 
 // forkOptions are the wave's options of forkvm fork's arguments and flags: its names (a
