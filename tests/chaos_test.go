@@ -64,7 +64,7 @@ type chaosRun struct {
 }
 
 // TestChaos runs mixed operations (create, checkpoint, handoff, fork, exec, rm) for
-// about 40 s with faults injected: kill -9 of the engine (a CLI process) during
+// about 30 s with faults injected: kill -9 of the engine (a CLI process) during
 // checkpoints and forks, kill -9 of QEMUs, ENOSPC in the state directory (a small tmpfs
 // the test mounts), a damaged hole list and a damaged VM manifest. Then it checks: every
 // file written in a guest before a committed checkpoint is in that checkpoint's forks;
@@ -159,7 +159,7 @@ func TestChaos(t *testing.T) {
 		f()
 		c.step()
 	}
-	deadline := t0.Add(30 * time.Second)
+	deadline := t0.Add(20 * time.Second)
 	for time.Now().Before(deadline) && !t.Failed() {
 		c.step()
 	}

@@ -34,7 +34,7 @@ func consoleBytes(t *testing.T, home, name string) int64 {
 // that used to kill it (the VM keeps answering). A fork's console starts with its
 // checkpoint's. A guest that panics its kernel is listed dead with the panic's line.
 func TestGuestAbuse(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 256, 0)

@@ -427,7 +427,7 @@ func TestRobustForkAgentNeverAnswers(t *testing.T) {
 // 5. the world dies during a checkpoint
 
 func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 6*time.Minute)
 
