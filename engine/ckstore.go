@@ -75,6 +75,9 @@ type checkpointStore struct {
 	// held names the checkpoints that VMs kept aside at recovery (their manifests
 	// unreadable) were forked from: never collected while they are kept.
 	held map[string]bool
+	// beforeRemove, when set, is called with a checkpoint's name before its files go
+	// (no lock of the store held): the background work on it ends first.
+	beforeRemove func(name string)
 }
 
 func (s *checkpointStore) exists(name string) bool {
@@ -231,6 +234,9 @@ func (s *checkpointStore) save(c *Checkpoint) error {
 // renamed directory and the RAM files nothing owns), where removing the RAM file first
 // left a checkpoint that no longer loaded yet still held its name.
 func (s *checkpointStore) remove(name string) {
+	if s.beforeRemove != nil {
+		s.beforeRemove(name)
+	}
 	dir := s.paths.checkpointDir(name)
 	var ramPath string
 	if b, err := os.ReadFile(filepath.Join(dir, manifestFile)); err == nil {

@@ -73,6 +73,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.cks = &checkpointStore{paths: e.paths, log: e.log, verified: map[string]string{}}
 	e.pools = &poolSet{}
 	e.flat = newFlattener()
+	e.cks.beforeRemove = e.flat.forget
 	e.adm = &admitter{
 		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, maxOvercommit: r.MaxOvercommit,
 		reserveBytes: r.MemoryReserveMiB << 20, commitRatio: r.MemoryCommitRatio,

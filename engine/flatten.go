@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -42,6 +43,31 @@ type flattener struct {
 	queued  map[string]bool
 	wake    chan struct{}
 	pending []string
+	// running is the checkpoint the background loop flattens ("": none); stop
+	// cancels that flatten and done is closed once it has ended.
+	running string
+	stop    context.CancelFunc
+	done    chan struct{}
+}
+
+// forget drops checkpoint name from the background flattens, for its deletion: out of
+// the queue, and a flatten of it under way cancelled and waited for (it removes its
+// temporary files), so that nothing of the checkpoint is written after it is gone.
+func (f *flattener) forget(name string) {
+	f.qmu.Lock()
+	if f.queued[name] {
+		delete(f.queued, name)
+		f.pending = slices.DeleteFunc(f.pending, func(n string) bool { return n == name })
+	}
+	var done chan struct{}
+	if f.running == name {
+		f.stop()
+		done = f.done
+	}
+	f.qmu.Unlock()
+	if done != nil {
+		<-done
+	}
 }
 
 func newFlattener() *flattener {
@@ -126,13 +152,18 @@ func (e *Engine) flattenLoop(ctx context.Context) {
 	backgroundThread()
 	f := e.flat
 	for {
+		// Popped and marked running at once: forget sees it queued or running.
+		fctx, stop := context.WithCancel(ctx)
+		done := make(chan struct{})
 		f.qmu.Lock()
 		var name string
 		if len(f.pending) > 0 {
 			name, f.pending = f.pending[0], f.pending[1:]
+			f.running, f.stop, f.done = name, stop, done
 		}
 		f.qmu.Unlock()
 		if name == "" {
+			stop()
 			select {
 			case <-ctx.Done():
 				return
@@ -140,10 +171,17 @@ func (e *Engine) flattenLoop(ctx context.Context) {
 				continue
 			}
 		}
-		st, err := e.flatten(ctx, name)
+		st, err := e.flatten(fctx, name)
+		forgotten := fctx.Err() != nil && ctx.Err() == nil
+		stop()
 		f.qmu.Lock()
 		delete(f.queued, name)
+		f.running = ""
 		f.qmu.Unlock()
+		close(done)
+		if forgotten {
+			continue // its checkpoint is being deleted
+		}
 		switch {
 		case err != nil && ctx.Err() == nil && !errors.Is(err, ErrNotFound):
 			e.log.Warn("flatten failed", "checkpoint", name, "err", err)

@@ -2,11 +2,15 @@ package engine
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // TestFlatten: a delta checkpoint's flattened RAM file holds its root's data with every
@@ -142,5 +146,32 @@ func TestFlattenPolicy(t *testing.T) {
 				t.Errorf("pending %v", e.flat.pending)
 			}
 		})
+	}
+}
+
+// TestFlattenerForget: a deleted checkpoint leaves the flatten queue, and a background
+// flatten of it under way is cancelled and waited for before forget returns.
+func TestFlattenerForget(t *testing.T) {
+	f := newFlattener()
+	f.queued["a"], f.queued["b"] = true, true
+	f.pending = []string{"a", "b"}
+	f.forget("a")
+	if f.queued["a"] || !slices.Equal(f.pending, []string{"b"}) {
+		t.Fatalf("after forget(a): queued %v pending %v", f.queued, f.pending)
+	}
+	f.forget("nothing") // neither queued nor running: a no-op
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	var ended atomic.Bool
+	f.running, f.stop, f.done = "c", cancel, done
+	go func() {
+		<-ctx.Done()
+		time.Sleep(20 * time.Millisecond) // the flatten removing its temporary files
+		ended.Store(true)
+		close(done)
+	}()
+	f.forget("c")
+	if !ended.Load() {
+		t.Fatal("forget returned before the flatten it cancelled ended")
 	}
 }
