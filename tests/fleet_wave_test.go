@@ -1,17 +1,14 @@
 package tests
 
 import (
-	"bufio"
 	"encoding/json"
 	"fmt"
 	"io"
 	"maps"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -253,132 +250,10 @@ func TestFleetWaves(t *testing.T) {
 	t.Run("node-killed", func(t *testing.T) {
 		const n = 9
 		victim := hosts[2]
-		cmd := exec.Command(filepath.Join(binDir, "forkvm"), "fork", "fwck", "--n", fmt.Sprint(n), "--prefix", "fk-", "--fleet", "--spread", "--json")
-		cmd.Env = append(os.Environ(), "FORKVM_HOME="+n1.home, "FORKVM_CACHE="+cacheDir)
-		stdout, err := cmd.StdoutPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		waveDone := make(chan struct{})
-		timer := time.AfterFunc(3*time.Minute, func() {
-			select {
-			case <-waveDone:
-			default:
-				cmd.Process.Kill()
-			}
-		})
-		defer timer.Stop()
-		var evs []api.FleetForkEventObject
-		var killedAt time.Time
-		start := time.Now()
-		finalAtKill := 0
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			l := sc.Text()
-			if !strings.HasPrefix(l, "{") {
-				continue
-			}
-			var ev api.FleetForkEventObject
-			if err := json.Unmarshal([]byte(l), &ev); err != nil {
-				t.Fatalf("event %q: %v", l, err)
-			}
-			evs = append(evs, ev)
-			t.Logf("%.1fs %s on %s ok=%v code=%s %s", time.Since(start).Seconds(), ev.Name, ev.Node, ev.OK, ev.Code, ev.Error)
-			if killedAt.IsZero() && ev.OK && ev.Node == victim.name {
-				finalAtKill = len(evs)
-				// kill -9 of the node: its daemon, then its QEMUs.
-				victim.d.kill9()
-				for pid := range procsReferencing(victim.home) {
-					syscall.Kill(pid, syscall.SIGKILL)
-				}
-				killedAt = time.Now()
-			}
-		}
-		werr := cmd.Wait()
-		close(waveDone)
-		if killedAt.IsZero() {
-			t.Fatalf("n3 made no fork: %v %s", werr, stderr.String())
-		}
-		t.Logf("wave ended %.1fs after the kill (%d events before it): %v %s", time.Since(killedAt).Seconds(), finalAtKill, werr, strings.TrimSpace(stderr.String()))
-		if finalAtKill >= n {
-			t.Fatalf("the wave had ended when n3 was killed")
-		}
+		evs := waveKillingNode(t, n1, victim, []string{"fwck", "--n", fmt.Sprint(n), "--prefix", "fk-", "--spread"}, n, true)
 
-		// The last event of each fork is its end: ready on a live node, failed, or node_lost.
-		last := map[int]api.FleetForkEventObject{}
-		readyOn := map[string]int{}
-		for _, ev := range evs {
-			last[ev.Index] = ev
-			if ev.OK && ev.Code == "" && ev.Node != victim.name {
-				readyOn[ev.Name]++
-			}
-		}
-		lost := 0
-		for i := range n {
-			ev, ok := last[i]
-			switch {
-			case !ok:
-				t.Errorf("fork %d: no event", i)
-			case ev.Code == api.CodeNodeLost:
-				lost++
-				if ev.Node != victim.name {
-					t.Errorf("fork %d lost with live node %s", i, ev.Node)
-				}
-			case ev.OK && ev.Node == victim.name:
-				t.Errorf("fork %d: ready on the killed node and not reported lost: %+v", i, ev)
-			case !ev.OK:
-				t.Logf("fork %d failed: %s (%s)", i, ev.Error, ev.Code)
-			}
-		}
-		if lost == 0 {
-			t.Errorf("no fork reported node_lost, yet n3 had made one")
-		}
-		for name, c := range readyOn {
-			if c > 1 {
-				t.Errorf("%s reported ready %d times", name, c)
-			}
-		}
-		// What runs on the live nodes is exactly what was reported ready there, once.
-		running := map[string]string{}
-		for _, h := range hosts[:2] {
-			var vms []api.VMObject
-			if err := json.Unmarshal([]byte(h.ok(t, "ls", "--json")), &vms); err != nil {
-				t.Fatal(err)
-			}
-			for _, v := range vms {
-				if prev, dup := running[v.Name]; dup {
-					t.Errorf("%s runs on %s and %s", v.Name, prev, h.name)
-				}
-				running[v.Name] = h.name
-			}
-		}
-		for i := range n {
-			ev := last[i]
-			if ev.OK && ev.Code == "" && running[ev.Name] != ev.Node {
-				t.Errorf("%s reported ready on %s, runs on %q", ev.Name, ev.Node, running[ev.Name])
-			}
-		}
-		if len(running) != len(readyOn) {
-			t.Errorf("live nodes run %d forks, %d were reported ready there: %v", len(running), len(readyOn), running)
-		}
-		var claims []api.FleetVM
-		if err := json.Unmarshal([]byte(n1.ok(t, "ls", "--fleet", "--json")), &claims); err != nil {
-			t.Fatal(err)
-		}
-		claimed := map[string]bool{}
-		for _, c := range claims {
-			if claimed[c.Name] {
-				t.Errorf("%s claimed twice", c.Name)
-			}
-			claimed[c.Name] = true
-			if c.Node != victim.name && running[c.Name] != c.Node {
-				t.Errorf("claim %+v: not running there", c)
-			}
+		if lost := checkWaveEnd(t, evs, n, victim.name, hosts[:2], n1, "fk-", false); lost == 0 {
+			t.Errorf("no fork reported node_lost, yet %s had made one", victim.name)
 		}
 	})
 }
