@@ -26,7 +26,10 @@ func (f *Fleet) heartbeatLoop() {
 			return
 		case <-t.C:
 		}
-		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.Heartbeat)
+		// A beat may take up to half the TTL: on a loaded host a write can take longer
+		// than the interval, and cutting it at the interval made every beat fail while
+		// the node was alive (ticks that come meanwhile are dropped).
+		ctx, cancel := context.WithTimeout(f.ctx, max(f.cfg.Heartbeat, f.cfg.TTL/2))
 		if err := f.beat(ctx); err != nil && f.ctx.Err() == nil {
 			f.log.Warn("fleet: heartbeat", "err", err)
 		}
