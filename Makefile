@@ -22,7 +22,7 @@ ITEST_TIMEOUT ?= 30m
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 
-.PHONY: build setup setup-host image test checks unit lint itest itest-vms cross fuzz fanout bench clean
+.PHONY: build setup setup-host image test checks unit unit-fleet unit-rest lint itest itest-vms cross fuzz fanout bench clean
 
 ## build: compile forkvm, forkbench and the static guest agent into ./bin
 build:
@@ -59,9 +59,18 @@ image: build
 	$(BIN)/forkvm image build --agent $(BIN)/forkvm-agent
 
 ## unit: vet and unit tests (no VMs)
-unit:
+unit: unit-fleet unit-rest
+
+# unit-fleet: the fleet's unit tests. Their nodes' heartbeats expire within seconds, so
+# make test runs them alone, before the VM tests load the machine (beside them a live
+# node could miss its heartbeats for that long).
+unit-fleet:
+	$(GO) test -count=1 ./fleet/...
+
+# unit-rest: vet, and the unit tests of every other package.
+unit-rest:
 	$(GO) vet ./...
-	$(GO) test -count=1 $$($(GO) list ./... | grep -v '/tests$$')
+	$(GO) test -count=1 $$($(GO) list ./... | grep -v -e '/tests$$' -e '/fleet$$' -e '/fleet/')
 
 ## lint: staticcheck (checks in staticcheck.conf) over the Linux and the darwin build
 lint: $(STATICCHECK)
@@ -101,15 +110,17 @@ itest-vms:
 	$(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|_test.go' ; \
 	  exit $${PIPESTATUS[0]}
 
-## test: everything CI runs. The checks that boot no VM run beside the VM tests, in the
-## second job slot: the unit tests first, then lint, cross and fuzz at nice 19 (the VM
-## tests leave much of the machine idle: tests wait on guests). Each target's output is
-## printed when it ends; the VM tests' full log grows in /tmp/forkvm-itest.log meanwhile.
+## test: everything CI runs. The fleet's unit tests first, alone (heartbeat timing);
+## then the checks that boot no VM run beside the VM tests, in the second job slot: the
+## other unit tests first, then lint, cross and fuzz at nice 19 (the VM tests leave much
+## of the machine idle: tests wait on guests). Each target's output is printed when it
+## ends; the VM tests' full log grows in /tmp/forkvm-itest.log meanwhile.
 test: setup
+	$(MAKE) --no-print-directory unit-fleet
 	$(MAKE) --no-print-directory -j2 --output-sync=target itest-vms checks
 
-# checks: the unit tests, then lint, cross and fuzz at the lowest CPU priority.
-checks: unit
+# checks: the other unit tests, then lint, cross and fuzz at the lowest CPU priority.
+checks: unit-rest
 	nice -n 19 $(MAKE) --no-print-directory lint cross fuzz
 
 ## fanout: the main job — reproduce the published fork fan-out benchmark

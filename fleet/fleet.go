@@ -153,6 +153,8 @@ type Fleet struct {
 	// beatingSince is when this node's heartbeat writes last began to succeed without
 	// a failure in between (UnixNano; 0 while they fail): see expired.
 	beatingSince atomic.Int64
+	// lastBeat is when this node's last prompt heartbeat write ended (UnixNano).
+	lastBeat atomic.Int64
 
 	ctx    context.Context
 	cancel context.CancelFunc

@@ -626,3 +626,34 @@ func TestGoneForkReleasedAtStart(t *testing.T) {
 		t.Errorf("claims %+v after the node started again without the fork", vms)
 	}
 }
+
+// TestExpiredJudgesOnlyWhenOwnBeatsArePrompt: a node calls another's heartbeat
+// expired only while its own heartbeat writes have gone through promptly for a whole
+// TTL and its last one is recent; otherwise the host or the fleet is slow, and the
+// other's heartbeat may be late without its node being gone.
+func TestExpiredJudgesOnlyWhenOwnBeatsArePrompt(t *testing.T) {
+	now := time.Now()
+	ago := func(d time.Duration) int64 { return now.Add(-d).UnixNano() }
+	stale := api.FleetNode{Name: "other", Heartbeat: now.Add(-5 * time.Second)}
+	fresh := api.FleetNode{Name: "other", Heartbeat: now.Add(-time.Second)}
+	for _, c := range []struct {
+		name              string
+		beating, lastBeat int64
+		n                 api.FleetNode
+		want              bool
+	}{
+		{"prompt writes for a TTL, other stale", ago(10 * time.Second), ago(100 * time.Millisecond), stale, true},
+		{"prompt writes, other fresh", ago(10 * time.Second), ago(100 * time.Millisecond), fresh, false},
+		{"own writes failing or slow", 0, ago(100 * time.Millisecond), stale, false},
+		{"prompt for less than a TTL", ago(2 * time.Second), ago(100 * time.Millisecond), stale, false},
+		{"own last beat late (host busy)", ago(10 * time.Second), ago(time.Second), stale, false},
+		{"never a heartbeat of the other", ago(10 * time.Second), ago(100 * time.Millisecond), api.FleetNode{Name: "other"}, false},
+	} {
+		f := &Fleet{cfg: Config{Heartbeat: 200 * time.Millisecond, TTL: 4 * time.Second}}
+		f.beatingSince.Store(c.beating)
+		f.lastBeat.Store(c.lastBeat)
+		if got := f.expired(c.n); got != c.want {
+			t.Errorf("%s: expired = %v, want %v", c.name, got, c.want)
+		}
+	}
+}

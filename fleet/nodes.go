@@ -38,6 +38,10 @@ func (f *Fleet) heartbeatLoop() {
 }
 
 // beat writes one heartbeat: one try with a short timeout (the next beat retries).
+// Only prompt writes count toward judging others (see expired): a write that failed,
+// or took longer than the heartbeat interval, says the fleet or this host is slow, so
+// that other nodes' heartbeats may be as late as this one's without their nodes being
+// gone.
 func (f *Fleet) beat(ctx context.Context) error {
 	b, err := json.Marshal(f.self())
 	if err != nil {
@@ -45,11 +49,18 @@ func (f *Fleet) beat(ctx context.Context) error {
 	}
 	cctx, cancel := context.WithTimeout(ctx, callTimeout)
 	defer cancel()
+	start := time.Now()
 	if _, err := f.nodes.Put(cctx, f.cfg.Node, b); err != nil {
 		f.beatingSince.Store(0)
 		return fmt.Errorf("%w: heartbeat: %w", ErrUnavailable, err)
 	}
-	f.beatingSince.CompareAndSwap(0, time.Now().UnixNano())
+	if time.Since(start) > f.cfg.Heartbeat {
+		f.beatingSince.Store(0)
+		return nil
+	}
+	now := time.Now().UnixNano()
+	f.beatingSince.CompareAndSwap(0, now)
+	f.lastBeat.Store(now)
 	return nil
 }
 
@@ -141,10 +152,15 @@ func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool
 // leader died with the node. It judges only while this node's own heartbeats have gone
 // through for a whole TTL: while the bucket has no leader (an election after a node
 // died takes seconds) no node can write one, and a live node's heartbeat is as old as
-// a dead one's.
+// a dead one's. Nor does it judge while its own last heartbeat is late (over two
+// intervals old): a host too busy to run this node's heartbeats on time delays the
+// others' on it too.
 func (f *Fleet) expired(n api.FleetNode) bool {
 	since := f.beatingSince.Load()
 	if since == 0 || time.Since(time.Unix(0, since)) <= f.cfg.TTL {
+		return false
+	}
+	if last := f.lastBeat.Load(); time.Since(time.Unix(0, last)) > 2*f.cfg.Heartbeat {
 		return false
 	}
 	return !n.Heartbeat.IsZero() && time.Since(n.Heartbeat) > f.cfg.TTL
