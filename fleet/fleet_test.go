@@ -387,7 +387,9 @@ func TestDigestMismatchRefused(t *testing.T) {
 // digest_mismatch: it is not given back for deliveries that would fetch the same bytes.
 func TestPulledDigestMismatchFails(t *testing.T) {
 	s := testServer(t)
-	nodes := join(t, s, 2, 0, nil)
+	// Node 1 stops (below) but must stay a live holder until node 2 pulls: a TTL of 6 s
+	// (with 1.5 s its heartbeat could expire first, the job's dispatch taking ~1 s).
+	nodes := join(t, s, 2, 0, func(c *Config) { c.TTL = 6 * time.Second })
 	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
 	nodes[1].ff.refuse = fmt.Errorf("pull ck: %w: ram/ck-ck.ram", api.ErrDigest)
 	nodes[0].f.cancel() // only node 2 pulls
