@@ -243,17 +243,18 @@ func (f *Fleet) deleteOrphans(ctx context.Context) error {
 			continue
 		}
 		var c claim
-		_, ok, err := getJSON(ctx, f.claims, kvKey(mine.Name), &c)
+		rev, ok, err := getJSON(ctx, f.claims, kvKey(mine.Name), &c)
 		if err != nil {
 			return err
 		}
 		if ok && c.Node == f.cfg.Node && c.Job == mine.Job {
-			if _, err := f.eng.Get(mine.Name); err != nil && errors.Is(err, api.ErrNotFound) {
+			if _, err := f.eng.Get(mine.Name); errors.Is(err, api.ErrNotFound) {
 				// Ours, but the fork is gone (deleted while the fleet could not be
 				// told, or lost before it was ready): the name is free again.
-				if err := f.releaseDeleted(ctx, mine.Name); err != nil {
+				if err := f.release(mine.Name, rev); err != nil {
 					return err
 				}
+				f.unjournal(mine.Name)
 			}
 			continue
 		}

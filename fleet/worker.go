@@ -578,13 +578,19 @@ func (f *Fleet) claim(ctx context.Context, j job) (uint64, claim, error) {
 	return 0, mine, errBusy
 }
 
-// release deletes this node's claim of name (fenced: only the revision it holds).
-func (f *Fleet) release(name string, rev uint64) {
+// release deletes this node's claim of name (fenced: only the revision it holds). An
+// error is a failure to reach the fleet; a claim that changed since it was read (taken
+// over) is not this node's to delete, and no error.
+func (f *Fleet) release(name string, rev uint64) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*callTimeout)
 	defer cancel()
-	retry(ctx, "release "+name, func(ctx context.Context) error {
+	err := retry(ctx, "release "+name, func(ctx context.Context) error {
 		return f.claims.Delete(ctx, kvKey(name), jetstream.LastRevision(rev))
 	})
+	if err != nil && final(err) {
+		return nil
+	}
+	return err
 }
 
 // Deleted tells the fleet that this node's fork name was deleted here (by its user):
@@ -618,13 +624,9 @@ func (f *Fleet) releaseDeleted(ctx context.Context, name string) error {
 		return err
 	}
 	if ok && c.Node == f.cfg.Node {
-		err = retry(ctx, "release "+name, func(ctx context.Context) error {
-			return f.claims.Delete(ctx, kvKey(name), jetstream.LastRevision(rev))
-		})
-		if err != nil && !final(err) {
+		if err := f.release(name, rev); err != nil {
 			return err
 		}
-		// A final error: the claim changed since it was read (taken over): not ours.
 	}
 	f.unjournal(name)
 	return nil
