@@ -153,17 +153,19 @@ func (e *Engine) flattenLoop(ctx context.Context) {
 	f := e.flat
 	for {
 		// Popped and marked running at once: forget sees it queued or running.
-		fctx, stop := context.WithCancel(ctx)
-		done := make(chan struct{})
+		var fctx context.Context
+		var stop context.CancelFunc
+		var done chan struct{}
 		f.qmu.Lock()
 		var name string
 		if len(f.pending) > 0 {
 			name, f.pending = f.pending[0], f.pending[1:]
+			fctx, stop = context.WithCancel(ctx)
+			done = make(chan struct{})
 			f.running, f.stop, f.done = name, stop, done
 		}
 		f.qmu.Unlock()
 		if name == "" {
-			stop()
 			select {
 			case <-ctx.Done():
 				return
