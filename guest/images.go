@@ -668,28 +668,23 @@ func addRef(dirs rootfsDirs, rec *nameRecord) error {
 // a disk directory or name record is installed or removed (milliseconds),
 // so waiting polls; ctx bounds the wait.
 func lockImages(ctx context.Context, dirs rootfsDirs) (func(), error) {
-	return flockPath(ctx, dirs.base, ".lock", 20*time.Millisecond)
+	return flockPath(ctx, dirs.base, ".lock", 20*time.Millisecond, nil)
 }
 
 // lockRecipe takes the build lock of b's recipe, held while it is built (minutes);
 // waited says another build of it held the lock first.
 func (b *imageBuild) lockRecipe(ctx context.Context) (unlock func(), waited bool, err error) {
-	name := ".build-" + b.recipe.Key[:16] + ".lock"
-	if unlock, err = flockPath(ctx, b.dirs.base, name, 0); !errors.Is(err, errLocked) {
-		return unlock, false, err
-	}
-	b.logf("recipe %s is being built by another process: waiting for it", b.recipe.Key[:16])
-	unlock, err = flockPath(ctx, b.dirs.base, name, 250*time.Millisecond)
-	return unlock, true, err
+	unlock, err = flockPath(ctx, b.dirs.base, ".build-"+b.recipe.Key[:16]+".lock", 250*time.Millisecond, func() {
+		waited = true
+		b.logf("recipe %s is being built by another process: waiting for it", b.recipe.Key[:16])
+	})
+	return unlock, waited, err
 }
 
-// errLocked is flockPath's answer when the lock is held and it was not to wait.
-var errLocked = errors.New("guest: lock held")
-
 // flockPath takes an exclusive flock on dir/name, polling every poll while another
-// process holds it (poll 0: errLocked at once); ctx bounds the wait. The returned
-// func releases it.
-func flockPath(ctx context.Context, dir, name string, poll time.Duration) (func(), error) {
+// process holds it (onWait, when set, is called once when the wait begins); ctx bounds
+// the wait. The returned func releases it.
+func flockPath(ctx context.Context, dir, name string, poll time.Duration, onWait func()) (func(), error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("guest: image cache: %w", err)
 	}
@@ -706,15 +701,15 @@ func flockPath(ctx context.Context, dir, name string, poll time.Duration) (func(
 			f.Close()
 			return nil, fmt.Errorf("guest: image cache lock: %w", err)
 		}
-		if poll == 0 && errors.Is(err, unix.EWOULDBLOCK) {
-			f.Close()
-			return nil, errLocked
+		if onWait != nil && errors.Is(err, unix.EWOULDBLOCK) {
+			onWait()
+			onWait = nil
 		}
 		select {
 		case <-ctx.Done():
 			f.Close()
 			return nil, ctx.Err()
-		case <-time.After(max(poll, time.Millisecond)):
+		case <-time.After(poll):
 		}
 	}
 }
