@@ -80,7 +80,8 @@ type FleetForkRequest struct {
 	// MaxPerNode, when > 0, caps the forks of this wave on any one node.
 	MaxPerNode int `json:"max_per_node,omitempty"`
 	// ReplaceLost forks again, on another node, every fork reported node_lost while the
-	// wave runs.
+	// wave runs. Such a wave ends only once each ready fork's node has beaten after the
+	// fork was ready (or was lost): up to a heartbeat interval after the last fork.
 	ReplaceLost bool `json:"replace_lost,omitempty"`
 }
 
@@ -92,6 +93,9 @@ type FleetForkEventObject struct {
 	ForkEventObject
 	Node    string `json:"node,omitempty"`
 	Attempt int    `json:"attempt,omitempty"`
+	// RecordedAt is when the node recorded the fork's end, by the node's clock (the
+	// clock of its heartbeats); zero when another node recorded it.
+	RecordedAt time.Time `json:"recorded_at,omitzero"`
 	FleetTiming
 }
 

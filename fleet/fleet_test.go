@@ -35,6 +35,8 @@ type fakeEngine struct {
 	// taken by others between a node's pull and its fork).
 	refuse atomic.Int32
 	calls  atomic.Int32
+	// made, when set, runs when a fork is made, before Fork returns.
+	made func()
 }
 
 func newFakeEngine(total int) *fakeEngine {
@@ -83,6 +85,9 @@ func (e *fakeEngine) Fork(ctx context.Context, ck, name string, _ float64) (api.
 		e.mu.Unlock()
 		return api.Info{}, ctx.Err()
 	case <-time.After(d):
+	}
+	if e.made != nil {
+		e.made()
 	}
 	e.forks.Add(1)
 	e.mu.Lock()
@@ -656,6 +661,77 @@ func TestExpiredJudgesOnlyWhenOwnBeatsArePrompt(t *testing.T) {
 		f.lastBeat.Store(c.lastBeat)
 		if got := f.expired(c.n); got != c.want {
 			t.Errorf("%s: expired = %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+// TestReplaceLostWaitsForABeatAfterReady: the node of a fork dies right after the fork
+// is ready, before its next heartbeat, and the other node's fork ends the wave at once.
+// A wave that replaces lost forks must not end then with the fork reported ready on a
+// dead node: it waits for the node's next beat, which never comes, reports the fork
+// node_lost when the heartbeat expires, and forks it again on the live node.
+func TestReplaceLostWaitsForABeatAfterReady(t *testing.T) {
+	s := testServer(t)
+	nodes := join(t, s, 2, 0, func(c *Config) {
+		if c.Node == "n2" {
+			c.Heartbeat = 700 * time.Millisecond // TTL 1.5 s holds two of them
+		}
+	})
+	for _, n := range nodes {
+		n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	}
+	victim := nodes[1]
+	// The victim's fork is made just after one of its heartbeats went through: it dies
+	// with its record written, most of an interval before it would beat again.
+	victim.eng.made = func() {
+		last := victim.f.lastBeat.Load()
+		for victim.f.lastBeat.Load() == last {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{
+		ForkRequest: api.ForkRequest{Source: "ck", N: 2, Prefix: "b"}, ReplaceLost: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []Event
+	killed := false
+	deadline := time.After(30 * time.Second)
+	for done := false; !done; {
+		select {
+		case ev, ok := <-evs:
+			if !ok {
+				done = true
+				break
+			}
+			got = append(got, ev)
+			t.Logf("%v %s %s ok=%v %s", time.Now().Format("05.000"), ev.Name, ev.Node, ev.OK, ev.Code)
+			if !killed && ev.Node == victim.f.Name() && ev.OK {
+				killed = true
+				victim.f.cancel()
+				victim.f.nc.Close()
+			}
+		case <-deadline:
+			t.Fatalf("wave not done: %+v", got)
+		}
+	}
+	if !killed {
+		t.Fatalf("the victim made no fork: %+v", got)
+	}
+	final, lost := map[int]Event{}, 0
+	for _, ev := range got {
+		if ev.Code == api.CodeNodeLost {
+			lost++
+			continue
+		}
+		final[ev.Index] = ev
+	}
+	if lost != 1 {
+		t.Errorf("%d node_lost events, want 1: %+v", lost, got)
+	}
+	for i := range 2 {
+		if ev, ok := final[i]; !ok || !ev.OK || ev.Node != nodes[0].f.Name() {
+			t.Errorf("fork %d ended %+v, want ready on %s", i, ev, nodes[0].f.Name())
 		}
 	}
 }

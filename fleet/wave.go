@@ -28,7 +28,10 @@ type Event struct {
 // of this node) and streams one event per fork as its record becomes final, plus a
 // node_lost event for a fork whose node's heartbeat expires before the wave ends (and,
 // with req.ReplaceLost, the replacement's). The channel closes when every fork is
-// final or ctx ends. Bad input is refused before anything is published.
+// final or ctx ends; with req.ReplaceLost, only once each ready fork's node has also
+// beaten after the fork was ready (up to a heartbeat interval more), so that a node
+// that died right after its fork was ready has it replaced instead of reported ready.
+// Bad input is refused before anything is published.
 func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan Event, error) {
 	n := max(req.N, 1)
 	if req.N < 0 || n > MaxForks {
@@ -260,13 +263,24 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 	defer recs.Stop()
 	defer nodeW.Stop()
 	defer sub.Unsubscribe()
-	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, w.n), attempts: make([]int, w.n), left: w.n, roomAt: time.Now()}
+	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, w.n), attempts: make([]int, w.n), left: w.n, roomAt: time.Now(),
+		beats: map[string]api.FleetNode{}}
 	for i := range r.attempts {
 		r.attempts[i] = 1
 	}
 	tick := time.NewTicker(w.f.cfg.Heartbeat)
 	defer tick.Stop()
-	for r.left > 0 {
+	for {
+		if r.left == 0 && !r.unconfirmed() {
+			// One more look at the nodes before the end: a node whose heartbeat
+			// expired since the last tick loses its forks now, not never.
+			if !r.checkNodes() {
+				return
+			}
+			if r.left == 0 && !r.unconfirmed() {
+				return
+			}
+		}
 		select {
 		case <-ctx.Done():
 			return
@@ -282,7 +296,14 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 			if !ok {
 				return
 			}
-			if e == nil || e.Operation() == jetstream.KeyValuePut {
+			if e == nil {
+				continue
+			}
+			if e.Operation() == jetstream.KeyValuePut {
+				var nd api.FleetNode
+				if json.Unmarshal(e.Value(), &nd) == nil {
+					r.beat(nd)
+				}
 				continue
 			}
 			if !r.lose(e.Key()) {
@@ -305,6 +326,8 @@ type waveRun struct {
 	left     int
 	// roomAt is when a live node of the class last showed room for one fork.
 	roomAt time.Time
+	// beats are the latest heartbeats seen of the nodes, by name.
+	beats map[string]api.FleetNode
 }
 
 // waveSlot is one fork's end as the wave saw it.
@@ -312,6 +335,41 @@ type waveSlot struct {
 	final, ready bool
 	node         string
 	attempt      int
+	// readyAt is when the fork's node recorded it ready (by that node's clock);
+	// confirmed, that the node beat after it.
+	readyAt   time.Time
+	confirmed bool
+}
+
+// unconfirmed says whether a wave that replaces lost forks still waits on a ready
+// fork's node to beat after the fork was ready: a node that died right after its fork
+// was ready would otherwise leave the fork reported ready when the others' end the
+// wave, before its heartbeat expires, and the fork would never be replaced.
+func (r *waveRun) unconfirmed() bool {
+	if !r.w.replace {
+		return false
+	}
+	for _, s := range r.slots {
+		if s.final && s.ready && !s.confirmed {
+			return true
+		}
+	}
+	return false
+}
+
+// beat takes a node's heartbeat: it confirms the ready forks of that node recorded
+// before it.
+func (r *waveRun) beat(nd api.FleetNode) {
+	if last, ok := r.beats[nd.Name]; ok && !nd.Heartbeat.After(last.Heartbeat) {
+		return
+	}
+	r.beats[nd.Name] = nd
+	for i := range r.slots {
+		s := &r.slots[i]
+		if s.final && s.ready && s.node == nd.Name && nd.Heartbeat.After(s.readyAt) {
+			s.confirmed = true
+		}
+	}
 }
 
 // send streams ev; false when the wave's consumer is gone.
@@ -338,10 +396,17 @@ func (r *waveRun) recordUpdate(e jetstream.KeyValueEntry) bool {
 	if i < 0 || i >= r.w.n || r.slots[i].final || rec.Attempt != r.attempts[i] {
 		return true
 	}
-	r.slots[i] = waveSlot{final: true, ready: rec.State == stateReady, node: rec.Node, attempt: rec.Attempt}
+	at := rec.At
+	if at.IsZero() {
+		at = e.Created() // written for the node by another: the server's clock
+	}
+	r.slots[i] = waveSlot{final: true, ready: rec.State == stateReady, node: rec.Node, attempt: rec.Attempt, readyAt: at}
+	if nd, ok := r.beats[rec.Node]; ok && nd.Heartbeat.After(at) {
+		r.slots[i].confirmed = true
+	}
 	r.left--
 	return r.send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: rec.Event, Node: rec.Node, Attempt: rec.Attempt,
-		FleetTiming: rec.Timing}})
+		RecordedAt: rec.At, FleetTiming: rec.Timing}})
 }
 
 // checkNodes, every heartbeat, fails the forks no live node has had room for over
@@ -359,6 +424,7 @@ func (r *waveRun) checkNodes() bool {
 	live := map[string]bool{}
 	for _, nd := range nodes {
 		live[nd.Name] = true
+		r.beat(nd)
 		if nd.Class == w.class && nd.FreeVCPUs >= max(w.ref.CPUs, 1) {
 			r.roomAt = time.Now()
 		}

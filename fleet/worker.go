@@ -61,6 +61,10 @@ type record struct {
 	Failures int `json:"failures,omitempty"`
 	// Timing is the fleet's time on the fork beside the fork itself.
 	Timing api.FleetTiming `json:"timing"`
+	// At is when the node wrote its final record, by its own clock (the clock of its
+	// heartbeats): a wave that replaces lost forks ends only once each ready fork's
+	// node beat after it. Zero in a record written for another node.
+	At time.Time `json:"at,omitzero"`
 }
 
 // final says whether a record's state is an end.
@@ -665,7 +669,7 @@ func (t *jobTry) finish(state string, ev api.ForkEventObject, code string) {
 		ev.Code = code
 	}
 	rec := record{Job: j.ID, Attempt: j.Attempt, State: state, Node: f.cfg.Node, Event: ev, Failures: t.failures,
-		Timing: t.timing(time.Duration(ev.LatencyMS * float64(time.Millisecond)))}
+		Timing: t.timing(time.Duration(ev.LatencyMS * float64(time.Millisecond))), At: time.Now().UTC()}
 	if err := putJSON(context.Background(), f.jobs, t.key, rec); err != nil {
 		// Without its record the wave cannot see the job: leave it to be delivered
 		// again (the claim and the fork dedupe it).

@@ -373,7 +373,8 @@ func TestRobustQEMUDiesDuringFork(t *testing.T) {
 // normally in every fork, but the agent never reads the host's Hello, so each fork
 // must fail with ErrAgentTimeout after ForkTimeout and be removed.
 func TestRobustForkAgentNeverAnswers(t *testing.T) {
-	env := newRobustEnv(t, func(c *engine.Config) { c.ForkTimeout = 3 * time.Second })
+	room := parallelVMTest(t) // mostly waits on agents that never answer
+	env := newRobustEnv(t, func(c *engine.Config) { room(c); c.ForkTimeout = 3 * time.Second })
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 256, 0)

@@ -29,6 +29,7 @@ import (
 // (script(1)), curl on the socket. Then, without a daemon, a second CLI exec on a busy
 // agent port fails at once with a message naming the cause.
 func TestServeCLI(t *testing.T) {
+	parallelVMTest(t) // its daemon gets the raised overcommit below
 	home, err := os.MkdirTemp("/tmp", "fvsc-")
 	if err != nil {
 		t.Fatal(err)
@@ -51,7 +52,7 @@ func TestServeCLI(t *testing.T) {
 		return out
 	}
 	sock := serve.SocketPath(home)
-	daemon := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"))
+	daemon := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"), "--overcommit", "32")
 
 	ok(nil, "create", "s1", "--cpus", "1", "--memory-mb", "256", "--forkable")
 	if _, errs, code := cli(nil, "--accel", "tcg", "ls"); code == 0 || !strings.Contains(errs, "chosen by the daemon") {
