@@ -25,11 +25,14 @@ STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 .PHONY: build setup setup-host image test checks unit unit-fleet unit-rest lint itest itest-vms cross fuzz fanout bench clean
 
 ## build: compile forkvm, forkbench and the static guest agent into ./bin
+# The agent with -buildvcs=false: its bytes (and so the images it is baked into) change
+# with its code, not with each commit; the guest package's tests build the same bytes,
+# so a test run builds the Debian test recipe once, not once per agent.
 build:
 	@mkdir -p $(BIN)
 	$(GO) build -o $(BIN)/forkvm ./cmd/forkvm
 	$(GO) build -o $(BIN)/forkbench ./cmd/forkbench
-	CGO_ENABLED=0 GOOS=linux $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/forkvm-agent ./cmd/forkvm-agent
+	CGO_ENABLED=0 GOOS=linux $(GO) build -trimpath -buildvcs=false -ldflags='-s -w' -o $(BIN)/forkvm-agent ./cmd/forkvm-agent
 
 ## setup: install QEMU >= 10 and guest tools when missing, build, build the guest image
 setup: setup-host build image
@@ -111,17 +114,18 @@ itest-vms:
 	  exit $${PIPESTATUS[0]}
 
 ## test: everything CI runs. The fleet's unit tests first, alone (heartbeat timing);
-## then the checks that boot no VM run beside the VM tests, in the second job slot: the
-## other unit tests first, then lint, cross and fuzz at nice 19 (the VM tests leave much
-## of the machine idle: tests wait on guests). Each target's output is printed when it
-## ends; the VM tests' full log grows in /tmp/forkvm-itest.log meanwhile.
+## then the checks that boot no VM run beside the VM tests, in the second job slot, at
+## nice 19: the other unit tests (their Debian image builds included), lint, cross and
+## fuzz take the CPU the VM tests leave idle (tests wait on guests) instead of slowing
+## them. Each target's output is printed when it ends; the VM tests' full log grows in
+## /tmp/forkvm-itest.log meanwhile.
 test: setup
 	$(MAKE) --no-print-directory unit-fleet
 	$(MAKE) --no-print-directory -j2 --output-sync=target itest-vms checks
 
-# checks: the other unit tests, then lint, cross and fuzz at the lowest CPU priority.
-checks: unit-rest
-	nice -n 19 $(MAKE) --no-print-directory lint cross fuzz
+# checks: the other unit tests, then lint, cross and fuzz, at the lowest CPU priority.
+checks:
+	nice -n 19 $(MAKE) --no-print-directory unit-rest lint cross fuzz
 
 ## fanout: the main job — reproduce the published fork fan-out benchmark
 fanout: setup

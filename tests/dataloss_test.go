@@ -17,7 +17,7 @@ import (
 // refused (ErrInUse) and leaves both alone; deleting the VM takes the unpinned
 // checkpoint with it.
 func TestForcedCheckpointDelete(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	makePinnedWorld(t, e, 256, 16)
 	ctx := ctxT(t, 4*time.Minute)

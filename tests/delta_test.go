@@ -582,7 +582,7 @@ func agentState(t *testing.T, vm *engine.VM) string {
 // world's x-ignore-shared stream have the same sections (devices, the ROM blocks), and
 // its one layer holds a page equal to the root's.
 func TestDeltaOldFormatAfterRestart(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 256, 0)

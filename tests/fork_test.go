@@ -475,7 +475,7 @@ func TestWarmPool(t *testing.T) {
 // TestCheckpointHandoff checks the copy-free checkpoint: the world's RAM file becomes the
 // checkpoint's and the world continues as a copy-on-write fork of it.
 func TestCheckpointHandoff(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 512, 16)

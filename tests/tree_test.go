@@ -288,7 +288,8 @@ func mustFork(t *testing.T, e *engine.Engine, src, name string) *engine.VM {
 // every generation's file; deleting the ancestor (and its flattened file) leaves the
 // checkpoint forkable over the same base.
 func TestForkOverAncestorBase(t *testing.T) {
-	env := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB = -1; roomy(c) }) // flatten on request only
+	room := parallelVMTest(t)
+	env := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB = -1; room(c) }) // flatten on request only
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 512, 0)
