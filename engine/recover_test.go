@@ -200,11 +200,19 @@ func TestNewKeepsCorruptVMAside(t *testing.T) {
 	touch(t, filepath.Join(cfg.RAMDir, "vm-dl.ram"), 1<<20)
 	qmpSock := filepath.Join(cfg.RunDir, "dl", qmpSockName)
 	touch(t, qmpSock, 0)
-	proc := exec.Command("sh", "-c", "sleep 60", "-chardev", "socket,id=qmp,path="+qmpSock+",server=on,wait=off")
+	// A shell blocked in its read builtin: it forks no child, which would carry its argv
+	// (and so the socket's path) until it exec'd and be counted as a second QEMU.
+	stdin, hold, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	proc := exec.Command("sh", "-c", "read x", "-chardev", "socket,id=qmp,path="+qmpSock+",server=on,wait=off")
+	proc.Stdin = stdin
 	if err := proc.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { proc.Process.Kill(); proc.Wait() })
+	stdin.Close()
+	t.Cleanup(func() { proc.Process.Kill(); proc.Wait(); hold.Close() })
 	// An earlier start kept a dl aside already: the new one gets a number.
 	touch(t, filepath.Join(vms, ".corrupt-dl", manifestFile), 3)
 

@@ -735,3 +735,38 @@ func TestReplaceLostWaitsForABeatAfterReady(t *testing.T) {
 		}
 	}
 }
+
+// TestWavePollsRecordsItMissed: a record the wave's watch never delivered (a fork made
+// while the jobs bucket's leader was being elected) is read by the wave's poll: the
+// fork ends and is streamed once; a record not final is left alone.
+func TestWavePollsRecordsItMissed(t *testing.T) {
+	s := testServer(t)
+	f := join(t, s, 1, 0, nil)[0].f
+	ctx := context.Background()
+	w := &wave{f: f, id: "wpoll", n: 2, names: []string{"p1", "p2"}, out: make(chan Event, 4)}
+	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, 2), attempts: []int{1, 1}, left: 2, beats: map[string]api.FleetNode{}}
+	running := record{Job: "wpoll.0.1", Attempt: 1, State: stateRunning, Node: "n1", Event: api.ForkEventObjectOf(0, "p1", 0, nil, nil)}
+	ready := record{Job: "wpoll.1.1", Attempt: 1, State: stateReady, Node: "n1", Event: api.ForkEventObjectOf(1, "p2", 0, nil, nil), At: time.Now()}
+	for i, rec := range []record{running, ready} {
+		if err := putJSON(ctx, f.jobs, recordKey(w.id, i), rec); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 2 {
+		if !r.pollRecords() {
+			t.Fatal("pollRecords: consumer gone")
+		}
+		r.polledAt = time.Time{} // poll again at once
+	}
+	if r.left != 1 || !r.slots[1].final || !r.slots[1].ready || r.slots[0].final {
+		t.Errorf("after the polls: left %d, slots %+v", r.left, r.slots)
+	}
+	close(w.out)
+	var got []Event
+	for ev := range w.out {
+		got = append(got, ev)
+	}
+	if len(got) != 1 || got[0].Index != 1 || !got[0].OK || got[0].Node != "n1" {
+		t.Errorf("events %+v, want p2 ready on n1 once", got)
+	}
+}

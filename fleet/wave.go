@@ -264,7 +264,7 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 	defer nodeW.Stop()
 	defer sub.Unsubscribe()
 	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, w.n), attempts: make([]int, w.n), left: w.n, roomAt: time.Now(),
-		beats: map[string]api.FleetNode{}}
+		beats: map[string]api.FleetNode{}, polledAt: time.Now()}
 	for i := range r.attempts {
 		r.attempts[i] = 1
 	}
@@ -289,7 +289,7 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 				return
 			}
 		case <-tick.C:
-			if !r.checkNodes() {
+			if !r.checkNodes() || !r.pollRecords() {
 				return
 			}
 		case e, ok := <-nodeW.Updates():
@@ -328,6 +328,8 @@ type waveRun struct {
 	roomAt time.Time
 	// beats are the latest heartbeats seen of the nodes, by name.
 	beats map[string]api.FleetNode
+	// polledAt is when the records of the forks not final were last read.
+	polledAt time.Time
 }
 
 // waveSlot is one fork's end as the wave saw it.
@@ -389,7 +391,17 @@ func (r *waveRun) recordUpdate(e jetstream.KeyValueEntry) bool {
 		return true
 	}
 	var rec record
-	if json.Unmarshal(e.Value(), &rec) != nil || !rec.final() {
+	if json.Unmarshal(e.Value(), &rec) != nil {
+		return true
+	}
+	return r.takeRecord(rec, e.Created())
+}
+
+// takeRecord takes a fork's record, written at created by the server's clock: a final
+// record of the fork's current attempt ends the fork and is streamed. False when the
+// wave's consumer is gone.
+func (r *waveRun) takeRecord(rec record, created time.Time) bool {
+	if !rec.final() {
 		return true
 	}
 	i := rec.Event.Index
@@ -398,7 +410,7 @@ func (r *waveRun) recordUpdate(e jetstream.KeyValueEntry) bool {
 	}
 	at := rec.At
 	if at.IsZero() {
-		at = e.Created() // written for the node by another: the server's clock
+		at = created // written for the node by another: the server's clock
 	}
 	r.slots[i] = waveSlot{final: true, ready: rec.State == stateReady, node: rec.Node, attempt: rec.Attempt, readyAt: at}
 	if nd, ok := r.beats[rec.Node]; ok && nd.Heartbeat.After(at) {
@@ -407,6 +419,33 @@ func (r *waveRun) recordUpdate(e jetstream.KeyValueEntry) bool {
 	r.left--
 	return r.send(Event{FleetForkEventObject: api.FleetForkEventObject{ForkEventObject: rec.Event, Node: rec.Node, Attempt: rec.Attempt,
 		RecordedAt: rec.At, FleetTiming: rec.Timing}})
+}
+
+// pollRecords reads, every ack wait, the records of the forks not final: the records
+// watch can miss an update (seen once in make test: a replacement made while the jobs
+// bucket's leader was being elected after a kill never reached the wave, which waited
+// until it was killed). False when the wave's consumer is gone.
+func (r *waveRun) pollRecords() bool {
+	if time.Since(r.polledAt) < r.w.f.cfg.AckWait {
+		return true
+	}
+	r.polledAt = time.Now()
+	for i := range r.slots {
+		if r.slots[i].final {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(r.ctx, callTimeout)
+		var rec record
+		_, ok, err := getJSON(ctx, r.w.f.jobs, recordKey(r.w.id, i), &rec)
+		cancel()
+		if err != nil || !ok || rec.Event.Index != i {
+			continue
+		}
+		if !r.takeRecord(rec, time.Now()) {
+			return false
+		}
+	}
+	return true
 }
 
 // checkNodes, every heartbeat, fails the forks no live node has had room for over
