@@ -250,6 +250,40 @@ func collect(t *testing.T, evs <-chan Event, d time.Duration) []Event {
 	}
 }
 
+// collectKillingVictim reads a wave's events until its channel closes, killing victim
+// (kill -9: no more heartbeats, acks or progress; a fork in flight there hangs) at its
+// first ready fork and then calling afterKill (when set). It fails the test when the
+// wave is not done within d or the victim made no fork.
+func collectKillingVictim(t *testing.T, evs <-chan Event, victim testNode, d time.Duration, afterKill func()) []Event {
+	t.Helper()
+	var got []Event
+	killed := false
+	deadline := time.After(d)
+	for {
+		select {
+		case ev, ok := <-evs:
+			if !ok {
+				if !killed {
+					t.Fatalf("the victim made no fork: %+v", got)
+				}
+				return got
+			}
+			got = append(got, ev)
+			t.Logf("%v %s on %s ok=%v %s", time.Now().Format("05.000"), ev.Name, ev.Node, ev.OK, ev.Code)
+			if !killed && ev.Node == victim.f.Name() && ev.OK {
+				killed = true
+				victim.f.cancel()
+				victim.f.nc.Close()
+				if afterKill != nil {
+					afterKill()
+				}
+			}
+		case <-deadline:
+			t.Fatalf("wave not done: %+v", got)
+		}
+	}
+}
+
 func TestWaveSpreadsUnderBudgets(t *testing.T) {
 	s := testServer(t)
 	nodes := join(t, s, 3, 2, nil)
@@ -441,33 +475,11 @@ func TestNodeKilledMidWave(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var got []Event
-	killed := false
-	deadline := time.After(40 * time.Second)
-	for done := false; !done; {
-		select {
-		case ev, ok := <-evs:
-			if !ok {
-				done = true
-				break
-			}
-			got = append(got, ev)
-			if !killed && ev.Node == victim.f.Name() && ev.OK {
-				// kill -9: no more heartbeats, acks or progress; its fork in flight hangs.
-				killed = true
-				victim.f.cancel()
-				victim.f.nc.Close()
-				for _, n := range nodes[:2] {
-					n.eng.total.Store(10)
-				}
-			}
-		case <-deadline:
-			t.Fatalf("wave not done: %+v", got)
+	got := collectKillingVictim(t, evs, victim, 40*time.Second, func() {
+		for _, n := range nodes[:2] {
+			n.eng.total.Store(10)
 		}
-	}
-	if !killed {
-		t.Fatalf("the victim made no fork: %+v", got)
-	}
+	})
 	final := map[int]Event{}
 	lost := 0
 	for _, ev := range got {
@@ -694,30 +706,7 @@ func TestReplaceLostWaitsForABeatAfterReady(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var got []Event
-	killed := false
-	deadline := time.After(30 * time.Second)
-	for done := false; !done; {
-		select {
-		case ev, ok := <-evs:
-			if !ok {
-				done = true
-				break
-			}
-			got = append(got, ev)
-			t.Logf("%v %s %s ok=%v %s", time.Now().Format("05.000"), ev.Name, ev.Node, ev.OK, ev.Code)
-			if !killed && ev.Node == victim.f.Name() && ev.OK {
-				killed = true
-				victim.f.cancel()
-				victim.f.nc.Close()
-			}
-		case <-deadline:
-			t.Fatalf("wave not done: %+v", got)
-		}
-	}
-	if !killed {
-		t.Fatalf("the victim made no fork: %+v", got)
-	}
+	got := collectKillingVictim(t, evs, victim, 30*time.Second, nil)
 	final, lost := map[int]Event{}, 0
 	for _, ev := range got {
 		if ev.Code == api.CodeNodeLost {
@@ -744,7 +733,7 @@ func TestWavePollsRecordsItMissed(t *testing.T) {
 	f := join(t, s, 1, 0, nil)[0].f
 	ctx := context.Background()
 	w := &wave{f: f, id: "wpoll", n: 2, names: []string{"p1", "p2"}, out: make(chan Event, 4)}
-	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, 2), attempts: []int{1, 1}, left: 2, beats: map[string]api.FleetNode{}}
+	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, 2), attempts: []int{1, 1}, left: 2, beats: map[string]time.Time{}}
 	running := record{Job: "wpoll.0.1", Attempt: 1, State: stateRunning, Node: "n1", Event: api.ForkEventObjectOf(0, "p1", 0, nil, nil)}
 	ready := record{Job: "wpoll.1.1", Attempt: 1, State: stateReady, Node: "n1", Event: api.ForkEventObjectOf(1, "p2", 0, nil, nil), At: time.Now()}
 	for i, rec := range []record{running, ready} {

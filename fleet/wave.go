@@ -264,20 +264,17 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 	defer nodeW.Stop()
 	defer sub.Unsubscribe()
 	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, w.n), attempts: make([]int, w.n), left: w.n, roomAt: time.Now(),
-		beats: map[string]api.FleetNode{}, polledAt: time.Now()}
+		beats: map[string]time.Time{}, polledAt: time.Now()}
 	for i := range r.attempts {
 		r.attempts[i] = 1
 	}
 	tick := time.NewTicker(w.f.cfg.Heartbeat)
 	defer tick.Stop()
 	for {
-		if r.left == 0 && !r.unconfirmed() {
+		if r.done() {
 			// One more look at the nodes before the end: a node whose heartbeat
 			// expired since the last tick loses its forks now, not never.
-			if !r.checkNodes() {
-				return
-			}
-			if r.left == 0 && !r.unconfirmed() {
+			if !r.checkNodes() || r.done() {
 				return
 			}
 		}
@@ -326,8 +323,8 @@ type waveRun struct {
 	left     int
 	// roomAt is when a live node of the class last showed room for one fork.
 	roomAt time.Time
-	// beats are the latest heartbeats seen of the nodes, by name.
-	beats map[string]api.FleetNode
+	// beats are the latest heartbeat times seen of the nodes (by their clocks), by name.
+	beats map[string]time.Time
 	// polledAt is when the records of the forks not final were last read.
 	polledAt time.Time
 }
@@ -342,6 +339,10 @@ type waveSlot struct {
 	readyAt   time.Time
 	confirmed bool
 }
+
+// done says whether every fork is final and, in a wave that replaces lost forks,
+// every ready fork's node beat after it.
+func (r *waveRun) done() bool { return r.left == 0 && !r.unconfirmed() }
 
 // unconfirmed says whether a wave that replaces lost forks still waits on a ready
 // fork's node to beat after the fork was ready: a node that died right after its fork
@@ -362,10 +363,10 @@ func (r *waveRun) unconfirmed() bool {
 // beat takes a node's heartbeat: it confirms the ready forks of that node recorded
 // before it.
 func (r *waveRun) beat(nd api.FleetNode) {
-	if last, ok := r.beats[nd.Name]; ok && !nd.Heartbeat.After(last.Heartbeat) {
+	if !nd.Heartbeat.After(r.beats[nd.Name]) {
 		return
 	}
-	r.beats[nd.Name] = nd
+	r.beats[nd.Name] = nd.Heartbeat
 	for i := range r.slots {
 		s := &r.slots[i]
 		if s.final && s.ready && s.node == nd.Name && nd.Heartbeat.After(s.readyAt) {
@@ -413,7 +414,7 @@ func (r *waveRun) takeRecord(rec record, created time.Time) bool {
 		at = created // written for the node by another: the server's clock
 	}
 	r.slots[i] = waveSlot{final: true, ready: rec.State == stateReady, node: rec.Node, attempt: rec.Attempt, readyAt: at}
-	if nd, ok := r.beats[rec.Node]; ok && nd.Heartbeat.After(at) {
+	if r.beats[rec.Node].After(at) {
 		r.slots[i].confirmed = true
 	}
 	r.left--
