@@ -113,6 +113,8 @@ type FleetTiming struct {
 	// its own pull of it (0 when the node had it).
 	PullMS float64 `json:"pull_ms,omitempty"`
 	// FleetMS is the node's time on the job besides the fork and the pull: its record
-	// read and writes, the claim (ClaimMS), its share check and the ready fence.
+	// read (none at a job's first delivery) and writes (the start record is written
+	// while the node pulls and forks), the claim (ClaimMS), its share check and the
+	// ready fence.
 	FleetMS float64 `json:"fleet_ms,omitempty"`
 }

@@ -161,9 +161,12 @@ type Fleet struct {
 	wg     sync.WaitGroup
 
 	mu sync.Mutex
-	// running counts the jobs being handled and their vCPUs (reserved before the
-	// engine admits them).
+	// running counts the jobs being handled; runningCPUs the vCPUs of those not yet
+	// handed to the engine (reserved before it admits them); forking the vCPUs of
+	// those handed to it, by fork name, until the job ends (the engine counts a fork
+	// from its admission, but lists it only once it is ready).
 	running, runningCPUs int
+	forking              map[string]int
 	// perWave counts, per wave, the jobs this node took (for MaxPerNode).
 	perWave map[string]int
 	// fetching holds a lock per checkpoint digest being fetched.
@@ -246,7 +249,7 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	f := &Fleet{cfg: cfg, log: log, eng: eng, fetch: fetch, nc: nc, js: js, class: class, classID: ClassID(class),
-		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]int{}, slot: make(chan struct{}, 1)}
+		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]int{}, forking: map[string]int{}, slot: make(chan struct{}, 1)}
 	if err := f.setup(ctx); err != nil {
 		nc.Close()
 		return nil, err

@@ -2,6 +2,7 @@ package fleet
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/fleet/natsembed"
@@ -37,6 +39,9 @@ type fakeEngine struct {
 	calls  atomic.Int32
 	// made, when set, runs when a fork is made, before Fork returns.
 	made func()
+	// unlisted hides forks not yet ready from List, as the engine does (its budget
+	// counts them all the same).
+	unlisted bool
 }
 
 func newFakeEngine(total int) *fakeEngine {
@@ -122,14 +127,18 @@ func (e *fakeEngine) List() []api.Info {
 	defer e.mu.Unlock()
 	var out []api.Info
 	for _, v := range e.vms {
-		out = append(out, v)
+		if !e.unlisted || v.State != api.StateStarting {
+			out = append(out, v)
+		}
 	}
 	return out
 }
 
 func (e *fakeEngine) Budget() api.Budget {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	used := 0
-	for _, v := range e.List() {
+	for _, v := range e.vms {
 		used += v.CPUs
 	}
 	return api.Budget{Total: int(e.total.Load()), Used: used, Memory: api.MemoryBudget{Known: true, FreeBytes: 8 << 30}}
@@ -757,5 +766,96 @@ func TestWavePollsRecordsItMissed(t *testing.T) {
 	}
 	if len(got) != 1 || got[0].Index != 1 || !got[0].OK || got[0].Node != "n1" {
 		t.Errorf("events %+v, want p2 ready on n1 once", got)
+	}
+}
+
+// TestFirstDeliveryMeetsTheWavesRecord: a job's first delivery reads no record (a
+// round trip saved per fork), so a final record the wave wrote before any node took
+// the job (failed for want of room) must stop the try at its start record, which is
+// written while the node forks: the fork is cancelled, the job acked and the name's
+// claim released.
+func TestFirstDeliveryMeetsTheWavesRecord(t *testing.T) {
+	s := testServer(t)
+	n := join(t, s, 1, 2, nil)[0]
+	f := n.f
+	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	n.eng.forkDelay.Store(int64(time.Minute)) // only the failed start record ends it
+	ctx := context.Background()
+	j := job{ID: "wfirst.0.1", Wave: "wfirst", Index: 0, Attempt: 1, Name: "first-1", Checkpoint: "ck", Digest: "d1",
+		Class: f.classID, CPUs: 1, Published: time.Now()}
+	failed := record{Job: j.ID, Attempt: 1, State: stateFailed, Event: api.ForkEventObjectOf(0, j.Name, 0, nil, ErrNoRoom)}
+	if err := putJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), failed); err != nil {
+		t.Fatal(err)
+	}
+	b, _ := json.Marshal(j)
+	if _, err := f.js.Publish(ctx, subject(f.classID), b, jetstream.WithMsgID(j.ID)); err != nil {
+		t.Fatal(err)
+	}
+	st, err := f.js.Stream(ctx, streamName(f.classID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		info, err := st.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.State.Msgs == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the job is still in the stream after 15 s (%d messages)", info.State.Msgs)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if made, left := n.eng.forks.Load(), n.eng.List(); made != 0 || len(left) != 0 {
+		t.Errorf("%d forks made, VMs left %+v; want none", made, left)
+	}
+	var rec record
+	if _, ok, err := getJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), &rec); err != nil || !ok || rec.State != stateFailed {
+		t.Errorf("record %+v (ok %v, err %v), want the wave's failed one", rec, ok, err)
+	}
+	var c claim
+	if _, ok, err := getJSON(ctx, f.claims, kvKey(j.Name), &c); err != nil || ok {
+		t.Errorf("claim %+v (ok %v, err %v), want none", c, ok, err)
+	}
+}
+
+// TestForksInFlightCountedOnce: a job's fork is counted once in the node's budget
+// while the engine makes it (it was counted by the job and by the engine, so a node
+// fetched half the jobs its budget had room for), whether or not the engine lists
+// forks not yet ready, and whether the node's cap or the engine's budget binds.
+func TestForksInFlightCountedOnce(t *testing.T) {
+	for _, c := range []struct{ unlisted, engineCap bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		unlisted := c.unlisted
+		t.Run(fmt.Sprintf("unlisted=%v,engine-cap=%v", c.unlisted, c.engineCap), func(t *testing.T) {
+			capCPUs := 4 // the node's cap binds, or the engine's own total
+			if c.engineCap {
+				capCPUs = 0
+			}
+			n := join(t, testServer(t), 1, capCPUs, nil)[0] // no job of another case
+			if c.engineCap {
+				n.eng.total.Store(4)
+			}
+			n.eng.unlisted = unlisted
+			n.eng.forkDelay.Store(int64(time.Minute))
+			n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if _, err := n.f.ForkMany(ctx, api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", N: 2, Prefix: fmt.Sprintf("once%v%v-", c.unlisted, c.engineCap)}}); err != nil {
+				t.Fatal(err)
+			}
+			deadline := time.Now().Add(15 * time.Second)
+			for n.eng.calls.Load() < 2 {
+				if time.Now().After(deadline) {
+					t.Fatalf("%d forks started after 15 s, want 2", n.eng.calls.Load())
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			if total, free, _ := n.f.budget(); total != 4 || free != 2 {
+				t.Errorf("budget with 2 forks of 1 vCPU in flight: %d free of %d, want 2 of 4", free, total)
+			}
+		})
 	}
 }

@@ -82,17 +82,29 @@ func (f *Fleet) self() api.FleetNode {
 }
 
 // budget is the node's fleet budget: total and free vCPUs (the engine's, capped by
-// Config.MaxVCPUs, less the jobs not yet admitted) and free memory.
+// Config.MaxVCPUs, less the jobs not yet admitted) and free memory. A job's fork is
+// counted once: by the job until it is handed to the engine, then by the engine
+// (which counts it from its admission) and, under the cap, by the job until the
+// engine lists it.
 func (f *Fleet) budget() (total, free int, mem int64) {
 	b := f.eng.Budget()
 	total, free = b.Total, b.Total-b.Used
 	if f.cfg.MaxVCPUs > 0 {
 		used := 0
+		listed := map[string]bool{}
 		for _, v := range f.eng.List() {
 			if v.State != api.StateDead {
 				used += v.CPUs
+				listed[v.Name] = true
 			}
 		}
+		f.mu.Lock()
+		for name, cpus := range f.forking {
+			if !listed[name] {
+				used += cpus
+			}
+		}
+		f.mu.Unlock()
 		total = min(total, f.cfg.MaxVCPUs)
 		free = min(free, f.cfg.MaxVCPUs-used)
 	}

@@ -199,7 +199,11 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time) bool {
 		took := t.handle()
 		f.mu.Lock()
 		f.running--
-		f.runningCPUs -= j.CPUs
+		if t.handed {
+			delete(f.forking, j.Name)
+		} else {
+			f.runningCPUs -= j.CPUs
+		}
 		if !took {
 			f.perWave[j.Wave]--
 		}
@@ -292,6 +296,9 @@ type jobTry struct {
 	got             time.Time
 	queue, dispatch time.Duration
 	claim, pull     time.Duration
+	// handed is set (under f.mu) once the fork is handed to the engine, which counts
+	// its vCPUs from then on (budget).
+	handed bool
 }
 
 // handle runs one job to its end: a record written and the message acked, or the
@@ -335,6 +342,13 @@ func (t *jobTry) keepInProgress() (stop func()) {
 // try (acked, given back or dead).
 func (t *jobTry) fresh(ctx context.Context) bool {
 	f, j := t.f, t.j
+	if j.Attempt == 1 && t.firstDelivery() {
+		// Nothing to dedupe or count: no node has tried this job, and a record the wave
+		// wrote before any node took it (failed for want of room, or dead-lettered) is
+		// final and met by the start record's create (claimName), which acks it then.
+		// That saves a fleet round trip on nearly every fork.
+		return true
+	}
 	var rec record
 	rev, ok, err := getJSON(ctx, f.jobs, t.key, &rec)
 	if err != nil {
@@ -361,8 +375,14 @@ func (t *jobTry) fresh(ctx context.Context) bool {
 	return true
 }
 
-// claimName claims the job's name for this node, notes it in the journal and records
-// the try's start; ok is false when the job needs nothing more from this try.
+// firstDelivery reports whether this is the job message's first delivery.
+func (t *jobTry) firstDelivery() bool {
+	md, err := t.msg.Metadata()
+	return err == nil && md.NumDelivered == 1
+}
+
+// claimName claims the job's name for this node and notes it in the journal; ok is
+// false when the job needs nothing more from this try.
 func (t *jobTry) claimName(ctx context.Context) (crev uint64, cl claim, ok bool) {
 	f, j, msg := t.f, t.j, t.msg
 	start := time.Now()
@@ -396,39 +416,70 @@ func (t *jobTry) claimName(ctx context.Context) (crev uint64, cl claim, ok bool)
 		f.release(j.Name, crev)
 		return 0, cl, t.fail("journal", err)
 	}
-	// The try starts: fenced, so that a wave that failed the job for want of room
-	// meanwhile wins (or loses) as a whole.
+	return crev, cl, true
+}
+
+// recordStart writes the try's start record in the background while the node pulls
+// and forks (a fleet round trip off every fork's path), fenced by the revision read:
+// a wave that failed the job for want of room meanwhile wins (or loses) as a whole.
+// A failed write calls abort (the pull and the fork stop). The returned started waits
+// for the write and reports whether the try goes on; when not, it has released the
+// claim of revision crev and given the job back, or acked it when its record is final
+// (ended by the wave or another node). Call it once, before any other record write.
+func (t *jobTry) recordStart(ctx context.Context, crev uint64, abort func()) (started func() bool) {
+	f, j := t.f, t.j
 	run := record{Job: j.ID, Attempt: j.Attempt, State: stateRunning, Node: f.cfg.Node, Failures: t.failures}
-	nrev, err := f.putRecord(ctx, t.key, run, t.rev)
-	if err != nil {
+	done := make(chan error, 1)
+	go func() {
+		nrev, err := f.putRecord(ctx, t.key, run, t.rev)
+		if err != nil {
+			abort()
+		} else {
+			t.rev = nrev
+		}
+		done <- err
+	}()
+	return func() bool {
+		err := <-done
+		if err == nil {
+			return true
+		}
 		f.release(j.Name, crev)
 		f.unjournal(j.Name)
 		var cur record
 		if _, ok, gerr := getJSON(ctx, f.jobs, t.key, &cur); gerr == nil && ok && cur.Job == j.ID && cur.final() {
-			f.ack(msg, j) // ended by the wave (no room) or another node
-			return 0, cl, false
+			f.ack(t.msg, j)
+			return false
 		}
-		return 0, cl, t.refuse("recording its start", err)
+		return t.refuse("recording its start", err)
 	}
-	t.rev = nrev
-	return crev, cl, true
 }
 
-// fork makes the job's fork on this node (pulling its checkpoint when missing) under
-// the claim of revision crev, and reports whether it did.
+// fork records the try's start and makes the job's fork on this node (pulling its
+// checkpoint when missing) under the claim of revision crev, and reports whether it
+// did.
 func (t *jobTry) fork(ctx context.Context, crev uint64, cl claim) bool {
 	f, j := t.f, t.j
+	fctx, abort := context.WithCancel(ctx)
+	defer abort()
+	started := t.recordStart(ctx, crev, abort)
 	// The fork may already be here: a redelivery to the node that made it.
 	info, err := f.eng.Get(j.Name)
 	if err == nil && info.State == api.StateRunning {
+		if !started() {
+			return false
+		}
 		return t.ready(crev, cl, info, 0)
 	}
 	if err == nil {
 		f.eng.Delete(ctx, j.Name) // a dead or unfinished leftover of an earlier try
 	}
-	pull, err := f.ensureCheckpoint(ctx, j)
+	pull, err := f.ensureCheckpoint(fctx, j)
 	t.pull = pull
 	if err != nil {
+		if !started() {
+			return false
+		}
 		f.release(j.Name, crev)
 		f.unjournal(j.Name)
 		// A digest mismatch is final too: every holder was tried, and another
@@ -439,9 +490,20 @@ func (t *jobTry) fork(ctx context.Context, crev uint64, cl claim) bool {
 		}
 		return t.fail("checkpoint", err)
 	}
+	f.mu.Lock()
+	f.runningCPUs -= j.CPUs
+	f.forking[j.Name] = j.CPUs
+	t.handed = true
+	f.mu.Unlock()
 	forkStart := time.Now()
-	info, err = f.eng.Fork(ctx, j.Checkpoint, j.Name, j.Overcommit)
+	info, err = f.eng.Fork(fctx, j.Checkpoint, j.Name, j.Overcommit)
 	forkDur := time.Since(forkStart)
+	if !started() {
+		if err == nil {
+			f.eng.Delete(context.Background(), j.Name) // the job is not this try's
+		}
+		return false
+	}
 	if err != nil {
 		f.release(j.Name, crev)
 		f.unjournal(j.Name)
@@ -601,12 +663,17 @@ func (f *Fleet) release(name string, rev uint64) error {
 // its claim is released in the background, so that the fleet lists it no more and its
 // name can be forked again (the delete does not wait on the fleet, which may have no
 // quorum then). A claim of the name by another node is left alone; a name the fleet
-// never made is not an error.
+// never made is not an error. The room it leaves is taken at once: a node whose
+// budget was full asks for jobs again.
 func (f *Fleet) Deleted(name string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.closed {
 		return // the next start releases it (deleteOrphans)
+	}
+	select {
+	case f.slot <- struct{}{}:
+	default:
 	}
 	f.wg.Add(1)
 	go func() {
