@@ -250,20 +250,32 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 	}
 	f := &Fleet{cfg: cfg, log: log, eng: eng, fetch: fetch, nc: nc, js: js, class: class, classID: ClassID(class),
 		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]int{}, forking: map[string]int{}, slot: make(chan struct{}, 1)}
-	if err := f.setup(ctx); err != nil {
-		nc.Close()
-		return nil, err
-	}
-	if err := f.beat(ctx); err != nil {
-		nc.Close()
-		return nil, err
-	}
 	f.ctx, f.cancel = context.WithCancel(context.Background())
+	fail := func(err error) (*Fleet, error) {
+		f.cancel()
+		f.wg.Wait()
+		nc.Close()
+		return nil, err
+	}
+	// The heartbeat first: a daemon that restarts is the same live node to the others
+	// once it beats again within the TTL, and the rest of the set-up may wait seconds
+	// for the streams it led to elect new leaders (their elections took 4-7 s).
+	if err := f.setupNodes(ctx); err != nil {
+		return fail(err)
+	}
+	if err := retry(ctx, "first heartbeat", f.beat); err != nil {
+		return fail(err)
+	}
+	log.Info("fleet: first heartbeat written", "node", cfg.Node, "boot", f.boot, "after", time.Since(f.started).Round(time.Millisecond))
+	f.wg.Add(1)
+	go f.heartbeatLoop()
+	if err := f.setup(ctx); err != nil {
+		return fail(err)
+	}
 	if err := f.deleteOrphans(ctx); err != nil {
 		log.Warn("fleet: orphans not checked", "err", err)
 	}
-	f.wg.Add(2)
-	go f.heartbeatLoop()
+	f.wg.Add(1)
 	go f.workLoop()
 	return f, nil
 }
@@ -294,15 +306,27 @@ func (f *Fleet) Name() string { return f.cfg.Node }
 // Class is this node's compatibility class.
 func (f *Fleet) Class() api.FleetClass { return f.class }
 
-// setup makes the buckets and this node's class stream and consumer, each retried (a
-// replicated bucket made right after the cluster formed may find too few peers).
+// setupNodes makes the heartbeat bucket, retried (a replicated bucket made right after
+// the cluster formed may find too few peers).
+func (f *Fleet) setupNodes(ctx context.Context) error {
+	cfg := jetstream.KeyValueConfig{Bucket: bucketNodes, History: 1, TTL: f.cfg.TTL, LimitMarkerTTL: f.cfg.TTL, Replicas: f.cfg.Replicas, Storage: jetstream.MemoryStorage}
+	return retry(ctx, "bucket "+cfg.Bucket, func(ctx context.Context) error {
+		kv, err := f.js.CreateOrUpdateKeyValue(ctx, cfg)
+		if err == nil {
+			f.nodes = kv
+		}
+		return err
+	})
+}
+
+// setup makes the other buckets and this node's class stream and consumer, each
+// retried as setupNodes.
 func (f *Fleet) setup(ctx context.Context) error {
 	r := f.cfg.Replicas
 	buckets := []struct {
 		kv  *jetstream.KeyValue
 		cfg jetstream.KeyValueConfig
 	}{
-		{&f.nodes, jetstream.KeyValueConfig{Bucket: bucketNodes, History: 1, TTL: f.cfg.TTL, LimitMarkerTTL: f.cfg.TTL, Replicas: r, Storage: jetstream.MemoryStorage}},
 		{&f.claims, jetstream.KeyValueConfig{Bucket: bucketClaims, History: 1, Replicas: r, Storage: jetstream.FileStorage}},
 		{&f.jobs, jetstream.KeyValueConfig{Bucket: bucketJobs, History: 1, TTL: 24 * time.Hour, Replicas: r, Storage: jetstream.FileStorage}},
 		{&f.cks, jetstream.KeyValueConfig{Bucket: bucketCks, History: 1, Replicas: r, Storage: jetstream.FileStorage}},

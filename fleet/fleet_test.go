@@ -859,3 +859,39 @@ func TestForksInFlightCountedOnce(t *testing.T) {
 		})
 	}
 }
+
+// TestLossJudgedOnlyAfterPromptBeats: a ready fork's node missing from the heartbeats
+// is not taken for lost while this node's own heartbeats have not gone through for a
+// TTL (after the bucket's leader died, the new one expires every heartbeat at once,
+// a restarting daemon's too); once they have, it is.
+func TestLossJudgedOnlyAfterPromptBeats(t *testing.T) {
+	s := testServer(t)
+	f := join(t, s, 1, 0, nil)[0].f
+	ctx := context.Background()
+	w := &wave{f: f, id: "wjudge", n: 1, names: []string{"j1"}, out: make(chan Event, 4)}
+	r := &waveRun{w: w, ctx: ctx, slots: []waveSlot{{final: true, ready: true, node: "gone", attempt: 1}}, attempts: []int{1},
+		beats: map[string]time.Time{}, roomAt: time.Now().Add(time.Hour)}
+	f.beatingSince.Store(0) // as after heartbeats that failed
+	if !r.checkNodes() {
+		t.Fatal("checkNodes: consumer gone")
+	}
+	if len(w.out) != 0 || !r.slots[0].ready {
+		t.Fatalf("node judged lost before this node's beats were prompt for a TTL: %d events", len(w.out))
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !f.judging() {
+		if time.Now().After(deadline) {
+			t.Fatal("not judging 10 s after its beats resumed")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if !r.checkNodes() {
+		t.Fatal("checkNodes: consumer gone")
+	}
+	if len(w.out) != 1 || r.slots[0].ready {
+		t.Fatalf("%d events once judging, want the fork node_lost", len(w.out))
+	}
+	if ev := <-w.out; ev.Code != api.CodeNodeLost || ev.Node != "gone" {
+		t.Errorf("event %+v, want node_lost on gone", ev)
+	}
+}

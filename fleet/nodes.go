@@ -168,18 +168,27 @@ func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool
 // intervals old): a host too busy to run this node's heartbeats on time delays the
 // others' on it too.
 func (f *Fleet) expired(n api.FleetNode) bool {
+	return f.judging() && !n.Heartbeat.IsZero() && time.Since(n.Heartbeat) > f.cfg.TTL
+}
+
+// judging says whether this node may take another's missing or old heartbeat for the
+// node's loss (see expired): its own heartbeats have gone through promptly for a
+// whole TTL, and the last is recent. The same holds for a heartbeat the bucket
+// expired: after the bucket's leader died (with a node, or with a daemon that
+// restarts) the new leader expires every heartbeat older than the TTL at once,
+// though no node could write one during the election; a restarted daemon beats again
+// a moment after it.
+func (f *Fleet) judging() bool {
 	since := f.beatingSince.Load()
 	if since == 0 || time.Since(time.Unix(0, since)) <= f.cfg.TTL {
 		return false
 	}
-	if last := f.lastBeat.Load(); time.Since(time.Unix(0, last)) > 2*f.cfg.Heartbeat {
-		return false
-	}
-	return !n.Heartbeat.IsZero() && time.Since(n.Heartbeat) > f.cfg.TTL
+	last := f.lastBeat.Load()
+	return time.Since(time.Unix(0, last)) <= 2*f.cfg.Heartbeat
 }
 
 // VMs lists the fleet's forks as their claims record them; a fork whose node's
-// heartbeat expired is listed in state node_lost.
+// heartbeat expired is listed in state node_lost (while this node may judge that).
 func (f *Fleet) VMs(ctx context.Context) ([]api.FleetVM, error) {
 	nodes, err := f.Nodes(ctx)
 	if err != nil {
@@ -189,6 +198,7 @@ func (f *Fleet) VMs(ctx context.Context) ([]api.FleetVM, error) {
 	for _, n := range nodes {
 		live[n.Name] = true
 	}
+	judging := f.judging()
 	var out []api.FleetVM
 	err = retry(ctx, "list claims", func(ctx context.Context) error {
 		out = out[:0]
@@ -199,7 +209,7 @@ func (f *Fleet) VMs(ctx context.Context) ([]api.FleetVM, error) {
 			}
 			v := api.FleetVM{Schema: api.FleetVMSchema, Name: c.Name, Node: c.Node, Checkpoint: c.Checkpoint, Wave: c.Wave,
 				Index: c.Index, State: c.State, CPUs: c.CPUs, ClaimedAt: c.At}
-			if !live[c.Node] {
+			if !live[c.Node] && judging {
 				v.State = api.CodeNodeLost
 			}
 			out = append(out, v)

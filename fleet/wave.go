@@ -303,7 +303,9 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 				}
 				continue
 			}
-			if !r.lose(e.Key()) {
+			// An expiry while this node cannot judge (the bucket had no leader
+			// lately) is left to the node checks, which lose the node once it can.
+			if w.f.judging() && !r.lose(e.Key()) {
 				return
 			}
 		case m := <-dead:
@@ -480,7 +482,7 @@ func (r *waveRun) checkNodes() bool {
 		r.roomAt = time.Now() // forks published since (replacements) get a whole wait
 	}
 	for i := range r.slots {
-		if r.slots[i].final && r.slots[i].ready && !live[r.slots[i].node] {
+		if r.slots[i].final && r.slots[i].ready && !live[r.slots[i].node] && w.f.judging() {
 			if !r.lose(r.slots[i].node) {
 				return false
 			}

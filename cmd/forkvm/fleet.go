@@ -200,11 +200,13 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 		if tlsf.ca != "" && tlsf.cert == "" {
 			return nil, fmt.Errorf("%w: --cluster-tls-ca with --cluster-listen needs the embedded server's own --cluster-tls-cert and --cluster-tls-key", errFleetConfig)
 		}
+		natsStart := time.Now()
 		srv, err := startEmbedded(ctx, embedOptions{node: node, dir: filepath.Join(e.Config().StateDir, "fleet", "jetstream"), listen: listen,
 			clientListen: cmd.String("cluster-client-listen"), routes: routes, user: user, password: password, insecure: insecure, tls: tlsf}, log)
 		if err != nil {
 			return nil, err
 		}
+		log.Info("forkvm serve: NATS server started", "took", time.Since(natsStart).Round(time.Millisecond))
 		if cmd.String("cluster-client-listen") != "" {
 			log.Info("forkvm serve: NATS clients served", "nats_url", srv.ClientURL())
 		}
@@ -222,12 +224,14 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 		Dir: filepath.Join(e.Config().StateDir, "fleet"), Logger: log}
 	jctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
+	joinStart := time.Now()
 	f, err := fleet.Join(jctx, cfg, fleet.EngineOf(e), fetch)
 	if err != nil {
 		stop()
 		return nil, err
 	}
-	log.Info("forkvm serve: joined the fleet", "node", node, "class", fleet.ClassID(f.Class()), "replicas", replicas)
+	log.Info("forkvm serve: joined the fleet", "node", node, "class", fleet.ClassID(f.Class()), "replicas", replicas,
+		"took", time.Since(joinStart).Round(time.Millisecond))
 	return &fleetMember{f: f, close: func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()

@@ -72,11 +72,13 @@ func serveCmd() *cli.Command {
 			if cmd.Bool("verbose") {
 				cfg.Logger = log
 			}
+			started := time.Now()
 			e, err := engine.New(ctx, cfg)
 			if err != nil {
 				return err
 			}
 			defer e.Close()
+			log.Info("forkvm serve: engine ready", "vms", len(e.List()), "took", time.Since(started).Round(time.Millisecond))
 			sock := cmd.String("socket")
 			if sock == "" {
 				sock = serve.SocketPath(e.Config().StateDir)
