@@ -43,10 +43,14 @@ type FleetNode struct {
 	// Boot changes with every start of the node's daemon.
 	Boot string `json:"boot"`
 	// TotalVCPUs and FreeVCPUs are the node's fleet budget (its admission budget, or
-	// less when the node was given a cap); FreeMemoryBytes the engine's memory budget.
-	TotalVCPUs      int   `json:"total_vcpus"`
-	FreeVCPUs       int   `json:"free_vcpus"`
-	FreeMemoryBytes int64 `json:"free_memory_bytes"`
+	// less when the node was given a cap); Memory the engine's memory budget, less the
+	// fleet jobs the node took and has not handed to its engine yet, and
+	// FreeMemoryBytes its FreeBytes. A node has room for a fork of c vCPUs and a guest
+	// of G bytes when FreeVCPUs >= c and Memory.Fits(G).
+	TotalVCPUs      int          `json:"total_vcpus"`
+	FreeVCPUs       int          `json:"free_vcpus"`
+	FreeMemoryBytes int64        `json:"free_memory_bytes"`
+	Memory          MemoryBudget `json:"memory"`
 	// VMs counts the node's live VMs; Running the fleet jobs it is forking now.
 	VMs       int       `json:"vms"`
 	Running   int       `json:"running_jobs"`
@@ -117,4 +121,10 @@ type FleetTiming struct {
 	// while the node pulls and forks), the claim (ClaimMS), its share check and the
 	// ready fence.
 	FleetMS float64 `json:"fleet_ms,omitempty"`
+}
+
+// HasRoom reports whether the node's heartbeat shows room for one fork of cpus vCPUs
+// and a guest of guest bytes.
+func (n FleetNode) HasRoom(cpus int, guest int64) bool {
+	return n.FreeVCPUs >= cpus && n.Memory.Fits(guest)
 }

@@ -254,6 +254,20 @@ type MemoryBudget struct {
 	// FreeBytes is what a new VM may commit: min(available, cgroup headroom) − reserve −
 	// committed.
 	FreeBytes int64 `json:"free_bytes"`
+	// ForkOverheadBytes is what a new VM commits beside its guest's share: a VM of a
+	// guest of G bytes commits ForkOverheadBytes + G × CommitRatio (CommitBytes).
+	ForkOverheadBytes int64 `json:"fork_overhead_bytes,omitempty"`
+}
+
+// CommitBytes is what a new VM of a guest of guest bytes commits of FreeBytes.
+func (m MemoryBudget) CommitBytes(guest int64) int64 {
+	return m.ForkOverheadBytes + int64(float64(guest)*m.CommitRatio)
+}
+
+// Fits reports whether a new VM of a guest of guest bytes fits FreeBytes (always when
+// the memory is not known).
+func (m MemoryBudget) Fits(guest int64) bool {
+	return !m.Known || m.CommitBytes(guest) <= m.FreeBytes
 }
 
 // CheckpointTimings are the phases of a checkpoint.

@@ -101,7 +101,7 @@ func (a *admitter) memory(vms []qemuUse, pending int64) MemoryBudget {
 	if err != nil {
 		return MemoryBudget{}
 	}
-	m := MemoryBudget{Known: true, AvailableBytes: avail, TotalBytes: total, ReserveBytes: a.reserveBytes,
+	m := MemoryBudget{Known: true, AvailableBytes: avail, TotalBytes: total, ReserveBytes: a.reserveBytes, ForkOverheadBytes: forkMemoryEstimate,
 		CommitRatio: a.commitRatio, CommittedBytes: outstanding(vms, a.commitRatio) + pending}
 	cg, err := a.host.memCgroup()
 	if err == nil && cg.limit > 0 {

@@ -367,7 +367,7 @@ func oomKills(version int, dir string) (n int64, ok bool) {
 // before admission must have room for it: QEMU's own (heap, TCG buffers) plus ratio
 // of its guest RAM (pages its guest may write).
 func commitBytes(guest int64, ratio float64) int64 {
-	return forkMemoryEstimate + int64(float64(guest)*ratio)
+	return MemoryBudget{ForkOverheadBytes: forkMemoryEstimate, CommitRatio: ratio}.CommitBytes(guest)
 }
 
 // outstanding is the growth still expected of running VMs: each VM's commitment minus

@@ -166,6 +166,7 @@ type Fleet struct {
 	// those handed to it, by fork name, until the job ends (the engine counts a fork
 	// from its admission, but lists it only once it is ready).
 	running, runningCPUs int
+	runningMem           int64 // the memory of those not yet handed, as runningCPUs
 	forking              map[string]int
 	// perWave counts, per wave, the jobs this node took (for MaxPerNode).
 	perWave map[string]int
@@ -306,12 +307,23 @@ func (f *Fleet) Name() string { return f.cfg.Node }
 // Class is this node's compatibility class.
 func (f *Fleet) Class() api.FleetClass { return f.class }
 
-// setupNodes makes the heartbeat bucket, retried (a replicated bucket made right after
-// the cluster formed may find too few peers).
+// nodesBucket is the heartbeat bucket's configuration.
+func (f *Fleet) nodesBucket() jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{Bucket: bucketNodes, History: 1, TTL: f.cfg.TTL, LimitMarkerTTL: f.cfg.TTL, Replicas: f.cfg.Replicas, Storage: jetstream.MemoryStorage}
+}
+
+// setupNodes binds the heartbeat bucket, or makes it when there is none, retried (a
+// replicated bucket made right after the cluster formed may find too few peers). A
+// bucket that exists is bound by a look-up its stream's leader answers: making or
+// updating one needs the cluster's meta leader, which a restarting daemon may have
+// taken down with it (setup updates it later).
 func (f *Fleet) setupNodes(ctx context.Context) error {
-	cfg := jetstream.KeyValueConfig{Bucket: bucketNodes, History: 1, TTL: f.cfg.TTL, LimitMarkerTTL: f.cfg.TTL, Replicas: f.cfg.Replicas, Storage: jetstream.MemoryStorage}
+	cfg := f.nodesBucket()
 	return retry(ctx, "bucket "+cfg.Bucket, func(ctx context.Context) error {
-		kv, err := f.js.CreateOrUpdateKeyValue(ctx, cfg)
+		kv, err := f.js.KeyValue(ctx, cfg.Bucket)
+		if errors.Is(err, jetstream.ErrBucketNotFound) {
+			kv, err = f.js.CreateOrUpdateKeyValue(ctx, cfg)
+		}
 		if err == nil {
 			f.nodes = kv
 		}
@@ -319,7 +331,7 @@ func (f *Fleet) setupNodes(ctx context.Context) error {
 	})
 }
 
-// setup makes the other buckets and this node's class stream and consumer, each
+// setup makes or updates the buckets and this node's class stream and consumer, each
 // retried as setupNodes.
 func (f *Fleet) setup(ctx context.Context) error {
 	r := f.cfg.Replicas
@@ -327,6 +339,7 @@ func (f *Fleet) setup(ctx context.Context) error {
 		kv  *jetstream.KeyValue
 		cfg jetstream.KeyValueConfig
 	}{
+		{nil, f.nodesBucket()}, // bound already (the heartbeats use it): updated only
 		{&f.claims, jetstream.KeyValueConfig{Bucket: bucketClaims, History: 1, Replicas: r, Storage: jetstream.FileStorage}},
 		{&f.jobs, jetstream.KeyValueConfig{Bucket: bucketJobs, History: 1, TTL: 24 * time.Hour, Replicas: r, Storage: jetstream.FileStorage}},
 		{&f.cks, jetstream.KeyValueConfig{Bucket: bucketCks, History: 1, Replicas: r, Storage: jetstream.FileStorage}},
@@ -334,7 +347,7 @@ func (f *Fleet) setup(ctx context.Context) error {
 	for _, b := range buckets {
 		err := retry(ctx, "bucket "+b.cfg.Bucket, func(ctx context.Context) error {
 			kv, err := f.js.CreateOrUpdateKeyValue(ctx, b.cfg)
-			if err == nil {
+			if err == nil && b.kv != nil {
 				*b.kv = kv
 			}
 			return err

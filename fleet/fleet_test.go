@@ -42,6 +42,9 @@ type fakeEngine struct {
 	// unlisted hides forks not yet ready from List, as the engine does (its budget
 	// counts them all the same).
 	unlisted bool
+	// memFree, when set, is the memory budget's FreeBytes, with a commit ratio of 1
+	// (else 8 GiB and 0: memory never binds).
+	memFree atomic.Int64
 }
 
 func newFakeEngine(total int) *fakeEngine {
@@ -141,7 +144,14 @@ func (e *fakeEngine) Budget() api.Budget {
 	for _, v := range e.vms {
 		used += v.CPUs
 	}
-	return api.Budget{Total: int(e.total.Load()), Used: used, Memory: api.MemoryBudget{Known: true, FreeBytes: 8 << 30}}
+	return api.Budget{Total: int(e.total.Load()), Used: used, Memory: e.memory()}
+}
+
+func (e *fakeEngine) memory() api.MemoryBudget {
+	if free := e.memFree.Load(); free != 0 {
+		return api.MemoryBudget{Known: true, TotalBytes: 16 << 30, FreeBytes: free, CommitRatio: 1, ForkOverheadBytes: 64 << 20}
+	}
+	return api.MemoryBudget{Known: true, TotalBytes: 16 << 30, FreeBytes: 8 << 30}
 }
 
 // fakeFetcher copies a checkpoint record from the engine of the node named.
@@ -863,7 +873,8 @@ func TestForksInFlightCountedOnce(t *testing.T) {
 // TestLossJudgedOnlyAfterPromptBeats: a ready fork's node missing from the heartbeats
 // is not taken for lost while this node's own heartbeats have not gone through for a
 // TTL (after the bucket's leader died, the new one expires every heartbeat at once,
-// a restarting daemon's too); once they have, it is.
+// a restarting daemon's too), nor does the wave end then; once they have, it is, and
+// the wave may end.
 func TestLossJudgedOnlyAfterPromptBeats(t *testing.T) {
 	s := testServer(t)
 	f := join(t, s, 1, 0, nil)[0].f
@@ -878,6 +889,9 @@ func TestLossJudgedOnlyAfterPromptBeats(t *testing.T) {
 	if len(w.out) != 0 || !r.slots[0].ready {
 		t.Fatalf("node judged lost before this node's beats were prompt for a TTL: %d events", len(w.out))
 	}
+	if r.done() {
+		t.Error("the wave would end while it cannot tell whether a ready fork's node lives")
+	}
 	deadline := time.Now().Add(10 * time.Second)
 	for !f.judging() {
 		if time.Now().After(deadline) {
@@ -888,10 +902,47 @@ func TestLossJudgedOnlyAfterPromptBeats(t *testing.T) {
 	if !r.checkNodes() {
 		t.Fatal("checkNodes: consumer gone")
 	}
-	if len(w.out) != 1 || r.slots[0].ready {
-		t.Fatalf("%d events once judging, want the fork node_lost", len(w.out))
+	if len(w.out) != 1 || r.slots[0].ready || !r.done() {
+		t.Fatalf("%d events once judging (done %v), want the fork node_lost and the wave done", len(w.out), r.done())
 	}
 	if ev := <-w.out; ev.Code != api.CodeNodeLost || ev.Node != "gone" {
 		t.Errorf("event %+v, want node_lost on gone", ev)
+	}
+}
+
+// TestNoRoomForMemory: nodes with the vCPUs but not the memory for a fork take none of
+// its jobs (their engines would refuse them), and the wave fails them for want of
+// room, naming memory as the resource short.
+func TestNoRoomForMemory(t *testing.T) {
+	s := testServer(t)
+	nodes := join(t, s, 2, 4, func(c *Config) { c.RoomWait, c.TTL = time.Second, 6*time.Second })
+	for _, n := range nodes {
+		n.eng.memFree.Store(200 << 20) // a 256 MiB guest commits 320 MiB
+	}
+	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1, MemoryMiB: 256}
+	nodes[0].eng.cks["small"] = CheckpointRef{Name: "small", Digest: "d2", Class: testClass, CPUs: 1, MemoryMiB: 64}
+	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", N: 2, Prefix: "mem-"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := collect(t, evs, 30*time.Second)
+	if len(got) != 2 {
+		t.Fatalf("%d events, want 2: %+v", len(got), got)
+	}
+	for _, ev := range got {
+		if ev.OK || ev.Code != api.CodeAdmission || ev.Resource != "memory" || ev.Requested != 320<<20 || ev.Available != 200<<20 {
+			t.Errorf("%s: ok %v, %s (code %s, %s %d/%d of %d), want failed for want of memory", ev.Name, ev.OK, ev.Error, ev.Code, ev.Resource, ev.Requested, ev.Available, ev.Budget)
+		}
+	}
+	if c := nodes[0].eng.calls.Load() + nodes[1].eng.calls.Load(); c != 0 {
+		t.Errorf("%d forks tried, want 0", c)
+	}
+	// A guest that fits is forked.
+	evs, err = nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "small", N: 1, Name: "mem-small"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := collect(t, evs, 30*time.Second); len(got) != 1 || !got[0].OK {
+		t.Errorf("the small fork: %+v", got)
 	}
 }

@@ -77,16 +77,17 @@ func (f *Fleet) self() api.FleetNode {
 		}
 	}
 	return api.FleetNode{Schema: api.NodeSchema, Name: f.cfg.Node, Addr: f.cfg.Addr, Labels: f.cfg.Labels, Class: f.classID,
-		ClassInfo: f.class, Boot: f.boot, TotalVCPUs: total, FreeVCPUs: free, FreeMemoryBytes: mem, VMs: vms,
+		ClassInfo: f.class, Boot: f.boot, TotalVCPUs: total, FreeVCPUs: free, FreeMemoryBytes: mem.FreeBytes, Memory: mem, VMs: vms,
 		Running: running, Heartbeat: time.Now().UTC(), StartedAt: f.started}
 }
 
 // budget is the node's fleet budget: total and free vCPUs (the engine's, capped by
-// Config.MaxVCPUs, less the jobs not yet admitted) and free memory. A job's fork is
+// Config.MaxVCPUs, less the jobs not yet admitted) and the engine's memory budget
+// (less the jobs not yet admitted). A job's fork is
 // counted once: by the job until it is handed to the engine, then by the engine
 // (which counts it from its admission) and, under the cap, by the job until the
 // engine lists it.
-func (f *Fleet) budget() (total, free int, mem int64) {
+func (f *Fleet) budget() (total, free int, mem api.MemoryBudget) {
 	b := f.eng.Budget()
 	total, free = b.Total, b.Total-b.Used
 	if f.cfg.MaxVCPUs > 0 {
@@ -108,10 +109,12 @@ func (f *Fleet) budget() (total, free int, mem int64) {
 		total = min(total, f.cfg.MaxVCPUs)
 		free = min(free, f.cfg.MaxVCPUs-used)
 	}
+	mem = b.Memory
 	f.mu.Lock()
 	free -= f.runningCPUs
+	mem.FreeBytes -= f.runningMem
 	f.mu.Unlock()
-	return total, max(free, 0), b.Memory.FreeBytes
+	return total, max(free, 0), mem
 }
 
 // Nodes lists the live nodes (those whose heartbeat has not expired), by name.

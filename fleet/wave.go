@@ -172,7 +172,7 @@ type wave struct {
 // publish publishes the job of fork i, attempt a; its id is its Nats-Msg-Id.
 func (w *wave) publish(ctx context.Context, i, attempt int) error {
 	j := job{ID: w.jobID(i, attempt), Wave: w.id, Index: i, Attempt: attempt, Name: w.names[i],
-		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MaxPerNode: w.perNode, SpreadOf: w.spreadOf,
+		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MemoryMiB: w.ref.MemoryMiB, MaxPerNode: w.perNode, SpreadOf: w.spreadOf,
 		Overcommit: w.overcommit, Published: time.Now()}
 	b, _ := json.Marshal(j)
 	return retry(ctx, "publish "+j.ID, func(ctx context.Context) error {
@@ -184,6 +184,9 @@ func (w *wave) publish(ctx context.Context, i, attempt int) error {
 	})
 }
 
+// guestBytes is the size of the wave's forks' guest RAM.
+func (w *wave) guestBytes() int64 { return int64(w.ref.MemoryMiB) << 20 }
+
 // jobID is the id of fork i's job of attempt a.
 func (w *wave) jobID(i, attempt int) string { return fmt.Sprintf("%s.%d.%d", w.id, i, attempt) }
 
@@ -193,20 +196,36 @@ func (w *wave) jobID(i, attempt int) string { return fmt.Sprintf("%s.%d.%d", w.i
 // the same fence: one of them wins), and removes their jobs from the stream. The
 // records watch then reports them.
 func (w *wave) noRoom(ctx context.Context, pending []int, attempts []int, nodes []api.FleetNode) {
-	cpus := max(w.ref.CPUs, 1)
+	cpus, guest := max(w.ref.CPUs, 1), w.guestBytes()
 	var parts []string
 	live, free, total := 0, 0, 0
+	// Memory is the resource short when a node had the vCPUs but not the memory.
+	var memNeed, memFree, memTotal int64
+	memShort := false
 	for _, nd := range nodes {
 		if nd.Class != w.class {
 			continue
 		}
 		live++
 		free, total = max(free, nd.FreeVCPUs), max(total, nd.TotalVCPUs)
-		parts = append(parts, fmt.Sprintf("%s %d/%d free", nd.Name, nd.FreeVCPUs, nd.TotalVCPUs))
+		part := fmt.Sprintf("%s %d/%d vCPUs free", nd.Name, nd.FreeVCPUs, nd.TotalVCPUs)
+		if nd.Memory.Known {
+			part += fmt.Sprintf(", %d MiB free for VMs", max(nd.Memory.FreeBytes, 0)>>20)
+			if nd.FreeVCPUs >= cpus && !nd.Memory.Fits(guest) {
+				memShort = true
+				memNeed, memFree, memTotal = nd.Memory.CommitBytes(guest), max(memFree, nd.Memory.FreeBytes, 0), max(memTotal, nd.Memory.TotalBytes)
+			}
+		}
+		parts = append(parts, part)
 	}
-	cause := fmt.Errorf("%w: a fork of %s takes %d vCPUs, and none of the %d live nodes of class %s had them free for %v (%s): %w",
-		ErrNoRoom, w.ref.Name, cpus, live, w.class, w.f.cfg.RoomWait, strings.Join(parts, ", "),
-		&api.AdmissionError{Resource: "vcpu", Requested: int64(cpus), Available: int64(free), Budget: int64(total)})
+	short := &api.AdmissionError{Resource: "vcpu", Requested: int64(cpus), Available: int64(free), Budget: int64(total)}
+	want := fmt.Sprintf("%d vCPUs", cpus)
+	if memShort {
+		short = &api.AdmissionError{Resource: "memory", Requested: memNeed, Available: memFree, Budget: memTotal}
+		want = fmt.Sprintf("%d vCPUs and %d MiB of memory", cpus, memNeed>>20)
+	}
+	cause := fmt.Errorf("%w: a fork of %s takes %s, and none of the %d live nodes of class %s had them free for %v (%s): %w",
+		ErrNoRoom, w.ref.Name, want, live, w.class, w.f.cfg.RoomWait, strings.Join(parts, ", "), short)
 	for _, i := range pending {
 		id := w.jobID(i, attempts[i])
 		var r record
@@ -274,7 +293,13 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 		if r.done() {
 			// One more look at the nodes before the end: a node whose heartbeat
 			// expired since the last tick loses its forks now, not never.
-			if !r.checkNodes() || r.done() {
+			if !r.checkNodes() {
+				return
+			}
+			if r.done() {
+				if !r.doubt.IsZero() {
+					w.f.log.Warn("fleet: wave ends without knowing whether its ready forks' nodes live", "wave", w.id, "doubt_since", r.doubt)
+				}
 				return
 			}
 		}
@@ -329,6 +354,11 @@ type waveRun struct {
 	beats map[string]time.Time
 	// polledAt is when the records of the forks not final were last read.
 	polledAt time.Time
+	// doubt is since when the looks at the nodes could not tell whether a ready fork's
+	// node lives (the look failed, or the node was missing while this node could not
+	// judge: Fleet.judging); zero when the last look could. The wave does not end in
+	// doubt, up to doubtLimit.
+	doubt time.Time
 }
 
 // waveSlot is one fork's end as the wave saw it.
@@ -344,7 +374,22 @@ type waveSlot struct {
 
 // done says whether every fork is final and, in a wave that replaces lost forks,
 // every ready fork's node beat after it.
-func (r *waveRun) done() bool { return r.left == 0 && !r.unconfirmed() }
+func (r *waveRun) done() bool {
+	return r.left == 0 && !r.unconfirmed() && (r.doubt.IsZero() || time.Since(r.doubt) > r.doubtLimit())
+}
+
+// doubtLimit is how long a wave whose forks are all final waits for a look at the nodes
+// that can tell whether its ready forks' nodes live: a heartbeat bucket's election (up
+// to ~9 s) and a TTL of prompt beats after it, twice over.
+func (r *waveRun) doubtLimit() time.Duration { return 2 * (r.w.f.cfg.TTL + 10*time.Second) }
+
+// doubted notes that the last look at the nodes could not tell whether a ready fork's
+// node lives; settled, that it could.
+func (r *waveRun) doubted() {
+	if r.doubt.IsZero() {
+		r.doubt = time.Now()
+	}
+}
 
 // unconfirmed says whether a wave that replaces lost forks still waits on a ready
 // fork's node to beat after the fork was ready: a node that died right after its fork
@@ -461,13 +506,19 @@ func (r *waveRun) checkNodes() bool {
 	nodes, err := w.f.Nodes(lctx)
 	cancel()
 	if err != nil {
+		for _, sl := range r.slots {
+			if sl.final && sl.ready {
+				r.doubted()
+				break
+			}
+		}
 		return true
 	}
 	live := map[string]bool{}
 	for _, nd := range nodes {
 		live[nd.Name] = true
 		r.beat(nd)
-		if nd.Class == w.class && nd.FreeVCPUs >= max(w.ref.CPUs, 1) {
+		if nd.Class == w.class && nd.HasRoom(max(w.ref.CPUs, 1), w.guestBytes()) {
 			r.roomAt = time.Now()
 		}
 	}
@@ -481,12 +532,23 @@ func (r *waveRun) checkNodes() bool {
 		w.noRoom(r.ctx, pending, r.attempts, nodes)
 		r.roomAt = time.Now() // forks published since (replacements) get a whole wait
 	}
+	judging, inDoubt := w.f.judging(), false
 	for i := range r.slots {
-		if r.slots[i].final && r.slots[i].ready && !live[r.slots[i].node] && w.f.judging() {
-			if !r.lose(r.slots[i].node) {
-				return false
-			}
+		if !r.slots[i].final || !r.slots[i].ready || live[r.slots[i].node] {
+			continue
 		}
+		if !judging {
+			inDoubt = true
+			continue
+		}
+		if !r.lose(r.slots[i].node) {
+			return false
+		}
+	}
+	if inDoubt {
+		r.doubted()
+	} else {
+		r.doubt = time.Time{}
 	}
 	return true
 }

@@ -25,7 +25,10 @@ type job struct {
 	Digest     string `json:"digest"`
 	Class      string `json:"class"`
 	CPUs       int    `json:"cpus"`
-	MaxPerNode int    `json:"max_per_node,omitempty"`
+	// MemoryMiB is the fork's guest RAM (0 from a daemon before it was sent: memory
+	// is then checked by the engine's admission alone).
+	MemoryMiB  int `json:"memory_mib,omitempty"`
+	MaxPerNode int `json:"max_per_node,omitempty"`
 	// SpreadOf, in a spread wave, is its size: a node's share is then at least
 	// ceil(SpreadOf / live nodes of the class), so that when a node dies the others
 	// take its part instead of leaving it queued for good.
@@ -181,17 +184,23 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time) bool {
 	j.CPUs = max(j.CPUs, 1)
 	share := f.share(j)
 	f.mu.Lock()
-	_, free, _ := f.budgetLocked()
-	if (share > 0 && f.perWave[j.Wave] >= share) || free < j.CPUs {
+	_, free, mem := f.budgetLocked()
+	guest := int64(j.MemoryMiB) << 20
+	if (share > 0 && f.perWave[j.Wave] >= share) || free < j.CPUs || !mem.Fits(guest) {
 		f.mu.Unlock()
 		msg.NakWithDelay(refuseDelay)
 		return false
 	}
+	var commit int64
+	if mem.Known {
+		commit = mem.CommitBytes(guest)
+	}
 	f.perWave[j.Wave]++
 	f.running++
 	f.runningCPUs += j.CPUs
+	f.runningMem += commit
 	f.mu.Unlock()
-	t := &jobTry{f: f, msg: msg, j: j, key: recordKey(j.Wave, j.Index), got: got,
+	t := &jobTry{f: f, msg: msg, j: j, key: recordKey(j.Wave, j.Index), got: got, commit: commit,
 		queue: got.Sub(j.Published), dispatch: got.Sub(later(j.Published, asked))}
 	f.wg.Add(1)
 	go func() {
@@ -203,6 +212,7 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time) bool {
 			delete(f.forking, j.Name)
 		} else {
 			f.runningCPUs -= j.CPUs
+			f.runningMem -= t.commit
 		}
 		if !took {
 			f.perWave[j.Wave]--
@@ -243,7 +253,7 @@ func (f *Fleet) share(j job) int {
 	// job waiting for good.
 	live := 0
 	for _, nd := range nodes {
-		if nd.Class == j.Class && (nd.FreeVCPUs >= j.CPUs || nd.Name == f.cfg.Node) {
+		if nd.Class == j.Class && (nd.HasRoom(j.CPUs, int64(j.MemoryMiB)<<20) || nd.Name == f.cfg.Node) {
 			live++
 		}
 	}
@@ -275,7 +285,7 @@ func (f *Fleet) recentNodes() ([]api.FleetNode, error) {
 }
 
 // budgetLocked is budget with f.mu held.
-func (f *Fleet) budgetLocked() (total, free int, mem int64) {
+func (f *Fleet) budgetLocked() (total, free int, mem api.MemoryBudget) {
 	f.mu.Unlock()
 	defer f.mu.Lock()
 	return f.budget()
@@ -296,8 +306,10 @@ type jobTry struct {
 	got             time.Time
 	queue, dispatch time.Duration
 	claim, pull     time.Duration
+	// commit is the memory the job's fork commits on this node (0: not known).
+	commit int64
 	// handed is set (under f.mu) once the fork is handed to the engine, which counts
-	// its vCPUs from then on (budget).
+	// its vCPUs and memory from then on (budget).
 	handed bool
 }
 
@@ -492,6 +504,7 @@ func (t *jobTry) fork(ctx context.Context, crev uint64, cl claim) bool {
 	}
 	f.mu.Lock()
 	f.runningCPUs -= j.CPUs
+	f.runningMem -= t.commit
 	f.forking[j.Name] = j.CPUs
 	t.handed = true
 	f.mu.Unlock()
