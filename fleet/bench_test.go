@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/fleet/natsembed"
 )
@@ -27,27 +25,9 @@ func BenchmarkWaveOverhead(b *testing.B) {
 	var nodes []*Fleet
 	engines := map[string]*fakeEngine{}
 	for i, s := range servers {
-		name := fmt.Sprintf("n%d", i+1)
-		eng := newFakeEngine(100)
-		eng.forkDelay.Store(int64(100 * time.Millisecond))
-		engines[name] = eng
-		ff := &fakeFetcher{to: eng, engines: engines, fetches: map[string]int{}}
-		cfg := Config{Node: name, Addr: "http://" + name, MaxVCPUs: 16, Dir: b.TempDir(), Replicas: 3,
-			Connect: func() (*nats.Conn, error) {
-				return nats.Connect("", nats.InProcessServer(s), nats.UserInfo("fleet", "pw"))
-			}}
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		f, err := Join(ctx, cfg, eng, ff)
-		cancel()
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			f.Close(ctx)
-		})
-		nodes = append(nodes, f)
+		n := joinNode(b, s, fmt.Sprintf("n%d", i+1), engines, Config{MaxVCPUs: 16, Replicas: 3})
+		n.eng.forkDelay.Store(int64(100 * time.Millisecond))
+		nodes = append(nodes, n.f)
 	}
 	engines["n1"].cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1, MemoryMiB: 256}
 	const n = 48

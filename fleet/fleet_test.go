@@ -223,32 +223,38 @@ func join(t *testing.T, s *natsembed.Server, n, capCPUs int, mod func(*Config)) 
 	engines := map[string]*fakeEngine{}
 	var out []testNode
 	for i := range n {
-		name := fmt.Sprintf("n%d", i+1)
-		eng := newFakeEngine(100)
-		engines[name] = eng
-		ff := &fakeFetcher{to: eng, engines: engines, fetches: map[string]int{}}
-		cfg := Config{Node: name, Addr: "http://" + name, MaxVCPUs: capCPUs, Dir: t.TempDir(),
-			Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond,
-			Connect: func() (*nats.Conn, error) {
-				return nats.Connect("", nats.InProcessServer(s), nats.UserInfo("fleet", "pw"))
-			}}
+		cfg := Config{MaxVCPUs: capCPUs, Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond}
 		if mod != nil {
 			mod(&cfg)
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		f, err := Join(ctx, cfg, eng, ff)
-		cancel()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			f.Close(ctx)
-		})
-		out = append(out, testNode{f: f, eng: eng, ff: ff})
+		out = append(out, joinNode(t, s, fmt.Sprintf("n%d", i+1), engines, cfg))
 	}
 	return out
+}
+
+// joinNode joins a node named name, with a fake engine added to engines, to s, as cfg
+// says besides its name, address, directory and connection.
+func joinNode(tb testing.TB, s *natsembed.Server, name string, engines map[string]*fakeEngine, cfg Config) testNode {
+	tb.Helper()
+	eng := newFakeEngine(100)
+	engines[name] = eng
+	ff := &fakeFetcher{to: eng, engines: engines, fetches: map[string]int{}}
+	cfg.Node, cfg.Addr, cfg.Dir = name, "http://"+name, tb.TempDir()
+	cfg.Connect = func() (*nats.Conn, error) {
+		return nats.Connect("", nats.InProcessServer(s), nats.UserInfo("fleet", "pw"))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	f, err := Join(ctx, cfg, eng, ff)
+	cancel()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		f.Close(ctx)
+	})
+	return testNode{f: f, eng: eng, ff: ff}
 }
 
 // collect reads a wave's events until its channel closes or the deadline passes.
