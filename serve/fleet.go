@@ -3,14 +3,60 @@ package serve
 import (
 	"errors"
 	"net/http"
+	"sync"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/fleet"
 )
 
+// fleetMembership is the daemon's fleet: none, joining, or joined.
+//
+// Concurrency: mu guards every field; the daemon serves while it joins.
+type fleetMembership struct {
+	mu      sync.Mutex
+	f       *fleet.Fleet
+	joining bool
+	// deleted are the VMs deleted while the daemon joined, told to the fleet once it
+	// has joined.
+	deleted []string
+}
+
+// SetJoining says the daemon is joining a fleet: until SetFleet its fleet endpoints
+// answer 503 fleet_unavailable, and VMs deleted meanwhile are told to the fleet then.
+// The daemon serves its own VMs meanwhile: a join may wait seconds for the fleet's
+// streams to elect leaders.
+func (s *Server) SetJoining() {
+	s.fm.mu.Lock()
+	s.fm.joining = true
+	s.fm.mu.Unlock()
+}
+
 // SetFleet makes the daemon a node of a fleet: its fleet endpoints answer from f
-// (without one they answer 409 no_fleet). Call it before serving.
-func (s *Server) SetFleet(f *fleet.Fleet) { s.fleet = f }
+// (without one they answer 409 no_fleet). It may be called while serving.
+func (s *Server) SetFleet(f *fleet.Fleet) {
+	s.fm.mu.Lock()
+	s.fm.f, s.fm.joining = f, false
+	deleted := s.fm.deleted
+	s.fm.deleted = nil
+	s.fm.mu.Unlock()
+	for _, name := range deleted {
+		f.Deleted(name)
+	}
+}
+
+// fleetDeleted tells the fleet, if any, that VM name was deleted here (later, when the
+// daemon is still joining it).
+func (s *Server) fleetDeleted(name string) {
+	s.fm.mu.Lock()
+	f := s.fm.f
+	if f == nil && s.fm.joining {
+		s.fm.deleted = append(s.fm.deleted, name)
+	}
+	s.fm.mu.Unlock()
+	if f != nil {
+		f.Deleted(name) // a fleet fork leaves the fleet's list with its VM
+	}
+}
 
 // fleetRoutes adds the fleet's endpoints.
 func (s *Server) fleetRoutes() {
@@ -31,21 +77,30 @@ func writeFleetError(w http.ResponseWriter, err error) {
 	}
 }
 
-// noFleet answers 409 no_fleet when the daemon is in no fleet.
-func (s *Server) noFleet(w http.ResponseWriter) bool {
-	if s.fleet != nil {
-		return false
+// fleetOf returns the daemon's fleet, or answers 409 no_fleet when it is in none (503
+// fleet_unavailable while it joins one) and returns nil.
+func (s *Server) fleetOf(w http.ResponseWriter) *fleet.Fleet {
+	s.fm.mu.Lock()
+	f, joining := s.fm.f, s.fm.joining
+	s.fm.mu.Unlock()
+	switch {
+	case f != nil:
+		return f
+	case joining:
+		writeErrorObject(w, http.StatusServiceUnavailable, ErrorObject{Code: "fleet_unavailable", Message: "this daemon is joining its fleet: try again shortly"})
+	default:
+		writeErrorObject(w, http.StatusConflict, ErrorObject{Code: api.CodeNoFleet, Message: "this daemon is in no fleet (start it with forkvm serve --cluster or --cluster-listen)"})
 	}
-	writeErrorObject(w, http.StatusConflict, ErrorObject{Code: api.CodeNoFleet, Message: "this daemon is in no fleet (start it with forkvm serve --cluster or --cluster-listen)"})
-	return true
+	return nil
 }
 
 // fleetNodes lists the live nodes.
 func (s *Server) fleetNodes(w http.ResponseWriter, r *http.Request) {
-	if s.noFleet(w) {
+	f := s.fleetOf(w)
+	if f == nil {
 		return
 	}
-	nodes, err := s.fleet.Nodes(r.Context())
+	nodes, err := f.Nodes(r.Context())
 	if err != nil {
 		writeFleetError(w, err)
 		return
@@ -58,10 +113,11 @@ func (s *Server) fleetNodes(w http.ResponseWriter, r *http.Request) {
 
 // fleetVMs lists the fleet's forks by their claims.
 func (s *Server) fleetVMs(w http.ResponseWriter, r *http.Request) {
-	if s.noFleet(w) {
+	f := s.fleetOf(w)
+	if f == nil {
 		return
 	}
-	vms, err := s.fleet.VMs(r.Context())
+	vms, err := f.VMs(r.Context())
 	if err != nil {
 		writeFleetError(w, err)
 		return
@@ -77,14 +133,15 @@ func (s *Server) fleetVMs(w http.ResponseWriter, r *http.Request) {
 // fork whose node died before the wave ended. A client that disconnects stops the
 // stream, not the jobs: their forks are claimed and listed by GET /v1/fleet/vms.
 func (s *Server) fleetFork(w http.ResponseWriter, r *http.Request) {
-	if s.noFleet(w) {
+	f := s.fleetOf(w)
+	if f == nil {
 		return
 	}
 	var req api.FleetForkRequest
 	if !decode(w, r, MaxBodyBytes, &req) {
 		return
 	}
-	events, err := s.fleet.ForkMany(r.Context(), req)
+	events, err := f.ForkMany(r.Context(), req)
 	if err != nil {
 		writeFleetError(w, err)
 		return

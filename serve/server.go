@@ -20,7 +20,6 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/fleet"
 )
 
 // Body limits: JSON requests are small; an exec carries its stdin in its body.
@@ -51,8 +50,8 @@ type Server struct {
 	inflight sync.WaitGroup
 	// execBodies holds the bytes of the exec bodies being served (MaxExecBodiesBytes).
 	execBodies *semaphore.Weighted
-	// fleet is the daemon's fleet membership (nil: none).
-	fleet *fleet.Fleet
+	// fm is the daemon's fleet membership (SetJoining, SetFleet).
+	fm fleetMembership
 }
 
 // New returns a server for e. A nil logger discards.

@@ -504,3 +504,28 @@ func TestServeExecBodiesBounded(t *testing.T) {
 		t.Error("the handlers did not release what they took")
 	}
 }
+
+// TestFleetEndpointsWhileJoining: a daemon in no fleet answers the fleet endpoints 409
+// no_fleet; one that is joining its fleet (it serves its own VMs meanwhile) answers 503
+// fleet_unavailable, and keeps the names of VMs deleted meanwhile for its fleet.
+func TestFleetEndpointsWhileJoining(t *testing.T) {
+	s := New(nil, nil)
+	get := func() (int, string) {
+		rec := httptest.NewRecorder()
+		s.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/v1/fleet/nodes", nil))
+		var er ErrorResponse
+		json.Unmarshal(rec.Body.Bytes(), &er)
+		return rec.Code, er.Error.Code
+	}
+	if code, ec := get(); code != http.StatusConflict || ec != api.CodeNoFleet {
+		t.Errorf("no fleet: %d %q, want 409 %s", code, ec, api.CodeNoFleet)
+	}
+	s.SetJoining()
+	if code, ec := get(); code != http.StatusServiceUnavailable || ec != "fleet_unavailable" {
+		t.Errorf("joining: %d %q, want 503 fleet_unavailable", code, ec)
+	}
+	s.fleetDeleted("gone-while-joining")
+	if s.fm.deleted == nil || s.fm.deleted[0] != "gone-while-joining" {
+		t.Errorf("deleted while joining: %v, want it kept for the fleet", s.fm.deleted)
+	}
+}

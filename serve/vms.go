@@ -46,9 +46,7 @@ func (s *Server) deleteVM(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	if s.fleet != nil {
-		s.fleet.Deleted(name) // a fleet fork leaves the fleet's list with its VM
-	}
+	s.fleetDeleted(name)
 	w.WriteHeader(http.StatusNoContent)
 }
 

@@ -63,8 +63,6 @@ type fleetMember struct {
 	close func()
 }
 
-// joinFleet joins the fleet serve's flags describe, or returns nil when they describe
-// none.
 // fleetFlags are serve's fleet flags once read and checked (the part of joining a fleet
 // that needs no server).
 type fleetFlags struct {
@@ -139,7 +137,19 @@ func readFleetFlags(cmd *cli.Command, url string) (*fleetFlags, error) {
 		node: node, addr: addr, labels: labels, routes: routes}, nil
 }
 
-func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {
+// fleetPlan is how the daemon joins its fleet, from serve's flags read and checked:
+// all of joining that needs no server, so that bad flags fail before the daemon
+// listens.
+type fleetPlan struct {
+	ff           *fleetFlags
+	url, listen  string
+	clientListen string
+	replicas     int
+	opts         []nats.Option
+}
+
+// planFleet reads and checks serve's fleet flags; nil when they describe no fleet.
+func planFleet(cmd *cli.Command) (*fleetPlan, error) {
 	url, listen := cmd.String("cluster"), cmd.String("cluster-listen")
 	switch {
 	case url == "" && listen == "":
@@ -157,69 +167,85 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 	if err != nil {
 		return nil, err
 	}
-	user, password, seed, insecure, tlsf := ff.user, ff.password, ff.seed, ff.insecure, ff.tls
-	node, addr, labels, routes := ff.node, ff.addr, ff.labels, ff.routes
-	replicas := int(cmd.Int("cluster-replicas"))
-	var connect func() (*nats.Conn, error)
-	var stop func()
-	opts := []nats.Option{nats.Name("forkvm " + node), nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond)}
-	if user != "" {
-		opts = append(opts, nats.UserInfo(user, password))
+	p := &fleetPlan{ff: ff, url: url, listen: listen, clientListen: cmd.String("cluster-client-listen"), replicas: int(cmd.Int("cluster-replicas")),
+		opts: []nats.Option{nats.Name("forkvm " + ff.node), nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond)}}
+	if ff.user != "" {
+		p.opts = append(p.opts, nats.UserInfo(ff.user, ff.password))
 	}
+	tlsf := ff.tls
 	if url != "" {
-		if seed != "" {
-			o, err := nkeyOption(seed)
+		if ff.seed != "" {
+			o, err := nkeyOption(ff.seed)
 			if err != nil {
 				return nil, err
 			}
-			opts = append(opts, o)
+			p.opts = append(p.opts, o)
 		}
-		if insecure {
+		if ff.insecure {
 			if err := loopbackURLs(url); err != nil {
 				return nil, err
 			}
 		}
 		if tlsf.cert != "" {
-			opts = append(opts, nats.ClientCert(tlsf.cert, tlsf.key))
+			p.opts = append(p.opts, nats.ClientCert(tlsf.cert, tlsf.key))
 		}
 		if tlsf.ca != "" {
-			opts = append(opts, nats.RootCAs(tlsf.ca))
+			p.opts = append(p.opts, nats.RootCAs(tlsf.ca))
 		}
-		if replicas == 0 {
-			replicas = 1
+		if p.replicas == 0 {
+			p.replicas = 1
 			if strings.Count(url, ",") >= 2 {
-				replicas = 3
+				p.replicas = 3
 			}
 		}
-		connect = func() (*nats.Conn, error) { return nats.Connect(url, opts...) }
-		stop = func() {}
-	} else {
-		if seed != "" {
-			return nil, fmt.Errorf("%w: the embedded server's routes authenticate with --cluster-user and --cluster-password-file", errFleetConfig)
+		return p, nil
+	}
+	if ff.seed != "" {
+		return nil, fmt.Errorf("%w: the embedded server's routes authenticate with --cluster-user and --cluster-password-file", errFleetConfig)
+	}
+	if tlsf.ca != "" && tlsf.cert == "" {
+		return nil, fmt.Errorf("%w: --cluster-tls-ca with --cluster-listen needs the embedded server's own --cluster-tls-cert and --cluster-tls-key", errFleetConfig)
+	}
+	if p.replicas == 0 {
+		p.replicas = 1
+		if len(ff.routes) > 0 {
+			p.replicas = 3
 		}
-		if tlsf.ca != "" && tlsf.cert == "" {
-			return nil, fmt.Errorf("%w: --cluster-tls-ca with --cluster-listen needs the embedded server's own --cluster-tls-cert and --cluster-tls-key", errFleetConfig)
-		}
+	}
+	return p, nil
+}
+
+// joinFleet joins the fleet serve's flags describe, or returns nil when they describe
+// none.
+func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {
+	p, err := planFleet(cmd)
+	if err != nil || p == nil {
+		return nil, err
+	}
+	return p.join(ctx, cmd, e, log, fetch)
+}
+
+// join starts the embedded server (--cluster-listen) or connects to the external one,
+// and joins the fleet.
+func (p *fleetPlan) join(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {
+	ff := p.ff
+	connect := func() (*nats.Conn, error) { return nats.Connect(p.url, p.opts...) }
+	stop := func() {}
+	if p.url == "" {
 		natsStart := time.Now()
-		srv, err := startEmbedded(ctx, embedOptions{node: node, dir: filepath.Join(e.Config().StateDir, "fleet", "jetstream"), listen: listen,
-			clientListen: cmd.String("cluster-client-listen"), routes: routes, user: user, password: password, insecure: insecure, tls: tlsf}, log)
+		srv, err := startEmbedded(ctx, embedOptions{node: ff.node, dir: filepath.Join(e.Config().StateDir, "fleet", "jetstream"), listen: p.listen,
+			clientListen: p.clientListen, routes: ff.routes, user: ff.user, password: ff.password, insecure: ff.insecure, tls: ff.tls}, log)
 		if err != nil {
 			return nil, err
 		}
 		log.Info("forkvm serve: NATS server started", "took", time.Since(natsStart).Round(time.Millisecond))
-		if cmd.String("cluster-client-listen") != "" {
+		if p.clientListen != "" {
 			log.Info("forkvm serve: NATS clients served", "nats_url", srv.ClientURL())
 		}
-		if replicas == 0 {
-			replicas = 1
-			if len(routes) > 0 {
-				replicas = 3
-			}
-		}
-		connect = func() (*nats.Conn, error) { return nats.Connect("", append(opts, nats.InProcessServer(srv))...) }
+		connect = func() (*nats.Conn, error) { return nats.Connect("", append(p.opts, nats.InProcessServer(srv))...) }
 		stop = srv.Shutdown
 	}
-	cfg := fleet.Config{Node: node, Labels: labels, Addr: addr, Connect: connect, Replicas: replicas,
+	cfg := fleet.Config{Node: ff.node, Labels: ff.labels, Addr: ff.addr, Connect: connect, Replicas: p.replicas,
 		MaxVCPUs: int(cmd.Int("node-vcpus")), TTL: cmd.Duration("node-ttl"),
 		Dir: filepath.Join(e.Config().StateDir, "fleet"), Logger: log}
 	jctx, cancel := context.WithTimeout(ctx, time.Minute)
@@ -230,7 +256,7 @@ func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slo
 		stop()
 		return nil, err
 	}
-	log.Info("forkvm serve: joined the fleet", "node", node, "class", fleet.ClassID(f.Class()), "replicas", replicas,
+	log.Info("forkvm serve: joined the fleet", "node", ff.node, "class", fleet.ClassID(f.Class()), "replicas", p.replicas,
 		"took", time.Since(joinStart).Round(time.Millisecond))
 	return &fleetMember{f: f, close: func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

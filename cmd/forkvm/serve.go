@@ -83,35 +83,53 @@ func serveCmd() *cli.Command {
 			if sock == "" {
 				sock = serve.SocketPath(e.Config().StateDir)
 			}
+			// A fleet only with --cluster or --cluster-listen: else no NATS, no port. Its
+			// flags are checked before the daemon listens.
+			plan, err := planFleet(cmd)
+			if err != nil {
+				return err
+			}
 			uln, err := serve.ListenUnix(sock)
 			if err != nil {
 				return err
 			}
 			srv := serve.New(e, log)
-			// A fleet only with --cluster or --cluster-listen: else no NATS, no port.
-			member, err := joinFleet(ctx, cmd, e, log, fleetFetcher(e, token))
-			if err != nil {
-				uln.Close()
-				return err
+			if plan != nil {
+				srv.SetJoining()
 			}
-			if member != nil {
-				srv.SetFleet(member.f)
-			}
-			g, gctx := errgroup.WithContext(ctx)
+			sctx, stopServing := context.WithCancel(ctx)
+			defer stopServing()
+			g, gctx := errgroup.WithContext(sctx)
 			g.Go(func() error { return serve.Serve(gctx, uln, srv.Handler(), serveGrace) })
 			if addr := cmd.String("listen"); addr != "" {
 				tln, err := net.Listen("tcp", addr)
 				if err != nil {
-					uln.Close()
+					stopServing()
+					g.Wait()
 					return err
 				}
 				log.Info("forkvm serve: listening", "tcp", tln.Addr().String())
 				g.Go(func() error { return serve.Serve(gctx, tln, srv.TokenHandler(token), serveGrace) })
 			}
 			log.Info("forkvm serve: listening", "socket", sock, "state_dir", e.Config().StateDir, "pid", os.Getpid())
+			// The daemon serves its own VMs while it joins its fleet (a join may wait
+			// seconds for the fleet's streams to elect leaders); a join that fails stops
+			// it.
+			var member *fleetMember
+			var joinErr error
+			if plan != nil {
+				if member, joinErr = plan.join(gctx, cmd, e, log, fleetFetcher(e, token)); joinErr != nil {
+					stopServing()
+				} else {
+					srv.SetFleet(member.f)
+				}
+			}
 			err = g.Wait()
 			if errors.Is(err, context.Canceled) {
 				err = nil
+			}
+			if joinErr != nil && ctx.Err() == nil {
+				err = joinErr // not a stop while joining
 			}
 			// Requests still running were cancelled: let their handlers finish (a wave
 			// deletes its forks) before the engine closes.
