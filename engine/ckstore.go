@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/memfile"
@@ -364,7 +365,9 @@ func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int)
 	for _, ent := range ents {
 		if strings.HasPrefix(ent.Name(), tmpCheckpointPrefix) {
 			s.log.Info("reaping half-written checkpoint", "dir", ent.Name())
-			os.RemoveAll(filepath.Join(s.paths.checkpointsDir(), ent.Name()))
+			if err := removeAllSettled(filepath.Join(s.paths.checkpointsDir(), ent.Name())); err != nil {
+				s.log.Warn("could not reap a half-written checkpoint", "dir", ent.Name(), "err", err)
+			}
 			continue
 		}
 		live[ent.Name()] = true
@@ -382,4 +385,18 @@ func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int)
 		s.collect(name, forks)
 	}
 	return nil
+}
+
+// removeAllSettled removes dir and what it holds, trying again for up to a second while
+// something still writes into it: a helper of a killed engine can create a file between
+// the listing and the removal of the directory.
+func removeAllSettled(dir string) error {
+	var err error
+	for i := 0; i < 10; i++ {
+		if err = os.RemoveAll(dir); err == nil {
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return err
 }

@@ -165,7 +165,7 @@ func freezeChain(ctx context.Context, layers []diskLayer, dir string, reflink bo
 	}
 	var frozen []diskLayer
 	for i, l := range layers {
-		dst := filepath.Join(dir, fmt.Sprintf("layer%d.%s", i, l.Format))
+		dst := filepath.Join(dir, frozenLayerFile(i, l.Format))
 		if err := os.Link(l.Path, dst); err != nil {
 			return nil, "", err
 		}
@@ -174,6 +174,9 @@ func freezeChain(ctx context.Context, layers []diskLayer, dir string, reflink bo
 	return frozen, "qcow2-overlay", nil
 }
 
+// frozenLayerFile names layer i of a checkpoint's frozen disk chain in its directory.
+func frozenLayerFile(i int, format string) string { return fmt.Sprintf("layer%d.%s", i, format) }
+
 // qemuImgCreate creates an empty qcow2 overlay on backing. -u: the backing file is not
 // opened (it may not be at its recorded path yet; forks name their chain explicitly).
 func qemuImgCreate(ctx context.Context, qemuImg, path string, backing diskLayer, size int64) error {
@@ -181,8 +184,8 @@ func qemuImgCreate(ctx context.Context, qemuImg, path string, backing diskLayer,
 		// An overlay smaller than its chain shows the guest a truncated disk.
 		return fmt.Errorf("%w: overlay %s of %d bytes", ErrInvalidSpec, path, size)
 	}
-	out, err := exec.CommandContext(ctx, qemuImg, "create", "-q", "-u", "-f", "qcow2", "-o", "cluster_size=65536",
-		"-F", backing.Format, "-b", backing.Path, path, strconv.FormatInt(size, 10)).CombinedOutput()
+	out, err := boundOutput(exec.CommandContext(ctx, qemuImg, "create", "-q", "-u", "-f", "qcow2", "-o", "cluster_size=65536",
+		"-F", backing.Format, "-b", backing.Path, path, strconv.FormatInt(size, 10)))
 	if err != nil {
 		os.Remove(path)
 		return fmt.Errorf("engine: qemu-img create %s: %v: %s", path, err, strings.TrimSpace(string(out)))

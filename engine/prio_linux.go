@@ -1,7 +1,9 @@
 package engine
 
 import (
+	"os/exec"
 	"runtime"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -13,4 +15,19 @@ import (
 func backgroundThread() {
 	runtime.LockOSThread()
 	_ = unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), 19) // best effort: the copy runs either way
+}
+
+// boundOutput runs cmd to its end, its output combined, as a child that dies with the
+// engine: a helper (qemu-img) left running after the engine was killed would go on
+// writing into a half-written checkpoint the next engine is reaping. The parent-death
+// signal follows the thread that forked, so the goroutine keeps that thread until the
+// child is gone.
+func boundOutput(cmd *exec.Cmd) ([]byte, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if cmd.SysProcAttr == nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{}
+	}
+	cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	return cmd.CombinedOutput()
 }
