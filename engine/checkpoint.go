@@ -35,12 +35,13 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 	if opts != nil {
 		o = *opts
 	}
-	return e.checkpoint(ctx, vmName, name, o, false)
+	return e.checkpoint(ctx, vmName, name, o, false, nil)
 }
 
 // checkpoint is Checkpoint; implicit marks a checkpoint made by forking a running VM
-// (collected after its last fork even if never forked from again).
-func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o CheckpointOptions, implicit bool) (*Checkpoint, error) {
+// (collected after its last fork even if never forked from again); early, when set, is
+// called at the end of a delta checkpoint's prepare stage (see earlyFork).
+func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o CheckpointOptions, implicit bool, early func(*ckWriter, vmState)) (*Checkpoint, error) {
 	if name == "" {
 		name = derivedName(vmName, "ck")
 	}
@@ -82,6 +83,9 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 		RAMPath: w.ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
 	}
 	kind := e.checkpointKind(m, o)
+	if d, ok := kind.(*deltaCheckpoint); ok {
+		d.early = early
+	}
 	if err := runCheckpoint(ctx, vm, w, kind); err != nil {
 		// A VM that died during the checkpoint is reported as such (ErrQEMUExited in a
 		// *QEMUError with QEMU's stderr), like a fork whose QEMU died.

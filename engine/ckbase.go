@@ -171,7 +171,12 @@ func findBase(paths layout, ck *checkpointManifest) lineageBase {
 // pinBase makes base b of checkpoint ck its own: a hard link in its layer directory,
 // the hole list first. A base there already is returned as it is.
 func pinBase(paths layout, ck *checkpointManifest, b lineageBase) (lineageBase, error) {
-	dir := paths.checkpointLayers(ck.Name)
+	return pinBaseIn(paths, paths.checkpointLayers(ck.Name), ck, b)
+}
+
+// pinBaseIn is pinBase into layer directory dir (a checkpoint's being written: an early
+// fork's base, see earlyFork).
+func pinBaseIn(paths layout, dir string, ck *checkpointManifest, b lineageBase) (lineageBase, error) {
 	if b.Layers == 0 || b.From == "" || filepath.Dir(b.Path) == dir {
 		return b, nil
 	}

@@ -40,6 +40,9 @@ type deltaCheckpoint struct {
 	baseLayers int      // how many of the lineage's layers that file already holds
 	ancestors  []string // the ancestors' layers, to read while paused
 	ownName    string   // this checkpoint's own layer, in its layer directory
+	// early, when set, is called once the lineage is linked, with the fork's manifest
+	// (a fork of the checkpoint may start its QEMU then: see earlyFork).
+	early func(w *ckWriter, src vmState)
 }
 
 func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) error {
@@ -84,6 +87,9 @@ func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) erro
 		ck.Layers = append(ck.Layers, l)
 	}
 	d.ownName = layerFile(len(pm.Layers), ck.Name)
+	if d.early != nil {
+		d.early(w, m)
+	}
 	return nil
 }
 

@@ -32,6 +32,9 @@ type ckWriter struct {
 	// pausedAt is when the guest stopped (the save returned); committed: the commit ran.
 	pausedAt  time.Time
 	committed bool
+	// gate, when set, runs before the commit renames anything into place: an early
+	// fork's QEMU opens files at their temporary paths (see earlyFork).
+	gate func()
 }
 
 // newCkWriter starts writing checkpoint name.
@@ -78,6 +81,9 @@ func (w *ckWriter) commit(ctx context.Context) error {
 		return fmt.Errorf("engine: checkpoint %s: committed twice", w.ck.Name)
 	}
 	ck := w.ck
+	if w.gate != nil {
+		w.gate()
+	}
 	sum, size, err := fileSHA256(ctx, w.statePath())
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint state: %w", err)
@@ -92,7 +98,9 @@ func (w *ckWriter) commit(ctx context.Context) error {
 			return err
 		}
 	}
-	if ok, err := writeStubKernel(ck.Kernel, filepath.Join(w.tmp, stubKernelFile)); err != nil {
+	if _, err := os.Stat(filepath.Join(w.tmp, stubKernelFile)); err == nil {
+		ck.ForkKernel = filepath.Join(w.final, stubKernelFile) // written for an early fork
+	} else if ok, err := writeStubKernel(ck.Kernel, filepath.Join(w.tmp, stubKernelFile)); err != nil {
 		return fmt.Errorf("engine: checkpoint stub kernel: %w", err)
 	} else if ok {
 		ck.ForkKernel = filepath.Join(w.final, stubKernelFile)

@@ -175,7 +175,7 @@ func (g *forkGuard) stop(ctx context.Context, ck string) (end func(), err error)
 // forced delete cancels it. held, when set, is the fork's admission, made before its
 // checkpoint was taken (admitSource); it is released when forkFrom returns (it is
 // idempotent: forkOne releases it as soon as the fork is registered or failed).
-func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func()) (*VM, error) {
+func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func(), early *earlyFork) (*VM, error) {
 	if held != nil {
 		defer held()
 	}
@@ -187,7 +187,7 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 	if !e.cks.exists(c.Manifest.Name) {
 		return nil, fmt.Errorf("%w: checkpoint %s was deleted", ErrNotFound, c.Manifest.Name)
 	}
-	vm, err := e.forkOne(gctx, c, name, overcommit, publish, held)
+	vm, err := e.forkOne(gctx, c, name, overcommit, publish, held, early)
 	if err != nil && ctx.Err() == nil {
 		if cause := context.Cause(gctx); cause != nil && errors.Is(cause, ErrNotFound) {
 			return nil, fmt.Errorf("engine: fork %s: %w (%v)", name, cause, err)

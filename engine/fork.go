@@ -22,6 +22,9 @@ type ForkOptions = api.ForkOptions
 // copied on write into its own anonymous memory. Device state is restored with
 // -incoming defer + migrate-incoming (x-ignore-shared); the disk is a qcow2 overlay on
 // the checkpoint's frozen chain (a copy of the per-checkpoint template) or a reflink.
+// A fork of a running fork (private RAM, a delta checkpoint) starts its QEMU while that
+// checkpoint is taken, so the two overlap; it goes on only once the checkpoint is
+// committed and is the one its QEMU was started for.
 func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, error) {
 	var o ForkOptions
 	if opts != nil {
@@ -76,8 +79,9 @@ func (e *Engine) admitSource(src string, n int, overcommit float64) ([]func(), e
 }
 
 // resolveSource returns the checkpoint to fork from: src itself, or an implicit
-// checkpoint of the running VM src.
-func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Checkpoint, error) {
+// checkpoint of the running VM src (early, when set, runs in a delta checkpoint's
+// prepare stage: see earlyFork).
+func (e *Engine) resolveSource(ctx context.Context, src string, pin bool, early func(*ckWriter, vmState)) (*Checkpoint, error) {
 	if err := ValidateName(src); err != nil {
 		return nil, err
 	}
@@ -87,7 +91,7 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 	if _, err := e.vms.get(src); err != nil {
 		return nil, fmt.Errorf("%w: no checkpoint or vm named %s", ErrNotFound, src)
 	}
-	return e.checkpoint(ctx, src, derivedName(src, "auto"), CheckpointOptions{Pin: pin}, true)
+	return e.checkpoint(ctx, src, derivedName(src, "auto"), CheckpointOptions{Pin: pin}, true, early)
 }
 
 // forkOne makes one fork of a verified checkpoint (see forkFrom), in stages:
@@ -102,7 +106,12 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool) (*Chec
 //
 // Each stage's duration is a lap of one phase clock. held, when set, is the fork's
 // admission, made before its checkpoint was taken (admitSource); forkOne releases it.
-func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func()) (*VM, error) {
+// early, when set, is this fork already spawned while c was being taken (earlyFork):
+// it goes on from inject when it matches c, else it is dropped and the fork made anew.
+func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func(), early *earlyFork) (*VM, error) {
+	if f := e.takeEarly(early, c); f != nil {
+		return e.forkEarly(ctx, c, f, held)
+	}
 	clock := markPhases(e.cfg.Markers, name)
 	clock.begin("prepare")
 	defer clock.abandon() // a failure ends its phase's marker
@@ -140,16 +149,22 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	}
 	// The guest runs from restore to ready under a deadline of its own (restoreFork).
 	cancel()
-	if err := e.restoreFork(ctx, vm, c, clock); err != nil {
+	if err := e.readyFork(ctx, vm, c, clock); err != nil {
 		return nil, err
 	}
+	ok = true
+	return vm, nil
+}
 
-	// record
+// readyFork is a fork's last stages: restore, handshake and record.
+func (e *Engine) readyFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) error {
+	if err := e.restoreFork(ctx, vm, c, clock); err != nil {
+		return err
+	}
 	e.vms.add(vm)
 	e.cks.markForked(c.Manifest.Name)
 	e.flattenLater(&c.Manifest)
-	ok = true
-	return vm, nil
+	return nil
 }
 
 // forkChecks refuses, before anything is spent on it, a fork of c this host cannot run
@@ -220,6 +235,12 @@ func spawnFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) er
 		return portError(err, vm.snapshot().Launch.Publish)
 	}
 	vm.lap(clock, spawnTiming)
+	return injectFork(vm, c, clock)
+}
+
+// injectFork injects a delta checkpoint's RAM layers into the fork's private mapping
+// before anything loads.
+func injectFork(vm *VM, c *Checkpoint, clock *phaseClock) error {
 	if len(c.Manifest.Layers) > 0 {
 		clock.begin("inject")
 	}

@@ -32,6 +32,9 @@ type forkPlan struct {
 	ck      *Checkpoint
 	held    []func() // admissions of the first len(held) forks (admitSource)
 	refused error    // not one fork was admitted: every fork fails with it
+	// early is the first fork, spawned while the implicit checkpoint was taken (nil:
+	// none). The fork takes it, or it is dropped (Engine.dropEarly) when the plan ends.
+	early *earlyFork
 }
 
 // planFork validates a request for n forks of src and names them:
@@ -173,11 +176,13 @@ func (e *Engine) plan(ctx context.Context, src string, n int, o ManyOptions) (*f
 		p.held, p.refused = nil, err
 		return p, nil
 	}
-	if p.ck, err = e.resolveSource(ctx, src, p.pin); err != nil {
+	if p.ck, err = e.resolveSource(ctx, src, p.pin, p.startEarly(ctx, e)); err != nil {
+		e.dropEarly(p.early)
 		p.releaseHeld()
 		return nil, err
 	}
 	if !p.ck.Manifest.Net && len(p.allPublish()) > 0 {
+		e.dropEarly(p.early)
 		p.releaseHeld()
 		e.finishPlan(p)
 		return nil, fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, p.ck.Manifest.Name)
@@ -185,9 +190,21 @@ func (e *Engine) plan(ctx context.Context, src string, n int, o ManyOptions) (*f
 	return p, nil
 }
 
+// startEarly is the hook that starts the plan's first fork early (earlyFork) from the
+// implicit checkpoint's prepare stage, when it can.
+func (p *forkPlan) startEarly(ctx context.Context, e *Engine) func(*ckWriter, vmState) {
+	return func(w *ckWriter, src vmState) {
+		if earlyEligible(src, p.hold(0), p.publish[0]) {
+			p.early = e.startEarly(ctx, w, src, p.names[0])
+		}
+	}
+}
+
 // finishPlan collects the plan's implicit checkpoint once its forks are done: it goes
-// with its last fork unless pinned (and at once if no fork was made).
+// with its last fork unless pinned (and at once if no fork was made). An early fork no
+// fork took is dropped.
 func (e *Engine) finishPlan(p *forkPlan) {
+	e.dropEarly(p.early)
 	if p.ck != nil && p.ck.Manifest.Implicit {
 		e.cks.collect(p.ck.Manifest.Name, e.vms.forksOf)
 	}

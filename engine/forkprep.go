@@ -14,13 +14,7 @@ import (
 func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu string, c *Checkpoint, name string, publish []PortForward) (*VM, error) {
 	ck := &c.Manifest
 	dir := paths.vmDir(name)
-	m := manifest{
-		Version: manifestVersion, Name: name, Parent: ck.Name, State: StateStarting,
-		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true, Net: ck.Net},
-		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: newToken(), CreatedAt: time.Now().UTC(),
-		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
-		Launch: forkLaunch(paths, qemu, name, ck),
-	}
+	m := forkManifest(paths, qemu, ck, name)
 	publish = append([]PortForward(nil), publish...) // not the caller's slice
 	m.Launch.Publish, m.Spec.Publish = publish, publish
 	if b := forkBase(paths, log, ck); b.Layers > 0 {
@@ -42,6 +36,18 @@ func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu strin
 		m.DiskNode = "disk0"
 	}
 	return newVM(dir, log, &m), nil
+}
+
+// forkManifest is the manifest of VM name restoring checkpoint ck, before its RAM base,
+// forwards and disk are chosen: it maps ck's root RAM file.
+func forkManifest(paths layout, qemu string, ck *checkpointManifest, name string) manifest {
+	return manifest{
+		Version: manifestVersion, Name: name, Parent: ck.Name, State: StateStarting,
+		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true, Net: ck.Net},
+		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: newToken(), CreatedAt: time.Now().UTC(),
+		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
+		Launch: forkLaunch(paths, qemu, name, ck),
+	}
 }
 
 // compatible refuses a checkpoint made by another QEMU or accelerator.

@@ -63,6 +63,23 @@ func forkLaunch(paths layout, qemu, name string, ck *checkpointManifest) launch 
 	return l.named(paths, name)
 }
 
+// openedAs returns l with its files (kernel, initrd, RAM file, disk layers) named by
+// their paths in as where it has one: the same files, opened at other names.
+func (l launch) openedAs(as map[string]string) launch {
+	alias := func(p string) string {
+		if q, ok := as[p]; ok {
+			return q
+		}
+		return p
+	}
+	l.Kernel, l.Initrd, l.RAM.Path = alias(l.Kernel), alias(l.Initrd), alias(l.RAM.Path)
+	l.Disk = append([]diskLayer(nil), l.Disk...)
+	for i := range l.Disk {
+		l.Disk[i].Path = alias(l.Disk[i].Path)
+	}
+	return l
+}
+
 // named returns l for VM name: its name and the per-VM paths (run dir, console log).
 func (l launch) named(paths layout, name string) launch {
 	l.Name = name

@@ -43,7 +43,9 @@ type ForkEvent struct {
 // ForkOptions.Name's default, a wave SRC-TAG-1..SRC-TAG-N with one random TAG), the
 // forwards. A running VM's forks are admitted before its implicit checkpoint is taken:
 // a wave of which not one fork fits gets every fork's event failed with the refusal,
-// and no checkpoint.
+// and no checkpoint. The first fork of a running fork starts its QEMU while that
+// checkpoint is taken: its Timings count that prepare and spawn, which ran before its
+// event's Start.
 //
 // Concurrency: one goroutine per fork, gated by a semaphore; events go to a channel
 // buffered for all n, so a slow reader never stalls forking.
@@ -92,6 +94,9 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 			if hold := p.hold(i); hold != nil {
 				hold()
 			}
+			if i == 0 {
+				e.dropEarly(p.early)
+			}
 			now := time.Now()
 			out <- ForkEvent{Index: i, Name: nm, Err: ctx.Err(), Start: now, Done: now}
 			continue
@@ -118,7 +123,11 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 // forkEvent makes fork i of p and reports it.
 func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 	ev := ForkEvent{Index: i, Name: p.names[i], Start: time.Now()}
-	vm, err := e.forkFrom(ctx, p.ck, ev.Name, p.overcommit, p.publish[i], p.hold(i))
+	var early *earlyFork
+	if i == 0 {
+		early = p.early
+	}
+	vm, err := e.forkFrom(ctx, p.ck, ev.Name, p.overcommit, p.publish[i], p.hold(i), early)
 	ev.Done = time.Now()
 	ev.Latency = ev.Done.Sub(ev.Start)
 	ev.VM, ev.Err = vm, err

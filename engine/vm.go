@@ -39,6 +39,10 @@ type VM struct {
 
 	// restored marks a pre-restored warm-pool process: guest loaded, stopped.
 	restored bool
+	// openAs, when set, maps paths of the launch to the paths its next start gives QEMU
+	// instead (an early fork's files, not yet at their recorded places); that start
+	// clears it. Set before the VM is shared.
+	openAs map[string]string
 	// cgVersion is the cgroup version of m.MemoryCgroup (set by Create).
 	cgVersion int
 	// pause is set while QEMU holds the guest stopped on a disk I/O error.
@@ -160,6 +164,10 @@ func (vm *VM) path(name string) string { return filepath.Join(vm.dir(), name) }
 // start writes the manifest, spawns QEMU from the manifest's launch and connects QMP.
 func (vm *VM) start(ctx context.Context) error {
 	l := vm.snapshot().Launch
+	if vm.openAs != nil {
+		l = l.openedAs(vm.openAs)
+		vm.openAs = nil
+	}
 	args, err := l.cmdline()
 	if err != nil {
 		return err

@@ -11,6 +11,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -95,16 +96,20 @@ type TreeLevel struct {
 	// implicit checkpoint (engine Timings.Total, its extraction, the guest paused), then
 	// the fork's phases (engine PhaseTimings: prepare, spawn, inject of the layers its
 	// RAM file lacks, restore, agent), and the layers injected (MiB).
-	ForkRunningMS             float64 `json:"fork_running_ms,omitzero"`
-	ForkRunningCheckpointMS   float64 `json:"fork_running_checkpoint_ms,omitzero"`
-	ForkRunningCkExtractMS    float64 `json:"fork_running_checkpoint_extract_ms,omitzero"`
-	ForkRunningCkPausedMS     float64 `json:"fork_running_checkpoint_paused_ms,omitzero"`
-	ForkRunningPrepareMS      float64 `json:"fork_running_prepare_ms,omitzero"`
-	ForkRunningSpawnMS        float64 `json:"fork_running_spawn_ms,omitzero"`
-	ForkRunningInjectMS       float64 `json:"fork_running_inject_ms,omitzero"`
-	ForkRunningRestoreMS      float64 `json:"fork_running_restore_ms,omitzero"`
-	ForkRunningAgentMS        float64 `json:"fork_running_agent_ms,omitzero"`
-	ForkRunningInjectedMB     float64 `json:"fork_running_injected_mb,omitzero"`
+	ForkRunningMS           float64 `json:"fork_running_ms,omitzero"`
+	ForkRunningCheckpointMS float64 `json:"fork_running_checkpoint_ms,omitzero"`
+	ForkRunningCkExtractMS  float64 `json:"fork_running_checkpoint_extract_ms,omitzero"`
+	ForkRunningCkPausedMS   float64 `json:"fork_running_checkpoint_paused_ms,omitzero"`
+	ForkRunningPrepareMS    float64 `json:"fork_running_prepare_ms,omitzero"`
+	ForkRunningSpawnMS      float64 `json:"fork_running_spawn_ms,omitzero"`
+	ForkRunningInjectMS     float64 `json:"fork_running_inject_ms,omitzero"`
+	ForkRunningRestoreMS    float64 `json:"fork_running_restore_ms,omitzero"`
+	ForkRunningAgentMS      float64 `json:"fork_running_agent_ms,omitzero"`
+	ForkRunningInjectedMB   float64 `json:"fork_running_injected_mb,omitzero"`
+	// ForkRunningEarly: the fork's QEMU started while its implicit checkpoint was taken
+	// (its spawn span began before the checkpoint's ended): the checkpoint and the
+	// fork's prepare and spawn overlap, so ready is less than the phases' sum.
+	ForkRunningEarly          bool    `json:"fork_running_early,omitempty"`
 	ChildrenInjectedMBAverage float64 `json:"children_injected_mb,omitzero"`
 	// RAMFilesMB is the storage all checkpoint RAM files hold after the level;
 	// WrittenMB what the benchmark wrote along the lineage (world dirt + one child per
@@ -228,6 +233,7 @@ func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
 		}
 		if ci, err := r.e.CheckpointInfo(in.Parent); err == nil {
 			L.ForkRunningCheckpointMS, L.ForkRunningCkExtractMS, L.ForkRunningCkPausedMS = ms(ci.Timings.Total), ms(ci.Timings.Extract), ms(ci.Timings.Paused)
+			L.ForkRunningEarly = startedBefore(in.Spans, "spawn", ci.Spans, "checkpoint")
 		}
 		_ = r.e.Delete(ctx, fv.Name())
 	} else {
@@ -334,6 +340,7 @@ func treeTable(levels []TreeLevel) string {
 			L.CheckpointRAMMethod, L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS, L.ForkRunningMS, L.ForkP50MS, L.RAMFilesMB, L.FlatMB, L.LineageMB, L.WrittenMB, L.GuestWrittenMB, L.HostMemPerForkMB, L.Verified, L.Ready, L.StockSaveMS, L.StockRestoreMS)
 	}
 	b.WriteString("\n### Where the time goes\n\n| level | checkpoint ms: migrate / extract / disk / paused / total (flatten running) | fork of running node ms: implicit checkpoint (extract / paused) + prepare / spawn / inject / restore / agent = ready | layers injected MiB: fork of running node; children (mean) |\n|---|---|---|---|\n")
+	anyEarly := false
 	for _, L := range levels {
 		if L.Level == 0 {
 			continue
@@ -342,12 +349,36 @@ func treeTable(levels []TreeLevel) string {
 		if L.CheckpointFlattening {
 			fl = " (yes)"
 		}
-		fmt.Fprintf(&b, "| %d | %.0f / %.0f / %.0f / %.0f / %.0f%s | %.0f (%.0f / %.0f) + %.0f / %.0f / %.0f / %.0f / %.0f = %.0f | %.1f; %.1f |\n", L.Level,
+		early := ""
+		if L.ForkRunningEarly {
+			early, anyEarly = "*", true
+		}
+		fmt.Fprintf(&b, "| %d | %.0f / %.0f / %.0f / %.0f / %.0f%s | %.0f (%.0f / %.0f) + %.0f / %.0f%s / %.0f / %.0f / %.0f = %.0f | %.1f; %.1f |\n", L.Level,
 			L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointDiskMS, L.CheckpointPausedMS, L.CheckpointMS, fl,
-			L.ForkRunningCheckpointMS, L.ForkRunningCkExtractMS, L.ForkRunningCkPausedMS, L.ForkRunningPrepareMS, L.ForkRunningSpawnMS, L.ForkRunningInjectMS, L.ForkRunningRestoreMS, L.ForkRunningAgentMS, L.ForkRunningMS,
+			L.ForkRunningCheckpointMS, L.ForkRunningCkExtractMS, L.ForkRunningCkPausedMS, L.ForkRunningPrepareMS, L.ForkRunningSpawnMS, early, L.ForkRunningInjectMS, L.ForkRunningRestoreMS, L.ForkRunningAgentMS, L.ForkRunningMS,
 			L.ForkRunningInjectedMB, L.ChildrenInjectedMBAverage)
 	}
+	if anyEarly {
+		b.WriteString("\n\\* the fork's QEMU was started (prepare, spawn) while its implicit checkpoint was taken: those overlap, and ready is less than the sum.\n")
+	}
 	return b.String()
+}
+
+// startedBefore says whether span a of as started before span b of bs ended (false when
+// either is missing).
+func startedBefore(as []api.Span, a string, bs []api.Span, b string) bool {
+	var start, end int64
+	for _, s := range as {
+		if s.Name == a {
+			start = s.StartMono
+		}
+	}
+	for _, s := range bs {
+		if s.Name == b {
+			end = s.EndMono
+		}
+	}
+	return start != 0 && end != 0 && start < end
 }
 
 // verifyNode checks that vm sees every lineage file with its md5, its own file, and no

@@ -1,0 +1,83 @@
+package tests
+
+import (
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+// TestForkOfRunningForkStartsEarly: a fork of a running fork starts its QEMU while the
+// implicit checkpoint is taken (its spawn begins before the checkpoint ends), opening
+// the source's disk layers and a flattened ancestor's RAM file before the pause. The
+// source keeps writing new files to its disk meanwhile (fresh qcow2 clusters in the
+// layer the fork's QEMU already opened): the fork must read every file the source had
+// written by the pause, from its disk chain (page cache dropped), as it reads them from
+// its restored page cache, and the lineage's RAM as its ancestors wrote it.
+func TestForkOfRunningForkStartsEarly(t *testing.T) {
+	room := parallelVMTest(t)
+	env := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB = -1; room(c) }) // flatten on request only
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	w := makeWorld(t, e, "w", 512, 64)
+	sums := []string{mustRun(t, w, "head -c 8388608 /dev/urandom > /dev/shm/w && md5sum /dev/shm/w")}
+	if _, err := e.Checkpoint(ctx, "w", "ck0", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	n1 := mustFork(t, e, "ck0", "n1")
+	sums = append(sums, mustRun(t, n1, "head -c 4194304 /dev/urandom > /dev/shm/n1 && md5sum /dev/shm/n1"))
+	if _, err := e.Checkpoint(ctx, "n1", "c1", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Flatten(ctx, "c1"); err != nil {
+		t.Fatal(err)
+	}
+	n2 := mustFork(t, e, "c1", "n2")
+	sums = append(sums, mustRun(t, n2, "head -c 4194304 /dev/urandom > /dev/shm/n2 && md5sum /dev/shm/n2"))
+	// A writer that allocates new clusters on n2's disk all the time (new files, synced).
+	mustRun(t, n2, `(i=0; while :; do i=$((i+1)); dd if=/dev/urandom of=/data/f$i bs=65536 count=4 2>/dev/null; sync; done) </dev/null >/dev/null 2>&1 & echo $! > /dev/shm/loop.pid`)
+	time.Sleep(1500 * time.Millisecond)
+
+	g, err := e.Fork(ctx, "n2", &engine.ForkOptions{Name: "g"})
+	if err != nil {
+		t.Fatalf("fork of the running n2: %v", err)
+	}
+	ck, err := e.LoadCheckpoint(ctx, g.Info().Parent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spawn, ckEnd := int64(0), int64(0)
+	for _, s := range g.Info().Spans {
+		if s.Name == "spawn" {
+			spawn = s.StartMono
+		}
+	}
+	for _, s := range ck.Manifest.Spans {
+		if s.Name == "checkpoint" {
+			ckEnd = s.EndMono
+		}
+	}
+	if spawn == 0 || ckEnd == 0 || spawn >= ckEnd {
+		t.Errorf("the fork's QEMU started at %d ns, its implicit checkpoint %s ended at %d ns: not started early", spawn, ck.Name(), ckEnd)
+	} else {
+		t.Logf("spawn began %v before the checkpoint ended", time.Duration(ckEnd-spawn).Round(time.Millisecond))
+	}
+	mustRun(t, n2, "kill $(cat /dev/shm/loop.pid)")
+
+	if got, want := mustRun(t, g, "md5sum /dev/shm/w /dev/shm/n1 /dev/shm/n2"), strings.Join(sums, "\n"); got != want {
+		t.Errorf("g reads %q, want %q", got, want)
+	}
+	// The writer came along in g's RAM: stop it, then compare every file read from the
+	// page cache with the same file read from the disk chain.
+	out := mustRun(t, g, `kill $(cat /dev/shm/loop.pid); sleep 0.2; sync; ls /data | grep -c '^f'; `+
+		`cd /data && md5sum f* > /dev/shm/cached && echo 3 > /proc/sys/vm/drop_caches && md5sum f* > /dev/shm/disk; `+
+		`cmp /dev/shm/cached /dev/shm/disk && echo same`)
+	lines := strings.Split(out, "\n")
+	n, _ := strconv.Atoi(lines[0])
+	if n < 3 || lines[len(lines)-1] != "same" {
+		t.Fatalf("g's disk: %s", out)
+	}
+	t.Logf("g reads the %d files n2 wrote from its disk as from its page cache", n)
+}
