@@ -35,6 +35,10 @@ type ckWriter struct {
 	// gate, when set, runs before the commit renames anything into place: an early
 	// fork's QEMU opens files at their temporary paths (see earlyFork).
 	gate func()
+	// templateTop, when set, is the frozen disk top an overlay template already in tmp
+	// was made for (by an early fork, which copied it): the commit keeps that template
+	// if the chain froze with that top, and makes it anew otherwise.
+	templateTop string
 }
 
 // newCkWriter starts writing checkpoint name.
@@ -94,8 +98,13 @@ func (w *ckWriter) commit(ctx context.Context) error {
 		ck.Disk[i].Path = filepath.Join(w.final, filepath.Base(ck.Disk[i].Path))
 	}
 	if len(ck.Disk) > 0 {
-		if err := makeOverlayTemplate(ctx, w.qemuImg, ck, w.tmp, w.final); err != nil {
-			return err
+		if w.templateTop != "" && w.templateTop == ck.Disk[len(ck.Disk)-1].Path {
+			ck.OverlayTemplate = filepath.Join(w.final, overlayTemplateFile)
+		} else {
+			os.Remove(filepath.Join(w.tmp, overlayTemplateFile))
+			if err := makeOverlayTemplate(ctx, w.qemuImg, ck, w.tmp, w.final); err != nil {
+				return err
+			}
 		}
 	}
 	if _, err := os.Stat(filepath.Join(w.tmp, stubKernelFile)); err == nil {

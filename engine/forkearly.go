@@ -144,12 +144,21 @@ func (f *earlyFork) spawn(ctx context.Context, e *Engine, w *ckWriter, ck *check
 	}
 	seedForkConsole(w.tmp, ck.Name, m.Launch.SerialLog, f.name)
 	if n := len(ck.Disk); n > 0 {
-		top := filepath.Join(dir, forkTopFile)
-		if f.err = qemuImgCreate(ctx, w.qemuImg, top, ck.Disk[n-1], int64(ck.DiskMiB)<<20); f.err != nil {
+		// The checkpoint's overlay template, made now instead of at its commit (which
+		// keeps it: ckWriter.templateTop), and the fork's disk a copy of it as any fork's.
+		var layers []diskLayer
+		f.err = makeOverlayTemplate(ctx, w.qemuImg, ck, w.tmp, w.final)
+		if f.err == nil {
+			w.templateTop = ck.Disk[n-1].Path
+			tmpl := *ck
+			tmpl.OverlayTemplate = filepath.Join(w.tmp, overlayTemplateFile)
+			layers, f.err = forkDisk(ctx, &tmpl, dir)
+		}
+		if f.err != nil {
 			e.paths.removeVMFiles(f.name, &m)
 			return
 		}
-		m.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: top, Format: "qcow2"})
+		m.Launch.Disk = layers
 		m.DiskNode = "disk0"
 	}
 	vm := newVM(dir, e.log, &m)

@@ -9,13 +9,15 @@ import (
 	"github.com/forkvm/forkvm/engine"
 )
 
-// TestForkOfRunningForkStartsEarly: a fork of a running fork starts its QEMU while the
-// implicit checkpoint is taken (its spawn begins before the checkpoint ends), opening
-// the source's disk layers and a flattened ancestor's RAM file before the pause. The
-// source keeps writing new files to its disk meanwhile (fresh qcow2 clusters in the
-// layer the fork's QEMU already opened): the fork must read every file the source had
-// written by the pause, from its disk chain (page cache dropped), as it reads them from
-// its restored page cache, and the lineage's RAM as its ancestors wrote it.
+// TestForkOfRunningForkStartsEarly: the first fork of a wave of a running fork starts
+// its QEMU while the implicit checkpoint is taken (its spawn begins before the
+// checkpoint ends), opening the source's disk layers and a flattened ancestor's RAM file
+// before the pause. The source keeps writing new files to its disk meanwhile (fresh
+// qcow2 clusters in the layer the fork's QEMU already opened): each fork must read every
+// file the source had written by the pause, from its disk chain (page cache dropped), as
+// it reads them from its restored page cache, and the lineage's RAM as its ancestors
+// wrote it; the second fork is made the usual way, on the overlay template the first
+// one's set-up made for the checkpoint.
 func TestForkOfRunningForkStartsEarly(t *testing.T) {
 	room := parallelVMTest(t)
 	env := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB = -1; room(c) }) // flatten on request only
@@ -40,10 +42,18 @@ func TestForkOfRunningForkStartsEarly(t *testing.T) {
 	mustRun(t, n2, `(i=0; while :; do i=$((i+1)); dd if=/dev/urandom of=/data/f$i bs=65536 count=4 2>/dev/null; sync; done) </dev/null >/dev/null 2>&1 & echo $! > /dev/shm/loop.pid`)
 	time.Sleep(1500 * time.Millisecond)
 
-	g, err := e.Fork(ctx, "n2", &engine.ForkOptions{Name: "g"})
+	evs, err := e.ForkMany(ctx, "n2", 2, &engine.ManyOptions{Names: []string{"g", "h"}})
 	if err != nil {
-		t.Fatalf("fork of the running n2: %v", err)
+		t.Fatal(err)
 	}
+	forks := map[string]*engine.VM{}
+	for ev := range evs {
+		if ev.Err != nil {
+			t.Fatalf("fork %s of the running n2: %v", ev.Name, ev.Err)
+		}
+		forks[ev.Name] = ev.VM
+	}
+	g := forks["g"]
 	ck, err := e.LoadCheckpoint(ctx, g.Info().Parent)
 	if err != nil {
 		t.Fatal(err)
@@ -66,18 +76,20 @@ func TestForkOfRunningForkStartsEarly(t *testing.T) {
 	}
 	mustRun(t, n2, "kill $(cat /dev/shm/loop.pid)")
 
-	if got, want := mustRun(t, g, "md5sum /dev/shm/w /dev/shm/n1 /dev/shm/n2"), strings.Join(sums, "\n"); got != want {
-		t.Errorf("g reads %q, want %q", got, want)
+	for _, vm := range []*engine.VM{g, forks["h"]} {
+		if got, want := mustRun(t, vm, "md5sum /dev/shm/w /dev/shm/n1 /dev/shm/n2"), strings.Join(sums, "\n"); got != want {
+			t.Errorf("%s reads %q, want %q", vm.Name(), got, want)
+		}
+		// The writer came along in the fork's RAM: stop it, then compare every file read
+		// from the page cache with the same file read from the disk chain.
+		out := mustRun(t, vm, `kill $(cat /dev/shm/loop.pid); sleep 0.2; sync; ls /data | grep -c '^f'; `+
+			`cd /data && md5sum f* > /dev/shm/cached && echo 3 > /proc/sys/vm/drop_caches && md5sum f* > /dev/shm/disk; `+
+			`cmp /dev/shm/cached /dev/shm/disk && echo same`)
+		lines := strings.Split(out, "\n")
+		n, _ := strconv.Atoi(lines[0])
+		if n < 3 || lines[len(lines)-1] != "same" {
+			t.Fatalf("%s's disk: %s", vm.Name(), out)
+		}
+		t.Logf("%s reads the %d files n2 wrote from its disk as from its page cache", vm.Name(), n)
 	}
-	// The writer came along in g's RAM: stop it, then compare every file read from the
-	// page cache with the same file read from the disk chain.
-	out := mustRun(t, g, `kill $(cat /dev/shm/loop.pid); sleep 0.2; sync; ls /data | grep -c '^f'; `+
-		`cd /data && md5sum f* > /dev/shm/cached && echo 3 > /proc/sys/vm/drop_caches && md5sum f* > /dev/shm/disk; `+
-		`cmp /dev/shm/cached /dev/shm/disk && echo same`)
-	lines := strings.Split(out, "\n")
-	n, _ := strconv.Atoi(lines[0])
-	if n < 3 || lines[len(lines)-1] != "same" {
-		t.Fatalf("g's disk: %s", out)
-	}
-	t.Logf("g reads the %d files n2 wrote from its disk as from its page cache", n)
 }
