@@ -19,25 +19,8 @@ import (
 // wrote it; the second fork is made the usual way, on the overlay template the first
 // one's set-up made for the checkpoint.
 func TestForkOfRunningForkStartsEarly(t *testing.T) {
-	room := parallelVMTest(t)
-	env := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB = -1; room(c) }) // flatten on request only
-	e := env.E
+	e, n2, sums := flattenedLineage(t, 64, 4)
 	ctx := ctxT(t, 5*time.Minute)
-	w := makeWorld(t, e, "w", 512, 64)
-	sums := []string{mustRun(t, w, "head -c 8388608 /dev/urandom > /dev/shm/w && md5sum /dev/shm/w")}
-	if _, err := e.Checkpoint(ctx, "w", "ck0", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatal(err)
-	}
-	n1 := mustFork(t, e, "ck0", "n1")
-	sums = append(sums, mustRun(t, n1, "head -c 4194304 /dev/urandom > /dev/shm/n1 && md5sum /dev/shm/n1"))
-	if _, err := e.Checkpoint(ctx, "n1", "c1", &engine.CheckpointOptions{Pin: true}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.Flatten(ctx, "c1"); err != nil {
-		t.Fatal(err)
-	}
-	n2 := mustFork(t, e, "c1", "n2")
-	sums = append(sums, mustRun(t, n2, "head -c 4194304 /dev/urandom > /dev/shm/n2 && md5sum /dev/shm/n2"))
 	// A writer that allocates new clusters on n2's disk all the time (new files, synced).
 	mustRun(t, n2, `(i=0; while :; do i=$((i+1)); dd if=/dev/urandom of=/data/f$i bs=65536 count=4 2>/dev/null; sync; done) </dev/null >/dev/null 2>&1 & echo $! > /dev/shm/loop.pid`)
 	time.Sleep(1500 * time.Millisecond)

@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"slices"
 	"strings"
@@ -282,25 +283,23 @@ func mustFork(t *testing.T, e *engine.Engine, src, name string) *engine.VM {
 	return vm
 }
 
-// TestForkOverAncestorBase: a fork of a checkpoint that is not flattened maps its
-// nearest flattened ancestor's file and gets only the newer layer (its GuestLineage is
-// that layer, not the whole lineage); its own checkpoint and the forks of that see
-// every generation's file; deleting the ancestor (and its flattened file) leaves the
-// checkpoint forkable over the same base.
-func TestForkOverAncestorBase(t *testing.T) {
+// flattenedLineage makes, in a parallel VM test, an engine that flattens on request
+// only, the world w (diskMiB of disk, 8 MiB written to /dev/shm/w) and its pinned
+// checkpoint ck0, ck0's fork n1 (n1MiB to /dev/shm/n1), its pinned checkpoint c1,
+// flattened, and c1's fork n2 (4 MiB to /dev/shm/n2). It returns the engine, n2 and the
+// md5sum lines of the three files.
+func flattenedLineage(t *testing.T, diskMiB, n1MiB int) (*engine.Engine, *engine.VM, []string) {
+	t.Helper()
 	room := parallelVMTest(t)
-	env := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB = -1; room(c) }) // flatten on request only
-	e := env.E
+	e := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB = -1; room(c) }).E
 	ctx := ctxT(t, 5*time.Minute)
-	w := makeWorld(t, e, "w", 512, 0)
+	w := makeWorld(t, e, "w", 512, diskMiB)
 	sums := []string{mustRun(t, w, "head -c 8388608 /dev/urandom > /dev/shm/w && md5sum /dev/shm/w")}
-	files := "/dev/shm/w"
 	if _, err := e.Checkpoint(ctx, "w", "ck0", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
 	}
 	n1 := mustFork(t, e, "ck0", "n1")
-	sums = append(sums, mustRun(t, n1, "head -c 33554432 /dev/urandom > /dev/shm/n1 && md5sum /dev/shm/n1"))
-	files += " /dev/shm/n1"
+	sums = append(sums, mustRun(t, n1, fmt.Sprintf("head -c %d /dev/urandom > /dev/shm/n1 && md5sum /dev/shm/n1", n1MiB<<20)))
 	if _, err := e.Checkpoint(ctx, "n1", "c1", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -309,7 +308,18 @@ func TestForkOverAncestorBase(t *testing.T) {
 	}
 	n2 := mustFork(t, e, "c1", "n2")
 	sums = append(sums, mustRun(t, n2, "head -c 4194304 /dev/urandom > /dev/shm/n2 && md5sum /dev/shm/n2"))
-	files += " /dev/shm/n2"
+	return e, n2, sums
+}
+
+// TestForkOverAncestorBase: a fork of a checkpoint that is not flattened maps its
+// nearest flattened ancestor's file and gets only the newer layer (its GuestLineage is
+// that layer, not the whole lineage); its own checkpoint and the forks of that see
+// every generation's file; deleting the ancestor (and its flattened file) leaves the
+// checkpoint forkable over the same base.
+func TestForkOverAncestorBase(t *testing.T) {
+	e, _, sums := flattenedLineage(t, 0, 32)
+	ctx := ctxT(t, 5*time.Minute)
+	files := "/dev/shm/w /dev/shm/n1 /dev/shm/n2"
 	c2, err := e.Checkpoint(ctx, "n2", "c2", &engine.CheckpointOptions{Pin: true})
 	if err != nil {
 		t.Fatal(err)
