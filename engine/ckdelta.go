@@ -40,8 +40,9 @@ type deltaCheckpoint struct {
 	baseLayers int      // how many of the lineage's layers that file already holds
 	ancestors  []string // the ancestors' layers, to read while paused
 	ownName    string   // this checkpoint's own layer, in its layer directory
-	// early, when set, is called once the lineage is linked, with the fork's manifest
-	// (a fork of the checkpoint may start its QEMU then: see earlyFork).
+	// early, when set, is called once the lineage is linked, with the state of the fork
+	// being checkpointed (a fork of the checkpoint may start its QEMU then: see
+	// earlyFork).
 	early func(w *ckWriter, src vmState)
 }
 
