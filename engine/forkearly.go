@@ -62,7 +62,7 @@ func earlyEligible(src vmState, held func(), publish []PortForward) bool {
 }
 
 // startEarly starts fork name of the delta checkpoint w is writing of the running VM
-// whose manifest is src (see earlyFork), or returns nil when it cannot. It runs in the
+// whose state is src (see earlyFork), or returns nil when it cannot. It runs in the
 // checkpoint's prepare stage, after the lineage is linked; the spawn goes on in the
 // background and the checkpoint's commit waits for it (w.gate).
 func (e *Engine) startEarly(ctx context.Context, w *ckWriter, src vmState, name string) *earlyFork {
