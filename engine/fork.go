@@ -209,19 +209,24 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 	if err == nil {
 		vm, err = prepareFork(ctx, e.paths, e.log, qemu, c, name, publish)
 	}
-	if err == nil {
-		e.count(vm)
-	}
 	if err != nil {
 		release()
 		return nil, nil, nil, err
 	}
+	return vm, release, e.inflightFork(vm, ck), nil
+}
+
+// inflightFork counts vm, a fork of ck not yet started, as on its way to ready: its
+// kernel counters and markers (Config), and the admitter's vCPUs in flight, which give
+// it its TCG thread mode. done ends the in-flight count.
+func (e *Engine) inflightFork(vm *VM, ck *checkpointManifest) (done func()) {
+	e.count(vm)
 	mode, done := e.adm.inflight(ck.CPUs, ck.Accel)
 	vm.modify(func(s *vmState) {
 		s.Launch.TCGThread = mode
 		s.Launch.PerfMap = e.cfg.PerfMap && ck.Accel == AccelTCG
 	})
-	return vm, release, done, nil
+	return done
 }
 
 // spawnFork starts the fork's QEMU (waiting for its incoming state) and injects a delta

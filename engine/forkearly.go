@@ -2,7 +2,6 @@ package engine
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -137,39 +136,23 @@ func (f *earlyFork) spawn(ctx context.Context, e *Engine, w *ckWriter, ck *check
 	defer close(f.ready)
 	f.clock = markPhases(e.cfg.Markers, f.name)
 	f.clock.begin("prepare")
-	dir := e.paths.vmDir(f.name)
-	if f.err = os.Mkdir(dir, 0o700); f.err != nil {
-		f.err = fmt.Errorf("engine: create %s: %w", dir, f.err)
-		return
-	}
-	seedForkConsole(w.tmp, ck.Name, m.Launch.SerialLog, f.name)
+	// The checkpoint as written so far: its console history and, made now instead of at
+	// its commit (which keeps it: ckWriter.templateTop), its overlay template, which the
+	// fork's disk copies as any fork's does.
+	c := &Checkpoint{Manifest: *ck, Dir: w.tmp}
 	if n := len(ck.Disk); n > 0 {
-		// The checkpoint's overlay template, made now instead of at its commit (which
-		// keeps it: ckWriter.templateTop), and the fork's disk a copy of it as any fork's.
-		var layers []diskLayer
-		f.err = makeOverlayTemplate(ctx, w.qemuImg, ck, w.tmp, w.final)
-		if f.err == nil {
-			w.templateTop = ck.Disk[n-1].Path
-			tmpl := *ck
-			tmpl.OverlayTemplate = filepath.Join(w.tmp, overlayTemplateFile)
-			layers, f.err = forkDisk(ctx, &tmpl, dir)
-		}
-		if f.err != nil {
-			e.paths.removeVMFiles(f.name, &m)
+		if f.err = makeOverlayTemplate(ctx, w.qemuImg, &c.Manifest, w.tmp, w.final); f.err != nil {
 			return
 		}
-		m.Launch.Disk = layers
-		m.DiskNode = "disk0"
+		w.templateTop = ck.Disk[n-1].Path
+		c.Manifest.OverlayTemplate = filepath.Join(w.tmp, overlayTemplateFile)
 	}
-	vm := newVM(dir, e.log, &m)
-	e.count(vm)
-	mode, done := e.adm.inflight(ck.CPUs, ck.Accel)
-	vm.modify(func(s *vmState) {
-		s.Launch.TCGThread = mode
-		s.Launch.PerfMap = e.cfg.PerfMap && ck.Accel == AccelTCG
-	})
+	vm, err := forkDir(ctx, e.paths, e.log, c, m)
+	if f.err = err; err != nil {
+		return
+	}
 	vm.openAs = as
-	f.vm, f.done = vm, done
+	f.vm, f.done = vm, e.inflightFork(vm, ck)
 	f.clock.watch(vm)
 	vm.lap(f.clock, prepareTiming)
 	f.clock.begin("spawn")

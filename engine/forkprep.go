@@ -13,7 +13,6 @@ import (
 // publish (nil for a pooled process). No process yet.
 func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu string, c *Checkpoint, name string, publish []PortForward) (*VM, error) {
 	ck := &c.Manifest
-	dir := paths.vmDir(name)
 	m := forkManifest(paths, qemu, ck, name)
 	publish = append([]PortForward(nil), publish...) // not the caller's slice
 	m.Launch.Publish, m.Spec.Publish = publish, publish
@@ -22,14 +21,23 @@ func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu strin
 		// injected (injectLayers).
 		m.Launch.RAM.Path, m.RAMBaseLayers = b.Path, b.Layers
 	}
+	return forkDir(ctx, paths, log, c, m)
+}
+
+// forkDir makes the directory of fork m of checkpoint c, its console history (from
+// c.Dir) and its disk (a copy of c's overlay template on c's frozen chain), and returns
+// its VM. No process yet.
+func forkDir(ctx context.Context, paths layout, log *slog.Logger, c *Checkpoint, m manifest) (*VM, error) {
+	ck := &c.Manifest
+	dir := paths.vmDir(m.Name)
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("engine: create %s: %w", dir, err)
 	}
-	seedForkConsole(c.Dir, ck.Name, m.Launch.SerialLog, name)
+	seedForkConsole(c.Dir, ck.Name, m.Launch.SerialLog, m.Name)
 	if len(ck.Disk) > 0 {
 		layers, err := forkDisk(ctx, ck, dir)
 		if err != nil {
-			paths.removeVMFiles(name, &m)
+			paths.removeVMFiles(m.Name, &m)
 			return nil, err
 		}
 		m.Launch.Disk = layers
