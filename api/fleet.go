@@ -17,6 +17,9 @@ const (
 	CodeDeadLetter = "dead_letter"
 	// CodeNoFleet: the daemon is not part of a fleet (it was started without --cluster).
 	CodeNoFleet = "no_fleet"
+	// CodeFleetUnavailable: the daemon's fleet cannot answer now (JetStream without a
+	// leader, or the daemon still joining it): try again shortly.
+	CodeFleetUnavailable = "fleet_unavailable"
 	// CodeNoNode: no live node can fork the checkpoint (none of its compatibility class).
 	CodeNoNode = "no_node"
 )

@@ -71,7 +71,7 @@ func writeFleetError(w http.ResponseWriter, err error) {
 	case errors.Is(err, fleet.ErrNoNode):
 		writeErrorObject(w, http.StatusConflict, ErrorObject{Code: api.CodeNoNode, Message: err.Error()})
 	case errors.Is(err, fleet.ErrUnavailable):
-		writeErrorObject(w, http.StatusServiceUnavailable, ErrorObject{Code: "fleet_unavailable", Message: err.Error()})
+		writeErrorObject(w, http.StatusServiceUnavailable, ErrorObject{Code: api.CodeFleetUnavailable, Message: err.Error()})
 	default:
 		writeError(w, err)
 	}
@@ -87,7 +87,7 @@ func (s *Server) fleetOf(w http.ResponseWriter) *fleet.Fleet {
 	case f != nil:
 		return f
 	case joining:
-		writeErrorObject(w, http.StatusServiceUnavailable, ErrorObject{Code: "fleet_unavailable", Message: "this daemon is joining its fleet: try again shortly"})
+		writeErrorObject(w, http.StatusServiceUnavailable, ErrorObject{Code: api.CodeFleetUnavailable, Message: "this daemon is joining its fleet: try again shortly"})
 	default:
 		writeErrorObject(w, http.StatusConflict, ErrorObject{Code: api.CodeNoFleet, Message: "this daemon is in no fleet (start it with forkvm serve --cluster or --cluster-listen)"})
 	}

@@ -521,7 +521,7 @@ func TestFleetEndpointsWhileJoining(t *testing.T) {
 		t.Errorf("no fleet: %d %q, want 409 %s", code, ec, api.CodeNoFleet)
 	}
 	s.SetJoining()
-	if code, ec := get(); code != http.StatusServiceUnavailable || ec != "fleet_unavailable" {
+	if code, ec := get(); code != http.StatusServiceUnavailable || ec != api.CodeFleetUnavailable {
 		t.Errorf("joining: %d %q, want 503 fleet_unavailable", code, ec)
 	}
 	s.fleetDeleted("gone-while-joining")

@@ -215,16 +215,6 @@ func planFleet(cmd *cli.Command) (*fleetPlan, error) {
 	return p, nil
 }
 
-// joinFleet joins the fleet serve's flags describe, or returns nil when they describe
-// none.
-func joinFleet(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {
-	p, err := planFleet(cmd)
-	if err != nil || p == nil {
-		return nil, err
-	}
-	return p.join(ctx, cmd, e, log, fetch)
-}
-
 // join starts the embedded server (--cluster-listen) or connects to the external one,
 // and joins the fleet.
 func (p *fleetPlan) join(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {

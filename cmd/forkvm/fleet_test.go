@@ -47,7 +47,7 @@ func TestFleetFlagsRefused(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cmd := &cli.Command{Name: "serve", Flags: append([]cli.Flag{&cli.StringFlag{Name: "listen"}}, fleetServeFlags()...),
 				Action: func(ctx context.Context, cmd *cli.Command) error {
-					_, err := joinFleet(ctx, cmd, nil, nil, nil)
+					_, err := planFleet(cmd)
 					return err
 				}}
 			err := cmd.Run(context.Background(), append([]string{"serve"}, tc.args...))
