@@ -114,7 +114,9 @@ type FleetTiming struct {
 	// for a node with room; DispatchMS is its part after that node asked for jobs.
 	QueueMS    float64 `json:"queue_ms,omitempty"`
 	DispatchMS float64 `json:"dispatch_ms,omitempty"`
-	// ClaimMS is the claim of the fork's name.
+	// ClaimMS is the claim of the fork's name. At a job's first delivery the name is
+	// claimed while the node pulls and forks, so that only what it takes beyond them
+	// is in FleetMS.
 	ClaimMS float64 `json:"claim_ms,omitempty"`
 	// PullMS is the node's pull of the checkpoint from another node, or its wait for
 	// its own pull of it (0 when the node had it).

@@ -177,11 +177,14 @@ type Fleet struct {
 	// closed is set by Close: no background work starts after it.
 	closed bool
 
-	// cacheMu guards the caches: the live nodes a share check saw last (nodesAt), and
-	// the checkpoint holder entries this node wrote.
+	// cacheMu guards the caches: the live nodes a share check saw last (nodesAt), the
+	// nodes bucket as this node's watch of it has it (view, viewAt: the last update,
+	// zero while the watch is down), and the checkpoint holder entries this node wrote.
 	cacheMu    sync.Mutex
 	nodesCache []api.FleetNode
 	nodesAt    time.Time
+	view       map[string]api.FleetNode
+	viewAt     time.Time
 	held       map[string]bool
 }
 
@@ -276,7 +279,8 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 	if err := f.deleteOrphans(ctx); err != nil {
 		log.Warn("fleet: orphans not checked", "err", err)
 	}
-	f.wg.Add(1)
+	f.wg.Add(2)
+	go f.watchNodes()
 	go f.workLoop()
 	return f, nil
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -220,7 +221,13 @@ type testNode struct {
 // join joins n nodes to s, each with a budget of capCPUs vCPUs.
 func join(t *testing.T, s *natsembed.Server, n, capCPUs int, mod func(*Config)) []testNode {
 	t.Helper()
-	engines := map[string]*fakeEngine{}
+	return joinEngines(t, s, map[string]*fakeEngine{}, n, capCPUs, mod)
+}
+
+// joinEngines is join with the fake engines of nodes named in engines (n1, n2, ...)
+// made beforehand, as the test wants them when the nodes join.
+func joinEngines(t *testing.T, s *natsembed.Server, engines map[string]*fakeEngine, n, capCPUs int, mod func(*Config)) []testNode {
+	t.Helper()
 	var out []testNode
 	for i := range n {
 		cfg := Config{MaxVCPUs: capCPUs, Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond}
@@ -236,8 +243,11 @@ func join(t *testing.T, s *natsembed.Server, n, capCPUs int, mod func(*Config)) 
 // says besides its name, address, directory and connection.
 func joinNode(tb testing.TB, s *natsembed.Server, name string, engines map[string]*fakeEngine, cfg Config) testNode {
 	tb.Helper()
-	eng := newFakeEngine(100)
-	engines[name] = eng
+	eng := engines[name]
+	if eng == nil {
+		eng = newFakeEngine(100)
+		engines[name] = eng
+	}
 	ff := &fakeFetcher{to: eng, engines: engines, fetches: map[string]int{}}
 	cfg.Node, cfg.Addr, cfg.Dir = name, "http://"+name, tb.TempDir()
 	cfg.Connect = func() (*nats.Conn, error) {
@@ -374,6 +384,11 @@ func TestNameClaimedOnce(t *testing.T) {
 	if got := collect(t, evs, 20*time.Second); len(got) != 1 || !got[0].OK {
 		t.Fatalf("first wave: %+v", got)
 	}
+	// A node without x forks it beside the claim at the job's first delivery: the
+	// claim refused stops that fork long before it would be made.
+	for _, n := range nodes {
+		n.eng.forkDelay.Store(int64(5 * time.Second))
+	}
 	evs, err = nodes[1].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "x"}})
 	if err != nil {
 		t.Fatal(err)
@@ -384,6 +399,9 @@ func TestNameClaimedOnce(t *testing.T) {
 	}
 	if n := nodes[0].eng.forks.Load() + nodes[1].eng.forks.Load(); n != 1 {
 		t.Errorf("%d forks made, want 1", n)
+	}
+	for _, n := range nodes {
+		n.eng.forkDelay.Store(0)
 	}
 
 	// Deleted by a node that does not hold it: the claim stays. Deleted by its holder
@@ -921,10 +939,12 @@ func TestLossJudgedOnlyAfterPromptBeats(t *testing.T) {
 // room, naming memory as the resource short.
 func TestNoRoomForMemory(t *testing.T) {
 	s := testServer(t)
-	nodes := join(t, s, 2, 4, func(c *Config) { c.RoomWait, c.TTL = time.Second, 6*time.Second })
-	for _, n := range nodes {
-		n.eng.memFree.Store(200 << 20) // a 256 MiB guest commits 320 MiB
+	engines := map[string]*fakeEngine{}
+	for _, name := range []string{"n1", "n2"} {
+		engines[name] = newFakeEngine(100)
+		engines[name].memFree.Store(200 << 20) // a 256 MiB guest commits 320 MiB
 	}
+	nodes := joinEngines(t, s, engines, 2, 4, func(c *Config) { c.RoomWait, c.TTL = time.Second, 6*time.Second })
 	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1, MemoryMiB: 256}
 	nodes[0].eng.cks["small"] = CheckpointRef{Name: "small", Digest: "d2", Class: testClass, CPUs: 1, MemoryMiB: 64}
 	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", N: 2, Prefix: "mem-"}})
@@ -951,4 +971,107 @@ func TestNoRoomForMemory(t *testing.T) {
 	if got := collect(t, evs, 30*time.Second); len(got) != 1 || !got[0].OK {
 		t.Errorf("the small fork: %+v", got)
 	}
+}
+
+// TestClaimBesideForkRefused: at a job's first delivery the node forks while it claims
+// the name; when the claim is refused (the name is another wave's), the fork is
+// stopped and not made, the job fails with code exists, and the fork's journal entry
+// is gone (a restart would not take the name's owner's VM for its orphan).
+func TestClaimBesideForkRefused(t *testing.T) {
+	n := join(t, testServer(t), 1, 0, nil)[0]
+	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	n.eng.forkDelay.Store(int64(time.Minute))
+	ctx := context.Background()
+	other := claim{Name: "taken", Node: "elsewhere", Boot: "b", Job: "w0.0", Wave: "w0", State: stateReady, Checkpoint: "ck", CPUs: 1}
+	b, _ := json.Marshal(other)
+	if _, err := n.f.claims.Create(ctx, kvKey("taken"), b); err != nil {
+		t.Fatal(err)
+	}
+	evs, err := n.f.ForkMany(ctx, api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "taken"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := collect(t, evs, 20*time.Second)
+	if len(got) != 1 || got[0].OK || got[0].Code != "exists" {
+		t.Fatalf("events %+v, want one failure with code exists", got)
+	}
+	if c := n.eng.calls.Load(); c != 1 {
+		t.Errorf("%d forks begun, want 1 (beside the claim)", c)
+	}
+	if m := n.eng.forks.Load(); m != 0 {
+		t.Errorf("%d forks made, want 0", m)
+	}
+	if _, err := n.eng.Get("taken"); !errors.Is(err, api.ErrNotFound) {
+		t.Errorf("a VM named taken is left on the node (%v)", err)
+	}
+	if _, err := os.Stat(n.f.journalPath("taken")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("journal entry of the refused fork: %v, want none", err)
+	}
+	var cur claim
+	if _, ok, err := getJSON(ctx, n.f.claims, kvKey("taken"), &cur); err != nil || !ok || cur != other {
+		t.Errorf("the name's claim is %+v (found %v, %v), want the other wave's untouched", cur, ok, err)
+	}
+}
+
+// fakeMsg is a delivered job: its data, and whether it was given back.
+type fakeMsg struct {
+	jetstream.Msg
+	data   []byte
+	nakked atomic.Bool
+}
+
+func (m *fakeMsg) Data() []byte { return m.data }
+
+func (m *fakeMsg) NakWithDelay(time.Duration) error { m.nakked.Store(true); return nil }
+
+// TestStaleRoomReadAgain: a node takes a batch's jobs from the room it read before its
+// fetch, but reads it again when the fetch waited: a job that no longer fits what the
+// node has now is given back.
+func TestStaleRoomReadAgain(t *testing.T) {
+	n := join(t, testServer(t), 1, 0, nil)[0]
+	n.eng.memFree.Store(200 << 20) // a 256 MiB guest commits 320 MiB
+	j := job{ID: "w1.0", Wave: "w1", Name: "stale", Checkpoint: "ck", Class: n.f.classID, CPUs: 1, MemoryMiB: 256, Published: time.Now()}
+	data, _ := json.Marshal(j)
+	msg := &fakeMsg{data: data}
+	// As read before a fetch that waited a second: room for it then.
+	r := room{free: 8, mem: api.MemoryBudget{Known: true, TotalBytes: 16 << 30, FreeBytes: 8 << 30, CommitRatio: 1}, at: time.Now().Add(-time.Second)}
+	if n.f.take(msg, time.Now(), &r) || !msg.nakked.Load() {
+		t.Fatal("a job taken from a room read a second before, with no room now")
+	}
+	if r.mem.FreeBytes != 200<<20 {
+		t.Errorf("room's memory %d after the job, want it read again (%d)", r.mem.FreeBytes, 200<<20)
+	}
+}
+
+// TestWatchedNodes: the nodes a share check counts come from a standing watch of the
+// heartbeats, which has a node that joins within a heartbeat or so and drops one that
+// left once its heartbeat expires.
+func TestWatchedNodes(t *testing.T) {
+	nodes := join(t, testServer(t), 2, 0, nil)
+	names := func() []string {
+		ns, ok := nodes[0].f.watchedNodes()
+		if !ok {
+			return nil
+		}
+		var out []string
+		for _, n := range ns {
+			out = append(out, n.Name)
+		}
+		return out
+	}
+	waitFor := func(want []string) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); !slices.Equal(names(), want); time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("watched nodes %v after 10 s, want %v", names(), want)
+			}
+		}
+	}
+	waitFor([]string{"n1", "n2"})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := nodes[1].f.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor([]string{"n1"})
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"sort"
@@ -131,6 +132,82 @@ func (f *Fleet) Nodes(ctx context.Context) ([]api.FleetNode, error) {
 	})
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, err
+}
+
+// watchNodes keeps this node's view of the nodes bucket from one standing watch of it,
+// until Close: a share check reads the view instead of listing the bucket (a watch of
+// its own, which took 5-130 ms beside restoring forks) on a job's path. A watch that
+// ends is made again; meanwhile the view is not used (liveNodes).
+func (f *Fleet) watchNodes() {
+	defer f.wg.Done()
+	for f.ctx.Err() == nil {
+		if err := f.watchNodesOnce(); err != nil && f.ctx.Err() == nil {
+			f.log.Debug("fleet: watch of the nodes", "err", err)
+		}
+		f.cacheMu.Lock()
+		f.view, f.viewAt = nil, time.Time{}
+		f.cacheMu.Unlock()
+		if !f.sleep(f.cfg.Heartbeat) {
+			return
+		}
+	}
+}
+
+// watchNodesOnce runs one watch of the nodes bucket into the view until it ends.
+func (f *Fleet) watchNodesOnce() error {
+	w, err := f.nodes.WatchAll(f.ctx)
+	if err != nil {
+		return err
+	}
+	defer w.Stop()
+	view := map[string]api.FleetNode{}
+	live := false // the initial values are in
+	for {
+		var e jetstream.KeyValueEntry
+		select {
+		case <-f.ctx.Done():
+			return nil
+		case u, ok := <-w.Updates():
+			if !ok {
+				return errors.New("fleet: watch closed")
+			}
+			e = u
+		}
+		if e == nil {
+			live = true
+		} else if e.Operation() == jetstream.KeyValuePut {
+			var n api.FleetNode
+			if json.Unmarshal(e.Value(), &n) == nil {
+				view[e.Key()] = n
+			}
+		} else {
+			delete(view, e.Key()) // deleted, purged or expired
+		}
+		if live {
+			f.cacheMu.Lock()
+			f.view, f.viewAt = maps.Clone(view), time.Now()
+			f.cacheMu.Unlock()
+		}
+	}
+}
+
+// watchedNodes is the live nodes (those whose heartbeat has not expired) as the watch
+// of the nodes bucket has them, by name; ok is false when the watch heard nothing for
+// two heartbeats (this node beats every heartbeat, so a watch that works hears at
+// least that) or is down.
+func (f *Fleet) watchedNodes() (nodes []api.FleetNode, ok bool) {
+	f.cacheMu.Lock()
+	defer f.cacheMu.Unlock()
+	if f.viewAt.IsZero() || time.Since(f.viewAt) > 2*f.cfg.Heartbeat {
+		return nil, false
+	}
+	for _, n := range f.view {
+		if !f.expired(n) {
+			nodes = append(nodes, n)
+		}
+	}
+	sort.Slice(nodes, func(i, j int) bool { return nodes[i].Name < nodes[j].Name })
+	return nodes, true
 }
 
 // eachEntry calls fn with every live entry of kv (none: no error).

@@ -114,7 +114,7 @@ func (f *Fleet) workLoop() {
 			return
 		}
 		pause = 0
-		n := f.slots()
+		n, room := f.slots()
 		if n == 0 {
 			select {
 			case <-f.ctx.Done():
@@ -135,7 +135,7 @@ func (f *Fleet) workLoop() {
 		got := 0
 		for msg := range batch.Messages() {
 			got++
-			if !f.take(msg, asked) {
+			if !f.take(msg, asked, &room) {
 				refused++
 			}
 		}
@@ -160,20 +160,37 @@ func (f *Fleet) sleep(d time.Duration) bool {
 	}
 }
 
-// slots is how many jobs to ask for: the free vCPUs (a job takes at least one), within
-// MaxJobs.
-func (f *Fleet) slots() int {
-	_, free, _ := f.budget()
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return max(min(free, f.cfg.MaxJobs-f.running), 0)
+// room is the node's room for more jobs as a fetch found it (at): what the jobs it
+// takes from that fetch's batch leave of it.
+type room struct {
+	free int
+	mem  api.MemoryBudget
+	at   time.Time
 }
 
-// take starts handling msg, delivered to a fetch this node began at asked, unless
-// its wave already has its share of this node or the node lacks room for it: then it
-// is given back, delayed, for another node, which does not count as a failed try.
-// False when given back.
-func (f *Fleet) take(msg jetstream.Msg, asked time.Time) bool {
+// roomAge is how old a room may be when a job is taken from it: one read before a
+// fetch that waited for jobs to be published is read again.
+const roomAge = 50 * time.Millisecond
+
+// slots is how many jobs to ask for: the free vCPUs (a job takes at least one), within
+// MaxJobs, and the room the batch's jobs are taken from (take). The room is read once
+// per fetch (again when the fetch waited: roomAge), not per job: it scans the host's
+// processes (the engine's budget), which took up to 60 ms on a job's path beside
+// restoring forks.
+func (f *Fleet) slots() (int, room) {
+	_, free, mem := f.budget()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return max(min(free, f.cfg.MaxJobs-f.running), 0), room{free: free, mem: mem, at: time.Now()}
+}
+
+// take starts handling msg, delivered to a fetch this node began at asked with room
+// r, unless its wave already has its share of this node or r lacks room for it: then
+// it is given back, delayed, for another node, which does not count as a failed try.
+// False when given back. What the job takes is taken from r. Jobs that end meanwhile
+// leave more room than r has; a fork made meanwhile beside the fleet (a local one)
+// is met by the engine's admission (the job goes back to the queue).
+func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 	got := time.Now()
 	var j job
 	if err := json.Unmarshal(msg.Data(), &j); err != nil || j.ID == "" || j.Name == "" {
@@ -183,18 +200,23 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time) bool {
 	}
 	j.CPUs = max(j.CPUs, 1)
 	share := f.share(j)
+	if got.Sub(r.at) > roomAge {
+		_, r.free, r.mem = f.budget() // the jobs taken since are in it
+		r.at = time.Now()
+	}
 	f.mu.Lock()
-	_, free, mem := f.budgetLocked()
 	guest := int64(j.MemoryMiB) << 20
-	if (share > 0 && f.perWave[j.Wave] >= share) || free < j.CPUs || !mem.Fits(guest) {
+	if (share > 0 && f.perWave[j.Wave] >= share) || r.free < j.CPUs || !r.mem.Fits(guest) {
 		f.mu.Unlock()
 		msg.NakWithDelay(refuseDelay)
 		return false
 	}
 	var commit int64
-	if mem.Known {
-		commit = mem.CommitBytes(guest)
+	if r.mem.Known {
+		commit = r.mem.CommitBytes(guest)
 	}
+	r.free -= j.CPUs
+	r.mem.FreeBytes -= commit
 	f.perWave[j.Wave]++
 	f.running++
 	f.runningCPUs += j.CPUs
@@ -263,9 +285,14 @@ func (f *Fleet) share(j job) int {
 	return max(j.MaxPerNode, (j.SpreadOf+live-1)/live)
 }
 
-// recentNodes is Nodes as listed at most one heartbeat ago: a share check per job
-// listed every node each time (a watch of the whole bucket), serially for a batch.
+// recentNodes is the live nodes as this node's watch of the nodes bucket has them, or
+// while that watch is down, Nodes as listed at most one heartbeat ago: a share check
+// per job listed every node each time (a watch of the whole bucket), serially for a
+// batch.
 func (f *Fleet) recentNodes() ([]api.FleetNode, error) {
+	if nodes, ok := f.watchedNodes(); ok {
+		return nodes, nil
+	}
 	f.cacheMu.Lock()
 	nodes, at := f.nodesCache, f.nodesAt
 	f.cacheMu.Unlock()
@@ -282,13 +309,6 @@ func (f *Fleet) recentNodes() ([]api.FleetNode, error) {
 	f.nodesCache, f.nodesAt = nodes, time.Now()
 	f.cacheMu.Unlock()
 	return nodes, nil
-}
-
-// budgetLocked is budget with f.mu held.
-func (f *Fleet) budgetLocked() (total, free int, mem api.MemoryBudget) {
-	f.mu.Unlock()
-	defer f.mu.Lock()
-	return f.budget()
 }
 
 // jobTry is one delivery of a job on this node.
@@ -322,11 +342,33 @@ func (t *jobTry) handle() (took bool) {
 	if !t.fresh(ctx) {
 		return false
 	}
-	crev, cl, ok := t.claimName(ctx)
+	if t.alone() {
+		// No node can hold a claim of this job: its name is claimed while the node
+		// pulls and forks (a fleet round trip off the fork's path). The fork is noted
+		// in the journal first, so that a restart deletes it if the claim is not this
+		// node's.
+		if err := t.f.journal(t.j.Name, t.f.newClaim(t.j)); err != nil {
+			return t.fail("journal", err)
+		}
+		return t.fork(ctx, nil)
+	}
+	c, ok := t.claimName(ctx)
 	if !ok {
 		return false
 	}
-	return t.fork(ctx, crev, cl)
+	return t.fork(ctx, &c)
+}
+
+// alone reports whether this try is the job's only one so far, and its name free on
+// this node: the first delivery of the job's first attempt (a work queue delivers a
+// message to one fetch; another node gets it only after this one gives it back or its
+// ack wait ends), with no VM of that name here.
+func (t *jobTry) alone() bool {
+	if t.j.Attempt != 1 || !t.firstDelivery() {
+		return false
+	}
+	_, err := t.f.eng.Get(t.j.Name)
+	return errors.Is(err, api.ErrNotFound)
 }
 
 // keepInProgress tells JetStream every third of the ack wait that the job is in
@@ -393,18 +435,38 @@ func (t *jobTry) firstDelivery() bool {
 	return err == nil && md.NumDelivered == 1
 }
 
+// held is a claim of a job's name this node holds: the claim and its revision.
+type held struct {
+	rev uint64
+	cl  claim
+}
+
 // claimName claims the job's name for this node and notes it in the journal; ok is
 // false when the job needs nothing more from this try.
-func (t *jobTry) claimName(ctx context.Context) (crev uint64, cl claim, ok bool) {
-	f, j, msg := t.f, t.j, t.msg
+func (t *jobTry) claimName(ctx context.Context) (c held, ok bool) {
+	f, j := t.f, t.j
 	start := time.Now()
 	crev, cl, err := f.claim(ctx, j)
 	t.claim = time.Since(start)
+	if err != nil {
+		return held{}, t.unclaimed(ctx, cl, err)
+	}
+	if err := f.journal(j.Name, cl); err != nil {
+		f.release(j.Name, crev)
+		return held{}, t.fail("journal", err)
+	}
+	return held{crev, cl}, true
+}
+
+// unclaimed ends this try after its claim failed with err (cl: the claim found), as
+// the error says; it reports false (the try goes no further).
+func (t *jobTry) unclaimed(ctx context.Context, cl claim, err error) bool {
+	f, j, msg := t.f, t.j, t.msg
 	switch {
 	case errors.Is(err, errBusy):
 		// Another live node runs it (this delivery came after its ack wait): not a
 		// failure of the job.
-		return 0, cl, t.refuse("claimed by a live node", err)
+		return t.refuse("claimed by a live node", err)
 	case errors.Is(err, errDone):
 		// Ready on another live node. When that node's record was not written (the
 		// jobs bucket had no leader then), the wave would never see the fork: write
@@ -413,86 +475,113 @@ func (t *jobTry) claimName(ctx context.Context) (crev uint64, cl claim, ok bool)
 			r := record{Job: j.ID, Attempt: j.Attempt, State: stateReady, Node: cl.Node,
 				Event: api.ForkEventObjectOf(j.Index, j.Name, 0, nil, nil)}
 			if err := putJSON(ctx, f.jobs, t.key, r); err != nil {
-				return 0, cl, t.fail("recording a fork ready elsewhere", err)
+				return t.fail("recording a fork ready elsewhere", err)
 			}
 		}
 		f.ack(msg, j)
-		return 0, cl, false
-	case err != nil && errors.Is(err, api.ErrExists):
+		return false
+	case errors.Is(err, api.ErrExists):
 		t.finish(stateFailed, api.ForkEventObjectOf(j.Index, j.Name, 0, nil, err), "")
-		return 0, cl, false
-	case err != nil:
-		return 0, cl, t.fail("claim", err)
+		return false
+	default:
+		return t.fail("claim", err)
 	}
-	if err := f.journal(j.Name, cl); err != nil {
-		f.release(j.Name, crev)
-		return 0, cl, t.fail("journal", err)
-	}
-	return crev, cl, true
 }
 
 // recordStart writes the try's start record in the background while the node pulls
 // and forks (a fleet round trip off every fork's path), fenced by the revision read:
 // a wave that failed the job for want of room meanwhile wins (or loses) as a whole.
-// A failed write calls abort (the pull and the fork stop). The returned started waits
-// for the write and reports whether the try goes on; when not, it has released the
-// claim of revision crev and given the job back, or acked it when its record is final
-// (ended by the wave or another node). Call it once, before any other record write.
-func (t *jobTry) recordStart(ctx context.Context, crev uint64, abort func()) (started func() bool) {
+// When c is nil the job's name is claimed first, in the same background, and the
+// record written only once it is. A failed claim or write calls abort (the pull and
+// the fork stop). The returned started waits for them and reports whether the try
+// goes on, with the claim it holds; when not, it has ended the try as a failed claim
+// does (claimName), or released the claim and given the job back, or acked it when its
+// record is final (ended by the wave or another node). Call it once, before any other
+// record write.
+func (t *jobTry) recordStart(ctx context.Context, c *held, abort func()) (started func() (held, bool)) {
 	f, j := t.f, t.j
 	run := record{Job: j.ID, Attempt: j.Attempt, State: stateRunning, Node: f.cfg.Node, Failures: t.failures}
-	done := make(chan error, 1)
+	type outcome struct {
+		c                held
+		found            claim // the claim found, when the claim failed
+		claimErr, putErr error
+	}
+	done := make(chan outcome, 1)
 	go func() {
+		var o outcome
+		if c != nil {
+			o.c = *c
+		} else {
+			start := time.Now()
+			rev, cl, err := f.claim(ctx, j)
+			t.claim = time.Since(start)
+			if err != nil {
+				abort()
+				o.found, o.claimErr = cl, err
+				done <- o
+				return
+			}
+			o.c = held{rev, cl}
+		}
 		nrev, err := f.putRecord(ctx, t.key, run, t.rev)
 		if err != nil {
 			abort()
+			o.putErr = err
 		} else {
 			t.rev = nrev
 		}
-		done <- err
+		done <- o
 	}()
-	return func() bool {
-		err := <-done
-		if err == nil {
-			return true
+	return func() (held, bool) {
+		o := <-done
+		if o.claimErr != nil {
+			f.unjournal(j.Name)
+			return held{}, t.unclaimed(ctx, o.found, o.claimErr)
 		}
-		f.release(j.Name, crev)
+		if o.putErr == nil {
+			return o.c, true
+		}
+		f.release(j.Name, o.c.rev)
 		f.unjournal(j.Name)
 		var cur record
 		if _, ok, gerr := getJSON(ctx, f.jobs, t.key, &cur); gerr == nil && ok && cur.Job == j.ID && cur.final() {
 			f.ack(t.msg, j)
-			return false
+			return held{}, false
 		}
-		return t.refuse("recording its start", err)
+		return held{}, t.refuse("recording its start", o.putErr)
 	}
 }
 
 // fork records the try's start and makes the job's fork on this node (pulling its
-// checkpoint when missing) under the claim of revision crev, and reports whether it
-// did.
-func (t *jobTry) fork(ctx context.Context, crev uint64, cl claim) bool {
+// checkpoint when missing) under the claim c, or, when c is nil, while it claims the
+// job's name (see recordStart), and reports whether it did.
+func (t *jobTry) fork(ctx context.Context, c *held) bool {
 	f, j := t.f, t.j
 	fctx, abort := context.WithCancel(ctx)
 	defer abort()
-	started := t.recordStart(ctx, crev, abort)
-	// The fork may already be here: a redelivery to the node that made it.
-	info, err := f.eng.Get(j.Name)
-	if err == nil && info.State == api.StateRunning {
-		if !started() {
-			return false
+	started := t.recordStart(ctx, c, abort)
+	if c != nil {
+		// The fork may already be here: a redelivery to the node that made it.
+		info, err := f.eng.Get(j.Name)
+		if err == nil && info.State == api.StateRunning {
+			c, ok := started()
+			if !ok {
+				return false
+			}
+			return t.ready(c, info, 0)
 		}
-		return t.ready(crev, cl, info, 0)
-	}
-	if err == nil {
-		f.eng.Delete(ctx, j.Name) // a dead or unfinished leftover of an earlier try
+		if err == nil {
+			f.eng.Delete(ctx, j.Name) // a dead or unfinished leftover of an earlier try
+		}
 	}
 	pull, err := f.ensureCheckpoint(fctx, j)
 	t.pull = pull
 	if err != nil {
-		if !started() {
+		c, ok := started()
+		if !ok {
 			return false
 		}
-		f.release(j.Name, crev)
+		f.release(j.Name, c.rev)
 		f.unjournal(j.Name)
 		// A digest mismatch is final too: every holder was tried, and another
 		// delivery would fetch the same bytes.
@@ -509,16 +598,17 @@ func (t *jobTry) fork(ctx context.Context, crev uint64, cl claim) bool {
 	t.handed = true
 	f.mu.Unlock()
 	forkStart := time.Now()
-	info, err = f.eng.Fork(fctx, j.Checkpoint, j.Name, j.Overcommit)
+	info, err := f.eng.Fork(fctx, j.Checkpoint, j.Name, j.Overcommit)
 	forkDur := time.Since(forkStart)
-	if !started() {
+	hc, ok := started()
+	if !ok {
 		if err == nil {
 			f.eng.Delete(context.Background(), j.Name) // the job is not this try's
 		}
 		return false
 	}
 	if err != nil {
-		f.release(j.Name, crev)
+		f.release(j.Name, hc.rev)
 		f.unjournal(j.Name)
 		if errors.Is(err, api.ErrAdmission) || errors.Is(err, context.Canceled) {
 			// The budget moved since the pull, or this node is leaving: another node
@@ -531,7 +621,7 @@ func (t *jobTry) fork(ctx context.Context, crev uint64, cl claim) bool {
 		t.finish(stateFailed, api.ForkEventObjectOf(j.Index, j.Name, forkDur, nil, err), "")
 		return false
 	}
-	return t.ready(crev, cl, info, forkDur)
+	return t.ready(hc, info, forkDur)
 }
 
 // refuse gives the job back untouched (its record is not this node's to write): not a
@@ -587,12 +677,17 @@ var (
 	errDone = errors.New("fleet: the job's fork is ready elsewhere")
 )
 
+// newClaim is this node's claim of j's name, forking.
+func (f *Fleet) newClaim(j job) claim {
+	return claim{Name: j.Name, Node: f.cfg.Node, Boot: f.boot, Job: j.ID, Wave: j.Wave, Index: j.Index,
+		State: "forking", Checkpoint: j.Checkpoint, CPUs: j.CPUs, At: time.Now().UTC()}
+}
+
 // claim claims j's name for this node: Create, or (for a claim of the same fork slot
 // whose node is gone or restarted before the fork was ready) an Update fenced by the
 // revision read. It returns the claim's revision.
 func (f *Fleet) claim(ctx context.Context, j job) (uint64, claim, error) {
-	mine := claim{Name: j.Name, Node: f.cfg.Node, Boot: f.boot, Job: j.ID, Wave: j.Wave, Index: j.Index,
-		State: "forking", Checkpoint: j.Checkpoint, CPUs: j.CPUs, At: time.Now().UTC()}
+	mine := f.newClaim(j)
 	b, _ := json.Marshal(mine)
 	key := kvKey(j.Name)
 	for range 3 {
@@ -719,9 +814,10 @@ func (f *Fleet) releaseDeleted(ctx context.Context, name string) error {
 // ready marks the claim ready (fenced), records the event and acks. When the fence
 // fails the claim was taken over while this node forked: the fork is an orphan and is
 // deleted.
-func (t *jobTry) ready(rev uint64, cl claim, info api.Info, fork time.Duration) bool {
+func (t *jobTry) ready(c held, info api.Info, fork time.Duration) bool {
 	f, j := t.f, t.j
 	ctx := context.Background()
+	rev, cl := c.rev, c.cl
 	cl.State = stateReady
 	b, _ := json.Marshal(cl)
 	err := retry(ctx, "ready "+j.Name, func(ctx context.Context) error {
