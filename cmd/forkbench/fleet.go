@@ -42,6 +42,7 @@ func fleetCmd() *cli.Command {
 			&cli.IntFlag{Name: "nodes", Value: 3, Usage: "daemons in the fleet (2..5)"},
 			&cli.IntFlag{Name: "node-vcpus", Usage: "each node's budget for fleet jobs (forkvm serve --node-vcpus); 0: the largest that still needs every node, " +
 				"(n-1)/(nodes-1), or with --kill one that lets the nodes left hold the whole wave, ceil(n/(nodes-1))"},
+			&cli.IntFlag{Name: "max-jobs", Usage: "each daemon's --max-jobs, the fleet jobs a node takes at once (0: the daemon's default, 8)"},
 			&cli.FloatFlag{Name: "daemon-overcommit", Value: 48, Usage: "each daemon's --overcommit (the engine budget is host-wide: every forkvm QEMU on the host counts)"},
 			&cli.BoolFlag{Name: "kill", Usage: "kill -9 the last node's daemon and QEMUs when it reports its first ready fork; no one-node wave"},
 			&cli.StringFlag{Name: "forkvm", Usage: "the forkvm binary the daemons run (default: forkvm beside this forkbench, else in $PATH)"},
@@ -66,9 +67,11 @@ func fleetCmd() *cli.Command {
 
 // FleetSettings are the fleet bench's environment.settings.
 type FleetSettings struct {
-	Nodes            int     `json:"nodes"`
-	N                int     `json:"n"`
-	NodeVCPUs        int     `json:"node_vcpus"`
+	Nodes     int `json:"nodes"`
+	N         int `json:"n"`
+	NodeVCPUs int `json:"node_vcpus"`
+	// MaxJobs is each daemon's --max-jobs (0: its default).
+	MaxJobs          int     `json:"max_jobs,omitempty"`
 	DaemonOvercommit float64 `json:"daemon_overcommit"`
 	Kill             bool    `json:"kill"`
 	Forkvm           string  `json:"forkvm"`
@@ -86,7 +89,7 @@ var errFleetArgs = errors.New("fleet: bad flags")
 // fleetSettings checks the fleet bench's flags: everything is refused before a daemon
 // starts.
 func fleetSettings(cmd *cli.Command) (*FleetSettings, error) {
-	s := &FleetSettings{Nodes: int(cmd.Int("nodes")), N: int(cmd.Int("n")), NodeVCPUs: int(cmd.Int("node-vcpus")),
+	s := &FleetSettings{Nodes: int(cmd.Int("nodes")), N: int(cmd.Int("n")), NodeVCPUs: int(cmd.Int("node-vcpus")), MaxJobs: int(cmd.Int("max-jobs")),
 		DaemonOvercommit: cmd.Float("daemon-overcommit"), Kill: cmd.Bool("kill"), TargetOverheadMS: cmd.Float("target-overhead-ms"),
 		WaveTimeoutS: cmd.Duration("wave-timeout").Seconds(), AckWaitS: fleet.DefaultAckWait.Seconds(), TTLS: fleet.DefaultTTL.Seconds()}
 	for _, f := range []string{"trace", "trace-kernel", "counters", "faults", "hold", "home", "host-counters-ms", "warm-restored", "image", "vmgenid"} {
@@ -125,6 +128,8 @@ func (s *FleetSettings) check() error {
 		return fmt.Errorf("%w: --n %d: want %d..1000 (at least one fork per node)", errFleetArgs, s.N, s.Nodes)
 	case s.NodeVCPUs < 0:
 		return fmt.Errorf("%w: --node-vcpus %d", errFleetArgs, s.NodeVCPUs)
+	case s.MaxJobs < 0:
+		return fmt.Errorf("%w: --max-jobs %d", errFleetArgs, s.MaxJobs)
 	case s.DaemonOvercommit <= 0:
 		return fmt.Errorf("%w: --daemon-overcommit must be > 0", errFleetArgs)
 	case s.TargetOverheadMS < 0 || s.WaveTimeoutS <= 0:
@@ -378,6 +383,9 @@ func (fr *fleetRun) start() error {
 		args := []string{"-v", "serve", "--listen", n.api, "--token-file", tok, "--overcommit", fmt.Sprint(fr.s.DaemonOvercommit),
 			"--cluster-listen", n.route, "--routes", strings.Join(routes, ","), "--cluster-user", "fleet", "--cluster-password-file", pw,
 			"--node", n.name, "--node-vcpus", fmt.Sprint(fr.s.NodeVCPUs)}
+		if fr.s.MaxJobs > 0 {
+			args = append(args, "--max-jobs", fmt.Sprint(fr.s.MaxJobs))
+		}
 		logf, err := os.OpenFile(n.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 		if err != nil {
 			return err
@@ -729,6 +737,9 @@ func (fr *fleetRun) judge(fw FleetWave, lw *FleetWave, nodes []FleetNodeResult, 
 		"to the node taking it, plus the node's record reads and writes, claim, share check and ready fence; not the fork, not the checkpoint pull, not a wait for room. "+
 		"Checkpoint pulls are counted in each daemon's log. ",
 		s.Nodes, s.Forkvm, s.DaemonOvercommit, s.NodeVCPUs, r.shape.CPUs, r.shape.MemoryMiB, r.shape.DirtyMB, s.N)
+	if s.MaxJobs > 0 {
+		r.res.Method += fmt.Sprintf("Each daemon takes at most %d jobs at once (--max-jobs). ", s.MaxJobs)
+	}
 	if kill != nil {
 		r.res.Method += fmt.Sprintf("--kill: when %s reports its first ready fork, its daemon and every process naming its state or RAM dir are killed with SIGKILL; "+
 			"a fork's end is its last event; made twice: names running on two live nodes or reported ready twice there; claimed twice: a name claimed twice or by a live node "+

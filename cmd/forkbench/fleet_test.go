@@ -18,6 +18,7 @@ func TestFleetFlagsRefused(t *testing.T) {
 		{"--nodes", "6"},
 		{"--n", "2"}, // fewer forks than nodes
 		{"--node-vcpus", "-1"},
+		{"--max-jobs", "-1"},
 		{"--node-vcpus", "10"}, // 3 x 10 < 48
 		{"--daemon-overcommit", "0"},
 		{"--target-overhead-ms", "-1"},

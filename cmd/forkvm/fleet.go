@@ -42,6 +42,7 @@ func fleetServeFlags() []cli.Flag {
 		&cli.StringFlag{Name: "node", Usage: "this node's name in the fleet (default: the host name)"},
 		&cli.StringSliceFlag{Name: "label", Usage: "a node label KEY=VALUE (repeatable)"},
 		&cli.IntFlag{Name: "node-vcpus", Usage: "cap the vCPUs of this node's VMs that fleet jobs may take (0: the admission budget)"},
+		&cli.IntFlag{Name: "max-jobs", Usage: "fleet jobs this node takes at once (0: 8); fewer leave more of a wave's jobs in the queue for other nodes, and start fewer forks at once beside the node's NATS server"},
 		&cli.StringFlag{Name: "node-addr", Usage: "this daemon's API address other nodes pull checkpoints from (default: http://ADDR of --listen)"},
 		&cli.DurationFlag{Name: "node-ttl", Usage: "how long after its last heartbeat a node counts as gone (0: 6s)"},
 	}
@@ -105,6 +106,9 @@ func readFleetFlags(cmd *cli.Command, url string) (*fleetFlags, error) {
 	if user == "" && seed == "" && !insecure {
 		return nil, fmt.Errorf("%w: a fleet needs credentials (--cluster-user with --cluster-password-file, or --cluster-nkey-file): without them anyone reaching NATS could fork anything; --cluster-insecure allows none on loopback", errFleetConfig)
 	}
+	if n := cmd.Int("max-jobs"); n < 0 {
+		return nil, fmt.Errorf("%w: --max-jobs %d: want 0 (the default) or more", errFleetConfig, n)
+	}
 	node := cmd.String("node")
 	if node == "" {
 		h, err := os.Hostname()
@@ -153,7 +157,7 @@ func planFleet(cmd *cli.Command) (*fleetPlan, error) {
 	url, listen := cmd.String("cluster"), cmd.String("cluster-listen")
 	switch {
 	case url == "" && listen == "":
-		for _, f := range []string{"routes", "cluster-user", "cluster-password-file", "cluster-nkey-file", "node", "label", "node-vcpus", "node-addr", "cluster-replicas",
+		for _, f := range []string{"routes", "cluster-user", "cluster-password-file", "cluster-nkey-file", "node", "label", "node-vcpus", "max-jobs", "node-addr", "cluster-replicas",
 			"cluster-tls-cert", "cluster-tls-key", "cluster-tls-ca", "cluster-client-listen"} {
 			if cmd.IsSet(f) {
 				return nil, fmt.Errorf("%w: --%s needs --cluster or --cluster-listen", errFleetConfig, f)
@@ -236,7 +240,7 @@ func (p *fleetPlan) join(ctx context.Context, cmd *cli.Command, e *engine.Engine
 		stop = srv.Shutdown
 	}
 	cfg := fleet.Config{Node: ff.node, Labels: ff.labels, Addr: ff.addr, Connect: connect, Replicas: p.replicas,
-		MaxVCPUs: int(cmd.Int("node-vcpus")), TTL: cmd.Duration("node-ttl"),
+		MaxVCPUs: int(cmd.Int("node-vcpus")), MaxJobs: int(cmd.Int("max-jobs")), TTL: cmd.Duration("node-ttl"),
 		Dir: filepath.Join(e.Config().StateDir, "fleet"), Logger: log}
 	jctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()

@@ -43,6 +43,8 @@ func TestFleetFlagsRefused(t *testing.T) {
 		{"a missing CA", with(external, "--cluster-tls-ca", filepath.Join(dir, "none")), "no such file"},
 		{"embedded server with a CA and no certificate", with(embedded, "--cluster-tls-ca", ca), "own --cluster-tls-cert"},
 		{"client listener of an external cluster", with(external, "--cluster-client-listen", "127.0.0.1:0"), "embedded server"},
+		{"negative max jobs", with(embedded, "--max-jobs", "-1"), "--max-jobs -1"},
+		{"max jobs without a fleet", []string{"--max-jobs", "2"}, "needs --cluster"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cmd := &cli.Command{Name: "serve", Flags: append([]cli.Flag{&cli.StringFlag{Name: "listen"}}, fleetServeFlags()...),
