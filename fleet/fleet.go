@@ -127,7 +127,11 @@ type Config struct {
 	// MaxVCPUs, when > 0, caps the vCPUs of this node's VMs that fleet jobs may take
 	// (below the engine's own admission budget, which always applies).
 	MaxVCPUs int
-	// MaxJobs bounds the jobs this node forks at once (default 8).
+	// MaxJobs bounds the jobs this node forks at once. Default: twice the host's CPUs
+	// as its engine's budget reports them (the engine restores that many forks at once
+	// by default, and a job taken starts its fork's QEMU at once: a node that took more
+	// would keep jobs from nodes with room, and start forks in a burst beside its NATS
+	// server), or 8 when it reports none.
 	MaxJobs int
 	// Dir holds the node's own records (the forks it made for the fleet); empty: none kept,
 	// and no orphan is ever deleted.
@@ -231,6 +235,9 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 	}
 	if cfg.MaxJobs <= 0 {
 		cfg.MaxJobs = 8
+		if n := eng.Budget().HostCPUs; n > 0 {
+			cfg.MaxJobs = 2 * n
+		}
 	}
 	if cfg.RoomWait <= 0 {
 		cfg.RoomWait = DefaultRoomWait

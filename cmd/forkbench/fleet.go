@@ -42,7 +42,7 @@ func fleetCmd() *cli.Command {
 			&cli.IntFlag{Name: "nodes", Value: 3, Usage: "daemons in the fleet (2..5)"},
 			&cli.IntFlag{Name: "node-vcpus", Usage: "each node's budget for fleet jobs (forkvm serve --node-vcpus); 0: the largest that still needs every node, " +
 				"(n-1)/(nodes-1), or with --kill one that lets the nodes left hold the whole wave, ceil(n/(nodes-1))"},
-			&cli.IntFlag{Name: "max-jobs", Usage: "each daemon's --max-jobs, the fleet jobs a node takes at once (0: the daemon's default, 8)"},
+			&cli.IntFlag{Name: "max-jobs", Usage: "each daemon's --max-jobs, the fleet jobs a node takes at once (0: the daemon's default, twice the host CPUs)"},
 			&cli.FloatFlag{Name: "daemon-overcommit", Value: 48, Usage: "each daemon's --overcommit (the engine budget is host-wide: every forkvm QEMU on the host counts)"},
 			&cli.BoolFlag{Name: "kill", Usage: "kill -9 the last node's daemon and QEMUs when it reports its first ready fork; no one-node wave"},
 			&cli.StringFlag{Name: "forkvm", Usage: "the forkvm binary the daemons run (default: forkvm beside this forkbench, else in $PATH)"},

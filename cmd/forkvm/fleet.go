@@ -42,7 +42,7 @@ func fleetServeFlags() []cli.Flag {
 		&cli.StringFlag{Name: "node", Usage: "this node's name in the fleet (default: the host name)"},
 		&cli.StringSliceFlag{Name: "label", Usage: "a node label KEY=VALUE (repeatable)"},
 		&cli.IntFlag{Name: "node-vcpus", Usage: "cap the vCPUs of this node's VMs that fleet jobs may take (0: the admission budget)"},
-		&cli.IntFlag{Name: "max-jobs", Usage: "fleet jobs this node takes at once (0: 8); fewer leave more of a wave's jobs in the queue for other nodes, and start fewer forks at once beside the node's NATS server"},
+		&cli.IntFlag{Name: "max-jobs", Usage: "fleet jobs this node takes at once (0: twice the host CPUs); fewer leave more of a wave's jobs in the queue for other nodes, and start fewer forks at once beside the node's NATS server"},
 		&cli.StringFlag{Name: "node-addr", Usage: "this daemon's API address other nodes pull checkpoints from (default: http://ADDR of --listen)"},
 		&cli.DurationFlag{Name: "node-ttl", Usage: "how long after its last heartbeat a node counts as gone (0: 6s)"},
 	}
