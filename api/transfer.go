@@ -57,7 +57,8 @@ type Extent struct {
 
 // PullRequest is the body of POST /v1/checkpoints/pull: the daemon pulls checkpoint
 // Checkpoint from the daemon at From (its TCP API, "http://host:port"), authenticated
-// with Token.
+// with Token; or, when From is a name (no "://"), from that node of the daemon's fleet
+// with the fleet's credentials (Token unused; 409 no_fleet from a daemon in none).
 type PullRequest struct {
 	Checkpoint string `json:"checkpoint"`
 	From       string `json:"from"`

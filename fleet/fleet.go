@@ -92,12 +92,13 @@ type Node struct {
 }
 
 // CheckpointFetcher copies a checkpoint from another node into the local engine: after
-// Fetch returns nil the engine has checkpoint ck, with the same digest (its files
-// verified against the holder's digests). A file that arrives other than its holder
-// recorded it is refused with api.ErrDigest, keeping nothing: the job then fails (with
-// code digest_mismatch) unless another holder's copy is good.
+// Fetch returns without an error the engine has checkpoint ck, with the same digest
+// (its files verified against the holder's digests), and the result says what was
+// fetched. A file that arrives other than its holder recorded it is refused with
+// api.ErrDigest, keeping nothing: the job then fails (with code digest_mismatch)
+// unless another holder's copy is good.
 type CheckpointFetcher interface {
-	Fetch(ctx context.Context, ck string, from Node) error
+	Fetch(ctx context.Context, ck string, from Node) (*api.PullResult, error)
 }
 
 // Config is a node's membership.

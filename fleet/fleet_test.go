@@ -165,20 +165,20 @@ type fakeFetcher struct {
 	refuse error
 }
 
-func (ff *fakeFetcher) Fetch(ctx context.Context, ck string, from Node) error {
+func (ff *fakeFetcher) Fetch(ctx context.Context, ck string, from Node) (*api.PullResult, error) {
 	if ff.refuse != nil {
 		ff.mu.Lock()
 		ff.fetches[ck+" "+from.Name]++
 		ff.mu.Unlock()
-		return ff.refuse
+		return nil, ff.refuse
 	}
 	src, ok := ff.engines[from.Name]
 	if !ok {
-		return fmt.Errorf("no node %s", from.Name)
+		return nil, fmt.Errorf("no node %s", from.Name)
 	}
 	ref, err := src.Checkpoint(ctx, ck)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	ff.to.mu.Lock()
 	ff.to.cks[ck] = ref
@@ -186,7 +186,7 @@ func (ff *fakeFetcher) Fetch(ctx context.Context, ck string, from Node) error {
 	ff.mu.Lock()
 	ff.fetches[ck+" "+from.Name]++
 	ff.mu.Unlock()
-	return nil
+	return &api.PullResult{Checkpoint: api.CheckpointInfo{Name: ck}, FilesFetched: 1}, nil
 }
 
 func (ff *fakeFetcher) count() int {
@@ -1074,4 +1074,35 @@ func TestWatchedNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor([]string{"n1"})
+}
+
+// TestPullFrom: a checkpoint is pulled from a live node by its name, and the node
+// that pulled it is listed as a holder; a node that is not live, this node itself and
+// a name that is no node's are refused.
+func TestPullFrom(t *testing.T) {
+	nodes := join(t, testServer(t), 2, 0, nil)
+	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	ctx := context.Background()
+	res, err := nodes[1].f.PullFrom(ctx, "ck", "n1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res == nil || res.Checkpoint.Name != "ck" {
+		t.Errorf("result %+v, want the fetcher's", res)
+	}
+	if ref, err := nodes[1].eng.Checkpoint(ctx, "ck"); err != nil || ref.Digest != "d1" {
+		t.Errorf("n2's ck after the pull: %+v, %v", ref, err)
+	}
+	holders, err := nodes[0].f.holders(ctx, "d1")
+	if err != nil || len(holders) != 1 || holders[0].Name != "n2" {
+		t.Errorf("holders of d1 as n1 sees them: %+v, %v; want n2", holders, err)
+	}
+	for _, c := range []struct {
+		node string
+		want error
+	}{{"n3", api.ErrNotFound}, {"n2", api.ErrInvalidSpec}, {"a.b", api.ErrInvalidSpec}, {"", api.ErrInvalidSpec}} {
+		if _, err := nodes[1].f.PullFrom(ctx, "ck", c.node); !errors.Is(err, c.want) {
+			t.Errorf("pull from %q: %v, want %v", c.node, err, c.want)
+		}
+	}
 }

@@ -935,7 +935,7 @@ func (f *Fleet) pullCheckpoint(ctx context.Context, j job) error {
 	}
 	var lastErr error
 	for _, h := range holders {
-		if err := f.fetch.Fetch(ctx, j.Checkpoint, h); err != nil {
+		if _, err := f.fetch.Fetch(ctx, j.Checkpoint, h); err != nil {
 			lastErr = err
 			f.log.Warn("fleet: checkpoint fetch failed", "ck", j.Checkpoint, "from", h.Name, "err", err)
 			continue
@@ -1033,4 +1033,42 @@ func (f *Fleet) lockCheckpoint(digest string) (unlock func()) {
 	f.mu.Unlock()
 	m.Lock()
 	return m.Unlock
+}
+
+// PullFrom copies checkpoint ck from the live node named node into this node's engine
+// (as a job that lacks it does, with the fleet's credentials) and records this node as
+// one that holds it. A node that is not live in the fleet, or has no API address, is
+// api.ErrNotFound; this node itself, api.ErrInvalidSpec.
+func (f *Fleet) PullFrom(ctx context.Context, ck, node string) (*api.PullResult, error) {
+	if err := checkToken(node); err != nil {
+		return nil, fmt.Errorf("%w: node name %q: %v", api.ErrInvalidSpec, node, err)
+	}
+	if node == f.cfg.Node {
+		return nil, fmt.Errorf("%w: %s is this node", api.ErrInvalidSpec, node)
+	}
+	if f.fetch == nil {
+		return nil, fmt.Errorf("%w: this node fetches no checkpoints", api.ErrInvalidSpec)
+	}
+	n, live, err := f.node(ctx, node)
+	if err != nil {
+		return nil, err
+	}
+	if !live {
+		return nil, fmt.Errorf("%w: no live node %s in the fleet", api.ErrNotFound, node)
+	}
+	if n.Addr == "" {
+		return nil, fmt.Errorf("%w: node %s serves no checkpoints (no API address)", api.ErrNotFound, node)
+	}
+	res, err := f.fetch.Fetch(ctx, ck, Node{Name: n.Name, Addr: n.Addr})
+	if err != nil {
+		return nil, err
+	}
+	ref, err := f.eng.Checkpoint(ctx, ck)
+	if err != nil {
+		return nil, err
+	}
+	if err := f.holds(ctx, ref); err != nil {
+		f.log.Warn("fleet: a pulled checkpoint's holder entry not written", "ck", ck, "err", err)
+	}
+	return res, nil
 }

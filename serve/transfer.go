@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"strings"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
@@ -57,10 +58,19 @@ func (s *Server) checkpointFile(w http.ResponseWriter, r *http.Request) {
 }
 
 // pullCheckpoint pulls a checkpoint from another daemon into this one (api.PullRequest,
-// answered with an api.PullResult).
+// answered with an api.PullResult): from its URL, or from a node of this daemon's
+// fleet by its name.
 func (s *Server) pullCheckpoint(w http.ResponseWriter, r *http.Request) {
 	var req api.PullRequest
 	if !decode(w, r, MaxBodyBytes, &req) {
+		return
+	}
+	if err := engine.ValidateName(req.Checkpoint); err != nil {
+		writeError(w, err)
+		return
+	}
+	if !strings.Contains(req.From, "://") {
+		s.pullFromNode(w, r, req)
 		return
 	}
 	u, err := url.Parse(req.From)
@@ -69,6 +79,25 @@ func (s *Server) pullCheckpoint(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	res, err := pull.Checkpoint(r.Context(), s.e, pull.Remote(req.From, req.Token), req.Checkpoint, nil)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, res)
+}
+
+// pullFromNode pulls req's checkpoint from the node of this daemon's fleet that
+// req.From names, with the fleet's credentials (req.Token is not used).
+func (s *Server) pullFromNode(w http.ResponseWriter, r *http.Request, req api.PullRequest) {
+	if req.From == "" {
+		writeError(w, fmt.Errorf("%w: no daemon URL or fleet node to pull from", engine.ErrInvalidSpec))
+		return
+	}
+	f := s.fleetOf(w)
+	if f == nil {
+		return
+	}
+	res, err := f.PullFrom(r.Context(), req.Checkpoint, req.From)
 	if err != nil {
 		writeError(w, err)
 		return

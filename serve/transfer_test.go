@@ -224,3 +224,32 @@ func TestPullOverHTTP(t *testing.T) {
 	}
 	_ = ram
 }
+
+// TestPullFromNodeNeedsAFleet: a pull whose from names a node (no URL) is the fleet's:
+// a daemon in no fleet answers 409 no_fleet; bad names are refused first.
+func TestPullFromNodeNeedsAFleet(t *testing.T) {
+	b := newTransferHost(t)
+	burl := b.serveTCP(t, "btok")
+	for _, c := range []struct {
+		body, code string
+		status     int
+	}{
+		{`{"checkpoint":"w1","from":"h2"}`, api.CodeNoFleet, 409},
+		{`{"checkpoint":"w1","from":""}`, "invalid_spec", 400},
+		{`{"checkpoint":"a,b","from":"h2"}`, "invalid_name", 400},
+		{`{"checkpoint":"w1","from":"ftp://h2"}`, "invalid_spec", 400},
+	} {
+		hreq, _ := http.NewRequest("POST", burl+"/v1/checkpoints/pull", strings.NewReader(c.body))
+		hreq.Header.Set("Authorization", "Bearer btok")
+		resp, err := http.DefaultClient.Do(hreq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var er ErrorResponse
+		json.NewDecoder(resp.Body).Decode(&er)
+		resp.Body.Close()
+		if resp.StatusCode != c.status || er.Error.Code != c.code {
+			t.Errorf("%s: HTTP %d %+v, want %d %s", c.body, resp.StatusCode, er, c.status, c.code)
+		}
+	}
+}

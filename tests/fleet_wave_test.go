@@ -247,6 +247,25 @@ func TestFleetWaves(t *testing.T) {
 			}
 		}
 	})
+	t.Run("pull-from-node", func(t *testing.T) {
+		// n2 pulled fwck for the wave; its copy deleted, it pulls it again from n1 by
+		// the node's name (the fleet's credentials, no URL or token given).
+		n2 := hosts[1]
+		n2.ok(t, "checkpoint", "rm", "fwck")
+		var res api.PullResult
+		if err := json.Unmarshal([]byte(n2.ok(t, "checkpoint", "pull", "fwck", "--from", n1.name, "--json")), &res); err != nil {
+			t.Fatal(err)
+		}
+		if res.Present || res.FilesFetched == 0 || res.Checkpoint.Name != "fwck" {
+			t.Errorf("pull of fwck from %s: %+v, want it fetched", n1.name, res)
+		}
+		if err := json.Unmarshal([]byte(n2.ok(t, "checkpoint", "pull", "fwck", "--from", n1.name, "--json")), &res); err != nil || !res.Present {
+			t.Errorf("second pull: %+v (%v), want it present", res, err)
+		}
+		if out, errs, code := n2.cli(nil, "checkpoint", "pull", "fwck", "--from", "nosuch"); code == 0 || !strings.Contains(errs, "no live node nosuch") {
+			t.Errorf("pull from a node that is not in the fleet: exit %d: %s%s", code, out, errs)
+		}
+	})
 	t.Run("node-killed", func(t *testing.T) {
 		const n = 9
 		victim := hosts[2]

@@ -559,10 +559,9 @@ type pullFetcher struct {
 }
 
 // Fetch pulls ck from the node that holds it into this node's engine.
-func (f pullFetcher) Fetch(ctx context.Context, ck string, from fleet.Node) error {
+func (f pullFetcher) Fetch(ctx context.Context, ck string, from fleet.Node) (*wire.PullResult, error) {
 	if from.Addr == "" {
-		return fmt.Errorf("fleet: node %s has no API address to pull %s from", from.Name, ck)
+		return nil, fmt.Errorf("fleet: node %s has no API address to pull %s from", from.Name, ck)
 	}
-	_, err := pull.Checkpoint(ctx, f.e, pull.Remote(from.Addr, f.token), ck, nil)
-	return err
+	return pull.Checkpoint(ctx, f.e, pull.Remote(from.Addr, f.token), ck, nil)
 }

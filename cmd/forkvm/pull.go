@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"strings"
 
 	"github.com/urfave/cli/v3"
 
@@ -19,7 +20,7 @@ type puller interface {
 	PullCheckpoint(ctx context.Context, name, from, token string) (*wire.PullResult, error)
 }
 
-// checkpointPullCmd is `forkvm checkpoint pull CK --from URL [--token-file F]`.
+// checkpointPullCmd is `forkvm checkpoint pull CK --from URL|NODE [--token-file F]`.
 func checkpointPullCmd() *cli.Command {
 	return &cli.Command{
 		Name: "pull",
@@ -27,20 +28,24 @@ func checkpointPullCmd() *cli.Command {
 			"every file checked against its digest before the checkpoint appears",
 		ArgsUsage: "NAME",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "from", Usage: "the holding daemon's TCP API, e.g. http://10.0.0.2:7070 (required)"},
+			&cli.StringFlag{Name: "from", Usage: "the holding daemon's TCP API, e.g. http://10.0.0.2:7070, or the name of a node of the daemon's fleet (forkvm nodes; pulled with the fleet's credentials) (required)"},
 			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding that daemon's bearer token"},
 			&cli.BoolFlag{Name: "json", Usage: "print the result as JSON"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 1 || cmd.String("from") == "" {
-				return errors.New("usage: forkvm checkpoint pull NAME --from URL [--token-file FILE]")
+				return errors.New("usage: forkvm checkpoint pull NAME --from URL|NODE [--token-file FILE]")
 			}
 			name, from := cmd.Args().First(), cmd.String("from")
 			if err := engine.ValidateName(name); err != nil {
 				return err
 			}
-			if u, err := url.Parse(from); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-				return fmt.Errorf("%w: --from %q is not a daemon's http(s) URL", engine.ErrInvalidSpec, from)
+			if strings.Contains(from, "://") {
+				if u, err := url.Parse(from); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+					return fmt.Errorf("%w: --from %q is not a daemon's http(s) URL", engine.ErrInvalidSpec, from)
+				}
+			} else if cmd.IsSet("token-file") {
+				return fmt.Errorf("%w: --token-file is for a daemon's URL: a fleet node is pulled from with the fleet's credentials", engine.ErrInvalidSpec)
 			}
 			token := ""
 			if f := cmd.String("token-file"); f != "" {

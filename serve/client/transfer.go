@@ -55,7 +55,8 @@ func (c *Client) ReadCheckpointFile(ctx context.Context, name, file string, off,
 }
 
 // PullCheckpoint asks the daemon to pull checkpoint name from the daemon at from (its
-// TCP API, "http://host:port"), authenticated with token (POST /v1/checkpoints/pull).
+// TCP API, "http://host:port"), authenticated with token (POST /v1/checkpoints/pull);
+// from may instead name a node of the daemon's fleet (token is then not used).
 // The daemon fetches its files' data extents, checks each file's digest (a mismatch is
 // api.ErrDigest and leaves nothing) and commits it; pulling a checkpoint it has already
 // fetches nothing (Present).

@@ -2,6 +2,8 @@ package local
 
 import (
 	"context"
+	"fmt"
+	"strings"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/serve/pull"
@@ -10,7 +12,12 @@ import (
 // PullCheckpoint pulls checkpoint name from the daemon at from (its TCP API),
 // authenticated with token, into this engine, as the daemon's
 // client.Client.PullCheckpoint does into the daemon's (package serve/pull).
+// A fleet node's name (no "://") needs a daemon in that fleet: an engine in this
+// process is in none.
 func (l *Local) PullCheckpoint(ctx context.Context, name, from, token string) (*api.PullResult, error) {
+	if !strings.Contains(from, "://") {
+		return nil, fmt.Errorf("%w: %q is not a daemon's URL, and pulling from a fleet node by its name needs a daemon in that fleet (forkvm serve --cluster)", api.ErrInvalidSpec, from)
+	}
 	e, err := l.engine()
 	if err != nil {
 		return nil, err
