@@ -209,18 +209,8 @@ func TestPullOverHTTP(t *testing.T) {
 	}
 	// Through the puller's own daemon endpoint, the error keeps its code.
 	burl := b.serveTCP(t, "btok")
-	req := `{"checkpoint":"w2","from":"` + url + `","token":"secret"}`
-	hreq, _ := http.NewRequest("POST", burl+"/v1/checkpoints/pull", strings.NewReader(req))
-	hreq.Header.Set("Authorization", "Bearer btok")
-	resp, err := http.DefaultClient.Do(hreq)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var er ErrorResponse
-	json.NewDecoder(resp.Body).Decode(&er)
-	resp.Body.Close()
-	if resp.StatusCode != 502 || er.Error.Code != "digest_mismatch" {
-		t.Errorf("daemon pull of a corrupted checkpoint: HTTP %d %+v", resp.StatusCode, er)
+	if status, er := postPull(t, burl, "btok", `{"checkpoint":"w2","from":"`+url+`","token":"secret"}`); status != 502 || er.Error.Code != "digest_mismatch" {
+		t.Errorf("daemon pull of a corrupted checkpoint: HTTP %d %+v", status, er)
 	}
 	_ = ram
 }
@@ -239,17 +229,24 @@ func TestPullFromNodeNeedsAFleet(t *testing.T) {
 		{`{"checkpoint":"a,b","from":"h2"}`, "invalid_name", 400},
 		{`{"checkpoint":"w1","from":"ftp://h2"}`, "invalid_spec", 400},
 	} {
-		hreq, _ := http.NewRequest("POST", burl+"/v1/checkpoints/pull", strings.NewReader(c.body))
-		hreq.Header.Set("Authorization", "Bearer btok")
-		resp, err := http.DefaultClient.Do(hreq)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var er ErrorResponse
-		json.NewDecoder(resp.Body).Decode(&er)
-		resp.Body.Close()
-		if resp.StatusCode != c.status || er.Error.Code != c.code {
-			t.Errorf("%s: HTTP %d %+v, want %d %s", c.body, resp.StatusCode, er, c.status, c.code)
+		if status, er := postPull(t, burl, "btok", c.body); status != c.status || er.Error.Code != c.code {
+			t.Errorf("%s: HTTP %d %+v, want %d %s", c.body, status, er, c.status, c.code)
 		}
 	}
+}
+
+// postPull posts body to the daemon at burl's POST /v1/checkpoints/pull with token and
+// returns the status and the error object of its answer.
+func postPull(t *testing.T, burl, token, body string) (int, ErrorResponse) {
+	t.Helper()
+	hreq, _ := http.NewRequest("POST", burl+"/v1/checkpoints/pull", strings.NewReader(body))
+	hreq.Header.Set("Authorization", "Bearer "+token)
+	resp, err := http.DefaultClient.Do(hreq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var er ErrorResponse
+	json.NewDecoder(resp.Body).Decode(&er)
+	return resp.StatusCode, er
 }
