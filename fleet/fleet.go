@@ -450,6 +450,15 @@ func final(err error) bool {
 }
 
 // checkToken refuses a string that cannot be a token of a subject or key.
+// CheckNodeName says whether name can be a node's name: letters, digits, - and _,
+// at most 128 bytes.
+func CheckNodeName(name string) error {
+	if err := checkToken(name); err != nil {
+		return fmt.Errorf("%w: node name: %v", api.ErrInvalidSpec, err)
+	}
+	return nil
+}
+
 func checkToken(s string) error {
 	if s == "" || len(s) > 128 {
 		return errors.New("empty or over 128 bytes")

@@ -1040,8 +1040,8 @@ func (f *Fleet) lockCheckpoint(digest string) (unlock func()) {
 // one that holds it. A node that is not live in the fleet, or has no API address, is
 // api.ErrNotFound; this node itself, api.ErrInvalidSpec.
 func (f *Fleet) PullFrom(ctx context.Context, ck, node string) (*api.PullResult, error) {
-	if err := checkToken(node); err != nil {
-		return nil, fmt.Errorf("%w: node name %q: %v", api.ErrInvalidSpec, node, err)
+	if err := CheckNodeName(node); err != nil {
+		return nil, err
 	}
 	if node == f.cfg.Node {
 		return nil, fmt.Errorf("%w: %s is this node", api.ErrInvalidSpec, node)

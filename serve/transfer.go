@@ -8,6 +8,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/fleet"
 	"github.com/forkvm/forkvm/serve/pull"
 )
 
@@ -89,8 +90,8 @@ func (s *Server) pullCheckpoint(w http.ResponseWriter, r *http.Request) {
 // pullFromNode pulls req's checkpoint from the node of this daemon's fleet that
 // req.From names, with the fleet's credentials (req.Token is not used).
 func (s *Server) pullFromNode(w http.ResponseWriter, r *http.Request, req api.PullRequest) {
-	if req.From == "" {
-		writeError(w, fmt.Errorf("%w: no daemon URL or fleet node to pull from", engine.ErrInvalidSpec))
+	if fleet.CheckNodeName(req.From) != nil {
+		writeError(w, fmt.Errorf("%w: from %q is neither a daemon's URL (http://host:port) nor a fleet node's name", engine.ErrInvalidSpec, req.From))
 		return
 	}
 	f := s.fleetOf(w)

@@ -228,6 +228,7 @@ func TestPullFromNodeNeedsAFleet(t *testing.T) {
 		{`{"checkpoint":"w1","from":""}`, "invalid_spec", 400},
 		{`{"checkpoint":"a,b","from":"h2"}`, "invalid_name", 400},
 		{`{"checkpoint":"w1","from":"ftp://h2"}`, "invalid_spec", 400},
+		{`{"checkpoint":"w1","from":"10.0.0.2:7070"}`, "invalid_spec", 400},
 	} {
 		if status, er := postPull(t, burl, "btok", c.body); status != c.status || er.Error.Code != c.code {
 			t.Errorf("%s: HTTP %d %+v, want %d %s", c.body, status, er, c.status, c.code)
