@@ -449,7 +449,6 @@ func final(err error) bool {
 	return false
 }
 
-// checkToken refuses a string that cannot be a token of a subject or key.
 // CheckNodeName says whether name can be a node's name: letters, digits, - and _,
 // at most 128 bytes.
 func CheckNodeName(name string) error {
@@ -459,6 +458,7 @@ func CheckNodeName(name string) error {
 	return nil
 }
 
+// checkToken refuses a string that cannot be a token of a subject or key.
 func checkToken(s string) error {
 	if s == "" || len(s) > 128 {
 		return errors.New("empty or over 128 bytes")
