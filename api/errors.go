@@ -12,59 +12,61 @@ import (
 // API and re-exported by package engine under the same names (engine.ErrNotFound is
 // ErrNotFound), so that errors.Is holds whether the engine runs in this process or in a
 // daemon. They live here, not in the engine, so that a daemon's client can match them
-// without linking the engine.
+// without linking the engine. Their texts name no package (as fs.ErrNotExist's does
+// not): the engine, the daemon and its client all return them, and the code that wraps
+// one says where it arose.
 var (
 	// ErrInvalidSpec reports a VM spec or option that fails validation; nothing was started.
-	ErrInvalidSpec = errors.New("engine: invalid spec")
+	ErrInvalidSpec = errors.New("invalid spec")
 	// ErrInvalidName reports a VM or checkpoint name that is not allowed.
-	ErrInvalidName = errors.New("engine: invalid name")
+	ErrInvalidName = errors.New("invalid name")
 	// ErrExists reports a name that is already used by a VM or checkpoint.
-	ErrExists = errors.New("engine: name already exists")
+	ErrExists = errors.New("name already exists")
 	// ErrNotFound reports an unknown VM or checkpoint.
-	ErrNotFound = errors.New("engine: not found")
+	ErrNotFound = errors.New("not found")
 	// ErrQEMUMissing reports that no usable QEMU binary was found.
-	ErrQEMUMissing = errors.New("engine: qemu not found (run `make setup`)")
+	ErrQEMUMissing = errors.New("qemu not found (run `make setup`)")
 	// ErrQEMUTooOld reports a QEMU older than the minimum forkvm supports.
-	ErrQEMUTooOld = errors.New("engine: qemu too old (need >= 10.0; run `make setup`)")
+	ErrQEMUTooOld = errors.New("qemu too old (need >= 10.0; run `make setup`)")
 	// ErrImageMissing reports that the guest kernel or initramfs is missing.
-	ErrImageMissing = errors.New("engine: guest image missing (run `make setup` or `forkvm image build`)")
+	ErrImageMissing = errors.New("guest image missing (run `make setup` or `forkvm image build`)")
 	// ErrImageNotFound reports a Spec.Image that names no root image in the cache
 	// (`forkvm images` lists them).
-	ErrImageNotFound = errors.New("engine: image not found")
+	ErrImageNotFound = errors.New("image not found")
 	// ErrAgentBusy reports a VM's guest agent connected to another client: its
 	// virtio-serial port serves one host connection at a time (a daemon multiplexes
 	// any number of clients on its one connection).
-	ErrAgentBusy = errors.New("engine: guest agent busy")
+	ErrAgentBusy = errors.New("guest agent busy")
 	// ErrQEMUExited reports a QEMU process that exited (at start or later).
-	ErrQEMUExited = errors.New("engine: qemu exited")
+	ErrQEMUExited = errors.New("qemu exited")
 	// ErrAgentTimeout reports a guest agent that did not answer within its deadline.
-	ErrAgentTimeout = errors.New("engine: guest agent did not answer in time")
+	ErrAgentTimeout = errors.New("guest agent did not answer in time")
 	// ErrNotRunning reports an operation on a VM whose QEMU is not alive.
-	ErrNotRunning = errors.New("engine: vm not running")
+	ErrNotRunning = errors.New("vm not running")
 	// ErrPaused reports an agent operation on a VM that QEMU paused on a disk I/O error.
-	ErrPaused = errors.New("engine: vm paused on a disk error")
+	ErrPaused = errors.New("vm paused on a disk error")
 	// ErrNotForkable reports a checkpoint of a VM that cannot be checkpointed.
-	ErrNotForkable = errors.New("engine: vm is not forkable")
+	ErrNotForkable = errors.New("vm is not forkable")
 	// ErrLocked reports another engine holding the state directory.
-	ErrLocked = errors.New("engine: state directory is locked by another engine")
+	ErrLocked = errors.New("state directory is locked by another engine")
 	// ErrCheckpointCorrupt reports a checkpoint whose files fail verification.
-	ErrCheckpointCorrupt = errors.New("engine: checkpoint corrupt")
+	ErrCheckpointCorrupt = errors.New("checkpoint corrupt")
 	// ErrIncompatible reports a checkpoint made by another QEMU or machine shape.
-	ErrIncompatible = errors.New("engine: checkpoint incompatible")
+	ErrIncompatible = errors.New("checkpoint incompatible")
 	// ErrInUse reports a checkpoint that still has live forks.
-	ErrInUse = errors.New("engine: checkpoint in use")
+	ErrInUse = errors.New("checkpoint in use")
 	// ErrAdmission reports a fork refused by the vCPU or memory budget.
-	ErrAdmission = errors.New("engine: admission refused")
+	ErrAdmission = errors.New("admission refused")
 	// ErrClosed reports use of a closed engine.
-	ErrClosed = errors.New("engine: closed")
+	ErrClosed = errors.New("closed")
 	// ErrPortInUse reports a published host port (PortForward) that something else
 	// already binds; nothing was started.
-	ErrPortInUse = errors.New("engine: host port already in use")
+	ErrPortInUse = errors.New("host port already in use")
 	// ErrPortUnavailable reports a published host address that cannot be bound for
 	// another reason (a privileged port, an address not on this host).
-	ErrPortUnavailable = errors.New("engine: host port unavailable")
+	ErrPortUnavailable = errors.New("host port unavailable")
 	// ErrNotTCG reports a query that only a TCG (emulated) VM can answer.
-	ErrNotTCG = errors.New("engine: vm does not run under tcg")
+	ErrNotTCG = errors.New("vm does not run under tcg")
 )
 
 // Sentinel errors of the guest agent's connection, its execs and its copies, re-exported
@@ -159,10 +161,10 @@ type AdmissionError struct {
 // Error implements error.
 func (e *AdmissionError) Error() string {
 	if e.Resource == "memory" {
-		return fmt.Sprintf("engine: admission refused: memory: VM needs ~%d MiB, %d MiB free for VMs (of %d MiB: available memory less the reserve and running VMs' expected growth)",
+		return fmt.Sprintf("admission refused: memory: VM needs ~%d MiB, %d MiB free for VMs (of %d MiB: available memory less the reserve and running VMs' expected growth)",
 			e.Requested>>20, e.Available>>20, e.Budget>>20)
 	}
-	return fmt.Sprintf("engine: admission refused: vcpu: requested %d vCPUs, %d available of a budget of %d",
+	return fmt.Sprintf("admission refused: vcpu: requested %d vCPUs, %d available of a budget of %d",
 		e.Requested, e.Available, e.Budget)
 }
 

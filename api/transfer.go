@@ -8,7 +8,7 @@ import (
 // ErrDigest reports a file of a checkpoint being pulled from another host whose content
 // does not match the digest its holder recorded (corrupted at the source or in
 // transit); nothing of the checkpoint is kept.
-var ErrDigest = errors.New("engine: checkpoint file digest mismatch")
+var ErrDigest = errors.New("checkpoint file digest mismatch")
 
 // CheckpointExportSchema names the CheckpointExport object.
 const CheckpointExportSchema = "forkvm.checkpoint-export/v1"

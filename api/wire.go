@@ -2,6 +2,7 @@ package api
 
 import (
 	"io/fs"
+	"path/filepath"
 	"time"
 )
 
@@ -12,6 +13,13 @@ const (
 	ForkEventSchema  = "forkvm.fork-event/v1"
 	DaemonSchema     = "forkvm.daemon/v1"
 )
+
+// SocketName is the daemon's unix socket in its state directory.
+const SocketName = "forkvm.sock"
+
+// SocketPath is where the daemon of the state directory stateDir listens: the one path a
+// daemon (package serve) and the programs that look for it (serve/local.Open) share.
+func SocketPath(stateDir string) string { return filepath.Join(stateDir, SocketName) }
 
 // ExecUpgrade is the Upgrade protocol of an attached exec: POST /v1/vms/{name}/exec
 // with "Connection: Upgrade" and "Upgrade: forkvm-exec/1" is answered 101, after which

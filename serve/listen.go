@@ -11,17 +11,19 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/forkvm/forkvm/api"
 )
 
-// SocketName is the daemon's socket in a state directory.
-const SocketName = "forkvm.sock"
+// SocketName is the daemon's socket in a state directory (api.SocketName).
+const SocketName = api.SocketName
 
 // maxSocketPath is the longest unix socket path (sun_path holds 108 bytes on Linux with
 // its NUL, 104 on macOS).
 const maxSocketPath = 103
 
-// SocketPath is the daemon's socket for the state directory stateDir.
-func SocketPath(stateDir string) string { return filepath.Join(stateDir, SocketName) }
+// SocketPath is the daemon's socket for the state directory stateDir (api.SocketPath).
+func SocketPath(stateDir string) string { return api.SocketPath(stateDir) }
 
 var (
 	// ErrDaemonRunning reports a socket on which another daemon answers.

@@ -75,6 +75,7 @@ import (
 	"io"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 const (
@@ -85,7 +86,7 @@ const (
 	// DefaultVsockPort is the AF_VSOCK port the agent listens on.
 	DefaultVsockPort = 1024
 	// PortName is the virtio-serial port name the agent serves.
-	PortName = "org.forkvm.agent"
+	PortName = guestboot.AgentPortName
 	// MaxPayload is the largest payload a frame may carry.
 	MaxPayload = 1 << 20
 	// HeaderSize is the size of the fixed frame header.

@@ -18,6 +18,11 @@ import (
 // route via NetGateway, writes /etc/resolv.conf (nameserver NetDNS) and adds
 // HostInternalName -> NetGateway to /etc/hosts. Without the argument the agent touches
 // no network configuration, and the VM has no NIC at all.
+// AgentPortName is the virtio-serial port the guest agent serves (vsockd.PortName): the
+// engine names the port in QEMU's argv and the agent looks for it in the guest, so the
+// name is part of the guest's boot contract, kept here with the rest of it.
+const AgentPortName = "org.forkvm.agent"
+
 const (
 	// KernelArgNet is "forkvm.net": forkvm.net=1 configures the NIC as above; any other
 	// value (or none) leaves networking alone.

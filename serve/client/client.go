@@ -37,7 +37,7 @@ type Client struct {
 }
 
 // New returns a client of the daemon listening on the unix socket path (a daemon of the
-// state directory DIR listens on DIR/forkvm.sock: serve.SocketPath).
+// state directory DIR listens on DIR/forkvm.sock: api.SocketPath).
 func New(socket string) *Client {
 	tr := &http.Transport{
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {

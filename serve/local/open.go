@@ -7,14 +7,13 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
 )
 
 // Options tune Open (and New: OneShot only). A nil *Options means defaults.
 type Options struct {
 	// Socket is where Open looks for a daemon; "" means the state directory's
-	// (serve.SocketPath).
+	// (api.SocketPath).
 	Socket string
 	// RequireDaemon makes Open fail with ErrNoDaemon when no daemon answers on the
 	// socket, instead of opening the engine here (for operations that only a daemon can
@@ -59,7 +58,7 @@ func Open(ctx context.Context, cfg *engine.Config, opts *Options) (api.API, erro
 		if dir == "" {
 			dir = engine.DefaultStateDir()
 		}
-		sock = serve.SocketPath(dir)
+		sock = api.SocketPath(dir)
 	}
 	if client.Answers(ctx, sock) {
 		if c.Accel != "" && c.Accel != engine.AccelAuto {

@@ -9,7 +9,6 @@ import (
 
 	guest "github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/internal/names"
-	"github.com/forkvm/forkvm/vsockd"
 )
 
 // ErrInvalidLaunch reports a Launch that Argv cannot render safely; nothing was started.
@@ -300,7 +299,7 @@ func (l *Launch) channelArgs() []string {
 		"-serial", "chardev:console",
 		"-device", serialBus,
 		"-chardev", "socket,id=agent,path=" + EscapeOpt(l.AgentSocket) + ",server=on,wait=off",
-		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + vsockd.PortName,
+		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + guest.AgentPortName,
 	}
 }
 
