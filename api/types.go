@@ -565,9 +565,9 @@ type Process interface {
 }
 
 // ForkEvent is one fork of a wave (API.ForkMany): ready (VM set) or failed (Err set).
-// engine.ForkEvent, the in-process engine's, has the same Index, Name, Err, Latency and
-// Timings and carries the *engine.VM handle as VM, so code reading a wave moves
-// between the two unchanged. Index -1 reports a broken stream (a daemon's only).
+// It is the one fork event: engine.ForkEvent, the in-process engine's, embeds it and
+// adds the *engine.VM handle, and a stream's line is its Object. Index -1 reports a
+// broken stream (a daemon's only).
 type ForkEvent struct {
 	Index int
 	Name  string

@@ -199,13 +199,16 @@ type CheckpointRequest struct {
 	Handoff bool   `json:"handoff,omitempty"`
 }
 
-// ForkRequest is the body of POST /v1/forks.
+// ForkRequest is one request for forks: the body of POST /v1/forks, and what the CLI,
+// the daemon's client (ForkRequestOf), the daemon and the engine's planner each
+// Normalize and Validate, so that every rule of a fork request and its error text exist
+// once (api/fork.go).
 type ForkRequest struct {
 	Source string `json:"source"`
 	// Name names a single fork (n must be 0 or 1); Names names each of the n forks.
 	Name  string   `json:"name,omitempty"`
 	Names []string `json:"names,omitempty"`
-	// N is the number of forks (0 means 1).
+	// N is the number of forks (0 means len(Names), else 1).
 	N           int     `json:"n,omitempty"`
 	Prefix      string  `json:"prefix,omitempty"`
 	Concurrency int     `json:"concurrency,omitempty"`

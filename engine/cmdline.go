@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
@@ -198,7 +199,7 @@ func (l *launch) cmdline() ([]string, error) {
 	if len(l.Publish) > 0 && !l.Net {
 		return nil, fmt.Errorf("%w: published ports without a network", ErrInvalidSpec)
 	}
-	if err := validatePublish(l.Publish); err != nil {
+	if err := api.ValidatePublish(l.Publish); err != nil {
 		return nil, err
 	}
 	ql := l.qemuLaunch()

@@ -7,6 +7,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/forkvm/forkvm/api"
 )
 
 // The argv itself is table-tested with the qemu package's Launch; these test the
@@ -141,7 +143,7 @@ func TestCmdlineNetInvalid(t *testing.T) {
 		}},
 		{"too many", func(l *launch) {
 			l.Net = true
-			for i := 0; i <= maxPublish; i++ {
+			for i := 0; i <= api.MaxPublish; i++ {
 				l.Publish = append(l.Publish, PortForward{HostPort: 1000 + i, GuestPort: 80})
 			}
 		}},

@@ -179,7 +179,7 @@ func (e *Engine) forkChecks(ctx context.Context, c *Checkpoint, publish []PortFo
 		return err
 	}
 	if len(publish) > 0 && !ck.Net {
-		return fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck.Name)
+		return errNoNetwork(ck.Name)
 	}
 	return checkPortsFree(publish)
 }

@@ -3,17 +3,13 @@ package engine
 import (
 	"context"
 	"fmt"
-	"strconv"
+
+	"github.com/forkvm/forkvm/api"
 )
 
-// ValidateForkCount checks n, the number of forks of one request: 1..MaxForks. The
-// engine (Fork, ForkMany), the daemon and the CLI all bound a wave with it.
-func ValidateForkCount(n int) error {
-	if n < 1 || n > MaxForks {
-		return fmt.Errorf("%w: n must be 1..%d, got %d", ErrInvalidSpec, MaxForks, n)
-	}
-	return nil
-}
+// ValidateForkCount checks n, the number of forks of one request: 1..MaxForks
+// (api.ValidateForkCount, which the daemon and the CLI call too).
+func ValidateForkCount(n int) error { return api.ValidateForkCount(n) }
 
 // forkPlan is one fork request (Fork is a plan of one) made concrete before any fork
 // starts: every name, every fork's host forwards, the checkpoint forked (src itself, or
@@ -37,97 +33,37 @@ type forkPlan struct {
 	early *earlyFork
 }
 
-// planFork validates a request for n forks of src and names them:
-//
-//   - n is 1..MaxForks (ValidateForkCount);
-//   - Names, when set, are n valid, distinct names;
-//   - else Prefix names them Prefix1..PrefixN, each a valid name;
-//   - else they are derived from src with a random tag (derivedName), shortened to fit
-//     MaxNameLen: one fork is "SRC-TAG", a wave "SRC-TAG-1".."SRC-TAG-N";
-//   - each fork's forwards are valid, and no host address is published twice in the
-//     wave;
-//   - Concurrency and Overcommit are not negative.
+// planFork validates a request for n forks of src and names them: the request is
+// api.ForkRequestOf the options, normalized and validated as every layer does
+// (api.ForkRequest.Validate: the count, the names, the forwards, concurrency and
+// overcommit). Unnamed forks get their names here (ForkRequest.Normalize): one fork
+// "SRC-TAG", a wave "SRC-TAG-1".."SRC-TAG-N".
 //
 // It reads no engine state: the host's ports, the source and admission are checked by
 // Engine.plan.
 func planFork(src string, n int, o ManyOptions) (*forkPlan, error) {
-	if err := ValidateForkCount(n); err != nil {
-		return nil, err
-	}
-	if o.Concurrency < 0 || o.Overcommit < 0 {
-		return nil, fmt.Errorf("%w: concurrency and overcommit must not be negative (got %d, %g)", ErrInvalidSpec, o.Concurrency, o.Overcommit)
-	}
-	if err := ValidateName(src); err != nil {
-		return nil, fmt.Errorf("source: %w", err)
-	}
-	names, err := forkNames(src, n, o.Names, o.Prefix)
+	req, err := api.ForkRequestOf(src, n, &o)
 	if err != nil {
 		return nil, err
 	}
-	publish, err := forkPublish(n, o.Publish)
-	if err != nil {
+	req.Normalize()
+	if err := req.Validate(); err != nil {
 		return nil, err
 	}
-	conc := o.Concurrency
-	if conc == 0 || conc > n {
-		conc = n
+	publish := make([][]PortForward, req.N)
+	for i := range publish {
+		publish[i] = req.ForkPublish(i)
 	}
-	return &forkPlan{src: src, names: names, publish: publish, conc: conc, overcommit: o.Overcommit, pin: o.Pin}, nil
+	conc := req.Concurrency
+	if conc == 0 || conc > req.N {
+		conc = req.N
+	}
+	return &forkPlan{src: src, names: req.ForkNames(), publish: publish, conc: conc, overcommit: req.Overcommit, pin: req.Pin}, nil
 }
 
-// forkNames is the names of n forks of src (see planFork), validated.
-func forkNames(src string, n int, names []string, prefix string) ([]string, error) {
-	switch {
-	case names != nil:
-		if len(names) != n {
-			return nil, fmt.Errorf("%w: %d names for %d forks", ErrInvalidSpec, len(names), n)
-		}
-		names = append([]string(nil), names...) // not the caller's slice
-	case prefix == "" && n == 1:
-		names = []string{derivedName(src, "")}
-	default:
-		if prefix == "" {
-			// Room for "-N" after the derived prefix, so every name keeps src's part whole.
-			prefix = derivedNameRoom(src, "", 1+len(strconv.Itoa(n))) + "-"
-		}
-		for i := 1; i <= n; i++ {
-			names = append(names, prefix+strconv.Itoa(i))
-		}
-	}
-	seen := make(map[string]bool, n)
-	for _, nm := range names {
-		if err := ValidateName(nm); err != nil {
-			return nil, err
-		}
-		if seen[nm] {
-			return nil, fmt.Errorf("%w: duplicate name %s", ErrInvalidSpec, nm)
-		}
-		seen[nm] = true
-	}
-	return names, nil
-}
-
-// forkPublish is each of n forks' forwards (of publish, when set), validated: each
-// fork's (validatePublish), and the wave's together (no host address twice).
-func forkPublish(n int, publish func(int) []PortForward) ([][]PortForward, error) {
-	out := make([][]PortForward, n)
-	if publish == nil {
-		return out, nil
-	}
-	var all []PortForward
-	for i := range out {
-		out[i] = append([]PortForward(nil), publish(i)...)
-		all = append(all, out[i]...)
-	}
-	if err := validatePublishMany(all); err != nil {
-		return nil, err
-	}
-	for i := range out {
-		if err := validatePublish(out[i]); err != nil {
-			return nil, err
-		}
-	}
-	return out, nil
+// errNoNetwork refuses forwards for a fork of checkpoint ck, which has no NIC.
+func errNoNetwork(ck string) error {
+	return fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, ck)
 }
 
 // allPublish is every forward of the plan.
@@ -185,7 +121,7 @@ func (e *Engine) plan(ctx context.Context, src string, n int, o ManyOptions) (*f
 		e.dropEarly(p.early)
 		p.releaseHeld()
 		e.finishPlan(p)
-		return nil, fmt.Errorf("%w: publish: checkpoint %s has no network (its source was created without Spec.Net)", ErrInvalidSpec, p.ck.Manifest.Name)
+		return nil, errNoNetwork(p.ck.Manifest.Name)
 	}
 	return p, nil
 }

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+
+	"github.com/forkvm/forkvm/api"
 )
 
 func TestValidateForkCount(t *testing.T) {
@@ -128,7 +130,7 @@ func TestPlanForkRefused(t *testing.T) {
 		{"n negative", "ck", -1, ManyOptions{}, ErrInvalidSpec},
 		{"n past MaxForks", "ck", MaxForks + 1, ManyOptions{Prefix: "f"}, ErrInvalidSpec},
 		{"bad source", "a/b", 1, ManyOptions{}, ErrInvalidName},
-		{"empty source", "", 1, ManyOptions{Names: []string{"a"}}, ErrInvalidName},
+		{"empty source", "", 1, ManyOptions{Names: []string{"a"}}, ErrInvalidSpec},
 		{"too few names", "ck", 2, ManyOptions{Names: []string{"a"}}, ErrInvalidSpec},
 		{"too many names", "ck", 1, ManyOptions{Names: []string{"a", "b"}}, ErrInvalidSpec},
 		{"empty names", "ck", 1, ManyOptions{Names: []string{}}, ErrInvalidSpec},
@@ -146,7 +148,7 @@ func TestPlanForkRefused(t *testing.T) {
 		{"any address overlaps", "ck", 2, ManyOptions{Publish: func(i int) []PortForward {
 			return []PortForward{{HostIP: []string{"0.0.0.0", "127.0.0.1"}[i], HostPort: 8080, GuestPort: 80}}
 		}}, ErrInvalidSpec},
-		{"too many forwards for one fork", "ck", 2, ManyOptions{Publish: many(maxPublish + 1)}, ErrInvalidSpec},
+		{"too many forwards for one fork", "ck", 2, ManyOptions{Publish: many(api.MaxPublish + 1)}, ErrInvalidSpec},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p, err := planFork(tc.src, tc.n, tc.opts)

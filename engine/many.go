@@ -12,24 +12,22 @@ import (
 // means defaults.
 type ManyOptions = api.ManyOptions
 
-// ForkEvent reports one fork of ForkMany: ready (VM set) or failed (Err set). Index,
-// Name, Err, Latency and Timings are those of api.ForkEvent, the event of a daemon's
-// wave, so code reading a wave reads either; VM is the fork's handle here where a
-// daemon's event has its Info. Start and Done are when this fork started and ended.
+// ForkEvent reports one fork of ForkMany: ready (VM set) or failed (Err set). It is
+// api.ForkEvent, the event of every implementation of the API (a daemon's wave's too,
+// with the ready fork's Info as ForkEvent.VM), so code reading a wave reads either,
+// plus what only an engine in this process has: the fork's handle as VM, and when the
+// fork started and ended (Latency is Done - Start).
 type ForkEvent struct {
-	Index int    `json:"index"`
-	Name  string `json:"name"`
-	VM    *VM    `json:"-"`
-	Err   error  `json:"-"`
-	// Latency is the time from this fork's start to ready (or failure): Done - Start.
-	Latency time.Duration `json:"-"`
-	Timings PhaseTimings  `json:"timings"`
-	// Spans are the fork's phases with absolute times (Info.Spans).
-	Spans []Span `json:"spans,omitempty"`
-	// Counters is the kernel's account of the fork's QEMU until ready (Info.Counters).
-	Counters *Counters `json:"counters,omitempty"`
-	Start    time.Time `json:"start"`
-	Done     time.Time `json:"done"`
+	api.ForkEvent
+	VM    *VM
+	Start time.Time
+	Done  time.Time
+}
+
+// forkFailed is the event of fork i, named nm, that failed with err before it started.
+func forkFailed(i int, nm string, err error) ForkEvent {
+	now := time.Now()
+	return ForkEvent{ForkEvent: api.ForkEvent{Index: i, Name: nm, Err: err}, Start: now, Done: now}
 }
 
 // ForkMany starts n forks of src, up to Concurrency at once, and streams one event per
@@ -76,9 +74,8 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 // fails every fork with the refusal.
 func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent, deleteOnCancel bool) {
 	if p.refused != nil {
-		now := time.Now()
 		for i, nm := range p.names {
-			out <- ForkEvent{Index: i, Name: nm, Err: p.refused, Start: now, Done: now}
+			out <- forkFailed(i, nm, p.refused)
 		}
 		return
 	}
@@ -97,8 +94,7 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 			if i == 0 {
 				e.dropEarly(p.early)
 			}
-			now := time.Now()
-			out <- ForkEvent{Index: i, Name: nm, Err: ctx.Err(), Start: now, Done: now}
+			out <- forkFailed(i, nm, ctx.Err())
 			continue
 		}
 		wg.Add(1)
@@ -122,7 +118,7 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 
 // forkEvent makes fork i of p and reports it.
 func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
-	ev := ForkEvent{Index: i, Name: p.names[i], Start: time.Now()}
+	ev := ForkEvent{ForkEvent: api.ForkEvent{Index: i, Name: p.names[i]}, Start: time.Now()}
 	var early *earlyFork
 	if i == 0 {
 		early = p.early
@@ -132,8 +128,8 @@ func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 	ev.Latency = ev.Done.Sub(ev.Start)
 	ev.VM, ev.Err = vm, err
 	if vm != nil {
-		m := vm.snapshot()
-		ev.Timings, ev.Spans, ev.Counters = m.Timings, m.Spans, m.Counters
+		inf := vm.Info()
+		ev.ForkEvent.VM, ev.Timings, ev.Spans, ev.Counters = &inf, inf.Timings, inf.Spans, inf.Counters
 	}
 	return ev
 }

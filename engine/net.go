@@ -48,9 +48,6 @@ const netKernelArg = guestboot.KernelArgNet + "=1"
 // PortForward publishes a guest TCP port on the host (api.PortForward).
 type PortForward = api.PortForward
 
-// maxPublish bounds the forwards of one VM.
-const maxPublish = 64
-
 // ParsePortForward parses a --publish value: [HOSTIP:]HOSTPORT:GUESTPORT, where HOSTIP
 // is an IPv4 literal (default 127.0.0.1) and both ports are decimal 1..65535. Anything
 // else (names, IPv6, signs, spaces, option syntax) is refused with ErrInvalidSpec.
@@ -111,33 +108,6 @@ func hostAddr(p PortForward) string {
 // literal and two integers), so the rule holds no separator of QEMU's option syntax.
 func hostfwd(p PortForward) string {
 	return "tcp:" + p.BindIP() + ":" + strconv.Itoa(p.HostPort) + "-" + guestboot.NetGuestAddr + ":" + strconv.Itoa(p.GuestPort)
-}
-
-// validatePublish checks a VM's forwards: at most maxPublish, and what
-// validatePublishMany checks.
-func validatePublish(pubs []PortForward) error {
-	if len(pubs) > maxPublish {
-		return fmt.Errorf("%w: %d published ports (at most %d)", ErrInvalidSpec, len(pubs), maxPublish)
-	}
-	return validatePublishMany(pubs)
-}
-
-// validatePublishMany checks forwards (one VM's, or a whole wave's): each valid, no
-// host address bound twice (0.0.0.0 overlaps every address on the same port).
-func validatePublishMany(all []PortForward) error {
-	seen := map[int][]string{}
-	for _, p := range all {
-		if err := p.Validate(); err != nil {
-			return err
-		}
-		for _, ip := range seen[p.HostPort] {
-			if ip == p.BindIP() || ip == "0.0.0.0" || p.BindIP() == "0.0.0.0" {
-				return fmt.Errorf("%w: host port %s published twice", ErrInvalidSpec, hostAddr(p))
-			}
-		}
-		seen[p.HostPort] = append(seen[p.HostPort], p.BindIP())
-	}
-	return nil
 }
 
 // checkPortsFree refuses forwards whose host address is taken, before QEMU starts: a

@@ -107,13 +107,6 @@ func TestSpecValidateNet(t *testing.T) {
 			t.Errorf("%+v: %v, want ErrInvalidSpec", s, err)
 		}
 	}
-	// A wave: host addresses must not repeat across forks.
-	if err := validatePublishMany([]PortForward{{HostPort: 8000, GuestPort: 80}, {HostPort: 8001, GuestPort: 80}}); err != nil {
-		t.Error(err)
-	}
-	if err := validatePublishMany([]PortForward{{HostPort: 8000, GuestPort: 80}, {HostIP: "127.0.0.1", HostPort: 8000, GuestPort: 81}}); !errors.Is(err, ErrInvalidSpec) {
-		t.Errorf("repeated host port in a wave: %v", err)
-	}
 }
 
 // A host port that is taken is refused with ErrPortInUse before anything starts.

@@ -6,43 +6,22 @@ import (
 	"fmt"
 
 	"github.com/forkvm/forkvm/internal/guestboot"
-	"github.com/forkvm/forkvm/internal/names"
 
 	"github.com/forkvm/forkvm/api"
 )
 
-// MaxNameLen bounds VM and checkpoint names (they become file and socket names).
-const MaxNameLen = 48
+// MaxNameLen bounds VM and checkpoint names (api.MaxNameLen).
+const MaxNameLen = api.MaxNameLen
 
-// ValidateName checks a VM or checkpoint name: 1..MaxNameLen characters of
-// [A-Za-z0-9_.-], starting with a letter or digit. Such names cannot contain commas
-// (QEMU option separators), slashes, NUL or "..", so they can be used in paths and
-// QEMU options without escaping.
-func ValidateName(name string) error {
-	if err := names.Check(name, MaxNameLen); err != nil {
-		return fmt.Errorf("%w: %w", ErrInvalidName, err)
-	}
-	return nil
-}
+// ValidateName checks a VM or checkpoint name (api.ValidateName): 1..MaxNameLen
+// characters of [A-Za-z0-9_.-], starting with a letter or digit, so that it can be used
+// in paths and QEMU options without escaping.
+func ValidateName(name string) error { return api.ValidateName(name) }
 
-// derivedName is a fresh name for something made from base: base, then kind (if any),
-// then a random suffix, shortened to fit MaxNameLen.
-func derivedName(base, kind string) string { return derivedNameRoom(base, kind, 0) }
+// derivedName is a fresh name for something made from base (api.DerivedName).
+func derivedName(base, kind string) string { return api.DerivedName(base, kind, 0) }
 
-// derivedNameRoom is derivedName leaving room bytes of MaxNameLen free for the caller
-// to append (a fork's index in a wave).
-func derivedNameRoom(base, kind string, room int) string {
-	suffix := "-" + randHex(3)
-	if kind != "" {
-		suffix = "-" + kind + suffix
-	}
-	if limit := MaxNameLen - room - len(suffix); len(base) > limit {
-		base = base[:max(limit, 0)]
-	}
-	return base + suffix
-}
-
-// randHex is n random bytes in hex, for generated names.
+// randHex is n random bytes in hex, for generated file names.
 func randHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
@@ -56,11 +35,8 @@ const (
 	DefaultMemoryMiB = 1024
 )
 
-// MaxForks bounds n of one request for forks (ValidateForkCount): of ForkMany, of the
-// daemon's POST /v1/forks and of forkvm fork --n. It bounds what one request may ask
-// for (its names, events and forwards are held at once), not how many forks run:
-// admission bounds those by the host's budget.
-const MaxForks = 4096
+// MaxForks bounds n of one request for forks (api.MaxForks, ValidateForkCount).
+const MaxForks = api.MaxForks
 
 // MaxPoolSize bounds a checkpoint's warm pool (Warm; the daemon's PUT .../pool).
 const MaxPoolSize = 1024
@@ -111,5 +87,5 @@ func ValidateSpec(s Spec) error {
 	if len(s.Publish) > 0 && !s.Net {
 		return fmt.Errorf("%w: publish needs a network (Spec.Net, --net)", ErrInvalidSpec)
 	}
-	return validatePublish(s.Publish)
+	return api.ValidatePublish(s.Publish)
 }

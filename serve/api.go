@@ -66,16 +66,6 @@ func NewCheckpointObject(c engine.CheckpointInfo) CheckpointObject {
 	return api.NewCheckpointObject(c)
 }
 
-// NewForkEventObject converts an engine.ForkEvent.
-func NewForkEventObject(ev engine.ForkEvent) ForkEventObject {
-	var inf *engine.Info
-	if ev.Err == nil && ev.VM != nil {
-		i := ev.VM.Info()
-		inf = &i
-	}
-	return api.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, inf, ev.Err)
-}
-
 // ErrorObjectOf maps an error to its code, message and (for admission) budget figures.
 func ErrorObjectOf(err error) ErrorObject {
 	o, _ := api.ErrorObjectOf(err)

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -22,7 +23,7 @@ func outcome(n, ready int, wall time.Duration, lat ...float64) *waveOutcome {
 		Budget: engine.Budget{HostCPUs: 2, Overcommit: 12, Total: 24}, ForkCPUs: 2}
 	var adm []engine.ForkEvent
 	for i := range n {
-		ev := engine.ForkEvent{Index: i, Name: fmt.Sprintf("w%d-%d", n, i+1), Start: t0, Done: t0.Add(time.Duration(i+1) * time.Millisecond), Latency: time.Duration(i+1) * time.Millisecond}
+		ev := engine.ForkEvent{ForkEvent: api.ForkEvent{Index: i, Name: fmt.Sprintf("w%d-%d", n, i+1), Latency: time.Duration(i+1) * time.Millisecond}, Start: t0, Done: t0.Add(time.Duration(i+1) * time.Millisecond)}
 		if i >= ready {
 			ev.Err = &engine.AdmissionError{Resource: "vcpu", Requested: 2, Budget: 24}
 			adm = append(adm, ev)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -188,7 +189,7 @@ func TestAdmissionText(t *testing.T) {
 	withBudget := func(adm *engine.AdmissionError) *WaveResult {
 		w := testWave(adm)
 		w.Budget, w.ForkCPUs = engine.Budget{HostCPUs: 2, Overcommit: 3, Total: 6}, 2
-		w.noteRefusals([]engine.ForkEvent{{Index: 3, Name: "w4-4", Err: adm}})
+		w.noteRefusals([]engine.ForkEvent{{ForkEvent: api.ForkEvent{Index: 3, Name: "w4-4", Err: adm}}})
 		return w
 	}
 	tests := []struct {
@@ -210,7 +211,7 @@ func TestAdmissionText(t *testing.T) {
 		{func() *WaveResult {
 			w := withBudget(nil)
 			oc := &engine.OvercommitError{Requested: 65, Max: 64}
-			w.noteRefusals([]engine.ForkEvent{{Index: 3, Name: "w4-4", Err: oc}})
+			w.noteRefusals([]engine.ForkEvent{{ForkEvent: api.ForkEvent{Index: 3, Name: "w4-4", Err: oc}}})
 			return w
 		}(), "admission stopped the wave at 3 of 4 forks; 1 refused: w4-4; first refusal: " + (&engine.OvercommitError{Requested: 65, Max: 64}).Error()},
 	}
@@ -230,7 +231,7 @@ func TestRefusedNames(t *testing.T) {
 		Budget: engine.Budget{HostCPUs: 2, Overcommit: 12, Total: 24}, ForkCPUs: 2}
 	var adm []engine.ForkEvent
 	for _, i := range []int{13, 0, 14, 1} {
-		adm = append(adm, engine.ForkEvent{Index: i, Name: fmt.Sprintf("w16-%d", i+1), Err: fmt.Errorf("fork: %w", vcpu)})
+		adm = append(adm, engine.ForkEvent{ForkEvent: api.ForkEvent{Index: i, Name: fmt.Sprintf("w16-%d", i+1), Err: fmt.Errorf("fork: %w", vcpu)}})
 	}
 	w.noteRefusals(adm)
 	if got := strings.Join(w.Refused, " "); got != "w16-1 w16-2 w16-14 w16-15" {

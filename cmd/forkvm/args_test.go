@@ -187,3 +187,23 @@ func TestErrorHint(t *testing.T) {
 		t.Errorf("hint for not found: %q", h)
 	}
 }
+
+// TestForkWaveNeedsNoPrefix: `forkvm fork ck1 --n 48` (the README's wave) is a request
+// the engine names (SOURCE-TAG-1..48): it reaches the engine, which says there is no
+// ck1, where it once stopped at "--n 48 needs --prefix". A request the rules refuse
+// (a NAME for a wave) is refused before an engine is opened.
+func TestForkWaveNeedsNoPrefix(t *testing.T) {
+	home := filepath.Join(t.TempDir(), "home")
+	out, err := helpOf(t, "--home", home, "fork", "ck1", "--n", "48")
+	if !errors.Is(err, engine.ErrNotFound) {
+		t.Fatalf("fork ck1 --n 48: %v (%s), want the engine's not found", err, out)
+	}
+	home = filepath.Join(t.TempDir(), "home")
+	out, err = helpOf(t, "--home", home, "fork", "ck1", "w1", "--n", "2")
+	if !errors.Is(err, engine.ErrInvalidSpec) {
+		t.Fatalf("fork ck1 w1 --n 2: %v (%s), want ErrInvalidSpec", err, out)
+	}
+	if _, err := os.Stat(home); !os.IsNotExist(err) {
+		t.Errorf("a refused request touched the state directory: %v", err)
+	}
+}

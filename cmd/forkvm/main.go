@@ -530,7 +530,7 @@ func forkCmd() *cli.Command {
 		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
 			&cli.IntFlag{Name: "n", Value: 1, Usage: "number of forks"},
-			&cli.StringFlag{Name: "prefix", Usage: "name forks PREFIX1..PREFIXn (with --n)"},
+			&cli.StringFlag{Name: "prefix", Usage: "name forks PREFIX1..PREFIXn (default: SOURCE-TAG-1..n, one random TAG per wave)"},
 			&cli.IntFlag{Name: "conc", Usage: "forks started at once (0 = all)"},
 			&cli.FloatFlag{Name: "overcommit", Usage: "vCPU overcommit for admission (0 = engine default 8)"},
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
@@ -542,13 +542,9 @@ func forkCmd() *cli.Command {
 			src := cmd.Args().First()
 			n := int(cmd.Int("n"))
 			if src == "" || cmd.Args().Len() > 2 || n < 1 {
-				return fmt.Errorf("usage: forkvm fork SOURCE [NAME] | forkvm fork SOURCE --n N --prefix P")
+				return fmt.Errorf("usage: forkvm fork SOURCE [NAME] | forkvm fork SOURCE --n N [--prefix P]")
 			}
-			// Before --publish is expanded for every fork.
-			if err := engine.ValidateForkCount(n); err != nil {
-				return err
-			}
-			opts, names, err := forkOptions(cmd, n)
+			req, err := forkRequest(cmd, src, n)
 			if err != nil {
 				return err
 			}
@@ -570,7 +566,7 @@ func forkCmd() *cli.Command {
 				return errTraceDaemon
 			}
 			start := time.Now()
-			evs, err := api.ForkMany(ctx, src, n, opts)
+			evs, err := api.ForkMany(ctx, src, req.N, req.Options())
 			if err != nil {
 				return err
 			}
@@ -583,8 +579,8 @@ func forkCmd() *cli.Command {
 			}
 			var unreported []string
 			for i, r := range tally.reported {
-				if !r && (len(names) > 0 || opts.Prefix != "") {
-					unreported = append(unreported, waveForkName(names, opts.Prefix, i))
+				if !r {
+					unreported = append(unreported, req.ForkName(i))
 				}
 			}
 			summary := forkSummary(n, tally.ready, tally.failed, time.Since(start), unreported)
@@ -655,37 +651,38 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 	return t
 }
 
-// forkOptions are the wave's options of forkvm fork's arguments and flags: its names (a
-// NAME argument, or none: the engine's or --prefix's), and --publish expanded per fork.
-func forkOptions(cmd *cli.Command, n int) (*wire.ManyOptions, []string, error) {
-	var names []string
-	switch {
-	case cmd.Args().Len() == 2 && n == 1:
-		if err := checkNewName(cmd.Args().Get(1)); err != nil {
-			return nil, nil, err
+// forkRequest is the request of forkvm fork's arguments and flags, validated and
+// normalized (api.ForkRequest: the rules the daemon and the engine apply, in one place):
+// a NAME argument names the fork, --prefix a wave's forks PREFIX1..PREFIXn, and without
+// either the request gets the engine's names (SOURCE-TAG, a wave SOURCE-TAG-1..n), drawn
+// here so that the summary can name forks a broken stream never reported. --publish is
+// expanded per fork once the count is known to be in range.
+func forkRequest(cmd *cli.Command, src string, n int) (wire.ForkRequest, error) {
+	req := wire.ForkRequest{Source: src, N: n, Name: cmd.Args().Get(1), Prefix: cmd.String("prefix"),
+		Concurrency: int(cmd.Int("conc")), Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin")}
+	if req.Name != "" {
+		if err := checkNewName(req.Name); err != nil {
+			return req, err
 		}
-		names = []string{cmd.Args().Get(1)}
-	case cmd.String("prefix") != "":
-	case n == 1:
-		// The engine names it (SOURCE-TAG, ForkOptions.Name's default).
-	default:
-		return nil, nil, fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
 	}
-	opts := &wire.ManyOptions{
-		Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
-		Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),
+	// Before --publish is expanded for every fork.
+	if err := wire.ValidateForkCount(n); err != nil {
+		return req, err
 	}
 	if specs := cmd.StringSlice("publish"); len(specs) > 0 {
-		perFork := make([][]engine.PortForward, n)
-		var err error
-		for i := range perFork {
-			if perFork[i], err = parsePublish(specs, i); err != nil {
-				return nil, nil, err
+		req.Publish = make([][]engine.PortForward, n)
+		for i := range req.Publish {
+			var err error
+			if req.Publish[i], err = parsePublish(specs, i); err != nil {
+				return req, err
 			}
 		}
-		opts.Publish = func(i int) []engine.PortForward { return perFork[i] }
 	}
-	return opts, names, nil
+	if err := req.Validate(); err != nil {
+		return req, err
+	}
+	req.Normalize()
+	return req, nil
 }
 
 // forkSummary is a wave's last line: "8/8 ready in 459ms", "6/8 ready in 1.2s, 2
@@ -712,15 +709,6 @@ func forkSummary(n, ready, failed int, wall time.Duration, unreported []string) 
 
 // maxUnreportedNames is how many unreported forks a wave's summary names.
 const maxUnreportedNames = 10
-
-// waveForkName is the name of a wave's fork i as the engine gives it: names[i], or the
-// prefix and its 1-based number.
-func waveForkName(names []string, prefix string, i int) string {
-	if i < len(names) {
-		return names[i]
-	}
-	return prefix + strconv.Itoa(i+1)
-}
 
 // summaryOut is where fork's summary goes: stdout, or stderr when stdout carries JSON
 // lines.

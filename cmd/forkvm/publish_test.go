@@ -91,7 +91,7 @@ func TestNetColumn(t *testing.T) {
 func TestForkSummary(t *testing.T) {
 	many := make([]string, 12)
 	for i := range many {
-		many[i] = waveForkName(nil, "p", i+4)
+		many[i] = wire.ForkRequest{Prefix: "p", N: 15}.ForkName(i + 4)
 	}
 	for _, tc := range []struct {
 		n, ready, failed int

@@ -347,28 +347,22 @@ func (c *Client) Fork(ctx context.Context, src string, opts *api.ForkOptions) (a
 // lists. If the stream breaks or ends before n events, a last event with Index -1
 // carries the error, which says how many events arrived.
 func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *api.ManyOptions) (<-chan ForkEvent, error) {
-	req := api.ForkRequest{Source: src, N: n}
-	if opts != nil {
-		if len(opts.Names) == 1 && n == 1 {
-			req.Name = opts.Names[0]
-		} else {
-			req.Names = opts.Names
-		}
-		if opts.Publish != nil {
-			for i := 0; i < n; i++ {
-				req.Publish = append(req.Publish, opts.Publish(i))
-			}
-		}
-		req.Prefix, req.Concurrency, req.Overcommit, req.Pin = opts.Prefix, opts.Concurrency, opts.Overcommit, opts.Pin
-		if len(opts.Names) > 0 {
-			req.Prefix = "" // the engine ignores Prefix when Names is set
-		}
+	// The request is checked here as the daemon and its engine check it, so a bad one
+	// costs no round trip, and named, so each fork's name is the one asked for.
+	req, err := api.ForkRequestOf(src, n, opts)
+	if err != nil {
+		return nil, err
 	}
+	if err := req.Validate(); err != nil {
+		return nil, err
+	}
+	req.Normalize()
+	n = req.N
 	resp, err := c.do(ctx, http.MethodPost, "/v1/forks", req)
 	if err != nil {
 		return nil, err
 	}
-	out := make(chan ForkEvent, max(n, 1)+1)
+	out := make(chan ForkEvent, n+1)
 	go func() {
 		defer close(out)
 		defer resp.Body.Close()
@@ -381,21 +375,14 @@ func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *api.Many
 				out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: fork stream: %w", err)}
 				return
 			}
-			ev := ForkEvent{Index: o.Index, Name: o.Name, Latency: time.Duration(o.LatencyMS * float64(time.Millisecond))}
-			if o.OK && o.VM != nil {
-				inf := o.VM.Info
-				ev.VM, ev.Timings, ev.Spans, ev.Counters = &inf, inf.Timings, inf.Spans, inf.Counters
-			} else {
-				ev.Err = eventError(resp.StatusCode, o)
-			}
-			out <- ev
+			out <- o.Event(eventError(resp.StatusCode, o))
 		}
 		err := sc.Err()
-		if err == nil && got < max(n, 1) {
+		if err == nil && got < n {
 			err = io.ErrUnexpectedEOF
 		}
 		if err != nil {
-			out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: the fork stream ended after %d of %d forks (did the daemon stop? `forkvm ls` shows which forks exist): %w", got, max(n, 1), err)}
+			out <- ForkEvent{Index: -1, Err: fmt.Errorf("client: the fork stream ended after %d of %d forks (did the daemon stop? `forkvm ls` shows which forks exist): %w", got, n, err)}
 		}
 	}()
 	return out, nil

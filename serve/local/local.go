@@ -367,12 +367,7 @@ func (l *Local) ForkMany(ctx context.Context, src string, n int, opts *api.ManyO
 	go func() {
 		defer close(out)
 		for ev := range evs {
-			fe := api.ForkEvent{Index: ev.Index, Name: ev.Name, Err: ev.Err, Latency: ev.Latency, Timings: ev.Timings, Spans: ev.Spans, Counters: ev.Counters}
-			if ev.VM != nil && ev.Err == nil {
-				inf := ev.VM.Info()
-				fe.VM = &inf
-			}
-			out <- fe
+			out <- ev.ForkEvent
 		}
 	}()
 	return out, nil
