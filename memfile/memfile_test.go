@@ -284,3 +284,37 @@ func TestResidency(t *testing.T) {
 		t.Errorf("resident %d, want %d", r.ResidentBytes, data)
 	}
 }
+
+// TestResidencyMap: a sampler's readings follow the file's pages into and out of the
+// page cache without faulting any in itself.
+func TestResidencyMap(t *testing.T) {
+	dir := shmDir(t)
+	p := filepath.Join(dir, "mem")
+	if err := Create(p, 8<<20); err != nil {
+		t.Fatal(err)
+	}
+	m, err := OpenResidency(p)
+	if errors.Is(err, ErrUnsupported) {
+		t.Skip(err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	before, err := m.Bytes()
+	if err != nil || before != 0 {
+		t.Fatalf("a sparse file: %d resident, %v", before, err)
+	}
+	writeAt(t, p, bytes.Repeat([]byte{1}, 1<<20), 2<<20)
+	after, err := m.Bytes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// On tmpfs what was written is resident; elsewhere at most the file.
+	if strings.HasPrefix(dir, "/dev/shm/") && after != 1<<20 || after > 8<<20 {
+		t.Errorf("after writing 1 MiB: %d resident", after)
+	}
+	if _, err := OpenResidency(filepath.Join(dir, "missing")); err == nil {
+		t.Error("a missing file opened")
+	}
+}

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // hostCounterKeys are the /proc/vmstat counters a wave's counter tracks follow: page
@@ -38,7 +40,7 @@ type hostSample struct {
 	at       time.Time
 	vmstat   map[string]int64
 	stallUS  map[string]int64 // PSI some total, µs
-	resident int64            // checkpoint file pages in memory (-1: unknown)
+	resident int64            // checkpoint file bytes in memory (-1: unknown)
 }
 
 // hostSampler reads the host's counters every interval while a wave runs, adding each
@@ -46,7 +48,7 @@ type hostSample struct {
 type hostSampler struct {
 	interval time.Duration
 	t        *Trace
-	ram      *residency // nil: no checkpoint file
+	ram      *memfile.ResidencyMap // nil: no checkpoint file
 	stop     chan struct{}
 	done     sync.WaitGroup
 	first    hostSample
@@ -61,7 +63,7 @@ const hostCountersPid = 1 << 20
 func startHostSampler(t *Trace, interval time.Duration, ramPath string) *hostSampler {
 	s := &hostSampler{interval: interval, t: t, stop: make(chan struct{})}
 	if ramPath != "" {
-		s.ram, _ = openResidency(ramPath) // nil when it cannot be mapped: no track
+		s.ram, _ = memfile.OpenResidency(ramPath) // nil when it cannot be mapped: no track
 	}
 	s.t.Group(hostCountersPid, "host counters")
 	s.first = s.read()
@@ -97,7 +99,7 @@ func (s *hostSampler) read() hostSample {
 		}
 	}
 	if s.ram != nil {
-		if n, err := s.ram.resident(); err == nil {
+		if n, err := s.ram.Bytes(); err == nil {
 			h.resident = n
 		}
 	}
@@ -125,7 +127,7 @@ func (s *hostSampler) emit(a, b hostSample) {
 		s.t.Counter(hostCountersPid, "pressure some %", b.at, stall)
 	}
 	if b.resident >= 0 {
-		s.t.Counter(hostCountersPid, "checkpoint file resident MiB", b.at, map[string]any{"MiB": round3(float64(b.resident*int64(os.Getpagesize())) / (1 << 20))})
+		s.t.Counter(hostCountersPid, "checkpoint file resident MiB", b.at, map[string]any{"MiB": round3(float64(b.resident) / (1 << 20))})
 	}
 }
 
@@ -136,7 +138,7 @@ func (s *hostSampler) finish() HostCounters {
 	end := s.read()
 	s.emit(s.last, end)
 	if s.ram != nil {
-		s.ram.close()
+		_ = s.ram.Close()
 	}
 	hc := HostCounters{IntervalMS: int(s.interval.Milliseconds()), Samples: s.n + 1, Deltas: map[string]int64{}}
 	for _, k := range hostCounterKeys {
@@ -151,8 +153,7 @@ func (s *hostSampler) finish() HostCounters {
 		}
 	}
 	if s.first.resident >= 0 && end.resident >= 0 {
-		pg := float64(os.Getpagesize()) / (1 << 20)
-		hc.CheckpointResidentMiB = &[2]float64{round3(float64(s.first.resident) * pg), round3(float64(end.resident) * pg)}
+		hc.CheckpointResidentMiB = &[2]float64{round3(float64(s.first.resident) / (1 << 20)), round3(float64(end.resident) / (1 << 20))}
 	}
 	return hc
 }

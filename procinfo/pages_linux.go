@@ -1,4 +1,4 @@
-package main
+package procinfo
 
 import (
 	"bufio"
@@ -15,12 +15,12 @@ type kpages struct{ cnt, flg *os.File }
 func openKPages() (*kpages, error) {
 	cnt, err := os.Open("/proc/kpagecount")
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", errPagesUnavailable, err)
+		return nil, fmt.Errorf("%w: %w", ErrPagesUnavailable, err)
 	}
 	flg, err := os.Open("/proc/kpageflags")
 	if err != nil {
 		cnt.Close()
-		return nil, fmt.Errorf("%w: %w", errPagesUnavailable, err)
+		return nil, fmt.Errorf("%w: %w", ErrPagesUnavailable, err)
 	}
 	return &kpages{cnt, flg}, nil
 }
@@ -38,11 +38,12 @@ func read8(f *os.File, pfn uint64) (uint64, error) {
 func (k *kpages) count(pfn uint64) (uint64, error) { return read8(k.cnt, pfn) }
 func (k *kpages) flags(pfn uint64) (uint64, error) { return read8(k.flg, pfn) }
 
-// pageCensus reads the census of the guest RAM mapping (memBytes long, file-backed)
-// of QEMU process pid.
-func pageCensus(name string, pid int, memBytes int64) (*PageCensus, error) {
+// Pages reads the census of the file-backed mapping of process pid that is exactly
+// memBytes long (a QEMU's guest RAM), naming it name. It needs root: pagemap hides page
+// frame numbers from others, and /proc/kpagecount is root's (ErrPagesUnavailable).
+func Pages(name string, pid int, memBytes int64) (*PageCensus, error) {
 	if os.Geteuid() != 0 {
-		return nil, fmt.Errorf("%w: needs root (pagemap hides page frame numbers from others, /proc/kpagecount is root's)", errPagesUnavailable)
+		return nil, fmt.Errorf("%w: needs root (pagemap hides page frame numbers from others, /proc/kpagecount is root's)", ErrPagesUnavailable)
 	}
 	start, end, file, err := ramMapping(pid, memBytes)
 	if err != nil {
@@ -50,14 +51,14 @@ func pageCensus(name string, pid int, memBytes int64) (*PageCensus, error) {
 	}
 	pm, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", pid))
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", name, err)
+		return nil, fmt.Errorf("procinfo: %s: %w", name, err)
 	}
 	defer pm.Close()
 	pg := uint64(os.Getpagesize())
 	n := (end - start) / pg
 	buf := make([]byte, n*8)
 	if _, err := pm.ReadAt(buf, int64(start/pg*8)); err != nil {
-		return nil, fmt.Errorf("%s: pagemap: %w", name, err)
+		return nil, fmt.Errorf("procinfo: %s: pagemap: %w", name, err)
 	}
 	entries := make([]uint64, n)
 	for i := range entries {
@@ -80,7 +81,7 @@ func pageCensus(name string, pid int, memBytes int64) (*PageCensus, error) {
 func ramMapping(pid int, memBytes int64) (start, end uint64, file string, err error) {
 	f, err := os.Open(fmt.Sprintf("/proc/%d/maps", pid))
 	if err != nil {
-		return 0, 0, "", err
+		return 0, 0, "", fmt.Errorf("procinfo: %w", err)
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
@@ -99,5 +100,5 @@ func ramMapping(pid int, memBytes int64) (start, end uint64, file string, err er
 			return s, e, strings.Join(fl[5:], " "), nil
 		}
 	}
-	return 0, 0, "", fmt.Errorf("pid %d: no file mapping of %d bytes (guest RAM not file-backed?)", pid, memBytes)
+	return 0, 0, "", fmt.Errorf("procinfo: pid %d: no file mapping of %d bytes (guest RAM not file-backed?)", pid, memBytes)
 }
