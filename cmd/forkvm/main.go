@@ -38,19 +38,9 @@ func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code)
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := newApp().Run(ctx, os.Args)
+	code := runMain(ctx, os.Args, os.Stderr)
 	stop()
-	var ee exitError
-	switch {
-	case errors.As(err, &ee):
-		os.Exit(ee.code)
-	case err != nil:
-		fmt.Fprintln(os.Stderr, "forkvm:", err)
-		if h := errorHint(err); h != "" {
-			fmt.Fprintln(os.Stderr, "forkvm:", h)
-		}
-		os.Exit(1)
-	}
+	os.Exit(code)
 }
 
 // errorHint is a line that says where to look next after err ("" when none helps).
@@ -85,6 +75,7 @@ func newApp() *cli.Command {
 	for _, c := range app.Commands {
 		helpWords(c)
 	}
+	usageErrors(app)
 	return app
 }
 
@@ -135,7 +126,7 @@ func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, mark
 	}
 	sock := cmd.String("socket")
 	return local.Open(ctx, cfg, &local.Options{
-		Socket: sock, RequireDaemon: requireDaemon || sock != "", OneShot: true,
+		Socket: sock, RequireDaemon: requireDaemon || sock != "", OneShot: true, AccelUnused: !startsQEMU(cmd),
 		Hint: func(le *engine.LockedError) {
 			who := "another forkvm process"
 			if le.PID > 0 {
@@ -516,9 +507,32 @@ func pinCmd(pin bool) *cli.Command {
 				return err
 			}
 			defer api.Close()
-			return api.SetPinned(ctx, cmd.Args().First(), pin)
+			name := cmd.Args().First()
+			if err := api.SetPinned(ctx, name, pin); err != nil {
+				return err
+			}
+			fmt.Println(pinLine(ctx, api, name, pin))
+			return nil
 		},
 	}
+}
+
+// pinLine is what pin and unpin report: an unpinned checkpoint whose forks are all gone
+// is deleted at once, which the user must hear of (it was left unsaid).
+func pinLine(ctx context.Context, api wire.API, name string, pin bool) string {
+	if pin {
+		return fmt.Sprintf("pinned checkpoint %s: kept after its last fork is deleted", name)
+	}
+	ck, err := api.GetCheckpoint(ctx, name)
+	switch {
+	case errors.Is(err, engine.ErrNotFound):
+		return fmt.Sprintf("unpinned checkpoint %s: it had no forks left, so it was deleted", name)
+	case err != nil:
+		return fmt.Sprintf("unpinned checkpoint %s (%v)", name, userMessage(err))
+	case len(ck.Forks) == 0:
+		return fmt.Sprintf("unpinned checkpoint %s: never forked, it stays until it is forked and its last fork is deleted, or forkvm checkpoint rm", name)
+	}
+	return fmt.Sprintf("unpinned checkpoint %s: deleted with the last of its %d forks", name, len(ck.Forks))
 }
 
 func forkCmd() *cli.Command {
