@@ -116,9 +116,14 @@ func connect(ctx context.Context, cmd *cli.Command, requireDaemon bool) (wire.AP
 
 // connectWith is connect with markers for an in-process engine (nil: none).
 func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, markers engine.PhaseMarker) (wire.API, error) {
+	return connectConfig(ctx, cmd, requireDaemon, func(c *engine.Config) { c.Markers = markers })
+}
+
+// connectConfig is connect with mod applied to an in-process engine's configuration.
+func connectConfig(ctx context.Context, cmd *cli.Command, requireDaemon bool, mod func(*engine.Config)) (wire.API, error) {
 	const lockWait = 2 * time.Minute
-	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map"),
-		Markers: markers}
+	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map")}
+	mod(cfg)
 	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if cmd.Bool("verbose") {
@@ -550,6 +555,7 @@ func forkCmd() *cli.Command {
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
+			countersFlag("each fork"),
 			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -575,13 +581,18 @@ func forkCmd() *cli.Command {
 					markers = tr.in
 				}
 			}
-			api, err := connectWith(ctx, cmd, false, markers)
+			api, err := connectConfig(ctx, cmd, false, func(c *engine.Config) {
+				c.Markers, c.Counters = markers, cmd.Bool("counters")
+			})
 			if err != nil {
 				return err
 			}
 			defer api.Close()
 			if _, inProcess := api.(*local.Local); tr != nil && !inProcess {
 				return errTraceDaemon
+			}
+			if err := checkDaemonCounters(ctx, api, cmd.Bool("counters")); err != nil {
+				return err
 			}
 			start := time.Now()
 			evs, err := api.ForkMany(ctx, src, n, opts)
@@ -652,9 +663,9 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 				}
 			}
 			tm := ev.Timings
-			fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d\n", ev.Name,
+			fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d%s\n", ev.Name,
 				ev.Latency.Round(time.Millisecond), tm.Spawn.Round(time.Millisecond),
-				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID)
+				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID, countersText(ev.VM.Counters))
 		}
 		if ev.Err != nil {
 			t.failed++
