@@ -317,3 +317,48 @@ func serveHTTP(t *testing.T, addr, body string) func() {
 	go srv.Serve(l)
 	return func() { srv.Close() }
 }
+
+// TestREADMEGoBlock: the README's Go API block compiles as written, in a main function
+// with a ctx, and the tar stream and writer it names (the only names it leaves to the
+// reader); its results left unused are all the compiler may say.
+func TestREADMEGoBlock(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join(repoRoot, "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(b), "\n```go\n")
+	block, _, ok2 := strings.Cut(rest, "\n```\n")
+	if !ok || !ok2 || !strings.Contains(block, "engine.New(") {
+		t.Fatal("README.md has no Go block with engine.New")
+	}
+	src := "package main\n\nimport (\n\t\"context\"\n\t\"errors\"\n\t\"io\"\n\t\"os\"\n\n" +
+		"\t\"github.com/forkvm/forkvm/engine\"\n\t\"github.com/forkvm/forkvm/vsockd\"\n)\n\n" +
+		"func main() {\n\tctx := context.Background()\n\tvar tarStream io.Reader\n\tvar w io.Writer\n" + block + "\n}\n"
+	dir := t.TempDir()
+	file := filepath.Join(dir, "main.go")
+	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// An overlay puts the file in a package of the module without writing into it.
+	overlay, _ := json.Marshal(map[string]any{"Replace": map[string]string{filepath.Join(repoRoot, "tests", "readmego", "main.go"): file}})
+	ov := filepath.Join(dir, "overlay.json")
+	if err := os.WriteFile(ov, overlay, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("go", "build", "-gcflags=-e", "-overlay", ov, "-o", os.DevNull, "./tests/readmego")
+	cmd.Dir = repoRoot
+	out, err := cmd.CombinedOutput()
+	if err == nil {
+		return
+	}
+	var bad []string
+	for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		if strings.HasPrefix(l, "#") || strings.Contains(l, "declared and not used") || strings.Contains(l, "imported and not used") {
+			continue
+		}
+		bad = append(bad, l)
+	}
+	if len(bad) > 0 || !strings.Contains(string(out), "not used") {
+		t.Errorf("README.md's Go block does not compile: %v\n%s\n%s", err, out, src)
+	}
+}
