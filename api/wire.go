@@ -32,6 +32,10 @@ type DaemonObject struct {
 	PID      int    `json:"pid"`
 	StateDir string `json:"state_dir"`
 	Accel    string `json:"accel"`
+	// Counters says whether the daemon's engine counts each QEMU's kernel work
+	// (engine Config.Counters, `forkvm serve --counters`): then every VM it starts has
+	// Info.Counters and its spans theirs.
+	Counters bool `json:"counters"`
 }
 
 // VMObject is a VM (forkvm.vm/v1): its Info with a schema name.

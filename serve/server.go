@@ -338,7 +338,8 @@ func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Dura
 
 // info describes the daemon.
 func (s *Server) info(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, DaemonObject{Schema: DaemonSchema, PID: s.pid, StateDir: s.e.Config().StateDir, Accel: string(s.e.Accel())})
+	writeJSON(w, http.StatusOK, DaemonObject{Schema: DaemonSchema, PID: s.pid, StateDir: s.e.Config().StateDir, Accel: string(s.e.Accel()),
+		Counters: s.e.Config().Counters})
 }
 
 // budget answers the engine's vCPU admission budget.

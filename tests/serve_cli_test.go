@@ -55,8 +55,11 @@ func TestServeCLI(t *testing.T) {
 	daemon := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"), "--overcommit", "32")
 
 	ok(nil, "create", "s1", "--cpus", "1", "--memory-mb", "256", "--forkable")
-	if _, errs, code := cli(nil, "--accel", "tcg", "ls"); code == 0 || !strings.Contains(errs, "chosen by the daemon") {
+	if _, errs, code := cli(nil, "--accel", "tcg", "create", "s2"); code == 0 || !strings.Contains(errs, "chosen by the daemon") {
 		t.Errorf("--accel with a daemon: %d %q", code, errs)
+	}
+	if _, errs, code := cli(nil, "--accel", "tcg", "ls"); code != 0 {
+		t.Errorf("--accel tcg ls with a daemon (it starts no QEMU): %d %q", code, errs)
 	}
 	var vms []serve.VMObject
 	if err := json.Unmarshal([]byte(ok(nil, "ls", "--json")), &vms); err != nil || len(vms) != 1 || vms[0].Schema != serve.VMSchema || vms[0].Name != "s1" {

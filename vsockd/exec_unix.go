@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -327,6 +328,57 @@ func checkDir(dir string) error {
 	return nil
 }
 
+// checkDirFor reports a working directory that user cannot enter (a directory on its
+// path it may not search), naming the directory and the user: the agent checks as
+// root, so checkDir alone passes, and the child's failed chdir would come back from
+// ForkExec as its errno, indistinguishable from a failed execve ("pwd: permission
+// denied" for a command that is fine). Mode bits only (the guest's root images carry
+// no ACLs the agent would honour differently). A root user enters anything.
+func checkDirFor(dir string, user *execUser, spec string) error {
+	if dir == "" || user == nil || user.uid == 0 {
+		return nil
+	}
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return &execError{CodeWorkdir, fmt.Sprintf("%s: %v", dir, err)}
+	}
+	if real, err := filepath.EvalSymlinks(abs); err == nil {
+		abs = real
+	}
+	p := "/"
+	for _, part := range append([]string{""}, strings.Split(strings.TrimPrefix(abs, "/"), "/")...) {
+		p = filepath.Join(p, part)
+		fi, err := os.Stat(p)
+		if err != nil {
+			return &execError{CodeWorkdir, fmt.Sprintf("%s: %v", dir, err)}
+		}
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !ok {
+			return nil
+		}
+		if !canSearch(fi.Mode().Perm(), st.Uid, st.Gid, user) {
+			where := ""
+			if p != abs {
+				where = fmt.Sprintf(" (%s is mode %#o, owner %d:%d)", p, fi.Mode().Perm(), st.Uid, st.Gid)
+			}
+			return &execError{CodeWorkdir, fmt.Sprintf("%s: permission denied for user %s%s", dir, spec, where)}
+		}
+	}
+	return nil
+}
+
+// canSearch reports whether user may search (x) a directory of mode perm owned by
+// uid:gid, by the owner, group, other classes as the kernel picks them.
+func canSearch(perm fs.FileMode, uid, gid uint32, user *execUser) bool {
+	switch {
+	case uid == user.uid:
+		return perm&0o100 != 0
+	case gid == user.gid || slices.Contains(user.groups, gid):
+		return perm&0o010 != 0
+	}
+	return perm&0o001 != 0
+}
+
 // lookPath resolves file using the PATH of the child environment (not the
 // agent's own), relative to dir for relative PATH entries. A file found in
 // PATH but not executable is reported as CodeNotExecutable (as sh does),
@@ -380,6 +432,9 @@ func startProcess(req *execStartWire) (*proc, error) {
 	}
 	env := buildEnv(req, user)
 	if err := checkDir(req.Dir); err != nil {
+		return nil, err
+	}
+	if err := checkDirFor(req.Dir, user, req.User); err != nil {
 		return nil, err
 	}
 	path, err := lookPath(req.Argv[0], env, req.Dir)
@@ -455,6 +510,9 @@ func startProcess(req *execStartWire) (*proc, error) {
 	if err != nil {
 		p.closeFiles()
 		if derr := checkDir(req.Dir); derr != nil { // removed while we started
+			return nil, derr
+		}
+		if derr := checkDirFor(req.Dir, user, req.User); derr != nil { // or its mode changed
 			return nil, derr
 		}
 		return nil, &execError{classifyExecErr(err), fmt.Sprintf("%s: %v", req.Argv[0], err)}

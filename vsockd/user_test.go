@@ -115,3 +115,59 @@ func TestExecUser(t *testing.T) {
 		t.Fatalf("tty exec as tester: %d %v %q", code, err, out.String())
 	}
 }
+
+// TestExecWorkdirForUser: a working directory the user cannot enter is ErrWorkdir
+// naming the directory and the user (the agent checks as root, and a failed chdir in
+// the child reads like a failed execve: "pwd: permission denied"); one it can enter,
+// through its group or as other, runs.
+func TestExecWorkdirForUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("running as another user needs root")
+	}
+	fakeUserDB(t)
+	c := pair(t, nil)
+	base := t.TempDir()
+	os.Chmod(filepath.Dir(base), 0o755) // t.TempDir makes both 0700
+	os.Chmod(base, 0o755)
+	mk := func(name string, mode os.FileMode, gid int) string {
+		d := filepath.Join(base, name)
+		if err := os.Mkdir(d, mode); err != nil {
+			t.Fatal(err)
+		}
+		os.Chmod(d, mode)
+		if err := os.Chown(d, 0, gid); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	private := mk("private", 0o700, 0)
+	inner := filepath.Join(private, "inner")
+	os.Mkdir(inner, 0o755)
+	group := mk("group", 0o710, 5000) // tester is in 5000 as a supplementary group
+	open := mk("open", 0o711, 0)
+	for _, tc := range []struct {
+		user, dir string
+		ok        bool
+	}{
+		{"tester", private, false},
+		{"tester", inner, false}, // searchable itself, under one that is not
+		{"nobody", group, false},
+		{"tester", group, true},
+		{"nobody", open, true},
+		{"", private, true}, // root
+		{"0", private, true},
+	} {
+		var out bytes.Buffer
+		code, err := c.Run(tctx(t), &ExecRequest{User: tc.user, Dir: tc.dir, Argv: []string{"pwd"}, Stdout: &out})
+		if tc.ok {
+			if err != nil || code != 0 || strings.TrimSpace(out.String()) != tc.dir {
+				t.Errorf("user %q in %s: %d %v %q", tc.user, tc.dir, code, err, out.String())
+			}
+			continue
+		}
+		if !errors.Is(err, ErrWorkdir) || errors.Is(err, ErrNotExecutable) || code != -1 ||
+			!strings.Contains(err.Error(), tc.dir) || !strings.Contains(err.Error(), tc.user) || strings.Contains(err.Error(), "pwd") {
+			t.Errorf("user %q in %s: %d %v, want ErrWorkdir naming the directory and the user", tc.user, tc.dir, code, err)
+		}
+	}
+}

@@ -64,7 +64,7 @@ func execCmd() *cli.Command {
 				if code <= 0 {
 					return err
 				}
-				fmt.Fprintln(os.Stderr, "forkvm:", err)
+				fmt.Fprintln(os.Stderr, "forkvm:", userMessage(err))
 			}
 			if code != 0 {
 				return exitError{code}

@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"io"
 	"reflect"
 	"regexp"
@@ -127,8 +126,9 @@ func helpCmd() *cli.Command {
 			app.Writer, app.ErrWriter = cmd.Root().Writer, cmd.Root().ErrWriter
 			c := app
 			for _, a := range cmd.Args().Slice() {
+				parent := c
 				if c = c.Command(a); c == nil || a == "help" {
-					return fmt.Errorf("forkvm help: no command %q (forkvm help lists them)", strings.Join(cmd.Args().Slice(), " "))
+					return unknownCommand(parent, a)
 				}
 			}
 			// A fresh context: urfave/cli would otherwise take the running command
@@ -165,7 +165,7 @@ func helpWords(c *cli.Command) {
 			return cli.ShowSubcommandHelp(cmd)
 		}
 		if own == nil {
-			return fmt.Errorf("forkvm %s: no subcommand %q (forkvm %s help lists them)", cmd.Name, args[0], cmd.Name)
+			return unknownCommand(cmd, args[0])
 		}
 		return own(ctx, cmd)
 	}

@@ -38,19 +38,9 @@ func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code)
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := newApp().Run(ctx, os.Args)
+	code := runMain(ctx, os.Args, os.Stderr)
 	stop()
-	var ee exitError
-	switch {
-	case errors.As(err, &ee):
-		os.Exit(ee.code)
-	case err != nil:
-		fmt.Fprintln(os.Stderr, "forkvm:", err)
-		if h := errorHint(err); h != "" {
-			fmt.Fprintln(os.Stderr, "forkvm:", h)
-		}
-		os.Exit(1)
-	}
+	os.Exit(code)
 }
 
 // errorHint is a line that says where to look next after err ("" when none helps).
@@ -85,6 +75,7 @@ func newApp() *cli.Command {
 	for _, c := range app.Commands {
 		helpWords(c)
 	}
+	usageErrors(app)
 	return app
 }
 
@@ -125,9 +116,14 @@ func connect(ctx context.Context, cmd *cli.Command, requireDaemon bool) (wire.AP
 
 // connectWith is connect with markers for an in-process engine (nil: none).
 func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, markers engine.PhaseMarker) (wire.API, error) {
+	return connectConfig(ctx, cmd, requireDaemon, func(c *engine.Config) { c.Markers = markers })
+}
+
+// connectConfig is connect with mod applied to an in-process engine's configuration.
+func connectConfig(ctx context.Context, cmd *cli.Command, requireDaemon bool, mod func(*engine.Config)) (wire.API, error) {
 	const lockWait = 2 * time.Minute
-	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map"),
-		Markers: markers}
+	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map")}
+	mod(cfg)
 	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if cmd.Bool("verbose") {
@@ -135,7 +131,7 @@ func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, mark
 	}
 	sock := cmd.String("socket")
 	return local.Open(ctx, cfg, &local.Options{
-		Socket: sock, RequireDaemon: requireDaemon || sock != "", OneShot: true,
+		Socket: sock, RequireDaemon: requireDaemon || sock != "", OneShot: true, AccelUnused: !startsQEMU(cmd),
 		Hint: func(le *engine.LockedError) {
 			who := "another forkvm process"
 			if le.PID > 0 {
@@ -516,9 +512,32 @@ func pinCmd(pin bool) *cli.Command {
 				return err
 			}
 			defer api.Close()
-			return api.SetPinned(ctx, cmd.Args().First(), pin)
+			name := cmd.Args().First()
+			if err := api.SetPinned(ctx, name, pin); err != nil {
+				return err
+			}
+			fmt.Println(pinLine(ctx, api, name, pin))
+			return nil
 		},
 	}
+}
+
+// pinLine is what pin and unpin report: an unpinned checkpoint whose forks are all gone
+// is deleted at once, which the user must hear of (it was left unsaid).
+func pinLine(ctx context.Context, api wire.API, name string, pin bool) string {
+	if pin {
+		return fmt.Sprintf("pinned checkpoint %s: kept after its last fork is deleted", name)
+	}
+	ck, err := api.GetCheckpoint(ctx, name)
+	switch {
+	case errors.Is(err, engine.ErrNotFound):
+		return fmt.Sprintf("unpinned checkpoint %s: it had no forks left, so it was deleted", name)
+	case err != nil:
+		return fmt.Sprintf("unpinned checkpoint %s (%v)", name, userMessage(err))
+	case len(ck.Forks) == 0:
+		return fmt.Sprintf("unpinned checkpoint %s: never forked, it stays until it is forked and its last fork is deleted, or forkvm checkpoint rm", name)
+	}
+	return fmt.Sprintf("unpinned checkpoint %s: deleted with the last of its %d forks", name, len(ck.Forks))
 }
 
 func forkCmd() *cli.Command {
@@ -536,6 +555,7 @@ func forkCmd() *cli.Command {
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
+			countersFlag("each fork"),
 			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -557,13 +577,18 @@ func forkCmd() *cli.Command {
 					markers = tr.in
 				}
 			}
-			api, err := connectWith(ctx, cmd, false, markers)
+			api, err := connectConfig(ctx, cmd, false, func(c *engine.Config) {
+				c.Markers, c.Counters = markers, cmd.Bool("counters")
+			})
 			if err != nil {
 				return err
 			}
 			defer api.Close()
 			if _, inProcess := api.(*local.Local); tr != nil && !inProcess {
 				return errTraceDaemon
+			}
+			if err := checkDaemonCounters(ctx, api, cmd.Bool("counters")); err != nil {
+				return err
 			}
 			start := time.Now()
 			evs, err := api.ForkMany(ctx, src, req.N, req.Options())
@@ -634,9 +659,9 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 				}
 			}
 			tm := ev.Timings
-			fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d\n", ev.Name,
+			fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d%s\n", ev.Name,
 				ev.Latency.Round(time.Millisecond), tm.Spawn.Round(time.Millisecond),
-				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID)
+				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID, countersText(ev.VM.Counters))
 		}
 		if ev.Err != nil {
 			t.failed++

@@ -39,6 +39,7 @@ func serveCmd() *cli.Command {
 			&cli.FloatFlag{Name: "overcommit", Usage: "vCPU budget = host CPUs x this (0 = engine default 8)"},
 			&cli.FloatFlag{Name: "max-overcommit", Usage: "refuse requests asking for a higher overcommit than this (0 = 2 x --overcommit)"},
 			&cli.FloatFlag{Name: "memory-commit-ratio", Usage: "part of each VM's guest RAM admission keeps room for (0 = engine default 0.1)"},
+			countersFlag("every VM the daemon starts"),
 			&cli.StringFlag{Name: "memory-cgroup", Usage: "memory cgroup directory below which VMs created with --memory-limit-mb get their own (default: the daemon's own cgroup; on cgroup v2 name one without processes that delegates memory)"},
 		}, fleetServeFlags()...),
 		// The unix socket (mode 0600) is the global --socket ($FORKVM_SOCKET), the one
@@ -66,7 +67,7 @@ func serveCmd() *cli.Command {
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), PerfMap: cmd.Bool("perf-map"),
 				Overcommit: cmd.Float("overcommit"), MaxOvercommit: cmd.Float("max-overcommit"), MemoryCommitRatio: cmd.Float("memory-commit-ratio"),
-				MemoryCgroup: cmd.String("memory-cgroup")}
+				MemoryCgroup: cmd.String("memory-cgroup"), Counters: cmd.Bool("counters")}
 			// Warnings (a VM kept aside at recovery, a damaged hole list) are always logged.
 			cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 			if cmd.Bool("verbose") {

@@ -101,8 +101,15 @@ func TestServeCmd(t *testing.T) {
 	if err := cli("budget"); err != nil {
 		t.Errorf("budget through the daemon: %v", err)
 	}
-	if err := cli("--accel", "tcg", "ls"); !errors.Is(err, engine.ErrInvalidSpec) {
-		t.Errorf("--accel with a daemon: %v, want ErrInvalidSpec", err)
+	// --accel plays a part only where a QEMU starts: read-only commands use the daemon,
+	// a create is refused (the daemon chose its accelerator) before anything boots.
+	for _, c := range [][]string{{"ls"}, {"checkpoints"}, {"budget"}, {"ls", "--json"}} {
+		if err := cli(append([]string{"--accel", "tcg"}, c...)...); err != nil {
+			t.Errorf("--accel tcg %s with a daemon: %v", strings.Join(c, " "), err)
+		}
+	}
+	if err := cli("--accel", "tcg", "create", "x"); !errors.Is(err, engine.ErrInvalidSpec) {
+		t.Errorf("--accel tcg create with a daemon: %v, want ErrInvalidSpec", err)
 	}
 	if err := cli("--socket", filepath.Join(home, "nobody.sock"), "ls"); !errors.Is(err, errNoDaemon) {
 		t.Errorf("--socket with no daemon there: %v, want errNoDaemon", err)

@@ -31,6 +31,12 @@ type Options struct {
 	// client holds a virtio-serial port) or reads its console. Later agent operations on
 	// the same VM use that connection; anything else fails with ErrClosed.
 	OneShot bool
+	// AccelUnused is for an operation that starts no QEMU (a listing, an exec, a
+	// delete): a daemon is used whatever cfg.Accel says, since the accelerator plays no
+	// part in it. Without it a cfg.Accel other than "" or auto is refused by a daemon,
+	// which chose its own (`forkvm --accel tcg ls` works while a daemon runs; `forkvm
+	// --accel tcg create` is refused rather than silently booted otherwise).
+	AccelUnused bool
 }
 
 // ErrNoDaemon is returned by Open with RequireDaemon when no daemon answers.
@@ -42,7 +48,7 @@ var ErrNoDaemon = errors.New("forkvm: no daemon")
 // cfg.LockWait for another engine holding the directory). A nil cfg or opts means
 // defaults. Open never starts a daemon. With a daemon, the daemon's own configuration
 // applies: a cfg.Accel other than "" or auto is refused (ErrInvalidSpec) rather than
-// silently ignored.
+// silently ignored, unless opts.AccelUnused.
 func Open(ctx context.Context, cfg *engine.Config, opts *Options) (api.API, error) {
 	var c engine.Config
 	if cfg != nil {
@@ -61,7 +67,7 @@ func Open(ctx context.Context, cfg *engine.Config, opts *Options) (api.API, erro
 		sock = api.SocketPath(dir)
 	}
 	if client.Answers(ctx, sock) {
-		if c.Accel != "" && c.Accel != engine.AccelAuto {
+		if c.Accel != "" && c.Accel != engine.AccelAuto && !o.AccelUnused {
 			return nil, fmt.Errorf("%w: the accelerator is chosen by the daemon on %s (forkvm serve --accel), not by its clients", engine.ErrInvalidSpec, sock)
 		}
 		return client.New(sock), nil

@@ -70,6 +70,10 @@ func TestOpen(t *testing.T) {
 			daemon(t, home, serve.SocketPath(home))
 			return nil
 		}},
+		{name: "a client's accelerator where it plays no part", accel: engine.AccelTCG, wantDaemon: true, setup: func(t *testing.T, home string) *Options {
+			daemon(t, home, serve.SocketPath(home))
+			return &Options{AccelUnused: true}
+		}},
 		{name: "auto accelerator is the daemon's", accel: engine.AccelAuto, wantDaemon: true, setup: func(t *testing.T, home string) *Options {
 			daemon(t, home, serve.SocketPath(home))
 			return nil

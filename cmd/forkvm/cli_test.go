@@ -1,0 +1,130 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+
+	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine"
+)
+
+// TestUsageErrors: a command line forkvm cannot parse gets one line on stderr, the flag
+// as it was typed, the nearest flag or command when one is near, no help text, and exit
+// status 2.
+func TestUsageErrors(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"create", "w1", "--cpu", "2"}, "forkvm create: unknown flag --cpu; did you mean --cpus?"},
+		{[]string{"create", "-cpu", "2", "w1"}, "forkvm create: unknown flag -cpu; did you mean --cpus?"},
+		{[]string{"create", "--cpu=2", "w1"}, "forkvm create: unknown flag --cpu; did you mean --cpus?"},
+		{[]string{"create", "w1", "--memroy-mb", "512"}, "forkvm create: unknown flag --memroy-mb; did you mean --memory-mb?"},
+		{[]string{"--hom", "x", "ls"}, "forkvm: unknown flag --hom; did you mean --home?"},
+		{[]string{"ls", "--verbos"}, "forkvm ls: unknown flag --verbos; did you mean --verbose?"}, // a global flag
+		{[]string{"fork", "ck", "--n", "2", "--prefx", "g"}, "forkvm fork: unknown flag --prefx; did you mean --prefix?"},
+		{[]string{"ls", "--zzzz"}, "forkvm ls: unknown flag --zzzz (forkvm ls --help lists its flags)"},
+		{[]string{"checkpoint", "rm", "--pin", "ck"}, "forkvm checkpoint rm: unknown flag --pin"},
+		{[]string{"create", "--cpus", "abc", "w"}, `forkvm create: invalid value "abc" for --cpus: invalid syntax`},
+		{[]string{"frob"}, `forkvm: unknown command "frob"; did you mean "fork"?`},
+		{[]string{"xyzzy"}, `forkvm: unknown command "xyzzy" (forkvm --help lists them)`},
+		{[]string{"chekpoints"}, `forkvm: unknown command "chekpoints"; did you mean "checkpoints"?`},
+		{[]string{"image", "crate", "x"}, `forkvm image: unknown command "crate"; did you mean "create"?`},
+		{[]string{"help", "frob"}, `forkvm: unknown command "frob"; did you mean "fork"?`},
+		{[]string{"create"}, "forkvm: usage: forkvm create NAME [flags]"},
+	} {
+		var stderr strings.Builder
+		code := runMain(context.Background(), append([]string{"forkvm"}, tc.args...), &stderr)
+		got := stderr.String()
+		if code != exitUsage || !strings.HasPrefix(got, tc.want) || strings.Count(got, "\n") != 1 {
+			t.Errorf("forkvm %s: exit %d, printed %q; want exit %d and the one line %q", strings.Join(tc.args, " "), code, got, exitUsage, tc.want)
+		}
+	}
+}
+
+// TestNearest: the suggestion is the nearest name by edit distance when it is near
+// enough, a unique completion otherwise, nothing for a word like no name.
+func TestNearest(t *testing.T) {
+	names := []string{"cpus", "memory-mb", "memory-limit-mb", "forkable", "disk-mb", "net"}
+	for _, tc := range []struct{ word, want string }{
+		{"cpu", "cpus"}, {"cpsu", "cpus"}, {"memory", ""}, {"memory-l", "memory-limit-mb"},
+		{"forkabel", "forkable"}, {"nte", "net"}, {"x", ""}, {"publish", ""},
+	} {
+		if got := nearest(tc.word, names); got != tc.want {
+			t.Errorf("nearest(%q) = %q, want %q", tc.word, got, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		a, b string
+		d    int
+	}{{"", "abc", 3}, {"cpu", "cpus", 1}, {"cpsu", "cpus", 1}, {"frob", "fork", 2}, {"kitten", "sitting", 3}} {
+		if d := editDistance(tc.a, tc.b); d != tc.d {
+			t.Errorf("editDistance(%q, %q) = %d, want %d", tc.a, tc.b, d, tc.d)
+		}
+	}
+}
+
+// TestUserMessage: errors are printed without the package names their parts carry, a
+// missing VM or checkpoint as what to do, and the printed text is all that changes.
+func TestUserMessage(t *testing.T) {
+	for _, tc := range []struct {
+		err  error
+		want string
+	}{
+		{fmt.Errorf("%w: vm x", engine.ErrNotFound), `no VM named "x" (forkvm ls lists them)`},
+		{fmt.Errorf("%w: checkpoint ck.1", engine.ErrNotFound), `no checkpoint named "ck.1" (forkvm checkpoints lists them)`},
+		{fmt.Errorf("%w: no checkpoint or vm named ck1", engine.ErrNotFound), `no checkpoint or VM named "ck1" (forkvm checkpoints, forkvm ls)`},
+		{fmt.Errorf("exec: %w", wire.ErrOutputLimit), "exec: output limit exceeded"},
+		{fmt.Errorf("%w: in use by f1", engine.ErrInUse), "checkpoint in use: in use by f1"},
+		{fmt.Errorf("%w: /root: permission denied for user nobody", wire.ErrWorkdir), "bad working directory: /root: permission denied for user nobody"},
+		{errors.New("a plain error: engineer: x"), "a plain error: engineer: x"},
+	} {
+		if got := userMessage(tc.err); got != tc.want {
+			t.Errorf("userMessage(%q) = %q, want %q", tc.err, got, tc.want)
+		}
+	}
+	var stderr strings.Builder
+	code := runMain(context.Background(), []string{"forkvm", "--home", t.TempDir(), "rm", "nosuch"}, &stderr)
+	if code != 1 || stderr.String() != "forkvm: no VM named \"nosuch\" (forkvm ls lists them)\n" {
+		t.Errorf("rm nosuch: exit %d, %q", code, stderr.String())
+	}
+}
+
+// fakeCheckpoints is an API whose GetCheckpoint answers from a map (ErrNotFound for
+// others); nothing else of it is called.
+type fakeCheckpoints struct {
+	wire.API
+	cks map[string]wire.CheckpointInfo
+}
+
+func (f fakeCheckpoints) GetCheckpoint(_ context.Context, name string) (wire.CheckpointInfo, error) {
+	if c, ok := f.cks[name]; ok {
+		return c, nil
+	}
+	return wire.CheckpointInfo{}, fmt.Errorf("%w: checkpoint %s", engine.ErrNotFound, name)
+}
+
+// TestPinLine: unpin says when it deleted the checkpoint (its forks were all gone), and
+// otherwise what will delete it.
+func TestPinLine(t *testing.T) {
+	api := fakeCheckpoints{cks: map[string]wire.CheckpointInfo{
+		"forked": {Forks: []string{"f1", "f2"}}, "fresh": {},
+	}}
+	for _, tc := range []struct {
+		name string
+		pin  bool
+		want string
+	}{
+		{"gone", false, "unpinned checkpoint gone: it had no forks left, so it was deleted"},
+		{"forked", false, "unpinned checkpoint forked: deleted with the last of its 2 forks"},
+		{"fresh", false, "unpinned checkpoint fresh: never forked"},
+		{"forked", true, "pinned checkpoint forked: kept after its last fork is deleted"},
+	} {
+		if got := pinLine(context.Background(), api, tc.name, tc.pin); !strings.HasPrefix(got, tc.want) {
+			t.Errorf("pin %v %s: %q, want %q", tc.pin, tc.name, got, tc.want)
+		}
+	}
+}

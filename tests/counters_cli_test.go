@@ -1,0 +1,98 @@
+package tests
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/serve"
+)
+
+// TestForkCountersCLI: `forkvm fork --counters` gives each fork the kernel's account of
+// its QEMU until ready, in its line, its JSON event and `ls --json`; through a daemon,
+// `forkvm serve --counters` does, and fork --counters is refused by a daemon that does
+// not count (before any fork starts) rather than giving forks without counters.
+func TestForkCountersCLI(t *testing.T) {
+	home, err := os.MkdirTemp("/tmp", "fvctr-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli := cliRunner(t, home)
+	t.Cleanup(func() {
+		cli(nil, "rm", "cw", "c1", "c2", "c3", "c4")
+		cli(nil, "checkpoint", "rm", "--force", "cck")
+		for pid := range procsReferencing(home) {
+			t.Errorf("leak: process %d still references %s", pid, home)
+		}
+		os.RemoveAll(home)
+	})
+	ok := func(args ...string) string {
+		t.Helper()
+		out, errs, code := cli(nil, args...)
+		if code != 0 {
+			t.Fatalf("forkvm %v: exit %d: %s%s", args, code, out, errs)
+		}
+		return out
+	}
+	// counted checks a fork's counters as the JSON of its VM object has them.
+	counted := func(what string, c *api.Counters) {
+		t.Helper()
+		if c == nil || c.Source == "" || c.Ready.MinorFaults <= 0 || c.Ready.TaskClock <= 0 || c.Ready.RSSShmem+c.Ready.RSSAnon <= 0 {
+			t.Errorf("%s: counters %+v, want the kernel's account until ready", what, c)
+		}
+	}
+	forkEvent := func(args ...string) api.ForkEventObject {
+		t.Helper()
+		var ev api.ForkEventObject
+		out := ok(append([]string{"fork", "cck", "--json"}, args...)...)
+		if err := json.Unmarshal([]byte(strings.TrimSpace(out)), &ev); err != nil || !ev.OK || ev.VM == nil {
+			t.Fatalf("fork %v: %q: %v", args, out, err)
+		}
+		return ev
+	}
+	ok("create", "cw", "--cpus", "1", "--memory-mb", "256", "--forkable")
+	ok("checkpoint", "cw", "cck", "--pin")
+
+	// Without a daemon: the CLI's engine counts for this fork.
+	ev := forkEvent("c1", "--counters")
+	counted("fork --counters event", ev.VM.Counters)
+	var vms []api.VMObject
+	if err := json.Unmarshal([]byte(ok("ls", "--json")), &vms); err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range vms {
+		switch v.Name {
+		case "c1":
+			counted("ls --json c1", v.Counters)
+		case "cw":
+			if v.Counters != nil {
+				t.Errorf("cw was created without --counters but has counters %+v", v.Counters)
+			}
+		}
+	}
+	if out := ok("fork", "cck", "c2", "--counters"); !strings.Contains(out, "kernel until ready (") || !strings.Contains(out, "minor / ") {
+		t.Errorf("fork --counters line: %q", out)
+	}
+
+	// A daemon that does not count refuses fork --counters before forking.
+	sock := serve.SocketPath(home)
+	d := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"))
+	if _, errs, code := cli(nil, "fork", "cck", "c3", "--counters"); code == 0 || !strings.Contains(errs, "serve --counters") {
+		t.Errorf("fork --counters through a daemon that does not count: %d %q", code, errs)
+	}
+	if out := ok("ls"); strings.Contains(out, "c3 ") {
+		t.Errorf("a refused fork --counters made c3:\n%s", out)
+	}
+	d.stop()
+
+	// forkvm serve --counters: every fork it makes is counted, --counters or not.
+	d = startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon2.log"), "--counters")
+	defer d.stop()
+	ev = forkEvent("c3")
+	counted("serve --counters fork event", ev.VM.Counters)
+	ev = forkEvent("c4", "--counters")
+	counted("serve --counters fork --counters event", ev.VM.Counters)
+}
