@@ -156,7 +156,11 @@ type ImageSource struct {
 	Mirror  string   `json:"mirror,omitempty"`  // Debian mirror
 }
 
-// RootImage is a root image in the cache.
+// RootImage is a root image in the cache. Its JSON (what `forkvm images --json` and
+// `image create --json` print, inside a forkvm.image/v1 object) is snake_case like
+// every other forkvm JSON object; releases before forkvm.image/v1 printed
+// diskBytes, contentBytes and agentSha256 and no schema. The cache's own
+// content.json keeps its field names: it is a file format, not output.
 type RootImage struct {
 	Name    string      `json:"name"`
 	Hash    string      `json:"hash"` // hex SHA-256 of the tree (agent included) and the disk size
@@ -165,12 +169,12 @@ type RootImage struct {
 	// Disk is the path of the ext4 root disk (raw, sparse, read-only: attach
 	// it through a copy-on-write overlay).
 	Disk         string `json:"disk"`
-	DiskBytes    int64  `json:"diskBytes"`    // size of Disk
-	ContentBytes int64  `json:"contentBytes"` // bytes of regular files in the tree
+	DiskBytes    int64  `json:"disk_bytes"`    // size of Disk
+	ContentBytes int64  `json:"content_bytes"` // bytes of regular files in the tree
 	Inodes       int64  `json:"inodes"`       // files, directories and symlinks in the tree
 	// AgentSHA256 is the SHA-256 of the agent installed at ImageAgentPath:
 	// the host can tell whether the image's agent is the one it expects.
-	AgentSHA256 string `json:"agentSha256"`
+	AgentSHA256 string `json:"agent_sha256"`
 	// Broken is set by ListImages for an image whose record or disk is
 	// unusable (LookupImage returns ErrCorruptImage for it); `forkvm image
 	// rm` removes it.

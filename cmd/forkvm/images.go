@@ -13,6 +13,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 )
@@ -104,7 +105,7 @@ func imageCreateCmd() *cli.Command {
 				return err
 			}
 			if cmd.Bool("json") {
-				return printJSON(img)
+				return printJSON(newImageObject(img))
 			}
 			fmt.Printf("image %s: disk %s, %s of files (on a %s sparse disk)\n  %s\n", img.Name, img.Hash[:16],
 				guest.FormatBytes(img.ContentBytes), guest.FormatBytes(img.DiskBytes), img.Disk)
@@ -145,14 +146,26 @@ func imagesCmd() *cli.Command {
 				return err
 			}
 			if cmd.Bool("json") {
-				if imgs == nil {
-					imgs = []*guest.RootImage{}
+				objs := make([]imageObject, 0, len(imgs))
+				for _, img := range imgs {
+					objs = append(objs, newImageObject(img))
 				}
-				return printJSON(imgs)
+				return printJSON(objs)
 			}
 			return printImages(os.Stdout, imgs)
 		},
 	}
+}
+
+// imageObject is a root image as --json prints it (forkvm.image/v1): the schema name
+// first, then guest.RootImage's snake_case fields, as every other --json object.
+type imageObject struct {
+	Schema string `json:"schema"`
+	*guest.RootImage
+}
+
+func newImageObject(img *guest.RootImage) imageObject {
+	return imageObject{Schema: wire.ImageSchema, RootImage: img}
 }
 
 func printImages(w io.Writer, imgs []*guest.RootImage) error {

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"testing"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/guest"
 )
 
@@ -78,6 +79,19 @@ func TestImageCommands(t *testing.T) {
 	if err != nil || json.Unmarshal([]byte(out), &imgs) != nil || len(imgs) != 1 || imgs[0].Name != "small" ||
 		imgs[0].DiskBytes != 64<<20 || imgs[0].Source.Kind != guest.SourceTarball {
 		t.Fatalf("images --json: %v\n%s", err, out)
+	}
+	// snake_case with a schema, as every other --json object.
+	var raw []map[string]any
+	if err := json.Unmarshal([]byte(out), &raw); err != nil || len(raw) != 1 {
+		t.Fatalf("images --json: %v\n%s", err, out)
+	}
+	for _, k := range []string{"schema", "disk_bytes", "content_bytes", "agent_sha256"} {
+		if _, ok := raw[0][k]; !ok {
+			t.Errorf("images --json has no %q: %s", k, out)
+		}
+	}
+	if raw[0]["schema"] != wire.ImageSchema {
+		t.Errorf("schema %v, want %s", raw[0]["schema"], wire.ImageSchema)
 	}
 	out, err = runCLI(t, "images", "--cache", cache)
 	if err != nil || !strings.Contains(out, "small") || !strings.Contains(out, "tarball "+root) {
