@@ -171,7 +171,7 @@ type RootImage struct {
 	Disk         string `json:"disk"`
 	DiskBytes    int64  `json:"disk_bytes"`    // size of Disk
 	ContentBytes int64  `json:"content_bytes"` // bytes of regular files in the tree
-	Inodes       int64  `json:"inodes"`       // files, directories and symlinks in the tree
+	Inodes       int64  `json:"inodes"`        // files, directories and symlinks in the tree
 	// AgentSHA256 is the SHA-256 of the agent installed at ImageAgentPath:
 	// the host can tell whether the image's agent is the one it expects.
 	AgentSHA256 string `json:"agent_sha256"`
