@@ -111,9 +111,16 @@ type ImageConfig struct {
 	Debian *DebianSource
 	// From, when not empty, is a root filesystem to import: a tar archive
 	// (plain, gzip or xz), a directory, an OCI image layout directory
-	// (oci-layout + index.json), an OCI layout in a tar archive, or a
-	// `docker save` archive. The kind is recognised from the content.
+	// (oci-layout + index.json), an OCI layout in a tar archive, a
+	// `docker save` archive, or a bootable disk image (raw or qcow2,
+	// partitioned or a bare ext4 file system: see importDisk). The kind is
+	// recognised from the content. A From that names no existing file and
+	// is an image reference (IsRegistryReference: REGISTRY/REPO:TAG,
+	// REPO@sha256:…) is pulled from its registry; a path that exists wins.
 	From string
+	// Insecure lets a registry pull use plain HTTP (a registry on
+	// 127.0.0.1 or localhost is reached over HTTP anyway).
+	Insecure bool
 	// Ref selects one image of an OCI layout or docker-save archive holding
 	// several (an org.opencontainers.image.ref.name annotation or a RepoTag);
 	// "" means the only linux/amd64 image.
@@ -149,6 +156,7 @@ type ImageStore struct {
 type ImageSource struct {
 	Kind    string   `json:"kind"`              // one of the Source* constants
 	Path    string   `json:"path,omitempty"`    // absolute path of From
+	Image   string   `json:"image,omitempty"`   // registry reference of a pulled image, as resolved
 	Ref     string   `json:"ref,omitempty"`     // ImageConfig.Ref
 	Digest  string   `json:"digest,omitempty"`  // manifest digest of an OCI or docker image
 	Suite   string   `json:"suite,omitempty"`   // Debian suite
@@ -434,11 +442,23 @@ func (b *imageBuild) populate(ctx context.Context, root, tmp string) error {
 			return fmt.Errorf("guest: creating staging directory: %w", err)
 		}
 		x := newExtractor(root, int64(c.SizeMiB)<<20, b.logf)
-		s, err := populateFrom(ctx, x, c.From, c.Ref, tmp)
+		var s *ImageSource
+		var err error
+		if b.src.Kind == SourceRegistry {
+			s, err = b.pullInto(ctx, x, tmp)
+		} else {
+			s, err = populateFrom(ctx, x, c.From, c.Ref, tmp)
+		}
 		if err != nil {
 			return err
 		}
 		b.src.Kind, b.src.Digest = s.Kind, s.Digest
+		if s.Image != "" {
+			b.src.Image = s.Image
+		}
+		if x, err = b.takeDiskArtifact(ctx, x, root, tmp); err != nil {
+			return err
+		}
 		if x.skipped > 0 {
 			b.logf("skipped %d FIFOs and sockets", x.skipped)
 		}
@@ -533,6 +553,14 @@ func checkImageConfig(c *ImageConfig, dirs rootfsDirs) (*ImageSource, error) {
 		}
 		c.Debian = &d
 		return &ImageSource{Kind: SourceDebian, Suite: d.Suite, Include: d.Include, Mirror: d.Mirror}, nil
+	}
+	if _, err := os.Lstat(c.From); errors.Is(err, fs.ErrNotExist) && IsRegistryReference(c.From) {
+		if c.Ref != "" {
+			return nil, fmt.Errorf("%w: Ref is only for OCI and docker archives (a registry reference names its image)", ErrInvalidImageConfig)
+		}
+		return &ImageSource{Kind: SourceRegistry, Image: c.From}, nil
+	} else if c.Insecure {
+		return nil, fmt.Errorf("%w: Insecure is for registry pulls, and %s is a path", ErrInvalidImageConfig, c.From)
 	}
 	abs, err := filepath.Abs(c.From)
 	if err != nil {
