@@ -35,7 +35,7 @@ func TestIsRegistryReference(t *testing.T) {
 		{"localhost/root", true},
 		{"debian:bookworm", true},
 		{"alpine@sha256:" + strings.Repeat("a", 64), true},
-		{"rootfs.tar", false},       // a missing file, not docker.io/library/rootfs.tar
+		{"rootfs.tar", false},        // a missing file, not docker.io/library/rootfs.tar
 		{"images/rootfs.tar", false}, // likewise
 		{"./x:y", false},
 		{"/abs/x:y", false},
