@@ -3,6 +3,8 @@ package guest
 import (
 	"context"
 	"errors"
+	"io"
+	"log"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -53,7 +55,7 @@ func TestIsRegistryReference(t *testing.T) {
 func testRegistry(t *testing.T) (host string, blobGets *atomic.Int64) {
 	t.Helper()
 	blobGets = new(atomic.Int64)
-	reg := registry.New()
+	reg := registry.New(registry.Logger(log.New(io.Discard, "", 0)))
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet && strings.Contains(r.URL.Path, "/blobs/sha256:") {
 			blobGets.Add(1)
