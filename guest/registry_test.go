@@ -1,6 +1,7 @@
 package guest
 
 import (
+	"archive/tar"
 	"context"
 	"errors"
 	"io"
@@ -207,19 +208,27 @@ func TestCreateImageRegistryDiskArtifact(t *testing.T) {
 	if art, err = mutate.ConfigFile(art, cf); err != nil {
 		t.Fatal(err)
 	}
+	// The same disk as a file at disk/disk.img in an ordinary tar layer.
+	inTar := imageOf(t, "amd64", []entry{{name: "disk/", typ: tar.TypeDir}, {name: DiskArtifactPath, data: string(b)}})
 	host, _ := testRegistry(t)
-	ref := host + "/test/disk:v1"
-	push(t, ref, art)
-	cache := t.TempDir()
-	var log strings.Builder
-	img, err := CreateImage(context.Background(), &ImageConfig{Name: "art", CacheDir: cache, From: ref, AgentBinary: testAgent(t), Log: &log})
-	if err != nil {
-		t.Fatalf("%v\n%s", err, log.String())
+	push(t, host+"/test/disk:v1", art)
+	push(t, host+"/test/disk:tar", inTar)
+	cache, agent := t.TempDir(), testAgent(t)
+	for _, tag := range []string{"v1", "tar"} {
+		var log strings.Builder
+		img, err := CreateImage(context.Background(), &ImageConfig{Name: "art-" + tag, CacheDir: cache, From: host + "/test/disk:" + tag, AgentBinary: agent, Log: &log})
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", tag, err, log.String())
+		}
+		if got := catDisk(t, img.Disk, "/etc/marker"); got != "in the artifact\n" {
+			t.Errorf("%s: /etc/marker = %q\n%s", tag, got, log.String())
+		}
+		if in := statDisk(t, img.Disk, "/"+DiskArtifactPath); in.exists {
+			t.Errorf("%s: the disk image itself is in the root image", tag)
+		}
+		if img.Source.Kind != SourceRegistry {
+			t.Errorf("%s: kind %q", tag, img.Source.Kind)
+		}
 	}
-	if got := catDisk(t, img.Disk, "/etc/marker"); got != "in the artifact\n" {
-		t.Errorf("/etc/marker = %q\n%s", got, log.String())
-	}
-	if img.Source.Kind != SourceRegistry {
-		t.Errorf("kind %q", img.Source.Kind)
-	}
+	assertNothingLeft(t, cache, "art-v1", "art-tar")
 }
