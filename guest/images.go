@@ -111,9 +111,16 @@ type ImageConfig struct {
 	Debian *DebianSource
 	// From, when not empty, is a root filesystem to import: a tar archive
 	// (plain, gzip or xz), a directory, an OCI image layout directory
-	// (oci-layout + index.json), an OCI layout in a tar archive, or a
-	// `docker save` archive. The kind is recognised from the content.
+	// (oci-layout + index.json), an OCI layout in a tar archive, a
+	// `docker save` archive, or a bootable disk image (raw or qcow2,
+	// partitioned or a bare ext4 file system: see importDisk). The kind is
+	// recognised from the content. A From that names no existing file and
+	// is an image reference (IsRegistryReference: REGISTRY/REPO:TAG,
+	// REPO@sha256:…) is pulled from its registry; a path that exists wins.
 	From string
+	// Insecure lets a registry pull use plain HTTP (a registry on
+	// 127.0.0.1 or localhost is reached over HTTP anyway).
+	Insecure bool
 	// Ref selects one image of an OCI layout or docker-save archive holding
 	// several (an org.opencontainers.image.ref.name annotation or a RepoTag);
 	// "" means the only linux/amd64 image.
@@ -149,6 +156,7 @@ type ImageStore struct {
 type ImageSource struct {
 	Kind    string   `json:"kind"`              // one of the Source* constants
 	Path    string   `json:"path,omitempty"`    // absolute path of From
+	Image   string   `json:"image,omitempty"`   // registry reference of a pulled image, as resolved
 	Ref     string   `json:"ref,omitempty"`     // ImageConfig.Ref
 	Digest  string   `json:"digest,omitempty"`  // manifest digest of an OCI or docker image
 	Suite   string   `json:"suite,omitempty"`   // Debian suite
@@ -156,7 +164,11 @@ type ImageSource struct {
 	Mirror  string   `json:"mirror,omitempty"`  // Debian mirror
 }
 
-// RootImage is a root image in the cache.
+// RootImage is a root image in the cache. Its JSON (what `forkvm images --json` and
+// `image create --json` print, inside a forkvm.image/v1 object) is snake_case like
+// every other forkvm JSON object; releases before forkvm.image/v1 printed
+// diskBytes, contentBytes and agentSha256 and no schema. The cache's own
+// content.json keeps its field names: it is a file format, not output.
 type RootImage struct {
 	Name    string      `json:"name"`
 	Hash    string      `json:"hash"` // hex SHA-256 of the tree (agent included) and the disk size
@@ -165,12 +177,12 @@ type RootImage struct {
 	// Disk is the path of the ext4 root disk (raw, sparse, read-only: attach
 	// it through a copy-on-write overlay).
 	Disk         string `json:"disk"`
-	DiskBytes    int64  `json:"diskBytes"`    // size of Disk
-	ContentBytes int64  `json:"contentBytes"` // bytes of regular files in the tree
-	Inodes       int64  `json:"inodes"`       // files, directories and symlinks in the tree
+	DiskBytes    int64  `json:"disk_bytes"`    // size of Disk
+	ContentBytes int64  `json:"content_bytes"` // bytes of regular files in the tree
+	Inodes       int64  `json:"inodes"`        // files, directories and symlinks in the tree
 	// AgentSHA256 is the SHA-256 of the agent installed at ImageAgentPath:
 	// the host can tell whether the image's agent is the one it expects.
-	AgentSHA256 string `json:"agentSha256"`
+	AgentSHA256 string `json:"agent_sha256"`
 	// Broken is set by ListImages for an image whose record or disk is
 	// unusable (LookupImage returns ErrCorruptImage for it); `forkvm image
 	// rm` removes it.
@@ -430,11 +442,23 @@ func (b *imageBuild) populate(ctx context.Context, root, tmp string) error {
 			return fmt.Errorf("guest: creating staging directory: %w", err)
 		}
 		x := newExtractor(root, int64(c.SizeMiB)<<20, b.logf)
-		s, err := populateFrom(ctx, x, c.From, c.Ref, tmp)
+		var s *ImageSource
+		var err error
+		if b.src.Kind == SourceRegistry {
+			s, err = b.pullInto(ctx, x, tmp)
+		} else {
+			s, err = populateFrom(ctx, x, c.From, c.Ref, tmp)
+		}
 		if err != nil {
 			return err
 		}
 		b.src.Kind, b.src.Digest = s.Kind, s.Digest
+		if s.Image != "" {
+			b.src.Image = s.Image
+		}
+		if x, err = b.takeDiskArtifact(ctx, x, root, tmp); err != nil {
+			return err
+		}
 		if x.skipped > 0 {
 			b.logf("skipped %d FIFOs and sockets", x.skipped)
 		}
@@ -529,6 +553,14 @@ func checkImageConfig(c *ImageConfig, dirs rootfsDirs) (*ImageSource, error) {
 		}
 		c.Debian = &d
 		return &ImageSource{Kind: SourceDebian, Suite: d.Suite, Include: d.Include, Mirror: d.Mirror}, nil
+	}
+	if _, err := os.Lstat(c.From); errors.Is(err, fs.ErrNotExist) && IsRegistryReference(c.From) {
+		if c.Ref != "" {
+			return nil, fmt.Errorf("%w: Ref is only for OCI and docker archives (a registry reference names its image)", ErrInvalidImageConfig)
+		}
+		return &ImageSource{Kind: SourceRegistry, Image: c.From}, nil
+	} else if c.Insecure {
+		return nil, fmt.Errorf("%w: Insecure is for registry pulls, and %s is a path", ErrInvalidImageConfig, c.From)
 	}
 	abs, err := filepath.Abs(c.From)
 	if err != nil {

@@ -344,6 +344,13 @@ func populateFrom(ctx context.Context, x *extractor, from, ref, tmp string) (*Im
 	if !fi.Mode().IsRegular() {
 		return nil, fmt.Errorf("%w: %s is neither a file nor a directory", ErrSourceNotFound, from)
 	}
+	if diskFormat(from) != "" {
+		if ref != "" {
+			return nil, fmt.Errorf("%w: Ref is only for OCI and docker archives", ErrInvalidImageConfig)
+		}
+		src.Kind = SourceDiskImage
+		return src, importDisk(ctx, x, from, tmp)
+	}
 	kind, err := classifyArchive(ctx, from)
 	if err != nil {
 		return nil, err

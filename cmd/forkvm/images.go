@@ -13,6 +13,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 )
@@ -49,17 +50,24 @@ func defaultAgent(cmd *cli.Command) (string, error) {
 func imageCreateCmd() *cli.Command {
 	return &cli.Command{
 		Name:  "create",
-		Usage: "build a root image: Debian (mmdebstrap) or from a tarball, directory, OCI layout or docker-save archive",
-		ArgsUsage: "NAME (--debian [--suite S] [--include P,...] | --from PATH [--ref REF])\n\n" +
+		Usage: "build a root image: Debian (mmdebstrap), a registry image, a disk image, or a tarball, directory, OCI layout or docker-save archive",
+		ArgsUsage: "NAME (--debian [--suite S] [--include P,...] | --from PATH|REGISTRY/REPO:TAG [--ref REF])\n\n" +
 			"   Needs root. The image is an ext4 disk with the forkvm agent at " + guest.ImageAgentPath + ",\n" +
 			"   stored by content hash in the cache, named in the state directory; `forkvm images`\n" +
-			"   lists them. A Debian recipe built before is reused (--rebuild builds it again).",
+			"   lists them. A Debian recipe built before is reused (--rebuild builds it again).\n\n" +
+			"   --from is a path when that path exists; otherwise, when it names a tag (:TAG), a\n" +
+			"   digest (@sha256:...) or a registry host (HOST/...), it is pulled (linux/amd64) with\n" +
+			"   the credentials of ~/.docker/config.json, layers cached by digest in the cache.\n" +
+			"   A disk image (raw or qcow2; GPT, MBR or a bare ext4) gives its root partition's files:\n" +
+			"   the GPT 'Linux root (x86-64)' partition, else the largest ext2/3/4 one. So does an\n" +
+			"   OCI artifact holding " + guest.DiskArtifactPath + ". forkvm's kernel and agent boot it.",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "debian", Usage: "build a Debian minbase root with mmdebstrap"},
 			&cli.StringFlag{Name: "suite", Usage: "Debian suite (with --debian)", Value: guest.DefaultSuite},
 			&cli.StringSliceFlag{Name: "include", Usage: "extra Debian packages, comma-separated (with --debian)"},
 			&cli.StringFlag{Name: "mirror", Usage: "Debian mirror URL (with --debian; default: mmdebstrap's)"},
-			&cli.StringFlag{Name: "from", Usage: "root filesystem: .tar[.gz|.xz], directory, OCI layout or docker-save archive"},
+			&cli.StringFlag{Name: "from", Usage: "root filesystem: .tar[.gz|.xz], directory, OCI layout, docker-save archive, disk image (raw, qcow2), or a registry reference"},
+			&cli.BoolFlag{Name: "insecure", Usage: "pull over plain HTTP (with a registry --from; loopback registries are HTTP anyway)"},
 			&cli.StringFlag{Name: "ref", Usage: "image to take from an OCI layout or docker-save archive holding several"},
 			&cli.IntFlag{Name: "size-mb", Usage: "disk size in MiB (default: content + 1 GiB free, in 64 MiB steps)"},
 			&cli.StringFlag{Name: "agent", Usage: "guest agent binary (default: forkvm-agent next to this binary)"},
@@ -70,7 +78,7 @@ func imageCreateCmd() *cli.Command {
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 1 {
-				return fmt.Errorf("usage: forkvm image create NAME (--debian [--suite S] [--include P,...] | --from PATH)")
+				return fmt.Errorf("usage: forkvm image create NAME (--debian [--suite S] [--include P,...] | --from PATH|REGISTRY/REPO:TAG)")
 			}
 			debian, from := cmd.Bool("debian"), cmd.String("from")
 			if debian == (from != "") {
@@ -85,7 +93,7 @@ func imageCreateCmd() *cli.Command {
 			}
 			st := imageStore(cmd)
 			cfg := &guest.ImageConfig{
-				Name: cmd.Args().First(), CacheDir: st.CacheDir, NamesDir: st.NamesDir, From: from, Ref: cmd.String("ref"),
+				Name: cmd.Args().First(), CacheDir: st.CacheDir, NamesDir: st.NamesDir, From: from, Ref: cmd.String("ref"), Insecure: cmd.Bool("insecure"),
 				AgentBinary: agent, SizeMiB: int(cmd.Int("size-mb")), Rebuild: cmd.Bool("rebuild"),
 			}
 			if !cmd.Bool("quiet") {
@@ -104,7 +112,7 @@ func imageCreateCmd() *cli.Command {
 				return err
 			}
 			if cmd.Bool("json") {
-				return printJSON(img)
+				return printJSON(newImageObject(img))
 			}
 			fmt.Printf("image %s: disk %s, %s of files (on a %s sparse disk)\n  %s\n", img.Name, img.Hash[:16],
 				guest.FormatBytes(img.ContentBytes), guest.FormatBytes(img.DiskBytes), img.Disk)
@@ -145,14 +153,26 @@ func imagesCmd() *cli.Command {
 				return err
 			}
 			if cmd.Bool("json") {
-				if imgs == nil {
-					imgs = []*guest.RootImage{}
+				objs := make([]imageObject, 0, len(imgs))
+				for _, img := range imgs {
+					objs = append(objs, newImageObject(img))
 				}
-				return printJSON(imgs)
+				return printJSON(objs)
 			}
 			return printImages(os.Stdout, imgs)
 		},
 	}
+}
+
+// imageObject is a root image as --json prints it (forkvm.image/v1): the schema name
+// first, then guest.RootImage's snake_case fields, as every other --json object.
+type imageObject struct {
+	Schema string `json:"schema"`
+	*guest.RootImage
+}
+
+func newImageObject(img *guest.RootImage) imageObject {
+	return imageObject{Schema: wire.ImageSchema, RootImage: img}
 }
 
 func printImages(w io.Writer, imgs []*guest.RootImage) error {
@@ -185,6 +205,9 @@ func describeSource(s *guest.ImageSource) string {
 		return "?"
 	}
 	d := s.Kind + " " + s.Path
+	if s.Kind == guest.SourceRegistry {
+		d = s.Kind + " " + s.Image
+	}
 	if s.Ref != "" {
 		d += " (" + s.Ref + ")"
 	}
