@@ -160,6 +160,9 @@ type Fleet struct {
 	beatingSince atomic.Int64
 	// lastBeat is when this node's last prompt heartbeat write ended (UnixNano).
 	lastBeat atomic.Int64
+	// silenced stops this node's heartbeats (tests: a node that dies right after a
+	// fork's record, before it beats again, now that a job's end beats at once).
+	silenced atomic.Bool
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -172,13 +175,18 @@ type Fleet struct {
 	// from its admission, but lists it only once it is ready).
 	running, runningCPUs int
 	runningMem           int64 // the memory of those not yet handed, as runningCPUs
-	forking              map[string]int
+	// shown counts the jobs the heartbeat reports (api.FleetNode.Running): running, less
+	// those whose outcome is recorded and that only ack now (settle).
+	shown   int
+	forking map[string]int
 	// perWave counts, per wave, the jobs this node took (for MaxPerNode).
 	perWave map[string]int
 	// fetching holds a lock per checkpoint digest being fetched.
 	fetching map[string]*sync.Mutex
 	// slot is signalled when a job ends.
 	slot chan struct{}
+	// beatNow asks the heartbeat loop for a heartbeat at once (a job ended).
+	beatNow chan struct{}
 	// closed is set by Close: no background work starts after it.
 	closed bool
 
@@ -261,7 +269,7 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	f := &Fleet{cfg: cfg, log: log, eng: eng, fetch: fetch, nc: nc, js: js, class: class, classID: ClassID(class),
-		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]int{}, forking: map[string]int{}, slot: make(chan struct{}, 1)}
+		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]int{}, forking: map[string]int{}, slot: make(chan struct{}, 1), beatNow: make(chan struct{}, 1)}
 	f.ctx, f.cancel = context.WithCancel(context.Background())
 	fail := func(err error) (*Fleet, error) {
 		f.cancel()

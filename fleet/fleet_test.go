@@ -513,6 +513,9 @@ func TestNodeKilledMidWave(t *testing.T) {
 	victim := nodes[2]
 	victim.eng.forkDelay.Store(0)
 	victim.eng.hangAfter = 1
+	// It dies right after its fork's record, before it beats again (a job's end beats
+	// at once): the wave must find the fork's node lost.
+	victim.eng.made = func() { victim.f.silenced.Store(true) }
 	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{
 		ForkRequest: api.ForkRequest{Source: "ck", N: 6, Prefix: "k"}, Pack: true, ReplaceLost: true})
 	if err != nil {
@@ -743,6 +746,7 @@ func TestReplaceLostWaitsForABeatAfterReady(t *testing.T) {
 		for victim.f.lastBeat.Load() == last {
 			time.Sleep(time.Millisecond)
 		}
+		victim.f.silenced.Store(true) // no beat after the fork's record (its end beats at once)
 	}
 	evs, err := nodes[0].f.ForkMany(context.Background(), api.FleetForkRequest{
 		ForkRequest: api.ForkRequest{Source: "ck", N: 2, Prefix: "b"}, ReplaceLost: true})

@@ -16,7 +16,10 @@ import (
 	"github.com/forkvm/forkvm/api"
 )
 
-// heartbeatLoop writes the node's heartbeat every Config.Heartbeat until Close.
+// heartbeatLoop writes the node's heartbeat every Config.Heartbeat until Close, and at
+// once when beatSoon asks (a job ended): a heartbeat is the node's state when it was
+// written, and `forkvm nodes` showed jobs that had ended for seconds after a wave (until
+// the next tick, which a slow write before it may delay to half the TTL).
 func (f *Fleet) heartbeatLoop() {
 	defer f.wg.Done()
 	t := time.NewTicker(f.cfg.Heartbeat)
@@ -26,6 +29,7 @@ func (f *Fleet) heartbeatLoop() {
 		case <-f.ctx.Done():
 			return
 		case <-t.C:
+		case <-f.beatNow:
 		}
 		// A beat may take up to half the TTL: on a loaded host a write can take longer
 		// than the interval, and cutting it at the interval made every beat fail while
@@ -44,6 +48,9 @@ func (f *Fleet) heartbeatLoop() {
 // that other nodes' heartbeats may be as late as this one's without their nodes being
 // gone.
 func (f *Fleet) beat(ctx context.Context) error {
+	if f.silenced.Load() {
+		return nil
+	}
 	b, err := json.Marshal(f.self())
 	if err != nil {
 		return err
@@ -65,11 +72,19 @@ func (f *Fleet) beat(ctx context.Context) error {
 	return nil
 }
 
+// beatSoon asks for a heartbeat at once (coalesced with one pending).
+func (f *Fleet) beatSoon() {
+	select {
+	case f.beatNow <- struct{}{}:
+	default:
+	}
+}
+
 // self is this node's heartbeat.
 func (f *Fleet) self() api.FleetNode {
 	total, free, mem := f.budget()
 	f.mu.Lock()
-	running := f.running
+	running := f.shown
 	f.mu.Unlock()
 	vms := 0
 	for _, v := range f.eng.List() {

@@ -91,14 +91,14 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 	w := &wave{f: f, id: "w" + randHex(6), n: n, names: names, ref: ref, class: class, perNode: perNode, spreadOf: spreadOf,
 		overcommit: req.Overcommit, replace: req.ReplaceLost, out: make(chan Event, 64), seqs: make([]uint64, n)}
 	// Watch before publishing, so that no record is missed.
-	recs, err := f.jobs.Watch(ctx, w.id+".*", jetstream.UpdatesOnly())
+	recs, err := w.watchRecords(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("%w: watch: %w", ErrUnavailable, err)
+		return nil, err
 	}
-	nodeW, err := f.nodes.WatchAll(ctx, jetstream.UpdatesOnly())
+	nodeW, err := w.watchNodes(ctx)
 	if err != nil {
 		recs.Stop()
-		return nil, fmt.Errorf("%w: watch: %w", ErrUnavailable, err)
+		return nil, err
 	}
 	dead := make(chan *nats.Msg, 64)
 	sub, err := f.nc.ChanSubscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES."+streamName(class)+"."+consumerName, dead)
@@ -118,6 +118,40 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 	}
 	go w.run(ctx, recs, nodeW, sub, dead)
 	return w.out, nil
+}
+
+// watchRecords watches the wave's job records from now on (updates only), retried as
+// every JetStream call: a watch is an ordered consumer, whose creation asks the
+// stream's cluster and can time out or be refused while it elects a leader or is slow.
+// A single try failed a wave before its first job was published, with no event
+// (TestFleetFail's digest scenario once saw no event of either fork). ctx bounds the
+// watch's life, so each try is bounded by the JetStream context's own request timeout,
+// not by retry's.
+func (w *wave) watchRecords(ctx context.Context) (jetstream.KeyWatcher, error) {
+	return watchRetried(ctx, "watch the wave's records", func() (jetstream.KeyWatcher, error) {
+		return w.f.jobs.Watch(ctx, w.id+".*", jetstream.UpdatesOnly())
+	})
+}
+
+// watchNodes watches the heartbeats from now on (updates only), retried as watchRecords.
+func (w *wave) watchNodes(ctx context.Context) (jetstream.KeyWatcher, error) {
+	return watchRetried(ctx, "watch the nodes", func() (jetstream.KeyWatcher, error) {
+		return w.f.nodes.WatchAll(ctx, jetstream.UpdatesOnly())
+	})
+}
+
+// watchRetried makes a watch with retry's tries and backoff.
+func watchRetried(ctx context.Context, what string, watch func() (jetstream.KeyWatcher, error)) (jetstream.KeyWatcher, error) {
+	var kw jetstream.KeyWatcher
+	err := retry(ctx, what, func(context.Context) error {
+		var err error
+		kw, err = watch()
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return kw, nil
 }
 
 // waveNames are the names of a wave's forks.
@@ -276,11 +310,16 @@ func (w *wave) removeJob(ctx context.Context, seq uint64) {
 	})
 }
 
-// run streams the wave's events until every fork is final or ctx ends.
+// run streams the wave's events until every fork is final or ctx ends. A watch that
+// closes (an ordered consumer whose re-creation failed, after a reconnect or a
+// leader change) does not end the wave: it is made again at the next tick and,
+// meanwhile, the records are read every tick (and once more when the watch is back,
+// for what came in between) and the nodes looked at every tick as always. Ending the
+// wave there sent no event of its forks, though they were forked or failed.
 func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *nats.Subscription, dead chan *nats.Msg) {
 	defer close(w.out)
-	defer recs.Stop()
-	defer nodeW.Stop()
+	defer func() { recs.Stop() }()
+	defer func() { nodeW.Stop() }()
 	defer sub.Unsubscribe()
 	r := &waveRun{w: w, ctx: ctx, slots: make([]waveSlot, w.n), attempts: make([]int, w.n), left: w.n, roomAt: time.Now(),
 		beats: map[string]time.Time{}, polledAt: time.Now()}
@@ -289,6 +328,7 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 	}
 	tick := time.NewTicker(w.f.cfg.Heartbeat)
 	defer tick.Stop()
+	recsC, nodeC := recs.Updates(), nodeW.Updates()
 	for {
 		if r.done() {
 			// One more look at the nodes before the end: a node whose heartbeat
@@ -306,17 +346,39 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 		select {
 		case <-ctx.Done():
 			return
-		case e, ok := <-recs.Updates():
-			if !ok || !r.recordUpdate(e) {
+		case e, ok := <-recsC:
+			if !ok {
+				w.f.log.Warn("fleet: the wave's watch of its records closed; reading them every tick until it is back", "wave", w.id)
+				recsC = nil
+				continue
+			}
+			if !r.recordUpdate(e) {
 				return
 			}
 		case <-tick.C:
+			if recsC == nil {
+				if kw, err := w.f.jobs.Watch(ctx, w.id+".*", jetstream.UpdatesOnly()); err == nil {
+					recs.Stop()
+					recs, recsC = kw, kw.Updates()
+				}
+				r.polledAt = time.Time{} // what came while it was down (or before it was back)
+			}
+			if nodeC == nil {
+				if kw, err := w.f.nodes.WatchAll(ctx, jetstream.UpdatesOnly()); err == nil {
+					nodeW.Stop()
+					nodeW, nodeC = kw, kw.Updates()
+				}
+			}
 			if !r.checkNodes() || !r.pollRecords() {
 				return
 			}
-		case e, ok := <-nodeW.Updates():
+		case e, ok := <-nodeC:
 			if !ok {
-				return
+				// The node checks every tick see what it would have: heartbeats and
+				// expiries (as a missing or old heartbeat).
+				w.f.log.Warn("fleet: the wave's watch of the nodes closed; making it again", "wave", w.id)
+				nodeC = nil
+				continue
 			}
 			if e == nil {
 				continue

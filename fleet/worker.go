@@ -219,6 +219,7 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 	r.mem.FreeBytes -= commit
 	f.perWave[j.Wave]++
 	f.running++
+	f.shown++
 	f.runningCPUs += j.CPUs
 	f.runningMem += commit
 	f.mu.Unlock()
@@ -228,6 +229,7 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 	go func() {
 		defer f.wg.Done()
 		took := t.handle()
+		t.settle()
 		f.mu.Lock()
 		f.running--
 		if t.handed {
@@ -331,6 +333,23 @@ type jobTry struct {
 	// handed is set (under f.mu) once the fork is handed to the engine, which counts
 	// its vCPUs and memory from then on (budget).
 	handed bool
+	// settled is set (under f.mu) once the job no longer counts in the heartbeat.
+	settled bool
+}
+
+// settle ends the job's count in the heartbeat (Fleet.shown), once, and has a heartbeat
+// written at once: called when its outcome is recorded (what is left is the ack) and
+// when the try ends.
+func (t *jobTry) settle() {
+	t.f.mu.Lock()
+	if t.settled {
+		t.f.mu.Unlock()
+		return
+	}
+	t.settled = true
+	t.f.shown--
+	t.f.mu.Unlock()
+	t.f.beatSoon()
 }
 
 // handle runs one job to its end: a record written and the message acked, or the
@@ -852,6 +871,7 @@ func (t *jobTry) finish(state string, ev api.ForkEventObject, code string) {
 		f.log.Warn("fleet: record not written", "job", j.ID, "err", err)
 		return
 	}
+	t.settle()
 	f.ack(t.msg, j)
 }
 

@@ -261,7 +261,7 @@ func TestFleetFail(t *testing.T) {
 			ev, ok := final[i]
 			switch {
 			case !ok:
-				t.Errorf("fork %d: no event", i)
+				t.Errorf("fork %d: no event (the wave: %v: %s)", i, werr, stderr)
 			case ev.OK || ev.Code != "digest_mismatch":
 				t.Errorf("fork %d: %+v, want failed with digest_mismatch", i, ev)
 			case ev.Node == holder.name:

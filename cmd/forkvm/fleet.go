@@ -64,184 +64,81 @@ type fleetMember struct {
 	close func()
 }
 
-// fleetFlags are serve's fleet flags once read and checked (the part of joining a fleet
-// that needs no server).
-type fleetFlags struct {
-	user, password, seed string
-	insecure             bool
-	tls                  tlsFiles
-	node, addr           string
-	labels               map[string]string
-	routes               []string
-}
-
-// readFleetFlags reads and checks the credentials, TLS files and node identity of
-// serve's fleet flags; url is --cluster (empty with the embedded server).
-func readFleetFlags(cmd *cli.Command, url string) (*fleetFlags, error) {
-	user, insecure := cmd.String("cluster-user"), cmd.Bool("cluster-insecure")
-	var password, seed string
-	if p := cmd.String("cluster-password-file"); p != "" {
-		s, err := readSecret(p)
-		if err != nil {
-			return nil, err
-		}
-		password = s
-	}
-	if p := cmd.String("cluster-nkey-file"); p != "" {
-		if _, err := readSecret(p); err != nil {
-			return nil, err
-		}
-		seed = p
-	}
-	if (user == "") != (password == "") {
-		return nil, fmt.Errorf("%w: --cluster-user and --cluster-password-file go together", errFleetConfig)
-	}
-	tlsf, err := clusterTLS(cmd)
-	if err != nil {
-		return nil, err
-	}
-	if url != "" && cmd.String("cluster-client-listen") != "" {
-		return nil, fmt.Errorf("%w: --cluster-client-listen is for the embedded server (--cluster-listen)", errFleetConfig)
-	}
-	if user == "" && seed == "" && !insecure {
-		return nil, fmt.Errorf("%w: a fleet needs credentials (--cluster-user with --cluster-password-file, or --cluster-nkey-file): without them anyone reaching NATS could fork anything; --cluster-insecure allows none on loopback", errFleetConfig)
-	}
-	if n := cmd.Int("max-jobs"); n < 0 {
-		return nil, fmt.Errorf("%w: --max-jobs %d: want 0 (the default) or more", errFleetConfig, n)
-	}
-	node := cmd.String("node")
-	if node == "" {
-		h, err := os.Hostname()
-		if err != nil {
-			return nil, fmt.Errorf("%w: no --node and no host name: %v", errFleetConfig, err)
-		}
-		node = strings.NewReplacer(".", "-").Replace(h)
-	}
-	labels := map[string]string{}
+// fleetOptions maps serve's fleet flags to fleet.Options (the rules are its Validate's).
+func fleetOptions(cmd *cli.Command) (fleet.Options, error) {
+	o := fleet.Options{Cluster: cmd.String("cluster"), Listen: cmd.String("cluster-listen"), Routes: cmd.StringSlice("routes"),
+		ClientListen: cmd.String("cluster-client-listen"), User: cmd.String("cluster-user"), PasswordFile: cmd.String("cluster-password-file"),
+		NKeyFile: cmd.String("cluster-nkey-file"), Insecure: cmd.Bool("cluster-insecure"),
+		TLSCert: cmd.String("cluster-tls-cert"), TLSKey: cmd.String("cluster-tls-key"), TLSCA: cmd.String("cluster-tls-ca"),
+		Replicas: int(cmd.Int("cluster-replicas")), Node: cmd.String("node"), NodeVCPUs: int(cmd.Int("node-vcpus")),
+		MaxJobs: int(cmd.Int("max-jobs")), NodeAddr: cmd.String("node-addr"), APIListen: cmd.String("listen"), TTL: cmd.Duration("node-ttl")}
 	for _, l := range cmd.StringSlice("label") {
 		k, v, ok := strings.Cut(l, "=")
 		if !ok || k == "" {
-			return nil, fmt.Errorf("%w: --label %q: want KEY=VALUE", errFleetConfig, l)
+			return o, fmt.Errorf("%w: --label %q: want KEY=VALUE", errFleetConfig, l)
 		}
-		labels[k] = v
-	}
-	addr := cmd.String("node-addr")
-	if addr == "" && cmd.String("listen") != "" {
-		addr = "http://" + cmd.String("listen")
-	}
-	var routes []string
-	for _, r := range cmd.StringSlice("routes") {
-		for _, s := range strings.Split(r, ",") {
-			if s = strings.TrimSpace(s); s != "" {
-				routes = append(routes, s)
-			}
+		if o.Labels == nil {
+			o.Labels = map[string]string{}
 		}
+		o.Labels[k] = v
 	}
-	return &fleetFlags{user: user, password: password, seed: seed, insecure: insecure, tls: tlsf,
-		node: node, addr: addr, labels: labels, routes: routes}, nil
+	return o, nil
 }
 
-// fleetPlan is how the daemon joins its fleet, from serve's flags read and checked:
-// all of joining that needs no server, so that bad flags fail before the daemon
-// listens.
+// fleetPlan is how the daemon joins its fleet: serve's fleet flags as checked options,
+// so that bad flags fail before the daemon listens.
 type fleetPlan struct {
-	ff           *fleetFlags
-	url, listen  string
-	clientListen string
-	replicas     int
-	opts         []nats.Option
+	o fleet.Options
 }
 
 // planFleet reads and checks serve's fleet flags; nil when they describe no fleet.
 func planFleet(cmd *cli.Command) (*fleetPlan, error) {
-	url, listen := cmd.String("cluster"), cmd.String("cluster-listen")
-	switch {
-	case url == "" && listen == "":
-		for _, f := range []string{"routes", "cluster-user", "cluster-password-file", "cluster-nkey-file", "node", "label", "node-vcpus", "max-jobs", "node-addr", "cluster-replicas",
-			"cluster-tls-cert", "cluster-tls-key", "cluster-tls-ca", "cluster-client-listen"} {
-			if cmd.IsSet(f) {
-				return nil, fmt.Errorf("%w: --%s needs --cluster or --cluster-listen", errFleetConfig, f)
-			}
-		}
-		return nil, nil
-	case url != "" && listen != "":
-		return nil, fmt.Errorf("%w: --cluster (an external NATS) and --cluster-listen (the embedded one) are exclusive", errFleetConfig)
-	}
-	ff, err := readFleetFlags(cmd, url)
+	o, err := fleetOptions(cmd)
 	if err != nil {
 		return nil, err
 	}
-	p := &fleetPlan{ff: ff, url: url, listen: listen, clientListen: cmd.String("cluster-client-listen"), replicas: int(cmd.Int("cluster-replicas")),
-		opts: []nats.Option{nats.Name("forkvm " + ff.node), nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond)}}
-	if ff.user != "" {
-		p.opts = append(p.opts, nats.UserInfo(ff.user, ff.password))
+	if err := o.Validate(); err != nil {
+		return nil, err
 	}
-	tlsf := ff.tls
-	if url != "" {
-		if ff.seed != "" {
-			o, err := nkeyOption(ff.seed)
-			if err != nil {
-				return nil, err
-			}
-			p.opts = append(p.opts, o)
-		}
-		if ff.insecure {
-			if err := loopbackURLs(url); err != nil {
-				return nil, err
-			}
-		}
-		if tlsf.cert != "" {
-			p.opts = append(p.opts, nats.ClientCert(tlsf.cert, tlsf.key))
-		}
-		if tlsf.ca != "" {
-			p.opts = append(p.opts, nats.RootCAs(tlsf.ca))
-		}
-		if p.replicas == 0 {
-			p.replicas = 1
-			if strings.Count(url, ",") >= 2 {
-				p.replicas = 3
-			}
-		}
-		return p, nil
+	if !o.Enabled() {
+		return nil, nil
 	}
-	if ff.seed != "" {
-		return nil, fmt.Errorf("%w: the embedded server's routes authenticate with --cluster-user and --cluster-password-file", errFleetConfig)
-	}
-	if tlsf.ca != "" && tlsf.cert == "" {
-		return nil, fmt.Errorf("%w: --cluster-tls-ca with --cluster-listen needs the embedded server's own --cluster-tls-cert and --cluster-tls-key", errFleetConfig)
-	}
-	if p.replicas == 0 {
-		p.replicas = 1
-		if len(ff.routes) > 0 {
-			p.replicas = 3
-		}
-	}
-	return p, nil
+	return &fleetPlan{o: o}, nil
 }
 
 // join starts the embedded server (--cluster-listen) or connects to the external one,
 // and joins the fleet.
-func (p *fleetPlan) join(ctx context.Context, cmd *cli.Command, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {
-	ff := p.ff
-	connect := func() (*nats.Conn, error) { return nats.Connect(p.url, p.opts...) }
+func (p *fleetPlan) join(ctx context.Context, e *engine.Engine, log *slog.Logger, fetch fleet.CheckpointFetcher) (*fleetMember, error) {
+	o := &p.o
+	cfg, err := o.Config(e.Config().StateDir, log)
+	if err != nil {
+		return nil, err
+	}
+	opts, err := o.ClientOptions()
+	if err != nil {
+		return nil, err
+	}
+	cfg.Connect = func() (*nats.Conn, error) { return nats.Connect(o.Cluster, opts...) }
 	stop := func() {}
-	if p.url == "" {
+	if o.Cluster == "" {
+		password, err := o.Password()
+		if err != nil {
+			return nil, err
+		}
 		natsStart := time.Now()
-		srv, err := startEmbedded(ctx, embedOptions{node: ff.node, dir: filepath.Join(e.Config().StateDir, "fleet", "jetstream"), listen: p.listen,
-			clientListen: p.clientListen, routes: ff.routes, user: ff.user, password: ff.password, insecure: ff.insecure, tls: ff.tls}, log)
+		srv, err := startEmbedded(ctx, embedOptions{node: cfg.Node, dir: filepath.Join(cfg.Dir, "jetstream"), listen: o.Listen,
+			clientListen: o.ClientListen, routes: o.RouteList(), user: o.User, password: password, insecure: o.Insecure,
+			tls: tlsFiles{cert: o.TLSCert, key: o.TLSKey, ca: o.TLSCA}}, log)
 		if err != nil {
 			return nil, err
 		}
 		log.Info("forkvm serve: NATS server started", "took", time.Since(natsStart).Round(time.Millisecond))
-		if p.clientListen != "" {
+		if o.ClientListen != "" {
 			log.Info("forkvm serve: NATS clients served", "nats_url", srv.ClientURL())
 		}
-		connect = func() (*nats.Conn, error) { return nats.Connect("", append(p.opts, nats.InProcessServer(srv))...) }
+		cfg.Connect = func() (*nats.Conn, error) { return nats.Connect("", append(opts, nats.InProcessServer(srv))...) }
 		stop = srv.Shutdown
 	}
-	cfg := fleet.Config{Node: ff.node, Labels: ff.labels, Addr: ff.addr, Connect: connect, Replicas: p.replicas,
-		MaxVCPUs: int(cmd.Int("node-vcpus")), MaxJobs: int(cmd.Int("max-jobs")), TTL: cmd.Duration("node-ttl"),
-		Dir: filepath.Join(e.Config().StateDir, "fleet"), Logger: log}
 	jctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	joinStart := time.Now()
@@ -250,7 +147,7 @@ func (p *fleetPlan) join(ctx context.Context, cmd *cli.Command, e *engine.Engine
 		stop()
 		return nil, err
 	}
-	log.Info("forkvm serve: joined the fleet", "node", ff.node, "class", fleet.ClassID(f.Class()), "replicas", p.replicas,
+	log.Info("forkvm serve: joined the fleet", "node", cfg.Node, "class", fleet.ClassID(f.Class()), "replicas", cfg.Replicas,
 		"took", time.Since(joinStart).Round(time.Millisecond))
 	return &fleetMember{f: f, close: func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -271,81 +168,6 @@ type embedOptions struct {
 
 // tlsFiles are the PEM files of the fleet's TLS (empty: none).
 type tlsFiles struct{ cert, key, ca string }
-
-// clusterTLS reads and checks serve's TLS flags: a certificate and its key go
-// together, the key file must be private, every file must exist.
-func clusterTLS(cmd *cli.Command) (tlsFiles, error) {
-	t := tlsFiles{cert: cmd.String("cluster-tls-cert"), key: cmd.String("cluster-tls-key"), ca: cmd.String("cluster-tls-ca")}
-	if (t.cert == "") != (t.key == "") {
-		return t, fmt.Errorf("%w: --cluster-tls-cert and --cluster-tls-key go together", errFleetConfig)
-	}
-	if t.key != "" {
-		if _, err := readSecret(t.key); err != nil {
-			return t, err
-		}
-	}
-	for _, p := range []string{t.cert, t.ca} {
-		if p == "" {
-			continue
-		}
-		if _, err := os.Stat(p); err != nil {
-			return t, fmt.Errorf("%w: %v", errFleetConfig, err)
-		}
-	}
-	return t, nil
-}
-
-// readSecret reads a credential file, refusing one others may read.
-func readSecret(p string) (string, error) {
-	fi, err := os.Stat(p)
-	if err != nil {
-		return "", fmt.Errorf("%w: %v", errFleetConfig, err)
-	}
-	if fi.Mode().Perm()&0o077 != 0 {
-		return "", fmt.Errorf("%w: %s is readable by others (mode %v): chmod 600", errFleetConfig, p, fi.Mode().Perm())
-	}
-	b, err := os.ReadFile(p)
-	if err != nil {
-		return "", fmt.Errorf("%w: %v", errFleetConfig, err)
-	}
-	s := strings.TrimSpace(string(b))
-	if s == "" {
-		return "", fmt.Errorf("%w: %s is empty", errFleetConfig, p)
-	}
-	return s, nil
-}
-
-// nkeyOption authenticates with the nkey seed in file seed.
-func nkeyOption(seed string) (nats.Option, error) {
-	o, err := nats.NkeyOptionFromSeed(seed)
-	if err != nil {
-		return nil, fmt.Errorf("%w: nkey seed: %v", errFleetConfig, err)
-	}
-	return o, nil
-}
-
-// loopbackURLs refuses a NATS URL list with a host that is not loopback (an insecure
-// fleet stays on the machine).
-func loopbackURLs(urls string) error {
-	for _, u := range strings.Split(urls, ",") {
-		u = strings.TrimSpace(u)
-		hostport := u
-		if i := strings.Index(u, "://"); i >= 0 {
-			hostport = u[i+3:]
-		}
-		if i := strings.LastIndex(hostport, "@"); i >= 0 {
-			hostport = hostport[i+1:]
-		}
-		host, _, err := net.SplitHostPort(hostport)
-		if err != nil {
-			host = hostport
-		}
-		if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
-			return fmt.Errorf("%w: --cluster-insecure allows loopback NATS only, not %s", errFleetConfig, u)
-		}
-	}
-	return nil
-}
 
 // fleetClient is the daemon's client: the fleet commands need a daemon in a fleet.
 func fleetClient(ctx context.Context, cmd *cli.Command) (*client.Client, error) {

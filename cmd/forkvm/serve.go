@@ -119,7 +119,7 @@ func serveCmd() *cli.Command {
 			var member *fleetMember
 			var joinErr error
 			if plan != nil {
-				if member, joinErr = plan.join(gctx, cmd, e, log, fleetFetcher(e, token)); joinErr != nil {
+				if member, joinErr = plan.join(gctx, e, log, fleetFetcher(e, token)); joinErr != nil {
 					stopServing()
 				} else {
 					srv.SetFleet(member.f)

@@ -115,8 +115,14 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 		if err != nil {
 			return nil, err
 		}
+		// NoAdvertise: the route port serves routes only. The server refuses a client's
+		// CONNECT there, but its INFO named this server's client URLs, and a client
+		// library follows them: a client at the route port reached the client port
+		// (natscli did, with the fleet's credentials). Nor is a client of one node told
+		// of the others' client ports (random loopback ones unless set): it connects
+		// where it is told.
 		opts.Cluster = server.ClusterOpts{Name: "forkvm", Host: host, Port: port,
-			Username: cfg.User, Password: cfg.Password, ConnectRetries: -1}
+			Username: cfg.User, Password: cfg.Password, ConnectRetries: -1, NoAdvertise: true}
 		if tlsConfig != nil {
 			// A route is a client of its peer as well as its server: it verifies the
 			// peer against the same roots, and routes always present certificates (as

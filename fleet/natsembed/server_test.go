@@ -81,6 +81,24 @@ func TestCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	nc.Close()
+	// The route port is for routes: a client with the fleet's credentials is refused
+	// there, and is not sent on to a client port the routes would advertise.
+	if nc, err := nats.Connect("nats://"+routes[0], nats.UserInfo("fleet", "pw"), nats.Timeout(5*time.Second)); err == nil {
+		t.Errorf("a client with the fleet's credentials connected at the route port %s (to %s)", routes[0], nc.ConnectedUrl())
+		nc.Close()
+	} else {
+		t.Logf("route port: %v", err)
+	}
+	// Nor does a client of one server learn the others' client ports (random loopback
+	// ones, unless set): it connects where it is told.
+	nc, err = nats.Connect(servers[0].ClientURL(), nats.UserInfo("fleet", "pw"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	if urls := nc.DiscoveredServers(); len(urls) != 0 {
+		t.Errorf("a client of %s was told of %v", servers[0].ClientURL(), urls)
+	}
 }
 
 func freePorts(t *testing.T, n int) []string {
