@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/faultclass"
 	"github.com/forkvm/forkvm/serve"
 )
 
@@ -22,7 +23,7 @@ func TestForkCountersCLI(t *testing.T) {
 	}
 	cli := cliRunner(t, home)
 	t.Cleanup(func() {
-		cli(nil, "rm", "cw", "c1", "c2", "c3", "c4")
+		cli(nil, "rm", "cw", "c1", "c2", "c3", "c4", "c5")
 		cli(nil, "checkpoint", "rm", "--force", "cck")
 		for pid := range procsReferencing(home) {
 			t.Errorf("leak: process %d still references %s", pid, home)
@@ -75,6 +76,25 @@ func TestForkCountersCLI(t *testing.T) {
 	}
 	if out := ok("fork", "cck", "c2", "--counters"); !strings.Contains(out, "kernel until ready (") || !strings.Contains(out, "minor / ") {
 		t.Errorf("fork --counters line: %q", out)
+	}
+
+	// fork --faults (root, eBPF): the fork's page faults by class until ready.
+	switch out, errs, code := cli(nil, "fork", "cck", "c5", "--faults", "--json"); {
+	case code != 0 && strings.Contains(errs, "unavailable"):
+		t.Logf("fork --faults not checked: this host has no eBPF fault classes: %s", errs)
+	case code != 0:
+		t.Errorf("fork --faults: exit %d: %s", code, errs)
+	default:
+		var ev struct {
+			api.ForkEventObject
+			Faults *faultclass.Summary `json:"faults"`
+		}
+		if err := json.Unmarshal([]byte(strings.TrimSpace(out)), &ev); err != nil || !ev.OK || ev.Faults == nil ||
+			ev.Faults.SharedReads+ev.Faults.CopyOnWrite == 0 || ev.Faults.QEMU == 0 {
+			t.Errorf("fork --faults event %q: %v", out, err)
+		} else {
+			t.Logf("fork --faults until ready: %+v", *ev.Faults)
+		}
 	}
 
 	// A daemon that does not count refuses fork --counters before forking.

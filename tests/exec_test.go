@@ -70,6 +70,8 @@ func TestExecMultiplexed(t *testing.T) {
 		{vsockd.ExecRequest{Argv: []string{"no-such-cmd"}}, vsockd.ErrNotFound, 127},
 		{vsockd.ExecRequest{Argv: []string{"/etc/passwd"}}, vsockd.ErrNotExecutable, 126},
 		{vsockd.ExecRequest{Argv: []string{"pwd"}, Dir: "/nonexist"}, vsockd.ErrWorkdir, -1},
+		// The guest's /root is 0700: not a working directory nobody can enter.
+		{vsockd.ExecRequest{Argv: []string{"pwd"}, Dir: "/root", User: "nobody"}, vsockd.ErrWorkdir, -1},
 		{vsockd.ExecRequest{}, vsockd.ErrEmptyArgv, -1},
 		{vsockd.ExecRequest{Argv: []string{"sh", "-c", "kill -TERM $$"}}, nil, 143},
 	} {

@@ -241,11 +241,11 @@ func userMessage(err error) string {
 			m := notFound.FindStringSubmatch(s)
 			switch m[1] {
 			case "vm":
-				return fmt.Sprintf("no VM named %q (forkvm ls lists them)", m[2])
+				return fmt.Sprintf("VM %q not found (forkvm ls lists them)", m[2])
 			case "checkpoint":
-				return fmt.Sprintf("no checkpoint named %q (forkvm checkpoints lists them)", m[2])
+				return fmt.Sprintf("checkpoint %q not found (forkvm checkpoints lists them)", m[2])
 			}
-			return fmt.Sprintf("no checkpoint or VM named %q (forkvm checkpoints, forkvm ls)", m[2])
+			return fmt.Sprintf("%q not found: no checkpoint or VM has that name (forkvm checkpoints, forkvm ls)", m[2])
 		})
 	}
 	return msg

@@ -74,9 +74,9 @@ func TestUserMessage(t *testing.T) {
 		err  error
 		want string
 	}{
-		{fmt.Errorf("%w: vm x", engine.ErrNotFound), `no VM named "x" (forkvm ls lists them)`},
-		{fmt.Errorf("%w: checkpoint ck.1", engine.ErrNotFound), `no checkpoint named "ck.1" (forkvm checkpoints lists them)`},
-		{fmt.Errorf("%w: no checkpoint or vm named ck1", engine.ErrNotFound), `no checkpoint or VM named "ck1" (forkvm checkpoints, forkvm ls)`},
+		{fmt.Errorf("%w: vm x", engine.ErrNotFound), `VM "x" not found (forkvm ls lists them)`},
+		{fmt.Errorf("%w: checkpoint ck.1", engine.ErrNotFound), `checkpoint "ck.1" not found (forkvm checkpoints lists them)`},
+		{fmt.Errorf("%w: no checkpoint or vm named ck1", engine.ErrNotFound), `"ck1" not found: no checkpoint or VM has that name (forkvm checkpoints, forkvm ls)`},
 		{fmt.Errorf("exec: %w", wire.ErrOutputLimit), "exec: output limit exceeded"},
 		{fmt.Errorf("%w: in use by f1", engine.ErrInUse), "checkpoint in use: in use by f1"},
 		{fmt.Errorf("%w: /root: permission denied for user nobody", wire.ErrWorkdir), "bad working directory: /root: permission denied for user nobody"},
@@ -88,7 +88,7 @@ func TestUserMessage(t *testing.T) {
 	}
 	var stderr strings.Builder
 	code := runMain(context.Background(), []string{"forkvm", "--home", t.TempDir(), "rm", "nosuch"}, &stderr)
-	if code != 1 || stderr.String() != "forkvm: no VM named \"nosuch\" (forkvm ls lists them)\n" {
+	if code != 1 || stderr.String() != "forkvm: VM \"nosuch\" not found (forkvm ls lists them)\n" {
 		t.Errorf("rm nosuch: exit %d, %q", code, stderr.String())
 	}
 }

@@ -181,8 +181,10 @@ func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string) erro
 	cerr := <-errc
 	var re *vsockd.RemoteError
 	var de *client.Error
-	if cerr != nil && (xerr == nil || errors.As(cerr, &re) || errors.As(cerr, &de)) {
-		return cerr // the guest's own error says best what went wrong
+	// The guest's own error, or one that ended the copy before the extraction read it
+	// (an unknown VM: not a "malformed archive"), says best what went wrong.
+	if cerr != nil && (xerr == nil || errors.Is(xerr, cerr) || errors.As(cerr, &re) || errors.As(cerr, &de)) {
+		return cerr
 	}
 	return xerr
 }

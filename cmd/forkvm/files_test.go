@@ -5,12 +5,16 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -137,5 +141,28 @@ func TestCopyFromHostileGuest(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// missingVM is guestFiles of a VM that does not exist: every call fails with
+// ErrNotFound, before a byte is sent.
+type missingVM struct{}
+
+func (missingVM) CopyIn(context.Context, string, io.Reader) error {
+	return fmt.Errorf("%w: vm x", engine.ErrNotFound)
+}
+func (missingVM) CopyOut(context.Context, string, io.Writer) error {
+	return fmt.Errorf("%w: vm x", engine.ErrNotFound)
+}
+func (missingVM) Stat(context.Context, string) (fs.FileInfo, error) {
+	return nil, fmt.Errorf("%w: vm x", engine.ErrNotFound)
+}
+
+// TestCopyFromMissingVM: `forkvm cp x:/a DST` for a VM that does not exist says so,
+// not that the archive was malformed.
+func TestCopyFromMissingVM(t *testing.T) {
+	err := copyFromGuest(context.Background(), missingVM{}, "/a", filepath.Join(t.TempDir(), "b"))
+	if !errors.Is(err, engine.ErrNotFound) || errors.Is(err, vsockd.ErrBadArchive) {
+		t.Errorf("copy from a missing VM: %v, want ErrNotFound alone", err)
 	}
 }

@@ -556,6 +556,7 @@ func forkCmd() *cli.Command {
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
 			countersFlag("each fork"),
+			&cli.BoolFlag{Name: "faults", Usage: "count each fork's page faults by class (copy on write, holes, shared reads, QEMU's own) until ready, in its line and event (root: eBPF; in-process engine only; see docs/profiling.md)"},
 			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -577,6 +578,14 @@ func forkCmd() *cli.Command {
 					markers = tr.in
 				}
 			}
+			var fc *forkFaults
+			if cmd.Bool("faults") {
+				if fc, err = openForkFaults(n, markers); err != nil {
+					return err
+				}
+				defer fc.close()
+				markers = fc
+			}
 			api, err := connectConfig(ctx, cmd, false, func(c *engine.Config) {
 				c.Markers, c.Counters = markers, cmd.Bool("counters")
 			})
@@ -584,8 +593,15 @@ func forkCmd() *cli.Command {
 				return err
 			}
 			defer api.Close()
-			if _, inProcess := api.(*local.Local); tr != nil && !inProcess {
+			l, inProcess := api.(*local.Local)
+			if tr != nil && !inProcess {
 				return errTraceDaemon
+			}
+			if fc != nil {
+				if !inProcess {
+					return errFaultsDaemon
+				}
+				fc.setEngine(l.E.Config())
 			}
 			if err := checkDaemonCounters(ctx, api, cmd.Bool("counters")); err != nil {
 				return err
@@ -595,7 +611,7 @@ func forkCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
-			tally := printForkEvents(ctx, cmd, api, src, n, evs, tr)
+			tally := printForkEvents(ctx, cmd, api, src, n, evs, tr, fc)
 			if tr != nil {
 				if err := tr.write(cmd.String("trace")); err != nil {
 					return fmt.Errorf("--trace: %w", err)
@@ -635,7 +651,7 @@ type forkTally struct {
 // printForkEvents prints each fork's event as it comes (a line, or one JSON object
 // with --json; before the first ready fork of a running VM, its implicit checkpoint's
 // line), adds each ready fork's spans to tr, and tallies the wave.
-func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src string, n int, evs <-chan wire.ForkEvent, tr *forkTrace) forkTally {
+func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src string, n int, evs <-chan wire.ForkEvent, tr *forkTrace, fc *forkFaults) forkTally {
 	t := forkTally{reported: make([]bool, n)}
 	implicitChecked := false // the first ready fork's parent says whether it is implicit
 	for ev := range evs {
@@ -647,7 +663,7 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 			t.broken = ev.Err
 			continue
 		case cmd.Bool("json"):
-			b, _ := json.Marshal(wire.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err))
+			b, _ := json.Marshal(forkEventLine{wire.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err), fc.untilReady(ev.Name)})
 			fmt.Println(string(b))
 		case ev.Err != nil:
 			fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
@@ -661,7 +677,7 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 			tm := ev.Timings
 			fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d%s\n", ev.Name,
 				ev.Latency.Round(time.Millisecond), tm.Spawn.Round(time.Millisecond),
-				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID, countersText(ev.VM.Counters))
+				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID, countersText(ev.VM.Counters)+faultsText(fc.untilReady(ev.Name)))
 		}
 		if ev.Err != nil {
 			t.failed++
