@@ -25,9 +25,9 @@ import (
 // Export lists the files a fork needs with their content digests
 // (memfile.ContentDigest: holes and zero pages never travel, a file's layout does not
 // change its digest) and data extents. The digests are computed on a checkpoint's first
-// export and kept in its manifest: hashing a 2 GiB world's RAM file holding 512 MiB of
-// data took 1.4 s on the loaded 2-core test machine (BenchmarkContentDigest2GiB), more
-// than the checkpoint itself, for checkpoints most of which never leave their host.
+// export and kept in its manifest: hashing reads every byte of data, which costs more
+// than the checkpoint itself (BenchmarkContentDigest2GiB), and most checkpoints never
+// leave their host.
 //
 // Import takes an export and the files' bytes (a puller fetches them from the holder),
 // writes them under temporary names (zero pages stay holes), checks each file's digest

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strings"
 	"sync"
 	"syscall"
@@ -177,6 +178,22 @@ func TestServeCLI(t *testing.T) {
 			t.Errorf("fork event: %s %v", l, err)
 		}
 	}
+	// A wave without --prefix (README's `forkvm fork ck1 --n 48`) is named by the request
+	// it is: SOURCE-TAG-1..n, one tag, the names the daemon's events carry.
+	lines = strings.Split(strings.TrimSpace(ok(nil, "fork", "sck", "--n", "2", "--json")), "\n")
+	var unnamed []string
+	for _, l := range lines {
+		var ev serve.ForkEventObject
+		if err := json.Unmarshal([]byte(l), &ev); err != nil || !ev.OK || ev.VM == nil || ev.VM.Name != ev.Name {
+			t.Fatalf("unnamed wave's event: %s %v", l, err)
+		}
+		unnamed = append(unnamed, ev.Name)
+	}
+	sort.Strings(unnamed)
+	if len(unnamed) != 2 || !strings.HasPrefix(unnamed[0], "sck-") || unnamed[1] != strings.TrimSuffix(unnamed[0], "1")+"2" {
+		t.Errorf("unnamed wave's forks: %q, want sck-TAG-1 and sck-TAG-2", unnamed)
+	}
+	ok(nil, append([]string{"rm"}, unnamed...)...)
 	if out := ok(nil, "exec", "g1", "--", "sh", "-c", "test -e /tmp/b && echo inherited"); out != "inherited\n" {
 		t.Errorf("fork's state: %q", out)
 	}

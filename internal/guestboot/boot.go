@@ -8,6 +8,11 @@ import (
 	"strings"
 )
 
+// AgentPortName is the virtio-serial port the guest agent serves (vsockd.PortName): the
+// engine names the port in QEMU's argv and the agent looks for it in the guest, so the
+// name is part of the guest's boot contract, kept here with the rest of it.
+const AgentPortName = "org.forkvm.agent"
+
 // The network contract between the engine and the guest agent (engine.Spec.Net).
 //
 // With networking on, the engine gives the VM one virtio-net NIC with MAC NetMAC on
@@ -18,11 +23,6 @@ import (
 // route via NetGateway, writes /etc/resolv.conf (nameserver NetDNS) and adds
 // HostInternalName -> NetGateway to /etc/hosts. Without the argument the agent touches
 // no network configuration, and the VM has no NIC at all.
-// AgentPortName is the virtio-serial port the guest agent serves (vsockd.PortName): the
-// engine names the port in QEMU's argv and the agent looks for it in the guest, so the
-// name is part of the guest's boot contract, kept here with the rest of it.
-const AgentPortName = "org.forkvm.agent"
-
 const (
 	// KernelArgNet is "forkvm.net": forkvm.net=1 configures the NIC as above; any other
 	// value (or none) leaves networking alone.
