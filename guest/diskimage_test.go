@@ -353,3 +353,62 @@ func TestCreateImageDiskImage(t *testing.T) {
 	}
 	assertNothingLeft(t, cache, "gpt", "gpt-root-type", "mbr", "bare-ext4", "qcow2")
 }
+
+// TestExt4ReaderUnwritten: preallocated (unwritten) extents read as zeros, not as
+// whatever their blocks hold on the disk.
+func TestExt4ReaderUnwritten(t *testing.T) {
+	if _, err := debugfsPath(); err != nil {
+		t.Skip("debugfs (e2fsprogs) missing")
+	}
+	tree := filepath.Join(t.TempDir(), "tree")
+	os.MkdirAll(tree, 0o755)
+	os.WriteFile(filepath.Join(tree, "a"), []byte("x\n"), 0o644)
+	img := mkfsTree(t, tree, "-b", "4096")
+	for _, req := range []string{"fallocate /a 1 20", "sif /a size 86016"} {
+		if out, err := exec.Command("debugfs", "-w", "-R", req, img).CombinedOutput(); err != nil {
+			t.Fatalf("debugfs %s: %v\n%s", req, err, out)
+		}
+	}
+	// Fill the preallocated blocks with garbage.
+	out, err := exec.Command("debugfs", "-R", "blocks /a", img).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(img, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	blocks := strings.Fields(string(out))
+	if len(blocks) != 21 {
+		t.Fatalf("blocks of /a: %q", out)
+	}
+	junk := bytes.Repeat([]byte{0xAB}, 4096)
+	for _, b := range blocks[1:] {
+		n, _ := new(big.Int).SetString(b, 10)
+		if _, err := f.WriteAt(junk, n.Int64()*4096); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st, _ := f.Stat()
+	fsr, err := openExt4(f, st.Size())
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, err := fsr.inode(12) // the first file mkfs -d creates after lost+found (11)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := fsr.content(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got bytes.Buffer
+	if _, err := got.ReadFrom(r); err != nil {
+		t.Fatal(err)
+	}
+	want := append([]byte("x\n"), make([]byte, 86016-2)...)
+	if !bytes.Equal(got.Bytes(), want) {
+		t.Errorf("read %d bytes, %d of them 0xAB; want x\\n then zeros", got.Len(), bytes.Count(got.Bytes(), []byte{0xAB}))
+	}
+}
