@@ -412,3 +412,38 @@ func TestExt4ReaderUnwritten(t *testing.T) {
 		t.Errorf("read %d bytes, %d of them 0xAB; want x\\n then zeros", got.Len(), bytes.Count(got.Bytes(), []byte{0xAB}))
 	}
 }
+
+func TestDiskFormat(t *testing.T) {
+	dir := t.TempDir()
+	// a tar whose second member's data has the ext4 magic where a superblock's would be
+	data := make([]byte, 600)
+	data[56], data[57] = 0x53, 0xEF
+	tarred := tarOf(t, []entry{{name: "etc/", typ: 0x35}, {name: "etc/blob", data: string(data)}})
+	if tarred[1080] != 0x53 || tarred[1081] != 0xEF {
+		t.Fatalf("test archive layout: bytes %x", tarred[1080:1082])
+	}
+	mbr := make([]byte, 4096)
+	mbr[446+4], mbr[446+12], mbr[510], mbr[511] = 0x83, 8, 0x55, 0xAA
+	gpt := make([]byte, 4096)
+	copy(gpt[512:], "EFI PART")
+	ext := make([]byte, 4096)
+	ext[1080], ext[1081] = 0x53, 0xEF
+	for _, tc := range []struct {
+		name string
+		b    []byte
+		want string
+	}{
+		{"tar", tarred, ""},
+		{"tar.gz", gzipOf(t, tarred), ""},
+		{"qcow2", append([]byte("QFI\xfb"), make([]byte, 100)...), "qcow2"},
+		{"mbr", mbr, "mbr"},
+		{"gpt", gpt, "gpt"},
+		{"ext4", ext, "ext4"},
+		{"zeros", make([]byte, 4096), ""},
+		{"short", []byte("x"), ""},
+	} {
+		if got := diskFormat(writeTestFile(t, dir, tc.name, tc.b)); got != tc.want {
+			t.Errorf("%s: %q, want %q", tc.name, got, tc.want)
+		}
+	}
+}
