@@ -447,3 +447,21 @@ func TestDiskFormat(t *testing.T) {
 		}
 	}
 }
+
+// TestExt4ReaderLoopingMap: an indirect block that names itself in every slot
+// (a crafted block map) is refused at once, not walked 2^30 times.
+func TestExt4ReaderLoopingMap(t *testing.T) {
+	const bs = 1024
+	img := make([]byte, 64*bs)
+	fsr := &ext4Reader{r: bytes.NewReader(img), size: int64(len(img)), bs: bs}
+	self := make([]byte, bs)
+	for i := 0; i < bs/4; i++ {
+		self[4*i] = 40 // block 40 everywhere
+	}
+	copy(img[40*bs:], self)
+	in := &ext4Inode{ino: 12, size: 1 << 40, iblock: make([]byte, 60)}
+	in.iblock[4*14] = 40 // the triple indirect block
+	if _, err := fsr.extents(in); !errors.Is(err, ErrCorruptArchive) {
+		t.Errorf("looping block map: %v", err)
+	}
+}

@@ -245,10 +245,13 @@ type ext4Extent struct {
 func (fs *ext4Reader) extents(in *ext4Inode) ([]ext4Extent, error) {
 	var out []ext4Extent
 	var err error
+	// A crafted tree can name the same block from every slot: bound the
+	// blocks visited by the blocks there are, so it cannot loop for hours.
+	budget := fs.size/fs.bs + 16
 	if in.flags&ext4FlagExtents != 0 {
-		err = fs.extentTree(in.iblock, 0, &out)
+		err = fs.extentTree(in.iblock, 0, &out, &budget)
 	} else {
-		err = fs.blockMap(in, &out)
+		err = fs.blockMap(in, &out, &budget)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("inode %d: %w", in.ino, err)
@@ -257,7 +260,7 @@ func (fs *ext4Reader) extents(in *ext4Inode) ([]ext4Extent, error) {
 	return out, nil
 }
 
-func (fs *ext4Reader) extentTree(node []byte, depth int, out *[]ext4Extent) error {
+func (fs *ext4Reader) extentTree(node []byte, depth int, out *[]ext4Extent, budget *int64) error {
 	le := binary.LittleEndian
 	if len(node) < 12 || le.Uint16(node[0:]) != 0xF30A {
 		return corruptFS("bad extent header")
@@ -285,11 +288,14 @@ func (fs *ext4Reader) extentTree(node []byte, depth int, out *[]ext4Extent) erro
 			}
 			continue
 		}
+		if *budget--; *budget < 0 {
+			return corruptFS("extent tree visits more blocks than the file system has")
+		}
 		child, err := fs.block(uint64(le.Uint16(e[8:]))<<32 | uint64(le.Uint32(e[4:])))
 		if err != nil {
 			return err
 		}
-		if err := fs.extentTree(child, depth+1, out); err != nil {
+		if err := fs.extentTree(child, depth+1, out, budget); err != nil {
 			return err
 		}
 	}
@@ -298,7 +304,7 @@ func (fs *ext4Reader) extentTree(node []byte, depth int, out *[]ext4Extent) erro
 
 // blockMap reads the direct and indirect block pointers of an ext2/3-style
 // inode; a zero pointer is a hole.
-func (fs *ext4Reader) blockMap(in *ext4Inode, out *[]ext4Extent) error {
+func (fs *ext4Reader) blockMap(in *ext4Inode, out *[]ext4Extent, budget *int64) error {
 	le := binary.LittleEndian
 	per := uint64(fs.bs / 4)
 	nblocks := uint64((in.size + fs.bs - 1) / fs.bs)
@@ -309,6 +315,9 @@ func (fs *ext4Reader) blockMap(in *ext4Inode, out *[]ext4Extent) error {
 		if k := len(*out); k > 0 && (*out)[k-1].logical+(*out)[k-1].count == logical && (*out)[k-1].physical+(*out)[k-1].count == phys {
 			(*out)[k-1].count++
 			return nil
+		}
+		if len(*out) >= 1<<22 {
+			return corruptFS("too many block runs")
 		}
 		*out = append(*out, ext4Extent{logical: logical, count: 1, physical: phys})
 		return nil
@@ -327,6 +336,9 @@ func (fs *ext4Reader) blockMap(in *ext4Inode, out *[]ext4Extent) error {
 		}
 		if level == 0 {
 			return add(logical, ptr)
+		}
+		if *budget--; *budget < 0 {
+			return corruptFS("block map visits more blocks than the file system has")
 		}
 		b, err := fs.block(ptr)
 		if err != nil {
@@ -519,7 +531,7 @@ func (fs *ext4Reader) readDir(in *ext4Inode) ([]ext4Dirent, error) {
 		}
 		return out, nil
 	}
-	if in.size > 1<<30 {
+	if in.size > 256<<20 || in.size > fs.size {
 		return nil, corruptFS("directory %d of %d bytes", in.ino, in.size)
 	}
 	r, err := fs.content(in)
