@@ -589,9 +589,27 @@ const (
 	ext4TypeSock = 0xC000
 )
 
-// extractExt4 walks the file system depth first from its root and applies
-// every entry to x; then x.finish.
+// extractExt4 applies every entry of the file system to x (walkExt4), then
+// x.finish; sockets are skipped and counted, as copyTree does.
 func extractExt4(ctx context.Context, x *extractor, fs *ext4Reader) error {
+	err := walkExt4(ctx, fs, func(hdr *tar.Header, data io.Reader) error {
+		if hdr.Typeflag == tar.TypeXGlobalHeader { // a socket
+			x.skipped++
+			x.logf("skipping socket %s", hdr.Name)
+			return nil
+		}
+		return x.apply(ctx, hdr, data)
+	})
+	if err != nil {
+		return err
+	}
+	return x.finish()
+}
+
+// walkExt4 walks the file system depth first from its root and calls fn for
+// every entry (a directory before its entries), with its content for a
+// regular file; a second link to a file is a tar.TypeLink to the first path.
+func walkExt4(ctx context.Context, fs *ext4Reader, fn func(hdr *tar.Header, data io.Reader) error) error {
 	links := map[uint32]string{} // first path of each multiply linked file
 	seenDirs := map[uint32]bool{ext4RootInode: true}
 	var walk func(dirIno uint32, dir string) error
@@ -645,12 +663,7 @@ func extractExt4(ctx context.Context, x *extractor, fs *ext4Reader) error {
 					return err
 				}
 			}
-			if hdr.Typeflag == tar.TypeXGlobalHeader { // a socket
-				x.skipped++
-				x.logf("skipping socket %s", rel)
-				continue
-			}
-			if err := x.apply(ctx, hdr, data); err != nil {
+			if err := fn(hdr, data); err != nil {
 				return err
 			}
 			if hdr.Typeflag == tar.TypeDir {
@@ -661,10 +674,7 @@ func extractExt4(ctx context.Context, x *extractor, fs *ext4Reader) error {
 		}
 		return nil
 	}
-	if err := walk(ext4RootInode, ""); err != nil {
-		return err
-	}
-	return x.finish()
+	return walk(ext4RootInode, "")
 }
 
 // header describes inode in at rel as a tar header, as copyTree does for a
