@@ -592,7 +592,15 @@ const (
 // extractExt4 applies every entry of the file system to x (walkExt4), then
 // x.finish; sockets are skipped and counted, as copyTree does.
 func extractExt4(ctx context.Context, x *extractor, fs *ext4Reader) error {
+	var files, bytes int64
+	last := time.Now()
 	err := walkExt4(ctx, fs, func(hdr *tar.Header, data io.Reader) error {
+		files++
+		bytes += hdr.Size
+		if now := time.Now(); now.Sub(last) >= 5*time.Second { // a large disk takes minutes
+			last = now
+			x.logf("read %d entries, %s of files so far", files, FormatBytes(bytes))
+		}
 		if hdr.Typeflag == tar.TypeXGlobalHeader { // a socket
 			x.skipped++
 			x.logf("skipping socket %s", hdr.Name)
