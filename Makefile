@@ -103,6 +103,7 @@ fuzz:
 	$(GO) test -run='^$$' -fuzz=FuzzParseJIT -fuzztime=50000x ./engine/
 	$(GO) test -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./procinfo/
 	$(GO) test -run='^$$' -fuzz=FuzzDecodeRanges -fuzztime=20000x ./memfile/
+	$(GO) test -run='^$$' -fuzz=FuzzExt4Reader -fuzztime=20000x ./guest/
 
 ## itest: integration tests that boot real QEMU
 itest: setup

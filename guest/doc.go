@@ -42,7 +42,9 @@
 // (DebianSource: suite, extra packages), or ImageConfig.From: a root
 // filesystem tarball (plain, gzip, xz), a directory, an OCI image layout
 // (directory or tar) or a `docker save` archive, whose layers
-// go-containerregistry flattens (mutate.Extract applies whiteouts). Every
+// go-containerregistry flattens (mutate.Extract applies whiteouts), an image
+// pulled from a registry (registry.go: layers cached by digest), or the root
+// partition of a disk image (diskimage.go, read by ext4read.go). Every
 // entry is written through securejoin inside a staging directory; names
 // with "..", absolute names, relative symlinks that climb out of the root
 // and hard links to outside or to nothing are refused (ErrUnsafeEntry),

@@ -245,10 +245,13 @@ type ext4Extent struct {
 func (fs *ext4Reader) extents(in *ext4Inode) ([]ext4Extent, error) {
 	var out []ext4Extent
 	var err error
+	// A crafted tree can name the same block from every slot: bound the
+	// blocks visited by the blocks there are, so it cannot loop for hours.
+	budget := fs.size/fs.bs + 16
 	if in.flags&ext4FlagExtents != 0 {
-		err = fs.extentTree(in.iblock, 0, &out)
+		err = fs.extentTree(in.iblock, 0, &out, &budget)
 	} else {
-		err = fs.blockMap(in, &out)
+		err = fs.blockMap(in, &out, &budget)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("inode %d: %w", in.ino, err)
@@ -257,7 +260,7 @@ func (fs *ext4Reader) extents(in *ext4Inode) ([]ext4Extent, error) {
 	return out, nil
 }
 
-func (fs *ext4Reader) extentTree(node []byte, depth int, out *[]ext4Extent) error {
+func (fs *ext4Reader) extentTree(node []byte, depth int, out *[]ext4Extent, budget *int64) error {
 	le := binary.LittleEndian
 	if len(node) < 12 || le.Uint16(node[0:]) != 0xF30A {
 		return corruptFS("bad extent header")
@@ -285,11 +288,14 @@ func (fs *ext4Reader) extentTree(node []byte, depth int, out *[]ext4Extent) erro
 			}
 			continue
 		}
+		if *budget--; *budget < 0 {
+			return corruptFS("extent tree visits more blocks than the file system has")
+		}
 		child, err := fs.block(uint64(le.Uint16(e[8:]))<<32 | uint64(le.Uint32(e[4:])))
 		if err != nil {
 			return err
 		}
-		if err := fs.extentTree(child, depth+1, out); err != nil {
+		if err := fs.extentTree(child, depth+1, out, budget); err != nil {
 			return err
 		}
 	}
@@ -298,7 +304,7 @@ func (fs *ext4Reader) extentTree(node []byte, depth int, out *[]ext4Extent) erro
 
 // blockMap reads the direct and indirect block pointers of an ext2/3-style
 // inode; a zero pointer is a hole.
-func (fs *ext4Reader) blockMap(in *ext4Inode, out *[]ext4Extent) error {
+func (fs *ext4Reader) blockMap(in *ext4Inode, out *[]ext4Extent, budget *int64) error {
 	le := binary.LittleEndian
 	per := uint64(fs.bs / 4)
 	nblocks := uint64((in.size + fs.bs - 1) / fs.bs)
@@ -309,6 +315,9 @@ func (fs *ext4Reader) blockMap(in *ext4Inode, out *[]ext4Extent) error {
 		if k := len(*out); k > 0 && (*out)[k-1].logical+(*out)[k-1].count == logical && (*out)[k-1].physical+(*out)[k-1].count == phys {
 			(*out)[k-1].count++
 			return nil
+		}
+		if len(*out) >= 1<<22 {
+			return corruptFS("too many block runs")
 		}
 		*out = append(*out, ext4Extent{logical: logical, count: 1, physical: phys})
 		return nil
@@ -327,6 +336,9 @@ func (fs *ext4Reader) blockMap(in *ext4Inode, out *[]ext4Extent) error {
 		}
 		if level == 0 {
 			return add(logical, ptr)
+		}
+		if *budget--; *budget < 0 {
+			return corruptFS("block map visits more blocks than the file system has")
 		}
 		b, err := fs.block(ptr)
 		if err != nil {
@@ -519,7 +531,7 @@ func (fs *ext4Reader) readDir(in *ext4Inode) ([]ext4Dirent, error) {
 		}
 		return out, nil
 	}
-	if in.size > 1<<30 {
+	if in.size > 256<<20 || in.size > fs.size {
 		return nil, corruptFS("directory %d of %d bytes", in.ino, in.size)
 	}
 	r, err := fs.content(in)
@@ -577,9 +589,35 @@ const (
 	ext4TypeSock = 0xC000
 )
 
-// extractExt4 walks the file system depth first from its root and applies
-// every entry to x; then x.finish.
+// extractExt4 applies every entry of the file system to x (walkExt4), then
+// x.finish; sockets are skipped and counted, as copyTree does.
 func extractExt4(ctx context.Context, x *extractor, fs *ext4Reader) error {
+	var files, bytes int64
+	last := time.Now()
+	err := walkExt4(ctx, fs, func(hdr *tar.Header, data io.Reader) error {
+		files++
+		bytes += hdr.Size
+		if now := time.Now(); now.Sub(last) >= 5*time.Second { // a large disk takes minutes
+			last = now
+			x.logf("read %d entries, %s of files so far", files, FormatBytes(bytes))
+		}
+		if hdr.Typeflag == tar.TypeXGlobalHeader { // a socket
+			x.skipped++
+			x.logf("skipping socket %s", hdr.Name)
+			return nil
+		}
+		return x.apply(ctx, hdr, data)
+	})
+	if err != nil {
+		return err
+	}
+	return x.finish()
+}
+
+// walkExt4 walks the file system depth first from its root and calls fn for
+// every entry (a directory before its entries), with its content for a
+// regular file; a second link to a file is a tar.TypeLink to the first path.
+func walkExt4(ctx context.Context, fs *ext4Reader, fn func(hdr *tar.Header, data io.Reader) error) error {
 	links := map[uint32]string{} // first path of each multiply linked file
 	seenDirs := map[uint32]bool{ext4RootInode: true}
 	var walk func(dirIno uint32, dir string) error
@@ -633,12 +671,7 @@ func extractExt4(ctx context.Context, x *extractor, fs *ext4Reader) error {
 					return err
 				}
 			}
-			if hdr.Typeflag == tar.TypeXGlobalHeader { // a socket
-				x.skipped++
-				x.logf("skipping socket %s", rel)
-				continue
-			}
-			if err := x.apply(ctx, hdr, data); err != nil {
+			if err := fn(hdr, data); err != nil {
 				return err
 			}
 			if hdr.Typeflag == tar.TypeDir {
@@ -649,10 +682,7 @@ func extractExt4(ctx context.Context, x *extractor, fs *ext4Reader) error {
 		}
 		return nil
 	}
-	if err := walk(ext4RootInode, ""); err != nil {
-		return err
-	}
-	return x.finish()
+	return walk(ext4RootInode, "")
 }
 
 // header describes inode in at rel as a tar header, as copyTree does for a

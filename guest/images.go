@@ -551,6 +551,9 @@ func checkImageConfig(c *ImageConfig, dirs rootfsDirs) (*ImageSource, error) {
 		if c.Ref != "" {
 			return nil, fmt.Errorf("%w: Ref is only for OCI and docker archives", ErrInvalidImageConfig)
 		}
+		if c.Insecure {
+			return nil, fmt.Errorf("%w: Insecure is for registry pulls", ErrInvalidImageConfig)
+		}
 		c.Debian = &d
 		return &ImageSource{Kind: SourceDebian, Suite: d.Suite, Include: d.Include, Mirror: d.Mirror}, nil
 	}

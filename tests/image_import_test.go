@@ -54,7 +54,8 @@ func busyboxRoot(t *testing.T, marker string) string {
 	return root
 }
 
-// tarTree archives root (files, directories, symlinks) for an image layer.
+// tarTree archives root (files, directories, symlinks) for an image layer, the same
+// bytes for the same tree.
 func tarTree(t *testing.T, root string) []byte {
 	t.Helper()
 	var buf bytes.Buffer
@@ -75,6 +76,10 @@ func tarTree(t *testing.T, root string) []byte {
 		}
 		rel, _ := filepath.Rel(root, p)
 		h.Name = filepath.ToSlash(rel)
+		// The same bytes every run: the layer's digest, hence its file in the shared
+		// layer cache, stays the same.
+		h.ModTime, h.AccessTime, h.ChangeTime, h.Uid, h.Gid, h.Uname, h.Gname = time.Unix(1735689600, 0), time.Time{}, time.Time{}, 0, 0, "", ""
+		h.Format = tar.FormatPAX
 		if err := tw.WriteHeader(h); err != nil {
 			return err
 		}

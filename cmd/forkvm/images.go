@@ -55,12 +55,13 @@ func imageCreateCmd() *cli.Command {
 			"   Needs root. The image is an ext4 disk with the forkvm agent at " + guest.ImageAgentPath + ",\n" +
 			"   stored by content hash in the cache, named in the state directory; `forkvm images`\n" +
 			"   lists them. A Debian recipe built before is reused (--rebuild builds it again).\n\n" +
-			"   --from is a path when that path exists; otherwise, when it names a tag (:TAG), a\n" +
-			"   digest (@sha256:...) or a registry host (HOST/...), it is pulled (linux/amd64) with\n" +
-			"   the credentials of ~/.docker/config.json, layers cached by digest in the cache.\n" +
-			"   A disk image (raw or qcow2; GPT, MBR or a bare ext4) gives its root partition's files:\n" +
-			"   the GPT 'Linux root (x86-64)' partition, else the largest ext2/3/4 one. So does an\n" +
-			"   OCI artifact holding " + guest.DiskArtifactPath + ". forkvm's kernel and agent boot it.",
+			"   --from is a path when that path exists. Otherwise, when it names a\n" +
+			"   tag (:TAG), a digest (@sha256:...) or a registry host (HOST/...),\n" +
+			"   it is pulled (linux/amd64) with ~/.docker/config.json's credentials,\n" +
+			"   layers cached by digest. A disk image (raw or qcow2; GPT, MBR or bare\n" +
+			"   ext4) gives its root partition's files: the GPT 'Linux root (x86-64)'\n" +
+			"   one, else the largest ext2/3/4 one; so does an OCI artifact holding\n" +
+			"   " + guest.DiskArtifactPath + ". forkvm's kernel and agent boot it (docs/images.md).",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "debian", Usage: "build a Debian minbase root with mmdebstrap"},
 			&cli.StringFlag{Name: "suite", Usage: "Debian suite (with --debian)", Value: guest.DefaultSuite},
