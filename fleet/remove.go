@@ -236,7 +236,11 @@ func (f *Fleet) DeleteVM(ctx context.Context, name string) (string, error) {
 		return c.Node, fmt.Errorf("%w: %s is on node %s, whose heartbeat expired", ErrNodeLost, name, c.Node)
 	}
 	b, _ := json.Marshal(vmRm{Name: name, Job: c.Job, From: f.cfg.Node})
-	m, err := f.nc.RequestWithContext(ctx, subjVMRmPrefix+c.Node, b)
+	// The node answers after its delete (bounded there by a minute): a node that died
+	// after the look above never answers.
+	rctx, cancel := context.WithTimeout(ctx, time.Minute+answerWait)
+	defer cancel()
+	m, err := f.nc.RequestWithContext(rctx, subjVMRmPrefix+c.Node, b)
 	if err != nil {
 		return c.Node, fmt.Errorf("%w: node %s: %w", ErrUnavailable, c.Node, err)
 	}
