@@ -61,6 +61,23 @@ type FleetNode struct {
 	StartedAt time.Time `json:"started_at"`
 }
 
+// FleetCheckpointRemoval is what one node did with its copy of a checkpoint removed
+// from the fleet (DELETE /v1/fleet/checkpoints/NAME): outcome "removed", "none" (it had
+// no copy of that content), "in_use" (forks use it: it goes with its last fork),
+// "pinned" (its user's, kept) or "failed" (Error and Code say why).
+type FleetCheckpointRemoval struct {
+	Node    string `json:"node"`
+	Outcome string `json:"outcome"`
+	Error   string `json:"error,omitempty"`
+	Code    string `json:"code,omitempty"`
+}
+
+// FleetVMDeleted answers DELETE /v1/fleet/vms/NAME: the node that held the fork.
+type FleetVMDeleted struct {
+	Name string `json:"name"`
+	Node string `json:"node"`
+}
+
 // FleetVM is a fleet fork as its claim records it (forkvm.fleet-vm/v1): the claim, in
 // the fleet's key-value store, is the truth of which node holds which name.
 type FleetVM struct {

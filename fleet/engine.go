@@ -23,6 +23,12 @@ type Engine interface {
 	Delete(ctx context.Context, name string) error
 	List() []api.Info
 	Budget() api.Budget
+	// Unpin makes a local checkpoint go with its last fork (a copy pulled for a wave is
+	// the node's cache, not a checkpoint its user made).
+	Unpin(ctx context.Context, name string) error
+	// DeleteCheckpoint deletes a local checkpoint no fork uses (api.ErrInUse when
+	// forks do: it stays).
+	DeleteCheckpoint(ctx context.Context, name string) error
 }
 
 // CheckpointRef is a checkpoint as the fleet places it.
@@ -34,6 +40,8 @@ type CheckpointRef struct {
 	Class     api.FleetClass
 	CPUs      int
 	MemoryMiB int
+	// Pinned: it stays when its last fork goes.
+	Pinned bool
 }
 
 // EngineOf adapts an engine.
@@ -58,7 +66,7 @@ func (a engineAdapter) Checkpoint(ctx context.Context, name string) (CheckpointR
 	if m.StateSHA256 == "" {
 		return CheckpointRef{}, fmt.Errorf("%w: checkpoint %s has no device-state digest", engine.ErrCheckpointCorrupt, name)
 	}
-	return CheckpointRef{Name: name, Digest: m.StateSHA256, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB,
+	return CheckpointRef{Name: name, Digest: m.StateSHA256, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB, Pinned: m.Pinned,
 		Class: api.FleetClass{QEMU: m.QEMUVersion, Accel: string(m.Accel), Arch: runtime.GOARCH}}, nil
 }
 
@@ -79,5 +87,11 @@ func (a engineAdapter) Get(name string) (api.Info, error) {
 }
 
 func (a engineAdapter) Delete(ctx context.Context, name string) error { return a.e.Delete(ctx, name) }
-func (a engineAdapter) List() []api.Info                              { return a.e.List() }
-func (a engineAdapter) Budget() api.Budget                            { return api.Budget(a.e.Budget()) }
+func (a engineAdapter) Unpin(ctx context.Context, name string) error {
+	return a.e.SetPinned(ctx, name, false)
+}
+func (a engineAdapter) DeleteCheckpoint(ctx context.Context, name string) error {
+	return a.e.DeleteCheckpoint(ctx, name, nil)
+}
+func (a engineAdapter) List() []api.Info   { return a.e.List() }
+func (a engineAdapter) Budget() api.Budget { return api.Budget(a.e.Budget()) }

@@ -295,6 +295,9 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 	if err := f.deleteOrphans(ctx); err != nil {
 		log.Warn("fleet: orphans not checked", "err", err)
 	}
+	if err := f.serveRemovals(); err != nil {
+		return fail(fmt.Errorf("%w: subscribe: %w", ErrUnavailable, err))
+	}
 	f.wg.Add(2)
 	go f.watchNodes()
 	go f.workLoop()

@@ -126,6 +126,33 @@ func (e *fakeEngine) Delete(_ context.Context, name string) error {
 	return nil
 }
 
+func (e *fakeEngine) Unpin(_ context.Context, name string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, ok := e.cks[name]
+	if !ok {
+		return fmt.Errorf("%w: checkpoint %s", api.ErrNotFound, name)
+	}
+	c.Pinned = false
+	e.cks[name] = c
+	return nil
+}
+
+func (e *fakeEngine) DeleteCheckpoint(_ context.Context, name string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, ok := e.cks[name]; !ok {
+		return fmt.Errorf("%w: checkpoint %s", api.ErrNotFound, name)
+	}
+	for _, v := range e.vms {
+		if v.Parent == name {
+			return fmt.Errorf("%w: checkpoint %s has forks", api.ErrInUse, name)
+		}
+	}
+	delete(e.cks, name)
+	return nil
+}
+
 func (e *fakeEngine) List() []api.Info {
 	e.mu.Lock()
 	defer e.mu.Unlock()

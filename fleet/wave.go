@@ -347,6 +347,9 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 		case <-ctx.Done():
 			return
 		case e, ok := <-recsC:
+			if !ok && (ctx.Err() != nil || w.f.nc.IsClosed()) {
+				return // the wave's consumer left, or this node did
+			}
 			if !ok {
 				w.f.log.Warn("fleet: the wave's watch of its records closed; reading them every tick until it is back", "wave", w.id)
 				recsC = nil
@@ -373,6 +376,9 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 				return
 			}
 		case e, ok := <-nodeC:
+			if !ok && (ctx.Err() != nil || w.f.nc.IsClosed()) {
+				return
+			}
 			if !ok {
 				// The node checks every tick see what it would have: heartbeats and
 				// expiries (as a missing or old heartbeat).

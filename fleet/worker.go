@@ -968,6 +968,14 @@ func (f *Fleet) pullCheckpoint(ctx context.Context, j job) error {
 			return fmt.Errorf("%w: checkpoint %s fetched from %s has digest %s, want %s", api.ErrCheckpointCorrupt, j.Checkpoint, h.Name, short(ref.Digest), short(j.Digest))
 		}
 		f.log.Info("fleet: checkpoint fetched", "ck", j.Checkpoint, "from", h.Name, "digest", short(ref.Digest))
+		// The copy is this node's cache of the holder's checkpoint, whatever the
+		// holder's pin: it goes with its last fork here (or with a fleet-wide
+		// checkpoint rm), not kept until removed node by node.
+		if ref.Pinned {
+			if err := f.eng.Unpin(ctx, j.Checkpoint); err != nil {
+				f.log.Warn("fleet: a pulled checkpoint stays pinned", "ck", j.Checkpoint, "err", err)
+			}
+		}
 		return f.holds(ctx, ref)
 	}
 	return lastErr

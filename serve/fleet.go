@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"context"
 	"errors"
 	"net/http"
 	"sync"
@@ -63,6 +64,39 @@ func (s *Server) fleetRoutes() {
 	s.mux.HandleFunc("GET /v1/fleet/nodes", s.fleetNodes)
 	s.mux.HandleFunc("GET /v1/fleet/vms", s.fleetVMs)
 	s.mux.HandleFunc("POST /v1/fleet/forks", s.fleetFork)
+	s.mux.HandleFunc("DELETE /v1/fleet/vms/{name}", s.fleetDeleteVM)
+	s.mux.HandleFunc("DELETE /v1/fleet/checkpoints/{name}", s.fleetDeleteCheckpoint)
+}
+
+// fleetDeleteVM deletes a fleet fork on whichever node holds it, and answers that node.
+func (s *Server) fleetDeleteVM(w http.ResponseWriter, r *http.Request) {
+	f := s.fleetOf(w)
+	if f == nil {
+		return
+	}
+	name := r.PathValue("name")
+	// As a local delete, not cut short by a client that goes away.
+	node, err := f.DeleteVM(context.WithoutCancel(r.Context()), name)
+	if err != nil {
+		writeFleetError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, api.FleetVMDeleted{Name: name, Node: node})
+}
+
+// fleetDeleteCheckpoint deletes a checkpoint here and the wave-pulled copies of it on
+// the other nodes, and answers what each node did.
+func (s *Server) fleetDeleteCheckpoint(w http.ResponseWriter, r *http.Request) {
+	f := s.fleetOf(w)
+	if f == nil {
+		return
+	}
+	out, err := f.RemoveCheckpoint(context.WithoutCancel(r.Context()), r.PathValue("name"))
+	if err != nil && len(out) == 0 {
+		writeFleetError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, out)
 }
 
 // writeFleetError answers a fleet error with its code.
@@ -70,6 +104,8 @@ func writeFleetError(w http.ResponseWriter, err error) {
 	switch {
 	case errors.Is(err, fleet.ErrNoNode):
 		writeErrorObject(w, http.StatusConflict, ErrorObject{Code: api.CodeNoNode, Message: err.Error()})
+	case errors.Is(err, fleet.ErrNodeLost):
+		writeErrorObject(w, http.StatusConflict, ErrorObject{Code: api.CodeNodeLost, Message: err.Error()})
 	case errors.Is(err, fleet.ErrUnavailable):
 		writeErrorObject(w, http.StatusServiceUnavailable, ErrorObject{Code: api.CodeFleetUnavailable, Message: err.Error()})
 	default:

@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/serve"
 )
@@ -46,7 +48,8 @@ func fleetPorts(t *testing.T, n int) []string {
 }
 
 // checkFleetFormation checks a fleet of three just formed (labelled rack=r1): the nodes
-// list the three, of one class, with their labels; the fleet has no claims; a fourth
+// list the three, of one class, with their labels; the fleet has no claims; a NATS
+// client with the fleet's password is refused at a route port; a fourth
 // daemon with the wrong password is refused (its routes rejected, it cannot make its
 // replicated buckets and exits with an error), as is a fleet without credentials and
 // a password file others may read.
@@ -74,6 +77,13 @@ func checkFleetFormation(t *testing.T, hosts []*fleetHost) {
 		return ""
 	}
 	routes, pw := flag("--routes"), flag("--cluster-password-file")
+	// The route port serves routes only: a NATS client with the fleet's password there
+	// is refused, not sent on to the client port the route's greeting named (natscli
+	// listed streams that way).
+	if nc, err := nats.Connect("nats://"+flag("--cluster-listen"), nats.UserInfo("fleet", "wave-fleet-pw"), nats.Timeout(10*time.Second)); err == nil {
+		t.Errorf("a NATS client with the fleet's password connected at the route port %s (to %s)", flag("--cluster-listen"), nc.ConnectedUrl())
+		nc.Close()
+	}
 	dir := t.TempDir()
 	bad := filepath.Join(dir, "bad")
 	if err := os.WriteFile(bad, []byte("wrong\n"), 0o600); err != nil {

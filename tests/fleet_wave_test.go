@@ -246,12 +246,19 @@ func TestFleetWaves(t *testing.T) {
 				break
 			}
 		}
+		// The copies n2 and n3 pulled for the wave were their cache: gone with their
+		// last fork. n1's own (pinned) stays.
+		for _, h := range hosts {
+			has := strings.Contains(h.ok(t, "checkpoints"), "fwck")
+			if want := h == n1; has != want {
+				t.Errorf("%s lists fwck after the wave's forks were deleted: %v, want %v", h.name, has, want)
+			}
+		}
 	})
 	t.Run("pull-from-node", func(t *testing.T) {
-		// n2 pulled fwck for the wave; its copy deleted, it pulls it again from n1 by
+		// n2's copy of fwck went with the wave's forks; it pulls it again from n1 by
 		// the node's name (the fleet's credentials, no URL or token given).
 		n2 := hosts[1]
-		n2.ok(t, "checkpoint", "rm", "fwck")
 		var res api.PullResult
 		if err := json.Unmarshal([]byte(n2.ok(t, "checkpoint", "pull", "fwck", "--from", n1.name, "--json")), &res); err != nil {
 			t.Fatal(err)
@@ -273,6 +280,43 @@ func TestFleetWaves(t *testing.T) {
 
 		if lost, stayed := checkWaveEnd(t, evs, n, victim.name, hosts[:2], n1, "fk-", false); lost == 0 && len(stayed) == 0 {
 			t.Errorf("no fork reported node_lost, yet %s had made one", victim.name)
+		}
+	})
+	t.Run("fleet-rm", func(t *testing.T) {
+		// A fork on n2, deleted from n1: a plain rm names n2, rm --fleet deletes it there.
+		n2 := hosts[1]
+		var there string
+		for name := range running(nodeVMs(t, n2)) {
+			if strings.HasPrefix(name, "fk-") {
+				there = name
+				break
+			}
+		}
+		if there == "" {
+			t.Fatalf("%s runs no fork of the last wave", n2.name)
+		}
+		if out, errs, code := n1.cli(nil, "rm", there); code == 0 || !strings.Contains(errs, "on node "+n2.name) {
+			t.Errorf("rm %s on %s: exit %d: %s%s, want the node named", there, n1.name, code, out, errs)
+		}
+		if out := n1.ok(t, "rm", "--fleet", there); !strings.Contains(out, "on node "+n2.name) {
+			t.Errorf("rm --fleet %s: %q", there, out)
+		}
+		if _, runs := nodeVMs(t, n2)[there]; runs {
+			t.Errorf("%s still runs %s", n2.name, there)
+		}
+		// A fleet-wide checkpoint rm: n1's own goes once no fork uses it; n2's copy,
+		// pulled by its user (pinned), is kept and said so.
+		for _, h := range hosts[:2] {
+			for name := range nodeVMs(t, h) {
+				h.ok(t, "rm", name)
+			}
+		}
+		out := n1.ok(t, "checkpoint", "rm", "--fleet", "fwck")
+		if !strings.Contains(out, "removed checkpoint fwck on node "+n1.name) || !strings.Contains(out, "fwck on node "+n2.name+" is pinned") {
+			t.Errorf("checkpoint rm --fleet: %q", out)
+		}
+		if strings.Contains(n1.ok(t, "checkpoints"), "fwck") {
+			t.Errorf("%s still lists fwck", n1.name)
 		}
 	})
 }

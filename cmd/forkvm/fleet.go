@@ -387,3 +387,115 @@ func (f pullFetcher) Fetch(ctx context.Context, ck string, from fleet.Node) (*wi
 	}
 	return pull.Checkpoint(ctx, f.e, pull.Remote(from.Addr, f.token), ck, nil)
 }
+
+// withFleetRm gives rm a --fleet flag: delete fleet forks wherever they run. Without
+// it, a name this node does not have that the fleet runs on another node is named
+// with that node (a local rm only ever deletes here).
+func withFleetRm(rm *cli.Command) *cli.Command {
+	rm.Flags = append(rm.Flags, &cli.BoolFlag{Name: "fleet", Usage: "delete fleet forks on whichever node runs them"})
+	local := rm.Action
+	rm.Action = func(ctx context.Context, cmd *cli.Command) error {
+		if !cmd.Bool("fleet") {
+			err := local(ctx, cmd)
+			if errors.Is(err, wire.ErrNotFound) {
+				if where := fleetPlaces(ctx, cmd, cmd.Args().Slice()); where != "" {
+					return fmt.Errorf("%w\n%s", err, where)
+				}
+			}
+			return err
+		}
+		if cmd.Args().Len() == 0 || cmd.Bool("dead") {
+			return fmt.Errorf("usage: forkvm rm --fleet NAME...")
+		}
+		c, err := fleetClient(ctx, cmd)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		var errs []error
+		for _, n := range cmd.Args().Slice() {
+			d, err := c.FleetDeleteVM(ctx, n)
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			fmt.Printf("removed vm %s on node %s\n", n, d.Node)
+		}
+		return errors.Join(errs...)
+	}
+	return rm
+}
+
+// fleetPlaces names the nodes of the fleet forks among names that live on other nodes
+// ("" when the daemon is in no fleet or the fleet has none of them).
+func fleetPlaces(ctx context.Context, cmd *cli.Command, names []string) string {
+	a, err := connect(ctx, cmd, false)
+	if err != nil {
+		return ""
+	}
+	defer a.Close()
+	c, ok := a.(*client.Client)
+	if !ok {
+		return ""
+	}
+	vms, err := c.FleetVMs(ctx)
+	if err != nil {
+		return ""
+	}
+	var lines []string
+	for _, v := range vms {
+		for _, n := range names {
+			if v.Name == n {
+				lines = append(lines, fmt.Sprintf("%s is a fleet fork on node %s (%s): forkvm rm --fleet %s deletes it there", n, v.Node, v.State, n))
+			}
+		}
+	}
+	return strings.Join(lines, "\n")
+}
+
+// withFleetCheckpoint gives checkpoint rm a --fleet flag: the copies other nodes
+// pulled for waves go too.
+func withFleetCheckpoint(ck *cli.Command) *cli.Command {
+	for _, sub := range ck.Commands {
+		if sub.Name != "rm" {
+			continue
+		}
+		sub.Flags = append(sub.Flags, &cli.BoolFlag{Name: "fleet", Usage: "also delete the copies other nodes pulled for fleet waves (those no fork uses; the others go with their last fork)"})
+		local := sub.Action
+		sub.Action = func(ctx context.Context, cmd *cli.Command) error {
+			if !cmd.Bool("fleet") {
+				return local(ctx, cmd)
+			}
+			if cmd.Args().Len() == 0 || cmd.Bool("force") {
+				return errors.New("usage: forkvm checkpoint rm --fleet NAME... (without --force: delete its forks first)")
+			}
+			c, err := fleetClient(ctx, cmd)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			var errs []error
+			for _, n := range cmd.Args().Slice() {
+				out, err := c.FleetDeleteCheckpoint(ctx, n)
+				if err != nil {
+					errs = append(errs, err)
+					continue
+				}
+				for _, r := range out {
+					switch r.Outcome {
+					case fleet.RemovedOK:
+						fmt.Printf("removed checkpoint %s on node %s\n", n, r.Node)
+					case fleet.RemovedInUse:
+						fmt.Printf("checkpoint %s on node %s has forks: it goes with the last\n", n, r.Node)
+					case fleet.RemovedPinned:
+						fmt.Printf("checkpoint %s on node %s is pinned there: kept\n", n, r.Node)
+					case fleet.RemovedFailed:
+						errs = append(errs, fmt.Errorf("checkpoint %s on node %s: %s", n, r.Node, r.Error))
+					}
+				}
+			}
+			return errors.Join(errs...)
+		}
+	}
+	return ck
+}

@@ -65,8 +65,8 @@ func newApp() *cli.Command {
 			&cli.BoolFlag{Name: "perf-map", Usage: "start QEMUs (TCG) with -perfmap: /tmp/perf-PID.map names TCG code for perf (slower; removed with the VM; see docs/profiling.md)"},
 		},
 		Commands: []*cli.Command{
-			createCmd(), execCmd(), cpCmd(), logsCmd(), withFleetLs(lsCmd()), memCmd(), profileCmd(), rmCmd(),
-			checkpointCmd(), checkpointsCmd(), withFleetFork(forkCmd()), pinCmd(true), pinCmd(false),
+			createCmd(), execCmd(), cpCmd(), logsCmd(), withFleetLs(lsCmd()), memCmd(), profileCmd(), withFleetRm(rmCmd()),
+			withFleetCheckpoint(checkpointCmd()), checkpointsCmd(), withFleetFork(forkCmd()), pinCmd(true), pinCmd(false),
 			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
 			serveCmd(), nodesCmd(), helpCmd(),
 		},

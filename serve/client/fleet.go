@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 
 	"github.com/forkvm/forkvm/api"
 )
@@ -22,6 +23,22 @@ func (c *Client) FleetNodes(ctx context.Context) ([]api.FleetNode, error) {
 func (c *Client) FleetVMs(ctx context.Context) ([]api.FleetVM, error) {
 	var out []api.FleetVM
 	err := c.call(ctx, http.MethodGet, "/v1/fleet/vms", nil, &out)
+	return out, err
+}
+
+// FleetDeleteVM deletes fleet fork name on whichever node holds it and returns that
+// node.
+func (c *Client) FleetDeleteVM(ctx context.Context, name string) (api.FleetVMDeleted, error) {
+	var out api.FleetVMDeleted
+	err := c.call(ctx, http.MethodDelete, "/v1/fleet/vms/"+url.PathEscape(name), nil, &out)
+	return out, err
+}
+
+// FleetDeleteCheckpoint deletes checkpoint name on the daemon and the copies other
+// nodes pulled of it for waves (unpinned, unused), and returns what each node did.
+func (c *Client) FleetDeleteCheckpoint(ctx context.Context, name string) ([]api.FleetCheckpointRemoval, error) {
+	var out []api.FleetCheckpointRemoval
+	err := c.call(ctx, http.MethodDelete, "/v1/fleet/checkpoints/"+url.PathEscape(name), nil, &out)
 	return out, err
 }
 
