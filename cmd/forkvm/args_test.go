@@ -198,6 +198,12 @@ func TestForkWaveNeedsNoPrefix(t *testing.T) {
 	if !errors.Is(err, engine.ErrNotFound) {
 		t.Fatalf("fork ck1 --n 48: %v (%s), want the engine's not found", err, out)
 	}
+	// The README's fleet line: the wave is named as a local one, so what stops it here
+	// is that no daemon runs, not its naming.
+	out, err = helpOf(t, "--home", home, "fork", "ck1", "--n", "48", "--fleet", "--spread")
+	if err == nil || strings.Contains(err.Error(), "prefix") {
+		t.Fatalf("fork ck1 --n 48 --fleet --spread: %v (%s), want the missing daemon", err, out)
+	}
 	home = filepath.Join(t.TempDir(), "home")
 	out, err = helpOf(t, "--home", home, "fork", "ck1", "w1", "--n", "2")
 	if !errors.Is(err, engine.ErrInvalidSpec) {

@@ -278,7 +278,7 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 	src := cmd.Args().First()
 	n := int(cmd.Int("n"))
 	if src == "" || cmd.Args().Len() > 2 || n < 1 {
-		return fmt.Errorf("usage: forkvm fork CHECKPOINT [NAME] --fleet | forkvm fork CHECKPOINT --fleet --n N --prefix P")
+		return fmt.Errorf("usage: forkvm fork CHECKPOINT [NAME] --fleet | forkvm fork CHECKPOINT --fleet --n N [--prefix P]")
 	}
 	if cmd.Bool("spread") && cmd.Bool("pack") {
 		return fmt.Errorf("forkvm fork: --spread and --pack are exclusive")
@@ -298,9 +298,10 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 			return err
 		}
 		req.Name = cmd.Args().Get(1)
-	} else if n > 1 && req.Prefix == "" {
-		return fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
 	}
+	// A wave without --prefix is named as a local one (SRC-TAG-1..n): the names are
+	// drawn once here, so the lines and the fleet's records agree.
+	req.Normalize()
 	c, err := fleetClient(ctx, cmd)
 	if err != nil {
 		return err
