@@ -64,10 +64,11 @@ type Config struct {
 	// (MemoryUsage.GuestLineage). Implicit checkpoints (forks of a running VM) are never
 	// flattened. Default 64; negative: never (Engine.Flatten still flattens on request).
 	FlattenMiB int64
-	// MemoryCommitRatio is the part of a VM's guest RAM that admission expects its guest
-	// to write (copies on write of a fork, pages of a booted VM) and keeps room for
-	// while the VM runs, beyond 64 MiB for QEMU itself. Default 0.1; negative: 0 (count
-	// QEMU only).
+	// MemoryCommitRatio is the prior's part of a VM's guest RAM: what admission expects
+	// its guest to write (copies on write of a fork, pages of a booted VM) and keeps room
+	// for while the VM runs, beyond 64 MiB for QEMU itself, until forks of its source
+	// were measured (docs/host.md: their footprint replaces it). Default 0.1; negative:
+	// 0 (count QEMU only).
 	MemoryCommitRatio float64
 	// MemoryCgroup is the memory cgroup directory (v1 or v2) below which VMs with a
 	// memory limit (Spec.MemoryLimitMiB) get their own cgroups. Default: the memory
