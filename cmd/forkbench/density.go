@@ -47,8 +47,16 @@ type DensityStep struct {
 	Added          int     `json:"added"`
 	ForkWallMS     float64 `json:"fork_wall_ms"`
 	MemAvailableMB float64 `json:"mem_available_mb"`
-	Passed         bool    `json:"passed"`
-	Stop           string  `json:"stop,omitempty"` // why the run stopped at this step
+	// The memory budget's view after the step's commands: what a fork of the checkpoint
+	// commits (the prior until its forks were measured), what is free for VMs, and how
+	// many more forks that admits.
+	BudgetBasis     string  `json:"budget_basis,omitempty"`
+	BudgetCommitMB  float64 `json:"budget_commit_mb"`
+	BudgetFreeMB    float64 `json:"budget_free_mb"`
+	BudgetMoreForks int64   `json:"budget_more_forks"`
+	BudgetPriorMB   float64 `json:"budget_prior_mb"`
+	Passed          bool    `json:"passed"`
+	Stop            string  `json:"stop,omitempty"` // why the run stopped at this step
 	// *StepCommands's fields are present when the step's commands ran.
 	*StepCommands
 }
@@ -76,6 +84,28 @@ func stepCommands(all, first, warm []float64) *StepCommands {
 	return &StepCommands{CmdP50MS: round3(a.P50), CmdP95MS: round3(a.P95), CmdMaxMS: round3(a.Max),
 		FirstN: len(first), FirstP50MS: round3(f.P50), FirstP95MS: round3(f.P95),
 		WarmN: len(warm), WarmP50MS: round3(w.P50), WarmP95MS: round3(w.P95), WarmMaxMS: round3(w.Max)}
+}
+
+// budgetView records the memory budget m's view of forks of checkpoint ck, of guest
+// bytes of RAM.
+func (st *DensityStep) budgetView(m engine.MemoryBudget, ck string, guest int64) {
+	if !m.Known {
+		return
+	}
+	commit := int64(0)
+	for _, s := range m.Sources {
+		if s.Source == "ck:"+ck {
+			commit = s.CommitBytes
+		}
+	}
+	prior := m.CommitBytes(guest)
+	st.BudgetBasis = m.Basis
+	st.BudgetPriorMB = round3(float64(prior) / (1 << 20))
+	if commit == 0 {
+		commit = prior
+	}
+	st.BudgetCommitMB, st.BudgetFreeMB = round3(float64(commit)/(1<<20)), round3(float64(m.FreeBytes)/(1<<20))
+	st.BudgetMoreForks = max(m.FreeBytes, 0) / commit
 }
 
 func runDensity(r *runner, step, mx, cmds int) error {
@@ -151,8 +181,10 @@ func runDensity(r *runner, step, mx, cmds int) error {
 		wg.Wait()
 		st.StepCommands = stepCommands(lat, first, warm)
 		pc := summarize(lat)
-		r.logf("%s: population %d, command p95 %.0f ms (first exec of the %d new forks p95 %.0f ms, warmed p95 %.0f ms)",
-			label, len(pop), pc.P95, st.FirstN, st.FirstP95MS, st.WarmP95MS)
+		// The budget's view once the step's forks ran their commands.
+		st.budgetView(r.e.Budget().Memory, w.Ck, int64(r.shape.MemoryMiB)<<20)
+		r.logf("%s: population %d, command p95 %.0f ms (first exec of the %d new forks p95 %.0f ms, warmed p95 %.0f ms); budget: a fork commits %.0f MiB (prior %.0f), %.0f MiB free: %d more forks",
+			label, len(pop), pc.P95, st.FirstN, st.FirstP95MS, st.WarmP95MS, st.BudgetCommitMB, st.BudgetPriorMB, st.BudgetFreeMB, st.BudgetMoreForks)
 		bars = append(bars, Bar{Label: fmt.Sprintf("%4d forks", len(pop)), Value: pc.P95})
 		if len(cmdErr) > 0 {
 			stopReason = fmt.Sprintf("step %d: %d commands failed: %s", k, len(cmdErr), cmdErr[0])
@@ -182,7 +214,7 @@ func runDensity(r *runner, step, mx, cmds int) error {
 	r.res.Extra["percentiles_of"] = "per-step command p95 (ms)"
 	r.res.Extra["steps"] = steps
 	r.res.Extra["stop"] = stopReason
-	r.res.Method = fmt.Sprintf("Density: grow a population of idle forks of a pinned checkpoint (world dirtied %d MB) by %d per step (ForkMany); after each step every fork, old and new, answers %d serial `sh -c true` round trips (all forks in parallel; Cua's method: every sandbox's commands at once, p50/p95 over all round trips), reported over all and apart: each new fork's first round trip (its first exec ever: first_*) and every other one (forks that ran a command before: warm_*); stop at the first fork failure, admission refusal or command failure, or at %d forks; value = last population where every step passed. A refusal or failure at a step is the measured stop, not a failure of the run.", r.shape.DirtyMB, step, cmds, mx)
+	r.res.Method = fmt.Sprintf("Density: grow a population of idle forks of a pinned checkpoint (world dirtied %d MB) by %d per step (ForkMany); after each step every fork, old and new, answers %d serial `sh -c true` round trips (all forks in parallel; Cua's method: every sandbox's commands at once, p50/p95 over all round trips), reported over all and apart: each new fork's first round trip (its first exec ever: first_*) and every other one (forks that ran a command before: warm_*), then the memory budget's view (budget_*: what a fork of the checkpoint commits, the free memory for VMs and how many more forks it admits, beside mem_available_mb); stop at the first fork failure, admission refusal or command failure, or at %d forks; value = last population where every step passed. A refusal or failure at a step is the measured stop, not a failure of the run.", r.shape.DirtyMB, step, cmds, mx)
 	var tb strings.Builder
 	tb.WriteString("| population | all p50 / p95 ms | first exec of new forks: n, p50 / p95 ms | warmed: n, p50 / p95 ms |\n|---|---|---|---|\n")
 	for _, s := range steps {
