@@ -61,7 +61,10 @@ type Config struct {
 	// and every layer (storage: the root's data once more). Forks started after that map
 	// it and share all of it; forks started before map the nearest flattened ancestor's
 	// file (or the root) and hold the newer layers' pages as private copies
-	// (MemoryUsage.GuestLineage). Implicit checkpoints (forks of a running VM) are never
+	// (MemoryUsage.GuestLineage). Below this size a checkpoint is flattened when its
+	// forks' copies would cost more than the file: before a wave of n forks when n × the
+	// layers its forks would copy reach the file's size (implicit checkpoints too), and
+	// in the background once its live forks do. Implicit checkpoints are otherwise never
 	// flattened. Default 64; negative: never (Engine.Flatten still flattens on request).
 	FlattenMiB int64
 	// MemoryCommitRatio is the prior's part of a VM's guest RAM: what admission expects
