@@ -25,8 +25,9 @@ import (
 //
 // A source none of whose forks has settled yet commits the prior: 64 MiB +
 // Config.MemoryCommitRatio × guest RAM (what every VM committed before footprints were
-// measured). A fork counts as a sample once the budget has seen it for footprintSettle:
-// one restoring or just restored holds half of what it holds after its first commands.
+// measured). A fork counts as a sample once it has been ready (or, ready time unknown,
+// seen by the budget) for footprintSettle: one restoring or just restored holds half of
+// what it holds after its first commands.
 // Other state directories' QEMUs and pooled processes are never samples (what they will
 // run is unknown); they commit the prior.
 //
@@ -98,6 +99,11 @@ func (f *footprints) update(vms []qemuUse) map[string]int64 {
 		s, ok := f.seen[v.pid]
 		if !ok || s.source != v.source {
 			s = seenVM{source: v.source, first: now}
+			f.seen[v.pid] = s
+		}
+		if !v.ready.IsZero() && v.ready.Before(s.first) {
+			// Ready before the budget first looked: its age counts from then.
+			s.first = v.ready
 			f.seen[v.pid] = s
 		}
 		if now.Sub(s.first) >= footprintSettle && v.private > f.high[v.source] {
@@ -172,7 +178,7 @@ func (vm *VM) admissionUse(h hostProbe, sourceOf func(parent string) string) (qe
 		u.private += h.rssShmem(u.pid)
 	}
 	if m.Parent != "" {
-		u.source, u.sample = sourceOf(m.Parent), true
+		u.source, u.sample, u.ready = sourceOf(m.Parent), true, m.ReadyAt
 	}
 	return u, true
 }

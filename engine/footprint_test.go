@@ -16,6 +16,9 @@ func TestFootprintMarks(t *testing.T) {
 	clock := &fakeClock{t: time.Unix(1000, 0)}
 	f := newFootprints()
 	f.now = clock.now
+	// ago is a ready time d before the clock reaches the steps that use it (the steps
+	// before them advance it by 42 s).
+	ago := func(d time.Duration) time.Time { return clock.t.Add(42*time.Second - d) }
 	fork := func(pid int, src string, private int64) qemuUse {
 		return qemuUse{pid: pid, source: src, sample: true, private: private}
 	}
@@ -34,6 +37,10 @@ func TestFootprintMarks(t *testing.T) {
 		{"a new fork of another source starts young", 0, []qemuUse{fork(2, "ck:a", 25*mib), fork(5, "ck:b", 99*mib)}, map[string]int64{"ck:a": 40 * mib}},
 		{"a pid reused for another source starts young", footprintSettle, []qemuUse{fork(2, "ck:c", 25*mib)}, map[string]int64{}},
 		{"forgotten with its last fork", footprintSettle, nil, map[string]int64{}},
+		{"ready long before the budget first saw it: settled at once", 0,
+			[]qemuUse{{pid: 6, source: "ck:d", sample: true, private: 33 * mib, ready: ago(2 * footprintSettle)}}, map[string]int64{"ck:d": 33 * mib}},
+		{"ready just now: young", 0,
+			[]qemuUse{{pid: 6, source: "ck:d", sample: true, private: 33 * mib}, {pid: 7, source: "ck:d", sample: true, private: 90 * mib, ready: ago(0)}}, map[string]int64{"ck:d": 33 * mib}},
 	}
 	for _, st := range steps {
 		clock.t = clock.t.Add(st.advance)

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -34,6 +35,8 @@ type qemuUse struct {
 	// whether it counts as one (a registered fork of this engine).
 	source string
 	sample bool
+	// ready is when a sample became ready (zero: unknown).
+	ready time.Time
 	// cgV1 and cgV2 are the memory cgroup it runs in (cgroup v1's memory controller and
 	// v2's path, from /proc/PID/cgroup) for another engine's QEMU; cgKnown is false for
 	// this engine's own (its children: in its cgroup) and where they cannot be read.
