@@ -47,16 +47,10 @@ type DensityStep struct {
 	Added          int     `json:"added"`
 	ForkWallMS     float64 `json:"fork_wall_ms"`
 	MemAvailableMB float64 `json:"mem_available_mb"`
-	// The memory budget's view after the step's commands: what a fork of the checkpoint
-	// commits (the prior until its forks were measured), what is free for VMs, and how
-	// many more forks that admits.
-	BudgetBasis     string  `json:"budget_basis,omitempty"`
-	BudgetCommitMB  float64 `json:"budget_commit_mb"`
-	BudgetFreeMB    float64 `json:"budget_free_mb"`
-	BudgetMoreForks int64   `json:"budget_more_forks"`
-	BudgetPriorMB   float64 `json:"budget_prior_mb"`
-	Passed          bool    `json:"passed"`
-	Stop            string  `json:"stop,omitempty"` // why the run stopped at this step
+	// *StepBudget's fields are present once the step's commands ran.
+	*StepBudget
+	Passed bool   `json:"passed"`
+	Stop   string `json:"stop,omitempty"` // why the run stopped at this step
 	// *StepCommands's fields are present when the step's commands ran.
 	*StepCommands
 }
@@ -86,12 +80,24 @@ func stepCommands(all, first, warm []float64) *StepCommands {
 		WarmN: len(warm), WarmP50MS: round3(w.P50), WarmP95MS: round3(w.P95), WarmMaxMS: round3(w.Max)}
 }
 
+// StepBudget is the memory budget's view after a density step's commands: what a fork
+// of the checkpoint commits (the prior until its forks were measured), what is free
+// for VMs, and how many more forks that admits.
+type StepBudget struct {
+	BudgetBasis     string  `json:"budget_basis,omitempty"`
+	BudgetCommitMB  float64 `json:"budget_commit_mb"`
+	BudgetFreeMB    float64 `json:"budget_free_mb"`
+	BudgetMoreForks int64   `json:"budget_more_forks"`
+	BudgetPriorMB   float64 `json:"budget_prior_mb"`
+}
+
 // budgetView records the memory budget m's view of forks of checkpoint ck, of guest
 // bytes of RAM.
 func (st *DensityStep) budgetView(m engine.MemoryBudget, ck string, guest int64) {
 	if !m.Known {
 		return
 	}
+	st.StepBudget = &StepBudget{}
 	commit := int64(0)
 	for _, s := range m.Sources {
 		if s.Source == "ck:"+ck {
