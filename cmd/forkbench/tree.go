@@ -29,7 +29,7 @@ func treeCmd() *cli.Command {
 			&cli.IntFlag{Name: "disk-mb", Value: 0, Usage: "data disk of the world (MiB, 0 = none; with a disk the stock save/restore column is skipped)"},
 			&cli.IntFlag{Name: "size-mb", Value: 8192, Usage: "after the tree, a second world of this guest size: its checkpoint and the checkpoint of its fork, to compare with the tree's (0 = skip)"},
 			&cli.IntFlag{Name: "mem-forks", Value: 2, Usage: "forks of the shallowest and the deepest checkpoint measured for memory per fork, after flattening (0 = skip)"},
-			&cli.IntFlag{Name: "fresh-wave", Value: 16, Usage: "a wave of this many forks of a checkpoint of the deepest level taken a moment before, beside the same wave of the world's checkpoint: memory per fork (0 = skip)"},
+			&cli.IntFlag{Name: "fresh-wave", Value: 0, Usage: "a wave of this many forks (e.g. 16) of a checkpoint of the deepest level taken a moment before, beside the same wave of the world's checkpoint: memory per fork (0 = skip)"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			d, b, w := cmd.Int("depth"), cmd.Int("branch"), cmd.Int("write-mb")
