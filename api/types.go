@@ -285,7 +285,7 @@ type MemoryBudget struct {
 const MemoryBasisFootprint = "footprint"
 
 // MemorySource is a source whose forks' memory was measured. Its live forks of this
-// engine that the budget has seen for 10 s are samples; HighWaterBytes is the most one
+// engine ready for 10 s are samples; HighWaterBytes is the most one
 // of them held (resident anonymous memory of its QEMU), and each fork of it commits
 // CommitBytes = HighWaterBytes + max(HighWaterBytes/4, 16 MiB).
 type MemorySource struct {
