@@ -152,7 +152,7 @@ func StartErrorCode(err error) int {
 // AdmissionError is returned (wrapping ErrAdmission) when a VM (a fork or a create)
 // does not fit the host's budget (Budget).
 type AdmissionError struct {
-	Resource  string // "vcpu" or "memory"
+	Resource  string // "vcpu", "memory" or "memory-pressure"
 	Requested int64
 	Available int64
 	Budget    int64
@@ -160,6 +160,10 @@ type AdmissionError struct {
 
 // Error implements error.
 func (e *AdmissionError) Error() string {
+	if e.Resource == "memory-pressure" {
+		return fmt.Sprintf("engine: admission refused: memory pressure: the kernel reports tasks stalled on memory (PSI); no VM is admitted until it eases (VM needs ~%d MiB, %d MiB free for VMs)",
+			e.Requested>>20, e.Available>>20)
+	}
 	if e.Resource == "memory" {
 		return fmt.Sprintf("admission refused: memory: VM needs ~%d MiB, %d MiB free for VMs (of %d MiB: available memory less the reserve and running VMs' expected growth)",
 			e.Requested>>20, e.Available>>20, e.Budget>>20)

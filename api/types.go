@@ -229,9 +229,11 @@ type Budget struct {
 	Memory    MemoryBudget `json:"memory"`
 }
 
-// MemoryBudget describes memory admission. A VM is admitted when its commitment
-// (64 MiB for QEMU plus CommitRatio × its guest RAM) fits FreeBytes, and its guest RAM
-// fits TotalBytes less the reserve.
+// MemoryBudget describes memory admission. A VM is admitted when its commitment fits
+// FreeBytes, its guest RAM fits TotalBytes less the reserve, and the kernel reports no
+// memory pressure (PressureSomeAvg10 below PressureLimit). A fork of a source in
+// Sources commits that source's CommitBytes; any other VM the prior, CommitBytes(guest)
+// (ForkOverheadBytes + CommitRatio × its guest RAM).
 type MemoryBudget struct {
 	// Known is false where the host's memory cannot be read (not Linux): memory is then
 	// not checked.
@@ -243,23 +245,58 @@ type MemoryBudget struct {
 	// CgroupLimitBytes is the tightest memory cgroup limit the engine runs under (0:
 	// none) and CgroupHeadroomBytes what it leaves (limit − usage, inactive file pages
 	// not counted as used).
-	CgroupLimitBytes    int64   `json:"cgroup_limit_bytes,omitempty"`
-	CgroupHeadroomBytes int64   `json:"cgroup_headroom_bytes,omitempty"`
-	ReserveBytes        int64   `json:"reserve_bytes"`
-	CommitRatio         float64 `json:"commit_ratio"`
+	CgroupLimitBytes    int64 `json:"cgroup_limit_bytes,omitempty"`
+	CgroupHeadroomBytes int64 `json:"cgroup_headroom_bytes,omitempty"`
+	// CgroupCommittedBytes is the part of CommittedBytes charged to that cgroup: its
+	// VMs' (this engine's, and other engines' QEMUs running in it or below it).
+	CgroupCommittedBytes int64   `json:"cgroup_committed_bytes,omitempty"`
+	ReserveBytes         int64   `json:"reserve_bytes"`
+	CommitRatio          float64 `json:"commit_ratio"`
 	// CommittedBytes is the growth still expected of the host's forkvm VMs (each VM's
 	// commitment less its resident anonymous memory) plus the commitments of VMs
 	// admitted but not yet running.
 	CommittedBytes int64 `json:"committed_bytes"`
-	// FreeBytes is what a new VM may commit: min(available, cgroup headroom) − reserve −
-	// committed.
+	// FreeBytes is what a new VM may commit: min(available − committed, cgroup headroom
+	// − cgroup committed) − reserve.
 	FreeBytes int64 `json:"free_bytes"`
-	// ForkOverheadBytes is what a new VM commits beside its guest's share: a VM of a
-	// guest of G bytes commits ForkOverheadBytes + G × CommitRatio (CommitBytes).
+	// ForkOverheadBytes is what a new VM commits beside its guest's share under the
+	// prior: a VM of a guest of G bytes commits ForkOverheadBytes + G × CommitRatio
+	// (CommitBytes) unless its source was measured (Sources).
 	ForkOverheadBytes int64 `json:"fork_overhead_bytes,omitempty"`
+	// Basis names how commitments are chosen: "footprint" (MemoryBasisFootprint): what
+	// each source's forks were measured to hold, the prior for the rest.
+	Basis string `json:"basis,omitempty"`
+	// Sources are the measured sources (a checkpoint "ck:NAME", or the running VM whose
+	// implicit checkpoints were forked "vm:NAME"), largest commitment first.
+	Sources []MemorySource `json:"sources,omitempty"`
+	// PressureKnown says whether the kernel reports memory pressure (PSI); then
+	// PressureSomeAvg10 and PressureFullAvg10 are the share (percent) of the last 10 s
+	// in which some task, or every task, stalled on memory (the host's, or the engine's
+	// cgroup v2's when higher). No VM is admitted while PressureSomeAvg10 ≥
+	// PressureLimit.
+	PressureKnown     bool    `json:"pressure_known"`
+	PressureSomeAvg10 float64 `json:"pressure_some_avg10"`
+	PressureFullAvg10 float64 `json:"pressure_full_avg10"`
+	PressureLimit     float64 `json:"pressure_limit,omitempty"`
 }
 
-// CommitBytes is what a new VM of a guest of guest bytes commits of FreeBytes.
+// MemoryBasisFootprint is MemoryBudget.Basis when commitments follow measured
+// footprints.
+const MemoryBasisFootprint = "footprint"
+
+// MemorySource is a source whose forks' memory was measured. Its live forks of this
+// engine ready for 10 s are samples; HighWaterBytes is the most one
+// of them held (resident anonymous memory of its QEMU), and each fork of it commits
+// CommitBytes = HighWaterBytes + max(HighWaterBytes/4, 16 MiB).
+type MemorySource struct {
+	Source         string `json:"source"`
+	VMs            int    `json:"vms"`
+	HighWaterBytes int64  `json:"high_water_bytes"`
+	CommitBytes    int64  `json:"commit_bytes"`
+}
+
+// CommitBytes is what a new VM of a guest of guest bytes commits of FreeBytes under the
+// prior (a source not measured: Sources has the measured ones).
 func (m MemoryBudget) CommitBytes(guest int64) int64 {
 	return m.ForkOverheadBytes + int64(float64(guest)*m.CommitRatio)
 }

@@ -8,8 +8,9 @@ import (
 	"golang.org/x/sync/semaphore"
 )
 
-// forkMemoryEstimate is the host memory one VM is expected to add before its guest
-// writes much: QEMU heap plus TCG buffers, rounded up (measured: ~22 MiB per fork).
+// forkMemoryEstimate is the prior's part for QEMU (see footprints): the host memory one
+// VM is expected to add before its guest writes much, QEMU heap plus TCG buffers,
+// rounded up (measured: ~22 MiB per fork).
 const forkMemoryEstimate = 64 << 20
 
 // admitter decides whether one more VM fits the host's vCPU and memory budgets, bounds
@@ -33,6 +34,7 @@ type admitter struct {
 	tcgMode       TCGThread
 	slots         *semaphore.Weighted // nil: no bound
 	host          hostProbe
+	fp            *footprints
 	// ownArg is in the argv of every QEMU this engine started (its run directory): the
 	// scan skips those, own counts them.
 	ownArg string
@@ -73,6 +75,12 @@ func (a *admitter) otherQEMUs() []qemuUse {
 
 // budget returns the current budgets (overcommit 0 = the engine's).
 func (a *admitter) budget(overcommit float64) Budget {
+	b, _ := a.budgetHigh(overcommit)
+	return b
+}
+
+// budgetHigh is budget with the footprint marks it was computed with (footprints).
+func (a *admitter) budgetHigh(overcommit float64) (Budget, map[string]int64) {
 	if overcommit <= 0 {
 		overcommit = a.overcommit
 	}
@@ -90,46 +98,69 @@ func (a *admitter) budget(overcommit float64) Budget {
 		b.Used += u.cpus
 		b.OtherUsed += u.cpus
 	}
-	b.Memory = a.memory(append(own, others...), pendingMem)
-	return b
+	all := append(own, others...)
+	high := a.fp.update(all)
+	b.Memory = a.memory(all, pendingMem, high)
+	return b, high
 }
 
-// memory is the memory budget given every forkvm QEMU on the host and pending, the
-// commitments of admitted VMs not yet running.
-func (a *admitter) memory(vms []qemuUse, pending int64) MemoryBudget {
+// memory is the memory budget given every forkvm QEMU on the host, pending (the
+// commitments of admitted VMs not yet running) and the footprint marks.
+func (a *admitter) memory(vms []qemuUse, pending int64, high map[string]int64) MemoryBudget {
 	avail, total, err := a.host.meminfo()
 	if err != nil {
 		return MemoryBudget{}
 	}
 	m := MemoryBudget{Known: true, AvailableBytes: avail, TotalBytes: total, ReserveBytes: a.reserveBytes, ForkOverheadBytes: forkMemoryEstimate,
-		CommitRatio: a.commitRatio, CommittedBytes: outstanding(vms, a.commitRatio) + pending}
+		CommitRatio: a.commitRatio, CommittedBytes: outstanding(vms, a.commitRatio, high) + pending,
+		Basis: MemoryBasisFootprint, PressureLimit: psiSomeLimit}
 	cg, err := a.host.memCgroup()
+	inCgroup := m.CommittedBytes
 	if err == nil && cg.limit > 0 {
 		m.CgroupLimitBytes, m.CgroupHeadroomBytes = cg.limit, cg.headroom
 		m.TotalBytes = min(m.TotalBytes, cg.limit)
+		var in []qemuUse
+		for _, v := range vms {
+			if cg.in(v) {
+				in = append(in, v)
+			}
+		}
+		inCgroup = outstanding(in, a.commitRatio, high) + pending
+		m.CgroupCommittedBytes = inCgroup
 	}
-	m.FreeBytes = memFree(avail, cg, a.reserveBytes, m.CommittedBytes)
+	m.FreeBytes = memFree(avail, cg, a.reserveBytes, m.CommittedBytes, inCgroup)
+	m.PressureSomeAvg10, m.PressureFullAvg10, m.PressureKnown = a.host.pressure(cg)
+	counts := map[string]int{}
+	for _, v := range vms {
+		if v.source != "" {
+			counts[v.source]++
+		}
+	}
+	m.Sources = sourceFootprints(high, counts)
 	return m
 }
 
-// admit checks the budgets for one more VM of cpus vCPUs and guest bytes of RAM, with
-// the request's overcommit (0: the engine's), and reserves it until release is called
+// admit checks the budgets for one more VM of cpus vCPUs and guest bytes of RAM, a fork
+// of source (footprints; "" for a create or an unknown source: the prior), with the
+// request's overcommit (0: the engine's), and reserves it until release is called
 // (once the VM is registered, or failed).
-func (a *admitter) admit(cpus int, guest int64, overcommit float64) (release func(), err error) {
+func (a *admitter) admit(cpus int, guest int64, source string, overcommit float64) (release func(), err error) {
 	if overcommit > a.maxOvercommit {
 		return nil, &OvercommitError{Requested: overcommit, Max: a.maxOvercommit}
 	}
 	a.admitMu.Lock()
 	defer a.admitMu.Unlock()
-	b := a.budget(overcommit)
-	if err := b.check(cpus, guest); err != nil {
+	b, high := a.budgetHigh(overcommit)
+	need := commitFor(source, guest, a.commitRatio, high)
+	if err := b.check(cpus, guest, need); err != nil {
 		return nil, err
 	}
-	return a.hold(cpus, commitBytes(guest, a.commitRatio)), nil
+	return a.hold(cpus, need), nil
 }
 
-// check says whether one more VM of cpus vCPUs and guest bytes fits b.
-func (b Budget) check(cpus int, guest int64) error {
+// check says whether one more VM of cpus vCPUs and guest bytes, committing need bytes,
+// fits b.
+func (b Budget) check(cpus int, guest, need int64) error {
 	if b.Used+cpus > b.Total {
 		return &AdmissionError{Resource: "vcpu", Requested: int64(cpus), Available: int64(max(b.Total-b.Used, 0)), Budget: int64(b.Total)}
 	}
@@ -142,8 +173,13 @@ func (b Budget) check(cpus int, guest int64) error {
 	if limit := m.TotalBytes - m.ReserveBytes; guest > limit {
 		return &AdmissionError{Resource: "memory", Requested: guest, Available: max(limit, 0), Budget: m.TotalBytes}
 	}
-	if need := commitBytes(guest, m.CommitRatio); need > m.FreeBytes {
+	if need > m.FreeBytes {
 		return &AdmissionError{Resource: "memory", Requested: need, Available: m.FreeBytes, Budget: m.TotalBytes}
+	}
+	// The host's VMs (or anything else) outgrew what was counted: the kernel stalls
+	// tasks on reclaim before it kills one. No VM is admitted until that eases.
+	if m.PressureKnown && m.PressureSomeAvg10 >= m.PressureLimit {
+		return &AdmissionError{Resource: "memory-pressure", Requested: need, Available: m.FreeBytes, Budget: m.TotalBytes}
 	}
 	return nil
 }

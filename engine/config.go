@@ -61,13 +61,17 @@ type Config struct {
 	// and every layer (storage: the root's data once more). Forks started after that map
 	// it and share all of it; forks started before map the nearest flattened ancestor's
 	// file (or the root) and hold the newer layers' pages as private copies
-	// (MemoryUsage.GuestLineage). Implicit checkpoints (forks of a running VM) are never
+	// (MemoryUsage.GuestLineage). Below this size a checkpoint is flattened when its
+	// forks' copies would cost more than the file: before a wave of n forks when n × the
+	// layers its forks would copy reach the file's size (implicit checkpoints too), and
+	// in the background once its live forks do. Implicit checkpoints are otherwise never
 	// flattened. Default 64; negative: never (Engine.Flatten still flattens on request).
 	FlattenMiB int64
-	// MemoryCommitRatio is the part of a VM's guest RAM that admission expects its guest
-	// to write (copies on write of a fork, pages of a booted VM) and keeps room for
-	// while the VM runs, beyond 64 MiB for QEMU itself. Default 0.1; negative: 0 (count
-	// QEMU only).
+	// MemoryCommitRatio is the prior's part of a VM's guest RAM: what admission expects
+	// its guest to write (copies on write of a fork, pages of a booted VM) and keeps room
+	// for while the VM runs, beyond 64 MiB for QEMU itself, until forks of its source
+	// were measured (docs/host.md: their footprint replaces it). Default 0.1; negative:
+	// 0 (count QEMU only).
 	MemoryCommitRatio float64
 	// MemoryCgroup is the memory cgroup directory (v1 or v2) below which VMs with a
 	// memory limit (Spec.MemoryLimitMiB) get their own cgroups. Default: the memory

@@ -83,7 +83,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	}
 	// A create is admitted like a fork, before anything is made: the reservation ends
 	// once the VM is registered (counted there) or failed.
-	release, err := e.adm.admit(spec.CPUs, int64(spec.MemoryMiB)<<20, 0)
+	release, err := e.adm.admit(spec.CPUs, int64(spec.MemoryMiB)<<20, "", 0)
 	if err != nil {
 		return nil, err
 	}

@@ -46,10 +46,12 @@
 //   - The budget (Engine.Budget) is the host's: every forkvm QEMU on it counts, whichever
 //     state directory started it. A create or fork is admitted, before any work (a fork
 //     of a running VM before its implicit checkpoint), only while the vCPUs stay within
-//     host CPUs × Config.Overcommit and its memory commitment (64 MiB +
+//     host CPUs × Config.Overcommit and its memory commitment (what the settled forks
+//     of its source were measured to hold, plus slack; before any was measured 64 MiB +
 //     Config.MemoryCommitRatio × guest RAM) fits min(MemAvailable, the memory cgroup's
-//     headroom) less Config.MemoryReserveMiB and the running VMs' expected growth; a
-//     refused one fails with an *AdmissionError. A VM whose disk's host file system
+//     headroom) less Config.MemoryReserveMiB and the running VMs' expected growth, and
+//     the kernel reports no memory pressure; a refused one fails with an
+//     *AdmissionError. A VM whose disk's host file system
 //     fills is paused (StatePaused) and resumed once space is back; a dead VM's
 //     Info.Reason says why it died.
 //   - Networking is off by default. Spec.Net gives a VM a NIC on QEMU's user-mode

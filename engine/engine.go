@@ -77,10 +77,10 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.adm = &admitter{
 		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, maxOvercommit: r.MaxOvercommit,
 		reserveBytes: r.MemoryReserveMiB << 20, commitRatio: r.MemoryCommitRatio,
-		tcgMode: r.Experimental.TCGThread, host: realHost,
+		tcgMode: r.Experimental.TCGThread, host: realHost, fp: newFootprints(),
 		ownArg: "path=" + escapeOpt(e.paths.run) + "/",
-		own:    func() []qemuUse { return append(e.vms.uses(realHost), e.pools.uses(realHost)...) },
 	}
+	e.adm.own = func() []qemuUse { return append(e.vms.uses(realHost, e.footprintSource), e.pools.uses(realHost)...) }
 	if n := r.Experimental.RestoreConcurrency; n > 0 {
 		e.adm.slots = semaphore.NewWeighted(int64(n))
 	}

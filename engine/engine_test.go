@@ -551,7 +551,7 @@ func TestAdmit(t *testing.T) {
 	e, oc := admissionEngine(t, 4)
 	var releases []func()
 	for i := 0; i < 4; i++ {
-		rel, err := e.adm.admit(1, 0, oc)
+		rel, err := e.adm.admit(1, 0, "", oc)
 		if err != nil {
 			t.Fatalf("admit %d: %v", i, err)
 		}
@@ -560,7 +560,7 @@ func TestAdmit(t *testing.T) {
 	if b := e.adm.budget(oc); b.Used != 4 {
 		t.Errorf("Used = %d, want 4", b.Used)
 	}
-	_, err := e.adm.admit(1, 0, oc)
+	_, err := e.adm.admit(1, 0, "", oc)
 	if !errors.Is(err, ErrAdmission) {
 		t.Fatalf("fifth admit: %v, want ErrAdmission", err)
 	}
@@ -581,7 +581,7 @@ func TestAdmit(t *testing.T) {
 	if b := e.adm.budget(oc); b.Used != 3 {
 		t.Errorf("Used after double release = %d, want 3", b.Used)
 	}
-	rel, err := e.adm.admit(1, 0, oc)
+	rel, err := e.adm.admit(1, 0, "", oc)
 	if err != nil {
 		t.Fatalf("admit after release: %v", err)
 	}
@@ -590,11 +590,11 @@ func TestAdmit(t *testing.T) {
 	// A bigger request reports what is available.
 	releases[1]()
 	releases[2]()
-	_, err = e.adm.admit(3, 0, oc)
+	_, err = e.adm.admit(3, 0, "", oc)
 	if !errors.As(err, &ae) || ae.Requested != 3 || ae.Available != 2 || ae.Budget != 4 {
 		t.Errorf("admit(3) with 2 free = %v (%+v)", err, ae)
 	}
-	rel, err = e.adm.admit(2, 0, oc)
+	rel, err = e.adm.admit(2, 0, "", oc)
 	if err != nil {
 		t.Fatalf("admit(2) with 2 free: %v", err)
 	}
@@ -605,7 +605,7 @@ func TestAdmit(t *testing.T) {
 		t.Errorf("after all releases: used %d, pending bytes %d", b.Used, e.adm.pendingMem)
 	}
 	// A request larger than the whole budget is refused on an idle engine.
-	if _, err := e.adm.admit(5, 0, oc); !errors.Is(err, ErrAdmission) {
+	if _, err := e.adm.admit(5, 0, "", oc); !errors.Is(err, ErrAdmission) {
 		t.Errorf("admit(5) of 4: %v", err)
 	}
 	// Overcommit 0 means the engine's.
@@ -617,7 +617,7 @@ func TestAdmit(t *testing.T) {
 func TestAdmitMemory(t *testing.T) {
 	e, oc := admissionEngine(t, 4)
 	e.adm.reserveBytes = 1 << 60 // a reserve no host has
-	_, err := e.adm.admit(1, 0, oc)
+	_, err := e.adm.admit(1, 0, "", oc)
 	var ae *AdmissionError
 	if !errors.As(err, &ae) || ae.Resource != "memory" || !errors.Is(err, ErrAdmission) {
 		if runtime.GOOS != "linux" {
@@ -646,7 +646,7 @@ func TestAdmitConcurrentHold(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			rel, err := e.adm.admit(1, 0, oc)
+			rel, err := e.adm.admit(1, 0, "", oc)
 			if err != nil {
 				if !errors.Is(err, ErrAdmission) {
 					t.Errorf("admit: %v", err)
@@ -684,7 +684,7 @@ func TestAdmitConcurrentChurn(t *testing.T) {
 			defer wg.Done()
 			cpus := 1 + g%3
 			for i := 0; i < 20; i++ {
-				rel, err := e.adm.admit(cpus, 0, oc)
+				rel, err := e.adm.admit(cpus, 0, "", oc)
 				if err != nil {
 					if !errors.Is(err, ErrAdmission) {
 						t.Errorf("admit: %v", err)

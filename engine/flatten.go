@@ -27,7 +27,8 @@ import (
 // lineage's storage by its depth, and checkpoints that are never forked, or forked once,
 // gain nothing. A checkpoint is therefore flattened in the background after its first
 // fork (that fork uses the layers) when its layers hold at least Config.FlattenMiB, or
-// at once on request (Engine.Flatten). KSM was measured too: it merges the injected
+// once its live forks' copies of the layers cost more than the file, before a wave
+// whose forks would (flatwave.go), or at once on request (Engine.Flatten). KSM was measured too: it merges the injected
 // pages only ~10 s after a fork, at ~15% of a CPU host-wide, for every process.
 //
 // Crash safety: the file is written under a temporary name (reaped by the next engine)
@@ -126,8 +127,16 @@ func layersBytes(ck *checkpointManifest) int64 {
 // flattening it only took CPU from whatever ran next (measured: the checkpoint of the
 // forked node, taken right after, doubled while the implicit checkpoint's copy ran).
 func (e *Engine) flattenLater(ck *checkpointManifest) {
-	if ck.Kind != checkpointKindDelta || ck.Implicit || e.cfg.FlattenMiB < 0 || layersBytes(ck) < e.cfg.FlattenMiB<<20 || !memfile.ExtractSupported {
+	if ck.Kind != checkpointKindDelta || ck.Implicit || e.cfg.FlattenMiB < 0 || !memfile.ExtractSupported {
 		return
+	}
+	if layersBytes(ck) < e.cfg.FlattenMiB<<20 {
+		// Small layers: flattened once its live forks' copies of them cost more than
+		// the flattened file (flatwave.go).
+		inject, file := flattenCost(e.paths, ck)
+		if !worthFlattening(inject, file, e.vms.forksOf(ck.Name)) {
+			return
+		}
 	}
 	if flatPath(e.paths, ck) != "" {
 		return

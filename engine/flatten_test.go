@@ -133,7 +133,7 @@ func TestFlattenPolicy(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			e := &Engine{cfg: r, paths: r.paths, flat: newFlattener()}
+			e := &Engine{cfg: r, paths: r.paths, flat: newFlattener(), vms: newRegistry(r.paths)}
 			ck := &checkpointManifest{Name: "c", Kind: tc.kind, RAMSize: 2 << 20, Implicit: tc.implicit}
 			if tc.layers > 0 {
 				ck.Layers = []ramLayer{{Checkpoint: "c", Size: tc.layers}}
@@ -173,5 +173,38 @@ func TestFlattenerForget(t *testing.T) {
 	f.forget("c")
 	if !ended.Load() {
 		t.Fatal("forget returned before the flatten it cancelled ended")
+	}
+}
+
+// TestFlattenCost: a checkpoint is worth flattening once its forks' private copies of
+// the layers above its base cost at least the flattened file (the base's data and those
+// layers); a flat checkpoint, or one without layers, never is.
+func TestFlattenCost(t *testing.T) {
+	const mib = int64(1) << 20
+	cfg := testConfig(t)
+	r, err := cfg.resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := filepath.Join(t.TempDir(), "root.ram")
+	if err := os.WriteFile(root, bytes.Repeat([]byte{7}, int(4*mib)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ck := &checkpointManifest{Name: "c", Kind: checkpointKindDelta, RAMPath: root, RAMSize: 4 * mib,
+		Layers: []ramLayer{{Checkpoint: "a", Size: mib}, {Checkpoint: "c", Size: mib}}}
+	inject, file := flattenCost(r.paths, ck)
+	if inject != 2*mib || file != 6*mib {
+		t.Fatalf("flattenCost = %d, %d MiB; want 2 MiB injected per fork, a 6 MiB file", inject/mib, file/mib)
+	}
+	for _, tc := range []struct {
+		n    int
+		want bool
+	}{{1, false}, {2, false}, {3, true}, {16, true}} {
+		if got := worthFlattening(inject, file, tc.n); got != tc.want {
+			t.Errorf("%d forks: worth %v, want %v", tc.n, got, tc.want)
+		}
+	}
+	if inject, _ := flattenCost(r.paths, &checkpointManifest{Name: "w", RAMPath: root}); inject != 0 || worthFlattening(inject, 0, 64) {
+		t.Errorf("a world checkpoint: inject %d, want nothing to flatten", inject)
 	}
 }

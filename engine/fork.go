@@ -66,7 +66,7 @@ func (e *Engine) admitSource(src string, n int, overcommit float64) ([]func(), e
 	cpus, guest := spec.CPUs, int64(spec.MemoryMiB)<<20
 	var held []func()
 	for range n {
-		rel, err := e.adm.admit(cpus, guest, overcommit)
+		rel, err := e.adm.admit(cpus, guest, "vm:"+src, overcommit)
 		if err != nil {
 			if len(held) == 0 {
 				return nil, err
@@ -202,7 +202,7 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 	}
 	if held != nil {
 		release = held
-	} else if release, err = e.adm.admit(ck.CPUs, int64(ck.MemoryMiB)<<20, overcommit); err != nil {
+	} else if release, err = e.adm.admit(ck.CPUs, int64(ck.MemoryMiB)<<20, sourceKey(ck), overcommit); err != nil {
 		return nil, nil, nil, err
 	}
 	qemu, err := e.bins.path()

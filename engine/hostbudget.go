@@ -3,12 +3,14 @@ package engine
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"math"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -24,8 +26,22 @@ type qemuUse struct {
 	cpus  int
 	guest int64 // guest RAM, bytes (-m)
 	// private is the process's resident anonymous memory (RssAnon): what it already
-	// added to the host (guest pages written by a fork, TCG buffers, heap).
+	// added to the host (guest pages written by a fork, TCG buffers, heap); for a world
+	// (shared RAM file) also its resident shared memory (RssShmem: its guest's pages).
 	private int64
+	// shared is set for a world: guest RAM in a file mapped share=on.
+	shared bool
+	// source is what its footprint is a sample of (footprints; "" unknown), and sample
+	// whether it counts as one (a registered fork of this engine).
+	source string
+	sample bool
+	// ready is when a sample became ready (zero: unknown).
+	ready time.Time
+	// cgV1 and cgV2 are the memory cgroup it runs in (cgroup v1's memory controller and
+	// v2's path, from /proc/PID/cgroup) for another engine's QEMU; cgKnown is false for
+	// this engine's own (its children: in its cgroup) and where they cannot be read.
+	cgV1, cgV2 string
+	cgKnown    bool
 }
 
 // hostProbe reads what admission counts from the host. Its paths are the real /proc
@@ -59,7 +75,11 @@ func (h hostProbe) qemus(skip string) []qemuUse {
 			continue
 		}
 		u.pid = pid
+		u.cgV1, u.cgV2, u.cgKnown = h.procCgroups(pid)
 		u.private = h.rssAnon(pid)
+		if u.shared {
+			u.private += h.rssShmem(pid)
+		}
 		out = append(out, u)
 	}
 	return out
@@ -81,6 +101,14 @@ func parseQEMUArgs(args []string, skip string) (u qemuUse, ok bool) {
 		switch a {
 		case "-name":
 			marked = marked || strings.Contains(v, qemuMarker)
+		case "-object":
+			var obj struct {
+				Type  string `json:"qom-type"`
+				Share bool   `json:"share"`
+			}
+			if json.Unmarshal([]byte(v), &obj) == nil && obj.Type == "memory-backend-file" {
+				u.shared = obj.Share
+			}
 		case "-smp":
 			u.cpus = optNumber(v, "cpus")
 		case "-m":
@@ -149,6 +177,44 @@ func (h hostProbe) rssAnon(pid int) int64 {
 	return v
 }
 
+// procCgroups reads the memory cgroup of process pid: its v1 memory controller's path
+// and its v2 path; ok is false when /proc/PID/cgroup cannot be read.
+func (h hostProbe) procCgroups(pid int) (v1, v2 string, ok bool) {
+	b, err := os.ReadFile(filepath.Join(h.proc, strconv.Itoa(pid), "cgroup"))
+	if err != nil {
+		return "", "", false
+	}
+	v1, v2, _, _ = parseProcCgroup(b)
+	return v1, v2, true
+}
+
+// parseProcCgroup reads a /proc/PID/cgroup file: the memory controller's v1 path and
+// the v2 path, and whether each is there.
+func parseProcCgroup(b []byte) (v1, v2 string, haveV1, haveV2 bool) {
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		parts := strings.SplitN(line, ":", 3)
+		if len(parts) != 3 {
+			continue
+		}
+		if parts[0] == "0" && parts[1] == "" {
+			v2, haveV2 = parts[2], true
+			continue
+		}
+		for _, c := range strings.Split(parts[1], ",") {
+			if c == "memory" {
+				v1, haveV1 = parts[2], true
+			}
+		}
+	}
+	return v1, v2, haveV1, haveV2
+}
+
+// rssShmem is a process's RssShmem (0 when it cannot be read).
+func (h hostProbe) rssShmem(pid int) int64 {
+	v, _ := kbField(filepath.Join(h.proc, strconv.Itoa(pid), "status"), "RssShmem")
+	return v
+}
+
 // meminfo returns MemAvailable and MemTotal.
 func (h hostProbe) meminfo() (avail, total int64, err error) {
 	p := filepath.Join(h.proc, "meminfo")
@@ -187,6 +253,7 @@ func kbField(path, name string) (int64, error) {
 type memCgroup struct {
 	version int    // 1 or 2; 0: none found (no limit)
 	dir     string // the cgroup's directory
+	mount   string // its hierarchy's mount point
 	// limit is the tightest limit on the way to the hierarchy's root (0: none), and
 	// headroom what that limit still leaves: min over the cgroup and its ancestors of
 	// limit − (usage − inactive file pages, which reclaim frees first).
@@ -203,23 +270,7 @@ func (h hostProbe) memCgroup() (memCgroup, error) {
 	if err != nil {
 		return memCgroup{}, err
 	}
-	var v1, v2 string
-	haveV1, haveV2 := false, false
-	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		parts := strings.SplitN(line, ":", 3)
-		if len(parts) != 3 {
-			continue
-		}
-		if parts[0] == "0" && parts[1] == "" {
-			v2, haveV2 = parts[2], true
-			continue
-		}
-		for _, c := range strings.Split(parts[1], ",") {
-			if c == "memory" {
-				v1, haveV1 = parts[2], true
-			}
-		}
-	}
+	v1, v2, haveV1, haveV2 := parseProcCgroup(b)
 	m1, m2, err := h.cgroupMounts()
 	if err != nil {
 		return memCgroup{}, err
@@ -280,7 +331,7 @@ func walkCgroup(version int, mount, rel string) (memCgroup, error) {
 	if version == 2 {
 		limitFile, usageFile, inactive = "memory.max", "memory.current", "inactive_file"
 	}
-	cg := memCgroup{version: version, dir: filepath.Join(mount, filepath.Clean("/"+rel))}
+	cg := memCgroup{version: version, mount: mount, dir: filepath.Join(mount, filepath.Clean("/"+rel))}
 	for dir := cg.dir; ; dir = filepath.Dir(dir) {
 		if lim, ok := readLimit(filepath.Join(dir, limitFile)); ok && lim < unlimited {
 			usage, err := readInt(filepath.Join(dir, usageFile))
@@ -363,30 +414,54 @@ func oomKills(version int, dir string) (n int64, ok bool) {
 	return 0, false
 }
 
-// commitBytes is the host memory a VM of guest bytes is expected to take at most
-// before admission must have room for it: QEMU's own (heap, TCG buffers) plus ratio
-// of its guest RAM (pages its guest may write).
+// commitBytes is the prior: the host memory a VM of guest bytes is expected to take at
+// most when nothing like it was measured (see footprints): QEMU's own (heap, TCG
+// buffers) plus ratio of its guest RAM (pages its guest may write).
 func commitBytes(guest int64, ratio float64) int64 {
 	return MemoryBudget{ForkOverheadBytes: forkMemoryEstimate, CommitRatio: ratio}.CommitBytes(guest)
 }
 
+// commitFor is what a VM of source and guest bytes commits: its source's measured
+// footprint (high: the marks of footprints.update), else the prior.
+func commitFor(source string, guest int64, ratio float64, high map[string]int64) int64 {
+	if hw, ok := high[source]; ok && source != "" {
+		return footprintCommit(hw)
+	}
+	return commitBytes(guest, ratio)
+}
+
 // outstanding is the growth still expected of running VMs: each VM's commitment minus
 // what it already took (its RssAnon, already out of MemAvailable), never below zero.
-func outstanding(vms []qemuUse, ratio float64) int64 {
+func outstanding(vms []qemuUse, ratio float64, high map[string]int64) int64 {
 	var n int64
 	for _, v := range vms {
-		n += max(commitBytes(v.guest, ratio)-v.private, 0)
+		n += max(commitFor(v.source, v.guest, ratio, high)-v.private, 0)
 	}
 	return n
 }
 
-// memFree is the memory a new VM may commit: the smaller of MemAvailable and the
-// cgroup's headroom, less the reserve, the running VMs' outstanding growth and the
-// admitted VMs not yet running.
-func memFree(avail int64, cg memCgroup, reserve, committed int64) int64 {
-	room := avail
+// memFree is the memory a new VM may commit: the smaller of MemAvailable less what
+// every VM (committed) and the cgroup's headroom less what the VMs in it (inCgroup) are
+// still expected to grow by (and the admitted VMs not yet running, in both), less the
+// reserve.
+func memFree(avail int64, cg memCgroup, reserve, committed, inCgroup int64) int64 {
+	room := avail - committed
 	if cg.limit > 0 {
-		room = min(room, cg.headroom)
+		room = min(room, cg.headroom-inCgroup)
 	}
-	return room - reserve - committed
+	return room - reserve
+}
+
+// in reports whether VM u is charged to cgroup cg (or below it): this engine's own VMs
+// and those whose cgroup cannot be read count as in it.
+func (cg memCgroup) in(u qemuUse) bool {
+	if !u.cgKnown || cg.version == 0 {
+		return true
+	}
+	rel := u.cgV1
+	if cg.version == 2 {
+		rel = u.cgV2
+	}
+	dir := filepath.Join(cg.mount, filepath.Clean("/"+rel))
+	return dir == cg.dir || strings.HasPrefix(dir, cg.dir+"/")
 }

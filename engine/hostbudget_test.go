@@ -170,9 +170,11 @@ func TestBudgetCheck(t *testing.T) {
 		{"guest larger than the host", Budget{Total: 16, Memory: mem(23<<30, 22<<30)}, 1, 30000 * mib, "memory", 30000 * mib},
 		{"commitment over what is free", Budget{Total: 16, Memory: mem(23<<30, 500*mib)}, 1, 2 << 30, "memory", 64*mib + 512*mib},
 		{"unknown memory is not checked", Budget{Total: 16, Memory: MemoryBudget{}}, 1, 30000 * mib, "", 0},
+		{"memory pressure", Budget{Total: 16, Memory: pressed(mem(23<<30, 4<<30), 12)}, 1, 1 << 30, "memory-pressure", 64*mib + 256*mib},
+		{"pressure below the limit", Budget{Total: 16, Memory: pressed(mem(23<<30, 4<<30), 9.99)}, 1, 1 << 30, "", 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			err := tc.b.check(tc.cpus, tc.guest)
+			err := tc.b.check(tc.cpus, tc.guest, commitBytes(tc.guest, tc.b.Memory.CommitRatio))
 			var ae *AdmissionError
 			switch {
 			case tc.resource == "" && err != nil:
@@ -184,29 +186,66 @@ func TestBudgetCheck(t *testing.T) {
 	}
 }
 
+// pressed is m with the kernel reporting some avg10 of some percent.
+func pressed(m MemoryBudget, some float64) MemoryBudget {
+	m.PressureKnown, m.PressureSomeAvg10, m.PressureLimit = true, some, psiSomeLimit
+	return m
+}
+
+func TestCgroupMembership(t *testing.T) {
+	cg := memCgroup{version: 1, mount: "/sys/fs/cgroup/memory", dir: "/sys/fs/cgroup/memory/jobs/a"}
+	for _, tc := range []struct {
+		name string
+		u    qemuUse
+		want bool
+	}{
+		{"own VM", qemuUse{}, true},
+		{"same cgroup", qemuUse{cgKnown: true, cgV1: "/jobs/a"}, true},
+		{"below it", qemuUse{cgKnown: true, cgV1: "/jobs/a/forkvm-x-vm"}, true},
+		{"a sibling with the same prefix", qemuUse{cgKnown: true, cgV1: "/jobs/ab"}, false},
+		{"elsewhere", qemuUse{cgKnown: true, cgV1: "/"}, false},
+	} {
+		if got := cg.in(tc.u); got != tc.want {
+			t.Errorf("%s: in = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
+
 func TestMemoryArithmetic(t *testing.T) {
 	const mib = int64(1) << 20
 	vms := []qemuUse{
 		{guest: 2048 * mib, private: 30 * mib},   // a fresh fork: 64 + 204.8 − 30 still to come
 		{guest: 2048 * mib, private: 1500 * mib}, // grew past its commitment: 0
 	}
-	if got, want := outstanding(vms, 0.1), commitBytes(2048*mib, 0.1)-30*mib; got != want {
+	if got, want := outstanding(vms, 0.1, nil), commitBytes(2048*mib, 0.1)-30*mib; got != want {
 		t.Errorf("outstanding = %d, want %d", got, want)
+	}
+	// A measured source: its forks owe its commitment less what they hold.
+	measured := []qemuUse{
+		{guest: 2048 * mib, private: 10 * mib, source: "ck:a"},
+		{guest: 2048 * mib, private: 60 * mib, source: "ck:a"}, // past it: 0
+		{guest: 2048 * mib, private: 10 * mib, source: "ck:b"}, // not measured: the prior
+	}
+	high := map[string]int64{"ck:a": 30 * mib}
+	if got, want := outstanding(measured, 0.1, high), (30+16-10)*mib+commitBytes(2048*mib, 0.1)-10*mib; got != want {
+		t.Errorf("outstanding with a measured source = %d MiB, want %d MiB", got/mib, want/mib)
 	}
 	for _, tc := range []struct {
 		name      string
 		avail     int64
 		cg        memCgroup
 		committed int64
+		inCgroup  int64
 		want      int64
 	}{
-		{"no cgroup: MemAvailable", 10000 * mib, memCgroup{}, 1000 * mib, 10000*mib - 512*mib - 1000*mib},
-		{"cgroup headroom lower", 20000 * mib, memCgroup{limit: 6144 * mib, headroom: 1000 * mib}, 0, 1000*mib - 512*mib},
-		{"MemAvailable lower", 800 * mib, memCgroup{limit: 6144 * mib, headroom: 5000 * mib}, 100 * mib, 800*mib - 512*mib - 100*mib},
-		{"over-committed: negative", 1000 * mib, memCgroup{}, 2000 * mib, 1000*mib - 512*mib - 2000*mib},
+		{"no cgroup: MemAvailable", 10000 * mib, memCgroup{}, 1000 * mib, 1000 * mib, 10000*mib - 512*mib - 1000*mib},
+		{"cgroup headroom lower", 20000 * mib, memCgroup{limit: 6144 * mib, headroom: 1000 * mib}, 0, 0, 1000*mib - 512*mib},
+		{"MemAvailable lower", 800 * mib, memCgroup{limit: 6144 * mib, headroom: 5000 * mib}, 100 * mib, 100 * mib, 800*mib - 512*mib - 100*mib},
+		{"VMs outside the cgroup leave its headroom", 20000 * mib, memCgroup{limit: 6144 * mib, headroom: 1000 * mib}, 5000 * mib, 100 * mib, 900*mib - 512*mib},
+		{"over-committed: negative", 1000 * mib, memCgroup{}, 2000 * mib, 2000 * mib, 1000*mib - 512*mib - 2000*mib},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := memFree(tc.avail, tc.cg, 512*mib, tc.committed); got != tc.want {
+			if got := memFree(tc.avail, tc.cg, 512*mib, tc.committed, tc.inCgroup); got != tc.want {
 				t.Errorf("memFree = %d MiB, want %d MiB", got/mib, tc.want/mib)
 			}
 		})
@@ -226,19 +265,19 @@ func TestAdmitHost(t *testing.T) {
 	if b.Used != 7 || b.OtherUsed != 7 || b.Total != 8 || !b.Memory.Known {
 		t.Fatalf("budget = %+v, want 7 of 8 used by another engine", b)
 	}
-	if _, err := e.adm.admit(2, 256<<20, 0); !errors.Is(err, ErrAdmission) {
+	if _, err := e.adm.admit(2, 256<<20, "", 0); !errors.Is(err, ErrAdmission) {
 		t.Errorf("2 vCPUs with 1 free: %v, want ErrAdmission", err)
 	}
-	rel, err := e.adm.admit(1, 256<<20, 0)
+	rel, err := e.adm.admit(1, 256<<20, "", 0)
 	if err != nil {
 		t.Fatalf("1 vCPU with 1 free: %v", err)
 	}
 	rel()
 	var oe *OvercommitError
-	if _, err := e.adm.admit(1, 0, 1e12); !errors.As(err, &oe) || !errors.Is(err, ErrAdmission) || oe.Max != 8 {
+	if _, err := e.adm.admit(1, 0, "", 1e12); !errors.As(err, &oe) || !errors.Is(err, ErrAdmission) || oe.Max != 8 {
 		t.Errorf("overcommit 1e12: %v, want *OvercommitError (max 8)", err)
 	}
-	rel, err = e.adm.admit(1, 0, 8)
+	rel, err = e.adm.admit(1, 0, "", 8)
 	if err != nil {
 		t.Fatalf("overcommit at the cap: %v", err)
 	}
@@ -251,7 +290,7 @@ func TestAdmitHost(t *testing.T) {
 // BenchmarkBudgetRealHost is the cost of one admission check on this host (the /proc
 // scan for other engines' QEMUs, meminfo and the memory cgroup).
 func BenchmarkBudgetRealHost(b *testing.B) {
-	a := &admitter{hostCPUs: 2, overcommit: 8, maxOvercommit: 16, commitRatio: 0.1, host: realHost,
+	a := &admitter{hostCPUs: 2, overcommit: 8, maxOvercommit: 16, commitRatio: 0.1, host: realHost, fp: newFootprints(),
 		ownArg: "path=/nonexistent/run/", own: func() []qemuUse { return nil }}
 	for b.Loop() {
 		_ = a.budget(0)

@@ -77,3 +77,9 @@ type Budget struct {
 
 // MemoryBudget describes memory admission (api.MemoryBudget documents each figure).
 type MemoryBudget = api.MemoryBudget
+
+// MemorySource is a measured source of forks in a MemoryBudget.
+type MemorySource = api.MemorySource
+
+// MemoryBasisFootprint is MemoryBudget.Basis: commitments follow measured footprints.
+const MemoryBasisFootprint = api.MemoryBasisFootprint

@@ -80,6 +80,7 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 		return
 	}
 	defer e.finishPlan(p)
+	e.flattenForWave(ctx, p)
 	sem := make(chan struct{}, p.conc)
 	var wg sync.WaitGroup
 	var mu sync.Mutex

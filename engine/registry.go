@@ -135,10 +135,10 @@ func (r *registry) forksByParent() map[string][]string {
 func (r *registry) forksOf(ck string) int { return len(r.forksByParent()[ck]) }
 
 // uses returns the live VMs as admission counts them.
-func (r *registry) uses(h hostProbe) []qemuUse {
+func (r *registry) uses(h hostProbe, sourceOf func(parent string) string) []qemuUse {
 	var out []qemuUse
 	for _, vm := range r.all() {
-		if u, ok := vm.use(h); ok {
+		if u, ok := vm.admissionUse(h, sourceOf); ok {
 			out = append(out, u)
 		}
 	}

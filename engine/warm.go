@@ -253,7 +253,7 @@ func (e *Engine) refill(c *Checkpoint) {
 		if !ok {
 			return
 		}
-		release, err := e.adm.admit(c.Manifest.CPUs, int64(c.Manifest.MemoryMiB)<<20, 0)
+		release, err := e.adm.admit(c.Manifest.CPUs, int64(c.Manifest.MemoryMiB)<<20, sourceKey(&c.Manifest), 0)
 		if err != nil {
 			e.log.Warn("warm pool refill refused", "checkpoint", name, "err", err)
 			e.pools.settle(name, p, nil, opts)

@@ -67,7 +67,7 @@ var (
 	admStopKeys  = []string{"index", "admitted", "refused", "refused_names", "refused_by", "text"}
 	admWhyKeys   = []string{"resource", "requested", "available", "budget"}
 	stepKeys     = []string{"step", "population", "added", "fork_wall_ms", "mem_available_mb", "passed"}
-	stepCmdKeys  = []string{"cmd_p50_ms", "cmd_p95_ms", "cmd_max_ms"}
+	stepCmdKeys  = []string{"cmd_p50_ms", "cmd_p95_ms", "cmd_max_ms", "first_n", "first_p50_ms", "first_p95_ms", "warm_n", "warm_p50_ms", "warm_p95_ms", "warm_max_ms"}
 	peerKeys     = []string{"save_ms", "save_mb", "restores", "restore_to_first_cmd_ms", "restore_p50_ms", "fork_p50_ms"}
 	peerRestKeys = []string{"forkvm_vs_restore_ratio", "restore_vs_forkvm_speedup"}
 	peerColdKeys = []string{"cold_boot_ms", "forkvm_vs_cold_boot_ratio", "cold_boot_vs_forkvm_speedup"}
@@ -150,6 +150,8 @@ func TestResultPartsJSONKeys(t *testing.T) {
 		keys []string
 	}{
 		{"density step, passed", DensityStep{Passed: true, StepCommands: &StepCommands{}}, cat(stepKeys, stepCmdKeys)},
+		{"density step, budget", DensityStep{Passed: true, StepCommands: &StepCommands{}, StepBudget: &StepBudget{}},
+			cat(stepKeys, stepCmdKeys, []string{"budget_commit_mb", "budget_free_mb", "budget_more_forks", "budget_prior_mb"})},
 		{"density step, fork failure", DensityStep{Stop: "step 2: x"}, cat(stepKeys, []string{"stop"})},
 		{"density step, command failure", DensityStep{Stop: "step 2: y", StepCommands: &StepCommands{}}, cat(stepKeys, stepCmdKeys, []string{"stop"})},
 		{"checkpoint-restore fanout", FanoutSummary{}, []string{"n", "ready", "refused", "wall_ms", "private_mb_per_fork", "admission"}},

@@ -29,20 +29,25 @@ func treeCmd() *cli.Command {
 			&cli.IntFlag{Name: "disk-mb", Value: 0, Usage: "data disk of the world (MiB, 0 = none; with a disk the stock save/restore column is skipped)"},
 			&cli.IntFlag{Name: "size-mb", Value: 8192, Usage: "after the tree, a second world of this guest size: its checkpoint and the checkpoint of its fork, to compare with the tree's (0 = skip)"},
 			&cli.IntFlag{Name: "mem-forks", Value: 2, Usage: "forks of the shallowest and the deepest checkpoint measured for memory per fork, after flattening (0 = skip)"},
+			&cli.IntFlag{Name: "fresh-wave", Value: 0, Usage: "a wave of this many forks (e.g. 16) of a checkpoint of the deepest level taken a moment before, beside the same wave of the world's checkpoint: memory per fork (0 = skip)"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			d, b, w := cmd.Int("depth"), cmd.Int("branch"), cmd.Int("write-mb")
 			if d < 1 || d > 64 || b < 1 || b > 64 || w < 1 {
 				return fmt.Errorf("--depth and --branch must be 1..64, --write-mb >= 1")
 			}
-			size, memForks := cmd.Int("size-mb"), cmd.Int("mem-forks")
-			if size < 0 || memForks < 0 || memForks > 64 {
-				return fmt.Errorf("--size-mb must be >= 0, --mem-forks 0..64")
+			size, memForks, fresh := cmd.Int("size-mb"), cmd.Int("mem-forks"), cmd.Int("fresh-wave")
+			if size < 0 || memForks < 0 || memForks > 64 || fresh < 0 || fresh > engine.MaxForks {
+				return fmt.Errorf("--size-mb must be >= 0, --mem-forks 0..64, --fresh-wave 0..%d", engine.MaxForks)
 			}
-			return runBench(ctx, cmd, "tree", &TreeSettings{Depth: d, Branch: b, WriteMB: w, SizeMB: size, MemForks: memForks}, func(r *runner) error {
+			return runBench(ctx, cmd, "tree", &TreeSettings{Depth: d, Branch: b, WriteMB: w, SizeMB: size, MemForks: memForks, FreshWave: fresh}, func(r *runner) error {
 				levels, worldMS, err := runTree(r, d, b, w)
 				if err != nil {
 					return err
+				}
+				if fresh > 0 {
+					// Before treeMemory, which flattens the checkpoints it measures.
+					treeFreshWave(r, d, fresh, w)
 				}
 				memRatio := -1.0
 				if memForks > 0 {
@@ -68,6 +73,8 @@ type TreeSettings struct {
 	// checkpoint of the memory comparison.
 	SizeMB   int `json:"size_mb"`
 	MemForks int `json:"mem_forks"`
+	// FreshWave is the size of the fresh-wave comparison (0: none; extra.fresh_wave).
+	FreshWave int `json:"fresh_wave"`
 	RunSettings
 }
 

@@ -82,7 +82,8 @@ func budgetCmd() *cli.Command {
 }
 
 // budgetText is budget's output: the vCPU budget and, where the host's memory is known,
-// the memory budget with the cgroup it runs under and the commitment per VM.
+// the memory budget with the cgroup it runs under, memory pressure, the prior
+// commitment and each measured source's.
 func budgetText(b wire.Budget) string {
 	s := fmt.Sprintf("vCPUs %d used of %d (%d host CPUs x overcommit %g; %d by other state directories; requests may ask up to %g)\n",
 		b.Used, b.Total, b.HostCPUs, b.Overcommit, b.OtherUsed, b.MaxOvercommit)
@@ -91,8 +92,22 @@ func budgetText(b wire.Budget) string {
 		if m.CgroupLimitBytes > 0 {
 			s += fmt.Sprintf(" (cgroup: %d MiB left of %d)", m.CgroupHeadroomBytes>>20, m.CgroupLimitBytes>>20)
 		}
-		s += fmt.Sprintf(" - %d reserve - %d committed (64 MiB + %g x guest RAM per VM, less what it holds)\n",
-			m.ReserveBytes>>20, m.CommittedBytes>>20, m.CommitRatio)
+		s += fmt.Sprintf(" - %d reserve - %d committed (what VMs are expected to grow to, less what they hold)\n",
+			m.ReserveBytes>>20, m.CommittedBytes>>20)
+		if m.PressureKnown {
+			s += fmt.Sprintf("memory pressure: some %.2f%%, full %.2f%% (avg10; admission stops at some %g%%)\n",
+				m.PressureSomeAvg10, m.PressureFullAvg10, m.PressureLimit)
+		}
+		basis := m.Basis
+		if basis == "" {
+			basis = "prior only"
+		}
+		s += fmt.Sprintf("commitment per VM (basis %s): %d MiB + %g x guest RAM unless its source was measured\n",
+			basis, m.ForkOverheadBytes>>20, m.CommitRatio)
+		for _, src := range m.Sources {
+			s += fmt.Sprintf("  %s: %d VMs, high-water %d MiB, commits %d MiB per fork\n",
+				src.Source, src.VMs, src.HighWaterBytes>>20, src.CommitBytes>>20)
+		}
 	}
 	return s
 }

@@ -138,14 +138,19 @@ func TestCheckpointTimings(t *testing.T) {
 
 // TestBudgetText: budget says what admission counts: other state directories' vCPUs,
 // the overcommit cap, the cgroup's headroom and limit, the reserve, what is committed
-// and the commit ratio per VM.
+// memory pressure, the prior per VM and each measured source's commitment.
 func TestBudgetText(t *testing.T) {
 	const mib = 1 << 20
 	b := wire.Budget{HostCPUs: 2, Overcommit: 8, MaxOvercommit: 16, Total: 16, Used: 9, OtherUsed: 7,
 		Memory: wire.MemoryBudget{Known: true, AvailableBytes: 20000 * mib, TotalBytes: 6144 * mib, CgroupLimitBytes: 6144 * mib,
-			CgroupHeadroomBytes: 1000 * mib, ReserveBytes: 512 * mib, CommitRatio: 0.25, CommittedBytes: 300 * mib, FreeBytes: 188 * mib}}
+			CgroupHeadroomBytes: 1000 * mib, ReserveBytes: 512 * mib, CommitRatio: 0.25, CommittedBytes: 300 * mib, FreeBytes: 188 * mib,
+			ForkOverheadBytes: 64 * mib, Basis: wire.MemoryBasisFootprint, PressureKnown: true, PressureSomeAvg10: 1.5, PressureLimit: 10,
+			Sources: []wire.MemorySource{{Source: "ck:w", VMs: 3, HighWaterBytes: 24 * mib, CommitBytes: 40 * mib}}}}
 	want := "vCPUs 9 used of 16 (2 host CPUs x overcommit 8; 7 by other state directories; requests may ask up to 16)\n" +
-		"memory 188 MiB free for VMs = 20000 MiB available (cgroup: 1000 MiB left of 6144) - 512 reserve - 300 committed (64 MiB + 0.25 x guest RAM per VM, less what it holds)\n"
+		"memory 188 MiB free for VMs = 20000 MiB available (cgroup: 1000 MiB left of 6144) - 512 reserve - 300 committed (what VMs are expected to grow to, less what they hold)\n" +
+		"memory pressure: some 1.50%, full 0.00% (avg10; admission stops at some 10%)\n" +
+		"commitment per VM (basis footprint): 64 MiB + 0.25 x guest RAM unless its source was measured\n" +
+		"  ck:w: 3 VMs, high-water 24 MiB, commits 40 MiB per fork\n"
 	if got := budgetText(b); got != want {
 		t.Errorf("budget:\n%s\nwant:\n%s", got, want)
 	}

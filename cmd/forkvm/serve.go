@@ -38,7 +38,7 @@ func serveCmd() *cli.Command {
 			&cli.BoolFlag{Name: "listen-public", Usage: "allow a --listen address that is not loopback (there is no TLS: the token crosses the network in clear)"},
 			&cli.FloatFlag{Name: "overcommit", Usage: "vCPU budget = host CPUs x this (0 = engine default 8)"},
 			&cli.FloatFlag{Name: "max-overcommit", Usage: "refuse requests asking for a higher overcommit than this (0 = 2 x --overcommit)"},
-			&cli.FloatFlag{Name: "memory-commit-ratio", Usage: "part of each VM's guest RAM admission keeps room for (0 = engine default 0.1)"},
+			&cli.FloatFlag{Name: "memory-commit-ratio", Usage: "part of each VM's guest RAM admission keeps room for until forks of its source were measured (0 = engine default 0.1)"},
 			countersFlag("every VM the daemon starts"),
 			&cli.StringFlag{Name: "memory-cgroup", Usage: "memory cgroup directory below which VMs created with --memory-limit-mb get their own (default: the daemon's own cgroup; on cgroup v2 name one without processes that delegates memory)"},
 		}, fleetServeFlags()...),
