@@ -222,6 +222,8 @@ var errorCodes = []struct {
 	{ErrInvalidName, "invalid_name", 400},
 	{ErrInvalidSpec, "invalid_spec", 400},
 	{ErrPaused, "paused", 409},
+	{ErrParked, "vm_parked", 409},
+	{ErrDiskBudget, "disk_budget", 507},
 	{ErrNotRunning, "not_running", 409},
 	{ErrNotForkable, "not_forkable", 409},
 	{ErrInUse, "in_use", 409},

@@ -70,6 +70,10 @@ type Info struct {
 	// forwards.
 	Net     bool          `json:"net,omitempty"`
 	Publish []PortForward `json:"publish,omitempty"`
+	// Parked is set while the VM is parked (State parked): what it holds on disk.
+	Parked *ParkedInfo `json:"parked,omitempty"`
+	// NoPark opts the VM out of a daemon's idle parking (serve --park-idle).
+	NoPark bool `json:"no_park,omitempty"`
 	// Reason says why a dead VM died ("oom-killed", "signal N (NAME)", "qemu exit N:
 	// STDERR", "guest kernel panic: WHY", "qemu exit 0: the guest powered off or
 	// rebooted", or that its status is unknown).
@@ -341,6 +345,9 @@ type Spec struct {
 	// Publish forwards host ports to guest TCP ports (Net only). A fork does not
 	// inherit them: it publishes its own (ForkOptions.Publish).
 	Publish []PortForward `json:"publish,omitempty"`
+	// NoPark opts the VM out of a daemon's idle parking (serve --park-idle); an
+	// explicit park still parks it.
+	NoPark bool `json:"no_park,omitempty"`
 }
 
 // ForkOptions tune a fork (engine.ForkOptions is this type). A nil
@@ -356,6 +363,8 @@ type ForkOptions struct {
 	// have a network (Spec.Net). A fork never inherits its source's forwards. A fork
 	// that publishes ports does not use the warm pool (pooled processes have none).
 	Publish []PortForward
+	// NoPark opts the fork out of a daemon's idle parking (Spec.NoPark).
+	NoPark bool
 }
 
 // ManyOptions tune a wave, API.ForkMany (engine.ManyOptions is this type).

@@ -1,0 +1,168 @@
+package tests
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/vsockd"
+)
+
+// parkIdentity is what a VM must still be after a wake: the agent token, the hostname,
+// a background process's PID and a value only its memory holds, and a published port
+// serving from guest memory.
+type parkIdentity struct {
+	token, hostname, pid, served string
+}
+
+// startParkProbe starts, in vm, a background process that keeps secret in a shell
+// variable and writes it to /tmp/said when sent SIGUSR1, and an httpd serving page from
+// guest memory on guest port 8080. It returns the process's PID.
+func startParkProbe(t *testing.T, vm *engine.VM, secret, page string) string {
+	t.Helper()
+	return mustRun(t, vm, "mkdir -p /dev/shm/www && echo "+page+" > /dev/shm/www/index.html && "+
+		"(setsid httpd -f -p 8080 -h /dev/shm/www </dev/null >/dev/null 2>&1 &) && "+
+		"setsid sh -c 'v="+secret+"; trap \"echo $v > /tmp/said\" USR1; while :; do sleep 1; done' </dev/null >/dev/null 2>&1 & echo $!")
+}
+
+// probeIdentity reads vm's identity (see parkIdentity); port is its published port.
+func probeIdentity(t *testing.T, vm *engine.VM, pid string, port int) parkIdentity {
+	t.Helper()
+	said := mustRun(t, vm, "rm -f /tmp/said; kill -USR1 "+pid+" && for i in $(seq 50); do [ -s /tmp/said ] && break; sleep 0.1; done; cat /tmp/said")
+	return parkIdentity{token: vm.Target().Token, hostname: mustRun(t, vm, "hostname"), pid: pid + ":" + said,
+		served: httpGet(t, fmt.Sprintf("http://127.0.0.1:%d/", port))}
+}
+
+// TestParkWakeIdentity: a fork parked and woken is itself again: same token, hostname,
+// a background process with its PID and its memory, a published port serving; while
+// parked it holds no QEMU, its image is on disk (not in RAMDir) and listed in Info,
+// exec and checkpoints say it is parked, and it can be parked and woken again. A world
+// parks through a handoff and wakes the same way.
+func TestParkWakeIdentity(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	ctx := ctxT(t, 8*time.Minute)
+	pw, pf := freePort(t), freePort(t)
+	w := netWorld(t, e, "pw", []engine.PortForward{{HostPort: pw, GuestPort: 8080}})
+	if _, err := e.Checkpoint(ctx, "pw", "pwck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint: %v", err)
+	}
+	f, err := e.Fork(ctx, "pwck", &engine.ForkOptions{Name: "pf", Publish: []engine.PortForward{{HostPort: pf, GuestPort: 8080}}})
+	if err != nil {
+		t.Fatalf("fork: %v", err)
+	}
+	pid := startParkProbe(t, f, "secret-of-pf", "served-by-pf")
+	mustRun(t, f, "head -c 4000000 /dev/urandom > /dev/shm/blob && md5sum /dev/shm/blob > /tmp/blob.md5")
+	before := probeIdentity(t, f, pid, pf)
+	if before.served != "served-by-pf\n" || !strings.HasSuffix(before.pid, ":secret-of-pf") || before.hostname != "pf" {
+		t.Fatalf("before park: %+v", before)
+	}
+	qpid := f.PID()
+
+	for round := 1; round <= 2; round++ {
+		res, err := e.Park(ctx, "pf")
+		if err != nil {
+			t.Fatalf("park %d: %v", round, err)
+		}
+		t.Logf("park %d: %d bytes, paused %v, total %v, freed %d", round, res.Bytes, res.Paused, res.Total, res.FreedBytes)
+		if res.Bytes < 4000000 {
+			t.Errorf("parked image holds %d bytes, less than the 4 MB the fork wrote", res.Bytes)
+		}
+		if !waitExited(qpid, 10*time.Second) {
+			t.Fatalf("park %d: qemu %d still runs", round, qpid)
+		}
+		info := f.Info()
+		if info.State != engine.StateParked || info.Parked == nil || info.Parked.Bytes != res.Bytes {
+			t.Fatalf("parked info: state %s parked %+v", info.State, info.Parked)
+		}
+		image := filepath.Join(env.Home, "vms", "pf", "park")
+		if _, err := os.Stat(filepath.Join(image, "ram.layer")); err != nil {
+			t.Fatalf("park image: %v", err)
+		}
+		if again, err := e.Park(ctx, "pf"); err != nil || !again.Already {
+			t.Errorf("parking a parked vm: %+v, %v", again, err)
+		}
+		_, _, err = runErr(f, "true")
+		wantErr(t, err, engine.ErrParked)
+		_, err = e.Checkpoint(ctx, "pf", "pfck", nil)
+		wantErr(t, err, engine.ErrParked)
+		_, err = e.Fork(ctx, "pf", nil)
+		wantErr(t, err, engine.ErrParked)
+		if portFree(pf) != true {
+			t.Errorf("published port %d still bound while parked", pf)
+		}
+
+		wr, err := e.Wake(ctx, "pf", nil)
+		if err != nil {
+			t.Fatalf("wake %d: %v", round, err)
+		}
+		t.Logf("wake %d: %v", round, wr.Latency)
+		if _, err := os.Stat(image); !os.IsNotExist(err) {
+			t.Errorf("park image still there after wake: %v", err)
+		}
+		after := probeIdentity(t, f, pid, pf)
+		if after != before {
+			t.Fatalf("after wake %d: %+v, want %+v", round, after, before)
+		}
+		if got := mustRun(t, f, "md5sum -c /tmp/blob.md5 >/dev/null && echo ok"); got != "ok" {
+			t.Errorf("blob after wake: %q", got)
+		}
+		if info := f.Info(); info.State != engine.StateRunning || info.Parked != nil {
+			t.Errorf("woken info: %s %+v", info.State, info.Parked)
+		}
+		if again, err := e.Wake(ctx, "pf", nil); err != nil || !again.Already {
+			t.Errorf("waking a running vm: %+v, %v", again, err)
+		}
+		qpid = f.PID()
+		// The guest's clock was set on wake.
+		gt := mustRun(t, f, "date +%s")
+		if n, _ := strconv.ParseInt(gt, 10, 64); n < time.Now().Unix()-5 {
+			t.Errorf("guest clock %s, host %d", gt, time.Now().Unix())
+		}
+	}
+
+	// A world parks through a handoff checkpoint and wakes as itself.
+	wpid := startParkProbe(t, w, "secret-of-pw", "served-by-pw")
+	wbefore := probeIdentity(t, w, wpid, pw)
+	res, err := e.Park(ctx, "pw")
+	if err != nil {
+		t.Fatalf("park world: %v", err)
+	}
+	if res.Handoff == "" {
+		t.Errorf("world parked without a handoff: %+v", res)
+	}
+	if _, err := e.Wake(ctx, "pw", nil); err != nil {
+		t.Fatalf("wake world: %v", err)
+	}
+	if got := probeIdentity(t, w, wpid, pw); got != wbefore {
+		t.Errorf("world after wake: %+v, want %+v", got, wbefore)
+	}
+
+	// A parked VM is deleted like any other.
+	if _, err := e.Park(ctx, "pf"); err != nil {
+		t.Fatalf("park for rm: %v", err)
+	}
+	if err := e.Delete(ctx, "pf"); err != nil {
+		t.Fatalf("delete parked: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(env.Home, "vms", "pf")); !os.IsNotExist(err) {
+		t.Errorf("parked vm's directory after delete: %v", err)
+	}
+	deleteAll(t, env)
+}
+
+// runErr runs a shell script in vm and returns its stdout, exit code and error.
+func runErr(vm *engine.VM, script string) (string, int, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	code, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", script}, Stdout: &out})
+	return out.String(), code, err
+}
