@@ -59,3 +59,13 @@ type WakeResult struct {
 	// Latency is the wake from its start until the guest's agent answered.
 	Latency time.Duration `json:"latency_ns"`
 }
+
+// VMPatch is the body of PATCH /v1/vms/NAME: the fields set are changed.
+type VMPatch struct {
+	// NoPark opts the VM out of (true) or back into (false) a daemon's idle parking.
+	NoPark *bool `json:"no_park,omitempty"`
+}
+
+// WokeHeader is the response header a daemon sets on a request to a parked VM that it
+// woke first: the wake's latency (a Go duration, e.g. "412ms").
+const WokeHeader = "Forkvm-Woke-In"

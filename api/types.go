@@ -645,6 +645,13 @@ type API interface {
 	Fork(ctx context.Context, src string, opts *ForkOptions) (Info, error)
 	ForkMany(ctx context.Context, src string, n int, opts *ManyOptions) (<-chan ForkEvent, error)
 
+	// Park writes the VM's memory and device state to disk and ends its QEMU; Wake
+	// restores it as itself (docs/park.md). SetNoPark opts a VM out of a daemon's idle
+	// parking.
+	Park(ctx context.Context, name string) (ParkResult, error)
+	Wake(ctx context.Context, name string) (WakeResult, error)
+	SetNoPark(ctx context.Context, name string, noPark bool) error
+
 	// Close releases the API: an in-process one closes its engine (VMs keep running).
 	Close() error
 }

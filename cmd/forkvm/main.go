@@ -78,7 +78,7 @@ func newApp() *cli.Command {
 			createCmd(), execCmd(), cpCmd(), logsCmd(), withFleetLs(lsCmd()), memCmd(), profileCmd(), rmCmd(),
 			checkpointCmd(), checkpointsCmd(), withFleetFork(forkCmd()), pinCmd(true), pinCmd(false),
 			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
-			serveCmd(), nodesCmd(), helpCmd(),
+			serveCmd(), nodesCmd(), helpCmd(), parkCmd(), wakeCmd(),
 		},
 	}
 	noHelpCommands(app)
@@ -186,6 +186,7 @@ func createCmd() *cli.Command {
 			&cli.BoolFlag{Name: "net", Usage: "a NIC on QEMU's user-mode network (NAT; the host's loopback is host.internal); forks of its checkpoints get one too"},
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "print the VM as JSON"},
+			noParkFlag(),
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 1 {
@@ -206,7 +207,7 @@ func createCmd() *cli.Command {
 			inf, err := api.Create(ctx, wire.Spec{
 				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")), MemoryLimitMiB: int(cmd.Int("memory-limit-mb")),
 				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
-				Net: cmd.Bool("net"), Publish: publish,
+				Net: cmd.Bool("net"), Publish: publish, NoPark: cmd.Bool("no-park"),
 			})
 			if err != nil {
 				return err
@@ -536,6 +537,7 @@ func forkCmd() *cli.Command {
 			&cli.BoolFlag{Name: "pin", Usage: "keep the implicit checkpoint of a running VM"},
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
+			noParkFlag(),
 			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -574,6 +576,7 @@ func forkCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
+			evs = noParkEvents(ctx, cmd, api, evs)
 			tally := printForkEvents(ctx, cmd, api, src, n, evs, tr)
 			if tr != nil {
 				if err := tr.write(cmd.String("trace")); err != nil {
@@ -794,6 +797,9 @@ func printJSON(v any) error {
 // stateText is a VM's state for ls, with its reason when it has one ("dead (oom-killed)"),
 // cut to one short line (--json has it whole).
 func stateText(v engine.Info) string {
+	if v.Parked != nil {
+		return fmt.Sprintf("%s (%s on disk)", v.State, mibText(v.Parked.Bytes))
+	}
 	if v.Reason == "" {
 		return string(v.State)
 	}
