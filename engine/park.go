@@ -301,7 +301,7 @@ func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api
 		killOrphans(&m)
 		// Not committed: the VM stays parked, with no process.
 		_ = vm.update(func(s *vmState) { s.PID, s.StartTime = 0, 0 })
-		return nil, fmt.Errorf("engine: wake %s: %w", name, err)
+		return nil, err
 	}
 	res := &api.WakeResult{Name: name, Latency: time.Since(start)}
 	e.log.Info("woke", "vm", name, "latency", res.Latency)

@@ -166,3 +166,113 @@ func runErr(vm *engine.VM, script string) (string, int, error) {
 	code, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", script}, Stdout: &out})
 	return out.String(), code, err
 }
+
+// TestParkKillAtEveryStage kills, at each stage of a park and of a wake (the engine's
+// stage markers), the engine (SIGKILL of the process that embeds it) or the VM's QEMU,
+// then opens a new engine: the VM is running or parked, never both and never neither,
+// and once woken it is itself (a background process with its PID and its memory, the
+// data it kept in guest RAM). The two cases that end as dead are crashes of a running
+// VM, not of a park: QEMU killed while its memory is still being saved (the memory is
+// gone), and QEMU killed after a wake finished (the woken VM crashed).
+func TestParkKillAtEveryStage(t *testing.T) {
+	helper := engineHelper(t)
+	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second })
+	env.E.Close()
+	cases := []struct {
+		op, stage, who string
+		want           engine.State
+	}{
+		{"park", engine.ParkStageSave, "engine", engine.StateRunning},
+		{"park", engine.ParkStageCommit, "engine", engine.StateRunning},
+		{"park", engine.ParkStageRecord, "engine", engine.StateParked},
+		{"park", engine.ParkStageKill, "engine", engine.StateParked},
+		{"wake", engine.WakeStageSpawn, "engine", engine.StateParked},
+		{"wake", engine.WakeStageLoad, "engine", engine.StateParked},
+		{"wake", engine.WakeStageCommit, "engine", engine.StateParked},
+		{"wake", engine.WakeStageResume, "engine", engine.StateRunning},
+		{"wake", engine.WakeStageCleanup, "engine", engine.StateRunning},
+		{"park", engine.ParkStageSave, "qemu", engine.StateDead},
+		{"park", engine.ParkStageCommit, "qemu", engine.StateParked},
+		{"park", engine.ParkStageRecord, "qemu", engine.StateParked},
+		{"park", engine.ParkStageKill, "qemu", engine.StateParked},
+		{"wake", engine.WakeStageLoad, "qemu", engine.StateParked},
+		{"wake", engine.WakeStageCommit, "qemu", engine.StateParked},
+		{"wake", engine.WakeStageResume, "qemu", engine.StateParked},
+		{"wake", engine.WakeStageCleanup, "qemu", engine.StateDead},
+	}
+	for i, c := range cases {
+		name := fmt.Sprintf("k%d", i)
+		label := fmt.Sprintf("%s %s at %s", c.who, c.op, c.stage)
+		cmd, sc, stderr := startEngineHelper(t, helper, env, "-park", name, "-op", c.op, "-killat", c.stage, "-kill", c.who)
+		var pid, done string
+		for sc.Scan() {
+			l := sc.Text()
+			switch {
+			case strings.HasPrefix(l, "PID "):
+				pid = strings.TrimPrefix(l, "PID ")
+			case strings.HasPrefix(l, "DONE "):
+				done = strings.TrimPrefix(l, "DONE ")
+			case strings.HasPrefix(l, "ERROR"):
+				t.Fatalf("%s: helper: %s\n%s", label, l, stderr.String())
+			}
+		}
+		werr := cmd.Wait()
+		if c.who == "engine" && done != "" {
+			t.Fatalf("%s: the engine was not killed (stage never reached): %s", label, done)
+		}
+		if c.who == "qemu" && done == "" {
+			t.Fatalf("%s: helper ended without finishing: %v\n%s", label, werr, stderr.String())
+		}
+		e, err := engine.New(context.Background(), &env.cfg)
+		if err != nil {
+			t.Fatalf("%s: reopen: %v", label, err)
+		}
+		env.E = e
+		vm, err := e.Get(name)
+		if err != nil {
+			t.Fatalf("%s: %v", label, err)
+		}
+		info := vm.Info()
+		t.Logf("%s: helper said %q; recovered %s", label, done, info.State)
+		if info.State != c.want {
+			t.Errorf("%s: recovered as %s (%s), want %s", label, info.State, info.Reason, c.want)
+		}
+		image := filepath.Join(env.Home, "vms", name, "park")
+		_, ierr := os.Stat(image)
+		if (info.State == engine.StateParked) != (ierr == nil) {
+			t.Errorf("%s: state %s, park image: %v", label, info.State, ierr)
+		}
+		if n := len(qemuPIDs(env.Home)); n > 0 && info.State == engine.StateParked {
+			// Only the world's QEMU may run: none of a parked VM's.
+			if qp := qemuPIDOf(env.Home, name); qp > 0 {
+				t.Errorf("%s: parked, but its QEMU %d runs", label, qp)
+			}
+		}
+		if info.State == engine.StateParked {
+			if _, err := e.Wake(ctxT(t, 2*time.Minute), name, nil); err != nil {
+				t.Fatalf("%s: wake after recovery: %v", label, err)
+			}
+		}
+		if info.State != engine.StateDead {
+			said := mustRun(t, vm, "rm -f /tmp/said; kill -USR1 "+pid+" && for i in $(seq 50); do [ -s /tmp/said ] && break; sleep 0.1; done; cat /tmp/said; md5sum -c /tmp/blob.md5 >/dev/null && echo blob-ok")
+			if said != name+"\nblob-ok" {
+				t.Errorf("%s: after recovery the probe %s says %q", label, pid, said)
+			}
+		}
+		if err := e.Delete(context.Background(), name); err != nil {
+			t.Errorf("%s: delete: %v", label, err)
+		}
+		for _, n := range dirNames(filepath.Join(env.Home, "vms")) {
+			if strings.HasPrefix(n, ".corrupt") {
+				t.Errorf("%s: vm kept aside: %s", label, n)
+			}
+		}
+		e.Close()
+	}
+	e, err := engine.New(context.Background(), &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E = e
+	deleteAll(t, env)
+}
