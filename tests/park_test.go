@@ -4,14 +4,21 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve"
+	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -27,9 +34,14 @@ type parkIdentity struct {
 // guest memory on guest port 8080. It returns the process's PID.
 func startParkProbe(t *testing.T, vm *engine.VM, secret, page string) string {
 	t.Helper()
-	return mustRun(t, vm, "mkdir -p /dev/shm/www && echo "+page+" > /dev/shm/www/index.html && "+
-		"(setsid httpd -f -p 8080 -h /dev/shm/www </dev/null >/dev/null 2>&1 &) && "+
-		"setsid sh -c 'v="+secret+"; trap \"echo $v > /tmp/said\" USR1; while :; do sleep 1; done' </dev/null >/dev/null 2>&1 & echo $!")
+	return mustRun(t, vm, parkProbeScript(secret, page))
+}
+
+// parkProbeScript is startParkProbe's script.
+func parkProbeScript(secret, page string) string {
+	return "mkdir -p /dev/shm/www && echo " + page + " > /dev/shm/www/index.html && " +
+		"(setsid httpd -f -p 8080 -h /dev/shm/www </dev/null >/dev/null 2>&1 &) && " +
+		"setsid sh -c 'v=" + secret + "; trap \"echo $v > /tmp/said\" USR1; while :; do sleep 1; done' </dev/null >/dev/null 2>&1 & echo $!"
 }
 
 // probeIdentity reads vm's identity (see parkIdentity); port is its published port.
@@ -274,5 +286,118 @@ func TestParkKillAtEveryStage(t *testing.T) {
 		t.Fatal(err)
 	}
 	env.E = e
+	deleteAll(t, env)
+}
+
+// TestParkDaemonIdle: a daemon with RunParker parks a VM left idle, never one that
+// opted out (NoPark); an exec through the daemon wakes a parked VM transparently (the
+// wake's latency in the response's header) and runs in the VM as it was; a connection
+// to a parked VM's published port wakes it and is served by it.
+func TestParkDaemonIdle(t *testing.T) {
+	env := newRobustEnv(t, nil)
+	e := env.E
+	sock := serve.SocketPath(env.Home)
+	ln, err := serve.ListenUnix(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serve.New(e, nil)
+	sctx, stop := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- serve.Serve(sctx, ln, srv.Handler(), 5*time.Second) }()
+	parker := make(chan struct{})
+	const idle = 2 * time.Second
+	go func() { srv.RunParker(sctx, idle); close(parker) }()
+	var once sync.Once
+	shutdown := func() {
+		once.Do(func() {
+			stop()
+			<-parker
+			if err := <-served; err != nil {
+				t.Errorf("Serve: %v", err)
+			}
+		})
+	}
+	t.Cleanup(shutdown)
+	c := client.New(sock)
+	defer c.Close()
+	ctx := ctxT(t, 8*time.Minute)
+
+	p1 := freePort(t)
+	if _, err := c.Create(ctx, wire.Spec{Name: "iw", CPUs: 1, MemoryMiB: 128, Forkable: true, Net: true, NoPark: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Checkpoint(ctx, "iw", "iwck", &wire.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Fork(ctx, "iwck", &wire.ForkOptions{Name: "keep", NoPark: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Fork(ctx, "iwck", &wire.ForkOptions{Name: "i1", Publish: []wire.PortForward{{HostPort: p1, GuestPort: 8080}}}); err != nil {
+		t.Fatal(err)
+	}
+	// Through the daemon: a request it serves is use.
+	var probe bytes.Buffer
+	if code, err := c.Exec(ctx, "i1", &vsockd.ExecRequest{Argv: []string{"sh", "-c", parkProbeScript("secret-of-i1", "served-by-i1")}, Stdout: &probe}); err != nil || code != 0 {
+		t.Fatalf("probe: %d %v", code, err)
+	}
+	pid := strings.TrimSpace(probe.String())
+	waitState := func(name string, want engine.State) {
+		t.Helper()
+		deadline := time.Now().Add(2 * time.Minute)
+		for {
+			inf, err := c.Get(ctx, name)
+			if err == nil && inf.State == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: state %s (%v), want %s", name, inf.State, err, want)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	waitState("i1", engine.StateParked)
+
+	// An exec through the daemon wakes it: the raw response carries the wake's latency.
+	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+	}}}
+	resp, err := hc.Post("http://forkvm/v1/vms/i1/exec", "application/json", strings.NewReader(`{"argv":["hostname"]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	woke := resp.Header.Get(wire.WokeHeader)
+	if resp.StatusCode != http.StatusOK || woke == "" {
+		t.Fatalf("exec on a parked vm: %s, %s %q", resp.Status, wire.WokeHeader, woke)
+	}
+	t.Logf("exec woke i1 in %s", woke)
+	var out bytes.Buffer
+	if code, err := c.Exec(ctx, "i1", &vsockd.ExecRequest{Argv: []string{"sh", "-c", "kill -USR1 " + pid + " && for i in $(seq 50); do [ -s /tmp/said ] && break; sleep 0.1; done; cat /tmp/said"}, Stdout: &out}); err != nil || code != 0 || out.String() != "secret-of-i1\n" {
+		t.Fatalf("after the wake: %q %d %v", out.String(), code, err)
+	}
+
+	// Parked again once idle (a VM made later, idle as long, too); the VM that opted out
+	// keeps running meanwhile.
+	if _, err := c.Fork(ctx, "iwck", &wire.ForkOptions{Name: "i2"}); err != nil {
+		t.Fatal(err)
+	}
+	waitState("i2", engine.StateParked)
+	waitState("i1", engine.StateParked)
+	for _, n := range []string{"iw", "keep"} {
+		if inf, _ := c.Get(ctx, n); inf.State != engine.StateRunning || !inf.NoPark {
+			t.Errorf("%s opted out of parking: %s, no_park %v", n, inf.State, inf.NoPark)
+		}
+	}
+
+	// A connection to its published port wakes it and is served by it.
+	if got := httpGet(t, fmt.Sprintf("http://127.0.0.1:%d/", p1)); got != "served-by-i1\n" {
+		t.Errorf("published port of a parked vm serves %q", got)
+	}
+	if inf, _ := c.Get(ctx, "i1"); inf.State != engine.StateRunning {
+		t.Errorf("after the connection i1 is %s", inf.State)
+	}
+	shutdown()
 	deleteAll(t, env)
 }

@@ -19,8 +19,8 @@ import (
 // the VM's QEMU when the VM's park or wake reaches its stage.
 type stageKiller struct {
 	vm, stage, who string
-	armed      atomic.Bool
-	qemu       func() int // the VM's QEMU pid at that moment
+	armed          atomic.Bool
+	qemu           func() int // the VM's QEMU pid at that moment
 }
 
 func (k *stageKiller) PhaseStart(owner, phase string) {
