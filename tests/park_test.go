@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"math/rand/v2"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -399,5 +400,68 @@ func TestParkDaemonIdle(t *testing.T) {
 		t.Errorf("after the connection i1 is %s", inf.State)
 	}
 	shutdown()
+	deleteAll(t, env)
+}
+
+// TestParkPopulation parks a population of small forks, each holding a value of its own
+// in guest memory, then wakes a random sample: each answers with its own value, while
+// the parked ones hold no QEMU and no vCPU of the budget. The population is 40 forks of
+// 128 MiB (about a minute on 2 idle TCG cores); FORKVM_PARK_POPULATION sets another size.
+func TestParkPopulation(t *testing.T) {
+	n := 40
+	if v := os.Getenv("FORKVM_PARK_POPULATION"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n < 2 {
+			t.Fatalf("FORKVM_PARK_POPULATION=%q: want a number of at least 2", v)
+		}
+	}
+	env := newRobustEnv(t, roomy)
+	e := env.E
+	ctx := ctxT(t, 30*time.Minute)
+	if _, err := e.Create(ctx, engine.Spec{Name: "popw", CPUs: 1, MemoryMiB: 128, Forkable: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Checkpoint(ctx, "popw", "popck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	usedBefore := ownUsed(e.Budget())
+	start := time.Now()
+	var parkedBytes int64
+	for i := range n {
+		name := fmt.Sprintf("pop%d", i)
+		vm, err := e.Fork(ctx, "popck", &engine.ForkOptions{Name: name})
+		if err != nil {
+			t.Fatalf("fork %s: %v", name, err)
+		}
+		mustRun(t, vm, "echo "+name+" > /dev/shm/me")
+		res, err := e.Park(ctx, name)
+		if err != nil {
+			t.Fatalf("park %s: %v", name, err)
+		}
+		parkedBytes += res.Bytes
+	}
+	t.Logf("%d forks made and parked in %v: %d bytes on disk (%.1f KiB each)", n, time.Since(start).Round(time.Millisecond), parkedBytes, float64(parkedBytes)/float64(n)/1024)
+	if got := e.ParkedBytes(); got != parkedBytes {
+		t.Errorf("ParkedBytes = %d, the parks said %d", got, parkedBytes)
+	}
+	if used := ownUsed(e.Budget()); used != usedBefore {
+		t.Errorf("vCPUs used: %d with %d parked VMs, %d before", used, n, usedBefore)
+	}
+	if pids := qemuPIDs(env.Home); len(pids) != 1 {
+		t.Errorf("%d QEMU processes with %d VMs parked, want only the world's", len(pids), n)
+	}
+	wakes := max(n/5, 2)
+	start = time.Now()
+	for _, i := range rand.Perm(n)[:wakes] {
+		name := fmt.Sprintf("pop%d", i)
+		if _, err := e.Wake(ctx, name, nil); err != nil {
+			t.Fatalf("wake %s: %v", name, err)
+		}
+		vm, _ := e.Get(name)
+		if got := mustRun(t, vm, "cat /dev/shm/me"); got != name {
+			t.Errorf("%s woke holding %q", name, got)
+		}
+	}
+	t.Logf("%d random wakes, each answering with its own memory, in %v", wakes, time.Since(start).Round(time.Millisecond))
 	deleteAll(t, env)
 }
