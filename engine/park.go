@@ -283,9 +283,6 @@ func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api
 	if err != nil {
 		return nil, fmt.Errorf("engine: wake %s: checkpoint: %w", name, err)
 	}
-	if err := checkParkImage(ctx, vm.path(parkDirName), ps); err != nil {
-		return nil, fmt.Errorf("engine: wake %s: %w", name, err)
-	}
 	release, err := e.adm.admit(m.Spec.CPUs, int64(m.Spec.MemoryMiB)<<20, o.Overcommit)
 	if err != nil {
 		return nil, err
@@ -296,7 +293,10 @@ func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api
 		return nil, err
 	}
 	defer leave()
-	if err := e.wakeStart(ctx, vm, &parent.Manifest); err != nil {
+	// The image is verified while its QEMU starts, before anything of it is loaded.
+	verified := make(chan error, 1)
+	go func() { verified <- checkParkImage(ctx, vm.path(parkDirName), ps) }()
+	if err := e.wakeStart(ctx, vm, &parent.Manifest, verified); err != nil {
 		vm.kill()
 		killOrphans(&m)
 		// Not committed: the VM stays parked, with no process.
@@ -310,8 +310,9 @@ func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api
 
 // wakeStart runs the wake's stages; an error before the commit leaves the manifest
 // parked (the caller kills the new QEMU). After the commit a failure rolls the VM back
-// to parked itself.
-func (e *Engine) wakeStart(ctx context.Context, vm *VM, pm *checkpointManifest) error {
+// to parked itself. verified is the park image's verification, run meanwhile: nothing
+// of the image is loaded before it succeeded.
+func (e *Engine) wakeStart(ctx context.Context, vm *VM, pm *checkpointManifest, verified <-chan error) error {
 	name := vm.Name()
 	wctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
@@ -324,7 +325,11 @@ func (e *Engine) wakeStart(ctx context.Context, vm *VM, pm *checkpointManifest) 
 	})
 	e.marker(name, WakeStageSpawn)
 	if err := vm.start(wctx); err != nil {
+		<-verified
 		return portError(err, vm.snapshot().Launch.Publish)
+	}
+	if err := <-verified; err != nil {
+		return err
 	}
 	e.marker(name, WakeStageLoad)
 	s := vm.snapshot()
