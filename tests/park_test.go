@@ -59,7 +59,7 @@ func probeIdentity(t *testing.T, vm *engine.VM, pid string, port int) parkIdenti
 // exec and checkpoints say it is parked, and it can be parked and woken again. A world
 // parks through a handoff and wakes the same way.
 func TestParkWakeIdentity(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, roomy)
 	e := env.E
 	ctx := ctxT(t, 8*time.Minute)
 	pw, pf := freePort(t), freePort(t)
@@ -189,7 +189,8 @@ func runErr(vm *engine.VM, script string) (string, int, error) {
 // gone), and QEMU killed after a wake finished (the woken VM crashed).
 func TestParkKillAtEveryStage(t *testing.T) {
 	helper := engineHelper(t)
-	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second })
+	// Roomy: admission counts every QEMU on the host, and the helper's is as roomy.
+	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second; roomy(c) })
 	env.E.Close()
 	cases := []struct {
 		op, stage, who string
@@ -295,7 +296,7 @@ func TestParkKillAtEveryStage(t *testing.T) {
 // wake's latency in the response's header) and runs in the VM as it was; a connection
 // to a parked VM's published port wakes it and is served by it.
 func TestParkDaemonIdle(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, roomy)
 	e := env.E
 	sock := serve.SocketPath(env.Home)
 	ln, err := serve.ListenUnix(sock)

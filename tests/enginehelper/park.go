@@ -59,6 +59,7 @@ func runPark(state, cache, kernel, initrd, name, op, stage, who string) error {
 	e, err := engine.New(ctx, &engine.Config{
 		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
 		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second, Markers: k,
+		Overcommit: 32, // as the test's engine (roomy): admission counts every QEMU on the host
 	})
 	if err != nil {
 		return err
