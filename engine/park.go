@@ -388,17 +388,21 @@ func (s *vmState) rollBackWake() {
 // finishWake removes a woken VM's park image (once its guest answered) and records it
 // running without one.
 func (vm *VM) finishWake() error {
-	removeParkImage(vm.dir())
-	return vm.update(func(s *vmState) { s.Park = nil; s.ReadyAt = time.Now().UTC() })
+	old, renamed := retireParkImage(vm.dir())
+	err := vm.update(func(s *vmState) { s.Park = nil; s.ReadyAt = time.Now().UTC() })
+	if renamed {
+		// A retired image is garbage whatever happens (recovery removes what is left):
+		// its removal (a sparse file of the guest's size) is not the wake's latency.
+		go os.RemoveAll(old)
+	}
+	return err
 }
 
-// removeParkImage removes dir's park image: renamed first, so that no crash leaves a
-// half-removed image where a whole one is expected.
-func removeParkImage(dir string) {
+// retireParkImage renames dir's park image to a park.old-* name, so that no crash
+// leaves a half-removed image where a whole one is expected, and returns that name.
+func retireParkImage(dir string) (string, bool) {
 	old := filepath.Join(dir, parkOldPrefix+randHex(4))
-	if err := os.Rename(filepath.Join(dir, parkDirName), old); err == nil {
-		os.RemoveAll(old)
-	}
+	return old, os.Rename(filepath.Join(dir, parkDirName), old) == nil
 }
 
 // parked is the VM's park record while it is parked (nil otherwise).

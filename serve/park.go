@@ -79,6 +79,11 @@ func (s *Server) park(ctx context.Context, name string) (*api.ParkResult, error)
 	mu := s.pk.wakeLock(name)
 	mu.Lock()
 	defer mu.Unlock()
+	return s.parkLocked(ctx, name)
+}
+
+// parkLocked is park under name's wake lock.
+func (s *Server) parkLocked(ctx context.Context, name string) (*api.ParkResult, error) {
 	res, err := s.e.Park(ctx, name)
 	if err != nil {
 		return nil, err
@@ -95,6 +100,11 @@ func (s *Server) wake(ctx context.Context, name string) (*api.WakeResult, error)
 	mu := s.pk.wakeLock(name)
 	mu.Lock()
 	defer mu.Unlock()
+	return s.wakeLocked(ctx, name)
+}
+
+// wakeLocked is wake under name's wake lock.
+func (s *Server) wakeLocked(ctx context.Context, name string) (*api.WakeResult, error) {
 	s.releasePorts(name)
 	res, err := s.e.Wake(ctx, name, nil)
 	if err != nil {
@@ -117,9 +127,14 @@ func (s *Server) useVM(w http.ResponseWriter, r *http.Request, guest bool) (vm *
 	if err != nil {
 		return nil, nil, err
 	}
+	// Under the wake lock: an idle park that checked the VM unused cannot park it from
+	// under this request, and a parked VM is woken once.
+	mu := s.pk.wakeLock(name)
+	mu.Lock()
+	defer mu.Unlock()
 	done = s.pk.enter(name)
 	if guest && vm.Info().State == engine.StateParked {
-		res, err := s.wake(r.Context(), name)
+		res, err := s.wakeLocked(r.Context(), name)
 		if err != nil {
 			done()
 			return nil, nil, err
@@ -240,15 +255,10 @@ func (s *Server) parkIdle(ctx context.Context, idle time.Duration) {
 		if inf.State != engine.StateRunning || inf.NoPark || inf.RAMFile == "" {
 			continue
 		}
-		since, busy := s.pk.idleSince(inf.Name, now)
-		if busy || now.Sub(since) < idle {
+		res, since, err := s.parkIfIdle(ctx, inf, idle, now)
+		if res == nil && err == nil {
 			continue
 		}
-		if connectedPorts(inf.Publish) {
-			s.pk.touch(inf.Name)
-			continue
-		}
-		res, err := s.park(ctx, inf.Name)
 		if err != nil {
 			s.log.Warn("idle park failed", "vm", inf.Name, "err", err)
 			s.pk.touch(inf.Name) // not again before another idle period
@@ -256,6 +266,24 @@ func (s *Server) parkIdle(ctx context.Context, idle time.Duration) {
 		}
 		s.log.Info("parked idle vm", "vm", inf.Name, "idle", now.Sub(since).Round(time.Millisecond), "bytes", res.Bytes, "paused", res.Paused)
 	}
+}
+
+// parkIfIdle parks the VM of inf when it is still idle (nil, nil: it is not), checked
+// under its wake lock, which a request takes to count itself as using the VM.
+func (s *Server) parkIfIdle(ctx context.Context, inf api.Info, idle time.Duration, now time.Time) (*api.ParkResult, time.Time, error) {
+	mu := s.pk.wakeLock(inf.Name)
+	mu.Lock()
+	defer mu.Unlock()
+	since, busy := s.pk.idleSince(inf.Name, now)
+	if busy || now.Sub(since) < idle {
+		return nil, since, nil
+	}
+	if connectedPorts(inf.Publish) {
+		s.pk.touch(inf.Name)
+		return nil, since, nil
+	}
+	res, err := s.parkLocked(ctx, inf.Name)
+	return res, since, err
 }
 
 func (s *Server) holdsPorts(name string) bool {
