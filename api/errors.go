@@ -161,7 +161,7 @@ type AdmissionError struct {
 // Error implements error.
 func (e *AdmissionError) Error() string {
 	if e.Resource == "memory-pressure" {
-		return fmt.Sprintf("engine: admission refused: memory pressure: the kernel reports tasks stalled on memory (PSI); no VM is admitted until it eases (VM needs ~%d MiB, %d MiB free for VMs)",
+		return fmt.Sprintf("admission refused: memory pressure: the kernel reports tasks stalled on memory (PSI); no VM is admitted until it eases (VM needs ~%d MiB, %d MiB free for VMs)",
 			e.Requested>>20, e.Available>>20)
 	}
 	if e.Resource == "memory" {
@@ -228,6 +228,8 @@ var errorCodes = []struct {
 	{ErrInvalidName, "invalid_name", 400},
 	{ErrInvalidSpec, "invalid_spec", 400},
 	{ErrPaused, "paused", 409},
+	{ErrParked, "vm_parked", 409},
+	{ErrDiskBudget, "disk_budget", 507},
 	{ErrNotRunning, "not_running", 409},
 	{ErrNotForkable, "not_forkable", 409},
 	{ErrInUse, "in_use", 409},

@@ -70,6 +70,10 @@ type Info struct {
 	// forwards.
 	Net     bool          `json:"net,omitempty"`
 	Publish []PortForward `json:"publish,omitempty"`
+	// Parked is set while the VM is parked (State parked): what it holds on disk.
+	Parked *ParkedInfo `json:"parked,omitempty"`
+	// NoPark opts the VM out of a daemon's idle parking (serve --park-idle).
+	NoPark bool `json:"no_park,omitempty"`
 	// Reason says why a dead VM died ("oom-killed", "signal N (NAME)", "qemu exit N:
 	// STDERR", "guest kernel panic: WHY", "qemu exit 0: the guest powered off or
 	// rebooted", or that its status is unknown).
@@ -378,6 +382,9 @@ type Spec struct {
 	// Publish forwards host ports to guest TCP ports (Net only). A fork does not
 	// inherit them: it publishes its own (ForkOptions.Publish).
 	Publish []PortForward `json:"publish,omitempty"`
+	// NoPark opts the VM out of a daemon's idle parking (serve --park-idle); an
+	// explicit park still parks it.
+	NoPark bool `json:"no_park,omitempty"`
 }
 
 // ForkOptions tune a fork (engine.ForkOptions is this type). A nil
@@ -393,6 +400,8 @@ type ForkOptions struct {
 	// have a network (Spec.Net). A fork never inherits its source's forwards. A fork
 	// that publishes ports does not use the warm pool (pooled processes have none).
 	Publish []PortForward
+	// NoPark opts the fork out of a daemon's idle parking (Spec.NoPark).
+	NoPark bool
 }
 
 // ManyOptions tune a wave, API.ForkMany (engine.ManyOptions is this type).
@@ -672,6 +681,13 @@ type API interface {
 
 	Fork(ctx context.Context, src string, opts *ForkOptions) (Info, error)
 	ForkMany(ctx context.Context, src string, n int, opts *ManyOptions) (<-chan ForkEvent, error)
+
+	// Park writes the VM's memory and device state to disk and ends its QEMU; Wake
+	// restores it as itself (docs/park.md). SetNoPark opts a VM out of a daemon's idle
+	// parking.
+	Park(ctx context.Context, name string) (ParkResult, error)
+	Wake(ctx context.Context, name string) (WakeResult, error)
+	SetNoPark(ctx context.Context, name string, noPark bool) error
 
 	// Close releases the API: an in-process one closes its engine (VMs keep running).
 	Close() error

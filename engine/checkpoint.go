@@ -52,6 +52,9 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	if err != nil {
 		return nil, err
 	}
+	if err := vm.errIfParked(); err != nil {
+		return nil, err
+	}
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vmName)
 	}

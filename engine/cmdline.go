@@ -62,6 +62,9 @@ type launch struct {
 	// onto the file, would mean parsing QEMU's stream format in forkvm again; these are
 	// the properties QEMU has for exactly this.
 	DevicesOnly bool `json:"devices_only,omitempty"`
+	// StartStopped starts QEMU with -S: an Incoming load leaves the guest stopped until
+	// cont (a wake commits between the two).
+	StartStopped bool `json:"start_stopped,omitempty"`
 	// VsockCID, when non-zero, adds a vhost-vsock device with that guest CID.
 	VsockCID uint32 `json:"vsock_cid,omitempty"`
 	// Net adds the user-mode network and its virtio-net NIC.
@@ -225,7 +228,7 @@ func (l *launch) qemuLaunch() qemu.Launch {
 		RAM:       qemu.RAM{Path: l.RAM.Path, Shared: l.RAM.Shared, Anonymous: l.RAM.Anonymous},
 		QMPSocket: l.qmpSocket(), AgentSocket: l.agentSocket(), ConsoleSocket: l.consoleSocket(),
 		Incoming: l.Incoming, DevicesOnly: l.DevicesOnly, VsockCID: l.VsockCID, Net: l.Net,
-		PerfMap: l.PerfMap,
+		PerfMap: l.PerfMap, StartStopped: l.StartStopped,
 	}
 	for i, d := range l.Disk {
 		// Every launch names its chain afresh (a recorded Node is the old process's).

@@ -94,6 +94,10 @@ type Config struct {
 	// checkpoint's phases, e.g. a tracefs.Instance writing them into a kernel trace.
 	// Default nil: no markers (the spans in Info and ForkEvent are recorded either way).
 	Markers PhaseMarker
+	// ParkDiskMiB, when > 0, bounds the data parked VMs' images hold on disk (Park
+	// refuses with ErrDiskBudget past it); either way a park must leave 256 MiB free
+	// on the state directory's disk.
+	ParkDiskMiB int
 	// PerfMap starts every QEMU (TCG only) with -perfmap, so perf record attributes
 	// samples in TCG's generated code to the guest addresses it translates (QEMU writes
 	// /tmp/perf-PID.map; the engine removes it with the VM). Off by default: writing the

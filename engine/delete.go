@@ -17,6 +17,9 @@ func (e *Engine) Delete(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
+	// Not while it parks or wakes (both are bounded by their timeouts).
+	vm.life.Lock()
+	defer vm.life.Unlock()
 	_ = vm.Stop(ctx)
 	e.vms.remove(name)
 	m := vm.manifest()

@@ -41,6 +41,10 @@ var (
 	// ErrPaused reports an agent operation on a VM that QEMU paused on a disk I/O error
 	// (see *PausedError).
 	ErrPaused = api.ErrPaused
+	// ErrParked reports an operation that needs the VM's QEMU on a parked VM.
+	ErrParked = api.ErrParked
+	// ErrDiskBudget reports a park the state directory's disk cannot hold.
+	ErrDiskBudget = api.ErrDiskBudget
 	// ErrNotForkable reports a checkpoint of a VM that cannot be checkpointed.
 	ErrNotForkable = api.ErrNotForkable
 	// ErrLocked reports another engine holding the state directory.

@@ -109,6 +109,12 @@ func (vm *VM) serialLog() string {
 // ends the following too) or ctx ends (ctx's error). Logs reads files only: it works on
 // a VM whose QEMU is gone.
 func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
+	if follow {
+		// Nothing to follow: a parked VM's console has no QEMU behind it.
+		if err := vm.errIfParked(); err != nil {
+			return err
+		}
+	}
 	p := vm.serialLog()
 	fail := func(err error) error { return fmt.Errorf("engine: logs %s: %w", vm.Name(), err) }
 	// The rotated half first (it may be missing).

@@ -46,6 +46,11 @@ func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, 
 	// streamed to a reader that may be gone.
 	e.runPlan(ctx, p, out, false)
 	ev := <-out
+	if ev.Err == nil && o.NoPark {
+		if err := ev.VM.update(func(s *vmState) { s.NoPark = true }); err != nil {
+			return ev.VM, err
+		}
+	}
 	return ev.VM, ev.Err
 }
 

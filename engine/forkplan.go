@@ -108,6 +108,12 @@ func (e *Engine) plan(ctx context.Context, src string, n int, o ManyOptions) (*f
 	if err := checkPortsFree(p.allPublish()); err != nil {
 		return nil, err
 	}
+	if vm, err := e.vms.get(src); err == nil && !e.cks.exists(src) {
+		// Said before admission: a parked VM is not refused for the host's budget.
+		if err := vm.errIfParked(); err != nil {
+			return nil, err
+		}
+	}
 	if p.held, err = e.admitSource(src, n, p.overcommit); err != nil {
 		p.held, p.refused = nil, err
 		return p, nil

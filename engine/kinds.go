@@ -54,6 +54,8 @@ const (
 	// space"); the engine resumes it once the disk's file system has space again
 	// (Engine.Resume: at once). Agent operations fail with a *PausedError meanwhile.
 	StatePaused = api.StatePaused
+	// StateParked: see Engine.Park.
+	StateParked = api.StateParked
 	// statePooled is a warm-pool QEMU: spawned with a checkpoint's machine shape and
 	// -incoming defer, not yet given a name or a guest of its own.
 	statePooled State = "pooled"

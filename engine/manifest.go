@@ -69,6 +69,11 @@ type manifest struct {
 	// DiskCollapse is the block-stream job collapsing the disk chain, recorded before it
 	// starts and cleared once its outcome is read (see settleCollapse).
 	DiskCollapse *diskCollapse `json:"disk_collapse,omitempty"`
+	// Park is the VM's park image while it is parked, and while a wake that committed
+	// has not yet removed it (see Engine.Park).
+	Park *parkState `json:"park,omitempty"`
+	// NoPark opts the VM out of a daemon's idle parking (Spec.NoPark).
+	NoPark bool `json:"no_park,omitempty"`
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.

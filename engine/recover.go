@@ -96,9 +96,10 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 		}
 		vm := adoptVM(dir, log, m)
 		vm.recoverCutShort(ctx, paths, log, timeout)
+		vm.recoverPark(ctx, log)
 		mv := vm.manifest()
 		m = &mv
-		if m.State == StateRunning || m.State == StateDead {
+		if m.State == StateRunning || m.State == StateDead || m.State == StateParked {
 			// Confirmed ready once: kept (a dead one is listed dead with its reason
 			// until the user deletes it), never reaped as half-made.
 			// A manifest rewrite the crash cut short (writeJSON's temporary file).

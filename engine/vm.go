@@ -37,6 +37,9 @@ type VM struct {
 	agentMu sync.Mutex
 	agent   *vsockd.Client
 
+	// life serializes the VM's park, wake and delete (Engine.Park).
+	life sync.Mutex
+
 	// restored marks a pre-restored warm-pool process: guest loaded, stopped.
 	restored bool
 	// openAs, when set, maps paths of the launch to the paths its next start gives QEMU
@@ -86,7 +89,10 @@ func (vm *VM) PID() int {
 func (vm *VM) Info() Info {
 	id, m := vm.ident(), vm.snapshot()
 	st, reason := m.State, ""
-	if !vm.alive() {
+	var parked *api.ParkedInfo
+	if m.State == StateParked && m.Park != nil {
+		parked = m.Park.info()
+	} else if !vm.alive() {
 		st, reason = StateDead, m.DeadReason
 		if p := vm.process(); reason == "" && p != nil {
 			// Our child that just died may still be recording why (died: the
@@ -98,14 +104,16 @@ func (vm *VM) Info() Info {
 			}
 		}
 	}
-	if r := vm.pauseReason(); r != "" && st != StateDead {
+	if r := vm.pauseReason(); r != "" && st != StateDead && parked == nil {
 		st, reason = StatePaused, r
 	}
+
 	return Info{Reason: reason,
 		Name: id.Name, State: st, PID: m.PID, CPUs: id.Spec.CPUs, MemoryMiB: id.Spec.MemoryMiB,
 		DiskMiB: id.Spec.DiskMiB, Forkable: id.Spec.Forkable, Parent: m.Parent, Accel: id.Accel, TCGThread: m.Launch.TCGThread,
 		CreatedAt: id.CreatedAt, Timings: m.Timings, Spans: append([]Span(nil), m.Spans...), RunDir: m.Launch.RunDir,
 		Net: m.Launch.Net, Publish: append([]PortForward(nil), m.Launch.Publish...),
+		Parked: parked, NoPark: m.NoPark,
 		Counters: m.Counters, RAMFile: m.Launch.RAM.Path, RAMHoles: holesOf(filepath.Dir(filepath.Dir(id.dir)), m.Launch.RAM),
 	}
 }
@@ -381,6 +389,9 @@ func (vm *VM) agentClient(ctx context.Context) (*vsockd.Client, error) {
 
 // Agent returns the VM's connected agent client (shared; do not Close it).
 func (vm *VM) Agent(ctx context.Context) (*vsockd.Client, error) {
+	if err := vm.errIfParked(); err != nil {
+		return nil, err
+	}
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}

@@ -52,6 +52,8 @@ type vmState struct {
 	LineageBytes   int64
 	RAMBaseLayers  int
 	DiskCollapse   *diskCollapse
+	Park           *parkState
+	NoPark         bool
 }
 
 // splitManifest is a manifest's identity (with the VM's directory dir) and state.
@@ -62,7 +64,8 @@ func splitManifest(dir string, m *manifest) (*vmIdentity, vmState) {
 		BootKernel: m.BootKernel, BootInitrd: m.BootInitrd, DiskNode: m.DiskNode, DiskSeq: m.DiskSeq,
 		ReadyAt: m.ReadyAt, Timings: m.Timings, Spans: m.Spans, MemoryCgroup: m.MemoryCgroup,
 		CountersCgroup: m.CountersCgroup, Counters: m.Counters, DeadReason: m.DeadReason,
-		LineageBytes: m.LineageBytes, RAMBaseLayers: m.RAMBaseLayers, DiskCollapse: m.DiskCollapse}
+		LineageBytes: m.LineageBytes, RAMBaseLayers: m.RAMBaseLayers, DiskCollapse: m.DiskCollapse,
+		Park: m.Park, NoPark: m.NoPark}
 	return id, st
 }
 
@@ -74,7 +77,7 @@ func joinManifest(id *vmIdentity, s *vmState) manifest {
 		Token: id.Token, CreatedAt: id.CreatedAt, ReadyAt: s.ReadyAt, Timings: s.Timings, Spans: s.Spans,
 		MemoryCgroup: s.MemoryCgroup, CountersCgroup: s.CountersCgroup, Counters: s.Counters,
 		DeadReason: s.DeadReason, LineageBytes: s.LineageBytes, RAMBaseLayers: s.RAMBaseLayers,
-		DiskCollapse: s.DiskCollapse}
+		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark}
 }
 
 // newVM is the VM in directory dir whose manifest is m: the one constructor of a VM.

@@ -62,11 +62,12 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer s.execBodies.Release(weight)
-	vm, err := s.e.Get(r.PathValue("name"))
+	vm, used, err := s.useVM(w, r, true)
 	if err != nil {
 		writeError(w, err)
 		return
 	}
+	defer used()
 	var req ExecRequest
 	if !decode(w, r, MaxExecBodyBytes, &req) {
 		return

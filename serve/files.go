@@ -15,12 +15,21 @@ import (
 // vmAndPath returns the VM {name} and the guest path ?path= of a files request; it
 // answers the error itself and returns false when either is bad.
 func (s *Server) vmAndPath(w http.ResponseWriter, r *http.Request) (*engine.VM, string, bool) {
-	vm, err := s.e.Get(r.PathValue("name"))
-	if err != nil {
+	if _, err := s.e.Get(r.PathValue("name")); err != nil {
 		writeError(w, err)
 		return nil, "", false
 	}
 	p, ok := guestPath(w, r)
+	if !ok {
+		return nil, "", false
+	}
+	vm, used, err := s.useVM(w, r, true)
+	if err != nil {
+		writeError(w, err)
+		return nil, "", false
+	}
+	// The request's end ends its use of the VM (the handler returns by then).
+	context.AfterFunc(r.Context(), used)
 	return vm, p, ok
 }
 
@@ -116,15 +125,16 @@ func (s *Server) stat(w http.ResponseWriter, r *http.Request) {
 // logs streams the VM's serial console (engine.VM.Logs); ?follow=1 keeps streaming
 // until the VM's QEMU exits or the client disconnects.
 func (s *Server) logs(w http.ResponseWriter, r *http.Request) {
-	vm, err := s.e.Get(r.PathValue("name"))
-	if err != nil {
-		writeError(w, err)
-		return
-	}
 	follow, ok := boolQuery(w, r, "follow")
 	if !ok {
 		return
 	}
+	vm, used, err := s.useVM(w, r, follow)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	defer used()
 	lw := &lazyWriter{w: w, contentType: "text/plain; charset=utf-8", flush: follow}
 	err = vm.Logs(r.Context(), follow, lw)
 	if err != nil && errors.Is(err, context.Canceled) && r.Context().Err() != nil {

@@ -52,6 +52,8 @@ type Server struct {
 	execBodies *semaphore.Weighted
 	// fm is the daemon's fleet membership (SetJoining, SetFleet).
 	fm fleetMembership
+	// pk is the daemon's parking (serve/park.go).
+	pk *parker
 }
 
 // New returns a server for e. A nil logger discards.
@@ -83,6 +85,7 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	s.mux.HandleFunc("POST /v1/forks", s.fork)
 	s.transferRoutes()
 	s.fleetRoutes()
+	s.parkRoutes()
 	s.mux.HandleFunc("/", s.noRoute)
 	return s
 }

@@ -47,6 +47,7 @@ func (s *Server) deleteVM(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.fleetDeleted(name)
+	s.releasePorts(name)
 	w.WriteHeader(http.StatusNoContent)
 }
 

@@ -68,7 +68,7 @@ func newApp() *cli.Command {
 			createCmd(), execCmd(), cpCmd(), logsCmd(), withFleetLs(lsCmd()), memCmd(), profileCmd(), withFleetRm(rmCmd()),
 			withFleetCheckpoint(checkpointCmd()), checkpointsCmd(), withFleetFork(forkCmd()), pinCmd(true), pinCmd(false),
 			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
-			serveCmd(), nodesCmd(), helpCmd(),
+			serveCmd(), nodesCmd(), helpCmd(), parkCmd(), wakeCmd(),
 		},
 	}
 	noHelpCommands(app)
@@ -182,6 +182,7 @@ func createCmd() *cli.Command {
 			&cli.BoolFlag{Name: "net", Usage: "a NIC on QEMU's user-mode network (NAT; the host's loopback is host.internal); forks of its checkpoints get one too"},
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "print the VM as JSON"},
+			noParkFlag(),
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 1 {
@@ -202,7 +203,7 @@ func createCmd() *cli.Command {
 			inf, err := api.Create(ctx, wire.Spec{
 				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")), MemoryLimitMiB: int(cmd.Int("memory-limit-mb")),
 				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
-				Net: cmd.Bool("net"), Publish: publish,
+				Net: cmd.Bool("net"), Publish: publish, NoPark: cmd.Bool("no-park"),
 			})
 			if err != nil {
 				return err
@@ -557,6 +558,7 @@ func forkCmd() *cli.Command {
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
 			countersFlag("each fork"),
 			&cli.BoolFlag{Name: "faults", Usage: "count each fork's page faults by class (copy on write, holes, shared reads, QEMU's own) until ready, in its line and event (root: eBPF; in-process engine only; see docs/profiling.md)"},
+			noParkFlag(),
 			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -611,6 +613,7 @@ func forkCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
+			evs = noParkEvents(ctx, cmd, api, evs)
 			tally := printForkEvents(ctx, cmd, api, src, n, evs, tr, fc)
 			if tr != nil {
 				if err := tr.write(cmd.String("trace")); err != nil {
@@ -823,6 +826,9 @@ func printJSON(v any) error {
 // stateText is a VM's state for ls, with its reason when it has one ("dead (oom-killed)"),
 // cut to one short line (--json has it whole).
 func stateText(v engine.Info) string {
+	if v.Parked != nil {
+		return fmt.Sprintf("%s (%s on disk)", v.State, mibText(v.Parked.Bytes))
+	}
 	if v.Reason == "" {
 		return string(v.State)
 	}

@@ -41,7 +41,7 @@ func serveCmd() *cli.Command {
 			&cli.FloatFlag{Name: "memory-commit-ratio", Usage: "part of each VM's guest RAM admission keeps room for until forks of its source were measured (0 = engine default 0.1)"},
 			countersFlag("every VM the daemon starts"),
 			&cli.StringFlag{Name: "memory-cgroup", Usage: "memory cgroup directory below which VMs created with --memory-limit-mb get their own (default: the daemon's own cgroup; on cgroup v2 name one without processes that delegates memory)"},
-		}, fleetServeFlags()...),
+		}, append(fleetServeFlags(), parkServeFlags()...)...),
 		// The unix socket (mode 0600) is the global --socket ($FORKVM_SOCKET), the one
 		// the CLI looks for; default HOME/forkvm.sock.
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -67,7 +67,7 @@ func serveCmd() *cli.Command {
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), PerfMap: cmd.Bool("perf-map"),
 				Overcommit: cmd.Float("overcommit"), MaxOvercommit: cmd.Float("max-overcommit"), MemoryCommitRatio: cmd.Float("memory-commit-ratio"),
-				MemoryCgroup: cmd.String("memory-cgroup"), Counters: cmd.Bool("counters")}
+				MemoryCgroup: cmd.String("memory-cgroup"), Counters: cmd.Bool("counters"), ParkDiskMiB: int(cmd.Int("park-disk-mb"))}
 			// Warnings (a VM kept aside at recovery, a damaged hole list) are always logged.
 			cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 			if cmd.Bool("verbose") {
@@ -102,6 +102,11 @@ func serveCmd() *cli.Command {
 			defer stopServing()
 			g, gctx := errgroup.WithContext(sctx)
 			g.Go(func() error { return serve.Serve(gctx, uln, srv.Handler(), serveGrace) })
+			if err := startParker(cmd, g, gctx, srv); err != nil {
+				stopServing()
+				g.Wait()
+				return err
+			}
 			if addr := cmd.String("listen"); addr != "" {
 				tln, err := net.Listen("tcp", addr)
 				if err != nil {

@@ -322,6 +322,14 @@ func (c *Client) Fork(ctx context.Context, src string, opts *api.ForkOptions) (a
 			mo.Publish = func(int) []api.PortForward { return opts.Publish }
 		}
 	}
+	if opts != nil && opts.NoPark {
+		info, err := c.Fork(ctx, src, &api.ForkOptions{Name: opts.Name, Pin: opts.Pin, Overcommit: opts.Overcommit, Publish: opts.Publish})
+		if err == nil {
+			err = c.SetNoPark(ctx, info.Name, true)
+			info.NoPark = err == nil
+		}
+		return info, err
+	}
 	events, err := c.ForkMany(ctx, src, 1, mo)
 	if err != nil {
 		return api.Info{}, err

@@ -130,8 +130,11 @@ func (l *Local) running(name string) (*engine.VM, error) {
 	if err != nil {
 		return nil, err
 	}
-	if vm.Info().State == engine.StateDead {
+	switch vm.Info().State {
+	case engine.StateDead:
 		return nil, fmt.Errorf("%w: %s", engine.ErrNotRunning, name)
+	case engine.StateParked:
+		return nil, fmt.Errorf("%w: %s: wake it first (forkvm wake %s), or run a daemon (forkvm serve), which wakes it by itself", engine.ErrParked, name, name)
 	}
 	return vm, nil
 }

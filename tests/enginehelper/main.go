@@ -27,6 +27,14 @@
 //	    exist; print "READY", take the pinned delta checkpoint NAME of fw, print "CK",
 //	    and block until killed.
 //
+//	enginehelper -state DIR -cache DIR -kernel K -initrd I -park NAME -op park|wake -killat STAGE -kill engine|qemu
+//	    create the world "w" (128 MiB) and its pinned checkpoint "ck" unless they exist,
+//	    fork NAME of ck, start a background process that keeps NAME in its memory (print
+//	    "PID <pid>"), park NAME first when op is wake, print "READY", then park or wake
+//	    it, SIGKILLing the engine or NAME's QEMU when the operation reaches STAGE (one of
+//	    engine's ParkStage*/WakeStage*); print "DONE ok" or "DONE <error>" if the engine
+//	    lives on, and exit.
+//
 //	enginehelper -dial SOCKET
 //	    connect to a unix socket and exit 0 on success, 3 when permission was denied,
 //	    4 on any other error (used to check other users cannot reach engine sockets).
@@ -58,6 +66,10 @@ func main() {
 	ckloop := flag.Bool("ckloop", false, "checkpoint the world in a loop")
 	handoff := flag.String("handoff", "", "create this world, then take a handoff checkpoint of it")
 	deltack := flag.String("deltack", "", "make a fork, then take this delta checkpoint of it")
+	park := flag.String("park", "", "fork this VM of the world's checkpoint, then park or wake it (-op), killing at -killat")
+	parkOp := flag.String("op", "park", "with -park: park or wake")
+	killAt := flag.String("killat", "", "with -park: the park's or wake's stage to kill at")
+	killWho := flag.String("kill", "engine", "with -park: kill the engine or the VM's qemu")
 	dial := flag.String("dial", "", "only dial this unix socket")
 	open := flag.String("open", "", "only open this file")
 	flag.Parse()
@@ -72,6 +84,13 @@ func main() {
 		f, err := os.Open(*open)
 		exitFor(err)
 		f.Close()
+		os.Exit(0)
+	}
+	if *park != "" {
+		if err := runPark(*state, *cache, *kernel, *initrd, *park, *parkOp, *killAt, *killWho); err != nil {
+			fmt.Println("ERROR", err)
+			os.Exit(1)
+		}
 		os.Exit(0)
 	}
 	if *deltack != "" {

@@ -65,6 +65,9 @@ type Launch struct {
 	// splicing the configuration section of another stream onto the file, would mean
 	// parsing QEMU's stream format; these are the properties QEMU has for exactly this.
 	DevicesOnly bool
+	// StartStopped adds -S: the guest does not run until cont, even once an incoming
+	// state is loaded.
+	StartStopped bool
 	// VsockCID, when non-zero, adds a vhost-vsock device with that guest CID.
 	VsockCID uint32
 	// Net adds the user-mode network (the guest package's addresses) and its
@@ -175,6 +178,9 @@ func (l *Launch) Argv() ([]string, error) {
 		if l.DevicesOnly {
 			args = append(args, "-global", "migration.send-configuration=off")
 		}
+	}
+	if l.StartStopped {
+		args = append(args, "-S")
 	}
 	if l.PerfMap {
 		args = append(args, "-perfmap")

@@ -1,0 +1,71 @@
+package api
+
+import (
+	"errors"
+	"time"
+)
+
+// StateParked: the VM's QEMU is gone and its memory and device state are on disk
+// (Engine.Park); Wake restores it as itself.
+const StateParked State = "parked"
+
+var (
+	// ErrParked reports an operation that needs the VM's QEMU (exec, cp, logs follow,
+	// a checkpoint, a fork of it) on a parked VM: wake it first (`forkvm wake`), or
+	// ask a daemon, which wakes it by itself for exec, cp and logs.
+	ErrParked = errors.New("vm is parked")
+	// ErrDiskBudget reports a park refused because the state directory's disk cannot
+	// hold the parked image (its free space less the engine's reserve, or the parked
+	// VMs' disk budget); the VM keeps running. The message has the figures.
+	ErrDiskBudget = errors.New("not enough disk to park")
+)
+
+// ParkedInfo is what a parked VM holds on disk (Info.Parked).
+type ParkedInfo struct {
+	// At is when the VM was parked.
+	At time.Time `json:"at"`
+	// Bytes is the parked image's data on disk: the device state and the guest pages
+	// the VM wrote beyond its lineage. Its disk layer and its checkpoint's files are
+	// not counted (they are there whether it runs or not).
+	Bytes int64 `json:"bytes"`
+	// HandoffCheckpoint names the checkpoint a world was handed off to before it was
+	// parked (empty for a fork: it parks against its own checkpoint).
+	HandoffCheckpoint string `json:"handoff_checkpoint,omitempty"`
+}
+
+// ParkResult is the outcome of parking one VM (Engine.Park, POST /v1/vms/NAME/park).
+type ParkResult struct {
+	Name string `json:"name"`
+	// Already is set when the VM was parked before the call (nothing was done).
+	Already bool `json:"already,omitempty"`
+	// Bytes is the parked image's data on disk (ParkedInfo.Bytes).
+	Bytes int64 `json:"bytes"`
+	// Paused is how long the guest was stopped before its QEMU ended (device state and
+	// page extraction), Total the whole park (a world's handoff included).
+	Paused time.Duration `json:"paused_ns"`
+	Total  time.Duration `json:"total_ns"`
+	// Handoff is the handoff checkpoint a world went through first (empty for a fork).
+	Handoff string `json:"handoff,omitempty"`
+	// FreedBytes is the anonymous memory (RssAnon) of the QEMU the park ended.
+	FreedBytes int64 `json:"freed_bytes"`
+}
+
+// WakeResult is the outcome of waking one VM (Engine.Wake, POST /v1/vms/NAME/wake, and
+// the wake a daemon makes by itself for a request to a parked VM).
+type WakeResult struct {
+	Name string `json:"name"`
+	// Already is set when the VM was running before the call (nothing was done).
+	Already bool `json:"already,omitempty"`
+	// Latency is the wake from its start until the guest's agent answered.
+	Latency time.Duration `json:"latency_ns"`
+}
+
+// VMPatch is the body of PATCH /v1/vms/NAME: the fields set are changed.
+type VMPatch struct {
+	// NoPark opts the VM out of (true) or back into (false) a daemon's idle parking.
+	NoPark *bool `json:"no_park,omitempty"`
+}
+
+// WokeHeader is the response header a daemon sets on a request to a parked VM that it
+// woke first: the wake's latency (a Go duration, e.g. "412ms").
+const WokeHeader = "Forkvm-Woke-In"
