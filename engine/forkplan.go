@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+
+	"github.com/forkvm/forkvm/api"
 )
 
 // ValidateForkCount checks n, the number of forks of one request: 1..MaxForks. The
@@ -54,8 +56,11 @@ func planFork(src string, n int, o ManyOptions) (*forkPlan, error) {
 	if err := ValidateForkCount(n); err != nil {
 		return nil, err
 	}
-	if o.Concurrency < 0 || o.Overcommit < 0 {
-		return nil, fmt.Errorf("%w: concurrency and overcommit must not be negative (got %d, %g)", ErrInvalidSpec, o.Concurrency, o.Overcommit)
+	if o.Concurrency < 0 {
+		return nil, fmt.Errorf("%w: concurrency must not be negative (got %d)", ErrInvalidSpec, o.Concurrency)
+	}
+	if err := api.ValidateOvercommit(o.Overcommit); err != nil {
+		return nil, err
 	}
 	if err := ValidateName(src); err != nil {
 		return nil, fmt.Errorf("source: %w", err)

@@ -671,6 +671,10 @@ func forkOptions(cmd *cli.Command, n int) (*wire.ManyOptions, []string, error) {
 	default:
 		return nil, nil, fmt.Errorf("forkvm fork: --n %d needs --prefix", n)
 	}
+	// Before the engine starts or a daemon is dialled.
+	if err := wire.ValidateOvercommit(cmd.Float("overcommit")); err != nil {
+		return nil, nil, err
+	}
 	opts := &wire.ManyOptions{
 		Prefix: cmd.String("prefix"), Names: names, Concurrency: int(cmd.Int("conc")),
 		Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"),

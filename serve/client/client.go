@@ -364,6 +364,10 @@ func (c *Client) ForkMany(ctx context.Context, src string, n int, opts *api.Many
 			req.Prefix = "" // the engine ignores Prefix when Names is set
 		}
 	}
+	// Before encoding: json cannot carry NaN or ±Inf, and the daemon would refuse them.
+	if err := api.ValidateOvercommit(req.Overcommit); err != nil {
+		return nil, err
+	}
 	resp, err := c.do(ctx, http.MethodPost, "/v1/forks", req)
 	if err != nil {
 		return nil, err
