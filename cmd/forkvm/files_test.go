@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -118,7 +119,7 @@ func TestCopyFromHostileGuest(t *testing.T) {
 			}
 			tw.Close()
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			err := copyFromGuest(ctx, hostileGuest(t, buf.Bytes()), "/t", dst)
+			err := copyFromGuest(ctx, hostileGuest(t, buf.Bytes()), "/t", dst, false)
 			cancel()
 			if !errors.Is(err, vsockd.ErrUnsafeEntry) {
 				t.Errorf("%s (new name %v): %v, want ErrUnsafeEntry", tc.name, newName, err)
@@ -135,6 +136,54 @@ func TestCopyFromHostileGuest(t *testing.T) {
 				if e.Name() != "outside" && e.Name() != "dst" {
 					t.Errorf("%s (new name %v): wrote %s next to DST", tc.name, newName, e.Name())
 				}
+			}
+		}
+	}
+}
+
+// TestCopyFromGuestEscapingLinks: `forkvm cp VM:/t DST` refuses a guest's symlink whose
+// target is absolute or leads out of the copied tree (a link to ../../.. or to
+// /etc/passwd that the host user would later write through) and makes neither; a link
+// inside the tree is copied; --keep-links makes them all as they are.
+func TestCopyFromGuestEscapingLinks(t *testing.T) {
+	type link struct{ name, target string }
+	inner := link{"t/ok", "sub/f"}
+	for _, tc := range []struct {
+		name  string
+		links []link
+		keep  bool
+		err   error
+		made  []string
+	}{
+		// What was extracted before the refusal stays (ExtractTar's rule).
+		{"relative escape", []link{inner, {"t/rel", "../../../../../../tmp/probe_work/escape"}}, false, vsockd.ErrUnsafeEntry, []string{"t/ok"}},
+		{"absolute", []link{inner, {"t/abs", "/etc/passwd"}}, false, vsockd.ErrUnsafeEntry, []string{"t/ok"}},
+		{"one level out", []link{{"t/sub/up", "../../x"}}, false, vsockd.ErrUnsafeEntry, nil},
+		{"inside only", []link{inner, {"t/sub/up", "../ok"}}, false, nil, []string{"t/ok", "t/sub/up"}},
+		{"kept", []link{inner, {"t/rel", "../../../../../../tmp/probe_work/escape"}, {"t/abs", "/etc/passwd"}}, true, nil, []string{"t/ok", "t/rel", "t/abs"}},
+	} {
+		var buf bytes.Buffer
+		tw := tar.NewWriter(&buf)
+		tw.WriteHeader(&tar.Header{Name: "t", Typeflag: tar.TypeDir, Mode: 0o755})
+		tw.WriteHeader(&tar.Header{Name: "t/sub", Typeflag: tar.TypeDir, Mode: 0o755})
+		tw.WriteHeader(&tar.Header{Name: "t/sub/f", Typeflag: tar.TypeReg, Mode: 0o644, Size: 1})
+		tw.Write([]byte("f"))
+		for _, l := range tc.links {
+			tw.WriteHeader(&tar.Header{Name: l.name, Typeflag: tar.TypeSymlink, Linkname: l.target, Mode: 0o777})
+		}
+		tw.Close()
+		dst := t.TempDir()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err := copyFromGuest(ctx, hostileGuest(t, buf.Bytes()), "/t", dst, tc.keep)
+		cancel()
+		if tc.err == nil && err != nil || tc.err != nil && !errors.Is(err, tc.err) {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.err)
+		}
+		for _, l := range tc.links {
+			_, lerr := os.Lstat(filepath.Join(dst, l.name))
+			want := slices.Contains(tc.made, l.name)
+			if want != (lerr == nil) {
+				t.Errorf("%s: %s made %v, want %v", tc.name, l.name, lerr == nil, want)
 			}
 		}
 	}
