@@ -32,17 +32,25 @@ import (
 // temporary checkpoint directory, a RAM file or a temporary blob once the next command
 // ran.
 func (c *chaosRun) peer() {
-	t := c.t
 	var accel wire.Accel
 	for _, inf := range c.ls() {
 		accel = inf.Accel
 	}
+	if accel != "" {
+		c.peerPull(accel, []string{"malicious", "stalled", "killed"}[c.rng.Intn(3)])
+	}
+}
+
+// peerPull is peer's pull from a peer of mode ("malicious", "stalled" or "killed") of
+// a checkpoint made with accel.
+func (c *chaosRun) peerPull(accel wire.Accel, mode string) {
+	t := c.t
 	ver := qemuVersion()
-	if accel == "" || ver == "" {
+	if ver == "" {
+		t.Errorf("no QEMU version for the peer's checkpoint")
 		return
 	}
 	name := c.name("pulled")
-	mode := []string{"malicious", "stalled", "killed"}[c.rng.Intn(3)]
 	exp := fakeExport(name, string(accel), ver, mode == "malicious")
 	var fileReqs atomic.Int64
 	started := make(chan struct{})
