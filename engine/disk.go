@@ -122,6 +122,9 @@ func (d *diskFreeze) commit(ctx context.Context, ck *checkpointManifest) error {
 	d.switched = true
 	frozen := append([]diskLayer(nil), d.s.Launch.Disk...)
 	d.s.pushOverlay(d.newNode, d.newPath)
+	// The frozen layers' headers are about to name their backing by chain name: the
+	// VM's directory resolves those names too.
+	linkChainNames(filepath.Dir(d.newPath), frozen)
 	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
 	ck.Disk, ck.DiskMethod, err = freezeChain(ctx, frozen, d.tmpDir, false)
 	return err
@@ -170,6 +173,9 @@ func freezeChain(ctx context.Context, layers []diskLayer, dir string, reflink bo
 			return nil, "", err
 		}
 		frozen = append(frozen, diskLayer{Path: dst, Format: l.Format})
+	}
+	if err := nameFrozenChain(frozen); err != nil {
+		return nil, "", err
 	}
 	return frozen, "qcow2-overlay", nil
 }

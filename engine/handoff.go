@@ -113,6 +113,9 @@ func (d *chainFreeze) prepare(ctx context.Context) error {
 }
 
 func (d *chainFreeze) commit(ctx context.Context, ck *checkpointManifest) (err error) {
+	if d.top != "" && !d.reflink {
+		linkChainNames(filepath.Dir(d.top), d.layers) // see nameFrozenChain
+	}
 	ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.layers, d.tmpDir, d.reflink)
 	return err
 }
