@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 )
 
 // Backing names. A qcow2 layer's header names its backing file; forkvm never reads it
@@ -108,4 +110,38 @@ func linkChainNames(dir string, chain []diskLayer) {
 		}
 		_ = os.Symlink(target, link)
 	}
+}
+
+// pruneChainNames removes the symlinks of linkChainNames in dir that chain no longer
+// has at their index (a collapse dropped layers) and makes those it has.
+func pruneChainNames(dir string, chain []diskLayer) {
+	want := map[string]bool{}
+	for i, l := range chain {
+		want[chainName(i, l)] = true
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if e.Type()&os.ModeSymlink == 0 || !isChainName(e.Name()) || want[e.Name()] {
+			continue
+		}
+		os.Remove(filepath.Join(dir, e.Name()))
+	}
+	linkChainNames(dir, chain)
+}
+
+// isChainName reports whether name is a chain name (layer{i}.raw or .qcow2).
+func isChainName(name string) bool {
+	s, ok := strings.CutPrefix(name, "layer")
+	if !ok {
+		return false
+	}
+	n, ok := strings.CutSuffix(s, ".qcow2")
+	if !ok {
+		n, ok = strings.CutSuffix(s, ".raw")
+	}
+	_, err := strconv.Atoi(n)
+	return ok && err == nil
 }

@@ -495,6 +495,9 @@ func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, s *vmState, droppe
 			}
 		}
 	}
+	if n := len(s.Launch.Disk); n > 0 {
+		pruneChainNames(vm.dir(), s.Launch.Disk[:n-1]) // see nameFrozenChain
+	}
 }
 
 // ownDiskNode reports whether a node name is one the engine gives a node the monitor

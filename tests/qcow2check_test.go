@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io/fs"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -36,4 +37,16 @@ func checkQcow2s(t testing.TB, dir string) int {
 		}
 	}
 	return len(files)
+}
+
+// regularNames lists the names in dir that are not symlinks.
+func regularNames(dir string) []string {
+	var out []string
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if e.Type()&fs.ModeSymlink == 0 {
+			out = append(out, e.Name())
+		}
+	}
+	return out
 }
