@@ -641,6 +641,7 @@ func (c *chaosRun) final() {
 		t.Fatal(err)
 	}
 	defer e.Close()
+	checkQcow2s(t, c.home) // after every fault, each layer still opens on its own
 	ctx := ctxT(t, 3*time.Minute)
 	for name, ck := range c.cks {
 		got, err := e.LoadCheckpoint(ctx, name)
