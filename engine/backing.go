@@ -72,6 +72,15 @@ func setBackingName(path, name string) error {
 	return f.Sync()
 }
 
+// namedTop is the backing, as an overlay on chain's top in dir names it: the top's chain
+// name, made to resolve in dir (linkChainNames), so that the name survives the
+// directory's renaming (a damaged VM kept aside) and its checkpoint's hard link.
+func namedTop(dir string, chain []diskLayer) diskLayer {
+	linkChainNames(dir, chain)
+	top := chain[len(chain)-1]
+	return diskLayer{Path: chainName(len(chain)-1, top), Format: top.Format}
+}
+
 // chainName is the name layer i of a chain goes by in a directory holding the chain.
 func chainName(i int, l diskLayer) string { return frozenLayerFile(i, l.Format) }
 

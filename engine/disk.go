@@ -67,7 +67,7 @@ func (d *diskFreeze) prepare(ctx context.Context) error {
 		return nil
 	}
 	layers := d.s.Launch.Disk
-	if err := qemuImgCreate(ctx, d.qemuImg, d.newPath, layers[len(layers)-1], d.size); err != nil {
+	if err := qemuImgCreate(ctx, d.qemuImg, d.newPath, namedTop(filepath.Dir(d.newPath), layers), d.size); err != nil {
 		return err
 	}
 	c, err := d.p.client(ctx)
