@@ -365,7 +365,11 @@ func (vm *VM) startCollapse(ctx context.Context, m *vmState) {
 		vm.log.Warn("disk collapse: manifest", "vm", vm.Name(), "err", err)
 		return
 	}
-	err = c.BlockStream(ctx, qemu.BlockStreamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report"})
+	// The top's header names its new backing by chain name (see nameFrozenChain), which
+	// the VM's directory resolves (linkChainNames).
+	linkChainNames(vm.dir(), layers[:keep])
+	err = c.BlockStream(ctx, qemu.BlockStreamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report",
+		BackingFile: chainName(keep-1, layers[keep-1])})
 	var qerr *qmp.Error
 	switch {
 	case errors.As(err, &qerr):
