@@ -146,7 +146,9 @@ func TestChaos(t *testing.T) {
 			}
 		},
 		c.corruptManifest,
-		c.peer,
+		func() { c.peerOf("malicious") },
+		func() { c.peerOf("stalled") },
+		func() { c.peerOf("killed") },
 		func() {
 			if c.tmpfs {
 				c.enospc(c.pickVM())

@@ -31,13 +31,17 @@ import (
 // kernel in while the pulling CLI is killed (SIGKILL). None may leave the checkpoint, a
 // temporary checkpoint directory, a RAM file or a temporary blob once the next command
 // ran.
-func (c *chaosRun) peer() {
+func (c *chaosRun) peer() { c.peerOf([]string{"malicious", "stalled", "killed"}[c.rng.Intn(3)]) }
+
+// peerOf is peer with a peer of mode ("malicious", "stalled" or "killed"); the run
+// plans one of each.
+func (c *chaosRun) peerOf(mode string) {
 	var accel wire.Accel
 	for _, inf := range c.ls() {
 		accel = inf.Accel
 	}
 	if accel != "" {
-		c.peerPull(accel, []string{"malicious", "stalled", "killed"}[c.rng.Intn(3)])
+		c.peerPull(accel, mode)
 	}
 }
 
