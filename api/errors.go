@@ -248,6 +248,7 @@ var errorCodes = []struct {
 	{ErrImageMissing, "image_missing", 500},
 	{ErrNotTCG, "not_tcg", 409},
 	{ErrDigest, "digest_mismatch", 502},
+	{ErrInsufficientSpace, "insufficient_space", 507},
 	// exec, reported by the guest agent
 	{ErrEmptyArgv, "empty_argv", 400},
 	{ErrInvalidRequest, "invalid_exec", 400},

@@ -4,7 +4,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"math"
 	"strconv"
 	"time"
 
@@ -190,13 +189,10 @@ func (r ForkRequest) Validate() error {
 	if err := r.validatePublish(); err != nil {
 		return err
 	}
-	switch {
-	case math.IsNaN(r.Overcommit) || math.IsInf(r.Overcommit, 0):
-		return fmt.Errorf("%w: overcommit must be a number, got %g", ErrInvalidSpec, r.Overcommit)
-	case r.Concurrency < 0 || r.Overcommit < 0:
-		return fmt.Errorf("%w: concurrency and overcommit must not be negative (got %d, %g)", ErrInvalidSpec, r.Concurrency, r.Overcommit)
+	if r.Concurrency < 0 {
+		return fmt.Errorf("%w: concurrency must not be negative (got %d)", ErrInvalidSpec, r.Concurrency)
 	}
-	return nil
+	return ValidateOvercommit(r.Overcommit)
 }
 
 // validateNaming checks how the request names its forks, before Normalize folds Name

@@ -3,12 +3,20 @@ package api
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
+	"math"
+	"time"
 )
 
 // ErrDigest reports a file of a checkpoint being pulled from another host whose content
 // does not match the digest its holder recorded (corrupted at the source or in
 // transit); nothing of the checkpoint is kept.
 var ErrDigest = errors.New("checkpoint file digest mismatch")
+
+// ErrInsufficientSpace reports a checkpoint being pulled whose files do not fit the free
+// space of the file systems they would be written to: it is refused before a byte is
+// written (a full file system met later is ENOSPC, code insufficient_storage).
+var ErrInsufficientSpace = errors.New("engine: insufficient space for the checkpoint")
 
 // CheckpointExportSchema names the CheckpointExport object.
 const CheckpointExportSchema = "forkvm.checkpoint-export/v1"
@@ -63,6 +71,25 @@ type PullRequest struct {
 	Checkpoint string `json:"checkpoint"`
 	From       string `json:"from"`
 	Token      string `json:"token,omitempty"`
+	// ProgressTimeoutMS bounds how long the holder may send nothing (no response
+	// header, no byte of a body) before the pull fails (0: DefaultPullProgressTimeout).
+	ProgressTimeoutMS int64 `json:"progress_timeout_ms,omitempty"`
+}
+
+// DefaultPullProgressTimeout is how long a pull waits for a byte from its holder before
+// it fails (a stalled holder must not hang the puller).
+const DefaultPullProgressTimeout = 60 * time.Second
+
+// ProgressTimeout is req's progress deadline: DefaultPullProgressTimeout for 0,
+// ErrInvalidSpec for a negative one.
+func (req PullRequest) ProgressTimeout() (time.Duration, error) {
+	switch {
+	case req.ProgressTimeoutMS < 0 || req.ProgressTimeoutMS > math.MaxInt64/int64(time.Millisecond):
+		return 0, fmt.Errorf("%w: progress timeout %d ms", ErrInvalidSpec, req.ProgressTimeoutMS)
+	case req.ProgressTimeoutMS == 0:
+		return DefaultPullProgressTimeout, nil
+	}
+	return time.Duration(req.ProgressTimeoutMS) * time.Millisecond, nil
 }
 
 // PullResult is what a pull did: the checkpoint's info, the bytes that crossed the

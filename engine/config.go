@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
@@ -151,6 +152,14 @@ type resolved struct {
 // resolve fills defaults (environment variables only for empty fields), validates the
 // enums and probes the accelerator and transport.
 func (c Config) resolve() (*resolved, error) {
+	for _, f := range []struct {
+		what string
+		v    float64
+	}{{"Overcommit", c.Overcommit}, {"MaxOvercommit", c.MaxOvercommit}, {"MemoryCommitRatio", c.MemoryCommitRatio}} {
+		if err := api.CheckFinite(f.what, f.v); err != nil {
+			return nil, err
+		}
+	}
 	if c.StateDir == "" {
 		c.StateDir = DefaultStateDir()
 	}

@@ -170,7 +170,7 @@ func (e *Engine) attachImage(ctx context.Context, vm *VM, image string, img *gue
 	}
 	layer := diskLayer{Path: base, Format: "raw"}
 	top := filepath.Join(vm.dir(), rootTopFile)
-	if err := qemuImgCreate(ctx, qemuImg, top, layer, int64(sizeMiB)<<20); err != nil {
+	if err := qemuImgCreate(ctx, qemuImg, top, namedTop(vm.dir(), []diskLayer{layer}), int64(sizeMiB)<<20); err != nil {
 		return err
 	}
 	vm.modify(func(s *vmState) {

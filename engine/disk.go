@@ -67,7 +67,7 @@ func (d *diskFreeze) prepare(ctx context.Context) error {
 		return nil
 	}
 	layers := d.s.Launch.Disk
-	if err := qemuImgCreate(ctx, d.qemuImg, d.newPath, layers[len(layers)-1], d.size); err != nil {
+	if err := qemuImgCreate(ctx, d.qemuImg, d.newPath, namedTop(filepath.Dir(d.newPath), layers), d.size); err != nil {
 		return err
 	}
 	c, err := d.p.client(ctx)
@@ -122,6 +122,9 @@ func (d *diskFreeze) commit(ctx context.Context, ck *checkpointManifest) error {
 	d.switched = true
 	frozen := append([]diskLayer(nil), d.s.Launch.Disk...)
 	d.s.pushOverlay(d.newNode, d.newPath)
+	// The frozen layers' headers are about to name their backing by chain name: the
+	// VM's directory resolves those names too.
+	linkChainNames(filepath.Dir(d.newPath), frozen)
 	// The old chain is now read-only backing of the VM: hard-link it into the checkpoint.
 	ck.Disk, ck.DiskMethod, err = freezeChain(ctx, frozen, d.tmpDir, false)
 	return err
@@ -170,6 +173,9 @@ func freezeChain(ctx context.Context, layers []diskLayer, dir string, reflink bo
 			return nil, "", err
 		}
 		frozen = append(frozen, diskLayer{Path: dst, Format: l.Format})
+	}
+	if err := nameFrozenChain(frozen); err != nil {
+		return nil, "", err
 	}
 	return frozen, "qcow2-overlay", nil
 }
@@ -359,7 +365,11 @@ func (vm *VM) startCollapse(ctx context.Context, m *vmState) {
 		vm.log.Warn("disk collapse: manifest", "vm", vm.Name(), "err", err)
 		return
 	}
-	err = c.BlockStream(ctx, qemu.BlockStreamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report"})
+	// The top's header names its new backing by chain name (see nameFrozenChain), which
+	// the VM's directory resolves (linkChainNames).
+	linkChainNames(vm.dir(), layers[:keep])
+	err = c.BlockStream(ctx, qemu.BlockStreamArgs{JobID: job, Device: m.DiskNode, BaseNode: layers[keep-1].Node, OnError: "report",
+		BackingFile: chainName(keep-1, layers[keep-1])})
 	var qerr *qmp.Error
 	switch {
 	case errors.As(err, &qerr):
@@ -488,6 +498,9 @@ func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, s *vmState, droppe
 				vm.log.Warn("disk sweep", "vm", vm.Name(), "err", err)
 			}
 		}
+	}
+	if n := len(s.Launch.Disk); n > 0 {
+		pruneChainNames(vm.dir(), s.Launch.Disk[:n-1]) // see nameFrozenChain
 	}
 }
 

@@ -95,6 +95,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 		return fail(fmt.Errorf("engine: recover %s: %w", e.paths.state, err))
 	}
 	e.syncPaused(ctx)
+	sweepBlobTemps(r.CacheDir)
 	e.bg, e.bgCancel = context.WithCancel(context.Background())
 	e.bgWG.Add(1)
 	go func() {

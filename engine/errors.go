@@ -65,6 +65,9 @@ var (
 	// ErrDigest reports a file of a checkpoint pulled from another host whose content
 	// does not match its recorded digest; nothing of the checkpoint is kept.
 	ErrDigest = api.ErrDigest
+	// ErrInsufficientSpace reports a checkpoint import whose files would not fit the
+	// free space where they are written; nothing was written.
+	ErrInsufficientSpace = api.ErrInsufficientSpace
 	// ErrPortUnavailable reports a published host address that cannot be bound for
 	// another reason (a privileged port, an address not on this host).
 	ErrPortUnavailable = api.ErrPortUnavailable

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 
@@ -142,6 +143,9 @@ func TestPlanForkRefused(t *testing.T) {
 		{"prefix too long", "ck", 10, ManyOptions{Prefix: strings.Repeat("p", MaxNameLen-1)}, ErrInvalidName},
 		{"negative concurrency", "ck", 2, ManyOptions{Concurrency: -1}, ErrInvalidSpec},
 		{"negative overcommit", "ck", 2, ManyOptions{Overcommit: -1}, ErrInvalidSpec},
+		{"NaN overcommit", "ck", 2, ManyOptions{Overcommit: math.NaN()}, ErrInvalidSpec},
+		{"+Inf overcommit", "ck", 2, ManyOptions{Overcommit: math.Inf(1)}, ErrInvalidSpec},
+		{"-Inf overcommit", "ck", 2, ManyOptions{Overcommit: math.Inf(-1)}, ErrInvalidSpec},
 		{"bad port", "ck", 1, ManyOptions{Publish: func(int) []PortForward { return []PortForward{{HostPort: 0, GuestPort: 80}} }}, ErrInvalidSpec},
 		{"bad host address", "ck", 1, ManyOptions{Publish: func(int) []PortForward { return []PortForward{{HostIP: "localhost", HostPort: 80, GuestPort: 80}} }}, ErrInvalidSpec},
 		{"host port twice in a wave", "ck", 2, ManyOptions{Publish: func(int) []PortForward { return []PortForward{{HostPort: 8080, GuestPort: 80}} }}, ErrInvalidSpec},

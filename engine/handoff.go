@@ -105,7 +105,7 @@ func (d *chainFreeze) prepare(ctx context.Context) error {
 	if d.top == "" {
 		return nil
 	}
-	if err := qemuImgCreate(ctx, d.qemuImg, d.top, d.layers[len(d.layers)-1], d.size); err != nil {
+	if err := qemuImgCreate(ctx, d.qemuImg, d.top, namedTop(filepath.Dir(d.top), d.layers), d.size); err != nil {
 		return err
 	}
 	d.created = true
@@ -113,6 +113,9 @@ func (d *chainFreeze) prepare(ctx context.Context) error {
 }
 
 func (d *chainFreeze) commit(ctx context.Context, ck *checkpointManifest) (err error) {
+	if d.top != "" && !d.reflink {
+		linkChainNames(filepath.Dir(d.top), d.layers) // see nameFrozenChain
+	}
 	ck.Disk, ck.DiskMethod, err = freezeChain(ctx, d.layers, d.tmpDir, d.reflink)
 	return err
 }

@@ -434,6 +434,9 @@ func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport
 	if err := imp.planFiles(ctx, want, got, final); err != nil {
 		return nil, err
 	}
+	if err := imp.checkSpace(); err != nil {
+		return nil, err
+	}
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -487,6 +490,7 @@ func exportedFiles(name string, files []api.CheckpointFile) (map[string]api.Chec
 func (imp *CheckpointImport) planFiles(ctx context.Context, want []exportFile, got map[string]api.CheckpointFile, final *checkpointManifest) error {
 	blobs := filepath.Join(imp.e.cfg.CacheDir, blobsDir)
 	local := imp.e.lineageFiles()
+	staged := map[string]bool{filepath.Join(imp.tmp, manifestFile): true}
 	for _, w := range want {
 		f, listed := got[w.name]
 		delete(got, w.name)
@@ -497,14 +501,19 @@ func (imp *CheckpointImport) planFiles(ctx context.Context, want []exportFile, g
 			return fmt.Errorf("%w: import %s: the export lacks %q", ErrCheckpointCorrupt, imp.name, w.name)
 		}
 		f.Layout = w.layer
+		if err := importBound(final, w, f); err != nil {
+			return err
+		}
 		fi := &importFile{CheckpointFile: f, final: w.path}
 		switch {
 		case w.name == exportKernel || w.name == exportInitrd || w.name == firstDisk(final):
 			fi.blob = true
 			fi.final = filepath.Join(blobs, f.SHA256)
-			fi.stage = filepath.Join(blobs, ".tmp-"+f.SHA256[:16]+"-"+randHex(4))
-			if w.name == firstDisk(final) {
-				fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
+			// Staged in the import's own directory, which the state directory's
+			// reaper owns (a killed pull leaves nothing in the shared blob store).
+			fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
+			if w.name == exportKernel || w.name == exportInitrd {
+				fi.stage = filepath.Join(imp.tmp, strings.ReplaceAll(w.name, "/", "-"))
 			}
 			fi.had = imp.e.hostHas(ctx, f, fi.final)
 		case strings.HasPrefix(w.name, exportRAMPrefix):
@@ -513,6 +522,10 @@ func (imp *CheckpointImport) planFiles(ctx context.Context, want []exportFile, g
 		default:
 			fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
 		}
+		if staged[fi.stage] {
+			return fmt.Errorf("%w: import %s: two files staged as %s", ErrCheckpointCorrupt, imp.name, filepath.Base(fi.stage))
+		}
+		staged[fi.stage] = true
 		imp.files = append(imp.files, fi)
 	}
 	for n := range got {
@@ -723,6 +736,10 @@ func (w *FileWriter) WriteRange(ctx context.Context, off, n int64, r io.Reader) 
 	if w.err != nil {
 		return w.err
 	}
+	if off < 0 || n < 0 || off > w.file.Size || n > w.file.Size-off {
+		w.err = fmt.Errorf("%w: import %s: range %d+%d outside its %d bytes", ErrInvalidSpec, w.file.Name, off, n, w.file.Size)
+		return w.err
+	}
 	buf := make([]byte, min(n, 1<<20))
 	for done := int64(0); done < n; {
 		if err := ctx.Err(); err != nil {
@@ -736,6 +753,12 @@ func (w *FileWriter) WriteRange(ctx context.Context, off, n int64, r io.Reader) 
 		}
 		if err := w.h.Add(off+done, buf[:k]); err != nil {
 			w.err = fmt.Errorf("%w: import %s: %v", ErrInvalidSpec, w.file.Name, err)
+			return w.err
+		}
+		// As the bytes arrive: more data than the holder declared can never match its
+		// digest, and must not fill the host before Close would say so.
+		if got := w.h.Data(); got > w.file.Data {
+			w.err = fmt.Errorf("%w: %s: %d bytes of data arrived, the holder declared %d", ErrDigest, w.file.Name, got, w.file.Data)
 			return w.err
 		}
 		var err error
@@ -796,17 +819,15 @@ func (imp *CheckpointImport) Commit(ctx context.Context) (*Checkpoint, error) {
 			return nil, fmt.Errorf("%w: import %s: file %q not transferred", ErrInvalidSpec, imp.name, f.Name)
 		}
 		ck.Digests[f.Name] = fileDigest{Size: f.Size, SHA256: f.SHA256, Data: f.Data}
-		switch f.Name {
-		case exportKernel:
-			ck.Kernel = f.final
-		case exportInitrd:
-			ck.Initrd = f.final
-		}
-		if f.had != "" && (f.Name == exportKernel || f.Name == exportInitrd) {
+		if f.Name == exportKernel || f.Name == exportInitrd {
+			p := f.had
+			if p == "" {
+				p = storeBootFile(ctx, f, final)
+			}
 			if f.Name == exportKernel {
-				ck.Kernel = f.had
+				ck.Kernel = p
 			} else {
-				ck.Initrd = f.had
+				ck.Initrd = p
 			}
 			continue
 		}
@@ -845,9 +866,10 @@ func (imp *CheckpointImport) Commit(ctx context.Context) (*Checkpoint, error) {
 	return c, nil
 }
 
-// storeBlobs moves the boot files and the base image an import brought into the host's
-// blob store (once per host); the base image is hard-linked into the checkpoint (copied
-// where the store is on another file system).
+// storeBlobs keeps the base image an import brought in the host's blob store (once
+// per host, a hard link, best effort), or hard-links the store's copy into the
+// checkpoint (copied where the store is on another file system). Boot files are
+// storeBootFile's.
 func (imp *CheckpointImport) storeBlobs(ctx context.Context, blobs []*importFile) error {
 	if len(blobs) > 0 {
 		if err := os.MkdirAll(filepath.Dir(blobs[0].final), 0o755); err != nil {
@@ -855,20 +877,12 @@ func (imp *CheckpointImport) storeBlobs(ctx context.Context, blobs []*importFile
 		}
 	}
 	for _, f := range blobs {
-		inCk := f.Name != exportKernel && f.Name != exportInitrd
-		switch {
-		case f.had != "" && inCk:
+		if f.had != "" {
 			if err := linkOrCopy(ctx, f.had, f.stage); err != nil {
 				return fmt.Errorf("engine: import %s: %w", imp.name, err)
 			}
-		case inCk:
-			if _, err := os.Stat(f.final); err != nil {
-				_ = os.Link(f.stage, f.final) // best effort: the next pull finds it
-			}
-		default:
-			if err := os.Rename(f.stage, f.final); err != nil {
-				return fmt.Errorf("engine: import %s: %w", imp.name, err)
-			}
+		} else if _, err := os.Stat(f.final); err != nil {
+			_ = os.Link(f.stage, f.final) // best effort: the next pull finds it
 		}
 	}
 	return nil
@@ -909,11 +923,6 @@ func (imp *CheckpointImport) Abort() {
 		}
 		if imp.layersTmp != "" {
 			os.RemoveAll(imp.layersTmp)
-		}
-		for _, f := range imp.files {
-			if f.blob && strings.HasPrefix(filepath.Base(f.stage), ".tmp-") {
-				os.Remove(f.stage)
-			}
 		}
 	}
 	if imp.reserved {

@@ -401,6 +401,14 @@ func (vm *VM) Agent(ctx context.Context) (*vsockd.Client, error) {
 // Exec runs a command in the VM and returns its exit code.
 func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 	code := -1
+	// A timeout bounds the whole call, reaching the agent included (timeout + the
+	// client's grace, as documented): a guest that starves its agent cannot stretch it.
+	parent := ctx
+	if req != nil && req.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, req.Timeout+vsockd.DefaultTimeoutGrace)
+		defer cancel()
+	}
 	err := vm.withAgent(ctx, "exec", func(ctx context.Context, c *vsockd.Client) error {
 		var err error
 		code, err = c.Run(ctx, req)
@@ -409,6 +417,9 @@ func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 	vm.firstCommandDone()
 	if errors.Is(err, ErrNotRunning) {
 		return -1, err
+	}
+	if err != nil && parent.Err() == nil && ctx.Err() != nil {
+		return vsockd.ExitCodeTimeout, fmt.Errorf("engine: exec in %s: not done %v after its %v timeout: %w: %w", vm.Name(), vsockd.DefaultTimeoutGrace, req.Timeout, context.DeadlineExceeded, err)
 	}
 	return code, err
 }

@@ -79,7 +79,12 @@ func (s *Server) pullCheckpoint(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fmt.Errorf("%w: from %q is not a daemon's http(s) URL", engine.ErrInvalidSpec, req.From))
 		return
 	}
-	res, err := pull.Checkpoint(r.Context(), s.e, pull.Remote(req.From, req.Token), req.Checkpoint, nil)
+	d, err := req.ProgressTimeout()
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	res, err := pull.Checkpoint(r.Context(), s.e, pull.Remote(req.From, req.Token), req.Checkpoint, &pull.Options{ProgressTimeout: d})
 	if err != nil {
 		writeError(w, err)
 		return

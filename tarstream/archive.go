@@ -191,6 +191,35 @@ type ExtractOptions struct {
 	// Rename, if set, replaces the first path component of every entry and hard link
 	// target: a copy under a new name.
 	Rename string
+	// Links says what becomes of an escaping symlink entry: one whose target is
+	// absolute or leads, from where the link is, out of the tree the archive copies
+	// (its first path component). Such a link is a trap a sender (a hostile guest) sets
+	// for whoever follows it later: writing through it writes outside the copy. The
+	// default refuses it (ErrUnsafeEntry).
+	Links LinkPolicy
+}
+
+// LinkPolicy is what ExtractTar does with an escaping symlink (ExtractOptions.Links).
+type LinkPolicy int
+
+const (
+	// LinksRefuse stops the extraction at an escaping link with ErrUnsafeEntry.
+	LinksRefuse LinkPolicy = iota
+	// LinksKeep makes escaping links as they are (a copy into a guest, whose own links
+	// are the guest's business).
+	LinksKeep
+)
+
+// escapes reports whether a symlink at rel (relative to the extraction directory) with
+// target leads out of the tree rel belongs to (rel's first component): an absolute
+// target, or one that resolves lexically outside that tree.
+func escapes(rel, target string) bool {
+	if path.IsAbs(target) {
+		return true
+	}
+	top, _, _ := strings.Cut(rel, "/")
+	to := path.Join(path.Dir(rel), target)
+	return to != top && !strings.HasPrefix(to, top+"/")
 }
 
 // ExtractTar extracts the tar stream r into the directory dir, which must exist (else
@@ -214,8 +243,10 @@ type ExtractOptions struct {
 //     archive written by WriteTar never has one, since WriteTar does not descend into
 //     symlinks;
 //   - symlink entries are made as they are (their targets are not followed while
-//     extracting); a hard link must name an earlier entry that is neither a directory
-//     nor a symlink;
+//     extracting), except escaping ones (an absolute target, or one leading out of
+//     the copied tree): refused by default, or kept (ExtractOptions.Links);
+//     a hard link must name an earlier entry that is neither a directory nor a
+//     symlink;
 //   - permission and sticky bits and modification times are kept; owners and set-ID
 //     bits are not (see extractedMode);
 //   - at most 1 MiB may follow the end of the archive.
@@ -509,6 +540,9 @@ func (x *extractor) file(ctx context.Context, rel string, hdr *tar.Header, data 
 func (x *extractor) symlink(rel string, hdr *tar.Header) error {
 	if hdr.Linkname == "" || strings.IndexByte(hdr.Linkname, 0) >= 0 {
 		return fmt.Errorf("%w: symlink %q has an empty or NUL target", ErrUnsafeEntry, hdr.Name)
+	}
+	if x.opts.Links != LinksKeep && escapes(rel, hdr.Linkname) {
+		return fmt.Errorf("%w: symlink %q -> %q leads out of the copy (absolute, or out of %q)", ErrUnsafeEntry, hdr.Name, hdr.Linkname, strings.SplitN(rel, "/", 2)[0])
 	}
 	d, err := x.parent(rel)
 	if err != nil {

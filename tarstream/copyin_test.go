@@ -74,3 +74,27 @@ func TestCopyInPath(t *testing.T) {
 		})
 	}
 }
+
+// TestEscapes: a symlink escapes when its target is absolute or leads, from the link's
+// own directory, out of the tree its first path component names.
+func TestEscapes(t *testing.T) {
+	for _, tc := range []struct {
+		rel, target string
+		want        bool
+	}{
+		{"t/abs", "/etc/passwd", true},
+		{"t/rel", "../../../../../../tmp/escape", true},
+		{"t/up", "..", true},
+		{"t/up", "../t2/x", true},
+		{"t/sub/up", "../../x", true},
+		{"t", "sibling", true},
+		{"t/ok", "sub/f", false},
+		{"t/sub/ok", "../f", false},
+		{"t/self", ".", false},
+		{"t/top", "../t/x", false},
+	} {
+		if got := escapes(tc.rel, tc.target); got != tc.want {
+			t.Errorf("escapes(%q, %q) = %v, want %v", tc.rel, tc.target, got, tc.want)
+		}
+	}
+}

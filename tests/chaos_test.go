@@ -66,7 +66,8 @@ type chaosRun struct {
 // TestChaos runs mixed operations (create, checkpoint, handoff, fork, exec, rm) for
 // about 30 s with faults injected: kill -9 of the engine (a CLI process) during
 // checkpoints and forks, kill -9 of QEMUs, ENOSPC in the state directory (a small tmpfs
-// the test mounts), a damaged hole list and a damaged VM manifest. Then it checks: every
+// the test mounts), a damaged hole list and a damaged VM manifest, and pulls from a
+// malicious, a stalled and a trickling peer killed mid-file (chaosRun.peer). Then it checks: every
 // file written in a guest before a committed checkpoint is in that checkpoint's forks;
 // every committed checkpoint verifies and its RAM file is unchanged (SHA-256); every VM
 // the run made is still listed unless deleted; running VMs answer exec and dead ones
@@ -145,6 +146,9 @@ func TestChaos(t *testing.T) {
 			}
 		},
 		c.corruptManifest,
+		func() { c.peerOf("malicious") },
+		func() { c.peerOf("stalled") },
+		func() { c.peerOf("killed") },
 		func() {
 			if c.tmpfs {
 				c.enospc(c.pickVM())
@@ -206,6 +210,8 @@ func (c *chaosRun) step() {
 		c.enospc(vm)
 	case r < 97 && ck != "":
 		c.rmCheckpoint(ck)
+	case r < 98:
+		c.peer() // a malicious, stalled or trickling peer (chaospeer_test.go)
 	default:
 		if _, ok := c.vms["w"]; !ok {
 			if _, err := c.cli("create", "--cpus", "1", "--memory-mb", "256", "--forkable", "--disk-mb", "16", "w"); err == nil {
@@ -637,6 +643,7 @@ func (c *chaosRun) final() {
 		t.Fatal(err)
 	}
 	defer e.Close()
+	checkQcow2s(t, c.home) // after every fault, each layer still opens on its own
 	ctx := ctxT(t, 3*time.Minute)
 	for name, ck := range c.cks {
 		got, err := e.LoadCheckpoint(ctx, name)

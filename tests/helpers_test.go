@@ -93,6 +93,7 @@ func (env *testEnv) teardown() {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	e := env.E
+	checkQcow2s(t, env.Home) // every layer opens on its own, before it is deleted
 	pids := deleteEverything(ctx, t, e, "teardown: ")
 	ramDir := e.Config().RAMDir
 	e.Close()

@@ -545,9 +545,40 @@ func (c *Client) Run(ctx context.Context, req *ExecRequest) (int, error) {
 	return p.Wait(ctx)
 }
 
+// grace is ClientConfig.TimeoutGrace or its default.
+func (c *Client) grace() time.Duration {
+	if c.timeoutGrace > 0 {
+		return c.timeoutGrace
+	}
+	return DefaultTimeoutGrace
+}
+
+// startTimeout is the error of an exec with a timeout that the guest did not start
+// within timeout + grace (err, when ctx itself is not what ended): it wraps
+// context.DeadlineExceeded, and StartErrorCode is then ExitCodeTimeout.
+func startTimeout(ctx context.Context, req *ExecRequest, grace time.Duration, err error) error {
+	if ctx.Err() != nil || req.Timeout <= 0 || !errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	return &startTimeoutError{fmt.Errorf("vsockd: exec %q: the guest had not started the command %v after its %v timeout (too loaded to fork?); stopped waiting: %w",
+		req.Argv[0], grace, req.Timeout, context.DeadlineExceeded)}
+}
+
+// startTimeoutError marks startTimeout's errors for StartErrorCode.
+type startTimeoutError struct{ error }
+
+func (e *startTimeoutError) Unwrap() error { return e.error }
+
 // StartErrorCode is the shell-style exit code for an error from Start: 127
-// for ErrNotFound, 126 for ErrNotExecutable, else -1.
-func StartErrorCode(err error) int { return api.StartErrorCode(err) }
+// for ErrNotFound, 126 for ErrNotExecutable, ExitCodeTimeout for a command with a
+// timeout that the guest did not start within it and the grace, else -1.
+func StartErrorCode(err error) int {
+	var te *startTimeoutError
+	if errors.As(err, &te) {
+		return ExitCodeTimeout
+	}
+	return api.StartErrorCode(err)
+}
 
 // startError turns the guest's answer to ExecStart into a typed error.
 func startError(argv0 string, err error) error {
@@ -592,11 +623,25 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	if err != nil {
 		return nil, err
 	}
-	if err := c.sendJSON(ctx, TypeExecStart, st.id, w); err != nil {
-		c.abort(st, err, true)
-		return nil, fmt.Errorf("vsockd: exec %q: %w", req.Argv[0], err)
+	// The timeout runs from the request, not from the guest's answer: a guest that
+	// cannot even start the command (a fork bomb holding every pid) must not stretch
+	// the bound of timeout + grace that Wait keeps.
+	sent := time.Now()
+	sctx := ctx
+	if req.Timeout > 0 {
+		var cancel context.CancelFunc
+		sctx, cancel = context.WithDeadline(ctx, sent.Add(req.Timeout+c.grace()))
+		defer cancel()
 	}
-	f, err := c.expect(ctx, st, TypeExecStarted)
+	if err := c.sendJSON(sctx, TypeExecStart, st.id, w); err != nil {
+		c.abort(st, err, true)
+		return nil, startTimeout(ctx, req, c.grace(), fmt.Errorf("vsockd: exec %q: %w", req.Argv[0], err))
+	}
+	f, err := c.expect(sctx, st, TypeExecStarted)
+	if err != nil && ctx.Err() == nil && sctx.Err() != nil {
+		c.abort(st, err, true)
+		return nil, startTimeout(ctx, req, c.grace(), err)
+	}
 	if err != nil {
 		var re *RemoteError
 		if errors.As(err, &re) {
@@ -608,7 +653,7 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	}
 	var sw execStartedWire
 	json.Unmarshal(f.Payload, &sw)
-	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{}), maxOutput: c.maxOutput, started: time.Now()}
+	p := &Process{c: c, st: st, req: req, Pid: sw.Pid, done: make(chan struct{}), maxOutput: c.maxOutput, started: sent}
 	if req.MaxOutput != 0 {
 		p.maxOutput = req.MaxOutput
 	}
@@ -716,11 +761,7 @@ func (p *Process) feedStdin(r io.Reader) {
 func (p *Process) Wait(ctx context.Context) (int, error) {
 	var bound <-chan time.Time
 	if p.req.Timeout > 0 {
-		grace := p.c.timeoutGrace
-		if grace <= 0 {
-			grace = DefaultTimeoutGrace
-		}
-		t := time.NewTimer(time.Until(p.started.Add(p.req.Timeout + grace)))
+		t := time.NewTimer(time.Until(p.started.Add(p.req.Timeout + p.c.grace())))
 		defer t.Stop()
 		bound = t.C
 	}

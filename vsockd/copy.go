@@ -47,7 +47,8 @@ func (ss *session) startCopyIn(f Frame) {
 	}
 	go func() {
 		r := &streamReader{ss: ss, st: st}
-		err := tarstream.ExtractTar(st.ctx, r, req.Dir, nil)
+		// Into the guest: the host's links, absolute ones too, are the guest's to keep.
+		err := tarstream.ExtractTar(st.ctx, r, req.Dir, &tarstream.ExtractOptions{Links: tarstream.LinksKeep})
 		if err == nil && !r.ended {
 			err = fmt.Errorf("%w: data after the end of the archive", ErrProtocol)
 		}

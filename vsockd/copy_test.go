@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/forkvm/forkvm/tarstream"
 	"io"
 	"io/fs"
 	"net"
@@ -115,7 +116,7 @@ func TestTarRoundTrip(t *testing.T) {
 	if err := WriteTar(context.Background(), &buf, src, ""); err != nil {
 		t.Fatal(err)
 	}
-	if err := ExtractTar(context.Background(), &buf, dst, &ExtractOptions{Top: "tree"}); err != nil {
+	if err := ExtractTar(context.Background(), &buf, dst, &ExtractOptions{Top: "tree", Links: tarstream.LinksKeep}); err != nil {
 		t.Fatal(err)
 	}
 	sameTree(t, src, filepath.Join(dst, "tree"))
@@ -140,7 +141,7 @@ func TestTarRoundTrip(t *testing.T) {
 	if err := WriteTar(context.Background(), &buf, filepath.Join(src, "abs-link"), ""); err != nil {
 		t.Fatal(err)
 	}
-	if err := ExtractTar(context.Background(), &buf, dst, nil); err != nil {
+	if err := ExtractTar(context.Background(), &buf, dst, &ExtractOptions{Links: tarstream.LinksKeep}); err != nil {
 		t.Fatal(err)
 	}
 	if l, err := os.Readlink(filepath.Join(dst, "abs-link")); err != nil || l != "/etc/hostname" {
@@ -216,6 +217,12 @@ type hostileCase struct {
 	entries []hostileEntry
 	top     string
 	want    error // nil: extracts without error (but still nothing outside)
+	// keep extracts with escaping links kept (ExtractOptions.Links): the default
+	// refuses them.
+	keep bool
+	// hostOnly: a refusal of the host's extraction only (the agent keeps a copy's
+	// escaping links: they are the guest's own).
+	hostOnly bool
 }
 
 // hostileCases are archives that try to write outside their destination. outside is a
@@ -241,8 +248,12 @@ func hostileCases(outside string) []hostileCase {
 		{name: "file as root", entries: []hostileEntry{{name: ".", data: ""}}, want: ErrUnsafeEntry},
 		// Legitimate entries that merely look odd: confined, no error.
 		{name: "dot prefix", entries: []hostileEntry{{name: "./t/./x", data: "x"}}},
-		{name: "symlink out, not followed", entries: []hostileEntry{
+		{name: "symlink out, not followed", keep: true, entries: []hostileEntry{
 			{name: "esc", typ: tar.TypeSymlink, link: outside + "/keep"}, {name: "esc", data: "replaced"}}},
+		{name: "symlink out, refused", want: ErrUnsafeEntry, hostOnly: true, entries: []hostileEntry{
+			{name: "esc", typ: tar.TypeSymlink, link: outside + "/keep"}, {name: "esc", data: "replaced"}}},
+		{name: "relative symlink out, refused", want: ErrUnsafeEntry, top: "t", entries: []hostileEntry{
+			{name: "t", typ: tar.TypeDir}, {name: "t/rel", typ: tar.TypeSymlink, link: "../../../../../../tmp/escape"}}},
 	}
 }
 
@@ -277,7 +288,11 @@ func TestExtractHostile(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			dst, outside := hostileDirs(t)
 			tc = hostileCases(outside)[indexOf(t, tc.name, outside)]
-			err := ExtractTar(context.Background(), bytes.NewReader(craftTar(t, tc.entries)), dst, &ExtractOptions{Top: tc.top})
+			opts := &ExtractOptions{Top: tc.top}
+			if tc.keep {
+				opts.Links = tarstream.LinksKeep
+			}
+			err := ExtractTar(context.Background(), bytes.NewReader(craftTar(t, tc.entries)), dst, opts)
 			if (tc.want == nil && err != nil) || (tc.want != nil && !errors.Is(err, tc.want)) {
 				t.Fatalf("err = %v, want %v", err, tc.want)
 			}
@@ -364,7 +379,7 @@ func TestCopyInOut(t *testing.T) {
 	back := t.TempDir()
 	pr, pw = io.Pipe()
 	go func() { pw.CloseWithError(c.CopyOut(ctx, filepath.Join(guest, "tree"), pw)) }()
-	if err := ExtractTar(ctx, pr, back, &ExtractOptions{Top: "tree"}); err != nil {
+	if err := ExtractTar(ctx, pr, back, &ExtractOptions{Top: "tree", Links: tarstream.LinksKeep}); err != nil {
 		t.Fatal(err)
 	}
 	sameTree(t, src, filepath.Join(back, "tree"))
@@ -410,7 +425,7 @@ func TestCopyInHostile(t *testing.T) {
 	c := pair(t, nil)
 	_, o := hostileDirs(t)
 	for _, tc := range hostileCases(o) {
-		if tc.top != "" {
+		if tc.top != "" || tc.hostOnly {
 			continue // Top is the host's check of what it asked for
 		}
 		t.Run(tc.name, func(t *testing.T) {

@@ -26,15 +26,15 @@ type output struct {
 	f *os.File
 }
 
-func (p *proc) outputs() []output                { return nil }
-func (p *proc) stdinWriter() *os.File            { return nil }
-func (p *proc) closeStdin()                      {}
-func (p *proc) markExited()                      {}
-func (p *proc) signal(int)                       {}
-func (p *proc) kill()                            {}
-func (p *proc) resize(rows, cols uint16) error   { return ErrUnsupported }
-func (p *proc) closeFiles()                      {}
-func startProcess(*execStartWire) (*proc, error) { return nil, ErrUnsupported }
+func (p *proc) outputs() []output                         { return nil }
+func (p *proc) stdinWriter() *os.File                     { return nil }
+func (p *proc) closeStdin()                               {}
+func (p *proc) markExited()                               {}
+func (p *proc) signal(int)                                {}
+func (p *proc) kill()                                     {}
+func (p *proc) resize(rows, cols uint16) error            { return ErrUnsupported }
+func (p *proc) closeFiles()                               {}
+func startProcess(*execStartWire, *Server) (*proc, error) { return nil, ErrUnsupported }
 
 type execError struct {
 	code string

@@ -416,7 +416,7 @@ func lookPath(file string, env []string, dir string) (string, error) {
 
 // startProcess starts req without os/exec, in its own process group (pipe
 // mode) or session with a controlling pty (TTY mode).
-func startProcess(req *execStartWire) (*proc, error) {
+func startProcess(req *execStartWire, srv *Server) (*proc, error) {
 	var user *execUser
 	var cred *syscall.Credential
 	if req.User != "" {
@@ -502,6 +502,12 @@ func startProcess(req *execStartWire) (*proc, error) {
 		childFiles = []*os.File{inR, outW, errW}
 		attr.Files = []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}
 		attr.Sys = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
+	}
+	if srv != nil {
+		if cg := execCgroup(srv.ExecCgroup, srv.ExecPidsMax); cg != nil {
+			inCgroup(attr.Sys, cg)
+			defer cg.Close()
+		}
 	}
 	pid, status, err := getReaper().start(func() (int, error) {
 		return syscall.ForkExec(path, req.Argv, attr)

@@ -27,6 +27,14 @@ const drainIdle = 250 * time.Millisecond
 type Server struct {
 	// Log receives diagnostics; nil discards them.
 	Log *log.Logger
+	// ExecCgroup, if set, is an open cgroup v2 directory every command starts in
+	// (Linux: CLONE_INTO_CGROUP, so not one of its instructions runs outside it): the
+	// guest agent's limits on what commands may hold (pids, memory), so that a fork
+	// bomb cannot take what the agent needs to accept a request and start a command.
+	// Each command gets a cgroup of its own below it, of at most ExecPidsMax tasks (0:
+	// no bound of its own), so one command's fork bomb leaves room for the next.
+	ExecCgroup  *os.File
+	ExecPidsMax int
 }
 
 func (s *Server) logf(format string, args ...any) {
@@ -311,7 +319,7 @@ func (ss *session) startExec(f Frame) {
 		ss.sendError(gen, f.Stream, CodeBadRequest, "exec: stream id in use")
 		return
 	}
-	p, err := startProcess(&req)
+	p, err := startProcess(&req, ss.srv)
 	if err != nil {
 		code := CodeExec
 		var ee *execError

@@ -57,6 +57,7 @@ func runInit(switched bool) {
 		mountData(logger, *args.data)
 	}
 	srv := &vsockd.Server{Log: logger}
+	srv.ExecCgroup, srv.ExecPidsMax = setUpExecCgroup(logger)
 
 	ready := make(chan string, 1)
 	if _, err := os.Stat("/dev/vsock"); err == nil {

@@ -66,7 +66,12 @@ func cpCmd() *cli.Command {
 			"forkvm cp w1:/var/log -           writes a tar stream of /var/log to stdout\n\n" +
 			"Directories are copied recursively and symlinks as symlinks; permission bits and\n" +
 			"modification times are kept, owners and set-ID bits are not. Nothing is written\n" +
-			"outside DST, whatever the guest sends.",
+			"outside DST, whatever the guest sends: a copy from a VM holding a symlink whose\n" +
+			"target is absolute or leads out of the copied tree is refused (a trap for whoever\n" +
+			"follows it later), unless --keep-links makes such links as they are.",
+		Flags: []cli.Flag{
+			&cli.BoolFlag{Name: "keep-links", Usage: "copying from a VM: make symlinks whose target is absolute or leads out of the copy as they are (refused by default)"},
+		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 2 {
 				return fmt.Errorf("usage: forkvm cp SRC DST (one of them VM:/path)")
@@ -93,7 +98,7 @@ func cpCmd() *cli.Command {
 			if dIn {
 				return copyToGuest(ctx, c, src, dpath)
 			}
-			return copyFromGuest(ctx, c, spath, dst)
+			return copyFromGuest(ctx, c, spath, dst, cmd.Bool("keep-links"))
 		},
 	}
 }
@@ -144,8 +149,9 @@ func copyToGuest(ctx context.Context, c guestFiles, src, guestDst string) error 
 // copyFromGuest copies the guest path guestSrc to the host path dst ("-": a tar stream
 // on stdout): into dst when it is a directory, else as a new name (or over an existing
 // file). The guest's archive is extracted with tarstream.ExtractTar: every entry must be
-// below the name asked for, and nothing is written outside dst.
-func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string) error {
+// below the name asked for, nothing is written outside dst, and a symlink leading out of
+// the copy (absolute, or out of the tree) is refused unless keepLinks.
+func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string, keepLinks bool) error {
 	if dst == "-" {
 		return c.CopyOut(ctx, guestSrc, os.Stdout)
 	}
@@ -156,6 +162,9 @@ func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string) erro
 	slash := strings.HasSuffix(dst, "/")
 	dst = filepath.Clean(dst)
 	dir, opts := dst, &tarstream.ExtractOptions{Top: name}
+	if keepLinks {
+		opts.Links = tarstream.LinksKeep
+	}
 	st, err := os.Stat(dst)
 	switch {
 	case err == nil && st.IsDir():

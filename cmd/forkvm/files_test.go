@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -122,7 +123,7 @@ func TestCopyFromHostileGuest(t *testing.T) {
 			}
 			tw.Close()
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			err := copyFromGuest(ctx, hostileGuest(t, buf.Bytes()), "/t", dst)
+			err := copyFromGuest(ctx, hostileGuest(t, buf.Bytes()), "/t", dst, false)
 			cancel()
 			if !errors.Is(err, vsockd.ErrUnsafeEntry) {
 				t.Errorf("%s (new name %v): %v, want ErrUnsafeEntry", tc.name, newName, err)
@@ -161,8 +162,56 @@ func (missingVM) Stat(context.Context, string) (fs.FileInfo, error) {
 // TestCopyFromMissingVM: `forkvm cp x:/a DST` for a VM that does not exist says so,
 // not that the archive was malformed.
 func TestCopyFromMissingVM(t *testing.T) {
-	err := copyFromGuest(context.Background(), missingVM{}, "/a", filepath.Join(t.TempDir(), "b"))
+	err := copyFromGuest(context.Background(), missingVM{}, "/a", filepath.Join(t.TempDir(), "b"), false)
 	if !errors.Is(err, engine.ErrNotFound) || errors.Is(err, vsockd.ErrBadArchive) {
 		t.Errorf("copy from a missing VM: %v, want ErrNotFound alone", err)
+	}
+}
+
+// TestCopyFromGuestEscapingLinks: `forkvm cp VM:/t DST` refuses a guest's symlink whose
+// target is absolute or leads out of the copied tree (a link to ../../.. or to
+// /etc/passwd that the host user would later write through) and makes neither; a link
+// inside the tree is copied; --keep-links makes them all as they are.
+func TestCopyFromGuestEscapingLinks(t *testing.T) {
+	type link struct{ name, target string }
+	inner := link{"t/ok", "sub/f"}
+	for _, tc := range []struct {
+		name  string
+		links []link
+		keep  bool
+		err   error
+		made  []string
+	}{
+		// What was extracted before the refusal stays (ExtractTar's rule).
+		{"relative escape", []link{inner, {"t/rel", "../../../../../../tmp/probe_work/escape"}}, false, vsockd.ErrUnsafeEntry, []string{"t/ok"}},
+		{"absolute", []link{inner, {"t/abs", "/etc/passwd"}}, false, vsockd.ErrUnsafeEntry, []string{"t/ok"}},
+		{"one level out", []link{{"t/sub/up", "../../x"}}, false, vsockd.ErrUnsafeEntry, nil},
+		{"inside only", []link{inner, {"t/sub/up", "../ok"}}, false, nil, []string{"t/ok", "t/sub/up"}},
+		{"kept", []link{inner, {"t/rel", "../../../../../../tmp/probe_work/escape"}, {"t/abs", "/etc/passwd"}}, true, nil, []string{"t/ok", "t/rel", "t/abs"}},
+	} {
+		var buf bytes.Buffer
+		tw := tar.NewWriter(&buf)
+		tw.WriteHeader(&tar.Header{Name: "t", Typeflag: tar.TypeDir, Mode: 0o755})
+		tw.WriteHeader(&tar.Header{Name: "t/sub", Typeflag: tar.TypeDir, Mode: 0o755})
+		tw.WriteHeader(&tar.Header{Name: "t/sub/f", Typeflag: tar.TypeReg, Mode: 0o644, Size: 1})
+		tw.Write([]byte("f"))
+		for _, l := range tc.links {
+			tw.WriteHeader(&tar.Header{Name: l.name, Typeflag: tar.TypeSymlink, Linkname: l.target, Mode: 0o777})
+		}
+		tw.Close()
+		dst := t.TempDir()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err := copyFromGuest(ctx, hostileGuest(t, buf.Bytes()), "/t", dst, tc.keep)
+		cancel()
+		if tc.err == nil && err != nil || tc.err != nil && !errors.Is(err, tc.err) {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.err)
+		}
+		for _, l := range tc.links {
+			_, lerr := os.Lstat(filepath.Join(dst, l.name))
+			want := slices.Contains(tc.made, l.name)
+			if want != (lerr == nil) {
+				t.Errorf("%s: %s made %v, want %v", tc.name, l.name, lerr == nil, want)
+			}
+		}
 	}
 }

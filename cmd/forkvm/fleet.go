@@ -288,6 +288,9 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 			return fmt.Errorf("forkvm fork: --%s is not for a fleet wave", f)
 		}
 	}
+	if err := wire.ValidateOvercommit(cmd.Float("overcommit")); err != nil {
+		return err
+	}
 	req := wire.FleetForkRequest{ForkRequest: wire.ForkRequest{Source: src, N: n, Prefix: cmd.String("prefix"), Overcommit: cmd.Float("overcommit")},
 		Pack: cmd.Bool("pack"), MaxPerNode: int(cmd.Int("max-per-node")), ReplaceLost: cmd.Bool("replace-lost")}
 	if cmd.Args().Len() == 2 {

@@ -17,7 +17,7 @@ import (
 // puller is the part of the API that pulls a checkpoint from another daemon (the
 // daemon's client and the in-process engine's API both have it).
 type puller interface {
-	PullCheckpoint(ctx context.Context, name, from, token string) (*wire.PullResult, error)
+	PullCheckpointWith(ctx context.Context, req wire.PullRequest) (*wire.PullResult, error)
 }
 
 // checkpointPullCmd is `forkvm checkpoint pull CK --from URL|NODE [--token-file F]`.
@@ -30,6 +30,7 @@ func checkpointPullCmd() *cli.Command {
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "from", Usage: "the holding daemon's TCP API, e.g. http://10.0.0.2:7070, or the name of a node of the daemon's fleet (forkvm nodes; pulled with the fleet's credentials) (required)"},
 			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding that daemon's bearer token"},
+			&cli.DurationFlag{Name: "progress-timeout", Value: wire.DefaultPullProgressTimeout, Usage: "fail the pull when the holder sends nothing (no answer, no byte) for this long"},
 			&cli.BoolFlag{Name: "json", Usage: "print the result as JSON"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -46,6 +47,10 @@ func checkpointPullCmd() *cli.Command {
 				}
 			} else if cmd.IsSet("token-file") {
 				return fmt.Errorf("%w: --token-file is for a daemon's URL: a fleet node is pulled from with the fleet's credentials", engine.ErrInvalidSpec)
+			}
+			pt := cmd.Duration("progress-timeout")
+			if pt <= 0 {
+				return fmt.Errorf("%w: --progress-timeout %v must be positive", engine.ErrInvalidSpec, pt)
 			}
 			token := ""
 			if f := cmd.String("token-file"); f != "" {
@@ -64,7 +69,8 @@ func checkpointPullCmd() *cli.Command {
 			if !ok {
 				return fmt.Errorf("%w: this API cannot pull checkpoints", engine.ErrInvalidSpec)
 			}
-			res, err := p.PullCheckpoint(ctx, name, from, token)
+			res, err := p.PullCheckpointWith(ctx, wire.PullRequest{Checkpoint: name, From: from, Token: token,
+				ProgressTimeoutMS: max(pt.Milliseconds(), 1)})
 			if err != nil {
 				return err
 			}

@@ -61,8 +61,17 @@ func (c *Client) ReadCheckpointFile(ctx context.Context, name, file string, off,
 // api.ErrDigest and leaves nothing) and commits it; pulling a checkpoint it has already
 // fetches nothing (Present).
 func (c *Client) PullCheckpoint(ctx context.Context, name, from, token string) (*api.PullResult, error) {
+	return c.PullCheckpointWith(ctx, api.PullRequest{Checkpoint: name, From: from, Token: token})
+}
+
+// PullCheckpointWith is PullCheckpoint with every field of req (its progress deadline,
+// which the daemon applies to every read from the holder).
+func (c *Client) PullCheckpointWith(ctx context.Context, req api.PullRequest) (*api.PullResult, error) {
+	if _, err := req.ProgressTimeout(); err != nil {
+		return nil, err
+	}
 	var out api.PullResult
-	if err := c.call(ctx, http.MethodPost, "/v1/checkpoints/pull", api.PullRequest{Checkpoint: name, From: from, Token: token}, &out); err != nil {
+	if err := c.call(ctx, http.MethodPost, "/v1/checkpoints/pull", req, &out); err != nil {
 		return nil, err
 	}
 	return &out, nil

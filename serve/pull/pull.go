@@ -37,6 +37,10 @@ type Options struct {
 	// (default 1 MiB) are fetched in one request, their gap with them (zeros, not
 	// written).
 	MaxRange, MaxGap int64
+	// ProgressTimeout bounds every remote read (the export, each range): the holder
+	// sending nothing, not even a response, for this long fails the pull with
+	// ErrStalled (default api.DefaultPullProgressTimeout; negative is ErrInvalidSpec).
+	ProgressTimeout time.Duration
 }
 
 // Checkpoint pulls checkpoint name from the daemon src into e (see the package
@@ -44,7 +48,7 @@ type Options struct {
 // another checkpoint of that name, engine.ErrIncompatible when e's QEMU or accelerator
 // differs, engine.ErrDigest when a file arrived other than its holder recorded it.
 func Checkpoint(ctx context.Context, e *engine.Engine, src Source, name string, opts *Options) (*api.PullResult, error) {
-	o := Options{MaxRange: 64 << 20, MaxGap: 1 << 20}
+	o := Options{MaxRange: 64 << 20, MaxGap: 1 << 20, ProgressTimeout: api.DefaultPullProgressTimeout}
 	if opts != nil {
 		if opts.MaxRange > 0 {
 			o.MaxRange = opts.MaxRange
@@ -52,14 +56,22 @@ func Checkpoint(ctx context.Context, e *engine.Engine, src Source, name string, 
 		if opts.MaxGap >= 0 {
 			o.MaxGap = opts.MaxGap
 		}
+		if opts.ProgressTimeout < 0 {
+			return nil, fmt.Errorf("%w: pull: progress timeout %v", api.ErrInvalidSpec, opts.ProgressTimeout)
+		}
+		if opts.ProgressTimeout > 0 {
+			o.ProgressTimeout = opts.ProgressTimeout
+		}
 	}
 	if err := engine.ValidateName(name); err != nil {
 		return nil, err
 	}
 	t0 := time.Now()
-	exp, err := src.ExportCheckpoint(ctx, name)
+	ectx, wd := watch(ctx, o.ProgressTimeout)
+	exp, err := src.ExportCheckpoint(ectx, name)
+	wd.stop()
 	if err != nil {
-		return nil, fmt.Errorf("pull %s: export: %w", name, err)
+		return nil, fmt.Errorf("pull %s: export: %w", name, stalled(ectx, err))
 	}
 	if exp.Checkpoint != name {
 		return nil, fmt.Errorf("%w: pull %s: the holder exported %q", engine.ErrCheckpointCorrupt, name, exp.Checkpoint)
@@ -108,18 +120,12 @@ func fetchFile(ctx context.Context, imp *engine.CheckpointImport, src Source, na
 		gap = -1 // its extents are its content: never fetch a gap with them
 	}
 	for _, r := range ranges(f.Extents, o.MaxRange, gap) {
-		body, err := src.ReadCheckpointFile(ctx, name, f.Name, r.Off, r.Len)
+		n, err := fetchRange(ctx, w, src, name, f.Name, r, o.ProgressTimeout)
+		total += n
 		if err != nil {
 			w.Close()
 			return total, fmt.Errorf("pull %s: %s: %w", name, f.Name, err)
 		}
-		err = w.WriteRange(ctx, r.Off, r.Len, body)
-		body.Close()
-		if err != nil {
-			w.Close()
-			return total, fmt.Errorf("pull %s: %s: %w", name, f.Name, err)
-		}
-		total += r.Len
 	}
 	if err := w.Close(); err != nil {
 		if errors.Is(err, engine.ErrDigest) {
@@ -128,6 +134,35 @@ func fetchFile(ctx context.Context, imp *engine.CheckpointImport, src Source, na
 		return total, err
 	}
 	return total, nil
+}
+
+// fetchRange fetches and writes one range of a file under a watchdog of d (each byte
+// received starts it again) and returns the bytes that crossed.
+func fetchRange(ctx context.Context, w *engine.FileWriter, src Source, name, file string, r api.Extent, d time.Duration) (int64, error) {
+	rctx, wd := watch(ctx, d)
+	defer wd.stop()
+	body, err := src.ReadCheckpointFile(rctx, name, file, r.Off, r.Len)
+	if err != nil {
+		return 0, stalled(rctx, err)
+	}
+	defer body.Close()
+	cr := &countingReader{r: progressReader{r: body, touch: wd.touch}}
+	if err := w.WriteRange(rctx, r.Off, r.Len, cr); err != nil {
+		return cr.n, stalled(rctx, err)
+	}
+	return cr.n, nil
+}
+
+// countingReader counts the bytes read through it.
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(b []byte) (int, error) {
+	n, err := c.r.Read(b)
+	c.n += int64(n)
+	return n, err
 }
 
 // ranges groups extents into Range requests of at most maxRange bytes, joining extents

@@ -63,7 +63,8 @@ func (r *remote) ExportCheckpoint(ctx context.Context, name string) (*api.Checkp
 	}
 	defer resp.Body.Close()
 	var out api.CheckpointExport
-	if err := json.NewDecoder(io.LimitReader(resp.Body, 256<<20)).Decode(&out); err != nil {
+	body := progressReader{r: io.LimitReader(resp.Body, 256<<20), touch: progressOf(ctx)}
+	if err := json.NewDecoder(body).Decode(&out); err != nil {
 		return nil, fmt.Errorf("%w: export of %s: %v", api.ErrProtocol, name, err)
 	}
 	return &out, nil
@@ -84,7 +85,7 @@ func (r *remote) ReadCheckpointFile(ctx context.Context, name, file string, off,
 		resp.Body.Close()
 		return nil, fmt.Errorf("%s of %s: %w", file, name, err)
 	}
-	return resp.Body, nil
+	return progressBody{progressReader{r: resp.Body, touch: progressOf(ctx)}, resp.Body}, nil
 }
 
 // CheckRange checks that resp answers a Range request for n bytes at off with exactly

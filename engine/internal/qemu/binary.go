@@ -64,6 +64,12 @@ var versionRE = regexp.MustCompile(`version (\d+)\.(\d+)\.(\d+)`)
 // it cannot run or say, ErrTooOld below MinMajor.
 func Version(ctx context.Context, bin string) (string, error) {
 	out, err := exec.CommandContext(ctx, bin, "--version").Output()
+	if err != nil && ctx.Err() != nil {
+		// Killed (or never started) because ctx ended: the caller's cause, not a
+		// missing QEMU (a fork cancelled by a forced checkpoint delete said "qemu not
+		// found").
+		return "", interrupted(ctx, bin+" --version")
+	}
 	if err != nil {
 		return "", fmt.Errorf("%w: %s --version: %v", ErrMissing, bin, err)
 	}
@@ -75,4 +81,13 @@ func Version(ctx context.Context, bin string) (string, error) {
 		return "", fmt.Errorf("%w: %s is %s.%s.%s", ErrTooOld, bin, m[1], m[2], m[3])
 	}
 	return m[1] + "." + m[2] + "." + m[3], nil
+}
+
+// interrupted is the error of work that ctx ended: it wraps ctx.Err() and, when ctx was
+// cancelled with a cause of its own (context.WithCancelCause), that cause too.
+func interrupted(ctx context.Context, what string) error {
+	if cause := context.Cause(ctx); cause != nil && cause != ctx.Err() {
+		return fmt.Errorf("%s interrupted: %w: %w", what, cause, ctx.Err())
+	}
+	return fmt.Errorf("%s interrupted: %w", what, ctx.Err())
 }

@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestVersion(t *testing.T) {
@@ -36,5 +38,38 @@ func TestVersion(t *testing.T) {
 	}
 	if _, err := SystemBinary(filepath.Join(t.TempDir(), "none")); !errors.Is(err, ErrMissing) {
 		t.Errorf("configured binary missing: %v, want ErrMissing", err)
+	}
+}
+
+// TestVersionInterrupted: a version probe that its context ends reports that context's
+// end and cause, never ErrMissing: a fork cancelled by a forced checkpoint delete in the
+// middle of a wave read "qemu not found (run `make setup`)".
+func TestVersionInterrupted(t *testing.T) {
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "qemu-system-x86_64")
+	fifo := filepath.Join(dir, "started")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(bin, []byte("#!/bin/sh\necho started > "+fifo+"\nexec sleep 600\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cause := errors.New("checkpoint ck was deleted")
+	for _, mid := range []bool{false, true} {
+		ctx, cancel := context.WithCancelCause(context.Background())
+		if !mid {
+			cancel(cause)
+		} else {
+			go func() {
+				// Cancel once the probe runs: its script opens the fifo then.
+				_, _ = os.ReadFile(fifo)
+				cancel(cause)
+			}()
+		}
+		_, err := Version(ctx, bin)
+		cancel(nil)
+		if errors.Is(err, ErrMissing) || !errors.Is(err, context.Canceled) || !errors.Is(err, cause) {
+			t.Errorf("mid-run %v: Version = %v; want the cancellation and its cause, not ErrMissing", mid, err)
+		}
 	}
 }

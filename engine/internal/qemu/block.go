@@ -92,6 +92,9 @@ type BlockStreamArgs struct {
 	AutoDismiss bool   `json:"auto-dismiss"`
 	// OnError "report": an I/O error ends the job with an error, the chain unchanged.
 	OnError string `json:"on-error,omitempty"`
+	// BackingFile, if set, is the backing name written into Device's header on
+	// completion (QEMU writes BaseNode's file name otherwise: an absolute path).
+	BackingFile string `json:"backing-file,omitempty"`
 }
 
 // BlockStream starts a stream job, copying a sub-chain into the active layer. It
