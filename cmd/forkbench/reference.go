@@ -177,7 +177,11 @@ type CompareRow struct {
 }
 
 // compareWithReference lines res up against the reference figures of its bench.
+// A profiling run (Result.Profiling) has no rows: its figures are not benchmark figures.
 func compareWithReference(res *Result, ref *Reference) []CompareRow {
+	if res.Profiling != "" {
+		return nil
+	}
 	b, err := json.Marshal(res)
 	if err != nil {
 		return nil

@@ -428,3 +428,21 @@ func TestDescribeFitNamesOthers(t *testing.T) {
 		t.Errorf("short:\n got %q\nwant %q", fit.Short, want)
 	}
 }
+
+// TestProfilingRunNotCompared: a --perf run's figures (slowed on purpose) get no row
+// against the published figures, and its report says it is a profiling run; the same
+// result without the mark is compared.
+func TestProfilingRunNotCompared(t *testing.T) {
+	fork := &Result{Bench: "fork", Metric: "fork_p50_ms", Percentiles: Percentiles{P50: 400}, Extra: map[string]any{}}
+	if len(compareWithReference(fork, reference())) == 0 {
+		t.Fatal("a benchmark run of fork has no row against the reference")
+	}
+	fork.Profiling = "--perf"
+	if rows := compareWithReference(fork, reference()); len(rows) != 0 {
+		t.Errorf("a profiling run is compared: %+v", rows)
+	}
+	r := &runner{res: fork}
+	if rep := r.renderReport(reference(), nil); !strings.Contains(rep, "PROFILING RUN (--perf)") {
+		t.Errorf("report does not say it is a profiling run:\n%s", rep)
+	}
+}

@@ -36,6 +36,10 @@ type Result struct {
 	Environment Environment    `json:"environment"`
 	Method      string         `json:"method"`
 	Caveats     []string       `json:"caveats"`
+	// Profiling names what slowed the run on purpose (--perf: QEMUs with -perfmap, perf
+	// record of the whole host); "" for a benchmark run. A profiling run's figures are
+	// for seeing where time goes: they are not compared with the published figures.
+	Profiling string `json:"profiling,omitempty"`
 	// Complete is false when what the headline stands for was not all measured (fanout:
 	// a wave of the headline pass was not all admitted or ready); OK is then false too.
 	Complete bool `json:"complete"`

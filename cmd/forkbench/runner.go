@@ -283,6 +283,7 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	}
 	if cmd.Bool("perf") {
 		cfg.PerfMap = true
+		r.res.Profiling = "--perf: QEMUs with -perfmap, perf record of the host"
 	}
 	if cmd.Bool("faults") {
 		s, err := faultclass.Open(faultclass.Options{MaxProcesses: 4096})
@@ -424,6 +425,9 @@ func (r *runner) finish(runErr error, start time.Time) error {
 	if r.headlineNote != "" {
 		note = " [" + r.headlineNote + "]"
 	}
+	if r.res.Profiling != "" {
+		note += " [PROFILING RUN: " + r.res.Profiling + "; not a benchmark figure]"
+	}
 	fmt.Fprintf(os.Stderr, "forkbench %s: %s (%s, n=%d) complete=%v ok=%v failures=%d%s -> %s\n", r.bench, headlineValue(r.res),
 		r.res.Stat, r.res.N, r.res.Complete, r.res.OK, r.res.Failures, note, r.outDir)
 	switch {
@@ -527,6 +531,9 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 	fmt.Fprintf(&b, "**%s** (%s, n=%d) — complete: %v, ok: %v, failures: %d\n\n", headlineValue(res), res.Stat, res.N, res.Complete, res.OK, res.Failures)
 	if r.headlineNote != "" {
 		fmt.Fprintf(&b, "**%s**\n\n", r.headlineNote)
+	}
+	if res.Profiling != "" {
+		fmt.Fprintf(&b, "**PROFILING RUN (%s): slowed on purpose; its figures are not benchmark figures and are not compared with the published ones.**\n\n", res.Profiling)
 	}
 	p := res.Percentiles
 	fmt.Fprintf(&b, "percentiles: p50 %s, p90 %s, p95 %s, p99 %s, min %s, max %s\n\n", fnum(p.P50), fnum(p.P90), fnum(p.P95), fnum(p.P99), fnum(p.Min), fnum(p.Max))
