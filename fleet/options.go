@@ -325,7 +325,7 @@ func loopbackURLs(urls string) error {
 			host = hostport
 		}
 		if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
-			return fmt.Errorf("%w: --cluster-insecure allows loopback NATS only, not %s", ErrConfig, u)
+			return fmt.Errorf("%w: --cluster-insecure allows a fleet on loopback NATS only, not %s", ErrConfig, u)
 		}
 	}
 	return nil

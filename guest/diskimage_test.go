@@ -141,12 +141,12 @@ func compareTrees(t *testing.T, want, got string) {
 				t.Errorf("%s: content differs (%d bytes, want %d)", rel, len(gb), len(wb))
 			}
 			if ws.Nlink > 1 {
-				if first, ok := wantLinks[inode{ws.Dev, ws.Ino}]; ok {
-					if gotLinks[inode{gs.Dev, gs.Ino}] != first {
+				if first, ok := wantLinks[inode{uint64(ws.Dev), ws.Ino}]; ok {
+					if gotLinks[inode{uint64(gs.Dev), gs.Ino}] != first {
 						t.Errorf("%s: hard link to %s lost", rel, first)
 					}
 				} else {
-					wantLinks[inode{ws.Dev, ws.Ino}], gotLinks[inode{gs.Dev, gs.Ino}] = rel, rel
+					wantLinks[inode{uint64(ws.Dev), ws.Ino}], gotLinks[inode{uint64(gs.Dev), gs.Ino}] = rel, rel
 				}
 			}
 		case wi.Mode()&fs.ModeSymlink != 0:
