@@ -666,8 +666,10 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 			t.reported[ev.Index] = true
 		}
 		if fc != nil && ev.Index >= 0 {
-			if faults := fc.untilReady(ev.Name); ev.Err == nil {
-				ev.Faults = faults
+			if faults := fc.untilReady(ev.Name); ev.Err == nil && ev.VM != nil && faults != nil {
+				inf := *ev.VM // as a daemon's event has them: in the event and its VM object
+				inf.Faults = faults
+				ev.VM, ev.Faults = &inf, faults
 			}
 		}
 		switch {
