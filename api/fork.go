@@ -264,7 +264,11 @@ func (r ForkRequest) Options() *ManyOptions {
 
 // Object is the event as a line of a fork stream (forkvm.fork-event/v1).
 func (e ForkEvent) Object() ForkEventObject {
-	return ForkEventObjectOf(e.Index, e.Name, e.Latency, e.VM, e.Err)
+	o := ForkEventObjectOf(e.Index, e.Name, e.Latency, e.VM, e.Err)
+	if e.Err == nil {
+		o.Faults = e.Faults
+	}
+	return o
 }
 
 // Event is the fork event a stream's line stands for; err is the failed fork's error
@@ -273,7 +277,10 @@ func (o ForkEventObject) Event(err error) ForkEvent {
 	ev := ForkEvent{Index: o.Index, Name: o.Name, Latency: time.Duration(o.LatencyMS * float64(time.Millisecond))}
 	if o.OK && o.VM != nil {
 		inf := o.VM.Info
-		ev.VM, ev.Timings, ev.Spans, ev.Counters = &inf, inf.Timings, inf.Spans, inf.Counters
+		ev.VM, ev.Timings, ev.Spans, ev.Counters, ev.Faults = &inf, inf.Timings, inf.Spans, inf.Counters, o.Faults
+		if ev.Faults == nil {
+			ev.Faults = inf.Faults
+		}
 	} else {
 		ev.Err = err
 	}

@@ -81,6 +81,9 @@ type Info struct {
 	// Counters is what the host kernel counted for the VM's QEMU up to ready and after
 	// its first command (engine Config.Counters; nil when off).
 	Counters *Counters `json:"counters,omitempty"`
+	// Faults is the VM's page faults by class from its QEMU's start until ready, when a
+	// daemon counted them (forkvm serve --faults; nil otherwise).
+	Faults *FaultClasses `json:"faults,omitempty"`
 	// RAMFile is the guest RAM file the VM's QEMU maps (its own for a forkable VM,
 	// shared; a fork's checkpoint's, private), for tools that look at the mapping's
 	// pages in /proc/PID/maps; empty for anonymous guest RAM. RAMHoles, when set, is
@@ -626,6 +629,9 @@ type ForkEvent struct {
 	Spans []Span
 	// Counters is the kernel's account of the fork's QEMU until ready (Info.Counters).
 	Counters *Counters
+	// Faults is the fork's page faults by class until ready (forkvm fork --faults,
+	// serve --faults; nil when not counted).
+	Faults *FaultClasses
 }
 
 // API is what a program (and the forkvm CLI) does with forkvm, with the same shapes

@@ -36,6 +36,10 @@ type DaemonObject struct {
 	// (engine Config.Counters, `forkvm serve --counters`): then every VM it starts has
 	// Info.Counters and its spans theirs.
 	Counters bool `json:"counters"`
+	// Faults says whether the daemon counts each fork's page faults by class until
+	// ready (`forkvm serve --faults`, root: eBPF): then every fork event it streams
+	// has them (ForkEventObject.Faults) and so do its VM objects (Info.Faults).
+	Faults bool `json:"faults"`
 }
 
 // VMObject is a VM (forkvm.vm/v1): its Info with a schema name.
@@ -78,6 +82,9 @@ type ForkEventObject struct {
 	Available int64     `json:"available,omitempty"`
 	Budget    int64     `json:"budget,omitempty"`
 	VM        *VMObject `json:"vm,omitempty"`
+	// Faults is a ready fork's page faults by class until ready, when they were
+	// counted (forkvm serve --faults, forkvm fork --faults).
+	Faults *FaultClasses `json:"faults,omitempty"`
 }
 
 // ForkEventObjectOf builds a fork event: a ready fork (inf set, err nil) or a failed one.

@@ -25,6 +25,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -74,21 +75,9 @@ const (
 // Counts are a process's faults by phase, region and access.
 type Counts [numPhase][numRegion][numAccess]uint64
 
-// Summary is Counts in the classes that matter for a fork, per phase.
-type Summary struct {
-	// CopyOnWrite is writes to checkpoint data in guest RAM: pages the fork now holds
-	// privately.
-	CopyOnWrite uint64 `json:"cow"`
-	// Holes is faults on guest RAM the checkpoint recorded as holes (zero pages:
-	// filled in the file on tmpfs, copied by a write).
-	Holes uint64 `json:"holes"`
-	// SharedReads is read faults on checkpoint data in guest RAM: pages shared with
-	// every other fork through the page cache. A read fault maps neighbouring cached
-	// pages at once (fault-around), so this counts faults, not pages.
-	SharedReads uint64 `json:"shared_reads"`
-	// QEMU is faults outside guest RAM: QEMU's heap, TCG's code buffer, libraries.
-	QEMU uint64 `json:"qemu"`
-}
+// Summary is Counts in the classes that matter for a fork, per phase: api.FaultClasses,
+// the daemon's and the CLI's wire shape, declared once.
+type Summary = api.FaultClasses
 
 // Summary sums the counts of one phase (BeforeReady or AfterReady) into its classes.
 func (c *Counts) Summary(phase int) Summary {

@@ -19,8 +19,9 @@ const classes = numPhase * int(numRegion) * int(numAccess)
 
 // Options size a Session's maps (fixed when it opens).
 type Options struct {
-	// MaxProcesses is how many processes the session can watch over its life (a
-	// removed one's place is not reused). Default 256.
+	// MaxProcesses is how many processes the session can watch at once: an
+	// unwatched one's place is kept (its counts stay readable) until Release frees
+	// it. Default 256.
 	MaxProcesses int
 	// HolePages is how many pages of guest-RAM mappings the session can keep hole
 	// bitmaps for (a bitmap is shared by the processes given the same holes key).
@@ -47,6 +48,8 @@ type Session struct {
 	mu       sync.Mutex
 	procs    map[int]target
 	nextSlot int
+	free     []uint32 // slots of released processes, for the next ones
+
 	nextWord int
 	bitmaps  map[string]uint32 // holes key -> HoleBase
 }
@@ -185,13 +188,40 @@ func (s *Session) Watch(pid int, ram Mapping, holesKey string, holes []Range) er
 	}
 	t, ok := s.procs[pid]
 	if !ok {
-		if s.nextSlot >= s.maxProcs {
-			return fmt.Errorf("%w: %d processes watched", ErrFull, s.maxProcs)
+		slot, err := s.takeSlot()
+		if err != nil {
+			return err
 		}
-		t = target{Slot: uint32(s.nextSlot)}
-		s.nextSlot++
+		t = target{Slot: slot}
 	}
-	return s.setRAM(pid, t, ram, holesKey, holes)
+	if err := s.setRAM(pid, t, ram, holesKey, holes); err != nil {
+		if !ok {
+			s.free = append(s.free, t.Slot)
+		}
+		return err
+	}
+	return nil
+}
+
+// takeSlot is a slot for a new process: a released one (its counters zeroed), else the
+// next unused; s.mu is held.
+func (s *Session) takeSlot() (uint32, error) {
+	if n := len(s.free); n > 0 {
+		slot := s.free[n-1]
+		zero := make([]uint64, ebpf.MustPossibleCPU())
+		for i := range classes {
+			if err := s.counts.Update(uint32(int(slot)*classes+i), zero, ebpf.UpdateAny); err != nil {
+				return 0, fmt.Errorf("faultclass: reuse a slot: %w", err)
+			}
+		}
+		s.free = s.free[:n-1]
+		return slot, nil
+	}
+	if s.nextSlot >= s.maxProcs {
+		return 0, fmt.Errorf("%w: %d processes watched", ErrFull, s.maxProcs)
+	}
+	s.nextSlot++
+	return uint32(s.nextSlot - 1), nil
 }
 
 // SetRAM sets the guest-RAM mapping and holes of a watched process (one watched
@@ -284,6 +314,24 @@ func (s *Session) Unwatch(pid int) {
 	if _, ok := s.procs[pid]; ok && s.targets != nil {
 		_ = s.targets.Delete(uint32(pid))
 	}
+}
+
+// Release stops counting pid and frees its place for another process (Options
+// MaxProcesses bounds the processes watched at once, not over the session's life):
+// its counts are gone. A long-lived session (forkvm serve --faults) releases each
+// process once it read its counts.
+func (s *Session) Release(pid int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t, ok := s.procs[pid]
+	if !ok {
+		return
+	}
+	if s.targets != nil {
+		_ = s.targets.Delete(uint32(pid))
+	}
+	delete(s.procs, pid)
+	s.free = append(s.free, t.Slot)
 }
 
 // Close detaches the program and frees its maps.

@@ -126,3 +126,54 @@ func TestSessionClassifies(t *testing.T) {
 	}
 	fmt.Fprintln(stdin, "bye")
 }
+
+// TestSessionRelease: a session of one place watches a second process once the first
+// is released, and the place's counts start again from zero.
+func TestSessionRelease(t *testing.T) {
+	s, err := Open(Options{MaxProcesses: 1, HolePages: 64})
+	if errors.Is(err, ErrUnavailable) {
+		t.Skipf("fault classes unavailable here (needs root, BPF and the page_fault_user tracepoint): %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	self := os.Getpid()
+	if err := s.Watch(self, Mapping{}, "", nil); err != nil {
+		t.Fatal(err)
+	}
+	// Fault fresh anonymous pages in: Other faults of this process.
+	b, err := unix.Mmap(-1, 0, 64*pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(b)
+	for p := 0; p < 64; p++ {
+		b[p*pageSize] = 1
+	}
+	c, err := s.Counts(self)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum := c.Summary(BeforeReady); sum.QEMU < 64 {
+		t.Fatalf("before release: %+v, want at least 64 faults outside guest RAM", sum)
+	}
+	if err := s.Watch(1, Mapping{}, "", nil); !errors.Is(err, ErrFull) {
+		t.Fatalf("a second process in a session of one: %v, want ErrFull", err)
+	}
+	s.Release(self)
+	if _, err := s.Counts(self); !errors.Is(err, ErrNotWatched) {
+		t.Errorf("counts of a released process: %v, want ErrNotWatched", err)
+	}
+	// pid 1 faults rarely: its place's counts must be those of pid 1 alone, not ours.
+	if err := s.Watch(1, Mapping{}, "", nil); err != nil {
+		t.Fatalf("watch after release: %v", err)
+	}
+	c, err = s.Counts(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum := c.Summary(BeforeReady); sum.QEMU >= 64 {
+		t.Errorf("a reused place kept the released process's counts: %+v", sum)
+	}
+}

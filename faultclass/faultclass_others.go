@@ -37,6 +37,9 @@ func (s *Session) Counts(pid int) (Counts, error) { return Counts{}, ErrUnavaila
 // Unwatch does nothing outside Linux.
 func (s *Session) Unwatch(pid int) {}
 
+// Release does nothing outside Linux.
+func (s *Session) Release(pid int) {}
+
 // Close does nothing outside Linux.
 func (s *Session) Close() error { return nil }
 

@@ -21,6 +21,12 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	req.Normalize()
+	if s.faults != nil {
+		// Named before any fork starts, so that their QEMUs are watched from their start.
+		names := req.ForkNames()
+		s.faults.expect(names)
+		defer s.faults.done(names)
+	}
 	events, err := s.e.ForkMany(r.Context(), req.Source, req.N, req.Options())
 	if err != nil {
 		writeError(w, err)
@@ -28,6 +34,9 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	}
 	out := newNDJSON(w)
 	for ev := range events {
+		if s.faults != nil {
+			s.forkFaults(&ev.ForkEvent)
+		}
 		// A write error means the client is gone: its context is cancelled too, and the
 		// engine cleans up; keep draining so the wave finishes.
 		out.line(ev.Object())

@@ -54,6 +54,10 @@ type Server struct {
 	fm fleetMembership
 	// pk is the daemon's parking (serve/park.go).
 	pk *parker
+	// faults counts forks' page faults by class (SetFaults; nil: not), vmf keeps them
+	// for the VM objects (serve/faults.go).
+	faults *Faults
+	vmf    vmFaults
 }
 
 // New returns a server for e. A nil logger discards.
@@ -342,7 +346,7 @@ func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Dura
 // info describes the daemon.
 func (s *Server) info(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, DaemonObject{Schema: DaemonSchema, PID: s.pid, StateDir: s.e.Config().StateDir, Accel: string(s.e.Accel()),
-		Counters: s.e.Config().Counters})
+		Counters: s.e.Config().Counters, Faults: s.faults != nil})
 }
 
 // budget answers the engine's vCPU admission budget.

@@ -9,8 +9,10 @@ import (
 
 func (s *Server) listVMs(w http.ResponseWriter, r *http.Request) {
 	infos := s.e.List()
+	s.vmf.prune(infos)
 	out := make([]VMObject, 0, len(infos))
 	for _, inf := range infos {
+		s.vmf.fill(&inf)
 		out = append(out, NewVMObject(inf))
 	}
 	writeJSON(w, http.StatusOK, out)
@@ -35,7 +37,9 @@ func (s *Server) getVM(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, NewVMObject(vm.Info()))
+	inf := vm.Info()
+	s.vmf.fill(&inf)
+	writeJSON(w, http.StatusOK, NewVMObject(inf))
 }
 
 func (s *Server) deleteVM(w http.ResponseWriter, r *http.Request) {
@@ -48,6 +52,7 @@ func (s *Server) deleteVM(w http.ResponseWriter, r *http.Request) {
 	}
 	s.fleetDeleted(name)
 	s.releasePorts(name)
+	s.vmf.drop(name)
 	w.WriteHeader(http.StatusNoContent)
 }
 

@@ -90,7 +90,7 @@ func TestForkCountersCLI(t *testing.T) {
 			Faults *faultclass.Summary `json:"faults"`
 		}
 		if err := json.Unmarshal([]byte(strings.TrimSpace(out)), &ev); err != nil || !ev.OK || ev.Faults == nil ||
-			ev.Faults.SharedReads+ev.Faults.CopyOnWrite == 0 || ev.Faults.QEMU == 0 {
+			ev.Faults.SharedReads+ev.Faults.CopyOnWrite == 0 || ev.Faults.QEMU == 0 || ev.VM == nil || ev.VM.Faults == nil || *ev.VM.Faults != *ev.Faults {
 			t.Errorf("fork --faults event %q: %v", out, err)
 		} else {
 			t.Logf("fork --faults until ready: %+v", *ev.Faults)

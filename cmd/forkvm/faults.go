@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -26,12 +27,28 @@ type forkFaults struct {
 	warn map[string]bool
 }
 
-// errFaultsDaemon: the daemon's QEMUs are not watched by this command.
-var errFaultsDaemon = errors.New("forkvm fork --faults needs the engine in this process: a daemon answers on its socket (run it where no daemon serves the state directory, or use forkvm profile faults on running forks)")
+// newForkFaults is fork --faults' marker, passing phases on to next (nil: none). Its
+// eBPF session opens (open) once the command knows that the engine runs in this
+// process: a daemon counts its own forks (serve --faults).
+func newForkFaults(next engine.PhaseMarker) *forkFaults {
+	return &forkFaults{next: next, pids: map[string]int{}, warn: map[string]bool{}}
+}
 
-// openForkFaults opens the eBPF session for n forks; next is the marker it passes
-// phases on to (nil: none).
-func openForkFaults(n int, next engine.PhaseMarker) (*forkFaults, error) {
+// open opens the eBPF session for n forks of the in-process engine of cfg.
+func (f *forkFaults) open(n int, cfg engine.Config) error {
+	s, err := openFaultSession(n)
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	f.s, f.state, f.ramDir = s, cfg.StateDir, cfg.RAMDir
+	f.mu.Unlock()
+	return nil
+}
+
+// openFaultSession opens an eBPF fault classifier watching up to n processes at once,
+// its error saying what --faults needs.
+func openFaultSession(n int) (*faultclass.Session, error) {
 	s, err := faultclass.Open(faultclass.Options{MaxProcesses: n})
 	if err != nil {
 		if errors.Is(err, faultclass.ErrUnavailable) {
@@ -39,14 +56,31 @@ func openForkFaults(n int, next engine.PhaseMarker) (*forkFaults, error) {
 		}
 		return nil, fmt.Errorf("--faults: %w", err)
 	}
-	return &forkFaults{next: next, s: s, pids: map[string]int{}, warn: map[string]bool{}}, nil
+	return s, nil
 }
 
-// setEngine tells f the in-process engine's state and RAM directories (where its RAM
-// files and hole lists are).
-func (f *forkFaults) setEngine(cfg engine.Config) { f.state, f.ramDir = cfg.StateDir, cfg.RAMDir }
+// checkDaemonFaults refuses fork --faults through a daemon that does not count fault
+// classes (forkvm serve --faults): its forks would come without them.
+func checkDaemonFaults(ctx context.Context, api wire.API) error {
+	d, ok, err := api.Daemon(ctx)
+	if err != nil || !ok || d.Faults {
+		return err
+	}
+	return fmt.Errorf("%w: --faults: the daemon (pid %d) does not count its forks' page faults by class; restart it with forkvm serve --faults (root)", engine.ErrInvalidSpec, d.PID)
+}
 
-func (f *forkFaults) close() { f.s.Close() }
+func (f *forkFaults) close() {
+	if s := f.session(); s != nil {
+		s.Close()
+	}
+}
+
+// session is the eBPF session (nil before open).
+func (f *forkFaults) session() *faultclass.Session {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.s
+}
 
 func (f *forkFaults) PhaseStart(owner, phase string) {
 	if f.next != nil {
@@ -68,7 +102,7 @@ func (f *forkFaults) PhaseEnd(owner, phase string) {
 	case "spawn":
 		f.setRAM(owner, pid)
 	case "agent":
-		_ = f.s.Ready(pid)
+		_ = f.session().Ready(pid)
 	}
 }
 
@@ -76,10 +110,14 @@ func (f *forkFaults) QEMUStarted(owner string, pid int) {
 	if next, ok := f.next.(engine.ProcessMarker); ok {
 		next.QEMUStarted(owner, pid)
 	}
+	s := f.session()
+	if s == nil {
+		return
+	}
 	f.mu.Lock()
 	f.pids[owner] = pid
 	f.mu.Unlock()
-	if err := f.s.Watch(pid, faultclass.Mapping{}, "", nil); err != nil {
+	if err := s.Watch(pid, faultclass.Mapping{}, "", nil); err != nil {
 		f.once("watch", "%s: %v", owner, err)
 	}
 }
@@ -99,7 +137,7 @@ func (f *forkFaults) setRAM(owner string, pid int) {
 			key = ""
 		}
 	}
-	if err := f.s.SetRAM(pid, ram, key, holes); err != nil {
+	if err := f.session().SetRAM(pid, ram, key, holes); err != nil {
 		f.once("set", "%s: %v", owner, err)
 	}
 }
@@ -117,7 +155,7 @@ func (f *forkFaults) once(kind, format string, a ...any) {
 
 // untilReady is the fault classes of fork name's QEMU from its start until ready (nil:
 // not counted), and stops watching it.
-func (f *forkFaults) untilReady(name string) *faultclass.Summary {
+func (f *forkFaults) untilReady(name string) *wire.FaultClasses {
 	if f == nil {
 		return nil
 	}
@@ -128,8 +166,9 @@ func (f *forkFaults) untilReady(name string) *faultclass.Summary {
 	if !ok {
 		return nil
 	}
-	c, err := f.s.Counts(pid)
-	f.s.Unwatch(pid)
+	s := f.session()
+	c, err := s.Counts(pid)
+	s.Release(pid)
 	if err != nil {
 		return nil
 	}
@@ -137,15 +176,8 @@ func (f *forkFaults) untilReady(name string) *faultclass.Summary {
 	return &sum
 }
 
-// forkEventLine is a fork's line of fork --json: its event object, with --faults its
-// fault classes until ready.
-type forkEventLine struct {
-	wire.ForkEventObject
-	Faults *faultclass.Summary `json:"faults,omitempty"`
-}
-
 // faultsText is a ready fork's fault classes on its line ("" without).
-func faultsText(s *faultclass.Summary) string {
+func faultsText(s *wire.FaultClasses) string {
 	if s == nil {
 		return ""
 	}

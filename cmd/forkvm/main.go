@@ -557,7 +557,7 @@ func forkCmd() *cli.Command {
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to the fork's guest TCP port GUESTPORT; with --n, fork i (0-based) gets HOSTPORT+i (the source must have --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per fork"},
 			countersFlag("each fork"),
-			&cli.BoolFlag{Name: "faults", Usage: "count each fork's page faults by class (copy on write, holes, shared reads, QEMU's own) until ready, in its line and event (root: eBPF; in-process engine only; see docs/profiling.md)"},
+			&cli.BoolFlag{Name: "faults", Usage: "count each fork's page faults by class (copy on write, holes, shared reads, QEMU's own) until ready, in its line and event (root: eBPF; through a daemon, forkvm serve --faults counts; see docs/profiling.md)"},
 			noParkFlag(),
 			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
@@ -582,10 +582,7 @@ func forkCmd() *cli.Command {
 			}
 			var fc *forkFaults
 			if cmd.Bool("faults") {
-				if fc, err = openForkFaults(n, markers); err != nil {
-					return err
-				}
-				defer fc.close()
+				fc = newForkFaults(markers)
 				markers = fc
 			}
 			api, err := connectConfig(ctx, cmd, false, func(c *engine.Config) {
@@ -601,9 +598,16 @@ func forkCmd() *cli.Command {
 			}
 			if fc != nil {
 				if !inProcess {
-					return errFaultsDaemon
+					// The daemon counts (serve --faults): its events carry them.
+					if err := checkDaemonFaults(ctx, api); err != nil {
+						return err
+					}
+					fc = nil
+				} else if err := fc.open(n, l.E.Config()); err != nil {
+					return err
+				} else {
+					defer fc.close()
 				}
-				fc.setEngine(l.E.Config())
 			}
 			if err := checkDaemonCounters(ctx, api, cmd.Bool("counters")); err != nil {
 				return err
@@ -661,12 +665,19 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 		if ev.Index >= 0 && ev.Index < n {
 			t.reported[ev.Index] = true
 		}
+		if fc != nil && ev.Index >= 0 {
+			if faults := fc.untilReady(ev.Name); ev.Err == nil && ev.VM != nil && faults != nil {
+				inf := *ev.VM // as a daemon's event has them: in the event and its VM object
+				inf.Faults = faults
+				ev.VM, ev.Faults = &inf, faults
+			}
+		}
 		switch {
 		case ev.Index < 0: // the stream broke: no fork of its own
 			t.broken = ev.Err
 			continue
 		case cmd.Bool("json"):
-			b, _ := json.Marshal(forkEventLine{wire.ForkEventObjectOf(ev.Index, ev.Name, ev.Latency, ev.VM, ev.Err), fc.untilReady(ev.Name)})
+			b, _ := json.Marshal(ev.Object())
 			fmt.Println(string(b))
 		case ev.Err != nil:
 			fmt.Printf("%s failed after %v: %v\n", ev.Name, ev.Latency.Round(time.Millisecond), ev.Err)
@@ -680,7 +691,7 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 			tm := ev.Timings
 			fmt.Printf("%s ready in %v (spawn %v, restore %v, agent %v) pid %d%s\n", ev.Name,
 				ev.Latency.Round(time.Millisecond), tm.Spawn.Round(time.Millisecond),
-				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID, countersText(ev.VM.Counters)+faultsText(fc.untilReady(ev.Name)))
+				tm.Restore.Round(time.Millisecond), tm.Agent.Round(time.Millisecond), ev.VM.PID, countersText(ev.VM.Counters)+faultsText(ev.Faults))
 		}
 		if ev.Err != nil {
 			t.failed++

@@ -19,6 +19,11 @@ import (
 // serveGrace is how long a stopping daemon lets in-flight requests finish.
 const serveGrace = 5 * time.Second
 
+// serveFaultPlaces is how many forks serve --faults counts at once (forks beyond it in
+// flight are not counted, and the daemon says so in its log): each place costs the
+// eBPF counters of one process on every CPU.
+const serveFaultPlaces = 1024
+
 // serveDrain bounds the wait, after the grace, for handlers of cancelled requests to
 // return (a cancelled wave deletes the forks it made) before the engine is closed.
 const serveDrain = 2 * time.Minute
@@ -40,6 +45,7 @@ func serveCmd() *cli.Command {
 			&cli.FloatFlag{Name: "max-overcommit", Usage: "refuse requests asking for a higher overcommit than this (0 = 2 x --overcommit)"},
 			&cli.FloatFlag{Name: "memory-commit-ratio", Usage: "part of each VM's guest RAM admission keeps room for until forks of its source were measured (0 = engine default 0.1)"},
 			countersFlag("every VM the daemon starts"),
+			&cli.BoolFlag{Name: "faults", Usage: "count each fork's page faults by class (copy on write, holes, shared reads, QEMU's own) until ready, in its fork event, ls --json and the API's VM objects (faults; root: eBPF; see docs/profiling.md)"},
 			&cli.StringFlag{Name: "memory-cgroup", Usage: "memory cgroup directory below which VMs created with --memory-limit-mb get their own (default: the daemon's own cgroup; on cgroup v2 name one without processes that delegates memory)"},
 		}, append(fleetServeFlags(), parkServeFlags()...)...),
 		// The unix socket (mode 0600) is the global --socket ($FORKVM_SOCKET), the one
@@ -73,6 +79,17 @@ func serveCmd() *cli.Command {
 			if cmd.Bool("verbose") {
 				cfg.Logger = log
 			}
+			var faults *serve.Faults
+			if cmd.Bool("faults") {
+				// Opened before the engine: without root or eBPF the daemon does not start.
+				sess, err := openFaultSession(serveFaultPlaces)
+				if err != nil {
+					return err
+				}
+				defer sess.Close()
+				faults = serve.NewFaults(sess, log)
+				cfg.Markers = faults
+			}
 			started := time.Now()
 			e, err := engine.New(ctx, cfg)
 			if err != nil {
@@ -80,6 +97,12 @@ func serveCmd() *cli.Command {
 			}
 			defer e.Close()
 			log.Info("forkvm serve: engine ready", "vms", len(e.List()), "took", time.Since(started).Round(time.Millisecond))
+			srv := serve.New(e, log)
+			if faults != nil {
+				if err := srv.SetFaults(faults); err != nil {
+					return err
+				}
+			}
 			sock := cmd.String("socket")
 			if sock == "" {
 				sock = serve.SocketPath(e.Config().StateDir)
@@ -94,7 +117,6 @@ func serveCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
-			srv := serve.New(e, log)
 			if plan != nil {
 				srv.SetJoining()
 			}
