@@ -159,9 +159,7 @@ func (r *ForkRequest) Normalize() {
 // It reads nothing of a host: whether the source exists, has a network, and whether
 // its forks fit are the engine's to say.
 func (r ForkRequest) Validate() error {
-	if r.Source == "" {
-		return fmt.Errorf("%w: source is required", ErrInvalidSpec)
-	}
+	// An empty source is an invalid name, as an empty name is in every other call.
 	if err := ValidateName(r.Source); err != nil {
 		return fmt.Errorf("source: %w", err)
 	}

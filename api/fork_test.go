@@ -27,7 +27,7 @@ func TestForkRequestValidate(t *testing.T) {
 		{"publish per fork", ForkRequest{Source: "ck", N: 2, Publish: [][]PortForward{fw(8000), fw(8001)}}, nil},
 		{"fewer publish lists", ForkRequest{Source: "ck", N: 3, Publish: [][]PortForward{fw(8000)}}, nil},
 
-		{"no source", ForkRequest{N: 2}, ErrInvalidSpec},
+		{"no source", ForkRequest{N: 2}, ErrInvalidName},
 		{"bad source", ForkRequest{Source: "a/b"}, ErrInvalidName},
 		{"n negative", ForkRequest{Source: "ck", N: -1}, ErrInvalidSpec},
 		{"n past MaxForks", ForkRequest{Source: "ck", N: MaxForks + 1, Prefix: "f"}, ErrInvalidSpec},

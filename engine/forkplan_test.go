@@ -131,7 +131,7 @@ func TestPlanForkRefused(t *testing.T) {
 		{"n negative", "ck", -1, ManyOptions{}, ErrInvalidSpec},
 		{"n past MaxForks", "ck", MaxForks + 1, ManyOptions{Prefix: "f"}, ErrInvalidSpec},
 		{"bad source", "a/b", 1, ManyOptions{}, ErrInvalidName},
-		{"empty source", "", 1, ManyOptions{Names: []string{"a"}}, ErrInvalidSpec},
+		{"empty source", "", 1, ManyOptions{Names: []string{"a"}}, ErrInvalidName},
 		{"too few names", "ck", 2, ManyOptions{Names: []string{"a"}}, ErrInvalidSpec},
 		{"too many names", "ck", 1, ManyOptions{Names: []string{"a", "b"}}, ErrInvalidSpec},
 		{"empty names", "ck", 1, ManyOptions{Names: []string{}}, ErrInvalidSpec},

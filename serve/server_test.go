@@ -172,7 +172,7 @@ func TestServeBadRequests(t *testing.T) {
 		{"DELETE", "/v1/checkpoints/nope", "", 404, "not_found"},
 		{"DELETE", "/v1/checkpoints/nope?force=maybe", "", 400, "bad_request"},
 		{"POST", "/v1/forks", `{"source":"nope"}`, 404, "not_found"},
-		{"POST", "/v1/forks", `{"source":""}`, 400, "invalid_spec"},
+		{"POST", "/v1/forks", `{"source":""}`, 400, "invalid_name"},
 		{"POST", "/v1/forks", `{"source":"x","n":-1}`, 400, "invalid_spec"},
 		{"POST", "/v1/forks", `{"source":"x","n":100000}`, 400, "invalid_spec"},
 		{"POST", "/v1/forks", `{"source":"x","n":2,"name":"y"}`, 400, "invalid_spec"},
