@@ -5,7 +5,7 @@ import (
 	"time"
 )
 
-// StateParked: the VM's QEMU is gone and its memory and device state are on disk
+// StateParked is a VM whose QEMU is gone, its memory and device state on disk
 // (Engine.Park); Wake restores it as itself.
 const StateParked State = "parked"
 

@@ -409,7 +409,7 @@ func withFleetRm(rm *cli.Command) *cli.Command {
 			return err
 		}
 		if cmd.Args().Len() == 0 || cmd.Bool("dead") {
-			return fmt.Errorf("usage: forkvm rm --fleet NAME...")
+			return fmt.Errorf("usage: forkvm rm --fleet NAME [NAME...]")
 		}
 		c, err := fleetClient(ctx, cmd)
 		if err != nil {

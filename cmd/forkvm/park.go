@@ -68,7 +68,7 @@ func wakeCmd() *cli.Command {
 // did.
 func eachVM(ctx context.Context, cmd *cli.Command, verb string, op func(api wire.API, name string) (any, string, error)) error {
 	if cmd.Args().Len() == 0 {
-		return fmt.Errorf("usage: forkvm %s NAME...", verb)
+		return fmt.Errorf("usage: forkvm %s NAME [NAME...]", verb)
 	}
 	api, err := connect(ctx, cmd, false)
 	if err != nil {
