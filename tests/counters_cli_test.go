@@ -2,7 +2,6 @@ package tests
 
 import (
 	"encoding/json"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -17,27 +16,7 @@ import (
 // `forkvm serve --counters` does, and fork --counters is refused by a daemon that does
 // not count (before any fork starts) rather than giving forks without counters.
 func TestForkCountersCLI(t *testing.T) {
-	home, err := os.MkdirTemp("/tmp", "fvctr-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cli := cliRunner(t, home)
-	t.Cleanup(func() {
-		cli(nil, "rm", "cw", "c1", "c2", "c3", "c4", "c5")
-		cli(nil, "checkpoint", "rm", "--force", "cck")
-		for pid := range procsReferencing(home) {
-			t.Errorf("leak: process %d still references %s", pid, home)
-		}
-		os.RemoveAll(home)
-	})
-	ok := func(args ...string) string {
-		t.Helper()
-		out, errs, code := cli(nil, args...)
-		if code != 0 {
-			t.Fatalf("forkvm %v: exit %d: %s%s", args, code, out, errs)
-		}
-		return out
-	}
+	home, cli, ok := cliSession(t, "fvctr-", []string{"rm", "cw", "c1", "c2", "c3", "c4", "c5"}, []string{"checkpoint", "rm", "--force", "cck"})
 	// counted checks a fork's counters as the JSON of its VM object has them.
 	counted := func(what string, c *api.Counters) {
 		t.Helper()

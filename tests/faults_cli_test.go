@@ -6,7 +6,6 @@ import (
 	"errors"
 	"net"
 	"net/http"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -30,27 +29,7 @@ func TestServeFaultsCLI(t *testing.T) {
 	} else {
 		s.Close()
 	}
-	home, err := os.MkdirTemp("/tmp", "fvflt-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cli := cliRunner(t, home)
-	t.Cleanup(func() {
-		cli(nil, "rm", "fw", "f1", "f2", "f3", "w1", "w2")
-		cli(nil, "checkpoint", "rm", "--force", "fck")
-		for pid := range procsReferencing(home) {
-			t.Errorf("leak: process %d still references %s", pid, home)
-		}
-		os.RemoveAll(home)
-	})
-	ok := func(args ...string) string {
-		t.Helper()
-		out, errs, code := cli(nil, args...)
-		if code != 0 {
-			t.Fatalf("forkvm %v: exit %d: %s%s", args, code, out, errs)
-		}
-		return out
-	}
+	home, cli, ok := cliSession(t, "fvflt-", []string{"rm", "fw", "f1", "f2", "f3", "w1", "w2"}, []string{"checkpoint", "rm", "--force", "fck"})
 	// counted checks a fork's fault classes until ready: a fork reads checkpoint pages
 	// (or copies them) and QEMU faults in its own memory.
 	counted := func(what string, fc *api.FaultClasses) {

@@ -225,23 +225,26 @@ func cliRunner(t *testing.T, home string) func(stdin io.Reader, args ...string) 
 	}
 }
 
-// TestFilesCLI: forkvm cp round trips (a 3 MB file, a tree with modes and a symlink,
-// new names, tar streams on stdin and stdout) byte-exact, its errors, forkvm logs (with
-// -f following until the VM is deleted) and forkvm exec --user.
-func TestFilesCLI(t *testing.T) {
-	home, err := os.MkdirTemp("/tmp", "fvc-")
+// cliSession is a CLI test's state directory (under /tmp, named after prefix), its
+// runner, and ok, which runs a command that must exit 0 and returns its stdout. At
+// cleanup each of undo runs as forkvm's arguments (its errors ignored), no process may
+// still reference the directory, and the directory is removed.
+func cliSession(t *testing.T, prefix string, undo ...[]string) (home string, cli func(io.Reader, ...string) (string, string, int), ok func(...string) string) {
+	home, err := os.MkdirTemp("/tmp", prefix)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cli := cliRunner(t, home)
+	cli = cliRunner(t, home)
 	t.Cleanup(func() {
-		cli(nil, "rm", "c1")
+		for _, args := range undo {
+			cli(nil, args...)
+		}
 		for pid := range procsReferencing(home) {
 			t.Errorf("leak: process %d still references %s", pid, home)
 		}
 		os.RemoveAll(home)
 	})
-	ok := func(args ...string) string {
+	ok = func(args ...string) string {
 		t.Helper()
 		out, errs, code := cli(nil, args...)
 		if code != 0 {
@@ -249,6 +252,14 @@ func TestFilesCLI(t *testing.T) {
 		}
 		return out
 	}
+	return home, cli, ok
+}
+
+// TestFilesCLI: forkvm cp round trips (a 3 MB file, a tree with modes and a symlink,
+// new names, tar streams on stdin and stdout) byte-exact, its errors, forkvm logs (with
+// -f following until the VM is deleted) and forkvm exec --user.
+func TestFilesCLI(t *testing.T) {
+	home, cli, ok := cliSession(t, "fvc-", []string{"rm", "c1"})
 	ok("create", "c1", "--cpus", "1", "--memory-mb", "256")
 
 	host := t.TempDir()
