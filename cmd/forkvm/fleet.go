@@ -411,23 +411,30 @@ func withFleetRm(rm *cli.Command) *cli.Command {
 		if cmd.Args().Len() == 0 || cmd.Bool("dead") {
 			return fmt.Errorf("usage: forkvm rm --fleet NAME [NAME...]")
 		}
-		c, err := fleetClient(ctx, cmd)
-		if err != nil {
-			return err
-		}
-		defer c.Close()
-		var errs []error
-		for _, n := range cmd.Args().Slice() {
+		return fleetEach(ctx, cmd, func(c *client.Client, n string) error {
 			d, err := c.FleetDeleteVM(ctx, n)
-			if err != nil {
-				errs = append(errs, err)
-				continue
+			if err == nil {
+				fmt.Printf("removed vm %s on node %s\n", n, d.Node)
 			}
-			fmt.Printf("removed vm %s on node %s\n", n, d.Node)
-		}
-		return errors.Join(errs...)
+			return err
+		})
 	}
 	return rm
+}
+
+// fleetEach calls do with one fleet client for each NAME argument, and joins what
+// they return.
+func fleetEach(ctx context.Context, cmd *cli.Command, do func(c *client.Client, name string) error) error {
+	c, err := fleetClient(ctx, cmd)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	var errs []error
+	for _, n := range cmd.Args().Slice() {
+		errs = append(errs, do(c, n))
+	}
+	return errors.Join(errs...)
 }
 
 // fleetPlaces names the nodes of the fleet forks among names that live on other nodes
@@ -473,18 +480,12 @@ func withFleetCheckpoint(ck *cli.Command) *cli.Command {
 			if cmd.Args().Len() == 0 || cmd.Bool("force") {
 				return errors.New("usage: forkvm checkpoint rm --fleet NAME... (without --force: delete its forks first)")
 			}
-			c, err := fleetClient(ctx, cmd)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			var errs []error
-			for _, n := range cmd.Args().Slice() {
+			return fleetEach(ctx, cmd, func(c *client.Client, n string) error {
 				out, err := c.FleetDeleteCheckpoint(ctx, n)
 				if err != nil {
-					errs = append(errs, err)
-					continue
+					return err
 				}
+				var errs []error
 				for _, r := range out {
 					switch r.Outcome {
 					case fleet.RemovedOK:
@@ -497,8 +498,8 @@ func withFleetCheckpoint(ck *cli.Command) *cli.Command {
 						errs = append(errs, fmt.Errorf("checkpoint %s on node %s: %s", n, r.Node, r.Error))
 					}
 				}
-			}
-			return errors.Join(errs...)
+				return errors.Join(errs...)
+			})
 		}
 	}
 	return ck
