@@ -156,8 +156,47 @@ func keepAside(paths layout, log *slog.Logger, name string, cause error, pids []
 	os.Rename(paths.runDir(name), paths.runDir(aside))
 	os.Rename(paths.vmRAM(name), filepath.Join(paths.ram, aside+".ram"))
 	parent := holdParent(paths.vmDir(aside), held)
+	if err := ownChainLayers(paths.vmDir(aside)); err != nil {
+		log.Warn("vm kept aside: its disk still reads layers of a checkpoint through links", "vm", name, "err", err)
+	}
 	log.Warn("vm manifest unreadable: kept aside, not adopted (nothing deleted; inspect and remove it yourself)",
 		"vm", name, "moved_to", paths.vmDir(aside), "err", cause, "qemu_pids", pids, "checkpoint", parent)
+}
+
+// ownChainLayers replaces each chain-name symlink in dir (a layer of a checkpoint the
+// VM's disk is backed by) with a hard link to the same file, so that the directory
+// holds its whole disk: a damaged manifest may not name its checkpoint, and a
+// checkpoint deleted later must not take the kept-aside disk's layers with it. Frozen
+// layers are never written, so sharing their inode costs nothing. Hard links cannot
+// cross file systems: those links are left as they are and reported.
+func ownChainLayers(dir string) error {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range ents {
+		if e.Type()&os.ModeSymlink == 0 || !isChainName(e.Name()) {
+			continue
+		}
+		link := filepath.Join(dir, e.Name())
+		target, err := filepath.EvalSymlinks(link)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		tmp := link + ".own"
+		os.Remove(tmp)
+		if err := os.Link(target, tmp); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := os.Rename(tmp, link); err != nil {
+			os.Remove(tmp)
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // holdParent holds the checkpoint that the damaged manifest in dir names, if it names

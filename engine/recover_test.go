@@ -223,6 +223,12 @@ func TestNewKeepsCorruptVMAside(t *testing.T) {
 	fm := vmManifest(cfg, "other", StateRunning, deadPID(t))
 	fm.Parent = "ck"
 	writeVMManifest(t, vms, "f", fm)
+	// f's disk is backed by ck's frozen layer through its chain name.
+	ckLayer := filepath.Join(cfg.StateDir, "checkpoints", "ck", chainName(0, diskLayer{Format: "raw"}))
+	touch(t, ckLayer, 1<<16)
+	if err := os.Symlink(filepath.Join("..", "..", "checkpoints", "ck", filepath.Base(ckLayer)), filepath.Join(vms, "f", filepath.Base(ckLayer))); err != nil {
+		t.Fatal(err)
+	}
 
 	// half: a directory without a manifest and without a QEMU.
 	touch(t, filepath.Join(vms, "half", rawDiskFile), 1<<20)
@@ -254,6 +260,13 @@ func TestNewKeepsCorruptVMAside(t *testing.T) {
 	}
 	if !processAliveT(proc.Process.Pid) {
 		t.Errorf("the QEMU of the kept-aside VM was killed")
+	}
+	// The kept-aside fork owns its disk's layers: deleting ck later cannot take them.
+	asideLayer := filepath.Join(vms, ".corrupt-f", filepath.Base(ckLayer))
+	if fi, err := os.Lstat(asideLayer); err != nil || !fi.Mode().IsRegular() {
+		t.Errorf("kept-aside layer %s is not a file of its own: %v %v", asideLayer, fi, err)
+	} else if ci, err := os.Stat(ckLayer); err != nil || !os.SameFile(fi, ci) {
+		t.Errorf("kept-aside layer %s is not a link to the checkpoint's layer: %v", asideLayer, err)
 	}
 	log := logBuf.String()
 	for _, want := range []string{"vm=dl", ".corrupt-dl-2", fmt.Sprintf("qemu_pids=[%d]", proc.Process.Pid), "vm=f", "checkpoint=ck"} {

@@ -503,7 +503,21 @@ func fleetWave(t *testing.T, h *fleetHost, args []string, onEvent func(api.Fleet
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	timer := time.AfterFunc(3*time.Minute, func() { cmd.Process.Kill() })
+	timer := time.AfterFunc(3*time.Minute, func() {
+		// A wave that never ends: each daemon prints its goroutines to its log and
+		// exits, and so does the CLI, so that the failure says where the fleet waits.
+		for _, o := range h.fleet {
+			if o.d != nil {
+				select {
+				case <-o.d.exited:
+				default:
+					o.d.cmd.Process.Signal(syscall.SIGQUIT)
+				}
+			}
+		}
+		cmd.Process.Signal(syscall.SIGQUIT) // the CLI's goroutines go to its standard error
+		time.AfterFunc(5*time.Second, func() { cmd.Process.Kill() })
+	})
 	defer timer.Stop()
 	start := time.Now()
 	var evs []api.FleetForkEventObject

@@ -25,6 +25,8 @@ type fleetHost struct {
 	// args and log start its daemon again as it was started.
 	args []string
 	log  string
+	// fleet is every host of its fleet (itself too).
+	fleet []*fleetHost
 }
 
 // startFleet starts n daemons forming a fleet on loopback: password routes, one shared
@@ -89,6 +91,9 @@ func startFleet(t *testing.T, n, vcpus int, extra ...string) []*fleetHost {
 			t.Fatalf("no fleet of %d within 90s: forkvm nodes exit %d: %s%s", n, code, out, errOut)
 		}
 		time.Sleep(500 * time.Millisecond)
+	}
+	for _, h := range hosts {
+		h.fleet = hosts
 	}
 	return hosts
 }
