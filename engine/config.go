@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
@@ -258,7 +259,7 @@ func (c *Config) resolveAccel() (accel Accel, vsock bool, err error) {
 	}
 	switch c.Accel {
 	case AccelAuto:
-		accel = detectAccel()
+		accel = platform.DetectAccel()
 	case AccelKVM, AccelHVF, AccelTCG:
 		accel = c.Accel
 	default:

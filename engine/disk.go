@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/qmp"
@@ -190,7 +191,7 @@ func qemuImgCreate(ctx context.Context, qemuImg, path string, backing diskLayer,
 		// An overlay smaller than its chain shows the guest a truncated disk.
 		return fmt.Errorf("%w: overlay %s of %d bytes", ErrInvalidSpec, path, size)
 	}
-	out, err := boundOutput(exec.CommandContext(ctx, qemuImg, "create", "-q", "-u", "-f", "qcow2", "-o", "cluster_size=65536",
+	out, err := platform.BoundOutput(exec.CommandContext(ctx, qemuImg, "create", "-q", "-u", "-f", "qcow2", "-o", "cluster_size=65536",
 		"-F", backing.Format, "-b", backing.Path, path, strconv.FormatInt(size, 10)))
 	if err != nil {
 		os.Remove(path)

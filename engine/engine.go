@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"golang.org/x/sync/semaphore"
 	"golang.org/x/sys/unix"
 )
@@ -84,7 +85,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	if n := r.Experimental.RestoreConcurrency; n > 0 {
 		e.adm.slots = semaphore.NewWeighted(int64(n))
 	}
-	if err := checkRAMDirPages(e.paths.ram); err != nil {
+	if err := platform.CheckRAMDirPages(e.paths.ram); err != nil {
 		return fail(err)
 	}
 	if err := e.lock(ctx); err != nil {

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -158,7 +159,7 @@ func (e *Engine) flattenLater(ck *checkpointManifest) {
 // a flatten copies the lineage's data (hundreds of MiB) while forks and checkpoints of the
 // same tree run, and those must not wait for it.
 func (e *Engine) flattenLoop(ctx context.Context) {
-	backgroundThread()
+	platform.BackgroundThread()
 	f := e.flat
 	for {
 		// Popped and marked running at once: forget sees it queued or running.

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/procinfo"
 )
 
@@ -306,7 +307,7 @@ func (h hostProbe) cgroupMounts() (v1, v2 string, err error) {
 		if len(pf) < 5 || len(qf) < 1 {
 			continue
 		}
-		mnt := unescapeMount(pf[4])
+		mnt := platform.UnescapeMount(pf[4])
 		switch qf[0] {
 		case "cgroup2":
 			if v2 == "" {

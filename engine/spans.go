@@ -3,6 +3,7 @@ package engine
 import (
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/kcounters"
 )
 
@@ -37,6 +38,12 @@ func RAMHolesPath(stateDir, ramFile string) string {
 
 // stamp is one instant on the two clocks of a Span, in nanoseconds.
 type stamp struct{ mono, boot int64 }
+
+// clockStamp reads both clocks now (see platform.ClockStamp).
+func clockStamp() stamp {
+	mono, boot := platform.ClockStamp()
+	return stamp{mono: mono, boot: boot}
+}
 
 // phaseClock takes the phase timings of a create or a fork in one place: each lap is the
 // time since the previous lap (or skip). Phases named by begin are also recorded as

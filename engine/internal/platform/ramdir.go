@@ -1,4 +1,4 @@
-package engine
+package platform
 
 import (
 	"bufio"
@@ -32,7 +32,7 @@ func hugeShmemMount(mountinfo io.Reader, dir string) (bool, string) {
 		if len(f) < 5 || sep < 0 || sep+3 >= len(f) {
 			continue
 		}
-		mp := unescapeMount(f[4])
+		mp := UnescapeMount(f[4])
 		if !(dir == mp || mp == "/" || strings.HasPrefix(dir, mp+"/")) || len(mp) <= best {
 			continue
 		}
@@ -49,8 +49,8 @@ func hugeShmemMount(mountinfo io.Reader, dir string) (bool, string) {
 	return huge, bestOpt
 }
 
-// unescapeMount undoes mountinfo's octal escapes (\040 for a space, ...).
-func unescapeMount(s string) string {
+// UnescapeMount undoes mountinfo's octal escapes (\040 for a space, ...).
+func UnescapeMount(s string) string {
 	if !strings.Contains(s, `\`) {
 		return s
 	}

@@ -1,4 +1,4 @@
-package engine
+package platform
 
 import (
 	"fmt"
@@ -13,11 +13,11 @@ import (
 )
 
 // TestBoundOutputDiesWithTheEngine kills (SIGKILL) a process that runs a child through
-// boundOutput: the child goes too, as a qemu-img of a killed engine must not go on
+// BoundOutput: the child goes too, as a qemu-img of a killed engine must not go on
 // writing into a checkpoint the next engine reaps.
 func TestBoundOutputDiesWithTheEngine(t *testing.T) {
 	if f := os.Getenv("FORKVM_BOUND_HELPER"); f != "" {
-		boundOutput(exec.Command("sh", "-c", `echo $$ > "$0"; exec sleep 60`, f))
+		BoundOutput(exec.Command("sh", "-c", `echo $$ > "$0"; exec sleep 60`, f))
 		os.Exit(0)
 	}
 	pidFile := filepath.Join(t.TempDir(), "pid")

@@ -1,10 +1,11 @@
 //go:build linux
 
-package engine
+package platform
 
 import (
 	"unsafe"
 
+	"github.com/forkvm/forkvm/api"
 	"golang.org/x/sys/unix"
 )
 
@@ -29,18 +30,18 @@ type kvmCPUID2 struct {
 	Entries [maxCPUIDEntries]kvmCPUIDEntry2
 }
 
-// detectAccel returns "kvm" when /dev/kvm is usable, else "tcg".
+// DetectAccel returns "kvm" when /dev/kvm is usable, else "tcg".
 //
 // "Usable" is probed, not assumed from the device node: some sandboxes expose a /dev/kvm
 // that opens and creates VMs but cannot run a guest (measured on the forkvm CI machines:
 // QEMU aborts setting MSRs, and the supported CPUID lacks even SSE3). We require the
 // stable API version, a VM to be creatable and the supported CPUID to include SSE3,
 // which every x86-64 CPU since 2004 has.
-func detectAccel() Accel {
+func DetectAccel() api.Accel {
 	if kvmUsable() {
-		return AccelKVM
+		return api.AccelKVM
 	}
-	return AccelTCG
+	return api.AccelTCG
 }
 
 func kvmUsable() bool {

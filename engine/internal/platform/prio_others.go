@@ -1,0 +1,16 @@
+//go:build !linux
+
+package platform
+
+import (
+	"os/exec"
+	"runtime"
+)
+
+// BackgroundThread pins the calling goroutine to its OS thread (there is no per-thread
+// priority to lower here; see the Linux build).
+func BackgroundThread() { runtime.LockOSThread() }
+
+// BoundOutput runs cmd to its end, its output combined (there is no parent-death signal
+// here; see the Linux build).
+func BoundOutput(cmd *exec.Cmd) ([]byte, error) { return cmd.CombinedOutput() }
