@@ -9,6 +9,7 @@ import (
 	"github.com/forkvm/forkvm/memfile"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/console"
 )
 
 // CheckpointOptions tune Checkpoint: api.CheckpointOptions documents Pin and Handoff.
@@ -76,7 +77,7 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	}
 	defer w.cleanup()
 	w.marker = e.cfg.Markers
-	saveConsoleHistory(m.Launch.SerialLog, w.tmp)
+	console.SaveHistory(m.Launch.SerialLog, w.tmp)
 	w.ck = &checkpointManifest{
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: implicit,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,

@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
@@ -178,6 +179,9 @@ func guestAppend(accel Accel, user string) string {
 // reserved for a console, so the agent needs 2. QEMU's default of 31 ports means 64
 // virtqueues, each with an eventfd that the main loop polls on every wake-up.
 const defaultAgentPorts = 2
+
+// consoleSocket is the socket QEMU's serial port connects to.
+func (l *launch) consoleSocket() string { return filepath.Join(l.RunDir, console.SockName) }
 
 // qmpSocket is the path of the QMP socket of a launch.
 func (l *launch) qmpSocket() string { return filepath.Join(l.RunDir, qmpSockName) }

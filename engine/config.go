@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/internal/guestboot"
 )
@@ -182,7 +183,7 @@ func (c Config) resolve() (*resolved, error) {
 	if c.RunDir == "" {
 		c.RunDir = filepath.Join(c.StateDir, "run")
 		// <rundir>/<name(48)>/console.sock must fit in sun_path (107 bytes).
-		if len(c.RunDir)+1+MaxNameLen+1+len(consoleSockName) > 100 {
+		if len(c.RunDir)+1+MaxNameLen+1+len(console.SockName) > 100 {
 			c.RunDir, sharedRun = filepath.Join(os.TempDir(), "forkvm-"+tag), true
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"path"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/tarstream"
 	"github.com/forkvm/forkvm/vsockd"
 )
@@ -118,7 +119,7 @@ func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
 	p := vm.serialLog()
 	fail := func(err error) error { return fmt.Errorf("engine: logs %s: %w", vm.Name(), err) }
 	// The rotated half first (it may be missing).
-	if old, err := os.Open(p + rotatedLogSuffix); err == nil {
+	if old, err := os.Open(p + console.RotatedSuffix); err == nil {
 		_, err := io.Copy(w, old)
 		old.Close()
 		if err != nil {
@@ -128,7 +129,7 @@ func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
 	f, err := os.Open(p)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
-			if _, serr := os.Stat(p + rotatedLogSuffix); serr == nil && !follow {
+			if _, serr := os.Stat(p + console.RotatedSuffix); serr == nil && !follow {
 				return nil
 			}
 			return fmt.Errorf("%w: %s has no console log", ErrNotFound, vm.Name())

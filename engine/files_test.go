@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/engine/internal/console"
 )
 
 type syncBuf struct {
@@ -105,5 +107,25 @@ func TestLogs(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("following did not end with ctx")
+	}
+}
+
+// TestLogsOfASeededFork: a fork's Logs, before its QEMU wrote anything, is its
+// checkpoint's console and the line saying where the fork begins.
+func TestLogsOfASeededFork(t *testing.T) {
+	dir := t.TempDir()
+	logPath := filepath.Join(dir, serialLogFile)
+	os.WriteFile(logPath+console.RotatedSuffix, []byte("boot\n"), 0o600)
+	os.WriteFile(logPath, []byte("later\n"), 0o600)
+	ck := filepath.Join(dir, "ck")
+	os.Mkdir(ck, 0o700)
+	console.SaveHistory(logPath, ck)
+	forkLog := filepath.Join(dir, "f1.log")
+	console.SeedFork(ck, "ck1", forkLog, "f1")
+	vm := newVM(dir, nil, &manifest{Name: "f1", Launch: launch{SerialLog: forkLog}})
+	var out bytes.Buffer
+	want := "boot\nlater\nforkvm: ---- the console of checkpoint ck1 above; fork f1 starts here ----\n"
+	if err := vm.Logs(context.Background(), false, &out); err != nil || out.String() != want {
+		t.Errorf("fork Logs before its QEMU wrote = %q, %v; want %q", out.String(), err, want)
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"os"
 	"time"
+
+	"github.com/forkvm/forkvm/engine/internal/console"
 )
 
 // prepareFork is the first stage of a fork (or of a warm-pool process): the manifest, the
@@ -33,7 +35,7 @@ func forkDir(ctx context.Context, paths layout, log *slog.Logger, c *Checkpoint,
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("engine: create %s: %w", dir, err)
 	}
-	seedForkConsole(c.Dir, ck.Name, m.Launch.SerialLog, m.Name)
+	console.SeedFork(c.Dir, ck.Name, m.Launch.SerialLog, m.Name)
 	if len(ck.Disk) > 0 {
 		layers, err := forkDisk(ctx, ck, dir)
 		if err != nil {

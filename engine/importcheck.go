@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/memfile"
 	"golang.org/x/sys/unix"
 )
@@ -61,9 +62,9 @@ func importBound(ck *checkpointManifest, w exportFile, f api.CheckpointFile) err
 		if limit := (ck.RAMSize/memfile.PageSize/2 + 1) * 16; f.Size > limit || f.Size%16 != 0 {
 			return bad("a hole list of this RAM holds at most", limit)
 		}
-	case w.name == consoleHistoryFile:
-		if f.Size > consoleLogHalf {
-			return bad("a console history holds at most", consoleLogHalf)
+	case w.name == console.HistoryFile:
+		if f.Size > console.LogHalf {
+			return bad("a console history holds at most", console.LogHalf)
 		}
 	case w.name == exportKernel || w.path == ck.ForkKernel && ck.ForkKernel != "":
 		if f.Size > maxBootFileBytes {

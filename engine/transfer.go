@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -179,7 +180,7 @@ func exportFiles(l layout, ck *checkpointManifest, dir string) ([]exportFile, er
 	if ck.RAMHolesSHA256 != "" {
 		inDir(ramHolesFile)
 	}
-	out = append(out, exportFile{name: consoleHistoryFile, path: filepath.Join(dir, consoleHistoryFile), optional: true})
+	out = append(out, exportFile{name: console.HistoryFile, path: filepath.Join(dir, console.HistoryFile), optional: true})
 	for _, d := range p.Disk {
 		inDir(d.Path)
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/vsockd"
 )
@@ -189,7 +190,7 @@ func (vm *VM) start(ctx context.Context) error {
 	if err := vm.update(func(*vmState) {}); err != nil {
 		return err
 	}
-	keeper, err := startConsoleKeeper(l.consoleSocket(), l.SerialLog)
+	keeper, err := console.Start(l.consoleSocket(), l.SerialLog)
 	if err != nil {
 		return err
 	}
@@ -570,12 +571,12 @@ func (l layout) removeVMFiles(name string, m *manifest) {
 			os.Remove(m.Launch.RAM.Path)
 		}
 		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
-			stopConsoleKeeper(m.Launch.RunDir, m.Launch.SerialLog)
+			console.Stop(m.Launch.RunDir, m.Launch.SerialLog)
 			os.RemoveAll(m.Launch.RunDir)
 		}
 	}
 	os.Remove(l.vmRAM(name))
-	stopConsoleKeeper(l.runDir(name), filepath.Join(l.vmDir(name), serialLogFile))
+	console.Stop(l.runDir(name), filepath.Join(l.vmDir(name), serialLogFile))
 	os.RemoveAll(l.runDir(name))
 	os.RemoveAll(l.vmDir(name))
 }

@@ -1,4 +1,23 @@
-package engine
+// Package console is the guest console, bounded: the console keeper and its log.
+//
+// A guest prints as fast as it likes on its serial port, and QEMU's file chardev
+// appends without limit: a hostile guest fills the host's disk. So QEMU never writes
+// the log itself. Its serial port is a unix socket client of a console keeper, a small
+// process of its own (this binary, re-executed: see init) that the engine starts
+// before each QEMU. The keeper appends what it reads to StateDir/vms/NAME/serial.log
+// and rotates it to serial.log.1 when it reaches LogHalf, so the console
+// takes at most 2 × LogHalf on disk: the last output, older output dropped.
+//
+// The keeper lives as long as its QEMU, not as long as the engine: VMs outlive the
+// process that made them, and so does the cap. It exits when QEMU closes the
+// connection (QEMU exited) or when no QEMU connected within keeperAcceptWait. If the
+// keeper is killed, QEMU's socket chardev drops the console output: nothing is written
+// anywhere until the VM is restarted. A guest that prints faster than the keeper
+// writes is slowed down (the socket fills), never the host.
+//
+// The surface: Start a keeper before QEMU, Stop it when the VM's files go, Tail the
+// log, SaveHistory into a checkpoint and SeedFork a fork's log from it.
+package console
 
 import (
 	"errors"
@@ -17,45 +36,28 @@ import (
 	"github.com/forkvm/forkvm/procinfo"
 )
 
-// The guest console, bounded.
-//
-// A guest prints as fast as it likes on its serial port, and QEMU's file chardev
-// appends without limit: a hostile guest fills the host's disk. So QEMU never writes
-// the log itself. Its serial port is a unix socket client of a console keeper, a small
-// process of its own (this binary, re-executed: see init) that the engine starts
-// before each QEMU. The keeper appends what it reads to StateDir/vms/NAME/serial.log
-// and rotates it to serial.log.1 when it reaches consoleLogHalf, so the console
-// takes at most 2 × consoleLogHalf on disk: the last output, older output dropped.
-//
-// The keeper lives as long as its QEMU, not as long as the engine: VMs outlive the
-// process that made them, and so does the cap. It exits when QEMU closes the
-// connection (QEMU exited) or when no QEMU connected within keeperAcceptWait. If the
-// keeper is killed, QEMU's socket chardev drops the console output: nothing is written
-// anywhere until the VM is restarted. A guest that prints faster than the keeper
-// writes is slowed down (the socket fills), never the host.
-
 const (
-	// consoleLogHalf bounds each of serial.log and serial.log.1.
-	consoleLogHalf = 512 << 10
-	// rotatedLogSuffix names the previous half of the console log.
-	rotatedLogSuffix = ".1"
+	// LogHalf bounds each of serial.log and serial.log.1.
+	LogHalf = 512 << 10
+	// RotatedSuffix names the previous half of the console log.
+	RotatedSuffix = ".1"
 	// consoleKeeperEnv marks a process started as a console keeper.
 	consoleKeeperEnv = "FORKVM_ENGINE_CONSOLE_KEEPER"
 	// consoleKeeperArg0 is the keeper's argv[0] (what ps shows); argv[1] is the log.
 	consoleKeeperArg0 = "forkvm-console"
 	// keeperAcceptWait is how long a keeper waits for its QEMU to connect.
 	keeperAcceptWait = time.Minute
-	// consoleSockName is the console's socket in a VM's run directory.
-	consoleSockName = "console.sock"
-	// consoleHistoryFile is the console tail a checkpoint keeps for its forks.
-	consoleHistoryFile = "console.log"
+	// SockName is the console's socket in a VM's run directory.
+	SockName = "console.sock"
+	// HistoryFile is the console tail a checkpoint keeps for its forks.
+	HistoryFile = "console.log"
 	// consoleKeeperFile in a VM's run directory records its keeper ("PID STARTTIME").
 	consoleKeeperFile = "console.pid"
 	// keeperExitWait bounds how long removing a VM waits for its keeper to be gone.
 	keeperExitWait = time.Second
 )
 
-// init turns a process started by startConsoleKeeper into the keeper: every binary
+// init turns a process started by Start into the keeper: every binary
 // that embeds the engine can serve as its own console keeper, so none has to be
 // installed beside it. It runs before the program's main and never returns.
 func init() {
@@ -63,9 +65,6 @@ func init() {
 		os.Exit(runConsoleKeeper(os.Args[1]))
 	}
 }
-
-// consoleSocket is the socket QEMU's serial port connects to.
-func (l *launch) consoleSocket() string { return filepath.Join(l.RunDir, consoleSockName) }
 
 // selfExe is the running binary, for re-executing it as a keeper (on Linux the
 // kernel's link, which works even when the file was replaced or deleted).
@@ -76,11 +75,11 @@ func selfExe() (string, error) {
 	return os.Executable()
 }
 
-// startConsoleKeeper listens on sock and starts the keeper that appends what its QEMU
+// Start listens on sock and starts the keeper that appends what its QEMU
 // sends there to logPath. The listener exists before the keeper runs, so QEMU can
 // connect as soon as it starts. The caller kills the returned process if QEMU never
 // starts (else it exits on its own after keeperAcceptWait).
-func startConsoleKeeper(sock, logPath string) (*os.Process, error) {
+func Start(sock, logPath string) (*os.Process, error) {
 	if err := os.Remove(sock); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("engine: console socket: %w", err)
 	}
@@ -119,14 +118,14 @@ func startConsoleKeeper(sock, logPath string) (*os.Process, error) {
 	return p, nil
 }
 
-// stopConsoleKeeper ends the keeper of the VM whose run directory is runDir and whose
+// Stop ends the keeper of the VM whose run directory is runDir and whose
 // console log is logPath, when the VM's files are removed (its QEMU is gone, so the
 // keeper is about to exit anyway), and waits up to keeperExitWait for it to be gone:
 // nothing of a deleted VM outlives its deletion. The keeper recorded in runDir is only
 // signalled while its start time matches the record. An engine killed between starting
 // a keeper and recording it leaves one unrecorded: it is found by its exact argv
 // (argv[0] forkvm-console, argv[1] this VM's log, a path in this state directory).
-func stopConsoleKeeper(runDir, logPath string) {
+func Stop(runDir, logPath string) {
 	type keeper struct {
 		pid   int
 		start uint64
@@ -179,7 +178,7 @@ func runConsoleKeeper(logPath string) int {
 		return 1
 	}
 	defer conn.Close()
-	rl := &rotatingLog{path: logPath, half: consoleLogHalf}
+	rl := &rotatingLog{path: logPath, half: LogHalf}
 	defer rl.close()
 	buf := make([]byte, 32<<10)
 	for {
@@ -242,7 +241,7 @@ func (r *rotatingLog) write(p []byte) {
 func (r *rotatingLog) rotate() {
 	r.f.Close()
 	r.f = nil
-	os.Rename(r.path, r.path+rotatedLogSuffix)
+	os.Rename(r.path, r.path+RotatedSuffix)
 	f, err := os.OpenFile(r.path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|os.O_APPEND, 0o600)
 	if err != nil {
 		return
@@ -256,12 +255,12 @@ func (r *rotatingLog) close() {
 	}
 }
 
-// consoleTail copies the last max bytes of the console log at logPath (serial.log.1
+// Tail copies the last max bytes of the console log at logPath (serial.log.1
 // then serial.log) to w.
-func consoleTail(logPath string, max int64, w io.Writer) error {
+func Tail(logPath string, max int64, w io.Writer) error {
 	var parts []*os.File
 	var total int64
-	for _, p := range []string{logPath + rotatedLogSuffix, logPath} {
+	for _, p := range []string{logPath + RotatedSuffix, logPath} {
 		f, err := os.Open(p)
 		if errors.Is(err, fs.ErrNotExist) {
 			continue
@@ -297,29 +296,29 @@ func consoleTail(logPath string, max int64, w io.Writer) error {
 	return nil
 }
 
-// saveConsoleHistory keeps the tail of VM logPath's console in checkpoint directory
+// SaveHistory keeps the tail of VM logPath's console in checkpoint directory
 // dir, for its forks' logs. Best effort: a checkpoint does not fail for its console.
-func saveConsoleHistory(logPath, dir string) {
-	f, err := os.OpenFile(filepath.Join(dir, consoleHistoryFile), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+func SaveHistory(logPath, dir string) {
+	f, err := os.OpenFile(filepath.Join(dir, HistoryFile), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
 		return
 	}
 	defer f.Close()
-	consoleTail(logPath, consoleLogHalf, f)
+	Tail(logPath, LogHalf, f)
 }
 
-// seedForkConsole starts fork name's console log with its checkpoint's console (from
+// SeedFork starts fork name's console log with its checkpoint's console (from
 // checkpoint directory ckDir) and a line saying where the fork begins, as the rotated
 // half: the fork's own output replaces it once it fills a half. A checkpoint without
 // a console history (made before it was kept) gets only the line.
-func seedForkConsole(ckDir, ckName, logPath, name string) {
-	f, err := os.OpenFile(logPath+rotatedLogSuffix, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+func SeedFork(ckDir, ckName, logPath, name string) {
+	f, err := os.OpenFile(logPath+RotatedSuffix, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
 		return
 	}
 	defer f.Close()
-	hist, err := os.ReadFile(filepath.Join(ckDir, consoleHistoryFile))
-	if max := consoleLogHalf - 256; len(hist) > max { // room for the line below
+	hist, err := os.ReadFile(filepath.Join(ckDir, HistoryFile))
+	if max := LogHalf - 256; len(hist) > max { // room for the line below
 		hist = hist[len(hist)-max:]
 	}
 	f.Write(hist)

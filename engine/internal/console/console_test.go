@@ -1,8 +1,7 @@
-package engine
+package console
 
 import (
 	"bytes"
-	"context"
 	"net"
 	"os"
 	"path/filepath"
@@ -16,12 +15,12 @@ import (
 
 // TestConsoleKeeperBounded runs a real keeper (this test binary, re-executed) and
 // sends it far more than the cap, as a guest flooding its console would: the log
-// stays within 2 × consoleLogHalf, holds the end of the output, is private, and the
+// stays within 2 × LogHalf, holds the end of the output, is private, and the
 // keeper exits when its QEMU (here the test) closes the connection.
 func TestConsoleKeeperBounded(t *testing.T) {
 	dir := t.TempDir()
-	sock, logPath := filepath.Join(dir, consoleSockName), filepath.Join(dir, serialLogFile)
-	p, err := startConsoleKeeper(sock, logPath)
+	sock, logPath := filepath.Join(dir, SockName), filepath.Join(dir, "serial.log")
+	p, err := Start(sock, logPath)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -32,7 +31,7 @@ func TestConsoleKeeperBounded(t *testing.T) {
 	}
 	line := bytes.Repeat([]byte("A"), 1023)
 	line = append(line, '\n')
-	const total = 5 * consoleLogHalf
+	const total = 5 * LogHalf
 	for n := 0; n < total; n += len(line) {
 		if _, err := c.Write(line); err != nil {
 			t.Fatal(err)
@@ -48,29 +47,28 @@ func TestConsoleKeeperBounded(t *testing.T) {
 		t.Fatalf("keeper %d still runs after its connection closed", p.Pid)
 	}
 	var size int64
-	for _, f := range []string{logPath, logPath + rotatedLogSuffix} {
+	for _, f := range []string{logPath, logPath + RotatedSuffix} {
 		st, err := os.Stat(f)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if st.Size() > consoleLogHalf {
-			t.Errorf("%s: %d bytes, cap %d", f, st.Size(), consoleLogHalf)
+		if st.Size() > LogHalf {
+			t.Errorf("%s: %d bytes, cap %d", f, st.Size(), LogHalf)
 		}
 		if st.Mode().Perm() != 0o600 {
 			t.Errorf("%s: mode %v, want 0600", f, st.Mode().Perm())
 		}
 		size += st.Size()
 	}
-	if size > 2*consoleLogHalf || size < consoleLogHalf {
-		t.Errorf("console log holds %d bytes of %d sent; want between %d and %d", size, total, consoleLogHalf, 2*consoleLogHalf)
+	if size > 2*LogHalf || size < LogHalf {
+		t.Errorf("console log holds %d bytes of %d sent; want between %d and %d", size, total, LogHalf, 2*LogHalf)
 	}
-	vm := newVM(dir, nil, &manifest{Name: "k", Launch: launch{SerialLog: logPath}})
 	var out bytes.Buffer
-	if err := vm.Logs(context.Background(), false, &out); err != nil {
+	if err := Tail(logPath, 2*LogHalf, &out); err != nil {
 		t.Fatal(err)
 	}
 	if int64(out.Len()) != size || !strings.HasSuffix(out.String(), "A\nthe end\n") {
-		t.Errorf("Logs: %d bytes ending %q; want %d ending with the last line", out.Len(), out.String()[max(0, out.Len()-20):], size)
+		t.Errorf("Tail: %d bytes ending %q; want %d ending with the last line", out.Len(), out.String()[max(0, out.Len()-20):], size)
 	}
 }
 
@@ -78,29 +76,24 @@ func TestConsoleKeeperBounded(t *testing.T) {
 // fork's log starts with it and a line naming the fork.
 func TestConsoleTailAndFork(t *testing.T) {
 	dir := t.TempDir()
-	logPath := filepath.Join(dir, serialLogFile)
-	os.WriteFile(logPath+rotatedLogSuffix, []byte("boot\n"), 0o600)
+	logPath := filepath.Join(dir, "serial.log")
+	os.WriteFile(logPath+RotatedSuffix, []byte("boot\n"), 0o600)
 	os.WriteFile(logPath, []byte("later\n"), 0o600)
 	ck := filepath.Join(dir, "ck")
 	os.Mkdir(ck, 0o700)
-	saveConsoleHistory(logPath, ck)
-	if b, _ := os.ReadFile(filepath.Join(ck, consoleHistoryFile)); string(b) != "boot\nlater\n" {
+	SaveHistory(logPath, ck)
+	if b, _ := os.ReadFile(filepath.Join(ck, HistoryFile)); string(b) != "boot\nlater\n" {
 		t.Fatalf("history %q", b)
 	}
 	var tail bytes.Buffer
-	if err := consoleTail(logPath, 8, &tail); err != nil || tail.String() != "t\nlater\n" {
+	if err := Tail(logPath, 8, &tail); err != nil || tail.String() != "t\nlater\n" {
 		t.Errorf("tail 8 = %q, %v", tail.String(), err)
 	}
 	forkLog := filepath.Join(dir, "f1.log")
-	seedForkConsole(ck, "ck1", forkLog, "f1")
-	b, _ := os.ReadFile(forkLog + rotatedLogSuffix)
+	SeedFork(ck, "ck1", forkLog, "f1")
+	b, _ := os.ReadFile(forkLog + RotatedSuffix)
 	if want := "boot\nlater\nforkvm: ---- the console of checkpoint ck1 above; fork f1 starts here ----\n"; string(b) != want {
 		t.Errorf("fork console %q, want %q", b, want)
-	}
-	vm := newVM(dir, nil, &manifest{Name: "f1", Launch: launch{SerialLog: forkLog}})
-	var out bytes.Buffer
-	if err := vm.Logs(context.Background(), false, &out); err != nil || out.String() != string(b) {
-		t.Errorf("fork Logs before its QEMU wrote = %q, %v", out.String(), err)
 	}
 }
 
@@ -110,9 +103,9 @@ func TestConsoleTailAndFork(t *testing.T) {
 func TestStopConsoleKeeper(t *testing.T) {
 	for _, recorded := range []bool{true, false} {
 		dir := t.TempDir()
-		sock := filepath.Join(dir, consoleSockName)
-		logPath := filepath.Join(dir, serialLogFile)
-		p, err := startConsoleKeeper(sock, logPath)
+		sock := filepath.Join(dir, SockName)
+		logPath := filepath.Join(dir, "serial.log")
+		p, err := Start(sock, logPath)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -128,11 +121,11 @@ func TestStopConsoleKeeper(t *testing.T) {
 		}
 		defer c.Close()
 		// Another VM's log path, and no record: nothing to do.
-		stopConsoleKeeper(t.TempDir(), filepath.Join(t.TempDir(), serialLogFile))
+		Stop(t.TempDir(), filepath.Join(t.TempDir(), "serial.log"))
 		if _, err := qemu.ProcStartTime(p.Pid); err != nil {
 			t.Fatalf("recorded=%v: keeper %d ended by another VM's removal", recorded, p.Pid)
 		}
-		stopConsoleKeeper(dir, logPath)
+		Stop(dir, logPath)
 		if _, err := qemu.ProcStartTime(p.Pid); err == nil {
 			t.Errorf("recorded=%v: keeper %d still runs", recorded, p.Pid)
 		}
