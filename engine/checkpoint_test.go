@@ -4,12 +4,15 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // writeCheckpoint hand-makes a valid checkpoint under cfg's dirs: manifest, state.mig and
@@ -339,6 +342,280 @@ func TestForkManyValidation(t *testing.T) {
 			ch, err := e.ForkMany(ctx, "nosuch", tc.n, &tc.opts)
 			if !errors.Is(err, tc.want) || ch != nil {
 				t.Errorf("ForkMany = %v, %v; want %v", ch, err, tc.want)
+			}
+		})
+	}
+}
+
+// TestCheckpointingMarkerShape: every kind writes the marker through one function, in
+// one shape: the checkpoint, whether it hands off, the VM's RAM file, the checkpoint's
+// RAM file being written and the VM's next overlay.
+func TestCheckpointingMarkerShape(t *testing.T) {
+	for _, handoff := range []bool{false, true} {
+		dir := t.TempDir()
+		vm := newVM(dir, nil, &manifest{Name: "w", Launch: launch{RAM: ramBacking{Path: "/ram/vm-w.ram", Shared: true}}})
+		w := &ckWriter{ck: &checkpointManifest{Name: "c"}, ramTmp: "/ram/ck-c.ram.tmp-1"}
+		if err := vm.locked(func(s *vmState) error { return w.mark(vm, s, handoff, "/vms/w/disk1.qcow2") }); err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(filepath.Join(dir, checkpointingFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var fields map[string]any
+		if err := json.Unmarshal(b, &fields); err != nil {
+			t.Fatal(err)
+		}
+		for _, k := range []string{"checkpoint", "ram", "ram_tmp", "new_top"} {
+			if _, ok := fields[k]; !ok {
+				t.Errorf("handoff %v: marker %s lacks %q", handoff, b, k)
+			}
+		}
+		mk, ok := readCheckpointing(filepath.Join(dir, checkpointingFile))
+		want := checkpointing{Checkpoint: "c", Handoff: handoff, RAM: "/ram/vm-w.ram", RAMTmp: "/ram/ck-c.ram.tmp-1", NewTop: "/vms/w/disk1.qcow2"}
+		if !ok || mk != want {
+			t.Errorf("handoff %v: read back %+v, %v; want %+v", handoff, mk, ok, want)
+		}
+	}
+}
+
+// TestRecoverOldMarkers: the markers earlier builds wrote (the name alone for a world,
+// delta or full-save checkpoint; the handoff's own fields; a marker that does not
+// decode) are settled by the next engine as they were: the marker goes, the VM is
+// re-adopted, a handoff that never committed gets its RAM file back and loses the
+// overlay it prepared, and one that committed finishes (here: its restart fails, no
+// QEMU, so the VM is kept dead with the reason).
+func TestRecoverOldMarkers(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		marker    func(cfg *Config, m *manifest) string
+		committed bool
+		ramTmp    bool // the RAM file is at the marker's ram_tmp
+		wantState State
+		wantDead  string // in the dead reason
+	}{
+		{name: "world", marker: func(*Config, *manifest) string { return `{"checkpoint":"c1"}` }, wantState: StateRunning},
+		{name: "garbled", marker: func(*Config, *manifest) string { return `{"checkpoint":` }, wantState: StateRunning},
+		{name: "handoff not committed", ramTmp: true, wantState: StateRunning, marker: func(cfg *Config, m *manifest) string {
+			return `{"checkpoint":"c1","handoff":true,"ram":"` + m.Launch.RAM.Path + `","ram_tmp":"` + filepath.Join(cfg.RAMDir, "ck-c1.ram.tmp-ab12") +
+				`","new_top":"` + filepath.Join(cfg.StateDir, "vms", m.Name, "disk1.qcow2") + `"}`
+		}},
+		{name: "handoff committed", committed: true, wantState: StateDead, wantDead: "handoff to checkpoint c1 cut short", marker: func(cfg *Config, m *manifest) string {
+			return `{"checkpoint":"c1","handoff":true,"ram":"` + m.Launch.RAM.Path + `","ram_tmp":"` + filepath.Join(cfg.RAMDir, "ck-c1.ram.tmp-ab12") + `"}`
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig(t)
+			vms := filepath.Join(cfg.StateDir, "vms")
+			m := vmManifest(cfg, "w", StateRunning, deadPID(t))
+			writeVMManifest(t, vms, "w", m)
+			newTop := filepath.Join(vms, "w", "disk1.qcow2")
+			touch(t, newTop, 0)
+			ramTmp := filepath.Join(cfg.RAMDir, "ck-c1.ram.tmp-ab12")
+			if tc.ramTmp {
+				touch(t, ramTmp, 2<<20)
+			} else {
+				touch(t, m.Launch.RAM.Path, 2<<20)
+			}
+			if tc.committed {
+				writeCheckpoint(t, cfg, "c1", nil)
+			}
+			marker := filepath.Join(vms, "w", checkpointingFile)
+			if err := os.WriteFile(marker, []byte(tc.marker(cfg, m)), 0o600); err != nil {
+				t.Fatal(err)
+			}
+
+			e := newTestEngine(t, cfg)
+
+			if exists(marker) {
+				t.Errorf("the marker survived New")
+			}
+			vm, err := e.vms.get("w")
+			if err != nil {
+				t.Fatalf("w not re-adopted: %v", err)
+			}
+			st := vm.snapshot()
+			state, reason := st.State, st.DeadReason
+			if state != tc.wantState || !strings.Contains(reason, tc.wantDead) {
+				t.Errorf("w is %s (%q), want %s (%q)", state, reason, tc.wantState, tc.wantDead)
+			}
+			if tc.ramTmp {
+				if !exists(m.Launch.RAM.Path) || exists(ramTmp) {
+					t.Errorf("the RAM file was not put back (at %s: %v, at %s: %v)", m.Launch.RAM.Path, exists(m.Launch.RAM.Path), ramTmp, exists(ramTmp))
+				}
+				if exists(newTop) {
+					t.Errorf("the overlay the handoff prepared survived")
+				}
+			}
+			if tc.committed {
+				if _, err := e.LoadCheckpoint(t.Context(), "c1"); err != nil {
+					t.Errorf("the committed checkpoint: %v", err)
+				}
+			}
+		})
+	}
+}
+
+// writeDeltaCheckpoint hand-makes a delta checkpoint over root: its RAM file is a hard link
+// to root's, its layer directory holds one layer per name in lineage (the last its own)
+// with one page each.
+func writeDeltaCheckpoint(t *testing.T, cfg *Config, name string, root checkpointManifest, lineage []string) checkpointManifest {
+	t.Helper()
+	dir := filepath.Join(cfg.RAMDir, "ck-"+name+".layers")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	var layers []ramLayer
+	for i, anc := range lineage {
+		p := filepath.Join(dir, layerFile(i, anc))
+		f, err := os.Create(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Truncate(root.RAMSize)
+		f.WriteAt([]byte(strings.Repeat(anc, 4096)[:4096]), int64(i)*4096)
+		f.Close()
+		sum, size, err := memfile.LayerDigest(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		layers = append(layers, ramLayer{Checkpoint: anc, Path: p, Size: size, SHA256: sum})
+	}
+	return writeCheckpoint(t, cfg, name, func(c *checkpointManifest) {
+		c.Kind, c.Root, c.Layers, c.RAMMethod = checkpointKindDelta, root.Name, layers, "delta"
+		c.RAMPath = filepath.Join(cfg.RAMDir, "ck-"+name+".ram")
+		os.Link(root.RAMPath, c.RAMPath)
+	})
+}
+
+func TestDeltaCheckpointManifest(t *testing.T) {
+	ck := testCheckpointManifest()
+	ck.Kind, ck.Root, ck.RAMMethod = checkpointKindDelta, "root", "delta"
+	ck.Layers = []ramLayer{{Checkpoint: "a", Path: "/dev/shm/x/ck-b.layers/00-a.layer", Size: 4096, SHA256: strings.Repeat("ab", 32)}}
+	if _, err := decodeCheckpointManifest(mustJSON(t, &ck)); err != nil {
+		t.Fatalf("valid delta manifest refused: %v", err)
+	}
+	for name, mod := range map[string]func(*checkpointManifest){
+		"no layers":            func(c *checkpointManifest) { c.Layers = nil },
+		"unknown kind":         func(c *checkpointManifest) { c.Kind = "future" },
+		"layers on a world":    func(c *checkpointManifest) { c.Kind = "" },
+		"bad root":             func(c *checkpointManifest) { c.Root = "../x" },
+		"bad layer name":       func(c *checkpointManifest) { c.Layers[0].Checkpoint = "a/b" },
+		"unknown device state": func(c *checkpointManifest) { c.DeviceState = "stripped" },
+		"bad layer sum":        func(c *checkpointManifest) { c.Layers[0].SHA256 = "zz" },
+		"relative layer":       func(c *checkpointManifest) { c.Layers[0].Path = "00-a.layer" },
+		"layer too big":        func(c *checkpointManifest) { c.Layers[0].Size = c.RAMSize + 1 },
+	} {
+		c := ck
+		c.Layers = append([]ramLayer(nil), ck.Layers...)
+		mod(&c)
+		if _, err := decodeCheckpointManifest(mustJSON(t, &c)); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	// A manifest written before delta checkpoints (no kind, no layers) still loads.
+	old := string(mustJSON(t, testCheckpointManifest()))
+	if strings.Contains(old, `"kind"`) || strings.Contains(old, `"layers"`) {
+		t.Fatalf("a world manifest carries delta fields: %s", old)
+	}
+}
+
+func TestLoadDeltaCheckpoint(t *testing.T) {
+	cfg := testConfig(t)
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
+	c, err := e.LoadCheckpoint(t.Context(), "d2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Deleting the root keeps the delta whole (its own links).
+	if err := e.DeleteCheckpoint(t.Context(), "root", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.LoadCheckpoint(t.Context(), "d2"); err != nil {
+		t.Fatalf("delta checkpoint after its root was deleted: %v", err)
+	}
+	// A corrupt ancestor layer is named.
+	corruptByte(t, c.Manifest.Layers[0].Path, 10, time.Now().Add(time.Hour))
+	_, err = e.LoadCheckpoint(t.Context(), "d2")
+	if !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d1") {
+		t.Fatalf("corrupt layer of d1: %v", err)
+	}
+	// A missing one too.
+	os.Remove(c.Manifest.Layers[1].Path)
+	if _, err := e.LoadCheckpoint(t.Context(), "d2"); !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d2") {
+		t.Fatalf("missing layer: %v", err)
+	}
+	// Deleting the delta removes its link and its layer directory.
+	if err := e.DeleteCheckpoint(t.Context(), "d2", &DeleteCheckpointOptions{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{c.Manifest.RAMPath, filepath.Join(cfg.RAMDir, "ck-d2.layers")} {
+		if exists(p) {
+			t.Errorf("%s left after delete", p)
+		}
+	}
+}
+
+func TestReapDeltaFiles(t *testing.T) {
+	cfg := testConfig(t)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	d := writeDeltaCheckpoint(t, cfg, "d1", root, []string{"d1"})
+	touch(t, filepath.Join(cfg.RAMDir, "ck-gone.layers", "00-gone.layer"), 4096)
+	touch(t, filepath.Join(cfg.RAMDir, "ck-half.layers.tmp-abcd", "00-half.layer"), 4096)
+	newTestEngine(t, cfg)
+	for _, p := range []string{filepath.Join(cfg.RAMDir, "ck-gone.layers"), filepath.Join(cfg.RAMDir, "ck-half.layers.tmp-abcd")} {
+		if exists(p) {
+			t.Errorf("%s survived New", p)
+		}
+	}
+	for _, p := range []string{d.RAMPath, d.Layers[0].Path, root.RAMPath} {
+		if !exists(p) {
+			t.Errorf("%s was reaped", p)
+		}
+	}
+}
+
+// TestDeviceStateHeader: a fork reads how its checkpoint's device state was saved from
+// the file's header too, and refuses a manifest that disagrees with it.
+func TestDeviceStateHeader(t *testing.T) {
+	dir := t.TempDir()
+	stream := func(b ...byte) []byte { return append([]byte{'Q', 'E', 'V', 'M', 0, 0, 0, 3}, b...) }
+	for _, tc := range []struct {
+		name       string
+		file       []byte
+		manifest   string
+		wantConfig bool
+		wantErr    bool // from hasConfigurationSection
+		refused    bool // by checkDeviceState
+	}{
+		{"migration stream", stream(0x07, 0, 0, 0, 9), "", true, false, false},
+		{"devices only", stream(0x04, 0, 0, 0, 1), DeviceStateDevices, false, false, false},
+		{"stream recorded as devices only", stream(0x07), DeviceStateDevices, true, false, true},
+		{"devices only recorded as a stream", stream(0x04), "", false, false, true},
+		{"short", []byte("QEV"), "", false, true, true},
+		{"not a stream", []byte("hello, world"), "", false, true, true},
+		{"version 2", []byte{'Q', 'E', 'V', 'M', 0, 0, 0, 2, 7}, "", false, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &Checkpoint{Dir: filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "-")), Manifest: checkpointManifest{Name: "ck", DeviceState: tc.manifest}}
+			if err := os.Mkdir(c.Dir, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(c.statePath(), tc.file, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			got, err := hasConfigurationSection(c.statePath())
+			if (err != nil) != tc.wantErr || err == nil && got != tc.wantConfig {
+				t.Errorf("hasConfigurationSection = %v, %v", got, err)
+			}
+			if err != nil && !errors.Is(err, ErrCheckpointCorrupt) {
+				t.Errorf("error %v does not wrap ErrCheckpointCorrupt", err)
+			}
+			err = checkDeviceState(c)
+			if (err != nil) != tc.refused || err != nil && !errors.Is(err, ErrCheckpointCorrupt) {
+				t.Errorf("checkDeviceState = %v, refused want %v", err, tc.refused)
 			}
 		})
 	}
