@@ -1,13 +1,17 @@
 package engine
 
 import (
+	"encoding/binary"
 	"fmt"
+	"io"
+	"os"
 	"path/filepath"
 	"strings"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
+	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
 // launch is the engine's record of how a VM's QEMU is started, saved in its manifest
@@ -242,4 +246,127 @@ func (l *launch) qemuLaunch() qemu.Launch {
 		ql.HostFwd = append(ql.HostFwd, hostfwd(p))
 	}
 	return ql
+}
+
+// The QEMU launches the engine makes. cmdline turns one into argv; these build the data.
+
+// rootDiskArg tells the guest's init to switch into the root file system on the first
+// virtio disk (the image's overlay chain is the VM's only disk).
+const rootDiskArg = guestboot.KernelArgRoot + "=vda"
+
+// bootLaunch is the launch of a new VM that boots the guest image.
+func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *resolved, kernel, initrd string, vsockCID uint32) launch {
+	machine := defaultMachine
+	if spec.VMGenID {
+		machine = vmgenidMachine
+	}
+	l := launch{
+		QEMU: qemu, Accel: accel, TBSizeMiB: cfg.Experimental.TBSizeMiB, CPUModel: cfg.CPUModel,
+		Machine: machine, AgentPorts: defaultAgentPorts, CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB,
+		Kernel: kernel, Initrd: initrd, Append: guestAppend(accel, cfg.KernelArgs), VsockCID: vsockCID,
+		PerfMap: cfg.PerfMap && accel == AccelTCG,
+	}
+	switch {
+	case spec.Image != "":
+		l.Append += " " + rootDiskArg
+	case spec.DiskMiB > 0:
+		l.Append += " forkvm.disk=1"
+	}
+	if spec.Net {
+		l.Append += " " + netKernelArg
+		l.Net, l.Publish = true, append([]PortForward(nil), spec.Publish...)
+	}
+	return l.named(paths, name)
+}
+
+// forkLaunch is the launch of a QEMU that restores checkpoint ck as VM name: a fork, a
+// warm-pool process, or a VM handed off to its own checkpoint. It maps the checkpoint's
+// RAM file privately (copy-on-write) and waits for the device state (-incoming defer).
+// The disk chain is the caller's, and so are the host port forwards (a networked
+// checkpoint's forks get its NIC but no forwards unless the caller sets Publish).
+func forkLaunch(paths layout, qemu, name string, ck *checkpointManifest) launch {
+	l := launch{
+		QEMU: qemu, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
+		AgentPorts: ck.AgentPorts, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB,
+		Kernel: ck.Kernel, Initrd: ck.Initrd, Append: ck.Append,
+		RAM:         ramBacking{Path: ck.RAMPath},
+		Incoming:    true,
+		DevicesOnly: ck.DeviceState == DeviceStateDevices,
+		Net:         ck.Net,
+	}
+	if ck.ForkKernel != "" {
+		l.Kernel, l.Initrd = ck.ForkKernel, ""
+	}
+	if ck.Vsock {
+		// The device set must match the checkpoint's; the context id is the fork's own
+		// (the guest driver re-reads it on the transport reset that follows a restore).
+		l.VsockCID = randomCID()
+	}
+	return l.named(paths, name)
+}
+
+// openedAs returns l with its files (kernel, initrd, RAM file, disk layers) named by
+// their paths in as where it has one: the same files, opened at other names.
+func (l launch) openedAs(as map[string]string) launch {
+	alias := func(p string) string {
+		if q, ok := as[p]; ok {
+			return q
+		}
+		return p
+	}
+	l.Kernel, l.Initrd, l.RAM.Path = alias(l.Kernel), alias(l.Initrd), alias(l.RAM.Path)
+	l.Disk = append([]diskLayer(nil), l.Disk...)
+	for i := range l.Disk {
+		l.Disk[i].Path = alias(l.Disk[i].Path)
+	}
+	return l
+}
+
+// named returns l for VM name: its name and the per-VM paths (run dir, console log).
+func (l launch) named(paths layout, name string) launch {
+	l.Name = name
+	l.RunDir = paths.runDir(name)
+	l.SerialLog = filepath.Join(paths.vmDir(name), serialLogFile)
+	return l
+}
+
+// writeStubKernel writes the first part of an x86 bzImage — its setup sectors plus one
+// page — to dst and reports whether it did. Forks restore a guest that booted long ago,
+// so they never read the kernel QEMU loads for fw_cfg; but -kernel also adds the
+// linuxboot option ROM, a RAM block the migration stream expects. A stub with a valid
+// boot header keeps the machine identical while sparing every fork's QEMU the ~12 MB
+// heap copy of the real kernel.
+// Non-bzImage kernels (arm64 Image) are not stubbed: forks use the real one.
+func writeStubKernel(src, dst string) (bool, error) {
+	f, err := os.Open(src)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	hdr := make([]byte, 0x210)
+	if _, err := io.ReadFull(f, hdr); err != nil {
+		return false, nil
+	}
+	if binary.LittleEndian.Uint32(hdr[0x202:]) != 0x53726448 { // "HdrS"
+		return false, nil
+	}
+	sects := int64(hdr[0x1f1])
+	if sects == 0 {
+		sects = 4
+	}
+	n := (sects+1)*512 + 4096
+	st, err := f.Stat()
+	if err != nil || st.Size() < n {
+		return false, err
+	}
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return false, err
+	}
+	if _, err := io.Copy(out, io.NewSectionReader(f, 0, n)); err != nil {
+		out.Close()
+		os.Remove(dst)
+		return false, err
+	}
+	return true, out.Close()
 }
