@@ -6,13 +6,16 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"runtime"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/platform"
@@ -292,4 +295,407 @@ func randomCID() uint32 {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	return 3 + binary.BigEndian.Uint32(b[:])%(1<<31-3)
+}
+
+// registry holds the engine's VMs by name and the names being made, so that no two
+// VMs or checkpoints share a name. It never holds its lock across QEMU start-up or agent
+// round trips.
+type registry struct {
+	paths layout
+
+	mu       sync.Mutex
+	vms      map[string]*VM
+	parents  map[string]string // VM name -> the checkpoint it was forked from
+	reserved map[string]bool   // names being created (not yet in vms or on disk)
+	closed   bool
+}
+
+func newRegistry(paths layout) *registry {
+	return &registry{paths: paths, vms: map[string]*VM{}, parents: map[string]string{}, reserved: map[string]bool{}}
+}
+
+// reserve claims a valid, unused name for a VM or checkpoint being made; release it
+// with unreserve.
+func (r *registry) reserve(name string) error {
+	if err := ValidateName(name); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return ErrClosed
+	}
+	if r.reserved[name] || r.vms[name] != nil {
+		return fmt.Errorf("%w: %s", ErrExists, name)
+	}
+	if _, err := os.Stat(r.paths.checkpointDir(name)); err == nil {
+		return fmt.Errorf("%w: %s (a checkpoint)", ErrExists, name)
+	}
+	if _, err := os.Stat(r.paths.vmDir(name)); err == nil {
+		return fmt.Errorf("%w: %s", ErrExists, name)
+	}
+	r.reserved[name] = true
+	return nil
+}
+
+func (r *registry) unreserve(name string) {
+	r.mu.Lock()
+	delete(r.reserved, name)
+	r.mu.Unlock()
+}
+
+// get returns the named VM.
+func (r *registry) get(name string) (*VM, error) {
+	if err := ValidateName(name); err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, ErrClosed
+	}
+	vm := r.vms[name]
+	if vm == nil {
+		return nil, fmt.Errorf("%w: vm %s", ErrNotFound, name)
+	}
+	return vm, nil
+}
+
+// add registers a VM. The registry keeps its parent itself, so that listing a
+// checkpoint's forks never waits on a VM's lock (a checkpoint holds it for its length).
+func (r *registry) add(vm *VM) {
+	name, parent := vm.Name(), vm.snapshot().Parent
+	r.mu.Lock()
+	r.vms[name] = vm
+	r.parents[name] = parent
+	r.mu.Unlock()
+}
+
+// setParent records a registered VM's new parent (a handoff makes a world a fork).
+func (r *registry) setParent(name, parent string) {
+	r.mu.Lock()
+	if r.vms[name] != nil {
+		r.parents[name] = parent
+	}
+	r.mu.Unlock()
+}
+
+func (r *registry) remove(name string) {
+	r.mu.Lock()
+	delete(r.vms, name)
+	delete(r.parents, name)
+	r.mu.Unlock()
+}
+
+func (r *registry) has(name string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.vms[name] != nil
+}
+
+// all returns the VMs sorted by name.
+func (r *registry) all() []*VM {
+	r.mu.Lock()
+	vms := make([]*VM, 0, len(r.vms))
+	for _, vm := range r.vms {
+		vms = append(vms, vm)
+	}
+	r.mu.Unlock()
+	sort.Slice(vms, func(i, j int) bool { return vms[i].Name() < vms[j].Name() })
+	return vms
+}
+
+// forksByParent maps each checkpoint to its live forks, sorted.
+func (r *registry) forksByParent() map[string][]string {
+	r.mu.Lock()
+	m := map[string][]string{}
+	for name, parent := range r.parents {
+		if parent != "" {
+			m[parent] = append(m[parent], name)
+		}
+	}
+	r.mu.Unlock()
+	for _, forks := range m {
+		sort.Strings(forks)
+	}
+	return m
+}
+
+// forksOf counts a checkpoint's forks.
+func (r *registry) forksOf(ck string) int { return len(r.forksByParent()[ck]) }
+
+// uses returns the live VMs as admission counts them.
+func (r *registry) uses(h hostProbe, sourceOf func(parent string) string) []qemuUse {
+	var out []qemuUse
+	for _, vm := range r.all() {
+		if u, ok := vm.admissionUse(h, sourceOf); ok {
+			out = append(out, u)
+		}
+	}
+	return out
+}
+
+// close refuses new names and returns the VMs.
+func (r *registry) close() []*VM {
+	r.mu.Lock()
+	r.closed = true
+	r.mu.Unlock()
+	return r.all()
+}
+
+// File names inside the engine's directories. Every path the engine builds goes through
+// layout, so a file's name is written once.
+const (
+	manifestFile = "manifest.json"
+	// checkpointingFile marks a VM whose checkpoint is between its disk freeze's
+	// preparation and the guest's resume: a crash there may leave the guest stopped and
+	// a disk overlay half-switched, which the next engine repairs (recoverCheckpointing).
+	checkpointingFile   = "checkpointing"
+	serialLogFile       = "serial.log" // guest console
+	qemuLogFile         = "qemu.log"   // QEMU's stdout and stderr
+	stateFile           = "state.mig"  // a checkpoint's device state
+	fullSaveFile        = "full.mig"   // a fork's full save while it is checkpointed
+	stubKernelFile      = "stub-kernel"
+	overlayTemplateFile = "overlay-template.qcow2"
+	ramHolesFile        = "ram-holes"  // the holes of a checkpoint's RAM file when it was frozen
+	flatHolesFile       = "flat-holes" // the holes of a delta checkpoint's flattened RAM file
+	lockFileName        = "lock"
+	rawDiskFile         = "disk0.raw"      // a VM's (or a checkpoint's reflinked) raw disk
+	forkTopFile         = "disk-top.qcow2" // a fork's writable overlay on its checkpoint's chain
+	rootBaseFile        = "root-base.raw"  // a root image's disk, linked into the VM
+	rootTopFile         = "root.qcow2"     // the VM's writable overlay on it
+	qmpSockName         = "qmp.sock"
+	agentSockName       = "agent.sock"
+	// forkedMarker is created in a checkpoint's directory by its first fork. An unpinned
+	// checkpoint "goes with its last fork": it is collectable only once it has had one
+	// (or when it is implicit), so a fresh checkpoint is never collected before its
+	// first fork.
+	forkedMarker = "forked"
+	// tmpCheckpointPrefix starts the directory of a checkpoint being written; the rename
+	// to its name is the commit point, and New reaps what a crash left behind.
+	tmpCheckpointPrefix = ".tmp-"
+)
+
+// ImageNamesDir is where the names of a state directory's root images live
+// (guest.ImageStore.NamesDir): images are named per state directory, their disks
+// are shared in the cache.
+func ImageNamesDir(stateDir string) string { return filepath.Join(stateDir, "images") }
+
+// layout owns the engine's directories: StateDir (manifests, disks, checkpoints),
+// RAMDir (RAM files, memory-backed) and RunDir (sockets, short paths).
+type layout struct {
+	state, ram, run string
+}
+
+func (l layout) vmsDir() string                { return filepath.Join(l.state, "vms") }
+func (l layout) checkpointsDir() string        { return filepath.Join(l.state, "checkpoints") }
+func (l layout) lockPath() string              { return filepath.Join(l.state, lockFileName) }
+func (l layout) vmDir(name string) string      { return filepath.Join(l.vmsDir(), name) }
+func (l layout) runDir(name string) string     { return filepath.Join(l.run, name) }
+func (l layout) checkpointDir(n string) string { return filepath.Join(l.checkpointsDir(), n) }
+
+// vmRAM is the RAM file of a forkable VM (share=on).
+func (l layout) vmRAM(name string) string { return filepath.Join(l.ram, "vm-"+name+".ram") }
+
+// checkpointRAM is the frozen RAM file of a checkpoint.
+func (l layout) checkpointRAM(name string) string { return filepath.Join(l.ram, "ck-"+name+".ram") }
+
+// checkpointLayers is the directory (in RAMDir) of a delta checkpoint's RAM layers: its
+// own layer and a hard link to every ancestor's, so that deleting an ancestor keeps them.
+func (l layout) checkpointLayers(name string) string {
+	return filepath.Join(l.ram, "ck-"+name+".layers")
+}
+
+// checkpointFlat is a delta checkpoint's flattened RAM file (its root's data with every
+// layer applied): written under a temporary name, renamed here when complete.
+func (l layout) checkpointFlat(name string) string {
+	return filepath.Join(l.ram, "ck-"+name+".flat")
+}
+
+// layerFile names the i-th layer (oldest first) of a lineage, written by checkpoint ck.
+func layerFile(i int, ck string) string { return fmt.Sprintf("%02d-%s.layer", i, ck) }
+
+// checkpointKindDelta is checkpointManifest.Kind of a checkpoint of a fork.
+const checkpointKindDelta = "delta"
+
+// DeviceStateDevices is the manifest's device_state of a checkpoint whose device
+// state holds the device sections alone (QMP xen-save-devices-state of the stopped
+// guest), not a migration stream.
+const DeviceStateDevices = "devices"
+
+// tmpCheckpointDir is a fresh directory name for a checkpoint being written.
+func (l layout) tmpCheckpointDir(name string) string {
+	return filepath.Join(l.checkpointsDir(), tmpCheckpointPrefix+name+"-"+randHex(4))
+}
+
+// inRAMDir reports whether p is a file directly inside the RAM directory: the engine
+// deletes only such files, whatever a corrupt record names.
+func (l layout) inRAMDir(p string) bool { return p != "" && filepath.Dir(p) == l.ram }
+
+// parseRAMName classifies a file name in the RAM directory: a VM's RAM file, a
+// checkpoint's (its RAM file or its layer directory), or a temporary one (a freeze that
+// did not finish).
+func parseRAMName(n string) (kind, name string) {
+	switch {
+	case strings.Contains(n, ".ram.tmp-"), strings.Contains(n, ".layers.tmp-"), strings.Contains(n, ".flat.tmp-"):
+		return "tmp", ""
+	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".flat"):
+		return "checkpoint", strings.TrimSuffix(strings.TrimPrefix(n, "ck-"), ".flat")
+	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".layers"):
+		return "checkpoint", strings.TrimSuffix(strings.TrimPrefix(n, "ck-"), ".layers")
+	case strings.HasPrefix(n, "ck-") && strings.HasSuffix(n, ".ram"):
+		return "checkpoint", strings.TrimSuffix(strings.TrimPrefix(n, "ck-"), ".ram")
+	case strings.HasPrefix(n, "vm-") && strings.HasSuffix(n, ".ram"):
+		return "vm", strings.TrimSuffix(strings.TrimPrefix(n, "vm-"), ".ram")
+	}
+	return "", ""
+}
+
+// The engine's directories in shared places.
+//
+// By default the RAM directory is /dev/shm/forkvm-<hash of StateDir> and, when StateDir
+// is too long for socket paths, the run directory is $TMPDIR/forkvm-<hash>: predictable
+// names in world-writable directories. Another user can create one first (or a symlink
+// there). The engine never uses a directory it does not own, and such a squatter must
+// not lock its owner out either: the engine then makes a directory with a random
+// suffix and records its path in StateDir (ram-dir, run-dir; StateDir is 0700, so the
+// name cannot be learnt), and later engines on the state directory use the recorded
+// one. A directory the engine made is removed again when New fails.
+
+const (
+	ramDirRecord = "ram-dir" // in StateDir: the RAM directory chosen instead of the default
+	runDirRecord = "run-dir" // in StateDir: the run directory chosen instead of the default
+)
+
+// errNotPrivate marks a directory another user could control.
+var errNotPrivate = fs.ErrPermission
+
+// checkPrivateDir refuses (with an error wrapping fs.ErrPermission) a directory that
+// another user could control: it must be a real directory (not a symlink) owned by
+// this user; group/other permissions are removed.
+func checkPrivateDir(d string) error {
+	st, err := os.Lstat(d)
+	if err != nil {
+		return fmt.Errorf("engine: %s: %w", d, err)
+	}
+	if !st.IsDir() {
+		return fmt.Errorf("engine: %s is not a directory (%v); refusing to keep VM files there: %w", d, st.Mode().Type(), errNotPrivate)
+	}
+	if s, ok := st.Sys().(*syscall.Stat_t); ok && int(s.Uid) != os.Geteuid() {
+		return fmt.Errorf("engine: %s is owned by uid %d, not by this user (uid %d); refusing to keep VM files there: %w", d, s.Uid, os.Geteuid(), errNotPrivate)
+	}
+	if st.Mode().Perm()&0o077 != 0 {
+		if err := os.Chmod(d, 0o700); err != nil {
+			return fmt.Errorf("engine: %s: %w", d, err)
+		}
+	}
+	return nil
+}
+
+// ownDir makes d a directory private to this user: it creates it (created true) or
+// accepts an existing one that checkPrivateDir accepts.
+func ownDir(d string) (created bool, err error) {
+	if err := os.Mkdir(d, 0o700); err == nil {
+		return true, nil
+	} else if !errors.Is(err, fs.ErrExist) {
+		return false, fmt.Errorf("engine: create %s: %w", d, err)
+	}
+	return false, checkPrivateDir(d)
+}
+
+// ownDirAll is ownDir for a directory the caller named (Config.RAMDir, RunDir): its
+// parents are created as needed, and another user's directory is refused, not
+// replaced (the caller asked for that path).
+func ownDirAll(d string) (created bool, err error) {
+	if err := os.MkdirAll(filepath.Dir(d), 0o700); err != nil {
+		return false, fmt.Errorf("engine: create %s: %w", d, err)
+	}
+	return ownDir(d)
+}
+
+// sharedDir returns the directory to use in place of the default preferred (a name in
+// a shared directory): the one recorded in StateDir/record if this user still owns it
+// (or it is gone and can be made again), else preferred, else a new one with a random
+// suffix beside it, recorded. created says that this call made the directory.
+func sharedDir(log *slog.Logger, stateDir, record, preferred string) (dir string, created bool, err error) {
+	rec := filepath.Join(stateDir, record)
+	var candidates []string
+	recorded := ""
+	if b, err := os.ReadFile(rec); err == nil {
+		p := strings.TrimSpace(string(b))
+		// Only a sibling of the default: a record is never a way to point the engine
+		// at an arbitrary directory.
+		if filepath.IsAbs(p) && filepath.Dir(p) == filepath.Dir(preferred) && strings.HasPrefix(filepath.Base(p), filepath.Base(preferred)+"-") {
+			candidates, recorded = append(candidates, p), p
+		}
+	}
+	candidates = append(candidates, preferred)
+	for _, c := range candidates {
+		created, err := ownDir(c)
+		if err == nil {
+			if c == preferred && recorded != "" {
+				os.Remove(rec) // back to the default
+			}
+			return c, created, nil
+		}
+		if !errors.Is(err, errNotPrivate) {
+			return "", false, err
+		}
+		log.Warn("directory taken by another user; not using it", "dir", c, "err", err)
+	}
+	for i := 0; i < 8; i++ {
+		c := preferred + "-" + randHex(8)
+		created, err := ownDir(c)
+		if errors.Is(err, errNotPrivate) {
+			continue
+		}
+		if err != nil {
+			return "", false, err
+		}
+		if err := writeRecord(rec, c); err != nil {
+			if created {
+				os.Remove(c)
+			}
+			return "", false, err
+		}
+		log.Warn("using a private directory in place of the default", "default", preferred, "dir", c)
+		return c, created, nil
+	}
+	return "", false, fmt.Errorf("engine: no private directory beside %s: %w", preferred, errNotPrivate)
+}
+
+// writeRecord replaces file p with the line s, atomically.
+func writeRecord(p, s string) error {
+	tmp := p + ".tmp-" + randHex(4)
+	if err := os.WriteFile(tmp, []byte(s+"\n"), 0o600); err != nil {
+		return fmt.Errorf("engine: %s: %w", p, err)
+	}
+	if err := os.Rename(tmp, p); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("engine: %s: %w", p, err)
+	}
+	return nil
+}
+
+// checkStateDir accepts a state directory owned by this user (a symlink to one is
+// fine: StateDir is the user's choice, not a shared name) and makes it 0700: it holds
+// manifests, tokens and sockets. Another user's is refused (fs.ErrPermission).
+func checkStateDir(log *slog.Logger, d string) error {
+	st, err := os.Stat(d)
+	if err != nil {
+		return fmt.Errorf("engine: state dir: %w", err)
+	}
+	if !st.IsDir() {
+		return fmt.Errorf("%w: state dir %s is not a directory", ErrInvalidSpec, d)
+	}
+	if s, ok := st.Sys().(*syscall.Stat_t); ok && int(s.Uid) != os.Geteuid() {
+		return fmt.Errorf("engine: state dir %s is owned by uid %d, not by this user (uid %d): %w", d, s.Uid, os.Geteuid(), errNotPrivate)
+	}
+	if perm := st.Mode().Perm(); perm&0o077 != 0 {
+		if err := os.Chmod(d, 0o700); err != nil {
+			return fmt.Errorf("engine: state dir: %w", err)
+		}
+		log.Warn("state dir was readable by others: made it 0700", "dir", d, "mode", perm)
+	}
+	return nil
 }
