@@ -5,13 +5,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/admission"
 	"golang.org/x/sync/semaphore"
 )
-
-// forkMemoryEstimate is the prior's part for QEMU (see footprints): the host memory one
-// VM is expected to add before its guest writes much, QEMU heap plus TCG buffers,
-// rounded up (measured: ~22 MiB per fork).
-const forkMemoryEstimate = 64 << 20
 
 // admitter decides whether one more VM fits the host's vCPU and memory budgets, bounds
 // the forks restoring at once, and picks a fork's TCG thread mode from the forks in
@@ -34,12 +30,12 @@ type admitter struct {
 	tcgMode       TCGThread
 	slots         *semaphore.Weighted // nil: no bound
 	host          hostProbe
-	fp            *footprints
+	fp            *admission.Footprints
 	// ownArg is in the argv of every QEMU this engine started (its run directory): the
 	// scan skips those, own counts them.
 	ownArg string
 	// own returns this engine's live VMs and pooled processes.
-	own func() []qemuUse
+	own func() []admission.QEMU
 
 	admitMu sync.Mutex
 	mu      sync.Mutex
@@ -51,7 +47,7 @@ type admitter struct {
 	inflightCPUs int
 	// others caches the scan for other engines' QEMUs (taken at othersAt) for
 	// othersTTL: the scan costs milliseconds, and a wave admits many forks at once.
-	others   []qemuUse
+	others   []admission.QEMU
 	othersAt time.Time
 }
 
@@ -61,16 +57,16 @@ const othersTTL = 250 * time.Millisecond
 
 // otherQEMUs returns the forkvm QEMUs of other engines on the host, scanned at most
 // othersTTL ago.
-func (a *admitter) otherQEMUs() []qemuUse {
+func (a *admitter) otherQEMUs() []admission.QEMU {
 	a.mu.Lock()
 	if a.othersAt.IsZero() || time.Since(a.othersAt) > othersTTL {
 		a.mu.Unlock()
-		others := a.host.qemus(a.ownArg)
+		others := a.host.QEMUs(a.ownArg)
 		a.mu.Lock()
 		a.others, a.othersAt = others, time.Now()
 	}
 	defer a.mu.Unlock()
-	return append([]qemuUse(nil), a.others...)
+	return append([]admission.QEMU(nil), a.others...)
 }
 
 // budget returns the current budgets (overcommit 0 = the engine's).
@@ -92,52 +88,16 @@ func (a *admitter) budgetHigh(overcommit float64) (Budget, map[string]int64) {
 	b := Budget{HostCPUs: a.hostCPUs, Overcommit: overcommit, MaxOvercommit: a.maxOvercommit,
 		Total: int(float64(a.hostCPUs) * overcommit), Used: pendingCPUs}
 	for _, u := range own {
-		b.Used += u.cpus
+		b.Used += u.CPUs
 	}
 	for _, u := range others {
-		b.Used += u.cpus
-		b.OtherUsed += u.cpus
+		b.Used += u.CPUs
+		b.OtherUsed += u.CPUs
 	}
 	all := append(own, others...)
-	high := a.fp.update(all)
-	b.Memory = a.memory(all, pendingMem, high)
+	high := a.fp.Update(all)
+	b.Memory = a.host.Memory(all, pendingMem, high, a.reserveBytes, a.commitRatio)
 	return b, high
-}
-
-// memory is the memory budget given every forkvm QEMU on the host, pending (the
-// commitments of admitted VMs not yet running) and the footprint marks.
-func (a *admitter) memory(vms []qemuUse, pending int64, high map[string]int64) MemoryBudget {
-	avail, total, err := a.host.meminfo()
-	if err != nil {
-		return MemoryBudget{}
-	}
-	m := MemoryBudget{Known: true, AvailableBytes: avail, TotalBytes: total, ReserveBytes: a.reserveBytes, ForkOverheadBytes: forkMemoryEstimate,
-		CommitRatio: a.commitRatio, CommittedBytes: outstanding(vms, a.commitRatio, high) + pending,
-		Basis: MemoryBasisFootprint, PressureLimit: psiSomeLimit}
-	cg, err := a.host.memCgroup()
-	inCgroup := m.CommittedBytes
-	if err == nil && cg.limit > 0 {
-		m.CgroupLimitBytes, m.CgroupHeadroomBytes = cg.limit, cg.headroom
-		m.TotalBytes = min(m.TotalBytes, cg.limit)
-		var in []qemuUse
-		for _, v := range vms {
-			if cg.in(v) {
-				in = append(in, v)
-			}
-		}
-		inCgroup = outstanding(in, a.commitRatio, high) + pending
-		m.CgroupCommittedBytes = inCgroup
-	}
-	m.FreeBytes = memFree(avail, cg, a.reserveBytes, m.CommittedBytes, inCgroup)
-	m.PressureSomeAvg10, m.PressureFullAvg10, m.PressureKnown = a.host.pressure(cg)
-	counts := map[string]int{}
-	for _, v := range vms {
-		if v.source != "" {
-			counts[v.source]++
-		}
-	}
-	m.Sources = sourceFootprints(high, counts)
-	return m
 }
 
 // admit checks the budgets for one more VM of cpus vCPUs and guest bytes of RAM, a fork
@@ -151,7 +111,7 @@ func (a *admitter) admit(cpus int, guest int64, source string, overcommit float6
 	a.admitMu.Lock()
 	defer a.admitMu.Unlock()
 	b, high := a.budgetHigh(overcommit)
-	need := commitFor(source, guest, a.commitRatio, high)
+	need := admission.CommitFor(source, guest, a.commitRatio, high)
 	if err := b.check(cpus, guest, need); err != nil {
 		return nil, err
 	}
@@ -230,3 +190,54 @@ func (a *admitter) inflight(cpus int, accel Accel) (mode TCGThread, done func())
 		})
 	}
 }
+
+// sourceKey is the source of checkpoint ck's forks: the checkpoint, or for an implicit
+// one the running VM it was taken of (each fork of a running VM makes a new implicit
+// checkpoint; its forks run what that VM runs).
+func sourceKey(ck *checkpointManifest) string {
+	if ck.Implicit && ck.Source != "" {
+		return "vm:" + ck.Source
+	}
+	return "ck:" + ck.Name
+}
+
+// admissionUse is the VM as admission counts it: its QEMU's vCPUs and memory, and the
+// source its footprint is a sample of. A VM that holds no QEMU (stopped, dead, or
+// parked with its pages on disk) counts nothing here: zero vCPUs, zero memory; vm.use
+// says whether it holds one.
+func (vm *VM) admissionUse(h hostProbe, sourceOf func(parent string) string) (admission.QEMU, bool) {
+	u, ok := vm.use(h)
+	if !ok {
+		return u, false
+	}
+	m := vm.snapshot()
+	if m.Launch.RAM.Shared {
+		u.Shared = true
+		u.Private += h.RSSShmem(u.PID)
+	}
+	if m.Parent != "" {
+		u.Source, u.Sample, u.Ready = sourceOf(m.Parent), true, m.ReadyAt
+	}
+	return u, true
+}
+
+// footprintSource is the source of the forks of checkpoint parent (admission.Footprints.SourceOf).
+func (e *Engine) footprintSource(parent string) string {
+	return e.adm.fp.SourceOf(parent, func(name string) (string, error) {
+		c, err := e.cks.read(name)
+		if err != nil {
+			return "", err
+		}
+		return sourceKey(&c.Manifest), nil
+	})
+}
+
+// hostProbe is admission.Probe under the engine's names: the engine reads the host
+// through it (realHost, or a fake tree in tests).
+type hostProbe struct{ admission.Probe }
+
+// realHost is the probe of the host the engine runs on.
+var realHost = hostProbe{admission.Real}
+
+// rssAnon is process pid's resident anonymous memory (admission.Probe.RSSAnon).
+func (h hostProbe) rssAnon(pid int) int64 { return h.RSSAnon(pid) }

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/memfile"
 )
@@ -102,7 +103,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	}()
 
 	if spec.MemoryLimitMiB > 0 {
-		version, dir, err := vmCgroupDir(e.cfg.MemoryCgroup, e.cfg.tag, spec.Name)
+		version, dir, err := admission.VMCgroupDir(e.cfg.MemoryCgroup, e.cfg.tag, spec.Name)
 		if err != nil {
 			return nil, err
 		}

@@ -18,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/engine/internal/platform"
 	"golang.org/x/sync/semaphore"
 	"golang.org/x/sys/unix"
@@ -81,10 +82,12 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.adm = &admitter{
 		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, maxOvercommit: r.MaxOvercommit,
 		reserveBytes: r.MemoryReserveMiB << 20, commitRatio: r.MemoryCommitRatio,
-		tcgMode: r.Experimental.TCGThread, host: realHost, fp: newFootprints(),
+		tcgMode: r.Experimental.TCGThread, host: realHost, fp: admission.NewFootprints(time.Now),
 		ownArg: "path=" + escapeOpt(e.paths.run) + "/",
 	}
-	e.adm.own = func() []qemuUse { return append(e.vms.uses(realHost, e.footprintSource), e.pools.uses(realHost)...) }
+	e.adm.own = func() []admission.QEMU {
+		return append(e.vms.uses(realHost, e.footprintSource), e.pools.uses(realHost)...)
+	}
 	if n := r.Experimental.RestoreConcurrency; n > 0 {
 		e.adm.slots = semaphore.NewWeighted(int64(n))
 	}
@@ -425,8 +428,8 @@ func (r *registry) forksByParent() map[string][]string {
 func (r *registry) forksOf(ck string) int { return len(r.forksByParent()[ck]) }
 
 // uses returns the live VMs as admission counts them.
-func (r *registry) uses(h hostProbe, sourceOf func(parent string) string) []qemuUse {
-	var out []qemuUse
+func (r *registry) uses(h hostProbe, sourceOf func(parent string) string) []admission.QEMU {
+	var out []admission.QEMU
 	for _, vm := range r.all() {
 		if u, ok := vm.admissionUse(h, sourceOf); ok {
 			out = append(out, u)

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/qmp"
 	"golang.org/x/sys/unix"
@@ -38,9 +39,8 @@ const qemuOOMScoreAdj = 800
 // memory cgroup, whose OOM kill counter (else the engine's) tells an OOM kill; onExit
 // (optional) hears why it ended on its own. beforeRun (nil: none) runs while QEMU is
 // stopped before its first instruction (its counters open there).
-func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmCgroup, beforeRun func(pid int) error, onExit func(reason string)) (*qemuProc, error) {
+func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *admission.VMCgroup, beforeRun func(pid int) error, onExit func(reason string)) (*qemuProc, error) {
 	p := &qemuProc{}
-	oomVersion, oomDir := engineMemCgroup()
 	o := qemu.SpawnOptions{
 		Name: name, Binary: bin, Args: args, QMPSocket: qmpPath, LogPath: logPath,
 		// The run directory, which holds the QMP socket: a file QEMU writes in its
@@ -50,10 +50,9 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *vmC
 	}
 	var cgErr error
 	if cg != nil {
-		oomVersion, oomDir = cg.version, cg.dir
-		o.Setup = func(pid int) error { cgErr = cg.add(pid); return cgErr }
+		o.Setup = func(pid int) error { cgErr = cg.Add(pid); return cgErr }
 	}
-	o.OOMKills = func() (int64, bool) { return oomKills(oomVersion, oomDir) }
+	o.OOMKills = admission.OOMKills(cg)
 	proc, err := qemu.Spawn(o)
 	var se *qemu.StartError
 	switch {
@@ -73,16 +72,6 @@ func adoptQEMU(name string, pid int, start uint64, qmpPath, logPath string) *qem
 	p := &qemuProc{}
 	p.Process = qemu.Adopt(name, pid, start, qmpPath, logPath, p.watchEvents)
 	return p
-}
-
-// engineMemCgroup is the memory cgroup the engine (and so a QEMU it starts) runs in:
-// its OOM kill counter, or the kernel's (/proc/vmstat) when there is none.
-func engineMemCgroup() (version int, dir string) {
-	cg, err := realHost.memCgroup()
-	if err != nil || cg.version == 0 {
-		return 0, ""
-	}
-	return cg.version, cg.dir
 }
 
 // exitErr describes how the process ended: nil when the engine stopped it or it exited

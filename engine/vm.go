@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/vsockd"
@@ -152,13 +153,13 @@ func (vm *VM) process() *qemuProc { return vm.proc.Load() }
 
 // use is the VM as admission counts it: its vCPUs, guest RAM and the anonymous memory
 // its QEMU holds; ok is false when its QEMU is gone.
-func (vm *VM) use(h hostProbe) (u qemuUse, ok bool) {
+func (vm *VM) use(h hostProbe) (u admission.QEMU, ok bool) {
 	p := vm.process()
 	if p == nil || !p.Running() {
-		return qemuUse{}, false
+		return admission.QEMU{}, false
 	}
 	spec := &vm.ident().Spec
-	return qemuUse{pid: p.PID(), cpus: spec.CPUs, guest: int64(spec.MemoryMiB) << 20, private: h.rssAnon(p.PID())}, true
+	return admission.QEMU{PID: p.PID(), CPUs: spec.CPUs, Guest: int64(spec.MemoryMiB) << 20, Private: h.rssAnon(p.PID())}, true
 }
 
 // alive reports whether the VM's QEMU process is the one recorded and still runs.
@@ -196,9 +197,9 @@ func (vm *VM) start(ctx context.Context) error {
 	}
 	m := vm.manifest()
 	removePerfMap(&m) // an earlier process's, replaced by this one
-	var cg *vmCgroup
+	var cg *admission.VMCgroup
 	if m.MemoryCgroup != "" && vm.cgVersion != 0 {
-		if cg, err = openVMCgroup(vm.cgVersion, m.MemoryCgroup, int64(m.Spec.MemoryLimitMiB)<<20); err != nil {
+		if cg, err = admission.OpenVMCgroup(vm.cgVersion, m.MemoryCgroup, int64(m.Spec.MemoryLimitMiB)<<20); err != nil {
 			return err
 		}
 	}
@@ -563,9 +564,9 @@ func removePerfMap(m *manifest) {
 func (l layout) removeVMFiles(name string, m *manifest) {
 	if m != nil {
 		removePerfMap(m)
-		removeCgroupDir(m.MemoryCgroup)
+		admission.RemoveCgroupDir(m.MemoryCgroup)
 		if m.CountersCgroup != m.MemoryCgroup {
-			removeCgroupDir(m.CountersCgroup)
+			admission.RemoveCgroupDir(m.CountersCgroup)
 		}
 		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
 			os.Remove(m.Launch.RAM.Path)

@@ -12,6 +12,7 @@ import (
 	"github.com/forkvm/forkvm/vsockd"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/admission"
 )
 
 // poolPrefix names pooled VMs; they are renamed when claimed.
@@ -146,14 +147,14 @@ func (s *poolSet) size(ck string) int {
 }
 
 // uses returns the ready pooled processes as admission counts them.
-func (s *poolSet) uses(h hostProbe) []qemuUse {
+func (s *poolSet) uses(h hostProbe) []admission.QEMU {
 	s.mu.Lock()
 	var vms []*VM
 	for _, p := range s.pools {
 		vms = append(vms, p.ready...)
 	}
 	s.mu.Unlock()
-	var out []qemuUse
+	var out []admission.QEMU
 	for _, vm := range vms {
 		if u, ok := vm.use(h); ok {
 			out = append(out, u)

@@ -1,4 +1,4 @@
-package engine
+package admission
 
 import (
 	"bufio"
@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -21,23 +22,23 @@ import (
 // host by it, whichever state directory started it.
 const qemuMarker = ",process=forkvm-"
 
-// qemuUse is one forkvm QEMU process as the budget counts it.
-type qemuUse struct {
-	pid   int
-	cpus  int
-	guest int64 // guest RAM, bytes (-m)
-	// private is the process's resident anonymous memory (RssAnon): what it already
+// QEMU is one forkvm QEMU process as the budget counts it.
+type QEMU struct {
+	PID   int
+	CPUs  int
+	Guest int64 // guest RAM, bytes (-m)
+	// Private is the process's resident anonymous memory (RssAnon): what it already
 	// added to the host (guest pages written by a fork, TCG buffers, heap); for a world
 	// (shared RAM file) also its resident shared memory (RssShmem: its guest's pages).
-	private int64
-	// shared is set for a world: guest RAM in a file mapped share=on.
-	shared bool
-	// source is what its footprint is a sample of (footprints; "" unknown), and sample
+	Private int64
+	// Shared is set for a world: guest RAM in a file mapped share=on.
+	Shared bool
+	// Source is what its footprint is a sample of (Footprints; "" unknown), and Sample
 	// whether it counts as one (a registered fork of this engine).
-	source string
-	sample bool
-	// ready is when a sample became ready (zero: unknown).
-	ready time.Time
+	Source string
+	Sample bool
+	// Ready is when a sample became ready (zero: unknown).
+	Ready time.Time
 	// cgV1 and cgV2 are the memory cgroup it runs in (cgroup v1's memory controller and
 	// v2's path, from /proc/PID/cgroup) for another engine's QEMU; cgKnown is false for
 	// this engine's own (its children: in its cgroup) and where they cannot be read.
@@ -45,28 +46,28 @@ type qemuUse struct {
 	cgKnown    bool
 }
 
-// hostProbe reads what admission counts from the host. Its paths are the real /proc
+// Probe reads what admission counts from the host. Its paths are the real /proc
 // files in an engine and fake trees in tests.
-type hostProbe struct {
-	proc string // the proc file system ("/proc")
-	// selfCgroup and mountinfo locate the memory cgroup the engine runs in
+type Probe struct {
+	Proc string // the proc file system ("/proc")
+	// SelfCgroup and Mountinfo locate the memory cgroup the engine runs in
 	// ("/proc/self/cgroup", "/proc/self/mountinfo").
-	selfCgroup, mountinfo string
+	SelfCgroup, Mountinfo string
 }
 
-// realHost is the probe of the host the engine runs on.
-var realHost = hostProbe{proc: "/proc", selfCgroup: "/proc/self/cgroup", mountinfo: "/proc/self/mountinfo"}
+// Real is the probe of the host the engine runs on.
+var Real = Probe{Proc: "/proc", SelfCgroup: "/proc/self/cgroup", Mountinfo: "/proc/self/mountinfo"}
 
-// qemus returns the forkvm QEMU processes on the host whose argv contains no argument
+// QEMUs returns the forkvm QEMU processes on the host whose argv contains no argument
 // containing skip (the engine's own run directory: those it counts itself).
-func (h hostProbe) qemus(skip string) []qemuUse {
-	pids, err := procinfo.ProcessesWithArgAt(h.proc, qemuMarker)
+func (h Probe) QEMUs(skip string) []QEMU {
+	pids, err := procinfo.ProcessesWithArgAt(h.Proc, qemuMarker)
 	if err != nil {
 		return nil
 	}
-	var out []qemuUse
+	var out []QEMU
 	for _, pid := range pids {
-		b, err := os.ReadFile(filepath.Join(h.proc, strconv.Itoa(pid), "cmdline"))
+		b, err := os.ReadFile(filepath.Join(h.Proc, strconv.Itoa(pid), "cmdline"))
 		if err != nil {
 			continue // gone
 		}
@@ -75,11 +76,11 @@ func (h hostProbe) qemus(skip string) []qemuUse {
 		if !ok {
 			continue
 		}
-		u.pid = pid
+		u.PID = pid
 		u.cgV1, u.cgV2, u.cgKnown = h.procCgroups(pid)
-		u.private = h.rssAnon(pid)
-		if u.shared {
-			u.private += h.rssShmem(pid)
+		u.Private = h.RSSAnon(pid)
+		if u.Shared {
+			u.Private += h.RSSShmem(pid)
 		}
 		out = append(out, u)
 	}
@@ -89,11 +90,11 @@ func (h hostProbe) qemus(skip string) []qemuUse {
 // parseQEMUArgs reads the vCPUs (-smp) and guest RAM (-m) of a forkvm QEMU's argv.
 // ok is false for a process that is not a forkvm QEMU (no -name with the marker) or
 // that has an argument containing skip (skip "" skips nothing).
-func parseQEMUArgs(args []string, skip string) (u qemuUse, ok bool) {
+func parseQEMUArgs(args []string, skip string) (u QEMU, ok bool) {
 	marked := false
 	for i, a := range args {
 		if skip != "" && strings.Contains(a, skip) {
-			return qemuUse{}, false
+			return QEMU{}, false
 		}
 		if i+1 >= len(args) {
 			continue
@@ -108,22 +109,22 @@ func parseQEMUArgs(args []string, skip string) (u qemuUse, ok bool) {
 				Share bool   `json:"share"`
 			}
 			if json.Unmarshal([]byte(v), &obj) == nil && obj.Type == "memory-backend-file" {
-				u.shared = obj.Share
+				u.Shared = obj.Share
 			}
 		case "-smp":
-			u.cpus = optNumber(v, "cpus")
+			u.CPUs = optNumber(v, "cpus")
 		case "-m":
 			s := v
 			if !strings.ContainsAny(s[:min(1, len(s))], "0123456789") {
 				s = optValue(v, "size")
 			}
-			u.guest = parseQEMUSize(s)
+			u.Guest = parseQEMUSize(s)
 		}
 	}
 	if !marked {
-		return qemuUse{}, false
+		return QEMU{}, false
 	}
-	u.cpus = max(u.cpus, 1) // QEMU's default
+	u.CPUs = max(u.CPUs, 1) // QEMU's default
 	return u, true
 }
 
@@ -172,16 +173,16 @@ func parseQEMUSize(s string) int64 {
 	return n * mult
 }
 
-// rssAnon is a process's RssAnon (0 when it cannot be read).
-func (h hostProbe) rssAnon(pid int) int64 {
-	v, _ := kbField(filepath.Join(h.proc, strconv.Itoa(pid), "status"), "RssAnon")
+// RSSAnon is a process's RssAnon (0 when it cannot be read).
+func (h Probe) RSSAnon(pid int) int64 {
+	v, _ := kbField(filepath.Join(h.Proc, strconv.Itoa(pid), "status"), "RssAnon")
 	return v
 }
 
 // procCgroups reads the memory cgroup of process pid: its v1 memory controller's path
 // and its v2 path; ok is false when /proc/PID/cgroup cannot be read.
-func (h hostProbe) procCgroups(pid int) (v1, v2 string, ok bool) {
-	b, err := os.ReadFile(filepath.Join(h.proc, strconv.Itoa(pid), "cgroup"))
+func (h Probe) procCgroups(pid int) (v1, v2 string, ok bool) {
+	b, err := os.ReadFile(filepath.Join(h.Proc, strconv.Itoa(pid), "cgroup"))
 	if err != nil {
 		return "", "", false
 	}
@@ -210,15 +211,15 @@ func parseProcCgroup(b []byte) (v1, v2 string, haveV1, haveV2 bool) {
 	return v1, v2, haveV1, haveV2
 }
 
-// rssShmem is a process's RssShmem (0 when it cannot be read).
-func (h hostProbe) rssShmem(pid int) int64 {
-	v, _ := kbField(filepath.Join(h.proc, strconv.Itoa(pid), "status"), "RssShmem")
+// RSSShmem is a process's RssShmem (0 when it cannot be read).
+func (h Probe) RSSShmem(pid int) int64 {
+	v, _ := kbField(filepath.Join(h.Proc, strconv.Itoa(pid), "status"), "RssShmem")
 	return v
 }
 
 // meminfo returns MemAvailable and MemTotal.
-func (h hostProbe) meminfo() (avail, total int64, err error) {
-	p := filepath.Join(h.proc, "meminfo")
+func (h Probe) meminfo() (avail, total int64, err error) {
+	p := filepath.Join(h.Proc, "meminfo")
 	if avail, err = kbField(p, "MemAvailable"); err != nil {
 		return 0, 0, err
 	}
@@ -266,8 +267,8 @@ const unlimited = math.MaxInt64 / 2
 
 // memCgroup finds the engine's memory cgroup: cgroup v1's memory controller or v2's
 // unified hierarchy, from /proc/self/cgroup and the mount table.
-func (h hostProbe) memCgroup() (memCgroup, error) {
-	b, err := os.ReadFile(h.selfCgroup)
+func (h Probe) memCgroup() (memCgroup, error) {
+	b, err := os.ReadFile(h.SelfCgroup)
 	if err != nil {
 		return memCgroup{}, err
 	}
@@ -289,8 +290,8 @@ func (h hostProbe) memCgroup() (memCgroup, error) {
 
 // cgroupMounts returns the mount points of cgroup v1's memory controller and of the
 // cgroup v2 hierarchy ("" when not mounted).
-func (h hostProbe) cgroupMounts() (v1, v2 string, err error) {
-	f, err := os.Open(h.mountinfo)
+func (h Probe) cgroupMounts() (v1, v2 string, err error) {
+	f, err := os.Open(h.Mountinfo)
 	if err != nil {
 		return "", "", err
 	}
@@ -415,28 +416,70 @@ func oomKills(version int, dir string) (n int64, ok bool) {
 	return 0, false
 }
 
-// commitBytes is the prior: the host memory a VM of guest bytes is expected to take at
-// most when nothing like it was measured (see footprints): QEMU's own (heap, TCG
-// buffers) plus ratio of its guest RAM (pages its guest may write).
-func commitBytes(guest int64, ratio float64) int64 {
-	return MemoryBudget{ForkOverheadBytes: forkMemoryEstimate, CommitRatio: ratio}.CommitBytes(guest)
+// ForkOverhead is the prior's part for QEMU (see footprints): the host memory one
+// VM is expected to add before its guest writes much, QEMU heap plus TCG buffers,
+// rounded up (measured: ~22 MiB per fork).
+const ForkOverhead = 64 << 20
+
+// Memory is the memory budget given every forkvm QEMU on the host (vms), pending (the
+// commitments of admitted VMs not yet running), the footprint marks (high), the reserve
+// kept free and the prior's commit ratio of guest RAM.
+func (h Probe) Memory(vms []QEMU, pending int64, high map[string]int64, reserve int64, ratio float64) api.MemoryBudget {
+	avail, total, err := h.meminfo()
+	if err != nil {
+		return api.MemoryBudget{}
+	}
+	m := api.MemoryBudget{Known: true, AvailableBytes: avail, TotalBytes: total, ReserveBytes: reserve, ForkOverheadBytes: ForkOverhead,
+		CommitRatio: ratio, CommittedBytes: outstanding(vms, ratio, high) + pending,
+		Basis: api.MemoryBasisFootprint, PressureLimit: PSISomeLimit}
+	cg, err := h.memCgroup()
+	inCgroup := m.CommittedBytes
+	if err == nil && cg.limit > 0 {
+		m.CgroupLimitBytes, m.CgroupHeadroomBytes = cg.limit, cg.headroom
+		m.TotalBytes = min(m.TotalBytes, cg.limit)
+		var in []QEMU
+		for _, v := range vms {
+			if cg.in(v) {
+				in = append(in, v)
+			}
+		}
+		inCgroup = outstanding(in, ratio, high) + pending
+		m.CgroupCommittedBytes = inCgroup
+	}
+	m.FreeBytes = memFree(avail, cg, reserve, m.CommittedBytes, inCgroup)
+	m.PressureSomeAvg10, m.PressureFullAvg10, m.PressureKnown = h.pressure(cg)
+	counts := map[string]int{}
+	for _, v := range vms {
+		if v.Source != "" {
+			counts[v.Source]++
+		}
+	}
+	m.Sources = sourceFootprints(high, counts)
+	return m
 }
 
-// commitFor is what a VM of source and guest bytes commits: its source's measured
-// footprint (high: the marks of footprints.update), else the prior.
-func commitFor(source string, guest int64, ratio float64, high map[string]int64) int64 {
+// CommitBytes is the prior: the host memory a VM of guest bytes is expected to take at
+// most when nothing like it was measured (see Footprints): QEMU's own (heap, TCG
+// buffers) plus ratio of its guest RAM (pages its guest may write).
+func CommitBytes(guest int64, ratio float64) int64 {
+	return api.MemoryBudget{ForkOverheadBytes: ForkOverhead, CommitRatio: ratio}.CommitBytes(guest)
+}
+
+// CommitFor is what a VM of source and guest bytes commits: its source's measured
+// footprint (high: the marks of Footprints.Update), else the prior.
+func CommitFor(source string, guest int64, ratio float64, high map[string]int64) int64 {
 	if hw, ok := high[source]; ok && source != "" {
-		return footprintCommit(hw)
+		return FootprintCommit(hw)
 	}
-	return commitBytes(guest, ratio)
+	return CommitBytes(guest, ratio)
 }
 
 // outstanding is the growth still expected of running VMs: each VM's commitment minus
 // what it already took (its RssAnon, already out of MemAvailable), never below zero.
-func outstanding(vms []qemuUse, ratio float64, high map[string]int64) int64 {
+func outstanding(vms []QEMU, ratio float64, high map[string]int64) int64 {
 	var n int64
 	for _, v := range vms {
-		n += max(commitFor(v.source, v.guest, ratio, high)-v.private, 0)
+		n += max(CommitFor(v.Source, v.Guest, ratio, high)-v.Private, 0)
 	}
 	return n
 }
@@ -455,7 +498,7 @@ func memFree(avail int64, cg memCgroup, reserve, committed, inCgroup int64) int6
 
 // in reports whether VM u is charged to cgroup cg (or below it): this engine's own VMs
 // and those whose cgroup cannot be read count as in it.
-func (cg memCgroup) in(u qemuUse) bool {
+func (cg memCgroup) in(u QEMU) bool {
 	if !u.cgKnown || cg.version == 0 {
 		return true
 	}

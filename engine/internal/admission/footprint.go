@@ -1,4 +1,4 @@
-package engine
+package admission
 
 import (
 	"bytes"
@@ -9,6 +9,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/forkvm/forkvm/api"
 )
 
 // Memory admission by observed footprint.
@@ -24,9 +26,9 @@ import (
 //	high-water + max(high-water/4, 16 MiB)
 //
 // A source none of whose forks has settled yet commits the prior: 64 MiB +
-// Config.MemoryCommitRatio × guest RAM (what every VM committed before footprints were
+// Config.MemoryCommitRatio × guest RAM (what every VM committed before Footprints were
 // measured). A fork counts as a sample once it has been ready (or, ready time unknown,
-// seen by the budget) for footprintSettle: one restoring or just restored holds half of
+// seen by the budget) for FootprintSettle: one restoring or just restored holds half of
 // what it holds after its first commands.
 // Other state directories' QEMUs and pooled processes are never samples (what they will
 // run is unknown); they commit the prior.
@@ -36,14 +38,14 @@ import (
 // cgroup's usage see it), so a footprint that grows raises the high-water mark and with
 // it the commitment of every fork of that source still to grow; the reserve
 // (Config.MemoryReserveMiB) covers the growth of forks not yet at their mark; and no VM
-// is admitted while the kernel reports memory pressure (PSI, psiSomeLimit), which is
+// is admitted while the kernel reports memory pressure (PSI, PSISomeLimit), which is
 // what a host whose VMs outgrew their estimates shows first. QEMUs get oom_score_adj
 // 800, so if guests still write more than was ever seen, the OOM killer takes a VM, not
 // the engine or the host's other processes.
 
-// footprintSettle is how long the budget must have seen a fork before its memory counts
+// FootprintSettle is how long the budget must have seen a fork before its memory counts
 // as a sample of its source.
-const footprintSettle = 10 * time.Second
+const FootprintSettle = 10 * time.Second
 
 // footprintSlackMin and footprintSlackDiv make a measured source's commitment: its
 // high-water mark plus the larger of a quarter of it and 16 MiB (a fork's first
@@ -53,14 +55,14 @@ const (
 	footprintSlackDiv = 4
 )
 
-// footprintCommit is what a fork of a source whose settled forks hold up to high bytes
+// FootprintCommit is what a fork of a source whose settled forks hold up to high bytes
 // commits.
-func footprintCommit(high int64) int64 {
+func FootprintCommit(high int64) int64 {
 	return high + max(high/footprintSlackDiv, footprintSlackMin)
 }
 
-// footprints keeps the high-water marks of each source's settled forks.
-type footprints struct {
+// Footprints keeps the high-water marks of each source's settled forks.
+type Footprints struct {
 	now func() time.Time // time.Now; a fake clock in tests
 
 	mu   sync.Mutex
@@ -77,37 +79,39 @@ type seenVM struct {
 	first  time.Time
 }
 
-func newFootprints() *footprints {
-	return &footprints{now: time.Now, seen: map[int]seenVM{}, high: map[string]int64{}, keys: map[string]string{}}
+// NewFootprints returns empty marks read on the clock now (time.Now; a fake clock in
+// tests).
+func NewFootprints(now func() time.Time) *Footprints {
+	return &Footprints{now: now, seen: map[int]seenVM{}, high: map[string]int64{}, keys: map[string]string{}}
 }
 
-// update folds vms into the marks and returns them: every sample (own forks) seen for
-// footprintSettle raises its source's mark; sources with no live VM left are forgotten,
+// Update folds vms into the marks and returns them: every sample (own forks) seen for
+// FootprintSettle raises its source's mark; sources with no live VM left are forgotten,
 // as are processes gone.
-func (f *footprints) update(vms []qemuUse) map[string]int64 {
+func (f *Footprints) Update(vms []QEMU) map[string]int64 {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	now := f.now()
 	live := make(map[int]bool, len(vms))
 	sources := map[string]bool{}
 	for _, v := range vms {
-		if !v.sample || v.source == "" {
+		if !v.Sample || v.Source == "" {
 			continue
 		}
-		live[v.pid] = true
-		sources[v.source] = true
-		s, ok := f.seen[v.pid]
-		if !ok || s.source != v.source {
-			s = seenVM{source: v.source, first: now}
-			f.seen[v.pid] = s
+		live[v.PID] = true
+		sources[v.Source] = true
+		s, ok := f.seen[v.PID]
+		if !ok || s.source != v.Source {
+			s = seenVM{source: v.Source, first: now}
+			f.seen[v.PID] = s
 		}
-		if !v.ready.IsZero() && v.ready.Before(s.first) {
+		if !v.Ready.IsZero() && v.Ready.Before(s.first) {
 			// Ready before the budget first looked: its age counts from then.
-			s.first = v.ready
-			f.seen[v.pid] = s
+			s.first = v.Ready
+			f.seen[v.PID] = s
 		}
-		if now.Sub(s.first) >= footprintSettle && v.private > f.high[v.source] {
-			f.high[v.source] = v.private
+		if now.Sub(s.first) >= FootprintSettle && v.Private > f.high[v.Source] {
+			f.high[v.Source] = v.Private
 		}
 	}
 	for pid := range f.seen {
@@ -127,19 +131,10 @@ func (f *footprints) update(vms []qemuUse) map[string]int64 {
 	return out
 }
 
-// sourceKey is the source of checkpoint ck's forks: the checkpoint, or for an implicit
-// one the running VM it was taken of (each fork of a running VM makes a new implicit
-// checkpoint; its forks run what that VM runs).
-func sourceKey(ck *checkpointManifest) string {
-	if ck.Implicit && ck.Source != "" {
-		return "vm:" + ck.Source
-	}
-	return "ck:" + ck.Name
-}
-
-// sourceOf returns the source of the forks of checkpoint name, read once per name
-// through read ("" when it cannot be read: such forks are not samples).
-func (f *footprints) sourceOf(name string, read func(string) (*checkpointManifest, error)) string {
+// SourceOf returns the source of the forks of checkpoint name (what its footprint is a
+// sample of), found once per name through key ("" when key fails: such forks are not
+// samples).
+func (f *Footprints) SourceOf(name string, key func(name string) (string, error)) string {
 	if name == "" {
 		return ""
 	}
@@ -149,11 +144,10 @@ func (f *footprints) sourceOf(name string, read func(string) (*checkpointManifes
 	if ok {
 		return k
 	}
-	ck, err := read(name)
+	k, err := key(name)
 	if err != nil {
 		return ""
 	}
-	k = sourceKey(ck)
 	f.mu.Lock()
 	if len(f.keys) > 4096 { // a long-lived engine's deleted checkpoints
 		clear(f.keys)
@@ -163,46 +157,15 @@ func (f *footprints) sourceOf(name string, read func(string) (*checkpointManifes
 	return k
 }
 
-// admissionUse is the VM as admission counts it: its QEMU's vCPUs and memory, and the
-// source its footprint is a sample of. A VM that holds no QEMU (stopped, dead, or
-// parked with its pages on disk) counts nothing here: zero vCPUs, zero memory; vm.use
-// says whether it holds one.
-func (vm *VM) admissionUse(h hostProbe, sourceOf func(parent string) string) (qemuUse, bool) {
-	u, ok := vm.use(h)
-	if !ok {
-		return u, false
-	}
-	m := vm.snapshot()
-	if m.Launch.RAM.Shared {
-		u.shared = true
-		u.private += h.rssShmem(u.pid)
-	}
-	if m.Parent != "" {
-		u.source, u.sample, u.ready = sourceOf(m.Parent), true, m.ReadyAt
-	}
-	return u, true
-}
-
-// footprintSource is the source of the forks of checkpoint parent (footprints.sourceOf).
-func (e *Engine) footprintSource(parent string) string {
-	return e.adm.fp.sourceOf(parent, func(name string) (*checkpointManifest, error) {
-		c, err := e.cks.read(name)
-		if err != nil {
-			return nil, err
-		}
-		return &c.Manifest, nil
-	})
-}
-
-// psiSomeLimit is the memory pressure at which admission refuses every VM: the share of
+// PSISomeLimit is the memory pressure at which admission refuses every VM: the share of
 // the last 10 s in which some task stalled on memory (PSI "some avg10", percent).
-const psiSomeLimit = 10.0
+const PSISomeLimit = 10.0
 
 // pressure reads memory pressure (PSI): the host's /proc/pressure/memory, and on
 // cgroup v2 the engine's cgroup's memory.pressure, the higher of the two. ok is false
 // where neither can be read (a kernel without PSI).
-func (h hostProbe) pressure(cg memCgroup) (some, full float64, ok bool) {
-	files := []string{filepath.Join(h.proc, "pressure", "memory")}
+func (h Probe) pressure(cg memCgroup) (some, full float64, ok bool) {
+	files := []string{filepath.Join(h.Proc, "pressure", "memory")}
 	if cg.version == 2 && cg.dir != "" {
 		files = append(files, filepath.Join(cg.dir, "memory.pressure"))
 	}
@@ -247,10 +210,10 @@ func parsePSI(b []byte) (some, full float64, ok bool) {
 
 // sourceFootprints lists the measured sources for the budget's output, largest
 // commitment first.
-func sourceFootprints(high map[string]int64, counts map[string]int) []MemorySource {
-	out := make([]MemorySource, 0, len(high))
+func sourceFootprints(high map[string]int64, counts map[string]int) []api.MemorySource {
+	out := make([]api.MemorySource, 0, len(high))
 	for k, hw := range high {
-		out = append(out, MemorySource{Source: k, VMs: counts[k], HighWaterBytes: hw, CommitBytes: footprintCommit(hw)})
+		out = append(out, api.MemorySource{Source: k, VMs: counts[k], HighWaterBytes: hw, CommitBytes: FootprintCommit(hw)})
 	}
 	sort.Slice(out, func(i, j int) bool {
 		if out[i].CommitBytes != out[j].CommitBytes {

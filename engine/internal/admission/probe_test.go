@@ -1,7 +1,6 @@
-package engine
+package admission
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -25,7 +24,7 @@ func writeFiles(t *testing.T, dir string, files map[string]string) {
 
 // fakeHost is a probe of a fake host with avail of total bytes of memory, no memory
 // cgroup and no process.
-func fakeHost(t *testing.T, total, avail int64) hostProbe {
+func fakeHost(t *testing.T, total, avail int64) Probe {
 	t.Helper()
 	dir := t.TempDir()
 	writeFiles(t, dir, map[string]string{
@@ -33,7 +32,7 @@ func fakeHost(t *testing.T, total, avail int64) hostProbe {
 		"proc/self/cgroup":    "0::/\n",
 		"proc/self/mountinfo": "",
 	})
-	return hostProbe{proc: filepath.Join(dir, "proc"), selfCgroup: filepath.Join(dir, "proc/self/cgroup"), mountinfo: filepath.Join(dir, "proc/self/mountinfo")}
+	return Probe{Proc: filepath.Join(dir, "proc"), SelfCgroup: filepath.Join(dir, "proc/self/cgroup"), Mountinfo: filepath.Join(dir, "proc/self/mountinfo")}
 }
 
 // cmdline joins argv as /proc/PID/cmdline has it.
@@ -58,7 +57,7 @@ func TestParseQEMUArgs(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			u, ok := parseQEMUArgs(tc.args, tc.skip)
-			if ok != tc.ok || u.cpus != tc.cpus || u.guest != tc.guest {
+			if ok != tc.ok || u.CPUs != tc.cpus || u.Guest != tc.guest {
 				t.Errorf("parseQEMUArgs = %+v, %v; want cpus %d guest %d ok %v", u, ok, tc.cpus, tc.guest, tc.ok)
 			}
 		})
@@ -67,7 +66,7 @@ func TestParseQEMUArgs(t *testing.T) {
 
 func TestHostQEMUScan(t *testing.T) {
 	h := fakeHost(t, 16<<30, 8<<30)
-	writeFiles(t, h.proc, map[string]string{
+	writeFiles(t, h.Proc, map[string]string{
 		// another state directory's VM: counted, with its resident anonymous memory
 		"101/cmdline": cmdline("qemu-system-x86_64", "-name", "w1,process=forkvm-w1", "-smp", "7", "-m", "2048M",
 			"-chardev", "socket,id=qmp,path=/other/run/w1/qmp.sock,server=on"),
@@ -80,8 +79,8 @@ func TestHostQEMUScan(t *testing.T) {
 		"104/cmdline":  cmdline("bash"),
 		"self/cmdline": cmdline("x"),
 	})
-	got := h.qemus("path=/mine/run/")
-	if len(got) != 1 || got[0].pid != 101 || got[0].cpus != 7 || got[0].guest != 2<<30 || got[0].private != 200<<20 {
+	got := h.QEMUs("path=/mine/run/")
+	if len(got) != 1 || got[0].PID != 101 || got[0].CPUs != 7 || got[0].Guest != 2<<30 || got[0].Private != 200<<20 {
 		t.Fatalf("qemus = %+v, want pid 101, 7 vCPUs, 2 GiB, 200 MiB private", got)
 	}
 }
@@ -139,7 +138,7 @@ func TestMemCgroup(t *testing.T) {
 				files[k] = strings.ReplaceAll(v, "@", dir)
 			}
 			writeFiles(t, dir, files)
-			h := hostProbe{proc: filepath.Join(dir, "proc"), selfCgroup: filepath.Join(dir, "proc/self/cgroup"), mountinfo: filepath.Join(dir, "proc/self/mountinfo")}
+			h := Probe{Proc: filepath.Join(dir, "proc"), SelfCgroup: filepath.Join(dir, "proc/self/cgroup"), Mountinfo: filepath.Join(dir, "proc/self/mountinfo")}
 			cg, err := h.memCgroup()
 			if err != nil {
 				t.Fatal(err)
@@ -151,59 +150,18 @@ func TestMemCgroup(t *testing.T) {
 	}
 }
 
-func TestBudgetCheck(t *testing.T) {
-	const mib = int64(1) << 20
-	mem := func(total, free int64) MemoryBudget {
-		return MemoryBudget{Known: true, TotalBytes: total, FreeBytes: free, ReserveBytes: 512 * mib, CommitRatio: 0.25}
-	}
-	for _, tc := range []struct {
-		name     string
-		b        Budget
-		cpus     int
-		guest    int64
-		resource string // "" admitted
-		req      int64
-	}{
-		{"fits", Budget{Total: 16, Used: 8, Memory: mem(23<<30, 4<<30)}, 2, 2 << 30, "", 0},
-		{"create --cpus 14 with 8 of 16 used", Budget{Total: 16, Used: 8, Memory: mem(23<<30, 4<<30)}, 14, 1 << 30, "vcpu", 14},
-		{"exactly the last vCPUs", Budget{Total: 16, Used: 14, Memory: mem(23<<30, 4<<30)}, 2, 1 << 30, "", 0},
-		{"guest larger than the host", Budget{Total: 16, Memory: mem(23<<30, 22<<30)}, 1, 30000 * mib, "memory", 30000 * mib},
-		{"commitment over what is free", Budget{Total: 16, Memory: mem(23<<30, 500*mib)}, 1, 2 << 30, "memory", 64*mib + 512*mib},
-		{"unknown memory is not checked", Budget{Total: 16, Memory: MemoryBudget{}}, 1, 30000 * mib, "", 0},
-		{"memory pressure", Budget{Total: 16, Memory: pressed(mem(23<<30, 4<<30), 12)}, 1, 1 << 30, "memory-pressure", 64*mib + 256*mib},
-		{"pressure below the limit", Budget{Total: 16, Memory: pressed(mem(23<<30, 4<<30), 9.99)}, 1, 1 << 30, "", 0},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			err := tc.b.check(tc.cpus, tc.guest, commitBytes(tc.guest, tc.b.Memory.CommitRatio))
-			var ae *AdmissionError
-			switch {
-			case tc.resource == "" && err != nil:
-				t.Errorf("check = %v, want admitted", err)
-			case tc.resource != "" && (!errors.As(err, &ae) || !errors.Is(err, ErrAdmission) || ae.Resource != tc.resource || ae.Requested != tc.req):
-				t.Errorf("check = %v (%+v), want %s refused, requested %d", err, ae, tc.resource, tc.req)
-			}
-		})
-	}
-}
-
-// pressed is m with the kernel reporting some avg10 of some percent.
-func pressed(m MemoryBudget, some float64) MemoryBudget {
-	m.PressureKnown, m.PressureSomeAvg10, m.PressureLimit = true, some, psiSomeLimit
-	return m
-}
-
 func TestCgroupMembership(t *testing.T) {
 	cg := memCgroup{version: 1, mount: "/sys/fs/cgroup/memory", dir: "/sys/fs/cgroup/memory/jobs/a"}
 	for _, tc := range []struct {
 		name string
-		u    qemuUse
+		u    QEMU
 		want bool
 	}{
-		{"own VM", qemuUse{}, true},
-		{"same cgroup", qemuUse{cgKnown: true, cgV1: "/jobs/a"}, true},
-		{"below it", qemuUse{cgKnown: true, cgV1: "/jobs/a/forkvm-x-vm"}, true},
-		{"a sibling with the same prefix", qemuUse{cgKnown: true, cgV1: "/jobs/ab"}, false},
-		{"elsewhere", qemuUse{cgKnown: true, cgV1: "/"}, false},
+		{"own VM", QEMU{}, true},
+		{"same cgroup", QEMU{cgKnown: true, cgV1: "/jobs/a"}, true},
+		{"below it", QEMU{cgKnown: true, cgV1: "/jobs/a/forkvm-x-vm"}, true},
+		{"a sibling with the same prefix", QEMU{cgKnown: true, cgV1: "/jobs/ab"}, false},
+		{"elsewhere", QEMU{cgKnown: true, cgV1: "/"}, false},
 	} {
 		if got := cg.in(tc.u); got != tc.want {
 			t.Errorf("%s: in = %v, want %v", tc.name, got, tc.want)
@@ -213,21 +171,21 @@ func TestCgroupMembership(t *testing.T) {
 
 func TestMemoryArithmetic(t *testing.T) {
 	const mib = int64(1) << 20
-	vms := []qemuUse{
-		{guest: 2048 * mib, private: 30 * mib},   // a fresh fork: 64 + 204.8 − 30 still to come
-		{guest: 2048 * mib, private: 1500 * mib}, // grew past its commitment: 0
+	vms := []QEMU{
+		{Guest: 2048 * mib, Private: 30 * mib},   // a fresh fork: 64 + 204.8 − 30 still to come
+		{Guest: 2048 * mib, Private: 1500 * mib}, // grew past its commitment: 0
 	}
-	if got, want := outstanding(vms, 0.1, nil), commitBytes(2048*mib, 0.1)-30*mib; got != want {
+	if got, want := outstanding(vms, 0.1, nil), CommitBytes(2048*mib, 0.1)-30*mib; got != want {
 		t.Errorf("outstanding = %d, want %d", got, want)
 	}
 	// A measured source: its forks owe its commitment less what they hold.
-	measured := []qemuUse{
-		{guest: 2048 * mib, private: 10 * mib, source: "ck:a"},
-		{guest: 2048 * mib, private: 60 * mib, source: "ck:a"}, // past it: 0
-		{guest: 2048 * mib, private: 10 * mib, source: "ck:b"}, // not measured: the prior
+	measured := []QEMU{
+		{Guest: 2048 * mib, Private: 10 * mib, Source: "ck:a"},
+		{Guest: 2048 * mib, Private: 60 * mib, Source: "ck:a"}, // past it: 0
+		{Guest: 2048 * mib, Private: 10 * mib, Source: "ck:b"}, // not measured: the prior
 	}
 	high := map[string]int64{"ck:a": 30 * mib}
-	if got, want := outstanding(measured, 0.1, high), (30+16-10)*mib+commitBytes(2048*mib, 0.1)-10*mib; got != want {
+	if got, want := outstanding(measured, 0.1, high), (30+16-10)*mib+CommitBytes(2048*mib, 0.1)-10*mib; got != want {
 		t.Errorf("outstanding with a measured source = %d MiB, want %d MiB", got/mib, want/mib)
 	}
 	for _, tc := range []struct {
@@ -249,50 +207,5 @@ func TestMemoryArithmetic(t *testing.T) {
 				t.Errorf("memFree = %d MiB, want %d MiB", got/mib, tc.want/mib)
 			}
 		})
-	}
-}
-
-// TestAdmitHost admits against a fake host: another engine's 7 vCPUs count, a request
-// over the overcommit cap is refused, and a fake cgroup's headroom bounds memory.
-func TestAdmitHost(t *testing.T) {
-	e := newTestEngine(t, testConfig(t))
-	h := fakeHost(t, 23<<30, 20<<30)
-	writeFiles(t, h.proc, map[string]string{
-		"201/cmdline": cmdline("qemu", "-name", "o,process=forkvm-o", "-smp", "7", "-m", "1024M", "-chardev", "socket,id=qmp,path=/elsewhere/run/o/qmp.sock"),
-	})
-	e.adm.host, e.adm.hostCPUs, e.adm.overcommit, e.adm.maxOvercommit = h, 2, 4, 8 // budget 8 vCPUs
-	b := e.adm.budget(0)
-	if b.Used != 7 || b.OtherUsed != 7 || b.Total != 8 || !b.Memory.Known {
-		t.Fatalf("budget = %+v, want 7 of 8 used by another engine", b)
-	}
-	if _, err := e.adm.admit(2, 256<<20, "", 0); !errors.Is(err, ErrAdmission) {
-		t.Errorf("2 vCPUs with 1 free: %v, want ErrAdmission", err)
-	}
-	rel, err := e.adm.admit(1, 256<<20, "", 0)
-	if err != nil {
-		t.Fatalf("1 vCPU with 1 free: %v", err)
-	}
-	rel()
-	var oe *OvercommitError
-	if _, err := e.adm.admit(1, 0, "", 1e12); !errors.As(err, &oe) || !errors.Is(err, ErrAdmission) || oe.Max != 8 {
-		t.Errorf("overcommit 1e12: %v, want *OvercommitError (max 8)", err)
-	}
-	rel, err = e.adm.admit(1, 0, "", 8)
-	if err != nil {
-		t.Fatalf("overcommit at the cap: %v", err)
-	}
-	rel()
-	if b := e.adm.budget(0); b.Memory.CommittedBytes != commitBytes(1<<30, e.adm.commitRatio) {
-		t.Errorf("committed = %d, want the other VM's commitment %d", b.Memory.CommittedBytes, commitBytes(1<<30, e.adm.commitRatio))
-	}
-}
-
-// BenchmarkBudgetRealHost is the cost of one admission check on this host (the /proc
-// scan for other engines' QEMUs, meminfo and the memory cgroup).
-func BenchmarkBudgetRealHost(b *testing.B) {
-	a := &admitter{hostCPUs: 2, overcommit: 8, maxOvercommit: 16, commitRatio: 0.1, host: realHost, fp: newFootprints(),
-		ownArg: "path=/nonexistent/run/", own: func() []qemuUse { return nil }}
-	for b.Loop() {
-		_ = a.budget(0)
 	}
 }

@@ -1,0 +1,214 @@
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine/internal/admission"
+)
+
+// writeFiles creates files (path relative to dir → content) under dir.
+func writeFiles(t *testing.T, dir string, files map[string]string) {
+	t.Helper()
+	for p, c := range files {
+		full := filepath.Join(dir, p)
+		if err := os.MkdirAll(filepath.Dir(full), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(full, []byte(c), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// fakeHost is a probe of a fake host with avail of total bytes of memory, no memory
+// cgroup and no process.
+func fakeHost(t *testing.T, total, avail int64) hostProbe {
+	t.Helper()
+	dir := t.TempDir()
+	writeFiles(t, dir, map[string]string{
+		"proc/meminfo":        fmt.Sprintf("MemTotal:       %d kB\nMemFree:  1 kB\nMemAvailable:   %d kB\n", total>>10, avail>>10),
+		"proc/self/cgroup":    "0::/\n",
+		"proc/self/mountinfo": "",
+	})
+	return hostProbe{admission.Probe{Proc: filepath.Join(dir, "proc"), SelfCgroup: filepath.Join(dir, "proc/self/cgroup"), Mountinfo: filepath.Join(dir, "proc/self/mountinfo")}}
+}
+
+// cmdline joins argv as /proc/PID/cmdline has it.
+func cmdline(args ...string) string { return strings.Join(args, "\x00") + "\x00" }
+
+func TestBudgetCheck(t *testing.T) {
+	const mib = int64(1) << 20
+	mem := func(total, free int64) MemoryBudget {
+		return MemoryBudget{Known: true, TotalBytes: total, FreeBytes: free, ReserveBytes: 512 * mib, CommitRatio: 0.25}
+	}
+	for _, tc := range []struct {
+		name     string
+		b        Budget
+		cpus     int
+		guest    int64
+		resource string // "" admitted
+		req      int64
+	}{
+		{"fits", Budget{Total: 16, Used: 8, Memory: mem(23<<30, 4<<30)}, 2, 2 << 30, "", 0},
+		{"create --cpus 14 with 8 of 16 used", Budget{Total: 16, Used: 8, Memory: mem(23<<30, 4<<30)}, 14, 1 << 30, "vcpu", 14},
+		{"exactly the last vCPUs", Budget{Total: 16, Used: 14, Memory: mem(23<<30, 4<<30)}, 2, 1 << 30, "", 0},
+		{"guest larger than the host", Budget{Total: 16, Memory: mem(23<<30, 22<<30)}, 1, 30000 * mib, "memory", 30000 * mib},
+		{"commitment over what is free", Budget{Total: 16, Memory: mem(23<<30, 500*mib)}, 1, 2 << 30, "memory", 64*mib + 512*mib},
+		{"unknown memory is not checked", Budget{Total: 16, Memory: MemoryBudget{}}, 1, 30000 * mib, "", 0},
+		{"memory pressure", Budget{Total: 16, Memory: pressed(mem(23<<30, 4<<30), 12)}, 1, 1 << 30, "memory-pressure", 64*mib + 256*mib},
+		{"pressure below the limit", Budget{Total: 16, Memory: pressed(mem(23<<30, 4<<30), 9.99)}, 1, 1 << 30, "", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.b.check(tc.cpus, tc.guest, admission.CommitBytes(tc.guest, tc.b.Memory.CommitRatio))
+			var ae *AdmissionError
+			switch {
+			case tc.resource == "" && err != nil:
+				t.Errorf("check = %v, want admitted", err)
+			case tc.resource != "" && (!errors.As(err, &ae) || !errors.Is(err, ErrAdmission) || ae.Resource != tc.resource || ae.Requested != tc.req):
+				t.Errorf("check = %v (%+v), want %s refused, requested %d", err, ae, tc.resource, tc.req)
+			}
+		})
+	}
+}
+
+// pressed is m with the kernel reporting some avg10 of some percent.
+func pressed(m MemoryBudget, some float64) MemoryBudget {
+	m.PressureKnown, m.PressureSomeAvg10, m.PressureLimit = true, some, admission.PSISomeLimit
+	return m
+}
+
+// TestAdmitHost admits against a fake host: another engine's 7 vCPUs count, a request
+// over the overcommit cap is refused, and a fake cgroup's headroom bounds memory.
+func TestAdmitHost(t *testing.T) {
+	e := newTestEngine(t, testConfig(t))
+	h := fakeHost(t, 23<<30, 20<<30)
+	writeFiles(t, h.Proc, map[string]string{
+		"201/cmdline": cmdline("qemu", "-name", "o,process=forkvm-o", "-smp", "7", "-m", "1024M", "-chardev", "socket,id=qmp,path=/elsewhere/run/o/qmp.sock"),
+	})
+	e.adm.host, e.adm.hostCPUs, e.adm.overcommit, e.adm.maxOvercommit = h, 2, 4, 8 // budget 8 vCPUs
+	b := e.adm.budget(0)
+	if b.Used != 7 || b.OtherUsed != 7 || b.Total != 8 || !b.Memory.Known {
+		t.Fatalf("budget = %+v, want 7 of 8 used by another engine", b)
+	}
+	if _, err := e.adm.admit(2, 256<<20, "", 0); !errors.Is(err, ErrAdmission) {
+		t.Errorf("2 vCPUs with 1 free: %v, want ErrAdmission", err)
+	}
+	rel, err := e.adm.admit(1, 256<<20, "", 0)
+	if err != nil {
+		t.Fatalf("1 vCPU with 1 free: %v", err)
+	}
+	rel()
+	var oe *OvercommitError
+	if _, err := e.adm.admit(1, 0, "", 1e12); !errors.As(err, &oe) || !errors.Is(err, ErrAdmission) || oe.Max != 8 {
+		t.Errorf("overcommit 1e12: %v, want *OvercommitError (max 8)", err)
+	}
+	rel, err = e.adm.admit(1, 0, "", 8)
+	if err != nil {
+		t.Fatalf("overcommit at the cap: %v", err)
+	}
+	rel()
+	if b := e.adm.budget(0); b.Memory.CommittedBytes != admission.CommitBytes(1<<30, e.adm.commitRatio) {
+		t.Errorf("committed = %d, want the other VM's commitment %d", b.Memory.CommittedBytes, admission.CommitBytes(1<<30, e.adm.commitRatio))
+	}
+}
+
+// BenchmarkBudgetRealHost is the cost of one admission check on this host (the /proc
+// scan for other engines' QEMUs, meminfo and the memory cgroup).
+func BenchmarkBudgetRealHost(b *testing.B) {
+	a := &admitter{hostCPUs: 2, overcommit: 8, maxOvercommit: 16, commitRatio: 0.1, host: realHost, fp: admission.NewFootprints(time.Now),
+		ownArg: "path=/nonexistent/run/", own: func() []admission.QEMU { return nil }}
+	for b.Loop() {
+		_ = a.budget(0)
+	}
+}
+
+// fakeClock is a clock tests move by hand.
+type fakeClock struct{ t time.Time }
+
+func (c *fakeClock) now() time.Time { return c.t }
+
+func TestSourceKey(t *testing.T) {
+	for _, tc := range []struct {
+		ck   checkpointManifest
+		want string
+	}{
+		{checkpointManifest{Name: "c1", Source: "w"}, "ck:c1"},
+		{checkpointManifest{Name: "w-imp-1", Source: "w", Implicit: true}, "vm:w"},
+	} {
+		if got := sourceKey(&tc.ck); got != tc.want {
+			t.Errorf("sourceKey(%+v) = %q, want %q", tc.ck, got, tc.want)
+		}
+	}
+}
+
+// TestAdmitByFootprint: on a fake host with 4 GiB available, forks of a checkpoint whose
+// settled forks hold 30 MiB each commit 46 MiB, not the prior (64 MiB + 10% of 2 GiB),
+// so at least 4× as many are admitted; memory pressure refuses every VM.
+func TestAdmitByFootprint(t *testing.T) {
+	const mib = int64(1) << 20
+	h := fakeHost(t, 8<<30, 4<<30)
+	clock := &fakeClock{t: time.Unix(1000, 0)}
+	fp := admission.NewFootprints(clock.now)
+	var live []admission.QEMU
+	for i := range 4 {
+		live = append(live, admission.QEMU{PID: 100 + i, CPUs: 1, Guest: 2 << 30, Private: 30 * mib, Source: "ck:w", Sample: true})
+	}
+	a := &admitter{hostCPUs: 1000, overcommit: 1, maxOvercommit: 1, reserveBytes: 512 * mib, commitRatio: 0.1,
+		host: h, fp: fp, own: func() []admission.QEMU { return live }}
+	fill := func() (n int, err error) {
+		var held []func()
+		defer func() {
+			for _, r := range held {
+				r()
+			}
+		}()
+		for n = 0; n < 1000; n++ {
+			rel, err := a.admit(1, 2<<30, "ck:w", 0)
+			if err != nil {
+				return n, err
+			}
+			held = append(held, rel)
+		}
+		return n, nil
+	}
+	prior, err := fill()
+	var ae *AdmissionError
+	if !errors.As(err, &ae) || ae.Resource != "memory" || ae.Requested != admission.CommitBytes(2<<30, 0.1) {
+		t.Fatalf("unmeasured: admitted %d, then %v; want a memory refusal of the prior", prior, err)
+	}
+	clock.t = clock.t.Add(admission.FootprintSettle)
+	measured, err := fill()
+	if !errors.As(err, &ae) || ae.Resource != "memory" || ae.Requested != admission.FootprintCommit(30*mib) {
+		t.Fatalf("measured: admitted %d, then %v; want a memory refusal of %d MiB", measured, err, admission.FootprintCommit(30*mib)/mib)
+	}
+	if measured < 4*prior {
+		t.Errorf("admitted %d forks measured, %d by the prior: want at least 4x", measured, prior)
+	}
+	b := a.budget(0)
+	if m := b.Memory; m.Basis != MemoryBasisFootprint || len(m.Sources) != 1 || m.Sources[0].Source != "ck:w" || m.Sources[0].VMs != 4 ||
+		m.Sources[0].HighWaterBytes != 30*mib || m.Sources[0].CommitBytes != 46*mib || m.CommittedBytes != 4*16*mib {
+		t.Errorf("budget memory = %+v, want ck:w's 4 forks at 30 MiB committing 46 MiB each, 64 MiB outstanding", m)
+	}
+	// A create (no source) still commits the prior.
+	if rel, err := a.admit(1, 2<<30, "", 0); err != nil {
+		t.Errorf("create beside measured forks: %v", err)
+	} else {
+		if got := a.pendingMem; got != admission.CommitBytes(2<<30, 0.1) {
+			t.Errorf("a create holds %d MiB, want the prior %d", got/mib, admission.CommitBytes(2<<30, 0.1)/mib)
+		}
+		rel()
+	}
+	writeFiles(t, h.Proc, map[string]string{"pressure/memory": "some avg10=25.00 avg60=5.00 avg300=1.00 total=1\nfull avg10=2.00 avg60=0.00 avg300=0.00 total=1\n"})
+	if _, err := a.admit(1, 256*mib, "ck:w", 0); !errors.As(err, &ae) || ae.Resource != "memory-pressure" || !errors.Is(err, ErrAdmission) {
+		t.Errorf("under memory pressure: %v, want a memory-pressure refusal", err)
+	}
+	if m := a.budget(0).Memory; !m.PressureKnown || m.PressureSomeAvg10 != 25 || m.PressureFullAvg10 != 2 {
+		t.Errorf("pressure in the budget: %+v", m)
+	}
+}
