@@ -104,6 +104,32 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool, early 
 	return e.checkpoint(ctx, src, derivedName(src, "auto"), CheckpointOptions{Pin: pin}, true, early)
 }
 
+// forkFrom makes one fork of checkpoint c (forkOne) under the fork guard: refused while
+// the checkpoint is being deleted, and failed with an error wrapping ErrNotFound when a
+// forced delete cancels it. held, when set, is the fork's admission, made before its
+// checkpoint was taken (admitSource); it is released when forkFrom returns (it is
+// idempotent: forkOne releases it as soon as the fork is registered or failed).
+func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func(), early *earlyFork) (*VM, error) {
+	if held != nil {
+		defer held()
+	}
+	gctx, leave, err := e.forking.enter(ctx, c.Manifest.Name)
+	if err != nil {
+		return nil, err
+	}
+	defer leave()
+	if !e.cks.exists(c.Manifest.Name) {
+		return nil, fmt.Errorf("%w: checkpoint %s was deleted", ErrNotFound, c.Manifest.Name)
+	}
+	vm, err := e.forkOne(gctx, c, name, overcommit, publish, held, early)
+	if err != nil && ctx.Err() == nil {
+		if cause := context.Cause(gctx); cause != nil && errors.Is(cause, ErrNotFound) {
+			return nil, fmt.Errorf("engine: fork %s: %w (%v)", name, cause, err)
+		}
+	}
+	return vm, err
+}
+
 // forkOne makes one fork of a verified checkpoint (see forkFrom), in stages:
 //
 //	check     the checkpoint fits this host and the fork's forwards (forkChecks)
@@ -166,17 +192,6 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	return vm, nil
 }
 
-// readyFork is a fork's last stages: restore, handshake and record.
-func (e *Engine) readyFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) error {
-	if err := e.restoreFork(ctx, vm, c, clock); err != nil {
-		return err
-	}
-	e.vms.add(vm)
-	e.cks.markForked(c.Manifest.Name)
-	e.flattenLater(&c.Manifest)
-	return nil
-}
-
 // forkChecks refuses, before anything is spent on it, a fork of c this host cannot run
 // (its QEMU, accelerator or device state) or whose forwards cannot be had: c has no
 // network, or a host address is taken.
@@ -224,6 +239,71 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 		return nil, nil, nil, err
 	}
 	return vm, release, e.inflightFork(vm, ck), nil
+}
+
+// prepareFork is the first stage of a fork (or of a warm-pool process): the manifest, the
+// directory and the disk of VM name restoring checkpoint c, forwarding the host ports
+// publish (nil for a pooled process). No process yet.
+func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu string, c *Checkpoint, name string, publish []PortForward) (*VM, error) {
+	ck := &c.Manifest
+	m := forkManifest(paths, qemu, ck, name)
+	publish = append([]PortForward(nil), publish...) // not the caller's slice
+	m.Launch.Publish, m.Spec.Publish = publish, publish
+	if b := forkBase(paths, log, ck); b.Layers > 0 {
+		// A flattened copy of the lineage up to b.Layers: only the layers above it are
+		// injected (injectLayers).
+		m.Launch.RAM.Path, m.RAMBaseLayers = b.Path, b.Layers
+	}
+	return forkDir(ctx, paths, log, c, m)
+}
+
+// forkDir makes the directory of fork m of checkpoint c, its console history (from
+// c.Dir) and its disk (a copy of c's overlay template on c's frozen chain), and returns
+// its VM. No process yet.
+func forkDir(ctx context.Context, paths layout, log *slog.Logger, c *Checkpoint, m manifest) (*VM, error) {
+	ck := &c.Manifest
+	dir := paths.vmDir(m.Name)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("engine: create %s: %w", dir, err)
+	}
+	console.SeedFork(c.Dir, ck.Name, m.Launch.SerialLog, m.Name)
+	if len(ck.Disk) > 0 {
+		layers, err := forkDisk(ctx, ck, dir)
+		if err != nil {
+			paths.removeVMFiles(m.Name, &m)
+			return nil, err
+		}
+		m.Launch.Disk = layers
+		m.DiskNode = "disk0"
+	}
+	return newVM(dir, log, &m), nil
+}
+
+// forkManifest is the manifest of VM name restoring checkpoint ck, before its RAM base,
+// forwards and disk are chosen: it maps ck's root RAM file.
+func forkManifest(paths layout, qemu string, ck *checkpointManifest, name string) manifest {
+	return manifest{
+		Version: manifestVersion, Name: name, Parent: ck.Name, State: StateStarting,
+		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true, Net: ck.Net},
+		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: newToken(), CreatedAt: time.Now().UTC(),
+		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
+		Launch: forkLaunch(paths, qemu, name, ck),
+	}
+}
+
+// compatible refuses a checkpoint made by another QEMU or accelerator.
+func compatible(ctx context.Context, bins *qemuBins, accel Accel, ck *checkpointManifest) error {
+	ver, err := bins.version(ctx)
+	if err != nil {
+		return err
+	}
+	if ck.QEMUVersion != ver {
+		return fmt.Errorf("%w: checkpoint %s was made by QEMU %s, this engine runs QEMU %s", ErrIncompatible, ck.Name, ck.QEMUVersion, ver)
+	}
+	if ck.Accel != accel {
+		return fmt.Errorf("%w: checkpoint %s was made with accelerator %s, this engine uses %s", ErrIncompatible, ck.Name, ck.Accel, accel)
+	}
+	return nil
 }
 
 // inflightFork counts vm, a fork of ck not yet started, as on its way to ready: its
@@ -297,6 +377,17 @@ func (e *Engine) restoreFork(ctx context.Context, vm *VM, c *Checkpoint, clock *
 		return err
 	}
 	return vm.becomeReady(fctx, "fork", clock, hello)
+}
+
+// readyFork is a fork's last stages: restore, handshake and record.
+func (e *Engine) readyFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) error {
+	if err := e.restoreFork(ctx, vm, c, clock); err != nil {
+		return err
+	}
+	e.vms.add(vm)
+	e.cks.markForked(c.Manifest.Name)
+	e.flattenLater(&c.Manifest)
+	return nil
 }
 
 // forkGuard tracks the forks being made from each checkpoint, so that a forced delete
@@ -377,95 +468,4 @@ func (g *forkGuard) stop(ctx context.Context, ck string) (end func(), err error)
 		}
 	}
 	return end, nil
-}
-
-// forkFrom makes one fork of checkpoint c (forkOne) under the fork guard: refused while
-// the checkpoint is being deleted, and failed with an error wrapping ErrNotFound when a
-// forced delete cancels it. held, when set, is the fork's admission, made before its
-// checkpoint was taken (admitSource); it is released when forkFrom returns (it is
-// idempotent: forkOne releases it as soon as the fork is registered or failed).
-func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func(), early *earlyFork) (*VM, error) {
-	if held != nil {
-		defer held()
-	}
-	gctx, leave, err := e.forking.enter(ctx, c.Manifest.Name)
-	if err != nil {
-		return nil, err
-	}
-	defer leave()
-	if !e.cks.exists(c.Manifest.Name) {
-		return nil, fmt.Errorf("%w: checkpoint %s was deleted", ErrNotFound, c.Manifest.Name)
-	}
-	vm, err := e.forkOne(gctx, c, name, overcommit, publish, held, early)
-	if err != nil && ctx.Err() == nil {
-		if cause := context.Cause(gctx); cause != nil && errors.Is(cause, ErrNotFound) {
-			return nil, fmt.Errorf("engine: fork %s: %w (%v)", name, cause, err)
-		}
-	}
-	return vm, err
-}
-
-// prepareFork is the first stage of a fork (or of a warm-pool process): the manifest, the
-// directory and the disk of VM name restoring checkpoint c, forwarding the host ports
-// publish (nil for a pooled process). No process yet.
-func prepareFork(ctx context.Context, paths layout, log *slog.Logger, qemu string, c *Checkpoint, name string, publish []PortForward) (*VM, error) {
-	ck := &c.Manifest
-	m := forkManifest(paths, qemu, ck, name)
-	publish = append([]PortForward(nil), publish...) // not the caller's slice
-	m.Launch.Publish, m.Spec.Publish = publish, publish
-	if b := forkBase(paths, log, ck); b.Layers > 0 {
-		// A flattened copy of the lineage up to b.Layers: only the layers above it are
-		// injected (injectLayers).
-		m.Launch.RAM.Path, m.RAMBaseLayers = b.Path, b.Layers
-	}
-	return forkDir(ctx, paths, log, c, m)
-}
-
-// forkDir makes the directory of fork m of checkpoint c, its console history (from
-// c.Dir) and its disk (a copy of c's overlay template on c's frozen chain), and returns
-// its VM. No process yet.
-func forkDir(ctx context.Context, paths layout, log *slog.Logger, c *Checkpoint, m manifest) (*VM, error) {
-	ck := &c.Manifest
-	dir := paths.vmDir(m.Name)
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("engine: create %s: %w", dir, err)
-	}
-	console.SeedFork(c.Dir, ck.Name, m.Launch.SerialLog, m.Name)
-	if len(ck.Disk) > 0 {
-		layers, err := forkDisk(ctx, ck, dir)
-		if err != nil {
-			paths.removeVMFiles(m.Name, &m)
-			return nil, err
-		}
-		m.Launch.Disk = layers
-		m.DiskNode = "disk0"
-	}
-	return newVM(dir, log, &m), nil
-}
-
-// forkManifest is the manifest of VM name restoring checkpoint ck, before its RAM base,
-// forwards and disk are chosen: it maps ck's root RAM file.
-func forkManifest(paths layout, qemu string, ck *checkpointManifest, name string) manifest {
-	return manifest{
-		Version: manifestVersion, Name: name, Parent: ck.Name, State: StateStarting,
-		Spec:  Spec{Name: name, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB, DiskMiB: ck.DiskMiB, Forkable: true, Net: ck.Net},
-		Accel: ck.Accel, QEMUVersion: ck.QEMUVersion, Token: newToken(), CreatedAt: time.Now().UTC(),
-		BootKernel: ck.Kernel, BootInitrd: ck.Initrd,
-		Launch: forkLaunch(paths, qemu, name, ck),
-	}
-}
-
-// compatible refuses a checkpoint made by another QEMU or accelerator.
-func compatible(ctx context.Context, bins *qemuBins, accel Accel, ck *checkpointManifest) error {
-	ver, err := bins.version(ctx)
-	if err != nil {
-		return err
-	}
-	if ck.QEMUVersion != ver {
-		return fmt.Errorf("%w: checkpoint %s was made by QEMU %s, this engine runs QEMU %s", ErrIncompatible, ck.Name, ck.QEMUVersion, ver)
-	}
-	if ck.Accel != accel {
-		return fmt.Errorf("%w: checkpoint %s was made with accelerator %s, this engine uses %s", ErrIncompatible, ck.Name, ck.Accel, accel)
-	}
-	return nil
 }
