@@ -75,7 +75,7 @@ func (a *admitter) budget(overcommit float64) Budget {
 	return b
 }
 
-// budgetHigh is budget with the footprint marks it was computed with (footprints).
+// budgetHigh is budget with the footprint marks it was computed with (admission.Footprints).
 func (a *admitter) budgetHigh(overcommit float64) (Budget, map[string]int64) {
 	if overcommit <= 0 {
 		overcommit = a.overcommit
@@ -101,7 +101,7 @@ func (a *admitter) budgetHigh(overcommit float64) (Budget, map[string]int64) {
 }
 
 // admit checks the budgets for one more VM of cpus vCPUs and guest bytes of RAM, a fork
-// of source (footprints; "" for a create or an unknown source: the prior), with the
+// of source (admission.Footprints; "" for a create or an unknown source: the prior), with the
 // request's overcommit (0: the engine's), and reserves it until release is called
 // (once the VM is registered, or failed).
 func (a *admitter) admit(cpus int, guest int64, source string, overcommit float64) (release func(), err error) {

@@ -129,8 +129,8 @@ func (e *Engine) checkpointKind(m manifest, o CheckpointOptions) ckKind {
 	}
 }
 
-// ckKind is one kind of checkpoint: world (ckworld.go), handoff, delta of a fork, or the
-// full-save fallback for a fork (ckfork.go). runCheckpoint takes every kind through the
+// ckKind is one kind of checkpoint: world, handoff, delta of a fork, or the
+// full-save fallback for a fork (ckkinds.go holds them all). runCheckpoint takes every kind through the
 // same stages, calling its methods in this order:
 //
 //   - prepare: the guest runs, the VM is not locked; what needs no pause.

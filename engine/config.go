@@ -148,7 +148,7 @@ type resolved struct {
 	accel Accel // never AccelAuto
 	vsock bool  // agents are reached over AF_VSOCK
 	// sharedRAM and sharedRun: RAMDir and RunDir are defaults in a shared directory,
-	// which another user may have taken (New picks another: shareddir.go).
+	// which another user may have taken (New picks another: sharedDir).
 	sharedRAM, sharedRun bool
 	tag                  string // tells state directories apart in shared names
 	paths                layout

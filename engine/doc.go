@@ -91,39 +91,64 @@
 //
 // # How it is built
 //
-// The engine is the orchestration: create, checkpoint, fork, a wave, a warm pool and
-// the recovery after a crash, each written as the stages it runs. How QEMU is driven
-// is one layer below, in an internal package (engine/internal/qemu): the launch data
-// and the one pure function that renders every QEMU command line, the QEMU process
-// (spawn, watch, QMP connection, kill, re-adopt after a restart), the typed QMP verbs
-// (run state, migration, block graph and block jobs) and the probing of the binaries.
-// Package qmp, the QMP protocol client, is below that.
+// The engine is the orchestration: create, checkpoint, fork, a wave, a warm pool, park
+// and the recovery after a crash, each written as the stages it runs, one file per
+// feature. Below it, internal packages hold the leaves: each has a small surface and
+// knows nothing of VMs or checkpoints. How QEMU is driven is engine/internal/qemu: the
+// launch data and the one pure function that renders every QEMU command line, the QEMU
+// process (spawn, watch, QMP connection, kill, re-adopt after a restart), the typed QMP
+// verbs (run state, migration, block graph and block jobs) and the probing of the
+// binaries; package qmp, the QMP protocol client, is below that. What admission counts
+// on the host is engine/internal/admission (every forkvm QEMU, memory, the memory
+// cgroup and its pressure, the footprints of settled forks, a VM's own memory cgroup);
+// the decision and its answers (Budget, *AdmissionError) stay here, since they are this
+// package's API. The console keeper is engine/internal/console, and the few calls that
+// differ by operating system are engine/internal/platform, so no file here has a build
+// tag. The checkpoint store, the manifests, checkpoint transfer and warm pools stay
+// here: each reads and writes the engine's own records (manifests, the state
+// directory's layout, the VM under its lock), so as packages they would export most of
+// the engine's internals.
 package engine
 
 // A map of the source, for readers of the code.
 //
-// A fork, stage by stage: forkprep.go (manifest, directory, disk), launches.go (the
-// launch record of a new VM or a fork), cmdline.go (a launch record becomes a
-// qemu.Launch, whose Argv renders the argv), qemuproc.go (spawnQEMU: a qemu.Process
-// with the engine's errors and cgroup, and watchEvents, the pause on disk errors),
-// migrate.go (loadFromFile and the other migration stages over the monitor's verbs),
-// handshake.go (the agent's token handshake) and fork.go, which runs them in order;
-// many.go runs a wave of them. A checkpoint: checkpoint.go chooses its kind, and
-// ckpause.go takes every kind through the same stages (prepare, the pause under the VM's
-// lock with the one crash marker, finish, the commit, committed) and holds the pause's
-// crash recovery; ckwriter.go writes the files and commits once; one file per kind:
-// ckworld.go (copy), handoff.go (with its crash recovery), ckdelta.go (delta of a fork),
-// ckfork.go (full-save fallback). disk.go freezes and collapses disk chains (blockdev-add,
-// blockdev-snapshot, block-stream through the monitor); recover.go re-finds VMs and
-// checkpoints after a crash, each VM's cut-short checkpoint settled by its kind's code.
-// vmstate.go splits a VM's manifest into its identity, never changed in place and read
+// engine.go is the Engine over its state directory: its lock, the registry of VMs, the
+// layout (every path and file name) and the private RAM and run directories. config.go
+// is Config with the enumerations and the QEMU binaries and guest image it resolves;
+// spec.go a VM's Spec, names, port forwards and its user-mode network.
+//
+// A fork, stage by stage, is fork.go in call order: admission (admitSource), the source
+// (resolveSource: a running VM's implicit checkpoint), forkFrom under the fork guard
+// (a forced DeleteCheckpoint cancels forks through it), forkOne's checks, the fork's
+// directory, manifest and disk, spawn, restore and ready. On the way: cmdline.go (a
+// launch record, of a new VM or a fork, becomes a qemu.Launch, whose Argv renders the
+// argv), qemuproc.go (spawnQEMU: a qemu.Process with the engine's errors and cgroup;
+// watchEvents and the pause on disk errors; loadFromFile and the other migration
+// stages over the monitor's verbs) and agent.go (the agent's token handshake). wave.go
+// runs a wave of them: ForkMany, its plan, the forks started early during the
+// checkpoint, one ForkEvent per fork. create.go boots a new VM through the same files.
+//
+// A checkpoint: checkpoint.go chooses its kind and takes every kind through the same
+// stages (prepare, the pause under the VM's lock with the one crash marker, finish,
+// the commit, committed), holds the pause's crash recovery, and its writer writes the
+// files and commits once. ckkinds.go holds the kinds: world (copy), delta (of a fork),
+// full save (fallback) and handoff (with its crash recovery). ckstore.go is the
+// checkpoints on disk and their listing; lineage.go a delta's lineage: the base a fork
+// maps and the flattening; manifest.go the records of VMs and checkpoints; transfer.go
+// a checkpoint's export and import between hosts. disk.go freezes and collapses disk
+// chains (blockdev-add, blockdev-snapshot, block-stream through the monitor).
+//
+// vm.go is a VM, its manifest split into its identity, never changed in place and read
 // without a lock, and its state, reached only through methods that hold the VM's lock.
-// paths.go owns every path and file name. spans.go times phases as spans
-// and counters.go reads the kernel's counters of a VM's QEMU (Config.Counters) at each. files.go moves files in and
-// out of a VM as tar streams through its agent (VM.CopyIn, VM.CopyOut; the engine opens a
-// host path only in CopyInPath and CopyOutPath, named by their caller) and reads its console (VM.Logs), which console.go's
-// keeper writes. shareddir.go picks the RAM and run directories in shared places
-// (another user cannot squat them).
+// agent.go talks to its guest: the handshake, files in and out as tar streams through
+// the agent (VM.CopyIn, VM.CopyOut; the engine opens a host path only in CopyInPath and
+// CopyOutPath, named by their caller), the console (VM.Logs, which the console keeper
+// writes) and VM.Output. warm.go keeps warm pools, park.go parks and wakes VMs,
+// delete.go deletes VMs and checkpoints, and recover.go re-finds VMs and checkpoints
+// after a crash, each VM's cut-short checkpoint settled by its kind's code.
+// admission.go decides whether one more VM fits the host's budgets. measure.go times
+// phases as spans, reads the kernel's counters of a VM's QEMU (Config.Counters) at
+// each, and holds the JIT and memory figures and the stock save/restore Baseline.
 //
 // In engine/internal/qemu: argv.go (Launch, Argv), process.go (Process: Spawn, Adopt,
 // Monitor, Quit, Kill), monitor.go and block.go (the QMP verbs), binary.go (probing).

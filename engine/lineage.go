@@ -32,7 +32,7 @@ import (
 // gain nothing. A checkpoint is therefore flattened in the background after its first
 // fork (that fork uses the layers) when its layers hold at least Config.FlattenMiB, or
 // once its live forks' copies of the layers cost more than the file, before a wave
-// whose forks would (flatwave.go), or at once on request (Engine.Flatten). KSM was measured too: it merges the injected
+// whose forks would (flattenForWave), or at once on request (Engine.Flatten). KSM was measured too: it merges the injected
 // pages only ~10 s after a fork, at ~15% of a CPU host-wide, for every process.
 //
 // Crash safety: the file is written under a temporary name (reaped by the next engine)
@@ -136,7 +136,7 @@ func (e *Engine) flattenLater(ck *checkpointManifest) {
 	}
 	if layersBytes(ck) < e.cfg.FlattenMiB<<20 {
 		// Small layers: flattened once its live forks' copies of them cost more than
-		// the flattened file (flatwave.go).
+		// the flattened file (flattenForWave).
 		inject, file := flattenCost(e.paths, ck)
 		if !worthFlattening(inject, file, e.vms.forksOf(ck.Name)) {
 			return
