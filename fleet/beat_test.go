@@ -16,6 +16,7 @@ import (
 // tick (here a minute away): `forkvm nodes` showed VMS 0 JOBS 2 for seconds after a
 // wave, a heartbeat written while the forks were being made.
 func TestJobsLeaveTheHeartbeatWhenTheyEnd(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	engines := map[string]*fakeEngine{"n1": newFakeEngine(0), "n2": newFakeEngine(100)}
 	engines["n1"].cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}

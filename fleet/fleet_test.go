@@ -347,6 +347,7 @@ func collectKillingVictim(t *testing.T, evs <-chan Event, victim testNode, d tim
 }
 
 func TestWaveSpreadsUnderBudgets(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	nodes := join(t, s, 3, 2, nil)
 	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1, MemoryMiB: 256}
@@ -399,6 +400,7 @@ func TestWaveSpreadsUnderBudgets(t *testing.T) {
 }
 
 func TestNameClaimedOnce(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	nodes := join(t, s, 2, 0, nil)
 	for _, n := range nodes {
@@ -476,6 +478,7 @@ func TestNameClaimedOnce(t *testing.T) {
 }
 
 func TestDigestMismatchRefused(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	nodes := join(t, s, 2, 0, func(c *Config) { c.MaxDeliver = 2 })
 	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
@@ -495,6 +498,7 @@ func TestDigestMismatchRefused(t *testing.T) {
 // recorded it (api.ErrDigest from the fetcher) fails the job at once with code
 // digest_mismatch: it is not given back for deliveries that would fetch the same bytes.
 func TestPulledDigestMismatchFails(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	// Node 1 stops (below) but must stay a live holder until node 2 pulls: a TTL of 6 s
 	// (with 1.5 s its heartbeat could expire first, the job's dispatch taking ~1 s).
@@ -598,6 +602,7 @@ func TestNodeKilledMidWave(t *testing.T) {
 // the wave's RoomWait (without the rule they waited in the queue, their deliveries not
 // even spent: nodes without room pull nothing), and their jobs are gone from the stream.
 func TestNoRoomFailsPromptly(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	// A TTL of 6 s: a node whose heartbeat lags on a loaded machine is not lost here.
 	nodes := join(t, s, 2, 1, func(c *Config) { c.RoomWait, c.TTL = time.Second, 6*time.Second })
@@ -643,6 +648,7 @@ func TestNoRoomFailsPromptly(t *testing.T) {
 // budget is refused before anything is published, with ErrNoRoom and the admission
 // figures.
 func TestNoNodeBigEnoughRefused(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	nodes := join(t, s, 2, 2, nil)
 	nodes[0].eng.cks["big"] = CheckpointRef{Name: "big", Digest: "d4", Class: testClass, CPUs: 4}
@@ -661,6 +667,7 @@ func TestNoNodeBigEnoughRefused(t *testing.T) {
 // with MaxDeliver 2 the job is still made on the fourth delivery, not dead-lettered:
 // give-backs for want of room are not failed tries.
 func TestRefusalsAreNotFailures(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	nodes := join(t, s, 1, 0, func(c *Config) { c.MaxDeliver, c.TTL = 2, 6*time.Second })
 	n := nodes[0]
@@ -686,6 +693,7 @@ func TestRefusalsAreNotFailures(t *testing.T) {
 // it made, though the fork is gone (deleted while the node was not in the fleet),
 // releases the claim: the name is free again.
 func TestGoneForkReleasedAtStart(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	n := join(t, s, 1, 0, nil)[0]
 	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
@@ -724,6 +732,7 @@ func TestGoneForkReleasedAtStart(t *testing.T) {
 // TTL and its last one is recent; otherwise the host or the fleet is slow, and the
 // other's heartbeat may be late without its node being gone.
 func TestExpiredJudgesOnlyWhenOwnBeatsArePrompt(t *testing.T) {
+	t.Parallel()
 	now := time.Now()
 	ago := func(d time.Duration) int64 { return now.Add(-d).UnixNano() }
 	stale := api.FleetNode{Name: "other", Heartbeat: now.Add(-5 * time.Second)}
@@ -803,6 +812,7 @@ func TestReplaceLostWaitsForABeatAfterReady(t *testing.T) {
 // while the jobs bucket's leader was being elected) is read by the wave's poll: the
 // fork ends and is streamed once; a record not final is left alone.
 func TestWavePollsRecordsItMissed(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	f := join(t, s, 1, 0, nil)[0].f
 	ctx := context.Background()
@@ -840,6 +850,7 @@ func TestWavePollsRecordsItMissed(t *testing.T) {
 // written while the node forks: the fork is cancelled, the job acked and the name's
 // claim released.
 func TestFirstDeliveryMeetsTheWavesRecord(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	n := join(t, s, 1, 2, nil)[0]
 	f := n.f
@@ -892,6 +903,7 @@ func TestFirstDeliveryMeetsTheWavesRecord(t *testing.T) {
 // fetched half the jobs its budget had room for), whether or not the engine lists
 // forks not yet ready, and whether the node's cap or the engine's budget binds.
 func TestForksInFlightCountedOnce(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct{ unlisted, engineCap bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
 		unlisted := c.unlisted
 		t.Run(fmt.Sprintf("unlisted=%v,engine-cap=%v", c.unlisted, c.engineCap), func(t *testing.T) {
@@ -969,6 +981,7 @@ func TestLossJudgedOnlyAfterPromptBeats(t *testing.T) {
 // its jobs (their engines would refuse them), and the wave fails them for want of
 // room, naming memory as the resource short.
 func TestNoRoomForMemory(t *testing.T) {
+	t.Parallel()
 	s := testServer(t)
 	engines := map[string]*fakeEngine{}
 	for _, name := range []string{"n1", "n2"} {
@@ -1009,6 +1022,7 @@ func TestNoRoomForMemory(t *testing.T) {
 // stopped and not made, the job fails with code exists, and the fork's journal entry
 // is gone (a restart would not take the name's owner's VM for its orphan).
 func TestClaimBesideForkRefused(t *testing.T) {
+	t.Parallel()
 	n := join(t, testServer(t), 1, 0, nil)[0]
 	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
 	n.eng.forkDelay.Store(int64(time.Minute))
@@ -1059,6 +1073,7 @@ func (m *fakeMsg) NakWithDelay(time.Duration) error { m.nakked.Store(true); retu
 // fetch, but reads it again when the fetch waited: a job that no longer fits what the
 // node has now is given back.
 func TestStaleRoomReadAgain(t *testing.T) {
+	t.Parallel()
 	n := join(t, testServer(t), 1, 0, nil)[0]
 	n.eng.memFree.Store(200 << 20) // a 256 MiB guest commits 320 MiB
 	j := job{ID: "w1.0", Wave: "w1", Name: "stale", Checkpoint: "ck", Class: n.f.classID, CPUs: 1, MemoryMiB: 256, Published: time.Now()}
@@ -1078,6 +1093,7 @@ func TestStaleRoomReadAgain(t *testing.T) {
 // heartbeats, which has a node that joins within a heartbeat or so and drops one that
 // left once its heartbeat expires.
 func TestWatchedNodes(t *testing.T) {
+	t.Parallel()
 	nodes := join(t, testServer(t), 2, 0, nil)
 	names := func() []string {
 		ns, ok := nodes[0].f.watchedNodes()
@@ -1111,6 +1127,7 @@ func TestWatchedNodes(t *testing.T) {
 // that pulled it is listed as a holder; a node that is not live, this node itself and
 // a name that is no node's are refused.
 func TestPullFrom(t *testing.T) {
+	t.Parallel()
 	nodes := join(t, testServer(t), 2, 0, nil)
 	nodes[0].eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
 	ctx := context.Background()

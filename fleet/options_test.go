@@ -12,6 +12,7 @@ import (
 // TestOptionsValidate: the rules of a fleet's options, each refused with ErrConfig and
 // a message naming the flag, and the combinations that form a fleet accepted.
 func TestOptionsValidate(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	file := func(name string, mode os.FileMode, content string) string {
 		p := filepath.Join(dir, name)
@@ -86,6 +87,7 @@ func TestOptionsValidate(t *testing.T) {
 // cluster's URLs, an embedded server's routes), routes split at commas, the node's
 // API address from the daemon's, and the credentials in the connection options.
 func TestOptionsDerived(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name string
 		o    Options

@@ -38,6 +38,7 @@ func runWave(t *testing.T, n testNode, req api.FleetForkRequest) []Event {
 // unpinned there (it goes with its last fork), whatever its holder's pin: pulled copies
 // were pinned, and each had to be removed node by node.
 func TestPulledCopyIsCache(t *testing.T) {
+	t.Parallel()
 	nodes := cacheNodes(t)
 	runWave(t, nodes[0], api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "p1"}})
 	got, err := nodes[1].eng.Checkpoint(context.Background(), "ck")
@@ -57,6 +58,7 @@ func TestPulledCopyIsCache(t *testing.T) {
 // keeps a copy its node pinned, says what each node did, and leaves no holder entry
 // of the removed copies.
 func TestRemoveCheckpointFleetWide(t *testing.T) {
+	t.Parallel()
 	nodes := cacheNodes(t)
 	ctx := context.Background()
 	runWave(t, nodes[0], api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "p1"}})
@@ -111,6 +113,7 @@ func TestRemoveCheckpointFleetWide(t *testing.T) {
 // runs it deletes it and releases its claim; a name the fleet does not run is
 // api.ErrNotFound.
 func TestDeleteVMThroughTheFleet(t *testing.T) {
+	t.Parallel()
 	nodes := cacheNodes(t)
 	ctx := context.Background()
 	runWave(t, nodes[0], api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "p1"}})

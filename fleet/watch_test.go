@@ -66,6 +66,7 @@ func waveNodes(t *testing.T, forkDelay time.Duration) (recv, worker testNode) {
 // the cluster makes; a try that gets no answer (a slow or electing cluster) is retried
 // as every JetStream call, not the end of the wave before its first job.
 func TestWaveWatchRetried(t *testing.T) {
+	t.Parallel()
 	recv, _ := waveNodes(t, 20*time.Millisecond)
 	kv := &flakyWatchKV{KeyValue: recv.f.jobs, fails: 2}
 	recv.f.jobs = kv

@@ -240,7 +240,7 @@ func corruptData(t *testing.T, path string) {
 // taken loses nothing of its lineage and leaves no partial checkpoint (directory, RAM link
 // or layer directory).
 func TestDeltaCheckpointKilled(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 512, 64)
@@ -454,8 +454,9 @@ func qmpStatus(t *testing.T, home, vm string) string {
 // extracted) leaves no partial checkpoint, and the next engine resumes the guest with
 // its memory and disk; it checkpoints and forks as before.
 func TestDeltaEngineKilledWhilePaused(t *testing.T) {
+	par := parallelVMTest(t)
 	helper := engineHelper(t)
-	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second })
+	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second; par(c) })
 	ramDir := env.E.Config().RAMDir
 	env.E.Close()
 	ckDir := filepath.Join(env.Home, "checkpoints")

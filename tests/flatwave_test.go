@@ -18,6 +18,7 @@ import (
 // reads the lineage's files. The layers are far below Config.FlattenMiB, which alone
 // would have let every fork copy them.
 func TestWaveFlattensFreshCheckpoint(t *testing.T) {
+	parallelVMTest(t)
 	env := newRobustEnv(t, func(c *engine.Config) { c.FlattenMiB, c.Overcommit = 4096, 64 })
 	e := env.E
 	ctx := ctxT(t, 6*time.Minute)

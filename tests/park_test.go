@@ -59,7 +59,7 @@ func probeIdentity(t *testing.T, vm *engine.VM, pid string, port int) parkIdenti
 // exec and checkpoints say it is parked, and it can be parked and woken again. A world
 // parks through a handoff and wakes the same way.
 func TestParkWakeIdentity(t *testing.T) {
-	env := newRobustEnv(t, roomy)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 8*time.Minute)
 	pw, pf := freePort(t), freePort(t)
@@ -188,6 +188,7 @@ func runErr(vm *engine.VM, script string) (string, int, error) {
 // VM, not of a park: QEMU killed while its memory is still being saved (the memory is
 // gone), and QEMU killed after a wake finished (the woken VM crashed).
 func TestParkKillAtEveryStage(t *testing.T) {
+	parallelVMTest(t)
 	helper := engineHelper(t)
 	// Roomy: admission counts every QEMU on the host, and the helper's is as roomy.
 	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second; roomy(c) })
@@ -296,7 +297,7 @@ func TestParkKillAtEveryStage(t *testing.T) {
 // wake's latency in the response's header) and runs in the VM as it was; a connection
 // to a parked VM's published port wakes it and is served by it.
 func TestParkDaemonIdle(t *testing.T) {
-	env := newRobustEnv(t, roomy)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	sock := serve.SocketPath(env.Home)
 	ln, err := serve.ListenUnix(sock)
@@ -417,7 +418,7 @@ func TestParkPopulation(t *testing.T) {
 			t.Fatalf("FORKVM_PARK_POPULATION=%q: want a number of at least 2", v)
 		}
 	}
-	env := newRobustEnv(t, roomy)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 30*time.Minute)
 	if _, err := e.Create(ctx, engine.Spec{Name: "popw", CPUs: 1, MemoryMiB: 128, Forkable: true}); err != nil {

@@ -708,8 +708,9 @@ func startEngineHelper(t *testing.T, helper string, env *testEnv, args ...string
 // cut-short freeze switched to is adopted, one it only prepared is removed), no partial
 // checkpoint is left, and both can be checkpointed and forked with their data.
 func TestRobustKillEngineMidCheckpoint(t *testing.T) {
+	par := parallelVMTest(t)
 	helper := engineHelper(t)
-	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second })
+	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second; par(c) })
 	env.E.Close()
 	cut := 0
 	delays := []time.Duration{0, 30 * time.Millisecond, 70 * time.Millisecond, 120 * time.Millisecond, 180 * time.Millisecond, 260 * time.Millisecond}
@@ -805,8 +806,9 @@ func TestRobustKillEngineMidCheckpoint(t *testing.T) {
 // but not finished (recovery restarts the VM from the checkpoint) or finished. A
 // committed checkpoint forks with the VM's data and is never written to by the VM.
 func TestRobustKillEngineMidHandoff(t *testing.T) {
+	par := parallelVMTest(t)
 	helper := engineHelper(t)
-	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second })
+	env := newRobustEnv(t, func(c *engine.Config) { c.LockWait = 10 * time.Second; par(c) })
 	env.E.Close()
 	outcomes := map[string]int{}
 	for round, delay := range []time.Duration{0, 10 * time.Millisecond, 20 * time.Millisecond, 30 * time.Millisecond, 40 * time.Millisecond, 90 * time.Millisecond, 400 * time.Millisecond} {

@@ -247,5 +247,6 @@ func openEngine(ctx context.Context, state, cache, kernel, initrd string) (*engi
 	return engine.New(ctx, &engine.Config{
 		StateDir: state, CacheDir: cache, Kernel: kernel, Initrd: initrd,
 		BootTimeout: 90 * time.Second, ForkTimeout: 60 * time.Second, LockWait: 10 * time.Second,
+		Overcommit: 32, // as the tests' engines that run beside another test (roomy)
 	})
 }
