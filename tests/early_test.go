@@ -23,7 +23,8 @@ func TestForkOfRunningForkStartsEarly(t *testing.T) {
 	ctx := ctxT(t, 5*time.Minute)
 	// A writer that allocates new clusters on n2's disk all the time (new files, synced).
 	mustRun(t, n2, `(i=0; while :; do i=$((i+1)); dd if=/dev/urandom of=/data/f$i bs=65536 count=4 2>/dev/null; sync; done) </dev/null >/dev/null 2>&1 & echo $! > /dev/shm/loop.pid`)
-	time.Sleep(1500 * time.Millisecond)
+	// The fork starts once the writer has allocated clusters a few times over.
+	mustRun(t, n2, `for i in $(seq 100); do test -e /data/f4 && exit 0; sleep 0.05; done; exit 1`)
 
 	evs, err := e.ForkMany(ctx, "n2", 2, &engine.ManyOptions{Names: []string{"g", "h"}})
 	if err != nil {

@@ -83,10 +83,11 @@ func TestExecMultiplexed(t *testing.T) {
 	// An exec racing a Delete.
 	p := make(chan error, 1)
 	go func() {
-		_, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sleep", "60"}})
+		_, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", "touch /tmp/racing; sleep 60"}})
 		p <- err
 	}()
-	time.Sleep(500 * time.Millisecond)
+	// The delete races an exec that runs in the guest.
+	mustRun(t, vm, `for i in $(seq 200); do test -e /tmp/racing && exit 0; sleep 0.05; done; exit 1`)
 	if err := env.E.Delete(ctx, "mx"); err != nil {
 		t.Fatal(err)
 	}

@@ -153,7 +153,11 @@ func TestServeNoPortWithoutCluster(t *testing.T) {
 	}
 	t.Cleanup(func() { os.RemoveAll(home) })
 	d := startDaemon(t, home, serve.SocketPath(home), filepath.Join(t.TempDir(), "d.log"))
-	time.Sleep(time.Second)
+	cli := cliRunner(t, home)
+	// An answered request: the daemon has finished starting (its listeners are open).
+	if out, errs, code := cli(nil, "ls"); code != 0 {
+		t.Fatalf("forkvm ls through the daemon: %d %s%s", code, out, errs)
+	}
 	out, err := exec.Command("ss", "-Htulnp").CombinedOutput()
 	if err != nil {
 		t.Fatalf("ss: %v %s", err, out)
@@ -161,7 +165,6 @@ func TestServeNoPortWithoutCluster(t *testing.T) {
 	if want := fmt.Sprintf("pid=%d,", d.cmd.Process.Pid); strings.Contains(string(out), want) {
 		t.Errorf("the daemon without --cluster listens on a port:\n%s", out)
 	}
-	cli := cliRunner(t, home)
 	if _, errs, code := cli(nil, "nodes"); code == 0 || !strings.Contains(errs, "no fleet") {
 		t.Errorf("forkvm nodes without a fleet: %d %s", code, errs)
 	}

@@ -399,6 +399,22 @@ func hasOpenFile(pid int, path string) bool {
 	return false
 }
 
+// settledFDs is countFDs once descriptors closed in the background (a connection's
+// reader, a process's pipes after its wait) are closed: the count when it reaches want
+// (when want >= 0), or when two counts 100 ms apart agree, within 5 s.
+func settledFDs(want int) int {
+	n := countFDs()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
+		time.Sleep(100 * time.Millisecond)
+		m := countFDs()
+		if (want >= 0 && m == want) || (want < 0 && m == n) {
+			return m
+		}
+		n = m
+	}
+	return n
+}
+
 // countFDs counts this process's open file descriptors.
 func countFDs() int {
 	ents, _ := os.ReadDir("/proc/self/fd")

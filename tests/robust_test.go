@@ -384,7 +384,16 @@ func TestRobustForkAgentNeverAnswers(t *testing.T) {
 	}
 	// PID 1 is now in cgroup fz; freeze it a second after this exec returned.
 	mustRun(t, w, `setsid sh -c "sleep 1; echo 1 > /sys/fs/cgroup/fz/cgroup.freeze" </dev/null >/dev/null 2>&1 & echo started`)
-	time.Sleep(2 * time.Second)
+	// Wait for the freeze: execs answer until it lands (each probe is bounded).
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); {
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		_, err := w.Exec(pctx, &vsockd.ExecRequest{Argv: []string{"true"}})
+		cancel()
+		if err != nil {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 	pctx, cancel := context.WithTimeout(ctx, 4*time.Second)
 	_, err := w.Exec(pctx, &vsockd.ExecRequest{Argv: []string{"true"}})
 	cancel()
@@ -602,16 +611,14 @@ func TestRobustSoak(t *testing.T) {
 	}
 	// Warm-up: lazily opened descriptors and the checkpoint's "forked" marker.
 	wave(0, 1)
-	time.Sleep(200 * time.Millisecond)
-	fds0 := countFDs()
+	fds0 := settledFDs(-1)
 	procs0 := procsReferencing(env.Home, e.Config().RAMDir)
 	files0 := treeSnapshot(env.Home, e.Config().RAMDir)
 	fails := 0
 	for i := 0; i < 5; i++ {
 		fails += wave(100+i*8, 8)
 	}
-	time.Sleep(200 * time.Millisecond)
-	fds1 := countFDs()
+	fds1 := settledFDs(fds0)
 	procs1 := procsReferencing(env.Home, e.Config().RAMDir)
 	files1 := treeSnapshot(env.Home, e.Config().RAMDir)
 	t.Logf("fds %d -> %d, processes %d -> %d, files %d -> %d, failures %d", fds0, fds1, len(procs0), len(procs1), len(files0), len(files1), fails)
