@@ -214,3 +214,34 @@ func describeSource(s *guest.ImageSource) string {
 	}
 	return d
 }
+
+func imageCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "image",
+		Usage: "guest image commands",
+		Commands: []*cli.Command{{
+			Name:  "build",
+			Usage: "fetch the guest kernel and build the initramfs (cached by content hash)",
+			Flags: []cli.Flag{
+				&cli.StringFlag{Name: "agent", Usage: "guest agent binary (default: forkvm-agent next to this binary)"},
+				&cli.StringFlag{Name: "cache", Usage: "cache directory", Sources: cli.EnvVars("FORKVM_CACHE")},
+			},
+			Action: func(ctx context.Context, cmd *cli.Command) error {
+				agent := cmd.String("agent")
+				if agent == "" {
+					exe, err := os.Executable()
+					if err != nil {
+						return err
+					}
+					agent = filepath.Join(filepath.Dir(exe), "forkvm-agent")
+				}
+				img, err := guest.Build(ctx, &guest.Config{CacheDir: cmd.String("cache"), AgentBinary: agent, Log: os.Stderr})
+				if err != nil {
+					return err
+				}
+				fmt.Printf("image %s: kernel %s\n  %s\n  %s\n", img.Hash, img.KernelVersion, img.Kernel, img.Initrd)
+				return nil
+			},
+		}, imageCreateCmd(), imageRmCmd()},
+	}
+}

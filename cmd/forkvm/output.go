@@ -1,6 +1,9 @@
 package main
 
 import (
+	"encoding/json"
+	"os"
+
 	wire "github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
@@ -24,4 +27,17 @@ func checkpointObjects(cks []wire.CheckpointInfo) []wire.CheckpointObject {
 		out = append(out, wire.NewCheckpointObject(c))
 	}
 	return out
+}
+
+func printJSON(v any) error {
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }
