@@ -6,7 +6,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // budgetCmd prints the vCPU admission budget.
@@ -16,12 +16,12 @@ func budgetCmd() *cli.Command {
 		Usage: "print the host's admission budgets (vCPUs: host CPUs x overcommit; memory) and what every forkvm VM on the host uses",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
-			b, err := api.Budget(ctx)
+			defer cl.Close()
+			b, err := cl.Budget(ctx)
 			if err != nil {
 				return err
 			}
@@ -37,7 +37,7 @@ func budgetCmd() *cli.Command {
 // budgetText is budget's output: the vCPU budget and, where the host's memory is known,
 // the memory budget with the cgroup it runs under, memory pressure, the prior
 // commitment and each measured source's.
-func budgetText(b wire.Budget) string {
+func budgetText(b api.Budget) string {
 	s := fmt.Sprintf("vCPUs %d used of %d (%d host CPUs x overcommit %g; %d by other state directories; requests may ask up to %g)\n",
 		b.Used, b.Total, b.HostCPUs, b.Overcommit, b.OtherUsed, b.MaxOvercommit)
 	if m := b.Memory; m.Known {

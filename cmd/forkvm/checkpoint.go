@@ -10,7 +10,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -34,14 +34,14 @@ func checkpointCmd() *cli.Command {
 				if cmd.Args().Len() == 0 {
 					return errors.New("usage: forkvm checkpoint rm NAME (one or more)")
 				}
-				api, err := connect(ctx, cmd, false)
+				cl, err := connect(ctx, cmd, false)
 				if err != nil {
 					return err
 				}
-				defer api.Close()
+				defer cl.Close()
 				var errs []error
 				for _, n := range cmd.Args().Slice() {
-					if err := api.DeleteCheckpoint(ctx, n, &wire.DeleteCheckpointOptions{Force: cmd.Bool("force")}); err != nil {
+					if err := cl.DeleteCheckpoint(ctx, n, &api.DeleteCheckpointOptions{Force: cmd.Bool("force")}); err != nil {
 						errs = append(errs, err)
 						continue
 					}
@@ -57,17 +57,17 @@ func checkpointCmd() *cli.Command {
 			if err := checkNewName(cmd.Args().Get(1)); err != nil {
 				return err
 			}
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
-			ck, err := api.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &wire.CheckpointOptions{Pin: cmd.Bool("pin"), Handoff: cmd.Bool("handoff")})
+			defer cl.Close()
+			ck, err := cl.Checkpoint(ctx, cmd.Args().Get(0), cmd.Args().Get(1), &api.CheckpointOptions{Pin: cmd.Bool("pin"), Handoff: cmd.Bool("handoff")})
 			if err != nil {
 				return err
 			}
 			if cmd.Bool("json") {
-				return printJSON(wire.NewCheckpointObject(ck))
+				return printJSON(api.NewCheckpointObject(ck))
 			}
 			fmt.Println(checkpointLine(&ck))
 			return nil
@@ -79,7 +79,7 @@ func checkpointCmd() *cli.Command {
 // was paused. A handoff's checkpoint is committed before the VM restarts from it, and
 // the guest stays paused until then: its pause is the longer figure ("ckh: 31ms (guest
 // paused 173ms)" read as a pause longer than the whole).
-func checkpointLine(m *wire.CheckpointInfo) string {
+func checkpointLine(m *api.CheckpointInfo) string {
 	t := m.Timings
 	rest := fmt.Sprintf("ram %s; disk %s; device state %d KB", m.RAMMethod, orDash(m.DiskMethod), m.StateSize/1024)
 	if m.RAMMethod == "handoff" {
@@ -95,12 +95,12 @@ func checkpointsCmd() *cli.Command {
 		Usage: "list checkpoints",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
-			cks, err := api.Checkpoints(ctx)
+			defer cl.Close()
+			cks, err := cl.Checkpoints(ctx)
 			if err != nil {
 				return err
 			}
@@ -133,16 +133,16 @@ func pinCmd(pin bool) *cli.Command {
 			if cmd.Args().Len() != 1 {
 				return fmt.Errorf("usage: forkvm %s CHECKPOINT", name)
 			}
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
+			defer cl.Close()
 			name := cmd.Args().First()
-			if err := api.SetPinned(ctx, name, pin); err != nil {
+			if err := cl.SetPinned(ctx, name, pin); err != nil {
 				return err
 			}
-			fmt.Println(pinLine(ctx, api, name, pin))
+			fmt.Println(pinLine(ctx, cl, name, pin))
 			return nil
 		},
 	}
@@ -150,11 +150,11 @@ func pinCmd(pin bool) *cli.Command {
 
 // pinLine is what pin and unpin report: an unpinned checkpoint whose forks are all gone
 // is deleted at once, which the user must hear of (it was left unsaid).
-func pinLine(ctx context.Context, api wire.API, name string, pin bool) string {
+func pinLine(ctx context.Context, cl api.API, name string, pin bool) string {
 	if pin {
 		return fmt.Sprintf("pinned checkpoint %s: kept after its last fork is deleted", name)
 	}
-	ck, err := api.GetCheckpoint(ctx, name)
+	ck, err := cl.GetCheckpoint(ctx, name)
 	switch {
 	case errors.Is(err, engine.ErrNotFound):
 		return fmt.Sprintf("unpinned checkpoint %s: it had no forks left, so it was deleted", name)

@@ -10,7 +10,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/local"
@@ -24,17 +24,17 @@ import (
 // up before it talks to the VM (a session or a copy may be long). The output is the
 // same either way. A --socket nobody answers on is an error (ErrNoDaemon), as is any
 // socket when requireDaemon.
-func connect(ctx context.Context, cmd *cli.Command, requireDaemon bool) (wire.API, error) {
+func connect(ctx context.Context, cmd *cli.Command, requireDaemon bool) (api.API, error) {
 	return connectWith(ctx, cmd, requireDaemon, nil)
 }
 
 // connectWith is connect with markers for an in-process engine (nil: none).
-func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, markers engine.PhaseMarker) (wire.API, error) {
+func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, markers engine.PhaseMarker) (api.API, error) {
 	return connectConfig(ctx, cmd, requireDaemon, func(c *engine.Config) { c.Markers = markers })
 }
 
 // connectConfig is connect with mod applied to an in-process engine's configuration.
-func connectConfig(ctx context.Context, cmd *cli.Command, requireDaemon bool, mod func(*engine.Config)) (wire.API, error) {
+func connectConfig(ctx context.Context, cmd *cli.Command, requireDaemon bool, mod func(*engine.Config)) (api.API, error) {
 	const lockWait = 2 * time.Minute
 	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map")}
 	mod(cfg)

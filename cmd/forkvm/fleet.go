@@ -16,7 +16,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/fleet"
 	"github.com/forkvm/forkvm/serve/client"
@@ -288,10 +288,10 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 			return fmt.Errorf("forkvm fork: --%s is not for a fleet wave", f)
 		}
 	}
-	if err := wire.ValidateOvercommit(cmd.Float("overcommit")); err != nil {
+	if err := api.ValidateOvercommit(cmd.Float("overcommit")); err != nil {
 		return err
 	}
-	req := wire.FleetForkRequest{ForkRequest: wire.ForkRequest{Source: src, N: n, Prefix: cmd.String("prefix"), Overcommit: cmd.Float("overcommit")},
+	req := api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: src, N: n, Prefix: cmd.String("prefix"), Overcommit: cmd.Float("overcommit")},
 		Pack: cmd.Bool("pack"), MaxPerNode: int(cmd.Int("max-per-node")), ReplaceLost: cmd.Bool("replace-lost")}
 	if cmd.Args().Len() == 2 {
 		if n != 1 {
@@ -325,7 +325,7 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 		case cmd.Bool("json"):
 			b, _ := json.Marshal(ev)
 			fmt.Println(string(b))
-		case ev.Code == wire.CodeNodeLost:
+		case ev.Code == api.CodeNodeLost:
 			fmt.Printf("%s lost with node %s: %s\n", ev.Name, ev.Node, ev.Error)
 		case !ev.OK:
 			fmt.Printf("%s failed on %s after %v: %s\n", ev.Name, orDash(ev.Node), msDur(ev.LatencyMS), ev.Error)
@@ -336,7 +336,7 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 			fmt.Printf("%s ready on %s in %v pid %d\n", ev.Name, ev.Node, msDur(ev.LatencyMS), ev.VM.PID)
 		}
 		switch {
-		case ev.Code == wire.CodeNodeLost:
+		case ev.Code == api.CodeNodeLost:
 			lost++
 			ready--
 			delete(final, ev.Index)
@@ -385,7 +385,7 @@ type pullFetcher struct {
 }
 
 // Fetch pulls ck from the node that holds it into this node's engine.
-func (f pullFetcher) Fetch(ctx context.Context, ck string, from fleet.Node) (*wire.PullResult, error) {
+func (f pullFetcher) Fetch(ctx context.Context, ck string, from fleet.Node) (*api.PullResult, error) {
 	if from.Addr == "" {
 		return nil, fmt.Errorf("fleet: node %s has no API address to pull %s from", from.Name, ck)
 	}
@@ -401,7 +401,7 @@ func withFleetRm(rm *cli.Command) *cli.Command {
 	rm.Action = func(ctx context.Context, cmd *cli.Command) error {
 		if !cmd.Bool("fleet") {
 			err := local(ctx, cmd)
-			if errors.Is(err, wire.ErrNotFound) {
+			if errors.Is(err, api.ErrNotFound) {
 				if where := fleetPlaces(ctx, cmd, cmd.Args().Slice()); where != "" {
 					return fmt.Errorf("%w\n%s", err, where)
 				}

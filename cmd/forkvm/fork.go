@@ -10,7 +10,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve/local"
 )
@@ -59,21 +59,21 @@ func forkCmd() *cli.Command {
 				fc = newForkFaults(markers)
 				markers = fc
 			}
-			api, err := connectConfig(ctx, cmd, false, func(c *engine.Config) {
+			cl, err := connectConfig(ctx, cmd, false, func(c *engine.Config) {
 				c.Markers, c.Counters = markers, cmd.Bool("counters")
 			})
 			if err != nil {
 				return err
 			}
-			defer api.Close()
-			l, inProcess := api.(*local.Local)
+			defer cl.Close()
+			l, inProcess := cl.(*local.Local)
 			if tr != nil && !inProcess {
 				return errTraceDaemon
 			}
 			if fc != nil {
 				if !inProcess {
 					// The daemon counts (serve --faults): its events carry them.
-					if err := checkDaemonFaults(ctx, api); err != nil {
+					if err := checkDaemonFaults(ctx, cl); err != nil {
 						return err
 					}
 					fc = nil
@@ -83,16 +83,16 @@ func forkCmd() *cli.Command {
 					defer fc.close()
 				}
 			}
-			if err := checkDaemonCounters(ctx, api, cmd.Bool("counters")); err != nil {
+			if err := checkDaemonCounters(ctx, cl, cmd.Bool("counters")); err != nil {
 				return err
 			}
 			start := time.Now()
-			evs, err := api.ForkMany(ctx, src, req.N, req.Options())
+			evs, err := cl.ForkMany(ctx, src, req.N, req.Options())
 			if err != nil {
 				return err
 			}
-			evs = noParkEvents(ctx, cmd, api, evs)
-			tally := printForkEvents(ctx, cmd, api, src, n, evs, tr, fc)
+			evs = noParkEvents(ctx, cmd, cl, evs)
+			tally := printForkEvents(ctx, cmd, cl, src, n, evs, tr, fc)
 			if tr != nil {
 				if err := tr.write(cmd.String("trace")); err != nil {
 					return fmt.Errorf("--trace: %w", err)
@@ -132,7 +132,7 @@ type forkTally struct {
 // printForkEvents prints each fork's event as it comes (a line, or one JSON object
 // with --json; before the first ready fork of a running VM, its implicit checkpoint's
 // line), adds each ready fork's spans to tr, and tallies the wave.
-func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src string, n int, evs <-chan wire.ForkEvent, tr *forkTrace, fc *forkFaults) forkTally {
+func printForkEvents(ctx context.Context, cmd *cli.Command, cl api.API, src string, n int, evs <-chan api.ForkEvent, tr *forkTrace, fc *forkFaults) forkTally {
 	t := forkTally{reported: make([]bool, n)}
 	implicitChecked := false // the first ready fork's parent says whether it is implicit
 	for ev := range evs {
@@ -158,7 +158,7 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 		default:
 			if !implicitChecked {
 				implicitChecked = true
-				if ck, err := api.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
+				if ck, err := cl.GetCheckpoint(ctx, ev.VM.Parent); err == nil && ck.Implicit && ck.Source == src {
 					fmt.Printf("implicit checkpoint of %s: %s; %.1f MiB written\n", src, checkpointLine(&ck), float64(ck.WrittenBytes)/(1<<20))
 				}
 			}
@@ -186,8 +186,8 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, api wire.API, src st
 // either the request gets the engine's names (SOURCE-TAG, a wave SOURCE-TAG-1..n), drawn
 // here so that the summary can name forks a broken stream never reported. --publish is
 // expanded per fork once the count is known to be in range.
-func forkRequest(cmd *cli.Command, src string, n int) (wire.ForkRequest, error) {
-	req := wire.ForkRequest{Source: src, N: n, Name: cmd.Args().Get(1), Prefix: cmd.String("prefix"),
+func forkRequest(cmd *cli.Command, src string, n int) (api.ForkRequest, error) {
+	req := api.ForkRequest{Source: src, N: n, Name: cmd.Args().Get(1), Prefix: cmd.String("prefix"),
 		Concurrency: int(cmd.Int("conc")), Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin")}
 	if req.Name != "" {
 		if err := checkNewName(req.Name); err != nil {
@@ -195,7 +195,7 @@ func forkRequest(cmd *cli.Command, src string, n int) (wire.ForkRequest, error) 
 		}
 	}
 	// Before --publish is expanded for every fork.
-	if err := wire.ValidateForkCount(n); err != nil {
+	if err := api.ValidateForkCount(n); err != nil {
 		return req, err
 	}
 	if specs := cmd.StringSlice("publish"); len(specs) > 0 {

@@ -13,7 +13,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 )
@@ -173,7 +173,7 @@ type imageObject struct {
 }
 
 func newImageObject(img *guest.RootImage) imageObject {
-	return imageObject{Schema: wire.ImageSchema, RootImage: img}
+	return imageObject{Schema: api.ImageSchema, RootImage: img}
 }
 
 func printImages(w io.Writer, imgs []*guest.RootImage) error {

@@ -12,7 +12,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -22,12 +22,12 @@ func lsCmd() *cli.Command {
 		Usage: "list VMs",
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
-			vms, err := api.List(ctx)
+			defer cl.Close()
+			vms, err := cl.List(ctx)
 			if err != nil {
 				return err
 			}
@@ -37,8 +37,8 @@ func lsCmd() *cli.Command {
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 			// A VM restarted by a handoff checkpoint was ready again after that
 			// checkpoint's pause, not after its first boot's time.
-			handoffs := map[string]wire.CheckpointInfo{}
-			if cks, err := api.Checkpoints(ctx); err == nil {
+			handoffs := map[string]api.CheckpointInfo{}
+			if cks, err := cl.Checkpoints(ctx); err == nil {
 				for _, c := range cks {
 					if c.RAMMethod == "handoff" {
 						handoffs[c.Name] = c
@@ -58,7 +58,7 @@ func lsCmd() *cli.Command {
 // readyIn is ls's READY IN: how long the VM's current QEMU took to be ready; for a VM
 // restarted by a handoff checkpoint of itself, that checkpoint's pause (its boot's time
 // belonged to a QEMU that is gone).
-func readyIn(v engine.Info, handoffs map[string]wire.CheckpointInfo) string {
+func readyIn(v engine.Info, handoffs map[string]api.CheckpointInfo) string {
 	if c, ok := handoffs[v.Parent]; ok && c.Source == v.Name {
 		return fmt.Sprintf("%v (handoff)", c.Timings.Paused.Round(time.Millisecond))
 	}

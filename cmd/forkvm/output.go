@@ -4,7 +4,7 @@ import (
 	"encoding/json"
 	"os"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 )
@@ -21,10 +21,10 @@ func vmObjects(infos []engine.Info) []serve.VMObject {
 	return out
 }
 
-func checkpointObjects(cks []wire.CheckpointInfo) []wire.CheckpointObject {
-	out := make([]wire.CheckpointObject, 0, len(cks))
+func checkpointObjects(cks []api.CheckpointInfo) []api.CheckpointObject {
+	out := make([]api.CheckpointObject, 0, len(cks))
 	for _, c := range cks {
-		out = append(out, wire.NewCheckpointObject(c))
+		out = append(out, api.NewCheckpointObject(c))
 	}
 	return out
 }

@@ -7,7 +7,7 @@ import (
 	"sort"
 	"text/tabwriter"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -33,13 +33,13 @@ func siblingsText(m map[int]int64) string {
 }
 
 // memPages is forkvm mem --pages VM...: one census per VM (procinfo.Pages).
-func memPages(ctx context.Context, api wire.API, names []string, asJSON bool) error {
+func memPages(ctx context.Context, cl api.API, names []string, asJSON bool) error {
 	if len(names) == 0 {
 		return fmt.Errorf("usage: forkvm mem --pages VM [VM...]")
 	}
 	var out []*procinfo.PageCensus
 	for _, n := range names {
-		info, err := api.Get(ctx, n)
+		info, err := cl.Get(ctx, n)
 		if err != nil {
 			return err
 		}

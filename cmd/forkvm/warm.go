@@ -8,7 +8,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -34,19 +34,19 @@ func warmCmd() *cli.Command {
 			// A daemon is required: without one, connect would open the engine (taking
 			// the state directory's lock and running recovery) for a pool that dies
 			// with this command.
-			api, err := connect(ctx, cmd, true)
+			cl, err := connect(ctx, cmd, true)
 			if errors.Is(err, errNoDaemon) {
 				return fmt.Errorf("%w: a warm pool lives in its engine's process and would end with this command: run `forkvm serve`, then warm through it", engine.ErrInvalidSpec)
 			}
 			if err != nil {
 				return err
 			}
-			defer api.Close()
+			defer cl.Close()
 			ck := cmd.Args().First()
-			if err := api.Warm(ctx, ck, n, &wire.WarmOptions{Restored: cmd.Bool("restored"), WarmUp: cmd.StringSlice("warm-up")}); err != nil {
+			if err := cl.Warm(ctx, ck, n, &api.WarmOptions{Restored: cmd.Bool("restored"), WarmUp: cmd.StringSlice("warm-up")}); err != nil {
 				return err
 			}
-			size, err := api.PoolSize(ctx, ck)
+			size, err := cl.PoolSize(ctx, ck)
 			if err != nil {
 				return err
 			}
