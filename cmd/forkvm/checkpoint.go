@@ -77,8 +77,8 @@ func checkpointCmd() *cli.Command {
 
 // checkpointLine is checkpoint's report: how long it took and how long of it the guest
 // was paused. A handoff's checkpoint is committed before the VM restarts from it, and
-// the guest stays paused until then: its pause is the longer figure ("ckh: 31ms (guest
-// paused 173ms)" read as a pause longer than the whole).
+// the guest stays paused until then: its pause is the longer figure, so the line says
+// so instead of calling the pause part of the checkpoint's time.
 func checkpointLine(m *api.CheckpointInfo) string {
 	t := m.Timings
 	rest := fmt.Sprintf("ram %s; disk %s; device state %d KB", m.RAMMethod, orDash(m.DiskMethod), m.StateSize/1024)
