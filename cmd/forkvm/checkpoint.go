@@ -14,6 +14,7 @@ import (
 	"github.com/forkvm/forkvm/engine"
 )
 
+// checkpointCmd is forkvm checkpoint VM NAME, with its subcommands rm and pull.
 func checkpointCmd() *cli.Command {
 	return &cli.Command{
 		Name:      "checkpoint",
@@ -89,6 +90,7 @@ func checkpointLine(m *api.CheckpointInfo) string {
 	return fmt.Sprintf("%s: %v, guest paused %v of it (%s)", m.Name, t.Total.Round(time.Millisecond), t.Paused.Round(time.Millisecond), rest)
 }
 
+// checkpointsCmd lists the state directory's checkpoints.
 func checkpointsCmd() *cli.Command {
 	return &cli.Command{
 		Name:  "checkpoints",
@@ -122,6 +124,8 @@ func checkpointsCmd() *cli.Command {
 	}
 }
 
+// pinCmd is forkvm pin (pin true) or forkvm unpin: whether a checkpoint outlives its
+// last fork.
 func pinCmd(pin bool) *cli.Command {
 	name, usage := "pin", "keep a checkpoint after its last fork is deleted"
 	if !pin {

@@ -12,6 +12,7 @@ import (
 	"github.com/forkvm/forkvm/serve"
 )
 
+// createCmd boots a new VM and waits for its agent.
 func createCmd() *cli.Command {
 	return &cli.Command{
 		Name:      "create",

@@ -15,6 +15,8 @@ import (
 	"github.com/forkvm/forkvm/serve/local"
 )
 
+// forkCmd forks a checkpoint or a running VM into one fork or a wave; fleet.go adds
+// --fleet.
 func forkCmd() *cli.Command {
 	return &cli.Command{
 		Name:      "fork",

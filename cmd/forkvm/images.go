@@ -215,6 +215,7 @@ func describeSource(s *guest.ImageSource) string {
 	return d
 }
 
+// imageCmd groups the guest image commands: build, create and rm.
 func imageCmd() *cli.Command {
 	return &cli.Command{
 		Name:  "image",

@@ -9,6 +9,7 @@ import (
 	"github.com/urfave/cli/v3"
 )
 
+// logsCmd prints (or follows) a VM's serial console.
 func logsCmd() *cli.Command {
 	return &cli.Command{
 		Name:      "logs",
@@ -21,14 +22,14 @@ func logsCmd() *cli.Command {
 			if cmd.Args().Len() != 1 {
 				return fmt.Errorf("usage: forkvm logs NAME [-f]")
 			}
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
 			// Without a daemon, the one-shot engine releases the state directory
 			// before a possibly long follow.
-			err = api.Logs(ctx, cmd.Args().First(), cmd.Bool("follow"), os.Stdout)
-			api.Close()
+			err = cl.Logs(ctx, cmd.Args().First(), cmd.Bool("follow"), os.Stdout)
+			cl.Close()
 			if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
 				return nil // interrupted while following
 			}

@@ -16,6 +16,7 @@ import (
 	"github.com/forkvm/forkvm/engine"
 )
 
+// lsCmd lists the state directory's VMs; fleet.go adds --fleet.
 func lsCmd() *cli.Command {
 	return &cli.Command{
 		Name:  "ls",

@@ -10,6 +10,8 @@
 // package api and prints the answer. What they share is plumbing: connect.go opens the
 // daemon's client or the engine, output.go holds the JSON objects every --json prints,
 // cli.go turns errors into one line and an exit status, help.go lays out help text.
+// fleet.go lists the fleet's nodes and gives ls, fork, rm and checkpoint rm their
+// --fleet; fleetjoin.go is how serve joins a fleet.
 package main
 
 import (

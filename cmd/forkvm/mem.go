@@ -4,13 +4,18 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"sort"
 	"text/tabwriter"
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
+// memCmd says where running VMs' host memory goes; --pages counts their guest pages
+// (memPages).
 func memCmd() *cli.Command {
 	return &cli.Command{
 		Name:      "mem",
@@ -19,17 +24,17 @@ func memCmd() *cli.Command {
 		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "JSON output (bytes)"},
 			&cli.BoolFlag{Name: "pages", Usage: "count each VM's guest RAM pages (root, Linux): shared with the checkpoint file and with how many siblings, copied on write, zero-filled, never touched"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
+			defer cl.Close()
 			names := cmd.Args().Slice()
 			if cmd.Bool("pages") {
-				return memPages(ctx, api, names, cmd.Bool("json"))
+				return memPages(ctx, cl, names, cmd.Bool("json"))
 			}
 			if len(names) == 0 {
-				vms, err := api.List(ctx)
+				vms, err := cl.List(ctx)
 				if err != nil {
 					return err
 				}
@@ -45,7 +50,7 @@ func memCmd() *cli.Command {
 			}
 			var rows []row
 			for _, n := range names {
-				u, err := api.Memory(ctx, n)
+				u, err := cl.Memory(ctx, n)
 				if err != nil {
 					return err
 				}
@@ -67,4 +72,55 @@ func memCmd() *cli.Command {
 			return tw.Flush()
 		},
 	}
+}
+
+// siblingsText is "0:12 1:300 7:4000" (pages by sibling count, ascending).
+func siblingsText(m map[int]int64) string {
+	keys := make([]int, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Ints(keys)
+	s := ""
+	for i, k := range keys {
+		if i > 0 {
+			s += " "
+		}
+		s += fmt.Sprintf("%d:%d", k, m[k])
+	}
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// memPages is forkvm mem --pages VM...: one census per VM (procinfo.Pages).
+func memPages(ctx context.Context, cl api.API, names []string, asJSON bool) error {
+	if len(names) == 0 {
+		return fmt.Errorf("usage: forkvm mem --pages VM [VM...]")
+	}
+	var out []*procinfo.PageCensus
+	for _, n := range names {
+		info, err := cl.Get(ctx, n)
+		if err != nil {
+			return err
+		}
+		if info.State != engine.StateRunning || info.PID == 0 {
+			return fmt.Errorf("%s is %s: no QEMU to read", n, info.State)
+		}
+		c, err := procinfo.Pages(n, info.PID, int64(info.MemoryMiB)<<20)
+		if err != nil {
+			return fmt.Errorf("%s: %w", n, err)
+		}
+		out = append(out, c)
+	}
+	if asJSON {
+		return printJSON(out)
+	}
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tPAGES\tNOT PRESENT\tSHARED\tCOPIED ON WRITE\tZERO-FILLED\tSWAPPED\tSHARED BY SIBLINGS (siblings:pages)")
+	for _, c := range out {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\n", c.Name, c.Pages, c.NotPresent, c.Shared, c.Copied, c.Zero, c.Swapped, siblingsText(c.SharedBySiblings))
+	}
+	return tw.Flush()
 }

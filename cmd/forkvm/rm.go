@@ -8,6 +8,7 @@ import (
 	"github.com/urfave/cli/v3"
 )
 
+// rmCmd deletes VMs, or every dead one; fleet.go adds --fleet.
 func rmCmd() *cli.Command {
 	return &cli.Command{
 		Name:      "rm",
@@ -18,21 +19,21 @@ func rmCmd() *cli.Command {
 			if cmd.Args().Len() == 0 && !cmd.Bool("dead") {
 				return fmt.Errorf("usage: forkvm rm NAME... | forkvm rm --dead")
 			}
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
+			defer cl.Close()
 			var errs []error
 			for _, n := range cmd.Args().Slice() {
-				if err := api.Delete(ctx, n); err != nil {
+				if err := cl.Delete(ctx, n); err != nil {
 					errs = append(errs, err)
 					continue
 				}
 				fmt.Println("removed vm", n)
 			}
 			if cmd.Bool("dead") {
-				removed, err := api.Reap(ctx)
+				removed, err := cl.Reap(ctx)
 				for _, n := range removed {
 					fmt.Println("removed dead vm", n)
 				}
