@@ -117,7 +117,7 @@ type diskLayer struct {
 // 2 MiB for 128 KiB of tables, and a fork's guest interpreted their AML (the vmgenid
 // notification) on the way to ready. Without QEMU's ACPI there is no vmgenid; the agent
 // handshake reseeds the guest CRNG with host entropy before a fork is ready, and
-// Spec.VMGenID brings both back (vmgenidMachine). docs/benchmarks.md has the figures.
+// Spec.VMGenID brings both back (vmgenidMachine).
 const defaultMachine = "q35,sata=off,smbus=off,hpet=off,acpi=off"
 
 // vmgenidMachine is defaultMachine with QEMU's ACPI tables, for VMs created with
@@ -140,8 +140,8 @@ const baseKernelArgs = "console=ttyS0 quiet panic=-1 rdinit=/init"
 // the crypto self-tests (known-answer tests of the kernel's own algorithms, which catch
 // a miscompiled build, not an attack), the CTR-KDF self-test (its initcall does nothing
 // else) and the jitter entropy source's start-up (timing loops; the guest has
-// virtio-rng, and the agent handshake seeds its CRNG from the host). Together they
-// took about a sixth of a 1-vCPU boot's CPU (docs/benchmarks.md).
+// virtio-rng, and the agent handshake seeds its CRNG from the host). Under TCG every
+// instruction they run is emulated, and they run on every cold boot.
 const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugepage=never " +
 	"cryptomgr.notests initcall_blacklist=jent_mod_init,crypto_kdf108_init"
 

@@ -26,14 +26,15 @@ import (
 // afterwards map share=off like a world checkpoint's: no injection, every inherited
 // page shared through the page cache.
 //
-// What was measured and chosen (docs/fork-trees.md): the copy costs the root's data
+// What it costs and when it is done (docs/fork-trees.md): the copy costs the root's data
 // once more per flattened checkpoint, so flattening every checkpoint would multiply a
 // lineage's storage by its depth, and checkpoints that are never forked, or forked once,
 // gain nothing. A checkpoint is therefore flattened in the background after its first
 // fork (that fork uses the layers) when its layers hold at least Config.FlattenMiB, or
 // once its live forks' copies of the layers cost more than the file, before a wave
-// whose forks would (flattenForWave), or at once on request (Engine.Flatten). KSM was measured too: it merges the injected
-// pages only ~10 s after a fork, at ~15% of a CPU host-wide, for every process.
+// whose forks would (flattenForWave), or at once on request (Engine.Flatten). KSM is
+// no substitute: it merges the injected pages only once its scan reaches them, long
+// after a fork is ready, and that scan costs CPU host-wide, for every process.
 //
 // Crash safety: the file is written under a temporary name (reaped by the next engine)
 // and renamed into place complete, its hole list written first; a committed flat file
@@ -128,8 +129,8 @@ func layersBytes(ck *checkpointManifest) int64 {
 // flattenLater queues checkpoint ck for a background flatten when the policy says so.
 // An implicit checkpoint (a fork of a running VM) is never flattened: it serves the
 // forks made with it, all prepared before any flatten could finish, and goes with them;
-// flattening it only took CPU from whatever ran next (measured: the checkpoint of the
-// forked node, taken right after, doubled while the implicit checkpoint's copy ran).
+// flattening it would only take CPU and disk from whatever runs next (typically a
+// checkpoint of the forked node, which the copy would slow down).
 func (e *Engine) flattenLater(ck *checkpointManifest) {
 	if ck.Kind != checkpointKindDelta || ck.Implicit || e.cfg.FlattenMiB < 0 || !memfile.ExtractSupported {
 		return

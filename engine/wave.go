@@ -294,8 +294,8 @@ func (e *Engine) finishPlan(p *forkPlan) {
 }
 
 // Early forks. A fork of a running fork takes an implicit (delta) checkpoint first, and a
-// fork's QEMU takes as long to start as that checkpoint takes (each ~100-150 ms under
-// TCG on a 2-CPU host). Everything a fork's QEMU opens at start is known once the
+// fork's QEMU takes about as long to start as that checkpoint takes, so one after the
+// other would double the wait. Everything a fork's QEMU opens at start is known once the
 // checkpoint's lineage is linked, before the guest pauses: the RAM file (a base of the
 // lineage, pinned into the checkpoint's layer directory as for any fork), the stub
 // kernel, and the disk chain, which the pause freezes by hard-linking the source's own
@@ -305,8 +305,8 @@ func (e *Engine) finishPlan(p *forkPlan) {
 // keeps what it opened across the renames, and a disk image opened by an incoming QEMU
 // is inactive until the state is loaded: its qcow2 metadata is read again then, after
 // the source wrote its last and switched to a new overlay (the shared-storage migration
-// contract, checked on this host: data the source wrote after the fork's QEMU opened
-// the file reads back in the fork).
+// contract: data the source wrote after the fork's QEMU opened the file reads back in
+// the fork).
 //
 // The checkpoint commits only once that QEMU has opened its files (ckWriter.gate). The
 // fork goes on from inject only if the checkpoint is what was predicted (same frozen

@@ -66,12 +66,12 @@ const (
 	backstopDeliveries = 20
 	// callTimeout bounds one JetStream call; calls are retried (callRetries) with a
 	// backoff, so that a stream or consumer without a leader for a few seconds (an
-	// election after a node died: 4-8 s measured) delays a call instead of hanging it.
+	// election after a node died takes seconds) delays a call instead of hanging it.
 	callTimeout = 2 * time.Second
 	callRetries = 6
 	// electionWait is how long a call keeps retrying failures however fast they come:
-	// during an election, requests fail at once ("no responders") and six quick tries
-	// spent 2.5 s, less than the election, losing records of forks that were made.
+	// during an election, requests fail at once ("no responders"), so six quick tries
+	// can all end before the election does, losing records of forks that were made.
 	electionWait = 10 * time.Second
 )
 
@@ -279,7 +279,7 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 	}
 	// The heartbeat first: a daemon that restarts is the same live node to the others
 	// once it beats again within the TTL, and the rest of the set-up may wait seconds
-	// for the streams it led to elect new leaders (their elections took 4-7 s).
+	// for the streams it led to elect new leaders.
 	if err := f.setupNodes(ctx); err != nil {
 		return fail(err)
 	}

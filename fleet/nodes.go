@@ -151,7 +151,7 @@ func (f *Fleet) Nodes(ctx context.Context) ([]api.FleetNode, error) {
 
 // watchNodes keeps this node's view of the nodes bucket from one standing watch of it,
 // until Close: a share check reads the view instead of listing the bucket (a watch of
-// its own, which took 5-130 ms beside restoring forks) on a job's path. A watch that
+// its own, slow while forks restore beside it) on a job's path. A watch that
 // ends is made again; meanwhile the view is not used (watchedNodes).
 func (f *Fleet) watchNodes() {
 	defer f.wg.Done()

@@ -447,8 +447,8 @@ func (r *waveRun) done() bool {
 }
 
 // doubtLimit is how long a wave whose forks are all final waits for a look at the nodes
-// that can tell whether its ready forks' nodes live: a heartbeat bucket's election (up
-// to ~9 s) and a TTL of prompt beats after it, twice over.
+// that can tell whether its ready forks' nodes live: a heartbeat bucket's election
+// (allowed 10 s) and a TTL of prompt beats after it, twice over.
 func (r *waveRun) doubtLimit() time.Duration { return 2 * (r.w.f.cfg.TTL + 10*time.Second) }
 
 // doubted notes that the last look at the nodes could not tell whether a ready fork's
@@ -538,9 +538,8 @@ func (r *waveRun) takeRecord(rec record, created time.Time) bool {
 }
 
 // pollRecords reads, every ack wait, the records of the forks not final: the records
-// watch can miss an update (seen once in make test: a replacement made while the jobs
-// bucket's leader was being elected after a kill never reached the wave, which waited
-// until it was killed). False when the wave's consumer is gone.
+// watch can miss an update (a replacement made while the jobs bucket's leader is being
+// elected after a kill may never reach the wave, which would wait until it was killed). False when the wave's consumer is gone.
 func (r *waveRun) pollRecords() bool {
 	if time.Since(r.polledAt) < r.w.f.cfg.AckWait {
 		return true

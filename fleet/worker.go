@@ -175,8 +175,8 @@ const roomAge = 50 * time.Millisecond
 // slots is how many jobs to ask for: the free vCPUs (a job takes at least one), within
 // MaxJobs, and the room the batch's jobs are taken from (take). The room is read once
 // per fetch (again when the fetch waited: roomAge), not per job: it scans the host's
-// processes (the engine's budget), which took up to 60 ms on a job's path beside
-// restoring forks.
+// processes (the engine's budget), which is slow on a job's path while forks restore
+// beside it.
 func (f *Fleet) slots() (int, room) {
 	_, free, mem := f.budget()
 	f.mu.Lock()

@@ -25,7 +25,7 @@ import (
 	"testing"
 	"time"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/serve"
@@ -293,7 +293,7 @@ func (c *chaosRun) ls() map[string]engine.Info {
 }
 
 // checkpoints lists the checkpoints.
-func (c *chaosRun) checkpoints() map[string]wire.CheckpointInfo {
+func (c *chaosRun) checkpoints() map[string]api.CheckpointInfo {
 	out, err := c.cli("checkpoints", "--json")
 	if err != nil {
 		c.t.Fatalf("checkpoints: %v", err)
@@ -302,7 +302,7 @@ func (c *chaosRun) checkpoints() map[string]wire.CheckpointInfo {
 	if err := json.Unmarshal([]byte(out), &objs); err != nil {
 		c.t.Fatalf("checkpoints --json: %v: %s", err, out)
 	}
-	m := map[string]wire.CheckpointInfo{}
+	m := map[string]api.CheckpointInfo{}
 	for _, o := range objs {
 		m[o.Name] = o.CheckpointInfo
 	}
@@ -374,7 +374,7 @@ func (c *chaosRun) checkpoint(vm string, kill, handoff bool) {
 }
 
 // commit records checkpoint name of vm.
-func (c *chaosRun) commit(name, vm string, inf wire.CheckpointInfo) {
+func (c *chaosRun) commit(name, vm string, inf api.CheckpointInfo) {
 	if inf.Corrupt != "" {
 		c.t.Errorf("checkpoint %s is corrupt right after it was made: %s", name, inf.Corrupt)
 		return

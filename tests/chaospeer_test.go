@@ -20,7 +20,7 @@ import (
 	"syscall"
 	"time"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -36,7 +36,7 @@ func (c *chaosRun) peer() { c.peerOf([]string{"malicious", "stalled", "killed"}[
 // peerOf is peer with a peer of mode ("malicious", "stalled" or "killed"); the run
 // plans one of each.
 func (c *chaosRun) peerOf(mode string) {
-	var accel wire.Accel
+	var accel api.Accel
 	for _, inf := range c.ls() {
 		accel = inf.Accel
 	}
@@ -47,7 +47,7 @@ func (c *chaosRun) peerOf(mode string) {
 
 // peerPull is peer's pull from a peer of mode ("malicious", "stalled" or "killed") of
 // a checkpoint made with accel.
-func (c *chaosRun) peerPull(accel wire.Accel, mode string) {
+func (c *chaosRun) peerPull(accel api.Accel, mode string) {
 	t := c.t
 	ver := qemuVersion()
 	if ver == "" {
@@ -129,7 +129,7 @@ func (c *chaosRun) checkNoPull(name string) {
 
 // fakeExport is the export of a made-up world checkpoint name of 256 MiB of RAM (all
 // zeros), a short device state and a 1 MiB kernel; malicious declares its RAM file 4 GiB.
-func fakeExport(name, accel, qemuVer string, malicious bool) *wire.CheckpointExport {
+func fakeExport(name, accel, qemuVer string, malicious bool) *api.CheckpointExport {
 	state := []byte("QEVM fake device state of " + name)
 	sum := sha256.Sum256(state)
 	const ram, kernel = 256 << 20, 1 << 20
@@ -139,12 +139,12 @@ func fakeExport(name, accel, qemuVer string, malicious bool) *wire.CheckpointExp
 		"state_sha256": hex.EncodeToString(sum[:]), "state_size": len(state), "ram_method": "copy"}
 	mb, _ := json.Marshal(m)
 	// All holes: nothing of it travels.
-	ramFile := wire.CheckpointFile{Name: "ram/ck-" + name + ".ram", Size: ram, SHA256: contentSum(nil, ram)}
+	ramFile := api.CheckpointFile{Name: "ram/ck-" + name + ".ram", Size: ram, SHA256: contentSum(nil, ram)}
 	if malicious {
-		ramFile.Size, ramFile.Data, ramFile.Extents = 4<<30, 4<<30, []wire.Extent{{Off: 0, Len: 4 << 30}}
+		ramFile.Size, ramFile.Data, ramFile.Extents = 4<<30, 4<<30, []api.Extent{{Off: 0, Len: 4 << 30}}
 	}
-	return &wire.CheckpointExport{Schema: wire.CheckpointExportSchema, Checkpoint: name, Manifest: mb, QEMUVersion: qemuVer, Accel: accel,
-		Files: []wire.CheckpointFile{
+	return &api.CheckpointExport{Schema: api.CheckpointExportSchema, Checkpoint: name, Manifest: mb, QEMUVersion: qemuVer, Accel: accel,
+		Files: []api.CheckpointFile{
 			fakeFile("state.mig", state, int64(len(state))),
 			ramFile,
 			fakeFile("boot/kernel", fakeKernel(kernel), kernel),
@@ -153,8 +153,8 @@ func fakeExport(name, accel, qemuVer string, malicious bool) *wire.CheckpointExp
 
 func fakeKernel(n int) []byte { return []byte(strings.Repeat("k", n)) }
 
-func fakeFile(name string, b []byte, size int64) wire.CheckpointFile {
-	return wire.CheckpointFile{Name: name, Size: size, SHA256: contentSum(b, size), Data: int64(len(b)), Extents: []wire.Extent{{Off: 0, Len: size}}}
+func fakeFile(name string, b []byte, size int64) api.CheckpointFile {
+	return api.CheckpointFile{Name: name, Size: size, SHA256: contentSum(b, size), Data: int64(len(b)), Extents: []api.Extent{{Off: 0, Len: size}}}
 }
 
 // contentSum is memfile.ContentDigest of a file of size bytes holding b at offset 0.
@@ -168,7 +168,7 @@ func contentSum(b []byte, size int64) string {
 
 // serveFakeRange answers a Range request for a file of exp: the state file whole, the
 // kernel's first bytes and then nothing (calling trickling), the rest zeros.
-func serveFakeRange(w http.ResponseWriter, r *http.Request, exp *wire.CheckpointExport, trickling func()) {
+func serveFakeRange(w http.ResponseWriter, r *http.Request, exp *api.CheckpointExport, trickling func()) {
 	var off, last int64
 	if _, err := fmt.Sscanf(r.Header.Get("Range"), "bytes=%d-%d", &off, &last); err != nil {
 		http.Error(w, "bad range", 400)

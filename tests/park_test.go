@@ -16,7 +16,7 @@ import (
 	"testing"
 	"time"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
@@ -327,16 +327,16 @@ func TestParkDaemonIdle(t *testing.T) {
 	ctx := ctxT(t, 8*time.Minute)
 
 	p1 := freePort(t)
-	if _, err := c.Create(ctx, wire.Spec{Name: "iw", CPUs: 1, MemoryMiB: 128, Forkable: true, Net: true, NoPark: true}); err != nil {
+	if _, err := c.Create(ctx, api.Spec{Name: "iw", CPUs: 1, MemoryMiB: 128, Forkable: true, Net: true, NoPark: true}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Checkpoint(ctx, "iw", "iwck", &wire.CheckpointOptions{Pin: true}); err != nil {
+	if _, err := c.Checkpoint(ctx, "iw", "iwck", &api.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Fork(ctx, "iwck", &wire.ForkOptions{Name: "keep", NoPark: true}); err != nil {
+	if _, err := c.Fork(ctx, "iwck", &api.ForkOptions{Name: "keep", NoPark: true}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Fork(ctx, "iwck", &wire.ForkOptions{Name: "i1", Publish: []wire.PortForward{{HostPort: p1, GuestPort: 8080}}}); err != nil {
+	if _, err := c.Fork(ctx, "iwck", &api.ForkOptions{Name: "i1", Publish: []api.PortForward{{HostPort: p1, GuestPort: 8080}}}); err != nil {
 		t.Fatal(err)
 	}
 	// Through the daemon: a request it serves is use.
@@ -371,9 +371,9 @@ func TestParkDaemonIdle(t *testing.T) {
 	}
 	io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
-	woke := resp.Header.Get(wire.WokeHeader)
+	woke := resp.Header.Get(api.WokeHeader)
 	if resp.StatusCode != http.StatusOK || woke == "" {
-		t.Fatalf("exec on a parked vm: %s, %s %q", resp.Status, wire.WokeHeader, woke)
+		t.Fatalf("exec on a parked vm: %s, %s %q", resp.Status, api.WokeHeader, woke)
 	}
 	t.Logf("exec woke i1 in %s", woke)
 	var out bytes.Buffer
@@ -383,7 +383,7 @@ func TestParkDaemonIdle(t *testing.T) {
 
 	// Parked again once idle (a VM made later, idle as long, too); the VM that opted out
 	// keeps running meanwhile.
-	if _, err := c.Fork(ctx, "iwck", &wire.ForkOptions{Name: "i2"}); err != nil {
+	if _, err := c.Fork(ctx, "iwck", &api.ForkOptions{Name: "i2"}); err != nil {
 		t.Fatal(err)
 	}
 	waitState("i2", engine.StateParked)

@@ -38,7 +38,7 @@ import (
 	"testing"
 	"time"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
@@ -288,14 +288,14 @@ func TestServeCrashMidWave(t *testing.T) {
 
 	d1 := startDaemon(t, home, sock, filepath.Join(logs, "d1.log"))
 	c := client.New(sock)
-	w, err := c.Create(ctx, wire.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
+	w, err := c.Create(ctx, api.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16})
 	if err != nil {
 		t.Fatalf("create w: %v\n%s", err, d1.logText())
 	}
 	if _, err := clientRun(c, "w", "sh", "-c", "echo before > /root/mark && echo disk > /data/mark && sync"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Checkpoint(ctx, "w", "ck", &wire.CheckpointOptions{Pin: true}); err != nil {
+	if _, err := c.Checkpoint(ctx, "w", "ck", &api.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatalf("checkpoint: %v\n%s", err, d1.logText())
 	}
 	if got := dirNames(ramDir); !slices.Equal(got, []string{"ck-ck.ram", "vm-w.ram"}) {
@@ -306,7 +306,7 @@ func TestServeCrashMidWave(t *testing.T) {
 
 	// The wave; SIGKILL as soon as its first fork is reported.
 	const n = 6
-	events, err := c.ForkMany(ctx, "ck", n, &wire.ManyOptions{Prefix: "h"})
+	events, err := c.ForkMany(ctx, "ck", n, &api.ManyOptions{Prefix: "h"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -422,7 +422,7 @@ func TestServeCrashMidWave(t *testing.T) {
 	if err != nil || len(cks) != 1 || cks[0].Name != "ck" || !cks[0].Pinned || !slices.Equal(sorted(cks[0].Forks), confirmed) {
 		t.Errorf("checkpoints after the restart: %+v %v (want ck, pinned, forks %v)", cks, err, confirmed)
 	}
-	nf, err := c2.Fork(ctx, "ck", &wire.ForkOptions{Name: "n1"})
+	nf, err := c2.Fork(ctx, "ck", &api.ForkOptions{Name: "n1"})
 	if err != nil {
 		t.Fatalf("fork of the checkpoint after the crash: %v\n%s", err, d2.logText())
 	}

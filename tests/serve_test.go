@@ -21,7 +21,7 @@ import (
 	"testing"
 	"time"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
@@ -53,14 +53,14 @@ func TestServeDaemon(t *testing.T) {
 	defer c.Close()
 	ctx := ctxT(t, 8*time.Minute)
 
-	inf, err := c.Create(ctx, wire.Spec{Name: "sw", CPUs: 1, MemoryMiB: 256, Forkable: true})
+	inf, err := c.Create(ctx, api.Spec{Name: "sw", CPUs: 1, MemoryMiB: 256, Forkable: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if inf.Name != "sw" || inf.State != engine.StateRunning || !inf.Forkable {
 		t.Fatalf("created: %+v", inf)
 	}
-	if _, err := c.Create(ctx, wire.Spec{Name: "sw", CPUs: 1, MemoryMiB: 256}); !errors.Is(err, engine.ErrExists) {
+	if _, err := c.Create(ctx, api.Spec{Name: "sw", CPUs: 1, MemoryMiB: 256}); !errors.Is(err, engine.ErrExists) {
 		t.Errorf("second create: %v, want ErrExists", err)
 	}
 
@@ -236,7 +236,7 @@ func TestServeDaemon(t *testing.T) {
 		t.Errorf("memory: %+v %v", mu, err)
 	}
 
-	ck, err := c.Checkpoint(ctx, "sw", "sck", &wire.CheckpointOptions{Pin: true})
+	ck, err := c.Checkpoint(ctx, "sw", "sck", &api.CheckpointOptions{Pin: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -245,7 +245,7 @@ func TestServeDaemon(t *testing.T) {
 	}
 
 	// A wave of two, streamed.
-	events, err := c.ForkMany(ctx, "sck", 2, &wire.ManyOptions{Prefix: "sf"})
+	events, err := c.ForkMany(ctx, "sck", 2, &api.ManyOptions{Prefix: "sf"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -294,7 +294,7 @@ func TestServeDaemon(t *testing.T) {
 
 	// A client that leaves mid-wave: the wave's forks are deleted, reported ones too.
 	wctx, wcancel := context.WithCancel(ctx)
-	events, err = c.ForkMany(wctx, "sck", 2, &wire.ManyOptions{Prefix: "sx", Concurrency: 1})
+	events, err = c.ForkMany(wctx, "sck", 2, &api.ManyOptions{Prefix: "sx", Concurrency: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -363,7 +363,7 @@ func TestServeDaemonRestart(t *testing.T) {
 
 	start()
 	c := client.New(sock)
-	inf, err := c.Create(ctx, wire.Spec{Name: "r1", CPUs: 1, MemoryMiB: 256})
+	inf, err := c.Create(ctx, api.Spec{Name: "r1", CPUs: 1, MemoryMiB: 256})
 	if err != nil {
 		t.Fatal(err)
 	}

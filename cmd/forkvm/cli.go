@@ -251,12 +251,31 @@ func userMessage(err error) string {
 	return msg
 }
 
-// startsQEMU reports whether cmd may start a QEMU, the only operations the --accel flag
-// plays a part in: any other command works with a daemon whatever --accel says.
-func startsQEMU(cmd *cli.Command) bool {
-	switch strings.TrimPrefix(cmd.FullName(), cmd.Root().Name+" ") {
-	case "create", "fork", "checkpoint", "warm":
-		return true
+// exitError carries a process exit code out of an action (exec's pass-through).
+type exitError struct{ code int }
+
+func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
+
+// errorHint is a line that says where to look next after err ("" when none helps).
+// Admission counts every forkvm VM on the host, whichever state directory it belongs
+// to, so a refusal in an empty state directory needs the budget's own account.
+func errorHint(err error) string {
+	if errors.Is(err, engine.ErrAdmission) {
+		return "`forkvm budget` shows what holds the host's budget (other state directories' VMs count too); fork takes --overcommit"
 	}
-	return false
+	return ""
+}
+
+// subcommandNames are the words that stand where a VM or checkpoint name also may
+// (`forkvm checkpoint rm NAME` against `forkvm checkpoint VM NAME`); the CLI refuses them
+// as names so that every name it accepts can be used with every command.
+var subcommandNames = map[string]bool{"rm": true, "pull": true}
+
+// checkNewName refuses a name for a new VM or checkpoint that a command would read as a
+// subcommand.
+func checkNewName(name string) error {
+	if subcommandNames[name] {
+		return fmt.Errorf("%w: %q is a forkvm subcommand; pick another name", engine.ErrInvalidName, name)
+	}
+	return nil
 }

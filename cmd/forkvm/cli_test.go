@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -77,9 +77,9 @@ func TestUserMessage(t *testing.T) {
 		{fmt.Errorf("%w: vm x", engine.ErrNotFound), `VM "x" not found (forkvm ls lists them)`},
 		{fmt.Errorf("%w: checkpoint ck.1", engine.ErrNotFound), `checkpoint "ck.1" not found (forkvm checkpoints lists them)`},
 		{fmt.Errorf("%w: no checkpoint or vm named ck1", engine.ErrNotFound), `"ck1" not found: no checkpoint or VM has that name (forkvm checkpoints, forkvm ls)`},
-		{fmt.Errorf("exec: %w", wire.ErrOutputLimit), "exec: output limit exceeded"},
+		{fmt.Errorf("exec: %w", api.ErrOutputLimit), "exec: output limit exceeded"},
 		{fmt.Errorf("%w: in use by f1", engine.ErrInUse), "checkpoint in use: in use by f1"},
-		{fmt.Errorf("%w: /root: permission denied for user nobody", wire.ErrWorkdir), "bad working directory: /root: permission denied for user nobody"},
+		{fmt.Errorf("%w: /root: permission denied for user nobody", api.ErrWorkdir), "bad working directory: /root: permission denied for user nobody"},
 		{errors.New("a plain error: engineer: x"), "a plain error: engineer: x"},
 	} {
 		if got := userMessage(tc.err); got != tc.want {
@@ -96,21 +96,21 @@ func TestUserMessage(t *testing.T) {
 // fakeCheckpoints is an API whose GetCheckpoint answers from a map (ErrNotFound for
 // others); nothing else of it is called.
 type fakeCheckpoints struct {
-	wire.API
-	cks map[string]wire.CheckpointInfo
+	api.API
+	cks map[string]api.CheckpointInfo
 }
 
-func (f fakeCheckpoints) GetCheckpoint(_ context.Context, name string) (wire.CheckpointInfo, error) {
+func (f fakeCheckpoints) GetCheckpoint(_ context.Context, name string) (api.CheckpointInfo, error) {
 	if c, ok := f.cks[name]; ok {
 		return c, nil
 	}
-	return wire.CheckpointInfo{}, fmt.Errorf("%w: checkpoint %s", engine.ErrNotFound, name)
+	return api.CheckpointInfo{}, fmt.Errorf("%w: checkpoint %s", engine.ErrNotFound, name)
 }
 
 // TestPinLine: unpin says when it deleted the checkpoint (its forks were all gone), and
 // otherwise what will delete it.
 func TestPinLine(t *testing.T) {
-	api := fakeCheckpoints{cks: map[string]wire.CheckpointInfo{
+	cl := fakeCheckpoints{cks: map[string]api.CheckpointInfo{
 		"forked": {Forks: []string{"f1", "f2"}}, "fresh": {},
 	}}
 	for _, tc := range []struct {
@@ -123,7 +123,7 @@ func TestPinLine(t *testing.T) {
 		{"fresh", false, "unpinned checkpoint fresh: never forked"},
 		{"forked", true, "pinned checkpoint forked: kept after its last fork is deleted"},
 	} {
-		if got := pinLine(context.Background(), api, tc.name, tc.pin); !strings.HasPrefix(got, tc.want) {
+		if got := pinLine(context.Background(), cl, tc.name, tc.pin); !strings.HasPrefix(got, tc.want) {
 			t.Errorf("pin %v %s: %q, want %q", tc.pin, tc.name, got, tc.want)
 		}
 	}

@@ -7,7 +7,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -20,11 +20,11 @@ func countersFlag(what string) cli.Flag {
 // checkDaemonCounters refuses fork --counters through a daemon that does not count:
 // the daemon's engine decides (forkvm serve --counters), and forks without counters
 // would be a profiling session with none.
-func checkDaemonCounters(ctx context.Context, api wire.API, want bool) error {
+func checkDaemonCounters(ctx context.Context, cl api.API, want bool) error {
 	if !want {
 		return nil
 	}
-	d, ok, err := api.Daemon(ctx)
+	d, ok, err := cl.Daemon(ctx)
 	if err != nil || !ok || d.Counters {
 		return err
 	}
@@ -33,7 +33,7 @@ func checkDaemonCounters(ctx context.Context, api wire.API, want bool) error {
 
 // countersText is a ready fork's counters on its line ("" without): what the kernel
 // counted for its QEMU from its start until ready.
-func countersText(c *wire.Counters) string {
+func countersText(c *api.Counters) string {
 	if c == nil {
 		return ""
 	}

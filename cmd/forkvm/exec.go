@@ -14,7 +14,7 @@ import (
 	"github.com/containerd/console"
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -107,8 +107,8 @@ func parseSize(s string) (int64, error) {
 	return n * mult, nil
 }
 
-// starter starts a command in the VM (wire.API.Start).
-type starter func(ctx context.Context, req *vsockd.ExecRequest) (wire.Process, error)
+// starter starts a command in the VM (api.API.Start).
+type starter func(ctx context.Context, req *vsockd.ExecRequest) (api.Process, error)
 
 // execStarter returns how this CLI run starts commands in the VM name, and what to call
 // when done: the API's Start. Without a daemon the one-shot engine releases the state
@@ -117,14 +117,14 @@ type starter func(ctx context.Context, req *vsockd.ExecRequest) (wire.Process, e
 // it, that fails at once with ErrAgentBusy (a daemon multiplexes any number of execs on
 // its one connection).
 func execStarter(ctx context.Context, cmd *cli.Command, name string) (starter, func(), error) {
-	api, err := connect(ctx, cmd, false)
+	cl, err := connect(ctx, cmd, false)
 	if err != nil {
 		return nil, nil, err
 	}
-	start := func(ctx context.Context, req *vsockd.ExecRequest) (wire.Process, error) {
-		return api.Start(ctx, name, req)
+	start := func(ctx context.Context, req *vsockd.ExecRequest) (api.Process, error) {
+		return cl.Start(ctx, name, req)
 	}
-	return start, func() { api.Close() }, nil
+	return start, func() { cl.Close() }, nil
 }
 
 // runExec runs argv in the VM through start and returns its exit code. With --tty the
@@ -204,7 +204,7 @@ func interruptedCode(sigs <-chan os.Signal) int {
 // waitForwarding waits for p, forwarding SIGINT/SIGTERM to it. Once a signal was
 // forwarded the result is 128+signal whatever the command does; a second signal, or
 // signalGrace without exit, kills it.
-func waitForwarding(p wire.Process, sigs <-chan os.Signal) (int, error) {
+func waitForwarding(p api.Process, sigs <-chan os.Signal) (int, error) {
 	type result struct {
 		code int
 		err  error

@@ -7,7 +7,7 @@ import (
 	"os"
 	"sync"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/faultclass"
 )
@@ -61,8 +61,8 @@ func openFaultSession(n int) (*faultclass.Session, error) {
 
 // checkDaemonFaults refuses fork --faults through a daemon that does not count fault
 // classes (forkvm serve --faults): its forks would come without them.
-func checkDaemonFaults(ctx context.Context, api wire.API) error {
-	d, ok, err := api.Daemon(ctx)
+func checkDaemonFaults(ctx context.Context, cl api.API) error {
+	d, ok, err := cl.Daemon(ctx)
 	if err != nil || !ok || d.Faults {
 		return err
 	}
@@ -155,7 +155,7 @@ func (f *forkFaults) once(kind, format string, a ...any) {
 
 // untilReady is the fault classes of fork name's QEMU from its start until ready (nil:
 // not counted), and stops watching it.
-func (f *forkFaults) untilReady(name string) *wire.FaultClasses {
+func (f *forkFaults) untilReady(name string) *api.FaultClasses {
 	if f == nil {
 		return nil
 	}
@@ -177,7 +177,7 @@ func (f *forkFaults) untilReady(name string) *wire.FaultClasses {
 }
 
 // faultsText is a ready fork's fault classes on its line ("" without).
-func faultsText(s *wire.FaultClasses) string {
+func faultsText(s *api.FaultClasses) string {
 	if s == nil {
 		return ""
 	}

@@ -14,7 +14,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/tarstream"
 	"github.com/forkvm/forkvm/vsockd"
@@ -29,18 +29,18 @@ type guestFiles interface {
 
 // vmFiles is guestFiles of one VM through the API.
 type vmFiles struct {
-	api  wire.API
+	cl   api.API
 	name string
 }
 
 func (d vmFiles) CopyIn(ctx context.Context, dir string, r io.Reader) error {
-	return d.api.CopyIn(ctx, d.name, dir, r)
+	return d.cl.CopyIn(ctx, d.name, dir, r)
 }
 func (d vmFiles) CopyOut(ctx context.Context, p string, w io.Writer) error {
-	return d.api.CopyOut(ctx, d.name, p, w)
+	return d.cl.CopyOut(ctx, d.name, p, w)
 }
 func (d vmFiles) Stat(ctx context.Context, p string) (fs.FileInfo, error) {
-	return d.api.Stat(ctx, d.name, p)
+	return d.cl.Stat(ctx, d.name, p)
 }
 
 // vmPathRE matches VM:/path (the VM name rule of the engine).
@@ -89,12 +89,12 @@ func cpCmd() *cli.Command {
 			if !path.IsAbs(guestPath) {
 				return fmt.Errorf("forkvm cp: the guest path %q must be absolute", guestPath)
 			}
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
-			c := vmFiles{api, name}
+			defer cl.Close()
+			c := vmFiles{cl, name}
 			if dIn {
 				return copyToGuest(ctx, c, src, dpath)
 			}
@@ -196,32 +196,4 @@ func copyFromGuest(ctx context.Context, c guestFiles, guestSrc, dst string, keep
 		return cerr
 	}
 	return xerr
-}
-
-func logsCmd() *cli.Command {
-	return &cli.Command{
-		Name:      "logs",
-		Usage:     "print a VM's serial console (kernel and agent messages)",
-		ArgsUsage: "NAME",
-		Flags: []cli.Flag{
-			&cli.BoolFlag{Name: "follow", Aliases: []string{"f"}, Usage: "keep printing until the VM exits or Ctrl-C"},
-		},
-		Action: func(ctx context.Context, cmd *cli.Command) error {
-			if cmd.Args().Len() != 1 {
-				return fmt.Errorf("usage: forkvm logs NAME [-f]")
-			}
-			api, err := connect(ctx, cmd, false)
-			if err != nil {
-				return err
-			}
-			// Without a daemon, the one-shot engine releases the state directory
-			// before a possibly long follow.
-			err = api.Logs(ctx, cmd.Args().First(), cmd.Bool("follow"), os.Stdout)
-			api.Close()
-			if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
-				return nil // interrupted while following
-			}
-			return err
-		},
-	}
 }

@@ -13,7 +13,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 )
@@ -173,7 +173,7 @@ type imageObject struct {
 }
 
 func newImageObject(img *guest.RootImage) imageObject {
-	return imageObject{Schema: wire.ImageSchema, RootImage: img}
+	return imageObject{Schema: api.ImageSchema, RootImage: img}
 }
 
 func printImages(w io.Writer, imgs []*guest.RootImage) error {
@@ -213,4 +213,36 @@ func describeSource(s *guest.ImageSource) string {
 		d += " (" + s.Ref + ")"
 	}
 	return d
+}
+
+// imageCmd groups the guest image commands: build, create and rm.
+func imageCmd() *cli.Command {
+	return &cli.Command{
+		Name:  "image",
+		Usage: "guest image commands",
+		Commands: []*cli.Command{{
+			Name:  "build",
+			Usage: "fetch the guest kernel and build the initramfs (cached by content hash)",
+			Flags: []cli.Flag{
+				&cli.StringFlag{Name: "agent", Usage: "guest agent binary (default: forkvm-agent next to this binary)"},
+				&cli.StringFlag{Name: "cache", Usage: "cache directory", Sources: cli.EnvVars("FORKVM_CACHE")},
+			},
+			Action: func(ctx context.Context, cmd *cli.Command) error {
+				agent := cmd.String("agent")
+				if agent == "" {
+					exe, err := os.Executable()
+					if err != nil {
+						return err
+					}
+					agent = filepath.Join(filepath.Dir(exe), "forkvm-agent")
+				}
+				img, err := guest.Build(ctx, &guest.Config{CacheDir: cmd.String("cache"), AgentBinary: agent, Log: os.Stderr})
+				if err != nil {
+					return err
+				}
+				fmt.Printf("image %s: kernel %s\n  %s\n  %s\n", img.Hash, img.KernelVersion, img.Kernel, img.Initrd)
+				return nil
+			},
+		}, imageCreateCmd(), imageRmCmd()},
+	}
 }

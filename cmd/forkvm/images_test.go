@@ -22,7 +22,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/guest"
 )
 
@@ -99,8 +99,8 @@ func TestImageCommands(t *testing.T) {
 			t.Errorf("images --json has no %q: %s", k, out)
 		}
 	}
-	if raw[0]["schema"] != wire.ImageSchema {
-		t.Errorf("schema %v, want %s", raw[0]["schema"], wire.ImageSchema)
+	if raw[0]["schema"] != api.ImageSchema {
+		t.Errorf("schema %v, want %s", raw[0]["schema"], api.ImageSchema)
 	}
 	out, err = runCLI(t, "images", "--cache", cache)
 	if err != nil || !strings.Contains(out, "small") || !strings.Contains(out, "tarball "+root) {
@@ -162,7 +162,7 @@ func TestImageCreateFromRegistry(t *testing.T) {
 		t.Fatalf("create: %v\n%s", err, out)
 	}
 	src, _ := obj["source"].(map[string]any)
-	if obj["schema"] != wire.ImageSchema || src["kind"] != guest.SourceRegistry || src["image"] != ref || src["digest"] != d.String() {
+	if obj["schema"] != api.ImageSchema || src["kind"] != guest.SourceRegistry || src["image"] != ref || src["digest"] != d.String() {
 		t.Errorf("create --json: %s", out)
 	}
 	if out, err := runCLI(t, "images", "--cache", cache); err != nil || !strings.Contains(out, "registry "+ref) {

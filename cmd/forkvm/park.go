@@ -12,7 +12,7 @@ import (
 	"github.com/urfave/cli/v3"
 	"golang.org/x/sync/errgroup"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/serve"
 )
 
@@ -23,8 +23,8 @@ func parkCmd() *cli.Command {
 		ArgsUsage: "NAME...",
 		Flags:     []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "one JSON object per VM"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			return eachVM(ctx, cmd, "park", func(api wire.API, name string) (any, string, error) {
-				r, err := api.Park(ctx, name)
+			return eachVM(ctx, cmd, "park", func(cl api.API, name string) (any, string, error) {
+				r, err := cl.Park(ctx, name)
 				if err != nil {
 					return nil, "", err
 				}
@@ -49,8 +49,8 @@ func wakeCmd() *cli.Command {
 		ArgsUsage: "NAME...",
 		Flags:     []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "one JSON object per VM"}},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			return eachVM(ctx, cmd, "wake", func(api wire.API, name string) (any, string, error) {
-				r, err := api.Wake(ctx, name)
+			return eachVM(ctx, cmd, "wake", func(cl api.API, name string) (any, string, error) {
+				r, err := cl.Wake(ctx, name)
 				if err != nil {
 					return nil, "", err
 				}
@@ -66,18 +66,18 @@ func wakeCmd() *cli.Command {
 // eachVM runs op (verb) on every VM named on the command line, in order, printing a
 // line (or with --json an object) for each; it goes on past failures and fails if any
 // did.
-func eachVM(ctx context.Context, cmd *cli.Command, verb string, op func(api wire.API, name string) (any, string, error)) error {
+func eachVM(ctx context.Context, cmd *cli.Command, verb string, op func(cl api.API, name string) (any, string, error)) error {
 	if cmd.Args().Len() == 0 {
 		return fmt.Errorf("usage: forkvm %s NAME [NAME...]", verb)
 	}
-	api, err := connect(ctx, cmd, false)
+	cl, err := connect(ctx, cmd, false)
 	if err != nil {
 		return err
 	}
-	defer api.Close()
+	defer cl.Close()
 	var errs []error
 	for _, name := range cmd.Args().Slice() {
-		obj, line, err := op(api, name)
+		obj, line, err := op(cl, name)
 		switch {
 		case err != nil:
 			errs = append(errs, fmt.Errorf("%s %s: %w", verb, name, err))
@@ -102,16 +102,16 @@ func noParkFlag() cli.Flag {
 
 // noParkEvents passes a wave's events on, opting each ready fork out of idle parking
 // first when --no-park is set (a failure to record it fails the fork's event).
-func noParkEvents(ctx context.Context, cmd *cli.Command, api wire.API, evs <-chan wire.ForkEvent) <-chan wire.ForkEvent {
+func noParkEvents(ctx context.Context, cmd *cli.Command, cl api.API, evs <-chan api.ForkEvent) <-chan api.ForkEvent {
 	if !cmd.Bool("no-park") {
 		return evs
 	}
-	out := make(chan wire.ForkEvent)
+	out := make(chan api.ForkEvent)
 	go func() {
 		defer close(out)
 		for ev := range evs {
 			if ev.Err == nil && ev.Index >= 0 && ev.Name != "" {
-				if err := api.SetNoPark(ctx, ev.Name, true); err != nil {
+				if err := cl.SetNoPark(ctx, ev.Name, true); err != nil {
 					ev.Err = fmt.Errorf("--no-park: %w", err)
 				} else {
 					ev.VM.NoPark = true

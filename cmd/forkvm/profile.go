@@ -51,23 +51,23 @@ func profileFaults(ctx context.Context, cmd *cli.Command) error {
 	if d := cmd.Duration("duration"); d <= 0 {
 		return fmt.Errorf("%w: --duration must be positive", engine.ErrInvalidSpec)
 	}
-	api, err := connect(ctx, cmd, false)
+	cl, err := connect(ctx, cmd, false)
 	if err != nil {
 		return err
 	}
 	var infos []engine.Info
 	for _, n := range names {
-		inf, err := api.Get(ctx, n)
+		inf, err := cl.Get(ctx, n)
 		if err == nil && inf.State != engine.StateRunning {
 			err = fmt.Errorf("%w: %s is %s", engine.ErrNotRunning, n, inf.State)
 		}
 		if err != nil {
-			api.Close()
+			cl.Close()
 			return err
 		}
 		infos = append(infos, inf)
 	}
-	api.Close() // counting needs no engine: the state directory is given up
+	cl.Close() // counting needs no engine: the state directory is given up
 	s, err := faultclass.Open(faultclass.Options{MaxProcesses: len(infos)})
 	if err != nil {
 		if errors.Is(err, faultclass.ErrUnavailable) {

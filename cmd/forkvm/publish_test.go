@@ -9,7 +9,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -91,7 +91,7 @@ func TestNetColumn(t *testing.T) {
 func TestForkSummary(t *testing.T) {
 	many := make([]string, 12)
 	for i := range many {
-		many[i] = wire.ForkRequest{Prefix: "p", N: 15}.ForkName(i + 4)
+		many[i] = api.ForkRequest{Prefix: "p", N: 15}.ForkName(i + 4)
 	}
 	for _, tc := range []struct {
 		n, ready, failed int
@@ -114,18 +114,18 @@ func TestForkSummary(t *testing.T) {
 // TestCheckpointTimings: the checkpoint line never reads as a pause longer than the
 // whole, and ls's READY IN of a VM restarted by its own handoff is that restart's.
 func TestCheckpointTimings(t *testing.T) {
-	h := &wire.CheckpointInfo{Name: "ckh", RAMMethod: "handoff"}
+	h := &api.CheckpointInfo{Name: "ckh", RAMMethod: "handoff"}
 	h.Timings.Total, h.Timings.Paused = 31*time.Millisecond, 173*time.Millisecond
 	if got, want := checkpointLine(h), "ckh: guest paused 173ms until the VM ran again from it (checkpoint committed after 31ms;"; !strings.HasPrefix(got, want) {
 		t.Errorf("handoff: %q, want %q...", got, want)
 	}
-	c := &wire.CheckpointInfo{Name: "ck0", RAMMethod: "copy"}
+	c := &api.CheckpointInfo{Name: "ck0", RAMMethod: "copy"}
 	c.Timings.Total, c.Timings.Paused = 941*time.Millisecond, 897*time.Millisecond
 	if got, want := checkpointLine(c), "ck0: 941ms, guest paused 897ms of it (ram copy;"; !strings.HasPrefix(got, want) {
 		t.Errorf("copy: %q, want %q...", got, want)
 	}
 	h.Source = "w1"
-	hs := map[string]wire.CheckpointInfo{"ckh": *h}
+	hs := map[string]api.CheckpointInfo{"ckh": *h}
 	v := engine.Info{Name: "w1", Parent: "ckh"}
 	v.Timings.Total = 3321 * time.Millisecond
 	if got := readyIn(v, hs); got != "173ms (handoff)" {
@@ -141,11 +141,11 @@ func TestCheckpointTimings(t *testing.T) {
 // memory pressure, the prior per VM and each measured source's commitment.
 func TestBudgetText(t *testing.T) {
 	const mib = 1 << 20
-	b := wire.Budget{HostCPUs: 2, Overcommit: 8, MaxOvercommit: 16, Total: 16, Used: 9, OtherUsed: 7,
-		Memory: wire.MemoryBudget{Known: true, AvailableBytes: 20000 * mib, TotalBytes: 6144 * mib, CgroupLimitBytes: 6144 * mib,
+	b := api.Budget{HostCPUs: 2, Overcommit: 8, MaxOvercommit: 16, Total: 16, Used: 9, OtherUsed: 7,
+		Memory: api.MemoryBudget{Known: true, AvailableBytes: 20000 * mib, TotalBytes: 6144 * mib, CgroupLimitBytes: 6144 * mib,
 			CgroupHeadroomBytes: 1000 * mib, ReserveBytes: 512 * mib, CommitRatio: 0.25, CommittedBytes: 300 * mib, FreeBytes: 188 * mib,
-			ForkOverheadBytes: 64 * mib, Basis: wire.MemoryBasisFootprint, PressureKnown: true, PressureSomeAvg10: 1.5, PressureLimit: 10,
-			Sources: []wire.MemorySource{{Source: "ck:w", VMs: 3, HighWaterBytes: 24 * mib, CommitBytes: 40 * mib}}}}
+			ForkOverheadBytes: 64 * mib, Basis: api.MemoryBasisFootprint, PressureKnown: true, PressureSomeAvg10: 1.5, PressureLimit: 10,
+			Sources: []api.MemorySource{{Source: "ck:w", VMs: 3, HighWaterBytes: 24 * mib, CommitBytes: 40 * mib}}}}
 	want := "vCPUs 9 used of 16 (2 host CPUs x overcommit 8; 7 by other state directories; requests may ask up to 16)\n" +
 		"memory 188 MiB free for VMs = 20000 MiB available (cgroup: 1000 MiB left of 6144) - 512 reserve - 300 committed (what VMs are expected to grow to, less what they hold)\n" +
 		"memory pressure: some 1.50%, full 0.00% (avg10; admission stops at some 10%)\n" +
@@ -154,7 +154,7 @@ func TestBudgetText(t *testing.T) {
 	if got := budgetText(b); got != want {
 		t.Errorf("budget:\n%s\nwant:\n%s", got, want)
 	}
-	b.Memory = wire.MemoryBudget{}
+	b.Memory = api.MemoryBudget{}
 	if got := budgetText(b); strings.Contains(got, "memory") {
 		t.Errorf("unknown memory printed: %q", got)
 	}

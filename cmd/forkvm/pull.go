@@ -9,7 +9,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 )
@@ -17,7 +17,7 @@ import (
 // puller is the part of the API that pulls a checkpoint from another daemon (the
 // daemon's client and the in-process engine's API both have it).
 type puller interface {
-	PullCheckpointWith(ctx context.Context, req wire.PullRequest) (*wire.PullResult, error)
+	PullCheckpointWith(ctx context.Context, req api.PullRequest) (*api.PullResult, error)
 }
 
 // checkpointPullCmd is `forkvm checkpoint pull CK --from URL|NODE [--token-file F]`.
@@ -30,7 +30,7 @@ func checkpointPullCmd() *cli.Command {
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "from", Usage: "the holding daemon's TCP API, e.g. http://10.0.0.2:7070, or the name of a node of the daemon's fleet (forkvm nodes; pulled with the fleet's credentials) (required)"},
 			&cli.StringFlag{Name: "token-file", Usage: "file (mode 0600) holding that daemon's bearer token"},
-			&cli.DurationFlag{Name: "progress-timeout", Value: wire.DefaultPullProgressTimeout, Usage: "fail the pull when the holder sends nothing (no answer, no byte) for this long"},
+			&cli.DurationFlag{Name: "progress-timeout", Value: api.DefaultPullProgressTimeout, Usage: "fail the pull when the holder sends nothing (no answer, no byte) for this long"},
 			&cli.BoolFlag{Name: "json", Usage: "print the result as JSON"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -60,16 +60,16 @@ func checkpointPullCmd() *cli.Command {
 				}
 				token = t
 			}
-			api, err := connect(ctx, cmd, false)
+			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
-			defer api.Close()
-			p, ok := api.(puller)
+			defer cl.Close()
+			p, ok := cl.(puller)
 			if !ok {
 				return fmt.Errorf("%w: this API cannot pull checkpoints", engine.ErrInvalidSpec)
 			}
-			res, err := p.PullCheckpointWith(ctx, wire.PullRequest{Checkpoint: name, From: from, Token: token,
+			res, err := p.PullCheckpointWith(ctx, api.PullRequest{Checkpoint: name, From: from, Token: token,
 				ProgressTimeoutMS: max(pt.Milliseconds(), 1)})
 			if err != nil {
 				return err

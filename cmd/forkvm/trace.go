@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"os"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/tracebundle"
 	"github.com/forkvm/forkvm/tracefs"
 )
@@ -36,7 +36,7 @@ func openForkTrace() *forkTrace {
 }
 
 // add records one fork's spans as a thread of the wave.
-func (t *forkTrace) add(index int, name string, spans []wire.Span) {
+func (t *forkTrace) add(index int, name string, spans []api.Span) {
 	tid := index + 1
 	t.events = append(t.events, map[string]any{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": map[string]any{"name": name}})
 	for _, s := range spans {

@@ -6,7 +6,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/tracebundle"
 )
 
@@ -14,8 +14,8 @@ import (
 // their CLOCK_MONOTONIC microseconds, one thread per fork, and decodes.
 func TestForkTraceBundle(t *testing.T) {
 	tr := &forkTrace{}
-	tr.add(0, "f1", []wire.Span{{Name: "spawn", StartMono: 5_000_000, EndMono: 6_500_000}, {Name: "restore", StartMono: 6_500_000, EndMono: 6_500_000}})
-	tr.add(1, "f2", []wire.Span{{Name: "spawn", StartMono: 5_100_000, EndMono: 7_000_000}})
+	tr.add(0, "f1", []api.Span{{Name: "spawn", StartMono: 5_000_000, EndMono: 6_500_000}, {Name: "restore", StartMono: 6_500_000, EndMono: 6_500_000}})
+	tr.add(1, "f2", []api.Span{{Name: "spawn", StartMono: 5_100_000, EndMono: 7_000_000}})
 	path := filepath.Join(t.TempDir(), "f.perfetto.tar")
 	if err := tr.write(path); err != nil {
 		t.Fatal(err)

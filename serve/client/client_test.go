@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/vsockd"
@@ -53,7 +53,7 @@ func TestServeClientErrors(t *testing.T) {
 	if _, err := c.Get(ctx, "nope"); !errors.As(err, &ce) || ce.Status != 404 || ce.Code != "not_found" {
 		t.Errorf("Get: %#v", err)
 	}
-	if _, err := c.Create(ctx, wire.Spec{Name: "-bad"}); !errors.Is(err, engine.ErrInvalidName) {
+	if _, err := c.Create(ctx, api.Spec{Name: "-bad"}); !errors.Is(err, engine.ErrInvalidName) {
 		t.Errorf("Create: %v", err)
 	}
 	if err := c.Delete(ctx, "nope"); !errors.Is(err, engine.ErrNotFound) {
@@ -68,7 +68,7 @@ func TestServeClientErrors(t *testing.T) {
 	if _, err := c.Checkpoint(ctx, "nope", "ck", nil); !errors.Is(err, engine.ErrNotFound) {
 		t.Errorf("Checkpoint: %v", err)
 	}
-	if err := c.DeleteCheckpoint(ctx, "nope", &wire.DeleteCheckpointOptions{Force: true}); !errors.Is(err, engine.ErrNotFound) {
+	if err := c.DeleteCheckpoint(ctx, "nope", &api.DeleteCheckpointOptions{Force: true}); !errors.Is(err, engine.ErrNotFound) {
 		t.Errorf("DeleteCheckpoint: %v", err)
 	}
 	if _, err := c.ForkMany(ctx, "nope", 2, nil); !errors.Is(err, engine.ErrNotFound) {
@@ -89,11 +89,11 @@ func TestServeClientErrors(t *testing.T) {
 // with its admission figures (the event line as the daemon writes it, decoded).
 func TestForkEventAdmission(t *testing.T) {
 	refusal := &engine.AdmissionError{Resource: "vcpu", Requested: 2, Available: 1, Budget: 16}
-	line, err := json.Marshal(wire.ForkEventObjectOf(3, "w-4", time.Millisecond, nil, refusal))
+	line, err := json.Marshal(api.ForkEventObjectOf(3, "w-4", time.Millisecond, nil, refusal))
 	if err != nil {
 		t.Fatal(err)
 	}
-	var o wire.ForkEventObject
+	var o api.ForkEventObject
 	if err := json.Unmarshal(line, &o); err != nil {
 		t.Fatal(err)
 	}

@@ -7,7 +7,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	wire "github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/api"
 )
 
 // TestForkNonFinite: a NaN or infinite overcommit is refused as ErrInvalidSpec before
@@ -17,10 +17,10 @@ func TestForkNonFinite(t *testing.T) {
 	c := New(filepath.Join(t.TempDir(), "none.sock"))
 	defer c.Close()
 	for _, v := range []float64{math.NaN(), math.Inf(1), math.Inf(-1)} {
-		if _, err := c.ForkMany(context.Background(), "ck", 2, &wire.ManyOptions{Prefix: "p", Overcommit: v}); !errors.Is(err, wire.ErrInvalidSpec) {
+		if _, err := c.ForkMany(context.Background(), "ck", 2, &api.ManyOptions{Prefix: "p", Overcommit: v}); !errors.Is(err, api.ErrInvalidSpec) {
 			t.Errorf("ForkMany(overcommit %v) = %v, want ErrInvalidSpec", v, err)
 		}
-		if _, err := c.Fork(context.Background(), "ck", &wire.ForkOptions{Overcommit: v}); !errors.Is(err, wire.ErrInvalidSpec) {
+		if _, err := c.Fork(context.Background(), "ck", &api.ForkOptions{Overcommit: v}); !errors.Is(err, api.ErrInvalidSpec) {
 			t.Errorf("Fork(overcommit %v) = %v, want ErrInvalidSpec", v, err)
 		}
 	}

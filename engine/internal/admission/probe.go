@@ -418,7 +418,8 @@ func oomKills(version int, dir string) (n int64, ok bool) {
 
 // ForkOverhead is the prior's part for QEMU (see footprints): the host memory one
 // VM is expected to add before its guest writes much, QEMU heap plus TCG buffers,
-// rounded up (measured: ~22 MiB per fork).
+// rounded up well past what a fresh fork holds, so that an unmeasured source errs
+// towards refusing a fork rather than overcommitting the host.
 const ForkOverhead = 64 << 20
 
 // Memory is the memory budget given every forkvm QEMU on the host (vms), pending (the

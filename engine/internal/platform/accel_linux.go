@@ -33,8 +33,8 @@ type kvmCPUID2 struct {
 // DetectAccel returns "kvm" when /dev/kvm is usable, else "tcg".
 //
 // "Usable" is probed, not assumed from the device node: some sandboxes expose a /dev/kvm
-// that opens and creates VMs but cannot run a guest (measured on the forkvm CI machines:
-// QEMU aborts setting MSRs, and the supported CPUID lacks even SSE3). We require the
+// that opens and creates VMs but cannot run a guest (QEMU aborts setting MSRs, and the
+// supported CPUID lacks even SSE3). We require the
 // stable API version, a VM to be creatable and the supported CPUID to include SSE3,
 // which every x86-64 CPU since 2004 has.
 func DetectAccel() api.Accel {

@@ -7,7 +7,7 @@ import (
 	"strconv"
 	"strings"
 
-	guest "github.com/forkvm/forkvm/internal/guestboot"
+	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/internal/names"
 )
 
@@ -305,7 +305,7 @@ func (l *Launch) channelArgs() []string {
 		"-serial", "chardev:console",
 		"-device", serialBus,
 		"-chardev", "socket,id=agent,path=" + EscapeOpt(l.AgentSocket) + ",server=on,wait=off",
-		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + guest.AgentPortName,
+		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + guestboot.AgentPortName,
 	}
 }
 
@@ -382,7 +382,7 @@ func (l *Launch) netArgs() ([]string, error) {
 	}
 	nd := map[string]any{
 		"type": "user", "id": netID,
-		"net": guest.NetCIDR, "host": guest.NetGateway, "dns": guest.NetDNS,
+		"net": guestboot.NetCIDR, "host": guestboot.NetGateway, "dns": guestboot.NetDNS,
 		"ipv4": true, "ipv6": false,
 	}
 	if len(l.HostFwd) > 0 {
@@ -398,6 +398,6 @@ func (l *Launch) netArgs() ([]string, error) {
 	}
 	return []string{
 		"-netdev", string(js),
-		"-device", "virtio-net-pci,netdev=" + netID + ",id=" + nicID + ",mac=" + guest.NetMAC + ",romfile=",
+		"-device", "virtio-net-pci,netdev=" + netID + ",id=" + nicID + ",mac=" + guestboot.NetMAC + ",romfile=",
 	}, nil
 }

@@ -1,7 +1,10 @@
 package main
 
 import (
-	wire "github.com/forkvm/forkvm/api"
+	"encoding/json"
+	"os"
+
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 )
@@ -18,10 +21,23 @@ func vmObjects(infos []engine.Info) []serve.VMObject {
 	return out
 }
 
-func checkpointObjects(cks []wire.CheckpointInfo) []wire.CheckpointObject {
-	out := make([]wire.CheckpointObject, 0, len(cks))
+func checkpointObjects(cks []api.CheckpointInfo) []api.CheckpointObject {
+	out := make([]api.CheckpointObject, 0, len(cks))
 	for _, c := range cks {
-		out = append(out, wire.NewCheckpointObject(c))
+		out = append(out, api.NewCheckpointObject(c))
 	}
 	return out
+}
+
+func printJSON(v any) error {
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }
