@@ -1,6 +1,9 @@
 package api
 
-import "time"
+import (
+	"fmt"
+	"time"
+)
 
 // Schema names of the fleet's objects.
 const (
@@ -107,6 +110,25 @@ type FleetForkRequest struct {
 	// wave runs. Such a wave ends only once each ready fork's node has beaten after the
 	// fork was ready (or was lost): up to a heartbeat interval after the last fork.
 	ReplaceLost bool `json:"replace_lost,omitempty"`
+}
+
+// Validate checks a fleet wave before it is published, with the fork request's rules
+// (ForkRequest.Validate, n up to MaxFleetForks) and the fleet's own: a wave publishes no ports (a fork's node,
+// and so its host, is not known in advance), forks a checkpoint (Pin is for the
+// implicit checkpoint of a running VM), runs as the nodes pull it (no Concurrency),
+// and MaxPerNode is not negative. Each error wraps ErrInvalidSpec or ErrInvalidName.
+func (r FleetForkRequest) Validate() error {
+	switch {
+	case len(r.Publish) > 0:
+		return fmt.Errorf("%w: a fleet wave publishes no ports (a fork's node is not known in advance)", ErrInvalidSpec)
+	case r.Pin:
+		return fmt.Errorf("%w: a fleet wave forks a checkpoint, not a running VM (pin has no use)", ErrInvalidSpec)
+	case r.Concurrency != 0:
+		return fmt.Errorf("%w: a fleet wave's forks start as nodes take them (concurrency has no use)", ErrInvalidSpec)
+	case r.MaxPerNode < 0:
+		return fmt.Errorf("%w: max_per_node %d", ErrInvalidSpec, r.MaxPerNode)
+	}
+	return r.ForkRequest.validate(MaxFleetForks)
 }
 
 // FleetForkEventObject is one line of a fleet wave's stream: the fork event of a

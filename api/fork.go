@@ -19,6 +19,10 @@ const MaxNameLen = 48
 // forks run: admission bounds those by the host's budget.
 const MaxForks = 4096
 
+// MaxFleetForks bounds n of one fleet wave (FleetForkRequest.Validate): its forks are
+// spread over the fleet's nodes, each admitting its share.
+const MaxFleetForks = 100000
+
 // MaxPublish bounds the port forwards of one VM.
 const MaxPublish = 64
 
@@ -34,9 +38,12 @@ func ValidateName(name string) error {
 }
 
 // ValidateForkCount checks n, the number of forks of one request: 1..MaxForks.
-func ValidateForkCount(n int) error {
-	if n < 1 || n > MaxForks {
-		return fmt.Errorf("%w: n must be 1..%d, got %d", ErrInvalidSpec, MaxForks, n)
+func ValidateForkCount(n int) error { return validateCount(n, MaxForks) }
+
+// validateCount checks n against 1..limit.
+func validateCount(n, limit int) error {
+	if n < 1 || n > limit {
+		return fmt.Errorf("%w: n must be 1..%d, got %d", ErrInvalidSpec, limit, n)
 	}
 	return nil
 }
@@ -158,7 +165,10 @@ func (r *ForkRequest) Normalize() {
 //
 // It reads nothing of a host: whether the source exists, has a network, and whether
 // its forks fit are the engine's to say.
-func (r ForkRequest) Validate() error {
+func (r ForkRequest) Validate() error { return r.validate(MaxForks) }
+
+// validate is Validate with n bounded by maxForks (a fleet wave's bound is its own).
+func (r ForkRequest) validate(maxForks int) error {
 	// An empty source is an invalid name, as an empty name is in every other call.
 	if err := ValidateName(r.Source); err != nil {
 		return fmt.Errorf("source: %w", err)
@@ -167,7 +177,7 @@ func (r ForkRequest) Validate() error {
 		return err
 	}
 	r.Normalize()
-	if err := ValidateForkCount(r.N); err != nil {
+	if err := validateCount(r.N, maxForks); err != nil {
 		return err
 	}
 	if len(r.Names) > 0 && len(r.Names) != r.N {

@@ -181,3 +181,35 @@ func TestForkEventObject(t *testing.T) {
 		t.Errorf("failed event came back as %+v", got)
 	}
 }
+
+func TestFleetForkRequestValidate(t *testing.T) {
+	base := ForkRequest{Source: "ck", N: 8, Prefix: "f"}
+	with := func(mod func(*FleetForkRequest)) FleetForkRequest {
+		r := FleetForkRequest{ForkRequest: base}
+		mod(&r)
+		return r
+	}
+	for _, tc := range []struct {
+		name string
+		req  FleetForkRequest
+		want error
+	}{
+		{"wave", with(func(*FleetForkRequest) {}), nil},
+		{"past a local request's bound", with(func(r *FleetForkRequest) { r.N = MaxForks + 1 }), nil},
+		{"at the fleet's bound", with(func(r *FleetForkRequest) { r.N = MaxFleetForks }), nil},
+		{"past the fleet's bound", with(func(r *FleetForkRequest) { r.N = MaxFleetForks + 1 }), ErrInvalidSpec},
+		{"ports", with(func(r *FleetForkRequest) { r.Publish = [][]PortForward{{{HostPort: 8080, GuestPort: 80}}} }), ErrInvalidSpec},
+		{"pin", with(func(r *FleetForkRequest) { r.Pin = true }), ErrInvalidSpec},
+		{"concurrency", with(func(r *FleetForkRequest) { r.Concurrency = 2 }), ErrInvalidSpec},
+		{"negative max per node", with(func(r *FleetForkRequest) { r.MaxPerNode = -1 }), ErrInvalidSpec},
+		{"bad source", with(func(r *FleetForkRequest) { r.Source = "a b" }), ErrInvalidName},
+		{"NaN overcommit", with(func(r *FleetForkRequest) { r.Overcommit = math.NaN() }), ErrInvalidSpec},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.req.Validate()
+			if (tc.want == nil) != (err == nil) || (tc.want != nil && !errors.Is(err, tc.want)) {
+				t.Errorf("Validate() = %v, want %v", err, tc.want)
+			}
+		})
+	}
+}

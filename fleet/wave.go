@@ -15,8 +15,8 @@ import (
 	"github.com/forkvm/forkvm/api"
 )
 
-// MaxForks bounds one fleet wave.
-const MaxForks = 100000
+// MaxForks bounds one fleet wave (api.MaxFleetForks).
+const MaxForks = api.MaxFleetForks
 
 // Event is one fork of a fleet wave: the local wave's event, the node, the job's
 // attempt and the fleet's time on it beside the fork (api.FleetTiming).
@@ -33,20 +33,10 @@ type Event struct {
 // that died right after its fork was ready has it replaced instead of reported ready.
 // Bad input is refused before anything is published.
 func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan Event, error) {
+	if err := req.Validate(); err != nil {
+		return nil, err
+	}
 	n := max(req.N, 1)
-	if req.N < 0 || n > MaxForks {
-		return nil, fmt.Errorf("%w: n %d out of 1..%d", api.ErrInvalidSpec, req.N, MaxForks)
-	}
-	switch {
-	case req.Source == "":
-		return nil, fmt.Errorf("%w: source is required", api.ErrInvalidSpec)
-	case len(req.Publish) > 0:
-		return nil, fmt.Errorf("%w: a fleet wave publishes no ports (a fork's node is not known in advance)", api.ErrInvalidSpec)
-	case req.Pin:
-		return nil, fmt.Errorf("%w: a fleet wave forks a checkpoint, not a running VM (pin has no use)", api.ErrInvalidSpec)
-	case req.MaxPerNode < 0:
-		return nil, fmt.Errorf("%w: max_per_node %d", api.ErrInvalidSpec, req.MaxPerNode)
-	}
 	names, err := waveNames(req, n)
 	if err != nil {
 		return nil, err

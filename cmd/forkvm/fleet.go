@@ -131,16 +131,16 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 	if cmd.Bool("spread") && cmd.Bool("pack") {
 		return fmt.Errorf("forkvm fork: --spread and --pack are exclusive")
 	}
-	for _, f := range []string{"publish", "pin", "conc"} {
-		if cmd.IsSet(f) {
-			return fmt.Errorf("forkvm fork: --%s is not for a fleet wave", f)
-		}
-	}
-	if err := api.ValidateOvercommit(cmd.Float("overcommit")); err != nil {
-		return err
-	}
-	req := api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: src, N: n, Prefix: cmd.String("prefix"), Overcommit: cmd.Float("overcommit")},
+	req := api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: src, N: n, Prefix: cmd.String("prefix"), Overcommit: cmd.Float("overcommit"),
+		Pin: cmd.Bool("pin"), Concurrency: int(cmd.Int("conc"))},
 		Pack: cmd.Bool("pack"), MaxPerNode: int(cmd.Int("max-per-node")), ReplaceLost: cmd.Bool("replace-lost")}
+	if specs := cmd.StringSlice("publish"); len(specs) > 0 {
+		pubs, err := parsePublish(specs, 0)
+		if err != nil {
+			return err
+		}
+		req.Publish = [][]api.PortForward{pubs} // refused by Validate: the fleet's rule
+	}
 	if cmd.Args().Len() == 2 {
 		if n != 1 {
 			return fmt.Errorf("forkvm fork: a NAME names a single fork; use --prefix with --n")
@@ -149,6 +149,9 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 			return err
 		}
 		req.Name = cmd.Args().Get(1)
+	}
+	if err := req.Validate(); err != nil {
+		return err
 	}
 	// A wave without --prefix is named as a local one (SRC-TAG-1..n): the names are
 	// drawn once here, so the lines and the fleet's records agree.
