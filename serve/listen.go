@@ -30,7 +30,35 @@ var (
 	ErrDaemonRunning = errors.New("serve: another daemon answers on the socket")
 	// ErrTokenFile reports a token file that is unsafe or unusable.
 	ErrTokenFile = errors.New("serve: bad token file")
+	// ErrNotLoopback reports a TCP address for the API that is not loopback, asked for
+	// without public (ListenTCP).
+	ErrNotLoopback = errors.New("serve: not a loopback address")
 )
+
+// ListenTCP listens on addr for the token-authenticated API (Server.TokenHandler). The
+// API has no TLS, so its bearer token crosses the network in clear: an address that is
+// not loopback (":7070", "0.0.0.0:P", a host name other than localhost) is refused with
+// ErrNotLoopback unless public is set (serving behind a TLS proxy).
+func ListenTCP(addr string, public bool) (net.Listener, error) {
+	if err := CheckTCPAddr(addr, public); err != nil {
+		return nil, err
+	}
+	return net.Listen("tcp", addr)
+}
+
+// CheckTCPAddr is ListenTCP's check of addr, for a caller that validates its options
+// before it starts anything.
+func CheckTCPAddr(addr string, public bool) error {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("serve: listen %s: %w", addr, err)
+	}
+	if ip := net.ParseIP(host); !(ip != nil && ip.IsLoopback()) && host != "localhost" && !public {
+		return fmt.Errorf("%w: %s: the API has no TLS and its bearer token would cross the network in clear; "+
+			"serve it there only behind a TLS proxy (forkvm serve --listen-public)", ErrNotLoopback, addr)
+	}
+	return nil
+}
 
 // ListenUnix listens on the unix socket path with mode 0600. If something answers on
 // path it fails with ErrDaemonRunning; a stale socket (nobody answers) is removed;

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"time"
 
@@ -61,7 +60,7 @@ func serveCmd() *cli.Command {
 			case cmd.String("listen") == "" && cmd.String("token-file") != "":
 				return fmt.Errorf("serve: --token-file is only used with --listen")
 			case cmd.String("listen") != "":
-				if err := checkListen(cmd.String("listen"), cmd.Bool("listen-public")); err != nil {
+				if err := serve.CheckTCPAddr(cmd.String("listen"), cmd.Bool("listen-public")); err != nil {
 					return err
 				}
 				t, err := serve.ReadTokenFile(cmd.String("token-file"))
@@ -130,7 +129,7 @@ func serveCmd() *cli.Command {
 				return err
 			}
 			if addr := cmd.String("listen"); addr != "" {
-				tln, err := net.Listen("tcp", addr)
+				tln, err := serve.ListenTCP(addr, cmd.Bool("listen-public"))
 				if err != nil {
 					stopServing()
 					g.Wait()
@@ -173,19 +172,4 @@ func serveCmd() *cli.Command {
 			return err
 		},
 	}
-}
-
-// checkListen refuses a --listen address that is not loopback (":7070", "0.0.0.0:P", a
-// host name other than localhost) unless public is set: the API has no TLS, and binding
-// every interface was silent.
-func checkListen(addr string, public bool) error {
-	host, _, err := net.SplitHostPort(addr)
-	if err != nil {
-		return fmt.Errorf("serve: --listen %s: %w", addr, err)
-	}
-	if ip := net.ParseIP(host); (ip != nil && ip.IsLoopback()) || host == "localhost" || public {
-		return nil
-	}
-	return fmt.Errorf("serve: --listen %s is not a loopback address: the API has no TLS and its bearer token would cross the network in clear; "+
-		"pass --listen-public to serve it there anyway (behind a TLS proxy)", addr)
 }

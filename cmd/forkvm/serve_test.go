@@ -127,24 +127,3 @@ func TestServeCmd(t *testing.T) {
 		t.Errorf("socket left: %v", err)
 	}
 }
-
-// TestCheckListen: a non-loopback --listen needs --listen-public (0.0.0.0:P bound every
-// interface without a word).
-func TestCheckListen(t *testing.T) {
-	for _, tc := range []struct {
-		addr   string
-		public bool
-		ok     bool
-	}{
-		{"127.0.0.1:7070", false, true}, {"[::1]:7070", false, true}, {"localhost:7070", false, true},
-		{"127.0.0.2:7070", false, true},
-		{"0.0.0.0:7070", false, false}, {":7070", false, false}, {"[::]:7070", false, false},
-		{"192.168.1.5:7070", false, false}, {"example.com:7070", false, false},
-		{"0.0.0.0:7070", true, true}, {":7070", true, true},
-		{"nonsense", true, false},
-	} {
-		if err := checkListen(tc.addr, tc.public); (err == nil) != tc.ok {
-			t.Errorf("checkListen(%q, %v) = %v, want ok %v", tc.addr, tc.public, err, tc.ok)
-		}
-	}
-}
