@@ -48,6 +48,22 @@ func validateCount(n, limit int) error {
 	return nil
 }
 
+// WaveForwards is what fork i of a wave publishes when the wave asks for pubs: each
+// forward with its host port shifted by i, so that the wave's forks publish
+// consecutive host ports (8080:80 gives fork 0 8080, fork 1 8081...). A shifted port
+// past 65535 is ErrInvalidSpec.
+func WaveForwards(pubs []PortForward, i int) ([]PortForward, error) {
+	var out []PortForward
+	for _, p := range pubs {
+		p.HostPort += i
+		if err := p.Validate(); err != nil {
+			return nil, fmt.Errorf("fork %d of the wave: %w", i, err)
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
+
 // ValidatePublish checks one VM's forwards: at most MaxPublish, each valid, no host
 // address bound twice.
 func ValidatePublish(pubs []PortForward) error {

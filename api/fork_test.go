@@ -213,3 +213,15 @@ func TestFleetForkRequestValidate(t *testing.T) {
 		})
 	}
 }
+
+func TestWaveForwards(t *testing.T) {
+	pubs := []PortForward{{HostPort: 8080, GuestPort: 80}, {HostIP: "0.0.0.0", HostPort: 2222, GuestPort: 22}}
+	got, err := WaveForwards(pubs, 3)
+	want := []PortForward{{HostPort: 8083, GuestPort: 80}, {HostIP: "0.0.0.0", HostPort: 2225, GuestPort: 22}}
+	if err != nil || !reflect.DeepEqual(got, want) || pubs[0].HostPort != 8080 {
+		t.Errorf("WaveForwards(%v, 3) = %v, %v; want %v (input kept)", pubs, got, err, want)
+	}
+	if _, err := WaveForwards([]PortForward{{HostPort: 65535, GuestPort: 80}}, 1); !errors.Is(err, ErrInvalidSpec) {
+		t.Errorf("a wave past the last port: %v, want ErrInvalidSpec", err)
+	}
+}

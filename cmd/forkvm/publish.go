@@ -2,9 +2,11 @@ package main
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -13,20 +15,19 @@ func publishFlag(usage string) cli.Flag {
 	return &cli.StringSliceFlag{Name: "publish", Aliases: []string{"p"}, Usage: usage + "; `PORTS` is [HOSTIP:]HOSTPORT:GUESTPORT"}
 }
 
-// parsePublish parses --publish values, each host port shifted by offset (the index of
-// a fork in a wave).
+// parsePublish parses --publish values for fork offset of a wave (api.WaveForwards).
 func parsePublish(specs []string, offset int) ([]engine.PortForward, error) {
-	var out []engine.PortForward
+	var pubs []engine.PortForward
 	for _, s := range specs {
 		p, err := engine.ParsePortForward(s)
 		if err != nil {
 			return nil, err
 		}
-		p.HostPort += offset
-		if err := p.Validate(); err != nil {
-			return nil, fmt.Errorf("--publish %s for fork %d: %w", s, offset, err)
-		}
-		out = append(out, p)
+		pubs = append(pubs, p)
+	}
+	out, err := api.WaveForwards(pubs, offset)
+	if err != nil {
+		return nil, fmt.Errorf("--publish %s: %w", strings.Join(specs, ","), err)
 	}
 	return out, nil
 }
