@@ -123,7 +123,7 @@ func ForkRequestOf(src string, n int, opts *ManyOptions) (ForkRequest, error) {
 	if err := ValidateForkCount(n); err != nil {
 		return ForkRequest{}, err
 	}
-	r := ForkRequest{Source: src, N: n, Prefix: o.Prefix, Concurrency: o.Concurrency, Overcommit: o.Overcommit, Pin: o.Pin}
+	r := ForkRequest{Source: src, N: n, Prefix: o.Prefix, Concurrency: o.Concurrency, Overcommit: o.Overcommit, Pin: o.Pin, NoPark: o.NoPark}
 	if o.Names != nil {
 		if len(o.Names) != n {
 			return ForkRequest{}, fmt.Errorf("%w: %d names for %d forks", ErrInvalidSpec, len(o.Names), n)
@@ -276,7 +276,7 @@ func (r ForkRequest) ForkPublish(i int) []PortForward {
 // Options are the Go API's options for the request (API.ForkMany with Source and N):
 // what a daemon hands its engine.
 func (r ForkRequest) Options() *ManyOptions {
-	o := &ManyOptions{Names: r.Names, Prefix: r.Prefix, Concurrency: r.Concurrency, Overcommit: r.Overcommit, Pin: r.Pin}
+	o := &ManyOptions{Names: r.Names, Prefix: r.Prefix, Concurrency: r.Concurrency, Overcommit: r.Overcommit, Pin: r.Pin, NoPark: r.NoPark}
 	if r.Name != "" {
 		o.Names = []string{r.Name}
 	}

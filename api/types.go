@@ -422,6 +422,8 @@ type ManyOptions struct {
 	Overcommit float64
 	// Pin keeps an implicit checkpoint (when src is a running VM).
 	Pin bool
+	// NoPark opts each fork out of a daemon's idle parking (Spec.NoPark).
+	NoPark bool
 	// Publish, when set, gives the fork of each index (0..n-1, ForkEvent.Index) its own
 	// host port forwards (see ForkOptions.Publish), e.g. one host port per fork:
 	//

@@ -228,4 +228,7 @@ type ForkRequest struct {
 	// Publish[i] are fork i's port forwards (the source VM must have a NIC); a shorter
 	// list leaves the rest without.
 	Publish [][]PortForward `json:"publish,omitempty"`
+	// NoPark opts every fork of the request out of a daemon's idle parking
+	// (Spec.NoPark), from the moment it is ready.
+	NoPark bool `json:"no_park,omitempty"`
 }

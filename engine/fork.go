@@ -35,7 +35,7 @@ func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, 
 	if opts != nil {
 		o = *opts
 	}
-	mo := ManyOptions{Overcommit: o.Overcommit, Pin: o.Pin}
+	mo := ManyOptions{Overcommit: o.Overcommit, Pin: o.Pin, NoPark: o.NoPark}
 	if o.Name != "" {
 		mo.Names = []string{o.Name}
 	}
@@ -51,11 +51,6 @@ func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, 
 	// streamed to a reader that may be gone.
 	e.runPlan(ctx, p, out, false)
 	ev := <-out
-	if ev.Err == nil && o.NoPark {
-		if err := ev.VM.update(func(s *vmState) { s.NoPark = true }); err != nil {
-			return ev.VM, err
-		}
-	}
 	return ev.VM, ev.Err
 }
 

@@ -131,6 +131,11 @@ func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 	vm, err := e.forkFrom(ctx, p.ck, ev.Name, p.overcommit, p.publish[i], p.hold(i), early)
 	ev.Done = time.Now()
 	ev.Latency = ev.Done.Sub(ev.Start)
+	if err == nil && p.noPark {
+		if err = vm.update(func(s *vmState) { s.NoPark = true }); err != nil {
+			err = fmt.Errorf("engine: fork %s: opting out of idle parking: %w", ev.Name, err)
+		}
+	}
 	ev.VM, ev.Err = vm, err
 	if vm != nil {
 		inf := vm.Info()
@@ -164,6 +169,7 @@ type forkPlan struct {
 	conc       int             // forks started at once, 1..len(names)
 	overcommit float64
 	pin        bool
+	noPark     bool // each fork opts out of idle parking (ManyOptions.NoPark)
 
 	// Set by Engine.plan.
 	ck      *Checkpoint
@@ -199,7 +205,7 @@ func planFork(src string, n int, o ManyOptions) (*forkPlan, error) {
 	if conc == 0 || conc > req.N {
 		conc = req.N
 	}
-	return &forkPlan{src: src, names: req.ForkNames(), publish: publish, conc: conc, overcommit: req.Overcommit, pin: req.Pin}, nil
+	return &forkPlan{src: src, names: req.ForkNames(), publish: publish, conc: conc, overcommit: req.Overcommit, pin: req.Pin, noPark: req.NoPark}, nil
 }
 
 // errNoNetwork refuses forwards for a fork of checkpoint ck, which has no NIC.

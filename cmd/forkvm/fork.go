@@ -93,7 +93,6 @@ func forkCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
-			evs = noParkEvents(ctx, cmd, cl, evs)
 			tally := printForkEvents(ctx, cmd, cl, src, n, evs, tr, fc)
 			if tr != nil {
 				if err := tr.write(cmd.String("trace")); err != nil {
@@ -190,7 +189,7 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, cl api.API, src stri
 // expanded per fork once the count is known to be in range.
 func forkRequest(cmd *cli.Command, src string, n int) (api.ForkRequest, error) {
 	req := api.ForkRequest{Source: src, N: n, Name: cmd.Args().Get(1), Prefix: cmd.String("prefix"),
-		Concurrency: int(cmd.Int("conc")), Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin")}
+		Concurrency: int(cmd.Int("conc")), Overcommit: cmd.Float("overcommit"), Pin: cmd.Bool("pin"), NoPark: cmd.Bool("no-park")}
 	if req.Name != "" {
 		if err := checkNewName(req.Name); err != nil {
 			return req, err

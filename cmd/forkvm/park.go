@@ -100,28 +100,6 @@ func noParkFlag() cli.Flag {
 	return &cli.BoolFlag{Name: "no-park", Usage: "never park this VM for being idle (forkvm serve --park-idle); forkvm park still parks it"}
 }
 
-// noParkEvents passes a wave's events on, opting each ready fork out of idle parking
-// first when --no-park is set (a failure to record it fails the fork's event).
-func noParkEvents(ctx context.Context, cmd *cli.Command, cl api.API, evs <-chan api.ForkEvent) <-chan api.ForkEvent {
-	if !cmd.Bool("no-park") {
-		return evs
-	}
-	out := make(chan api.ForkEvent)
-	go func() {
-		defer close(out)
-		for ev := range evs {
-			if ev.Err == nil && ev.Index >= 0 && ev.Name != "" {
-				if err := cl.SetNoPark(ctx, ev.Name, true); err != nil {
-					ev.Err = fmt.Errorf("--no-park: %w", err)
-				} else {
-					ev.VM.NoPark = true
-				}
-			}
-			out <- ev
-		}
-	}()
-	return out
-}
 
 // parkServeFlags are serve's parking flags.
 func parkServeFlags() []cli.Flag {

@@ -314,21 +314,13 @@ func (c *Client) DeleteCheckpoint(ctx context.Context, name string, opts *api.De
 func (c *Client) Fork(ctx context.Context, src string, opts *api.ForkOptions) (api.Info, error) {
 	mo := &api.ManyOptions{}
 	if opts != nil {
-		mo.Overcommit, mo.Pin = opts.Overcommit, opts.Pin
+		mo.Overcommit, mo.Pin, mo.NoPark = opts.Overcommit, opts.Pin, opts.NoPark
 		if opts.Name != "" {
 			mo.Names = []string{opts.Name}
 		}
 		if len(opts.Publish) > 0 {
 			mo.Publish = func(int) []api.PortForward { return opts.Publish }
 		}
-	}
-	if opts != nil && opts.NoPark {
-		info, err := c.Fork(ctx, src, &api.ForkOptions{Name: opts.Name, Pin: opts.Pin, Overcommit: opts.Overcommit, Publish: opts.Publish})
-		if err == nil {
-			err = c.SetNoPark(ctx, info.Name, true)
-			info.NoPark = err == nil
-		}
-		return info, err
 	}
 	events, err := c.ForkMany(ctx, src, 1, mo)
 	if err != nil {
