@@ -100,7 +100,6 @@ func noParkFlag() cli.Flag {
 	return &cli.BoolFlag{Name: "no-park", Usage: "never park this VM for being idle (forkvm serve --park-idle); forkvm park still parks it"}
 }
 
-
 // parkServeFlags are serve's parking flags.
 func parkServeFlags() []cli.Flag {
 	return []cli.Flag{
