@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -162,7 +163,10 @@ func captureParkImage(ctx context.Context, p *qemuProc, s *vmState, paths layout
 	}
 	base, upper := deltaBase(paths, pm, s.Launch.RAM.Path, s.RAMBaseLayers, ancestors)
 	layer := filepath.Join(dir, parkLayerFile)
-	if _, err := memfile.ExtractDelta(s.PID, addr, size, base, upper, layer); err != nil {
+	stopWriteback := startWriteback(layer)
+	_, err = memfile.ExtractDelta(s.PID, addr, size, base, upper, layer)
+	stopWriteback()
+	if err != nil {
 		return nil, fmt.Errorf("extract pages: %w", err)
 	}
 	clk.lap("extract")
@@ -183,7 +187,12 @@ func captureParkImage(ctx context.Context, p *qemuProc, s *vmState, paths layout
 			}
 		}()
 	}
-	if err := writeJSON(filepath.Join(dir, parkRecord), img.ps); err != nil {
+	// Written in place: the directory's rename is what makes it visible.
+	b, err := json.Marshal(img.ps)
+	if err == nil {
+		err = os.WriteFile(filepath.Join(dir, parkRecord), b, 0o600)
+	}
+	if err != nil {
 		img.wait()
 		return nil, err
 	}
