@@ -163,10 +163,10 @@ func captureParkImage(ctx context.Context, p *qemuProc, s *vmState, paths layout
 	}
 	base, upper := deltaBase(paths, pm, s.Launch.RAM.Path, s.RAMBaseLayers, ancestors)
 	layer := filepath.Join(dir, parkLayerFile)
-	stopWriteback := startWriteback(layer)
-	_, err = memfile.ExtractDelta(s.PID, addr, size, base, upper, layer)
-	stopWriteback()
-	if err != nil {
+	// Its pages are not written back while they are extracted: the writeback's block
+	// allocation contends with the extraction's writes and lengthens the pause; the
+	// flush starts right after it.
+	if _, err := memfile.ExtractDelta(s.PID, addr, size, base, upper, layer); err != nil {
 		return nil, fmt.Errorf("extract pages: %w", err)
 	}
 	clk.lap("extract")
