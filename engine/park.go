@@ -83,21 +83,23 @@ type parkState struct {
 	// until the guest answered, then goes with this record).
 	Stage string    `json:"stage"`
 	At    time.Time `json:"at"`
-	// Hash names the digest of StateHash (the device state's) and LayerHash (the page
-	// layer's): parkHashHighway (parkHashImage). Records written before it have
-	// StateSHA256 and LayerSHA256 instead (SHA-256, memfile.LayerDigest), which wake
-	// still verifies. A record without either has not been digested yet (a park cut
-	// short between its commit and its flush: see parkwrite.go).
-	Hash        string `json:"hash,omitempty"`
-	StateHash   string `json:"state_hash,omitempty"`
-	LayerHash   string `json:"layer_hash,omitempty"`
+	// StateSHA256/StateSize are the device state's; LayerSHA256/LayerSize the page
+	// layer's (memfile.LayerDigest): the digests of records written before Hash was.
+	// The sizes are the device state's bytes and the data the page layer holds.
 	StateSHA256 string `json:"state_sha256,omitempty"`
+	StateSize   int64  `json:"state_size"`
 	LayerSHA256 string `json:"layer_sha256,omitempty"`
-	// StateSize is the device state's bytes, LayerSize the data the page layer holds.
-	StateSize int64 `json:"state_size"`
-	LayerSize int64 `json:"layer_size"`
+	LayerSize   int64  `json:"layer_size"`
 	// Handoff names the checkpoint a world was handed off to before it parked.
 	Handoff string `json:"handoff,omitempty"`
+	// Hash names the digest of StateHash (the device state's) and LayerHash (the page
+	// layer's): parkHashHighway (digestParkImage). Records written before it have
+	// StateSHA256 and LayerSHA256 instead, which wake still verifies. A record with
+	// neither has not been digested yet (a park cut short between its commit and its
+	// flush: see parkwrite.go).
+	Hash      string `json:"hash,omitempty"`
+	StateHash string `json:"state_hash,omitempty"`
+	LayerHash string `json:"layer_hash,omitempty"`
 	// BootID is the host's boot (/proc/sys/kernel/random/boot_id) in which the image
 	// was committed: a record without digests is trusted only in that boot, whose page
 	// cache holds the image's files whole.
@@ -571,19 +573,6 @@ func writeJSONSync(path string, v any) error {
 	}
 	syncDir(filepath.Dir(path))
 	return nil
-}
-
-// syncFile flushes a file's data to disk.
-func syncFile(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
-		return err
-	}
-	err = f.Sync()
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
 }
 
 // syncDir flushes a directory's entries (best effort: a rename is durable once it is).

@@ -42,7 +42,8 @@ func TestRecoverParkStates(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := f.WriteAt(page, 3*4096); err == nil {
+		_, err = f.WriteAt(page, 3*4096)
+		if err == nil {
 			err = f.Truncate(16 * 4096)
 		}
 		if cerr := f.Close(); err == nil {
