@@ -40,14 +40,27 @@ type ParkResult struct {
 	Already bool `json:"already,omitempty"`
 	// Bytes is the parked image's data on disk (ParkedInfo.Bytes).
 	Bytes int64 `json:"bytes"`
-	// Paused is how long the guest was stopped before its QEMU ended (device state and
-	// page extraction), Total the whole park (a world's handoff included).
+	// Paused is how long the guest was stopped before the park committed (its device
+	// state saved and its pages extracted: from then on it is parked, whatever
+	// happens); the image's digests and flush to disk follow, its QEMU still stopped,
+	// and then its QEMU ends. Total is the whole park (a world's handoff included).
 	Paused time.Duration `json:"paused_ns"`
 	Total  time.Duration `json:"total_ns"`
 	// Handoff is the handoff checkpoint a world went through first (empty for a fork).
 	Handoff string `json:"handoff,omitempty"`
 	// FreedBytes is the anonymous memory (RssAnon) of the QEMU the park ended.
 	FreedBytes int64 `json:"freed_bytes"`
+	// StateBytes is the device state's share of Bytes (the rest is guest pages).
+	StateBytes int64 `json:"state_bytes,omitempty"`
+	// Phases are the park's steps in the order they ran, each with its duration: where
+	// a park's time goes (forkbench park reports them).
+	Phases []ParkPhase `json:"phases,omitempty"`
+}
+
+// ParkPhase is one step of a park (ParkResult.Phases).
+type ParkPhase struct {
+	Name     string        `json:"name"`
+	Duration time.Duration `json:"ns"`
 }
 
 // WakeResult is the outcome of waking one VM (Engine.Wake, POST /v1/vms/NAME/wake, and

@@ -32,9 +32,10 @@ import (
 // and before which recovery undoes it, so a kill -9 of the engine (or of QEMU) at any
 // stage leaves the VM running or parked, never both and never neither:
 //
-//	park   stop the guest, save devices and extract pages into park.tmp-*; fsync;
-//	       rename park.tmp-* to park (COMMIT: recovery kills any QEMU and parks);
-//	       manifest State parked (fsync); kill QEMU.
+//	park   stop the guest, save devices and extract pages into park.tmp-*, digest;
+//	       rename park.tmp-* to park (COMMIT: recovery kills any QEMU, verifies the
+//	       image and parks); fsync (see parkwrite.go); manifest State parked (fsync);
+//	       kill QEMU.
 //	wake   spawn QEMU stopped (-S) with -incoming defer; inject; load the device state;
 //	       manifest State running with Park.Stage woke (COMMIT: before it recovery kills
 //	       the new QEMU and the VM stays parked: its guest never ran); cont; handshake;
@@ -58,8 +59,9 @@ const (
 // owner being the VM's name: tests kill the engine or QEMU at each of them.
 const (
 	ParkStageSave    = "park-save"    // guest stopped: device state and pages being written
-	ParkStageCommit  = "park-commit"  // image complete and synced, about to be committed
-	ParkStageRecord  = "park-record"  // image committed, manifest not yet parked
+	ParkStageCommit  = "park-commit"  // image complete (not yet flushed), about to be committed
+	ParkStageSync    = "park-sync"    // image committed, being flushed to disk
+	ParkStageRecord  = "park-record"  // image committed and flushed, manifest not yet parked
 	ParkStageKill    = "park-kill"    // manifest parked, QEMU not yet ended
 	WakeStageSpawn   = "wake-spawn"   // about to start the VM's QEMU
 	WakeStageLoad    = "wake-load"    // QEMU started, pages injected, device state loading
@@ -82,13 +84,26 @@ type parkState struct {
 	Stage string    `json:"stage"`
 	At    time.Time `json:"at"`
 	// StateSHA256/StateSize are the device state's; LayerSHA256/LayerSize the page
-	// layer's (memfile.LayerDigest).
-	StateSHA256 string `json:"state_sha256"`
+	// layer's (memfile.LayerDigest): the digests of records written before Hash was.
+	// The sizes are the device state's bytes and the data the page layer holds.
+	StateSHA256 string `json:"state_sha256,omitempty"`
 	StateSize   int64  `json:"state_size"`
-	LayerSHA256 string `json:"layer_sha256"`
+	LayerSHA256 string `json:"layer_sha256,omitempty"`
 	LayerSize   int64  `json:"layer_size"`
 	// Handoff names the checkpoint a world was handed off to before it parked.
 	Handoff string `json:"handoff,omitempty"`
+	// Hash names the digest of StateHash (the device state's) and LayerHash (the page
+	// layer's): parkHashHighway (digestParkImage). Records written before it have
+	// StateSHA256 and LayerSHA256 instead, which wake still verifies. A record with
+	// neither has not been digested yet (a park cut short between its commit and its
+	// flush: see parkwrite.go).
+	Hash      string `json:"hash,omitempty"`
+	StateHash string `json:"state_hash,omitempty"`
+	LayerHash string `json:"layer_hash,omitempty"`
+	// BootID is the host's boot (/proc/sys/kernel/random/boot_id) in which the image
+	// was committed: a record without digests is trusted only in that boot, whose page
+	// cache holds the image's files whole.
+	BootID string `json:"boot_id,omitempty"`
 }
 
 // bytes is the image's data on disk.
@@ -139,14 +154,18 @@ func (e *Engine) Park(ctx context.Context, name string) (*api.ParkResult, error)
 		return nil, fmt.Errorf("engine: park %s: checkpoint: %w", name, err)
 	}
 	freed := realHost.rssAnon(m.PID)
-	ps, paused, err := e.parkPause(ctx, vm, &parent.Manifest, res.Handoff)
+	clk := newParkClock()
+	clk.lap("prepare")
+	ps, paused, err := e.parkPause(ctx, vm, &parent.Manifest, res.Handoff, clk)
 	if err != nil {
 		return nil, err
 	}
 	e.marker(name, ParkStageKill)
 	vm.kill()
 	removePerfMap(&m)
+	clk.lap("kill")
 	res.Bytes, res.Paused, res.Total, res.FreedBytes = ps.bytes(), paused, time.Since(start), freed
+	res.StateBytes, res.Phases = ps.StateSize, clk.phases
 	e.log.Info("parked", "vm", name, "bytes", res.Bytes, "paused", paused, "total", res.Total)
 	return res, nil
 }
@@ -156,97 +175,6 @@ func (e *Engine) marker(owner, stage string) {
 	if e.cfg.Markers != nil {
 		e.cfg.Markers.PhaseStart(owner, stage)
 	}
-}
-
-// parkPause is the park's part under the VM's lock: the guest is stopped, its image
-// written and committed, the manifest recorded parked. Until the commit a failure
-// removes the partial image and resumes the guest.
-func (e *Engine) parkPause(ctx context.Context, vm *VM, pm *checkpointManifest, handoff string) (ps *parkState, paused time.Duration, err error) {
-	name := vm.Name()
-	err = vm.locked(func(s *vmState) error {
-		p := vm.process()
-		if p == nil || !p.Running() {
-			return fmt.Errorf("%w: %s", ErrNotRunning, name)
-		}
-		tmp := vm.path(parkTmpPrefix + randHex(4))
-		if err := os.Mkdir(tmp, 0o700); err != nil {
-			return fmt.Errorf("engine: park %s: %w", name, err)
-		}
-		committed := false
-		defer func() {
-			if !committed {
-				os.RemoveAll(tmp)
-			}
-		}()
-		t := time.Now()
-		if err := p.stopGuest(ctx); err != nil {
-			return vm.failure("park", err)
-		}
-		defer func() {
-			if !committed {
-				if rerr := p.resume(); rerr != nil {
-					e.log.Warn("park failed and the guest cannot be resumed", "vm", name, "err", rerr)
-				}
-			}
-		}()
-		e.marker(name, ParkStageSave)
-		var err error
-		if ps, err = writeParkImage(ctx, p, s, e.paths, pm, tmp, handoff); err != nil {
-			return vm.failure("park", err)
-		}
-		e.marker(name, ParkStageCommit)
-		if err := os.Rename(tmp, vm.path(parkDirName)); err != nil {
-			return fmt.Errorf("engine: park %s: commit: %w", name, err)
-		}
-		committed = true
-		// From here on the VM is parked: its old QEMU never runs again.
-		paused = time.Since(t)
-		syncDir(vm.dir())
-		e.marker(name, ParkStageRecord)
-		s.State, s.Park = StateParked, ps
-		return vm.saveSync(s)
-	})
-	return ps, paused, err
-}
-
-// writeParkImage writes the stopped guest's device state and the pages it holds beyond
-// its lineage (pm, the checkpoint it is a fork of) into dir, synced, with park.json.
-func writeParkImage(ctx context.Context, p *qemuProc, s *vmState, paths layout, pm *checkpointManifest, dir, handoff string) (*parkState, error) {
-	state := filepath.Join(dir, stateFile)
-	if err := p.saveDevices(ctx, state); err != nil {
-		return nil, err
-	}
-	size := pm.RAMSize
-	addr, err := memfile.FindMapping(s.PID, s.Launch.RAM.Path, size)
-	if err != nil {
-		return nil, err
-	}
-	var ancestors []string
-	for _, l := range pm.Layers {
-		ancestors = append(ancestors, l.Path)
-	}
-	base, upper := deltaBase(paths, pm, s.Launch.RAM.Path, s.RAMBaseLayers, ancestors)
-	layer := filepath.Join(dir, parkLayerFile)
-	if _, err := memfile.ExtractDelta(s.PID, addr, size, base, upper, layer); err != nil {
-		return nil, fmt.Errorf("extract pages: %w", err)
-	}
-	ps := &parkState{Stage: parkStageParked, At: time.Now().UTC(), Handoff: handoff}
-	if ps.StateSHA256, ps.StateSize, err = fileSHA256(ctx, state); err != nil {
-		return nil, err
-	}
-	if ps.LayerSHA256, ps.LayerSize, err = memfile.LayerDigest(layer); err != nil {
-		return nil, err
-	}
-	for _, f := range []string{state, layer} {
-		if err := syncFile(f); err != nil {
-			return nil, err
-		}
-	}
-	if err := writeJSONSync(filepath.Join(dir, parkRecord), ps); err != nil {
-		return nil, err
-	}
-	syncDir(dir)
-	return ps, nil
 }
 
 // WakeOptions tune Wake.
@@ -422,8 +350,16 @@ func (vm *VM) errIfParked() error {
 	return nil
 }
 
-// checkParkImage verifies a park image's files against its record.
+// checkParkImage verifies a park image's files against its record: by its Hash, or
+// by SHA-256 for a record written before Hash was (ErrIncompatible for a Hash this
+// engine does not know).
 func checkParkImage(ctx context.Context, dir string, ps *parkState) error {
+	switch {
+	case ps.Hash == parkHashHighway:
+		return checkParkImageHashes(ctx, dir, ps)
+	case ps.Hash != "":
+		return fmt.Errorf("%w: the park image's digest %q is unknown to this engine (a newer forkvm parked it)", ErrIncompatible, ps.Hash)
+	}
 	sum, n, err := fileSHA256(ctx, filepath.Join(dir, stateFile))
 	if err != nil {
 		return fmt.Errorf("%w: parked device state: %v", ErrCheckpointCorrupt, err)
@@ -451,7 +387,7 @@ func readParkRecord(dir string) (*parkState, error) {
 	if err := json.Unmarshal(b, &ps); err != nil {
 		return nil, err
 	}
-	if ps.Stage != parkStageParked || ps.StateSize <= 0 || ps.LayerSize < 0 {
+	if ps.Stage != parkStageParked || ps.digested() && ps.StateSize <= 0 || ps.LayerSize < 0 {
 		return nil, fmt.Errorf("bad park record")
 	}
 	return &ps, nil
@@ -563,13 +499,27 @@ func (vm *VM) recoverPark(ctx context.Context, log *slog.Logger) {
 		_ = vm.update(func(s *vmState) { s.rollBackWake() })
 		log.Warn("recover: a wake cut short after its commit found its QEMU gone: parked again", "vm", m.Name)
 	case m.State == StateRunning && hasImage:
-		// A park cut short after its commit: the old QEMU must never run again.
+		// A park cut short after its commit: the old QEMU must never run again. The
+		// image may not have been flushed yet, nor digested (parkwrite.go): it is
+		// verified against its record, or its sizes checked and its digests taken, so
+		// that a power loss before the flush leaves a dead VM, not a parked one that
+		// cannot wake.
 		ps, err := readParkRecord(image)
+		switch {
+		case err == nil && ps.digested():
+			err = checkParkImage(ctx, image, ps)
+		case err == nil && (ps.BootID == "" || ps.BootID != hostBootID()):
+			err = fmt.Errorf("cut short before its flush, and the host restarted since (its files may be short)")
+		case err == nil:
+			if err = digestParkImage(ctx, image, ps); err == nil {
+				err = writeJSONSync(filepath.Join(image, parkRecord), ps)
+			}
+		}
 		endQEMU()
 		if err != nil {
-			log.Warn("recover: park image unreadable: vm listed dead, image kept", "vm", m.Name, "err", err)
+			log.Warn("recover: park image unreadable or damaged: vm listed dead, image kept", "vm", m.Name, "err", err)
 			_ = vm.update(func(s *vmState) {
-				s.State, s.DeadReason, s.PID = StateDead, "park cut short; its image is unreadable: "+err.Error(), 0
+				s.State, s.DeadReason, s.PID = StateDead, "park cut short; its image is unreadable or damaged: "+err.Error(), 0
 			})
 			return
 		}
@@ -623,19 +573,6 @@ func writeJSONSync(path string, v any) error {
 	}
 	syncDir(filepath.Dir(path))
 	return nil
-}
-
-// syncFile flushes a file's data to disk.
-func syncFile(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
-		return err
-	}
-	err = f.Sync()
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
 }
 
 // syncDir flushes a directory's entries (best effort: a rename is durable once it is).

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/memfile"
 )
 
 // TestRecoverParkStates: what a crash leaves at each point of a park or a wake (with
@@ -15,15 +17,60 @@ import (
 // parked, never both: a committed park image wins over a manifest that says running; a
 // wake that committed but whose QEMU is gone is rolled back to parked; an uncommitted
 // image is removed; a parked VM without an image, or with an image that cannot be read,
-// is listed dead and nothing is deleted.
+// is listed dead and nothing is deleted. A park cut short after its commit is verified
+// first (its image may not have been flushed): one that does not match its record is
+// listed dead, the image kept.
 func TestRecoverParkStates(t *testing.T) {
 	cfg := testConfig(t)
 	vms := filepath.Join(cfg.StateDir, "vms")
-	rec := &parkState{Stage: parkStageParked, At: time.Now().UTC().Truncate(time.Second), StateSHA256: strings.Repeat("a", 64), StateSize: 1000,
-		LayerSHA256: strings.Repeat("b", 64), LayerSize: 4096}
+	rec := &parkState{Stage: parkStageParked, At: time.Now().UTC().Truncate(time.Second)}
+	stateData, page := []byte(strings.Repeat("s", 1000)), []byte(strings.Repeat("p", 4096))
+	// writeData writes the image's data files into image (one byte of the device state
+	// changed when damaged).
+	writeData := func(image string, damaged, short bool) {
+		st := append([]byte(nil), stateData...)
+		if damaged {
+			st[10] = 'x'
+		}
+		if short {
+			st = st[:500]
+		}
+		if err := os.WriteFile(filepath.Join(image, stateFile), st, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.Create(filepath.Join(image, parkLayerFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = f.WriteAt(page, 3*4096)
+		if err == nil {
+			err = f.Truncate(16 * 4096)
+		}
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	ref := t.TempDir()
+	writeData(ref, false, false)
+	var err error
+	if rec.StateSHA256, rec.StateSize, err = fileSHA256(context.Background(), filepath.Join(ref, stateFile)); err != nil {
+		t.Fatal(err)
+	}
+	if rec.LayerSHA256, rec.LayerSize, err = memfile.LayerDigest(filepath.Join(ref, parkLayerFile)); err != nil {
+		t.Fatal(err)
+	}
 	woke := *rec
 	woke.Stage = parkStageWoke
-	type files struct{ image, record, tmp, old bool }
+	undigested := parkState{Stage: parkStageParked, At: rec.At, BootID: hostBootID()}
+	otherBoot := undigested
+	otherBoot.BootID = "another-boot"
+	type files struct {
+		image, record, data, damaged, short, tmp, old bool
+		undigested                                    *parkState
+	}
 	cases := []struct {
 		name     string
 		state    State
@@ -35,8 +82,12 @@ func TestRecoverParkStates(t *testing.T) {
 	}{
 		{"parked", StateParked, rec, files{image: true, record: true}, StateParked, true, ""},
 		{"parked-no-image", StateParked, rec, files{}, StateDead, false, "park image is missing"},
-		{"park-committed", StateRunning, nil, files{image: true, record: true}, StateParked, true, ""},
+		{"park-committed", StateRunning, nil, files{image: true, record: true, data: true}, StateParked, true, ""},
 		{"park-committed-bad-record", StateRunning, nil, files{image: true}, StateDead, true, "unreadable"},
+		{"park-committed-damaged", StateRunning, nil, files{image: true, record: true, data: true, damaged: true}, StateDead, true, "damaged"},
+		{"park-committed-unflushed", StateRunning, nil, files{image: true, record: true}, StateDead, true, "damaged"},
+		{"park-committed-undigested", StateRunning, nil, files{image: true, record: true, data: true, undigested: &undigested}, StateParked, true, ""},
+		{"park-committed-undigested-other-boot", StateRunning, nil, files{image: true, record: true, data: true, short: true, undigested: &otherBoot}, StateDead, true, "restarted"},
 		{"park-uncommitted", StateRunning, nil, files{tmp: true}, StateDead, false, ""},
 		{"wake-committed-qemu-gone", StateRunning, &woke, files{image: true, record: true}, StateParked, true, ""},
 		{"wake-leftover-old", StateParked, rec, files{image: true, record: true, old: true}, StateParked, true, ""},
@@ -49,9 +100,16 @@ func TestRecoverParkStates(t *testing.T) {
 		if c.files.image {
 			os.MkdirAll(filepath.Join(dir, parkDirName), 0o700)
 			if c.files.record {
-				if err := writeJSON(filepath.Join(dir, parkDirName, parkRecord), rec); err != nil {
+				r := rec
+				if c.files.undigested != nil {
+					r = c.files.undigested
+				}
+				if err := writeJSON(filepath.Join(dir, parkDirName, parkRecord), r); err != nil {
 					t.Fatal(err)
 				}
+			}
+			if c.files.data {
+				writeData(filepath.Join(dir, parkDirName), c.files.damaged, c.files.short)
 			}
 		}
 		if c.files.tmp {
@@ -62,6 +120,7 @@ func TestRecoverParkStates(t *testing.T) {
 		}
 	}
 	e := newTestEngine(t, cfg)
+	ctx := context.Background()
 	for _, c := range cases {
 		vm, err := e.Get(c.name)
 		if err != nil {
@@ -88,13 +147,19 @@ func TestRecoverParkStates(t *testing.T) {
 			m, err := loadManifest(filepath.Join(dir, manifestFile))
 			if err != nil || m.PID != 0 || m.Park == nil || m.Park.Stage != parkStageParked {
 				t.Errorf("%s: manifest after recovery: %+v, %v", c.name, m, err)
+			} else if !m.Park.digested() || m.Park.bytes() != rec.bytes() {
+				t.Errorf("%s: recovered record %+v", c.name, m.Park)
+			}
+			if c.files.data {
+				if got, err := readParkRecord(filepath.Join(dir, parkDirName)); err != nil || !got.digested() || checkParkImage(ctx, filepath.Join(dir, parkDirName), got) != nil {
+					t.Errorf("%s: park.json after recovery: %+v, %v", c.name, got, err)
+				}
 			}
 		}
 	}
 
 	// A parked VM: no agent, no checkpoint, parking it again does nothing, its bytes
 	// count, and its opt-out is recorded.
-	ctx := context.Background()
 	vm, _ := e.Get("parked")
 	if _, err := vm.Exec(ctx, nil); !errors.Is(err, ErrParked) {
 		t.Errorf("exec of a parked vm: %v", err)
@@ -108,7 +173,13 @@ func TestRecoverParkStates(t *testing.T) {
 	if r, err := e.Park(ctx, "parked"); err != nil || !r.Already || r.Bytes != rec.bytes() {
 		t.Errorf("park of a parked vm: %+v, %v", r, err)
 	}
-	if got, want := e.ParkedBytes(), 4*rec.bytes(); got != want {
+	parked := 0
+	for _, c := range cases {
+		if c.want == StateParked {
+			parked++
+		}
+	}
+	if got, want := e.ParkedBytes(), int64(parked)*rec.bytes(); got != want {
 		t.Errorf("ParkedBytes = %d, want %d", got, want)
 	}
 	if _, err := e.Park(ctx, "park-uncommitted"); !errors.Is(err, ErrNotRunning) {
@@ -139,4 +210,77 @@ func dirNames(t *testing.T, dir string) []string {
 		out = append(out, e.Name())
 	}
 	return out
+}
+
+// TestCheckParkImageFormats: a park image is verified by the digest its record names:
+// SHA-256 for a record written before Hash was, HighwayHash for one that says so; a
+// changed byte fails either (ErrCheckpointCorrupt), and a digest this engine does not
+// know is refused as incompatible, not taken for damage.
+func TestCheckParkImageFormats(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, stateFile), []byte(strings.Repeat("s", 5000)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Create(filepath.Join(dir, parkLayerFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, off := range []int64{0, 5 * 4096, 6 * 4096, 40 * 4096} {
+		if _, err := f.WriteAt([]byte(strings.Repeat(string(rune('a'+off%26)), 4096)), off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := f.Truncate(64 * 4096); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	old := &parkState{Stage: parkStageParked}
+	if old.StateSHA256, old.StateSize, err = fileSHA256(ctx, filepath.Join(dir, stateFile)); err != nil {
+		t.Fatal(err)
+	}
+	if old.LayerSHA256, old.LayerSize, err = memfile.LayerDigest(filepath.Join(dir, parkLayerFile)); err != nil {
+		t.Fatal(err)
+	}
+	cur := &parkState{Stage: parkStageParked}
+	if err := digestParkImage(ctx, dir, cur); err != nil {
+		t.Fatal(err)
+	}
+	if cur.Hash != parkHashHighway || cur.StateSize != 5000 || cur.LayerSize != 4*4096 || cur.bytes() != old.bytes() {
+		t.Fatalf("digested record %+v, the SHA-256 one %+v", cur, old)
+	}
+	unknown := *cur
+	unknown.Hash = "sha3-512"
+	for _, c := range []struct {
+		name string
+		ps   *parkState
+		want error
+	}{
+		{"sha256 record", old, nil},
+		{"highwayhash record", cur, nil},
+		{"unknown digest", &unknown, ErrIncompatible},
+	} {
+		if err := checkParkImage(ctx, dir, c.ps); !errors.Is(err, c.want) || (c.want == nil) != (err == nil) {
+			t.Errorf("%s: %v, want %v", c.name, err, c.want)
+		}
+	}
+	// One byte changed in a page the layer holds, then one in the device state.
+	for _, damage := range []struct {
+		file string
+		off  int64
+	}{{parkLayerFile, 6*4096 + 100}, {stateFile, 4000}} {
+		f, err := os.OpenFile(filepath.Join(dir, damage.file), os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt([]byte{'!'}, damage.off); err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		for _, ps := range []*parkState{old, cur} {
+			if err := checkParkImage(ctx, dir, ps); !errors.Is(err, ErrCheckpointCorrupt) {
+				t.Errorf("%s damaged, record hash %q: %v, want corrupt", damage.file, ps.Hash, err)
+			}
+		}
+	}
 }

@@ -199,6 +199,7 @@ func TestParkKillAtEveryStage(t *testing.T) {
 	}{
 		{"park", engine.ParkStageSave, "engine", engine.StateRunning},
 		{"park", engine.ParkStageCommit, "engine", engine.StateRunning},
+		{"park", engine.ParkStageSync, "engine", engine.StateParked},
 		{"park", engine.ParkStageRecord, "engine", engine.StateParked},
 		{"park", engine.ParkStageKill, "engine", engine.StateParked},
 		{"wake", engine.WakeStageSpawn, "engine", engine.StateParked},
@@ -208,6 +209,7 @@ func TestParkKillAtEveryStage(t *testing.T) {
 		{"wake", engine.WakeStageCleanup, "engine", engine.StateRunning},
 		{"park", engine.ParkStageSave, "qemu", engine.StateDead},
 		{"park", engine.ParkStageCommit, "qemu", engine.StateParked},
+		{"park", engine.ParkStageSync, "qemu", engine.StateParked},
 		{"park", engine.ParkStageRecord, "qemu", engine.StateParked},
 		{"park", engine.ParkStageKill, "qemu", engine.StateParked},
 		{"wake", engine.WakeStageLoad, "qemu", engine.StateParked},

@@ -8,6 +8,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -51,6 +52,7 @@ func runPark(r *runner, n, writeMB int) error {
 	}
 	r.worldExtra(w)
 	var forkLat, ckPaused, parkTotal, parkPaused, wakeLat, wakeReady, diskMB, freedMB, privMB, freedPct []float64
+	ph := &parkPhases{ms: map[string][]float64{}}
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("pk%d", i)
 		vm, s := r.serialFork(w.Ck, name, "fork", i-1, 1)
@@ -63,7 +65,7 @@ func runPark(r *runner, n, writeMB int) error {
 			continue
 		}
 		forkLat = append(forkLat, s.LatencyMS)
-		err := r.parkOne(vm, i, writeMB, &ckPaused, &parkTotal, &parkPaused, &wakeLat, &wakeReady, &diskMB, &freedMB, &privMB, &freedPct)
+		err := r.parkOne(vm, i, writeMB, ph, &ckPaused, &parkTotal, &parkPaused, &wakeLat, &wakeReady, &diskMB, &freedMB, &privMB, &freedPct)
 		if err != nil {
 			r.fail("%s: %v", name, err)
 			r.addSample(Sample{Group: "wake", Index: i - 1, Name: name, Error: err.Error()})
@@ -85,16 +87,56 @@ func runPark(r *runner, n, writeMB int) error {
 	r.res.Extra["disk_mib_per_parked"] = roundP(summarize(diskMB))
 	r.res.Extra["freed_mib_per_park"] = roundP(summarize(freedMB))
 	r.res.Extra["fork_private_mib"] = roundP(summarize(privMB))
+	r.res.Extra["park_phase_ms"] = ph.summary()
+	r.res.Extra["state_mib_per_parked"] = roundP(summarize(ph.stateMB))
 	r.res.Extra["freed_pct_of_private"] = roundP(summarize(freedPct))
-	r.res.Method = fmt.Sprintf("%d times: a fork of the pinned world checkpoint (dirtied %d MB) until its first `sh -c true` answered (fork → first command); it writes %d MB of random data to /dev/shm; a delta checkpoint of it (its Timings.Paused: what a checkpoint of a fork pauses the guest), deleted; engine.Park (total; paused = guest stopped until the image was committed; bytes = device state + page layer on disk; freed = its QEMU's RssAnon before the park, against the fork's private memory from smaps); engine.Wake until the agent answered, then the first `sh -c true` (wake → first command); the data's md5 is checked after the wake. Percentiles are over park total ms.",
+	r.res.Method = fmt.Sprintf("%d times: a fork of the pinned world checkpoint (dirtied %d MB) until its first `sh -c true` answered (fork → first command); it writes %d MB of random data to /dev/shm; a delta checkpoint of it (its Timings.Paused: what a checkpoint of a fork pauses the guest), deleted; engine.Park (total; paused = guest stopped until the image was committed (ParkResult.Paused; what follows the commit, digests and flush, is in total); steps = ParkResult.Phases; bytes = device state + page layer on disk; freed = its QEMU's RssAnon before the park, against the fork's private memory from smaps); engine.Wake until the agent answered, then the first `sh -c true` (wake → first command); the data's md5 is checked after the wake. Percentiles are over park total ms.",
 		n, r.shape.DirtyMB, writeMB)
 	r.section("## Park and wake\n\npark p50 %.0f ms, p99 %.0f ms (guest paused p50 %.0f ms; a checkpoint of the same fork pauses it p50 %.0f ms); wake → first command p50 %.0f ms, p99 %.0f ms, beside fork → first command p50 %.0f ms, p99 %.0f ms (ratio %.2f); %.1f MiB on disk per parked fork that wrote %d MB; %.1f MiB of host memory given back per park (%.0f%% of the fork's private memory).\n\n",
 		pp.P50, pp.P99, median(parkPaused), median(ckPaused), wk.P50, wk.P99, fk.P50, fk.P99, ratio(wk.P50, fk.P50), median(diskMB), writeMB, median(freedMB), median(freedPct))
+	r.section("Park steps, p50 ms (engine.ParkResult.Phases, in order): %s; device state p50 %.2f MiB of the bytes on disk.\n\n", ph.line(), median(ph.stateMB))
 	return nil
 }
 
+// parkPhases collects the parks' steps (ParkResult.Phases) by name, in the order
+// they first ran.
+type parkPhases struct {
+	order   []string
+	ms      map[string][]float64
+	stateMB []float64
+}
+
+func (p *parkPhases) add(res *api.ParkResult) {
+	for _, ph := range res.Phases {
+		if _, ok := p.ms[ph.Name]; !ok {
+			p.order = append(p.order, ph.Name)
+		}
+		p.ms[ph.Name] = append(p.ms[ph.Name], ms(ph.Duration))
+	}
+	p.stateMB = append(p.stateMB, float64(res.StateBytes)/(1<<20))
+}
+
+func (p *parkPhases) summary() map[string]Percentiles {
+	out := map[string]Percentiles{}
+	for n, xs := range p.ms {
+		out[n] = roundP(summarize(xs))
+	}
+	return out
+}
+
+func (p *parkPhases) line() string {
+	var parts []string
+	for _, n := range p.order {
+		parts = append(parts, fmt.Sprintf("%s %.1f", n, median(p.ms[n])))
+	}
+	if len(parts) == 0 {
+		return "none reported"
+	}
+	return strings.Join(parts, ", ")
+}
+
 // parkOne is one round of runPark on the ready fork vm.
-func (r *runner) parkOne(vm *engine.VM, i, writeMB int, ckPaused, parkTotal, parkPaused, wakeLat, wakeReady, diskMB, freedMB, privMB, freedPct *[]float64) error {
+func (r *runner) parkOne(vm *engine.VM, i, writeMB int, ph *parkPhases, ckPaused, parkTotal, parkPaused, wakeLat, wakeReady, diskMB, freedMB, privMB, freedPct *[]float64) error {
 	ctx, name := r.ctx, vm.Name()
 	out, err := shell(ctx, vm, fmt.Sprintf("head -c %d /dev/urandom > /dev/shm/own && md5sum /dev/shm/own", writeMB<<20), 5*time.Minute)
 	if err != nil {
@@ -118,6 +160,7 @@ func (r *runner) parkOne(vm *engine.VM, i, writeMB int, ckPaused, parkTotal, par
 	*parkTotal = append(*parkTotal, ms(res.Total))
 	*parkPaused = append(*parkPaused, ms(res.Paused))
 	*diskMB = append(*diskMB, float64(res.Bytes)/(1<<20))
+	ph.add(res)
 	*freedMB = append(*freedMB, float64(res.FreedBytes)/(1<<20))
 	if merr == nil && mem.PrivateMB > 0 {
 		*privMB = append(*privMB, mem.PrivateMB)
