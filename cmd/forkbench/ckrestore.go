@@ -6,6 +6,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -33,7 +34,7 @@ func checkpointRestoreCmd() *cli.Command {
 type CheckpointRestoreSettings struct {
 	N      int `json:"n"`
 	Fanout int `json:"fanout"`
-	RunSettings
+	report.RunSettings
 }
 
 // FanoutSummary is checkpoint-restore's fan-out in result.json (extra.fanout).
@@ -61,12 +62,12 @@ func runCheckpointRestore(r *runner, n, fanout int) error {
 		ck, err := r.e.Checkpoint(ctx, w.Name, ckName, nil)
 		if err != nil {
 			r.fail("checkpoint %s: %v", ckName, err)
-			r.addSample(Sample{Group: "checkpoint", Index: i - 1, Name: ckName, Error: err.Error()})
+			r.addSample(report.Sample{Group: "checkpoint", Index: i - 1, Name: ckName, Error: err.Error()})
 			continue
 		}
-		ckTotal = append(ckTotal, ms(ck.Manifest.Timings.Total))
-		ckPaused = append(ckPaused, ms(ck.Manifest.Timings.Paused))
-		r.addSample(Sample{Group: "checkpoint", Index: i - 1, Name: ckName, OK: true, LatencyMS: ms(ck.Manifest.Timings.Total)})
+		ckTotal = append(ckTotal, report.Ms(ck.Manifest.Timings.Total))
+		ckPaused = append(ckPaused, report.Ms(ck.Manifest.Timings.Paused))
+		r.addSample(report.Sample{Group: "checkpoint", Index: i - 1, Name: ckName, OK: true, LatencyMS: report.Ms(ck.Manifest.Timings.Total)})
 		name := fmt.Sprintf("r%d", i)
 		vm, s := r.serialFork(ckName, name, "restore", i-1, 1)
 		r.addSample(s)
@@ -115,15 +116,15 @@ func runCheckpointRestore(r *runner, n, fanout int) error {
 	}
 	pc := r.p50Headline("checkpoint_p50_ms", ckTotal)
 	r.res.Extra["checkpoint_ms"] = roundP(pc)
-	r.res.Extra["checkpoint_paused_ms"] = roundP(summarize(ckPaused))
-	r.res.Extra["restore_ms"] = roundP(summarize(restore))
-	r.res.Extra["fork_running_vm_ms"] = roundP(summarize(running))
-	r.res.Extra["fanout"] = FanoutSummary{N: fanout, Ready: wr.ReadyCount(), Refused: wr.AdmissionCount, WallMS: round3(ms(wr.Wall)),
-		PrivateMBPerFork: round3(wr.PrivateMBPerFork()), Admission: wr.admissionText()}
+	r.res.Extra["checkpoint_paused_ms"] = roundP(report.Summarize(ckPaused))
+	r.res.Extra["restore_ms"] = roundP(report.Summarize(restore))
+	r.res.Extra["fork_running_vm_ms"] = roundP(report.Summarize(running))
+	r.res.Extra["fanout"] = FanoutSummary{N: fanout, Ready: wr.ReadyCount(), Refused: wr.AdmissionCount, WallMS: report.Round3(report.Ms(wr.Wall)),
+		PrivateMBPerFork: report.Round3(wr.PrivateMBPerFork()), Admission: wr.admissionText()}
 	r.res.Method = fmt.Sprintf("%d times: an unpinned checkpoint of the running world (dirtied %d MB; checkpoint ms = engine Timings.Total, paused = Timings.Paused), a fork of it until the first `sh -c true` answered (restore ms), deleted with the checkpoint; then engine.Fork of the running world VM by name (implicit checkpoint + fork + first command, fork-of-running-VM ms). Finally %d forks at once (ForkMany) of the pinned world checkpoint: wall first start to last ready, host memory added per running fork = MemAvailable drop / ready forks. Percentiles are over checkpoint Total ms.",
 		n, r.shape.DirtyMB, fanout)
 	r.section("## Checkpoint / restore\n\ncheckpoint p50 %.0f ms (paused p50 %.0f ms); restore (fork of a fresh checkpoint → first command) p50 %.0f ms; fork of the running VM (implicit checkpoint) p50 %.0f ms; %d forks at once: wall %.0f ms, %.1f MiB host memory per running fork.\n\n",
-		pc.P50, median(ckPaused), median(restore), median(running), fanout, ms(wr.Wall), wr.PrivateMBPerFork())
+		pc.P50, report.Median(ckPaused), report.Median(restore), report.Median(running), fanout, report.Ms(wr.Wall), wr.PrivateMBPerFork())
 	r.admissionSection(wr)
 	return nil
 }

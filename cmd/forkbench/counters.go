@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -121,13 +122,13 @@ func (s *hostSampler) emit(a, b hostSample) {
 	s.t.Counter(hostCountersPid, "vmstat per sample", b.at, faults)
 	stall := map[string]any{}
 	for f, us := range b.stallUS {
-		stall[f] = round3(float64(us-a.stallUS[f]) / float64(wall.Microseconds()) * 100)
+		stall[f] = report.Round3(float64(us-a.stallUS[f]) / float64(wall.Microseconds()) * 100)
 	}
 	if len(stall) > 0 {
 		s.t.Counter(hostCountersPid, "pressure some %", b.at, stall)
 	}
 	if b.resident >= 0 {
-		s.t.Counter(hostCountersPid, "checkpoint file resident MiB", b.at, map[string]any{"MiB": round3(float64(b.resident) / (1 << 20))})
+		s.t.Counter(hostCountersPid, "checkpoint file resident MiB", b.at, map[string]any{"MiB": report.Round3(float64(b.resident) / (1 << 20))})
 	}
 }
 
@@ -149,11 +150,11 @@ func (s *hostSampler) finish() HostCounters {
 	if wall := end.at.Sub(s.first.at); wall > 0 && len(end.stallUS) > 0 {
 		hc.StallPct = map[string]float64{}
 		for f, us := range end.stallUS {
-			hc.StallPct[f] = round3(float64(us-s.first.stallUS[f]) / float64(wall.Microseconds()) * 100)
+			hc.StallPct[f] = report.Round3(float64(us-s.first.stallUS[f]) / float64(wall.Microseconds()) * 100)
 		}
 	}
 	if s.first.resident >= 0 && end.resident >= 0 {
-		hc.CheckpointResidentMiB = &[2]float64{round3(float64(s.first.resident) / (1 << 20)), round3(float64(end.resident) / (1 << 20))}
+		hc.CheckpointResidentMiB = &[2]float64{report.Round3(float64(s.first.resident) / (1 << 20)), report.Round3(float64(end.resident) / (1 << 20))}
 	}
 	return hc
 }

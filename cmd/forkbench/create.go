@@ -8,6 +8,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -49,43 +50,43 @@ type CreateSettings struct {
 	Golden bool `json:"golden"`
 	Batch  int  `json:"batch"`
 	Conc   int  `json:"conc"`
-	RunSettings
+	report.RunSettings
 }
 
 // coldCreate boots name (forkable, with the world's disk) until the first command.
-func (r *runner) coldCreate(name string, index int) (*engine.VM, Sample) {
-	s := Sample{Group: "cold", Index: index, Name: name}
+func (r *runner) coldCreate(name string, index int) (*engine.VM, report.Sample) {
+	s := report.Sample{Group: "cold", Index: index, Name: name}
 	t0 := time.Now()
 	vm, err := r.e.Create(r.ctx, r.worldSpec(name, false))
 	if err != nil {
-		s.LatencyMS, s.Error = ms(time.Since(t0)), err.Error()
+		s.LatencyMS, s.Error = report.Ms(time.Since(t0)), err.Error()
 		return nil, s
 	}
 	ready := time.Now()
 	d, err := firstCmd(r.ctx, vm)
-	s.LatencyMS, s.FirstCmdMS = ms(time.Since(t0)), ms(d)
+	s.LatencyMS, s.FirstCmdMS = report.Ms(time.Since(t0)), report.Ms(d)
 	t := vm.Info().Timings
-	s.PrepareMS, s.SpawnMS, s.AgentMS = ms(t.Prepare), ms(t.Spawn), ms(t.Agent)
+	s.PrepareMS, s.SpawnMS, s.AgentMS = report.Ms(t.Prepare), report.Ms(t.Spawn), report.Ms(t.Agent)
 	if err != nil {
 		s.Error = err.Error()
 		return vm, s
 	}
 	s.OK = true
-	r.trace.ForkSpans(1, index+1, name, t0, phases{t.Prepare, t.Spawn, 0, t.Agent}, nil, ready, d, nil)
+	r.trace.ForkSpans(1, index+1, name, t0, report.Phases{Prepare: t.Prepare, Spawn: t.Spawn, Agent: t.Agent}, nil, ready, d, nil)
 	return vm, s
 }
 
 func runCreateCold(r *runner, n int) error {
 	r.trace.Group(1, "cold creates")
 	var lat []float64
-	var bars []Bar
+	var bars []report.Bar
 	for i := range n {
 		name := fmt.Sprintf("c%d", i+1)
 		vm, s := r.coldCreate(name, i)
 		r.addSample(s)
 		if s.OK {
 			lat = append(lat, s.LatencyMS)
-			bars = append(bars, Bar{Label: name, Value: s.LatencyMS})
+			bars = append(bars, report.Bar{Label: name, Value: s.LatencyMS})
 		} else {
 			r.fail("create %s: %s", name, s.Error)
 		}
@@ -100,7 +101,7 @@ func runCreateCold(r *runner, n int) error {
 	}
 	pc := r.p50Headline("create_p50_ms", lat)
 	r.res.Method = fmt.Sprintf("Serial cold boots: %d times engine.Create (%d vCPU, %d MiB, %d MiB disk, not forkable) until the agent answered, then the first `sh -c true`; each VM deleted after. Sample = create start to first command done.", n, r.shape.CPUs, r.shape.MemoryMiB, r.shape.DiskMiB)
-	r.section("## Cold creates\n\np50 %.0f ms (p90 %.0f, max %.0f) over %d.\n\n```\n%s```\n\n", pc.P50, pc.P90, pc.Max, len(lat), asciiChart(bars, 40, "ms"))
+	r.section("## Cold creates\n\np50 %.0f ms (p90 %.0f, max %.0f) over %d.\n\n```\n%s```\n\n", pc.P50, pc.P90, pc.Max, len(lat), report.ASCIIChart(bars, 40, "ms"))
 	return nil
 }
 
@@ -117,17 +118,17 @@ func runCreateGolden(r *runner, n int) error {
 	}
 	first += d
 	r.worldExtra(w)
-	r.addSample(Sample{Group: "golden-first", Name: "golden-vm", OK: true, LatencyMS: ms(first), FirstCmdMS: ms(d)})
+	r.addSample(report.Sample{Group: "golden-first", Name: "golden-vm", OK: true, LatencyMS: report.Ms(first), FirstCmdMS: report.Ms(d)})
 	r.trace.Group(1, "creates from golden")
 	var lat []float64
-	var bars []Bar
+	var bars []report.Bar
 	for i := 1; i < n; i++ {
 		name := fmt.Sprintf("g%d", i)
 		vm, s := r.serialFork(w.Ck, name, "golden", i, 1)
 		r.addSample(s)
 		if s.OK {
 			lat = append(lat, s.LatencyMS)
-			bars = append(bars, Bar{Label: name, Value: s.LatencyMS})
+			bars = append(bars, report.Bar{Label: name, Value: s.LatencyMS})
 		} else {
 			r.fail("create %s: %s", name, s.Error)
 		}
@@ -143,9 +144,9 @@ func runCreateGolden(r *runner, n int) error {
 		}
 	}
 	pc := r.p50Headline("create_golden_p50_ms", lat)
-	r.res.Extra["first_create_ms"] = round3(ms(first))
+	r.res.Extra["first_create_ms"] = report.Round3(report.Ms(first))
 	r.res.Method = fmt.Sprintf("Golden creates: the first create boots a world (dirtying %d MB), checkpoints it pinned as the golden checkpoint and runs the first command (reported separately as first_create_ms, not in the percentiles); the %d later creates are engine.Fork of the golden checkpoint until the first `sh -c true`, each deleted after.", r.shape.DirtyMB, n-1)
-	r.section("## Golden creates\n\nfirst create (boot + dirty + checkpoint + first command): %.0f ms. Later creates p50 %.0f ms (p90 %.0f, max %.0f) over %d.\n\n```\n%s```\n\n", ms(first), pc.P50, pc.P90, pc.Max, len(lat), asciiChart(bars, 40, "ms"))
+	r.section("## Golden creates\n\nfirst create (boot + dirty + checkpoint + first command): %.0f ms. Later creates p50 %.0f ms (p90 %.0f, max %.0f) over %d.\n\n```\n%s```\n\n", report.Ms(first), pc.P50, pc.P90, pc.Max, len(lat), report.ASCIIChart(bars, 40, "ms"))
 	return nil
 }
 
@@ -180,9 +181,9 @@ func runCreateBatch(r *runner, batch, conc int) error {
 		r.keepVMs(w.Ck, wr.Ready)
 	}
 	lat := wr.latencies()
-	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = fmt.Sprintf("create_batch%d_wall_s", batch), round3(wr.Wall.Seconds()), "s", "wall"
+	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = fmt.Sprintf("create_batch%d_wall_s", batch), report.Round3(wr.Wall.Seconds()), "s", "wall"
 	r.res.N = wr.ReadyCount()
-	r.res.Percentiles = roundP(summarize(lat))
+	r.res.Percentiles = roundP(report.Summarize(lat))
 	r.res.Extra["requested"] = batch
 	r.res.Extra["ready"] = wr.ReadyCount()
 	r.res.Extra["failed"] = wr.Failed + len(cmdFail)
@@ -192,6 +193,6 @@ func runCreateBatch(r *runner, batch, conc int) error {
 		r.caveat("%s (forks are deleted after their first command, which frees budget as the batch runs)", wr.admissionText())
 	}
 	r.res.Method = fmt.Sprintf("Batch golden creates: ForkMany of %d forks of a pinned golden checkpoint with Concurrency %d; each ready fork runs one `sh -c true` and is deleted; wall = first start to last ready; failures are non-admission fork or command errors, admission refusals are reported separately.", batch, conc)
-	r.section("## Batch create\n\n%d requested (concurrency %d): %d ready, %d failed, %d refused by admission; wall %.2f s; fork p50 %.0f ms.\n\n", batch, conc, wr.ReadyCount(), wr.Failed+len(cmdFail), wr.AdmissionCount, wr.Wall.Seconds(), median(lat))
+	r.section("## Batch create\n\n%d requested (concurrency %d): %d ready, %d failed, %d refused by admission; wall %.2f s; fork p50 %.0f ms.\n\n", batch, conc, wr.ReadyCount(), wr.Failed+len(cmdFail), wr.AdmissionCount, wr.Wall.Seconds(), report.Median(lat))
 	return nil
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -37,7 +38,7 @@ type DensitySettings struct {
 	Step int `json:"step"`
 	Max  int `json:"max"`
 	Cmds int `json:"cmds"`
-	RunSettings
+	report.RunSettings
 }
 
 // DensityStep is one step of density in result.json (extra.steps[]).
@@ -74,10 +75,10 @@ type StepCommands struct {
 
 // stepCommands summarizes a step's round trips: all, first execs, warmed ones.
 func stepCommands(all, first, warm []float64) *StepCommands {
-	a, f, w := summarize(all), summarize(first), summarize(warm)
-	return &StepCommands{CmdP50MS: round3(a.P50), CmdP95MS: round3(a.P95), CmdMaxMS: round3(a.Max),
-		FirstN: len(first), FirstP50MS: round3(f.P50), FirstP95MS: round3(f.P95),
-		WarmN: len(warm), WarmP50MS: round3(w.P50), WarmP95MS: round3(w.P95), WarmMaxMS: round3(w.Max)}
+	a, f, w := report.Summarize(all), report.Summarize(first), report.Summarize(warm)
+	return &StepCommands{CmdP50MS: report.Round3(a.P50), CmdP95MS: report.Round3(a.P95), CmdMaxMS: report.Round3(a.Max),
+		FirstN: len(first), FirstP50MS: report.Round3(f.P50), FirstP95MS: report.Round3(f.P95),
+		WarmN: len(warm), WarmP50MS: report.Round3(w.P50), WarmP95MS: report.Round3(w.P95), WarmMaxMS: report.Round3(w.Max)}
 }
 
 // StepBudget is the memory budget's view after a density step's commands: what a fork
@@ -106,11 +107,11 @@ func (st *DensityStep) budgetView(m engine.MemoryBudget, ck string, guest int64)
 	}
 	prior := m.CommitBytes(guest)
 	st.BudgetBasis = m.Basis
-	st.BudgetPriorMB = round3(float64(prior) / (1 << 20))
+	st.BudgetPriorMB = report.Round3(float64(prior) / (1 << 20))
 	if commit == 0 {
 		commit = prior
 	}
-	st.BudgetCommitMB, st.BudgetFreeMB = round3(float64(commit)/(1<<20)), round3(float64(m.FreeBytes)/(1<<20))
+	st.BudgetCommitMB, st.BudgetFreeMB = report.Round3(float64(commit)/(1<<20)), report.Round3(float64(m.FreeBytes)/(1<<20))
 	st.BudgetMoreForks = max(m.FreeBytes, 0) / commit
 }
 
@@ -129,7 +130,7 @@ func runDensity(r *runner, step, mx, cmds int) error {
 	steps := []DensityStep{}
 	lastPass := 0
 	stopReason := fmt.Sprintf("reached --max %d", mx)
-	var bars []Bar
+	var bars []report.Bar
 	for k := 1; len(pop) < mx; k++ {
 		n := min(step, mx-len(pop))
 		label := fmt.Sprintf("step%d", k)
@@ -142,8 +143,8 @@ func runDensity(r *runner, step, mx, cmds int) error {
 		}
 		r.recordWave(k, wr, nil)
 		pop = append(pop, wr.Ready...)
-		st := DensityStep{Step: k, Population: len(pop), Added: wr.ReadyCount(), ForkWallMS: round3(ms(wr.Wall)),
-			MemAvailableMB: round3(wr.MemAfterMB)}
+		st := DensityStep{Step: k, Population: len(pop), Added: wr.ReadyCount(), ForkWallMS: report.Round3(report.Ms(wr.Wall)),
+			MemAvailableMB: report.Round3(wr.MemAfterMB)}
 		if wr.ReadyCount() < n {
 			if wr.AdmissionCount > 0 {
 				stopReason = fmt.Sprintf("step %d: %s", k, wr.admissionText())
@@ -174,11 +175,11 @@ func runDensity(r *runner, step, mx, cmds int) error {
 						mu.Unlock()
 						return
 					}
-					lat = append(lat, ms(d))
+					lat = append(lat, report.Ms(d))
 					if j == 0 && i >= fresh {
-						first = append(first, ms(d))
+						first = append(first, report.Ms(d))
 					} else {
-						warm = append(warm, ms(d))
+						warm = append(warm, report.Ms(d))
 					}
 					mu.Unlock()
 				}
@@ -186,12 +187,12 @@ func runDensity(r *runner, step, mx, cmds int) error {
 		}
 		wg.Wait()
 		st.StepCommands = stepCommands(lat, first, warm)
-		pc := summarize(lat)
+		pc := report.Summarize(lat)
 		// The budget's view once the step's forks ran their commands.
 		st.budgetView(r.e.Budget().Memory, w.Ck, int64(r.shape.MemoryMiB)<<20)
 		r.logf("%s: population %d, command p95 %.0f ms (first exec of the %d new forks p95 %.0f ms, warmed p95 %.0f ms); budget: a fork commits %.0f MiB (prior %.0f), %.0f MiB free: %d more forks",
 			label, len(pop), pc.P95, st.FirstN, st.FirstP95MS, st.WarmP95MS, st.BudgetCommitMB, st.BudgetPriorMB, st.BudgetFreeMB, st.BudgetMoreForks)
-		bars = append(bars, Bar{Label: fmt.Sprintf("%4d forks", len(pop)), Value: pc.P95})
+		bars = append(bars, report.Bar{Label: fmt.Sprintf("%4d forks", len(pop)), Value: pc.P95})
 		if len(cmdErr) > 0 {
 			stopReason = fmt.Sprintf("step %d: %d commands failed: %s", k, len(cmdErr), cmdErr[0])
 			st.Stop = stopReason
@@ -216,7 +217,7 @@ func runDensity(r *runner, step, mx, cmds int) error {
 			p95s = append(p95s, s.CmdP95MS)
 		}
 	}
-	r.res.Percentiles = roundP(summarize(p95s))
+	r.res.Percentiles = roundP(report.Summarize(p95s))
 	r.res.Extra["percentiles_of"] = "per-step command p95 (ms)"
 	r.res.Extra["steps"] = steps
 	r.res.Extra["stop"] = stopReason
@@ -228,6 +229,6 @@ func runDensity(r *runner, step, mx, cmds int) error {
 			fmt.Fprintf(&tb, "| %d | %.0f / %.0f | %d, %.0f / %.0f | %d, %.0f / %.0f |\n", s.Population, c.CmdP50MS, c.CmdP95MS, c.FirstN, c.FirstP50MS, c.FirstP95MS, c.WarmN, c.WarmP50MS, c.WarmP95MS)
 		}
 	}
-	r.section("## Density\n\nLast passing population: %d forks. Stop: %s.\n\nCommand p95 per step:\n\n```\n%s```\n\n%s\n", lastPass, stopReason, asciiChart(bars, 40, "ms"), tb.String())
+	r.section("## Density\n\nLast passing population: %d forks. Stop: %s.\n\nCommand p95 per step:\n\n```\n%s```\n\n%s\n", lastPass, stopReason, report.ASCIIChart(bars, 40, "ms"), tb.String())
 	return nil
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/serve"
@@ -122,7 +123,7 @@ type ExecLoadSettings struct {
 	ExecTimeoutMS int64 `json:"exec_timeout_ms"`
 	// World is what happened to the world VM after its checkpoint.
 	World string `json:"world"`
-	RunSettings
+	report.RunSettings
 }
 
 // ExecPhase is one timed phase (one mode in one round) in result.json (extra.phases[]).
@@ -138,9 +139,9 @@ type ExecPhase struct {
 	WarmupFailures int      `json:"warmup_failures"`
 	Errors         []string `json:"errors"` // the first few
 	// WallS: the first client's start to the last client's end.
-	WallS          float64     `json:"wall_s"`
-	ThroughputPerS float64     `json:"throughput_per_s"` // OK / WallS
-	Percentiles    Percentiles `json:"percentiles_ms"`   // round trips of the OK execs
+	WallS          float64            `json:"wall_s"`
+	ThroughputPerS float64            `json:"throughput_per_s"` // OK / WallS
+	Percentiles    report.Percentiles `json:"percentiles_ms"`   // round trips of the OK execs
 	// CPU (user+sys) used during the timed part, per OK exec: this process (clients, and
 	// the in-process daemon), the daemon process (--daemon-binary) and the forks' QEMUs.
 	BenchCPUMSPerExec  float64 `json:"bench_cpu_ms_per_exec"`
@@ -155,14 +156,14 @@ type ExecPhase struct {
 
 // ExecMode is one mode over all rounds in result.json (extra.in_process, extra.daemon).
 type ExecMode struct {
-	Execs          int         `json:"execs"`
-	OK             int         `json:"ok"`
-	Failures       int         `json:"failures"`
-	WarmupFailures int         `json:"warmup_failures"`
-	Errors         []string    `json:"errors"`
-	WallS          float64     `json:"wall_s"`
-	ThroughputPerS float64     `json:"throughput_per_s"`
-	Percentiles    Percentiles `json:"percentiles_ms"`
+	Execs          int                `json:"execs"`
+	OK             int                `json:"ok"`
+	Failures       int                `json:"failures"`
+	WarmupFailures int                `json:"warmup_failures"`
+	Errors         []string           `json:"errors"`
+	WallS          float64            `json:"wall_s"`
+	ThroughputPerS float64            `json:"throughput_per_s"`
+	Percentiles    report.Percentiles `json:"percentiles_ms"`
 }
 
 // phaseModes is the order of the two modes in round (1-based): ABBA, so that a drift
@@ -195,9 +196,9 @@ func summarizeMode(phases []ExecPhase, mode string) ExecMode {
 		}
 		lat = append(lat, p.lat...)
 	}
-	m.ThroughputPerS = round3(ratio(float64(m.OK), m.WallS))
-	m.WallS = round3(m.WallS)
-	m.Percentiles = roundP(summarize(lat))
+	m.ThroughputPerS = report.Round3(report.Ratio(float64(m.OK), m.WallS))
+	m.WallS = report.Round3(m.WallS)
+	m.Percentiles = roundP(report.Summarize(lat))
 	return m
 }
 
@@ -232,7 +233,7 @@ func runExecLoad(r *runner, s *ExecLoadSettings) error {
 	for i, vm := range wr.Ready {
 		names[i], pids[i] = vm.Name(), vm.PID()
 	}
-	r.res.Extra["forks_wall_ms"] = round3(ms(wr.Wall))
+	r.res.Extra["forks_wall_ms"] = report.Round3(report.Ms(wr.Wall))
 	r.logf("%d forks ready in %.2f s; %d clients x %d execs of %q per phase, %d rounds", s.Forks, wr.Wall.Seconds(), s.Clients, s.Execs, s.Argv, s.Rounds)
 
 	d := &execDaemon{r: r, sock: serve.SocketPath(r.home), binary: s.DaemonBinary, logPath: filepath.Join(r.home, "daemon.log")}
@@ -279,7 +280,7 @@ func (r *runner) execLoadResult(s *ExecLoadSettings, phases []ExecPhase) (in, dm
 		}
 	}
 	r.p50Headline("exec_daemon_p50_ms", daemonLat)
-	r50, r99 = ratio(dm.Percentiles.P50, in.Percentiles.P50), ratio(dm.Percentiles.P99, in.Percentiles.P99)
+	r50, r99 = report.Ratio(dm.Percentiles.P50, in.Percentiles.P50), report.Ratio(dm.Percentiles.P99, in.Percentiles.P99)
 	met = targetMet(r50, s.Target)
 	var roundRatios []float64
 	for round := 1; round <= s.Rounds; round++ {
@@ -291,13 +292,13 @@ func (r *runner) execLoadResult(s *ExecLoadSettings, phases []ExecPhase) (in, dm
 				pd = p.Percentiles.P50
 			}
 		}
-		roundRatios = append(roundRatios, round3(ratio(pd, pi)))
+		roundRatios = append(roundRatios, report.Round3(report.Ratio(pd, pi)))
 	}
 	r.res.Extra["in_process"] = in
 	r.res.Extra["daemon"] = dm
-	r.res.Extra["ratio_p50"] = round3(r50)
-	r.res.Extra["ratio_p99"] = round3(r99)
-	r.res.Extra["ratio_throughput"] = round3(ratio(dm.ThroughputPerS, in.ThroughputPerS))
+	r.res.Extra["ratio_p50"] = report.Round3(r50)
+	r.res.Extra["ratio_p99"] = report.Round3(r99)
+	r.res.Extra["ratio_throughput"] = report.Round3(report.Ratio(dm.ThroughputPerS, in.ThroughputPerS))
 	r.res.Extra["round_ratios_p50"] = roundRatios
 	r.res.Extra["target_ratio"] = s.Target
 	r.res.Extra["target_met"] = met
@@ -344,7 +345,7 @@ func execLoadTable(s *ExecLoadSettings, in, dm ExecMode, phases []ExecPhase, r50
 		s.Clients, s.Execs, s.Argv, s.Forks, s.Rounds, s.Daemon)
 	// failures: timed and warm-up.
 	fmt.Fprintf(&b, "%-16s %7s %7s %8s %8s %8s %8s %8s %9s\n", "phase", "execs", "ok", "failures", "p50 ms", "p90 ms", "p99 ms", "max ms", "execs/s")
-	row := func(label string, execs, ok, failures int, p Percentiles, tput float64) {
+	row := func(label string, execs, ok, failures int, p report.Percentiles, tput float64) {
 		fmt.Fprintf(&b, "%-16s %7d %7d %8d %8.1f %8.1f %8.1f %8.1f %9.1f\n", label, execs, ok, failures, p.P50, p.P90, p.P99, p.Max, tput)
 	}
 	for _, p := range phases {
@@ -361,7 +362,7 @@ func execLoadTable(s *ExecLoadSettings, in, dm ExecMode, phases []ExecPhase, r50
 		verdict = "no target"
 	}
 	fmt.Fprintf(&b, "\ndaemon / in-process: p50 %.3fx (target <= %gx: %s), p99 %.3fx, throughput %.3fx\n", r50, s.Target, verdict, r99,
-		ratio(dm.ThroughputPerS, in.ThroughputPerS))
+		report.Ratio(dm.ThroughputPerS, in.ThroughputPerS))
 	fmt.Fprintf(&b, "CPU ms per exec (this process / daemon process / QEMUs):")
 	for _, p := range phases {
 		fmt.Fprintf(&b, " r%d %s %.2f/%.2f/%.2f;", p.Round, p.Mode, p.BenchCPUMSPerExec, p.DaemonCPUMSPerExec, p.QEMUCPUMSPerExec)
@@ -528,7 +529,7 @@ func (ph *execPhase) timed(d *execDaemon, pids []int) error {
 	cpu0 := cpuOf(os.Getpid())
 	dcpu0, qcpu0, conns0 := d.cpu(), cpuOfAll(pids), d.accepts.Load()
 	lat := make([][]float64, s.Clients)
-	samples := make([][]Sample, s.Clients)
+	samples := make([][]report.Sample, s.Clients)
 	start := make(chan struct{})
 	var wg sync.WaitGroup
 	t0 := time.Now()
@@ -541,7 +542,7 @@ func (ph *execPhase) timed(d *execDaemon, pids []int) error {
 					return
 				}
 				rt, err := ph.one(c, fork)
-				sm := Sample{Group: fmt.Sprintf("r%d-%s", p.Round, p.Mode), Index: c*s.Execs + j, Name: names[fork], OK: err == nil, LatencyMS: ms(rt)}
+				sm := report.Sample{Group: fmt.Sprintf("r%d-%s", p.Round, p.Mode), Index: c*s.Execs + j, Name: names[fork], OK: err == nil, LatencyMS: report.Ms(rt)}
 				if err != nil {
 					if ctx.Err() != nil {
 						return // the run is being stopped: not a failure of the exec
@@ -549,7 +550,7 @@ func (ph *execPhase) timed(d *execDaemon, pids []int) error {
 					sm.Error = err.Error()
 					ph.failed(err, false)
 				} else {
-					lat[c] = append(lat[c], ms(rt))
+					lat[c] = append(lat[c], report.Ms(rt))
 				}
 				samples[c] = append(samples[c], sm)
 			}
@@ -570,10 +571,10 @@ func (ph *execPhase) timed(d *execDaemon, pids []int) error {
 		}
 	}
 	p.OK = len(p.lat)
-	p.WallS = round3(wall.Seconds())
-	p.ThroughputPerS = round3(ratio(float64(p.OK), wall.Seconds()))
-	p.Percentiles = roundP(summarize(p.lat))
-	perExec := func(d time.Duration) float64 { return round3(ratio(ms(d), float64(p.OK))) }
+	p.WallS = report.Round3(wall.Seconds())
+	p.ThroughputPerS = report.Round3(report.Ratio(float64(p.OK), wall.Seconds()))
+	p.Percentiles = roundP(report.Summarize(p.lat))
+	perExec := func(d time.Duration) float64 { return report.Round3(report.Ratio(report.Ms(d), float64(p.OK))) }
 	p.BenchCPUMSPerExec = perExec(cpu1 - cpu0)
 	p.QEMUCPUMSPerExec = perExec(qcpu1 - qcpu0)
 	if p.Mode == modeDaemon && d.binary != "" {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -102,7 +103,7 @@ type FanoutSettings struct {
 	// maxOC is the most overcommit a wave will ask for (with --fit: the one that fits
 	// the largest wave); 0 = the engine's default cap.
 	maxOC float64
-	RunSettings
+	report.RunSettings
 }
 
 // engineOvercommit is the engine's overcommit runBench uses (0: --overcommit).
@@ -117,24 +118,24 @@ type WaveSummary struct {
 	N int `json:"n"`
 	// Complete says all N forks were ready; OK that it is complete with no failure. A
 	// wave that is not complete is never a headline or a waveN figure.
-	Complete             bool        `json:"complete"`
-	OK                   bool        `json:"ok"`
-	Skipped              string      `json:"skipped,omitempty"`
-	Ready                int         `json:"ready"`
-	Failed               int         `json:"failed"`
-	Refused              int         `json:"refused"`
-	WallS                float64     `json:"wall_s"`
-	ForkP50MS            float64     `json:"fork_p50_ms"`
-	ForkP95MS            float64     `json:"fork_p95_ms"`
-	ForkMaxMS            float64     `json:"fork_max_ms"`
-	PrivateMBPerFork     float64     `json:"private_mb_per_fork"`
-	MemAvailableBeforeMB float64     `json:"mem_available_before_mb"`
-	MemAvailableAfterMB  float64     `json:"mem_available_after_mb"`
-	CPUUserMSP50         float64     `json:"cpu_user_ms_p50"`
-	CPUSysMSP50          float64     `json:"cpu_sys_ms_p50"`
-	AnonMBP50            float64     `json:"anon_mb_p50"`
-	MemoryMBP50          *MemSummary `json:"memory_mb_p50"` // null when no fork's memory was read
-	Isolation            IsoReport   `json:"isolation"`
+	Complete             bool               `json:"complete"`
+	OK                   bool               `json:"ok"`
+	Skipped              string             `json:"skipped,omitempty"`
+	Ready                int                `json:"ready"`
+	Failed               int                `json:"failed"`
+	Refused              int                `json:"refused"`
+	WallS                float64            `json:"wall_s"`
+	ForkP50MS            float64            `json:"fork_p50_ms"`
+	ForkP95MS            float64            `json:"fork_p95_ms"`
+	ForkMaxMS            float64            `json:"fork_max_ms"`
+	PrivateMBPerFork     float64            `json:"private_mb_per_fork"`
+	MemAvailableBeforeMB float64            `json:"mem_available_before_mb"`
+	MemAvailableAfterMB  float64            `json:"mem_available_after_mb"`
+	CPUUserMSP50         float64            `json:"cpu_user_ms_p50"`
+	CPUSysMSP50          float64            `json:"cpu_sys_ms_p50"`
+	AnonMBP50            float64            `json:"anon_mb_p50"`
+	MemoryMBP50          *report.MemSummary `json:"memory_mb_p50"` // null when no fork's memory was read
+	Isolation            IsoReport          `json:"isolation"`
 	// TCGThreadForks counts ready forks per TCG thread mode (only under TCG).
 	TCGThreadForks map[string]int `json:"tcg_thread_forks,omitzero"`
 	// OtherVCPUs are the vCPUs of the budget that other state directories' forkvm VMs
@@ -181,20 +182,20 @@ type AdmissionRefusal struct {
 // forkStats are the per-fork figures of a wave's ready forks.
 type forkStats struct {
 	cpuUser, cpuSys, anon []float64 // ms, ms, MiB
-	mems                  []forkMem
+	mems                  []report.ForkMem
 	threads               map[string]int // forks per TCG thread mode
 }
 
 // waveSummary is wr as result.json records it: pc are its fork latencies (ms), f its
 // ready forks' figures (threads nil unless under TCG), iso and idle what was checked and
 // measured after it was ready.
-func waveSummary(wr *WaveResult, pc Percentiles, f forkStats, iso IsoReport, idle IdleCPU) WaveSummary {
+func waveSummary(wr *WaveResult, pc report.Percentiles, f forkStats, iso IsoReport, idle IdleCPU) WaveSummary {
 	ws := WaveSummary{
 		N: wr.N, Ready: wr.ReadyCount(), Failed: wr.Failed, Refused: wr.AdmissionCount,
-		WallS: round3(wr.Wall.Seconds()), ForkP50MS: round3(pc.P50), ForkP95MS: round3(pc.P95), ForkMaxMS: round3(pc.Max),
-		PrivateMBPerFork: round3(wr.PrivateMBPerFork()), MemAvailableBeforeMB: round3(wr.MemBeforeMB), MemAvailableAfterMB: round3(wr.MemAfterMB),
-		CPUUserMSP50: round3(median(f.cpuUser)), CPUSysMSP50: round3(median(f.cpuSys)), AnonMBP50: round3(median(f.anon)),
-		MemoryMBP50:    memSummary(f.mems),
+		WallS: report.Round3(wr.Wall.Seconds()), ForkP50MS: report.Round3(pc.P50), ForkP95MS: report.Round3(pc.P95), ForkMaxMS: report.Round3(pc.Max),
+		PrivateMBPerFork: report.Round3(wr.PrivateMBPerFork()), MemAvailableBeforeMB: report.Round3(wr.MemBeforeMB), MemAvailableAfterMB: report.Round3(wr.MemAfterMB),
+		CPUUserMSP50: report.Round3(report.Median(f.cpuUser)), CPUSysMSP50: report.Round3(report.Median(f.cpuSys)), AnonMBP50: report.Round3(report.Median(f.anon)),
+		MemoryMBP50:    report.SummarizeMem(f.mems),
 		Isolation:      iso,
 		TCGThreadForks: f.threads,
 		OtherVCPUs:     wr.Budget.OtherUsed,
@@ -202,7 +203,7 @@ func waveSummary(wr *WaveResult, pc Percentiles, f forkStats, iso IsoReport, idl
 		OK:             wr.Complete() && wr.Failed == 0 && len(iso.Failures) == 0,
 	}
 	if idle.N > 0 {
-		ws.WaveIdle = &WaveIdle{IdleCPUPctPerFork: round3(idle.PerForkPct), IdleCPUCoresTotal: round3(idle.TotalCores), IdleWindowS: round3(idle.Window.Seconds())}
+		ws.WaveIdle = &WaveIdle{IdleCPUPctPerFork: report.Round3(idle.PerForkPct), IdleCPUCoresTotal: report.Round3(idle.TotalCores), IdleWindowS: report.Round3(idle.Window.Seconds())}
 	}
 	if wr.AdmissionCount > 0 {
 		ws.AdmissionStop = &AdmissionStop{Index: wr.AdmissionIndex, Admitted: wr.N - wr.AdmissionCount, Refused: wr.AdmissionCount,
@@ -263,7 +264,7 @@ func fitOvercommit(hostCPUs, need int, def float64) float64 {
 
 // memoryFit checks n forks of perForkMB against availMB above reserveMB.
 func memoryFit(availMB, reserveMB, perForkMB float64, n int) *MemoryFit {
-	m := &MemoryFit{AvailableMB: round3(availMB), ReserveMB: reserveMB, PerForkMB: round3(perForkMB)}
+	m := &MemoryFit{AvailableMB: report.Round3(availMB), ReserveMB: reserveMB, PerForkMB: report.Round3(perForkMB)}
 	if perForkMB <= 0 {
 		perForkMB = 1
 	}
@@ -277,7 +278,7 @@ type waveOutcome struct {
 	n       int
 	wr      *WaveResult
 	lat     []float64
-	mems    map[string]forkMem
+	mems    map[string]report.ForkMem
 	sum     WaveSummary
 	skipped string
 }
@@ -319,14 +320,14 @@ func (r *runner) runWaves(w *World, settings *FanoutSettings, prefix string, ove
 			r.fail("%s: %s", label, e)
 		}
 		lat := wr.latencies()
-		pc := summarize(lat)
+		pc := report.Summarize(lat)
 		var fs forkStats
 		threads := map[string]int{} // forks per TCG thread mode ("" = QEMU default)
 		for _, vm := range wr.Ready {
 			threads[threadLabel(vm.Info())]++
 			c := wr.CPU[vm.Name()]
-			fs.cpuUser = append(fs.cpuUser, ms(c[0]))
-			fs.cpuSys = append(fs.cpuSys, ms(c[1]))
+			fs.cpuUser = append(fs.cpuUser, report.Ms(c[0]))
+			fs.cpuSys = append(fs.cpuSys, report.Ms(c[1]))
 			if m, ok := mems[vm.Name()]; ok {
 				fs.anon = append(fs.anon, m.AnonMB)
 				fs.mems = append(fs.mems, m)
@@ -348,10 +349,10 @@ func (r *runner) runWaves(w *World, settings *FanoutSettings, prefix string, ove
 		case !wr.Complete():
 			figures = fmt.Sprintf("its %d ready forks only, not wave figures: %.2fs wall, p50 %.0f ms", wr.ReadyCount(), wr.Wall.Seconds(), pc.P50)
 		}
-		r.logf("%s at --overcommit %s: %s: %s%s", label, fnum(overcommit), state, figures, map[bool]string{true: "; " + wr.admissionText(), false: ""}[wr.AdmissionCount > 0])
+		r.logf("%s at --overcommit %s: %s: %s%s", label, report.Fnum(overcommit), state, figures, map[bool]string{true: "; " + wr.admissionText(), false: ""}[wr.AdmissionCount > 0])
 		r.section("### %s — %s\n\n%d requested, %d ready, %d failed, %d refused by admission; wall %.3f s (first start → last ready%s); fork p50 %.0f ms, p95 %.0f ms, max %.0f ms; host memory added per fork %.1f MiB; QEMU CPU until ready p50 user %.0f ms sys %.0f ms.%s\n\n",
 			label, state, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), map[bool]string{true: "", false: " of the ready forks only: not a wave figure"}[wr.Complete()],
-			pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), median(fs.cpuUser), median(fs.cpuSys), memText(fs.mems, "at ready"))
+			pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), report.Median(fs.cpuUser), report.Median(fs.cpuSys), report.MemText(fs.mems, "at ready"))
 		if r.res.Host.Accel == "tcg" {
 			r.section("TCG thread mode of the ready forks (engine Config.TCGThread %s): %v.\n\n", string(r.e.Config().Experimental.TCGThread), threads)
 		}
@@ -393,12 +394,12 @@ func seedKeys(extra map[string]any, prefix string, outs []*waveOutcome) {
 		if !o.complete() {
 			continue
 		}
-		pc := summarize(o.lat)
-		extra[fmt.Sprintf("%swave%d_wall_s", prefix, o.n)] = round3(o.wr.Wall.Seconds())
-		extra[fmt.Sprintf("%swave%d_fork_ms_p50", prefix, o.n)] = round3(pc.P50)
-		extra[fmt.Sprintf("%swave%d_fork_ms_p95", prefix, o.n)] = round3(pc.P95)
+		pc := report.Summarize(o.lat)
+		extra[fmt.Sprintf("%swave%d_wall_s", prefix, o.n)] = report.Round3(o.wr.Wall.Seconds())
+		extra[fmt.Sprintf("%swave%d_fork_ms_p50", prefix, o.n)] = report.Round3(pc.P50)
+		extra[fmt.Sprintf("%swave%d_fork_ms_p95", prefix, o.n)] = report.Round3(pc.P95)
 		if prefix == "" {
-			extra[fmt.Sprintf("private_mb_per_fork_%d", o.n)] = round3(o.wr.PrivateMBPerFork())
+			extra[fmt.Sprintf("private_mb_per_fork_%d", o.n)] = report.Round3(o.wr.PrivateMBPerFork())
 		}
 	}
 }
@@ -464,7 +465,7 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 	maxForks := r.describeFit(fit, defaults, budgetLine, maxWave)
 	head := "## Waves"
 	if fit.NonDefault {
-		head = fmt.Sprintf("## Waves at --overcommit %s (NON-DEFAULT)", fnum(fit.HeadlineOvercommit))
+		head = fmt.Sprintf("## Waves at --overcommit %s (NON-DEFAULT)", report.Fnum(fit.HeadlineOvercommit))
 	}
 	r.section("%s\n\n", head)
 	outs, err := r.runWaves(w, settings, "", fit.HeadlineOvercommit, idleWindow, r.hold, maxForks)
@@ -478,7 +479,7 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 	}
 	r.headlineNote = headlineNote(fit, best, outs)
 	r.summary = r.fanoutSummary(fit, best, w)
-	r.files["fanout.svg"] = fanoutSVG(svgWaves(defaults, outs, r.overcommit, fit.HeadlineOvercommit), fmt.Sprintf("forkbench fanout — %s", hostShort(r.res.Host)))
+	r.files["fanout.svg"] = report.FanoutSVG(svgWaves(defaults, outs, r.overcommit, fit.HeadlineOvercommit), fmt.Sprintf("forkbench fanout — %s", report.HostShort(r.res.Host)))
 	r.summary += "![per-fork latency, forks ready over time and memory per fork, by wave](fanout.svg)\n\n"
 	r.res.Method = fmt.Sprintf("Each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM (and wrote a disk file). "+
 		"Wall = first fork start → last fork ready (its agent answered with its own token); fork latency = each fork's start → ready. "+
@@ -494,7 +495,7 @@ func runFanout(r *runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		if best != nil {
 			lat = best.lat
 		}
-		if err := r.runPeer(w, peerN, true, median(lat)); err != nil {
+		if err := r.runPeer(w, peerN, true, report.Median(lat)); err != nil {
 			return err
 		}
 	}
@@ -516,14 +517,14 @@ func (r *runner) fanoutFit(settings *FanoutSettings, maxWave int) (*FitDecision,
 		if c := r.e.Config().MaxOvercommit; fit.HeadlineOvercommit > c {
 			fit.HeadlineOvercommit = c
 			r.caveat("the overcommit that holds the %d-wave beside the other VMs on the host (%s) is above this run's cap of %s: the waves run at %s and the largest may be partial",
-				maxWave, fnum(fitOvercommit(b.HostCPUs, fit.NeedVCPUs, r.overcommit)), fnum(c), fnum(c))
+				maxWave, report.Fnum(fitOvercommit(b.HostCPUs, fit.NeedVCPUs, r.overcommit)), report.Fnum(c), report.Fnum(c))
 		}
 	}
 	fit.NonDefault = fit.HeadlineOvercommit != r.overcommit
 	fit.DefaultPass = fit.NonDefault && warm == 0
 	settings.Fit = fit
 	budgetLine := fmt.Sprintf("budget %d vCPUs = %d CPUs × overcommit %s; the %d-wave needs %d vCPUs (%d forks × %d vCPUs%s)",
-		fit.DefaultBudgetVCPUs, b.HostCPUs, fnum(r.overcommit), maxWave, fit.NeedVCPUs, max(maxWave, warm), r.shape.CPUs, heldText(b))
+		fit.DefaultBudgetVCPUs, b.HostCPUs, report.Fnum(r.overcommit), maxWave, fit.NeedVCPUs, max(maxWave, warm), r.shape.CPUs, heldText(b))
 	return fit, budgetLine
 }
 
@@ -546,7 +547,7 @@ func heldText(b engine.Budget) string {
 // admission stops, and fills fit.Memory from the memory per fork they measured.
 func (r *runner) fanoutDefaultPass(w *World, settings *FanoutSettings, fit *FitDecision, budgetLine string, maxWave int) ([]*waveOutcome, error) {
 	r.section("## Waves at --overcommit %s (the setting asked for)\n\nOn this host the %s, so the waves first run at this setting to record where admission stops (as the published run did at its default); the idle CPU is not measured in this pass.\n\n",
-		fnum(r.overcommit), budgetLine)
+		report.Fnum(r.overcommit), budgetLine)
 	defaults, err := r.runWaves(w, settings, "default_settings_", r.overcommit, 0, false, 0)
 	if err != nil {
 		return nil, err
@@ -570,12 +571,12 @@ func (r *runner) fanoutDefaultPass(w *World, settings *FanoutSettings, fit *FitD
 // start (0: no limit; the largest that fits memory when the largest wave does not).
 func (r *runner) describeFit(fit *FitDecision, defaults []*waveOutcome, budgetLine string, maxWave int) int {
 	maxForks := 0
-	asked := fmt.Sprintf("--overcommit %s", fnum(r.overcommit))
+	asked := fmt.Sprintf("--overcommit %s", report.Fnum(r.overcommit))
 	if r.overcommit == 12 {
 		asked += " (fanout's default, the published run's setting)"
 	}
 	fit.Text = fmt.Sprintf("%s: %s", asked, budgetLine)
-	fit.Short = fmt.Sprintf("--overcommit %s", fnum(r.overcommit))
+	fit.Short = fmt.Sprintf("--overcommit %s", report.Fnum(r.overcommit))
 	if !fit.NonDefault {
 		return 0
 	}
@@ -588,16 +589,16 @@ func (r *runner) describeFit(fit *FitDecision, defaults []*waveOutcome, budgetLi
 			}
 		}
 	}
-	fit.Short = fmt.Sprintf("NON-DEFAULT --overcommit %s: --overcommit %s (budget %d vCPUs = %d CPUs × %s) %s", fnum(fit.HeadlineOvercommit),
-		fnum(r.overcommit), fit.DefaultBudgetVCPUs, fit.HostCPUs, fnum(r.overcommit), stopAt)
-	fit.Text = fmt.Sprintf("NON-DEFAULT --overcommit %s (budget %d vCPUs), raised from %s because its %s", fnum(fit.HeadlineOvercommit),
+	fit.Short = fmt.Sprintf("NON-DEFAULT --overcommit %s: --overcommit %s (budget %d vCPUs = %d CPUs × %s) %s", report.Fnum(fit.HeadlineOvercommit),
+		report.Fnum(r.overcommit), fit.DefaultBudgetVCPUs, fit.HostCPUs, report.Fnum(r.overcommit), stopAt)
+	fit.Text = fmt.Sprintf("NON-DEFAULT --overcommit %s (budget %d vCPUs), raised from %s because its %s", report.Fnum(fit.HeadlineOvercommit),
 		int(float64(fit.HostCPUs)*fit.HeadlineOvercommit), asked, budgetLine)
 	if s := passStop(defaults); s != "" {
-		fit.Text += "; at " + fmt.Sprintf("--overcommit %s: ", fnum(r.overcommit)) + s
+		fit.Text += "; at " + fmt.Sprintf("--overcommit %s: ", report.Fnum(r.overcommit)) + s
 	}
 	if m := fit.Memory; m != nil {
 		fit.Text += fmt.Sprintf("; memory: %.0f MiB available above the engine's %.0f MiB reserve holds ~%d forks at %.1f MiB per fork (the most a wave added per fork at --overcommit %s)",
-			m.AvailableMB-m.ReserveMB, m.ReserveMB, m.ForksFit, m.PerForkMB, fnum(r.overcommit))
+			m.AvailableMB-m.ReserveMB, m.ReserveMB, m.ForksFit, m.PerForkMB, report.Fnum(r.overcommit))
 		if !m.Fits {
 			maxForks = max(1, m.ForksFit)
 			r.caveat("memory: the largest wave does not fit the host's memory budget (~%d forks); larger waves were not run", m.ForksFit)
@@ -610,7 +611,7 @@ func (r *runner) describeFit(fit *FitDecision, defaults []*waveOutcome, budgetLi
 // fanoutHeadline fills res from the headline pass outs: the largest complete wave is the
 // headline (a partial wave never is), the published result's flat keys are added for
 // the complete waves, and stop says which waves were not complete ("" when all were).
-func fanoutHeadline(res *Result, outs []*waveOutcome, sharedFileMB float64, maxWave int) (best *waveOutcome, stop string) {
+func fanoutHeadline(res *report.Result, outs []*waveOutcome, sharedFileMB float64, maxWave int) (best *waveOutcome, stop string) {
 	res.Extra["waves"] = waveMap(outs)
 	seedKeys(res.Extra, "", outs)
 	best, stop = largestComplete(outs), passStop(outs)
@@ -620,15 +621,15 @@ func fanoutHeadline(res *Result, outs []*waveOutcome, sharedFileMB float64, maxW
 		res.Extra["percentiles_of"] = "none: no wave was complete"
 		return nil, stop
 	}
-	pc := summarize(best.lat)
+	pc := report.Summarize(best.lat)
 	res.Metric = fmt.Sprintf("wave%d_wall_s", best.n)
-	res.Value = round3(best.wr.Wall.Seconds())
+	res.Value = report.Round3(best.wr.Wall.Seconds())
 	res.N = best.wr.ReadyCount()
 	res.Percentiles = roundP(pc)
-	res.Percentiles.ForkMSP50, res.Percentiles.ForkMSP95, res.Percentiles.ForkMSMax = round3(pc.P50), round3(pc.P95), round3(pc.Max)
+	res.Percentiles.ForkMSP50, res.Percentiles.ForkMSP95, res.Percentiles.ForkMSMax = report.Round3(pc.P50), report.Round3(pc.P95), report.Round3(pc.Max)
 	res.Extra["percentiles_of"] = fmt.Sprintf("fork latency (ms) of wave%d, the largest complete wave", best.n)
-	res.Extra["private_mb_per_fork"] = round3(best.wr.PrivateMBPerFork())
-	res.Extra[fmt.Sprintf("shared_file_mb_%d", best.n)] = round3(sharedFileMB)
+	res.Extra["private_mb_per_fork"] = report.Round3(best.wr.PrivateMBPerFork())
+	res.Extra[fmt.Sprintf("shared_file_mb_%d", best.n)] = report.Round3(sharedFileMB)
 	res.Extra["memory_per_fork"] = memoryPerFork(best)
 	return best, stop
 }
@@ -636,19 +637,19 @@ func fanoutHeadline(res *Result, outs []*waveOutcome, sharedFileMB float64, maxW
 // MemoryPerFork is the headline memory figure of the largest complete wave
 // (extra.memory_per_fork): the published definition and the breakdown beside it.
 type MemoryPerFork struct {
-	Definition   string      `json:"definition"`
-	HostAddedMB  float64     `json:"host_added_mb_per_fork"`
-	Forks        int         `json:"forks"`
-	BreakdownP50 *MemSummary `json:"breakdown_mb_p50"`
+	Definition   string             `json:"definition"`
+	HostAddedMB  float64            `json:"host_added_mb_per_fork"`
+	Forks        int                `json:"forks"`
+	BreakdownP50 *report.MemSummary `json:"breakdown_mb_p50"`
 }
 
 func memoryPerFork(o *waveOutcome) MemoryPerFork {
-	var ms []forkMem
+	var ms []report.ForkMem
 	for _, m := range o.mems {
 		ms = append(ms, m)
 	}
 	return MemoryPerFork{Definition: "host memory the wave added (MemAvailable before − after all ready, MiB) / ready forks",
-		HostAddedMB: round3(o.wr.PrivateMBPerFork()), Forks: o.wr.ReadyCount(), BreakdownP50: memSummary(ms)}
+		HostAddedMB: report.Round3(o.wr.PrivateMBPerFork()), Forks: o.wr.ReadyCount(), BreakdownP50: report.SummarizeMem(ms)}
 }
 
 // headlineNote is what the terminal's headline line adds: complete or not, and the
@@ -688,8 +689,8 @@ func (r *runner) fanoutSummary(fit *FitDecision, best *waveOutcome, w *World) st
 	return sb.String()
 }
 
-func roundP(p Percentiles) Percentiles {
-	return Percentiles{P50: round3(p.P50), P90: round3(p.P90), P95: round3(p.P95), P99: round3(p.P99), Min: round3(p.Min), Max: round3(p.Max)}
+func roundP(p report.Percentiles) report.Percentiles {
+	return report.Percentiles{P50: report.Round3(p.P50), P90: report.Round3(p.P90), P95: report.Round3(p.P95), P99: report.Round3(p.P99), Min: report.Round3(p.Min), Max: report.Round3(p.Max)}
 }
 
 // threadLabel names a VM's TCG thread mode for reports.

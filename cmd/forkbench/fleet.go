@@ -20,6 +20,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/fleet"
 	"github.com/forkvm/forkvm/procinfo"
@@ -80,7 +81,7 @@ type FleetSettings struct {
 	// AckWaitS and TTLS are the fleet's defaults the daemons run with.
 	AckWaitS float64 `json:"ack_wait_s"`
 	TTLS     float64 `json:"ttl_s"`
-	RunSettings
+	report.RunSettings
 }
 
 // errFleetArgs reports fleet bench flags refused before anything starts.
@@ -165,18 +166,18 @@ type FleetWave struct {
 	WallS   float64 `json:"wall_s"`
 	// ReadyMS: from the wave's request to the fork's ready event at the client;
 	// ForkMS: the fork's own latency as its engine measured it.
-	ReadyMS Percentiles `json:"ready_ms"`
-	ForkMS  Percentiles `json:"fork_ms"`
+	ReadyMS report.Percentiles `json:"ready_ms"`
+	ForkMS  report.Percentiles `json:"fork_ms"`
 	// PerNode counts the ready forks by node (fleet waves).
 	PerNode map[string]int `json:"per_node,omitempty"`
 	// The fleet's time per ready fork (api.FleetTiming); OverheadMS is DispatchMS +
 	// FleetMS: what a fork spends in the fleet's machinery once a node has room for it.
-	OverheadMS *Percentiles `json:"overhead_ms,omitempty"`
-	QueueMS    *Percentiles `json:"queue_ms,omitempty"`
-	DispatchMS *Percentiles `json:"dispatch_ms,omitempty"`
-	ClaimMS    *Percentiles `json:"claim_ms,omitempty"`
-	FleetMS    *Percentiles `json:"fleet_ms,omitempty"`
-	PullMS     *Percentiles `json:"pull_ms,omitempty"`
+	OverheadMS *report.Percentiles `json:"overhead_ms,omitempty"`
+	QueueMS    *report.Percentiles `json:"queue_ms,omitempty"`
+	DispatchMS *report.Percentiles `json:"dispatch_ms,omitempty"`
+	ClaimMS    *report.Percentiles `json:"claim_ms,omitempty"`
+	FleetMS    *report.Percentiles `json:"fleet_ms,omitempty"`
+	PullMS     *report.Percentiles `json:"pull_ms,omitempty"`
 	// ReadyTwice counts names reported ready on two live nodes (or twice).
 	ReadyTwice int      `json:"ready_twice"`
 	Errors     []string `json:"errors"`
@@ -195,7 +196,7 @@ type fleetEvent struct {
 // nodes killed during the wave (a fork ready there and not reported lost is counted
 // missing). fleetWave says whether the fleet's timing is expected.
 func analyzeWave(n int, evs []fleetEvent, wall time.Duration, dead map[string]bool, fleetWave bool) FleetWave {
-	w := FleetWave{Forks: n, WallS: round3(wall.Seconds()), Errors: []string{}}
+	w := FleetWave{Forks: n, WallS: report.Round3(wall.Seconds()), Errors: []string{}}
 	last := map[int]fleetEvent{}
 	readyOn := map[string]map[string]int{}
 	for _, ev := range evs {
@@ -241,7 +242,7 @@ func analyzeWave(n int, evs []fleetEvent, wall time.Duration, dead map[string]bo
 			w.Missing++ // ready on a dead node and never reported lost
 		default:
 			w.Ready++
-			ready = append(ready, ms(ev.At))
+			ready = append(ready, report.Ms(ev.At))
 			fork = append(fork, ev.LatencyMS)
 			if fleetWave {
 				if w.PerNode == nil {
@@ -255,9 +256,9 @@ func analyzeWave(n int, evs []fleetEvent, wall time.Duration, dead map[string]bo
 			}
 		}
 	}
-	w.ReadyMS, w.ForkMS = roundP(summarize(ready)), roundP(summarize(fork))
+	w.ReadyMS, w.ForkMS = roundP(report.Summarize(ready)), roundP(report.Summarize(fork))
 	if fleetWave && len(w.overhead) > 0 {
-		p := func(xs []float64) *Percentiles { q := roundP(summarize(xs)); return &q }
+		p := func(xs []float64) *report.Percentiles { q := roundP(report.Summarize(xs)); return &q }
 		w.OverheadMS, w.QueueMS, w.DispatchMS, w.ClaimMS, w.FleetMS, w.PullMS = p(w.overhead), p(queue), p(dispatch), p(claim), p(fl), p(pull)
 	}
 	return w
@@ -434,7 +435,7 @@ func (fr *fleetRun) start() error {
 		}
 	}
 	fr.r.logf("fleet of %d formed in %.1f s after the daemons listened (node budget %d vCPUs)", fr.s.Nodes, time.Since(t0).Seconds(), fr.s.NodeVCPUs)
-	fr.r.res.Extra["formation_s"] = round3(time.Since(t0).Seconds())
+	fr.r.res.Extra["formation_s"] = report.Round3(time.Since(t0).Seconds())
 	return nil
 }
 
@@ -489,7 +490,7 @@ func (fr *fleetRun) fleetWave() (FleetWave, *FleetKill, error) {
 			kill = &FleetKill{Node: victim.name, LimitS: fr.s.AckWaitS + 10}
 			kill.KilledPIDs = fr.kill9(victim)
 			killedAt = time.Now()
-			kill.AtS = round3(killedAt.Sub(start).Seconds())
+			kill.AtS = report.Round3(killedAt.Sub(start).Seconds())
 			fr.r.logf("killed %s (daemon and %d QEMUs) %.1f s into the wave, after %d events", victim.name, kill.KilledPIDs, kill.AtS, len(evs))
 		}
 	}
@@ -500,7 +501,7 @@ func (fr *fleetRun) fleetWave() (FleetWave, *FleetKill, error) {
 	dead := map[string]bool{}
 	if kill != nil {
 		dead[victim.name] = true
-		kill.EndAfterKillS = round3(time.Since(killedAt).Seconds())
+		kill.EndAfterKillS = report.Round3(time.Since(killedAt).Seconds())
 		kill.WithinLimit = kill.EndAfterKillS <= kill.LimitS
 	}
 	w := analyzeWave(fr.s.N, evs, wall, dead, true)
@@ -518,8 +519,8 @@ func (fr *fleetRun) fleetWave() (FleetWave, *FleetKill, error) {
 }
 
 // fleetSample is a samples.csv row of one event.
-func fleetSample(group string, ev fleetEvent) Sample {
-	s := Sample{Group: group, Index: ev.Index, Name: ev.Name, OK: ev.OK && ev.Code == "", LatencyMS: ms(ev.At), Error: ev.Error}
+func fleetSample(group string, ev fleetEvent) report.Sample {
+	s := report.Sample{Group: group, Index: ev.Index, Name: ev.Name, OK: ev.OK && ev.Code == "", LatencyMS: report.Ms(ev.At), Error: ev.Error}
 	if ev.Node != "" {
 		s.Group = group + ":" + ev.Node
 	}
@@ -662,7 +663,7 @@ func (fr *fleetRun) localWave() (*FleetWave, error) {
 	}
 	var evs []fleetEvent
 	for ev := range evc {
-		o := api.ForkEventObject{Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: ms(ev.Latency)}
+		o := api.ForkEventObject{Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: report.Ms(ev.Latency)}
 		if ev.Err != nil {
 			o.Error = ev.Err.Error()
 			obj, _ := api.ErrorObjectOf(ev.Err)
@@ -782,7 +783,7 @@ func fleetSummary(s *FleetSettings, fw FleetWave, lw *FleetWave, nodes []FleetNo
 		fmt.Fprintf(&b, "## One node\n\nThe same %d forks on n1 alone (a local wave): %d ready; wall %.1f s; ready latency p50 %.0f ms, p90 %.0f ms; "+
 			"the forks' own latency p50 %.0f ms.\n\n", lw.Forks, lw.Ready, lw.WallS, lw.ReadyMS.P50, lw.ReadyMS.P90, lw.ForkMS.P50)
 		if lw.WallS > 0 {
-			fmt.Fprintf(&b, "Fleet / one node: wall %.2fx, ready p50 %.2fx (one host: the nodes share its CPUs).\n\n", fw.WallS/lw.WallS, ratio(fw.ReadyMS.P50, lw.ReadyMS.P50))
+			fmt.Fprintf(&b, "Fleet / one node: wall %.2fx, ready p50 %.2fx (one host: the nodes share its CPUs).\n\n", fw.WallS/lw.WallS, report.Ratio(fw.ReadyMS.P50, lw.ReadyMS.P50))
 		}
 	}
 	if kill != nil {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 )
 
 // TestFleetFlagsRefused: bad fleet bench flags are refused before any daemon starts.
@@ -108,7 +109,7 @@ func TestAnalyzeFleetWave(t *testing.T) {
 // overhead against the target, the one-node wave and the kill.
 func TestFleetSummary(t *testing.T) {
 	s := &FleetSettings{Nodes: 3, N: 48, NodeVCPUs: 23, TargetOverheadMS: 20}
-	o := Percentiles{P50: 12.5, P90: 30}
+	o := report.Percentiles{P50: 12.5, P90: 30}
 	fw := FleetWave{Forks: 48, Ready: 48, WallS: 40, PerNode: map[string]int{"n1": 16, "n2": 16, "n3": 16},
 		OverheadMS: &o, QueueMS: &o, DispatchMS: &o, ClaimMS: &o, FleetMS: &o, PullMS: &o}
 	lw := &FleetWave{Forks: 48, Ready: 48, WallS: 80}

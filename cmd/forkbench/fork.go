@@ -7,6 +7,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -45,7 +46,7 @@ type ForkSettings struct {
 	Peer  bool `json:"peer"`
 	PeerN int  `json:"peer_n"`
 	Warm  int  `json:"warm"`
-	RunSettings
+	report.RunSettings
 }
 
 // PhaseMedians are the medians (ms) of serial forks' phases (extra.phase_p50_ms).
@@ -83,24 +84,24 @@ func (r *runner) noteJIT(ready, cmd engine.JITStats) {
 
 // serialFork forks src as name, runs the first command and returns the sample (the VM is
 // left running).
-func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM, Sample) {
-	s := Sample{Group: group, Index: index, Name: name}
+func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM, report.Sample) {
+	s := report.Sample{Group: group, Index: index, Name: name}
 	t0 := time.Now()
 	vm, err := r.e.Fork(r.ctx, src, &engine.ForkOptions{Name: name})
 	if err != nil {
-		s.LatencyMS, s.Error = ms(time.Since(t0)), err.Error()
+		s.LatencyMS, s.Error = report.Ms(time.Since(t0)), err.Error()
 		return nil, s
 	}
 	ready := time.Now()
 	if u, sy, err := procinfo.ProcessCPU(vm.PID()); err == nil {
-		s.CPUUserMS, s.CPUSysMS = ms(u), ms(sy)
+		s.CPUUserMS, s.CPUSysMS = report.Ms(u), report.Ms(sy)
 	}
 	// Translation blocks at ready and after the first command (TCG only). The first
 	// query runs between the two timed intervals, so the sample is their sum.
 	jit0, jitErr := vm.JITStats(r.ctx)
 	d, err := firstCmd(r.ctx, vm)
-	s.LatencyMS = ms(ready.Sub(t0) + d)
-	s.FirstCmdMS = ms(d)
+	s.LatencyMS = report.Ms(ready.Sub(t0) + d)
+	s.FirstCmdMS = report.Ms(d)
 	if jitErr == nil {
 		if jit1, err := vm.JITStats(r.ctx); err == nil {
 			s.TBsReady, s.TBsFirstCmd = jit0.TBs, jit1.TBs-jit0.TBs
@@ -113,9 +114,9 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 		r.logf("memory of %s: %v", name, err)
 	}
 	inf := vm.Info()
-	p := phasesOf(inf.Timings)
-	s.setPhases(p)
-	s.setCounters(inf.Counters, inf.Spans)
+	p := report.PhasesOf(inf.Timings)
+	s.SetPhases(p)
+	s.SetCounters(inf.Counters, inf.Spans)
 	s.Faults = r.faults.counts(vm.PID())
 	if err != nil {
 		s.Error = err.Error()
@@ -140,8 +141,8 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int, perfOn bool) erro
 		}
 	}
 	var lat, prep, spawn, rest, agent, cmd, tbReady, tbCmd []float64
-	var mems []forkMem
-	var bars []Bar
+	var mems []report.ForkMem
+	var bars []report.Bar
 	for i := range n {
 		name := fmt.Sprintf("f%d", i+1)
 		if warm > 0 {
@@ -156,7 +157,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int, perfOn bool) erro
 			lat = append(lat, s.LatencyMS)
 			prep, spawn, rest = append(prep, s.PrepareMS), append(spawn, s.SpawnMS), append(rest, s.RestoreMS)
 			agent, cmd = append(agent, s.AgentMS), append(cmd, s.FirstCmdMS)
-			bars = append(bars, Bar{Label: name, Value: s.LatencyMS})
+			bars = append(bars, report.Bar{Label: name, Value: s.LatencyMS})
 			if s.Mem != nil {
 				mems = append(mems, *s.Mem)
 			}
@@ -202,17 +203,17 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int, perfOn bool) erro
 	}
 	pc := r.p50Headline(metric, lat)
 	r.res.Extra["phase_p50_ms"] = PhaseMedians{
-		Prepare: round3(median(prep)), Spawn: round3(median(spawn)), Restore: round3(median(rest)),
-		Agent: round3(median(agent)), FirstCommand: round3(median(cmd)),
+		Prepare: report.Round3(report.Median(prep)), Spawn: report.Round3(report.Median(spawn)), Restore: report.Round3(report.Median(rest)),
+		Agent: report.Round3(report.Median(agent)), FirstCommand: report.Round3(report.Median(cmd)),
 	}
 	r.res.Extra["isolation"] = rep
-	if m := memSummary(mems); m != nil {
+	if m := report.SummarizeMem(mems); m != nil {
 		r.res.Extra["memory_mb_p50"] = m
 	}
 	jitLine := ""
 	if len(tbReady) > 0 {
-		r.res.Extra["tcg_blocks_p50"] = TCGBlocks{Ready: median(tbReady), FirstCommand: median(tbCmd), N: len(tbReady)}
-		jitLine = fmt.Sprintf(" TCG translation blocks generated (medians): %.0f until ready, %.0f more by the first command.", median(tbReady), median(tbCmd))
+		r.res.Extra["tcg_blocks_p50"] = TCGBlocks{Ready: report.Median(tbReady), FirstCommand: report.Median(tbCmd), N: len(tbReady)}
+		jitLine = fmt.Sprintf(" TCG translation blocks generated (medians): %.0f until ready, %.0f more by the first command.", report.Median(tbReady), report.Median(tbCmd))
 	}
 	if warm > 0 {
 		r.caveat("warm pool of %d (restored: %v): each fork claims a pre-spawned QEMU (-incoming defer, capabilities set; restored: already loaded, warmed up by one command and stopped, so the fork has run ~0.2 s of guest time after the checkpoint); the pool is refilled, untimed, before each sample", warm, r.warmRestored)
@@ -220,7 +221,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int, perfOn bool) erro
 	r.res.Method = fmt.Sprintf("Serial: for i in 1..%d, t0; engine.Fork of a pinned checkpoint of a world VM that dirtied %d MB of RAM; the first `sh -c true` through the agent; t1; delete the fork; sample = (ready - t0) + (t1 - command start); under TCG an x-query-jit between the two and one after t1 count the translation blocks QEMU generated until ready and during the command. Phase medians come from the engine's PhaseTimings. Two extra forks (iso-a, iso-b) run the isolation check, both with the full world-state check. Each fork's memory is read after its first command. %s %s",
 		n, r.shape.DirtyMB, memMethod, r.isoMethod())
 	r.section("## Serial forks\n\nfork → first command p50 %.0f ms (p90 %.0f, p99 %.0f, min %.0f, max %.0f) over %d. Phase medians: prepare %.1f ms, spawn %.1f ms, restore %.1f ms, agent %.1f ms, first command %.1f ms.%s%s\n\n```\n%s```\n\nIsolation: %d forks cheap-checked, full world state on %v, failures %d.\n\n",
-		pc.P50, pc.P90, pc.P99, pc.Min, pc.Max, len(lat), median(prep), median(spawn), median(rest), median(agent), median(cmd), jitLine, memText(mems, "after its first command"), asciiChart(bars, 40, "ms"),
+		pc.P50, pc.P90, pc.P99, pc.Min, pc.Max, len(lat), report.Median(prep), report.Median(spawn), report.Median(rest), report.Median(agent), report.Median(cmd), jitLine, report.MemText(mems, "after its first command"), report.ASCIIChart(bars, 40, "ms"),
 		rep.CheapChecked, rep.FullChecked, len(rep.Failures))
 	if peer {
 		return r.runPeer(w, peerN, true, pc.P50)

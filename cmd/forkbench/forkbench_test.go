@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/faultclass"
 )
@@ -34,16 +35,16 @@ func TestPercentiles(t *testing.T) {
 		{"clamped", []float64{1, 2}, 150, 2},
 	}
 	for _, tt := range tests {
-		if got := percentile(tt.xs, tt.q); math.Abs(got-tt.want) > 1e-9 {
+		if got := report.Percentile(tt.xs, tt.q); math.Abs(got-tt.want) > 1e-9 {
 			t.Errorf("%s: percentile(%v, %v) = %v, want %v", tt.name, tt.xs, tt.q, got, tt.want)
 		}
 	}
 	xs := []float64{10, 30, 20}
-	p := summarize(xs)
+	p := report.Summarize(xs)
 	if p.P50 != 20 || p.Min != 10 || p.Max != 30 || xs[0] != 10 {
 		t.Errorf("summarize = %+v (input %v must stay unsorted)", p, xs)
 	}
-	if (summarize(nil) != Percentiles{}) {
+	if (report.Summarize(nil) != report.Percentiles{}) {
 		t.Error("summarize(nil) not zero")
 	}
 }
@@ -57,10 +58,10 @@ func seq(n int) []float64 {
 }
 
 func TestResultJSONHasEverySchemaField(t *testing.T) {
-	r := &Result{Schema: SchemaVersion, Bench: "fanout", Metric: "wave64_wall_s", Value: 1.5, Unit: "s", Stat: "wall", N: 3,
+	r := &report.Result{Schema: report.SchemaVersion, Bench: "fanout", Metric: "wave64_wall_s", Value: 1.5, Unit: "s", Stat: "wall", N: 3,
 		Extra: map[string]any{"bad": math.NaN()}}
 	var buf bytes.Buffer
-	if err := writeResultJSON(&buf, r); err != nil {
+	if err := report.WriteResultJSON(&buf, r); err != nil {
 		t.Fatal(err)
 	}
 	var m map[string]any
@@ -108,7 +109,7 @@ func TestTraceShape(t *testing.T) {
 	t0 := time.Now()
 	tr := newTrace(t0)
 	tr.Group(1, "wave8")
-	tr.ForkSpans(1, 1, "w8-1", t0.Add(time.Millisecond), phases{time.Millisecond, 50 * time.Millisecond, time.Millisecond, 100 * time.Millisecond}, nil,
+	tr.ForkSpans(1, 1, "w8-1", t0.Add(time.Millisecond), report.Phases{Prepare: time.Millisecond, Spawn: 50 * time.Millisecond, Restore: time.Millisecond, Agent: 100 * time.Millisecond}, nil,
 		t0.Add(200*time.Millisecond), 20*time.Millisecond, map[string]any{"cpu_user_ms": 12.0})
 	var nilTrace *Trace
 	nilTrace.Span(1, 1, "x", "y", t0, time.Second, nil) // must not panic
@@ -165,8 +166,8 @@ func TestCSVHeader(t *testing.T) {
 	faults[faultclass.BeforeReady][faultclass.Other][faultclass.WriteNotPresent] = 2000
 	faults[faultclass.AfterReady][faultclass.RAMData][faultclass.WritePresent] = 8192
 	faults[faultclass.AfterReady][faultclass.RAMHole][faultclass.ReadNotPresent] = 5
-	mem := &forkMem{AnonMB: 30, PrivateMB: 30.5, RAMCowMB: 2.5, TCGCodeMB: 16.25, HeapMB: 9, LibrariesMB: 2.25, PageTablesMB: 0.5, SharedMB: 40}
-	err := writeCSV(&buf, []Sample{
+	mem := &report.ForkMem{AnonMB: 30, PrivateMB: 30.5, RAMCowMB: 2.5, TCGCodeMB: 16.25, HeapMB: 9, LibrariesMB: 2.25, PageTablesMB: 0.5, SharedMB: 40}
+	err := report.WriteCSV(&buf, []report.Sample{
 		{Bench: "fork", Group: "serial", Index: 2, Name: "f3", OK: true, LatencyMS: 170.12345, TBsReady: 17000, TBsFirstCmd: 14000, Error: "a, \"b\""},
 		{Bench: "fork", Group: "serial", Index: 3, Name: "f4", OK: true, Mem: mem},
 		{Bench: "fork", Group: "serial", Index: 4, Name: "f5", OK: true,
@@ -208,46 +209,46 @@ func TestCSVHeader(t *testing.T) {
 	if got, want := strings.Join(rows[3][last-8:last], ","), "0,0,0,2000,8192,5,0,0"; got != want {
 		t.Errorf("row 3 fault cells = %s, want %s", got, want)
 	}
-	if sec := faultsSection([]Sample{{OK: true, Faults: &faults}}); !strings.Contains(sec, "| after ready | 8192 | 5 | 0 | 0 |") {
+	if sec := report.FaultsSection([]report.Sample{{OK: true, Faults: &faults}}); !strings.Contains(sec, "| after ready | 8192 | 5 | 0 | 0 |") {
 		t.Errorf("faults section:\n%s", sec)
 	}
-	sec := countersSection([]Sample{{OK: true, Counters: &engine.Counters{Source: "proc", Ready: engine.KernelCounters{MinorFaults: 9}}}})
+	sec := report.CountersSection([]report.Sample{{OK: true, Counters: &engine.Counters{Source: "proc", Ready: engine.KernelCounters{MinorFaults: 9}}}})
 	if !strings.Contains(sec, "source: proc (1 forks)") || !strings.Contains(sec, "| ready (QEMU start to ready) | 9 |") {
 		t.Errorf("counters section:\n%s", sec)
 	}
-	if countersSection([]Sample{{OK: true}}) != "" {
+	if report.CountersSection([]report.Sample{{OK: true}}) != "" {
 		t.Error("a counters section without counters")
 	}
 }
 
 func TestMemSummary(t *testing.T) {
-	if memSummary(nil) != nil || memText(nil, "x") != "" {
+	if report.SummarizeMem(nil) != nil || report.MemText(nil, "x") != "" {
 		t.Error("empty input must give nothing")
 	}
-	ms := []forkMem{{PrivateMB: 10, RAMCowMB: 1, TCGCodeMB: 5}, {PrivateMB: 30, RAMCowMB: 3, TCGCodeMB: 7}, {PrivateMB: 20, RAMCowMB: 2, TCGCodeMB: 6}}
-	s := memSummary(ms)
-	if (*s != MemSummary{N: 3, Private: 20, GuestWritten: 2, TCGCode: 6}) {
+	ms := []report.ForkMem{{PrivateMB: 10, RAMCowMB: 1, TCGCodeMB: 5}, {PrivateMB: 30, RAMCowMB: 3, TCGCodeMB: 7}, {PrivateMB: 20, RAMCowMB: 2, TCGCodeMB: 6}}
+	s := report.SummarizeMem(ms)
+	if (*s != report.MemSummary{N: 3, Private: 20, GuestWritten: 2, TCGCode: 6}) {
 		t.Errorf("summary = %+v", *s)
 	}
 	// Each column lands in its own field: forkMem.values, memColumns and MemSummary agree.
-	one := forkMem{PrivateMB: 1, RAMCowMB: 2, TCGCodeMB: 3, HeapMB: 4, LibrariesMB: 5, PageTablesMB: 6, SharedMB: 7}
+	one := report.ForkMem{PrivateMB: 1, RAMCowMB: 2, TCGCodeMB: 3, HeapMB: 4, LibrariesMB: 5, PageTablesMB: 6, SharedMB: 7}
 	var got map[string]any
-	b, _ := json.Marshal(memSummary([]forkMem{one}))
+	b, _ := json.Marshal(report.SummarizeMem([]report.ForkMem{one}))
 	if err := json.Unmarshal(b, &got); err != nil {
 		t.Fatal(err)
 	}
-	for i, c := range memColumns {
-		if k := strings.TrimSuffix(c, "_mb"); got[k] != one.values()[i] {
-			t.Errorf("memory_mb_p50.%s = %v, want %v (%s)", k, got[k], one.values()[i], b)
+	for i, c := range report.MemColumns {
+		if k := strings.TrimSuffix(c, "_mb"); got[k] != one.Values()[i] {
+			t.Errorf("memory_mb_p50.%s = %v, want %v (%s)", k, got[k], one.Values()[i], b)
 		}
 	}
-	if txt := memText(ms, "at ready"); !strings.Contains(txt, "at ready (medians of 3, MiB): private 20.0 = guest pages written 2.0 + TCG code 6.0") {
+	if txt := report.MemText(ms, "at ready"); !strings.Contains(txt, "at ready (medians of 3, MiB): private 20.0 = guest pages written 2.0 + TCG code 6.0") {
 		t.Errorf("text = %q", txt)
 	}
 }
 
 func TestASCIIChart(t *testing.T) {
-	out := asciiChart([]Bar{{"a", 100}, {"bbb", 50}, {"c", 0}}, 10, "ms")
+	out := report.ASCIIChart([]report.Bar{{Label: "a", Value: 100}, {Label: "bbb", Value: 50}, {Label: "c", Value: 0}}, 10, "ms")
 	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
 	if len(lines) != 3 {
 		t.Fatalf("lines = %q", lines)
@@ -261,7 +262,7 @@ func TestASCIIChart(t *testing.T) {
 	if strings.Contains(lines[2], "#") {
 		t.Errorf("zero bar drawn: %q", lines[2])
 	}
-	h := histogramBars([]float64{1, 2, 3, 10}, 3)
+	h := report.HistogramBars([]float64{1, 2, 3, 10}, 3)
 	total := 0.0
 	for _, b := range h {
 		total += b.Value
@@ -390,7 +391,7 @@ func TestTraceEngineSpans(t *testing.T) {
 	t0 := time.Now()
 	tr := newTrace(t0)
 	spans := []engine.Span{{Name: "prepare", StartMono: 5_000_000, EndMono: 6_000_000}, {Name: "agent", StartMono: 9_000_000, EndMono: 9_500_000}}
-	tr.ForkSpans(1, 1, "f", t0, phases{Prepare: time.Second, Spawn: time.Second}, spans, t0, time.Millisecond, nil)
+	tr.ForkSpans(1, 1, "f", t0, report.Phases{Prepare: time.Second, Spawn: time.Second}, spans, t0, time.Millisecond, nil)
 	var got []string
 	for _, e := range tr.events {
 		if e.Ph == "X" {
@@ -423,7 +424,7 @@ func TestTreeTargets(t *testing.T) {
 			[]bool{false, false, true, true, false, true, true}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r := &runner{res: &Result{Extra: map[string]any{}}}
+			r := &runner{res: &report.Result{Extra: map[string]any{}}}
 			r.shape.MemoryMiB = 2048
 			treeTargets(r, levels, 200, tc.memRatio, tc.size)
 			out := r.res.Extra["targets"].([]TreeTarget)

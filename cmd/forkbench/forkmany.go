@@ -6,6 +6,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -33,7 +34,7 @@ func forkManyCmd() *cli.Command {
 type ForkManySettings struct {
 	Batches int `json:"batches"`
 	N       int `json:"n"`
-	RunSettings
+	report.RunSettings
 }
 
 func runForkMany(r *runner, batches, n int) error {
@@ -43,7 +44,7 @@ func runForkMany(r *runner, batches, n int) error {
 	}
 	r.worldExtra(w)
 	var walls, lat []float64
-	var bars []Bar
+	var bars []report.Bar
 	refused := 0
 	r.section("## Batches\n\n")
 	for b := 1; b <= batches; b++ {
@@ -61,8 +62,8 @@ func runForkMany(r *runner, batches, n int) error {
 		}
 		refused += wr.AdmissionCount
 		if wr.ReadyCount() > 0 {
-			walls = append(walls, ms(wr.Wall))
-			bars = append(bars, Bar{Label: label, Value: ms(wr.Wall)})
+			walls = append(walls, report.Ms(wr.Wall))
+			bars = append(bars, report.Bar{Label: label, Value: report.Ms(wr.Wall)})
 		}
 		lat = append(lat, wr.latencies()...)
 		if wr.AdmissionCount > 0 {
@@ -76,12 +77,12 @@ func runForkMany(r *runner, batches, n int) error {
 	}
 	pc := r.p50Headline(fmt.Sprintf("batch%d_wall_p50_ms", n), walls)
 	r.res.Extra["batch_walls_ms"] = roundAll(walls)
-	r.res.Extra["fork_latency_ms"] = roundP(summarize(lat))
+	r.res.Extra["fork_latency_ms"] = roundP(report.Summarize(lat))
 	r.res.Extra["refused_by_admission"] = refused
 	if refused > 0 {
 		r.caveat("%d forks were refused by admission (overcommit %.0f): batch walls cover the ready forks only", refused, r.overcommit)
 	}
 	r.res.Method = fmt.Sprintf("%d batches: ForkMany of %d forks at once from a pinned checkpoint of a world that dirtied %d MB; batch wall = first fork start to last fork ready; forks deleted after each batch; percentiles are over batch walls (ms).", batches, n, r.shape.DirtyMB)
-	r.section("Batch wall p50 %.0f ms (min %.0f, max %.0f):\n\n```\n%s```\n\n", pc.P50, pc.Min, pc.Max, asciiChart(bars, 40, "ms"))
+	r.section("Batch wall p50 %.0f ms (min %.0f, max %.0f):\n\n```\n%s```\n\n", pc.P50, pc.Min, pc.Max, report.ASCIIChart(bars, 40, "ms"))
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -66,7 +67,7 @@ func treeFreshWave(r *runner, depth, n, writeMB int) {
 		if ready > 0 {
 			private, lineage = private/float64(ready), lineage/float64(ready)
 		}
-		return ready, round3(private), round3(lineage), round3(ms(wr.Wall))
+		return ready, report.Round3(private), report.Round3(lineage), report.Round3(report.Ms(wr.Wall))
 	}
 	fw.ShallowReady, fw.ShallowPrivateMB, _, fw.ShallowWallMS = measure("fw-shallow", "t0")
 
@@ -86,18 +87,18 @@ func treeFreshWave(r *runner, depth, n, writeMB int) {
 		return
 	}
 	defer r.e.DeleteCheckpoint(ctx, fw.Checkpoint, &engine.DeleteCheckpointOptions{Force: true})
-	fw.CheckpointMS = round3(ms(ck.Manifest.Timings.Total))
+	fw.CheckpointMS = report.Round3(report.Ms(ck.Manifest.Timings.Total))
 	fw.Layers = len(ck.Manifest.Layers)
 	for _, l := range ck.Manifest.Layers {
 		fw.LayersMB += float64(l.Size) / (1 << 20)
 	}
-	fw.LayersMB = round3(fw.LayersMB)
+	fw.LayersMB = report.Round3(fw.LayersMB)
 	fw.DeepReady, fw.DeepPrivateMB, fw.DeepLineageMB, fw.DeepWallMS = measure("fw-deep", fw.Checkpoint)
 	if info, err := r.e.CheckpointInfo(fw.Checkpoint); err == nil {
-		fw.FlatMB = round3(float64(info.FlatBytes) / (1 << 20))
+		fw.FlatMB = report.Round3(float64(info.FlatBytes) / (1 << 20))
 	}
 	if fw.ShallowPrivateMB > 0 && fw.DeepReady > 0 {
-		fw.Ratio = round3(fw.DeepPrivateMB / fw.ShallowPrivateMB)
+		fw.Ratio = report.Round3(fw.DeepPrivateMB / fw.ShallowPrivateMB)
 	}
 	r.res.Extra["fresh_wave"] = fw
 	r.logf("fresh wave of %d: depth 1 %.1f MiB private per fork (%d ready, %.0f ms); checkpoint %s (%d layers, %.0f MiB) taken %.0f ms before: %.1f MiB per fork (lineage %.1f; %d ready, %.0f ms), %.2fx; flat file %.0f MiB",

@@ -11,6 +11,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -51,7 +52,7 @@ type GenerationsSettings struct {
 	Keep      int `json:"keep"`
 	ForkEvery int `json:"fork_every"`
 	Window    int `json:"window"`
-	RunSettings
+	report.RunSettings
 }
 
 // GenerationCycle is one cycle in result.json (extra.cycles): the checkpoint's time and
@@ -118,7 +119,7 @@ func windowPhases(cs []GenerationCycle) GenerationPhases {
 	for _, c := range cs {
 		m, f, d, r = append(m, c.MigrateMS), append(f, c.FreezeMS), append(d, c.DiskMS), append(r, c.RAMFrozenMB)
 	}
-	return GenerationPhases{MigrateMS: round3(median(m)), FreezeMS: round3(median(f)), DiskMS: round3(median(d)), RAMFrozenMB: round3(median(r))}
+	return GenerationPhases{MigrateMS: report.Round3(report.Median(m)), FreezeMS: report.Round3(report.Median(f)), DiskMS: report.Round3(report.Median(d)), RAMFrozenMB: report.Round3(report.Median(r))}
 }
 
 // vmChainLen reads the length of VM name's disk chain from its manifest.
@@ -184,18 +185,18 @@ cycle:
 		t0 := time.Now()
 		c, err := r.e.Checkpoint(ctx, "world", name, &engine.CheckpointOptions{Pin: true})
 		d := time.Since(t0)
-		r.addSample(Sample{Group: "checkpoint", Index: i, Name: name, OK: err == nil, LatencyMS: ms(d), Error: errText(err)})
+		r.addSample(report.Sample{Group: "checkpoint", Index: i, Name: name, OK: err == nil, LatencyMS: report.Ms(d), Error: errText(err)})
 		if err != nil {
 			r.fail("cycle %d: checkpoint: %v", i, err)
 			stopped = fmt.Sprintf("cycle %d: checkpoint: %v", i, err)
 			break
 		}
-		gc := GenerationCycle{Cycle: i, CheckpointMS: round3(ms(d)), CkChain: len(c.Manifest.Disk),
-			FreezeMS: round3(ms(c.Manifest.Timings.Freeze)), DiskMS: round3(ms(c.Manifest.Timings.Disk)), MigrateMS: round3(ms(c.Manifest.Timings.Migrate))}
+		gc := GenerationCycle{Cycle: i, CheckpointMS: report.Round3(report.Ms(d)), CkChain: len(c.Manifest.Disk),
+			FreezeMS: report.Round3(report.Ms(c.Manifest.Timings.Freeze)), DiskMS: report.Round3(report.Ms(c.Manifest.Timings.Disk)), MigrateMS: report.Round3(report.Ms(c.Manifest.Timings.Migrate))}
 		if c.Manifest.Freeze != nil {
-			gc.RAMFrozenMB = round3(float64(c.Manifest.Freeze.Bytes) / (1 << 20))
+			gc.RAMFrozenMB = report.Round3(float64(c.Manifest.Freeze.Bytes) / (1 << 20))
 		}
-		ckMS = append(ckMS, ms(d))
+		ckMS = append(ckMS, report.Ms(d))
 		kept = append(kept, name)
 		for len(kept) > s.Keep {
 			if err := r.e.DeleteCheckpoint(ctx, kept[0], nil); err != nil {
@@ -207,7 +208,7 @@ cycle:
 		}
 		if i == 1 || i%s.ForkEvery == 0 || i == s.Cycles {
 			if lat, ok := r.generationFork(i, name); ok {
-				gc.ForkMS = round3(lat)
+				gc.ForkMS = report.Round3(lat)
 				forkMS = append(forkMS, lat)
 				sum.Forks++
 			}
@@ -218,7 +219,7 @@ cycle:
 		cycles = append(cycles, gc)
 		sum.CyclesDone = i
 		if i%100 == 0 {
-			r.logf("cycle %d: checkpoint %.0f ms, vm chain %d, ck chain %d, files %d, qemu fds %d", i, ms(d), gc.VMChain, gc.CkChain, gc.VMFiles, gc.QEMUFDs)
+			r.logf("cycle %d: checkpoint %.0f ms, vm chain %d, ck chain %d, files %d, qemu fds %d", i, report.Ms(d), gc.VMChain, gc.CkChain, gc.VMFiles, gc.QEMUFDs)
 		}
 	}
 	summarizeGenerations(&sum, s, cycles, ckMS, forkMS)
@@ -231,7 +232,7 @@ cycle:
 	}
 	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "checkpoint_ratio", sum.CheckpointRatio, "x", "p50 of the last window / p50 of the first"
 	r.res.N = len(ckMS)
-	r.res.Percentiles = roundP(summarize(ckMS))
+	r.res.Percentiles = roundP(report.Summarize(ckMS))
 	r.res.Extra["percentiles_of"] = "checkpoint time (ms), all cycles"
 	r.res.Extra["summary"] = sum
 	r.res.Extra["cycles"] = cycles
@@ -255,10 +256,10 @@ func (r *runner) generationFork(i int, name string) (float64, bool) {
 	ctx := r.ctx
 	f, err := r.e.Fork(ctx, name, &engine.ForkOptions{Name: "fork-" + name})
 	ok := err == nil
-	sm := Sample{Group: "fork", Index: i, Name: "fork-" + name}
+	sm := report.Sample{Group: "fork", Index: i, Name: "fork-" + name}
 	if ok {
-		sm.setPhases(phasesOf(f.Info().Timings))
-		sm.LatencyMS = ms(f.Info().Timings.Total)
+		sm.SetPhases(report.PhasesOf(f.Info().Timings))
+		sm.LatencyMS = report.Ms(f.Info().Timings.Total)
 		// The fork has the disk its checkpoint froze.
 		out, cerr := shell(ctx, f, fmt.Sprintf("cat /data/gen-%06d", i), time.Minute)
 		if cerr != nil || strings.TrimSpace(out) != fmt.Sprintf("gen-%d", i) {
@@ -288,18 +289,18 @@ func summarizeGenerations(sum *GenerationsSummary, s *GenerationsSettings, cycle
 	}
 	if len(ckMS) > 0 {
 		f, l := window(ckMS, s.Window)
-		sum.CheckpointFirstMS = round3(ckMS[0])
-		sum.CheckpointFirstWindowMS, sum.CheckpointLastWindowMS = round3(summarize(f).P50), round3(summarize(l).P50)
-		sum.CheckpointRatio = round3(ratio(summarize(l).P50, summarize(f).P50))
+		sum.CheckpointFirstMS = report.Round3(ckMS[0])
+		sum.CheckpointFirstWindowMS, sum.CheckpointLastWindowMS = report.Round3(report.Summarize(f).P50), report.Round3(report.Summarize(l).P50)
+		sum.CheckpointRatio = report.Round3(report.Ratio(report.Summarize(l).P50, report.Summarize(f).P50))
 		if len(cycles) == len(ckMS) {
 			sum.FirstWindowPhases, sum.LastWindowPhases = windowPhases(cycles[:len(f)]), windowPhases(cycles[len(cycles)-len(l):])
 		}
 	}
 	if len(forkMS) > 0 {
 		f, l := window(forkMS, max(1, s.Window/3))
-		sum.ForkFirstMS = round3(forkMS[0])
-		sum.ForkFirstWindowMS, sum.ForkLastWindowMS = round3(summarize(f).P50), round3(summarize(l).P50)
-		sum.ForkRatio = round3(ratio(summarize(l).P50, summarize(f).P50))
+		sum.ForkFirstMS = report.Round3(forkMS[0])
+		sum.ForkFirstWindowMS, sum.ForkLastWindowMS = report.Round3(report.Summarize(f).P50), report.Round3(report.Summarize(l).P50)
+		sum.ForkRatio = report.Round3(report.Ratio(report.Summarize(l).P50, report.Summarize(f).P50))
 	}
 	sum.WithinTarget = sum.CyclesDone == s.Cycles && sum.CheckpointRatio <= generationsTarget && sum.ForkRatio > 0 && sum.ForkRatio <= generationsTarget
 }

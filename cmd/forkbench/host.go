@@ -2,24 +2,23 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 	"github.com/forkvm/forkvm/procinfo"
 )
 
 // buildInfo collects versions of what is measured.
-func buildInfo(ctx context.Context, e *engine.Engine, cacheDir string) BuildInfo {
-	b := BuildInfo{Forkvm: "dev", Go: runtime.Version()}
+func buildInfo(ctx context.Context, e *engine.Engine, cacheDir string) report.BuildInfo {
+	b := report.BuildInfo{Forkvm: "dev", Go: runtime.Version()}
 	if bi, ok := debug.ReadBuildInfo(); ok {
 		rev, dirty := "", false
 		for _, s := range bi.Settings {
@@ -52,8 +51,8 @@ func buildInfo(ctx context.Context, e *engine.Engine, cacheDir string) BuildInfo
 }
 
 // hostInfo describes the host.
-func hostInfo(e *engine.Engine) HostInfo {
-	h := HostInfo{CPUs: runtime.NumCPU(), OS: runtime.GOOS + "/" + runtime.GOARCH}
+func hostInfo(e *engine.Engine) report.HostInfo {
+	h := report.HostInfo{CPUs: runtime.NumCPU(), OS: runtime.GOOS + "/" + runtime.GOARCH}
 	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
 		for _, l := range strings.Split(string(b), "\n") {
 			if k, v, ok := strings.Cut(l, ":"); ok && strings.TrimSpace(k) == "model name" {
@@ -66,7 +65,7 @@ func hostInfo(e *engine.Engine) HostInfo {
 		for _, l := range strings.Split(string(b), "\n") {
 			if f := strings.Fields(l); len(f) >= 2 && f[0] == "MemTotal:" {
 				kb, _ := strconv.ParseFloat(f[1], 64)
-				h.MemoryGB = round3(kb / (1 << 20))
+				h.MemoryGB = report.Round3(kb / (1 << 20))
 			}
 		}
 	}
@@ -132,17 +131,9 @@ func countFiles(dir string) int {
 	return n
 }
 
-// OtherVMs sorts the qemu-system processes that are not this run's: forkvm VMs by the
-// state directory they belong to (another engine, another user's FORKVM_HOME) and other
-// QEMU processes. Its JSON is environment.other_vms_detail.
-type OtherVMs struct {
-	ByStateDir map[string]int `json:"forkvm_by_state_dir"`
-	NotForkvm  int            `json:"not_forkvm"`
-}
-
 // classifyOthers sorts pids (qemu-system processes) into OtherVMs by their command lines.
-func classifyOthers(pids []int) OtherVMs {
-	o := OtherVMs{ByStateDir: map[string]int{}}
+func classifyOthers(pids []int) report.OtherVMs {
+	o := report.OtherVMs{ByStateDir: map[string]int{}}
 	for _, pid := range pids {
 		args, err := procinfo.ProcessArgs(pid)
 		if dir := stateDirOf(args); err == nil && dir != "" {
@@ -225,25 +216,4 @@ func qemuOpt(s, key string) string {
 		}
 	}
 	return ""
-}
-
-// otherVMsText is the report's sentence for the other VMs on the host.
-func otherVMsText(total int, o *OtherVMs) string {
-	if o == nil || total == 0 {
-		return fmt.Sprintf("%d", total)
-	}
-	dirs := make([]string, 0, len(o.ByStateDir))
-	for d := range o.ByStateDir {
-		dirs = append(dirs, d)
-	}
-	sort.Strings(dirs)
-	var parts []string
-	for _, d := range dirs {
-		parts = append(parts, fmt.Sprintf("%s %d", d, o.ByStateDir[d]))
-	}
-	s := fmt.Sprintf("%d (forkvm VMs of %d other state directories", total, len(dirs))
-	if len(parts) > 0 {
-		s += ": " + strings.Join(parts, ", ")
-	}
-	return s + fmt.Sprintf("; %d QEMU processes not forkvm's)", o.NotForkvm)
 }

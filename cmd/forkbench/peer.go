@@ -5,6 +5,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 )
 
 // PeerResult is the stock path as result.json records it (extra.peer): times in ms, the
@@ -62,19 +64,19 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 	if st, err := os.Stat(path); err == nil {
 		size = st.Size()
 	}
-	r.logf("peer: full save of %s: %.0f ms, %.0f MiB", src, ms(saveDur), float64(size)/(1<<20))
+	r.logf("peer: full save of %s: %.0f ms, %.0f MiB", src, report.Ms(saveDur), float64(size)/(1<<20))
 	restores, restoreErr := r.peerRestores(path, n)
-	rp50 := median(restores)
+	rp50 := report.Median(restores)
 	peer := &PeerResult{
-		SaveMS: round3(ms(saveDur)), SaveMB: round3(float64(size) / (1 << 20)), Restores: len(restores),
-		RestoreToFirstCmdMS: roundAll(restores), RestoreP50MS: round3(rp50), ForkP50MS: round3(forkP50),
+		SaveMS: report.Round3(report.Ms(saveDur)), SaveMB: report.Round3(float64(size) / (1 << 20)), Restores: len(restores),
+		RestoreToFirstCmdMS: roundAll(restores), RestoreP50MS: report.Round3(rp50), ForkP50MS: report.Round3(forkP50),
 		RestoreError: restoreErr,
 	}
 	if rp50 > 0 && forkP50 > 0 {
-		peer.PeerRestoreRatio = &PeerRestoreRatio{ForkvmVsRestoreRatio: round3(forkP50 / rp50), RestoreVsForkvmSpeedup: round3(rp50 / forkP50)}
+		peer.PeerRestoreRatio = &PeerRestoreRatio{ForkvmVsRestoreRatio: report.Round3(forkP50 / rp50), RestoreVsForkvmSpeedup: report.Round3(rp50 / forkP50)}
 	}
 	r.section("## Peer (stock path)\n\nFull save of the world (engine.Save, stop + migrate all RAM): %.0f ms, %.0f MiB. Restore (engine.Restore, anonymous RAM) → first `sh -c true`: p50 %.0f ms over %d (%v).\n\n",
-		ms(saveDur), float64(size)/(1<<20), rp50, len(restores), roundAll(restores))
+		report.Ms(saveDur), float64(size)/(1<<20), rp50, len(restores), roundAll(restores))
 	if coldBoot {
 		r.peerColdBoot(peer, forkP50)
 	}
@@ -116,9 +118,9 @@ func (r *runner) peerRestores(path string, n int) (restores []float64, restoreEr
 		name := fmt.Sprintf("peer-%d", i)
 		t0 := time.Now()
 		vm, err := r.e.Baseline().Restore(ctx, path, r.worldSpec(name, false))
-		s := Sample{Group: "peer-restore", Index: i - 1, Name: name}
+		s := report.Sample{Group: "peer-restore", Index: i - 1, Name: name}
 		if err != nil {
-			s.Error, s.LatencyMS = err.Error(), ms(time.Since(t0))
+			s.Error, s.LatencyMS = err.Error(), report.Ms(time.Since(t0))
 			r.addSample(s)
 			r.fail("peer restore %s: %v", name, err)
 			return restores, err.Error()
@@ -126,15 +128,15 @@ func (r *runner) peerRestores(path string, n int) (restores []float64, restoreEr
 		tc := time.Now()
 		d, err := firstCmd(ctx, vm)
 		total := time.Since(t0)
-		p := phasesOf(vm.Info().Timings)
+		p := report.PhasesOf(vm.Info().Timings)
 		s.OK = err == nil
-		s.LatencyMS, s.FirstCmdMS = ms(total), ms(d)
-		s.setPhases(p)
+		s.LatencyMS, s.FirstCmdMS = report.Ms(total), report.Ms(d)
+		s.SetPhases(p)
 		if err != nil {
 			s.Error = err.Error()
 			r.fail("peer restore %s: first command: %v", name, err)
 		} else {
-			restores = append(restores, ms(total))
+			restores = append(restores, report.Ms(total))
 		}
 		r.addSample(s)
 		r.trace.Group(9000, "peer restore")
@@ -160,17 +162,17 @@ func (r *runner) peerColdBoot(peer *PeerResult, forkP50 float64) {
 	}
 	d, err := firstCmd(ctx, vm)
 	total := time.Since(t0)
-	s := Sample{Group: "peer-cold-boot", Name: name, OK: err == nil, LatencyMS: ms(total), FirstCmdMS: ms(d)}
+	s := report.Sample{Group: "peer-cold-boot", Name: name, OK: err == nil, LatencyMS: report.Ms(total), FirstCmdMS: report.Ms(d)}
 	if err != nil {
 		s.Error = err.Error()
 		r.fail("peer cold boot: first command: %v", err)
 	} else {
-		cold := round3(ms(total))
+		cold := report.Round3(report.Ms(total))
 		peer.ColdBootMS = &cold
 		if forkP50 > 0 {
-			peer.PeerColdBootRatio = &PeerColdBootRatio{ForkvmVsColdBootRatio: round3(forkP50 / ms(total)), ColdBootVsForkvmSpeedup: round3(ms(total) / forkP50)}
+			peer.PeerColdBootRatio = &PeerColdBootRatio{ForkvmVsColdBootRatio: report.Round3(forkP50 / report.Ms(total)), ColdBootVsForkvmSpeedup: report.Round3(report.Ms(total) / forkP50)}
 		}
-		r.section("Cold boot (engine.Create → first `sh -c true`): %.0f ms.\n\n", ms(total))
+		r.section("Cold boot (engine.Create → first `sh -c true`): %.0f ms.\n\n", report.Ms(total))
 	}
 	r.addSample(s)
 	if err := r.e.Delete(ctx, name); err != nil {
@@ -181,7 +183,7 @@ func (r *runner) peerColdBoot(peer *PeerResult, forkP50 float64) {
 func roundAll(xs []float64) []float64 {
 	out := make([]float64, len(xs))
 	for i, x := range xs {
-		out[i] = round3(x)
+		out[i] = report.Round3(x)
 	}
 	return out
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/tracebundle"
 )
 
@@ -98,7 +99,7 @@ func TestHostSamplerAndBundle(t *testing.T) {
 	if counters == 0 {
 		t.Fatal("no counter events in the trace")
 	}
-	r := &runner{trace: tr, runOptions: runOptions{bench: "fork"}, res: &Result{MeasuredAt: "now"},
+	r := &runner{trace: tr, runOptions: runOptions{bench: "fork"}, res: &report.Result{MeasuredAt: "now"},
 		runOutput: runOutput{files: map[string][]byte{}}}
 	perfText, err := os.ReadFile("../../tracebundle/testdata/perf-script.txt")
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -41,7 +42,7 @@ type PythonSettings struct {
 	N    int `json:"n"`
 	Cold int `json:"cold"`
 	Warm int `json:"warm"`
-	RunSettings
+	report.RunSettings
 }
 
 // pythonModules are what the warm interpreter has imported (and the cold start imports).
@@ -84,7 +85,7 @@ func runPython(r *runner, n, cold, pool int) error {
 	if _, err := shell(ctx, w.VM, start, 5*time.Minute); err != nil {
 		return fmt.Errorf("warm interpreter: %w", err)
 	}
-	warmStartMS := ms(time.Since(t0))
+	warmStartMS := report.Ms(time.Since(t0))
 	if out, err := shell(ctx, w.VM, askWarm, time.Minute); err != nil || strings.TrimSpace(out) != "42" {
 		return fmt.Errorf("warm interpreter answers %q: %v", out, err)
 	}
@@ -92,7 +93,7 @@ func runPython(r *runner, n, cold, pool int) error {
 	if err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
-	r.res.Extra["checkpoint_ms"] = round3(ms(ck.Manifest.Timings.Total))
+	r.res.Extra["checkpoint_ms"] = report.Round3(report.Ms(ck.Manifest.Timings.Total))
 	warm := r.forkAndAsk("warm", "py", n, nil)
 	var pooled []float64
 	if pool > 0 {
@@ -117,7 +118,7 @@ func runPython(r *runner, n, cold, pool int) error {
 	coldCmd := fmt.Sprintf("python3 -c 'import %s; print(6*7)'", pythonModules)
 	for i := 0; i < cold; i++ {
 		name := fmt.Sprintf("cold%d", i+1)
-		s := Sample{Group: "cold", Index: i, Name: name}
+		s := report.Sample{Group: "cold", Index: i, Name: name}
 		vm, err := r.e.Create(ctx, r.worldSpec(name, false))
 		if err == nil {
 			t := time.Now()
@@ -126,7 +127,7 @@ func runPython(r *runner, n, cold, pool int) error {
 			if err == nil && strings.TrimSpace(out) != "42" {
 				err = fmt.Errorf("printed %q", out)
 			}
-			s.LatencyMS = ms(time.Since(t))
+			s.LatencyMS = report.Ms(time.Since(t))
 			_ = r.e.Delete(ctx, name)
 		}
 		if err != nil {
@@ -139,20 +140,20 @@ func runPython(r *runner, n, cold, pool int) error {
 		r.addSample(s)
 	}
 	pw := r.p50Headline("warm_fork_first_answer_p50_ms", warm)
-	pc := summarize(coldMS)
-	r.res.Extra["warm_interpreter_start_ms"] = round3(warmStartMS)
+	pc := report.Summarize(coldMS)
+	r.res.Extra["warm_interpreter_start_ms"] = report.Round3(warmStartMS)
 	r.res.Extra["cold_python_ms"] = roundP(pc)
 	ratio := 0.0
 	if pw.P50 > 0 {
-		ratio = round3(pc.P50 / pw.P50)
+		ratio = report.Round3(pc.P50 / pw.P50)
 	}
 	r.res.Extra["cold_over_warm"] = ratio
 	poolText := ""
 	if pool > 0 {
-		pp := summarize(pooled)
+		pp := report.Summarize(pooled)
 		r.res.Extra["pooled_fork_first_answer_ms"] = roundP(pp)
 		if pp.P50 > 0 {
-			r.res.Extra["cold_over_pooled"] = round3(pc.P50 / pp.P50)
+			r.res.Extra["cold_over_pooled"] = report.Round3(pc.P50 / pp.P50)
 			poolText = fmt.Sprintf(" From a pre-restored pool of %d warmed up by one question: p50 %.0f ms (n=%d), cold / pooled = %.1fx.", pool, pp.P50, len(pooled), pc.P50/pp.P50)
 		}
 	}
@@ -174,7 +175,7 @@ func (r *runner) forkAndAsk(group, prefix string, n int, before func()) []float6
 			before()
 		}
 		name := fmt.Sprintf("%s%d", prefix, i+1)
-		s := Sample{Group: group, Index: i, Name: name}
+		s := report.Sample{Group: group, Index: i, Name: name}
 		t := time.Now()
 		vm, err := r.e.Fork(ctx, "warm-ck", &engine.ForkOptions{Name: name})
 		if err == nil {
@@ -183,7 +184,7 @@ func (r *runner) forkAndAsk(group, prefix string, n int, before func()) []float6
 			if err == nil && strings.TrimSpace(ans) != "42" {
 				err = fmt.Errorf("answered %q", ans)
 			}
-			s.LatencyMS = ms(time.Since(t))
+			s.LatencyMS = report.Ms(time.Since(t))
 			_ = r.e.Delete(ctx, name)
 		}
 		if err != nil {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -31,8 +32,8 @@ func outcome(n, ready int, wall time.Duration, lat ...float64) *waveOutcome {
 		wr.Events = append(wr.Events, ev)
 	}
 	wr.noteRefusals(adm)
-	o := &waveOutcome{n: n, wr: wr, lat: lat, mems: map[string]forkMem{"a": {PrivateMB: 22, RAMCowMB: 2, TCGCodeMB: 10, HeapMB: 8}}}
-	o.sum = waveSummary(wr, summarize(lat), forkStats{}, IsoReport{Failures: []string{}}, IdleCPU{})
+	o := &waveOutcome{n: n, wr: wr, lat: lat, mems: map[string]report.ForkMem{"a": {PrivateMB: 22, RAMCowMB: 2, TCGCodeMB: 10, HeapMB: 8}}}
+	o.sum = waveSummary(wr, report.Summarize(lat), forkStats{}, IsoReport{Failures: []string{}}, IdleCPU{})
 	return o
 }
 
@@ -58,7 +59,7 @@ func TestPartialWaveNeverHeadline(t *testing.T) {
 			"wave64_wall_s", "incomplete", 0, 0, []string{"wave64_admitted"}, []string{"wave64_wall_s"}, true, 0, 0},
 	}
 	for _, tt := range tests {
-		res := &Result{Extra: map[string]any{}}
+		res := &report.Result{Extra: map[string]any{}}
 		_, stop := fanoutHeadline(res, tt.outs, 640, 64)
 		if res.Metric != tt.metric || res.Stat != tt.stat || res.Value != tt.value || res.N != tt.n {
 			t.Errorf("%s: headline %s = %v (%s, n %d)", tt.name, res.Metric, res.Value, res.Stat, res.N)
@@ -156,7 +157,7 @@ func TestReferenceFigures(t *testing.T) {
 		"microvm_checkpoint_ms_p50": {695.5, "ms", 10, micro}, "microvm_restore_ms_p50": {611, "ms", 10, micro},
 		"microvm_fork_running_s_p50": {1.21, "s", 10, micro}, "microvm_fanout8_wall_s": {1.54, "s", 8, micro},
 	}
-	ref, err := parseReference(referenceJSON)
+	ref, err := report.ParseReference(report.ReferenceJSON)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +184,7 @@ func TestReferenceFigures(t *testing.T) {
 		`{"schema":"forkvm.reference/v1","machines":{"m":{"short":"m","full":"m"}},"figures":[{"key":"a","value":1,"unit":"s","bench":"fanout","ours":"value","ours_unit":"s","url":"","machine":"m"}]}`,
 		`{"schema":"forkvm.reference/v1","unknown":1}`,
 	} {
-		if _, err := parseReference([]byte(bad)); !errors.Is(err, ErrBadReference) {
+		if _, err := report.ParseReference([]byte(bad)); !errors.Is(err, report.ErrBadReference) {
 			t.Errorf("parseReference(%.60s) = %v, want ErrBadReference", bad, err)
 		}
 	}
@@ -192,11 +193,11 @@ func TestReferenceFigures(t *testing.T) {
 // TestCompareWithReference: complete waves get a ratio in the reference's unit, partial
 // ones say so and get none.
 func TestCompareWithReference(t *testing.T) {
-	res := &Result{Bench: "fanout", Extra: map[string]any{}, Host: HostInfo{CPUs: 2, Model: "EPYC", Accel: "tcg"}}
+	res := &report.Result{Bench: "fanout", Extra: map[string]any{}, Host: report.HostInfo{CPUs: 2, Model: "EPYC", Accel: "tcg"}}
 	fanoutHeadline(res, []*waveOutcome{outcome(8, 8, 790*time.Millisecond, 100), outcome(64, 12, 672*time.Millisecond, 400)}, 640, 64)
 	res.Extra["checkpoint_ms"] = 324.2
-	rows := map[string]CompareRow{}
-	for _, r := range compareWithReference(res, reference()) {
+	rows := map[string]report.CompareRow{}
+	for _, r := range report.CompareWithReference(res, report.LoadReference()) {
 		rows[r.Figure.Key] = r
 	}
 	if r := rows["wave8_wall_s"]; !r.Have || r.Ratio != 1 || r.Note != "" {
@@ -217,7 +218,7 @@ func TestCompareWithReference(t *testing.T) {
 	if _, ok := rows["fork_first_cmd_ms_p50"]; ok {
 		t.Errorf("a fanout result is compared with the fork bench's figure")
 	}
-	table := comparisonTable(res, reference(), compareWithReference(res, reference()))
+	table := report.ComparisonTable(res, report.LoadReference(), report.CompareWithReference(res, report.LoadReference()))
 	if !strings.Contains(table, "| 64 forks at once, first start → last ready (`wave64_wall_s`) | partial: 12/64 ready | [7.34 s](https://cua.ai/benchmarks/fork-64-sandboxes-one-mac) | — |") {
 		t.Errorf("table:\n%s", table)
 	}
@@ -226,28 +227,28 @@ func TestCompareWithReference(t *testing.T) {
 	res.Extra["default_settings"] = map[string]any{"overcommit": 12, "budget_vcpus": 24,
 		"waves": map[string]WaveSummary{"wave64": {N: 64, Ready: 12}}}
 	res.Extra["default_settings_wave64_admitted"] = 12
-	res.Environment.Settings = &FanoutSettings{Fit: &FitDecision{HeadlineOvercommit: 64}, RunSettings: RunSettings{Overcommit: 12}}
-	rows = map[string]CompareRow{}
-	for _, r := range compareWithReference(res, reference()) {
+	res.Environment.Settings = &FanoutSettings{Fit: &FitDecision{HeadlineOvercommit: 64}, RunSettings: report.RunSettings{Overcommit: 12}}
+	rows = map[string]report.CompareRow{}
+	for _, r := range report.CompareWithReference(res, report.LoadReference()) {
 		rows[r.Figure.Key] = r
 	}
 	if r := rows["default_settings_wave64_admitted"]; !r.Have || r.Ours != 12 || r.Ratio != 0 || !strings.Contains(r.Note, "budget 24 vCPUs") {
 		t.Errorf("admitted row %+v", r)
 	}
-	if m := rows["default_settings_wave64_admitted"].machines(res, reference()); !strings.HasSuffix(m, ", overcommit 12 vs M2 Max 12 cores, QEMU/HVF, overcommit 8") {
+	if m := rows["default_settings_wave64_admitted"].Machines(res, report.LoadReference()); !strings.HasSuffix(m, ", overcommit 12 vs M2 Max 12 cores, QEMU/HVF, overcommit 8") {
 		t.Errorf("default pass machines %q", m)
 	}
-	if m := rows["wave8_wall_s"].machines(res, reference()); !strings.HasSuffix(m, ", overcommit 64 vs M2 Max 12 cores, QEMU/HVF, overcommit 12") {
+	if m := rows["wave8_wall_s"].Machines(res, report.LoadReference()); !strings.HasSuffix(m, ", overcommit 64 vs M2 Max 12 cores, QEMU/HVF, overcommit 12") {
 		t.Errorf("headline pass machines %q", m)
 	}
-	fork := &Result{Bench: "fork", Metric: "fork_p50_ms", Percentiles: Percentiles{P50: 164.4}, Extra: map[string]any{}}
-	for _, r := range compareWithReference(fork, reference()) {
+	fork := &report.Result{Bench: "fork", Metric: "fork_p50_ms", Percentiles: report.Percentiles{P50: 164.4}, Extra: map[string]any{}}
+	for _, r := range report.CompareWithReference(fork, report.LoadReference()) {
 		if r.Figure.Key == "fork_first_cmd_ms_p50" && r.Ratio != 0.5 {
 			t.Errorf("fork row %+v", r)
 		}
 	}
-	ck := &Result{Bench: "checkpoint-restore", Extra: map[string]any{"fork_running_vm_ms": Percentiles{P50: 605}}}
-	for _, r := range compareWithReference(ck, reference()) {
+	ck := &report.Result{Bench: "checkpoint-restore", Extra: map[string]any{"fork_running_vm_ms": report.Percentiles{P50: 605}}}
+	for _, r := range report.CompareWithReference(ck, report.LoadReference()) {
 		if r.Figure.Key == "microvm_fork_running_s_p50" && (r.Ours != 0.605 || r.Ratio != 0.5) {
 			t.Errorf("fork of a running VM (ms against s) %+v", r)
 		}
@@ -261,13 +262,13 @@ func TestCompare(t *testing.T) {
 	b := `{"schema":"forkvm.bench-result/v1","bench":"fanout","metric":"wave8_wall_s","value":1.2,"complete":false,"ok":false,
 		"percentiles":{"fork_ms_p50":1000},"extra":{"wave8_wall_s":1.2,"waves":{"wave8":{"complete":true,"wall_s":1.2},"wave64":{"complete":false,"wall_s":0.672}}},
 		"host":{"cpus":2}}`
-	da, err := parseResultDoc("a", []byte(a))
+	da, err := report.ParseResultDoc("a", []byte(a))
 	if err != nil {
 		t.Fatal(err)
 	}
-	db, _ := parseResultDoc("b", []byte(b))
+	db, _ := report.ParseResultDoc("b", []byte(b))
 	var out bytes.Buffer
-	if err := writeComparison(&out, da, db, false); err != nil {
+	if err := report.WriteComparison(&out, da, db, false); err != nil {
 		t.Fatal(err)
 	}
 	o := out.String()
@@ -290,12 +291,12 @@ func TestCompare(t *testing.T) {
 	}
 	// The published result JSON (its result under "current") reads the same way.
 	pub := `{"slug":"x","current":{"bench":"fork-fanout.qemu","metric":"wave64_wall_s","value":7.34,"extra":{"wave8_wall_s":0.79}}}`
-	dp, err := parseResultDoc("pub", []byte(pub))
+	dp, err := report.ParseResultDoc("pub", []byte(pub))
 	if err != nil || dp.Nums["extra.wave8_wall_s"] != 0.79 || dp.Status != "complete: unknown" {
 		t.Errorf("published doc %+v: %v", dp, err)
 	}
 	for _, bad := range []string{"", "[]", `{"value":1}`, "nope"} {
-		if _, err := parseResultDoc("bad", []byte(bad)); !errors.Is(err, ErrBadResult) {
+		if _, err := report.ParseResultDoc("bad", []byte(bad)); !errors.Is(err, report.ErrBadResult) {
 			t.Errorf("parseResultDoc(%q) = %v, want ErrBadResult", bad, err)
 		}
 	}
@@ -305,8 +306,8 @@ func TestCompare(t *testing.T) {
 // and marks partial waves.
 func TestFanoutSVG(t *testing.T) {
 	outs := []*waveOutcome{outcome(8, 8, 600*time.Millisecond, 100, 200, 300), outcome(64, 12, 672*time.Millisecond, 400)}
-	for _, waves := range [][]svgWave{svgWaves(nil, outs, 12, 12), svgWaves(outs, outs, 12, 64), nil} {
-		b := fanoutSVG(waves, `host <"a&b">`)
+	for _, waves := range [][]report.SVGWave{svgWaves(nil, outs, 12, 12), svgWaves(outs, outs, 12, 64), nil} {
+		b := report.FanoutSVG(waves, `host <"a&b">`)
 		dec := xml.NewDecoder(bytes.NewReader(b))
 		var texts []string
 		circles, root := 0, ""
@@ -372,8 +373,8 @@ func TestStateDirOf(t *testing.T) {
 			t.Errorf("stateDirOf(%v) = %q, want %q", tt.args, got, tt.want)
 		}
 	}
-	o := &OtherVMs{ByStateDir: map[string]int{"/b": 1, "/a": 3}, NotForkvm: 2}
-	if got := otherVMsText(6, o); got != "6 (forkvm VMs of 2 other state directories: /a 3, /b 1; 2 QEMU processes not forkvm's)" {
+	o := &report.OtherVMs{ByStateDir: map[string]int{"/b": 1, "/a": 3}, NotForkvm: 2}
+	if got := report.OtherVMsText(6, o); got != "6 (forkvm VMs of 2 other state directories: /a 3, /b 1; 2 QEMU processes not forkvm's)" {
 		t.Errorf("otherVMsText = %q", got)
 	}
 	if b, _ := json.Marshal(o); string(b) != `{"forkvm_by_state_dir":{"/a":3,"/b":1},"not_forkvm":2}` {
@@ -403,10 +404,10 @@ func TestHeldText(t *testing.T) {
 // table and the full method after the measurements; an incomplete headline reads as
 // no figure, never as 0.
 func TestReportMethodBelowTable(t *testing.T) {
-	r := &runner{res: &Result{Bench: "fanout", Metric: "wave64_wall_s", Stat: "incomplete", Method: "FULL METHOD", Extra: map[string]any{}}}
+	r := &runner{res: &report.Result{Bench: "fanout", Metric: "wave64_wall_s", Stat: "incomplete", Method: "FULL METHOD", Extra: map[string]any{}}}
 	r.methodShort = "SHORT"
 	r.section("### wave8\n\n")
-	md := r.renderReport(reference(), nil)
+	md := r.renderReport(report.LoadReference(), nil)
 	short, wave, full := strings.Index(md, "Method: SHORT"), strings.Index(md, "### wave8"), strings.Index(md, "## Method\n\nFULL METHOD")
 	if short < 0 || wave < short || full < wave {
 		t.Errorf("report order short %d, wave %d, full %d:\n%s", short, wave, full, md)
@@ -433,16 +434,16 @@ func TestDescribeFitNamesOthers(t *testing.T) {
 // against the published figures, and its report says it is a profiling run; the same
 // result without the mark is compared.
 func TestProfilingRunNotCompared(t *testing.T) {
-	fork := &Result{Bench: "fork", Metric: "fork_p50_ms", Percentiles: Percentiles{P50: 400}, Extra: map[string]any{}}
-	if len(compareWithReference(fork, reference())) == 0 {
+	fork := &report.Result{Bench: "fork", Metric: "fork_p50_ms", Percentiles: report.Percentiles{P50: 400}, Extra: map[string]any{}}
+	if len(report.CompareWithReference(fork, report.LoadReference())) == 0 {
 		t.Fatal("a benchmark run of fork has no row against the reference")
 	}
 	fork.Profiling = "--perf"
-	if rows := compareWithReference(fork, reference()); len(rows) != 0 {
+	if rows := report.CompareWithReference(fork, report.LoadReference()); len(rows) != 0 {
 		t.Errorf("a profiling run is compared: %+v", rows)
 	}
 	r := &runner{res: fork}
-	if rep := r.renderReport(reference(), nil); !strings.Contains(rep, "PROFILING RUN (--perf)") {
+	if rep := r.renderReport(report.LoadReference(), nil); !strings.Contains(rep, "PROFILING RUN (--perf)") {
 		t.Errorf("report does not say it is a profiling run:\n%s", rep)
 	}
 }

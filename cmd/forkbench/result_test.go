@@ -16,6 +16,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -83,12 +84,12 @@ func testWave(adm *engine.AdmissionError) *WaveResult {
 
 func TestWaveSummaryJSON(t *testing.T) {
 	vcpu := &engine.AdmissionError{Resource: "vcpu", Requested: 2, Available: 0, Budget: 6}
-	mems := []forkMem{{AnonMB: 20, PrivateMB: 21}, {AnonMB: 22, PrivateMB: 23}}
+	mems := []report.ForkMem{{AnonMB: 20, PrivateMB: 21}, {AnonMB: 22, PrivateMB: 23}}
 	stats := forkStats{cpuUser: []float64{100, 120, 140}, cpuSys: []float64{10, 20, 30}, anon: []float64{20, 22}, mems: mems}
 	tcg := stats
 	tcg.threads = map[string]int{"single": 3}
 	idle := IdleCPU{N: 3, Window: 3 * time.Second, TotalCores: 0.0123456, PerForkPct: 0.41152}
-	pc := summarize([]float64{300.1234, 400, 500})
+	pc := report.Summarize([]float64{300.1234, 400, 500})
 	tests := []struct {
 		name  string
 		ws    WaveSummary
@@ -100,7 +101,7 @@ func TestWaveSummaryJSON(t *testing.T) {
 		{"every part", waveSummary(testWave(vcpu), pc, tcg, IsoReport{Failures: []string{}, FullChecked: []string{}}, idle),
 			cat(waveKeys, []string{"tcg_thread_forks", "admission_stop"}, idleKeys),
 			map[string][]string{"memory_mb_p50": memKeys, "admission_stop": cat(admStopKeys, admWhyKeys), "tcg_thread_forks": {"single"}}},
-		{"tcg, nothing ready", waveSummary(&WaveResult{N: 1, AdmissionIndex: -1}, Percentiles{}, forkStats{threads: map[string]int{}}, IsoReport{}, IdleCPU{}),
+		{"tcg, nothing ready", waveSummary(&WaveResult{N: 1, AdmissionIndex: -1}, report.Percentiles{}, forkStats{threads: map[string]int{}}, IsoReport{}, IdleCPU{}),
 			cat(waveKeys, []string{"tcg_thread_forks"}), map[string][]string{"tcg_thread_forks": {}}},
 		{"refusal without details", waveSummary(testWave(nil), pc, stats, IsoReport{}, IdleCPU{}),
 			cat(waveKeys, []string{"admission_stop"}), map[string][]string{"admission_stop": admStopKeys}},
@@ -157,7 +158,7 @@ func TestResultPartsJSONKeys(t *testing.T) {
 		{"checkpoint-restore fanout", FanoutSummary{}, []string{"n", "ready", "refused", "wall_ms", "private_mb_per_fork", "admission"}},
 		{"fork phases", PhaseMedians{}, []string{"prepare", "spawn", "restore", "agent", "first_command"}},
 		{"fork tcg blocks", TCGBlocks{}, []string{"ready", "first_command", "n"}},
-		{"memory", MemSummary{}, memKeys},
+		{"memory", report.MemSummary{}, memKeys},
 		{"peer, restore failed", PeerResult{RestoreError: "e", ColdBootError: "c"}, cat(peerKeys, []string{"restore_error", "cold_boot_error"})},
 		{"peer, all", PeerResult{PeerRestoreRatio: &PeerRestoreRatio{}, ColdBootMS: &cold, PeerColdBootRatio: &PeerColdBootRatio{}},
 			cat(peerKeys, peerRestKeys, peerColdKeys)},
@@ -251,7 +252,7 @@ func TestRefusedNames(t *testing.T) {
 	if strings.Contains(txt, "from index") {
 		t.Errorf("admission text %q says the forks from an index on were refused", txt)
 	}
-	stop := waveSummary(w, Percentiles{}, forkStats{}, IsoReport{}, IdleCPU{}).AdmissionStop
+	stop := waveSummary(w, report.Percentiles{}, forkStats{}, IsoReport{}, IdleCPU{}).AdmissionStop
 	if stop == nil || stop.Admitted != 12 || strings.Join(stop.RefusedNames, ",") != "w16-1,w16-2,w16-14,w16-15" || stop.BudgetText == "" {
 		t.Errorf("admission_stop = %+v", stop)
 	}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/faultclass"
 	"github.com/forkvm/forkvm/guest"
@@ -32,7 +33,7 @@ type runner struct {
 	ownHome bool   // home was made by this run (removed at the end)
 	ramDir  string // the engine's RAM dir
 	e       *engine.Engine
-	res     *Result
+	res     *report.Result
 	trace   *Trace
 	ktrace  *tracefs.Instance // --trace-kernel, or a --trace bundle's kernel events
 	perf    *perfSession      // --perf
@@ -43,7 +44,7 @@ type runner struct {
 // runOptions are a run's common flags, fixed for the run.
 type runOptions struct {
 	bench     string
-	shape     Shape
+	shape     report.Shape
 	vmgenid   bool // worlds get Spec.VMGenID
 	outDir    string
 	jsonOut   bool
@@ -66,7 +67,7 @@ type runOptions struct {
 // many goroutines).
 type runOutput struct {
 	mu       sync.Mutex
-	samples  []Sample
+	samples  []report.Sample
 	failures int
 	caveats  []string
 	report   strings.Builder
@@ -96,21 +97,6 @@ type engineOvercommitter interface{ engineOvercommit() float64 }
 // engine's default cap (Config.MaxOvercommit, 2 × Overcommit).
 type maxOvercommitter interface{ maxOvercommit() float64 }
 
-// Settings is a subcommand's environment.settings in result.json: its own flags, and the
-// RunSettings every run records (embedded; runBench fills them in).
-type Settings interface{ runSettings() *RunSettings }
-
-// RunSettings are the settings every run records.
-type RunSettings struct {
-	Overcommit         float64 `json:"overcommit"`
-	VMGenID            bool    `json:"vmgenid"`
-	RestoreConcurrency int     `json:"restore_concurrency"`
-	TBSizeMiB          int     `json:"tb_size_mib"`
-	TCGThread          string  `json:"tcg_thread"`
-}
-
-func (s *RunSettings) runSettings() *RunSettings { return s }
-
 // fail counts a measured failure (not a broken run).
 func (r *runner) fail(format string, a ...any) {
 	r.mu.Lock()
@@ -125,7 +111,7 @@ func (r *runner) caveat(format string, a ...any) {
 	r.mu.Unlock()
 }
 
-func (r *runner) addSample(s Sample) {
+func (r *runner) addSample(s report.Sample) {
 	s.Bench = r.bench
 	r.mu.Lock()
 	r.samples = append(r.samples, s)
@@ -165,9 +151,9 @@ func (r *runner) keepVMs(ck string, vms []*engine.VM) {
 
 // p50Headline makes the p50 of xs (ms) the result's headline, with the percentiles of xs,
 // and returns those percentiles unrounded.
-func (r *runner) p50Headline(metric string, xs []float64) Percentiles {
-	pc := summarize(xs)
-	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = metric, round3(pc.P50), "ms", "p50"
+func (r *runner) p50Headline(metric string, xs []float64) report.Percentiles {
+	pc := report.Summarize(xs)
+	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = metric, report.Round3(pc.P50), "ms", "p50"
 	r.res.N, r.res.Percentiles = len(xs), roundP(pc)
 	return pc
 }
@@ -178,7 +164,7 @@ type benchFunc func(r *runner) error
 
 // runBench is the common lifecycle of every subcommand: check the flags, open the
 // engine, run fn, clean up, write the outputs.
-func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Settings, fn benchFunc) error {
+func runBench(ctx context.Context, cmd *cli.Command, bench string, settings report.Settings, fn benchFunc) error {
 	start := time.Now()
 	r, err := newRunner(ctx, cmd, bench, settings, start)
 	if err != nil {
@@ -196,12 +182,12 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings Sett
 }
 
 // newRunner checks the common flags and starts the result.
-func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings Settings, start time.Time) (*runner, error) {
+func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings report.Settings, start time.Time) (*runner, error) {
 	r := &runner{
 		ctx: ctx,
 		runOptions: runOptions{
 			bench: bench,
-			shape: Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb"),
+			shape: report.Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb"),
 				Image: cmd.String("image")},
 			outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
 			home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
@@ -232,12 +218,12 @@ func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings Set
 	if r.tracePath != "" {
 		r.trace = newTrace(start)
 	}
-	rs := settings.runSettings()
+	rs := settings.Common()
 	rs.Overcommit = r.overcommit
 	rs.VMGenID = r.vmgenid
-	r.res = &Result{
-		Schema: SchemaVersion, Bench: bench, Extra: map[string]any{},
-		Environment: Environment{Shape: r.shape, Settings: settings, LoadAvgBefore: loadAvg()},
+	r.res = &report.Result{
+		Schema: report.SchemaVersion, Bench: bench, Extra: map[string]any{},
+		Environment: report.Environment{Shape: r.shape, Settings: settings, LoadAvgBefore: loadAvg()},
 		MeasuredAt:  start.UTC().Format(time.RFC3339),
 	}
 	return r, nil
@@ -245,7 +231,7 @@ func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings Set
 
 // openEngine opens the engine on the run's state dir (a new temporary one unless --home)
 // and records the build, the host and the other VMs running on it.
-func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
+func (r *runner) openEngine(cmd *cli.Command, settings report.Settings) (err error) {
 	if r.home == "" {
 		r.home, err = os.MkdirTemp("/tmp", "fb-")
 		if err != nil {
@@ -309,7 +295,7 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	if r.faults != nil {
 		r.faults.state, r.faults.ramDir = r.e.Config().StateDir, r.ramDir
 	}
-	rs := settings.runSettings()
+	rs := settings.Common()
 	rs.RestoreConcurrency = r.e.Config().Experimental.RestoreConcurrency
 	rs.TBSizeMiB = r.e.Config().Experimental.TBSizeMiB
 	rs.TCGThread = string(r.e.Config().Experimental.TCGThread)
@@ -320,7 +306,7 @@ func (r *runner) openEngine(cmd *cli.Command, settings Settings) (err error) {
 	}
 	if r.res.Environment.OtherVMs > 0 {
 		r.caveat("other qemu-system processes were running on the host at start (not ours): %s: timings are noisy",
-			otherVMsText(r.res.Environment.OtherVMs, r.res.Environment.OtherVMsDetail))
+			report.OtherVMsText(r.res.Environment.OtherVMs, r.res.Environment.OtherVMsDetail))
 	}
 	return nil
 }
@@ -384,7 +370,7 @@ func (r *runner) finish(runErr error, start time.Time) error {
 		r.caveat("run broke: %v", runErr)
 	}
 	r.res.Caveats = append(r.res.Caveats, r.caveats...)
-	r.res.Extra["duration_s"] = round3(time.Since(start).Seconds())
+	r.res.Extra["duration_s"] = report.Round3(time.Since(start).Seconds())
 	var ktext []byte
 	if r.ktrace != nil {
 		var b bytes.Buffer
@@ -405,9 +391,9 @@ func (r *runner) finish(runErr error, start time.Time) error {
 			r.logf("trace: %v", err)
 		}
 	}
-	ref := reference()
-	rows := compareWithReference(r.res, ref)
-	if err := writeOutputs(r.outDir, r.res, r.samples, r.renderReport(ref, rows)); err != nil {
+	ref := report.LoadReference()
+	rows := report.CompareWithReference(r.res, ref)
+	if err := report.WriteOutputs(r.outDir, r.res, r.samples, r.renderReport(ref, rows)); err != nil {
 		return fmt.Errorf("write results: %w", err)
 	}
 	for name, b := range r.files {
@@ -416,9 +402,9 @@ func (r *runner) finish(runErr error, start time.Time) error {
 		}
 	}
 	if r.jsonOut {
-		_ = writeResultJSON(os.Stdout, r.res)
+		_ = report.WriteResultJSON(os.Stdout, r.res)
 	}
-	if t := terminalTable(r.res, ref, rows); t != "" {
+	if t := report.TerminalTable(r.res, ref, rows); t != "" {
 		fmt.Fprintf(os.Stderr, "\nforkbench %s against the published figures (%s; machines differ: not like for like):\n%s\n", r.bench, ref.Name, t)
 	}
 	note := ""
@@ -441,11 +427,11 @@ func (r *runner) finish(runErr error, start time.Time) error {
 
 // headlineValue is the headline as printed: "wave64_wall_s = 5.5 s", or "wave64_wall_s:
 // no figure" when nothing was measured for it (result.json then says stat "incomplete").
-func headlineValue(res *Result) string {
+func headlineValue(res *report.Result) string {
 	if res.Stat == "incomplete" {
 		return res.Metric + ": no figure"
 	}
-	return fmt.Sprintf("%s = %s %s", res.Metric, fnum(res.Value), res.Unit)
+	return fmt.Sprintf("%s = %s %s", res.Metric, report.Fnum(res.Value), res.Unit)
 }
 
 // status is the run's complete and ok: a broken run is neither; an incomplete one is not
@@ -523,8 +509,8 @@ func (r *runner) cleanup() {
 }
 
 // renderReport builds report.md: the headline, the side-by-side table with the
-// reference (rows), then the method and every section.
-func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
+// LoadReference (rows), then the method and every section.
+func (r *runner) renderReport(ref *report.Reference, rows []report.CompareRow) string {
 	res := r.res
 	var b strings.Builder
 	fmt.Fprintf(&b, "# forkbench %s\n\n", res.Bench)
@@ -536,18 +522,18 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 		fmt.Fprintf(&b, "**PROFILING RUN (%s): slowed on purpose; its figures are not benchmark figures and are not compared with the published ones.**\n\n", res.Profiling)
 	}
 	p := res.Percentiles
-	fmt.Fprintf(&b, "percentiles: p50 %s, p90 %s, p95 %s, p99 %s, min %s, max %s\n\n", fnum(p.P50), fnum(p.P90), fnum(p.P95), fnum(p.P99), fnum(p.Min), fnum(p.Max))
+	fmt.Fprintf(&b, "percentiles: p50 %s, p90 %s, p95 %s, p99 %s, min %s, max %s\n\n", report.Fnum(p.P50), report.Fnum(p.P90), report.Fnum(p.P95), report.Fnum(p.P99), report.Fnum(p.Min), report.Fnum(p.Max))
 	fmt.Fprintf(&b, "Measured %s on %s (%d CPUs, %.1f GB, %s, kernel %s, accel %s); forkvm %s, QEMU %s, guest kernel %s, %s.\n\n",
 		res.MeasuredAt, res.Host.Model, res.Host.CPUs, res.Host.MemoryGB, res.Host.OS, res.Host.Kernel, res.Host.Accel,
 		res.Build.Forkvm, res.Build.QEMU, res.Build.Kernel, res.Build.Go)
 	s := res.Environment.Shape
 	fmt.Fprintf(&b, "World: %d vCPU, %d MiB RAM, %d MB dirtied, %d MiB disk. Load before: %s. Other VMs on the host: %s.\n\n",
-		s.CPUs, s.MemoryMiB, s.DirtyMB, s.DiskMiB, res.Environment.LoadAvgBefore, otherVMsText(res.Environment.OtherVMs, res.Environment.OtherVMsDetail))
+		s.CPUs, s.MemoryMiB, s.DirtyMB, s.DiskMiB, res.Environment.LoadAvgBefore, report.OtherVMsText(res.Environment.OtherVMs, res.Environment.OtherVMsDetail))
 	b.WriteString(r.summary)
-	if t := comparisonTable(res, ref, rows); t != "" {
+	if t := report.ComparisonTable(res, ref, rows); t != "" {
 		fmt.Fprintf(&b, "## Against the published figures\n\n%s\n", t)
 		fmt.Fprintf(&b, "Reference: %s Machines: forkvm %s (%s); reference %s. Ratio = forkvm / reference (lower is faster or smaller). forkvm memory is MiB; the reference says MB. A partial wave gives no ratio.\n\n",
-			ref.About, res.Host.Model, hostShort(res.Host), refMachinesText(ref, rows))
+			ref.About, res.Host.Model, report.HostShort(res.Host), report.RefMachinesText(ref, rows))
 	}
 	if r.methodShort != "" {
 		fmt.Fprintf(&b, "Method: %s (In full under [Method](#method).)\n\n", r.methodShort)
@@ -555,8 +541,8 @@ func (r *runner) renderReport(ref *Reference, rows []CompareRow) string {
 		fmt.Fprintf(&b, "Method: %s\n\n", res.Method)
 	}
 	b.WriteString(r.report.String())
-	b.WriteString(countersSection(r.samples))
-	b.WriteString(faultsSection(r.samples))
+	b.WriteString(report.CountersSection(r.samples))
+	b.WriteString(report.FaultsSection(r.samples))
 	if r.methodShort != "" {
 		fmt.Fprintf(&b, "\n## Method\n\n%s\n", res.Method)
 	}

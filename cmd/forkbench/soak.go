@@ -9,6 +9,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
 
@@ -49,7 +50,7 @@ func soakCmd() *cli.Command {
 type SoakSettings struct {
 	Forks int `json:"forks"`
 	Wave  int `json:"wave"`
-	RunSettings
+	report.RunSettings
 }
 
 // soakCounts are the resources sampled after every wave.
@@ -109,7 +110,7 @@ func runSoak(r *runner, total, wave int) error {
 		}
 		lat = append(lat, wr.latencies()...)
 		if wr.ReadyCount() > 0 {
-			walls = append(walls, ms(wr.Wall))
+			walls = append(walls, report.Ms(wr.Wall))
 		}
 		for _, e := range append(wr.FailedErrs, cmdErr...) {
 			failed++
@@ -132,7 +133,7 @@ func runSoak(r *runner, total, wave int) error {
 	for _, s := range samples {
 		maxC.FDs, maxC.QEMU, maxC.Files, maxC.RAMFiles = max(maxC.FDs, s.FDs), max(maxC.QEMU, s.QEMU), max(maxC.Files, s.Files), max(maxC.RAMFiles, s.RAMFiles)
 	}
-	pc := summarize(lat)
+	pc := report.Summarize(lat)
 	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "soak_forks", float64(made-failed), "forks", "forks made without failure"
 	r.res.N = made
 	r.res.Percentiles = roundP(pc)
@@ -145,7 +146,7 @@ func runSoak(r *runner, total, wave int) error {
 	r.res.Extra["counts"] = samples
 	r.res.Extra["failed_forks"] = failed
 	r.res.Extra["refused_by_admission"] = refused
-	r.res.Extra["wave_wall_ms"] = roundP(summarize(walls))
+	r.res.Extra["wave_wall_ms"] = roundP(report.Summarize(walls))
 	if !flat {
 		r.caveat("resources are not flat: start %+v, end %+v", start, end)
 	}

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"golang.org/x/sys/unix"
 )
@@ -97,7 +98,7 @@ func (t *Trace) Counter(pid int, name string, at time.Time, values map[string]an
 // (at their own CLOCK_MONOTONIC times), else p laid end to end from start (prepare,
 // spawn, restore, agent); then first-command at cmdStart (if cmd > 0). args go on every
 // span.
-func (t *Trace) ForkSpans(pid, tid int, name string, start time.Time, p phases, spans []engine.Span, cmdStart time.Time, cmd time.Duration, args map[string]any) {
+func (t *Trace) ForkSpans(pid, tid int, name string, start time.Time, p report.Phases, spans []engine.Span, cmdStart time.Time, cmd time.Duration, args map[string]any) {
 	if t == nil {
 		return
 	}
@@ -118,12 +119,6 @@ func (t *Trace) ForkSpans(pid, tid int, name string, start time.Time, p phases, 
 		t.Span(pid, tid, name, "first-command", cmdStart, cmd, args)
 	}
 }
-
-// phases are a fork's phase durations (engine.PhaseTimings without the JSON tags).
-type phases struct{ Prepare, Spawn, Restore, Agent time.Duration }
-
-// phasesOf is the phases of t.
-func phasesOf(t engine.PhaseTimings) phases { return phases{t.Prepare, t.Spawn, t.Restore, t.Agent} }
 
 // WriteTo writes the trace JSON object.
 func (t *Trace) WriteTo(w io.Writer) (int64, error) {

@@ -12,6 +12,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -75,7 +76,7 @@ type TreeSettings struct {
 	MemForks int `json:"mem_forks"`
 	// FreshWave is the size of the fresh-wave comparison (0: none; extra.fresh_wave).
 	FreshWave int `json:"fresh_wave"`
-	RunSettings
+	report.RunSettings
 }
 
 // TreeLevel is one level of the tree in result.json (extra.levels).
@@ -163,7 +164,7 @@ func runTree(r *runner, depth, branch, writeMB int) ([]TreeLevel, float64, error
 	var levels []TreeLevel
 	var ckOfFork []float64
 	for lvl := 0; lvl < depth; lvl++ {
-		L := TreeLevel{Level: lvl, Node: t.node.Name(), WrittenMB: t.written, GuestWrittenMB: round3(t.guestWritten)}
+		L := TreeLevel{Level: lvl, Node: t.node.Name(), WrittenMB: t.written, GuestWrittenMB: report.Round3(t.guestWritten)}
 		if lvl == 0 {
 			L.CheckpointMS, L.CheckpointRAMMethod = w.CheckpointMS, "copy"
 		} else {
@@ -202,7 +203,7 @@ func runTree(r *runner, depth, branch, writeMB int) ([]TreeLevel, float64, error
 	r.res.Extra["levels"] = levels
 	pc := r.p50Headline("tree_checkpoint_of_fork_p50_ms", ckOfFork)
 	if len(ckOfFork) > 0 && w.CheckpointMS > 0 {
-		r.res.Extra["checkpoint_of_fork_vs_world"] = round3(pc.P50 / w.CheckpointMS)
+		r.res.Extra["checkpoint_of_fork_vs_world"] = report.Round3(pc.P50 / w.CheckpointMS)
 	}
 	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files (lineage MB: the world file's frozen data + each delta checkpoint's own layer), against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
 		r.shape.DirtyMB, depth, branch, writeMB)
@@ -232,14 +233,14 @@ func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
 	if fv != nil {
 		// Until ready: serialFork's latency runs to the first command's answer.
 		in := fv.Info()
-		L.ForkRunningMS = round3(s.LatencyMS - s.FirstCmdMS)
-		L.ForkRunningPrepareMS, L.ForkRunningSpawnMS, L.ForkRunningInjectMS = ms(in.Timings.Prepare), ms(in.Timings.Spawn), ms(in.Timings.Inject)
-		L.ForkRunningRestoreMS, L.ForkRunningAgentMS = ms(in.Timings.Restore), ms(in.Timings.Agent)
+		L.ForkRunningMS = report.Round3(s.LatencyMS - s.FirstCmdMS)
+		L.ForkRunningPrepareMS, L.ForkRunningSpawnMS, L.ForkRunningInjectMS = report.Ms(in.Timings.Prepare), report.Ms(in.Timings.Spawn), report.Ms(in.Timings.Inject)
+		L.ForkRunningRestoreMS, L.ForkRunningAgentMS = report.Ms(in.Timings.Restore), report.Ms(in.Timings.Agent)
 		if mu, err := fv.Memory(ctx); err == nil {
-			L.ForkRunningInjectedMB = round3(float64(mu.GuestLineage) / (1 << 20))
+			L.ForkRunningInjectedMB = report.Round3(float64(mu.GuestLineage) / (1 << 20))
 		}
 		if ci, err := r.e.CheckpointInfo(in.Parent); err == nil {
-			L.ForkRunningCheckpointMS, L.ForkRunningCkExtractMS, L.ForkRunningCkPausedMS = ms(ci.Timings.Total), ms(ci.Timings.Extract), ms(ci.Timings.Paused)
+			L.ForkRunningCheckpointMS, L.ForkRunningCkExtractMS, L.ForkRunningCkPausedMS = report.Ms(ci.Timings.Total), report.Ms(ci.Timings.Extract), report.Ms(ci.Timings.Paused)
 			L.ForkRunningEarly = startedBefore(in.Spans, "spawn", ci.Spans, "checkpoint")
 		}
 		_ = r.e.Delete(ctx, fv.Name())
@@ -251,20 +252,20 @@ func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
 	} else {
 		r.fail("level %d: memory of %s: %v", lvl, node.Name(), err)
 	}
-	L.GuestWrittenMB = round3(t.guestWritten)
+	L.GuestWrittenMB = report.Round3(t.guestWritten)
 	t.ckName = fmt.Sprintf("t%d", lvl)
 	ck, err := r.e.Checkpoint(ctx, node.Name(), t.ckName, &engine.CheckpointOptions{Pin: true})
 	if err != nil {
 		return fmt.Errorf("level %d: checkpoint of %s: %w", lvl, node.Name(), err)
 	}
-	L.CheckpointMS, L.CheckpointRAMMethod = ms(ck.Manifest.Timings.Total), ck.Manifest.RAMMethod
+	L.CheckpointMS, L.CheckpointRAMMethod = report.Ms(ck.Manifest.Timings.Total), ck.Manifest.RAMMethod
 	if n := len(ck.Manifest.Layers); n > 0 {
 		t.lineageMB += float64(ck.Manifest.Layers[n-1].Size) / (1 << 20)
 	}
-	L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS = ms(ck.Manifest.Timings.Migrate), ms(ck.Manifest.Timings.Extract), ms(ck.Manifest.Timings.Paused)
-	L.CheckpointDiskMS = ms(ck.Manifest.Timings.Disk)
+	L.CheckpointMigrateMS, L.CheckpointExtractMS, L.CheckpointPausedMS = report.Ms(ck.Manifest.Timings.Migrate), report.Ms(ck.Manifest.Timings.Extract), report.Ms(ck.Manifest.Timings.Paused)
+	L.CheckpointDiskMS = report.Ms(ck.Manifest.Timings.Disk)
 	L.CheckpointFlattening = flattening(r.ramDir)
-	r.addSample(Sample{Group: "checkpoint", Index: lvl, Name: t.ckName, OK: true, LatencyMS: L.CheckpointMS})
+	r.addSample(report.Sample{Group: "checkpoint", Index: lvl, Name: t.ckName, OK: true, LatencyMS: L.CheckpointMS})
 	return nil
 }
 
@@ -290,12 +291,12 @@ func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
 		}
 	}
 	if len(children) > 0 {
-		L.ChildrenInjectedMBAverage = round3(injected / float64(len(children)))
+		L.ChildrenInjectedMBAverage = report.Round3(injected / float64(len(children)))
 	}
 	if avail1, err := procinfo.MemAvailable(); err == nil && len(children) > 0 {
-		L.HostMemPerForkMB = round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
+		L.HostMemPerForkMB = report.Round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
 	}
-	L.Ready, L.ForkP50MS = len(children), round3(median(lat))
+	L.Ready, L.ForkP50MS = len(children), report.Round3(report.Median(lat))
 	return children
 }
 
@@ -327,15 +328,15 @@ func (t *treeWalk) writeAndVerify(children []*engine.VM, lvl, writeMB int, L *Tr
 // flattened copies, the lineage.
 func (t *treeWalk) storage(L *TreeLevel) {
 	r := t.r
-	L.RAMFilesMB = round3(float64(dirAllocated(r.ramDir, "ck-")) / (1 << 20))
+	L.RAMFilesMB = report.Round3(float64(dirAllocated(r.ramDir, "ck-")) / (1 << 20))
 	if infos, err := r.e.Checkpoints(); err == nil {
 		var flat int64
 		for _, in := range infos {
 			flat += in.FlatBytes
 		}
-		L.FlatMB = round3(float64(flat) / (1 << 20))
+		L.FlatMB = report.Round3(float64(flat) / (1 << 20))
 	}
-	L.LineageMB = round3(t.lineageMB)
+	L.LineageMB = report.Round3(t.lineageMB)
 }
 
 // treeTable is the report's table of the tree's levels.
@@ -433,11 +434,11 @@ func (r *runner) stockSaveRestore(node *engine.VM, lvl int) (saveMS, restoreMS f
 	vm, err := r.e.Baseline().Restore(r.ctx, path, r.worldSpec(name, false))
 	if err != nil {
 		r.fail("level %d: stock restore: %v", lvl, err)
-		return ms(d), 0
+		return report.Ms(d), 0
 	}
-	restore := ms(time.Since(t))
+	restore := report.Ms(time.Since(t))
 	_ = r.e.Delete(r.ctx, vm.Name())
-	return ms(d), restore
+	return report.Ms(d), restore
 }
 
 // dirAllocated sums the storage held by the files of dir whose names start with prefix
@@ -516,7 +517,7 @@ func treeMemory(r *runner, depth, n int) float64 {
 		for _, l := range c.Manifest.Layers {
 			M.LayersMB += float64(l.Size) / (1 << 20)
 		}
-		M.LayersMB = round3(M.LayersMB)
+		M.LayersMB = report.Round3(M.LayersMB)
 		measure := func(name string) (priv, lin float64, ok bool) {
 			vm, s := r.serialFork(ck, name, "fork-memory", 0, 1)
 			if vm == nil {
@@ -539,13 +540,13 @@ func treeMemory(r *runner, depth, n int) float64 {
 			M.FlattenedEarly = true
 		}
 		if p, l, ok := measure("mem-" + ck + "-before"); ok {
-			M.BeforePrivateMB, M.BeforeLineageMB = round3(p), round3(l)
+			M.BeforePrivateMB, M.BeforeLineageMB = report.Round3(p), report.Round3(l)
 		}
 		st, err := r.e.Flatten(ctx, ck)
 		if err != nil {
 			r.fail("memory: flatten %s: %v", ck, err)
 		} else {
-			M.FlattenMS, M.FlatMB = ms(st.Took), round3(float64(st.Allocated)/(1<<20))
+			M.FlattenMS, M.FlatMB = report.Ms(st.Took), report.Round3(float64(st.Allocated)/(1<<20))
 		}
 		var priv, lin float64
 		for i := 1; i <= n; i++ {
@@ -556,7 +557,7 @@ func treeMemory(r *runner, depth, n int) float64 {
 			}
 		}
 		if M.AfterForks > 0 {
-			M.AfterPrivateMB, M.AfterLineageMB = round3(priv/float64(M.AfterForks)), round3(lin/float64(M.AfterForks))
+			M.AfterPrivateMB, M.AfterLineageMB = report.Round3(priv/float64(M.AfterForks)), report.Round3(lin/float64(M.AfterForks))
 		}
 		r.logf("memory: forks of %s (%d layers, %.0f MiB): before flatten %.1f MiB private (lineage %.1f), after %.1f MiB (lineage %.1f) over %d forks; flatten %.0f ms, %.0f MiB",
 			ck, M.Depth, M.LayersMB, M.BeforePrivateMB, M.BeforeLineageMB, M.AfterPrivateMB, M.AfterLineageMB, M.AfterForks, M.FlattenMS, M.FlatMB)
@@ -570,7 +571,7 @@ func treeMemory(r *runner, depth, n int) float64 {
 	}
 	if len(out) == 2 && out[0].AfterPrivateMB > 0 && out[1].AfterForks > 0 {
 		ratio = out[1].AfterPrivateMB / out[0].AfterPrivateMB
-		r.res.Extra["memory_deep_vs_shallow"] = round3(ratio)
+		r.res.Extra["memory_deep_vs_shallow"] = report.Round3(ratio)
 		fmt.Fprintf(&b, "\nprivate memory per fork, depth %d / depth %d after flattening: %.2fx\n", out[1].Depth, out[0].Depth, ratio)
 	}
 	r.section("%s\n", b.String())
@@ -614,7 +615,7 @@ func treeSize(r *runner, sizeMB, writeMB int) *TreeSize {
 		return nil
 	}
 	defer r.e.DeleteCheckpoint(ctx, "big0", &engine.DeleteCheckpointOptions{Force: true})
-	S.WorldCheckpointMS = ms(ck.Manifest.Timings.Total)
+	S.WorldCheckpointMS = report.Ms(ck.Manifest.Timings.Total)
 	f, s := r.serialFork("big0", "bigf", "size-fork", 0, 1)
 	if f == nil {
 		r.fail("size %d: fork: %s", sizeMB, s.Error)
@@ -633,13 +634,13 @@ func treeSize(r *runner, sizeMB, writeMB int) *TreeSize {
 	}
 	defer r.e.DeleteCheckpoint(ctx, "big1", &engine.DeleteCheckpointOptions{Force: true})
 	S.GrewBytes = allocated(ck.Manifest.RAMPath) - before
-	S.ForkCheckpointMS, S.ForkCheckpointPausedMS = ms(c1.Manifest.Timings.Total), ms(c1.Manifest.Timings.Paused)
-	S.ForkCheckpointMigrateMS, S.ForkCheckpointExtractMS = ms(c1.Manifest.Timings.Migrate), ms(c1.Manifest.Timings.Extract)
+	S.ForkCheckpointMS, S.ForkCheckpointPausedMS = report.Ms(c1.Manifest.Timings.Total), report.Ms(c1.Manifest.Timings.Paused)
+	S.ForkCheckpointMigrateMS, S.ForkCheckpointExtractMS = report.Ms(c1.Manifest.Timings.Migrate), report.Ms(c1.Manifest.Timings.Extract)
 	g, s := r.serialFork("bigf", "bigg", "size-fork-running", 0, 1)
 	if g == nil {
 		r.fail("size %d: fork of the running fork: %s", sizeMB, s.Error)
 	} else {
-		S.ForkOfRunningForkMS = round3(s.LatencyMS - s.FirstCmdMS) // until ready
+		S.ForkOfRunningForkMS = report.Round3(s.LatencyMS - s.FirstCmdMS) // until ready
 		r.e.Delete(ctx, g.Name())
 	}
 	r.res.Extra["size"] = S

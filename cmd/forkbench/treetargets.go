@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"os"
 	"strings"
+
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 )
 
 // The fork-tree targets (issue 19) that forkbench tree measures.
@@ -80,14 +82,14 @@ func treeTargets(r *runner, levels []TreeLevel, worldMS, memRatio float64, size 
 	}
 	add(fmt.Sprintf("checkpoint of a running fork <= %.1fx the world checkpoint, every level", treeCkVsWorldTarget),
 		len(ck) == 0 || worldMS <= 0, maxCk <= treeCkVsWorldTarget*worldMS,
-		"max %.2fx (level %d: %.0f ms; world %.0f ms), p50 %.2fx", maxCk/worldMS, lvlOf(ckLvl, at), maxCk, worldMS, summarize(ck).P50/worldMS)
+		"max %.2fx (level %d: %.0f ms; world %.0f ms), p50 %.2fx", maxCk/worldMS, lvlOf(ckLvl, at), maxCk, worldMS, report.Summarize(ck).P50/worldMS)
 	add(fmt.Sprintf("checkpoint of a running fork <= %d ms on the %d MiB guest, every level", treeCkMSTarget, guest),
 		len(ck) == 0, maxCk <= treeCkMSTarget,
-		"max %.0f ms (level %d), p50 %.0f ms, over %d levels", maxCk, lvlOf(ckLvl, at), summarize(ck).P50, len(ck))
+		"max %.0f ms (level %d), p50 %.0f ms, over %d levels", maxCk, lvlOf(ckLvl, at), report.Summarize(ck).P50, len(ck))
 	maxFork, fat := worst(fork)
 	add(fmt.Sprintf("fork of a running fork <= %d ms until ready, every level", treeForkMSTarget),
 		len(fork) == 0, maxFork <= treeForkMSTarget,
-		"max %.0f ms (level %d), p50 %.0f ms, over %d levels", maxFork, lvlOf(forkLvl, fat), summarize(fork).P50, len(fork))
+		"max %.0f ms (level %d), p50 %.0f ms, over %d levels", maxFork, lvlOf(forkLvl, fat), report.Summarize(fork).P50, len(fork))
 	sizeOK := size != nil && size.ForkCheckpointMS > 0
 	sz := TreeSize{}
 	if size != nil {

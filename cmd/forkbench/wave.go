@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -193,7 +194,7 @@ func (r *runner) firstCommands(w *WaveResult) {
 				r.fail("first command: %v", err)
 				return
 			}
-			w.CmdMS[vm.Name()] = ms(d)
+			w.CmdMS[vm.Name()] = report.Ms(d)
 		}()
 	}
 	wg.Wait()
@@ -248,7 +249,7 @@ func (r *runner) measureIdle(w *WaveResult, window time.Duration) IdleCPU {
 }
 
 // recordWave adds one sample per fork of w, and trace spans (pid = group).
-func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
+func (r *runner) recordWave(group int, w *WaveResult, mems map[string]report.ForkMem) {
 	r.trace.Group(group, w.Label)
 	for _, ev := range w.Events {
 		if ev.Name == "" {
@@ -261,31 +262,31 @@ func (r *runner) recordWave(group int, w *WaveResult, mems map[string]forkMem) {
 		}
 		s.FirstCmdMS = w.CmdMS[ev.Name]
 		cpu := w.CPU[ev.Name]
-		s.CPUUserMS, s.CPUSysMS = ms(cpu[0]), ms(cpu[1])
+		s.CPUUserMS, s.CPUSysMS = report.Ms(cpu[0]), report.Ms(cpu[1])
 		if m, ok := mems[ev.Name]; ok {
 			s.Mem = &m
 		}
 		if ev.VM != nil {
-			s.setCounters(ev.VM.Info().Counters, ev.Spans)
+			s.SetCounters(ev.VM.Info().Counters, ev.Spans)
 			s.Faults = r.faults.counts(ev.VM.PID())
 		}
 		r.addSample(s)
-		args := map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "latency_ms": round3(s.LatencyMS), "anon_mb": round3(s.anonMB())}
+		args := map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "latency_ms": report.Round3(s.LatencyMS), "anon_mb": report.Round3(s.AnonMB())}
 		if ev.VM != nil {
 			args["qemu_pid"] = ev.VM.PID()
 		}
-		r.trace.ForkSpans(group, ev.Index+1, ev.Name, ev.Start, phasesOf(ev.Timings), ev.Spans,
+		r.trace.ForkSpans(group, ev.Index+1, ev.Name, ev.Start, report.PhasesOf(ev.Timings), ev.Spans,
 			w.CmdStart[ev.Name], time.Duration(s.FirstCmdMS*float64(time.Millisecond)), args)
 	}
 }
 
 // eventSample is the sample of one fork of a wave: its latency and phases, or its error.
-func eventSample(group string, ev engine.ForkEvent) Sample {
-	s := Sample{Group: group, Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: ms(ev.Latency)}
+func eventSample(group string, ev engine.ForkEvent) report.Sample {
+	s := report.Sample{Group: group, Index: ev.Index, Name: ev.Name, OK: ev.Err == nil, LatencyMS: report.Ms(ev.Latency)}
 	if ev.Err != nil {
 		s.Error = ev.Err.Error()
 	} else {
-		s.setPhases(phasesOf(ev.Timings))
+		s.SetPhases(report.PhasesOf(ev.Timings))
 	}
 	return s
 }
@@ -295,15 +296,15 @@ func (w *WaveResult) latencies() []float64 {
 	var xs []float64
 	for _, ev := range w.Events {
 		if ev.Err == nil && ev.Name != "" {
-			xs = append(xs, ms(ev.Latency))
+			xs = append(xs, report.Ms(ev.Latency))
 		}
 	}
 	return xs
 }
 
 // measureMems reads the memory breakdown of every ready fork.
-func (r *runner) measureMems(w *WaveResult) map[string]forkMem {
-	out := map[string]forkMem{}
+func (r *runner) measureMems(w *WaveResult) map[string]report.ForkMem {
+	out := map[string]report.ForkMem{}
 	for _, vm := range w.Ready {
 		if m, err := measureMem(r.ctx, vm); err == nil {
 			out[vm.Name()] = m
@@ -371,7 +372,7 @@ func (w *WaveResult) budgetText() string {
 		return ""
 	}
 	txt := fmt.Sprintf("budget %d vCPUs = %d CPUs × overcommit %s holds %d forks of %d vCPUs",
-		b.Total, b.HostCPUs, fnum(b.Overcommit), b.Total/w.ForkCPUs, w.ForkCPUs)
+		b.Total, b.HostCPUs, report.Fnum(b.Overcommit), b.Total/w.ForkCPUs, w.ForkCPUs)
 	if b.OtherUsed > 0 {
 		txt += fmt.Sprintf("; %d of its vCPUs were held by other forkvm VMs on the host when the wave started (other state directories: the budget is the host's)", b.OtherUsed)
 	}

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/forkvm/forkvm/vsockd"
@@ -118,13 +119,13 @@ func (r *runner) bakeWorld(name, ckName string) (*World, error) {
 		return nil, fmt.Errorf("world %s: boot: %w", name, err)
 	}
 	w.VM = vm
-	w.BootMS = ms(time.Since(t0))
+	w.BootMS = report.Ms(time.Since(t0))
 	t1 := time.Now()
 	out, err := shell(ctx, vm, r.dirtyScript(), 10*time.Minute)
 	if err != nil {
 		return nil, fmt.Errorf("world %s: dirty: %w", name, err)
 	}
-	w.BakeMS = ms(time.Since(t1))
+	w.BakeMS = report.Ms(time.Since(t1))
 	sums := parseMD5(out)
 	d := r.disk()
 	w.DirtyMD5 = sums["/dev/shm/dirty"]
@@ -142,8 +143,8 @@ func (r *runner) bakeWorld(name, ckName string) (*World, error) {
 	if err != nil {
 		return nil, fmt.Errorf("world %s: checkpoint: %w", name, err)
 	}
-	w.CheckpointMS = ms(ck.Manifest.Timings.Total)
-	w.PausedMS = ms(ck.Manifest.Timings.Paused)
+	w.CheckpointMS = report.Ms(ck.Manifest.Timings.Total)
+	w.PausedMS = report.Ms(ck.Manifest.Timings.Paused)
 	w.RAMPath = ck.Manifest.RAMPath
 	if rs, err := memfile.Residency(w.RAMPath); err == nil {
 		w.SharedFileMB = float64(rs.DataBytes) / (1 << 20)
@@ -155,93 +156,30 @@ func (r *runner) bakeWorld(name, ckName string) (*World, error) {
 
 // worldExtra records the world's figures in extra.
 func (r *runner) worldExtra(w *World) {
-	r.res.Extra["world_boot_ms"] = round3(w.BootMS)
-	r.res.Extra["world_dirty_ms"] = round3(w.BakeMS)
+	r.res.Extra["world_boot_ms"] = report.Round3(w.BootMS)
+	r.res.Extra["world_dirty_ms"] = report.Round3(w.BakeMS)
 	if w.Ck != "" {
-		r.res.Extra["checkpoint_ms"] = round3(w.CheckpointMS)
-		r.res.Extra["checkpoint_paused_ms"] = round3(w.PausedMS)
-		r.res.Extra["shared_file_mb"] = round3(w.SharedFileMB)
+		r.res.Extra["checkpoint_ms"] = report.Round3(w.CheckpointMS)
+		r.res.Extra["checkpoint_paused_ms"] = report.Round3(w.PausedMS)
+		r.res.Extra["shared_file_mb"] = report.Round3(w.SharedFileMB)
 	}
 }
 
-// forkMem is a fork's memory breakdown (engine VM.Memory), in MiB.
-type forkMem struct {
-	AnonMB       float64 // all its anonymous memory: RAMCowMB + TCGCodeMB + HeapMB + LibrariesMB
-	PrivateMB    float64 // AnonMB + PageTablesMB: what the fork adds to the host
-	RAMCowMB     float64 // guest RAM pages it wrote (copied on write from the checkpoint file)
-	TCGCodeMB    float64
-	HeapMB       float64
-	LibrariesMB  float64
-	PageTablesMB float64
-	SharedMB     float64 // resident but shared: checkpoint pages read, QEMU code and libraries
-	GuestFileMB  float64 // checkpoint pages mapped and not copied (0 only if the RAM mapping was not found)
-}
-
-func measureMem(ctx context.Context, vm *engine.VM) (forkMem, error) {
+func measureMem(ctx context.Context, vm *engine.VM) (report.ForkMem, error) {
 	u, err := vm.Memory(ctx)
 	if err != nil {
-		return forkMem{}, err
+		return report.ForkMem{}, err
 	}
 	mb := func(b int64) float64 { return float64(b) / (1 << 20) }
-	return forkMem{
+	return report.ForkMem{
 		AnonMB: mb(u.Private - u.PageTables), PrivateMB: mb(u.Private), RAMCowMB: mb(u.GuestWritten),
 		TCGCodeMB: mb(u.TCGCode), HeapMB: mb(u.Heap), LibrariesMB: mb(u.Libraries),
 		PageTablesMB: mb(u.PageTables), SharedMB: mb(u.Shared), GuestFileMB: mb(u.GuestFile),
 	}, nil
 }
 
-// memColumns are the forkMem fields in samples.csv and in "memory_mb_p50".
-var memColumns = []string{"private_mb", "guest_written_mb", "tcg_code_mb", "heap_mb", "libraries_mb", "page_tables_mb", "shared_mb"}
-
-func (m forkMem) values() []float64 {
-	return []float64{m.PrivateMB, m.RAMCowMB, m.TCGCodeMB, m.HeapMB, m.LibrariesMB, m.PageTablesMB, m.SharedMB}
-}
-
-// memText describes the medians of ms in a sentence ("" when ms is empty); when says
-// when they were measured.
-func memText(ms []forkMem, when string) string {
-	sum := memSummary(ms)
-	if sum == nil {
-		return ""
-	}
-	return fmt.Sprintf(" Memory per fork %s (medians of %d, MiB): private %.1f = guest pages written %.1f + TCG code %.1f + QEMU heap %.1f + libraries copied on write %.1f + page tables %.1f; shared %.1f.",
-		when, sum.N, sum.Private, sum.GuestWritten, sum.TCGCode, sum.Heap, sum.Libraries, sum.PageTables, sum.Shared)
-}
-
 // memMethod describes the memory breakdown for result.json.
 const memMethod = "Memory breakdown (engine VM.Memory, from the QEMU process's /proc/PID/smaps and VmPTE): guest pages written = Anonymous of its mapping of the checkpoint RAM file (copies on write); TCG code = anonymous executable mappings (the translation buffer); QEMU heap = other anonymous memory; libraries = Anonymous of QEMU's executable and library mappings (relocations); private = their sum + page tables; shared = Rss - private anonymous (checkpoint pages read, QEMU code)."
-
-// MemSummary is the medians (MiB) of forks' memory breakdowns: memory_mb_p50 in
-// result.json. Its keys are memColumns without "_mb", in the same order.
-type MemSummary struct {
-	N            int     `json:"n"`
-	Private      float64 `json:"private"`
-	GuestWritten float64 `json:"guest_written"`
-	TCGCode      float64 `json:"tcg_code"`
-	Heap         float64 `json:"heap"`
-	Libraries    float64 `json:"libraries"`
-	PageTables   float64 `json:"page_tables"`
-	Shared       float64 `json:"shared"`
-}
-
-// memSummary is the per-column medians of ms (nil when ms is empty).
-func memSummary(ms []forkMem) *MemSummary {
-	if len(ms) == 0 {
-		return nil
-	}
-	cols := make([][]float64, len(memColumns))
-	for _, m := range ms {
-		for i, v := range m.values() {
-			cols[i] = append(cols[i], v)
-		}
-	}
-	med := make([]float64, len(cols))
-	for i, c := range cols {
-		med[i] = round3(median(c))
-	}
-	return &MemSummary{N: len(ms), Private: med[0], GuestWritten: med[1], TCGCode: med[2], Heap: med[3],
-		Libraries: med[4], PageTables: med[5], Shared: med[6]}
-}
 
 // IsoReport summarises isolation checks over a set of forks.
 type IsoReport struct {
@@ -266,7 +204,7 @@ func (r *runner) isoMethod() string {
 
 // checkIsolation runs the isolation checks on vms (ready forks of w's checkpoint). mems
 // holds each fork's memory measured at ready (by name); missing ones are measured here.
-func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]forkMem, full []int) IsoReport {
+func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]report.ForkMem, full []int) IsoReport {
 	c := &isoCheck{r: r, w: w, disk: r.disk(), rep: IsoReport{Forks: len(vms), AnonBoundMB: float64(r.shape.DirtyMB) / 2,
 		Failures: []string{}, FullChecked: []string{}}}
 	okWrite := make([]bool, len(vms))
@@ -341,7 +279,7 @@ func (c *isoCheck) ownWrite(vm *engine.VM) bool {
 
 // readBack checks that vm reads back only its own write, and that its guest RAM is
 // still mostly shared with the checkpoint (its copied-on-write pages under the bound).
-func (c *isoCheck) readBack(vm *engine.VM, mems map[string]forkMem) {
+func (c *isoCheck) readBack(vm *engine.VM, mems map[string]report.ForkMem) {
 	ctx, rep := c.r.ctx, &c.rep
 	s := "cat /dev/shm/mine"
 	want := vm.Name() + "\n"

@@ -1,4 +1,4 @@
-package main
+package report
 
 import (
 	"bytes"
@@ -10,11 +10,11 @@ import (
 	"strings"
 )
 
-// referenceJSON is the published baseline forkbench results are held against (Cua Spaces
+// ReferenceJSON is the published baseline forkbench results are held against (Cua Spaces
 // 0.15.0); every figure carries its source URL and machine.
 //
 //go:embed reference.json
-var referenceJSON []byte
+var ReferenceJSON []byte
 
 // ErrBadReference is returned when a reference file does not parse or a figure lacks a
 // value, unit, source or known machine.
@@ -71,8 +71,8 @@ func (f RefFigure) oursShownUnit() string {
 	return f.Unit
 }
 
-// parseReference decodes and checks a reference file.
-func parseReference(b []byte) (*Reference, error) {
+// ParseReference decodes and checks a reference file.
+func ParseReference(b []byte) (*Reference, error) {
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
 	var ref Reference
@@ -104,9 +104,9 @@ func parseReference(b []byte) (*Reference, error) {
 	return &ref, nil
 }
 
-// reference is the embedded baseline (it is checked by the tests, so it always parses).
-func reference() *Reference {
-	ref, err := parseReference(referenceJSON)
+// LoadReference is the embedded baseline (it is checked by the tests, so it always parses).
+func LoadReference() *Reference {
+	ref, err := ParseReference(ReferenceJSON)
 	if err != nil {
 		return &Reference{Machines: map[string]RefMachine{}}
 	}
@@ -176,9 +176,9 @@ type CompareRow struct {
 	Overcommit float64
 }
 
-// compareWithReference lines res up against the reference figures of its bench.
+// CompareWithReference lines res up against the reference figures of its bench.
 // A profiling run (Result.Profiling) has no rows: its figures are not benchmark figures.
-func compareWithReference(res *Result, ref *Reference) []CompareRow {
+func CompareWithReference(res *Result, ref *Reference) []CompareRow {
 	if res.Profiling != "" {
 		return nil
 	}
@@ -212,7 +212,7 @@ func compareWithReference(res *Result, ref *Reference) []CompareRow {
 				base = "extra." + f.Pass + ".waves.wave" + strconv.Itoa(f.Wave)
 			}
 			if c, ok := flags[base+".complete"]; ok && !c {
-				row.Note = fmt.Sprintf("partial: %s/%s ready", fnum(nums[base+".ready"]), fnum(nums[base+".n"]))
+				row.Note = fmt.Sprintf("partial: %s/%s ready", Fnum(nums[base+".ready"]), Fnum(nums[base+".n"]))
 			} else if !ok {
 				continue // a wave this run did not ask for
 			}
@@ -229,11 +229,11 @@ func compareWithReference(res *Result, ref *Reference) []CompareRow {
 				row.Note = "a count of the budget, no ratio"
 				if f.Pass != "" {
 					if b, ok := nums["extra."+f.Pass+".budget_vcpus"]; ok {
-						row.Note = fmt.Sprintf("budget %s vCPUs; a count of the budget, no ratio", fnum(b))
+						row.Note = fmt.Sprintf("budget %s vCPUs; a count of the budget, no ratio", Fnum(b))
 					}
 				}
 			default:
-				row.Ratio = ratio(row.Ours, f.Value)
+				row.Ratio = Ratio(row.Ours, f.Value)
 			}
 		} else if row.Note == "" {
 			row.Note = "not measured"
@@ -243,8 +243,8 @@ func compareWithReference(res *Result, ref *Reference) []CompareRow {
 	return rows
 }
 
-// hostShort names this host for the table: "2 CPUs AMD EPYC …, tcg".
-func hostShort(h HostInfo) string {
+// HostShort names this host for the table: "2 CPUs AMD EPYC …, tcg".
+func HostShort(h HostInfo) string {
 	model := h.Model
 	if len(model) > 24 {
 		model = model[:24] + "…"
@@ -252,9 +252,9 @@ func hostShort(h HostInfo) string {
 	return fmt.Sprintf("%d CPUs %s, %s", h.CPUs, model, h.Accel)
 }
 
-// comparisonTable renders rows as a markdown table (metric, forkvm, reference, ratio,
-// machines); "" when there are none.
-func comparisonTable(res *Result, ref *Reference, rows []CompareRow) string {
+// ComparisonTable renders rows as a markdown table (metric, forkvm, reference, ratio,
+// Machines); "" when there are none.
+func ComparisonTable(res *Result, ref *Reference, rows []CompareRow) string {
 	if len(rows) == 0 {
 		return ""
 	}
@@ -265,22 +265,22 @@ func comparisonTable(res *Result, ref *Reference, rows []CompareRow) string {
 		ours := r.Note
 		switch {
 		case r.Have && r.Note != "":
-			ours = fmt.Sprintf("%s %s (%s)", fnum(r.Ours), f.oursShownUnit(), r.Note)
+			ours = fmt.Sprintf("%s %s (%s)", Fnum(r.Ours), f.oursShownUnit(), r.Note)
 		case r.Have:
-			ours = fmt.Sprintf("%s %s", fnum(r.Ours), f.oursShownUnit())
+			ours = fmt.Sprintf("%s %s", Fnum(r.Ours), f.oursShownUnit())
 		}
 		rat := "—"
 		if r.Ratio > 0 {
 			rat = fmt.Sprintf("%.2f×", r.Ratio)
 		}
-		fmt.Fprintf(&sb, "| %s (`%s`) | %s | [%s %s](%s) | %s | %s |\n", f.Label, f.Key, ours, fnum(f.Value), f.Unit, f.URL, rat,
-			r.machines(res, ref))
+		fmt.Fprintf(&sb, "| %s (`%s`) | %s | [%s %s](%s) | %s | %s |\n", f.Label, f.Key, ours, Fnum(f.Value), f.Unit, f.URL, rat,
+			r.Machines(res, ref))
 	}
 	return sb.String()
 }
 
-// terminalTable renders rows as aligned text for stderr.
-func terminalTable(res *Result, ref *Reference, rows []CompareRow) string {
+// TerminalTable renders rows as aligned text for stderr.
+func TerminalTable(res *Result, ref *Reference, rows []CompareRow) string {
 	if len(rows) == 0 {
 		return ""
 	}
@@ -289,7 +289,7 @@ func terminalTable(res *Result, ref *Reference, rows []CompareRow) string {
 		f := r.Figure
 		ours := r.Note
 		if r.Have {
-			ours = fnum(r.Ours) + " " + f.oursShownUnit()
+			ours = Fnum(r.Ours) + " " + f.oursShownUnit()
 			if r.Note != "" {
 				ours += " (" + r.Note + ")"
 			}
@@ -298,7 +298,7 @@ func terminalTable(res *Result, ref *Reference, rows []CompareRow) string {
 		if r.Ratio > 0 {
 			rat = fmt.Sprintf("%.2fx", r.Ratio)
 		}
-		cells = append(cells, []string{f.Key, ours, fnum(f.Value) + " " + f.Unit, rat, r.machines(res, ref)})
+		cells = append(cells, []string{f.Key, ours, Fnum(f.Value) + " " + f.Unit, rat, r.Machines(res, ref)})
 	}
 	width := make([]int, 5)
 	for _, c := range cells {
@@ -320,21 +320,21 @@ func terminalTable(res *Result, ref *Reference, rows []CompareRow) string {
 	return sb.String()
 }
 
-// machines is the row's machines column: this host and the reference's machine, each
+// Machines is the row's machines column: this host and the reference's machine, each
 // with the overcommit its wave ran at when the figure is a fan-out wave's.
-func (r CompareRow) machines(res *Result, ref *Reference) string {
-	ours, theirs := hostShort(res.Host), ref.Machines[r.Figure.Machine].Short
+func (r CompareRow) Machines(res *Result, ref *Reference) string {
+	ours, theirs := HostShort(res.Host), ref.Machines[r.Figure.Machine].Short
 	if r.Figure.Overcommit > 0 && r.Figure.Wave > 0 {
 		if r.Overcommit > 0 {
-			ours += ", overcommit " + fnum(r.Overcommit)
+			ours += ", overcommit " + Fnum(r.Overcommit)
 		}
-		theirs += ", overcommit " + fnum(r.Figure.Overcommit)
+		theirs += ", overcommit " + Fnum(r.Figure.Overcommit)
 	}
 	return ours + " vs " + theirs
 }
 
-// refMachinesText lists the reference machines rows use, in full.
-func refMachinesText(ref *Reference, rows []CompareRow) string {
+// RefMachinesText lists the reference machines rows use, in full.
+func RefMachinesText(ref *Reference, rows []CompareRow) string {
 	seen := map[string]bool{}
 	var out []string
 	for _, r := range rows {

@@ -1,4 +1,7 @@
-package main
+// Package report is what forkbench writes: result.json (forkvm.bench-result/v1), samples.csv
+// and report.md, the statistics behind them, the published reference figures they are set
+// beside, the comparison of two results and the fanout SVG. It measures nothing.
+package report
 
 import (
 	"encoding/csv"
@@ -106,7 +109,7 @@ type Sample struct {
 	CPUUserMS  float64
 	CPUSysMS   float64
 	// Mem is the fork's memory breakdown (nil: not measured).
-	Mem *forkMem
+	Mem *ForkMem
 	// TBsReady and TBsFirstCmd are the TCG translation blocks a fork's QEMU generated
 	// until ready and during its first command (0 when not measured: kvm/hvf).
 	TBsReady    int64
@@ -120,8 +123,8 @@ type Sample struct {
 	Error  string
 }
 
-// anonMB is the fork's anonymous memory (0: not measured).
-func (s *Sample) anonMB() float64 {
+// AnonMB is the fork's anonymous memory (0: not measured).
+func (s *Sample) AnonMB() float64 {
 	if s.Mem == nil {
 		return 0
 	}
@@ -130,37 +133,37 @@ func (s *Sample) anonMB() float64 {
 
 // memValues are the samples.csv cells of memColumns ("" when not measured).
 func (s *Sample) memValues() []string {
-	out := make([]string, len(memColumns))
+	out := make([]string, len(MemColumns))
 	if s.Mem != nil {
-		for i, v := range s.Mem.values() {
-			out[i] = fnum(v)
+		for i, v := range s.Mem.Values() {
+			out[i] = Fnum(v)
 		}
 	}
 	return out
 }
 
-// setPhases records p in s (ms).
-func (s *Sample) setPhases(p phases) {
-	s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = ms(p.Prepare), ms(p.Spawn), ms(p.Restore), ms(p.Agent)
+// SetPhases records p in s (ms).
+func (s *Sample) SetPhases(p Phases) {
+	s.PrepareMS, s.SpawnMS, s.RestoreMS, s.AgentMS = Ms(p.Prepare), Ms(p.Spawn), Ms(p.Restore), Ms(p.Agent)
 }
 
 // csvHeader is the first row of samples.csv.
 var csvHeader = append(append([]string{"bench", "wave", "index", "name", "ok", "latency_ms", "prepare_ms", "spawn_ms",
 	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "tbs_ready", "tbs_first_cmd"},
-	memColumns...), append(append(counterColumns, faultColumns...), "error")...)
+	MemColumns...), append(append(counterColumns, faultColumns...), "error")...)
 
-func fnum(x float64) string { return strconv.FormatFloat(round3(x), 'f', -1, 64) }
+func Fnum(x float64) string { return strconv.FormatFloat(Round3(x), 'f', -1, 64) }
 
-// writeCSV writes samples as CSV with csvHeader.
-func writeCSV(w io.Writer, samples []Sample) error {
+// WriteCSV writes samples as CSV with csvHeader.
+func WriteCSV(w io.Writer, samples []Sample) error {
 	cw := csv.NewWriter(w)
 	if err := cw.Write(csvHeader); err != nil {
 		return err
 	}
 	for _, s := range samples {
 		row := []string{s.Bench, s.Group, strconv.Itoa(s.Index), s.Name, strconv.FormatBool(s.OK),
-			fnum(s.LatencyMS), fnum(s.PrepareMS), fnum(s.SpawnMS), fnum(s.RestoreMS), fnum(s.AgentMS),
-			fnum(s.FirstCmdMS), fnum(s.CPUUserMS), fnum(s.CPUSysMS), fnum(s.anonMB()),
+			Fnum(s.LatencyMS), Fnum(s.PrepareMS), Fnum(s.SpawnMS), Fnum(s.RestoreMS), Fnum(s.AgentMS),
+			Fnum(s.FirstCmdMS), Fnum(s.CPUUserMS), Fnum(s.CPUSysMS), Fnum(s.AnonMB()),
 			strconv.FormatInt(s.TBsReady, 10), strconv.FormatInt(s.TBsFirstCmd, 10)}
 		row = append(append(append(row, s.memValues()...), s.counterValues()...), s.faultValues()...)
 		row = append(row, s.Error)
@@ -172,9 +175,9 @@ func writeCSV(w io.Writer, samples []Sample) error {
 	return cw.Error()
 }
 
-// writeResultJSON writes r as indented JSON. A nil extra or caveats becomes {} or [] so
+// WriteResultJSON writes r as indented JSON. A nil extra or caveats becomes {} or [] so
 // every schema field is present.
-func writeResultJSON(w io.Writer, r *Result) error {
+func WriteResultJSON(w io.Writer, r *Result) error {
 	if r.Extra == nil {
 		r.Extra = map[string]any{}
 	}
@@ -210,8 +213,8 @@ type Bar struct {
 	Value float64
 }
 
-// asciiChart renders bars scaled to width characters, one per line, with the value.
-func asciiChart(bars []Bar, width int, unit string) string {
+// ASCIIChart renders bars scaled to width characters, one per line, with the value.
+func ASCIIChart(bars []Bar, width int, unit string) string {
 	if width < 1 {
 		width = 40
 	}
@@ -227,13 +230,13 @@ func asciiChart(bars []Bar, width int, unit string) string {
 			n = int(math.Round(b.Value / maxV * float64(width)))
 			n = max(n, 1)
 		}
-		fmt.Fprintf(&sb, "%-*s |%s%s %s %s\n", maxL, b.Label, strings.Repeat("#", n), strings.Repeat(" ", width-n), fnum(b.Value), unit)
+		fmt.Fprintf(&sb, "%-*s |%s%s %s %s\n", maxL, b.Label, strings.Repeat("#", n), strings.Repeat(" ", width-n), Fnum(b.Value), unit)
 	}
 	return sb.String()
 }
 
-// histogramBars buckets values into at most nb equal-width buckets labelled by range.
-func histogramBars(xs []float64, nb int) []Bar {
+// HistogramBars buckets values into at most nb equal-width buckets labelled by range.
+func HistogramBars(xs []float64, nb int) []Bar {
 	if len(xs) == 0 || nb < 1 {
 		return nil
 	}
@@ -256,8 +259,8 @@ func histogramBars(xs []float64, nb int) []Bar {
 	return bars
 }
 
-// writeOutputs writes result.json, samples.csv and report.md into dir.
-func writeOutputs(dir string, r *Result, samples []Sample, report string) error {
+// WriteOutputs writes result.json, samples.csv and report.md into dir.
+func WriteOutputs(dir string, r *Result, samples []Sample, report string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
@@ -265,7 +268,7 @@ func writeOutputs(dir string, r *Result, samples []Sample, report string) error 
 	if err != nil {
 		return err
 	}
-	if err := writeResultJSON(f, r); err != nil {
+	if err := WriteResultJSON(f, r); err != nil {
 		f.Close()
 		return err
 	}
@@ -276,7 +279,7 @@ func writeOutputs(dir string, r *Result, samples []Sample, report string) error 
 	if err != nil {
 		return err
 	}
-	if err := writeCSV(f, samples); err != nil {
+	if err := WriteCSV(f, samples); err != nil {
 		f.Close()
 		return err
 	}

@@ -1,4 +1,4 @@
-package main
+package report
 
 import (
 	"bytes"
@@ -9,8 +9,8 @@ import (
 	"strings"
 )
 
-// svgWave is one wave as the report's picture draws it.
-type svgWave struct {
+// SVGWave is one wave as the report's picture draws it.
+type SVGWave struct {
 	Label    string
 	N, Ready int
 	Complete bool
@@ -19,40 +19,6 @@ type svgWave struct {
 	Mem      *MemSummary
 	// HostAddedMB is host memory the wave added per fork (MemAvailable drop / forks).
 	HostAddedMB float64
-}
-
-// svgWaves turns the measured waves of both passes (the overcommit asked for first)
-// into what fanoutSVG draws; waves not run are left out. With a first pass, each label
-// says the overcommit of its pass.
-func svgWaves(defaults, outs []*waveOutcome, defaultOC, headlineOC float64) []svgWave {
-	var out []svgWave
-	add := func(oc float64, os []*waveOutcome) {
-		for _, o := range os {
-			if o.wr == nil {
-				continue
-			}
-			label := fmt.Sprintf("wave%d", o.n)
-			if len(defaults) > 0 {
-				label = fmt.Sprintf("wave%d, overcommit %s", o.n, fnum(oc))
-			}
-			sw := svgWave{Label: label, N: o.n, Ready: o.wr.ReadyCount(), Complete: o.complete(),
-				LatMS: o.lat, HostAddedMB: o.wr.PrivateMBPerFork()}
-			for _, ev := range o.wr.Events {
-				if ev.Err == nil && ev.Name != "" && !ev.Done.IsZero() {
-					sw.ReadyAtS = append(sw.ReadyAtS, ev.Done.Sub(o.wr.FirstStart).Seconds())
-				}
-			}
-			var ms []forkMem
-			for _, m := range o.mems {
-				ms = append(ms, m)
-			}
-			sw.Mem = memSummary(ms)
-			out = append(out, sw)
-		}
-	}
-	add(defaultOC, defaults)
-	add(headlineOC, outs)
-	return out
 }
 
 // niceStep is a 1/2/5×10^k tick step giving about n ticks over [0, hi].
@@ -88,7 +54,7 @@ func (d *svgDoc) axis(x0, x1, y, hi float64, unit string) {
 	for v := 0.0; v <= hi+step/1e6; v += step {
 		x := x0 + (x1-x0)*v/hi
 		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#444"/>`+"\n", x, y, x, y+4)
-		d.text(x, y+16, "middle", `font-size="11"`, fnum(v))
+		d.text(x, y+16, "middle", `font-size="11"`, Fnum(v))
 	}
 	d.text(x1, y+30, "end", `font-size="11" fill="#444"`, unit)
 }
@@ -96,7 +62,7 @@ func (d *svgDoc) axis(x0, x1, y, hi float64, unit string) {
 var svgColors = []string{"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"}
 
 // waveLabel names a wave with its completeness for the picture.
-func (w svgWave) label() string {
+func (w SVGWave) label() string {
 	if w.Complete {
 		return fmt.Sprintf("%s (%d/%d)", w.Label, w.Ready, w.N)
 	}
@@ -110,9 +76,9 @@ const (
 	svgRowH                     = 22.0
 )
 
-// fanoutSVG draws three panels: per-fork latency per wave, forks ready over time, and
+// FanoutSVG draws three panels: per-fork latency per wave, forks ready over time, and
 // memory per fork by class. It is self-contained SVG 1.1 (no script, no fonts).
-func fanoutSVG(waves []svgWave, title string) []byte {
+func FanoutSVG(waves []SVGWave, title string) []byte {
 	const W = svgWidth
 	h1 := 50 + svgRowH*float64(len(waves)) + 40
 	h2 := 280.0 + 16*math.Ceil(float64(len(waves))/2)
@@ -133,7 +99,7 @@ func fanoutSVG(waves []svgWave, title string) []byte {
 
 // latencyPanel draws each fork's start → ready latency, one row per wave, at y0; the
 // tick is the p50.
-func (d *svgDoc) latencyPanel(waves []svgWave, y0 float64) {
+func (d *svgDoc) latencyPanel(waves []SVGWave, y0 float64) {
 	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Fork start → ready, each fork (ms); | = p50")
 	maxLat := 1.0
 	for _, w := range waves {
@@ -154,7 +120,7 @@ func (d *svgDoc) latencyPanel(waves []svgWave, y0 float64) {
 			d.f(`<circle cx="%.1f" cy="%.1f" r="3" fill="%s" fill-opacity="0.55"/>`+"\n", svgLeft+(svgRight-svgLeft)*v/maxLat, y, col)
 		}
 		if len(w.LatMS) > 0 {
-			x := svgLeft + (svgRight-svgLeft)*median(w.LatMS)/maxLat
+			x := svgLeft + (svgRight-svgLeft)*Median(w.LatMS)/maxLat
 			d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="black" stroke-width="2"/>`+"\n", x, y-8, x, y+8)
 		}
 	}
@@ -163,7 +129,7 @@ func (d *svgDoc) latencyPanel(waves []svgWave, y0 float64) {
 }
 
 // readyPanel draws the forks ready over time since each wave's first start, at y0.
-func (d *svgDoc) readyPanel(waves []svgWave, y0 float64) {
+func (d *svgDoc) readyPanel(waves []SVGWave, y0 float64) {
 	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Forks ready over time (s since the wave's first start)")
 	top, bot := y0+35, y0+245
 	maxT, maxN := 0.1, 1
@@ -178,7 +144,7 @@ func (d *svgDoc) readyPanel(waves []svgWave, y0 float64) {
 	for v := 0.0; v <= float64(maxN)+step/1e6; v += step {
 		y := bot - (bot-top)*v/float64(maxN)
 		d.f(`<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#eee"/>`+"\n", svgLeft, y, svgRight, y)
-		d.text(svgLeft-6, y+4, "end", `font-size="11"`, fnum(v))
+		d.text(svgLeft-6, y+4, "end", `font-size="11"`, Fnum(v))
 	}
 	d.text(svgLeft+6, top+12, "start", `font-size="11" fill="#444"`, "forks ready")
 	for i, w := range waves {
@@ -206,7 +172,7 @@ func (d *svgDoc) readyPanel(waves []svgWave, y0 float64) {
 
 // memoryPanel draws memory per fork by class (p50, stacked) and host memory added per
 // fork, one row per wave, at y0.
-func (d *svgDoc) memoryPanel(waves []svgWave, y0 float64) {
+func (d *svgDoc) memoryPanel(waves []SVGWave, y0 float64) {
 	d.text(20, y0+20, "start", `font-size="13" font-weight="bold"`, "Memory per fork (MiB): private by class (p50, VM.Memory) and ◆ host memory added / forks")
 	classes := []struct {
 		name string

@@ -1,4 +1,4 @@
-package main
+package report
 
 import (
 	"math"
@@ -21,10 +21,10 @@ type Percentiles struct {
 	ForkMSMax float64 `json:"fork_ms_max,omitempty"`
 }
 
-// percentile returns the q-th percentile (0..100) of xs by linear interpolation between
+// Percentile returns the q-th percentile (0..100) of xs by linear interpolation between
 // closest ranks (the definition numpy uses by default). xs need not be sorted; an empty
 // set gives 0.
-func percentile(xs []float64, q float64) float64 {
+func Percentile(xs []float64, q float64) float64 {
 	if len(xs) == 0 {
 		return 0
 	}
@@ -48,8 +48,8 @@ func percentileSorted(s []float64, q float64) float64 {
 	return s[lo] + (s[hi]-s[lo])*frac
 }
 
-// summarize computes every percentile of xs.
-func summarize(xs []float64) Percentiles {
+// Summarize computes every percentile of xs.
+func Summarize(xs []float64) Percentiles {
 	if len(xs) == 0 {
 		return Percentiles{}
 	}
@@ -61,17 +61,17 @@ func summarize(xs []float64) Percentiles {
 	}
 }
 
-// median is the 50th percentile.
-func median(xs []float64) float64 { return percentile(xs, 50) }
+// Median is the 50th percentile.
+func Median(xs []float64) float64 { return Percentile(xs, 50) }
 
-// ms converts a duration to float milliseconds.
-func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+// Ms converts a duration to float milliseconds.
+func Ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-// round3 rounds to 3 decimals (keeps JSON readable).
-func round3(x float64) float64 { return math.Round(x*1000) / 1000 }
+// Round3 rounds to 3 decimals (keeps JSON readable).
+func Round3(x float64) float64 { return math.Round(x*1000) / 1000 }
 
-// ratio returns a/b, or 0 when b is 0.
-func ratio(a, b float64) float64 {
+// Ratio returns a/b, or 0 when b is 0.
+func Ratio(a, b float64) float64 {
 	if b == 0 {
 		return 0
 	}

@@ -1,4 +1,4 @@
-package main
+package report
 
 import (
 	"fmt"
@@ -25,8 +25,8 @@ var counterColumns = func() []string {
 	return cols
 }()
 
-// setCounters records what the kernel counted for a fork's QEMU (nil: off).
-func (s *Sample) setCounters(c *engine.Counters, spans []engine.Span) {
+// SetCounters records what the kernel counted for a fork's QEMU (nil: off).
+func (s *Sample) SetCounters(c *engine.Counters, spans []engine.Span) {
 	if c == nil {
 		return
 	}
@@ -61,13 +61,13 @@ func (s *Sample) counterValues() []string {
 		return out
 	}
 	i64 := func(v int64) string { return strconv.FormatInt(v, 10) }
-	mb := func(v int64) string { return fnum(float64(v) / (1 << 20)) }
-	kb := func(v int64) string { return fnum(float64(v) / (1 << 10)) }
+	mb := func(v int64) string { return Fnum(float64(v) / (1 << 20)) }
+	kb := func(v int64) string { return Fnum(float64(v) / (1 << 10)) }
 	r := s.Counters.Ready
-	vals := []string{s.Counters.Source, i64(r.MinorFaults), i64(r.MajorFaults), i64(r.ContextSwitches), fnum(ms(r.TaskClock)),
+	vals := []string{s.Counters.Source, i64(r.MinorFaults), i64(r.MajorFaults), i64(r.ContextSwitches), Fnum(Ms(r.TaskClock)),
 		mb(r.RSSAnon), mb(r.RSSFile), mb(r.RSSShmem), kb(r.PageTables)}
 	if f, ok := s.firstCmdCounters(); ok {
-		vals = append(vals, i64(f.MinorFaults), i64(f.ContextSwitches), fnum(ms(f.TaskClock)), mb(f.RSSAnon), kb(f.PageTables))
+		vals = append(vals, i64(f.MinorFaults), i64(f.ContextSwitches), Fnum(Ms(f.TaskClock)), mb(f.RSSAnon), kb(f.PageTables))
 	} else {
 		vals = append(vals, "", "", "", "", "")
 	}
@@ -82,9 +82,9 @@ func (s *Sample) counterValues() []string {
 	return out
 }
 
-// countersSection is report.md's table of the kernel's counters per phase (medians over
+// CountersSection is report.md's table of the kernel's counters per phase (medians over
 // the ready forks that have them), "" when none has.
-func countersSection(samples []Sample) string {
+func CountersSection(samples []Sample) string {
 	type row struct {
 		minflt, majflt, ctxsw, clock, anon, shmem, pte []float64
 	}
@@ -99,7 +99,7 @@ func countersSection(samples []Sample) string {
 		r.minflt = append(r.minflt, float64(k.MinorFaults))
 		r.majflt = append(r.majflt, float64(k.MajorFaults))
 		r.ctxsw = append(r.ctxsw, float64(k.ContextSwitches))
-		r.clock = append(r.clock, ms(k.TaskClock))
+		r.clock = append(r.clock, Ms(k.TaskClock))
 		r.anon = append(r.anon, float64(k.RSSAnon)/(1<<20))
 		r.shmem = append(r.shmem, float64(k.RSSShmem)/(1<<20))
 		r.pte = append(r.pte, float64(k.PageTables)/(1<<10))
@@ -138,8 +138,8 @@ func countersSection(samples []Sample) string {
 		if r == nil {
 			continue
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s |\n", name, fnum(median(r.minflt)), fnum(median(r.majflt)),
-			fnum(median(r.ctxsw)), fnum(median(r.clock)), fnum(median(r.anon)), fnum(median(r.shmem)), fnum(median(r.pte)))
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s |\n", name, Fnum(Median(r.minflt)), Fnum(Median(r.majflt)),
+			Fnum(Median(r.ctxsw)), Fnum(Median(r.clock)), Fnum(Median(r.anon)), Fnum(Median(r.shmem)), Fnum(Median(r.pte)))
 	}
 	return b.String()
 }
