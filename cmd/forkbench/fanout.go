@@ -11,6 +11,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
@@ -562,7 +563,7 @@ func (r *runner) fanoutDefaultPass(w *World, settings *FanoutSettings, fit *FitD
 			perFork = max(perFork, o.wr.PrivateMBPerFork())
 		}
 	}
-	fit.Memory = memoryFit(settledMemAvailableMB(r.ctx), float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
+	fit.Memory = memoryFit(measure.SettledMemAvailableMB(r.ctx), float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
 	return defaults, nil
 }
 

@@ -20,6 +20,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/fleet"
@@ -872,7 +873,7 @@ func (fr *fleetRun) stop() {
 			} else {
 				fr.r.logf("cleanup: %s: %v", n.name, err)
 			}
-		} else if left := countFiles(ram); left > 0 {
+		} else if left := measure.CountFiles(ram); left > 0 {
 			fr.r.fail("cleanup leak: %d RAM files left in %s", left, ram)
 		}
 		os.RemoveAll(ram)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/procinfo"
@@ -108,7 +109,7 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 			r.noteJIT(jit0, jit1)
 		}
 	}
-	if m, err := measureMem(r.ctx, vm); err == nil {
+	if m, err := measure.MeasureMem(r.ctx, vm); err == nil {
 		s.Mem = &m
 	} else {
 		r.logf("memory of %s: %v", name, err)
@@ -117,7 +118,7 @@ func (r *runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 	p := report.PhasesOf(inf.Timings)
 	s.SetPhases(p)
 	s.SetCounters(inf.Counters, inf.Spans)
-	s.Faults = r.faults.counts(vm.PID())
+	s.Faults = r.faults.Counts(vm.PID())
 	if err != nil {
 		s.Error = err.Error()
 		return vm, s
@@ -168,7 +169,7 @@ func runFork(r *runner, n int, peer bool, peerN int, warm int, perfOn bool) erro
 			r.fail("fork %s: %s", name, s.Error)
 		}
 		if vm != nil {
-			if err := r.perf.keep(r.ctx, w.Ck, vm); err != nil {
+			if err := r.perf.Keep(r.ctx, w.Ck, vm); err != nil {
 				r.caveat("--perf: %v", err)
 			}
 			if r.hold && i == n-1 {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/csv"
 	"encoding/json"
-	"fmt"
 	"math"
 	"strings"
 	"testing"
@@ -102,61 +101,6 @@ func TestResultJSONHasEverySchemaField(t *testing.T) {
 	}
 	if v := m["extra"].(map[string]any)["bad"]; v != 0.0 {
 		t.Errorf("NaN not sanitized: %v", v)
-	}
-}
-
-func TestTraceShape(t *testing.T) {
-	t0 := time.Now()
-	tr := newTrace(t0)
-	tr.Group(1, "wave8")
-	tr.ForkSpans(1, 1, "w8-1", t0.Add(time.Millisecond), report.Phases{Prepare: time.Millisecond, Spawn: 50 * time.Millisecond, Restore: time.Millisecond, Agent: 100 * time.Millisecond}, nil,
-		t0.Add(200*time.Millisecond), 20*time.Millisecond, map[string]any{"cpu_user_ms": 12.0})
-	var nilTrace *Trace
-	nilTrace.Span(1, 1, "x", "y", t0, time.Second, nil) // must not panic
-	var buf bytes.Buffer
-	if _, err := tr.WriteTo(&buf); err != nil {
-		t.Fatal(err)
-	}
-	var doc struct {
-		TraceEvents []TraceEvent `json:"traceEvents"`
-		OtherData   struct {
-			Clock  string `json:"clock"`
-			T0Mono int64  `json:"t0_mono_ns"`
-		} `json:"otherData"`
-	}
-	if err := json.Unmarshal(buf.Bytes(), &doc); err != nil {
-		t.Fatal(err)
-	}
-	var spans []string
-	var lastEnd float64
-	for _, e := range doc.TraceEvents {
-		if e.Ph != "X" {
-			if e.Ph != "M" {
-				t.Errorf("unexpected phase %q", e.Ph)
-			}
-			continue
-		}
-		spans = append(spans, e.Name)
-		if e.Pid != 1 || e.Tid != 1 || e.Dur <= 0 || e.Args["cpu_user_ms"] != 12.0 {
-			t.Errorf("bad span %+v", e)
-		}
-		if e.TS+1e-6 < lastEnd {
-			t.Errorf("span %s at %v overlaps previous end %v", e.Name, e.TS, lastEnd)
-		}
-		lastEnd = e.TS + e.Dur
-	}
-	if got := strings.Join(spans, ","); got != "prepare,spawn,restore,agent,first-command" {
-		t.Errorf("spans = %s", got)
-	}
-	// Timestamps are CLOCK_MONOTONIC microseconds: prepare started 1 ms after t0.
-	if got := doc.TraceEvents[len(doc.TraceEvents)-5].TS - float64(doc.OtherData.T0Mono)/1e3; math.Abs(got-1000) > 0.01 {
-		t.Errorf("prepare ts = t0 + %v us, want t0 + 1000", got)
-	}
-	if doc.OtherData.Clock != "CLOCK_MONOTONIC" {
-		t.Errorf("otherData.clock = %q", doc.OtherData.Clock)
-	}
-	if now := float64(monoNow()) / 1e3; doc.OtherData.T0Mono <= 0 || math.Abs(float64(doc.OtherData.T0Mono)/1e3-now) > 60e6 {
-		t.Errorf("t0_mono_ns %d is not CLOCK_MONOTONIC (now %v us)", doc.OtherData.T0Mono, now)
 	}
 }
 
@@ -382,25 +326,6 @@ func TestExecLoadFlags(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "exec-load") {
 			t.Errorf("exec-load %v: %v, want a refusal", args, err)
 		}
-	}
-}
-
-// TestTraceEngineSpans: a fork the engine reported spans for is drawn at their own
-// CLOCK_MONOTONIC times (not laid out from the caller's start), then its first command.
-func TestTraceEngineSpans(t *testing.T) {
-	t0 := time.Now()
-	tr := newTrace(t0)
-	spans := []engine.Span{{Name: "prepare", StartMono: 5_000_000, EndMono: 6_000_000}, {Name: "agent", StartMono: 9_000_000, EndMono: 9_500_000}}
-	tr.ForkSpans(1, 1, "f", t0, report.Phases{Prepare: time.Second, Spawn: time.Second}, spans, t0, time.Millisecond, nil)
-	var got []string
-	for _, e := range tr.events {
-		if e.Ph == "X" {
-			got = append(got, fmt.Sprintf("%s@%g+%g", e.Name, e.TS, e.Dur))
-		}
-	}
-	want := []string{"prepare@5000+1000", "agent@9000+500", fmt.Sprintf("first-command@%g+1000", tr.us(t0))}
-	if fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Errorf("spans %q, want %q", got, want)
 	}
 }
 

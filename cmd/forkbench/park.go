@@ -8,6 +8,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
@@ -111,7 +112,7 @@ func (r *runner) parkOne(vm *engine.VM, i, writeMB int, ckPaused, parkTotal, par
 	}
 	*ckPaused = append(*ckPaused, report.Ms(ck.Manifest.Timings.Paused))
 	_ = r.e.DeleteCheckpoint(ctx, name+"-ck", &engine.DeleteCheckpointOptions{Force: true})
-	mem, merr := measureMem(ctx, vm)
+	mem, merr := measure.MeasureMem(ctx, vm)
 	res, err := r.e.Park(ctx, name)
 	if err != nil {
 		return fmt.Errorf("park: %w", err)

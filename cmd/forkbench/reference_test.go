@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"encoding/json"
 	"encoding/xml"
 	"errors"
 	"fmt"
@@ -348,37 +347,6 @@ func TestFanoutSVG(t *testing.T) {
 		if len(waves) == 2*len(outs) && !strings.Contains(all, "wave8, overcommit 64 (8/8)") {
 			t.Errorf("two passes without their overcommits: %s", all)
 		}
-	}
-}
-
-func TestStateDirOf(t *testing.T) {
-	for _, tt := range []struct {
-		args []string
-		want string
-	}{
-		// The console socket in STATEDIR/run/NAME, as the engine launches a VM.
-		{[]string{"qemu-system-x86_64", "-name", "w1,debug-threads=on,process=forkvm-w1", "-chardev", "socket,id=qmp,path=/work/h/run/w1/qmp.sock,server=on,wait=off",
-			"-chardev", "socket,id=console,path=/work/h/run/w1/console.sock,server=off"}, "/work/h"},
-		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "socket,id=console,path=/tmp/a,,b/run/f1/console.sock,server=off"}, "/tmp/a,b"},
-		// A run dir outside the state dir (a long state dir path): the disk names it.
-		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "socket,id=console,path=/tmp/forkvm-ab12/f1/console.sock,server=off",
-			"-blockdev", `{"driver":"qcow2","file":{"driver":"file","filename":"/very/long/home/vms/f1/disk1.qcow2"},"node-name":"d1"}`}, "/very/long/home"},
-		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "socket,id=console,path=/tmp/forkvm-ab12/f1/console.sock,server=off"}, "run dir /tmp/forkvm-ab12"},
-		// An older engine's console file.
-		{[]string{"qemu-system-x86_64", "-name", "f1,process=forkvm-f1", "-chardev", "file,id=console,path=/work/homes/a/vms/f1/serial.log"}, "/work/homes/a"},
-		{[]string{"qemu-system-x86_64", "-chardev", "socket,id=console,path=/x/run/f1/console.sock,server=off"}, ""},
-		{[]string{"qemu-system-x86_64", "-m", "512"}, ""},
-	} {
-		if got := stateDirOf(tt.args); got != tt.want {
-			t.Errorf("stateDirOf(%v) = %q, want %q", tt.args, got, tt.want)
-		}
-	}
-	o := &report.OtherVMs{ByStateDir: map[string]int{"/b": 1, "/a": 3}, NotForkvm: 2}
-	if got := report.OtherVMsText(6, o); got != "6 (forkvm VMs of 2 other state directories: /a 3, /b 1; 2 QEMU processes not forkvm's)" {
-		t.Errorf("otherVMsText = %q", got)
-	}
-	if b, _ := json.Marshal(o); string(b) != `{"forkvm_by_state_dir":{"/a":3,"/b":1},"not_forkvm":2}` {
-		t.Errorf("json %s", b)
 	}
 }
 

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -17,11 +16,11 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/faultclass"
 	"github.com/forkvm/forkvm/guest"
-	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/tracefs"
 )
 
@@ -34,10 +33,10 @@ type runner struct {
 	ramDir  string // the engine's RAM dir
 	e       *engine.Engine
 	res     *report.Result
-	trace   *Trace
-	ktrace  *tracefs.Instance // --trace-kernel, or a --trace bundle's kernel events
-	perf    *perfSession      // --perf
-	faults  *faultMarker      // --faults
+	trace   *measure.Trace
+	ktrace  *tracefs.Instance    // --trace-kernel, or a --trace bundle's kernel events
+	perf    *measure.PerfSession // --perf
+	faults  *measure.FaultMarker // --faults
 	runOutput
 }
 
@@ -130,7 +129,7 @@ func (r *runner) section(format string, a ...any) {
 	r.mu.Unlock()
 }
 
-// keep marks VMs that --hold keeps alive (with their checkpoint).
+// Keep marks VMs that --hold keeps alive (with their checkpoint).
 func (r *runner) keep(ck string, names ...string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -216,14 +215,14 @@ func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings rep
 	}
 	r.bundle = strings.HasSuffix(r.tracePath, ".tar")
 	if r.tracePath != "" {
-		r.trace = newTrace(start)
+		r.trace = measure.NewTrace(start)
 	}
 	rs := settings.Common()
 	rs.Overcommit = r.overcommit
 	rs.VMGenID = r.vmgenid
 	r.res = &report.Result{
 		Schema: report.SchemaVersion, Bench: bench, Extra: map[string]any{},
-		Environment: report.Environment{Shape: r.shape, Settings: settings, LoadAvgBefore: loadAvg()},
+		Environment: report.Environment{Shape: r.shape, Settings: settings, LoadAvgBefore: measure.LoadAvg()},
 		MeasuredAt:  start.UTC().Format(time.RFC3339),
 	}
 	return r, nil
@@ -239,10 +238,10 @@ func (r *runner) openEngine(cmd *cli.Command, settings report.Settings) (err err
 		}
 		r.ownHome = true
 	}
-	_, others := qemuProcs(r.home)
+	_, others := measure.QEMUPIDs(r.home)
 	r.res.Environment.OtherVMs = len(others)
 	if len(others) > 0 {
-		o := classifyOthers(others)
+		o := measure.ClassifyOthers(others)
 		r.res.Environment.OtherVMsDetail = &o
 	}
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
@@ -280,7 +279,7 @@ func (r *runner) openEngine(cmd *cli.Command, settings report.Settings) (err err
 			}
 			return fmt.Errorf("--faults: %w", err)
 		}
-		r.faults = &faultMarker{next: cfg.Markers, s: s, logf: r.logf, pids: map[string]int{}, base: map[int]faultclass.Counts{}, warn: map[string]bool{}}
+		r.faults = measure.NewFaultMarker(cfg.Markers, s, r.logf)
 		cfg.Markers = r.faults
 	}
 	r.e, err = engine.New(r.ctx, cfg)
@@ -293,14 +292,14 @@ func (r *runner) openEngine(cmd *cli.Command, settings report.Settings) (err err
 	}
 	r.ramDir = r.e.Config().RAMDir
 	if r.faults != nil {
-		r.faults.state, r.faults.ramDir = r.e.Config().StateDir, r.ramDir
+		r.faults.SetDirs(r.e.Config().StateDir, r.ramDir)
 	}
 	rs := settings.Common()
 	rs.RestoreConcurrency = r.e.Config().Experimental.RestoreConcurrency
 	rs.TBSizeMiB = r.e.Config().Experimental.TBSizeMiB
 	rs.TCGThread = string(r.e.Config().Experimental.TCGThread)
-	r.res.Build = buildInfo(r.ctx, r.e, guest.DefaultCacheDir())
-	r.res.Host = hostInfo(r.e)
+	r.res.Build = measure.BuildInfo(r.ctx, r.e, guest.DefaultCacheDir())
+	r.res.Host = measure.HostInfo(r.e)
 	if r.res.Host.Accel == "tcg" {
 		r.caveat("accelerator is TCG (no usable KVM): guest execution is emulated, so guest-side work (commands, md5sum) is far slower than under KVM")
 	}
@@ -349,7 +348,7 @@ func (r *runner) openKernelTrace() error {
 // classifier (if any).
 func (r *runner) closeKernelTrace() {
 	if r.faults != nil {
-		_ = r.faults.s.Close()
+		_ = r.faults.Close()
 	}
 	if r.ktrace == nil {
 		return
@@ -360,7 +359,7 @@ func (r *runner) closeKernelTrace() {
 	r.ktrace = nil
 }
 
-// finish completes the result after the run (and its clean-up), writes result.json,
+// Finish completes the result after the run (and its clean-up), writes result.json,
 // samples, report.md and the run's files, prints the headline and returns the run's
 // error: runErr, errNotOK for a run that is not ok, or a failure to write.
 func (r *runner) finish(runErr error, start time.Time) error {
@@ -383,9 +382,11 @@ func (r *runner) finish(runErr error, start time.Time) error {
 		r.closeKernelTrace()
 	}
 	if r.trace != nil {
-		write := r.trace.writeFile
+		write := r.trace.WriteFile
 		if r.bundle {
-			write = func(path string) error { return r.writeBundle(path, ktext) }
+			write = func(path string) error {
+				return measure.WriteBundle(path, r.trace, ktext, r.files[measure.PerfScriptFile], r.bench, r.res.MeasuredAt)
+			}
 		}
 		if err := write(r.tracePath); err != nil {
 			r.logf("trace: %v", err)
@@ -447,7 +448,7 @@ func (r *runner) cleanup() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	if r.perf != nil { // a run that broke while profiling
-		r.perf.close()
+		r.perf.Close()
 		r.perf = nil
 	}
 	e := r.e
@@ -496,8 +497,8 @@ func (r *runner) cleanup() {
 		return
 	}
 	time.Sleep(50 * time.Millisecond)
-	mine, _ := qemuProcs(r.home, r.ramDir)
-	leftRAM := countFiles(r.ramDir)
+	mine, _ := measure.QEMUPIDs(r.home, r.ramDir)
+	leftRAM := measure.CountFiles(r.ramDir)
 	if len(mine) > 0 || leftRAM > 0 {
 		r.fail("cleanup leak: %d qemu processes (%v) and %d RAM files left", len(mine), mine, leftRAM)
 		r.caveat("cleanup leaked %d qemu processes and %d RAM files", len(mine), leftRAM)
@@ -562,36 +563,6 @@ func isAdmission(err error) (*engine.AdmissionError, bool) {
 		return ae, true
 	}
 	return nil, errors.Is(err, engine.ErrAdmission)
-}
-
-// memAvailableMB is MemAvailable in MB (-1 when unknown).
-func memAvailableMB() float64 {
-	v, err := procinfo.MemAvailable()
-	if err != nil {
-		return -1
-	}
-	return float64(v) / (1 << 20)
-}
-
-// settledMemAvailableMB waits (up to 5 s, untimed by the benchmarks) until MemAvailable
-// stops moving — memory freed by a just-deleted VM or wave is returned asynchronously, and
-// a baseline taken too early makes "memory added per fork" too small, even negative —
-// then returns it.
-func settledMemAvailableMB(ctx context.Context) float64 {
-	prev := memAvailableMB()
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
-		select {
-		case <-ctx.Done():
-			return prev
-		case <-time.After(250 * time.Millisecond):
-		}
-		cur := memAvailableMB()
-		if cur < 0 || math.Abs(cur-prev) < 2 {
-			return cur
-		}
-		prev = cur
-	}
-	return prev
 }
 
 func numCPU() int { return runtime.NumCPU() }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 )
@@ -64,8 +65,8 @@ type soakCounts struct {
 }
 
 func (r *runner) soakSample(wave, made int) soakCounts {
-	mine, _ := qemuProcs(r.home, r.ramDir)
-	return soakCounts{Wave: wave, Made: made, FDs: openFDs(), QEMU: len(mine), Files: countFiles(r.home), RAMFiles: countFiles(r.ramDir)}
+	mine, _ := measure.QEMUPIDs(r.home, r.ramDir)
+	return soakCounts{Wave: wave, Made: made, FDs: measure.OpenFDs(), QEMU: len(mine), Files: measure.CountFiles(r.home), RAMFiles: measure.CountFiles(r.ramDir)}
 }
 
 func runSoak(r *runner, total, wave int) error {

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/procinfo"
@@ -92,15 +93,15 @@ func (r *runner) wave(label, src string, n int, opts *engine.ManyOptions, onRead
 	w.Budget, w.ForkCPUs = r.e.Budget(), r.shape.CPUs
 	w.Budget.Overcommit = opts.Overcommit
 	w.Budget.Total = int(float64(w.Budget.HostCPUs) * opts.Overcommit)
-	w.MemBeforeMB = settledMemAvailableMB(r.ctx)
+	w.MemBeforeMB = measure.SettledMemAvailableMB(r.ctx)
 	pl := &progressLine{on: r.progress, label: label, n: n, t0: time.Now()}
 	if r.counterEvery > 0 {
 		ram := ""
 		if ci, err := r.e.CheckpointInfo(src); err == nil {
 			ram = ci.RAMPath
 		}
-		hs := startHostSampler(r.trace, r.counterEvery, ram)
-		defer func() { r.noteHostCounters(label, hs.finish()) }()
+		hs := measure.StartHostSampler(r.trace, r.counterEvery, ram)
+		defer func() { r.noteHostCounters(label, hs.Finish()) }()
 	}
 	ch, err := r.e.ForkMany(r.ctx, src, n, opts)
 	if err != nil {
@@ -142,7 +143,7 @@ func (r *runner) wave(label, src string, n int, opts *engine.ManyOptions, onRead
 	if ready > 0 {
 		w.Wall = w.LastReady.Sub(w.FirstStart)
 	}
-	w.MemAfterMB = memAvailableMB()
+	w.MemAfterMB = measure.MemAvailableMB()
 	for _, ev := range w.Events {
 		if ev.VM != nil && ev.Err == nil {
 			w.Ready = append(w.Ready, ev.VM)
@@ -268,7 +269,7 @@ func (r *runner) recordWave(group int, w *WaveResult, mems map[string]report.For
 		}
 		if ev.VM != nil {
 			s.SetCounters(ev.VM.Info().Counters, ev.Spans)
-			s.Faults = r.faults.counts(ev.VM.PID())
+			s.Faults = r.faults.Counts(ev.VM.PID())
 		}
 		r.addSample(s)
 		args := map[string]any{"cpu_user_ms": s.CPUUserMS, "cpu_sys_ms": s.CPUSysMS, "latency_ms": report.Round3(s.LatencyMS), "anon_mb": report.Round3(s.AnonMB())}
@@ -306,7 +307,7 @@ func (w *WaveResult) latencies() []float64 {
 func (r *runner) measureMems(w *WaveResult) map[string]report.ForkMem {
 	out := map[string]report.ForkMem{}
 	for _, vm := range w.Ready {
-		if m, err := measureMem(r.ctx, vm); err == nil {
+		if m, err := measure.MeasureMem(r.ctx, vm); err == nil {
 			out[vm.Name()] = m
 		} else {
 			r.logf("memory of %s: %v", vm.Name(), err)

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/memfile"
@@ -165,19 +166,6 @@ func (r *runner) worldExtra(w *World) {
 	}
 }
 
-func measureMem(ctx context.Context, vm *engine.VM) (report.ForkMem, error) {
-	u, err := vm.Memory(ctx)
-	if err != nil {
-		return report.ForkMem{}, err
-	}
-	mb := func(b int64) float64 { return float64(b) / (1 << 20) }
-	return report.ForkMem{
-		AnonMB: mb(u.Private - u.PageTables), PrivateMB: mb(u.Private), RAMCowMB: mb(u.GuestWritten),
-		TCGCodeMB: mb(u.TCGCode), HeapMB: mb(u.Heap), LibrariesMB: mb(u.Libraries),
-		PageTablesMB: mb(u.PageTables), SharedMB: mb(u.Shared), GuestFileMB: mb(u.GuestFile),
-	}, nil
-}
-
 // memMethod describes the memory breakdown for result.json.
 const memMethod = "Memory breakdown (engine VM.Memory, from the QEMU process's /proc/PID/smaps and VmPTE): guest pages written = Anonymous of its mapping of the checkpoint RAM file (copies on write); TCG code = anonymous executable mappings (the translation buffer); QEMU heap = other anonymous memory; libraries = Anonymous of QEMU's executable and library mappings (relocations); private = their sum + page tables; shared = Rss - private anonymous (checkpoint pages read, QEMU code)."
 
@@ -299,7 +287,7 @@ func (c *isoCheck) readBack(vm *engine.VM, mems map[string]report.ForkMem) {
 	m, ok := mems[vm.Name()]
 	if !ok {
 		var err error
-		if m, err = measureMem(ctx, vm); err != nil {
+		if m, err = measure.MeasureMem(ctx, vm); err != nil {
 			c.failf("%s: memory: %v", vm.Name(), err)
 			return
 		}

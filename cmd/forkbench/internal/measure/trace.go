@@ -1,4 +1,4 @@
-package main
+package measure
 
 import (
 	"encoding/json"
@@ -35,7 +35,7 @@ type Trace struct {
 	named  map[[2]int]bool
 }
 
-func newTrace(t0 time.Time) *Trace {
+func NewTrace(t0 time.Time) *Trace {
 	return &Trace{t0: t0, monoT0: monoNow() - int64(time.Since(t0)), named: map[[2]int]bool{}}
 }
 
@@ -137,8 +137,8 @@ func (t *Trace) WriteTo(w io.Writer) (int64, error) {
 	return int64(n), err
 }
 
-// writeFile writes the trace to path.
-func (t *Trace) writeFile(path string) error {
+// WriteFile writes the trace to path.
+func (t *Trace) WriteFile(path string) error {
 	f, err := os.Create(path)
 	if err != nil {
 		return err

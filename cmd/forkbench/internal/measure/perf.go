@@ -1,4 +1,4 @@
-package main
+package measure
 
 import (
 	"bufio"
@@ -19,16 +19,16 @@ import (
 	"github.com/forkvm/forkvm/engine"
 )
 
-// perfScriptFile is --perf's perf script output, in the output directory (and in a
+// PerfScriptFile is --perf's perf script output, in the output directory (and in a
 // --trace bundle).
-const perfScriptFile = "perf-script.txt"
+const PerfScriptFile = "perf-script.txt"
 
-// perfSession is --perf: perf record of the whole host (-a, call graphs, on
+// PerfSession is --perf: perf record of the whole host (-a, call graphs, on
 // CLOCK_MONOTONIC like every other timestamp of the run) while forks run, whose samples
 // of the forks' QEMUs are kept. The forks' QEMUs run with -perfmap; before a fork is
 // deleted (which removes its map) its map is kept here with the guest kernel's symbols
 // in place of guest-0xADDR, and perf script reads the kept maps at the end.
-type perfSession struct {
+type PerfSession struct {
 	dir  string
 	data string
 	cmd  *exec.Cmd
@@ -39,13 +39,13 @@ type perfSession struct {
 	maps map[int][]byte       // by QEMU pid: the map, renamed
 }
 
-// startPerf starts perf record in dir (made by the caller; removed by close).
-func startPerf(dir string) (*perfSession, error) {
+// StartPerf starts perf record in dir (made by the caller; removed by close).
+func StartPerf(dir string) (*PerfSession, error) {
 	bin, err := exec.LookPath("perf")
 	if err != nil {
 		return nil, fmt.Errorf("--perf needs perf (Debian: apt-get install linux-perf): %w", err)
 	}
-	p := &perfSession{dir: dir, data: filepath.Join(dir, "perf.data"), syms: map[string]*kallsyms{}, maps: map[int][]byte{}, wait: make(chan error, 1)}
+	p := &PerfSession{dir: dir, data: filepath.Join(dir, "perf.data"), syms: map[string]*kallsyms{}, maps: map[int][]byte{}, wait: make(chan error, 1)}
 	log, err := os.Create(filepath.Join(dir, "perf-record.log"))
 	if err != nil {
 		return nil, err
@@ -78,10 +78,10 @@ func startPerf(dir string) (*perfSession, error) {
 	return nil, errors.New("perf record did not start within 10s")
 }
 
-// keep saves vm's perf map, renamed with the guest kernel's symbols (read once per
+// Keep saves vm's perf map, renamed with the guest kernel's symbols (read once per
 // checkpoint through the agent), before vm is deleted. Errors are reported, not fatal:
 // the samples remain, named guest-0xADDR.
-func (p *perfSession) keep(ctx context.Context, ck string, vm *engine.VM) error {
+func (p *PerfSession) Keep(ctx context.Context, ck string, vm *engine.VM) error {
 	if p == nil {
 		return nil
 	}
@@ -119,7 +119,7 @@ func (p *perfSession) keep(ctx context.Context, ck string, vm *engine.VM) error 
 }
 
 // stop ends perf record (SIGINT, as ^C: it writes its data and exits).
-func (p *perfSession) stop() error {
+func (p *PerfSession) stop() error {
 	_ = p.cmd.Process.Signal(os.Interrupt)
 	select {
 	case err := <-p.wait:
@@ -130,10 +130,10 @@ func (p *perfSession) stop() error {
 	}
 }
 
-// script stops recording and returns perf script's text for the kept QEMUs' samples:
+// Script stops recording and returns perf script's text for the kept QEMUs' samples:
 // their maps are put back at /tmp/perf-PID.map for perf script (never over a file that
 // is there) and removed again.
-func (p *perfSession) script(ctx context.Context) ([]byte, error) {
+func (p *PerfSession) Script(ctx context.Context) ([]byte, error) {
 	if err := p.stop(); err != nil && !isInterrupted(err) {
 		return nil, fmt.Errorf("perf record: %w", err)
 	}
@@ -168,8 +168,8 @@ func (p *perfSession) script(ctx context.Context) ([]byte, error) {
 	return out, nil
 }
 
-// close removes the session's directory.
-func (p *perfSession) close() {
+// Close removes the session's directory.
+func (p *PerfSession) Close() {
 	if p.cmd.ProcessState == nil {
 		_ = p.stop()
 	}
@@ -251,33 +251,4 @@ func (k *kallsyms) renameMap(m []byte) []byte {
 		out.Write(line)
 	}
 	return out.Bytes()
-}
-
-// startPerf starts --perf's recording (its directory under /tmp, removed at the end).
-func (r *runner) startPerf() error {
-	dir, err := os.MkdirTemp("/tmp", "fb-perf-")
-	if err != nil {
-		return err
-	}
-	if r.perf, err = startPerf(dir); err != nil {
-		os.RemoveAll(dir)
-		return err
-	}
-	return nil
-}
-
-// finishPerf stops --perf's recording and keeps perf script's text of the kept forks.
-func (r *runner) finishPerf() {
-	if r.perf == nil {
-		return
-	}
-	defer func() { r.perf.close(); r.perf = nil }()
-	out, err := r.perf.script(r.ctx)
-	if err != nil {
-		r.caveat("--perf: %v", err)
-		return
-	}
-	r.files[perfScriptFile] = out
-	r.res.Extra["perf_script"] = perfScriptFile
-	r.caveat("--perf: QEMU ran with -perfmap and perf record sampled the host at 499 Hz: fork timings are slower than without it")
 }

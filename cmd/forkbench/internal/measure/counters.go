@@ -1,4 +1,4 @@
-package main
+package measure
 
 import (
 	"bufio"
@@ -60,8 +60,8 @@ type hostSampler struct {
 // hostCountersPid is the trace process of the counter tracks.
 const hostCountersPid = 1 << 20
 
-// startHostSampler starts sampling (ramPath: the checkpoint's RAM file, "" for none).
-func startHostSampler(t *Trace, interval time.Duration, ramPath string) *hostSampler {
+// StartHostSampler starts sampling (ramPath: the checkpoint's RAM file, "" for none).
+func StartHostSampler(t *Trace, interval time.Duration, ramPath string) *hostSampler {
 	s := &hostSampler{interval: interval, t: t, stop: make(chan struct{})}
 	if ramPath != "" {
 		s.ram, _ = memfile.OpenResidency(ramPath) // nil when it cannot be mapped: no track
@@ -132,8 +132,8 @@ func (s *hostSampler) emit(a, b hostSample) {
 	}
 }
 
-// finish stops sampling and sums the wave up.
-func (s *hostSampler) finish() HostCounters {
+// Finish stops sampling and sums the wave up.
+func (s *hostSampler) Finish() HostCounters {
 	close(s.stop)
 	s.done.Wait()
 	end := s.read()
@@ -214,8 +214,8 @@ func parsePressureSome(b []byte) (int64, bool) {
 	return 0, false
 }
 
-// hostCountersText is the report's line for a wave's counters.
-func hostCountersText(label string, hc HostCounters) string {
+// HostCountersText is the report's line for a wave's counters.
+func HostCountersText(label string, hc HostCounters) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "Host counters during %s (%d samples every %d ms):", label, hc.Samples, hc.IntervalMS)
 	for _, k := range hostCounterKeys {
@@ -232,18 +232,4 @@ func hostCountersText(label string, hc HostCounters) string {
 		fmt.Fprintf(&b, ", checkpoint file resident %.1f → %.1f MiB", r[0], r[1])
 	}
 	return b.String() + ".\n\n"
-}
-
-// noteHostCounters records a wave's host counters in the result (extra.host_counters,
-// by wave label) and the report.
-func (r *runner) noteHostCounters(label string, hc HostCounters) {
-	r.mu.Lock()
-	m, _ := r.res.Extra["host_counters"].(map[string]HostCounters)
-	if m == nil {
-		m = map[string]HostCounters{}
-		r.res.Extra["host_counters"] = m
-	}
-	m[label] = hc
-	r.mu.Unlock()
-	r.section("%s", hostCountersText(label, hc))
 }

@@ -1,4 +1,8 @@
-package main
+// Package measure is what forkbench reads from the host beside the engine: the build and
+// host it ran on, other VMs, host counters sampled during waves (/proc/vmstat, PSI, a
+// checkpoint file's residency), a fork's memory breakdown, MemAvailable, page faults by
+// class (--faults), perf record (--perf) and the Chrome trace and its Perfetto bundle.
+package measure
 
 import (
 	"context"
@@ -16,8 +20,8 @@ import (
 	"github.com/forkvm/forkvm/procinfo"
 )
 
-// buildInfo collects versions of what is measured.
-func buildInfo(ctx context.Context, e *engine.Engine, cacheDir string) report.BuildInfo {
+// BuildInfo collects versions of what is measured.
+func BuildInfo(ctx context.Context, e *engine.Engine, cacheDir string) report.BuildInfo {
 	b := report.BuildInfo{Forkvm: "dev", Go: runtime.Version()}
 	if bi, ok := debug.ReadBuildInfo(); ok {
 		rev, dirty := "", false
@@ -50,8 +54,8 @@ func buildInfo(ctx context.Context, e *engine.Engine, cacheDir string) report.Bu
 	return b
 }
 
-// hostInfo describes the host.
-func hostInfo(e *engine.Engine) report.HostInfo {
+// HostInfo describes the host.
+func HostInfo(e *engine.Engine) report.HostInfo {
 	h := report.HostInfo{CPUs: runtime.NumCPU(), OS: runtime.GOOS + "/" + runtime.GOARCH}
 	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
 		for _, l := range strings.Split(string(b), "\n") {
@@ -76,8 +80,8 @@ func hostInfo(e *engine.Engine) report.HostInfo {
 	return h
 }
 
-// loadAvg is the first three fields of /proc/loadavg.
-func loadAvg() string {
+// LoadAvg is the first three fields of /proc/loadavg.
+func LoadAvg() string {
 	b, err := os.ReadFile("/proc/loadavg")
 	if err != nil {
 		return ""
@@ -86,9 +90,9 @@ func loadAvg() string {
 	return strings.Join(f[:min(3, len(f))], " ")
 }
 
-// qemuProcs lists the qemu-system processes (argv[0]) and splits them into those whose
+// QEMUPIDs lists the qemu-system processes (argv[0]) and splits them into those whose
 // command line mentions one of ours (a state, RAM or run dir) and the others.
-func qemuProcs(ours ...string) (mine, other []int) {
+func QEMUPIDs(ours ...string) (mine, other []int) {
 	pids, _ := procinfo.ProcessesWithArg("qemu-system")
 	for _, pid := range pids {
 		args, err := procinfo.ProcessArgs(pid)
@@ -110,8 +114,8 @@ func qemuProcs(ours ...string) (mine, other []int) {
 	return mine, other
 }
 
-// openFDs counts this process's open file descriptors.
-func openFDs() int {
+// OpenFDs counts this process's open file descriptors.
+func OpenFDs() int {
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		return -1
@@ -119,8 +123,8 @@ func openFDs() int {
 	return len(ents)
 }
 
-// countFiles counts the non-directory entries below dir (0 when it does not exist).
-func countFiles(dir string) int {
+// CountFiles counts the non-directory entries below dir (0 when it does not exist).
+func CountFiles(dir string) int {
 	n := 0
 	_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
 		if err == nil && !d.IsDir() {
@@ -131,8 +135,8 @@ func countFiles(dir string) int {
 	return n
 }
 
-// classifyOthers sorts pids (qemu-system processes) into OtherVMs by their command lines.
-func classifyOthers(pids []int) report.OtherVMs {
+// ClassifyOthers sorts pids (qemu-system processes) into OtherVMs by their command lines.
+func ClassifyOthers(pids []int) report.OtherVMs {
 	o := report.OtherVMs{ByStateDir: map[string]int{}}
 	for _, pid := range pids {
 		args, err := procinfo.ProcessArgs(pid)

@@ -1,4 +1,4 @@
-package main
+package measure
 
 import (
 	"sync"
@@ -7,14 +7,14 @@ import (
 	"github.com/forkvm/forkvm/faultclass"
 )
 
-// faultMarker counts each fork's page faults by class (--faults): the engine tells it
+// FaultMarker counts each fork's page faults by class (--faults): the engine tells it
 // of each QEMU as it starts (watched from there), of the end of its spawn (its guest
 // RAM is mapped: the mapping and the checkpoint's holes are set) and of its ready (later
 // faults count as after ready). A fork that claims a warm pool's QEMU is told of it
 // again under the fork's name: its RAM is set then, and the fork's counts start there
 // (the pool's spawn and restore are not the fork's, as in its timings). It passes every
 // phase on to next (--trace-kernel).
-type faultMarker struct {
+type FaultMarker struct {
 	next          engine.PhaseMarker
 	s             *faultclass.Session
 	state, ramDir string
@@ -26,13 +26,25 @@ type faultMarker struct {
 	warn map[string]bool
 }
 
-func (m *faultMarker) PhaseStart(owner, phase string) {
+// NewFaultMarker is a faultMarker over the classifier s that passes phases on to next
+// (nil: none) and logs its first trouble of each kind with logf.
+func NewFaultMarker(next engine.PhaseMarker, s *faultclass.Session, logf func(format string, a ...any)) *FaultMarker {
+	return &FaultMarker{next: next, s: s, logf: logf, pids: map[string]int{}, base: map[int]faultclass.Counts{}, warn: map[string]bool{}}
+}
+
+// SetDirs tells the marker the engine's state and RAM dirs (where forks' RAM files are).
+func (m *FaultMarker) SetDirs(state, ramDir string) { m.state, m.ramDir = state, ramDir }
+
+// Close detaches the classifier.
+func (m *FaultMarker) Close() error { return m.s.Close() }
+
+func (m *FaultMarker) PhaseStart(owner, phase string) {
 	if m.next != nil {
 		m.next.PhaseStart(owner, phase)
 	}
 }
 
-func (m *faultMarker) PhaseEnd(owner, phase string) {
+func (m *FaultMarker) PhaseEnd(owner, phase string) {
 	if m.next != nil {
 		m.next.PhaseEnd(owner, phase)
 	}
@@ -51,7 +63,7 @@ func (m *faultMarker) PhaseEnd(owner, phase string) {
 }
 
 // setRAM sets the guest-RAM mapping and the checkpoint's holes of owner's QEMU pid.
-func (m *faultMarker) setRAM(owner string, pid int) {
+func (m *FaultMarker) setRAM(owner string, pid int) {
 	ram, file, err := faultclass.RAMMappingIn(pid, m.ramDir)
 	if err != nil {
 		m.once("ram", "faults: %s: %v (its faults all count as QEMU's)", owner, err)
@@ -70,7 +82,7 @@ func (m *faultMarker) setRAM(owner string, pid int) {
 	}
 }
 
-func (m *faultMarker) QEMUStarted(owner string, pid int) {
+func (m *FaultMarker) QEMUStarted(owner string, pid int) {
 	if next, ok := m.next.(engine.ProcessMarker); ok {
 		next.QEMUStarted(owner, pid)
 	}
@@ -101,7 +113,7 @@ func (m *faultMarker) QEMUStarted(owner string, pid int) {
 }
 
 // once logs a problem of one kind once per run.
-func (m *faultMarker) once(kind, format string, a ...any) {
+func (m *FaultMarker) once(kind, format string, a ...any) {
 	m.mu.Lock()
 	seen := m.warn[kind]
 	m.warn[kind] = true
@@ -111,8 +123,8 @@ func (m *faultMarker) once(kind, format string, a ...any) {
 	}
 }
 
-// counts is the fault classes of the fork whose QEMU is pid (nil: not counted).
-func (m *faultMarker) counts(pid int) *faultclass.Counts {
+// Counts is the fault classes of the fork whose QEMU is pid (nil: not counted).
+func (m *FaultMarker) Counts(pid int) *faultclass.Counts {
 	if m == nil {
 		return nil
 	}

@@ -1,4 +1,4 @@
-package main
+package measure
 
 import (
 	"bytes"
@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/tracebundle"
 )
 
@@ -71,14 +70,14 @@ func TestKallsymsRenameMap(t *testing.T) {
 // TestHostSamplerAndBundle: the sampler adds counter tracks to the trace; the run's
 // bundle holds the spans, the kernel trace and perf script output and decodes.
 func TestHostSamplerAndBundle(t *testing.T) {
-	tr := newTrace(time.Now())
+	tr := NewTrace(time.Now())
 	ram := filepath.Join(t.TempDir(), "ram")
 	if err := os.WriteFile(ram, bytes.Repeat([]byte{1}, 1<<16), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	hs := startHostSampler(tr, 10*time.Millisecond, ram)
+	hs := StartHostSampler(tr, 10*time.Millisecond, ram)
 	time.Sleep(60 * time.Millisecond)
-	hc := hs.finish()
+	hc := hs.Finish()
 	if hc.Samples < 2 {
 		t.Fatalf("samples %d", hc.Samples)
 	}
@@ -99,19 +98,16 @@ func TestHostSamplerAndBundle(t *testing.T) {
 	if counters == 0 {
 		t.Fatal("no counter events in the trace")
 	}
-	r := &runner{trace: tr, runOptions: runOptions{bench: "fork"}, res: &report.Result{MeasuredAt: "now"},
-		runOutput: runOutput{files: map[string][]byte{}}}
-	perfText, err := os.ReadFile("../../tracebundle/testdata/perf-script.txt")
+	perfText, err := os.ReadFile("../../../../tracebundle/testdata/perf-script.txt")
 	if err != nil {
 		t.Fatal(err)
 	}
-	ftrace, err := os.ReadFile("../../tracebundle/testdata/ftrace.txt")
+	ftrace, err := os.ReadFile("../../../../tracebundle/testdata/ftrace.txt")
 	if err != nil {
 		t.Fatal(err)
 	}
-	r.files[perfScriptFile] = perfText
 	path := filepath.Join(t.TempDir(), "out.perfetto.tar")
-	if err := r.writeBundle(path, ftrace); err != nil {
+	if err := WriteBundle(path, tr, ftrace, perfText, "fork", "now"); err != nil {
 		t.Fatal(err)
 	}
 	f, err := os.Open(path)

@@ -1,4 +1,4 @@
-package main
+package measure
 
 import "golang.org/x/sys/unix"
 
