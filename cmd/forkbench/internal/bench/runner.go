@@ -1,4 +1,8 @@
-package main
+// Package bench runs forkbench's benchmarks against the engine: each subcommand's
+// measurement (waves, serial forks, checkpoints, creates, density, soak, trees,
+// generations, exec load, the fleet, park) and the lifecycle they share (the engine on a
+// state dir, the world they fork, clean-up, the outputs through package report).
+package bench
 
 import (
 	"bytes"
@@ -14,8 +18,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/urfave/cli/v3"
-
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
@@ -24,9 +26,9 @@ import (
 	"github.com/forkvm/forkvm/tracefs"
 )
 
-// runner is one benchmark run: what its flags asked for, the engine on its state dir,
+// Runner is one benchmark run: what its flags asked for, the engine on its state dir,
 // the result being built and what the run collects for its outputs.
-type runner struct {
+type Runner struct {
 	ctx context.Context
 	runOptions
 	ownHome bool   // home was made by this run (removed at the end)
@@ -38,6 +40,42 @@ type runner struct {
 	perf    *measure.PerfSession // --perf
 	faults  *measure.FaultMarker // --faults
 	runOutput
+}
+
+// Options are the flags every subcommand takes (main's commonFlags), fixed for the run.
+type Options struct {
+	// Shape is the world's: vCPUs, RAM, the MB it dirties, its disk, its image and, with
+	// an image, the MB of state it keeps.
+	Shape report.Shape
+	// Out is the output directory ("": ./bench-results/<bench>-<UTC timestamp>).
+	Out string
+	// JSON also prints result.json to stdout.
+	JSON bool
+	// Trace is the Chrome trace (or, ending in .tar, the Perfetto bundle) to write.
+	Trace string
+	// TraceKernel marks every phase in a private ftrace instance (kernel-trace.txt).
+	TraceKernel bool
+	// HostCountersMS samples host counters during waves every N ms (10..50; 0 = off).
+	HostCountersMS int
+	// Counters, Faults and Perf turn on the engine's per-phase kernel counters, the
+	// page-fault classifier and perf record (root).
+	Counters, Faults, Perf bool
+	// Hold keeps the last forks alive after the run.
+	Hold bool
+	// Home is the engine's state dir ("": a fresh /tmp/fb-* removed at the end).
+	Home string
+	// Overcommit is the admission budget's vCPU overcommit factor.
+	Overcommit float64
+	// VMGenID gives worlds (and so forks) a vmgenid device.
+	VMGenID bool
+	// TBSizeMiB, TCGThread and RestoreConcurrency are the engine's Experimental settings.
+	TBSizeMiB          int
+	TCGThread          string
+	RestoreConcurrency int
+	// Verbose logs engine progress to stderr.
+	Verbose bool
+	// WarmRestored makes --warm pools pre-restored.
+	WarmRestored bool
 }
 
 // runOptions are a run's common flags, fixed for the run.
@@ -97,20 +135,20 @@ type engineOvercommitter interface{ engineOvercommit() float64 }
 type maxOvercommitter interface{ maxOvercommit() float64 }
 
 // fail counts a measured failure (not a broken run).
-func (r *runner) fail(format string, a ...any) {
+func (r *Runner) fail(format string, a ...any) {
 	r.mu.Lock()
 	r.failures++
 	r.mu.Unlock()
 	r.logf("FAIL: "+format, a...)
 }
 
-func (r *runner) caveat(format string, a ...any) {
+func (r *Runner) caveat(format string, a ...any) {
 	r.mu.Lock()
 	r.caveats = append(r.caveats, fmt.Sprintf(format, a...))
 	r.mu.Unlock()
 }
 
-func (r *runner) addSample(s report.Sample) {
+func (r *Runner) addSample(s report.Sample) {
 	s.Bench = r.bench
 	r.mu.Lock()
 	r.samples = append(r.samples, s)
@@ -118,19 +156,19 @@ func (r *runner) addSample(s report.Sample) {
 }
 
 // logf writes a progress line to stderr.
-func (r *runner) logf(format string, a ...any) {
+func (r *Runner) logf(format string, a ...any) {
 	fmt.Fprintf(os.Stderr, "forkbench %s: "+format+"\n", append([]any{r.bench}, a...)...)
 }
 
 // section appends markdown to report.md.
-func (r *runner) section(format string, a ...any) {
+func (r *Runner) section(format string, a ...any) {
 	r.mu.Lock()
 	fmt.Fprintf(&r.report, format, a...)
 	r.mu.Unlock()
 }
 
 // Keep marks VMs that --hold keeps alive (with their checkpoint).
-func (r *runner) keep(ck string, names ...string) {
+func (r *Runner) keep(ck string, names ...string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, n := range names {
@@ -140,7 +178,7 @@ func (r *runner) keep(ck string, names ...string) {
 }
 
 // keepVMs is keep for the names of vms.
-func (r *runner) keepVMs(ck string, vms []*engine.VM) {
+func (r *Runner) keepVMs(ck string, vms []*engine.VM) {
 	var names []string
 	for _, vm := range vms {
 		names = append(names, vm.Name())
@@ -150,7 +188,7 @@ func (r *runner) keepVMs(ck string, vms []*engine.VM) {
 
 // p50Headline makes the p50 of xs (ms) the result's headline, with the percentiles of xs,
 // and returns those percentiles unrounded.
-func (r *runner) p50Headline(metric string, xs []float64) report.Percentiles {
+func (r *Runner) p50Headline(metric string, xs []float64) report.Percentiles {
 	pc := report.Summarize(xs)
 	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = metric, report.Round3(pc.P50), "ms", "p50"
 	r.res.N, r.res.Percentiles = len(xs), roundP(pc)
@@ -159,17 +197,17 @@ func (r *runner) p50Headline(metric string, xs []float64) report.Percentiles {
 
 // benchFunc runs the measurements and fills r.res (metric, value, unit, stat, n,
 // percentiles, extra, method). An error means the run broke.
-type benchFunc func(r *runner) error
+type benchFunc func(r *Runner) error
 
-// runBench is the common lifecycle of every subcommand: check the flags, open the
+// RunBench is the common lifecycle of every subcommand: check the flags, open the
 // engine, run fn, clean up, write the outputs.
-func runBench(ctx context.Context, cmd *cli.Command, bench string, settings report.Settings, fn benchFunc) error {
+func RunBench(ctx context.Context, opts Options, bench string, settings report.Settings, fn benchFunc) error {
 	start := time.Now()
-	r, err := newRunner(ctx, cmd, bench, settings, start)
+	r, err := newRunner(ctx, opts, bench, settings, start)
 	if err != nil {
 		return err
 	}
-	if err := r.openEngine(cmd, settings); err != nil {
+	if err := r.openEngine(opts, settings); err != nil {
 		return err
 	}
 	runErr := fn(r)
@@ -181,22 +219,17 @@ func runBench(ctx context.Context, cmd *cli.Command, bench string, settings repo
 }
 
 // newRunner checks the common flags and starts the result.
-func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings report.Settings, start time.Time) (*runner, error) {
-	r := &runner{
+func newRunner(ctx context.Context, opts Options, bench string, settings report.Settings, start time.Time) (*Runner, error) {
+	r := &Runner{
 		ctx: ctx,
 		runOptions: runOptions{
-			bench: bench,
-			shape: report.Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb"),
-				Image: cmd.String("image")},
-			outDir: cmd.String("out"), jsonOut: cmd.Bool("json"), tracePath: cmd.String("trace"), hold: cmd.Bool("hold"),
-			home: cmd.String("home"), overcommit: cmd.Float("overcommit"), warmRestored: cmd.Bool("warm-restored"),
-			vmgenid: cmd.Bool("vmgenid"), traceKernel: cmd.Bool("trace-kernel"),
-			counterEvery: time.Duration(cmd.Int("host-counters-ms")) * time.Millisecond,
+			bench: bench, shape: opts.Shape,
+			outDir: opts.Out, jsonOut: opts.JSON, tracePath: opts.Trace, hold: opts.Hold,
+			home: opts.Home, overcommit: opts.Overcommit, warmRestored: opts.WarmRestored,
+			vmgenid: opts.VMGenID, traceKernel: opts.TraceKernel,
+			counterEvery: time.Duration(opts.HostCountersMS) * time.Millisecond,
 		},
 		runOutput: runOutput{held: map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{}},
-	}
-	if r.shape.Image != "" {
-		r.shape.StateMB = cmd.Int("state-mb")
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
 		return nil, fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
@@ -210,7 +243,7 @@ func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings rep
 	if st, err := os.Stderr.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
 		r.progress = true
 	}
-	if ms := cmd.Int("host-counters-ms"); ms != 0 && (ms < 10 || ms > 50) {
+	if ms := opts.HostCountersMS; ms != 0 && (ms < 10 || ms > 50) {
 		return nil, fmt.Errorf("--host-counters-ms must be 10..50 (or 0: off)")
 	}
 	r.bundle = strings.HasSuffix(r.tracePath, ".tar")
@@ -230,7 +263,7 @@ func newRunner(ctx context.Context, cmd *cli.Command, bench string, settings rep
 
 // openEngine opens the engine on the run's state dir (a new temporary one unless --home)
 // and records the build, the host and the other VMs running on it.
-func (r *runner) openEngine(cmd *cli.Command, settings report.Settings) (err error) {
+func (r *Runner) openEngine(opts Options, settings report.Settings) (err error) {
 	if r.home == "" {
 		r.home, err = os.MkdirTemp("/tmp", "fb-")
 		if err != nil {
@@ -245,18 +278,18 @@ func (r *runner) openEngine(cmd *cli.Command, settings report.Settings) (err err
 		r.res.Environment.OtherVMsDetail = &o
 	}
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
-		Experimental: engine.Experimental{RestoreConcurrency: cmd.Int("restore-concurrency"), TBSizeMiB: cmd.Int("tb-size"),
-			TCGThread: engine.TCGThread(cmd.String("tcg-thread"))}}
+		Experimental: engine.Experimental{RestoreConcurrency: opts.RestoreConcurrency, TBSizeMiB: opts.TBSizeMiB,
+			TCGThread: engine.TCGThread(opts.TCGThread)}}
 	if eo, ok := settings.(engineOvercommitter); ok && eo.engineOvercommit() > 0 {
 		cfg.Overcommit = eo.engineOvercommit()
 	}
 	if mo, ok := settings.(maxOvercommitter); ok && mo.maxOvercommit() > 2*cfg.Overcommit {
 		cfg.MaxOvercommit = mo.maxOvercommit()
 	}
-	if cmd.Bool("verbose") {
+	if opts.Verbose {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
-	cfg.Counters = cmd.Bool("counters")
+	cfg.Counters = opts.Counters
 	if err := r.openKernelTrace(); err != nil {
 		if r.ownHome {
 			os.RemoveAll(r.home)
@@ -266,11 +299,11 @@ func (r *runner) openEngine(cmd *cli.Command, settings report.Settings) (err err
 	if r.ktrace != nil {
 		cfg.Markers = r.ktrace
 	}
-	if cmd.Bool("perf") {
+	if opts.Perf {
 		cfg.PerfMap = true
 		r.res.Profiling = "--perf: QEMUs with -perfmap, perf record of the host"
 	}
-	if cmd.Bool("faults") {
+	if opts.Faults {
 		s, err := faultclass.Open(faultclass.Options{MaxProcesses: 4096})
 		if err != nil {
 			r.closeKernelTrace()
@@ -317,7 +350,7 @@ const kernelTraceFile = "kernel-trace.txt"
 // refused with a clear error where tracefs cannot be used) or of a --trace bundle
 // (markers, and the scheduling and user faults of this process's children: its QEMUs).
 // A bundle on a host without tracefs is written without kernel events, with a caveat.
-func (r *runner) openKernelTrace() error {
+func (r *Runner) openKernelTrace() error {
 	if !r.traceKernel && !r.bundle {
 		return nil
 	}
@@ -346,7 +379,7 @@ func (r *runner) openKernelTrace() error {
 
 // closeKernelTrace removes the --trace-kernel instance and detaches the --faults
 // classifier (if any).
-func (r *runner) closeKernelTrace() {
+func (r *Runner) closeKernelTrace() {
 	if r.faults != nil {
 		_ = r.faults.Close()
 	}
@@ -362,7 +395,7 @@ func (r *runner) closeKernelTrace() {
 // Finish completes the result after the run (and its clean-up), writes result.json,
 // samples, report.md and the run's files, prints the headline and returns the run's
 // error: runErr, errNotOK for a run that is not ok, or a failure to write.
-func (r *runner) finish(runErr error, start time.Time) error {
+func (r *Runner) finish(runErr error, start time.Time) error {
 	r.res.Failures = r.failures
 	r.res.Complete, r.res.OK = r.status(runErr)
 	if runErr != nil {
@@ -421,7 +454,7 @@ func (r *runner) finish(runErr error, start time.Time) error {
 	case runErr != nil:
 		return runErr
 	case !r.res.OK:
-		return fmt.Errorf("%s: %w (failures=%d)", r.bench, errNotOK, r.failures)
+		return fmt.Errorf("%s: %w (failures=%d)", r.bench, ErrNotOK, r.failures)
 	}
 	return nil
 }
@@ -437,14 +470,14 @@ func headlineValue(res *report.Result) string {
 
 // status is the run's complete and ok: a broken run is neither; an incomplete one is not
 // ok; failures and a measurement that says not ok (notOK) make it not ok.
-func (r *runner) status(runErr error) (complete, ok bool) {
+func (r *Runner) status(runErr error) (complete, ok bool) {
 	complete = runErr == nil && !r.incomplete
 	return complete, complete && r.failures == 0 && !r.notOK
 }
 
 // cleanup deletes every VM and checkpoint (except those --hold keeps), closes the engine
 // and removes the state dir we made; it records leaks as failures.
-func (r *runner) cleanup() {
+func (r *Runner) cleanup() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	if r.perf != nil { // a run that broke while profiling
@@ -511,7 +544,7 @@ func (r *runner) cleanup() {
 
 // renderReport builds report.md: the headline, the side-by-side table with the
 // LoadReference (rows), then the method and every section.
-func (r *runner) renderReport(ref *report.Reference, rows []report.CompareRow) string {
+func (r *Runner) renderReport(ref *report.Reference, rows []report.CompareRow) string {
 	res := r.res
 	var b strings.Builder
 	fmt.Fprintf(&b, "# forkbench %s\n\n", res.Bench)
@@ -565,4 +598,8 @@ func isAdmission(err error) (*engine.AdmissionError, bool) {
 	return nil, errors.Is(err, engine.ErrAdmission)
 }
 
-func numCPU() int { return runtime.NumCPU() }
+func NumCPU() int { return runtime.NumCPU() }
+
+// ErrNotOK is returned when the run completed but its result is not ok (failures, a soak
+// that is not flat); the exit status is then 2.
+var ErrNotOK = errors.New("result not ok")

@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"fmt"
@@ -44,7 +44,7 @@ type PeerColdBootRatio struct {
 // the world (engine.Save: stop + migrate all RAM), then n serial restores (engine.Restore
 // with anonymous RAM) until the first `sh -c true` answered; and, when coldBoot, one cold
 // boot (engine.Create + first command). forkP50 (ms) is the forkvm figure to compare.
-func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error {
+func (r *Runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error {
 	if n < 1 {
 		n = 1
 	}
@@ -94,7 +94,7 @@ func (r *runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 // peerSource returns the VM the peer saves: the world, or a diskless twin of it when
 // the world has a disk (engine.Restore attaches no disk, and QEMU refuses a save stream
 // that carries a virtio-blk device the destination lacks). done deletes the twin.
-func (r *runner) peerSource(w *World) (name string, done func(), err error) {
+func (r *Runner) peerSource(w *World) (name string, done func(), err error) {
 	if r.shape.DiskMiB == 0 {
 		return w.Name, func() {}, nil
 	}
@@ -112,7 +112,7 @@ func (r *runner) peerSource(w *World) (name string, done func(), err error) {
 // peerRestores restores the save at path n times, serially, each until its first
 // command answered, and returns the restore-to-first-command times (ms) and the error
 // that stopped them.
-func (r *runner) peerRestores(path string, n int) (restores []float64, restoreErr string) {
+func (r *Runner) peerRestores(path string, n int) (restores []float64, restoreErr string) {
 	ctx := r.ctx
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("peer-%d", i)
@@ -150,7 +150,7 @@ func (r *runner) peerRestores(path string, n int) (restores []float64, restoreEr
 
 // peerColdBoot boots a VM of the world's shape until its first command and records it
 // in peer (with its ratio to forkP50, ms, when known).
-func (r *runner) peerColdBoot(peer *PeerResult, forkP50 float64) {
+func (r *Runner) peerColdBoot(peer *PeerResult, forkP50 float64) {
 	ctx := r.ctx
 	name := "peer-cold"
 	t0 := time.Now()

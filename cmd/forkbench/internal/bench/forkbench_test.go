@@ -1,8 +1,7 @@
-package main
+package bench
 
 import (
 	"bytes"
-	"context"
 	"encoding/csv"
 	"encoding/json"
 	"math"
@@ -217,12 +216,12 @@ func TestASCIIChart(t *testing.T) {
 }
 
 func TestParseInts(t *testing.T) {
-	got, err := parseInts("8, 32,64")
+	got, err := ParseInts("8, 32,64")
 	if err != nil || len(got) != 3 || got[2] != 64 {
 		t.Errorf("parseInts = %v, %v", got, err)
 	}
 	for _, bad := range []string{"", "x", "0", "1,-2"} {
-		if _, err := parseInts(bad); err == nil {
+		if _, err := ParseInts(bad); err == nil {
 			t.Errorf("parseInts(%q) accepted", bad)
 		}
 	}
@@ -300,35 +299,6 @@ func TestExecLoadTargetMet(t *testing.T) {
 	}
 }
 
-// TestExecLoadFlags checks exec-load's world defaults and that bad flags are refused
-// before anything boots.
-func TestExecLoadFlags(t *testing.T) {
-	for flag, want := range map[string]string{"cpus": "1", "memory-mb": "256", "dirty-mb": "32", "disk-mb": "0",
-		"clients": "32", "execs": "100", "forks": "8", "target": "1.2"} {
-		if got := helpDefault(t, "exec-load", flag); got != want {
-			t.Errorf("exec-load --%s default %s, want %s", flag, got, want)
-		}
-	}
-	for _, args := range [][]string{
-		{"--forks", "9", "--clients", "8"},
-		{"--clients", "0"},
-		{"--execs", "0"},
-		{"--rounds", "0"},
-		{"--target", "-1"},
-		{"--cmd", "true", "--", "echo", "x"},
-		{"--cmd", " "},
-		{"--daemon-binary", "/nonexistent/forkvm"},
-	} {
-		app := newApp()
-		var out bytes.Buffer
-		app.Writer, app.ErrWriter = &out, &out
-		err := app.Run(context.Background(), append([]string{"forkbench", "exec-load"}, args...))
-		if err == nil || !strings.Contains(err.Error(), "exec-load") {
-			t.Errorf("exec-load %v: %v, want a refusal", args, err)
-		}
-	}
-}
-
 // TestTreeTargets: every fork-tree target is put next to its figure, met or missed by
 // the worst level, and a part not measured is neither met nor hidden.
 func TestTreeTargets(t *testing.T) {
@@ -349,7 +319,7 @@ func TestTreeTargets(t *testing.T) {
 			[]bool{false, false, true, true, false, true, true}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r := &runner{res: &report.Result{Extra: map[string]any{}}}
+			r := &Runner{res: &report.Result{Extra: map[string]any{}}}
 			r.shape.MemoryMiB = 2048
 			treeTargets(r, levels, 200, tc.memRatio, tc.size)
 			out := r.res.Extra["targets"].([]TreeTarget)

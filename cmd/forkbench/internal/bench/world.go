@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"bytes"
@@ -59,7 +59,7 @@ func firstCmd(ctx context.Context, vm *engine.VM) (time.Duration, error) {
 }
 
 // worldSpec is the spec of a world VM.
-func (r *runner) worldSpec(name string, forkable bool) engine.Spec {
+func (r *Runner) worldSpec(name string, forkable bool) engine.Spec {
 	return engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, Forkable: forkable, DiskMiB: r.shape.DiskMiB,
 		VMGenID: r.vmgenid, Image: r.shape.Image}
 }
@@ -72,7 +72,7 @@ type diskState struct {
 
 // disk is the world's disk state: with a root image, $HOME/state.bin (--state-mb, as in the
 // published benchmark's world); with a data disk, /data/world (1 MB); else nil.
-func (r *runner) disk() *diskState {
+func (r *Runner) disk() *diskState {
 	switch {
 	case r.shape.Image != "":
 		return &diskState{world: "/root/state.bin", mine: "/root/mine", bytes: r.shape.StateMB << 20}
@@ -84,7 +84,7 @@ func (r *runner) disk() *diskState {
 
 // dirtyScript dirties dirty-mb MB of guest RAM (tmpfs /dev/shm/dirty) and writes the
 // world's disk file, syncs and prints md5sums.
-func (r *runner) dirtyScript() string {
+func (r *Runner) dirtyScript() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "set -e; head -c 1048576 /dev/urandom > /dev/shm/seed; : > /dev/shm/dirty; i=0; while [ $i -lt %d ]; do cat /dev/shm/seed >> /dev/shm/dirty; i=$((i+1)); done; rm -f /dev/shm/seed; ", r.shape.DirtyMB)
 	d := r.disk()
@@ -111,7 +111,7 @@ func parseMD5(out string) map[string]string {
 }
 
 // bakeWorld boots the world, dirties it and (when ckName != "") takes a pinned checkpoint.
-func (r *runner) bakeWorld(name, ckName string) (*World, error) {
+func (r *Runner) bakeWorld(name, ckName string) (*World, error) {
 	ctx := r.ctx
 	w := &World{Name: name, Ck: ckName}
 	t0 := time.Now()
@@ -156,7 +156,7 @@ func (r *runner) bakeWorld(name, ckName string) (*World, error) {
 }
 
 // worldExtra records the world's figures in extra.
-func (r *runner) worldExtra(w *World) {
+func (r *Runner) worldExtra(w *World) {
 	r.res.Extra["world_boot_ms"] = report.Round3(w.BootMS)
 	r.res.Extra["world_dirty_ms"] = report.Round3(w.BakeMS)
 	if w.Ck != "" {
@@ -181,7 +181,7 @@ type IsoReport struct {
 }
 
 // isoMethod describes checkIsolation for result.json.
-func (r *runner) isoMethod() string {
+func (r *Runner) isoMethod() string {
 	mine, world := "", ""
 	if d := r.disk(); d != nil {
 		mine, world = " and "+d.mine, " and "+d.world
@@ -192,7 +192,7 @@ func (r *runner) isoMethod() string {
 
 // checkIsolation runs the isolation checks on vms (ready forks of w's checkpoint). mems
 // holds each fork's memory measured at ready (by name); missing ones are measured here.
-func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]report.ForkMem, full []int) IsoReport {
+func (r *Runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]report.ForkMem, full []int) IsoReport {
 	c := &isoCheck{r: r, w: w, disk: r.disk(), rep: IsoReport{Forks: len(vms), AnonBoundMB: float64(r.shape.DirtyMB) / 2,
 		Failures: []string{}, FullChecked: []string{}}}
 	okWrite := make([]bool, len(vms))
@@ -220,7 +220,7 @@ func (r *runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]repo
 
 // isoCheck is one checkIsolation; mu guards rep (forks are checked concurrently).
 type isoCheck struct {
-	r    *runner
+	r    *Runner
 	w    *World
 	disk *diskState
 	mu   sync.Mutex

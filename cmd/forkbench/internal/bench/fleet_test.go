@@ -1,9 +1,6 @@
-package main
+package bench
 
 import (
-	"bytes"
-	"context"
-	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -11,32 +8,6 @@ import (
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 )
-
-// TestFleetFlagsRefused: bad fleet bench flags are refused before any daemon starts.
-func TestFleetFlagsRefused(t *testing.T) {
-	for _, args := range [][]string{
-		{"--nodes", "1"},
-		{"--nodes", "6"},
-		{"--n", "2"}, // fewer forks than nodes
-		{"--node-vcpus", "-1"},
-		{"--max-jobs", "-1"},
-		{"--node-vcpus", "10"}, // 3 x 10 < 48
-		{"--daemon-overcommit", "0"},
-		{"--target-overhead-ms", "-1"},
-		{"--trace", "x.json"},
-		{"--hold"},
-		{"--counters"},
-		{"--forkvm", "/nonexistent/forkvm"},
-	} {
-		app := newApp()
-		var out bytes.Buffer
-		app.Writer, app.ErrWriter = &out, &out
-		err := app.Run(context.Background(), append([]string{"forkbench", "fleet"}, args...))
-		if !errors.Is(err, errFleetArgs) {
-			t.Errorf("fleet %v: %v, want a refusal (errFleetArgs)", args, err)
-		}
-	}
-}
 
 func TestFleetDefaultBudget(t *testing.T) {
 	for _, tc := range []struct {
@@ -50,7 +21,7 @@ func TestFleetDefaultBudget(t *testing.T) {
 		{2, 5, true, 5},
 	} {
 		s := &FleetSettings{Nodes: tc.nodes, N: tc.n, Kill: tc.kill, DaemonOvercommit: 1, WaveTimeoutS: 1}
-		if err := s.check(); err != nil || s.NodeVCPUs != tc.want {
+		if err := s.Check(); err != nil || s.NodeVCPUs != tc.want {
 			t.Errorf("%+v: budget %d, %v; want %d", tc, s.NodeVCPUs, err, tc.want)
 		}
 		if !tc.kill && (tc.nodes-1)*s.NodeVCPUs >= tc.n {

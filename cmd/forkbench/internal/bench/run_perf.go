@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"os"
@@ -8,7 +8,7 @@ import (
 
 // noteHostCounters records a wave's host counters in the result (extra.host_counters,
 // by wave label) and the report.
-func (r *runner) noteHostCounters(label string, hc measure.HostCounters) {
+func (r *Runner) noteHostCounters(label string, hc measure.HostCounters) {
 	r.mu.Lock()
 	m, _ := r.res.Extra["host_counters"].(map[string]measure.HostCounters)
 	if m == nil {
@@ -21,7 +21,7 @@ func (r *runner) noteHostCounters(label string, hc measure.HostCounters) {
 }
 
 // StartPerf starts --perf's recording (its directory under /tmp, removed at the end).
-func (r *runner) startPerf() error {
+func (r *Runner) startPerf() error {
 	dir, err := os.MkdirTemp("/tmp", "fb-perf-")
 	if err != nil {
 		return err
@@ -34,7 +34,7 @@ func (r *runner) startPerf() error {
 }
 
 // finishPerf stops --perf's recording and keeps perf script's text of the kept forks.
-func (r *runner) finishPerf() {
+func (r *Runner) finishPerf() {
 	if r.perf == nil {
 		return
 	}

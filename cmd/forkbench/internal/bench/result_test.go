@@ -1,19 +1,13 @@
-package main
+package bench
 
 import (
-	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
-	"regexp"
 	"slices"
 	"sort"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
@@ -265,58 +259,6 @@ func TestRefusedNames(t *testing.T) {
 		if got := compressNames(strings.Fields(tt.in)); got != tt.want {
 			t.Errorf("compressNames(%s) = %q, want %q", tt.in, got, tt.want)
 		}
-	}
-}
-
-// helpDefault is the "(default: X)" --help prints for flag of a subcommand.
-func helpDefault(t *testing.T, sub, flag string) string {
-	t.Helper()
-	app := newApp()
-	var out bytes.Buffer
-	app.Writer, app.ErrWriter = &out, &out
-	if err := app.Run(context.Background(), []string{"forkbench", sub, "--help"}); err != nil {
-		t.Fatalf("%s --help: %v", sub, err)
-	}
-	m := regexp.MustCompile(`(?m)^\s*--` + flag + `\b.*\(default: ([^)]*)\)\s*$`).FindStringSubmatch(out.String())
-	if m == nil {
-		t.Fatalf("%s --help shows no default for --%s:\n%s", sub, flag, out.String())
-	}
-	return m[1]
-}
-
-// TestOvercommitDefault checks that every subcommand, given no --overcommit, runs with the
-// default its --help prints.
-func TestOvercommitDefault(t *testing.T) {
-	for _, sub := range newApp().Commands {
-		if !slices.ContainsFunc(sub.Flags, func(f cli.Flag) bool { return f.Names()[0] == "overcommit" }) {
-			continue // compare measures nothing
-		}
-		app := newApp()
-		var got float64
-		app.Command(sub.Name).Action = func(_ context.Context, cmd *cli.Command) error {
-			got = cmd.Float("overcommit")
-			return nil
-		}
-		if err := app.Run(context.Background(), []string{"forkbench", sub.Name}); err != nil {
-			t.Fatalf("%s: %v", sub.Name, err)
-		}
-		help := helpDefault(t, sub.Name, "overcommit")
-		if want, err := strconv.ParseFloat(help, 64); err != nil || got != want {
-			t.Errorf("%s: --overcommit resolves to %v, --help says %q", sub.Name, got, help)
-		}
-	}
-	if d := helpDefault(t, "fanout", "overcommit"); d != "12" {
-		t.Errorf("fanout --help: --overcommit default %s, want 12", d)
-	}
-	// fanout's own Action must not change it either: run it up to its first check.
-	app := newApp()
-	var out bytes.Buffer
-	app.Writer, app.ErrWriter = &out, &out
-	if err := app.Run(context.Background(), []string{"forkbench", "fanout", "--waves", "x"}); err == nil || !strings.Contains(err.Error(), "--waves") {
-		t.Fatalf("fanout --waves x: %v", err)
-	}
-	if got := app.Command("fanout").Float("overcommit"); got != 12 {
-		t.Errorf("fanout's Action changed --overcommit to %v", got)
 	}
 }
 
