@@ -26,11 +26,11 @@ type FanoutSummary struct {
 
 func RunCheckpointRestore(r *Runner, n, fanout int) error {
 	ctx := r.ctx
-	w, err := r.bakeWorld("world", "world-ck")
+	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	var ckTotal, ckPaused, restore, running []float64
 	r.trace.Group(1, "restore of a fresh checkpoint")
 	r.trace.Group(2, "fork of the running VM")
@@ -46,7 +46,7 @@ func RunCheckpointRestore(r *Runner, n, fanout int) error {
 		ckPaused = append(ckPaused, report.Ms(ck.Manifest.Timings.Paused))
 		r.addSample(report.Sample{Group: "checkpoint", Index: i - 1, Name: ckName, OK: true, LatencyMS: report.Ms(ck.Manifest.Timings.Total)})
 		name := fmt.Sprintf("r%d", i)
-		vm, s := r.serialFork(ckName, name, "restore", i-1, 1)
+		vm, s := serialFork(r, ckName, name, "restore", i-1, 1)
 		r.addSample(s)
 		if s.OK {
 			restore = append(restore, s.LatencyMS)
@@ -61,7 +61,7 @@ func RunCheckpointRestore(r *Runner, n, fanout int) error {
 			_ = r.e.DeleteCheckpoint(ctx, ckName, &engine.DeleteCheckpointOptions{Force: true})
 		}
 		name = fmt.Sprintf("rv%d", i)
-		vm, s = r.serialFork(w.Name, name, "fork-running", i-1, 2)
+		vm, s = serialFork(r, w.Name, name, "fork-running", i-1, 2)
 		r.addSample(s)
 		if s.OK {
 			running = append(running, s.LatencyMS)
@@ -75,21 +75,21 @@ func RunCheckpointRestore(r *Runner, n, fanout int) error {
 			return err
 		}
 	}
-	wr, err := r.wave(fmt.Sprintf("fanout%d", fanout), w.Ck, fanout, &engine.ManyOptions{Prefix: "fo-"}, nil)
+	wr, err := runWave(r, fmt.Sprintf("fanout%d", fanout), w.Ck, fanout, &engine.ManyOptions{Prefix: "fo-"}, nil)
 	if err != nil {
 		if wr != nil {
-			r.deleteAll(wr.Ready)
+			deleteAll(r, wr.Ready)
 		}
 		return err
 	}
-	r.recordWave(3, wr, nil)
+	recordWave(r, 3, wr, nil)
 	for _, e := range wr.FailedErrs {
 		r.fail("fanout: %s", e)
 	}
 	if r.hold {
 		r.keepVMs(w.Ck, wr.Ready)
 	} else {
-		r.deleteAll(wr.Ready)
+		deleteAll(r, wr.Ready)
 	}
 	pc := r.p50Headline("checkpoint_p50_ms", ckTotal)
 	r.res.Extra["checkpoint_ms"] = roundP(pc)
@@ -102,6 +102,6 @@ func RunCheckpointRestore(r *Runner, n, fanout int) error {
 		n, r.shape.DirtyMB, fanout)
 	r.section("## Checkpoint / restore\n\ncheckpoint p50 %.0f ms (paused p50 %.0f ms); restore (fork of a fresh checkpoint → first command) p50 %.0f ms; fork of the running VM (implicit checkpoint) p50 %.0f ms; %d forks at once: wall %.0f ms, %.1f MiB host memory per running fork.\n\n",
 		pc.P50, report.Median(ckPaused), report.Median(restore), report.Median(running), fanout, report.Ms(wr.Wall), wr.PrivateMBPerFork())
-	r.admissionSection(wr)
+	admissionSection(r, wr)
 	return nil
 }

@@ -19,10 +19,10 @@ type CreateSettings struct {
 }
 
 // coldCreate boots name (forkable, with the world's disk) until the first command.
-func (r *Runner) coldCreate(name string, index int) (*engine.VM, report.Sample) {
+func coldCreate(r *Runner, name string, index int) (*engine.VM, report.Sample) {
 	s := report.Sample{Group: "cold", Index: index, Name: name}
 	t0 := time.Now()
-	vm, err := r.e.Create(r.ctx, r.worldSpec(name, false))
+	vm, err := r.e.Create(r.ctx, worldSpec(r, name, false))
 	if err != nil {
 		s.LatencyMS, s.Error = report.Ms(time.Since(t0)), err.Error()
 		return nil, s
@@ -47,7 +47,7 @@ func RunCreateCold(r *Runner, n int) error {
 	var bars []report.Bar
 	for i := range n {
 		name := fmt.Sprintf("c%d", i+1)
-		vm, s := r.coldCreate(name, i)
+		vm, s := coldCreate(r, name, i)
 		r.addSample(s)
 		if s.OK {
 			lat = append(lat, s.LatencyMS)
@@ -72,7 +72,7 @@ func RunCreateCold(r *Runner, n int) error {
 
 func RunCreateGolden(r *Runner, n int) error {
 	t0 := time.Now()
-	w, err := r.bakeWorld("golden-vm", "golden")
+	w, err := bakeWorld(r, "golden-vm", "golden")
 	if err != nil {
 		return err
 	}
@@ -82,14 +82,14 @@ func RunCreateGolden(r *Runner, n int) error {
 		return fmt.Errorf("golden: first command: %w", err)
 	}
 	first += d
-	r.worldExtra(w)
+	worldExtra(r, w)
 	r.addSample(report.Sample{Group: "golden-first", Name: "golden-vm", OK: true, LatencyMS: report.Ms(first), FirstCmdMS: report.Ms(d)})
 	r.trace.Group(1, "creates from golden")
 	var lat []float64
 	var bars []report.Bar
 	for i := 1; i < n; i++ {
 		name := fmt.Sprintf("g%d", i)
-		vm, s := r.serialFork(w.Ck, name, "golden", i, 1)
+		vm, s := serialFork(r, w.Ck, name, "golden", i, 1)
 		r.addSample(s)
 		if s.OK {
 			lat = append(lat, s.LatencyMS)
@@ -116,14 +116,14 @@ func RunCreateGolden(r *Runner, n int) error {
 }
 
 func RunCreateBatch(r *Runner, batch, conc int) error {
-	w, err := r.bakeWorld("golden-vm", "golden")
+	w, err := bakeWorld(r, "golden-vm", "golden")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	var mu sync.Mutex
 	var cmdFail []string
-	wr, err := r.wave(fmt.Sprintf("batch%d", batch), w.Ck, batch, &engine.ManyOptions{Prefix: "gb-", Concurrency: conc}, func(ev engine.ForkEvent) {
+	wr, err := runWave(r, fmt.Sprintf("batch%d", batch), w.Ck, batch, &engine.ManyOptions{Prefix: "gb-", Concurrency: conc}, func(ev engine.ForkEvent) {
 		_, err := firstCmd(r.ctx, ev.VM)
 		mu.Lock()
 		if err != nil {
@@ -138,7 +138,7 @@ func RunCreateBatch(r *Runner, batch, conc int) error {
 	if err != nil {
 		return err
 	}
-	r.recordWave(1, wr, nil)
+	recordWave(r, 1, wr, nil)
 	for _, e := range append(wr.FailedErrs, cmdFail...) {
 		r.fail("batch: %s", e)
 	}

@@ -92,15 +92,15 @@ func (st *DensityStep) budgetView(m engine.MemoryBudget, ck string, guest int64)
 }
 
 func RunDensity(r *Runner, step, mx, cmds int) error {
-	w, err := r.bakeWorld("world", "world-ck")
+	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	var pop []*engine.VM
 	defer func() {
 		if !r.hold {
-			r.deleteAll(pop)
+			deleteAll(r, pop)
 		}
 	}()
 	steps := []DensityStep{}
@@ -110,14 +110,14 @@ func RunDensity(r *Runner, step, mx, cmds int) error {
 	for k := 1; len(pop) < mx; k++ {
 		n := min(step, mx-len(pop))
 		label := fmt.Sprintf("step%d", k)
-		wr, err := r.wave(label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("d%d-", k)}, nil)
+		wr, err := runWave(r, label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("d%d-", k)}, nil)
 		if err != nil {
 			if wr != nil {
 				pop = append(pop, wr.Ready...)
 			}
 			return err
 		}
-		r.recordWave(k, wr, nil)
+		recordWave(r, k, wr, nil)
 		pop = append(pop, wr.Ready...)
 		st := DensityStep{Step: k, Population: len(pop), Added: wr.ReadyCount(), ForkWallMS: report.Round3(report.Ms(wr.Wall)),
 			MemAvailableMB: report.Round3(wr.MemAfterMB)}

@@ -141,18 +141,18 @@ type execFn func(ctx context.Context, client, fork int, req *vsockd.ExecRequest)
 
 func RunExecLoad(r *Runner, s *ExecLoadSettings) error {
 	ctx := r.ctx
-	w, err := r.bakeWorld("world", "world-ck")
+	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	// The forks need only the pinned checkpoint; an idle world would take CPU from them.
 	if err := r.e.Delete(ctx, w.Name); err != nil {
 		return fmt.Errorf("retire world: %w", err)
 	}
 	w.VM = nil
 	s.World = "deleted after its pinned checkpoint"
-	wr, err := r.wave("forks", w.Ck, s.Forks, &engine.ManyOptions{Prefix: "el-"}, nil)
+	wr, err := runWave(r, "forks", w.Ck, s.Forks, &engine.ManyOptions{Prefix: "el-"}, nil)
 	if err != nil {
 		return err
 	}
@@ -192,7 +192,7 @@ func RunExecLoad(r *Runner, s *ExecLoadSettings) error {
 		return fmt.Errorf("daemon: stop: %w", err)
 	}
 
-	in, dm, r50, r99, met := r.execLoadResult(s, phases)
+	in, dm, r50, r99, met := execLoadResult(r, s, phases)
 	r.res.Method = execLoadMethod(r, s)
 	table := execLoadTable(s, in, dm, phases, r50, r99, met)
 	fmt.Print(table)
@@ -202,7 +202,7 @@ func RunExecLoad(r *Runner, s *ExecLoadSettings) error {
 
 // execLoadResult makes the daemon's p50 the headline and records both modes, their
 // ratios (pooled and per round) and whether the ratio is within the target.
-func (r *Runner) execLoadResult(s *ExecLoadSettings, phases []ExecPhase) (in, dm ExecMode, r50, r99 float64, met bool) {
+func execLoadResult(r *Runner, s *ExecLoadSettings, phases []ExecPhase) (in, dm ExecMode, r50, r99 float64, met bool) {
 	in, dm = summarizeMode(phases, modeInProcess), summarizeMode(phases, modeDaemon)
 	var daemonLat []float64
 	for _, p := range phases {
@@ -516,7 +516,7 @@ func (ph *execPhase) timed(d *execDaemon, pids []int) error {
 }
 
 // failQuiet counts a failure without logging it (one of many already reported).
-func (r *Runner) failQuiet() {
+func (r *Recorder) failQuiet() {
 	r.mu.Lock()
 	r.failures++
 	r.mu.Unlock()

@@ -255,7 +255,7 @@ func (o *waveOutcome) complete() bool { return o.wr != nil && o.wr.Complete() }
 
 // runWaves runs the waves of one pass at overcommit; prefix ("" or
 // "default_settings_") starts its labels. maxForks > 0 skips larger waves (memory).
-func (r *Runner) runWaves(w *World, settings *FanoutSettings, prefix string, overcommit float64, idleWindow time.Duration, hold bool, maxForks int) ([]*waveOutcome, error) {
+func runWaves(r *Runner, w *World, settings *FanoutSettings, prefix string, overcommit float64, idleWindow time.Duration, hold bool, maxForks int) ([]*waveOutcome, error) {
 	var outs []*waveOutcome
 	for wi, n := range settings.Waves {
 		label := fmt.Sprintf("%swave%d", prefix, n)
@@ -271,18 +271,18 @@ func (r *Runner) runWaves(w *World, settings *FanoutSettings, prefix string, ove
 				return outs, fmt.Errorf("warm pool: %w", err)
 			}
 		}
-		wr, err := r.wave(label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("w%d-", n), Overcommit: overcommit}, nil)
+		wr, err := runWave(r, label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("w%d-", n), Overcommit: overcommit}, nil)
 		if err != nil {
 			if wr != nil {
-				r.deleteAll(wr.Ready)
+				deleteAll(r, wr.Ready)
 			}
 			return outs, err
 		}
-		mems := r.measureMems(wr)
-		r.firstCommands(wr)
-		idle := r.measureIdle(wr, idleWindow)
-		iso := r.checkIsolation(w, wr.Ready, mems, sampleIndices(len(wr.Ready)))
-		r.recordWave(len(outs)+1+map[bool]int{true: 0, false: 100}[prefix == ""], wr, mems)
+		mems := measureMems(r, wr)
+		firstCommands(r, wr)
+		idle := measureIdle(r, wr, idleWindow)
+		iso := checkIsolation(r, w, wr.Ready, mems, sampleIndices(len(wr.Ready)))
+		recordWave(r, len(outs)+1+map[bool]int{true: 0, false: 100}[prefix == ""], wr, mems)
 		for _, e := range wr.FailedErrs {
 			r.fail("%s: %s", label, e)
 		}
@@ -323,7 +323,7 @@ func (r *Runner) runWaves(w *World, settings *FanoutSettings, prefix string, ove
 		if r.res.Host.Accel == "tcg" {
 			r.section("TCG thread mode of the ready forks (engine Config.TCGThread %s): %v.\n\n", string(r.e.Config().Experimental.TCGThread), threads)
 		}
-		r.admissionSection(wr)
+		admissionSection(r, wr)
 		if idle.N > 0 {
 			r.section("Idle: after their first command, the %d forks used %.3f host cores together over %.1f s (%.2f%% of a core per fork).\n\n",
 				idle.N, idle.TotalCores, idle.Window.Seconds(), idle.PerForkPct)
@@ -332,7 +332,7 @@ func (r *Runner) runWaves(w *World, settings *FanoutSettings, prefix string, ove
 		if hold && wi == len(settings.Waves)-1 {
 			r.keepVMs(w.Ck, wr.Ready)
 		} else {
-			r.deleteAll(wr.Ready)
+			deleteAll(r, wr.Ready)
 		}
 	}
 	return outs, nil
@@ -352,7 +352,7 @@ func largestComplete(outs []*waveOutcome) *waveOutcome {
 // seedKeys adds the published result's flat keys for the complete waves of a pass
 // (prefix "" or "default_settings_"): waveN_wall_s, waveN_fork_ms_p50/p95 and, for the
 // headline pass, private_mb_per_fork_N. A partial wave gets no flat key: it is not a
-// wave figure (its record under waves says complete: false).
+// runWave figure (its record under waves says complete: false).
 func seedKeys(extra map[string]any, prefix string, outs []*waveOutcome) {
 	for _, o := range outs {
 		if o.wr != nil {
@@ -400,11 +400,11 @@ func passStop(outs []*waveOutcome) string {
 
 func RunFanout(r *Runner, settings *FanoutSettings, keepWorld bool, idleWindow time.Duration) error {
 	waves, peer, peerN, warm := settings.Waves, settings.Peer, settings.PeerN, settings.Warm
-	w, err := r.bakeWorld("world", "world-ck")
+	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	// Forks need only the pinned checkpoint. Like the published setup (whose admission
 	// stops the 64-wave at fork 48 at 12 cores x 8, i.e. the golden VM holds no budget),
 	// the world is retired before the waves unless asked to stay (or the diskless peer
@@ -422,20 +422,20 @@ func RunFanout(r *Runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		r.caveat("warm pool of %d (restored: %v): before each wave (untimed) the pool is filled with pre-spawned QEMUs (-incoming defer; restored: already loaded, warmed up and stopped); the first %d forks of a wave claim them, the rest spawn", warm, r.warmRestored, warm)
 	}
 	maxWave := slices.Max(waves)
-	fit, budgetLine := r.fanoutFit(settings, maxWave)
+	fit, budgetLine := fanoutFit(r, settings, maxWave)
 	var defaults []*waveOutcome
 	if fit.DefaultPass {
-		if defaults, err = r.fanoutDefaultPass(w, settings, fit, budgetLine, maxWave); err != nil {
+		if defaults, err = fanoutDefaultPass(r, w, settings, fit, budgetLine, maxWave); err != nil {
 			return err
 		}
 	}
-	maxForks := r.describeFit(fit, defaults, budgetLine, maxWave)
+	maxForks := describeFit(r, fit, defaults, budgetLine, maxWave)
 	head := "## Waves"
 	if fit.NonDefault {
 		head = fmt.Sprintf("## Waves at --overcommit %s (NON-DEFAULT)", report.Fnum(fit.HeadlineOvercommit))
 	}
 	r.section("%s\n\n", head)
-	outs, err := r.runWaves(w, settings, "", fit.HeadlineOvercommit, idleWindow, r.hold, maxForks)
+	outs, err := runWaves(r, w, settings, "", fit.HeadlineOvercommit, idleWindow, r.hold, maxForks)
 	if err != nil {
 		return err
 	}
@@ -445,7 +445,7 @@ func RunFanout(r *Runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		r.caveat("INCOMPLETE: %s; a partial wave is not a headline (its wall covers only the ready forks)", stop)
 	}
 	r.headlineNote = headlineNote(fit, best, outs)
-	r.summary = r.fanoutSummary(fit, best, w)
+	r.summary = fanoutSummary(r, fit, best, w)
 	r.files["fanout.svg"] = report.FanoutSVG(svgWaves(defaults, outs, r.overcommit, fit.HeadlineOvercommit), fmt.Sprintf("forkbench fanout — %s", report.HostShort(r.res.Host)))
 	r.summary += "![per-fork latency, forks ready over time and memory per fork, by wave](fanout.svg)\n\n"
 	r.res.Method = fmt.Sprintf("Each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM (and wrote a disk file). "+
@@ -453,7 +453,7 @@ func RunFanout(r *Runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		"A wave is complete when all N forks were ready; only a complete wave gives a waveN figure or the headline. "+
 		"Host memory per fork = MemAvailable drop from before the wave to all ready / ready forks (the published definition); the breakdown is engine VM.Memory at ready. "+
 		"After a wave each fork runs `sh -c true`; idle QEMU CPU is read over %v. %s %s Forks are deleted before the next wave.",
-		r.shape.DirtyMB, idleWindow, memMethod, r.isoMethod())
+		r.shape.DirtyMB, idleWindow, memMethod, isoMethod(r))
 	r.methodShort = fmt.Sprintf("each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world that dirtied %d MB; "+
 		"wall = first start → last fork ready (its agent answered with its own token); a wave counts only when all N were ready; "+
 		"memory per fork = host memory the wave added / forks.", r.shape.DirtyMB)
@@ -462,7 +462,7 @@ func RunFanout(r *Runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 		if best != nil {
 			lat = best.lat
 		}
-		if err := r.runPeer(w, peerN, true, report.Median(lat)); err != nil {
+		if err := runPeer(r, w, peerN, true, report.Median(lat)); err != nil {
 			return err
 		}
 	}
@@ -473,7 +473,7 @@ func RunFanout(r *Runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 // largest wave, or the warm pool, fits the vCPU budget) and whether the waves first run
 // at the overcommit asked for; it returns the decision (also settings.Fit) and the line
 // that explains the budget.
-func (r *Runner) fanoutFit(settings *FanoutSettings, maxWave int) (*FitDecision, string) {
+func fanoutFit(r *Runner, settings *FanoutSettings, maxWave int) (*FitDecision, string) {
 	warm := settings.Warm
 	b := r.e.Budget()
 	fit := &FitDecision{HostCPUs: b.HostCPUs, ForkCPUs: r.shape.CPUs, NeedVCPUs: max(maxWave, warm)*r.shape.CPUs + b.Used,
@@ -512,10 +512,10 @@ func heldText(b engine.Budget) string {
 
 // fanoutDefaultPass runs the waves at the overcommit asked for, to record where
 // admission stops, and fills fit.Memory from the memory per fork they measured.
-func (r *Runner) fanoutDefaultPass(w *World, settings *FanoutSettings, fit *FitDecision, budgetLine string, maxWave int) ([]*waveOutcome, error) {
+func fanoutDefaultPass(r *Runner, w *World, settings *FanoutSettings, fit *FitDecision, budgetLine string, maxWave int) ([]*waveOutcome, error) {
 	r.section("## Waves at --overcommit %s (the setting asked for)\n\nOn this host the %s, so the waves first run at this setting to record where admission stops (as the published run did at its default); the idle CPU is not measured in this pass.\n\n",
 		report.Fnum(r.overcommit), budgetLine)
-	defaults, err := r.runWaves(w, settings, "default_settings_", r.overcommit, 0, false, 0)
+	defaults, err := runWaves(r, w, settings, "default_settings_", r.overcommit, 0, false, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -536,7 +536,7 @@ func (r *Runner) fanoutDefaultPass(w *World, settings *FanoutSettings, fit *FitD
 // describeFit writes fit's Text and Short (what the headline says of its overcommit),
 // adds a non-default overcommit to the caveats and returns the most forks a wave may
 // start (0: no limit; the largest that fits memory when the largest wave does not).
-func (r *Runner) describeFit(fit *FitDecision, defaults []*waveOutcome, budgetLine string, maxWave int) int {
+func describeFit(r *Runner, fit *FitDecision, defaults []*waveOutcome, budgetLine string, maxWave int) int {
 	maxForks := 0
 	asked := fmt.Sprintf("--overcommit %s", report.Fnum(r.overcommit))
 	if r.overcommit == 12 {
@@ -637,7 +637,7 @@ func headlineNote(fit *FitDecision, best *waveOutcome, outs []*waveOutcome) stri
 }
 
 // fanoutSummary is report.md's lines above the table: settings and memory per fork.
-func (r *Runner) fanoutSummary(fit *FitDecision, best *waveOutcome, w *World) string {
+func fanoutSummary(r *Runner, fit *FitDecision, best *waveOutcome, w *World) string {
 	var sb strings.Builder
 	if fit.NonDefault {
 		fmt.Fprintf(&sb, "**Settings: %s.**\n\n", fit.Text)

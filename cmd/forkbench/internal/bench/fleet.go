@@ -379,7 +379,7 @@ func (fr *fleetRun) world() error {
 	}
 	var out, errb bytes.Buffer
 	xctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
-	code, err := c.Exec(xctx, "fw", &api.ExecRequest{Argv: []string{"sh", "-c", r.dirtyScript()}, Stdout: &out, Stderr: &errb})
+	code, err := c.Exec(xctx, "fw", &api.ExecRequest{Argv: []string{"sh", "-c", dirtyScript(r)}, Stdout: &out, Stderr: &errb})
 	cancel()
 	if err == nil && code != 0 {
 		err = fmt.Errorf("exit %d: %s", code, strings.TrimSpace(errb.String()))

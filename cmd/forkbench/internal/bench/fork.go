@@ -44,7 +44,7 @@ type JITFirstFork struct {
 }
 
 // noteJIT keeps the first fork's translation cache statistics.
-func (r *Runner) noteJIT(ready, cmd engine.JITStats) {
+func (r *Recorder) noteJIT(ready, cmd engine.JITStats) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if _, ok := r.res.Extra["jit_first_fork"]; !ok {
@@ -54,7 +54,7 @@ func (r *Runner) noteJIT(ready, cmd engine.JITStats) {
 
 // serialFork forks src as name, runs the first command and returns the sample (the VM is
 // left running).
-func (r *Runner) serialFork(src, name, group string, index, pid int) (*engine.VM, report.Sample) {
+func serialFork(r *Runner, src, name, group string, index, pid int) (*engine.VM, report.Sample) {
 	s := report.Sample{Group: group, Index: index, Name: name}
 	t0 := time.Now()
 	vm, err := r.e.Fork(r.ctx, src, &engine.ForkOptions{Name: name})
@@ -99,11 +99,11 @@ func (r *Runner) serialFork(src, name, group string, index, pid int) (*engine.VM
 }
 
 func RunFork(r *Runner, n int, peer bool, peerN int, warm int, perfOn bool) error {
-	w, err := r.bakeWorld("world", "world-ck")
+	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	r.trace.Group(1, "serial forks")
 	if perfOn {
 		if err := r.startPerf(); err != nil {
@@ -121,7 +121,7 @@ func RunFork(r *Runner, n int, peer bool, peerN int, warm int, perfOn bool) erro
 				return fmt.Errorf("warm pool: %w", err)
 			}
 		}
-		vm, s := r.serialFork(w.Ck, name, "serial", i, 1)
+		vm, s := serialFork(r, w.Ck, name, "serial", i, 1)
 		r.addSample(s)
 		if s.OK {
 			lat = append(lat, s.LatencyMS)
@@ -162,8 +162,8 @@ func RunFork(r *Runner, n int, peer bool, peerN int, warm int, perfOn bool) erro
 		}
 		iso = append(iso, vm)
 	}
-	rep := r.checkIsolation(w, iso, nil, []int{0, 1})
-	r.deleteAll(iso)
+	rep := checkIsolation(r, w, iso, nil, []int{0, 1})
+	deleteAll(r, iso)
 	metric := "fork_p50_ms"
 	if warm > 0 {
 		metric = "fork_warm_p50_ms"
@@ -189,12 +189,12 @@ func RunFork(r *Runner, n int, peer bool, peerN int, warm int, perfOn bool) erro
 		r.caveat("warm pool of %d (restored: %v): each fork claims a pre-spawned QEMU (-incoming defer, capabilities set; restored: already loaded, warmed up by one command and stopped, so the fork has run ~0.2 s of guest time after the checkpoint); the pool is refilled, untimed, before each sample", warm, r.warmRestored)
 	}
 	r.res.Method = fmt.Sprintf("Serial: for i in 1..%d, t0; engine.Fork of a pinned checkpoint of a world VM that dirtied %d MB of RAM; the first `sh -c true` through the agent; t1; delete the fork; sample = (ready - t0) + (t1 - command start); under TCG an x-query-jit between the two and one after t1 count the translation blocks QEMU generated until ready and during the command. Phase medians come from the engine's PhaseTimings. Two extra forks (iso-a, iso-b) run the isolation check, both with the full world-state check. Each fork's memory is read after its first command. %s %s",
-		n, r.shape.DirtyMB, memMethod, r.isoMethod())
+		n, r.shape.DirtyMB, memMethod, isoMethod(r))
 	r.section("## Serial forks\n\nfork → first command p50 %.0f ms (p90 %.0f, p99 %.0f, min %.0f, max %.0f) over %d. Phase medians: prepare %.1f ms, spawn %.1f ms, restore %.1f ms, agent %.1f ms, first command %.1f ms.%s%s\n\n```\n%s```\n\nIsolation: %d forks cheap-checked, full world state on %v, failures %d.\n\n",
 		pc.P50, pc.P90, pc.P99, pc.Min, pc.Max, len(lat), report.Median(prep), report.Median(spawn), report.Median(rest), report.Median(agent), report.Median(cmd), jitLine, report.MemText(mems, "after its first command"), report.ASCIIChart(bars, 40, "ms"),
 		rep.CheapChecked, rep.FullChecked, len(rep.Failures))
 	if peer {
-		return r.runPeer(w, peerN, true, pc.P50)
+		return runPeer(r, w, peerN, true, pc.P50)
 	}
 	return nil
 }

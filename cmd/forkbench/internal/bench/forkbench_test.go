@@ -319,7 +319,7 @@ func TestTreeTargets(t *testing.T) {
 			[]bool{false, false, true, true, false, true, true}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r := &Runner{res: &report.Result{Extra: map[string]any{}}}
+			r := &Runner{Recorder: &Recorder{res: &report.Result{Extra: map[string]any{}}}}
 			r.shape.MemoryMiB = 2048
 			treeTargets(r, levels, 200, tc.memRatio, tc.size)
 			out := r.res.Extra["targets"].([]TreeTarget)

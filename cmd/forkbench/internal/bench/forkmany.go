@@ -15,25 +15,25 @@ type ForkManySettings struct {
 }
 
 func RunForkMany(r *Runner, batches, n int) error {
-	w, err := r.bakeWorld("world", "world-ck")
+	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	var walls, lat []float64
 	var bars []report.Bar
 	refused := 0
 	r.section("## Batches\n\n")
 	for b := 1; b <= batches; b++ {
 		label := fmt.Sprintf("batch%d", b)
-		wr, err := r.wave(label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("b%d-", b)}, nil)
+		wr, err := runWave(r, label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("b%d-", b)}, nil)
 		if err != nil {
 			if wr != nil {
-				r.deleteAll(wr.Ready)
+				deleteAll(r, wr.Ready)
 			}
 			return err
 		}
-		r.recordWave(b, wr, nil)
+		recordWave(r, b, wr, nil)
 		for _, e := range wr.FailedErrs {
 			r.fail("%s: %s", label, e)
 		}
@@ -49,7 +49,7 @@ func RunForkMany(r *Runner, batches, n int) error {
 		if r.hold && b == batches {
 			r.keepVMs(w.Ck, wr.Ready)
 		} else {
-			r.deleteAll(wr.Ready)
+			deleteAll(r, wr.Ready)
 		}
 	}
 	pc := r.p50Headline(fmt.Sprintf("batch%d_wall_p50_ms", n), walls)

@@ -45,12 +45,12 @@ func treeFreshWave(r *Runner, depth, n, writeMB int) {
 	src := fmt.Sprintf("t%d", depth-1)
 	fw := TreeFreshWave{N: n, Checkpoint: "fresh"}
 	measure := func(label, ck string) (ready int, private, lineage, wallMS float64) {
-		wr, err := r.wave(label, ck, n, &engine.ManyOptions{Prefix: label + "-"}, nil)
+		wr, err := runWave(r, label, ck, n, &engine.ManyOptions{Prefix: label + "-"}, nil)
 		if wr == nil {
 			r.fail("fresh wave: %s: %v", label, err)
 			return 0, 0, 0, 0
 		}
-		defer r.deleteAll(wr.Ready)
+		defer deleteAll(r, wr.Ready)
 		if err != nil {
 			r.fail("fresh wave: %s: %v", label, err)
 		}
@@ -71,7 +71,7 @@ func treeFreshWave(r *Runner, depth, n, writeMB int) {
 	}
 	fw.ShallowReady, fw.ShallowPrivateMB, _, fw.ShallowWallMS = measure("fw-shallow", "t0")
 
-	node, s := r.serialFork(src, "fw-node", "fresh-node", 0, 1)
+	node, s := serialFork(r, src, "fw-node", "fresh-node", 0, 1)
 	if node == nil {
 		r.fail("fresh wave: fork of %s: %s", src, s.Error)
 		return

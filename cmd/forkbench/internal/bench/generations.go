@@ -127,11 +127,11 @@ func window(xs []float64, n int) (first, last []float64) {
 
 func RunGenerations(r *Runner, s *GenerationsSettings) error {
 	ctx := r.ctx
-	w, err := r.bakeWorld("world", "")
+	w, err := bakeWorld(r, "world", "")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	vm := w.VM
 	pid := vm.PID()
 	var cycles []GenerationCycle
@@ -177,7 +177,7 @@ cycle:
 			kept = kept[1:]
 		}
 		if i == 1 || i%s.ForkEvery == 0 || i == s.Cycles {
-			if lat, ok := r.generationFork(i, name); ok {
+			if lat, ok := generationFork(r, i, name); ok {
 				gc.ForkMS = report.Round3(lat)
 				forkMS = append(forkMS, lat)
 				sum.Forks++
@@ -222,7 +222,7 @@ cycle:
 // generationFork forks cycle i's checkpoint name until ready, checks the fork reads the
 // cycle's file from its disk, deletes it and returns its latency (ms) and whether all
 // of that succeeded (a failure is counted).
-func (r *Runner) generationFork(i int, name string) (float64, bool) {
+func generationFork(r *Runner, i int, name string) (float64, bool) {
 	ctx := r.ctx
 	f, err := r.e.Fork(ctx, name, &engine.ForkOptions{Name: "fork-" + name})
 	ok := err == nil

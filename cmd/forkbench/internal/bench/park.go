@@ -24,15 +24,15 @@ type ParkSettings struct {
 // command; and a check that the written data came back. The fork is deleted after.
 func RunPark(r *Runner, n, writeMB int) error {
 	ctx := r.ctx
-	w, err := r.bakeWorld("world", "world-ck")
+	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	var forkLat, ckPaused, parkTotal, parkPaused, wakeLat, wakeReady, diskMB, freedMB, privMB, freedPct []float64
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("pk%d", i)
-		vm, s := r.serialFork(w.Ck, name, "fork", i-1, 1)
+		vm, s := serialFork(r, w.Ck, name, "fork", i-1, 1)
 		r.addSample(s)
 		if !s.OK {
 			r.fail("fork %s: %s", name, s.Error)
@@ -42,7 +42,7 @@ func RunPark(r *Runner, n, writeMB int) error {
 			continue
 		}
 		forkLat = append(forkLat, s.LatencyMS)
-		err := r.parkOne(vm, i, writeMB, &ckPaused, &parkTotal, &parkPaused, &wakeLat, &wakeReady, &diskMB, &freedMB, &privMB, &freedPct)
+		err := parkOne(r, vm, i, writeMB, &ckPaused, &parkTotal, &parkPaused, &wakeLat, &wakeReady, &diskMB, &freedMB, &privMB, &freedPct)
 		if err != nil {
 			r.fail("%s: %v", name, err)
 			r.addSample(report.Sample{Group: "wake", Index: i - 1, Name: name, Error: err.Error()})
@@ -73,7 +73,7 @@ func RunPark(r *Runner, n, writeMB int) error {
 }
 
 // parkOne is one round of runPark on the ready fork vm.
-func (r *Runner) parkOne(vm *engine.VM, i, writeMB int, ckPaused, parkTotal, parkPaused, wakeLat, wakeReady, diskMB, freedMB, privMB, freedPct *[]float64) error {
+func parkOne(r *Runner, vm *engine.VM, i, writeMB int, ckPaused, parkTotal, parkPaused, wakeLat, wakeReady, diskMB, freedMB, privMB, freedPct *[]float64) error {
 	ctx, name := r.ctx, vm.Name()
 	out, err := shell(ctx, vm, fmt.Sprintf("head -c %d /dev/urandom > /dev/shm/own && md5sum /dev/shm/own", writeMB<<20), 5*time.Minute)
 	if err != nil {

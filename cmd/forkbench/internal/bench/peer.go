@@ -44,14 +44,14 @@ type PeerColdBootRatio struct {
 // the world (engine.Save: stop + migrate all RAM), then n serial restores (engine.Restore
 // with anonymous RAM) until the first `sh -c true` answered; and, when coldBoot, one cold
 // boot (engine.Create + first command). forkP50 (ms) is the forkvm figure to compare.
-func (r *Runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error {
+func runPeer(r *Runner, w *World, n int, coldBoot bool, forkP50 float64) error {
 	if n < 1 {
 		n = 1
 	}
 	ctx := r.ctx
 	path := filepath.Join(r.home, "peer.sav")
 	defer os.Remove(path)
-	src, done, err := r.peerSource(w)
+	src, done, err := peerSource(r, w)
 	if err != nil {
 		return err
 	}
@@ -65,7 +65,7 @@ func (r *Runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 		size = st.Size()
 	}
 	r.logf("peer: full save of %s: %.0f ms, %.0f MiB", src, report.Ms(saveDur), float64(size)/(1<<20))
-	restores, restoreErr := r.peerRestores(path, n)
+	restores, restoreErr := peerRestores(r, path, n)
 	rp50 := report.Median(restores)
 	peer := &PeerResult{
 		SaveMS: report.Round3(report.Ms(saveDur)), SaveMB: report.Round3(float64(size) / (1 << 20)), Restores: len(restores),
@@ -78,7 +78,7 @@ func (r *Runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 	r.section("## Peer (stock path)\n\nFull save of the world (engine.Save, stop + migrate all RAM): %.0f ms, %.0f MiB. Restore (engine.Restore, anonymous RAM) → first `sh -c true`: p50 %.0f ms over %d (%v).\n\n",
 		report.Ms(saveDur), float64(size)/(1<<20), rp50, len(restores), roundAll(restores))
 	if coldBoot {
-		r.peerColdBoot(peer, forkP50)
+		peerColdBoot(r, peer, forkP50)
 	}
 	if q := peer.PeerRestoreRatio; q != nil {
 		r.section("**forkvm/peer ratio** (fork p50 %.0f ms / restore p50 %.0f ms): %v (restore is %v× slower).\n\n", forkP50, rp50, q.ForkvmVsRestoreRatio, q.RestoreVsForkvmSpeedup)
@@ -94,14 +94,14 @@ func (r *Runner) runPeer(w *World, n int, coldBoot bool, forkP50 float64) error 
 // peerSource returns the VM the peer saves: the world, or a diskless twin of it when
 // the world has a disk (engine.Restore attaches no disk, and QEMU refuses a save stream
 // that carries a virtio-blk device the destination lacks). done deletes the twin.
-func (r *Runner) peerSource(w *World) (name string, done func(), err error) {
+func peerSource(r *Runner, w *World) (name string, done func(), err error) {
 	if r.shape.DiskMiB == 0 {
 		return w.Name, func() {}, nil
 	}
 	r.caveat("peer: engine.Restore restores no disk and QEMU rejects a stream with a disk device it lacks, so the peer saves a diskless twin of the world (same shape, same %d MB dirtied) instead of the world itself", r.shape.DirtyMB)
 	old := r.shape.DiskMiB
 	r.shape.DiskMiB = 0
-	twin, err := r.bakeWorld("peer-src", "")
+	twin, err := bakeWorld(r, "peer-src", "")
 	r.shape.DiskMiB = old
 	if err != nil {
 		return "", nil, fmt.Errorf("peer: twin: %w", err)
@@ -112,12 +112,12 @@ func (r *Runner) peerSource(w *World) (name string, done func(), err error) {
 // peerRestores restores the save at path n times, serially, each until its first
 // command answered, and returns the restore-to-first-command times (ms) and the error
 // that stopped them.
-func (r *Runner) peerRestores(path string, n int) (restores []float64, restoreErr string) {
+func peerRestores(r *Runner, path string, n int) (restores []float64, restoreErr string) {
 	ctx := r.ctx
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("peer-%d", i)
 		t0 := time.Now()
-		vm, err := r.e.Baseline().Restore(ctx, path, r.worldSpec(name, false))
+		vm, err := r.e.Baseline().Restore(ctx, path, worldSpec(r, name, false))
 		s := report.Sample{Group: "peer-restore", Index: i - 1, Name: name}
 		if err != nil {
 			s.Error, s.LatencyMS = err.Error(), report.Ms(time.Since(t0))
@@ -150,11 +150,11 @@ func (r *Runner) peerRestores(path string, n int) (restores []float64, restoreEr
 
 // peerColdBoot boots a VM of the world's shape until its first command and records it
 // in peer (with its ratio to forkP50, ms, when known).
-func (r *Runner) peerColdBoot(peer *PeerResult, forkP50 float64) {
+func peerColdBoot(r *Runner, peer *PeerResult, forkP50 float64) {
 	ctx := r.ctx
 	name := "peer-cold"
 	t0 := time.Now()
-	vm, err := r.e.Create(ctx, r.worldSpec(name, false))
+	vm, err := r.e.Create(ctx, worldSpec(r, name, false))
 	if err != nil {
 		r.fail("peer cold boot: %v", err)
 		peer.ColdBootError = err.Error()

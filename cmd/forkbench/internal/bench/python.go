@@ -46,7 +46,7 @@ const askWarm = "echo '6*7' > /run/warm.in && cat /run/warm.out"
 
 func RunPython(r *Runner, n, cold, pool int) error {
 	ctx := r.ctx
-	w, err := r.bakeWorld("world", "")
+	w, err := bakeWorld(r, "world", "")
 	if err != nil {
 		return err
 	}
@@ -66,14 +66,14 @@ func RunPython(r *Runner, n, cold, pool int) error {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	r.res.Extra["checkpoint_ms"] = report.Round3(report.Ms(ck.Manifest.Timings.Total))
-	warm := r.forkAndAsk("warm", "py", n, nil)
+	warm := forkAndAsk(r, "warm", "py", n, nil)
 	var pooled []float64
 	if pool > 0 {
 		opts := &engine.WarmOptions{Restored: true, WarmUp: []string{"sh", "-c", askWarm}}
 		if err := r.e.Warm(ctx, "warm-ck", pool, opts); err != nil {
 			return fmt.Errorf("warm pool: %w", err)
 		}
-		pooled = r.forkAndAsk("pooled", "pp", n, func() {
+		pooled = forkAndAsk(r, "pooled", "pp", n, func() {
 			// Each sample is a fork served by a full pool: wait for the refill of the last
 			// claim (a fork that finds the pool empty is an ordinary fork).
 			for t := time.Now(); time.Since(t) < 2*time.Minute; time.Sleep(50 * time.Millisecond) {
@@ -91,7 +91,7 @@ func RunPython(r *Runner, n, cold, pool int) error {
 	for i := 0; i < cold; i++ {
 		name := fmt.Sprintf("cold%d", i+1)
 		s := report.Sample{Group: "cold", Index: i, Name: name}
-		vm, err := r.e.Create(ctx, r.worldSpec(name, false))
+		vm, err := r.e.Create(ctx, worldSpec(r, name, false))
 		if err == nil {
 			t := time.Now()
 			var out string
@@ -139,7 +139,7 @@ func RunPython(r *Runner, n, cold, pool int) error {
 // forkAndAsk forks the warm checkpoint n times and asks each fork's interpreter once;
 // it returns the fork start → answer times of the forks that answered 42. before, if
 // set, runs before each fork (not timed).
-func (r *Runner) forkAndAsk(group, prefix string, n int, before func()) []float64 {
+func forkAndAsk(r *Runner, group, prefix string, n int, before func()) []float64 {
 	ctx := r.ctx
 	var out []float64
 	for i := 0; i < n; i++ {

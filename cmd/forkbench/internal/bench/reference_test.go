@@ -85,7 +85,7 @@ func TestPartialWaveNeverHeadline(t *testing.T) {
 				t.Errorf("%s: wave%d complete %v ok %v", tt.name, o.n, ws.Complete, ws.OK)
 			}
 		}
-		r := &Runner{runOutput: runOutput{incomplete: stop != ""}}
+		r := &Runner{Recorder: &Recorder{incomplete: stop != ""}}
 		if c, ok := r.status(nil); c == tt.incomplete || ok == tt.incomplete {
 			t.Errorf("%s: run complete %v ok %v", tt.name, c, ok)
 		}
@@ -372,7 +372,7 @@ func TestHeldText(t *testing.T) {
 // table and the full method after the measurements; an incomplete headline reads as
 // no figure, never as 0.
 func TestReportMethodBelowTable(t *testing.T) {
-	r := &Runner{res: &report.Result{Bench: "fanout", Metric: "wave64_wall_s", Stat: "incomplete", Method: "FULL METHOD", Extra: map[string]any{}}}
+	r := &Runner{Recorder: &Recorder{res: &report.Result{Bench: "fanout", Metric: "wave64_wall_s", Stat: "incomplete", Method: "FULL METHOD", Extra: map[string]any{}}}}
 	r.methodShort = "SHORT"
 	r.section("### wave8\n\n")
 	md := r.renderReport(report.LoadReference(), nil)
@@ -388,11 +388,11 @@ func TestReportMethodBelowTable(t *testing.T) {
 // TestDescribeFitNamesOthers: when other state directories' VMs fill the budget at the
 // setting asked for, the headline's note says so beside where the 64-wave stopped.
 func TestDescribeFitNamesOthers(t *testing.T) {
-	r := &Runner{runOptions: runOptions{overcommit: 12}}
+	r := &Runner{runOptions: runOptions{overcommit: 12}, Recorder: &Recorder{}}
 	o := outcome(64, 0, 0)
 	o.wr.Budget.OtherUsed = 32
 	fit := &FitDecision{NonDefault: true, HeadlineOvercommit: 78, HostCPUs: 2, DefaultBudgetVCPUs: 24, NeedVCPUs: 156}
-	r.describeFit(fit, []*waveOutcome{o}, "budget 24 vCPUs", 64)
+	describeFit(r, fit, []*waveOutcome{o}, "budget 24 vCPUs", 64)
 	if want := "NON-DEFAULT --overcommit 78: --overcommit 12 (budget 24 vCPUs = 2 CPUs × 12) stops the 64-wave at 0 of 64 forks (32 vCPUs of it held by other state directories' VMs)"; fit.Short != want {
 		t.Errorf("short:\n got %q\nwant %q", fit.Short, want)
 	}
@@ -410,7 +410,7 @@ func TestProfilingRunNotCompared(t *testing.T) {
 	if rows := report.CompareWithReference(fork, report.LoadReference()); len(rows) != 0 {
 		t.Errorf("a profiling run is compared: %+v", rows)
 	}
-	r := &Runner{res: fork}
+	r := &Runner{Recorder: &Recorder{res: fork}}
 	if rep := r.renderReport(report.LoadReference(), nil); !strings.Contains(rep, "PROFILING RUN (--perf)") {
 		t.Errorf("report does not say it is a profiling run:\n%s", rep)
 	}

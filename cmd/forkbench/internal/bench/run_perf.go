@@ -8,7 +8,7 @@ import (
 
 // noteHostCounters records a wave's host counters in the result (extra.host_counters,
 // by wave label) and the report.
-func (r *Runner) noteHostCounters(label string, hc measure.HostCounters) {
+func (r *Recorder) noteHostCounters(label string, hc measure.HostCounters) {
 	r.mu.Lock()
 	m, _ := r.res.Extra["host_counters"].(map[string]measure.HostCounters)
 	if m == nil {
@@ -20,7 +20,7 @@ func (r *Runner) noteHostCounters(label string, hc measure.HostCounters) {
 	r.section("%s", measure.HostCountersText(label, hc))
 }
 
-// StartPerf starts --perf's recording (its directory under /tmp, removed at the end).
+// startPerf starts --perf's recording (its directory under /tmp, removed at the end).
 func (r *Runner) startPerf() error {
 	dir, err := os.MkdirTemp("/tmp", "fb-perf-")
 	if err != nil {

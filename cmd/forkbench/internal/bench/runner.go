@@ -34,12 +34,11 @@ type Runner struct {
 	ownHome bool   // home was made by this run (removed at the end)
 	ramDir  string // the engine's RAM dir
 	e       *engine.Engine
-	res     *report.Result
 	trace   *measure.Trace
 	ktrace  *tracefs.Instance    // --trace-kernel, or a --trace bundle's kernel events
 	perf    *measure.PerfSession // --perf
 	faults  *measure.FaultMarker // --faults
-	runOutput
+	*Recorder
 }
 
 // Options are the flags every subcommand takes (main's commonFlags), fixed for the run.
@@ -80,7 +79,6 @@ type Options struct {
 
 // runOptions are a run's common flags, fixed for the run.
 type runOptions struct {
-	bench     string
 	shape     report.Shape
 	vmgenid   bool // worlds get Spec.VMGenID
 	outDir    string
@@ -100,9 +98,12 @@ type runOptions struct {
 	progress     bool // stderr is a terminal: progress lines are redrawn
 }
 
-// runOutput is what a run collects while it measures; mu guards it (waves measure from
-// many goroutines).
-type runOutput struct {
+// Recorder is what a run collects while it measures (samples, failures, caveats, the
+// report's sections, the result's figures, what --hold keeps) and the only way a bench
+// reports; mu guards it (waves measure from many goroutines).
+type Recorder struct {
+	bench    string
+	res      *report.Result
 	mu       sync.Mutex
 	samples  []report.Sample
 	failures int
@@ -135,20 +136,20 @@ type engineOvercommitter interface{ engineOvercommit() float64 }
 type maxOvercommitter interface{ maxOvercommit() float64 }
 
 // fail counts a measured failure (not a broken run).
-func (r *Runner) fail(format string, a ...any) {
+func (r *Recorder) fail(format string, a ...any) {
 	r.mu.Lock()
 	r.failures++
 	r.mu.Unlock()
 	r.logf("FAIL: "+format, a...)
 }
 
-func (r *Runner) caveat(format string, a ...any) {
+func (r *Recorder) caveat(format string, a ...any) {
 	r.mu.Lock()
 	r.caveats = append(r.caveats, fmt.Sprintf(format, a...))
 	r.mu.Unlock()
 }
 
-func (r *Runner) addSample(s report.Sample) {
+func (r *Recorder) addSample(s report.Sample) {
 	s.Bench = r.bench
 	r.mu.Lock()
 	r.samples = append(r.samples, s)
@@ -156,19 +157,19 @@ func (r *Runner) addSample(s report.Sample) {
 }
 
 // logf writes a progress line to stderr.
-func (r *Runner) logf(format string, a ...any) {
+func (r *Recorder) logf(format string, a ...any) {
 	fmt.Fprintf(os.Stderr, "forkbench %s: "+format+"\n", append([]any{r.bench}, a...)...)
 }
 
 // section appends markdown to report.md.
-func (r *Runner) section(format string, a ...any) {
+func (r *Recorder) section(format string, a ...any) {
 	r.mu.Lock()
 	fmt.Fprintf(&r.report, format, a...)
 	r.mu.Unlock()
 }
 
 // Keep marks VMs that --hold keeps alive (with their checkpoint).
-func (r *Runner) keep(ck string, names ...string) {
+func (r *Recorder) keep(ck string, names ...string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, n := range names {
@@ -178,7 +179,7 @@ func (r *Runner) keep(ck string, names ...string) {
 }
 
 // keepVMs is keep for the names of vms.
-func (r *Runner) keepVMs(ck string, vms []*engine.VM) {
+func (r *Recorder) keepVMs(ck string, vms []*engine.VM) {
 	var names []string
 	for _, vm := range vms {
 		names = append(names, vm.Name())
@@ -188,7 +189,7 @@ func (r *Runner) keepVMs(ck string, vms []*engine.VM) {
 
 // p50Headline makes the p50 of xs (ms) the result's headline, with the percentiles of xs,
 // and returns those percentiles unrounded.
-func (r *Runner) p50Headline(metric string, xs []float64) report.Percentiles {
+func (r *Recorder) p50Headline(metric string, xs []float64) report.Percentiles {
 	pc := report.Summarize(xs)
 	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = metric, report.Round3(pc.P50), "ms", "p50"
 	r.res.N, r.res.Percentiles = len(xs), roundP(pc)
@@ -223,13 +224,13 @@ func newRunner(ctx context.Context, opts Options, bench string, settings report.
 	r := &Runner{
 		ctx: ctx,
 		runOptions: runOptions{
-			bench: bench, shape: opts.Shape,
+			shape:  opts.Shape,
 			outDir: opts.Out, jsonOut: opts.JSON, tracePath: opts.Trace, hold: opts.Hold,
 			home: opts.Home, overcommit: opts.Overcommit, warmRestored: opts.WarmRestored,
 			vmgenid: opts.VMGenID, traceKernel: opts.TraceKernel,
 			counterEvery: time.Duration(opts.HostCountersMS) * time.Millisecond,
 		},
-		runOutput: runOutput{held: map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{}},
+		Recorder: &Recorder{bench: bench, held: map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{}},
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
 		return nil, fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
@@ -470,7 +471,7 @@ func headlineValue(res *report.Result) string {
 
 // status is the run's complete and ok: a broken run is neither; an incomplete one is not
 // ok; failures and a measurement that says not ok (notOK) make it not ok.
-func (r *Runner) status(runErr error) (complete, ok bool) {
+func (r *Recorder) status(runErr error) (complete, ok bool) {
 	complete = runErr == nil && !r.incomplete
 	return complete, complete && r.failures == 0 && !r.notOK
 }

@@ -27,7 +27,7 @@ type soakCounts struct {
 	RAMFiles int `json:"ram_files"`
 }
 
-func (r *Runner) soakSample(wave, made int) soakCounts {
+func soakSample(r *Runner, wave, made int) soakCounts {
 	mine, _ := measure.QEMUPIDs(r.home, r.ramDir)
 	return soakCounts{Wave: wave, Made: made, FDs: measure.OpenFDs(), QEMU: len(mine), Files: measure.CountFiles(r.home), RAMFiles: measure.CountFiles(r.ramDir)}
 }
@@ -36,11 +36,11 @@ func RunSoak(r *Runner, total, wave int, note string) error {
 	if note != "" {
 		r.caveat("%s", note)
 	}
-	w, err := r.bakeWorld("world", "world-ck")
+	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	// A warm-up fork first, so one-time state (the checkpoint's "forked" marker) is in
 	// place before the start sample.
 	if vm, err := r.e.Fork(r.ctx, w.Ck, &engine.ForkOptions{Name: "warmup"}); err != nil {
@@ -49,7 +49,7 @@ func RunSoak(r *Runner, total, wave int, note string) error {
 		return fmt.Errorf("soak warm-up delete: %w", err)
 	}
 	time.Sleep(100 * time.Millisecond)
-	start := r.soakSample(0, 0)
+	start := soakSample(r, 0, 0)
 	samples := []soakCounts{start}
 	made, failed, refused := 0, 0, 0
 	var lat, walls []float64
@@ -57,7 +57,7 @@ func RunSoak(r *Runner, total, wave int, note string) error {
 		n := min(wave, total-made)
 		var mu sync.Mutex
 		var cmdErr []string
-		wr, err := r.wave(fmt.Sprintf("soak%d", k), w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("s%d-", k)}, func(ev engine.ForkEvent) {
+		wr, err := runWave(r, fmt.Sprintf("soak%d", k), w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("s%d-", k)}, func(ev engine.ForkEvent) {
 			if _, err := firstCmd(r.ctx, ev.VM); err != nil {
 				mu.Lock()
 				cmdErr = append(cmdErr, err.Error())
@@ -66,11 +66,11 @@ func RunSoak(r *Runner, total, wave int, note string) error {
 		})
 		if err != nil {
 			if wr != nil {
-				r.deleteAll(wr.Ready)
+				deleteAll(r, wr.Ready)
 			}
 			return err
 		}
-		r.deleteAll(wr.Ready)
+		deleteAll(r, wr.Ready)
 		made += n
 		for _, ev := range wr.Events {
 			r.addSample(eventSample(fmt.Sprintf("soak%d", k), ev))
@@ -89,7 +89,7 @@ func RunSoak(r *Runner, total, wave int, note string) error {
 			r.fail("soak wave %d: %s", k, wr.admissionText())
 		}
 		time.Sleep(50 * time.Millisecond)
-		samples = append(samples, r.soakSample(k, made))
+		samples = append(samples, soakSample(r, k, made))
 		if err := r.ctx.Err(); err != nil {
 			return err
 		}

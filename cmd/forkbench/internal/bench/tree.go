@@ -104,11 +104,11 @@ type lineageFile struct{ path, md5 string }
 
 func runTree(r *Runner, depth, branch, writeMB int) ([]TreeLevel, float64, error) {
 	ctx := r.ctx
-	w, err := r.bakeWorld("world", "t0")
+	w, err := bakeWorld(r, "world", "t0")
 	if err != nil {
 		return nil, 0, err
 	}
-	r.worldExtra(w)
+	worldExtra(r, w)
 	t := &treeWalk{r: r, lineage: []lineageFile{{"/dev/shm/dirty", w.DirtyMD5}}, node: w.VM, ckName: "t0",
 		written: r.shape.DirtyMB, guestWritten: w.SharedFileMB, lineageMB: w.SharedFileMB}
 	var levels []TreeLevel
@@ -124,7 +124,7 @@ func runTree(r *Runner, depth, branch, writeMB int) ([]TreeLevel, float64, error
 			ckOfFork = append(ckOfFork, L.CheckpointMS)
 		}
 		if r.shape.DiskMiB == 0 {
-			L.StockSaveMS, L.StockRestoreMS = r.stockSaveRestore(t.node, lvl)
+			L.StockSaveMS, L.StockRestoreMS = stockSaveRestore(r, t.node, lvl)
 		}
 		children := t.forkChildren(lvl, branch, &L)
 		mine := t.writeAndVerify(children, lvl, writeMB, &L)
@@ -178,7 +178,7 @@ type treeWalk struct {
 // checkpoint, the next level's parent, into L.
 func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
 	r, ctx, node := t.r, t.r.ctx, t.node
-	fv, s := r.serialFork(node.Name(), fmt.Sprintf("run%d", lvl), "fork-running", lvl, 2)
+	fv, s := serialFork(r, node.Name(), fmt.Sprintf("run%d", lvl), "fork-running", lvl, 2)
 	r.addSample(s)
 	if fv != nil {
 		// Until ready: serialFork's latency runs to the first command's answer.
@@ -228,7 +228,7 @@ func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
 	var lat []float64
 	var injected float64
 	for i := 1; i <= branch; i++ {
-		vm, s := r.serialFork(t.ckName, fmt.Sprintf("n%d-%d", lvl+1, i), "fork", lvl*branch+i-1, 1)
+		vm, s := serialFork(r, t.ckName, fmt.Sprintf("n%d-%d", lvl+1, i), "fork", lvl*branch+i-1, 1)
 		r.addSample(s)
 		if vm == nil {
 			r.fail("level %d: fork %d: %s", lvl, i, s.Error)
@@ -371,7 +371,7 @@ func verifyNode(ctx context.Context, vm *engine.VM, lineage []lineageFile, level
 
 // stockSaveRestore saves node in full (engine Baseline) and restores it as a new VM until
 // ready; it returns both times (0 on failure, which is recorded).
-func (r *Runner) stockSaveRestore(node *engine.VM, lvl int) (saveMS, restoreMS float64) {
+func stockSaveRestore(r *Runner, node *engine.VM, lvl int) (saveMS, restoreMS float64) {
 	path := filepath.Join(r.home, fmt.Sprintf("stock-%d.sav", lvl))
 	defer os.Remove(path)
 	d, err := r.e.Baseline().Save(r.ctx, node.Name(), path)
@@ -381,7 +381,7 @@ func (r *Runner) stockSaveRestore(node *engine.VM, lvl int) (saveMS, restoreMS f
 	}
 	name := fmt.Sprintf("stock%d", lvl)
 	t := time.Now()
-	vm, err := r.e.Baseline().Restore(r.ctx, path, r.worldSpec(name, false))
+	vm, err := r.e.Baseline().Restore(r.ctx, path, worldSpec(r, name, false))
 	if err != nil {
 		r.fail("level %d: stock restore: %v", lvl, err)
 		return report.Ms(d), 0
@@ -469,7 +469,7 @@ func treeMemory(r *Runner, depth, n int) float64 {
 		}
 		M.LayersMB = report.Round3(M.LayersMB)
 		measure := func(name string) (priv, lin float64, ok bool) {
-			vm, s := r.serialFork(ck, name, "fork-memory", 0, 1)
+			vm, s := serialFork(r, ck, name, "fork-memory", 0, 1)
 			if vm == nil {
 				r.fail("memory: fork of %s: %s", ck, s.Error)
 				return 0, 0, false
@@ -546,7 +546,7 @@ type TreeSize struct {
 // fork: a checkpoint of a fork should cost the same at any guest size.
 func treeSize(r *Runner, sizeMB, writeMB int) *TreeSize {
 	ctx := r.ctx
-	spec := r.worldSpec("big", true)
+	spec := worldSpec(r, "big", true)
 	spec.MemoryMiB = sizeMB
 	S := TreeSize{MemoryMiB: sizeMB}
 	vm, err := r.e.Create(ctx, spec)
@@ -555,7 +555,7 @@ func treeSize(r *Runner, sizeMB, writeMB int) *TreeSize {
 		return nil
 	}
 	defer r.e.Delete(ctx, vm.Name())
-	if _, err := shell(ctx, vm, r.dirtyScript(), 10*time.Minute); err != nil {
+	if _, err := shell(ctx, vm, dirtyScript(r), 10*time.Minute); err != nil {
 		r.fail("size %d: dirty: %v", sizeMB, err)
 		return nil
 	}
@@ -566,7 +566,7 @@ func treeSize(r *Runner, sizeMB, writeMB int) *TreeSize {
 	}
 	defer r.e.DeleteCheckpoint(ctx, "big0", &engine.DeleteCheckpointOptions{Force: true})
 	S.WorldCheckpointMS = report.Ms(ck.Manifest.Timings.Total)
-	f, s := r.serialFork("big0", "bigf", "size-fork", 0, 1)
+	f, s := serialFork(r, "big0", "bigf", "size-fork", 0, 1)
 	if f == nil {
 		r.fail("size %d: fork: %s", sizeMB, s.Error)
 		return nil
@@ -586,7 +586,7 @@ func treeSize(r *Runner, sizeMB, writeMB int) *TreeSize {
 	S.GrewBytes = allocated(ck.Manifest.RAMPath) - before
 	S.ForkCheckpointMS, S.ForkCheckpointPausedMS = report.Ms(c1.Manifest.Timings.Total), report.Ms(c1.Manifest.Timings.Paused)
 	S.ForkCheckpointMigrateMS, S.ForkCheckpointExtractMS = report.Ms(c1.Manifest.Timings.Migrate), report.Ms(c1.Manifest.Timings.Extract)
-	g, s := r.serialFork("bigf", "bigg", "size-fork-running", 0, 1)
+	g, s := serialFork(r, "bigf", "bigg", "size-fork-running", 0, 1)
 	if g == nil {
 		r.fail("size %d: fork of the running fork: %s", sizeMB, s.Error)
 	} else {

@@ -59,7 +59,7 @@ func firstCmd(ctx context.Context, vm *engine.VM) (time.Duration, error) {
 }
 
 // worldSpec is the spec of a world VM.
-func (r *Runner) worldSpec(name string, forkable bool) engine.Spec {
+func worldSpec(r *Runner, name string, forkable bool) engine.Spec {
 	return engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, Forkable: forkable, DiskMiB: r.shape.DiskMiB,
 		VMGenID: r.vmgenid, Image: r.shape.Image}
 }
@@ -70,9 +70,9 @@ type diskState struct {
 	bytes       int    // size of the world's file
 }
 
-// disk is the world's disk state: with a root image, $HOME/state.bin (--state-mb, as in the
+// worldDisk is the world's disk state: with a root image, $HOME/state.bin (--state-mb, as in the
 // published benchmark's world); with a data disk, /data/world (1 MB); else nil.
-func (r *Runner) disk() *diskState {
+func worldDisk(r *Runner) *diskState {
 	switch {
 	case r.shape.Image != "":
 		return &diskState{world: "/root/state.bin", mine: "/root/mine", bytes: r.shape.StateMB << 20}
@@ -84,10 +84,10 @@ func (r *Runner) disk() *diskState {
 
 // dirtyScript dirties dirty-mb MB of guest RAM (tmpfs /dev/shm/dirty) and writes the
 // world's disk file, syncs and prints md5sums.
-func (r *Runner) dirtyScript() string {
+func dirtyScript(r *Runner) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "set -e; head -c 1048576 /dev/urandom > /dev/shm/seed; : > /dev/shm/dirty; i=0; while [ $i -lt %d ]; do cat /dev/shm/seed >> /dev/shm/dirty; i=$((i+1)); done; rm -f /dev/shm/seed; ", r.shape.DirtyMB)
-	d := r.disk()
+	d := worldDisk(r)
 	if d != nil {
 		fmt.Fprintf(&b, "head -c %d /dev/urandom > %s; ", d.bytes, d.world)
 	}
@@ -111,24 +111,24 @@ func parseMD5(out string) map[string]string {
 }
 
 // bakeWorld boots the world, dirties it and (when ckName != "") takes a pinned checkpoint.
-func (r *Runner) bakeWorld(name, ckName string) (*World, error) {
+func bakeWorld(r *Runner, name, ckName string) (*World, error) {
 	ctx := r.ctx
 	w := &World{Name: name, Ck: ckName}
 	t0 := time.Now()
-	vm, err := r.e.Create(ctx, r.worldSpec(name, true))
+	vm, err := r.e.Create(ctx, worldSpec(r, name, true))
 	if err != nil {
 		return nil, fmt.Errorf("world %s: boot: %w", name, err)
 	}
 	w.VM = vm
 	w.BootMS = report.Ms(time.Since(t0))
 	t1 := time.Now()
-	out, err := shell(ctx, vm, r.dirtyScript(), 10*time.Minute)
+	out, err := shell(ctx, vm, dirtyScript(r), 10*time.Minute)
 	if err != nil {
 		return nil, fmt.Errorf("world %s: dirty: %w", name, err)
 	}
 	w.BakeMS = report.Ms(time.Since(t1))
 	sums := parseMD5(out)
-	d := r.disk()
+	d := worldDisk(r)
 	w.DirtyMD5 = sums["/dev/shm/dirty"]
 	if d != nil {
 		w.DiskMD5 = sums[d.world]
@@ -156,7 +156,7 @@ func (r *Runner) bakeWorld(name, ckName string) (*World, error) {
 }
 
 // worldExtra records the world's figures in extra.
-func (r *Runner) worldExtra(w *World) {
+func worldExtra(r *Runner, w *World) {
 	r.res.Extra["world_boot_ms"] = report.Round3(w.BootMS)
 	r.res.Extra["world_dirty_ms"] = report.Round3(w.BakeMS)
 	if w.Ck != "" {
@@ -181,9 +181,9 @@ type IsoReport struct {
 }
 
 // isoMethod describes checkIsolation for result.json.
-func (r *Runner) isoMethod() string {
+func isoMethod(r *Runner) string {
 	mine, world := "", ""
-	if d := r.disk(); d != nil {
+	if d := worldDisk(r); d != nil {
 		mine, world = " and "+d.mine, " and "+d.world
 	}
 	return fmt.Sprintf("Isolation: every fork writes its own name to /dev/shm/mine%s, then every fork must read back only its own name (so no neighbour's write is visible), the world must not see /dev/shm/mine, and the fork's copied-on-write guest RAM (Anonymous of its mapping of the checkpoint RAM file in /proc/PID/smaps) must stay under dirty-mb/2 = %d MiB (its whole-process Anonymous from smaps_rollup is recorded as anon_mb, not bounded, since QEMU's heap and TCG buffers are in it); the full world state (md5sum of /dev/shm/dirty%s equal to the world's) is checked on a sample: the first, the last and one random fork of each wave.",
@@ -192,8 +192,8 @@ func (r *Runner) isoMethod() string {
 
 // checkIsolation runs the isolation checks on vms (ready forks of w's checkpoint). mems
 // holds each fork's memory measured at ready (by name); missing ones are measured here.
-func (r *Runner) checkIsolation(w *World, vms []*engine.VM, mems map[string]report.ForkMem, full []int) IsoReport {
-	c := &isoCheck{r: r, w: w, disk: r.disk(), rep: IsoReport{Forks: len(vms), AnonBoundMB: float64(r.shape.DirtyMB) / 2,
+func checkIsolation(r *Runner, w *World, vms []*engine.VM, mems map[string]report.ForkMem, full []int) IsoReport {
+	c := &isoCheck{r: r, w: w, disk: worldDisk(r), rep: IsoReport{Forks: len(vms), AnonBoundMB: float64(r.shape.DirtyMB) / 2,
 		Failures: []string{}, FullChecked: []string{}}}
 	okWrite := make([]bool, len(vms))
 	eachFork(vms, func(i int, vm *engine.VM) { okWrite[i] = c.ownWrite(vm) })
@@ -310,7 +310,7 @@ func (c *isoCheck) readBack(vm *engine.VM, mems map[string]report.ForkMem) {
 }
 
 // worldState checks the whole world state in vm: the md5 of the file the world dirtied (and its
-// disk file) equal to the world's.
+// worldDisk file) equal to the world's.
 func (c *isoCheck) worldState(vm *engine.VM) {
 	w := c.w
 	s := "md5sum /dev/shm/dirty"
