@@ -21,7 +21,7 @@ func checkpointRestoreCmd() *cli.Command {
 			if n < 1 || f < 1 {
 				return fmt.Errorf("--n and --fanout must be >= 1")
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "checkpoint-restore", &bench.CheckpointRestoreSettings{N: n, Fanout: f}, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "checkpoint-restore", &bench.CheckpointRestoreSettings{N: n, Fanout: f}, func(r *bench.Env) error {
 				return bench.RunCheckpointRestore(r, n, f)
 			})
 		},

@@ -27,7 +27,7 @@ func createCmd() *cli.Command {
 				return fmt.Errorf("--batch needs --golden (a batch is made of forks of the golden checkpoint)")
 			}
 			settings := &bench.CreateSettings{N: n, Golden: golden, Batch: batch, Conc: conc}
-			return bench.RunBench(ctx, commonOptions(cmd), "create", settings, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "create", settings, func(r *bench.Env) error {
 				switch {
 				case batch > 0:
 					return bench.RunCreateBatch(r, batch, conc)

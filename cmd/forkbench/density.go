@@ -22,7 +22,7 @@ func densityCmd() *cli.Command {
 			if step < 1 || mx < step || cmds < 1 {
 				return fmt.Errorf("need --step >= 1, --max >= --step, --cmds >= 1")
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "density", &bench.DensitySettings{Step: step, Max: mx, Cmds: cmds}, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "density", &bench.DensitySettings{Step: step, Max: mx, Cmds: cmds}, func(r *bench.Env) error {
 				return bench.RunDensity(r, step, mx, cmds)
 			})
 		},

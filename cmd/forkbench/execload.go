@@ -74,7 +74,7 @@ func execLoadCmd() *cli.Command {
 			case len(s.Argv) == 0:
 				return fmt.Errorf("exec-load: empty guest argv")
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "exec-load", s, func(r *bench.Runner) error { return bench.RunExecLoad(r, s) })
+			return bench.RunBench(ctx, commonOptions(cmd), "exec-load", s, func(r *bench.Env) error { return bench.RunExecLoad(r, s) })
 		},
 	}
 }

@@ -40,7 +40,7 @@ func fanoutCmd() *cli.Command {
 			if cmd.Bool("fit") {
 				settings.FitTo(cmd.Bool("keep-world") || cmd.Bool("peer"), int(cmd.Int("cpus")), cmd.Float("overcommit"))
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "fanout", settings, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "fanout", settings, func(r *bench.Env) error {
 				return bench.RunFanout(r, settings, cmd.Bool("keep-world"), idle)
 			})
 		},

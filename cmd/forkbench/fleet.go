@@ -43,7 +43,7 @@ func fleetCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "fleet", s, func(r *bench.Runner) error { return bench.RunFleet(r, s) })
+			return bench.RunBench(ctx, commonOptions(cmd), "fleet", s, func(r *bench.Env) error { return bench.RunFleet(r, s) })
 		},
 	}
 }

@@ -29,7 +29,7 @@ func forkCmd() *cli.Command {
 				return fmt.Errorf("--warm must be >= 0")
 			}
 			settings := &bench.ForkSettings{N: n, Peer: cmd.Bool("peer"), PeerN: cmd.Int("peer-n"), Warm: warm}
-			return bench.RunBench(ctx, commonOptions(cmd), "fork", settings, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "fork", settings, func(r *bench.Env) error {
 				return bench.RunFork(r, n, cmd.Bool("peer"), cmd.Int("peer-n"), warm, cmd.Bool("perf"))
 			})
 		},

@@ -21,7 +21,7 @@ func forkManyCmd() *cli.Command {
 			if b < 1 || n < 1 {
 				return fmt.Errorf("--batches and --n must be >= 1")
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "fork-many", &bench.ForkManySettings{Batches: b, N: n}, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "fork-many", &bench.ForkManySettings{Batches: b, N: n}, func(r *bench.Env) error {
 				return bench.RunForkMany(r, b, n)
 			})
 		},

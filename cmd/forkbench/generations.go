@@ -30,7 +30,7 @@ func generationsCmd() *cli.Command {
 			if cmd.Int("disk-mb") <= 0 || cmd.String("image") != "" {
 				return fmt.Errorf("generations needs a data disk (--disk-mb > 0) and no --image")
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "generations", s, func(r *bench.Runner) error { return bench.RunGenerations(r, s) })
+			return bench.RunBench(ctx, commonOptions(cmd), "generations", s, func(r *bench.Env) error { return bench.RunGenerations(r, s) })
 		},
 	}
 }

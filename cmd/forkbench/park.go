@@ -21,7 +21,7 @@ func parkCmd() *cli.Command {
 			if n < 1 || wmb < 0 {
 				return fmt.Errorf("--n must be >= 1 and --write-mb >= 0")
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "park", &bench.ParkSettings{N: n, WriteMB: wmb}, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "park", &bench.ParkSettings{N: n, WriteMB: wmb}, func(r *bench.Env) error {
 				return bench.RunPark(r, n, wmb)
 			})
 		},

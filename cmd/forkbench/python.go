@@ -26,7 +26,7 @@ func pythonCmd() *cli.Command {
 			if cmd.String("image") == "" {
 				return fmt.Errorf("python needs --image: a root image with python3 (forkvm image create NAME --debian --include python3)")
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "python", &bench.PythonSettings{N: n, Cold: cold, Warm: warm}, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "python", &bench.PythonSettings{N: n, Cold: cold, Warm: warm}, func(r *bench.Env) error {
 				return bench.RunPython(r, n, cold, warm)
 			})
 		},

@@ -32,7 +32,7 @@ func soakCmd() *cli.Command {
 					note = fmt.Sprintf("--overcommit was raised to %.0f so that a wave of %d forks plus the world fits the vCPU budget of %d host CPUs", need, wave, bench.NumCPU())
 				}
 			}
-			return bench.RunBench(ctx, commonOptions(cmd), "soak", &bench.SoakSettings{Forks: total, Wave: wave}, func(r *bench.Runner) error {
+			return bench.RunBench(ctx, commonOptions(cmd), "soak", &bench.SoakSettings{Forks: total, Wave: wave}, func(r *bench.Env) error {
 				return bench.RunSoak(r, total, wave, note)
 			})
 		},

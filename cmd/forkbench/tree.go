@@ -35,7 +35,7 @@ func treeCmd() *cli.Command {
 				return fmt.Errorf("--size-mb must be >= 0, --mem-forks 0..64, --fresh-wave 0..%d", engine.MaxForks)
 			}
 			settings := &bench.TreeSettings{Depth: d, Branch: b, WriteMB: w, SizeMB: size, MemForks: memForks, FreshWave: fresh}
-			return bench.RunBench(ctx, commonOptions(cmd), "tree", settings, func(r *bench.Runner) error { return bench.RunTreeAll(r, settings) })
+			return bench.RunBench(ctx, commonOptions(cmd), "tree", settings, func(r *bench.Env) error { return bench.RunTreeAll(r, settings) })
 		},
 	}
 }

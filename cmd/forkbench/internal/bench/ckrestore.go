@@ -24,7 +24,7 @@ type FanoutSummary struct {
 	Admission        string  `json:"admission"` // "" when admission refused none
 }
 
-func RunCheckpointRestore(r *Runner, n, fanout int) error {
+func RunCheckpointRestore(r *Env, n, fanout int) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {

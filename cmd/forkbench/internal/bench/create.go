@@ -19,7 +19,7 @@ type CreateSettings struct {
 }
 
 // coldCreate boots name (forkable, with the world's disk) until the first command.
-func coldCreate(r *Runner, name string, index int) (*engine.VM, report.Sample) {
+func coldCreate(r *Env, name string, index int) (*engine.VM, report.Sample) {
 	s := report.Sample{Group: "cold", Index: index, Name: name}
 	t0 := time.Now()
 	vm, err := r.e.Create(r.ctx, worldSpec(r, name, false))
@@ -41,7 +41,7 @@ func coldCreate(r *Runner, name string, index int) (*engine.VM, report.Sample) {
 	return vm, s
 }
 
-func RunCreateCold(r *Runner, n int) error {
+func RunCreateCold(r *Env, n int) error {
 	r.trace.Group(1, "cold creates")
 	var lat []float64
 	var bars []report.Bar
@@ -70,7 +70,7 @@ func RunCreateCold(r *Runner, n int) error {
 	return nil
 }
 
-func RunCreateGolden(r *Runner, n int) error {
+func RunCreateGolden(r *Env, n int) error {
 	t0 := time.Now()
 	w, err := bakeWorld(r, "golden-vm", "golden")
 	if err != nil {
@@ -115,7 +115,7 @@ func RunCreateGolden(r *Runner, n int) error {
 	return nil
 }
 
-func RunCreateBatch(r *Runner, batch, conc int) error {
+func RunCreateBatch(r *Env, batch, conc int) error {
 	w, err := bakeWorld(r, "golden-vm", "golden")
 	if err != nil {
 		return err

@@ -91,7 +91,7 @@ func (st *DensityStep) budgetView(m engine.MemoryBudget, ck string, guest int64)
 	st.BudgetMoreForks = max(m.FreeBytes, 0) / commit
 }
 
-func RunDensity(r *Runner, step, mx, cmds int) error {
+func RunDensity(r *Env, step, mx, cmds int) error {
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err

@@ -139,7 +139,7 @@ func targetMet(got, target float64) bool { return target == 0 || (got > 0 && got
 // execFn runs one exec for client (its index) in fork (its index).
 type execFn func(ctx context.Context, client, fork int, req *vsockd.ExecRequest) (int, error)
 
-func RunExecLoad(r *Runner, s *ExecLoadSettings) error {
+func RunExecLoad(r *Env, s *ExecLoadSettings) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
@@ -202,7 +202,7 @@ func RunExecLoad(r *Runner, s *ExecLoadSettings) error {
 
 // execLoadResult makes the daemon's p50 the headline and records both modes, their
 // ratios (pooled and per round) and whether the ratio is within the target.
-func execLoadResult(r *Runner, s *ExecLoadSettings, phases []ExecPhase) (in, dm ExecMode, r50, r99 float64, met bool) {
+func execLoadResult(r *Env, s *ExecLoadSettings, phases []ExecPhase) (in, dm ExecMode, r50, r99 float64, met bool) {
 	in, dm = summarizeMode(phases, modeInProcess), summarizeMode(phases, modeDaemon)
 	var daemonLat []float64
 	for _, p := range phases {
@@ -242,7 +242,7 @@ func execLoadResult(r *Runner, s *ExecLoadSettings, phases []ExecPhase) (in, dm 
 }
 
 // execLoadMethod is result.json's method of an exec-load run.
-func execLoadMethod(r *Runner, s *ExecLoadSettings) string {
+func execLoadMethod(r *Env, s *ExecLoadSettings) string {
 	order := "ABBA"
 	if s.Rounds == 1 {
 		order = "in-process, then daemon"
@@ -321,7 +321,7 @@ func execLoadTable(s *ExecLoadSettings, in, dm ExecMode, phases []ExecPhase, r50
 
 // runExecPhase runs one phase: the daemon up for a daemon phase (down for an in-process
 // one), the warm-up, then the timed clients.
-func runExecPhase(r *Runner, s *ExecLoadSettings, d *execDaemon, names []string, pids []int, round int, mode string) (ExecPhase, error) {
+func runExecPhase(r *Env, s *ExecLoadSettings, d *execDaemon, names []string, pids []int, round int, mode string) (ExecPhase, error) {
 	ph := &execPhase{r: r, s: s, names: names, p: ExecPhase{Round: round, Mode: mode, Errors: []string{}}}
 	run, closeRun, err := ph.path(d)
 	if err != nil {
@@ -338,7 +338,7 @@ func runExecPhase(r *Runner, s *ExecLoadSettings, d *execDaemon, names []string,
 // execPhase is one phase of runExecLoad while it runs; mu guards p's failure counts and
 // errors.
 type execPhase struct {
-	r     *Runner
+	r     *Env
 	s     *ExecLoadSettings
 	names []string
 	run   execFn
@@ -547,7 +547,7 @@ func cpuOfAll(pids []int) time.Duration {
 // which the engine is handed over (closed here, re-adopted there) while it runs, and
 // which hands it back when it stops. down is idempotent.
 type execDaemon struct {
-	r       *Runner
+	r       *Env
 	sock    string
 	binary  string
 	logPath string

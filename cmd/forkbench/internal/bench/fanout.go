@@ -255,7 +255,7 @@ func (o *waveOutcome) complete() bool { return o.wr != nil && o.wr.Complete() }
 
 // runWaves runs the waves of one pass at overcommit; prefix ("" or
 // "default_settings_") starts its labels. maxForks > 0 skips larger waves (memory).
-func runWaves(r *Runner, w *World, settings *FanoutSettings, prefix string, overcommit float64, idleWindow time.Duration, hold bool, maxForks int) ([]*waveOutcome, error) {
+func runWaves(r *Env, w *World, settings *FanoutSettings, prefix string, overcommit float64, idleWindow time.Duration, hold bool, maxForks int) ([]*waveOutcome, error) {
 	var outs []*waveOutcome
 	for wi, n := range settings.Waves {
 		label := fmt.Sprintf("%swave%d", prefix, n)
@@ -398,7 +398,7 @@ func passStop(outs []*waveOutcome) string {
 	return strings.Join(parts, "; ")
 }
 
-func RunFanout(r *Runner, settings *FanoutSettings, keepWorld bool, idleWindow time.Duration) error {
+func RunFanout(r *Env, settings *FanoutSettings, keepWorld bool, idleWindow time.Duration) error {
 	waves, peer, peerN, warm := settings.Waves, settings.Peer, settings.PeerN, settings.Warm
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
@@ -473,7 +473,7 @@ func RunFanout(r *Runner, settings *FanoutSettings, keepWorld bool, idleWindow t
 // largest wave, or the warm pool, fits the vCPU budget) and whether the waves first run
 // at the overcommit asked for; it returns the decision (also settings.Fit) and the line
 // that explains the budget.
-func fanoutFit(r *Runner, settings *FanoutSettings, maxWave int) (*FitDecision, string) {
+func fanoutFit(r *Env, settings *FanoutSettings, maxWave int) (*FitDecision, string) {
 	warm := settings.Warm
 	b := r.e.Budget()
 	fit := &FitDecision{HostCPUs: b.HostCPUs, ForkCPUs: r.shape.CPUs, NeedVCPUs: max(maxWave, warm)*r.shape.CPUs + b.Used,
@@ -512,7 +512,7 @@ func heldText(b engine.Budget) string {
 
 // fanoutDefaultPass runs the waves at the overcommit asked for, to record where
 // admission stops, and fills fit.Memory from the memory per fork they measured.
-func fanoutDefaultPass(r *Runner, w *World, settings *FanoutSettings, fit *FitDecision, budgetLine string, maxWave int) ([]*waveOutcome, error) {
+func fanoutDefaultPass(r *Env, w *World, settings *FanoutSettings, fit *FitDecision, budgetLine string, maxWave int) ([]*waveOutcome, error) {
 	r.section("## Waves at --overcommit %s (the setting asked for)\n\nOn this host the %s, so the waves first run at this setting to record where admission stops (as the published run did at its default); the idle CPU is not measured in this pass.\n\n",
 		report.Fnum(r.overcommit), budgetLine)
 	defaults, err := runWaves(r, w, settings, "default_settings_", r.overcommit, 0, false, 0)
@@ -536,7 +536,7 @@ func fanoutDefaultPass(r *Runner, w *World, settings *FanoutSettings, fit *FitDe
 // describeFit writes fit's Text and Short (what the headline says of its overcommit),
 // adds a non-default overcommit to the caveats and returns the most forks a wave may
 // start (0: no limit; the largest that fits memory when the largest wave does not).
-func describeFit(r *Runner, fit *FitDecision, defaults []*waveOutcome, budgetLine string, maxWave int) int {
+func describeFit(r *Env, fit *FitDecision, defaults []*waveOutcome, budgetLine string, maxWave int) int {
 	maxForks := 0
 	asked := fmt.Sprintf("--overcommit %s", report.Fnum(r.overcommit))
 	if r.overcommit == 12 {
@@ -637,7 +637,7 @@ func headlineNote(fit *FitDecision, best *waveOutcome, outs []*waveOutcome) stri
 }
 
 // fanoutSummary is report.md's lines above the table: settings and memory per fork.
-func fanoutSummary(r *Runner, fit *FitDecision, best *waveOutcome, w *World) string {
+func fanoutSummary(r *Env, fit *FitDecision, best *waveOutcome, w *World) string {
 	var sb strings.Builder
 	if fit.NonDefault {
 		fmt.Fprintf(&sb, "**Settings: %s.**\n\n", fit.Text)

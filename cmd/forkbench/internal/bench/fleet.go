@@ -241,13 +241,13 @@ type fleetNode struct {
 
 // fleetRun is the bench's fleet: its daemons and their shared files.
 type fleetRun struct {
-	r     *Runner
+	r     *Env
 	s     *FleetSettings
 	dir   string // credentials and logs; removed at the end
 	nodes []*fleetNode
 }
 
-func RunFleet(r *Runner, s *FleetSettings) (err error) {
+func RunFleet(r *Env, s *FleetSettings) (err error) {
 	dir, err := os.MkdirTemp("/tmp", "fbf-")
 	if err != nil {
 		return err

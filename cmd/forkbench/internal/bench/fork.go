@@ -54,7 +54,7 @@ func (r *Recorder) noteJIT(ready, cmd engine.JITStats) {
 
 // serialFork forks src as name, runs the first command and returns the sample (the VM is
 // left running).
-func serialFork(r *Runner, src, name, group string, index, pid int) (*engine.VM, report.Sample) {
+func serialFork(r *Env, src, name, group string, index, pid int) (*engine.VM, report.Sample) {
 	s := report.Sample{Group: group, Index: index, Name: name}
 	t0 := time.Now()
 	vm, err := r.e.Fork(r.ctx, src, &engine.ForkOptions{Name: name})
@@ -98,7 +98,7 @@ func serialFork(r *Runner, src, name, group string, index, pid int) (*engine.VM,
 	return vm, s
 }
 
-func RunFork(r *Runner, n int, peer bool, peerN int, warm int, perfOn bool) error {
+func RunFork(r *Env, n int, peer bool, peerN int, warm int, perfOn bool) error {
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err

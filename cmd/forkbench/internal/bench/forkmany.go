@@ -14,7 +14,7 @@ type ForkManySettings struct {
 	report.RunSettings
 }
 
-func RunForkMany(r *Runner, batches, n int) error {
+func RunForkMany(r *Env, batches, n int) error {
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
 		return err

@@ -40,7 +40,7 @@ type TreeFreshWave struct {
 // writes writeMB and is checkpointed as "fresh", then a wave of n forks of "fresh"
 // starts at once; the same wave of the world's checkpoint t0 is the baseline. Each wave's
 // forks are deleted after they are measured.
-func treeFreshWave(r *Runner, depth, n, writeMB int) {
+func treeFreshWave(r *Env, depth, n, writeMB int) {
 	ctx := r.ctx
 	src := fmt.Sprintf("t%d", depth-1)
 	fw := TreeFreshWave{N: n, Checkpoint: "fresh"}

@@ -125,7 +125,7 @@ func window(xs []float64, n int) (first, last []float64) {
 	return xs[:n], xs[len(xs)-n:]
 }
 
-func RunGenerations(r *Runner, s *GenerationsSettings) error {
+func RunGenerations(r *Env, s *GenerationsSettings) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "")
 	if err != nil {
@@ -222,7 +222,7 @@ cycle:
 // generationFork forks cycle i's checkpoint name until ready, checks the fork reads the
 // cycle's file from its disk, deletes it and returns its latency (ms) and whether all
 // of that succeeded (a failure is counted).
-func generationFork(r *Runner, i int, name string) (float64, bool) {
+func generationFork(r *Env, i int, name string) (float64, bool) {
 	ctx := r.ctx
 	f, err := r.e.Fork(ctx, name, &engine.ForkOptions{Name: "fork-" + name})
 	ok := err == nil

@@ -22,7 +22,7 @@ type ParkSettings struct {
 // bound for the park's); the park (total, guest paused, bytes on disk, the QEMU's
 // anonymous memory given back against the fork's private memory); the wake → first
 // command; and a check that the written data came back. The fork is deleted after.
-func RunPark(r *Runner, n, writeMB int) error {
+func RunPark(r *Env, n, writeMB int) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {
@@ -73,7 +73,7 @@ func RunPark(r *Runner, n, writeMB int) error {
 }
 
 // parkOne is one round of runPark on the ready fork vm.
-func parkOne(r *Runner, vm *engine.VM, i, writeMB int, ckPaused, parkTotal, parkPaused, wakeLat, wakeReady, diskMB, freedMB, privMB, freedPct *[]float64) error {
+func parkOne(r *Env, vm *engine.VM, i, writeMB int, ckPaused, parkTotal, parkPaused, wakeLat, wakeReady, diskMB, freedMB, privMB, freedPct *[]float64) error {
 	ctx, name := r.ctx, vm.Name()
 	out, err := shell(ctx, vm, fmt.Sprintf("head -c %d /dev/urandom > /dev/shm/own && md5sum /dev/shm/own", writeMB<<20), 5*time.Minute)
 	if err != nil {

@@ -44,7 +44,7 @@ type PeerColdBootRatio struct {
 // the world (engine.Save: stop + migrate all RAM), then n serial restores (engine.Restore
 // with anonymous RAM) until the first `sh -c true` answered; and, when coldBoot, one cold
 // boot (engine.Create + first command). forkP50 (ms) is the forkvm figure to compare.
-func runPeer(r *Runner, w *World, n int, coldBoot bool, forkP50 float64) error {
+func runPeer(r *Env, w *World, n int, coldBoot bool, forkP50 float64) error {
 	if n < 1 {
 		n = 1
 	}
@@ -94,7 +94,7 @@ func runPeer(r *Runner, w *World, n int, coldBoot bool, forkP50 float64) error {
 // peerSource returns the VM the peer saves: the world, or a diskless twin of it when
 // the world has a disk (engine.Restore attaches no disk, and QEMU refuses a save stream
 // that carries a virtio-blk device the destination lacks). done deletes the twin.
-func peerSource(r *Runner, w *World) (name string, done func(), err error) {
+func peerSource(r *Env, w *World) (name string, done func(), err error) {
 	if r.shape.DiskMiB == 0 {
 		return w.Name, func() {}, nil
 	}
@@ -112,7 +112,7 @@ func peerSource(r *Runner, w *World) (name string, done func(), err error) {
 // peerRestores restores the save at path n times, serially, each until its first
 // command answered, and returns the restore-to-first-command times (ms) and the error
 // that stopped them.
-func peerRestores(r *Runner, path string, n int) (restores []float64, restoreErr string) {
+func peerRestores(r *Env, path string, n int) (restores []float64, restoreErr string) {
 	ctx := r.ctx
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("peer-%d", i)
@@ -150,7 +150,7 @@ func peerRestores(r *Runner, path string, n int) (restores []float64, restoreErr
 
 // peerColdBoot boots a VM of the world's shape until its first command and records it
 // in peer (with its ratio to forkP50, ms, when known).
-func peerColdBoot(r *Runner, peer *PeerResult, forkP50 float64) {
+func peerColdBoot(r *Env, peer *PeerResult, forkP50 float64) {
 	ctx := r.ctx
 	name := "peer-cold"
 	t0 := time.Now()

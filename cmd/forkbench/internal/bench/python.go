@@ -44,7 +44,7 @@ while True:
 // askWarm is the command that asks the warm interpreter for 6*7.
 const askWarm = "echo '6*7' > /run/warm.in && cat /run/warm.out"
 
-func RunPython(r *Runner, n, cold, pool int) error {
+func RunPython(r *Env, n, cold, pool int) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "")
 	if err != nil {
@@ -139,7 +139,7 @@ func RunPython(r *Runner, n, cold, pool int) error {
 // forkAndAsk forks the warm checkpoint n times and asks each fork's interpreter once;
 // it returns the fork start → answer times of the forks that answered 42. before, if
 // set, runs before each fork (not timed).
-func forkAndAsk(r *Runner, group, prefix string, n int, before func()) []float64 {
+func forkAndAsk(r *Env, group, prefix string, n int, before func()) []float64 {
 	ctx := r.ctx
 	var out []float64
 	for i := 0; i < n; i++ {

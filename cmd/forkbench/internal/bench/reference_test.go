@@ -3,7 +3,6 @@ package bench
 import (
 	"bytes"
 	"encoding/xml"
-	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -85,7 +84,7 @@ func TestPartialWaveNeverHeadline(t *testing.T) {
 				t.Errorf("%s: wave%d complete %v ok %v", tt.name, o.n, ws.Complete, ws.OK)
 			}
 		}
-		r := &Runner{Recorder: &Recorder{incomplete: stop != ""}}
+		r := &Env{Recorder: &Recorder{incomplete: stop != ""}}
 		if c, ok := r.status(nil); c == tt.incomplete || ok == tt.incomplete {
 			t.Errorf("%s: run complete %v ok %v", tt.name, c, ok)
 		}
@@ -129,62 +128,6 @@ func TestFitOvercommit(t *testing.T) {
 		m := memoryFit(tt.avail, tt.reserve, tt.per, tt.n)
 		if m.ForksFit != tt.fit || m.Fits != tt.fits {
 			t.Errorf("memoryFit(%v, %v, %v, %d) = %+v, want %d fit %v", tt.avail, tt.reserve, tt.per, tt.n, m, tt.fit, tt.fits)
-		}
-	}
-}
-
-// TestReferenceFigures checks every figure of the embedded reference against the values
-// published on the pages in its URL (copied here by hand from those pages).
-func TestReferenceFigures(t *testing.T) {
-	const fan, fork, micro = "https://cua.ai/benchmarks/fork-64-sandboxes-one-mac", "https://cua.ai/benchmarks/fork-from-checkpoint", "https://cua.ai/benchmarks/microvm-checkpoint-restore"
-	want := map[string]struct {
-		value float64
-		unit  string
-		n     int
-		url   string
-	}{
-		"wave64_wall_s": {7.34, "s", 64, fan}, "wave32_wall_s": {3.09, "s", 32, fan}, "wave8_wall_s": {0.79, "s", 8, fan},
-		"wave64_fork_ms_p50": {4988.2, "ms", 64, fan}, "wave64_fork_ms_p95": {6736.2, "ms", 64, fan}, "fork_ms_max": {7050, "ms", 64, fan},
-		"wave32_fork_ms_p50": {2075.9, "ms", 32, fan}, "wave32_fork_ms_p95": {2757.3, "ms", 32, fan},
-		"wave8_fork_ms_p50": {736.2, "ms", 8, fan}, "wave8_fork_ms_p95": {784.5, "ms", 8, fan},
-		"private_mb_per_fork_64": {249.8, "MB", 64, fan}, "shared_file_mb_64": {644.2, "MB", 64, fan}, "checkpoint_ms": {648.4, "ms", 1, fan},
-		"default_settings_wave8_wall_s": {0.75, "s", 8, fan}, "default_settings_wave32_wall_s": {3.68, "s", 32, fan},
-		"default_settings_wave32_fork_ms_p50": {2770.7, "ms", 32, fan}, "default_settings_wave64_admitted": {48, "forks", 64, fan},
-		"fork_first_cmd_ms_p50": {328.8, "ms", 30, fork}, "fork_first_cmd_ms_p90": {411.8, "ms", 30, fork},
-		"fork_first_cmd_ms_min": {225.5, "ms", 30, fork}, "fork_first_cmd_ms_max": {447.9, "ms", 30, fork},
-		"fork_many16_wall_ms_p50":   {2768, "ms", 10, fork},
-		"microvm_checkpoint_ms_p50": {695.5, "ms", 10, micro}, "microvm_restore_ms_p50": {611, "ms", 10, micro},
-		"microvm_fork_running_s_p50": {1.21, "s", 10, micro}, "microvm_fanout8_wall_s": {1.54, "s", 8, micro},
-	}
-	ref, err := report.ParseReference(report.ReferenceJSON)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(ref.Figures) != len(want) {
-		t.Errorf("%d figures, want %d", len(ref.Figures), len(want))
-	}
-	for _, f := range ref.Figures {
-		w, ok := want[f.Key]
-		if !ok {
-			t.Errorf("%s: not a published figure this test knows", f.Key)
-			continue
-		}
-		if f.Value != w.value || f.Unit != w.unit || f.N != w.n || f.URL != w.url {
-			t.Errorf("%s = %v %s n=%d %s, published %v %s n=%d %s", f.Key, f.Value, f.Unit, f.N, f.URL, w.value, w.unit, w.n, w.url)
-		}
-		if !strings.Contains(ref.Machines[f.Machine].Full, "M2 Max") {
-			t.Errorf("%s: machine %q", f.Key, f.Machine)
-		}
-	}
-	for _, bad := range []string{
-		`{`, `{"schema":"x"}`,
-		`{"schema":"forkvm.reference/v1","machines":{},"figures":[{"key":"a","value":1,"unit":"s","bench":"fanout","ours":"value","ours_unit":"s","url":"https://x","machine":"m"}]}`,
-		`{"schema":"forkvm.reference/v1","machines":{"m":{"short":"m","full":"m"}},"figures":[{"key":"a","value":1,"unit":"s","bench":"fanout","ours":"value","ours_unit":"MB","url":"https://x","machine":"m"}]}`,
-		`{"schema":"forkvm.reference/v1","machines":{"m":{"short":"m","full":"m"}},"figures":[{"key":"a","value":1,"unit":"s","bench":"fanout","ours":"value","ours_unit":"s","url":"","machine":"m"}]}`,
-		`{"schema":"forkvm.reference/v1","unknown":1}`,
-	} {
-		if _, err := report.ParseReference([]byte(bad)); !errors.Is(err, report.ErrBadReference) {
-			t.Errorf("parseReference(%.60s) = %v, want ErrBadReference", bad, err)
 		}
 	}
 }
@@ -250,53 +193,6 @@ func TestCompareWithReference(t *testing.T) {
 	for _, r := range report.CompareWithReference(ck, report.LoadReference()) {
 		if r.Figure.Key == "microvm_fork_running_s_p50" && (r.Ours != 0.605 || r.Ratio != 0.5) {
 			t.Errorf("fork of a running VM (ms against s) %+v", r)
-		}
-	}
-}
-
-func TestCompare(t *testing.T) {
-	a := `{"schema":"forkvm.bench-result/v1","bench":"fanout","metric":"wave64_wall_s","value":5.5,"complete":true,"ok":true,
-		"percentiles":{"fork_ms_p50":2000},"extra":{"wave8_wall_s":0.6,"waves":{"wave8":{"complete":true,"wall_s":0.6},"wave64":{"complete":true,"wall_s":5.5}}},
-		"host":{"cpus":2}}`
-	b := `{"schema":"forkvm.bench-result/v1","bench":"fanout","metric":"wave8_wall_s","value":1.2,"complete":false,"ok":false,
-		"percentiles":{"fork_ms_p50":1000},"extra":{"wave8_wall_s":1.2,"waves":{"wave8":{"complete":true,"wall_s":1.2},"wave64":{"complete":false,"wall_s":0.672}}},
-		"host":{"cpus":2}}`
-	da, err := report.ParseResultDoc("a", []byte(a))
-	if err != nil {
-		t.Fatal(err)
-	}
-	db, _ := report.ParseResultDoc("b", []byte(b))
-	var out bytes.Buffer
-	if err := report.WriteComparison(&out, da, db, false); err != nil {
-		t.Fatal(err)
-	}
-	o := out.String()
-	for _, want := range []string{"(fanout, wave64_wall_s = 5.5, complete)", "(fanout, wave8_wall_s = 1.2, PARTIAL, ok=false)",
-		"extra.wave8_wall_s", "2.000", "percentiles.fork_ms_p50", "0.500", "B partial", "different metrics"} {
-		if !strings.Contains(o, want) {
-			t.Errorf("comparison lacks %q:\n%s", want, o)
-		}
-	}
-	if strings.Contains(o, "host.cpus") {
-		t.Errorf("host numbers compared without --all:\n%s", o)
-	}
-	for _, line := range strings.Split(o, "\n") {
-		if strings.HasPrefix(line, "extra.waves.wave64.wall_s") && !strings.Contains(line, "B partial") {
-			t.Errorf("partial wave not flagged: %s", line)
-		}
-		if strings.HasPrefix(line, "extra.waves.wave8.wall_s") && strings.Contains(line, "partial") {
-			t.Errorf("complete wave flagged: %s", line)
-		}
-	}
-	// The published result JSON (its result under "current") reads the same way.
-	pub := `{"slug":"x","current":{"bench":"fork-fanout.qemu","metric":"wave64_wall_s","value":7.34,"extra":{"wave8_wall_s":0.79}}}`
-	dp, err := report.ParseResultDoc("pub", []byte(pub))
-	if err != nil || dp.Nums["extra.wave8_wall_s"] != 0.79 || dp.Status != "complete: unknown" {
-		t.Errorf("published doc %+v: %v", dp, err)
-	}
-	for _, bad := range []string{"", "[]", `{"value":1}`, "nope"} {
-		if _, err := report.ParseResultDoc("bad", []byte(bad)); !errors.Is(err, report.ErrBadResult) {
-			t.Errorf("parseResultDoc(%q) = %v, want ErrBadResult", bad, err)
 		}
 	}
 }
@@ -372,7 +268,7 @@ func TestHeldText(t *testing.T) {
 // table and the full method after the measurements; an incomplete headline reads as
 // no figure, never as 0.
 func TestReportMethodBelowTable(t *testing.T) {
-	r := &Runner{Recorder: &Recorder{res: &report.Result{Bench: "fanout", Metric: "wave64_wall_s", Stat: "incomplete", Method: "FULL METHOD", Extra: map[string]any{}}}}
+	r := &runner{Env: &Env{Recorder: &Recorder{res: &report.Result{Bench: "fanout", Metric: "wave64_wall_s", Stat: "incomplete", Method: "FULL METHOD", Extra: map[string]any{}}}}}
 	r.methodShort = "SHORT"
 	r.section("### wave8\n\n")
 	md := r.renderReport(report.LoadReference(), nil)
@@ -388,7 +284,7 @@ func TestReportMethodBelowTable(t *testing.T) {
 // TestDescribeFitNamesOthers: when other state directories' VMs fill the budget at the
 // setting asked for, the headline's note says so beside where the 64-wave stopped.
 func TestDescribeFitNamesOthers(t *testing.T) {
-	r := &Runner{runOptions: runOptions{overcommit: 12}, Recorder: &Recorder{}}
+	r := &Env{runOptions: runOptions{overcommit: 12}, Recorder: &Recorder{}}
 	o := outcome(64, 0, 0)
 	o.wr.Budget.OtherUsed = 32
 	fit := &FitDecision{NonDefault: true, HeadlineOvercommit: 78, HostCPUs: 2, DefaultBudgetVCPUs: 24, NeedVCPUs: 156}
@@ -410,7 +306,7 @@ func TestProfilingRunNotCompared(t *testing.T) {
 	if rows := report.CompareWithReference(fork, report.LoadReference()); len(rows) != 0 {
 		t.Errorf("a profiling run is compared: %+v", rows)
 	}
-	r := &Runner{Recorder: &Recorder{res: fork}}
+	r := &runner{Env: &Env{Recorder: &Recorder{res: fork}}}
 	if rep := r.renderReport(report.LoadReference(), nil); !strings.Contains(rep, "PROFILING RUN (--perf)") {
 		t.Errorf("report does not say it is a profiling run:\n%s", rep)
 	}

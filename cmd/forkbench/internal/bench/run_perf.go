@@ -21,7 +21,7 @@ func (r *Recorder) noteHostCounters(label string, hc measure.HostCounters) {
 }
 
 // startPerf starts --perf's recording (its directory under /tmp, removed at the end).
-func (r *Runner) startPerf() error {
+func (r *Env) startPerf() error {
 	dir, err := os.MkdirTemp("/tmp", "fb-perf-")
 	if err != nil {
 		return err
@@ -34,7 +34,7 @@ func (r *Runner) startPerf() error {
 }
 
 // finishPerf stops --perf's recording and keeps perf script's text of the kept forks.
-func (r *Runner) finishPerf() {
+func (r *Env) finishPerf() {
 	if r.perf == nil {
 		return
 	}

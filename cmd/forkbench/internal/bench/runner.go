@@ -26,18 +26,33 @@ import (
 	"github.com/forkvm/forkvm/tracefs"
 )
 
-// Runner is one benchmark run: what its flags asked for, the engine on its state dir,
-// the result being built and what the run collects for its outputs.
-type Runner struct {
+// runner is one benchmark run's lifecycle: it opens the engine on its state dir with
+// the probes the flags ask for, gives the bench its Env, cleans up and writes the
+// outputs. Benches never see it.
+type runner struct {
+	*Env
+	ownHome bool              // home was made by this run (removed at the end)
+	ktrace  *tracefs.Instance // --trace-kernel, or a --trace bundle's kernel events
+	outDir  string
+	jsonOut bool
+	// tracePath is --trace; bundle: it names a .tar, a Perfetto bundle (tracebundle).
+	tracePath string
+	bundle    bool
+	// traceKernel: --trace-kernel (markers, kernel-trace.txt).
+	traceKernel bool
+}
+
+// Env is what a bench measures with: the engine on the run's state dir, the world's
+// shape and the settings forks are made with, the probes that watch forks (trace,
+// faults, host counters, perf) and the Recorder it reports through.
+type Env struct {
 	ctx context.Context
 	runOptions
-	ownHome bool   // home was made by this run (removed at the end)
-	ramDir  string // the engine's RAM dir
-	e       *engine.Engine
-	trace   *measure.Trace
-	ktrace  *tracefs.Instance    // --trace-kernel, or a --trace bundle's kernel events
-	perf    *measure.PerfSession // --perf
-	faults  *measure.FaultMarker // --faults
+	ramDir string // the engine's RAM dir
+	e      *engine.Engine
+	trace  *measure.Trace
+	perf   *measure.PerfSession // --perf
+	faults *measure.FaultMarker // --faults
 	*Recorder
 }
 
@@ -77,17 +92,10 @@ type Options struct {
 	WarmRestored bool
 }
 
-// runOptions are a run's common flags, fixed for the run.
+// runOptions are the common flags a bench uses, fixed for the run.
 type runOptions struct {
-	shape     report.Shape
-	vmgenid   bool // worlds get Spec.VMGenID
-	outDir    string
-	jsonOut   bool
-	tracePath string
-	// bundle: --trace names a .tar, a Perfetto bundle (tracebundle).
-	bundle bool
-	// traceKernel: --trace-kernel (markers, kernel-trace.txt).
-	traceKernel bool
+	shape   report.Shape
+	vmgenid bool // worlds get Spec.VMGenID
 	// counterEvery samples host counters during waves (--host-counters-ms; 0 = off).
 	counterEvery time.Duration
 	hold         bool
@@ -198,7 +206,7 @@ func (r *Recorder) p50Headline(metric string, xs []float64) report.Percentiles {
 
 // benchFunc runs the measurements and fills r.res (metric, value, unit, stat, n,
 // percentiles, extra, method). An error means the run broke.
-type benchFunc func(r *Runner) error
+type benchFunc func(env *Env) error
 
 // RunBench is the common lifecycle of every subcommand: check the flags, open the
 // engine, run fn, clean up, write the outputs.
@@ -211,7 +219,7 @@ func RunBench(ctx context.Context, opts Options, bench string, settings report.S
 	if err := r.openEngine(opts, settings); err != nil {
 		return err
 	}
-	runErr := fn(r)
+	runErr := fn(r.Env)
 	if runErr != nil {
 		r.logf("run broke: %v", runErr)
 	}
@@ -220,17 +228,17 @@ func RunBench(ctx context.Context, opts Options, bench string, settings report.S
 }
 
 // newRunner checks the common flags and starts the result.
-func newRunner(ctx context.Context, opts Options, bench string, settings report.Settings, start time.Time) (*Runner, error) {
-	r := &Runner{
-		ctx: ctx,
-		runOptions: runOptions{
-			shape:  opts.Shape,
-			outDir: opts.Out, jsonOut: opts.JSON, tracePath: opts.Trace, hold: opts.Hold,
-			home: opts.Home, overcommit: opts.Overcommit, warmRestored: opts.WarmRestored,
-			vmgenid: opts.VMGenID, traceKernel: opts.TraceKernel,
-			counterEvery: time.Duration(opts.HostCountersMS) * time.Millisecond,
+func newRunner(ctx context.Context, opts Options, bench string, settings report.Settings, start time.Time) (*runner, error) {
+	r := &runner{
+		Env: &Env{
+			ctx: ctx,
+			runOptions: runOptions{
+				shape: opts.Shape, hold: opts.Hold, home: opts.Home, overcommit: opts.Overcommit, warmRestored: opts.WarmRestored,
+				vmgenid: opts.VMGenID, counterEvery: time.Duration(opts.HostCountersMS) * time.Millisecond,
+			},
+			Recorder: &Recorder{bench: bench, held: map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{}},
 		},
-		Recorder: &Recorder{bench: bench, held: map[string]bool{}, heldCks: map[string]bool{}, files: map[string][]byte{}},
+		outDir: opts.Out, jsonOut: opts.JSON, tracePath: opts.Trace, traceKernel: opts.TraceKernel,
 	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
 		return nil, fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
@@ -264,7 +272,7 @@ func newRunner(ctx context.Context, opts Options, bench string, settings report.
 
 // openEngine opens the engine on the run's state dir (a new temporary one unless --home)
 // and records the build, the host and the other VMs running on it.
-func (r *Runner) openEngine(opts Options, settings report.Settings) (err error) {
+func (r *runner) openEngine(opts Options, settings report.Settings) (err error) {
 	if r.home == "" {
 		r.home, err = os.MkdirTemp("/tmp", "fb-")
 		if err != nil {
@@ -351,7 +359,7 @@ const kernelTraceFile = "kernel-trace.txt"
 // refused with a clear error where tracefs cannot be used) or of a --trace bundle
 // (markers, and the scheduling and user faults of this process's children: its QEMUs).
 // A bundle on a host without tracefs is written without kernel events, with a caveat.
-func (r *Runner) openKernelTrace() error {
+func (r *runner) openKernelTrace() error {
 	if !r.traceKernel && !r.bundle {
 		return nil
 	}
@@ -380,7 +388,7 @@ func (r *Runner) openKernelTrace() error {
 
 // closeKernelTrace removes the --trace-kernel instance and detaches the --faults
 // classifier (if any).
-func (r *Runner) closeKernelTrace() {
+func (r *runner) closeKernelTrace() {
 	if r.faults != nil {
 		_ = r.faults.Close()
 	}
@@ -396,7 +404,7 @@ func (r *Runner) closeKernelTrace() {
 // Finish completes the result after the run (and its clean-up), writes result.json,
 // samples, report.md and the run's files, prints the headline and returns the run's
 // error: runErr, errNotOK for a run that is not ok, or a failure to write.
-func (r *Runner) finish(runErr error, start time.Time) error {
+func (r *runner) finish(runErr error, start time.Time) error {
 	r.res.Failures = r.failures
 	r.res.Complete, r.res.OK = r.status(runErr)
 	if runErr != nil {
@@ -478,7 +486,7 @@ func (r *Recorder) status(runErr error) (complete, ok bool) {
 
 // cleanup deletes every VM and checkpoint (except those --hold keeps), closes the engine
 // and removes the state dir we made; it records leaks as failures.
-func (r *Runner) cleanup() {
+func (r *runner) cleanup() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	if r.perf != nil { // a run that broke while profiling
@@ -545,7 +553,7 @@ func (r *Runner) cleanup() {
 
 // renderReport builds report.md: the headline, the side-by-side table with the
 // LoadReference (rows), then the method and every section.
-func (r *Runner) renderReport(ref *report.Reference, rows []report.CompareRow) string {
+func (r *runner) renderReport(ref *report.Reference, rows []report.CompareRow) string {
 	res := r.res
 	var b strings.Builder
 	fmt.Fprintf(&b, "# forkbench %s\n\n", res.Bench)

@@ -27,12 +27,12 @@ type soakCounts struct {
 	RAMFiles int `json:"ram_files"`
 }
 
-func soakSample(r *Runner, wave, made int) soakCounts {
+func soakSample(r *Env, wave, made int) soakCounts {
 	mine, _ := measure.QEMUPIDs(r.home, r.ramDir)
 	return soakCounts{Wave: wave, Made: made, FDs: measure.OpenFDs(), QEMU: len(mine), Files: measure.CountFiles(r.home), RAMFiles: measure.CountFiles(r.ramDir)}
 }
 
-func RunSoak(r *Runner, total, wave int, note string) error {
+func RunSoak(r *Env, total, wave int, note string) error {
 	if note != "" {
 		r.caveat("%s", note)
 	}

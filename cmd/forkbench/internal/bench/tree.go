@@ -102,7 +102,7 @@ type TreeLevel struct {
 // lineageFile is a file an ancestor wrote, with its md5.
 type lineageFile struct{ path, md5 string }
 
-func runTree(r *Runner, depth, branch, writeMB int) ([]TreeLevel, float64, error) {
+func runTree(r *Env, depth, branch, writeMB int) ([]TreeLevel, float64, error) {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "t0")
 	if err != nil {
@@ -165,7 +165,7 @@ func runTree(r *Runner, depth, branch, writeMB int) ([]TreeLevel, float64, error
 // checkpoint its children fork from, the files its lineage wrote, and the storage
 // counters carried from level to level.
 type treeWalk struct {
-	r            *Runner
+	r            *Env
 	lineage      []lineageFile
 	node         *engine.VM
 	ckName       string
@@ -371,7 +371,7 @@ func verifyNode(ctx context.Context, vm *engine.VM, lineage []lineageFile, level
 
 // stockSaveRestore saves node in full (engine Baseline) and restores it as a new VM until
 // ready; it returns both times (0 on failure, which is recorded).
-func stockSaveRestore(r *Runner, node *engine.VM, lvl int) (saveMS, restoreMS float64) {
+func stockSaveRestore(r *Env, node *engine.VM, lvl int) (saveMS, restoreMS float64) {
 	path := filepath.Join(r.home, fmt.Sprintf("stock-%d.sav", lvl))
 	defer os.Remove(path)
 	d, err := r.e.Baseline().Save(r.ctx, node.Name(), path)
@@ -450,7 +450,7 @@ type TreeMemory struct {
 // treeMemory forks the shallowest (t1) and the deepest pinned checkpoint of the tree:
 // one fork, then engine.Flatten, then n forks, each measured by VM.Memory after a shell
 // command; it records private MiB per fork and the ratio deepest / shallowest.
-func treeMemory(r *Runner, depth, n int) float64 {
+func treeMemory(r *Env, depth, n int) float64 {
 	ctx := r.ctx
 	ratio := -1.0
 	if depth < 2 {
@@ -544,7 +544,7 @@ type TreeSize struct {
 // treeSize boots a second world of sizeMB, dirties it like the tree's, checkpoints it,
 // forks it, lets the fork write writeMB, checkpoints the fork and forks the running
 // fork: a checkpoint of a fork should cost the same at any guest size.
-func treeSize(r *Runner, sizeMB, writeMB int) *TreeSize {
+func treeSize(r *Env, sizeMB, writeMB int) *TreeSize {
 	ctx := r.ctx
 	spec := worldSpec(r, "big", true)
 	spec.MemoryMiB = sizeMB
@@ -613,7 +613,7 @@ func allocated(path string) int64 {
 // RunTreeAll is the tree bench: the tree of s.Depth levels of s.Branch forks, then (as s
 // asks) a fresh wave of the deepest level, the memory of its forks and a tree of a larger
 // guest, with the targets beside the figures.
-func RunTreeAll(r *Runner, s *TreeSettings) error {
+func RunTreeAll(r *Env, s *TreeSettings) error {
 	d, w := s.Depth, s.WriteMB
 	levels, worldMS, err := runTree(r, d, s.Branch, w)
 	if err != nil {

@@ -50,7 +50,7 @@ func worst(xs []float64) (float64, int) {
 
 // treeTargets puts every fork-tree target next to what this run measured (extra.targets,
 // extra.targets_met and a report section). memRatio < 0 and size nil: not measured.
-func treeTargets(r *Runner, levels []TreeLevel, worldMS, memRatio float64, size *TreeSize) {
+func treeTargets(r *Env, levels []TreeLevel, worldMS, memRatio float64, size *TreeSize) {
 	var ck, fork []float64
 	var ckLvl, forkLvl []int
 	for _, L := range levels {

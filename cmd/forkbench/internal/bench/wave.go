@@ -84,7 +84,7 @@ func (p *progressLine) done() {
 
 // runWave runs ForkMany(src, n, opts) and collects every event. onReady, when set, is called
 // (in its own goroutine) for each ready fork; wave waits for those calls to finish.
-func runWave(r *Runner, label, src string, n int, opts *engine.ManyOptions, onReady func(ev engine.ForkEvent)) (*WaveResult, error) {
+func runWave(r *Env, label, src string, n int, opts *engine.ManyOptions, onReady func(ev engine.ForkEvent)) (*WaveResult, error) {
 	w := &WaveResult{Label: label, N: n, Events: make([]engine.ForkEvent, n), CPU: map[string][2]time.Duration{},
 		AdmissionIndex: -1, CmdMS: map[string]float64{}, CmdStart: map[string]time.Time{}, FailedErrs: []string{}}
 	if opts.Overcommit == 0 {
@@ -177,7 +177,7 @@ func (w *WaveResult) noteRefusals(adm []engine.ForkEvent) {
 }
 
 // firstCommands runs `sh -c true` once in every ready fork of w, in parallel.
-func firstCommands(r *Runner, w *WaveResult) {
+func firstCommands(r *Env, w *WaveResult) {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for _, vm := range w.Ready {
@@ -212,7 +212,7 @@ type IdleCPU struct {
 // measureIdle samples the QEMU CPU time of every ready fork of w, waits window and
 // samples again. Forks whose process cannot be read at both ends are left out. A zero
 // window skips the measurement.
-func measureIdle(r *Runner, w *WaveResult, window time.Duration) IdleCPU {
+func measureIdle(r *Env, w *WaveResult, window time.Duration) IdleCPU {
 	if window <= 0 || len(w.Ready) == 0 {
 		return IdleCPU{}
 	}
@@ -250,7 +250,7 @@ func measureIdle(r *Runner, w *WaveResult, window time.Duration) IdleCPU {
 }
 
 // recordWave adds one sample per fork of w, and trace spans (pid = group).
-func recordWave(r *Runner, group int, w *WaveResult, mems map[string]report.ForkMem) {
+func recordWave(r *Env, group int, w *WaveResult, mems map[string]report.ForkMem) {
 	r.trace.Group(group, w.Label)
 	for _, ev := range w.Events {
 		if ev.Name == "" {
@@ -304,7 +304,7 @@ func (w *WaveResult) latencies() []float64 {
 }
 
 // measureMems reads the memory breakdown of every ready fork.
-func measureMems(r *Runner, w *WaveResult) map[string]report.ForkMem {
+func measureMems(r *Env, w *WaveResult) map[string]report.ForkMem {
 	out := map[string]report.ForkMem{}
 	for _, vm := range w.Ready {
 		if m, err := measure.MeasureMem(r.ctx, vm); err == nil {
@@ -317,7 +317,7 @@ func measureMems(r *Runner, w *WaveResult) map[string]report.ForkMem {
 }
 
 // deleteAll deletes the given VMs (in parallel, bounded).
-func deleteAll(r *Runner, vms []*engine.VM) {
+func deleteAll(r *Env, vms []*engine.VM) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -416,7 +416,7 @@ func compressNames(names []string) string {
 }
 
 // admissionSection adds the wave's admission stop (if any) to the report.
-func admissionSection(r *Runner, w *WaveResult) {
+func admissionSection(r *Env, w *WaveResult) {
 	if w.AdmissionCount > 0 {
 		r.section("**Admission stop:** %s.\n\n", w.admissionText())
 	}

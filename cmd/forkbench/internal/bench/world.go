@@ -59,7 +59,7 @@ func firstCmd(ctx context.Context, vm *engine.VM) (time.Duration, error) {
 }
 
 // worldSpec is the spec of a world VM.
-func worldSpec(r *Runner, name string, forkable bool) engine.Spec {
+func worldSpec(r *Env, name string, forkable bool) engine.Spec {
 	return engine.Spec{Name: name, CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, Forkable: forkable, DiskMiB: r.shape.DiskMiB,
 		VMGenID: r.vmgenid, Image: r.shape.Image}
 }
@@ -72,7 +72,7 @@ type diskState struct {
 
 // worldDisk is the world's disk state: with a root image, $HOME/state.bin (--state-mb, as in the
 // published benchmark's world); with a data disk, /data/world (1 MB); else nil.
-func worldDisk(r *Runner) *diskState {
+func worldDisk(r *Env) *diskState {
 	switch {
 	case r.shape.Image != "":
 		return &diskState{world: "/root/state.bin", mine: "/root/mine", bytes: r.shape.StateMB << 20}
@@ -84,7 +84,7 @@ func worldDisk(r *Runner) *diskState {
 
 // dirtyScript dirties dirty-mb MB of guest RAM (tmpfs /dev/shm/dirty) and writes the
 // world's disk file, syncs and prints md5sums.
-func dirtyScript(r *Runner) string {
+func dirtyScript(r *Env) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "set -e; head -c 1048576 /dev/urandom > /dev/shm/seed; : > /dev/shm/dirty; i=0; while [ $i -lt %d ]; do cat /dev/shm/seed >> /dev/shm/dirty; i=$((i+1)); done; rm -f /dev/shm/seed; ", r.shape.DirtyMB)
 	d := worldDisk(r)
@@ -111,7 +111,7 @@ func parseMD5(out string) map[string]string {
 }
 
 // bakeWorld boots the world, dirties it and (when ckName != "") takes a pinned checkpoint.
-func bakeWorld(r *Runner, name, ckName string) (*World, error) {
+func bakeWorld(r *Env, name, ckName string) (*World, error) {
 	ctx := r.ctx
 	w := &World{Name: name, Ck: ckName}
 	t0 := time.Now()
@@ -156,7 +156,7 @@ func bakeWorld(r *Runner, name, ckName string) (*World, error) {
 }
 
 // worldExtra records the world's figures in extra.
-func worldExtra(r *Runner, w *World) {
+func worldExtra(r *Env, w *World) {
 	r.res.Extra["world_boot_ms"] = report.Round3(w.BootMS)
 	r.res.Extra["world_dirty_ms"] = report.Round3(w.BakeMS)
 	if w.Ck != "" {
@@ -181,7 +181,7 @@ type IsoReport struct {
 }
 
 // isoMethod describes checkIsolation for result.json.
-func isoMethod(r *Runner) string {
+func isoMethod(r *Env) string {
 	mine, world := "", ""
 	if d := worldDisk(r); d != nil {
 		mine, world = " and "+d.mine, " and "+d.world
@@ -192,7 +192,7 @@ func isoMethod(r *Runner) string {
 
 // checkIsolation runs the isolation checks on vms (ready forks of w's checkpoint). mems
 // holds each fork's memory measured at ready (by name); missing ones are measured here.
-func checkIsolation(r *Runner, w *World, vms []*engine.VM, mems map[string]report.ForkMem, full []int) IsoReport {
+func checkIsolation(r *Env, w *World, vms []*engine.VM, mems map[string]report.ForkMem, full []int) IsoReport {
 	c := &isoCheck{r: r, w: w, disk: worldDisk(r), rep: IsoReport{Forks: len(vms), AnonBoundMB: float64(r.shape.DirtyMB) / 2,
 		Failures: []string{}, FullChecked: []string{}}}
 	okWrite := make([]bool, len(vms))
@@ -220,7 +220,7 @@ func checkIsolation(r *Runner, w *World, vms []*engine.VM, mems map[string]repor
 
 // isoCheck is one checkIsolation; mu guards rep (forks are checked concurrently).
 type isoCheck struct {
-	r    *Runner
+	r    *Env
 	w    *World
 	disk *diskState
 	mu   sync.Mutex
