@@ -176,7 +176,7 @@ func (r *Recorder) section(format string, a ...any) {
 	r.mu.Unlock()
 }
 
-// Keep marks VMs that --hold keeps alive (with their checkpoint).
+// keep marks VMs that --hold keeps alive (with their checkpoint).
 func (r *Recorder) keep(ck string, names ...string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -401,7 +401,7 @@ func (r *runner) closeKernelTrace() {
 	r.ktrace = nil
 }
 
-// Finish completes the result after the run (and its clean-up), writes result.json,
+// finish completes the result after the run (and its clean-up), writes result.json,
 // samples, report.md and the run's files, prints the headline and returns the run's
 // error: runErr, errNotOK for a run that is not ok, or a failure to write.
 func (r *runner) finish(runErr error, start time.Time) error {
