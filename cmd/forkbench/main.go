@@ -1,8 +1,10 @@
 // Command forkbench measures forkvm: fan-out waves, serial forks, checkpoints, cold and
-// golden creates, density, soak and exec load through the daemon. Each subcommand bakes
-// its own world (a forkable VM with dirtied RAM and a data disk), checkpoints it and
-// measures against it. Results go to --out as result.json (forkvm.bench-result/v1),
-// samples.csv and report.md.
+// golden creates, density, soak, exec load through the daemon, park and the population a
+// host holds. Each subcommand bakes its own world (a forkable VM with dirtied RAM and a
+// data disk), checkpoints it and measures against it. Results go to --out as result.json
+// (forkvm.bench-result/v1), samples.csv and report.md. This package only maps flags to
+// options: the benches are in internal/bench, what they read from the host in
+// internal/measure and what they write in internal/report.
 package main
 
 import (
@@ -38,7 +40,7 @@ func newApp() *cli.Command {
 		Name:  "forkbench",
 		Usage: "benchmark forkvm forks (results: result.json, samples.csv, report.md)",
 		Commands: []*cli.Command{
-			fanoutCmd(), compareCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), generationsCmd(), pythonCmd(), execLoadCmd(), fleetCmd(), parkCmd(),
+			fanoutCmd(), compareCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), generationsCmd(), pythonCmd(), execLoadCmd(), fleetCmd(), parkCmd(), populationCmd(),
 		},
 	}
 }

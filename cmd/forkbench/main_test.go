@@ -120,3 +120,20 @@ func TestExecLoadFlags(t *testing.T) {
 		}
 	}
 }
+
+// TestPopulationFlagsRefused: population refuses impossible counts before it starts.
+func TestPopulationFlagsRefused(t *testing.T) {
+	for _, args := range [][]string{
+		{"--sandboxes", "0"},
+		{"--running", "-1"},
+		{"--sample", "-1"},
+	} {
+		app := newApp()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		err := app.Run(context.Background(), append([]string{"forkbench", "population"}, args...))
+		if !errors.Is(err, bench.ErrPopulationArgs) {
+			t.Errorf("population %v: %v, want a refusal (ErrPopulationArgs)", args, err)
+		}
+	}
+}

@@ -1,6 +1,6 @@
 // Package bench runs forkbench's benchmarks against the engine: each subcommand's
 // measurement (waves, serial forks, checkpoints, creates, density, soak, trees,
-// generations, exec load, the fleet, park) and the lifecycle they share (the engine on a
+// generations, exec load, the fleet, park, population) and the lifecycle they share (the engine on a
 // state dir, the world they fork, clean-up, the outputs through package report).
 package bench
 
