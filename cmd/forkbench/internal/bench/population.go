@@ -143,28 +143,24 @@ func (p *population) grow(n, limit int) string {
 		if err := r.ctx.Err(); err != nil {
 			return "interrupted: " + err.Error()
 		}
-		if len(p.running) >= limit {
-			if err := p.parkOldest(); err != nil {
-				r.fail("%v", err)
-				return err.Error()
-			}
-		}
 		name := fmt.Sprintf("pop-%d", i)
-		t0 := time.Now()
-		vm, err := r.e.Fork(r.ctx, p.ck, &engine.ForkOptions{Name: name})
+		var vm *engine.VM
+		var ready time.Duration
+		err := p.admitted(limit, func() (err error) {
+			t0 := time.Now()
+			vm, err = r.e.Fork(r.ctx, p.ck, &engine.ForkOptions{Name: name})
+			ready = time.Since(t0)
+			return err
+		})
 		if err != nil {
-			if ae, ok := isAdmission(err); ok {
-				why := fmt.Sprintf("admission refused sandbox %d: %v", i, err)
-				if ae != nil {
-					why = fmt.Sprintf("admission refused sandbox %d (%s): %v", i, ae.Resource, err)
-				}
+			if _, ok := isAdmission(err); ok {
+				why := fmt.Sprintf("admission refused sandbox %d with none of ours running: %v", i, err)
 				r.logf("%s", why)
 				return why
 			}
 			r.fail("fork %s: %v", name, err)
 			return fmt.Sprintf("fork %s: %v", name, err)
 		}
-		ready := time.Since(t0)
 		p.running = append(p.running, vm)
 		p.made++
 		d, err := firstCmd(r.ctx, vm)
@@ -187,6 +183,48 @@ func (p *population) grow(n, limit int) string {
 		}
 	}
 	return ""
+}
+
+// admitted runs start (a fork or a wake) once one more sandbox may run: fewer than
+// limit run and the budget has room for one now (other engines' VMs count too, and come
+// and go); the oldest running sandboxes are parked until it does. A start refused by
+// admission parks the oldest and is tried again, until none of ours runs. A park that
+// fails is returned.
+func (p *population) admitted(limit int, start func() error) error {
+	for len(p.running) > 0 && (len(p.running) >= limit || !p.room()) {
+		if err := p.parkOldest(); err != nil {
+			return err
+		}
+	}
+	for {
+		err := start()
+		if _, ok := isAdmission(err); !ok || len(p.running) == 0 {
+			return err
+		}
+		if err := p.parkOldest(); err != nil {
+			return err
+		}
+	}
+}
+
+// room reports whether the budget admits one more fork of the world's shape now.
+func (p *population) room() bool {
+	b := p.r.e.Budget()
+	if b.Total-b.Used < p.r.shape.CPUs {
+		return false
+	}
+	m := b.Memory
+	return !m.Known || m.FreeBytes >= p.commit(m)
+}
+
+// commit is what the memory budget m has a fork of the checkpoint commit.
+func (p *population) commit(m engine.MemoryBudget) int64 {
+	for _, src := range m.Sources {
+		if src.Source == "ck:"+p.ck {
+			return src.CommitBytes
+		}
+	}
+	return m.CommitBytes(p.guest)
 }
 
 // parkOldest parks the sandbox that has run longest.
@@ -234,16 +272,19 @@ func (p *population) wakeSample(s *PopulationSettings, limit int) (asked, woken 
 		if err := r.ctx.Err(); err != nil {
 			return k, woken, "interrupted: " + err.Error()
 		}
-		if len(p.running) >= limit {
-			if err := p.parkOldest(); err != nil {
-				r.fail("%v", err)
-				return k, woken, err.Error()
-			}
-		}
 		name := vm.Name()
-		t0 := time.Now()
-		_, err := r.e.Wake(r.ctx, name, nil)
-		ready := time.Since(t0)
+		var ready time.Duration
+		err := p.admitted(limit, func() error {
+			t0 := time.Now()
+			_, err := r.e.Wake(r.ctx, name, nil)
+			ready = time.Since(t0)
+			return err
+		})
+		if _, ok := isAdmission(err); ok {
+			// Not a sandbox that does not answer: the host has no room for it.
+			r.incomplete = true
+			return k, woken, fmt.Sprintf("admission refused the wake of %s with none of ours running: %v", name, err)
+		}
 		var d time.Duration
 		var got string
 		if err == nil {
@@ -279,12 +320,7 @@ func (p *population) step() PopulationStep {
 		MemAvailableMB: report.Round3(measure.MemAvailableMB()), VCPUsUsed: b.Used, VCPUsTotal: b.Total,
 		ParkedDiskMiB: report.Round3(float64(r.e.ParkedBytes()) / (1 << 20))}
 	if m := b.Memory; m.Known {
-		commit := m.CommitBytes(p.guest)
-		for _, src := range m.Sources {
-			if src.Source == "ck:"+p.ck {
-				commit = src.CommitBytes
-			}
-		}
+		commit := p.commit(m)
 		st.BudgetFreeMB, st.BudgetCommitMB = report.Round3(float64(m.FreeBytes)/(1<<20)), report.Round3(float64(commit)/(1<<20))
 		if commit > 0 {
 			st.BudgetMoreForks = max(m.FreeBytes, 0) / commit
@@ -324,7 +360,7 @@ func (p *population) result(s *PopulationSettings, limit int, memStartMB float64
 	if stop != "" && !strings.HasPrefix(stop, "admission") {
 		r.incomplete = true
 	}
-	r.res.Method = fmt.Sprintf("Population: %d sandboxes asked, forked one by one from a pinned checkpoint of the world (dirtied %d MB; the world itself deleted), each until its first `sh -c true` answered (fork → first command), then it writes its name to /dev/shm/id; before each fork, when %d already run (the running cap: %s), the oldest running one is parked (engine.Park: park ms, its image's bytes on disk). Then %s of the parked ones, chosen at random, are woken (engine.Wake, the oldest running one parked first at the cap) until their first `sh -c true` answered (wake → first command) and each must still hold its name. Every %d sandboxes and at the end: the counts, MemAvailable, the memory budget's view (free for VMs, what a fork commits, how many more running forks it admits), the vCPU budget and the parked images on disk. An admission refusal while forking is the measured limit (the wake still runs); any other failure stops the run and is a failure; the figures so far are kept. value = sandboxes held at the end (running + parked); percentiles: wake → first command.",
+	r.res.Method = fmt.Sprintf("Population: %d sandboxes asked, forked one by one from a pinned checkpoint of the world (dirtied %d MB; the world itself deleted), each until its first `sh -c true` answered (fork → first command), then it writes its name to /dev/shm/id; before each fork the oldest running ones are parked (engine.Park: park ms, its image's bytes on disk) while %d run (the running cap: %s) or the budget has no room for one more now (other engines' VMs on the host count), and a fork refused by admission parks the oldest and is tried again. Then %s of the parked ones, chosen at random, are woken (engine.Wake; room made the same way) until their first `sh -c true` answered (wake → first command) and each must still hold its name. Every %d sandboxes and at the end: the counts, MemAvailable, the memory budget's view (free for VMs, what a fork commits, how many more running forks it admits), the vCPU budget and the parked images on disk. An admission refusal while forking with none of ours running is the measured limit (the wake still runs); one of a wake makes the run incomplete; any other failure stops the run and is a failure; the figures so far are kept. value = sandboxes held at the end (running + parked); percentiles: wake → first command.",
 		s.Sandboxes, r.shape.DirtyMB, limit, r.res.Extra["running_cap_basis"], map[bool]string{true: "all", false: fmt.Sprint(s.Sample)}[s.All], max(1, s.Sandboxes/20))
 	note := stop
 	if note == "" {
