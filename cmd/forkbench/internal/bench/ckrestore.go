@@ -24,6 +24,8 @@ type FanoutSummary struct {
 	Admission        string  `json:"admission"` // "" when admission refused none
 }
 
+// RunCheckpointRestore measures n checkpoints of the running world, forks of each and of
+// the running VM, and a fan-out of fanout forks.
 func RunCheckpointRestore(r *Env, n, fanout int) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "world-ck")

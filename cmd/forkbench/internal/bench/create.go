@@ -41,6 +41,7 @@ func coldCreate(r *Env, name string, index int) (*engine.VM, report.Sample) {
 	return vm, s
 }
 
+// RunCreateCold measures n cold creates: boot to the first command.
 func RunCreateCold(r *Env, n int) error {
 	r.trace.Group(1, "cold creates")
 	var lat []float64
@@ -70,6 +71,7 @@ func RunCreateCold(r *Env, n int) error {
 	return nil
 }
 
+// RunCreateGolden measures n creates from a golden checkpoint of a booted VM.
 func RunCreateGolden(r *Env, n int) error {
 	t0 := time.Now()
 	w, err := bakeWorld(r, "golden-vm", "golden")
@@ -115,6 +117,7 @@ func RunCreateGolden(r *Env, n int) error {
 	return nil
 }
 
+// RunCreateBatch measures one wave of batch forks of a golden checkpoint, conc at once.
 func RunCreateBatch(r *Env, batch, conc int) error {
 	w, err := bakeWorld(r, "golden-vm", "golden")
 	if err != nil {

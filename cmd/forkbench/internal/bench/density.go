@@ -91,6 +91,8 @@ func (st *DensityStep) budgetView(m engine.MemoryBudget, ck string, guest int64)
 	st.BudgetMoreForks = max(m.FreeBytes, 0) / commit
 }
 
+// RunDensity grows a population of idle forks by step up to mx, each step answering
+// cmds round trips per fork, until a failure or a refusal.
 func RunDensity(r *Env, step, mx, cmds int) error {
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {

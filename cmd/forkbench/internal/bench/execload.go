@@ -139,6 +139,7 @@ func targetMet(got, target float64) bool { return target == 0 || (got > 0 && got
 // execFn runs one exec for client (its index) in fork (its index).
 type execFn func(ctx context.Context, client, fork int, req *vsockd.ExecRequest) (int, error)
 
+// RunExecLoad measures concurrent execs through the daemon against forks (s).
 func RunExecLoad(r *Env, s *ExecLoadSettings) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "world-ck")
@@ -684,6 +685,7 @@ type countingListener struct {
 	n *atomic.Int64
 }
 
+// Accept counts the connection it accepts.
 func (l countingListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
 	if err == nil {

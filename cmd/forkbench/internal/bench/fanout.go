@@ -398,6 +398,8 @@ func passStop(outs []*waveOutcome) string {
 	return strings.Join(parts, "; ")
 }
 
+// RunFanout measures fork waves of the world's checkpoint (settings), with the idle
+// cost of the forks over idleWindow; keepWorld keeps the world running meanwhile.
 func RunFanout(r *Env, settings *FanoutSettings, keepWorld bool, idleWindow time.Duration) error {
 	waves, peer, peerN, warm := settings.Waves, settings.Peer, settings.PeerN, settings.Warm
 	w, err := bakeWorld(r, "world", "world-ck")

@@ -79,6 +79,7 @@ func (s *FleetSettings) Check() error {
 	return nil
 }
 
+// FileExists reports whether p names a regular file.
 func FileExists(p string) bool {
 	fi, err := os.Stat(p)
 	return err == nil && fi.Mode().IsRegular()
@@ -247,6 +248,8 @@ type fleetRun struct {
 	nodes []*fleetNode
 }
 
+// RunFleet measures a fork wave across a fleet of daemons beside the same wave on one
+// node (s).
 func RunFleet(r *Env, s *FleetSettings) (err error) {
 	dir, err := os.MkdirTemp("/tmp", "fbf-")
 	if err != nil {

@@ -98,6 +98,8 @@ func serialFork(r *Env, src, name, group string, index, pid int) (*engine.VM, re
 	return vm, s
 }
 
+// RunFork measures n serial forks (from a warm pool of warm, with perf record when
+// perfOn), and with peer the stock save and peerN restores beside them.
 func RunFork(r *Env, n int, peer bool, peerN int, warm int, perfOn bool) error {
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {

@@ -14,6 +14,7 @@ type ForkManySettings struct {
 	report.RunSettings
 }
 
+// RunForkMany measures batches ForkMany calls of n forks each, deleted after each.
 func RunForkMany(r *Env, batches, n int) error {
 	w, err := bakeWorld(r, "world", "world-ck")
 	if err != nil {

@@ -125,6 +125,8 @@ func window(xs []float64, n int) (first, last []float64) {
 	return xs[:n], xs[len(xs)-n:]
 }
 
+// RunGenerations measures checkpoint/rm cycles of one VM with checkpoints kept and
+// forks taken along the way (s).
 func RunGenerations(r *Env, s *GenerationsSettings) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "")

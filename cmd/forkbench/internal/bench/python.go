@@ -44,6 +44,9 @@ while True:
 // askWarm is the command that asks the warm interpreter for 6*7.
 const askWarm = "echo '6*7' > /run/warm.in && cat /run/warm.out"
 
+// RunPython measures fork → first answer of a world's waiting python3 interpreter n
+// times, beside a cold python3 start in each of cold freshly booted VMs (and, with pool,
+// forks from a pre-restored pool of pool processes).
 func RunPython(r *Env, n, cold, pool int) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "")

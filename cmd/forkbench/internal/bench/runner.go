@@ -607,6 +607,7 @@ func isAdmission(err error) (*engine.AdmissionError, bool) {
 	return nil, errors.Is(err, engine.ErrAdmission)
 }
 
+// NumCPU is the host's CPUs, as the admission budget counts them.
 func NumCPU() int { return runtime.NumCPU() }
 
 // ErrNotOK is returned when the run completed but its result is not ok (failures, a soak

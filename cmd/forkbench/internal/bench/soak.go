@@ -32,6 +32,8 @@ func soakSample(r *Env, wave, made int) soakCounts {
 	return soakCounts{Wave: wave, Made: made, FDs: measure.OpenFDs(), QEMU: len(mine), Files: measure.CountFiles(r.home), RAMFiles: measure.CountFiles(r.ramDir)}
 }
 
+// RunSoak makes total forks in waves of wave and checks the host's resources stay
+// flat; note (if any) is recorded as a caveat.
 func RunSoak(r *Env, total, wave int, note string) error {
 	if note != "" {
 		r.caveat("%s", note)

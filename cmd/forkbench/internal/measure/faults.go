@@ -38,12 +38,15 @@ func (m *FaultMarker) SetDirs(state, ramDir string) { m.state, m.ramDir = state,
 // Close detaches the classifier.
 func (m *FaultMarker) Close() error { return m.s.Close() }
 
+// PhaseStart passes the phase on.
 func (m *FaultMarker) PhaseStart(owner, phase string) {
 	if m.next != nil {
 		m.next.PhaseStart(owner, phase)
 	}
 }
 
+// PhaseEnd passes the phase on and, at a spawn's or ready's end, sets the fork's RAM
+// or marks its ready.
 func (m *FaultMarker) PhaseEnd(owner, phase string) {
 	if m.next != nil {
 		m.next.PhaseEnd(owner, phase)
@@ -82,6 +85,7 @@ func (m *FaultMarker) setRAM(owner string, pid int) {
 	}
 }
 
+// QEMUStarted starts counting the faults of owner's QEMU pid.
 func (m *FaultMarker) QEMUStarted(owner string, pid int) {
 	if next, ok := m.next.(engine.ProcessMarker); ok {
 		next.QEMUStarted(owner, pid)

@@ -40,6 +40,7 @@ func SettledMemAvailableMB(ctx context.Context) float64 {
 	return prev
 }
 
+// MeasureMem is vm's memory breakdown now (engine VM.Memory).
 func MeasureMem(ctx context.Context, vm *engine.VM) (report.ForkMem, error) {
 	u, err := vm.Memory(ctx)
 	if err != nil {

@@ -35,6 +35,7 @@ type Trace struct {
 	named  map[[2]int]bool
 }
 
+// NewTrace is an empty trace whose timestamps count from t0.
 func NewTrace(t0 time.Time) *Trace {
 	return &Trace{t0: t0, monoT0: monoNow() - int64(time.Since(t0)), named: map[[2]int]bool{}}
 }

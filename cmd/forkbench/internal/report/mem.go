@@ -17,6 +17,7 @@ type ForkMem struct {
 	GuestFileMB  float64 // checkpoint pages mapped and not copied (0 only if the RAM mapping was not found)
 }
 
+// Values are m's columns (MemColumns).
 func (m ForkMem) Values() []float64 {
 	return []float64{m.PrivateMB, m.RAMCowMB, m.TCGCodeMB, m.HeapMB, m.LibrariesMB, m.PageTablesMB, m.SharedMB}
 }

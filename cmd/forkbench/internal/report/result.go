@@ -152,6 +152,7 @@ var csvHeader = append(append([]string{"bench", "wave", "index", "name", "ok", "
 	"restore_ms", "agent_ms", "first_cmd_ms", "cpu_user_ms", "cpu_sys_ms", "anon_mb", "tbs_ready", "tbs_first_cmd"},
 	MemColumns...), append(append(counterColumns, faultColumns...), "error")...)
 
+// Fnum formats x rounded to 3 decimals, without trailing zeros.
 func Fnum(x float64) string { return strconv.FormatFloat(Round3(x), 'f', -1, 64) }
 
 // WriteCSV writes samples as CSV with csvHeader.

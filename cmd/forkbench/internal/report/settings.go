@@ -13,4 +13,5 @@ type RunSettings struct {
 	TCGThread          string  `json:"tcg_thread"`
 }
 
+// Common is s itself: every Settings embeds RunSettings.
 func (s *RunSettings) Common() *RunSettings { return s }
