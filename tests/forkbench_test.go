@@ -246,6 +246,23 @@ func TestForkbench(t *testing.T) {
 	// The other subcommands at small sizes: each must run, check and clean up.
 	smallArgs := []string{"--memory-mb", "256", "--dirty-mb", "8", "--disk-mb", "16"}
 	smallShape := map[string]int{"memory_mb": 256, "dirty_mb": 8, "disk_mb": 16}
+	t.Run("population", func(t *testing.T) {
+		t.Parallel()
+		// 3 sandboxes, 1 running: each parked as the next is forked; the 2 parked woken
+		// (in random order), each answering with its own name.
+		r, _ := runForkbench(t, bin, append(append([]string{"population", "--sandboxes", "3", "--running", "1", "--sample", "2"}, smallArgs...), roomyArgs...)...)
+		checkCommon(t, r, "population", smallShape)
+		if r.Metric != "population_sandboxes" || r.Value != 3 || r.N != 3 || r.Extra["woken_ok"] != 2.0 || r.Extra["wake_asked"] != 2.0 ||
+			r.Extra["running"] != 1.0 || r.Extra["parked"] != 2.0 || r.Extra["stop"] != "" {
+			t.Errorf("population %s = %v (n %d): %v", r.Metric, r.Value, r.N, r.Extra)
+		}
+		if d, _ := r.Extra["disk_mib_per_parked"].(map[string]any); d == nil || d["p50"].(float64) <= 0 {
+			t.Errorf("disk_mib_per_parked = %v", r.Extra["disk_mib_per_parked"])
+		}
+		if b, _ := r.Extra["budget_end"].(map[string]any); b == nil || b["mem_available_mb"].(float64) <= 0 || b["vcpus_total"].(float64) <= 0 {
+			t.Errorf("budget_end = %v", r.Extra["budget_end"])
+		}
+	})
 	for _, tc := range []struct {
 		bench, metric string
 		args          []string

@@ -4,9 +4,8 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/bench"
 	"github.com/urfave/cli/v3"
-
-	"github.com/forkvm/forkvm/engine"
 )
 
 func checkpointRestoreCmd() *cli.Command {
@@ -22,108 +21,9 @@ func checkpointRestoreCmd() *cli.Command {
 			if n < 1 || f < 1 {
 				return fmt.Errorf("--n and --fanout must be >= 1")
 			}
-			return runBench(ctx, cmd, "checkpoint-restore", &CheckpointRestoreSettings{N: n, Fanout: f}, func(r *runner) error {
-				return runCheckpointRestore(r, n, f)
+			return bench.RunBench(ctx, commonOptions(cmd), "checkpoint-restore", &bench.CheckpointRestoreSettings{N: n, Fanout: f}, func(r *bench.Env) error {
+				return bench.RunCheckpointRestore(r, n, f)
 			})
 		},
 	}
-}
-
-// CheckpointRestoreSettings are checkpoint-restore's environment.settings.
-type CheckpointRestoreSettings struct {
-	N      int `json:"n"`
-	Fanout int `json:"fanout"`
-	RunSettings
-}
-
-// FanoutSummary is checkpoint-restore's fan-out in result.json (extra.fanout).
-type FanoutSummary struct {
-	N                int     `json:"n"`
-	Ready            int     `json:"ready"`
-	Refused          int     `json:"refused"`
-	WallMS           float64 `json:"wall_ms"`
-	PrivateMBPerFork float64 `json:"private_mb_per_fork"`
-	Admission        string  `json:"admission"` // "" when admission refused none
-}
-
-func runCheckpointRestore(r *runner, n, fanout int) error {
-	ctx := r.ctx
-	w, err := r.bakeWorld("world", "world-ck")
-	if err != nil {
-		return err
-	}
-	r.worldExtra(w)
-	var ckTotal, ckPaused, restore, running []float64
-	r.trace.Group(1, "restore of a fresh checkpoint")
-	r.trace.Group(2, "fork of the running VM")
-	for i := 1; i <= n; i++ {
-		ckName := fmt.Sprintf("ck%d", i)
-		ck, err := r.e.Checkpoint(ctx, w.Name, ckName, nil)
-		if err != nil {
-			r.fail("checkpoint %s: %v", ckName, err)
-			r.addSample(Sample{Group: "checkpoint", Index: i - 1, Name: ckName, Error: err.Error()})
-			continue
-		}
-		ckTotal = append(ckTotal, ms(ck.Manifest.Timings.Total))
-		ckPaused = append(ckPaused, ms(ck.Manifest.Timings.Paused))
-		r.addSample(Sample{Group: "checkpoint", Index: i - 1, Name: ckName, OK: true, LatencyMS: ms(ck.Manifest.Timings.Total)})
-		name := fmt.Sprintf("r%d", i)
-		vm, s := r.serialFork(ckName, name, "restore", i-1, 1)
-		r.addSample(s)
-		if s.OK {
-			restore = append(restore, s.LatencyMS)
-		} else {
-			r.fail("restore %s: %s", name, s.Error)
-		}
-		if vm != nil {
-			_ = r.e.Delete(ctx, name)
-		}
-		// The unpinned checkpoint goes with its last fork; remove it if it did not fork.
-		if _, err := r.e.LoadCheckpoint(ctx, ckName); err == nil {
-			_ = r.e.DeleteCheckpoint(ctx, ckName, &engine.DeleteCheckpointOptions{Force: true})
-		}
-		name = fmt.Sprintf("rv%d", i)
-		vm, s = r.serialFork(w.Name, name, "fork-running", i-1, 2)
-		r.addSample(s)
-		if s.OK {
-			running = append(running, s.LatencyMS)
-		} else {
-			r.fail("fork of running vm %s: %s", name, s.Error)
-		}
-		if vm != nil {
-			_ = r.e.Delete(ctx, name)
-		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-	}
-	wr, err := r.wave(fmt.Sprintf("fanout%d", fanout), w.Ck, fanout, &engine.ManyOptions{Prefix: "fo-"}, nil)
-	if err != nil {
-		if wr != nil {
-			r.deleteAll(wr.Ready)
-		}
-		return err
-	}
-	r.recordWave(3, wr, nil)
-	for _, e := range wr.FailedErrs {
-		r.fail("fanout: %s", e)
-	}
-	if r.hold {
-		r.keepVMs(w.Ck, wr.Ready)
-	} else {
-		r.deleteAll(wr.Ready)
-	}
-	pc := r.p50Headline("checkpoint_p50_ms", ckTotal)
-	r.res.Extra["checkpoint_ms"] = roundP(pc)
-	r.res.Extra["checkpoint_paused_ms"] = roundP(summarize(ckPaused))
-	r.res.Extra["restore_ms"] = roundP(summarize(restore))
-	r.res.Extra["fork_running_vm_ms"] = roundP(summarize(running))
-	r.res.Extra["fanout"] = FanoutSummary{N: fanout, Ready: wr.ReadyCount(), Refused: wr.AdmissionCount, WallMS: round3(ms(wr.Wall)),
-		PrivateMBPerFork: round3(wr.PrivateMBPerFork()), Admission: wr.admissionText()}
-	r.res.Method = fmt.Sprintf("%d times: an unpinned checkpoint of the running world (dirtied %d MB; checkpoint ms = engine Timings.Total, paused = Timings.Paused), a fork of it until the first `sh -c true` answered (restore ms), deleted with the checkpoint; then engine.Fork of the running world VM by name (implicit checkpoint + fork + first command, fork-of-running-VM ms). Finally %d forks at once (ForkMany) of the pinned world checkpoint: wall first start to last ready, host memory added per running fork = MemAvailable drop / ready forks. Percentiles are over checkpoint Total ms.",
-		n, r.shape.DirtyMB, fanout)
-	r.section("## Checkpoint / restore\n\ncheckpoint p50 %.0f ms (paused p50 %.0f ms); restore (fork of a fresh checkpoint → first command) p50 %.0f ms; fork of the running VM (implicit checkpoint) p50 %.0f ms; %d forks at once: wall %.0f ms, %.1f MiB host memory per running fork.\n\n",
-		pc.P50, median(ckPaused), median(restore), median(running), fanout, ms(wr.Wall), wr.PrivateMBPerFork())
-	r.admissionSection(wr)
-	return nil
 }

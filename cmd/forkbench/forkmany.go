@@ -4,9 +4,8 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/bench"
 	"github.com/urfave/cli/v3"
-
-	"github.com/forkvm/forkvm/engine"
 )
 
 func forkManyCmd() *cli.Command {
@@ -22,66 +21,9 @@ func forkManyCmd() *cli.Command {
 			if b < 1 || n < 1 {
 				return fmt.Errorf("--batches and --n must be >= 1")
 			}
-			return runBench(ctx, cmd, "fork-many", &ForkManySettings{Batches: b, N: n}, func(r *runner) error {
-				return runForkMany(r, b, n)
+			return bench.RunBench(ctx, commonOptions(cmd), "fork-many", &bench.ForkManySettings{Batches: b, N: n}, func(r *bench.Env) error {
+				return bench.RunForkMany(r, b, n)
 			})
 		},
 	}
-}
-
-// ForkManySettings are fork-many's environment.settings.
-type ForkManySettings struct {
-	Batches int `json:"batches"`
-	N       int `json:"n"`
-	RunSettings
-}
-
-func runForkMany(r *runner, batches, n int) error {
-	w, err := r.bakeWorld("world", "world-ck")
-	if err != nil {
-		return err
-	}
-	r.worldExtra(w)
-	var walls, lat []float64
-	var bars []Bar
-	refused := 0
-	r.section("## Batches\n\n")
-	for b := 1; b <= batches; b++ {
-		label := fmt.Sprintf("batch%d", b)
-		wr, err := r.wave(label, w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("b%d-", b)}, nil)
-		if err != nil {
-			if wr != nil {
-				r.deleteAll(wr.Ready)
-			}
-			return err
-		}
-		r.recordWave(b, wr, nil)
-		for _, e := range wr.FailedErrs {
-			r.fail("%s: %s", label, e)
-		}
-		refused += wr.AdmissionCount
-		if wr.ReadyCount() > 0 {
-			walls = append(walls, ms(wr.Wall))
-			bars = append(bars, Bar{Label: label, Value: ms(wr.Wall)})
-		}
-		lat = append(lat, wr.latencies()...)
-		if wr.AdmissionCount > 0 {
-			r.section("%s: %s.\n\n", label, wr.admissionText())
-		}
-		if r.hold && b == batches {
-			r.keepVMs(w.Ck, wr.Ready)
-		} else {
-			r.deleteAll(wr.Ready)
-		}
-	}
-	pc := r.p50Headline(fmt.Sprintf("batch%d_wall_p50_ms", n), walls)
-	r.res.Extra["batch_walls_ms"] = roundAll(walls)
-	r.res.Extra["fork_latency_ms"] = roundP(summarize(lat))
-	r.res.Extra["refused_by_admission"] = refused
-	if refused > 0 {
-		r.caveat("%d forks were refused by admission (overcommit %.0f): batch walls cover the ready forks only", refused, r.overcommit)
-	}
-	r.res.Method = fmt.Sprintf("%d batches: ForkMany of %d forks at once from a pinned checkpoint of a world that dirtied %d MB; batch wall = first fork start to last fork ready; forks deleted after each batch; percentiles are over batch walls (ms).", batches, n, r.shape.DirtyMB)
-	r.section("Batch wall p50 %.0f ms (min %.0f, max %.0f):\n\n```\n%s```\n\n", pc.P50, pc.Min, pc.Max, asciiChart(bars, 40, "ms"))
-	return nil
 }

@@ -1,8 +1,10 @@
 // Command forkbench measures forkvm: fan-out waves, serial forks, checkpoints, cold and
-// golden creates, density, soak and exec load through the daemon. Each subcommand bakes
-// its own world (a forkable VM with dirtied RAM and a data disk), checkpoints it and
-// measures against it. Results go to --out as result.json (forkvm.bench-result/v1),
-// samples.csv and report.md.
+// golden creates, density, soak, exec load through the daemon, park and the population a
+// host holds. Each subcommand bakes its own world (a forkable VM with dirtied RAM and a
+// data disk), checkpoints it and measures against it. Results go to --out as result.json
+// (forkvm.bench-result/v1), samples.csv and report.md. This package only maps flags to
+// options: the benches are in internal/bench, what they read from the host in
+// internal/measure and what they write in internal/report.
 package main
 
 import (
@@ -14,19 +16,17 @@ import (
 	"slices"
 	"syscall"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/bench"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/urfave/cli/v3"
 )
-
-// errNotOK is returned when the run completed but its result is not ok (failures, a soak
-// that is not flat); the exit status is then 2.
-var errNotOK = errors.New("result not ok")
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := newApp().Run(ctx, os.Args)
 	stop()
 	switch {
-	case errors.Is(err, errNotOK):
+	case errors.Is(err, bench.ErrNotOK):
 		fmt.Fprintln(os.Stderr, "forkbench:", err)
 		os.Exit(2)
 	case err != nil:
@@ -40,7 +40,7 @@ func newApp() *cli.Command {
 		Name:  "forkbench",
 		Usage: "benchmark forkvm forks (results: result.json, samples.csv, report.md)",
 		Commands: []*cli.Command{
-			fanoutCmd(), compareCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), generationsCmd(), pythonCmd(), execLoadCmd(), fleetCmd(), parkCmd(),
+			fanoutCmd(), compareCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), generationsCmd(), pythonCmd(), execLoadCmd(), fleetCmd(), parkCmd(), populationCmd(),
 		},
 	}
 }
@@ -91,4 +91,21 @@ func flags(extra ...cli.Flag) []cli.Flag {
 // overcommitFlag is --overcommit with a subcommand's default; note is added to its usage.
 func overcommitFlag(def float64, note string) cli.Flag {
 	return &cli.FloatFlag{Name: "overcommit", Value: def, Usage: "vCPU overcommit factor of the admission budget" + note}
+}
+
+// commonOptions maps the flags every subcommand takes (commonFlags) to bench options.
+func commonOptions(cmd *cli.Command) bench.Options {
+	o := bench.Options{
+		Shape: report.Shape{CPUs: cmd.Int("cpus"), MemoryMiB: cmd.Int("memory-mb"), DirtyMB: cmd.Int("dirty-mb"), DiskMiB: cmd.Int("disk-mb"),
+			Image: cmd.String("image")},
+		Out: cmd.String("out"), JSON: cmd.Bool("json"), Trace: cmd.String("trace"), TraceKernel: cmd.Bool("trace-kernel"),
+		HostCountersMS: cmd.Int("host-counters-ms"), Counters: cmd.Bool("counters"), Faults: cmd.Bool("faults"), Perf: cmd.Bool("perf"),
+		Hold: cmd.Bool("hold"), Home: cmd.String("home"), Overcommit: cmd.Float("overcommit"), VMGenID: cmd.Bool("vmgenid"),
+		TBSizeMiB: cmd.Int("tb-size"), TCGThread: cmd.String("tcg-thread"), RestoreConcurrency: cmd.Int("restore-concurrency"),
+		Verbose: cmd.Bool("verbose"), WarmRestored: cmd.Bool("warm-restored"),
+	}
+	if o.Shape.Image != "" {
+		o.Shape.StateMB = cmd.Int("state-mb")
+	}
+	return o
 }

@@ -4,12 +4,9 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"sync"
-	"time"
 
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/bench"
 	"github.com/urfave/cli/v3"
-
-	"github.com/forkvm/forkvm/engine"
 )
 
 func soakCmd() *cli.Command {
@@ -29,128 +26,15 @@ func soakCmd() *cli.Command {
 			var note string
 			if !cmd.IsSet("overcommit") {
 				// The soak expects zero failures: size the budget for one wave plus the world.
-				need := math.Ceil(float64((wave+1)*cmd.Int("cpus")) / float64(numCPU()))
+				need := math.Ceil(float64((wave+1)*cmd.Int("cpus")) / float64(bench.NumCPU()))
 				if need > cmd.Float("overcommit") {
 					_ = cmd.Set("overcommit", fmt.Sprint(need))
-					note = fmt.Sprintf("--overcommit was raised to %.0f so that a wave of %d forks plus the world fits the vCPU budget of %d host CPUs", need, wave, numCPU())
+					note = fmt.Sprintf("--overcommit was raised to %.0f so that a wave of %d forks plus the world fits the vCPU budget of %d host CPUs", need, wave, bench.NumCPU())
 				}
 			}
-			return runBench(ctx, cmd, "soak", &SoakSettings{Forks: total, Wave: wave}, func(r *runner) error {
-				if note != "" {
-					r.caveat("%s", note)
-				}
-				return runSoak(r, total, wave)
+			return bench.RunBench(ctx, commonOptions(cmd), "soak", &bench.SoakSettings{Forks: total, Wave: wave}, func(r *bench.Env) error {
+				return bench.RunSoak(r, total, wave, note)
 			})
 		},
 	}
-}
-
-// SoakSettings are soak's environment.settings.
-type SoakSettings struct {
-	Forks int `json:"forks"`
-	Wave  int `json:"wave"`
-	RunSettings
-}
-
-// soakCounts are the resources sampled after every wave.
-type soakCounts struct {
-	Wave     int `json:"wave"`
-	Made     int `json:"made"`
-	FDs      int `json:"fds"`
-	QEMU     int `json:"qemu_procs"`
-	Files    int `json:"state_files"`
-	RAMFiles int `json:"ram_files"`
-}
-
-func (r *runner) soakSample(wave, made int) soakCounts {
-	mine, _ := qemuProcs(r.home, r.ramDir)
-	return soakCounts{Wave: wave, Made: made, FDs: openFDs(), QEMU: len(mine), Files: countFiles(r.home), RAMFiles: countFiles(r.ramDir)}
-}
-
-func runSoak(r *runner, total, wave int) error {
-	w, err := r.bakeWorld("world", "world-ck")
-	if err != nil {
-		return err
-	}
-	r.worldExtra(w)
-	// A warm-up fork first, so one-time state (the checkpoint's "forked" marker) is in
-	// place before the start sample.
-	if vm, err := r.e.Fork(r.ctx, w.Ck, &engine.ForkOptions{Name: "warmup"}); err != nil {
-		return fmt.Errorf("soak warm-up fork: %w", err)
-	} else if err := r.e.Delete(r.ctx, vm.Name()); err != nil {
-		return fmt.Errorf("soak warm-up delete: %w", err)
-	}
-	time.Sleep(100 * time.Millisecond)
-	start := r.soakSample(0, 0)
-	samples := []soakCounts{start}
-	made, failed, refused := 0, 0, 0
-	var lat, walls []float64
-	for k := 1; made < total; k++ {
-		n := min(wave, total-made)
-		var mu sync.Mutex
-		var cmdErr []string
-		wr, err := r.wave(fmt.Sprintf("soak%d", k), w.Ck, n, &engine.ManyOptions{Prefix: fmt.Sprintf("s%d-", k)}, func(ev engine.ForkEvent) {
-			if _, err := firstCmd(r.ctx, ev.VM); err != nil {
-				mu.Lock()
-				cmdErr = append(cmdErr, err.Error())
-				mu.Unlock()
-			}
-		})
-		if err != nil {
-			if wr != nil {
-				r.deleteAll(wr.Ready)
-			}
-			return err
-		}
-		r.deleteAll(wr.Ready)
-		made += n
-		for _, ev := range wr.Events {
-			r.addSample(eventSample(fmt.Sprintf("soak%d", k), ev))
-		}
-		lat = append(lat, wr.latencies()...)
-		if wr.ReadyCount() > 0 {
-			walls = append(walls, ms(wr.Wall))
-		}
-		for _, e := range append(wr.FailedErrs, cmdErr...) {
-			failed++
-			r.fail("soak wave %d: %s", k, e)
-		}
-		if wr.AdmissionCount > 0 {
-			refused += wr.AdmissionCount
-			failed += wr.AdmissionCount
-			r.fail("soak wave %d: %s", k, wr.admissionText())
-		}
-		time.Sleep(50 * time.Millisecond)
-		samples = append(samples, r.soakSample(k, made))
-		if err := r.ctx.Err(); err != nil {
-			return err
-		}
-	}
-	end := samples[len(samples)-1]
-	flat := end.FDs == start.FDs && end.QEMU == start.QEMU && end.Files == start.Files && end.RAMFiles == start.RAMFiles
-	maxC := start
-	for _, s := range samples {
-		maxC.FDs, maxC.QEMU, maxC.Files, maxC.RAMFiles = max(maxC.FDs, s.FDs), max(maxC.QEMU, s.QEMU), max(maxC.Files, s.Files), max(maxC.RAMFiles, s.RAMFiles)
-	}
-	pc := summarize(lat)
-	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat = "soak_forks", float64(made-failed), "forks", "forks made without failure"
-	r.res.N = made
-	r.res.Percentiles = roundP(pc)
-	r.res.Extra["percentiles_of"] = "fork latency (ms)"
-	r.res.Extra["flat"] = flat
-	r.notOK = !flat
-	r.res.Extra["start"] = start
-	r.res.Extra["end"] = end
-	r.res.Extra["max"] = maxC
-	r.res.Extra["counts"] = samples
-	r.res.Extra["failed_forks"] = failed
-	r.res.Extra["refused_by_admission"] = refused
-	r.res.Extra["wave_wall_ms"] = roundP(summarize(walls))
-	if !flat {
-		r.caveat("resources are not flat: start %+v, end %+v", start, end)
-	}
-	r.res.Method = fmt.Sprintf("Soak: waves of %d forks (ForkMany of a pinned checkpoint; each fork runs one `sh -c true`, then the wave is deleted) until %d forks were made; after one warm-up fork (made and deleted before the start sample so that the checkpoint's one-time forked marker exists), after the world was checkpointed and after every wave: this process's open fds (/proc/self/fd), qemu-system processes whose command line names our state or RAM dir (scan of /proc/*/cmdline), files under the state dir and under the RAM dir. ok requires zero failed or refused forks and end counts equal to start counts.", wave, total)
-	r.section("## Soak\n\n%d forks made in waves of %d, %d failed (%d refused by admission). Flat: %v.\n\n| | fds | qemu | state files | RAM files |\n|---|---|---|---|---|\n| start | %d | %d | %d | %d |\n| max | %d | %d | %d | %d |\n| end | %d | %d | %d | %d |\n\n",
-		made, wave, failed, refused, flat, start.FDs, start.QEMU, start.Files, start.RAMFiles, maxC.FDs, maxC.QEMU, maxC.Files, maxC.RAMFiles, end.FDs, end.QEMU, end.Files, end.RAMFiles)
-	return nil
 }

@@ -1,0 +1,55 @@
+package measure
+
+import (
+	"context"
+	"math"
+	"time"
+
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/procinfo"
+)
+
+// MemAvailableMB is MemAvailable in MB (-1 when unknown).
+func MemAvailableMB() float64 {
+	v, err := procinfo.MemAvailable()
+	if err != nil {
+		return -1
+	}
+	return float64(v) / (1 << 20)
+}
+
+// SettledMemAvailableMB waits (up to 5 s, untimed by the benchmarks) until MemAvailable
+// stops moving — memory freed by a just-deleted VM or wave is returned asynchronously, and
+// a baseline taken too early makes "memory added per fork" too small, even negative —
+// then returns it.
+func SettledMemAvailableMB(ctx context.Context) float64 {
+	prev := MemAvailableMB()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
+		select {
+		case <-ctx.Done():
+			return prev
+		case <-time.After(250 * time.Millisecond):
+		}
+		cur := MemAvailableMB()
+		if cur < 0 || math.Abs(cur-prev) < 2 {
+			return cur
+		}
+		prev = cur
+	}
+	return prev
+}
+
+// MeasureMem is vm's memory breakdown now (engine VM.Memory).
+func MeasureMem(ctx context.Context, vm *engine.VM) (report.ForkMem, error) {
+	u, err := vm.Memory(ctx)
+	if err != nil {
+		return report.ForkMem{}, err
+	}
+	mb := func(b int64) float64 { return float64(b) / (1 << 20) }
+	return report.ForkMem{
+		AnonMB: mb(u.Private - u.PageTables), PrivateMB: mb(u.Private), RAMCowMB: mb(u.GuestWritten),
+		TCGCodeMB: mb(u.TCGCode), HeapMB: mb(u.Heap), LibrariesMB: mb(u.Libraries),
+		PageTablesMB: mb(u.PageTables), SharedMB: mb(u.Shared), GuestFileMB: mb(u.GuestFile),
+	}, nil
+}

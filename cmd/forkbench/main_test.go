@@ -1,0 +1,139 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/bench"
+	"github.com/urfave/cli/v3"
+)
+
+// helpDefault is the "(default: X)" --help prints for flag of a subcommand.
+func helpDefault(t *testing.T, sub, flag string) string {
+	t.Helper()
+	app := newApp()
+	var out bytes.Buffer
+	app.Writer, app.ErrWriter = &out, &out
+	if err := app.Run(context.Background(), []string{"forkbench", sub, "--help"}); err != nil {
+		t.Fatalf("%s --help: %v", sub, err)
+	}
+	m := regexp.MustCompile(`(?m)^\s*--` + flag + `\b.*\(default: ([^)]*)\)\s*$`).FindStringSubmatch(out.String())
+	if m == nil {
+		t.Fatalf("%s --help shows no default for --%s:\n%s", sub, flag, out.String())
+	}
+	return m[1]
+}
+
+// TestOvercommitDefault checks that every subcommand, given no --overcommit, runs with the
+// default its --help prints.
+func TestOvercommitDefault(t *testing.T) {
+	for _, sub := range newApp().Commands {
+		if !slices.ContainsFunc(sub.Flags, func(f cli.Flag) bool { return f.Names()[0] == "overcommit" }) {
+			continue // compare measures nothing
+		}
+		app := newApp()
+		var got float64
+		app.Command(sub.Name).Action = func(_ context.Context, cmd *cli.Command) error {
+			got = cmd.Float("overcommit")
+			return nil
+		}
+		if err := app.Run(context.Background(), []string{"forkbench", sub.Name}); err != nil {
+			t.Fatalf("%s: %v", sub.Name, err)
+		}
+		help := helpDefault(t, sub.Name, "overcommit")
+		if want, err := strconv.ParseFloat(help, 64); err != nil || got != want {
+			t.Errorf("%s: --overcommit resolves to %v, --help says %q", sub.Name, got, help)
+		}
+	}
+	if d := helpDefault(t, "fanout", "overcommit"); d != "12" {
+		t.Errorf("fanout --help: --overcommit default %s, want 12", d)
+	}
+	// fanout's own Action must not change it either: run it up to its first check.
+	app := newApp()
+	var out bytes.Buffer
+	app.Writer, app.ErrWriter = &out, &out
+	if err := app.Run(context.Background(), []string{"forkbench", "fanout", "--waves", "x"}); err == nil || !strings.Contains(err.Error(), "--waves") {
+		t.Fatalf("fanout --waves x: %v", err)
+	}
+	if got := app.Command("fanout").Float("overcommit"); got != 12 {
+		t.Errorf("fanout's Action changed --overcommit to %v", got)
+	}
+}
+
+// TestFleetFlagsRefused: bad fleet bench flags are refused before any daemon starts.
+func TestFleetFlagsRefused(t *testing.T) {
+	for _, args := range [][]string{
+		{"--nodes", "1"},
+		{"--nodes", "6"},
+		{"--n", "2"}, // fewer forks than nodes
+		{"--node-vcpus", "-1"},
+		{"--max-jobs", "-1"},
+		{"--node-vcpus", "10"}, // 3 x 10 < 48
+		{"--daemon-overcommit", "0"},
+		{"--target-overhead-ms", "-1"},
+		{"--trace", "x.json"},
+		{"--hold"},
+		{"--counters"},
+		{"--forkvm", "/nonexistent/forkvm"},
+	} {
+		app := newApp()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		err := app.Run(context.Background(), append([]string{"forkbench", "fleet"}, args...))
+		if !errors.Is(err, bench.ErrFleetArgs) {
+			t.Errorf("fleet %v: %v, want a refusal (errFleetArgs)", args, err)
+		}
+	}
+}
+
+// TestExecLoadFlags checks exec-load's world defaults and that bad flags are refused
+// before anything boots.
+func TestExecLoadFlags(t *testing.T) {
+	for flag, want := range map[string]string{"cpus": "1", "memory-mb": "256", "dirty-mb": "32", "disk-mb": "0",
+		"clients": "32", "execs": "100", "forks": "8", "target": "1.2"} {
+		if got := helpDefault(t, "exec-load", flag); got != want {
+			t.Errorf("exec-load --%s default %s, want %s", flag, got, want)
+		}
+	}
+	for _, args := range [][]string{
+		{"--forks", "9", "--clients", "8"},
+		{"--clients", "0"},
+		{"--execs", "0"},
+		{"--rounds", "0"},
+		{"--target", "-1"},
+		{"--cmd", "true", "--", "echo", "x"},
+		{"--cmd", " "},
+		{"--daemon-binary", "/nonexistent/forkvm"},
+	} {
+		app := newApp()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		err := app.Run(context.Background(), append([]string{"forkbench", "exec-load"}, args...))
+		if err == nil || !strings.Contains(err.Error(), "exec-load") {
+			t.Errorf("exec-load %v: %v, want a refusal", args, err)
+		}
+	}
+}
+
+// TestPopulationFlagsRefused: population refuses impossible counts before it starts.
+func TestPopulationFlagsRefused(t *testing.T) {
+	for _, args := range [][]string{
+		{"--sandboxes", "0"},
+		{"--running", "-1"},
+		{"--sample", "-1"},
+	} {
+		app := newApp()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		err := app.Run(context.Background(), append([]string{"forkbench", "population"}, args...))
+		if !errors.Is(err, bench.ErrPopulationArgs) {
+			t.Errorf("population %v: %v, want a refusal (ErrPopulationArgs)", args, err)
+		}
+	}
+}
