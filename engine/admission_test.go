@@ -2,41 +2,19 @@ package engine
 
 import (
 	"errors"
-	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/admission"
+	"github.com/forkvm/forkvm/engine/internal/admission/admissiontest"
 )
-
-// writeFiles creates files (path relative to dir → content) under dir.
-func writeFiles(t *testing.T, dir string, files map[string]string) {
-	t.Helper()
-	for p, c := range files {
-		full := filepath.Join(dir, p)
-		if err := os.MkdirAll(filepath.Dir(full), 0o700); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(full, []byte(c), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
 
 // fakeHost is a probe of a fake host with avail of total bytes of memory, no memory
 // cgroup and no process.
 func fakeHost(t *testing.T, total, avail int64) hostProbe {
-	t.Helper()
-	dir := t.TempDir()
-	writeFiles(t, dir, map[string]string{
-		"proc/meminfo":        fmt.Sprintf("MemTotal:       %d kB\nMemFree:  1 kB\nMemAvailable:   %d kB\n", total>>10, avail>>10),
-		"proc/self/cgroup":    "0::/\n",
-		"proc/self/mountinfo": "",
-	})
-	return hostProbe{admission.Probe{Proc: filepath.Join(dir, "proc"), SelfCgroup: filepath.Join(dir, "proc/self/cgroup"), Mountinfo: filepath.Join(dir, "proc/self/mountinfo")}}
+	h := admissiontest.FakeHost(t, total, avail)
+	return hostProbe{admission.Probe{Proc: h.Proc, SelfCgroup: h.SelfCgroup, Mountinfo: h.Mountinfo}}
 }
 
 // cmdline joins argv as /proc/PID/cmdline has it.
@@ -88,7 +66,7 @@ func pressed(m MemoryBudget, some float64) MemoryBudget {
 func TestAdmitHost(t *testing.T) {
 	e := newTestEngine(t, testConfig(t))
 	h := fakeHost(t, 23<<30, 20<<30)
-	writeFiles(t, h.Proc, map[string]string{
+	admissiontest.WriteFiles(t, h.Proc, map[string]string{
 		"201/cmdline": cmdline("qemu", "-name", "o,process=forkvm-o", "-smp", "7", "-m", "1024M", "-chardev", "socket,id=qmp,path=/elsewhere/run/o/qmp.sock"),
 	})
 	e.adm.host, e.adm.hostCPUs, e.adm.overcommit, e.adm.maxOvercommit = h, 2, 4, 8 // budget 8 vCPUs
@@ -204,7 +182,7 @@ func TestAdmitByFootprint(t *testing.T) {
 		}
 		rel()
 	}
-	writeFiles(t, h.Proc, map[string]string{"pressure/memory": "some avg10=25.00 avg60=5.00 avg300=1.00 total=1\nfull avg10=2.00 avg60=0.00 avg300=0.00 total=1\n"})
+	admissiontest.WriteFiles(t, h.Proc, map[string]string{"pressure/memory": "some avg10=25.00 avg60=5.00 avg300=1.00 total=1\nfull avg10=2.00 avg60=0.00 avg300=0.00 total=1\n"})
 	if _, err := a.admit(1, 256*mib, "ck:w", 0); !errors.As(err, &ae) || ae.Resource != "memory-pressure" || !errors.Is(err, ErrAdmission) {
 		t.Errorf("under memory pressure: %v, want a memory-pressure refusal", err)
 	}

@@ -2,37 +2,18 @@ package admission
 
 import (
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-)
 
-// writeFiles creates files (path relative to dir → content) under dir.
-func writeFiles(t *testing.T, dir string, files map[string]string) {
-	t.Helper()
-	for p, c := range files {
-		full := filepath.Join(dir, p)
-		if err := os.MkdirAll(filepath.Dir(full), 0o700); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(full, []byte(c), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
+	"github.com/forkvm/forkvm/engine/internal/admission/admissiontest"
+)
 
 // fakeHost is a probe of a fake host with avail of total bytes of memory, no memory
 // cgroup and no process.
 func fakeHost(t *testing.T, total, avail int64) Probe {
-	t.Helper()
-	dir := t.TempDir()
-	writeFiles(t, dir, map[string]string{
-		"proc/meminfo":        fmt.Sprintf("MemTotal:       %d kB\nMemFree:  1 kB\nMemAvailable:   %d kB\n", total>>10, avail>>10),
-		"proc/self/cgroup":    "0::/\n",
-		"proc/self/mountinfo": "",
-	})
-	return Probe{Proc: filepath.Join(dir, "proc"), SelfCgroup: filepath.Join(dir, "proc/self/cgroup"), Mountinfo: filepath.Join(dir, "proc/self/mountinfo")}
+	h := admissiontest.FakeHost(t, total, avail)
+	return Probe{Proc: h.Proc, SelfCgroup: h.SelfCgroup, Mountinfo: h.Mountinfo}
 }
 
 // cmdline joins argv as /proc/PID/cmdline has it.
@@ -66,7 +47,7 @@ func TestParseQEMUArgs(t *testing.T) {
 
 func TestHostQEMUScan(t *testing.T) {
 	h := fakeHost(t, 16<<30, 8<<30)
-	writeFiles(t, h.Proc, map[string]string{
+	admissiontest.WriteFiles(t, h.Proc, map[string]string{
 		// another state directory's VM: counted, with its resident anonymous memory
 		"101/cmdline": cmdline("qemu-system-x86_64", "-name", "w1,process=forkvm-w1", "-smp", "7", "-m", "2048M",
 			"-chardev", "socket,id=qmp,path=/other/run/w1/qmp.sock,server=on"),
@@ -137,7 +118,7 @@ func TestMemCgroup(t *testing.T) {
 			for k, v := range tc.files {
 				files[k] = strings.ReplaceAll(v, "@", dir)
 			}
-			writeFiles(t, dir, files)
+			admissiontest.WriteFiles(t, dir, files)
 			h := Probe{Proc: filepath.Join(dir, "proc"), SelfCgroup: filepath.Join(dir, "proc/self/cgroup"), Mountinfo: filepath.Join(dir, "proc/self/mountinfo")}
 			cg, err := h.memCgroup()
 			if err != nil {
