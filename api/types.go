@@ -220,8 +220,9 @@ type MemoryUsage struct {
 	Rss int64 `json:"rss_bytes"`
 }
 
-// Budget describes admission (engine.Budget, which has the same fields): the vCPU and memory budgets of the host. They count every
-// forkvm QEMU on the host, whichever state directory (engine) started it.
+// Budget describes admission (engine.Budget is this type): the vCPU and memory budgets
+// of the host. They count every forkvm QEMU on the host, whichever state directory
+// (engine) started it.
 type Budget struct {
 	HostCPUs   int     `json:"host_cpus"`
 	Overcommit float64 `json:"overcommit"`

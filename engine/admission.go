@@ -112,15 +112,15 @@ func (a *admitter) admit(cpus int, guest int64, source string, overcommit float6
 	defer a.admitMu.Unlock()
 	b, high := a.budgetHigh(overcommit)
 	need := admission.CommitFor(source, guest, a.commitRatio, high)
-	if err := b.check(cpus, guest, need); err != nil {
+	if err := checkBudget(b, cpus, guest, need); err != nil {
 		return nil, err
 	}
 	return a.hold(cpus, need), nil
 }
 
-// check says whether one more VM of cpus vCPUs and guest bytes, committing need bytes,
-// fits b.
-func (b Budget) check(cpus int, guest, need int64) error {
+// checkBudget says whether one more VM of cpus vCPUs and guest bytes, committing need
+// bytes, fits b.
+func checkBudget(b Budget, cpus int, guest, need int64) error {
 	if b.Used+cpus > b.Total {
 		return &AdmissionError{Resource: "vcpu", Requested: int64(cpus), Available: int64(max(b.Total-b.Used, 0)), Budget: int64(b.Total)}
 	}

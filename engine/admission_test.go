@@ -43,7 +43,7 @@ func TestBudgetCheck(t *testing.T) {
 		{"pressure below the limit", Budget{Total: 16, Memory: pressed(mem(23<<30, 4<<30), 9.99)}, 1, 1 << 30, "", 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			err := tc.b.check(tc.cpus, tc.guest, admission.CommitBytes(tc.guest, tc.b.Memory.CommitRatio))
+			err := checkBudget(tc.b, tc.cpus, tc.guest, admission.CommitBytes(tc.guest, tc.b.Memory.CommitRatio))
 			var ae *AdmissionError
 			switch {
 			case tc.resource == "" && err != nil:

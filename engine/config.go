@@ -364,21 +364,9 @@ const (
 	statePooled State = "pooled"
 )
 
-// Budget describes admission: the vCPU and memory budgets of the host. They count every
-// forkvm QEMU on the host, whichever state directory (engine) started it.
-type Budget struct {
-	HostCPUs   int     `json:"host_cpus"`
-	Overcommit float64 `json:"overcommit"`
-	// MaxOvercommit caps a request's own overcommit (ForkOptions.Overcommit,
-	// ManyOptions.Overcommit; Config.MaxOvercommit).
-	MaxOvercommit float64 `json:"max_overcommit"`
-	Total         int     `json:"total_vcpus"`
-	// Used counts the vCPUs of every forkvm QEMU on the host and of VMs admitted but not
-	// yet started; OtherUsed is the part other engines (state directories) hold.
-	Used      int          `json:"used_vcpus"`
-	OtherUsed int          `json:"other_vcpus"`
-	Memory    MemoryBudget `json:"memory"`
-}
+// Budget describes admission (api.Budget): the vCPU and memory budgets of the host,
+// counting every forkvm QEMU on the host, whichever state directory started it.
+type Budget = api.Budget
 
 // MemoryBudget describes memory admission (api.MemoryBudget documents each figure).
 type MemoryBudget = api.MemoryBudget

@@ -94,4 +94,4 @@ func (a engineAdapter) DeleteCheckpoint(ctx context.Context, name string) error 
 	return a.e.DeleteCheckpoint(ctx, name, nil)
 }
 func (a engineAdapter) List() []api.Info   { return a.e.List() }
-func (a engineAdapter) Budget() api.Budget { return api.Budget(a.e.Budget()) }
+func (a engineAdapter) Budget() api.Budget { return a.e.Budget() }

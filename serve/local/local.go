@@ -326,7 +326,7 @@ func (l *Local) Budget(context.Context) (api.Budget, error) {
 	if err != nil {
 		return api.Budget{}, err
 	}
-	return api.Budget(e.Budget()), nil
+	return e.Budget(), nil
 }
 
 func (l *Local) Warm(ctx context.Context, ck string, n int, opts *api.WarmOptions) error {
