@@ -113,10 +113,11 @@ type FleetForkRequest struct {
 }
 
 // Validate checks a fleet wave before it is published, with the fork request's rules
-// (ForkRequest.Validate, n up to MaxFleetForks) and the fleet's own: a wave publishes no ports (a fork's node,
-// and so its host, is not known in advance), forks a checkpoint (Pin is for the
-// implicit checkpoint of a running VM), runs as the nodes pull it (no Concurrency),
-// and MaxPerNode is not negative. Each error wraps ErrInvalidSpec or ErrInvalidName.
+// (ForkRequest.Validate, n up to MaxFleetForks) and the fleet's own: a wave publishes
+// no ports (a fork's node, and so its host, is not known in advance), forks a
+// checkpoint (Pin is for the implicit checkpoint of a running VM), runs as the nodes
+// pull it (no Concurrency), and MaxPerNode is not negative. Each error wraps
+// ErrInvalidSpec or ErrInvalidName.
 func (r FleetForkRequest) Validate() error {
 	switch {
 	case len(r.Publish) > 0:
