@@ -2,6 +2,7 @@ package tests
 
 import (
 	"encoding/json"
+	"io"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -78,20 +79,28 @@ func TestForkCountersCLI(t *testing.T) {
 
 	// A daemon that does not count refuses fork --counters before forking.
 	sock := serve.SocketPath(home)
-	d := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"))
-	if _, errs, code := cli(nil, "fork", "cck", "c3", "--counters"); code == 0 || !strings.Contains(errs, "serve --counters") {
-		t.Errorf("fork --counters through a daemon that does not count: %d %q", code, errs)
-	}
-	if out := ok("ls"); strings.Contains(out, "c3 ") {
-		t.Errorf("a refused fork --counters made c3:\n%s", out)
-	}
-	d.stop()
+	refusedWithoutServeFlag(t, home, cli, ok, "cck", "c3", "--counters")
 
 	// forkvm serve --counters: every fork it makes is counted, --counters or not.
-	d = startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon2.log"), "--counters")
+	d := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon2.log"), "--counters")
 	defer d.stop()
 	ev = forkEvent("c3")
 	counted("serve --counters fork event", ev.VM.Counters)
 	ev = forkEvent("c4", "--counters")
 	counted("serve --counters fork --counters event", ev.VM.Counters)
+}
+
+// refusedWithoutServeFlag checks that a daemon started without flag (serve --counters,
+// serve --faults) refuses `fork CK NAME flag` before forking: the error names the serve
+// flag and no VM NAME is made.
+func refusedWithoutServeFlag(t *testing.T, home string, cli func(io.Reader, ...string) (string, string, int), ok func(...string) string, ck, name, flag string) {
+	t.Helper()
+	d := startDaemon(t, home, serve.SocketPath(home), filepath.Join(t.TempDir(), "daemon.log"))
+	defer d.stop()
+	if _, errs, code := cli(nil, "fork", ck, name, flag); code == 0 || !strings.Contains(errs, "serve "+flag) {
+		t.Errorf("fork %s through a daemon without serve %s: %d %q", flag, flag, code, errs)
+	}
+	if out := ok("ls"); strings.Contains(out, name+" ") {
+		t.Errorf("a refused fork %s made %s:\n%s", flag, name, out)
+	}
 }

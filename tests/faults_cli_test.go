@@ -55,16 +55,9 @@ func TestServeFaultsCLI(t *testing.T) {
 
 	// A daemon that does not count fault classes refuses fork --faults before forking.
 	sock := serve.SocketPath(home)
-	d := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"))
-	if _, errs, code := cli(nil, "fork", "fck", "f1", "--faults"); code == 0 || !strings.Contains(errs, "serve --faults") {
-		t.Errorf("fork --faults through a daemon that does not count: %d %q", code, errs)
-	}
-	if out := ok("ls"); strings.Contains(out, "f1 ") {
-		t.Errorf("a refused fork --faults made f1:\n%s", out)
-	}
-	d.stop()
+	refusedWithoutServeFlag(t, home, cli, ok, "fck", "f1", "--faults")
 
-	d = startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon2.log"), "--faults")
+	d := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon2.log"), "--faults")
 	defer d.stop()
 	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		var d net.Dialer
