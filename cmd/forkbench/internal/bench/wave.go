@@ -320,20 +320,11 @@ func measureMems(r *Env, w *WaveResult) map[string]report.ForkMem {
 func deleteAll(r *Env, vms []*engine.VM) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, 8)
-	for _, vm := range vms {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			if err := r.e.Delete(ctx, vm.Name()); err != nil {
-				r.logf("delete %s: %v", vm.Name(), err)
-			}
-		}()
-	}
-	wg.Wait()
+	eachFork(vms, func(_ int, vm *engine.VM) {
+		if err := r.e.Delete(ctx, vm.Name()); err != nil {
+			r.logf("delete %s: %v", vm.Name(), err)
+		}
+	})
 }
 
 // Complete reports whether every fork of the wave became ready: only a complete wave
