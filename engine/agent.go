@@ -62,16 +62,31 @@ func DialAgent(ctx context.Context, t AgentTarget) (*vsockd.Client, error) {
 	return c, nil
 }
 
-// sayHello runs the handshake on an open agent connection.
+// helloLate is the hello round trip past which sayHello says hello again. The guest sets
+// its clock to the time a hello was sent, so a hello it read late (a fork restored on a
+// loaded host, whose agent ran seconds after the engine wrote the hello) leaves its clock
+// behind by that delay; the running agent answers the next hello at once, and the clock
+// is then off by at most that round trip.
+const helloLate = 500 * time.Millisecond
+
+// helloTries bounds the hellos of one handshake.
+const helloTries = 4
+
+// sayHello runs the handshake on an open agent connection, again while the guest answers
+// late (helloLate).
 func sayHello(ctx context.Context, c *vsockd.Client, t AgentTarget) error {
-	h, err := t.hello()
-	if err != nil {
-		return err
+	for try := 1; ; try++ {
+		h, err := t.hello()
+		if err != nil {
+			return err
+		}
+		if _, err := c.Hello(ctx, h); err != nil {
+			return agentErr(ctx, t.Name, err)
+		}
+		if time.Since(h.Time) <= helloLate || try == helloTries {
+			return nil
+		}
 	}
-	if _, err := c.Hello(ctx, h); err != nil {
-		return agentErr(ctx, t.Name, err)
-	}
-	return nil
 }
 
 // agentErr wraps an agent failure, as ErrAgentTimeout when ctx ended.

@@ -3,7 +3,9 @@ package engine
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,6 +14,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/console"
+	"github.com/forkvm/forkvm/vsockd"
 )
 
 type syncBuf struct {
@@ -127,5 +130,85 @@ func TestLogsOfASeededFork(t *testing.T) {
 	want := "boot\nlater\nforkvm: ---- the console of checkpoint ck1 above; fork f1 starts here ----\n"
 	if err := vm.Logs(context.Background(), false, &out); err != nil || out.String() != want {
 		t.Errorf("fork Logs before its QEMU wrote = %q, %v; want %q", out.String(), err, want)
+	}
+}
+
+// lateConn is the guest's end of an agent connection: its first read waits (an agent
+// that runs late, as a fork's on a loaded host), and it records every byte read.
+type lateConn struct {
+	net.Conn
+	delay time.Duration
+	once  sync.Once
+	mu    sync.Mutex
+	read  bytes.Buffer
+}
+
+func (c *lateConn) Read(p []byte) (int, error) {
+	c.once.Do(func() { time.Sleep(c.delay) })
+	n, err := c.Conn.Read(p)
+	c.mu.Lock()
+	c.read.Write(p[:n])
+	c.mu.Unlock()
+	return n, err
+}
+
+// helloTimes are the times (unix ns) of the hellos in what the guest read.
+func (c *lateConn) helloTimes(t *testing.T) []int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var times []int64
+	dec := vsockd.NewDecoder(bytes.NewReader(c.read.Bytes()))
+	for {
+		f, err := dec.ReadFrame()
+		if err != nil {
+			return times
+		}
+		if f.Type == vsockd.TypeHello {
+			var h struct {
+				TimeNs int64 `json:"time_ns"`
+			}
+			if err := json.Unmarshal(f.Payload, &h); err != nil {
+				t.Fatalf("hello payload: %v", err)
+			}
+			times = append(times, h.TimeNs)
+		}
+	}
+}
+
+// TestSayHelloAgainWhenLate: the guest sets its clock to the time a hello was sent, so a
+// hello answered late is followed by another, and the last one the guest read is fresh.
+func TestSayHelloAgainWhenLate(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		delay  time.Duration
+		hellos int
+	}{
+		{"prompt agent: one hello", 0, 1},
+		{"late agent: hello again", 2 * helloLate, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			host, guest := net.Pipe()
+			g := &lateConn{Conn: guest, delay: tc.delay}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			served := make(chan error, 1)
+			go func() { served <- (&vsockd.Server{}).ServeConn(ctx, g) }()
+			c := vsockd.NewClient(host, nil)
+			defer c.Close()
+			start := time.Now()
+			if err := sayHello(ctx, c, AgentTarget{Name: "f", Token: newToken()}); err != nil {
+				t.Fatal(err)
+			}
+			times := g.helloTimes(t)
+			if len(times) != tc.hellos {
+				t.Fatalf("%d hellos, want %d", len(times), tc.hellos)
+			}
+			if last := time.Unix(0, times[len(times)-1]); tc.delay > 0 && last.Sub(start) < tc.delay {
+				t.Fatalf("last hello sent %v after the first, before the agent read anything (%v)", last.Sub(start), tc.delay)
+			}
+			c.Close()
+			cancel()
+			<-served
+		})
 	}
 }
