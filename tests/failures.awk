@@ -1,0 +1,17 @@
+# failures.awk prints, after a failed `go test -v` run, each failing test's own lines
+# (its t.Log/t.Error lines and its --- FAIL lines, not the engine's log lines): in a
+# long run of parallel tests they are far above the end, where a reader of a CI log
+# looks first.
+/^=== (RUN|NAME|CONT|PAUSE) / { cur = $3; next }
+/^ *--- FAIL: / { failed[$3] = 1; order[++n] = $3; next }
+/^ *--- (PASS|SKIP): / { next }
+/_test\.go:[0-9]+: / && !/level=(INFO|DEBUG|WARN)/ && cur != "" { lines[cur] = lines[cur] $0 "\n" }
+END {
+	if (n == 0) exit
+	print "=== failures (each failing test's own lines, from the log above)"
+	for (i = 1; i <= n; i++) {
+		t = order[i]
+		print "--- FAIL: " t
+		printf "%s", lines[t]
+	}
+}
