@@ -85,17 +85,20 @@ type WaveSummary struct {
 	N int `json:"n"`
 	// Complete says all N forks were ready; OK that it is complete with no failure. A
 	// wave that is not complete is never a headline or a waveN figure.
-	Complete             bool               `json:"complete"`
-	OK                   bool               `json:"ok"`
-	Skipped              string             `json:"skipped,omitempty"`
-	Ready                int                `json:"ready"`
-	Failed               int                `json:"failed"`
-	Refused              int                `json:"refused"`
-	WallS                float64            `json:"wall_s"`
-	ForkP50MS            float64            `json:"fork_p50_ms"`
-	ForkP95MS            float64            `json:"fork_p95_ms"`
-	ForkMaxMS            float64            `json:"fork_max_ms"`
-	PrivateMBPerFork     float64            `json:"private_mb_per_fork"`
+	Complete         bool    `json:"complete"`
+	OK               bool    `json:"ok"`
+	Skipped          string  `json:"skipped,omitempty"`
+	Ready            int     `json:"ready"`
+	Failed           int     `json:"failed"`
+	Refused          int     `json:"refused"`
+	WallS            float64 `json:"wall_s"`
+	ForkP50MS        float64 `json:"fork_p50_ms"`
+	ForkP95MS        float64 `json:"fork_p95_ms"`
+	ForkMaxMS        float64 `json:"fork_max_ms"`
+	PrivateMBPerFork float64 `json:"private_mb_per_fork"`
+	// HostMemoryDisturbed says why private_mb_per_fork, as measured, is no figure:
+	// something outside the wave moved the host's memory (WaveResult.HostDisturbed).
+	HostMemoryDisturbed  string             `json:"host_memory_disturbed,omitempty"`
 	MemAvailableBeforeMB float64            `json:"mem_available_before_mb"`
 	MemAvailableAfterMB  float64            `json:"mem_available_after_mb"`
 	CPUUserMSP50         float64            `json:"cpu_user_ms_p50"`
@@ -160,7 +163,7 @@ func waveSummary(wr *WaveResult, pc report.Percentiles, f forkStats, iso IsoRepo
 	ws := WaveSummary{
 		N: wr.N, Ready: wr.ReadyCount(), Failed: wr.Failed, Refused: wr.AdmissionCount,
 		WallS: report.Round3(wr.Wall.Seconds()), ForkP50MS: report.Round3(pc.P50), ForkP95MS: report.Round3(pc.P95), ForkMaxMS: report.Round3(pc.Max),
-		PrivateMBPerFork: report.Round3(wr.PrivateMBPerFork()), MemAvailableBeforeMB: report.Round3(wr.MemBeforeMB), MemAvailableAfterMB: report.Round3(wr.MemAfterMB),
+		PrivateMBPerFork: report.Round3(wr.PrivateMBPerFork()), HostMemoryDisturbed: wr.HostDisturbed, MemAvailableBeforeMB: report.Round3(wr.MemBeforeMB), MemAvailableAfterMB: report.Round3(wr.MemAfterMB),
 		CPUUserMSP50: report.Round3(report.Median(f.cpuUser)), CPUSysMSP50: report.Round3(report.Median(f.cpuSys)), AnonMBP50: report.Round3(report.Median(f.anon)),
 		MemoryMBP50:    report.SummarizeMem(f.mems),
 		Isolation:      iso,
@@ -279,6 +282,7 @@ func runWaves(r *Env, w *World, settings *FanoutSettings, prefix string, overcom
 			return outs, err
 		}
 		mems := measureMems(r, wr)
+		wr.judgeHostMemory(mems)
 		firstCommands(r, wr)
 		idle := measureIdle(r, wr, idleWindow)
 		iso := checkIsolation(r, w, wr.Ready, mems, sampleIndices(len(wr.Ready)))
@@ -309,7 +313,7 @@ func runWaves(r *Env, w *World, settings *FanoutSettings, prefix string, overcom
 		if !wr.Complete() {
 			state = fmt.Sprintf("PARTIAL (%d/%d ready)", wr.ReadyCount(), n)
 		}
-		figures := fmt.Sprintf("%d/%d ready in %.2fs wall (p50 %.0f ms, p95 %.0f ms), %.1f MiB host memory per fork", n, n, wr.Wall.Seconds(), pc.P50, pc.P95, wr.PrivateMBPerFork())
+		figures := fmt.Sprintf("%d/%d ready in %.2fs wall (p50 %.0f ms, p95 %.0f ms), %s", n, n, wr.Wall.Seconds(), pc.P50, pc.P95, wr.hostMemoryText())
 		switch {
 		case wr.ReadyCount() == 0:
 			figures = "no fork ready: no figure"
@@ -317,9 +321,9 @@ func runWaves(r *Env, w *World, settings *FanoutSettings, prefix string, overcom
 			figures = fmt.Sprintf("its %d ready forks only, not wave figures: %.2fs wall, p50 %.0f ms", wr.ReadyCount(), wr.Wall.Seconds(), pc.P50)
 		}
 		r.logf("%s at --overcommit %s: %s: %s%s", label, report.Fnum(overcommit), state, figures, map[bool]string{true: "; " + wr.admissionText(), false: ""}[wr.AdmissionCount > 0])
-		r.section("### %s — %s\n\n%d requested, %d ready, %d failed, %d refused by admission; wall %.3f s (first start → last ready%s); fork p50 %.0f ms, p95 %.0f ms, max %.0f ms; host memory added per fork %.1f MiB; QEMU CPU until ready p50 user %.0f ms sys %.0f ms.%s\n\n",
+		r.section("### %s — %s\n\n%d requested, %d ready, %d failed, %d refused by admission; wall %.3f s (first start → last ready%s); fork p50 %.0f ms, p95 %.0f ms, max %.0f ms; %s; QEMU CPU until ready p50 user %.0f ms sys %.0f ms.%s\n\n",
 			label, state, n, wr.ReadyCount(), wr.Failed, wr.AdmissionCount, wr.Wall.Seconds(), map[bool]string{true: "", false: " of the ready forks only: not a wave figure"}[wr.Complete()],
-			pc.P50, pc.P95, pc.Max, wr.PrivateMBPerFork(), report.Median(fs.cpuUser), report.Median(fs.cpuSys), report.MemText(fs.mems, "at ready"))
+			pc.P50, pc.P95, pc.Max, wr.hostMemoryText(), report.Median(fs.cpuUser), report.Median(fs.cpuSys), report.MemText(fs.mems, "at ready"))
 		if r.res.Host.Accel == "tcg" {
 			r.section("TCG thread mode of the ready forks (engine Config.TCGThread %s): %v.\n\n", string(r.e.Config().Experimental.TCGThread), threads)
 		}
@@ -365,8 +369,8 @@ func seedKeys(extra map[string]any, prefix string, outs []*waveOutcome) {
 		extra[fmt.Sprintf("%swave%d_wall_s", prefix, o.n)] = report.Round3(o.wr.Wall.Seconds())
 		extra[fmt.Sprintf("%swave%d_fork_ms_p50", prefix, o.n)] = report.Round3(pc.P50)
 		extra[fmt.Sprintf("%swave%d_fork_ms_p95", prefix, o.n)] = report.Round3(pc.P95)
-		if prefix == "" {
-			extra[fmt.Sprintf("private_mb_per_fork_%d", o.n)] = report.Round3(o.wr.PrivateMBPerFork())
+		if v, ok := o.wr.HostFigure(); ok && prefix == "" {
+			extra[fmt.Sprintf("private_mb_per_fork_%d", o.n)] = report.Round3(v)
 		}
 	}
 }
@@ -528,7 +532,7 @@ func fanoutDefaultPass(r *Env, w *World, settings *FanoutSettings, fit *FitDecis
 	perFork := 0.0
 	for _, o := range defaults {
 		if o.wr != nil && o.wr.ReadyCount() > 0 {
-			perFork = max(perFork, o.wr.PrivateMBPerFork())
+			perFork = max(perFork, o.wr.MemPerForkEstimate())
 		}
 	}
 	fit.Memory = memoryFit(measure.SettledMemAvailableMB(r.ctx), float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
@@ -597,7 +601,11 @@ func fanoutHeadline(res *report.Result, outs []*waveOutcome, sharedFileMB float6
 	res.Percentiles = roundP(pc)
 	res.Percentiles.ForkMSP50, res.Percentiles.ForkMSP95, res.Percentiles.ForkMSMax = report.Round3(pc.P50), report.Round3(pc.P95), report.Round3(pc.Max)
 	res.Extra["percentiles_of"] = fmt.Sprintf("fork latency (ms) of wave%d, the largest complete wave", best.n)
-	res.Extra["private_mb_per_fork"] = report.Round3(best.wr.PrivateMBPerFork())
+	if v, ok := best.wr.HostFigure(); ok {
+		res.Extra["private_mb_per_fork"] = report.Round3(v)
+	} else {
+		res.Extra["host_memory_disturbed"] = best.wr.HostDisturbed
+	}
 	res.Extra[fmt.Sprintf("shared_file_mb_%d", best.n)] = report.Round3(sharedFileMB)
 	res.Extra["memory_per_fork"] = memoryPerFork(best)
 	return best, stop
@@ -606,8 +614,10 @@ func fanoutHeadline(res *report.Result, outs []*waveOutcome, sharedFileMB float6
 // MemoryPerFork is the headline memory figure of the largest complete wave
 // (extra.memory_per_fork): the published definition and the breakdown beside it.
 type MemoryPerFork struct {
-	Definition   string             `json:"definition"`
-	HostAddedMB  float64            `json:"host_added_mb_per_fork"`
+	Definition  string  `json:"definition"`
+	HostAddedMB float64 `json:"host_added_mb_per_fork"`
+	// Disturbed says why HostAddedMB, as measured, is no figure ("" when it is one).
+	Disturbed    string             `json:"disturbed,omitempty"`
 	Forks        int                `json:"forks"`
 	BreakdownP50 *report.MemSummary `json:"breakdown_mb_p50"`
 }
@@ -618,7 +628,7 @@ func memoryPerFork(o *waveOutcome) MemoryPerFork {
 		ms = append(ms, m)
 	}
 	return MemoryPerFork{Definition: "host memory the wave added (MemAvailable before − after all ready, MiB) / ready forks",
-		HostAddedMB: report.Round3(o.wr.PrivateMBPerFork()), Forks: o.wr.ReadyCount(), BreakdownP50: report.SummarizeMem(ms)}
+		HostAddedMB: report.Round3(o.wr.PrivateMBPerFork()), Disturbed: o.wr.HostDisturbed, Forks: o.wr.ReadyCount(), BreakdownP50: report.SummarizeMem(ms)}
 }
 
 // headlineNote is what the terminal's headline line adds: complete or not, and the
@@ -649,6 +659,9 @@ func fanoutSummary(r *Env, fit *FitDecision, best *waveOutcome, w *World) string
 	if best != nil {
 		mp := memoryPerFork(best)
 		fmt.Fprintf(&sb, "**Memory per fork (wave%d): %.1f MiB** = host memory the wave added / forks (the published definition).", best.n, mp.HostAddedMB)
+		if mp.Disturbed != "" {
+			fmt.Fprintf(&sb, " **DISTURBED, not a figure**: %s.", mp.Disturbed)
+		}
 		if m := mp.BreakdownP50; m != nil {
 			fmt.Fprintf(&sb, " Beside it, per fork (p50, engine VM.Memory at ready): private %.1f MiB = guest pages written %.1f + TCG code %.1f + QEMU heap %.1f + libraries %.1f + page tables %.1f; shared (checkpoint pages read, QEMU code) %.1f MiB.",
 				m.Private, m.GuestWritten, m.TCGCode, m.Heap, m.Libraries, m.PageTables, m.Shared)

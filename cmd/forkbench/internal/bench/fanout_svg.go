@@ -21,7 +21,7 @@ func svgWaves(defaults, outs []*waveOutcome, defaultOC, headlineOC float64) []re
 				label = fmt.Sprintf("wave%d, overcommit %s", o.n, report.Fnum(oc))
 			}
 			sw := report.SVGWave{Label: label, N: o.n, Ready: o.wr.ReadyCount(), Complete: o.complete(),
-				LatMS: o.lat, HostAddedMB: o.wr.PrivateMBPerFork()}
+				LatMS: o.lat, HostAddedMB: hostOrZero(o.wr)}
 			for _, ev := range o.wr.Events {
 				if ev.Err == nil && ev.Name != "" && !ev.Done.IsZero() {
 					sw.ReadyAtS = append(sw.ReadyAtS, ev.Done.Sub(o.wr.FirstStart).Seconds())
@@ -38,4 +38,12 @@ func svgWaves(defaults, outs []*waveOutcome, defaultOC, headlineOC float64) []re
 	add(defaultOC, defaults)
 	add(headlineOC, outs)
 	return out
+}
+
+// hostOrZero is w's host figure, or 0 (not drawn) when it is none.
+func hostOrZero(w *WaveResult) float64 {
+	if v, ok := w.HostFigure(); ok {
+		return v
+	}
+	return 0
 }

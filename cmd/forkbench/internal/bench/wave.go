@@ -46,8 +46,13 @@ type WaveResult struct {
 	FailedErrs  []string
 	MemBeforeMB float64
 	MemAfterMB  float64
-	CmdMS       map[string]float64
-	CmdStart    map[string]time.Time
+	// HostDisturbed says why MemBeforeMB − MemAfterMB cannot stand for the memory the
+	// wave's forks added ("" when it can or when nothing was read to judge it by), and
+	// OwnPrivateMB is the mean private memory of its forks as read (0: not read).
+	HostDisturbed string
+	OwnPrivateMB  float64
+	CmdMS         map[string]float64
+	CmdStart      map[string]time.Time
 }
 
 // ReadyCount is the number of forks that became ready.
@@ -59,6 +64,73 @@ func (w *WaveResult) PrivateMBPerFork() float64 {
 		return 0
 	}
 	return (w.MemBeforeMB - w.MemAfterMB) / float64(len(w.Ready))
+}
+
+// HostFigure is PrivateMBPerFork when it is a figure: some fork was ready and nothing
+// outside the wave was seen moving the host's memory (judgeHostMemory).
+func (w *WaveResult) HostFigure() (float64, bool) {
+	return w.PrivateMBPerFork(), len(w.Ready) > 0 && w.HostDisturbed == ""
+}
+
+// MemPerForkEstimate is what one more fork is expected to add to the host: the host
+// figure, or the forks' own private memory when the host figure was disturbed.
+func (w *WaveResult) MemPerForkEstimate() float64 {
+	if v, ok := w.HostFigure(); ok {
+		return v
+	}
+	return w.OwnPrivateMB
+}
+
+// hostMemoryText is the host figure as the terminal and report.md say it.
+func (w *WaveResult) hostMemoryText() string {
+	t := fmt.Sprintf("host memory added per fork %.1f MiB", w.PrivateMBPerFork())
+	if w.HostDisturbed != "" {
+		t += " (DISTURBED, not a figure: " + w.HostDisturbed + ")"
+	}
+	return t
+}
+
+// judgeHostMemory sets HostDisturbed and OwnPrivateMB from the ready forks' own memory
+// (mems, by name).
+func (w *WaveResult) judgeHostMemory(mems map[string]report.ForkMem) {
+	var own []report.ForkMem
+	for _, vm := range w.Ready {
+		if m, ok := mems[vm.Name()]; ok {
+			own = append(own, m)
+		}
+	}
+	if len(own) == 0 || len(w.Ready) == 0 {
+		return
+	}
+	w.OwnPrivateMB, w.HostDisturbed = hostMemoryDisturbed(w.PrivateMBPerFork(), own)
+}
+
+// hostMemoryDisturbed judges a wave's host figure (MemAvailable drop per fork, MiB)
+// against its forks' own memory: MemAvailable is the whole host's, so a process outside
+// the wave that frees or takes memory while it runs moves it too (a build beside the
+// benchmark freed more than four forks took, and the figure went negative). A fork's
+// private pages did not exist before the wave and are its alone, so their mean is a floor
+// of what each fork added; its resident pages, the shared ones counted in every fork, are
+// a ceiling. It returns the mean private memory and why perFork is outside [floor/4,
+// ceiling×1.25 + 16 MiB] ("" inside). The slack is wide because the host's figure is
+// legitimately somewhat below the floor (a large wave's is a fifth below its forks'
+// private mean) and above the ceiling by the kernel's own memory per process: it catches
+// a figure moved by something else, not a small error.
+func hostMemoryDisturbed(perFork float64, own []report.ForkMem) (float64, string) {
+	var private, resident float64
+	for _, m := range own {
+		private += m.PrivateMB
+		resident += m.PrivateMB + m.SharedMB
+	}
+	private /= float64(len(own))
+	resident /= float64(len(own))
+	switch floor, ceiling := private/4, resident*1.25+16; {
+	case perFork < floor:
+		return private, fmt.Sprintf("MemAvailable fell %.1f MiB per fork, less than a quarter of the forks' own private memory (%.1f MiB): another process freed memory during the wave", perFork, private)
+	case perFork > ceiling:
+		return private, fmt.Sprintf("MemAvailable fell %.1f MiB per fork, more than the forks' resident memory allows (%.1f MiB, shared pages counted in each): another process took memory during the wave", perFork, resident)
+	}
+	return private, ""
 }
 
 // progressLine prints a live status line on a TTY.
