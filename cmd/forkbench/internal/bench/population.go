@@ -308,6 +308,9 @@ func (p *population) wakeSample(s *PopulationSettings, limit int) (asked, woken 
 		r.addSample(smp)
 		p.wakeLat = append(p.wakeLat, smp.LatencyMS)
 		woken++
+		if woken%100 == 0 && woken < k {
+			r.logf("woken %d of %d, each answering as itself (wake → first command p50 %.0f ms so far)", woken, k, report.Median(p.wakeLat))
+		}
 	}
 	return k, woken, ""
 }
