@@ -553,6 +553,34 @@ const (
 	qcow2ClusterBits     = 20
 )
 
+// backingName is the backing file name in qcow2 file path's header ("" when it has none).
+func backingName(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	var h [24]byte
+	if _, err := f.ReadAt(h[:], 0); err != nil {
+		return "", fmt.Errorf("%s: qcow2 header: %w", path, err)
+	}
+	if binary.BigEndian.Uint32(h[0:]) != qcow2Magic {
+		return "", fmt.Errorf("%s: not a qcow2 file", path)
+	}
+	off, n := binary.BigEndian.Uint64(h[qcow2BackingOffField:]), binary.BigEndian.Uint32(h[qcow2BackingLenField:])
+	if off == 0 || n == 0 {
+		return "", nil
+	}
+	if n > 1023 {
+		return "", fmt.Errorf("%s: backing name of %d bytes", path, n)
+	}
+	name := make([]byte, n)
+	if _, err := f.ReadAt(name, int64(off)); err != nil {
+		return "", fmt.Errorf("%s: backing name: %w", path, err)
+	}
+	return string(name), nil
+}
+
 // setBackingName rewrites the backing file name in qcow2 file path's header to name
 // (the backing format extension is kept): the name lives in the header's cluster after
 // the header, which holds nothing else there, so any name that fits the cluster does.

@@ -156,11 +156,55 @@ func keepAside(paths layout, log *slog.Logger, name string, cause error, pids []
 	os.Rename(paths.runDir(name), paths.runDir(aside))
 	os.Rename(paths.vmRAM(name), filepath.Join(paths.ram, aside+".ram"))
 	parent := holdParent(paths.vmDir(aside), held)
+	if err := nameOwnBackings(paths.vmDir(aside)); err != nil {
+		log.Warn("vm kept aside: its disk still names a checkpoint's layer by its path", "vm", name, "err", err)
+	}
 	if err := ownChainLayers(paths.vmDir(aside)); err != nil {
 		log.Warn("vm kept aside: its disk still reads layers of a checkpoint through links", "vm", name, "err", err)
 	}
 	log.Warn("vm manifest unreadable: kept aside, not adopted (nothing deleted; inspect and remove it yourself)",
 		"vm", name, "moved_to", paths.vmDir(aside), "err", cause, "qemu_pids", pids, "checkpoint", parent)
+}
+
+// nameOwnBackings makes each qcow2 file in dir whose header names its backing by an
+// absolute path outside dir (a fork's top: its overlay template names the checkpoint's
+// top layer by path) name it by its chain name instead, and links the chain names of
+// that layer's directory (the checkpoint's layer{i} files, which name their own
+// backings so) into dir, for ownChainLayers to own.
+func nameOwnBackings(dir string) error {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range ents {
+		if !e.Type().IsRegular() || !strings.HasSuffix(e.Name(), ".qcow2") {
+			continue
+		}
+		path := filepath.Join(dir, e.Name())
+		b, err := backingName(path)
+		if err != nil || !filepath.IsAbs(b) || filepath.Dir(b) == dir || !isChainName(filepath.Base(b)) {
+			continue
+		}
+		from := filepath.Dir(b)
+		layers, err := os.ReadDir(from)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		for _, l := range layers {
+			if !isChainName(l.Name()) {
+				continue
+			}
+			if err := os.Symlink(filepath.Join(from, l.Name()), filepath.Join(dir, l.Name())); err != nil && !errors.Is(err, os.ErrExist) {
+				errs = append(errs, err)
+			}
+		}
+		if err := setBackingName(path, filepath.Base(b)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // ownChainLayers replaces each chain-name symlink in dir (a layer of a checkpoint the

@@ -3,6 +3,7 @@ package engine
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -223,12 +224,11 @@ func TestNewKeepsCorruptVMAside(t *testing.T) {
 	fm := vmManifest(cfg, "other", StateRunning, deadPID(t))
 	fm.Parent = "ck"
 	writeVMManifest(t, vms, "f", fm)
-	// f's disk is backed by ck's frozen layer through its chain name.
+	// f's disk is a fork's: its top names ck's frozen layer by path, as the overlay
+	// template it was copied from does.
 	ckLayer := filepath.Join(cfg.StateDir, "checkpoints", "ck", chainName(0, diskLayer{Format: "raw"}))
 	touch(t, ckLayer, 1<<16)
-	if err := os.Symlink(filepath.Join("..", "..", "checkpoints", "ck", filepath.Base(ckLayer)), filepath.Join(vms, "f", filepath.Base(ckLayer))); err != nil {
-		t.Fatal(err)
-	}
+	writeQcow2Header(t, filepath.Join(vms, "f", forkTopFile), ckLayer)
 
 	// half: a directory without a manifest and without a QEMU.
 	touch(t, filepath.Join(vms, "half", rawDiskFile), 1<<20)
@@ -261,12 +261,16 @@ func TestNewKeepsCorruptVMAside(t *testing.T) {
 	if !processAliveT(proc.Process.Pid) {
 		t.Errorf("the QEMU of the kept-aside VM was killed")
 	}
-	// The kept-aside fork owns its disk's layers: deleting ck later cannot take them.
+	// The kept-aside fork owns its disk's layers, and its top names them in its own
+	// directory: deleting ck later cannot take them.
 	asideLayer := filepath.Join(vms, ".corrupt-f", filepath.Base(ckLayer))
 	if fi, err := os.Lstat(asideLayer); err != nil || !fi.Mode().IsRegular() {
 		t.Errorf("kept-aside layer %s is not a file of its own: %v %v", asideLayer, fi, err)
 	} else if ci, err := os.Stat(ckLayer); err != nil || !os.SameFile(fi, ci) {
 		t.Errorf("kept-aside layer %s is not a link to the checkpoint's layer: %v", asideLayer, err)
+	}
+	if b, err := backingName(filepath.Join(vms, ".corrupt-f", forkTopFile)); err != nil || b != filepath.Base(ckLayer) {
+		t.Errorf("kept-aside top names its backing %q (%v), want %q", b, err, filepath.Base(ckLayer))
 	}
 	log := logBuf.String()
 	for _, want := range []string{"vm=dl", ".corrupt-dl-2", fmt.Sprintf("qemu_pids=[%d]", proc.Process.Pid), "vm=f", "checkpoint=ck"} {
@@ -328,5 +332,24 @@ func TestNewKeepsDeadVM(t *testing.T) {
 	}
 	if !exists(filepath.Join(vms, "d", manifestFile)) {
 		t.Errorf("d's manifest is gone")
+	}
+}
+
+// writeQcow2Header writes a qcow2 header naming backing at path: enough for the
+// header's readers (backingName, setBackingName), not a disk QEMU opens.
+func writeQcow2Header(t *testing.T, path, backing string) {
+	t.Helper()
+	h := make([]byte, 1<<16)
+	binary.BigEndian.PutUint32(h[0:], qcow2Magic)
+	binary.BigEndian.PutUint32(h[4:], 3)
+	binary.BigEndian.PutUint64(h[qcow2BackingOffField:], 1024)
+	binary.BigEndian.PutUint32(h[qcow2BackingLenField:], uint32(len(backing)))
+	binary.BigEndian.PutUint32(h[qcow2ClusterBits:], 16)
+	copy(h[1024:], backing)
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, h, 0o600); err != nil {
+		t.Fatal(err)
 	}
 }
