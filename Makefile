@@ -113,8 +113,8 @@ itest: setup
 
 # itest-vms: itest without its set-up.
 itest-vms:
-	$(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|^ +--- FAIL|_test.go' ; \
-	  rc=$${PIPESTATUS[0]}; [ $$rc = 0 ] || awk -f tests/failures.awk /tmp/forkvm-itest.log; exit $$rc
+	rc=0; $(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|^ +--- FAIL|_test.go' || rc=$$?; \
+	  [ $$rc = 0 ] || awk -f tests/failures.awk /tmp/forkvm-itest.log; exit $$rc
 
 ## test: everything CI runs. The fleet's unit tests first, alone (heartbeat timing);
 ## then the checks that boot no VM run beside the VM tests, in the second job slot, at
