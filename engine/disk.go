@@ -553,6 +553,36 @@ const (
 	qcow2ClusterBits     = 20
 )
 
+// errBackingUnread is qcow2Backing's error when the header is whole but its backing
+// name cannot be read (longer than qcow2 allows, or past the file's end).
+var errBackingUnread = errors.New("backing name unreadable")
+
+// qcow2Backing reads the backing of the qcow2 file f (named path in errors) from its
+// header: where its name lives (off; 0 when it has none), the cluster bits that bound
+// it and the name itself (errBackingUnread, with off and cbits set, when it cannot).
+func qcow2Backing(f *os.File, path string) (off uint64, cbits uint32, name string, err error) {
+	var h [24]byte
+	if _, err := f.ReadAt(h[:], 0); err != nil {
+		return 0, 0, "", fmt.Errorf("%s: qcow2 header: %w", path, err)
+	}
+	if binary.BigEndian.Uint32(h[0:]) != qcow2Magic {
+		return 0, 0, "", fmt.Errorf("%s: not a qcow2 file", path)
+	}
+	off, cbits = binary.BigEndian.Uint64(h[qcow2BackingOffField:]), binary.BigEndian.Uint32(h[qcow2ClusterBits:])
+	n := binary.BigEndian.Uint32(h[qcow2BackingLenField:])
+	if off == 0 || n == 0 {
+		return off, cbits, "", nil
+	}
+	if n > 1023 {
+		return off, cbits, "", fmt.Errorf("%s: %w: %d bytes", path, errBackingUnread, n)
+	}
+	b := make([]byte, n)
+	if _, err := f.ReadAt(b, int64(off)); err != nil {
+		return off, cbits, "", fmt.Errorf("%s: %w: %v", path, errBackingUnread, err)
+	}
+	return off, cbits, string(b), nil
+}
+
 // backingName is the backing file name in qcow2 file path's header ("" when it has none).
 func backingName(path string) (string, error) {
 	f, err := os.Open(path)
@@ -560,25 +590,8 @@ func backingName(path string) (string, error) {
 		return "", err
 	}
 	defer f.Close()
-	var h [24]byte
-	if _, err := f.ReadAt(h[:], 0); err != nil {
-		return "", fmt.Errorf("%s: qcow2 header: %w", path, err)
-	}
-	if binary.BigEndian.Uint32(h[0:]) != qcow2Magic {
-		return "", fmt.Errorf("%s: not a qcow2 file", path)
-	}
-	off, n := binary.BigEndian.Uint64(h[qcow2BackingOffField:]), binary.BigEndian.Uint32(h[qcow2BackingLenField:])
-	if off == 0 || n == 0 {
-		return "", nil
-	}
-	if n > 1023 {
-		return "", fmt.Errorf("%s: backing name of %d bytes", path, n)
-	}
-	name := make([]byte, n)
-	if _, err := f.ReadAt(name, int64(off)); err != nil {
-		return "", fmt.Errorf("%s: backing name: %w", path, err)
-	}
-	return string(name), nil
+	_, _, name, err := qcow2Backing(f, path)
+	return name, err
 }
 
 // setBackingName rewrites the backing file name in qcow2 file path's header to name
@@ -590,27 +603,18 @@ func setBackingName(path, name string) error {
 		return err
 	}
 	defer f.Close()
-	var h [24]byte
-	if _, err := f.ReadAt(h[:], 0); err != nil {
-		return fmt.Errorf("%s: qcow2 header: %w", path, err)
+	off, cbits, cur, err := qcow2Backing(f, path)
+	if err != nil && !errors.Is(err, errBackingUnread) { // an unreadable name is rewritten
+		return err
 	}
-	if binary.BigEndian.Uint32(h[0:]) != qcow2Magic {
-		return fmt.Errorf("%s: not a qcow2 file", path)
-	}
-	off := binary.BigEndian.Uint64(h[qcow2BackingOffField:])
-	cbits := binary.BigEndian.Uint32(h[qcow2ClusterBits:])
 	if off == 0 {
 		return fmt.Errorf("%s: no backing file", path)
 	}
 	if cbits < 9 || cbits > 21 || off+uint64(len(name)) > 1<<cbits || len(name) > 1023 {
 		return fmt.Errorf("%s: backing name %q does not fit its header", path, name)
 	}
-	var cur [1024]byte
-	n := binary.BigEndian.Uint32(h[qcow2BackingLenField:])
-	if n <= uint32(len(cur)) {
-		if _, err := f.ReadAt(cur[:n], int64(off)); err == nil && string(cur[:n]) == name {
-			return nil // already so: a shared layer renamed by an earlier checkpoint
-		}
+	if cur == name {
+		return nil // already so: a shared layer renamed by an earlier checkpoint
 	}
 	if _, err := f.WriteAt([]byte(name), int64(off)); err != nil {
 		return err

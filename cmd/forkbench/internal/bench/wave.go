@@ -99,7 +99,7 @@ func (w *WaveResult) judgeHostMemory(mems map[string]report.ForkMem) {
 			own = append(own, m)
 		}
 	}
-	if len(own) == 0 || len(w.Ready) == 0 {
+	if len(own) == 0 {
 		return
 	}
 	w.OwnPrivateMB, w.HostDisturbed = hostMemoryDisturbed(w.PrivateMBPerFork(), own)
