@@ -34,6 +34,7 @@ func (p *proc) signal(int)                                {}
 func (p *proc) kill()                                     {}
 func (p *proc) resize(rows, cols uint16) error            { return ErrUnsupported }
 func (p *proc) closeFiles()                               {}
+func (p *proc) releaseCgroup()                            {}
 func startProcess(*execStartWire, *Server) (*proc, error) { return nil, ErrUnsupported }
 
 type execError struct {

@@ -156,6 +156,20 @@ type proc struct {
 
 	stdinOnce sync.Once
 	closeOnce sync.Once
+
+	// The cgroup the process started in (Server.ExecCgroup), given back once it ended.
+	cgroups    *execCgroups
+	cgroup     *os.File
+	cgroupPath string
+	cgroupOnce sync.Once
+}
+
+// releaseCgroup gives the process's cgroup back to its Server once the process has
+// ended (or never started).
+func (p *proc) releaseCgroup() {
+	if p.cgroups != nil {
+		p.cgroupOnce.Do(func() { p.cgroups.release(p.cgroup, p.cgroupPath) })
+	}
 }
 
 type output struct {
@@ -504,9 +518,9 @@ func startProcess(req *execStartWire, srv *Server) (*proc, error) {
 		attr.Sys = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
 	}
 	if srv != nil {
-		if cg := execCgroup(srv.ExecCgroup, srv.ExecPidsMax); cg != nil {
-			inCgroup(attr.Sys, cg)
-			defer cg.Close()
+		p.cgroups = &srv.cgroups
+		if p.cgroup, p.cgroupPath = p.cgroups.take(srv.ExecCgroup, srv.ExecPidsMax); p.cgroup != nil {
+			inCgroup(attr.Sys, p.cgroup)
 		}
 	}
 	pid, status, err := getReaper().start(func() (int, error) {
@@ -515,6 +529,7 @@ func startProcess(req *execStartWire, srv *Server) (*proc, error) {
 	closeChild()
 	if err != nil {
 		p.closeFiles()
+		p.releaseCgroup()
 		if derr := checkDir(req.Dir); derr != nil { // removed while we started
 			return nil, derr
 		}

@@ -35,6 +35,15 @@ type Server struct {
 	// no bound of its own), so one command's fork bomb leaves room for the next.
 	ExecCgroup  *os.File
 	ExecPidsMax int
+
+	cgroups execCgroups
+}
+
+// PrepareExec makes the cgroups the next commands start in now (see ExecCgroup), so
+// that commands started later, in forks of a checkpoint taken after, skip that work on
+// their way to starting. Call it once ExecCgroup is set; without one it does nothing.
+func (s *Server) PrepareExec() {
+	s.cgroups.prepare(s.ExecCgroup, s.ExecPidsMax, 1)
 }
 
 func (s *Server) logf(format string, args ...any) {
@@ -401,6 +410,7 @@ func (ss *session) feedStdin(st *gstream, p *proc) {
 // waitExec waits for the process to exit (enforcing the timeout), drains
 // its output and sends Exit.
 func (ss *session) waitExec(st *gstream, p *proc, timeout time.Duration, pumps *sync.WaitGroup) {
+	defer p.releaseCgroup() // after Exit is sent: the command's answer waits for none of it
 	var timer <-chan time.Time
 	if timeout > 0 {
 		t := time.NewTimer(timeout)

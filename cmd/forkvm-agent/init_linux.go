@@ -58,6 +58,7 @@ func runInit(switched bool) {
 	}
 	srv := &vsockd.Server{Log: logger}
 	srv.ExecCgroup, srv.ExecPidsMax = setUpExecCgroup(logger)
+	srv.PrepareExec()
 
 	ready := make(chan string, 1)
 	if _, err := os.Stat("/dev/vsock"); err == nil {
