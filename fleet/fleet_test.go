@@ -1154,3 +1154,31 @@ func TestPullFrom(t *testing.T) {
 		}
 	}
 }
+
+// TestWaveWhileHeartbeatsAreMissing: when the heartbeat bucket holds none (its new
+// leader expired them all at once after the old one died, and no node has beaten
+// since), a wave from a node of the checkpoint's class is not refused for want of a
+// live node: the node forking is live, and its own jobs run.
+func TestWaveWhileHeartbeatsAreMissing(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	n := join(t, s, 1, 0, nil)[0]
+	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	n.f.silenced.Store(true)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := n.f.nodes.Purge(ctx, "n1"); err != nil {
+		t.Fatal(err)
+	}
+	if nodes, err := n.f.Nodes(ctx); err != nil || len(nodes) != 0 {
+		t.Fatalf("nodes %v, %v: want none listed", nodes, err)
+	}
+	evs, err := n.f.ForkMany(ctx, api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "unlisted"}})
+	if err != nil {
+		t.Fatalf("wave refused while the bucket lists no heartbeat: %v", err)
+	}
+	n.f.silenced.Store(false)
+	if got := collect(t, evs, 20*time.Second); len(got) != 1 || !got[0].OK {
+		t.Fatalf("events %+v, want the fork ready", got)
+	}
+}

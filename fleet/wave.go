@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -49,16 +50,9 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 		return nil, err
 	}
 	class := ClassID(ref.Class)
-	nodes, err := f.Nodes(ctx)
+	live, biggest, err := f.classNodes(ctx, class)
 	if err != nil {
 		return nil, err
-	}
-	live, biggest := 0, 0
-	for _, nd := range nodes {
-		if nd.Class == class {
-			live++
-			biggest = max(biggest, nd.TotalVCPUs)
-		}
 	}
 	if live == 0 {
 		return nil, fmt.Errorf("%w: class %s (QEMU %s, %s)", ErrNoNode, class, ref.Class.QEMU, ref.Class.Accel)
@@ -108,6 +102,42 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 	}
 	go w.run(ctx, recs, nodeW, sub, dead)
 	return w.out, nil
+}
+
+// classNodes counts the live nodes of class and finds the largest vCPU budget among
+// them. This node counts whether or not the bucket lists it: it is live, it runs this.
+// When the bucket lists no other node either, it lists again every heartbeat for up to
+// a TTL before it answers none: after the bucket's leader changed (a node died or
+// restarted) the new leader can expire every heartbeat at once, and the nodes are
+// missing until they beat again.
+func (f *Fleet) classNodes(ctx context.Context, class string) (live, biggest int, err error) {
+	deadline := time.Now().Add(f.cfg.TTL)
+	for {
+		nodes, err := f.Nodes(ctx)
+		if err != nil {
+			return 0, 0, err
+		}
+		others := len(nodes)
+		if i := slices.IndexFunc(nodes, func(n api.FleetNode) bool { return n.Name == f.cfg.Node }); i >= 0 {
+			others--
+		} else {
+			nodes = append(nodes, f.self())
+		}
+		for _, nd := range nodes {
+			if nd.Class == class {
+				live++
+				biggest = max(biggest, nd.TotalVCPUs)
+			}
+		}
+		if live > 0 || others > 0 || time.Now().After(deadline) {
+			return live, biggest, nil
+		}
+		select {
+		case <-ctx.Done():
+			return 0, 0, ctx.Err()
+		case <-time.After(f.cfg.Heartbeat):
+		}
+	}
 }
 
 // watchRecords watches the wave's job records from now on (updates only), retried as
