@@ -15,6 +15,7 @@ QEMU_MIN_MAJOR := 10
 APT_PKGS := busybox-static e2fsprogs mmdebstrap linux-perf
 # Go test flags for integration tests (they boot real VMs under TCG: give them time).
 ITEST_TIMEOUT ?= 30m
+ITEST_PARALLEL ?= 3
 
 # staticcheck, pinned: `make lint` installs this version into ./bin once (a single
 # `go install`, about 20 s on a fresh machine; golangci-lint's build is several times that)
@@ -111,9 +112,11 @@ fuzz:
 itest: setup
 	$(MAKE) --no-print-directory itest-vms
 
-# itest-vms: itest without its set-up.
+# itest-vms: itest without its set-up. The tests marked parallel run ITEST_PARALLEL at a
+# time: a VM test waits on its guests much of its time, and two at a time left a third
+# of this 2-core machine idle.
 itest-vms:
-	rc=0; $(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|^ +--- FAIL|_test.go' || rc=$$?; \
+	rc=0; $(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -parallel $(ITEST_PARALLEL) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|^ +--- FAIL|_test.go' || rc=$$?; \
 	  [ $$rc = 0 ] || awk -f tests/failures.awk /tmp/forkvm-itest.log; exit $$rc
 
 ## test: everything CI runs. The fleet's unit tests first, alone (heartbeat timing);

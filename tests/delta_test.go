@@ -375,7 +375,7 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 // lineage's layers before their restore, so a pooled fork sees its ancestors' memory and
 // disk.
 func TestDeltaWarmPool(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 256, 16)

@@ -19,7 +19,7 @@ import (
 // overlap on its single agent connection, interrupted output never desynchronises the
 // connection, exec errors are typed, and an exec racing a Delete is ErrNotRunning.
 func TestExecMultiplexed(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	ctx := ctxT(t, 4*time.Minute)
 	vm, err := env.E.Create(ctx, engine.Spec{Name: "mx", CPUs: 1, MemoryMiB: 256, Forkable: true})
 	if err != nil {

@@ -108,7 +108,7 @@ func sameTrees(t *testing.T, want, got string) {
 // 3 MB file and a tree), a copy into a fork does not appear in its sibling or its world,
 // typed errors, and the world's console log.
 func TestFilesEngine(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	ctx := ctxT(t, 6*time.Minute)
 	w := makePinnedWorld(t, env.E, 256, 0)
 	f1, err := env.E.Fork(ctx, "ck", &engine.ForkOptions{Name: "f1"})

@@ -536,7 +536,7 @@ func TestCheckpointHandoff(t *testing.T) {
 // TestWarmPoolRestored checks forks taken from a pre-restored pool: the checkpoint's
 // files, the fork's own token, hostname and randomness.
 func TestWarmPoolRestored(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 256, 16)

@@ -25,7 +25,7 @@ import (
 // TestVMLifecycle boots a forkable VM with a disk and exercises exec, files, list and
 // delete through the engine API.
 func TestVMLifecycle(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	ctx := ctxT(t, 3*time.Minute)
 	vm, err := env.E.Create(ctx, engine.Spec{Name: "w1", CPUs: 2, MemoryMiB: 512, Forkable: true, DiskMiB: 64})
 	if err != nil {

@@ -66,11 +66,11 @@ func newEnv(t testing.TB, mod func(*engine.Config)) *testEnv {
 	return env
 }
 
-// parallelVMTest marks a long VM test parallel (go test runs such tests, two at a time
-// on this kind of machine, after the sequential ones) and returns the engine settings it
-// must use: host-wide admission counts the other parallel test's VMs too, so its vCPU
-// budget is raised to hold both. Only tests that check no budget, kill no process they
-// did not start and measure no time against another test's load are marked.
+// parallelVMTest marks a VM test parallel (go test runs such tests, -parallel at a
+// time, after the sequential ones) and returns the engine settings it must use:
+// host-wide admission counts the other parallel tests' VMs too, so its vCPU budget is
+// raised to hold them all. Only tests that check no budget, kill no process they did
+// not start and measure no time against another test's load are marked.
 func parallelVMTest(t *testing.T) func(*engine.Config) {
 	t.Parallel()
 	return roomy

@@ -78,7 +78,7 @@ func netWorld(t *testing.T, e *engine.Engine, name string, publish []engine.Port
 // the host's 127.0.0.1 as host.internal, with the addresses of the contract; a VM
 // without --net has no NIC at all.
 func TestNetHostInternal(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintf(w, "hello from the host, %s", r.URL.Path)
 	}))
@@ -122,7 +122,7 @@ func TestNetHostInternal(t *testing.T) {
 // refused with ErrPortInUse leaving nothing behind, and deleting the forks frees their
 // ports.
 func TestNetForkPublish(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	pw, p1, p2 := freePort(t), freePort(t), freePort(t)
@@ -197,7 +197,7 @@ func TestNetForkPublish(t *testing.T) {
 
 // TestNetForkMany: a wave with one published port per fork (ManyOptions.Publish).
 func TestNetForkMany(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	netWorld(t, e, "mw", nil)
@@ -304,7 +304,7 @@ func (s *connServer) waitLines(t *testing.T, want string) {
 // does not know the connection and answers with a reset), and the server sees no new
 // connection.
 func TestNetTCPAtCheckpoint(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	srv := newConnServer(t)
@@ -360,7 +360,7 @@ func TestNetTCPAtCheckpoint(t *testing.T) {
 // serving in a fork through the fork's published port, and the world reaches the host
 // as host.internal.
 func TestNetRootImage(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	img := debianImage(t, env)
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
@@ -406,7 +406,7 @@ func TestNetRootImage(t *testing.T) {
 // QEMU where page extraction is unsupported), and a fork of that checkpoint serves the
 // first fork's memory on a port of its own.
 func TestNetHandoffAndForkOfFork(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	pw, p1, p2 := freePort(t), freePort(t), freePort(t)

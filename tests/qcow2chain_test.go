@@ -12,7 +12,7 @@ import (
 // fork deleted, every qcow2 under the state directory opens on its own with qemu-img
 // (a checkpoint's layer named the deleted world's file as its backing).
 func TestQcow2ChainsOpenAlone(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 256, 16)

@@ -60,7 +60,7 @@ func runAsNobody(t *testing.T, args ...string) int {
 }
 
 func TestSecurityModes(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	makePinnedWorld(t, e, 256, 16)
@@ -317,7 +317,7 @@ func escapeNames(tok string) []string {
 }
 
 func TestSecurityEscapingNames(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	makePinnedWorld(t, e, 256, 16)

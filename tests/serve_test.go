@@ -34,7 +34,7 @@ import (
 // client (its forks are deleted), in_use, and deletes. The test environment's teardown
 // checks that nothing leaked.
 func TestServeDaemon(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	sock := serve.SocketPath(env.Home)
 	ln, err := serve.ListenUnix(sock)
 	if err != nil {

@@ -97,7 +97,7 @@ func TestCheckpointFileKeepsItsSize(t *testing.T) {
 // the guest touches little) reads none of its guest RAM through the checkpoint's file:
 // the file's storage, sampled all through the checkpoint, never grows.
 func TestCheckpointOfBigForkReadsNothing(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 8192, 0)
