@@ -138,9 +138,9 @@ func (f *Fleet) Nodes(ctx context.Context) ([]api.FleetNode, error) {
 	var out []api.FleetNode
 	err := retry(ctx, "list nodes", func(ctx context.Context) error {
 		out = out[:0]
-		return eachEntry(ctx, f.nodes, func(e jetstream.KeyValueEntry) {
+		return f.eachLatest(ctx, f.nodes, func(e leaderEntry) {
 			var n api.FleetNode
-			if json.Unmarshal(e.Value(), &n) == nil && !f.expired(n) {
+			if json.Unmarshal(e.value, &n) == nil && !f.expired(n) {
 				out = append(out, n)
 			}
 		})
@@ -225,33 +225,21 @@ func (f *Fleet) watchedNodes() (nodes []api.FleetNode, ok bool) {
 	return nodes, true
 }
 
-// eachEntry calls fn with every live entry of kv (none: no error).
-func eachEntry(ctx context.Context, kv jetstream.KeyValue, fn func(jetstream.KeyValueEntry)) error {
-	w, err := kv.WatchAll(ctx, jetstream.IgnoreDeletes())
-	if err != nil {
-		return err
-	}
-	defer w.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case e, ok := <-w.Updates():
-			if !ok {
-				return errors.New("fleet: watch closed")
-			}
-			if e == nil {
-				return nil // the initial values are done
-			}
-			fn(e)
-		}
-	}
-}
-
-// node reads one node's heartbeat; ok is false when it has expired.
+// node reads one node's heartbeat from the bucket's leader (a claim is taken over on
+// its word); ok is false when it has expired.
 func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool, err error) {
-	_, ok, err = getJSON(ctx, f.nodes, name, &n)
-	return n, ok && !f.expired(n), err
+	var e leaderEntry
+	err = retry(ctx, "get node "+name, func(ctx context.Context) error {
+		e, ok, err = f.leaderGet(ctx, f.nodes, name)
+		return err
+	})
+	if err != nil || !ok {
+		return n, false, err
+	}
+	if err := json.Unmarshal(e.value, &n); err != nil {
+		return n, false, fmt.Errorf("fleet: node %s: %w", name, err)
+	}
+	return n, !f.expired(n), nil
 }
 
 // expired says whether n's last heartbeat is older than the TTL though its key is still
@@ -297,9 +285,9 @@ func (f *Fleet) VMs(ctx context.Context) ([]api.FleetVM, error) {
 	var out []api.FleetVM
 	err = retry(ctx, "list claims", func(ctx context.Context) error {
 		out = out[:0]
-		return eachEntry(ctx, f.claims, func(e jetstream.KeyValueEntry) {
+		return f.eachLatest(ctx, f.claims, func(e leaderEntry) {
 			var c claim
-			if json.Unmarshal(e.Value(), &c) != nil {
+			if json.Unmarshal(e.value, &c) != nil {
 				return
 			}
 			v := api.FleetVM{Schema: api.FleetVMSchema, Name: c.Name, Node: c.Node, Checkpoint: c.Checkpoint, Wave: c.Wave,

@@ -417,8 +417,10 @@ func (w *wave) run(ctx context.Context, recs, nodeW jetstream.KeyWatcher, sub *n
 				continue
 			}
 			// An expiry while this node cannot judge (the bucket had no leader
-			// lately) is left to the node checks, which lose the node once it can.
-			if w.f.judging() && !r.lose(e.Key()) {
+			// lately) is left to the node checks, which lose the node once it can. The
+			// watch may be served by a replica still catching up (it replays what it
+			// missed), so the loss stands only if the bucket's leader agrees.
+			if w.f.judging() && !r.loseIfGone(e.Key()) {
 				return
 			}
 		case m := <-dead:
@@ -638,6 +640,20 @@ func (r *waveRun) checkNodes() bool {
 		r.doubt = time.Time{}
 	}
 	return true
+}
+
+// loseIfGone loses a node whose heartbeat the nodes watch saw removed, unless the
+// bucket's leader has a live heartbeat of it (the watch replayed an old expiry) or
+// cannot be read (the node checks judge it next tick). False when the wave's consumer
+// is gone.
+func (r *waveRun) loseIfGone(name string) bool {
+	ctx, cancel := context.WithTimeout(r.ctx, 3*callTimeout)
+	_, live, err := r.w.f.node(ctx, name)
+	cancel()
+	if err != nil || live {
+		return true
+	}
+	return r.lose(name)
 }
 
 // lose reports the ready forks of node lost as node_lost (and republishes them with

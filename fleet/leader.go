@@ -1,0 +1,125 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"golang.org/x/sync/errgroup"
+)
+
+// Reads a judgement rests on go to the bucket's stream leader. A listing through a
+// watch is an R1 ordered consumer, which the cluster places on any replica of the
+// stream, and a direct get may be answered by any replica at least 90% caught up; a
+// node that just restarted serves what it held when it died until it has caught up.
+// Right after a node restarted, a listing of the claims once showed them as they were
+// before a takeover, and one of the heartbeats showed no live node at all (the wave
+// was refused). The leader answers a stream's subjects and each subject's last
+// message with everything the stream has committed.
+
+// leaderGets bounds the last-message reads one listing has in flight.
+const leaderGets = 16
+
+// leaderEntry is one key of a bucket as its stream's leader has it.
+type leaderEntry struct {
+	key   string
+	rev   uint64
+	value []byte
+}
+
+// eachLatest calls fn with every live entry of kv (deleted, purged and expired keys
+// left out), as the stream's leader has them; fn is called from one goroutine at a
+// time.
+func (f *Fleet) eachLatest(ctx context.Context, kv jetstream.KeyValue, fn func(leaderEntry)) error {
+	stream, prefix := "KV_"+kv.Bucket(), "$KV."+kv.Bucket()+"."
+	s, err := f.js.Stream(ctx, stream)
+	if err != nil {
+		return err
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(prefix+">"))
+	if err != nil {
+		return err
+	}
+	var mu sync.Mutex
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(leaderGets)
+	for subj := range info.State.Subjects {
+		g.Go(func() error {
+			e, ok, err := f.leaderLast(gctx, stream, subj)
+			if err != nil || !ok {
+				return err
+			}
+			e.key = strings.TrimPrefix(subj, prefix)
+			mu.Lock()
+			defer mu.Unlock()
+			fn(e)
+			return nil
+		})
+	}
+	return g.Wait()
+}
+
+// leaderGet reads key's value in kv from the stream's leader; ok is false when the key
+// has none (never written, deleted, purged or expired).
+func (f *Fleet) leaderGet(ctx context.Context, kv jetstream.KeyValue, key string) (leaderEntry, bool, error) {
+	e, ok, err := f.leaderLast(ctx, "KV_"+kv.Bucket(), "$KV."+kv.Bucket()+"."+key)
+	e.key = key
+	return e, ok, err
+}
+
+// msgGetResponse is JetStream's answer to $JS.API.STREAM.MSG.GET.
+type msgGetResponse struct {
+	Message *struct {
+		Seq    uint64 `json:"seq"`
+		Header []byte `json:"hdrs"`
+		Data   []byte `json:"data"`
+	} `json:"message"`
+	Error *struct {
+		Code        int    `json:"code"`
+		ErrCode     int    `json:"err_code"`
+		Description string `json:"description"`
+	} `json:"error"`
+}
+
+// leaderLast reads the last message of subj in stream through the stream's leader (the
+// API's message get, not a direct get); ok is false when there is none or it marks
+// the key deleted, purged or expired.
+func (f *Fleet) leaderLast(ctx context.Context, stream, subj string) (leaderEntry, bool, error) {
+	req, err := json.Marshal(struct {
+		LastBySubject string `json:"last_by_subj"`
+	}{subj})
+	if err != nil {
+		return leaderEntry{}, false, err
+	}
+	msg, err := f.nc.RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+stream, req)
+	if err != nil {
+		return leaderEntry{}, false, fmt.Errorf("fleet: read %s: %w", subj, err)
+	}
+	var resp msgGetResponse
+	if err := json.Unmarshal(msg.Data, &resp); err != nil {
+		return leaderEntry{}, false, fmt.Errorf("fleet: read %s: %w", subj, err)
+	}
+	if resp.Error != nil {
+		if resp.Error.Code == 404 {
+			return leaderEntry{}, false, nil
+		}
+		return leaderEntry{}, false, fmt.Errorf("fleet: read %s: %s (%d)", subj, resp.Error.Description, resp.Error.ErrCode)
+	}
+	if resp.Message == nil {
+		return leaderEntry{}, false, fmt.Errorf("fleet: read %s: empty answer", subj)
+	}
+	if len(resp.Message.Header) > 0 {
+		h, err := nats.DecodeHeadersMsg(resp.Message.Header)
+		if err != nil {
+			return leaderEntry{}, false, fmt.Errorf("fleet: read %s: %w", subj, err)
+		}
+		if op := h.Get("KV-Operation"); op == "DEL" || op == "PURGE" || h.Get("Nats-Marker-Reason") != "" {
+			return leaderEntry{}, false, nil
+		}
+	}
+	return leaderEntry{rev: resp.Message.Seq, value: resp.Message.Data}, true, nil
+}
