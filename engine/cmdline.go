@@ -336,7 +336,8 @@ func (l launch) named(paths layout, name string) launch {
 // linuxboot option ROM, a RAM block the migration stream expects. A stub with a valid
 // boot header keeps the machine identical while sparing every fork's QEMU the ~12 MB
 // heap copy of the real kernel.
-// Non-bzImage kernels (arm64 Image) are not stubbed: forks use the real one.
+// Other kernels are not stubbed: forks use the real one (an arm64 Image, or the x86
+// kernel ELF a guest image boots through PVH, whose segments QEMU maps from the file).
 func writeStubKernel(src, dst string) (bool, error) {
 	f, err := os.Open(src)
 	if err != nil {

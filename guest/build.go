@@ -2,7 +2,6 @@ package guest
 
 import (
 	"bytes"
-	"compress/gzip"
 	"context"
 	"crypto/sha256"
 	"debug/elf"
@@ -40,7 +39,7 @@ type Image = guestboot.Image
 type imageMeta = guestboot.ImageMeta
 
 const (
-	imageFormat    = "forkvm-image-v1"
+	imageFormat    = "forkvm-image-v2"
 	guestModulesFn = "etc/forkvm/modules"
 	guestKverFn    = "etc/forkvm/kernel-version"
 )
@@ -117,17 +116,12 @@ func Build(ctx context.Context, cfg *Config) (*Image, error) {
 
 	imagesDir := filepath.Join(c.CacheDir, "images")
 	dir := filepath.Join(imagesDir, hash[:16])
-	img := &Image{
-		Dir:           dir,
-		Kernel:        filepath.Join(dir, "vmlinuz"),
-		Initrd:        filepath.Join(dir, "initrd.gz"),
-		KernelVersion: k.Version,
-		Hash:          hash,
-	}
-	if imageComplete(img) {
+	img, err := guestboot.LoadImage(dir)
+	if err == nil {
 		logf("image %s is cached (%s)", hash[:16], time.Since(start).Round(time.Millisecond))
 	} else {
-		if err := writeImage(imagesDir, img, k, cpio, guestMods); err != nil {
+		img = &Image{Dir: dir, KernelVersion: k.Version, Hash: hash}
+		if err := writeImage(imagesDir, img, k, vmlinuz, cpio, guestMods, logf); err != nil {
 			return nil, err
 		}
 		logf("built image %s in %s", hash[:16], time.Since(start).Round(time.Millisecond))
@@ -275,24 +269,10 @@ func isDynamicELF(b []byte) bool {
 // imageComplete reports whether img's files are all there.
 func imageComplete(img *Image) bool { return guestboot.ImageComplete(img) }
 
-// gzipBytes compresses deterministically: no name, zero mtime.
-func gzipBytes(data []byte) ([]byte, error) {
-	var buf bytes.Buffer
-	zw, err := gzip.NewWriterLevel(&buf, gzip.BestCompression)
-	if err != nil {
-		return nil, err
-	}
-	zw.Header = gzip.Header{OS: 255}
-	if _, err := zw.Write(data); err != nil {
-		return nil, err
-	}
-	if err := zw.Close(); err != nil {
-		return nil, err
-	}
-	return buf.Bytes(), nil
-}
-
-func writeImage(imagesDir string, img *Image, k *Kernel, cpio []byte, guestMods []string) error {
+// writeImage writes img's directory (img.Dir, atomically) and sets img.Kernel and
+// img.Initrd: the kernel ELF inside vmlinuz when it boots through PVH (else vmlinuz
+// itself) and the initramfs uncompressed (see pvh.go).
+func writeImage(imagesDir string, img *Image, k *Kernel, vmlinuz, cpio []byte, guestMods []string, logf func(string, ...any)) error {
 	if err := os.MkdirAll(imagesDir, 0o755); err != nil {
 		return fmt.Errorf("guest: creating image cache: %w", err)
 	}
@@ -304,15 +284,21 @@ func writeImage(imagesDir string, img *Image, k *Kernel, cpio []byte, guestMods 
 	if err := os.Chmod(tmp, 0o755); err != nil {
 		return err
 	}
-	gz, err := gzipBytes(cpio)
-	if err != nil {
+	const initrd = "initrd.cpio"
+	if err := os.WriteFile(filepath.Join(tmp, initrd), cpio, 0o644); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(tmp, "initrd.gz"), gz, 0o644); err != nil {
-		return err
-	}
-	if err := linkOrCopy(k.Vmlinuz, filepath.Join(tmp, "vmlinuz")); err != nil {
-		return fmt.Errorf("guest: copying kernel: %w", err)
+	kernel := "vmlinux"
+	if elf, err := pvhKernel(vmlinuz); err == nil {
+		if err := os.WriteFile(filepath.Join(tmp, kernel), elf, 0o644); err != nil {
+			return err
+		}
+	} else {
+		logf("booting the bzImage: %v", err)
+		kernel = "vmlinuz"
+		if err := linkOrCopy(k.Vmlinuz, filepath.Join(tmp, kernel)); err != nil {
+			return fmt.Errorf("guest: copying kernel: %w", err)
+		}
 	}
 	meta := imageMeta{
 		Hash:                 img.Hash,
@@ -320,9 +306,12 @@ func writeImage(imagesDir string, img *Image, k *Kernel, cpio []byte, guestMods 
 		KernelPackage:        k.Package,
 		KernelPackageVersion: k.PackageVersion,
 		Modules:              guestMods,
-		InitrdBytes:          int64(len(gz)),
+		InitrdBytes:          int64(len(cpio)),
 		CpioBytes:            int64(len(cpio)),
+		Kernel:               kernel,
+		Initrd:               initrd,
 	}
+	img.Kernel, img.Initrd = filepath.Join(img.Dir, kernel), filepath.Join(img.Dir, initrd)
 	b, _ := json.MarshalIndent(meta, "", "  ")
 	if err := os.WriteFile(filepath.Join(tmp, "image.json"), append(b, '\n'), 0o644); err != nil {
 		return err

@@ -3,11 +3,9 @@ package guest
 import (
 	"archive/tar"
 	"bytes"
-	"compress/gzip"
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -69,24 +67,6 @@ func parseCpio(b []byte) ([]cpioRecord, error) {
 			return out, nil
 		}
 	}
-}
-
-func gunzip(t *testing.T, name string) []byte {
-	t.Helper()
-	f, err := os.Open(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	zr, err := gzip.NewReader(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := io.ReadAll(zr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
 }
 
 func xzBytes(t *testing.T, b []byte) []byte {

@@ -1,6 +1,7 @@
 package guestboot
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -84,8 +85,8 @@ func DefaultCacheDir() string {
 // Image is a built guest image in the cache.
 type Image struct {
 	Dir           string // cache directory of the image
-	Kernel        string // path of vmlinuz
-	Initrd        string // path of initrd.gz
+	Kernel        string // path of the kernel (ImageMeta.Kernel)
+	Initrd        string // path of the initramfs (ImageMeta.Initrd)
 	KernelVersion string // kernel release
 	Hash          string // hex sha256 content hash; Dir is named by its first 16 digits
 }
@@ -99,6 +100,12 @@ type ImageMeta struct {
 	Modules              []string `json:"modules"`
 	InitrdBytes          int64    `json:"initrdBytes"`
 	CpioBytes            int64    `json:"cpioBytes"`
+	// Kernel and Initrd name the image's kernel and initramfs files in its directory:
+	// an uncompressed ELF kernel booted through its PVH entry ("vmlinux") or a bzImage
+	// ("vmlinuz"), and an uncompressed ("initrd.cpio") or gzip ("initrd.gz") newc
+	// archive. Empty (images of format v1): vmlinuz and initrd.gz.
+	Kernel string `json:"kernel,omitempty"`
+	Initrd string `json:"initrd,omitempty"`
 }
 
 // ImageComplete reports whether img's kernel, initramfs and image.json are all there.
@@ -127,7 +134,12 @@ func Current(cacheDir string) (*Image, error) {
 	if name == "" || strings.ContainsAny(name, "/\\") || strings.HasPrefix(name, ".") {
 		return nil, fmt.Errorf("%w: corrupt %s", ErrNoImage, filepath.Join(imagesDir, "current"))
 	}
-	dir := filepath.Join(imagesDir, name)
+	return LoadImage(filepath.Join(imagesDir, name))
+}
+
+// LoadImage returns the image in dir as its image.json describes it, or an error
+// wrapping ErrNoImage when that cannot be read or a file is missing.
+func LoadImage(dir string) (*Image, error) {
 	mb, err := os.ReadFile(filepath.Join(dir, "image.json"))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrNoImage, err)
@@ -136,10 +148,16 @@ func Current(cacheDir string) (*Image, error) {
 	if err := json.Unmarshal(mb, &m); err != nil {
 		return nil, fmt.Errorf("%w: corrupt %s: %v", ErrNoImage, filepath.Join(dir, "image.json"), err)
 	}
+	kernel, initrd := cmp.Or(m.Kernel, "vmlinuz"), cmp.Or(m.Initrd, "initrd.gz")
+	for _, f := range []string{kernel, initrd} {
+		if f != filepath.Base(f) || strings.HasPrefix(f, ".") {
+			return nil, fmt.Errorf("%w: corrupt %s: file name %q", ErrNoImage, filepath.Join(dir, "image.json"), f)
+		}
+	}
 	img := &Image{
 		Dir:           dir,
-		Kernel:        filepath.Join(dir, "vmlinuz"),
-		Initrd:        filepath.Join(dir, "initrd.gz"),
+		Kernel:        filepath.Join(dir, kernel),
+		Initrd:        filepath.Join(dir, initrd),
 		KernelVersion: m.KernelVersion,
 		Hash:          m.Hash,
 	}
