@@ -2,7 +2,6 @@ package guest
 
 import (
 	"bytes"
-	"compress/gzip"
 	"debug/elf"
 	"encoding/binary"
 	"errors"
@@ -69,17 +68,6 @@ func zstdBytes(t *testing.T, b []byte) []byte {
 	return e.EncodeAll(b, nil)
 }
 
-func gzipped(t *testing.T, b []byte) []byte {
-	t.Helper()
-	var buf bytes.Buffer
-	w := gzip.NewWriter(&buf)
-	w.Write(b)
-	if err := w.Close(); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
-}
-
 func TestPVHKernel(t *testing.T) {
 	kernel := fakeELF("Xen", xenElfnotePhys32Entry, 5000)
 	noPVH := fakeELF("Xen", 6, 100)    // a Xen note of another type
@@ -91,7 +79,7 @@ func TestPVHKernel(t *testing.T) {
 	}{
 		{"zstd", fakeBzImage(withSize(zstdBytes(t, kernel), len(kernel))), kernel},
 		{"xz", fakeBzImage(withSize(xzBytes(t, kernel), len(kernel))), kernel},
-		{"gzip", fakeBzImage(gzipped(t, kernel)), kernel},
+		{"gzip", fakeBzImage(gzipOf(t, kernel)), kernel},
 		{"zstd, size trailer wrong", fakeBzImage(withSize(zstdBytes(t, kernel), len(kernel)+1)), nil},
 		{"no PVH note", fakeBzImage(withSize(zstdBytes(t, noPVH), len(noPVH))), nil},
 		{"note of another owner", fakeBzImage(withSize(zstdBytes(t, linux), len(linux))), nil},
