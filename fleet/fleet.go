@@ -415,11 +415,20 @@ func (f *Fleet) ensureStream(ctx context.Context, classID string) error {
 // retries are spent, callRetries of them and, unless the connection is closed, at
 // least electionWait (then ErrUnavailable). ctx bounds it all.
 func retry(ctx context.Context, what string, fn func(ctx context.Context) error) error {
+	return retryEach(ctx, what, callTimeout, fn)
+}
+
+// listTimeout bounds one try of a listing read from a stream's leader (eachLatest):
+// one request per key, each bounded by callTimeout.
+const listTimeout = 10 * callTimeout
+
+// retryEach is retry with each try bounded by timeout.
+func retryEach(ctx context.Context, what string, timeout time.Duration, fn func(ctx context.Context) error) error {
 	var err error
 	backoff := 100 * time.Millisecond
 	start := time.Now()
 	for attempt := 0; attempt < callRetries || (time.Since(start) < electionWait && !errors.Is(err, nats.ErrConnectionClosed)); attempt++ {
-		cctx, cancel := context.WithTimeout(ctx, callTimeout)
+		cctx, cancel := context.WithTimeout(ctx, timeout)
 		err = fn(cctx)
 		cancel()
 		if err == nil || final(err) {

@@ -95,6 +95,8 @@ func (f *Fleet) leaderLast(ctx context.Context, stream, subj string) (leaderEntr
 	if err != nil {
 		return leaderEntry{}, false, err
 	}
+	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	defer cancel()
 	msg, err := f.nc.RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+stream, req)
 	if err != nil {
 		return leaderEntry{}, false, fmt.Errorf("fleet: read %s: %w", subj, err)

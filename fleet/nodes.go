@@ -136,7 +136,7 @@ func (f *Fleet) budget() (total, free int, mem api.MemoryBudget) {
 // Nodes lists the live nodes (those whose heartbeat has not expired), by name.
 func (f *Fleet) Nodes(ctx context.Context) ([]api.FleetNode, error) {
 	var out []api.FleetNode
-	err := retry(ctx, "list nodes", func(ctx context.Context) error {
+	err := retryEach(ctx, "list nodes", listTimeout, func(ctx context.Context) error {
 		out = out[:0]
 		return f.eachLatest(ctx, f.nodes, func(e leaderEntry) {
 			var n api.FleetNode
@@ -283,7 +283,7 @@ func (f *Fleet) VMs(ctx context.Context) ([]api.FleetVM, error) {
 	}
 	judging := f.judging()
 	var out []api.FleetVM
-	err = retry(ctx, "list claims", func(ctx context.Context) error {
+	err = retryEach(ctx, "list claims", listTimeout, func(ctx context.Context) error {
 		out = out[:0]
 		return f.eachLatest(ctx, f.claims, func(e leaderEntry) {
 			var c claim

@@ -342,6 +342,7 @@ func (ss *session) startExec(f Frame) {
 	if st == nil { // cannot happen: only this goroutine adds streams
 		p.kill()
 		p.closeFiles()
+		p.releaseCgroup()
 		return
 	}
 	// ExecStarted must precede any output, so send it before the pumps run.
