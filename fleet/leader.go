@@ -35,7 +35,7 @@ type leaderEntry struct {
 // left out), as the stream's leader has them; fn is called from one goroutine at a
 // time.
 func (f *Fleet) eachLatest(ctx context.Context, kv jetstream.KeyValue, fn func(leaderEntry)) error {
-	stream, prefix := "KV_"+kv.Bucket(), "$KV."+kv.Bucket()+"."
+	stream, prefix := kvStream(kv)
 	s, err := f.js.Stream(ctx, stream)
 	if err != nil {
 		return err
@@ -66,9 +66,15 @@ func (f *Fleet) eachLatest(ctx context.Context, kv jetstream.KeyValue, fn func(l
 // leaderGet reads key's value in kv from the stream's leader; ok is false when the key
 // has none (never written, deleted, purged or expired).
 func (f *Fleet) leaderGet(ctx context.Context, kv jetstream.KeyValue, key string) (leaderEntry, bool, error) {
-	e, ok, err := f.leaderLast(ctx, "KV_"+kv.Bucket(), "$KV."+kv.Bucket()+"."+key)
+	stream, prefix := kvStream(kv)
+	e, ok, err := f.leaderLast(ctx, stream, prefix+key)
 	e.key = key
 	return e, ok, err
+}
+
+// kvStream names the stream that holds bucket kv and the subject prefix of its keys.
+func kvStream(kv jetstream.KeyValue) (stream, prefix string) {
+	return "KV_" + kv.Bucket(), "$KV." + kv.Bucket() + "."
 }
 
 // msgGetResponse is JetStream's answer to $JS.API.STREAM.MSG.GET.

@@ -117,6 +117,7 @@ func (f *Fleet) classNodes(ctx context.Context, class string) (live, biggest int
 		if err != nil {
 			return 0, 0, err
 		}
+		live, biggest = 0, 0
 		others := len(nodes)
 		if i := slices.IndexFunc(nodes, func(n api.FleetNode) bool { return n.Name == f.cfg.Node }); i >= 0 {
 			others--
