@@ -322,7 +322,9 @@ type CheckpointTimings struct {
 	Migrate time.Duration `json:"migrate_ns"`
 	Freeze  time.Duration `json:"freeze_ns"` // RAM frozen
 	Disk    time.Duration `json:"disk_ns"`   // disk frozen
-	// Extract is a delta checkpoint's page extraction (part of Freeze).
+	// Extract is a delta checkpoint's page extraction: the copy of the fork's private
+	// pages while the guest is stopped (Freeze), and their comparison with the lineage
+	// and the layer's writes once it runs again.
 	Extract time.Duration `json:"extract_ns,omitempty"`
 	Paused  time.Duration `json:"paused_ns"` // guest not running
 	Total   time.Duration `json:"total_ns"`

@@ -184,7 +184,11 @@ func (resumes) disk(ctx context.Context, vm *VM, s *vmState, w *ckWriter) ckDisk
 }
 
 // runCheckpoint takes a checkpoint of vm of kind k through its stages (see ckKind).
-func runCheckpoint(ctx context.Context, vm *VM, w *ckWriter, k ckKind) error {
+func runCheckpoint(ctx context.Context, vm *VM, w *ckWriter, k ckKind) (err error) {
+	if r, ok := k.(interface{ release() }); ok {
+		// What the kind holds in memory for its finish (deltaCheckpoint's capture).
+		defer r.release()
+	}
 	if err := k.prepare(ctx, vm, w); err != nil {
 		return err
 	}

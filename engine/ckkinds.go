@@ -67,6 +67,10 @@ type deltaCheckpoint struct {
 	baseLayers int      // how many of the lineage's layers that file already holds
 	ancestors  []string // the ancestors' layers, to read while paused
 	ownName    string   // this checkpoint's own layer, in its layer directory
+	// base is the lineage's file below the layers compared, and capture the pages
+	// copied while the guest was stopped (paused), written by finish.
+	base    string
+	capture *memfile.Capture
 	// early, when set, is called once the lineage is linked, with the state of the fork
 	// being checkpointed (a fork of the checkpoint may start its QEMU then: see
 	// earlyFork).
@@ -115,6 +119,7 @@ func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) erro
 		ck.Layers = append(ck.Layers, l)
 	}
 	d.ownName = layerFile(len(pm.Layers), ck.Name)
+	d.prepareCapture(m)
 	if d.early != nil {
 		d.early(w, m)
 	}
@@ -128,29 +133,83 @@ func (*deltaCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) erro
 	return p.saveDevices(ctx, w.statePath())
 }
 
-// paused extracts the fork's own pages (s is the VM's state, under its lock).
+// captureMaxBytes bounds the private pages a delta checkpoint copies into the engine's
+// memory while the guest is stopped (memfile.CaptureDelta): beyond it the pages are
+// compared and written with the guest stopped (memfile.ExtractDelta), which costs the
+// pause more but the host no transient copy.
+const captureMaxBytes = 256 << 20
+
+// prepareCapture readies the copy of the fork's private pages (memfile.PrepareCapture)
+// while its guest runs, m being its state: without one (too many pages, or no mapping
+// found) paused extracts the pages with the guest stopped.
+func (d *deltaCheckpoint) prepareCapture(m vmState) {
+	var upper []string
+	d.base, upper = deltaBase(d.e.paths, d.parent, d.ramMapped, d.baseLayers, d.ancestors)
+	addr, err := memfile.FindMapping(m.PID, d.ramMapped, d.parent.RAMSize)
+	if err == nil {
+		d.capture, err = memfile.PrepareCapture(m.PID, addr, d.parent.RAMSize, upper, captureMaxBytes)
+	}
+	if err != nil {
+		d.capture = nil
+		d.e.log.Debug("checkpoint: pages extracted with the guest stopped", "vm", m.Launch.Name, "why", err)
+	}
+}
+
+// paused copies the fork's private pages (s is the VM's state, under its lock) to be
+// compared with the lineage once the guest runs again (finish), or, without a capture
+// or above captureMaxBytes, extracts them into the layer now.
 func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckWriter) (func(), error) {
 	ck, pm := w.ck, d.parent
 	t := time.Now()
 	defer w.phase("freeze")()
-	addr, err := memfile.FindMapping(s.PID, d.ramMapped, ck.RAMSize)
-	if err == nil {
-		// Against the file the fork maps and the layers above it (deltaBase).
-		base, upper := deltaBase(d.e.paths, pm, d.ramMapped, d.baseLayers, d.ancestors)
-		_, err = memfile.ExtractDelta(s.PID, addr, ck.RAMSize, base, upper, filepath.Join(w.layersTmp, d.ownName))
+	var err error
+	if d.capture != nil {
+		if err = d.capture.Take(); errors.Is(err, memfile.ErrCaptureTooLarge) {
+			d.release()
+			err = nil
+		}
+	}
+	if err == nil && d.capture == nil {
+		var addr uint64
+		addr, err = memfile.FindMapping(s.PID, d.ramMapped, ck.RAMSize)
+		if err == nil {
+			_, upper := deltaBase(d.e.paths, pm, d.ramMapped, d.baseLayers, d.ancestors)
+			_, err = memfile.ExtractDelta(s.PID, addr, ck.RAMSize, d.base, upper, filepath.Join(w.layersTmp, d.ownName))
+		}
 	}
 	ck.Timings.Extract = time.Since(t)
 	ck.Timings.Freeze = ck.Timings.Extract
 	if err != nil {
 		return nil, fmt.Errorf("extract pages: %w", err)
 	}
-	return nil, nil
+	return d.release, nil
 }
 
-// finish records the checkpoint's own layer.
+// release gives back the pages paused captured, if any.
+func (d *deltaCheckpoint) release() {
+	if d.capture != nil {
+		d.capture.Release()
+		d.capture = nil
+	}
+}
+
+// finish writes the captured pages that differ from the lineage into the checkpoint's
+// own layer (the guest runs meanwhile) and records the layer.
 func (d *deltaCheckpoint) finish(ctx context.Context, vm *VM, w *ckWriter) error {
 	ck := w.ck
-	sum, size, err := memfile.LayerDigest(filepath.Join(w.layersTmp, d.ownName))
+	own := filepath.Join(w.layersTmp, d.ownName)
+	if d.capture != nil {
+		defer d.release()
+		t := time.Now()
+		end := w.phase("write-delta")
+		_, err := d.capture.WriteDelta(d.base, own)
+		end()
+		ck.Timings.Extract += time.Since(t)
+		if err != nil {
+			return fmt.Errorf("engine: checkpoint %s: write pages: %w", vm.Name(), err)
+		}
+	}
+	sum, size, err := memfile.LayerDigest(own)
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.Name(), err)
 	}

@@ -13,6 +13,10 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // Pagemap bits (Documentation/admin-guide/mm/pagemap.rst).
@@ -151,18 +155,258 @@ func ExtractDelta(pid int, addr uint64, size int64, base string, layers []string
 		return nil, fmt.Errorf("memfile: mem: %w", err)
 	}
 	defer mem.Close()
+	st := &ExtractStats{Candidates: int64(len(cand)), PagemapScan: scanned}
+	if err := writeDelta(memSource(pid, mem, addr), cand, own, size, base, layers, out, st); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// extractWorkers bounds the goroutines of one extraction: the process is stopped while
+// its pages are extracted, so its CPUs are idle and the copy spreads over them.
+const extractWorkers = 4
+
+// pageSource yields the current content of candidate pages: run n pages from the
+// candidate at index i (guest page first), in dst or a slice of its own.
+type pageSource func(i, n int, first int64, dst []byte) ([]byte, error)
+
+// memSource reads candidate pages from process pid's memory (mem, /proc/PID/mem) at addr.
+func memSource(pid int, mem *os.File, addr uint64) pageSource {
+	return func(_, _ int, first int64, dst []byte) ([]byte, error) {
+		if _, err := mem.ReadAt(dst, int64(addr)+first*PageSize); err != nil {
+			return nil, fmt.Errorf("memfile: read guest page %d of process %d: %w", first, pid, err)
+		}
+		return dst, nil
+	}
+}
+
+// parallelRuns runs fn over up to extractWorkers (at most the host's CPUs) contiguous
+// slices [lo, hi) of n candidates at once; below minPerWorker candidates a slice, one
+// goroutine costs more than it saves.
+func parallelRuns(n int, fn func(lo, hi int) error) error {
+	const minPerWorker = 2048 // pages (8 MiB)
+	w := min(extractWorkers, runtime.NumCPU(), n/minPerWorker)
+	if w <= 1 {
+		return fn(0, n)
+	}
+	errs := make([]error, w)
+	var wg sync.WaitGroup
+	for i := range w {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = fn(n*i/w, n*(i+1)/w)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// copyDifferingParallel runs copyDiffering over contiguous slices of the candidates at
+// once (parallelRuns); each writes its own pages of o (pwrite at the page's offset), so
+// the layer is the same as one copyDiffering's.
+func copyDifferingParallel(src pageSource, cand []int64, own []int16, files []*os.File, o *os.File, st *ExtractStats) error {
+	var written atomic.Int64
+	err := parallelRuns(len(cand), func(lo, hi int) error {
+		var part ExtractStats
+		err := copyDiffering(src, cand, lo, hi, own, files, o, &part)
+		written.Add(part.Written)
+		return err
+	})
+	st.Written += written.Load()
+	return err
+}
+
+// Capture is a stopped process's ExtractDelta candidates copied into this process's
+// memory, so that the process runs on while they are compared with the lineage and
+// written (WriteDelta): its pause costs the copy of what it wrote, not the comparison
+// with the lineage's files and the layer's writes. PrepareCapture allocates and faults
+// in the copy's memory while the process runs (a page fault costs microseconds, more in
+// a virtual machine: the pause should not pay them); Take copies; Release gives the
+// memory back.
+type Capture struct {
+	pid    int
+	addr   uint64
+	size   int64
+	max    int64
+	layers []string
+	own    []int16
+	held   []int64
+	cand   []int64
+	buf    []byte // mmapped, faulted in; its first len(cand) pages hold the candidates
+	st     ExtractStats
+}
+
+// PrepareCapture makes the Capture of process pid's private mapping at addr (size
+// bytes) over the lineage's layers above the file it maps, with memory for the
+// candidate pages the process holds now and room to grow (a quarter more, at least
+// 8 MiB), at most maxBytes (ErrCaptureTooLarge when the candidates exceed it already).
+// The process may run.
+func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {
+	pages := size / PageSize
+	own, held, err := owners(layers, pages)
+	if err != nil {
+		return nil, err
+	}
+	cand, _, err := privatePages(pid, addr, pages, own, held)
+	if err != nil {
+		return nil, err
+	}
+	c := &Capture{pid: pid, addr: addr, size: size, max: maxBytes, layers: slices.Clone(layers), own: own, held: held}
+	n := int64(len(cand)) * PageSize
+	if n > maxBytes {
+		return nil, fmt.Errorf("%w: %d MiB of candidate pages, bound %d MiB", ErrCaptureTooLarge, n>>20, maxBytes>>20)
+	}
+	if err := c.grow(min(max(n+n/4, n+8<<20), maxBytes)); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// grow replaces the buffer by one of n bytes (rounded up to pages), faulted in.
+func (c *Capture) grow(n int64) error {
+	n = (n + PageSize - 1) / PageSize * PageSize
+	c.Release()
+	if n == 0 {
+		return nil
+	}
+	b, err := syscall.Mmap(-1, 0, int(n), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANONYMOUS|syscall.MAP_POPULATE)
+	if err != nil {
+		return fmt.Errorf("memfile: capture buffer: %w", err)
+	}
+	c.buf = b
+	return nil
+}
+
+// Take copies the process's candidate pages (it should be stopped; it may run again
+// once Take returned): ErrCaptureTooLarge when they exceed the bound, the buffer
+// grown (faulting in, in the pause) when they exceed what PrepareCapture saw.
+func (c *Capture) Take() error {
+	cand, scanned, err := privatePages(c.pid, c.addr, c.size/PageSize, c.own, c.held)
+	if err != nil {
+		return err
+	}
+	n := int64(len(cand)) * PageSize
+	if n > c.max {
+		return fmt.Errorf("%w: %d MiB of candidate pages, bound %d MiB", ErrCaptureTooLarge, n>>20, c.max>>20)
+	}
+	if n > int64(len(c.buf)) {
+		if err := c.grow(n); err != nil {
+			return err
+		}
+	}
+	c.cand, c.st = cand, ExtractStats{Candidates: int64(len(cand)), PagemapScan: scanned}
+	return parallelRuns(len(cand), func(lo, hi int) error { return c.read(c.pid, c.addr, lo, hi) })
+}
+
+// CaptureDelta is PrepareCapture and Take at once, the process stopped.
+func CaptureDelta(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {
+	c, err := PrepareCapture(pid, addr, size, layers, maxBytes)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.Take(); err != nil {
+		c.Release()
+		return nil, err
+	}
+	return c, nil
+}
+
+// read copies candidates cand[lo:hi] of process pid (mapping at addr) into the buffer
+// with process_vm_readv, up to IOV_MAX runs per call: /proc/PID/mem would cost a
+// system call and a page-table walk per run, and a fork's writes are scattered runs.
+func (c *Capture) read(pid int, addr uint64, lo, hi int) error {
+	const iovMax = 1024
+	local := make([]unix.Iovec, 1)
+	remote := make([]unix.RemoteIovec, 0, iovMax)
+	for i := lo; i < hi; {
+		remote = remote[:0]
+		j := i
+		_ = eachRun(c.cand, i, hi, 1<<10, func(k, n int) error {
+			if len(remote) == iovMax {
+				return errStop
+			}
+			remote = append(remote, unix.RemoteIovec{Base: uintptr(addr + uint64(c.cand[k])*PageSize), Len: n * PageSize})
+			j = k + n
+			return nil
+		})
+		want := int64(j-i) * PageSize
+		local[0].Base = &c.buf[int64(i)*PageSize]
+		local[0].SetLen(int(want))
+		got, err := unix.ProcessVMReadv(pid, local, remote, 0)
+		if err != nil {
+			return fmt.Errorf("memfile: read guest pages of process %d: %w", pid, err)
+		}
+		if int64(got) != want {
+			return fmt.Errorf("memfile: read guest pages of process %d: %d of %d bytes", pid, got, want)
+		}
+		i = j
+	}
+	return nil
+}
+
+// errStop ends an eachRun early.
+var errStop = errors.New("stop")
+
+// Bytes is the memory the captured pages take.
+func (c *Capture) Bytes() int64 { return int64(len(c.cand)) * PageSize }
+
+// WriteDelta writes to out (created sparse, the guest's size) the captured pages whose
+// content differs from what the lineage holds for them, as ExtractDelta does: base is the
+// file the process maps, below the layers CaptureDelta was given.
+func (c *Capture) WriteDelta(base, out string) (*ExtractStats, error) {
+	if int64(len(c.buf)) < c.Bytes() {
+		return nil, fmt.Errorf("memfile: capture released or not taken")
+	}
+	st := c.st
+	src := func(i, n int, _ int64, _ []byte) ([]byte, error) {
+		return c.buf[int64(i)*PageSize : int64(i+n)*PageSize], nil
+	}
+	if err := writeDelta(src, c.cand, c.own, c.size, base, c.layers, out, &st); err != nil {
+		return nil, err
+	}
+	return &st, nil
+}
+
+// Release unmaps the captured pages.
+func (c *Capture) Release() {
+	if c.buf != nil {
+		syscall.Munmap(c.buf)
+		c.buf = nil
+	}
+}
+
+// eachRun calls fn for each run of consecutive candidate pages among cand[lo:hi], at
+// most maxRun pages each: fn(i, n) covers cand[i..i+n).
+func eachRun(cand []int64, lo, hi, maxRun int, fn func(i, n int) error) error {
+	for i := lo; i < hi; {
+		j := i + 1
+		for j < hi && j-i < maxRun && cand[j] == cand[j-1]+1 {
+			j++
+		}
+		if err := fn(i, j-i); err != nil {
+			return err
+		}
+		i = j
+	}
+	return nil
+}
+
+// writeDelta opens the lineage (base, then layers) and out and writes the candidates
+// that differ from it (copyDifferingParallel); out is removed on failure.
+func writeDelta(src pageSource, cand []int64, own []int16, size int64, base string, layers []string, out string, st *ExtractStats) error {
 	files := make([]*os.File, len(layers)+1) // [0] base, [i+1] layers[i]
 	for i, p := range append([]string{base}, layers...) {
 		f, err := os.Open(p)
 		if err != nil {
-			return nil, fmt.Errorf("memfile: lineage: %w", err)
+			return fmt.Errorf("memfile: lineage: %w", err)
 		}
 		defer f.Close()
 		files[i] = f
 	}
 	o, err := os.OpenFile(out, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
-		return nil, fmt.Errorf("memfile: layer: %w", err)
+		return fmt.Errorf("memfile: layer: %w", err)
 	}
 	ok := false
 	defer func() {
@@ -172,45 +416,13 @@ func ExtractDelta(pid int, addr uint64, size int64, base string, layers []string
 		}
 	}()
 	if err := o.Truncate(size); err != nil {
-		return nil, fmt.Errorf("memfile: layer: %w", err)
+		return fmt.Errorf("memfile: layer: %w", err)
 	}
-	st := &ExtractStats{Candidates: int64(len(cand)), PagemapScan: scanned}
-	if err := copyDifferingParallel(pid, mem, addr, cand, own, files, o, st); err != nil {
-		return nil, err
+	if err := copyDifferingParallel(src, cand, own, files, o, st); err != nil {
+		return err
 	}
 	ok = true
-	return st, nil
-}
-
-// extractWorkers bounds the goroutines of one extraction: the process is stopped while
-// its pages are extracted, so its CPUs are idle and the copy spreads over them.
-const extractWorkers = 4
-
-// copyDifferingParallel runs copyDiffering over up to extractWorkers (at most the
-// host's CPUs) contiguous slices of the candidates at once; each writes its own pages
-// of o (pwrite at the page's offset), so the layer is the same as one copyDiffering's.
-func copyDifferingParallel(pid int, mem *os.File, addr uint64, cand []int64, own []int16, files []*os.File, o *os.File, st *ExtractStats) error {
-	const minPerWorker = 2048 // pages (8 MiB): below this a goroutine costs more than it saves
-	n := min(extractWorkers, runtime.NumCPU(), len(cand)/minPerWorker)
-	if n <= 1 {
-		return copyDiffering(pid, mem, addr, cand, own, files, o, st)
-	}
-	sts := make([]ExtractStats, n)
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		part := cand[len(cand)*i/n : len(cand)*(i+1)/n]
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = copyDiffering(pid, mem, addr, part, own, files, o, &sts[i])
-		}()
-	}
-	wg.Wait()
-	for i := range n {
-		st.Written += sts[i].Written
-	}
-	return errors.Join(errs...)
+	return nil
 }
 
 // privatePages returns the candidate pages of ExtractDelta (candidatePages) and whether
@@ -248,25 +460,21 @@ func readPagemap(pid int, addr uint64, pages int64) ([]uint64, error) {
 	return entries, nil
 }
 
-// copyDiffering reads the candidate pages (ascending) from the process's memory at
-// addr, in runs, compares each with its owner's page in the lineage (files[0] the root,
-// files[i+1] layer i; own from owners) and writes those that differ to o at their guest
-// offsets, counting them in st.
-func copyDiffering(pid int, mem *os.File, addr uint64, cand []int64, own []int16, files []*os.File, o *os.File, st *ExtractStats) error {
+// copyDiffering compares the candidate pages cand[lo:hi] (ascending), read from src in
+// runs, with each one's owner's page in the lineage (files[0] the root, files[i+1]
+// layer i; own from owners) and writes those that differ to o at their guest offsets,
+// counting them in st.
+func copyDiffering(src pageSource, cand []int64, lo, hi int, own []int16, files []*os.File, o *os.File, st *ExtractStats) error {
 	const maxRun = 256 // pages per read
-	cur := make([]byte, maxRun*PageSize)
+	scratch := make([]byte, maxRun*PageSize)
 	ref := make([]byte, maxRun*PageSize)
-	for i := 0; i < len(cand); {
-		// A run of consecutive candidate pages.
-		j := i + 1
-		for j < len(cand) && j-i < maxRun && cand[j] == cand[j-1]+1 {
-			j++
+	return eachRun(cand, lo, hi, maxRun, func(i, n int) error {
+		first := cand[i]
+		c, err := src(i, n, first, scratch[:n*PageSize])
+		if err != nil {
+			return err
 		}
-		first, n := cand[i], j-i
-		c, r := cur[:n*PageSize], ref[:n*PageSize]
-		if _, err := mem.ReadAt(c, int64(addr)+first*PageSize); err != nil {
-			return fmt.Errorf("memfile: read guest page %d of process %d: %w", first, pid, err)
-		}
+		r := ref[:n*PageSize]
 		// The reference: sub-runs of one owner each.
 		for k := 0; k < n; {
 			l := k + 1
@@ -295,9 +503,8 @@ func copyDiffering(pid int, mem *os.File, addr uint64, cand []int64, own []int16
 			st.Written += int64(l - k)
 			k = l
 		}
-		i = j
-	}
-	return nil
+		return nil
+	})
 }
 
 // InjectLayers writes every layer's pages (oldest first, so a newer layer's page wins)

@@ -22,3 +22,28 @@ func ApplyLayers(path string, size int64, layers []string) (int64, error) {
 
 // ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
 const ExtractSupported = false
+
+// Capture is not implemented outside Linux (CaptureDelta).
+type Capture struct{}
+
+// CaptureDelta is not implemented outside Linux (ErrUnsupported).
+func CaptureDelta(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {
+	return nil, ErrUnsupported
+}
+
+// PrepareCapture is not implemented outside Linux (ErrUnsupported).
+func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {
+	return nil, ErrUnsupported
+}
+
+// Take is not implemented outside Linux (ErrUnsupported).
+func (*Capture) Take() error { return ErrUnsupported }
+
+// Bytes is the memory the capture holds.
+func (*Capture) Bytes() int64 { return 0 }
+
+// WriteDelta is not implemented outside Linux (ErrUnsupported).
+func (*Capture) WriteDelta(base, out string) (*ExtractStats, error) { return nil, ErrUnsupported }
+
+// Release does nothing outside Linux.
+func (*Capture) Release() {}

@@ -92,9 +92,9 @@ func TestExtractDeltaParallelSameLayer(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer base.Close()
-	outs := [2]string{filepath.Join(d, "one"), filepath.Join(d, "parallel")}
-	var sts [2]ExtractStats
-	for i, out := range outs {
+	outs := [3]string{filepath.Join(d, "one"), filepath.Join(d, "parallel"), filepath.Join(d, "captured")}
+	var sts [3]ExtractStats
+	for i, out := range outs[:2] {
 		o, err := os.Create(out)
 		if err != nil {
 			t.Fatal(err)
@@ -102,19 +102,41 @@ func TestExtractDeltaParallelSameLayer(t *testing.T) {
 		if err := o.Truncate(size); err != nil {
 			t.Fatal(err)
 		}
-		copyFn := copyDiffering
-		if i == 1 {
-			copyFn = copyDifferingParallel
+		src := memSource(pid, mem, addr)
+		if i == 0 {
+			err = copyDiffering(src, cand, 0, len(cand), own, []*os.File{base}, o, &sts[i])
+		} else {
+			err = copyDifferingParallel(src, cand, own, []*os.File{base}, o, &sts[i])
 		}
-		if err := copyFn(pid, mem, addr, cand, own, []*os.File{base}, o, &sts[i]); err != nil {
+		if err != nil {
 			t.Fatal(err)
 		}
 		o.Close()
 	}
+	// Captured, then the mapping changed: the layer is the capture's.
+	c, err := CaptureDelta(pid, addr, size, nil, 64<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Release()
+	if c.Bytes() != 6000*PageSize {
+		t.Fatalf("capture holds %d bytes, want %d", c.Bytes(), 6000*PageSize)
+	}
+	m[7] = 0xEE // page 0 now differs from the capture
+	st, err := c.WriteDelta(root, outs[2])
+	if err != nil {
+		t.Fatal(err)
+	}
+	sts[2] = *st
 	a, _ := os.ReadFile(outs[0])
-	b, _ := os.ReadFile(outs[1])
-	if sts[0].Written != 3000 || sts[1].Written != 3000 || !bytes.Equal(a, b) {
-		t.Fatalf("one pass wrote %d pages, parallel %d; layers equal: %v", sts[0].Written, sts[1].Written, bytes.Equal(a, b))
+	for i, out := range outs[1:] {
+		b, _ := os.ReadFile(out)
+		if sts[0].Written != 3000 || sts[i+1].Written != 3000 || !bytes.Equal(a, b) {
+			t.Fatalf("%s: one pass wrote %d pages, this %d; layers equal: %v", out, sts[0].Written, sts[i+1].Written, bytes.Equal(a, b))
+		}
+	}
+	if _, err := CaptureDelta(pid, addr, size, nil, 1<<20); !errors.Is(err, ErrCaptureTooLarge) {
+		t.Fatalf("capture over its bound: %v, want ErrCaptureTooLarge", err)
 	}
 }
 

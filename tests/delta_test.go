@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -240,7 +241,9 @@ func corruptData(t *testing.T, path string) {
 // taken loses nothing of its lineage and leaves no partial checkpoint (directory, RAM link
 // or layer directory).
 func TestDeltaCheckpointKilled(t *testing.T) {
-	env := newRobustEnv(t, parallelVMTest(t))
+	roomy := parallelVMTest(t)
+	killer := &killAtPhase{}
+	env := newRobustEnv(t, func(c *engine.Config) { roomy(c); c.Markers = killer })
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 512, 64)
@@ -260,17 +263,22 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mustRun(t, g, "head -c 8388608 /dev/urandom > /dev/shm/g")
+	gSum := mustRun(t, g, "head -c 8388608 /dev/urandom > /dev/shm/g && md5sum /dev/shm/g")
 	ckDir := filepath.Join(env.Home, "checkpoints")
 	ramDir := e.Config().RAMDir
-	// Two moments: while the device state streams (state.mig exists in the temporary
-	// checkpoint dir), and while the guest is stopped and its pages are extracted (the
-	// checkpoint's own layer exists in its temporary layer dir).
+	// Three moments: while the device state streams (state.mig exists in the temporary
+	// checkpoint dir); while the guest is stopped and its pages are copied (the
+	// checkpoint's "freeze" phase begins: the kill is made there, synchronously); and
+	// once it runs again while the copied pages are written (the checkpoint's own layer
+	// exists in its temporary layer dir): the checkpoint then has all it needs, and
+	// completes whole.
 	phases := []struct {
 		name    string
 		trigger func(ck string) bool
+		atPhase string // the kill is made by the marker when this phase starts
+		whole   bool   // the checkpoint completes whole despite the kill
 	}{
-		{"device state", func(ck string) bool {
+		{name: "device state", trigger: func(ck string) bool {
 			for _, d := range dirNames(ckDir) {
 				if strings.HasPrefix(d, ".tmp-"+ck+"-") {
 					if _, err := os.Stat(filepath.Join(ckDir, d, "state.mig")); err == nil {
@@ -280,7 +288,8 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 			}
 			return false
 		}},
-		{"page extraction", func(ck string) bool {
+		{name: "page copy", atPhase: "freeze"},
+		{name: "page write", whole: true, trigger: func(ck string) bool {
 			for _, d := range dirNames(ramDir) {
 				if strings.HasPrefix(d, "ck-"+ck+".layers.tmp-") {
 					for _, f := range dirNames(filepath.Join(ramDir, d)) {
@@ -298,9 +307,12 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 		for attempt := 1; attempt <= 3 && !hit; attempt++ {
 			name := fmt.Sprintf("c2-%d-%d", pi, attempt)
 			pid := g.PID()
+			if phase.atPhase != "" {
+				killer.arm(name, phase.atPhase, pid)
+			}
 			done := make(chan error, 1)
 			go func() {
-				_, err := e.Checkpoint(ctx, "g", name, nil)
+				_, err := e.Checkpoint(ctx, "g", name, &engine.CheckpointOptions{Pin: true})
 				done <- err
 			}()
 			killed := false
@@ -311,13 +323,30 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 					break wait
 				default:
 				}
-				if !killed && phase.trigger(name) {
+				if !killed && phase.trigger != nil && phase.trigger(name) {
 					syscall.Kill(pid, syscall.SIGKILL)
 					killed = true
 				}
 				time.Sleep(100 * time.Microsecond)
 			}
-			if err == nil {
+			killed = killed || killer.fired(name)
+			if phase.whole && killed {
+				if err != nil {
+					t.Fatalf("%s: checkpoint whose pages were copied failed with its QEMU killed: %v", phase.name, err)
+				}
+				hit = true
+				h, err := e.Fork(ctx, name, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := mustRun(t, h, "md5sum /dev/shm/w /dev/shm/f /dev/shm/g"); got != worldSum+"\n"+fSum+"\n"+gSum {
+					t.Errorf("%s: fork of the checkpoint sees %q", phase.name, got)
+				}
+				e.Delete(ctx, h.Name())
+				if err := e.DeleteCheckpoint(ctx, name, nil); err != nil {
+					t.Fatal(err)
+				}
+			} else if err == nil {
 				t.Logf("%s, attempt %d: checkpoint completed before the kill", phase.name, attempt)
 				if err := e.DeleteCheckpoint(ctx, name, nil); err != nil {
 					t.Fatal(err)
@@ -361,7 +390,7 @@ func TestDeltaCheckpointKilled(t *testing.T) {
 				if g, err = e.Fork(ctx, "c1", &engine.ForkOptions{Name: "g"}); err != nil {
 					t.Fatal(err)
 				}
-				mustRun(t, g, "head -c 8388608 /dev/urandom > /dev/shm/g")
+				gSum = mustRun(t, g, "head -c 8388608 /dev/urandom > /dev/shm/g && md5sum /dev/shm/g")
 			}
 		}
 		if !hit {
@@ -721,3 +750,35 @@ func copyFile(t *testing.T, src, dst string) {
 		t.Fatal(err)
 	}
 }
+
+// killAtPhase is a Config.Markers that SIGKILLs a process when a checkpoint's phase
+// starts (synchronously, so the kill lands before the phase's work), once per arm.
+type killAtPhase struct {
+	mu        sync.Mutex
+	ck, phase string
+	pid       int
+	firedFor  string
+}
+
+func (k *killAtPhase) arm(ck, phase string, pid int) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.ck, k.phase, k.pid = ck, phase, pid
+}
+
+func (k *killAtPhase) fired(ck string) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.firedFor == ck
+}
+
+func (k *killAtPhase) PhaseStart(owner, phase string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if owner == k.ck && phase == k.phase && k.pid > 0 {
+		syscall.Kill(k.pid, syscall.SIGKILL)
+		k.firedFor, k.pid = owner, 0
+	}
+}
+
+func (*killAtPhase) PhaseEnd(string, string) {}
