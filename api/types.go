@@ -74,6 +74,8 @@ type Info struct {
 	Parked *ParkedInfo `json:"parked,omitempty"`
 	// NoPark opts the VM out of a daemon's idle parking (serve --park-idle).
 	NoPark bool `json:"no_park,omitempty"`
+	// Protection is set while the VM is protected (Engine.Protect).
+	Protection *ProtectionInfo `json:"protection,omitempty"`
 	// Reason says why a dead VM died ("oom-killed", "signal N (NAME)", "qemu exit N:
 	// STDERR", "guest kernel panic: WHY", "qemu exit 0: the guest powered off or
 	// rebooted", or that its status is unknown).
@@ -535,7 +537,10 @@ type CheckpointInfo struct {
 	// Pinned checkpoints survive the deletion of their last fork.
 	Pinned bool `json:"pinned"`
 	// Implicit checkpoints were made by forking a running VM.
-	Implicit  bool      `json:"implicit"`
+	Implicit bool `json:"implicit"`
+	// Protects names the VM this checkpoint is a protection point of (Engine.Protect):
+	// it goes with the VM, or when a newer point of it completes.
+	Protects  string    `json:"protects,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
 	// The machine shape forks of it have.
 	Accel     Accel `json:"accel"`

@@ -39,13 +39,20 @@ func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *Chec
 	if opts != nil {
 		o = *opts
 	}
-	return e.checkpoint(ctx, vmName, name, o, false, nil)
+	return e.checkpoint(ctx, vmName, name, o, ckRole{}, nil)
 }
 
-// checkpoint is Checkpoint; implicit marks a checkpoint made by forking a running VM
-// (collected after its last fork even if never forked from again); early, when set, is
+// ckRole is what a checkpoint is made for besides being forked: implicit marks one
+// made by forking a running VM (collected after its last fork even if never forked
+// from again), protects one that is a protection point of that VM (Engine.Protect).
+type ckRole struct {
+	implicit bool
+	protects string
+}
+
+// checkpoint is Checkpoint, made in role; early, when set, is
 // called at the end of a delta checkpoint's prepare stage (see earlyFork).
-func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o CheckpointOptions, implicit bool, early func(*ckWriter, vmState)) (*Checkpoint, error) {
+func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o CheckpointOptions, role ckRole, early func(*ckWriter, vmState)) (*Checkpoint, error) {
 	if name == "" {
 		name = derivedName(vmName, "ck")
 	}
@@ -82,7 +89,7 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	w.marker = e.cfg.Markers
 	console.SaveHistory(m.Launch.SerialLog, w.tmp)
 	w.ck = &checkpointManifest{
-		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: implicit,
+		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: role.implicit, Protects: role.protects,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,
 		AgentPorts: m.Launch.AgentPorts, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.BootKernel,
 		Initrd: m.BootInitrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel, Vsock: m.Launch.VsockCID != 0,

@@ -46,7 +46,7 @@ func (c *Checkpoint) Info() CheckpointInfo { return infoOf(&c.Manifest) }
 // infoOf is the stable summary of the manifest m.
 func infoOf(m *checkpointManifest) CheckpointInfo {
 	out := CheckpointInfo{
-		Name: m.Name, Source: m.Source, Pinned: m.Pinned, Implicit: m.Implicit, CreatedAt: m.CreatedAt,
+		Name: m.Name, Source: m.Source, Pinned: m.Pinned, Implicit: m.Implicit, Protects: m.Protects, CreatedAt: m.CreatedAt,
 		Accel: m.Accel, CPUs: m.CPUs, MemoryMiB: m.MemoryMiB, DiskMiB: m.DiskMiB, Net: m.Net,
 		RAMPath: m.RAMPath, RAMSize: m.RAMSize, StateSize: m.StateSize, DiskMethod: m.DiskMethod,
 		RAMMethod: m.RAMMethod, Kind: m.Kind, WrittenBytes: m.WrittenBytes(), Timings: m.Timings,

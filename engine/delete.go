@@ -17,10 +17,14 @@ func (e *Engine) Delete(ctx context.Context, name string) error {
 		return err
 	}
 	// Not while it parks or wakes (both are bounded by their timeouts).
+	e.prot.end(name)
 	vm.life.Lock()
 	defer vm.life.Unlock()
 	_ = vm.Stop(ctx)
 	e.vms.remove(name)
+	if m := vm.manifest(); m.Protection != nil {
+		defer e.dropPoints(ctx, name, "")
+	}
 	m := vm.manifest()
 	e.paths.removeVMFiles(name, &m)
 	if m.Parent != "" {

@@ -203,11 +203,14 @@ func qemuImgCreate(ctx context.Context, qemuImg, path string, backing diskLayer,
 
 // makeOverlayTemplate writes into tmpDir the empty overlay each fork of ck copies (one
 // qemu-img run per checkpoint instead of one per fork); finalDir is where the checkpoint
-// will live. The backing path stored in the header is informational: forks name their
-// backing chain explicitly in -blockdev.
+// will live. The backing name stored in the header is informational (forks name their
+// backing chain explicitly in -blockdev): the top's chain name, which resolves in the
+// checkpoint's directory, on any host it is copied to, and in each fork's directory
+// (forkDisk links the chain names there).
 func makeOverlayTemplate(ctx context.Context, qemuImg string, ck *checkpointManifest, tmpDir, finalDir string) error {
 	top := ck.Disk[len(ck.Disk)-1]
-	if err := qemuImgCreate(ctx, qemuImg, filepath.Join(tmpDir, overlayTemplateFile), top, int64(ck.DiskMiB)<<20); err != nil {
+	named := diskLayer{Path: chainName(len(ck.Disk)-1, top), Format: top.Format}
+	if err := qemuImgCreate(ctx, qemuImg, filepath.Join(tmpDir, overlayTemplateFile), named, int64(ck.DiskMiB)<<20); err != nil {
 		return err
 	}
 	ck.OverlayTemplate = filepath.Join(finalDir, overlayTemplateFile)
@@ -227,6 +230,7 @@ func forkDisk(ctx context.Context, ck *checkpointManifest, dir string) ([]diskLa
 	if err := copySmallFile(ck.OverlayTemplate, dst); err != nil {
 		return nil, fmt.Errorf("engine: fork disk: %w", err)
 	}
+	linkChainNames(dir, ck.Disk) // the template names its backing by chain name
 	return append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: dst, Format: "qcow2"}), nil
 }
 

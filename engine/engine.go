@@ -36,6 +36,7 @@ type Engine struct {
 	adm   *admitter
 	pools *poolSet
 	flat  *flattener
+	prot  *protector
 	// forking tracks forks under way per checkpoint (a forced delete cancels them).
 	forking forkGuard
 
@@ -78,6 +79,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.cks = &checkpointStore{paths: e.paths, log: e.log, verified: map[string]string{}}
 	e.pools = &poolSet{}
 	e.flat = newFlattener()
+	e.prot = newProtector()
 	e.cks.beforeRemove = e.flat.forget
 	e.adm = &admitter{
 		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, maxOvercommit: r.MaxOvercommit,
@@ -228,6 +230,7 @@ func (e *Engine) Close() error {
 	e.closeOnce.Do(func() {
 		// Refuse new work and new pool spawns, stop background spawns and wait for them,
 		// then kill the pooled processes.
+		e.prot.endAll()
 		vms := e.vms.close()
 		drop := e.pools.close()
 		e.bgCancel()

@@ -96,7 +96,7 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool, early 
 	if _, err := e.vms.get(src); err != nil {
 		return nil, fmt.Errorf("%w: no checkpoint or vm named %s", ErrNotFound, src)
 	}
-	return e.checkpoint(ctx, src, derivedName(src, "auto"), CheckpointOptions{Pin: pin}, true, early)
+	return e.checkpoint(ctx, src, derivedName(src, "auto"), CheckpointOptions{Pin: pin}, ckRole{implicit: true}, early)
 }
 
 // forkFrom makes one fork of checkpoint c (forkOne) under the fork guard: refused while
@@ -211,7 +211,8 @@ func (e *Engine) forkChecks(ctx context.Context, c *Checkpoint, publish []PortFo
 // registered or failed); done ends the fork's count as in flight.
 func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func()) (vm *VM, release, done func(), err error) {
 	ck := &c.Manifest
-	if len(publish) == 0 && held == nil {
+	token := revivalToken(ctx)
+	if len(publish) == 0 && held == nil && token == "" {
 		if vm, release = e.claimPooled(c, name); vm != nil {
 			if vm.procMarker != nil {
 				// The fork's QEMU runs already: told again, under the fork's name.
@@ -232,6 +233,9 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 	if err != nil {
 		release()
 		return nil, nil, nil, err
+	}
+	if token != "" {
+		vm.reidentify(token)
 	}
 	return vm, release, e.inflightFork(vm, ck), nil
 }

@@ -74,6 +74,8 @@ type manifest struct {
 	Park *parkState `json:"park,omitempty"`
 	// NoPark opts the VM out of a daemon's idle parking (Spec.NoPark).
 	NoPark bool `json:"no_park,omitempty"`
+	// Protection is the VM's protection while it is protected (Engine.Protect).
+	Protection *ProtectionInfo `json:"protection,omitempty"`
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.
@@ -95,7 +97,9 @@ type checkpointManifest struct {
 	// Pinned checkpoints survive the deletion of their last fork.
 	Pinned bool `json:"pinned"`
 	// Implicit checkpoints were made by forking a running VM.
-	Implicit  bool      `json:"implicit"`
+	Implicit bool `json:"implicit"`
+	// Protects names the VM this is a protection point of (see Engine.Protect).
+	Protects  string    `json:"protects,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
 	// Machine shape and the QEMU that made it; forks must match.
 	QEMUVersion string `json:"qemu_version"`

@@ -147,7 +147,7 @@ func (e *Engine) Park(ctx context.Context, name string) (*api.ParkResult, error)
 	if m.Launch.RAM.Shared {
 		// A world: hand it off to an implicit checkpoint, so that it runs as a fork of
 		// it, and park that fork. The checkpoint goes with the VM.
-		ck, err := e.checkpoint(ctx, name, derivedName(name, "park"), CheckpointOptions{Handoff: true}, true, nil)
+		ck, err := e.checkpoint(ctx, name, derivedName(name, "park"), CheckpointOptions{Handoff: true}, ckRole{implicit: true}, nil)
 		if err != nil {
 			return nil, fmt.Errorf("engine: park %s: handoff: %w", name, err)
 		}

@@ -115,7 +115,7 @@ func (vm *VM) Info() Info {
 		DiskMiB: id.Spec.DiskMiB, Forkable: id.Spec.Forkable, Parent: m.Parent, Accel: id.Accel, TCGThread: m.Launch.TCGThread,
 		CreatedAt: id.CreatedAt, Timings: m.Timings, Spans: append([]Span(nil), m.Spans...), RunDir: m.Launch.RunDir,
 		Net: m.Launch.Net, Publish: append([]PortForward(nil), m.Launch.Publish...),
-		Parked: parked, NoPark: m.NoPark,
+		Parked: parked, NoPark: m.NoPark, Protection: m.Protection,
 		Counters: m.Counters, RAMFile: m.Launch.RAM.Path, RAMHoles: holesOf(filepath.Dir(filepath.Dir(id.dir)), m.Launch.RAM),
 	}
 }
@@ -630,6 +630,7 @@ type vmState struct {
 	DiskCollapse   *diskCollapse
 	Park           *parkState
 	NoPark         bool
+	Protection     *ProtectionInfo
 }
 
 // splitManifest is a manifest's identity (with the VM's directory dir) and state.
@@ -641,7 +642,7 @@ func splitManifest(dir string, m *manifest) (*vmIdentity, vmState) {
 		ReadyAt: m.ReadyAt, Timings: m.Timings, Spans: m.Spans, MemoryCgroup: m.MemoryCgroup,
 		CountersCgroup: m.CountersCgroup, Counters: m.Counters, DeadReason: m.DeadReason,
 		LineageBytes: m.LineageBytes, RAMBaseLayers: m.RAMBaseLayers, DiskCollapse: m.DiskCollapse,
-		Park: m.Park, NoPark: m.NoPark}
+		Park: m.Park, NoPark: m.NoPark, Protection: m.Protection}
 	return id, st
 }
 
@@ -653,7 +654,7 @@ func joinManifest(id *vmIdentity, s *vmState) manifest {
 		Token: id.Token, CreatedAt: id.CreatedAt, ReadyAt: s.ReadyAt, Timings: s.Timings, Spans: s.Spans,
 		MemoryCgroup: s.MemoryCgroup, CountersCgroup: s.CountersCgroup, Counters: s.Counters,
 		DeadReason: s.DeadReason, LineageBytes: s.LineageBytes, RAMBaseLayers: s.RAMBaseLayers,
-		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark}
+		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark, Protection: s.Protection}
 }
 
 // newVM is the VM in directory dir whose manifest is m: the one constructor of a VM.

@@ -1,0 +1,375 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/forkvm/forkvm/api"
+)
+
+// Protection: work that survives its VM's host.
+//
+// A protected VM gets a protection point every ProtectOptions.Every: a delta checkpoint
+// of the running VM (its device state and the guest pages it wrote beyond its lineage,
+// with its disk frozen at the same stop), pinned and marked as the VM's
+// (CheckpointInfo.Protects). The guest is stopped only while its device state is saved,
+// its private pages are copied into the engine's memory and its disk is switched onto a
+// new overlay (see deltaCheckpoint); the pages are compared with the lineage and written
+// once it runs again. A world (share=on RAM) is handed off to its first point, as for a
+// park, and is a fork from then on.
+//
+// A point is complete once the engine's ProtectionCopier (the fleet's: a copy on another
+// node, verified) accepted it; without a copier, once it is on this host's disk. The
+// VM's manifest records its last complete point; the one before is deleted then (or,
+// when a revived VM runs from it, unpinned so that it goes with that VM), and so is any
+// older point a crash left behind. Revive restarts a VM from a point as itself: the same
+// name and token (its agent's credential), and so the same hostname and MAC; its guest
+// loses what it did since the point.
+//
+// Points are taken one at a time per VM: a point that takes longer than the interval
+// (a slow copy) delays the next one, so protection falls behind visibly (Behind, and
+// the point's age) and never queues work or stops the guest more than one pause per
+// point. Protection runs in the engine that Protect or ResumeProtection started it in,
+// until Unprotect, the VM's deletion or the engine's Close; the manifest keeps it, so a
+// daemon resumes it on start (ResumeProtection).
+
+// ProtectOptions tune Protect (api.ProtectOptions).
+type ProtectOptions = api.ProtectOptions
+
+// ProtectionInfo is a protected VM's protection (Info.Protection).
+type ProtectionInfo = api.ProtectionInfo
+
+// ProtectionCopier copies a VM's protection point somewhere else before it counts as
+// complete (the fleet: to another node, verified there). CopyPoint returns once the
+// copy is whole; an error leaves the previous point the VM's last complete one. It is
+// called for one point of a VM at a time.
+type ProtectionCopier interface {
+	CopyPoint(ctx context.Context, vm string, point *Checkpoint) error
+}
+
+// protector runs the engine's protection loops, one per protected VM.
+type protector struct {
+	mu     sync.Mutex
+	loops  map[string]*protectLoop
+	copier ProtectionCopier
+	// busy serializes the points of one VM (a loop's and ProtectNow's).
+	busy map[string]*sync.Mutex
+}
+
+// protectLoop is one VM's loop: stop ends it, done is closed once it has.
+type protectLoop struct {
+	every time.Duration
+	stop  context.CancelFunc
+	done  chan struct{}
+}
+
+func newProtector() *protector {
+	return &protector{loops: map[string]*protectLoop{}, busy: map[string]*sync.Mutex{}}
+}
+
+// lock serializes the points of VM name.
+func (p *protector) lock(name string) func() {
+	p.mu.Lock()
+	m := p.busy[name]
+	if m == nil {
+		m = &sync.Mutex{}
+		p.busy[name] = m
+	}
+	p.mu.Unlock()
+	m.Lock()
+	return m.Unlock
+}
+
+// end stops VM name's loop, if any, and waits for it.
+func (p *protector) end(name string) {
+	p.mu.Lock()
+	l := p.loops[name]
+	delete(p.loops, name)
+	p.mu.Unlock()
+	if l != nil {
+		l.stop()
+		<-l.done
+	}
+}
+
+// endAll stops every loop and waits for them (Close).
+func (p *protector) endAll() {
+	p.mu.Lock()
+	names := make([]string, 0, len(p.loops))
+	for n := range p.loops {
+		names = append(names, n)
+	}
+	p.mu.Unlock()
+	for _, n := range names {
+		p.end(n)
+	}
+}
+
+// SetProtectionCopier sets where protection points are copied before they count as
+// complete (nil: they complete on this host's disk). Points under way keep the copier
+// they started with.
+func (e *Engine) SetProtectionCopier(c ProtectionCopier) {
+	e.prot.mu.Lock()
+	e.prot.copier = c
+	e.prot.mu.Unlock()
+}
+
+// Protect protects VM name (see the package's protection notes): it records the
+// protection in the VM's manifest and starts its loop in this engine, whose first point
+// is taken at once. Protecting a protected VM changes its interval. The VM must be
+// forkable (ErrNotForkable) and running or parked.
+func (e *Engine) Protect(ctx context.Context, name string, opts *ProtectOptions) (*ProtectionInfo, error) {
+	var o ProtectOptions
+	if opts != nil {
+		o = *opts
+	}
+	if err := o.Normalize(); err != nil {
+		return nil, err
+	}
+	vm, err := e.vms.get(name)
+	if err != nil {
+		return nil, err
+	}
+	m := vm.manifest()
+	if m.Launch.RAM.Path == "" {
+		return nil, fmt.Errorf("%w: %s was created without --forkable (its RAM is anonymous): it cannot be protected", ErrNotForkable, name)
+	}
+	if !vm.alive() && m.State != StateParked {
+		return nil, fmt.Errorf("%w: %s", ErrNotRunning, name)
+	}
+	var info ProtectionInfo
+	if err := vm.update(func(s *vmState) {
+		p := ProtectionInfo{}
+		if s.Protection != nil {
+			p = *s.Protection
+		}
+		p.Every = o.Every
+		s.Protection, info = &p, p
+	}); err != nil {
+		return nil, err
+	}
+	e.startProtection(name, o.Every)
+	return &info, nil
+}
+
+// startProtection (re)starts VM name's loop with interval every.
+func (e *Engine) startProtection(name string, every time.Duration) {
+	e.prot.end(name)
+	ctx, cancel := context.WithCancel(e.bg)
+	l := &protectLoop{every: every, stop: cancel, done: make(chan struct{})}
+	e.prot.mu.Lock()
+	e.prot.loops[name] = l
+	e.prot.mu.Unlock()
+	e.bgWG.Add(1)
+	go func() {
+		defer e.bgWG.Done()
+		defer close(l.done)
+		e.protectLoop(ctx, name, every)
+	}()
+}
+
+// ResumeProtection starts the loops of the VMs whose manifests say they are protected
+// (a daemon's start: the engine that protected them may be gone) and returns their
+// names.
+func (e *Engine) ResumeProtection() []string {
+	var names []string
+	for _, inf := range e.List() {
+		if inf.Protection != nil {
+			e.startProtection(inf.Name, inf.Protection.Every)
+			names = append(names, inf.Name)
+		}
+	}
+	return names
+}
+
+// Unprotect ends VM name's protection and deletes its protection points (a point a
+// revived VM runs from is unpinned instead: it goes with that VM). Unprotecting a VM
+// that is not protected does nothing.
+func (e *Engine) Unprotect(ctx context.Context, name string) error {
+	vm, err := e.vms.get(name)
+	if err != nil {
+		return err
+	}
+	e.prot.end(name)
+	unlock := e.prot.lock(name)
+	defer unlock()
+	if err := vm.update(func(s *vmState) { s.Protection = nil }); err != nil {
+		return err
+	}
+	e.dropPoints(ctx, name, "")
+	return nil
+}
+
+// protectLoop takes VM name's points every interval until ctx ends (see the package's
+// notes): a point that ran past its interval makes the next start at once.
+func (e *Engine) protectLoop(ctx context.Context, name string, every time.Duration) {
+	t := time.NewTimer(0)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		start := time.Now()
+		_, err := e.ProtectNow(ctx, name)
+		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, ErrNotFound) {
+			return // deleted
+		}
+		wait := every - time.Since(start)
+		if wait <= 0 {
+			e.log.Warn("protection behind: a point took longer than the interval", "vm", name, "took", time.Since(start), "every", every)
+			wait = 0
+		}
+		t.Reset(wait)
+	}
+}
+
+// ProtectNow takes one protection point of VM name now (its loop's step; also for
+// tests and callers that want a point at a moment of their choosing) and returns the
+// VM's protection afterwards. A parked VM gets none (it does not change while parked).
+// A failed point leaves the last complete one in place; it is counted and reported.
+func (e *Engine) ProtectNow(ctx context.Context, name string) (*ProtectionInfo, error) {
+	unlock := e.prot.lock(name)
+	defer unlock()
+	vm, err := e.vms.get(name)
+	if err != nil {
+		return nil, err
+	}
+	m := vm.manifest()
+	if m.Protection == nil {
+		return nil, fmt.Errorf("%w: %s is not protected", ErrNotFound, name)
+	}
+	if m.State == StateParked {
+		p := *m.Protection
+		return &p, nil
+	}
+	e.prot.mu.Lock()
+	copier := e.prot.copier
+	e.prot.mu.Unlock()
+	start := time.Now()
+	ck, err := e.takePoint(ctx, name, m.Launch.RAM.Shared, copier)
+	took := time.Since(start)
+	var info ProtectionInfo
+	uerr := vm.update(func(s *vmState) {
+		if s.Protection == nil {
+			return // unprotected meanwhile
+		}
+		p := *s.Protection
+		p.Behind = took > p.Every
+		if err != nil {
+			p.Failures++
+			p.LastError = err.Error()
+		} else {
+			p.Point, p.PointAt, p.LastError = ck.Manifest.Name, ck.Manifest.CreatedAt, ""
+			p.Points++
+			p.LastPause, p.LastBytes = ck.Manifest.Timings.Paused, ck.Info().WrittenBytes
+		}
+		s.Protection, info = &p, p
+	})
+	if err != nil {
+		return &info, fmt.Errorf("engine: protect %s: %w", name, err)
+	}
+	if uerr != nil {
+		// Not recorded: the point is not the VM's; the next one sweeps it.
+		return &info, fmt.Errorf("engine: protect %s: %w", name, uerr)
+	}
+	e.dropPoints(ctx, name, ck.Manifest.Name)
+	return &info, nil
+}
+
+// takePoint checkpoints VM name as a protection point (handing a world off to it) and
+// has copier copy it; a point that could not be copied is deleted.
+func (e *Engine) takePoint(ctx context.Context, name string, world bool, copier ProtectionCopier) (*Checkpoint, error) {
+	o := CheckpointOptions{Pin: true, Handoff: world}
+	ck, err := e.checkpoint(ctx, name, derivedName(name, "p"), o, ckRole{protects: name}, nil)
+	if err != nil {
+		return nil, err
+	}
+	if copier == nil {
+		return ck, nil
+	}
+	if err := copier.CopyPoint(ctx, name, ck); err != nil {
+		e.dropPoint(ctx, ck.Manifest.Name)
+		return nil, fmt.Errorf("copy point %s: %w", ck.Manifest.Name, err)
+	}
+	return ck, nil
+}
+
+// dropPoints deletes VM name's protection points but keep ("" for all).
+func (e *Engine) dropPoints(ctx context.Context, name, keep string) {
+	cks, err := e.Checkpoints()
+	if err != nil {
+		e.log.Warn("protection: points not listed", "vm", name, "err", err)
+		return
+	}
+	for _, c := range cks {
+		if c.Protects == name && c.Name != keep {
+			e.dropPoint(ctx, c.Name)
+		}
+	}
+}
+
+// dropPoint deletes protection point ck, or unpins it when a VM runs from it (a
+// revived VM, or a world handed off to its first point): it then goes with its last
+// fork.
+func (e *Engine) dropPoint(ctx context.Context, ck string) {
+	err := e.DeleteCheckpoint(ctx, ck, nil)
+	if errors.Is(err, ErrInUse) {
+		err = e.SetPinned(ctx, ck, false)
+	}
+	if err != nil && !errors.Is(err, ErrNotFound) {
+		e.log.Warn("protection: old point not deleted", "checkpoint", ck, "err", err)
+	}
+}
+
+// Revive starts VM name from protection point ck as itself (see the package's
+// protection notes): token is the VM's own (Info's agent target; the fleet keeps it),
+// so its agent, hostname and MAC are the VM's. It returns once the agent answered.
+// The point must be one of name's (ErrInvalidSpec) and no VM of that name may exist
+// here (ErrExists). The revived VM is not protected until Protect.
+func (e *Engine) Revive(ctx context.Context, ck, name, token string) (*VM, error) {
+	if err := ValidateName(name); err != nil {
+		return nil, err
+	}
+	if _, err := parseToken(token); err != nil {
+		return nil, fmt.Errorf("%w: token: %v", ErrInvalidSpec, err)
+	}
+	c, err := e.cks.load(ctx, ck)
+	if err != nil {
+		return nil, err
+	}
+	if c.Manifest.Protects != name {
+		return nil, fmt.Errorf("%w: checkpoint %s is not a protection point of %s", ErrInvalidSpec, ck, name)
+	}
+	return e.forkFrom(withRevival(ctx, token), c, name, 0, nil, nil, nil)
+}
+
+// revivalKey carries a revival's token from Revive to the fork's preparation
+// (prepareForkVM), through the fork path every other fork takes.
+type revivalKey struct{}
+
+func withRevival(ctx context.Context, token string) context.Context {
+	return context.WithValue(ctx, revivalKey{}, token)
+}
+
+// revivalToken is the token a revival gives its VM ("" for an ordinary fork).
+func revivalToken(ctx context.Context) string {
+	t, _ := ctx.Value(revivalKey{}).(string)
+	return t
+}
+
+// reidentify gives a VM not yet started the token of the VM it revives.
+func (vm *VM) reidentify(token string) {
+	vm.mu.Lock()
+	defer vm.mu.Unlock()
+	id := *vm.ident()
+	id.Token = token
+	vm.id.Store(&id)
+}

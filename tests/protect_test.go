@@ -1,0 +1,149 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"io"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve/pull"
+)
+
+// engineSource is an engine as a pull.Source: another host's daemon, in-process.
+type engineSource struct{ e *engine.Engine }
+
+func (s engineSource) ExportCheckpoint(ctx context.Context, name string) (*api.CheckpointExport, error) {
+	return s.e.ExportCheckpoint(ctx, name)
+}
+
+func (s engineSource) ReadCheckpointFile(ctx context.Context, name, file string, off, n int64) (io.ReadCloser, error) {
+	f, err := s.e.OpenCheckpointFile(ctx, name, file)
+	if err != nil {
+		return nil, err
+	}
+	return struct {
+		io.Reader
+		io.Closer
+	}{io.NewSectionReader(f, off, n), f}, nil
+}
+
+// pullCopier copies each protection point into another engine (the other host) and
+// deletes the copy of the point before it there.
+type pullCopier struct {
+	from, to *engine.Engine
+	last     map[string]string
+	copies   int
+}
+
+func (c *pullCopier) CopyPoint(ctx context.Context, vm string, point *engine.Checkpoint) error {
+	if _, err := pull.Checkpoint(ctx, c.to, engineSource{c.from}, point.Manifest.Name, nil); err != nil {
+		return err
+	}
+	if prev := c.last[vm]; prev != "" {
+		c.to.DeleteCheckpoint(ctx, prev, nil)
+	}
+	c.last[vm] = point.Manifest.Name
+	c.copies++
+	return nil
+}
+
+// TestProtectRevive: a protected fork's points are copied to another engine (host);
+// after its QEMU is killed, it is revived there from its last complete point as
+// itself: its memory and disk as they were at the point (not after), the same token
+// and hostname; old points are gone from the first host, and bad revivals are refused.
+func TestProtectRevive(t *testing.T) {
+	roomy := parallelVMTest(t)
+	a := newRobustEnv(t, roomy).E
+	b := newRobustEnv(t, roomy).E
+	ctx := ctxT(t, 5*time.Minute)
+	makeWorld(t, a, "w", 256, 64)
+	if _, err := a.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := a.Fork(ctx, "ck", &engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp := &pullCopier{from: a, to: b, last: map[string]string{}}
+	a.SetProtectionCopier(cp)
+	if _, err := a.Protect(ctx, "f", &engine.ProtectOptions{Every: 500 * time.Millisecond}); !errors.Is(err, engine.ErrInvalidSpec) {
+		t.Fatalf("protect every 500ms: %v, want ErrInvalidSpec", err)
+	}
+	// An hour apart: the test takes its points itself (ProtectNow).
+	if _, err := a.Protect(ctx, "f", &engine.ProtectOptions{Every: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	var points []string
+	for i := 1; i <= 3; i++ {
+		mustRun(t, f, "head -c 4194304 /dev/urandom > /dev/shm/r; echo "+strconvI(i)+" > /dev/shm/c; echo "+strconvI(i)+" > /data/c; sync")
+		// The loop's first point may be under way: ProtectNow waits for it.
+		p, err := a.ProtectNow(ctx, "f")
+		if err != nil {
+			t.Fatalf("point %d: %v", i, err)
+		}
+		if p.Point == "" || p.LastPause <= 0 {
+			t.Fatalf("point %d: %+v", i, p)
+		}
+		t.Logf("point %d: %s, guest paused %v, %d bytes", i, p.Point, p.LastPause, p.LastBytes)
+		points = append(points, p.Point)
+	}
+	want := mustRun(t, f, "md5sum /dev/shm/r; cat /dev/shm/c /data/c; hostname")
+	mustRun(t, f, "echo 4 > /dev/shm/c; echo 4 > /data/c; sync") // lost with the host
+	last := points[len(points)-1]
+	var mine []string
+	cks, _ := a.Checkpoints()
+	for _, c := range cks {
+		if c.Protects == "f" {
+			mine = append(mine, c.Name)
+		}
+	}
+	if len(mine) != 1 || mine[0] != last {
+		t.Errorf("points of f on its host: %v, want only the last, %s", mine, last)
+	}
+	token := f.Target().Token
+	syscall.Kill(f.PID(), syscall.SIGKILL)
+	waitDead(t, f, 30*time.Second)
+
+	for _, tc := range []struct {
+		name, ck, vm, token string
+		want                error
+	}{
+		{"another vm's point", last, "g", token, engine.ErrInvalidSpec},
+		{"bad token", last, "f", "xyz", engine.ErrInvalidSpec},
+		{"no such point", "nope", "f", token, engine.ErrNotFound},
+	} {
+		if _, err := b.Revive(ctx, tc.ck, tc.vm, tc.token); !errors.Is(err, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, err, tc.want)
+		}
+	}
+	g, err := b.Revive(ctx, last, "f", token)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := mustRun(t, g, "md5sum /dev/shm/r; cat /dev/shm/c /data/c; hostname"); got != want {
+		t.Errorf("revived f sees %q, want %q (as at its last point)", got, want)
+	}
+	if g.Target().Token != token {
+		t.Errorf("revived f has token %s, want its own %s", g.Target().Token, token)
+	}
+	if _, err := b.Revive(ctx, last, "f", token); !errors.Is(err, engine.ErrExists) {
+		t.Errorf("second revival: %v, want ErrExists", err)
+	}
+	// Deleting the dead f on its old host deletes its points there.
+	if err := a.Delete(ctx, "f"); err != nil {
+		t.Fatal(err)
+	}
+	cks, _ = a.Checkpoints()
+	for _, c := range cks {
+		if c.Protects == "f" || strings.HasPrefix(c.Name, "f-p-") {
+			t.Errorf("point %s left after f was deleted", c.Name)
+		}
+	}
+}
+
+func strconvI(i int) string { return string(rune('0' + i)) }
