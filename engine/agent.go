@@ -213,7 +213,7 @@ func (vm *VM) serialLog() string {
 }
 
 // Logs writes the guest's serial console to w: the kernel's messages and the agent's,
-// as the VM's console keeper records them in StateDir/vms/NAME (the last MiB at most:
+// as the engine (or its console keeper) records them in StateDir/vms/NAME (the last MiB at most:
 // older output is dropped). A fork's console starts with its checkpoint's, up to the
 // checkpoint, and a line saying where the fork begins. Without follow it returns at
 // the end of what was written so far. With follow it then keeps copying what the guest
@@ -288,7 +288,7 @@ func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
 		if err := drain(); err != nil {
 			return err
 		}
-		// The keeper rotated the log: what f holds is complete (drained above); go on
+		// The log was rotated: what f holds is complete (drained above); go on
 		// with the new file. A shorter file is a truncated one: start over.
 		cur, err := os.Stat(p)
 		if err != nil {

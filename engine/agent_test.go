@@ -51,7 +51,7 @@ func waitFor(t *testing.T, s *syncBuf, want string) {
 // ends.
 func TestLogs(t *testing.T) {
 	dir := t.TempDir()
-	vm := newVM(dir, nil, &manifest{Name: "l"})
+	vm := newVM(dir, nil, &manifest{Name: "l"}, nil)
 	log := filepath.Join(dir, serialLogFile)
 	if err := vm.Logs(context.Background(), false, &bytes.Buffer{}); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("no log: %v, want ErrNotFound", err)
@@ -125,7 +125,7 @@ func TestLogsOfASeededFork(t *testing.T) {
 	console.SaveHistory(logPath, ck)
 	forkLog := filepath.Join(dir, "f1.log")
 	console.SeedFork(ck, "ck1", forkLog, "f1")
-	vm := newVM(dir, nil, &manifest{Name: "f1", Launch: launch{SerialLog: forkLog}})
+	vm := newVM(dir, nil, &manifest{Name: "f1", Launch: launch{SerialLog: forkLog}}, nil)
 	var out bytes.Buffer
 	want := "boot\nlater\nforkvm: ---- the console of checkpoint ck1 above; fork f1 starts here ----\n"
 	if err := vm.Logs(context.Background(), false, &out); err != nil || out.String() != want {

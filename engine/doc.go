@@ -62,11 +62,12 @@
 //     time do not reach a fork (its first segment on one is answered with a reset);
 //     listening sockets do, so a server in the checkpoint serves each fork's ports.
 //
-// VMs are separate QEMU processes: they outlive the Engine that made them (so does each
-// VM's console keeper, a re-executed copy of the program embedding the engine that
-// bounds the console log to 1 MiB: VM.Logs), and the next Engine on the same state
-// directory re-adopts them (an Engine holds the directory's
-// lock for its lifetime). After a crash (kill -9 of the process embedding the engine,
+// VMs are separate QEMU processes: they outlive the Engine that made them, and the next
+// Engine on the same state directory re-adopts them (an Engine holds the directory's
+// lock for its lifetime). Their consoles, bounded to 1 MiB of log (VM.Logs), are served
+// inside the Engine while it runs; Close hands those of the VMs that run on to one
+// console keeper, a re-executed copy of the program embedding the engine, and a VM
+// whose Engine was killed has its console served again by the next Engine. After a crash (kill -9 of the process embedding the engine,
 // e.g. mid-wave) the next Engine re-adopts every VM that was confirmed ready, told to
 // its caller or not, and kills and removes every one still on its way; a checkpoint
 // the crash cut short leaves nothing, and its VM is resumed with the disk chain QEMU
@@ -102,9 +103,9 @@
 // on the host is engine/internal/admission (every forkvm QEMU, memory, the memory
 // cgroup and its pressure, the footprints of settled forks, a VM's own memory cgroup);
 // the decision and its answers (Budget, *AdmissionError) stay here, since they are this
-// package's API. The console keeper is engine/internal/console, and the few calls that
-// differ by operating system are engine/internal/platform, so no file here has a build
-// tag. The checkpoint store, the manifests, checkpoint transfer and warm pools stay
+// package's API. The console hub and keeper are engine/internal/console, and the few
+// calls that differ by operating system are engine/internal/platform, so no file here
+// has a build tag. The checkpoint store, the manifests, checkpoint transfer and warm pools stay
 // here: each reads and writes the engine's own records (manifests, the state
 // directory's layout, the VM under its lock), so as packages they would export most of
 // the engine's internals.
@@ -142,8 +143,8 @@ package engine
 // without a lock, and its state, reached only through methods that hold the VM's lock.
 // agent.go talks to its guest: the handshake, files in and out as tar streams through
 // the agent (VM.CopyIn, VM.CopyOut; the engine opens a host path only in CopyInPath and
-// CopyOutPath, named by their caller), the console (VM.Logs, which the console keeper
-// writes) and VM.Output. warm.go keeps warm pools, park.go parks and wakes VMs,
+// CopyOutPath, named by their caller), the console (VM.Logs, which the console hub or
+// keeper writes) and VM.Output. warm.go keeps warm pools, park.go parks and wakes VMs,
 // delete.go deletes VMs and checkpoints, and recover.go re-finds VMs and checkpoints
 // after a crash, each VM's cut-short checkpoint settled by its kind's code.
 // admission.go decides whether one more VM fits the host's budgets. measure.go times

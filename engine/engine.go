@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/admission"
+	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/platform"
 	"golang.org/x/sync/semaphore"
 	"golang.org/x/sys/unix"
@@ -60,6 +61,8 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The console hub is the engine's: every copy of the layout below shares it.
+	r.paths.consoles = console.NewHub()
 	e := &Engine{cfg: r, paths: r.paths, log: r.Logger}
 	// The directories first: everything below copies e.paths.
 	made, err := e.makeDirs()
@@ -67,8 +70,12 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 		return nil, err
 	}
 	// A refused start removes the directories it made in shared places (only if
-	// still empty: os.Remove), so it leaves nothing there.
+	// still empty: os.Remove), so it leaves nothing there. Consoles the recovery began
+	// serving go to a keeper: their VMs run on.
 	fail := func(err error) (*Engine, error) {
+		if cerr := e.paths.consoles.Close(); cerr != nil {
+			e.log.Warn("console keeper", "err", cerr)
+		}
 		for _, d := range made {
 			os.Remove(d)
 		}
@@ -224,8 +231,9 @@ func (e *Engine) unlock() {
 }
 
 // Close releases the engine. Running VMs keep running (they are separate processes) and
-// are re-found by the next engine on the same state directory; warm pools do not
-// outlive their engine.
+// are re-found by the next engine on the same state directory; their consoles, served in
+// this process until now, are handed to one keeper process that outlives it. Warm pools
+// do not outlive their engine.
 func (e *Engine) Close() error {
 	e.closeOnce.Do(func() {
 		// Refuse new work and new pool spawns, stop background spawns and wait for them,
@@ -242,6 +250,10 @@ func (e *Engine) Close() error {
 		for _, vm := range vms {
 			vm.release()
 			vm.closeConns()
+		}
+		// The consoles of the VMs that run on go to one keeper process.
+		if err := e.paths.consoles.Close(); err != nil {
+			e.log.Warn("console keeper not started: consoles unserved until the next engine opens", "err", err)
 		}
 		// Leave no empty directories behind in shared places (fails harmlessly if not
 		// empty: VMs keep running after Close).
@@ -491,6 +503,8 @@ func ImageNamesDir(stateDir string) string { return filepath.Join(stateDir, "ima
 // RAMDir (RAM files, memory-backed) and RunDir (sockets, short paths).
 type layout struct {
 	state, ram, run string
+	// consoles serves the engine's VM consoles (nil in a layout made only to name paths).
+	consoles *console.Hub
 }
 
 func (l layout) vmsDir() string                { return filepath.Join(l.state, "vms") }

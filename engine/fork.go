@@ -275,7 +275,7 @@ func forkDir(ctx context.Context, paths layout, log *slog.Logger, c *Checkpoint,
 		m.Launch.Disk = layers
 		m.DiskNode = "disk0"
 	}
-	return newVM(dir, log, &m), nil
+	return newVM(dir, log, &m, paths.consoles), nil
 }
 
 // forkManifest is the manifest of VM name restoring checkpoint ck, before its RAM base,

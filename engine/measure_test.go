@@ -261,7 +261,7 @@ func TestParseJIT(t *testing.T) {
 }
 
 func TestJITStatsNotRunning(t *testing.T) {
-	vm := newVM("", nil, &manifest{Name: "x", Accel: "tcg"})
+	vm := newVM("", nil, &manifest{Name: "x", Accel: "tcg"}, nil)
 	if _, err := vm.JITStats(t.Context()); !errors.Is(err, ErrNotRunning) {
 		t.Fatalf("JITStats of a VM without QEMU: %v, want ErrNotRunning", err)
 	}

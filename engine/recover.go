@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/procinfo"
 )
 
@@ -21,11 +22,13 @@ import (
 //
 //   - VMs (recoverVMs): a VM whose manifest says running was confirmed ready (its agent
 //     answered with its own token before the manifest said so) and is re-adopted, its
-//     QEMU alive or not (a dead one is listed as dead until deleted). Anything else
-//     (no valid manifest, a pooled process, a fork or create still on its way) is
-//     half-made: its QEMU is killed, with any QEMU of its QMP socket the manifest does
-//     not name, and its files are removed. A fork that became ready just before the
-//     crash is re-adopted even if whoever asked for it was never told.
+//     QEMU alive or not (a dead one is listed as dead until deleted). A running VM's
+//     console that no live keeper serves (its engine was killed) is served by this
+//     engine again (console.Hub.Recover). Anything else (no valid manifest, a pooled
+//     process, a fork or create still on its way) is half-made: its QEMU is killed,
+//     with any QEMU of its QMP socket the manifest does not name, and its files are
+//     removed. A fork that became ready just before the crash is re-adopted even if
+//     whoever asked for it was never told.
 //   - a re-adopted fork's checkpoint is marked forked: a fork's manifest says running
 //     before its checkpoint is marked, and an unpinned checkpoint left unmarked would
 //     never be collected after its last fork.
@@ -68,6 +71,7 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 		return nil, err
 	}
 	parents := map[string]bool{}
+	var consoles []console.Console
 	for _, ent := range ents {
 		if !ent.IsDir() {
 			continue
@@ -94,7 +98,7 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 			keepAside(paths, log, ent.Name(), err, pids, held)
 			continue
 		}
-		vm := adoptVM(dir, log, m)
+		vm := adoptVM(dir, log, m, paths.consoles)
 		vm.recoverCutShort(ctx, paths, log, timeout)
 		vm.recoverPark(ctx, log)
 		mv := vm.manifest()
@@ -105,6 +109,9 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 			// A manifest rewrite the crash cut short (writeJSON's temporary file).
 			os.Remove(filepath.Join(dir, manifestFile+".tmp"))
 			reg.add(vm)
+			if m.State == StateRunning && vm.alive() {
+				consoles = append(consoles, console.Console{RunDir: m.Launch.RunDir, Log: m.Launch.SerialLog})
+			}
 			continue
 		}
 		// A warm-pool process or a fork whose maker died before it was confirmed ready.
@@ -115,6 +122,11 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 		if m.Parent != "" {
 			parents[m.Parent] = true
 		}
+	}
+	// The consoles of running VMs whose engine died with them (no keeper serves them):
+	// their QEMUs reconnect once this engine listens. Best effort, as a console is.
+	if err := paths.consoles.Recover(consoles); err != nil {
+		log.Warn("console of a running vm not served", "err", err)
 	}
 	out := make([]string, 0, len(parents))
 	for p := range parents {

@@ -56,6 +56,9 @@ type VM struct {
 	// ctr is the counting of its current process, firstCmd set once its first command
 	// was counted.
 	counters bool
+	// consoles is the engine's console hub, which serves the console of each QEMU the
+	// VM starts (nil in tests that start none).
+	consoles *console.Hub
 	// procMarker, when set, is told of each QEMU the VM starts (Config.Markers).
 	procMarker ProcessMarker
 	ctr        atomic.Pointer[vmCounters]
@@ -66,8 +69,8 @@ type VM struct {
 type Info = api.Info
 
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
-func adoptVM(dir string, log *slog.Logger, m *manifest) *VM {
-	vm := newVM(dir, log, m)
+func adoptVM(dir string, log *slog.Logger, m *manifest, consoles *console.Hub) *VM {
+	vm := newVM(dir, log, m, consoles)
 	p := adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile))
 	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
@@ -191,8 +194,7 @@ func (vm *VM) start(ctx context.Context) error {
 	if err := vm.update(func(*vmState) {}); err != nil {
 		return err
 	}
-	keeper, err := console.Start(l.consoleSocket(), l.SerialLog)
-	if err != nil {
+	if err := vm.consoles.Start(l.consoleSocket(), l.SerialLog); err != nil {
 		return err
 	}
 	m := vm.manifest()
@@ -216,7 +218,7 @@ func (vm *VM) start(ctx context.Context) error {
 	}
 	if err != nil {
 		kc.close()
-		keeper.Kill()
+		vm.consoles.Stop(l.RunDir, l.SerialLog)
 		return err
 	}
 	kc.watch(vm, p)
@@ -253,14 +255,14 @@ func (vm *VM) died(reason string) {
 	vm.log.Warn("vm died", "vm", vm.Name(), "reason", reason)
 }
 
-// guestEndWait bounds how long guestEnd waits for the console keeper to write the
-// guest's last output after QEMU exited.
+// guestEndWait bounds how long guestEnd waits for whoever serves the console (the
+// engine's hub or a keeper) to write the guest's last output after QEMU exited.
 const guestEndWait = 500 * time.Millisecond
 
 // guestEnd says why a QEMU exited 0 on its own: the guest ended it (QEMU runs with
 // -no-reboot and the kernel with panic=-1), by a kernel panic, such as its PID 1
 // dying, whose console line says why ("guest kernel panic: ..."), or by powering off
-// or rebooting. serialLog is the VM's console log, which the keeper may still be
+// or rebooting. serialLog is the VM's console log, which its reader may still be
 // catching up on.
 func guestEnd(serialLog string) string {
 	deadline := time.Now().Add(guestEndWait)
@@ -562,6 +564,7 @@ func removePerfMap(m *manifest) {
 }
 
 func (l layout) removeVMFiles(name string, m *manifest) {
+	stopped := false // the console of the run directory below is stopped
 	if m != nil {
 		removePerfMap(m)
 		admission.RemoveCgroupDir(m.MemoryCgroup)
@@ -572,12 +575,15 @@ func (l layout) removeVMFiles(name string, m *manifest) {
 			os.Remove(m.Launch.RAM.Path)
 		}
 		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
-			console.Stop(m.Launch.RunDir, m.Launch.SerialLog)
+			l.consoles.Stop(m.Launch.RunDir, m.Launch.SerialLog)
 			os.RemoveAll(m.Launch.RunDir)
+			stopped = m.Launch.RunDir == l.runDir(name)
 		}
 	}
 	os.Remove(l.vmRAM(name))
-	console.Stop(l.runDir(name), filepath.Join(l.vmDir(name), serialLogFile))
+	if !stopped {
+		l.consoles.Stop(l.runDir(name), filepath.Join(l.vmDir(name), serialLogFile))
+	}
 	os.RemoveAll(l.runDir(name))
 	os.RemoveAll(l.vmDir(name))
 }
@@ -657,10 +663,11 @@ func joinManifest(id *vmIdentity, s *vmState) manifest {
 		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark, Protection: s.Protection}
 }
 
-// newVM is the VM in directory dir whose manifest is m: the one constructor of a VM.
-func newVM(dir string, log *slog.Logger, m *manifest) *VM {
+// newVM is the VM in directory dir whose manifest is m, its consoles served by the
+// engine's hub consoles: the one constructor of a VM.
+func newVM(dir string, log *slog.Logger, m *manifest, consoles *console.Hub) *VM {
 	id, st := splitManifest(dir, m)
-	vm := &VM{log: log, st: st}
+	vm := &VM{log: log, st: st, consoles: consoles}
 	vm.id.Store(id)
 	return vm
 }

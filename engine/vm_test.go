@@ -32,7 +32,7 @@ func TestVMManifestResavesIdentically(t *testing.T) {
 		}
 	}
 	dir := t.TempDir()
-	vm := newVM(dir, nil, m)
+	vm := newVM(dir, nil, m, nil)
 	if err := vm.update(func(*vmState) {}); err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +80,7 @@ func TestClaimAsReplacesIdentity(t *testing.T) {
 	old := testManifest()
 	old.Name, old.Spec.Name, old.State = "pool-1", "pool-1", statePooled
 	dir := t.TempDir()
-	vm := newVM(filepath.Join(dir, "pool-1"), nil, &old)
+	vm := newVM(filepath.Join(dir, "pool-1"), nil, &old, nil)
 	before := vm.ident()
 	vm.proc.Store(adoptQEMU("pool-1", 0, 0, "", ""))
 	newDir := filepath.Join(dir, "f1")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -411,6 +412,8 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()
 		release()
 		return nil, nil
 	}
+	// Its console, served by this engine, follows the files it writes.
+	e.paths.consoles.Rename(oldRun, newRun, filepath.Join(newDir, serialLogFile))
 	err = vm.claimAs(name, newDir, func(l launch) launch {
 		l = l.named(e.paths, name)
 		l.Disk = append([]diskLayer(nil), l.Disk...)

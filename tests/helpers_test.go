@@ -352,14 +352,20 @@ func vmOfArgs(args []string) string {
 	return ""
 }
 
-// keeperOfArgs returns the VM name a console keeper's command line belongs to ("" if
-// it is not one): forkvm-console STATE/vms/NAME/serial.log. A live VM has one beside
-// its QEMU; a deleted one none.
-func keeperOfArgs(args []string) string {
-	if len(args) == 2 && args[0] == "forkvm-console" && filepath.Base(args[1]) == "serial.log" {
-		return filepath.Base(filepath.Dir(args[1]))
+// keeperOfArgs returns the VMs a console keeper's command line serves (nil if it is
+// not one): forkvm-console STATE/vms/NAME/serial.log... (one keeper serves the consoles
+// an engine left running when it closed). A keeper none of whose VMs is live is a leak.
+func keeperOfArgs(args []string) []string {
+	if len(args) < 2 || args[0] != "forkvm-console" {
+		return nil
 	}
-	return ""
+	var names []string
+	for _, a := range args[1:] {
+		if filepath.Base(a) == "serial.log" {
+			names = append(names, filepath.Base(filepath.Dir(a)))
+		}
+	}
+	return names
 }
 
 // qemuPIDOf returns the pid of the QEMU of VM name in the state dir home, or 0.
@@ -463,7 +469,12 @@ func checkState(t testing.TB, env *testEnv, want expectState) {
 	for pid, args := range procsReferencing(home, ramDir) {
 		name := vmOfArgs(args)
 		if name == "" {
-			name = keeperOfArgs(args)
+			// A keeper is kept by any of its VMs that is listed and not dead.
+			for _, k := range keeperOfArgs(args) {
+				if slices.Contains(vms, k) && !slices.Contains(want.Dead, k) {
+					name = k
+				}
+			}
 		}
 		if name == "" || !slices.Contains(vms, name) || slices.Contains(want.Dead, name) {
 			t.Errorf("leak: process %d (vm %q) still references the state dir: %.300s", pid, name, strings.Join(args, " "))

@@ -190,7 +190,7 @@ func strayProcs(home, ramDir string, vms map[string]int) map[int]string {
 		if !processAlive(pid) {
 			continue
 		}
-		if k := keeperOfArgs(args); k != "" && vms[k] != 0 {
+		if slices.ContainsFunc(keeperOfArgs(args), func(k string) bool { return vms[k] != 0 }) {
 			continue
 		}
 		if name := vmOfArgs(args); name == "" || vms[name] != pid {

@@ -1,22 +1,45 @@
-// Package console is the guest console, bounded: the console keeper and its log.
+// Package console is the guest console, bounded: the engine's console hub, the
+// keeper that serves consoles after the engine, and their rotating log.
 //
 // A guest prints as fast as it likes on its serial port, and QEMU's file chardev
 // appends without limit: a hostile guest fills the host's disk. So QEMU never writes
-// the log itself. Its serial port is a unix socket client of a console keeper, a small
-// process of its own (this binary, re-executed: see init) that the engine starts
-// before each QEMU. The keeper appends what it reads to StateDir/vms/NAME/serial.log
-// and rotates it to serial.log.1 when it reaches LogHalf, so the console
-// takes at most 2 × LogHalf on disk: the last output, older output dropped.
+// the log itself. Its serial port is a unix socket client (with reconnect-ms) of
+// RUNDIR/NAME/console.sock; whoever serves that socket appends what it reads to
+// StateDir/vms/NAME/serial.log and rotates it to serial.log.1 when it reaches
+// LogHalf, so the console takes at most 2 × LogHalf on disk: the last output, older
+// output dropped. A guest that prints faster than the log is written is slowed down
+// (the socket fills), never the host.
 //
-// The keeper lives as long as its QEMU, not as long as the engine: VMs outlive the
-// process that made them, and so does the cap. It exits when QEMU closes the
-// connection (QEMU exited) or when no QEMU connected within keeperAcceptWait. If the
-// keeper is killed, QEMU's socket chardev drops the console output: nothing is written
-// anywhere until the VM is restarted. A guest that prints faster than the keeper
-// writes is slowed down (the socket fills), never the host.
+// Who serves a console:
 //
-// The surface: Start a keeper before QEMU, Stop it when the VM's files go, Tail the
-// log, SaveHistory into a checkpoint and SeedFork a fork's log from it.
+//   - While the engine that started the VM runs, its Hub does, in the engine's own
+//     process: a listener made before QEMU starts and a goroutine that accepts QEMU's
+//     connection and copies it. Starting a VM starts no process for its console.
+//   - VMs outlive the engine (the CLI exits right after a fork; a daemon stops). When
+//     the engine closes, the Hub hands every console still open (its listener, QEMU's
+//     connected socket and the log's path) to one keeper process: this binary,
+//     re-executed (see init), serving them all. Connected sockets are passed, not
+//     re-made, so no output is lost at the hand-off. The keeper exits when every
+//     connection it serves is closed (their QEMUs exited), or when a console it got
+//     unconnected saw no QEMU within keeperAcceptWait.
+//   - If the engine dies without closing (kill -9), its consoles' sockets die with
+//     it. QEMU then reconnects every reconnectMs; the next engine that opens the
+//     state directory serves the consoles of running VMs that no live keeper serves
+//     (Hub.Recover: it listens on their sockets again). Output printed while nobody
+//     listens is dropped by QEMU (its serial port does not wait for a disconnected
+//     chardev): the guest is never blocked, its output is lost until the console is
+//     served again. The same holds while a keeper killed by hand is not yet replaced.
+//
+// console.pid in a VM's run directory records which process serves its console (PID
+// and start time: the engine while its Hub does, else the keeper), so that Recover and
+// Stop can find it. Stop guarantees nothing writes a removed VM's log once it returns:
+// it ends the Hub's copy, or waits for the keeper serving it to let go of the log (its
+// QEMU is dead, so the keeper sees the connection close) without ending a keeper that
+// serves other VMs.
+//
+// The surface: a Hub per engine (Start before QEMU, Stop when the VM's files go,
+// Recover at engine open, Close at engine close), Tail the log, SaveHistory into a
+// checkpoint and SeedFork a fork's log from it.
 package console
 
 import (
@@ -24,16 +47,11 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"runtime"
-	"syscall"
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
-	"github.com/forkvm/forkvm/procinfo"
 )
 
 const (
@@ -41,161 +59,29 @@ const (
 	LogHalf = 512 << 10
 	// RotatedSuffix names the previous half of the console log.
 	RotatedSuffix = ".1"
-	// consoleKeeperEnv marks a process started as a console keeper.
-	consoleKeeperEnv = "FORKVM_ENGINE_CONSOLE_KEEPER"
-	// consoleKeeperArg0 is the keeper's argv[0] (what ps shows); argv[1] is the log.
-	consoleKeeperArg0 = "forkvm-console"
-	// keeperAcceptWait is how long a keeper waits for its QEMU to connect.
-	keeperAcceptWait = time.Minute
 	// SockName is the console's socket in a VM's run directory.
 	SockName = "console.sock"
 	// HistoryFile is the console tail a checkpoint keeps for its forks.
 	HistoryFile = "console.log"
-	// consoleKeeperFile in a VM's run directory records its keeper ("PID STARTTIME").
-	consoleKeeperFile = "console.pid"
-	// keeperExitWait bounds how long removing a VM waits for its keeper to be gone.
+	// ReconnectMs is how often a QEMU whose console connection was lost (its engine
+	// died) tries the console socket again (its chardev's reconnect-ms).
+	ReconnectMs = qemu.ConsoleReconnectMs
+	// recordFile in a VM's run directory records who serves its console ("PID STARTTIME").
+	recordFile = "console.pid"
+	// keeperAcceptWait is how long a keeper waits for a QEMU to connect to a console it
+	// got unconnected.
+	keeperAcceptWait = time.Minute
+	// keeperExitWait bounds how long removing a VM waits for the keeper serving it to
+	// let go of its log.
 	keeperExitWait = time.Second
 )
-
-// init turns a process started by Start into the keeper: every binary
-// that embeds the engine can serve as its own console keeper, so none has to be
-// installed beside it. It runs before the program's main and never returns.
-func init() {
-	if os.Getenv(consoleKeeperEnv) == "1" && len(os.Args) == 2 && os.Args[0] == consoleKeeperArg0 {
-		os.Exit(runConsoleKeeper(os.Args[1]))
-	}
-}
-
-// selfExe is the running binary, for re-executing it as a keeper (on Linux the
-// kernel's link, which works even when the file was replaced or deleted).
-func selfExe() (string, error) {
-	if runtime.GOOS == "linux" {
-		return "/proc/self/exe", nil
-	}
-	return os.Executable()
-}
-
-// Start listens on sock and starts the keeper that appends what its QEMU
-// sends there to logPath. The listener exists before the keeper runs, so QEMU can
-// connect as soon as it starts. The caller kills the returned process if QEMU never
-// starts (else it exits on its own after keeperAcceptWait).
-func Start(sock, logPath string) (*os.Process, error) {
-	if err := os.Remove(sock); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("engine: console socket: %w", err)
-	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	if err != nil {
-		return nil, fmt.Errorf("engine: console socket: %w", err)
-	}
-	ln.SetUnlinkOnClose(false)
-	lf, err := ln.File()
-	ln.Close()
-	if err != nil {
-		os.Remove(sock)
-		return nil, fmt.Errorf("engine: console socket: %w", err)
-	}
-	defer lf.Close()
-	exe, err := selfExe()
-	if err != nil {
-		os.Remove(sock)
-		return nil, fmt.Errorf("engine: console keeper: %w", err)
-	}
-	cmd := &exec.Cmd{
-		Path: exe, Args: []string{consoleKeeperArg0, logPath}, Dir: "/",
-		Env:        []string{consoleKeeperEnv + "=1", "GOMAXPROCS=1", "GOGC=25"},
-		ExtraFiles: []*os.File{lf}, // fd 3
-		// Its own session, like QEMU's: a terminal's signals do not reach it.
-		SysProcAttr: &syscall.SysProcAttr{Setsid: true},
-	}
-	if err := cmd.Start(); err != nil {
-		os.Remove(sock)
-		return nil, fmt.Errorf("engine: console keeper: %w", err)
-	}
-	p := cmd.Process
-	go cmd.Wait() // reap it if it ends while this engine runs
-	start, _ := qemu.ProcStartTime(p.Pid)
-	os.WriteFile(filepath.Join(filepath.Dir(sock), consoleKeeperFile), []byte(fmt.Sprintf("%d %d\n", p.Pid, start)), 0o600)
-	return p, nil
-}
-
-// Stop ends the keeper of the VM whose run directory is runDir and whose
-// console log is logPath, when the VM's files are removed (its QEMU is gone, so the
-// keeper is about to exit anyway), and waits up to keeperExitWait for it to be gone:
-// nothing of a deleted VM outlives its deletion. The keeper recorded in runDir is only
-// signalled while its start time matches the record. An engine killed between starting
-// a keeper and recording it leaves one unrecorded: it is found by its exact argv
-// (argv[0] forkvm-console, argv[1] this VM's log, a path in this state directory).
-func Stop(runDir, logPath string) {
-	type keeper struct {
-		pid   int
-		start uint64
-	}
-	var ks []keeper
-	if b, err := os.ReadFile(filepath.Join(runDir, consoleKeeperFile)); err == nil {
-		var k keeper
-		if _, err := fmt.Sscan(string(b), &k.pid, &k.start); err == nil && k.pid > 1 {
-			ks = append(ks, k)
-		}
-	}
-	if len(ks) == 0 && logPath != "" {
-		pids, _ := procinfo.ProcessesWithArg(logPath)
-		for _, pid := range pids {
-			args, err := procinfo.ProcessArgs(pid)
-			if err != nil || len(args) != 2 || args[0] != consoleKeeperArg0 || args[1] != logPath {
-				continue
-			}
-			if start, err := qemu.ProcStartTime(pid); err == nil {
-				ks = append(ks, keeper{pid, start})
-			}
-		}
-	}
-	for _, k := range ks {
-		same := func() bool { got, err := qemu.ProcStartTime(k.pid); return err == nil && got == k.start }
-		if !same() {
-			continue
-		}
-		syscall.Kill(k.pid, syscall.SIGKILL)
-		for deadline := time.Now().Add(keeperExitWait); same() && time.Now().Before(deadline); {
-			time.Sleep(5 * time.Millisecond)
-		}
-	}
-}
-
-// runConsoleKeeper is the keeper's body: accept QEMU's connection on fd 3 and copy it
-// into the rotating log until QEMU closes it. Its exit status says only whether it
-// got a connection.
-func runConsoleKeeper(logPath string) int {
-	ln, err := net.FileListener(os.NewFile(3, "console.sock"))
-	if err != nil {
-		return 2
-	}
-	if ul, ok := ln.(*net.UnixListener); ok {
-		ul.SetDeadline(time.Now().Add(keeperAcceptWait))
-	}
-	conn, err := ln.Accept()
-	ln.Close()
-	if err != nil {
-		return 1
-	}
-	defer conn.Close()
-	rl := &rotatingLog{path: logPath, half: LogHalf}
-	defer rl.close()
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := conn.Read(buf)
-		if n > 0 {
-			rl.write(buf[:n])
-		}
-		if err != nil {
-			return 0
-		}
-	}
-}
 
 // rotatingLog appends to path and, when path holds half bytes, renames it to
 // path.1 (replacing the previous one) and starts a new path: the two never hold more
 // than 2 × half bytes. Write errors (a full disk) drop the output: the console is
-// best effort and must never stop the keeper reading, which would stall the guest.
+// best effort and must never stop its reader, which would stall the guest. Once
+// opened it always holds one of the two files open (rotate opens the new one before
+// closing the old), which is how Stop and Recover tell that a keeper serves it.
 type rotatingLog struct {
 	path string
 	half int64
@@ -239,19 +125,23 @@ func (r *rotatingLog) write(p []byte) {
 }
 
 func (r *rotatingLog) rotate() {
-	r.f.Close()
+	old := r.f
 	r.f = nil
 	os.Rename(r.path, r.path+RotatedSuffix)
-	f, err := os.OpenFile(r.path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|os.O_APPEND, 0o600)
-	if err != nil {
-		return
+	if f, err := os.OpenFile(r.path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|os.O_APPEND, 0o600); err == nil {
+		r.f, r.size = f, 0
 	}
-	r.f, r.size = f, 0
+	old.Close()
 }
+
+// setPath makes later writes and rotations use path (the VM's directory was renamed:
+// the open file moved with it).
+func (r *rotatingLog) setPath(path string) { r.path = path }
 
 func (r *rotatingLog) close() {
 	if r.f != nil {
 		r.f.Close()
+		r.f = nil
 	}
 }
 

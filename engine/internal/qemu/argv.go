@@ -120,6 +120,11 @@ const (
 	nicID      = "nic0"
 )
 
+// ConsoleReconnectMs is how often a QEMU whose console connection was lost (the engine
+// serving it died) tries its console socket again: the next engine serves it within
+// that much of opening the state directory.
+const ConsoleReconnectMs = 500
+
 // EscapeOpt escapes a value for QEMU's key=value option syntax (commas are doubled).
 func EscapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
@@ -290,7 +295,8 @@ func (l *Launch) memoryArgs(machine string) []string {
 }
 
 // channelArgs are the host's ways in: QMP and the agent's virtio-serial port (unix
-// sockets QEMU listens on) and the console (a unix socket its keeper listens on).
+// sockets QEMU listens on) and the console (a unix socket the engine, or its keeper,
+// listens on).
 func (l *Launch) channelArgs() []string {
 	serialBus := "virtio-serial-pci,id=vser0"
 	if l.AgentPorts > 0 {
@@ -299,9 +305,11 @@ func (l *Launch) channelArgs() []string {
 	return []string{
 		"-chardev", "socket,id=qmp,path=" + EscapeOpt(l.QMPSocket) + ",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
-		// The console goes to a keeper that bounds its log, never to a file QEMU
-		// appends to without limit.
-		"-chardev", "socket,id=console,path=" + EscapeOpt(l.ConsoleSocket) + ",server=off",
+		// The console goes to the engine or its keeper, which bound its log, never to
+		// a file QEMU appends to without limit. reconnect-ms: if whoever serves it dies
+		// (an engine killed), QEMU connects again to the next one that listens
+		// (dropping what the guest prints meanwhile, never blocking it).
+		"-chardev", "socket,id=console,path=" + EscapeOpt(l.ConsoleSocket) + ",server=off,reconnect-ms=" + strconv.Itoa(ConsoleReconnectMs),
 		"-serial", "chardev:console",
 		"-device", serialBus,
 		"-chardev", "socket,id=agent,path=" + EscapeOpt(l.AgentSocket) + ",server=on,wait=off",

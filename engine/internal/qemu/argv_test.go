@@ -347,9 +347,10 @@ func TestArgvCommaEscaping(t *testing.T) {
 	chardevs := qemutest.FlagValues(argv, "-chardev")
 	want := []string{
 		"socket,id=qmp,path=/tmp/a,,b/run/qmp.sock,server=on,wait=off",
-		// The console is a client of its keeper's socket: QEMU never writes a file
-		// for it (a guest could fill the disk).
-		"socket,id=console,path=/tmp/a,,b/run/console.sock,server=off",
+		// The console is a client of the engine's (or its keeper's) socket: QEMU
+		// never writes a file for it (a guest could fill the disk); it reconnects
+		// to the next engine when the one serving it died.
+		"socket,id=console,path=/tmp/a,,b/run/console.sock,server=off,reconnect-ms=500",
 		"socket,id=agent,path=/tmp/a,,b/run/agent.sock,server=on,wait=off",
 	}
 	if !reflect.DeepEqual(chardevs, want) {
