@@ -705,6 +705,13 @@ type API interface {
 	Wake(ctx context.Context, name string) (WakeResult, error)
 	SetNoPark(ctx context.Context, name string, noPark bool) error
 
+	// Protect protects the VM: a protection point every opts.Every, from which it can be
+	// revived as itself (docs/protect.md); the daemon's engine runs the points (the
+	// in-process API takes the first at once and records the protection for a daemon to
+	// resume). Unprotect ends it and deletes the points.
+	Protect(ctx context.Context, name string, opts *ProtectOptions) (ProtectionInfo, error)
+	Unprotect(ctx context.Context, name string) error
+
 	// Close releases the API: an in-process one closes its engine (VMs keep running).
 	Close() error
 }

@@ -90,6 +90,7 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	s.transferRoutes()
 	s.fleetRoutes()
 	s.parkRoutes()
+	s.protectRoutes()
 	s.mux.HandleFunc("/", s.noRoute)
 	return s
 }

@@ -2,8 +2,11 @@ package tests
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -11,6 +14,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/pull"
 )
 
@@ -147,3 +151,100 @@ func TestProtectRevive(t *testing.T) {
 }
 
 func strconvI(i int) string { return string(rune('0' + i)) }
+
+// TestProtectDaemon: forkvm fork --protect through a daemon takes points every
+// interval; a daemon killed and restarted resumes them from the VM's manifest; forkvm
+// unprotect ends them and deletes the points.
+func TestProtectDaemon(t *testing.T) {
+	parallelVMTest(t)
+	home, err := os.MkdirTemp("/tmp", "fvpd-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli := cliRunner(t, home)
+	t.Cleanup(func() {
+		cli(nil, "rm", "pf", "pw")
+		cli(nil, "checkpoint", "rm", "--force", "pck")
+		for pid := range procsReferencing(home) {
+			t.Errorf("leak: process %d still references %s", pid, home)
+		}
+		os.RemoveAll(home)
+	})
+	ok := func(args ...string) string {
+		t.Helper()
+		out, errs, code := cli(nil, args...)
+		if code != 0 {
+			t.Fatalf("forkvm %v: exit %d: %s%s", args, code, out, errs)
+		}
+		return out
+	}
+	sock := serve.SocketPath(home)
+	logPath := filepath.Join(t.TempDir(), "daemon.log")
+	d := startDaemon(t, home, sock, logPath, "--overcommit", "32")
+	ok("create", "pw", "--cpus", "1", "--memory-mb", "256", "--forkable", "--disk-mb", "64")
+	ok("checkpoint", "pw", "pck", "--pin")
+	ok("fork", "pck", "pf", "--protect", "1s")
+	protection := func() *api.ProtectionInfo {
+		t.Helper()
+		var vms []serve.VMObject
+		if err := json.Unmarshal([]byte(ok("ls", "--json")), &vms); err != nil {
+			t.Fatal(err)
+		}
+		for _, v := range vms {
+			if v.Name == "pf" {
+				return v.Protection
+			}
+		}
+		t.Fatal("pf not listed")
+		return nil
+	}
+	waitPoints := func(min int64) *api.ProtectionInfo {
+		t.Helper()
+		deadline := time.Now().Add(2 * time.Minute)
+		for {
+			p := protection()
+			if p != nil && p.Points >= min {
+				return p
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("pf's protection: %+v, want %d points\n%s", p, min, d.logText())
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+	}
+	p := waitPoints(3)
+	if p.Every != time.Second || p.Point == "" || p.PointAt.IsZero() || p.Failures != 0 {
+		t.Errorf("protection after 3 points: %+v", p)
+	}
+	d.kill9()
+	d = startDaemon(t, home, sock, logPath, "--overcommit", "32")
+	waitPoints(p.Points + 2) // resumed by the new daemon
+	points := func() (n int) {
+		var cks []serve.CheckpointObject
+		if err := json.Unmarshal([]byte(ok("checkpoints", "--json")), &cks); err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range cks {
+			if c.Protects == "pf" {
+				n++
+			}
+		}
+		return n
+	}
+	if n := points(); n < 1 || n > 2 {
+		t.Errorf("%d points of pf on disk, want the last (and at most one under way)", n)
+	}
+	if out := ok("unprotect", "pf"); !strings.Contains(out, "pf unprotected") {
+		t.Errorf("unprotect: %q", out)
+	}
+	if p := protection(); p != nil {
+		t.Errorf("pf still protected: %+v", p)
+	}
+	if n := points(); n != 0 {
+		t.Errorf("%d points of pf left after unprotect", n)
+	}
+	if _, errs, code := cli(nil, "protect", "pf", "--every", "100ms"); code == 0 || !strings.Contains(errs, "protection interval") {
+		t.Errorf("protect --every 100ms: exit %d, %q", code, errs)
+	}
+	d.stop()
+}

@@ -35,6 +35,7 @@ func forkCmd() *cli.Command {
 			countersFlag("each fork"),
 			&cli.BoolFlag{Name: "faults", Usage: "count each fork's page faults by class (copy on write, holes, shared reads, QEMU's own) until ready, in its line and event (root: eBPF; through a daemon, forkvm serve --faults counts; see docs/profiling.md)"},
 			noParkFlag(),
+			&cli.DurationFlag{Name: "protect", Usage: "protect each fork: a protection point every DURATION (1s to 24h) from which it can be revived as itself (see forkvm protect)"},
 			&cli.StringFlag{Name: "trace", Usage: "write one Perfetto bundle (a .tar for ui.perfetto.dev): the forks' phases, and as root their QEMUs' scheduling, user page faults and phase markers from a private ftrace instance (in-process engine only; see docs/profiling.md)"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
@@ -88,6 +89,13 @@ func forkCmd() *cli.Command {
 			if err := checkDaemonCounters(ctx, cl, cmd.Bool("counters")); err != nil {
 				return err
 			}
+			var protect *api.ProtectOptions
+			if cmd.IsSet("protect") {
+				protect = &api.ProtectOptions{Every: cmd.Duration("protect")}
+				if err := protect.Normalize(); err != nil {
+					return fmt.Errorf("--protect: %w", err)
+				}
+			}
 			start := time.Now()
 			evs, err := cl.ForkMany(ctx, src, req.N, req.Options())
 			if err != nil {
@@ -104,6 +112,13 @@ func forkCmd() *cli.Command {
 			for i, r := range tally.reported {
 				if !r {
 					unreported = append(unreported, req.ForkName(i))
+				}
+			}
+			if protect != nil {
+				for _, name := range tally.names {
+					if _, err := cl.Protect(ctx, name, protect); err != nil {
+						tally.errs = append(tally.errs, fmt.Errorf("protect %s: %w", name, err))
+					}
 				}
 			}
 			summary := forkSummary(n, tally.ready, tally.failed, time.Since(start), unreported)
@@ -128,6 +143,7 @@ type forkTally struct {
 	errs          []error
 	reported      []bool
 	broken        error
+	names         []string // the ready forks
 }
 
 // printForkEvents prints each fork's event as it comes (a line, or one JSON object
@@ -173,6 +189,7 @@ func printForkEvents(ctx context.Context, cmd *cli.Command, cl api.API, src stri
 			t.errs = append(t.errs, ev.Err)
 		} else {
 			t.ready++
+			t.names = append(t.names, ev.Name)
 			if tr != nil {
 				tr.add(ev.Index, ev.Name, ev.Spans)
 			}

@@ -46,7 +46,7 @@ func newApp() *cli.Command {
 			createCmd(), execCmd(), cpCmd(), logsCmd(), withFleetLs(lsCmd()), memCmd(), profileCmd(), withFleetRm(rmCmd()),
 			withFleetCheckpoint(checkpointCmd()), checkpointsCmd(), withFleetFork(forkCmd()), pinCmd(true), pinCmd(false),
 			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
-			serveCmd(), nodesCmd(), helpCmd(), parkCmd(), wakeCmd(),
+			serveCmd(), nodesCmd(), helpCmd(), parkCmd(), wakeCmd(), protectCmd(), unprotectCmd(),
 		},
 	}
 	noHelpCommands(app)

@@ -97,6 +97,10 @@ func serveCmd() *cli.Command {
 			defer e.Close()
 			log.Info("forkvm serve: engine ready", "vms", len(e.List()), "took", time.Since(started).Round(time.Millisecond))
 			srv := serve.New(e, log)
+			// The protections the manifests record run in the daemon (docs/protect.md).
+			if names := e.ResumeProtection(); len(names) > 0 {
+				log.Info("forkvm serve: protection resumed", "vms", names)
+			}
 			if faults != nil {
 				if err := srv.SetFaults(faults); err != nil {
 					return err
