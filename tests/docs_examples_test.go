@@ -159,8 +159,8 @@ func TestDocsExamples(t *testing.T) {
 	t.Cleanup(func() {
 		cli(nil, "rm", "w1", "f1", "f2", "web", "g1", "g2", "g3", "g4", "g5", "g6", "g7", "g8")
 		cli(nil, "checkpoint", "rm", "--force", "ck1", "webck")
-		for pid := range procsReferencing(home) {
-			t.Errorf("leak: process %d still references %s", pid, home)
+		for pid, args := range procsReferencing(home) {
+			t.Errorf("leak: process %d still references %s: %q", pid, home, args)
 		}
 		os.RemoveAll(home)
 	})

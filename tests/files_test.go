@@ -239,8 +239,8 @@ func cliSession(t *testing.T, prefix string, undo ...[]string) (home string, cli
 		for _, args := range undo {
 			cli(nil, args...)
 		}
-		for pid := range procsReferencing(home) {
-			t.Errorf("leak: process %d still references %s", pid, home)
+		for pid, args := range procsReferencing(home) {
+			t.Errorf("leak: process %d still references %s: %q", pid, home, args)
 		}
 		os.RemoveAll(home)
 	})

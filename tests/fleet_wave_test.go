@@ -71,8 +71,8 @@ func startFleet(t *testing.T, n, vcpus int, extra ...string) []*fleetHost {
 			if h.d.cmd.ProcessState == nil {
 				h.d.stop()
 			}
-			for pid := range procsReferencing(h.home) {
-				t.Errorf("leak: process %d still references %s", pid, h.home)
+			for pid, args := range procsReferencing(h.home) {
+				t.Errorf("leak: process %d still references %s: %q", pid, h.home, args)
 			}
 			os.RemoveAll(h.home)
 		}

@@ -123,8 +123,8 @@ func TestCheckpointPull(t *testing.T) {
 		a.d.stop()
 		b.d.stop()
 		for _, h := range []*pullHost{a, b} {
-			for pid := range procsReferencing(h.home) {
-				t.Errorf("leak: process %d still references %s", pid, h.home)
+			for pid, args := range procsReferencing(h.home) {
+				t.Errorf("leak: process %d still references %s: %q", pid, h.home, args)
 			}
 			os.RemoveAll(h.home)
 		}

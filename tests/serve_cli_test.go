@@ -39,8 +39,8 @@ func TestServeCLI(t *testing.T) {
 	t.Cleanup(func() {
 		cli(nil, "rm", "s1", "g1", "g2", "dead1", "imp")
 		cli(nil, "checkpoint", "rm", "--force", "sck")
-		for pid := range procsReferencing(home) {
-			t.Errorf("leak: process %d still references %s", pid, home)
+		for pid, args := range procsReferencing(home) {
+			t.Errorf("leak: process %d still references %s: %q", pid, home, args)
 		}
 		os.RemoveAll(home)
 	})

@@ -406,3 +406,37 @@ func TestKeeperAcceptWait(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestKeeperGivesUpOnDeletedVM: a keeper waiting for a QEMU that never connects stops
+// waiting once the VM's directory is gone (the VM was deleted), long before its accept
+// wait: it outlived its VMs by a minute in a fleet test.
+func TestKeeperGivesUpOnDeletedVM(t *testing.T) {
+	_, sock, logPath := vmDir(t, "a")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := ln.File()
+	ln.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		keep([]handed{{ln: f, log: logPath}}, time.Hour, func() {})
+		close(done)
+	}()
+	select {
+	case <-done:
+		t.Fatal("keeper gave up with its VM still there")
+	case <-time.After(3 * vmPoll):
+	}
+	if err := os.RemoveAll(filepath.Dir(logPath)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("keeper still waits for a deleted VM's QEMU")
+	}
+}

@@ -192,10 +192,7 @@ func keepOne(h handed, rl *rotatingLog, acceptWait time.Duration) {
 		conn, err = net.FileConn(h.conn)
 		h.conn.Close()
 	} else if err == nil {
-		if ul, ok := ln.(*net.UnixListener); ok {
-			ul.SetDeadline(time.Now().Add(acceptWait))
-		}
-		conn, err = ln.Accept()
+		conn, err = acceptWhileVM(ln, filepath.Dir(h.log), acceptWait)
 		ln.Close()
 	}
 	if err != nil {
@@ -210,6 +207,38 @@ func keepOne(h handed, rl *rotatingLog, acceptWait time.Duration) {
 		}
 		if err != nil {
 			return
+		}
+	}
+}
+
+// vmPoll is how often a keeper waiting for a QEMU to connect looks whether the VM
+// still exists.
+const vmPoll = 200 * time.Millisecond
+
+// acceptWhileVM accepts QEMU's connection on ln for up to wait, giving up as soon as
+// the VM's directory vmDir is gone (the VM was deleted: its QEMU will never connect,
+// and a keeper waiting a minute for it outlived the VM).
+func acceptWhileVM(ln net.Listener, vmDir string, wait time.Duration) (net.Conn, error) {
+	ul, ok := ln.(*net.UnixListener)
+	if !ok {
+		return ln.Accept()
+	}
+	end := time.Now().Add(wait)
+	for {
+		next := time.Now().Add(vmPoll)
+		if next.After(end) {
+			next = end
+		}
+		ul.SetDeadline(next)
+		c, err := ul.Accept()
+		if err == nil {
+			return c, nil
+		}
+		if ne, ok := err.(net.Error); !ok || !ne.Timeout() || !time.Now().Before(end) {
+			return nil, err
+		}
+		if _, serr := os.Stat(vmDir); serr != nil {
+			return nil, serr
 		}
 	}
 }
