@@ -110,6 +110,9 @@ type FleetForkRequest struct {
 	// wave runs. Such a wave ends only once each ready fork's node has beaten after the
 	// fork was ready (or was lost): up to a heartbeat interval after the last fork.
 	ReplaceLost bool `json:"replace_lost,omitempty"`
+	// Protect, when > 0, protects each fork on its node once it is ready, a point every
+	// Protect (ProtectOptions.Every; docs/protect.md).
+	Protect time.Duration `json:"protect_ns,omitempty"`
 }
 
 // Validate checks a fleet wave before it is published, with the fork request's rules
@@ -128,6 +131,11 @@ func (r FleetForkRequest) Validate() error {
 		return fmt.Errorf("%w: a fleet wave's forks start as nodes take them (concurrency has no use)", ErrInvalidSpec)
 	case r.MaxPerNode < 0:
 		return fmt.Errorf("%w: max_per_node %d", ErrInvalidSpec, r.MaxPerNode)
+	case r.Protect != 0:
+		o := ProtectOptions{Every: r.Protect}
+		if err := o.Normalize(); err != nil {
+			return err
+		}
 	}
 	return r.ForkRequest.validate(MaxFleetForks)
 }

@@ -6,6 +6,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestForkRequestValidate: every rule of a fork request, as the CLI, the client, the
@@ -204,6 +205,9 @@ func TestFleetForkRequestValidate(t *testing.T) {
 		{"negative max per node", with(func(r *FleetForkRequest) { r.MaxPerNode = -1 }), ErrInvalidSpec},
 		{"bad source", with(func(r *FleetForkRequest) { r.Source = "a b" }), ErrInvalidName},
 		{"NaN overcommit", with(func(r *FleetForkRequest) { r.Overcommit = math.NaN() }), ErrInvalidSpec},
+		{"protected", with(func(r *FleetForkRequest) { r.Protect = 5 * time.Second }), nil},
+		{"protected too often", with(func(r *FleetForkRequest) { r.Protect = 100 * time.Millisecond }), ErrInvalidSpec},
+		{"protected too rarely", with(func(r *FleetForkRequest) { r.Protect = 48 * time.Hour }), ErrInvalidSpec},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.req.Validate()

@@ -10,22 +10,35 @@ import (
 )
 
 // Delete stops the VM and removes everything it owns: process, sockets, RAM file, disk
-// layers, manifest. An unpinned checkpoint goes with its last fork.
+// layers, manifest, protection points. An unpinned checkpoint goes with its last fork.
 func (e *Engine) Delete(ctx context.Context, name string) error {
+	return e.remove(ctx, name, false)
+}
+
+// Fence stops the VM and removes it as Delete does, but keeps its protection points
+// and tells no ProtectionCopier: the VM may have been revived elsewhere from a copy of
+// one of them (a fleet node that lost its lease), or be revived here from the last one
+// (Revive) once it is known that nobody else did.
+func (e *Engine) Fence(ctx context.Context, name string) error {
+	return e.remove(ctx, name, true)
+}
+
+// remove is Delete, or Fence with fence.
+func (e *Engine) remove(ctx context.Context, name string, fence bool) error {
 	vm, err := e.vms.get(name)
 	if err != nil {
 		return err
 	}
-	// Not while it parks or wakes (both are bounded by their timeouts).
 	e.prot.end(name)
+	// Not while it parks or wakes (both are bounded by their timeouts).
 	vm.life.Lock()
 	defer vm.life.Unlock()
 	_ = vm.Stop(ctx)
 	e.vms.remove(name)
-	if m := vm.manifest(); m.Protection != nil {
-		defer e.dropPoints(ctx, name, "")
-	}
 	m := vm.manifest()
+	if m.Protection != nil && !fence {
+		defer e.unprotected(ctx, name)
+	}
 	e.paths.removeVMFiles(name, &m)
 	if m.Parent != "" {
 		e.cks.punch(m.Parent)

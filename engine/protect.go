@@ -45,9 +45,11 @@ type ProtectionInfo = api.ProtectionInfo
 // ProtectionCopier copies a VM's protection point somewhere else before it counts as
 // complete (the fleet: to another node, verified there). CopyPoint returns once the
 // copy is whole; an error leaves the previous point the VM's last complete one. It is
-// called for one point of a VM at a time.
+// called for one point of a VM at a time. Unprotected says that the VM's protection
+// ended here (Unprotect, or Delete of a protected VM; not Fence): its copies may go.
 type ProtectionCopier interface {
 	CopyPoint(ctx context.Context, vm string, point *Checkpoint) error
+	Unprotected(ctx context.Context, vm string)
 }
 
 // protector runs the engine's protection loops, one per protected VM.
@@ -196,11 +198,31 @@ func (e *Engine) Unprotect(ctx context.Context, name string) error {
 	e.prot.end(name)
 	unlock := e.prot.lock(name)
 	defer unlock()
-	if err := vm.update(func(s *vmState) { s.Protection = nil }); err != nil {
+	was := false
+	if err := vm.update(func(s *vmState) { was, s.Protection = s.Protection != nil, nil }); err != nil {
 		return err
 	}
-	e.dropPoints(ctx, name, "")
+	if was {
+		e.unprotected(ctx, name)
+	}
 	return nil
+}
+
+// unprotected deletes VM name's points here and tells the copier its protection ended.
+func (e *Engine) unprotected(ctx context.Context, name string) {
+	e.dropPoints(ctx, name, "")
+	e.prot.mu.Lock()
+	c := e.prot.copier
+	e.prot.mu.Unlock()
+	if c != nil {
+		c.Unprotected(ctx, name)
+	}
+}
+
+// DropPoints deletes the protection points of VM name held here (a point a VM runs
+// from is unpinned instead): the stale copies of a VM that runs elsewhere now.
+func (e *Engine) DropPoints(ctx context.Context, name string) {
+	e.dropPoints(ctx, name, "")
 }
 
 // protectLoop takes VM name's points every interval until ctx ends (see the package's

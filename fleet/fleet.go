@@ -150,6 +150,8 @@ type Fleet struct {
 	js    jetstream.JetStream
 
 	nodes, claims, jobs, cks jetstream.KeyValue
+	// protect holds the protection records (protect.go).
+	protect jetstream.KeyValue
 
 	class   api.FleetClass
 	classID string
@@ -158,8 +160,11 @@ type Fleet struct {
 	// beatingSince is when this node's heartbeat writes last began to succeed without
 	// a failure in between (UnixNano; 0 while they fail): see expired.
 	beatingSince atomic.Int64
-	// lastBeat is when this node's last prompt heartbeat write ended (UnixNano).
-	lastBeat atomic.Int64
+	// lastBeat is when this node's last prompt heartbeat write ended (UnixNano), and
+	// lastBeatStamp the time that heartbeat carries (taken before the write: the time
+	// other nodes judge it by), which fencing counts from.
+	lastBeat      atomic.Int64
+	lastBeatStamp atomic.Int64
 	// silenced stops this node's heartbeats (tests: a node that dies right after a
 	// fork's record, before it beats again, now that a job's end beats at once).
 	silenced atomic.Bool
@@ -189,6 +194,8 @@ type Fleet struct {
 	beatNow chan struct{}
 	// closed is set by Close: no background work starts after it.
 	closed bool
+	// fenced names the protected VMs this node fenced (protect.go), until settled.
+	fenced map[string]bool
 
 	// cacheMu guards the caches: the live nodes a share check saw last (nodesAt), the
 	// nodes bucket as this node's watch of it has it (view, viewAt: the last update,
@@ -298,9 +305,13 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 	if err := f.serveRemovals(); err != nil {
 		return fail(fmt.Errorf("%w: subscribe: %w", ErrUnavailable, err))
 	}
-	f.wg.Add(2)
+	if err := f.serveProtection(); err != nil {
+		return fail(fmt.Errorf("%w: subscribe: %w", ErrUnavailable, err))
+	}
+	f.wg.Add(3)
 	go f.watchNodes()
 	go f.workLoop()
+	go f.protectionLoop()
 	return f, nil
 }
 
@@ -321,6 +332,7 @@ func (f *Fleet) Close(ctx context.Context) error {
 		err = ctx.Err()
 	}
 	f.nc.Close()
+	f.leaveLease()
 	return err
 }
 
@@ -366,6 +378,7 @@ func (f *Fleet) setup(ctx context.Context) error {
 		{&f.claims, jetstream.KeyValueConfig{Bucket: bucketClaims, History: 1, Replicas: r, Storage: jetstream.FileStorage}},
 		{&f.jobs, jetstream.KeyValueConfig{Bucket: bucketJobs, History: 1, TTL: 24 * time.Hour, Replicas: r, Storage: jetstream.FileStorage}},
 		{&f.cks, jetstream.KeyValueConfig{Bucket: bucketCks, History: 1, Replicas: r, Storage: jetstream.FileStorage}},
+		{&f.protect, f.protectBucket()},
 	}
 	for _, b := range buckets {
 		err := retry(ctx, "bucket "+b.cfg.Bucket, func(ctx context.Context) error {

@@ -51,7 +51,8 @@ func (f *Fleet) beat(ctx context.Context) error {
 	if f.silenced.Load() {
 		return nil
 	}
-	b, err := json.Marshal(f.self())
+	hb := f.self()
+	b, err := json.Marshal(hb)
 	if err != nil {
 		return err
 	}
@@ -69,6 +70,8 @@ func (f *Fleet) beat(ctx context.Context) error {
 	now := time.Now().UnixNano()
 	f.beatingSince.CompareAndSwap(0, now)
 	f.lastBeat.Store(now)
+	f.lastBeatStamp.Store(hb.Heartbeat.UnixNano())
+	f.renewLease(hb.Heartbeat)
 	return nil
 }
 

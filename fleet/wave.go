@@ -73,7 +73,7 @@ func (f *Fleet) ForkMany(ctx context.Context, req api.FleetForkRequest) (<-chan 
 		}
 	}
 	w := &wave{f: f, id: "w" + randHex(6), n: n, names: names, ref: ref, class: class, perNode: perNode, spreadOf: spreadOf,
-		overcommit: req.Overcommit, replace: req.ReplaceLost, out: make(chan Event, 64), seqs: make([]uint64, n)}
+		overcommit: req.Overcommit, protect: req.Protect, replace: req.ReplaceLost, out: make(chan Event, 64), seqs: make([]uint64, n)}
 	// Watch before publishing, so that no record is missed.
 	recs, err := w.watchRecords(ctx)
 	if err != nil {
@@ -218,6 +218,7 @@ type wave struct {
 	perNode    int
 	spreadOf   int
 	overcommit float64
+	protect    time.Duration
 	replace    bool
 	out        chan Event
 	// seqs are the stream sequences of the forks' jobs (the last attempt's).
@@ -228,7 +229,7 @@ type wave struct {
 func (w *wave) publish(ctx context.Context, i, attempt int) error {
 	j := job{ID: w.jobID(i, attempt), Wave: w.id, Index: i, Attempt: attempt, Name: w.names[i],
 		Checkpoint: w.ref.Name, Digest: w.ref.Digest, Class: w.class, CPUs: w.ref.CPUs, MemoryMiB: w.ref.MemoryMiB, MaxPerNode: w.perNode, SpreadOf: w.spreadOf,
-		Overcommit: w.overcommit, Published: time.Now()}
+		Overcommit: w.overcommit, Published: time.Now(), Protect: w.protect}
 	b, _ := json.Marshal(j)
 	return retry(ctx, "publish "+j.ID, func(ctx context.Context) error {
 		ack, err := w.f.js.Publish(ctx, subject(w.class), b, jetstream.WithMsgID(j.ID), jetstream.WithExpectStream(streamName(w.class)))

@@ -36,6 +36,8 @@ type job struct {
 	Overcommit float64 `json:"overcommit,omitempty"`
 	// Published is when the wave published it (the queue time is measured from it).
 	Published time.Time `json:"published"`
+	// Protect, when > 0, is the fork's protection interval (FleetForkRequest.Protect).
+	Protect time.Duration `json:"protect_ns,omitempty"`
 }
 
 // Job states in a record.
@@ -639,6 +641,16 @@ func (t *jobTry) fork(ctx context.Context, c *held) bool {
 		}
 		t.finish(stateFailed, api.ForkEventObjectOf(j.Index, j.Name, forkDur, nil, err), "")
 		return false
+	}
+	if j.Protect > 0 {
+		// Protected here, by its node: its points are copied to another node.
+		if p := f.protector(); p == nil {
+			f.log.Warn("fleet: fork not protected: this node's engine cannot protect", "vm", j.Name)
+		} else if perr := p.Protect(fctx, j.Name, j.Protect); perr != nil {
+			f.log.Warn("fleet: fork not protected", "vm", j.Name, "err", perr)
+		} else if pi, gerr := f.eng.Get(j.Name); gerr == nil {
+			info = pi
+		}
 	}
 	return t.ready(hc, info, forkDur)
 }

@@ -39,9 +39,10 @@ func (s engineSource) ReadCheckpointFile(ctx context.Context, name, file string,
 // pullCopier copies each protection point into another engine (the other host) and
 // deletes the copy of the point before it there.
 type pullCopier struct {
-	from, to *engine.Engine
-	last     map[string]string
-	copies   int
+	from, to    *engine.Engine
+	last        map[string]string
+	copies      int
+	unprotected []string
 }
 
 func (c *pullCopier) CopyPoint(ctx context.Context, vm string, point *engine.Checkpoint) error {
@@ -150,6 +151,15 @@ func TestProtectRevive(t *testing.T) {
 	}
 }
 
+// Unprotected deletes the copy of vm's last point in the other engine.
+func (c *pullCopier) Unprotected(ctx context.Context, vm string) {
+	if prev := c.last[vm]; prev != "" {
+		c.to.DeleteCheckpoint(ctx, prev, nil)
+		delete(c.last, vm)
+	}
+	c.unprotected = append(c.unprotected, vm)
+}
+
 func strconvI(i int) string { return string(rune('0' + i)) }
 
 // TestProtectDaemon: forkvm fork --protect through a daemon takes points every
@@ -165,8 +175,8 @@ func TestProtectDaemon(t *testing.T) {
 	t.Cleanup(func() {
 		cli(nil, "rm", "pf", "pw")
 		cli(nil, "checkpoint", "rm", "--force", "pck")
-		for pid := range procsReferencing(home) {
-			t.Errorf("leak: process %d still references %s", pid, home)
+		for pid, args := range procsReferencing(home) {
+			t.Errorf("leak: process %d still references %s: %q", pid, home, args)
 		}
 		os.RemoveAll(home)
 	})

@@ -133,7 +133,10 @@ func fleetFork(ctx context.Context, cmd *cli.Command) error {
 	}
 	req := api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: src, N: n, Prefix: cmd.String("prefix"), Overcommit: cmd.Float("overcommit"),
 		Pin: cmd.Bool("pin"), Concurrency: int(cmd.Int("conc"))},
-		Pack: cmd.Bool("pack"), MaxPerNode: int(cmd.Int("max-per-node")), ReplaceLost: cmd.Bool("replace-lost")}
+		Pack: cmd.Bool("pack"), MaxPerNode: int(cmd.Int("max-per-node")), ReplaceLost: cmd.Bool("replace-lost"), Protect: cmd.Duration("protect")}
+	if cmd.IsSet("protect") && req.Protect == 0 {
+		return fmt.Errorf("--protect: %w: a protection interval is %v to %v, not 0", api.ErrInvalidSpec, api.MinProtectEvery, api.MaxProtectEvery)
+	}
 	if specs := cmd.StringSlice("publish"); len(specs) > 0 {
 		pubs, err := parsePublish(specs, 0)
 		if err != nil {

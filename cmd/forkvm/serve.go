@@ -97,10 +97,6 @@ func serveCmd() *cli.Command {
 			defer e.Close()
 			log.Info("forkvm serve: engine ready", "vms", len(e.List()), "took", time.Since(started).Round(time.Millisecond))
 			srv := serve.New(e, log)
-			// The protections the manifests record run in the daemon (docs/protect.md).
-			if names := e.ResumeProtection(); len(names) > 0 {
-				log.Info("forkvm serve: protection resumed", "vms", names)
-			}
 			if faults != nil {
 				if err := srv.SetFaults(faults); err != nil {
 					return err
@@ -153,6 +149,15 @@ func serveCmd() *cli.Command {
 					stopServing()
 				} else {
 					srv.SetFleet(member.f)
+					// A protection point is complete once another node holds it.
+					e.SetProtectionCopier(member.f)
+				}
+			}
+			// The protections the manifests record run in the daemon (docs/protect.md),
+			// in a fleet once it copies their points.
+			if joinErr == nil {
+				if names := e.ResumeProtection(); len(names) > 0 {
+					log.Info("forkvm serve: protection resumed", "vms", names)
 				}
 			}
 			err = g.Wait()

@@ -1,0 +1,193 @@
+package fleet
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/forkvm/forkvm/api"
+)
+
+// The fence watchdog: a node's protected VMs must stop before another node may revive
+// them even when the daemon itself cannot act (stopped with SIGSTOP, killed, or stuck).
+// So the daemon keeps a lease file in its node directory, renewed with every prompt
+// heartbeat: a deadline on CLOCK_BOOTTIME (the heartbeat's time plus fenceAfter) and
+// the QEMU processes of its protected VMs. A small process of its own (this binary,
+// re-executed: see init) reads it every fenceTick and SIGKILLs those QEMUs once the
+// deadline has passed. A daemon that restarts within the deadline renews the same
+// lease and keeps its VMs; the watchdog exits when the lease file is gone or lists no
+// process for a while (the daemon starts another when it protects a VM again).
+
+const (
+	leaseFile   = "fence.lease"
+	watchdogPID = "fence.pid"
+	// watchdogEnv and watchdogArg0 mark a process started as the fence watchdog.
+	watchdogEnv  = "FORKVM_FLEET_FENCE_WATCHDOG"
+	watchdogArg0 = "forkvm-fence"
+	// fenceTick is how often the watchdog reads the lease.
+	fenceTick = 100 * time.Millisecond
+	// watchdogIdle is how long a watchdog waits with nothing to fence before it exits.
+	watchdogIdle = 30 * time.Second
+)
+
+// lease is the fence lease: Deadline in CLOCK_BOOTTIME nanoseconds; QEMUs the
+// processes to kill once it has passed, each with its VM's name (the watchdog checks
+// that the process still is that VM's QEMU before it kills it).
+type lease struct {
+	Deadline int64       `json:"deadline_boottime_ns"`
+	QEMUs    []leaseQEMU `json:"qemus"`
+}
+
+type leaseQEMU struct {
+	PID int    `json:"pid"`
+	VM  string `json:"vm"`
+}
+
+// init turns a process started by startWatchdog into the watchdog; it never returns.
+func init() {
+	if os.Getenv(watchdogEnv) == "1" && len(os.Args) == 2 && os.Args[0] == watchdogArg0 {
+		os.Exit(runWatchdog(os.Args[1]))
+	}
+}
+
+// renewLease writes the lease after a prompt heartbeat carrying stamp: the deadline is
+// stamp plus fenceAfter; its QEMUs are this node's protected VMs'. With none, an
+// existing lease is emptied (its watchdog then exits). Nothing without a node
+// directory.
+func (f *Fleet) renewLease(stamp time.Time) {
+	if f.cfg.Dir == "" || f.protector() == nil {
+		return
+	}
+	var l lease
+	for _, v := range f.eng.List() {
+		if v.Protection != nil && v.State != api.StateDead && v.PID > 0 {
+			l.QEMUs = append(l.QEMUs, leaseQEMU{PID: v.PID, VM: v.Name})
+		}
+	}
+	path := filepath.Join(f.cfg.Dir, leaseFile)
+	if len(l.QEMUs) == 0 {
+		if _, err := os.Stat(path); err != nil {
+			return
+		}
+	}
+	l.Deadline = boottime() - int64(time.Since(stamp)) + int64(f.fenceAfter())
+	b, _ := json.Marshal(l)
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil || os.Rename(tmp, path) != nil {
+		f.log.Warn("fleet: fence lease not written", "err", err)
+		return
+	}
+	if len(l.QEMUs) > 0 && !watchdogAlive(f.cfg.Dir) {
+		if err := startWatchdog(f.cfg.Dir); err != nil {
+			f.log.Warn("fleet: fence watchdog not started", "err", err)
+		}
+	}
+}
+
+// leaveLease removes the lease when this node runs no protected VM (its watchdog then
+// exits); a lease with QEMUs stays, so that they are fenced at its deadline unless a
+// daemon of this node renews it first.
+func (f *Fleet) leaveLease() {
+	if f.cfg.Dir == "" {
+		return
+	}
+	for _, v := range f.eng.List() {
+		if v.Protection != nil && v.State != api.StateDead {
+			return
+		}
+	}
+	os.Remove(filepath.Join(f.cfg.Dir, leaseFile))
+	// Its watchdog notices within a tick: nothing of the node outlives its leaving.
+	for deadline := time.Now().Add(10 * fenceTick); watchdogAlive(f.cfg.Dir) && time.Now().Before(deadline); {
+		time.Sleep(fenceTick / 4)
+	}
+}
+
+// watchdogAlive says whether the watchdog recorded in dir runs.
+func watchdogAlive(dir string) bool {
+	b, err := os.ReadFile(filepath.Join(dir, watchdogPID))
+	if err != nil {
+		return false
+	}
+	var pid int
+	if _, err := fmt.Sscan(string(b), &pid); err != nil || pid <= 1 {
+		return false
+	}
+	args, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	return err == nil && strings.HasPrefix(string(args), watchdogArg0+"\x00")
+}
+
+// startWatchdog starts the watchdog of the lease in dir.
+func startWatchdog(dir string) error {
+	exe := "/proc/self/exe"
+	if runtime.GOOS != "linux" {
+		var err error
+		if exe, err = os.Executable(); err != nil {
+			return err
+		}
+	}
+	cmd := &exec.Cmd{
+		Path: exe, Args: []string{watchdogArg0, filepath.Join(dir, leaseFile)}, Dir: "/",
+		Env: []string{watchdogEnv + "=1", "GOMAXPROCS=1"},
+		// Its own session: a terminal's signals, and a stop of the daemon's process
+		// group, do not reach it.
+		SysProcAttr: &syscall.SysProcAttr{Setsid: true},
+	}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	go cmd.Wait()
+	return os.WriteFile(filepath.Join(dir, watchdogPID), []byte(fmt.Sprintf("%d\n", cmd.Process.Pid)), 0o600)
+}
+
+// runWatchdog is the watchdog's body (see the notes above).
+func runWatchdog(path string) int {
+	idleSince := time.Now()
+	for {
+		time.Sleep(fenceTick)
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return 0 // the lease is gone: nothing to guard
+		}
+		var l lease
+		if json.Unmarshal(b, &l) != nil {
+			continue // being replaced
+		}
+		if len(l.QEMUs) == 0 {
+			if time.Since(idleSince) > watchdogIdle {
+				return 0
+			}
+			continue
+		}
+		idleSince = time.Now()
+		if boottime() <= l.Deadline {
+			continue
+		}
+		for _, q := range l.QEMUs {
+			if isQEMUOf(q.PID, q.VM) {
+				syscall.Kill(q.PID, syscall.SIGKILL)
+			}
+		}
+	}
+}
+
+// isQEMUOf says whether process pid is the QEMU of VM vm (its -name carries
+// process=forkvm-VM): a pid reused since the lease was written is left alone.
+func isQEMUOf(pid int, vm string) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		return false
+	}
+	for _, a := range strings.Split(string(b), "\x00") {
+		if strings.HasSuffix(a, "process=forkvm-"+vm) {
+			return true
+		}
+	}
+	return false
+}

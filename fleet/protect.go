@@ -1,0 +1,578 @@
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"slices"
+	"sort"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine"
+)
+
+// Protection across the fleet (docs/protect.md, docs/fleet.md).
+//
+// A node whose engine protects a VM is its owner. Each of the VM's protection points is
+// copied, before it counts as complete, to one other live node of the owner's class
+// (CopyPoint: the peer pulls it from the owner and verifies every file), and the
+// fleet's record of the VM (bucket forkvm_protect, key the VM's name) then names its
+// owner, its token, its last complete point, when that point's guest stopped, and the
+// nodes holding a copy. Records change by revision (compare and set), so that two nodes
+// never both own a VM.
+//
+// Fail-over: every node watches the records it holds a copy for. When the owner's
+// heartbeat has expired (judged as claims are: see expired), a holder takes the record
+// over (its revision decides among holders) and revives the VM from its copy of the
+// point as itself, then protects it again, copying its points to another node.
+//
+// Fencing: an owner whose heartbeats have not gone through for fenceAfter (half the
+// TTL) fences its protected VMs: it ends their QEMUs and keeps their points (the
+// engine's Fence), before any other node can judge it lost (a heartbeat older than the
+// TTL). When its heartbeats go through again it reads each fenced VM's record: still
+// its own, it revives the VM from its own last point; another node's, it deletes its
+// stale points. The arithmetic, and what it assumes of clocks, is in docs/fleet.md.
+
+// bucketProtect holds the protection records.
+const bucketProtect = "forkvm_protect"
+
+// The protection subjects: a copy asked of a node, a copy a node may drop.
+const (
+	subjProtectCopyPrefix = "forkvm.protect.copy."
+	subjProtectDropPrefix = "forkvm.protect.drop."
+)
+
+// copyWait bounds one copy of a point: a peer that takes longer fails it (the VM's
+// protection falls behind; the next point tries again).
+const copyWait = 5 * time.Minute
+
+// Errors of protection.
+var (
+	// ErrNoPeer reports a point no other live node of the class can hold.
+	ErrNoPeer = errors.New("fleet: no other live node of the class to hold the protection point")
+	// ErrNotOwner reports a protected VM whose record another node owns: it was
+	// revived there, and this node's copy of it is stale.
+	ErrNotOwner = errors.New("fleet: the protected VM is owned by another node")
+)
+
+// protectRec is a protected VM's record.
+type protectRec struct {
+	VM    string `json:"vm"`
+	Token string `json:"token"`
+	// Node owns the VM (runs it, or revives it).
+	Node  string        `json:"node"`
+	Class string        `json:"class"`
+	Every time.Duration `json:"every_ns"`
+	// Point is the last complete point, PointAt when its guest stopped; Copies the
+	// nodes holding a copy of it.
+	Point   string    `json:"point"`
+	PointAt time.Time `json:"point_at"`
+	Copies  []string  `json:"copies"`
+	// RevivedFrom is the node the VM was revived from (its last fail-over), RevivedAt
+	// when, and LostWork the guest time since its point that the revival lost.
+	RevivedFrom string        `json:"revived_from,omitempty"`
+	RevivedAt   time.Time     `json:"revived_at,omitzero"`
+	LostWork    time.Duration `json:"lost_work_ns,omitempty"`
+	// Error is why the last revival failed ("" when none did).
+	Error string `json:"error,omitempty"`
+}
+
+// ProtectEngine is what protection needs of the local engine besides Engine (the
+// adapter of an *engine.Engine has it; without it a node neither copies nor revives).
+type ProtectEngine interface {
+	// Token is a local VM's agent token.
+	Token(name string) (string, error)
+	Revive(ctx context.Context, point, name, token string) (api.Info, error)
+	Protect(ctx context.Context, name string, every time.Duration) error
+	// Fence ends a local VM, keeping its protection points; DropPoints deletes them.
+	Fence(ctx context.Context, name string) error
+	DropPoints(ctx context.Context, name string)
+}
+
+func (a engineAdapter) Token(name string) (string, error) {
+	vm, err := a.e.Get(name)
+	if err != nil {
+		return "", err
+	}
+	return vm.Target().Token, nil
+}
+
+func (a engineAdapter) Revive(ctx context.Context, point, name, token string) (api.Info, error) {
+	vm, err := a.e.Revive(ctx, point, name, token)
+	if err != nil {
+		return api.Info{}, err
+	}
+	return vm.Info(), nil
+}
+
+func (a engineAdapter) Protect(ctx context.Context, name string, every time.Duration) error {
+	_, err := a.e.Protect(ctx, name, &engine.ProtectOptions{Every: every})
+	return err
+}
+
+func (a engineAdapter) Fence(ctx context.Context, name string) error { return a.e.Fence(ctx, name) }
+func (a engineAdapter) DropPoints(ctx context.Context, name string)  { a.e.DropPoints(ctx, name) }
+
+// protectBucket is the records' bucket.
+func (f *Fleet) protectBucket() jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{Bucket: bucketProtect, History: 1, Replicas: f.cfg.Replicas, Storage: jetstream.FileStorage}
+}
+
+// protector is the local engine's protection side, nil without one.
+func (f *Fleet) protector() ProtectEngine {
+	p, _ := f.eng.(ProtectEngine)
+	return p
+}
+
+// copyReq asks a node to hold a copy of a point, pulled from From; Prev is the
+// previous point it holds for the VM (dropped once the new one is whole).
+type copyReq struct {
+	VM    string `json:"vm"`
+	Point string `json:"point"`
+	From  Node   `json:"from"`
+	Prev  string `json:"prev,omitempty"`
+}
+
+// copyAnswer is a node's answer to a copyReq or a drop.
+type copyAnswer struct {
+	OK    bool   `json:"ok"`
+	Error string `json:"error,omitempty"`
+}
+
+// CopyPoint copies point, VM vm's new protection point, to another live node of this
+// node's class and records it as the VM's last complete point (engine.ProtectionCopier).
+// The peer is the one holding the previous point when it is live (it then drops that
+// one), else one chosen by the VM's name among the live nodes. ErrNoPeer when there is
+// none; ErrNotOwner when another node owns the VM's record.
+func (f *Fleet) CopyPoint(ctx context.Context, vm string, point *engine.Checkpoint) error {
+	p := f.protector()
+	if p == nil {
+		return fmt.Errorf("%w: this node's engine cannot protect", ErrConfig)
+	}
+	key := kvKey(vm)
+	var old protectRec
+	rev, exists, err := f.leaderJSON(ctx, f.protect, key, &old)
+	if err != nil {
+		return err
+	}
+	if exists && old.Node != f.cfg.Node {
+		return fmt.Errorf("%w: %s is %s's", ErrNotOwner, vm, old.Node)
+	}
+	token, err := p.Token(vm)
+	if err != nil {
+		return err
+	}
+	peer, err := f.pickPeer(ctx, vm, old.Copies)
+	if err != nil {
+		return err
+	}
+	req := copyReq{VM: vm, Point: point.Manifest.Name, From: Node{Name: f.cfg.Node, Addr: f.cfg.Addr}}
+	if slices.Contains(old.Copies, peer.Name) {
+		req.Prev = old.Point
+	}
+	if err := f.askCopy(ctx, peer.Name, req); err != nil {
+		return err
+	}
+	rec := protectRec{VM: vm, Token: token, Node: f.cfg.Node, Class: f.classID, Every: old.Every, Point: point.Manifest.Name,
+		PointAt: point.Manifest.CreatedAt, Copies: []string{peer.Name},
+		RevivedFrom: old.RevivedFrom, RevivedAt: old.RevivedAt, LostWork: old.LostWork}
+	if info, err := f.eng.Get(vm); err == nil && info.Protection != nil {
+		rec.Every = info.Protection.Every
+	}
+	if err := f.writeRec(ctx, key, rec, rev, exists); err != nil {
+		return err
+	}
+	for _, n := range old.Copies {
+		if n != peer.Name {
+			f.askDrop(n, vm, old.Point)
+		}
+	}
+	return nil
+}
+
+// Unprotected deletes VM vm's record when this node owns it and asks the nodes
+// holding copies of its point to drop them (engine.ProtectionCopier).
+func (f *Fleet) Unprotected(ctx context.Context, vm string) {
+	key := kvKey(vm)
+	var rec protectRec
+	rev, ok, err := f.leaderJSON(ctx, f.protect, key, &rec)
+	if err != nil || !ok || rec.Node != f.cfg.Node {
+		return
+	}
+	err = retry(ctx, "unprotect "+vm, func(ctx context.Context) error {
+		return f.protect.Delete(ctx, key, jetstream.LastRevision(rev))
+	})
+	if err != nil {
+		f.log.Warn("fleet: protection record not deleted", "vm", vm, "err", err)
+		return
+	}
+	for _, n := range rec.Copies {
+		f.askDrop(n, vm, rec.Point)
+	}
+}
+
+// writeRec writes rec under key at revision rev (created when !exists): ErrNotOwner
+// when another node wrote it meanwhile and owns it now.
+func (f *Fleet) writeRec(ctx context.Context, key string, rec protectRec, rev uint64, exists bool) error {
+	b, err := json.Marshal(rec)
+	if err != nil {
+		return err
+	}
+	err = retry(ctx, "protect "+rec.VM, func(ctx context.Context) error {
+		var err error
+		if exists {
+			_, err = f.protect.Update(ctx, key, b, rev)
+		} else {
+			_, err = f.protect.Create(ctx, key, b)
+		}
+		return err
+	})
+	if errors.Is(err, jetstream.ErrKeyExists) || isWrongSequence(err) {
+		var cur protectRec
+		if _, ok, rerr := f.leaderJSON(ctx, f.protect, key, &cur); rerr == nil && ok && cur.Node != f.cfg.Node {
+			return fmt.Errorf("%w: %s is %s's", ErrNotOwner, rec.VM, cur.Node)
+		}
+	}
+	return err
+}
+
+// isWrongSequence says whether err is a compare-and-set conflict (another write came
+// first).
+func isWrongSequence(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && (apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence || apiErr.ErrorCode == 10071)
+}
+
+// leaderJSON reads key of kv from the stream's leader into v.
+func (f *Fleet) leaderJSON(ctx context.Context, kv jetstream.KeyValue, key string, v any) (rev uint64, ok bool, err error) {
+	var e leaderEntry
+	err = retry(ctx, "get "+key, func(ctx context.Context) error {
+		e, ok, err = f.leaderGet(ctx, kv, key)
+		return err
+	})
+	if err != nil || !ok {
+		return 0, false, err
+	}
+	if err := json.Unmarshal(e.value, v); err != nil {
+		return 0, false, fmt.Errorf("fleet: key %s: %w", key, err)
+	}
+	return e.rev, true, nil
+}
+
+// pickPeer chooses the node to hold a VM's next point: one of prefer when live, else a
+// live node of this node's class (not this one) chosen by the VM's name, so that a
+// node's VMs spread over the others.
+func (f *Fleet) pickPeer(ctx context.Context, vm string, prefer []string) (api.FleetNode, error) {
+	nodes, err := f.Nodes(ctx)
+	if err != nil {
+		return api.FleetNode{}, err
+	}
+	var live []api.FleetNode
+	for _, n := range nodes {
+		if n.Name != f.cfg.Node && n.Class == f.classID && n.Addr != "" {
+			live = append(live, n)
+		}
+	}
+	if len(live) == 0 {
+		return api.FleetNode{}, ErrNoPeer
+	}
+	for _, n := range live {
+		if slices.Contains(prefer, n.Name) {
+			return n, nil
+		}
+	}
+	sort.Slice(live, func(i, j int) bool { return live[i].Name < live[j].Name })
+	h := fnv.New32a()
+	h.Write([]byte(vm))
+	return live[int(h.Sum32()%uint32(len(live)))], nil
+}
+
+// askCopy asks node to hold req's point and waits for its answer (copyWait at most).
+func (f *Fleet) askCopy(ctx context.Context, node string, req copyReq) error {
+	b, err := json.Marshal(req)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, copyWait)
+	defer cancel()
+	m, err := f.nc.RequestWithContext(ctx, subjProtectCopyPrefix+node, b)
+	if err != nil {
+		return fmt.Errorf("%w: copy of %s to %s: %w", ErrUnavailable, req.Point, node, err)
+	}
+	var a copyAnswer
+	if err := json.Unmarshal(m.Data, &a); err != nil {
+		return fmt.Errorf("fleet: copy of %s to %s: %w", req.Point, node, err)
+	}
+	if !a.OK {
+		return fmt.Errorf("fleet: copy of %s to %s: %s", req.Point, node, a.Error)
+	}
+	return nil
+}
+
+// askDrop tells node it may drop its copy of point (best effort, not waited for).
+func (f *Fleet) askDrop(node, vm, point string) {
+	b, _ := json.Marshal(copyReq{VM: vm, Point: point})
+	f.nc.Publish(subjProtectDropPrefix+node, b)
+}
+
+// serveProtection answers copies and drops asked of this node.
+func (f *Fleet) serveProtection() error {
+	p := f.protector()
+	if p == nil {
+		return nil
+	}
+	cp, err := f.nc.Subscribe(subjProtectCopyPrefix+f.cfg.Node, func(m *nats.Msg) {
+		var r copyReq
+		if json.Unmarshal(m.Data, &r) != nil {
+			return
+		}
+		// A copy takes seconds: the subscription's other requests do not wait for it.
+		f.wg.Add(1)
+		go func() {
+			defer f.wg.Done()
+			a := copyAnswer{OK: true}
+			if err := f.holdCopy(r); err != nil {
+				a = copyAnswer{Error: err.Error()}
+			}
+			b, _ := json.Marshal(a)
+			m.Respond(b)
+		}()
+	})
+	if err != nil {
+		return err
+	}
+	dp, err := f.nc.Subscribe(subjProtectDropPrefix+f.cfg.Node, func(m *nats.Msg) {
+		var r copyReq
+		if json.Unmarshal(m.Data, &r) != nil {
+			return
+		}
+		if _, err := f.eng.Get(r.VM); err == nil {
+			return // it runs here now: its points are its own
+		}
+		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
+		defer cancel()
+		f.eng.DeleteCheckpoint(ctx, r.Point)
+	})
+	if err != nil {
+		cp.Unsubscribe()
+		return err
+	}
+	f.wg.Add(1)
+	go func() {
+		defer f.wg.Done()
+		<-f.ctx.Done()
+		cp.Unsubscribe()
+		dp.Unsubscribe()
+	}()
+	return nil
+}
+
+// holdCopy pulls r's point from its owner and drops the previous one it held.
+func (f *Fleet) holdCopy(r copyReq) error {
+	if err := api.ValidateName(r.Point); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(f.ctx, copyWait)
+	defer cancel()
+	if _, err := f.fetch.Fetch(ctx, r.Point, r.From); err != nil {
+		return err
+	}
+	if r.Prev != "" && r.Prev != r.Point {
+		if _, err := f.eng.Get(r.VM); err != nil {
+			f.eng.DeleteCheckpoint(ctx, r.Prev)
+		}
+	}
+	return nil
+}
+
+// protectionLoop runs fail-over, fencing and the settling of fenced VMs every
+// heartbeat until Close.
+func (f *Fleet) protectionLoop() {
+	defer f.wg.Done()
+	p := f.protector()
+	if p == nil {
+		return
+	}
+	t := time.NewTicker(max(f.cfg.Heartbeat/2, 50*time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-f.ctx.Done():
+			return
+		case <-t.C:
+		}
+		if f.mustFence() {
+			f.fenceAll(p)
+			continue
+		}
+		if !f.judging() {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL)
+		recs, err := f.protectRecs(ctx)
+		cancel()
+		if err != nil {
+			f.log.Debug("fleet: protection records", "err", err)
+			continue
+		}
+		for _, r := range recs {
+			f.settle(p, r)
+		}
+	}
+}
+
+// fenceAfter is how long an owner may go without a prompt heartbeat before it fences
+// its protected VMs: half the TTL, so that it has fenced them before another node may
+// judge it lost (a heartbeat older than the TTL), with half a TTL of margin for clock
+// rates, the fence itself and the loop's tick.
+func (f *Fleet) fenceAfter() time.Duration { return f.cfg.TTL / 2 }
+
+// mustFence says whether the time this node's last prompt heartbeat carries is older
+// than fenceAfter.
+func (f *Fleet) mustFence() bool {
+	last := f.lastBeatStamp.Load()
+	return last != 0 && time.Since(time.Unix(0, last)) > f.fenceAfter()
+}
+
+// fenceAll fences every local protected VM (see the package's notes), and records
+// which, so that settle decides what becomes of them.
+func (f *Fleet) fenceAll(p ProtectEngine) {
+	for _, v := range f.eng.List() {
+		if v.Protection == nil {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(f.ctx, 30*time.Second)
+		err := p.Fence(ctx, v.Name)
+		cancel()
+		f.mu.Lock()
+		if f.fenced == nil {
+			f.fenced = map[string]bool{}
+		}
+		f.fenced[v.Name] = true
+		f.mu.Unlock()
+		f.log.Warn("fleet: protected VM fenced: this node's heartbeats are late", "vm", v.Name,
+			"last_beat", time.Unix(0, f.lastBeat.Load()).UTC(), "err", err)
+	}
+}
+
+// protectRecs lists the protection records from the bucket's leader.
+func (f *Fleet) protectRecs(ctx context.Context) ([]protectRec, error) {
+	var out []protectRec
+	err := f.eachLatest(ctx, f.protect, func(e leaderEntry) {
+		var r protectRec
+		if json.Unmarshal(e.value, &r) == nil {
+			out = append(out, r)
+		}
+	})
+	sort.Slice(out, func(i, j int) bool { return out[i].VM < out[j].VM })
+	return out, err
+}
+
+// settle acts on one record: a VM this node fenced, or owns without running it, is
+// revived here from its own point when the record is still its own, else its stale
+// points go; a VM whose owner is lost and of whose point this node holds a copy is
+// taken over and revived here.
+func (f *Fleet) settle(p ProtectEngine, r protectRec) {
+	f.mu.Lock()
+	fenced := f.fenced[r.VM]
+	f.mu.Unlock()
+	_, local := f.eng.Get(r.VM)
+	here := local == nil
+	switch {
+	case r.Node == f.cfg.Node && !here && (fenced || r.Error != ""):
+		f.revive(p, r, "")
+	case r.Node != f.cfg.Node && here:
+		// Revived elsewhere while this node was gone (its daemon restarted after the
+		// TTL, or it was cut off and not fenced in time): this copy must not run.
+		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
+		err := p.Fence(ctx, r.VM)
+		p.DropPoints(ctx, r.VM)
+		cancel()
+		f.log.Warn("fleet: stale copy of a protected VM removed: it runs on another node", "vm", r.VM, "node", r.Node, "err", err)
+	case r.Node != f.cfg.Node && fenced:
+		// Revived elsewhere while this node was cut off: nothing of it is kept here.
+		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
+		p.DropPoints(ctx, r.VM)
+		cancel()
+		f.mu.Lock()
+		delete(f.fenced, r.VM)
+		f.mu.Unlock()
+		f.log.Info("fleet: stale copy of a protected VM dropped: it runs on another node", "vm", r.VM, "node", r.Node)
+	case r.Node != f.cfg.Node && slices.Contains(r.Copies, f.cfg.Node) && !here:
+		if unsure, live := f.liveView(r.Node); unsure || live {
+			return // its owner is live (or this node cannot tell yet)
+		}
+		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL)
+		_, live, err := f.node(ctx, r.Node)
+		cancel()
+		if err != nil || live {
+			return
+		}
+		f.revive(p, r, r.Node)
+	}
+}
+
+// liveView says whether node is live in the watched view; unsure when the view is not
+// usable (then the caller waits).
+func (f *Fleet) liveView(node string) (unsure, live bool) {
+	nodes, ok := f.watchedNodes()
+	if !ok {
+		return true, false
+	}
+	for _, n := range nodes {
+		if n.Name == node {
+			return false, true
+		}
+	}
+	return false, false
+}
+
+// revive takes r over (from the lost node from, or "" for this node's own VM) and
+// revives the VM here from its point, then protects it again.
+func (f *Fleet) revive(p ProtectEngine, r protectRec, from string) {
+	ctx, cancel := context.WithTimeout(f.ctx, 2*time.Minute)
+	defer cancel()
+	key := kvKey(r.VM)
+	var cur protectRec
+	rev, ok, err := f.leaderJSON(ctx, f.protect, key, &cur)
+	if err != nil || !ok || cur.Node != r.Node || cur.Point != r.Point {
+		return // changed meanwhile: the next tick sees it
+	}
+	now := time.Now().UTC()
+	next := cur
+	next.Node, next.Error = f.cfg.Node, ""
+	if from != "" {
+		next.RevivedFrom, next.RevivedAt, next.LostWork = from, now, now.Sub(cur.PointAt)
+	}
+	if err := f.writeRec(ctx, key, next, rev, true); err != nil {
+		return // another holder took it
+	}
+	info, err := p.Revive(ctx, next.Point, next.VM, next.Token)
+	if err != nil {
+		f.log.Warn("fleet: protected VM not revived", "vm", r.VM, "point", r.Point, "err", err)
+		next.Error = err.Error()
+		if _, ok, _ := f.leaderJSON(ctx, f.protect, key, &cur); ok {
+			b, _ := json.Marshal(next)
+			f.protect.Put(ctx, key, b)
+		}
+		return
+	}
+	f.mu.Lock()
+	delete(f.fenced, r.VM)
+	f.mu.Unlock()
+	if err := p.Protect(ctx, r.VM, max(r.Every, api.MinProtectEvery)); err != nil {
+		f.log.Warn("fleet: revived VM not protected again", "vm", r.VM, "err", err)
+	}
+	if from != "" {
+		f.log.Warn("fleet: protected VM revived from its last point: its node was lost", "vm", r.VM, "from", from,
+			"point", r.Point, "lost_work", next.LostWork.Round(time.Millisecond), "pid", info.PID)
+	} else {
+		f.log.Info("fleet: protected VM revived here from its last point", "vm", r.VM, "point", r.Point)
+	}
+}
