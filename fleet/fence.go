@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // The fence watchdog: a node's protected VMs must stop before another node may revive
@@ -25,8 +26,7 @@ import (
 // process for a while (the daemon starts another when it protects a VM again).
 
 const (
-	leaseFile   = "fence.lease"
-	watchdogPID = "fence.pid"
+	leaseFile = "fence.lease"
 	// watchdogEnv and watchdogArg0 mark a process started as the fence watchdog.
 	watchdogEnv  = "FORKVM_FLEET_FENCE_WATCHDOG"
 	watchdogArg0 = "forkvm-fence"
@@ -83,10 +83,12 @@ func (f *Fleet) renewLease(stamp time.Time) {
 		f.log.Warn("fleet: fence lease not written", "err", err)
 		return
 	}
-	if len(l.QEMUs) > 0 && !watchdogAlive(f.cfg.Dir) {
-		if err := startWatchdog(f.cfg.Dir); err != nil {
+	if len(l.QEMUs) > 0 && !f.watchdogRuns() {
+		done, err := startWatchdog(f.cfg.Dir)
+		if err != nil {
 			f.log.Warn("fleet: fence watchdog not started", "err", err)
 		}
+		f.watchdog = done
 	}
 }
 
@@ -99,37 +101,63 @@ func (f *Fleet) leaveLease() {
 	}
 	for _, v := range f.eng.List() {
 		if v.Protection != nil && v.State != api.StateDead {
+			f.log.Info("fleet: fence lease kept: a protected VM runs on", "vm", v.Name)
 			return
 		}
 	}
-	os.Remove(filepath.Join(f.cfg.Dir, leaseFile))
-	// Its watchdog notices within a tick: nothing of the node outlives its leaving.
-	for deadline := time.Now().Add(10 * fenceTick); watchdogAlive(f.cfg.Dir) && time.Now().Before(deadline); {
-		time.Sleep(fenceTick / 4)
+	path := filepath.Join(f.cfg.Dir, leaseFile)
+	os.Remove(path)
+	// Its watchdogs notice within a tick: nothing of the node outlives its leaving. One
+	// that does not (stopped) is killed: it guards a lease that is gone.
+	for deadline := time.Now().Add(10 * fenceTick); ; time.Sleep(fenceTick / 4) {
+		pids := watchdogsOf(path)
+		if len(pids) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			for _, pid := range pids {
+				syscall.Kill(pid, syscall.SIGKILL)
+			}
+			return
+		}
 	}
 }
 
-// watchdogAlive says whether the watchdog recorded in dir runs.
-func watchdogAlive(dir string) bool {
-	b, err := os.ReadFile(filepath.Join(dir, watchdogPID))
-	if err != nil {
-		return false
+// watchdogsOf lists the watchdog processes of the lease at path (their argv is
+// forkvm-fence PATH).
+func watchdogsOf(path string) []int {
+	pids, _ := procinfo.ProcessesWithArg(path)
+	var out []int
+	for _, pid := range pids {
+		if args, err := procinfo.ProcessArgs(pid); err == nil && len(args) == 2 && args[0] == watchdogArg0 && args[1] == path {
+			out = append(out, pid)
+		}
 	}
-	var pid int
-	if _, err := fmt.Sscan(string(b), &pid); err != nil || pid <= 1 {
-		return false
-	}
-	args, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-	return err == nil && strings.HasPrefix(string(args), watchdogArg0+"\x00")
+	return out
 }
 
-// startWatchdog starts the watchdog of the lease in dir.
-func startWatchdog(dir string) error {
+// watchdogRuns says whether the watchdog this daemon started runs (one a daemon before
+// it started is left to exit: it guards the same lease, and a second one is harmless).
+func (f *Fleet) watchdogRuns() bool {
+	if f.watchdog == nil {
+		return false
+	}
+	select {
+	case <-f.watchdog:
+		return false
+	default:
+		return true
+	}
+}
+
+// startWatchdog starts the watchdog of the lease in dir; the channel is closed when it
+// has exited.
+func startWatchdog(dir string) (<-chan struct{}, error) {
 	exe := "/proc/self/exe"
 	if runtime.GOOS != "linux" {
 		var err error
 		if exe, err = os.Executable(); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	cmd := &exec.Cmd{
@@ -140,10 +168,11 @@ func startWatchdog(dir string) error {
 		SysProcAttr: &syscall.SysProcAttr{Setsid: true},
 	}
 	if err := cmd.Start(); err != nil {
-		return err
+		return nil, err
 	}
-	go cmd.Wait()
-	return os.WriteFile(filepath.Join(dir, watchdogPID), []byte(fmt.Sprintf("%d\n", cmd.Process.Pid)), 0o600)
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	return done, nil
 }
 
 // runWatchdog is the watchdog's body (see the notes above).

@@ -194,8 +194,13 @@ type Fleet struct {
 	beatNow chan struct{}
 	// closed is set by Close: no background work starts after it.
 	closed bool
-	// fenced names the protected VMs this node fenced (protect.go), until settled.
-	fenced map[string]bool
+	// fenced names the protected VMs this node fenced (protect.go), until settled;
+	// ownerLost when this node first found each owner of a record it holds lost.
+	fenced    map[string]bool
+	ownerLost map[string]time.Time
+	// watchdog is closed when the fence watchdog this node started has exited (nil:
+	// none started; fence.go).
+	watchdog <-chan struct{}
 
 	// cacheMu guards the caches: the live nodes a share check saw last (nodesAt), the
 	// nodes bucket as this node's watch of it has it (view, viewAt: the last update,

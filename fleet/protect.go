@@ -28,14 +28,14 @@ import (
 // never both own a VM.
 //
 // Fail-over: every node watches the records it holds a copy for. When the owner's
-// heartbeat has expired (judged as claims are: see expired), a holder takes the record
-// over (its revision decides among holders) and revives the VM from its copy of the
+// heartbeat has been expired (judged as claims are: see expired) for another TTL, a
+// holder takes the record over (its revision decides among holders) and revives the VM from its copy of the
 // point as itself, then protects it again, copying its points to another node.
 //
-// Fencing: an owner whose heartbeats have not gone through for fenceAfter (half the
-// TTL) fences its protected VMs: it ends their QEMUs and keeps their points (the
-// engine's Fence), before any other node can judge it lost (a heartbeat older than the
-// TTL). When its heartbeats go through again it reads each fenced VM's record: still
+// Fencing: an owner whose heartbeats have not gone through for fenceAfter (a TTL)
+// fences its protected VMs: it ends their QEMUs and keeps their points (the engine's
+// Fence), a TTL before any other node may take them over (protectLease: its heartbeat
+// two TTLs old). When its heartbeats go through again it reads each fenced VM's record: still
 // its own, it revives the VM from its own last point; another node's, it deletes its
 // stale points. The arithmetic, and what it assumes of clocks, is in docs/fleet.md.
 
@@ -427,11 +427,16 @@ func (f *Fleet) protectionLoop() {
 	}
 }
 
+// protectLease is how old a protected VM's owner's last heartbeat must be before
+// another node takes the VM over: twice the TTL. The owner fences at fenceAfter, a TTL
+// earlier, so a whole TTL covers the clocks' skew, the loop's tick and the kill; and an
+// election that stalls every node's heartbeats for less than a TTL (the heartbeat
+// bucket's leader was on a node that stopped) fences nothing.
+func (f *Fleet) protectLease() time.Duration { return 2 * f.cfg.TTL }
+
 // fenceAfter is how long an owner may go without a prompt heartbeat before it fences
-// its protected VMs: half the TTL, so that it has fenced them before another node may
-// judge it lost (a heartbeat older than the TTL), with half a TTL of margin for clock
-// rates, the fence itself and the loop's tick.
-func (f *Fleet) fenceAfter() time.Duration { return f.cfg.TTL / 2 }
+// its protected VMs (see protectLease).
+func (f *Fleet) fenceAfter() time.Duration { return f.protectLease() - f.cfg.TTL }
 
 // mustFence says whether the time this node's last prompt heartbeat carries is older
 // than fenceAfter.
@@ -512,6 +517,23 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		_, live, err := f.node(ctx, r.Node)
 		cancel()
 		if err != nil || live {
+			f.mu.Lock()
+			delete(f.ownerLost, r.Node)
+			f.mu.Unlock()
+			return
+		}
+		// Lost once its heartbeat is a TTL old: the lease runs a TTL longer, seen here.
+		f.mu.Lock()
+		if f.ownerLost == nil {
+			f.ownerLost = map[string]time.Time{}
+		}
+		since, seen := f.ownerLost[r.Node]
+		if !seen {
+			since = time.Now()
+			f.ownerLost[r.Node] = since
+		}
+		f.mu.Unlock()
+		if time.Since(since) < f.protectLease()-f.cfg.TTL {
 			return
 		}
 		f.revive(p, r, r.Node)

@@ -123,6 +123,13 @@ func TestFleetProtect(t *testing.T) {
 	}
 	// n1 back: its stale fpf (its QEMU gone with the node) and its points are removed.
 	n1.d = startDaemon(t, n1.home, serve.SocketPath(n1.home), n1.log, n1.args...)
+	// Stopped as the fleet's daemons are, before startDaemon's kill at the end: a daemon
+	// killed leaves its fence watchdog guarding its lease.
+	t.Cleanup(func() {
+		if n1.d.cmd.ProcessState == nil {
+			n1.d.stop()
+		}
+	})
 	deadline = time.Now().Add(90 * time.Second)
 	for {
 		_, stale := nodeVMs(t, n1)["fpf"]

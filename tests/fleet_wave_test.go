@@ -72,7 +72,12 @@ func startFleet(t *testing.T, n, vcpus int, extra ...string) []*fleetHost {
 				h.d.stop()
 			}
 			for pid, args := range procsReferencing(h.home) {
-				t.Errorf("leak: process %d still references %s: %q", pid, h.home, args)
+				t.Errorf("leak: process %d still references %s (%s): %q", pid, h.home, h.name, args)
+				for _, l := range strings.Split(h.d.logText(), "\n") {
+					if strings.Contains(l, "fence") || strings.Contains(l, "stopped") {
+						t.Logf("%s: %s", h.name, l)
+					}
+				}
 			}
 			os.RemoveAll(h.home)
 		}

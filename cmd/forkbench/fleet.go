@@ -62,6 +62,16 @@ func fleetSettings(cmd *cli.Command) (*bench.FleetSettings, error) {
 	if err := s.Check(); err != nil {
 		return nil, err
 	}
+	var err error
+	if s.Forkvm, err = forkvmBinary(cmd); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// forkvmBinary is the forkvm binary fleet daemons run: --forkvm, else the one beside
+// this forkbench, else forkvm in $PATH.
+func forkvmBinary(cmd *cli.Command) (string, error) {
 	bin := cmd.String("forkvm")
 	if bin == "" {
 		bin = "forkvm"
@@ -73,10 +83,7 @@ func fleetSettings(cmd *cli.Command) (*bench.FleetSettings, error) {
 	}
 	p, err := exec.LookPath(bin)
 	if err != nil {
-		return nil, fmt.Errorf("%w: --forkvm: %w", bench.ErrFleetArgs, err)
+		return "", fmt.Errorf("%w: --forkvm: %w", bench.ErrFleetArgs, err)
 	}
-	if s.Forkvm, err = filepath.Abs(p); err != nil {
-		return nil, err
-	}
-	return s, nil
+	return filepath.Abs(p)
 }

@@ -1,0 +1,419 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
+)
+
+// SurviveSettings are the survive bench's environment.settings.
+type SurviveSettings struct {
+	// N protected forks over the fleet's nodes (--spread), protected every EveryS.
+	N      int     `json:"n"`
+	EveryS float64 `json:"every_s"`
+	// WriteMBPerMin is what each fork's workload writes to its RAM per minute, beside
+	// its counter (RAM and data disk, every 100 ms).
+	WriteMBPerMin int `json:"write_mb_per_min"`
+	// HoldS is how long the forks run protected before the fault.
+	HoldS float64 `json:"hold_s"`
+	// Fault is "kill" (kill -9 of the last node's daemon and QEMUs) or "cut" (SIGSTOP
+	// of its daemon for CutS, then SIGCONT).
+	Fault string  `json:"fault"`
+	CutS  float64 `json:"cut_s,omitempty"`
+	// AnswerTimeoutS bounds the wait for every fork to answer again.
+	AnswerTimeoutS float64 `json:"answer_timeout_s"`
+	// Fleet is the fleet the forks run in.
+	Fleet FleetSettings `json:"fleet"`
+}
+
+// Common is the fleet's run settings.
+func (s *SurviveSettings) Common() *report.RunSettings { return s.Fleet.Common() }
+
+// Check validates the numbers.
+func (s *SurviveSettings) Check() error {
+	switch {
+	case s.N < 1 || s.N > 64:
+		return fmt.Errorf("%w: --n %d: want 1..64", ErrFleetArgs, s.N)
+	case s.EveryS < api.MinProtectEvery.Seconds() || s.EveryS > api.MaxProtectEvery.Seconds():
+		return fmt.Errorf("%w: --every %gs: want %v..%v", ErrFleetArgs, s.EveryS, api.MinProtectEvery, api.MaxProtectEvery)
+	case s.WriteMBPerMin < 0 || s.WriteMBPerMin > 600:
+		return fmt.Errorf("%w: --write-mb-per-min %d: want 0..600", ErrFleetArgs, s.WriteMBPerMin)
+	case s.HoldS < s.EveryS:
+		return fmt.Errorf("%w: --run-for %gs: at least one interval (%gs)", ErrFleetArgs, s.HoldS, s.EveryS)
+	case s.Fault != "kill" && s.Fault != "cut":
+		return fmt.Errorf("%w: --fault %q: kill or cut", ErrFleetArgs, s.Fault)
+	case s.Fault == "cut" && s.CutS <= 0:
+		return fmt.Errorf("%w: --cut %gs", ErrFleetArgs, s.CutS)
+	}
+	return nil
+}
+
+// surviveFork is one protected fork as the bench follows it.
+type surviveFork struct {
+	name, node string
+	pid        int // its QEMU on the victim, before the fault
+	before     int // its counter just before the fault
+	readAt     time.Time
+	after      int
+	afterErr   error
+	answeredOn string
+	answeredAt time.Duration // since the fault
+	twice      bool
+	pauses     []float64 // ms, one per point seen
+	pointBytes []float64
+	lastPoints int64
+}
+
+// SurviveResult is extra.survive in result.json.
+type SurviveResult struct {
+	Fault               string             `json:"fault"`
+	Victim              string             `json:"victim"`
+	VictimForks         int                `json:"victim_forks"`
+	ForksLost           int                `json:"forks_lost"`
+	ForksRunningTwice   int                `json:"forks_running_twice"`
+	WorkLostSP50        float64            `json:"work_lost_s_p50"`
+	WorkLostSMax        float64            `json:"work_lost_s_max"`
+	AnsweringAgainS     float64            `json:"answering_again_s"`
+	ProtectPauseMSP50   float64            `json:"protect_pause_ms_p50"`
+	ProtectPauseMSP99   float64            `json:"protect_pause_ms_p99"`
+	PointBytesP50       float64            `json:"point_bytes_p50"`
+	Points              int                `json:"points_seen"`
+	StaleCopiesRemoved  *bool              `json:"stale_copies_removed,omitempty"`
+	FencedAfterS        float64            `json:"fenced_after_s,omitempty"`
+	Forks               []SurviveForkEntry `json:"forks"`
+	OtherForksAnswering int                `json:"other_forks_answering"`
+}
+
+// SurviveForkEntry is one victim fork's outcome.
+type SurviveForkEntry struct {
+	Name        string  `json:"name"`
+	Before      int     `json:"counter_before"`
+	After       int     `json:"counter_after"`
+	WorkLostS   float64 `json:"work_lost_s"`
+	AnsweredOn  string  `json:"answered_on,omitempty"`
+	AnsweredAtS float64 `json:"answered_at_s,omitempty"`
+	Twice       bool    `json:"running_twice,omitempty"`
+	Lost        bool    `json:"lost,omitempty"`
+}
+
+// surviveTick is the counter's period in the guest.
+const surviveTick = 100 * time.Millisecond
+
+// surviveScript is each fork's workload: a counter written to RAM and the data disk
+// every tick, and wmb MB of random data a minute into a ring of files in RAM.
+func surviveScript(wmb int) string {
+	chunk := wmb << 20 / 600 // per tick
+	return fmt.Sprintf("mkdir -p /dev/shm/ring; (i=0; while :; do i=$((i+1)); echo $i > /dev/shm/c; echo $i > /data/c; "+
+		"head -c %d /dev/urandom > /dev/shm/ring/$((i %% 300)); sleep 0.1; done) > /dev/null 2>&1 &", chunk)
+}
+
+// RunSurvive measures protected forks through a node's fault (s).
+func RunSurvive(r *Env, s *SurviveSettings) (err error) {
+	if r.shape.DiskMiB == 0 {
+		return fmt.Errorf("%w: the survive bench needs a data disk (--disk-mb)", ErrFleetArgs)
+	}
+	dir, err := os.MkdirTemp("/tmp", "fbs-")
+	if err != nil {
+		return err
+	}
+	fr := &fleetRun{r: r, s: &s.Fleet, dir: dir}
+	defer func() {
+		fr.stop()
+		fr.keepLogs()
+		os.RemoveAll(dir)
+	}()
+	if err := fr.start(); err != nil {
+		return err
+	}
+	if err := fr.world(); err != nil {
+		return err
+	}
+	ctx := r.ctx
+	every := time.Duration(s.EveryS * float64(time.Second))
+	evc, err := fr.nodes[0].c.FleetForkMany(ctx, api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: fleetCkName, N: s.N, Prefix: "s-"}, Protect: every})
+	if err != nil {
+		return fmt.Errorf("protected wave: %w", err)
+	}
+	forks := map[string]*surviveFork{}
+	for ev := range evc {
+		if !ev.OK {
+			r.fail("protected wave: %s: %s %s", ev.Name, ev.Code, ev.Error)
+			continue
+		}
+		forks[ev.Name] = &surviveFork{name: ev.Name, node: ev.Node}
+	}
+	if len(forks) == 0 {
+		return errors.New("no protected fork")
+	}
+	byNode := map[string]*fleetNode{}
+	for _, n := range fr.nodes {
+		byNode[n.name] = n
+	}
+	for _, f := range forks {
+		if err := surviveExec(ctx, byNode[f.node], f.name, surviveScript(s.WriteMBPerMin), nil); err != nil {
+			return fmt.Errorf("workload of %s: %w", f.name, err)
+		}
+	}
+	victim := fr.nodes[len(fr.nodes)-1]
+	r.logf("%d protected forks running (every %v); holding %.0f s before the fault", len(forks), every, s.HoldS)
+	res := &SurviveResult{Fault: s.Fault, Victim: victim.name}
+	holdEnd := time.Now().Add(time.Duration(s.HoldS * float64(time.Second)))
+	for time.Now().Before(holdEnd) {
+		fr.pollProtection(ctx, forks)
+		time.Sleep(every / 4)
+	}
+	fr.pollProtection(ctx, forks)
+	var victims []*surviveFork
+	for _, f := range forks {
+		if f.node != victim.name {
+			continue
+		}
+		if info, err := victim.c.Get(ctx, f.name); err == nil {
+			f.pid = info.PID
+		}
+		victims = append(victims, f)
+	}
+	sort.Slice(victims, func(i, j int) bool { return victims[i].name < victims[j].name })
+	for _, f := range victims {
+		f.before, err = surviveCounter(ctx, victim, f.name)
+		if err != nil {
+			return fmt.Errorf("counter of %s: %w", f.name, err)
+		}
+		f.readAt = time.Now()
+	}
+	res.VictimForks = len(victims)
+	faultAt := time.Now()
+	switch s.Fault {
+	case "kill":
+		fr.kill9(victim)
+	case "cut":
+		victim.cmd.Process.Signal(syscall.SIGSTOP)
+	}
+	r.logf("%s of %s (%d protected forks there) at %s", s.Fault, victim.name, len(victims), faultAt.Format("15:04:05.000"))
+	var fencedAt time.Time
+	released := false
+	deadline := faultAt.Add(time.Duration(s.AnswerTimeoutS * float64(time.Second)))
+	for {
+		if s.Fault == "cut" && !released && time.Since(faultAt) >= time.Duration(s.CutS*float64(time.Second)) {
+			victim.cmd.Process.Signal(syscall.SIGCONT)
+			released = true
+		}
+		if fencedAt.IsZero() && len(victims) > 0 && !anyRuns(victims) {
+			fencedAt = time.Now()
+		}
+		pending := 0
+		for _, f := range victims {
+			if f.answeredOn != "" {
+				continue
+			}
+			pending++
+			for _, n := range fr.nodes {
+				// The victim may revive its own forks once let go, when nobody took them
+				// over meanwhile (a cut shorter than the lease).
+				if n == victim && (s.Fault == "kill" || !released) {
+					continue
+				}
+				if info, err := n.c.Get(ctx, f.name); err != nil || info.State != api.StateRunning {
+					continue
+				}
+				if err := surviveExec(ctx, n, f.name, "true", nil); err != nil {
+					continue
+				}
+				f.answeredOn, f.answeredAt = n.name, time.Since(faultAt)
+				f.twice = n != victim && f.pid > 0 && processRuns(f.pid)
+				// At once: the revived fork counts on from its point.
+				f.after, f.afterErr = surviveCounter(ctx, n, f.name)
+				break
+			}
+		}
+		if pending == 0 && (s.Fault != "cut" || released) {
+			break
+		}
+		if time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if s.Fault == "cut" && !released {
+		victim.cmd.Process.Signal(syscall.SIGCONT)
+	}
+	if !fencedAt.IsZero() {
+		res.FencedAfterS = report.Round3(fencedAt.Sub(faultAt).Seconds())
+	}
+	var lost []float64
+	for _, f := range victims {
+		e := SurviveForkEntry{Name: f.name, Before: f.before, AnsweredOn: f.answeredOn, Twice: f.twice}
+		if f.answeredOn == "" {
+			e.Lost = true
+			res.ForksLost++
+		} else {
+			e.AnsweredAtS = report.Round3(f.answeredAt.Seconds())
+			res.AnsweringAgainS = max(res.AnsweringAgainS, e.AnsweredAtS)
+			if v, err := f.after, f.afterErr; err == nil {
+				e.After = v
+				// The counting between the read and the fault is lost too.
+				w := time.Duration(f.before-v)*surviveTick + faultAt.Sub(f.readAt)
+				e.WorkLostS = report.Round3(max(w, 0).Seconds())
+				lost = append(lost, e.WorkLostS)
+				if v > f.before {
+					r.fail("%s counts %d after its revival, %d before the fault: it ran on after its point", f.name, v, f.before)
+				}
+			} else {
+				r.fail("%s: counter after its revival: %v", f.name, err)
+			}
+		}
+		if f.twice {
+			res.ForksRunningTwice++
+		}
+		res.Forks = append(res.Forks, e)
+	}
+	if len(lost) > 0 {
+		p := report.Summarize(lost)
+		res.WorkLostSP50, res.WorkLostSMax = p.P50, p.Max
+	}
+	// The forks of the other nodes answer through it all.
+	for _, f := range forks {
+		if f.node != victim.name && surviveExec(ctx, byNode[f.node], f.name, "true", nil) == nil {
+			res.OtherForksAnswering++
+		}
+	}
+	if s.Fault == "cut" {
+		// Let go, the victim keeps no copy of a fork revived elsewhere.
+		ok := false
+		for end := time.Now().Add(2 * time.Minute); time.Now().Before(end); time.Sleep(500 * time.Millisecond) {
+			vms, err := victim.c.List(ctx)
+			if err != nil {
+				continue
+			}
+			stale := 0
+			for _, v := range vms {
+				if f, mine := forks[v.Name]; mine && f.node == victim.name && f.answeredOn != "" && f.answeredOn != victim.name {
+					stale++
+				}
+			}
+			if stale == 0 {
+				ok = true
+				break
+			}
+		}
+		res.StaleCopiesRemoved = &ok
+		if !ok {
+			r.fail("cut: %s kept stale copies of forks revived elsewhere", victim.name)
+		}
+	}
+	var pauses, bytes []float64
+	for _, f := range forks {
+		pauses = append(pauses, f.pauses...)
+		bytes = append(bytes, f.pointBytes...)
+	}
+	res.Points = len(pauses)
+	if len(pauses) > 0 {
+		p := report.Summarize(pauses)
+		res.ProtectPauseMSP50, res.ProtectPauseMSP99 = p.P50, p.P99
+		res.PointBytesP50 = report.Summarize(bytes).P50
+	}
+	r.res.Extra["survive"] = res
+	if res.ForksLost > 0 {
+		r.fail("%d of %d forks of %s lost", res.ForksLost, len(victims), victim.name)
+	}
+	if res.ForksRunningTwice > 0 {
+		r.fail("%d forks ran twice (answered on a live node while their QEMU on %s still ran)", res.ForksRunningTwice, victim.name)
+	}
+	if res.OtherForksAnswering != len(forks)-len(victims) {
+		r.fail("%d of the %d forks on the other nodes answer after the fault", res.OtherForksAnswering, len(forks)-len(victims))
+	}
+	r.res.Metric, r.res.Value, r.res.Unit, r.res.Stat, r.res.N = "answering_again_s", res.AnsweringAgainS, "s", "max", len(victims)
+	r.res.Method = fmt.Sprintf("%d `forkvm serve` daemons on 127.0.0.1 forming a fleet (as the fleet bench). A world of %d vCPU, %d MiB, %d MiB data disk is "+
+		"checkpointed on n1; a fleet wave of %d forks (--spread) protected every %v (FleetForkRequest.Protect). Each fork runs a counter written to /dev/shm/c "+
+		"and /data/c every 100 ms and %d MB/min of random data into a ring of files in /dev/shm. After %.0f s, each fork of %s has its counter read, then "+
+		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); "+
+		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter after) x 100 ms + the time from the read to the fault. Pauses and point bytes: each "+
+		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault.",
+		len(fr.nodes), r.shape.CPUs, r.shape.MemoryMiB, r.shape.DiskMiB, s.N, every, s.WriteMBPerMin, s.HoldS, victim.name,
+		map[string]string{"kill": "kill -9 of its daemon and every process naming its state or RAM dir", "cut": fmt.Sprintf("SIGSTOP of its daemon (its embedded NATS server with it) for %gs, then SIGCONT", s.CutS)}[s.Fault],
+		victim.name)
+	r.caveat("the daemons share one host: the fault of a node is its processes', not its machine's")
+	r.summary = fmt.Sprintf("## Survive (%s of %s)\n\n%d forks there: %d lost, %d running twice; work lost p50 %.2f s, max %.2f s; every fork answering again %.1f s after the fault; "+
+		"protection pause p50 %.1f ms, p99 %.1f ms over %d points; point bytes p50 %.1f MiB.\n",
+		s.Fault, victim.name, len(victims), res.ForksLost, res.ForksRunningTwice, res.WorkLostSP50, res.WorkLostSMax, res.AnsweringAgainS,
+		res.ProtectPauseMSP50, res.ProtectPauseMSP99, res.Points, res.PointBytesP50/(1<<20))
+	return nil
+}
+
+// pollProtection samples each fork's protection: a new point's pause and bytes.
+func (fr *fleetRun) pollProtection(ctx context.Context, forks map[string]*surviveFork) {
+	for _, n := range fr.nodes {
+		if n.killed {
+			continue
+		}
+		vms, err := n.c.List(ctx)
+		if err != nil {
+			continue
+		}
+		for _, v := range vms {
+			f, ok := forks[v.Name]
+			if !ok || v.Protection == nil || v.Protection.Points == f.lastPoints {
+				continue
+			}
+			f.lastPoints = v.Protection.Points
+			f.pauses = append(f.pauses, float64(v.Protection.LastPause)/1e6)
+			f.pointBytes = append(f.pointBytes, float64(v.Protection.LastBytes))
+		}
+	}
+}
+
+// surviveExec runs sh -c script in VM name on node n (output to out when set).
+func surviveExec(ctx context.Context, n *fleetNode, name, script string, out *bytes.Buffer) error {
+	var errb bytes.Buffer
+	req := &api.ExecRequest{Argv: []string{"sh", "-c", script}, Stderr: &errb}
+	if out != nil {
+		req.Stdout = out
+	}
+	xctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	code, err := n.c.Exec(xctx, name, req)
+	if err == nil && code != 0 {
+		err = fmt.Errorf("exit %d: %s", code, strings.TrimSpace(errb.String()))
+	}
+	return err
+}
+
+// surviveCounter reads VM name's counter in RAM on node n.
+func surviveCounter(ctx context.Context, n *fleetNode, name string) (int, error) {
+	var out bytes.Buffer
+	if err := surviveExec(ctx, n, name, "cat /dev/shm/c", &out); err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(strings.TrimSpace(out.String()))
+}
+
+// anyRuns says whether a victim fork's QEMU still runs.
+func anyRuns(fs []*surviveFork) bool {
+	for _, f := range fs {
+		if f.pid > 0 && processRuns(f.pid) {
+			return true
+		}
+	}
+	return false
+}
+
+// processRuns says whether process pid exists and is not a zombie (a QEMU killed while
+// its daemon is stopped stays one until the daemon reaps it).
+func processRuns(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	return i > 0 && i+2 < len(b) && b[i+2] != 'Z' && b[i+2] != 'X'
+}
