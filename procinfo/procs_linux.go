@@ -73,3 +73,16 @@ func splitArgs(b []byte) [][]byte {
 	}
 	return bytes.Split(bytes.TrimSuffix(b, []byte{0}), []byte{0})
 }
+
+// ProcessRuns reports whether process pid exists and has not exited: a zombie (dead,
+// not yet reaped by its parent, as a QEMU killed while its stopped daemon cannot reap
+// it) does not run.
+func ProcessRuns(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	// The state follows the command name, which is in parentheses and may hold any byte.
+	i := bytes.LastIndexByte(b, ')')
+	return i > 0 && i+2 < len(b) && b[i+2] != 'Z' && b[i+2] != 'X'
+}

@@ -111,3 +111,28 @@ func TestSplitArgs(t *testing.T) {
 		}
 	}
 }
+
+// TestProcessRuns: a live process runs; killed and not yet reaped (a zombie) it does
+// not; reaped it does not exist.
+func TestProcessRuns(t *testing.T) {
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	if !ProcessRuns(pid) {
+		t.Fatal("a live process does not run")
+	}
+	cmd.Process.Kill()
+	deadline := time.Now().Add(5 * time.Second)
+	for ProcessRuns(pid) && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if ProcessRuns(pid) {
+		t.Error("a killed, unreaped process runs")
+	}
+	cmd.Wait()
+	if ProcessRuns(pid) {
+		t.Error("a reaped process runs")
+	}
+}

@@ -10,3 +10,6 @@ func ProcessArgs(pid int) ([]string, error) { return nil, ErrUnsupported }
 
 // ProcessesWithArgAt is not implemented on this platform; it returns ErrUnsupported.
 func ProcessesWithArgAt(procRoot, substr string) ([]int, error) { return nil, ErrUnsupported }
+
+// ProcessRuns is not implemented on this platform; it reports false.
+func ProcessRuns(pid int) bool { return false }

@@ -2,8 +2,6 @@ package tests
 
 import (
 	"encoding/json"
-	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"syscall"
@@ -11,6 +9,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/serve"
 )
 
@@ -168,7 +167,7 @@ func TestFleetProtect(t *testing.T) {
 	var fencedAt time.Time
 	on = nil
 	for on == nil {
-		if fencedAt.IsZero() && !processRuns(oldPID) {
+		if fencedAt.IsZero() && !procinfo.ProcessRuns(oldPID) {
 			fencedAt = time.Now()
 		}
 		for _, h := range hosts {
@@ -177,7 +176,7 @@ func TestFleetProtect(t *testing.T) {
 			}
 			if v, ok := nodeVMs(t, h)["fpf"]; ok && v.State == api.StateRunning {
 				if _, _, code := h.cli(nil, "exec", "fpf", "--", "true"); code == 0 {
-					if processRuns(oldPID) {
+					if procinfo.ProcessRuns(oldPID) {
 						t.Errorf("fpf answers on %s while its QEMU on %s (pid %d) still runs", h.name, cut.name, oldPID)
 					}
 					on = h
@@ -252,15 +251,4 @@ func TestFleetProtect(t *testing.T) {
 		time.Sleep(300 * time.Millisecond)
 	}
 	maker.ok(t, "rm", "fpq")
-}
-
-// processRuns says whether process pid exists and is not a zombie (a QEMU killed while
-// its daemon is stopped stays one until the daemon reaps it).
-func processRuns(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	return i > 0 && i+2 < len(b) && b[i+2] != 'Z' && b[i+2] != 'X'
 }

@@ -380,15 +380,7 @@ func TestRecover(t *testing.T) {
 // wait, its log closed (in-process: the keeper's body on passed descriptors).
 func TestKeeperAcceptWait(t *testing.T) {
 	_, sock, logPath := vmDir(t, "a")
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	f, err := ln.File()
-	ln.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	f := listenerFile(t, sock)
 	done := make(chan struct{})
 	go func() {
 		keep([]handed{{ln: f, log: logPath}}, 50*time.Millisecond, func() {})
@@ -412,15 +404,7 @@ func TestKeeperAcceptWait(t *testing.T) {
 // wait: it outlived its VMs by a minute in a fleet test.
 func TestKeeperGivesUpOnDeletedVM(t *testing.T) {
 	_, sock, logPath := vmDir(t, "a")
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	f, err := ln.File()
-	ln.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	f := listenerFile(t, sock)
 	done := make(chan struct{})
 	go func() {
 		keep([]handed{{ln: f, log: logPath}}, time.Hour, func() {})
@@ -439,4 +423,19 @@ func TestKeeperGivesUpOnDeletedVM(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("keeper still waits for a deleted VM's QEMU")
 	}
+}
+
+// listenerFile is a unix listener on sock as a file, as a keeper is handed one.
+func listenerFile(t *testing.T, sock string) *os.File {
+	t.Helper()
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := ln.File()
+	ln.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
 }

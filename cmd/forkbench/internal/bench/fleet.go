@@ -251,20 +251,9 @@ type fleetRun struct {
 // RunFleet measures a fork wave across a fleet of daemons beside the same wave on one
 // node (s).
 func RunFleet(r *Env, s *FleetSettings) (err error) {
-	dir, err := os.MkdirTemp("/tmp", "fbf-")
+	fr, closeRun, err := openFleetRun(r, s, "fbf-")
+	defer closeRun()
 	if err != nil {
-		return err
-	}
-	fr := &fleetRun{r: r, s: s, dir: dir}
-	defer func() {
-		fr.stop()
-		fr.keepLogs()
-		os.RemoveAll(dir)
-	}()
-	if err := fr.start(); err != nil {
-		return err
-	}
-	if err := fr.world(); err != nil {
 		return err
 	}
 	fw, kill, err := fr.fleetWave()
@@ -291,6 +280,26 @@ func RunFleet(r *Env, s *FleetSettings) (err error) {
 	fr.judge(fw, lw, nodes, kill)
 	r.summary = fleetSummary(s, fw, lw, nodes, kill)
 	return nil
+}
+
+// openFleetRun starts the bench's fleet (s) in a directory of its own named with prefix
+// and checkpoints the world on its first node. closeRun (never nil) stops the daemons,
+// keeps their logs and removes the directory.
+func openFleetRun(r *Env, s *FleetSettings, prefix string) (fr *fleetRun, closeRun func(), err error) {
+	dir, err := os.MkdirTemp("/tmp", prefix)
+	if err != nil {
+		return nil, func() {}, err
+	}
+	fr = &fleetRun{r: r, s: s, dir: dir}
+	closeRun = func() {
+		fr.stop()
+		fr.keepLogs()
+		os.RemoveAll(dir)
+	}
+	if err := fr.start(); err != nil {
+		return fr, closeRun, err
+	}
+	return fr, closeRun, fr.world()
 }
 
 // start makes the credentials and starts the daemons, then waits for the fleet.

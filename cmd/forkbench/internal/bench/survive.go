@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"sort"
 	"strconv"
 	"strings"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // SurviveSettings are the survive bench's environment.settings.
@@ -122,20 +122,9 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	if r.shape.DiskMiB == 0 {
 		return fmt.Errorf("%w: the survive bench needs a data disk (--disk-mb)", ErrFleetArgs)
 	}
-	dir, err := os.MkdirTemp("/tmp", "fbs-")
+	fr, closeRun, err := openFleetRun(r, &s.Fleet, "fbs-")
+	defer closeRun()
 	if err != nil {
-		return err
-	}
-	fr := &fleetRun{r: r, s: &s.Fleet, dir: dir}
-	defer func() {
-		fr.stop()
-		fr.keepLogs()
-		os.RemoveAll(dir)
-	}()
-	if err := fr.start(); err != nil {
-		return err
-	}
-	if err := fr.world(); err != nil {
 		return err
 	}
 	ctx := r.ctx
@@ -230,7 +219,7 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 					continue
 				}
 				f.answeredOn, f.answeredAt = n.name, time.Since(faultAt)
-				f.twice = n != victim && f.pid > 0 && processRuns(f.pid)
+				f.twice = n != victim && f.pid > 0 && procinfo.ProcessRuns(f.pid)
 				// At once: the revived fork counts on from its point.
 				f.after, f.afterErr = surviveCounter(ctx, n, f.name)
 				break
@@ -400,20 +389,9 @@ func surviveCounter(ctx context.Context, n *fleetNode, name string) (int, error)
 // anyRuns says whether a victim fork's QEMU still runs.
 func anyRuns(fs []*surviveFork) bool {
 	for _, f := range fs {
-		if f.pid > 0 && processRuns(f.pid) {
+		if f.pid > 0 && procinfo.ProcessRuns(f.pid) {
 			return true
 		}
 	}
 	return false
-}
-
-// processRuns says whether process pid exists and is not a zombie (a QEMU killed while
-// its daemon is stopped stays one until the daemon reaps it).
-func processRuns(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	return i > 0 && i+2 < len(b) && b[i+2] != 'Z' && b[i+2] != 'X'
 }
