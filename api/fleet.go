@@ -95,6 +95,24 @@ type FleetVM struct {
 	State     string    `json:"state"`
 	CPUs      int       `json:"cpus"`
 	ClaimedAt time.Time `json:"claimed_at"`
+	// Protection is the fleet's record of a protected VM (docs/protect.md): a protected
+	// VM that no wave made is listed by it alone (Node its owner, State "protected").
+	Protection *FleetProtection `json:"protection,omitempty"`
+}
+
+// FleetProtection is a protected VM as the fleet records it.
+type FleetProtection struct {
+	Every time.Duration `json:"every_ns"`
+	// Point is its last complete protection point, PointAt when its guest stopped (the
+	// work a revival loses is what the VM did since), Copies the nodes holding it.
+	Point   string    `json:"point"`
+	PointAt time.Time `json:"point_at"`
+	Copies  []string  `json:"copies"`
+	// RevivedFrom, RevivedAt and LostWork describe its last fail-over.
+	RevivedFrom string        `json:"revived_from,omitempty"`
+	RevivedAt   time.Time     `json:"revived_at,omitzero"`
+	LostWork    time.Duration `json:"lost_work_ns,omitempty"`
+	Error       string        `json:"error,omitempty"`
 }
 
 // FleetForkRequest is the body of POST /v1/fleet/forks: a wave spread over the fleet.

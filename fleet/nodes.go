@@ -301,6 +301,16 @@ func (f *Fleet) VMs(ctx context.Context) ([]api.FleetVM, error) {
 			out = append(out, v)
 		})
 	})
+	if err != nil {
+		return out, err
+	}
+	var recs []protectRec
+	err = retryEach(ctx, "list protection", listTimeout, func(ctx context.Context) error {
+		var err error
+		recs, err = f.protectRecs(ctx)
+		return err
+	})
+	out = mergeProtection(out, recs, live, judging)
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, err
 }

@@ -466,6 +466,34 @@ func (f *Fleet) fenceAll(p ProtectEngine) {
 	}
 }
 
+// mergeProtection adds each protection record to the listing (VMs): to the VM's claim,
+// its node the record's owner, or as an entry of its own for a protected VM no wave
+// made; an owner not live is node_lost while this node may judge.
+func mergeProtection(vms []api.FleetVM, recs []protectRec, live map[string]bool, judging bool) []api.FleetVM {
+	at := map[string]int{}
+	for i, v := range vms {
+		at[v.Name] = i
+	}
+	for _, r := range recs {
+		p := &api.FleetProtection{Every: r.Every, Point: r.Point, PointAt: r.PointAt, Copies: r.Copies,
+			RevivedFrom: r.RevivedFrom, RevivedAt: r.RevivedAt, LostWork: r.LostWork, Error: r.Error}
+		if i, ok := at[r.VM]; ok {
+			vms[i].Protection = p
+			if vms[i].Node != r.Node {
+				// Revived on another node than the one its wave made it on.
+				vms[i].Node, vms[i].State = r.Node, "protected"
+			}
+			continue
+		}
+		v := api.FleetVM{Schema: api.FleetVMSchema, Name: r.VM, Node: r.Node, State: "protected", Protection: p}
+		if !live[r.Node] && judging {
+			v.State = api.CodeNodeLost
+		}
+		vms = append(vms, v)
+	}
+	return vms
+}
+
 // protectRecs lists the protection records from the bucket's leader.
 func (f *Fleet) protectRecs(ctx context.Context) ([]protectRec, error) {
 	var out []protectRec
@@ -487,12 +515,13 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 	f.mu.Lock()
 	fenced := f.fenced[r.VM]
 	f.mu.Unlock()
-	_, local := f.eng.Get(r.VM)
+	info, local := f.eng.Get(r.VM)
 	here := local == nil
 	switch {
 	case r.Node == f.cfg.Node && !here && (fenced || r.Error != ""):
 		f.revive(p, r, "")
-	case r.Node != f.cfg.Node && here:
+	case r.Node != f.cfg.Node && here && (info.Protection != nil || fenced):
+		// (A local VM that is not protected merely shares the name: it is not a copy.)
 		// Revived elsewhere while this node was gone (its daemon restarted after the
 		// TTL, or it was cut off and not fenced in time): this copy must not run.
 		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)

@@ -120,6 +120,23 @@ func TestFleetProtect(t *testing.T) {
 		}
 		time.Sleep(300 * time.Millisecond)
 	}
+	// The fleet's listing names its new node and the fail-over.
+	var fvms []api.FleetVM
+	if err := json.Unmarshal([]byte(on.ok(t, "ls", "--fleet", "--json")), &fvms); err != nil {
+		t.Fatal(err)
+	}
+	listed := false
+	for _, v := range fvms {
+		if v.Name == "fpf" {
+			listed = true
+			if p := v.Protection; v.Node != on.name || p == nil || p.RevivedFrom != "n1" || p.Point == "" {
+				t.Errorf("ls --fleet: fpf %+v, protection %+v; want on %s, revived from n1", v, p, on.name)
+			}
+		}
+	}
+	if !listed {
+		t.Errorf("ls --fleet does not list fpf: %+v", fvms)
+	}
 	// n1 back: its stale fpf (its QEMU gone with the node) and its points are removed.
 	n1.d = startDaemon(t, n1.home, serve.SocketPath(n1.home), n1.log, n1.args...)
 	// Stopped as the fleet's daemons are, before startDaemon's kill at the end: a daemon

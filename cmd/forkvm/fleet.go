@@ -87,9 +87,14 @@ func withFleetLs(ls *cli.Command) *cli.Command {
 			return printJSON(vms)
 		}
 		tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "NAME\tNODE\tSTATE\tCPUS\tCHECKPOINT\tWAVE\tCLAIMED")
+		fmt.Fprintln(tw, "NAME\tNODE\tSTATE\tCPUS\tCHECKPOINT\tWAVE\tCLAIMED\tPROTECTED")
+		now := time.Now()
 		for _, v := range vms {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\n", v.Name, v.Node, v.State, v.CPUs, v.Checkpoint, v.Wave, v.ClaimedAt.Format(time.RFC3339))
+			claimed := "-"
+			if !v.ClaimedAt.IsZero() {
+				claimed = v.ClaimedAt.Format(time.RFC3339)
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", v.Name, v.Node, v.State, v.CPUs, dash(v.Checkpoint), dash(v.Wave), claimed, protectedText(v.Protection, now))
 		}
 		return tw.Flush()
 	}
@@ -337,4 +342,28 @@ func withFleetCheckpoint(ck *cli.Command) *cli.Command {
 		}
 	}
 	return ck
+}
+
+// dash is s, or "-" when empty.
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// protectedText is ls --fleet's PROTECTED column: the last point's age and its copies
+// ("-" for a VM not protected).
+func protectedText(p *api.FleetProtection, now time.Time) string {
+	if p == nil {
+		return "-"
+	}
+	if p.PointAt.IsZero() {
+		return "every " + p.Every.String() + ", no point yet"
+	}
+	s := fmt.Sprintf("point %s old, on %s", now.Sub(p.PointAt).Round(100*time.Millisecond), strings.Join(p.Copies, ","))
+	if p.RevivedFrom != "" {
+		s += fmt.Sprintf("; revived from %s (%s lost)", p.RevivedFrom, p.LostWork.Round(100*time.Millisecond))
+	}
+	return s
 }

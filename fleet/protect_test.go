@@ -1,0 +1,52 @@
+package fleet
+
+import (
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/api"
+)
+
+// TestMergeProtection: a record joins its VM's claim (its owner replacing the claim's
+// node when it was revived elsewhere) or is listed alone, node_lost when its owner is
+// not live and this node judges.
+func TestMergeProtection(t *testing.T) {
+	at := time.Date(2026, 12, 5, 9, 0, 0, 0, time.UTC)
+	vms := []api.FleetVM{
+		{Name: "a", Node: "n1", State: "ready"},
+		{Name: "b", Node: "n2", State: api.CodeNodeLost},
+		{Name: "c", Node: "n1", State: "ready"},
+	}
+	recs := []protectRec{
+		{VM: "a", Node: "n1", Point: "a-p-1", PointAt: at, Copies: []string{"n2"}},
+		{VM: "b", Node: "n3", Point: "b-p-1", PointAt: at, Copies: []string{"n1"}, RevivedFrom: "n2", LostWork: time.Second},
+		{VM: "d", Node: "n2", Point: "d-p-1", Copies: []string{"n1"}},
+		{VM: "e", Node: "n4", Point: "e-p-1", Copies: []string{"n1"}},
+	}
+	live := map[string]bool{"n1": true, "n2": true, "n3": true}
+	got := map[string]api.FleetVM{}
+	for _, v := range mergeProtection(vms, recs, live, true) {
+		got[v.Name] = v
+	}
+	for _, tc := range []struct {
+		name, node, state, point string
+	}{
+		{"a", "n1", "ready", "a-p-1"},
+		{"b", "n3", "protected", "b-p-1"},
+		{"c", "n1", "ready", ""},
+		{"d", "n2", "protected", "d-p-1"},
+		{"e", "n4", api.CodeNodeLost, "e-p-1"},
+	} {
+		v, ok := got[tc.name]
+		point := ""
+		if ok && v.Protection != nil {
+			point = v.Protection.Point
+		}
+		if !ok || v.Node != tc.node || v.State != tc.state || point != tc.point {
+			t.Errorf("%s: %+v (protection %+v), want node %s, state %s, point %q", tc.name, v, v.Protection, tc.node, tc.state, tc.point)
+		}
+	}
+	if p := got["b"].Protection; p == nil || p.RevivedFrom != "n2" || p.LostWork != time.Second {
+		t.Errorf("b's fail-over not listed: %+v", p)
+	}
+}
