@@ -93,6 +93,9 @@ type ProtectEngine interface {
 	// Fence ends a local VM, keeping its protection points; DropPoints deletes them.
 	Fence(ctx context.Context, name string) error
 	DropPoints(ctx context.Context, name string)
+	// HoldsPoints says whether any protection point is here (this node's VMs', or
+	// copies it holds for other nodes).
+	HoldsPoints() bool
 }
 
 func (a engineAdapter) Token(name string) (string, error) {
@@ -117,6 +120,19 @@ func (a engineAdapter) Protect(ctx context.Context, name string, every time.Dura
 }
 
 func (a engineAdapter) Fence(ctx context.Context, name string) error { return a.e.Fence(ctx, name) }
+
+func (a engineAdapter) HoldsPoints() bool {
+	cks, err := a.e.Checkpoints()
+	if err != nil {
+		return true // cannot tell: look at the records
+	}
+	for _, c := range cks {
+		if c.Protects != "" {
+			return true
+		}
+	}
+	return false
+}
 func (a engineAdapter) DropPoints(ctx context.Context, name string)  { a.e.DropPoints(ctx, name) }
 
 // protectBucket is the records' bucket.
@@ -401,7 +417,7 @@ func (f *Fleet) protectionLoop() {
 	}
 	t := time.NewTicker(max(f.cfg.Heartbeat/2, 50*time.Millisecond))
 	defer t.Stop()
-	for {
+	for tick := 0; ; tick++ {
 		select {
 		case <-f.ctx.Done():
 			return
@@ -411,7 +427,13 @@ func (f *Fleet) protectionLoop() {
 			f.fenceAll(p)
 			continue
 		}
-		if !f.judging() {
+		// The records are read once a heartbeat, and only by a node that has something
+		// to settle: a node with no protection point (none of its VMs protected, no copy
+		// held) and nothing fenced puts no load on NATS for protection.
+		f.mu.Lock()
+		fenced := len(f.fenced) > 0
+		f.mu.Unlock()
+		if tick%2 != 0 || !f.judging() || !fenced && !p.HoldsPoints() {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL)

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -257,4 +258,134 @@ func TestProtectDaemon(t *testing.T) {
 		t.Errorf("protect --every 100ms: exit %d, %q", code, errs)
 	}
 	d.stop()
+}
+
+// slowCopier is a ProtectionCopier whose copies take delay (a throttled link): it
+// counts the points it was given.
+type slowCopier struct {
+	delay  time.Duration
+	copies atomic.Int32
+}
+
+func (c *slowCopier) CopyPoint(ctx context.Context, _ string, _ *engine.Checkpoint) error {
+	select {
+	case <-time.After(c.delay):
+		c.copies.Add(1)
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (*slowCopier) Unprotected(context.Context, string) {}
+
+// TestProtectionFallsBehind: copies slower than the interval make protection fall
+// behind visibly (Behind, the point's age past the interval) while the guest is paused
+// only for its points and answers as usual; and 60 points of one fork keep its disk
+// chain, its points' lineage and its revival flat: a point is one layer over the fork's
+// lineage, however many came before.
+func TestProtectionFallsBehind(t *testing.T) {
+	env := newRobustEnv(t, parallelVMTest(t))
+	e := env.E
+	ctx := ctxT(t, 10*time.Minute)
+	makeWorld(t, e, "bw", 256, 64)
+	if _, err := e.Checkpoint(ctx, "bw", "bck", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := e.Fork(ctx, "bck", &engine.ForkOptions{Name: "bf"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, f, "(i=0; while :; do i=$((i+1)); echo $i > /dev/shm/c; echo $i > /data/c; sleep 0.1; done) > /dev/null 2>&1 & echo $! > /dev/shm/loop")
+	slow := &slowCopier{delay: 2500 * time.Millisecond}
+	e.SetProtectionCopier(slow)
+	if _, err := e.Protect(ctx, "bf", &engine.ProtectOptions{Every: time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Minute)
+	var p *engine.ProtectionInfo
+	for {
+		p = f.Info().Protection
+		if p != nil && p.Points >= 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no 3 points with slow copies: %+v", p)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if !p.Behind || p.Age(time.Now()) < time.Second && p.Points < 3 {
+		t.Errorf("copies of 2.5 s every 1 s: %+v, want behind", p)
+	}
+	if p.LastPause <= 0 || p.LastPause > 2*time.Second {
+		t.Errorf("pause %v while copies are slow: the copy is not part of the pause", p.LastPause)
+	}
+	start := time.Now()
+	mustRun(t, f, "true")
+	t.Logf("behind: %+v; exec took %v meanwhile", *p, time.Since(start))
+	if err := e.Unprotect(ctx, "bf"); err != nil {
+		t.Fatal(err)
+	}
+
+	// Many points, no copier: each point is the fork's lineage plus one layer.
+	e.SetProtectionCopier(nil)
+	if _, err := e.Protect(ctx, "bf", &engine.ProtectOptions{Every: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	var first, last time.Duration
+	var layers0 int
+	for i := 1; i <= 60; i++ {
+		p, err := e.ProtectNow(ctx, "bf")
+		if err != nil {
+			t.Fatalf("point %d: %v", i, err)
+		}
+		c, err := e.LoadCheckpoint(ctx, p.Point)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i == 1 {
+			first, layers0 = p.LastPause, len(c.Manifest.Layers)
+		}
+		last = p.LastPause
+		if n := len(c.Manifest.Layers); n != layers0 {
+			t.Fatalf("point %d has %d RAM layers, the first %d: points chain", i, n, layers0)
+		}
+		if d := len(c.Manifest.Disk); d > genMaxCkDepth {
+			t.Fatalf("point %d has a %d-layer disk chain, want at most %d", i, d, genMaxCkDepth)
+		}
+		if d := len(vmDiskChain(t, env.Home, "bf")); d > genMaxVMDepth {
+			t.Fatalf("point %d: the vm's disk chain has %d layers, want at most %d", i, d, genMaxVMDepth)
+		}
+	}
+	t.Logf("60 points: first paused %v, last %v; %d RAM layers each", first, last, layers0)
+	mine := 0
+	cks, _ := e.Checkpoints()
+	for _, c := range cks {
+		if c.Protects == "bf" {
+			mine++
+		}
+	}
+	if mine != 1 {
+		t.Errorf("%d points of bf kept after 60, want the last", mine)
+	}
+	// The counter stopped, a last point of a known value, then work it does not hold.
+	mustRun(t, f, "kill $(cat /dev/shm/loop); sleep 0.3; echo 7000 > /dev/shm/c")
+	p, err = e.ProtectNow(ctx, "bf")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, f, "echo 7001 > /dev/shm/c")
+	token := f.Target().Token
+	if err := e.Fence(ctx, "bf"); err != nil {
+		t.Fatal(err)
+	}
+	start = time.Now()
+	g, err := e.Revive(ctx, p.Point, "bf", token)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("revived from the 60th point in %v", time.Since(start))
+	if got := strings.TrimSpace(mustRun(t, g, "cat /dev/shm/c")); got != "7000" {
+		t.Errorf("revived from the last point: counter %q, want 7000 (as at the point)", got)
+	}
 }

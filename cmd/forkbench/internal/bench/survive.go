@@ -254,9 +254,6 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 				w := time.Duration(f.before-v)*surviveTick + faultAt.Sub(f.readAt)
 				e.WorkLostS = report.Round3(max(w, 0).Seconds())
 				lost = append(lost, e.WorkLostS)
-				if v > f.before {
-					r.fail("%s counts %d after its revival, %d before the fault: it ran on after its point", f.name, v, f.before)
-				}
 			} else {
 				r.fail("%s: counter after its revival: %v", f.name, err)
 			}
@@ -326,7 +323,8 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		"checkpointed on n1; a fleet wave of %d forks (--spread) protected every %v (FleetForkRequest.Protect). Each fork runs a counter written to /dev/shm/c "+
 		"and /data/c every 100 ms and %d MB/min of random data into a ring of files in /dev/shm. After %.0f s, each fork of %s has its counter read, then "+
 		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); "+
-		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter after) x 100 ms + the time from the read to the fault. Pauses and point bytes: each "+
+		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter read as soon as it answers again) x 100 ms + the time from the read to the fault, at least 0 "+
+		"(the revived guest counts on from its point until that read, a few hundred ms: so much is not counted as lost). Pauses and point bytes: each "+
 		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault.",
 		len(fr.nodes), r.shape.CPUs, r.shape.MemoryMiB, r.shape.DiskMiB, s.N, every, s.WriteMBPerMin, s.HoldS, victim.name,
 		map[string]string{"kill": "kill -9 of its daemon and every process naming its state or RAM dir", "cut": fmt.Sprintf("SIGSTOP of its daemon (its embedded NATS server with it) for %gs, then SIGCONT", s.CutS)}[s.Fault],
