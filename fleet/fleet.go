@@ -184,8 +184,11 @@ type Fleet struct {
 	// those whose outcome is recorded and that only ack now (settle).
 	shown   int
 	forking map[string]int
-	// perWave counts, per wave, the jobs this node took (for MaxPerNode).
-	perWave map[string]int
+	// perWave counts, per wave, the forks this node took (for MaxPerNode and a spread
+	// wave's share): by name, with the tries of each under way or made, so that a job
+	// redelivered to this node while its first try runs (or a replacement of a fork it
+	// made) is one fork of its share, not two.
+	perWave map[string]waveForks
 	// fetching holds a lock per checkpoint digest being fetched.
 	fetching map[string]*sync.Mutex
 	// slot is signalled when a job ends.
@@ -281,7 +284,7 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	f := &Fleet{cfg: cfg, log: log, eng: eng, fetch: fetch, nc: nc, js: js, class: class, classID: ClassID(class),
-		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]int{}, forking: map[string]int{}, slot: make(chan struct{}, 1), beatNow: make(chan struct{}, 1)}
+		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]waveForks{}, forking: map[string]int{}, slot: make(chan struct{}, 1), beatNow: make(chan struct{}, 1)}
 	f.ctx, f.cancel = context.WithCancel(context.Background())
 	fail := func(err error) (*Fleet, error) {
 		f.cancel()

@@ -133,7 +133,7 @@ func (a engineAdapter) HoldsPoints() bool {
 	}
 	return false
 }
-func (a engineAdapter) DropPoints(ctx context.Context, name string)  { a.e.DropPoints(ctx, name) }
+func (a engineAdapter) DropPoints(ctx context.Context, name string) { a.e.DropPoints(ctx, name) }
 
 // protectBucket is the records' bucket.
 func (f *Fleet) protectBucket() jetstream.KeyValueConfig {

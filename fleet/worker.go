@@ -208,7 +208,8 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 	}
 	f.mu.Lock()
 	guest := int64(j.MemoryMiB) << 20
-	if (share > 0 && f.perWave[j.Wave] >= share) || r.free < j.CPUs || !r.mem.Fits(guest) {
+	mine := f.perWave[j.Wave]
+	if mine.full(share, j.Name) || r.free < j.CPUs || !r.mem.Fits(guest) {
 		f.mu.Unlock()
 		msg.NakWithDelay(refuseDelay)
 		return false
@@ -219,7 +220,11 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 	}
 	r.free -= j.CPUs
 	r.mem.FreeBytes -= commit
-	f.perWave[j.Wave]++
+	if mine == nil {
+		mine = waveForks{}
+		f.perWave[j.Wave] = mine
+	}
+	mine[j.Name]++
 	f.running++
 	f.shown++
 	f.runningCPUs += j.CPUs
@@ -241,7 +246,7 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 			f.runningMem -= t.commit
 		}
 		if !took {
-			f.perWave[j.Wave]--
+			f.perWave[j.Wave].drop(j.Name)
 		}
 		f.mu.Unlock()
 		select {
@@ -1111,4 +1116,23 @@ func (f *Fleet) PullFrom(ctx context.Context, ck, node string) (*api.PullResult,
 		f.log.Warn("fleet: a pulled checkpoint's holder entry not written", "ck", ck, "err", err)
 	}
 	return res, nil
+}
+
+// waveForks is a node's forks of one wave (Fleet.perWave): the tries of each name
+// under way or made.
+type waveForks map[string]int
+
+// full says whether a try of name would take this node past share forks of the wave
+// (0: no limit): a name it has a try of already is not one more fork.
+func (w waveForks) full(share int, name string) bool {
+	return share > 0 && len(w) >= share && w[name] == 0
+}
+
+// drop forgets one try of name that did not make the fork.
+func (w waveForks) drop(name string) {
+	if w[name] <= 1 {
+		delete(w, name)
+	} else {
+		w[name]--
+	}
 }
