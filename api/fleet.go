@@ -108,11 +108,13 @@ type FleetProtection struct {
 	Point   string    `json:"point"`
 	PointAt time.Time `json:"point_at"`
 	Copies  []string  `json:"copies"`
-	// RevivedFrom, RevivedAt and LostWork describe its last fail-over.
+	// RevivedFrom is the node it was revived from at its last fail-over, RevivedAt
+	// when, and LostWork the guest time since its point that the revival lost.
 	RevivedFrom string        `json:"revived_from,omitempty"`
 	RevivedAt   time.Time     `json:"revived_at,omitzero"`
 	LostWork    time.Duration `json:"lost_work_ns,omitempty"`
-	Error       string        `json:"error,omitempty"`
+	// Error is why its last revival failed ("" when none did).
+	Error string `json:"error,omitempty"`
 }
 
 // FleetForkRequest is the body of POST /v1/fleet/forks: a wave spread over the fleet.

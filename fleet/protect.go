@@ -61,26 +61,15 @@ var (
 	ErrNotOwner = errors.New("fleet: the protected VM is owned by another node")
 )
 
-// protectRec is a protected VM's record.
+// protectRec is a protected VM's record: its identity and owner, and the protection
+// `ls --fleet` lists (its fields inline in the record's JSON).
 type protectRec struct {
 	VM    string `json:"vm"`
 	Token string `json:"token"`
 	// Node owns the VM (runs it, or revives it).
-	Node  string        `json:"node"`
-	Class string        `json:"class"`
-	Every time.Duration `json:"every_ns"`
-	// Point is the last complete point, PointAt when its guest stopped; Copies the
-	// nodes holding a copy of it.
-	Point   string    `json:"point"`
-	PointAt time.Time `json:"point_at"`
-	Copies  []string  `json:"copies"`
-	// RevivedFrom is the node the VM was revived from (its last fail-over), RevivedAt
-	// when, and LostWork the guest time since its point that the revival lost.
-	RevivedFrom string        `json:"revived_from,omitempty"`
-	RevivedAt   time.Time     `json:"revived_at,omitzero"`
-	LostWork    time.Duration `json:"lost_work_ns,omitempty"`
-	// Error is why the last revival failed ("" when none did).
-	Error string `json:"error,omitempty"`
+	Node  string `json:"node"`
+	Class string `json:"class"`
+	api.FleetProtection
 }
 
 // ProtectEngine is what protection needs of the local engine besides Engine (the
@@ -195,9 +184,9 @@ func (f *Fleet) CopyPoint(ctx context.Context, vm string, point *engine.Checkpoi
 	if err := f.askCopy(ctx, peer.Name, req); err != nil {
 		return err
 	}
-	rec := protectRec{VM: vm, Token: token, Node: f.cfg.Node, Class: f.classID, Every: old.Every, Point: point.Manifest.Name,
-		PointAt: point.Manifest.CreatedAt, Copies: []string{peer.Name},
-		RevivedFrom: old.RevivedFrom, RevivedAt: old.RevivedAt, LostWork: old.LostWork}
+	// The last fail-over stays on record; the last revival error does not.
+	rec := protectRec{VM: vm, Token: token, Node: f.cfg.Node, Class: f.classID, FleetProtection: old.FleetProtection}
+	rec.Point, rec.PointAt, rec.Copies, rec.Error = point.Manifest.Name, point.Manifest.CreatedAt, []string{peer.Name}, ""
 	if info, err := f.eng.Get(vm); err == nil && info.Protection != nil {
 		rec.Every = info.Protection.Every
 	}
@@ -497,8 +486,7 @@ func mergeProtection(vms []api.FleetVM, recs []protectRec, live map[string]bool,
 		at[v.Name] = i
 	}
 	for _, r := range recs {
-		p := &api.FleetProtection{Every: r.Every, Point: r.Point, PointAt: r.PointAt, Copies: r.Copies,
-			RevivedFrom: r.RevivedFrom, RevivedAt: r.RevivedAt, LostWork: r.LostWork, Error: r.Error}
+		p := &r.FleetProtection
 		if i, ok := at[r.VM]; ok {
 			vms[i].Protection = p
 			if vms[i].Node != r.Node {

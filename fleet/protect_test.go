@@ -18,10 +18,10 @@ func TestMergeProtection(t *testing.T) {
 		{Name: "c", Node: "n1", State: "ready"},
 	}
 	recs := []protectRec{
-		{VM: "a", Node: "n1", Point: "a-p-1", PointAt: at, Copies: []string{"n2"}},
-		{VM: "b", Node: "n3", Point: "b-p-1", PointAt: at, Copies: []string{"n1"}, RevivedFrom: "n2", LostWork: time.Second},
-		{VM: "d", Node: "n2", Point: "d-p-1", Copies: []string{"n1"}},
-		{VM: "e", Node: "n4", Point: "e-p-1", Copies: []string{"n1"}},
+		{VM: "a", Node: "n1", FleetProtection: api.FleetProtection{Point: "a-p-1", PointAt: at, Copies: []string{"n2"}}},
+		{VM: "b", Node: "n3", FleetProtection: api.FleetProtection{Point: "b-p-1", PointAt: at, Copies: []string{"n1"}, RevivedFrom: "n2", LostWork: time.Second}},
+		{VM: "d", Node: "n2", FleetProtection: api.FleetProtection{Point: "d-p-1", Copies: []string{"n1"}}},
+		{VM: "e", Node: "n4", FleetProtection: api.FleetProtection{Point: "e-p-1", Copies: []string{"n1"}}},
 	}
 	live := map[string]bool{"n1": true, "n2": true, "n3": true}
 	got := map[string]api.FleetVM{}
