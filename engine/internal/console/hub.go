@@ -82,13 +82,7 @@ func (h *Hub) Start(sock, logPath string) error {
 		return ErrHubClosed
 	}
 	runDir := filepath.Dir(sock)
-	h.mu.Lock()
-	old := h.cons[runDir]
-	delete(h.cons, runDir)
-	h.mu.Unlock()
-	if old != nil {
-		old.stop(haltStop)
-	}
+	h.end(runDir)
 	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("engine: console socket: %w", err)
 	}
@@ -144,15 +138,20 @@ func (h *Hub) Rename(oldRunDir, newRunDir, newLog string) {
 // holds the log then and serves no other VM.
 func (h *Hub) Stop(runDir, logPath string) {
 	if h != nil {
-		h.mu.Lock()
-		s := h.cons[runDir]
-		delete(h.cons, runDir)
-		h.mu.Unlock()
-		if s != nil {
-			s.stop(haltStop)
-		}
+		h.end(runDir)
 	}
 	waitKeepers(runDir, logPath)
+}
+
+// end stops and forgets the Hub's copy of the console in runDir, if it has one.
+func (h *Hub) end(runDir string) {
+	h.mu.Lock()
+	s := h.cons[runDir]
+	delete(h.cons, runDir)
+	h.mu.Unlock()
+	if s != nil {
+		s.stop(haltStop)
+	}
 }
 
 // Recover serves, at engine open, the consoles of running VMs that no live process
