@@ -67,9 +67,12 @@ type deltaCheckpoint struct {
 	baseLayers int      // how many of the lineage's layers that file already holds
 	ancestors  []string // the ancestors' layers, to read while paused
 	ownName    string   // this checkpoint's own layer, in its layer directory
-	// base is the lineage's file below the layers compared, and capture the pages
-	// copied while the guest was stopped (paused), written by finish.
+	// base is the lineage's file below the layers compared (upper), addr where the fork
+	// maps it (0: not found yet), and capture the pages copied while the guest was
+	// stopped (paused), written by finish.
 	base    string
+	upper   []string
+	addr    uint64
 	capture *memfile.Capture
 	// early, when set, is called once the lineage is linked, with the state of the fork
 	// being checkpointed (a fork of the checkpoint may start its QEMU then: see
@@ -143,11 +146,11 @@ const captureMaxBytes = 256 << 20
 // while its guest runs, m being its state: without one (too many pages, or no mapping
 // found) paused extracts the pages with the guest stopped.
 func (d *deltaCheckpoint) prepareCapture(m vmState) {
-	var upper []string
-	d.base, upper = deltaBase(d.e.paths, d.parent, d.ramMapped, d.baseLayers, d.ancestors)
+	d.base, d.upper = deltaBase(d.e.paths, d.parent, d.ramMapped, d.baseLayers, d.ancestors)
 	addr, err := memfile.FindMapping(m.PID, d.ramMapped, d.parent.RAMSize)
 	if err == nil {
-		d.capture, err = memfile.PrepareCapture(m.PID, addr, d.parent.RAMSize, upper, captureMaxBytes)
+		d.addr = addr
+		d.capture, err = memfile.PrepareCapture(m.PID, addr, d.parent.RAMSize, d.upper, captureMaxBytes)
 	}
 	if err != nil {
 		d.capture = nil
@@ -159,7 +162,7 @@ func (d *deltaCheckpoint) prepareCapture(m vmState) {
 // compared with the lineage once the guest runs again (finish), or, without a capture
 // or above captureMaxBytes, extracts them into the layer now.
 func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckWriter) (func(), error) {
-	ck, pm := w.ck, d.parent
+	ck := w.ck
 	t := time.Now()
 	defer w.phase("freeze")()
 	var err error
@@ -170,11 +173,11 @@ func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckW
 		}
 	}
 	if err == nil && d.capture == nil {
-		var addr uint64
-		addr, err = memfile.FindMapping(s.PID, d.ramMapped, ck.RAMSize)
+		if d.addr == 0 {
+			d.addr, err = memfile.FindMapping(s.PID, d.ramMapped, ck.RAMSize)
+		}
 		if err == nil {
-			_, upper := deltaBase(d.e.paths, pm, d.ramMapped, d.baseLayers, d.ancestors)
-			_, err = memfile.ExtractDelta(s.PID, addr, ck.RAMSize, d.base, upper, filepath.Join(w.layersTmp, d.ownName))
+			_, err = memfile.ExtractDelta(s.PID, d.addr, ck.RAMSize, d.base, d.upper, filepath.Join(w.layersTmp, d.ownName))
 		}
 	}
 	ck.Timings.Extract = time.Since(t)

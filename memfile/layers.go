@@ -50,8 +50,8 @@ func LayerDigest(path string) (sum string, data int64, err error) {
 	return hex.EncodeToString(h.Sum(nil)), data, nil
 }
 
-// ErrCaptureTooLarge reports a capture (CaptureDelta) whose pages exceed the caller's
-// bound: the caller extracts in place (ExtractDelta) instead.
+// ErrCaptureTooLarge reports a capture (PrepareCapture, Capture.Take) whose pages
+// exceed the caller's bound: the caller extracts in place (ExtractDelta) instead.
 var ErrCaptureTooLarge = errors.New("memfile: capture larger than its bound")
 
 // ExtractStats counts what ExtractDelta did, in pages.

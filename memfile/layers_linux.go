@@ -299,19 +299,6 @@ func (c *Capture) Take() error {
 	return parallelRuns(len(cand), func(lo, hi int) error { return c.read(c.pid, c.addr, lo, hi) })
 }
 
-// CaptureDelta is PrepareCapture and Take at once, the process stopped.
-func CaptureDelta(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {
-	c, err := PrepareCapture(pid, addr, size, layers, maxBytes)
-	if err != nil {
-		return nil, err
-	}
-	if err := c.Take(); err != nil {
-		c.Release()
-		return nil, err
-	}
-	return c, nil
-}
-
 // read copies candidates cand[lo:hi] of process pid (mapping at addr) into the buffer
 // with process_vm_readv, up to IOV_MAX runs per call: /proc/PID/mem would cost a
 // system call and a page-table walk per run, and a fork's writes are scattered runs.
@@ -353,7 +340,7 @@ func (c *Capture) Bytes() int64 { return int64(len(c.cand)) * PageSize }
 
 // WriteDelta writes to out (created sparse, the guest's size) the captured pages whose
 // content differs from what the lineage holds for them, as ExtractDelta does: base is the
-// file the process maps, below the layers CaptureDelta was given.
+// file the process maps, below the layers PrepareCapture was given.
 func (c *Capture) WriteDelta(base, out string) (*ExtractStats, error) {
 	if int64(len(c.buf)) < c.Bytes() {
 		return nil, fmt.Errorf("memfile: capture released or not taken")

@@ -23,13 +23,8 @@ func ApplyLayers(path string, size int64, layers []string) (int64, error) {
 // ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
 const ExtractSupported = false
 
-// Capture is not implemented outside Linux (CaptureDelta).
+// Capture is not implemented outside Linux (PrepareCapture).
 type Capture struct{}
-
-// CaptureDelta is not implemented outside Linux (ErrUnsupported).
-func CaptureDelta(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {
-	return nil, ErrUnsupported
-}
 
 // PrepareCapture is not implemented outside Linux (ErrUnsupported).
 func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {

@@ -114,11 +114,14 @@ func TestExtractDeltaParallelSameLayer(t *testing.T) {
 		o.Close()
 	}
 	// Captured, then the mapping changed: the layer is the capture's.
-	c, err := CaptureDelta(pid, addr, size, nil, 64<<20)
+	c, err := PrepareCapture(pid, addr, size, nil, 64<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Release()
+	if err := c.Take(); err != nil {
+		t.Fatal(err)
+	}
 	if c.Bytes() != 6000*PageSize {
 		t.Fatalf("capture holds %d bytes, want %d", c.Bytes(), 6000*PageSize)
 	}
@@ -135,7 +138,7 @@ func TestExtractDeltaParallelSameLayer(t *testing.T) {
 			t.Fatalf("%s: one pass wrote %d pages, this %d; layers equal: %v", out, sts[0].Written, sts[i+1].Written, bytes.Equal(a, b))
 		}
 	}
-	if _, err := CaptureDelta(pid, addr, size, nil, 1<<20); !errors.Is(err, ErrCaptureTooLarge) {
+	if _, err := PrepareCapture(pid, addr, size, nil, 1<<20); !errors.Is(err, ErrCaptureTooLarge) {
 		t.Fatalf("capture over its bound: %v, want ErrCaptureTooLarge", err)
 	}
 }
