@@ -57,15 +57,15 @@ func init() {
 }
 
 // renewLease writes the lease after a prompt heartbeat carrying stamp: the deadline is
-// stamp plus fenceAfter; its QEMUs are this node's protected VMs'. With none, an
+// stamp plus fenceAfter; its QEMUs are the protected VMs of vms (the engine's listing). With none, an
 // existing lease is emptied (its watchdog then exits). Nothing without a node
 // directory.
-func (f *Fleet) renewLease(stamp time.Time) {
+func (f *Fleet) renewLease(stamp time.Time, vms []api.Info) {
 	if f.cfg.Dir == "" || f.protector() == nil {
 		return
 	}
 	var l lease
-	for _, v := range f.eng.List() {
+	for _, v := range vms {
 		if v.Protection != nil && v.State != api.StateDead && v.PID > 0 {
 			l.QEMUs = append(l.QEMUs, leaseQEMU{PID: v.PID, VM: v.Name})
 		}

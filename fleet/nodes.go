@@ -51,7 +51,8 @@ func (f *Fleet) beat(ctx context.Context) error {
 	if f.silenced.Load() {
 		return nil
 	}
-	hb := f.self()
+	vms := f.eng.List() // once: the heartbeat counts them, the lease names the protected
+	hb := f.selfOf(vms)
 	b, err := json.Marshal(hb)
 	if err != nil {
 		return err
@@ -71,7 +72,7 @@ func (f *Fleet) beat(ctx context.Context) error {
 	f.beatingSince.CompareAndSwap(0, now)
 	f.lastBeat.Store(now)
 	f.lastBeatStamp.Store(hb.Heartbeat.UnixNano())
-	f.renewLease(hb.Heartbeat)
+	f.renewLease(hb.Heartbeat, vms)
 	return nil
 }
 
@@ -84,13 +85,16 @@ func (f *Fleet) beatSoon() {
 }
 
 // self is this node's heartbeat.
-func (f *Fleet) self() api.FleetNode {
+func (f *Fleet) self() api.FleetNode { return f.selfOf(f.eng.List()) }
+
+// selfOf is this node's heartbeat, its engine listing list.
+func (f *Fleet) selfOf(list []api.Info) api.FleetNode {
 	total, free, mem := f.budget()
 	f.mu.Lock()
 	running := f.shown
 	f.mu.Unlock()
 	vms := 0
-	for _, v := range f.eng.List() {
+	for _, v := range list {
 		if v.State != api.StateDead {
 			vms++
 		}
