@@ -54,10 +54,8 @@ func fleetSettings(cmd *cli.Command) (*bench.FleetSettings, error) {
 	s := &bench.FleetSettings{Nodes: int(cmd.Int("nodes")), N: int(cmd.Int("n")), NodeVCPUs: int(cmd.Int("node-vcpus")), MaxJobs: int(cmd.Int("max-jobs")),
 		DaemonOvercommit: cmd.Float("daemon-overcommit"), Kill: cmd.Bool("kill"), TargetOverheadMS: cmd.Float("target-overhead-ms"),
 		WaveTimeoutS: cmd.Duration("wave-timeout").Seconds(), AckWaitS: fleet.DefaultAckWait.Seconds(), TTLS: fleet.DefaultTTL.Seconds()}
-	for _, f := range []string{"trace", "trace-kernel", "counters", "faults", "hold", "home", "host-counters-ms", "warm-restored", "image", "vmgenid"} {
-		if cmd.IsSet(f) {
-			return nil, fmt.Errorf("%w: --%s is not for the fleet bench (its forks run in separate daemons)", bench.ErrFleetArgs, f)
-		}
+	if err := refuseFleetFlags(cmd, "fleet"); err != nil {
+		return nil, err
 	}
 	if err := s.Check(); err != nil {
 		return nil, err
@@ -86,4 +84,15 @@ func forkvmBinary(cmd *cli.Command) (string, error) {
 		return "", fmt.Errorf("%w: --forkvm: %w", bench.ErrFleetArgs, err)
 	}
 	return filepath.Abs(p)
+}
+
+// refuseFleetFlags refuses the common flags a bench whose forks run in separate
+// daemons cannot honour.
+func refuseFleetFlags(cmd *cli.Command, benchName string) error {
+	for _, f := range []string{"trace", "trace-kernel", "counters", "faults", "hold", "home", "host-counters-ms", "warm-restored", "image", "vmgenid"} {
+		if cmd.IsSet(f) {
+			return fmt.Errorf("%w: --%s is not for the %s bench (its forks run in separate daemons)", bench.ErrFleetArgs, f, benchName)
+		}
+	}
+	return nil
 }

@@ -40,6 +40,9 @@ func surviveCmd() *cli.Command {
 				HoldS: cmd.Duration("run-for").Seconds(), Fault: cmd.String("fault"), AnswerTimeoutS: cmd.Duration("answer-timeout").Seconds(),
 				Fleet: bench.FleetSettings{Nodes: nodes, N: max(n, nodes), NodeVCPUs: max(n, nodes), DaemonOvercommit: cmd.Float("daemon-overcommit"),
 					WaveTimeoutS: 600, AckWaitS: fleet.DefaultAckWait.Seconds(), TTLS: fleet.DefaultTTL.Seconds()}}
+			if err := refuseFleetFlags(cmd, "survive"); err != nil {
+				return err
+			}
 			if s.Fault == "cut" {
 				s.CutS = cmd.Duration("cut").Seconds()
 			}
