@@ -26,6 +26,23 @@ func TestFleetProtect(t *testing.T) {
 	hosts := startFleet(t, 3, 4)
 	n1 := hosts[0]
 	cleanupFleet(t, hosts, "fpck")
+	// A copy of a point whose drop its holder missed (the drop is a message no one
+	// waits for, and a node here is killed or stopped) stays pinned on the holder: the
+	// fleet does not yet collect such copies. Removed here, so the RAM dirs are left
+	// empty.
+	t.Cleanup(func() {
+		for _, h := range hosts {
+			var cks []api.CheckpointObject
+			out, _, _ := h.cli(nil, "checkpoints", "--json")
+			json.Unmarshal([]byte(out), &cks)
+			for _, c := range cks {
+				if c.Protects != "" {
+					t.Logf("%s still holds point %s of %s", h.name, c.Name, c.Protects)
+					h.cli(nil, "checkpoint", "rm", "--force", c.Name)
+				}
+			}
+		}
+	})
 	n1.ok(t, "create", "fpw", "--cpus", "1", "--memory-mb", "256", "--forkable", "--disk-mb", "64")
 	n1.ok(t, "checkpoint", "fpw", "fpck", "--pin")
 	n1.ok(t, "rm", "fpw")
