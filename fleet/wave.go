@@ -145,7 +145,7 @@ func (f *Fleet) classNodes(ctx context.Context, class string) (live, biggest int
 // every JetStream call: a watch is an ordered consumer, whose creation asks the
 // stream's cluster and can time out or be refused while it elects a leader or is slow.
 // A single try failed a wave before its first job was published, with no event
-// (TestFleetFail's digest scenario once saw no event of either fork). ctx bounds the
+// (TestFleet/Fail's digest scenario once saw no event of either fork). ctx bounds the
 // watch's life, so each try is bounded by the JetStream context's own request timeout,
 // not by retry's.
 func (w *wave) watchRecords(ctx context.Context) (jetstream.KeyWatcher, error) {

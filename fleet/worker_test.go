@@ -3,7 +3,7 @@ package fleet
 import "testing"
 
 // TestWaveForksCountsNames: a node's share of a spread wave counts forks by name: a
-// job redelivered to the node while its first try runs (TestFleetFail once waited 179 s
+// job redelivered to the node while its first try runs (TestFleet/Fail once waited 179 s
 // for a fork every node refused: its node had counted one fork twice) is no second
 // fork, and a failed try gives back only itself.
 func TestWaveForksCountsNames(t *testing.T) {

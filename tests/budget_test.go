@@ -71,7 +71,7 @@ func TestBudgetCountsOtherStateDirs(t *testing.T) {
 // admission refuses takes no checkpoint: nothing is created in the checkpoints or RAM
 // directory.
 func TestForkRunningRefusedBeforeCheckpoint(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	e := env.E
 	makeWorld(t, e, "w", 256, 0)
 	ctx := ctxT(t, 2*time.Minute)

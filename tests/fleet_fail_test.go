@@ -25,7 +25,7 @@ import (
 	"github.com/forkvm/forkvm/serve/client"
 )
 
-// TestFleetFail: the fleet's failure model with real daemons and VMs, in one fleet of
+// fleetFail (TestFleet/Fail): the fleet's failure model with real daemons and VMs, in one fleet of
 // three daemons on loopback formed with mutual TLS on routes and clients (certificates
 // of a CA made here) and a password, each node's fleet jobs capped at 4 vCPUs. In
 // sequence, each subtest leaving the fleet of three for the next:
@@ -50,7 +50,7 @@ import (
 //     lost and made again elsewhere (their claims taken over). Started again, it deletes
 //     those orphans (live QEMUs) and keeps what it cannot prove is not its own: a fleet
 //     fork of an earlier wave it still holds the claim of, and a local fork.
-func TestFleetFail(t *testing.T) {
+func fleetFail(t *testing.T) {
 	t0 := time.Now()
 	pki, err := os.MkdirTemp("/tmp", "fvff-pki-")
 	if err != nil {
@@ -447,7 +447,7 @@ func TestFleetFail(t *testing.T) {
 		}
 		t.Logf("scenario crash-after-ttl: wave %.1fs; %s joined again, its orphans deleted, in %.1fs", waveDur.Seconds(), other.name, back.Seconds())
 	})
-	t.Logf("TestFleetFail: %.1fs", time.Since(t0).Seconds())
+	t.Logf("TestFleet/Fail: %.1fs", time.Since(t0).Seconds())
 }
 
 // fleetCmd is the forkvm CLI on state directory home.

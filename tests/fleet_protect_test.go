@@ -13,7 +13,7 @@ import (
 	"github.com/forkvm/forkvm/serve"
 )
 
-// TestFleetProtect: a fleet of three daemons; a fork on n1 counts in its guest (RAM and
+// fleetProtect (TestFleet/Protect): a fleet of three daemons; a fork on n1 counts in its guest (RAM and
 // data disk, every 100 ms) and is protected every 2 s. Each point is copied to another
 // node before it counts. Then n1's daemon and QEMUs are killed (kill -9): the node that
 // holds the last point revives the fork there as itself (hostname, counters as at a
@@ -22,7 +22,7 @@ import (
 // its stale copy and keeps nothing of it. Then the new owner's daemon is stopped
 // (SIGSTOP) for twice the TTL: its fence watchdog ends fpf's QEMU before another node
 // revives fpf (never two running), and, let go, it removes its stale copy.
-func TestFleetProtect(t *testing.T) {
+func fleetProtect(t *testing.T) {
 	hosts := startFleet(t, 3, 4)
 	n1 := hosts[0]
 	cleanupFleet(t, hosts, "fpck")

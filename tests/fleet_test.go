@@ -170,3 +170,19 @@ func TestServeNoPortWithoutCluster(t *testing.T) {
 	}
 	d.stop()
 }
+
+// TestFleet runs the fleet's VM tests beside each other and beside no other test: each
+// forms its own fleet of three daemons on loopback and waits on heartbeat TTLs and
+// leases much of its time, so together they take little more than the longest, while a
+// test booting VMs beside them would shorten the heartbeats' margins.
+func TestFleet(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		run  func(*testing.T)
+	}{{"Fail", fleetFail}, {"Protect", fleetProtect}, {"Waves", fleetWaves}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			c.run(t)
+		})
+	}
+}

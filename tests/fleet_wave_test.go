@@ -144,7 +144,7 @@ func cleanupFleet(t *testing.T, hosts []*fleetHost, ck string) {
 	})
 }
 
-// TestFleetWaves: one fleet of three daemons on loopback, each its own state directory
+// fleetWaves (TestFleet/Waves): one fleet of three daemons on loopback, each its own state directory
 // and a budget of 5 vCPUs for fleet jobs, and one world checkpoint taken on n1 only.
 //   - formation: the nodes list the three, of one class, with their labels; the fleet
 //     has no claims; a fourth daemon with the wrong password is refused (its routes
@@ -159,7 +159,7 @@ func cleanupFleet(t *testing.T, hosts []*fleetHost, ck string) {
 //     ready on a live node, failed, or node_lost (a fork n3 had made); none is made
 //     twice, no name is claimed twice, and the live nodes run exactly the forks
 //     reported ready on them.
-func TestFleetWaves(t *testing.T) {
+func fleetWaves(t *testing.T) {
 	hosts := startFleet(t, 3, 5, "--label", "rack=r1")
 	n1 := hosts[0]
 	cleanupFleet(t, hosts, "fwck")

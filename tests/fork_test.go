@@ -415,7 +415,7 @@ func TestCheckpointBadInput(t *testing.T) {
 // TestWarmPool checks that forks taken from a warm pool hold the checkpoint state, that
 // the pool refills, counts against the budget, and never outlives its engine.
 func TestWarmPool(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 256, 16)
@@ -589,7 +589,7 @@ func TestWarmPoolRestored(t *testing.T) {
 // TestForkManyCancel checks that cancelling ForkMany's context cleans up every fork it
 // started, including those already ready.
 func TestForkManyCancel(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	makePinnedWorld(t, e, 256, 0)
@@ -626,7 +626,8 @@ func TestForkManyCancel(t *testing.T) {
 // (Config.TCGThread "single", what auto picks in a wave) restores, sees and uses all its
 // vCPUs, and that QEMU got the mode.
 func TestSingleThreadTCGFork(t *testing.T) {
-	env := newEnv(t, func(c *engine.Config) { c.Experimental.TCGThread = engine.TCGThreadSingle })
+	roomy := parallelVMTest(t)
+	env := newEnv(t, func(c *engine.Config) { roomy(c); c.Experimental.TCGThread = engine.TCGThreadSingle })
 	e := env.E
 	if e.Accel() != "tcg" {
 		t.Skip("TCG thread modes apply under tcg only")

@@ -17,7 +17,7 @@ import (
 // were refused with "resource temporarily unavailable" for about a minute, and one
 // took 38.7 s), and the bomb stays within its command's cgroup's pids.max.
 func TestForkBomb(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	makeWorld(t, e, "w", 256, 0)

@@ -231,7 +231,7 @@ func TestCLI(t *testing.T) {
 
 // TestBadInput checks each bad input gets a typed error and leaves nothing behind.
 func TestBadInput(t *testing.T) {
-	env := newEnv(t, nil)
+	env := newEnv(t, parallelVMTest(t))
 	ctx := ctxT(t, 5*time.Minute)
 	for _, tc := range []struct {
 		name string

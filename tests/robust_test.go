@@ -34,7 +34,7 @@ import (
 // 1. kill -9 of forks during a wave
 
 func TestRobustKillForksDuringWave(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	makePinnedWorld(t, e, 256, 16)
@@ -280,7 +280,7 @@ func TestRobustKillEngineMidWave(t *testing.T) {
 // 3. QEMU dies while a fork restores
 
 func TestRobustQEMUDiesDuringFork(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	makePinnedWorld(t, e, 256, 16)
@@ -570,7 +570,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 // 6. a small soak
 
 func TestRobustSoak(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	e := env.E
 	ctx := ctxT(t, 6*time.Minute)
 	w := makeWorld(t, e, "w", 256, 16)
@@ -647,7 +647,7 @@ func TestRobustSoak(t *testing.T) {
 // runs. A new engine reaps the half-made VM; it must not leave that QEMU running with
 // its files deleted (an orphan nobody can see or delete any more).
 func TestRobustCrashBeforePIDRecorded(t *testing.T) {
-	env := newRobustEnv(t, nil)
+	env := newRobustEnv(t, parallelVMTest(t))
 	ctx := ctxT(t, 4*time.Minute)
 	makePinnedWorld(t, env.E, 256, 0)
 	x, err := env.E.Fork(ctx, "ck", &engine.ForkOptions{Name: "x"})
