@@ -57,8 +57,15 @@ type protector struct {
 	mu     sync.Mutex
 	loops  map[string]*protectLoop
 	copier ProtectionCopier
-	// busy serializes the points of one VM (a loop's and ProtectNow's).
-	busy map[string]*sync.Mutex
+	// busy serializes the points of one VM (a loop's and ProtectNow's); an entry
+	// lives while someone holds or waits for it.
+	busy map[string]*busyLock
+}
+
+// busyLock is one VM's entry in protector.busy: the lock and how many hold or wait.
+type busyLock struct {
+	sync.Mutex
+	n int
 }
 
 // protectLoop is one VM's loop: stop ends it, done is closed once it has.
@@ -69,7 +76,7 @@ type protectLoop struct {
 }
 
 func newProtector() *protector {
-	return &protector{loops: map[string]*protectLoop{}, busy: map[string]*sync.Mutex{}}
+	return &protector{loops: map[string]*protectLoop{}, busy: map[string]*busyLock{}}
 }
 
 // lock serializes the points of VM name.
@@ -77,12 +84,20 @@ func (p *protector) lock(name string) func() {
 	p.mu.Lock()
 	m := p.busy[name]
 	if m == nil {
-		m = &sync.Mutex{}
+		m = &busyLock{}
 		p.busy[name] = m
 	}
+	m.n++
 	p.mu.Unlock()
 	m.Lock()
-	return m.Unlock
+	return func() {
+		m.Unlock()
+		p.mu.Lock()
+		if m.n--; m.n == 0 {
+			delete(p.busy, name)
+		}
+		p.mu.Unlock()
+	}
 }
 
 // end stops VM name's loop, if any, and waits for it.

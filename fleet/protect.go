@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"maps"
 	"slices"
 	"sort"
 	"time"
@@ -82,9 +83,9 @@ type ProtectEngine interface {
 	// Fence ends a local VM, keeping its protection points; DropPoints deletes them.
 	Fence(ctx context.Context, name string) error
 	DropPoints(ctx context.Context, name string)
-	// HoldsPoints says whether any protection point is here (this node's VMs', or
-	// copies it holds for other nodes).
-	HoldsPoints() bool
+	// Points lists the protection points here: this node's VMs', and the copies it
+	// holds for other nodes'.
+	Points() ([]api.CheckpointInfo, error)
 }
 
 func (a engineAdapter) Token(name string) (string, error) {
@@ -110,17 +111,9 @@ func (a engineAdapter) Protect(ctx context.Context, name string, every time.Dura
 
 func (a engineAdapter) Fence(ctx context.Context, name string) error { return a.e.Fence(ctx, name) }
 
-func (a engineAdapter) HoldsPoints() bool {
+func (a engineAdapter) Points() ([]api.CheckpointInfo, error) {
 	cks, err := a.e.Checkpoints()
-	if err != nil {
-		return true // cannot tell: look at the records
-	}
-	for _, c := range cks {
-		if c.Protects != "" {
-			return true
-		}
-	}
-	return false
+	return slices.DeleteFunc(cks, func(c api.CheckpointInfo) bool { return c.Protects == "" }), err
 }
 func (a engineAdapter) DropPoints(ctx context.Context, name string) { a.e.DropPoints(ctx, name) }
 
@@ -422,7 +415,11 @@ func (f *Fleet) protectionLoop() {
 		f.mu.Lock()
 		fenced := len(f.fenced) > 0
 		f.mu.Unlock()
-		if tick%2 != 0 || !f.judging() || !fenced && !p.HoldsPoints() {
+		if tick%2 != 0 || !f.judging() {
+			continue
+		}
+		points, err := p.Points()
+		if err == nil && !fenced && len(points) == 0 {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL)
@@ -435,7 +432,63 @@ func (f *Fleet) protectionLoop() {
 		for _, r := range recs {
 			f.settle(p, r)
 		}
+		if tick%strayEvery == 0 {
+			f.dropStrays(points, recs)
+		}
 	}
+}
+
+// strayAge is how old a copy of another node's point must be before it counts as
+// stray when no record names it: a copy is made (copyWait at most) before the owner's
+// record names it, so a younger one may be about to be named.
+const strayAge = 2 * copyWait
+
+// strayEvery is how many protection ticks (half a heartbeat each) go between two
+// collections of stray copies.
+const strayEvery = 20
+
+// dropStrays deletes the copies this node holds of other nodes' points that no
+// record names (see strays): their owner's drop message (askDrop, not waited for)
+// missed this node, which was stopped, restarting or cut off then.
+func (f *Fleet) dropStrays(points []api.CheckpointInfo, recs []protectRec) {
+	f.mu.Lock()
+	fenced := maps.Clone(f.fenced)
+	f.mu.Unlock()
+	local := func(vm string) bool {
+		if fenced[vm] {
+			return true
+		}
+		_, err := f.eng.Get(vm)
+		return err == nil
+	}
+	for _, name := range strays(points, recs, f.cfg.Node, local, time.Now()) {
+		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
+		err := f.eng.DeleteCheckpoint(ctx, name)
+		cancel()
+		f.log.Info("fleet: stray copy of a protection point dropped: no record names it", "point", name, "err", err)
+	}
+}
+
+// strays returns the points (of those held here) that are copies no record names: a
+// point of a VM that is not local (runs here, or is fenced here: local says), whose
+// record does not make this node (node) its owner and names another point, or that
+// has no record at all, and that is older than strayAge at now.
+func strays(points []api.CheckpointInfo, recs []protectRec, node string, local func(vm string) bool, now time.Time) []string {
+	byVM := map[string]protectRec{}
+	for _, r := range recs {
+		byVM[r.VM] = r
+	}
+	var out []string
+	for _, p := range points {
+		r, ok := byVM[p.Protects]
+		switch {
+		case p.Protects == "" || now.Sub(p.CreatedAt) < strayAge || local(p.Protects):
+		case ok && (r.Node == node || r.Point == p.Name):
+		default:
+			out = append(out, p.Name)
+		}
+	}
+	return out
 }
 
 // protectLease is how old a protected VM's owner's last heartbeat must be before

@@ -50,3 +50,36 @@ func TestMergeProtection(t *testing.T) {
 		t.Errorf("b's fail-over not listed: %+v", p)
 	}
 }
+
+// TestStrays: a copy of another node's point is stray only when it is old enough, its
+// VM is not local, and no record names it or makes this node the VM's owner.
+func TestStrays(t *testing.T) {
+	now := time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC)
+	old, young := now.Add(-strayAge-time.Second), now.Add(-strayAge+time.Minute)
+	recs := []protectRec{
+		{VM: "a", Node: "n2", FleetProtection: api.FleetProtection{Point: "a-p-2", Copies: []string{"n1"}}},
+		{VM: "b", Node: "n1", FleetProtection: api.FleetProtection{Point: "b-p-9"}},
+		{VM: "c", Node: "n3", FleetProtection: api.FleetProtection{Point: "c-p-5", Copies: []string{"n2"}}},
+	}
+	local := func(vm string) bool { return vm == "l" }
+	for _, tc := range []struct {
+		point, vm string
+		at        time.Time
+		stray     bool
+	}{
+		{"a-p-2", "a", old, false},   // the record's point
+		{"a-p-1", "a", old, true},    // an older one whose drop was missed
+		{"a-p-3", "a", young, false}, // copied, its record not written yet
+		{"b-p-1", "b", old, false},   // this node owns b: its points are its own
+		{"c-p-4", "c", old, true},    // held here, another node holds c's copies now
+		{"d-p-1", "d", old, true},    // no record: unprotected, its drop missed
+		{"d-p-2", "d", young, false}, // no record yet
+		{"l-p-1", "l", old, false},   // its VM runs here (or is fenced here)
+		{"plain", "", old, false},    // not a protection point
+	} {
+		got := strays([]api.CheckpointInfo{{Name: tc.point, Protects: tc.vm, CreatedAt: tc.at}}, recs, "n1", local, now)
+		if (len(got) == 1) != tc.stray {
+			t.Errorf("%s of %q: strays %v, want stray %v", tc.point, tc.vm, got, tc.stray)
+		}
+	}
+}
