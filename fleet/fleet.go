@@ -213,7 +213,11 @@ type Fleet struct {
 	nodesAt    time.Time
 	view       map[string]api.FleetNode
 	viewAt     time.Time
-	held       map[string]bool
+	// gone is, for each node whose heartbeat key this watch saw expire (or deleted),
+	// the stamp of its last heartbeat the watch saw before: the watch delivers the
+	// bucket in order, so it is the node's last. Cleared when a watch is made again.
+	gone map[string]time.Time
+	held map[string]bool
 }
 
 // ClassID is the id of a compatibility class: a short digest of its fields.

@@ -183,6 +183,9 @@ func (f *Fleet) watchNodesOnce() error {
 	}
 	defer w.Stop()
 	view := map[string]api.FleetNode{}
+	f.cacheMu.Lock()
+	f.gone = map[string]time.Time{} // a node may have come back and gone again meanwhile
+	f.cacheMu.Unlock()
 	live := false // the initial values are in
 	for {
 		var e jetstream.KeyValueEntry
@@ -202,7 +205,15 @@ func (f *Fleet) watchNodesOnce() error {
 			if json.Unmarshal(e.Value(), &n) == nil {
 				view[e.Key()] = n
 			}
+			f.cacheMu.Lock()
+			delete(f.gone, e.Key())
+			f.cacheMu.Unlock()
 		} else {
+			if n, ok := view[e.Key()]; ok && !n.Heartbeat.IsZero() {
+				f.cacheMu.Lock()
+				f.gone[e.Key()] = n.Heartbeat
+				f.cacheMu.Unlock()
+			}
 			delete(view, e.Key()) // deleted, purged or expired
 		}
 		if live {
@@ -211,6 +222,15 @@ func (f *Fleet) watchNodesOnce() error {
 			f.cacheMu.Unlock()
 		}
 	}
+}
+
+// goneBeat is the stamp of node's last heartbeat when this node's watch saw its key
+// go (see Fleet.gone).
+func (f *Fleet) goneBeat(node string) (time.Time, bool) {
+	f.cacheMu.Lock()
+	defer f.cacheMu.Unlock()
+	t, ok := f.gone[node]
+	return t, ok
 }
 
 // watchedNodes is the live nodes (those whose heartbeat has not expired) as the watch

@@ -614,7 +614,10 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 			f.mu.Unlock()
 			return
 		}
-		// Lost once its heartbeat is a TTL old: the lease runs a TTL longer, seen here.
+		// Lost once its heartbeat is a TTL old: the lease runs a TTL longer. Lost since
+		// its last heartbeat's stamp and a TTL when this node's watch saw that heartbeat
+		// go, else since this node first saw it lost (later: the watch's key expiry and
+		// this loop's tick come on top).
 		f.mu.Lock()
 		if f.ownerLost == nil {
 			f.ownerLost = map[string]time.Time{}
@@ -625,6 +628,9 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 			f.ownerLost[r.Node] = since
 		}
 		f.mu.Unlock()
+		if beat, ok := f.goneBeat(r.Node); ok && beat.Add(f.cfg.TTL).Before(since) {
+			since = beat.Add(f.cfg.TTL)
+		}
 		if time.Since(since) < f.protectLease()-f.cfg.TTL {
 			return
 		}
