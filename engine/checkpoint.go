@@ -254,7 +254,14 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 	endMigrate()
 	ck.Timings.Migrate = time.Since(t0)
 	// From here on the guest may be stopped (postmigrate) until cont, whatever happens.
-	w.pausedAt = time.Now()
+	// A kind that stopped it before saving set pausedAt; a migration stopped it for
+	// its downtime at its end.
+	if w.pausedAt.IsZero() {
+		w.pausedAt = time.Now()
+		if m := ck.Migration; m != nil {
+			w.pausedAt = w.pausedAt.Add(-m.Downtime)
+		}
+	}
 	stayStopped := false
 	defer func() {
 		if stayStopped {
@@ -427,7 +434,7 @@ type ckWriter struct {
 	// holes may be faulted in by running forks right now).
 	layersTmp, layersFinal string
 	holesFrom              string
-	// pausedAt is when the guest stopped (the save returned); committed: the commit ran.
+	// pausedAt is when the guest stopped (see pauseLocked); committed: the commit ran.
 	pausedAt  time.Time
 	committed bool
 	// gate, when set, runs before the commit renames anything into place: an early

@@ -130,6 +130,7 @@ func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) erro
 }
 
 func (*deltaCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) error {
+	w.pausedAt = time.Now() // the device state is saved with the guest stopped
 	if err := p.stopGuest(ctx); err != nil {
 		return err
 	}

@@ -39,12 +39,14 @@ func runAsNobody(t *testing.T, args ...string) int {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	os.Chmod(dir, 0o755)
-	b, err := os.ReadFile(engineHelper(t))
-	if err != nil {
-		t.Fatal(err)
-	}
+	// Copied by another process: a file this process wrote would be open here while
+	// the other tests' goroutines fork, and a child holding it until its exec makes
+	// the probe's exec fail with "text file busy" (ETXTBSY).
 	bin := filepath.Join(dir, "probe")
-	if err := os.WriteFile(bin, b, 0o755); err != nil {
+	if out, err := exec.Command("cp", engineHelper(t), bin).CombinedOutput(); err != nil {
+		t.Fatalf("copy the probe: %v %s", err, out)
+	}
+	if err := os.Chmod(bin, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(bin, args...)

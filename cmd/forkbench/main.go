@@ -40,7 +40,7 @@ func newApp() *cli.Command {
 		Name:  "forkbench",
 		Usage: "benchmark forkvm forks (results: result.json, samples.csv, report.md)",
 		Commands: []*cli.Command{
-			fanoutCmd(), compareCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), generationsCmd(), pythonCmd(), execLoadCmd(), fleetCmd(), surviveCmd(), parkCmd(), populationCmd(),
+			fanoutCmd(), compareCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), generationsCmd(), pythonCmd(), execLoadCmd(), fleetCmd(), surviveCmd(), protectCmd(), parkCmd(), populationCmd(),
 		},
 	}
 }
