@@ -71,6 +71,9 @@ type surviveFork struct {
 	twice      bool
 	pauses     []float64 // ms, one per point seen
 	pointBytes []float64
+	// phases are the seen points' pause by phase (ms): the device state's save with
+	// the guest stopped, the copy of its pages, the disk's commit.
+	phases map[string][]float64
 	lastPoints int64
 }
 
@@ -87,6 +90,9 @@ type SurviveResult struct {
 	ProtectPauseMSP50   float64            `json:"protect_pause_ms_p50"`
 	ProtectPauseMSP99   float64            `json:"protect_pause_ms_p99"`
 	PointBytesP50       float64            `json:"point_bytes_p50"`
+	// PausePhasesMS are the pauses' parts, each point's checkpoint Timings (Migrate:
+	// stop and device state; Freeze: its pages copied; Disk: its disk committed).
+	PausePhasesMS map[string]report.Percentiles `json:"pause_phases_ms,omitempty"`
 	Points              int                `json:"points_seen"`
 	StaleCopiesRemoved  *bool              `json:"stale_copies_removed,omitempty"`
 	FencedAfterS        float64            `json:"fenced_after_s,omitempty"`
@@ -298,9 +304,19 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		}
 	}
 	var pauses, bytes []float64
+	phases := map[string][]float64{}
 	for _, f := range forks {
 		pauses = append(pauses, f.pauses...)
 		bytes = append(bytes, f.pointBytes...)
+		for k, xs := range f.phases {
+			phases[k] = append(phases[k], xs...)
+		}
+	}
+	if len(phases) > 0 {
+		res.PausePhasesMS = map[string]report.Percentiles{}
+		for k, xs := range phases {
+			res.PausePhasesMS[k] = roundP(report.Summarize(xs))
+		}
 	}
 	res.Points = len(pauses)
 	if len(pauses) > 0 {
@@ -325,7 +341,7 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); "+
 		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter read as soon as it answers again) x 100 ms + the time from the read to the fault, at least 0 "+
 		"(the revived guest counts on from its point until that read, a few hundred ms: so much is not counted as lost). Pauses and point bytes: each "+
-		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault.",
+		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns).",
 		len(fr.nodes), r.shape.CPUs, r.shape.MemoryMiB, r.shape.DiskMiB, s.N, every, s.WriteMBPerMin, s.HoldS, victim.name,
 		map[string]string{"kill": "kill -9 of its daemon and every process naming its state or RAM dir", "cut": fmt.Sprintf("SIGSTOP of its daemon (its embedded NATS server with it) for %gs, then SIGCONT", s.CutS)}[s.Fault],
 		victim.name)
@@ -355,6 +371,15 @@ func (fr *fleetRun) pollProtection(ctx context.Context, forks map[string]*surviv
 			f.lastPoints = v.Protection.Points
 			f.pauses = append(f.pauses, float64(v.Protection.LastPause)/1e6)
 			f.pointBytes = append(f.pointBytes, float64(v.Protection.LastBytes))
+			if ck, err := n.c.GetCheckpoint(ctx, v.Protection.Point); err == nil {
+				tm := ck.Timings
+				if f.phases == nil {
+					f.phases = map[string][]float64{}
+				}
+				for k, d := range map[string]time.Duration{"devices": tm.Migrate, "pages": tm.Freeze, "disk": tm.Disk} {
+					f.phases[k] = append(f.phases[k], report.Ms(d))
+				}
+			}
 		}
 	}
 }
