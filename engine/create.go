@@ -2,16 +2,232 @@ package engine
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/memfile"
 )
+
+// MaxNameLen bounds VM and checkpoint names (api.MaxNameLen).
+const MaxNameLen = api.MaxNameLen
+
+// ValidateName checks a VM or checkpoint name (api.ValidateName): 1..MaxNameLen
+// characters of [A-Za-z0-9_.-], starting with a letter or digit, so that it can be used
+// in paths and QEMU options without escaping.
+func ValidateName(name string) error { return api.ValidateName(name) }
+
+// derivedName is a fresh name for something made from base (api.DerivedName).
+func derivedName(base, kind string) string { return api.DerivedName(base, kind, 0) }
+
+// randHex is n random bytes in hex, for generated file names.
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// Defaults of a Spec's zero fields (SpecWithDefaults): the CLI's flags, the daemon
+// and Engine.Create all use these.
+const (
+	DefaultCPUs      = 2
+	DefaultMemoryMiB = 1024
+)
+
+// MaxForks bounds n of one request for forks (api.MaxForks, ValidateForkCount).
+const MaxForks = api.MaxForks
+
+// MaxPoolSize bounds a checkpoint's warm pool (Warm; the daemon's PUT .../pool).
+const MaxPoolSize = 1024
+
+// Spec describes a VM to create: api.Spec, the daemon's request body, documents every
+// field. Only Name is required: see SpecWithDefaults.
+type Spec = api.Spec
+
+// SpecWithDefaults returns s with its zero CPUs and MemoryMiB set to DefaultCPUs and
+// DefaultMemoryMiB, so that a spec naming only the VM is valid; Create applies it.
+// Every other field's zero value is its default (no disk, no NIC, the busybox
+// initramfs, not forkable).
+func SpecWithDefaults(s Spec) Spec {
+	if s.CPUs == 0 {
+		s.CPUs = DefaultCPUs
+	}
+	if s.MemoryMiB == 0 {
+		s.MemoryMiB = DefaultMemoryMiB
+	}
+	return s
+}
+
+// ValidateSpec checks a spec (after SpecWithDefaults, for a spec to Create); it is called by Create before anything starts.
+func ValidateSpec(s Spec) error {
+	if err := ValidateName(s.Name); err != nil {
+		return err
+	}
+	if s.CPUs < 1 || s.CPUs > 64 {
+		return fmt.Errorf("%w: cpus must be 1..64, got %d", ErrInvalidSpec, s.CPUs)
+	}
+	if s.MemoryMiB < 64 || s.MemoryMiB > 256*1024 {
+		return fmt.Errorf("%w: memory must be 64..262144 MiB, got %d", ErrInvalidSpec, s.MemoryMiB)
+	}
+	if s.MemoryMiB%2 != 0 {
+		return fmt.Errorf("%w: memory must be a multiple of 2 MiB, got %d", ErrInvalidSpec, s.MemoryMiB)
+	}
+	if s.MemoryLimitMiB != 0 && (s.MemoryLimitMiB < 64 || s.MemoryLimitMiB > 1024*1024) {
+		return fmt.Errorf("%w: memory limit must be 0 or 64..1048576 MiB, got %d", ErrInvalidSpec, s.MemoryLimitMiB)
+	}
+	if s.Image != "" {
+		if err := guestboot.ValidateImageName(s.Image); err != nil {
+			return fmt.Errorf("%w: image: %w", ErrInvalidSpec, err)
+		}
+	}
+	if s.DiskMiB != 0 && (s.DiskMiB < 8 || s.DiskMiB > 1024*1024) {
+		return fmt.Errorf("%w: disk must be 0 (none) or 8..1048576 MiB, got %d", ErrInvalidSpec, s.DiskMiB)
+	}
+	if len(s.Publish) > 0 && !s.Net {
+		return fmt.Errorf("%w: publish needs a network (Spec.Net, --net)", ErrInvalidSpec)
+	}
+	return api.ValidatePublish(s.Publish)
+}
+
+// Guest networking (Spec.Net), off by default.
+//
+// A VM with Spec.Net gets one virtio-net NIC on QEMU's user-mode network (libslirp,
+// `-netdev user`): the guest is 10.0.2.15/24 behind a NAT whose router 10.0.2.2 also
+// reaches the host's loopback (the guest's host.internal) and whose 10.0.2.3 forwards
+// DNS to the host's resolvers; guest/net.go holds this contract and the agent applies
+// it (forkvm.net=1). Outside connections reach the guest only through the host ports
+// the caller publishes (Spec.Publish, ForkOptions.Publish), which bind on 127.0.0.1
+// unless an address is given. Without Spec.Net the VM has no NIC at all.
+//
+// Why slirp and not passt (-netdev stream to a passt process): a fork's network must
+// cost as little as the rest of the fork. slirp lives inside the fork's own QEMU: no
+// second process to exec, wait for and reap, no socket rendezvous on the fork's
+// critical path, nothing else to kill or leak when a fork dies, and its state (almost
+// none: no connections survive a checkpoint, see below) rides in the same migration
+// stream. passt is faster for bulk traffic and sandboxes the network stack in its own
+// process, but each fork would pay a process with its own resident buffers and a
+// socket connect before QEMU can even start restoring; forks here are many, short-lived
+// and mostly idle on the network. docs/benchmarks.md ("Networking") has the figures.
+//
+// TCP connections open at checkpoint time: slirp does not migrate ordinary TCP
+// connections (only its own "guestfwd" sockets), so a fork's user-mode stack does not
+// know them. The fork's guest kernel still believes they are established; the first
+// segment it sends on one is answered with a reset (the guest kernel counts it in
+// EstabResets; the program sees ECONNRESET or end of stream), and a guest that only
+// waits to read waits until its own timeout or keepalive. The peer never hears from a
+// fork: it keeps its single connection with the original VM, which carries on.
+// Listening sockets survive (they are guest state), so a server in the checkpoint
+// serves each fork's own published ports. tests/net_test.go checks this.
+
+// netKernelArg is what bootLaunch appends to a networked VM's kernel command line.
+const netKernelArg = guestboot.KernelArgNet + "=1"
+
+// PortForward publishes a guest TCP port on the host (api.PortForward).
+type PortForward = api.PortForward
+
+// ParsePortForward parses a --publish value: [HOSTIP:]HOSTPORT:GUESTPORT, where HOSTIP
+// is an IPv4 literal (default 127.0.0.1) and both ports are decimal 1..65535. Anything
+// else (names, IPv6, signs, spaces, option syntax) is refused with ErrInvalidSpec.
+func ParsePortForward(s string) (PortForward, error) {
+	bad := func(why string) (PortForward, error) {
+		if len(s) > 64 {
+			s = s[:64] + "..."
+		}
+		return PortForward{}, fmt.Errorf("%w: publish %q: %s (want [HOSTIP:]HOSTPORT:GUESTPORT)", ErrInvalidSpec, s, why)
+	}
+	if len(s) > 64 {
+		return bad("too long")
+	}
+	parts := strings.Split(s, ":")
+	var p PortForward
+	switch len(parts) {
+	case 2:
+	case 3:
+		if parts[0] == "" {
+			return bad("empty host address")
+		}
+		p.HostIP = parts[0]
+		parts = parts[1:]
+	default:
+		return bad("want two or three ':'-separated fields (IPv6 host addresses are not supported)")
+	}
+	var err error
+	if p.HostPort, err = parsePort(parts[0]); err != nil {
+		return bad("host port: " + err.Error())
+	}
+	if p.GuestPort, err = parsePort(parts[1]); err != nil {
+		return bad("guest port: " + err.Error())
+	}
+	if err := p.Validate(); err != nil {
+		return PortForward{}, err
+	}
+	return p, nil
+}
+
+// parsePort parses 1..5 decimal digits as a port number 1..65535.
+func parsePort(s string) (int, error) {
+	if s == "" || len(s) > 5 || strings.Trim(s, "0123456789") != "" {
+		return 0, fmt.Errorf("%q is not a port number", s)
+	}
+	n, _ := strconv.Atoi(s)
+	if n < 1 || n > 65535 {
+		return 0, fmt.Errorf("%d is out of range 1..65535", n)
+	}
+	return n, nil
+}
+
+// hostAddr is the forward's HOSTIP:HOSTPORT.
+func hostAddr(p PortForward) string {
+	return net.JoinHostPort(p.BindIP(), strconv.Itoa(p.HostPort))
+}
+
+// hostfwd is the forward as a slirp hostfwd rule. Every field is validated (an IPv4
+// literal and two integers), so the rule holds no separator of QEMU's option syntax.
+func hostfwd(p PortForward) string {
+	return "tcp:" + p.BindIP() + ":" + strconv.Itoa(p.HostPort) + "-" + guestboot.NetGuestAddr + ":" + strconv.Itoa(p.GuestPort)
+}
+
+// checkPortsFree refuses forwards whose host address is taken, before QEMU starts: a
+// listener is opened and closed on each. (QEMU binding a port taken in between fails
+// to start, which portError also reports as ErrPortInUse.)
+func checkPortsFree(pubs []PortForward) error {
+	for _, p := range pubs {
+		ln, err := net.Listen("tcp4", hostAddr(p))
+		if err != nil {
+			if errors.Is(err, syscall.EADDRINUSE) {
+				return fmt.Errorf("%w: %s", ErrPortInUse, hostAddr(p))
+			}
+			return fmt.Errorf("%w: %s: %w", ErrPortUnavailable, hostAddr(p), err)
+		}
+		ln.Close()
+	}
+	return nil
+}
+
+// portError turns a QEMU start failure caused by a host forward into ErrPortInUse (the
+// port was taken after checkPortsFree); other errors are returned as they are.
+func portError(err error, pubs []PortForward) error {
+	var qe *QEMUError
+	if len(pubs) == 0 || !errors.As(err, &qe) || !strings.Contains(qe.Stderr, "host forwarding rule") {
+		return err
+	}
+	addrs := make([]string, len(pubs))
+	for i, p := range pubs {
+		addrs[i] = hostAddr(p)
+	}
+	return fmt.Errorf("%w: one of %s: %w", ErrPortInUse, strings.Join(addrs, " "), err)
+}
 
 // newBootVM checks what booting spec from the guest image needs (valid spec, QEMU,
 // image), reserves the name and returns an unstarted VM whose launch boots that image,
