@@ -115,8 +115,7 @@ package engine
 //
 // engine.go is the Engine over its state directory: its lock, the registry of VMs, the
 // layout (every path and file name) and the private RAM and run directories. config.go
-// is Config with the enumerations and the QEMU binaries and guest image it resolves;
-// spec.go a VM's Spec, names, port forwards and its user-mode network.
+// is Config with the enumerations and the QEMU binaries and guest image it resolves.
 //
 // A fork, stage by stage, is fork.go in call order: admission (admitSource), the source
 // (resolveSource: a running VM's implicit checkpoint), forkFrom under the fork guard
@@ -127,7 +126,8 @@ package engine
 // watchEvents and the pause on disk errors; loadFromFile and the other migration
 // stages over the monitor's verbs) and agent.go (the agent's token handshake). wave.go
 // runs a wave of them: ForkMany, its plan, the forks started early during the
-// checkpoint, one ForkEvent per fork. create.go boots a new VM through the same files.
+// checkpoint, one ForkEvent per fork. create.go holds a VM's Spec (names, port forwards,
+// its user-mode network) and boots a new VM through the same files.
 //
 // A checkpoint: checkpoint.go chooses its kind and takes every kind through the same
 // stages (prepare, the pause under the VM's lock with the one crash marker, finish,
