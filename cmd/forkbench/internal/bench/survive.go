@@ -73,31 +73,35 @@ type surviveFork struct {
 	pointBytes []float64
 	// phases are the seen points' pause by phase (ms): the device state's save with
 	// the guest stopped, the copy of its pages, the disk's commit.
-	phases map[string][]float64
+	phases     map[string][]float64
 	lastPoints int64
 }
 
 // SurviveResult is extra.survive in result.json.
 type SurviveResult struct {
-	Fault               string             `json:"fault"`
-	Victim              string             `json:"victim"`
-	VictimForks         int                `json:"victim_forks"`
-	ForksLost           int                `json:"forks_lost"`
-	ForksRunningTwice   int                `json:"forks_running_twice"`
-	WorkLostSP50        float64            `json:"work_lost_s_p50"`
-	WorkLostSMax        float64            `json:"work_lost_s_max"`
-	AnsweringAgainS     float64            `json:"answering_again_s"`
-	ProtectPauseMSP50   float64            `json:"protect_pause_ms_p50"`
-	ProtectPauseMSP99   float64            `json:"protect_pause_ms_p99"`
-	PointBytesP50       float64            `json:"point_bytes_p50"`
+	Fault             string  `json:"fault"`
+	Victim            string  `json:"victim"`
+	VictimForks       int     `json:"victim_forks"`
+	ForksLost         int     `json:"forks_lost"`
+	ForksRunningTwice int     `json:"forks_running_twice"`
+	WorkLostSP50      float64 `json:"work_lost_s_p50"`
+	WorkLostSMax      float64 `json:"work_lost_s_max"`
+	AnsweringAgainS   float64 `json:"answering_again_s"`
+	ProtectPauseMSP50 float64 `json:"protect_pause_ms_p50"`
+	ProtectPauseMSP99 float64 `json:"protect_pause_ms_p99"`
+	PointBytesP50     float64 `json:"point_bytes_p50"`
+	// DaemonCPUPctPerVM is the daemons' CPU while the forks ran protected, all of it
+	// (protection, heartbeats, NATS), per protected fork, in % of one core: a bound on
+	// what protection costs the host beside the guests.
+	DaemonCPUPctPerVM float64 `json:"daemon_cpu_pct_per_vm,omitempty"`
 	// PausePhasesMS are the pauses' parts, each point's checkpoint Timings (Migrate:
 	// stop and device state; Freeze: its pages copied; Disk: its disk committed).
-	PausePhasesMS map[string]report.Percentiles `json:"pause_phases_ms,omitempty"`
-	Points              int                `json:"points_seen"`
-	StaleCopiesRemoved  *bool              `json:"stale_copies_removed,omitempty"`
-	FencedAfterS        float64            `json:"fenced_after_s,omitempty"`
-	Forks               []SurviveForkEntry `json:"forks"`
-	OtherForksAnswering int                `json:"other_forks_answering"`
+	PausePhasesMS       map[string]report.Percentiles `json:"pause_phases_ms,omitempty"`
+	Points              int                           `json:"points_seen"`
+	StaleCopiesRemoved  *bool                         `json:"stale_copies_removed,omitempty"`
+	FencedAfterS        float64                       `json:"fenced_after_s,omitempty"`
+	Forks               []SurviveForkEntry            `json:"forks"`
+	OtherForksAnswering int                           `json:"other_forks_answering"`
 }
 
 // SurviveForkEntry is one victim fork's outcome.
@@ -162,12 +166,16 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	victim := fr.nodes[len(fr.nodes)-1]
 	r.logf("%d protected forks running (every %v); holding %.0f s before the fault", len(forks), every, s.HoldS)
 	res := &SurviveResult{Fault: s.Fault, Victim: victim.name}
-	holdEnd := time.Now().Add(time.Duration(s.HoldS * float64(time.Second)))
+	holdStart, cpu0 := time.Now(), fr.daemonsCPU()
+	holdEnd := holdStart.Add(time.Duration(s.HoldS * float64(time.Second)))
 	for time.Now().Before(holdEnd) {
 		fr.pollProtection(ctx, forks)
 		time.Sleep(every / 4)
 	}
 	fr.pollProtection(ctx, forks)
+	if cpu1 := fr.daemonsCPU(); cpu0 > 0 && cpu1 > cpu0 {
+		res.DaemonCPUPctPerVM = report.Round3(100 * (cpu1 - cpu0).Seconds() / time.Since(holdStart).Seconds() / float64(len(forks)))
+	}
 	var victims []*surviveFork
 	for _, f := range forks {
 		if f.node != victim.name {
@@ -341,16 +349,32 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); "+
 		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter read as soon as it answers again) x 100 ms + the time from the read to the fault, at least 0 "+
 		"(the revived guest counts on from its point until that read, a few hundred ms: so much is not counted as lost). Pauses and point bytes: each "+
-		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns).",
+		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns). Daemon CPU: the daemons' utime+stime over the protected hold, per fork.",
 		len(fr.nodes), r.shape.CPUs, r.shape.MemoryMiB, r.shape.DiskMiB, s.N, every, s.WriteMBPerMin, s.HoldS, victim.name,
 		map[string]string{"kill": "kill -9 of its daemon and every process naming its state or RAM dir", "cut": fmt.Sprintf("SIGSTOP of its daemon (its embedded NATS server with it) for %gs, then SIGCONT", s.CutS)}[s.Fault],
 		victim.name)
 	r.caveat("the daemons share one host: the fault of a node is its processes', not its machine's")
 	r.summary = fmt.Sprintf("## Survive (%s of %s)\n\n%d forks there: %d lost, %d running twice; work lost p50 %.2f s, max %.2f s; every fork answering again %.1f s after the fault; "+
-		"protection pause p50 %.1f ms, p99 %.1f ms over %d points; point bytes p50 %.1f MiB.\n",
+		"protection pause p50 %.1f ms, p99 %.1f ms over %d points; point bytes p50 %.1f MiB; the daemons' CPU %.2f%% of a core per protected fork.\n",
 		s.Fault, victim.name, len(victims), res.ForksLost, res.ForksRunningTwice, res.WorkLostSP50, res.WorkLostSMax, res.AnsweringAgainS,
-		res.ProtectPauseMSP50, res.ProtectPauseMSP99, res.Points, res.PointBytesP50/(1<<20))
+		res.ProtectPauseMSP50, res.ProtectPauseMSP99, res.Points, res.PointBytesP50/(1<<20), res.DaemonCPUPctPerVM)
 	return nil
+}
+
+// daemonsCPU is the CPU time the live daemons have used (0 when one cannot be read).
+func (fr *fleetRun) daemonsCPU() time.Duration {
+	var sum time.Duration
+	for _, n := range fr.nodes {
+		if n.killed || n.cmd == nil || n.cmd.Process == nil {
+			continue
+		}
+		u, sy, err := procinfo.ProcessCPU(n.cmd.Process.Pid)
+		if err != nil {
+			return 0
+		}
+		sum += u + sy
+	}
+	return sum
 }
 
 // pollProtection samples each fork's protection: a new point's pause and bytes.
