@@ -251,6 +251,7 @@ func (e *Engine) wakeStart(ctx context.Context, vm *VM, pm *checkpointManifest, 
 	defer cancel()
 	vm.modify(func(s *vmState) {
 		s.Launch.Incoming, s.Launch.DevicesOnly, s.Launch.StartStopped = true, true, true
+		s.relaunchDiskNodes()
 		if st, err := os.Stat(s.Launch.RAM.Path); err != nil || st.Size() != pm.RAMSize {
 			// The base it mapped is gone: the lineage's root and every layer.
 			s.Launch.RAM.Path, s.RAMBaseLayers = pm.RAMPath, 0

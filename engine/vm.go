@@ -779,6 +779,19 @@ func (s *vmState) pinDiskNodes() {
 	}
 }
 
+// relaunchDiskNodes names the disk layers' block nodes as a new QEMU started from the
+// launch names them (launchNodeName): the names the old QEMU gave the overlays its
+// checkpoints added (nextDiskNode) do not exist in the new one.
+func (s *vmState) relaunchDiskNodes() {
+	s.Launch.Disk = append([]diskLayer(nil), s.Launch.Disk...)
+	for i := range s.Launch.Disk {
+		s.Launch.Disk[i].Node = ""
+	}
+	if n := len(s.Launch.Disk); n > 0 && s.DiskNode != "" {
+		s.DiskNode = launchNodeName(n-1, n)
+	}
+}
+
 // The phases of PhaseTimings a VM's phase clock laps into (VM.lap).
 func prepareTiming(t *PhaseTimings) *time.Duration { return &t.Prepare }
 func spawnTiming(t *PhaseTimings) *time.Duration   { return &t.Spawn }

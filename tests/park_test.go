@@ -505,3 +505,47 @@ func TestParkPopulation(t *testing.T) {
 	t.Logf("%d random wakes, each answering with its own memory, in %v", wakes, time.Since(start).Round(time.Millisecond))
 	deleteAll(t, env)
 }
+
+// TestParkWakeThenCheckpoint: a fork whose disk has an overlay from an earlier
+// checkpoint is parked and woken, then checkpointed again (also by a protection
+// point): the woken QEMU names its disk's block nodes afresh, and the checkpoint must
+// use those names. A fork of that checkpoint holds what the woken fork wrote to its
+// memory and disk before and after the park.
+func TestParkWakeThenCheckpoint(t *testing.T) {
+	env := newRobustEnv(t, parallelVMTest(t))
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	makePinnedWorld(t, e, 256, 16)
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, f, "echo before > /dev/shm/m && echo before > /data/d && sync")
+	if _, err := e.Checkpoint(ctx, "f", "fck1", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint before the park: %v", err)
+	}
+	if _, err := e.Park(ctx, "f"); err != nil {
+		t.Fatalf("park: %v", err)
+	}
+	if _, err := e.Wake(ctx, "f", nil); err != nil {
+		t.Fatalf("wake: %v", err)
+	}
+	mustRun(t, f, "echo after >> /dev/shm/m && echo after >> /data/d && sync")
+	if _, err := e.Checkpoint(ctx, "f", "fck2", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint after the wake: %v", err)
+	}
+	if _, err := e.Protect(ctx, "f", &engine.ProtectOptions{Every: time.Hour}); err != nil {
+		t.Fatalf("protect after the wake: %v", err)
+	}
+	if p, err := e.ProtectNow(ctx, "f"); err != nil || p.Failures != 0 {
+		t.Fatalf("protection point after the wake: %+v, %v", p, err)
+	}
+	g, err := e.Fork(ctx, "fck2", &engine.ForkOptions{Name: "g"})
+	if err != nil {
+		t.Fatalf("fork of the checkpoint after the wake: %v", err)
+	}
+	if got := mustRun(t, g, "cat /dev/shm/m /data/d"); got != "before\nafter\nbefore\nafter" {
+		t.Errorf("fork of the woken fork's checkpoint holds %q", got)
+	}
+	deleteAll(t, env)
+}
