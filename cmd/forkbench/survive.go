@@ -23,6 +23,7 @@ func surviveCmd() *cli.Command {
 			&cli.DurationFlag{Name: "every", Value: 5 * time.Second, Usage: "protection interval"},
 			&cli.IntFlag{Name: "write-mb-per-min", Value: 20, Usage: "MB of random data each fork writes into a ring of files in /dev/shm per minute"},
 			&cli.DurationFlag{Name: "run-for", Value: 30 * time.Second, Usage: "how long the forks run protected before the fault"},
+			&cli.DurationFlag{Name: "baseline", Value: 20 * time.Second, Usage: "how long the forks first run unprotected, for the daemons' CPU without protection (0: the wave protects them at once)"},
 			&cli.StringFlag{Name: "fault", Value: "kill", Usage: "kill or cut"},
 			&cli.DurationFlag{Name: "cut", Value: 3 * fleet.DefaultTTL, Usage: "with --fault cut: how long the node's daemon stays stopped " +
 				"(another node takes a protected VM over once its owner's heartbeat is 2 x TTL old: a shorter cut ends with the owner reviving its own fenced VMs)"},
@@ -37,7 +38,7 @@ func surviveCmd() *cli.Command {
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			n, nodes := int(cmd.Int("n")), int(cmd.Int("nodes"))
 			s := &bench.SurviveSettings{N: n, EveryS: cmd.Duration("every").Seconds(), WriteMBPerMin: int(cmd.Int("write-mb-per-min")),
-				HoldS: cmd.Duration("run-for").Seconds(), Fault: cmd.String("fault"), AnswerTimeoutS: cmd.Duration("answer-timeout").Seconds(),
+				HoldS: cmd.Duration("run-for").Seconds(), BaselineS: cmd.Duration("baseline").Seconds(), Fault: cmd.String("fault"), AnswerTimeoutS: cmd.Duration("answer-timeout").Seconds(),
 				Fleet: bench.FleetSettings{Nodes: nodes, N: max(n, nodes), NodeVCPUs: max(n, nodes), DaemonOvercommit: cmd.Float("daemon-overcommit"),
 					WaveTimeoutS: 600, AckWaitS: fleet.DefaultAckWait.Seconds(), TTLS: fleet.DefaultTTL.Seconds()}}
 			if err := refuseFleetFlags(cmd, "survive"); err != nil {

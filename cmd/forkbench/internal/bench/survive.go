@@ -26,6 +26,10 @@ type SurviveSettings struct {
 	WriteMBPerMin int `json:"write_mb_per_min"`
 	// HoldS is how long the forks run protected before the fault.
 	HoldS float64 `json:"hold_s"`
+	// BaselineS, when set, is how long the forks first run unprotected (the wave
+	// without protection; each fork protected through its node's API after): the
+	// daemons' CPU then is the baseline the protected hold's is compared with.
+	BaselineS float64 `json:"baseline_s,omitempty"`
 	// Fault is "kill" (kill -9 of the last node's daemon and QEMUs) or "cut" (SIGSTOP
 	// of its daemon for CutS, then SIGCONT).
 	Fault string  `json:"fault"`
@@ -48,6 +52,8 @@ func (s *SurviveSettings) Check() error {
 		return fmt.Errorf("%w: --every %gs: want %v..%v", ErrFleetArgs, s.EveryS, api.MinProtectEvery, api.MaxProtectEvery)
 	case s.WriteMBPerMin < 0 || s.WriteMBPerMin > 600:
 		return fmt.Errorf("%w: --write-mb-per-min %d: want 0..600", ErrFleetArgs, s.WriteMBPerMin)
+	case s.BaselineS < 0:
+		return fmt.Errorf("%w: --baseline %gs", ErrFleetArgs, s.BaselineS)
 	case s.HoldS < s.EveryS:
 		return fmt.Errorf("%w: --run-for %gs: at least one interval (%gs)", ErrFleetArgs, s.HoldS, s.EveryS)
 	case s.Fault != "kill" && s.Fault != "cut":
@@ -94,6 +100,10 @@ type SurviveResult struct {
 	// (protection, heartbeats, NATS), per protected fork, in % of one core: a bound on
 	// what protection costs the host beside the guests.
 	DaemonCPUPctPerVM float64 `json:"daemon_cpu_pct_per_vm,omitempty"`
+	// DaemonCPUPctPerVMBaseline is the same while the forks ran unprotected
+	// (SurviveSettings.BaselineS); ProtectCPUPctPerVM the difference: protection's.
+	DaemonCPUPctPerVMBaseline float64 `json:"daemon_cpu_pct_per_vm_baseline,omitempty"`
+	ProtectCPUPctPerVM        float64 `json:"protect_cpu_pct_per_vm,omitempty"`
 	// PausePhasesMS are the pauses' parts, each point's checkpoint Timings (Migrate:
 	// stop and device state; Freeze: its pages copied; Disk: its disk committed).
 	PausePhasesMS       map[string]report.Percentiles `json:"pause_phases_ms,omitempty"`
@@ -139,7 +149,11 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	}
 	ctx := r.ctx
 	every := time.Duration(s.EveryS * float64(time.Second))
-	evc, err := fr.nodes[0].c.FleetForkMany(ctx, api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: fleetCkName, N: s.N, Prefix: "s-"}, Protect: every})
+	req := api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: fleetCkName, N: s.N, Prefix: "s-"}, Protect: every}
+	if s.BaselineS > 0 {
+		req.Protect = 0
+	}
+	evc, err := fr.nodes[0].c.FleetForkMany(ctx, req)
 	if err != nil {
 		return fmt.Errorf("protected wave: %w", err)
 	}
@@ -164,8 +178,21 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		}
 	}
 	victim := fr.nodes[len(fr.nodes)-1]
-	r.logf("%d protected forks running (every %v); holding %.0f s before the fault", len(forks), every, s.HoldS)
 	res := &SurviveResult{Fault: s.Fault, Victim: victim.name}
+	if s.BaselineS > 0 {
+		r.logf("%d forks running unprotected for the baseline (%.0f s)", len(forks), s.BaselineS)
+		t0, cpu0 := time.Now(), fr.daemonsCPU()
+		time.Sleep(time.Duration(s.BaselineS * float64(time.Second)))
+		if cpu1 := fr.daemonsCPU(); cpu0 > 0 && cpu1 > cpu0 {
+			res.DaemonCPUPctPerVMBaseline = report.Round3(100 * (cpu1 - cpu0).Seconds() / time.Since(t0).Seconds() / float64(len(forks)))
+		}
+		for _, f := range forks {
+			if _, err := byNode[f.node].c.Protect(ctx, f.name, &api.ProtectOptions{Every: every}); err != nil {
+				return fmt.Errorf("protect %s: %w", f.name, err)
+			}
+		}
+	}
+	r.logf("%d protected forks running (every %v); holding %.0f s before the fault", len(forks), every, s.HoldS)
 	holdStart, cpu0 := time.Now(), fr.daemonsCPU()
 	holdEnd := holdStart.Add(time.Duration(s.HoldS * float64(time.Second)))
 	for time.Now().Before(holdEnd) {
@@ -175,6 +202,9 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	fr.pollProtection(ctx, forks)
 	if cpu1 := fr.daemonsCPU(); cpu0 > 0 && cpu1 > cpu0 {
 		res.DaemonCPUPctPerVM = report.Round3(100 * (cpu1 - cpu0).Seconds() / time.Since(holdStart).Seconds() / float64(len(forks)))
+		if res.DaemonCPUPctPerVMBaseline > 0 {
+			res.ProtectCPUPctPerVM = report.Round3(res.DaemonCPUPctPerVM - res.DaemonCPUPctPerVMBaseline)
+		}
 	}
 	var victims []*surviveFork
 	for _, f := range forks {
@@ -349,15 +379,15 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); "+
 		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter read as soon as it answers again) x 100 ms + the time from the read to the fault, at least 0 "+
 		"(the revived guest counts on from its point until that read, a few hundred ms: so much is not counted as lost). Pauses and point bytes: each "+
-		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns). Daemon CPU: the daemons' utime+stime over the protected hold, per fork.",
+		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns). Daemon CPU: the daemons' utime+stime over the protected hold, per fork; with a baseline, the wave is made unprotected, the same over the baseline, then each fork protected through its node's API; protection's CPU is the difference.",
 		len(fr.nodes), r.shape.CPUs, r.shape.MemoryMiB, r.shape.DiskMiB, s.N, every, s.WriteMBPerMin, s.HoldS, victim.name,
 		map[string]string{"kill": "kill -9 of its daemon and every process naming its state or RAM dir", "cut": fmt.Sprintf("SIGSTOP of its daemon (its embedded NATS server with it) for %gs, then SIGCONT", s.CutS)}[s.Fault],
 		victim.name)
 	r.caveat("the daemons share one host: the fault of a node is its processes', not its machine's")
 	r.summary = fmt.Sprintf("## Survive (%s of %s)\n\n%d forks there: %d lost, %d running twice; work lost p50 %.2f s, max %.2f s; every fork answering again %.1f s after the fault; "+
-		"protection pause p50 %.1f ms, p99 %.1f ms over %d points; point bytes p50 %.1f MiB; the daemons' CPU %.2f%% of a core per protected fork.\n",
+		"protection pause p50 %.1f ms, p99 %.1f ms over %d points; point bytes p50 %.1f MiB; the daemons' CPU %.2f%% of a core per protected fork (protection's: %.2f%%).\n",
 		s.Fault, victim.name, len(victims), res.ForksLost, res.ForksRunningTwice, res.WorkLostSP50, res.WorkLostSMax, res.AnsweringAgainS,
-		res.ProtectPauseMSP50, res.ProtectPauseMSP99, res.Points, res.PointBytesP50/(1<<20), res.DaemonCPUPctPerVM)
+		res.ProtectPauseMSP50, res.ProtectPauseMSP99, res.Points, res.PointBytesP50/(1<<20), res.DaemonCPUPctPerVM, res.ProtectCPUPctPerVM)
 	return nil
 }
 
