@@ -16,7 +16,7 @@ func protectCmd() *cli.Command {
 			"(headline: protect pause p50 ms)",
 		Flags: flags(
 			&cli.IntFlag{Name: "points", Value: 1000, Usage: "protection points taken (Engine.ProtectNow)"},
-			&cli.IntFlag{Name: "write-kb", Value: 256, Usage: "KiB of random data the guest writes before each point (a ring of 64 files in /dev/shm)"},
+			&cli.IntFlag{Name: "write-kb", Value: 256, Usage: "KiB of random data the guest writes before each point (into a ring of 64 files in /dev/shm, filled before the first)"},
 			&cli.IntFlag{Name: "probes", Value: 4, Usage: "points at which a fork of the point and a park and wake are timed (the first, the last, and between, geometrically)"},
 		),
 		Action: func(ctx context.Context, cmd *cli.Command) error {

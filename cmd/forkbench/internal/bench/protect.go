@@ -13,8 +13,8 @@ import (
 // ProtectSettings are protect's environment.settings.
 type ProtectSettings struct {
 	// Points is how many protection points of the one VM are taken; WriteKB what its
-	// guest writes before each (into a ring of 64 files in /dev/shm, so that its own
-	// pages stop growing); Probes how many times, spaced geometrically from the first
+	// guest writes before each (into a ring of 64 files in /dev/shm, filled before the
+	// first point, so that its own pages do not grow); Probes how many times, spaced geometrically from the first
 	// point to the last, a fork of the point and a park and wake of the VM are timed.
 	Points  int `json:"points"`
 	WriteKB int `json:"write_kb_per_point"`
@@ -69,6 +69,13 @@ func RunProtect(r *Env, s *ProtectSettings) error {
 	r.addSample(sm)
 	if !sm.OK {
 		return fmt.Errorf("fork pt: %s", sm.Error)
+	}
+	// The ring is written once before the first point: every point then holds the
+	// same private pages, and the nth point differs from the first only by its number.
+	if s.WriteKB > 0 {
+		if _, err := shell(ctx, vm, fmt.Sprintf("for i in $(seq 0 63); do head -c %d /dev/urandom > /dev/shm/p$i; done", s.WriteKB<<10), 5*time.Minute); err != nil {
+			return fmt.Errorf("fill the ring: %w", err)
+		}
 	}
 	if _, err := r.e.Protect(ctx, "pt", &engine.ProtectOptions{Every: 24 * time.Hour}); err != nil {
 		return fmt.Errorf("protect: %w", err)
@@ -148,7 +155,7 @@ func RunProtect(r *Env, s *ProtectSettings) error {
 			b.ForkMS, a.ForkMS, report.Ratio(b.ForkMS, a.ForkMS), b.ParkMS, a.ParkMS, report.Ratio(b.ParkMS, a.ParkMS), b.WakeMS, a.WakeMS, report.Ratio(b.WakeMS, a.WakeMS))
 	}
 	r.res.Method = fmt.Sprintf("One fork of the pinned world checkpoint (dirtied %d MB), protected (Engine.Protect, interval a day, no copier: points stay on this host); "+
-		"%d times: its guest writes %d KiB of random data into one of 64 files in /dev/shm, then Engine.ProtectNow takes a point (pause: ProtectionInfo.LastPause; total: the call). "+
+		"its guest fills a ring of 64 files of %[3]d KiB in /dev/shm; then %[2]d times: it rewrites one of them with random data, then Engine.ProtectNow takes a point (pause: ProtectionInfo.LastPause; total: the call). "+
 		"At points %v: a fork of the point until its first `sh -c true` answered (deleted after), Engine.Park of the VM (ParkResult.Total), Engine.Wake until its first `sh -c true` answered. "+
 		"Percentiles are over the pauses.", r.shape.DirtyMB, s.Points, s.WriteKB, probes)
 	return nil
