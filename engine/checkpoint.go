@@ -12,6 +12,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/console"
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -248,6 +249,9 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 	if err := disk.prepare(ctx); err != nil {
 		return err
 	}
+	// Its threads run before the other guests' until it runs again (deferred before
+	// the resume, so that it comes after it).
+	defer platform.Boost(s.PID)()
 	t0 := time.Now()
 	endMigrate := w.phase("migrate")
 	err = k.save(ctx, p, w)
@@ -377,6 +381,7 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 	if !p.Running() {
 		return
 	}
+	platform.Unboost(vm.snapshot().PID) // the pause's priority (pauseLocked) ends with it
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	c, err := p.client(ctx)

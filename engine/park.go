@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/minio/highwayhash"
 )
@@ -655,6 +656,7 @@ func (e *Engine) parkPause(ctx context.Context, vm *VM, pm *checkpointManifest, 
 				os.RemoveAll(tmp)
 			}
 		}()
+		defer platform.Boost(s.PID)() // its threads run first until it runs again or ends
 		t := time.Now()
 		if err := p.stopGuest(ctx); err != nil {
 			return vm.failure("park", err)

@@ -1,8 +1,11 @@
 package platform
 
 import (
+	"fmt"
+	"os"
 	"os/exec"
 	"runtime"
+	"strconv"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -30,4 +33,57 @@ func BoundOutput(cmd *exec.Cmd) ([]byte, error) {
 	}
 	cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
 	return cmd.CombinedOutput()
+}
+
+// pauseNice is the priority Boost gives a process's threads: above every guest's
+// (nice 0), so that the few milliseconds of work in a guest's pause do not wait behind
+// the other guests' vCPU threads for a CPU.
+const pauseNice = -10
+
+// Boost raises every thread of process pid to nice pauseNice for the length of a
+// pause (a stopped guest's vCPU threads must run to stop, and its main loop to save
+// its devices and take the monitor's commands), and returns what puts each thread's
+// priority back. Best effort: without the privilege (CAP_SYS_NICE) or with a thread
+// gone nothing changes.
+func Boost(pid int) (restore func()) {
+	type was struct{ tid, nice int }
+	var boosted []was
+	eachThread(pid, func(tid, nice int) {
+		if nice > pauseNice && unix.Setpriority(unix.PRIO_PROCESS, tid, pauseNice) == nil {
+			boosted = append(boosted, was{tid, nice})
+		}
+	})
+	return func() {
+		for _, b := range boosted {
+			_ = unix.Setpriority(unix.PRIO_PROCESS, b.tid, b.nice)
+		}
+	}
+}
+
+// Unboost puts the threads of process pid that are at Boost's priority back to nice 0:
+// what a Boost whose restore never ran (its engine killed in the pause) left.
+func Unboost(pid int) {
+	eachThread(pid, func(tid, nice int) {
+		if nice == pauseNice {
+			_ = unix.Setpriority(unix.PRIO_PROCESS, tid, 0)
+		}
+	})
+}
+
+// eachThread calls fn with each thread of process pid and its nice value.
+func eachThread(pid int, fn func(tid, nice int)) {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return
+	}
+	for _, t := range tasks {
+		tid, err := strconv.Atoi(t.Name())
+		if err != nil {
+			continue
+		}
+		// getpriority returns 20 - nice (the raw system call, without glibc's undoing).
+		if p, err := unix.Getpriority(unix.PRIO_PROCESS, tid); err == nil {
+			fn(tid, 20-p)
+		}
+	}
 }

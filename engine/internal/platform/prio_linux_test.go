@@ -60,3 +60,47 @@ func alive(pid int) bool {
 	i := strings.LastIndexByte(s, ')')
 	return i < 0 || i+2 >= len(s) || s[i+2] != 'Z'
 }
+
+// TestBoost: Boost raises a process's threads to pauseNice and its restore puts each
+// back where it was (a thread at nice 5 goes back to 5, not 0).
+func TestBoost(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("raising a priority needs CAP_SYS_NICE (root)")
+	}
+	cmd := exec.Command("sleep", "30")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	pid := cmd.Process.Pid
+	nice := func() int {
+		t.Helper()
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Field 19 (nice), counted after the command's closing parenthesis.
+		f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+2:]))
+		n, err := strconv.Atoi(f[16])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if err := syscall.Setpriority(syscall.PRIO_PROCESS, pid, 5); err != nil {
+		t.Fatal(err)
+	}
+	restore := Boost(pid)
+	if n := nice(); n != pauseNice {
+		t.Errorf("boosted: nice %d, want %d", n, pauseNice)
+	}
+	restore()
+	if n := nice(); n != 5 {
+		t.Errorf("restored: nice %d, want 5", n)
+	}
+	Boost(pid) // its restore never runs (an engine killed in the pause)
+	Unboost(pid)
+	if n := nice(); n != 0 {
+		t.Errorf("unboosted: nice %d, want 0", n)
+	}
+}

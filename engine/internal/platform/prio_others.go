@@ -14,3 +14,9 @@ func BackgroundThread() { runtime.LockOSThread() }
 // BoundOutput runs cmd to its end, its output combined (there is no parent-death signal
 // here; see the Linux build).
 func BoundOutput(cmd *exec.Cmd) ([]byte, error) { return cmd.CombinedOutput() }
+
+// Boost does nothing here (see the Linux build).
+func Boost(pid int) (restore func()) { return func() {} }
+
+// Unboost does nothing here (see the Linux build).
+func Unboost(pid int) {}
