@@ -53,11 +53,50 @@ type protectProbe struct {
 	PointBytes int64   `json:"point_bytes"`
 }
 
+// probeRuns is how many forks of the point, and parks and wakes of the VM, a probe
+// times (its figures are their medians).
+const probeRuns = 3
+
+// probePoint times, probeRuns times each, a fork of point (fork → first command,
+// deleted after) and a park and wake of vm (wake → first command); i is the point's
+// number.
+func probePoint(r *Env, vm *engine.VM, point string, i int) (protectProbe, error) {
+	ctx, name := r.ctx, vm.Name()
+	var forks, parks, wakes []float64
+	for k := range probeRuns {
+		f, fs := serialFork(r, point, fmt.Sprintf("ptf%d-%d", i, k), "fork-of-point", i-1, 2)
+		r.addSample(fs)
+		if f != nil {
+			_ = r.e.Delete(ctx, f.Name())
+		}
+		if !fs.OK {
+			r.fail("fork of point %d: %s", i, fs.Error)
+		} else {
+			forks = append(forks, fs.LatencyMS)
+		}
+		pk, err := r.e.Park(ctx, name)
+		if err != nil {
+			return protectProbe{}, fmt.Errorf("park at point %d: %w", i, err)
+		}
+		parks = append(parks, report.Ms(pk.Total))
+		t1 := time.Now()
+		if _, err := r.e.Wake(ctx, name, nil); err != nil {
+			return protectProbe{}, fmt.Errorf("wake at point %d: %w", i, err)
+		}
+		if _, err := firstCmd(ctx, vm); err != nil {
+			return protectProbe{}, fmt.Errorf("first command after the wake at point %d: %w", i, err)
+		}
+		wakes = append(wakes, report.Ms(time.Since(t1)))
+	}
+	return protectProbe{Point: i, ForkMS: report.Round3(report.Median(forks)), ParkMS: report.Round3(report.Median(parks)),
+		WakeMS: report.Round3(report.Median(wakes))}, nil
+}
+
 // RunProtect takes s.Points protection points of one fork of the world (Engine.Protect
 // with a day's interval, then Engine.ProtectNow for each point, its guest writing
-// s.WriteKB before each), and at each probe point forks the point (fork → first
-// command, deleted after) and parks and wakes the fork (wake → first command): what a
-// VM protected for a long time costs at its nth point against its first.
+// s.WriteKB before each), and at each probe point times forks of the point and parks
+// and wakes of the fork (probePoint): what a VM protected for a long time costs at its
+// nth point against its first.
 func RunProtect(r *Env, s *ProtectSettings) error {
 	ctx := r.ctx
 	w, err := bakeWorld(r, "world", "world-ck")
@@ -108,29 +147,11 @@ func RunProtect(r *Env, s *ProtectSettings) error {
 		if !slices.Contains(probes, i) {
 			continue
 		}
-		pr := protectProbe{Point: i, PauseMS: report.Round3(report.Ms(p.LastPause)), PointBytes: p.LastBytes}
-		f, fs := serialFork(r, p.Point, fmt.Sprintf("ptf%d", i), "fork-of-point", i-1, 2)
-		r.addSample(fs)
-		if f != nil {
-			_ = r.e.Delete(ctx, f.Name())
-		}
-		if !fs.OK {
-			r.fail("fork of point %d: %s", i, fs.Error)
-		}
-		pr.ForkMS = report.Round3(fs.LatencyMS)
-		pk, err := r.e.Park(ctx, "pt")
+		pr, err := probePoint(r, vm, p.Point, i)
 		if err != nil {
-			return fmt.Errorf("park at point %d: %w", i, err)
+			return err
 		}
-		pr.ParkMS = report.Round3(report.Ms(pk.Total))
-		t1 := time.Now()
-		if _, err := r.e.Wake(ctx, "pt", nil); err != nil {
-			return fmt.Errorf("wake at point %d: %w", i, err)
-		}
-		if _, err := firstCmd(ctx, vm); err != nil {
-			return fmt.Errorf("first command after the wake at point %d: %w", i, err)
-		}
-		pr.WakeMS = report.Round3(report.Ms(time.Since(t1)))
+		pr.PauseMS, pr.PointBytes = report.Round3(report.Ms(p.LastPause)), p.LastBytes
 		got = append(got, pr)
 		r.logf("point %d: pause %.1f ms, fork → first command %.0f ms, park %.0f ms, wake → first command %.0f ms",
 			i, pr.PauseMS, pr.ForkMS, pr.ParkMS, pr.WakeMS)
@@ -155,8 +176,8 @@ func RunProtect(r *Env, s *ProtectSettings) error {
 			b.ForkMS, a.ForkMS, report.Ratio(b.ForkMS, a.ForkMS), b.ParkMS, a.ParkMS, report.Ratio(b.ParkMS, a.ParkMS), b.WakeMS, a.WakeMS, report.Ratio(b.WakeMS, a.WakeMS))
 	}
 	r.res.Method = fmt.Sprintf("One fork of the pinned world checkpoint (dirtied %d MB), protected (Engine.Protect, interval a day, no copier: points stay on this host); "+
-		"its guest fills a ring of 64 files of %[3]d KiB in /dev/shm; then %[2]d times: it rewrites one of them with random data, then Engine.ProtectNow takes a point (pause: ProtectionInfo.LastPause; total: the call). "+
-		"At points %v: a fork of the point until its first `sh -c true` answered (deleted after), Engine.Park of the VM (ParkResult.Total), Engine.Wake until its first `sh -c true` answered. "+
-		"Percentiles are over the pauses.", r.shape.DirtyMB, s.Points, s.WriteKB, probes)
+		"its guest fills a ring of 64 files of %d KiB in /dev/shm; then %d times: it rewrites one of them with random data, then Engine.ProtectNow takes a point (pause: ProtectionInfo.LastPause; total: the call). "+
+		"At points %v, %d times each (medians reported): a fork of the point until its first `sh -c true` answered (deleted after), Engine.Park of the VM (ParkResult.Total), Engine.Wake until its first `sh -c true` answered. "+
+		"Percentiles are over the pauses.", r.shape.DirtyMB, s.WriteKB, s.Points, probes, probeRuns)
 	return nil
 }
