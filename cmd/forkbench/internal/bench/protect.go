@@ -13,8 +13,9 @@ import (
 // ProtectSettings are protect's environment.settings.
 type ProtectSettings struct {
 	// Points is how many protection points of the one VM are taken; WriteKB what its
-	// guest writes before each (into a ring of 64 files in /dev/shm, filled before the
-	// first point, so that its own pages do not grow); Probes how many times, spaced geometrically from the first
+	// guest writes before each (over one of a ring of 64 files in /dev/shm, filled
+	// before the first point and overwritten in place, so that its own pages do not
+	// grow); Probes how many times, spaced geometrically from the first
 	// point to the last, a fork of the point and a park and wake of the VM are timed.
 	Points  int `json:"points"`
 	WriteKB int `json:"write_kb_per_point"`
@@ -125,7 +126,9 @@ func RunProtect(r *Env, s *ProtectSettings) error {
 	failures := int64(0)
 	for i := 1; i <= s.Points; i++ {
 		if s.WriteKB > 0 {
-			if _, err := shell(ctx, vm, fmt.Sprintf("head -c %d /dev/urandom > /dev/shm/p%d", s.WriteKB<<10, i%64), time.Minute); err != nil {
+			// Written in place (conv=notrunc): a rewritten file would free its pages and
+			// take others, and every page the guest ever wrote stays private.
+			if _, err := shell(ctx, vm, fmt.Sprintf("head -c %d /dev/urandom | dd of=/dev/shm/p%d bs=64k conv=notrunc 2>/dev/null", s.WriteKB<<10, i%64), time.Minute); err != nil {
 				return fmt.Errorf("point %d: write: %w", i, err)
 			}
 		}
@@ -176,7 +179,7 @@ func RunProtect(r *Env, s *ProtectSettings) error {
 			b.ForkMS, a.ForkMS, report.Ratio(b.ForkMS, a.ForkMS), b.ParkMS, a.ParkMS, report.Ratio(b.ParkMS, a.ParkMS), b.WakeMS, a.WakeMS, report.Ratio(b.WakeMS, a.WakeMS))
 	}
 	r.res.Method = fmt.Sprintf("One fork of the pinned world checkpoint (dirtied %d MB), protected (Engine.Protect, interval a day, no copier: points stay on this host); "+
-		"its guest fills a ring of 64 files of %d KiB in /dev/shm; then %d times: it rewrites one of them with random data, then Engine.ProtectNow takes a point (pause: ProtectionInfo.LastPause; total: the call). "+
+		"its guest fills a ring of 64 files of %d KiB in /dev/shm; then %d times: it overwrites one of them in place with random data (dd conv=notrunc: the same guest pages), then Engine.ProtectNow takes a point (pause: ProtectionInfo.LastPause; total: the call). "+
 		"At points %v, %d times each (medians reported): a fork of the point until its first `sh -c true` answered (deleted after), Engine.Park of the VM (ParkResult.Total), Engine.Wake until its first `sh -c true` answered. "+
 		"Percentiles are over the pauses.", r.shape.DirtyMB, s.WriteKB, s.Points, probes, probeRuns)
 	return nil
