@@ -313,7 +313,12 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	}
 	// The forks of the other nodes answer through it all.
 	for _, f := range forks {
-		if f.node != victim.name && surviveExec(ctx, byNode[f.node], f.name, "true", nil) == nil {
+		if f.node == victim.name {
+			continue
+		}
+		if err := surviveExec(ctx, byNode[f.node], f.name, "true", nil); err != nil {
+			r.logf("%s on %s does not answer after the fault: %v", f.name, f.node, err)
+		} else {
 			res.OtherForksAnswering++
 		}
 	}
