@@ -570,7 +570,7 @@ func TestRobustWorldDiesDuringCheckpoint(t *testing.T) {
 // 6. a small soak
 
 func TestRobustSoak(t *testing.T) {
-	env := newRobustEnv(t, parallelVMTest(t))
+	env := newRobustEnv(t, nil) // not parallel: it counts the test process's open fds
 	e := env.E
 	ctx := ctxT(t, 6*time.Minute)
 	w := makeWorld(t, e, "w", 256, 16)
