@@ -38,6 +38,8 @@ type Engine struct {
 	pools *poolSet
 	flat  *flattener
 	prot  *protector
+	// digests caches the content digests exports took (digestCache).
+	digests digestCache
 	// forking tracks forks under way per checkpoint (a forced delete cancels them).
 	forking forkGuard
 

@@ -10,11 +10,13 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/console"
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/memfile"
 	"golang.org/x/sys/unix"
 )
@@ -242,7 +244,7 @@ func (e *Engine) ExportCheckpoint(ctx context.Context, name string) (*api.Checkp
 		}
 		d, ok := ck.Digests[f.name]
 		if !ok || d.Size != st.Size() {
-			sum, data, err := memfile.ContentDigest(ctx, f.path)
+			sum, data, err := e.digests.contentDigest(ctx, f.path)
 			if err != nil {
 				if ctx.Err() != nil {
 					return nil, ctx.Err()
@@ -282,6 +284,56 @@ func (e *Engine) ExportCheckpoint(ctx context.Context, name string) (*api.Checkp
 		return nil, err
 	}
 	return out, nil
+}
+
+// digestCache keeps the content digests (memfile.ContentDigest) the engine took, by
+// the file's identity (platform.FileID: device, inode, size, modification time). A
+// checkpoint's lineage files are hard links to its ancestors' (one inode), and a
+// protection point exported to a peer every few seconds would otherwise digest its
+// whole lineage, root RAM file and disk included, each time. Checkpoint files do not
+// change once committed; a file written after its digest has another modification
+// time and is digested again (one written and its time set back would keep its old
+// digest, and a puller, which checks every byte it receives against the digests,
+// would refuse it).
+type digestCache struct {
+	mu sync.Mutex
+	m  map[[4]int64]fileDigest
+}
+
+// digestCacheMax bounds the entries kept (the cache starts over past it).
+const digestCacheMax = 4096
+
+// contentDigest is memfile.ContentDigest of path through the cache.
+func (c *digestCache) contentDigest(ctx context.Context, path string) (string, int64, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return "", 0, fmt.Errorf("memfile: content digest: %w", err)
+	}
+	id, ok := platform.FileID(st)
+	if ok {
+		c.mu.Lock()
+		d, hit := c.m[id]
+		c.mu.Unlock()
+		if hit {
+			return d.SHA256, d.Data, nil
+		}
+	}
+	sum, data, err := memfile.ContentDigest(ctx, path)
+	if err != nil || !ok {
+		return sum, data, err
+	}
+	// Kept only if the file did not change while it was read.
+	if st2, err := os.Stat(path); err == nil {
+		if id2, ok2 := platform.FileID(st2); ok2 && id2 == id {
+			c.mu.Lock()
+			if c.m == nil || len(c.m) >= digestCacheMax {
+				c.m = map[[4]int64]fileDigest{}
+			}
+			c.m[id] = fileDigest{Size: st.Size(), SHA256: sum, Data: data}
+			c.mu.Unlock()
+		}
+	}
+	return sum, data, nil
 }
 
 // fileExtents lists a file's data extents.
@@ -667,7 +719,7 @@ func (e *Engine) hostHas(ctx context.Context, f api.CheckpointFile, blob string)
 		if st, err := os.Stat(c); err != nil || st.Size() != f.Size {
 			continue
 		}
-		if sum, _, err := memfile.ContentDigest(ctx, c); err == nil && sum == f.SHA256 {
+		if sum, _, err := e.digests.contentDigest(ctx, c); err == nil && sum == f.SHA256 {
 			return c
 		}
 	}

@@ -87,3 +87,15 @@ func eachThread(pid int, fn func(tid, nice int)) {
 		}
 	}
 }
+
+// FileID identifies a file's content for a cache of what was read from it: its device
+// and inode (hard links share them), size and modification time (a write changes it;
+// the change time is no use: linking a file changes it). ok is false when fi does
+// not carry them.
+func FileID(fi os.FileInfo) (id [4]int64, ok bool) {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return id, false
+	}
+	return [4]int64{int64(st.Dev), int64(st.Ino), st.Size, st.Mtim.Nano()}, true
+}

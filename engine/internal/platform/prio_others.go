@@ -3,6 +3,7 @@
 package platform
 
 import (
+	"os"
 	"os/exec"
 	"runtime"
 )
@@ -20,3 +21,6 @@ func Boost(pid int) (restore func()) { return func() {} }
 
 // Unboost does nothing here (see the Linux build).
 func Unboost(pid int) {}
+
+// FileID is not implemented here: ok is false (see the Linux build).
+func FileID(fi os.FileInfo) (id [4]int64, ok bool) { return id, false }
