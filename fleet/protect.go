@@ -128,13 +128,13 @@ func (f *Fleet) protector() ProtectEngine {
 	return p
 }
 
-// copyReq asks a node to hold a copy of a point, pulled from From; Prev is the
-// previous point it holds for the VM (dropped once the new one is whole).
+// copyReq asks a node to hold a copy of a point, pulled from From (or, as a drop, to
+// delete its copy). Earlier owners also sent "prev", the point the node was to delete
+// once the new one was whole: it is ignored (holdCopy).
 type copyReq struct {
 	VM    string `json:"vm"`
 	Point string `json:"point"`
 	From  Node   `json:"from"`
-	Prev  string `json:"prev,omitempty"`
 }
 
 // copyAnswer is a node's answer to a copyReq or a drop.
@@ -170,10 +170,10 @@ func (f *Fleet) CopyPoint(ctx context.Context, vm string, point *engine.Checkpoi
 	if err != nil {
 		return err
 	}
+	// The peer keeps its copy of the previous point until the record names the new
+	// one (the drops below), so that an owner lost in between leaves a record whose
+	// point its holder still has.
 	req := copyReq{VM: vm, Point: point.Manifest.Name, From: Node{Name: f.cfg.Node, Addr: f.cfg.Addr}}
-	if slices.Contains(old.Copies, peer.Name) {
-		req.Prev = old.Point
-	}
 	if err := f.askCopy(ctx, peer.Name, req); err != nil {
 		return err
 	}
@@ -186,8 +186,8 @@ func (f *Fleet) CopyPoint(ctx context.Context, vm string, point *engine.Checkpoi
 	if err := f.writeRec(ctx, key, rec, rev, exists); err != nil {
 		return err
 	}
-	for _, n := range old.Copies {
-		if n != peer.Name {
+	if old.Point != "" && old.Point != rec.Point {
+		for _, n := range old.Copies {
 			f.askDrop(n, vm, old.Point)
 		}
 	}
@@ -371,22 +371,18 @@ func (f *Fleet) serveProtection() error {
 	return nil
 }
 
-// holdCopy pulls r's point from its owner and drops the previous one it held.
+// holdCopy pulls r's point from its owner. The copy of the previous point stays until
+// the owner, its record naming the new one, asks for its drop (or, that message
+// missed, until it is a stray: dropStrays): deleted here, an owner lost before its
+// record was written left a record naming a point no node had.
 func (f *Fleet) holdCopy(r copyReq) error {
 	if err := api.ValidateName(r.Point); err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(f.ctx, copyWait)
 	defer cancel()
-	if _, err := f.fetch.Fetch(ctx, r.Point, r.From); err != nil {
-		return err
-	}
-	if r.Prev != "" && r.Prev != r.Point {
-		if _, err := f.eng.Get(r.VM); err != nil {
-			f.eng.DeleteCheckpoint(ctx, r.Prev)
-		}
-	}
-	return nil
+	_, err := f.fetch.Fetch(ctx, r.Point, r.From)
+	return err
 }
 
 // protectionLoop runs fail-over, fencing and the settling of fenced VMs every
