@@ -19,6 +19,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/internal/testprobe"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
@@ -43,15 +44,7 @@ func startParkProbe(t *testing.T, vm *engine.VM, secret, page string) string {
 func parkProbeScript(secret, page string) string {
 	return "mkdir -p /dev/shm/www && echo " + page + " > /dev/shm/www/index.html && " +
 		"(setsid httpd -f -p 8080 -h /dev/shm/www </dev/null >/dev/null 2>&1 &) && " +
-		trappedProcess(secret)
-}
-
-// trappedProcess is a shell script that starts, in the background, a process keeping
-// secret in a shell variable and writing it to /tmp/said on SIGUSR1, and prints its PID
-// once its trap is set: a USR1 sent before would end it (the signal's default action).
-func trappedProcess(secret string) string {
-	return "setsid sh -c 'v=" + secret + "; trap \"echo $v > /tmp/said\" USR1; : > /tmp/trapped.$$; while :; do sleep 1; done' </dev/null >/dev/null 2>&1 & p=$!; " +
-		"for i in $(seq 200); do [ -e /tmp/trapped.$p ] && break; sleep 0.05; done; [ -e /tmp/trapped.$p ] && echo $p"
+		testprobe.TrappedProcess(secret)
 }
 
 // probeIdentity reads vm's identity (see parkIdentity); port is its published port.

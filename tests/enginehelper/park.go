@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/internal/testprobe"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -77,9 +78,7 @@ func runPark(state, cache, kernel, initrd, name, op, stage, who string) error {
 		return err
 	}
 	var out bytes.Buffer
-	// The PID is printed once the trap is set: a USR1 sent before would end the process.
-	script := "setsid sh -c 'v=" + name + "; trap \"echo $v > /tmp/said\" USR1; : > /tmp/trapped.$$; while :; do sleep 1; done' </dev/null >/dev/null 2>&1 & p=$!; " +
-		"for i in $(seq 200); do [ -e /tmp/trapped.$p ] && break; sleep 0.05; done; [ -e /tmp/trapped.$p ] && echo $p && " +
+	script := testprobe.TrappedProcess(name) + " && " +
 		"head -c 2000000 /dev/urandom > /dev/shm/blob && md5sum /dev/shm/blob > /tmp/blob.md5"
 	if code, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", script}, Stdout: &out}); err != nil || code != 0 {
 		return fmt.Errorf("probe: exit %d, %v", code, err)
