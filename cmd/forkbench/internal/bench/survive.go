@@ -181,11 +181,9 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	res := &SurviveResult{Fault: s.Fault, Victim: victim.name}
 	if s.BaselineS > 0 {
 		r.logf("%d forks running unprotected for the baseline (%.0f s)", len(forks), s.BaselineS)
-		t0, cpu0 := time.Now(), fr.daemonsCPU()
+		since := fr.cpuSince()
 		time.Sleep(time.Duration(s.BaselineS * float64(time.Second)))
-		if cpu1 := fr.daemonsCPU(); cpu0 > 0 && cpu1 > cpu0 {
-			res.DaemonCPUPctPerVMBaseline = report.Round3(100 * (cpu1 - cpu0).Seconds() / time.Since(t0).Seconds() / float64(len(forks)))
-		}
+		res.DaemonCPUPctPerVMBaseline = since(len(forks))
 		for _, f := range forks {
 			if _, err := byNode[f.node].c.Protect(ctx, f.name, &api.ProtectOptions{Every: every}); err != nil {
 				return fmt.Errorf("protect %s: %w", f.name, err)
@@ -193,18 +191,15 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		}
 	}
 	r.logf("%d protected forks running (every %v); holding %.0f s before the fault", len(forks), every, s.HoldS)
-	holdStart, cpu0 := time.Now(), fr.daemonsCPU()
-	holdEnd := holdStart.Add(time.Duration(s.HoldS * float64(time.Second)))
+	holdCPU := fr.cpuSince()
+	holdEnd := time.Now().Add(time.Duration(s.HoldS * float64(time.Second)))
 	for time.Now().Before(holdEnd) {
 		fr.pollProtection(ctx, forks)
 		time.Sleep(every / 4)
 	}
 	fr.pollProtection(ctx, forks)
-	if cpu1 := fr.daemonsCPU(); cpu0 > 0 && cpu1 > cpu0 {
-		res.DaemonCPUPctPerVM = report.Round3(100 * (cpu1 - cpu0).Seconds() / time.Since(holdStart).Seconds() / float64(len(forks)))
-		if res.DaemonCPUPctPerVMBaseline > 0 {
-			res.ProtectCPUPctPerVM = report.Round3(res.DaemonCPUPctPerVM - res.DaemonCPUPctPerVMBaseline)
-		}
+	if res.DaemonCPUPctPerVM = holdCPU(len(forks)); res.DaemonCPUPctPerVM > 0 && res.DaemonCPUPctPerVMBaseline > 0 {
+		res.ProtectCPUPctPerVM = report.Round3(res.DaemonCPUPctPerVM - res.DaemonCPUPctPerVMBaseline)
 	}
 	var victims []*surviveFork
 	for _, f := range forks {
@@ -410,6 +405,19 @@ func (fr *fleetRun) daemonsCPU() time.Duration {
 		sum += u + sy
 	}
 	return sum
+}
+
+// cpuSince starts a measure of the live daemons' CPU: the function it returns gives
+// their CPU since, in % of one core per fork of n (0 when it cannot be read).
+func (fr *fleetRun) cpuSince() func(n int) float64 {
+	t0, cpu0 := time.Now(), fr.daemonsCPU()
+	return func(n int) float64 {
+		cpu1 := fr.daemonsCPU()
+		if cpu0 == 0 || cpu1 <= cpu0 || n == 0 {
+			return 0
+		}
+		return report.Round3(100 * (cpu1 - cpu0).Seconds() / time.Since(t0).Seconds() / float64(n))
+	}
 }
 
 // pollProtection samples each fork's protection: a new point's pause and bytes.
