@@ -72,6 +72,23 @@ func (f *Fleet) leaderGet(ctx context.Context, kv jetstream.KeyValue, key string
 	return e, ok, err
 }
 
+// leaderJSON reads key of kv from the stream's leader (leaderGet, retried) into v, and
+// returns its revision; ok is false when the key has none.
+func (f *Fleet) leaderJSON(ctx context.Context, kv jetstream.KeyValue, key string, v any) (rev uint64, ok bool, err error) {
+	var e leaderEntry
+	err = retry(ctx, "get "+kv.Bucket()+" "+key, func(ctx context.Context) error {
+		e, ok, err = f.leaderGet(ctx, kv, key)
+		return err
+	})
+	if err != nil || !ok {
+		return 0, false, err
+	}
+	if err := json.Unmarshal(e.value, v); err != nil {
+		return 0, false, fmt.Errorf("fleet: %s %s: %w", kv.Bucket(), key, err)
+	}
+	return e.rev, true, nil
+}
+
 // kvStream names the stream that holds bucket kv and the subject prefix of its keys.
 func kvStream(kv jetstream.KeyValue) (stream, prefix string) {
 	return "KV_" + kv.Bucket(), "$KV." + kv.Bucket() + "."

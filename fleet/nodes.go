@@ -255,16 +255,8 @@ func (f *Fleet) watchedNodes() (nodes []api.FleetNode, ok bool) {
 // node reads one node's heartbeat from the bucket's leader (a claim is taken over on
 // its word); ok is false when it has expired.
 func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool, err error) {
-	var e leaderEntry
-	err = retry(ctx, "get node "+name, func(ctx context.Context) error {
-		e, ok, err = f.leaderGet(ctx, f.nodes, name)
-		return err
-	})
-	if err != nil || !ok {
+	if _, ok, err = f.leaderJSON(ctx, f.nodes, name, &n); err != nil || !ok {
 		return n, false, err
-	}
-	if err := json.Unmarshal(e.value, &n); err != nil {
-		return n, false, fmt.Errorf("fleet: node %s: %w", name, err)
 	}
 	return n, !f.expired(n), nil
 }

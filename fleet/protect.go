@@ -247,22 +247,6 @@ func isWrongSequence(err error) bool {
 	return errors.As(err, &apiErr) && (apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence || apiErr.ErrorCode == 10071)
 }
 
-// leaderJSON reads key of kv from the stream's leader into v.
-func (f *Fleet) leaderJSON(ctx context.Context, kv jetstream.KeyValue, key string, v any) (rev uint64, ok bool, err error) {
-	var e leaderEntry
-	err = retry(ctx, "get "+key, func(ctx context.Context) error {
-		e, ok, err = f.leaderGet(ctx, kv, key)
-		return err
-	})
-	if err != nil || !ok {
-		return 0, false, err
-	}
-	if err := json.Unmarshal(e.value, v); err != nil {
-		return 0, false, fmt.Errorf("fleet: key %s: %w", key, err)
-	}
-	return e.rev, true, nil
-}
-
 // pickPeer chooses the node to hold a VM's next point: one of prefer when live, else a
 // live node of this node's class (not this one) chosen by the VM's name, so that a
 // node's VMs spread over the others.
