@@ -229,6 +229,7 @@ var errorCodes = []struct {
 	{ErrInvalidSpec, "invalid_spec", 400},
 	{ErrPaused, "paused", 409},
 	{ErrParked, "vm_parked", 409},
+	{ErrFrozen, "vm_frozen", 409},
 	{ErrDiskBudget, "disk_budget", 507},
 	{ErrNotRunning, "not_running", 409},
 	{ErrNotForkable, "not_forkable", 409},

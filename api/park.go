@@ -18,6 +18,10 @@ var (
 	// hold the parked image (its free space less the engine's reserve, or the parked
 	// VMs' disk budget); the VM keeps running. The message has the figures.
 	ErrDiskBudget = errors.New("not enough disk to park")
+	// ErrFrozen reports an operation that would run the guest of a frozen VM (a
+	// checkpoint, a park, an exec): its fleet node stopped it in place because its
+	// heartbeats were late (Engine.Freeze), and only the node's thaw runs it again.
+	ErrFrozen = errors.New("vm is frozen")
 )
 
 // ParkedInfo is what a parked VM holds on disk (Info.Parked).

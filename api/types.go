@@ -43,9 +43,13 @@ const (
 	StateRunning  State = "running"  // QEMU alive and the agent answered at least once
 	StateDead     State = "dead"     // QEMU is gone (crashed or killed); remove it with Delete
 	// StatePaused: QEMU stopped the guest on a disk I/O error (Info.Reason "io-error: no
-	// space"); the engine resumes it once the disk's file system has space again.
+	// space"); the engine resumes it once the disk's file system has space again. A VM
+	// its fleet node froze (its heartbeats were late) is paused with reason "frozen".
 	StatePaused State = "paused"
 )
+
+// ReasonFrozen is Info.Reason of a paused VM its fleet node froze (Engine.Freeze).
+const ReasonFrozen = "frozen"
 
 // Info is a snapshot of a VM's state.
 type Info struct {

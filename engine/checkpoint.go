@@ -223,6 +223,10 @@ func (w *ckWriter) pause(ctx context.Context, vm *VM, k ckKind) error {
 
 // pauseLocked is pause with the VM's state s, under its lock.
 func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind) (err error) {
+	if s.Frozen {
+		// Its pause would end by running the guest (see Engine.Freeze).
+		return fmt.Errorf("%w: %s", ErrFrozen, vm.Name())
+	}
 	ck, p := w.ck, vm.process()
 	// The previous checkpoint's disk collapse first (so this one freezes a short chain);
 	// this checkpoint's starts once the guest runs again and the marker is gone.
@@ -414,7 +418,7 @@ func (vm *VM) recoverCheckpointing(log *slog.Logger) {
 			os.Remove(path)
 		}
 	}
-	if st, err := c.QueryStatus(ctx); err == nil && st.Status != "running" {
+	if st, err := c.QueryStatus(ctx); err == nil && st.Status != "running" && !vm.snapshot().Frozen {
 		err := c.Cont(ctx)
 		log.Info("recover: resumed a guest a checkpoint left stopped", "vm", vm.Name(), "status", st.Status, "err", err)
 	}

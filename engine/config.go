@@ -356,6 +356,7 @@ const (
 	// StatePaused: QEMU stopped the guest on a disk I/O error (Info.Reason "io-error: no
 	// space"); the engine resumes it once the disk's file system has space again
 	// (Engine.Resume: at once). Agent operations fail with a *PausedError meanwhile.
+	// A frozen VM (Engine.Freeze) is paused too, Info.Reason "frozen", until Thaw.
 	StatePaused = api.StatePaused
 	// StateParked: see Engine.Park.
 	StateParked = api.StateParked

@@ -43,6 +43,8 @@ var (
 	ErrPaused = api.ErrPaused
 	// ErrParked reports an operation that needs the VM's QEMU on a parked VM.
 	ErrParked = api.ErrParked
+	// ErrFrozen reports an operation that would run a frozen VM's guest (Engine.Freeze).
+	ErrFrozen = api.ErrFrozen
 	// ErrDiskBudget reports a park the state directory's disk cannot hold.
 	ErrDiskBudget = api.ErrDiskBudget
 	// ErrNotForkable reports a checkpoint of a VM that cannot be checkpointed.

@@ -76,6 +76,8 @@ type manifest struct {
 	NoPark bool `json:"no_park,omitempty"`
 	// Protection is the VM's protection while it is protected (Engine.Protect).
 	Protection *ProtectionInfo `json:"protection,omitempty"`
+	// Frozen is set while the VM's guest is stopped by Engine.Freeze, until Thaw.
+	Frozen bool `json:"frozen,omitempty"`
 }
 
 // PhaseTimings are the durations of the phases of a create or a fork.

@@ -134,6 +134,9 @@ func (e *Engine) Park(ctx context.Context, name string) (*api.ParkResult, error)
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, name)
 	}
+	if err := vm.errIfFrozen(); err != nil {
+		return nil, err // a wake would run it
+	}
 	m := vm.manifest()
 	if m.Launch.RAM.Path == "" {
 		return nil, fmt.Errorf("%w: %s was created without --forkable (its RAM is anonymous): it cannot be parked", ErrNotForkable, name)

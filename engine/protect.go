@@ -157,6 +157,9 @@ func (e *Engine) Protect(ctx context.Context, name string, opts *ProtectOptions)
 	if !vm.alive() && m.State != StateParked {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, name)
 	}
+	if m.Frozen {
+		return nil, fmt.Errorf("%w: %s: thaw it first", ErrFrozen, name)
+	}
 	var info ProtectionInfo
 	if err := vm.update(func(s *vmState) {
 		p := ProtectionInfo{}
@@ -194,12 +197,94 @@ func (e *Engine) startProtection(name string, every time.Duration) {
 func (e *Engine) ResumeProtection() []string {
 	var names []string
 	for _, inf := range e.List() {
-		if inf.Protection != nil {
+		if inf.Protection != nil && inf.Reason != frozenReason {
 			e.startProtection(inf.Name, inf.Protection.Every)
 			names = append(names, inf.Name)
 		}
 	}
 	return names
+}
+
+// Freeze stops VM name's guest where it is and keeps it stopped, its QEMU and memory
+// kept, until Thaw. A fleet node whose heartbeats are late freezes its protected VMs
+// (it fences them) instead of ending them: when its heartbeats come back before another
+// node took a VM over, the VM runs on with no work lost, and when one did, the frozen
+// copy is deleted without ever having run again. So nothing in the engine runs a frozen
+// guest but Thaw: a checkpoint, a park, an agent operation (exec, cp) and a resume
+// after a disk error are refused (ErrFrozen), and an engine restarted meanwhile keeps
+// it stopped (the manifest records it). Its protection loop stops until Thaw. Freezing
+// a frozen VM does nothing; a VM whose QEMU is gone is ErrNotRunning, a parked one
+// ErrParked.
+func (e *Engine) Freeze(ctx context.Context, name string) error {
+	vm, err := e.vms.get(name)
+	if err != nil {
+		return err
+	}
+	// The loop first: a point under way finishes its pause (under the VM's lock) before
+	// the guest is stopped below, and no new one starts.
+	e.prot.end(name)
+	vm.life.Lock() // not while it parks or wakes
+	defer vm.life.Unlock()
+	if err := vm.errIfParked(); err != nil {
+		return err
+	}
+	return vm.locked(func(s *vmState) error {
+		if s.Frozen {
+			return nil
+		}
+		p := vm.process()
+		if p == nil || !vm.alive() {
+			return fmt.Errorf("%w: %s", ErrNotRunning, name)
+		}
+		if err := p.stopGuest(ctx); err != nil {
+			return fmt.Errorf("engine: freeze %s: %w", name, err)
+		}
+		// Frozen from here even if the manifest cannot be written: the gates read s.
+		s.Frozen = true
+		return vm.save(s)
+	})
+}
+
+// Thaw runs a frozen VM's guest again (see Freeze) and restarts its protection loop if
+// it is protected. A VM that is not frozen is left alone.
+func (e *Engine) Thaw(ctx context.Context, name string) error {
+	vm, err := e.vms.get(name)
+	if err != nil {
+		return err
+	}
+	vm.life.Lock()
+	defer vm.life.Unlock()
+	var prot *ProtectionInfo
+	err = vm.locked(func(s *vmState) error {
+		if !s.Frozen {
+			return nil
+		}
+		p := vm.process()
+		if p == nil || !vm.alive() {
+			return fmt.Errorf("%w: %s", ErrNotRunning, name)
+		}
+		c, err := p.client(ctx)
+		if err != nil {
+			return err
+		}
+		if err := c.Cont(ctx); err != nil {
+			return p.failed("thaw", err)
+		}
+		s.Frozen, prot = false, s.Protection
+		return vm.save(s)
+	})
+	if err == nil && prot != nil {
+		e.startProtection(name, prot.Every)
+	}
+	return err
+}
+
+// errIfFrozen is ErrFrozen for a frozen VM (see Freeze), nil otherwise.
+func (vm *VM) errIfFrozen() error {
+	if vm.snapshot().Frozen {
+		return fmt.Errorf("%w: %s: its guest is stopped until its node thaws it", ErrFrozen, vm.Name())
+	}
+	return nil
 }
 
 // Unprotect ends VM name's protection and deletes its protection points (a point a

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/qmp"
@@ -277,18 +278,24 @@ func (vm *VM) diskHasSpace() bool {
 
 // cont asks QEMU to run the guest again; the RESUME event clears the paused state.
 func (vm *VM) cont(ctx context.Context) error {
-	p := vm.process()
-	if p == nil {
-		return fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
-	}
-	c, err := p.client(ctx)
-	if err != nil {
-		return err
-	}
-	if err := c.Cont(ctx); err != nil {
-		return p.failed("resume", err)
-	}
-	return nil
+	// Under the VM's lock, so that a Freeze comes wholly before or after it.
+	return vm.locked(func(s *vmState) error {
+		if s.Frozen {
+			return fmt.Errorf("%w: %s", ErrFrozen, vm.Name())
+		}
+		p := vm.process()
+		if p == nil {
+			return fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
+		}
+		c, err := p.client(ctx)
+		if err != nil {
+			return err
+		}
+		if err := c.Cont(ctx); err != nil {
+			return p.failed("resume", err)
+		}
+		return nil
+	})
 }
 
 // Resume resumes a VM that QEMU paused on a disk I/O error (Info.State StatePaused) at
@@ -305,6 +312,9 @@ func (e *Engine) Resume(ctx context.Context, name string) error {
 	}
 	return vm.cont(ctx)
 }
+
+// frozenReason is how Info shows a frozen VM (Engine.Freeze).
+const frozenReason = api.ReasonFrozen
 
 // ioErrorReason is how Info shows a pause on an I/O error.
 func ioErrorReason(nospace bool, why string) string {

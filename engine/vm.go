@@ -112,6 +112,9 @@ func (vm *VM) Info() Info {
 	if r := vm.pauseReason(); r != "" && st != StateDead && parked == nil {
 		st, reason = StatePaused, r
 	}
+	if m.Frozen && st != StateDead && parked == nil {
+		st, reason = StatePaused, frozenReason
+	}
 
 	return Info{Reason: reason,
 		Name: id.Name, State: st, PID: m.PID, CPUs: id.Spec.CPUs, MemoryMiB: id.Spec.MemoryMiB,
@@ -396,6 +399,9 @@ func (vm *VM) Agent(ctx context.Context) (*vsockd.Client, error) {
 	if err := vm.errIfParked(); err != nil {
 		return nil, err
 	}
+	if err := vm.errIfFrozen(); err != nil {
+		return nil, err
+	}
 	if !vm.alive() {
 		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 	}
@@ -637,6 +643,7 @@ type vmState struct {
 	Park           *parkState
 	NoPark         bool
 	Protection     *ProtectionInfo
+	Frozen         bool
 }
 
 // splitManifest is a manifest's identity (with the VM's directory dir) and state.
@@ -648,7 +655,7 @@ func splitManifest(dir string, m *manifest) (*vmIdentity, vmState) {
 		ReadyAt: m.ReadyAt, Timings: m.Timings, Spans: m.Spans, MemoryCgroup: m.MemoryCgroup,
 		CountersCgroup: m.CountersCgroup, Counters: m.Counters, DeadReason: m.DeadReason,
 		LineageBytes: m.LineageBytes, RAMBaseLayers: m.RAMBaseLayers, DiskCollapse: m.DiskCollapse,
-		Park: m.Park, NoPark: m.NoPark, Protection: m.Protection}
+		Park: m.Park, NoPark: m.NoPark, Protection: m.Protection, Frozen: m.Frozen}
 	return id, st
 }
 
@@ -660,7 +667,7 @@ func joinManifest(id *vmIdentity, s *vmState) manifest {
 		Token: id.Token, CreatedAt: id.CreatedAt, ReadyAt: s.ReadyAt, Timings: s.Timings, Spans: s.Spans,
 		MemoryCgroup: s.MemoryCgroup, CountersCgroup: s.CountersCgroup, Counters: s.Counters,
 		DeadReason: s.DeadReason, LineageBytes: s.LineageBytes, RAMBaseLayers: s.RAMBaseLayers,
-		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark, Protection: s.Protection}
+		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark, Protection: s.Protection, Frozen: s.Frozen}
 }
 
 // newVM is the VM in directory dir whose manifest is m, its consoles served by the

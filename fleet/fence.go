@@ -18,10 +18,10 @@ import (
 // The fence watchdog: a node's protected VMs must stop before another node may revive
 // them even when the daemon itself cannot act (stopped with SIGSTOP, killed, or stuck).
 // So the daemon keeps a lease file in its node directory, renewed with every prompt
-// heartbeat: a deadline on CLOCK_BOOTTIME (the heartbeat's time plus fenceAfter) and
-// the QEMU processes of its protected VMs. A small process of its own (this binary,
-// re-executed: see init) reads it every fenceTick and SIGKILLs those QEMUs once the
-// deadline has passed. A daemon that restarts within the deadline renews the same
+// heartbeat: a deadline on CLOCK_BOOTTIME (the heartbeat's time plus fenceAfter and
+// watchdogGrace) and the QEMU processes of its protected VMs that run (a frozen VM's
+// guest does not). A small process of its own (this binary, re-executed: see init)
+// reads it every fenceTick and SIGKILLs those QEMUs once the deadline has passed. A daemon that restarts within the deadline renews the same
 // lease and keeps its VMs; the watchdog exits when the lease file is gone or lists no
 // process for a while (the daemon starts another when it protects a VM again).
 
@@ -57,30 +57,22 @@ func init() {
 }
 
 // renewLease writes the lease after a prompt heartbeat carrying stamp: the deadline is
-// stamp plus fenceAfter; its QEMUs are the protected VMs of vms (the engine's listing). With none, an
+// stamp plus fenceAfter and watchdogGrace; its QEMUs are the protected VMs of vms (the engine's listing). With none, an
 // existing lease is emptied (its watchdog then exits). Nothing without a node
 // directory.
 func (f *Fleet) renewLease(stamp time.Time, vms []api.Info) {
 	if f.cfg.Dir == "" || f.protector() == nil {
 		return
 	}
-	var l lease
-	for _, v := range vms {
-		if v.Protection != nil && v.State != api.StateDead && v.PID > 0 {
-			l.QEMUs = append(l.QEMUs, leaseQEMU{PID: v.PID, VM: v.Name})
-		}
-	}
+	l := lease{QEMUs: leaseQEMUs(vms)}
 	path := filepath.Join(f.cfg.Dir, leaseFile)
 	if len(l.QEMUs) == 0 {
 		if _, err := os.Stat(path); err != nil {
 			return
 		}
 	}
-	l.Deadline = boottime() - int64(time.Since(stamp)) + int64(f.fenceAfter())
-	b, _ := json.Marshal(l)
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil || os.Rename(tmp, path) != nil {
-		f.log.Warn("fleet: fence lease not written", "err", err)
+	l.Deadline = boottime() - int64(time.Since(stamp)) + int64(f.fenceAfter()+watchdogGrace(f.cfg.TTL))
+	if !f.writeLease(path, l) {
 		return
 	}
 	if len(l.QEMUs) > 0 && !f.watchdogRuns() {
@@ -90,6 +82,53 @@ func (f *Fleet) renewLease(stamp time.Time, vms []api.Info) {
 		}
 		f.watchdog = done
 	}
+}
+
+// leaseQEMUs are the QEMUs the lease lists: those of the protected VMs of vms that run
+// (a frozen VM's guest runs no more, a dead one has no QEMU).
+func leaseQEMUs(vms []api.Info) []leaseQEMU {
+	var out []leaseQEMU
+	for _, v := range vms {
+		frozen := v.State == api.StatePaused && v.Reason == api.ReasonFrozen
+		if v.Protection != nil && v.State != api.StateDead && v.PID > 0 && !frozen {
+			out = append(out, leaseQEMU{PID: v.PID, VM: v.Name})
+		}
+	}
+	return out
+}
+
+// watchdogGrace is how much later than the daemon's own fencing (fenceAfter) the
+// watchdog's deadline falls: a daemon that can act freezes its VMs first and takes
+// them off the lease (leaseFrozen), so the watchdog ends only those of a daemon that
+// cannot. Half a TTL, which leaves half a TTL before any other node may take them over
+// (protectLease).
+func watchdogGrace(ttl time.Duration) time.Duration { return ttl / 2 }
+
+// writeLease replaces the lease at path with l (by rename: the watchdog never reads a
+// part of it).
+func (f *Fleet) writeLease(path string, l lease) bool {
+	b, _ := json.Marshal(l)
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil || os.Rename(tmp, path) != nil {
+		f.log.Warn("fleet: fence lease not written", "err", err)
+		return false
+	}
+	return true
+}
+
+// leaseFrozen takes the VMs fenceAll froze off the lease, its deadline kept.
+func (f *Fleet) leaseFrozen() {
+	if f.cfg.Dir == "" {
+		return
+	}
+	path := filepath.Join(f.cfg.Dir, leaseFile)
+	b, err := os.ReadFile(path)
+	var l lease
+	if err != nil || json.Unmarshal(b, &l) != nil {
+		return
+	}
+	l.QEMUs = leaseQEMUs(f.eng.List())
+	f.writeLease(path, l)
 }
 
 // leaveLease removes the lease when this node runs no protected VM (its watchdog then

@@ -168,6 +168,9 @@ type Fleet struct {
 	// silenced stops this node's heartbeats (tests: a node that dies right after a
 	// fork's record, before it beats again, now that a job's end beats at once).
 	silenced atomic.Bool
+	// beatsFail makes every heartbeat fail as a write to a bucket without a leader does
+	// (tests: an election, or a node cut off from NATS).
+	beatsFail atomic.Bool
 
 	ctx    context.Context
 	cancel context.CancelFunc

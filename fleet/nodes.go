@@ -51,6 +51,10 @@ func (f *Fleet) beat(ctx context.Context) error {
 	if f.silenced.Load() {
 		return nil
 	}
+	if f.beatsFail.Load() {
+		f.beatingSince.Store(0)
+		return fmt.Errorf("%w: heartbeat: no leader (test)", ErrUnavailable)
+	}
 	vms := f.eng.List() // once: the heartbeat counts them, the lease names the protected
 	hb := f.selfOf(vms)
 	b, err := json.Marshal(hb)

@@ -34,11 +34,16 @@ import (
 // point as itself, then protects it again, copying its points to another node.
 //
 // Fencing: an owner whose heartbeats have not gone through for fenceAfter (a TTL)
-// fences its protected VMs: it ends their QEMUs and keeps their points (the engine's
-// Fence), a TTL before any other node may take them over (protectLease: its heartbeat
-// two TTLs old). When its heartbeats go through again it reads each fenced VM's record: still
-// its own, it revives the VM from its own last point; another node's, it deletes its
-// stale points. The arithmetic, and what it assumes of clocks, is in docs/fleet.md.
+// fences its protected VMs, a TTL before any other node may take them over
+// (protectLease: its heartbeat two TTLs old). It freezes each (the engine's Freeze: the
+// guest stopped in place, nothing but Thaw runs it again), or ends it, keeping its
+// points, where it cannot (the engine's Fence). It cannot tell an election of the
+// heartbeat bucket's leader, which stalls every node's heartbeats, from being cut off:
+// a freeze costs the election a stall, where ending the VMs cost the work since their
+// points. When its heartbeats go through again it reads each fenced VM's record: still
+// its own, it rewrites it by revision and thaws the VM (or revives one it ended from
+// its own last point); another node's, it deletes its stale copy and points. The
+// arithmetic, and what it assumes of clocks, is in docs/fleet.md.
 
 // bucketProtect holds the protection records.
 const bucketProtect = "forkvm_protect"
@@ -71,6 +76,9 @@ type protectRec struct {
 	Node  string `json:"node"`
 	Class string `json:"class"`
 	api.FleetProtection
+	// rev is the record's revision when it was listed (protectRecs): a takeover
+	// writes against it, so that any write since (a new point, an owner's thaw) fails it.
+	rev uint64
 }
 
 // ProtectEngine is what protection needs of the local engine besides Engine (the
@@ -80,6 +88,9 @@ type ProtectEngine interface {
 	Token(name string) (string, error)
 	Revive(ctx context.Context, point, name, token string) (api.Info, error)
 	Protect(ctx context.Context, name string, every time.Duration) error
+	// Freeze stops a local VM's guest in place, Thaw runs it again (engine.Freeze).
+	Freeze(ctx context.Context, name string) error
+	Thaw(ctx context.Context, name string) error
 	// Fence ends a local VM, keeping its protection points; DropPoints deletes them.
 	Fence(ctx context.Context, name string) error
 	DropPoints(ctx context.Context, name string)
@@ -109,7 +120,9 @@ func (a engineAdapter) Protect(ctx context.Context, name string, every time.Dura
 	return err
 }
 
-func (a engineAdapter) Fence(ctx context.Context, name string) error { return a.e.Fence(ctx, name) }
+func (a engineAdapter) Fence(ctx context.Context, name string) error  { return a.e.Fence(ctx, name) }
+func (a engineAdapter) Freeze(ctx context.Context, name string) error { return a.e.Freeze(ctx, name) }
+func (a engineAdapter) Thaw(ctx context.Context, name string) error   { return a.e.Thaw(ctx, name) }
 
 func (a engineAdapter) Points() ([]api.CheckpointInfo, error) {
 	cks, err := a.e.Checkpoints()
@@ -489,24 +502,43 @@ func (f *Fleet) mustFence() bool {
 	return last != 0 && time.Since(time.Unix(0, last)) > f.fenceAfter()
 }
 
-// fenceAll fences every local protected VM (see the package's notes), and records
-// which, so that settle decides what becomes of them.
+// fenceAll fences every local protected VM not fenced yet (see the package's notes):
+// it freezes it (its guest stopped in place, its QEMU and memory kept), or ends it when
+// it cannot be frozen, and records which, so that settle decides what becomes of them.
+// The frozen ones then leave the fence lease: the watchdog has nothing to end for them.
 func (f *Fleet) fenceAll(p ProtectEngine) {
+	froze := false
 	for _, v := range f.eng.List() {
-		if v.Protection == nil {
+		f.mu.Lock()
+		done := f.fenced[v.Name]
+		f.mu.Unlock()
+		if v.Protection == nil || done {
 			continue
 		}
-		ctx, cancel := context.WithTimeout(f.ctx, 30*time.Second)
-		err := p.Fence(ctx, v.Name)
+		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL/2)
+		how, err := "frozen", error(nil)
+		if v.State == api.StateParked {
+			err = errors.New("parked") // a wake would run it: it is ended instead
+		} else {
+			err = p.Freeze(ctx, v.Name)
+		}
+		if err != nil {
+			how = "ended"
+			err = errors.Join(err, p.Fence(ctx, v.Name))
+		}
 		cancel()
+		froze = froze || how == "frozen"
 		f.mu.Lock()
 		if f.fenced == nil {
 			f.fenced = map[string]bool{}
 		}
 		f.fenced[v.Name] = true
 		f.mu.Unlock()
-		f.log.Warn("fleet: protected VM fenced: this node's heartbeats are late", "vm", v.Name,
+		f.log.Warn("fleet: protected VM fenced: this node's heartbeats are late", "vm", v.Name, "how", how,
 			"last_beat", time.Unix(0, f.lastBeat.Load()).UTC(), "err", err)
+	}
+	if froze {
+		f.leaseFrozen()
 	}
 }
 
@@ -543,6 +575,7 @@ func (f *Fleet) protectRecs(ctx context.Context) ([]protectRec, error) {
 	err := f.eachLatest(ctx, f.protect, func(e leaderEntry) {
 		var r protectRec
 		if json.Unmarshal(e.value, &r) == nil {
+			r.rev = e.rev
 			out = append(out, r)
 		}
 	})
@@ -560,7 +593,11 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 	f.mu.Unlock()
 	info, local := f.eng.Get(r.VM)
 	here := local == nil
+	// A VM frozen by this node's daemon before it restarted is fenced as well.
+	fenced = fenced || (here && info.Reason == api.ReasonFrozen && info.State == api.StatePaused)
 	switch {
+	case r.Node == f.cfg.Node && here && fenced:
+		f.thaw(p, r, info)
 	case r.Node == f.cfg.Node && !here && (fenced || r.Error != ""):
 		f.revive(p, r, "")
 	case r.Node != f.cfg.Node && here && (info.Protection != nil || fenced):
@@ -618,6 +655,47 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 	}
 }
 
+// thaw runs on a VM this node froze (fenceAll), now that its heartbeats go through
+// again and its record still names this node. The record is written again first, by
+// revision: a holder taking the VM over meanwhile writes against the revision it judged
+// (revive), so exactly one of the two writes lands; if the holder's did, the copy here
+// is deleted at the next tick without having run again. A frozen VM whose QEMU is gone
+// (the watchdog ended it, or it died) is revived here from its last point.
+func (f *Fleet) thaw(p ProtectEngine, r protectRec, info api.Info) {
+	ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
+	defer cancel()
+	if info.State == api.StateDead {
+		p.Fence(ctx, r.VM) // its QEMU is gone: the VM goes, its points stay
+		f.revive(p, r, "")
+		return
+	}
+	key := kvKey(r.VM)
+	var cur protectRec
+	rev, ok, err := f.leaderJSON(ctx, f.protect, key, &cur)
+	if err != nil || !ok || cur.Node != f.cfg.Node {
+		return // the next tick sees it
+	}
+	if err := f.writeRec(ctx, key, cur, rev, true); err != nil {
+		f.log.Info("fleet: frozen VM not thawed: its record changed", "vm", r.VM, "err", err)
+		return
+	}
+	if err := p.Thaw(ctx, r.VM); err != nil {
+		// Stopped it stays (or its QEMU is gone): end it and revive it from its point.
+		f.log.Warn("fleet: frozen VM not thawed: revived from its point", "vm", r.VM, "err", err)
+		p.Fence(ctx, r.VM)
+		r.rev, r.Node = 0, f.cfg.Node
+		if rev, ok, err := f.leaderJSON(ctx, f.protect, key, &cur); err == nil && ok {
+			r.rev = rev
+		}
+		f.revive(p, r, "")
+		return
+	}
+	f.mu.Lock()
+	delete(f.fenced, r.VM)
+	f.mu.Unlock()
+	f.log.Info("fleet: frozen VM thawed: its heartbeats go through again and it is still this node's", "vm", r.VM)
+}
+
 // liveView says whether node is live in the watched view; unsure when the view is not
 // usable (then the caller waits).
 func (f *Fleet) liveView(node string) (unsure, live bool) {
@@ -641,8 +719,8 @@ func (f *Fleet) revive(p ProtectEngine, r protectRec, from string) {
 	key := kvKey(r.VM)
 	var cur protectRec
 	rev, ok, err := f.leaderJSON(ctx, f.protect, key, &cur)
-	if err != nil || !ok || cur.Node != r.Node || cur.Point != r.Point {
-		return // changed meanwhile: the next tick sees it
+	if err != nil || !ok || rev != r.rev || cur.Node != r.Node || cur.Point != r.Point {
+		return // changed since it was judged: the next tick sees it
 	}
 	now := time.Now().UTC()
 	next := cur

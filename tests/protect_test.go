@@ -15,8 +15,10 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/pull"
+	"github.com/forkvm/forkvm/vsockd"
 )
 
 // engineSource is an engine as a pull.Source: another host's daemon, in-process.
@@ -388,4 +390,114 @@ func TestProtectionFallsBehind(t *testing.T) {
 	if got := strings.TrimSpace(mustRun(t, g, "cat /dev/shm/c")); got != "7000" {
 		t.Errorf("revived from the last point: counter %q, want 7000 (as at the point)", got)
 	}
+}
+
+// TestFreezeThaw: a frozen VM's guest runs no more (its QEMU spends next to no CPU,
+// though the guest spins) until Thaw, whatever else asks: exec, a checkpoint, a
+// protection point and a park are refused with ErrFrozen, a resume leaves it stopped,
+// and an engine restarted meanwhile keeps it stopped. Thawed, it runs on as it was
+// and its protection loop takes points again.
+func TestFreezeThaw(t *testing.T) {
+	roomy := parallelVMTest(t)
+	env := newRobustEnv(t, roomy)
+	e := env.E
+	ctx := ctxT(t, 4*time.Minute)
+	makePinnedWorld(t, e, 256, 0)
+	f := mustFork(t, e, "ck", "f")
+	if _, err := e.Protect(ctx, "f", &engine.ProtectOptions{Every: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := e.ProtectNow(ctx, "f")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, f, "echo kept > /dev/shm/k; (while :; do :; done) >/dev/null 2>&1 & echo $! > /dev/shm/spin")
+	if err := e.Freeze(ctx, "f"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Freeze(ctx, "f"); err != nil {
+		t.Fatalf("freeze of a frozen VM: %v", err)
+	}
+	frozen := func(e *engine.Engine, when string) {
+		t.Helper()
+		vm, err := e.Get("f")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inf := vm.Info(); inf.State != engine.StatePaused || inf.Reason != api.ReasonFrozen {
+			t.Errorf("%s: state %s (%q), want paused (frozen)", when, inf.State, inf.Reason)
+		}
+		if cpu := cpuOver(t, vm.PID(), 2*time.Second); cpu > 100*time.Millisecond {
+			t.Errorf("%s: its QEMU spent %v of CPU in 2 s: the guest runs", when, cpu)
+		}
+		_, err = vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"true"}})
+		_, cerr := e.Checkpoint(ctx, "f", "fck", nil)
+		_, perr := e.ProtectNow(ctx, "f")
+		_, kerr := e.Park(ctx, "f")
+		for what, err := range map[string]error{"exec": err, "checkpoint": cerr, "protection point": perr, "park": kerr, "resume": e.Resume(ctx, "f")} {
+			if what == "resume" {
+				if err != nil || vm.Info().Reason != api.ReasonFrozen {
+					t.Errorf("%s: resume: %v, reason %q; want nothing done", when, err, vm.Info().Reason)
+				}
+				continue
+			}
+			if !errors.Is(err, engine.ErrFrozen) {
+				t.Errorf("%s: %s: %v, want ErrFrozen", when, what, err)
+			}
+		}
+	}
+	frozen(e, "frozen")
+	// A restarted engine keeps it frozen.
+	e.Close()
+	if st := qmpStatus(t, env.Home, "f"); st != "paused" {
+		t.Errorf("QEMU's status with no engine: %s, want paused", st)
+	}
+	e2, err := engine.New(context.Background(), &env.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env.E = e2
+	frozen(e2, "after a restart")
+	if err := e2.Thaw(ctx, "f"); err != nil {
+		t.Fatal(err)
+	}
+	f2, err := e2.Get("f")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inf := f2.Info(); inf.State != engine.StateRunning {
+		t.Errorf("thawed: state %s (%q), want running", inf.State, inf.Reason)
+	}
+	if cpu := cpuOver(t, f2.PID(), 2*time.Second); cpu < 100*time.Millisecond {
+		t.Errorf("thawed: its QEMU spent %v of CPU in 2 s while its guest spins", cpu)
+	}
+	if got := mustRun(t, f2, "cat /dev/shm/k; kill $(cat /dev/shm/spin)"); got != "kept" {
+		t.Errorf("thawed guest's file: %q, want kept", got)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for {
+		q := f2.Info().Protection
+		if q != nil && q.Points > p.Points {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no protection point after the thaw: %+v (before the freeze: %d)", q, p.Points)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// cpuOver is the CPU time process pid spends over d.
+func cpuOver(t *testing.T, pid int, d time.Duration) time.Duration {
+	t.Helper()
+	u0, s0, err := procinfo.ProcessCPU(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(d)
+	u1, s1, err := procinfo.ProcessCPU(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u1 + s1 - u0 - s0
 }

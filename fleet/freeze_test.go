@@ -1,0 +1,189 @@
+package fleet
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/fleet/natsembed"
+)
+
+// protEngine is a fake engine that protects: it records what fencing, thawing and
+// fail-over ask of it.
+type protEngine struct {
+	*fakeEngine
+	pmu    sync.Mutex
+	calls  []string
+	points []api.CheckpointInfo
+}
+
+func newProtEngine() *protEngine { return &protEngine{fakeEngine: newFakeEngine(100)} }
+
+func (e *protEngine) did(call string) {
+	e.pmu.Lock()
+	e.calls = append(e.calls, call)
+	e.pmu.Unlock()
+}
+
+func (e *protEngine) called() []string {
+	e.pmu.Lock()
+	defer e.pmu.Unlock()
+	return slices.Clone(e.calls)
+}
+
+func (e *protEngine) set(name string, fn func(v *api.Info)) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	v, ok := e.vms[name]
+	if !ok {
+		return api.ErrNotFound
+	}
+	fn(&v)
+	e.vms[name] = v
+	return nil
+}
+
+func (e *protEngine) Token(string) (string, error) { return "token", nil }
+
+func (e *protEngine) Revive(_ context.Context, point, name, _ string) (api.Info, error) {
+	e.did("revive " + name)
+	inf := api.Info{Name: name, State: api.StateRunning, CPUs: 1, PID: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
+	e.mu.Lock()
+	e.vms[name] = inf
+	e.mu.Unlock()
+	return inf, nil
+}
+
+func (e *protEngine) Protect(_ context.Context, name string, _ time.Duration) error {
+	e.did("protect " + name)
+	return nil
+}
+
+func (e *protEngine) Freeze(_ context.Context, name string) error {
+	e.did("freeze " + name)
+	return e.set(name, func(v *api.Info) { v.State, v.Reason = api.StatePaused, api.ReasonFrozen })
+}
+
+func (e *protEngine) Thaw(_ context.Context, name string) error {
+	e.did("thaw " + name)
+	return e.set(name, func(v *api.Info) { v.State, v.Reason = api.StateRunning, "" })
+}
+
+func (e *protEngine) Fence(ctx context.Context, name string) error {
+	e.did("fence " + name)
+	return e.Delete(ctx, name)
+}
+
+func (e *protEngine) DropPoints(_ context.Context, name string) { e.did("drop " + name) }
+
+func (e *protEngine) Points() ([]api.CheckpointInfo, error) {
+	e.pmu.Lock()
+	defer e.pmu.Unlock()
+	return slices.Clone(e.points), nil
+}
+
+// protectedPair joins n1, which runs the protected VM v, and n2, which holds the copy
+// of its point that v's record names, and waits until both judge.
+func protectedPair(t *testing.T, s *natsembed.Server) (n1, n2 *Fleet, e1, e2 *protEngine) {
+	t.Helper()
+	e1, e2 = newProtEngine(), newProtEngine()
+	e1.vms["v"] = api.Info{Name: "v", State: api.StateRunning, CPUs: 1, PID: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
+	e2.points = []api.CheckpointInfo{{Name: "v-p-1", Protects: "v", CreatedAt: time.Now()}}
+	nodes := map[string]*Fleet{}
+	for name, e := range map[string]*protEngine{"n1": e1, "n2": e2} {
+		cfg := Config{Node: name, Addr: "http://" + name, Dir: t.TempDir(), MaxVCPUs: 8,
+			Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond,
+			Connect: func() (*nats.Conn, error) {
+				return nats.Connect("", nats.InProcessServer(s), nats.UserInfo("fleet", "pw"))
+			}}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		f, err := Join(ctx, cfg, e, &fakeFetcher{to: e.fakeEngine, fetches: map[string]int{}})
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			f.Close(ctx)
+		})
+		nodes[name] = f
+	}
+	n1, n2 = nodes["n1"], nodes["n2"]
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	rec := protectRec{VM: "v", Token: "token", Node: "n1", Class: ClassID(testClass),
+		FleetProtection: api.FleetProtection{Point: "v-p-1", PointAt: time.Now(), Copies: []string{"n2"}, Every: time.Second}}
+	if err := n1.writeRec(ctx, kvKey("v"), rec, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "both nodes judging", func() bool { return n1.judging() && n2.judging() })
+	return n1, n2, e1, e2
+}
+
+// waitFor polls cond every 50 ms until it holds, or fails the test after d.
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(d); !cond(); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %v", what, d)
+		}
+	}
+}
+
+// TestElectionFreezesAndThaws: every node's heartbeats fail for longer than the
+// protected VMs' lease (a heartbeat bucket without a leader, as while its leader's node
+// is gone). The owner freezes its protected VM when its own heartbeats are a TTL late
+// (it cannot tell an election from being cut off), no node takes the VM over (none
+// judges while its own heartbeats fail), and once the heartbeats go through again the
+// owner thaws it in place: nothing ended, nothing revived, no work lost.
+func TestElectionFreezesAndThaws(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	n1, n2, e1, e2 := protectedPair(t, s)
+	n1.beatsFail.Store(true)
+	n2.beatsFail.Store(true)
+	waitFor(t, 10*time.Second, "v frozen", func() bool { return slices.Contains(e1.called(), "freeze v") })
+	time.Sleep(3 * n1.protectLease()) // longer than any lease: the heartbeats expire
+	n1.beatsFail.Store(false)
+	n2.beatsFail.Store(false)
+	waitFor(t, 20*time.Second, "v thawed", func() bool { return slices.Contains(e1.called(), "thaw v") })
+	// A while more, for a takeover that should not come.
+	time.Sleep(n1.protectLease())
+	if got, want := e1.called(), []string{"freeze v", "thaw v"}; !slices.Equal(got, want) {
+		t.Errorf("n1 was asked %v, want %v", got, want)
+	}
+	if got := e2.called(); len(got) != 0 {
+		t.Errorf("n2 was asked %v, want nothing (v was never lost)", got)
+	}
+	if v, err := e1.Get("v"); err != nil || v.State != api.StateRunning {
+		t.Errorf("v on n1: %+v, %v; want running", v, err)
+	}
+}
+
+// TestCutOffFrozenThenDropped: only the owner's heartbeats fail (it is cut off). It
+// freezes its protected VM; the holder of the VM's point takes it over once the
+// owner's lease has run out and revives it; when the owner's heartbeats go through
+// again, its frozen copy is ended and its points dropped, never thawed.
+func TestCutOffFrozenThenDropped(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	n1, _, e1, e2 := protectedPair(t, s)
+	n1.beatsFail.Store(true)
+	waitFor(t, 10*time.Second, "v frozen", func() bool { return slices.Contains(e1.called(), "freeze v") })
+	waitFor(t, 20*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
+	n1.beatsFail.Store(false)
+	waitFor(t, 20*time.Second, "n1's copy dropped", func() bool { return slices.Contains(e1.called(), "drop v") })
+	got := e1.called()
+	if slices.Contains(got, "thaw v") || !slices.Contains(got, "fence v") {
+		t.Errorf("n1 was asked %v: want its frozen v ended (fence) and dropped, never thawed", got)
+	}
+	if _, err := e1.Get("v"); err == nil {
+		t.Errorf("n1 still has v")
+	}
+}
