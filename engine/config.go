@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"sync"
 	"time"
 
@@ -52,7 +53,8 @@ type Config struct {
 	// CPUModel is QEMU's -cpu model for new VMs. Default: $FORKVM_CPU, else "host" under
 	// kvm/hvf and "max" under tcg. Checkpoints record it; forks use the recorded one.
 	CPUModel string
-	// Overcommit is the vCPU budget factor: budget = host CPUs * Overcommit. Default 8.
+	// Overcommit is the vCPU budget factor: budget = host CPUs * Overcommit. Default
+	// $FORKVM_OVERCOMMIT, else 8 (the CLI's one setting for the engines it opens).
 	Overcommit float64
 	// MaxOvercommit caps the overcommit a single request may ask for
 	// (ForkOptions.Overcommit, ManyOptions.Overcommit, a daemon client's): a request
@@ -163,6 +165,15 @@ func (c Config) resolve() (*resolved, error) {
 	}{{"Overcommit", c.Overcommit}, {"MaxOvercommit", c.MaxOvercommit}, {"MemoryCommitRatio", c.MemoryCommitRatio}} {
 		if err := api.CheckFinite(f.what, f.v); err != nil {
 			return nil, err
+		}
+	}
+	if c.Overcommit == 0 {
+		if v := os.Getenv("FORKVM_OVERCOMMIT"); v != "" {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || api.CheckFinite("FORKVM_OVERCOMMIT", f) != nil || f <= 0 {
+				return nil, fmt.Errorf("%w: FORKVM_OVERCOMMIT=%q: want a positive number", ErrInvalidSpec, v)
+			}
+			c.Overcommit = f
 		}
 	}
 	if c.StateDir == "" {

@@ -36,6 +36,7 @@ func testConfig(t *testing.T) *Config {
 	t.Helper()
 	t.Setenv("FORKVM_ACCEL", "")
 	t.Setenv("FORKVM_CPU", "")
+	t.Setenv("FORKVM_OVERCOMMIT", "")
 	sd, rd := testDirs(t)
 	return &Config{
 		StateDir: sd,
@@ -910,6 +911,32 @@ func TestNewRefusedRemovesWhatItMade(t *testing.T) {
 	for _, d := range []string{e1.Config().RAMDir, e1.Config().RunDir} {
 		if _, err := os.Stat(d); err != nil {
 			t.Errorf("the running engine's %s: %v", d, err)
+		}
+	}
+}
+
+// TestOvercommitFromEnv: $FORKVM_OVERCOMMIT fills an unset Overcommit (and so the
+// request cap, twice it), a set one wins, and a value that is not a positive number is
+// ErrInvalidSpec.
+func TestOvercommitFromEnv(t *testing.T) {
+	cfg := testConfig(t)
+	t.Setenv("FORKVM_OVERCOMMIT", "32")
+	e := newTestEngine(t, cfg)
+	if c := e.Config(); c.Overcommit != 32 || c.MaxOvercommit != 64 {
+		t.Errorf("FORKVM_OVERCOMMIT=32: overcommit %g, cap %g; want 32, 64", c.Overcommit, c.MaxOvercommit)
+	}
+	e.Close()
+	cfg.Overcommit = 4
+	e = newTestEngine(t, cfg)
+	if c := e.Config(); c.Overcommit != 4 {
+		t.Errorf("Overcommit 4 with FORKVM_OVERCOMMIT=32: %g, want the field's 4", c.Overcommit)
+	}
+	e.Close()
+	cfg.Overcommit = 0
+	for _, v := range []string{"x", "-1", "0", "NaN", "+Inf"} {
+		t.Setenv("FORKVM_OVERCOMMIT", v)
+		if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidSpec) {
+			t.Errorf("FORKVM_OVERCOMMIT=%s: %v, want ErrInvalidSpec", v, err)
 		}
 	}
 }

@@ -17,6 +17,7 @@ import (
 // `forkvm serve --counters` does, and fork --counters is refused by a daemon that does
 // not count (before any fork starts) rather than giving forks without counters.
 func TestForkCountersCLI(t *testing.T) {
+	t.Parallel() // its CLI and daemons run with cliEnv's budget
 	home, cli, ok := cliSession(t, "fvctr-", []string{"rm", "cw", "c1", "c2", "c3", "c4", "c5"}, []string{"checkpoint", "rm", "--force", "cck"})
 	// counted checks a fork's counters as the JSON of its VM object has them.
 	counted := func(what string, c *api.Counters) {

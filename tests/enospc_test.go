@@ -24,6 +24,7 @@ import (
 // VM is paused (a daemon restart) sees it paused and resumes it. The state directory
 // is on a small tmpfs this test mounts and unmounts.
 func TestENOSPCPauseResume(t *testing.T) {
+	parallelVMTest(t)
 	mnt, err := os.MkdirTemp("/tmp", "fvt-nospc-")
 	if err != nil {
 		t.Fatal(err)
@@ -39,7 +40,7 @@ func TestENOSPCPauseResume(t *testing.T) {
 		os.Remove(mnt)
 	})
 	home := filepath.Join(mnt, "h")
-	env := newRobustEnv(t, func(c *engine.Config) { c.StateDir = home })
+	env := newRobustEnv(t, func(c *engine.Config) { roomy(c); c.StateDir = home })
 	e := env.E
 	ctx := ctxT(t, 4*time.Minute)
 	vm, err := e.Create(ctx, engine.Spec{Name: "d", CPUs: 1, MemoryMiB: 256, DiskMiB: 64})

@@ -99,6 +99,7 @@ func TestExecMultiplexed(t *testing.T) {
 // TestCLIExecInterrupted: a CLI exec whose output is capped, then another CLI exec (a new
 // agent connection on the same virtio-serial port) works; exit codes pass through.
 func TestCLIExecInterrupted(t *testing.T) {
+	t.Parallel() // its CLI and daemons run with cliEnv's budget
 	home, err := os.MkdirTemp("/tmp", "fvx-")
 	if err != nil {
 		t.Fatal(err)
@@ -108,7 +109,7 @@ func TestCLIExecInterrupted(t *testing.T) {
 	cli := func(args ...string) (string, int) {
 		t.Helper()
 		cmd := exec.Command(bin, args...)
-		cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+		cmd.Env = cliEnv(home)
 		var out bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &out
 		err := cmd.Run()

@@ -22,6 +22,7 @@ import (
 // without --faults refuses fork --faults before any fork starts; and serve --faults
 // without root does not start, saying why.
 func TestServeFaultsCLI(t *testing.T) {
+	t.Parallel() // its CLI and daemons run with cliEnv's budget
 	if s, err := faultclass.Open(faultclass.Options{MaxProcesses: 1}); errors.Is(err, faultclass.ErrUnavailable) {
 		t.Skipf("this host or user has no eBPF fault classes: %v", err)
 	} else if err != nil {

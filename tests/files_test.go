@@ -211,7 +211,7 @@ func cliRunner(t *testing.T, home string) func(stdin io.Reader, args ...string) 
 	return func(stdin io.Reader, args ...string) (string, string, int) {
 		t.Helper()
 		cmd := exec.Command(bin, args...)
-		cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+		cmd.Env = cliEnv(home)
 		var out, errb bytes.Buffer
 		cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, &out, &errb
 		err := cmd.Run()
@@ -259,6 +259,7 @@ func cliSession(t *testing.T, prefix string, undo ...[]string) (home string, cli
 // new names, tar streams on stdin and stdout) byte-exact, its errors, forkvm logs (with
 // -f following until the VM is deleted) and forkvm exec --user.
 func TestFilesCLI(t *testing.T) {
+	t.Parallel() // its CLI and daemons run with cliEnv's budget
 	home, cli, ok := cliSession(t, "fvc-", []string{"rm", "c1"})
 	ok("create", "c1", "--cpus", "1", "--memory-mb", "256")
 
@@ -338,7 +339,7 @@ func TestFilesCLI(t *testing.T) {
 		t.Fatalf("logs: %q", got)
 	}
 	follow := exec.Command(filepath.Join(binDir, "forkvm"), "logs", "-f", "c1")
-	follow.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	follow.Env = cliEnv(home)
 	pipe, err := follow.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -453,7 +453,7 @@ func fleetFail(t *testing.T) {
 // fleetCmd is the forkvm CLI on state directory home.
 func fleetCmd(home string, args ...string) *exec.Cmd {
 	cmd := exec.Command(filepath.Join(binDir, "forkvm"), args...)
-	cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	cmd.Env = cliEnv(home)
 	return cmd
 }
 

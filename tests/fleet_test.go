@@ -96,7 +96,7 @@ func checkFleetFormation(t *testing.T, hosts []*fleetHost) {
 	t.Cleanup(func() { os.RemoveAll(home4) })
 	cmd := exec.Command(filepath.Join(binDir, "forkvm"), "serve", "--cluster-listen", fleetPorts(t, 1)[0], "--routes", routes,
 		"--cluster-user", "fleet", "--cluster-password-file", bad, "--node", "n4")
-	cmd.Env = append(os.Environ(), "FORKVM_HOME="+home4, "FORKVM_CACHE="+cacheDir)
+	cmd.Env = cliEnv(home4)
 	done := make(chan error, 1)
 	var out4 strings.Builder
 	cmd.Stdout, cmd.Stderr = &out4, &out4
@@ -124,7 +124,7 @@ func checkFleetFormation(t *testing.T, hosts []*fleetHost) {
 		{"serve", "--cluster", "nats://10.1.2.3:4222", "--cluster-insecure"},
 	} {
 		c := exec.Command(filepath.Join(binDir, "forkvm"), args...)
-		c.Env = append(os.Environ(), "FORKVM_HOME="+home4, "FORKVM_CACHE="+cacheDir)
+		c.Env = cliEnv(home4)
 		if out, err := c.CombinedOutput(); err == nil || !strings.Contains(string(out), "fleet") {
 			t.Errorf("forkvm %v: %v %s", args, err, out)
 		}
@@ -138,7 +138,7 @@ func checkFleetFormation(t *testing.T, hosts []*fleetHost) {
 		t.Fatal(err)
 	}
 	c := exec.Command(filepath.Join(binDir, "forkvm"), "serve", "--cluster-listen", "127.0.0.1:0", "--cluster-user", "fleet", "--cluster-password-file", open)
-	c.Env = append(os.Environ(), "FORKVM_HOME="+home4, "FORKVM_CACHE="+cacheDir)
+	c.Env = cliEnv(home4)
 	if out, err := c.CombinedOutput(); err == nil || !strings.Contains(string(out), "readable by others") {
 		t.Errorf("a world-readable password file: %v %s", err, out)
 	}

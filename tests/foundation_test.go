@@ -102,6 +102,7 @@ func TestVMLifecycle(t *testing.T) {
 // TestCLI drives the forkvm binary as a user would, including exec exit codes and an
 // interactive exec -t through a real pty.
 func TestCLI(t *testing.T) {
+	t.Parallel() // its CLI and daemons run with cliEnv's budget
 	home, err := os.MkdirTemp("/tmp", "fvc-")
 	if err != nil {
 		t.Fatal(err)
@@ -113,7 +114,7 @@ func TestCLI(t *testing.T) {
 	cli := func(args ...string) (string, int) {
 		t.Helper()
 		cmd := exec.Command(bin, args...)
-		cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+		cmd.Env = cliEnv(home)
 		out, err := cmd.CombinedOutput()
 		code := 0
 		if ee, ok := err.(*exec.ExitError); ok {
@@ -160,7 +161,7 @@ func TestCLI(t *testing.T) {
 	bundle := filepath.Join(t.TempDir(), "cf.perfetto.tar")
 	monoBefore := monoNow(t)
 	fc := exec.Command(bin, "fork", "cj", "cf", "--json", "--trace", bundle)
-	fc.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	fc.Env = cliEnv(home)
 	var forkErr bytes.Buffer
 	fc.Stderr = &forkErr
 	fout, err := fc.Output()
@@ -203,7 +204,7 @@ func TestCLI(t *testing.T) {
 
 	// exec -t: a real terminal on our side; the guest sees its size and a tty.
 	cmd := exec.Command(bin, "exec", "-t", "c1", "--", "sh", "-c", "stty size; tty; exit 7")
-	cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	cmd.Env = cliEnv(home)
 	ptmx, err := pty.StartWithSize(cmd, &pty.Winsize{Rows: 33, Cols: 101})
 	if err != nil {
 		t.Fatal(err)

@@ -79,6 +79,15 @@ func parallelVMTest(t *testing.T) func(*engine.Config) {
 // roomy raises an engine's vCPU budget for a test that runs beside another one.
 func roomy(c *engine.Config) { c.Overcommit = 32 }
 
+// cliEnv is the environment of a forkvm CLI or daemon that a test runs on the state
+// directory home, with extra (KEY=value) added: the tests' image cache, and roomy's
+// budget (FORKVM_OVERCOMMIT; a daemon's --overcommit wins), since its admission counts
+// the QEMUs of the tests beside it too.
+func cliEnv(home string, extra ...string) []string {
+	env := append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir, "FORKVM_OVERCOMMIT=32")
+	return append(env, extra...)
+}
+
 type testLog struct{ t testing.TB }
 
 func (l testLog) Write(p []byte) (int, error) {

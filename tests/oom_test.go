@@ -22,6 +22,7 @@ import (
 // limit lives in a v1 memory cgroup this test creates (capped at 1 GiB, so the host is
 // never exhausted) and removes.
 func TestDeadReason(t *testing.T) {
+	t.Parallel()
 	root := "/sys/fs/cgroup/memory"
 	if _, err := os.Stat(filepath.Join(root, "memory.limit_in_bytes")); err != nil {
 		t.Skip("no cgroup v1 memory controller at " + root)

@@ -99,7 +99,7 @@ func TestServeCLI(t *testing.T) {
 	}
 	for round := range 5 {
 		cmd := exec.Command(filepath.Join(binDir, "forkvm"), "exec", "s1", "--", "sh", "-c", "echo started; sleep 60")
-		cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+		cmd.Env = cliEnv(home)
 		stdout, _ := cmd.StdoutPipe()
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
@@ -141,7 +141,7 @@ func TestServeCLI(t *testing.T) {
 
 	// A terminal: the guest command runs on a pty; ^D ends the shell's input.
 	tty := exec.Command("script", "-qec", filepath.Join(binDir, "forkvm")+" exec -t s1 -- sh -c 'tty; stty size'", "/dev/null")
-	tty.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir, "TERM=xterm")
+	tty.Env = cliEnv(home, "TERM=xterm")
 	tty.Stdin = strings.NewReader("")
 	if out, err := tty.CombinedOutput(); err != nil || !strings.Contains(string(out), "/dev/pts/") {
 		t.Errorf("exec -t through script: %v %q", err, out)
@@ -254,7 +254,7 @@ func TestServeCLI(t *testing.T) {
 	// A daemon that stops ends the execs attached to it (after its grace): the CLI exec
 	// fails, and the command is gone from the guest.
 	att := exec.Command(filepath.Join(binDir, "forkvm"), "exec", "s1", "--", "sh", "-c", "echo up; sleep 61")
-	att.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	att.Env = cliEnv(home)
 	aout, _ := att.StdoutPipe()
 	if err := att.Start(); err != nil {
 		t.Fatal(err)
@@ -278,7 +278,7 @@ func TestServeCLI(t *testing.T) {
 		t.Fatalf("an exec attached to a stopping daemon did not end")
 	}
 	long := exec.Command(filepath.Join(binDir, "forkvm"), "exec", "s1", "--", "sh", "-c", "echo holding; sleep 30")
-	long.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	long.Env = cliEnv(home)
 	lout, _ := long.StdoutPipe()
 	if err := long.Start(); err != nil {
 		t.Fatal(err)

@@ -61,7 +61,7 @@ type daemonProc struct {
 // daemonCmd is the forkvm binary with FORKVM_HOME=home and the test run's image cache.
 func daemonCmd(ctx context.Context, home string, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, filepath.Join(binDir, "forkvm"), args...)
-	cmd.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+	cmd.Env = cliEnv(home)
 	return cmd
 }
 
@@ -276,6 +276,7 @@ func checkDaemonHome(t *testing.T, home, ramDir string, vms map[string]int, ram,
 // not own; the checkpoint can still be forked. Then everything is deleted through the
 // daemon and nothing at all may be left.
 func TestServeCrashMidWave(t *testing.T) {
+	t.Parallel() // its CLI and daemons run with cliEnv's budget
 	home, err := os.MkdirTemp("/tmp", "fvk-")
 	if err != nil {
 		t.Fatal(err)

@@ -343,6 +343,7 @@ func TestServeDaemon(t *testing.T) {
 // running when the daemon gets SIGTERM (which exits 0 and removes its socket), and the
 // next daemon re-adopts it.
 func TestServeDaemonRestart(t *testing.T) {
+	t.Parallel() // its CLI and daemons run with cliEnv's budget
 	home, err := os.MkdirTemp("/tmp", "fvd-")
 	if err != nil {
 		t.Fatal(err)
@@ -355,7 +356,7 @@ func TestServeDaemonRestart(t *testing.T) {
 	t.Cleanup(func() {
 		// Each daemon is killed at the end if it still runs (startDaemon). Whatever is left goes with a CLI run (which takes the lock the daemon held).
 		cli := exec.Command(filepath.Join(binDir, "forkvm"), "rm", "r1")
-		cli.Env = append(os.Environ(), "FORKVM_HOME="+home, "FORKVM_CACHE="+cacheDir)
+		cli.Env = cliEnv(home)
 		cli.Run()
 		os.RemoveAll(home)
 	})
