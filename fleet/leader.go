@@ -148,3 +148,23 @@ func (f *Fleet) leaderLast(ctx context.Context, stream, subj string) (leaderEntr
 	}
 	return leaderEntry{rev: resp.Message.Seq, value: resp.Message.Data}, true, nil
 }
+
+// HeartbeatLeader names the NATS server that leads the stream of the fleet's
+// heartbeat bucket, asked over nc (an embedded server is named after its node). Every
+// node's heartbeats stall while that stream elects a new leader, as when the leader's
+// node dies: a benchmark that kills that node measures the fleet's worst case.
+func HeartbeatLeader(ctx context.Context, nc *nats.Conn) (string, error) {
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return "", err
+	}
+	s, err := js.Stream(ctx, "KV_"+bucketNodes)
+	if err != nil {
+		return "", fmt.Errorf("fleet: heartbeat stream: %w", err)
+	}
+	info := s.CachedInfo()
+	if info.Cluster == nil || info.Cluster.Leader == "" {
+		return "", fmt.Errorf("fleet: heartbeat stream %s has no leader", "KV_"+bucketNodes)
+	}
+	return info.Cluster.Leader, nil
+}

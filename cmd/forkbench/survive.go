@@ -14,7 +14,7 @@ func surviveCmd() *cli.Command {
 	return &cli.Command{
 		Name: "survive",
 		Usage: "start --nodes `forkvm serve` daemons on loopback forming a fleet (as the fleet bench), fork --n protected forks of a small world over them, " +
-			"each counting in RAM and on its data disk every 100 ms and writing --write-mb-per-min, then --fault the last node (kill: kill -9 of its daemon and QEMUs; " +
+			"each counting in RAM and on its data disk every 100 ms and writing --write-mb-per-min, then --fault the last node or --victim (kill: kill -9 of its daemon and QEMUs; " +
 			"cut: SIGSTOP of its daemon for --cut); forks lost, running twice, work lost, time until every fork answers again, protection pause and bytes per point " +
 			"(headline: answering_again_s)",
 		Flags: flags(
@@ -25,6 +25,7 @@ func surviveCmd() *cli.Command {
 			&cli.DurationFlag{Name: "run-for", Value: 30 * time.Second, Usage: "how long the forks run protected before the fault"},
 			&cli.DurationFlag{Name: "baseline", Value: 20 * time.Second, Usage: "how long the forks first run unprotected, for the daemons' CPU without protection (0: the wave protects them at once)"},
 			&cli.StringFlag{Name: "fault", Value: "kill", Usage: "kill or cut"},
+			&cli.StringFlag{Name: "victim", Value: "last", Usage: "the node the fault hits: last (the fleet's last node) or leader (the one leading the heartbeat bucket's stream: every node's heartbeats stall until the election ends)"},
 			&cli.DurationFlag{Name: "cut", Value: 3 * fleet.DefaultTTL, Usage: "with --fault cut: how long the node's daemon stays stopped " +
 				"(another node takes a protected VM over once its owner's heartbeat is 2 x TTL old: a shorter cut ends with the owner reviving its own fenced VMs)"},
 			&cli.DurationFlag{Name: "answer-timeout", Value: 2 * time.Minute, Usage: "bound of the wait for every fork to answer again"},
@@ -38,9 +39,9 @@ func surviveCmd() *cli.Command {
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			n, nodes := int(cmd.Int("n")), int(cmd.Int("nodes"))
 			s := &bench.SurviveSettings{N: n, EveryS: cmd.Duration("every").Seconds(), WriteMBPerMin: int(cmd.Int("write-mb-per-min")),
-				HoldS: cmd.Duration("run-for").Seconds(), BaselineS: cmd.Duration("baseline").Seconds(), Fault: cmd.String("fault"), AnswerTimeoutS: cmd.Duration("answer-timeout").Seconds(),
+				HoldS: cmd.Duration("run-for").Seconds(), BaselineS: cmd.Duration("baseline").Seconds(), Fault: cmd.String("fault"), Victim: cmd.String("victim"), AnswerTimeoutS: cmd.Duration("answer-timeout").Seconds(),
 				Fleet: bench.FleetSettings{Nodes: nodes, N: max(n, nodes), NodeVCPUs: max(n, nodes), DaemonOvercommit: cmd.Float("daemon-overcommit"),
-					WaveTimeoutS: 600, AckWaitS: fleet.DefaultAckWait.Seconds(), TTLS: fleet.DefaultTTL.Seconds()}}
+					WaveTimeoutS: 600, AckWaitS: fleet.DefaultAckWait.Seconds(), TTLS: fleet.DefaultTTL.Seconds(), NATSClients: true}}
 			if err := refuseFleetFlags(cmd, "survive"); err != nil {
 				return err
 			}

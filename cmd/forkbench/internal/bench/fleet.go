@@ -44,6 +44,9 @@ type FleetSettings struct {
 	// AckWaitS and TTLS are the fleet's defaults the daemons run with.
 	AckWaitS float64 `json:"ack_wait_s"`
 	TTLS     float64 `json:"ttl_s"`
+	// NATSClients has each daemon's embedded NATS server serve clients on a loopback
+	// port too (--cluster-client-listen), for the bench's own questions to NATS.
+	NATSClients bool `json:"nats_clients,omitempty"`
 	report.RunSettings
 }
 
@@ -234,6 +237,7 @@ type FleetKill struct {
 // fleetNode is one daemon of the bench's fleet.
 type fleetNode struct {
 	name, home, sock, api, route, logPath string
+	nats                                  string // its NATS server's client address (NATSClients)
 	cmd                                   *exec.Cmd
 	exited                                chan struct{}
 	c                                     *client.Client
@@ -311,11 +315,11 @@ func (fr *fleetRun) start() error {
 		}
 	}
 	// One call: two calls may hand out a port the first just released.
-	ports, err := freePorts(2 * fr.s.Nodes)
+	ports, err := freePorts(3 * fr.s.Nodes)
 	if err != nil {
 		return err
 	}
-	routes, apis := ports[:fr.s.Nodes], ports[fr.s.Nodes:]
+	routes, apis, clients := ports[:fr.s.Nodes], ports[fr.s.Nodes:2*fr.s.Nodes], ports[2*fr.s.Nodes:]
 	for i := range fr.s.Nodes {
 		n := &fleetNode{name: fmt.Sprintf("n%d", i+1), home: filepath.Join(fr.dir, fmt.Sprintf("n%d", i+1)),
 			api: apis[i], route: routes[i], logPath: filepath.Join(fr.dir, fmt.Sprintf("n%d.log", i+1)), exited: make(chan struct{})}
@@ -328,6 +332,10 @@ func (fr *fleetRun) start() error {
 			"--node", n.name, "--node-vcpus", fmt.Sprint(fr.s.NodeVCPUs)}
 		if fr.s.MaxJobs > 0 {
 			args = append(args, "--max-jobs", fmt.Sprint(fr.s.MaxJobs))
+		}
+		if fr.s.NATSClients {
+			n.nats = clients[i]
+			args = append(args, "--cluster-client-listen", n.nats)
 		}
 		logf, err := os.OpenFile(n.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 		if err != nil {

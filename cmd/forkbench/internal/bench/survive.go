@@ -5,14 +5,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
+	"github.com/forkvm/forkvm/fleet"
 	"github.com/forkvm/forkvm/procinfo"
 )
 
@@ -34,6 +39,11 @@ type SurviveSettings struct {
 	// of its daemon for CutS, then SIGCONT).
 	Fault string  `json:"fault"`
 	CutS  float64 `json:"cut_s,omitempty"`
+	// Victim is the node the fault hits: "last" (the fleet's last node) or "leader"
+	// (the node whose NATS server leads the heartbeat bucket's stream, asked just
+	// before the fault: every node's heartbeats then stall until a new leader is
+	// elected, the fleet's worst case).
+	Victim string `json:"victim"`
 	// AnswerTimeoutS bounds the wait for every fork to answer again.
 	AnswerTimeoutS float64 `json:"answer_timeout_s"`
 	// Fleet is the fleet the forks run in.
@@ -60,6 +70,8 @@ func (s *SurviveSettings) Check() error {
 		return fmt.Errorf("%w: --fault %q: kill or cut", ErrFleetArgs, s.Fault)
 	case s.Fault == "cut" && s.CutS <= 0:
 		return fmt.Errorf("%w: --cut %gs", ErrFleetArgs, s.CutS)
+	case s.Victim != "last" && s.Victim != "leader":
+		return fmt.Errorf("%w: --victim %q: last or leader", ErrFleetArgs, s.Victim)
 	}
 	return nil
 }
@@ -85,17 +97,20 @@ type surviveFork struct {
 
 // SurviveResult is extra.survive in result.json.
 type SurviveResult struct {
-	Fault             string  `json:"fault"`
-	Victim            string  `json:"victim"`
-	VictimForks       int     `json:"victim_forks"`
-	ForksLost         int     `json:"forks_lost"`
-	ForksRunningTwice int     `json:"forks_running_twice"`
-	WorkLostSP50      float64 `json:"work_lost_s_p50"`
-	WorkLostSMax      float64 `json:"work_lost_s_max"`
-	AnsweringAgainS   float64 `json:"answering_again_s"`
-	ProtectPauseMSP50 float64 `json:"protect_pause_ms_p50"`
-	ProtectPauseMSP99 float64 `json:"protect_pause_ms_p99"`
-	PointBytesP50     float64 `json:"point_bytes_p50"`
+	Fault  string `json:"fault"`
+	Victim string `json:"victim"`
+	// VictimLedHeartbeats says the victim's NATS server led the heartbeat bucket's
+	// stream at the fault (SurviveSettings.Victim "leader").
+	VictimLedHeartbeats bool    `json:"victim_led_heartbeats,omitempty"`
+	VictimForks         int     `json:"victim_forks"`
+	ForksLost           int     `json:"forks_lost"`
+	ForksRunningTwice   int     `json:"forks_running_twice"`
+	WorkLostSP50        float64 `json:"work_lost_s_p50"`
+	WorkLostSMax        float64 `json:"work_lost_s_max"`
+	AnsweringAgainS     float64 `json:"answering_again_s"`
+	ProtectPauseMSP50   float64 `json:"protect_pause_ms_p50"`
+	ProtectPauseMSP99   float64 `json:"protect_pause_ms_p99"`
+	PointBytesP50       float64 `json:"point_bytes_p50"`
 	// DaemonCPUPctPerVM is the daemons' CPU while the forks ran protected, all of it
 	// (protection, heartbeats, NATS), per protected fork, in % of one core: a bound on
 	// what protection costs the host beside the guests.
@@ -112,6 +127,12 @@ type SurviveResult struct {
 	FencedAfterS        float64                       `json:"fenced_after_s,omitempty"`
 	Forks               []SurviveForkEntry            `json:"forks"`
 	OtherForksAnswering int                           `json:"other_forks_answering"`
+	// OtherForksCountedBack counts the forks of the live nodes whose counter, read
+	// after every victim fork answered, is below its value just before the fault: they
+	// were ended and revived from a point (fenced during an election) and lost
+	// OtherWorkLostSMax at most. A freeze stalls them instead, losing nothing.
+	OtherForksCountedBack int     `json:"other_forks_counted_back"`
+	OtherWorkLostSMax     float64 `json:"other_work_lost_s_max"`
 }
 
 // SurviveForkEntry is one victim fork's outcome.
@@ -178,7 +199,7 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		}
 	}
 	victim := fr.nodes[len(fr.nodes)-1]
-	res := &SurviveResult{Fault: s.Fault, Victim: victim.name}
+	res := &SurviveResult{Fault: s.Fault}
 	if s.BaselineS > 0 {
 		r.logf("%d forks running unprotected for the baseline (%.0f s)", len(forks), s.BaselineS)
 		since := fr.cpuSince()
@@ -201,9 +222,25 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	if res.DaemonCPUPctPerVM = holdCPU(len(forks)); res.DaemonCPUPctPerVM > 0 && res.DaemonCPUPctPerVMBaseline > 0 {
 		res.ProtectCPUPctPerVM = report.Round3(res.DaemonCPUPctPerVM - res.DaemonCPUPctPerVMBaseline)
 	}
+	if s.Victim == "leader" {
+		leader, err := fr.heartbeatLeader(ctx)
+		if err != nil {
+			return err
+		}
+		if victim = byNode[leader]; victim == nil {
+			return fmt.Errorf("the heartbeat stream's leader %q is no node of the fleet", leader)
+		}
+		res.VictimLedHeartbeats = true
+	}
+	res.Victim = victim.name
 	var victims []*surviveFork
 	for _, f := range forks {
 		if f.node != victim.name {
+			// The live nodes' forks: their counters must not go back (see
+			// OtherForksCountedBack).
+			if f.before, err = surviveCounter(ctx, byNode[f.node], f.name); err != nil {
+				return fmt.Errorf("counter of %s: %w", f.name, err)
+			}
 			continue
 		}
 		if info, err := victim.c.Get(ctx, f.name); err == nil {
@@ -313,8 +350,13 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		}
 		if err := surviveExec(ctx, byNode[f.node], f.name, "true", nil); err != nil {
 			r.logf("%s on %s does not answer after the fault: %v", f.name, f.node, err)
-		} else {
-			res.OtherForksAnswering++
+			continue
+		}
+		res.OtherForksAnswering++
+		if after, err := surviveCounter(ctx, byNode[f.node], f.name); err == nil && after < f.before {
+			res.OtherForksCountedBack++
+			res.OtherWorkLostSMax = max(res.OtherWorkLostSMax, report.Round3((time.Duration(f.before-after) * surviveTick).Seconds()))
+			r.logf("%s on %s counts %d after the fault, %d before: it was revived from a point", f.name, f.node, after, f.before)
 		}
 	}
 	if s.Fault == "cut" {
@@ -379,7 +421,9 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); "+
 		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter read as soon as it answers again) x 100 ms + the time from the read to the fault, at least 0 "+
 		"(the revived guest counts on from its point until that read, a few hundred ms: so much is not counted as lost). Pauses and point bytes: each "+
-		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns). Daemon CPU: the daemons' utime+stime over the protected hold, per fork; with a baseline, the wave is made unprotected, the same over the baseline, then each fork protected through its node's API; protection's CPU is the difference.",
+		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns). Daemon CPU: the daemons' utime+stime over the protected hold, per fork; with a baseline, the wave is made unprotected, the same over the baseline, then each fork protected through its node's API; protection's CPU is the difference. The forks of the other nodes have their counters read before the fault and once every victim fork answers again: "+
+		"one below its value before was ended and revived from a point (other_forks_counted_back). The victim is the fleet's last node, or with --victim leader "+
+		"the node whose NATS server leads the heartbeat bucket's stream just before the fault (victim_led_heartbeats).",
 		len(fr.nodes), r.shape.CPUs, r.shape.MemoryMiB, r.shape.DiskMiB, s.N, every, s.WriteMBPerMin, s.HoldS, victim.name,
 		map[string]string{"kill": "kill -9 of its daemon and every process naming its state or RAM dir", "cut": fmt.Sprintf("SIGSTOP of its daemon (its embedded NATS server with it) for %gs, then SIGCONT", s.CutS)}[s.Fault],
 		victim.name)
@@ -389,6 +433,24 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		s.Fault, victim.name, len(victims), res.ForksLost, res.ForksRunningTwice, res.WorkLostSP50, res.WorkLostSMax, res.AnsweringAgainS,
 		res.ProtectPauseMSP50, res.ProtectPauseMSP99, res.Points, res.PointBytesP50/(1<<20), res.DaemonCPUPctPerVM, res.ProtectCPUPctPerVM)
 	return nil
+}
+
+// heartbeatLeader names the node whose NATS server leads the heartbeat bucket's
+// stream, asked of the first node's server (FleetSettings.NATSClients).
+func (fr *fleetRun) heartbeatLeader(ctx context.Context) (string, error) {
+	pw, err := os.ReadFile(filepath.Join(fr.dir, "nats.pw"))
+	if err != nil {
+		return "", err
+	}
+	if fr.nodes[0].nats == "" {
+		return "", errors.New("the daemons serve no NATS clients (FleetSettings.NATSClients)")
+	}
+	nc, err := nats.Connect("nats://"+fr.nodes[0].nats, nats.UserInfo("fleet", strings.TrimSpace(string(pw))))
+	if err != nil {
+		return "", fmt.Errorf("nats: %w", err)
+	}
+	defer nc.Close()
+	return fleet.HeartbeatLeader(ctx, nc)
 }
 
 // daemonsCPU is the CPU time the live daemons have used (0 when one cannot be read).
