@@ -532,7 +532,10 @@ func surviveExec(ctx context.Context, n *fleetNode, name, script string, out *by
 // surviveCounter reads VM name's counter in RAM on node n.
 func surviveCounter(ctx context.Context, n *fleetNode, name string) (int, error) {
 	var out bytes.Buffer
-	if err := surviveExec(ctx, n, name, "cat /dev/shm/c", &out); err != nil {
+	// The workload's `echo > /dev/shm/c` empties the file before it writes: a read in
+	// between sees nothing, so it reads again.
+	script := "for t in 1 2 3 4 5 6 7 8 9 10; do c=$(cat /dev/shm/c); [ -n \"$c\" ] && break; sleep 0.01; done; echo $c"
+	if err := surviveExec(ctx, n, name, script, &out); err != nil {
 		return 0, err
 	}
 	return strconv.Atoi(strings.TrimSpace(out.String()))
