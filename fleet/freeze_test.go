@@ -149,12 +149,15 @@ func TestElectionFreezesAndThaws(t *testing.T) {
 	n1.beatsFail.Store(true)
 	n2.beatsFail.Store(true)
 	waitFor(t, 10*time.Second, "v frozen", func() bool { return slices.Contains(e1.called(), "freeze v") })
-	time.Sleep(3 * n1.protectLease()) // longer than any lease: the heartbeats expire
+	// The outage outlasts v's lease (its owner froze it a TTL after its last heartbeat):
+	// the heartbeats expire meanwhile.
+	time.Sleep(n1.protectLease())
 	n1.beatsFail.Store(false)
 	n2.beatsFail.Store(false)
 	waitFor(t, 20*time.Second, "v thawed", func() bool { return slices.Contains(e1.called(), "thaw v") })
-	// A while more, for a takeover that should not come.
-	time.Sleep(n1.protectLease())
+	// A while more, for a takeover that should not come: n2 judges a TTL after its
+	// heartbeats go through again, as n1 thaws.
+	time.Sleep(2 * n1.cfg.TTL)
 	if got, want := e1.called(), []string{"freeze v", "thaw v"}; !slices.Equal(got, want) {
 		t.Errorf("n1 was asked %v, want %v", got, want)
 	}
