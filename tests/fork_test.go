@@ -18,14 +18,15 @@ import (
 	"github.com/forkvm/forkvm/procinfo"
 )
 
-// dirtyMB is how much guest RAM the world dirties before its checkpoint.
-const dirtyMB = 300
+// dirtyMB is how much guest RAM the world dirties before its checkpoint: enough that a
+// fork copying it stands out (forkAnonBoundMB), small enough that the forks' checksums
+// of it stay cheap under TCG.
+const dirtyMB = 128
 
-// forkAnonBoundMB bounds the anonymous memory a fork holds after restore plus a few
-// commands: QEMU's heap and TCG translation buffers plus the guest pages it wrote.
-// Measured here at 40-70 MB (TCG, tb-size 64 MiB); an implementation that copied or
-// touched the 300 MB the world dirtied would blow it.
-const forkAnonBoundMB = 150
+// forkAnonBoundMB bounds the guest pages a fork has copied (written) after restore plus
+// a few commands: a few MB; an implementation that copied or touched the dirtyMB the
+// world dirtied would blow it.
+const forkAnonBoundMB = dirtyMB / 2
 
 // worldState is what the world holds in RAM (/dev/shm) and on disk (/data).
 const stateScript = "md5sum /dev/shm/dirty /data/world | cut -d' ' -f1 | tr '\\n' ' '"
