@@ -276,6 +276,13 @@ func joinNode(tb testing.TB, s *natsembed.Server, name string, engines map[strin
 		engines[name] = eng
 	}
 	ff := &fakeFetcher{to: eng, engines: engines, fetches: map[string]int{}}
+	return testNode{f: joinFleet(tb, s, name, cfg, eng, ff), eng: eng, ff: ff}
+}
+
+// joinFleet joins node name with engine eng and fetcher ff to s, as cfg says besides
+// its name, address, directory and connection; the node leaves at the test's end.
+func joinFleet(tb testing.TB, s *natsembed.Server, name string, cfg Config, eng Engine, ff CheckpointFetcher) *Fleet {
+	tb.Helper()
 	cfg.Node, cfg.Addr, cfg.Dir = name, "http://"+name, tb.TempDir()
 	cfg.Connect = func() (*nats.Conn, error) {
 		return nats.Connect("", nats.InProcessServer(s), nats.UserInfo("fleet", "pw"))
@@ -291,7 +298,7 @@ func joinNode(tb testing.TB, s *natsembed.Server, name string, engines map[strin
 		defer cancel()
 		f.Close(ctx)
 	})
-	return testNode{f: f, eng: eng, ff: ff}
+	return f
 }
 
 // collect reads a wave's events until its channel closes or the deadline passes.

@@ -7,8 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/fleet/natsembed"
 )
@@ -96,23 +94,8 @@ func protectedPair(t *testing.T, s *natsembed.Server) (n1, n2 *Fleet, e1, e2 *pr
 	e2.points = []api.CheckpointInfo{{Name: "v-p-1", Protects: "v", CreatedAt: time.Now()}}
 	nodes := map[string]*Fleet{}
 	for name, e := range map[string]*protEngine{"n1": e1, "n2": e2} {
-		cfg := Config{Node: name, Addr: "http://" + name, Dir: t.TempDir(), MaxVCPUs: 8,
-			Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond,
-			Connect: func() (*nats.Conn, error) {
-				return nats.Connect("", nats.InProcessServer(s), nats.UserInfo("fleet", "pw"))
-			}}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		f, err := Join(ctx, cfg, e, &fakeFetcher{to: e.fakeEngine, fetches: map[string]int{}})
-		cancel()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			f.Close(ctx)
-		})
-		nodes[name] = f
+		cfg := Config{MaxVCPUs: 8, Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond}
+		nodes[name] = joinFleet(t, s, name, cfg, e, &fakeFetcher{to: e.fakeEngine, fetches: map[string]int{}})
 	}
 	n1, n2 = nodes["n1"], nodes["n2"]
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
