@@ -245,8 +245,8 @@ func (vm *VM) resumeWhenSpace() {
 			return
 		case <-time.After(resumePoll):
 		}
-		if !vm.diskHasSpace() {
-			continue
+		if !vm.diskHasSpace() || vm.snapshot().Frozen {
+			continue // a frozen guest stays stopped until its Thaw
 		}
 		if vm.released() {
 			return

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -57,14 +58,15 @@ func init() {
 }
 
 // renewLease writes the lease after a prompt heartbeat carrying stamp: the deadline is
-// stamp plus fenceAfter and watchdogGrace; its QEMUs are the protected VMs of vms (the engine's listing). With none, an
+// stamp plus fenceAfter and watchdogGrace; its QEMUs (with those of the VMs named in
+// also, frozen or not: about to be thawed) are the protected VMs of vms (the engine's listing). With none, an
 // existing lease is emptied (its watchdog then exits). Nothing without a node
 // directory.
-func (f *Fleet) renewLease(stamp time.Time, vms []api.Info) {
+func (f *Fleet) renewLease(stamp time.Time, vms []api.Info, also ...string) {
 	if f.cfg.Dir == "" || f.protector() == nil {
 		return
 	}
-	l := lease{QEMUs: leaseQEMUs(vms)}
+	l := lease{QEMUs: leaseQEMUs(vms, also...)}
 	path := filepath.Join(f.cfg.Dir, leaseFile)
 	if len(l.QEMUs) == 0 {
 		if _, err := os.Stat(path); err != nil {
@@ -85,11 +87,12 @@ func (f *Fleet) renewLease(stamp time.Time, vms []api.Info) {
 }
 
 // leaseQEMUs are the QEMUs the lease lists: those of the protected VMs of vms that run
-// (a frozen VM's guest runs no more, a dead one has no QEMU).
-func leaseQEMUs(vms []api.Info) []leaseQEMU {
+// (a frozen VM's guest runs no more, a dead one has no QEMU), and of those named in
+// also that have a QEMU.
+func leaseQEMUs(vms []api.Info, also ...string) []leaseQEMU {
 	var out []leaseQEMU
 	for _, v := range vms {
-		frozen := v.State == api.StatePaused && v.Reason == api.ReasonFrozen
+		frozen := v.State == api.StatePaused && v.Reason == api.ReasonFrozen && !slices.Contains(also, v.Name)
 		if v.Protection != nil && v.State != api.StateDead && v.PID > 0 && !frozen {
 			out = append(out, leaseQEMU{PID: v.PID, VM: v.Name})
 		}

@@ -50,7 +50,7 @@ func (e *protEngine) Token(string) (string, error) { return "token", nil }
 
 func (e *protEngine) Revive(_ context.Context, point, name, _ string) (api.Info, error) {
 	e.did("revive " + name)
-	inf := api.Info{Name: name, State: api.StateRunning, CPUs: 1, PID: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
+	inf := api.Info{Name: name, State: api.StateRunning, CPUs: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
 	e.mu.Lock()
 	e.vms[name] = inf
 	e.mu.Unlock()
@@ -90,7 +90,7 @@ func (e *protEngine) Points() ([]api.CheckpointInfo, error) {
 func protectedPair(t *testing.T, s *natsembed.Server) (n1, n2 *Fleet, e1, e2 *protEngine) {
 	t.Helper()
 	e1, e2 = newProtEngine(), newProtEngine()
-	e1.vms["v"] = api.Info{Name: "v", State: api.StateRunning, CPUs: 1, PID: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
+	e1.vms["v"] = api.Info{Name: "v", State: api.StateRunning, CPUs: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
 	e2.points = []api.CheckpointInfo{{Name: "v-p-1", Protects: "v", CreatedAt: time.Now()}}
 	nodes := map[string]*Fleet{}
 	for name, e := range map[string]*protEngine{"n1": e1, "n2": e2} {

@@ -679,6 +679,9 @@ func (f *Fleet) thaw(p ProtectEngine, r protectRec, info api.Info) {
 		f.log.Info("fleet: frozen VM not thawed: its record changed", "vm", r.VM, "err", err)
 		return
 	}
+	// On the fence lease before it runs: if this daemon stops from here on, its watchdog
+	// ends the VM in time (its heartbeats were prompt: the lease's deadline holds).
+	f.renewLease(time.Unix(0, f.lastBeatStamp.Load()), f.eng.List(), r.VM)
 	if err := p.Thaw(ctx, r.VM); err != nil {
 		// Stopped it stays (or its QEMU is gone): end it and revive it from its point.
 		f.log.Warn("fleet: frozen VM not thawed: revived from its point", "vm", r.VM, "err", err)
