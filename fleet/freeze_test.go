@@ -141,8 +141,17 @@ func TestElectionFreezesAndThaws(t *testing.T) {
 	// A while more, for a takeover that should not come: n2 judges a TTL after its
 	// heartbeats go through again, as n1 thaws.
 	time.Sleep(2 * n1.cfg.TTL)
-	if got, want := e1.called(), []string{"freeze v", "thaw v"}; !slices.Equal(got, want) {
-		t.Errorf("n1 was asked %v, want %v", got, want)
+	// (A heartbeat late by a TTL before the outage would add a freeze and thaw of its
+	// own: only their order matters.)
+	got := e1.called()
+	for _, c := range got {
+		if c != "freeze v" && c != "thaw v" {
+			t.Errorf("n1 was asked %v: want only freezes and thaws of v", got)
+			break
+		}
+	}
+	if len(got) == 0 || got[len(got)-1] != "thaw v" {
+		t.Errorf("n1 was asked %v: want v thawed last", got)
 	}
 	if got := e2.called(); len(got) != 0 {
 		t.Errorf("n2 was asked %v, want nothing (v was never lost)", got)
@@ -165,8 +174,16 @@ func TestCutOffFrozenThenDropped(t *testing.T) {
 	waitFor(t, 20*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
 	n1.beatsFail.Store(false)
 	waitFor(t, 20*time.Second, "n1's copy dropped", func() bool { return slices.Contains(e1.called(), "drop v") })
+	// From its last freeze on (a heartbeat late by a TTL before the cut adds a freeze
+	// and thaw of its own).
 	got := e1.called()
-	if slices.Contains(got, "thaw v") || !slices.Contains(got, "fence v") {
+	last := 0
+	for i, c := range got {
+		if c == "freeze v" {
+			last = i
+		}
+	}
+	if after := got[last:]; slices.Contains(after, "thaw v") || !slices.Contains(after, "fence v") {
 		t.Errorf("n1 was asked %v: want its frozen v ended (fence) and dropped, never thawed", got)
 	}
 	if _, err := e1.Get("v"); err == nil {
