@@ -22,9 +22,10 @@ import (
 // heartbeat: a deadline on CLOCK_BOOTTIME (the heartbeat's time plus fenceAfter and
 // watchdogGrace) and the QEMU processes of its protected VMs that run (a frozen VM's
 // guest does not). A small process of its own (this binary, re-executed: see init)
-// reads it every fenceTick and SIGKILLs those QEMUs once the deadline has passed. A daemon that restarts within the deadline renews the same
-// lease and keeps its VMs; the watchdog exits when the lease file is gone or lists no
-// process for a while (the daemon starts another when it protects a VM again).
+// reads it every fenceTick and SIGKILLs those QEMUs once the deadline has passed. A
+// daemon that restarts within the deadline renews the same lease and keeps its VMs;
+// the watchdog exits when the lease file is gone or lists no process for a while (the
+// daemon starts another when it protects a VM again).
 
 const (
 	leaseFile = "fence.lease"
@@ -58,10 +59,10 @@ func init() {
 }
 
 // renewLease writes the lease after a prompt heartbeat carrying stamp: the deadline is
-// stamp plus fenceAfter and watchdogGrace; its QEMUs (with those of the VMs named in
-// also, frozen or not: about to be thawed) are the protected VMs of vms (the engine's listing). With none, an
-// existing lease is emptied (its watchdog then exits). Nothing without a node
-// directory.
+// stamp plus fenceAfter and watchdogGrace; its QEMUs are those of the protected VMs of
+// vms (the engine's listing) and of the VMs named in also (frozen or not: about to be
+// thawed). With none, an existing lease is emptied (its watchdog then exits). Nothing
+// without a node directory.
 func (f *Fleet) renewLease(stamp time.Time, vms []api.Info, also ...string) {
 	if f.cfg.Dir == "" || f.protector() == nil {
 		return

@@ -30,8 +30,10 @@ import (
 //
 // Fail-over: every node watches the records it holds a copy for. When the owner's
 // heartbeat has been expired (judged as claims are: see expired) for another TTL, a
-// holder takes the record over (its revision decides among holders) and revives the VM from its copy of the
-// point as itself, then protects it again, copying its points to another node.
+// holder takes the record over, writing against the revision it judged (so that among
+// holders, and against an owner that thaws the VM, one write wins), and revives the VM
+// from its copy of the point as itself, then protects it again, copying its points to
+// another node.
 //
 // Fencing: an owner whose heartbeats have not gone through for fenceAfter (a TTL)
 // fences its protected VMs, a TTL before any other node may take them over
