@@ -75,6 +75,11 @@ func (d *diskFreeze) prepare(ctx context.Context) error {
 	c, err := d.p.client(ctx)
 	if err == nil {
 		err = c.BlockdevAdd(ctx, qemu.BlockdevQcow2{NodeName: d.newNode, Discard: "unmap", File: qemu.BlockdevFile{Filename: d.newPath}})
+		if err != nil {
+			// QEMU may have added it all the same (the caller gave up waiting).
+			d.added = true
+			d.abort(ctx)
+		}
 	}
 	if err != nil {
 		os.Remove(d.newPath)
@@ -84,12 +89,17 @@ func (d *diskFreeze) prepare(ctx context.Context) error {
 	return nil
 }
 
-// abort undoes prepare, unless the VM already switched onto the new overlay.
+// abort undoes prepare, unless the VM already switched onto the new overlay. It has a
+// context of its own: a checkpoint its caller gave up on (a protection loop ended,
+// a request cut short) must not leave its node in QEMU, where the next checkpoint's
+// blockdev-add of the same name would fail.
 func (d *diskFreeze) abort(ctx context.Context) {
 	if !d.added || d.switched {
 		return
 	}
 	d.added = false
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
 	if c, err := d.p.client(ctx); err == nil {
 		_ = c.BlockdevDel(ctx, d.newNode)
 	}

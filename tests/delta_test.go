@@ -782,3 +782,49 @@ func (k *killAtPhase) PhaseStart(owner, phase string) {
 }
 
 func (*killAtPhase) PhaseEnd(string, string) {}
+
+// cancelAtPhase is a Config.Markers that cancels a context when a checkpoint's phase
+// starts: its caller giving up (a protection loop ended, a request cut short) then.
+type cancelAtPhase struct {
+	ck, phase string
+	cancel    context.CancelFunc
+}
+
+func (c *cancelAtPhase) PhaseStart(owner, phase string) {
+	if owner == c.ck && phase == c.phase {
+		c.cancel()
+	}
+}
+
+func (*cancelAtPhase) PhaseEnd(string, string) {}
+
+// TestCheckpointGivenUpInItsPause: a fork checkpoint whose caller gives up once its new
+// disk overlay is in QEMU, as its guest is about to stop, fails, leaves the guest
+// running and its disk as it was, and the next checkpoint of the fork succeeds (the
+// given-up one left its overlay's block node in QEMU, and every later checkpoint's
+// blockdev-add of that name failed: a protected VM whose loop ended mid-point took no
+// point again).
+func TestCheckpointGivenUpInItsPause(t *testing.T) {
+	roomy := parallelVMTest(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	marker := &cancelAtPhase{ck: "given-up", phase: "migrate", cancel: cancel}
+	env := newRobustEnv(t, func(c *engine.Config) { roomy(c); c.Markers = marker })
+	e := env.E
+	makePinnedWorld(t, e, 256, 16)
+	f := mustFork(t, e, "ck", "f")
+	mustRun(t, f, "echo before > /data/x; sync")
+	if _, err := e.Checkpoint(ctx, "f", "given-up", nil); err == nil {
+		t.Fatal("checkpoint given up in its pause: no error")
+	}
+	if got := mustRun(t, f, "cat /data/x; echo after > /data/x; sync; cat /data/x"); got != "before\nafter" {
+		t.Errorf("after the given-up checkpoint the fork reads %q", got)
+	}
+	ctx2 := ctxT(t, 2*time.Minute)
+	if _, err := e.Checkpoint(ctx2, "f", "next", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("the next checkpoint: %v", err)
+	}
+	g := mustFork(t, e, "next", "g")
+	if got := mustRun(t, g, "cat /data/x"); got != "after" {
+		t.Errorf("fork of the next checkpoint reads %q, want after", got)
+	}
+}
