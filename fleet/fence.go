@@ -75,7 +75,10 @@ func (f *Fleet) renewLease(stamp time.Time, vms []api.Info, also ...string) {
 		}
 	}
 	l.Deadline = boottime() - int64(time.Since(stamp)) + int64(f.fenceAfter()+watchdogGrace(f.cfg.TTL))
-	if !f.writeLease(path, l) {
+	b, _ := json.Marshal(l)
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil || os.Rename(tmp, path) != nil {
+		f.log.Warn("fleet: fence lease not written", "err", err)
 		return
 	}
 	if len(l.QEMUs) > 0 && !f.watchdogRuns() {
@@ -103,36 +106,17 @@ func leaseQEMUs(vms []api.Info, also ...string) []leaseQEMU {
 
 // watchdogGrace is how much later than the daemon's own fencing (fenceAfter) the
 // watchdog's deadline falls: a daemon that can act freezes its VMs first and takes
-// them off the lease (leaseFrozen), so the watchdog ends only those of a daemon that
+// them off the lease (relistLease), so the watchdog ends only those of a daemon that
 // cannot. Half a TTL, which leaves half a TTL before any other node may take them over
 // (protectLease).
 func watchdogGrace(ttl time.Duration) time.Duration { return ttl / 2 }
 
-// writeLease replaces the lease at path with l (by rename: the watchdog never reads a
-// part of it).
-func (f *Fleet) writeLease(path string, l lease) bool {
-	b, _ := json.Marshal(l)
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil || os.Rename(tmp, path) != nil {
-		f.log.Warn("fleet: fence lease not written", "err", err)
-		return false
-	}
-	return true
-}
-
-// leaseFrozen takes the VMs fenceAll froze off the lease, its deadline kept.
-func (f *Fleet) leaseFrozen() {
-	if f.cfg.Dir == "" {
-		return
-	}
-	path := filepath.Join(f.cfg.Dir, leaseFile)
-	b, err := os.ReadFile(path)
-	var l lease
-	if err != nil || json.Unmarshal(b, &l) != nil {
-		return
-	}
-	l.QEMUs = leaseQEMUs(f.eng.List())
-	f.writeLease(path, l)
+// relistLease writes the lease again from the engine's listing now, its deadline still
+// that of the last prompt heartbeat (renewLease), with the VMs named in also: after
+// fenceAll froze VMs (off it) and before a thaw (on it). Only while lastBeatStamp is
+// set: fencing and thawing follow a prompt heartbeat.
+func (f *Fleet) relistLease(also ...string) {
+	f.renewLease(time.Unix(0, f.lastBeatStamp.Load()), f.eng.List(), also...)
 }
 
 // leaveLease removes the lease when this node runs no protected VM (its watchdog then

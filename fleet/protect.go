@@ -518,12 +518,11 @@ func (f *Fleet) fenceAll(p ProtectEngine) {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL/2)
-		how, err := "frozen", error(nil)
-		if v.State == api.StateParked {
-			err = errors.New("parked") // a wake would run it: it is ended instead
-		} else {
+		err := errParked // a wake would run it: it is ended instead
+		if v.State != api.StateParked {
 			err = p.Freeze(ctx, v.Name)
 		}
+		how := "frozen"
 		if err != nil {
 			how = "ended"
 			err = errors.Join(err, p.Fence(ctx, v.Name))
@@ -540,9 +539,12 @@ func (f *Fleet) fenceAll(p ProtectEngine) {
 			"last_beat", time.Unix(0, f.lastBeat.Load()).UTC(), "err", err)
 	}
 	if froze {
-		f.leaseFrozen()
+		f.relistLease()
 	}
 }
+
+// errParked is why fenceAll ends a parked protected VM instead of freezing it.
+var errParked = errors.New("parked")
 
 // mergeProtection adds each protection record to the listing (VMs): to the VM's claim,
 // its node the record's owner, or as an entry of its own for a protected VM no wave
@@ -683,7 +685,7 @@ func (f *Fleet) thaw(p ProtectEngine, r protectRec, info api.Info) {
 	}
 	// On the fence lease before it runs: if this daemon stops from here on, its watchdog
 	// ends the VM in time (its heartbeats were prompt: the lease's deadline holds).
-	f.renewLease(time.Unix(0, f.lastBeatStamp.Load()), f.eng.List(), r.VM)
+	f.relistLease(r.VM)
 	if err := p.Thaw(ctx, r.VM); err != nil {
 		// Stopped it stays (or its QEMU is gone): end it and revive it from its point.
 		f.log.Warn("fleet: frozen VM not thawed: revived from its point", "vm", r.VM, "err", err)
