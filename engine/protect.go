@@ -263,12 +263,8 @@ func (e *Engine) Thaw(ctx context.Context, name string) error {
 		if p == nil || !vm.alive() {
 			return fmt.Errorf("%w: %s", ErrNotRunning, name)
 		}
-		c, err := p.client(ctx)
-		if err != nil {
+		if err := p.cont(ctx, "thaw"); err != nil {
 			return err
-		}
-		if err := c.Cont(ctx); err != nil {
-			return p.failed("thaw", err)
 		}
 		s.Frozen, prot = false, s.Protection
 		return vm.save(s)

@@ -287,15 +287,20 @@ func (vm *VM) cont(ctx context.Context) error {
 		if p == nil {
 			return fmt.Errorf("%w: %s", ErrNotRunning, vm.Name())
 		}
-		c, err := p.client(ctx)
-		if err != nil {
-			return err
-		}
-		if err := c.Cont(ctx); err != nil {
-			return p.failed("resume", err)
-		}
-		return nil
+		return p.cont(ctx, "resume")
 	})
+}
+
+// cont runs p's stopped guest (QMP cont); a failure is reported as op's.
+func (p *qemuProc) cont(ctx context.Context, op string) error {
+	c, err := p.client(ctx)
+	if err != nil {
+		return err
+	}
+	if err := c.Cont(ctx); err != nil {
+		return p.failed(op, err)
+	}
+	return nil
 }
 
 // Resume resumes a VM that QEMU paused on a disk I/O error (Info.State StatePaused) at
