@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/internal/guestscript"
 	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/serve"
 )
@@ -47,8 +48,7 @@ func fleetProtect(t *testing.T) {
 	n1.ok(t, "checkpoint", "fpw", "fpck", "--pin")
 	n1.ok(t, "rm", "fpw")
 	n1.ok(t, "fork", "fpck", "fpf")
-	n1.ok(t, "exec", "fpf", "--", "sh", "-c",
-		"(i=0; while :; do i=$((i+1)); echo $i > /dev/shm/c; echo $i > /data/c; sleep 0.1; done) > /dev/null 2>&1 &")
+	n1.ok(t, "exec", "fpf", "--", "sh", "-c", guestscript.Counter(""))
 	n1.ok(t, "protect", "fpf", "--every", "2s")
 	holder := func() *fleetHost {
 		for _, h := range hosts[1:] {
@@ -78,10 +78,7 @@ func fleetProtect(t *testing.T) {
 	}
 	counter := func(h *fleetHost) (mem, disk int) {
 		t.Helper()
-		// Each `echo >` empties its file before it writes: a read in between sees
-		// nothing, so each file is read again until it holds a number.
-		out := strings.Fields(h.ok(t, "exec", "fpf", "--", "sh", "-c",
-			`for f in /dev/shm/c /data/c; do for t in 1 2 3 4 5 6 7 8 9 10; do c=$(cat $f); [ -n "$c" ] && break; sleep 0.01; done; echo $c; done`))
+		out := strings.Fields(h.ok(t, "exec", "fpf", "--", "sh", "-c", guestscript.ReadNumbers(guestscript.CounterRAM, guestscript.CounterDisk)))
 		if len(out) != 2 {
 			t.Fatalf("counters on %s: %q", h.name, out)
 		}

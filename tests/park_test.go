@@ -19,7 +19,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/internal/testprobe"
+	"github.com/forkvm/forkvm/internal/guestscript"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
 	"github.com/forkvm/forkvm/vsockd"
@@ -44,7 +44,7 @@ func startParkProbe(t *testing.T, vm *engine.VM, secret, page string) string {
 func parkProbeScript(secret, page string) string {
 	return "mkdir -p /dev/shm/www && echo " + page + " > /dev/shm/www/index.html && " +
 		"(setsid httpd -f -p 8080 -h /dev/shm/www </dev/null >/dev/null 2>&1 &) && " +
-		testprobe.TrappedProcess(secret)
+		guestscript.TrappedProcess(secret)
 }
 
 // probeIdentity reads vm's identity (see parkIdentity); port is its published port.

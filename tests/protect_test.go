@@ -15,6 +15,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/internal/guestscript"
 	"github.com/forkvm/forkvm/procinfo"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/pull"
@@ -298,7 +299,7 @@ func TestProtectionFallsBehind(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mustRun(t, f, "(i=0; while :; do i=$((i+1)); echo $i > /dev/shm/c; echo $i > /data/c; sleep 0.1; done) > /dev/null 2>&1 & echo $! > /dev/shm/loop")
+	mustRun(t, f, guestscript.Counter("")+" echo $! > /dev/shm/loop")
 	slow := &slowCopier{delay: 2500 * time.Millisecond}
 	e.SetProtectionCopier(slow)
 	if _, err := e.Protect(ctx, "bf", &engine.ProtectOptions{Every: time.Second}); err != nil {

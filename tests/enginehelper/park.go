@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
-	"github.com/forkvm/forkvm/internal/testprobe"
+	"github.com/forkvm/forkvm/internal/guestscript"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -78,7 +78,7 @@ func runPark(state, cache, kernel, initrd, name, op, stage, who string) error {
 		return err
 	}
 	var out bytes.Buffer
-	script := testprobe.TrappedProcess(name) + " && " +
+	script := guestscript.TrappedProcess(name) + " && " +
 		"head -c 2000000 /dev/urandom > /dev/shm/blob && md5sum /dev/shm/blob > /tmp/blob.md5"
 	if code, err := vm.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", script}, Stdout: &out}); err != nil || code != 0 {
 		return fmt.Errorf("probe: exit %d, %v", code, err)

@@ -18,6 +18,7 @@ import (
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/fleet"
+	"github.com/forkvm/forkvm/internal/guestscript"
 	"github.com/forkvm/forkvm/procinfo"
 )
 
@@ -154,8 +155,7 @@ const surviveTick = 100 * time.Millisecond
 // every tick, and wmb MB of random data a minute into a ring of files in RAM.
 func surviveScript(wmb int) string {
 	chunk := wmb << 20 / 600 // per tick
-	return fmt.Sprintf("mkdir -p /dev/shm/ring; (i=0; while :; do i=$((i+1)); echo $i > /dev/shm/c; echo $i > /data/c; "+
-		"head -c %d /dev/urandom > /dev/shm/ring/$((i %% 300)); sleep 0.1; done) > /dev/null 2>&1 &", chunk)
+	return "mkdir -p /dev/shm/ring; " + guestscript.Counter(fmt.Sprintf("head -c %d /dev/urandom > /dev/shm/ring/$((i %% 300)); ", chunk))
 }
 
 // RunSurvive measures protected forks through a node's fault (s).
@@ -532,10 +532,7 @@ func surviveExec(ctx context.Context, n *fleetNode, name, script string, out *by
 // surviveCounter reads VM name's counter in RAM on node n.
 func surviveCounter(ctx context.Context, n *fleetNode, name string) (int, error) {
 	var out bytes.Buffer
-	// The workload's `echo > /dev/shm/c` empties the file before it writes: a read in
-	// between sees nothing, so it reads again.
-	script := "for t in 1 2 3 4 5 6 7 8 9 10; do c=$(cat /dev/shm/c); [ -n \"$c\" ] && break; sleep 0.01; done; echo $c"
-	if err := surviveExec(ctx, n, name, script, &out); err != nil {
+	if err := surviveExec(ctx, n, name, guestscript.ReadNumbers(guestscript.CounterRAM), &out); err != nil {
 		return 0, err
 	}
 	return strconv.Atoi(strings.TrimSpace(out.String()))
