@@ -23,7 +23,7 @@ ITEST_PARALLEL ?= 3
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 
-.PHONY: build setup setup-host image test checks unit unit-fleet unit-rest prebuild lint itest itest-vms cross fuzz fanout bench clean
+.PHONY: build setup setup-host image test fleet-then-vms prebuild-then-checks checks unit unit-fleet unit-rest prebuild lint itest itest-vms cross fuzz fanout bench clean
 
 ## build: compile forkvm, forkbench and the static guest agent into ./bin
 # The agent with -buildvcs=false: its bytes (and so the images it is baked into) change
@@ -71,8 +71,8 @@ image: build
 unit: unit-fleet unit-rest
 
 # unit-fleet: the fleet's unit tests. Their nodes' heartbeats expire within seconds, so
-# make test runs them alone, before the VM tests load the machine (beside them a live
-# node could miss its heartbeats for that long). The tests that lose a node run first,
+# make test runs them before the VM tests load the machine, with only niced checks
+# beside them (beside VMs a live node could miss its heartbeats for that long). The tests that lose a node run first,
 # one at a time; the others (each with its own NATS server, mostly waiting on it) eight
 # at a time.
 unit-fleet:
@@ -130,27 +130,30 @@ itest-vms:
 	rc=0; $(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -parallel $(ITEST_PARALLEL) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|^ +--- FAIL|_test.go' || rc=$$?; \
 	  [ $$rc = 0 ] || awk -f tests/failures.awk /tmp/forkvm-itest.log; exit $$rc
 
-## test: everything CI runs. The fleet's unit tests first, beside no VM (heartbeat
-## timing), with only the niced compiles of prebuild; then the checks that boot no VM run beside the VM tests, in the second job slot, at
-## nice 19: the other unit tests (their Debian image builds included), lint, cross and
-## fuzz take the CPU the VM tests leave idle (tests wait on guests) instead of slowing
-## them. Each target's output is printed when it ends; the VM tests' full log grows in
-## /tmp/forkvm-itest.log meanwhile.
+## test: everything CI runs, in two job slots. The first runs the fleet's unit tests,
+## beside no VM (heartbeat timing), then the VM tests. The second runs, at nice 19 from
+## the start, the checks that boot no VM: the compiles the VM tests need next, then the
+## other unit tests (their Debian image builds included), lint, cross and fuzz. They
+## take the CPU the fleet's tests and the VM tests leave idle (both wait on NATS or on
+## guests) instead of slowing them, and the VM tests start as soon as the fleet's end,
+## not after a fresh machine's compiles. Each slot's output is printed when it ends; the
+## VM tests' full log grows in /tmp/forkvm-itest.log meanwhile.
 test: setup
-	$(MAKE) --no-print-directory -j2 --output-sync=target unit-fleet prebuild
-	$(MAKE) --no-print-directory -j2 --output-sync=target itest-vms checks
+	$(MAKE) --no-print-directory -j2 --output-sync=target fleet-then-vms prebuild-then-checks
 
-# prebuild: compiles, at the lowest CPU priority, what the VM tests and the checks
-# build next (the test binary, the agent, every package for vet and both systems,
-# staticcheck),
-# while the fleet's unit tests mostly wait on their heartbeats: on a fresh machine the
-# compiles would otherwise start after them.
+fleet-then-vms:
+	$(MAKE) --no-print-directory unit-fleet
+	$(MAKE) --no-print-directory itest-vms
+
+prebuild-then-checks:
+	$(MAKE) --no-print-directory prebuild
+	$(MAKE) --no-print-directory checks
+
+# prebuild: compiles, at the lowest CPU priority, the VM tests' binary and agent first
+# (the VM tests build the same; the build cache shares it).
 prebuild:
 	nice -n 19 $(GO) test -c -o /dev/null ./tests/
 	nice -n 19 env CGO_ENABLED=0 GOOS=linux $(GO) build -o /dev/null ./cmd/forkvm-agent
-	nice -n 19 $(GO) vet ./...
-	nice -n 19 env CGO_ENABLED=0 GOOS=darwin GOARCH=arm64 $(GO) build ./...
-	nice -n 19 $(MAKE) --no-print-directory $(STATICCHECK)
 
 # checks: the other unit tests, then lint, cross and fuzz, at the lowest CPU priority.
 checks:
