@@ -309,16 +309,9 @@ func readManifest(path string) (*vmRecord, error) {
 // ---------------------------------------------------------------------------------------
 // processes
 
-// processAlive reports whether pid exists and is not a zombie (state field of
-// /proc/PID/stat).
-func processAlive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	i := bytes.LastIndexByte(b, ')')
-	return i > 0 && len(b) > i+2 && b[i+2] != 'Z'
-}
+// processAlive reports whether pid exists and has not exited (procinfo.ProcessRuns: a
+// zombie, or one being reaped, has exited).
+func processAlive(pid int) bool { return procinfo.ProcessRuns(pid) }
 
 // waitExited waits up to within for pid to exit (or become a zombie) and reports whether
 // it did.

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // TestBoundOutputDiesWithTheEngine kills (SIGKILL) a process that runs a child through
@@ -41,24 +43,13 @@ func TestBoundOutputDiesWithTheEngine(t *testing.T) {
 	helper.Process.Kill()
 	helper.Wait()
 	deadline := time.Now().Add(5 * time.Second)
-	for alive(pid) {
+	for procinfo.ProcessRuns(pid) {
 		if time.Now().After(deadline) {
 			syscall.Kill(pid, syscall.SIGKILL)
 			t.Fatalf("the child %d outlived its killed parent by 5 s", pid)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-}
-
-// alive says whether pid exists and is not a zombie.
-func alive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i < 0 || i+2 >= len(s) || s[i+2] != 'Z'
 }
 
 // TestBoost: Boost raises a process's threads to pauseNice and its restore puts each

@@ -54,11 +54,20 @@ func startStopped(cmd *exec.Cmd, hook func(pid int) error) error {
 
 // ProcStartTime returns the start time of pid (field 22 of /proc/PID/stat, in clock
 // ticks since boot). Together with the pid it identifies a process across pid reuse.
+// A process that has exited (a zombie, or one its parent is reaping) has none.
 func ProcStartTime(pid int) (uint64, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, err
 	}
+	return statStartTime(pid, b)
+}
+
+// statStartTime is ProcStartTime of the contents b of /proc/PID/stat. The states Z
+// (zombie) and X (dead: while its parent reaps it, the process still has its stat
+// file) are exited processes: a check of a killed process must not see it alive again
+// in the moment its parent reaps it.
+func statStartTime(pid int, b []byte) (uint64, error) {
 	// comm may contain spaces and parentheses: fields start after the last ')'.
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
@@ -69,8 +78,11 @@ func ProcStartTime(pid int) (uint64, error) {
 	if len(fields) < 20 {
 		return 0, fmt.Errorf("qemu: short /proc/%d/stat", pid)
 	}
-	if fields[0][0] == 'Z' {
+	switch fields[0][0] {
+	case 'Z':
 		return 0, fmt.Errorf("qemu: pid %d is a zombie", pid)
+	case 'X', 'x':
+		return 0, fmt.Errorf("qemu: pid %d is dead", pid)
 	}
 	return strconv.ParseUint(string(fields[19]), 10, 64)
 }

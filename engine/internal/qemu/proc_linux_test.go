@@ -66,3 +66,29 @@ func TestSpawnBeforeRun(t *testing.T) {
 		t.Errorf("process %d still runs after its BeforeRun failed", hookPID)
 	}
 }
+
+// TestStatStartTime: the start time is field 22 after a command name that may hold
+// spaces and parentheses; a zombie, a process being reaped (X) and a short or
+// malformed stat have none.
+func TestStatStartTime(t *testing.T) {
+	const rest = " 1 1 1 0 -1 4194560 100 0 0 0 10 5 0 0 20 0 3 0 98765 1000 100"
+	for _, tc := range []struct {
+		name, stat string
+		want       uint64
+		ok         bool
+	}{
+		{"sleeping", "42 (qemu-system-x86) S" + rest, 98765, true},
+		{"running, odd name", "42 (a) (b c)) R" + rest, 98765, true},
+		{"zombie", "42 (qemu) Z" + rest, 0, false},
+		{"being reaped", "42 (qemu) X" + rest, 0, false},
+		{"short", "42 (qemu) S 1 1", 0, false},
+		{"no name", "42 qemu S" + rest, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := statStartTime(42, []byte(tc.stat))
+			if (err == nil) != tc.ok || got != tc.want {
+				t.Errorf("statStartTime(%q) = %d, %v; want %d (ok %v)", tc.stat, got, err, tc.want, tc.ok)
+			}
+		})
+	}
+}
