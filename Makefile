@@ -72,9 +72,9 @@ unit: unit-fleet unit-rest
 
 # unit-fleet: the fleet's unit tests. Their nodes' heartbeats expire within seconds, so
 # make test runs them before the VM tests load the machine, with only niced checks
-# beside them (beside VMs a live node could miss its heartbeats for that long). The tests that lose a node run first,
-# one at a time; the others (each with its own NATS server, mostly waiting on it) eight
-# at a time.
+# beside them (beside VMs a live node could miss its heartbeats for that long). The
+# tests that lose a node run first, one at a time; the others (each with its own NATS
+# server, mostly waiting on it) eight at a time.
 unit-fleet:
 	$(GO) test -count=1 -parallel 8 ./fleet/...
 
@@ -100,8 +100,9 @@ $(STATICCHECK):
 ## cross: the darwin build must keep compiling. No package uses cgo, so with CGO_ENABLED=0
 ## vet type-checks every darwin line (memfile reaches libSystem the way x/sys does).
 # Of darwin/amd64 only procinfo is built: its assembly (libSystem trampolines) is the
-# one source that differs by architecture; the rest is the arm64 build's Go, and a
-# whole second darwin build cost a fresh machine a minute of CPU.
+# one source of ours that differs by architecture; every other darwin file is Go the
+# arm64 build compiles, and a whole second darwin build cost a fresh machine a minute
+# of CPU.
 cross:
 	CGO_ENABLED=0 GOOS=darwin GOARCH=arm64 $(GO) vet ./...
 	CGO_ENABLED=0 GOOS=darwin GOARCH=arm64 $(GO) build ./...
