@@ -34,3 +34,30 @@ func TestGuestEnd(t *testing.T) {
 		})
 	}
 }
+
+// TestConsoleTail: an agent timeout quotes the end of the guest's console on one line:
+// the last bytes (of the rotated log too), lines joined, control characters dropped;
+// nothing without a log; and QEMUError says it after QEMU's own words.
+func TestConsoleTail(t *testing.T) {
+	dir := t.TempDir()
+	log := filepath.Join(dir, "serial.log")
+	if got := consoleTail(log, 600); got != "" {
+		t.Errorf("no log: %q", got)
+	}
+	if err := os.WriteFile(log+".1", []byte("old line\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(log, []byte("[    1.2] ACPI: \x1b[0mready\r\n\r\nforkvm-agent: listening\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := consoleTail(log, 600), "old line | [    1.2] ACPI: [0mready | forkvm-agent: listening"; got != want {
+		t.Errorf("consoleTail = %q, want %q", got, want)
+	}
+	if got, want := consoleTail(log, 10), "listening"; got != want {
+		t.Errorf("consoleTail of 10 bytes = %q, want %q", got, want)
+	}
+	qe := &QEMUError{VM: "w", Op: "start", ExitCode: -1, Err: ErrAgentTimeout, Console: "forkvm-agent: listening"}
+	if got, want := qe.Error(), "engine: start w: guest agent did not answer in time; the guest's console ended: forkvm-agent: listening"; got != want {
+		t.Errorf("Error() = %q, want %q", got, want)
+	}
+}

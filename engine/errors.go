@@ -91,7 +91,11 @@ type QEMUError struct {
 	ExitCode int
 	// Stderr is the tail of QEMU's output when it died.
 	Stderr string
-	Err    error
+	// Console is the tail of the guest's console when its agent did not answer in time
+	// and QEMU still ran: where the guest was (a boot that hung, an agent that never
+	// started) is otherwise gone with the VM the engine removes.
+	Console string
+	Err     error
 }
 
 // Error implements error.
@@ -102,6 +106,9 @@ func (e *QEMUError) Error() string {
 	}
 	if e.Stderr != "" {
 		msg += ": qemu said: " + e.Stderr
+	}
+	if e.Console != "" {
+		msg += "; the guest's console ended: " + e.Console
 	}
 	return msg
 }

@@ -280,6 +280,37 @@ func guestEnd(serialLog string) string {
 	}
 }
 
+// consoleTailBytes is how much of a guest's console an agent timeout reports.
+const consoleTailBytes = 600
+
+// consoleTail is the last n bytes of the console log at path on one line: its lines
+// joined by " | ", control characters and invalid UTF-8 dropped ("" when there is no
+// log or it is empty).
+func consoleTail(path string, n int64) string {
+	var b strings.Builder
+	if err := console.Tail(path, n, &b); err != nil {
+		return ""
+	}
+	var lines []string
+	for _, l := range strings.FieldsFunc(b.String(), func(r rune) bool { return r == '\n' || r == '\r' }) {
+		if l = printable(l); l != "" {
+			lines = append(lines, l)
+		}
+	}
+	return strings.Join(lines, " | ")
+}
+
+// printable is s without control characters and invalid UTF-8, trimmed: a line of a
+// guest's console as an error message may quote it.
+func printable(s string) string {
+	return strings.ToValidUTF8(strings.TrimSpace(strings.Map(func(r rune) rune {
+		if r < ' ' || r == 0x7f {
+			return -1
+		}
+		return r
+	}, s)), "")
+}
+
 // lastPanic returns the text after "Kernel panic - not syncing: " on the last such
 // line in the tail of a console log ("" when there is none).
 func lastPanic(serialLog string) string {
@@ -304,12 +335,7 @@ func lastPanic(serialLog string) string {
 	if j := strings.IndexAny(line, "\r\n"); j >= 0 {
 		line = line[:j]
 	}
-	line = strings.TrimSpace(strings.Map(func(r rune) rune {
-		if r < ' ' || r == 0x7f {
-			return -1
-		}
-		return r
-	}, line))
+	line = printable(line)
 	return strings.ToValidUTF8(line[:min(len(line), 200)], "")
 }
 
@@ -327,7 +353,12 @@ func (vm *VM) failure(op string, err error) error {
 func (vm *VM) becomeReady(ctx context.Context, op string, clock *phaseClock, hello func(context.Context) error) error {
 	clock.begin("agent")
 	if err := hello(ctx); err != nil {
-		return vm.failure(op, err)
+		ferr := vm.failure(op, err)
+		var qe *QEMUError
+		if errors.Is(err, ErrAgentTimeout) && errors.As(ferr, &qe) && qe.Stderr == "" {
+			qe.Console = consoleTail(vm.serialLog(), consoleTailBytes)
+		}
+		return ferr
 	}
 	vm.lap(clock, agentTiming)
 	total, spans, counters := clock.total(), clock.spans, clock.counters()
