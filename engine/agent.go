@@ -72,20 +72,42 @@ const helloLate = 500 * time.Millisecond
 // helloTries bounds the hellos of one handshake.
 const helloTries = 4
 
+// helloResend is how long a hello waits for its answer before it is said again. A guest
+// agent can miss the wake-up for a message on its virtio-serial port (the guest driver
+// races a concurrent poll of the port against the queue's interrupt, and the interrupt
+// is dropped: lmb/vimto#29), and then sleeps with the hello unread while the engine
+// waits for its answer until the boot times out. The next message's interrupt wakes it:
+// it reads both and answers each; the client takes the last answer (an earlier one's
+// stream is gone). A slow guest that reads them all late just answers them all.
+const helloResend = 5 * time.Second
+
 // sayHello runs the handshake on an open agent connection, again while the guest answers
-// late (helloLate).
+// late (helloLate) and again while it does not answer (helloResend).
 func sayHello(ctx context.Context, c *vsockd.Client, t AgentTarget) error {
-	for try := 1; ; try++ {
+	return sayHelloEvery(ctx, c, t, helloResend)
+}
+
+// sayHelloEvery is sayHello with the resend interval resend.
+func sayHelloEvery(ctx context.Context, c *vsockd.Client, t AgentTarget, resend time.Duration) error {
+	for try := 1; ; {
 		h, err := t.hello()
 		if err != nil {
 			return err
 		}
-		if _, err := c.Hello(ctx, h); err != nil {
+		tctx, cancel := context.WithTimeout(ctx, resend)
+		_, err = c.Hello(tctx, h)
+		unanswered := err != nil && ctx.Err() == nil && tctx.Err() != nil
+		cancel()
+		if unanswered {
+			continue
+		}
+		if err != nil {
 			return agentErr(ctx, t.Name, err)
 		}
 		if time.Since(h.Time) <= helloLate || try == helloTries {
 			return nil
 		}
+		try++
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -210,5 +211,48 @@ func TestSayHelloAgainWhenLate(t *testing.T) {
 			cancel()
 			<-served
 		})
+	}
+}
+
+// TestSayHelloAgainWhenUnanswered: a guest agent that never sees the first hello (a
+// virtio-serial wake-up it missed) gets another after the resend interval and answers
+// that one; the handshake succeeds. One that answers nothing ends with ErrAgentTimeout.
+func TestSayHelloAgainWhenUnanswered(t *testing.T) {
+	const resend = 100 * time.Millisecond
+	host, guest := net.Pipe()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	served := make(chan error, 1)
+	go func() {
+		// The first hello is read and lost; the agent serves what follows.
+		if _, err := vsockd.NewDecoder(guest).ReadFrame(); err != nil {
+			served <- err
+			return
+		}
+		served <- (&vsockd.Server{}).ServeConn(ctx, guest)
+	}()
+	c := vsockd.NewClient(host, nil)
+	defer c.Close()
+	start := time.Now()
+	if err := sayHelloEvery(ctx, c, AgentTarget{Name: "f", Token: newToken()}, resend); err != nil {
+		t.Fatalf("handshake with a lost hello: %v", err)
+	}
+	if d := time.Since(start); d < resend {
+		t.Errorf("answered after %v, before the resend interval: the first hello was not lost", d)
+	}
+	c.Close()
+	cancel()
+	<-served
+
+	// An agent that answers nothing: the handshake ends with the caller's deadline.
+	host, guest = net.Pipe()
+	defer guest.Close()
+	go io.Copy(io.Discard, guest)
+	c = vsockd.NewClient(host, nil)
+	defer c.Close()
+	dctx, dcancel := context.WithTimeout(context.Background(), 3*resend+resend/2)
+	defer dcancel()
+	if err := sayHelloEvery(dctx, c, AgentTarget{Name: "f", Token: newToken()}, resend); !errors.Is(err, ErrAgentTimeout) {
+		t.Fatalf("silent agent: %v, want ErrAgentTimeout", err)
 	}
 }
