@@ -142,8 +142,15 @@ const baseKernelArgs = "console=ttyS0 quiet panic=-1 rdinit=/init"
 // else) and the jitter entropy source's start-up (timing loops; the guest has
 // virtio-rng, and the agent handshake seeds its CRNG from the host). Under TCG every
 // instruction they run is emulated, and they run on every cold boot.
+//
+// no_timer_check skips the boot-time test of the IO-APIC timer route (check_timer),
+// which a kernel on KVM or Hyper-V skips by itself. The test counts PIT ticks over ten
+// jiffies of TSC-timed delay and, short of five on every route it tries, panics ("IO-APIC
+// + timer doesn't work!"). Under TCG the ticks come from QEMU's main loop thread and the
+// TSC from the host clock, so a host busy enough to hold that thread off for the delay
+// failed a sound guest's boot.
 const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugepage=never " +
-	"cryptomgr.notests initcall_blacklist=jent_mod_init,crypto_kdf108_init"
+	"no_timer_check cryptomgr.notests initcall_blacklist=jent_mod_init,crypto_kdf108_init"
 
 // tcgThreadFor is the TCG thread mode of a fork about to start (Experimental.TCGThread):
 // a forced mode as is; in auto mode single when the vCPUs of the forks on their way to

@@ -3,12 +3,13 @@ package engine
 import (
 	"encoding/json"
 	"errors"
-	"github.com/forkvm/forkvm/engine/internal/qemu/qemutest"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/qemu/qemutest"
 )
 
 // The argv itself is table-tested with the qemu package's Launch; these test the
@@ -97,6 +98,14 @@ func TestGuestAppend(t *testing.T) {
 		if got := guestAppend(Accel(tc.accel), tc.user); string(got) != tc.want {
 			t.Errorf("guestAppend(%q, %q) = %q, want %q", tc.accel, tc.user, got, tc.want)
 		}
+	}
+}
+
+// TestTCGGuestSkipsTimerCheck: a TCG guest's kernel must not test its IO-APIC timer
+// route, a test a busy host fails (see tcgKernelArgs); a KVM guest skips it by itself.
+func TestTCGGuestSkipsTimerCheck(t *testing.T) {
+	if args := strings.Fields(guestAppend(AccelTCG, "")); !slices.Contains(args, "no_timer_check") {
+		t.Errorf("TCG guest command line %q lacks no_timer_check", args)
 	}
 }
 
