@@ -88,6 +88,7 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	}
 	defer w.cleanup()
 	w.marker = e.cfg.Markers
+	w.boost = &e.pauseBoost
 	console.SaveHistory(m.Launch.SerialLog, w.tmp)
 	w.ck = &checkpointManifest{
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: role.implicit, Protects: role.protects,
@@ -253,9 +254,12 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 	if err := disk.prepare(ctx); err != nil {
 		return err
 	}
-	// Its threads run before the other guests' until it runs again (deferred before
-	// the resume, so that it comes after it).
+	// Its threads, and the engine's, run before the other guests' until it runs again
+	// (deferred before the resume, so that it comes after it).
 	defer platform.Boost(s.PID)()
+	if w.boost != nil {
+		defer w.boost.Hold()()
+	}
 	t0 := time.Now()
 	endMigrate := w.phase("migrate")
 	err = k.save(ctx, p, w)
@@ -435,6 +439,9 @@ type ckWriter struct {
 	t0      time.Time
 	t0At    stamp       // t0 on the spans' clocks
 	marker  PhaseMarker // Config.Markers (nil: none)
+	// boost raises the engine's threads for the guest's pause (Engine.pauseBoost; nil:
+	// not raised).
+	boost *platform.SelfBoost
 
 	tmp, final       string // checkpoint directory: being written, committed
 	ramTmp, ramFinal string // RAM file: being written, committed

@@ -42,6 +42,9 @@ type Engine struct {
 	digests digestCache
 	// forking tracks forks under way per checkpoint (a forced delete cancels them).
 	forking forkGuard
+	// pauseBoost raises the engine's own threads while a guest is paused for a
+	// checkpoint (ckWriter.pauseLocked).
+	pauseBoost platform.SelfBoost
 
 	lockFile  *os.File
 	closeOnce sync.Once

@@ -60,6 +60,59 @@ func Boost(pid int) (restore func()) {
 	}
 }
 
+// boostSelf raises this process's threads at the calling thread's priority to
+// pauseNice and returns what puts them back. Threads at another priority keep it:
+// BackgroundThread's, to which no other goroutine runs (so never the caller's), and
+// any an embedder set. A thread started while they are raised inherits the raise from
+// the thread that started it, so the restore also lowers every thread that appeared at
+// pauseNice meanwhile. The runtime may start threads while either walks the list:
+// each walks it again until a walk changes nothing.
+func boostSelf() (restore func()) {
+	pid := os.Getpid()
+	p, err := unix.Getpriority(unix.PRIO_PROCESS, 0) // 0: the calling thread
+	base := 20 - p
+	if err != nil || base <= pauseNice {
+		return func() {}
+	}
+	orig := map[int]int{}
+	eachThread(pid, func(tid, nice int) { orig[tid] = nice })
+	boosted := map[int]bool{}
+	untilSettled(pid, func(tid, nice int) bool {
+		was, old := orig[tid]
+		if boosted[tid] || nice != base || (old && was != base) {
+			return false
+		}
+		if unix.Setpriority(unix.PRIO_PROCESS, tid, pauseNice) != nil {
+			return false
+		}
+		boosted[tid] = true
+		return true
+	})
+	return func() {
+		untilSettled(pid, func(tid, nice int) bool {
+			_, old := orig[tid]
+			return nice == pauseNice && (boosted[tid] || !old) &&
+				unix.Setpriority(unix.PRIO_PROCESS, tid, base) == nil
+		})
+	}
+}
+
+// untilSettled walks process pid's threads with fn, which says whether it changed one,
+// until a walk changes none (at most eight walks).
+func untilSettled(pid int, fn func(tid, nice int) bool) {
+	for range 8 {
+		changed := false
+		eachThread(pid, func(tid, nice int) {
+			if fn(tid, nice) {
+				changed = true
+			}
+		})
+		if !changed {
+			return
+		}
+	}
+}
+
 // Unboost puts the threads of process pid that are at Boost's priority back to nice 0:
 // what a Boost whose restore never ran (its engine killed in the pause) left.
 func Unboost(pid int) {

@@ -5,11 +5,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/forkvm/forkvm/procinfo"
 )
@@ -94,4 +97,76 @@ func TestBoost(t *testing.T) {
 	if n := nice(); n != 0 {
 		t.Errorf("unboosted: nice %d, want 0", n)
 	}
+}
+
+// TestSelfBoost: while any holder holds a SelfBoost, the process's threads are at
+// pauseNice; the last release puts them back, those started meanwhile (which inherit
+// the raise) included, and a background thread (nice 19) keeps its own. It watches
+// threads that locked goroutines keep, which the runtime cannot hand to others.
+func TestSelfBoost(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("raising a priority needs CAP_SYS_NICE (root)")
+	}
+	p, err := unix.Getpriority(unix.PRIO_PROCESS, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := 20 - p
+	if base <= pauseNice {
+		t.Skipf("the test runs at nice %d, at or above the boost's", base)
+	}
+	stop := make(chan struct{})
+	defer close(stop)
+	// locked starts n goroutines that keep their threads until the test ends.
+	locked := func(n int, background bool) []int {
+		tids := make(chan int)
+		for range n {
+			go func() {
+				if background {
+					BackgroundThread()
+				} else {
+					runtime.LockOSThread()
+				}
+				tids <- unix.Gettid()
+				<-stop
+			}()
+		}
+		var out []int
+		for range n {
+			out = append(out, <-tids)
+		}
+		return out
+	}
+	bg := locked(1, true)[0]
+	before := locked(3, false)
+	check := func(when string, tids []int, want int) {
+		t.Helper()
+		nices := threadNices(t)
+		for _, tid := range tids {
+			if n, ok := nices[tid]; !ok || n != want {
+				t.Errorf("%s: thread %d at nice %d (listed %v), want %d", when, tid, n, ok, want)
+			}
+		}
+	}
+	var b SelfBoost
+	r1, r2 := b.Hold(), b.Hold()
+	check("held", before, pauseNice)
+	during := locked(3, false)
+	r1()
+	r1() // a second call of one release does nothing
+	check("one release of two", before, pauseNice)
+	r2()
+	check("released", append(before, during...), base)
+	check("background thread", []int{bg}, 19)
+}
+
+// threadNices is the nice value of each thread of this process.
+func threadNices(t *testing.T) map[int]int {
+	t.Helper()
+	m := map[int]int{}
+	eachThread(os.Getpid(), func(tid, nice int) { m[tid] = nice })
+	if len(m) == 0 {
+		t.Fatal("no threads read")
+	}
+	return m
 }
