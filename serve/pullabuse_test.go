@@ -1,14 +1,17 @@
 package serve
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
+	"mime/multipart"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
+	"net/textproto"
 	"net/url"
 	"os"
 	"os/exec"
@@ -375,4 +378,99 @@ func TestPullKilledChild(t *testing.T) {
 func openTransferEngine(home string) (*engine.Engine, error) {
 	return engine.New(context.Background(), &engine.Config{StateDir: filepath.Join(home, "s"), RAMDir: filepath.Join(home, "ram"),
 		CacheDir: filepath.Join(home, "cache"), QEMU: filepath.Join(home, "qemu-system-x86_64"), QEMUImg: "/nonexistent/qemu-img", Accel: engine.AccelTCG})
+}
+
+// TestPullRangesInOneRequest: a file's data extents that no gap joins are asked for
+// many at a time (multipart/byteranges), at most 256 ranges a request, and arrive
+// whole; a holder answering such a request with other parts than asked (one missing,
+// out of order, one longer, one more, the whole file) fails the pull with ErrProtocol
+// and leaves nothing.
+func TestPullRangesInOneRequest(t *testing.T) {
+	a, b := newTransferHost(t), newTransferHost(t)
+	pages := map[int64]byte{}
+	for i := int64(0); i < 300; i++ {
+		pages[2*i] = byte(i%250 + 1)
+	}
+	ram := a.writeCheckpoint(t, "w1", pages)
+	holder := a.serveTCP(t, "tok")
+	var maxRanges atomic.Int64
+	p := &fakePeer{upstream: holder}
+	p.file = func(w http.ResponseWriter, r *http.Request) {
+		if n := int64(strings.Count(r.Header.Get("Range"), ",") + 1); n > maxRanges.Load() {
+			maxRanges.Store(n)
+		}
+		httputil.NewSingleHostReverseProxy(mustURL(t, holder)).ServeHTTP(w, r)
+	}
+	purl := p.start(t)
+	opts := &pull.Options{MaxGap: 0}
+	if _, err := pull.Checkpoint(context.Background(), b.e, pull.Remote(purl, "tok"), "w1", opts); err != nil {
+		t.Fatalf("pull: %v", err)
+	}
+	// The RAM file's 300 extents in two requests (256 + 44), the state and the kernel in one each.
+	if n := p.files.Load(); n != 4 {
+		t.Errorf("%d file requests, want 4", n)
+	}
+	if n := maxRanges.Load(); n != 256 {
+		t.Errorf("at most %d ranges in a request, want 256", n)
+	}
+	want, _ := os.ReadFile(ram)
+	got, err := os.ReadFile(filepath.Join(b.ram, "ck-w1.ram"))
+	if err != nil || !bytes.Equal(got, want) {
+		t.Errorf("pulled RAM file differs from the holder's (%v)", err)
+	}
+
+	// parts answers a multi-range request for the RAM file with the parts edit makes
+	// of the ones asked.
+	type part struct{ off, n int64 }
+	parts := func(edit func([]part) []part) func(w http.ResponseWriter, r *http.Request) {
+		return func(w http.ResponseWriter, r *http.Request) {
+			spec := r.Header.Get("Range")
+			if r.URL.Query().Get("name") != "ram/ck-w1.ram" || !strings.Contains(spec, ",") {
+				httputil.NewSingleHostReverseProxy(mustURL(t, holder)).ServeHTTP(w, r)
+				return
+			}
+			var ps []part
+			for _, s := range strings.Split(strings.TrimPrefix(spec, "bytes="), ",") {
+				var lo, hi int64
+				fmt.Sscanf(s, "%d-%d", &lo, &hi)
+				ps = append(ps, part{lo, hi - lo + 1})
+			}
+			var buf bytes.Buffer
+			mw := multipart.NewWriter(&buf)
+			for _, x := range edit(ps) {
+				pw, _ := mw.CreatePart(textproto.MIMEHeader{"Content-Range": {fmt.Sprintf("bytes %d-%d/%d", x.off, x.off+x.n-1, len(want))}})
+				pw.Write(want[x.off : x.off+x.n])
+			}
+			mw.Close()
+			w.Header().Set("Content-Type", "multipart/byteranges; boundary="+mw.Boundary())
+			w.WriteHeader(http.StatusPartialContent)
+			w.Write(buf.Bytes())
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		file func(w http.ResponseWriter, r *http.Request)
+	}{
+		{"a part missing", parts(func(ps []part) []part { return ps[:len(ps)-1] })},
+		{"out of order", parts(func(ps []part) []part { ps[0], ps[1] = ps[1], ps[0]; return ps })},
+		{"a part longer", parts(func(ps []part) []part { ps[3].n += 4096; return ps })},
+		{"a part more", parts(func(ps []part) []part { return append(ps, part{ps[len(ps)-1].off + 4096, 4096}) })},
+		{"the whole file", func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Query().Get("name") != "ram/ck-w1.ram" {
+				httputil.NewSingleHostReverseProxy(mustURL(t, holder)).ServeHTTP(w, r)
+				return
+			}
+			w.Write(want)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newTransferHost(t)
+			h := &fakePeer{upstream: holder, file: tc.file}
+			_, err := pull.Checkpoint(context.Background(), c.e, pull.Remote(h.start(t), "tok"), "w1", opts)
+			if !errors.Is(err, api.ErrProtocol) {
+				t.Fatalf("pull = %v, want ErrProtocol", err)
+			}
+			assertNoPullLeft(t, c, "w1")
+		})
+	}
 }

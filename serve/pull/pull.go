@@ -31,6 +31,21 @@ type Source interface {
 	ReadCheckpointFile(ctx context.Context, name, file string, off, n int64) (io.ReadCloser, error)
 }
 
+// RangesSource is a Source that also reads several ranges of a file in one request.
+// A RAM layer's data lies in hundreds of runs of pages that no gap may join (see
+// fetchFile), so a request per run made every pull of a layer hundreds of round trips,
+// each of which has the holder open the checkpoint again.
+type RangesSource interface {
+	Source
+	// ReadCheckpointFileRanges calls each with every range of rs, in order, and a reader
+	// of that range's bytes; each must read them all. It stops at each's first error.
+	ReadCheckpointFileRanges(ctx context.Context, name, file string, rs []api.Extent, each func(api.Extent, io.Reader) error) error
+}
+
+// maxParts bounds the ranges of one request to a RangesSource (its Range header stays
+// within a few KiB).
+const maxParts = 256
+
 // Options tune a pull. A nil *Options means defaults.
 type Options struct {
 	// MaxRange bounds one Range request (default 64 MiB); extents closer than MaxGap
@@ -119,8 +134,18 @@ func fetchFile(ctx context.Context, imp *engine.CheckpointImport, src Source, na
 	if f.Layout {
 		gap = -1 // its extents are its content: never fetch a gap with them
 	}
-	for _, r := range ranges(f.Extents, o.MaxRange, gap) {
-		n, err := fetchRange(ctx, w, src, name, f.Name, r, o.ProgressTimeout)
+	rs := ranges(f.Extents, o.MaxRange, gap)
+	multi, _ := src.(RangesSource)
+	for len(rs) > 0 {
+		var n int64
+		var err error
+		if k := batch(rs, o.MaxRange); multi != nil && k > 1 {
+			n, err = fetchRanges(ctx, w, multi, name, f.Name, rs[:k], o.ProgressTimeout)
+			rs = rs[k:]
+		} else {
+			n, err = fetchRange(ctx, w, src, name, f.Name, rs[0], o.ProgressTimeout)
+			rs = rs[1:]
+		}
 		total += n
 		if err != nil {
 			w.Close()
@@ -151,6 +176,33 @@ func fetchRange(ctx context.Context, w *engine.FileWriter, src Source, name, fil
 		return cr.n, stalled(rctx, err)
 	}
 	return cr.n, nil
+}
+
+// fetchRanges is fetchRange for several ranges in one request.
+func fetchRanges(ctx context.Context, w *engine.FileWriter, src RangesSource, name, file string, rs []api.Extent, d time.Duration) (int64, error) {
+	rctx, wd := watch(ctx, d)
+	defer wd.stop()
+	var total int64
+	err := src.ReadCheckpointFileRanges(rctx, name, file, rs, func(r api.Extent, body io.Reader) error {
+		cr := &countingReader{r: progressReader{r: body, touch: wd.touch}}
+		err := w.WriteRange(rctx, r.Off, r.Len, cr)
+		total += cr.n
+		return err
+	})
+	return total, stalled(rctx, err)
+}
+
+// batch is how many of rs, from the first, one multi-range request asks for: at most
+// maxParts ranges and maxBytes bytes (at least one range).
+func batch(rs []api.Extent, maxBytes int64) int {
+	var sum int64
+	for i, r := range rs {
+		if i == maxParts || (i > 0 && sum+r.Len > maxBytes) {
+			return i
+		}
+		sum += r.Len
+	}
+	return len(rs)
 }
 
 // countingReader counts the bytes read through it.

@@ -31,3 +31,32 @@ func TestRanges(t *testing.T) {
 		}
 	}
 }
+
+// TestBatch: one multi-range request takes ranges from the first while they stay
+// within maxParts and the byte bound, and always at least one.
+func TestBatch(t *testing.T) {
+	const pg = 4096
+	pages := func(n int) []api.Extent {
+		rs := make([]api.Extent, n)
+		for i := range rs {
+			rs[i] = api.Extent{Off: int64(2*i) * pg, Len: pg}
+		}
+		return rs
+	}
+	for _, tc := range []struct {
+		name     string
+		rs       []api.Extent
+		maxBytes int64
+		want     int
+	}{
+		{"none", nil, 64 * pg, 0},
+		{"all", pages(10), 64 * pg, 10},
+		{"parts bound", pages(maxParts + 5), 1 << 30, maxParts},
+		{"bytes bound", pages(10), 3 * pg, 3},
+		{"first alone over the bound", []api.Extent{{Off: 0, Len: 8 * pg}, {Off: 9 * pg, Len: pg}}, 4 * pg, 1},
+	} {
+		if got := batch(tc.rs, tc.maxBytes); got != tc.want {
+			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
+		}
+	}
+}

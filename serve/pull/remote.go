@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"mime"
+	"mime/multipart"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -86,6 +88,63 @@ func (r *remote) ReadCheckpointFile(ctx context.Context, name, file string, off,
 		return nil, fmt.Errorf("%s of %s: %w", file, name, err)
 	}
 	return progressBody{progressReader{r: resp.Body, touch: progressOf(ctx)}, resp.Body}, nil
+}
+
+// ReadCheckpointFileRanges implements RangesSource: one Range request for every range
+// of rs, which must be answered with exactly them, in order (multipart/byteranges, or
+// for one range a plain 206).
+func (r *remote) ReadCheckpointFileRanges(ctx context.Context, name, file string, rs []api.Extent, each func(api.Extent, io.Reader) error) error {
+	if len(rs) == 0 {
+		return nil
+	}
+	var rng strings.Builder
+	rng.WriteString("bytes=")
+	for i, x := range rs {
+		if x.Off < 0 || x.Len <= 0 {
+			return fmt.Errorf("%w: range %d+%d", api.ErrInvalidSpec, x.Off, x.Len)
+		}
+		if i > 0 {
+			rng.WriteByte(',')
+		}
+		rng.WriteString(strconv.FormatInt(x.Off, 10) + "-" + strconv.FormatInt(x.Off+x.Len-1, 10))
+	}
+	resp, err := r.get(ctx, "/v1/checkpoints/"+url.PathEscape(name)+"/export/file?name="+url.QueryEscape(file), rng.String())
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	body := progressReader{r: resp.Body, touch: progressOf(ctx)}
+	if len(rs) == 1 {
+		if err := CheckRange(resp, rs[0].Off, rs[0].Len); err != nil {
+			return fmt.Errorf("%s of %s: %w", file, name, err)
+		}
+		return each(rs[0], body)
+	}
+	mt, params, err := mime.ParseMediaType(resp.Header.Get("Content-Type"))
+	if resp.StatusCode != http.StatusPartialContent || err != nil || mt != "multipart/byteranges" || params["boundary"] == "" {
+		return fmt.Errorf("%w: %s of %s: asked %d ranges, got HTTP %d %q", api.ErrProtocol, file, name, len(rs), resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	mr := multipart.NewReader(body, params["boundary"])
+	for _, x := range rs {
+		part, err := mr.NextPart()
+		if err != nil {
+			return fmt.Errorf("%w: %s of %s: part for bytes %d+%d: %v", api.ErrProtocol, file, name, x.Off, x.Len, err)
+		}
+		want := fmt.Sprintf("bytes %d-%d/", x.Off, x.Off+x.Len-1)
+		if cr := part.Header.Get("Content-Range"); !strings.HasPrefix(cr, want) {
+			return fmt.Errorf("%w: %s of %s: asked bytes %d+%d, got part %q", api.ErrProtocol, file, name, x.Off, x.Len, cr)
+		}
+		if err := each(x, io.LimitReader(part, x.Len)); err != nil {
+			return err
+		}
+		if n, _ := part.Read(make([]byte, 1)); n > 0 {
+			return fmt.Errorf("%w: %s of %s: part for bytes %d+%d is longer", api.ErrProtocol, file, name, x.Off, x.Len)
+		}
+	}
+	if _, err := mr.NextPart(); err != io.EOF {
+		return fmt.Errorf("%w: %s of %s: more than the %d parts asked (%v)", api.ErrProtocol, file, name, len(rs), err)
+	}
+	return nil
 }
 
 // CheckRange checks that resp answers a Range request for n bytes at off with exactly
