@@ -68,8 +68,10 @@ func (f *Fleet) beat(ctx context.Context) error {
 		f.beatingSince.Store(0)
 		return fmt.Errorf("%w: heartbeat: %w", ErrUnavailable, err)
 	}
-	if time.Since(start) > f.cfg.Heartbeat {
-		f.beatingSince.Store(0)
+	if took := time.Since(start); took > f.cfg.Heartbeat {
+		if f.beatingSince.Swap(0) != 0 {
+			f.log.Info("fleet: heartbeat late: this node judges no other before a TTL of prompt ones", "took", took)
+		}
 		return nil
 	}
 	now := time.Now().UnixNano()
@@ -168,7 +170,7 @@ func (f *Fleet) watchNodes() {
 	defer f.wg.Done()
 	for f.ctx.Err() == nil {
 		if err := f.watchNodesOnce(); err != nil && f.ctx.Err() == nil {
-			f.log.Debug("fleet: watch of the nodes", "err", err)
+			f.log.Info("fleet: watch of the nodes ended: made again", "err", err)
 		}
 		f.cacheMu.Lock()
 		f.view, f.viewAt = nil, time.Time{}
