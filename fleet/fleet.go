@@ -165,6 +165,9 @@ type Fleet struct {
 	// other nodes judge it by), which fencing counts from.
 	lastBeat      atomic.Int64
 	lastBeatStamp atomic.Int64
+	// lastWritten is the time this node's last written heartbeat carries, prompt or
+	// not (UnixNano): the worker takes jobs only while it is recent (seen).
+	lastWritten atomic.Int64
 	// silenced stops this node's heartbeats (tests: a node that dies right after a
 	// fork's record, before it beats again, now that a job's end beats at once).
 	silenced atomic.Bool

@@ -1189,3 +1189,52 @@ func TestWaveWhileHeartbeatsAreMissing(t *testing.T) {
 		t.Fatalf("events %+v, want the fork ready", got)
 	}
 }
+
+// TestNoJobWhileUnseen: a node whose heartbeat expired from the bucket (cut off, or
+// stopped, longer than the TTL) takes no job until it has written one again, so the
+// wave never sees a fork ready on a node it counts as gone (node_lost). Here n2's
+// heartbeats fail past the TTL and n1's engine refuses every fork (its budget taken):
+// the fork waits for n2's next heartbeat, then is made there and reported ready.
+func TestNoJobWhileUnseen(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	nodes := join(t, s, 2, 0, nil)
+	n1, n2 := nodes[0], nodes[1]
+	n1.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	n1.eng.refuse.Store(1 << 20)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	n2.f.beatsFail.Store(true)
+	for listed := true; listed; {
+		live, err := n1.f.Nodes(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		listed = slices.ContainsFunc(live, func(n api.FleetNode) bool { return n.Name == "n2" })
+		if listed {
+			if ctx.Err() != nil {
+				t.Fatal("n2 still listed 30 s after its heartbeats began to fail")
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	evs, err := n1.f.ForkMany(ctx, api.FleetForkRequest{ForkRequest: api.ForkRequest{Source: "ck", Name: "unseen"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Three seconds (n1 gives the job back for a second each time) in which n2, unseen,
+	// must not take it.
+	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		if n := n2.eng.started.Load(); n != 0 {
+			t.Fatalf("n2 started %d forks while its heartbeat was expired", n)
+		}
+	}
+	if n1.eng.calls.Load() == 0 {
+		t.Fatal("n1 never asked to make the fork: the job was not offered while n2 was unseen")
+	}
+	n2.f.beatsFail.Store(false)
+	got := collect(t, evs, 20*time.Second)
+	if len(got) != 1 || !got[0].OK || got[0].Node != "n2" {
+		t.Fatalf("events %+v, want the fork ready on n2", got)
+	}
+}

@@ -68,6 +68,7 @@ func (f *Fleet) beat(ctx context.Context) error {
 		f.beatingSince.Store(0)
 		return fmt.Errorf("%w: heartbeat: %w", ErrUnavailable, err)
 	}
+	f.lastWritten.Store(hb.Heartbeat.UnixNano())
 	if took := time.Since(start); took > f.cfg.Heartbeat {
 		if f.beatingSince.Swap(0) != 0 {
 			f.log.Info("fleet: heartbeat late: this node judges no other before a TTL of prompt ones", "took", took)
@@ -277,6 +278,21 @@ func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool
 // others' on it too.
 func (f *Fleet) expired(n api.FleetNode) bool {
 	return f.judging() && !n.Heartbeat.IsZero() && time.Since(n.Heartbeat) > f.cfg.TTL
+}
+
+// seen says whether the other nodes see this node live: the last heartbeat it wrote
+// is under a TTL less two heartbeats old, so its key lives on until the next beats. A
+// node that was cut off or stopped longer than that (its key expired, or is about to)
+// takes no job until it wrote a heartbeat again: a fork it made first would be ready
+// on a node the wave sees gone, and be reported node_lost (with --replace-lost, made
+// again elsewhere).
+func (f *Fleet) seen() bool {
+	life := f.cfg.TTL - 2*f.cfg.Heartbeat
+	if life <= 0 {
+		life = f.cfg.TTL / 2
+	}
+	t := f.lastWritten.Load()
+	return t != 0 && time.Since(time.Unix(0, t)) < life
 }
 
 // judging says whether this node may take another's missing or old heartbeat for the

@@ -116,6 +116,10 @@ func (f *Fleet) workLoop() {
 			return
 		}
 		pause = 0
+		if !f.seen() {
+			pause = f.cfg.Heartbeat / 4
+			continue
+		}
 		n, room := f.slots()
 		if n == 0 {
 			select {
