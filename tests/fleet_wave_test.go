@@ -286,9 +286,9 @@ func fleetWaves(t *testing.T) {
 	t.Run("node-killed", func(t *testing.T) {
 		const n = 9
 		victim := hosts[2]
-		evs := waveKillingNode(t, n1, victim, []string{"fwck", "--n", fmt.Sprint(n), "--prefix", "fk-", "--spread"}, n, true)
+		evs, killedAt := waveKillingNode(t, n1, victim, []string{"fwck", "--n", fmt.Sprint(n), "--prefix", "fk-", "--spread"}, n, true)
 
-		if lost, stayed := checkWaveEnd(t, evs, n, victim.name, hosts[:2], n1, "fk-", false); lost == 0 && len(stayed) == 0 {
+		if lost, stayed := checkWaveEnd(t, evs, killedAt, n, victim.name, hosts[:2], n1, "fk-", false); lost == 0 && len(stayed) == 0 {
 			t.Errorf("no fork reported node_lost, yet %s had made one", victim.name)
 		}
 	})
