@@ -204,6 +204,11 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 		msg.TermWithReason("unreadable job")
 		return true
 	}
+	if !f.seen() {
+		// Delivered to a fetch made while this node was seen (see workLoop).
+		msg.NakWithDelay(refuseDelay)
+		return false
+	}
 	j.CPUs = max(j.CPUs, 1)
 	share := f.share(j)
 	if got.Sub(r.at) > roomAge {
