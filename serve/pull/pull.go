@@ -189,7 +189,10 @@ func fetchRanges(ctx context.Context, w *engine.FileWriter, src RangesSource, na
 		total += cr.n
 		return err
 	})
-	return total, stalled(rctx, err)
+	if err != nil {
+		return total, stalled(rctx, err)
+	}
+	return total, nil
 }
 
 // batch is how many of rs, from the first, one multi-range request asks for: at most
