@@ -78,8 +78,7 @@ func (r *remote) ReadCheckpointFile(ctx context.Context, name, file string, off,
 	if off < 0 || n <= 0 {
 		return nil, fmt.Errorf("%w: range %d+%d", api.ErrInvalidSpec, off, n)
 	}
-	rng := "bytes=" + strconv.FormatInt(off, 10) + "-" + strconv.FormatInt(off+n-1, 10)
-	resp, err := r.get(ctx, "/v1/checkpoints/"+url.PathEscape(name)+"/export/file?name="+url.QueryEscape(file), rng)
+	resp, err := r.get(ctx, filePath(name, file), "bytes="+byteSpan(off, n))
 	if err != nil {
 		return nil, err
 	}
@@ -106,9 +105,9 @@ func (r *remote) ReadCheckpointFileRanges(ctx context.Context, name, file string
 		if i > 0 {
 			rng.WriteByte(',')
 		}
-		rng.WriteString(strconv.FormatInt(x.Off, 10) + "-" + strconv.FormatInt(x.Off+x.Len-1, 10))
+		rng.WriteString(byteSpan(x.Off, x.Len))
 	}
-	resp, err := r.get(ctx, "/v1/checkpoints/"+url.PathEscape(name)+"/export/file?name="+url.QueryEscape(file), rng.String())
+	resp, err := r.get(ctx, filePath(name, file), rng.String())
 	if err != nil {
 		return err
 	}
@@ -130,7 +129,7 @@ func (r *remote) ReadCheckpointFileRanges(ctx context.Context, name, file string
 		if err != nil {
 			return fmt.Errorf("%w: %s of %s: part for bytes %d+%d: %v", api.ErrProtocol, file, name, x.Off, x.Len, err)
 		}
-		want := fmt.Sprintf("bytes %d-%d/", x.Off, x.Off+x.Len-1)
+		want := "bytes " + byteSpan(x.Off, x.Len) + "/"
 		if cr := part.Header.Get("Content-Range"); !strings.HasPrefix(cr, want) {
 			return fmt.Errorf("%w: %s of %s: asked bytes %d+%d, got part %q", api.ErrProtocol, file, name, x.Off, x.Len, cr)
 		}
@@ -150,9 +149,19 @@ func (r *remote) ReadCheckpointFileRanges(ctx context.Context, name, file string
 // CheckRange checks that resp answers a Range request for n bytes at off with exactly
 // them (206, Content-Range, Content-Length); api.ErrProtocol otherwise.
 func CheckRange(resp *http.Response, off, n int64) error {
-	want := fmt.Sprintf("bytes %d-%d/", off, off+n-1)
+	want := "bytes " + byteSpan(off, n) + "/"
 	if cr := resp.Header.Get("Content-Range"); resp.StatusCode != http.StatusPartialContent || !strings.HasPrefix(cr, want) || resp.ContentLength != n {
 		return fmt.Errorf("%w: asked bytes %d+%d, got HTTP %d %q (%d bytes)", api.ErrProtocol, off, n, resp.StatusCode, cr, resp.ContentLength)
 	}
 	return nil
+}
+
+// filePath is the API path of file of checkpoint name's export.
+func filePath(name, file string) string {
+	return "/v1/checkpoints/" + url.PathEscape(name) + "/export/file?name=" + url.QueryEscape(file)
+}
+
+// byteSpan is the n bytes at off as a Range or Content-Range writes them ("A-B").
+func byteSpan(off, n int64) string {
+	return strconv.FormatInt(off, 10) + "-" + strconv.FormatInt(off+n-1, 10)
 }
