@@ -174,6 +174,9 @@ type Fleet struct {
 	// beatsFail makes every heartbeat fail as a write to a bucket without a leader does
 	// (tests: an election, or a node cut off from NATS).
 	beatsFail atomic.Bool
+	// viewStalled makes the watch of the nodes drop what it hears (tests: a watch whose
+	// consumer went with a stream leader that died, silent until it is made again).
+	viewStalled atomic.Bool
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -204,9 +207,11 @@ type Fleet struct {
 	// closed is set by Close: no background work starts after it.
 	closed bool
 	// fenced names the protected VMs this node fenced (protect.go), until settled;
-	// ownerLost when this node first found each owner of a record it holds lost.
+	// ownerLost when this node first found each owner of a record it holds lost;
+	// reviving the VMs of lost owners this node is taking over (settle).
 	fenced    map[string]bool
 	ownerLost map[string]time.Time
+	reviving  map[string]bool
 	// watchdog is closed when the fence watchdog this node started has exited (nil:
 	// none started; fence.go).
 	watchdog <-chan struct{}

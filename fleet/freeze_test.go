@@ -18,6 +18,10 @@ type protEngine struct {
 	pmu    sync.Mutex
 	calls  []string
 	points []api.CheckpointInfo
+	// together, when set, holds each revival until that many are under way at once
+	// (or 5 s pass); reviving counts those under way, mostReviving the most at once.
+	together               int
+	reviving, mostReviving int
 }
 
 func newProtEngine() *protEngine { return &protEngine{fakeEngine: newFakeEngine(100)} }
@@ -50,6 +54,23 @@ func (e *protEngine) Token(string) (string, error) { return "token", nil }
 
 func (e *protEngine) Revive(_ context.Context, point, name, _ string) (api.Info, error) {
 	e.did("revive " + name)
+	e.pmu.Lock()
+	e.reviving++
+	e.mostReviving = max(e.mostReviving, e.reviving)
+	e.pmu.Unlock()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		e.pmu.Lock()
+		n := e.reviving
+		e.pmu.Unlock()
+		if n >= e.together {
+			break
+		}
+	}
+	defer func() {
+		e.pmu.Lock()
+		e.reviving--
+		e.pmu.Unlock()
+	}()
 	inf := api.Info{Name: name, State: api.StateRunning, CPUs: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
 	e.mu.Lock()
 	e.vms[name] = inf
@@ -89,9 +110,17 @@ func (e *protEngine) Points() ([]api.CheckpointInfo, error) {
 // of its point that v's record names, and waits until both judge.
 func protectedPair(t *testing.T, s *natsembed.Server) (n1, n2 *Fleet, e1, e2 *protEngine) {
 	t.Helper()
-	e1, e2 = newProtEngine(), newProtEngine()
-	e1.vms["v"] = api.Info{Name: "v", State: api.StateRunning, CPUs: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
-	e2.points = []api.CheckpointInfo{{Name: "v-p-1", Protects: "v", CreatedAt: time.Now()}}
+	return protectedPairOf(t, s, newProtEngine(), "v")
+}
+
+// protectedPairOf is protectedPair with the protected VMs named, n2's engine given.
+func protectedPairOf(t *testing.T, s *natsembed.Server, e2 *protEngine, vms ...string) (n1, n2 *Fleet, e1, _ *protEngine) {
+	t.Helper()
+	e1 = newProtEngine()
+	for _, v := range vms {
+		e1.vms[v] = api.Info{Name: v, State: api.StateRunning, CPUs: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
+		e2.points = append(e2.points, api.CheckpointInfo{Name: v + "-p-1", Protects: v, CreatedAt: time.Now()})
+	}
 	nodes := map[string]*Fleet{}
 	for name, e := range map[string]*protEngine{"n1": e1, "n2": e2} {
 		cfg := Config{MaxVCPUs: 8, Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond}
@@ -100,10 +129,12 @@ func protectedPair(t *testing.T, s *natsembed.Server) (n1, n2 *Fleet, e1, e2 *pr
 	n1, n2 = nodes["n1"], nodes["n2"]
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	rec := protectRec{VM: "v", Token: "token", Node: "n1", Class: ClassID(testClass),
-		FleetProtection: api.FleetProtection{Point: "v-p-1", PointAt: time.Now(), Copies: []string{"n2"}, Every: time.Second}}
-	if err := n1.writeRec(ctx, kvKey("v"), rec, 0, false); err != nil {
-		t.Fatal(err)
+	for _, v := range vms {
+		rec := protectRec{VM: v, Token: "token", Node: "n1", Class: ClassID(testClass),
+			FleetProtection: api.FleetProtection{Point: v + "-p-1", PointAt: time.Now(), Copies: []string{"n2"}, Every: time.Second}}
+		if err := n1.writeRec(ctx, kvKey(v), rec, 0, false); err != nil {
+			t.Fatal(err)
+		}
 	}
 	waitFor(t, 30*time.Second, "both nodes judging", func() bool { return n1.judging() && n2.judging() })
 	return n1, n2, e1, e2
@@ -189,4 +220,43 @@ func TestCutOffFrozenThenDropped(t *testing.T) {
 	if _, err := e1.Get("v"); err == nil {
 		t.Errorf("n1 still has v")
 	}
+}
+
+// TestLostNodesVMsRevivedSideBySide: the owner of two protected VMs is cut off; the
+// holder of both points takes both over and revives them side by side, not the second
+// after the first has started (each revival here waits until both are under way, for
+// 5 s at most).
+func TestLostNodesVMsRevivedSideBySide(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	e2 := newProtEngine()
+	e2.together = 2
+	n1, _, _, _ := protectedPairOf(t, s, e2, "v", "w")
+	n1.beatsFail.Store(true)
+	waitFor(t, 30*time.Second, "v and w revived on n2", func() bool {
+		c := e2.called()
+		return slices.Contains(c, "protect v") && slices.Contains(c, "protect w")
+	})
+	e2.pmu.Lock()
+	most := e2.mostReviving
+	e2.pmu.Unlock()
+	if most != 2 {
+		t.Errorf("at most %d revivals under way at once on n2, want 2", most)
+	}
+}
+
+// TestTakeoverWithSilentWatch: the holder's watch of the nodes hears nothing (its
+// consumer went with a stream leader that died with the owner, and stays silent until
+// made again) when the owner is cut off: the holder judges by the heartbeat on the
+// bucket's leader and takes the VM over when the lease ends, not once the watch is back.
+func TestTakeoverWithSilentWatch(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	n1, n2, _, e2 := protectedPair(t, s)
+	n2.viewStalled.Store(true)
+	cut := time.Now()
+	n1.beatsFail.Store(true)
+	// The lease ends two TTLs after n1's last heartbeat; a tick and the revival on top.
+	waitFor(t, n1.protectLease()+3*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
+	t.Logf("revived %v after the cut", time.Since(cut).Round(time.Millisecond))
 }

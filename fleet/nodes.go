@@ -205,6 +205,9 @@ func (f *Fleet) watchNodesOnce() error {
 			}
 			e = u
 		}
+		if f.viewStalled.Load() {
+			continue
+		}
 		if e == nil {
 			live = true
 		} else if e.Operation() == jetstream.KeyValuePut {

@@ -394,6 +394,7 @@ func (f *Fleet) protectionLoop() {
 	}
 	t := time.NewTicker(max(f.cfg.Heartbeat/2, 50*time.Millisecond))
 	defer t.Stop()
+	var recsFailing time.Time // since the records' reads fail
 	for tick := 0; ; tick++ {
 		select {
 		case <-f.ctx.Done():
@@ -410,7 +411,12 @@ func (f *Fleet) protectionLoop() {
 		f.mu.Lock()
 		fenced := len(f.fenced) > 0
 		f.mu.Unlock()
-		if tick%2 != 0 || !f.judging() {
+		// While an owner is known lost, every tick: its VMs are taken over within half
+		// a heartbeat of the lease's end, not up to a heartbeat after it.
+		f.mu.Lock()
+		lost := len(f.ownerLost) > 0
+		f.mu.Unlock()
+		if (tick%2 != 0 && !lost) || !f.judging() {
 			continue
 		}
 		points, err := p.Points()
@@ -421,12 +427,28 @@ func (f *Fleet) protectionLoop() {
 		recs, err := f.protectRecs(ctx)
 		cancel()
 		if err != nil {
-			f.log.Debug("fleet: protection records", "err", err)
+			if recsFailing.IsZero() {
+				recsFailing = time.Now()
+				f.log.Info("fleet: protection records not read: no fail-over judged until they are", "err", err)
+			}
 			continue
 		}
+		if !recsFailing.IsZero() {
+			f.log.Info("fleet: protection records read again", "after", time.Since(recsFailing).Round(time.Millisecond))
+			recsFailing = time.Time{}
+		}
+		owners := map[string]bool{}
 		for _, r := range recs {
 			f.settle(p, r)
+			owners[r.Node] = true
 		}
+		f.mu.Lock()
+		for node := range f.ownerLost {
+			if !owners[node] {
+				delete(f.ownerLost, node) // none of its VMs left to take over
+			}
+		}
+		f.mu.Unlock()
 		if tick%strayEvery == 0 {
 			f.dropStrays(points, recs)
 		}
@@ -623,13 +645,20 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		f.mu.Unlock()
 		f.log.Info("fleet: stale copy of a protected VM dropped: it runs on another node", "vm", r.VM, "node", r.Node)
 	case r.Node != f.cfg.Node && slices.Contains(r.Copies, f.cfg.Node) && !here:
-		if unsure, live := f.liveView(r.Node); unsure || live {
-			return // its owner is live (or this node cannot tell yet)
+		// Judged by the heartbeat on the bucket's leader; a watch that lists the owner
+		// live saves the read. A watch that heard nothing lately (its consumer lost with
+		// a stream leader that died with the owner can stay silent for seconds) does not
+		// stop the judging: only the leader's word counts.
+		if unsure, live := f.liveView(r.Node); !unsure && live {
+			return
 		}
 		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL)
-		_, live, err := f.node(ctx, r.Node)
+		beat, live, err := f.node(ctx, r.Node)
 		cancel()
-		if err != nil || live {
+		if err != nil {
+			return // not judged now: a read that fails neither proves it lost nor live
+		}
+		if live {
 			f.mu.Lock()
 			delete(f.ownerLost, r.Node)
 			f.mu.Unlock()
@@ -649,14 +678,47 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 			f.ownerLost[r.Node] = since
 		}
 		f.mu.Unlock()
-		if beat, ok := f.goneBeat(r.Node); ok && beat.Add(f.cfg.TTL).Before(since) {
-			since = beat.Add(f.cfg.TTL)
+		// The last heartbeat's stamp: as the watch saw it go, or as the leader still
+		// holds it (a key the bucket did not expire yet).
+		last, known := f.goneBeat(r.Node)
+		if t := beat.Heartbeat; !t.IsZero() && t.After(last) {
+			last, known = t, true
+		}
+		if known && last.Add(f.cfg.TTL).Before(since) {
+			since = last.Add(f.cfg.TTL)
+		}
+		if !seen {
+			f.log.Info("fleet: node judged lost: its protected VMs whose points this node holds are taken over when their lease ends",
+				"node", r.Node, "last_heartbeat_seen", known, "lease_ends_in", time.Until(since.Add(f.protectLease()-f.cfg.TTL)).Round(time.Millisecond))
 		}
 		if time.Since(since) < f.protectLease()-f.cfg.TTL {
 			return
 		}
-		f.revive(p, r, r.Node)
+		f.startRevive(p, r)
 	}
+}
+
+// startRevive takes r over from its lost owner on a goroutine of its own, unless this
+// node is at it already: a lost node's VMs are revived side by side, not each after
+// the one before it has started and answered.
+func (f *Fleet) startRevive(p ProtectEngine, r protectRec) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.reviving[r.VM] || f.closed {
+		return
+	}
+	if f.reviving == nil {
+		f.reviving = map[string]bool{}
+	}
+	f.reviving[r.VM] = true
+	f.wg.Add(1)
+	go func() {
+		defer f.wg.Done()
+		f.revive(p, r, r.Node)
+		f.mu.Lock()
+		delete(f.reviving, r.VM)
+		f.mu.Unlock()
+	}()
 }
 
 // thaw runs on a VM this node froze (fenceAll), now that its heartbeats go through
@@ -737,6 +799,9 @@ func (f *Fleet) revive(p ProtectEngine, r protectRec, from string) {
 	}
 	if err := f.writeRec(ctx, key, next, rev, true); err != nil {
 		return // another holder took it
+	}
+	if from != "" {
+		f.log.Info("fleet: protected VM taken over: reviving it here", "vm", r.VM, "from", from, "point", r.Point)
 	}
 	info, err := p.Revive(ctx, next.Point, next.VM, next.Token)
 	if err != nil {
