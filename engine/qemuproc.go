@@ -14,6 +14,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/admission"
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/qmp"
 	"golang.org/x/sys/unix"
@@ -479,12 +480,14 @@ func migrationStats(st qemu.MigrationInfo) *MigrationStats {
 }
 
 // stopGuest stops the guest's vCPUs (QMP stop). A stopped guest stays stopped until
-// resume; nothing else about the VM changes.
+// resume; nothing else about the VM changes. Its vCPU threads go first for the length
+// of the stop (platform.RaiseVCPUs).
 func (p *qemuProc) stopGuest(ctx context.Context) error {
 	c, err := p.client(ctx)
 	if err != nil {
 		return err
 	}
+	defer platform.RaiseVCPUs(p.PID())()
 	return c.Stop(ctx)
 }
 

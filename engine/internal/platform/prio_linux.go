@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"runtime"
 	"strconv"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -35,63 +36,161 @@ func BoundOutput(cmd *exec.Cmd) ([]byte, error) {
 	return cmd.CombinedOutput()
 }
 
-// pauseNice is the priority Boost gives a process's threads: above every guest's
-// (nice 0), so that the few milliseconds of work in a guest's pause do not wait behind
-// the other guests' vCPU threads for a CPU.
+// pauseNice is the priority Boost gives a guest's vCPU threads, and every thread where
+// real-time priorities are refused: above every guest's (nice 0), so that the few
+// milliseconds of work in a guest's pause do not wait behind the other guests' vCPU
+// threads for a CPU.
 const pauseNice = -10
 
-// Boost raises every thread of process pid to nice pauseNice for the length of a
-// pause (a stopped guest's vCPU threads must run to stop, and its main loop to save
-// its devices and take the monitor's commands), and returns what puts each thread's
-// priority back. Best effort: without the privilege (CAP_SYS_NICE) or with a thread
-// gone nothing changes.
+// pauseRT and pauseRTSelf are the real-time priorities (SCHED_RR) Boost gives a
+// guest's QEMU threads other than its vCPUs, and boostSelf the engine's threads, for
+// the length of a pause. Nice -10 only weighs a thread against the
+// others: with every CPU busy with other guests a woken thread still waits for one now
+// and then, and a pause is many such wake-ups in a row (the monitor's replies, the
+// device state, the pages). A real-time thread runs as soon as it wakes. QEMU's are
+// above the engine's, so the engine never holds off the guest's main loop. The vCPU
+// threads are raised only while the guest stops (RaiseVCPUs), at pauseNice otherwise:
+// a guest running on a real-time vCPU would starve the host. With
+// SCHED_FLAG_RESET_ON_FORK a thread started by a raised one starts as a normal thread.
+const (
+	pauseRT     = 2
+	pauseRTSelf = 1
+)
+
+// raiseRT makes thread tid a real-time thread at priority prio, and says whether it could.
+func raiseRT(tid, prio int) bool {
+	return unix.SchedSetAttr(tid, &unix.SchedAttr{Policy: unix.SCHED_RR,
+		Flags: unix.SCHED_FLAG_RESET_ON_FORK, Priority: uint32(prio)}, 0) == nil
+}
+
+// lowerRT makes thread tid a normal thread at nice again.
+func lowerRT(tid, nice int) {
+	_ = unix.SchedSetAttr(tid, &unix.SchedAttr{Policy: unix.SCHED_NORMAL, Nice: int32(nice)}, 0)
+}
+
+// raised is a thread Boost or boostSelf raised: how (rt, or to pauseNice) and its nice before.
+type raised struct {
+	tid, nice int
+	rt        bool
+}
+
+// lower puts r back where it was.
+func (r raised) lower() {
+	if r.rt {
+		lowerRT(r.tid, r.nice)
+		return
+	}
+	_ = unix.Setpriority(unix.PRIO_PROCESS, r.tid, r.nice)
+}
+
+// Boost raises the threads of process pid, a guest's QEMU, for the length of a pause (a
+// stopped guest's vCPU threads must run to stop, and its main loop to save its devices
+// and take the monitor's commands): its vCPU threads to nice pauseNice, the others to
+// real-time priority pauseRT. It returns what puts each thread back. Normal threads
+// at or below pauseNice keep their priority, as does any thread with another policy.
+// Best effort: without the privilege (CAP_SYS_NICE) nothing changes; where real-time
+// priorities are refused (a container, a cgroup without real-time time) the others
+// get pauseNice too.
 func Boost(pid int) (restore func()) {
-	type was struct{ tid, nice int }
-	var boosted []was
-	eachThread(pid, func(tid, nice int) {
-		if nice > pauseNice && unix.Setpriority(unix.PRIO_PROCESS, tid, pauseNice) == nil {
-			boosted = append(boosted, was{tid, nice})
+	var boosted []raised
+	eachThread(pid, func(tid int, t thread) {
+		if t.policy != unix.SCHED_NORMAL || t.nice <= pauseNice {
+			return
+		}
+		if !isVCPU(pid, tid) && raiseRT(tid, pauseRT) {
+			boosted = append(boosted, raised{tid, t.nice, true})
+		} else if unix.Setpriority(unix.PRIO_PROCESS, tid, pauseNice) == nil {
+			boosted = append(boosted, raised{tid, t.nice, false})
 		}
 	})
 	return func() {
 		for _, b := range boosted {
-			_ = unix.Setpriority(unix.PRIO_PROCESS, b.tid, b.nice)
+			b.lower()
 		}
 	}
 }
 
-// boostSelf raises this process's threads at the calling thread's priority to
-// pauseNice and returns what puts them back. Threads at another priority keep it:
-// BackgroundThread's, to which no other goroutine runs (so never the caller's), and
-// any an embedder set. A thread started while they are raised inherits the raise from
-// the thread that started it, so the restore also lowers every thread that appeared at
-// pauseNice meanwhile. The runtime may start threads while either walks the list:
-// each walks it again until a walk changes nothing.
+// RaiseVCPUs makes the vCPU threads of process pid, a guest's QEMU, real-time at
+// pauseRT while its guest is being stopped, and returns what puts each back (a
+// Boost's pauseNice, where it had it). A stop waits for every vCPU to leave the guest,
+// and a vCPU thread that waits for a CPU behind the other guests' holds the whole
+// pause up (behind real-time threads, for as long as they run). Once the stop returns
+// they sleep until the guest runs again: the caller lowers them then, so that no
+// guest ever runs on a real-time thread. Best effort, as Boost.
+func RaiseVCPUs(pid int) (lower func()) {
+	var raisedThreads []raised
+	eachThread(pid, func(tid int, t thread) {
+		if t.policy == unix.SCHED_NORMAL && isVCPU(pid, tid) && raiseRT(tid, pauseRT) {
+			raisedThreads = append(raisedThreads, raised{tid, t.nice, true})
+		}
+	})
+	return func() {
+		for _, r := range raisedThreads {
+			r.lower()
+		}
+	}
+}
+
+// isVCPU says whether thread tid of QEMU process pid runs a vCPU: QEMU names them
+// "CPU N/ACCEL" (-name debug-threads=on, which every launch sets).
+func isVCPU(pid, tid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/comm", pid, tid))
+	return err != nil || (strings.HasPrefix(string(b), "CPU ") && strings.Contains(string(b), "/"))
+}
+
+// boostSelf raises this process's normal threads at the calling thread's priority to
+// real-time priority pauseRTSelf (or, where that is refused, to pauseNice) and returns
+// what puts them back. Every thread, not only the pause's goroutine's: the monitor's
+// replies are read on others, and the pause waits for each. Threads at another
+// priority keep it: BackgroundThread's, to which no other goroutine runs (so never the
+// caller's), and any an embedder set. The runtime may start threads while the raise
+// walks the list: it walks it again until a walk changes nothing. A thread started by a
+// real-time one starts normal (SCHED_FLAG_RESET_ON_FORK); one started by a thread at
+// pauseNice inherits it, so that restore also lowers every thread that appeared at
+// pauseNice meanwhile.
 func boostSelf() (restore func()) {
 	pid := os.Getpid()
-	p, err := unix.Getpriority(unix.PRIO_PROCESS, 0) // 0: the calling thread
-	base := 20 - p
-	if err != nil || base <= pauseNice {
+	me, ok := threadOf(unix.Gettid())
+	if !ok || me.policy != unix.SCHED_NORMAL || me.nice <= pauseNice {
 		return func() {}
 	}
+	base := me.nice
+	rt := raiseRT(unix.Gettid(), pauseRTSelf)
 	orig := map[int]int{}
-	eachThread(pid, func(tid, nice int) { orig[tid] = nice })
+	eachThread(pid, func(tid int, t thread) {
+		if t.policy == unix.SCHED_NORMAL {
+			orig[tid] = t.nice
+		}
+	})
 	boosted := map[int]bool{}
-	untilSettled(pid, func(tid, nice int) bool {
+	if rt {
+		boosted[unix.Gettid()] = true
+	}
+	untilSettled(pid, func(tid int, t thread) bool {
 		was, old := orig[tid]
-		if boosted[tid] || nice != base || (old && was != base) {
+		if boosted[tid] || t.policy != unix.SCHED_NORMAL || t.nice != base || (old && was != base) {
 			return false
 		}
-		if unix.Setpriority(unix.PRIO_PROCESS, tid, pauseNice) != nil {
+		if rt {
+			if !raiseRT(tid, pauseRTSelf) {
+				return false
+			}
+		} else if unix.Setpriority(unix.PRIO_PROCESS, tid, pauseNice) != nil {
 			return false
 		}
 		boosted[tid] = true
 		return true
 	})
 	return func() {
-		untilSettled(pid, func(tid, nice int) bool {
+		if rt {
+			for tid := range boosted {
+				lowerRT(tid, base)
+			}
+			return
+		}
+		untilSettled(pid, func(tid int, t thread) bool {
 			_, old := orig[tid]
-			return nice == pauseNice && (boosted[tid] || !old) &&
+			return t.policy == unix.SCHED_NORMAL && t.nice == pauseNice && (boosted[tid] || !old) &&
 				unix.Setpriority(unix.PRIO_PROCESS, tid, base) == nil
 		})
 	}
@@ -99,11 +198,11 @@ func boostSelf() (restore func()) {
 
 // untilSettled walks process pid's threads with fn, which says whether it changed one,
 // until a walk changes none (at most eight walks).
-func untilSettled(pid int, fn func(tid, nice int) bool) {
+func untilSettled(pid int, fn func(tid int, t thread) bool) {
 	for range 8 {
 		changed := false
-		eachThread(pid, func(tid, nice int) {
-			if fn(tid, nice) {
+		eachThread(pid, func(tid int, t thread) {
+			if fn(tid, t) {
 				changed = true
 			}
 		})
@@ -113,30 +212,46 @@ func untilSettled(pid int, fn func(tid, nice int) bool) {
 	}
 }
 
-// Unboost puts the threads of process pid that are at Boost's priority back to nice 0:
-// what a Boost whose restore never ran (its engine killed in the pause) left.
+// Unboost puts the threads of process pid that are at Boost's priorities (real-time
+// pauseRT, or nice pauseNice) back to normal threads at nice 0: what a Boost whose
+// restore never ran (its engine killed in the pause) left.
 func Unboost(pid int) {
-	eachThread(pid, func(tid, nice int) {
-		if nice == pauseNice {
+	eachThread(pid, func(tid int, t thread) {
+		switch {
+		case t.policy == unix.SCHED_RR && t.prio == pauseRT:
+			lowerRT(tid, 0)
+		case t.policy == unix.SCHED_NORMAL && t.nice == pauseNice:
 			_ = unix.Setpriority(unix.PRIO_PROCESS, tid, 0)
 		}
 	})
 }
 
-// eachThread calls fn with each thread of process pid and its nice value.
-func eachThread(pid int, fn func(tid, nice int)) {
+// thread is a thread's scheduling: its policy, nice value (normal threads) and
+// real-time priority.
+type thread struct{ policy, nice, prio int }
+
+// threadOf reads thread tid's scheduling.
+func threadOf(tid int) (thread, bool) {
+	a, err := unix.SchedGetAttr(tid, 0)
+	if err != nil {
+		return thread{}, false
+	}
+	return thread{policy: int(a.Policy), nice: int(a.Nice), prio: int(a.Priority)}, true
+}
+
+// eachThread calls fn with each thread of process pid and its scheduling.
+func eachThread(pid int, fn func(tid int, t thread)) {
 	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
 	if err != nil {
 		return
 	}
-	for _, t := range tasks {
-		tid, err := strconv.Atoi(t.Name())
+	for _, e := range tasks {
+		tid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		// getpriority returns 20 - nice (the raw system call, without glibc's undoing).
-		if p, err := unix.Getpriority(unix.PRIO_PROCESS, tid); err == nil {
-			fn(tid, 20-p)
+		if t, ok := threadOf(tid); ok {
+			fn(tid, t)
 		}
 	}
 }

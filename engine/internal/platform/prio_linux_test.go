@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -55,68 +56,119 @@ func TestBoundOutputDiesWithTheEngine(t *testing.T) {
 	}
 }
 
-// TestBoost: Boost raises a process's threads to pauseNice and its restore puts each
-// back where it was (a thread at nice 5 goes back to 5, not 0).
+// TestBoost: Boost makes a QEMU's vCPU threads (named "CPU N/TCG") nice pauseNice and
+// its other threads real-time at pauseRT, and its restore puts each back where it was
+// (a thread at nice 5 goes back to 5, not 0); Unboost undoes a Boost whose restore never
+// ran. RaiseVCPUs makes the vCPU thread real-time too while a guest stops, and puts it
+// back at pauseNice. The process is this test's binary with one thread named as a vCPU.
 func TestBoost(t *testing.T) {
+	if os.Getenv("FORKVM_VCPU_HELPER") != "" {
+		runtime.LockOSThread()
+		if err := unix.Prctl(unix.PR_SET_NAME, uintptr(unsafe.Pointer(&[]byte("CPU 0/TCG\x00")[0])), 0, 0, 0); err != nil {
+			os.Exit(3)
+		}
+		fmt.Println(unix.Gettid())
+		time.Sleep(30 * time.Second)
+		os.Exit(0)
+	}
 	if os.Getuid() != 0 {
 		t.Skip("raising a priority needs CAP_SYS_NICE (root)")
 	}
-	cmd := exec.Command("sleep", "30")
+	cmd := exec.Command(os.Args[0], "-test.run=^TestBoost$")
+	cmd.Env = append(os.Environ(), "FORKVM_VCPU_HELPER=1")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer func() { cmd.Process.Kill(); cmd.Wait() }()
-	pid := cmd.Process.Pid
-	nice := func() int {
-		t.Helper()
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			t.Fatal(err)
-		}
-		// Field 19 (nice), counted after the command's closing parenthesis.
-		f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+2:]))
-		n, err := strconv.Atoi(f[16])
-		if err != nil {
-			t.Fatal(err)
-		}
-		return n
+	var vcpu int
+	if _, err := fmt.Fscan(out, &vcpu); err != nil {
+		t.Fatalf("the helper's vCPU thread: %v", err)
 	}
-	if err := syscall.Setpriority(syscall.PRIO_PROCESS, pid, 5); err != nil {
+	pid := cmd.Process.Pid
+	other := 0 // a thread that is not the vCPU, put at nice 5
+	eachThread(pid, func(tid int, _ thread) {
+		if tid != vcpu && other == 0 {
+			other = tid
+		}
+	})
+	if err := syscall.Setpriority(syscall.PRIO_PROCESS, other, 5); err != nil {
 		t.Fatal(err)
 	}
+	check := func(when string, want func(tid int) thread) {
+		t.Helper()
+		n := 0
+		eachThread(pid, func(tid int, got thread) {
+			n++
+			if w := want(tid); got != w {
+				t.Errorf("%s: thread %d is %+v, want %+v", when, tid, got, w)
+			}
+		})
+		if n < 2 {
+			t.Fatalf("%s: %d threads read", when, n)
+		}
+	}
+	if !raiseRT(other, pauseRT) {
+		t.Skip("real-time priorities are refused here (Boost falls back to nice)")
+	}
+	lowerRT(other, 5)
+	before := map[int]thread{}
+	eachThread(pid, func(tid int, th thread) { before[tid] = th })
+	if before[other].nice != 5 || before[vcpu].nice != 0 {
+		t.Fatalf("before: thread %d %+v, vCPU %+v", other, before[other], before[vcpu])
+	}
 	restore := Boost(pid)
-	if n := nice(); n != pauseNice {
-		t.Errorf("boosted: nice %d, want %d", n, pauseNice)
-	}
+	check("boosted", func(tid int) thread {
+		if tid == vcpu {
+			return thread{policy: unix.SCHED_NORMAL, nice: pauseNice}
+		}
+		return thread{policy: unix.SCHED_RR, prio: pauseRT}
+	})
+	lower := RaiseVCPUs(pid)
+	check("vCPUs raised for a stop", func(tid int) thread { return thread{policy: unix.SCHED_RR, prio: pauseRT} })
+	lower()
+	check("vCPUs lowered", func(tid int) thread {
+		if tid == vcpu {
+			return thread{policy: unix.SCHED_NORMAL, nice: pauseNice}
+		}
+		return thread{policy: unix.SCHED_RR, prio: pauseRT}
+	})
 	restore()
-	if n := nice(); n != 5 {
-		t.Errorf("restored: nice %d, want 5", n)
-	}
+	check("restored", func(tid int) thread { return before[tid] })
 	Boost(pid) // its restore never runs (an engine killed in the pause)
 	Unboost(pid)
-	if n := nice(); n != 0 {
-		t.Errorf("unboosted: nice %d, want 0", n)
-	}
+	check("unboosted", func(tid int) thread { return thread{policy: unix.SCHED_NORMAL} })
 }
 
-// TestSelfBoost: while any holder holds a SelfBoost, the process's threads are at
-// pauseNice; the last release puts them back, those started meanwhile (which inherit
-// the raise) included, and a background thread (nice 19) keeps its own. It watches
-// threads that locked goroutines keep, which the runtime cannot hand to others.
+// TestSelfBoost: while any holder holds a SelfBoost, the process's threads are
+// real-time at pauseRTSelf; the last release puts them back, those the goroutines
+// started meanwhile run on included; a background thread (nice 19) keeps its own. It
+// watches threads that locked goroutines keep, which the runtime cannot hand to others.
 func TestSelfBoost(t *testing.T) {
 	if os.Getuid() != 0 {
 		t.Skip("raising a priority needs CAP_SYS_NICE (root)")
 	}
-	p, err := unix.Getpriority(unix.PRIO_PROCESS, 0)
-	if err != nil {
-		t.Fatal(err)
+	me, ok := threadOf(unix.Gettid())
+	if !ok || me.policy != unix.SCHED_NORMAL {
+		t.Fatalf("the test's thread: %+v", me)
 	}
-	base := 20 - p
+	base := me.nice
 	if base <= pauseNice {
 		t.Skipf("the test runs at nice %d, at or above the boost's", base)
 	}
 	stop := make(chan struct{})
 	defer close(stop)
+	probe := make(chan bool)
+	go func() {
+		runtime.LockOSThread() // the thread ends with the goroutine
+		probe <- raiseRT(unix.Gettid(), pauseRTSelf)
+	}()
+	if !<-probe {
+		t.Skip("real-time priorities are refused here (boostSelf falls back to nice)")
+	}
 	// locked starts n goroutines that keep their threads until the test ends.
 	locked := func(n int, background bool) []int {
 		tids := make(chan int)
@@ -139,34 +191,23 @@ func TestSelfBoost(t *testing.T) {
 	}
 	bg := locked(1, true)[0]
 	before := locked(3, false)
-	check := func(when string, tids []int, want int) {
+	check := func(when string, tids []int, want thread) {
 		t.Helper()
-		nices := threadNices(t)
 		for _, tid := range tids {
-			if n, ok := nices[tid]; !ok || n != want {
-				t.Errorf("%s: thread %d at nice %d (listed %v), want %d", when, tid, n, ok, want)
+			if got, ok := threadOf(tid); !ok || got != want {
+				t.Errorf("%s: thread %d is %+v (read %v), want %+v", when, tid, got, ok, want)
 			}
 		}
 	}
+	raised := thread{policy: unix.SCHED_RR, prio: pauseRTSelf}
 	var b SelfBoost
 	r1, r2 := b.Hold(), b.Hold()
-	check("held", before, pauseNice)
+	check("held", before, raised)
 	during := locked(3, false)
 	r1()
 	r1() // a second call of one release does nothing
-	check("one release of two", before, pauseNice)
+	check("one release of two", before, raised)
 	r2()
-	check("released", append(before, during...), base)
-	check("background thread", []int{bg}, 19)
-}
-
-// threadNices is the nice value of each thread of this process.
-func threadNices(t *testing.T) map[int]int {
-	t.Helper()
-	m := map[int]int{}
-	eachThread(os.Getpid(), func(tid, nice int) { m[tid] = nice })
-	if len(m) == 0 {
-		t.Fatal("no threads read")
-	}
-	return m
+	check("released", append(before, during...), thread{policy: unix.SCHED_NORMAL, nice: base})
+	check("background thread", []int{bg}, thread{policy: unix.SCHED_NORMAL, nice: 19})
 }

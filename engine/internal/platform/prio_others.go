@@ -19,6 +19,9 @@ func BoundOutput(cmd *exec.Cmd) ([]byte, error) { return cmd.CombinedOutput() }
 // Boost does nothing here (see the Linux build).
 func Boost(pid int) (restore func()) { return func() {} }
 
+// RaiseVCPUs does nothing here (see the Linux build).
+func RaiseVCPUs(pid int) (lower func()) { return func() {} }
+
 // boostSelf does nothing here (see the Linux build).
 func boostSelf() (restore func()) { return func() {} }
 
