@@ -718,7 +718,7 @@ func (e *Engine) parkPause(ctx context.Context, vm *VM, pm *checkpointManifest, 
 type parkImage struct {
 	ps      *parkState
 	flushes sync.WaitGroup
-	errs    [2]error
+	errs    []error
 	waited  bool
 }
 
@@ -750,9 +750,16 @@ func captureParkImage(ctx context.Context, p *qemuProc, s *vmState, paths layout
 	}
 	clk.lap("extract")
 	img := &parkImage{ps: &parkState{Stage: parkStageParked, At: time.Now().UTC(), Handoff: handoff, BootID: hostBootID()}}
-	// The flushes hold their files open: they go on after the directory's rename.
-	for i, path := range []string{state, layer} {
-		f, err := os.OpenFile(path, os.O_RDWR, 0)
+	// The flushes hold their files open: they go on after the directory's rename. The
+	// VM's disk chain is flushed with them: its guest's flushes end in the page cache
+	// (qemu.BlockdevJSON), and a parked VM must survive a power loss.
+	files := []string{state, layer}
+	for _, l := range s.Launch.Disk {
+		files = append(files, l.Path)
+	}
+	img.errs = make([]error, len(files))
+	for i, path := range files {
+		f, err := os.Open(path) // fsync needs no write access
 		if err != nil {
 			img.wait()
 			return nil, err
@@ -779,13 +786,13 @@ func captureParkImage(ctx context.Context, p *qemuProc, s *vmState, paths layout
 	return img, nil
 }
 
-// wait waits for the data files' flushes and returns their error.
+// wait waits for the data files' and the disk chain's flushes and returns their error.
 func (img *parkImage) wait() error {
 	if !img.waited {
 		img.flushes.Wait()
 		img.waited = true
 	}
-	return errors.Join(img.errs[:]...)
+	return errors.Join(img.errs...)
 }
 
 // finish makes the committed image (now at image, in the VM's directory vmDir)

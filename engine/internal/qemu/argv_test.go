@@ -259,6 +259,9 @@ func TestArgvDiskChain(t *testing.T) {
 	if top["discard"] != "unmap" {
 		t.Errorf("top discard = %v", top["discard"])
 	}
+	if c, _ := top["cache"].(map[string]any); c["no-flush"] != true {
+		t.Errorf("top cache = %v, want no-flush (a guest's flushes end in the page cache)", top["cache"])
+	}
 	// Walk the chain from the top: layer 2, 1, 0.
 	node := top
 	for i := len(l.Disk) - 1; i >= 0; i-- {

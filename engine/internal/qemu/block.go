@@ -39,9 +39,16 @@ func (b BlockdevQcow2) MarshalJSON() ([]byte, error) {
 		Driver   string       `json:"driver"`
 		NodeName string       `json:"node-name"`
 		Discard  string       `json:"discard,omitempty"`
+		Cache    blockCache   `json:"cache"`
 		File     BlockdevFile `json:"file"`
 		Backing  *struct{}    `json:"backing"`
-	}{"qcow2", b.NodeName, b.Discard, b.File, nil})
+	}{"qcow2", b.NodeName, b.Discard, blockCache{NoFlush: true}, b.File, nil})
+}
+
+// blockCache is a node's cache options: NoFlush, the flushes of a guest's writes (and
+// of every stop) end in the host's page cache (see BlockdevJSON).
+type blockCache struct {
+	NoFlush bool `json:"no-flush"`
 }
 
 // BlockdevAdd adds a qcow2 node (over its file, without backing) to the block graph.

@@ -58,7 +58,7 @@ func TestVerbsOnTheWire(t *testing.T) {
 			call("xen-save-devices-state", `{"filename":"/d","live":false}`)},
 		{"blockdev-add", func(m *Monitor, ctx context.Context) error {
 			return m.BlockdevAdd(ctx, BlockdevQcow2{NodeName: "n1", Discard: "unmap", File: BlockdevFile{Filename: "/o.qcow2"}})
-		}, call("blockdev-add", `{"driver":"qcow2","node-name":"n1","discard":"unmap","file":{"driver":"file","filename":"/o.qcow2"},"backing":null}`)},
+		}, call("blockdev-add", `{"driver":"qcow2","node-name":"n1","discard":"unmap","cache":{"no-flush":true},"file":{"driver":"file","filename":"/o.qcow2"},"backing":null}`)},
 		{"blockdev-del", func(m *Monitor, ctx context.Context) error { return m.BlockdevDel(ctx, "n1") },
 			call("blockdev-del", `{"node-name":"n1"}`)},
 		{"set-active", func(m *Monitor, ctx context.Context) error { return m.BlockdevSetActive(ctx, true) },
