@@ -208,10 +208,13 @@ type Fleet struct {
 	closed bool
 	// fenced names the protected VMs this node fenced (protect.go), until settled;
 	// ownerLost when this node first found each owner of a record it holds lost;
-	// reviving the VMs of lost owners this node is taking over (settle).
-	fenced    map[string]bool
-	ownerLost map[string]time.Time
-	reviving  map[string]bool
+	// reviving the VMs of lost owners this node is taking over (settle); expiredSeen
+	// when the leader marked an owner's heartbeat expired, as noted before this node
+	// judged (noteExpiries).
+	fenced      map[string]bool
+	ownerLost   map[string]time.Time
+	reviving    map[string]bool
+	expiredSeen map[string]time.Time
 	// watchdog is closed when the fence watchdog this node started has exited (nil:
 	// none started; fence.go).
 	watchdog <-chan struct{}

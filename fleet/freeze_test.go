@@ -260,3 +260,46 @@ func TestTakeoverWithSilentWatch(t *testing.T) {
 	waitFor(t, n1.protectLease()+3*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
 	t.Logf("revived %v after the cut", time.Since(cut).Round(time.Millisecond))
 }
+
+// TestExpiryNotedBeforeJudging: the owner dies while the holder does not judge yet
+// (its own heartbeats went through again less than a TTL ago, as after an election)
+// and its watch is silent: the holder notes when the leader marked the owner's key
+// expired (the marker lasts about a TTL) and, once it judges, takes the VM over.
+func TestExpiryNotedBeforeJudging(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	n1, n2, _, e2 := protectedPair(t, s)
+	n2.viewStalled.Store(true)
+	hold := make(chan struct{})
+	held := make(chan struct{})
+	go func() { // n2 does not judge until hold is closed
+		defer close(held)
+		for {
+			n2.beatingSince.Store(time.Now().UnixNano())
+			select {
+			case <-hold:
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
+	}()
+	n1.silenced.Store(true)
+	time.Sleep(n1.cfg.Heartbeat) // a heartbeat under way lands
+	last := time.Unix(0, n1.lastWritten.Load())
+	var noted time.Time
+	waitFor(t, 10*time.Second, "n1's expiry noted on n2", func() bool {
+		n2.mu.Lock()
+		defer n2.mu.Unlock()
+		noted = n2.expiredSeen["n1"]
+		return !noted.IsZero()
+	})
+	if floor := last.Add(n1.cfg.TTL); noted.Before(floor) {
+		t.Errorf("noted expired at %v, before n1's last stamp %v and a TTL", noted, last)
+	}
+	if slices.Contains(e2.called(), "revive v") {
+		t.Errorf("n2 revived v while it did not judge")
+	}
+	close(hold)
+	<-held
+	waitFor(t, n1.protectLease()+3*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
+}

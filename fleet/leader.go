@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -29,6 +30,9 @@ type leaderEntry struct {
 	key   string
 	rev   uint64
 	value []byte
+	// expiredAt is when the stream's leader marked the key expired (a MaxAge marker),
+	// for an entry read as none: its last value was then at least the bucket's TTL old.
+	expiredAt time.Time
 }
 
 // eachLatest calls fn with every live entry of kv (deleted, purged and expired keys
@@ -97,9 +101,10 @@ func kvStream(kv jetstream.KeyValue) (stream, prefix string) {
 // msgGetResponse is JetStream's answer to $JS.API.STREAM.MSG.GET.
 type msgGetResponse struct {
 	Message *struct {
-		Seq    uint64 `json:"seq"`
-		Header []byte `json:"hdrs"`
-		Data   []byte `json:"data"`
+		Seq    uint64    `json:"seq"`
+		Header []byte    `json:"hdrs"`
+		Data   []byte    `json:"data"`
+		Time   time.Time `json:"time"`
 	} `json:"message"`
 	Error *struct {
 		Code        int    `json:"code"`
@@ -110,7 +115,7 @@ type msgGetResponse struct {
 
 // leaderLast reads the last message of subj in stream through the stream's leader (the
 // API's message get, not a direct get); ok is false when there is none or it marks
-// the key deleted, purged or expired.
+// the key deleted, purged or expired (an expiry's marker gives its time: expiredAt).
 func (f *Fleet) leaderLast(ctx context.Context, stream, subj string) (leaderEntry, bool, error) {
 	req, err := json.Marshal(struct {
 		LastBySubject string `json:"last_by_subj"`
@@ -141,6 +146,9 @@ func (f *Fleet) leaderLast(ctx context.Context, stream, subj string) (leaderEntr
 		h, err := nats.DecodeHeadersMsg(resp.Message.Header)
 		if err != nil {
 			return leaderEntry{}, false, fmt.Errorf("fleet: read %s: %w", subj, err)
+		}
+		if h.Get("Nats-Marker-Reason") == "MaxAge" {
+			return leaderEntry{expiredAt: resp.Message.Time}, false, nil
 		}
 		if op := h.Get("KV-Operation"); op == "DEL" || op == "PURGE" || h.Get("Nats-Marker-Reason") != "" {
 			return leaderEntry{}, false, nil

@@ -50,3 +50,41 @@ func TestLeaderReads(t *testing.T) {
 		t.Errorf("leaderGet(a) = %+v, %v, %v; want 4", e, ok, err)
 	}
 }
+
+// TestExpiryMarkerTime: a node whose heartbeats stop is read from the leader, once its
+// key has expired, as expired at the time of the bucket's marker: at least a TTL after
+// its last heartbeat's stamp and no later than the read. A deleted key gives no time.
+func TestExpiryMarkerTime(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	nodes := join(t, s, 2, 0, func(c *Config) { c.Heartbeat, c.TTL = 200*time.Millisecond, time.Second })
+	n1, n2 := nodes[0].f, nodes[1].f
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	last, ok, _, err := n2.nodeOrExpiry(ctx, "n1")
+	if err != nil || !ok {
+		t.Fatalf("n1 before its heartbeats stop: live %v, %v", ok, err)
+	}
+	n1.silenced.Store(true)
+	time.Sleep(n1.cfg.Heartbeat) // a heartbeat under way when it was silenced lands
+	if n, ok, _, err := n2.nodeOrExpiry(ctx, "n1"); err == nil && ok {
+		last = n
+	}
+	var expiredAt time.Time
+	waitFor(t, 10*time.Second, "n1's key marked expired", func() bool {
+		_, ok, at, err := n2.nodeOrExpiry(ctx, "n1")
+		expiredAt = at
+		return err == nil && !ok && !at.IsZero()
+	})
+	if floor := last.Heartbeat.Add(n1.cfg.TTL); expiredAt.Before(floor) || expiredAt.After(time.Now()) {
+		t.Errorf("marked expired at %v: want from %v (last stamp %v and a TTL) to now", expiredAt, floor, last.Heartbeat)
+	}
+	n2.silenced.Store(true)
+	time.Sleep(n2.cfg.Heartbeat)
+	if err := n2.nodes.Delete(ctx, "n2"); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok, at, err := n2.nodeOrExpiry(ctx, "n2"); err != nil || ok || !at.IsZero() {
+		t.Errorf("deleted n2: live %v, expired at %v (%v); want no time", ok, at, err)
+	}
+}

@@ -194,6 +194,12 @@ func (f *Fleet) watchNodesOnce() error {
 	f.gone = map[string]time.Time{} // a node may have come back and gone again meanwhile
 	f.cacheMu.Unlock()
 	live := false // the initial values are in
+	// heard is when the watch last delivered anything. A node's last stamp counts as
+	// its last heartbeat (gone) only when the watch had heard something within two
+	// heartbeats before its key went: this node's own beat every heartbeat, so a watch
+	// that went silent longer (a consumer made again after its stream's leader died)
+	// may have missed the node's later heartbeats, and its stamp be too old.
+	var heard time.Time
 	for {
 		var e jetstream.KeyValueEntry
 		select {
@@ -208,6 +214,8 @@ func (f *Fleet) watchNodesOnce() error {
 		if f.viewStalled.Load() {
 			continue
 		}
+		prompt := !heard.IsZero() && time.Since(heard) <= 2*f.cfg.Heartbeat
+		heard = time.Now()
 		if e == nil {
 			live = true
 		} else if e.Operation() == jetstream.KeyValuePut {
@@ -219,7 +227,7 @@ func (f *Fleet) watchNodesOnce() error {
 			delete(f.gone, e.Key())
 			f.cacheMu.Unlock()
 		} else {
-			if n, ok := view[e.Key()]; ok && !n.Heartbeat.IsZero() {
+			if n, ok := view[e.Key()]; ok && !n.Heartbeat.IsZero() && prompt {
 				f.cacheMu.Lock()
 				f.gone[e.Key()] = n.Heartbeat
 				f.cacheMu.Unlock()
@@ -265,10 +273,25 @@ func (f *Fleet) watchedNodes() (nodes []api.FleetNode, ok bool) {
 // node reads one node's heartbeat from the bucket's leader (a claim is taken over on
 // its word); ok is false when it has expired.
 func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool, err error) {
-	if _, ok, err = f.leaderJSON(ctx, f.nodes, name, &n); err != nil || !ok {
-		return n, false, err
+	n, ok, _, err = f.nodeOrExpiry(ctx, name)
+	return n, ok, err
+}
+
+// nodeOrExpiry is node, and for a heartbeat the leader marked expired, when it did
+// (zero when its marker is gone too, or the key was deleted).
+func (f *Fleet) nodeOrExpiry(ctx context.Context, name string) (n api.FleetNode, ok bool, expiredAt time.Time, err error) {
+	var e leaderEntry
+	err = retry(ctx, "get "+f.nodes.Bucket()+" "+name, func(ctx context.Context) error {
+		e, ok, err = f.leaderGet(ctx, f.nodes, name)
+		return err
+	})
+	if err != nil || !ok {
+		return n, false, e.expiredAt, err
 	}
-	return n, !f.expired(n), nil
+	if err := json.Unmarshal(e.value, &n); err != nil {
+		return n, false, time.Time{}, fmt.Errorf("fleet: %s %s: %w", f.nodes.Bucket(), name, err)
+	}
+	return n, !f.expired(n), time.Time{}, nil
 }
 
 // expired says whether n's last heartbeat is older than the TTL though its key is still
@@ -310,8 +333,14 @@ func (f *Fleet) judging() bool {
 	if since == 0 || time.Since(time.Unix(0, since)) <= f.cfg.TTL {
 		return false
 	}
+	return f.beatPrompt()
+}
+
+// beatPrompt says whether this node's last heartbeat went through promptly and lately
+// (within two intervals), whether or not it judges yet.
+func (f *Fleet) beatPrompt() bool {
 	last := f.lastBeat.Load()
-	return time.Since(time.Unix(0, last)) <= 2*f.cfg.Heartbeat
+	return last != 0 && time.Since(time.Unix(0, last)) <= 2*f.cfg.Heartbeat
 }
 
 // VMs lists the fleet's forks as their claims record them; a fork whose node's

@@ -416,7 +416,11 @@ func (f *Fleet) protectionLoop() {
 		f.mu.Lock()
 		lost := len(f.ownerLost) > 0
 		f.mu.Unlock()
-		if (tick%2 != 0 && !lost) || !f.judging() {
+		if tick%2 != 0 && !lost {
+			continue
+		}
+		judging := f.judging()
+		if !judging && !f.beatPrompt() {
 			continue
 		}
 		points, err := p.Points()
@@ -437,6 +441,10 @@ func (f *Fleet) protectionLoop() {
 			f.log.Info("fleet: protection records read again", "after", time.Since(recsFailing).Round(time.Millisecond))
 			recsFailing = time.Time{}
 		}
+		if !judging {
+			f.noteExpiries(recs)
+			continue
+		}
 		owners := map[string]bool{}
 		for _, r := range recs {
 			f.settle(p, r)
@@ -452,6 +460,40 @@ func (f *Fleet) protectionLoop() {
 		if tick%strayEvery == 0 {
 			f.dropStrays(points, recs)
 		}
+	}
+}
+
+// noteExpiries reads, while this node's heartbeats go through again but it does not
+// judge yet (a TTL after an election of the heartbeat bucket's stream), when the
+// leader marked the heartbeat of each owner of a point held here expired: the new
+// leader marks a dead node's key expired soon after the election, and the marker
+// lasts about a TTL, gone by the time this node judges. settle takes the noted time
+// for the owner's t + TTL; an owner seen live drops it.
+func (f *Fleet) noteExpiries(recs []protectRec) {
+	owners := map[string]bool{}
+	for _, r := range recs {
+		if r.Node != f.cfg.Node && slices.Contains(r.Copies, f.cfg.Node) {
+			owners[r.Node] = true
+		}
+	}
+	for node := range owners {
+		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.Heartbeat)
+		_, live, at, err := f.nodeOrExpiry(ctx, node)
+		cancel()
+		if err != nil {
+			continue
+		}
+		f.mu.Lock()
+		switch {
+		case live:
+			delete(f.expiredSeen, node)
+		case !at.IsZero():
+			if f.expiredSeen == nil {
+				f.expiredSeen = map[string]time.Time{}
+			}
+			f.expiredSeen[node] = at
+		}
+		f.mu.Unlock()
 	}
 }
 
@@ -653,21 +695,26 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 			return
 		}
 		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL)
-		beat, live, err := f.node(ctx, r.Node)
+		beat, live, expiredAt, err := f.nodeOrExpiry(ctx, r.Node)
 		cancel()
 		if err != nil {
 			return // not judged now: a read that fails neither proves it lost nor live
 		}
+		f.mu.Lock()
 		if live {
-			f.mu.Lock()
 			delete(f.ownerLost, r.Node)
+			delete(f.expiredSeen, r.Node)
 			f.mu.Unlock()
 			return
 		}
+		if expiredAt.IsZero() {
+			expiredAt = f.expiredSeen[r.Node] // noted before this node judged again
+		}
+		f.mu.Unlock()
 		// Lost once its heartbeat is a TTL old: the lease runs a TTL longer. Lost since
-		// its last heartbeat's stamp and a TTL when this node's watch saw that heartbeat
-		// go, else since this node first saw it lost (later: the watch's key expiry and
-		// this loop's tick come on top).
+		// its last heartbeat's stamp and a TTL when this node saw that heartbeat, or
+		// since the leader marked its key expired, else since this node first saw it
+		// lost (later: the watch's key expiry and this loop's tick come on top).
 		f.mu.Lock()
 		if f.ownerLost == nil {
 			f.ownerLost = map[string]time.Time{}
@@ -686,6 +733,10 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		}
 		if known && last.Add(f.cfg.TTL).Before(since) {
 			since = last.Add(f.cfg.TTL)
+		}
+		// The leader marked its key expired: its last heartbeat was then a TTL old.
+		if !expiredAt.IsZero() && expiredAt.Before(since) {
+			since, known = expiredAt, true
 		}
 		if !seen {
 			f.log.Info("fleet: node judged lost: its protected VMs whose points this node holds are taken over when their lease ends",
