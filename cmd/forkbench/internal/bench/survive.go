@@ -144,6 +144,9 @@ type SurviveForkEntry struct {
 	WorkLostS   float64 `json:"work_lost_s"`
 	AnsweredOn  string  `json:"answered_on,omitempty"`
 	AnsweredAtS float64 `json:"answered_at_s,omitempty"`
+	// TakenOverAtS is when a live node took it over (its fleet record's revived_at),
+	// after the fault: the lease's part of AnsweredAtS; the rest is its revival.
+	TakenOverAtS float64 `json:"taken_over_at_s,omitempty"`
 	Twice       bool    `json:"running_twice,omitempty"`
 	Lost        bool    `json:"lost,omitempty"`
 }
@@ -315,9 +318,26 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	if !fencedAt.IsZero() {
 		res.FencedAfterS = report.Round3(fencedAt.Sub(faultAt).Seconds())
 	}
+	revivedAt := map[string]time.Time{}
+	for _, n := range fr.nodes {
+		if n == victim {
+			continue
+		}
+		if vms, err := n.c.FleetVMs(ctx); err == nil {
+			for _, v := range vms {
+				if v.Protection != nil && v.Protection.RevivedAt.After(faultAt) {
+					revivedAt[v.Name] = v.Protection.RevivedAt
+				}
+			}
+			break
+		}
+	}
 	var lost []float64
 	for _, f := range victims {
 		e := SurviveForkEntry{Name: f.name, Before: f.before, AnsweredOn: f.answeredOn, Twice: f.twice}
+		if t, ok := revivedAt[f.name]; ok {
+			e.TakenOverAtS = report.Round3(t.Sub(faultAt).Seconds())
+		}
 		if f.answeredOn == "" {
 			e.Lost = true
 			res.ForksLost++
