@@ -147,8 +147,8 @@ type SurviveForkEntry struct {
 	// TakenOverAtS is when a live node took it over (its fleet record's revived_at),
 	// after the fault: the lease's part of AnsweredAtS; the rest is its revival.
 	TakenOverAtS float64 `json:"taken_over_at_s,omitempty"`
-	Twice       bool    `json:"running_twice,omitempty"`
-	Lost        bool    `json:"lost,omitempty"`
+	Twice        bool    `json:"running_twice,omitempty"`
+	Lost         bool    `json:"lost,omitempty"`
 }
 
 // surviveTick is the counter's period in the guest.
@@ -438,7 +438,7 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	r.res.Method = fmt.Sprintf("%d `forkvm serve` daemons on 127.0.0.1 forming a fleet (as the fleet bench). A world of %d vCPU, %d MiB, %d MiB data disk is "+
 		"checkpointed on n1; a fleet wave of %d forks (--spread) protected every %v (FleetForkRequest.Protect). Each fork runs a counter written to /dev/shm/c "+
 		"and /data/c every 100 ms and %d MB/min of random data into a ring of files in /dev/shm. After %.0f s, each fork of %s has its counter read, then "+
-		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); "+
+		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); taken_over_at_s: its fleet record's revived_at, read from a live node once all answer; "+
 		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter read as soon as it answers again) x 100 ms + the time from the read to the fault, at least 0 "+
 		"(the revived guest counts on from its point until that read, a few hundred ms: so much is not counted as lost). Pauses and point bytes: each "+
 		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns). Daemon CPU: the daemons' utime+stime over the protected hold, per fork; with a baseline, the wave is made unprotected, the same over the baseline, then each fork protected through its node's API; protection's CPU is the difference. The forks of the other nodes have their counters read before the fault and once every victim fork answers again: "+
