@@ -145,9 +145,9 @@ func isVCPU(pid, tid int) bool {
 // priority keep it: BackgroundThread's, to which no other goroutine runs (so never the
 // caller's), and any an embedder set. The runtime may start threads while the raise
 // walks the list: it walks it again until a walk changes nothing. A thread started by a
-// real-time one starts normal (SCHED_FLAG_RESET_ON_FORK); one started by a thread at
-// pauseNice inherits it, so that restore also lowers every thread that appeared at
-// pauseNice meanwhile.
+// real-time one starts normal at nice 0 (SCHED_FLAG_RESET_ON_FORK), one started by a
+// thread at pauseNice inherits that: the restore puts every thread that appeared at
+// either meanwhile at the base.
 func boostSelf() (restore func()) {
 	pid := os.Getpid()
 	me, ok := threadOf(unix.Gettid())
@@ -185,6 +185,15 @@ func boostSelf() (restore func()) {
 		if rt {
 			for tid := range boosted {
 				lowerRT(tid, base)
+			}
+			// A thread a real-time one started meanwhile starts at nice 0, not the
+			// base (SCHED_FLAG_RESET_ON_FORK): an engine run niced keeps its nice.
+			if base != 0 {
+				untilSettled(pid, func(tid int, t thread) bool {
+					_, old := orig[tid]
+					return !old && !boosted[tid] && t.policy == unix.SCHED_NORMAL && t.nice == 0 &&
+						unix.Setpriority(unix.PRIO_PROCESS, tid, base) == nil
+				})
 			}
 			return
 		}
