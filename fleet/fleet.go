@@ -214,7 +214,7 @@ type Fleet struct {
 	fenced      map[string]bool
 	ownerLost   map[string]time.Time
 	reviving    map[string]bool
-	expiredSeen map[string]time.Time
+	expiredSeen map[string]expiryNote
 	// watchdog is closed when the fence watchdog this node started has exited (nil:
 	// none started; fence.go).
 	watchdog <-chan struct{}

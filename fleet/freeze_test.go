@@ -290,7 +290,7 @@ func TestExpiryNotedBeforeJudging(t *testing.T) {
 	waitFor(t, 10*time.Second, "n1's expiry noted on n2", func() bool {
 		n2.mu.Lock()
 		defer n2.mu.Unlock()
-		noted = n2.expiredSeen["n1"]
+		noted = n2.expiredSeen["n1"].at
 		return !noted.IsZero()
 	})
 	if floor := last.Add(n1.cfg.TTL); noted.Before(floor) {

@@ -489,13 +489,21 @@ func (f *Fleet) noteExpiries(recs []protectRec) {
 			delete(f.expiredSeen, node)
 		case !at.IsZero():
 			if f.expiredSeen == nil {
-				f.expiredSeen = map[string]time.Time{}
+				f.expiredSeen = map[string]expiryNote{}
 			}
-			f.expiredSeen[node] = at
+			f.expiredSeen[node] = expiryNote{at: at, noted: time.Now()}
 		}
 		f.mu.Unlock()
 	}
 }
+
+// expiryNote is an owner's expiry as noteExpiries read it, and when.
+type expiryNote struct{ at, noted time.Time }
+
+// noteLife bounds, in TTLs, how long a note stands: it is for a judge that resumes a
+// TTL after an election, and one held long could outlive a node that came back and
+// went again unseen.
+const noteLife = 3
 
 // strayAge is how old a copy of another node's point must be before it counts as
 // stray when no record names it: a copy is made (copyWait at most) before the owner's
@@ -707,8 +715,8 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 			f.mu.Unlock()
 			return
 		}
-		if expiredAt.IsZero() {
-			expiredAt = f.expiredSeen[r.Node] // noted before this node judged again
+		if n, ok := f.expiredSeen[r.Node]; ok && expiredAt.IsZero() && time.Since(n.noted) < noteLife*f.cfg.TTL {
+			expiredAt = n.at // noted before this node judged again
 		}
 		f.mu.Unlock()
 		// Lost once its heartbeat is a TTL old: the lease runs a TTL longer. Lost since
