@@ -481,15 +481,19 @@ func migrationStats(st qemu.MigrationInfo) *MigrationStats {
 
 // stopGuest stops the guest's vCPUs (QMP stop). A stopped guest stays stopped until
 // resume; nothing else about the VM changes. Its vCPU threads go first for the length
-// of the stop (platform.RaiseVCPUs).
+// of the stop, vcpuRaiseMax at most (platform.RaiseVCPUs).
 func (p *qemuProc) stopGuest(ctx context.Context) error {
 	c, err := p.client(ctx)
 	if err != nil {
 		return err
 	}
-	defer platform.RaiseVCPUs(p.PID())()
+	defer platform.RaiseVCPUs(p.PID(), vcpuRaiseMax)()
 	return c.Stop(ctx)
 }
+
+// vcpuRaiseMax bounds how long a stop's vCPU threads stay real-time: a stop takes
+// milliseconds, and one that hangs must not leave a running guest real-time.
+const vcpuRaiseMax = 200 * time.Millisecond
 
 // saveDevices writes the device state of p's stopped guest to path, and nothing else
 // (the monitor's XenSaveDevicesState: no guest page is read). It loads into a QEMU

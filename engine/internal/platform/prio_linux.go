@@ -7,7 +7,9 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -44,14 +46,14 @@ const pauseNice = -10
 
 // pauseRT and pauseRTSelf are the real-time priorities (SCHED_RR) Boost gives a
 // guest's QEMU threads other than its vCPUs, and boostSelf the engine's threads, for
-// the length of a pause. Nice -10 only weighs a thread against the
-// others: with every CPU busy with other guests a woken thread still waits for one now
-// and then, and a pause is many such wake-ups in a row (the monitor's replies, the
-// device state, the pages). A real-time thread runs as soon as it wakes. QEMU's are
-// above the engine's, so the engine never holds off the guest's main loop. The vCPU
-// threads are raised only while the guest stops (RaiseVCPUs), at pauseNice otherwise:
-// a guest running on a real-time vCPU would starve the host. With
-// SCHED_FLAG_RESET_ON_FORK a thread started by a raised one starts as a normal thread.
+// the length of a pause. Nice -10 only weighs a thread against the others: with every
+// CPU busy with other guests a woken thread still waits for one now and then, and a
+// pause is many such wake-ups in a row (the monitor's replies, the device state, the
+// pages). A real-time thread runs as soon as it wakes. QEMU's are above the engine's,
+// so the engine never holds off the guest's main loop. The vCPU threads are raised only
+// while the guest stops (RaiseVCPUs), at pauseNice otherwise: a guest running on a
+// real-time vCPU would starve the host. With SCHED_FLAG_RESET_ON_FORK a thread started
+// by a raised one starts as a normal thread.
 const (
 	pauseRT     = 2
 	pauseRTSelf = 1
@@ -116,18 +118,28 @@ func Boost(pid int) (restore func()) {
 // and a vCPU thread that waits for a CPU behind the other guests' holds the whole
 // pause up (behind real-time threads, for as long as they run). Once the stop returns
 // they sleep until the guest runs again: the caller lowers them then, so that no
-// guest ever runs on a real-time thread. Best effort, as Boost.
-func RaiseVCPUs(pid int) (lower func()) {
+// guest runs on a real-time thread. They are lowered after at most bound in any case:
+// a stop that hangs (QEMU's main loop stuck) must not leave a running guest real-time
+// for as long as its caller waits. Best effort, as Boost.
+func RaiseVCPUs(pid int, bound time.Duration) (lower func()) {
 	var raisedThreads []raised
 	eachThread(pid, func(tid int, t thread) {
 		if t.policy == unix.SCHED_NORMAL && isVCPU(pid, tid) && raiseRT(tid, pauseRT) {
 			raisedThreads = append(raisedThreads, raised{tid, t.nice, true})
 		}
 	})
+	var once sync.Once
+	lowerAll := func() {
+		once.Do(func() {
+			for _, r := range raisedThreads {
+				r.lower()
+			}
+		})
+	}
+	t := time.AfterFunc(bound, lowerAll)
 	return func() {
-		for _, r := range raisedThreads {
-			r.lower()
-		}
+		t.Stop()
+		lowerAll()
 	}
 }
 

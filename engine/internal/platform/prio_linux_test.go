@@ -127,10 +127,19 @@ func TestBoost(t *testing.T) {
 		}
 		return thread{policy: unix.SCHED_RR, prio: pauseRT}
 	})
-	lower := RaiseVCPUs(pid)
+	lower := RaiseVCPUs(pid, time.Minute)
 	check("vCPUs raised for a stop", func(tid int) thread { return thread{policy: unix.SCHED_RR, prio: pauseRT} })
 	lower()
+	lower() // a second call does nothing
 	check("vCPUs lowered", func(tid int) thread {
+		if tid == vcpu {
+			return thread{policy: unix.SCHED_NORMAL, nice: pauseNice}
+		}
+		return thread{policy: unix.SCHED_RR, prio: pauseRT}
+	})
+	RaiseVCPUs(pid, 50*time.Millisecond) // its lower never called: the bound lowers them
+	time.Sleep(300 * time.Millisecond)
+	check("vCPUs lowered at the bound", func(tid int) thread {
 		if tid == vcpu {
 			return thread{policy: unix.SCHED_NORMAL, nice: pauseNice}
 		}

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"time"
 )
 
 // BackgroundThread pins the calling goroutine to its OS thread (there is no per-thread
@@ -20,7 +21,7 @@ func BoundOutput(cmd *exec.Cmd) ([]byte, error) { return cmd.CombinedOutput() }
 func Boost(pid int) (restore func()) { return func() {} }
 
 // RaiseVCPUs does nothing here (see the Linux build).
-func RaiseVCPUs(pid int) (lower func()) { return func() {} }
+func RaiseVCPUs(pid int, bound time.Duration) (lower func()) { return func() {} }
 
 // boostSelf does nothing here (see the Linux build).
 func boostSelf() (restore func()) { return func() {} }
