@@ -79,18 +79,24 @@ func (f *Fleet) leaderGet(ctx context.Context, kv jetstream.KeyValue, key string
 // leaderJSON reads key of kv from the stream's leader (leaderGet, retried) into v, and
 // returns its revision; ok is false when the key has none.
 func (f *Fleet) leaderJSON(ctx context.Context, kv jetstream.KeyValue, key string, v any) (rev uint64, ok bool, err error) {
-	var e leaderEntry
+	e, ok, err := f.leaderEntryJSON(ctx, kv, key, v)
+	return e.rev, ok, err
+}
+
+// leaderEntryJSON is leaderJSON returning the entry read: for a key read as none, its
+// expiredAt.
+func (f *Fleet) leaderEntryJSON(ctx context.Context, kv jetstream.KeyValue, key string, v any) (e leaderEntry, ok bool, err error) {
 	err = retry(ctx, "get "+kv.Bucket()+" "+key, func(ctx context.Context) error {
 		e, ok, err = f.leaderGet(ctx, kv, key)
 		return err
 	})
 	if err != nil || !ok {
-		return 0, false, err
+		return e, false, err
 	}
 	if err := json.Unmarshal(e.value, v); err != nil {
-		return 0, false, fmt.Errorf("fleet: %s %s: %w", kv.Bucket(), key, err)
+		return leaderEntry{}, false, fmt.Errorf("fleet: %s %s: %w", kv.Bucket(), key, err)
 	}
-	return e.rev, true, nil
+	return e, true, nil
 }
 
 // kvStream names the stream that holds bucket kv and the subject prefix of its keys.

@@ -280,16 +280,9 @@ func (f *Fleet) node(ctx context.Context, name string) (n api.FleetNode, ok bool
 // nodeOrExpiry is node, and for a heartbeat the leader marked expired, when it did
 // (zero when its marker is gone too, or the key was deleted).
 func (f *Fleet) nodeOrExpiry(ctx context.Context, name string) (n api.FleetNode, ok bool, expiredAt time.Time, err error) {
-	var e leaderEntry
-	err = retry(ctx, "get "+f.nodes.Bucket()+" "+name, func(ctx context.Context) error {
-		e, ok, err = f.leaderGet(ctx, f.nodes, name)
-		return err
-	})
+	e, ok, err := f.leaderEntryJSON(ctx, f.nodes, name, &n)
 	if err != nil || !ok {
 		return n, false, e.expiredAt, err
-	}
-	if err := json.Unmarshal(e.value, &n); err != nil {
-		return n, false, time.Time{}, fmt.Errorf("fleet: %s %s: %w", f.nodes.Bucket(), name, err)
 	}
 	return n, !f.expired(n), time.Time{}, nil
 }

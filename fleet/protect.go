@@ -718,12 +718,10 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		if n, ok := f.expiredSeen[r.Node]; ok && expiredAt.IsZero() && time.Since(n.noted) < noteLife*f.cfg.TTL {
 			expiredAt = n.at // noted before this node judged again
 		}
-		f.mu.Unlock()
 		// Lost once its heartbeat is a TTL old: the lease runs a TTL longer. Lost since
 		// its last heartbeat's stamp and a TTL when this node saw that heartbeat, or
 		// since the leader marked its key expired, else since this node first saw it
 		// lost (later: the watch's key expiry and this loop's tick come on top).
-		f.mu.Lock()
 		if f.ownerLost == nil {
 			f.ownerLost = map[string]time.Time{}
 		}

@@ -144,7 +144,8 @@ func RaiseVCPUs(pid int, bound time.Duration) (lower func()) {
 }
 
 // isVCPU says whether thread tid of QEMU process pid runs a vCPU: QEMU names them
-// "CPU N/ACCEL" (-name debug-threads=on, which every launch sets).
+// "CPU N/ACCEL" (-name debug-threads=on, which every launch sets). A thread whose name
+// cannot be read counts as one: Boost then never makes it real-time.
 func isVCPU(pid, tid int) bool {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/comm", pid, tid))
 	return err != nil || (strings.HasPrefix(string(b), "CPU ") && strings.Contains(string(b), "/"))
@@ -162,12 +163,15 @@ func isVCPU(pid, tid int) bool {
 // either meanwhile at the base.
 func boostSelf() (restore func()) {
 	pid := os.Getpid()
-	me, ok := threadOf(unix.Gettid())
+	// The caller's thread, read once: the goroutine is not pinned, and a second
+	// Gettid could name another thread than the one raised.
+	caller := unix.Gettid()
+	me, ok := threadOf(caller)
 	if !ok || me.policy != unix.SCHED_NORMAL || me.nice <= pauseNice {
 		return func() {}
 	}
 	base := me.nice
-	rt := raiseRT(unix.Gettid(), pauseRTSelf)
+	rt := raiseRT(caller, pauseRTSelf)
 	orig := map[int]int{}
 	eachThread(pid, func(tid int, t thread) {
 		if t.policy == unix.SCHED_NORMAL {
@@ -176,7 +180,7 @@ func boostSelf() (restore func()) {
 	})
 	boosted := map[int]bool{}
 	if rt {
-		boosted[unix.Gettid()] = true
+		boosted[caller] = true
 	}
 	untilSettled(pid, func(tid int, t thread) bool {
 		was, old := orig[tid]
