@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -20,22 +19,14 @@ import (
 )
 
 // freePort returns a host port that was free a moment ago on 127.0.0.1.
-//
-// It picks below Linux's ephemeral range (32768 and up): a port the kernel handed out
-// for ":0" is handed out again to any socket, and a VM's published port is not held
-// while the VM is parked, so another test's connection or listener could take it
-// before the wake (TestParkDaemonIdle's wake failed so once: "Could not set up host
-// forwarding rule").
 func freePort(t *testing.T) int {
 	t.Helper()
-	for range 200 {
-		port := 10000 + rand.IntN(22768)
-		if portFree(port) {
-			return port
-		}
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
 	}
-	t.Fatal("no free port below the ephemeral range in 200 tries")
-	return 0
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
 }
 
 // portFree reports whether 127.0.0.1:port can be bound (nothing holds it).
