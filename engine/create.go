@@ -219,7 +219,7 @@ func checkPortsFree(pubs []PortForward) error {
 // port was taken after checkPortsFree); other errors are returned as they are.
 func portError(err error, pubs []PortForward) error {
 	var qe *QEMUError
-	if len(pubs) == 0 || !errors.As(err, &qe) || !strings.Contains(qe.Stderr, "host forwarding rule") {
+	if len(pubs) == 0 || errors.Is(err, ErrPortInUse) || !errors.As(err, &qe) || !strings.Contains(qe.Stderr, "host forwarding rule") {
 		return err
 	}
 	addrs := make([]string, len(pubs))

@@ -316,6 +316,10 @@ func TestCheckPortsFree(t *testing.T) {
 	if err := portError(qe, []PortForward{{HostPort: 80, GuestPort: 80}}); !errors.Is(err, ErrPortInUse) || !errors.Is(err, ErrQEMUExited) {
 		t.Errorf("portError: %v", err)
 	}
+	// Wrapped once, however many layers report it.
+	if err := portError(portError(qe, []PortForward{{HostPort: 80, GuestPort: 80}}), []PortForward{{HostPort: 80, GuestPort: 80}}); strings.Count(err.Error(), ErrPortInUse.Error()) != 1 {
+		t.Errorf("portError twice: %v", err)
+	}
 	if err := portError(qe, nil); errors.Is(err, ErrPortInUse) {
 		t.Errorf("portError without forwards: %v", err)
 	}

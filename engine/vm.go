@@ -339,10 +339,12 @@ func lastPanic(serialLog string) string {
 	return strings.ToValidUTF8(line[:min(len(line), 200)], "")
 }
 
-// failure turns err into a *QEMUError carrying QEMU's stderr tail when QEMU died.
+// failure turns err into a *QEMUError carrying QEMU's stderr tail when QEMU died (and
+// ErrPortInUse when it died binding a published port: QEMU may get that far only after
+// its start returned).
 func (vm *VM) failure(op string, err error) error {
 	if p := vm.process(); p != nil {
-		return p.failed(op, err)
+		return portError(p.failed(op, err), vm.snapshot().Launch.Publish)
 	}
 	return &QEMUError{VM: vm.Name(), Op: op, ExitCode: -1, Err: err}
 }

@@ -247,9 +247,7 @@ func (s *Server) parkIdle(ctx context.Context, idle time.Duration) {
 			return
 		}
 		if inf.State == engine.StateParked {
-			if !s.holdsPorts(inf.Name) {
-				s.holdPorts(inf.Name, inf.Publish)
-			}
+			s.holdParked(inf.Name)
 			continue
 		}
 		if inf.State != engine.StateRunning || inf.NoPark || inf.RAMFile == "" {
@@ -284,6 +282,26 @@ func (s *Server) parkIfIdle(ctx context.Context, inf api.Info, idle time.Duratio
 	}
 	res, err := s.parkLocked(ctx, inf.Name)
 	return res, since, err
+}
+
+// holdParked holds the published ports of name, a VM parked without the daemon holding
+// them (parked through the engine, or before the daemon started). It does so under
+// name's wake lock and only when that lock is free: a wake under way has let go of the
+// ports for its new QEMU to bind, and the VM reads parked until the wake commits, so
+// holding them then would make that QEMU fail to start.
+func (s *Server) holdParked(name string) {
+	mu := s.pk.wakeLock(name)
+	if !mu.TryLock() {
+		return // a park or a wake is under way: its end decides
+	}
+	defer mu.Unlock()
+	vm, err := s.e.Get(name)
+	if err != nil {
+		return
+	}
+	if inf := vm.Info(); inf.State == engine.StateParked && !s.holdsPorts(name) {
+		s.holdPorts(name, inf.Publish)
+	}
 }
 
 func (s *Server) holdsPorts(name string) bool {

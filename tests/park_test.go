@@ -113,6 +113,19 @@ func TestParkWakeIdentity(t *testing.T) {
 		if portFree(pf) != true {
 			t.Errorf("published port %d still bound while parked", pf)
 		}
+		if round == 1 {
+			// Its port taken meanwhile: the wake is refused and the VM stays parked.
+			taken, err := net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", pf))
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = e.Wake(ctx, "pf", nil)
+			taken.Close()
+			wantErr(t, err, engine.ErrPortInUse)
+			if st := f.Info().State; st != engine.StateParked {
+				t.Fatalf("after a wake refused for its port: %s", st)
+			}
+		}
 
 		wr, err := e.Wake(ctx, "pf", nil)
 		if err != nil {
@@ -299,9 +312,15 @@ func TestParkKillAtEveryStage(t *testing.T) {
 // TestParkDaemonIdle: a daemon with RunParker parks a VM left idle, never one that
 // opted out (NoPark); an exec through the daemon wakes a parked VM transparently (the
 // wake's latency in the response's header) and runs in the VM as it was; a connection
-// to a parked VM's published port wakes it and is served by it.
+// to a parked VM's published port wakes it and is served by it. Each wake's spawn is
+// held back for a few of the parker's rounds, which then see the VM parked with its
+// ports let go: they must not take them from the waking QEMU.
 func TestParkDaemonIdle(t *testing.T) {
-	env := newRobustEnv(t, parallelVMTest(t))
+	mod := parallelVMTest(t)
+	env := newRobustEnv(t, func(c *engine.Config) {
+		mod(c)
+		c.Markers = slowWakeSpawn{hold: 1500 * time.Millisecond}
+	})
 	e := env.E
 	sock := serve.SocketPath(env.Home)
 	ln, err := serve.ListenUnix(sock)
@@ -408,6 +427,18 @@ func TestParkDaemonIdle(t *testing.T) {
 	shutdown()
 	deleteAll(t, env)
 }
+
+// slowWakeSpawn is a PhaseMarker that holds every wake back for hold before its QEMU
+// starts.
+type slowWakeSpawn struct{ hold time.Duration }
+
+func (m slowWakeSpawn) PhaseStart(_, phase string) {
+	if phase == engine.WakeStageSpawn {
+		time.Sleep(m.hold)
+	}
+}
+
+func (slowWakeSpawn) PhaseEnd(string, string) {}
 
 // TestParkPopulation parks a population of small forks, each holding a value of its own
 // in guest memory, then wakes a random sample: each answers with its own value, while
