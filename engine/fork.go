@@ -175,13 +175,15 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	}()
 	vm.lap(clock, prepareTiming)
 
+	// A QEMU that cannot bind a published port may die only after its start returned:
+	// ErrPortInUse whichever stage saw it die.
 	if err := spawnFork(fctx, vm, c, clock); err != nil {
-		return nil, err
+		return nil, portError(err, publish)
 	}
 	// The guest runs from restore to ready under a deadline of its own (restoreFork).
 	cancel()
 	if err := e.readyFork(ctx, vm, c, clock); err != nil {
-		return nil, err
+		return nil, portError(err, publish)
 	}
 	ok = true
 	return vm, nil
@@ -326,7 +328,7 @@ func spawnFork(ctx context.Context, vm *VM, c *Checkpoint, clock *phaseClock) er
 	}
 	clock.begin("spawn")
 	if err := vm.start(ctx); err != nil {
-		return portError(err, vm.snapshot().Launch.Publish)
+		return err
 	}
 	vm.lap(clock, spawnTiming)
 	return injectFork(vm, c, clock)

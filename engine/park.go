@@ -242,7 +242,8 @@ func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api
 		killOrphans(&m)
 		// Not committed: the VM stays parked, with no process.
 		_ = vm.update(func(s *vmState) { s.PID, s.StartTime = 0, 0 })
-		return nil, err
+		// Its QEMU may die of a published port taken only after its start returned.
+		return nil, portError(err, m.Launch.Publish)
 	}
 	res := &api.WakeResult{Name: name, Latency: time.Since(start)}
 	e.log.Info("woke", "vm", name, "latency", res.Latency)
@@ -268,7 +269,7 @@ func (e *Engine) wakeStart(ctx context.Context, vm *VM, pm *checkpointManifest, 
 	e.marker(name, WakeStageSpawn)
 	if err := vm.start(wctx); err != nil {
 		<-verified
-		return portError(err, vm.snapshot().Launch.Publish)
+		return err
 	}
 	if err := <-verified; err != nil {
 		return err

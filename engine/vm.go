@@ -339,12 +339,10 @@ func lastPanic(serialLog string) string {
 	return strings.ToValidUTF8(line[:min(len(line), 200)], "")
 }
 
-// failure turns err into a *QEMUError carrying QEMU's stderr tail when QEMU died (and
-// ErrPortInUse when it died binding a published port: QEMU may get that far only after
-// its start returned).
+// failure turns err into a *QEMUError carrying QEMU's stderr tail when QEMU died.
 func (vm *VM) failure(op string, err error) error {
 	if p := vm.process(); p != nil {
-		return portError(p.failed(op, err), vm.snapshot().Launch.Publish)
+		return p.failed(op, err)
 	}
 	return &QEMUError{VM: vm.Name(), Op: op, ExitCode: -1, Err: err}
 }

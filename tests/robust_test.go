@@ -705,8 +705,19 @@ func startEngineHelper(t *testing.T, helper string, env *testEnv, args ...string
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	// A helper that hangs fails the test instead of holding it until go test's timeout,
+	// and says where (its goroutines, which SIGQUIT writes to its stderr).
+	hung := time.AfterFunc(helperLimit, func() {
+		if cmd.Process.Signal(syscall.SIGQUIT) == nil { // not yet waited for
+			t.Errorf("engine helper %v ran past %v: sent SIGQUIT (its goroutines end its stderr)", args, helperLimit)
+		}
+	})
+	t.Cleanup(func() { hung.Stop() })
 	return cmd, bufio.NewScanner(stdout), &stderr
 }
+
+// helperLimit bounds one engine helper's run (startEngineHelper).
+const helperLimit = 4 * time.Minute
 
 // TestRobustKillEngineMidCheckpoint kills an engine (SIGKILL) while it checkpoints a
 // world with a disk and a fork of it in turn (copy and delta checkpoints), at a different
