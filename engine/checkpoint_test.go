@@ -620,3 +620,63 @@ func TestDeviceStateHeader(t *testing.T) {
 		})
 	}
 }
+
+// TestLayerDigestsKnownByIdentity: a layer file verified once is not read again for
+// another checkpoint that links it (a new protection point over its lineage), while its
+// identity (inode, size, modification time) is unchanged; once it changed, it is read
+// and a corrupt one refused.
+func TestLayerDigestsKnownByIdentity(t *testing.T) {
+	cfg := testConfig(t)
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	d2 := writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
+	if _, err := e.LoadCheckpoint(t.Context(), "d2"); err != nil {
+		t.Fatal(err)
+	}
+	// d3 links d2's lineage, as a delta checkpoint does, and has a layer of its own.
+	dir := filepath.Join(cfg.RAMDir, "ck-d3.layers")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	var layers []ramLayer
+	for i, l := range d2.Layers {
+		p := filepath.Join(dir, layerFile(i, l.Checkpoint))
+		if err := os.Link(l.Path, p); err != nil {
+			t.Fatal(err)
+		}
+		layers = append(layers, ramLayer{Checkpoint: l.Checkpoint, Path: p, Size: l.Size, SHA256: l.SHA256})
+	}
+	own := filepath.Join(dir, layerFile(2, "d3"))
+	f, err := os.Create(own)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Truncate(root.RAMSize)
+	f.WriteAt([]byte(strings.Repeat("3", 4096)), 2*4096)
+	f.Close()
+	sum, size, err := memfile.LayerDigest(own)
+	if err != nil {
+		t.Fatal(err)
+	}
+	layers = append(layers, ramLayer{Checkpoint: "d3", Path: own, Size: size, SHA256: sum})
+	writeCheckpoint(t, cfg, "d3", func(c *checkpointManifest) {
+		c.Kind, c.Root, c.Layers, c.RAMMethod = checkpointKindDelta, root.Name, layers, "delta"
+		c.RAMPath = filepath.Join(cfg.RAMDir, "ck-d3.ram")
+		os.Link(root.RAMPath, c.RAMPath)
+	})
+	// d1's layer changed behind the engine's back, its modification time kept: d3 loads
+	// without reading it (known by identity).
+	st, err := os.Stat(d2.Layers[0].Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	corruptByte(t, d2.Layers[0].Path, 10, st.ModTime())
+	if _, err := e.LoadCheckpoint(t.Context(), "d3"); err != nil {
+		t.Fatalf("d3 over verified layers: %v", err)
+	}
+	// With another modification time it is read, and refused.
+	corruptByte(t, d2.Layers[0].Path, 11, st.ModTime().Add(time.Second))
+	if _, err := e.LoadCheckpoint(t.Context(), "d3"); !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d1") {
+		t.Fatalf("d3 over a changed corrupt layer: %v", err)
+	}
+}

@@ -213,9 +213,14 @@ func (d *deltaCheckpoint) finish(ctx context.Context, vm *VM, w *ckWriter) error
 			return fmt.Errorf("engine: checkpoint %s: write pages: %w", vm.Name(), err)
 		}
 	}
+	id, hasID := d.e.cks.layerID(own)
 	sum, size, err := memfile.LayerDigest(own)
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: %w", vm.Name(), err)
+	}
+	if hasID {
+		// Its commit renames it: the same file, which the store then need not read.
+		d.e.cks.knowLayer(own, id, sum, size)
 	}
 	ck.Layers = append(ck.Layers, ramLayer{Checkpoint: ck.Name, Path: filepath.Join(w.layersFinal, d.ownName), Size: size, SHA256: sum})
 	ck.RAMMethod, ck.DeviceState = "delta", DeviceStateDevices

@@ -8,12 +8,14 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -73,6 +75,13 @@ type checkpointStore struct {
 
 	mu       sync.Mutex
 	verified map[string]string // name -> fingerprint of the verified files
+	// layers holds the digests of RAM layer files this engine wrote or verified, by
+	// file identity (platform.FileID, as digestCache): a checkpoint's lineage layers
+	// are hard links to its ancestors' (one inode), and a delta checkpoint's own layer
+	// was digested as it was made, so that verifying a new protection point, every few
+	// seconds, does not read every layer of its lineage again. A layer rewritten since
+	// has another modification time and is read again.
+	layers map[[4]int64]string
 	// held names the checkpoints that VMs kept aside at recovery (their manifests
 	// unreadable) were forked from: never collected while they are kept.
 	held map[string]bool
@@ -169,6 +178,15 @@ func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
+		id, known := s.layerID(l.Path)
+		if known {
+			s.mu.Lock()
+			known = s.layers[id] == l.SHA256+"/"+strconv.FormatInt(l.Size, 10)
+			s.mu.Unlock()
+		}
+		if known {
+			continue
+		}
 		sum, size, err := memfile.LayerDigest(l.Path)
 		if err != nil {
 			return fmt.Errorf("%w: %s: ram layer of ancestor %s: %v", ErrCheckpointCorrupt, ck.Name, l.Checkpoint, err)
@@ -177,6 +195,7 @@ func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 			return fmt.Errorf("%w: %s: ram layer of ancestor %s: sha256 %s (%d bytes), manifest says %s (%d bytes)",
 				ErrCheckpointCorrupt, ck.Name, l.Checkpoint, sum[:16], size, l.SHA256[:16], l.Size)
 		}
+		s.knowLayer(l.Path, id, sum, size)
 	}
 	sum, _, err := fileSHA256(ctx, c.statePath())
 	if ctx.Err() != nil {
@@ -192,6 +211,29 @@ func (s *checkpointStore) verify(ctx context.Context, c *Checkpoint) error {
 	s.verified[ck.Name] = fp
 	s.mu.Unlock()
 	return nil
+}
+
+// layerID is the identity of the layer file at path (false where it has none).
+func (s *checkpointStore) layerID(path string) ([4]int64, bool) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return [4]int64{}, false
+	}
+	return platform.FileID(st)
+}
+
+// knowLayer records sum and size (memfile.LayerDigest) for the layer file at path,
+// whose identity was id before it was read: kept only if the file did not change since.
+func (s *checkpointStore) knowLayer(path string, id [4]int64, sum string, size int64) {
+	if now, ok := s.layerID(path); !ok || now != id {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.layers == nil || len(s.layers) >= digestCacheMax {
+		s.layers = map[[4]int64]string{}
+	}
+	s.layers[id] = sum + "/" + strconv.FormatInt(size, 10)
 }
 
 // list returns every committed checkpoint with its live forks and, by flat, the

@@ -757,6 +757,9 @@ type FileWriter struct {
 	h    *memfile.ContentHash
 	file *importFile
 	err  error
+	// buf is the writer's, kept across its ranges: a layer comes as one range per
+	// run of pages it holds.
+	buf []byte
 }
 
 // Create starts writing the file the export calls name (ErrNotFound if it is not one
@@ -796,7 +799,10 @@ func (w *FileWriter) WriteRange(ctx context.Context, off, n int64, r io.Reader) 
 		w.err = fmt.Errorf("%w: import %s: range %d+%d outside its %d bytes", ErrInvalidSpec, w.file.Name, off, n, w.file.Size)
 		return w.err
 	}
-	buf := make([]byte, min(n, 1<<20))
+	if want := int(min(n, 1<<20)); len(w.buf) < want {
+		w.buf = make([]byte, max(want, min(2*len(w.buf), 1<<20)))
+	}
+	buf := w.buf
 	for done := int64(0); done < n; {
 		if err := ctx.Err(); err != nil {
 			w.err = err

@@ -36,7 +36,9 @@ func ContentDigest(ctx context.Context, path string) (sum string, data int64, er
 		return "", 0, fmt.Errorf("memfile: content digest %s: %w", path, err)
 	}
 	d := NewContentHash(st.Size())
-	buf := make([]byte, 1<<20)
+	bp := getBuf()
+	defer putBuf(bp)
+	buf := *bp
 	for _, e := range exts {
 		for off := e.Off; off < e.Off+e.Len; {
 			if err := ctx.Err(); err != nil {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"sync"
 )
 
 // A layer is a sparse file of a guest's size holding some of its pages at their guest
@@ -42,13 +43,41 @@ func LayerDigest(path string) (sum string, data int64, err error) {
 		binary.LittleEndian.PutUint64(hdr[:8], uint64(e.off))
 		binary.LittleEndian.PutUint64(hdr[8:], uint64(e.len))
 		h.Write(hdr[:])
-		if _, err := io.Copy(h, io.NewSectionReader(f, e.off, e.len)); err != nil {
+		if err := hashRange(h, f, e.off, e.len); err != nil {
 			return "", 0, fmt.Errorf("memfile: layer digest %s: %w", path, err)
 		}
 		data += e.len
 	}
 	return hex.EncodeToString(h.Sum(nil)), data, nil
 }
+
+// hashRange writes n bytes of f from off into h through a pooled buffer: a layer has
+// an extent per run of pages it holds, and a buffer per extent (io.Copy's) made the
+// digests of protection points, taken every few seconds, most of a daemon's garbage.
+func hashRange(h io.Writer, f *os.File, off, n int64) error {
+	bp := getBuf()
+	defer putBuf(bp)
+	buf := *bp
+	for n > 0 {
+		k := int(min(int64(len(buf)), n))
+		if _, err := f.ReadAt(buf[:k], off); err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return err
+		}
+		h.Write(buf[:k])
+		off += int64(k)
+		n -= int64(k)
+	}
+	return nil
+}
+
+// bufPool holds the 1 MiB buffers digests read files through.
+var bufPool = sync.Pool{New: func() any { b := make([]byte, 1<<20); return &b }}
+
+func getBuf() *[]byte  { return bufPool.Get().(*[]byte) }
+func putBuf(b *[]byte) { bufPool.Put(b) }
 
 // ErrCaptureTooLarge reports a capture (PrepareCapture, Capture.Take) whose pages
 // exceed the caller's bound: the caller extracts in place (ExtractDelta) instead.
