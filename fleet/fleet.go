@@ -177,6 +177,12 @@ type Fleet struct {
 	// viewStalled makes the watch of the nodes drop what it hears (tests: a watch whose
 	// consumer went with a stream leader that died, silent until it is made again).
 	viewStalled atomic.Bool
+	// recsStalled makes each read of the protection records started while it is set
+	// wait for its deadline unanswered (tests: a read asked of a stream leader that
+	// died).
+	recsStalled atomic.Bool
+	// recsStarted counts the reads of the protection records started (tests).
+	recsStarted atomic.Int64
 
 	ctx    context.Context
 	cancel context.CancelFunc

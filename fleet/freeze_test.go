@@ -116,6 +116,12 @@ func protectedPair(t *testing.T, s *natsembed.Server) (n1, n2 *Fleet, e1, e2 *pr
 // protectedPairOf is protectedPair with the protected VMs named, n2's engine given.
 func protectedPairOf(t *testing.T, s *natsembed.Server, e2 *protEngine, vms ...string) (n1, n2 *Fleet, e1, _ *protEngine) {
 	t.Helper()
+	return protectedPairWith(t, s, Config{MaxVCPUs: 8, Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond}, e2, vms...)
+}
+
+// protectedPairWith is protectedPairOf with both nodes' configuration given.
+func protectedPairWith(t *testing.T, s *natsembed.Server, cfg Config, e2 *protEngine, vms ...string) (n1, n2 *Fleet, e1, _ *protEngine) {
+	t.Helper()
 	e1 = newProtEngine()
 	for _, v := range vms {
 		e1.vms[v] = api.Info{Name: v, State: api.StateRunning, CPUs: 1, Protection: &api.ProtectionInfo{Every: time.Second}}
@@ -123,7 +129,6 @@ func protectedPairOf(t *testing.T, s *natsembed.Server, e2 *protEngine, vms ...s
 	}
 	nodes := map[string]*Fleet{}
 	for name, e := range map[string]*protEngine{"n1": e1, "n2": e2} {
-		cfg := Config{MaxVCPUs: 8, Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond, AckWait: 1500 * time.Millisecond}
 		nodes[name] = joinFleet(t, s, name, cfg, e, &fakeFetcher{to: e.fakeEngine, fetches: map[string]int{}})
 	}
 	n1, n2 = nodes["n1"], nodes["n2"]
@@ -259,6 +264,30 @@ func TestTakeoverWithSilentWatch(t *testing.T) {
 	// The lease ends two TTLs after n1's last heartbeat; a tick and the revival on top.
 	waitFor(t, n1.protectLease()+3*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
 	t.Logf("revived %v after the cut", time.Since(cut).Round(time.Millisecond))
+}
+
+// TestTakeoverAfterUnansweredReads: the holder's reads of the protection records get
+// no answer while the owner is cut off (as when the records' stream leader died with
+// it: a request to it stays unanswered even after the election) until after the lease
+// ended. A read started then waits a TTL (4 s here) unanswered; the holder asks again
+// two heartbeats later instead of waiting for it, and takes the VM over at once.
+func TestTakeoverAfterUnansweredReads(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	cfg := Config{MaxVCPUs: 8, Heartbeat: 200 * time.Millisecond, TTL: 4 * time.Second, AckWait: 4 * time.Second}
+	n1, n2, _, e2 := protectedPairWith(t, s, cfg, newProtEngine(), "v")
+	n2.recsStalled.Store(true)
+	n1.beatsFail.Store(true)
+	time.Sleep(n1.protectLease())
+	// Lifted right after a read started (it stays unanswered to its deadline).
+	started := n2.recsStarted.Load()
+	waitFor(t, 5*time.Second, "a read of the records started", func() bool { return n2.recsStarted.Load() > started })
+	n2.recsStalled.Store(false)
+	lifted := time.Now()
+	waitFor(t, 10*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
+	if took := time.Since(lifted); took > cfg.TTL/2 {
+		t.Errorf("v revived %v after the records answered again: a read waited for its TTL", took.Round(time.Millisecond))
+	}
 }
 
 // TestExpiryNotedBeforeJudging: the owner dies while the holder does not judge yet

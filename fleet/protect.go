@@ -395,6 +395,7 @@ func (f *Fleet) protectionLoop() {
 	t := time.NewTicker(max(f.cfg.Heartbeat/2, 50*time.Millisecond))
 	defer t.Stop()
 	var recsFailing time.Time // since the records' reads fail
+	rr := &recsReader{f: f, results: make(chan recsRead, recsReadsMax)}
 	for tick := 0; ; tick++ {
 		select {
 		case <-f.ctx.Done():
@@ -427,9 +428,7 @@ func (f *Fleet) protectionLoop() {
 		if err == nil && !fenced && len(points) == 0 {
 			continue
 		}
-		ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL)
-		recs, err := f.protectRecs(ctx)
-		cancel()
+		recs, err := rr.read()
 		if err != nil {
 			if recsFailing.IsZero() {
 				recsFailing = time.Now()
@@ -460,6 +459,73 @@ func (f *Fleet) protectionLoop() {
 		if tick%strayEvery == 0 {
 			f.dropStrays(points, recs)
 		}
+	}
+}
+
+// recsReader reads the protection records for protectionLoop. A read asked of a stream
+// whose leader died with a node may get no answer at all, even once a new leader is
+// elected, and it is a read after the election that lets a judge take that node's VMs
+// over: waiting for each read for as long as it may take (a TTL) made takeovers up to a
+// TTL late. So a read not answered within two heartbeats is left to go on (to its TTL)
+// while the next tick asks again, at most recsReadsMax at once, and the first answer
+// counts. An answer read earlier than another is safe to act on: every write that
+// follows from it is by revision.
+type recsReader struct {
+	f        *Fleet
+	results  chan recsRead
+	inflight int
+	last     time.Time // when the latest read started
+}
+
+// recsRead is one read's answer.
+type recsRead struct {
+	recs []protectRec
+	err  error
+}
+
+// recsReadsMax bounds the reads of the records under way at once.
+const recsReadsMax = 4
+
+// read returns the records from a read under way or a new one, waiting two heartbeats
+// at most (context.DeadlineExceeded then).
+func (r *recsReader) read() ([]protectRec, error) {
+	f := r.f
+	patience := 2 * f.cfg.Heartbeat
+	// An answer already in: the loop was away longer than the read took.
+	select {
+	case res := <-r.results:
+		r.inflight--
+		return res.recs, res.err
+	default:
+	}
+	if r.inflight == 0 || (r.inflight < recsReadsMax && time.Since(r.last) >= patience) {
+		r.inflight++
+		r.last = time.Now()
+		f.wg.Add(1)
+		go func() {
+			defer f.wg.Done()
+			ctx, cancel := context.WithTimeout(f.ctx, f.cfg.TTL)
+			defer cancel()
+			f.recsStarted.Add(1)
+			if f.recsStalled.Load() {
+				<-ctx.Done() // tests: a request nobody answers
+				r.results <- recsRead{err: ctx.Err()}
+				return
+			}
+			recs, err := f.protectRecs(ctx)
+			r.results <- recsRead{recs, err}
+		}()
+	}
+	t := time.NewTimer(patience)
+	defer t.Stop()
+	select {
+	case res := <-r.results:
+		r.inflight--
+		return res.recs, res.err
+	case <-t.C:
+		return nil, fmt.Errorf("protection records: no answer within %v: %w", patience, context.DeadlineExceeded)
+	case <-f.ctx.Done():
+		return nil, f.ctx.Err()
 	}
 }
 
