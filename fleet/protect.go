@@ -487,16 +487,24 @@ type recsRead struct {
 const recsReadsMax = 4
 
 // read returns the records from a read under way or a new one, waiting two heartbeats
-// at most (context.DeadlineExceeded then).
+// at most: the first answer that is not an error, or the last error (a read left to
+// run out that failed at last says nothing about the reads after it).
 func (r *recsReader) read() ([]protectRec, error) {
 	f := r.f
 	patience := 2 * f.cfg.Heartbeat
-	// An answer already in: the loop was away longer than the read took.
-	select {
-	case res := <-r.results:
-		r.inflight--
-		return res.recs, res.err
-	default:
+	var lastErr error
+	// Answers already in: the loop was away longer than they took.
+	for drained := false; !drained; {
+		select {
+		case res := <-r.results:
+			r.inflight--
+			if res.err == nil {
+				return res.recs, nil
+			}
+			lastErr = res.err
+		default:
+			drained = true
+		}
 	}
 	if r.inflight == 0 || (r.inflight < recsReadsMax && time.Since(r.last) >= patience) {
 		r.inflight++
@@ -518,14 +526,25 @@ func (r *recsReader) read() ([]protectRec, error) {
 	}
 	t := time.NewTimer(patience)
 	defer t.Stop()
-	select {
-	case res := <-r.results:
-		r.inflight--
-		return res.recs, res.err
-	case <-t.C:
-		return nil, fmt.Errorf("protection records: no answer within %v: %w", patience, context.DeadlineExceeded)
-	case <-f.ctx.Done():
-		return nil, f.ctx.Err()
+	for {
+		select {
+		case res := <-r.results:
+			r.inflight--
+			if res.err == nil {
+				return res.recs, nil
+			}
+			lastErr = res.err
+			if r.inflight == 0 {
+				return nil, lastErr
+			}
+		case <-t.C:
+			if lastErr == nil {
+				lastErr = fmt.Errorf("protection records: no answer within %v: %w", patience, context.DeadlineExceeded)
+			}
+			return nil, lastErr
+		case <-f.ctx.Done():
+			return nil, f.ctx.Err()
+		}
 	}
 }
 
