@@ -143,12 +143,20 @@ func RaiseVCPUs(pid int, bound time.Duration) (lower func()) {
 	}
 }
 
-// isVCPU says whether thread tid of QEMU process pid runs a vCPU: QEMU names them
-// "CPU N/ACCEL" (-name debug-threads=on, which every launch sets). A thread whose name
-// cannot be read counts as one: Boost then never makes it real-time.
+// isVCPU says whether thread tid of QEMU process pid runs a vCPU (vcpuThreadName). A
+// thread whose name cannot be read counts as one: Boost then never makes it real-time.
 func isVCPU(pid, tid int) bool {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/comm", pid, tid))
-	return err != nil || (strings.HasPrefix(string(b), "CPU ") && strings.Contains(string(b), "/"))
+	return err != nil || vcpuThreadName(strings.TrimSpace(string(b)))
+}
+
+// vcpuThreadName says whether a QEMU thread named comm runs guest code: QEMU names a
+// vCPU's thread "CPU N/ACCEL" (-name debug-threads=on, which every launch sets), and
+// single-threaded TCG's one thread for every vCPU "ALL CPUs/TCG". Missing the second
+// made a guest under single-threaded TCG run real-time from its pause's end to the
+// unboost.
+func vcpuThreadName(comm string) bool {
+	return (strings.HasPrefix(comm, "CPU ") || strings.HasPrefix(comm, "ALL CPUs")) && strings.Contains(comm, "/")
 }
 
 // boostSelf raises this process's normal threads at the calling thread's priority to

@@ -220,3 +220,26 @@ func TestSelfBoost(t *testing.T) {
 	check("released", append(before, during...), thread{policy: unix.SCHED_NORMAL, nice: base})
 	check("background thread", []int{bg}, thread{policy: unix.SCHED_NORMAL, nice: 19})
 }
+
+// TestVCPUThreadName: the threads that run guest code, under multi- and single-threaded
+// TCG and KVM, are vCPU threads (never made real-time by Boost); QEMU's others are not.
+func TestVCPUThreadName(t *testing.T) {
+	for _, tc := range []struct {
+		comm string
+		want bool
+	}{
+		{"CPU 0/TCG", true},
+		{"CPU 11/KVM", true},
+		{"ALL CPUs/TCG", true},
+		{"qemu-system-x86", false},
+		{"forkvm-w", false},
+		{"IO mon_iothread", false},
+		{"worker", false},
+		{"call_rcu", false},
+		{"CPU", false},
+	} {
+		if got := vcpuThreadName(tc.comm); got != tc.want {
+			t.Errorf("%q: %v, want %v", tc.comm, got, tc.want)
+		}
+	}
+}
