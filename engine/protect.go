@@ -333,12 +333,20 @@ func (e *Engine) protectLoop(ctx context.Context, name string, every time.Durati
 		case <-t.C:
 		}
 		start := time.Now()
-		_, err := e.ProtectNow(ctx, name)
+		info, err := e.ProtectNow(ctx, name)
 		if ctx.Err() != nil {
 			return
 		}
 		if errors.Is(err, ErrNotFound) {
 			return // deleted
+		}
+		if err != nil {
+			// The last complete point stays; its age grows until a point completes.
+			args := []any{"vm", name, "err", err}
+			if info != nil {
+				args = append(args, "failures", info.Failures, "point", info.Point, "point_age", time.Since(info.PointAt).Round(time.Millisecond))
+			}
+			e.log.Warn("protection point failed", args...)
 		}
 		wait := every - time.Since(start)
 		if wait <= 0 {

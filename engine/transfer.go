@@ -426,7 +426,10 @@ type importFile struct {
 	stage, final string
 	blob         bool // a boot file or base image kept in the host's blob store
 	had          string
-	done         bool
+	// alts are other local files with had's content (lineageFiles): had may go with
+	// its checkpoint (an old protection point dropped) before the commit links it.
+	alts []string
+	done bool
 }
 
 // ImportCheckpoint starts importing the checkpoint exp describes (an export of another
@@ -574,7 +577,9 @@ func (imp *CheckpointImport) planFiles(ctx context.Context, want []exportFile, g
 			fi.had = imp.e.hostHas(ctx, f, fi.final)
 		case strings.HasPrefix(w.name, exportRAMPrefix):
 			fi.stage = imp.ramStage(w.path)
-			fi.had = local.find(fi, imp.ck, final.Layers, w)
+			if found := local.find(fi, imp.ck, final.Layers, w); len(found) > 0 {
+				fi.had, fi.alts = found[0], found[1:]
+			}
 		default:
 			fi.stage = filepath.Join(imp.tmp, filepath.Base(w.path))
 		}
@@ -620,13 +625,13 @@ func importLayout(l layout, ck *checkpointManifest, dir string) error {
 // recorded on their export or import, layers by their own digest (which covers which
 // pages they hold).
 type localLineage struct {
-	ram    map[string]string // content digest -> path
-	layers map[string]string // layer digest -> path
+	ram    map[string][]string // content digest -> paths
+	layers map[string][]string // layer digest -> paths
 }
 
 // lineageFiles reads the index from the committed checkpoints' manifests.
 func (e *Engine) lineageFiles() localLineage {
-	l := localLineage{ram: map[string]string{}, layers: map[string]string{}}
+	l := localLineage{ram: map[string][]string{}, layers: map[string][]string{}}
 	ents, _ := os.ReadDir(e.paths.checkpointsDir())
 	for _, ent := range ents {
 		if !ent.IsDir() || strings.HasPrefix(ent.Name(), ".") {
@@ -638,35 +643,37 @@ func (e *Engine) lineageFiles() localLineage {
 		}
 		m := &c.Manifest
 		if d, ok := m.Digests[exportRAMPrefix+filepath.Base(m.RAMPath)]; ok && e.paths.inRAMDir(m.RAMPath) {
-			l.ram[fmt.Sprintf("%s/%d", d.SHA256, d.Size)] = m.RAMPath
+			k := fmt.Sprintf("%s/%d", d.SHA256, d.Size)
+			l.ram[k] = append(l.ram[k], m.RAMPath)
 		}
 		for _, lr := range m.Layers {
-			l.layers[fmt.Sprintf("%s/%d", lr.SHA256, lr.Size)] = lr.Path
+			k := fmt.Sprintf("%s/%d", lr.SHA256, lr.Size)
+			l.layers[k] = append(l.layers[k], lr.Path)
 		}
 	}
 	return l
 }
 
-// find returns the local path holding file f of the import (final: its resolved
-// manifest's layers), or "".
-func (l localLineage) find(f *importFile, ck *checkpointManifest, layers []ramLayer, w exportFile) string {
-	var p string
+// find returns the local paths holding file f of the import (final: its resolved
+// manifest's layers), none if no local checkpoint holds it.
+func (l localLineage) find(f *importFile, ck *checkpointManifest, layers []ramLayer, w exportFile) []string {
+	var ps []string
 	if w.layer {
 		for i, lr := range layers {
 			if lr.Path == w.path {
-				p = l.layers[fmt.Sprintf("%s/%d", ck.Layers[i].SHA256, ck.Layers[i].Size)]
+				ps = l.layers[fmt.Sprintf("%s/%d", ck.Layers[i].SHA256, ck.Layers[i].Size)]
 			}
 		}
 	} else {
-		p = l.ram[fmt.Sprintf("%s/%d", f.SHA256, f.Size)]
+		ps = l.ram[fmt.Sprintf("%s/%d", f.SHA256, f.Size)]
 	}
-	if p == "" {
-		return ""
+	var out []string
+	for _, p := range ps {
+		if st, err := os.Stat(p); err == nil && st.Size() == f.Size {
+			out = append(out, p)
+		}
 	}
-	if st, err := os.Stat(p); err != nil || st.Size() != f.Size {
-		return ""
-	}
-	return p
+	return out
 }
 
 // firstDisk is the export name of a checkpoint's base disk layer ("" without a disk).
@@ -899,8 +906,15 @@ func (imp *CheckpointImport) Commit(ctx context.Context) (*Checkpoint, error) {
 		}
 		if f.had != "" {
 			// A lineage file another checkpoint here holds: linked, as a delta
-			// checkpoint links its lineage.
-			if err := os.Link(f.had, f.stage); err != nil {
+			// checkpoint links its lineage. That checkpoint may have gone since (an
+			// old protection point, dropped): then another holding the same file.
+			var err error
+			for _, p := range append([]string{f.had}, f.alts...) {
+				if err = os.Link(p, f.stage); err == nil || !errors.Is(err, os.ErrNotExist) {
+					break
+				}
+			}
+			if err != nil {
 				return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
 			}
 		}

@@ -335,6 +335,7 @@ func (f *Fleet) serveProtection() error {
 			defer f.wg.Done()
 			a := copyAnswer{OK: true}
 			if err := f.holdCopy(r); err != nil {
+				f.log.Warn("fleet: copy of a protection point refused", "vm", r.VM, "point", r.Point, "from", r.From.Name, "err", err)
 				a = copyAnswer{Error: err.Error()}
 			}
 			b, _ := json.Marshal(a)
