@@ -362,3 +362,57 @@ func TestImportDeltaLineage(t *testing.T) {
 		t.Errorf("own layer's extents on arrival %+v (%v): the zero page is not held", exts, err)
 	}
 }
+
+// TestImportLinksAnotherHolder: the local checkpoint an import found holding a lineage
+// file (the root RAM file) is deleted before the import commits (an old protection
+// point, dropped): the commit links the file from another checkpoint that holds it.
+func TestImportLinksAnotherHolder(t *testing.T) {
+	src, dst, srcCfg, _, kernel := transferEngines(t)
+	ctx := context.Background()
+	root := writeCheckpoint(t, srcCfg, "root", func(c *checkpointManifest) { c.Kernel = kernel })
+	writeRAM(t, root.RAMPath, map[int64]byte{0: 1, 1: 1})
+	for name, lineage := range map[string][]string{"d2": {"a", "d2"}, "d3": {"b", "d3"}} {
+		d := writeDeltaCheckpoint(t, srcCfg, name, root, lineage)
+		d.Kernel = kernel
+		writeJSON(filepath.Join(srcCfg.StateDir, "checkpoints", name, manifestFile), &d)
+	}
+	for _, name := range []string{"root", "d2"} {
+		if _, _, err := pullLocal(t, ctx, src, dst, name); err != nil {
+			t.Fatalf("pull %s: %v", name, err)
+		}
+	}
+	exp, err := src.ExportCheckpoint(ctx, "d3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	imp, err := dst.ImportCheckpoint(ctx, exp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer imp.Abort()
+	if err := copyExport(t, ctx, src, imp, "d3"); err != nil {
+		t.Fatal(err)
+	}
+	var gone string
+	for _, f := range imp.files {
+		if f.had != "" {
+			for _, ck := range []string{"root", "d2"} {
+				if f.had == dst.paths.checkpointRAM(ck) {
+					gone = ck
+				}
+			}
+		}
+	}
+	if gone == "" {
+		t.Fatalf("the import found no local holder of the root RAM file: %+v", imp.files)
+	}
+	if err := dst.DeleteCheckpoint(ctx, gone, &DeleteCheckpointOptions{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := imp.Commit(ctx); err != nil {
+		t.Fatalf("commit after %s, the holder it found, was deleted: %v", gone, err)
+	}
+	if _, err := dst.LoadCheckpoint(ctx, "d3"); err != nil {
+		t.Fatal(err)
+	}
+}
