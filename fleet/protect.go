@@ -498,11 +498,9 @@ func (r *recsReader) read() ([]protectRec, error) {
 	for drained := false; !drained; {
 		select {
 		case res := <-r.results:
-			r.inflight--
-			if res.err == nil {
+			if r.answer(res, &lastErr) {
 				return res.recs, nil
 			}
-			lastErr = res.err
 		default:
 			drained = true
 		}
@@ -530,11 +528,9 @@ func (r *recsReader) read() ([]protectRec, error) {
 	for {
 		select {
 		case res := <-r.results:
-			r.inflight--
-			if res.err == nil {
+			if r.answer(res, &lastErr) {
 				return res.recs, nil
 			}
-			lastErr = res.err
 			if r.inflight == 0 {
 				return nil, lastErr
 			}
@@ -547,6 +543,17 @@ func (r *recsReader) read() ([]protectRec, error) {
 			return nil, f.ctx.Err()
 		}
 	}
+}
+
+// answer takes in one read's answer: true when it holds the records, else its error
+// is kept in lastErr.
+func (r *recsReader) answer(res recsRead, lastErr *error) bool {
+	r.inflight--
+	if res.err != nil {
+		*lastErr = res.err
+		return false
+	}
+	return true
 }
 
 // noteExpiries reads, while this node's heartbeats go through again but it does not
