@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -19,29 +20,42 @@ import (
 	"github.com/forkvm/forkvm/serve"
 )
 
+// fleetPortsGiven holds every port fleetPorts has handed out in this test process: the
+// fleet tests run in parallel, and a port one of them found free and closed stays free
+// until its daemon binds it, so another test's random pick could land on it meanwhile
+// (its daemon then exits: "address already in use").
+var fleetPortsGiven struct {
+	sync.Mutex
+	ports map[int]bool
+}
+
 // fleetPorts returns n distinct free loopback ports below the kernel's ephemeral range
 // (20000-32767), so that no port the daemons are told to listen on can meanwhile be
 // taken as the local port of an outgoing connection (route dials, the CLI, QEMU), and
-// one call's ports never repeat the last call's.
+// no port is handed out twice in one test process (fleetPortsGiven).
 func fleetPorts(t *testing.T, n int) []string {
 	t.Helper()
+	fleetPortsGiven.Lock()
+	defer fleetPortsGiven.Unlock()
+	if fleetPortsGiven.ports == nil {
+		fleetPortsGiven.ports = map[int]bool{}
+	}
 	var out []string
-	seen := map[int]bool{}
 	for tries := 0; len(out) < n; tries++ {
 		if tries > 1000 {
 			t.Fatalf("no %d free loopback ports in 20000-32767", n)
 		}
 		port := 20000 + rand.IntN(12768)
-		if seen[port] {
+		if fleetPortsGiven.ports[port] {
 			continue
 		}
-		seen[port] = true
 		addr := fmt.Sprintf("127.0.0.1:%d", port)
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {
 			continue
 		}
 		ln.Close()
+		fleetPortsGiven.ports[port] = true
 		out = append(out, addr)
 	}
 	return out
