@@ -21,6 +21,11 @@ import (
 // ErrConfig is wrapped by every refusal of a configuration.
 var ErrConfig = errors.New("natsembed: bad configuration")
 
+// ErrListen is wrapped when the server cannot listen where it is told (a route or
+// client port another process holds): the server reports it as fatal and would wait
+// for readiness that never comes.
+var ErrListen = errors.New("natsembed: cannot listen")
+
 // Config is an embedded server.
 type Config struct {
 	// Name is the server's name in the cluster (the node's name).
@@ -145,17 +150,32 @@ func Start(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
-	if cfg.Logf != nil {
-		s.SetLoggerV2(logger(cfg.Logf), false, false, false)
-	}
+	// The logger is installed even without Logf: it is how a listener that failed is
+	// known (the server only logs it as fatal).
+	lg := &logger{logf: cfg.Logf, fatal: make(chan string, 1)}
+	s.SetLoggerV2(lg, false, false, false)
 	go s.Start()
-	deadline := 30 * time.Second
+	wait := 30 * time.Second
 	if d, ok := ctx.Deadline(); ok {
-		deadline = time.Until(d)
+		wait = time.Until(d)
 	}
-	if !s.ReadyForConnections(deadline) {
-		s.Shutdown()
-		return nil, fmt.Errorf("natsembed: server %s not ready within %v", cfg.Name, deadline)
+	deadline := time.Now().Add(wait)
+	for !s.ReadyForConnections(100 * time.Millisecond) {
+		select {
+		case msg := <-lg.fatal:
+			s.Shutdown()
+			s.WaitForShutdown()
+			return nil, fmt.Errorf("%w: server %s: %s", ErrListen, cfg.Name, msg)
+		default:
+		}
+		if ctx.Err() != nil || time.Now().After(deadline) {
+			s.Shutdown()
+			s.WaitForShutdown()
+			if ctx.Err() != nil {
+				return nil, fmt.Errorf("natsembed: server %s not ready: %w", cfg.Name, ctx.Err())
+			}
+			return nil, fmt.Errorf("natsembed: server %s not ready within %v", cfg.Name, wait.Round(time.Millisecond))
+		}
 	}
 	return &Server{s: s}, nil
 }
@@ -249,12 +269,30 @@ func routeURL(r, user, password string) (*url.URL, error) {
 	return u, nil
 }
 
-// logger adapts a printf function to the server's logger.
-type logger func(format string, args ...any)
+// logger adapts a printf function (nil: none) to the server's logger, and passes the
+// first fatal report to Start.
+type logger struct {
+	logf  func(format string, args ...any)
+	fatal chan string
+}
 
-func (l logger) Noticef(format string, v ...any) { l("nats: "+format, v...) }
-func (l logger) Warnf(format string, v ...any)   { l("nats warning: "+format, v...) }
-func (l logger) Fatalf(format string, v ...any)  { l("nats fatal: "+format, v...) }
-func (l logger) Errorf(format string, v ...any)  { l("nats error: "+format, v...) }
-func (l logger) Debugf(format string, v ...any)  {}
-func (l logger) Tracef(format string, v ...any)  {}
+func (l *logger) log(format string, v ...any) {
+	if l.logf != nil {
+		l.logf(format, v...)
+	}
+}
+
+func (l *logger) Noticef(format string, v ...any) { l.log("nats: "+format, v...) }
+func (l *logger) Warnf(format string, v ...any)   { l.log("nats warning: "+format, v...) }
+func (l *logger) Errorf(format string, v ...any)  { l.log("nats error: "+format, v...) }
+func (l *logger) Debugf(format string, v ...any)  {}
+func (l *logger) Tracef(format string, v ...any)  {}
+
+// Fatalf reports what the server cannot go on without (a listener it could not open).
+func (l *logger) Fatalf(format string, v ...any) {
+	l.log("nats fatal: "+format, v...)
+	select {
+	case l.fatal <- fmt.Sprintf(format, v...):
+	default:
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -117,4 +118,39 @@ func freePorts(t *testing.T, n int) []string {
 		ln.Close()
 	}
 	return out
+}
+
+// TestListenTaken starts a server on a route port, then on a client port, another
+// listener holds: Start fails with ErrListen at once (the server reported it only as
+// fatal in its log, and Start waited out its deadline), and the server is shut down.
+func TestListenTaken(t *testing.T) {
+	held, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	free := freePorts(t, 1)[0]
+	for _, tc := range []struct{ name, cluster, client string }{
+		{"route port", held.Addr().String(), ""},
+		{"client port", "127.0.0.1:" + free, held.Addr().String()},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			start := time.Now()
+			s, err := Start(ctx, Config{Name: "a", StoreDir: t.TempDir(), ClusterListen: tc.cluster,
+				Routes: []string{"127.0.0.1:" + free}, User: "fleet", Password: "pw", ClientListen: tc.client})
+			if err == nil {
+				s.Shutdown()
+				t.Fatal("Start succeeded on a port another listener holds")
+			}
+			if !errors.Is(err, ErrListen) || !strings.Contains(err.Error(), held.Addr().String()[len("127.0.0.1:"):]) {
+				t.Fatalf("Start: %v, want ErrListen naming the port", err)
+			}
+			t.Logf("refused in %v: %v", time.Since(start).Round(time.Millisecond), err)
+			if ctx.Err() != nil {
+				t.Fatal("Start waited out its deadline")
+			}
+		})
+	}
 }
