@@ -1238,3 +1238,58 @@ func TestNoJobWhileUnseen(t *testing.T) {
 		t.Fatalf("events %+v, want the fork ready on n2", got)
 	}
 }
+
+// TestAttemptsMeetingOneFork: a job's later attempt (the wave republished a fork
+// reported lost) finds the name's claim ready on a live node under an earlier attempt
+// (that attempt, redelivered after its node was lost, was made again there): its
+// record must say ready on that node, since the wave waits for this attempt's record,
+// and no fork is made. An earlier attempt that finds a later one's fork ready writes
+// nothing: its record would replace the one the wave waits for.
+func TestAttemptsMeetingOneFork(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	nodes := joinEngines(t, s, map[string]*fakeEngine{"n2": newFakeEngine(0)}, 2, 2, nil) // n2 takes no job
+	n1, n2 := nodes[0], nodes[1]
+	n1.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	f := n1.f
+	ctx := context.Background()
+	for _, tc := range []struct {
+		wave      string
+		held, job int // the attempts of the ready claim and of the job
+	}{{"wlater", 1, 2}, {"wearlier", 2, 1}} {
+		name := tc.wave + "-1"
+		heldID := fmt.Sprintf("%s.0.%d", tc.wave, tc.held)
+		c := claim{Name: name, Node: n2.f.Name(), Boot: n2.f.boot, Job: heldID, Wave: tc.wave, Index: 0, State: stateReady,
+			Checkpoint: "ck", CPUs: 1, At: time.Now().UTC()}
+		if err := putJSON(ctx, f.claims, kvKey(name), c); err != nil {
+			t.Fatal(err)
+		}
+		held := record{Job: heldID, Attempt: tc.held, State: stateReady, Node: n2.f.Name(), Event: api.ForkEventObjectOf(0, name, 0, nil, nil)}
+		if err := putJSON(ctx, f.jobs, recordKey(tc.wave, 0), held); err != nil {
+			t.Fatal(err)
+		}
+		j := job{ID: fmt.Sprintf("%s.0.%d", tc.wave, tc.job), Wave: tc.wave, Index: 0, Attempt: tc.job, Name: name, Checkpoint: "ck",
+			Digest: "d1", Class: f.classID, CPUs: 1, Published: time.Now()}
+		b, _ := json.Marshal(j)
+		if _, err := f.js.Publish(ctx, subject(f.classID), b, jetstream.WithMsgID(j.ID)); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 15*time.Second, tc.wave+"'s job taken from the stream", func() bool {
+			st, err := f.js.Stream(ctx, streamName(f.classID))
+			if err != nil {
+				return false
+			}
+			info, err := st.Info(ctx)
+			return err == nil && info.State.Msgs == 0
+		})
+		want := max(tc.held, tc.job)
+		var rec record
+		if _, ok, err := f.leaderJSON(ctx, f.jobs, recordKey(tc.wave, 0), &rec); err != nil || !ok ||
+			rec.Attempt != want || rec.State != stateReady || rec.Node != n2.f.Name() {
+			t.Errorf("%s: record %+v (ok %v, err %v), want attempt %d ready on %s", tc.wave, rec, ok, err, want, n2.f.Name())
+		}
+	}
+	if made := n1.eng.forks.Load(); made != 0 {
+		t.Errorf("%d forks made, want none (the fork is on n2)", made)
+	}
+}

@@ -573,9 +573,12 @@ func (r *waveRun) pollRecords() bool {
 		if r.slots[i].final {
 			continue
 		}
+		// From the stream's leader: the poll is the backstop of a watch that missed an
+		// update, and a replica that missed it too (a direct get is answered by any
+		// replica nearly caught up) would keep the wave waiting.
 		ctx, cancel := context.WithTimeout(r.ctx, callTimeout)
 		var rec record
-		_, ok, err := getJSON(ctx, r.w.f.jobs, recordKey(r.w.id, i), &rec)
+		_, ok, err := r.w.f.leaderJSON(ctx, r.w.f.jobs, recordKey(r.w.id, i), &rec)
 		cancel()
 		if err != nil || !ok || rec.Event.Index != i {
 			continue

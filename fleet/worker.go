@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -91,6 +93,19 @@ type claim struct {
 }
 
 func recordKey(wave string, index int) string { return fmt.Sprintf("%s.%d", wave, index) }
+
+// jobAttempt is the attempt a job ID (wave.jobID) names; 0 when it names none.
+func jobAttempt(id string) int {
+	i := strings.LastIndexByte(id, '.')
+	if i < 0 {
+		return 0
+	}
+	n, err := strconv.Atoi(id[i+1:])
+	if err != nil {
+		return 0
+	}
+	return n
+}
 
 // workLoop pulls jobs from this node's class stream while the node has budget for
 // them, until Close.
@@ -438,13 +453,22 @@ func (t *jobTry) fresh(ctx context.Context) bool {
 		// That saves a fleet round trip on nearly every fork.
 		return true
 	}
+	// From the stream's leader: a replica that missed the record's last write would
+	// have this try redo a job that is done (a redelivery after its node was lost made
+	// the fork again beside the wave's replacement of it).
 	var rec record
-	rev, ok, err := getJSON(ctx, f.jobs, t.key, &rec)
+	rev, ok, err := f.leaderJSON(ctx, f.jobs, t.key, &rec)
 	if err != nil {
 		return t.refuse("reading its record", err)
 	}
 	if ok {
 		t.rev = rev
+	}
+	if ok && rec.Job != j.ID && rec.Attempt > j.Attempt {
+		// A later attempt of the job was published (this one's fork was lost): it is
+		// that attempt's to make.
+		f.ack(t.msg, j)
+		return false
 	}
 	if ok && rec.Job == j.ID {
 		if rec.final() {
@@ -503,10 +527,14 @@ func (t *jobTry) unclaimed(ctx context.Context, cl claim, err error) bool {
 		// failure of the job.
 		return t.refuse("claimed by a live node", err)
 	case errors.Is(err, errDone):
-		// Ready on another live node. When that node's record was not written (the
-		// jobs bucket had no leader then), the wave would never see the fork: write
-		// it for that node before the ack.
-		if cl.Job == j.ID {
+		// Ready on another live node (cl: its claim). The wave waits for a record of
+		// this attempt, and would never see the fork when none says so: that node's
+		// record was not written (the jobs bucket had no leader then), or the fork
+		// there is an earlier attempt's (redelivered after its node was lost, it was
+		// made again on a node that read its record stale, while the wave published
+		// this one). Write it for that node before the ack. A fork of a later attempt
+		// is that attempt's: this one is superseded.
+		if cl.Job == j.ID || jobAttempt(cl.Job) < j.Attempt {
 			r := record{Job: j.ID, Attempt: j.Attempt, State: stateReady, Node: cl.Node,
 				Event: api.ForkEventObjectOf(j.Index, j.Name, 0, nil, nil)}
 			if err := putJSON(ctx, f.jobs, t.key, r); err != nil {
@@ -772,8 +800,9 @@ func (f *Fleet) claim(ctx context.Context, j job) (uint64, claim, error) {
 		case live && cur.State == stateReady && cur.Job == j.ID:
 			return 0, cur, errDone
 		case live && cur.State == stateReady:
-			// A later attempt of a fork whose node was lost came back: it is there.
-			return 0, mine, errDone
+			// Another attempt of the same fork is ready on a live node: it is there
+			// (unclaimed decides whose record that makes it).
+			return 0, cur, errDone
 		case live && n.Boot == cur.Boot:
 			return 0, mine, errBusy
 		}
