@@ -217,7 +217,7 @@ func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api
 	}
 	m := vm.manifest()
 	// A published port taken while the VM was parked: refused before anything starts.
-	if err := checkPortsFree(vm.snapshot().Launch.Publish); err != nil {
+	if err := checkPortsFree(m.Launch.Publish); err != nil {
 		return nil, fmt.Errorf("engine: wake %s: %w", name, err)
 	}
 	parent, err := e.cks.load(ctx, m.Parent)

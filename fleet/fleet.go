@@ -183,6 +183,10 @@ type Fleet struct {
 	recsStalled atomic.Bool
 	// recsStarted counts the reads of the protection records started (tests).
 	recsStarted atomic.Int64
+	// listsStalled and readsStalled are how many of eachLatest's next requests for a
+	// stream's keys, and for one key's value, go unanswered (tests: a request asked of
+	// a stream leader that died).
+	listsStalled, readsStalled atomic.Int64
 
 	ctx    context.Context
 	cancel context.CancelFunc

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -37,14 +38,23 @@ type leaderEntry struct {
 
 // eachLatest calls fn with every live entry of kv (deleted, purged and expired keys
 // left out), as the stream's leader has them; fn is called from one goroutine at a
-// time.
+// time. Each of its requests is bounded by callTimeout and retried alone (retry): one
+// asked of a leader that died goes unanswered, and it held the whole listing until the
+// caller's deadline, a TTL or more.
 func (f *Fleet) eachLatest(ctx context.Context, kv jetstream.KeyValue, fn func(leaderEntry)) error {
 	stream, prefix := kvStream(kv)
-	s, err := f.js.Stream(ctx, stream)
-	if err != nil {
+	var info *jetstream.StreamInfo
+	err := retry(ctx, "list "+kv.Bucket(), func(ctx context.Context) error {
+		if err := stalledCall(ctx, &f.listsStalled); err != nil {
+			return err
+		}
+		s, err := f.js.Stream(ctx, stream)
+		if err != nil {
+			return err
+		}
+		info, err = s.Info(ctx, jetstream.WithSubjectFilter(prefix+">"))
 		return err
-	}
-	info, err := s.Info(ctx, jetstream.WithSubjectFilter(prefix+">"))
+	})
 	if err != nil {
 		return err
 	}
@@ -53,7 +63,15 @@ func (f *Fleet) eachLatest(ctx context.Context, kv jetstream.KeyValue, fn func(l
 	g.SetLimit(leaderGets)
 	for subj := range info.State.Subjects {
 		g.Go(func() error {
-			e, ok, err := f.leaderLast(gctx, stream, subj)
+			var e leaderEntry
+			var ok bool
+			err := retry(gctx, "read "+subj, func(ctx context.Context) (err error) {
+				if err := stalledCall(ctx, &f.readsStalled); err != nil {
+					return err
+				}
+				e, ok, err = f.leaderLast(ctx, stream, subj)
+				return err
+			})
 			if err != nil || !ok {
 				return err
 			}
@@ -65,6 +83,22 @@ func (f *Fleet) eachLatest(ctx context.Context, kv jetstream.KeyValue, fn func(l
 		})
 	}
 	return g.Wait()
+}
+
+// stalledCall is where a test makes one of eachLatest's requests go unanswered while
+// *count is above zero (listsStalled, readsStalled): it takes one off and waits for the
+// try's deadline.
+func stalledCall(ctx context.Context, count *atomic.Int64) error {
+	for {
+		n := count.Load()
+		if n <= 0 {
+			return nil
+		}
+		if count.CompareAndSwap(n, n-1) {
+			<-ctx.Done()
+			return ctx.Err()
+		}
+	}
 }
 
 // leaderGet reads key's value in kv from the stream's leader; ok is false when the key

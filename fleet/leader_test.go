@@ -2,6 +2,8 @@ package fleet
 
 import (
 	"context"
+	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -48,6 +50,38 @@ func TestLeaderReads(t *testing.T) {
 	}
 	if e, ok, err := n.f.leaderGet(ctx, kv, "a"); err != nil || !ok || string(e.value) != "4" {
 		t.Errorf("leaderGet(a) = %+v, %v, %v; want 4", e, ok, err)
+	}
+}
+
+// TestListingOutlivesUnansweredRequests: a listing whose request for the stream's keys
+// goes unanswered, then one whose read of a key's value does, each completes within a
+// deadline of three calls: the request is asked again after callTimeout (it held the
+// listing until the caller's deadline, which then failed it).
+func TestListingOutlivesUnansweredRequests(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	n := join(t, s, 1, 0, nil)[0]
+	kv := n.f.cks // no TTL: the keys outlive the stalls
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, k := range []string{"a", "b", "c"} {
+		if _, err := kv.PutString(ctx, k, "v-"+k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, stall := range []*atomic.Int64{&n.f.listsStalled, &n.f.readsStalled} {
+		stall.Store(1)
+		lctx, lcancel := context.WithTimeout(ctx, 3*callTimeout)
+		var got []string
+		err := n.f.eachLatest(lctx, kv, func(e leaderEntry) { got = append(got, e.key+"="+string(e.value)) })
+		lcancel()
+		if stall.Load() != 0 {
+			t.Fatalf("the stalled request was never asked")
+		}
+		slices.Sort(got)
+		if err != nil || !slices.Equal(got, []string{"a=v-a", "b=v-b", "c=v-c"}) {
+			t.Fatalf("listing with one request unanswered: %v, %v", got, err)
+		}
 	}
 }
 
