@@ -20,9 +20,9 @@ import (
 // the checkpoints it keeps fork with the disk they froze.
 
 const (
-	genCycles = 40
+	genCycles = 24 // the chain collapses about every genMaxCkDepth cycles: twice at least
 	genKeep   = 3  // checkpoints kept at once
-	genProbe  = 20 // forks and a full read-back every genProbe cycles
+	genProbe  = 12 // forks and a full read-back every genProbe cycles
 	// Bounds, a small constant each, whatever the number of cycles: the VM's chain (its
 	// settled chain plus the freeze that a collapse is still taking in), a checkpoint's,
 	// the files in the VM's directory, QEMU's descriptors above the first cycle's.
