@@ -109,10 +109,13 @@ type FleetProtection struct {
 	PointAt time.Time `json:"point_at"`
 	Copies  []string  `json:"copies"`
 	// RevivedFrom is the node it was revived from at its last fail-over, RevivedAt
-	// when, and LostWork the guest time since its point that the revival lost.
+	// when, and LostWork and LostWorkMax bound the guest time since its point that the
+	// revival lost: at least up to its node's last heartbeat (a node killed then), at
+	// most up to a TTL later, when a node that was cut off, not dead, froze it.
 	RevivedFrom string        `json:"revived_from,omitempty"`
 	RevivedAt   time.Time     `json:"revived_at,omitzero"`
 	LostWork    time.Duration `json:"lost_work_ns,omitempty"`
+	LostWorkMax time.Duration `json:"lost_work_max_ns,omitempty"`
 	// Error is why its last revival failed ("" when none did).
 	Error string `json:"error,omitempty"`
 }

@@ -837,6 +837,9 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		if !expiredAt.IsZero() && expiredAt.Before(since) {
 			since, known = expiredAt, true
 		}
+		f.mu.Lock()
+		f.ownerLost[r.Node] = since // what a revival reads for the work it lost (lostWork)
+		f.mu.Unlock()
 		if !seen {
 			f.log.Info("fleet: node judged lost: its protected VMs whose points this node holds are taken over when their lease ends",
 				"node", r.Node, "last_heartbeat_seen", known, "lease_ends_in", time.Until(since.Add(f.protectLease()-f.cfg.TTL)).Round(time.Millisecond))
@@ -846,6 +849,23 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		}
 		f.startRevive(p, r)
 	}
+}
+
+// lostWork bounds the guest time a revival from a point taken at pointAt loses, its
+// owner judged lost since (its last heartbeat seen and a TTL, or later: see settle):
+// the guest ran at least until that heartbeat (a node killed right after it), and at
+// most until its node, cut off but alive, froze it: a TTL and a tick (fence) later.
+// Neither bound passes now. It was now - pointAt, which counted the seconds the VM was
+// dead or frozen as lost work: 15 s for a second or two of the guest's work.
+func lostWork(pointAt, since time.Time, ttl, fence time.Duration, now time.Time) (least, most time.Duration) {
+	clamp := func(end time.Time) time.Duration {
+		if end.After(now) {
+			end = now
+		}
+		return max(end.Sub(pointAt), 0)
+	}
+	last := since.Add(-ttl)
+	return clamp(last), clamp(last.Add(fence))
 }
 
 // startRevive takes r over from its lost owner on a goroutine of its own, unless this
@@ -945,7 +965,14 @@ func (f *Fleet) revive(p ProtectEngine, r protectRec, from string) {
 	next := cur
 	next.Node, next.Error = f.cfg.Node, ""
 	if from != "" {
-		next.RevivedFrom, next.RevivedAt, next.LostWork = from, now, now.Sub(cur.PointAt)
+		f.mu.Lock()
+		since, ok := f.ownerLost[from]
+		f.mu.Unlock()
+		if !ok {
+			since = now
+		}
+		next.RevivedFrom, next.RevivedAt = from, now
+		next.LostWork, next.LostWorkMax = lostWork(cur.PointAt, since, f.cfg.TTL, f.cfg.TTL+f.cfg.Heartbeat/2, now)
 	}
 	if err := f.writeRec(ctx, key, next, rev, true); err != nil {
 		return // another holder took it
@@ -971,7 +998,7 @@ func (f *Fleet) revive(p ProtectEngine, r protectRec, from string) {
 	}
 	if from != "" {
 		f.log.Warn("fleet: protected VM revived from its last point: its node was lost", "vm", r.VM, "from", from,
-			"point", r.Point, "lost_work", next.LostWork.Round(time.Millisecond), "pid", info.PID)
+			"point", r.Point, "lost_work", next.LostWork.Round(time.Millisecond), "lost_work_max", next.LostWorkMax.Round(time.Millisecond), "pid", info.PID)
 	} else {
 		f.log.Info("fleet: protected VM revived here from its last point", "vm", r.VM, "point", r.Point)
 	}

@@ -83,3 +83,27 @@ func TestStrays(t *testing.T) {
 		}
 	}
 }
+
+// TestLostWork: a revival's lost work runs from the point to the owner's last
+// heartbeat (at least) and to its fence a TTL and a tick later (at most), never past
+// the revival and never below zero; it is not the point's age at the revival.
+func TestLostWork(t *testing.T) {
+	point := time.Date(2026, 12, 6, 11, 0, 0, 0, time.UTC)
+	const ttl, fence = 6 * time.Second, 6500 * time.Millisecond
+	for _, tc := range []struct {
+		name        string
+		lastBeat    time.Duration // after the point
+		now         time.Duration
+		least, most time.Duration
+	}{
+		{"killed a second after its point, revived 13 s later", time.Second, 14 * time.Second, time.Second, 7500 * time.Millisecond},
+		{"last beat before the point", -500 * time.Millisecond, 13 * time.Second, 0, 6 * time.Second},
+		{"revived before its fence would have come", 2 * time.Second, 5 * time.Second, 2 * time.Second, 5 * time.Second},
+	} {
+		since := point.Add(tc.lastBeat + ttl)
+		least, most := lostWork(point, since, ttl, fence, point.Add(tc.now))
+		if least != tc.least || most != tc.most {
+			t.Errorf("%s: lost %v to %v, want %v to %v", tc.name, least, most, tc.least, tc.most)
+		}
+	}
+}

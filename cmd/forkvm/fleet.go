@@ -363,7 +363,8 @@ func protectedText(p *api.FleetProtection, now time.Time) string {
 	}
 	s := fmt.Sprintf("point %s old, on %s", now.Sub(p.PointAt).Round(100*time.Millisecond), strings.Join(p.Copies, ","))
 	if p.RevivedFrom != "" {
-		s += fmt.Sprintf("; revived from %s (%s lost)", p.RevivedFrom, p.LostWork.Round(100*time.Millisecond))
+		s += fmt.Sprintf("; revived from %s (%s to %s of work lost)", p.RevivedFrom, p.LostWork.Round(100*time.Millisecond),
+			p.LostWorkMax.Round(100*time.Millisecond))
 	}
 	return s
 }

@@ -147,7 +147,11 @@ type SurviveForkEntry struct {
 	// TakenOverAtS is when a live node took it over (its fleet record's revived_at),
 	// after the fault: the lease's part of AnsweredAtS; the rest is its revival.
 	TakenOverAtS float64 `json:"taken_over_at_s,omitempty"`
-	Twice        bool    `json:"running_twice,omitempty"`
+	// RecordedLostS and RecordedLostMaxS are the bounds of the work lost that its fleet
+	// record states (lost_work_ns, lost_work_max_ns), beside WorkLostS's count.
+	RecordedLostS    float64 `json:"recorded_lost_s,omitempty"`
+	RecordedLostMaxS float64 `json:"recorded_lost_max_s,omitempty"`
+	Twice            bool    `json:"running_twice,omitempty"`
 	Lost         bool    `json:"lost,omitempty"`
 }
 
@@ -318,7 +322,7 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	if !fencedAt.IsZero() {
 		res.FencedAfterS = report.Round3(fencedAt.Sub(faultAt).Seconds())
 	}
-	revivedAt := map[string]time.Time{}
+	revived := map[string]*api.FleetProtection{}
 	for _, n := range fr.nodes {
 		if n == victim {
 			continue
@@ -326,7 +330,7 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 		if vms, err := n.c.FleetVMs(ctx); err == nil {
 			for _, v := range vms {
 				if v.Protection != nil && v.Protection.RevivedAt.After(faultAt) {
-					revivedAt[v.Name] = v.Protection.RevivedAt
+					revived[v.Name] = v.Protection
 				}
 			}
 			break
@@ -335,8 +339,9 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	var lost []float64
 	for _, f := range victims {
 		e := SurviveForkEntry{Name: f.name, Before: f.before, AnsweredOn: f.answeredOn, Twice: f.twice}
-		if t, ok := revivedAt[f.name]; ok {
-			e.TakenOverAtS = report.Round3(t.Sub(faultAt).Seconds())
+		if p, ok := revived[f.name]; ok {
+			e.TakenOverAtS = report.Round3(p.RevivedAt.Sub(faultAt).Seconds())
+			e.RecordedLostS, e.RecordedLostMaxS = report.Round3(p.LostWork.Seconds()), report.Round3(p.LostWorkMax.Seconds())
 		}
 		if f.answeredOn == "" {
 			e.Lost = true
@@ -438,7 +443,7 @@ func RunSurvive(r *Env, s *SurviveSettings) (err error) {
 	r.res.Method = fmt.Sprintf("%d `forkvm serve` daemons on 127.0.0.1 forming a fleet (as the fleet bench). A world of %d vCPU, %d MiB, %d MiB data disk is "+
 		"checkpointed on n1; a fleet wave of %d forks (--spread) protected every %v (FleetForkRequest.Protect). Each fork runs a counter written to /dev/shm/c "+
 		"and /data/c every 100 ms and %d MB/min of random data into a ring of files in /dev/shm. After %.0f s, each fork of %s has its counter read, then "+
-		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); taken_over_at_s: its fleet record's revived_at, read from a live node once all answer; "+
+		"the fault: %s. A fork answers again when a live node lists it running and runs `true` in it (after a cut, the victim too once let go); taken_over_at_s: its fleet record's revived_at, read from a live node once all answer (recorded_lost_s and recorded_lost_max_s: the bounds of work lost that record states); "+
 		"running twice: it answered on another node while its QEMU on %s still ran (not a zombie). Work lost: (counter before - counter read as soon as it answers again) x 100 ms + the time from the read to the fault, at least 0 "+
 		"(the revived guest counts on from its point until that read, a few hundred ms: so much is not counted as lost). Pauses and point bytes: each "+
 		"point's VM.Protection.last_pause_ns and last_bytes, sampled every interval/4 before the fault; the pause's phases: that point's checkpoint Timings (devices: migrate_ns, pages: freeze_ns, disk: disk_ns). Daemon CPU: the daemons' utime+stime over the protected hold, per fork; with a baseline, the wave is made unprotected, the same over the baseline, then each fork protected through its node's API; protection's CPU is the difference. The forks of the other nodes have their counters read before the fault and once every victim fork answers again: "+
