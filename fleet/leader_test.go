@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/api"
 )
 
 // TestLeaderReads: a listing and a read through the stream's leader give each key's
@@ -120,5 +122,43 @@ func TestExpiryMarkerTime(t *testing.T) {
 	}
 	if _, ok, at, err := n2.nodeOrExpiry(ctx, "n2"); err != nil || ok || !at.IsZero() {
 		t.Errorf("deleted n2: live %v, expired at %v (%v); want no time", ok, at, err)
+	}
+}
+
+// TestGoneStampAfterSilence: while no heartbeat is written (an election stalls every
+// node's), a node's watch hears nothing for longer than two heartbeats; when the lost
+// node's key then expires, the watch delivered the update just before the expiry, so
+// the stamp it holds is the node's last heartbeat (goneBeat). The watch took only a
+// stamp heard within two heartbeats before, and a holder without it waited for the
+// expiry marker's time, a second or more later, to take the node's VMs over.
+func TestGoneStampAfterSilence(t *testing.T) {
+	t.Parallel()
+	s := testServer(t)
+	nodes := join(t, s, 2, 0, nil)
+	n1, n2 := nodes[0].f, nodes[1].f
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	waitFor(t, 10*time.Second, "n1's watch lists n2", func() bool {
+		vs, ok := n1.watchedNodes()
+		return ok && slices.ContainsFunc(vs, func(n api.FleetNode) bool { return n.Name == "n2" })
+	})
+	n2.silenced.Store(true)
+	time.Sleep(n2.cfg.Heartbeat) // a heartbeat under way when it was silenced lands
+	last, ok, _, err := n1.nodeOrExpiry(ctx, "n2")
+	if err != nil || !ok {
+		t.Fatalf("n2 right after its heartbeats stopped: live %v, %v", ok, err)
+	}
+	n1.silenced.Store(true) // from here on nothing is written to the bucket
+	time.Sleep(n1.cfg.Heartbeat)
+	waitFor(t, 10*time.Second, "n2's key expired on the leader", func() bool {
+		_, ok, at, err := n1.nodeOrExpiry(ctx, "n2")
+		return err == nil && !ok && !at.IsZero()
+	})
+	waitFor(t, 5*time.Second, "n1's watch took n2's last stamp", func() bool {
+		_, ok := n1.goneBeat("n2")
+		return ok
+	})
+	if got, _ := n1.goneBeat("n2"); !got.Equal(last.Heartbeat) {
+		t.Errorf("n2's stamp as its key went: %v, its last heartbeat %v", got, last.Heartbeat)
 	}
 }

@@ -196,10 +196,18 @@ func (f *Fleet) watchNodesOnce() error {
 	live := false // the initial values are in
 	// heard is when the watch last delivered anything. A node's last stamp counts as
 	// its last heartbeat (gone) only when the watch had heard something within two
-	// heartbeats before its key went: this node's own beat every heartbeat, so a watch
-	// that went silent longer (a consumer made again after its stream's leader died)
-	// may have missed the node's later heartbeats, and its stamp be too old.
+	// heartbeats before its key went, or delivered the update just before it (rev):
+	// this node's own beat every heartbeat, so a watch that went silent longer (a
+	// consumer made again after its stream's leader died) may have missed the node's
+	// later heartbeats, and its stamp be too old. After an election no heartbeat was
+	// written while it was silent: a holder whose watch had the stamp took a lost
+	// owner's VMs over when its lease ended; one without waited for the expiry
+	// marker's time, which the new leader writes a second or more late.
 	var heard time.Time
+	// rev is the revision of the update delivered last: an update that follows it
+	// directly (the stream holds this bucket alone) leaves nothing missed between them,
+	// however long the watch heard nothing (an election stalls every heartbeat).
+	var rev uint64
 	for {
 		var e jetstream.KeyValueEntry
 		select {
@@ -216,6 +224,10 @@ func (f *Fleet) watchNodesOnce() error {
 		}
 		prompt := !heard.IsZero() && time.Since(heard) <= 2*f.cfg.Heartbeat
 		heard = time.Now()
+		if e != nil {
+			prompt = prompt || (live && rev != 0 && e.Revision() == rev+1)
+			rev = e.Revision()
+		}
 		if e == nil {
 			live = true
 		} else if e.Operation() == jetstream.KeyValuePut {
