@@ -151,6 +151,9 @@ func fleetProtect(t *testing.T) {
 			listed = true
 			if p := v.Protection; v.Node != on.name || p == nil || p.RevivedFrom != "n1" || p.Point == "" {
 				t.Errorf("ls --fleet: fpf %+v, protection %+v; want on %s, revived from n1", v, p, on.name)
+			} else if p.LostWorkMax <= 0 || p.LostWork > p.LostWorkMax {
+				// Bounds of the work lost: to n1's last heartbeat, and to its fence.
+				t.Errorf("fpf's work lost: %v to %v", p.LostWork, p.LostWorkMax)
 			}
 		}
 	}
