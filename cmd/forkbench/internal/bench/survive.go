@@ -152,7 +152,7 @@ type SurviveForkEntry struct {
 	RecordedLostS    float64 `json:"recorded_lost_s,omitempty"`
 	RecordedLostMaxS float64 `json:"recorded_lost_max_s,omitempty"`
 	Twice            bool    `json:"running_twice,omitempty"`
-	Lost         bool    `json:"lost,omitempty"`
+	Lost             bool    `json:"lost,omitempty"`
 }
 
 // surviveTick is the counter's period in the guest.
