@@ -88,6 +88,7 @@ unit-rest:
 ## build line naming darwin or !linux): the others' darwin build is their Linux one.
 DARWIN_PKGS = $(sort $(dir $(shell find . -name '*_darwin*.go' -not -path './.git/*'; grep -rlE --include='*.go' '^//go:build .*(darwin|!linux)' .)))
 lint: $(STATICCHECK)
+	@unformatted="$$(gofmt -l $$(git ls-files '*.go'))"; if [ -n "$$unformatted" ]; then echo "not gofmt'ed: $$unformatted"; exit 1; fi
 	$(STATICCHECK) ./...
 	CGO_ENABLED=0 GOOS=darwin GOARCH=arm64 $(STATICCHECK) $(DARWIN_PKGS)
 
