@@ -855,8 +855,8 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 // owner judged lost since (its last heartbeat seen and a TTL, or later: see settle):
 // the guest ran at least until that heartbeat (a node killed right after it), and at
 // most until its node, cut off but alive, froze it: a TTL and a tick (fence) later.
-// Neither bound passes now. It was now - pointAt, which counted the seconds the VM was
-// dead or frozen as lost work: 15 s for a second or two of the guest's work.
+// Neither bound passes now. The point's age at the revival would count the seconds
+// the VM was dead, frozen or waiting out its lease as lost work.
 func lostWork(pointAt, since time.Time, ttl, fence time.Duration, now time.Time) (least, most time.Duration) {
 	clamp := func(end time.Time) time.Duration {
 		if end.After(now) {
