@@ -217,7 +217,9 @@ type Fleet struct {
 	// closed is set by Close: no background work starts after it.
 	closed bool
 	// fenced names the protected VMs this node fenced (protect.go), until settled;
-	// ownerLost when this node first found each owner of a record it holds lost;
+	// ownerLost since when each owner of a record this node holds counts as lost (the
+	// earliest of its last heartbeat seen and a TTL, the leader's expiry marker, and
+	// when this node first found it lost: settle);
 	// reviving the VMs of lost owners this node is taking over (settle); expiredSeen
 	// when the leader marked an owner's heartbeat expired, as noted before this node
 	// judged (noteExpiries).

@@ -815,13 +815,9 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		// its last heartbeat's stamp and a TTL when this node saw that heartbeat, or
 		// since the leader marked its key expired, else since this node first saw it
 		// lost (later: the watch's key expiry and this loop's tick come on top).
-		if f.ownerLost == nil {
-			f.ownerLost = map[string]time.Time{}
-		}
 		since, seen := f.ownerLost[r.Node]
 		if !seen {
 			since = time.Now()
-			f.ownerLost[r.Node] = since
 		}
 		f.mu.Unlock()
 		// The last heartbeat's stamp: as the watch saw it go, or as the leader still
@@ -838,7 +834,10 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 			since, known = expiredAt, true
 		}
 		f.mu.Lock()
-		f.ownerLost[r.Node] = since // what a revival reads for the work it lost (lostWork)
+		if f.ownerLost == nil {
+			f.ownerLost = map[string]time.Time{}
+		}
+		f.ownerLost[r.Node] = since // the next tick starts from it; a revival reads it (lostWork)
 		f.mu.Unlock()
 		if !seen {
 			f.log.Info("fleet: node judged lost: its protected VMs whose points this node holds are taken over when their lease ends",
