@@ -870,6 +870,25 @@ func TestFirstDeliveryMeetsTheWavesRecord(t *testing.T) {
 	if err := putJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), failed); err != nil {
 		t.Fatal(err)
 	}
+	publishJobAndWait(t, f, j)
+	if made, left := n.eng.forks.Load(), n.eng.List(); made != 0 || len(left) != 0 {
+		t.Errorf("%d forks made, VMs left %+v; want none", made, left)
+	}
+	var rec record
+	if _, ok, err := getJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), &rec); err != nil || !ok || rec.State != stateFailed {
+		t.Errorf("record %+v (ok %v, err %v), want the wave's failed one", rec, ok, err)
+	}
+	var c claim
+	if _, ok, err := getJSON(ctx, f.claims, kvKey(j.Name), &c); err != nil || ok {
+		t.Errorf("claim %+v (ok %v, err %v), want none", c, ok, err)
+	}
+}
+
+// publishJobAndWait publishes job j on f's class stream, as a wave does, and waits up
+// to 15 s for a node to have taken it from the stream (acked or removed).
+func publishJobAndWait(t *testing.T, f *Fleet, j job) {
+	t.Helper()
+	ctx := context.Background()
 	b, _ := json.Marshal(j)
 	if _, err := f.js.Publish(ctx, subject(f.classID), b, jetstream.WithMsgID(j.ID)); err != nil {
 		t.Fatal(err)
@@ -885,23 +904,12 @@ func TestFirstDeliveryMeetsTheWavesRecord(t *testing.T) {
 			t.Fatal(err)
 		}
 		if info.State.Msgs == 0 {
-			break
+			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the job is still in the stream after 15 s (%d messages)", info.State.Msgs)
+			t.Fatalf("job %s is still in the stream after 15 s (%d messages)", j.ID, info.State.Msgs)
 		}
 		time.Sleep(50 * time.Millisecond)
-	}
-	if made, left := n.eng.forks.Load(), n.eng.List(); made != 0 || len(left) != 0 {
-		t.Errorf("%d forks made, VMs left %+v; want none", made, left)
-	}
-	var rec record
-	if _, ok, err := getJSON(ctx, f.jobs, recordKey(j.Wave, j.Index), &rec); err != nil || !ok || rec.State != stateFailed {
-		t.Errorf("record %+v (ok %v, err %v), want the wave's failed one", rec, ok, err)
-	}
-	var c claim
-	if _, ok, err := getJSON(ctx, f.claims, kvKey(j.Name), &c); err != nil || ok {
-		t.Errorf("claim %+v (ok %v, err %v), want none", c, ok, err)
 	}
 }
 
@@ -1270,18 +1278,7 @@ func TestAttemptsMeetingOneFork(t *testing.T) {
 		}
 		j := job{ID: fmt.Sprintf("%s.0.%d", tc.wave, tc.job), Wave: tc.wave, Index: 0, Attempt: tc.job, Name: name, Checkpoint: "ck",
 			Digest: "d1", Class: f.classID, CPUs: 1, Published: time.Now()}
-		b, _ := json.Marshal(j)
-		if _, err := f.js.Publish(ctx, subject(f.classID), b, jetstream.WithMsgID(j.ID)); err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, 15*time.Second, tc.wave+"'s job taken from the stream", func() bool {
-			st, err := f.js.Stream(ctx, streamName(f.classID))
-			if err != nil {
-				return false
-			}
-			info, err := st.Info(ctx)
-			return err == nil && info.State.Msgs == 0
-		})
+		publishJobAndWait(t, f, j)
 		want := max(tc.held, tc.job)
 		var rec record
 		if _, ok, err := f.leaderJSON(ctx, f.jobs, recordKey(tc.wave, 0), &rec); err != nil || !ok ||
