@@ -78,6 +78,11 @@ type Info struct {
 	Parked *ParkedInfo `json:"parked,omitempty"`
 	// NoPark opts the VM out of a daemon's idle parking (serve --park-idle).
 	NoPark bool `json:"no_park,omitempty"`
+	// BootCached says the VM was restored from the host's boot cache (a boot of a VM
+	// of its shape, taken the moment its agent first answered) instead of booting its
+	// kernel; its identity (name, token, hostname, entropy, clock) is its own all the
+	// same. See engine's package notes on the boot cache.
+	BootCached bool `json:"boot_cached,omitempty"`
 	// Protection is set while the VM is protected (Engine.Protect).
 	Protection *ProtectionInfo `json:"protection,omitempty"`
 	// Reason says why a dead VM died ("oom-killed", "signal N (NAME)", "qemu exit N:
@@ -397,6 +402,9 @@ type Spec struct {
 	// NoPark opts the VM out of a daemon's idle parking (serve --park-idle); an
 	// explicit park still parks it.
 	NoPark bool `json:"no_park,omitempty"`
+	// ColdBoot boots the VM from its kernel even when the host's boot cache holds a
+	// boot of its shape (Info.BootCached), and keeps its boot out of the cache.
+	ColdBoot bool `json:"cold_boot,omitempty"`
 }
 
 // ForkOptions tune a fork (engine.ForkOptions is this type). A nil

@@ -86,6 +86,14 @@ type Config struct {
 	// cgroup the engine runs in (which works on cgroup v1; on v2 name a cgroup that holds
 	// no processes and has the memory controller enabled for its children).
 	MemoryCgroup string
+	// NoBootCache boots every new VM from its kernel: the boot cache (in CacheDir; see
+	// the package's notes) is neither read nor written. Default false: a VM of a shape
+	// booted before on this host is restored from that boot (Spec.ColdBoot opts one VM
+	// out).
+	NoBootCache bool
+	// BootCacheEntries bounds the boots the cache keeps (the least recently used go
+	// first). Default 16.
+	BootCacheEntries int
 	// BootTimeout bounds a cold boot until the agent answers. Default 60s.
 	BootTimeout time.Duration
 	// ForkTimeout bounds each part of a fork: start-up, and restore until its agent
@@ -254,6 +262,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.BootTimeout == 0 {
 		c.BootTimeout = 60 * time.Second
+	}
+	if c.BootCacheEntries <= 0 {
+		c.BootCacheEntries = 16
 	}
 	if c.ForkTimeout == 0 {
 		c.ForkTimeout = 30 * time.Second

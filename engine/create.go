@@ -279,7 +279,7 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec, imageMiB int) (*VM, e
 func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	clock := markPhases(e.cfg.Markers, spec.Name)
 	clock.begin("prepare")
-	defer clock.abandon() // a failure ends its phase's marker
+	defer func() { clock.abandon() }() // a failure ends its phase's marker
 	spec = SpecWithDefaults(spec)
 	if err := ValidateSpec(spec); err != nil {
 		return nil, err
@@ -313,10 +313,41 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	defer e.vms.unreserve(spec.Name)
 	ok := false
 	defer func() {
-		if !ok {
+		if !ok && vm != nil {
 			e.discard(vm)
 		}
 	}()
+	key, why := e.bootKeyFor(ctx, spec, vm)
+	if key == "" {
+		e.log.Debug("boot cache: not used", "vm", spec.Name, "why", why)
+	} else if dir, rec := e.bootEntry(key); rec != nil {
+		err := e.restoreBoot(ctx, vm, dir, rec, clock)
+		if err == nil {
+			touchBoot(dir)
+			e.vms.add(vm)
+			ok = true
+			return vm, nil
+		}
+		// Boot it cold instead: a VM made afresh, under the same name and admission.
+		e.discard(vm)
+		vm = nil
+		e.vms.unreserve(spec.Name)
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		if errors.Is(err, errBootEntry) {
+			e.setBootAside(key, err)
+		} else {
+			e.log.Info("boot cache: restore failed; the VM boots cold", "vm", spec.Name, "key", key, "err", err)
+		}
+		// The cold boot is kept in the cache in turn where the entry is gone.
+		clock = clock.restart()
+		clock.begin("prepare")
+		if vm, err = e.newBootVM(ctx, spec, imageMiB); err != nil {
+			return nil, err
+		}
+		clock.watch(vm)
+	}
 
 	if spec.MemoryLimitMiB > 0 {
 		version, dir, err := admission.VMCgroupDir(e.cfg.MemoryCgroup, e.cfg.tag, spec.Name)
@@ -358,6 +389,11 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	defer cancel()
 	if err := vm.becomeReady(bctx, "boot", clock, vm.hello); err != nil {
 		return nil, err
+	}
+	if key != "" {
+		if err := e.captureBoot(ctx, vm, key); err != nil {
+			return nil, err
+		}
 	}
 	e.vms.add(vm)
 	ok = true

@@ -127,7 +127,8 @@ package engine
 // stages over the monitor's verbs) and agent.go (the agent's token handshake). wave.go
 // runs a wave of them: ForkMany, its plan, the forks started early during the
 // checkpoint, one ForkEvent per fork. create.go holds a VM's Spec (names, port forwards,
-// its user-mode network) and boots a new VM through the same files.
+// its user-mode network) and boots a new VM through the same files; bootcache.go
+// restores one from the boot of a VM of its shape instead, and keeps such boots.
 //
 // A checkpoint: checkpoint.go chooses its kind and takes every kind through the same
 // stages (prepare, the pause under the VM's lock with the one crash marker, finish,

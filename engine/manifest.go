@@ -74,6 +74,8 @@ type manifest struct {
 	Park *parkState `json:"park,omitempty"`
 	// NoPark opts the VM out of a daemon's idle parking (Spec.NoPark).
 	NoPark bool `json:"no_park,omitempty"`
+	// BootCached says the VM was restored from the boot cache (Info.BootCached).
+	BootCached bool `json:"boot_cached,omitempty"`
 	// Protection is the VM's protection while it is protected (Engine.Protect).
 	Protection *ProtectionInfo `json:"protection,omitempty"`
 	// Frozen is set while the VM's guest is stopped by Engine.Freeze, until Thaw.

@@ -250,6 +250,15 @@ func markPhases(m PhaseMarker, owner string) *phaseClock {
 	return c
 }
 
+// restart ends c (abandon) and returns a clock for the same owner and marker whose
+// total still counts from c's start: an operation that starts over.
+func (c *phaseClock) restart() *phaseClock {
+	c.abandon()
+	n := markPhases(c.marker, c.owner)
+	n.t0 = c.t0
+	return n
+}
+
 // begin names the phase in progress, which started at the last lap: the next lap ends
 // its span.
 func (c *phaseClock) begin(name string) {

@@ -121,7 +121,7 @@ func (vm *VM) Info() Info {
 		DiskMiB: id.Spec.DiskMiB, Forkable: id.Spec.Forkable, Parent: m.Parent, Accel: id.Accel, TCGThread: m.Launch.TCGThread,
 		CreatedAt: id.CreatedAt, Timings: m.Timings, Spans: append([]Span(nil), m.Spans...), RunDir: m.Launch.RunDir,
 		Net: m.Launch.Net, Publish: append([]PortForward(nil), m.Launch.Publish...),
-		Parked: parked, NoPark: m.NoPark, Protection: m.Protection,
+		Parked: parked, NoPark: m.NoPark, BootCached: m.BootCached, Protection: m.Protection,
 		Counters: m.Counters, RAMFile: m.Launch.RAM.Path, RAMHoles: holesOf(filepath.Dir(filepath.Dir(id.dir)), m.Launch.RAM),
 	}
 }
@@ -673,6 +673,7 @@ type vmState struct {
 	DiskCollapse   *diskCollapse
 	Park           *parkState
 	NoPark         bool
+	BootCached     bool
 	Protection     *ProtectionInfo
 	Frozen         bool
 }
@@ -686,7 +687,7 @@ func splitManifest(dir string, m *manifest) (*vmIdentity, vmState) {
 		ReadyAt: m.ReadyAt, Timings: m.Timings, Spans: m.Spans, MemoryCgroup: m.MemoryCgroup,
 		CountersCgroup: m.CountersCgroup, Counters: m.Counters, DeadReason: m.DeadReason,
 		LineageBytes: m.LineageBytes, RAMBaseLayers: m.RAMBaseLayers, DiskCollapse: m.DiskCollapse,
-		Park: m.Park, NoPark: m.NoPark, Protection: m.Protection, Frozen: m.Frozen}
+		Park: m.Park, NoPark: m.NoPark, BootCached: m.BootCached, Protection: m.Protection, Frozen: m.Frozen}
 	return id, st
 }
 
@@ -698,7 +699,7 @@ func joinManifest(id *vmIdentity, s *vmState) manifest {
 		Token: id.Token, CreatedAt: id.CreatedAt, ReadyAt: s.ReadyAt, Timings: s.Timings, Spans: s.Spans,
 		MemoryCgroup: s.MemoryCgroup, CountersCgroup: s.CountersCgroup, Counters: s.Counters,
 		DeadReason: s.DeadReason, LineageBytes: s.LineageBytes, RAMBaseLayers: s.RAMBaseLayers,
-		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark, Protection: s.Protection, Frozen: s.Frozen}
+		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark, BootCached: s.BootCached, Protection: s.Protection, Frozen: s.Frozen}
 }
 
 // newVM is the VM in directory dir whose manifest is m, its consoles served by the

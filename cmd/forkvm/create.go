@@ -32,6 +32,7 @@ func createCmd() *cli.Command {
 			publishFlag("forward host port HOSTPORT (on HOSTIP, default 127.0.0.1) to guest TCP port GUESTPORT (with --net; repeatable)"),
 			&cli.BoolFlag{Name: "json", Usage: "print the VM as JSON"},
 			noParkFlag(),
+			&cli.BoolFlag{Name: "cold-boot", Usage: "boot the kernel even when the host's boot cache holds a boot of this shape, and keep this boot out of it"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			if cmd.Args().Len() != 1 {
@@ -52,7 +53,7 @@ func createCmd() *cli.Command {
 			inf, err := cl.Create(ctx, api.Spec{
 				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")), MemoryLimitMiB: int(cmd.Int("memory-limit-mb")),
 				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
-				Net: cmd.Bool("net"), Publish: publish, NoPark: cmd.Bool("no-park"),
+				Net: cmd.Bool("net"), Publish: publish, NoPark: cmd.Bool("no-park"), ColdBoot: cmd.Bool("cold-boot"),
 			})
 			if err != nil {
 				return err
@@ -60,7 +61,11 @@ func createCmd() *cli.Command {
 			if cmd.Bool("json") {
 				return printJSON(serve.NewVMObject(inf))
 			}
-			fmt.Printf("%s ready in %v (pid %d, %s)\n", inf.Name, inf.Timings.Total.Round(time.Millisecond), inf.PID, inf.Accel)
+			how := ""
+			if inf.BootCached {
+				how = ", from the boot cache"
+			}
+			fmt.Printf("%s ready in %v (pid %d, %s%s)\n", inf.Name, inf.Timings.Total.Round(time.Millisecond), inf.PID, inf.Accel, how)
 			return nil
 		},
 	}

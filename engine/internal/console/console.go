@@ -202,22 +202,38 @@ func SaveHistory(logPath, dir string) {
 // half: the fork's own output replaces it once it fills a half. A checkpoint without
 // a console history (made before it was kept) gets only the line.
 func SeedFork(ckDir, ckName, logPath, name string) {
+	seed(filepath.Join(ckDir, HistoryFile), logPath,
+		"the console of checkpoint "+ckName+" above; ", "checkpoint "+ckName+" kept no console; ",
+		"fork "+name+" starts here")
+}
+
+// SeedBoot starts the console log of VM name, restored from a boot cache entry (its
+// directory dir, whose HistoryFile SaveHistory wrote), with the boot it holds and a
+// line saying where the VM begins, as SeedFork does for a fork.
+func SeedBoot(dir, logPath, name string) {
+	seed(filepath.Join(dir, HistoryFile), logPath,
+		"the boot in forkvm's boot cache above; ", "the boot cache entry kept no console; ",
+		"VM "+name+" restored from it starts here")
+}
+
+// seed writes the history file hist, then the line "forkvm: ---- ABOVE STARTS ----"
+// (MISSING instead of ABOVE when there is no history), to logPath's rotated half.
+func seed(hist, logPath, above, missing, starts string) {
 	f, err := os.OpenFile(logPath+RotatedSuffix, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
 		return
 	}
 	defer f.Close()
-	hist, err := os.ReadFile(filepath.Join(ckDir, HistoryFile))
-	if max := LogHalf - 256; len(hist) > max { // room for the line below
-		hist = hist[len(hist)-max:]
+	b, err := os.ReadFile(hist)
+	if max := LogHalf - 256; len(b) > max { // room for the line below
+		b = b[len(b)-max:]
 	}
-	f.Write(hist)
-	if len(hist) > 0 && hist[len(hist)-1] != '\n' {
+	f.Write(b)
+	if len(b) > 0 && b[len(b)-1] != '\n' {
 		f.Write([]byte("\n"))
 	}
-	what := "the console of checkpoint " + ckName + " above; "
-	if err != nil || len(hist) == 0 {
-		what = "checkpoint " + ckName + " kept no console; "
+	if err != nil || len(b) == 0 {
+		above = missing
 	}
-	fmt.Fprintf(f, "forkvm: ---- %sfork %s starts here ----\n", what, name)
+	fmt.Fprintf(f, "forkvm: ---- %s%s ----\n", above, starts)
 }

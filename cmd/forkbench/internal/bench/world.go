@@ -136,7 +136,11 @@ func bakeWorld(r *Env, name, ckName string) (*World, error) {
 	if w.DirtyMD5 == "" || (d != nil && w.DiskMD5 == "") {
 		return nil, fmt.Errorf("world %s: no md5sum in %q", name, out)
 	}
-	r.logf("world %s booted in %.0f ms, dirtied %d MB in %.0f ms", name, w.BootMS, r.shape.DirtyMB, w.BakeMS)
+	how := "booted"
+	if vm.Info().BootCached {
+		how = "restored from the boot cache"
+	}
+	r.logf("world %s %s in %.0f ms, dirtied %d MB in %.0f ms", name, how, w.BootMS, r.shape.DirtyMB, w.BakeMS)
 	if ckName == "" {
 		return w, nil
 	}
@@ -158,6 +162,7 @@ func bakeWorld(r *Env, name, ckName string) (*World, error) {
 // worldExtra records the world's figures in extra.
 func worldExtra(r *Env, w *World) {
 	r.res.Extra["world_boot_ms"] = report.Round3(w.BootMS)
+	r.res.Extra["world_boot_cached"] = w.VM != nil && w.VM.Info().BootCached
 	r.res.Extra["world_dirty_ms"] = report.Round3(w.BakeMS)
 	if w.Ck != "" {
 		r.res.Extra["checkpoint_ms"] = report.Round3(w.CheckpointMS)

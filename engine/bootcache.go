@@ -1,0 +1,456 @@
+package engine
+
+// The boot cache.
+//
+// A cold boot is the guest kernel's whole start-up, seconds of emulated CPU under TCG,
+// and every VM of one shape boots to the same state: the same kernel and initramfs on
+// the same machine with the same command line. The first VM of a shape that boots on a
+// host leaves its boot in the cache (CacheDir/boot/KEY): right after its agent first
+// answered, its guest is stopped while its device state, RAM file and data disk are
+// copied (a checkpoint's pause), then runs on. A later VM of that shape is restored
+// from the entry instead of booting: its own copies of the RAM file and the disk, the
+// device state loaded into a QEMU started with the same machine, then the agent
+// handshake every fork has (the VM's own token and hostname, the host's clock, fresh
+// entropy for the guest's CRNG) before it counts as ready. From there on it is a VM
+// like a cold-booted one: its own RAM file and disk, and its checkpoints are world
+// checkpoints. Info.BootCached says how it started, and its console log starts with
+// the cached boot's output and a line saying where the VM begins.
+//
+// The key (bootKey) digests everything that shapes a boot: QEMU's binary and version,
+// the accelerator, TCG's buffer, CPU model, machine, vCPUs, memory, the kernel and
+// initramfs (each by path and file identity: device, inode, size, modification time,
+// so a file rebuilt in place is another key), the kernel command line (Config.KernelArgs
+// included), the data disk's size, and whether there is a NIC and a vsock device. Not in
+// it: the name, paths, published ports, the TCG thread mode and PerfMap, none of which
+// is guest state.
+//
+// Not cached (bootCacheable): a VM that boots a root image (its disk is the image's
+// chain), one that is not forkable (anonymous guest RAM, which the device state would
+// have to carry whole), one with a memory limit (its boot's pages must be charged to
+// its own cgroup, and a copy the engine writes is charged to the engine's), and any
+// with Spec.ColdBoot or under Config.NoBootCache.
+//
+// Engines on one host (any state directory) share the cache. An entry is written in a
+// temporary directory and renamed into place: whole or absent. A restore copies the
+// entry's files before QEMU starts, so an entry evicted meanwhile fails it only there,
+// and the VM boots cold. An entry QEMU refuses, or whose guest does not answer, is set
+// aside (boot/damaged-KEY-TIME, logged) and the VM boots cold; the newest
+// bootDamagedKept set aside stay for a look. Config.BootCacheEntries bounds the entries,
+// the least recently used going first.
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/forkvm/forkvm/engine/internal/console"
+	"github.com/forkvm/forkvm/engine/internal/platform"
+	"github.com/forkvm/forkvm/memfile"
+)
+
+// The boot cache's layout: CacheDir/boot/KEY holds these files.
+const (
+	bootCacheDir   = "boot"
+	bootStateFile  = "state.mig"
+	bootRAMFile    = "ram"
+	bootDiskFile   = "disk.raw"
+	bootRecordFile = "entry.json" // written last: the entry is whole
+	// bootVersion changes with anything a restore expects of an entry.
+	bootVersion = 1
+	// bootDamagedKept is how many entries set aside as damaged are kept.
+	bootDamagedKept = 4
+	// bootTmpAge is the age past which a temporary directory of the cache is a dead
+	// engine's: a capture takes seconds.
+	bootTmpAge = time.Hour
+	// bootStateCopy is where a VM restored from the cache gets its copy of the entry's
+	// device state, in its directory; removed once loaded.
+	bootStateCopy = "boot-state.mig"
+)
+
+// errBootEntry marks a restore failure that was the entry's fault (QEMU refused its
+// state, its guest never answered): the entry is set aside.
+var errBootEntry = errors.New("boot cache entry unusable")
+
+// bootRecord is an entry's entry.json.
+type bootRecord struct {
+	Version int    `json:"version"`
+	Key     string `json:"key"`
+	// From is the VM whose boot it is, and CreatedAt when it was taken.
+	From      string    `json:"from"`
+	CreatedAt time.Time `json:"created_at"`
+	// The sizes of its files, checked before a restore copies them.
+	StateSize int64 `json:"state_size"`
+	RAMSize   int64 `json:"ram_size"`
+	DiskSize  int64 `json:"disk_size,omitempty"`
+	// Paused is how long the VM whose boot it is was stopped for it.
+	Paused time.Duration `json:"paused_ns"`
+}
+
+// bootKeyInput is everything a boot's cache key digests (see the notes above).
+type bootKeyInput struct {
+	Version     int      `json:"version"`
+	QEMU        string   `json:"qemu"`
+	QEMUID      [4]int64 `json:"qemu_id"`
+	QEMUVersion string   `json:"qemu_version"`
+	Accel       Accel    `json:"accel"`
+	TBSizeMiB   int      `json:"tb_size_mib"`
+	CPUModel    string   `json:"cpu_model"`
+	Machine     string   `json:"machine"`
+	AgentPorts  int      `json:"agent_ports"`
+	CPUs        int      `json:"cpus"`
+	MemoryMiB   int      `json:"memory_mib"`
+	Kernel      string   `json:"kernel"`
+	KernelID    [4]int64 `json:"kernel_id"`
+	Initrd      string   `json:"initrd"`
+	InitrdID    [4]int64 `json:"initrd_id"`
+	Append      string   `json:"append"`
+	DiskMiB     int      `json:"disk_mib"`
+	Net         bool     `json:"net"`
+	Vsock       bool     `json:"vsock"`
+}
+
+// bootKey is the cache key of a boot: a digest of in, in hex.
+func bootKey(in bootKeyInput) string {
+	in.Version = bootVersion
+	b, _ := json.Marshal(in) // plain fields: cannot fail
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:16])
+}
+
+// bootKeyOf is bootKey's input for a new VM of spec launched as l (bootLaunch), with
+// the identities ids of l's QEMU, kernel and initrd, under QEMU version ver.
+func bootKeyOf(spec Spec, l launch, ver string, ids [3][4]int64) bootKeyInput {
+	return bootKeyInput{
+		QEMU: l.QEMU, QEMUID: ids[0], QEMUVersion: ver, Accel: l.Accel, TBSizeMiB: l.TBSizeMiB,
+		CPUModel: l.CPUModel, Machine: l.Machine, AgentPorts: l.AgentPorts, CPUs: l.CPUs,
+		MemoryMiB: l.MemoryMiB, Kernel: l.Kernel, KernelID: ids[1], Initrd: l.Initrd, InitrdID: ids[2],
+		Append: l.Append, DiskMiB: spec.DiskMiB, Net: l.Net, Vsock: l.VsockCID != 0,
+	}
+}
+
+// bootCacheable says why a new VM of spec cannot come from (or go into) the boot cache
+// ("" when it can); see the notes above.
+func bootCacheable(spec Spec) string {
+	switch {
+	case spec.ColdBoot:
+		return "cold boot asked for"
+	case !spec.Forkable:
+		return "not forkable"
+	case spec.Image != "":
+		return "boots a root image"
+	case spec.MemoryLimitMiB > 0:
+		return "has a memory limit"
+	}
+	return ""
+}
+
+// bootRoot is the boot cache's directory.
+func (e *Engine) bootRoot() string { return filepath.Join(e.cfg.CacheDir, bootCacheDir) }
+
+// bootKeyFor is the boot cache key of vm, a new VM of spec not yet started (newBootVM),
+// or "" when it is not cached: why says why.
+func (e *Engine) bootKeyFor(ctx context.Context, spec Spec, vm *VM) (key, why string) {
+	if e.cfg.NoBootCache {
+		return "", "Config.NoBootCache"
+	}
+	if why := bootCacheable(spec); why != "" {
+		return "", why
+	}
+	l := vm.snapshot().Launch
+	ver, err := e.bins.version(ctx)
+	if err != nil {
+		return "", err.Error()
+	}
+	var ids [3][4]int64
+	for i, p := range []string{l.QEMU, l.Kernel, l.Initrd} {
+		st, err := os.Stat(p)
+		if err != nil {
+			return "", err.Error()
+		}
+		id, ok := platform.FileID(st)
+		if !ok {
+			return "", "no file identity on this platform"
+		}
+		ids[i] = id
+	}
+	return bootKey(bootKeyOf(spec, l, ver, ids)), ""
+}
+
+// bootEntry returns the entry of key and its record, nil when the cache has none that
+// is whole and of this build's version.
+func (e *Engine) bootEntry(key string) (string, *bootRecord) {
+	dir := filepath.Join(e.bootRoot(), key)
+	b, err := os.ReadFile(filepath.Join(dir, bootRecordFile))
+	if err != nil {
+		return "", nil
+	}
+	var rec bootRecord
+	if json.Unmarshal(b, &rec) != nil || rec.Version != bootVersion || rec.Key != key {
+		return "", nil
+	}
+	return dir, &rec
+}
+
+// restoreBoot starts vm, a new VM not yet started (newBootVM), from the boot cache's
+// entry dir (record rec) and returns once its agent answered with vm's own token. A
+// failure that was the entry's fault wraps errBootEntry. On any failure the caller
+// discards vm.
+func (e *Engine) restoreBoot(ctx context.Context, vm *VM, dir string, rec *bootRecord, clock *phaseClock) error {
+	name := vm.Name()
+	for f, want := range map[string]int64{bootStateFile: rec.StateSize, bootRAMFile: rec.RAMSize, bootDiskFile: rec.DiskSize} {
+		st, err := os.Stat(filepath.Join(dir, f))
+		switch {
+		case err != nil && want == 0 && errors.Is(err, os.ErrNotExist):
+		case err != nil:
+			return fmt.Errorf("engine: boot cache: %w", err) // evicted under us: not damaged
+		case st.Size() != want:
+			return fmt.Errorf("%w: %s is %d bytes, its record says %d", errBootEntry, f, st.Size(), want)
+		}
+	}
+	ram := e.paths.vmRAM(name)
+	if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootRAMFile), ram); err != nil {
+		return fmt.Errorf("engine: boot cache: ram: %w", err)
+	}
+	state := vm.path(bootStateCopy)
+	if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootStateFile), state); err != nil {
+		return fmt.Errorf("engine: boot cache: device state: %w", err)
+	}
+	defer os.Remove(state)
+	var disk []diskLayer
+	if rec.DiskSize > 0 {
+		p := vm.path(rawDiskFile)
+		if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootDiskFile), p); err != nil {
+			return fmt.Errorf("engine: boot cache: disk: %w", err)
+		}
+		disk = []diskLayer{{Path: p, Format: "raw"}}
+	}
+	vm.modify(func(s *vmState) {
+		s.Launch.RAM = ramBacking{Path: ram, Shared: true}
+		s.Launch.Incoming = true
+		if disk != nil {
+			s.Launch.Disk, s.DiskNode = disk, "disk0"
+		}
+	})
+	console.SeedBoot(dir, vm.snapshot().Launch.SerialLog, name)
+	vm.lap(clock, prepareTiming)
+
+	clock.begin("spawn")
+	if err := vm.start(ctx); err != nil {
+		return err
+	}
+	vm.lap(clock, spawnTiming)
+	rctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
+	defer cancel()
+	clock.begin("restore")
+	// The entry was saved with the guest stopped: it stays stopped after the load.
+	if err := vm.process().loadFromFile(rctx, state, true, true); err != nil {
+		return entryFault(ctx, vm.failure("restore", err))
+	}
+	if err := vm.process().resume(); err != nil {
+		return entryFault(ctx, vm.failure("restore", err))
+	}
+	vm.lap(clock, restoreTiming)
+	// From here the launch describes the VM as any booted one (a restart boots).
+	vm.modify(func(s *vmState) { s.Launch.Incoming, s.BootCached = false, true })
+	if err := vm.becomeReady(rctx, "boot", clock, vm.hello); err != nil {
+		return entryFault(ctx, err)
+	}
+	return nil
+}
+
+// entryFault wraps err, a restore's failure, as the entry's fault unless the caller's
+// ctx ended (then it is the caller's).
+func entryFault(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return err
+	}
+	return fmt.Errorf("%w: %w", errBootEntry, err)
+}
+
+// captureBoot leaves vm's boot in the cache under key: vm is a new VM of that key,
+// its agent just answered, not yet registered (nothing else reaches it). Its guest is
+// stopped while the device state, RAM file and disk are copied. Best effort: a failure
+// to keep the boot is logged and the VM runs on; the error returned is the guest's
+// failure to run again (the VM is then unusable).
+func (e *Engine) captureBoot(ctx context.Context, vm *VM, key string) error {
+	root := e.bootRoot()
+	final := filepath.Join(root, key)
+	if _, err := os.Stat(final); err == nil {
+		return nil // another engine's, meanwhile
+	}
+	fail := func(err error) {
+		e.log.Warn("boot cache: could not keep the boot", "vm", vm.Name(), "key", key, "err", err)
+	}
+	if err := os.MkdirAll(root, 0o700); err != nil {
+		fail(err)
+		return nil
+	}
+	tmp, err := os.MkdirTemp(root, "tmp-")
+	if err != nil {
+		fail(err)
+		return nil
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			os.RemoveAll(tmp)
+		}
+	}()
+	rec := &bootRecord{Version: bootVersion, Key: key, From: vm.Name(), CreatedAt: time.Now().UTC()}
+	var resumeErr error
+	err = vm.locked(func(s *vmState) (err error) {
+		err, resumeErr = captureBootLocked(ctx, vm, s, tmp, rec)
+		return err
+	})
+	if resumeErr != nil {
+		return resumeErr
+	}
+	if err != nil {
+		fail(err)
+		return nil
+	}
+	console.SaveHistory(vm.serialLog(), tmp)
+	if err := writeJSONSync(filepath.Join(tmp, bootRecordFile), rec); err != nil {
+		fail(err)
+		return nil
+	}
+	if err := os.Rename(tmp, final); err != nil {
+		return nil // another engine's entry won the race
+	}
+	ok = true
+	syncDir(root)
+	e.log.Info("boot cache: kept the boot", "vm", vm.Name(), "key", key, "paused", rec.Paused, "ram_bytes", rec.RAMSize)
+	e.evictBoots(key)
+	return nil
+}
+
+// captureBootLocked is captureBoot's pause, under vm's lock (its state s): the files
+// go to tmp, their sizes and the pause to rec. err is the capture's failure, resumeErr
+// the guest's failure to run again.
+func captureBootLocked(ctx context.Context, vm *VM, s *vmState, tmp string, rec *bootRecord) (err, resumeErr error) {
+	p := vm.process()
+	if p == nil || !s.Launch.RAM.Shared || len(s.Launch.Disk) > 1 {
+		return errors.New("not a booted forkable VM with at most a raw disk"), nil
+	}
+	t0 := time.Now()
+	if err := p.stopGuest(ctx); err != nil {
+		return err, nil
+	}
+	defer func() {
+		if rerr := p.resume(); rerr != nil {
+			resumeErr = vm.failure("boot", rerr)
+		}
+		rec.Paused = time.Since(t0)
+	}()
+	return copyBoot(ctx, p, s, tmp, rec), nil
+}
+
+// copyBoot writes the boot of the stopped guest of p (its VM's state s) to tmp, and the
+// files' sizes to rec.
+func copyBoot(ctx context.Context, p *qemuProc, s *vmState, tmp string, rec *bootRecord) error {
+	state := filepath.Join(tmp, bootStateFile)
+	if err := p.saveToFile(ctx, state, false); err != nil {
+		return err
+	}
+	st, err := os.Stat(state)
+	if err != nil {
+		return err
+	}
+	rec.StateSize = st.Size()
+	fs, err := memfile.Freeze(ctx, s.Launch.RAM.Path, filepath.Join(tmp, bootRAMFile))
+	if err != nil {
+		return err
+	}
+	rec.RAMSize = fs.Size
+	if len(s.Launch.Disk) == 1 {
+		if fs, err = memfile.Freeze(ctx, s.Launch.Disk[0].Path, filepath.Join(tmp, bootDiskFile)); err != nil {
+			return err
+		}
+		rec.DiskSize = fs.Size
+	}
+	return nil
+}
+
+// touchBoot marks the entry dir used now (eviction goes by it).
+func touchBoot(dir string) {
+	now := time.Now()
+	_ = os.Chtimes(filepath.Join(dir, bootRecordFile), now, now)
+}
+
+// setBootAside moves the entry of key, found damaged (why), out of the cache's way.
+func (e *Engine) setBootAside(key string, why error) {
+	root := e.bootRoot()
+	aside := filepath.Join(root, fmt.Sprintf("damaged-%s-%d", key, time.Now().UnixNano()))
+	if err := os.Rename(filepath.Join(root, key), aside); err != nil {
+		e.log.Warn("boot cache: a damaged entry could not be set aside", "key", key, "why", why, "err", err)
+		return
+	}
+	e.log.Warn("boot cache: entry set aside as damaged; the VM boots cold", "key", key, "kept", aside, "why", why)
+	e.evictBoots("")
+}
+
+// evictBoots keeps the cache within Config.BootCacheEntries entries (the least
+// recently used go; keep, just written, stays), bootDamagedKept entries set aside, and
+// no temporary directory of a dead engine. An entry is renamed away before it is
+// removed, so a reader finds it whole or not at all.
+func (e *Engine) evictBoots(keep string) {
+	root := e.bootRoot()
+	ents, err := os.ReadDir(root)
+	if err != nil {
+		return
+	}
+	type aged struct {
+		name string
+		at   time.Time
+	}
+	var entries, damaged []aged
+	for _, d := range ents {
+		name := d.Name()
+		switch {
+		case !d.IsDir():
+		case strings.HasPrefix(name, "tmp-"):
+			if st, err := os.Stat(filepath.Join(root, name)); err == nil && time.Since(st.ModTime()) > bootTmpAge {
+				os.RemoveAll(filepath.Join(root, name))
+			}
+		case strings.HasPrefix(name, "damaged-"):
+			if st, err := os.Stat(filepath.Join(root, name)); err == nil {
+				damaged = append(damaged, aged{name, st.ModTime()})
+			}
+		default:
+			st, err := os.Stat(filepath.Join(root, name, bootRecordFile))
+			if err != nil || name == keep {
+				continue // being written (no record yet), or just written
+			}
+			entries = append(entries, aged{name, st.ModTime()})
+		}
+	}
+	newestFirst := func(a, b aged) int { return b.at.Compare(a.at) }
+	slices.SortFunc(entries, newestFirst)
+	slices.SortFunc(damaged, newestFirst)
+	room := e.cfg.BootCacheEntries
+	if keep != "" {
+		room--
+	}
+	drop := func(list []aged, n int) {
+		for _, a := range list[min(n, len(list)):] {
+			gone, err := os.MkdirTemp(root, "tmp-evict-")
+			if err != nil {
+				return
+			}
+			os.Remove(gone)
+			if os.Rename(filepath.Join(root, a.name), gone) == nil {
+				os.RemoveAll(gone)
+			}
+		}
+	}
+	drop(entries, max(room, 0))
+	drop(damaged, bootDamagedKept)
+}

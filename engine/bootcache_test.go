@@ -1,0 +1,146 @@
+package engine
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestBootKey: every input that shapes a boot changes the key; the name, paths,
+// published ports, TCG thread mode and PerfMap do not.
+func TestBootKey(t *testing.T) {
+	paths := layout{run: "/run/x", state: "/state"}
+	cfg := &resolved{}
+	spec := Spec{Name: "a", CPUs: 1, MemoryMiB: 512, Forkable: true, DiskMiB: 64, Net: true}
+	ids := [3][4]int64{{1, 2, 3, 4}, {5, 6, 7, 8}, {9, 10, 11, 12}}
+	key := func(spec Spec, mod func(*launch), ids [3][4]int64, ver string) string {
+		l := bootLaunch(paths, "/usr/bin/qemu", spec.Name, spec, AccelTCG, cfg, "/k", "/i", 0)
+		if mod != nil {
+			mod(&l)
+		}
+		return bootKey(bootKeyOf(spec, l, ver, ids))
+	}
+	base := key(spec, nil, ids, "10.0.2")
+	same := []struct {
+		name string
+		spec Spec
+		mod  func(*launch)
+	}{
+		{"name", Spec{Name: "b", CPUs: 1, MemoryMiB: 512, Forkable: true, DiskMiB: 64, Net: true}, nil},
+		{"publish", Spec{Name: "a", CPUs: 1, MemoryMiB: 512, Forkable: true, DiskMiB: 64, Net: true, Publish: []PortForward{{HostPort: 8080, GuestPort: 80}}}, nil},
+		{"no-park", Spec{Name: "a", CPUs: 1, MemoryMiB: 512, Forkable: true, DiskMiB: 64, Net: true, NoPark: true}, nil},
+		{"tcg-thread", spec, func(l *launch) { l.TCGThread = TCGThreadSingle }},
+		{"perf-map", spec, func(l *launch) { l.PerfMap = true }},
+		{"run-dir", spec, func(l *launch) { l.RunDir, l.SerialLog = "/elsewhere", "/elsewhere/log" }},
+	}
+	for _, c := range same {
+		if got := key(c.spec, c.mod, ids, "10.0.2"); got != base {
+			t.Errorf("%s changed the key", c.name)
+		}
+	}
+	other := func(mod func(*Spec)) Spec {
+		s := spec
+		mod(&s)
+		return s
+	}
+	differ := []struct {
+		name string
+		spec Spec
+		mod  func(*launch)
+		ids  [3][4]int64
+		ver  string
+	}{
+		{"cpus", other(func(s *Spec) { s.CPUs = 2 }), nil, ids, ""},
+		{"memory", other(func(s *Spec) { s.MemoryMiB = 1024 }), nil, ids, ""},
+		{"disk", other(func(s *Spec) { s.DiskMiB = 128 }), nil, ids, ""},
+		{"no disk", other(func(s *Spec) { s.DiskMiB = 0 }), nil, ids, ""},
+		{"net", other(func(s *Spec) { s.Net = false }), nil, ids, ""},
+		{"vmgenid", other(func(s *Spec) { s.VMGenID = true }), nil, ids, ""},
+		{"kernel args", spec, func(l *launch) { l.Append += " quiet" }, ids, ""},
+		{"cpu model", spec, func(l *launch) { l.CPUModel = "host" }, ids, ""},
+		{"tb size", spec, func(l *launch) { l.TBSizeMiB = 32 }, ids, ""},
+		{"vsock", spec, func(l *launch) { l.VsockCID = 7 }, ids, ""},
+		{"kernel path", spec, func(l *launch) { l.Kernel = "/k2" }, ids, ""},
+		{"qemu rebuilt", spec, nil, [3][4]int64{{1, 2, 3, 5}, ids[1], ids[2]}, ""},
+		{"kernel rebuilt", spec, nil, [3][4]int64{ids[0], {5, 6, 7, 9}, ids[2]}, ""},
+		{"initrd rebuilt", spec, nil, [3][4]int64{ids[0], ids[1], {9, 10, 11, 13}}, ""},
+		{"qemu version", spec, nil, ids, "10.1.0"},
+	}
+	for _, c := range differ {
+		ver := c.ver
+		if ver == "" {
+			ver = "10.0.2"
+		}
+		if got := key(c.spec, c.mod, c.ids, ver); got == base {
+			t.Errorf("%s did not change the key", c.name)
+		}
+	}
+}
+
+// TestBootCacheable: only forkable VMs of the initramfs, without a memory limit, and
+// not asked to boot cold, come from the cache.
+func TestBootCacheable(t *testing.T) {
+	for _, c := range []struct {
+		spec Spec
+		ok   bool
+	}{
+		{Spec{Forkable: true}, true},
+		{Spec{Forkable: true, DiskMiB: 64, Net: true}, true},
+		{Spec{}, false},
+		{Spec{Forkable: true, ColdBoot: true}, false},
+		{Spec{Forkable: true, Image: "debian"}, false},
+		{Spec{Forkable: true, MemoryLimitMiB: 256}, false},
+	} {
+		if why := bootCacheable(c.spec); (why == "") != c.ok {
+			t.Errorf("%+v: cacheable %v (%q), want %v", c.spec, why == "", why, c.ok)
+		}
+	}
+}
+
+// TestEvictBoots: past Config.BootCacheEntries the least recently used entries go (the
+// one just written stays whatever its age), entries without a record (being written)
+// and young temporary directories stay, a dead engine's temporary directory goes, and
+// of the entries set aside as damaged the newest bootDamagedKept stay.
+func TestEvictBoots(t *testing.T) {
+	cacheDir := t.TempDir()
+	e := &Engine{cfg: &resolved{Config: Config{CacheDir: cacheDir, BootCacheEntries: 3}}}
+	root := e.bootRoot()
+	now := time.Now()
+	mk := func(name string, age time.Duration, record bool) {
+		dir := filepath.Join(root, name)
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		at := now.Add(-age)
+		if record {
+			p := filepath.Join(dir, bootRecordFile)
+			if err := os.WriteFile(p, []byte("{}"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			os.Chtimes(p, at, at)
+		}
+		os.Chtimes(dir, at, at)
+	}
+	for i, age := range []time.Duration{1, 2, 3, 4, 5} {
+		mk("k"+string(rune('0'+i)), age*time.Minute, true)
+	}
+	mk("fresh", time.Hour*24, true) // just written (keep), though its record is old
+	mk("writing", 0, false)
+	mk("tmp-live", time.Minute, false)
+	mk("tmp-dead", 2*bootTmpAge, false)
+	for i := range bootDamagedKept + 2 {
+		mk("damaged-k-"+string(rune('a'+i)), time.Duration(i)*time.Minute, false)
+	}
+	e.evictBoots("fresh")
+	var got []string
+	ents, _ := os.ReadDir(root)
+	for _, d := range ents {
+		got = append(got, d.Name())
+	}
+	want := "damaged-k-a damaged-k-b damaged-k-c damaged-k-d fresh k0 k1 tmp-live writing"
+	if strings.Join(got, " ") != want {
+		t.Errorf("left %v, want %s", got, want)
+	}
+}

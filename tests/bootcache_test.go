@@ -1,0 +1,113 @@
+package tests
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine"
+)
+
+// TestBootCache: the first forkable VM of a shape boots and leaves its boot in the
+// cache (a cache directory of the test's own); the next one of that shape is restored
+// from it as itself (its name as hostname, its own token, its console saying where it
+// begins), with its own data disk and guest RAM, and checkpoints and forks like a
+// booted VM. Spec.ColdBoot boots. An entry whose device state QEMU refuses is set
+// aside, the VM boots cold, and its boot is kept in the entry's place.
+func TestBootCache(t *testing.T) {
+	roomy := parallelVMTest(t)
+	cache := t.TempDir()
+	env := newRobustEnv(t, func(c *engine.Config) { roomy(c); c.CacheDir = cache })
+	e := env.E
+	ctx := ctxT(t, 5*time.Minute)
+	boot := filepath.Join(cache, "boot")
+	create := func(name string, cold bool) *engine.VM {
+		t.Helper()
+		vm, err := e.Create(ctx, engine.Spec{Name: name, CPUs: 1, MemoryMiB: 256, Forkable: true, DiskMiB: 16, ColdBoot: cold})
+		if err != nil {
+			t.Fatalf("create %s: %v", name, err)
+		}
+		return vm
+	}
+
+	b1 := create("b1", false)
+	if b1.Info().BootCached {
+		t.Fatal("b1 came from an empty cache")
+	}
+	entries := dirNames(boot)
+	if len(entries) != 1 {
+		t.Fatalf("boot cache holds %v, want one entry", entries)
+	}
+	entry := filepath.Join(boot, entries[0])
+	for _, f := range []string{"entry.json", "state.mig", "ram", "disk.raw", "console.log"} {
+		if _, err := os.Stat(filepath.Join(entry, f)); err != nil {
+			t.Errorf("entry: %v", err)
+		}
+	}
+	mustRun(t, b1, "echo one > /data/f && echo one > /dev/shm/f && sync")
+
+	b2 := create("b2", false)
+	inf := b2.Info()
+	if !inf.BootCached || inf.Timings.Restore <= 0 {
+		t.Fatalf("b2: boot cached %v, restore %v: want a restore from the cache", inf.BootCached, inf.Timings.Restore)
+	}
+	if got := mustRun(t, b2, "hostname; ls /data; ls /dev/shm; grep -c ' /data ' /proc/mounts"); got != "b2\nlost+found\n1" {
+		t.Errorf("b2 sees %q: want its own hostname, an empty mounted /data and /dev/shm", got)
+	}
+	if b2.Target().Token == b1.Target().Token {
+		t.Error("b2 has b1's token")
+	}
+	mustRun(t, b2, "echo two > /data/g && sync")
+	if got := mustRun(t, b1, "ls /data"); got != "f\nlost+found" {
+		t.Errorf("b1's /data after b2 wrote its own: %q", got)
+	}
+	log, _ := os.ReadFile(filepath.Join(env.Home, "vms", "b2", "serial.log.1"))
+	if !strings.Contains(string(log), "VM b2 restored from it starts here") {
+		t.Errorf("b2's console history does not say where it begins: %q", log)
+	}
+	if _, err := e.Checkpoint(ctx, "b2", "ck2", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint b2: %v", err)
+	}
+	f := mustFork(t, e, "ck2", "f2")
+	if got := mustRun(t, f, "hostname; cat /data/g"); got != "f2\ntwo" {
+		t.Errorf("fork of b2: %q", got)
+	}
+
+	if b3 := create("b3", true); b3.Info().BootCached {
+		t.Error("b3 asked for a cold boot and came from the cache")
+	}
+
+	// Damage the entry: its device state, same size, garbage. QEMU refuses it.
+	state := filepath.Join(entry, "state.mig")
+	st, err := os.Stat(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(state, []byte(strings.Repeat("x", int(st.Size()))), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	b4 := create("b4", false)
+	if b4.Info().BootCached {
+		t.Error("b4 came from a damaged entry")
+	}
+	if got := mustRun(t, b4, "hostname; ls /data"); got != "b4\nlost+found" {
+		t.Errorf("b4: %q", got)
+	}
+	var damaged, kept int
+	for _, n := range dirNames(boot) {
+		switch {
+		case strings.HasPrefix(n, "damaged-"+entries[0]):
+			damaged++
+		case n == entries[0]:
+			kept++
+		}
+	}
+	if damaged != 1 || kept != 1 {
+		t.Errorf("boot cache after the damaged entry: %v; want it set aside and b4's boot in its place", dirNames(boot))
+	}
+	if b5 := create("b5", false); !b5.Info().BootCached {
+		t.Error("b5 did not come from b4's boot")
+	}
+}
