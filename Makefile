@@ -139,13 +139,14 @@ itest-vms:
 	  [ $$rc = 0 ] || awk -f tests/failures.awk /tmp/forkvm-itest.log; exit $$rc
 
 ## test: everything CI runs, in two job slots. The first runs the fleet's unit tests,
-## beside no VM (heartbeat timing), then the VM tests. The second runs, at nice 19 from
-## the start, the checks that boot no VM: the compiles the VM tests need next, then the
-## other unit tests (their Debian image builds included), lint, cross and fuzz-ci. They
-## take the CPU the fleet's tests and the VM tests leave idle (both wait on NATS or on
-## guests) instead of slowing them, and the VM tests start as soon as the fleet's end,
-## not after a fresh machine's compiles. Each slot's output is printed when it ends; the
-## VM tests' full log grows in /tmp/forkvm-itest.log meanwhile.
+## beside no VM (heartbeat timing), then the VM tests. The second runs, at the lowest
+## CPU priority from the start (LOWEST), the checks that boot no VM: the compiles the VM
+## tests need next, then the other unit tests (their Debian image builds included),
+## lint, cross and fuzz-ci. They take the CPU the fleet's tests and the VM tests leave
+## idle (both wait on NATS or on guests) instead of slowing them, and the VM tests start
+## as soon as the fleet's end, not after a fresh machine's compiles. Each slot's output
+## is printed when it ends; the VM tests' full log grows in /tmp/forkvm-itest.log
+## meanwhile.
 test: setup
 	$(MAKE) --no-print-directory -j2 --output-sync=target fleet-then-vms prebuild-then-checks
 
@@ -153,9 +154,19 @@ fleet-then-vms:
 	$(MAKE) --no-print-directory unit-fleet
 	$(MAKE) --no-print-directory itest-vms
 
+# LOWEST runs a command at the lowest CPU priority against everything else on the host.
+# nice alone is not that where the kernel groups tasks by session (autogroup, on by
+# default): nice then orders tasks only inside their session's group, and the groups
+# share the CPU evenly. Every QEMU runs in a session of its own, so checks niced inside
+# make's session still took that session's whole share beside each QEMU (a nice-19
+# loop beside two busy sessions got 63% of a CPU, each of them 68%). In a session of
+# their own whose group is niced 19 they get 2.4%: what the VMs leave. Without
+# autogroup the write fails and nice does it.
+LOWEST = setsid --wait sh -c 'echo 19 > /proc/self/autogroup 2>/dev/null; exec nice -n 19 "$$@"' lowest
+
 prebuild-then-checks:
-	$(MAKE) --no-print-directory prebuild
-	$(MAKE) --no-print-directory checks
+	$(LOWEST) $(MAKE) --no-print-directory prebuild
+	$(LOWEST) $(MAKE) --no-print-directory checks
 
 # prebuild: compiles, at the lowest CPU priority, the VM tests' binary and agent first
 # (the VM tests build the same; the build cache shares it).
