@@ -7,28 +7,29 @@ package engine
 // the same machine with the same command line. The first VM of a shape that boots on a
 // host leaves its boot in the cache (CacheDir/boot/KEY): right after its agent first
 // answered, its guest is stopped while its device state, RAM file and data disk are
-// copied (a checkpoint's pause), then runs on. A later VM of that shape is restored
-// from the entry instead of booting: its own copies of the RAM file and the disk, the
-// device state loaded into a QEMU started with the same machine, then the agent
-// handshake every fork has (the VM's own token and hostname, the host's clock, fresh
-// entropy for the guest's CRNG) before it counts as ready. From there on it is a VM
-// like a cold-booted one: its own RAM file and disk, and its checkpoints are world
-// checkpoints. Info.BootCached says how it started, and its console log starts with
+// copied (a checkpoint's pause; a VM that is not forkable has no RAM file, and its
+// device state is a full save, guest RAM included), then runs on. A later VM of that
+// shape is restored from the entry instead of booting: its own copies of the RAM file
+// and the disk, the device state loaded into a QEMU started with the same machine,
+// then the agent handshake every fork has (the VM's own token and hostname, the host's
+// clock, fresh entropy for the guest's CRNG) before it counts as ready. From there on
+// it is a VM like a cold-booted one: its own RAM (file) and disk, and a forkable one's
+// checkpoints are world checkpoints. Info.BootCached says how it started, and its console log starts with
 // the cached boot's output and a line saying where the VM begins.
 //
 // The key (bootKey) digests everything that shapes a boot: QEMU's binary and version,
 // the accelerator, TCG's buffer, CPU model, machine, vCPUs, memory, the kernel and
 // initramfs (each by path and file identity: device, inode, size, modification time,
 // so a file rebuilt in place is another key), the kernel command line (Config.KernelArgs
-// included), the data disk's size, and whether there is a NIC and a vsock device. Not in
+// included), the data disk's size, whether guest RAM is a shared file (forkable), and
+// whether there is a NIC and a vsock device. Not in
 // it: the name, paths, published ports, the TCG thread mode and PerfMap, none of which
 // is guest state.
 //
 // Not cached (bootCacheable): a VM that boots a root image (its disk is the image's
-// chain), one that is not forkable (anonymous guest RAM, which the device state would
-// have to carry whole), one with a memory limit (its boot's pages must be charged to
-// its own cgroup, and a copy the engine writes is charged to the engine's), and any
-// with Spec.ColdBoot or under Config.NoBootCache.
+// chain), one with a memory limit (its boot's pages must be charged to its own cgroup,
+// and a copy the engine writes is charged to the engine's), and any with Spec.ColdBoot
+// or under Config.NoBootCache.
 //
 // Engines on one host (any state directory) share the cache. An entry is written in a
 // temporary directory and renamed into place: whole or absent. A restore copies the
@@ -70,8 +71,8 @@ const (
 	// bootTmpAge is the age past which a temporary directory of the cache is a dead
 	// engine's: a capture takes seconds.
 	bootTmpAge = time.Hour
-	// bootStateCopy is where a VM restored from the cache gets its copy of the entry's
-	// device state, in its directory; removed once loaded.
+	// bootStateCopy is where a VM restored from the cache gets its link to (or copy of)
+	// the entry's device state, in its directory; removed once loaded.
 	bootStateCopy = "boot-state.mig"
 )
 
@@ -86,9 +87,10 @@ type bootRecord struct {
 	// From is the VM whose boot it is, and CreatedAt when it was taken.
 	From      string    `json:"from"`
 	CreatedAt time.Time `json:"created_at"`
-	// The sizes of its files, checked before a restore copies them.
+	// The sizes of its files, checked before a restore copies them. RAMSize 0: no RAM
+	// file (a VM that is not forkable), the state is a full save.
 	StateSize int64 `json:"state_size"`
-	RAMSize   int64 `json:"ram_size"`
+	RAMSize   int64 `json:"ram_size,omitempty"`
 	DiskSize  int64 `json:"disk_size,omitempty"`
 	// Paused is how long the VM whose boot it is was stopped for it.
 	Paused time.Duration `json:"paused_ns"`
@@ -107,6 +109,7 @@ type bootKeyInput struct {
 	AgentPorts  int      `json:"agent_ports"`
 	CPUs        int      `json:"cpus"`
 	MemoryMiB   int      `json:"memory_mib"`
+	RAMFile     bool     `json:"ram_file"`
 	Kernel      string   `json:"kernel"`
 	KernelID    [4]int64 `json:"kernel_id"`
 	Initrd      string   `json:"initrd"`
@@ -131,7 +134,7 @@ func bootKeyOf(spec Spec, l launch, ver string, ids [3][4]int64) bootKeyInput {
 	return bootKeyInput{
 		QEMU: l.QEMU, QEMUID: ids[0], QEMUVersion: ver, Accel: l.Accel, TBSizeMiB: l.TBSizeMiB,
 		CPUModel: l.CPUModel, Machine: l.Machine, AgentPorts: l.AgentPorts, CPUs: l.CPUs,
-		MemoryMiB: l.MemoryMiB, Kernel: l.Kernel, KernelID: ids[1], Initrd: l.Initrd, InitrdID: ids[2],
+		MemoryMiB: l.MemoryMiB, RAMFile: spec.Forkable, Kernel: l.Kernel, KernelID: ids[1], Initrd: l.Initrd, InitrdID: ids[2],
 		Append: l.Append, DiskMiB: spec.DiskMiB, Net: l.Net, Vsock: l.VsockCID != 0,
 	}
 }
@@ -142,8 +145,6 @@ func bootCacheable(spec Spec) string {
 	switch {
 	case spec.ColdBoot:
 		return "cold boot asked for"
-	case !spec.Forkable:
-		return "not forkable"
 	case spec.Image != "":
 		return "boots a root image"
 	case spec.MemoryLimitMiB > 0:
@@ -215,13 +216,20 @@ func (e *Engine) restoreBoot(ctx context.Context, vm *VM, dir string, rec *bootR
 			return fmt.Errorf("%w: %s is %d bytes, its record says %d", errBootEntry, f, st.Size(), want)
 		}
 	}
-	ram := e.paths.vmRAM(name)
-	if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootRAMFile), ram); err != nil {
-		return fmt.Errorf("engine: boot cache: ram: %w", err)
+	ram := ""
+	if rec.RAMSize > 0 {
+		ram = e.paths.vmRAM(name)
+		if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootRAMFile), ram); err != nil {
+			return fmt.Errorf("engine: boot cache: ram: %w", err)
+		}
 	}
+	// The state is only read: a link where the cache shares the state directory's file
+	// system (a full save holds the guest's RAM), else a copy.
 	state := vm.path(bootStateCopy)
-	if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootStateFile), state); err != nil {
-		return fmt.Errorf("engine: boot cache: device state: %w", err)
+	if err := os.Link(filepath.Join(dir, bootStateFile), state); err != nil {
+		if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootStateFile), state); err != nil {
+			return fmt.Errorf("engine: boot cache: device state: %w", err)
+		}
 	}
 	defer os.Remove(state)
 	var disk []diskLayer
@@ -233,7 +241,9 @@ func (e *Engine) restoreBoot(ctx context.Context, vm *VM, dir string, rec *bootR
 		disk = []diskLayer{{Path: p, Format: "raw"}}
 	}
 	vm.modify(func(s *vmState) {
-		s.Launch.RAM = ramBacking{Path: ram, Shared: true}
+		if ram != "" {
+			s.Launch.RAM = ramBacking{Path: ram, Shared: true}
+		}
 		s.Launch.Incoming = true
 		if disk != nil {
 			s.Launch.Disk, s.DiskNode = disk, "disk0"
@@ -250,8 +260,9 @@ func (e *Engine) restoreBoot(ctx context.Context, vm *VM, dir string, rec *bootR
 	rctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
 	clock.begin("restore")
-	// The entry was saved with the guest stopped: it stays stopped after the load.
-	if err := vm.process().loadFromFile(rctx, state, true, true); err != nil {
+	// The entry was saved with the guest stopped: it stays stopped after the load. A
+	// RAM file's pages are not in the state.
+	if err := vm.process().loadFromFile(rctx, state, ram != "", true); err != nil {
 		return entryFault(ctx, vm.failure("restore", err))
 	}
 	if err := vm.process().resume(); err != nil {
@@ -337,8 +348,8 @@ func (e *Engine) captureBoot(ctx context.Context, vm *VM, key string) error {
 // the guest's failure to run again.
 func captureBootLocked(ctx context.Context, vm *VM, s *vmState, tmp string, rec *bootRecord) (err, resumeErr error) {
 	p := vm.process()
-	if p == nil || !s.Launch.RAM.Shared || len(s.Launch.Disk) > 1 {
-		return errors.New("not a booted forkable VM with at most a raw disk"), nil
+	if p == nil || (s.Launch.RAM.Path != "" && !s.Launch.RAM.Shared) || len(s.Launch.Disk) > 1 {
+		return errors.New("not a booted VM with at most a raw disk"), nil
 	}
 	t0 := time.Now()
 	if err := p.stopGuest(ctx); err != nil {
@@ -354,10 +365,11 @@ func captureBootLocked(ctx context.Context, vm *VM, s *vmState, tmp string, rec 
 }
 
 // copyBoot writes the boot of the stopped guest of p (its VM's state s) to tmp, and the
-// files' sizes to rec.
+// files' sizes to rec: the device state and the RAM file, or for guest RAM that is not
+// a file, a full save.
 func copyBoot(ctx context.Context, p *qemuProc, s *vmState, tmp string, rec *bootRecord) error {
 	state := filepath.Join(tmp, bootStateFile)
-	if err := p.saveToFile(ctx, state, false); err != nil {
+	if err := p.saveToFile(ctx, state, !s.Launch.RAM.Shared); err != nil {
 		return err
 	}
 	st, err := os.Stat(state)
@@ -365,13 +377,16 @@ func copyBoot(ctx context.Context, p *qemuProc, s *vmState, tmp string, rec *boo
 		return err
 	}
 	rec.StateSize = st.Size()
-	fs, err := memfile.Freeze(ctx, s.Launch.RAM.Path, filepath.Join(tmp, bootRAMFile))
-	if err != nil {
-		return err
+	if s.Launch.RAM.Shared {
+		fs, err := memfile.Freeze(ctx, s.Launch.RAM.Path, filepath.Join(tmp, bootRAMFile))
+		if err != nil {
+			return err
+		}
+		rec.RAMSize = fs.Size
 	}
-	rec.RAMSize = fs.Size
 	if len(s.Launch.Disk) == 1 {
-		if fs, err = memfile.Freeze(ctx, s.Launch.Disk[0].Path, filepath.Join(tmp, bootDiskFile)); err != nil {
+		fs, err := memfile.Freeze(ctx, s.Launch.Disk[0].Path, filepath.Join(tmp, bootDiskFile))
+		if err != nil {
 			return err
 		}
 		rec.DiskSize = fs.Size

@@ -57,6 +57,7 @@ func TestBootKey(t *testing.T) {
 		{"disk", other(func(s *Spec) { s.DiskMiB = 128 }), nil, ids, ""},
 		{"no disk", other(func(s *Spec) { s.DiskMiB = 0 }), nil, ids, ""},
 		{"net", other(func(s *Spec) { s.Net = false }), nil, ids, ""},
+		{"not forkable", other(func(s *Spec) { s.Forkable = false }), nil, ids, ""},
 		{"vmgenid", other(func(s *Spec) { s.VMGenID = true }), nil, ids, ""},
 		{"kernel args", spec, func(l *launch) { l.Append += " quiet" }, ids, ""},
 		{"cpu model", spec, func(l *launch) { l.CPUModel = "host" }, ids, ""},
@@ -79,8 +80,8 @@ func TestBootKey(t *testing.T) {
 	}
 }
 
-// TestBootCacheable: only forkable VMs of the initramfs, without a memory limit, and
-// not asked to boot cold, come from the cache.
+// TestBootCacheable: only VMs of the initramfs, without a memory limit, and not asked
+// to boot cold, come from the cache.
 func TestBootCacheable(t *testing.T) {
 	for _, c := range []struct {
 		spec Spec
@@ -88,7 +89,7 @@ func TestBootCacheable(t *testing.T) {
 	}{
 		{Spec{Forkable: true}, true},
 		{Spec{Forkable: true, DiskMiB: 64, Net: true}, true},
-		{Spec{}, false},
+		{Spec{}, true},
 		{Spec{Forkable: true, ColdBoot: true}, false},
 		{Spec{Forkable: true, Image: "debian"}, false},
 		{Spec{Forkable: true, MemoryLimitMiB: 256}, false},

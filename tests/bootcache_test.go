@@ -14,7 +14,7 @@ import (
 // cache (a cache directory of the test's own); the next one of that shape is restored
 // from it as itself (its name as hostname, its own token, its console saying where it
 // begins), with its own data disk and guest RAM, and checkpoints and forks like a
-// booted VM. Spec.ColdBoot boots. An entry whose device state QEMU refuses is set
+// booted VM; so is a VM that is not forkable (no RAM file). Spec.ColdBoot boots. An entry whose device state QEMU refuses is set
 // aside, the VM boots cold, and its boot is kept in the entry's place.
 func TestBootCache(t *testing.T) {
 	roomy := parallelVMTest(t)
@@ -77,6 +77,20 @@ func TestBootCache(t *testing.T) {
 
 	if b3 := create("b3", true); b3.Info().BootCached {
 		t.Error("b3 asked for a cold boot and came from the cache")
+	}
+	// A VM that is not forkable: its entry is a full save, guest RAM included.
+	for i, name := range []string{"n1", "n2"} {
+		vm, err := e.Create(ctx, engine.Spec{Name: name, CPUs: 1, MemoryMiB: 256})
+		if err != nil {
+			t.Fatalf("create %s: %v", name, err)
+		}
+		inf := vm.Info()
+		if inf.BootCached != (i == 1) || inf.RAMFile != "" {
+			t.Errorf("%s: boot cached %v, RAM file %q", name, inf.BootCached, inf.RAMFile)
+		}
+		if got := mustRun(t, vm, "hostname; echo $((1+1))"); got != name+"\n2" {
+			t.Errorf("%s: %q", name, got)
+		}
 	}
 
 	// Damage the entry: its device state, same size, garbage. QEMU refuses it.

@@ -154,7 +154,9 @@ func peerColdBoot(r *Env, peer *PeerResult, forkP50 float64) {
 	ctx := r.ctx
 	name := "peer-cold"
 	t0 := time.Now()
-	vm, err := r.e.Create(ctx, worldSpec(r, name, false))
+	spec := worldSpec(r, name, false)
+	spec.ColdBoot = true // a boot, not a restore from the boot cache
+	vm, err := r.e.Create(ctx, spec)
 	if err != nil {
 		r.fail("peer cold boot: %v", err)
 		peer.ColdBootError = err.Error()
