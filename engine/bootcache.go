@@ -8,9 +8,10 @@ package engine
 // host leaves its boot in the cache (CacheDir/boot/KEY): right after its agent first
 // answered, its guest is stopped while its device state, RAM file and data disk are
 // copied (a checkpoint's pause; a VM that is not forkable has no RAM file, and its
-// device state is a full save, guest RAM included), then runs on. A later VM of that
-// shape is restored from the entry instead of booting: its own copies of the RAM file
-// and the disk, the device state loaded into a QEMU started with the same machine,
+// device state is a full save, guest RAM included; of a root image's disk chain, only
+// the VM's own overlay is copied), then runs on. A later VM of that shape is restored
+// from the entry instead of booting: its own copies of the RAM file and the disk (an
+// image's VM: the image linked as at a boot, under a copy of the overlay), the device state loaded into a QEMU started with the same machine,
 // then the agent handshake every fork has (the VM's own token and hostname, the host's
 // clock, fresh entropy for the guest's CRNG) before it counts as ready. From there on
 // it is a VM like a cold-booted one: its own RAM (file) and disk, and a forkable one's
@@ -21,15 +22,15 @@ package engine
 // the accelerator, TCG's buffer, CPU model, machine, vCPUs, memory, the kernel and
 // initramfs (each by path and file identity: device, inode, size, modification time,
 // so a file rebuilt in place is another key), the kernel command line (Config.KernelArgs
-// included), the data disk's size, whether guest RAM is a shared file (forkable), and
-// whether there is a NIC and a vsock device. Not in
+// included), the data disk's size, the root image's disk (path and file identity),
+// whether guest RAM is a shared file (forkable), and whether there is a NIC and a
+// vsock device. Not in
 // it: the name, paths, published ports, the TCG thread mode and PerfMap, none of which
 // is guest state.
 //
-// Not cached (bootCacheable): a VM that boots a root image (its disk is the image's
-// chain), one with a memory limit (its boot's pages must be charged to its own cgroup,
-// and a copy the engine writes is charged to the engine's), and any with Spec.ColdBoot
-// or under Config.NoBootCache.
+// Not cached (bootCacheable): a VM with a memory limit (its boot's pages must be charged
+// to its own cgroup, and a copy the engine writes is charged to the engine's), and any
+// with Spec.ColdBoot or under Config.NoBootCache.
 //
 // Engines on one host (any state directory) share the cache. An entry is written in a
 // temporary directory and renamed into place: whole or absent. A restore copies the
@@ -54,6 +55,7 @@ import (
 
 	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/platform"
+	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -63,6 +65,7 @@ const (
 	bootStateFile  = "state.mig"
 	bootRAMFile    = "ram"
 	bootDiskFile   = "disk.raw"
+	bootTopFile    = "top.qcow2"  // a root image's VM: its overlay on the image
 	bootRecordFile = "entry.json" // written last: the entry is whole
 	// bootVersion changes with anything a restore expects of an entry.
 	bootVersion = 1
@@ -92,6 +95,7 @@ type bootRecord struct {
 	StateSize int64 `json:"state_size"`
 	RAMSize   int64 `json:"ram_size,omitempty"`
 	DiskSize  int64 `json:"disk_size,omitempty"`
+	TopSize   int64 `json:"top_size,omitempty"`
 	// Paused is how long the VM whose boot it is was stopped for it.
 	Paused time.Duration `json:"paused_ns"`
 }
@@ -116,6 +120,8 @@ type bootKeyInput struct {
 	InitrdID    [4]int64 `json:"initrd_id"`
 	Append      string   `json:"append"`
 	DiskMiB     int      `json:"disk_mib"`
+	Image       string   `json:"image,omitempty"`
+	ImageID     [4]int64 `json:"image_id"`
 	Net         bool     `json:"net"`
 	Vsock       bool     `json:"vsock"`
 }
@@ -129,9 +135,10 @@ func bootKey(in bootKeyInput) string {
 }
 
 // bootKeyOf is bootKey's input for a new VM of spec launched as l (bootLaunch), with
-// the identities ids of l's QEMU, kernel and initrd, under QEMU version ver.
-func bootKeyOf(spec Spec, l launch, ver string, ids [3][4]int64) bootKeyInput {
-	return bootKeyInput{
+// the identities ids of l's QEMU, kernel, initrd and root image disk (image: its path,
+// "" for none), under QEMU version ver.
+func bootKeyOf(spec Spec, l launch, ver string, ids [4][4]int64, image string) bootKeyInput {
+	return bootKeyInput{Image: image, ImageID: ids[3],
 		QEMU: l.QEMU, QEMUID: ids[0], QEMUVersion: ver, Accel: l.Accel, TBSizeMiB: l.TBSizeMiB,
 		CPUModel: l.CPUModel, Machine: l.Machine, AgentPorts: l.AgentPorts, CPUs: l.CPUs,
 		MemoryMiB: l.MemoryMiB, RAMFile: spec.Forkable, Kernel: l.Kernel, KernelID: ids[1], Initrd: l.Initrd, InitrdID: ids[2],
@@ -145,8 +152,6 @@ func bootCacheable(spec Spec) string {
 	switch {
 	case spec.ColdBoot:
 		return "cold boot asked for"
-	case spec.Image != "":
-		return "boots a root image"
 	case spec.MemoryLimitMiB > 0:
 		return "has a memory limit"
 	}
@@ -156,9 +161,10 @@ func bootCacheable(spec Spec) string {
 // bootRoot is the boot cache's directory.
 func (e *Engine) bootRoot() string { return filepath.Join(e.cfg.CacheDir, bootCacheDir) }
 
-// bootKeyFor is the boot cache key of vm, a new VM of spec not yet started (newBootVM),
-// or "" when it is not cached: why says why.
-func (e *Engine) bootKeyFor(ctx context.Context, spec Spec, vm *VM) (key, why string) {
+// bootKeyFor is the boot cache key of vm, a new VM of spec not yet started (newBootVM)
+// whose root image's disk is img (nil: none, or its lookup failed), or "" when it is
+// not cached: why says why.
+func (e *Engine) bootKeyFor(ctx context.Context, spec Spec, vm *VM, img *guestboot.ImageDisk) (key, why string) {
 	if e.cfg.NoBootCache {
 		return "", "Config.NoBootCache"
 	}
@@ -170,8 +176,17 @@ func (e *Engine) bootKeyFor(ctx context.Context, spec Spec, vm *VM) (key, why st
 	if err != nil {
 		return "", err.Error()
 	}
-	var ids [3][4]int64
-	for i, p := range []string{l.QEMU, l.Kernel, l.Initrd} {
+	if spec.Image != "" && img == nil {
+		return "", "the root image's disk was not found"
+	}
+	image := ""
+	files := []string{l.QEMU, l.Kernel, l.Initrd}
+	if img != nil {
+		image = img.Path
+		files = append(files, image)
+	}
+	var ids [4][4]int64
+	for i, p := range files {
 		st, err := os.Stat(p)
 		if err != nil {
 			return "", err.Error()
@@ -182,7 +197,7 @@ func (e *Engine) bootKeyFor(ctx context.Context, spec Spec, vm *VM) (key, why st
 		}
 		ids[i] = id
 	}
-	return bootKey(bootKeyOf(spec, l, ver, ids)), ""
+	return bootKey(bootKeyOf(spec, l, ver, ids, image)), ""
 }
 
 // bootEntry returns the entry of key and its record, nil when the cache has none that
@@ -200,13 +215,16 @@ func (e *Engine) bootEntry(key string) (string, *bootRecord) {
 	return dir, &rec
 }
 
-// restoreBoot starts vm, a new VM not yet started (newBootVM), from the boot cache's
-// entry dir (record rec) and returns once its agent answered with vm's own token. A
-// failure that was the entry's fault wraps errBootEntry. On any failure the caller
-// discards vm.
-func (e *Engine) restoreBoot(ctx context.Context, vm *VM, dir string, rec *bootRecord, clock *phaseClock) error {
+// restoreBoot starts vm, a new VM not yet started (newBootVM) of spec, whose root
+// image's disk is img (nil: none), from the boot cache's entry dir (record rec) and
+// returns once its agent answered with vm's own token. A failure that was the entry's
+// fault wraps errBootEntry. On any failure the caller discards vm.
+func (e *Engine) restoreBoot(ctx context.Context, vm *VM, spec Spec, img *guestboot.ImageDisk, dir string, rec *bootRecord, clock *phaseClock) error {
 	name := vm.Name()
-	for f, want := range map[string]int64{bootStateFile: rec.StateSize, bootRAMFile: rec.RAMSize, bootDiskFile: rec.DiskSize} {
+	if (rec.TopSize > 0) != (img != nil) {
+		return fmt.Errorf("%w: its root image overlay does not match the VM's image", errBootEntry)
+	}
+	for f, want := range map[string]int64{bootStateFile: rec.StateSize, bootRAMFile: rec.RAMSize, bootDiskFile: rec.DiskSize, bootTopFile: rec.TopSize} {
 		st, err := os.Stat(filepath.Join(dir, f))
 		switch {
 		case err != nil && want == 0 && errors.Is(err, os.ErrNotExist):
@@ -233,7 +251,20 @@ func (e *Engine) restoreBoot(ctx context.Context, vm *VM, dir string, rec *bootR
 	}
 	defer os.Remove(state)
 	var disk []diskLayer
-	if rec.DiskSize > 0 {
+	if img != nil {
+		// The image's chain as a boot makes it, then the boot's overlay over the fresh one
+		// (both name the image by the same link in the VM's directory).
+		if err := e.attachImage(ctx, vm, spec.Image, img, nil); err != nil {
+			return err
+		}
+		top := vm.path(rootTopFile)
+		if err := os.Remove(top); err != nil {
+			return err
+		}
+		if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootTopFile), top); err != nil {
+			return fmt.Errorf("engine: boot cache: root overlay: %w", err)
+		}
+	} else if rec.DiskSize > 0 {
 		p := vm.path(rawDiskFile)
 		if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootDiskFile), p); err != nil {
 			return fmt.Errorf("engine: boot cache: disk: %w", err)
@@ -348,8 +379,9 @@ func (e *Engine) captureBoot(ctx context.Context, vm *VM, key string) error {
 // the guest's failure to run again.
 func captureBootLocked(ctx context.Context, vm *VM, s *vmState, tmp string, rec *bootRecord) (err, resumeErr error) {
 	p := vm.process()
-	if p == nil || (s.Launch.RAM.Path != "" && !s.Launch.RAM.Shared) || len(s.Launch.Disk) > 1 {
-		return errors.New("not a booted VM with at most a raw disk"), nil
+	if p == nil || (s.Launch.RAM.Path != "" && !s.Launch.RAM.Shared) || len(s.Launch.Disk) > 2 ||
+		(len(s.Launch.Disk) == 2 && s.Launch.Disk[1].Format != "qcow2") {
+		return errors.New("not a booted VM with at most a raw disk or an image's overlay"), nil
 	}
 	t0 := time.Now()
 	if err := p.stopGuest(ctx); err != nil {
@@ -384,12 +416,19 @@ func copyBoot(ctx context.Context, p *qemuProc, s *vmState, tmp string, rec *boo
 		}
 		rec.RAMSize = fs.Size
 	}
-	if len(s.Launch.Disk) == 1 {
+	switch len(s.Launch.Disk) {
+	case 1:
 		fs, err := memfile.Freeze(ctx, s.Launch.Disk[0].Path, filepath.Join(tmp, bootDiskFile))
 		if err != nil {
 			return err
 		}
 		rec.DiskSize = fs.Size
+	case 2: // a root image under the VM's overlay: the overlay alone
+		fs, err := memfile.Freeze(ctx, s.Launch.Disk[1].Path, filepath.Join(tmp, bootTopFile))
+		if err != nil {
+			return err
+		}
+		rec.TopSize = fs.Size
 	}
 	return nil
 }

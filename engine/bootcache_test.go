@@ -14,13 +14,17 @@ func TestBootKey(t *testing.T) {
 	paths := layout{run: "/run/x", state: "/state"}
 	cfg := &resolved{}
 	spec := Spec{Name: "a", CPUs: 1, MemoryMiB: 512, Forkable: true, DiskMiB: 64, Net: true}
-	ids := [3][4]int64{{1, 2, 3, 4}, {5, 6, 7, 8}, {9, 10, 11, 12}}
-	key := func(spec Spec, mod func(*launch), ids [3][4]int64, ver string) string {
+	ids := [4][4]int64{{1, 2, 3, 4}, {5, 6, 7, 8}, {9, 10, 11, 12}}
+	key := func(spec Spec, mod func(*launch), ids [4][4]int64, ver string) string {
 		l := bootLaunch(paths, "/usr/bin/qemu", spec.Name, spec, AccelTCG, cfg, "/k", "/i", 0)
 		if mod != nil {
 			mod(&l)
 		}
-		return bootKey(bootKeyOf(spec, l, ver, ids))
+		image := ""
+		if spec.Image != "" {
+			image = "/images/" + spec.Image
+		}
+		return bootKey(bootKeyOf(spec, l, ver, ids, image))
 	}
 	base := key(spec, nil, ids, "10.0.2")
 	same := []struct {
@@ -49,7 +53,7 @@ func TestBootKey(t *testing.T) {
 		name string
 		spec Spec
 		mod  func(*launch)
-		ids  [3][4]int64
+		ids  [4][4]int64
 		ver  string
 	}{
 		{"cpus", other(func(s *Spec) { s.CPUs = 2 }), nil, ids, ""},
@@ -64,9 +68,10 @@ func TestBootKey(t *testing.T) {
 		{"tb size", spec, func(l *launch) { l.TBSizeMiB = 32 }, ids, ""},
 		{"vsock", spec, func(l *launch) { l.VsockCID = 7 }, ids, ""},
 		{"kernel path", spec, func(l *launch) { l.Kernel = "/k2" }, ids, ""},
-		{"qemu rebuilt", spec, nil, [3][4]int64{{1, 2, 3, 5}, ids[1], ids[2]}, ""},
-		{"kernel rebuilt", spec, nil, [3][4]int64{ids[0], {5, 6, 7, 9}, ids[2]}, ""},
-		{"initrd rebuilt", spec, nil, [3][4]int64{ids[0], ids[1], {9, 10, 11, 13}}, ""},
+		{"qemu rebuilt", spec, nil, [4][4]int64{{1, 2, 3, 5}, ids[1], ids[2]}, ""},
+		{"kernel rebuilt", spec, nil, [4][4]int64{ids[0], {5, 6, 7, 9}, ids[2]}, ""},
+		{"initrd rebuilt", spec, nil, [4][4]int64{ids[0], ids[1], {9, 10, 11, 13}}, ""},
+		{"image", other(func(s *Spec) { s.Image = "deb" }), nil, ids, ""},
 		{"qemu version", spec, nil, ids, "10.1.0"},
 	}
 	for _, c := range differ {
@@ -78,10 +83,14 @@ func TestBootKey(t *testing.T) {
 			t.Errorf("%s did not change the key", c.name)
 		}
 	}
+	deb := other(func(s *Spec) { s.Image = "deb" })
+	if key(deb, nil, ids, "10.0.2") == key(deb, nil, [4][4]int64{ids[0], ids[1], ids[2], {1, 1, 1, 1}}, "10.0.2") {
+		t.Error("a root image rebuilt in place did not change the key")
+	}
 }
 
-// TestBootCacheable: only VMs of the initramfs, without a memory limit, and not asked
-// to boot cold, come from the cache.
+// TestBootCacheable: only VMs without a memory limit, not asked to boot cold, come from
+// the cache.
 func TestBootCacheable(t *testing.T) {
 	for _, c := range []struct {
 		spec Spec
@@ -91,7 +100,7 @@ func TestBootCacheable(t *testing.T) {
 		{Spec{Forkable: true, DiskMiB: 64, Net: true}, true},
 		{Spec{}, true},
 		{Spec{Forkable: true, ColdBoot: true}, false},
-		{Spec{Forkable: true, Image: "debian"}, false},
+		{Spec{Forkable: true, Image: "debian"}, true},
 		{Spec{Forkable: true, MemoryLimitMiB: 256}, false},
 	} {
 		if why := bootCacheable(c.spec); (why == "") != c.ok {

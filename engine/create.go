@@ -317,11 +317,15 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 			e.discard(vm)
 		}
 	}()
-	key, why := e.bootKeyFor(ctx, spec, vm)
+	bootImg := img
+	if imgErr != nil {
+		bootImg = nil
+	}
+	key, why := e.bootKeyFor(ctx, spec, vm, bootImg)
 	if key == "" {
 		e.log.Debug("boot cache: not used", "vm", spec.Name, "why", why)
 	} else if dir, rec := e.bootEntry(key); rec != nil {
-		err := e.restoreBoot(ctx, vm, dir, rec, clock)
+		err := e.restoreBoot(ctx, vm, spec, bootImg, dir, rec, clock)
 		if err == nil {
 			touchBoot(dir)
 			e.vms.add(vm)

@@ -175,6 +175,21 @@ func TestRootImage(t *testing.T) {
 	if got := mustRun(t, w, "cat /root/state"); got != "after" {
 		t.Errorf("world sees %q", got)
 	}
+	// A second VM of the image comes from the boot cache (deb's boot, or the same
+	// shape's before it), with its own overlay: none of deb's writes.
+	w2, err := e.Create(ctx, engine.Spec{Name: "deb2", CPUs: 1, MemoryMiB: 512, Forkable: true, Image: img})
+	if err != nil {
+		t.Fatalf("second create from image: %v", err)
+	}
+	if !w2.Info().BootCached {
+		t.Error("deb2 was booted: the boot cache holds no boot of the image")
+	}
+	if got := mustRun(t, w2, ". /etc/os-release && echo $ID; hostname; cat /root/state 2>&1; echo mine > /root/x; sync"); !strings.HasPrefix(got, "debian\ndeb2\ncat:") {
+		t.Errorf("deb2 sees %q", got)
+	}
+	if got := mustRun(t, w, "ls /root/x 2>&1 || true"); !strings.Contains(got, "No such file") {
+		t.Errorf("deb sees deb2's file: %q", got)
+	}
 	// The image's disk is never written: the VM's writes land in its overlay.
 	if files := dirNames(filepath.Join(env.Home, "vms", "deb")); !strings.Contains(strings.Join(files, " "), "root.qcow2") {
 		t.Errorf("deb has no root overlay: %v", files)
