@@ -49,10 +49,13 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/internal/guestboot"
@@ -159,7 +162,7 @@ func bootCacheable(spec Spec) string {
 }
 
 // bootRoot is the boot cache's directory.
-func (e *Engine) bootRoot() string { return filepath.Join(e.cfg.CacheDir, bootCacheDir) }
+func (e *Engine) bootRoot() string { return bootCacheRoot(e.cfg.CacheDir) }
 
 // bootKeyFor is the boot cache key of vm, a new VM of spec not yet started (newBootVM)
 // whose root image's disk is img (nil: none, or its lookup failed), or "" when it is
@@ -507,4 +510,114 @@ func (e *Engine) evictBoots(keep string) {
 	}
 	drop(entries, max(room, 0))
 	drop(damaged, bootDamagedKept)
+}
+
+// BootCacheEntry is one boot the cache holds (api.BootCacheEntry).
+type BootCacheEntry = api.BootCacheEntry
+
+// bootEntryName matches the names of the cache's entries: a key, or an entry set aside
+// (damaged-KEY-TIME).
+var bootEntryName = regexp.MustCompile(`^(damaged-)?[0-9a-f]{32}(-[0-9]+)?$`)
+
+// bootCacheRoot is the boot cache's directory in cacheDir ("": the default cache).
+func bootCacheRoot(cacheDir string) string {
+	if cacheDir == "" {
+		cacheDir = guestboot.DefaultCacheDir()
+	}
+	return filepath.Join(cacheDir, bootCacheDir)
+}
+
+// ListBootCache lists the boot cache in cacheDir ("": the default cache, as
+// Config.CacheDir), the most recently used first, then the entries set aside as
+// damaged. It opens no engine: the cache is the host's, not a state directory's.
+func ListBootCache(cacheDir string) ([]BootCacheEntry, error) {
+	root := bootCacheRoot(cacheDir)
+	ents, err := os.ReadDir(root)
+	if errors.Is(err, os.ErrNotExist) {
+		return []BootCacheEntry{}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("engine: boot cache: %w", err)
+	}
+	out := []BootCacheEntry{}
+	for _, d := range ents {
+		if !d.IsDir() || !bootEntryName.MatchString(d.Name()) {
+			continue // a temporary directory, or not the cache's
+		}
+		dir := filepath.Join(root, d.Name())
+		b := BootCacheEntry{Key: d.Name(), Damaged: strings.HasPrefix(d.Name(), "damaged-")}
+		if st, err := os.Stat(filepath.Join(dir, bootRecordFile)); err == nil {
+			b.UsedAt = st.ModTime().UTC()
+		}
+		var rec bootRecord
+		if data, err := os.ReadFile(filepath.Join(dir, bootRecordFile)); err == nil && json.Unmarshal(data, &rec) == nil {
+			b.From, b.CreatedAt = rec.From, rec.CreatedAt
+		}
+		files, _ := os.ReadDir(dir)
+		for _, f := range files {
+			if fi, err := f.Info(); err == nil {
+				if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+					b.Bytes += st.Blocks * 512
+				} else {
+					b.Bytes += fi.Size()
+				}
+			}
+		}
+		out = append(out, b)
+	}
+	slices.SortStableFunc(out, func(a, b BootCacheEntry) int {
+		if a.Damaged != b.Damaged {
+			if a.Damaged {
+				return 1
+			}
+			return -1
+		}
+		return b.UsedAt.Compare(a.UsedAt)
+	})
+	return out, nil
+}
+
+// RemoveBootCache removes the boot cache entries keys (as ListBootCache names them) in
+// cacheDir, or every entry when keys is empty, and returns the keys removed. A key the
+// cache does not hold is ErrNotFound, one that is not an entry's name ErrInvalidSpec;
+// nothing is removed then. An entry is renamed away before its files go, so a create
+// restoring from it finds it whole or not at all (and boots).
+func RemoveBootCache(cacheDir string, keys []string) ([]string, error) {
+	root := bootCacheRoot(cacheDir)
+	if len(keys) == 0 {
+		all, err := ListBootCache(cacheDir)
+		if err != nil {
+			return nil, err
+		}
+		for _, b := range all {
+			keys = append(keys, b.Key)
+		}
+	}
+	for _, k := range keys {
+		if !bootEntryName.MatchString(k) {
+			return nil, fmt.Errorf("%w: %q is not a boot cache entry's name", ErrInvalidSpec, k)
+		}
+		if _, err := os.Stat(filepath.Join(root, k)); err != nil {
+			return nil, fmt.Errorf("%w: boot cache entry %s", ErrNotFound, k)
+		}
+	}
+	removed := []string{}
+	for _, k := range keys {
+		gone, err := os.MkdirTemp(root, "tmp-rm-")
+		if err != nil {
+			return removed, fmt.Errorf("engine: boot cache: %w", err)
+		}
+		os.Remove(gone)
+		if err := os.Rename(filepath.Join(root, k), gone); err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				continue // evicted meanwhile
+			}
+			return removed, fmt.Errorf("engine: boot cache: %w", err)
+		}
+		if err := os.RemoveAll(gone); err != nil {
+			return removed, fmt.Errorf("engine: boot cache: %w", err)
+		}
+		removed = append(removed, k)
+	}
+	return removed, nil
 }

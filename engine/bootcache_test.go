@@ -1,6 +1,8 @@
 package engine
 
 import (
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -152,5 +154,74 @@ func TestEvictBoots(t *testing.T) {
 	want := "damaged-k-a damaged-k-b damaged-k-c damaged-k-d fresh k0 k1 tmp-live writing"
 	if strings.Join(got, " ") != want {
 		t.Errorf("left %v, want %s", got, want)
+	}
+}
+
+// TestListAndRemoveBootCache: the listing names each entry with its VM, creation, last
+// use and size, the most recently used first and the damaged last, and leaves out what
+// is not an entry; removal refuses a name that is no entry's (ErrInvalidSpec) or that
+// the cache lacks (ErrNotFound) before removing anything, removes what it is asked, and
+// everything when asked for nothing in particular.
+func TestListAndRemoveBootCache(t *testing.T) {
+	cacheDir := t.TempDir()
+	root := bootCacheRoot(cacheDir)
+	if got, err := ListBootCache(cacheDir); err != nil || len(got) != 0 {
+		t.Fatalf("empty cache: %v, %v", got, err)
+	}
+	key := func(c byte) string { return strings.Repeat(string(c), 32) }
+	now := time.Now().Truncate(time.Second)
+	mk := func(name, from string, used time.Time) {
+		dir := filepath.Join(root, name)
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		rec := fmt.Sprintf(`{"version":1,"key":%q,"from":%q,"created_at":%q}`, name, from, now.Add(-time.Hour).UTC().Format(time.RFC3339))
+		p := filepath.Join(dir, bootRecordFile)
+		if err := os.WriteFile(p, []byte(rec), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, bootStateFile), make([]byte, 8192), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		os.Chtimes(p, used, used)
+	}
+	mk(key('a'), "w1", now.Add(-2*time.Minute))
+	mk(key('b'), "w2", now.Add(-time.Minute))
+	mk("damaged-"+key('c')+"-17", "w3", now)
+	os.MkdirAll(filepath.Join(root, "tmp-123"), 0o700)
+	os.MkdirAll(filepath.Join(root, "not-ours"), 0o700)
+
+	got, err := ListBootCache(cacheDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, b := range got {
+		names = append(names, fmt.Sprintf("%s/%v", b.From, b.Damaged))
+		if b.Bytes < 8192 || b.CreatedAt.IsZero() || b.UsedAt.IsZero() {
+			t.Errorf("%s: %+v", b.Key, b)
+		}
+	}
+	if want := "w2/false w1/false w3/true"; strings.Join(names, " ") != want {
+		t.Errorf("listed %v, want %s", names, want)
+	}
+
+	if _, err := RemoveBootCache(cacheDir, []string{key('a'), "../etc"}); !errors.Is(err, ErrInvalidSpec) {
+		t.Errorf("a name no entry has: %v", err)
+	}
+	if _, err := RemoveBootCache(cacheDir, []string{key('a'), key('d')}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("an entry the cache lacks: %v", err)
+	}
+	if rm, err := RemoveBootCache(cacheDir, []string{key('a')}); err != nil || len(rm) != 1 {
+		t.Fatalf("remove a: %v, %v", rm, err)
+	}
+	if left := dirNames(t, root); strings.Join(left, " ") != "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb damaged-"+key('c')+"-17 not-ours tmp-123" {
+		t.Errorf("after removing a: %v", left)
+	}
+	if rm, err := RemoveBootCache(cacheDir, nil); err != nil || len(rm) != 2 {
+		t.Fatalf("remove all: %v, %v", rm, err)
+	}
+	if left := dirNames(t, root); strings.Join(left, " ") != "not-ours tmp-123" {
+		t.Errorf("after removing all: %v", left)
 	}
 }

@@ -45,7 +45,7 @@ func newApp() *cli.Command {
 		Commands: []*cli.Command{
 			createCmd(), execCmd(), cpCmd(), logsCmd(), withFleetLs(lsCmd()), memCmd(), profileCmd(), withFleetRm(rmCmd()),
 			withFleetCheckpoint(checkpointCmd()), checkpointsCmd(), withFleetFork(forkCmd()), pinCmd(true), pinCmd(false),
-			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(),
+			warmCmd(), budgetCmd(), imageCmd(), imagesCmd(), bootCacheCmd(),
 			serveCmd(), nodesCmd(), helpCmd(), parkCmd(), wakeCmd(), protectCmd(), unprotectCmd(),
 		},
 	}
