@@ -128,7 +128,8 @@ package engine
 // runs a wave of them: ForkMany, its plan, the forks started early during the
 // checkpoint, one ForkEvent per fork. create.go holds a VM's Spec (names, port forwards,
 // its user-mode network) and boots a new VM through the same files; bootcache.go
-// restores one from the boot of a VM of its shape instead, and keeps such boots.
+// restores one from the boot of a VM of its shape instead, and keeps such boots, whose
+// entries on disk bootcache_store.go evicts, lists and removes.
 //
 // A checkpoint: checkpoint.go chooses its kind and takes every kind through the same
 // stages (prepare, the pause under the VM's lock with the one crash marker, finish,
