@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"time"
 
@@ -112,6 +113,17 @@ func serveCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
+			// The TCP listener first: once the unix socket takes connections, the daemon
+			// has every listener it will have, and its log says where (a client that
+			// waits for the socket, then reads the TCP address from the log, found none).
+			var tln net.Listener
+			if addr := cmd.String("listen"); addr != "" {
+				if tln, err = serve.ListenTCP(addr, cmd.Bool("listen-public")); err != nil {
+					return err
+				}
+				defer tln.Close() // Serve closes it too; this covers a return before it
+				log.Info("forkvm serve: listening", "tcp", tln.Addr().String())
+			}
 			uln, err := serve.ListenUnix(sock)
 			if err != nil {
 				return err
@@ -123,20 +135,13 @@ func serveCmd() *cli.Command {
 			defer stopServing()
 			g, gctx := errgroup.WithContext(sctx)
 			g.Go(func() error { return serve.Serve(gctx, uln, srv.Handler(), serveGrace) })
+			if tln != nil {
+				g.Go(func() error { return serve.Serve(gctx, tln, srv.TokenHandler(token), serveGrace) })
+			}
 			if err := startParker(cmd, g, gctx, srv); err != nil {
 				stopServing()
 				g.Wait()
 				return err
-			}
-			if addr := cmd.String("listen"); addr != "" {
-				tln, err := serve.ListenTCP(addr, cmd.Bool("listen-public"))
-				if err != nil {
-					stopServing()
-					g.Wait()
-					return err
-				}
-				log.Info("forkvm serve: listening", "tcp", tln.Addr().String())
-				g.Go(func() error { return serve.Serve(gctx, tln, srv.TokenHandler(token), serveGrace) })
 			}
 			log.Info("forkvm serve: listening", "socket", sock, "state_dir", e.Config().StateDir, "pid", os.Getpid())
 			// The daemon serves its own VMs while it joins its fleet (a join may wait
