@@ -16,6 +16,8 @@ APT_PKGS := busybox-static e2fsprogs mmdebstrap linux-perf
 # Go test flags for integration tests (they boot real VMs under TCG: give them time).
 ITEST_TIMEOUT ?= 30m
 ITEST_PARALLEL ?= 3
+# Go test timeout of each unit test package and fuzz target (see unit-rest).
+CHECK_TIMEOUT ?= 30m
 
 # staticcheck, pinned: `make lint` installs this version into ./bin once (a single
 # `go install`, about 20 s on a fresh machine; golangci-lint's build is several times that)
@@ -78,10 +80,13 @@ unit: unit-fleet unit-rest
 unit-fleet:
 	$(GO) test -count=1 -parallel 8 ./fleet/...
 
-# unit-rest: vet, and the unit tests of every other package.
+# unit-rest: vet, and the unit tests of every other package. CHECK_TIMEOUT bounds each
+# package's run: make test runs them at the lowest priority (LOWEST), where a package
+# waits for the CPU the VM tests leave, minutes at a time (go test's default of 10
+# minutes of wall time once ended the guest package's tests, which take a minute).
 unit-rest:
 	$(GO) vet ./...
-	$(GO) test -count=1 $$($(GO) list ./... | grep -v -e '/tests$$' -e '/fleet$$' -e '/fleet/')
+	$(GO) test -count=1 -timeout $(CHECK_TIMEOUT) $$($(GO) list ./... | grep -v -e '/tests$$' -e '/fleet$$' -e '/fleet/')
 
 ## lint: staticcheck (checks in staticcheck.conf) over the Linux build, and over the
 ## darwin build of the packages that have files of their own there (a _darwin file or a
@@ -121,11 +126,11 @@ fuzz: fuzz-ci
 # the guest package's (registry and Docker clients among them) took a fresh machine
 # about a minute of CPU, in a suite bound by CPU. Their seeds run with the unit tests.
 fuzz-ci:
-	$(GO) test -run='^$$' -fuzz=FuzzDecode -fuzztime=100000x ./qmp/
-	$(GO) test -run='^$$' -fuzz=FuzzReadFrame -fuzztime=100000x ./vsockd/
-	$(GO) test -run='^$$' -fuzz=FuzzExtractTar -fuzztime=5000x ./vsockd/
-	$(GO) test -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./procinfo/
-	$(GO) test -run='^$$' -fuzz=FuzzDecodeRanges -fuzztime=20000x ./memfile/
+	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzDecode -fuzztime=100000x ./qmp/
+	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzReadFrame -fuzztime=100000x ./vsockd/
+	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzExtractTar -fuzztime=5000x ./vsockd/
+	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./procinfo/
+	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzDecodeRanges -fuzztime=20000x ./memfile/
 
 ## itest: integration tests that boot real QEMU
 itest: setup
