@@ -11,22 +11,22 @@ package engine
 // device state is a full save, guest RAM included; of a root image's disk chain, only
 // the VM's own overlay is copied), then runs on. A later VM of that shape is restored
 // from the entry instead of booting: its own copies of the RAM file and the disk (an
-// image's VM: the image linked as at a boot, under a copy of the overlay), the device state loaded into a QEMU started with the same machine,
-// then the agent handshake every fork has (the VM's own token and hostname, the host's
-// clock, fresh entropy for the guest's CRNG) before it counts as ready. From there on
-// it is a VM like a cold-booted one: its own RAM (file) and disk, and a forkable one's
-// checkpoints are world checkpoints. Info.BootCached says how it started, and its console log starts with
-// the cached boot's output and a line saying where the VM begins.
+// image's VM: the image linked as at a boot, under a copy of the overlay), the device
+// state loaded into a QEMU started with the same machine, then the agent handshake every
+// fork has (the VM's own token and hostname, the host's clock, fresh entropy for the
+// guest's CRNG) before it counts as ready. From there on it is a VM like a cold-booted
+// one: its own RAM (file) and disk, and a forkable one's checkpoints are world
+// checkpoints. Info.BootCached says how it started, and its console log starts with the
+// cached boot's output and a line saying where the VM begins.
 //
 // The key (bootKey) digests everything that shapes a boot: QEMU's binary and version,
 // the accelerator, TCG's buffer, CPU model, machine, vCPUs, memory, the kernel and
-// initramfs (each by path and file identity: device, inode, size, modification time,
-// so a file rebuilt in place is another key), the kernel command line (Config.KernelArgs
+// initramfs (each by path and file identity: device, inode, size, modification time, so
+// a file rebuilt in place is another key), the kernel command line (Config.KernelArgs
 // included), the data disk's size, the root image's disk (path and file identity),
-// whether guest RAM is a shared file (forkable), and whether there is a NIC and a
-// vsock device. Not in
-// it: the name, paths, published ports, the TCG thread mode and PerfMap, none of which
-// is guest state.
+// whether guest RAM is a shared file (forkable), and whether there is a NIC and a vsock
+// device. Not in it: the name, paths, published ports, the TCG thread mode and PerfMap,
+// none of which is guest state.
 //
 // Not cached (bootCacheable): a VM with a memory limit (its boot's pages must be charged
 // to its own cgroup, and a copy the engine writes is charged to the engine's), and any
@@ -250,17 +250,16 @@ func (e *Engine) restoreBoot(ctx context.Context, vm *VM, spec Spec, img *guestb
 	defer os.Remove(state)
 	var disk []diskLayer
 	if img != nil {
-		// The image's chain as a boot makes it, then the boot's overlay over the fresh one
-		// (both name the image by the same link in the VM's directory).
-		if err := e.attachImage(ctx, vm, spec.Image, img, nil); err != nil {
+		// The image's chain as a boot makes it, with a copy of the boot's overlay as its
+		// top (which names the image by the same link in every VM's directory).
+		err := attachImageTop(ctx, vm, spec.Image, img, func(top string, _ diskLayer) error {
+			if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootTopFile), top); err != nil {
+				return fmt.Errorf("engine: boot cache: root overlay: %w", err)
+			}
+			return nil
+		})
+		if err != nil {
 			return err
-		}
-		top := vm.path(rootTopFile)
-		if err := os.Remove(top); err != nil {
-			return err
-		}
-		if _, err := memfile.Freeze(ctx, filepath.Join(dir, bootTopFile), top); err != nil {
-			return fmt.Errorf("engine: boot cache: root overlay: %w", err)
 		}
 	} else if rec.DiskSize > 0 {
 		p := vm.path(rawDiskFile)

@@ -81,14 +81,7 @@ func (e *Engine) evictBoots(keep string) {
 	}
 	drop := func(list []aged, n int) {
 		for _, a := range list[min(n, len(list)):] {
-			gone, err := os.MkdirTemp(root, "tmp-evict-")
-			if err != nil {
-				return
-			}
-			os.Remove(gone)
-			if os.Rename(filepath.Join(root, a.name), gone) == nil {
-				os.RemoveAll(gone)
-			}
+			_ = removeBootDir(root, a.name)
 		}
 	}
 	drop(entries, max(room, 0))
@@ -129,12 +122,15 @@ func ListBootCache(cacheDir string) ([]BootCacheEntry, error) {
 		}
 		dir := filepath.Join(root, d.Name())
 		b := BootCacheEntry{Key: d.Name(), Damaged: strings.HasPrefix(d.Name(), "damaged-")}
-		if st, err := os.Stat(filepath.Join(dir, bootRecordFile)); err == nil {
-			b.UsedAt = st.ModTime().UTC()
-		}
-		var rec bootRecord
-		if data, err := os.ReadFile(filepath.Join(dir, bootRecordFile)); err == nil && json.Unmarshal(data, &rec) == nil {
-			b.From, b.CreatedAt = rec.From, rec.CreatedAt
+		if f, err := os.Open(filepath.Join(dir, bootRecordFile)); err == nil {
+			var rec bootRecord
+			if st, err := f.Stat(); err == nil {
+				b.UsedAt = st.ModTime().UTC() // touchBoot's
+			}
+			if json.NewDecoder(f).Decode(&rec) == nil {
+				b.From, b.CreatedAt = rec.From, rec.CreatedAt
+			}
+			f.Close()
 		}
 		files, _ := os.ReadDir(dir)
 		for _, f := range files {
@@ -187,21 +183,27 @@ func RemoveBootCache(cacheDir string, keys []string) ([]string, error) {
 	}
 	removed := []string{}
 	for _, k := range keys {
-		gone, err := os.MkdirTemp(root, "tmp-rm-")
-		if err != nil {
-			return removed, fmt.Errorf("engine: boot cache: %w", err)
-		}
-		os.Remove(gone)
-		if err := os.Rename(filepath.Join(root, k), gone); err != nil {
-			if errors.Is(err, os.ErrNotExist) {
-				continue // evicted meanwhile: gone all the same
-			}
-			return removed, fmt.Errorf("engine: boot cache: %w", err)
-		}
-		if err := os.RemoveAll(gone); err != nil {
+		if err := removeBootDir(root, k); errors.Is(err, os.ErrNotExist) {
+			continue // evicted meanwhile: gone all the same
+		} else if err != nil {
 			return removed, fmt.Errorf("engine: boot cache: %w", err)
 		}
 		removed = append(removed, k)
 	}
 	return removed, nil
+}
+
+// removeBootDir removes the directory name of the cache in root: renamed to a
+// temporary name first, so that a create restoring from it finds it whole or not at
+// all; an error wrapping os.ErrNotExist when it is gone already.
+func removeBootDir(root, name string) error {
+	gone, err := os.MkdirTemp(root, "tmp-rm-")
+	if err != nil {
+		return err
+	}
+	os.Remove(gone)
+	if err := os.Rename(filepath.Join(root, name), gone); err != nil {
+		return err
+	}
+	return os.RemoveAll(gone)
 }

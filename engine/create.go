@@ -317,15 +317,11 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 			e.discard(vm)
 		}
 	}()
-	bootImg := img
-	if imgErr != nil {
-		bootImg = nil
-	}
-	key, why := e.bootKeyFor(ctx, spec, vm, bootImg)
+	key, why := e.bootKeyFor(ctx, spec, vm, img) // img is nil when its lookup failed
 	if key == "" {
 		e.log.Debug("boot cache: not used", "vm", spec.Name, "why", why)
 	} else if dir, rec := e.bootEntry(key); rec != nil {
-		err := e.restoreBoot(ctx, vm, spec, bootImg, dir, rec, clock)
+		err := e.restoreBoot(ctx, vm, spec, img, dir, rec, clock)
 		if err == nil {
 			touchBoot(dir)
 			e.vms.add(vm)
@@ -412,7 +408,19 @@ func (e *Engine) attachImage(ctx context.Context, vm *VM, image string, img *gue
 	if lookupErr != nil {
 		return fmt.Errorf("%w: %w", ErrImageMissing, lookupErr)
 	}
-	sizeMiB := vm.ident().Spec.DiskMiB
+	qemuImg, err := e.bins.imgPath()
+	if err != nil {
+		return err
+	}
+	return attachImageTop(ctx, vm, image, img, func(top string, backing diskLayer) error {
+		return qemuImgCreate(ctx, qemuImg, top, backing, int64(vm.ident().Spec.DiskMiB)<<20)
+	})
+}
+
+// attachImageTop links the root image image's disk img into vm's directory (see
+// attachImage), has makeTop write the VM's overlay at top over backing (the image's
+// name in the chain), and records the chain in vm's launch.
+func attachImageTop(ctx context.Context, vm *VM, image string, img *guestboot.ImageDisk, makeTop func(top string, backing diskLayer) error) error {
 	base := filepath.Join(vm.dir(), rootBaseFile)
 	if err := os.Link(img.Path, base); err != nil {
 		// Another file system (the cache and the state dir usually share one): a sparse
@@ -421,13 +429,9 @@ func (e *Engine) attachImage(ctx context.Context, vm *VM, image string, img *gue
 			return fmt.Errorf("engine: image %s: %w", image, errors.Join(err, cerr))
 		}
 	}
-	qemuImg, err := e.bins.imgPath()
-	if err != nil {
-		return err
-	}
 	layer := diskLayer{Path: base, Format: "raw"}
 	top := filepath.Join(vm.dir(), rootTopFile)
-	if err := qemuImgCreate(ctx, qemuImg, top, namedTop(vm.dir(), []diskLayer{layer}), int64(sizeMiB)<<20); err != nil {
+	if err := makeTop(top, namedTop(vm.dir(), []diskLayer{layer})); err != nil {
 		return err
 	}
 	vm.modify(func(s *vmState) {
