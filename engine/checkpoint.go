@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/forkvm/forkvm/api"
@@ -147,8 +148,9 @@ func (e *Engine) checkpointKind(m manifest, o CheckpointOptions) ckKind {
 //     paused): disk chooses the disk freeze, the
 //     crash marker is written, the disk freeze prepared; save leaves the guest stopped
 //     (a migration's completion, or stop and a device-state save); paused runs while it
-//     is (the RAM freeze); the disk is frozen. A kind that hands off commits the
-//     checkpoint here and leaves the guest stopped; the others resume it.
+//     is (the RAM freeze), and the disk is frozen at the same time, on another
+//     goroutine. A kind that hands off commits the checkpoint here and leaves the guest
+//     stopped; the others resume it, then save the VM's manifest.
 //   - finish: after the pause, before the commit.
 //   - the commit (ckWriter.commit), once.
 //   - committed: after the commit (a handoff restarts the VM from its checkpoint).
@@ -274,7 +276,7 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 			w.pausedAt = w.pausedAt.Add(-m.Downtime)
 		}
 	}
-	stayStopped := false
+	stayStopped, saveAfter := false, false
 	defer func() {
 		if stayStopped {
 			return
@@ -283,17 +285,34 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 			vm.log.Warn("checkpoint: cont failed", "vm", p.Name(), "err", err)
 		}
 		ck.Timings.Paused = time.Since(w.pausedAt)
+		if saveAfter {
+			// The VM's manifest (its new disk chain) is written once its guest runs:
+			// the marker is still there, and after a crash before this write
+			// recoverCheckpointing adopts the overlay QEMU switched onto. A write held
+			// up by the disk (milliseconds, tens at times) is not the guest's pause.
+			if serr := vm.save(s); serr != nil {
+				err, collapse = serr, false
+			}
+		}
 	}()
 	var undo func()
 	if err == nil {
+		// The disk switches while paused does its work (the pages copied, the RAM
+		// frozen): both only need the guest stopped, and the one waits on QEMU's
+		// monitor while the other copies on the engine's side.
+		diskErr := make(chan error, 1)
+		go func() {
+			t1 := time.Now()
+			endDisk := w.phase("disk")
+			derr := disk.commit(ctx, ck)
+			endDisk()
+			ck.Timings.Disk = time.Since(t1)
+			diskErr <- derr
+		}()
 		undo, err = k.paused(ctx, vm, s, w)
-	}
-	if err == nil {
-		t1 := time.Now()
-		endDisk := w.phase("disk")
-		err = disk.commit(ctx, ck)
-		endDisk()
-		ck.Timings.Disk = time.Since(t1)
+		if derr := <-diskErr; err == nil {
+			err = derr
+		}
 	}
 	if err == nil && k.handsOff() {
 		err = w.commit(ctx)
@@ -315,10 +334,7 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 		stayStopped = true
 		return nil
 	}
-	if err := vm.save(s); err != nil {
-		return err
-	}
-	collapse = true
+	saveAfter, collapse = true, true
 	return nil
 }
 
@@ -450,6 +466,8 @@ type ckWriter struct {
 	// holes may be faulted in by running forks right now).
 	layersTmp, layersFinal string
 	holesFrom              string
+	// spanMu guards ck.Spans: phases of one pause run at once (pauseLocked).
+	spanMu sync.Mutex
 	// pausedAt is when the guest stopped (see pauseLocked); committed: the commit ran.
 	pausedAt  time.Time
 	committed bool
@@ -491,7 +509,9 @@ func (w *ckWriter) phase(name string) (end func()) {
 			w.marker.PhaseEnd(w.ck.Name, name)
 		}
 		at := clockStamp()
+		w.spanMu.Lock()
 		w.ck.Spans = append(w.ck.Spans, Span{Name: name, StartMono: start.mono, EndMono: at.mono, StartBoot: start.boot, EndBoot: at.boot})
+		w.spanMu.Unlock()
 	}
 }
 

@@ -44,11 +44,14 @@ func (worldCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckWrit
 //     into the checkpoint; the disk freeze is prepared as for a world.
 //  2. save: stop the guest, save its device state alone (saveDevices: every device
 //     section, no RAM block, so no guest page is read and the lineage's files gain
-//     nothing).
-//  3. paused: extract the fork's private pages that differ from what the lineage holds
-//     for them (memfile.ExtractDelta) into this checkpoint's own layer, a sparse file in
-//     RAMDir. The disk is frozen, the guest resumed.
-//  4. finish: digest the layer into the manifest.
+//     nothing) while the fork's private pages are copied into the engine's memory on
+//     another goroutine (memfile.Capture, its buffer made ready in prepare).
+//  3. paused: wait for that copy; without one (too many pages, no mapping found)
+//     extract the private pages that differ from what the lineage holds for them
+//     (memfile.ExtractDelta) into this checkpoint's own layer, a sparse file in RAMDir,
+//     now. The disk is frozen meanwhile, then the guest resumed.
+//  4. finish: write the copied pages that differ from the lineage into the layer, and
+//     digest it into the manifest.
 //
 // Its cost is the pages the fork wrote (pagemap and the copies), not the guest's size.
 // A migration cannot do this: x-ignore-shared skips only share=on RAM, so migrating a
@@ -74,6 +77,11 @@ type deltaCheckpoint struct {
 	upper   []string
 	addr    uint64
 	capture *memfile.Capture
+	// taken, while the capture runs (started by save), gets its result and its
+	// duration; takeErr and takeTime keep them once taken (waitTake).
+	taken    chan takeResult
+	takeErr  error
+	takeTime time.Duration
 	// early, when set, is called once the lineage is linked, with the state of the fork
 	// being checkpointed (a fork of the checkpoint may start its QEMU then: see
 	// earlyFork).
@@ -129,12 +137,39 @@ func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) erro
 	return nil
 }
 
-func (*deltaCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) error {
+// save stops the guest and saves its device state; the pages are copied meanwhile
+// (QEMU's main loop writes the one, the engine's thread the other), and paused waits
+// for them.
+func (d *deltaCheckpoint) save(ctx context.Context, p *qemuProc, w *ckWriter) error {
 	w.pausedAt = time.Now() // the device state is saved with the guest stopped
 	if err := p.stopGuest(ctx); err != nil {
 		return err
 	}
+	if d.capture != nil {
+		d.taken = make(chan takeResult, 1)
+		go func(c *memfile.Capture) {
+			t := time.Now()
+			err := c.Take()
+			d.taken <- takeResult{err, time.Since(t)}
+		}(d.capture)
+	}
 	return p.saveDevices(ctx, w.statePath())
+}
+
+// takeResult is what a capture's Take returned and how long it took.
+type takeResult struct {
+	err error
+	dur time.Duration
+}
+
+// waitTake waits for the capture save started, if any is under way, and returns its
+// error.
+func (d *deltaCheckpoint) waitTake() error {
+	if d.taken != nil {
+		r := <-d.taken
+		d.taken, d.takeErr, d.takeTime = nil, r.err, r.dur
+	}
+	return d.takeErr
 }
 
 // captureMaxBytes bounds the private pages a delta checkpoint copies into the engine's
@@ -151,7 +186,7 @@ func (d *deltaCheckpoint) prepareCapture(m vmState) {
 	addr, err := memfile.FindMapping(m.PID, d.ramMapped, d.parent.RAMSize)
 	if err == nil {
 		d.addr = addr
-		d.capture, err = memfile.PrepareCapture(m.PID, addr, d.parent.RAMSize, d.upper, captureMaxBytes)
+		d.capture, err = memfile.PrepareCapture(m.PID, addr, d.parent.RAMSize, d.upper, captureMaxBytes, &d.e.captures)
 	}
 	if err != nil {
 		d.capture = nil
@@ -168,7 +203,7 @@ func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckW
 	defer w.phase("freeze")()
 	var err error
 	if d.capture != nil {
-		if err = d.capture.Take(); errors.Is(err, memfile.ErrCaptureTooLarge) {
+		if err = d.waitTake(); errors.Is(err, memfile.ErrCaptureTooLarge) {
 			d.release()
 			err = nil
 		}
@@ -182,6 +217,10 @@ func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckW
 		}
 	}
 	ck.Timings.Extract = time.Since(t)
+	if d.capture != nil {
+		// The copy began with the device state's save (save): its own length.
+		ck.Timings.Extract = d.takeTime
+	}
 	ck.Timings.Freeze = ck.Timings.Extract
 	if err != nil {
 		return nil, fmt.Errorf("extract pages: %w", err)
@@ -189,8 +228,9 @@ func (d *deltaCheckpoint) paused(ctx context.Context, vm *VM, s *vmState, w *ckW
 	return d.release, nil
 }
 
-// release gives back the pages paused captured, if any.
+// release gives back the pages paused captured, if any, once a copy under way ended.
 func (d *deltaCheckpoint) release() {
+	d.waitTake()
 	if d.capture != nil {
 		d.capture.Release()
 		d.capture = nil

@@ -122,9 +122,13 @@ func (d *diskFreeze) commit(ctx context.Context, ck *checkpointManifest) error {
 		return err
 	}
 	// After a completed migration QEMU has inactivated the block nodes (handing them to a
-	// destination that does not exist here); take them back before touching them.
-	if err := c.BlockdevSetActive(ctx, true); err != nil {
-		return err
+	// destination that does not exist here); take them back before touching them. A
+	// device state save alone (a delta checkpoint: no Migration) leaves them active, and
+	// the round trip would lengthen the pause for nothing.
+	if ck.Migration != nil {
+		if err := c.BlockdevSetActive(ctx, true); err != nil {
+			return err
+		}
 	}
 	if err := c.BlockdevSnapshot(ctx, d.s.DiskNode, d.newNode); err != nil {
 		return err

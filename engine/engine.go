@@ -21,6 +21,7 @@ import (
 	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/platform"
+	"github.com/forkvm/forkvm/memfile"
 	"golang.org/x/sync/semaphore"
 	"golang.org/x/sys/unix"
 )
@@ -45,6 +46,9 @@ type Engine struct {
 	// pauseBoost raises the engine's own threads while a guest is paused for a
 	// checkpoint (ckWriter.pauseLocked).
 	pauseBoost platform.SelfBoost
+	// captures keeps the memory delta checkpoints copy a guest's pages into during its
+	// pause, from one checkpoint to the next (a protected VM's points every few seconds).
+	captures memfile.CaptureBuffers
 
 	lockFile  *os.File
 	closeOnce sync.Once
@@ -244,6 +248,7 @@ func (e *Engine) Close() error {
 		// Refuse new work and new pool spawns, stop background spawns and wait for them,
 		// then kill the pooled processes.
 		e.prot.endAll()
+		defer e.captures.Close() // after the checkpoints under way, if any
 		vms := e.vms.close()
 		drop := e.pools.close()
 		e.bgCancel()

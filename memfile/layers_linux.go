@@ -14,7 +14,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -222,8 +221,8 @@ func copyDifferingParallel(src pageSource, cand []int64, own []int16, files []*o
 // written (WriteDelta): its pause costs the copy of what it wrote, not the comparison
 // with the lineage's files and the layer's writes. PrepareCapture allocates and faults
 // in the copy's memory while the process runs (a page fault costs microseconds, more in
-// a virtual machine: the pause should not pay them); Take copies; Release gives the
-// memory back.
+// a virtual machine: the pause should not pay them), or reuses memory a Capture had
+// before (CaptureBuffers); Take copies; Release gives the memory back.
 type Capture struct {
 	pid    int
 	addr   uint64
@@ -233,16 +232,18 @@ type Capture struct {
 	own    []int16
 	held   []int64
 	cand   []int64
-	buf    []byte // mmapped, faulted in; its first len(cand) pages hold the candidates
+	buf    []byte // cb's memory; its first len(cand) pages hold the candidates
+	cb     *captureBuf
+	bufs   *CaptureBuffers // where cb goes back (nil: unmapped)
 	st     ExtractStats
 }
 
 // PrepareCapture makes the Capture of process pid's private mapping at addr (size
 // bytes) over the lineage's layers above the file it maps, with memory for the
 // candidate pages the process holds now and room to grow (a quarter more, at least
-// 8 MiB), at most maxBytes (ErrCaptureTooLarge when the candidates exceed it already).
-// The process may run.
-func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {
+// 8 MiB), at most maxBytes (ErrCaptureTooLarge when the candidates exceed it already),
+// taken from bufs (nil: a mapping of its own). The process may run.
+func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes int64, bufs *CaptureBuffers) (*Capture, error) {
 	pages := size / PageSize
 	own, held, err := owners(layers, pages)
 	if err != nil {
@@ -252,29 +253,32 @@ func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes 
 	if err != nil {
 		return nil, err
 	}
-	c := &Capture{pid: pid, addr: addr, size: size, max: maxBytes, layers: slices.Clone(layers), own: own, held: held}
+	c := &Capture{pid: pid, addr: addr, size: size, max: maxBytes, layers: slices.Clone(layers), own: own, held: held, bufs: bufs}
 	n := int64(len(cand)) * PageSize
 	if n > maxBytes {
 		return nil, fmt.Errorf("%w: %d MiB of candidate pages, bound %d MiB", ErrCaptureTooLarge, n>>20, maxBytes>>20)
 	}
-	if err := c.grow(min(max(n+n/4, n+8<<20), maxBytes)); err != nil {
+	if err := c.grow(min(max(n+n/4, n+8<<20), maxBytes), n+captureSlack); err != nil {
 		return nil, err
 	}
 	return c, nil
 }
 
-// grow replaces the buffer by one of n bytes (rounded up to pages), faulted in.
-func (c *Capture) grow(n int64) error {
-	n = (n + PageSize - 1) / PageSize * PageSize
+// captureSlack is how much of a Capture's buffer beyond the candidates PrepareCapture
+// saw is made ready for Take (warmBuffer): the pages the process writes between the
+// two, milliseconds apart. The rest of the room is mapped but not touched, and costs a
+// page fault each in Take only if it is used.
+const captureSlack = 1 << 20
+
+// grow replaces the buffer by one of at least room bytes whose first warm bytes are
+// faulted in (CaptureBuffers.get).
+func (c *Capture) grow(room, warm int64) error {
 	c.Release()
-	if n == 0 {
-		return nil
-	}
-	b, err := syscall.Mmap(-1, 0, int(n), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANONYMOUS|syscall.MAP_POPULATE)
+	cb, err := c.bufs.get(room, warm)
 	if err != nil {
-		return fmt.Errorf("memfile: capture buffer: %w", err)
+		return err
 	}
-	c.buf = b
+	c.cb, c.buf = cb, cb.b
 	return nil
 }
 
@@ -291,7 +295,7 @@ func (c *Capture) Take() error {
 		return fmt.Errorf("%w: %d MiB of candidate pages, bound %d MiB", ErrCaptureTooLarge, n>>20, c.max>>20)
 	}
 	if n > int64(len(c.buf)) {
-		if err := c.grow(n); err != nil {
+		if err := c.grow(n, 0); err != nil { // in the pause: faulted in by the copy
 			return err
 		}
 	}
@@ -355,11 +359,12 @@ func (c *Capture) WriteDelta(base, out string) (*ExtractStats, error) {
 	return &st, nil
 }
 
-// Release unmaps the captured pages.
+// Release gives the captured pages' memory back (kept in the CaptureBuffers it came
+// from, if any).
 func (c *Capture) Release() {
-	if c.buf != nil {
-		syscall.Munmap(c.buf)
-		c.buf = nil
+	if c.cb != nil {
+		c.bufs.put(c.cb, c.Bytes())
+		c.cb, c.buf = nil, nil
 	}
 }
 

@@ -23,11 +23,20 @@ func ApplyLayers(path string, size int64, layers []string) (int64, error) {
 // ExtractSupported reports whether ExtractDelta and InjectLayers work on this platform.
 const ExtractSupported = false
 
+// CaptureBuffers keeps nothing outside Linux (no Capture).
+type CaptureBuffers struct{}
+
+// Kept is 0 outside Linux.
+func (*CaptureBuffers) Kept() int64 { return 0 }
+
+// Close does nothing outside Linux.
+func (*CaptureBuffers) Close() {}
+
 // Capture is not implemented outside Linux (PrepareCapture).
 type Capture struct{}
 
 // PrepareCapture is not implemented outside Linux (ErrUnsupported).
-func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes int64) (*Capture, error) {
+func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes int64, bufs *CaptureBuffers) (*Capture, error) {
 	return nil, ErrUnsupported
 }
 

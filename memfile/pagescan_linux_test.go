@@ -114,7 +114,7 @@ func TestExtractDeltaParallelSameLayer(t *testing.T) {
 		o.Close()
 	}
 	// Captured, then the mapping changed: the layer is the capture's.
-	c, err := PrepareCapture(pid, addr, size, nil, 64<<20)
+	c, err := PrepareCapture(pid, addr, size, nil, 64<<20, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -138,7 +138,7 @@ func TestExtractDeltaParallelSameLayer(t *testing.T) {
 			t.Fatalf("%s: one pass wrote %d pages, this %d; layers equal: %v", out, sts[0].Written, sts[i+1].Written, bytes.Equal(a, b))
 		}
 	}
-	if _, err := PrepareCapture(pid, addr, size, nil, 1<<20); !errors.Is(err, ErrCaptureTooLarge) {
+	if _, err := PrepareCapture(pid, addr, size, nil, 1<<20, nil); !errors.Is(err, ErrCaptureTooLarge) {
 		t.Fatalf("capture over its bound: %v, want ErrCaptureTooLarge", err)
 	}
 }
