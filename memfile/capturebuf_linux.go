@@ -18,8 +18,8 @@ import (
 // a host that is itself a virtual machine with shadow page tables (this project's PVM
 // hosts) the kernel's first write to a page costs ~7 µs (see warmBuffer): a fresh
 // buffer, made ready before the pause, cost a point 2-3x the CPU of its copy. At most
-// captureBufsKept buffers are kept, each for captureBufIdle after its last use; Close
-// gives them all back. The zero value is ready; it is safe for concurrent use.
+// captureBufsKept buffers of at most captureBufKeepMax each are kept, each for
+// captureBufIdle after its last use; Close gives them all back. The zero value is ready; it is safe for concurrent use.
 type CaptureBuffers struct {
 	mu     sync.Mutex
 	free   []*captureBuf
@@ -41,6 +41,9 @@ const (
 	// captureBufIdle is how long an idle buffer is kept (a protection interval is
 	// seconds).
 	captureBufIdle = time.Minute
+	// captureBufKeepMax bounds a buffer kept: a larger one (a checkpoint of a VM that
+	// wrote hundreds of MiB) is unmapped once released, not held for the next.
+	captureBufKeepMax = 64 << 20
 )
 
 // get returns a buffer of at least warm bytes whose first warm bytes are faulted in: a
@@ -92,7 +95,7 @@ func (bufs *CaptureBuffers) put(cb *captureBuf, used int64) {
 		return
 	}
 	cb.warm = max(cb.warm, min(pageUp(used), int64(len(cb.b))))
-	if bufs == nil {
+	if bufs == nil || len(cb.b) > captureBufKeepMax {
 		cb.unmap()
 		return
 	}

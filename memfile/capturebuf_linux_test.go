@@ -10,7 +10,8 @@ import (
 
 // TestCaptureBuffers: a released buffer is handed to the next get that fits (the
 // smallest that does), keeping what was faulted in; at most captureBufsKept are kept
-// (the smallest goes); an expired or closed pool keeps none.
+// (the smallest goes), none over captureBufKeepMax; an expired or closed pool keeps
+// none.
 func TestCaptureBuffers(t *testing.T) {
 	var bufs CaptureBuffers
 	a, err := bufs.get(10*PageSize, 3*PageSize+1)
@@ -60,6 +61,15 @@ func TestCaptureBuffers(t *testing.T) {
 		if b.b != nil {
 			t.Fatal("an expired buffer kept")
 		}
+	}
+	big, err := (*CaptureBuffers)(nil).get(captureBufKeepMax+PageSize, 0) // a new mapping
+	if err != nil {
+		t.Fatal(err)
+	}
+	kept := bufs.Kept()
+	bufs.put(big, 0)
+	if big.b != nil || bufs.Kept() != kept {
+		t.Fatalf("a buffer over %d MiB kept", captureBufKeepMax>>20)
 	}
 	bufs.Close()
 	if bufs.Kept() != 0 || more[3].b != nil {
