@@ -46,17 +46,18 @@ const (
 	captureBufKeepMax = 64 << 20
 )
 
-// get returns a buffer of at least warm bytes whose first warm bytes are faulted in: a
-// kept one where one is large enough (the smallest), else a new mapping of room bytes
-// (at least warm). bufs may be nil: a new mapping, never kept.
-func (bufs *CaptureBuffers) get(room, warm int64) (*captureBuf, error) {
-	room, warm = pageUp(max(room, warm)), pageUp(warm)
+// get returns a buffer of at least need bytes whose first warm bytes (at most need)
+// are faulted in: a kept one of at least need bytes (the smallest), else a new mapping
+// of room bytes (at least need). bufs may be nil: a new mapping, never kept.
+func (bufs *CaptureBuffers) get(need, room, warm int64) (*captureBuf, error) {
+	need = pageUp(need)
+	room, warm = pageUp(max(room, need)), pageUp(min(warm, need))
 	var cb *captureBuf
 	if bufs != nil {
 		bufs.mu.Lock()
 		best := -1
 		for i, f := range bufs.free {
-			if int64(len(f.b)) >= warm && (best < 0 || len(f.b) < len(bufs.free[best].b)) {
+			if int64(len(f.b)) >= need && (best < 0 || len(f.b) < len(bufs.free[best].b)) {
 				best = i
 			}
 		}

@@ -14,7 +14,7 @@ import (
 // none.
 func TestCaptureBuffers(t *testing.T) {
 	var bufs CaptureBuffers
-	a, err := bufs.get(10*PageSize, 3*PageSize+1)
+	a, err := bufs.get(3*PageSize+1, 10*PageSize, 3*PageSize+1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -26,10 +26,10 @@ func TestCaptureBuffers(t *testing.T) {
 	if bufs.Kept() != 10*PageSize || a.warm != 6*PageSize {
 		t.Fatalf("kept %d bytes, warm %d; want %d, %d", bufs.Kept(), a.warm, 10*PageSize, 6*PageSize)
 	}
-	if b, _ := bufs.get(1, 8*PageSize); b != a || b.warm != 8*PageSize || bufs.Kept() != 0 {
+	if b, _ := bufs.get(8*PageSize, 8*PageSize, 8*PageSize); b != a || b.warm != 8*PageSize || bufs.Kept() != 0 {
 		t.Fatalf("get of 8 pages: reused %v, warm %d, kept %d", b == a, b.warm, bufs.Kept())
 	}
-	if c, _ := bufs.get(1, 11*PageSize); c == a || len(c.b) != 11*PageSize {
+	if c, _ := bufs.get(11*PageSize, 11*PageSize, 11*PageSize); c == a || len(c.b) != 11*PageSize {
 		t.Fatal("a buffer in use handed out again, or a new one of the wrong size")
 	} else {
 		bufs.put(c, 0)
@@ -37,7 +37,7 @@ func TestCaptureBuffers(t *testing.T) {
 	bufs.put(a, 0)
 	var more []*captureBuf
 	for i := range captureBufsKept {
-		b, err := bufs.get(int64(20+i)*PageSize, int64(20+i)*PageSize)
+		b, err := bufs.get(int64(20+i)*PageSize, 0, int64(20+i)*PageSize)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -49,7 +49,14 @@ func TestCaptureBuffers(t *testing.T) {
 	if a.b != nil || bufs.Kept() != int64(20+21+22+23)*PageSize {
 		t.Fatalf("kept %d bytes (smallest unmapped: %v), want the %d largest", bufs.Kept(), a.b == nil, captureBufsKept)
 	}
-	if b, _ := bufs.get(1, 12*PageSize); len(b.b) != 20*PageSize {
+	// Nothing kept is large enough: a new mapping, even with nothing to fault in (Take
+	// growing a buffer in the pause).
+	if b, _ := bufs.get(30*PageSize, 30*PageSize, 0); len(b.b) != 30*PageSize || b.warm != 0 || bufs.Kept() != int64(20+21+22+23)*PageSize {
+		t.Fatalf("get of 30 pages: %d pages, %d warm; kept %d", len(b.b)/PageSize, b.warm, bufs.Kept())
+	} else {
+		b.unmap()
+	}
+	if b, _ := bufs.get(12*PageSize, 12*PageSize, 12*PageSize); len(b.b) != 20*PageSize {
 		t.Fatalf("get of 12 pages took a buffer of %d pages, want the smallest that fits (20)", len(b.b)/PageSize)
 	} else {
 		bufs.expire(b) // in use: not the pool's to unmap
@@ -62,7 +69,7 @@ func TestCaptureBuffers(t *testing.T) {
 			t.Fatal("an expired buffer kept")
 		}
 	}
-	big, err := (*CaptureBuffers)(nil).get(captureBufKeepMax+PageSize, 0) // a new mapping
+	big, err := (*CaptureBuffers)(nil).get(captureBufKeepMax+PageSize, 0, 0) // a new mapping
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,7 +82,7 @@ func TestCaptureBuffers(t *testing.T) {
 	if bufs.Kept() != 0 || more[3].b != nil {
 		t.Fatal("buffers kept after Close")
 	}
-	late, _ := bufs.get(PageSize, PageSize)
+	late, _ := bufs.get(PageSize, PageSize, PageSize)
 	bufs.put(late, 0)
 	if late.b != nil || bufs.Kept() != 0 {
 		t.Fatal("a buffer kept by a closed pool")
@@ -134,5 +141,59 @@ func TestCaptureReusedBuffer(t *testing.T) {
 	}
 	if bytes.Equal(first, second) {
 		t.Fatal("layers equal")
+	}
+}
+
+// TestCaptureGrowsInTake: pages written between the prepare and the Take beyond the
+// buffer's room grow it in the Take, never into a smaller kept buffer, and every page
+// is captured.
+func TestCaptureGrowsInTake(t *testing.T) {
+	d := shmDir(t)
+	const pages = 4096
+	size := int64(pages * PageSize)
+	root := filepath.Join(d, "root")
+	writePages(t, root, size, map[int64]byte{0: 'r'})
+	m := mapPrivate(t, root, size)
+	pid, addr := os.Getpid(), uint64(uintptr(unsafe.Pointer(&m[0])))
+	var bufs CaptureBuffers
+	defer bufs.Close()
+	small, err := bufs.get(PageSize, PageSize, PageSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bufs.put(small, 0)
+	page(m, 1)[0] = 'a'
+	c, err := PrepareCapture(pid, addr, size, nil, size, &bufs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Release()
+	room := int64(len(c.buf))
+	for p := int64(2); p < 3002; p++ {
+		page(m, p)[1] = byte(p%250) + 1
+	}
+	if 3001*PageSize <= room {
+		t.Fatalf("room %d holds the pages written after the prepare: nothing grows", room)
+	}
+	if err := c.Take(); err != nil {
+		t.Fatal(err)
+	}
+	if int64(len(c.buf)) < c.Bytes() || c.Bytes() != 3001*PageSize {
+		t.Fatalf("buffer %d bytes for %d captured, want 3001 pages", len(c.buf), c.Bytes())
+	}
+	out := filepath.Join(d, "out")
+	st, err := c.WriteDelta(root, out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Written != 3001 {
+		t.Fatalf("%d pages written, want 3001", st.Written)
+	}
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(b[PageSize:3002*PageSize], m[PageSize:3002*PageSize]) {
+		t.Fatal("the layer differs from the pages written")
 	}
 }

@@ -258,7 +258,9 @@ func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes 
 	if n > maxBytes {
 		return nil, fmt.Errorf("%w: %d MiB of candidate pages, bound %d MiB", ErrCaptureTooLarge, n>>20, maxBytes>>20)
 	}
-	if err := c.grow(min(max(n+n/4, n+8<<20), maxBytes), n+captureSlack); err != nil {
+	room := min(max(n+n/4, n+8<<20), maxBytes)
+	need := min(n+captureSlack, room)
+	if err := c.grow(need, room, need); err != nil {
 		return nil, err
 	}
 	return c, nil
@@ -270,11 +272,11 @@ func PrepareCapture(pid int, addr uint64, size int64, layers []string, maxBytes 
 // page fault each in Take only if it is used.
 const captureSlack = 1 << 20
 
-// grow replaces the buffer by one of at least room bytes whose first warm bytes are
-// faulted in (CaptureBuffers.get).
-func (c *Capture) grow(room, warm int64) error {
+// grow replaces the buffer by one of at least need bytes (room if new) whose first warm
+// bytes are faulted in (CaptureBuffers.get).
+func (c *Capture) grow(need, room, warm int64) error {
 	c.Release()
-	cb, err := c.bufs.get(room, warm)
+	cb, err := c.bufs.get(need, room, warm)
 	if err != nil {
 		return err
 	}
@@ -295,7 +297,7 @@ func (c *Capture) Take() error {
 		return fmt.Errorf("%w: %d MiB of candidate pages, bound %d MiB", ErrCaptureTooLarge, n>>20, c.max>>20)
 	}
 	if n > int64(len(c.buf)) {
-		if err := c.grow(n, 0); err != nil { // in the pause: faulted in by the copy
+		if err := c.grow(n, n, 0); err != nil { // in the pause: faulted in by the copy
 			return err
 		}
 	}
