@@ -16,10 +16,11 @@ import (
 // protected VM's point every few seconds (and the checkpoints of other VMs between)
 // copies its pages into memory faulted in once, not into a fresh mapping each time. On
 // a host that is itself a virtual machine with shadow page tables (this project's PVM
-// hosts) the kernel's first write to a page costs ~7 µs (see warmBuffer): a fresh
-// buffer, made ready before the pause, cost a point 2-3x the CPU of its copy. At most
-// captureBufsKept buffers of at most captureBufKeepMax each are kept, each for
-// captureBufIdle after its last use; Close gives them all back. The zero value is ready; it is safe for concurrent use.
+// hosts) the kernel's first write to a page, and a process's first read of it, trap to
+// the hypervisor (see warmBuffer): a fresh buffer costs a point more CPU than its copy.
+// At most captureBufsKept buffers of at most captureBufKeepMax each are kept, each for
+// captureBufIdle after its last use; Close gives them all back. The zero value is
+// ready; it is safe for concurrent use.
 type CaptureBuffers struct {
 	mu     sync.Mutex
 	free   []*captureBuf
@@ -170,9 +171,9 @@ func pageUp(n int64) int64 { return (n + PageSize - 1) / PageSize * PageSize }
 // /dev/zero), as Take's process_vm_readv will. On a host that is itself a virtual
 // machine with shadow page tables (this project's PVM hosts) the kernel's first write to
 // a page traps to the hypervisor even when the page is mapped already (MAP_POPULATE) or
-// written from user space: Take into such a buffer cost ~7 µs a page, 5-6x the copy
-// itself, all of it in the guest's pause. MADV_POPULATE_WRITE (Linux 5.14) allocates
-// the pages first, which costs less than faulting them in one by one from the read.
+// written from user space: a Take into such a buffer pays those traps, more than the
+// copy itself, in the guest's pause. MADV_POPULATE_WRITE (Linux 5.14) allocates the
+// pages first, which costs less than faulting them in one by one from the read.
 func warmBuffer(b []byte) error {
 	if len(b) == 0 {
 		return nil
