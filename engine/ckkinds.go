@@ -173,7 +173,7 @@ func (d *deltaCheckpoint) waitTake() error {
 }
 
 // captureMaxBytes bounds the private pages a delta checkpoint copies into the engine's
-// memory while the guest is stopped (memfile.CaptureDelta): beyond it the pages are
+// memory while the guest is stopped (memfile.Capture): beyond it the pages are
 // compared and written with the guest stopped (memfile.ExtractDelta), which costs the
 // pause more but the host no transient copy.
 const captureMaxBytes = 256 << 20
