@@ -256,6 +256,18 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 	if err := disk.prepare(ctx); err != nil {
 		return err
 	}
+	// The VM's manifest (its new disk chain) is written once its guest runs again and
+	// the priorities are back (deferred before them): a write held up by the disk is not
+	// the guest's pause. The marker is still there; after a crash before the write,
+	// recoverCheckpointing adopts the overlay QEMU switched onto.
+	saveAfter := false
+	defer func() {
+		if saveAfter {
+			if serr := vm.save(s); serr != nil {
+				err, collapse = serr, false
+			}
+		}
+	}()
 	// Its threads, and the engine's, run before the other guests' until it runs again
 	// (deferred before the resume, so that it comes after it).
 	defer platform.Boost(s.PID)()
@@ -276,7 +288,7 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 			w.pausedAt = w.pausedAt.Add(-m.Downtime)
 		}
 	}
-	stayStopped, saveAfter := false, false
+	stayStopped := false
 	defer func() {
 		if stayStopped {
 			return
@@ -285,15 +297,6 @@ func (w *ckWriter) pauseLocked(ctx context.Context, vm *VM, s *vmState, k ckKind
 			vm.log.Warn("checkpoint: cont failed", "vm", p.Name(), "err", err)
 		}
 		ck.Timings.Paused = time.Since(w.pausedAt)
-		if saveAfter {
-			// The VM's manifest (its new disk chain) is written once its guest runs:
-			// the marker is still there, and after a crash before this write
-			// recoverCheckpointing adopts the overlay QEMU switched onto. A write held
-			// up by the disk (milliseconds, tens at times) is not the guest's pause.
-			if serr := vm.save(s); serr != nil {
-				err, collapse = serr, false
-			}
-		}
 	}()
 	var undo func()
 	if err == nil {
