@@ -92,12 +92,7 @@ func TestCaptureBuffers(t *testing.T) {
 // TestCaptureReusedBuffer: a capture into a reused buffer holding an earlier capture's
 // pages (more of them) writes exactly the pages of its own moment.
 func TestCaptureReusedBuffer(t *testing.T) {
-	d := shmDir(t)
-	const pages = 64
-	size := int64(pages * PageSize)
-	root := filepath.Join(d, "root")
-	writePages(t, root, size, map[int64]byte{0: 'r'})
-	m := mapPrivate(t, root, size)
+	d, root, m, size := capturedMapping(t, 64)
 	pid, addr := os.Getpid(), uint64(uintptr(unsafe.Pointer(&m[0])))
 	var bufs CaptureBuffers
 	defer bufs.Close()
@@ -148,12 +143,7 @@ func TestCaptureReusedBuffer(t *testing.T) {
 // buffer's room grow it in the Take, never into a smaller kept buffer, and every page
 // is captured.
 func TestCaptureGrowsInTake(t *testing.T) {
-	d := shmDir(t)
-	const pages = 4096
-	size := int64(pages * PageSize)
-	root := filepath.Join(d, "root")
-	writePages(t, root, size, map[int64]byte{0: 'r'})
-	m := mapPrivate(t, root, size)
+	d, root, m, size := capturedMapping(t, 4096)
 	pid, addr := os.Getpid(), uint64(uintptr(unsafe.Pointer(&m[0])))
 	var bufs CaptureBuffers
 	defer bufs.Close()
@@ -196,4 +186,14 @@ func TestCaptureGrowsInTake(t *testing.T) {
 	if !bytes.Equal(b[PageSize:3002*PageSize], m[PageSize:3002*PageSize]) {
 		t.Fatal("the layer differs from the pages written")
 	}
+}
+
+// capturedMapping makes a root file of pages pages in a fresh tmpfs directory d (its
+// page 0 written) and maps it private: what a capture copies from.
+func capturedMapping(t *testing.T, pages int64) (d, root string, m []byte, size int64) {
+	d = shmDir(t)
+	size = pages * PageSize
+	root = filepath.Join(d, "root")
+	writePages(t, root, size, map[int64]byte{0: 'r'})
+	return d, root, mapPrivate(t, root, size), size
 }
