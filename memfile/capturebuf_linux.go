@@ -56,13 +56,7 @@ func (bufs *CaptureBuffers) get(need, room, warm int64) (*captureBuf, error) {
 	var cb *captureBuf
 	if bufs != nil {
 		bufs.mu.Lock()
-		best := -1
-		for i, f := range bufs.free {
-			if int64(len(f.b)) >= need && (best < 0 || len(f.b) < len(bufs.free[best].b)) {
-				best = i
-			}
-		}
-		if best >= 0 {
+		if best := smallest(bufs.free, need); best >= 0 {
 			cb = bufs.free[best]
 			bufs.free = slices.Delete(bufs.free, best, best+1)
 			cb.timer.Stop()
@@ -110,17 +104,23 @@ func (bufs *CaptureBuffers) put(cb *captureBuf, used int64) {
 	bufs.free = append(bufs.free, cb)
 	cb.timer = time.AfterFunc(captureBufIdle, func() { bufs.expire(cb) })
 	if len(bufs.free) > captureBufsKept {
-		i := 0
-		for j, f := range bufs.free {
-			if len(f.b) < len(bufs.free[i].b) {
-				i = j
-			}
-		}
+		i := smallest(bufs.free, 0)
 		small := bufs.free[i]
 		bufs.free = slices.Delete(bufs.free, i, i+1)
 		small.timer.Stop()
 		small.unmap()
 	}
+}
+
+// smallest is the index of the smallest of bufs of at least need bytes, -1 if none.
+func smallest(bufs []*captureBuf, need int64) int {
+	best := -1
+	for i, f := range bufs {
+		if int64(len(f.b)) >= need && (best < 0 || len(f.b) < len(bufs[best].b)) {
+			best = i
+		}
+	}
+	return best
 }
 
 // expire unmaps cb if it is still idle in the pool.

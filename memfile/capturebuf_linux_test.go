@@ -158,7 +158,7 @@ func TestCaptureGrowsInTake(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Release()
-	room := int64(len(c.buf))
+	room := int64(len(c.mem()))
 	for p := int64(2); p < 3002; p++ {
 		page(m, p)[1] = byte(p%250) + 1
 	}
@@ -168,8 +168,8 @@ func TestCaptureGrowsInTake(t *testing.T) {
 	if err := c.Take(); err != nil {
 		t.Fatal(err)
 	}
-	if int64(len(c.buf)) < c.Bytes() || c.Bytes() != 3001*PageSize {
-		t.Fatalf("buffer %d bytes for %d captured, want 3001 pages", len(c.buf), c.Bytes())
+	if int64(len(c.mem())) < c.Bytes() || c.Bytes() != 3001*PageSize {
+		t.Fatalf("buffer %d bytes for %d captured, want 3001 pages", len(c.mem()), c.Bytes())
 	}
 	out := filepath.Join(d, "out")
 	st, err := c.WriteDelta(root, out)

@@ -232,8 +232,7 @@ type Capture struct {
 	own    []int16
 	held   []int64
 	cand   []int64
-	buf    []byte // cb's memory; its first len(cand) pages hold the candidates
-	cb     *captureBuf
+	cb     *captureBuf     // its memory (mem): the first len(cand) pages hold the candidates
 	bufs   *CaptureBuffers // where cb goes back (nil: unmapped)
 	st     ExtractStats
 }
@@ -280,8 +279,16 @@ func (c *Capture) grow(need, room, warm int64) error {
 	if err != nil {
 		return err
 	}
-	c.cb, c.buf = cb, cb.b
+	c.cb = cb
 	return nil
+}
+
+// mem is the capture's memory (none once released).
+func (c *Capture) mem() []byte {
+	if c.cb == nil {
+		return nil
+	}
+	return c.cb.b
 }
 
 // Take copies the process's candidate pages (it should be stopped; it may run again
@@ -296,7 +303,7 @@ func (c *Capture) Take() error {
 	if n > c.max {
 		return fmt.Errorf("%w: %d MiB of candidate pages, bound %d MiB", ErrCaptureTooLarge, n>>20, c.max>>20)
 	}
-	if n > int64(len(c.buf)) {
+	if n > int64(len(c.mem())) {
 		if err := c.grow(n, n, 0); err != nil { // in the pause: faulted in by the copy
 			return err
 		}
@@ -310,6 +317,7 @@ func (c *Capture) Take() error {
 // system call and a page-table walk per run, and a fork's writes are scattered runs.
 func (c *Capture) read(pid int, addr uint64, lo, hi int) error {
 	const iovMax = 1024
+	mem := c.mem()
 	local := make([]unix.Iovec, 1)
 	remote := make([]unix.RemoteIovec, 0, iovMax)
 	for i := lo; i < hi; {
@@ -324,7 +332,7 @@ func (c *Capture) read(pid int, addr uint64, lo, hi int) error {
 			return nil
 		})
 		want := int64(j-i) * PageSize
-		local[0].Base = &c.buf[int64(i)*PageSize]
+		local[0].Base = &mem[int64(i)*PageSize]
 		local[0].SetLen(int(want))
 		got, err := unix.ProcessVMReadv(pid, local, remote, 0)
 		if err != nil {
@@ -348,12 +356,13 @@ func (c *Capture) Bytes() int64 { return int64(len(c.cand)) * PageSize }
 // content differs from what the lineage holds for them, as ExtractDelta does: base is the
 // file the process maps, below the layers PrepareCapture was given.
 func (c *Capture) WriteDelta(base, out string) (*ExtractStats, error) {
-	if int64(len(c.buf)) < c.Bytes() {
+	mem := c.mem()
+	if int64(len(mem)) < c.Bytes() {
 		return nil, fmt.Errorf("memfile: capture released or not taken")
 	}
 	st := c.st
 	src := func(i, n int, _ int64, _ []byte) ([]byte, error) {
-		return c.buf[int64(i)*PageSize : int64(i+n)*PageSize], nil
+		return mem[int64(i)*PageSize : int64(i+n)*PageSize], nil
 	}
 	if err := writeDelta(src, c.cand, c.own, c.size, base, c.layers, out, &st); err != nil {
 		return nil, err
@@ -366,7 +375,7 @@ func (c *Capture) WriteDelta(base, out string) (*ExtractStats, error) {
 func (c *Capture) Release() {
 	if c.cb != nil {
 		c.bufs.put(c.cb, c.Bytes())
-		c.cb, c.buf = nil, nil
+		c.cb = nil
 	}
 }
 
