@@ -16,6 +16,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/admission"
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/memfile"
 )
@@ -349,10 +350,51 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		clock.watch(vm)
 	}
 
+	single := e.bootSingleThreaded(ctx, spec)
+	if err := e.bootCold(ctx, vm, spec, img, imgErr, clock, single); err != nil {
+		return nil, err
+	}
+	if key != "" {
+		if err := e.captureBoot(ctx, vm, key); err != nil {
+			return nil, err
+		}
+		if single {
+			var err error
+			if vm, err = e.handOver(ctx, vm, spec, imageMiB, img, imgErr, key, clock); err != nil {
+				return nil, err
+			}
+		}
+	}
+	e.vms.add(vm)
+	ok = true
+	return vm, nil
+}
+
+// bootSingleThreaded says whether a cold boot of spec runs its vCPUs on one host thread
+// (TCG's thread=single): under TCG, for more than one vCPU, with a QEMU whose
+// multi-threaded TCG can abort during the guest's PCI set-up (qemu.BootDispatchRace).
+// Only the boot needs it: Create hands a cached boot over to a QEMU with one thread per
+// vCPU (handOver), and forks, wakes and restores start from saved state.
+func (e *Engine) bootSingleThreaded(ctx context.Context, spec Spec) bool {
+	if e.cfg.accel != AccelTCG || spec.CPUs < 2 {
+		return false
+	}
+	ver, err := e.bins.version(ctx)
+	return err == nil && qemu.BootDispatchRace(ver)
+}
+
+// bootCold boots vm, a new VM not yet started (newBootVM) of spec, from the guest image,
+// its vCPUs on one host thread when single, and returns once its agent answered. img and
+// imgErr are the root image's disk and its lookup's error. On failure the caller
+// discards vm.
+func (e *Engine) bootCold(ctx context.Context, vm *VM, spec Spec, img *guestboot.ImageDisk, imgErr error, clock *phaseClock, single bool) error {
+	if single {
+		vm.modify(func(s *vmState) { s.Launch.TCGThread = TCGThreadSingle })
+	}
 	if spec.MemoryLimitMiB > 0 {
 		version, dir, err := admission.VMCgroupDir(e.cfg.MemoryCgroup, e.cfg.tag, spec.Name)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		vm.modify(func(s *vmState) { s.MemoryCgroup = dir })
 		vm.cgVersion = version
@@ -361,18 +403,18 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		p := e.paths.vmRAM(spec.Name)
 		vm.modify(func(s *vmState) { s.Launch.RAM = ramBacking{Path: p, Shared: true} })
 		if err := memfile.Create(p, int64(spec.MemoryMiB)<<20); err != nil {
-			return nil, fmt.Errorf("engine: ram file: %w", err)
+			return fmt.Errorf("engine: ram file: %w", err)
 		}
 	}
 	switch {
 	case spec.Image != "":
 		if err := e.attachImage(ctx, vm, spec.Image, img, imgErr); err != nil {
-			return nil, err
+			return err
 		}
 	case spec.DiskMiB > 0:
 		p := filepath.Join(vm.dir(), rawDiskFile)
 		if err := guestboot.CreateDisk(ctx, p, spec.DiskMiB); err != nil {
-			return nil, fmt.Errorf("engine: disk: %w", err)
+			return fmt.Errorf("engine: disk: %w", err)
 		}
 		vm.modify(func(s *vmState) {
 			s.Launch.Disk = []diskLayer{{Path: p, Format: "raw"}}
@@ -382,21 +424,72 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	vm.lap(clock, prepareTiming)
 	clock.begin("spawn")
 	if err := vm.start(ctx); err != nil {
-		return nil, portError(err, spec.Publish)
+		return portError(err, spec.Publish)
 	}
 	vm.lap(clock, spawnTiming)
 	bctx, cancel := context.WithTimeout(ctx, e.cfg.BootTimeout)
 	defer cancel()
-	if err := vm.becomeReady(bctx, "boot", clock, vm.hello); err != nil {
+	return vm.becomeReady(bctx, "boot", clock, vm.hello)
+}
+
+// handOver replaces cold, a VM of spec just booted with its vCPUs on one host thread
+// (bootSingleThreaded) whose boot is now the cache's entry key, by the same VM restored
+// from that entry into a QEMU with TCG's default threading, and returns it: the same
+// guest, one pause later, with its own token again (the restore's handshake). Its
+// timings and spans add the boot's and the hand-over's; it counts as booted, not cached.
+// Where the entry is not there (another engine's won, or the capture failed) cold runs
+// on as it is. Where the restore fails, the entry is set aside as any restore's failure
+// and the VM boots once more, on one thread, and stays so.
+func (e *Engine) handOver(ctx context.Context, cold *VM, spec Spec, imageMiB int, img *guestboot.ImageDisk, imgErr error, key string, clock *phaseClock) (*VM, error) {
+	dir, rec := e.bootEntry(key)
+	if rec == nil {
+		e.log.Info("boot cache: no entry to hand the boot over from; the VM keeps one TCG thread", "vm", spec.Name, "key", key)
+		return cold, nil
+	}
+	booted := cold.snapshot().Timings
+	e.discard(cold)
+	e.vms.unreserve(spec.Name)
+	clock.skip()
+	clock.begin("prepare")
+	vm, err := e.newBootVM(ctx, spec, imageMiB)
+	if err != nil {
 		return nil, err
 	}
-	if key != "" {
-		if err := e.captureBoot(ctx, vm, key); err != nil {
+	clock.watch(vm)
+	err = e.restoreBoot(ctx, vm, spec, img, dir, rec, clock)
+	if err != nil {
+		e.discard(vm)
+		e.vms.unreserve(spec.Name)
+		if ctx.Err() != nil {
 			return nil, err
 		}
+		if errors.Is(err, errBootEntry) {
+			e.setBootAside(key, err)
+		}
+		e.log.Warn("boot cache: hand-over failed; the VM boots again on one TCG thread", "vm", spec.Name, "key", key, "err", err)
+		clock = clock.restart()
+		clock.begin("prepare")
+		if vm, err = e.newBootVM(ctx, spec, imageMiB); err != nil {
+			return nil, err
+		}
+		clock.watch(vm)
+		if err := e.bootCold(ctx, vm, spec, img, imgErr, clock, true); err != nil {
+			e.discard(vm)
+			return nil, err
+		}
+		return vm, nil // Create unreserves the name once it is registered
 	}
-	e.vms.add(vm)
-	ok = true
+	touchBoot(dir)
+	err = vm.update(func(s *vmState) {
+		s.BootCached = false
+		s.Timings.Prepare += booted.Prepare
+		s.Timings.Spawn += booted.Spawn
+		s.Timings.Agent += booted.Agent
+	})
+	if err != nil {
+		e.discard(vm)
+		return nil, err
+	}
 	return vm, nil
 }
 

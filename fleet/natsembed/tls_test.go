@@ -158,8 +158,21 @@ func TestClusterMutualTLS(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	if _, err := js.Publish(ctx, "t", []byte("x")); err != nil {
-		t.Fatal(err)
+	// The first publish is retried too: the stream's interest in its subject reaches
+	// this server over the routes after the stream exists (on a loaded host a publish
+	// right after the create found none: "no response from stream", past the client's
+	// own two retries).
+	for {
+		pctx, pcancel := context.WithTimeout(ctx, 5*time.Second)
+		_, err := js.Publish(pctx, "t", []byte("x"))
+		pcancel()
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil || !errors.Is(err, jetstream.ErrNoStreamResponse) {
+			t.Fatalf("publish to the replicated stream: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 
 	for _, c := range []struct {

@@ -73,3 +73,27 @@ func TestVersionInterrupted(t *testing.T) {
 		}
 	}
 }
+
+func TestBootDispatchRace(t *testing.T) {
+	for _, tt := range []struct {
+		v    string
+		want bool
+	}{
+		{"9.2.4", true},
+		{"10.0.0", true},
+		{"10.0.2", true},
+		{"10.0.3", true},
+		{"10.0.4", false},
+		{"10.0.13", false},
+		{"10.0.90", false}, // 10.1's release candidates
+		{"10.1.0", false},
+		{"10.2.1", false},
+		{"11.0.0", false},
+		{"", true},
+		{"10.x", true},
+	} {
+		if got := BootDispatchRace(tt.v); got != tt.want {
+			t.Errorf("BootDispatchRace(%q) = %v, want %v", tt.v, got, tt.want)
+		}
+	}
+}
