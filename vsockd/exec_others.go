@@ -5,6 +5,7 @@ package vsockd
 import (
 	"os"
 	"sync/atomic"
+	"time"
 )
 
 const sigKill = 9
@@ -29,7 +30,7 @@ type output struct {
 func (p *proc) outputs() []output                         { return nil }
 func (p *proc) stdinWriter() *os.File                     { return nil }
 func (p *proc) closeStdin()                               {}
-func (p *proc) markExited()                               {}
+func (p *proc) markExited(time.Duration)                  {}
 func (p *proc) signal(int)                                {}
 func (p *proc) kill()                                     {}
 func (p *proc) resize(rows, cols uint16) error            { return ErrUnsupported }
@@ -43,3 +44,6 @@ type execError struct {
 }
 
 func (e *execError) Error() string { return e.msg }
+
+// readReady is a read whose deadline passed: without unix, nothing more is read.
+func readReady(*os.File, []byte) (int, error) { return 0, os.ErrDeadlineExceeded }

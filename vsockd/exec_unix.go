@@ -5,6 +5,7 @@ package vsockd
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"os/signal"
@@ -200,12 +201,43 @@ func (p *proc) closeStdin() {
 }
 
 // markExited records that the process was reaped and makes output reads
-// give up after drainIdle of inactivity.
-func (p *proc) markExited() {
+// give up after idle (the server's drainIdle) of inactivity.
+func (p *proc) markExited(idle time.Duration) {
 	p.exited.Store(true)
 	for _, o := range p.outputs() {
-		o.f.SetReadDeadline(time.Now().Add(drainIdle))
+		o.f.SetReadDeadline(time.Now().Add(idle))
 	}
+}
+
+// readReady reads what f holds now without waiting, for a read whose deadline
+// passed: n > 0 for output already there, io.EOF at its end, and
+// os.ErrDeadlineExceeded when f is empty (idle). The deadline is cleared; the
+// caller sets the next.
+func readReady(f *os.File, buf []byte) (int, error) {
+	if err := f.SetReadDeadline(time.Time{}); err != nil {
+		return 0, err
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var n int
+	var rerr error
+	if err := rc.Read(func(fd uintptr) bool {
+		n, rerr = unix.Read(int(fd), buf)
+		return true // one attempt: never wait
+	}); err != nil {
+		return 0, err
+	}
+	switch {
+	case errors.Is(rerr, unix.EAGAIN):
+		return 0, os.ErrDeadlineExceeded
+	case rerr != nil:
+		return 0, rerr
+	case n == 0:
+		return 0, io.EOF
+	}
+	return n, nil
 }
 
 // signal sends sig to the process group unless the process has already

@@ -20,6 +20,14 @@ import (
 // that escaped the process group but still hold the pipes open.
 const drainIdle = 250 * time.Millisecond
 
+// drain is the server's drainIdle (drainIdleTest where a test set one).
+func (s *Server) drain() time.Duration {
+	if s.drainIdleTest > 0 {
+		return s.drainIdleTest
+	}
+	return drainIdle
+}
+
 // Server is the guest side of the protocol. The zero value is ready to use.
 // When the process is PID 1 it also sets the wall clock and hostname from
 // Hello and reaps every child (orphans included); otherwise it only waits
@@ -37,6 +45,8 @@ type Server struct {
 	ExecPidsMax int
 
 	cgroups execCgroups
+	// drainIdleTest replaces drainIdle in tests (0: drainIdle).
+	drainIdleTest time.Duration
 }
 
 // PrepareExec makes the cgroups the next commands start in now (see ExecCgroup), so
@@ -366,9 +376,16 @@ func (ss *session) pumpOutput(st *gstream, t FrameType, f *os.File, exited *atom
 	buf := make([]byte, chunkSize)
 	for {
 		if exited.Load() {
-			f.SetReadDeadline(time.Now().Add(drainIdle))
+			f.SetReadDeadline(time.Now().Add(ss.srv.drain()))
 		}
 		n, err := f.Read(buf)
+		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+			// The deadline can pass while this goroutine waits for a CPU rather than
+			// for output (a loaded guest, or the host granting credit late): what the
+			// process wrote before it exited is in the pipe still. Only an empty pipe
+			// is idle.
+			n, err = readReady(f, buf)
+		}
 		data := buf[:n]
 		for len(data) > 0 {
 			k, aerr := st.win.acquire(st.ctx, len(data))
@@ -433,7 +450,7 @@ wait:
 			return // dropped: drop killed the process; the reaper collects it
 		}
 	}
-	p.markExited()
+	p.markExited(ss.srv.drain())
 	done := make(chan struct{})
 	go func() { pumps.Wait(); close(done) }()
 	select {

@@ -25,9 +25,15 @@ import (
 // pair connects a Client and a Server over net.Pipe.
 func pair(t *testing.T, cfg *ClientConfig) *Client {
 	t.Helper()
+	return pairWith(t, &Server{}, cfg)
+}
+
+// pairWith is pair with srv as the guest side.
+func pairWith(t *testing.T, srv *Server, cfg *ClientConfig) *Client {
+	t.Helper()
 	a, b := net.Pipe()
 	done := make(chan error, 1)
-	go func() { done <- (&Server{}).ServeConn(context.Background(), b) }()
+	go func() { done <- srv.ServeConn(context.Background(), b) }()
 	c := NewClient(a, cfg)
 	t.Cleanup(func() {
 		c.Close()
@@ -247,6 +253,33 @@ func TestConcurrentExecs(t *testing.T) {
 			code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("head -c 300000 /dev/zero; sleep 0.%d; echo %d; exit %d", i%5, i, i)}, Stdout: &out})
 			if err != nil || code != i || out.Len() != 300000+len(fmt.Sprint(i))+1 {
 				errs <- fmt.Errorf("exec %d: code %d err %v len %d", i, code, err, out.Len())
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+// TestOutputAfterExitDeadlinePassed: what a process wrote before it exited reaches
+// the host even where the drain deadline passed before the guest read it (a guest
+// starved of CPU, a host granting credit late; here a deadline that has always
+// passed): an expired read looks at the pipe once more and gives up only when it is
+// empty. Before, each of these commands lost the output its pipe still held.
+func TestOutputAfterExitDeadlinePassed(t *testing.T) {
+	c := pairWith(t, &Server{drainIdleTest: time.Nanosecond}, nil)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var out bytes.Buffer
+			code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("head -c 200000 /dev/zero; echo %d", i)}, Stdout: &out})
+			if want := 200000 + len(fmt.Sprint(i)) + 1; err != nil || code != 0 || out.Len() != want {
+				errs <- fmt.Errorf("exec %d: code %d err %v: %d bytes of output, want %d", i, code, err, out.Len(), want)
 			}
 		}()
 	}
