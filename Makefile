@@ -25,7 +25,7 @@ CHECK_TIMEOUT ?= 30m
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 
-.PHONY: build setup setup-host image test fleet-high checks-lowest checks unit unit-fleet unit-rest lint itest itest-vms cross fuzz fuzz-ci fanout bench clean
+.PHONY: build setup setup-host image test fleet-then-vms prebuild-then-checks checks unit unit-fleet unit-rest prebuild lint itest itest-vms cross fuzz fuzz-ci fanout bench clean
 
 ## build: compile forkvm, forkbench and the static guest agent into ./bin
 # The agent with -buildvcs=false: its bytes (and so the images it is baked into) change
@@ -72,11 +72,11 @@ image: build
 ## unit: vet and unit tests (no VMs)
 unit: unit-fleet unit-rest
 
-# unit-fleet: the fleet's unit tests. Their nodes' heartbeats expire within seconds
-# (200 ms beats, a 1.5 s TTL in some), so make test runs them at a high CPU priority
-# (HIGH) beside the VM tests: at the same priority, beside VMs, a live node could miss
-# its heartbeats for that long. The tests that lose a node run first, one at a time;
-# the others (each with its own NATS server, mostly waiting on it) eight at a time.
+# unit-fleet: the fleet's unit tests. Their nodes' heartbeats expire within seconds, so
+# make test runs them before the VM tests load the machine, with only niced checks
+# beside them (beside VMs a live node could miss its heartbeats for that long). The
+# tests that lose a node run first, one at a time; the others (each with its own NATS
+# server, mostly waiting on it) eight at a time.
 unit-fleet:
 	$(GO) test -count=1 -parallel 8 ./fleet/...
 
@@ -143,22 +143,21 @@ itest-vms:
 	rc=0; $(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -parallel $(ITEST_PARALLEL) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|^ +--- FAIL|_test.go' || rc=$$?; \
 	  [ $$rc = 0 ] || awk -f tests/failures.awk /tmp/forkvm-itest.log; exit $$rc
 
-## test: everything CI runs, in three job slots started together, each printing its
-## output when it ends (the VM tests' full log grows in /tmp/forkvm-itest.log
-## meanwhile). The VM tests start at once: they compile their binary and the agent, then
-## boot VMs; the machine's CPU is theirs. Beside them the fleet's unit tests run at a
-## high CPU priority (HIGH): they take little CPU, mostly waiting on NATS, but need it
-## within their heartbeats' bounds. The checks that boot no VM (the other unit tests,
-## their Debian image builds included, lint, cross and fuzz-ci) run at the lowest
-## priority (LOWEST), on the CPU the VM tests leave idle (waiting on guests, on TTLs).
+## test: everything CI runs, in two job slots. The first runs the fleet's unit tests,
+## beside no VM (heartbeat timing), then the VM tests. The second runs, at the lowest
+## CPU priority from the start (LOWEST), the checks that boot no VM: the compiles the VM
+## tests need next, then the other unit tests (their Debian image builds included),
+## lint, cross and fuzz-ci. They take the CPU the fleet's tests and the VM tests leave
+## idle (both wait on NATS or on guests) instead of slowing them, and the VM tests start
+## as soon as the fleet's end, not after a fresh machine's compiles. Each slot's output
+## is printed when it ends; the VM tests' full log grows in /tmp/forkvm-itest.log
+## meanwhile.
 test: setup
-	$(MAKE) --no-print-directory -j3 --output-sync=target itest-vms fleet-high checks-lowest
+	$(MAKE) --no-print-directory -j2 --output-sync=target fleet-then-vms prebuild-then-checks
 
-fleet-high:
-	$(HIGH) $(MAKE) --no-print-directory unit-fleet
-
-checks-lowest:
-	$(LOWEST) $(MAKE) --no-print-directory checks
+fleet-then-vms:
+	$(MAKE) --no-print-directory unit-fleet
+	$(MAKE) --no-print-directory itest-vms
 
 # LOWEST runs a command at the lowest CPU priority against everything else on the host.
 # nice alone is not that where the kernel groups tasks by session (autogroup, on by
@@ -170,10 +169,15 @@ checks-lowest:
 # autogroup the write fails and nice does it.
 LOWEST = setsid --wait sh -c 'echo 19 > /proc/self/autogroup 2>/dev/null; exec nice -n 19 "$$@"' lowest
 
-# HIGH runs a command at a high CPU priority (nice -10) in a session of its own, the
-# same way; where that is not allowed (not root) both writes fail, nice says so, and the
-# command runs at the usual priority.
-HIGH = setsid --wait sh -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec nice -n -10 "$$@"' high
+prebuild-then-checks:
+	$(LOWEST) $(MAKE) --no-print-directory prebuild
+	$(LOWEST) $(MAKE) --no-print-directory checks
+
+# prebuild: compiles, at the lowest CPU priority, the VM tests' binary and agent first
+# (the VM tests build the same; the build cache shares it).
+prebuild:
+	nice -n 19 $(GO) test -c -o /dev/null ./tests/
+	nice -n 19 env CGO_ENABLED=0 GOOS=linux $(GO) build -o /dev/null ./cmd/forkvm-agent
 
 # checks: the other unit tests, then lint, cross and fuzz-ci, at the lowest CPU priority.
 checks:
