@@ -329,25 +329,11 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 			ok = true
 			return vm, nil
 		}
-		// Boot it cold instead: a VM made afresh, under the same name and admission.
-		e.discard(vm)
-		vm = nil
-		e.vms.unreserve(spec.Name)
-		if ctx.Err() != nil {
+		// Boot it cold instead. The cold boot is kept in the cache in turn where the
+		// entry is gone.
+		if vm, clock, err = e.bootAgain(ctx, vm, spec, imageMiB, key, err, clock, "boot cache: restore failed; the VM boots cold"); err != nil {
 			return nil, err
 		}
-		if errors.Is(err, errBootEntry) {
-			e.setBootAside(key, err)
-		} else {
-			e.log.Info("boot cache: restore failed; the VM boots cold", "vm", spec.Name, "key", key, "err", err)
-		}
-		// The cold boot is kept in the cache in turn where the entry is gone.
-		clock = clock.restart()
-		clock.begin("prepare")
-		if vm, err = e.newBootVM(ctx, spec, imageMiB); err != nil {
-			return nil, err
-		}
-		clock.watch(vm)
 	}
 
 	single := e.bootSingleThreaded(ctx, spec)
@@ -360,7 +346,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		}
 		if single {
 			var err error
-			if vm, err = e.handOver(ctx, vm, spec, imageMiB, img, imgErr, key, clock); err != nil {
+			if vm, clock, err = e.handOver(ctx, vm, spec, imageMiB, img, imgErr, key, clock); err != nil {
 				return nil, err
 			}
 		}
@@ -368,6 +354,31 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	e.vms.add(vm)
 	ok = true
 	return vm, nil
+}
+
+// bootAgain discards vm, whose restore from the boot cache's entry key failed with err,
+// and returns an unstarted VM of spec made afresh under the same name and admission
+// (newBootVM), the clock started over, for a cold boot. An entry at fault is set aside;
+// any other failure is logged with why. It returns err itself where ctx ended.
+func (e *Engine) bootAgain(ctx context.Context, vm *VM, spec Spec, imageMiB int, key string, err error, clock *phaseClock, why string) (*VM, *phaseClock, error) {
+	e.discard(vm)
+	e.vms.unreserve(spec.Name)
+	if ctx.Err() != nil {
+		return nil, clock, err
+	}
+	if errors.Is(err, errBootEntry) {
+		e.setBootAside(key, err)
+	} else {
+		e.log.Info(why, "vm", spec.Name, "key", key, "err", err)
+	}
+	clock = clock.restart()
+	clock.begin("prepare")
+	vm, err = e.newBootVM(ctx, spec, imageMiB)
+	if err != nil {
+		return nil, clock, err
+	}
+	clock.watch(vm)
+	return vm, clock, nil
 }
 
 // bootSingleThreaded says whether a cold boot of spec runs its vCPUs on one host thread
@@ -440,11 +451,11 @@ func (e *Engine) bootCold(ctx context.Context, vm *VM, spec Spec, img *guestboot
 // Where the entry is not there (another engine's won, or the capture failed) cold runs
 // on as it is. Where the restore fails, the entry is set aside as any restore's failure
 // and the VM boots once more, on one thread, and stays so.
-func (e *Engine) handOver(ctx context.Context, cold *VM, spec Spec, imageMiB int, img *guestboot.ImageDisk, imgErr error, key string, clock *phaseClock) (*VM, error) {
+func (e *Engine) handOver(ctx context.Context, cold *VM, spec Spec, imageMiB int, img *guestboot.ImageDisk, imgErr error, key string, clock *phaseClock) (*VM, *phaseClock, error) {
 	dir, rec := e.bootEntry(key)
 	if rec == nil {
 		e.log.Info("boot cache: no entry to hand the boot over from; the VM keeps one TCG thread", "vm", spec.Name, "key", key)
-		return cold, nil
+		return cold, clock, nil
 	}
 	booted := cold.snapshot().Timings
 	e.discard(cold)
@@ -453,31 +464,18 @@ func (e *Engine) handOver(ctx context.Context, cold *VM, spec Spec, imageMiB int
 	clock.begin("prepare")
 	vm, err := e.newBootVM(ctx, spec, imageMiB)
 	if err != nil {
-		return nil, err
+		return nil, clock, err
 	}
 	clock.watch(vm)
-	err = e.restoreBoot(ctx, vm, spec, img, dir, rec, clock)
-	if err != nil {
-		e.discard(vm)
-		e.vms.unreserve(spec.Name)
-		if ctx.Err() != nil {
-			return nil, err
+	if err := e.restoreBoot(ctx, vm, spec, img, dir, rec, clock); err != nil {
+		if vm, clock, err = e.bootAgain(ctx, vm, spec, imageMiB, key, err, clock, "boot cache: hand-over failed; the VM boots again on one TCG thread"); err != nil {
+			return nil, clock, err
 		}
-		if errors.Is(err, errBootEntry) {
-			e.setBootAside(key, err)
-		}
-		e.log.Warn("boot cache: hand-over failed; the VM boots again on one TCG thread", "vm", spec.Name, "key", key, "err", err)
-		clock = clock.restart()
-		clock.begin("prepare")
-		if vm, err = e.newBootVM(ctx, spec, imageMiB); err != nil {
-			return nil, err
-		}
-		clock.watch(vm)
 		if err := e.bootCold(ctx, vm, spec, img, imgErr, clock, true); err != nil {
 			e.discard(vm)
-			return nil, err
+			return nil, clock, err
 		}
-		return vm, nil // Create unreserves the name once it is registered
+		return vm, clock, nil // Create unreserves the name once it is registered
 	}
 	touchBoot(dir)
 	err = vm.update(func(s *vmState) {
@@ -488,9 +486,9 @@ func (e *Engine) handOver(ctx context.Context, cold *VM, spec Spec, imageMiB int
 	})
 	if err != nil {
 		e.discard(vm)
-		return nil, err
+		return nil, clock, err
 	}
-	return vm, nil
+	return vm, clock, nil
 }
 
 // attachImage gives a VM booting the root image image its disk chain: the image's disk
