@@ -16,7 +16,6 @@ APT_PKGS := busybox-static e2fsprogs mmdebstrap linux-perf
 # Go test flags for integration tests (they boot real VMs under TCG: give them time).
 ITEST_TIMEOUT ?= 30m
 ITEST_PARALLEL ?= 3
-ITEST_LOG ?= /tmp/forkvm-itest.log
 # Go test timeout of each unit test package and fuzz target (see unit-rest).
 CHECK_TIMEOUT ?= 30m
 
@@ -26,7 +25,7 @@ CHECK_TIMEOUT ?= 30m
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 
-.PHONY: build setup setup-host image test fleet-then-vms fleet-high itest-fleet prebuild-then-checks checks unit unit-fleet unit-rest prebuild lint itest itest-vms cross fuzz fuzz-ci fanout bench clean
+.PHONY: build setup setup-host image test fleet-then-vms prebuild-then-checks checks unit unit-fleet unit-rest prebuild lint itest itest-vms cross fuzz fuzz-ci fanout bench clean
 
 ## build: compile forkvm, forkbench and the static guest agent into ./bin
 # The agent with -buildvcs=false: its bytes (and so the images it is baked into) change
@@ -73,11 +72,11 @@ image: build
 ## unit: vet and unit tests (no VMs)
 unit: unit-fleet unit-rest
 
-# unit-fleet: the fleet's unit tests. Their nodes' heartbeats expire within seconds
-# (200 ms beats and a 1.5 s TTL in some), so make test runs them before the other VM
-# tests load the machine, beside TestFleet alone and at a high priority
-# (fleet-then-vms). The tests that lose a node run first, one at a time; the others
-# (each with its own NATS server, mostly waiting on it) eight at a time.
+# unit-fleet: the fleet's unit tests. Their nodes' heartbeats expire within seconds, so
+# make test runs them before the VM tests load the machine, with only niced checks
+# beside them (beside VMs a live node could miss its heartbeats for that long). The
+# tests that lose a node run first, one at a time; the others (each with its own NATS
+# server, mostly waiting on it) eight at a time.
 unit-fleet:
 	$(GO) test -count=1 -parallel 8 ./fleet/...
 
@@ -141,15 +140,11 @@ itest: setup
 # time: a VM test waits on its guests much of its time, and two at a time left a third
 # of this 2-core machine idle.
 itest-vms:
-	rc=0; $(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -parallel $(ITEST_PARALLEL) -v $(ITEST_ARGS) ./tests/ 2>&1 | tee $(ITEST_LOG) | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|^ +--- FAIL|_test.go' || rc=$$?; \
-	  [ $$rc = 0 ] || awk -f tests/failures.awk $(ITEST_LOG); exit $$rc
+	rc=0; $(GO) test -count=1 -timeout $(ITEST_TIMEOUT) -parallel $(ITEST_PARALLEL) -v ./tests/ 2>&1 | tee /tmp/forkvm-itest.log | grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|^ +--- FAIL|_test.go' || rc=$$?; \
+	  [ $$rc = 0 ] || awk -f tests/failures.awk /tmp/forkvm-itest.log; exit $$rc
 
-# itest-fleet: TestFleet alone (fleet-then-vms); its log is /tmp/forkvm-itest-fleet.log.
-itest-fleet:
-	$(MAKE) --no-print-directory itest-vms ITEST_ARGS='-run ^TestFleet$$$$' ITEST_LOG=/tmp/forkvm-itest-fleet.log
-
-## test: everything CI runs, in two job slots. The first runs the fleet's unit tests
-## beside TestFleet, then the other VM tests (fleet-then-vms). The second runs, at the lowest
+## test: everything CI runs, in two job slots. The first runs the fleet's unit tests,
+## beside no VM (heartbeat timing), then the VM tests. The second runs, at the lowest
 ## CPU priority from the start (LOWEST), the checks that boot no VM: the compiles the VM
 ## tests need next, then the other unit tests (their Debian image builds included),
 ## lint, cross and fuzz-ci. They take the CPU the fleet's tests and the VM tests leave
@@ -160,23 +155,9 @@ itest-fleet:
 test: setup
 	$(MAKE) --no-print-directory -j2 --output-sync=target fleet-then-vms prebuild-then-checks
 
-# fleet-then-vms: the fleet's unit tests and TestFleet (the fleet's VM tests: three
-# fleets of daemons on loopback, waiting on heartbeat TTLs and leases much of the time)
-# side by side, then the other VM tests. The unit tests run at a high CPU priority
-# (HIGH) beside TestFleet's VMs, which keeps their heartbeats' bounds (at the same
-# priority, beside VMs, a live node could miss them); TestFleet's own daemons beat
-# every second with a 6 s TTL.
 fleet-then-vms:
-	$(MAKE) --no-print-directory -j2 --output-sync=target fleet-high itest-fleet
-	$(MAKE) --no-print-directory itest-vms ITEST_ARGS='-skip ^TestFleet$$$$'
-
-fleet-high:
-	$(HIGH) $(MAKE) --no-print-directory unit-fleet
-
-# HIGH runs a command at a high CPU priority (nice -10) in a session of its own (see
-# LOWEST); where that is not allowed (not root) both writes fail, nice says so, and the
-# command runs at the usual priority.
-HIGH = setsid --wait sh -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec nice -n -10 "$$@"' high
+	$(MAKE) --no-print-directory unit-fleet
+	$(MAKE) --no-print-directory itest-vms
 
 # LOWEST runs a command at the lowest CPU priority against everything else on the host.
 # nice alone is not that where the kernel groups tasks by session (autogroup, on by
