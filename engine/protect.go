@@ -315,10 +315,21 @@ func (e *Engine) unprotected(ctx context.Context, name string) {
 	}
 }
 
-// DropPoints deletes the protection points of VM name held here (a point a VM runs
-// from is unpinned instead): the stale copies of a VM that runs elsewhere now.
-func (e *Engine) DropPoints(ctx context.Context, name string) {
-	e.dropPoints(ctx, name, "")
+// DropPoints deletes the protection points of VM name held here that were taken
+// before before, except keep (a point a VM runs from is unpinned instead): the stale
+// points of a VM that runs elsewhere now. The points taken since (its new owner's,
+// of which this engine may hold copies for it) stay.
+func (e *Engine) DropPoints(ctx context.Context, name, keep string, before time.Time) {
+	cks, err := e.Checkpoints()
+	if err != nil {
+		e.log.Warn("protection: points not listed", "vm", name, "err", err)
+		return
+	}
+	for _, c := range cks {
+		if c.Protects == name && c.Name != keep && c.CreatedAt.Before(before) {
+			e.dropPoint(ctx, c.Name)
+		}
+	}
 }
 
 // protectLoop takes VM name's points every interval until ctx ends (see the package's

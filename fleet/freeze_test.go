@@ -98,7 +98,26 @@ func (e *protEngine) Fence(ctx context.Context, name string) error {
 	return e.Delete(ctx, name)
 }
 
-func (e *protEngine) DropPoints(_ context.Context, name string) { e.did("drop " + name) }
+// DropPoints drops name's points taken before before, but keep, as the engine does.
+func (e *protEngine) DropPoints(_ context.Context, name, keep string, before time.Time) {
+	e.did("drop " + name)
+	e.pmu.Lock()
+	e.points = slices.DeleteFunc(e.points, func(c api.CheckpointInfo) bool {
+		return c.Protects == name && c.Name != keep && c.CreatedAt.Before(before)
+	})
+	e.pmu.Unlock()
+}
+
+// pointNames lists the points e holds.
+func (e *protEngine) pointNames() []string {
+	e.pmu.Lock()
+	defer e.pmu.Unlock()
+	var out []string
+	for _, c := range e.points {
+		out = append(out, c.Name)
+	}
+	return out
+}
 
 func (e *protEngine) Points() ([]api.CheckpointInfo, error) {
 	e.pmu.Lock()
@@ -200,14 +219,25 @@ func TestElectionFreezesAndThaws(t *testing.T) {
 // TestCutOffFrozenThenDropped: only the owner's heartbeats fail (it is cut off). It
 // freezes its protected VM; the holder of the VM's point takes it over once the
 // owner's lease has run out and revives it; when the owner's heartbeats go through
-// again, its frozen copy is ended and its points dropped, never thawed.
+// again, its frozen copy is ended and its own points dropped, never thawed. A copy it
+// already holds of the new owner's point (taken after the revival) stays: it may be
+// the only one.
 func TestCutOffFrozenThenDropped(t *testing.T) {
 	t.Parallel()
 	s := testServer(t)
 	n1, _, e1, e2 := protectedPair(t, s)
+	e1.pmu.Lock()
+	e1.points = append(e1.points, api.CheckpointInfo{Name: "v-p-own", Protects: "v", CreatedAt: time.Now()})
+	e1.pmu.Unlock()
 	n1.beatsFail.Store(true)
 	waitFor(t, 10*time.Second, "v frozen", func() bool { return slices.Contains(e1.called(), "freeze v") })
 	waitFor(t, 20*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
+	// The new owner's point, copied to n1 before n1 settles (the fake's Protect takes
+	// none: the copy is put in place here).
+	time.Sleep(10 * time.Millisecond)
+	e1.pmu.Lock()
+	e1.points = append(e1.points, api.CheckpointInfo{Name: "v-p-new", Protects: "v", CreatedAt: time.Now()})
+	e1.pmu.Unlock()
 	n1.beatsFail.Store(false)
 	waitFor(t, 20*time.Second, "n1's copy dropped", func() bool { return slices.Contains(e1.called(), "drop v") })
 	// From its last freeze on (a heartbeat late by a TTL before the cut adds a freeze
@@ -224,6 +254,9 @@ func TestCutOffFrozenThenDropped(t *testing.T) {
 	}
 	if _, err := e1.Get("v"); err == nil {
 		t.Errorf("n1 still has v")
+	}
+	if got := e1.pointNames(); !slices.Equal(got, []string{"v-p-new"}) {
+		t.Errorf("n1 holds points %v after dropping its stale ones; want only the new owner's v-p-new", got)
 	}
 }
 

@@ -93,9 +93,10 @@ type ProtectEngine interface {
 	// Freeze stops a local VM's guest in place, Thaw runs it again (engine.Freeze).
 	Freeze(ctx context.Context, name string) error
 	Thaw(ctx context.Context, name string) error
-	// Fence ends a local VM, keeping its protection points; DropPoints deletes them.
+	// Fence ends a local VM, keeping its protection points; DropPoints deletes those
+	// taken before before, except keep.
 	Fence(ctx context.Context, name string) error
-	DropPoints(ctx context.Context, name string)
+	DropPoints(ctx context.Context, name, keep string, before time.Time)
 	// Points lists the protection points here: this node's VMs', and the copies it
 	// holds for other nodes'.
 	Points() ([]api.CheckpointInfo, error)
@@ -130,7 +131,9 @@ func (a engineAdapter) Points() ([]api.CheckpointInfo, error) {
 	cks, err := a.e.Checkpoints()
 	return slices.DeleteFunc(cks, func(c api.CheckpointInfo) bool { return c.Protects == "" }), err
 }
-func (a engineAdapter) DropPoints(ctx context.Context, name string) { a.e.DropPoints(ctx, name) }
+func (a engineAdapter) DropPoints(ctx context.Context, name, keep string, before time.Time) {
+	a.e.DropPoints(ctx, name, keep, before)
+}
 
 // protectBucket is the records' bucket.
 func (f *Fleet) protectBucket() jetstream.KeyValueConfig {
@@ -775,13 +778,13 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		// TTL, or it was cut off and not fenced in time): this copy must not run.
 		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
 		err := p.Fence(ctx, r.VM)
-		p.DropPoints(ctx, r.VM)
+		p.DropPoints(ctx, r.VM, r.Point, staleBefore(r))
 		cancel()
 		f.log.Warn("fleet: stale copy of a protected VM removed: it runs on another node", "vm", r.VM, "node", r.Node, "err", err)
 	case r.Node != f.cfg.Node && fenced:
 		// Revived elsewhere while this node was cut off: nothing of it is kept here.
 		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
-		p.DropPoints(ctx, r.VM)
+		p.DropPoints(ctx, r.VM, r.Point, staleBefore(r))
 		cancel()
 		f.mu.Lock()
 		delete(f.fenced, r.VM)
@@ -848,6 +851,20 @@ func (f *Fleet) settle(p ProtectEngine, r protectRec) {
 		}
 		f.startRevive(p, r)
 	}
+}
+
+// staleBefore is when r's VM stopped being this node's, for a node that finds a stale
+// copy of it (the VM revived elsewhere meanwhile): its points taken before then are
+// stale, and go; those taken since are copies of its new owner's points, which the
+// owner may already send here (this node is live again, a peer it may pick), and
+// stay. Without a revival on record, the copies younger than strayAge stay (one may
+// be about to be named). The record's point stays in any case; dropStrays takes what
+// is left over once no record names it.
+func staleBefore(r protectRec) time.Time {
+	if !r.RevivedAt.IsZero() {
+		return r.RevivedAt
+	}
+	return time.Now().Add(-strayAge)
 }
 
 // lostWork bounds the guest time a revival from a point taken at pointAt loses, its

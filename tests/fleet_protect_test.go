@@ -225,6 +225,9 @@ func fleetProtect(t *testing.T) {
 		}
 		if on == nil && time.Since(stopped) > 90*time.Second {
 			cut.d.cmd.Process.Signal(syscall.SIGCONT)
+			for _, h := range hosts {
+				t.Logf("%s log:\n%s", h.name, h.d.logText())
+			}
 			t.Fatal("fpf not revived within 90 s of its owner's stop")
 		}
 		time.Sleep(200 * time.Millisecond)

@@ -29,6 +29,24 @@ func consoleBytes(t *testing.T, home, name string) int64 {
 	return n
 }
 
+// waitConsole returns vm's console log once it holds want, or as it is after 30 s.
+// An exec returns when the guest's UART took its output; the host reads the console
+// and writes its log after that, later on a loaded host (a 1.25 MiB flood was 500 KiB
+// behind on one).
+func waitConsole(t *testing.T, ctx context.Context, vm *engine.VM, want string) string {
+	t.Helper()
+	var logs bytes.Buffer
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		logs.Reset()
+		if err := vm.Logs(ctx, false, &logs); err != nil {
+			t.Fatal(err)
+		}
+		if s := logs.String(); strings.Contains(s, want) || time.Now().After(deadline) {
+			return s
+		}
+	}
+}
+
 // TestGuestAbuse is a hostile guest root: it floods its console (the host keeps at
 // most consoleCap of it, the end included), and sends PID 1 (the agent) the signals
 // that used to kill it (the VM keeps answering). A fork's console starts with its
@@ -46,13 +64,13 @@ func TestGuestAbuse(t *testing.T) {
 	if n := consoleBytes(t, env.Home, "w"); n > consoleCap {
 		t.Errorf("console log of w takes %d bytes after a 1.25 MiB flood, cap %d", n, consoleCap)
 	}
+	if s := waitConsole(t, ctx, w, "FLOOD-END"); !strings.HasSuffix(strings.TrimSpace(s), "FLOOD-END") || len(s) > consoleCap {
+		t.Errorf("logs: %d bytes, ending %q", len(s), s[max(0, len(s)-40):])
+	}
+	if n := consoleBytes(t, env.Home, "w"); n > consoleCap {
+		t.Errorf("console log of w takes %d bytes after the flood's end was logged, cap %d", n, consoleCap)
+	}
 	var logs bytes.Buffer
-	if err := w.Logs(ctx, false, &logs); err != nil {
-		t.Fatal(err)
-	}
-	if !strings.HasSuffix(strings.TrimSpace(logs.String()), "FLOOD-END") || logs.Len() > consoleCap {
-		t.Errorf("logs: %d bytes, ending %q", logs.Len(), logs.String()[max(0, logs.Len()-40):])
-	}
 
 	for _, sig := range []string{"TERM", "QUIT", "SEGV", "HUP", "INT", "ABRT", "BUS", "USR1", "PIPE"} {
 		if _, errs, code := run(t, w, "kill -"+sig+" 1"); code != 0 {
@@ -79,18 +97,7 @@ func TestGuestAbuse(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustRun(t, f, "echo FORK-SAYS-HI > /dev/console")
-	// The exec returns when the guest's UART took the line; the host reads the console
-	// and writes its log after that (later on a loaded host): wait for the line.
-	var s string
-	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		logs.Reset()
-		if err := f.Logs(ctx, false, &logs); err != nil {
-			t.Fatal(err)
-		}
-		if s = logs.String(); strings.Contains(s, "FORK-SAYS-HI") || time.Now().After(deadline) {
-			break
-		}
-	}
+	s := waitConsole(t, ctx, f, "FORK-SAYS-HI")
 	i, j, k := strings.Index(s, "FLOOD-END"), strings.Index(s, "fork f1 starts here"), strings.Index(s, "FORK-SAYS-HI")
 	if i < 0 || j < i || k < j {
 		t.Errorf("fork console: checkpoint's output at %d, fork line at %d, fork's output at %d; want in that order", i, j, k)
