@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/internal/guestscript"
 )
 
 // TestWaveFlattensFreshCheckpoint: a wave of forks of a checkpoint two layers deep,
@@ -31,7 +32,7 @@ func TestWaveFlattensFreshCheckpoint(t *testing.T) {
 	src, sums := "ck0", wsum
 	for i := 1; i <= 2; i++ {
 		n := mustFork(t, e, src, fmt.Sprintf("n%d", i))
-		sums += "\n" + mustRun(t, n, fmt.Sprintf("head -c 16777216 /dev/urandom > /dev/shm/n%d && md5sum /dev/shm/n%d", i, i))
+		sums += "\n" + mustRun(t, n, guestscript.Fill(fmt.Sprintf("/dev/shm/n%d", i), 16)+fmt.Sprintf(" && md5sum /dev/shm/n%d", i))
 		src = fmt.Sprintf("c%d", i)
 		if _, err := e.Checkpoint(ctx, n.Name(), src, &engine.CheckpointOptions{Pin: true}); err != nil {
 			t.Fatal(err)

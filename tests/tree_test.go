@@ -3,7 +3,6 @@ package tests
 import (
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"slices"
 	"strings"
@@ -12,6 +11,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/internal/guestscript"
 )
 
 // allocatedBytes is the storage a file holds.
@@ -34,7 +34,7 @@ func TestCheckpointFileKeepsItsSize(t *testing.T) {
 	e := env.E
 	ctx := ctxT(t, 5*time.Minute)
 	w := makeWorld(t, e, "w", 512, 0)
-	mustRun(t, w, "head -c 33554432 /dev/urandom > /dev/shm/world && sync")
+	mustRun(t, w, guestscript.Fill("/dev/shm/world", 32)+" && sync")
 	worldSum := mustRun(t, w, "md5sum /dev/shm/world")
 	ck, err := e.Checkpoint(ctx, "w", "ck", &engine.CheckpointOptions{Pin: true})
 	if err != nil {
@@ -48,7 +48,7 @@ func TestCheckpointFileKeepsItsSize(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mustRun(t, f1, "head -c 67108864 /dev/urandom > /dev/shm/f1 && sync")
+	mustRun(t, f1, guestscript.Fill("/dev/shm/f1", 64)+" && sync")
 	f1Sum := mustRun(t, f1, "md5sum /dev/shm/f1")
 	grown := allocatedBytes(t, ram)
 	t.Logf("checkpoint RAM file: %d MiB frozen, %d MiB after f1 wrote 64 MiB", frozen>>20, grown>>20)
@@ -175,7 +175,7 @@ func TestFlattenMemory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	nsum := mustRun(t, n1, "head -c 33554432 /dev/urandom > /dev/shm/n1 && md5sum /dev/shm/n1")
+	nsum := mustRun(t, n1, guestscript.Fill("/dev/shm/n1", 32)+" && md5sum /dev/shm/n1")
 	c1, err := e.Checkpoint(ctx, "n1", "c1", &engine.CheckpointOptions{Pin: true})
 	if err != nil {
 		t.Fatal(err)
@@ -299,7 +299,7 @@ func flattenedLineage(t *testing.T, diskMiB, n1MiB int) (*engine.Engine, *engine
 		t.Fatal(err)
 	}
 	n1 := mustFork(t, e, "ck0", "n1")
-	sums = append(sums, mustRun(t, n1, fmt.Sprintf("head -c %d /dev/urandom > /dev/shm/n1 && md5sum /dev/shm/n1", n1MiB<<20)))
+	sums = append(sums, mustRun(t, n1, guestscript.Fill("/dev/shm/n1", n1MiB)+" && md5sum /dev/shm/n1"))
 	if _, err := e.Checkpoint(ctx, "n1", "c1", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatal(err)
 	}

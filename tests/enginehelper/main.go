@@ -54,6 +54,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine"
+	"github.com/forkvm/forkvm/internal/guestscript"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -229,7 +230,7 @@ func runDeltaCheckpoint(state, cache, kernel, initrd, name string) error {
 			return err
 		}
 		// Many pages to extract: the guest stays stopped for a while.
-		script := "head -c 134217728 /dev/urandom > /dev/shm/big && echo fw > /data/m && sync"
+		script := guestscript.Fill("/dev/shm/big", 128) + " && echo fw > /data/m && sync"
 		if code, err := fw.Exec(ctx, &vsockd.ExecRequest{Argv: []string{"sh", "-c", script}}); err != nil || code != 0 {
 			return fmt.Errorf("fw: write: %d %v", code, err)
 		}
