@@ -31,8 +31,8 @@ func consoleBytes(t *testing.T, home, name string) int64 {
 
 // waitConsole returns vm's console log once it holds want, or as it is after 30 s.
 // An exec returns when the guest's UART took its output; the host reads the console
-// and writes its log after that, later on a loaded host (a 1.25 MiB flood was 500 KiB
-// behind on one).
+// and writes its log after that, later on a loaded host (the end of a 1.25 MiB flood
+// was some KiB behind on one: what the console socket's buffers held).
 func waitConsole(t *testing.T, ctx context.Context, vm *engine.VM, want string) string {
 	t.Helper()
 	var logs bytes.Buffer
