@@ -306,7 +306,7 @@ func (e *Engine) Unprotect(ctx context.Context, name string) error {
 
 // unprotected deletes VM name's points here and tells the copier its protection ended.
 func (e *Engine) unprotected(ctx context.Context, name string) {
-	e.dropPoints(ctx, name, "")
+	e.dropPoints(ctx, name, "", time.Time{})
 	e.prot.mu.Lock()
 	c := e.prot.copier
 	e.prot.mu.Unlock()
@@ -316,20 +316,11 @@ func (e *Engine) unprotected(ctx context.Context, name string) {
 }
 
 // DropPoints deletes the protection points of VM name held here that were taken
-// before before, except keep (a point a VM runs from is unpinned instead): the stale
-// points of a VM that runs elsewhere now. The points taken since (its new owner's,
-// of which this engine may hold copies for it) stay.
+// before before (every one where before is zero), except keep (a point a VM runs from
+// is unpinned instead): the stale points of a VM that runs elsewhere now. The points
+// taken since (its new owner's, of which this engine may hold copies for it) stay.
 func (e *Engine) DropPoints(ctx context.Context, name, keep string, before time.Time) {
-	cks, err := e.Checkpoints()
-	if err != nil {
-		e.log.Warn("protection: points not listed", "vm", name, "err", err)
-		return
-	}
-	for _, c := range cks {
-		if c.Protects == name && c.Name != keep && c.CreatedAt.Before(before) {
-			e.dropPoint(ctx, c.Name)
-		}
-	}
+	e.dropPoints(ctx, name, keep, before)
 }
 
 // protectLoop takes VM name's points every interval until ctx ends (see the package's
@@ -417,7 +408,7 @@ func (e *Engine) ProtectNow(ctx context.Context, name string) (*ProtectionInfo, 
 		// Not recorded: the point is not the VM's; the next one sweeps it.
 		return &info, fmt.Errorf("engine: protect %s: %w", name, uerr)
 	}
-	e.dropPoints(ctx, name, ck.Manifest.Name)
+	e.dropPoints(ctx, name, ck.Manifest.Name, time.Time{})
 	return &info, nil
 }
 
@@ -439,15 +430,16 @@ func (e *Engine) takePoint(ctx context.Context, name string, world bool, copier 
 	return ck, nil
 }
 
-// dropPoints deletes VM name's protection points but keep ("" for all).
-func (e *Engine) dropPoints(ctx context.Context, name, keep string) {
+// dropPoints deletes VM name's protection points but keep ("" for all), those taken
+// before before only where before is not zero.
+func (e *Engine) dropPoints(ctx context.Context, name, keep string, before time.Time) {
 	cks, err := e.Checkpoints()
 	if err != nil {
 		e.log.Warn("protection: points not listed", "vm", name, "err", err)
 		return
 	}
 	for _, c := range cks {
-		if c.Protects == name && c.Name != keep {
+		if c.Protects == name && c.Name != keep && (before.IsZero() || c.CreatedAt.Before(before)) {
 			e.dropPoint(ctx, c.Name)
 		}
 	}
