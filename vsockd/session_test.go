@@ -240,19 +240,18 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-func TestConcurrentExecs(t *testing.T) {
-	c := pair(t, nil)
+// atOnce runs each(i) for i in [0, n) on goroutines of their own, all at once, and
+// reports each error it returns.
+func atOnce(t *testing.T, n int, each func(i int) error) {
+	t.Helper()
 	var wg sync.WaitGroup
-	errs := make(chan error, 20)
-	for i := range 20 {
+	errs := make(chan error, n)
+	for i := range n {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			var out bytes.Buffer
-			// Interleave: a slow consumer must not stall the others.
-			code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("head -c 300000 /dev/zero; sleep 0.%d; echo %d; exit %d", i%5, i, i)}, Stdout: &out})
-			if err != nil || code != i || out.Len() != 300000+len(fmt.Sprint(i))+1 {
-				errs <- fmt.Errorf("exec %d: code %d err %v len %d", i, code, err, out.Len())
+			if err := each(i); err != nil {
+				errs <- err
 			}
 		}()
 	}
@@ -263,6 +262,19 @@ func TestConcurrentExecs(t *testing.T) {
 	}
 }
 
+func TestConcurrentExecs(t *testing.T) {
+	c := pair(t, nil)
+	atOnce(t, 20, func(i int) error {
+		var out bytes.Buffer
+		// Interleave: a slow consumer must not stall the others.
+		code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("head -c 300000 /dev/zero; sleep 0.%d; echo %d; exit %d", i%5, i, i)}, Stdout: &out})
+		if err != nil || code != i || out.Len() != 300000+len(fmt.Sprint(i))+1 {
+			return fmt.Errorf("exec %d: code %d err %v len %d", i, code, err, out.Len())
+		}
+		return nil
+	})
+}
+
 // TestOutputAfterExitDeadlinePassed: what a process wrote before it exited reaches
 // the host even where the drain deadline passed before the guest read it (a guest
 // starved of CPU, a host granting credit late; here a deadline that has always
@@ -270,24 +282,14 @@ func TestConcurrentExecs(t *testing.T) {
 // empty. Before, each of these commands lost the output its pipe still held.
 func TestOutputAfterExitDeadlinePassed(t *testing.T) {
 	c := pairWith(t, &Server{drainIdleTest: time.Nanosecond}, nil)
-	var wg sync.WaitGroup
-	errs := make(chan error, 8)
-	for i := range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			var out bytes.Buffer
-			code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("head -c 200000 /dev/zero; echo %d", i)}, Stdout: &out})
-			if want := 200000 + len(fmt.Sprint(i)) + 1; err != nil || code != 0 || out.Len() != want {
-				errs <- fmt.Errorf("exec %d: code %d err %v: %d bytes of output, want %d", i, code, err, out.Len(), want)
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Error(err)
-	}
+	atOnce(t, 8, func(i int) error {
+		var out bytes.Buffer
+		code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", fmt.Sprintf("head -c 200000 /dev/zero; echo %d", i)}, Stdout: &out})
+		if want := 200000 + len(fmt.Sprint(i)) + 1; err != nil || code != 0 || out.Len() != want {
+			return fmt.Errorf("exec %d: code %d err %v: %d bytes of output, want %d", i, code, err, out.Len(), want)
+		}
+		return nil
+	})
 }
 
 func TestPutGetFile(t *testing.T) {
