@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -331,7 +332,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		}
 		// Boot it cold instead. The cold boot is kept in the cache in turn where the
 		// entry is gone.
-		if vm, clock, err = e.bootAgain(ctx, vm, spec, imageMiB, key, err, clock, "boot cache: restore failed; the VM boots cold"); err != nil {
+		if vm, clock, err = e.bootAgain(ctx, vm, spec, imageMiB, key, err, clock, slog.LevelInfo, "boot cache: restore failed; the VM boots cold"); err != nil {
 			return nil, err
 		}
 	}
@@ -359,8 +360,8 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 // bootAgain discards vm, whose restore from the boot cache's entry key failed with err,
 // and returns an unstarted VM of spec made afresh under the same name and admission
 // (newBootVM), the clock started over, for a cold boot. An entry at fault is set aside;
-// any other failure is logged with why. It returns err itself where ctx ended.
-func (e *Engine) bootAgain(ctx context.Context, vm *VM, spec Spec, imageMiB int, key string, err error, clock *phaseClock, why string) (*VM, *phaseClock, error) {
+// any other failure is logged with why at level. It returns err itself where ctx ended.
+func (e *Engine) bootAgain(ctx context.Context, vm *VM, spec Spec, imageMiB int, key string, err error, clock *phaseClock, level slog.Level, why string) (*VM, *phaseClock, error) {
 	e.discard(vm)
 	e.vms.unreserve(spec.Name)
 	if ctx.Err() != nil {
@@ -369,7 +370,7 @@ func (e *Engine) bootAgain(ctx context.Context, vm *VM, spec Spec, imageMiB int,
 	if errors.Is(err, errBootEntry) {
 		e.setBootAside(key, err)
 	} else {
-		e.log.Info(why, "vm", spec.Name, "key", key, "err", err)
+		e.log.Log(ctx, level, why, "vm", spec.Name, "key", key, "err", err)
 	}
 	clock = clock.restart()
 	clock.begin("prepare")
@@ -468,7 +469,7 @@ func (e *Engine) handOver(ctx context.Context, cold *VM, spec Spec, imageMiB int
 	}
 	clock.watch(vm)
 	if err := e.restoreBoot(ctx, vm, spec, img, dir, rec, clock); err != nil {
-		if vm, clock, err = e.bootAgain(ctx, vm, spec, imageMiB, key, err, clock, "boot cache: hand-over failed; the VM boots again on one TCG thread"); err != nil {
+		if vm, clock, err = e.bootAgain(ctx, vm, spec, imageMiB, key, err, clock, slog.LevelWarn, "boot cache: hand-over failed; the VM boots again on one TCG thread"); err != nil {
 			return nil, clock, err
 		}
 		if err := e.bootCold(ctx, vm, spec, img, imgErr, clock, true); err != nil {
