@@ -224,8 +224,12 @@ type MemoryUsage struct {
 	PageTables int64 `json:"page_tables_bytes"`
 	// Private is GuestWritten + TCGCode + Heap + Libraries + PageTables.
 	Private int64 `json:"private_bytes"`
+	// Merged is anonymous memory the kernel's same-page merging (KSM) found identical
+	// to other pages and keeps once for all (engine Config.MergePages; QEMU offers guest
+	// RAM to it by default): in Shared, not in any of Private's parts.
+	Merged int64 `json:"merged_bytes,omitempty"`
 	// Shared is resident memory that is not the process's own copy: GuestFile plus QEMU's
-	// executable and libraries in the page cache.
+	// executable and libraries in the page cache, and Merged.
 	Shared int64 `json:"shared_bytes"`
 	// Rss is the process's resident set (Private - PageTables + Shared).
 	Rss int64 `json:"rss_bytes"`

@@ -52,7 +52,7 @@ func waitFor(t *testing.T, s *syncBuf, want string) {
 // ends.
 func TestLogs(t *testing.T) {
 	dir := t.TempDir()
-	vm := newVM(dir, nil, &manifest{Name: "l"}, nil)
+	vm := newVM(dir, nil, &manifest{Name: "l"}, layout{})
 	log := filepath.Join(dir, serialLogFile)
 	if err := vm.Logs(context.Background(), false, &bytes.Buffer{}); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("no log: %v, want ErrNotFound", err)
@@ -60,7 +60,7 @@ func TestLogs(t *testing.T) {
 	os.WriteFile(log, []byte("[    0.1] booting\nforkvm-agent: ready (virtio-serial)\n"), 0o600)
 	// The VM's process is a child that runs until killed.
 	spawn := func() *qemuProc {
-		p, err := spawnQEMU("l", "sleep", []string{"600"}, "", filepath.Join(dir, "sleep.log"), nil, nil, nil)
+		p, err := spawnQEMU("l", "sleep", []string{"600"}, "", filepath.Join(dir, "sleep.log"), nil, false, nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -126,7 +126,7 @@ func TestLogsOfASeededFork(t *testing.T) {
 	console.SaveHistory(logPath, ck)
 	forkLog := filepath.Join(dir, "f1.log")
 	console.SeedFork(ck, "ck1", forkLog, "f1")
-	vm := newVM(dir, nil, &manifest{Name: "f1", Launch: launch{SerialLog: forkLog}}, nil)
+	vm := newVM(dir, nil, &manifest{Name: "f1", Launch: launch{SerialLog: forkLog}}, layout{})
 	var out bytes.Buffer
 	want := "boot\nlater\nforkvm: ---- the console of checkpoint ck1 above; fork f1 starts here ----\n"
 	if err := vm.Logs(context.Background(), false, &out); err != nil || out.String() != want {

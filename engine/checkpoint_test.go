@@ -209,7 +209,7 @@ func TestDeleteCheckpoint(t *testing.T) {
 	fork := vmManifest(cfg, "f1", StateRunning, 0)
 	fork.Parent = "base"
 	writeVMManifest(t, e.paths.vmsDir(), "f1", fork)
-	e.vms.add(newVM(e.paths.vmDir("f1"), e.log, fork, nil))
+	e.vms.add(newVM(e.paths.vmDir("f1"), e.log, fork, layout{}))
 	infos, err := e.Checkpoints()
 	if err != nil || len(infos) != 1 || infos[0].Name != "base" || len(infos[0].Forks) != 1 || infos[0].Forks[0] != "f1" {
 		t.Errorf("Checkpoints = %+v, %v", infos, err)
@@ -353,7 +353,7 @@ func TestForkManyValidation(t *testing.T) {
 func TestCheckpointingMarkerShape(t *testing.T) {
 	for _, handoff := range []bool{false, true} {
 		dir := t.TempDir()
-		vm := newVM(dir, nil, &manifest{Name: "w", Launch: launch{RAM: ramBacking{Path: "/ram/vm-w.ram", Shared: true}}}, nil)
+		vm := newVM(dir, nil, &manifest{Name: "w", Launch: launch{RAM: ramBacking{Path: "/ram/vm-w.ram", Shared: true}}}, layout{})
 		w := &ckWriter{ck: &checkpointManifest{Name: "c"}, ramTmp: "/ram/ck-c.ram.tmp-1"}
 		if err := vm.locked(func(s *vmState) error { return w.mark(vm, s, handoff, "/vms/w/disk1.qcow2") }); err != nil {
 			t.Fatal(err)

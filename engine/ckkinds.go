@@ -371,7 +371,7 @@ func (e *Engine) rebase(ctx context.Context, src manifest, w *ckWriter, full str
 		// disk device must exist with the same shape.
 		hm.Launch.Disk = append(append([]diskLayer(nil), ck.Disk...), diskLayer{Path: filepath.Join(e.paths.vmDir(name), "scratch.qcow2"), Format: "qcow2"})
 	}
-	h := newVM(e.paths.vmDir(name), e.log, &hm, e.paths.consoles)
+	h := newVM(e.paths.vmDir(name), e.log, &hm, e.paths)
 	if err := os.Mkdir(h.dir(), 0o700); err != nil {
 		return err
 	}

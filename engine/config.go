@@ -130,6 +130,20 @@ type Config struct {
 	// under perf_event_paranoid 2) the counters come from /proc, and Counters.Source
 	// says which. Default false: nothing opened, nothing read.
 	Counters bool
+	// MergePages starts every QEMU with its whole memory offered to the kernel's
+	// same-page merging (KSM) and at the same addresses as every other (no address
+	// randomization), so that what QEMU processes hold alike is kept once: their
+	// libraries' relocated pages, much of their heap, guest pages that forks wrote
+	// alike (docs/host.md has what it saved, per fork, and its CPU). It needs Linux 6.7
+	// or later with KSM, and ksmd running (/sys/kernel/mm/ksm/run = 1, the host's
+	// setting: the engine never changes it); without ksmd nothing is merged. The
+	// kernel keeps the mark per process, so the engine's own process is marked too.
+	// Its costs: ksmd's CPU; a QEMU an attacker breaks into finds its code at known
+	// addresses; a guest can tell by the time a write takes whether another VM's
+	// memory holds a page it guesses (the known side channel of merging). Take it
+	// where the VMs trust each other. Default: $FORKVM_MERGE_PAGES (1 or true), else
+	// off. Each VM keeps the setting it started with until its QEMU ends.
+	MergePages bool
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.
 	Experimental Experimental
@@ -224,12 +238,26 @@ func (c Config) resolve() (*resolved, error) {
 	if c.CPUModel == "" {
 		c.CPUModel = os.Getenv("FORKVM_CPU")
 	}
+	if !c.MergePages {
+		switch v := os.Getenv("FORKVM_MERGE_PAGES"); v {
+		case "", "0", "false":
+		case "1", "true":
+			c.MergePages = true
+		default:
+			return nil, fmt.Errorf("%w: FORKVM_MERGE_PAGES=%q: want 1, true, 0 or false", ErrInvalidSpec, v)
+		}
+	}
+	if c.MergePages {
+		if err := qemu.CheckMerge(); err != nil {
+			return nil, fmt.Errorf("%w: MergePages: %w", ErrInvalidSpec, err)
+		}
+	}
 	accel, vsock, err := c.resolveAccel()
 	if err != nil {
 		return nil, err
 	}
 	return &resolved{Config: c, accel: accel, tag: tag, vsock: vsock, sharedRAM: sharedRAM, sharedRun: sharedRun,
-		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir}}, nil
+		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir, mergePages: c.MergePages}}, nil
 }
 
 // setDefaults fills the zero numeric settings, timeouts and logger of c.

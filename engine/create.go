@@ -267,7 +267,7 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec, imageMiB int) (*VM, e
 		Version: manifestVersion, Name: spec.Name, Spec: spec, State: StateStarting,
 		Accel: e.cfg.accel, QEMUVersion: ver, Token: newToken(), CreatedAt: time.Now().UTC(),
 		BootKernel: kernel, BootInitrd: initrd, Launch: launch, NoPark: spec.NoPark,
-	}, e.paths.consoles)
+	}, e.paths)
 	e.count(vm)
 	if err := os.Mkdir(vm.dir(), 0o700); err != nil {
 		e.vms.unreserve(spec.Name)

@@ -144,7 +144,7 @@ func collapseVM(t *testing.T, handle func(cmd string, args json.RawMessage) (str
 		}
 	}
 	m.DiskCollapse = &diskCollapse{Job: "collapse-4", Keep: 1, Layers: 5}
-	vm := newVM(dir, slog.New(slog.NewTextHandler(io.Discard, nil)), m, nil)
+	vm := newVM(dir, slog.New(slog.NewTextHandler(io.Discard, nil)), m, layout{})
 	f := qemutest.NewQMP(handle)
 	sock := f.Listen(t)
 	// The QEMU is this test process (alive for the test), its monitor the fake.

@@ -515,6 +515,8 @@ type layout struct {
 	state, ram, run string
 	// consoles serves the engine's VM consoles (nil in a layout made only to name paths).
 	consoles *console.Hub
+	// mergePages starts the VMs' QEMUs offered to same-page merging (Config.MergePages).
+	mergePages bool
 }
 
 func (l layout) vmsDir() string                { return filepath.Join(l.state, "vms") }

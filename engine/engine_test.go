@@ -37,6 +37,7 @@ func testConfig(t *testing.T) *Config {
 	t.Setenv("FORKVM_ACCEL", "")
 	t.Setenv("FORKVM_CPU", "")
 	t.Setenv("FORKVM_OVERCOMMIT", "")
+	t.Setenv("FORKVM_MERGE_PAGES", "")
 	sd, rd := testDirs(t)
 	return &Config{
 		StateDir: sd,
@@ -911,6 +912,40 @@ func TestNewRefusedRemovesWhatItMade(t *testing.T) {
 	for _, d := range []string{e1.Config().RAMDir, e1.Config().RunDir} {
 		if _, err := os.Stat(d); err != nil {
 			t.Errorf("the running engine's %s: %v", d, err)
+		}
+	}
+}
+
+// TestMergePagesFromEnv: $FORKVM_MERGE_PAGES turns MergePages on (1, true) where the
+// kernel can merge a process's pages (else ErrInvalidSpec says it cannot), leaves it
+// off (0, false, empty), and any other value is ErrInvalidSpec.
+func TestMergePagesFromEnv(t *testing.T) {
+	cfg := testConfig(t)
+	canMerge := qemu.CheckMerge() == nil
+	for _, tc := range []struct {
+		v    string
+		want bool
+	}{{"", false}, {"0", false}, {"false", false}, {"1", true}, {"true", true}} {
+		t.Setenv("FORKVM_MERGE_PAGES", tc.v)
+		e, err := New(context.Background(), cfg)
+		if tc.want && !canMerge {
+			if !errors.Is(err, ErrInvalidSpec) {
+				t.Errorf("FORKVM_MERGE_PAGES=%s on a kernel that cannot merge: %v, want ErrInvalidSpec", tc.v, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("FORKVM_MERGE_PAGES=%s: %v", tc.v, err)
+		}
+		if got := e.Config().MergePages; got != tc.want || e.paths.mergePages != tc.want {
+			t.Errorf("FORKVM_MERGE_PAGES=%s: MergePages %v (layout %v), want %v", tc.v, got, e.paths.mergePages, tc.want)
+		}
+		e.Close()
+	}
+	for _, v := range []string{"yes", "2", " 1"} {
+		t.Setenv("FORKVM_MERGE_PAGES", v)
+		if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidSpec) {
+			t.Errorf("FORKVM_MERGE_PAGES=%q: %v, want ErrInvalidSpec", v, err)
 		}
 	}
 }

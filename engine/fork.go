@@ -277,7 +277,7 @@ func forkDir(ctx context.Context, paths layout, log *slog.Logger, c *Checkpoint,
 		m.Launch.Disk = layers
 		m.DiskNode = "disk0"
 	}
-	return newVM(dir, log, &m, paths.consoles), nil
+	return newVM(dir, log, &m, paths), nil
 }
 
 // forkManifest is the manifest of VM name restoring checkpoint ck, before its RAM base,

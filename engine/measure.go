@@ -578,24 +578,27 @@ func classifyMemory(ms []procinfo.Mapping, ramPath string, guestBytes int64) *Me
 	for i := range ms {
 		m := &ms[i]
 		u.Rss += m.Rss
+		u.Merged += m.KSM
+		// Pages the kernel merged with identical ones are not the process's own.
+		own := m.Anonymous - m.KSM
 		file := m.FilePath()
 		switch {
 		case ramPath != "" && file == ramPath:
-			u.GuestWritten += m.Anonymous
+			u.GuestWritten += own
 			u.GuestFile += m.Rss - m.Anonymous
 		case ramPath == "" && m.Path == "" && guestBytes > 0 && m.Size() >= guestBytes && !m.Executable():
-			u.GuestWritten += m.Anonymous
+			u.GuestWritten += own
 		case m.Path == "" && m.Executable():
-			u.TCGCode += m.Anonymous
+			u.TCGCode += own
 		case strings.HasPrefix(m.Path, tcgJITFile):
 			// split-wx: count the pages once, through the writable view.
 			if m.Writable() {
-				u.TCGCode += m.Rss
+				u.TCGCode += m.Rss - m.KSM
 			}
 		case file != "":
-			u.Libraries += m.Anonymous
+			u.Libraries += own
 		default: // anonymous memory and [heap], [stack], ...
-			u.Heap += m.Anonymous
+			u.Heap += own
 		}
 	}
 	u.Private = u.GuestWritten + u.TCGCode + u.Heap + u.Libraries

@@ -261,7 +261,7 @@ func TestParseJIT(t *testing.T) {
 }
 
 func TestJITStatsNotRunning(t *testing.T) {
-	vm := newVM("", nil, &manifest{Name: "x", Accel: "tcg"}, nil)
+	vm := newVM("", nil, &manifest{Name: "x", Accel: "tcg"}, layout{})
 	if _, err := vm.JITStats(t.Context()); !errors.Is(err, ErrNotRunning) {
 		t.Fatalf("JITStats of a VM without QEMU: %v, want ErrNotRunning", err)
 	}
@@ -340,6 +340,18 @@ func TestClassifyMemory(t *testing.T) {
 			guest:   2 << 30,
 			want: MemoryUsage{GuestWritten: 1 << 20, GuestFile: 7 << 20, TCGCode: 6140*k + 3<<20,
 				Heap: (5112 + 1284 + 24) * k, Libraries: (1632 + 4) * k},
+		},
+		{
+			name: "pages merged by KSM are shared, in no private part",
+			extra: []procinfo.Mapping{
+				{Start: 1 << 40, End: 1<<40 + 2<<30, Perms: "rw-p", Path: ram, Rss: 8 << 20, Anonymous: 3 << 20, KSM: 1 << 20},
+				{Start: 1 << 41, End: 1<<41 + 4<<20, Perms: "rwxp", Rss: 4 << 20, Anonymous: 4 << 20, KSM: 12 * k},
+				{Start: 1 << 42, End: 1<<42 + 8<<20, Perms: "rw-p", Path: "/usr/lib/x86_64-linux-gnu/libcapstone.so.4", Rss: 1312 * k, Anonymous: 1312 * k, KSM: 1300 * k},
+			},
+			ramPath: ram,
+			guest:   2 << 30,
+			want: MemoryUsage{GuestWritten: 2 << 20, GuestFile: 5 << 20, TCGCode: 6140*k + 4<<20 - 12*k,
+				Heap: (5112 + 1284 + 24) * k, Libraries: (1632 + 4 + 12) * k, Merged: 1<<20 + 12*k + 1300*k},
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

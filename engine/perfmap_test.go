@@ -47,7 +47,7 @@ func TestHandoffRelaunchKeepsPerfMap(t *testing.T) {
 		dir := t.TempDir()
 		paths := layout{state: dir, ram: filepath.Join(dir, "ram"), run: filepath.Join(dir, "run")}
 		vm := newVM(paths.vmDir("w"), nil, &manifest{Name: "w", PID: 1 << 30,
-			Launch: launch{QEMU: "qemu", Accel: AccelTCG, PerfMap: perfMap, TCGThread: "single"}}, nil)
+			Launch: launch{QEMU: "qemu", Accel: AccelTCG, PerfMap: perfMap, TCGThread: "single"}}, layout{})
 		ck := &checkpointManifest{Name: "c", Accel: AccelTCG, RAMPath: filepath.Join(dir, "ram", "ck-c.ram"), CPUs: 1, MemoryMiB: 256}
 		vm.modify(func(s *vmState) { s.relaunchHandedOff(paths, vm.Name(), ck, "") })
 		if l := vm.snapshot().Launch; l.PerfMap != perfMap || l.TCGThread != "single" || l.RAM.Path != ck.RAMPath {

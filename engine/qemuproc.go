@@ -40,8 +40,9 @@ const qemuOOMScoreAdj = 800
 // killable than the engine (qemuOOMScoreAdj) and, with cg set, moved into its own
 // memory cgroup, whose OOM kill counter (else the engine's) tells an OOM kill; onExit
 // (optional) hears why it ended on its own. beforeRun (nil: none) runs while QEMU is
-// stopped before its first instruction (its counters open there).
-func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *admission.VMCgroup, beforeRun func(pid int) error, onExit func(reason string)) (*qemuProc, error) {
+// stopped before its first instruction (its counters open there). merge offers its
+// memory to same-page merging (Config.MergePages).
+func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *admission.VMCgroup, merge bool, beforeRun func(pid int) error, onExit func(reason string)) (*qemuProc, error) {
 	p := &qemuProc{}
 	o := qemu.SpawnOptions{
 		Name: name, Binary: bin, Args: args, QMPSocket: qmpPath, LogPath: logPath,
@@ -49,6 +50,7 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *adm
 		// working directory goes with the VM.
 		Dir:         filepath.Dir(qmpPath),
 		OOMScoreAdj: qemuOOMScoreAdj, OnExit: onExit, OnConnect: p.watchEvents, BeforeRun: beforeRun,
+		MergePages: merge,
 	}
 	var cgErr error
 	if cg != nil {

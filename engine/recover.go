@@ -98,7 +98,7 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 			keepAside(paths, log, ent.Name(), err, pids, held)
 			continue
 		}
-		vm := adoptVM(dir, log, m, paths.consoles)
+		vm := adoptVM(dir, log, m, paths)
 		vm.recoverCutShort(ctx, paths, log, timeout)
 		vm.recoverPark(ctx, log)
 		mv := vm.manifest()

@@ -61,6 +61,9 @@ type VM struct {
 	consoles *console.Hub
 	// procMarker, when set, is told of each QEMU the VM starts (Config.Markers).
 	procMarker ProcessMarker
+	// mergePages starts each QEMU of the VM offered to same-page merging
+	// (Config.MergePages).
+	mergePages bool
 	ctr        atomic.Pointer[vmCounters]
 	firstCmd   atomic.Bool
 }
@@ -69,8 +72,8 @@ type VM struct {
 type Info = api.Info
 
 // adoptVM is a VM from a manifest whose QEMU this engine did not start.
-func adoptVM(dir string, log *slog.Logger, m *manifest, consoles *console.Hub) *VM {
-	vm := newVM(dir, log, m, consoles)
+func adoptVM(dir string, log *slog.Logger, m *manifest, paths layout) *VM {
+	vm := newVM(dir, log, m, paths)
 	p := adoptQEMU(m.Name, m.PID, m.StartTime, m.Launch.qmpSocket(), vm.path(qemuLogFile))
 	p.onPause, p.onResume = vm.paused, vm.resumed
 	vm.proc.Store(p)
@@ -209,12 +212,12 @@ func (vm *VM) start(ctx context.Context) error {
 		}
 	}
 	kc := vm.openCounters()
-	p, err := spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, kc.beforeRun(), vm.died)
+	p, err := spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.mergePages, kc.beforeRun(), vm.died)
 	if err != nil && kc != nil {
 		// Not started stopped (ptrace refused): count from /proc.
 		vm.log.Info("counters: starting QEMU stopped failed; counting from /proc", "vm", m.Name, "err", err)
 		kc = &vmCounters{}
-		p, err = spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, nil, vm.died)
+		p, err = spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.mergePages, nil, vm.died)
 	}
 	if err == nil && kc != nil && kc.pc == nil && kc.openErr != nil {
 		vm.log.Info("counters: no perf counters on the process; counting from /proc", "vm", m.Name, "err", kc.openErr)
@@ -702,11 +705,12 @@ func joinManifest(id *vmIdentity, s *vmState) manifest {
 		DiskCollapse: s.DiskCollapse, Park: s.Park, NoPark: s.NoPark, BootCached: s.BootCached, Protection: s.Protection, Frozen: s.Frozen}
 }
 
-// newVM is the VM in directory dir whose manifest is m, its consoles served by the
-// engine's hub consoles: the one constructor of a VM.
-func newVM(dir string, log *slog.Logger, m *manifest, consoles *console.Hub) *VM {
+// newVM is the VM in directory dir whose manifest is m, started as the engine's
+// layout paths says (its console hub serves the consoles, mergePages): the one
+// constructor of a VM.
+func newVM(dir string, log *slog.Logger, m *manifest, paths layout) *VM {
 	id, st := splitManifest(dir, m)
-	vm := &VM{log: log, st: st, consoles: consoles}
+	vm := &VM{log: log, st: st, consoles: paths.consoles, mergePages: paths.mergePages}
 	vm.id.Store(id)
 	return vm
 }

@@ -13,7 +13,7 @@ import (
 // ErrNotRunning before any dial (a dial would run into ctx's deadline).
 func TestExecDeadVMFailsAtOnce(t *testing.T) {
 	vm := newVM(t.TempDir(), nil, &manifest{Name: "dead", Token: "00112233445566778899aabbccddeeff",
-		Launch: launch{RunDir: t.TempDir()}}, nil) // its agent socket does not exist
+		Launch: launch{RunDir: t.TempDir()}}, layout{}) // its agent socket does not exist
 	done := make(chan error, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

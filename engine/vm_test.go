@@ -32,7 +32,7 @@ func TestVMManifestResavesIdentically(t *testing.T) {
 		}
 	}
 	dir := t.TempDir()
-	vm := newVM(dir, nil, m, nil)
+	vm := newVM(dir, nil, m, layout{})
 	if err := vm.update(func(*vmState) {}); err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +80,7 @@ func TestClaimAsReplacesIdentity(t *testing.T) {
 	old := testManifest()
 	old.Name, old.Spec.Name, old.State = "pool-1", "pool-1", statePooled
 	dir := t.TempDir()
-	vm := newVM(filepath.Join(dir, "pool-1"), nil, &old, nil)
+	vm := newVM(filepath.Join(dir, "pool-1"), nil, &old, layout{})
 	before := vm.ident()
 	vm.proc.Store(adoptQEMU("pool-1", 0, 0, "", ""))
 	newDir := filepath.Join(dir, "f1")

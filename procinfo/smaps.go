@@ -25,7 +25,11 @@ type Mapping struct {
 	// Anonymous counts pages not backed by a file, including the private
 	// copies a MAP_PRIVATE file mapping made on write.
 	Anonymous, AnonHugePages int64
-	Swap                     int64
+	// KSM counts the anonymous pages the kernel merged with identical pages
+	// (same-page merging): one copy serves every process that maps it. They are
+	// counted in Anonymous too.
+	KSM  int64
+	Swap int64
 }
 
 // Size is the length of the mapping's address range.
@@ -97,6 +101,8 @@ func ParseSmaps(b []byte) ([]Mapping, error) {
 			m.Anonymous = v
 		case "AnonHugePages":
 			m.AnonHugePages = v
+		case "KSM":
+			m.KSM = v
 		case "Swap":
 			m.Swap = v
 		}

@@ -24,7 +24,7 @@ func TestParseSmapsQEMU(t *testing.T) {
 	wants := []want{
 		{"r--p", "/usr/bin/qemu-system-x86_64", "/usr/bin/qemu-system-x86_64", 4700 << 10, 4636 << 10, 0, 0, false, false},
 		{"r--p", "/usr/bin/qemu-system-x86_64", "/usr/bin/qemu-system-x86_64", 12208 << 10, 1632 << 10, 1632 << 10, 1632 << 10, false, false},
-		{"rw-p", "[heap]", "", 16324 << 10, 5112 << 10, 5112 << 10, 5112 << 10, false, true},
+		{"rw-p", "[heap]", "", 16324 << 10, 5112 << 10, 5112 << 10, 4088 << 10, false, true},
 		{"rw-p", "/dev/shm/forkvm-8d2dfd5c75/ck-ck.ram", "/dev/shm/forkvm-8d2dfd5c75/ck-ck.ram", 2097152 << 10, 22592 << 10, 2508 << 10, 22568 << 10, false, true},
 		{"---p", "", "", 4 << 10, 0, 0, 0, false, false},
 		{"rwxp", "", "", 4092 << 10, 4092 << 10, 4092 << 10, 4092 << 10, true, true},
@@ -44,8 +44,8 @@ func TestParseSmapsQEMU(t *testing.T) {
 			t.Errorf("mapping %d: got %+v (file %q size %d exec %v write %v), want %+v", i, m, m.FilePath(), m.Size(), m.Executable(), m.Writable(), w)
 		}
 	}
-	if ms[5].AnonHugePages != 2048<<10 || ms[0].SharedClean != 4572<<10 || ms[0].Pss != 2350<<10 {
-		t.Errorf("other fields: %+v %+v", ms[5], ms[0])
+	if ms[5].AnonHugePages != 2048<<10 || ms[0].SharedClean != 4572<<10 || ms[0].Pss != 2350<<10 || ms[2].KSM != 1024<<10 || ms[0].KSM != 0 {
+		t.Errorf("other fields: %+v %+v %+v", ms[5], ms[0], ms[2])
 	}
 }
 

@@ -63,11 +63,12 @@ func memCmd() *cli.Command {
 			tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 			// LINEAGE is the part of GUEST WRITTEN that a fork of a delta checkpoint got
 			// from its ancestors' layers (private copies; 0 for a flattened checkpoint's).
-			fmt.Fprintln(tw, "NAME\tPRIVATE\t= GUEST WRITTEN\t(LINEAGE)\t+ TCG CODE\t+ HEAP\t+ LIBRARIES\t+ PAGE TABLES\tSHARED\tGUEST FILE")
+			// MERGED is the part of SHARED the kernel's same-page merging keeps once.
+			fmt.Fprintln(tw, "NAME\tPRIVATE\t= GUEST WRITTEN\t(LINEAGE)\t+ TCG CODE\t+ HEAP\t+ LIBRARIES\t+ PAGE TABLES\tSHARED\tGUEST FILE\tMERGED")
 			for _, r := range rows {
 				u := r.MemoryUsage
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.GuestLineage), mib(u.TCGCode),
-					mib(u.Heap), mib(u.Libraries), mib(u.PageTables), mib(u.Shared), mib(u.GuestFile))
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, mib(u.Private), mib(u.GuestWritten), mib(u.GuestLineage), mib(u.TCGCode),
+					mib(u.Heap), mib(u.Libraries), mib(u.PageTables), mib(u.Shared), mib(u.GuestFile), mib(u.Merged))
 			}
 			return tw.Flush()
 		},

@@ -22,3 +22,12 @@ func ProcStartTime(pid int) (uint64, error) {
 	}
 	return 1, nil
 }
+
+// CheckMerge fails: offering a process's memory to KSM is Linux's.
+func CheckMerge() error { return errors.New("same-page merging (KSM) needs Linux") }
+
+// startMerged fails: see CheckMerge.
+func startMerged(func() error) error { return &StartError{Err: CheckMerge()} }
+
+// checkMerged is never reached outside Linux (startMerged fails first).
+func checkMerged(int) error { return CheckMerge() }

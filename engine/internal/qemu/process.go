@@ -88,6 +88,11 @@ type SpawnOptions struct {
 	// OnExit, when set, hears why the process ended on its own (not stopped by Quit
 	// or Kill).
 	OnExit func(reason string)
+	// MergePages starts the process with its whole memory offered to the kernel's
+	// same-page merging (KSM) and without address randomization (startMerged), so that
+	// the pages QEMU processes hold alike can be merged. A kernel that cannot (see
+	// CheckMerge) fails the start with a *StartError.
+	MergePages bool
 	// OnConnect, when set, runs in its own goroutine on every new QMP connection with
 	// the connection's events; it returns when the events channel closes.
 	OnConnect func(m *Monitor, events <-chan qmp.Event)
@@ -115,16 +120,33 @@ func Spawn(o SpawnOptions) (*Process, error) {
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Dir = o.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if o.BeforeRun != nil {
-		if err := startStopped(cmd, o.BeforeRun); err != nil {
-			if _, ok := err.(*StartError); !ok && cmd.Process != nil {
+	start := func() error {
+		if o.BeforeRun != nil {
+			return startStopped(cmd, o.BeforeRun)
+		}
+		if err := cmd.Start(); err != nil {
+			return &StartError{Err: err}
+		}
+		return nil
+	}
+	if o.MergePages {
+		err = startMerged(start)
+		if err == nil {
+			if merr := checkMerged(cmd.Process.Pid); merr != nil {
 				_ = cmd.Process.Kill()
 				_ = cmd.Wait()
+				return nil, &StartError{Err: merr}
 			}
-			return nil, err
 		}
-	} else if err := cmd.Start(); err != nil {
-		return nil, &StartError{Err: err}
+	} else {
+		err = start()
+	}
+	if err != nil {
+		if _, ok := err.(*StartError); !ok && cmd.Process != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+		return nil, err
 	}
 	p := &Process{name: o.Name, qmpPath: o.QMPSocket, logPath: o.LogPath, pid: cmd.Process.Pid,
 		exited: make(chan struct{}), settled: make(chan struct{}), onExit: o.OnExit, onConnect: o.OnConnect, oomKills: o.OOMKills}

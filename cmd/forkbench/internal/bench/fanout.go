@@ -121,6 +121,14 @@ type WaveIdle struct {
 	IdleCPUPctPerFork float64 `json:"idle_cpu_pct_per_fork"`
 	IdleCPUCoresTotal float64 `json:"idle_cpu_cores_total"`
 	IdleWindowS       float64 `json:"idle_window_s"`
+	// HostMemPerForkAfterIdleMB is host memory added per fork at the idle window's
+	// end (first commands run, same-page merging as far as ksmd got).
+	HostMemPerForkAfterIdleMB float64 `json:"host_mem_per_fork_after_idle_mb"`
+	// KSMProfitMB is what the host's same-page merging saved at the window's end (all
+	// of the host's, less its metadata) and KSMDCPUPct ksmd's CPU over the window, in
+	// percent of one core; both absent without KSM.
+	KSMProfitMB *float64 `json:"ksm_profit_mb,omitempty"`
+	KSMDCPUPct  *float64 `json:"ksmd_cpu_pct,omitempty"`
 }
 
 // AdmissionStop is where admission cut a wave.
@@ -173,7 +181,12 @@ func waveSummary(wr *WaveResult, pc report.Percentiles, f forkStats, iso IsoRepo
 		OK:             wr.Complete() && wr.Failed == 0 && len(iso.Failures) == 0,
 	}
 	if idle.N > 0 {
-		ws.WaveIdle = &WaveIdle{IdleCPUPctPerFork: report.Round3(idle.PerForkPct), IdleCPUCoresTotal: report.Round3(idle.TotalCores), IdleWindowS: report.Round3(idle.Window.Seconds())}
+		ws.WaveIdle = &WaveIdle{IdleCPUPctPerFork: report.Round3(idle.PerForkPct), IdleCPUCoresTotal: report.Round3(idle.TotalCores), IdleWindowS: report.Round3(idle.Window.Seconds()),
+			HostMemPerForkAfterIdleMB: report.Round3(idle.HostMBPerFork)}
+		if idle.KSMEnd.OK {
+			profit, cpu := report.Round3(float64(idle.KSMEnd.ProfitBytes)/(1<<20)), report.Round3(idle.KSMCPUPct)
+			ws.WaveIdle.KSMProfitMB, ws.WaveIdle.KSMDCPUPct = &profit, &cpu
+		}
 	}
 	if wr.AdmissionCount > 0 {
 		ws.AdmissionStop = &AdmissionStop{Index: wr.AdmissionIndex, Admitted: wr.N - wr.AdmissionCount, Refused: wr.AdmissionCount,
@@ -329,8 +342,8 @@ func runWaves(r *Env, w *World, settings *FanoutSettings, prefix string, overcom
 		}
 		admissionSection(r, wr)
 		if idle.N > 0 {
-			r.section("Idle: after their first command, the %d forks used %.3f host cores together over %.1f s (%.2f%% of a core per fork).\n\n",
-				idle.N, idle.TotalCores, idle.Window.Seconds(), idle.PerForkPct)
+			r.section("Idle: after their first command, the %d forks used %.3f host cores together over %.1f s (%.2f%% of a core per fork); host memory added per fork at its end %.1f MiB%s.\n\n",
+				idle.N, idle.TotalCores, idle.Window.Seconds(), idle.PerForkPct, idle.HostMBPerFork, ksmText(idle))
 		}
 		r.section("Isolation: %d forks cheap-checked, full world state checked on %v, failures: %d.\n\n", iso.CheapChecked, iso.FullChecked, len(iso.Failures))
 		if hold && wi == len(settings.Waves)-1 {
@@ -681,4 +694,16 @@ func threadLabel(inf engine.Info) string {
 		return "multi (default)"
 	}
 	return string(inf.TCGThread)
+}
+
+// ksmText says what the host's same-page merging did by the end of an idle window.
+func ksmText(idle IdleCPU) string {
+	k := idle.KSMEnd
+	switch {
+	case !k.OK:
+		return ""
+	case k.Run != 1:
+		return " (ksmd not running: nothing merged)"
+	}
+	return fmt.Sprintf(" (same-page merging saved %.1f MiB on the host; ksmd used %.1f%% of a core over the window)", float64(k.ProfitBytes)/(1<<20), idle.KSMCPUPct)
 }

@@ -3,6 +3,7 @@ package bench
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
 	"slices"
 	"sort"
 	"strings"
@@ -55,10 +56,10 @@ var waveKeys = []string{"n", "complete", "ok", "ready", "failed", "refused", "wa
 	"anon_mb_p50", "memory_mb_p50", "isolation", "other_vcpus_at_start"}
 
 var (
-	idleKeys     = []string{"idle_cpu_pct_per_fork", "idle_cpu_cores_total", "idle_window_s"}
+	idleKeys     = []string{"idle_cpu_pct_per_fork", "idle_cpu_cores_total", "idle_window_s", "host_mem_per_fork_after_idle_mb"}
 	memKeys      = []string{"n", "private", "guest_written", "tcg_code", "heap", "libraries", "page_tables", "shared"}
 	isoKeys      = []string{"forks", "full_checked", "cheap_checked", "failures", "anon_bound_mb", "max_anon_mb", "max_ram_cow_mb"}
-	runSetKeys   = []string{"overcommit", "vmgenid", "restore_concurrency", "tb_size_mib", "tcg_thread"}
+	runSetKeys   = []string{"overcommit", "vmgenid", "restore_concurrency", "tb_size_mib", "tcg_thread", "merge_pages"}
 	admStopKeys  = []string{"index", "admitted", "refused", "refused_names", "refused_by", "text"}
 	admWhyKeys   = []string{"resource", "requested", "available", "budget"}
 	stepKeys     = []string{"step", "population", "added", "fork_wall_ms", "mem_available_mb", "passed"}
@@ -83,6 +84,9 @@ func TestWaveSummaryJSON(t *testing.T) {
 	tcg := stats
 	tcg.threads = map[string]int{"single": 3}
 	idle := IdleCPU{N: 3, Window: 3 * time.Second, TotalCores: 0.0123456, PerForkPct: 0.41152}
+	ksmIdle := idle
+	ksmIdle.HostMBPerFork, ksmIdle.KSMCPUPct = 24.5, 2.4
+	ksmIdle.KSMEnd = measure.KSMSample{OK: true, Run: 1, ProfitBytes: 228 << 20}
 	pc := report.Summarize([]float64{300.1234, 400, 500})
 	tests := []struct {
 		name  string
@@ -94,6 +98,9 @@ func TestWaveSummaryJSON(t *testing.T) {
 			waveKeys, map[string][]string{"memory_mb_p50": nil, "isolation": isoKeys}},
 		{"every part", waveSummary(testWave(vcpu), pc, tcg, IsoReport{Failures: []string{}, FullChecked: []string{}}, idle),
 			cat(waveKeys, []string{"tcg_thread_forks", "admission_stop"}, idleKeys),
+			map[string][]string{"memory_mb_p50": memKeys, "admission_stop": cat(admStopKeys, admWhyKeys), "tcg_thread_forks": {"single"}}},
+		{"idle window with KSM", waveSummary(testWave(vcpu), pc, tcg, IsoReport{Failures: []string{}, FullChecked: []string{}}, ksmIdle),
+			cat(waveKeys, []string{"tcg_thread_forks", "admission_stop"}, idleKeys, []string{"ksm_profit_mb", "ksmd_cpu_pct"}),
 			map[string][]string{"memory_mb_p50": memKeys, "admission_stop": cat(admStopKeys, admWhyKeys), "tcg_thread_forks": {"single"}}},
 		{"tcg, nothing ready", waveSummary(&WaveResult{N: 1, AdmissionIndex: -1}, report.Percentiles{}, forkStats{threads: map[string]int{}}, IsoReport{}, IdleCPU{}),
 			cat(waveKeys, []string{"tcg_thread_forks"}), map[string][]string{"tcg_thread_forks": {}}},
@@ -276,6 +283,24 @@ func TestGenerationsWindow(t *testing.T) {
 		f, l := window(tc.xs, tc.n)
 		if !slices.Equal(f, tc.first) || !slices.Equal(l, tc.last) {
 			t.Errorf("window(%v, %d) = %v, %v; want %v, %v", tc.xs, tc.n, f, l, tc.first, tc.last)
+		}
+	}
+}
+
+// TestKSMText: the idle window's sentence says nothing without KSM, that nothing merged
+// when ksmd does not run, and what merging saved and ksmd cost when it does.
+func TestKSMText(t *testing.T) {
+	for _, tt := range []struct {
+		idle IdleCPU
+		want string
+	}{
+		{IdleCPU{}, ""},
+		{IdleCPU{KSMEnd: measure.KSMSample{OK: true}}, " (ksmd not running: nothing merged)"},
+		{IdleCPU{KSMCPUPct: 2.42, KSMEnd: measure.KSMSample{OK: true, Run: 1, ProfitBytes: 228 << 20}},
+			" (same-page merging saved 228.0 MiB on the host; ksmd used 2.4% of a core over the window)"},
+	} {
+		if got := ksmText(tt.idle); got != tt.want {
+			t.Errorf("ksmText(%+v) = %q, want %q", tt.idle, got, tt.want)
 		}
 	}
 }

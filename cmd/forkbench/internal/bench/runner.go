@@ -90,6 +90,8 @@ type Options struct {
 	Verbose bool
 	// WarmRestored makes --warm pools pre-restored.
 	WarmRestored bool
+	// MergePages is the engine's Config.MergePages.
+	MergePages bool
 }
 
 // runOptions are the common flags a bench uses, fixed for the run.
@@ -287,6 +289,7 @@ func (r *runner) openEngine(opts Options, settings report.Settings) (err error) 
 		r.res.Environment.OtherVMsDetail = &o
 	}
 	cfg := &engine.Config{StateDir: r.home, Overcommit: r.overcommit, BootTimeout: 120 * time.Second, ForkTimeout: 60 * time.Second,
+		MergePages: opts.MergePages,
 		Experimental: engine.Experimental{RestoreConcurrency: opts.RestoreConcurrency, TBSizeMiB: opts.TBSizeMiB,
 			TCGThread: engine.TCGThread(opts.TCGThread)}}
 	if eo, ok := settings.(engineOvercommitter); ok && eo.engineOvercommit() > 0 {
@@ -340,6 +343,7 @@ func (r *runner) openEngine(opts Options, settings report.Settings) (err error) 
 	rs.RestoreConcurrency = r.e.Config().Experimental.RestoreConcurrency
 	rs.TBSizeMiB = r.e.Config().Experimental.TBSizeMiB
 	rs.TCGThread = string(r.e.Config().Experimental.TCGThread)
+	rs.MergePages = r.e.Config().MergePages
 	r.res.Build = measure.BuildInfo(r.ctx, r.e, guest.DefaultCacheDir())
 	r.res.Host = measure.HostInfo(r.e)
 	if r.res.Host.Accel == "tcg" {

@@ -279,6 +279,14 @@ type IdleCPU struct {
 	Window     time.Duration // measured wall time between the two samples
 	TotalCores float64       // QEMU user+sys CPU of all N forks / Window
 	PerForkPct float64       // TotalCores / N, in percent of one core
+	// HostMBPerFork is host memory added per ready fork at the window's end (the
+	// MemAvailable drop since before the wave, after the forks' first commands and
+	// whatever same-page merging did meanwhile); 0 when not read.
+	HostMBPerFork float64
+	// KSMEnd is the kernel's same-page merging at the window's end, and KSMCPUPct the
+	// CPU ksmd used over the window (percent of one core).
+	KSMEnd    measure.KSMSample
+	KSMCPUPct float64
 }
 
 // measureIdle samples the QEMU CPU time of every ready fork of w, waits window and
@@ -297,13 +305,14 @@ func measureIdle(r *Env, w *WaveResult, window time.Duration) IdleCPU {
 		}
 		return m
 	}
-	before, t0 := sample(), time.Now()
+	before, k0, t0 := sample(), measure.ReadKSM(), time.Now()
 	select {
 	case <-time.After(window):
 	case <-r.ctx.Done():
 		return IdleCPU{}
 	}
-	after, el := sample(), time.Since(t0)
+	after, k1, el := sample(), measure.ReadKSM(), time.Since(t0)
+	avail := measure.MemAvailableMB()
 	var res IdleCPU
 	var used time.Duration
 	for pid, b := range before {
@@ -318,6 +327,13 @@ func measureIdle(r *Env, w *WaveResult, window time.Duration) IdleCPU {
 	res.Window = el
 	res.TotalCores = used.Seconds() / el.Seconds()
 	res.PerForkPct = 100 * res.TotalCores / float64(res.N)
+	if w.MemBeforeMB >= 0 && avail >= 0 {
+		res.HostMBPerFork = (w.MemBeforeMB - avail) / float64(len(w.Ready))
+	}
+	res.KSMEnd = k1
+	if k0.OK && k1.OK {
+		res.KSMCPUPct = 100 * (k1.CPU - k0.CPU).Seconds() / el.Seconds()
+	}
 	return res
 }
 

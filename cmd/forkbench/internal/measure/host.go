@@ -77,6 +77,7 @@ func HostInfo(e *engine.Engine) report.HostInfo {
 	if e != nil {
 		h.Accel = string(e.Accel())
 	}
+	h.KSM = ReadKSM().State()
 	return h
 }
 

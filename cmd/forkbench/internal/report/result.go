@@ -69,6 +69,17 @@ type HostInfo struct {
 	OS       string  `json:"os"`
 	Kernel   string  `json:"kernel"`
 	Accel    string  `json:"accel"`
+	// KSM is the kernel's same-page merging as the run found it (nil: the host has
+	// none). The benchmark never changes it.
+	KSM *KSMState `json:"ksm,omitempty"`
+}
+
+// KSMState is the host's same-page merging settings (/sys/kernel/mm/ksm): Run 1 means
+// ksmd scans (0: nothing is merged), PagesToScan pages every SleepMillisecs.
+type KSMState struct {
+	Run            int64 `json:"run"`
+	PagesToScan    int64 `json:"pages_to_scan"`
+	SleepMillisecs int64 `json:"sleep_millisecs"`
 }
 
 // Shape is the VM shape of the world.

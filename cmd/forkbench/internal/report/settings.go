@@ -11,6 +11,9 @@ type RunSettings struct {
 	RestoreConcurrency int     `json:"restore_concurrency"`
 	TBSizeMiB          int     `json:"tb_size_mib"`
 	TCGThread          string  `json:"tcg_thread"`
+	// MergePages is the engine's Config.MergePages (false: QEMU still offers guest RAM
+	// to same-page merging, as it does by default).
+	MergePages bool `json:"merge_pages"`
 }
 
 // Common is s itself: every Settings embeds RunSettings.
