@@ -18,10 +18,11 @@ import (
 const addrNoRandomize = 0x0040000
 
 // CheckMerge reports whether this kernel can offer a process's whole memory to KSM
-// (prctl PR_SET_MEMORY_MERGE, Linux 6.4 and later with CONFIG_KSM): nil when it can.
+// (the prctl PR_SET_MEMORY_MERGE, Linux 6.4 with CONFIG_KSM): nil when it can. Whether
+// exec keeps the mark (Linux 6.7) is checked on each process started (checkMerged).
 func CheckMerge() error {
 	if _, err := unix.PrctlRetInt(unix.PR_GET_MEMORY_MERGE, 0, 0, 0, 0); err != nil {
-		return fmt.Errorf("this kernel has no per-process same-page merging (prctl PR_GET_MEMORY_MERGE: %w; Linux >= 6.7 with CONFIG_KSM)", err)
+		return fmt.Errorf("this kernel has no per-process same-page merging (prctl PR_GET_MEMORY_MERGE: %w; Linux >= 6.7 with CONFIG_KSM needed)", err)
 	}
 	return nil
 }
@@ -36,7 +37,8 @@ func CheckMerge() error {
 //   - The personality that turns off address randomization is per thread and
 //     inherited by the child the thread forks, so start runs on this goroutine's
 //     locked thread with the flag set and the thread's personality is put back after.
-//     Without it every QEMU relocates its libraries to other addresses and their
+//     (Go never clones a new runtime thread from a locked one, so the flag does not
+//     spread to other threads meanwhile.) Without it every QEMU relocates its libraries to other addresses and their
 //     relocated pages never match; with it they do, and so do many heap pages.
 //
 // A thread whose personality cannot be put back is left locked, so that it ends with
