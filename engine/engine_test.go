@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io/fs"
@@ -947,6 +948,24 @@ func TestMergePagesFromEnv(t *testing.T) {
 		if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidSpec) {
 			t.Errorf("FORKVM_MERGE_PAGES=%q: %v, want ErrInvalidSpec", v, err)
 		}
+	}
+}
+
+// TestMergePagesWarnsWithoutKSMD: an engine with MergePages says so in its log when the
+// host's ksmd does not run (nothing would be merged), and only then.
+func TestMergePagesWarnsWithoutKSMD(t *testing.T) {
+	if err := qemu.CheckMerge(); err != nil {
+		t.Skip(err)
+	}
+	cfg := testConfig(t)
+	var buf bytes.Buffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&buf, nil))
+	cfg.MergePages = true
+	e := newTestEngine(t, cfg)
+	e.Close()
+	warned := strings.Contains(buf.String(), "ksmd does not run")
+	if running := qemu.KSMRunning(); warned == running {
+		t.Errorf("ksmd running: %v; warned: %v (log %q)", running, warned, buf.String())
 	}
 }
 

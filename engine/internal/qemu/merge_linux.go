@@ -65,6 +65,13 @@ func startMerged(start func() error) error {
 	return serr
 }
 
+// KSMRunning reports whether the host's ksmd scans (/sys/kernel/mm/ksm/run is 1):
+// without it nothing a process offers is merged.
+func KSMRunning() bool {
+	b, err := os.ReadFile("/sys/kernel/mm/ksm/run")
+	return err == nil && string(bytes.TrimSpace(b)) == "1"
+}
+
 // markMergeAny marks this process's memory, and so that of the children it starts,
 // for KSM (PR_SET_MEMORY_MERGE), unless it is marked already.
 func markMergeAny() error {
