@@ -21,8 +21,8 @@ import (
 	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/platform"
-	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/memfile"
+	"github.com/forkvm/forkvm/procinfo"
 	"golang.org/x/sync/semaphore"
 	"golang.org/x/sys/unix"
 )
@@ -121,7 +121,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 		return fail(fmt.Errorf("engine: recover %s: %w", e.paths.state, err))
 	}
 	e.syncPaused(ctx)
-	if r.MergePages && !qemu.KSMRunning() {
+	if k, err := procinfo.ReadKSM(); r.MergePages && (err != nil || k.Run != 1) {
 		e.log.Warn("MergePages: ksmd does not run (/sys/kernel/mm/ksm/run is not 1): no page is merged until the host starts it")
 	}
 	sweepBlobTemps(r.CacheDir)

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // testDirs makes a short state dir (unix socket paths are limited) and a RAM dir that
@@ -964,7 +965,8 @@ func TestMergePagesWarnsWithoutKSMD(t *testing.T) {
 	e := newTestEngine(t, cfg)
 	e.Close()
 	warned := strings.Contains(buf.String(), "ksmd does not run")
-	if running := qemu.KSMRunning(); warned == running {
+	k, kerr := procinfo.ReadKSM()
+	if running := kerr == nil && k.Run == 1; warned == running {
 		t.Errorf("ksmd running: %v; warned: %v (log %q)", running, warned, buf.String())
 	}
 }

@@ -1,8 +1,8 @@
 // Package procinfo reads what the host's processes use from /proc: their
 // command lines (to find the QEMU processes of a run directory), their
 // mappings (smaps), memory summary, page tables and CPU time, where the pages of a
-// mapping are (Pages: pagemap and /proc/kpagecount, as root), and the host's
-// available memory. Darwin has the CPU time and a memory summary
+// mapping are (Pages: pagemap and /proc/kpagecount, as root), the host's
+// available memory and its same-page merging (ReadKSM, from /sys/kernel/mm/ksm). Darwin has the CPU time and a memory summary
 // (proc_pid_rusage); the rest returns ErrUnsupported there.
 package procinfo
 

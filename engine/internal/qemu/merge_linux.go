@@ -38,38 +38,34 @@ func CheckMerge() error {
 //     inherited by the child the thread forks, so start runs on this goroutine's
 //     locked thread with the flag set and the thread's personality is put back after.
 //     (Go never clones a new runtime thread from a locked one, so the flag does not
-//     spread to other threads meanwhile.) Without it every QEMU relocates its libraries to other addresses and their
-//     relocated pages never match; with it they do, and so do many heap pages.
+//     spread to other threads meanwhile.) Without it every QEMU relocates its
+//     libraries to other addresses and their relocated pages never match; with it they
+//     do, and so do many heap pages.
 //
 // A thread whose personality cannot be put back is left locked, so that it ends with
 // this goroutine instead of running other code without randomization.
 func startMerged(start func() error) error {
 	runtime.LockOSThread()
+	clean := true
+	defer func() {
+		if clean {
+			runtime.UnlockOSThread()
+		}
+	}()
 	if err := markMergeAny(); err != nil {
-		runtime.UnlockOSThread()
 		return &StartError{Err: err}
 	}
 	prev, err := personality(0xffffffff)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return &StartError{Err: fmt.Errorf("personality: %w", err)}
+	if err == nil {
+		_, err = personality(prev | addrNoRandomize)
 	}
-	if _, err := personality(prev | addrNoRandomize); err != nil {
-		runtime.UnlockOSThread()
+	if err != nil {
 		return &StartError{Err: fmt.Errorf("personality: %w", err)}
 	}
 	serr := start()
-	if _, err := personality(prev); err == nil {
-		runtime.UnlockOSThread()
-	}
+	_, err = personality(prev)
+	clean = err == nil
 	return serr
-}
-
-// KSMRunning reports whether the host's ksmd scans (/sys/kernel/mm/ksm/run is 1):
-// without it nothing a process offers is merged.
-func KSMRunning() bool {
-	b, err := os.ReadFile("/sys/kernel/mm/ksm/run")
-	return err == nil && string(bytes.TrimSpace(b)) == "1"
 }
 
 // markMergeAny marks this process's memory, and so that of the children it starts,

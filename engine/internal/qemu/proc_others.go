@@ -31,6 +31,3 @@ func startMerged(func() error) error { return &StartError{Err: CheckMerge()} }
 
 // checkMerged is never reached outside Linux (startMerged fails first).
 func checkMerged(int) error { return CheckMerge() }
-
-// KSMRunning is false: KSM is Linux's.
-func KSMRunning() bool { return false }

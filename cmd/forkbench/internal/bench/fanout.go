@@ -184,7 +184,7 @@ func waveSummary(wr *WaveResult, pc report.Percentiles, f forkStats, iso IsoRepo
 		ws.WaveIdle = &WaveIdle{IdleCPUPctPerFork: report.Round3(idle.PerForkPct), IdleCPUCoresTotal: report.Round3(idle.TotalCores), IdleWindowS: report.Round3(idle.Window.Seconds()),
 			HostMemPerForkAfterIdleMB: report.Round3(idle.HostMBPerFork)}
 		if idle.KSMEnd.OK {
-			profit, cpu := report.Round3(float64(idle.KSMEnd.ProfitBytes)/(1<<20)), report.Round3(idle.KSMCPUPct)
+			profit, cpu := report.Round3(float64(idle.KSMEnd.GeneralProfit)/(1<<20)), report.Round3(idle.KSMCPUPct)
 			ws.WaveIdle.KSMProfitMB, ws.WaveIdle.KSMDCPUPct = &profit, &cpu
 		}
 	}
@@ -705,5 +705,5 @@ func ksmText(idle IdleCPU) string {
 	case k.Run != 1:
 		return " (ksmd not running: nothing merged)"
 	}
-	return fmt.Sprintf(" (same-page merging saved %.1f MiB on the host; ksmd used %.1f%% of a core over the window)", float64(k.ProfitBytes)/(1<<20), idle.KSMCPUPct)
+	return fmt.Sprintf(" (same-page merging saved %.1f MiB on the host; ksmd used %.1f%% of a core over the window)", float64(k.GeneralProfit)/(1<<20), idle.KSMCPUPct)
 }

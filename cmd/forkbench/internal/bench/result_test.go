@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/measure"
+	"github.com/forkvm/forkvm/procinfo"
 	"slices"
 	"sort"
 	"strings"
@@ -86,7 +87,7 @@ func TestWaveSummaryJSON(t *testing.T) {
 	idle := IdleCPU{N: 3, Window: 3 * time.Second, TotalCores: 0.0123456, PerForkPct: 0.41152}
 	ksmIdle := idle
 	ksmIdle.HostMBPerFork, ksmIdle.KSMCPUPct = 24.5, 2.4
-	ksmIdle.KSMEnd = measure.KSMSample{OK: true, Run: 1, ProfitBytes: 228 << 20}
+	ksmIdle.KSMEnd = measure.KSMSample{OK: true, KSM: procinfo.KSM{Run: 1, GeneralProfit: 228 << 20}}
 	pc := report.Summarize([]float64{300.1234, 400, 500})
 	tests := []struct {
 		name  string
@@ -296,7 +297,7 @@ func TestKSMText(t *testing.T) {
 	}{
 		{IdleCPU{}, ""},
 		{IdleCPU{KSMEnd: measure.KSMSample{OK: true}}, " (ksmd not running: nothing merged)"},
-		{IdleCPU{KSMCPUPct: 2.42, KSMEnd: measure.KSMSample{OK: true, Run: 1, ProfitBytes: 228 << 20}},
+		{IdleCPU{KSMCPUPct: 2.42, KSMEnd: measure.KSMSample{OK: true, KSM: procinfo.KSM{Run: 1, GeneralProfit: 228 << 20}}},
 			" (same-page merging saved 228.0 MiB on the host; ksmd used 2.4% of a core over the window)"},
 	} {
 		if got := ksmText(tt.idle); got != tt.want {

@@ -11,42 +11,22 @@ import (
 	"github.com/forkvm/forkvm/procinfo"
 )
 
-// ksmDir is where the kernel's same-page merging reports and takes its settings.
-const ksmDir = "/sys/kernel/mm/ksm"
-
-// KSMSample is the kernel's same-page merging at one moment: whether ksmd runs, its
-// pace, what it keeps merged, and the CPU ksmd used since the host started.
+// KSMSample is the kernel's same-page merging at one moment (procinfo.KSM: whether
+// ksmd runs, its pace, what merging saves) and the CPU ksmd used since the host
+// started.
 type KSMSample struct {
-	Run            int64
-	PagesToScan    int64
-	SleepMillisecs int64
-	// ProfitBytes is general_profit: memory merging saves, less its own metadata.
-	ProfitBytes  int64
-	PagesSharing int64
-	CPU          time.Duration
-	OK           bool // false: no KSM on this host (nothing read)
+	procinfo.KSM
+	CPU time.Duration
+	OK  bool // false: no KSM on this host (nothing read)
 }
 
 // ReadKSM reads the host's KSM counters and ksmd's CPU time.
 func ReadKSM() KSMSample {
-	num := func(name string) (int64, bool) {
-		b, err := os.ReadFile(filepath.Join(ksmDir, name))
-		if err != nil {
-			return 0, false
-		}
-		v, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
-		return v, err == nil
+	k, err := procinfo.ReadKSM()
+	if err != nil {
+		return KSMSample{}
 	}
-	var s KSMSample
-	if s.Run, s.OK = num("run"); !s.OK {
-		return s
-	}
-	s.PagesToScan, _ = num("pages_to_scan")
-	s.SleepMillisecs, _ = num("sleep_millisecs")
-	s.ProfitBytes, _ = num("general_profit")
-	s.PagesSharing, _ = num("pages_sharing")
-	s.CPU = ksmdCPU()
-	return s
+	return KSMSample{KSM: k, CPU: ksmdCPU(), OK: true}
 }
 
 // State is the settings part of s for a run's host record (nil: no KSM).
