@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"time"
 
@@ -19,8 +20,10 @@ import (
 //
 // Concurrency: admitMu serializes check-and-reserve so that two forks cannot both take
 // the last slot; mu guards the counters. A VM moving between states (pool, pending,
-// registered) is counted twice for a moment rather than not at all: reservations are
-// released only after the VM is counted elsewhere.
+// registered) is never counted not at all: a reservation is released only after its VM
+// is counted elsewhere. Nor twice once its reservation is bound to it (reservation.bind):
+// while the reservation lasts, the budget counts the VM by it alone, so a wave sized to
+// the budget is not refused its last forks by forks that are registering.
 type admitter struct {
 	hostCPUs      int
 	overcommit    float64
@@ -34,14 +37,16 @@ type admitter struct {
 	// ownArg is in the argv of every QEMU this engine started (its run directory): the
 	// scan skips those, own counts them.
 	ownArg string
-	// own returns this engine's live VMs and pooled processes.
-	own func() []admission.QEMU
+	// own returns this engine's live VMs and pooled processes, less those in skip.
+	own func(skip map[*VM]bool) []admission.QEMU
 
 	admitMu sync.Mutex
 	mu      sync.Mutex
-	// pendingCPUs and pendingMem count admitted VMs not yet registered.
+	// pendingCPUs and pendingMem count admitted VMs not yet registered, and bound the
+	// VMs their reservations belong to (own leaves those out).
 	pendingCPUs int
 	pendingMem  int64
+	bound       map[*VM]bool
 	// inflightCPUs counts the vCPUs of forks between their start and ready (or
 	// failure), admitted or not; it picks their TCG thread mode.
 	inflightCPUs int
@@ -82,8 +87,9 @@ func (a *admitter) budgetHigh(overcommit float64) (Budget, map[string]int64) {
 	}
 	a.mu.Lock()
 	pendingCPUs, pendingMem := a.pendingCPUs, a.pendingMem
+	skip := maps.Clone(a.bound)
 	a.mu.Unlock()
-	own := a.own()
+	own := a.own(skip)
 	others := a.otherQEMUs()
 	b := Budget{HostCPUs: a.hostCPUs, Overcommit: overcommit, MaxOvercommit: a.maxOvercommit,
 		Total: int(float64(a.hostCPUs) * overcommit), Used: pendingCPUs}
@@ -102,9 +108,9 @@ func (a *admitter) budgetHigh(overcommit float64) (Budget, map[string]int64) {
 
 // admit checks the budgets for one more VM of cpus vCPUs and guest bytes of RAM, a fork
 // of source (admission.Footprints; "" for a create or an unknown source: the prior), with the
-// request's overcommit (0: the engine's), and reserves it until release is called
-// (once the VM is registered, or failed).
-func (a *admitter) admit(cpus int, guest int64, source string, overcommit float64) (release func(), err error) {
+// request's overcommit (0: the engine's), and reserves it until the reservation is
+// released (once the VM is registered, or failed).
+func (a *admitter) admit(cpus int, guest int64, source string, overcommit float64) (*reservation, error) {
 	if overcommit > a.maxOvercommit {
 		return nil, &OvercommitError{Requested: overcommit, Max: a.maxOvercommit}
 	}
@@ -146,19 +152,62 @@ func checkBudget(b Budget, cpus int, guest, need int64) error {
 
 // hold reserves cpus vCPUs and mem bytes without a check: a claimed pooled process
 // already had its admission.
-func (a *admitter) hold(cpus int, mem int64) (release func()) {
+func (a *admitter) hold(cpus int, mem int64) *reservation {
 	a.mu.Lock()
 	a.pendingCPUs += cpus
 	a.pendingMem += mem
 	a.mu.Unlock()
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			a.mu.Lock()
-			a.pendingCPUs -= cpus
-			a.pendingMem -= mem
-			a.mu.Unlock()
-		})
+	return &reservation{a: a, cpus: cpus, mem: mem}
+}
+
+// reservation is one admitted VM's vCPUs and memory, counted in the budget until it is
+// released. Its methods are safe on nil (nothing reserved) and for concurrent use;
+// release is idempotent.
+type reservation struct {
+	a    *admitter
+	cpus int
+	mem  int64
+	// vm and done are guarded by a.mu.
+	vm   *VM
+	done bool
+}
+
+// bind names the VM the reservation admits, before the VM is registered: from then on
+// the budget counts the VM by the reservation alone until it is released, however the
+// registration and the release interleave with a budget's reading.
+func (r *reservation) bind(vm *VM) {
+	if r == nil {
+		return
+	}
+	a := r.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if r.done || r.vm != nil {
+		return
+	}
+	r.vm = vm
+	if a.bound == nil {
+		a.bound = map[*VM]bool{}
+	}
+	a.bound[vm] = true
+}
+
+// release ends the reservation: once its VM is registered (counted there) or failed.
+func (r *reservation) release() {
+	if r == nil {
+		return
+	}
+	a := r.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if r.done {
+		return
+	}
+	r.done = true
+	a.pendingCPUs -= r.cpus
+	a.pendingMem -= r.mem
+	if r.vm != nil {
+		delete(a.bound, r.vm)
 	}
 }
 

@@ -2,12 +2,14 @@ package engine
 
 import (
 	"errors"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/admission"
 	"github.com/forkvm/forkvm/engine/internal/admission/admissiontest"
+	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
 // fakeHost is a probe of a fake host with avail of total bytes of memory, no memory
@@ -81,7 +83,7 @@ func TestAdmitHost(t *testing.T) {
 	if err != nil {
 		t.Fatalf("1 vCPU with 1 free: %v", err)
 	}
-	rel()
+	rel.release()
 	var oe *OvercommitError
 	if _, err := e.adm.admit(1, 0, "", 1e12); !errors.As(err, &oe) || !errors.Is(err, ErrAdmission) || oe.Max != 8 {
 		t.Errorf("overcommit 1e12: %v, want *OvercommitError (max 8)", err)
@@ -90,7 +92,7 @@ func TestAdmitHost(t *testing.T) {
 	if err != nil {
 		t.Fatalf("overcommit at the cap: %v", err)
 	}
-	rel()
+	rel.release()
 	if b := e.adm.budget(0); b.Memory.CommittedBytes != admission.CommitBytes(1<<30, e.adm.commitRatio) {
 		t.Errorf("committed = %d, want the other VM's commitment %d", b.Memory.CommittedBytes, admission.CommitBytes(1<<30, e.adm.commitRatio))
 	}
@@ -100,7 +102,7 @@ func TestAdmitHost(t *testing.T) {
 // scan for other engines' QEMUs, meminfo and the memory cgroup).
 func BenchmarkBudgetRealHost(b *testing.B) {
 	a := &admitter{hostCPUs: 2, overcommit: 8, maxOvercommit: 16, commitRatio: 0.1, host: realHost, fp: admission.NewFootprints(time.Now),
-		ownArg: "path=/nonexistent/run/", own: func() []admission.QEMU { return nil }}
+		ownArg: "path=/nonexistent/run/", own: func(map[*VM]bool) []admission.QEMU { return nil }}
 	for b.Loop() {
 		_ = a.budget(0)
 	}
@@ -138,12 +140,12 @@ func TestAdmitByFootprint(t *testing.T) {
 		live = append(live, admission.QEMU{PID: 100 + i, CPUs: 1, Guest: 2 << 30, Private: 30 * mib, Source: "ck:w", Sample: true})
 	}
 	a := &admitter{hostCPUs: 1000, overcommit: 1, maxOvercommit: 1, reserveBytes: 512 * mib, commitRatio: 0.1,
-		host: h, fp: fp, own: func() []admission.QEMU { return live }}
+		host: h, fp: fp, own: func(map[*VM]bool) []admission.QEMU { return live }}
 	fill := func() (n int, err error) {
-		var held []func()
+		var held []*reservation
 		defer func() {
 			for _, r := range held {
-				r()
+				r.release()
 			}
 		}()
 		for n = 0; n < 1000; n++ {
@@ -180,7 +182,7 @@ func TestAdmitByFootprint(t *testing.T) {
 		if got := a.pendingMem; got != admission.CommitBytes(2<<30, 0.1) {
 			t.Errorf("a create holds %d MiB, want the prior %d", got/mib, admission.CommitBytes(2<<30, 0.1)/mib)
 		}
-		rel()
+		rel.release()
 	}
 	admissiontest.WriteFiles(t, h.Proc, map[string]string{"pressure/memory": "some avg10=25.00 avg60=5.00 avg300=1.00 total=1\nfull avg10=2.00 avg60=0.00 avg300=0.00 total=1\n"})
 	if _, err := a.admit(1, 256*mib, "ck:w", 0); !errors.As(err, &ae) || ae.Resource != "memory-pressure" || !errors.Is(err, ErrAdmission) {
@@ -188,5 +190,52 @@ func TestAdmitByFootprint(t *testing.T) {
 	}
 	if m := a.budget(0).Memory; !m.PressureKnown || m.PressureSomeAvg10 != 25 || m.PressureFullAvg10 != 2 {
 		t.Errorf("pressure in the budget: %+v", m)
+	}
+}
+
+// TestAdmitCountsBoundVMOnce: a fork registered while its reservation lasts (the moment
+// between its registration and the release) counts once, by the reservation, so a wave
+// sized to the budget is not refused its last fork by one that is registering; once the
+// reservation ends the registry counts it, and releasing again changes nothing.
+func TestAdmitCountsBoundVMOnce(t *testing.T) {
+	e, oc := admissionEngine(t, 4)
+	sleeper := exec.Command("sleep", "60")
+	if err := sleeper.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sleeper.Process.Kill(); sleeper.Wait() })
+	pid := sleeper.Process.Pid
+	start, err := qemu.ProcStartTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(t)
+	m := vmManifest(cfg, "f1", StateRunning, pid)
+	m.StartTime, m.Spec.CPUs = start, 2
+	vm := adoptVM(e.paths.vmDir("f1"), e.log, m, e.paths)
+
+	res, err := e.adm.admit(2, 0, "", oc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.bind(vm)
+	e.vms.add(vm)
+	if b := e.adm.budget(oc); b.Used != 2 {
+		t.Fatalf("Used with the fork registered and still reserved = %d, want 2", b.Used)
+	}
+	last, err := e.adm.admit(2, 0, "", oc)
+	if err != nil {
+		t.Fatalf("the budget's last 2 vCPUs while a fork registers: %v", err)
+	}
+	last.release()
+	res.release()
+	res.release()
+	if b := e.adm.budget(oc); b.Used != 2 {
+		t.Errorf("Used once the reservation ended = %d, want 2 (the registered fork)", b.Used)
+	}
+	// A reservation bound after its release binds nothing.
+	res.bind(vm)
+	if b := e.adm.budget(oc); b.Used != 2 {
+		t.Errorf("Used after a late bind = %d, want 2", b.Used)
 	}
 }

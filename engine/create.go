@@ -302,11 +302,11 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 	}
 	// A create is admitted like a fork, before anything is made: the reservation ends
 	// once the VM is registered (counted there) or failed.
-	release, err := e.adm.admit(spec.CPUs, int64(spec.MemoryMiB)<<20, "", 0)
+	res, err := e.adm.admit(spec.CPUs, int64(spec.MemoryMiB)<<20, "", 0)
 	if err != nil {
 		return nil, err
 	}
-	defer release()
+	defer res.release()
 	vm, err := e.newBootVM(ctx, spec, imageMiB)
 	if err != nil {
 		return nil, err
@@ -326,6 +326,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 		err := e.restoreBoot(ctx, vm, spec, img, dir, rec, clock)
 		if err == nil {
 			touchBoot(dir)
+			res.bind(vm)
 			e.vms.add(vm)
 			ok = true
 			return vm, nil
@@ -352,6 +353,7 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (*VM, error) {
 			}
 		}
 	}
+	res.bind(vm)
 	e.vms.add(vm)
 	ok = true
 	return vm, nil

@@ -104,8 +104,8 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 		tcgMode: r.Experimental.TCGThread, host: realHost, fp: admission.NewFootprints(time.Now),
 		ownArg: "path=" + escapeOpt(e.paths.run) + "/",
 	}
-	e.adm.own = func() []admission.QEMU {
-		return append(e.vms.uses(realHost, e.footprintSource), e.pools.uses(realHost)...)
+	e.adm.own = func(skip map[*VM]bool) []admission.QEMU {
+		return append(e.vms.uses(realHost, e.footprintSource, skip), e.pools.uses(realHost)...)
 	}
 	if n := r.Experimental.RestoreConcurrency; n > 0 {
 		e.adm.slots = semaphore.NewWeighted(int64(n))
@@ -456,10 +456,14 @@ func (r *registry) forksByParent() map[string][]string {
 // forksOf counts a checkpoint's forks.
 func (r *registry) forksOf(ck string) int { return len(r.forksByParent()[ck]) }
 
-// uses returns the live VMs as admission counts them.
-func (r *registry) uses(h hostProbe, sourceOf func(parent string) string) []admission.QEMU {
+// uses returns the live VMs as admission counts them, less those in skip (counted by
+// their reservations).
+func (r *registry) uses(h hostProbe, sourceOf func(parent string) string, skip map[*VM]bool) []admission.QEMU {
 	var out []admission.QEMU
 	for _, vm := range r.all() {
+		if skip[vm] {
+			continue
+		}
 		if u, ok := vm.admissionUse(h, sourceOf); ok {
 			out = append(out, u)
 		}

@@ -555,7 +555,7 @@ func admissionEngine(t *testing.T, total int) (*Engine, float64) {
 
 func TestAdmit(t *testing.T) {
 	e, oc := admissionEngine(t, 4)
-	var releases []func()
+	var releases []*reservation
 	for i := 0; i < 4; i++ {
 		rel, err := e.adm.admit(1, 0, "", oc)
 		if err != nil {
@@ -582,8 +582,8 @@ func TestAdmit(t *testing.T) {
 	}
 
 	// Releasing frees exactly one slot, once.
-	releases[0]()
-	releases[0]()
+	releases[0].release()
+	releases[0].release()
 	if b := e.adm.budget(oc); b.Used != 3 {
 		t.Errorf("Used after double release = %d, want 3", b.Used)
 	}
@@ -594,8 +594,8 @@ func TestAdmit(t *testing.T) {
 	releases[0] = rel
 
 	// A bigger request reports what is available.
-	releases[1]()
-	releases[2]()
+	releases[1].release()
+	releases[2].release()
 	_, err = e.adm.admit(3, 0, "", oc)
 	if !errors.As(err, &ae) || ae.Requested != 3 || ae.Available != 2 || ae.Budget != 4 {
 		t.Errorf("admit(3) with 2 free = %v (%+v)", err, ae)
@@ -604,9 +604,9 @@ func TestAdmit(t *testing.T) {
 	if err != nil {
 		t.Fatalf("admit(2) with 2 free: %v", err)
 	}
-	rel()
-	releases[0]()
-	releases[3]()
+	rel.release()
+	releases[0].release()
+	releases[3].release()
 	if b := e.adm.budget(oc); b.Used != 0 || e.adm.pendingMem != 0 {
 		t.Errorf("after all releases: used %d, pending bytes %d", b.Used, e.adm.pendingMem)
 	}
@@ -644,7 +644,7 @@ func TestAdmitConcurrentHold(t *testing.T) {
 	e, oc := admissionEngine(t, total)
 	var ok, refused atomic.Int32
 	var mu sync.Mutex
-	var releases []func()
+	var releases []*reservation
 	var wg sync.WaitGroup
 	start := make(chan struct{})
 	for i := 0; i < 50; i++ {
@@ -672,7 +672,7 @@ func TestAdmitConcurrentHold(t *testing.T) {
 		t.Errorf("%d admitted, %d refused; want %d and %d", ok.Load(), refused.Load(), total, 50-total)
 	}
 	for _, r := range releases {
-		r()
+		r.release()
 	}
 	if b := e.adm.budget(oc); b.Used != 0 {
 		t.Errorf("Used after releases = %d", b.Used)
@@ -714,7 +714,7 @@ func TestAdmitConcurrentChurn(t *testing.T) {
 					time.Sleep(50 * time.Microsecond)
 				}
 				inUse.Add(-int32(cpus))
-				rel()
+				rel.release()
 			}
 		}(g)
 	}

@@ -59,7 +59,7 @@ func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, 
 // VM are admitted before its implicit checkpoint costs anything. It returns their
 // reservations (none when src is a checkpoint or not found: forkFrom admits then), and
 // the refusal when not even one fits.
-func (e *Engine) admitSource(src string, n int, overcommit float64) ([]func(), error) {
+func (e *Engine) admitSource(src string, n int, overcommit float64) ([]*reservation, error) {
 	if ValidateName(src) != nil || e.cks.exists(src) {
 		return nil, nil
 	}
@@ -69,7 +69,7 @@ func (e *Engine) admitSource(src string, n int, overcommit float64) ([]func(), e
 	}
 	spec := &vm.ident().Spec
 	cpus, guest := spec.CPUs, int64(spec.MemoryMiB)<<20
-	var held []func()
+	var held []*reservation
 	for range n {
 		rel, err := e.adm.admit(cpus, guest, "vm:"+src, overcommit)
 		if err != nil {
@@ -104,10 +104,8 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool, early 
 // forced delete cancels it. held, when set, is the fork's admission, made before its
 // checkpoint was taken (admitSource); it is released when forkFrom returns (it is
 // idempotent: forkOne releases it as soon as the fork is registered or failed).
-func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func(), early *earlyFork) (*VM, error) {
-	if held != nil {
-		defer held()
-	}
+func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held *reservation, early *earlyFork) (*VM, error) {
+	defer held.release()
 	gctx, leave, err := e.forking.enter(ctx, c.Manifest.Name)
 	if err != nil {
 		return nil, err
@@ -139,16 +137,14 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 // admission, made before its checkpoint was taken (admitSource); forkOne releases it.
 // early, when set, is this fork already spawned while c was being taken (earlyFork):
 // it goes on from inject when it matches c, else it is dropped and the fork made anew.
-func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func(), early *earlyFork) (*VM, error) {
+func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held *reservation, early *earlyFork) (*VM, error) {
 	if f := e.takeEarly(early, c); f != nil {
 		return e.forkEarly(ctx, c, f, held)
 	}
 	clock := markPhases(e.cfg.Markers, name)
 	clock.begin("prepare")
 	defer clock.abandon() // a failure ends its phase's marker
-	if held != nil {
-		defer held()
-	}
+	defer held.release()
 	if err := e.forkChecks(ctx, c, publish); err != nil {
 		return nil, err
 	}
@@ -159,14 +155,14 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	fctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
 
-	vm, release, done, err := e.prepareForkVM(ctx, c, name, overcommit, publish, held)
+	vm, res, done, err := e.prepareForkVM(ctx, c, name, overcommit, publish, held)
 	if err != nil {
 		return nil, err
 	}
 	clock.watch(vm)
 	defer done()
 	// The reservation ends once the fork is registered (counted there) or failed.
-	defer release()
+	defer res.release()
 	ok := false
 	defer func() {
 		if !ok {
@@ -211,21 +207,21 @@ func (e *Engine) forkChecks(ctx context.Context, c *Checkpoint, publish []PortFo
 // before its checkpoint), else a prepared fork directory under an admission (held, or
 // made here). release ends the admission (the caller releases it once the fork is
 // registered or failed); done ends the fork's count as in flight.
-func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held func()) (vm *VM, release, done func(), err error) {
+func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held *reservation) (vm *VM, res *reservation, done func(), err error) {
 	ck := &c.Manifest
 	token := revivalToken(ctx)
 	if len(publish) == 0 && held == nil && token == "" {
-		if vm, release = e.claimPooled(c, name); vm != nil {
+		if vm, res = e.claimPooled(c, name); vm != nil {
 			if vm.procMarker != nil {
 				// The fork's QEMU runs already: told again, under the fork's name.
 				vm.procMarker.QEMUStarted(name, vm.PID())
 			}
-			return vm, release, func() {}, nil
+			return vm, res, func() {}, nil
 		}
 	}
 	if held != nil {
-		release = held
-	} else if release, err = e.adm.admit(ck.CPUs, int64(ck.MemoryMiB)<<20, sourceKey(ck), overcommit); err != nil {
+		res = held
+	} else if res, err = e.adm.admit(ck.CPUs, int64(ck.MemoryMiB)<<20, sourceKey(ck), overcommit); err != nil {
 		return nil, nil, nil, err
 	}
 	qemu, err := e.bins.path()
@@ -233,13 +229,14 @@ func (e *Engine) prepareForkVM(ctx context.Context, c *Checkpoint, name string, 
 		vm, err = prepareFork(ctx, e.paths, e.log, qemu, c, name, publish)
 	}
 	if err != nil {
-		release()
+		res.release()
 		return nil, nil, nil, err
 	}
 	if token != "" {
 		vm.reidentify(token)
 	}
-	return vm, release, e.inflightFork(vm, ck), nil
+	res.bind(vm)
+	return vm, res, e.inflightFork(vm, ck), nil
 }
 
 // prepareFork is the first stage of a fork (or of a warm-pool process): the manifest, the

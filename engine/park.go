@@ -224,11 +224,13 @@ func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api
 	if err != nil {
 		return nil, fmt.Errorf("engine: wake %s: checkpoint: %w", name, err)
 	}
-	release, err := e.adm.admit(m.Spec.CPUs, int64(m.Spec.MemoryMiB)<<20, sourceKey(&parent.Manifest), o.Overcommit)
+	adm, err := e.adm.admit(m.Spec.CPUs, int64(m.Spec.MemoryMiB)<<20, sourceKey(&parent.Manifest), o.Overcommit)
 	if err != nil {
 		return nil, err
 	}
-	defer release()
+	// Registered already (parked): counted by the reservation alone until it ends.
+	adm.bind(vm)
+	defer adm.release()
 	leave, err := e.adm.restoreSlot(ctx)
 	if err != nil {
 		return nil, err

@@ -255,7 +255,7 @@ func (e *Engine) refill(c *Checkpoint) {
 		if !ok {
 			return
 		}
-		release, err := e.adm.admit(c.Manifest.CPUs, int64(c.Manifest.MemoryMiB)<<20, sourceKey(&c.Manifest), 0)
+		res, err := e.adm.admit(c.Manifest.CPUs, int64(c.Manifest.MemoryMiB)<<20, sourceKey(&c.Manifest), 0)
 		if err != nil {
 			e.log.Warn("warm pool refill refused", "checkpoint", name, "err", err)
 			e.pools.settle(name, p, nil, opts)
@@ -264,7 +264,7 @@ func (e *Engine) refill(c *Checkpoint) {
 		}
 		go func() {
 			defer e.bgWG.Done()
-			defer release()
+			defer res.release()
 			for {
 				vm, err := e.spawnPooled(e.bg, c, opts)
 				if err != nil {
@@ -384,18 +384,19 @@ func (vm *VM) resumeRestored(ctx context.Context) error {
 // path; QEMU keeps its open files) and its manifest rewritten. The QEMU process keeps
 // its pool name as its process title.
 //
-// release ends the claimed process's vCPU reservation: it is held before the process
+// res is the claimed process's vCPU reservation, bound to it: held before the process
 // leaves the pool and released by the caller once the fork is registered or failed.
-func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()) {
-	release = e.adm.hold(c.Manifest.CPUs, 0)
+func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, res *reservation) {
+	res = e.adm.hold(c.Manifest.CPUs, 0)
 	if vm = e.pools.take(c.Manifest.Name); vm == nil {
-		release()
+		res.release()
 		return nil, nil
 	}
+	res.bind(vm)
 	old := vm.Name()
 	if !vm.alive() {
 		e.discard(vm)
-		release()
+		res.release()
 		return nil, nil
 	}
 	oldDir, oldRun := vm.dir(), vm.snapshot().Launch.RunDir
@@ -409,7 +410,7 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()
 	if err != nil {
 		e.log.Warn("warm pool claim failed", "vm", old, "err", err)
 		e.discard(vm)
-		release()
+		res.release()
 		return nil, nil
 	}
 	// Its console, served by this engine, follows the files it writes.
@@ -424,9 +425,9 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, release func()
 	})
 	if err != nil {
 		e.discard(vm)
-		release()
+		res.release()
 		return nil, nil
 	}
 	go e.refill(c)
-	return vm, release
+	return vm, res
 }

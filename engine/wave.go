@@ -93,9 +93,7 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 		select {
 		case sem <- struct{}{}:
 		case <-ctx.Done():
-			if hold := p.hold(i); hold != nil {
-				hold()
-			}
+			p.hold(i).release()
 			if i == 0 {
 				e.dropEarly(p.early)
 			}
@@ -173,8 +171,8 @@ type forkPlan struct {
 
 	// Set by Engine.plan.
 	ck      *Checkpoint
-	held    []func() // admissions of the first len(held) forks (admitSource)
-	refused error    // not one fork was admitted: every fork fails with it
+	held    []*reservation // admissions of the first len(held) forks (admitSource)
+	refused error          // not one fork was admitted: every fork fails with it
 	// early is the first fork, spawned while the implicit checkpoint was taken (nil:
 	// none). The fork takes it, or it is dropped (Engine.dropEarly) when the plan ends.
 	early *earlyFork
@@ -224,7 +222,7 @@ func (p *forkPlan) allPublish() []PortForward {
 
 // hold is fork i's admission made before its checkpoint (nil: it is admitted as it
 // starts).
-func (p *forkPlan) hold(i int) func() {
+func (p *forkPlan) hold(i int) *reservation {
 	if i < len(p.held) {
 		return p.held[i]
 	}
@@ -234,7 +232,7 @@ func (p *forkPlan) hold(i int) func() {
 // releaseHeld releases every admission made before the checkpoint.
 func (p *forkPlan) releaseHeld() {
 	for _, h := range p.held {
-		h()
+		h.release()
 	}
 }
 
@@ -340,7 +338,7 @@ type earlyFork struct {
 // start early: one admitted before the checkpoint, with no forwards (its QEMU would bind
 // them before the checkpoint is known to be good), whose disk chain the pause will
 // freeze as it is (qcow2 layers to hard-link, no collapse to settle first).
-func earlyEligible(src vmState, held func(), publish []PortForward) bool {
+func earlyEligible(src vmState, held *reservation, publish []PortForward) bool {
 	if held == nil || len(publish) > 0 {
 		return false
 	}
@@ -524,13 +522,12 @@ func (e *Engine) discardEarly(f *earlyFork) {
 
 // forkEarly makes the fork of c from f, taken (takeEarly): its QEMU runs and waits for
 // its state; the stages from inject on are forkOne's.
-func (e *Engine) forkEarly(ctx context.Context, c *Checkpoint, f *earlyFork, held func()) (*VM, error) {
+func (e *Engine) forkEarly(ctx context.Context, c *Checkpoint, f *earlyFork, held *reservation) (*VM, error) {
 	vm, clock := f.vm, f.clock
 	defer e.vms.unreserve(f.name)
 	defer clock.abandon()
-	if held != nil {
-		defer held()
-	}
+	held.bind(vm)
+	defer held.release()
 	defer f.done()
 	ok := false
 	defer func() {
