@@ -11,8 +11,9 @@ export PATH := /usr/local/go/bin:$(PATH)
 
 QEMU_MIN_MAJOR := 10
 # mmdebstrap builds Debian root images (`forkvm image create NAME --debian`); linux-perf
-# is what TestKernelCounters compares the engine's counters with (`perf stat`).
-APT_PKGS := busybox-static e2fsprogs mmdebstrap linux-perf
+# is what TestKernelCounters compares the engine's counters with (`perf stat`); gcc builds
+# the QEMU zygote's shim (engine Config.ZygoteShim).
+APT_PKGS := busybox-static e2fsprogs mmdebstrap linux-perf gcc libc6-dev
 # Go test flags for integration tests (they boot real VMs under TCG: give them time).
 ITEST_TIMEOUT ?= 30m
 ITEST_PARALLEL ?= 3
@@ -25,7 +26,7 @@ CHECK_TIMEOUT ?= 30m
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/staticcheck-$(STATICCHECK_VERSION)
 
-.PHONY: build setup setup-host image test fleet-then-vms prebuild-then-checks checks unit unit-fleet unit-rest prebuild lint itest itest-vms cross fuzz fuzz-ci fanout bench clean
+.PHONY: build shim setup setup-host image test fleet-then-vms prebuild-then-checks checks unit unit-fleet unit-rest prebuild lint itest itest-vms cross fuzz fuzz-ci fanout bench clean
 
 ## build: compile forkvm, forkbench and the static guest agent into ./bin
 # The agent with -buildvcs=false: its bytes (and so the images it is baked into) change
@@ -37,13 +38,21 @@ build:
 	$(GO) build -o $(BIN)/forkbench ./cmd/forkbench
 	CGO_ENABLED=0 GOOS=linux $(GO) build -trimpath -buildvcs=false -ldflags='-s -w' -o $(BIN)/forkvm-agent ./cmd/forkvm-agent
 
+## shim: the QEMU zygote's preload library (engine Config.ZygoteShim, --zygote), C: it
+## takes QEMU's __libc_start_main (make setup installs gcc)
+ZYGOTE_SHIM := $(BIN)/forkvm-zygote.so
+shim: $(ZYGOTE_SHIM)
+$(ZYGOTE_SHIM): engine/internal/qemu/zygote/zygote.c
+	@mkdir -p $(BIN)
+	cc -O2 -Wall -Wextra -shared -fPIC -o $@ $< -ldl
+
 ## setup: install QEMU >= 10 and guest tools when missing, build, build the guest image
 # The packages install while the Go build compiles (on a fresh machine each takes about
 # half a minute and a minute, the first mostly waiting on the network, the second on
 # the CPU).
 setup:
 	$(MAKE) --no-print-directory -j2 --output-sync=target setup-host build
-	$(MAKE) --no-print-directory image
+	$(MAKE) --no-print-directory image shim
 
 setup-host:
 	@command -v $(GO) >/dev/null || { echo "setup: Go is missing (install Go >= 1.26 at /usr/local/go)"; exit 1; }

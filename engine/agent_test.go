@@ -60,7 +60,7 @@ func TestLogs(t *testing.T) {
 	os.WriteFile(log, []byte("[    0.1] booting\nforkvm-agent: ready (virtio-serial)\n"), 0o600)
 	// The VM's process is a child that runs until killed.
 	spawn := func() *qemuProc {
-		p, err := spawnQEMU("l", "sleep", []string{"600"}, "", filepath.Join(dir, "sleep.log"), nil, false, nil, nil)
+		p, err := spawnQEMU("l", "sleep", []string{"600"}, "", filepath.Join(dir, "sleep.log"), nil, spawnHow{}, nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}

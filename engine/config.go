@@ -144,6 +144,20 @@ type Config struct {
 	// where the VMs trust each other. Default: $FORKVM_MERGE_PAGES (1 or true), else
 	// off. Each VM keeps the setting it started with until its QEMU ends.
 	MergePages bool
+	// ZygoteShim, when set, is the path of forkvm-zygote.so (built by make from
+	// engine/internal/qemu/zygote/zygote.c; the CLI's --zygote finds it beside the
+	// forkvm binary): each QEMU binary the engine runs is started once as a fork server
+	// that stops before QEMU's main, its libraries relocated, and every QEMU is forked
+	// from it instead of executed. A fork then skips the dynamic linker's relocations
+	// (about half of its spawn) and shares the pages they wrote (~5 MiB per VM) with
+	// every other; docs/host.md has the measurements. The engine's process becomes a
+	// child subreaper (PR_SET_CHILD_SUBREAPER), so the forked QEMUs are its children:
+	// an embedding program's orphaned grandchildren are handed to it too and stay
+	// zombies unless it reaps them. The QEMUs share one address layout, stack canary
+	// and pointer guard, as executed QEMUs of one user share everything else (none is
+	// sandboxed from another). Counters and MergePages spawns are executed. Linux
+	// only. Default: $FORKVM_ZYGOTE_SHIM, else off.
+	ZygoteShim string
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.
 	Experimental Experimental
@@ -252,12 +266,16 @@ func (c Config) resolve() (*resolved, error) {
 			return nil, fmt.Errorf("%w: MergePages: %w", ErrInvalidSpec, err)
 		}
 	}
+	if c.ZygoteShim, err = resolveZygoteShim(c.ZygoteShim, c.MergePages); err != nil {
+		return nil, err
+	}
 	accel, vsock, err := c.resolveAccel()
 	if err != nil {
 		return nil, err
 	}
 	return &resolved{Config: c, accel: accel, tag: tag, vsock: vsock, sharedRAM: sharedRAM, sharedRun: sharedRun,
-		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir, mergePages: c.MergePages}}, nil
+		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir, mergePages: c.MergePages,
+			zygotes: newZygoteSet(c.ZygoteShim, c.Logger)}}, nil
 }
 
 // setDefaults fills the zero numeric settings, timeouts and logger of c.

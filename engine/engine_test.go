@@ -996,3 +996,54 @@ func TestOvercommitFromEnv(t *testing.T) {
 		}
 	}
 }
+
+// TestZygoteShimConfig: Config.ZygoteShim (else $FORKVM_ZYGOTE_SHIM) must name a regular
+// file, and not beside MergePages; a valid one gives the engine its zygote set, which a
+// closed engine has closed (no zygote starts after).
+func TestZygoteShimConfig(t *testing.T) {
+	dir := t.TempDir()
+	shim := filepath.Join(dir, ZygoteShimName)
+	if err := os.WriteFile(shim, []byte("not loaded: only its name counts here"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name, field, env string
+		merge            bool
+		ok               bool
+	}{
+		{"field", shim, "", false, true},
+		{"environment", "", shim, false, true},
+		{"missing file", filepath.Join(dir, "none.so"), "", false, false},
+		{"a directory", dir, "", false, false},
+		{"with MergePages", shim, "", true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.merge && qemu.CheckMerge() != nil {
+				t.Skip("no MergePages here")
+			}
+			t.Setenv("FORKVM_ZYGOTE_SHIM", tc.env)
+			cfg := testConfig(t)
+			cfg.ZygoteShim, cfg.MergePages = tc.field, tc.merge
+			e, err := New(context.Background(), cfg)
+			if !tc.ok {
+				if !errors.Is(err, ErrInvalidSpec) {
+					t.Errorf("New = %v, want ErrInvalidSpec", err)
+				}
+				if err == nil {
+					e.Close()
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e.Config().ZygoteShim != shim || e.paths.zygotes == nil || e.paths.zygotes.shim != shim {
+				t.Errorf("ZygoteShim %q, set %+v; want %q", e.Config().ZygoteShim, e.paths.zygotes, shim)
+			}
+			e.Close()
+			if z := e.paths.zygotes.get("/bin/true"); z != nil {
+				t.Errorf("a closed engine's set started a zygote")
+			}
+		})
+	}
+}

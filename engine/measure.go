@@ -579,8 +579,11 @@ func classifyMemory(ms []procinfo.Mapping, ramPath string, guestBytes int64) *Me
 		m := &ms[i]
 		u.Rss += m.Rss
 		u.Merged += m.KSM
-		// Pages the kernel merged with identical ones are not the process's own.
-		own := m.Anonymous - m.KSM
+		// Pages the kernel merged with identical ones are not the process's own, nor
+		// those another process maps too (copies on write not yet copied: a QEMU forked
+		// from a zygote shares its libraries' relocated pages with it), which smaps
+		// counts as shared, not private.
+		own := min(m.Anonymous-m.KSM, m.PrivateDirty)
 		file := m.FilePath()
 		switch {
 		case ramPath != "" && file == ramPath:

@@ -286,7 +286,7 @@ func TestClassifyMemory(t *testing.T) {
 	const k = 1 << 10
 	const ram = "/dev/shm/forkvm-x/ck-a.ram"
 	mapping := func(perms, path string, size, rss, anon int64) procinfo.Mapping {
-		return procinfo.Mapping{Start: 1 << 30, End: 1<<30 + uint64(size), Perms: perms, Path: path, Rss: rss, Anonymous: anon}
+		return procinfo.Mapping{Start: 1 << 30, End: 1<<30 + uint64(size), Perms: perms, Path: path, Rss: rss, Anonymous: anon, PrivateDirty: anon}
 	}
 	qemu := []procinfo.Mapping{
 		mapping("r-xp", "/usr/bin/qemu-system-x86_64", 6628*k, 6112*k, 0),       // shared code
@@ -344,14 +344,26 @@ func TestClassifyMemory(t *testing.T) {
 		{
 			name: "pages merged by KSM are shared, in no private part",
 			extra: []procinfo.Mapping{
-				{Start: 1 << 40, End: 1<<40 + 2<<30, Perms: "rw-p", Path: ram, Rss: 8 << 20, Anonymous: 3 << 20, KSM: 1 << 20},
-				{Start: 1 << 41, End: 1<<41 + 4<<20, Perms: "rwxp", Rss: 4 << 20, Anonymous: 4 << 20, KSM: 12 * k},
-				{Start: 1 << 42, End: 1<<42 + 8<<20, Perms: "rw-p", Path: "/usr/lib/x86_64-linux-gnu/libcapstone.so.4", Rss: 1312 * k, Anonymous: 1312 * k, KSM: 1300 * k},
+				{Start: 1 << 40, End: 1<<40 + 2<<30, Perms: "rw-p", Path: ram, Rss: 8 << 20, Anonymous: 3 << 20, KSM: 1 << 20, PrivateDirty: 2 << 20},
+				{Start: 1 << 41, End: 1<<41 + 4<<20, Perms: "rwxp", Rss: 4 << 20, Anonymous: 4 << 20, KSM: 12 * k, PrivateDirty: 4<<20 - 12*k},
+				{Start: 1 << 42, End: 1<<42 + 8<<20, Perms: "rw-p", Path: "/usr/lib/x86_64-linux-gnu/libcapstone.so.4", Rss: 1312 * k, Anonymous: 1312 * k, KSM: 1300 * k, PrivateDirty: 12 * k},
 			},
 			ramPath: ram,
 			guest:   2 << 30,
 			want: MemoryUsage{GuestWritten: 2 << 20, GuestFile: 5 << 20, TCGCode: 6140*k + 4<<20 - 12*k,
 				Heap: (5112 + 1284 + 24) * k, Libraries: (1632 + 4 + 12) * k, Merged: 1<<20 + 12*k + 1300*k},
+		},
+		{
+			name: "forked from a zygote: relocated pages and its early heap shared with it",
+			extra: []procinfo.Mapping{
+				{Start: 1 << 40, End: 1<<40 + 2<<30, Perms: "rw-p", Path: ram, Rss: 8 << 20, Anonymous: 1 << 20, PrivateDirty: 1 << 20},
+				{Start: 1 << 42, End: 1<<42 + 8<<20, Perms: "r--p", Path: "/usr/lib/x86_64-linux-gnu/libgnutls.so.30", Rss: 900 * k, Anonymous: 880 * k, PrivateDirty: 8 * k, SharedDirty: 872 * k},
+				{Start: 1 << 43, End: 1<<43 + 8<<20, Perms: "rw-p", Rss: 600 * k, Anonymous: 600 * k, PrivateDirty: 150 * k, SharedDirty: 450 * k},
+			},
+			ramPath: ram,
+			guest:   2 << 30,
+			want: MemoryUsage{GuestWritten: 1 << 20, GuestFile: 7 << 20, TCGCode: 6140 * k,
+				Heap: (5112 + 1284 + 24 + 150) * k, Libraries: (1632 + 4 + 8) * k},
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -40,9 +40,9 @@ const qemuOOMScoreAdj = 800
 // killable than the engine (qemuOOMScoreAdj) and, with cg set, moved into its own
 // memory cgroup, whose OOM kill counter (else the engine's) tells an OOM kill; onExit
 // (optional) hears why it ended on its own. beforeRun (nil: none) runs while QEMU is
-// stopped before its first instruction (its counters open there). merge offers its
-// memory to same-page merging (Config.MergePages).
-func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *admission.VMCgroup, merge bool, beforeRun func(pid int) error, onExit func(reason string)) (*qemuProc, error) {
+// stopped before its first instruction (its counters open there). how says whether it
+// is offered to same-page merging or forked from its binary's zygote.
+func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *admission.VMCgroup, how spawnHow, beforeRun func(pid int) error, onExit func(reason string)) (*qemuProc, error) {
 	p := &qemuProc{}
 	o := qemu.SpawnOptions{
 		Name: name, Binary: bin, Args: args, QMPSocket: qmpPath, LogPath: logPath,
@@ -50,7 +50,10 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *adm
 		// working directory goes with the VM.
 		Dir:         filepath.Dir(qmpPath),
 		OOMScoreAdj: qemuOOMScoreAdj, OnExit: onExit, OnConnect: p.watchEvents, BeforeRun: beforeRun,
-		MergePages: merge,
+		MergePages: how.merge,
+	}
+	if !how.merge && beforeRun == nil {
+		o.Zygote = how.zygotes.get(bin)
 	}
 	var cgErr error
 	if cg != nil {
@@ -58,6 +61,11 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *adm
 	}
 	o.OOMKills = admission.OOMKills(cg)
 	proc, err := qemu.Spawn(o)
+	if o.Zygote != nil && errors.Is(err, qemu.ErrZygote) {
+		how.zygotes.drop(bin, o.Zygote, err)
+		o.Zygote = nil
+		proc, err = qemu.Spawn(o)
+	}
 	var se *qemu.StartError
 	switch {
 	case errors.As(err, &se):
@@ -69,6 +77,13 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *adm
 	}
 	p.Process = proc
 	return p, nil
+}
+
+// spawnHow is how a VM's QEMUs start: offered to same-page merging (Config.MergePages),
+// or forked from their binary's zygote (Config.ZygoteShim; nil: executed).
+type spawnHow struct {
+	merge   bool
+	zygotes *zygoteSet
 }
 
 // adoptQEMU re-finds a QEMU process recorded in a manifest (not our child).

@@ -61,11 +61,10 @@ type VM struct {
 	consoles *console.Hub
 	// procMarker, when set, is told of each QEMU the VM starts (Config.Markers).
 	procMarker ProcessMarker
-	// mergePages starts each QEMU of the VM offered to same-page merging
-	// (Config.MergePages).
-	mergePages bool
-	ctr        atomic.Pointer[vmCounters]
-	firstCmd   atomic.Bool
+	// spawn is how the VM's QEMUs start (Config.MergePages, Config.ZygoteShim).
+	spawn    spawnHow
+	ctr      atomic.Pointer[vmCounters]
+	firstCmd atomic.Bool
 }
 
 // Info is a snapshot of a VM's state (the API's VM object).
@@ -212,12 +211,12 @@ func (vm *VM) start(ctx context.Context) error {
 		}
 	}
 	kc := vm.openCounters()
-	p, err := spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.mergePages, kc.beforeRun(), vm.died)
+	p, err := spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.spawn, kc.beforeRun(), vm.died)
 	if err != nil && kc != nil {
 		// Not started stopped (ptrace refused): count from /proc.
 		vm.log.Info("counters: starting QEMU stopped failed; counting from /proc", "vm", m.Name, "err", err)
 		kc = &vmCounters{}
-		p, err = spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.mergePages, nil, vm.died)
+		p, err = spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.spawn, nil, vm.died)
 	}
 	if err == nil && kc != nil && kc.pc == nil && kc.openErr != nil {
 		vm.log.Info("counters: no perf counters on the process; counting from /proc", "vm", m.Name, "err", kc.openErr)
@@ -706,11 +705,11 @@ func joinManifest(id *vmIdentity, s *vmState) manifest {
 }
 
 // newVM is the VM in directory dir whose manifest is m, started as the engine's
-// layout paths says (its console hub serves the consoles, mergePages): the one
+// layout paths says (its console hub serves the consoles, mergePages, zygotes): the one
 // constructor of a VM.
 func newVM(dir string, log *slog.Logger, m *manifest, paths layout) *VM {
 	id, st := splitManifest(dir, m)
-	vm := &VM{log: log, st: st, consoles: paths.consoles, mergePages: paths.mergePages}
+	vm := &VM{log: log, st: st, consoles: paths.consoles, spawn: spawnHow{merge: paths.mergePages, zygotes: paths.zygotes}}
 	vm.id.Store(id)
 	return vm
 }

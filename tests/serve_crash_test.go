@@ -69,6 +69,12 @@ func daemonCmd(ctx context.Context, home string, args ...string) *exec.Cmd {
 // answers. The daemon is killed at the end of the test if it still runs.
 func startDaemon(t *testing.T, home, sock, logPath string, args ...string) *daemonProc {
 	t.Helper()
+	return startDaemonEnv(t, home, sock, logPath, nil, args...)
+}
+
+// startDaemonEnv is startDaemon with env added to the daemon's environment.
+func startDaemonEnv(t *testing.T, home, sock, logPath string, env []string, args ...string) *daemonProc {
+	t.Helper()
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		t.Fatal(err)
@@ -76,6 +82,7 @@ func startDaemon(t *testing.T, home, sock, logPath string, args ...string) *daem
 	defer logf.Close()
 	d := &daemonProc{t: t, sock: sock, log: logPath, exited: make(chan struct{})}
 	d.cmd = daemonCmd(context.Background(), home, append([]string{"-v", "serve"}, args...)...)
+	d.cmd.Env = append(d.cmd.Env, env...)
 	d.cmd.Stdout, d.cmd.Stderr = logf, logf
 	if err := d.cmd.Start(); err != nil {
 		t.Fatal(err)

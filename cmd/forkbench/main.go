@@ -67,6 +67,7 @@ func commonFlags() []cli.Flag {
 		&cli.IntFlag{Name: "tb-size", Usage: "TCG translation buffer per VM in MiB (engine Config.Experimental.TBSizeMiB; 0 = engine default)"},
 		&cli.BoolFlag{Name: "vmgenid", Usage: "give the world (and so every fork) QEMU's ACPI tables and a vmgenid device (engine Spec.VMGenID)"},
 		&cli.StringFlag{Name: "tcg-thread", Value: "auto", Usage: "TCG vCPU threading of forks: auto, single or multi (engine Config.Experimental.TCGThread)"},
+		&cli.BoolFlag{Name: "zygote", Usage: "fork every QEMU from a zygote of its binary (forkvm-zygote.so beside this binary; engine Config.ZygoteShim)"},
 		&cli.BoolFlag{Name: "merge-pages", Usage: "start QEMUs with their memory offered to the kernel's same-page merging (engine Config.MergePages; merges only where the host runs ksmd: its state is recorded)"},
 		&cli.IntFlag{Name: "restore-concurrency", Usage: "forks restoring at once (engine Config.Experimental.RestoreConcurrency; 0 = engine default: host CPUs, -1 = no bound)"},
 		&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
@@ -104,6 +105,7 @@ func commonOptions(cmd *cli.Command) bench.Options {
 		Hold: cmd.Bool("hold"), Home: cmd.String("home"), Overcommit: cmd.Float("overcommit"), VMGenID: cmd.Bool("vmgenid"),
 		TBSizeMiB: cmd.Int("tb-size"), TCGThread: cmd.String("tcg-thread"), RestoreConcurrency: cmd.Int("restore-concurrency"),
 		Verbose: cmd.Bool("verbose"), WarmRestored: cmd.Bool("warm-restored"), MergePages: cmd.Bool("merge-pages"),
+		Zygote: cmd.Bool("zygote"),
 	}
 	if o.Shape.Image != "" {
 		o.Shape.StateMB = cmd.Int("state-mb")

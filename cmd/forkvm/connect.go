@@ -37,7 +37,7 @@ func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, mark
 func connectConfig(ctx context.Context, cmd *cli.Command, requireDaemon bool, mod func(*engine.Config)) (api.API, error) {
 	const lockWait = 2 * time.Minute
 	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map"),
-		MergePages: cmd.Bool("merge-pages")}
+		MergePages: cmd.Bool("merge-pages"), ZygoteShim: zygoteShim(cmd)}
 	mod(cfg)
 	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -87,4 +87,13 @@ func isServe(pid int) bool {
 		}
 	}
 	return false
+}
+
+// zygoteShim is the engine's ZygoteShim for --zygote: the shim beside this binary ("":
+// off, or $FORKVM_ZYGOTE_SHIM where set).
+func zygoteShim(cmd *cli.Command) string {
+	if !cmd.Bool("zygote") {
+		return ""
+	}
+	return engine.ZygoteShimBeside()
 }

@@ -96,6 +96,10 @@ type SpawnOptions struct {
 	// OnConnect, when set, runs in its own goroutine on every new QMP connection with
 	// the connection's events; it returns when the events channel closes.
 	OnConnect func(m *Monitor, events <-chan qmp.Event)
+	// Zygote, when set, forks the process from that zygote of Binary instead of
+	// executing Binary, unless BeforeRun or MergePages is set (a forked QEMU cannot be
+	// stopped before its first instruction, nor started merged): those execute it.
+	Zygote *Zygote
 }
 
 // StartError is Spawn's error when QEMU could not be executed at all.
@@ -116,10 +120,64 @@ func Spawn(o SpawnOptions) (*Process, error) {
 		return nil, fmt.Errorf("qemu log: %w", err)
 	}
 	defer logf.Close()
-	cmd := exec.Command(o.Binary, o.Args...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.Dir = o.Dir
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	var proc *os.Process
+	var wait func() *os.ProcessState
+	if o.Zygote != nil && o.BeforeRun == nil && !o.MergePages {
+		if proc, err = spawnZygote(o, logf); err != nil {
+			return nil, err
+		}
+		wait = func() *os.ProcessState {
+			st, _ := proc.Wait()
+			return st
+		}
+	} else {
+		cmd := exec.Command(o.Binary, o.Args...)
+		cmd.Stdout, cmd.Stderr = logf, logf
+		cmd.Dir = o.Dir
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		if err := spawnExec(o, cmd); err != nil {
+			return nil, err
+		}
+		proc = cmd.Process
+		wait = func() *os.ProcessState {
+			_ = cmd.Wait()
+			return cmd.ProcessState
+		}
+	}
+	p := &Process{name: o.Name, qmpPath: o.QMPSocket, logPath: o.LogPath, pid: proc.Pid,
+		exited: make(chan struct{}), settled: make(chan struct{}), onExit: o.OnExit, onConnect: o.OnConnect, oomKills: o.OOMKills}
+	p.startTime, _ = ProcStartTime(p.pid)
+	if o.OOMScoreAdj != 0 {
+		_ = os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", p.pid), []byte(strconv.Itoa(o.OOMScoreAdj)), 0)
+	}
+	if o.Setup != nil {
+		if err := o.Setup(p.pid); err != nil {
+			_ = proc.Kill()
+			wait()
+			return nil, err
+		}
+	}
+	if p.oomKills != nil {
+		p.oomBefore, p.oomKnown = p.oomKills()
+	}
+	go func() {
+		if st := wait(); st != nil {
+			p.exitCode, p.reason = st.ExitCode(), p.deathReason(st)
+		} else { // reaped by another wait of this program
+			p.exitCode, p.reason = -1, "exited (status not seen)"
+		}
+		close(p.exited)
+		if p.onExit != nil && !p.stopping.Load() {
+			p.onExit(p.reason)
+		}
+		close(p.settled)
+	}()
+	return p, nil
+}
+
+// spawnExec starts cmd, QEMU executed: stopped at its exec for o.BeforeRun, offered to
+// same-page merging for o.MergePages. On an error nothing of it runs.
+func spawnExec(o SpawnOptions, cmd *exec.Cmd) error {
 	start := func() error {
 		if o.BeforeRun != nil {
 			return startStopped(cmd, o.BeforeRun)
@@ -129,13 +187,14 @@ func Spawn(o SpawnOptions) (*Process, error) {
 		}
 		return nil
 	}
+	var err error
 	if o.MergePages {
 		err = startMerged(start)
 		if err == nil {
 			if merr := checkMerged(cmd.Process.Pid); merr != nil {
 				_ = cmd.Process.Kill()
 				_ = cmd.Wait()
-				return nil, &StartError{Err: merr}
+				return &StartError{Err: merr}
 			}
 		}
 	} else {
@@ -146,35 +205,9 @@ func Spawn(o SpawnOptions) (*Process, error) {
 			_ = cmd.Process.Kill()
 			_ = cmd.Wait()
 		}
-		return nil, err
+		return err
 	}
-	p := &Process{name: o.Name, qmpPath: o.QMPSocket, logPath: o.LogPath, pid: cmd.Process.Pid,
-		exited: make(chan struct{}), settled: make(chan struct{}), onExit: o.OnExit, onConnect: o.OnConnect, oomKills: o.OOMKills}
-	p.startTime, _ = ProcStartTime(p.pid)
-	if o.OOMScoreAdj != 0 {
-		_ = os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", p.pid), []byte(strconv.Itoa(o.OOMScoreAdj)), 0)
-	}
-	if o.Setup != nil {
-		if err := o.Setup(p.pid); err != nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-			return nil, err
-		}
-	}
-	if p.oomKills != nil {
-		p.oomBefore, p.oomKnown = p.oomKills()
-	}
-	go func() {
-		_ = cmd.Wait()
-		p.exitCode = cmd.ProcessState.ExitCode()
-		p.reason = p.deathReason(cmd.ProcessState)
-		close(p.exited)
-		if p.onExit != nil && !p.stopping.Load() {
-			p.onExit(p.reason)
-		}
-		close(p.settled)
-	}()
-	return p, nil
+	return nil
 }
 
 // Adopt re-finds a QEMU process recorded earlier (not our child): pid and start time

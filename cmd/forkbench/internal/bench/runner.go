@@ -92,6 +92,8 @@ type Options struct {
 	WarmRestored bool
 	// MergePages is the engine's Config.MergePages.
 	MergePages bool
+	// Zygote sets the engine's Config.ZygoteShim to the shim beside forkbench.
+	Zygote bool
 }
 
 // runOptions are the common flags a bench uses, fixed for the run.
@@ -292,6 +294,9 @@ func (r *runner) openEngine(opts Options, settings report.Settings) (err error) 
 		MergePages: opts.MergePages,
 		Experimental: engine.Experimental{RestoreConcurrency: opts.RestoreConcurrency, TBSizeMiB: opts.TBSizeMiB,
 			TCGThread: engine.TCGThread(opts.TCGThread)}}
+	if opts.Zygote {
+		cfg.ZygoteShim = engine.ZygoteShimBeside()
+	}
 	if eo, ok := settings.(engineOvercommitter); ok && eo.engineOvercommit() > 0 {
 		cfg.Overcommit = eo.engineOvercommit()
 	}
@@ -344,6 +349,7 @@ func (r *runner) openEngine(opts Options, settings report.Settings) (err error) 
 	rs.TBSizeMiB = r.e.Config().Experimental.TBSizeMiB
 	rs.TCGThread = string(r.e.Config().Experimental.TCGThread)
 	rs.MergePages = r.e.Config().MergePages
+	rs.ZygoteShim = r.e.Config().ZygoteShim
 	r.res.Build = measure.BuildInfo(r.ctx, r.e, guest.DefaultCacheDir())
 	r.res.Host = measure.HostInfo(r.e)
 	if r.res.Host.Accel == "tcg" {

@@ -172,7 +172,7 @@ func worldExtra(r *Env, w *World) {
 }
 
 // memMethod describes the memory breakdown for result.json.
-const memMethod = "Memory breakdown (engine VM.Memory, from the QEMU process's /proc/PID/smaps and VmPTE): guest pages written = Anonymous of its mapping of the checkpoint RAM file (copies on write); TCG code = anonymous executable mappings (the translation buffer); QEMU heap = other anonymous memory; libraries = Anonymous of QEMU's executable and library mappings (relocations); private = their sum + page tables; shared = Rss - private anonymous (checkpoint pages read, QEMU code)."
+const memMethod = "Memory breakdown (engine VM.Memory, from the QEMU process's /proc/PID/smaps and VmPTE; each class counts a mapping's anonymous pages that are the process's alone: Anonymous less KSM pages, at most Private_Dirty): guest pages written = Anonymous of its mapping of the checkpoint RAM file (copies on write); TCG code = anonymous executable mappings (the translation buffer); QEMU heap = other anonymous memory; libraries = Anonymous of QEMU's executable and library mappings (relocations); private = their sum + page tables; shared = Rss - private anonymous (checkpoint pages read, QEMU code)."
 
 // IsoReport summarises isolation checks over a set of forks.
 type IsoReport struct {

@@ -14,6 +14,8 @@ type RunSettings struct {
 	// MergePages is the engine's Config.MergePages (false: QEMU still offers guest RAM
 	// to same-page merging, as it does by default).
 	MergePages bool `json:"merge_pages"`
+	// ZygoteShim is the engine's Config.ZygoteShim ("": QEMUs executed).
+	ZygoteShim string `json:"zygote_shim,omitempty"`
 }
 
 // Common is s itself: every Settings embeds RunSettings.

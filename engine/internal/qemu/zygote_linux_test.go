@@ -1,0 +1,192 @@
+//go:build linux
+
+package qemu
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// zygoteFixture builds the shim from zygote/zygote.c (as make does) and starts a zygote
+// of the host's QEMU; it skips without QEMU or a C compiler (make setup installs both).
+func zygoteFixture(t *testing.T) (*Zygote, string) {
+	t.Helper()
+	qemuBin, err := exec.LookPath("qemu-system-x86_64")
+	if err != nil {
+		t.Skip("no qemu-system-x86_64 (make setup installs it)")
+	}
+	cc, err := exec.LookPath("cc")
+	if err != nil {
+		t.Skip("no C compiler to build the zygote shim (make setup installs gcc)")
+	}
+	shim := filepath.Join(t.TempDir(), "forkvm-zygote.so")
+	if out, err := exec.Command(cc, "-O2", "-shared", "-fPIC", "-o", shim, "zygote/zygote.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("build the shim: %v\n%s", err, out)
+	}
+	z, err := StartZygote(qemuBin, shim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { z.Close() })
+	return z, qemuBin
+}
+
+// libDirty is the memory a process's libraries hold privately: Private_Dirty of its
+// mappings of shared objects (pages relocations wrote and no other process shares).
+func libDirty(t *testing.T, pid int) int64 {
+	t.Helper()
+	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/smaps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var kb int64
+	lib := false
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) == 0 {
+			continue
+		}
+		if !strings.HasSuffix(fields[0], ":") {
+			lib = len(fields) >= 6 && strings.Contains(fields[5], ".so")
+			continue
+		}
+		if lib && fields[0] == "Private_Dirty:" {
+			n, _ := strconv.ParseInt(fields[1], 10, 64)
+			kb += n
+		}
+	}
+	return kb << 10
+}
+
+// TestSpawnZygote: a QEMU forked by the zygote is this process's child, in its own
+// session and directory, answers QMP, writes its stderr to the log, shares its
+// libraries' relocated pages (a QEMU executed beside it holds them privately), and its
+// end is seen with its status, as an executed one's; a closed zygote spawns nothing and
+// leaves its QEMUs running.
+func TestSpawnZygote(t *testing.T) {
+	z, qemuBin := zygoteFixture(t)
+	dir := t.TempDir()
+	args := func(name string) []string {
+		return []string{"-nodefaults", "-no-user-config", "-display", "none", "-machine", "none", "-S",
+			"-qmp", "unix:" + filepath.Join(dir, name+".sock") + ",server=on,wait=off"}
+	}
+	spawn := func(name string, zyg *Zygote, a []string) *Process {
+		t.Helper()
+		p, err := Spawn(SpawnOptions{Name: name, Binary: qemuBin, Args: a, Dir: dir, Zygote: zyg,
+			QMPSocket: filepath.Join(dir, name+".sock"), LogPath: filepath.Join(dir, name+".log")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Kill)
+		return p
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	forked, executed := spawn("forked", z, args("forked")), spawn("executed", nil, args("executed"))
+	for _, p := range []*Process{forked, executed} {
+		if err := p.Connect(ctx); err != nil {
+			t.Fatalf("%s: QMP: %v", p.Name(), err)
+		}
+	}
+	st, err := os.ReadFile("/proc/" + strconv.Itoa(forked.PID()) + "/stat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(st)[strings.LastIndexByte(string(st), ')')+2:])
+	if ppid, sid := f[1], f[3]; ppid != strconv.Itoa(os.Getpid()) || sid != strconv.Itoa(forked.PID()) {
+		t.Errorf("forked QEMU: parent %s, session %s; want this process %d and a session of its own", ppid, sid, os.Getpid())
+	}
+	if cwd, _ := os.Readlink("/proc/" + strconv.Itoa(forked.PID()) + "/cwd"); cwd != dir {
+		t.Errorf("forked QEMU runs in %q, want %q", cwd, dir)
+	}
+	fl, el := libDirty(t, forked.PID()), libDirty(t, executed.PID())
+	t.Logf("libraries' private dirty memory: forked %d KiB, executed %d KiB", fl>>10, el>>10)
+	if fl*2 > el {
+		t.Errorf("forked QEMU holds %d KiB of its libraries privately, executed %d KiB: want under half", fl>>10, el>>10)
+	}
+
+	forked.Kill()
+	<-forked.Done()
+	if r := forked.ExitReason(); !strings.Contains(r, "signal 9") {
+		t.Errorf("killed forked QEMU: reason %q, want signal 9", r)
+	}
+
+	bad := spawn("bad", z, []string{"-no-such-option"})
+	select {
+	case <-bad.Done():
+	case <-ctx.Done():
+		t.Fatal("a QEMU with a bad option did not exit")
+	}
+	if c, r := bad.ExitCode(), bad.ExitReason(); c != 1 || !strings.Contains(r, "no-such-option") {
+		t.Errorf("bad option: exit %d, reason %q; want 1 and QEMU's message from the log", c, r)
+	}
+
+	last := spawn("last", z, args("last"))
+	if err := z.Close(); err != nil {
+		t.Errorf("close: %v", err)
+	}
+	if _, err := Spawn(SpawnOptions{Name: "late", Binary: qemuBin, Args: args("late"), Zygote: z,
+		LogPath: filepath.Join(dir, "late.log")}); !errors.Is(err, errZygoteClosed) {
+		t.Errorf("spawn through a closed zygote: %v, want errZygoteClosed", err)
+	}
+	if err := syscall.Kill(last.PID(), 0); err != nil || !last.Running() {
+		t.Errorf("a QEMU of the closed zygote: %v, running %v; want it running", err, last.Running())
+	}
+}
+
+// TestStartZygoteWithoutShim: a QEMU whose shim is not loaded (a missing file) is no
+// zygote: its start fails with ErrZygote at once, nothing left running.
+func TestStartZygoteWithoutShim(t *testing.T) {
+	qemuBin, err := exec.LookPath("qemu-system-x86_64")
+	if err != nil {
+		t.Skip("no qemu-system-x86_64 (make setup installs it)")
+	}
+	t0 := time.Now()
+	z, err := StartZygote(qemuBin, filepath.Join(t.TempDir(), "none.so"))
+	var se *StartError
+	if !errors.As(err, &se) || !errors.Is(err, ErrZygote) {
+		z.Close()
+		t.Fatalf("StartZygote without its shim: %v, want a *StartError wrapping ErrZygote", err)
+	}
+	if d := time.Since(t0); d > zygoteReadyWait/2 {
+		t.Errorf("took %v to fail", d)
+	}
+}
+
+func TestParseZygoteAnswer(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		pid  int
+		want error
+	}{
+		{"pid 4242", 4242, nil},
+		{"err 12", 0, syscall.ENOMEM},
+		{"pid 0", 0, nil},
+		{"pid -3", 0, nil},
+		{"pid", 0, nil},
+		{"ok 12", 0, nil},
+		{"", 0, nil},
+	} {
+		pid, err := parseZygoteAnswer(tc.in)
+		switch {
+		case tc.pid > 0 && (err != nil || pid != tc.pid):
+			t.Errorf("%q: %d, %v; want %d", tc.in, pid, err, tc.pid)
+		case tc.want != nil && !errors.Is(err, tc.want):
+			t.Errorf("%q: %v, want %v", tc.in, err, tc.want)
+		case tc.pid == 0 && err == nil:
+			t.Errorf("%q: %d, want an error", tc.in, pid)
+		}
+	}
+}

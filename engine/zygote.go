@@ -1,0 +1,126 @@
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+
+	"github.com/forkvm/forkvm/engine/internal/qemu"
+)
+
+// zygoteSet is the engine's QEMU fork servers (Config.ZygoteShim): one per QEMU binary,
+// started on that binary's first spawn and closed with the engine. A zygote that does
+// not start, or stops answering, is dropped with a warning; its binary's QEMUs are
+// executed from then on.
+//
+// Concurrency: safe for concurrent use.
+type zygoteSet struct {
+	shim string
+	log  *slog.Logger
+
+	mu      sync.Mutex
+	running map[string]*qemu.Zygote
+	failed  map[string]bool
+	closed  bool
+}
+
+// newZygoteSet is the set for shim ("": none, get returns nil).
+func newZygoteSet(shim string, log *slog.Logger) *zygoteSet {
+	if shim == "" {
+		return nil
+	}
+	return &zygoteSet{shim: shim, log: log, running: map[string]*qemu.Zygote{}, failed: map[string]bool{}}
+}
+
+// get returns the zygote of bin, started now if need be; nil without one.
+func (s *zygoteSet) get(bin string) *qemu.Zygote {
+	if s == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || s.failed[bin] {
+		return nil
+	}
+	if z := s.running[bin]; z != nil {
+		return z
+	}
+	z, err := qemu.StartZygote(bin, s.shim)
+	if err != nil {
+		s.failed[bin] = true
+		s.log.Warn("QEMU zygote not started: its QEMUs are executed", "qemu", bin, "shim", s.shim, "err", err)
+		return nil
+	}
+	s.running[bin] = z
+	return z
+}
+
+// drop ends zygote z, which failed with err: bin's QEMUs are executed from now on.
+func (s *zygoteSet) drop(bin string, z *qemu.Zygote, err error) {
+	s.mu.Lock()
+	if s.running[bin] == z {
+		delete(s.running, bin)
+		s.failed[bin] = true
+	}
+	s.mu.Unlock()
+	z.Close()
+	s.log.Warn("QEMU zygote dropped: its QEMUs are executed", "qemu", bin, "err", err)
+}
+
+// close ends every zygote; the QEMUs they forked go on.
+func (s *zygoteSet) close() {
+	if s == nil {
+		return
+	}
+	s.mu.Lock()
+	s.closed = true
+	zs := s.running
+	s.running = map[string]*qemu.Zygote{}
+	s.mu.Unlock()
+	for _, z := range zs {
+		z.Close()
+	}
+}
+
+// ZygoteShimName is the file name of the zygote shim that make builds into bin/, beside
+// forkvm and forkbench (Config.ZygoteShim).
+const ZygoteShimName = "forkvm-zygote.so"
+
+// ZygoteShimBeside is ZygoteShimName beside the running executable, for the commands'
+// --zygote ("" when the executable's path is unknown).
+func ZygoteShimBeside() string {
+	exe, err := os.Executable()
+	if err != nil {
+		return ""
+	}
+	return filepath.Join(filepath.Dir(exe), ZygoteShimName)
+}
+
+// resolveZygoteShim is Config.ZygoteShim (else $FORKVM_ZYGOTE_SHIM) checked: a regular
+// file, on Linux, not with MergePages.
+func resolveZygoteShim(shim string, merge bool) (string, error) {
+	if shim == "" {
+		shim = os.Getenv("FORKVM_ZYGOTE_SHIM")
+	}
+	if shim == "" {
+		return "", nil
+	}
+	if runtime.GOOS != "linux" {
+		return "", fmt.Errorf("%w: ZygoteShim: Linux only", ErrInvalidSpec)
+	}
+	if merge {
+		return "", fmt.Errorf("%w: ZygoteShim with MergePages: choose one (merged QEMUs are executed; a zygote's share their libraries' pages without KSM)", ErrInvalidSpec)
+	}
+	st, err := os.Stat(shim)
+	if err == nil && !st.Mode().IsRegular() {
+		err = errors.New("not a regular file")
+	}
+	if err != nil {
+		return "", fmt.Errorf("%w: ZygoteShim %s: %w", ErrInvalidSpec, shim, err)
+	}
+	return shim, nil
+}

@@ -1,0 +1,116 @@
+//go:build linux
+
+package tests
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/serve"
+	"github.com/forkvm/forkvm/serve/client"
+)
+
+// TestZygoteDaemon: a daemon with a zygote shim (Config.ZygoteShim, here through
+// $FORKVM_ZYGOTE_SHIM) forks every QEMU from it: the world's and its forks' QEMUs are the
+// daemon's own children, their libraries' relocated pages are shared (not private),
+// the forks run commands and hold only their own writes, and everything is deleted as
+// usual. The daemon, not this test process, is the child subreaper the zygote needs.
+func TestZygoteDaemon(t *testing.T) {
+	parallelVMTest(t)
+	cc, err := exec.LookPath("cc")
+	if err != nil {
+		t.Skip("no C compiler to build the zygote shim (make setup installs gcc)")
+	}
+	shim := filepath.Join(t.TempDir(), "forkvm-zygote.so")
+	if out, err := exec.Command(cc, "-O2", "-shared", "-fPIC", "-o", shim, "../engine/internal/qemu/zygote/zygote.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("build the shim: %v\n%s", err, out)
+	}
+	home, err := os.MkdirTemp("/tmp", "fvz-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lastResortCleanup(t, home, defaultRAMDir(home))
+	sock := serve.SocketPath(home)
+	d := startDaemonEnv(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"), []string{"FORKVM_ZYGOTE_SHIM=" + shim})
+	c := client.New(sock)
+	ctx := ctxT(t, 10*time.Minute)
+
+	if _, err := c.Create(ctx, api.Spec{Name: "w", CPUs: 1, MemoryMiB: 256, Forkable: true}); err != nil {
+		t.Fatalf("create: %v\n%s", err, d.logText())
+	}
+	if _, err := clientRun(c, "w", "sh", "-c", "echo world > /dev/shm/w"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Checkpoint(ctx, "w", "ck", &api.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint: %v\n%s", err, d.logText())
+	}
+	events, err := c.ForkMany(ctx, "ck", 2, &api.ManyOptions{Prefix: "z"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var forks []string
+	for ev := range events {
+		if ev.Err != nil {
+			t.Fatalf("fork %s: %v\n%s", ev.Name, ev.Err, d.logText())
+		}
+		if ev.VM != nil {
+			forks = append(forks, ev.Name)
+		}
+	}
+	if len(forks) != 2 {
+		t.Fatalf("forks %v, want 2", forks)
+	}
+	for _, name := range append([]string{"w"}, forks...) {
+		info, err := c.Get(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ppid := parentOf(t, info.PID); ppid != d.cmd.Process.Pid {
+			t.Errorf("%s: QEMU %d's parent is %d, want the daemon %d", name, info.PID, ppid, d.cmd.Process.Pid)
+		}
+		m, err := c.Memory(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Executed, a QEMU holds ~5 MiB of relocated library pages of its own.
+		if m.Libraries > 2<<20 {
+			t.Errorf("%s: libraries hold %d KiB privately, want them shared with the zygote", name, m.Libraries>>10)
+		}
+		t.Logf("%s: private %d KiB (libraries %d KiB, heap %d KiB)", name, m.Private>>10, m.Libraries>>10, m.Heap>>10)
+	}
+	for _, name := range forks {
+		out, err := clientRun(c, name, "sh", "-c", "cat /dev/shm/w; echo "+name+" > /dev/shm/mine; cat /dev/shm/mine")
+		if err != nil || out != "world\n"+name+"\n" {
+			t.Errorf("%s: %q, %v", name, out, err)
+		}
+	}
+	for _, name := range append(forks, "w") {
+		if err := c.Delete(ctx, name); err != nil {
+			t.Errorf("delete %s: %v", name, err)
+		}
+	}
+	if err := c.DeleteCheckpoint(ctx, "ck", nil); err != nil {
+		t.Errorf("delete checkpoint: %v", err)
+	}
+	d.stop()
+}
+
+// parentOf is process pid's parent (/proc/PID/stat).
+func parentOf(t *testing.T, pid int) int {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	ppid, _ := strconv.Atoi(f[1])
+	return ppid
+}
