@@ -87,8 +87,8 @@
 //
 // A nil *Config means defaults; Config.Experimental holds tuning knobs that benchmarks
 // sweep, and Engine.Baseline the stock full save/restore path they compare with.
-// Environment variables (FORKVM_HOME, FORKVM_ACCEL, FORKVM_CPU, FORKVM_KERNEL_ARGS) only
-// fill fields left empty.
+// Environment variables (FORKVM_HOME, FORKVM_ACCEL, FORKVM_CPU, FORKVM_KERNEL_ARGS,
+// FORKVM_MERGE_PAGES, FORKVM_ZYGOTE_SHIM) only fill fields left empty.
 //
 // # How it is built
 //
