@@ -75,6 +75,10 @@ func TestZygoteDaemon(t *testing.T) {
 		if ppid := parentOf(t, info.PID); ppid != d.cmd.Process.Pid {
 			t.Errorf("%s: QEMU %d's parent is %d, want the daemon %d", name, info.PID, ppid, d.cmd.Process.Pid)
 		}
+		// What the host's other engines count (admission's scan): the QEMU's own arguments.
+		if b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", info.PID)); !strings.Contains(string(b), "process=forkvm-"+name+"\x00") {
+			t.Errorf("%s: command line %.200q does not name it", name, b)
+		}
 		m, err := c.Memory(ctx, name)
 		if err != nil {
 			t.Fatal(err)

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -45,6 +46,9 @@ var subreaperOnce = sync.OnceValue(func() error {
 // longer answers: its QEMUs are executed instead (the engine drops it).
 var ErrZygote = errors.New("qemu zygote")
 
+// zygoteCmdlineRoom is the room for a forked QEMU's arguments in its command line.
+const zygoteCmdlineRoom = 64 << 10
+
 // zygoteReadyWait bounds the wait for a new zygote's "ready".
 const zygoteReadyWait = 30 * time.Second
 
@@ -61,8 +65,9 @@ func StartZygote(binary, shim string) (*Zygote, error) {
 	}
 	ours, theirs := os.NewFile(uintptr(fds[0]), "zygote"), os.NewFile(uintptr(fds[1]), "zygote-child")
 	// -version: a QEMU whose shim was not loaded prints its version and exits, so its
-	// start fails at once instead of running a default machine.
-	cmd := exec.Command(binary, "-version")
+	// start fails at once instead of running a default machine. The padding is the room
+	// each forked QEMU writes its arguments into (/proc/PID/cmdline).
+	cmd := exec.Command(binary, "-version", strings.Repeat("-", zygoteCmdlineRoom))
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	cmd.Env = append(os.Environ(), "LD_PRELOAD="+shim, "FORKVM_ZYGOTE_FD=3")
 	cmd.ExtraFiles = []*os.File{theirs}

@@ -108,6 +108,10 @@ func TestSpawnZygote(t *testing.T) {
 	if ppid, sid := f[1], f[3]; ppid != strconv.Itoa(os.Getpid()) || sid != strconv.Itoa(forked.PID()) {
 		t.Errorf("forked QEMU: parent %s, session %s; want this process %d and a session of its own", ppid, sid, os.Getpid())
 	}
+	cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(forked.PID()) + "/cmdline")
+	if want := qemuBin + "\x00" + strings.Join(args("forked"), "\x00") + "\x00"; string(cmdline[:min(len(cmdline), len(want))]) != want || strings.Trim(string(cmdline[len(want):]), "\x00") != "" {
+		t.Errorf("forked QEMU's command line %q, want %q (and NULs)", cmdline[:min(len(cmdline), 300)], want)
+	}
 	if cwd, _ := os.Readlink("/proc/" + strconv.Itoa(forked.PID()) + "/cwd"); cwd != dir {
 		t.Errorf("forked QEMU runs in %q, want %q", cwd, dir)
 	}

@@ -15,6 +15,11 @@
 // write, with the zygote and every other QEMU it forked. When the engine's end of the
 // socket closes, the zygote exits. Its first message says it is ready.
 //
+// A forked QEMU's /proc/PID/cmdline is the memory its zygote was executed with: the
+// engine pads that with a long argument, and each QEMU writes its own arguments over
+// it, so that what reads a process's command line (admission's scan of the host's
+// QEMUs, ps) sees them. The zygote shows itself as "ARGV0 forkvm-zygote".
+//
 // Without FORKVM_ZYGOTE_FD the library does nothing: QEMU's main runs as usual.
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -23,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -31,6 +37,10 @@
 typedef int (*main_fn)(int, char **, char **);
 
 static main_fn real_main;
+
+// cmdline is the memory of the zygote's arguments (/proc/PID/cmdline), cmdline_len long.
+static char *cmdline;
+static size_t cmdline_len;
 
 // request_max bounds one request: QEMU's arguments and the directory.
 #define request_max (256 * 1024)
@@ -55,6 +65,25 @@ static void close_from(int lowest) {
 	}
 }
 
+// show_args writes args over cmdline, NUL-separated, the rest NUL (cut short where they
+// do not fit).
+static void show_args(int argc, char **args) {
+	if (cmdline == NULL || cmdline_len == 0) {
+		return;
+	}
+	size_t off = 0;
+	for (int i = 0; i < argc && off < cmdline_len; i++) {
+		size_t n = strlen(args[i]) + 1;
+		if (n > cmdline_len - off) {
+			n = cmdline_len - off;
+		}
+		memmove(cmdline + off, args[i], n);
+		off += n;
+	}
+	memset(cmdline + off, 0, cmdline_len - off);
+	cmdline[cmdline_len - 1] = 0;
+}
+
 // become_qemu readies the forked child to run QEMU's main: a session of its own, dir,
 // /dev/null, out as stdout and stderr, nothing else open.
 static int become_qemu(const char *dir, int out) {
@@ -76,6 +105,12 @@ static int become_qemu(const char *dir, int out) {
 // "ready", tells the engine the library runs.
 static int serve(int sock, char *argv0, char **envp) {
 	static char buf[request_max];
+	// argv0 lives in cmdline, which each QEMU writes over: a copy of it.
+	static char argv0copy[4096];
+	snprintf(argv0copy, sizeof argv0copy, "%s", argv0);
+	char *shown[] = {argv0copy, "forkvm-zygote"};
+	show_args(2, shown);
+	prctl(PR_SET_NAME, "forkvm-zygote", 0, 0, 0);
 	reply(sock, "ready");
 	for (;;) {
 		char cbuf[CMSG_SPACE(sizeof(int))];
@@ -104,7 +139,7 @@ static int serve(int sock, char *argv0, char **envp) {
 		// buf: dir NUL arg NUL arg NUL ...
 		static char *args[args_max + 2];
 		int argc = 0;
-		args[argc++] = argv0;
+		args[argc++] = argv0copy;
 		const char *dir = buf;
 		for (char *p = buf + strlen(buf) + 1; p < buf + n && argc <= args_max; p += strlen(p) + 1) {
 			args[argc++] = p;
@@ -127,6 +162,7 @@ static int serve(int sock, char *argv0, char **envp) {
 				if (become_qemu(dir, out) < 0) {
 					_exit(127);
 				}
+				show_args(argc, args);
 				exit(real_main(argc, args, envp));
 			}
 			int r = q > 0 ? q : -errno;
@@ -173,6 +209,8 @@ static int main_hook(int argc, char **argv, char **envp) {
 		fprintf(stderr, "forkvm-zygote: bad FORKVM_ZYGOTE_FD %s\n", fdenv);
 		return 1;
 	}
+	cmdline = argv[0];
+	cmdline_len = (size_t)(argv[argc - 1] + strlen(argv[argc - 1]) + 1 - argv[0]);
 	return serve(sock, argv[0], environ);
 }
 
