@@ -98,7 +98,8 @@ type SpawnOptions struct {
 	OnConnect func(m *Monitor, events <-chan qmp.Event)
 	// Zygote, when set, forks the process from that zygote of Binary instead of
 	// executing Binary, unless BeforeRun or MergePages is set (a forked QEMU cannot be
-	// stopped before its first instruction, nor started merged): those execute it.
+	// stopped before its first instruction, nor started merged) or the zygote is of
+	// another binary: those execute it.
 	Zygote *Zygote
 }
 
@@ -122,7 +123,7 @@ func Spawn(o SpawnOptions) (*Process, error) {
 	defer logf.Close()
 	var proc *os.Process
 	var wait func() *os.ProcessState
-	if o.Zygote != nil && o.BeforeRun == nil && !o.MergePages {
+	if o.Zygote != nil && o.Zygote.Binary() == o.Binary && o.BeforeRun == nil && !o.MergePages {
 		if proc, err = spawnZygote(o, logf); err != nil {
 			return nil, err
 		}

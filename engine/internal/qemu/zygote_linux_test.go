@@ -137,6 +137,18 @@ func TestSpawnZygote(t *testing.T) {
 		t.Errorf("bad option: exit %d, reason %q; want 1 and QEMU's message from the log", c, r)
 	}
 
+	// A zygote of another binary forks nothing: the binary asked for is executed.
+	sleeper, err := Spawn(SpawnOptions{Name: "sleeper", Binary: "/bin/sleep", Args: []string{"600"}, Zygote: z,
+		LogPath: filepath.Join(dir, "sleeper.log")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	exe, _ := os.Readlink("/proc/" + strconv.Itoa(sleeper.PID()) + "/exe")
+	sleeper.Kill()
+	if !strings.HasSuffix(exe, "sleep") {
+		t.Errorf("spawned /bin/sleep with a QEMU zygote: runs %q, want sleep executed", exe)
+	}
+
 	last := spawn("last", z, args("last"))
 	if err := z.Close(); err != nil {
 		t.Errorf("close: %v", err)
