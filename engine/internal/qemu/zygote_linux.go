@@ -6,7 +6,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -68,7 +67,6 @@ func StartZygote(binary, shim string) (*Zygote, error) {
 	// start fails at once instead of running a default machine. The padding is the room
 	// each forked QEMU writes its arguments into (/proc/PID/cmdline).
 	cmd := exec.Command(binary, "-version", strings.Repeat("-", zygoteCmdlineRoom))
-	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	cmd.Env = append(os.Environ(), "LD_PRELOAD="+shim, "FORKVM_ZYGOTE_FD=3")
 	cmd.ExtraFiles = []*os.File{theirs}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
