@@ -120,7 +120,7 @@ func resolveZygoteShim(shim string, merge bool) (string, error) {
 		err = errors.New("not a regular file")
 	}
 	if err != nil {
-		return "", fmt.Errorf("%w: ZygoteShim %s: %w", ErrInvalidSpec, shim, err)
+		return "", fmt.Errorf("%w: ZygoteShim %s: %w (`make shim` builds %s)", ErrInvalidSpec, shim, err, ZygoteShimName)
 	}
 	return shim, nil
 }
