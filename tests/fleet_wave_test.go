@@ -82,20 +82,24 @@ func startFleet(t *testing.T, n, vcpus int, extra ...string) []*fleetHost {
 			os.RemoveAll(h.home)
 		}
 	})
+	// Every daemon lists the whole fleet: one listed by the others may still be joining
+	// (it answers "joining its fleet: try again shortly" until its own join has ended).
 	deadline := time.Now().Add(90 * time.Second)
-	for {
-		var nodes []api.FleetNode
-		out, errOut, code := hosts[0].cli(nil, "nodes", "--json")
-		if code == 0 && json.Unmarshal([]byte(out), &nodes) == nil && len(nodes) == n {
-			break
-		}
-		if time.Now().After(deadline) {
-			for _, h := range hosts {
-				t.Logf("%s log:\n%s", h.name, h.d.logText())
+	for _, h := range hosts {
+		for {
+			var nodes []api.FleetNode
+			out, errOut, code := h.cli(nil, "nodes", "--json")
+			if code == 0 && json.Unmarshal([]byte(out), &nodes) == nil && len(nodes) == n {
+				break
 			}
-			t.Fatalf("no fleet of %d within 90s: forkvm nodes exit %d: %s%s", n, code, out, errOut)
+			if time.Now().After(deadline) {
+				for _, h := range hosts {
+					t.Logf("%s log:\n%s", h.name, h.d.logText())
+				}
+				t.Fatalf("no fleet of %d on %s within 90s: forkvm nodes exit %d: %s%s", n, h.name, code, out, errOut)
+			}
+			time.Sleep(250 * time.Millisecond)
 		}
-		time.Sleep(500 * time.Millisecond)
 	}
 	for _, h := range hosts {
 		h.fleet = hosts
