@@ -274,8 +274,8 @@ func (c Config) resolve() (*resolved, error) {
 		return nil, err
 	}
 	return &resolved{Config: c, accel: accel, tag: tag, vsock: vsock, sharedRAM: sharedRAM, sharedRun: sharedRun,
-		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir, mergePages: c.MergePages,
-			zygotes: newZygoteSet(c.ZygoteShim, c.Logger)}}, nil
+		paths: layout{state: c.StateDir, ram: c.RAMDir, run: c.RunDir,
+			spawn: spawnHow{merge: c.MergePages, zygotes: newZygoteSet(c.ZygoteShim, c.Logger)}}}, nil
 }
 
 // setDefaults fills the zero numeric settings, timeouts and logger of c.

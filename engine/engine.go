@@ -265,7 +265,7 @@ func (e *Engine) Close() error {
 			vm.release()
 			vm.closeConns()
 		}
-		e.paths.zygotes.close()
+		e.paths.spawn.zygotes.close()
 		// The consoles of the VMs that run on go to one keeper process.
 		if err := e.paths.consoles.Close(); err != nil {
 			e.log.Warn("console keeper not started: consoles unserved until the next engine opens", "err", err)
@@ -524,10 +524,8 @@ type layout struct {
 	state, ram, run string
 	// consoles serves the engine's VM consoles (nil in a layout made only to name paths).
 	consoles *console.Hub
-	// mergePages starts the VMs' QEMUs offered to same-page merging (Config.MergePages).
-	mergePages bool
-	// zygotes fork the VMs' QEMUs (Config.ZygoteShim; nil: executed).
-	zygotes *zygoteSet
+	// spawn is how the VMs' QEMUs start (Config.MergePages, Config.ZygoteShim).
+	spawn spawnHow
 }
 
 func (l layout) vmsDir() string                { return filepath.Join(l.state, "vms") }

@@ -40,6 +40,7 @@ func testConfig(t *testing.T) *Config {
 	t.Setenv("FORKVM_CPU", "")
 	t.Setenv("FORKVM_OVERCOMMIT", "")
 	t.Setenv("FORKVM_MERGE_PAGES", "")
+	t.Setenv("FORKVM_ZYGOTE_SHIM", "")
 	sd, rd := testDirs(t)
 	return &Config{
 		StateDir: sd,
@@ -939,8 +940,8 @@ func TestMergePagesFromEnv(t *testing.T) {
 		if err != nil {
 			t.Fatalf("FORKVM_MERGE_PAGES=%s: %v", tc.v, err)
 		}
-		if got := e.Config().MergePages; got != tc.want || e.paths.mergePages != tc.want {
-			t.Errorf("FORKVM_MERGE_PAGES=%s: MergePages %v (layout %v), want %v", tc.v, got, e.paths.mergePages, tc.want)
+		if got := e.Config().MergePages; got != tc.want || e.paths.spawn.merge != tc.want {
+			t.Errorf("FORKVM_MERGE_PAGES=%s: MergePages %v (layout %v), want %v", tc.v, got, e.paths.spawn.merge, tc.want)
 		}
 		e.Close()
 	}
@@ -1021,8 +1022,8 @@ func TestZygoteShimConfig(t *testing.T) {
 			if tc.merge && qemu.CheckMerge() != nil {
 				t.Skip("no MergePages here")
 			}
-			t.Setenv("FORKVM_ZYGOTE_SHIM", tc.env)
 			cfg := testConfig(t)
+			t.Setenv("FORKVM_ZYGOTE_SHIM", tc.env)
 			cfg.ZygoteShim, cfg.MergePages = tc.field, tc.merge
 			e, err := New(context.Background(), cfg)
 			if !tc.ok {
@@ -1037,11 +1038,11 @@ func TestZygoteShimConfig(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if e.Config().ZygoteShim != shim || e.paths.zygotes == nil || e.paths.zygotes.shim != shim {
-				t.Errorf("ZygoteShim %q, set %+v; want %q", e.Config().ZygoteShim, e.paths.zygotes, shim)
+			if e.Config().ZygoteShim != shim || e.paths.spawn.zygotes == nil || e.paths.spawn.zygotes.shim != shim {
+				t.Errorf("ZygoteShim %q, set %+v; want %q", e.Config().ZygoteShim, e.paths.spawn.zygotes, shim)
 			}
 			e.Close()
-			if z := e.paths.zygotes.get("/bin/true"); z != nil {
+			if z := e.paths.spawn.zygotes.get("/bin/true"); z != nil {
 				t.Errorf("a closed engine's set started a zygote")
 			}
 		})

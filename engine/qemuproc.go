@@ -52,7 +52,7 @@ func spawnQEMU(name, bin string, args []string, qmpPath, logPath string, cg *adm
 		OOMScoreAdj: qemuOOMScoreAdj, OnExit: onExit, OnConnect: p.watchEvents, BeforeRun: beforeRun,
 		MergePages: how.merge,
 	}
-	if !how.merge && beforeRun == nil {
+	if beforeRun == nil { // one started stopped is executed: no zygote started for it
 		o.Zygote = how.zygotes.get(bin)
 	}
 	var cgErr error

@@ -705,11 +705,11 @@ func joinManifest(id *vmIdentity, s *vmState) manifest {
 }
 
 // newVM is the VM in directory dir whose manifest is m, started as the engine's
-// layout paths says (its console hub serves the consoles, mergePages, zygotes): the one
-// constructor of a VM.
+// layout paths says (its console hub serves the consoles, its QEMUs start as its spawn
+// says): the one constructor of a VM.
 func newVM(dir string, log *slog.Logger, m *manifest, paths layout) *VM {
 	id, st := splitManifest(dir, m)
-	vm := &VM{log: log, st: st, consoles: paths.consoles, spawn: spawnHow{merge: paths.mergePages, zygotes: paths.zygotes}}
+	vm := &VM{log: log, st: st, consoles: paths.consoles, spawn: paths.spawn}
 	vm.id.Store(id)
 	return vm
 }

@@ -113,7 +113,7 @@ func (z *Zygote) fork(args []string, dir string, out *os.File) (int, error) {
 	req.WriteString(dir)
 	req.WriteByte(0)
 	for _, a := range args {
-		if bytes.IndexByte([]byte(a), 0) >= 0 {
+		if strings.IndexByte(a, 0) >= 0 {
 			return 0, fmt.Errorf("%w: an argument with a NUL byte", ErrZygote)
 		}
 		req.WriteString(a)
@@ -137,14 +137,14 @@ func (z *Zygote) fork(args []string, dir string, out *os.File) (int, error) {
 
 // parseZygoteAnswer reads the zygote's "pid N" or "err ERRNO".
 func parseZygoteAnswer(s string) (int, error) {
-	kind, num, ok := bytes.Cut([]byte(s), []byte(" "))
-	v, err := strconv.Atoi(string(num))
+	kind, num, ok := strings.Cut(s, " ")
+	v, err := strconv.Atoi(num)
 	switch {
 	case !ok || err != nil || v <= 0:
 		return 0, fmt.Errorf("%w: bad answer %q", ErrZygote, s)
-	case string(kind) == "pid":
+	case kind == "pid":
 		return v, nil
-	case string(kind) == "err":
+	case kind == "err":
 		return 0, fmt.Errorf("%w: fork: %w", ErrZygote, syscall.Errno(v))
 	}
 	return 0, fmt.Errorf("%w: bad answer %q", ErrZygote, s)
