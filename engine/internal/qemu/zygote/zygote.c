@@ -101,6 +101,46 @@ static int become_qemu(const char *dir, int out) {
 	return 0;
 }
 
+// fork_qemu forks the QEMU that runs real_main with args in dir, out its stdout and
+// stderr, through a middle child that exits at once, so that the QEMU is the
+// subreaper's child: its pid, or -errno.
+static int fork_qemu(const char *dir, int out, int argc, char **args, char **envp) {
+	int pipefd[2];
+	if (pipe2(pipefd, O_CLOEXEC) < 0) {
+		return -errno;
+	}
+	pid_t mid = fork();
+	if (mid == 0) {
+		close(pipefd[0]);
+		pid_t q = fork();
+		if (q == 0) {
+			if (become_qemu(dir, out) < 0) {
+				_exit(127);
+			}
+			show_args(argc, args);
+			exit(real_main(argc, args, envp));
+		}
+		int r = q > 0 ? q : -errno;
+		ssize_t w = write(pipefd[1], &r, sizeof r);
+		_exit(w == sizeof r ? 0 : 1);
+	}
+	int r = mid < 0 ? -errno : -EIO;
+	close(pipefd[1]);
+	if (mid > 0) {
+		ssize_t got;
+		while ((got = read(pipefd[0], &r, sizeof r)) < 0 && errno == EINTR) {
+		}
+		if (got != sizeof r) {
+			r = -EIO;
+		}
+		// Once the middle child is gone, the QEMU is the subreaper's.
+		while (waitpid(mid, NULL, 0) < 0 && errno == EINTR) {
+		}
+	}
+	close(pipefd[0]);
+	return r;
+}
+
 // serve answers requests on sock until the engine closes it. Its first message,
 // "ready", tells the engine the library runs.
 static int serve(int sock, char *argv0, char **envp) {
@@ -146,47 +186,8 @@ static int serve(int sock, char *argv0, char **envp) {
 		}
 		args[argc] = NULL;
 
-		int pipefd[2];
-		if (pipe2(pipefd, O_CLOEXEC) < 0) {
-			char m[32];
-			snprintf(m, sizeof m, "err %d", errno);
-			reply(sock, m);
-			close(out);
-			continue;
-		}
-		pid_t mid = fork();
-		if (mid == 0) {
-			close(pipefd[0]);
-			pid_t q = fork();
-			if (q == 0) {
-				if (become_qemu(dir, out) < 0) {
-					_exit(127);
-				}
-				show_args(argc, args);
-				exit(real_main(argc, args, envp));
-			}
-			int r = q > 0 ? q : -errno;
-			ssize_t w = write(pipefd[1], &r, sizeof r);
-			_exit(w == sizeof r ? 0 : 1);
-		}
-		int err = mid < 0 ? errno : 0;
-		close(pipefd[1]);
+		int r = fork_qemu(dir, out, argc, args, envp);
 		close(out);
-		int r = -EIO;
-		if (mid > 0) {
-			ssize_t got;
-			while ((got = read(pipefd[0], &r, sizeof r)) < 0 && errno == EINTR) {
-			}
-			if (got != sizeof r) {
-				r = -EIO;
-			}
-			// Once the middle child is gone, the QEMU is the subreaper's.
-			while (waitpid(mid, NULL, 0) < 0 && errno == EINTR) {
-			}
-		} else {
-			r = -err;
-		}
-		close(pipefd[0]);
 		char m[32];
 		if (r > 0) {
 			snprintf(m, sizeof m, "pid %d", r);
