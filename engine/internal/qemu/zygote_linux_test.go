@@ -3,7 +3,6 @@
 package qemu
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"os"
@@ -14,6 +13,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/procinfo"
 )
 
 // zygoteFixture builds the shim from zygote/zygote.c (as make does) and starts a zygote
@@ -44,29 +45,17 @@ func zygoteFixture(t *testing.T) (*Zygote, string) {
 // mappings of shared objects (pages relocations wrote and no other process shares).
 func libDirty(t *testing.T, pid int) int64 {
 	t.Helper()
-	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/smaps")
+	ms, err := procinfo.ProcessMappings(pid)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	var kb int64
-	lib := false
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) == 0 {
-			continue
-		}
-		if !strings.HasSuffix(fields[0], ":") {
-			lib = len(fields) >= 6 && strings.Contains(fields[5], ".so")
-			continue
-		}
-		if lib && fields[0] == "Private_Dirty:" {
-			n, _ := strconv.ParseInt(fields[1], 10, 64)
-			kb += n
+	var n int64
+	for _, m := range ms {
+		if strings.Contains(m.Path, ".so") {
+			n += m.PrivateDirty
 		}
 	}
-	return kb << 10
+	return n
 }
 
 // TestSpawnZygote: a QEMU forked by the zygote is this process's child, in its own
