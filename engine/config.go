@@ -156,7 +156,8 @@ type Config struct {
 	// zombies unless it reaps them. The QEMUs share one address layout, stack canary
 	// and pointer guard, as executed QEMUs of one user share everything else (none is
 	// sandboxed from another). Counters and MergePages spawns are executed. Linux
-	// only. Default: $FORKVM_ZYGOTE_SHIM, else off.
+	// only. Default: $FORKVM_ZYGOTE_SHIM, else off (forkvm serve and forkbench set it
+	// to ZygoteShimFound unless told otherwise).
 	ZygoteShim string
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.

@@ -100,6 +100,21 @@ func ZygoteShimBeside() string {
 	return filepath.Join(filepath.Dir(exe), ZygoteShimName)
 }
 
+// ZygoteShimFound is ZygoteShimBeside where that is a regular file, on Linux; else ""
+// (a `go install` builds no shim). forkvm serve and forkbench fork their QEMUs from a
+// zygote by default where it is found: they live long enough for their QEMUs to share
+// the zygote's pages, which a one-shot command's do not once it exits.
+func ZygoteShimFound() string {
+	if runtime.GOOS != "linux" {
+		return ""
+	}
+	shim := ZygoteShimBeside()
+	if st, err := os.Stat(shim); shim == "" || err != nil || !st.Mode().IsRegular() {
+		return ""
+	}
+	return shim
+}
+
 // resolveZygoteShim is Config.ZygoteShim (else $FORKVM_ZYGOTE_SHIM) checked: a regular
 // file, on Linux, not with MergePages.
 func resolveZygoteShim(shim string, merge bool) (string, error) {

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/guest"
 )
 
@@ -68,6 +69,16 @@ func setup() (int, error) {
 	}
 	if err := build("forkvm", "./cmd/forkvm", nil); err != nil {
 		return 1, err
+	}
+	// The zygote's shim beside forkvm, as make builds it: a daemon forks its QEMUs from
+	// a zygote where the shim is there (cmd/forkvm), so the tests' daemons do too.
+	// Without a C compiler (make setup installs gcc) they execute them.
+	if cc, err := exec.LookPath("cc"); err == nil {
+		cmd := exec.Command(cc, "-O2", "-shared", "-fPIC", "-o", filepath.Join(binDir, engine.ZygoteShimName), "engine/internal/qemu/zygote/zygote.c", "-ldl")
+		cmd.Dir = repoRoot
+		if b, err := cmd.CombinedOutput(); err != nil {
+			return 1, fmt.Errorf("build the zygote shim: %v\n%s", err, b)
+		}
 	}
 	cacheDir = os.Getenv("FORKVM_CACHE")
 	if cacheDir == "" {

@@ -5,7 +5,6 @@ package tests
 import (
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -13,24 +12,21 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/api"
+	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/serve"
 	"github.com/forkvm/forkvm/serve/client"
 )
 
-// TestZygoteDaemon: a daemon with a zygote shim (Config.ZygoteShim, here through
-// $FORKVM_ZYGOTE_SHIM) forks every QEMU from it: the world's and its forks' QEMUs are the
-// daemon's own children, their libraries' relocated pages are shared (not private),
-// the forks run commands and hold only their own writes, and everything is deleted as
-// usual. The daemon, not this test process, is the child subreaper the zygote needs.
+// TestZygoteDaemon: a daemon with the shim beside its binary (as make builds it) forks
+// every QEMU from a zygote by default: the world's and its forks' QEMUs are the daemon's
+// own children, their libraries' relocated pages are shared (not private), the forks run
+// commands and hold only their own writes, and everything is deleted as usual. The
+// daemon, not this test process, is the child subreaper the zygote needs.
 func TestZygoteDaemon(t *testing.T) {
 	parallelVMTest(t)
-	cc, err := exec.LookPath("cc")
-	if err != nil {
-		t.Skip("no C compiler to build the zygote shim (make setup installs gcc)")
-	}
-	shim := filepath.Join(t.TempDir(), "forkvm-zygote.so")
-	if out, err := exec.Command(cc, "-O2", "-shared", "-fPIC", "-o", shim, "../engine/internal/qemu/zygote/zygote.c", "-ldl").CombinedOutput(); err != nil {
-		t.Fatalf("build the shim: %v\n%s", err, out)
+	shim := filepath.Join(binDir, engine.ZygoteShimName)
+	if _, err := os.Stat(shim); err != nil {
+		t.Skip("no zygote shim beside forkvm: no C compiler to build it (make setup installs gcc)")
 	}
 	home, err := os.MkdirTemp("/tmp", "fvz-")
 	if err != nil {
@@ -38,7 +34,10 @@ func TestZygoteDaemon(t *testing.T) {
 	}
 	lastResortCleanup(t, home, defaultRAMDir(home))
 	sock := serve.SocketPath(home)
-	d := startDaemonEnv(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"), []string{"FORKVM_ZYGOTE_SHIM=" + shim})
+	d := startDaemon(t, home, sock, filepath.Join(t.TempDir(), "daemon.log"))
+	if log := d.logText(); !strings.Contains(log, "zygote_shim="+shim) {
+		t.Errorf("the daemon's log does not name its zygote shim %s:\n%s", shim, log)
+	}
 	c := client.New(sock)
 	ctx := ctxT(t, 10*time.Minute)
 

@@ -18,6 +18,7 @@ import (
 
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/bench"
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
+	"github.com/forkvm/forkvm/engine"
 	"github.com/urfave/cli/v3"
 )
 
@@ -67,7 +68,7 @@ func commonFlags() []cli.Flag {
 		&cli.IntFlag{Name: "tb-size", Usage: "TCG translation buffer per VM in MiB (engine Config.Experimental.TBSizeMiB; 0 = engine default)"},
 		&cli.BoolFlag{Name: "vmgenid", Usage: "give the world (and so every fork) QEMU's ACPI tables and a vmgenid device (engine Spec.VMGenID)"},
 		&cli.StringFlag{Name: "tcg-thread", Value: "auto", Usage: "TCG vCPU threading of forks: auto, single or multi (engine Config.Experimental.TCGThread)"},
-		&cli.BoolFlag{Name: "zygote", Usage: "fork every QEMU from a zygote of its binary (forkvm-zygote.so beside this binary; engine Config.ZygoteShim)"},
+		&cli.BoolFlag{Name: "zygote", Usage: "fork every QEMU from a zygote of its binary (forkvm-zygote.so beside this binary; engine Config.ZygoteShim); the default where the shim is there and --merge-pages is not given, as for forkvm serve; --zygote=false executes every QEMU"},
 		&cli.BoolFlag{Name: "merge-pages", Usage: "start QEMUs with their memory offered to the kernel's same-page merging (engine Config.MergePages; merges only where the host runs ksmd: its state is recorded)"},
 		&cli.IntFlag{Name: "restore-concurrency", Usage: "forks restoring at once (engine Config.Experimental.RestoreConcurrency; 0 = engine default: host CPUs, -1 = no bound)"},
 		&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
@@ -106,6 +107,9 @@ func commonOptions(cmd *cli.Command) bench.Options {
 		TBSizeMiB: cmd.Int("tb-size"), TCGThread: cmd.String("tcg-thread"), RestoreConcurrency: cmd.Int("restore-concurrency"),
 		Verbose: cmd.Bool("verbose"), WarmRestored: cmd.Bool("warm-restored"), MergePages: cmd.Bool("merge-pages"),
 		Zygote: cmd.Bool("zygote"),
+	}
+	if !cmd.IsSet("zygote") {
+		o.Zygote = !o.MergePages && engine.ZygoteShimFound() != ""
 	}
 	if o.Shape.Image != "" {
 		o.Shape.StateMB = cmd.Int("state-mb")

@@ -4,13 +4,16 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"os"
 	"regexp"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/bench"
+	"github.com/forkvm/forkvm/engine"
 	"github.com/urfave/cli/v3"
 )
 
@@ -135,5 +138,50 @@ func TestPopulationFlagsRefused(t *testing.T) {
 		if !errors.Is(err, bench.ErrPopulationArgs) {
 			t.Errorf("population %v: %v, want a refusal (ErrPopulationArgs)", args, err)
 		}
+	}
+}
+
+// TestZygoteDefault: a bench forks its QEMUs from the shim beside forkbench where it is
+// there, as forkvm serve does, unless --merge-pages or --zygote=false; without the shim
+// it executes them, and --zygote asks for it regardless (the engine then says it is
+// missing).
+func TestZygoteDefault(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("the zygote is Linux only")
+	}
+	beside := engine.ZygoteShimBeside()
+	cases := []struct {
+		name string
+		shim bool
+		args []string
+		want bool
+	}{
+		{name: "no shim", want: false},
+		{name: "shim", shim: true, want: true},
+		{name: "merging", shim: true, args: []string{"--merge-pages"}, want: false},
+		{name: "told not to", shim: true, args: []string{"--zygote=false"}, want: false},
+		{name: "told to", args: []string{"--zygote"}, want: true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.shim {
+				if err := os.WriteFile(beside, nil, 0o644); err != nil {
+					t.Skipf("no shim beside the test binary: %v", err)
+				}
+				t.Cleanup(func() { os.Remove(beside) })
+			}
+			app := newApp()
+			var got bench.Options
+			app.Command("fork").Action = func(_ context.Context, cmd *cli.Command) error {
+				got = commonOptions(cmd)
+				return nil
+			}
+			if err := app.Run(context.Background(), append([]string{"forkbench", "fork"}, tc.args...)); err != nil {
+				t.Fatal(err)
+			}
+			if got.Zygote != tc.want {
+				t.Errorf("forkbench fork %q: Zygote %v, want %v", tc.args, got.Zygote, tc.want)
+			}
+		})
 	}
 }

@@ -37,7 +37,7 @@ func connectWith(ctx context.Context, cmd *cli.Command, requireDaemon bool, mark
 func connectConfig(ctx context.Context, cmd *cli.Command, requireDaemon bool, mod func(*engine.Config)) (api.API, error) {
 	const lockWait = 2 * time.Minute
 	cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), LockWait: lockWait, PerfMap: cmd.Bool("perf-map"),
-		MergePages: cmd.Bool("merge-pages"), ZygoteShim: zygoteShim(cmd)}
+		MergePages: cmd.Bool("merge-pages"), ZygoteShim: zygoteShim(cmd, false)}
 	mod(cfg)
 	// Warnings (a VM kept aside at recovery, a damaged hole list) are always shown.
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -89,11 +89,20 @@ func isServe(pid int) bool {
 	return false
 }
 
-// zygoteShim is the engine's ZygoteShim for --zygote: the shim beside this binary ("":
-// off, or $FORKVM_ZYGOTE_SHIM where set).
-func zygoteShim(cmd *cli.Command) string {
-	if !cmd.Bool("zygote") {
+// zygoteShim is the engine's ZygoteShim: with --zygote the shim beside this binary; for
+// the daemon (daemon true) without --merge-pages that shim where it is found
+// (engine.ZygoteShimFound), unless $FORKVM_ZYGOTE_SHIM names one; else "" (off, or
+// $FORKVM_ZYGOTE_SHIM where set). An explicit --zygote=false also clears
+// $FORKVM_ZYGOTE_SHIM in this process, so that the engine does not take it up.
+func zygoteShim(cmd *cli.Command, daemon bool) string {
+	switch {
+	case cmd.IsSet("zygote") && !cmd.Bool("zygote"):
+		os.Unsetenv("FORKVM_ZYGOTE_SHIM")
 		return ""
+	case cmd.Bool("zygote"):
+		return engine.ZygoteShimBeside()
+	case daemon && !cmd.Bool("merge-pages") && os.Getenv("FORKVM_ZYGOTE_SHIM") == "":
+		return engine.ZygoteShimFound()
 	}
-	return engine.ZygoteShimBeside()
+	return ""
 }

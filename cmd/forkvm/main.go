@@ -41,7 +41,7 @@ func newApp() *cli.Command {
 			&cli.StringFlag{Name: "accel", Usage: "accelerator: auto, kvm, hvf or tcg", Value: "auto"},
 			&cli.BoolFlag{Name: "verbose", Aliases: []string{"v"}, Usage: "log engine progress to stderr"},
 			&cli.BoolFlag{Name: "perf-map", Usage: "start QEMUs (TCG) with -perfmap: /tmp/perf-PID.map names TCG code for perf (slower; removed with the VM; see docs/profiling.md)"},
-			&cli.BoolFlag{Name: "zygote", Usage: "fork every QEMU from a zygote of its binary (forkvm-zygote.so beside this binary, built by make) instead of executing it: a QEMU skips relocating its libraries and shares their pages with the others (engine Config.ZygoteShim; see docs/host.md) [$FORKVM_ZYGOTE_SHIM names the shim]"},
+			&cli.BoolFlag{Name: "zygote", Usage: "fork every QEMU from a zygote of its binary (forkvm-zygote.so beside this binary, built by make) instead of executing it: a QEMU skips relocating its libraries and shares their pages with the others (engine Config.ZygoteShim; see docs/host.md); the default of serve where the shim is there and --merge-pages is not given, --zygote=false turns it off [$FORKVM_ZYGOTE_SHIM names the shim]"},
 			&cli.BoolFlag{Name: "merge-pages", Usage: "start QEMUs with their memory offered to the kernel's same-page merging (KSM) and without address randomization, so that ksmd, where the host runs it, keeps the pages they hold alike once (Linux >= 6.7; costs ksmd CPU and weakens isolation between VMs: see docs/host.md) [$FORKVM_MERGE_PAGES]"},
 		},
 		Commands: []*cli.Command{

@@ -71,7 +71,7 @@ func serveCmd() *cli.Command {
 				token = t
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), PerfMap: cmd.Bool("perf-map"), MergePages: cmd.Bool("merge-pages"), ZygoteShim: zygoteShim(cmd),
+			cfg := &engine.Config{StateDir: cmd.String("home"), Accel: engine.Accel(cmd.String("accel")), PerfMap: cmd.Bool("perf-map"), MergePages: cmd.Bool("merge-pages"), ZygoteShim: zygoteShim(cmd, true),
 				Overcommit: cmd.Float("overcommit"), MaxOvercommit: cmd.Float("max-overcommit"), MemoryCommitRatio: cmd.Float("memory-commit-ratio"),
 				MemoryCgroup: cmd.String("memory-cgroup"), Counters: cmd.Bool("counters"), ParkDiskMiB: int(cmd.Int("park-disk-mb"))}
 			// Warnings (a VM kept aside at recovery, a damaged hole list) are always logged.
@@ -96,7 +96,8 @@ func serveCmd() *cli.Command {
 				return err
 			}
 			defer e.Close()
-			log.Info("forkvm serve: engine ready", "vms", len(e.List()), "took", time.Since(started).Round(time.Millisecond))
+			log.Info("forkvm serve: engine ready", "vms", len(e.List()), "took", time.Since(started).Round(time.Millisecond),
+				"zygote_shim", e.Config().ZygoteShim)
 			srv := serve.New(e, log)
 			if faults != nil {
 				if err := srv.SetFaults(faults); err != nil {

@@ -592,7 +592,20 @@ func (d *execDaemon) up(ctx context.Context) error {
 		return d.reopen(err)
 	}
 	defer logf.Close()
-	cmd := exec.Command(d.binary, "--home", d.cfg.StateDir, "--accel", accel, "serve", "--socket", d.sock)
+	// The daemon spawns QEMUs as the bench's engine did: merged, from its zygote shim, or
+	// executed.
+	args := []string{"--home", d.cfg.StateDir, "--accel", accel}
+	var env []string // nil: this process's
+	switch {
+	case d.cfg.MergePages:
+		args = append(args, "--merge-pages")
+	case d.cfg.ZygoteShim != "":
+		env = append(os.Environ(), "FORKVM_ZYGOTE_SHIM="+d.cfg.ZygoteShim)
+	default:
+		args = append(args, "--zygote=false")
+	}
+	cmd := exec.Command(d.binary, append(args, "serve", "--socket", d.sock)...)
+	cmd.Env = env
 	cmd.Stdout, cmd.Stderr = logf, logf
 	// Its own process group: a Ctrl-C reaches only forkbench, which stops the daemon
 	// in order (SIGTERM) before it takes the engine back.
