@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -94,6 +95,34 @@ func TestZygoteDaemon(t *testing.T) {
 			t.Errorf("%s: %q, %v", name, out, err)
 		}
 	}
+	// A zygote killed (the OOM killer's pick, a user's kill) is dropped at the next
+	// spawn, with a warning, and that QEMU and the later ones are executed.
+	zygotes := childrenOf(t, d.cmd.Process.Pid, func(cmdline string) bool { return strings.Contains(cmdline, "\x00forkvm-zygote\x00") })
+	if len(zygotes) != 1 {
+		t.Fatalf("the daemon's zygotes: %v, want one", zygotes)
+	}
+	if err := syscall.Kill(zygotes[0], syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"x1", "x2"} {
+		info, err := c.Fork(ctx, "ck", &api.ForkOptions{Name: name})
+		if err != nil {
+			t.Fatalf("fork %s after the zygote was killed: %v\n%s", name, err, d.logText())
+		}
+		forks = append(forks, name)
+		if ppid := parentOf(t, info.PID); ppid != d.cmd.Process.Pid {
+			t.Errorf("%s: QEMU %d's parent is %d, want the daemon %d", name, info.PID, ppid, d.cmd.Process.Pid)
+		}
+		if m, err := c.Memory(ctx, name); err != nil || m.Libraries < 2<<20 {
+			t.Errorf("%s: libraries hold %v KiB privately (%v), want an executed QEMU's", name, m.Libraries>>10, err)
+		}
+		if out, err := clientRun(c, name, "cat", "/dev/shm/w"); err != nil || out != "world\n" {
+			t.Errorf("%s: %q, %v", name, out, err)
+		}
+	}
+	if n := strings.Count(d.logText(), "QEMU zygote dropped"); n != 1 {
+		t.Errorf("the daemon warned %d times of its dropped zygote, want once:\n%s", n, d.logText())
+	}
 	for _, name := range append(forks, "w") {
 		if err := c.Delete(ctx, name); err != nil {
 			t.Errorf("delete %s: %v", name, err)
@@ -116,4 +145,34 @@ func parentOf(t *testing.T, pid int) int {
 	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
 	ppid, _ := strconv.Atoi(f[1])
 	return ppid
+}
+
+// childrenOf is the pids of process ppid's children whose /proc/PID/cmdline match says
+// yes to.
+func childrenOf(t *testing.T, ppid int, match func(cmdline string) bool) []int {
+	t.Helper()
+	dirs, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pids []int
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue // gone
+		}
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+		if f[1] != strconv.Itoa(ppid) {
+			continue
+		}
+		if cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err == nil && match(string(cmdline)) {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
 }
