@@ -1048,3 +1048,38 @@ func TestZygoteShimConfig(t *testing.T) {
 		})
 	}
 }
+
+// TestZygoteRetry: a binary whose zygote failed has its QEMUs executed (get: nil) without
+// a new start until zygoteRetry has passed; then a zygote is started again and kept.
+func TestZygoteRetry(t *testing.T) {
+	now := time.Unix(1000, 0)
+	var starts int
+	var fail bool
+	z := &qemu.Zygote{}
+	s := newZygoteSet("/shim.so", slog.New(slog.DiscardHandler))
+	s.now = func() time.Time { return now }
+	s.start = func(bin, shim string) (*qemu.Zygote, error) {
+		starts++
+		if fail {
+			return nil, &qemu.StartError{Err: qemu.ErrZygote}
+		}
+		return z, nil
+	}
+	step := func(after time.Duration, wantZ bool, wantStarts int) {
+		t.Helper()
+		now = now.Add(after)
+		if got := s.get("/qemu"); (got == z) != wantZ || (got != nil && got != z) || starts != wantStarts {
+			t.Errorf("%v on: get %p (zygote %p), %d starts; want zygote %v, %d starts", after, got, z, starts, wantZ, wantStarts)
+		}
+	}
+	fail = true
+	step(0, false, 1)
+	step(zygoteRetry/2, false, 1)
+	step(zygoteRetry/2-time.Second, false, 1)
+	fail = false
+	step(2*time.Second, true, 2)
+	step(time.Hour, true, 2)
+	if got := s.get("/other-qemu"); got != z || starts != 3 {
+		t.Errorf("another binary: %p after %d starts, want its own start", got, starts)
+	}
+}

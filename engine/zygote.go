@@ -8,32 +8,40 @@ import (
 	"path/filepath"
 	"runtime"
 	"sync"
+	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 )
 
 // zygoteSet is the engine's QEMU fork servers (Config.ZygoteShim): one per QEMU binary,
 // started on that binary's first spawn and closed with the engine. A zygote that does
-// not start, or stops answering, is dropped with a warning; its binary's QEMUs are
-// executed from then on.
+// not start, or stops answering (killed, say), is dropped with a warning; its binary's
+// QEMUs are executed until zygoteRetry has passed, then a new zygote is tried, so a
+// daemon that lost its zygote gets one back.
 //
 // Concurrency: safe for concurrent use.
 type zygoteSet struct {
-	shim string
-	log  *slog.Logger
+	shim  string
+	log   *slog.Logger
+	start func(bin, shim string) (*qemu.Zygote, error) // qemu.StartZygote
+	now   func() time.Time
 
 	mu      sync.Mutex
 	running map[string]*qemu.Zygote
-	failed  map[string]bool
+	failed  map[string]time.Time // when the binary's last zygote failed
 	closed  bool
 }
+
+// zygoteRetry is how long a binary's QEMUs are executed after its zygote failed.
+const zygoteRetry = time.Minute
 
 // newZygoteSet is the set for shim ("": none, get returns nil).
 func newZygoteSet(shim string, log *slog.Logger) *zygoteSet {
 	if shim == "" {
 		return nil
 	}
-	return &zygoteSet{shim: shim, log: log, running: map[string]*qemu.Zygote{}, failed: map[string]bool{}}
+	return &zygoteSet{shim: shim, log: log, start: qemu.StartZygote, now: time.Now,
+		running: map[string]*qemu.Zygote{}, failed: map[string]time.Time{}}
 }
 
 // get returns the zygote of bin, started now if need be; nil without one.
@@ -43,32 +51,33 @@ func (s *zygoteSet) get(bin string) *qemu.Zygote {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed || s.failed[bin] {
-		return nil
-	}
-	if z := s.running[bin]; z != nil {
+	if z := s.running[bin]; z != nil || s.closed {
 		return z
 	}
-	z, err := qemu.StartZygote(bin, s.shim)
-	if err != nil {
-		s.failed[bin] = true
-		s.log.Warn("QEMU zygote not started: its QEMUs are executed", "qemu", bin, "shim", s.shim, "err", err)
+	if at, ok := s.failed[bin]; ok && s.now().Sub(at) < zygoteRetry {
 		return nil
 	}
+	z, err := s.start(bin, s.shim)
+	if err != nil {
+		s.failed[bin] = s.now()
+		s.log.Warn("QEMU zygote not started: its QEMUs are executed", "qemu", bin, "shim", s.shim, "retry_in", zygoteRetry, "err", err)
+		return nil
+	}
+	delete(s.failed, bin)
 	s.running[bin] = z
 	return z
 }
 
-// drop ends zygote z, which failed with err: bin's QEMUs are executed from now on.
+// drop ends zygote z, which failed with err: bin's QEMUs are executed for zygoteRetry.
 func (s *zygoteSet) drop(bin string, z *qemu.Zygote, err error) {
 	s.mu.Lock()
 	if s.running[bin] == z {
 		delete(s.running, bin)
-		s.failed[bin] = true
+		s.failed[bin] = s.now()
 	}
 	s.mu.Unlock()
 	z.Close()
-	s.log.Warn("QEMU zygote dropped: its QEMUs are executed", "qemu", bin, "err", err)
+	s.log.Warn("QEMU zygote dropped: its QEMUs are executed", "qemu", bin, "retry_in", zygoteRetry, "err", err)
 }
 
 // close ends every zygote; the QEMUs they forked go on.

@@ -96,7 +96,7 @@ func TestZygoteDaemon(t *testing.T) {
 		}
 	}
 	// A zygote killed (the OOM killer's pick, a user's kill) is dropped at the next
-	// spawn, with a warning, and that QEMU and the later ones are executed.
+	// spawn, with a warning, and that QEMU and the next minute's are executed.
 	zygotes := childrenOf(t, d.cmd.Process.Pid, func(cmdline string) bool { return strings.Contains(cmdline, "\x00forkvm-zygote\x00") })
 	if len(zygotes) != 1 {
 		t.Fatalf("the daemon's zygotes: %v, want one", zygotes)
