@@ -142,8 +142,9 @@ func TestPopulationFlagsRefused(t *testing.T) {
 }
 
 // TestZygoteDefault: a bench forks its QEMUs from the shim beside forkbench where it is
-// there, as forkvm serve does, unless --merge-pages or --zygote=false; without the shim
-// it executes them, and --zygote asks for it regardless (the engine then says it is
+// there, as forkvm serve does, unless --merge-pages, --zygote=false (which also clears
+// $FORKVM_ZYGOTE_SHIM) or $FORKVM_ZYGOTE_SHIM (the engine's then); without the shim it
+// executes them, and --zygote asks for it regardless (the engine then says it is
 // missing).
 func TestZygoteDefault(t *testing.T) {
 	if runtime.GOOS != "linux" {
@@ -153,6 +154,7 @@ func TestZygoteDefault(t *testing.T) {
 	cases := []struct {
 		name string
 		shim bool
+		env  string // $FORKVM_ZYGOTE_SHIM
 		args []string
 		want bool
 	}{
@@ -161,6 +163,8 @@ func TestZygoteDefault(t *testing.T) {
 		{name: "merging", shim: true, args: []string{"--merge-pages"}, want: false},
 		{name: "told not to", shim: true, args: []string{"--zygote=false"}, want: false},
 		{name: "told to", args: []string{"--zygote"}, want: true},
+		{name: "the environment's", shim: true, env: "/elsewhere.so", want: false},
+		{name: "told not to, with the environment's", shim: true, env: "/elsewhere.so", args: []string{"--zygote=false"}, want: false},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -170,6 +174,7 @@ func TestZygoteDefault(t *testing.T) {
 				}
 				t.Cleanup(func() { os.Remove(beside) })
 			}
+			t.Setenv("FORKVM_ZYGOTE_SHIM", tc.env)
 			app := newApp()
 			var got bench.Options
 			app.Command("fork").Action = func(_ context.Context, cmd *cli.Command) error {
@@ -181,6 +186,10 @@ func TestZygoteDefault(t *testing.T) {
 			}
 			if got.Zygote != tc.want {
 				t.Errorf("forkbench fork %q: Zygote %v, want %v", tc.args, got.Zygote, tc.want)
+			}
+			// What the engine takes up when Zygote is false.
+			if env, told := os.Getenv("FORKVM_ZYGOTE_SHIM"), slices.Contains(tc.args, "--zygote=false"); (told && env != "") || (!told && env != tc.env) {
+				t.Errorf("forkbench fork %q: $FORKVM_ZYGOTE_SHIM %q afterwards", tc.args, env)
 			}
 		})
 	}
