@@ -110,6 +110,18 @@ func TestSpawnZygote(t *testing.T) {
 		t.Errorf("forked QEMU holds %d KiB of its libraries privately, executed %d KiB: want under half", fl>>10, el>>10)
 	}
 
+	// Under TCG a forked QEMU turns transparent huge pages off for itself; others keep them.
+	tcg := spawn("tcg", z, append(args("tcg"), "-accel", "tcg,thread=single"))
+	for _, p := range []*Process{forked, executed, tcg} {
+		want := "1"
+		if p == tcg {
+			want = "0"
+		}
+		if got := thpEnabled(t, p.PID()); got != want {
+			t.Errorf("%s: THP_enabled %q, want %q", p.Name(), got, want)
+		}
+	}
+
 	forked.Kill()
 	<-forked.Done()
 	if r := forked.ExitReason(); !strings.Contains(r, "signal 9") {
@@ -194,4 +206,21 @@ func TestParseZygoteAnswer(t *testing.T) {
 			t.Errorf("%q: %d, want an error", tc.in, pid)
 		}
 	}
+}
+
+// thpEnabled is the THP_enabled line of process pid's /proc/PID/status ("0": its
+// transparent huge pages are off).
+func thpEnabled(t *testing.T, pid int) string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "THP_enabled:"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	t.Skip("no THP_enabled in /proc/PID/status (Linux < 5.0)")
+	return ""
 }

@@ -10,8 +10,9 @@
 // is handed to the engine, a child subreaper (PR_SET_CHILD_SUBREAPER), as its own child,
 // and the zygote answers "pid N" or "err ERRNO" once that child has exited. The QEMU
 // starts a session of its own, enters the directory, gets /dev/null as stdin and the
-// descriptor as stdout and stderr, closes every other descriptor and runs QEMU's main
-// with the arguments. The pages the libraries' relocations wrote stay shared, copy on
+// descriptor as stdout and stderr, closes every other descriptor, under TCG turns
+// transparent huge pages off for itself (PR_SET_THP_DISABLE), and runs QEMU's main with
+// the arguments. The pages the libraries' relocations wrote stay shared, copy on
 // write, with the zygote and every other QEMU it forked. When the engine's end of the
 // socket closes, the zygote exits. Its first message says it is ready.
 //
@@ -101,6 +102,17 @@ static int become_qemu(const char *dir, int out) {
 	return 0;
 }
 
+// runs_tcg reports whether args ask for TCG (-accel tcg...), as the engine writes them.
+static int runs_tcg(int argc, char **args) {
+	for (int i = 1; i + 1 < argc; i++) {
+		if (strcmp(args[i], "-accel") == 0 && strncmp(args[i + 1], "tcg", 3) == 0 &&
+				(args[i + 1][3] == 0 || args[i + 1][3] == ',')) {
+			return 1;
+		}
+	}
+	return 0;
+}
+
 // fork_qemu forks the QEMU that runs real_main with args in dir, out its stdout and
 // stderr, through a middle child that exits at once, so that the QEMU is the
 // subreaper's child: its pid, or -errno.
@@ -116,6 +128,14 @@ static int fork_qemu(const char *dir, int out, int argc, char **args, char **env
 		if (q == 0) {
 			if (become_qemu(dir, out) < 0) {
 				_exit(127);
+			}
+			// Under TCG, no transparent huge pages: QEMU asks them for its translation
+			// buffer (MADV_HUGEPAGE), so each region a vCPU translates into takes 2
+			// MiB at its first write, zeroed in the fault and compacted for. It
+			// covers the whole QEMU: a VM's anonymous guest RAM (not a fork's RAM
+			// file) gets none either.
+			if (runs_tcg(argc, args)) {
+				prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
 			}
 			show_args(argc, args);
 			exit(real_main(argc, args, envp));
