@@ -1083,3 +1083,29 @@ func TestZygoteRetry(t *testing.T) {
 		t.Errorf("another binary: %p after %d starts, want its own start", got, starts)
 	}
 }
+
+// TestZygoteReplacedBinary: once a binary's zygote is no longer current (the binary was
+// replaced on disk), the next spawn starts a new zygote of it, and keeps that one.
+func TestZygoteReplacedBinary(t *testing.T) {
+	var started []*qemu.Zygote
+	stale := map[*qemu.Zygote]bool{}
+	s := newZygoteSet("/shim.so", slog.New(slog.DiscardHandler))
+	s.start = func(bin, shim string) (*qemu.Zygote, error) {
+		z := &qemu.Zygote{}
+		started = append(started, z)
+		return z, nil
+	}
+	s.current = func(z *qemu.Zygote) bool { return !stale[z] }
+	z1 := s.get("/qemu")
+	if z1 == nil || len(started) != 1 || s.get("/qemu") != z1 {
+		t.Fatalf("first zygote %p, %d started", z1, len(started))
+	}
+	stale[z1] = true
+	z2 := s.get("/qemu")
+	if z2 == nil || z2 == z1 || len(started) != 2 {
+		t.Fatalf("after the binary was replaced: %p (was %p), %d started; want a new one", z2, z1, len(started))
+	}
+	if s.get("/qemu") != z2 || len(started) != 2 {
+		t.Errorf("the new zygote was not kept: %d started", len(started))
+	}
+}

@@ -14,17 +14,19 @@ import (
 )
 
 // zygoteSet is the engine's QEMU fork servers (Config.ZygoteShim): one per QEMU binary,
-// started on that binary's first spawn and closed with the engine. A zygote that does
+// started on that binary's first spawn, started anew once the binary is replaced on disk
+// (an upgrade), and closed with the engine. A zygote that does
 // not start, or stops answering (killed, say), is dropped with a warning; its binary's
 // QEMUs are executed until zygoteRetry has passed, then a new zygote is tried, so a
 // daemon that lost its zygote gets one back.
 //
 // Concurrency: safe for concurrent use.
 type zygoteSet struct {
-	shim  string
-	log   *slog.Logger
-	start func(bin, shim string) (*qemu.Zygote, error) // qemu.StartZygote
-	now   func() time.Time
+	shim    string
+	log     *slog.Logger
+	start   func(bin, shim string) (*qemu.Zygote, error) // qemu.StartZygote
+	current func(*qemu.Zygote) bool                      // (*qemu.Zygote).Current
+	now     func() time.Time
 
 	mu      sync.Mutex
 	running map[string]*qemu.Zygote
@@ -40,7 +42,7 @@ func newZygoteSet(shim string, log *slog.Logger) *zygoteSet {
 	if shim == "" {
 		return nil
 	}
-	return &zygoteSet{shim: shim, log: log, start: qemu.StartZygote, now: time.Now,
+	return &zygoteSet{shim: shim, log: log, start: qemu.StartZygote, current: (*qemu.Zygote).Current, now: time.Now,
 		running: map[string]*qemu.Zygote{}, failed: map[string]time.Time{}}
 }
 
@@ -49,10 +51,22 @@ func (s *zygoteSet) get(bin string) *qemu.Zygote {
 	if s == nil {
 		return nil
 	}
+	var stale *qemu.Zygote
+	defer func() { // after the unlock: the QEMU it may be forking finishes first
+		if stale != nil {
+			stale.Close()
+		}
+	}()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if z := s.running[bin]; z != nil || s.closed {
-		return z
+		if z == nil || s.current(z) {
+			return z
+		}
+		// The binary was replaced (a QEMU upgrade): new QEMUs are the new binary's.
+		stale = z
+		delete(s.running, bin)
+		s.log.Info("QEMU binary replaced: a new zygote for it", "qemu", bin)
 	}
 	if at, ok := s.failed[bin]; ok && s.now().Sub(at) < zygoteRetry {
 		return nil
@@ -71,13 +85,16 @@ func (s *zygoteSet) get(bin string) *qemu.Zygote {
 // drop ends zygote z, which failed with err: bin's QEMUs are executed for zygoteRetry.
 func (s *zygoteSet) drop(bin string, z *qemu.Zygote, err error) {
 	s.mu.Lock()
-	if s.running[bin] == z {
+	running := s.running[bin] == z
+	if running {
 		delete(s.running, bin)
 		s.failed[bin] = s.now()
 	}
 	s.mu.Unlock()
 	z.Close()
-	s.log.Warn("QEMU zygote dropped: its QEMUs are executed", "qemu", bin, "retry_in", zygoteRetry, "err", err)
+	if running { // else one already replaced or closed, which says nothing of the next
+		s.log.Warn("QEMU zygote dropped: its QEMUs are executed", "qemu", bin, "retry_in", zygoteRetry, "err", err)
+	}
 }
 
 // close ends every zygote; the QEMUs they forked go on.

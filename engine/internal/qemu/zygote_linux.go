@@ -28,6 +28,7 @@ import (
 // a time.
 type Zygote struct {
 	binary string
+	exe    os.FileInfo // the file the zygote runs (nil: unknown)
 
 	mu     sync.Mutex
 	conn   *net.UnixConn
@@ -97,11 +98,24 @@ func StartZygote(binary, shim string) (*Zygote, error) {
 		}
 		return nil, &StartError{Err: fmt.Errorf("%w: %s with %s is not ready: %w", ErrZygote, binary, shim, err)}
 	}
+	// The file it runs, even once replaced on disk (an upgrade) or deleted.
+	z.exe, _ = os.Stat("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/exe")
 	return z, nil
 }
 
 // Binary is the QEMU binary the zygote forks.
 func (z *Zygote) Binary() string { return z.binary }
+
+// Current reports whether Binary still names the file the zygote runs: false once the
+// binary was replaced on disk (a package upgrade), whose QEMUs the zygote would go on
+// forking from the old one. True where that is not known (the binary missing, say).
+func (z *Zygote) Current() bool {
+	if z.exe == nil {
+		return true
+	}
+	fi, err := os.Stat(z.binary)
+	return err != nil || os.SameFile(fi, z.exe)
+}
 
 // errZygoteClosed is the error of a Spawn through a closed zygote.
 var errZygoteClosed = fmt.Errorf("%w closed", ErrZygote)
@@ -154,7 +168,7 @@ func parseZygoteAnswer(s string) (int, error) {
 // forked go on.
 func (z *Zygote) Close() error {
 	z.mu.Lock()
-	if z.closed {
+	if z.closed || z.conn == nil { // nil: a zero Zygote, none started
 		z.mu.Unlock()
 		return nil
 	}

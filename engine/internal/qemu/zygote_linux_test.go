@@ -21,6 +21,19 @@ import (
 // of the host's QEMU; it skips without QEMU or a C compiler (make setup installs both).
 func zygoteFixture(t *testing.T) (*Zygote, string) {
 	t.Helper()
+	qemuBin, shim := shimFixture(t)
+	z, err := StartZygote(qemuBin, shim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { z.Close() })
+	return z, qemuBin
+}
+
+// shimFixture is the host's QEMU and the shim built from zygote/zygote.c (as make does);
+// it skips without QEMU or a C compiler (make setup installs both).
+func shimFixture(t *testing.T) (qemuBin, shim string) {
+	t.Helper()
 	qemuBin, err := exec.LookPath("qemu-system-x86_64")
 	if err != nil {
 		t.Skip("no qemu-system-x86_64 (make setup installs it)")
@@ -29,16 +42,43 @@ func zygoteFixture(t *testing.T) (*Zygote, string) {
 	if err != nil {
 		t.Skip("no C compiler to build the zygote shim (make setup installs gcc)")
 	}
-	shim := filepath.Join(t.TempDir(), "forkvm-zygote.so")
+	shim = filepath.Join(t.TempDir(), "forkvm-zygote.so")
 	if out, err := exec.Command(cc, "-O2", "-shared", "-fPIC", "-o", shim, "zygote/zygote.c", "-ldl").CombinedOutput(); err != nil {
 		t.Fatalf("build the shim: %v\n%s", err, out)
 	}
-	z, err := StartZygote(qemuBin, shim)
+	return qemuBin, shim
+}
+
+// TestZygoteCurrent: a zygote is current while its binary's path names the file it
+// runs, and no longer once another file is put there (a package upgrade).
+func TestZygoteCurrent(t *testing.T) {
+	qemuBin, shim := shimFixture(t)
+	path := filepath.Join(t.TempDir(), "qemu-system-x86_64")
+	if err := os.Symlink(qemuBin, path); err != nil {
+		t.Fatal(err)
+	}
+	z, err := StartZygote(path, shim)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { z.Close() })
-	return z, qemuBin
+	defer z.Close()
+	if !z.Current() {
+		t.Fatal("a new zygote is not current")
+	}
+	// The upgrade: another file renamed over the path.
+	other := path + ".new"
+	if err := os.WriteFile(other, []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(other, path); err != nil {
+		t.Fatal(err)
+	}
+	if z.Current() {
+		t.Error("a zygote whose binary was replaced is still current")
+	}
+	if !(&Zygote{}).Current() {
+		t.Error("a zygote of unknown file is not current")
+	}
 }
 
 // libDirty is the memory a process's libraries hold privately: Private_Dirty of its

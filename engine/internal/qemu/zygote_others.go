@@ -23,6 +23,9 @@ func StartZygote(binary, shim string) (*Zygote, error) { return nil, &StartError
 // Binary is "".
 func (z *Zygote) Binary() string { return "" }
 
+// Current is true.
+func (z *Zygote) Current() bool { return true }
+
 // Close does nothing.
 func (z *Zygote) Close() error { return nil }
 
