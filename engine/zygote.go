@@ -15,10 +15,10 @@ import (
 
 // zygoteSet is the engine's QEMU fork servers (Config.ZygoteShim): one per QEMU binary,
 // started on that binary's first spawn, started anew once the binary is replaced on disk
-// (an upgrade), and closed with the engine. A zygote that does
-// not start, or stops answering (killed, say), is dropped with a warning; its binary's
-// QEMUs are executed until zygoteRetry has passed, then a new zygote is tried, so a
-// daemon that lost its zygote gets one back.
+// (an upgrade), and closed with the engine. A zygote that does not start, or stops
+// answering (killed, say), is dropped with a warning; its binary's QEMUs are executed
+// until zygoteRetry has passed, then a new zygote is tried, so a daemon that lost its
+// zygote gets one back.
 //
 // Concurrency: safe for concurrent use.
 type zygoteSet struct {

@@ -152,6 +152,9 @@ func TestSpawnZygote(t *testing.T) {
 
 	// Under TCG a forked QEMU turns transparent huge pages off for itself; others keep them.
 	tcg := spawn("tcg", z, append(args("tcg"), "-accel", "tcg,thread=single"))
+	if err := tcg.Connect(ctx); err != nil { // its main runs: past the prctl
+		t.Fatalf("tcg: QMP: %v", err)
+	}
 	for _, p := range []*Process{forked, executed, tcg} {
 		want := "1"
 		if p == tcg {
