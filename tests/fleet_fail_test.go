@@ -231,7 +231,7 @@ func fleetFail(t *testing.T) {
 		// claims are others' now) and runs nothing of the wave.
 		before := strings.Count(victim.d.logText(), "deleting an orphan")
 		back := restart(victim)
-		waitFleetNodes(t, holder, 3)
+		waitFleetNodes(t, holder, 3, time.Now().Add(90*time.Second))
 		if len(stayed) > 0 {
 			// Its forks of the wave are still its own in the fleet (their QEMUs were
 			// killed with it): nothing was taken over, nothing is an orphan.
@@ -362,7 +362,7 @@ func fleetFail(t *testing.T) {
 		if got := strings.Count(other.d.logText(), "deleting an orphan") - before; got != 0 {
 			t.Errorf("%s deleted %d forks at its start", other.name, got)
 		}
-		waitFleetNodes(t, holder, 3)
+		waitFleetNodes(t, holder, 3, time.Now().Add(90*time.Second))
 		now := fleetClaims(t, holder)
 		for name, c := range claims {
 			if n := now[name]; n.Node != c.Node || n.State != c.State || !n.ClaimedAt.Equal(c.ClaimedAt) {
@@ -417,7 +417,7 @@ func fleetFail(t *testing.T) {
 
 		before := strings.Count(other.d.logText(), "deleting an orphan")
 		back := restart(other)
-		waitFleetNodes(t, holder, 3)
+		waitFleetNodes(t, holder, 3, time.Now().Add(90*time.Second))
 		after := running(nodeVMs(t, other))
 		for name, pid := range kept {
 			if after[name] != pid {
@@ -712,18 +712,21 @@ func fleetClaims(t *testing.T, h *fleetHost) map[string]api.FleetVM {
 	return out
 }
 
-// waitFleetNodes waits until h lists n live nodes.
-func waitFleetNodes(t *testing.T, h *fleetHost, n int) {
+// waitFleetNodes waits until h lists n live nodes, until deadline; past it the test
+// fails with its fleet's daemon logs.
+func waitFleetNodes(t *testing.T, h *fleetHost, n int, deadline time.Time) {
 	t.Helper()
-	deadline := time.Now().Add(90 * time.Second)
 	for {
 		var nodes []api.FleetNode
-		out, _, code := h.cli(nil, "nodes", "--json")
+		out, errOut, code := h.cli(nil, "nodes", "--json")
 		if code == 0 && json.Unmarshal([]byte(out), &nodes) == nil && len(nodes) == n {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s does not list %d nodes within 90s: %s", h.name, n, out)
+			for _, f := range h.fleet {
+				t.Logf("%s log:\n%s", f.name, f.d.logText())
+			}
+			t.Fatalf("%s does not list %d nodes in time: forkvm nodes exit %d: %s%s", h.name, n, code, out, errOut)
 		}
 		time.Sleep(250 * time.Millisecond)
 	}

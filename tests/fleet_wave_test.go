@@ -82,27 +82,14 @@ func startFleet(t *testing.T, n, vcpus int, extra ...string) []*fleetHost {
 			os.RemoveAll(h.home)
 		}
 	})
+	for _, h := range hosts {
+		h.fleet = hosts
+	}
 	// Every daemon lists the whole fleet: one listed by the others may still be joining
 	// (it answers "joining its fleet: try again shortly" until its own join has ended).
 	deadline := time.Now().Add(90 * time.Second)
 	for _, h := range hosts {
-		for {
-			var nodes []api.FleetNode
-			out, errOut, code := h.cli(nil, "nodes", "--json")
-			if code == 0 && json.Unmarshal([]byte(out), &nodes) == nil && len(nodes) == n {
-				break
-			}
-			if time.Now().After(deadline) {
-				for _, h := range hosts {
-					t.Logf("%s log:\n%s", h.name, h.d.logText())
-				}
-				t.Fatalf("no fleet of %d on %s within 90s: forkvm nodes exit %d: %s%s", n, h.name, code, out, errOut)
-			}
-			time.Sleep(250 * time.Millisecond)
-		}
-	}
-	for _, h := range hosts {
-		h.fleet = hosts
+		waitFleetNodes(t, h, n, deadline)
 	}
 	return hosts
 }
