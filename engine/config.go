@@ -157,7 +157,7 @@ type Config struct {
 	// and pointer guard, as executed QEMUs of one user share everything else (none is
 	// sandboxed from another). Counters and MergePages spawns are executed. Linux
 	// only. Default: $FORKVM_ZYGOTE_SHIM, else off (forkvm serve and forkbench set it
-	// to ZygoteShimFound unless told otherwise).
+	// to ZygoteShimDefault unless told otherwise).
 	ZygoteShim string
 	// Experimental holds tuning knobs that benchmarks sweep. Their defaults are what
 	// forkvm is measured with; they may change or go away.

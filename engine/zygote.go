@@ -126,12 +126,14 @@ func ZygoteShimBeside() string {
 	return filepath.Join(filepath.Dir(exe), ZygoteShimName)
 }
 
-// ZygoteShimFound is ZygoteShimBeside where that is a regular file, on Linux; else ""
-// (a `go install` builds no shim). forkvm serve and forkbench fork their QEMUs from a
-// zygote by default where it is found: they live long enough for their QEMUs to share
-// the zygote's pages, which a one-shot command's do not once it exits.
-func ZygoteShimFound() string {
-	if runtime.GOOS != "linux" {
+// ZygoteShimDefault is the zygote shim forkvm serve and forkbench give their engine
+// unless told otherwise: ZygoteShimBeside where that is a regular file, on Linux (a `go
+// install` builds no shim); "" with merge (merged QEMUs are executed) or where
+// $FORKVM_ZYGOTE_SHIM names one (the engine takes that up itself). They live long enough
+// for their QEMUs to share the zygote's pages, which a one-shot command's do not once it
+// exits.
+func ZygoteShimDefault(merge bool) string {
+	if runtime.GOOS != "linux" || merge || os.Getenv("FORKVM_ZYGOTE_SHIM") != "" {
 		return ""
 	}
 	shim := ZygoteShimBeside()

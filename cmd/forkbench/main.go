@@ -108,14 +108,13 @@ func commonOptions(cmd *cli.Command) bench.Options {
 		Verbose: cmd.Bool("verbose"), WarmRestored: cmd.Bool("warm-restored"), MergePages: cmd.Bool("merge-pages"),
 		Zygote: cmd.Bool("zygote"),
 	}
-	// As forkvm serve: the shim beside this binary unless --merge-pages or
-	// $FORKVM_ZYGOTE_SHIM (which the engine then takes) says otherwise; --zygote=false
-	// clears $FORKVM_ZYGOTE_SHIM, so that the engine does not take it up.
+	// As forkvm serve: engine.ZygoteShimDefault; --zygote=false clears
+	// $FORKVM_ZYGOTE_SHIM, so that the engine does not take it up.
 	switch {
 	case cmd.IsSet("zygote") && !o.Zygote:
 		os.Unsetenv("FORKVM_ZYGOTE_SHIM")
 	case !cmd.IsSet("zygote"):
-		o.Zygote = !o.MergePages && os.Getenv("FORKVM_ZYGOTE_SHIM") == "" && engine.ZygoteShimFound() != ""
+		o.Zygote = engine.ZygoteShimDefault(o.MergePages) != ""
 	}
 	if o.Shape.Image != "" {
 		o.Shape.StateMB = cmd.Int("state-mb")

@@ -90,8 +90,7 @@ func isServe(pid int) bool {
 }
 
 // zygoteShim is the engine's ZygoteShim: with --zygote the shim beside this binary; for
-// the daemon (daemon true) without --merge-pages that shim where it is found
-// (engine.ZygoteShimFound), unless $FORKVM_ZYGOTE_SHIM names one; else "" (off, or
+// the daemon (daemon true) engine.ZygoteShimDefault; else "" (off, or
 // $FORKVM_ZYGOTE_SHIM where set). An explicit --zygote=false also clears
 // $FORKVM_ZYGOTE_SHIM in this process, so that the engine does not take it up.
 func zygoteShim(cmd *cli.Command, daemon bool) string {
@@ -101,8 +100,8 @@ func zygoteShim(cmd *cli.Command, daemon bool) string {
 		return ""
 	case cmd.Bool("zygote"):
 		return engine.ZygoteShimBeside()
-	case daemon && !cmd.Bool("merge-pages") && os.Getenv("FORKVM_ZYGOTE_SHIM") == "":
-		return engine.ZygoteShimFound()
+	case daemon:
+		return engine.ZygoteShimDefault(cmd.Bool("merge-pages"))
 	}
 	return ""
 }
