@@ -107,6 +107,7 @@ type bootKeyInput struct {
 	Accel       Accel    `json:"accel"`
 	TBSizeMiB   int      `json:"tb_size_mib"`
 	CPUModel    string   `json:"cpu_model"`
+	CPUFeatures []string `json:"cpu_features,omitempty"`
 	Machine     string   `json:"machine"`
 	AgentPorts  int      `json:"agent_ports"`
 	CPUs        int      `json:"cpus"`
@@ -138,7 +139,7 @@ func bootKey(in bootKeyInput) string {
 func bootKeyOf(spec Spec, l launch, ver string, ids [4][4]int64, image string) bootKeyInput {
 	return bootKeyInput{Image: image, ImageID: ids[3],
 		QEMU: l.QEMU, QEMUID: ids[0], QEMUVersion: ver, Accel: l.Accel, TBSizeMiB: l.TBSizeMiB,
-		CPUModel: l.CPUModel, Machine: l.Machine, AgentPorts: l.AgentPorts, CPUs: l.CPUs,
+		CPUModel: l.CPUModel, CPUFeatures: l.CPUFeatures, Machine: l.Machine, AgentPorts: l.AgentPorts, CPUs: l.CPUs,
 		MemoryMiB: l.MemoryMiB, RAMFile: spec.Forkable, Kernel: l.Kernel, KernelID: ids[1], Initrd: l.Initrd, InitrdID: ids[2],
 		Append: l.Append, DiskMiB: spec.DiskMiB, Net: l.Net, Vsock: l.VsockCID != 0,
 	}

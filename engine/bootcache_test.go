@@ -67,6 +67,7 @@ func TestBootKey(t *testing.T) {
 		{"vmgenid", other(func(s *Spec) { s.VMGenID = true }), nil, ids, ""},
 		{"kernel args", spec, func(l *launch) { l.Append += " quiet" }, ids, ""},
 		{"cpu model", spec, func(l *launch) { l.CPUModel = "host" }, ids, ""},
+		{"cpu features", spec, func(l *launch) { l.CPUFeatures = nil }, ids, ""},
 		{"tb size", spec, func(l *launch) { l.TBSizeMiB = 32 }, ids, ""},
 		{"vsock", spec, func(l *launch) { l.VsockCID = 7 }, ids, ""},
 		{"kernel path", spec, func(l *launch) { l.Kernel = "/k2" }, ids, ""},

@@ -95,7 +95,8 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 		Version: manifestVersion, Name: name, Source: vmName, Pinned: o.Pin, Implicit: role.implicit, Protects: role.protects,
 		CreatedAt: time.Now().UTC(), QEMUVersion: m.QEMUVersion, Accel: m.Accel, Machine: m.Launch.Machine,
 		AgentPorts: m.Launch.AgentPorts, CPUs: m.Spec.CPUs, MemoryMiB: m.Spec.MemoryMiB, DiskMiB: m.Spec.DiskMiB, Kernel: m.BootKernel,
-		Initrd: m.BootInitrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel, Vsock: m.Launch.VsockCID != 0,
+		Initrd: m.BootInitrd, Append: m.Launch.Append, TBSizeMiB: m.Launch.TBSizeMiB, CPUModel: m.Launch.CPUModel,
+		CPUFeatures: m.Launch.CPUFeatures, Vsock: m.Launch.VsockCID != 0,
 		Net:     m.Launch.Net,
 		RAMPath: w.ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
 	}

@@ -33,6 +33,9 @@ type launch struct {
 	TCGThread TCGThread `json:"tcg_thread,omitempty"`
 	// CPUModel is the -cpu model; empty means "host" under kvm/hvf and "max" under tcg.
 	CPUModel string `json:"cpu_model,omitempty"`
+	// CPUFeatures are the model's properties set otherwise (NAME=off): tcgCPUFeatures
+	// for new VMs on the default TCG model; a checkpoint's own for its forks.
+	CPUFeatures []string `json:"cpu_features,omitempty"`
 	// Machine is the QEMU -machine value (defaultMachine or vmgenidMachine). It must
 	// not contain commas other than option separators; forks reuse the checkpoint's.
 	Machine string `json:"machine"`
@@ -152,6 +155,17 @@ const baseKernelArgs = "console=ttyS0 quiet panic=-1 rdinit=/init"
 const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugepage=never " +
 	"no_timer_check cryptomgr.notests initcall_blacklist=jent_mod_init,crypto_kdf108_init"
 
+// tcgCPUFeatures turn off two features of QEMU's "max" CPU for new VMs under TCG:
+// ERMS and FSRM (fast `rep movsb`/`rep stosb`). With them the guest kernel copies and
+// clears memory with byte-wise string instructions (memcpy, copy to and from user
+// space, clear_page), and its C library does the same for large copies; TCG emulates
+// each byte as its own load or store, so a 4 KiB page is 4,096 emulated stores where
+// the kernel's other routines use 512 or fewer quadword ones. Without them a guest
+// writes tmpfs and starts processes markedly faster, forks included. They describe
+// speed, not function, so no guest code needs them. A user's CPUModel is left as is;
+// checkpoints record the features, and forks start with their checkpoint's.
+var tcgCPUFeatures = []string{"erms=off", "fsrm=off"}
+
 // tcgThreadFor is the TCG thread mode of a fork about to start (Experimental.TCGThread):
 // a forced mode as is; in auto mode single when the vCPUs of the forks on their way to
 // ready, this one included, exceed the host's CPUs, else "" (QEMU's default, multi).
@@ -238,7 +252,7 @@ func (l *launch) qemuLaunch() qemu.Launch {
 	}
 	ql := qemu.Launch{
 		Name: l.Name, Accel: string(l.Accel), TBSizeMiB: l.TBSizeMiB, TCGThread: string(l.TCGThread),
-		CPUModel: l.CPUModel, Machine: machine, AgentPorts: l.AgentPorts,
+		CPUModel: l.CPUModel, CPUFeatures: l.CPUFeatures, Machine: machine, AgentPorts: l.AgentPorts,
 		CPUs: l.CPUs, MemoryMiB: l.MemoryMiB, Kernel: l.Kernel, Initrd: l.Initrd, Append: l.Append,
 		RAM:       qemu.RAM{Path: l.RAM.Path, Shared: l.RAM.Shared, Anonymous: l.RAM.Anonymous},
 		QMPSocket: l.qmpSocket(), AgentSocket: l.agentSocket(), ConsoleSocket: l.consoleSocket(),
@@ -273,6 +287,9 @@ func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *re
 		Kernel: kernel, Initrd: initrd, Append: guestAppend(accel, cfg.KernelArgs), VsockCID: vsockCID,
 		PerfMap: cfg.PerfMap && accel == AccelTCG,
 	}
+	if accel == AccelTCG && cfg.CPUModel == "" {
+		l.CPUFeatures = append([]string(nil), tcgCPUFeatures...)
+	}
 	switch {
 	case spec.Image != "":
 		l.Append += " " + rootDiskArg
@@ -293,7 +310,7 @@ func bootLaunch(paths layout, qemu, name string, spec Spec, accel Accel, cfg *re
 // checkpoint's forks get its NIC but no forwards unless the caller sets Publish).
 func forkLaunch(paths layout, qemu, name string, ck *checkpointManifest) launch {
 	l := launch{
-		QEMU: qemu, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, Machine: ck.Machine,
+		QEMU: qemu, Accel: ck.Accel, TBSizeMiB: ck.TBSizeMiB, CPUModel: ck.CPUModel, CPUFeatures: ck.CPUFeatures, Machine: ck.Machine,
 		AgentPorts: ck.AgentPorts, CPUs: ck.CPUs, MemoryMiB: ck.MemoryMiB,
 		Kernel: ck.Kernel, Initrd: ck.Initrd, Append: ck.Append,
 		RAM:         ramBacking{Path: ck.RAMPath},

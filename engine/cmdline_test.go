@@ -248,3 +248,48 @@ func TestCmdlineInvalidSpec(t *testing.T) {
 		})
 	}
 }
+
+// New TCG VMs on the default model get tcgCPUFeatures; a user's model, and kvm, none.
+// A checkpoint records its VM's features and its forks start with them, whatever the
+// engine's default is now (a checkpoint without any keeps a plain model).
+func TestCPUFeatures(t *testing.T) {
+	paths := layout{state: "/s", run: "/s/run", ram: "/dev/shm/x"}
+	spec := Spec{Name: "w", CPUs: 1, MemoryMiB: 256}
+	for _, tc := range []struct {
+		accel Accel
+		model string
+		want  []string
+		cpu   string
+	}{
+		{AccelTCG, "", tcgCPUFeatures, "max,erms=off,fsrm=off"},
+		{AccelTCG, "Haswell", nil, "Haswell"},
+		{AccelKVM, "", nil, "host"},
+	} {
+		l := bootLaunch(paths, "q", "w", spec, tc.accel, &resolved{Config: Config{CPUModel: tc.model}}, "/k", "/i", 0)
+		if !reflect.DeepEqual(l.CPUFeatures, tc.want) {
+			t.Errorf("%s %q: features %q, want %q", tc.accel, tc.model, l.CPUFeatures, tc.want)
+		}
+		if got := qemutest.FlagValue(t, mustCmdline(t, l), "-cpu"); got != tc.cpu {
+			t.Errorf("%s %q: -cpu %q, want %q", tc.accel, tc.model, got, tc.cpu)
+		}
+	}
+	l := bootLaunch(paths, "q", "w", spec, AccelTCG, &resolved{}, "/k", "/i", 0)
+	l.CPUFeatures[0] = "changed=on"
+	if tcgCPUFeatures[0] != "erms=off" {
+		t.Fatalf("a launch shares the default's slice: %q", tcgCPUFeatures)
+	}
+	ck := &checkpointManifest{Name: "ck", Accel: AccelTCG, Machine: defaultMachine, CPUs: 1, MemoryMiB: 256,
+		Kernel: "/k", RAMPath: "/dev/shm/x/ck.ram", CPUFeatures: []string{"fsrm=off"}}
+	if got := qemutest.FlagValue(t, mustCmdline(t, forkLaunch(paths, "q", "f", ck)), "-cpu"); got != "max,fsrm=off" {
+		t.Errorf("fork of a checkpoint with fsrm=off: -cpu %q", got)
+	}
+	ck.CPUFeatures = nil
+	if got := qemutest.FlagValue(t, mustCmdline(t, forkLaunch(paths, "q", "f", ck)), "-cpu"); got != "max" {
+		t.Errorf("fork of a checkpoint without features: -cpu %q", got)
+	}
+	var back checkpointManifest
+	b, _ := json.Marshal(checkpointManifest{CPUFeatures: tcgCPUFeatures})
+	if err := json.Unmarshal(b, &back); err != nil || !reflect.DeepEqual(back.CPUFeatures, tcgCPUFeatures) {
+		t.Errorf("manifest round trip: %q, %v (%s)", back.CPUFeatures, err, b)
+	}
+}

@@ -51,7 +51,9 @@ type Config struct {
 	// $FORKVM_KERNEL_ARGS. Checkpoints inherit them. Printable ASCII only.
 	KernelArgs string
 	// CPUModel is QEMU's -cpu model for new VMs. Default: $FORKVM_CPU, else "host" under
-	// kvm/hvf and "max" under tcg. Checkpoints record it; forks use the recorded one.
+	// kvm/hvf and "max" under tcg, less the fast byte-wise string copies TCG emulates a
+	// byte at a time (ERMS, FSRM: see tcgCPUFeatures); a model named here is used as
+	// is. Checkpoints record model and features; forks use the recorded ones.
 	CPUModel string
 	// Overcommit is the vCPU budget factor: budget = host CPUs * Overcommit. Default
 	// $FORKVM_OVERCOMMIT, else 8 (the CLI's one setting for the engines it opens).

@@ -122,6 +122,8 @@ type checkpointManifest struct {
 	Append     string `json:"append"`
 	TBSizeMiB  int    `json:"tb_size_mib"`
 	CPUModel   string `json:"cpu_model,omitempty"`
+	// CPUFeatures are the source's Launch.CPUFeatures: forks must match.
+	CPUFeatures []string `json:"cpu_features,omitempty"`
 	// Vsock records a vhost-vsock device in the source: forks must have one too.
 	Vsock bool `json:"vsock,omitempty"`
 	// Net records the source's user-mode network and NIC (Spec.Net): forks must have

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -81,6 +82,22 @@ func TestCheckpointFork(t *testing.T) {
 			}
 			if out := mustRun(t, f, "ls /dev/shm/after /data/after 2>/dev/null; true"); out != "" {
 				t.Fatalf("%s sees the world's writes after the checkpoint: %q", f.Name(), out)
+			}
+		}
+	})
+	t.Run("guest CPU", func(t *testing.T) {
+		// Under TCG the default model is "max" without ERMS and FSRM, in the world and,
+		// from its checkpoint, in every fork: no byte-wise string copies in the guest.
+		if world.Info().Accel != "tcg" || os.Getenv("FORKVM_CPU") != "" {
+			t.Skipf("accel %s, FORKVM_CPU %q: not the default TCG model", world.Info().Accel, os.Getenv("FORKVM_CPU"))
+		}
+		if got := ck.Manifest.CPUFeatures; !slices.Equal(got, []string{"erms=off", "fsrm=off"}) {
+			t.Errorf("checkpoint CPU features %q", got)
+		}
+		for _, vm := range []*engine.VM{world, f1} {
+			flags := " " + mustRun(t, vm, "grep -m1 '^flags' /proc/cpuinfo") + " "
+			if !strings.Contains(flags, " sse2 ") || strings.Contains(flags, " erms ") || strings.Contains(flags, " fsrm ") {
+				t.Errorf("%s: guest CPU flags %q: want sse2, no erms or fsrm", vm.Name(), flags)
 			}
 		}
 	})

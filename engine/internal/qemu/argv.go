@@ -31,6 +31,10 @@ type Launch struct {
 	TCGThread string
 	// CPUModel is the -cpu model; empty means "host" under kvm/hvf and "max" under tcg.
 	CPUModel string
+	// CPUFeatures are the model's CPU properties set otherwise, each NAME=on or
+	// NAME=off (lower-case letters, digits, '-', '_' and '.' in NAME), appended to
+	// -cpu in order.
+	CPUFeatures []string
 	// Machine is the -machine value, required. It must not contain commas other than
 	// option separators.
 	Machine string
@@ -222,6 +226,11 @@ func (l *Launch) validate() error {
 	if strings.ContainsAny(l.CPUModel, ", \x00") {
 		return invalid("cpu model %q", l.CPUModel)
 	}
+	for _, f := range l.CPUFeatures {
+		if !validCPUFeature(f) {
+			return invalid("cpu feature %q (want NAME=on or NAME=off)", f)
+		}
+	}
 	if l.AgentPorts < 0 || l.AgentPorts == 1 || l.AgentPorts > 31 {
 		// Port 0 is reserved for a console; QEMU caps a bus at 31 ports.
 		return invalid("agent ports %d (want 0 or 2..31)", l.AgentPorts)
@@ -256,7 +265,25 @@ func (l *Launch) accelCPU() (accel, cpu string) {
 	if l.CPUModel != "" {
 		cpu = l.CPUModel
 	}
+	for _, f := range l.CPUFeatures {
+		cpu += "," + f
+	}
 	return accel, cpu
+}
+
+// validCPUFeature says whether f is NAME=on or NAME=off with a NAME that QEMU's option
+// syntax takes as is.
+func validCPUFeature(f string) bool {
+	name, val, ok := strings.Cut(f, "=")
+	if !ok || name == "" || val != "on" && val != "off" {
+		return false
+	}
+	for _, c := range name {
+		if !('a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '-' || c == '_' || c == '.') {
+			return false
+		}
+	}
+	return true
 }
 
 // memoryBackend is a memory backend -object (QAPI ObjectOptions), in JSON so that no

@@ -510,6 +510,32 @@ func TestArgvCPUModel(t *testing.T) {
 	}
 }
 
+func TestArgvCPUFeatures(t *testing.T) {
+	for _, tc := range []struct {
+		accel, model string
+		features     []string
+		want         string
+	}{
+		{"tcg", "", []string{"erms=off", "fsrm=off"}, "max,erms=off,fsrm=off"},
+		{"tcg", "Haswell", []string{"erms=off"}, "Haswell,erms=off"},
+		{"kvm", "", []string{"x-vendor.a_1=on"}, "host,x-vendor.a_1=on"},
+		{"tcg", "", nil, "max"},
+	} {
+		l := baseLaunch()
+		l.Accel, l.CPUModel, l.CPUFeatures = tc.accel, tc.model, tc.features
+		if got := qemutest.FlagValue(t, mustArgv(t, l), "-cpu"); got != tc.want {
+			t.Errorf("%s %q %q: -cpu = %q, want %q", tc.accel, tc.model, tc.features, got, tc.want)
+		}
+	}
+	for _, bad := range []string{"erms", "erms=", "=off", "erms=no", "ERMS=off", "a,b=off", "a=off,b=on", "a b=on", "a=on\x00", "+erms", "erms=off "} {
+		l := baseLaunch()
+		l.CPUFeatures = []string{"fsrm=off", bad}
+		if argv, err := l.Argv(); !errors.Is(err, ErrInvalidLaunch) {
+			t.Errorf("CPUFeatures %q: %q, %v; want ErrInvalidLaunch", bad, argv, err)
+		}
+	}
+}
+
 func TestArgvTCGThread(t *testing.T) {
 	for _, tc := range []struct {
 		accel, thread string
