@@ -152,8 +152,16 @@ const baseKernelArgs = "console=ttyS0 quiet panic=-1 rdinit=/init"
 // + timer doesn't work!"). Under TCG the ticks come from QEMU's main loop thread and the
 // TSC from the host clock, so a host busy enough to hold that thread off for the delay
 // failed a sound guest's boot.
+//
+// sysctl.vm.compaction_proactiveness=0 stops proactive compaction: by default kcompactd
+// wakes twice a second on every guest to score memory fragmentation for huge pages that
+// a TCG guest does not use (no THP, above). An idle guest's wakeups are its QEMU's CPU
+// under TCG (each one runs the guest's timer and scheduler code emulated), and a host
+// keeps thousands of idle forks. Compaction on demand (kswapd, a failed high-order
+// allocation) is unchanged.
 const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugepage=never " +
-	"no_timer_check cryptomgr.notests initcall_blacklist=jent_mod_init,crypto_kdf108_init"
+	"no_timer_check cryptomgr.notests initcall_blacklist=jent_mod_init,crypto_kdf108_init " +
+	"sysctl.vm.compaction_proactiveness=0"
 
 // tcgCPUFeatures turn off two features of QEMU's "max" CPU for new VMs under TCG:
 // ERMS and FSRM (fast `rep movsb`/`rep stosb`). With them the guest kernel copies and

@@ -85,9 +85,10 @@ func TestCheckpointFork(t *testing.T) {
 			}
 		}
 	})
-	t.Run("guest CPU", func(t *testing.T) {
+	t.Run("TCG guest", func(t *testing.T) {
 		// Under TCG the default model is "max" without ERMS and FSRM, in the world and,
-		// from its checkpoint, in every fork: no byte-wise string copies in the guest.
+		// from its checkpoint, in every fork: no byte-wise string copies in the guest;
+		// and no proactive compaction waking an idle guest.
 		if world.Info().Accel != "tcg" || os.Getenv("FORKVM_CPU") != "" {
 			t.Skipf("accel %s, FORKVM_CPU %q: not the default TCG model", world.Info().Accel, os.Getenv("FORKVM_CPU"))
 		}
@@ -98,6 +99,9 @@ func TestCheckpointFork(t *testing.T) {
 			flags := " " + mustRun(t, vm, "grep -m1 '^flags' /proc/cpuinfo") + " "
 			if !strings.Contains(flags, " sse2 ") || strings.Contains(flags, " erms ") || strings.Contains(flags, " fsrm ") {
 				t.Errorf("%s: guest CPU flags %q: want sse2, no erms or fsrm", vm.Name(), flags)
+			}
+			if got := mustRun(t, vm, "cat /proc/sys/vm/compaction_proactiveness"); got != "0" {
+				t.Errorf("%s: vm.compaction_proactiveness %q, want 0", vm.Name(), got)
 			}
 		}
 	})
