@@ -169,9 +169,10 @@ const tcgKernelArgs = "mitigations=off tsc=reliable nowatchdog transparent_hugep
 // space, clear_page), and its C library does the same for large copies; TCG emulates
 // each byte as its own load or store, so a 4 KiB page is 4,096 emulated stores where
 // the kernel's other routines use 512 or fewer quadword ones. Without them a guest
-// writes tmpfs and starts processes markedly faster, forks included. They describe
-// speed, not function, so no guest code needs them. A user's CPUModel is left as is;
-// checkpoints record the features, and forks start with their checkpoint's.
+// writes files and copies data to and from its processes markedly faster (a fork's way
+// to ready is translation, and stays as it was). They describe speed, not function, so
+// no guest code needs them. A user's CPUModel is left as is; checkpoints record the
+// features, and forks start with their checkpoint's.
 var tcgCPUFeatures = []string{"erms=off", "fsrm=off"}
 
 // tcgThreadFor is the TCG thread mode of a fork about to start (Experimental.TCGThread):
