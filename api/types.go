@@ -63,7 +63,10 @@ type Info struct {
 	Parent    string `json:"parent,omitempty"`
 	Accel     Accel  `json:"accel"`
 	// TCGThread is the fork's TCG thread mode (single or multi; empty: QEMU's default).
-	TCGThread TCGThread    `json:"tcg_thread,omitempty"`
+	TCGThread TCGThread `json:"tcg_thread,omitempty"`
+	// CPU is the guest's CPU as QEMU was given it (-cpu): the model and the features
+	// set otherwise, e.g. "max,erms=off,fsrm=off" under TCG (engine Config.CPUModel).
+	CPU       string       `json:"cpu,omitempty"`
 	CreatedAt time.Time    `json:"created_at"`
 	Timings   PhaseTimings `json:"timings"`
 	// Spans are the same phases with their absolute start and end (a ready VM's; empty

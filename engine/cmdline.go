@@ -278,6 +278,12 @@ func (l *launch) qemuLaunch() qemu.Launch {
 	return ql
 }
 
+// cpu is the -cpu value of l (qemu.Launch.CPU).
+func (l *launch) cpu() string {
+	ql := l.qemuLaunch()
+	return ql.CPU()
+}
+
 // The QEMU launches the engine makes. cmdline turns one into argv; these build the data.
 
 // rootDiskArg tells the guest's init to switch into the root file system on the first

@@ -269,8 +269,8 @@ func TestCPUFeatures(t *testing.T) {
 		if !reflect.DeepEqual(l.CPUFeatures, tc.want) {
 			t.Errorf("%s %q: features %q, want %q", tc.accel, tc.model, l.CPUFeatures, tc.want)
 		}
-		if got := qemutest.FlagValue(t, mustCmdline(t, l), "-cpu"); got != tc.cpu {
-			t.Errorf("%s %q: -cpu %q, want %q", tc.accel, tc.model, got, tc.cpu)
+		if got := qemutest.FlagValue(t, mustCmdline(t, l), "-cpu"); got != tc.cpu || l.cpu() != tc.cpu {
+			t.Errorf("%s %q: -cpu %q (Info's %q), want %q", tc.accel, tc.model, got, l.cpu(), tc.cpu)
 		}
 	}
 	l := bootLaunch(paths, "q", "w", spec, AccelTCG, &resolved{}, "/k", "/i", 0)

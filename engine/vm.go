@@ -121,6 +121,7 @@ func (vm *VM) Info() Info {
 	return Info{Reason: reason,
 		Name: id.Name, State: st, PID: m.PID, CPUs: id.Spec.CPUs, MemoryMiB: id.Spec.MemoryMiB,
 		DiskMiB: id.Spec.DiskMiB, Forkable: id.Spec.Forkable, Parent: m.Parent, Accel: id.Accel, TCGThread: m.Launch.TCGThread,
+		CPU:       m.Launch.cpu(),
 		CreatedAt: id.CreatedAt, Timings: m.Timings, Spans: append([]Span(nil), m.Spans...), RunDir: m.Launch.RunDir,
 		Net: m.Launch.Net, Publish: append([]PortForward(nil), m.Launch.Publish...),
 		Parked: parked, NoPark: m.NoPark, BootCached: m.BootCached, Protection: m.Protection,

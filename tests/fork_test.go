@@ -96,6 +96,9 @@ func TestCheckpointFork(t *testing.T) {
 			t.Errorf("checkpoint CPU features %q", got)
 		}
 		for _, vm := range []*engine.VM{world, f1} {
+			if got := vm.Info().CPU; got != "max,erms=off,fsrm=off" {
+				t.Errorf("%s: Info().CPU %q", vm.Name(), got)
+			}
 			flags := " " + mustRun(t, vm, "grep -m1 '^flags' /proc/cpuinfo") + " "
 			if !strings.Contains(flags, " sse2 ") || strings.Contains(flags, " erms ") || strings.Contains(flags, " fsrm ") {
 				t.Errorf("%s: guest CPU flags %q: want sse2, no erms or fsrm", vm.Name(), flags)

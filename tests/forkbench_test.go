@@ -45,6 +45,7 @@ type forkbenchResult struct {
 		Settings      map[string]any `json:"settings"`
 		LoadAvgBefore string         `json:"load_avg_before"`
 		OtherVMs      *int           `json:"other_vms"`
+		GuestCPU      string         `json:"guest_cpu"`
 	} `json:"environment"`
 	Method   string   `json:"method"`
 	Caveats  []string `json:"caveats"`
@@ -124,7 +125,8 @@ func checkCommon(t *testing.T, r *forkbenchResult, bench string, shape map[strin
 			t.Errorf("shape.%s = %d, want %d", k, r.Environment.Shape[k], v)
 		}
 	}
-	if r.Environment.Settings == nil || r.Environment.LoadAvgBefore == "" || r.Environment.OtherVMs == nil {
+	if r.Environment.Settings == nil || r.Environment.LoadAvgBefore == "" || r.Environment.OtherVMs == nil ||
+		(r.Host.Accel == "tcg") != strings.HasPrefix(r.Environment.GuestCPU, "max") {
 		t.Errorf("environment = %+v", r.Environment)
 	}
 	if r.Method == "" || r.Caveats == nil || r.Failures == nil || r.Extra == nil {

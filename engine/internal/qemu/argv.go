@@ -247,6 +247,12 @@ func (l *Launch) validate() error {
 	return nil
 }
 
+// CPU is the -cpu value Argv gives: the model and its features.
+func (l *Launch) CPU() string {
+	_, cpu := l.accelCPU()
+	return cpu
+}
+
 // accelCPU is the -accel and -cpu values: a model that matches the host under kvm/hvf,
 // QEMU's richest emulated one under tcg, unless CPUModel names one.
 func (l *Launch) accelCPU() (accel, cpu string) {

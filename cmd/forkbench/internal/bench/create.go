@@ -29,6 +29,7 @@ func coldCreate(r *Env, name string, index int) (*engine.VM, report.Sample) {
 		s.LatencyMS, s.Error = report.Ms(time.Since(t0)), err.Error()
 		return nil, s
 	}
+	noteGuestCPU(r, vm)
 	ready := time.Now()
 	d, err := firstCmd(r.ctx, vm)
 	s.LatencyMS, s.FirstCmdMS = report.Ms(time.Since(t0)), report.Ms(d)

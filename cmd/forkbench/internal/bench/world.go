@@ -110,6 +110,13 @@ func parseMD5(out string) map[string]string {
 	return m
 }
 
+// noteGuestCPU records the CPU of the run's first booted VM (environment.guest_cpu).
+func noteGuestCPU(r *Env, vm *engine.VM) {
+	if r.res.Environment.GuestCPU == "" {
+		r.res.Environment.GuestCPU = vm.Info().CPU
+	}
+}
+
 // bakeWorld boots the world, dirties it and (when ckName != "") takes a pinned checkpoint.
 func bakeWorld(r *Env, name, ckName string) (*World, error) {
 	ctx := r.ctx
@@ -121,6 +128,7 @@ func bakeWorld(r *Env, name, ckName string) (*World, error) {
 	}
 	w.VM = vm
 	w.BootMS = report.Ms(time.Since(t0))
+	noteGuestCPU(r, vm)
 	t1 := time.Now()
 	out, err := shell(ctx, vm, dirtyScript(r), 10*time.Minute)
 	if err != nil {

@@ -99,7 +99,10 @@ type Environment struct {
 	Shape         Shape    `json:"shape"`
 	Settings      Settings `json:"settings"`
 	LoadAvgBefore string   `json:"load_avg_before"`
-	OtherVMs      int      `json:"other_vms"`
+	// GuestCPU is the first world's CPU as its QEMU was given it (engine Info.CPU):
+	// the model and the features set otherwise.
+	GuestCPU string `json:"guest_cpu,omitempty"`
+	OtherVMs int    `json:"other_vms"`
 	// OtherVMsDetail sorts OtherVMs: forkvm VMs per other state directory, and the rest.
 	OtherVMsDetail *OtherVMs `json:"other_vms_detail,omitempty"`
 }
