@@ -103,8 +103,8 @@ func TestCheckpointFork(t *testing.T) {
 			if !strings.Contains(flags, " sse2 ") || strings.Contains(flags, " erms ") || strings.Contains(flags, " fsrm ") {
 				t.Errorf("%s: guest CPU flags %q: want sse2, no erms or fsrm", vm.Name(), flags)
 			}
-			if got := mustRun(t, vm, "cat /proc/sys/vm/compaction_proactiveness"); got != "0" {
-				t.Errorf("%s: vm.compaction_proactiveness %q, want 0", vm.Name(), got)
+			if got := mustRun(t, vm, "cat /proc/sys/vm/compaction_proactiveness /proc/sys/vm/stat_interval"); got != "0\n10" {
+				t.Errorf("%s: vm.compaction_proactiveness, vm.stat_interval %q, want 0, 10", vm.Name(), got)
 			}
 		}
 	})
