@@ -99,8 +99,8 @@ type Environment struct {
 	Shape         Shape    `json:"shape"`
 	Settings      Settings `json:"settings"`
 	LoadAvgBefore string   `json:"load_avg_before"`
-	// GuestCPU is the first world's CPU as its QEMU was given it (engine Info.CPU):
-	// the model and the features set otherwise.
+	// GuestCPU is the CPU of the run's first booted VM (its world, or a cold create) as
+	// its QEMU was given it (engine Info.CPU): the model and the features set otherwise.
 	GuestCPU string `json:"guest_cpu,omitempty"`
 	OtherVMs int    `json:"other_vms"`
 	// OtherVMsDetail sorts OtherVMs: forkvm VMs per other state directory, and the rest.
