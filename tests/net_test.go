@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -18,9 +20,25 @@ import (
 	"github.com/forkvm/forkvm/engine"
 )
 
-// freePort returns a host port that was free a moment ago on 127.0.0.1.
+// freePort returns a host port that was free a moment ago on 127.0.0.1, below the
+// kernel's ephemeral range (net.ipv4.ip_local_port_range). A port of that range, as a
+// bind to port 0 gives, can go to any outgoing connection on the host while nothing
+// listens on it, and a published port is let go of for a while on purpose: a parked
+// VM's between its QEMU's end and the daemon's listener, and at its wake between that
+// listener and the new QEMU (a wake then fails with ErrPortInUse).
 func freePort(t *testing.T) int {
 	t.Helper()
+	lo := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		fmt.Sscan(string(b), &lo)
+	}
+	if first := max(lo-12000, 1024); first < lo {
+		for range 500 {
+			if p := first + rand.IntN(lo-first); portFree(p) {
+				return p
+			}
+		}
+	}
 	ln, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -392,11 +392,11 @@ func TestParkDaemonIdle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	io.Copy(io.Discard, resp.Body)
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 	resp.Body.Close()
 	woke := resp.Header.Get(api.WokeHeader)
 	if resp.StatusCode != http.StatusOK || woke == "" {
-		t.Fatalf("exec on a parked vm: %s, %s %q", resp.Status, api.WokeHeader, woke)
+		t.Fatalf("exec on a parked vm: %s, %s %q: %s", resp.Status, api.WokeHeader, woke, body)
 	}
 	t.Logf("exec woke i1 in %s", woke)
 	var out bytes.Buffer
