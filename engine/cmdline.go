@@ -280,9 +280,10 @@ func (l *launch) qemuLaunch() qemu.Launch {
 	return ql
 }
 
-// cpu is the -cpu value of l (qemu.Launch.CPU).
+// cpu is the -cpu value of l (qemu.Launch.CPU), without rendering the rest of its
+// launch: VM.Info, which a daemon's parker calls for every VM each round, reads it.
 func (l *launch) cpu() string {
-	ql := l.qemuLaunch()
+	ql := qemu.Launch{Accel: string(l.Accel), CPUModel: l.CPUModel, CPUFeatures: l.CPUFeatures}
 	return ql.CPU()
 }
 

@@ -247,20 +247,30 @@ func (l *Launch) validate() error {
 	return nil
 }
 
-// CPU is the -cpu value Argv gives: the model and its features.
+// CPU is the -cpu value Argv gives: a model that matches the host under kvm/hvf,
+// QEMU's richest emulated one under tcg, unless CPUModel names one; then CPUFeatures.
+// It reads only Accel, CPUModel and CPUFeatures.
 func (l *Launch) CPU() string {
-	_, cpu := l.accelCPU()
+	cpu := "max"
+	switch {
+	case l.CPUModel != "":
+		cpu = l.CPUModel
+	case l.Accel == "kvm" || l.Accel == "hvf":
+		cpu = "host"
+	}
+	for _, f := range l.CPUFeatures {
+		cpu += "," + f
+	}
 	return cpu
 }
 
-// accelCPU is the -accel and -cpu values: a model that matches the host under kvm/hvf,
-// QEMU's richest emulated one under tcg, unless CPUModel names one.
+// accelCPU is the -accel and -cpu values.
 func (l *Launch) accelCPU() (accel, cpu string) {
 	switch l.Accel {
 	case "kvm", "hvf":
-		accel, cpu = l.Accel, "host"
+		accel = l.Accel
 	default:
-		accel, cpu = "tcg", "max"
+		accel = "tcg"
 		if l.TBSizeMiB > 0 {
 			accel += ",tb-size=" + strconv.Itoa(l.TBSizeMiB)
 		}
@@ -268,13 +278,7 @@ func (l *Launch) accelCPU() (accel, cpu string) {
 			accel += ",thread=" + l.TCGThread
 		}
 	}
-	if l.CPUModel != "" {
-		cpu = l.CPUModel
-	}
-	for _, f := range l.CPUFeatures {
-		cpu += "," + f
-	}
-	return accel, cpu
+	return accel, l.CPU()
 }
 
 // validCPUFeature says whether f is NAME=on or NAME=off with a NAME that QEMU's option
