@@ -11,8 +11,9 @@ const StateParked State = "parked"
 
 var (
 	// ErrParked reports an operation that needs the VM's QEMU (exec, cp, logs follow,
-	// a checkpoint, a fork of it) on a parked VM: wake it first (`forkvm wake`), or
-	// ask a daemon, which wakes it by itself for exec, cp and logs.
+	// protection) on a parked VM: wake it first (`forkvm wake`), or ask a daemon, which
+	// wakes it by itself for exec, cp and logs. Checkpoints and forks of a parked VM
+	// need none: they are made from its park image.
 	ErrParked = errors.New("vm is parked")
 	// ErrDiskBudget reports a park refused because the state directory's disk cannot
 	// hold the parked image (its free space less the engine's reserve, or the parked

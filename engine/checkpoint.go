@@ -65,11 +65,24 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	if err != nil {
 		return nil, err
 	}
-	if err := vm.errIfParked(); err != nil {
-		return nil, err
+	parked := false
+	if vm.parked() != nil {
+		// Made from its park image (checkpointParked), which must stay as it is: no
+		// wake, park or delete until the checkpoint is committed.
+		vm.life.Lock()
+		if parked = vm.parked() != nil; parked {
+			defer vm.life.Unlock()
+		} else {
+			vm.life.Unlock()
+		}
 	}
-	if !vm.alive() {
-		return nil, fmt.Errorf("%w: %s", ErrNotRunning, vmName)
+	if !parked {
+		if err := vm.errIfParked(); err != nil {
+			return nil, err
+		}
+		if !vm.alive() {
+			return nil, fmt.Errorf("%w: %s", ErrNotRunning, vmName)
+		}
 	}
 	m := vm.manifest()
 	if m.Launch.RAM.Path == "" {
@@ -99,6 +112,13 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 		CPUFeatures: m.Launch.CPUFeatures, Vsock: m.Launch.VsockCID != 0,
 		Net:     m.Launch.Net,
 		RAMPath: w.ramFinal, RAMSize: int64(m.Spec.MemoryMiB) << 20,
+	}
+	if parked {
+		if err := e.checkpointParked(ctx, vm, w); err != nil {
+			return nil, err
+		}
+		e.log.Info("checkpoint", "checkpoint", name, "vm", vmName, "total", w.ck.Timings.Total, "parked", true)
+		return w.checkpoint(), nil
 	}
 	kind := e.checkpointKind(m, o)
 	if d, ok := kind.(*deltaCheckpoint); ok {

@@ -89,7 +89,6 @@ type deltaCheckpoint struct {
 }
 
 func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) error {
-	ck := w.ck
 	name, m := vm.Name(), vm.snapshot()
 	parentName := m.Parent
 	d.ramMapped, d.baseLayers = m.Launch.RAM.Path, m.RAMBaseLayers
@@ -100,41 +99,51 @@ func (d *deltaCheckpoint) prepare(ctx context.Context, vm *VM, w *ckWriter) erro
 	if err != nil {
 		return fmt.Errorf("engine: checkpoint %s: parent: %w", name, err)
 	}
-	pm := &parent.Manifest
-	d.parent = pm
-	if pm.RAMSize != ck.RAMSize {
-		return fmt.Errorf("%w: %s: parent %s has %d bytes of RAM, the fork %d", ErrCheckpointCorrupt, name, pm.Name, pm.RAMSize, ck.RAMSize)
+	d.parent = &parent.Manifest
+	// The lineage: linked before the guest pauses.
+	if d.ancestors, d.ownName, err = linkLineage(d.e.paths, w, parent, name); err != nil {
+		return err
 	}
-	ck.Kind, ck.Root = checkpointKindDelta, pm.Name
-	if pm.Kind == checkpointKindDelta {
-		ck.Root = pm.Root
-	}
-	// The lineage: this checkpoint's own links to the root file and to every ancestor
-	// layer, made before the guest pauses.
-	if err := os.Link(pm.RAMPath, w.ramTmp); err != nil {
-		return fmt.Errorf("engine: checkpoint %s: link root ram: %w", name, err)
-	}
-	w.layersFinal = d.e.paths.checkpointLayers(ck.Name)
-	w.layersTmp = w.layersFinal + ".tmp-" + randHex(4)
-	if err := os.Mkdir(w.layersTmp, 0o700); err != nil {
-		return fmt.Errorf("engine: checkpoint %s: layers: %w", name, err)
-	}
-	w.holesFrom = filepath.Join(parent.Dir, ramHolesFile)
-	for i, l := range pm.Layers {
-		file := layerFile(i, l.Checkpoint)
-		if err := os.Link(l.Path, filepath.Join(w.layersTmp, file)); err != nil {
-			return fmt.Errorf("engine: checkpoint %s: link layer of %s: %w", name, l.Checkpoint, err)
-		}
-		d.ancestors = append(d.ancestors, l.Path)
-		l.Path = filepath.Join(w.layersFinal, file)
-		ck.Layers = append(ck.Layers, l)
-	}
-	d.ownName = layerFile(len(pm.Layers), ck.Name)
 	d.prepareCapture(m)
 	if d.early != nil {
 		d.early(w, m)
 	}
 	return nil
+}
+
+// linkLineage makes w's checkpoint, of the fork vmName of parent, a delta over
+// parent's lineage: its kind and root, its own hard links to the lineage's root RAM
+// file and to every ancestor's layer (in its layer directory, being written), and the
+// root file's hole list to copy. It returns the ancestors' layer files and the file
+// name of the checkpoint's own layer in that directory.
+func linkLineage(paths layout, w *ckWriter, parent *Checkpoint, vmName string) (ancestors []string, own string, err error) {
+	ck, pm := w.ck, &parent.Manifest
+	if pm.RAMSize != ck.RAMSize {
+		return nil, "", fmt.Errorf("%w: %s: parent %s has %d bytes of RAM, the fork %d", ErrCheckpointCorrupt, vmName, pm.Name, pm.RAMSize, ck.RAMSize)
+	}
+	ck.Kind, ck.Root = checkpointKindDelta, pm.Name
+	if pm.Kind == checkpointKindDelta {
+		ck.Root = pm.Root
+	}
+	if err := os.Link(pm.RAMPath, w.ramTmp); err != nil {
+		return nil, "", fmt.Errorf("engine: checkpoint %s: link root ram: %w", vmName, err)
+	}
+	w.layersFinal = paths.checkpointLayers(ck.Name)
+	w.layersTmp = w.layersFinal + ".tmp-" + randHex(4)
+	if err := os.Mkdir(w.layersTmp, 0o700); err != nil {
+		return nil, "", fmt.Errorf("engine: checkpoint %s: layers: %w", vmName, err)
+	}
+	w.holesFrom = filepath.Join(parent.Dir, ramHolesFile)
+	for i, l := range pm.Layers {
+		file := layerFile(i, l.Checkpoint)
+		if err := os.Link(l.Path, filepath.Join(w.layersTmp, file)); err != nil {
+			return nil, "", fmt.Errorf("engine: checkpoint %s: link layer of %s: %w", vmName, l.Checkpoint, err)
+		}
+		ancestors = append(ancestors, l.Path)
+		l.Path = filepath.Join(w.layersFinal, file)
+		ck.Layers = append(ck.Layers, l)
+	}
+	return ancestors, layerFile(len(pm.Layers), ck.Name), nil
 }
 
 // save stops the guest and saves its device state; the pages are copied meanwhile

@@ -110,6 +110,9 @@ type parkState struct {
 	// was committed: a record without digests is trusted only in that boot, whose page
 	// cache holds the image's files whole.
 	BootID string `json:"boot_id,omitempty"`
+	// DiskTop is the overlay a checkpoint of the parked VM put on its disk chain
+	// (checkpointParked), as it was made: a later one reuses it while it is unchanged.
+	DiskTop *parkDiskTop `json:"disk_top,omitempty"`
 }
 
 // bytes is the image's data on disk.
@@ -171,6 +174,11 @@ func (e *Engine) Park(ctx context.Context, name string) (*api.ParkResult, error)
 	}
 	e.marker(name, ParkStageKill)
 	vm.kill()
+	// No process: Info and a daemon's listing say so, as an engine that loads the
+	// parked VM does (its recorded PID is the dead QEMU's).
+	if err := vm.update(func(s *vmState) { s.PID, s.StartTime = 0, 0 }); err != nil {
+		e.log.Warn("park: manifest", "vm", name, "err", err)
+	}
 	removePerfMap(&m)
 	clk.lap("kill")
 	res.Bytes, res.Paused, res.Total, res.FreedBytes = ps.bytes(), paused, time.Since(start), freed

@@ -240,7 +240,7 @@ func (p *forkPlan) releaseHeld() {
 // (planFork); the host addresses to publish must be free; the forks of a running VM are
 // admitted (admitSource: the wave's first admissible part is reserved, forks past it
 // are admitted, or refused, as they start); only then is the source resolved, taking
-// the implicit checkpoint of a running VM; a checkpoint without a network refuses
+// the implicit checkpoint of a running VM (of a parked one: from its park image); a checkpoint without a network refuses
 // forwards. A plan of which not one fork was admitted has refused set and no
 // checkpoint: nothing was taken for it. On an error nothing is held and an implicit
 // checkpoint taken for the plan is collected again.
@@ -252,12 +252,6 @@ func (e *Engine) plan(ctx context.Context, src string, n int, o ManyOptions) (*f
 	// Before an implicit checkpoint is made for nothing (forkOne checks again).
 	if err := checkPortsFree(p.allPublish()); err != nil {
 		return nil, err
-	}
-	if vm, err := e.vms.get(src); err == nil && !e.cks.exists(src) {
-		// Said before admission: a parked VM is not refused for the host's budget.
-		if err := vm.errIfParked(); err != nil {
-			return nil, err
-		}
 	}
 	if p.held, err = e.admitSource(src, n, p.overcommit); err != nil {
 		p.held, p.refused = nil, err

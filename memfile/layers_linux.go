@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"cmp"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -651,4 +652,12 @@ func ApplyLayers(path string, size int64, layers []string) (int64, error) {
 		}
 	}
 	return total, nil
+}
+
+// CopyLayer copies the layer src into a new file dst with the same data extents: unlike
+// Freeze it writes a layer's all-zero pages, which the layer holds (a page the guest
+// zeroed over a lineage's content), where a hole would let the content under the layer
+// show through. dst appears complete or not at all; it must not exist (ErrExists).
+func CopyLayer(ctx context.Context, src, dst string) (*FreezeStats, error) {
+	return freeze(ctx, src, dst, methodMmap)
 }

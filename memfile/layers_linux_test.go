@@ -2,6 +2,8 @@ package memfile
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -199,6 +201,49 @@ func TestApplyLayers(t *testing.T) {
 	}
 	if _, err := ApplyLayers(flat, size*2, []string{l0}); err == nil {
 		t.Error("a layer applied to a file of another size")
+	}
+}
+
+// TestCopyLayer: a copied layer holds the same pages as its source, its zero pages
+// included (a zero page in a layer hides the lineage's page under it: Freeze, which
+// leaves zero pages out, would let it show), with the same digest; it does not replace
+// an existing file.
+func TestCopyLayer(t *testing.T) {
+	dir := t.TempDir()
+	const size = 16 * PageSize
+	root, src, dst := filepath.Join(dir, "root"), filepath.Join(dir, "layer"), filepath.Join(dir, "copy")
+	writePages(t, root, size, map[int64]byte{3: 'r', 9: 'r'})
+	writePages(t, src, size, map[int64]byte{1: 'a', 3: 0, 12: 'b'})
+	if _, err := CopyLayer(context.Background(), src, dst); err != nil {
+		t.Fatal(err)
+	}
+	wantSum, wantN, err := LayerDigest(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum, n, err := LayerDigest(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum != wantSum || n != wantN || n != 3*PageSize {
+		t.Errorf("copy holds %d bytes (digest %s), source %d (%s), want %d", n, sum, wantN, wantSum, 3*PageSize)
+	}
+	flat := filepath.Join(dir, "flat")
+	writePages(t, flat, size, map[int64]byte{3: 'r', 9: 'r'})
+	if _, err := ApplyLayers(flat, size, []string{dst}); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(flat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range map[int64]byte{1: 'a', 3: 0, 9: 'r', 12: 'b'} {
+		if got := b[p*PageSize]; got != want {
+			t.Errorf("page %d over the copy holds %q, want %q", p, got, want)
+		}
+	}
+	if _, err := CopyLayer(context.Background(), src, dst); !errors.Is(err, ErrExists) {
+		t.Errorf("copy over an existing file: %v, want ErrExists", err)
 	}
 }
 

@@ -2,6 +2,8 @@
 
 package memfile
 
+import "context"
+
 // FindMapping is not implemented outside Linux (ErrUnsupported).
 func FindMapping(pid int, path string, size int64) (uint64, error) { return 0, ErrUnsupported }
 
@@ -51,3 +53,8 @@ func (*Capture) WriteDelta(base, out string) (*ExtractStats, error) { return nil
 
 // Release does nothing outside Linux.
 func (*Capture) Release() {}
+
+// CopyLayer is not implemented outside Linux (ErrUnsupported): no layer is made there.
+func CopyLayer(ctx context.Context, src, dst string) (*FreezeStats, error) {
+	return nil, ErrUnsupported
+}

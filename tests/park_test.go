@@ -3,6 +3,7 @@ package tests
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -10,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -58,7 +60,7 @@ func probeIdentity(t *testing.T, vm *engine.VM, pid string, port int) parkIdenti
 // TestParkWakeIdentity: a fork parked and woken is itself again: same token, hostname,
 // a background process with its PID and its memory, a published port serving; while
 // parked it holds no QEMU, its image is on disk (not in RAMDir) and listed in Info,
-// exec and checkpoints say it is parked, and it can be parked and woken again. A world
+// exec says it is parked, and it can be parked and woken again. A world
 // parks through a handoff and wakes the same way.
 func TestParkWakeIdentity(t *testing.T) {
 	env := newRobustEnv(t, parallelVMTest(t))
@@ -105,10 +107,6 @@ func TestParkWakeIdentity(t *testing.T) {
 			t.Errorf("parking a parked vm: %+v, %v", again, err)
 		}
 		_, _, err = runErr(f, "true")
-		wantErr(t, err, engine.ErrParked)
-		_, err = e.Checkpoint(ctx, "pf", "pfck", nil)
-		wantErr(t, err, engine.ErrParked)
-		_, err = e.Fork(ctx, "pf", nil)
 		wantErr(t, err, engine.ErrParked)
 		if portFree(pf) != true {
 			t.Errorf("published port %d still bound while parked", pf)
@@ -571,6 +569,164 @@ func TestParkWakeThenCheckpoint(t *testing.T) {
 	}
 	if got := mustRun(t, g, "cat /dev/shm/m /data/d"); got != "before\nafter\nbefore\nafter" {
 		t.Errorf("fork of the woken fork's checkpoint holds %q", got)
+	}
+	deleteAll(t, env)
+}
+
+// TestParkedCheckpointFork: a parked fork is checkpointed and forked from its park
+// image, without waking: no QEMU starts, it stays parked with its image as it was, and
+// the checkpoint's forks hold its memory and its disk as parked. A second checkpoint
+// while it is still parked adds no disk layer; after a wake the VM and those forks go
+// their own ways (its disk writes reach none of them), and a checkpoint of its next park
+// holds what it wrote. A damaged park image is refused (ErrCheckpointCorrupt): no
+// checkpoint, nothing removed, the VM still parked.
+func TestParkedCheckpointFork(t *testing.T) {
+	env := newRobustEnv(t, parallelVMTest(t))
+	e := env.E
+	ctx := ctxT(t, 6*time.Minute)
+	makePinnedWorld(t, e, 256, 16)
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, f, "echo before > /dev/shm/m && echo before > /data/d && sync")
+	if _, err := e.Park(ctx, "f"); err != nil {
+		t.Fatalf("park: %v", err)
+	}
+	image := filepath.Join(env.Home, "vms", "f", "park")
+	record, err := os.ReadFile(filepath.Join(image, "park.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	chain := func() int {
+		t.Helper()
+		var m struct {
+			Launch struct {
+				Disk []json.RawMessage `json:"disk"`
+			} `json:"launch"`
+		}
+		b, err := os.ReadFile(filepath.Join(env.Home, "vms", "f", "manifest.json"))
+		if err == nil {
+			err = json.Unmarshal(b, &m)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(m.Launch.Disk)
+	}
+	parkedChain := chain()
+
+	ck1, err := e.Checkpoint(ctx, "f", "pk1", &engine.CheckpointOptions{Pin: true})
+	if err != nil {
+		t.Fatalf("checkpoint of the parked fork: %v", err)
+	}
+	if ck1.Manifest.RAMMethod != "parked" || ck1.Manifest.Source != "f" {
+		t.Errorf("checkpoint of the parked fork: ram method %q, source %q", ck1.Manifest.RAMMethod, ck1.Manifest.Source)
+	}
+	if _, err := e.Checkpoint(ctx, "f", "pk2", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("second checkpoint of the parked fork: %v", err)
+	}
+	if got := chain(); got != parkedChain+1 {
+		t.Errorf("disk chain of the parked fork: %d layers after two checkpoints, %d parked: want one more", got, parkedChain)
+	}
+	// Forked by name as well: an implicit checkpoint of the parked VM.
+	var kids []*engine.VM
+	events, err := e.ForkMany(ctx, "f", 2, &engine.ManyOptions{Prefix: "fk"})
+	if err != nil {
+		t.Fatalf("forks of the parked fork: %v", err)
+	}
+	for ev := range events {
+		if ev.Err != nil {
+			t.Fatalf("fork %s of the parked fork: %v", ev.Name, ev.Err)
+		}
+		kids = append(kids, ev.VM)
+	}
+	g, err := e.Fork(ctx, "pk1", &engine.ForkOptions{Name: "g"})
+	if err != nil {
+		t.Fatalf("fork of the parked fork's checkpoint: %v", err)
+	}
+	for _, k := range append(kids, g) {
+		if got := mustRun(t, k, "cat /dev/shm/m /data/d"); got != "before\nbefore" {
+			t.Errorf("%s (of the parked fork) holds %q", k.Name(), got)
+		}
+	}
+	if info := f.Info(); info.State != engine.StateParked || info.PID != 0 {
+		t.Fatalf("the fork after its checkpoints: state %s, pid %d: want parked, no QEMU", info.State, info.PID)
+	}
+	if b, err := os.ReadFile(filepath.Join(image, "park.json")); err != nil || !bytes.Equal(b, record) {
+		t.Errorf("park record changed by the checkpoints (%v)", err)
+	}
+
+	mustRun(t, g, "echo g > /dev/shm/m && echo g > /data/d && sync")
+	if _, err := e.Wake(ctx, "f", nil); err != nil {
+		t.Fatalf("wake after the checkpoints: %v", err)
+	}
+	if got := mustRun(t, f, "cat /dev/shm/m /data/d; echo after > /dev/shm/m; echo after > /data/d; sync"); got != "before\nbefore" {
+		t.Errorf("the woken fork holds %q", got)
+	}
+	if got := mustRun(t, g, "cat /dev/shm/m /data/d"); got != "g\ng" {
+		t.Errorf("g after the parked fork woke and wrote: %q", got)
+	}
+	h, err := e.Fork(ctx, "pk2", &engine.ForkOptions{Name: "h"})
+	if err != nil {
+		t.Fatalf("fork of the second checkpoint after the wake: %v", err)
+	}
+	if got := mustRun(t, h, "cat /dev/shm/m /data/d"); got != "before\nbefore" {
+		t.Errorf("fork of the second checkpoint, after the fork woke and wrote: %q", got)
+	}
+
+	// Parked again after writing its disk: a checkpoint freezes what it wrote.
+	if _, err := e.Park(ctx, "f"); err != nil {
+		t.Fatalf("second park: %v", err)
+	}
+	if _, err := e.Checkpoint(ctx, "f", "pk3", &engine.CheckpointOptions{Pin: true}); err != nil {
+		t.Fatalf("checkpoint of the second park: %v", err)
+	}
+	k, err := e.Fork(ctx, "pk3", &engine.ForkOptions{Name: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := mustRun(t, k, "cat /dev/shm/m /data/d"); got != "after\nafter" {
+		t.Errorf("fork of the second park's checkpoint holds %q", got)
+	}
+
+	// A damaged image: refused, kept, still parked.
+	state := filepath.Join(image, "state.mig")
+	b, err := os.ReadFile(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)/2] ^= 0xff
+	if err := os.WriteFile(state, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	entries := func() []string {
+		t.Helper()
+		var names []string
+		for _, dir := range []string{filepath.Join(env.Home, "checkpoints"), e.Config().RAMDir} {
+			ents, err := os.ReadDir(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, ent := range ents {
+				names = append(names, ent.Name())
+			}
+		}
+		return names
+	}
+	had := entries()
+	_, err = e.Checkpoint(ctx, "f", "bad", nil)
+	wantErr(t, err, engine.ErrCheckpointCorrupt)
+	_, err = e.Fork(ctx, "f", &engine.ForkOptions{Name: "bad2"})
+	wantErr(t, err, engine.ErrCheckpointCorrupt)
+	if st := f.Info().State; st != engine.StateParked {
+		t.Errorf("after a refused checkpoint: %s, want parked", st)
+	}
+	if _, err := os.Stat(state); err != nil {
+		t.Errorf("damaged park image removed: %v", err)
+	}
+	if got := entries(); !slices.Equal(got, had) {
+		t.Errorf("checkpoint and RAM directories after the refused checkpoints: %v, before %v", got, had)
 	}
 	deleteAll(t, env)
 }

@@ -79,13 +79,17 @@ func checkpointCmd() *cli.Command {
 // checkpointLine is checkpoint's report: how long it took and how long of it the guest
 // was paused. A handoff's checkpoint is committed before the VM restarts from it, and
 // the guest stays paused until then: its pause is the longer figure, so the line says
-// so instead of calling the pause part of the checkpoint's time.
+// so instead of calling the pause part of the checkpoint's time. A parked VM's is made
+// from its park image: no guest paused, the VM still parked.
 func checkpointLine(m *api.CheckpointInfo) string {
 	t := m.Timings
 	rest := fmt.Sprintf("ram %s; disk %s; device state %d KB", m.RAMMethod, orDash(m.DiskMethod), m.StateSize/1024)
-	if m.RAMMethod == "handoff" {
+	switch m.RAMMethod {
+	case "handoff":
 		return fmt.Sprintf("%s: guest paused %v until the VM ran again from it (checkpoint committed after %v; %s)",
 			m.Name, t.Paused.Round(time.Millisecond), t.Total.Round(time.Millisecond), rest)
+	case "parked":
+		return fmt.Sprintf("%s: %v, from %s's park image (it stays parked; %s)", m.Name, t.Total.Round(time.Millisecond), m.Source, rest)
 	}
 	return fmt.Sprintf("%s: %v, guest paused %v of it (%s)", m.Name, t.Total.Round(time.Millisecond), t.Paused.Round(time.Millisecond), rest)
 }

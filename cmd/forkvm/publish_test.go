@@ -112,7 +112,7 @@ func TestForkSummary(t *testing.T) {
 }
 
 // TestCheckpointTimings: the checkpoint line never reads as a pause longer than the
-// whole, and ls's READY IN of a VM restarted by its own handoff is that restart's.
+// whole, nor a parked VM's as a pause, and ls's READY IN of a VM restarted by its own handoff is that restart's.
 func TestCheckpointTimings(t *testing.T) {
 	h := &api.CheckpointInfo{Name: "ckh", RAMMethod: "handoff"}
 	h.Timings.Total, h.Timings.Paused = 31*time.Millisecond, 173*time.Millisecond
@@ -123,6 +123,11 @@ func TestCheckpointTimings(t *testing.T) {
 	c.Timings.Total, c.Timings.Paused = 941*time.Millisecond, 897*time.Millisecond
 	if got, want := checkpointLine(c), "ck0: 941ms, guest paused 897ms of it (ram copy;"; !strings.HasPrefix(got, want) {
 		t.Errorf("copy: %q, want %q...", got, want)
+	}
+	pk := &api.CheckpointInfo{Name: "pk", Source: "f1", RAMMethod: "parked"}
+	pk.Timings.Total = 16 * time.Millisecond
+	if got, want := checkpointLine(pk), "pk: 16ms, from f1's park image (it stays parked; ram parked;"; !strings.HasPrefix(got, want) {
+		t.Errorf("parked: %q, want %q...", got, want)
 	}
 	h.Source = "w1"
 	hs := map[string]api.CheckpointInfo{"ckh": *h}
