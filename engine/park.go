@@ -50,7 +50,8 @@ import (
 // A QEMU killed before a park's commit is a crash of a running VM (the guest's memory
 // is gone); one killed during a wake before its commit leaves the VM parked. A wake
 // whose QEMU is found dead after its commit but before the image was removed is rolled
-// back to parked: its guest ran only from cont to the image's removal.
+// back to parked: its guest ran only from cont to the image's removal; one found dead
+// after the image was retired is a running VM whose QEMU is gone (listed dead).
 
 // The park image's files, in the VM's directory.
 const (
@@ -521,6 +522,17 @@ func (vm *VM) recoverPark(ctx context.Context, log *slog.Logger) {
 			return
 		}
 		endQEMU()
+		if !hasImage {
+			// Its image was retired (finishWake) before the crash: the guest ran on
+			// from it, and nothing is left to park it with. A running VM whose QEMU
+			// is gone: listed dead, never parked without an image.
+			_ = vm.update(func(s *vmState) {
+				s.State, s.Park, s.PID, s.StartTime = StateDead, nil, 0, 0
+				s.DeadReason = "woke, then its QEMU ended before the engine recorded it running"
+			})
+			log.Warn("recover: a woken vm's QEMU is gone and its park image was retired: listed dead", "vm", m.Name)
+			return
+		}
 		_ = vm.update(func(s *vmState) { s.rollBackWake() })
 		log.Warn("recover: a wake cut short after its commit found its QEMU gone: parked again", "vm", m.Name)
 	case m.State == StateRunning && hasImage:

@@ -15,8 +15,9 @@ import (
 // TestRecoverParkStates: what a crash leaves at each point of a park or a wake (with
 // the VM's QEMU gone) is settled by the next engine to running (dead, its QEMU gone) or
 // parked, never both: a committed park image wins over a manifest that says running; a
-// wake that committed but whose QEMU is gone is rolled back to parked; an uncommitted
-// image is removed; a parked VM without an image, or with an image that cannot be read,
+// wake that committed but whose QEMU is gone is rolled back to parked, unless its image
+// was already retired (the guest ran on from it): then it is a running VM whose QEMU is
+// gone, listed dead, never parked without an image; an uncommitted image is removed; a parked VM without an image, or with an image that cannot be read,
 // is listed dead and nothing is deleted. A park cut short after its commit is verified
 // first (its image may not have been flushed): one that does not match its record is
 // listed dead, the image kept.
@@ -90,6 +91,7 @@ func TestRecoverParkStates(t *testing.T) {
 		{"park-committed-undigested-other-boot", StateRunning, nil, files{image: true, record: true, data: true, short: true, undigested: &otherBoot}, StateDead, true, "restarted"},
 		{"park-uncommitted", StateRunning, nil, files{tmp: true}, StateDead, false, ""},
 		{"wake-committed-qemu-gone", StateRunning, &woke, files{image: true, record: true}, StateParked, true, ""},
+		{"wake-committed-image-retired", StateRunning, &woke, files{old: true}, StateDead, false, "woke"},
 		{"wake-leftover-old", StateParked, rec, files{image: true, record: true, old: true}, StateParked, true, ""},
 	}
 	for _, c := range cases {
