@@ -571,7 +571,15 @@ func (l layout) tmpCheckpointDir(name string) string {
 
 // inRAMDir reports whether p is a file directly inside the RAM directory: the engine
 // deletes only such files, whatever a corrupt record names.
-func (l layout) inRAMDir(p string) bool { return p != "" && filepath.Dir(p) == l.ram }
+func (l layout) inRAMDir(p string) bool { return directlyIn(l.ram, p) }
+
+// directlyIn reports whether the path p, as recorded, names an entry directly inside
+// dir. p must be clean: filepath.Dir drops a final ".." too, so that "dir/.." (dir's
+// parent) would pass a bare Dir check, and a record saying so would have the engine
+// remove what holds dir.
+func directlyIn(dir, p string) bool {
+	return p != "" && filepath.Clean(p) == p && filepath.Dir(p) == dir
+}
 
 // parseRAMName classifies a file name in the RAM directory: a VM's RAM file, a
 // checkpoint's (its RAM file or its layer directory), or a temporary one (a freeze that

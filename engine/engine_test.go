@@ -480,27 +480,56 @@ func TestNewReaps(t *testing.T) {
 }
 
 // TestReapStaysInsideItsDirs: a manifest is input from disk; reaping a half-made VM must
-// not delete files outside the engine's RAM and run dirs because its manifest says so.
+// not delete files outside the engine's RAM and run dirs because its manifest says so:
+// neither paths elsewhere nor paths that name a directory of the engine's by ".." (a
+// run directory of run/.. is the state directory itself).
 func TestReapStaysInsideItsDirs(t *testing.T) {
-	cfg := testConfig(t)
-	victimDir := t.TempDir()
-	victimFile := filepath.Join(victimDir, "precious.txt")
-	victimRun := filepath.Join(victimDir, "rundir")
-	touch(t, victimFile, 1)
-	touch(t, filepath.Join(victimRun, "keep.txt"), 1)
-	m := vmManifest(cfg, "evil", StateStarting, deadPID(t))
-	m.Launch.RAM.Path = victimFile
-	m.Launch.RunDir = victimRun
-	writeVMManifest(t, filepath.Join(cfg.StateDir, "vms"), "evil", m)
-
-	newTestEngine(t, cfg)
-
-	if exists(filepath.Join(cfg.StateDir, "vms", "evil")) {
-		t.Errorf("half-made vm not reaped")
+	cases := []struct {
+		name string
+		// ram and run are the manifest's RAM file and run directory, given the
+		// engine's RAM and run dirs and a directory outside them.
+		ram, run func(ramDir, runDir, outside string) string
+	}{
+		{"outside",
+			func(_, _, o string) string { return filepath.Join(o, "precious.txt") },
+			func(_, _, o string) string { return filepath.Join(o, "rundir") }},
+		{"dotdot",
+			func(r, _, _ string) string { return r + "/.." },
+			func(_, r, _ string) string { return r + "/.." }},
 	}
-	if !exists(victimFile) || !exists(victimRun) {
-		t.Errorf("reaping deleted files outside the engine's dirs: %s exists=%v, %s exists=%v",
-			victimFile, exists(victimFile), victimRun, exists(victimRun))
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			cfg := testConfig(t)
+			runDir := filepath.Join(cfg.StateDir, "run")
+			victimDir := t.TempDir()
+			victims := []string{
+				filepath.Join(victimDir, "precious.txt"),
+				filepath.Join(victimDir, "rundir", "keep.txt"),
+				filepath.Join(cfg.StateDir, "precious.txt"),
+				filepath.Join(runDir, "other", "keep.txt"),
+			}
+			for _, v := range victims {
+				touch(t, v, 1)
+			}
+			m := vmManifest(cfg, "evil", StateStarting, deadPID(t))
+			m.Launch.RAM.Path = c.ram(cfg.RAMDir, runDir, victimDir)
+			m.Launch.RunDir = c.run(cfg.RAMDir, runDir, victimDir)
+			writeVMManifest(t, filepath.Join(cfg.StateDir, "vms"), "evil", m)
+
+			e := newTestEngine(t, cfg)
+			if e.paths.run != runDir {
+				t.Fatalf("run dir %s, want %s", e.paths.run, runDir)
+			}
+
+			if exists(filepath.Join(cfg.StateDir, "vms", "evil")) {
+				t.Errorf("half-made vm not reaped")
+			}
+			for _, v := range victims {
+				if !exists(v) {
+					t.Errorf("reaping a vm whose manifest names ram %q, run dir %q deleted %s", m.Launch.RAM.Path, m.Launch.RunDir, v)
+				}
+			}
+		})
 	}
 }
 

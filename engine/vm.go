@@ -614,7 +614,7 @@ func (l layout) removeVMFiles(name string, m *manifest) {
 		if m.Launch.RAM.Shared && l.inRAMDir(m.Launch.RAM.Path) {
 			os.Remove(m.Launch.RAM.Path)
 		}
-		if m.Launch.RunDir != "" && filepath.Dir(m.Launch.RunDir) == l.run {
+		if directlyIn(l.run, m.Launch.RunDir) {
 			l.consoles.Stop(m.Launch.RunDir, m.Launch.SerialLog)
 			os.RemoveAll(m.Launch.RunDir)
 			stopped = m.Launch.RunDir == l.runDir(name)
