@@ -396,6 +396,17 @@ func readCheckpointing(path string) (checkpointing, bool) {
 	return mk, true
 }
 
+// ours reports whether the marker names only what a checkpoint of the VM whose
+// directory is vmDir writes: a valid checkpoint name, RAM files directly in the RAM
+// directory, an overlay directly in vmDir. A marker is read back from disk, and a
+// handoff's recovery renames and removes the files it names: one that names anything
+// else is not acted on.
+func (mk checkpointing) ours(l layout, vmDir string) bool {
+	return ValidateName(mk.Checkpoint) == nil &&
+		(mk.RAM == "" || l.inRAMDir(mk.RAM)) && (mk.RAMTmp == "" || l.inRAMDir(mk.RAMTmp)) &&
+		(mk.NewTop == "" || directlyIn(vmDir, mk.NewTop))
+}
+
 // recoverCutShort settles a VM whose engine died during a checkpoint, by the marker:
 // a handoff's own recovery first (it may restart the VM, or leave the marker for the
 // rest when the checkpoint was never committed), then, for a VM confirmed ready once,
@@ -404,6 +415,11 @@ func (vm *VM) recoverCutShort(ctx context.Context, paths layout, log *slog.Logge
 	mk, ok := readCheckpointing(vm.path(checkpointingFile))
 	if !ok {
 		return
+	}
+	if mk.Handoff && !mk.ours(paths, vm.dir()) {
+		log.Warn("recover: checkpoint marker names files that are not the engine's: not settled as a handoff",
+			"vm", vm.Name(), "checkpoint", mk.Checkpoint, "ram", mk.RAM, "ram_tmp", mk.RAMTmp, "new_top", mk.NewTop)
+		mk = checkpointing{} // as a marker without details
 	}
 	if mk.Handoff {
 		vm.recoverHandoff(ctx, paths, log, mk, timeout)

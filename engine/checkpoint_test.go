@@ -381,8 +381,9 @@ func TestCheckpointingMarkerShape(t *testing.T) {
 
 // TestRecoverOldMarkers: the markers earlier builds wrote (the name alone for a world,
 // delta or full-save checkpoint; the handoff's own fields; a marker that does not
-// decode) are settled by the next engine as they were: the marker goes, the VM is
-// re-adopted, a handoff that never committed gets its RAM file back and loses the
+// decode, or names files that are not the engine's) are settled by the next engine as
+// they were: the marker goes, the VM is re-adopted, nothing outside the engine's
+// directories is moved or removed, a handoff that never committed gets its RAM file back and loses the
 // overlay it prepared, and one that committed finishes (here: its restart fails, no
 // QEMU, so the VM is kept dead with the reason).
 func TestRecoverOldMarkers(t *testing.T) {
@@ -391,6 +392,7 @@ func TestRecoverOldMarkers(t *testing.T) {
 		marker    func(cfg *Config, m *manifest) string
 		committed bool
 		ramTmp    bool // the RAM file is at the marker's ram_tmp
+		foreign   bool // the marker names files outside the engine's: left alone
 		wantState State
 		wantDead  string // in the dead reason
 	}{
@@ -399,6 +401,14 @@ func TestRecoverOldMarkers(t *testing.T) {
 		{name: "handoff not committed", ramTmp: true, wantState: StateRunning, marker: func(cfg *Config, m *manifest) string {
 			return `{"checkpoint":"c1","handoff":true,"ram":"` + m.Launch.RAM.Path + `","ram_tmp":"` + filepath.Join(cfg.RAMDir, "ck-c1.ram.tmp-ab12") +
 				`","new_top":"` + filepath.Join(cfg.StateDir, "vms", m.Name, "disk1.qcow2") + `"}`
+		}},
+		{name: "handoff naming foreign files", foreign: true, wantState: StateRunning, marker: func(cfg *Config, m *manifest) string {
+			o := filepath.Join(filepath.Dir(cfg.StateDir), "outside")
+			return `{"checkpoint":"c1","handoff":true,"ram":"` + o + `/moved","ram_tmp":"` + o + `/precious","new_top":"` + o + `/precious-top"}`
+		}},
+		{name: "handoff naming its ram dir by dotdot", foreign: true, wantState: StateRunning, marker: func(cfg *Config, m *manifest) string {
+			return `{"checkpoint":"c1","handoff":true,"ram":"` + cfg.RAMDir + `/../outside/moved","ram_tmp":"` + cfg.RAMDir + `/../outside/precious","new_top":"` +
+				filepath.Join(cfg.StateDir, "vms", m.Name) + `/../../../outside/precious-top"}`
 		}},
 		{name: "handoff committed", committed: true, wantState: StateDead, wantDead: "handoff to checkpoint c1 cut short", marker: func(cfg *Config, m *manifest) string {
 			return `{"checkpoint":"c1","handoff":true,"ram":"` + m.Launch.RAM.Path + `","ram_tmp":"` + filepath.Join(cfg.RAMDir, "ck-c1.ram.tmp-ab12") + `"}`
@@ -420,6 +430,9 @@ func TestRecoverOldMarkers(t *testing.T) {
 			if tc.committed {
 				writeCheckpoint(t, cfg, "c1", nil)
 			}
+			outside := filepath.Join(filepath.Dir(cfg.StateDir), "outside")
+			touch(t, filepath.Join(outside, "precious"), 1)
+			touch(t, filepath.Join(outside, "precious-top"), 1)
 			marker := filepath.Join(vms, "w", checkpointingFile)
 			if err := os.WriteFile(marker, []byte(tc.marker(cfg, m)), 0o600); err != nil {
 				t.Fatal(err)
@@ -445,6 +458,16 @@ func TestRecoverOldMarkers(t *testing.T) {
 				}
 				if exists(newTop) {
 					t.Errorf("the overlay the handoff prepared survived")
+				}
+			}
+			if tc.foreign {
+				for _, f := range []string{"precious", "precious-top"} {
+					if !exists(filepath.Join(outside, f)) {
+						t.Errorf("recovery removed or moved %s, which the marker names", filepath.Join(outside, f))
+					}
+				}
+				if !exists(m.Launch.RAM.Path) {
+					t.Errorf("the vm's RAM file went")
 				}
 			}
 			if tc.committed {
