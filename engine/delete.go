@@ -29,10 +29,13 @@ func (e *Engine) remove(ctx context.Context, name string, fence bool) error {
 	if err != nil {
 		return err
 	}
-	e.prot.end(name)
 	// Not while it parks or wakes (both are bounded by their timeouts).
-	vm.life.Lock()
-	defer vm.life.Unlock()
+	unlock, err := e.lockLife(vm)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	e.prot.end(name)
 	_ = vm.Stop(ctx)
 	e.vms.remove(name)
 	m := vm.manifest()

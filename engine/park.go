@@ -130,8 +130,11 @@ func (e *Engine) Park(ctx context.Context, name string) (*api.ParkResult, error)
 	if err != nil {
 		return nil, err
 	}
-	vm.life.Lock()
-	defer vm.life.Unlock()
+	unlock, err := e.lockLife(vm)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	if ps := vm.parked(); ps != nil {
 		return &api.ParkResult{Name: name, Already: true, Bytes: ps.bytes(), Handoff: ps.Handoff}, nil
 	}
@@ -188,6 +191,25 @@ func (e *Engine) Park(ctx context.Context, name string) (*api.ParkResult, error)
 	return res, nil
 }
 
+// lockLife takes vm's life lock (its park, wake and delete) and returns its unlock.
+// An operation gets vm by its name before it waits for the lock, and a delete that
+// held it meanwhile removed vm, after which a new VM may have taken the name: the
+// operation would then act on a VM that is gone, in the new VM's directories (a wake
+// writes its manifest and starts its QEMU there, a delete removes them). So the lock
+// is kept only while vm is still the VM registered under its name; else ErrNotFound.
+func (e *Engine) lockLife(vm *VM) (unlock func(), err error) {
+	vm.life.Lock()
+	cur, err := e.vms.get(vm.Name())
+	if err == nil && cur != vm {
+		err = fmt.Errorf("%w: vm %s (deleted meanwhile)", ErrNotFound, vm.Name())
+	}
+	if err != nil {
+		vm.life.Unlock()
+		return nil, err
+	}
+	return vm.life.Unlock, nil
+}
+
 // marker tells Config.Markers that owner's stage begins.
 func (e *Engine) marker(owner, stage string) {
 	if e.cfg.Markers != nil {
@@ -215,8 +237,11 @@ func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api
 	if err != nil {
 		return nil, err
 	}
-	vm.life.Lock()
-	defer vm.life.Unlock()
+	unlock, err := e.lockLife(vm)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	ps := vm.parked()
 	if ps == nil {
 		if vm.alive() {

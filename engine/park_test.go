@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -287,4 +288,83 @@ func TestCheckParkImageFormats(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestLifeOfDeletedVM: a park, wake or delete that waited for the VM's life lock while
+// a delete held it finds the VM gone (ErrNotFound) and leaves alone the new VM that
+// took its name meanwhile: its registration, its directory and its manifest.
+func TestLifeOfDeletedVM(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []struct {
+		op    string
+		state State
+		run   func(e *Engine) error
+	}{
+		{"Delete", StateRunning, func(e *Engine) error { return e.Delete(ctx, "x") }},
+		{"Park", StateRunning, func(e *Engine) error { _, err := e.Park(ctx, "x"); return err }},
+		{"Wake", StateParked, func(e *Engine) error { _, err := e.Wake(ctx, "x", nil); return err }},
+	} {
+		t.Run(c.op, func(t *testing.T) {
+			cfg := testConfig(t)
+			vms := filepath.Join(cfg.StateDir, "vms")
+			writeCheckpoint(t, cfg, "c1", func(ck *checkpointManifest) { ck.Pinned = true })
+			old := vmManifest(cfg, "x", c.state, deadPID(t))
+			old.Parent = "c1"
+			if c.state == StateParked {
+				old.Park = &parkState{Stage: parkStageParked, StateSHA256: strings.Repeat("0", 64), LayerSHA256: strings.Repeat("0", 64), StateSize: 1}
+				os.MkdirAll(filepath.Join(vms, "x", parkDirName), 0o700)
+			}
+			writeVMManifest(t, vms, "x", old)
+			e := newTestEngine(t, cfg)
+			vm1, err := e.vms.get("x")
+			if err != nil {
+				t.Fatal(err)
+			}
+
+			// A delete holds vm1's life lock while the operation waits for it.
+			vm1.life.Lock()
+			done := make(chan error, 1)
+			go func() { done <- c.run(e) }()
+			waitLockedIn(t, "(*Engine)."+c.op)
+			e.vms.remove("x")
+			m1 := vm1.manifest()
+			e.paths.removeVMFiles("x", &m1)
+			// A new VM takes the name.
+			nm := vmManifest(cfg, "x", StateRunning, deadPID(t))
+			nm.Token = strings.Repeat("ab", 16)
+			writeVMManifest(t, vms, "x", nm)
+			vm2 := adoptVM(e.paths.vmDir("x"), e.log, nm, e.paths)
+			e.vms.add(vm2)
+			vm1.life.Unlock()
+
+			select {
+			case err = <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the operation did not return")
+			}
+			if !errors.Is(err, ErrNotFound) {
+				t.Errorf("%s of a vm deleted meanwhile: %v, want ErrNotFound", c.op, err)
+			}
+			if got, err := e.vms.get("x"); err != nil || got != vm2 {
+				t.Errorf("the new vm x is no longer registered: %v, %v", got, err)
+			}
+			if m, err := loadManifest(filepath.Join(vms, "x", manifestFile)); err != nil || m.Token != nm.Token {
+				t.Errorf("the new vm's manifest was replaced or removed: %+v, %v", m, err)
+			}
+		})
+	}
+}
+
+// waitLockedIn waits until a goroutine waits for a mutex in the function fn.
+func waitLockedIn(t *testing.T, fn string) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			if strings.Contains(g, "sync.(*Mutex).Lock") && strings.Contains(g, fn) {
+				return
+			}
+		}
+	}
+	t.Fatalf("no goroutine waits for a lock in %s", fn)
 }
