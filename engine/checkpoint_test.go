@@ -205,7 +205,8 @@ func TestDeleteCheckpoint(t *testing.T) {
 		t.Errorf("delete bad name: %v, want ErrInvalidName", err)
 	}
 
-	// A live fork (an engine-known VM with this parent, QEMU long gone) blocks deletion.
+	// A live fork (an engine-known VM with this parent, QEMU long gone) blocks deletion
+	// without force, and so does a fork being made.
 	fork := vmManifest(cfg, "f1", StateRunning, 0)
 	fork.Parent = "base"
 	writeVMManifest(t, e.paths.vmsDir(), "f1", fork)
@@ -221,6 +222,21 @@ func TestDeleteCheckpoint(t *testing.T) {
 	if !exists(dir) || !exists(ck.RAMPath) {
 		t.Fatalf("refused delete removed files")
 	}
+
+	// A fork being made (not yet registered) blocks it too.
+	e.vms.remove("f1")
+	_, leave, err := e.forking.enter(ctx, "base")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.DeleteCheckpoint(ctx, "base", nil); !errors.Is(err, ErrInUse) {
+		t.Errorf("delete with a fork being made: %v, want ErrInUse", err)
+	}
+	if !exists(dir) || !exists(ck.RAMPath) {
+		t.Fatalf("refused delete removed files")
+	}
+	leave()
+	e.vms.add(newVM(e.paths.vmDir("f1"), e.log, fork, layout{}))
 
 	// Force deletes the fork first.
 	if err := e.DeleteCheckpoint(ctx, "base", &DeleteCheckpointOptions{Force: true}); err != nil {
@@ -274,8 +290,32 @@ func TestSetPinnedAndCollect(t *testing.T) {
 	if _, err := e.LoadCheckpoint(t.Context(), "base"); err != nil {
 		t.Fatalf("never-forked checkpoint collected on unpin: %v", err)
 	}
-	// Once forked (and with no forks left), unpinning deletes it.
+	// Forked, but a fork of it is being made (not yet registered): unpinning it, or
+	// deleting its last live fork, keeps it.
 	e.cks.markForked("base")
+	_, leave, err := e.forking.enter(ctx, "base")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.SetPinned(ctx, "base", true)
+	if err := e.SetPinned(ctx, "base", false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.LoadCheckpoint(t.Context(), "base"); err != nil {
+		t.Fatalf("checkpoint collected on unpin while a fork of it was being made: %v", err)
+	}
+	fork := vmManifest(cfg, "f1", StateRunning, 0)
+	fork.Parent = "base"
+	writeVMManifest(t, e.paths.vmsDir(), "f1", fork)
+	e.vms.add(newVM(e.paths.vmDir("f1"), e.log, fork, e.paths))
+	if err := e.Delete(ctx, "f1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.LoadCheckpoint(t.Context(), "base"); err != nil {
+		t.Fatalf("checkpoint collected with its last live fork while another was being made: %v", err)
+	}
+	leave()
+	// Once forked (and with no forks left or being made), unpinning deletes it.
 	e.SetPinned(ctx, "base", true)
 	if err := e.SetPinned(ctx, "base", false); err != nil {
 		t.Fatal(err)
@@ -701,5 +741,55 @@ func TestLayerDigestsKnownByIdentity(t *testing.T) {
 	corruptByte(t, d2.Layers[0].Path, 11, st.ModTime().Add(time.Second))
 	if _, err := e.LoadCheckpoint(t.Context(), "d3"); !errors.Is(err, ErrCheckpointCorrupt) || !strings.Contains(err.Error(), "ancestor d1") {
 		t.Fatalf("d3 over a changed corrupt layer: %v", err)
+	}
+}
+
+// TestForkGuardPause: while a checkpoint's pause (a delete or collection deciding on
+// its forks) is under way, a fork of it waits to enter rather than failing, and enters
+// once the pause ends; one whose context ends meanwhile gets the context's error. A
+// fork of another checkpoint does not wait.
+func TestForkGuardPause(t *testing.T) {
+	var g forkGuard
+	ctx := context.Background()
+	_, leave, err := g.enter(ctx, "c")
+	if err != nil {
+		t.Fatal(err)
+	}
+	end, n := g.pause("c")
+	if n != 1 {
+		t.Errorf("pause counted %d forks under way, want 1", n)
+	}
+	leave()
+	if _, leave, err := g.enter(ctx, "other"); err != nil {
+		t.Errorf("a fork of another checkpoint: %v", err)
+	} else {
+		leave()
+	}
+	cctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+	defer cancel()
+	if _, _, err := g.enter(cctx, "c"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("enter whose context ends during the pause: %v", err)
+	}
+	entered := make(chan error, 1)
+	go func() {
+		_, leave, err := g.enter(ctx, "c")
+		if err == nil {
+			leave()
+		}
+		entered <- err
+	}()
+	select {
+	case err := <-entered:
+		t.Fatalf("entered during the pause: %v", err)
+	case <-time.After(20 * time.Millisecond):
+	}
+	end()
+	select {
+	case err := <-entered:
+		if err != nil {
+			t.Errorf("enter after the pause: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("enter still waits after the pause ended")
 	}
 }

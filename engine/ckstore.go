@@ -487,7 +487,21 @@ func (e *Engine) SetPinned(ctx context.Context, name string, pinned bool) error 
 		return err
 	}
 	if !pinned {
-		e.cks.collect(name, e.vms.forksOf)
+		e.collect(name)
 	}
 	return nil
+}
+
+// collect is checkpointStore.collect under the fork guard: a fork of name being made
+// is not registered yet, so forksOf does not count it, and collecting the checkpoint
+// then would remove it under that fork, which would become ready with its parent gone.
+// While it decides, new forks of name wait (forkGuard.pause); one under way keeps the
+// checkpoint (collected later with its last fork, or by the next engine's start).
+func (e *Engine) collect(name string) {
+	end, making := e.forking.pause(name)
+	defer end()
+	if making > 0 {
+		return
+	}
+	e.cks.collect(name, e.vms.forksOf)
 }

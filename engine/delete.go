@@ -46,7 +46,7 @@ func (e *Engine) remove(ctx context.Context, name string, fence bool) error {
 	if m.Parent != "" {
 		e.cks.punch(m.Parent)
 		e.punchBase(m.Parent, m.Launch.RAM.Path)
-		e.cks.collect(m.Parent, e.vms.forksOf)
+		e.collect(m.Parent)
 	}
 	return nil
 }
@@ -84,8 +84,23 @@ func (e *Engine) DeleteCheckpoint(ctx context.Context, name string, opts *Delete
 				ErrInUse, name, c.Manifest.Source, c.Manifest.Source)
 		}
 	}
+	// No fork of it starts from here on. Those under way are cancelled and waited for
+	// when forced, so that none becomes ready after the delete with its parent gone;
+	// without force they are forks as much as the live ones, and refuse the delete
+	// (new ones wait for it, then find the checkpoint gone or go on).
+	var end func()
+	making := 0
+	if force {
+		var err error
+		if end, err = e.forking.stop(ctx, name); err != nil {
+			return err
+		}
+	} else {
+		end, making = e.forking.pause(name)
+	}
+	defer end()
 	forks := e.vms.forksByParent()[name]
-	if len(forks) > 0 && !force {
+	if !force && len(forks) > 0 {
 		noun := "forks"
 		if len(forks) == 1 {
 			noun = "fork"
@@ -93,15 +108,9 @@ func (e *Engine) DeleteCheckpoint(ctx context.Context, name string, opts *Delete
 		return fmt.Errorf("%w: checkpoint %s has %d live %s (%s): delete them first, or force the delete (forkvm checkpoint rm --force; DeleteCheckpoint with force) to delete them with it",
 			ErrInUse, name, len(forks), noun, strings.Join(forks, ", "))
 	}
-	if force {
-		// No fork of it starts from here on; those under way are cancelled and waited
-		// for, so that none becomes ready after the delete with its parent gone.
-		end, err := e.forking.stop(ctx, name)
-		if err != nil {
-			return err
-		}
-		defer end()
-		forks = e.vms.forksByParent()[name]
+	if !force && making > 0 {
+		return fmt.Errorf("%w: checkpoint %s has %d forks being made: wait for them, or force the delete (forkvm checkpoint rm --force; DeleteCheckpoint with force) to cancel them",
+			ErrInUse, name, making)
 	}
 	for _, f := range forks {
 		if err := e.Delete(ctx, f); err != nil && !errors.Is(err, ErrNotFound) {

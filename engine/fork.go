@@ -390,11 +390,14 @@ func (e *Engine) readyFork(ctx context.Context, vm *VM, c *Checkpoint, clock *ph
 
 // forkGuard tracks the forks being made from each checkpoint, so that a forced delete
 // can refuse new ones, cancel those under way and wait for them before it removes the
-// checkpoint.
+// checkpoint, and a delete without force or a collection can count them (pause).
 type forkGuard struct {
 	mu       sync.Mutex
 	inflight map[string]map[*forkTicket]bool
 	stopped  map[string]int // checkpoint -> forced deletes under way
+	// paused holds, per checkpoint, the channel closed when a pause of it ends (see
+	// pause): forks of it wait to enter until then.
+	paused map[string]chan struct{}
 }
 
 // forkTicket is one fork under way.
@@ -409,6 +412,9 @@ type forkTicket struct {
 func (g *forkGuard) enter(ctx context.Context, ck string) (context.Context, func(), error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if err := g.waitUnpaused(ctx, ck); err != nil {
+		return nil, nil, err
+	}
 	if g.stopped[ck] > 0 {
 		return nil, nil, fmt.Errorf("%w: checkpoint %s is being deleted", ErrNotFound, ck)
 	}
@@ -431,6 +437,49 @@ func (g *forkGuard) enter(ctx context.Context, ck string) (context.Context, func
 		close(t.done)
 		cancel(nil)
 	}, nil
+}
+
+// pause makes the forks of ck that start from now on wait until end is called, and
+// returns how many are under way. A non-forced delete of ck, and its collection once
+// its last fork went, decide on the forks it has, made or being made, and remove it
+// before any new fork of it starts (which then finds it gone): forks being made are
+// not registered yet, so the registry alone does not see them. One pause of ck at a
+// time: a second waits for the first to end.
+func (g *forkGuard) pause(ck string) (end func(), inflight int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	_ = g.waitUnpaused(context.Background(), ck)
+	if g.paused == nil {
+		g.paused = map[string]chan struct{}{}
+	}
+	ch := make(chan struct{})
+	g.paused[ck] = ch
+	return func() {
+		g.mu.Lock()
+		delete(g.paused, ck)
+		g.mu.Unlock()
+		close(ch)
+	}, len(g.inflight[ck])
+}
+
+// waitUnpaused waits, g.mu held (released meanwhile), until no pause of ck is under
+// way, or ctx ends.
+func (g *forkGuard) waitUnpaused(ctx context.Context, ck string) error {
+	for {
+		ch := g.paused[ck]
+		if ch == nil {
+			return nil
+		}
+		g.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+		}
+		g.mu.Lock()
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+	}
 }
 
 // stop refuses new forks of ck, cancels those under way and waits for them (or ctx);

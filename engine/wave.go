@@ -287,7 +287,7 @@ func (p *forkPlan) startEarly(ctx context.Context, e *Engine) func(*ckWriter, vm
 func (e *Engine) finishPlan(p *forkPlan) {
 	e.dropEarly(p.early)
 	if p.ck != nil && p.ck.Manifest.Implicit {
-		e.cks.collect(p.ck.Manifest.Name, e.vms.forksOf)
+		e.collect(p.ck.Manifest.Name)
 	}
 }
 
