@@ -97,6 +97,30 @@ func unknownCommand(c *cli.Command, word string) error {
 	return &usageError{msg: msg + fmt.Sprintf(" (%s --help lists them)", c.FullName())}
 }
 
+// noArguments makes c and its subcommands that take no arguments (no ArgsUsage: ls,
+// checkpoints, budget, ...) refuse one with a usageError before they open anything:
+// urfave/cli hands extra words to the action, which ignored them (`forkvm ls w1` listed
+// every VM, as if it were a filter). A command with subcommands says the word is none of
+// them. It wraps the actions before helpWords does, so "help" still shows help.
+func noArguments(c *cli.Command) {
+	for _, s := range c.Commands {
+		noArguments(s)
+	}
+	own := c.Action
+	if own == nil || c.ArgsUsage != "" {
+		return
+	}
+	c.Action = func(ctx context.Context, cmd *cli.Command) error {
+		if cmd.Args().Len() == 0 {
+			return own(ctx, cmd)
+		}
+		if len(cmd.Commands) > 0 {
+			return unknownCommand(cmd, cmd.Args().First())
+		}
+		return &usageError{msg: fmt.Sprintf("%s: unexpected argument %q (%s takes none)", cmd.FullName(), cmd.Args().First(), cmd.FullName())}
+	}
+}
+
 // undefinedFlag and badFlagValue are urfave/cli's errors for an unknown flag and for a
 // value that does not parse, the flag's name without its dashes.
 var (

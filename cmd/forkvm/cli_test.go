@@ -4,8 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/urfave/cli/v3"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
@@ -125,6 +130,46 @@ func TestPinLine(t *testing.T) {
 	} {
 		if got := pinLine(context.Background(), cl, tc.name, tc.pin); !strings.HasPrefix(got, tc.want) {
 			t.Errorf("pin %v %s: %q, want %q", tc.pin, tc.name, got, tc.want)
+		}
+	}
+}
+
+// TestNoArguments: a command that takes no arguments (ls, checkpoints, budget, ...)
+// refuses one with a usage error before it opens anything, where it once ignored it
+// (`forkvm ls w1` listed every VM); one with subcommands says the word is none of them.
+func TestNoArguments(t *testing.T) {
+	var paths [][]string
+	var walk func(path []string, c *cli.Command)
+	walk = func(path []string, c *cli.Command) {
+		for _, s := range c.Commands {
+			p := append(append([]string{}, path...), s.Name)
+			if s.ArgsUsage == "" && s.Name != "help" {
+				paths = append(paths, p)
+			}
+			walk(p, s)
+		}
+	}
+	walk(nil, newApp())
+	if len(paths) < 6 {
+		t.Fatalf("only %d commands without arguments: %q", len(paths), paths)
+	}
+	for _, p := range paths {
+		home := filepath.Join(t.TempDir(), "home")
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		var stderr strings.Builder
+		args := append(append([]string{"forkvm", "--home", home}, p...), "w1")
+		code := runMain(ctx, args, &stderr)
+		cancel()
+		got := stderr.String()
+		want := fmt.Sprintf(`forkvm %s: unexpected argument "w1"`, strings.Join(p, " "))
+		if len(p) == 1 && (p[0] == "image" || p[0] == "profile" || p[0] == "boot-cache") {
+			want = fmt.Sprintf(`forkvm %s: unknown command "w1"`, p[0])
+		}
+		if code != exitUsage || !strings.HasPrefix(got, want) || strings.Count(got, "\n") != 1 {
+			t.Errorf("%q: exit %d, printed %q; want exit %d and the one line %q", args[3:], code, got, exitUsage, want)
+		}
+		if _, err := os.Stat(home); !os.IsNotExist(err) {
+			t.Errorf("%q touched the state directory: %v", args[3:], err)
 		}
 	}
 }

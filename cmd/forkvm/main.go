@@ -53,6 +53,9 @@ func newApp() *cli.Command {
 	}
 	noHelpCommands(app)
 	for _, c := range app.Commands {
+		noArguments(c)
+	}
+	for _, c := range app.Commands {
 		helpWords(c)
 	}
 	usageErrors(app)

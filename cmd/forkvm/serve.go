@@ -51,9 +51,6 @@ func serveCmd() *cli.Command {
 		// The unix socket (mode 0600) is the global --socket ($FORKVM_SOCKET), the one
 		// the CLI looks for; default HOME/forkvm.sock.
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			if cmd.Args().Len() != 0 {
-				return fmt.Errorf("usage: forkvm serve [--socket PATH] [--listen ADDR --token-file FILE]")
-			}
 			var token string
 			switch {
 			case cmd.String("listen") != "" && cmd.String("token-file") == "":
