@@ -173,3 +173,32 @@ func TestNoArguments(t *testing.T) {
 		}
 	}
 }
+
+// TestCreateSpecRefusedFirst: create refuses a spec the engine's rules refuse before
+// an engine is opened (nothing is left in the state directory), and an explicit
+// --cpus 0 or --memory-mb 0 is refused as the engine refuses -1, not read as the
+// default (`forkvm create w --cpus 0` booted a VM of 2 vCPUs).
+func TestCreateSpecRefusedFirst(t *testing.T) {
+	for _, tc := range []struct {
+		flags []string
+		want  string
+	}{
+		{[]string{"--cpus", "0"}, "cpus must be 1..64, got 0"},
+		{[]string{"--memory-mb", "0"}, "memory must be 64..262144 MiB, got 0"},
+		{[]string{"--memory-mb", "-1"}, "memory must be 64..262144 MiB, got -1"},
+		{[]string{"--memory-mb", "65"}, "multiple of 2 MiB"},
+		{[]string{"--disk-mb", "3"}, "disk must be 0 (none) or 8..1048576 MiB"},
+		{[]string{"--publish", "8080:80"}, "publish needs a network"},
+	} {
+		home := filepath.Join(t.TempDir(), "home")
+		// An image that is not there: an unrefused spec fails at it and boots nothing.
+		args := append([]string{"--home", home, "create", "w", "--image", "nosuch-image"}, tc.flags...)
+		out, err := helpOf(t, args...)
+		if !errors.Is(err, engine.ErrInvalidSpec) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("create %q: %v (%s), want ErrInvalidSpec: %s", tc.flags, err, out, tc.want)
+		}
+		if _, err := os.Stat(home); !os.IsNotExist(err) {
+			t.Errorf("create %q touched the state directory: %v", tc.flags, err)
+		}
+	}
+}

@@ -45,16 +45,20 @@ func createCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
+			spec := api.Spec{
+				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")), MemoryLimitMiB: int(cmd.Int("memory-limit-mb")),
+				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
+				Net: cmd.Bool("net"), Publish: publish, NoPark: cmd.Bool("no-park"), ColdBoot: cmd.Bool("cold-boot"),
+			}
+			if err := checkSpec(cmd, spec); err != nil {
+				return err
+			}
 			cl, err := connect(ctx, cmd, false)
 			if err != nil {
 				return err
 			}
 			defer cl.Close()
-			inf, err := cl.Create(ctx, api.Spec{
-				Name: cmd.Args().First(), CPUs: int(cmd.Int("cpus")), MemoryMiB: int(cmd.Int("memory-mb")), MemoryLimitMiB: int(cmd.Int("memory-limit-mb")),
-				Forkable: cmd.Bool("forkable"), DiskMiB: int(cmd.Int("disk-mb")), VMGenID: cmd.Bool("vmgenid"), Image: cmd.String("image"),
-				Net: cmd.Bool("net"), Publish: publish, NoPark: cmd.Bool("no-park"), ColdBoot: cmd.Bool("cold-boot"),
-			})
+			inf, err := cl.Create(ctx, spec)
 			if err != nil {
 				return err
 			}
@@ -69,4 +73,19 @@ func createCmd() *cli.Command {
 			return nil
 		},
 	}
+}
+
+// checkSpec refuses spec by the engine's rules before an engine is opened (which would
+// create the state directory for a request that cannot succeed). The engine reads a
+// zero --cpus or --memory-mb as its default: given on the command line, 0 is refused
+// as the engine refuses -1, not turned into a VM of a size nobody asked for.
+func checkSpec(cmd *cli.Command, spec api.Spec) error {
+	s := engine.SpecWithDefaults(spec)
+	if cmd.IsSet("cpus") {
+		s.CPUs = spec.CPUs
+	}
+	if cmd.IsSet("memory-mb") {
+		s.MemoryMiB = spec.MemoryMiB
+	}
+	return engine.ValidateSpec(s)
 }
