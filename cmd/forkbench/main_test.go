@@ -194,3 +194,28 @@ func TestZygoteDefault(t *testing.T) {
 		})
 	}
 }
+
+// TestWorldShapeRefused: a world shape the engine refuses, or one it would read as its
+// default (--cpus 0, --memory-mb 0: the report would name a shape the world does not
+// have), is refused before the engine opens. --dirty-mb -1 is refused after the shape:
+// an unrefused shape fails there, and nothing boots.
+func TestWorldShapeRefused(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--cpus", "0"}, "cpus must be 1..64, got 0"},
+		{[]string{"--cpus", "-2"}, "cpus must be 1..64, got -2"},
+		{[]string{"--memory-mb", "0"}, "memory must be 64..262144 MiB, got 0"},
+		{[]string{"--disk-mb", "3"}, "disk must be 0 (none) or 8..1048576 MiB"},
+	} {
+		app := newApp()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		args := append([]string{"forkbench", "fork", "--out", t.TempDir(), "--dirty-mb", "-1"}, tc.args...)
+		err := app.Run(context.Background(), args)
+		if !errors.Is(err, engine.ErrInvalidSpec) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("fork %q: %v, want ErrInvalidSpec: %s", tc.args, err, tc.want)
+		}
+	}
+}

@@ -244,6 +244,12 @@ func newRunner(ctx context.Context, opts Options, bench string, settings report.
 		},
 		outDir: opts.Out, jsonOut: opts.JSON, tracePath: opts.Trace, traceKernel: opts.TraceKernel,
 	}
+	// The engine reads 0 vCPUs or MiB as its default: the report would name a shape
+	// the world does not have. Its rules, checked here, refuse them before it opens.
+	world := engine.Spec{Name: "world", CPUs: r.shape.CPUs, MemoryMiB: r.shape.MemoryMiB, DiskMiB: r.shape.DiskMiB}
+	if err := engine.ValidateSpec(world); err != nil {
+		return nil, fmt.Errorf("world (--cpus, --memory-mb, --disk-mb): %w", err)
+	}
 	if r.shape.DirtyMB < 0 || r.shape.DirtyMB >= r.shape.MemoryMiB/2 {
 		return nil, fmt.Errorf("--dirty-mb must be 0..%d (under half of --memory-mb: the guest /dev/shm is half of RAM)", r.shape.MemoryMiB/2-1)
 	}
