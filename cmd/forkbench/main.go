@@ -37,12 +37,32 @@ func main() {
 }
 
 func newApp() *cli.Command {
-	return &cli.Command{
+	app := &cli.Command{
 		Name:  "forkbench",
 		Usage: "benchmark forkvm forks (results: result.json, samples.csv, report.md)",
 		Commands: []*cli.Command{
 			fanoutCmd(), compareCmd(), forkCmd(), forkManyCmd(), checkpointRestoreCmd(), createCmd(), densityCmd(), soakCmd(), treeCmd(), generationsCmd(), pythonCmd(), execLoadCmd(), fleetCmd(), surviveCmd(), protectCmd(), parkCmd(), populationCmd(),
 		},
+	}
+	for _, c := range app.Commands {
+		noArguments(c)
+	}
+	return app
+}
+
+// noArguments makes a bench without ArgsUsage refuse an argument: urfave/cli hands it
+// to the action, which ran the bench with its defaults (`forkbench fork 10` ran 30
+// forks, for minutes, where --n 10 was meant).
+func noArguments(c *cli.Command) {
+	own := c.Action
+	if own == nil || c.ArgsUsage != "" {
+		return
+	}
+	c.Action = func(ctx context.Context, cmd *cli.Command) error {
+		if cmd.Args().Len() > 0 {
+			return fmt.Errorf("%s: unexpected argument %q (it takes flags only: forkbench %s --help)", cmd.Name, cmd.Args().First(), cmd.Name)
+		}
+		return own(ctx, cmd)
 	}
 }
 

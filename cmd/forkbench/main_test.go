@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"regexp"
 	"runtime"
@@ -217,5 +218,29 @@ func TestWorldShapeRefused(t *testing.T) {
 		if !errors.Is(err, engine.ErrInvalidSpec) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("fork %q: %v, want ErrInvalidSpec: %s", tc.args, err, tc.want)
 		}
+	}
+}
+
+// TestNoArguments: a bench that takes no arguments refuses one, where it once ran with
+// its defaults (`forkbench fork 10` ran 30 forks). --dirty-mb -1 stops a bench that
+// takes the argument before anything boots.
+func TestNoArguments(t *testing.T) {
+	n := 0
+	for _, sub := range newApp().Commands {
+		if sub.ArgsUsage != "" {
+			continue // compare's files, exec-load's guest argv
+		}
+		n++
+		app := newApp()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		err := app.Run(context.Background(), []string{"forkbench", sub.Name, "10", "--dirty-mb", "-1", "--out", t.TempDir()})
+		want := fmt.Sprintf(`%s: unexpected argument "10"`, sub.Name)
+		if err == nil || !strings.HasPrefix(err.Error(), want) {
+			t.Errorf("%s 10: %v, want %s", sub.Name, err, want)
+		}
+	}
+	if n < 10 {
+		t.Errorf("only %d benches take no arguments", n)
 	}
 }
