@@ -202,3 +202,28 @@ func TestCreateSpecRefusedFirst(t *testing.T) {
 		}
 	}
 }
+
+// TestProtectIntervalRefusedFirst: an interval given as 0 (which the API reads as its
+// default) is refused as the help's "1s to 24h" says, as fork --fleet --protect 0
+// was, and every refused interval is refused before an engine is opened.
+func TestProtectIntervalRefusedFirst(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"protect", "w1", "--every", "0s"}, "--every: invalid spec: a protection interval is 1s to 24h0m0s, not 0s"},
+		{[]string{"protect", "w1", "--every", "25h"}, "--every: invalid spec: a protection interval is 1s to 24h0m0s, not 25h0m0s"},
+		{[]string{"fork", "ck", "--protect", "0s"}, "--protect: invalid spec: a protection interval is 1s to 24h0m0s, not 0s"},
+		{[]string{"fork", "ck", "--protect", "25h"}, "--protect: invalid spec: a protection interval is 1s to 24h0m0s, not 25h0m0s"},
+	} {
+		home := filepath.Join(t.TempDir(), "home")
+		var stderr strings.Builder
+		code := runMain(context.Background(), append([]string{"forkvm", "--home", home}, tc.args...), &stderr)
+		if want := "forkvm: " + tc.want + "\n"; code != 1 || stderr.String() != want {
+			t.Errorf("%q: exit %d, printed %q; want exit 1 and %q", tc.args, code, stderr.String(), want)
+		}
+		if _, err := os.Stat(home); !os.IsNotExist(err) {
+			t.Errorf("%q touched the state directory: %v", tc.args, err)
+		}
+	}
+}

@@ -48,6 +48,12 @@ func forkCmd() *cli.Command {
 			if err != nil {
 				return err
 			}
+			var protect *api.ProtectOptions
+			if cmd.IsSet("protect") {
+				if protect, err = protectOptions("--protect", cmd.Duration("protect")); err != nil {
+					return err
+				}
+			}
 			var tr *forkTrace
 			var markers engine.PhaseMarker
 			if cmd.String("trace") != "" {
@@ -88,13 +94,6 @@ func forkCmd() *cli.Command {
 			}
 			if err := checkDaemonCounters(ctx, cl, cmd.Bool("counters")); err != nil {
 				return err
-			}
-			var protect *api.ProtectOptions
-			if cmd.IsSet("protect") {
-				protect = &api.ProtectOptions{Every: cmd.Duration("protect")}
-				if err := protect.Normalize(); err != nil {
-					return fmt.Errorf("--protect: %w", err)
-				}
 			}
 			start := time.Now()
 			evs, err := cl.ForkMany(ctx, src, req.N, req.Options())

@@ -23,12 +23,12 @@ func protectCmd() *cli.Command {
 			&cli.BoolFlag{Name: "json", Usage: "one JSON object per VM"},
 		},
 		Action: func(ctx context.Context, cmd *cli.Command) error {
-			o := api.ProtectOptions{Every: cmd.Duration("every")}
-			if err := o.Normalize(); err != nil {
-				return fmt.Errorf("--every: %w", err)
+			o, err := protectOptions("--every", cmd.Duration("every"))
+			if err != nil {
+				return err
 			}
 			return eachVM(ctx, cmd, "protect", func(cl api.API, name string) (any, string, error) {
-				p, err := cl.Protect(ctx, name, &o)
+				p, err := cl.Protect(ctx, name, o)
 				if err != nil {
 					return nil, "", err
 				}
@@ -40,6 +40,20 @@ func protectCmd() *cli.Command {
 			})
 		},
 	}
+}
+
+// protectOptions is the protection for an interval given as flag: the API reads 0 as
+// its default interval, but typed on the command line it is a value out of the range
+// the help gives (1s to 24h), refused as fork --fleet --protect refuses it.
+func protectOptions(flag string, every time.Duration) (*api.ProtectOptions, error) {
+	if every == 0 {
+		return nil, fmt.Errorf("%s: %w: a protection interval is %v to %v, not 0s", flag, api.ErrInvalidSpec, api.MinProtectEvery, api.MaxProtectEvery)
+	}
+	o := &api.ProtectOptions{Every: every}
+	if err := o.Normalize(); err != nil {
+		return nil, fmt.Errorf("%s: %w", flag, err)
+	}
+	return o, nil
 }
 
 func unprotectCmd() *cli.Command {
