@@ -40,6 +40,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"image", "crate", "x"}, `forkvm image: unknown command "crate"; did you mean "create"?`},
 		{[]string{"help", "frob"}, `forkvm: unknown command "frob"; did you mean "fork"?`},
 		{[]string{"create"}, "forkvm: usage: forkvm create NAME [flags]"},
+		{[]string{"profile", "faults"}, "forkvm: usage: forkvm profile faults NAME... [--duration 10s]"},
 	} {
 		var stderr strings.Builder
 		code := runMain(context.Background(), append([]string{"forkvm"}, tc.args...), &stderr)

@@ -46,7 +46,7 @@ type faultsRow struct {
 func profileFaults(ctx context.Context, cmd *cli.Command) error {
 	names := cmd.Args().Slice()
 	if len(names) == 0 {
-		return fmt.Errorf("%w: usage: forkvm profile faults NAME... [--duration 10s]", engine.ErrInvalidSpec)
+		return fmt.Errorf("usage: forkvm profile faults NAME... [--duration 10s]")
 	}
 	if d := cmd.Duration("duration"); d <= 0 {
 		return fmt.Errorf("%w: --duration must be positive", engine.ErrInvalidSpec)
