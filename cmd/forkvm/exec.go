@@ -54,6 +54,9 @@ func execCmd() *cli.Command {
 			if err != nil {
 				return fmt.Errorf("--max-output: %w", err)
 			}
+			if err := checkExecFlags(cmd); err != nil {
+				return err
+			}
 			start, done, err := execStarter(ctx, cmd, args[0])
 			if err != nil {
 				return err
@@ -72,6 +75,22 @@ func execCmd() *cli.Command {
 			return nil
 		},
 	}
+}
+
+// checkExecFlags refuses, before anything is opened, what exec's flags cannot mean: a
+// negative --timeout (the daemon refuses it, the in-process engine ran the command
+// without one) and an -e entry that is not KEY=VALUE (it reached the guest as an entry
+// with no variable: `-e FOO` does not pass the host's FOO, as docker's does).
+func checkExecFlags(cmd *cli.Command) error {
+	if d := cmd.Duration("timeout"); d < 0 {
+		return fmt.Errorf("--timeout: %w: %v is negative (0 = none)", api.ErrInvalidSpec, d)
+	}
+	for _, kv := range cmd.StringSlice("env") {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+			return fmt.Errorf("-e: %w: %q is not KEY=VALUE", api.ErrInvalidSpec, kv)
+		}
+	}
+	return nil
 }
 
 // parseSize parses a byte count with an optional K, M or G (binary) suffix; "unlimited"

@@ -2,12 +2,15 @@ package main
 
 import (
 	"context"
+	"errors"
 	"net"
 	"os"
+	"path/filepath"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/vsockd"
 )
 
@@ -54,5 +57,30 @@ func TestInterruptForwarded(t *testing.T) {
 	}
 	if syscall.Kill(p.Pid, 0) == nil {
 		t.Fatalf("guest process %d still alive", p.Pid)
+	}
+}
+
+// TestExecFlagsRefusedFirst: a negative --timeout (which the daemon refuses and the
+// in-process engine read as none) and an -e entry that is not KEY=VALUE (which reached
+// the guest as a variable-less entry: `-e FOO` did not pass the host's FOO) are
+// refused as invalid before an engine is opened.
+func TestExecFlagsRefusedFirst(t *testing.T) {
+	for _, tc := range []struct {
+		flags []string
+		want  string
+	}{
+		{[]string{"--timeout", "-1s"}, "--timeout: invalid spec: -1s is negative (0 = none)"},
+		{[]string{"-e", "FOO"}, `-e: invalid spec: "FOO" is not KEY=VALUE`},
+		{[]string{"-e", "A=1", "--env", "=x"}, `-e: invalid spec: "=x" is not KEY=VALUE`},
+	} {
+		home := filepath.Join(t.TempDir(), "home")
+		args := append(append([]string{"--home", home, "exec"}, tc.flags...), "w1", "true")
+		out, err := helpOf(t, args...)
+		if !errors.Is(err, api.ErrInvalidSpec) || err.Error() != tc.want {
+			t.Errorf("exec %q: %v (%s), want %s", tc.flags, err, out, tc.want)
+		}
+		if _, err := os.Stat(home); !os.IsNotExist(err) {
+			t.Errorf("exec %q touched the state directory: %v", tc.flags, err)
+		}
 	}
 }
