@@ -65,6 +65,10 @@ func TestFlagsAfterNames(t *testing.T) {
 			map[string]string{"n": "8", "prefix": "g"}},
 		{[]string{"checkpoint", "rm", "ck1", "--force"}, []string{"force"}, []string{"ck1"}, map[string]string{"force": "true"}},
 		{[]string{"rm", "a", "b", "--dead"}, []string{"dead"}, []string{"a", "b"}, map[string]string{"dead": "true"}},
+		// An -e value is one entry, commas and all (PATH-like lists): it was split at
+		// each comma into X=a and a bare b.
+		{[]string{"exec", "-e", "X=a,b", "--env", "Y=1", "w1", "true"}, []string{"env"}, []string{"w1", "true"},
+			map[string]string{"env": "[X=a,b Y=1]"}},
 	}
 	for _, tt := range tests {
 		_, pos, vals, err := parsed(t, tt.args, tt.flags...)

@@ -36,9 +36,12 @@ func execCmd() *cli.Command {
 		// Without "--", the command's first word (the second positional) ends them too,
 		// so `exec w1 ls -la` passes -la to ls.
 		StopOnNthArg: &two,
+		// An -e value is one KEY=VALUE entry: a comma in it is part of the value
+		// (X=a,b), not a separator.
+		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "tty", Aliases: []string{"t"}, Usage: "allocate a terminal (interactive, raw mode)"},
-			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "KEY=VALUE environment entries"},
+			&cli.StringSliceFlag{Name: "env", Aliases: []string{"e"}, Usage: "a KEY=VALUE environment entry (repeatable; a comma is part of the value)"},
 			&cli.StringFlag{Name: "workdir", Aliases: []string{"w"}, Usage: "working directory in the guest"},
 			&cli.StringFlag{Name: "user", Aliases: []string{"u"}, Usage: "run as `USER[:GROUP]` (names or numeric ids, from the guest's /etc/passwd and /etc/group)"},
 			&cli.DurationFlag{Name: "timeout", Usage: fmt.Sprintf("kill the command after this long: it then exits %d, like timeout(1) (0 = none)", vsockd.ExitCodeTimeout)},
