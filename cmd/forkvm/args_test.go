@@ -69,6 +69,9 @@ func TestFlagsAfterNames(t *testing.T) {
 		// each comma into X=a and a bare b.
 		{[]string{"exec", "-e", "X=a,b", "--env", "Y=1", "w1", "true"}, []string{"env"}, []string{"w1", "true"},
 			map[string]string{"env": "[X=a,b Y=1]"}},
+		// A --warm-up value is one argv word: "echo a,b" was two.
+		{[]string{"warm", "ck", "2", "--restored", "--warm-up", "sh", "--warm-up", "-c", "--warm-up", "echo a,b"}, []string{"warm-up"},
+			[]string{"ck", "2"}, map[string]string{"warm-up": "[sh -c echo a,b]"}},
 	}
 	for _, tt := range tests {
 		_, pos, vals, err := parsed(t, tt.args, tt.flags...)

@@ -19,6 +19,8 @@ func warmCmd() *cli.Command {
 		Name:      "warm",
 		Usage:     "keep N pre-spawned QEMU processes for a checkpoint in the daemon, so forks of it skip process start (0 empties)",
 		ArgsUsage: "CHECKPOINT N",
+		// A --warm-up value is one argv word: a comma in it is part of the word.
+		DisableSliceFlagSeparator: true,
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "restored", Usage: "pre-restore pooled processes (see engine.WarmOptions.Restored)"},
 			&cli.StringSliceFlag{Name: "warm-up", Usage: "with --restored: the command each pooled process runs before it is stopped (one argv word per flag)"},
