@@ -228,3 +228,27 @@ func TestProtectIntervalRefusedFirst(t *testing.T) {
 		}
 	}
 }
+
+// TestHelpProseFits: help prose broken into lines in the source (a Description, an
+// ArgsUsage's paragraphs) fits helpWidth as printed, so that reflowHelp need not break
+// it again: cp's and image create's help alternated long and one-word lines. A line
+// laid out in two columns wraps under its second and may be longer.
+func TestHelpProseFits(t *testing.T) {
+	var walk func(c *cli.Command)
+	walk = func(c *cli.Command) {
+		for _, l := range strings.Split(c.Description, "\n") {
+			if !strings.Contains(l, "  ") && 3+len(l) > helpWidth {
+				t.Errorf("%s: a description line of %d columns: %q", c.FullName(), 3+len(l), l)
+			}
+		}
+		for _, l := range strings.Split(c.ArgsUsage, "\n")[1:] {
+			if len(l) > helpWidth {
+				t.Errorf("%s: a usage line of %d columns: %q", c.FullName(), len(l), l)
+			}
+		}
+		for _, s := range c.Commands {
+			walk(s)
+		}
+	}
+	walk(newApp())
+}

@@ -64,11 +64,12 @@ func cpCmd() *cli.Command {
 			"forkvm cp w1:/etc/hostname ./h    copies to ./h (a new name, or over an existing file)\n" +
 			"forkvm cp - w1:/root              extracts a tar stream from stdin into /root\n" +
 			"forkvm cp w1:/var/log -           writes a tar stream of /var/log to stdout\n\n" +
-			"Directories are copied recursively and symlinks as symlinks; permission bits and\n" +
-			"modification times are kept, owners and set-ID bits are not. Nothing is written\n" +
-			"outside DST, whatever the guest sends: a copy from a VM holding a symlink whose\n" +
-			"target is absolute or leads out of the copied tree is refused (a trap for whoever\n" +
-			"follows it later), unless --keep-links makes such links as they are.",
+			"Directories are copied recursively and symlinks as symlinks; permission bits\n" +
+			"and modification times are kept, owners and set-ID bits are not. Nothing is\n" +
+			"written outside DST, whatever the guest sends: a copy from a VM holding a\n" +
+			"symlink whose target is absolute or leads out of the copied tree is refused\n" +
+			"(a trap for whoever follows it later), unless --keep-links makes such links\n" +
+			"as they are.",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "keep-links", Usage: "copying from a VM: make symlinks whose target is absolute or leads out of the copy as they are (refused by default)"},
 		},

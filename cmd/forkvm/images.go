@@ -52,9 +52,10 @@ func imageCreateCmd() *cli.Command {
 		Name:  "create",
 		Usage: "build a root image: Debian (mmdebstrap), a registry image, a disk image, or a tarball, directory, OCI layout or docker-save archive",
 		ArgsUsage: "NAME (--debian [--suite S] [--include P,...] | --from PATH|REGISTRY/REPO:TAG [--ref REF])\n\n" +
-			"   Needs root. The image is an ext4 disk with the forkvm agent at " + guest.ImageAgentPath + ",\n" +
-			"   stored by content hash in the cache, named in the state directory; `forkvm images`\n" +
-			"   lists them. A Debian recipe built before is reused (--rebuild builds it again).\n\n" +
+			"   Needs root. The image is an ext4 disk with the forkvm agent at\n" +
+			"   " + guest.ImageAgentPath + ", stored by content hash in the cache, named in the\n" +
+			"   state directory; `forkvm images` lists them. A Debian recipe built before is\n" +
+			"   reused (--rebuild builds it again).\n\n" +
 			"   --from is a path when that path exists. Otherwise, when it names a\n" +
 			"   tag (:TAG), a digest (@sha256:...) or a registry host (HOST/...),\n" +
 			"   it is pulled (linux/amd64) with ~/.docker/config.json's credentials,\n" +
