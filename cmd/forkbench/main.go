@@ -46,8 +46,26 @@ func newApp() *cli.Command {
 	}
 	for _, c := range app.Commands {
 		noArguments(c)
+		c.OnUsageError = usageError
+	}
+	app.OnUsageError = usageError
+	// An unknown bench: urfave/cli would print "No help topic" and exit 3.
+	app.Action = func(ctx context.Context, cmd *cli.Command) error {
+		if cmd.Args().Len() == 0 {
+			return cli.ShowRootCommandHelp(cmd)
+		}
+		return fmt.Errorf("unknown bench %q (forkbench --help lists them)", cmd.Args().First())
 	}
 	return app
+}
+
+// usageError is a flag forkbench cannot parse as one error line: urfave/cli prints
+// "Incorrect Usage", the whole help, then the error again.
+func usageError(_ context.Context, cmd *cli.Command, err error, _ bool) error {
+	if cmd.Root() == cmd {
+		return fmt.Errorf("%w (forkbench --help lists the flags)", err)
+	}
+	return fmt.Errorf("%s: %w (forkbench %s --help lists the flags)", cmd.Name, err, cmd.Name)
 }
 
 // noArguments makes a bench without ArgsUsage refuse an argument: urfave/cli hands it

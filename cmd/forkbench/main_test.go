@@ -244,3 +244,30 @@ func TestNoArguments(t *testing.T) {
 		t.Errorf("only %d benches take no arguments", n)
 	}
 }
+
+// TestUsageErrors: an unknown bench or flag is one error line, without the help text
+// urfave/cli prints (and without its exit status 3 for an unknown bench, which is not
+// one of forkbench's: 1 for an error, 2 for a bench that ran but was not OK).
+func TestUsageErrors(t *testing.T) {
+	exiter := cli.OsExiter
+	defer func() { cli.OsExiter = exiter }()
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"nosuch"}, `unknown bench "nosuch" (forkbench --help lists them)`},
+		{[]string{"forkk"}, `unknown bench "forkk"`},
+		{[]string{"fanout", "--wavs", "3"}, "fanout: flag provided but not defined: -wavs (forkbench fanout --help lists the flags)"},
+		{[]string{"fork", "--n", "abc"}, `fork: invalid value "abc" for flag -n`},
+	} {
+		exited := -1
+		cli.OsExiter = func(code int) { exited = code }
+		app := newApp()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		err := app.Run(context.Background(), append([]string{"forkbench"}, tc.args...))
+		if err == nil || !strings.HasPrefix(err.Error(), tc.want) || out.Len() != 0 || exited != -1 {
+			t.Errorf("forkbench %q: %v, exit %d, printed %q; want the error %q alone", tc.args, err, exited, out.String(), tc.want)
+		}
+	}
+}
