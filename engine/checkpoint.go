@@ -69,11 +69,14 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 	if vm.parked() != nil {
 		// Made from its park image (checkpointParked), which must stay as it is: no
 		// wake, park or delete until the checkpoint is committed.
-		vm.life.Lock()
+		unlock, err := e.lockLife(vm)
+		if err != nil {
+			return nil, err
+		}
 		if parked = vm.parked() != nil; parked {
-			defer vm.life.Unlock()
+			defer unlock()
 		} else {
-			vm.life.Unlock()
+			unlock()
 		}
 	}
 	if !parked {
