@@ -303,6 +303,9 @@ func TestLifeOfDeletedVM(t *testing.T) {
 		{"Delete", StateRunning, func(e *Engine) error { return e.Delete(ctx, "x") }},
 		{"Park", StateRunning, func(e *Engine) error { _, err := e.Park(ctx, "x"); return err }},
 		{"Wake", StateParked, func(e *Engine) error { _, err := e.Wake(ctx, "x", nil); return err }},
+		{"checkpoint", StateParked, func(e *Engine) error { _, err := e.Checkpoint(ctx, "x", "xck", nil); return err }},
+		{"Freeze", StateRunning, func(e *Engine) error { return e.Freeze(ctx, "x") }},
+		{"Thaw", StateRunning, func(e *Engine) error { return e.Thaw(ctx, "x") }},
 	} {
 		t.Run(c.op, func(t *testing.T) {
 			cfg := testConfig(t)

@@ -223,8 +223,11 @@ func (e *Engine) Freeze(ctx context.Context, name string) error {
 	// The loop first: a point under way finishes its pause (under the VM's lock) before
 	// the guest is stopped below, and no new one starts.
 	e.prot.end(name)
-	vm.life.Lock() // not while it parks or wakes
-	defer vm.life.Unlock()
+	unlock, err := e.lockLife(vm) // not while it parks or wakes
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	if err := vm.errIfParked(); err != nil {
 		return err
 	}
@@ -252,8 +255,11 @@ func (e *Engine) Thaw(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
-	vm.life.Lock()
-	defer vm.life.Unlock()
+	unlock, err := e.lockLife(vm)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	var prot *ProtectionInfo
 	err = vm.locked(func(s *vmState) error {
 		if !s.Frozen {
