@@ -174,6 +174,14 @@ func (e *Engine) Park(ctx context.Context, name string) (*api.ParkResult, error)
 	clk.lap("prepare")
 	ps, paused, err := e.parkPause(ctx, vm, &parent.Manifest, res.Handoff, clk)
 	if err != nil {
+		if vm.parked() != nil {
+			// Parked, its image durable, but its manifest could not say so (a full disk):
+			// an engine that loads it finds the image and parks it. Its QEMU, stopped,
+			// must not outlive it: a wake starts another.
+			vm.kill()
+			vm.modify(func(s *vmState) { s.PID, s.StartTime = 0, 0 })
+			removePerfMap(&m)
+		}
 		return nil, err
 	}
 	e.marker(name, ParkStageKill)

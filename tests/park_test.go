@@ -730,3 +730,70 @@ func TestParkedCheckpointFork(t *testing.T) {
 	}
 	deleteAll(t, env)
 }
+
+// blockManifestAt is a PhaseMarker that, when a park of vm reaches stage, puts a
+// directory where its manifest is, so that writing the manifest fails (as on a full
+// disk) once the park image is committed.
+type blockManifestAt struct {
+	home, vm, stage string
+}
+
+func (m blockManifestAt) PhaseStart(owner, phase string) {
+	if owner != m.vm || phase != m.stage {
+		return
+	}
+	path := filepath.Join(m.home, "vms", m.vm, "manifest.json")
+	os.Rename(path, path+".saved")
+	os.MkdirAll(filepath.Join(path, "blocked"), 0o700)
+}
+
+func (blockManifestAt) PhaseEnd(string, string) {}
+
+// TestParkManifestUnwritable: a park whose image is committed but whose manifest
+// cannot be written fails, and the VM is parked all the same: its stopped QEMU is
+// ended (not left beside the one a wake starts), and once the manifest can be written
+// again it wakes as itself.
+func TestParkManifestUnwritable(t *testing.T) {
+	mod := parallelVMTest(t)
+	var home string
+	env := newRobustEnv(t, func(c *engine.Config) {
+		mod(c)
+		home = c.StateDir
+		c.Markers = blockManifestAt{home: c.StateDir, vm: "f", stage: engine.ParkStageRecord}
+	})
+	e := env.E
+	ctx := ctxT(t, 4*time.Minute)
+	makePinnedWorld(t, e, 256, 0)
+	f, err := e.Fork(ctx, "ck", &engine.ForkOptions{Name: "f"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, f, "echo kept > /dev/shm/m")
+	qpid := f.PID()
+	if _, err := e.Park(ctx, "f"); err == nil {
+		t.Fatal("park with an unwritable manifest succeeded")
+	}
+	if !waitExited(qpid, 10*time.Second) {
+		t.Errorf("the parked fork's QEMU %d still runs", qpid)
+	}
+	if info := f.Info(); info.State != engine.StateParked || info.PID != 0 {
+		t.Errorf("after the park: state %s, pid %d, want parked, 0", info.State, info.PID)
+	}
+	path := filepath.Join(home, "vms", "f", "manifest.json")
+	if err := os.RemoveAll(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(path+".saved", path); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Wake(ctx, "f", nil); err != nil {
+		t.Fatalf("wake: %v", err)
+	}
+	if got := mustRun(t, f, "cat /dev/shm/m"); got != "kept" {
+		t.Errorf("after the wake: %q", got)
+	}
+	if n := len(qemuPIDs(env.Home)); n != 2 {
+		t.Errorf("%d QEMUs run for the world and the woken fork, want 2", n)
+	}
+	deleteAll(t, env)
+}
