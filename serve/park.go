@@ -25,12 +25,22 @@ type parker struct {
 	last  map[string]time.Time
 	busy  map[string]int
 	ports map[string][]net.Listener
-	// waking serializes the daemon's wakes of one VM with its port listeners.
-	waking map[string]*sync.Mutex
+	// waking serializes the daemon's wakes of one VM with its port listeners. A lock is
+	// in the map only while a goroutine holds it or waits for it (lockWake): a name
+	// the daemon no longer serves, or never did (a park of any name a client sends),
+	// leaves nothing behind.
+	waking map[string]*wakeLock
+}
+
+// wakeLock is one VM's lock in parker.waking, with the goroutines that hold it or wait
+// for it (guarded by parker.mu).
+type wakeLock struct {
+	mu   sync.Mutex
+	refs int
 }
 
 func (s *Server) parkRoutes() {
-	s.pk = &parker{last: map[string]time.Time{}, busy: map[string]int{}, ports: map[string][]net.Listener{}, waking: map[string]*sync.Mutex{}}
+	s.pk = &parker{last: map[string]time.Time{}, busy: map[string]int{}, ports: map[string][]net.Listener{}, waking: map[string]*wakeLock{}}
 	s.mux.HandleFunc("POST /v1/vms/{name}/park", s.parkVM)
 	s.mux.HandleFunc("POST /v1/vms/{name}/wake", s.wakeVM)
 	s.mux.HandleFunc("PATCH /v1/vms/{name}", s.patchVM)
@@ -76,9 +86,7 @@ func (s *Server) patchVM(w http.ResponseWriter, r *http.Request) {
 // park parks name and, where the daemon parks idle VMs, holds its published ports to
 // wake it on a connection.
 func (s *Server) park(ctx context.Context, name string) (*api.ParkResult, error) {
-	mu := s.pk.wakeLock(name)
-	mu.Lock()
-	defer mu.Unlock()
+	defer s.pk.lockWake(name)()
 	return s.parkLocked(ctx, name)
 }
 
@@ -97,9 +105,7 @@ func (s *Server) parkLocked(ctx context.Context, name string) (*api.ParkResult, 
 // wake wakes name, first letting go of the ports the daemon held for it (its QEMU binds
 // them); a failed wake takes them again.
 func (s *Server) wake(ctx context.Context, name string) (*api.WakeResult, error) {
-	mu := s.pk.wakeLock(name)
-	mu.Lock()
-	defer mu.Unlock()
+	defer s.pk.lockWake(name)()
 	return s.wakeLocked(ctx, name)
 }
 
@@ -129,9 +135,7 @@ func (s *Server) useVM(w http.ResponseWriter, r *http.Request, guest bool) (vm *
 	}
 	// Under the wake lock: an idle park that checked the VM unused cannot park it from
 	// under this request, and a parked VM is woken once.
-	mu := s.pk.wakeLock(name)
-	mu.Lock()
-	defer mu.Unlock()
+	defer s.pk.lockWake(name)()
 	done = s.pk.enter(name)
 	if guest && vm.Info().State == engine.StateParked {
 		res, err := s.wakeLocked(r.Context(), name)
@@ -144,15 +148,43 @@ func (s *Server) useVM(w http.ResponseWriter, r *http.Request, guest bool) (vm *
 	return vm, done, nil
 }
 
-func (p *parker) wakeLock(name string) *sync.Mutex {
+// lockWake takes name's wake lock and returns its unlock.
+func (p *parker) lockWake(name string) (unlock func()) {
+	l := p.refWake(name)
+	l.mu.Lock()
+	return func() { l.mu.Unlock(); p.unrefWake(name, l) }
+}
+
+// tryLockWake takes name's wake lock when it is free.
+func (p *parker) tryLockWake(name string) (unlock func(), ok bool) {
+	l := p.refWake(name)
+	if !l.mu.TryLock() {
+		p.unrefWake(name, l)
+		return nil, false
+	}
+	return func() { l.mu.Unlock(); p.unrefWake(name, l) }, true
+}
+
+// refWake returns name's wake lock, made when none is in use, counting the caller.
+func (p *parker) refWake(name string) *wakeLock {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	mu := p.waking[name]
-	if mu == nil {
-		mu = &sync.Mutex{}
-		p.waking[name] = mu
+	l := p.waking[name]
+	if l == nil {
+		l = &wakeLock{}
+		p.waking[name] = l
 	}
-	return mu
+	l.refs++
+	return l
+}
+
+// unrefWake uncounts a caller of refWake, dropping the lock when it was the last.
+func (p *parker) unrefWake(name string, l *wakeLock) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if l.refs--; l.refs == 0 {
+		delete(p.waking, name)
+	}
 }
 
 // enter counts a request using name until done.
@@ -269,9 +301,7 @@ func (s *Server) parkIdle(ctx context.Context, idle time.Duration) {
 // parkIfIdle parks the VM of inf when it is still idle (nil, nil: it is not), checked
 // under its wake lock, which a request takes to count itself as using the VM.
 func (s *Server) parkIfIdle(ctx context.Context, inf api.Info, idle time.Duration, now time.Time) (*api.ParkResult, time.Time, error) {
-	mu := s.pk.wakeLock(inf.Name)
-	mu.Lock()
-	defer mu.Unlock()
+	defer s.pk.lockWake(inf.Name)()
 	since, busy := s.pk.idleSince(inf.Name, now)
 	if busy || now.Sub(since) < idle {
 		return nil, since, nil
@@ -290,11 +320,11 @@ func (s *Server) parkIfIdle(ctx context.Context, inf api.Info, idle time.Duratio
 // ports for its new QEMU to bind, and the VM reads parked until the wake commits, so
 // holding them then would make that QEMU fail to start.
 func (s *Server) holdParked(name string) {
-	mu := s.pk.wakeLock(name)
-	if !mu.TryLock() {
+	unlock, ok := s.pk.tryLockWake(name)
+	if !ok {
 		return // a park or a wake is under way: its end decides
 	}
-	defer mu.Unlock()
+	defer unlock()
 	vm, err := s.e.Get(name)
 	if err != nil {
 		return
