@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine"
 	"github.com/forkvm/forkvm/vsockd"
 )
@@ -93,7 +94,13 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		TTY:     req.TTY, Rows: req.Rows, Cols: req.Cols, Term: req.Term,
 	}
 	if attached {
-		s.execAttached(w, r, vm, vreq)
+		s.execAttached(w, r, func(ctx context.Context, req *vsockd.ExecRequest) (api.Process, error) {
+			p, err := vm.Start(ctx, req)
+			if err != nil {
+				return nil, err
+			}
+			return p, nil
+		}, vreq)
 		return
 	}
 	n := newNDJSON(w)
@@ -168,23 +175,28 @@ const maxSignal = 64
 // maxInputLine bounds one ExecInput line (a stdin chunk of up to 1 MiB in base64).
 const maxInputLine = 2 << 20
 
-// execAttached runs an attached exec: it starts the command (a failure is a plain error
-// response), answers 101 and takes over the connection. From then on the client sends
-// ExecInput lines (stdin, stdin_eof, signal, resize) and receives ExecLine lines (stdout,
-// stderr, then exit_code or error), after which the daemon closes the connection.
+// stopWriteGrace is how long an attached exec's last lines may take to be written once
+// the daemon stops.
+const stopWriteGrace = time.Second
+
+// execAttached runs an attached exec: it starts the command with start (the VM's
+// engine.VM.Start; a test's fake), a failure being a plain error response, answers 101
+// and takes over the connection. From then on the client sends ExecInput lines (stdin,
+// stdin_eof, signal, resize) and receives ExecLine lines (stdout, stderr, then
+// exit_code or error), after which the daemon closes the connection.
 //
 // Lifetime: the command is killed when the client closes the connection (or its write
 // side) before the command ended, when a line it sends is malformed, and when the daemon
 // stops (the request's context derives from the server's, which Serve cancels after its
 // grace even for connections it no longer tracks).
-func (s *Server) execAttached(w http.ResponseWriter, r *http.Request, vm *engine.VM, vreq *vsockd.ExecRequest) {
+func (s *Server) execAttached(w http.ResponseWriter, r *http.Request, start func(context.Context, *vsockd.ExecRequest) (api.Process, error), vreq *vsockd.ExecRequest) {
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	pr, pw := io.Pipe()
 	defer pr.Close()
 	out := &connLines{ready: make(chan struct{})}
 	vreq.Stdin, vreq.Stdout, vreq.Stderr = pr, streamWriter{n: out}, streamWriter{n: out, stderr: true}
-	p, err := vm.Start(ctx, vreq)
+	p, err := start(ctx, vreq)
 	if err != nil {
 		out.fail()
 		writeError(w, err)
@@ -199,6 +211,12 @@ func (s *Server) execAttached(w http.ResponseWriter, r *http.Request, vm *engine
 		return
 	}
 	defer conn.Close()
+	// The connection is no longer the server's, whose close at the end of its grace
+	// reaches only its own: when the daemon stops (the request's context ends), what
+	// is still to be written gets stopWriteGrace, so that a client that does not read
+	// cannot hold the handler (and the command's output) for ever.
+	stopWrites := context.AfterFunc(r.Context(), func() { conn.SetWriteDeadline(time.Now().Add(stopWriteGrace)) })
+	defer stopWrites()
 	fmt.Fprintf(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n", ExecUpgrade)
 	if err := brw.Flush(); err != nil {
 		out.fail()
