@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"strings"
@@ -63,17 +64,13 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer s.execBodies.Release(weight)
-	vm, used, err := s.useVM(w, r, true)
-	if err != nil {
-		writeError(w, err)
-		return
-	}
-	defer used()
+	// The body is checked before the VM is used: a bad one does not wake a parked VM.
 	var req ExecRequest
 	if !decode(w, r, MaxExecBodyBytes, &req) {
 		return
 	}
 	attached := wantsExecUpgrade(r)
+	var err error
 	switch {
 	case len(req.Argv) == 0:
 		err = vsockd.ErrEmptyArgv
@@ -83,11 +80,20 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		err = fmt.Errorf("%w: an attached exec sends stdin on its connection, not in the body", engine.ErrInvalidSpec)
 	case req.TimeoutMS < 0:
 		err = fmt.Errorf("%w: timeout_ms is negative", engine.ErrInvalidSpec)
+	case req.TimeoutMS > maxTimeoutMS:
+		// Its nanoseconds would wrap around: 18446744073710 ms was a timeout of 0.45 ms.
+		err = fmt.Errorf("%w: timeout_ms %d is over %d", engine.ErrInvalidSpec, req.TimeoutMS, maxTimeoutMS)
 	}
 	if err != nil {
 		writeError(w, err)
 		return
 	}
+	vm, used, err := s.useVM(w, r, true)
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	defer used()
 	vreq := &vsockd.ExecRequest{
 		Argv: req.Argv, Env: req.Env, Dir: req.Workdir, User: req.User, MaxOutput: req.MaxOutput,
 		Timeout: time.Duration(req.TimeoutMS) * time.Millisecond,
@@ -174,6 +180,9 @@ const maxSignal = 64
 
 // maxInputLine bounds one ExecInput line (a stdin chunk of up to 1 MiB in base64).
 const maxInputLine = 2 << 20
+
+// maxTimeoutMS is the largest exec timeout_ms whose nanoseconds fit a time.Duration.
+const maxTimeoutMS = math.MaxInt64 / int64(time.Millisecond)
 
 // stopWriteGrace is how long an attached exec's last lines may take to be written once
 // the daemon stops.

@@ -94,3 +94,30 @@ func TestAttachedExecStopsWithUnreadOutput(t *testing.T) {
 		t.Error("the command's output writer still blocks")
 	}
 }
+
+// TestExecBodyChecked: an exec's body is checked before the VM is looked up and used
+// (a bad body woke a parked VM before it was refused), and a timeout_ms whose
+// nanoseconds overflow is refused: 18446744073710 ms wrapped around to a timeout of
+// 0.45 ms, math.MaxInt64 to a negative one (none).
+func TestExecBodyChecked(t *testing.T) {
+	_, hc, _ := newTestServer(t)
+	for _, c := range []struct {
+		body   string
+		status int
+		code   string
+	}{
+		{`{"argv":[]}`, 400, "empty_argv"},
+		{`{"argv":["true"],"timeout_ms":-1}`, 400, "invalid_spec"},
+		{`{"argv":["true"],"timeout_ms":18446744073710}`, 400, "invalid_spec"},
+		{`{"argv":["true"],"timeout_ms":9223372036854775807}`, 400, "invalid_spec"},
+		{`{"argv":["true"],"timeout_ms":9223372036855}`, 400, "invalid_spec"},
+		{`{"argv":["true"],"stdin":"a","stdin_base64":"YQ=="}`, 400, "invalid_spec"},
+		{`{"argv":["true"],"timeout_ms":9223372036854}`, 404, "not_found"},
+		{`{"argv":["true"],"timeout_ms":1000}`, 404, "not_found"},
+	} {
+		status, o, body := request(t, hc, "POST", "/v1/vms/nope/exec", c.body)
+		if status != c.status || o.Code != c.code {
+			t.Errorf("%s: HTTP %d %s, want %d %s (%s)", c.body, status, o.Code, c.status, c.code, body)
+		}
+	}
+}
