@@ -20,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/url"
@@ -236,9 +237,19 @@ func (c *Client) Exec(ctx context.Context, name string, req *api.ExecRequest) (i
 	return code, err
 }
 
+// execBody is req's body. Its timeout is rounded up to whole milliseconds: rounded
+// down, one under a millisecond became 0, no timeout at all. A negative one is none,
+// as in api.ExecRequest (the daemon refuses a negative timeout_ms).
 func execBody(req *api.ExecRequest) api.ExecBody {
+	var ms int64
+	if req.Timeout > 0 {
+		ms = req.Timeout.Milliseconds()
+		if req.Timeout%time.Millisecond != 0 && ms < math.MaxInt64/int64(time.Millisecond) {
+			ms++
+		}
+	}
 	return api.ExecBody{Argv: req.Argv, Env: req.Env, Workdir: req.Dir, User: req.User, MaxOutput: req.MaxOutput,
-		TimeoutMS: req.Timeout.Milliseconds(), TTY: req.TTY, Rows: req.Rows, Cols: req.Cols, Term: req.Term}
+		TimeoutMS: ms, TTY: req.TTY, Rows: req.Rows, Cols: req.Cols, Term: req.Term}
 }
 
 // readExecLines copies an exec stream's output to req's writers and returns its exit

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math"
 	"os"
 	"path/filepath"
 	"testing"
@@ -100,5 +101,29 @@ func TestForkEventAdmission(t *testing.T) {
 	var got *engine.AdmissionError
 	if err := eventError(200, o); !errors.As(err, &got) || *got != *refusal {
 		t.Errorf("event error %v: %+v, want %+v", err, got, refusal)
+	}
+}
+
+// TestExecBodyTimeout: a timeout reaches the daemon in whole milliseconds, rounded up,
+// so that one under a millisecond is still a timeout (rounded down it was 0: none), and
+// a negative one, none in api.ExecRequest, as none (the daemon refused it).
+func TestExecBodyTimeout(t *testing.T) {
+	for _, c := range []struct {
+		timeout time.Duration
+		ms      int64
+	}{
+		{0, 0},
+		{-time.Second, 0},
+		{math.MinInt64, 0},
+		{math.MaxInt64, math.MaxInt64 / int64(time.Millisecond)},
+		{time.Nanosecond, 1},
+		{500 * time.Microsecond, 1},
+		{time.Millisecond, 1},
+		{1500 * time.Microsecond, 2},
+		{10 * time.Second, 10000},
+	} {
+		if got := execBody(&api.ExecRequest{Argv: []string{"true"}, Timeout: c.timeout}).TimeoutMS; got != c.ms {
+			t.Errorf("timeout %v: timeout_ms %d, want %d", c.timeout, got, c.ms)
+		}
 	}
 }
