@@ -255,8 +255,8 @@ func (s *Server) execAttached(w http.ResponseWriter, r *http.Request, start func
 		sc := bufio.NewScanner(brw.Reader)
 		sc.Buffer(make([]byte, 64<<10), maxInputLine)
 		for sc.Scan() {
-			var in ExecInput
-			if err := json.Unmarshal(sc.Bytes(), &in); err != nil {
+			in, err := inputLine(sc.Bytes())
+			if err != nil {
 				o := ErrorObject{Code: CodeBadRequest, Message: "attached exec: bad input line: " + err.Error()}
 				out.line(ExecLine{Error: &o})
 				return
@@ -290,6 +290,32 @@ func (s *Server) execAttached(w http.ResponseWriter, r *http.Request, start func
 		return
 	}
 	out.line(ExecLine{ExitCode: &code})
+}
+
+// inputLine decodes an attached exec's input line: at most one field of ExecInput set
+// (none is a no-op: signal 0 has no field on the wire), and nothing else. A field
+// misspelt, or one of several set on a line, was ignored, and the command waited for an
+// input (a stdin_eof) the client believed sent.
+func inputLine(b []byte) (ExecInput, error) {
+	var in ExecInput
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&in); err != nil {
+		return in, err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return in, errors.New("trailing data after the JSON value")
+	}
+	set := 0
+	for _, ok := range []bool{in.Stdin != nil, in.StdinEOF, in.Signal != 0, in.Resize != nil} {
+		if ok {
+			set++
+		}
+	}
+	if set > 1 {
+		return in, fmt.Errorf("%d of stdin, stdin_eof, signal and resize set; a line sets one", set)
+	}
+	return in, nil
 }
 
 // stoppingErr says so when err is the cancellation of a request by a daemon that stops

@@ -3,11 +3,14 @@ package serve
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -41,46 +44,65 @@ func (p *floodProcess) Wait(ctx context.Context) (int, error) {
 func (p *floodProcess) Signal(context.Context, syscall.Signal) error { return nil }
 func (p *floodProcess) Resize(context.Context, uint16, uint16) error { return nil }
 
+// attachedServer serves an attached exec of a command that start starts on POST
+// /v1/test/attach (no engine), until the test ends or stop is called.
+func attachedServer(t *testing.T, start func(context.Context, *vsockd.ExecRequest) (api.Process, error)) (s *Server, sock string, stop func() error) {
+	t.Helper()
+	s = New(nil, nil)
+	s.mux.HandleFunc("POST /v1/test/attach", func(w http.ResponseWriter, r *http.Request) {
+		s.execAttached(w, r, start, &vsockd.ExecRequest{Argv: []string{"cmd"}})
+	})
+	sock = filepath.Join(t.TempDir(), "s.sock")
+	ln, err := ListenUnix(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, ln, s.Handler(), 100*time.Millisecond) }()
+	var once sync.Once
+	var serr error
+	stop = func() error {
+		once.Do(func() { cancel(); serr = <-served })
+		return serr
+	}
+	t.Cleanup(func() { stop() })
+	return s, sock, stop
+}
+
+// attach starts an attached exec on sock and reads its 101.
+func attach(t *testing.T, sock string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	fmt.Fprintf(c, "POST /v1/test/attach HTTP/1.1\r\nHost: forkvm\r\nConnection: Upgrade\r\nUpgrade: %s\r\nContent-Length: 0\r\n\r\n", ExecUpgrade)
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("attach: %v %v", resp, err)
+	}
+	return c, br
+}
+
 // TestAttachedExecStopsWithUnreadOutput: an attached exec whose client stops reading
 // its output (a stopped `forkvm exec -i`, a stuck program) ends when the daemon stops.
 // Its connection is the handler's, not the server's: no server close reaches it, and
 // the writes of its output, then of its last line, blocked for ever, so that the
 // handler never returned and the daemon's drain (Server.Wait) timed out.
 func TestAttachedExecStopsWithUnreadOutput(t *testing.T) {
-	s := New(nil, nil)
 	flooded := make(chan struct{})
-	s.mux.HandleFunc("POST /v1/test/attach", func(w http.ResponseWriter, r *http.Request) {
-		s.execAttached(w, r, func(ctx context.Context, req *vsockd.ExecRequest) (api.Process, error) {
-			p, err := startFlood(ctx, req)
-			go func() { <-p.(*floodProcess).done; close(flooded) }()
-			return p, err
-		}, &vsockd.ExecRequest{Argv: []string{"yes"}})
+	s, sock, stop := attachedServer(t, func(ctx context.Context, req *vsockd.ExecRequest) (api.Process, error) {
+		p, err := startFlood(ctx, req)
+		go func() { <-p.(*floodProcess).done; close(flooded) }()
+		return p, err
 	})
-	sock := filepath.Join(t.TempDir(), "s.sock")
-	ln, err := ListenUnix(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	served := make(chan error, 1)
-	go func() { served <- Serve(ctx, ln, s.Handler(), 100*time.Millisecond) }()
-
-	c, err := net.Dial("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	fmt.Fprintf(c, "POST /v1/test/attach HTTP/1.1\r\nHost: forkvm\r\nConnection: Upgrade\r\nUpgrade: %s\r\nContent-Length: 0\r\n\r\n", ExecUpgrade)
-	br := bufio.NewReader(c)
-	status, err := br.ReadString('\n')
-	if err != nil || !strings.Contains(status, " 101 ") {
-		t.Fatalf("status line %q: %v", status, err)
-	}
+	attach(t, sock)
 	// The client reads no more; the command's output fills the connection.
 	time.Sleep(200 * time.Millisecond)
-	cancel()
-	if err := <-served; err != nil {
+	if err := stop(); err != nil {
 		t.Fatalf("Serve: %v", err)
 	}
 	wctx, wcancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -92,6 +114,88 @@ func TestAttachedExecStopsWithUnreadOutput(t *testing.T) {
 	case <-flooded:
 	case <-time.After(5 * time.Second):
 		t.Error("the command's output writer still blocks")
+	}
+}
+
+// echoProcess copies its stdin to its stdout and exits 0 at its stdin's end.
+type echoProcess struct{ done chan struct{} }
+
+func startEcho(_ context.Context, req *vsockd.ExecRequest) (api.Process, error) {
+	p := &echoProcess{done: make(chan struct{})}
+	go func() {
+		defer close(p.done)
+		io.Copy(req.Stdout, req.Stdin)
+	}()
+	return p, nil
+}
+
+func (p *echoProcess) Wait(ctx context.Context) (int, error) {
+	select {
+	case <-p.done:
+		return 0, nil
+	case <-ctx.Done():
+		return -1, ctx.Err()
+	}
+}
+func (p *echoProcess) Signal(context.Context, syscall.Signal) error { return nil }
+func (p *echoProcess) Resize(context.Context, uint16, uint16) error { return nil }
+
+// TestAttachedExecInputLines: an attached exec's input line sets at most one field
+// (none is a no-op, as the client's Signal(0) sends), and no other: else it is
+// malformed, the command is killed and the stream ends with bad_request. A misspelt
+// field ({"stdn": ...}, {"eof": true}) was ignored, and so was all but the first field
+// of a line that set several ({"stdin": ..., "stdin_eof": true} wrote the stdin and
+// dropped the EOF): the command waited for an input the client had sent.
+func TestAttachedExecInputLines(t *testing.T) {
+	_, sock, _ := attachedServer(t, startEcho)
+	for _, c := range []struct {
+		lines  []string
+		stdout string
+		code   string // of the error line; "" for exit_code 0
+	}{
+		{[]string{`{"stdin":"aGk="}`, `{"stdin_eof":true}`}, "hi", ""},
+		{[]string{`{"stdin":""}`, `{"resize":{"rows":1,"cols":2}}`, `{"signal":15}`, `{"stdin_eof":true}`}, "", ""},
+		{[]string{`{"stdn":"aGk="}`}, "", CodeBadRequest},
+		{[]string{`{"eof":true}`}, "", CodeBadRequest},
+		{[]string{`{"stdin":"aGk=","stdin_eof":true}`}, "", CodeBadRequest},
+		{[]string{`{}`, `{"signal":0}`, `{"stdin_eof":false}`, `{"stdin":null}`, `{"stdin":"aGk="}`, `{"stdin_eof":true}`}, "hi", ""},
+		{[]string{`{"signal":9,"resize":{"rows":1,"cols":2}}`}, "", CodeBadRequest},
+		{[]string{`{"stdin_eof":true} {"signal":9}`}, "", CodeBadRequest},
+		{[]string{`nope`}, "", CodeBadRequest},
+		{[]string{`{"signal":99}`}, "", CodeBadRequest},
+	} {
+		conn, br := attach(t, sock)
+		for _, l := range c.lines {
+			fmt.Fprintln(conn, l)
+		}
+		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		var stdout strings.Builder
+		var last ExecLine
+		for {
+			b, err := br.ReadBytes('\n')
+			if err != nil {
+				t.Errorf("%s: no last line: %v", c.lines, err)
+				break
+			}
+			var l ExecLine
+			if err := json.Unmarshal(b, &l); err != nil {
+				t.Fatalf("%s: line %q: %v", c.lines, b, err)
+			}
+			stdout.Write(l.Stdout)
+			if l.ExitCode != nil || l.Error != nil {
+				last = l
+				break
+			}
+		}
+		switch {
+		case c.code == "" && (last.ExitCode == nil || *last.ExitCode != 0):
+			t.Errorf("%s: last line %+v, want exit_code 0", c.lines, last)
+		case c.code != "" && (last.Error == nil || last.Error.Code != c.code):
+			t.Errorf("%s: last line %+v, want error %s", c.lines, last, c.code)
+		case stdout.String() != c.stdout:
+			t.Errorf("%s: stdout %q, want %q", c.lines, stdout.String(), c.stdout)
+		}
+		conn.Close()
 	}
 }
 
