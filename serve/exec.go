@@ -66,9 +66,12 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 	defer s.execBodies.Release(weight)
 	// The body is checked before the VM is used: a bad one does not wake a parked VM.
 	var req ExecRequest
+	rc := http.NewResponseController(w)
+	r.Body = &idleBody{ReadCloser: r.Body, rc: rc, idle: s.bodyIdle}
 	if !decode(w, r, MaxExecBodyBytes, &req) {
-		return
+		return // the server then discards what is left of the body within the deadline
 	}
+	rc.SetReadDeadline(time.Time{}) // the exec, and an attached one's connection, have none
 	attached := wantsExecUpgrade(r)
 	var err error
 	switch {

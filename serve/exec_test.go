@@ -225,3 +225,57 @@ func TestExecBodyChecked(t *testing.T) {
 		}
 	}
 }
+
+// TestExecBodyStalls: an exec's body that stops arriving fails once it sent nothing for
+// the server's bodyIdle (408), and gives back its share of MaxExecBodiesBytes. A
+// stalled body (a client stopped mid-upload, a link dead without a reset) held it for
+// as long as its connection lived: four such held every exec of the daemon at 503 busy.
+func TestExecBodyStalls(t *testing.T) {
+	s, _, sock := newTestServerWith(t, func(s *Server) { s.bodyIdle = 200 * time.Millisecond })
+	for _, c := range []struct {
+		name   string
+		send   func(net.Conn)
+		status int
+	}{
+		{"stalled", func(c net.Conn) { c.Write([]byte(`{"argv":`)) }, http.StatusRequestTimeout},
+		{"slow", func(c net.Conn) {
+			// A byte every 40 ms is progress, though the whole body takes longer than
+			// bodyIdle: it is read whole (and its VM is not found).
+			for _, b := range []byte(`{"argv":["true"]}`) {
+				time.Sleep(40 * time.Millisecond)
+				c.Write([]byte{b})
+			}
+		}, http.StatusNotFound},
+	} {
+		conn, err := net.Dial("unix", sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		n := len(`{"argv":["true"]}`)
+		if c.status == http.StatusRequestTimeout {
+			n = MaxExecBodyBytes
+		}
+		fmt.Fprintf(conn, "POST /v1/vms/nope/exec HTTP/1.1\r\nHost: forkvm\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", n)
+		c.send(conn)
+		conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Errorf("%s: no response: %v", c.name, err)
+			continue
+		}
+		resp.Body.Close()
+		if resp.StatusCode != c.status {
+			t.Errorf("%s: HTTP %d, want %d", c.name, resp.StatusCode, c.status)
+		}
+		// Its handler gave back what it took of the bound.
+		deadline := time.Now().Add(5 * time.Second)
+		for !s.execBodies.TryAcquire(MaxExecBodiesBytes) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the exec bodies' bound is still held", c.name)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		s.execBodies.Release(MaxExecBodiesBytes)
+	}
+}

@@ -33,6 +33,10 @@ const (
 	MaxExecBodiesBytes = 64 << 20
 	// MaxForks bounds n of one POST /v1/forks: the engine's own limit.
 	MaxForks = engine.MaxForks
+	// ExecBodyIdle bounds how long an exec's body may send nothing: its bytes count in
+	// MaxExecBodiesBytes from its start, so a stalled one (a client stopped mid-upload,
+	// a link dead without a reset) must give them back (408).
+	ExecBodyIdle = 30 * time.Second
 )
 
 // ErrStopping is the cause of the cancellation of requests still running when the
@@ -50,6 +54,8 @@ type Server struct {
 	inflight sync.WaitGroup
 	// execBodies holds the bytes of the exec bodies being served (MaxExecBodiesBytes).
 	execBodies *semaphore.Weighted
+	// bodyIdle is ExecBodyIdle (a test's shorter).
+	bodyIdle time.Duration
 	// fm is the daemon's fleet membership (SetJoining, SetFleet).
 	fm fleetMembership
 	// pk is the daemon's parking (serve/park.go).
@@ -65,7 +71,8 @@ func New(e *engine.Engine, log *slog.Logger) *Server {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{e: e, log: log, mux: http.NewServeMux(), pid: os.Getpid(), execBodies: semaphore.NewWeighted(MaxExecBodiesBytes)}
+	s := &Server{e: e, log: log, mux: http.NewServeMux(), pid: os.Getpid(), execBodies: semaphore.NewWeighted(MaxExecBodiesBytes),
+		bodyIdle: ExecBodyIdle}
 	s.mux.HandleFunc("GET /v1/info", s.info)
 	s.mux.HandleFunc("GET /v1/vms", s.listVMs)
 	s.mux.HandleFunc("POST /v1/vms", s.createVM)
@@ -246,11 +253,30 @@ func decode(w http.ResponseWriter, r *http.Request, limit int64, v any) bool {
 		writeErrorObject(w, http.StatusRequestEntityTooLarge, ErrorObject{Code: CodeTooLarge, Message: fmt.Sprintf("request body over %d bytes", limit)})
 		return false
 	}
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		writeErrorObject(w, http.StatusRequestTimeout, ErrorObject{Code: CodeBadRequest, Message: "request body stalled: " + err.Error()})
+		return false
+	}
 	if err == io.EOF {
 		err = errors.New("empty body")
 	}
 	writeErrorObject(w, http.StatusBadRequest, ErrorObject{Code: CodeBadRequest, Message: "bad request body: " + err.Error()})
 	return false
+}
+
+// idleBody is a request body that fails a read after idle without a byte (a read
+// deadline on the connection, set again at each read): a stalled body ends its request
+// instead of holding what its handler took for it.
+type idleBody struct {
+	io.ReadCloser
+	rc   *http.ResponseController
+	idle time.Duration
+}
+
+func (b *idleBody) Read(p []byte) (int, error) {
+	b.rc.SetReadDeadline(time.Now().Add(b.idle)) // a writer without deadlines: no bound
+	return b.ReadCloser.Read(p)
 }
 
 // ndjson writes one JSON line at a time and flushes it; safe for concurrent use. The

@@ -26,6 +26,13 @@ import (
 // a unix socket; it returns the server and an HTTP client for the socket.
 func newTestServer(t *testing.T) (*Server, *http.Client, string) {
 	t.Helper()
+	return newTestServerWith(t, nil)
+}
+
+// newTestServerWith is newTestServer with configure (if not nil) called on the server
+// before it serves.
+func newTestServerWith(t *testing.T, configure func(*Server)) (*Server, *http.Client, string) {
+	t.Helper()
 	home, err := os.MkdirTemp("/tmp", "fvs-")
 	if err != nil {
 		t.Fatal(err)
@@ -42,6 +49,9 @@ func newTestServer(t *testing.T) (*Server, *http.Client, string) {
 		t.Fatal(err)
 	}
 	s := New(e, nil)
+	if configure != nil {
+		configure(s)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- Serve(ctx, ln, s.Handler(), time.Second) }()
