@@ -212,10 +212,26 @@ const (
 
 // escapes reports whether a symlink at rel (relative to the extraction directory) with
 // target leads out of the tree rel belongs to (rel's first component): an absolute
-// target, or one that resolves lexically outside that tree.
+// target, one that resolves lexically outside that tree, or one with a ".." after a
+// name. The kernel resolves "name/.." from where name leads, not lexically: with the
+// archive's links t/l1 -> "." and t/l2 -> "l1/..", t/l2 is t's parent, and a link to
+// "l2/.." is the parent of the extraction directory; no lexical check of one target
+// alone can see that (the links may come in any order), so such targets are refused.
 func escapes(rel, target string) bool {
 	if path.IsAbs(target) {
 		return true
+	}
+	named := false
+	for _, c := range strings.Split(target, "/") {
+		switch c {
+		case "", ".":
+		case "..":
+			if named {
+				return true
+			}
+		default:
+			named = true
+		}
 	}
 	top, _, _ := strings.Cut(rel, "/")
 	to := path.Join(path.Dir(rel), target)

@@ -1,11 +1,14 @@
 package tarstream
 
 import (
+	"archive/tar"
+	"bytes"
 	"context"
 	"errors"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -92,9 +95,47 @@ func TestEscapes(t *testing.T) {
 		{"t/sub/ok", "../f", false},
 		{"t/self", ".", false},
 		{"t/top", "../t/x", false},
+		{"t/l2", "l1/..", true},
+		{"t/sub/l", "../l1/../x", true},
+		{"t/sub/ok", "./../f", false},
 	} {
 		if got := escapes(tc.rel, tc.target); got != tc.want {
 			t.Errorf("escapes(%q, %q) = %v, want %v", tc.rel, tc.target, got, tc.want)
+		}
+	}
+}
+
+// TestExtractChainedSymlinksEscape: symlinks whose targets each stay inside the copy
+// when read lexically, but lead out of it once the kernel resolves them ("l1/.." is the
+// parent of where l1 leads, not l1's directory), are refused by default: a hostile
+// guest must not leave a link on the host that leads out of the copy.
+func TestExtractChainedSymlinksEscape(t *testing.T) {
+	base := t.TempDir()
+	dst := filepath.Join(base, "dst")
+	if err := os.Mkdir(dst, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, h := range []*tar.Header{
+		{Name: "t/", Typeflag: tar.TypeDir, Mode: 0o755},
+		{Name: "t/l1", Typeflag: tar.TypeSymlink, Linkname: "."},
+		{Name: "t/l2", Typeflag: tar.TypeSymlink, Linkname: "l1/.."},
+		{Name: "t/l3", Typeflag: tar.TypeSymlink, Linkname: "l2/.."},
+	} {
+		if err := tw.WriteHeader(h); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tw.Close()
+	err := ExtractTar(context.Background(), &buf, dst, &ExtractOptions{Top: "t"})
+	if !errors.Is(err, ErrUnsafeEntry) {
+		t.Errorf("err = %v, want %v", err, ErrUnsafeEntry)
+	}
+	for _, l := range []string{"l2", "l3"} {
+		to, err := filepath.EvalSymlinks(filepath.Join(dst, "t", l))
+		if err == nil && to != filepath.Join(dst, "t") && !strings.HasPrefix(to, filepath.Join(dst, "t")+"/") {
+			t.Errorf("t/%s leads out of the copy, to %s", l, to)
 		}
 	}
 }
