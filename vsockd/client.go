@@ -223,6 +223,7 @@ func (c *Client) fail(err error) {
 // virtio-serial port); afterwards a corrupt frame fails the connection.
 func (c *Client) readLoop() {
 	d := NewDecoder(c.conn)
+	d.maxSkip = maxResyncSkip
 	for {
 		f, err := d.ReadFrame()
 		if err != nil {

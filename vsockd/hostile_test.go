@@ -187,6 +187,40 @@ func TestHostileGarbage(t *testing.T) {
 	checkNoGoroutineLeak(t, base)
 }
 
+// TestHostileGarbageWithoutMarker: a guest answering with endless bytes that hold no
+// frame marker at all fails the client once a stale tail's worth is skipped, instead of
+// keeping it reading forever with every call waiting for its own deadline.
+func TestHostileGarbageWithoutMarker(t *testing.T) {
+	base := runtime.NumGoroutine()
+	func() {
+		c, stop := hostileGuest(t, nil, func(conn net.Conn) {
+			readFrames(conn, func(f Frame) {
+				go func() {
+					junk := bytes.Repeat([]byte("x"), 64<<10)
+					for {
+						if _, err := conn.Write(junk); err != nil {
+							return
+						}
+					}
+				}()
+			})
+		})
+		defer stop()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		err := returnsWithin(t, 30*time.Second, "Hello", func() error { _, err := c.Hello(ctx, Hello{}); return err })
+		if !errors.Is(err, ErrBadFrame) || !errors.Is(err, ErrConnLost) {
+			t.Fatalf("Hello answered with endless junk: %v, want ErrConnLost and ErrBadFrame", err)
+		}
+		select {
+		case <-c.Done():
+		case <-time.After(5 * time.Second):
+			t.Fatal("client not done after an endless junk stream")
+		}
+	}()
+	checkNoGoroutineLeak(t, base)
+}
+
 func TestHostileTruncatedFrame(t *testing.T) {
 	c, _ := hostileGuest(t, nil, func(conn net.Conn) {
 		readFrames(conn, func(f Frame) {

@@ -253,6 +253,10 @@ type Decoder struct {
 	r       *bufio.Reader
 	resync  bool
 	skipped int64 // bytes discarded while resynchronising
+	// maxSkip, if positive, bounds skipped: past it the resync scan stops with a
+	// *FrameError instead of reading on, so that a reader which gives up after so many
+	// bytes (Client) sees them even when the input never holds a marker.
+	maxSkip int64
 }
 
 // Skipped returns the number of input bytes discarded so far because they
@@ -313,6 +317,9 @@ func (d *Decoder) skipToMarker() error {
 				return io.ErrUnexpectedEOF
 			}
 			return err
+		}
+		if d.maxSkip > 0 && d.skipped > d.maxSkip {
+			return &FrameError{Err: ErrBadFrame, Reason: fmt.Sprintf("no frame in %d bytes", d.skipped)}
 		}
 		// Jump to the next candidate 'F' in the buffer, or drop everything.
 		buf, _ := d.r.Peek(d.r.Buffered())
