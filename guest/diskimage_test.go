@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"io"
 	"io/fs"
@@ -12,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -531,5 +533,59 @@ func TestImportDiskBoundsSparseFiles(t *testing.T) {
 	x := newExtractor(out, 0, t.Logf)
 	if err := importDisk(context.Background(), x, img, t.TempDir()); !errors.Is(err, ErrImageTooLarge) {
 		t.Errorf("2 GiB sparse file: %v, want ErrImageTooLarge", err)
+	}
+}
+
+// zeroImage is a partition of size bytes that reads as zeros but for head at its
+// start: a sparse raw file, as qemu-img makes of a tiny qcow2 claiming a huge disk.
+type zeroImage struct {
+	head []byte
+	size int64
+}
+
+func (z zeroImage) ReadAt(p []byte, off int64) (int, error) {
+	if off >= z.size {
+		return 0, io.EOF
+	}
+	n := len(p)
+	if int64(n) > z.size-off {
+		n = int(z.size - off)
+	}
+	clear(p[:n])
+	if off < int64(len(z.head)) {
+		copy(p, z.head[off:])
+	}
+	if n < len(p) {
+		return n, io.EOF
+	}
+	return n, nil
+}
+
+// TestExt4GroupDescriptorsBounded: the group descriptor table's size comes from
+// the superblock (groups x descriptor size, up to 16 GiB); opening a file system
+// must not allocate it whole, or a tiny crafted image of a large sparse disk
+// exhausts the host's memory.
+func TestExt4GroupDescriptorsBounded(t *testing.T) {
+	sb := make([]byte, 2048)
+	le := binary.LittleEndian
+	const groups = 1 << 18                  // 256 MiB of 1 KiB descriptors
+	le.PutUint32(sb[1024+0x0:], 1)          // inodes
+	le.PutUint32(sb[1024+0x4:], groups+1)   // blocks
+	le.PutUint32(sb[1024+0x14:], 1)         // first data block
+	le.PutUint32(sb[1024+0x18:], 0)         // 1 KiB blocks
+	le.PutUint32(sb[1024+0x20:], 1)         // blocks per group
+	le.PutUint32(sb[1024+0x28:], 1)         // inodes per group
+	le.PutUint16(sb[1024+0x38:], ext4Magic) // magic
+	le.PutUint32(sb[1024+0x4C:], 1)         // dynamic revision
+	le.PutUint16(sb[1024+0x58:], 256)       // inode size
+	le.PutUint32(sb[1024+0x60:], ext4Incompat64bit)
+	le.PutUint16(sb[1024+0xFE:], 1024) // descriptor size
+	img := zeroImage{head: sb, size: 1 << 30}
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	_, err := openExt4(img, img.size)
+	runtime.ReadMemStats(&after)
+	if n := after.TotalAlloc - before.TotalAlloc; n > 16<<20 {
+		t.Errorf("opening the file system allocated %d MiB (err %v)", n>>20, err)
 	}
 }

@@ -36,7 +36,13 @@ type ext4Reader struct {
 	ipg       uint32 // inodes per group
 	inodes    uint32
 	incompat  uint32
-	tables    []uint64 // inode table block of each group
+	// The group descriptors are read as inodes are looked up, not all at open:
+	// their table's size comes from the superblock (up to 2^24 groups of 1 KiB
+	// descriptors), so a tiny crafted image of a large sparse disk would make
+	// reading it whole allocate gigabytes.
+	gdtOff   int64  // byte offset of the group descriptor table
+	descSize int64  // bytes per group descriptor
+	groups   uint64 // number of groups
 }
 
 // ext4 feature flags and inode flags the reader depends on.
@@ -129,20 +135,29 @@ func openExt4(r io.ReaderAt, size int64) (*ext4Reader, error) {
 	if uint64(fs.inodes) > groups*uint64(fs.ipg) || groups > 1<<24 {
 		return nil, corruptFS("%d inodes in %d groups of %d", fs.inodes, groups, fs.ipg)
 	}
-	gdt := make([]byte, int64(groups)*descSize)
-	if _, err := r.ReadAt(gdt, int64(first+1)*fs.bs); err != nil {
-		return nil, corruptFS("group descriptors: %v", err)
-	}
-	fs.tables = make([]uint64, groups)
-	for g := range fs.tables {
-		d := gdt[int64(g)*descSize:]
-		t := uint64(le.Uint32(d[0x8:]))
-		if descSize >= 64 {
-			t |= uint64(le.Uint32(d[0x28:])) << 32
-		}
-		fs.tables[g] = t
+	fs.gdtOff, fs.descSize, fs.groups = int64(first+1)*fs.bs, descSize, groups
+	if n := int64(groups) * descSize; n > size-fs.gdtOff {
+		return nil, corruptFS("group descriptors: %d bytes at %d do not fit the %d-byte partition", n, fs.gdtOff, size)
 	}
 	return fs, nil
+}
+
+// inodeTable returns the first block of group g's inode table, read from its
+// group descriptor.
+func (fs *ext4Reader) inodeTable(g uint32) (uint64, error) {
+	if uint64(g) >= fs.groups {
+		return 0, corruptFS("group %d of %d", g, fs.groups)
+	}
+	d := make([]byte, min(fs.descSize, 0x2C))
+	if err := fs.readAt(d, fs.gdtOff+int64(g)*fs.descSize); err != nil {
+		return 0, fmt.Errorf("group descriptor %d: %w", g, err)
+	}
+	le := binary.LittleEndian
+	t := uint64(le.Uint32(d[0x8:]))
+	if fs.descSize >= 64 {
+		t |= uint64(le.Uint32(d[0x28:])) << 32
+	}
+	return t, nil
 }
 
 // readAt reads exactly len(b) bytes at off, inside the partition.
@@ -183,11 +198,14 @@ func (fs *ext4Reader) inode(ino uint32) (*ext4Inode, error) {
 		return nil, corruptFS("inode %d out of range (1..%d)", ino, fs.inodes)
 	}
 	g, idx := (ino-1)/fs.ipg, (ino-1)%fs.ipg
-	if int(g) >= len(fs.tables) {
-		return nil, corruptFS("inode %d in group %d of %d", ino, g, len(fs.tables))
+	if uint64(g) >= fs.groups {
+		return nil, corruptFS("inode %d in group %d of %d", ino, g, fs.groups)
+	}
+	tbl, err := fs.inodeTable(g)
+	if err != nil {
+		return nil, err
 	}
 	raw := make([]byte, fs.inodeSize)
-	tbl := fs.tables[g]
 	if tbl >= uint64(fs.size/fs.bs) {
 		return nil, corruptFS("inode table of group %d at block %d", g, tbl)
 	}
