@@ -210,14 +210,14 @@ const (
 	LinksKeep
 )
 
-// escapes reports whether a symlink at rel (relative to the extraction directory) with
-// target leads out of the tree rel belongs to (rel's first component): an absolute
-// target, one that resolves lexically outside that tree, or one with a ".." after a
-// name. The kernel resolves "name/.." from where name leads, not lexically: with the
+// escapes reports whether a symlink made at rel (relative to the extraction directory)
+// with target leads out of the tree top (the first component of the entry's name): an
+// absolute target, one that resolves lexically outside that tree, or one with a ".."
+// after a name. The kernel resolves "name/.." from where name leads, not lexically: with the
 // archive's links t/l1 -> "." and t/l2 -> "l1/..", t/l2 is t's parent, and a link to
 // "l2/.." is the parent of the extraction directory; no lexical check of one target
 // alone can see that (the links may come in any order), so such targets are refused.
-func escapes(rel, target string) bool {
+func escapes(top, rel, target string) bool {
 	if path.IsAbs(target) {
 		return true
 	}
@@ -233,9 +233,18 @@ func escapes(rel, target string) bool {
 			named = true
 		}
 	}
-	top, _, _ := strings.Cut(rel, "/")
 	to := path.Join(path.Dir(rel), target)
 	return to != top && !strings.HasPrefix(to, top+"/")
+}
+
+// relIn returns p relative to root, slash-separated, or false when p is not root or
+// below it.
+func relIn(root, p string) (string, bool) {
+	rel, err := filepath.Rel(root, p)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+		return "", false
+	}
+	return filepath.ToSlash(rel), true
 }
 
 // ExtractTar extracts the tar stream r into the directory dir, which must exist (else
@@ -557,14 +566,21 @@ func (x *extractor) symlink(rel string, hdr *tar.Header) error {
 	if hdr.Linkname == "" || strings.IndexByte(hdr.Linkname, 0) >= 0 {
 		return fmt.Errorf("%w: symlink %q has an empty or NUL target", ErrUnsafeEntry, hdr.Name)
 	}
-	if x.opts.Links != LinksKeep && escapes(rel, hdr.Linkname) {
-		return fmt.Errorf("%w: symlink %q -> %q leads out of the copy (absolute, or out of %q)", ErrUnsafeEntry, hdr.Name, hdr.Linkname, strings.SplitN(rel, "/", 2)[0])
-	}
 	d, err := x.parent(rel)
 	if err != nil {
 		return err
 	}
 	name := path.Base(rel)
+	if x.opts.Links != LinksKeep {
+		// The link is checked from the directory it is made in, as resolved: where the
+		// entry's path goes through a symlink already in the destination (left by an
+		// earlier copy: t/s -> "."), its name says less about where ".." leads.
+		top, _, _ := strings.Cut(rel, "/")
+		at, ok := x.root.relDir(d)
+		if !ok || escapes(top, path.Join(at, name), hdr.Linkname) {
+			return fmt.Errorf("%w: symlink %q -> %q leads out of the copy (absolute, or out of %q)", ErrUnsafeEntry, hdr.Name, hdr.Linkname, top)
+		}
+	}
 	if err := clearAt(d, name, rel); err != nil {
 		return err
 	}

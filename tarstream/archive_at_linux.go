@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path"
+	"strconv"
 	"time"
 
 	pathrs "github.com/cyphar/filepath-securejoin/pathrs-lite"
@@ -24,14 +25,33 @@ import (
 type dirRef = *os.File
 
 // rootDir is the extraction root.
-type rootDir struct{ f *os.File }
+type rootDir struct {
+	f    *os.File
+	path string // f's path as the kernel resolved it ("" if unknown, see relDir)
+}
 
 func openRootDir(dir string) (*rootDir, error) {
 	f, err := os.OpenFile(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
 	}
-	return &rootDir{f}, nil
+	p, _ := fdPath(f)
+	return &rootDir{f, p}, nil
+}
+
+// fdPath is the path of the open file f, as /proc/self/fd tells it.
+func fdPath(f *os.File) (string, error) {
+	return os.Readlink("/proc/self/fd/" + strconv.Itoa(int(f.Fd())))
+}
+
+// relDir returns the path of the open directory d relative to the root, as the kernel
+// resolved it, or false when that is unknown (no /proc) or outside the root.
+func (r *rootDir) relDir(d dirRef) (string, bool) {
+	p, err := fdPath(d)
+	if err != nil || r.path == "" {
+		return "", false
+	}
+	return relIn(r.path, p)
 }
 
 func (r *rootDir) close() { r.f.Close() }

@@ -36,6 +36,10 @@ func openRootDir(dir string) (*rootDir, error) {
 
 func (r *rootDir) close() {}
 
+// relDir returns the path of the directory d (a path securejoin resolved) relative to
+// the root, or false when it is outside.
+func (r *rootDir) relDir(d dirRef) (string, bool) { return relIn(r.path, d) }
+
 func (r *rootDir) mkParent(rel string) (dirRef, error) {
 	p, err := securejoin.SecureJoin(r.path, path.Dir(rel))
 	if err != nil {

@@ -99,7 +99,8 @@ func TestEscapes(t *testing.T) {
 		{"t/sub/l", "../l1/../x", true},
 		{"t/sub/ok", "./../f", false},
 	} {
-		if got := escapes(tc.rel, tc.target); got != tc.want {
+		top, _, _ := strings.Cut(tc.rel, "/")
+		if got := escapes(top, tc.rel, tc.target); got != tc.want {
 			t.Errorf("escapes(%q, %q) = %v, want %v", tc.rel, tc.target, got, tc.want)
 		}
 	}
@@ -136,6 +137,35 @@ func TestExtractChainedSymlinksEscape(t *testing.T) {
 		to, err := filepath.EvalSymlinks(filepath.Join(dst, "t", l))
 		if err == nil && to != filepath.Join(dst, "t") && !strings.HasPrefix(to, filepath.Join(dst, "t")+"/") {
 			t.Errorf("t/%s leads out of the copy, to %s", l, to)
+		}
+	}
+}
+
+// TestExtractSymlinkBelowExistingLink: a symlink entry whose parent directory goes
+// through a symlink already in the destination (left there by an earlier copy: t/s ->
+// ".") is checked from where it is made, not from its name: t/s/s/s/l -> "../../../x"
+// reads as t/x but is made as t/l, leading two levels above the destination.
+func TestExtractSymlinkBelowExistingLink(t *testing.T) {
+	dst := filepath.Join(t.TempDir(), "dst")
+	if err := os.MkdirAll(filepath.Join(dst, "t"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(".", filepath.Join(dst, "t", "s")); err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	if err := tw.WriteHeader(&tar.Header{Name: "t/s/s/s/l", Typeflag: tar.TypeSymlink, Linkname: "../../../x"}); err != nil {
+		t.Fatal(err)
+	}
+	tw.Close()
+	err := ExtractTar(context.Background(), &buf, dst, &ExtractOptions{Top: "t"})
+	if !errors.Is(err, ErrUnsafeEntry) {
+		t.Errorf("err = %v, want %v", err, ErrUnsafeEntry)
+	}
+	if target, err := os.Readlink(filepath.Join(dst, "t", "l")); err == nil {
+		if to := filepath.Join(dst, "t", target); !strings.HasPrefix(to, filepath.Join(dst, "t")+"/") {
+			t.Errorf("t/l leads out of the copy, to %s", to)
 		}
 	}
 }
