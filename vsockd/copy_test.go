@@ -539,6 +539,9 @@ func FuzzExtractTar(f *testing.F) {
 		{name: "t/h", typ: tar.TypeLink, link: "t/f"}, {name: "t/l", typ: tar.TypeDir}, {name: "t/l/g", data: "y"}}))
 	f.Add(append(paxHeader(map[string]string{"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": "100000"}),
 		craftTar(f, []hostileEntry{{name: "t/s", data: "0\n"}})...))
+	// Links whose targets stay inside the copy only when read lexically.
+	f.Add(craftTar(f, []hostileEntry{{name: "t", typ: tar.TypeDir}, {name: "t/l1", typ: tar.TypeSymlink, link: "."},
+		{name: "t/l2", typ: tar.TypeSymlink, link: "l1/.."}, {name: "t/l3", typ: tar.TypeSymlink, link: "l2/.."}}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		base := t.TempDir()
 		dst, outside := filepath.Join(base, "dst"), filepath.Join(base, "outside")
@@ -548,6 +551,7 @@ func FuzzExtractTar(f *testing.F) {
 		os.Symlink("../outside", filepath.Join(dst, "pre"))
 		ExtractTar(context.Background(), bytes.NewReader(data), dst, &ExtractOptions{Top: "t", Rename: "new"})
 		checkOutside(t, outside, "fuzz")
+		checkLinksInside(t, filepath.Join(dst, "new"))
 		for _, d := range []string{base, dst} {
 			ents, _ := os.ReadDir(d)
 			for _, e := range ents {
@@ -562,6 +566,25 @@ func FuzzExtractTar(f *testing.F) {
 		if ents, _ := os.ReadDir(base); len(ents) != 2 {
 			t.Fatalf("wrote next to dst: %v", ents)
 		}
+	})
+}
+
+// checkLinksInside fails if a symlink below top resolves outside it (an extraction with
+// the default ExtractOptions.Links refuses escaping links).
+func checkLinksInside(t *testing.T, top string) {
+	t.Helper()
+	real, err := filepath.EvalSymlinks(top)
+	if err != nil {
+		return
+	}
+	filepath.WalkDir(top, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.Type()&fs.ModeSymlink == 0 {
+			return nil
+		}
+		if to, err := filepath.EvalSymlinks(p); err == nil && to != real && !strings.HasPrefix(to, real+"/") {
+			t.Fatalf("symlink %s leads out of the copy, to %s", p, to)
+		}
+		return nil
 	})
 }
 
