@@ -281,6 +281,21 @@ func TestForkbench(t *testing.T) {
 			t.Errorf("budget_end = %v", r.Extra["budget_end"])
 		}
 	})
+	t.Run("park", func(t *testing.T) {
+		t.Parallel()
+		// 2 forks parked and woken; while parked each is checkpointed from its image and
+		// forked, the fork's data checked.
+		r, _ := runForkbench(t, bin, append(append([]string{"park", "--n", "2", "--write-mb", "4"}, smallArgs...), roomyArgs...)...)
+		checkCommon(t, r, "park", smallShape)
+		if r.Metric != "park_p50_ms" || r.Value <= 0 || r.N != 2 {
+			t.Errorf("park %s = %v (n %d)", r.Metric, r.Value, r.N)
+		}
+		for _, k := range []string{"parked_checkpoint_ms", "parked_fork_first_cmd_ms", "wake_first_cmd_ms"} {
+			if p, _ := r.Extra[k].(map[string]any); p == nil || p["min"] == nil || p["min"].(float64) <= 0 {
+				t.Errorf("%s = %v", k, r.Extra[k])
+			}
+		}
+	})
 	for _, tc := range []struct {
 		bench, metric string
 		args          []string
