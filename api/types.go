@@ -575,7 +575,8 @@ type CheckpointInfo struct {
 	// DiskMethod says how the disk was frozen: "reflink" or "qcow2-overlay" (empty: no
 	// disk).
 	DiskMethod string `json:"disk_method,omitempty"`
-	// RAMMethod says how RAM was frozen: "copy", "handoff", "full-save" or "delta".
+	// RAMMethod says how RAM was frozen: "copy", "handoff", "full-save", "delta", or
+	// "parked" (a parked VM's, made from its park image).
 	RAMMethod string `json:"ram_method"`
 	// Kind is "delta" for a checkpoint of a fork, empty for a world's.
 	Kind string `json:"kind,omitempty"`

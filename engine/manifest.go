@@ -153,7 +153,8 @@ type checkpointManifest struct {
 	// DiskMethod says how the disk was frozen: "reflink" or "qcow2-overlay".
 	DiskMethod string `json:"disk_method,omitempty"`
 	// RAMMethod says how RAM was frozen: "copy" (world), "handoff" (world, renamed),
-	// "full-save" (fork of a fork, before delta checkpoints) or "delta" (fork of a fork).
+	// "full-save" (fork of a fork, before delta checkpoints), "delta" (fork of a fork) or
+	// "parked" (a parked fork, from its park image: checkpointParked).
 	RAMMethod string `json:"ram_method"`
 	// Kind is "delta" for a checkpoint of a fork: RAMPath is then the checkpoint's own
 	// hard link to its lineage's root RAM file (a world checkpoint's), and Layers the
