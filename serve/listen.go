@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/forkvm/forkvm/api"
@@ -135,8 +136,17 @@ func (l *unixListener) Close() error {
 // ReadTokenFile reads a bearer token from path: a regular file that only its owner can
 // read or write (mode 0600 or 0400; anything readable by group or others is refused),
 // holding one non-empty line of printable ASCII without spaces, at least 16 bytes.
+//
+// A path that is no regular file is refused before it is opened, and the file is opened
+// with O_NONBLOCK and checked again: opening a FIFO for reading waits for a writer, and
+// it would hang the daemon's start (or a FIFO put in the file's place in between).
 func ReadTokenFile(path string) (string, error) {
-	f, err := os.Open(path)
+	if fi, err := os.Stat(path); err != nil {
+		return "", fmt.Errorf("%w: %v", ErrTokenFile, err)
+	} else if !fi.Mode().IsRegular() {
+		return "", fmt.Errorf("%w: %s is not a regular file", ErrTokenFile, path)
+	}
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return "", fmt.Errorf("%w: %v", ErrTokenFile, err)
 	}

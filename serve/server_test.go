@@ -365,6 +365,33 @@ func TestServeTokenFile(t *testing.T) {
 	}
 }
 
+// TestServeTokenFileFIFO: a token file that is a FIFO (or another non-regular file) is
+// refused at once; opening one for reading blocked until a writer came, so forkvm serve
+// --token-file hung at startup.
+func TestServeTokenFileFIFO(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := ReadTokenFile(fifo)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrTokenFile) || !strings.Contains(err.Error(), "not a regular file") {
+			t.Errorf("FIFO: %v, want ErrTokenFile saying it is not a regular file", err)
+		}
+	case <-time.After(10 * time.Second):
+		// Unblock the reader's open so that the goroutine ends with the test.
+		if w, err := os.OpenFile(fifo, os.O_WRONLY|syscall.O_NONBLOCK, 0); err == nil {
+			w.Close()
+		}
+		t.Fatal("ReadTokenFile blocked on a FIFO")
+	}
+}
+
 func TestServeSocket(t *testing.T) {
 	dir, err := os.MkdirTemp("/tmp", "fvs-")
 	if err != nil {
