@@ -450,7 +450,7 @@ func (vm *VM) Exec(ctx context.Context, req *vsockd.ExecRequest) (int, error) {
 	parent := ctx
 	if req != nil && req.Timeout > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, req.Timeout+vsockd.DefaultTimeoutGrace)
+		ctx, cancel = context.WithTimeout(ctx, vsockd.WithGrace(req.Timeout, vsockd.DefaultTimeoutGrace))
 		defer cancel()
 	}
 	err := vm.withAgent(ctx, "exec", func(ctx context.Context, c *vsockd.Client) error {

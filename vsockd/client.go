@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"math"
 	"net"
 	"os"
 	"strings"
@@ -554,6 +555,23 @@ func (c *Client) grace() time.Duration {
 	return DefaultTimeoutGrace
 }
 
+// waitBound is how long after its request the host waits for an exec with timeout
+// (> 0): WithGrace of timeout and the client's grace.
+func (c *Client) waitBound(timeout time.Duration) time.Duration {
+	return WithGrace(timeout, c.grace())
+}
+
+// WithGrace is an exec's timeout (> 0) with the host's grace (>= 0) added, the bound a
+// host keeps on the exec, saturated at the longest Duration: the plain sum wraps
+// negative for a timeout near math.MaxInt64 (a caller's "no real bound"), and a bound in
+// the past failed the exec at once with a start timeout.
+func WithGrace(timeout, grace time.Duration) time.Duration {
+	if timeout > math.MaxInt64-grace {
+		return math.MaxInt64
+	}
+	return timeout + grace
+}
+
 // startTimeout is the error of an exec with a timeout that the guest did not start
 // within timeout + grace (err, when ctx itself is not what ended): it wraps
 // context.DeadlineExceeded, and StartErrorCode is then ExitCodeTimeout.
@@ -631,7 +649,7 @@ func (c *Client) Start(ctx context.Context, req *ExecRequest) (*Process, error) 
 	sctx := ctx
 	if req.Timeout > 0 {
 		var cancel context.CancelFunc
-		sctx, cancel = context.WithDeadline(ctx, sent.Add(req.Timeout+c.grace()))
+		sctx, cancel = context.WithDeadline(ctx, sent.Add(c.waitBound(req.Timeout)))
 		defer cancel()
 	}
 	if err := c.sendJSON(sctx, TypeExecStart, st.id, w); err != nil {
@@ -762,7 +780,7 @@ func (p *Process) feedStdin(r io.Reader) {
 func (p *Process) Wait(ctx context.Context) (int, error) {
 	var bound <-chan time.Time
 	if p.req.Timeout > 0 {
-		t := time.NewTimer(time.Until(p.started.Add(p.req.Timeout + p.c.grace())))
+		t := time.NewTimer(time.Until(p.started.Add(p.c.waitBound(p.req.Timeout))))
 		defer t.Stop()
 		bound = t.C
 	}
