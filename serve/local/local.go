@@ -366,14 +366,23 @@ func (l *Local) ForkMany(ctx context.Context, src string, n int, opts *api.ManyO
 	if err != nil {
 		return nil, err
 	}
-	out := make(chan api.ForkEvent, n)
+	return forkEvents(evs), nil
+}
+
+// forkEvents forwards the engine's fork events evs as the API's. Its channel has room
+// for every event, as evs has (the engine sizes it by the wave's real count, len(Names)
+// when n is 0), so that the forwarding goroutine ends even if the caller stops reading,
+// as the engine's own does. Sized by the caller's n, it was unbuffered for n 0 with
+// Names, and the goroutine leaked blocked on its first event.
+func forkEvents(evs <-chan engine.ForkEvent) <-chan api.ForkEvent {
+	out := make(chan api.ForkEvent, cap(evs))
 	go func() {
 		defer close(out)
 		for ev := range evs {
 			out <- ev.ForkEvent
 		}
 	}()
-	return out, nil
+	return out
 }
 
 // Close closes the engine (VMs keep running) and a one-shot agent connection.
