@@ -41,6 +41,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"help", "frob"}, `forkvm: unknown command "frob"; did you mean "fork"?`},
 		{[]string{"create"}, "forkvm: usage: forkvm create NAME [flags]"},
 		{[]string{"profile", "faults"}, "forkvm: usage: forkvm profile faults NAME... [--duration 10s]"},
+		{[]string{"cp", "a", "b"}, "forkvm cp: exactly one of SRC and DST must be VM:/path"},
+		{[]string{"cp", "a:/x", "b:/y"}, "forkvm cp: exactly one of SRC and DST must be VM:/path"},
 	} {
 		var stderr strings.Builder
 		code := runMain(context.Background(), append([]string{"forkvm"}, tc.args...), &stderr)

@@ -81,7 +81,7 @@ func cpCmd() *cli.Command {
 			svm, spath, sIn := splitVMPath(src)
 			dvm, dpath, dIn := splitVMPath(dst)
 			if sIn == dIn {
-				return fmt.Errorf("forkvm cp: exactly one of SRC and DST must be VM:/path")
+				return &usageError{msg: "forkvm cp: exactly one of SRC and DST must be VM:/path"}
 			}
 			name, guestPath := dvm, dpath
 			if sIn {
