@@ -41,6 +41,9 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"help", "frob"}, `forkvm: unknown command "frob"; did you mean "fork"?`},
 		{[]string{"create"}, "forkvm: usage: forkvm create NAME [flags]"},
 		{[]string{"profile", "faults"}, "forkvm: usage: forkvm profile faults NAME... [--duration 10s]"},
+		{[]string{"fork", "x", "--n", "0"}, "forkvm fork: --n must be at least 1, got 0"},
+		{[]string{"fork", "x", "--n", "-1"}, "forkvm fork: --n must be at least 1, got -1"},
+		{[]string{"fork", "x", "--fleet", "--n", "0"}, "forkvm fork: --n must be at least 1, got 0"},
 		{[]string{"cp", "a", "b"}, "forkvm cp: exactly one of SRC and DST must be VM:/path"},
 		{[]string{"cp", "a:/x", "b:/y"}, "forkvm cp: exactly one of SRC and DST must be VM:/path"},
 	} {

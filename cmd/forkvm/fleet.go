@@ -130,8 +130,11 @@ func withFleetFork(fork *cli.Command) *cli.Command {
 func fleetFork(ctx context.Context, cmd *cli.Command) error {
 	src := cmd.Args().First()
 	n := int(cmd.Int("n"))
-	if src == "" || cmd.Args().Len() > 2 || n < 1 {
+	if src == "" || cmd.Args().Len() > 2 {
 		return fmt.Errorf("usage: forkvm fork CHECKPOINT [NAME] --fleet | forkvm fork CHECKPOINT --fleet --n N [--prefix P]")
+	}
+	if err := checkForkN(n); err != nil {
+		return err
 	}
 	if cmd.Bool("spread") && cmd.Bool("pack") {
 		return fmt.Errorf("forkvm fork: --spread and --pack are exclusive")

@@ -41,8 +41,11 @@ func forkCmd() *cli.Command {
 		Action: func(ctx context.Context, cmd *cli.Command) error {
 			src := cmd.Args().First()
 			n := int(cmd.Int("n"))
-			if src == "" || cmd.Args().Len() > 2 || n < 1 {
+			if src == "" || cmd.Args().Len() > 2 {
 				return fmt.Errorf("usage: forkvm fork SOURCE [NAME] | forkvm fork SOURCE --n N [--prefix P]")
+			}
+			if err := checkForkN(n); err != nil {
+				return err
 			}
 			req, err := forkRequest(cmd, src, n)
 			if err != nil {
@@ -133,6 +136,16 @@ func forkCmd() *cli.Command {
 			return nil
 		},
 	}
+}
+
+// checkForkN is the usageError for a --n below 1, saying so: the generic usage line it
+// got before did not say what was wrong with the command line. The upper bound is
+// checked with the request (api.ValidateForkCount; a fleet wave's is its own).
+func checkForkN(n int) error {
+	if n < 1 {
+		return &usageError{msg: fmt.Sprintf("forkvm fork: --n must be at least 1, got %d", n)}
+	}
+	return nil
 }
 
 // forkTally is what forkvm fork saw of its wave: the forks ready and failed, their
