@@ -53,6 +53,9 @@ func TestLookupUser(t *testing.T) {
 		{spec: "", err: "bad user"},
 		{spec: "tester:", err: "bad user"},
 		{spec: ":0", err: "bad user"},
+		{spec: "a:b:c", err: "bad user"},
+		{spec: "tester:extra:x", err: "bad user"},
+		{spec: "0:0:", err: "bad user"},
 		{spec: "-1", err: `unknown user "-1"`},
 		{spec: "4294967295", err: `unknown user "4294967295"`}, // (uid_t)-1 is "unchanged"
 		{spec: "tester:4294967295", err: `unknown group "4294967295"`},

@@ -108,10 +108,11 @@ func readGroup(path string) ([]groupEntry, error) {
 // files. A name is looked up first, so a user named "1000" is found by name; a number
 // that is no name is a uid (or gid), which need not have an entry: a uid without one
 // gets gid = uid, HOME=/ and no supplementary groups. Unknown names fail with an
-// *execError of CodeUser naming them.
+// *execError of CodeUser naming them, a malformed spec (an empty part, a second colon:
+// no user or group name holds one) with one saying so rather than naming a part.
 func lookupUser(spec, passwdPath, groupPath string) (*execUser, error) {
 	userPart, groupPart, hasGroup := strings.Cut(spec, ":")
-	if userPart == "" || (hasGroup && groupPart == "") {
+	if userPart == "" || (hasGroup && groupPart == "") || strings.Contains(groupPart, ":") {
 		return nil, &execError{CodeUser, fmt.Sprintf("bad user %q (want USER[:GROUP])", spec)}
 	}
 	users, err := readPasswd(passwdPath)
