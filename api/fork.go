@@ -192,9 +192,15 @@ func (r ForkRequest) validate(maxForks int) error {
 	if err := r.validateNaming(); err != nil {
 		return err
 	}
+	prefix := r.Prefix // the caller's: Normalize derives one for an unnamed wave
 	r.Normalize()
 	if err := validateCount(r.N, maxForks); err != nil {
 		return err
+	}
+	if prefix != "" {
+		if err := validatePrefix(prefix, r.N); err != nil {
+			return err
+		}
 	}
 	if len(r.Names) > 0 && len(r.Names) != r.N {
 		return fmt.Errorf("%w: %d names for %d forks", ErrInvalidSpec, len(r.Names), r.N)
@@ -217,6 +223,21 @@ func (r ForkRequest) validate(maxForks int) error {
 		return fmt.Errorf("%w: concurrency must not be negative (got %d)", ErrInvalidSpec, r.Concurrency)
 	}
 	return ValidateOvercommit(r.Overcommit)
+}
+
+// validatePrefix checks a caller's prefix of n forks, naming it: the check of each
+// fork's name named the first one made of it ("a,b1" for prefix "a,b"), or for a name
+// too long, the first one cut short, neither of which the caller typed. A prefix that
+// is a valid name makes valid names with any number after it; the last one, prefix and
+// n, must still fit MaxNameLen.
+func validatePrefix(prefix string, n int) error {
+	if err := names.Check(prefix, MaxNameLen); err != nil {
+		return fmt.Errorf("%w: prefix %w", ErrInvalidName, err)
+	}
+	if last := prefix + strconv.Itoa(n); len(last) > MaxNameLen {
+		return fmt.Errorf("%w: prefix %q is too long for %d forks: %s, the last fork's name, is longer than %d characters", ErrInvalidName, prefix, n, last, MaxNameLen)
+	}
+	return nil
 }
 
 // validateNaming checks how the request names its forks, before Normalize folds Name

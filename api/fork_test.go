@@ -2,6 +2,7 @@ package api
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"reflect"
 	"strings"
@@ -57,6 +58,33 @@ func TestForkRequestValidate(t *testing.T) {
 			err := tc.req.Validate()
 			if tc.want == nil && err != nil || tc.want != nil && !errors.Is(err, tc.want) {
 				t.Errorf("Validate() = %v, want %v", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestForkRequestBadPrefix: an invalid prefix is refused naming the prefix the caller
+// gave, not the first name made of it ("a,b1" for prefix "a,b"), which the caller never
+// typed.
+func TestForkRequestBadPrefix(t *testing.T) {
+	long := strings.Repeat("p", MaxNameLen-1)
+	for _, tc := range []struct {
+		name, prefix string
+		n            int
+		want         string // in the error
+	}{
+		{"comma", "a,b", 3, `prefix "a,b"`},
+		{"slash", "a/", 2, `prefix "a/"`},
+		{"leading dot", ".x", 2, `prefix ".x"`},
+		{"dot dot", "a..", 1, `prefix "a.."`},
+		{"too long for n", long, 10, `prefix "` + long + `" is too long for 10 forks`},
+		{"too long", long + "pp", 1, `prefix "` + (long + "pp")[:MaxNameLen] + `..."`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := ForkRequest{Source: "ck", N: tc.n, Prefix: tc.prefix}.Validate()
+			first := fmt.Sprintf("%q", tc.prefix+"1")
+			if !errors.Is(err, ErrInvalidName) || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), first) {
+				t.Errorf("Validate() = %v; want ErrInvalidName with %s, not naming %s", err, tc.want, first)
 			}
 		})
 	}
