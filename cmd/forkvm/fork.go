@@ -60,6 +60,9 @@ func forkCmd() *cli.Command {
 			var tr *forkTrace
 			var markers engine.PhaseMarker
 			if cmd.String("trace") != "" {
+				if err := checkTracePath(cmd.String("trace")); err != nil {
+					return err
+				}
 				tr = openForkTrace()
 				defer tr.close()
 				if tr.in != nil {

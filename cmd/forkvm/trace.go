@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"syscall"
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/tracebundle"
@@ -33,6 +35,26 @@ func openForkTrace() *forkTrace {
 		fmt.Fprintf(os.Stderr, "forkvm fork --trace: no kernel events in the bundle: %v\n", err)
 	}
 	return t
+}
+
+// checkTracePath refuses a --trace path the bundle could not be written to, before the
+// wave: its directory missing or not a directory, or the path itself a directory.
+// Written only after the wave, the bundle failed once every fork had been made. It
+// creates nothing: a file made here would be left behind by a later refusal (a daemon's
+// socket, the engine's).
+func checkTracePath(path string) error {
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		return fmt.Errorf("--trace %s: %w", path, syscall.EISDIR)
+	}
+	dir := filepath.Dir(path)
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return fmt.Errorf("--trace %s: %w", path, err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("--trace %s: %s: %w", path, dir, syscall.ENOTDIR)
+	}
+	return nil
 }
 
 // add records one fork's spans as a thread of the wave.

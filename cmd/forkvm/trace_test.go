@@ -2,8 +2,12 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/forkvm/forkvm/api"
@@ -56,5 +60,39 @@ func TestForkTraceBundle(t *testing.T) {
 	}
 	if xs != 3 || len(b.Files) != 1 {
 		t.Fatalf("%d spans, %d files", xs, len(b.Files))
+	}
+}
+
+// TestForkTracePathCheckedFirst: a --trace path the bundle cannot be written to (its
+// directory missing or a file, or the path a directory) is refused before the wave,
+// before an engine is opened (the state directory is not made) and without making a
+// file; it was refused only once every fork had been made.
+func TestForkTracePathCheckedFirst(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name, path string
+		want       error
+	}{
+		{"missing directory", filepath.Join(dir, "missing", "t.tar"), fs.ErrNotExist},
+		{"directory is a file", filepath.Join(file, "t.tar"), syscall.ENOTDIR},
+		{"path is a directory", dir, syscall.EISDIR},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			home := filepath.Join(t.TempDir(), "home")
+			out, err := helpOf(t, "--home", home, "fork", "ck1", "--n", "2", "--trace", tc.path)
+			if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), "--trace") {
+				t.Fatalf("fork --trace %s: %v (%s), want a --trace error wrapping %v", tc.path, err, out, tc.want)
+			}
+			if _, err := os.Stat(home); !os.IsNotExist(err) {
+				t.Errorf("a refused --trace opened an engine: %v", err)
+			}
+			if ents, err := os.ReadDir(dir); err != nil || len(ents) != 1 {
+				t.Errorf("files next to the trace path: %v %v, want only %s", ents, err, file)
+			}
+		})
 	}
 }
