@@ -397,7 +397,8 @@ func (s *checkpointStore) collect(name string, forks func(string) int) {
 }
 
 // reap removes half-written checkpoints (and manifests), RAM files nothing owns (vmLive
-// says which VM names are registered), then collects unpinned checkpoints without forks.
+// says which VM names are registered; the RAM file of a VM directory still there is
+// owned by it even when it is not), then collects unpinned checkpoints without forks.
 func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int) error {
 	ents, err := os.ReadDir(s.paths.checkpointsDir())
 	if err != nil {
@@ -419,6 +420,12 @@ func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int)
 	rams, _ := os.ReadDir(s.paths.ram)
 	for _, r := range rams {
 		kind, name := parseRAMName(r.Name())
+		if kind == "vm" && !vmLive(name) && s.vmDirLeft(name) {
+			// A VM that recovery could neither adopt nor move aside (keepAside) is
+			// still there, unregistered: its RAM file is its own, not an orphan.
+			s.log.Warn("keeping the RAM file of a vm directory that was not adopted", "vm", name, "ram", filepath.Join(s.paths.ram, r.Name()))
+			continue
+		}
 		if kind == "tmp" || kind == "checkpoint" && !live[name] || kind == "vm" && !vmLive(name) {
 			os.RemoveAll(filepath.Join(s.paths.ram, r.Name()))
 		}
@@ -427,6 +434,14 @@ func (s *checkpointStore) reap(vmLive func(string) bool, forks func(string) int)
 		s.collect(name, forks)
 	}
 	return nil
+}
+
+// vmDirLeft reports whether the state directory still has something at the VM
+// directory of name (a VM recovery left in place), or cannot tell: either way the files
+// named after that VM are not provably orphans.
+func (s *checkpointStore) vmDirLeft(name string) bool {
+	_, err := os.Lstat(s.paths.vmDir(name))
+	return !errors.Is(err, os.ErrNotExist)
 }
 
 // removeAllSettled removes dir and what it holds, trying again for up to a second while

@@ -148,25 +148,21 @@ var parentRE = regexp.MustCompile(`"parent":\s*"([^"]+)"`)
 // number when that is taken), and a warning names them, the error and the QEMU
 // processes still using its QMP socket (left running: nothing proves they are half-made;
 // their data may be needed). The checkpoint a damaged fork names, if any can be read, is
-// held: never collected while the directory is there.
+// held: never collected while the directory is there. A VM that cannot be moved (no
+// free name can be found, or a rename fails) is left in place whole, its RAM file
+// included (checkpointStore.reap keeps the files of a VM directory that is still
+// there), and its checkpoint is held all the same.
 func keepAside(paths layout, log *slog.Logger, name string, cause error, pids []int, held func(string)) {
-	aside := corruptPrefix + name
-	for i := 2; ; i++ {
-		_, e1 := os.Lstat(paths.vmDir(aside))
-		_, e2 := os.Lstat(paths.runDir(aside))
-		_, e3 := os.Lstat(filepath.Join(paths.ram, aside+".ram"))
-		if errors.Is(e1, os.ErrNotExist) && errors.Is(e2, os.ErrNotExist) && errors.Is(e3, os.ErrNotExist) {
-			break
-		}
-		aside = fmt.Sprintf("%s%s-%d", corruptPrefix, name, i)
+	aside, err := asideName(paths, name)
+	if err == nil {
+		err = moveAside(paths, name, aside)
 	}
-	if err := os.Rename(paths.vmDir(name), paths.vmDir(aside)); err != nil {
+	if err != nil {
+		parent := holdParent(paths.vmDir(name), held)
 		log.Warn("vm manifest unreadable and the vm cannot be moved aside: left in place, not adopted",
-			"vm", name, "err", cause, "move_err", err, "qemu_pids", pids)
+			"vm", name, "err", cause, "move_err", err, "qemu_pids", pids, "checkpoint", parent)
 		return
 	}
-	os.Rename(paths.runDir(name), paths.runDir(aside))
-	os.Rename(paths.vmRAM(name), filepath.Join(paths.ram, aside+".ram"))
 	parent := holdParent(paths.vmDir(aside), held)
 	if err := nameOwnBackings(paths.vmDir(aside)); err != nil {
 		log.Warn("vm kept aside: its disk still names a checkpoint's layer by its path", "vm", name, "err", err)
@@ -176,6 +172,55 @@ func keepAside(paths layout, log *slog.Logger, name string, cause error, pids []
 	}
 	log.Warn("vm manifest unreadable: kept aside, not adopted (nothing deleted; inspect and remove it yourself)",
 		"vm", name, "moved_to", paths.vmDir(aside), "err", cause, "qemu_pids", pids, "checkpoint", parent)
+}
+
+// asideName returns the first free name .corrupt-NAME, .corrupt-NAME-2... for the
+// directory, run directory and RAM file of the VM name. A name whose freedom cannot be
+// told (too long for the file system, say) is an error, not a reason to try the next
+// number: every next one would fail the same way, for ever.
+func asideName(paths layout, name string) (string, error) {
+	aside := corruptPrefix + name
+	for i := 2; ; i++ {
+		free := true
+		for _, p := range []string{paths.vmDir(aside), paths.runDir(aside), filepath.Join(paths.ram, aside+".ram")} {
+			_, err := os.Lstat(p)
+			if err == nil {
+				free = false
+			} else if !errors.Is(err, os.ErrNotExist) {
+				return "", err
+			}
+		}
+		if free {
+			return aside, nil
+		}
+		aside = fmt.Sprintf("%s%s-%d", corruptPrefix, name, i)
+	}
+}
+
+// moveAside renames the RAM file, directory and run directory of the VM name to aside.
+// The RAM file goes first and comes back when the directory cannot follow: a RAM file
+// left under the VM's name beside a directory moved away would look like nobody's,
+// and be reaped. The run directory (sockets and logs) follows as best it can, as
+// before: nothing reaps run directories.
+func moveAside(paths layout, name, aside string) error {
+	ram, asideRAM := paths.vmRAM(name), filepath.Join(paths.ram, aside+".ram")
+	movedRAM := true
+	if err := os.Rename(ram, asideRAM); errors.Is(err, os.ErrNotExist) {
+		movedRAM = false
+	} else if err != nil {
+		return err
+	}
+	if err := os.Rename(paths.vmDir(name), paths.vmDir(aside)); err != nil {
+		if movedRAM {
+			if berr := os.Rename(asideRAM, ram); berr != nil {
+				// Kept under the aside name: parseRAMName owns nothing so named.
+				return fmt.Errorf("%w (its RAM file stays at %s: %v)", err, asideRAM, berr)
+			}
+		}
+		return err
+	}
+	os.Rename(paths.runDir(name), paths.runDir(aside))
+	return nil
 }
 
 // nameOwnBackings makes each qcow2 file in dir whose header names its backing by an

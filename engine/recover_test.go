@@ -14,6 +14,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
 	"github.com/forkvm/forkvm/memfile"
@@ -351,5 +352,97 @@ func writeQcow2Header(t *testing.T, path, backing string) {
 	}
 	if err := os.WriteFile(path, h, 0o600); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestNewKeepsVMThatCannotMoveAside: a damaged VM that keepAside cannot move (its aside
+// name is too long for the file system, for the directory or for the RAM file) is left
+// in place whole: New returns (trying .corrupt-NAME-2, -3... for ever would hang it),
+// the VM's RAM file is not reaped as nobody's, the checkpoint it names is not
+// collected, and a warning says the VM was left in place.
+func TestNewKeepsVMThatCannotMoveAside(t *testing.T) {
+	for _, tc := range []struct {
+		desc string
+		n    int // length of the VM directory's name
+	}{
+		// ".corrupt-" + 247 = 256 bytes: the directory cannot be moved.
+		{"directory name too long", 247},
+		// The directory could move, but ".corrupt-" + 243 + ".ram" = 256 bytes: its RAM
+		// file could not follow.
+		{"RAM file name too long", 243},
+	} {
+		t.Run(tc.desc, func(t *testing.T) {
+			cfg := testConfig(t)
+			var logBuf bytes.Buffer
+			cfg.Logger = slog.New(slog.NewTextHandler(&logBuf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+			vms := filepath.Join(cfg.StateDir, "vms")
+			name := strings.Repeat("v", tc.n)
+			writeCheckpoint(t, cfg, "ck", nil)
+			touch(t, filepath.Join(cfg.StateDir, "checkpoints", "ck", forkedMarker), 0)
+			m := vmManifest(cfg, "other", StateRunning, deadPID(t))
+			m.Parent = "ck"
+			writeVMManifest(t, vms, name, m)
+			ram := filepath.Join(cfg.RAMDir, "vm-"+name+".ram")
+			touch(t, ram, 1<<20)
+
+			done := make(chan error, 1)
+			go func() {
+				e, err := New(context.Background(), cfg)
+				if err == nil {
+					e.Close()
+				}
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatalf("New: %v", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("New did not return: keepAside looks for a free name for ever")
+			}
+			for _, p := range []string{filepath.Join(vms, name, manifestFile), ram, filepath.Join(cfg.StateDir, "checkpoints", "ck", manifestFile)} {
+				if !exists(p) {
+					t.Errorf("%s is gone after New", filepath.Base(p))
+				}
+			}
+			if !strings.Contains(logBuf.String(), "left in place") || !strings.Contains(logBuf.String(), "checkpoint=ck") {
+				t.Errorf("no warning that the vm was left in place holding ck:\n%s", logBuf.String())
+			}
+		})
+	}
+}
+
+// TestReapKeepsRAMOfVMDirLeft: reap removes the RAM file of a VM name that is neither
+// registered nor has a directory, and keeps the one whose VM directory is still there
+// (a VM recovery could not adopt nor move aside).
+func TestReapKeepsRAMOfVMDirLeft(t *testing.T) {
+	cfg := testConfig(t)
+	paths := layout{state: cfg.StateDir, ram: cfg.RAMDir, run: filepath.Join(cfg.StateDir, "run")}
+	if err := os.MkdirAll(paths.checkpointsDir(), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name    string
+		dir     bool // the VM's directory is there
+		wantRAM bool
+	}{
+		{"ghost", false, false},
+		{"left", true, true},
+	}
+	for _, tc := range cases {
+		if tc.dir {
+			touch(t, filepath.Join(paths.vmDir(tc.name), manifestFile), 3)
+		}
+		touch(t, paths.vmRAM(tc.name), 4096)
+	}
+	s := &checkpointStore{paths: paths, log: slog.New(slog.DiscardHandler), verified: map[string]string{}}
+	if err := s.reap(func(string) bool { return false }, func(string) int { return 0 }); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range cases {
+		if got := exists(paths.vmRAM(tc.name)); got != tc.wantRAM {
+			t.Errorf("RAM file of %s there after reap: %v, want %v", tc.name, got, tc.wantRAM)
+		}
 	}
 }
