@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
+	"strings"
 	"time"
 
 	"github.com/forkvm/forkvm/api"
@@ -284,7 +286,40 @@ func decodeManifest(b []byte) (*manifest, error) {
 	if _, err := parseToken(m.Token); err != nil {
 		return nil, err
 	}
+	if err := checkMachine(m.Launch.Machine); err != nil {
+		return nil, fmt.Errorf("engine: manifest: %w", err)
+	}
 	return &m, nil
+}
+
+// machineTypeRE matches a QEMU machine type name ("q35", "pc-q35-10.0").
+var machineTypeRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`)
+
+// machineOptions are the -machine options a recorded machine may carry: the ones the
+// engine has ever written (defaultMachine, vmgenidMachine and their earlier forms).
+var machineOptions = map[string]bool{"sata": true, "smbus": true, "hpet": true, "acpi": true}
+
+// checkMachine refuses a recorded -machine value (a launch's or a checkpoint's Machine,
+// read back from disk or imported from a peer) that the engine would not have written:
+// a machine type, then only machineOptions, each on or off. The value goes to QEMU's
+// option syntax as it is, where other options name files (dumpdtb=, firmware=) or
+// objects (memory-backend=, which Argv sets itself), and a doubled comma escapes. Empty
+// is allowed: a launch without one gets defaultMachine.
+func checkMachine(m string) error {
+	if m == "" {
+		return nil
+	}
+	parts := strings.Split(m, ",")
+	if !machineTypeRE.MatchString(parts[0]) {
+		return fmt.Errorf("machine %q: bad machine type", m)
+	}
+	for _, o := range parts[1:] {
+		key, val, _ := strings.Cut(o, "=")
+		if !machineOptions[key] || val != "on" && val != "off" {
+			return fmt.Errorf("machine %q: option %q is not one the engine writes", m, o)
+		}
+	}
+	return nil
 }
 
 // decodeCheckpointManifest parses and validates a checkpoint manifest.
@@ -297,6 +332,9 @@ func decodeCheckpointManifest(b []byte) (*checkpointManifest, error) {
 		return nil, fmt.Errorf("manifest version %d, want %d or %d", ck.Version, manifestVersion, checkpointFormat)
 	}
 	if err := ValidateName(ck.Name); err != nil {
+		return nil, err
+	}
+	if err := checkMachine(ck.Machine); err != nil {
 		return nil, err
 	}
 	if ck.CPUs < 1 || ck.MemoryMiB < 2 || ck.RAMSize != int64(ck.MemoryMiB)<<20 {

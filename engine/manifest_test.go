@@ -156,6 +156,8 @@ func TestDecodeCheckpointManifestErrors(t *testing.T) {
 		{"empty sha", func(c *checkpointManifest) { c.StateSHA256 = "" }},
 		{"empty ram path", func(c *checkpointManifest) { c.RAMPath = "" }},
 		{"relative ram path", func(c *checkpointManifest) { c.RAMPath = "ck-base.ram" }},
+		{"machine option naming a file", func(c *checkpointManifest) { c.Machine = "q35,dumpdtb=/tmp/x" }},
+		{"machine option naming a backend", func(c *checkpointManifest) { c.Machine = "q35,memory-backend=mem" }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ck := testCheckpointManifest()
@@ -235,4 +237,52 @@ func FuzzManifest(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestCheckMachine: a recorded -machine value is a machine type with only the options
+// the engine writes, on or off; every value the engine has written passes, and
+// anything else that QEMU's option syntax would act on is refused, from a checkpoint
+// manifest and a VM manifest alike.
+func TestCheckMachine(t *testing.T) {
+	for _, tc := range []struct {
+		machine string
+		ok      bool
+	}{
+		{"", true},
+		{defaultMachine, true},
+		{vmgenidMachine, true},
+		{"q35", true},
+		{"q35,sata=off,smbus=off", true},
+		{"pc-q35-10.0,acpi=on", true},
+		{"q35,dumpdtb=/tmp/x", false},
+		{"q35,firmware=x.bin", false},
+		{"q35,memory-backend=mem", false},
+		{"q35,suppress-vmdesc=on", false},
+		{"q35,acpi=yes", false},
+		{"q35,acpi", false},
+		{"q35,,acpi=off", false},
+		{"q35,", false},
+		{"acpi=off", false},
+		{"q35 x", false},
+		{",acpi=off", false},
+		{"-q35", false},
+		{"q35\x00", false},
+		{strings.Repeat("q", 65), false},
+	} {
+		t.Run(tc.machine, func(t *testing.T) {
+			if err := checkMachine(tc.machine); (err == nil) != tc.ok {
+				t.Errorf("checkMachine(%q) = %v, want ok %v", tc.machine, err, tc.ok)
+			}
+			ck := testCheckpointManifest()
+			ck.Machine = tc.machine
+			if _, err := decodeCheckpointManifest(mustJSON(t, &ck)); (err == nil) != tc.ok {
+				t.Errorf("decodeCheckpointManifest with machine %q: %v, want ok %v", tc.machine, err, tc.ok)
+			}
+			m := testManifest()
+			m.Launch.Machine = tc.machine
+			if _, err := decodeManifest(mustJSON(t, &m)); (err == nil) != tc.ok {
+				t.Errorf("decodeManifest with machine %q: %v, want ok %v", tc.machine, err, tc.ok)
+			}
+		})
+	}
 }
