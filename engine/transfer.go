@@ -595,9 +595,22 @@ func (imp *CheckpointImport) planFiles(ctx context.Context, want []exportFile, g
 	return nil
 }
 
+// checkpointDirFiles are the files of a checkpoint's directory that mean something to
+// the engine by their name alone: its manifest and the manifest's rewrite (removed at
+// each start), device state, hole lists, console history, the full save of a checkpoint
+// being written, and forkedMarker (which makes an unpinned checkpoint collectable).
+// An imported disk layer, overlay template or fork kernel so named would act as that
+// file: a disk named "forked" would have the checkpoint collected after its first
+// fork's end without it ever having had one.
+var checkpointDirFiles = map[string]bool{
+	manifestFile: true, manifestFile + ".tmp": true, stateFile: true, fullSaveFile: true,
+	ramHolesFile: true, flatHolesFile: true, console.HistoryFile: true, forkedMarker: true,
+}
+
 // importLayout checks that a resolved manifest places every file where this engine
 // keeps a checkpoint's: its RAM file and layers under its own names in the RAM
-// directory, the rest directly in its directory.
+// directory, the rest directly in its directory under names that none of the engine's
+// own files there has (checkpointDirFiles).
 func importLayout(l layout, ck *checkpointManifest, dir string) error {
 	if ck.RAMPath != l.checkpointRAM(ck.Name) {
 		return fmt.Errorf("ram file %s is not the checkpoint's own", filepath.Base(ck.RAMPath))
@@ -614,6 +627,9 @@ func importLayout(l layout, ck *checkpointManifest, dir string) error {
 	for _, p := range in {
 		if p != "" && filepath.Dir(p) != dir {
 			return fmt.Errorf("file %s is not directly in the checkpoint's directory", p)
+		}
+		if p != "" && checkpointDirFiles[filepath.Base(p)] {
+			return fmt.Errorf("file %s has the name of the engine's own %q", p, filepath.Base(p))
 		}
 	}
 	return nil

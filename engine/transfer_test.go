@@ -301,6 +301,18 @@ func TestImportRefusesBadExports(t *testing.T) {
 			e.Manifest = mustJSON(t, &m)
 		}, ErrIncompatible},
 		{"garbage", func(e *api.CheckpointExport) { e.Manifest = []byte(`{"version":2`) }, ErrCheckpointCorrupt},
+		// Files named as the engine's own in a checkpoint's directory, listed in the
+		// export so that only their names are wrong: a disk named as the forked
+		// marker would make the checkpoint collectable before its first fork.
+		{"disk named forked", func(e *api.CheckpointExport) {
+			ownName(t, e, func(m *checkpointManifest) { m.Disk = []diskLayer{{Path: forkedMarker, Format: "raw"}} }, forkedMarker)
+		}, ErrCheckpointCorrupt},
+		{"overlay template named as a manifest rewrite", func(e *api.CheckpointExport) {
+			ownName(t, e, func(m *checkpointManifest) { m.OverlayTemplate = manifestFile + ".tmp" }, manifestFile+".tmp")
+		}, ErrCheckpointCorrupt},
+		{"fork kernel named as a hole list", func(e *api.CheckpointExport) {
+			ownName(t, e, func(m *checkpointManifest) { m.ForkKernel = flatHolesFile }, flatHolesFile)
+		}, ErrCheckpointCorrupt},
 	} {
 		e := *exp
 		e.Files = append([]api.CheckpointFile(nil), exp.Files...)
@@ -315,6 +327,19 @@ func TestImportRefusesBadExports(t *testing.T) {
 	if l := leftovers(t, dstCfg); len(l) > 0 {
 		t.Errorf("refused imports left %v", l)
 	}
+}
+
+// ownName changes the manifest of export e with mod, which names a file of the
+// checkpoint's directory name, and lists that file in the export.
+func ownName(t *testing.T, e *api.CheckpointExport, mod func(*checkpointManifest), name string) {
+	t.Helper()
+	var m checkpointManifest
+	if err := json.Unmarshal(e.Manifest, &m); err != nil {
+		t.Fatal(err)
+	}
+	mod(&m)
+	e.Manifest = mustJSON(t, &m)
+	e.Files = append(e.Files, api.CheckpointFile{Name: name, SHA256: strings.Repeat("0", 64)})
 }
 
 // TestImportDeltaLineage: a delta checkpoint's import carries its root RAM file and
