@@ -304,18 +304,19 @@ func TestFilesCLI(t *testing.T) {
 	for _, tc := range []struct {
 		args []string
 		msg  string
+		code int // 2: a usage error
 	}{
-		{[]string{"cp", "c1:/nonexistent", out}, "does not exist"},
-		{[]string{"cp", filepath.Join(src, "nonexistent"), "c1:/root"}, "does not exist"},
-		{[]string{"cp", filepath.Join(src, "tree"), "c1:/etc/passwd"}, "not a directory"},
-		{[]string{"cp", filepath.Join(src, "rand.bin"), "c1:/no/such/dir/x"}, "not a directory"},
-		{[]string{"cp", "c1:/root/tree2", filepath.Join(out, "copy.bin")}, "not a directory"},
-		{[]string{"cp", filepath.Join(src, "rand.bin"), filepath.Join(out, "x")}, "exactly one"},
-		{[]string{"cp", "c1:root", out}, "absolute"},
+		{[]string{"cp", "c1:/nonexistent", out}, "does not exist", 1},
+		{[]string{"cp", filepath.Join(src, "nonexistent"), "c1:/root"}, "does not exist", 1},
+		{[]string{"cp", filepath.Join(src, "tree"), "c1:/etc/passwd"}, "not a directory", 1},
+		{[]string{"cp", filepath.Join(src, "rand.bin"), "c1:/no/such/dir/x"}, "not a directory", 1},
+		{[]string{"cp", "c1:/root/tree2", filepath.Join(out, "copy.bin")}, "not a directory", 1},
+		{[]string{"cp", filepath.Join(src, "rand.bin"), filepath.Join(out, "x")}, "exactly one", 2},
+		{[]string{"cp", "c1:root", out}, "absolute", 1},
 	} {
 		o, errs, code := cli(nil, tc.args...)
-		if code != 1 || !strings.Contains(errs, tc.msg) {
-			t.Errorf("forkvm %v: exit %d %q %q, want 1 and %q", tc.args, code, o, errs, tc.msg)
+		if code != tc.code || !strings.Contains(errs, tc.msg) {
+			t.Errorf("forkvm %v: exit %d %q %q, want %d and %q", tc.args, code, o, errs, tc.code, tc.msg)
 		}
 	}
 
