@@ -225,6 +225,17 @@ func (p *parker) idleSince(name string, now time.Time) (time.Time, bool) {
 	return t, p.busy[name] > 0
 }
 
+// drop forgets name's last use, the VM being deleted (unless a request still uses the
+// name): without idle parking, forget never runs, and a daemon would keep an entry for
+// every VM it ever served.
+func (p *parker) drop(name string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.busy[name] == 0 {
+		delete(p.last, name)
+	}
+}
+
 // forget drops what the parker knows of VMs not in live.
 func (p *parker) forget(live map[string]bool) (gone []net.Listener) {
 	p.mu.Lock()

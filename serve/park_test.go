@@ -72,3 +72,29 @@ func waking(s *Server) int {
 	defer s.pk.mu.Unlock()
 	return len(s.pk.waking)
 }
+
+// TestParkerDrop: a deleted VM's last use is forgotten (a daemon without idle parking
+// never prunes it otherwise), unless a request still uses the name.
+func TestParkerDrop(t *testing.T) {
+	s, _, _ := newTestServer(t)
+	p := s.pk
+	p.touch("gone")
+	done := p.enter("used")
+	p.drop("gone")
+	p.drop("used")
+	p.mu.Lock()
+	_, gone := p.last["gone"]
+	_, used := p.last["used"]
+	p.mu.Unlock()
+	if gone || !used {
+		t.Errorf("after drop: gone kept %v, used kept %v; want false, true", gone, used)
+	}
+	done()
+	p.drop("used")
+	p.mu.Lock()
+	n := len(p.last)
+	p.mu.Unlock()
+	if n != 0 {
+		t.Errorf("%d last-use entries left", n)
+	}
+}

@@ -53,6 +53,7 @@ func (s *Server) deleteVM(w http.ResponseWriter, r *http.Request) {
 	s.fleetDeleted(name)
 	s.releasePorts(name)
 	s.vmf.drop(name)
+	s.pk.drop(name)
 	w.WriteHeader(http.StatusNoContent)
 }
 
