@@ -4,9 +4,12 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"time"
 
+	"github.com/forkvm/forkvm/engine/internal/platform"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -24,7 +27,10 @@ import (
 // checkpoint commits: a crash in between leaves the VM with an overlay over a chain
 // nobody else holds, which changes nothing it reads. A second checkpoint while the VM
 // is still parked freezes the same chain again under that overlay, which it has not
-// written (parkState.DiskTop), so parked checkpoints add one layer, not one each.
+// written (parkState.DiskTop), so parked checkpoints add one layer, not one each. A
+// chain longer than maxDiskDepth is collapsed first, offline, as a running VM's is by a
+// block stream (collapseParkedDisk): a tree of parked forks forking parked forks would
+// otherwise add a layer to every fork's chain per generation.
 
 // checkpointParked writes the checkpoint w of the parked VM vm and commits it; the
 // caller holds vm.life, so that no wake, park or delete runs meanwhile.
@@ -100,8 +106,16 @@ func (e *Engine) freezeParkedDisk(ctx context.Context, vm *VM, w *ckWriter) erro
 		w.ck.Disk, w.ck.DiskMethod, err = freezeChain(ctx, layers, w.tmp, true)
 		return err
 	}
+	reuse := len(layers) > 1 && s.Park.DiskTop != nil && s.Park.DiskTop.unchanged(layers[len(layers)-1].Path)
+	if !reuse {
+		if err := vm.collapseParkedDisk(ctx, w.qemuImg); err != nil {
+			return err
+		}
+		s = vm.snapshot()
+		layers = s.Launch.Disk
+	}
 	frozen := layers
-	if top := layers[len(layers)-1]; len(layers) > 1 && s.Park.DiskTop != nil && s.Park.DiskTop.unchanged(top.Path) {
+	if reuse {
 		// An overlay an earlier checkpoint of this park put on the chain, not written
 		// since: the chain under it is that checkpoint's already.
 		frozen = layers[:len(layers)-1]
@@ -156,4 +170,56 @@ func statDiskTop(path string) (*parkDiskTop, error) {
 func (d *parkDiskTop) unchanged(path string) bool {
 	cur, err := statDiskTop(path)
 	return err == nil && d.Path == path && *cur == *d
+}
+
+// collapseParkedDisk brings the parked VM's disk chain back to maxDiskDepth layers as
+// a running VM's block stream does (planCollapse chooses the layers): qemu-img rebase,
+// in its safe mode, copies into the VM's own top what the dropped layers hold over the
+// kept ones and then names the newest kept layer as its backing; the manifest (synced)
+// records the shorter chain, and the VM's own files among the dropped layers leave its
+// directory (checkpoints that froze them hold their own links). A crash before the
+// manifest leaves a top holding copies of clusters its old chain holds anyway: read
+// through either chain, the disk is the same. Only a top no checkpoint holds (one link)
+// is rewritten.
+func (vm *VM) collapseParkedDisk(ctx context.Context, qemuImg string) error {
+	s := vm.snapshot()
+	layers := s.Launch.Disk
+	n := len(layers)
+	if n < 3 || layers[n-1].Format != "qcow2" {
+		return nil
+	}
+	sizes := make([]int64, n-1)
+	for i, l := range layers[:n-1] {
+		sizes[i] = layerSize(l.Path)
+	}
+	keep, ok := planCollapse(sizes, maxDiskDepth)
+	if !ok {
+		return nil
+	}
+	top := layers[n-1]
+	if links, err := linkCount(top.Path); err != nil || links != 1 {
+		vm.log.Warn("parked disk collapse: the top is not the VM's alone; chain left as it is", "vm", vm.Name(), "top", top.Path, "links", links, "err", err)
+		return nil
+	}
+	dir := vm.dir()
+	linkChainNames(dir, layers[:n-1]) // the old chain, by the names its headers use
+	backing := layers[keep-1]
+	cmd := exec.CommandContext(ctx, qemuImg, "rebase", "-q", "-f", "qcow2", "-F", backing.Format, "-b", chainName(keep-1, backing), top.Path)
+	cmd.Dir = dir
+	if out, err := platform.BoundOutput(cmd); err != nil {
+		return fmt.Errorf("engine: qemu-img rebase %s: %v: %s", top.Path, err, strings.TrimSpace(string(out)))
+	}
+	dropped := append([]diskLayer(nil), layers[keep:n-1]...)
+	return vm.locked(func(s *vmState) error {
+		if len(s.Launch.Disk) != n || s.Launch.Disk[n-1].Path != top.Path {
+			return fmt.Errorf("engine: parked disk collapse %s: the chain changed meanwhile", vm.Name())
+		}
+		s.Launch.Disk = append(append([]diskLayer(nil), s.Launch.Disk[:keep]...), s.Launch.Disk[n-1])
+		if err := vm.saveSync(s); err != nil {
+			s.Launch.Disk = layers
+			return err
+		}
+		vm.sweepDiskFiles(s, dropped)
+		return nil
+	})
 }

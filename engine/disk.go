@@ -350,6 +350,15 @@ func layerSize(path string) int64 {
 	return st.Blocks * 512
 }
 
+// linkCount is the number of hard links of the file at path.
+func linkCount(path string) (uint64, error) {
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		return 0, err
+	}
+	return uint64(st.Nlink), nil
+}
+
 // startCollapse starts the block-stream job that brings vm's chain back to maxDiskDepth
 // layers, when it is longer and no job is pending. The job is recorded in the manifest
 // before it starts. Failures are logged: the chain stays as it is, a valid chain. It runs
@@ -488,10 +497,8 @@ func (vm *VM) settleForFreeze(ctx context.Context, s *vmState) error {
 // holds its own link. s is the VM's state, under its lock.
 func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, s *vmState, dropped []diskLayer) {
 	inChain := map[string]bool{}
-	files := map[string]bool{}
 	for _, l := range s.Launch.Disk {
 		inChain[l.Node] = true
-		files[l.Path] = true
 	}
 	inChain[s.DiskNode] = true
 	if names, err := c.QueryNodeNames(ctx); err == nil {
@@ -502,6 +509,17 @@ func (vm *VM) sweepDisk(ctx context.Context, c *qemu.Monitor, s *vmState, droppe
 				}
 			}
 		}
+	}
+	vm.sweepDiskFiles(s, dropped)
+}
+
+// sweepDiskFiles removes, from vm's directory, its own layer files that its chain (s,
+// its state, under its lock) no longer holds, dropped among them, and the chain names
+// of layers it no longer has. A checkpoint that froze such a file holds its own link.
+func (vm *VM) sweepDiskFiles(s *vmState, dropped []diskLayer) {
+	files := map[string]bool{}
+	for _, l := range s.Launch.Disk {
+		files[l.Path] = true
 	}
 	candidates := map[string]bool{}
 	for _, l := range dropped {

@@ -797,3 +797,74 @@ func TestParkManifestUnwritable(t *testing.T) {
 	}
 	deleteAll(t, env)
 }
+
+// TestParkedGenerations: a line of parked forks, each forked by name from the one
+// before it while that one is parked (a tree search that parks its nodes), holds every
+// generation's memory and disk writes, and no chain grows with the generations: each
+// VM's disk chain stays within genMaxVMDepth layers and each checkpoint's within
+// genMaxCkDepth, as for running VMs (TestGenerations).
+func TestParkedGenerations(t *testing.T) {
+	env := newRobustEnv(t, parallelVMTest(t))
+	e := env.E
+	ctx := ctxT(t, 6*time.Minute)
+	makePinnedWorld(t, e, 256, 16)
+	const generations = 12
+	src, want := "ck", ""
+	for g := 1; g <= generations; g++ {
+		name := fmt.Sprintf("g%d", g)
+		vm, err := e.Fork(ctx, src, &engine.ForkOptions{Name: name})
+		if err != nil {
+			t.Fatalf("generation %d: fork of %s: %v", g, src, err)
+		}
+		want += name + "\n"
+		if got := mustRun(t, vm, "echo "+name+" >> /dev/shm/line && echo "+name+" >> /data/line && sync && cat /dev/shm/line /data/line"); got != strings.TrimSuffix(want+want, "\n") {
+			t.Fatalf("generation %d holds %q, want %q twice", g, got, want)
+		}
+		if _, err := e.Park(ctx, name); err != nil {
+			t.Fatalf("generation %d: park: %v", g, err)
+		}
+		src = name
+	}
+	for _, dir := range dirNames(filepath.Join(env.Home, "vms")) {
+		var m struct {
+			Launch struct {
+				Disk []json.RawMessage `json:"disk"`
+			} `json:"launch"`
+		}
+		b, err := os.ReadFile(filepath.Join(env.Home, "vms", dir, "manifest.json"))
+		if err == nil {
+			err = json.Unmarshal(b, &m)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := len(m.Launch.Disk); d > genMaxVMDepth {
+			t.Errorf("vm %s: a %d-layer disk chain, want at most %d", dir, d, genMaxVMDepth)
+		}
+	}
+	cks, err := e.Checkpoints()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cks {
+		ck, err := e.LoadCheckpoint(ctx, c.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := len(ck.Manifest.Disk); d > genMaxCkDepth {
+			t.Errorf("checkpoint %s: a %d-layer disk chain, want at most %d", c.Name, d, genMaxCkDepth)
+		}
+	}
+	last := src
+	if _, err := e.Wake(ctx, last, nil); err != nil {
+		t.Fatalf("wake %s: %v", last, err)
+	}
+	vm, err := e.Get(last)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := mustRun(t, vm, "cat /dev/shm/line /data/line"); got != strings.TrimSuffix(want+want, "\n") {
+		t.Errorf("the last generation, woken, holds %q", got)
+	}
+	deleteAll(t, env)
+}
