@@ -198,9 +198,19 @@ func rootPartition(r io.ReaderAt, parts []diskPartition) (diskPartition, error) 
 // importDisk reads the root file system of the disk image p into x. A qcow2
 // image is converted to a sparse raw file in tmp with `qemu-img convert`
 // first (qemu-img follows backing files and decompresses clusters; reading
-// qcow2 here would mean doing both again).
-func importDisk(ctx context.Context, x *extractor, p, tmp string) error {
+// qcow2 here would mean doing both again). An artifact's disk (a layer or a
+// file of an image: the image author's, not the user's) may name no other
+// file (qcow2Names): qemu-img would open it on the host, as root, and its
+// data would become the image's.
+func importDisk(ctx context.Context, x *extractor, p, tmp string, artifact bool) error {
 	format := diskFormat(p)
+	if format == "qcow2" && artifact {
+		if other, err := qcow2Names(p); err != nil {
+			return err
+		} else if other != "" {
+			return fmt.Errorf("%w: the disk artifact's qcow2 names %s, a file of the host: refused", ErrUnsafeEntry, other)
+		}
+	}
 	if format == "qcow2" {
 		qi, err := exec.LookPath("qemu-img")
 		if err != nil {
@@ -257,6 +267,33 @@ func importDisk(ctx context.Context, x *extractor, p, tmp string) error {
 	return extractExt4(ctx, x, fs)
 }
 
+// qcow2Names returns what the qcow2 image p names besides itself ("" when
+// nothing): a backing file (header backing_file_offset) or an external data
+// file (version 3 incompatible feature bit 2), both opened by qemu-img.
+func qcow2Names(p string) (string, error) {
+	f, err := os.Open(p)
+	if err != nil {
+		return "", fmt.Errorf("%w: %v", ErrSourceNotFound, err)
+	}
+	defer f.Close()
+	h := make([]byte, 80)
+	if _, err := io.ReadFull(f, h); err != nil {
+		return "", fmt.Errorf("%w: %s: qcow2 header: %v", ErrCorruptArchive, p, err)
+	}
+	version := binary.BigEndian.Uint32(h[4:])
+	if off, n := binary.BigEndian.Uint64(h[8:]), binary.BigEndian.Uint32(h[16:]); off != 0 && n != 0 {
+		name := make([]byte, min(n, 1023))
+		if _, err := f.ReadAt(name, int64(off)); err != nil {
+			return "", fmt.Errorf("%w: %s: qcow2 backing file name: %v", ErrCorruptArchive, p, err)
+		}
+		return fmt.Sprintf("the backing file %q", name), nil
+	}
+	if version >= 3 && binary.BigEndian.Uint64(h[72:])&(1<<2) != 0 {
+		return "an external data file", nil
+	}
+	return "", nil
+}
+
 // diskArtifact reports the disk image of a flattened OCI artifact: a tree that
 // holds DiskArtifactPath and nothing else.
 func diskArtifact(root string) (string, bool) {
@@ -298,5 +335,5 @@ func (b *imageBuild) takeDiskArtifact(ctx context.Context, x *extractor, root, t
 		return nil, fmt.Errorf("guest: staging disk artifact: %w", err)
 	}
 	nx := newExtractor(root, x.limit, x.logf)
-	return nx, importDisk(ctx, nx, moved, tmp)
+	return nx, importDisk(ctx, nx, moved, tmp, true)
 }

@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"golang.org/x/sys/unix"
 
 	"github.com/forkvm/forkvm/internal/testdisk"
@@ -531,7 +533,7 @@ func TestImportDiskBoundsSparseFiles(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "out")
 	os.Mkdir(out, 0o755)
 	x := newExtractor(out, 0, t.Logf)
-	if err := importDisk(context.Background(), x, img, t.TempDir()); !errors.Is(err, ErrImageTooLarge) {
+	if err := importDisk(context.Background(), x, img, t.TempDir(), false); !errors.Is(err, ErrImageTooLarge) {
 		t.Errorf("2 GiB sparse file: %v, want ErrImageTooLarge", err)
 	}
 }
@@ -587,5 +589,75 @@ func TestExt4GroupDescriptorsBounded(t *testing.T) {
 	runtime.ReadMemStats(&after)
 	if n := after.TotalAlloc - before.TotalAlloc; n > 16<<20 {
 		t.Errorf("opening the file system allocated %d MiB (err %v)", n>>20, err)
+	}
+}
+
+// TestDiskArtifactQcow2NamesNoHostFile: a disk artifact (a file at disk/disk.img
+// of an archive's or a registry's image) is the image author's, not the user's: a
+// qcow2 one that names a backing file or an external data file, which qemu-img
+// would open on the host, is refused (ErrUnsafeEntry) instead of importing the host
+// file's root file system. A local qcow2 the user names keeps its backing file.
+func TestDiskArtifactQcow2NamesNoHostFile(t *testing.T) {
+	requireImageTools(t)
+	qi, err := exec.LookPath("qemu-img")
+	if err != nil {
+		t.Skip("qemu-img missing")
+	}
+	tree := filepath.Join(t.TempDir(), "tree")
+	os.MkdirAll(filepath.Join(tree, "etc"), 0o755)
+	os.WriteFile(filepath.Join(tree, "etc/marker"), []byte("on the host\n"), 0o644)
+	hostFS := mkfsTree(t, tree) // a file of the host, outside the archive
+	dir := t.TempDir()
+	overlay := func(name, size string, opts ...string) []byte {
+		p := filepath.Join(dir, name)
+		args := append(append([]string{"create", "-f", "qcow2"}, opts...), p)
+		if size != "" {
+			args = append(args, size)
+		}
+		if out, err := exec.Command(qi, args...).CombinedOutput(); err != nil {
+			t.Fatalf("qemu-img: %v: %s", err, out)
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	backed := overlay("backed.qcow2", "", "-b", hostFS, "-F", "raw")
+	dataFile := overlay("data.qcow2", "16M", "-o", "data_file="+filepath.Join(dir, "data.raw"))
+	cache, agent := t.TempDir(), testAgent(t)
+	for _, tc := range []struct {
+		name string
+		disk []byte
+	}{
+		{"backing file", backed},
+		{"external data file", dataFile},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			img := imageOf(t, "amd64", []entry{{name: "disk/", typ: tar.TypeDir}, {name: DiskArtifactPath, data: string(tc.disk)}})
+			archive := filepath.Join(t.TempDir(), "art.tar")
+			if err := tarball.WriteToFile(archive, name.MustParseReference("forkvm/art:1"), img); err != nil {
+				t.Fatal(err)
+			}
+			var log strings.Builder
+			got, err := CreateImage(context.Background(), &ImageConfig{Name: "art", CacheDir: cache, From: archive, AgentBinary: agent, Log: &log})
+			if !errors.Is(err, ErrUnsafeEntry) {
+				if err == nil {
+					t.Errorf("/etc/marker of the image: %q", catDisk(t, got.Disk, "/etc/marker"))
+					RemoveImage(context.Background(), cache, "art")
+				}
+				t.Fatalf("got %v, want %v\n%s", err, ErrUnsafeEntry, log.String())
+			}
+			assertNothingLeft(t, cache)
+		})
+	}
+	// The user's own qcow2 follows its backing file, as documented.
+	local := writeTestFile(t, dir, "local.qcow2", backed)
+	img, err := CreateImage(context.Background(), &ImageConfig{Name: "local", CacheDir: cache, From: local, AgentBinary: agent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := catDisk(t, img.Disk, "/etc/marker"); got != "on the host\n" {
+		t.Errorf("local qcow2: /etc/marker = %q", got)
 	}
 }

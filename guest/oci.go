@@ -349,7 +349,7 @@ func populateFrom(ctx context.Context, x *extractor, from, ref, tmp string) (*Im
 			return nil, fmt.Errorf("%w: Ref is only for OCI and docker archives", ErrInvalidImageConfig)
 		}
 		src.Kind = SourceDiskImage
-		return src, importDisk(ctx, x, from, tmp)
+		return src, importDisk(ctx, x, from, tmp, false)
 	}
 	kind, err := classifyArchive(ctx, from)
 	if err != nil {

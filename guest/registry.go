@@ -315,7 +315,7 @@ func (b *imageBuild) pullInto(ctx context.Context, x *extractor, tmp string) (*I
 	src := &ImageSource{Kind: SourceRegistry, Image: p.ref, Digest: p.digest}
 	if p.disk != "" {
 		b.logf("%s is a disk artifact (layer %s): reading the root file system of its disk", p.ref, DiskArtifactPath)
-		return src, importDisk(ctx, x, p.disk, tmp)
+		return src, importDisk(ctx, x, p.disk, tmp, true)
 	}
 	if _, err := x.extractImage(ctx, p.img); err != nil {
 		return nil, err
