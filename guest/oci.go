@@ -367,11 +367,14 @@ func populateFrom(ctx context.Context, x *extractor, from, ref, tmp string) (*Im
 	case SourceOCIArchive:
 		// Unpack the layout (blobs only: no links, no devices; the same
 		// entry policy) next to the root, then read it as a directory.
+		// go-containerregistry reads it on the host, following symlinks:
+		// a link could name a host file or directory, so none is let in.
 		dir := filepath.Join(tmp, "oci")
 		if err := os.Mkdir(dir, 0o700); err != nil {
 			return nil, err
 		}
 		ox := newExtractor(dir, 0, x.logf)
+		ox.noLinks = true
 		if err := extractFile(ctx, ox, from); err != nil {
 			return nil, err
 		}

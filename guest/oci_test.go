@@ -9,6 +9,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -293,6 +294,58 @@ func TestCreateImageOCIBadInput(t *testing.T) {
 				t.Fatalf("got %v, want %v containing %q", err, tc.want, tc.msg)
 			}
 			t.Log(err)
+			assertNothingLeft(t, cache)
+		})
+	}
+}
+
+// TestOCIArchiveLinksRefused: an OCI archive's layout is unpacked to be read by
+// go-containerregistry, which follows symlinks on the host: a symlink in it (here
+// blobs/sha256, to a directory of the host holding another image's blobs) would have
+// the host's files imported as the archive's. Links have no place in a layout (it is
+// blobs, index.json and oci-layout), so they are refused (ErrUnsafeEntry).
+func TestOCIArchiveLinksRefused(t *testing.T) {
+	requireImageTools(t)
+	dir := t.TempDir()
+	lay := filepath.Join(dir, "layout")
+	p, err := layout.Write(lay, empty.Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.AppendImage(imageOf(t, "amd64", []entry{{name: "etc/", typ: tar.TypeDir}, {name: "etc/marker", data: "on the host\n"}})); err != nil {
+		t.Fatal(err)
+	}
+	hostBlobs := filepath.Join(dir, "host-blobs") // a directory of the host, outside the archive
+	if err := os.Rename(filepath.Join(lay, "blobs", "sha256"), hostBlobs); err != nil {
+		t.Fatal(err)
+	}
+	read := func(name string) string {
+		b, err := os.ReadFile(filepath.Join(lay, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+	head := []entry{{name: "oci-layout", data: read("oci-layout")}, {name: "index.json", data: read("index.json")}, {name: "blobs/", typ: tar.TypeDir}}
+	cache, agent := t.TempDir(), testAgent(t)
+	for _, tc := range []struct {
+		name string
+		link entry
+	}{
+		{"absolute symlink", entry{name: "blobs/sha256", typ: tar.TypeSymlink, link: hostBlobs}},
+		{"relative symlink", entry{name: "blobs/sha256", typ: tar.TypeSymlink, link: "../x"}},
+		{"hard link", entry{name: "blobs/x", typ: tar.TypeLink, link: "index.json"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			archive := writeTestFile(t, t.TempDir(), "oci.tar", tarOf(t, append(slices.Clone(head), tc.link)))
+			img, err := CreateImage(context.Background(), &ImageConfig{Name: "oci", CacheDir: cache, From: archive, AgentBinary: agent})
+			if !errors.Is(err, ErrUnsafeEntry) {
+				if err == nil {
+					t.Errorf("/etc/marker of the image: %q", catDisk(t, img.Disk, "/etc/marker"))
+					RemoveImage(context.Background(), cache, "oci")
+				}
+				t.Fatalf("got %v, want %v", err, ErrUnsafeEntry)
+			}
 			assertNothingLeft(t, cache)
 		})
 	}

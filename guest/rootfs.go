@@ -53,6 +53,10 @@ type extractor struct {
 	written int64
 	skipped int
 	logf    func(format string, a ...any)
+	// noLinks refuses symlinks and hard links (ErrUnsafeEntry): set for a tree the
+	// host reads afterwards (an OCI archive's layout), where a link would be followed
+	// on the host, outside the root securejoin keeps extraction in.
+	noLinks bool
 
 	dirs    []dirTimes
 	pending []*tar.Header // hard links whose target came later (flattened OCI layers are upper-first)
@@ -153,6 +157,9 @@ func (x *extractor) apply(ctx context.Context, hdr *tar.Header, data io.Reader) 
 	rel, err := cleanEntryName(hdr.Name)
 	if err != nil {
 		return err
+	}
+	if x.noLinks && (hdr.Typeflag == tar.TypeSymlink || hdr.Typeflag == tar.TypeLink) {
+		return fmt.Errorf("%w: %q is a link (-> %q), and this archive may hold none", ErrUnsafeEntry, hdr.Name, hdr.Linkname)
 	}
 	switch hdr.Typeflag {
 	case tar.TypeFifo:
