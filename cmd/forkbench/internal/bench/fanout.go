@@ -300,9 +300,7 @@ func runWaves(r *Env, w *World, settings *FanoutSettings, prefix string, overcom
 		idle := measureIdle(r, wr, idleWindow)
 		iso := checkIsolation(r, w, wr.Ready, mems, sampleIndices(len(wr.Ready)))
 		recordWave(r, len(outs)+1+map[bool]int{true: 0, false: 100}[prefix == ""], wr, mems)
-		for _, e := range wr.FailedErrs {
-			r.fail("%s: %s", label, e)
-		}
+		failWave(r.Recorder, label, wr)
 		lat := wr.latencies()
 		pc := report.Summarize(lat)
 		var fs forkStats

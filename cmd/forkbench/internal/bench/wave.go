@@ -248,7 +248,8 @@ func (w *WaveResult) noteRefusals(adm []engine.ForkEvent) {
 	}
 }
 
-// firstCommands runs `sh -c true` once in every ready fork of w, in parallel.
+// firstCommands runs `sh -c true` once in every ready fork of w, in parallel, and
+// records each in w (cmdDone).
 func firstCommands(r *Env, w *WaveResult) {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
@@ -260,17 +261,32 @@ func firstCommands(r *Env, w *WaveResult) {
 			d, err := firstCmd(r.ctx, vm)
 			mu.Lock()
 			defer mu.Unlock()
-			w.CmdStart[vm.Name()] = t
-			if err != nil {
-				w.Failed++
-				w.FailedErrs = append(w.FailedErrs, err.Error())
-				r.fail("first command: %v", err)
-				return
-			}
-			w.CmdMS[vm.Name()] = report.Ms(d)
+			w.cmdDone(vm.Name(), t, d, err)
 		}()
 	}
 	wg.Wait()
+}
+
+// cmdDone records the first command of fork name, started at start: its duration, or
+// its failure in Failed and FailedErrs, which the caller counts as the run's failures
+// (failWave) with the wave's failed forks. It counts none itself: counted here too, a
+// failed command was two failures in result.json.
+func (w *WaveResult) cmdDone(name string, start time.Time, d time.Duration, err error) {
+	w.CmdStart[name] = start
+	if err != nil {
+		w.Failed++
+		w.FailedErrs = append(w.FailedErrs, fmt.Sprintf("%s: first command: %v", name, err))
+		return
+	}
+	w.CmdMS[name] = report.Ms(d)
+}
+
+// failWave counts every failure of w (its failed forks and first commands) as one of
+// the run's failures.
+func failWave(r *Recorder, label string, w *WaveResult) {
+	for _, e := range w.FailedErrs {
+		r.fail("%s: %s", label, e)
+	}
 }
 
 // IdleCPU is the host CPU that a wave's ready forks use while nothing runs in them.

@@ -1,8 +1,10 @@
 package bench
 
 import (
+	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/forkvm/forkvm/cmd/forkbench/internal/report"
 	"github.com/forkvm/forkvm/engine"
@@ -54,5 +56,30 @@ func TestHostFigure(t *testing.T) {
 	}
 	if _, ok := (&WaveResult{}).HostFigure(); ok {
 		t.Fatal("a wave with no ready fork has a host figure")
+	}
+}
+
+// TestWaveFailuresCountedOnce: a fanout wave's failures (a fork that failed, a fork
+// whose first command failed) are each one failure of the run: a failed first command
+// was counted when it failed and again with the wave's failures, so result.json said
+// failures 2 for one.
+func TestWaveFailuresCountedOnce(t *testing.T) {
+	r := &Recorder{bench: "test"}
+	w := &WaveResult{N: 3, Failed: 1, FailedErrs: []string{"w3-2: engine: fork failed"}, CmdMS: map[string]float64{}, CmdStart: map[string]time.Time{}}
+	t0 := time.Now()
+	w.cmdDone("w3-0", t0, 20*time.Millisecond, nil)
+	w.cmdDone("w3-1", t0, time.Second, errors.New("sh -c true exited 1"))
+	failWave(r, "wave3", w)
+	if r.failures != 2 || w.Failed != 2 || len(w.FailedErrs) != 2 {
+		t.Fatalf("run failures %d, wave failed %d (%q), want 2 each", r.failures, w.Failed, w.FailedErrs)
+	}
+	if _, ok := w.CmdMS["w3-1"]; ok || w.CmdMS["w3-0"] != 20 || len(w.CmdStart) != 2 {
+		t.Fatalf("commands: ms %v, starts %v", w.CmdMS, w.CmdStart)
+	}
+	if !strings.Contains(w.FailedErrs[1], "w3-1") {
+		t.Errorf("failure %q does not name its fork", w.FailedErrs[1])
+	}
+	if complete, ok := r.status(nil); !complete || ok {
+		t.Errorf("complete %v ok %v, want complete and not ok", complete, ok)
 	}
 }
