@@ -227,6 +227,11 @@ func cacheLayer(ctx context.Context, cfg *pullConfig, l v1.Layer, d v1.Hash, siz
 	h := sha256.New()
 	cfg.logf("layer %s: downloading %s", d.Hex[:12], FormatBytes(size))
 	n, err := io.Copy(io.MultiWriter(f, h, pw), ctxReader{ctx, rc})
+	if err == nil {
+		// A later pull trusts the cached layer by its size: flushed before its
+		// rename, a power loss cannot leave it whole in size but not in data.
+		err = fsync(f)
+	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
@@ -249,6 +254,7 @@ func cacheLayer(ctx context.Context, cfg *pullConfig, l v1.Layer, d v1.Hash, siz
 	if err := os.Rename(f.Name(), final); err != nil {
 		return "", fmt.Errorf("guest: layer cache: %w", err)
 	}
+	syncDir(cfg.layers)
 	cfg.logf("layer %s: %s downloaded", d.Hex[:12], FormatBytes(n))
 	return final, nil
 }
