@@ -442,6 +442,13 @@ func (b *imageBuild) populate(ctx context.Context, root, tmp string) error {
 			return fmt.Errorf("guest: creating staging directory: %w", err)
 		}
 		x := newExtractor(root, int64(c.SizeMiB)<<20, b.logf)
+		if x.limit == 0 {
+			// Sized to its content: bounded by the cache's disk, which holds the
+			// staged tree and the disk image made of it, so that an archive declaring
+			// more than fits (a compression bomb, a huge sparse entry) is refused
+			// before its bytes fill the host's disk.
+			x.limit, x.autoLimit = contentLimit(tmp), true
+		}
 		var s *ImageSource
 		var err error
 		if b.src.Kind == SourceRegistry {

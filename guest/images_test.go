@@ -292,6 +292,7 @@ func TestCreateImageBadInput(t *testing.T) {
 		{name: "not an archive", tarball: bytes.Repeat([]byte("this is not a tar file\n"), 40), want: ErrCorruptArchive},
 		{name: "zstd", tarball: []byte{0x28, 0xb5, 0x2f, 0xfd, 0, 0, 0, 0}, want: ErrCorruptArchive, msg: "zstd"},
 		{name: "missing file", from: filepath.Join(src, "nothere.tar"), want: ErrSourceNotFound},
+		{name: "declares more than the disk holds", tarball: hugeEntryTar(t), want: ErrImageTooLarge, msg: "free space"},
 		{name: "larger than disk", tarball: tarOf(t, []entry{{name: "big", data: big}}), cfg: func(c *ImageConfig) { c.SizeMiB = 8 }, want: ErrImageTooLarge, msg: "8 MiB"},
 		{name: "larger than disk with metadata", tarball: tarOf(t, []entry{{name: "big", data: almost}}), cfg: func(c *ImageConfig) { c.SizeMiB = 8 }, want: ErrImageTooLarge, msg: "needs about"},
 		{name: "directory with device node", from: devDir, want: ErrDeviceNode, msg: "etc/sda"},
@@ -691,4 +692,20 @@ sleep 1
 	if b, _ := os.ReadFile(count); strings.Count(string(b), "build") != 2 {
 		t.Errorf("a rebuild did not run mmdebstrap: %q", b)
 	}
+}
+
+// hugeEntryTar is a tar archive whose one entry declares a petabyte (a compression
+// bomb's or a sparse entry's size) followed by a few bytes of it: an image sized to
+// its content must refuse it for the cache's disk before writing it.
+func hugeEntryTar(t *testing.T) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	if err := tw.WriteHeader(&tar.Header{Name: "huge", Typeflag: tar.TypeReg, Mode: 0o644, Size: 1 << 50}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tw.Write(bytes.Repeat([]byte{0}, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	return append(buf.Bytes(), make([]byte, 1024)...)
 }

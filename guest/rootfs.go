@@ -48,11 +48,13 @@ import (
 // FIFOs and sockets are skipped (counted in skipped): they carry no data, and
 // programs that use one create it at run time.
 type extractor struct {
-	root    string // absolute staging root
-	limit   int64  // bytes of regular files allowed; 0 = no limit
-	written int64
-	skipped int
-	logf    func(format string, a ...any)
+	root  string // absolute staging root
+	limit int64  // bytes of regular files allowed; 0 = no limit
+	// autoLimit: limit is contentLimit's, not a size the user asked for.
+	autoLimit bool
+	written   int64
+	skipped   int
+	logf      func(format string, a ...any)
 	// noLinks refuses symlinks and hard links (ErrUnsafeEntry): set for a tree the
 	// host reads afterwards (an OCI archive's layout), where a link would be followed
 	// on the host, outside the root securejoin keeps extraction in.
@@ -65,6 +67,29 @@ type extractor struct {
 type dirTimes struct {
 	path         string
 	atime, mtime time.Time
+}
+
+// contentReserve is the free space an image build leaves on the image cache's disk.
+const contentReserve = 1 << 30
+
+// diskFree is the space available on path's file system (a variable: tests set it).
+var diskFree = func(path string) (int64, error) {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(path, &st); err != nil {
+		return 0, err
+	}
+	return int64(st.Bavail) * int64(st.Bsize), nil
+}
+
+// contentLimit bounds the content of an image sized to it, built in dir: half of what
+// dir's disk has free beyond contentReserve (the staged tree, then the disk image made
+// of it), at least one byte; no bound (0) where the free space cannot be read.
+func contentLimit(dir string) int64 {
+	free, err := diskFree(dir)
+	if err != nil {
+		return 0
+	}
+	return max((free-contentReserve)/2, 1)
 }
 
 func newExtractor(root string, limit int64, logf func(string, ...any)) *extractor {
@@ -235,6 +260,10 @@ func (x *extractor) file(ctx context.Context, rel string, hdr *tar.Header, data 
 	}
 	x.written += hdr.Size
 	if x.limit > 0 && x.written > x.limit {
+		if x.autoLimit {
+			return fmt.Errorf("%w: content exceeds %d MiB at %q: half the free space of the image cache's disk, less %d MiB (the staged tree and its disk image both need room)",
+				ErrImageTooLarge, x.limit>>20, rel, contentReserve>>20)
+		}
 		return fmt.Errorf("%w: content exceeds %d MiB at %q", ErrImageTooLarge, x.limit>>20, rel)
 	}
 	p, err := x.resolve(rel)
