@@ -86,7 +86,8 @@ type checkpointStore struct {
 	// unreadable) were forked from: never collected while they are kept.
 	held map[string]bool
 	// beforeRemove, when set, is called with a checkpoint's name before its files go
-	// (no lock of the store held): the background work on it ends first.
+	// (no lock of the store held): the background work on it ends first, and its warm
+	// pool goes.
 	beforeRemove func(name string)
 }
 

@@ -97,7 +97,10 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.pools = &poolSet{}
 	e.flat = newFlattener()
 	e.prot = newProtector()
-	e.cks.beforeRemove = e.flat.forget
+	e.cks.beforeRemove = func(name string) {
+		e.flat.forget(name)
+		e.dropPool(name)
+	}
 	e.adm = &admitter{
 		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, maxOvercommit: r.MaxOvercommit,
 		reserveBytes: r.MemoryReserveMiB << 20, commitRatio: r.MemoryCommitRatio,

@@ -177,6 +177,23 @@ func (s *poolSet) take(ck string) *VM {
 	return vm
 }
 
+// drop removes ck's pool and returns its ready processes, for the caller to discard: its
+// checkpoint is going. A spawn still in flight for it settles into no pool, and is
+// discarded (settle), so a new checkpoint of the same name never gets a process of this
+// one.
+func (s *poolSet) drop(ck string) []*VM {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p := s.pools[ck]
+	if p == nil {
+		return nil
+	}
+	delete(s.pools, ck)
+	ready := p.ready
+	p.ready, p.target = nil, 0
+	return ready
+}
+
 // close refuses new spawns and returns every ready process, for the caller to kill.
 func (s *poolSet) close() []*VM {
 	s.mu.Lock()
@@ -284,6 +301,15 @@ func (e *Engine) refill(c *Checkpoint) {
 				opts = *again
 			}
 		}()
+	}
+}
+
+// dropPool kills the warm pool of checkpoint ck, which is being removed: its processes
+// run ck's RAM and device state and would otherwise be counted by the budget until the
+// engine closes, or be handed to the forks of a new checkpoint of the same name.
+func (e *Engine) dropPool(ck string) {
+	for _, vm := range e.pools.drop(ck) {
+		e.discard(vm)
 	}
 }
 

@@ -1,0 +1,101 @@
+package engine
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/forkvm/forkvm/engine/internal/qemu"
+)
+
+// pooledSleeper puts a pooled process of checkpoint ck into e's pool (a sleep standing
+// in for its QEMU) and returns it; the pool's target is the processes it holds.
+// exited is closed once the process has exited.
+func pooledSleeper(t *testing.T, e *Engine, ck string) (vm *VM, exited <-chan struct{}) {
+	t.Helper()
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	t.Cleanup(func() { cmd.Process.Kill(); <-done })
+	start, err := qemu.ProcStartTime(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := poolPrefix + randHex(6)
+	cfg := e.Config()
+	m := vmManifest(&cfg, name, statePooled, cmd.Process.Pid)
+	m.StartTime, m.Parent, m.Launch.RAM.Shared = start, ck, false
+	for _, d := range []string{e.paths.vmDir(name), m.Launch.RunDir} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	vm = adoptVM(e.paths.vmDir(name), e.log, m, e.paths)
+	p, _, err := e.pools.resize(ck, e.pools.size(ck)+1, WarmOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.pools.mu.Lock()
+	p.ready = append(p.ready, vm)
+	e.pools.mu.Unlock()
+	return vm, done
+}
+
+// TestCheckpointRemovalDropsWarmPool: a checkpoint that goes (deleted, or collected once
+// its last fork went) takes its warm pool with it: the pooled processes are killed and no
+// longer counted by the budget, and a new checkpoint of the same name is never handed a
+// process of the old one (whose RAM and device state it would run).
+func TestCheckpointRemovalDropsWarmPool(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		remove func(*Engine) error
+	}{
+		{"deleted", func(e *Engine) error { return e.DeleteCheckpoint(context.Background(), "ck", nil) }},
+		{"collected", func(e *Engine) error {
+			e.cks.markForked("ck")
+			e.collect("ck")
+			return nil
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e, oc := admissionEngine(t, 4)
+			cfg := e.Config()
+			writeCheckpoint(t, &cfg, "ck", nil)
+			_, exited := pooledSleeper(t, e, "ck")
+			if b := e.adm.budget(oc); b.Used != 1 {
+				t.Fatalf("Used with one pooled process = %d, want 1", b.Used)
+			}
+			if err := tc.remove(e); err != nil {
+				t.Fatal(err)
+			}
+			if e.cks.exists("ck") {
+				t.Fatal("checkpoint still there")
+			}
+			if n := e.pools.size("ck"); n != 0 {
+				t.Errorf("pool of the removed checkpoint holds %d processes, want 0", n)
+			}
+			if b := e.adm.budget(oc); b.Used != 0 {
+				t.Errorf("Used once the checkpoint went = %d, want 0", b.Used)
+			}
+			select {
+			case <-exited:
+			case <-time.After(10 * time.Second):
+				t.Error("the pooled process still runs")
+			}
+			writeCheckpoint(t, &cfg, "ck", func(m *checkpointManifest) { m.Append += " new" })
+			c, err := e.cks.read("ck")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if vm, res := e.claimPooled(c, "f1"); vm != nil {
+				res.release()
+				t.Errorf("a fork of the new checkpoint ck claimed %s, pooled for the old one", vm.Name())
+			}
+		})
+	}
+}
