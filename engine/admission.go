@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"maps"
+	"math"
 	"sync"
 	"time"
 
@@ -92,7 +93,7 @@ func (a *admitter) budgetHigh(overcommit float64) (Budget, map[string]int64) {
 	own := a.own(skip)
 	others := a.otherQEMUs()
 	b := Budget{HostCPUs: a.hostCPUs, Overcommit: overcommit, MaxOvercommit: a.maxOvercommit,
-		Total: int(float64(a.hostCPUs) * overcommit), Used: pendingCPUs}
+		Total: vcpuBudget(a.hostCPUs, overcommit), Used: pendingCPUs}
 	for _, u := range own {
 		b.Used += u.CPUs
 	}
@@ -104,6 +105,21 @@ func (a *admitter) budgetHigh(overcommit float64) (Budget, map[string]int64) {
 	high := a.fp.Update(all)
 	b.Memory = a.host.Memory(all, pendingMem, high, a.reserveBytes, a.commitRatio)
 	return b, high
+}
+
+// maxVCPUBudget bounds the vCPU budget: room for any count of VMs, and for Used plus a
+// request without overflow.
+const maxVCPUBudget = math.MaxInt32
+
+// vcpuBudget is host CPUs × overcommit in vCPUs, at most maxVCPUBudget: an overcommit
+// as large as "no limit" (1e300, finite and so accepted) converts to an int Go leaves
+// undefined (math.MinInt64 on amd64), a negative budget that refused every VM.
+func vcpuBudget(hostCPUs int, overcommit float64) int {
+	t := float64(hostCPUs) * overcommit
+	if t >= maxVCPUBudget {
+		return maxVCPUBudget
+	}
+	return int(t)
 }
 
 // admit checks the budgets for one more VM of cpus vCPUs and guest bytes of RAM, a fork

@@ -239,3 +239,31 @@ func TestAdmitCountsBoundVMOnce(t *testing.T) {
 		t.Errorf("Used after a late bind = %d, want 2", b.Used)
 	}
 }
+
+// TestBudgetHugeOvercommit: an overcommit large enough that host CPUs × overcommit does
+// not fit an int (a configuration meaning "no vCPU limit") gives the largest budget, not
+// a negative one that refuses every VM.
+func TestBudgetHugeOvercommit(t *testing.T) {
+	for _, tc := range []struct {
+		name                  string
+		overcommit, requested float64
+	}{
+		{"engine's", 1e300, 0},
+		{"request's", 8, 1e300},
+		{"past MaxInt64", 1e19, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e, _ := admissionEngine(t, 4)
+			e.adm.hostCPUs, e.adm.overcommit, e.adm.maxOvercommit = 4, tc.overcommit, max(tc.overcommit, tc.requested)
+			b := e.adm.budget(tc.requested)
+			if b.Total < 1<<20 {
+				t.Errorf("Total = %d, want a huge budget", b.Total)
+			}
+			rel, err := e.adm.admit(64, 0, "", tc.requested)
+			if err != nil {
+				t.Fatalf("admit 64 vCPUs: %v", err)
+			}
+			rel.release()
+		})
+	}
+}
