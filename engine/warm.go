@@ -410,6 +410,9 @@ func (vm *VM) resumeRestored(ctx context.Context) error {
 // path; QEMU keeps its open files) and its manifest rewritten. The QEMU process keeps
 // its pool name as its process title.
 //
+// A process found dead, or that cannot be renamed, is discarded and nil returned; the
+// pool is refilled either way.
+//
 // res is the claimed process's vCPU reservation, bound to it: held before the process
 // leaves the pool and released by the caller once the fork is registered or failed.
 func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, res *reservation) {
@@ -418,6 +421,8 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, res *reservati
 		res.release()
 		return nil, nil
 	}
+	// The pool is one process short, whether this claim succeeds or discards it.
+	defer func() { go e.refill(c) }()
 	res.bind(vm)
 	old := vm.Name()
 	if !vm.alive() {
@@ -454,6 +459,5 @@ func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, res *reservati
 		res.release()
 		return nil, nil
 	}
-	go e.refill(c)
 	return vm, res
 }

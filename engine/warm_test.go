@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"log/slog"
 	"os"
 	"os/exec"
 	"testing"
@@ -96,6 +97,49 @@ func TestCheckpointRemovalDropsWarmPool(t *testing.T) {
 				res.release()
 				t.Errorf("a fork of the new checkpoint ck claimed %s, pooled for the old one", vm.Name())
 			}
+		})
+	}
+}
+
+// TestFailedClaimRefillsPool: a claim that finds its pooled process unusable (dead, or
+// its directory not renamed) discards it and still refills the pool, as a claim that
+// succeeds does: otherwise a pool whose processes all died stays empty below its target.
+func TestFailedClaimRefillsPool(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		spoil func(t *testing.T, e *Engine, vm *VM, exited <-chan struct{})
+	}{
+		{"dead", func(t *testing.T, e *Engine, vm *VM, exited <-chan struct{}) {
+			vm.kill()
+			<-exited
+		}},
+		{"not renamed", func(t *testing.T, e *Engine, vm *VM, exited <-chan struct{}) {
+			if err := os.RemoveAll(vm.dir()); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig(t)
+			var logs syncBuf
+			cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+			e := newTestEngine(t, cfg)
+			e.adm.reserveBytes = -(1 << 50)
+			e.adm.host = fakeHost(t, 16<<30, 8<<30)
+			e.adm.overcommit, e.adm.maxOvercommit = 1e6, 1e6
+			writeCheckpoint(t, cfg, "ck", nil)
+			vm, exited := pooledSleeper(t, e, "ck")
+			tc.spoil(t, e, vm, exited)
+			c, err := e.cks.read("ck")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, res := e.claimPooled(c, "f1"); got != nil {
+				res.release()
+				t.Fatalf("claimed %s", got.Name())
+			}
+			// The refill's spawn fails here (no QEMU): that it was tried is what counts.
+			waitFor(t, &logs, "warm pool spawn failed")
 		})
 	}
 }
