@@ -140,13 +140,24 @@ func kernelCounters(s kcounters.Sample) *KernelCounters {
 		TaskClock: s.TaskClock, RSSAnon: s.RSSAnon, RSSFile: s.RSSFile, RSSShmem: s.RSSShmem, PageTables: s.PageTables}
 }
 
-// holesOf is the recorded hole list of the checkpoint RAM file ram maps (Info.RAMHoles),
-// "" for a VM's own RAM file or when none was recorded. state is the state directory.
+// holesOf is the recorded hole list of the checkpoint RAM file ram maps (Info.RAMHoles):
+// a root file's, a flattened file's, or a base link's (the forks of a checkpoint whose
+// ancestor was flattened map one); "" for a VM's own RAM file or when none was
+// recorded. state is the state directory.
 func holesOf(state string, ram ramBacking) string {
 	if ram.Path == "" || ram.Shared {
 		return ""
 	}
 	base := filepath.Base(ram.Path)
+	if dir := filepath.Base(filepath.Dir(ram.Path)); parseBaseFile(base) > 0 && strings.HasPrefix(dir, "ck-") && strings.HasSuffix(dir, ".layers") {
+		// A base link in a checkpoint's layer directory (an ancestor's flattened
+		// file, lineageBase): its list lies beside it (pinBaseIn).
+		p := baseHoles(ram.Path)
+		if _, err := os.Stat(p); err != nil {
+			return ""
+		}
+		return p
+	}
 	ck, ok := strings.CutPrefix(base, "ck-")
 	if !ok {
 		return ""

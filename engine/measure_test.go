@@ -3,6 +3,7 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -379,6 +380,42 @@ func TestClassifyMemory(t *testing.T) {
 			want.Shared = rss - want.Private
 			if *got != want {
 				t.Errorf("got  %+v\nwant %+v", *got, want)
+			}
+		})
+	}
+}
+
+// TestRAMHolesPath: the hole list of each kind of RAM file a fork maps: a checkpoint's
+// root file, its flattened file, and a base link pinned into a descendant's layer
+// directory (the flattened file of an ancestor, its list beside it); none for a VM's
+// own RAM file or a file without a list.
+func TestRAMHolesPath(t *testing.T) {
+	cfg := testConfig(t)
+	paths := layout{state: cfg.StateDir, ram: cfg.RAMDir}
+	link := filepath.Join(paths.checkpointLayers("b"), baseFile(1, "a"))
+	for _, f := range []string{
+		filepath.Join(paths.checkpointDir("a"), ramHolesFile),
+		filepath.Join(paths.checkpointDir("a"), flatHolesFile),
+		baseHoles(link),
+	} {
+		touch(t, f, 16)
+	}
+	for _, tc := range []struct {
+		name string
+		ram  ramBacking
+		want string
+	}{
+		{"root", ramBacking{Path: paths.checkpointRAM("a")}, filepath.Join(paths.checkpointDir("a"), ramHolesFile)},
+		{"flattened", ramBacking{Path: paths.checkpointFlat("a")}, filepath.Join(paths.checkpointDir("a"), flatHolesFile)},
+		{"base link", ramBacking{Path: link}, baseHoles(link)},
+		{"base link without a list", ramBacking{Path: filepath.Join(paths.checkpointLayers("b"), baseFile(2, "c"))}, ""},
+		{"no list", ramBacking{Path: paths.checkpointRAM("b")}, ""},
+		{"own", ramBacking{Path: filepath.Join(cfg.RAMDir, "vm-w.ram"), Shared: true}, ""},
+		{"anonymous", ramBacking{Anonymous: true}, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := holesOf(cfg.StateDir, tc.ram); got != tc.want {
+				t.Errorf("holesOf(%s) = %q, want %q", tc.ram.Path, got, tc.want)
 			}
 		})
 	}
