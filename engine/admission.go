@@ -176,6 +176,27 @@ func (a *admitter) hold(cpus int, mem int64) *reservation {
 	return &reservation{a: a, cpus: cpus, mem: mem}
 }
 
+// claim takes a pooled process out of its pool (take; nil: none there) and reserves,
+// bound to it, what the pool counted it at: its vCPUs, and its memory commitment less
+// what it holds already (the prior: pooled processes are never samples). It holds
+// admitMu throughout, so no admission sees the budget with the process in neither
+// place: a claimed process restoring commits what it did in the pool until its fork is
+// registered (or fails) and the reservation is released.
+func (a *admitter) claim(take func() *VM) (*VM, *reservation) {
+	a.admitMu.Lock()
+	defer a.admitMu.Unlock()
+	vm := take()
+	if vm == nil {
+		return nil, nil
+	}
+	u, _ := vm.use(a.host) // a dead process holds nothing
+	spec := &vm.ident().Spec
+	mem := max(admission.CommitBytes(int64(spec.MemoryMiB)<<20, a.commitRatio)-u.Private, 0)
+	res := a.hold(spec.CPUs, mem)
+	res.bind(vm)
+	return vm, res
+}
+
 // reservation is one admitted VM's vCPUs and memory, counted in the budget until it is
 // released. Its methods are safe on nil (nothing reserved) and for concurrent use;
 // release is idempotent.

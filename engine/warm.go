@@ -413,17 +413,15 @@ func (vm *VM) resumeRestored(ctx context.Context) error {
 // A process found dead, or that cannot be renamed, is discarded and nil returned; the
 // pool is refilled either way.
 //
-// res is the claimed process's vCPU reservation, bound to it: held before the process
-// leaves the pool and released by the caller once the fork is registered or failed.
+// res is the claimed process's reservation (admitter.claim), bound to it: made as the
+// process leaves the pool and released by the caller once the fork is registered or
+// failed.
 func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, res *reservation) {
-	res = e.adm.hold(c.Manifest.CPUs, 0)
-	if vm = e.pools.take(c.Manifest.Name); vm == nil {
-		res.release()
+	if vm, res = e.adm.claim(func() *VM { return e.pools.take(c.Manifest.Name) }); vm == nil {
 		return nil, nil
 	}
 	// The pool is one process short, whether this claim succeeds or discards it.
 	defer func() { go e.refill(c) }()
-	res.bind(vm)
 	old := vm.Name()
 	if !vm.alive() {
 		e.discard(vm)

@@ -143,3 +143,39 @@ func TestFailedClaimRefillsPool(t *testing.T) {
 		})
 	}
 }
+
+// TestClaimKeepsPooledMemoryCounted: a pooled process leaving its pool for a fork stays
+// counted in the memory budget until the fork is registered, as it is in vCPUs: the
+// claim's reservation carries what the pool counted it at, so a wave admitted while it
+// restores does not commit its memory twice over.
+func TestClaimKeepsPooledMemoryCounted(t *testing.T) {
+	e, oc := admissionEngine(t, 4)
+	cfg := e.Config()
+	writeCheckpoint(t, &cfg, "ck", nil)
+	pooledSleeper(t, e, "ck")
+	e.pools.mu.Lock()
+	e.pools.pools["ck"].target = 0 // no refill to count meanwhile
+	e.pools.mu.Unlock()
+	before := e.adm.budget(oc)
+	if before.Used != 1 || before.Memory.CommittedBytes <= 0 {
+		t.Fatalf("budget with one pooled process = %+v, want it counted", before)
+	}
+	c, err := e.cks.read("ck")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vm, res := e.claimPooled(c, "f1")
+	if vm == nil {
+		t.Fatal("nothing claimed")
+	}
+	during := e.adm.budget(oc)
+	if during.Used != 1 || during.Memory.CommittedBytes < before.Memory.CommittedBytes {
+		t.Errorf("budget while the claimed process restores: %d vCPUs, %d bytes committed; want 1 and at least %d",
+			during.Used, during.Memory.CommittedBytes, before.Memory.CommittedBytes)
+	}
+	res.release()
+	if b := e.adm.budget(oc); b.Used != 0 || b.Memory.CommittedBytes != 0 {
+		t.Errorf("budget once released (the fork not registered) = %d vCPUs, %d bytes; want 0", b.Used, b.Memory.CommittedBytes)
+	}
+	e.discard(vm)
+}
