@@ -2,6 +2,7 @@ package fleet
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"sync"
 	"testing"
@@ -364,4 +365,34 @@ func TestExpiryNotedBeforeJudging(t *testing.T) {
 	close(hold)
 	<-held
 	waitFor(t, n1.protectLease()+3*time.Second, "v revived on n2", func() bool { return slices.Contains(e2.called(), "revive v") })
+}
+
+// TestDropOnlyDropsPoints: a drop asked over NATS (a peer's word) deletes a copy of a
+// protection point of the VM it names, and nothing else: not a checkpoint of the
+// node's user (pinned or not), nor a point of another VM.
+func TestDropOnlyDropsPoints(t *testing.T) {
+	t.Parallel()
+	e := newProtEngine()
+	e.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1, Pinned: true}
+	e.cks["w-p-1"] = CheckpointRef{Name: "w-p-1", Digest: "d2", Class: testClass, CPUs: 1, Pinned: true}
+	e.cks["v-p-1"] = CheckpointRef{Name: "v-p-1", Digest: "d3", Class: testClass, CPUs: 1, Pinned: true}
+	e.points = []api.CheckpointInfo{{Name: "w-p-1", Protects: "w", CreatedAt: time.Now()}, {Name: "v-p-1", Protects: "v", CreatedAt: time.Now()}}
+	f := joinFleet(t, testServer(t), "n1", Config{Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond}, e, &fakeFetcher{to: e.fakeEngine, fetches: map[string]int{}})
+	for _, d := range []struct{ vm, point string }{
+		{"ghost", "ck"},    // the user's checkpoint
+		{"", "ck"},         // no VM named
+		{"ghost", "w-p-1"}, // a point of another VM
+		{"v", "v-p-1"},     // the one to drop, asked last: the others were handled first
+	} {
+		f.askDrop("n1", d.vm, d.point)
+	}
+	waitFor(t, 10*time.Second, "v-p-1 dropped", func() bool {
+		_, err := e.Checkpoint(context.Background(), "v-p-1")
+		return errors.Is(err, api.ErrNotFound)
+	})
+	for _, keep := range []string{"ck", "w-p-1"} {
+		if _, err := e.Checkpoint(context.Background(), keep); err != nil {
+			t.Errorf("checkpoint %s dropped on a peer's word: %v", keep, err)
+		}
+	}
 }

@@ -353,12 +353,7 @@ func (f *Fleet) serveProtection() error {
 		if json.Unmarshal(m.Data, &r) != nil {
 			return
 		}
-		if _, err := f.eng.Get(r.VM); err == nil {
-			return // it runs here now: its points are its own
-		}
-		ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
-		defer cancel()
-		f.eng.DeleteCheckpoint(ctx, r.Point)
+		f.dropCopy(p, r)
 	})
 	if err != nil {
 		cp.Unsubscribe()
@@ -372,6 +367,27 @@ func (f *Fleet) serveProtection() error {
 		dp.Unsubscribe()
 	}()
 	return nil
+}
+
+// dropCopy deletes this node's copy of r's point, asked by the VM's owner once its
+// record names a newer point (or none). The request is a peer's word: only a
+// protection point of the VM it names goes, never a checkpoint of this node's user
+// (the engine deletes a pinned checkpoint no fork uses) nor another VM's point.
+func (f *Fleet) dropCopy(p ProtectEngine, r copyReq) {
+	if r.VM == "" {
+		return
+	}
+	if _, err := f.eng.Get(r.VM); err == nil {
+		return // it runs here now: its points are its own
+	}
+	points, err := p.Points()
+	if err != nil || !slices.ContainsFunc(points, func(c api.CheckpointInfo) bool { return c.Name == r.Point && c.Protects == r.VM }) {
+		f.log.Info("fleet: drop of a protection point refused: no point of that VM here", "vm", r.VM, "point", r.Point, "err", err)
+		return
+	}
+	ctx, cancel := context.WithTimeout(f.ctx, time.Minute)
+	defer cancel()
+	f.eng.DeleteCheckpoint(ctx, r.Point)
 }
 
 // holdCopy pulls r's point from its owner. The copy of the previous point stays until
