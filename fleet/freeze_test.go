@@ -23,6 +23,9 @@ type protEngine struct {
 	// (or 5 s pass); reviving counts those under way, mostReviving the most at once.
 	together               int
 	reviving, mostReviving int
+	// reviveErr, when set, runs in each revival, which fails with its error when not
+	// nil.
+	reviveErr func() error
 }
 
 func newProtEngine() *protEngine { return &protEngine{fakeEngine: newFakeEngine(100)} }
@@ -55,6 +58,11 @@ func (e *protEngine) Token(string) (string, error) { return "token", nil }
 
 func (e *protEngine) Revive(_ context.Context, point, name, _ string) (api.Info, error) {
 	e.did("revive " + name)
+	if e.reviveErr != nil {
+		if err := e.reviveErr(); err != nil {
+			return api.Info{}, err
+		}
+	}
 	e.pmu.Lock()
 	e.reviving++
 	e.mostReviving = max(e.mostReviving, e.reviving)
@@ -394,5 +402,50 @@ func TestDropOnlyDropsPoints(t *testing.T) {
 		if _, err := e.Checkpoint(context.Background(), keep); err != nil {
 			t.Errorf("checkpoint %s dropped on a peer's word: %v", keep, err)
 		}
+	}
+}
+
+// TestFailedRevivalKeepsAnotherOwnersRecord: a revival that fails notes its error in
+// the VM's record only while the record is still this node's: another node that took
+// the VM over meanwhile keeps its record (a write over it made this node the owner of
+// a VM running elsewhere, whose copy there it then ended as stale).
+func TestFailedRevivalKeepsAnotherOwnersRecord(t *testing.T) {
+	t.Parallel()
+	e := newProtEngine()
+	f := joinFleet(t, testServer(t), "n1", Config{Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond}, e, &fakeFetcher{to: e.fakeEngine, fetches: map[string]int{}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	key := kvKey("v")
+	rec := protectRec{VM: "v", Token: "token", Node: "n1", Class: f.classID,
+		FleetProtection: api.FleetProtection{Point: "v-p-1", PointAt: time.Now(), Copies: []string{"n2"}, Every: time.Second, Error: "fenced"}}
+	if err := f.writeRec(ctx, key, rec, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	rev, _, err := f.leaderJSON(ctx, f.protect, key, &rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec.rev = rev
+	e.reviveErr = func() error {
+		// n2 takes the VM over while n1's revival runs.
+		var cur protectRec
+		crev, _, err := f.leaderJSON(ctx, f.protect, key, &cur)
+		if err != nil {
+			t.Error(err)
+			return err
+		}
+		cur.Node, cur.RevivedFrom, cur.Error = "n2", "n1", ""
+		if err := f.writeRec(ctx, key, cur, crev, true); err != nil {
+			t.Error(err)
+		}
+		return errors.New("revival failed (test)")
+	}
+	f.revive(e, rec, "")
+	var got protectRec
+	if _, ok, err := f.leaderJSON(ctx, f.protect, key, &got); err != nil || !ok {
+		t.Fatalf("record: %v (found %v)", err, ok)
+	}
+	if got.Node != "n2" || got.Error != "" {
+		t.Errorf("record after a failed revival: owner %s, error %q; want n2's takeover untouched", got.Node, got.Error)
 	}
 }

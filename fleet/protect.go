@@ -1016,9 +1016,12 @@ func (f *Fleet) revive(p ProtectEngine, r protectRec, from string) {
 	if err != nil {
 		f.log.Warn("fleet: protected VM not revived", "vm", r.VM, "point", r.Point, "err", err)
 		next.Error = err.Error()
-		if _, ok, _ := f.leaderJSON(ctx, f.protect, key, &cur); ok {
+		// By revision, and only while the record is still this node's: another node
+		// that took the VM over meanwhile runs it, and a write over its record would
+		// make this node the owner of a VM running there (whose copy it then ends).
+		if rev, ok, _ := f.leaderJSON(ctx, f.protect, key, &cur); ok && cur.Node == f.cfg.Node {
 			b, _ := json.Marshal(next)
-			f.protect.Put(ctx, key, b)
+			f.protect.Update(ctx, key, b, rev)
 		}
 		return
 	}
