@@ -208,6 +208,10 @@ type Fleet struct {
 	// redelivered to this node while its first try runs (or a replacement of a fork it
 	// made) is one fork of its share, not two.
 	perWave map[string]waveForks
+	// trying holds the ids of the jobs this node has a try of under way: a job
+	// delivered again meanwhile (its in-progress notices lost for an ack wait) is that
+	// try's (take).
+	trying map[string]bool
 	// fetching holds a lock per checkpoint digest being fetched.
 	fetching map[string]*sync.Mutex
 	// slot is signalled when a job ends.
@@ -314,7 +318,7 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	f := &Fleet{cfg: cfg, log: log, eng: eng, fetch: fetch, nc: nc, js: js, class: class, classID: ClassID(class),
-		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]waveForks{}, forking: map[string]int{}, slot: make(chan struct{}, 1), beatNow: make(chan struct{}, 1)}
+		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]waveForks{}, trying: map[string]bool{}, forking: map[string]int{}, slot: make(chan struct{}, 1), beatNow: make(chan struct{}, 1)}
 	f.ctx, f.cancel = context.WithCancel(context.Background())
 	fail := func(err error) (*Fleet, error) {
 		f.cancel()

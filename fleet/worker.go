@@ -219,6 +219,18 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 		msg.TermWithReason("unreadable job")
 		return true
 	}
+	f.mu.Lock()
+	dup := f.trying[j.ID]
+	f.mu.Unlock()
+	if dup {
+		// Delivered again while this node's try of it runs (its in-progress notices
+		// did not reach the server for an ack wait): that try acks or gives back the
+		// message (the server knows it by its stream sequence, whichever delivery
+		// answers) and keeps it in progress. A second try here took the claim for its
+		// own, deleted the first one's fork as a leftover and forked again.
+		f.log.Info("fleet: job delivered again while this node tries it: left to that try", "job", j.ID)
+		return true
+	}
 	if !f.seen() {
 		// Delivered to a fetch made while this node was seen (see workLoop).
 		msg.NakWithDelay(refuseDelay)
@@ -249,6 +261,7 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 		f.perWave[j.Wave] = mine
 	}
 	mine[j.Name]++
+	f.trying[j.ID] = true
 	f.running++
 	f.shown++
 	f.runningCPUs += j.CPUs
@@ -262,6 +275,7 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 		took := t.handle()
 		t.settle()
 		f.mu.Lock()
+		delete(f.trying, j.ID)
 		f.running--
 		if t.handed {
 			delete(f.forking, j.Name)

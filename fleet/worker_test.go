@@ -1,6 +1,16 @@
 package fleet
 
-import "testing"
+import (
+	"context"
+	"encoding/json"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/forkvm/forkvm/api"
+)
 
 // TestWaveForksCountsNames: a node's share of a spread wave counts forks by name: a
 // job redelivered to the node while its first try runs (TestFleet/Fail once waited 179 s
@@ -30,5 +40,66 @@ func TestWaveForksCountsNames(t *testing.T) {
 	w.drop("a")
 	if w.full(2, "c") {
 		t.Error("a's tries all failed: the share should have room")
+	}
+}
+
+// jobMsg is a delivered job that a test hands to take: its data and delivery count,
+// and what the try did with it.
+type jobMsg struct {
+	jetstream.Msg
+	data      []byte
+	delivered uint64
+	acked     atomic.Bool
+	nakked    atomic.Bool
+}
+
+func (m *jobMsg) Data() []byte { return m.data }
+func (m *jobMsg) Metadata() (*jetstream.MsgMetadata, error) {
+	return &jetstream.MsgMetadata{NumDelivered: m.delivered}, nil
+}
+func (m *jobMsg) InProgress() error                  { return nil }
+func (m *jobMsg) DoubleAck(context.Context) error    { m.acked.Store(true); return nil }
+func (m *jobMsg) NakWithDelay(time.Duration) error   { m.nakked.Store(true); return nil }
+func (m *jobMsg) TermWithReason(reason string) error { return nil }
+
+// TestRedeliveryBesideItsTry: a job delivered again to the node whose try of it is
+// still under way (its in-progress notices lost for an ack wait: a reconnect, an
+// election of the consumer's leader) is left to that try. The second delivery took the
+// claim for its own (same node, boot and job), deleted the first try's fork as a
+// leftover and forked again: one job, two forks begun.
+func TestRedeliveryBesideItsTry(t *testing.T) {
+	t.Parallel()
+	n := join(t, testServer(t), 1, 0, nil)[0]
+	n.eng.cks["ck"] = CheckpointRef{Name: "ck", Digest: "d1", Class: testClass, CPUs: 1}
+	n.eng.forkDelay.Store(int64(2 * time.Second))
+	f := n.f
+	waitFor(t, 10*time.Second, "node seen", f.seen)
+	j := job{ID: "wr.0.1", Wave: "wr", Index: 0, Attempt: 1, Name: "redelivered", Checkpoint: "ck", Digest: "d1",
+		Class: f.classID, CPUs: 1, Published: time.Now()}
+	data, _ := json.Marshal(j)
+	first, again := &jobMsg{data: data, delivered: 1}, &jobMsg{data: data, delivered: 2}
+	r := room{free: 8, mem: api.MemoryBudget{Known: true, TotalBytes: 16 << 30, FreeBytes: 8 << 30, CommitRatio: 1}, at: time.Now()}
+	if !f.take(first, time.Now(), &r) {
+		t.Fatal("first delivery given back")
+	}
+	waitFor(t, 10*time.Second, "the first try's start record", func() bool {
+		var rec record
+		_, ok, err := f.leaderJSON(context.Background(), f.jobs, recordKey(j.Wave, j.Index), &rec)
+		return err == nil && ok && rec.State == stateRunning
+	})
+	r.at = time.Now()
+	f.take(again, time.Now(), &r)
+	waitFor(t, 20*time.Second, "the job acked", first.acked.Load)
+	time.Sleep(500 * time.Millisecond) // a second try, had one started, forks meanwhile
+	if c := n.eng.calls.Load(); c != 1 {
+		t.Errorf("%d forks begun for one job, want 1", c)
+	}
+	if v, err := n.eng.Get(j.Name); err != nil || v.State != api.StateRunning {
+		t.Errorf("fork %s: %+v, %v; want it running", j.Name, v, err)
+	}
+	var rec record
+	if _, ok, err := f.leaderJSON(context.Background(), f.jobs, recordKey(j.Wave, j.Index), &rec); err != nil || !ok ||
+		rec.State != stateReady || rec.Failures != 0 {
+		t.Errorf("record %+v (ok %v, err %v), want ready with no failure", rec, ok, err)
 	}
 }
