@@ -67,6 +67,8 @@ func (f *Fleet) renewLease(stamp time.Time, vms []api.Info, also ...string) {
 	if f.cfg.Dir == "" || f.protector() == nil {
 		return
 	}
+	f.leaseMu.Lock()
+	defer f.leaseMu.Unlock()
 	l := lease{QEMUs: leaseQEMUs(vms, also...)}
 	path := filepath.Join(f.cfg.Dir, leaseFile)
 	if len(l.QEMUs) == 0 {
@@ -165,6 +167,7 @@ func watchdogsOf(path string) []int {
 
 // watchdogRuns says whether the watchdog this daemon started runs (one a daemon before
 // it started is left to exit: it guards the same lease, and a second one is harmless).
+// Under leaseMu.
 func (f *Fleet) watchdogRuns() bool {
 	if f.watchdog == nil {
 		return false

@@ -231,8 +231,12 @@ type Fleet struct {
 	ownerLost   map[string]time.Time
 	reviving    map[string]bool
 	expiredSeen map[string]expiryNote
+	// leaseMu serializes the lease's renewals (fence.go): the heartbeat loop renews it
+	// with each prompt beat, the protection loop after a freeze and before a thaw, and
+	// both write the same temporary file and start the watchdog when none runs.
+	leaseMu sync.Mutex
 	// watchdog is closed when the fence watchdog this node started has exited (nil:
-	// none started; fence.go).
+	// none started; fence.go). Under leaseMu.
 	watchdog <-chan struct{}
 
 	// cacheMu guards the caches: the live nodes a share check saw last (nodesAt), the
