@@ -4,6 +4,7 @@ package qemu
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -34,7 +35,22 @@ type Zygote struct {
 	conn   *net.UnixConn
 	cmd    *exec.Cmd
 	closed bool
+	// broken is why the socket can no longer be trusted (an answer that did not come
+	// in time may still come, as the answer to the next request): every fork fails.
+	broken error
+	// answerTimeout bounds the wait for an answer, closeWait the zygote's exit after
+	// its socket closed (then it is killed): zygoteAnswerTimeout, zygoteCloseWait.
+	answerTimeout, closeWait time.Duration
 }
+
+// zygoteAnswerTimeout bounds the wait for a zygote's answer: it forks twice and
+// answers once the middle child exited, milliseconds even on a loaded host. A zygote
+// that does not answer (stopped, say) must not hold every spawn of its binary.
+const zygoteAnswerTimeout = 30 * time.Second
+
+// zygoteCloseWait is how long Close waits for the zygote to exit on its socket's end
+// before it kills it.
+const zygoteCloseWait = 5 * time.Second
 
 // subreaperOnce makes the process a child subreaper once: a QEMU whose forking parent
 // exits is handed to it. Process-wide and kept (zygotes' QEMUs outlive their zygote).
@@ -135,14 +151,29 @@ func (z *Zygote) fork(args []string, dir string, out *os.File) (int, error) {
 	}
 	z.mu.Lock()
 	defer z.mu.Unlock()
-	if z.closed {
+	switch {
+	case z.closed:
 		return 0, errZygoteClosed
+	case z.broken != nil:
+		return 0, z.broken
+	}
+	timeout := cmp.Or(z.answerTimeout, zygoteAnswerTimeout)
+	if err := z.conn.SetDeadline(time.Now().Add(timeout)); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrZygote, err)
 	}
 	if _, _, err := z.conn.WriteMsgUnix(req.Bytes(), unix.UnixRights(int(out.Fd())), nil); err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			z.broken = fmt.Errorf("%w: its socket took no request in %v", ErrZygote, timeout)
+			return 0, z.broken
+		}
 		return 0, fmt.Errorf("%w: request: %w", ErrZygote, err)
 	}
 	buf := make([]byte, 64)
 	n, err := z.conn.Read(buf)
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		z.broken = fmt.Errorf("%w: no answer in %v", ErrZygote, timeout)
+		return 0, z.broken
+	}
 	if err != nil {
 		return 0, fmt.Errorf("%w: answer: %w", ErrZygote, err)
 	}
@@ -164,8 +195,8 @@ func parseZygoteAnswer(s string) (int, error) {
 	return 0, fmt.Errorf("%w: bad answer %q", ErrZygote, s)
 }
 
-// Close ends the zygote (its end of the socket sees EOF) and reaps it. The QEMUs it
-// forked go on.
+// Close ends the zygote (its end of the socket sees EOF) and reaps it, killing it if it
+// does not exit (a stopped zygote). The QEMUs it forked go on.
 func (z *Zygote) Close() error {
 	z.mu.Lock()
 	if z.closed || z.conn == nil { // nil: a zero Zygote, none started
@@ -175,7 +206,18 @@ func (z *Zygote) Close() error {
 	z.closed = true
 	err := z.conn.Close()
 	z.mu.Unlock()
-	z.cmd.Wait()
+	exited := make(chan struct{})
+	go func() {
+		z.cmd.Wait()
+		close(exited)
+	}()
+	select {
+	case <-exited:
+	case <-time.After(cmp.Or(z.closeWait, zygoteCloseWait)):
+		// Stopped, or not reading its socket: it forks nothing more.
+		z.cmd.Process.Kill()
+		<-exited
+	}
 	return err
 }
 

@@ -267,3 +267,41 @@ func thpEnabled(t *testing.T, pid int) string {
 	t.Skip("no THP_enabled in /proc/PID/status (Linux < 5.0)")
 	return ""
 }
+
+// TestZygoteStopped: a zygote that stops answering (SIGSTOP) fails a spawn after the
+// answer's timeout instead of holding it, and every later one at once (an answer that
+// comes late would be read as the next request's); Close kills it when it does not
+// exit on its socket's end.
+func TestZygoteStopped(t *testing.T) {
+	z, _ := zygoteFixture(t)
+	z.answerTimeout, z.closeWait = 300*time.Millisecond, 300*time.Millisecond
+	pid := z.cmd.Process.Pid
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	out, err := os.Create(filepath.Join(t.TempDir(), "out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Close()
+	start := time.Now()
+	if _, err := z.fork([]string{"-version"}, t.TempDir(), out); !errors.Is(err, ErrZygote) || !strings.Contains(err.Error(), "no answer") {
+		t.Errorf("fork from a stopped zygote: %v, want ErrZygote, no answer", err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Errorf("the fork waited %v", d)
+	}
+	if _, err := z.fork([]string{"-version"}, t.TempDir(), out); !errors.Is(err, ErrZygote) {
+		t.Errorf("a second fork: %v, want ErrZygote at once", err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- z.Close() }()
+	select {
+	case <-closed:
+	case <-time.After(20 * time.Second):
+		t.Fatal("Close of a stopped zygote did not return")
+	}
+	if err := syscall.Kill(pid, 0); err == nil {
+		t.Errorf("the stopped zygote %d still exists after Close", pid)
+	}
+}
