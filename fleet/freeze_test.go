@@ -5,6 +5,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"strings"
 	"testing"
 	"time"
 
@@ -448,4 +449,25 @@ func TestFailedRevivalKeepsAnotherOwnersRecord(t *testing.T) {
 	if got.Node != "n2" || got.Error != "" {
 		t.Errorf("record after a failed revival: owner %s, error %q; want n2's takeover untouched", got.Node, got.Error)
 	}
+}
+
+// TestCopyToClosingNode: a node that is closing refuses a copy request instead of
+// starting one (its WaitGroup counted beside Close's Wait with the count at zero is a
+// misuse that can panic), and the asker hears why.
+func TestCopyToClosingNode(t *testing.T) {
+	t.Parallel()
+	e := newProtEngine()
+	f := joinFleet(t, testServer(t), "n1", Config{Heartbeat: 200 * time.Millisecond, TTL: 1500 * time.Millisecond}, e, &fakeFetcher{to: e.fakeEngine, fetches: map[string]int{}})
+	f.mu.Lock()
+	f.closed = true
+	f.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err := f.askCopy(ctx, "n1", copyReq{VM: "v", Point: "v-p-1", From: Node{Name: "n2", Addr: "127.0.0.1:1"}})
+	if err == nil || !strings.Contains(err.Error(), "node closing") {
+		t.Errorf("copy asked of a closing node: %v, want refused as closing", err)
+	}
+	f.mu.Lock()
+	f.closed = false // the test's cleanup closes it
+	f.mu.Unlock()
 }

@@ -333,7 +333,17 @@ func (f *Fleet) serveProtection() error {
 			return
 		}
 		// A copy takes seconds: the subscription's other requests do not wait for it.
+		// Counted under the lock Close sets closed with, as Deleted's work is: an Add
+		// beside Close's Wait with the count at zero is a misuse of the WaitGroup.
+		f.mu.Lock()
+		if f.closed {
+			f.mu.Unlock()
+			b, _ := json.Marshal(copyAnswer{Error: "node closing"})
+			m.Respond(b)
+			return
+		}
 		f.wg.Add(1)
+		f.mu.Unlock()
 		go func() {
 			defer f.wg.Done()
 			a := copyAnswer{OK: true}
