@@ -208,6 +208,10 @@ type Fleet struct {
 	// redelivered to this node while its first try runs (or a replacement of a fork it
 	// made) is one fork of its share, not two.
 	perWave map[string]waveForks
+	// waveSeen is when this node last took a job of each wave in perWave: a wave
+	// not seen for waveForget can send no more jobs (they expire from the stream after
+	// jobMaxAge), and its entry goes (pruneWaves).
+	waveSeen map[string]time.Time
 	// trying holds the ids of the jobs this node has a try of under way: a job
 	// delivered again meanwhile (its in-progress notices lost for an ack wait) is that
 	// try's (take).
@@ -322,7 +326,7 @@ func Join(ctx context.Context, cfg Config, eng Engine, fetch CheckpointFetcher) 
 		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	f := &Fleet{cfg: cfg, log: log, eng: eng, fetch: fetch, nc: nc, js: js, class: class, classID: ClassID(class),
-		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]waveForks{}, trying: map[string]bool{}, forking: map[string]int{}, slot: make(chan struct{}, 1), beatNow: make(chan struct{}, 1)}
+		boot: randHex(8), started: time.Now().UTC(), perWave: map[string]waveForks{}, waveSeen: map[string]time.Time{}, trying: map[string]bool{}, forking: map[string]int{}, slot: make(chan struct{}, 1), beatNow: make(chan struct{}, 1)}
 	f.ctx, f.cancel = context.WithCancel(context.Background())
 	fail := func(err error) (*Fleet, error) {
 		f.cancel()
@@ -447,6 +451,13 @@ func streamName(classID string) string { return "FORKVM_JOBS_" + classID }
 // subject is the subject of a class's jobs.
 func subject(classID string) string { return "forkvm.jobs." + classID }
 
+// jobMaxAge is how long a job stays in its class's stream, taken or not.
+const jobMaxAge = time.Hour
+
+// waveForget is how long after this node last took a job of a wave it forgets its
+// forks of that wave: past jobMaxAge no job of it can come any more.
+const waveForget = 2 * jobMaxAge
+
 // ensureStream makes a class's work-queue stream and its one shared durable consumer
 // (a second consumer overlapping a work-queue stream is refused).
 func (f *Fleet) ensureStream(ctx context.Context, classID string) error {
@@ -454,7 +465,7 @@ func (f *Fleet) ensureStream(ctx context.Context, classID string) error {
 		_, err := f.js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 			Name: streamName(classID), Subjects: []string{subject(classID)},
 			Retention: jetstream.WorkQueuePolicy, Storage: jetstream.FileStorage, Replicas: f.cfg.Replicas,
-			Duplicates: 10 * time.Minute, MaxAge: time.Hour,
+			Duplicates: 10 * time.Minute, MaxAge: jobMaxAge,
 		})
 		return err
 	})

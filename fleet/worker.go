@@ -257,9 +257,11 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 	r.free -= j.CPUs
 	r.mem.FreeBytes -= commit
 	if mine == nil {
+		f.pruneWaves(got)
 		mine = waveForks{}
 		f.perWave[j.Wave] = mine
 	}
+	f.waveSeen[j.Wave] = got
 	mine[j.Name]++
 	f.trying[j.ID] = true
 	f.running++
@@ -1168,6 +1170,18 @@ func (f *Fleet) PullFrom(ctx context.Context, ck, node string) (*api.PullResult,
 		f.log.Warn("fleet: a pulled checkpoint's holder entry not written", "ck", ck, "err", err)
 	}
 	return res, nil
+}
+
+// pruneWaves forgets the waves this node took no job of for waveForget (now is the
+// time of the job being taken): a long-lived node would otherwise keep every wave's
+// fork names. f.mu is held.
+func (f *Fleet) pruneWaves(now time.Time) {
+	for w, seen := range f.waveSeen {
+		if now.Sub(seen) > waveForget {
+			delete(f.perWave, w)
+			delete(f.waveSeen, w)
+		}
+	}
 }
 
 // waveForks is a node's forks of one wave (Fleet.perWave): the tries of each name

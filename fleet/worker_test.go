@@ -103,3 +103,24 @@ func TestRedeliveryBesideItsTry(t *testing.T) {
 		t.Errorf("record %+v (ok %v, err %v), want ready with no failure", rec, ok, err)
 	}
 }
+
+// TestPruneWaves: a node forgets its forks of a wave it took no job of for
+// waveForget (no job of it can come any more), and keeps a recent wave's, which still
+// count against its share.
+func TestPruneWaves(t *testing.T) {
+	now := time.Now()
+	f := &Fleet{
+		perWave:  map[string]waveForks{"old": {"a": 1}, "recent": {"b": 1}},
+		waveSeen: map[string]time.Time{"old": now.Add(-waveForget - time.Minute), "recent": now.Add(-jobMaxAge)},
+	}
+	f.pruneWaves(now)
+	if _, ok := f.perWave["old"]; ok {
+		t.Error("a wave not seen for waveForget is kept")
+	}
+	if _, ok := f.waveSeen["old"]; ok {
+		t.Error("its time is kept")
+	}
+	if f.perWave["recent"]["b"] != 1 {
+		t.Errorf("a recent wave's forks: %v", f.perWave["recent"])
+	}
+}
