@@ -131,7 +131,12 @@ func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 	ev.Latency = ev.Done.Sub(ev.Start)
 	if err == nil && p.noPark {
 		if err = vm.update(func(s *vmState) { s.NoPark = true }); err != nil {
+			// Its opt-out is not recorded (a restarted daemon would park it): the fork
+			// is not handed out, and an event is a VM or an error, never both (a caller
+			// that checks the error first would leave the VM running unknown).
 			err = fmt.Errorf("engine: fork %s: opting out of idle parking: %w", ev.Name, err)
+			e.deleteAll([]string{ev.Name})
+			vm = nil
 		}
 	}
 	ev.VM, ev.Err = vm, err
