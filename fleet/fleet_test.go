@@ -1104,6 +1104,28 @@ func TestStaleRoomReadAgain(t *testing.T) {
 	}
 }
 
+// TestLocalForkMeetsTheCap: a fork made beside the fleet after a node read its room,
+// ready just before a job came (within roomAge: no new read of the host's budget),
+// counts against the node's vCPU cap (Config.MaxVCPUs): the job is given back. The
+// engine's admission does not hold a fork to that cap, so the node took it, one past
+// its cap (TestFleet/Fail/digest: the holder, filled to its cap, forked its own
+// corrupted copy).
+func TestLocalForkMeetsTheCap(t *testing.T) {
+	t.Parallel()
+	n := join(t, testServer(t), 1, 2, nil)[0]
+	waitFor(t, 10*time.Second, "node seen", n.f.seen)
+	r := room{free: 2, mem: api.MemoryBudget{Known: true, TotalBytes: 16 << 30, FreeBytes: 8 << 30, CommitRatio: 1}, at: time.Now()}
+	n.eng.mu.Lock()
+	n.eng.vms["local"] = api.Info{Name: "local", State: api.StateRunning, CPUs: 2}
+	n.eng.mu.Unlock()
+	j := job{ID: "wl.0", Wave: "wl", Name: "capped", Checkpoint: "ck", Class: n.f.classID, CPUs: 1, Published: time.Now()}
+	data, _ := json.Marshal(j)
+	msg := &fakeMsg{data: data}
+	if n.f.take(msg, time.Now(), &r) || !msg.nakked.Load() {
+		t.Fatal("a job taken past the node's cap, filled by a local fork since its room was read")
+	}
+}
+
 // TestWatchedNodes: the nodes a share check counts come from a standing watch of the
 // heartbeats, which has a node that joins within a heartbeat or so and drops one that
 // left once its heartbeat expires.

@@ -121,23 +121,8 @@ func (f *Fleet) budget() (total, free int, mem api.MemoryBudget) {
 	b := f.eng.Budget()
 	total, free = b.Total, b.Total-b.Used
 	if f.cfg.MaxVCPUs > 0 {
-		used := 0
-		listed := map[string]bool{}
-		for _, v := range f.eng.List() {
-			if v.State != api.StateDead {
-				used += v.CPUs
-				listed[v.Name] = true
-			}
-		}
-		f.mu.Lock()
-		for name, cpus := range f.forking {
-			if !listed[name] {
-				used += cpus
-			}
-		}
-		f.mu.Unlock()
 		total = min(total, f.cfg.MaxVCPUs)
-		free = min(free, f.cfg.MaxVCPUs-used)
+		free = min(free, f.cfg.MaxVCPUs-f.capUsed())
 	}
 	mem = b.Memory
 	f.mu.Lock()
@@ -145,6 +130,28 @@ func (f *Fleet) budget() (total, free int, mem api.MemoryBudget) {
 	mem.FreeBytes -= f.runningMem
 	f.mu.Unlock()
 	return total, max(free, 0), mem
+}
+
+// capUsed is the vCPUs Config.MaxVCPUs counts against: this node's VMs that are not
+// dead and its fleet forks not yet listed. It reads the engine's list, not the host's
+// processes (Engine.Budget's scan): cheap enough for every job taken.
+func (f *Fleet) capUsed() int {
+	used := 0
+	listed := map[string]bool{}
+	for _, v := range f.eng.List() {
+		if v.State != api.StateDead {
+			used += v.CPUs
+			listed[v.Name] = true
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for name, cpus := range f.forking {
+		if !listed[name] {
+			used += cpus
+		}
+	}
+	return used
 }
 
 // Nodes lists the live nodes (those whose heartbeat has not expired), by name.

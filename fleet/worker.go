@@ -210,7 +210,8 @@ func (f *Fleet) slots() (int, room) {
 // it is given back, delayed, for another node, which does not count as a failed try.
 // False when given back. What the job takes is taken from r. Jobs that end meanwhile
 // leave more room than r has; a fork made meanwhile beside the fleet (a local one)
-// is met by the engine's admission (the job goes back to the queue).
+// is met by the node's cap, read again for each job, and by the engine's admission
+// (the job goes back to the queue).
 func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 	got := time.Now()
 	var j job
@@ -241,6 +242,15 @@ func (f *Fleet) take(msg jetstream.Msg, asked time.Time, r *room) bool {
 	if got.Sub(r.at) > roomAge {
 		_, r.free, r.mem = f.budget() // the jobs taken since are in it
 		r.at = time.Now()
+	} else if f.cfg.MaxVCPUs > 0 {
+		// The node's cap read again (cheap: capUsed): a fork made beside the fleet
+		// since the room was read (a local one, ready just before a wave was
+		// published) counts, and the engine's admission does not hold a fork to the
+		// cap. The jobs taken from r since are in runningCPUs.
+		used := f.capUsed()
+		f.mu.Lock()
+		r.free = min(r.free, f.cfg.MaxVCPUs-used-f.runningCPUs)
+		f.mu.Unlock()
 	}
 	f.mu.Lock()
 	guest := int64(j.MemoryMiB) << 20
