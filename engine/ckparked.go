@@ -131,11 +131,16 @@ func (e *Engine) freezeParkedDisk(ctx context.Context, vm *VM, w *ckWriter) erro
 				if s.State != StateParked || s.Park == nil {
 					return fmt.Errorf("%w: %s is no longer parked", ErrNotRunning, vm.Name())
 				}
+				was := *s
 				s.pushOverlay(nextDiskNode(s.DiskSeq), path)
 				ps := *s.Park
 				ps.DiskTop = top
 				s.Park = &ps
-				return vm.saveSync(s)
+				if err := vm.saveSync(s); err != nil {
+					*s = was // the overlay is removed below: the chain must not name it
+					return err
+				}
+				return nil
 			})
 		}
 		if err != nil {
