@@ -334,6 +334,13 @@ func TestNetTCPAtCheckpoint(t *testing.T) {
 		(setsid sh -c 'nc host.internal %d < /dev/shm/in > /dev/shm/out 2>/dev/shm/nc.err; echo $? > /dev/shm/nc.exit' </dev/null >/dev/null 2>&1 &) &&
 		sleep 0.5 && echo before > /dev/shm/in && echo started`, port))
 	srv.waitLines(t, `[["before"]]`)
+	// The connection quiet before the checkpoint: the server's answer received, and the
+	// guest's delayed ACK of it sent (Linux delays one up to 200 ms). One pending in the
+	// checkpoint goes out of the fork once it runs, to a slirp that has no such
+	// connection, which resets it: the fork's nc ended before it wrote (seen once, exit
+	// 0, under make test's load; not reproduced in 10 runs alone: the cause is read
+	// from the protocol, not seen).
+	mustRun(t, w, "for i in $(seq 100); do grep -q 'ack before' /dev/shm/out && break; sleep 0.1; done; sleep 0.5; cat /dev/shm/out")
 	if _, err := e.Checkpoint(ctx, "tw", "twck", &engine.CheckpointOptions{Pin: true}); err != nil {
 		t.Fatalf("checkpoint: %v", err)
 	}
