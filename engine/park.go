@@ -338,11 +338,18 @@ func (e *Engine) wakeStart(ctx context.Context, vm *VM, pm *checkpointManifest, 
 	}
 	e.marker(name, WakeStageCommit)
 	if err := vm.locked(func(s *vmState) error {
+		was := *s
 		s.State, s.LineageBytes, s.Launch.StartStopped = StateRunning, n, false
 		ps := *s.Park
 		ps.Stage = parkStageWoke
 		s.Park = &ps
-		return vm.saveSync(s)
+		if err := vm.saveSync(s); err != nil {
+			// Not committed: parked still (the caller ends the new QEMU). Left running
+			// in memory, the VM was seen dead with its image whole, and reaped.
+			*s = was
+			return err
+		}
+		return nil
 	}); err != nil {
 		return err
 	}

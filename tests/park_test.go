@@ -731,15 +731,21 @@ func TestParkedCheckpointFork(t *testing.T) {
 	deleteAll(t, env)
 }
 
-// blockManifestAt is a PhaseMarker that, when a park of vm reaches stage, puts a
-// directory where its manifest is, so that writing the manifest fails (as on a full
-// disk) once the park image is committed.
+// blockManifestAt is a PhaseMarker that, when a park or wake of vm reaches one of
+// stages, puts a directory where its manifest is, so that writing the manifest fails
+// (as on a full disk) at that transition's commit.
 type blockManifestAt struct {
-	home, vm, stage string
+	home, vm string
+	mu       sync.Mutex
+	stages   map[string]bool // each blocks once
 }
 
-func (m blockManifestAt) PhaseStart(owner, phase string) {
-	if owner != m.vm || phase != m.stage {
+func (m *blockManifestAt) PhaseStart(owner, phase string) {
+	m.mu.Lock()
+	block := owner == m.vm && m.stages[phase]
+	delete(m.stages, phase)
+	m.mu.Unlock()
+	if !block {
 		return
 	}
 	path := filepath.Join(m.home, "vms", m.vm, "manifest.json")
@@ -747,19 +753,20 @@ func (m blockManifestAt) PhaseStart(owner, phase string) {
 	os.MkdirAll(filepath.Join(path, "blocked"), 0o700)
 }
 
-func (blockManifestAt) PhaseEnd(string, string) {}
+func (*blockManifestAt) PhaseEnd(string, string) {}
 
 // TestParkManifestUnwritable: a park whose image is committed but whose manifest
 // cannot be written fails, and the VM is parked all the same: its stopped QEMU is
-// ended (not left beside the one a wake starts), and once the manifest can be written
-// again it wakes as itself.
+// ended (not left beside the one a wake starts). A wake whose commit cannot be written
+// fails and leaves it parked; once the manifest can be written again it wakes as
+// itself.
 func TestParkManifestUnwritable(t *testing.T) {
 	mod := parallelVMTest(t)
 	var home string
 	env := newRobustEnv(t, func(c *engine.Config) {
 		mod(c)
 		home = c.StateDir
-		c.Markers = blockManifestAt{home: c.StateDir, vm: "f", stage: engine.ParkStageRecord}
+		c.Markers = &blockManifestAt{home: c.StateDir, vm: "f", stages: map[string]bool{engine.ParkStageRecord: true, engine.WakeStageCommit: true}}
 	})
 	e := env.E
 	ctx := ctxT(t, 4*time.Minute)
@@ -780,12 +787,28 @@ func TestParkManifestUnwritable(t *testing.T) {
 		t.Errorf("after the park: state %s, pid %d, want parked, 0", info.State, info.PID)
 	}
 	path := filepath.Join(home, "vms", "f", "manifest.json")
-	if err := os.RemoveAll(path); err != nil {
-		t.Fatal(err)
+	unblock := func() {
+		t.Helper()
+		if err := os.RemoveAll(path); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(path+".saved", path); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if err := os.Rename(path+".saved", path); err != nil {
-		t.Fatal(err)
+	unblock()
+	// A wake whose commit cannot be written: not committed, the VM parked still (its
+	// new QEMU ended), and it wakes once the manifest can be written.
+	if _, err := e.Wake(ctx, "f", nil); err == nil {
+		t.Fatal("wake with an unwritable manifest succeeded")
 	}
+	if info := f.Info(); info.State != engine.StateParked {
+		t.Errorf("after a wake that could not commit: state %s, want parked", info.State)
+	}
+	if n := len(qemuPIDs(env.Home)); n != 1 {
+		t.Errorf("%d QEMUs run after the failed wake, want the world's alone", n)
+	}
+	unblock()
 	if _, err := e.Wake(ctx, "f", nil); err != nil {
 		t.Fatalf("wake: %v", err)
 	}
