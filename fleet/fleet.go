@@ -217,7 +217,7 @@ type Fleet struct {
 	// try's (take).
 	trying map[string]bool
 	// fetching holds a lock per checkpoint digest being fetched.
-	fetching map[string]*sync.Mutex
+	fetching map[string]*fetchLock
 	// slot is signalled when a job ends.
 	slot chan struct{}
 	// beatNow asks the heartbeat loop for a heartbeat at once (a job ended).

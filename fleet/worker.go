@@ -1128,20 +1128,37 @@ func (f *Fleet) holders(ctx context.Context, digest string) ([]Node, error) {
 	return out, nil
 }
 
-// lockCheckpoint serializes the fetches of one checkpoint on this node.
+// lockCheckpoint serializes the fetches of one checkpoint on this node. A digest's
+// lock is in f.fetching only while a fetch holds it or waits for it: a long-lived node
+// pulls a checkpoint per wave, and kept one lock per digest it ever fetched.
 func (f *Fleet) lockCheckpoint(digest string) (unlock func()) {
 	f.mu.Lock()
 	if f.fetching == nil {
-		f.fetching = map[string]*sync.Mutex{}
+		f.fetching = map[string]*fetchLock{}
 	}
-	m := f.fetching[digest]
-	if m == nil {
-		m = &sync.Mutex{}
-		f.fetching[digest] = m
+	l := f.fetching[digest]
+	if l == nil {
+		l = &fetchLock{}
+		f.fetching[digest] = l
 	}
+	l.refs++
 	f.mu.Unlock()
-	m.Lock()
-	return m.Unlock
+	l.mu.Lock()
+	return func() {
+		l.mu.Unlock()
+		f.mu.Lock()
+		if l.refs--; l.refs == 0 {
+			delete(f.fetching, digest)
+		}
+		f.mu.Unlock()
+	}
+}
+
+// fetchLock is one digest's lock in Fleet.fetching, with the fetches that hold it or
+// wait for it (guarded by Fleet.mu).
+type fetchLock struct {
+	mu   sync.Mutex
+	refs int
 }
 
 // PullFrom copies checkpoint ck from the live node named node into this node's engine

@@ -124,3 +124,32 @@ func TestPruneWaves(t *testing.T) {
 		t.Errorf("a recent wave's forks: %v", f.perWave["recent"])
 	}
 }
+
+// TestFetchLocksForgotten: a digest's fetch lock stays only while a fetch holds or
+// waits for it (a node kept one per digest it ever fetched), and still excludes.
+func TestFetchLocksForgotten(t *testing.T) {
+	f := &Fleet{}
+	unlock := f.lockCheckpoint("d1")
+	got := make(chan struct{})
+	go func() {
+		u := f.lockCheckpoint("d1")
+		close(got)
+		u()
+	}()
+	select {
+	case <-got:
+		t.Fatal("a second fetch of d1 took its lock while the first held it")
+	case <-time.After(100 * time.Millisecond):
+	}
+	unlock()
+	<-got
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		f.mu.Lock()
+		n := len(f.fetching)
+		f.mu.Unlock()
+		if n == 0 {
+			return
+		}
+	}
+	t.Errorf("%d fetch locks left after the fetches ended", len(f.fetching))
+}
