@@ -268,10 +268,14 @@ func (s *Session) setRAM(pid int, t target, ram Mapping, holesKey string, holes 
 	return nil
 }
 
-// Ready counts pid's later faults as after ready.
+// Ready counts pid's later faults as after ready. After Close it fails wrapping
+// os.ErrClosed, as Watch and Counts do.
 func (s *Session) Ready(pid int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.targets == nil {
+		return fmt.Errorf("faultclass: ready: %w", os.ErrClosed)
+	}
 	t, ok := s.procs[pid]
 	if !ok {
 		return fmt.Errorf("%w: %d", ErrNotWatched, pid)
@@ -284,12 +288,17 @@ func (s *Session) Ready(pid int) error {
 	return nil
 }
 
-// Counts returns pid's faults so far (summed over CPUs).
+// Counts returns pid's faults so far (summed over CPUs). It holds s.mu while it reads
+// the counters: Close (a daemon's shutdown while a fork's agent phase ends) must not
+// free the map under it.
 func (s *Session) Counts(pid int) (Counts, error) {
 	var c Counts
 	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.counts == nil {
+		return c, fmt.Errorf("faultclass: counts: %w", os.ErrClosed)
+	}
 	t, ok := s.procs[pid]
-	s.mu.Unlock()
 	if !ok {
 		return c, fmt.Errorf("%w: %d", ErrNotWatched, pid)
 	}

@@ -182,3 +182,62 @@ func TestSessionRelease(t *testing.T) {
 		t.Errorf("a reused place kept the released process's counts: %+v", sum)
 	}
 }
+
+// TestSessionClosed: after Close, each method that reads or writes the maps fails
+// wrapping os.ErrClosed (a daemon closes its session at shutdown while a fork's agent
+// phase may still end) instead of using the freed maps, and Counts racing Close reads
+// either the counts or that error.
+func TestSessionClosed(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		call func(s *Session, pid int) error
+	}{
+		{"watch", func(s *Session, pid int) error { return s.Watch(pid, Mapping{}, "", nil) }},
+		{"ready", func(s *Session, pid int) error { return s.Ready(pid) }},
+		{"counts", func(s *Session, pid int) error { _, err := s.Counts(pid); return err }},
+		{"counts racing close", func(s *Session, pid int) error {
+			s2, err := Open(Options{MaxProcesses: 1, HolePages: 64})
+			if err != nil {
+				return err
+			}
+			if err := s2.Watch(pid, Mapping{}, "", nil); err != nil {
+				return err
+			}
+			read, done := make(chan struct{}), make(chan error)
+			go func() {
+				for i := 0; ; i++ {
+					if _, err := s2.Counts(pid); err != nil {
+						done <- err
+						return
+					}
+					if i == 0 {
+						close(read)
+					}
+				}
+			}()
+			<-read
+			s2.Close()
+			return <-done
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := Open(Options{MaxProcesses: 1, HolePages: 64})
+			if errors.Is(err, ErrUnavailable) {
+				t.Skipf("fault classes unavailable here (needs root, BPF and the page_fault_user tracepoint): %v", err)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			self := os.Getpid()
+			if err := s.Watch(self, Mapping{}, "", nil); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := tc.call(s, self); !errors.Is(err, os.ErrClosed) {
+				t.Errorf("after Close: %v, want os.ErrClosed", err)
+			}
+		})
+	}
+}
