@@ -312,9 +312,11 @@ func (c *phaseClock) abandon() {
 // watch reads vm's kernel counters at each lap from now on (nothing when they are off):
 // a span's counters are the events counted in it and the memory at its end. Counting
 // starts from the VM's QEMU as it is now (a process taken from a warm pool), else from
-// its start.
+// its start: the readings of a VM watched before (a boot handed over to a new QEMU) are
+// dropped, or the new process's first span would be charged less the old one's counts.
 func (c *phaseClock) watch(vm *VM) {
 	c.vm = vm
+	c.prev, c.latest, c.source = kcounters.Sample{}, nil, ""
 	vm.firstCmd.Store(false) // a pooled process's warm-up is not the fork's command
 	if s, _, ok := vm.sampleCounters(); ok {
 		c.prev = s
