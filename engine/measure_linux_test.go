@@ -1,8 +1,11 @@
 package engine
 
 import (
+	"errors"
+	"log/slog"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -63,6 +66,74 @@ func TestPhaseClockWatchNewVM(t *testing.T) {
 			}
 			if r := c.counters(); r == nil || r.Ready.MinorFaults != now.MinorFaults {
 				t.Errorf("counters %+v, want the new process's %d minor faults", r, now.MinorFaults)
+			}
+		})
+	}
+}
+
+// perfFDs counts this process's open perf event descriptors.
+func perfFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if l, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && l == "anon_inode:[perf_event]" {
+			n++
+		}
+	}
+	return n
+}
+
+// TestSpawnCountedCloses: a counted spawn whose first attempt opened the perf counters
+// (on this process, standing for QEMU) and then failed closes them before it spawns
+// again counted from /proc, and a spawn that fails twice leaves none open; a spawn
+// that works keeps its counters (one descriptor per event) until they are closed.
+func TestSpawnCountedCloses(t *testing.T) {
+	if pc, err := kcounters.OpenProcess(os.Getpid()); err != nil {
+		t.Skipf("perf counters unavailable here: %v", err)
+	} else {
+		pc.Close()
+	}
+	errSpawn := errors.New("ptrace detach: no such process")
+	for _, tc := range []struct {
+		name     string
+		fails    int // attempts that fail
+		wantErr  bool
+		wantPerf bool // the counting returned holds perf counters
+		wantOpen int  // perf descriptors open after the spawn
+	}{
+		{"counted", 0, false, true, 4},
+		{"first attempt fails", 1, false, false, 0},
+		{"both attempts fail", 2, true, false, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			vm := &VM{log: slog.New(slog.DiscardHandler), counters: true}
+			before := perfFDs(t)
+			attempts := 0
+			p, kc, err := vm.spawnCounted("f", func(beforeRun func(pid int) error) (*qemuProc, error) {
+				attempts++
+				if beforeRun != nil {
+					if err := beforeRun(os.Getpid()); err != nil {
+						return nil, err
+					}
+				}
+				if attempts <= tc.fails {
+					return nil, errSpawn
+				}
+				return &qemuProc{}, nil
+			})
+			defer kc.close()
+			if (err != nil) != tc.wantErr || (err == nil && (p == nil || kc == nil)) {
+				t.Fatalf("spawnCounted: %v, %v, %v; want an error %v", p, kc, err, tc.wantErr)
+			}
+			if kc != nil && (kc.pc != nil) != tc.wantPerf {
+				t.Errorf("perf counters %v, want %v", kc.pc != nil, tc.wantPerf)
+			}
+			if got := perfFDs(t) - before; got != tc.wantOpen {
+				t.Errorf("%d perf descriptors left open, want %d", got, tc.wantOpen)
 			}
 		})
 	}

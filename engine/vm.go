@@ -211,19 +211,10 @@ func (vm *VM) start(ctx context.Context) error {
 			return err
 		}
 	}
-	kc := vm.openCounters()
-	p, err := spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.spawn, kc.beforeRun(), vm.died)
-	if err != nil && kc != nil {
-		// Not started stopped (ptrace refused): count from /proc.
-		vm.log.Info("counters: starting QEMU stopped failed; counting from /proc", "vm", m.Name, "err", err)
-		kc = &vmCounters{}
-		p, err = spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.spawn, nil, vm.died)
-	}
-	if err == nil && kc != nil && kc.pc == nil && kc.openErr != nil {
-		vm.log.Info("counters: no perf counters on the process; counting from /proc", "vm", m.Name, "err", kc.openErr)
-	}
+	p, kc, err := vm.spawnCounted(m.Name, func(beforeRun func(pid int) error) (*qemuProc, error) {
+		return spawnQEMU(m.Name, l.QEMU, args, l.qmpSocket(), vm.path(qemuLogFile), cg, vm.spawn, beforeRun, vm.died)
+	})
 	if err != nil {
-		kc.close()
 		vm.consoles.Stop(l.RunDir, l.SerialLog)
 		return err
 	}
@@ -240,6 +231,31 @@ func (vm *VM) start(ctx context.Context) error {
 		return p.failed("start", err)
 	}
 	return nil
+}
+
+// spawnCounted runs spawn with the hook that opens the VM's counters (Config.Counters)
+// on the new QEMU before its first instruction, and returns the process with its
+// counting (nil when the counters are off). Where that spawn fails (not started stopped:
+// ptrace refused) it spawns again, counted from /proc; the counters the failed attempt
+// had opened are closed first, or their perf descriptors would stay open for the
+// engine's life. On an error nothing stays open.
+func (vm *VM) spawnCounted(name string, spawn func(beforeRun func(pid int) error) (*qemuProc, error)) (*qemuProc, *vmCounters, error) {
+	kc := vm.openCounters()
+	p, err := spawn(kc.beforeRun())
+	if err != nil && kc != nil {
+		vm.log.Info("counters: starting QEMU stopped failed; counting from /proc", "vm", name, "err", err)
+		kc.close()
+		kc = &vmCounters{}
+		p, err = spawn(nil)
+	}
+	if err != nil {
+		kc.close()
+		return nil, nil, err
+	}
+	if kc != nil && kc.pc == nil && kc.openErr != nil {
+		vm.log.Info("counters: no perf counters on the process; counting from /proc", "vm", name, "err", kc.openErr)
+	}
+	return p, kc, nil
 }
 
 // died records why the VM's QEMU ended on its own, in the manifest and the log.
