@@ -35,8 +35,9 @@ type Options struct {
 	// tried when that has no tracefs). A Root given here is used as it is: it must
 	// hold an instances directory.
 	Root string
-	// Mount mounts tracefs at DefaultRoot when nothing is mounted there (Close unmounts
-	// it again). Only with Root unset.
+	// Mount mounts tracefs when it is mounted at neither DefaultRoot nor
+	// /sys/kernel/debug/tracing: at a private directory of its own, so that no other
+	// process uses the mount Close takes away again. Only with Root unset.
 	Mount bool
 	// Name is the instance's name, below instances/. Default forkvm-PID.
 	Name string

@@ -7,8 +7,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// findRoot is opts.Root, or the mounted tracefs (mounting it at DefaultRoot with
-// opts.Mount; unmount then undoes that).
+// findRoot is opts.Root, or the mounted tracefs (with opts.Mount, a mount of its own at
+// a private directory; unmount then undoes that). Not at DefaultRoot: another process
+// that found that mount would have it unmounted under its instance by this one's Close,
+// and its own Close would then find no directory and leave its instance in the kernel.
 func findRoot(opts Options) (root string, unmount func() error, err error) {
 	if opts.Root != "" {
 		return opts.Root, nil, nil
@@ -24,10 +26,20 @@ func findRoot(opts Options) (root string, unmount func() error, err error) {
 	if !opts.Mount {
 		return "", nil, fmt.Errorf("%w: tracefs is not mounted at %s (mount -t tracefs nodev %s, or Options.Mount)", ErrUnavailable, DefaultRoot, DefaultRoot)
 	}
-	if err := unix.Mount("nodev", DefaultRoot, "tracefs", 0, ""); err != nil {
-		return "", nil, fmt.Errorf("%w: mount -t tracefs nodev %s: %w", ErrUnavailable, DefaultRoot, err)
+	dir, err := os.MkdirTemp("", "forkvm-tracefs-")
+	if err != nil {
+		return "", nil, fmt.Errorf("%w: a directory to mount tracefs at: %w", ErrUnavailable, err)
 	}
-	return DefaultRoot, func() error { return unix.Unmount(DefaultRoot, unix.MNT_DETACH) }, nil
+	if err := unix.Mount("nodev", dir, "tracefs", 0, ""); err != nil {
+		os.Remove(dir)
+		return "", nil, fmt.Errorf("%w: mount -t tracefs nodev %s: %w", ErrUnavailable, dir, err)
+	}
+	return dir, func() error {
+		if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
+			return err
+		}
+		return os.Remove(dir)
+	}, nil
 }
 
 // isTracefs reports whether dir is a tracefs mount.

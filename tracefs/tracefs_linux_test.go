@@ -5,11 +5,14 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // TestRealInstance: on this host's tracefs (root only; mounted for the test if it is
@@ -114,5 +117,52 @@ func TestRealWaveEvents(t *testing.T) {
 	}
 	if faults == 0 || switches == 0 {
 		t.Fatalf("child %d: %d page faults, %d switches in the trace:\n%.3000s", cmd.Process.Pid, faults, switches, b.String())
+	}
+}
+
+// TestRealMountShared: two instances opened with Mount where tracefs is not mounted,
+// the first closed while the second runs: the second still records and its Close
+// removes it from the kernel. When the first's Close unmounted the tracefs the second
+// used as well, the second's Close found no instance directory, reported nothing and
+// left its instance (its ring buffers, tracing on) in the kernel.
+func TestRealMountShared(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a tracefs instance")
+	}
+	if isTracefs(DefaultRoot) || isTracefs("/sys/kernel/debug/tracing") {
+		t.Skip("tracefs is mounted already: Open mounts nothing")
+	}
+	name := "forkvm-unittest-" + strings.TrimPrefix(t.Name(), "Test")
+	first, err := Open(Options{Mount: true, Name: name + "-1"})
+	if errors.Is(err, ErrUnavailable) {
+		t.Skipf("tracefs cannot be used here: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, err := Open(Options{Mount: true, Name: name + "-2"})
+	if err != nil {
+		first.Close()
+		t.Fatal(err)
+	}
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
+	second.PhaseStart("f1", "spawn")
+	var b bytes.Buffer
+	werr := second.WriteTrace(&b)
+	cerr := second.Close()
+	// Look into the kernel's instances through a mount of this test's own.
+	dir := t.TempDir()
+	if err := unix.Mount("nodev", dir, "tracefs", 0, ""); err != nil {
+		t.Fatalf("mount tracefs: %v", err)
+	}
+	defer unix.Unmount(dir, unix.MNT_DETACH)
+	if _, err := os.Stat(filepath.Join(dir, "instances", name+"-2")); err == nil {
+		_ = os.Remove(filepath.Join(dir, "instances", name+"-2"))
+		t.Errorf("the second instance is still in the kernel after its Close (%v)", cerr)
+	}
+	if werr != nil || !strings.Contains(b.String(), "|f1 spawn|") {
+		t.Errorf("the second instance's trace after the first's Close: %v\n%.2000s", werr, b.String())
 	}
 }
