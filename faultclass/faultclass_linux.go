@@ -24,8 +24,8 @@ type Options struct {
 	// it. Default 256.
 	MaxProcesses int
 	// HolePages is how many pages of guest-RAM mappings the session can keep hole
-	// bitmaps for (a bitmap is shared by the processes given the same holes key).
-	// Default 16 GiB of pages.
+	// bitmaps for at once (a bitmap is shared by the processes given the same holes
+	// key, and freed when the last of them is released). Default 16 GiB of pages.
 	HolePages int64
 }
 
@@ -51,8 +51,19 @@ type Session struct {
 	free     []uint32 // slots of released processes, for the next ones
 
 	nextWord int
-	bitmaps  map[string]uint32 // holes key -> HoleBase
+	bitmaps  map[string]*bitmap // by key (holes key, mapping offset and size)
+	keys     map[int]string     // pid -> the key of the bitmap it uses
+	freed    []words            // words of bitmaps no process uses, zeroed, for the next ones
 }
+
+// bitmap is a hole bitmap in the holes map and how many watched processes use it.
+type bitmap struct {
+	words
+	users int
+}
+
+// words are n words of the holes map from first.
+type words struct{ first, n int }
 
 // Open loads the classifier and attaches it to the page_fault_user tracepoint. Its
 // error wraps ErrUnavailable when this host or user cannot.
@@ -67,7 +78,7 @@ func Open(opts Options) (*Session, error) {
 		return nil, fmt.Errorf("%w: memlock limit: %w", ErrUnavailable, err)
 	}
 	s := &Session{maxProcs: opts.MaxProcesses, holeWords: int((opts.HolePages + 63) / 64),
-		procs: map[int]target{}, bitmaps: map[string]uint32{}}
+		procs: map[int]target{}, bitmaps: map[string]*bitmap{}, keys: map[int]string{}}
 	var err error
 	if s.targets, err = ebpf.NewMap(&ebpf.MapSpec{Name: "fc_targets", Type: ebpf.Hash, KeySize: 4, ValueSize: 32, MaxEntries: uint32(s.maxProcs)}); err == nil {
 		if s.holes, err = ebpf.NewMap(&ebpf.MapSpec{Name: "fc_holes", Type: ebpf.Array, KeySize: 4, ValueSize: 8, MaxEntries: uint32(max(s.holeWords, 1))}); err == nil {
@@ -236,36 +247,83 @@ func (s *Session) SetRAM(pid int, ram Mapping, holesKey string, holes []Range) e
 	return s.setRAM(pid, t, ram, holesKey, holes)
 }
 
-// setRAM writes t with ram and its hole bitmap for pid; s.mu is held.
+// setRAM writes t with ram and its hole bitmap for pid; s.mu is held. The bitmap pid
+// used before, if another, is given up.
 func (s *Session) setRAM(pid int, t target, ram Mapping, holesKey string, holes []Range) error {
 	t.Start, t.End, t.HoleBase = ram.Start, ram.End, 0
+	key := ""
 	if holesKey != "" && ram.End > ram.Start {
-		key := fmt.Sprintf("%s@%d+%d", holesKey, ram.Offset, ram.End-ram.Start)
-		base, ok := s.bitmaps[key]
+		key = fmt.Sprintf("%s@%d+%d", holesKey, ram.Offset, ram.End-ram.Start)
+		b, ok := s.bitmaps[key]
 		if !ok {
 			bm := holeBitmap(ram, holes)
-			if s.nextWord+len(bm) > s.holeWords {
-				return fmt.Errorf("%w: hole bitmaps of %d pages", ErrFull, s.holeWords*64)
+			at, err := s.takeWords(len(bm))
+			if err != nil {
+				return err
 			}
+			b = &bitmap{words: at}
+			s.bitmaps[key] = b
 			for i, w := range bm {
 				if w == 0 {
 					continue
 				}
-				if err := s.holes.Update(uint32(s.nextWord+i), w, ebpf.UpdateAny); err != nil {
+				if err := s.holes.Update(uint32(at.first+i), w, ebpf.UpdateAny); err != nil {
+					s.unuse(key)
 					return fmt.Errorf("faultclass: hole bitmap: %w", err)
 				}
 			}
-			base = uint32(s.nextWord) + 1
-			s.nextWord += len(bm)
-			s.bitmaps[key] = base
 		}
-		t.HoleBase = base
+		t.HoleBase = uint32(b.first) + 1
+		b.users++
 	}
 	if err := s.targets.Update(uint32(pid), &t, ebpf.UpdateAny); err != nil {
+		s.unuse(key)
 		return fmt.Errorf("faultclass: watch %d: %w", pid, err)
 	}
 	s.procs[pid] = t
+	s.unuse(s.keys[pid])
+	s.keys[pid] = key
 	return nil
+}
+
+// takeWords finds n zeroed words of the holes map: freed ones where they fit, else
+// never used ones; s.mu is held.
+func (s *Session) takeWords(n int) (words, error) {
+	for i, f := range s.freed {
+		if f.n < n {
+			continue
+		}
+		if f.n == n {
+			s.freed = append(s.freed[:i], s.freed[i+1:]...)
+		} else {
+			s.freed[i] = words{f.first + n, f.n - n}
+		}
+		return words{f.first, n}, nil
+	}
+	if s.nextWord+n > s.holeWords {
+		return words{}, fmt.Errorf("%w: hole bitmaps of %d pages", ErrFull, s.holeWords*64)
+	}
+	s.nextWord += n
+	return words{s.nextWord - n, n}, nil
+}
+
+// unuse gives up one use of the bitmap of key ("": none) and frees its words, zeroed,
+// when it was the last; s.mu is held. Words that cannot be zeroed are not used again.
+func (s *Session) unuse(key string) {
+	b, ok := s.bitmaps[key]
+	if !ok {
+		return
+	}
+	if b.users--; b.users > 0 {
+		return
+	}
+	delete(s.bitmaps, key)
+	for i := range b.n {
+		if err := s.holes.Update(uint32(b.first+i), uint64(0), ebpf.UpdateAny); err != nil {
+			return
+		}
+	}
+	s.freed = append(s.freed, b.words)
 }
 
 // Ready counts pid's later faults as after ready. After Close it fails wrapping
@@ -338,8 +396,10 @@ func (s *Session) Release(pid int) {
 	}
 	if s.targets != nil {
 		_ = s.targets.Delete(uint32(pid))
+		s.unuse(s.keys[pid])
 	}
 	delete(s.procs, pid)
+	delete(s.keys, pid)
 	s.free = append(s.free, t.Slot)
 }
 

@@ -241,3 +241,53 @@ func TestSessionClosed(t *testing.T) {
 		})
 	}
 }
+
+// TestSessionHoleBitmapsFreed: a hole bitmap's words are freed once the last process
+// using it is released (or given another mapping), so a long-lived session (forkvm
+// serve --faults, forking from one checkpoint after another) keeps telling holes apart
+// beyond HolePages of mappings over its life; a reused word holds the new bitmap only.
+func TestSessionHoleBitmapsFreed(t *testing.T) {
+	const page = uint64(pageSize)
+	ram := Mapping{Start: 1 << 30, End: 1<<30 + 64*page}
+	all := []Range{{0, 64 * pageSize}}
+	low := []Range{{0, 32 * pageSize}}
+	for _, tc := range []struct {
+		name string
+		// free gives up the first checkpoint's bitmap, held by pid 1 (the session's
+		// only word).
+		free func(s *Session) error
+	}{
+		{"released", func(s *Session) error { s.Release(1); return nil }},
+		{"mapping replaced", func(s *Session) error { return s.SetRAM(1, ram, "", nil) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := Open(Options{MaxProcesses: 2, HolePages: 64})
+			if errors.Is(err, ErrUnavailable) {
+				t.Skipf("fault classes unavailable here (needs root, BPF and the page_fault_user tracepoint): %v", err)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			if err := s.Watch(1, ram, "ck1.holes", all); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Watch(2, ram, "ck2.holes", low); !errors.Is(err, ErrFull) {
+				t.Fatalf("a second bitmap in a session of one word: %v, want ErrFull", err)
+			}
+			if err := tc.free(s); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Watch(2, ram, "ck2.holes", low); err != nil {
+				t.Fatalf("a bitmap once the first one's process gave it up: %v", err)
+			}
+			var w uint64
+			if err := s.holes.Lookup(uint32(0), &w); err != nil {
+				t.Fatal(err)
+			}
+			if w != 1<<32-1 {
+				t.Errorf("reused word %#x, want %#x (pages 0..31 only)", w, uint64(1<<32-1))
+			}
+		})
+	}
+}
