@@ -100,10 +100,7 @@ func profileFaults(ctx context.Context, cmd *cli.Command) error {
 			return fmt.Errorf("%s: %w", inf.Name, err)
 		}
 	}
-	select {
-	case <-time.After(cmd.Duration("duration")):
-	case <-ctx.Done():
-	}
+	counted := countFor(ctx, cmd.Duration("duration"))
 	var rows []faultsRow
 	for _, inf := range infos {
 		c, err := s.Counts(inf.PID)
@@ -120,9 +117,23 @@ func profileFaults(ctx context.Context, cmd *cli.Command) error {
 		return printJSON(rows)
 	}
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintf(tw, "NAME\tPID\tCOPY ON WRITE\tHOLES\tSHARED READS\tQEMU\t(faults in %v)\n", cmd.Duration("duration"))
+	fmt.Fprintf(tw, "NAME\tPID\tCOPY ON WRITE\tHOLES\tSHARED READS\tQEMU\t(faults in %v)\n", counted.Round(time.Millisecond))
 	for _, r := range rows {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t\n", r.Name, r.PID, r.Sum.CopyOnWrite, r.Sum.Holes, r.Sum.SharedReads, r.Sum.QEMU)
 	}
 	return tw.Flush()
+}
+
+// countFor waits d, or less when ctx ends first (Ctrl-C ends the count early), and is
+// the time it waited: the header says how long the faults were counted, not how long
+// was asked for.
+func countFor(ctx context.Context, d time.Duration) time.Duration {
+	start := time.Now()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return time.Since(start)
 }
