@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -254,5 +255,53 @@ func TestSayHelloAgainWhenUnanswered(t *testing.T) {
 	defer dcancel()
 	if err := sayHelloEvery(dctx, c, AgentTarget{Name: "f", Token: newToken()}, resend); !errors.Is(err, ErrAgentTimeout) {
 		t.Fatalf("silent agent: %v, want ErrAgentTimeout", err)
+	}
+}
+
+// TestAgentDialEndsWithQEMU: a dial that QEMU's death overtakes fails at once, and the
+// dial itself ends too, even under a context that never ends (Exec with
+// context.Background()): the agent socket a dead QEMU leaves refuses every connection,
+// and a dial left to its caller's context retried it for ever.
+func TestAgentDialEndsWithQEMU(t *testing.T) {
+	dir, run := t.TempDir(), t.TempDir()
+	vm := newVM(dir, nil, &manifest{Name: "a", Token: newToken(), Launch: launch{RunDir: run}}, layout{})
+	// A socket nobody listens on any more, as a killed QEMU leaves it.
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(run, agentSockName), Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.SetUnlinkOnClose(false)
+	ln.Close()
+	p, err := spawnQEMU("a", "sleep", []string{"600"}, "", filepath.Join(dir, "sleep.log"), nil, spawnHow{}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Kill)
+	vm.proc.Store(p)
+	dialing := func() bool {
+		buf := make([]byte, 1<<20)
+		return strings.Contains(string(buf[:runtime.Stack(buf, true)]), "engine.(*VM).agentClient.func")
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := vm.agentClient(context.Background())
+		done <- err
+	}()
+	time.Sleep(50 * time.Millisecond) // the dial retries the refused socket
+	p.Kill()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrQEMUExited) {
+			t.Fatalf("dial as QEMU died: %v, want ErrQEMUExited", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the dial did not fail when QEMU died")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for dialing() {
+		if time.Now().After(deadline) {
+			t.Fatal("the dial goes on after QEMU died and its caller returned")
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

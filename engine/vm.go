@@ -406,7 +406,9 @@ func (vm *VM) hello(ctx context.Context) error {
 }
 
 // agentClient returns a connected agent client, connecting (with the token handshake)
-// when needed. A dial that QEMU's death overtakes fails at once.
+// when needed. A dial that QEMU's death overtakes fails at once, and is cancelled: a
+// dead QEMU's socket refuses every connection, and a dial left to a ctx that never
+// ends (Exec under context.Background()) would retry it for ever.
 func (vm *VM) agentClient(ctx context.Context) (*vsockd.Client, error) {
 	vm.agentMu.Lock()
 	defer vm.agentMu.Unlock()
@@ -419,8 +421,12 @@ func (vm *VM) agentClient(ctx context.Context) (*vsockd.Client, error) {
 		err error
 	}
 	ch := make(chan res, 1)
+	// The connection DialAgent returns does not keep its ctx: ending dctx once the
+	// dial is over ends nothing but the dial.
+	dctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	go func() {
-		c, err := DialAgent(ctx, target)
+		c, err := DialAgent(dctx, target)
 		ch <- res{c, err}
 	}()
 	select {
@@ -434,7 +440,8 @@ func (vm *VM) agentClient(ctx context.Context) (*vsockd.Client, error) {
 		vm.agent = r.c
 		return r.c, nil
 	case <-vm.Done():
-		// The dial ends with its ctx; close a connection it may still make.
+		// The dial ends with dctx (cancelled on return); close a connection it may
+		// still make.
 		go func() {
 			if r := <-ch; r.c != nil {
 				r.c.Close()
