@@ -239,8 +239,9 @@ func (vm *VM) serialLog() string {
 // older output is dropped). A fork's console starts with its checkpoint's, up to the
 // checkpoint, and a line saying where the fork begins. Without follow it returns at
 // the end of what was written so far. With follow it then keeps copying what the guest
-// prints until the VM's QEMU exits (nil; a handoff checkpoint replaces the process, and
-// ends the following too) or ctx ends (ctx's error). Logs reads files only: it works on
+// prints until the VM's QEMU exits (nil, guestEndWait later, so that the guest's last
+// output is in; a handoff checkpoint replaces the process, and ends the following too)
+// or ctx ends (ctx's error). Logs reads files only: it works on
 // a VM whose QEMU is gone.
 func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
 	if follow {
@@ -299,11 +300,18 @@ func (vm *VM) Logs(ctx context.Context, follow bool, w io.Writer) error {
 	}
 	tick := time.NewTicker(logPoll)
 	defer tick.Stop()
+	var ending <-chan time.Time
 	for {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-done:
+			// QEMU exited, but what the guest printed last (a panic) may still be on
+			// its way into the log: whoever serves the console copies it from the
+			// socket after the exit. Follow on for guestEndWait, as guestEnd waits.
+			done, ending = nil, time.After(guestEndWait)
+			continue
+		case <-ending:
 			return drain()
 		case <-tick.C:
 		}

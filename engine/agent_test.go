@@ -305,3 +305,38 @@ func TestAgentDialEndsWithQEMU(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestLogsFollowCatchesLastWords: following ends when the VM's QEMU exits, but what
+// the guest printed last reaches the log a moment later (whoever serves the console,
+// the engine's hub or a keeper process, is still copying it): that output is shown
+// too, not cut off at the exit.
+func TestLogsFollowCatchesLastWords(t *testing.T) {
+	dir := t.TempDir()
+	vm := newVM(dir, nil, &manifest{Name: "l"}, layout{})
+	log := filepath.Join(dir, serialLogFile)
+	os.WriteFile(log, []byte("booted\n"), 0o600)
+	p, err := spawnQEMU("l", "sleep", []string{"600"}, "", filepath.Join(dir, "sleep.log"), nil, spawnHow{}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Kill)
+	vm.proc.Store(p)
+	out := &syncBuf{}
+	done := make(chan error, 1)
+	go func() { done <- vm.Logs(context.Background(), true, out) }()
+	waitFor(t, out, "booted\n")
+	p.Kill()
+	<-p.Done()
+	time.Sleep(guestEndWait / 5) // the console server writes the guest's last output
+	f, _ := os.OpenFile(log, os.O_WRONLY|os.O_APPEND, 0)
+	f.WriteString("Kernel panic - not syncing: Attempted to kill init!\n")
+	f.Close()
+	select {
+	case err := <-done:
+		if want := "booted\nKernel panic - not syncing: Attempted to kill init!\n"; err != nil || out.String() != want {
+			t.Fatalf("follow ended with %v, output %q; want %q", err, out.String(), want)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("following did not end when the process exited")
+	}
+}
