@@ -34,8 +34,9 @@ package engine
 //
 // Engines on one host (any state directory) share the cache. An entry is written in a
 // temporary directory and renamed into place: whole or absent. A restore copies the
-// entry's files before QEMU starts, so an entry evicted meanwhile fails it only there,
-// and the VM boots cold. An entry QEMU refuses, or whose guest does not answer, is set
+// entry's files before QEMU starts, holding its record open, so an entry evicted or
+// replaced by another boot of the key meanwhile fails it only there (pinBootEntry,
+// pinnedStill: never a QEMU on files of two boots), and the VM boots cold. An entry QEMU refuses, or whose guest does not answer, is set
 // aside (boot/damaged-KEY-TIME, logged) and the VM boots cold; the newest
 // bootDamagedKept set aside stay for a look. Config.BootCacheEntries bounds the entries,
 // the least recently used going first.
@@ -80,6 +81,11 @@ const (
 // errBootEntry marks a restore failure that was the entry's fault (QEMU refused its
 // state, its guest never answered): the entry is set aside.
 var errBootEntry = errors.New("boot cache entry unusable")
+
+// errBootReplaced marks a restore that found the entry replaced under it (evicted or
+// set aside, and another boot of the key kept in its place): not the entry's fault, and
+// no QEMU was started on files of two boots.
+var errBootReplaced = errors.New("boot cache entry replaced during the restore")
 
 // bootRecord is an entry's entry.json.
 type bootRecord struct {
@@ -220,6 +226,11 @@ func (e *Engine) bootEntry(key string) (string, *bootRecord) {
 // fault wraps errBootEntry. On any failure the caller discards vm.
 func (e *Engine) restoreBoot(ctx context.Context, vm *VM, spec Spec, img *guestboot.ImageDisk, dir string, rec *bootRecord, clock *phaseClock) error {
 	name := vm.Name()
+	pin, err := pinBootEntry(dir, rec)
+	if err != nil {
+		return err
+	}
+	defer pin.Close()
 	if (rec.TopSize > 0) != (img != nil) {
 		return fmt.Errorf("%w: its root image overlay does not match the VM's image", errBootEntry)
 	}
@@ -269,6 +280,9 @@ func (e *Engine) restoreBoot(ctx context.Context, vm *VM, spec Spec, img *guestb
 		}
 		disk = []diskLayer{{Path: p, Format: "raw"}}
 	}
+	if err := pinnedStill(pin, dir); err != nil {
+		return err
+	}
 	vm.modify(func(s *vmState) {
 		if ram != "" {
 			s.Launch.RAM = ramBacking{Path: ram, Shared: true}
@@ -302,6 +316,43 @@ func (e *Engine) restoreBoot(ctx context.Context, vm *VM, spec Spec, img *guestb
 	vm.modify(func(s *vmState) { s.Launch.Incoming, s.BootCached = false, true })
 	if err := vm.becomeReady(rctx, "boot", clock, vm.hello); err != nil {
 		return entryFault(ctx, err)
+	}
+	return nil
+}
+
+// pinBootEntry opens the record of the entry dir, which must still be rec: a restore
+// copies the entry's files one by one, by name, and holds the record open meanwhile, so
+// that pinnedStill can tell that every file came from this entry (an open file's inode
+// is not reused). The caller closes it. An entry replaced since rec was read is
+// errBootReplaced, a record gone an error wrapping os.ErrNotExist.
+func pinBootEntry(dir string, rec *bootRecord) (*os.File, error) {
+	f, err := os.Open(filepath.Join(dir, bootRecordFile))
+	if err != nil {
+		return nil, fmt.Errorf("engine: boot cache: %w", err) // evicted under us: not damaged
+	}
+	var cur bootRecord
+	if err := json.NewDecoder(f).Decode(&cur); err != nil || cur != *rec {
+		f.Close()
+		return nil, fmt.Errorf("engine: boot cache: %s: %w", filepath.Base(dir), errBootReplaced)
+	}
+	return f, nil
+}
+
+// pinnedStill checks that the entry dir is still the one whose record pin holds
+// (pinBootEntry): entries are replaced whole and never come back, so the files copied
+// since the pin are all of that entry. errBootReplaced, or an error wrapping
+// os.ErrNotExist when the entry is gone, otherwise.
+func pinnedStill(pin *os.File, dir string) error {
+	held, err := pin.Stat()
+	if err != nil {
+		return fmt.Errorf("engine: boot cache: %w", err)
+	}
+	now, err := os.Stat(filepath.Join(dir, bootRecordFile))
+	if err != nil {
+		return fmt.Errorf("engine: boot cache: %w", err)
+	}
+	if !os.SameFile(held, now) {
+		return fmt.Errorf("engine: boot cache: %s: %w", filepath.Base(dir), errBootReplaced)
 	}
 	return nil
 }

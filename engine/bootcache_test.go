@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -225,4 +226,90 @@ func TestListAndRemoveBootCache(t *testing.T) {
 	if left := dirNames(t, root); strings.Join(left, " ") != "not-ours tmp-123" {
 		t.Errorf("after removing all: %v", left)
 	}
+}
+
+// TestRestoreBootReplacedEntry: a restore takes every file from the one entry whose
+// record it was handed. An entry replaced in between (evicted or set aside, and another
+// boot of the key kept in its place: its files differ, its state's size too) fails the
+// restore as replaced, not as the entry's fault, so that the new entry is not set aside
+// as damaged, and no QEMU starts on it; an entry only used meanwhile (touchBoot) is
+// restored. A replacement during the copy is seen by pinnedStill.
+func TestRestoreBootReplacedEntry(t *testing.T) {
+	const key = "0123456789abcdef0123456789abcdef"
+	writeEntry := func(t *testing.T, root string, stateSize int64) (string, *bootRecord) {
+		t.Helper()
+		dir := filepath.Join(root, key)
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		rec := &bootRecord{Version: bootVersion, Key: key, From: "w", CreatedAt: time.Now().UTC(), StateSize: stateSize, RAMSize: 64 << 20}
+		touch(t, filepath.Join(dir, bootStateFile), stateSize)
+		touch(t, filepath.Join(dir, bootRAMFile), rec.RAMSize)
+		if err := writeJSONSync(filepath.Join(dir, bootRecordFile), rec); err != nil {
+			t.Fatal(err)
+		}
+		return dir, rec
+	}
+	for _, tc := range []struct {
+		name     string
+		meantime func(t *testing.T, root, dir string)
+		replaced bool
+	}{
+		{"unchanged", func(*testing.T, string, string) {}, false},
+		{"used by another create", func(_ *testing.T, _, dir string) { touchBoot(dir) }, false},
+		{"replaced", func(t *testing.T, root, _ string) {
+			if err := removeBootDir(root, key); err != nil {
+				t.Fatal(err)
+			}
+			writeEntry(t, root, 8192)
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newTestEngine(t, testConfig(t))
+			root := e.bootRoot()
+			dir, rec := writeEntry(t, root, 4096)
+			tc.meantime(t, root, dir)
+			spec := Spec{Name: "r", CPUs: 1, MemoryMiB: 64, Forkable: true}
+			vm := newVM(e.paths.vmDir("r"), e.log, &manifest{Version: manifestVersion, Name: "r", Spec: spec, Token: newToken(), State: StateStarting,
+				Launch: bootLaunch(e.paths, e.cfg.QEMU, "r", spec, AccelTCG, e.cfg, "/k", "/i", 0)}, e.paths)
+			if err := os.Mkdir(vm.dir(), 0o700); err != nil {
+				t.Fatal(err)
+			}
+			defer e.discard(vm)
+			err := e.restoreBoot(context.Background(), vm, spec, nil, dir, rec, markPhases(nil, "r"))
+			if err == nil {
+				t.Fatal("restored with no QEMU")
+			}
+			if errors.Is(err, errBootEntry) {
+				t.Fatalf("restore: %v: the entry is set aside as damaged", err)
+			}
+			if got := errors.Is(err, errBootReplaced); got != tc.replaced {
+				t.Fatalf("restore: %v; replaced %v, want %v", err, got, tc.replaced)
+			}
+			if tc.replaced && vm.process() != nil {
+				t.Fatal("a QEMU was started on the replaced entry")
+			}
+		})
+	}
+
+	t.Run("replaced during the copy", func(t *testing.T) {
+		root := bootCacheRoot(t.TempDir())
+		dir, rec := writeEntry(t, root, 4096)
+		pin, err := pinBootEntry(dir, rec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pin.Close()
+		touchBoot(dir)
+		if err := pinnedStill(pin, dir); err != nil {
+			t.Fatalf("an entry only used meanwhile: %v", err)
+		}
+		if err := removeBootDir(root, key); err != nil {
+			t.Fatal(err)
+		}
+		writeEntry(t, root, 4096) // the same sizes, another boot
+		if err := pinnedStill(pin, dir); !errors.Is(err, errBootReplaced) {
+			t.Fatalf("an entry replaced after the pin: %v, want errBootReplaced", err)
+		}
+	})
 }
