@@ -38,8 +38,18 @@ func (b *inbox) wake() {
 	}
 }
 
-// push queues f. It returns errOverrun if the peer exceeded its window or
-// the frame count limit; the caller then resets the stream.
+// push queues f, taking its payload (the caller must not reuse it). It returns
+// errOverrun if the peer exceeded its window or the frame count limit; the caller
+// then resets the stream.
+//
+// An honest peer keeps within its byte window but may spend it one byte a frame (a
+// host's stdin fed by a producer of short lines, a command printing a line at a
+// time) while the consumer is busy: counted frame by frame that overran
+// maxQueuedFrames with a few KiB queued, and the stream was reset, its command
+// killed. So once the queue is half full a data frame joins the latest queued frame
+// of its type (see merge), and empty data frames, which carry nothing, are dropped:
+// data then queues as many bytes as the window allows in a bounded number of frames,
+// and only control frames count towards the limit.
 func (b *inbox) push(f Frame) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -50,7 +60,14 @@ func (b *inbox) push(f Frame) error {
 		if b.bytes+int64(len(f.Payload)) > InitialWindow {
 			return errOverrun
 		}
+		if len(f.Payload) == 0 {
+			return nil
+		}
 		b.bytes += int64(len(f.Payload))
+		if len(b.q) >= maxQueuedFrames/2 && b.merge(f) {
+			b.wake()
+			return nil
+		}
 	} else {
 		// Control frames are not flow controlled: bound what they may queue too, or a
 		// peer could park up to maxQueuedFrames*MaxPayload bytes on one stream.
@@ -65,6 +82,26 @@ func (b *inbox) push(f Frame) error {
 	b.q = append(b.q, f)
 	b.wake()
 	return nil
+}
+
+// merge appends the data frame f to the latest queued frame of its type, unless a
+// control frame was queued after that one (data never moves past a control frame:
+// Stdin past StdinClose, Stdout past Exit). Data frames of other types may lie
+// between: their bytes are from another pipe, whose order against f's the peer's
+// separate readers never fixed. It reports whether f was merged. The caller holds
+// b.mu.
+func (b *inbox) merge(f Frame) bool {
+	for i := len(b.q) - 1; i >= 0; i-- {
+		q := &b.q[i]
+		switch {
+		case !q.Type.isData():
+			return false
+		case q.Type == f.Type:
+			q.Payload = append(q.Payload, f.Payload...)
+			return true
+		}
+	}
+	return false
 }
 
 // pop returns the next frame, waiting until one is queued, the inbox fails or
