@@ -10,6 +10,9 @@ import (
 
 const sigKill = 9
 
+// openNonblock is 0: open never waits here the way a unix FIFO's does.
+const openNonblock = 0
+
 type waitResult struct {
 	code   int
 	signal int

@@ -23,6 +23,10 @@ import (
 
 const sigKill = int(syscall.SIGKILL)
 
+// openNonblock opens a file without waiting: a FIFO with no writer yet, a terminal
+// without carrier. Reads of such a file then wait in the poller, where Close ends them.
+const openNonblock = syscall.O_NONBLOCK
+
 // defaultPath is the PATH given to processes that do not set one.
 const defaultPath = "/bin:/sbin:/usr/bin:/usr/sbin"
 

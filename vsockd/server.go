@@ -551,7 +551,9 @@ func (ss *session) startGet(f Frame) {
 		ss.drop(st)
 		ss.sendError(st.gen, st.id, errCode(err), err.Error())
 	}
-	file, err := os.Open(req.Path)
+	// Non-blocking: open of a FIFO (or a device that waits for carrier) must not wait
+	// on the connection's reader, which then read no frame any more.
+	file, err := os.OpenFile(req.Path, os.O_RDONLY|openNonblock, 0)
 	if err != nil {
 		fail(err)
 		return
@@ -563,6 +565,10 @@ func (ss *session) startGet(f Frame) {
 	}
 	go func() {
 		defer file.Close()
+		// A reset or the session's end closes the file, so a read that waits for data
+		// (a FIFO whose writer writes nothing) ends, and with it this goroutine.
+		stop := context.AfterFunc(st.ctx, func() { file.Close() })
+		defer stop()
 		buf := make([]byte, chunkSize)
 		var total int64
 		for {
