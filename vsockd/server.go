@@ -20,6 +20,21 @@ import (
 // that escaped the process group but still hold the pipes open.
 const drainIdle = 250 * time.Millisecond
 
+// drainMax bounds how long, in all, output reads wait for new output once the process
+// exited: a descendant that holds the pipes and writes more often than drainIdle (a
+// server started with & that logs a heartbeat) kept the command from ever ending. Only
+// waiting counts: what the process wrote before it exited is in the pipe already, and
+// is read however slowly the host grants credit for it.
+const drainMax = 2 * time.Second
+
+// drainCap is the server's drainMax (drainMaxTest where a test set one).
+func (s *Server) drainCap() time.Duration {
+	if s.drainMaxTest > 0 {
+		return s.drainMaxTest
+	}
+	return drainMax
+}
+
 // drain is the server's drainIdle (drainIdleTest where a test set one).
 func (s *Server) drain() time.Duration {
 	if s.drainIdleTest > 0 {
@@ -45,8 +60,9 @@ type Server struct {
 	ExecPidsMax int
 
 	cgroups execCgroups
-	// drainIdleTest replaces drainIdle in tests (0: drainIdle).
-	drainIdleTest time.Duration
+	// drainIdleTest and drainMaxTest replace drainIdle and drainMax in tests (0: the
+	// constant).
+	drainIdleTest, drainMaxTest time.Duration
 }
 
 // PrepareExec makes the cgroups the next commands start in now (see ExecCgroup), so
@@ -374,11 +390,21 @@ func (ss *session) startExec(f Frame) {
 // pumpOutput copies one output fd to the host within the stream's credit.
 func (ss *session) pumpOutput(st *gstream, t FrameType, f *os.File, exited *atomic.Bool) {
 	buf := make([]byte, chunkSize)
+	var waited time.Duration // reading after the exit (drainMax)
 	for {
-		if exited.Load() {
-			f.SetReadDeadline(time.Now().Add(ss.srv.drain()))
+		after := exited.Load()
+		if after {
+			left := ss.srv.drainCap() - waited
+			if left <= 0 {
+				return // a descendant's output, written after the process exited
+			}
+			f.SetReadDeadline(time.Now().Add(min(ss.srv.drain(), left)))
 		}
+		t0 := time.Now()
 		n, err := f.Read(buf)
+		if after {
+			waited += time.Since(t0)
+		}
 		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
 			// The deadline can pass while this goroutine waits for a CPU rather than
 			// for output (a loaded guest, or the host granting credit late): what the

@@ -292,6 +292,28 @@ func TestOutputAfterExitDeadlinePassed(t *testing.T) {
 	})
 }
 
+// TestOutputOfDescendantsBounded: a command whose background child keeps its output
+// pipe and writes more often than the idle drain (a server started with & that logs)
+// ends within the drain bound after it exited, with its own output whole. Before, the
+// exec lasted as long as the child wrote (here 5 s; a server's log, for ever).
+func TestOutputOfDescendantsBounded(t *testing.T) {
+	c := pairWith(t, &Server{drainMaxTest: 300 * time.Millisecond}, nil)
+	var out bytes.Buffer
+	start := time.Now()
+	code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c",
+		"(for i in $(seq 100); do echo tick; sleep 0.05; done) & head -c 100000 /dev/zero; echo main"}, Stdout: &out})
+	took := time.Since(start)
+	if err != nil || code != 0 {
+		t.Fatalf("exec: code %d, %v", code, err)
+	}
+	if took > 3*time.Second {
+		t.Errorf("the exec lasted %v: it waited for its background child's output", took)
+	}
+	if b := out.Bytes(); bytes.Count(b, []byte{0}) != 100000 || !bytes.Contains(b, []byte("main\n")) {
+		t.Errorf("the command's own output: %d zero bytes, main %v", bytes.Count(b, []byte{0}), bytes.Contains(b, []byte("main\n")))
+	}
+}
+
 func TestPutGetFile(t *testing.T) {
 	c := pair(t, nil)
 	dir := t.TempDir()
