@@ -54,6 +54,7 @@ import (
 
 	"github.com/forkvm/forkvm/engine/internal/console"
 	"github.com/forkvm/forkvm/engine/internal/platform"
+	"github.com/forkvm/forkvm/internal/durable"
 	"github.com/forkvm/forkvm/internal/guestboot"
 	"github.com/forkvm/forkvm/memfile"
 )
@@ -434,7 +435,7 @@ func (e *Engine) captureBoot(ctx context.Context, vm *VM, key string) error {
 // won is false when another engine's entry took final first.
 func commitBootEntry(tmp, final string, rec *bootRecord) (won bool, err error) {
 	for _, f := range []string{bootStateFile, bootRAMFile, bootDiskFile, bootTopFile} {
-		if err := syncFile(filepath.Join(tmp, f)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := durable.File(filepath.Join(tmp, f)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return false, err
 		}
 	}
@@ -444,7 +445,7 @@ func commitBootEntry(tmp, final string, rec *bootRecord) (won bool, err error) {
 	if err := os.Rename(tmp, final); err != nil {
 		return false, nil
 	}
-	syncDir(filepath.Dir(final))
+	durable.Dir(filepath.Dir(final))
 	return true, nil
 }
 

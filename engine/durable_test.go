@@ -1,33 +1,22 @@
 package engine
 
 import (
-	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/forkvm/forkvm/internal/durable"
 )
 
-// recordFsyncs makes fsync record the path of each file and directory it flushes (and
-// still flush it) until the test ends, and returns a function that lists them.
+// recordFsyncs makes durable.Fsync record the path of each file and directory it
+// flushes (and still flush it) until the test ends, and returns a function that lists
+// them.
 func recordFsyncs(t *testing.T) (synced func() []string) {
 	t.Helper()
-	old := fsync
-	var mu sync.Mutex
-	var got []string
-	fsync = func(f *os.File) error {
-		mu.Lock()
-		got = append(got, f.Name())
-		mu.Unlock()
-		return old(f)
-	}
-	t.Cleanup(func() { fsync = old })
-	return func() []string {
-		mu.Lock()
-		defer mu.Unlock()
-		return append([]string(nil), got...)
-	}
+	synced, restore := durable.Record()
+	t.Cleanup(restore)
+	return synced
 }
 
 // TestCommitsAreFlushed: a file that is renamed into place and then trusted by its size

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/platform"
+	"github.com/forkvm/forkvm/internal/durable"
 	"github.com/forkvm/forkvm/memfile"
 )
 
@@ -281,13 +282,13 @@ func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error
 	// power loss must not leave one of the right size whose data never reached the disk.
 	// A flatten runs in the background; on a RAM directory in memory (tmpfs, the
 	// default) a flush costs nothing.
-	if err := syncFile(tmp); err != nil {
+	if err := durable.File(tmp); err != nil {
 		return nil, fmt.Errorf("engine: flatten %s: %w", name, err)
 	}
 	if err := os.Rename(tmp, final); err != nil {
 		return nil, fmt.Errorf("engine: flatten %s: %w", name, err)
 	}
-	syncDir(filepath.Dir(final))
+	durable.Dir(filepath.Dir(final))
 	if !e.cks.exists(name) {
 		// Deleted meanwhile: its removal may have run before the rename.
 		os.Remove(final)
@@ -336,7 +337,7 @@ func writeFileAtomic(path string, b []byte) error {
 	tmp := path + ".tmp"
 	err := os.WriteFile(tmp, b, 0o600)
 	if err == nil {
-		err = syncFile(tmp)
+		err = durable.File(tmp)
 	}
 	if err == nil {
 		err = os.Rename(tmp, path)
@@ -345,7 +346,7 @@ func writeFileAtomic(path string, b []byte) error {
 		os.Remove(tmp)
 		return err
 	}
-	syncDir(filepath.Dir(path))
+	durable.Dir(filepath.Dir(path))
 	return nil
 }
 

@@ -18,6 +18,7 @@ import (
 
 	"github.com/forkvm/forkvm/api"
 	"github.com/forkvm/forkvm/engine/internal/platform"
+	"github.com/forkvm/forkvm/internal/durable"
 	"github.com/forkvm/forkvm/memfile"
 	"github.com/minio/highwayhash"
 )
@@ -636,7 +637,7 @@ func writeJSONSync(path string, v any) error {
 	}
 	_, err = f.Write(append(b, '\n'))
 	if err == nil {
-		err = fsync(f)
+		err = durable.Fsync(f)
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
@@ -648,35 +649,9 @@ func writeJSONSync(path string, v any) error {
 		os.Remove(tmp)
 		return err
 	}
-	syncDir(filepath.Dir(path))
+	durable.Dir(filepath.Dir(path))
 	return nil
 }
-
-// syncDir flushes a directory's entries (best effort: a rename is durable once it is).
-func syncDir(dir string) {
-	if f, err := os.Open(dir); err == nil {
-		_ = fsync(f)
-		f.Close()
-	}
-}
-
-// syncFile flushes the file at path: the data of a file about to be renamed into
-// place, which a power loss could otherwise leave at its full size but not written.
-func syncFile(path string) error {
-	f, err := os.Open(path) // fsync needs no write access
-	if err != nil {
-		return err
-	}
-	err = fsync(f)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
-}
-
-// fsync flushes f to stable storage. A variable so that tests see which files the
-// engine flushes (nothing else shows whether it did).
-var fsync = (*os.File).Sync
 
 // parkedInfo is the API's view of a park record.
 func (p *parkState) info() *api.ParkedInfo {
@@ -783,7 +758,7 @@ func (e *Engine) parkPause(ctx context.Context, vm *VM, pm *checkpointManifest, 
 					return fmt.Errorf("engine: park %s: %w (its image is in place, without digests: the next engine verifies it)", name, err)
 				}
 			} else {
-				syncDir(vm.dir())
+				durable.Dir(vm.dir())
 				tmp, committed = back, false
 				return fmt.Errorf("engine: park %s: %w", name, err)
 			}
@@ -896,7 +871,7 @@ func (img *parkImage) finish(ctx context.Context, image, vmDir string, clk *park
 	if err != nil {
 		return fmt.Errorf("flush: %w", err)
 	}
-	syncDir(vmDir)
+	durable.Dir(vmDir)
 	clk.lap("sync")
 	return nil
 }

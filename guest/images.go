@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/forkvm/forkvm/internal/durable"
 	"github.com/forkvm/forkvm/internal/guestboot"
 )
 
@@ -493,7 +494,7 @@ func (b *imageBuild) stageDisk(ctx context.Context, staged, root string, sum *tr
 	}
 	// The installed disk is trusted by its size and content.json by its decoding
 	// (contentComplete): both are flushed before install renames them into place.
-	if err := syncFile(disk); err != nil {
+	if err := durable.File(disk); err != nil {
 		return fmt.Errorf("guest: staging disk: %w", err)
 	}
 	j, _ := json.MarshalIndent(content, "", "  ")
@@ -501,39 +502,12 @@ func (b *imageBuild) stageDisk(ctx context.Context, staged, root string, sum *tr
 	if err := os.WriteFile(cj, append(j, '\n'), 0o600); err != nil {
 		return fmt.Errorf("guest: staging disk: %w", err)
 	}
-	if err := syncFile(cj); err != nil {
+	if err := durable.File(cj); err != nil {
 		return fmt.Errorf("guest: staging disk: %w", err)
 	}
-	syncDir(staged)
+	durable.Dir(staged)
 	return nil
 }
-
-// syncFile flushes the file at path: the data of a file about to be renamed into
-// the cache, which a power loss could otherwise leave at its full size but not
-// written.
-func syncFile(path string) error {
-	f, err := os.Open(path) // fsync needs no write access
-	if err != nil {
-		return err
-	}
-	err = fsync(f)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
-}
-
-// syncDir flushes a directory after a rename into it (best effort).
-func syncDir(dir string) {
-	if f, err := os.Open(dir); err == nil {
-		_ = fsync(f)
-		f.Close()
-	}
-}
-
-// fsync flushes f to stable storage. A variable so that tests see which files the
-// cache flushes.
-var fsync = (*os.File).Sync
 
 // install, under the image lock, renames the staged disk into the cache
 // (unless it was cached) and links the name record to it; then it records
@@ -556,7 +530,7 @@ func (b *imageBuild) install(ctx context.Context, rec *nameRecord, staged string
 		if err := os.Rename(staged, final); err != nil {
 			return fmt.Errorf("guest: installing disk: %w", err)
 		}
-		syncDir(dirs.blobs)
+		durable.Dir(dirs.blobs)
 	}
 	if err := linkRecord(dirs, rec); err != nil {
 		if !cached {

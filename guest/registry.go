@@ -21,6 +21,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	"github.com/google/go-containerregistry/pkg/v1/types"
+
+	"github.com/forkvm/forkvm/internal/durable"
 )
 
 // SourceRegistry is the ImageSource.Kind of an image pulled from a registry.
@@ -230,7 +232,7 @@ func cacheLayer(ctx context.Context, cfg *pullConfig, l v1.Layer, d v1.Hash, siz
 	if err == nil {
 		// A later pull trusts the cached layer by its size: flushed before its
 		// rename, a power loss cannot leave it whole in size but not in data.
-		err = fsync(f)
+		err = durable.Fsync(f)
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
@@ -254,7 +256,7 @@ func cacheLayer(ctx context.Context, cfg *pullConfig, l v1.Layer, d v1.Hash, siz
 	if err := os.Rename(f.Name(), final); err != nil {
 		return "", fmt.Errorf("guest: layer cache: %w", err)
 	}
-	syncDir(cfg.layers)
+	durable.Dir(cfg.layers)
 	cfg.logf("layer %s: %s downloaded", d.Hex[:12], FormatBytes(n))
 	return final, nil
 }
