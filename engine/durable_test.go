@@ -9,16 +9,6 @@ import (
 	"github.com/forkvm/forkvm/internal/durable"
 )
 
-// recordFsyncs makes durable.Fsync record the path of each file and directory it
-// flushes (and still flush it) until the test ends, and returns a function that lists
-// them.
-func recordFsyncs(t *testing.T) (synced func() []string) {
-	t.Helper()
-	synced, restore := durable.Record()
-	t.Cleanup(restore)
-	return synced
-}
-
 // TestCommitsAreFlushed: a file that is renamed into place and then trusted by its size
 // or its decoding alone is flushed before its rename, and its directory after: a flat
 // RAM file and its hole list, a rewritten checkpoint manifest, and a boot cache entry
@@ -73,7 +63,7 @@ func TestCommitsAreFlushed(t *testing.T) {
 			cfg := testConfig(t)
 			cfg.FlattenMiB = -1
 			e := newTestEngine(t, cfg)
-			synced := recordFsyncs(t)
+			synced := durable.Record(t)
 			base := tc.run(t, cfg, e)
 			got := synced()
 			i := 0

@@ -11,16 +11,6 @@ import (
 	"github.com/forkvm/forkvm/internal/durable"
 )
 
-// recordFsyncs makes durable.Fsync record the path of each file and directory it
-// flushes (and still flush it) until the test ends, and returns a function that lists
-// them.
-func recordFsyncs(t *testing.T) (synced func() []string) {
-	t.Helper()
-	synced, restore := durable.Record()
-	t.Cleanup(restore)
-	return synced
-}
-
 // TestCacheCommitsAreFlushed: what the image cache trusts by its size or its decoding
 // alone is flushed before its rename, and its directory after: a cached layer (a later
 // pull takes it by its size) and an installed disk with its content.json
@@ -50,7 +40,7 @@ func TestCacheCommitsAreFlushed(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
-			synced := recordFsyncs(t)
+			synced := durable.Record(t)
 			tc.run(t, dir)
 			var got []string
 			for _, p := range synced() {

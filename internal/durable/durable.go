@@ -36,8 +36,8 @@ func Dir(dir string) {
 }
 
 // Record makes Fsync record the name of each file and directory it flushes (and still
-// flush it), for a test: synced lists them so far, restore puts Fsync back.
-func Record() (synced func() []string, restore func()) {
+// flush it) until t's cleanup (a test's), and returns a function that lists them.
+func Record(t interface{ Cleanup(func()) }) (synced func() []string) {
 	old := Fsync
 	var mu sync.Mutex
 	var got []string
@@ -47,11 +47,10 @@ func Record() (synced func() []string, restore func()) {
 		mu.Unlock()
 		return old(f)
 	}
+	t.Cleanup(func() { Fsync = old })
 	return func() []string {
-			mu.Lock()
-			defer mu.Unlock()
-			return append([]string(nil), got...)
-		}, func() {
-			Fsync = old
-		}
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), got...)
+	}
 }

@@ -7,8 +7,8 @@ import (
 	"testing"
 )
 
-// TestRecord: File and Dir flush through Fsync, which Record sees in order and
-// restore puts back; a missing file is File's error.
+// TestRecord: File and Dir flush through Fsync, which Record sees in order until the
+// cleanup it registered runs; a missing file is File's error.
 func TestRecord(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "f")
@@ -16,7 +16,8 @@ func TestRecord(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := Fsync
-	synced, restore := Record()
+	var cleanups []func()
+	synced := Record(cleanupFunc(func(f func()) { cleanups = append(cleanups, f) }))
 	if err := File(path); err != nil {
 		t.Fatal(err)
 	}
@@ -24,7 +25,9 @@ func TestRecord(t *testing.T) {
 	if err := File(filepath.Join(dir, "missing")); err == nil {
 		t.Error("File of a missing file: no error")
 	}
-	restore()
+	for _, f := range cleanups {
+		f()
+	}
 	if got, want := synced(), []string{path, dir}; !slices.Equal(got, want) {
 		t.Errorf("flushed %q, want %q", got, want)
 	}
@@ -36,3 +39,8 @@ func TestRecord(t *testing.T) {
 		t.Fatal("Fsync unset")
 	}
 }
+
+// cleanupFunc is a Cleanup that the test runs when it wants.
+type cleanupFunc func(func())
+
+func (c cleanupFunc) Cleanup(f func()) { c(f) }
