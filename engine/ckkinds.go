@@ -479,9 +479,10 @@ func (h *handoffCheckpoint) committed(ctx context.Context, vm *VM, w *ckWriter) 
 	return nil
 }
 
-// chainFreeze is a handoff's disk freeze: the VM's whole chain becomes the checkpoint's
-// (hard links, or a reflink of a raw disk), and the restarted VM goes on with a new
-// qcow2 overlay on it (top, created while the guest runs) or its own raw file.
+// chainFreeze is a handoff's disk freeze, and a parked VM's (freezeParkedDisk): the
+// VM's whole chain becomes the checkpoint's (hard links, or a reflink of a raw disk),
+// and the VM goes on with a new qcow2 overlay on it (top, created while the guest runs
+// or before the parked VM's manifest names it) or its own raw file.
 type chainFreeze struct {
 	layers  []diskLayer
 	reflink bool

@@ -92,66 +92,63 @@ func (e *Engine) checkpointParked(ctx context.Context, vm *VM, w *ckWriter) erro
 // ramMethodParked is the RAMMethod of a checkpoint made from a park image.
 const ramMethodParked = "parked"
 
-// freezeParkedDisk gives w's checkpoint the parked VM's disk: a reflink of a single raw
-// disk (the VM keeps its file), else its qcow2 chain's layers, hard-linked, with the VM
-// on a new empty overlay over them (see the notes above).
+// freezeParkedDisk gives w's checkpoint the parked VM's disk as a handoff's chain
+// freeze does (chainFreeze): a reflink of a single raw disk (the VM keeps its file),
+// else its qcow2 chain's layers, hard-linked, with the VM on a new empty overlay over
+// them (see the notes above).
 func (e *Engine) freezeParkedDisk(ctx context.Context, vm *VM, w *ckWriter) error {
 	s := vm.snapshot()
 	layers := s.Launch.Disk
-	switch {
-	case len(layers) == 0:
+	if len(layers) == 0 {
 		return nil
-	case canReflink(ctx, layers, w.tmp):
-		var err error
-		w.ck.Disk, w.ck.DiskMethod, err = freezeChain(ctx, layers, w.tmp, true)
-		return err
 	}
-	reuse := len(layers) > 1 && s.Park.DiskTop != nil && s.Park.DiskTop.unchanged(layers[len(layers)-1].Path)
-	if !reuse {
+	c := &chainFreeze{tmpDir: w.tmp, qemuImg: w.qemuImg, size: int64(vm.ident().Spec.DiskMiB) << 20}
+	switch {
+	case canReflink(ctx, layers, w.tmp):
+		c.layers, c.reflink = layers, true
+	case len(layers) > 1 && s.Park.DiskTop != nil && s.Park.DiskTop.unchanged(layers[len(layers)-1].Path):
+		// An overlay an earlier checkpoint of this park put on the chain, not written
+		// since: the chain under it is that checkpoint's already.
+		c.layers = layers[:len(layers)-1]
+	default:
 		if err := vm.collapseParkedDisk(ctx, w.qemuImg); err != nil {
 			return err
 		}
 		s = vm.snapshot()
-		layers = s.Launch.Disk
-	}
-	frozen := layers
-	if reuse {
-		// An overlay an earlier checkpoint of this park put on the chain, not written
-		// since: the chain under it is that checkpoint's already.
-		frozen = layers[:len(layers)-1]
-	} else {
-		dir := vm.dir()
-		path := nextDiskPath(dir, s.DiskSeq)
-		if err := qemuImgCreate(ctx, w.qemuImg, path, namedTop(dir, layers), int64(vm.ident().Spec.DiskMiB)<<20); err != nil {
+		c.layers, c.top = s.Launch.Disk, nextDiskPath(vm.dir(), s.DiskSeq)
+		if err := c.prepare(ctx); err != nil {
 			return err
 		}
-		top, err := statDiskTop(path)
-		if err == nil {
-			err = vm.locked(func(s *vmState) error {
-				if s.State != StateParked || s.Park == nil {
-					return fmt.Errorf("%w: %s is no longer parked", ErrNotRunning, vm.Name())
-				}
-				was := *s
-				s.pushOverlay(nextDiskNode(s.DiskSeq), path)
-				ps := *s.Park
-				ps.DiskTop = top
-				s.Park = &ps
-				if err := vm.saveSync(s); err != nil {
-					*s = was // the overlay is removed below: the chain must not name it
-					return err
-				}
-				return nil
-			})
-		}
-		if err != nil {
-			os.Remove(path)
+		if err := vm.pushParkedOverlay(c.top); err != nil {
+			c.abort(ctx)
 			return err
 		}
 	}
-	linkChainNames(vm.dir(), frozen)
-	var err error
-	w.ck.Disk, w.ck.DiskMethod, err = freezeChain(ctx, frozen, w.tmp, false)
-	return err
+	return c.commit(ctx, w.ck)
+}
+
+// pushParkedOverlay puts the new empty overlay path on the parked VM's chain and
+// records it as its park's DiskTop, in its manifest (synced) or not at all.
+func (vm *VM) pushParkedOverlay(path string) error {
+	top, err := statDiskTop(path)
+	if err != nil {
+		return err
+	}
+	return vm.locked(func(s *vmState) error {
+		if s.State != StateParked || s.Park == nil {
+			return fmt.Errorf("%w: %s is no longer parked", ErrNotRunning, vm.Name())
+		}
+		was := *s
+		s.pushOverlay(nextDiskNode(s.DiskSeq), path)
+		ps := *s.Park
+		ps.DiskTop = top
+		s.Park = &ps
+		if err := vm.saveSync(s); err != nil {
+			*s = was // the caller removes the overlay: the chain must not name it
+			return err
+		}
+		return nil
+	})
 }
 
 // parkDiskTop is the empty overlay a checkpoint of a parked VM put on its disk chain,
