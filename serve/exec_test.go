@@ -52,6 +52,14 @@ func attachedServer(t *testing.T, start func(context.Context, *vsockd.ExecReques
 	s.mux.HandleFunc("POST /v1/test/attach", func(w http.ResponseWriter, r *http.Request) {
 		s.execAttached(w, r, start, &vsockd.ExecRequest{Argv: []string{"cmd"}})
 	})
+	sock, stop = serveUnix(t, s.Handler())
+	return s, sock, stop
+}
+
+// serveUnix serves h on a fresh unix socket, Serve's shutdown grace 100 ms, until stop
+// is called or the test ends; stop returns Serve's error.
+func serveUnix(t *testing.T, h http.Handler) (sock string, stop func() error) {
+	t.Helper()
 	sock = filepath.Join(t.TempDir(), "s.sock")
 	ln, err := ListenUnix(sock)
 	if err != nil {
@@ -59,7 +67,7 @@ func attachedServer(t *testing.T, start func(context.Context, *vsockd.ExecReques
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	served := make(chan error, 1)
-	go func() { served <- Serve(ctx, ln, s.Handler(), 100*time.Millisecond) }()
+	go func() { served <- Serve(ctx, ln, h, 100*time.Millisecond) }()
 	var once sync.Once
 	var serr error
 	stop = func() error {
@@ -67,7 +75,7 @@ func attachedServer(t *testing.T, start func(context.Context, *vsockd.ExecReques
 		return serr
 	}
 	t.Cleanup(func() { stop() })
-	return s, sock, stop
+	return sock, stop
 }
 
 // attach starts an attached exec on sock and reads its 101.

@@ -480,14 +480,7 @@ func TestServeShutdownWaits(t *testing.T) {
 		time.Sleep(300 * time.Millisecond)
 		finished.Store(true)
 	})
-	sock := filepath.Join(t.TempDir(), "s.sock")
-	ln, err := ListenUnix(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- Serve(ctx, ln, s.Handler(), 100*time.Millisecond) }()
+	sock, stop := serveUnix(t, s.Handler())
 	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", sock)
@@ -497,8 +490,7 @@ func TestServeShutdownWaits(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	cancel()
-	if err := <-served; err != nil {
+	if err := stop(); err != nil {
 		t.Fatalf("Serve: %v", err)
 	}
 	wctx, wcancel := context.WithTimeout(context.Background(), 5*time.Second)
