@@ -18,7 +18,7 @@ import (
 func checkpointCmd() *cli.Command {
 	return &cli.Command{
 		Name:      "checkpoint",
-		Usage:     "take a memory+disk checkpoint of a running VM (it keeps running)",
+		Usage:     "take a memory+disk checkpoint of a running VM (it keeps running) or of a parked one (from its park image; it stays parked)",
 		ArgsUsage: "VM NAME",
 		Flags: []cli.Flag{
 			&cli.BoolFlag{Name: "pin", Usage: "keep the checkpoint when its last fork is deleted"},

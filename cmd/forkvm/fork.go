@@ -20,7 +20,7 @@ import (
 func forkCmd() *cli.Command {
 	return &cli.Command{
 		Name:      "fork",
-		Usage:     "fork a checkpoint (or a running VM) into new VMs",
+		Usage:     "fork a checkpoint (or a running or parked VM) into new VMs",
 		ArgsUsage: "SOURCE [NAME]",
 		// A --publish value is one forward: a comma is not a separator but an error.
 		DisableSliceFlagSeparator: true,
