@@ -139,6 +139,7 @@ fuzz-ci:
 	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzReadFrame -fuzztime=100000x ./vsockd/
 	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzExtractTar -fuzztime=5000x ./vsockd/
 	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzParseSmaps -fuzztime=20000x ./procinfo/
+	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzParsePerCPUFree -fuzztime=20000x ./procinfo/
 	$(GO) test -timeout $(CHECK_TIMEOUT) -run='^$$' -fuzz=FuzzDecodeRanges -fuzztime=20000x ./memfile/
 
 ## itest: integration tests that boot real QEMU

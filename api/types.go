@@ -264,8 +264,9 @@ type MemoryBudget struct {
 	// Known is false where the host's memory cannot be read (not Linux): memory is then
 	// not checked.
 	Known bool `json:"known"`
-	// AvailableBytes is the host's MemAvailable; TotalBytes its MemTotal, or the memory
-	// cgroup's limit when that is lower.
+	// AvailableBytes is the host's MemAvailable plus the free pages on the kernel's
+	// per-CPU lists (which MemAvailable leaves out); TotalBytes its MemTotal, or the
+	// memory cgroup's limit when that is lower.
 	AvailableBytes int64 `json:"available_bytes"`
 	TotalBytes     int64 `json:"total_bytes"`
 	// CgroupLimitBytes is the tightest memory cgroup limit the engine runs under (0:

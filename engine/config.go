@@ -62,8 +62,9 @@ type Config struct {
 	// (ForkOptions.Overcommit, ManyOptions.Overcommit, a daemon client's): a request
 	// above it is refused with an *OvercommitError. Default: 2 × Overcommit.
 	MaxOvercommit float64
-	// MemoryReserveMiB is the memory (MemAvailable, or the memory cgroup's headroom when
-	// lower) that admitting a VM may not push the host under. Default 512.
+	// MemoryReserveMiB is the memory (available memory: MemAvailable plus the free
+	// pages on the kernel's per-CPU lists; or the memory cgroup's headroom when lower)
+	// that admitting a VM may not push the host under. Default 512.
 	MemoryReserveMiB int64
 	// FlattenMiB decides which delta checkpoints (checkpoints of forks) are flattened:
 	// once one has had its first fork and its lineage's layers hold at least this many

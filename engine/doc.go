@@ -48,7 +48,7 @@
 //     of a running VM before its implicit checkpoint), only while the vCPUs stay within
 //     host CPUs × Config.Overcommit and its memory commitment (what the settled forks
 //     of its source were measured to hold, plus slack; before any was measured 64 MiB +
-//     Config.MemoryCommitRatio × guest RAM) fits min(MemAvailable, the memory cgroup's
+//     Config.MemoryCommitRatio × guest RAM) fits min(available memory, the memory cgroup's
 //     headroom) less Config.MemoryReserveMiB and the running VMs' expected growth, and
 //     the kernel reports no memory pressure; a refused one fails with an
 //     *AdmissionError. A VM whose disk's host file system

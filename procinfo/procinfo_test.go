@@ -58,13 +58,13 @@ func TestProcessCPU(t *testing.T) {
 	}
 }
 
-func TestMemAvailable(t *testing.T) {
-	n, err := MemAvailable()
+func TestAvailable(t *testing.T) {
+	n, err := Available()
 	if errors.Is(err, ErrUnsupported) {
 		t.Skip(err)
 	}
 	if err != nil || n <= 0 {
-		t.Fatalf("MemAvailable = %d, %v", n, err)
+		t.Fatalf("Available = %d, %v", n, err)
 	}
-	t.Logf("MemAvailable %d MiB", n>>20)
+	t.Logf("Available %d MiB", n>>20)
 }

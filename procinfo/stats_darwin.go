@@ -148,8 +148,11 @@ func ProcessCPU(pid int) (user, sys time.Duration, err error) {
 	return conv(ri.UserTime), conv(ri.SystemTime), nil
 }
 
-// MemAvailable is not implemented on darwin; it returns ErrUnsupported.
-func MemAvailable() (int64, error) { return 0, ErrUnsupported }
+// Available is not implemented on darwin; it returns ErrUnsupported.
+func Available() (int64, error) { return 0, ErrUnsupported }
+
+// PerCPUFree is not implemented on darwin; it returns ErrUnsupported.
+func PerCPUFree() (int64, error) { return 0, ErrUnsupported }
 
 // ProcessMappings is not implemented on darwin; it returns ErrUnsupported.
 func ProcessMappings(pid int) ([]Mapping, error) { return nil, ErrUnsupported }

@@ -130,11 +130,33 @@ func ProcessCPU(pid int) (user, sys time.Duration, err error) {
 	return time.Duration(ut) * tick, time.Duration(st) * tick, nil
 }
 
-// MemAvailable returns MemAvailable from /proc/meminfo in bytes.
-func MemAvailable() (int64, error) {
+// Available returns the host's available memory in bytes: MemAvailable from
+// /proc/meminfo plus the free pages on the kernel's per-CPU lists (PerCPUFree), which
+// MemAvailable leaves out and which can hold hundreds of MiB that a process just freed.
+// A difference of two MemAvailable readings misses what moved onto or off those lists;
+// one of two Available readings does not.
+func Available() (int64, error) {
 	v, err := procKB("/proc/meminfo", "MemAvailable")
 	if err != nil {
 		return 0, fmt.Errorf("procinfo: meminfo: %w", err)
 	}
-	return v, nil
+	pcp, err := PerCPUFree()
+	if err != nil {
+		return 0, err
+	}
+	return v + pcp, nil
+}
+
+// PerCPUFree returns the bytes of free pages on the kernel's per-CPU lists
+// (/proc/zoneinfo; ParsePerCPUFree).
+func PerCPUFree() (int64, error) {
+	b, err := os.ReadFile("/proc/zoneinfo")
+	if err != nil {
+		return 0, fmt.Errorf("procinfo: zoneinfo: %w", err)
+	}
+	pages, err := ParsePerCPUFree(b)
+	if err != nil {
+		return 0, err
+	}
+	return pages * int64(os.Getpagesize()), nil
 }

@@ -10,8 +10,11 @@ func ProcessMemory(pid int) (*ProcMem, error) { return nil, ErrUnsupported }
 // ProcessCPU is not implemented on this platform; it returns ErrUnsupported.
 func ProcessCPU(pid int) (user, sys time.Duration, err error) { return 0, 0, ErrUnsupported }
 
-// MemAvailable is not implemented on this platform; it returns ErrUnsupported.
-func MemAvailable() (int64, error) { return 0, ErrUnsupported }
+// Available is not implemented on this platform; it returns ErrUnsupported.
+func Available() (int64, error) { return 0, ErrUnsupported }
+
+// PerCPUFree is not implemented on this platform; it returns ErrUnsupported.
+func PerCPUFree() (int64, error) { return 0, ErrUnsupported }
 
 // ProcessMappings is not implemented on this platform; it returns ErrUnsupported.
 func ProcessMappings(pid int) ([]Mapping, error) { return nil, ErrUnsupported }

@@ -12,7 +12,7 @@ func populationCmd() *cli.Command {
 	return &cli.Command{
 		Name: "population",
 		Usage: "how many sandboxes one host holds: fork --sandboxes one by one, parking the oldest past the running cap (the budget's share), " +
-			"then wake a random --sample (or --wake-all) and check each answers as itself; the budget's view beside MemAvailable (headline: sandboxes held)",
+			"then wake a random --sample (or --wake-all) and check each answers as itself; the budget's view beside the host's available memory (headline: sandboxes held)",
 		Flags: flags(
 			&cli.IntFlag{Name: "sandboxes", Value: 100, Usage: "sandboxes (forks of the world's checkpoint) to make"},
 			&cli.IntFlag{Name: "running", Usage: "most sandboxes running at once (0 = the budget's share: what the vCPU and memory budgets admit at the start)"},

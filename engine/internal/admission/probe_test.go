@@ -2,6 +2,7 @@ package admission
 
 import (
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -186,6 +187,36 @@ func TestMemoryArithmetic(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			if got := memFree(tc.avail, tc.cg, 512*mib, tc.committed, tc.inCgroup); got != tc.want {
 				t.Errorf("memFree = %d MiB, want %d MiB", got/mib, tc.want/mib)
+			}
+		})
+	}
+}
+
+// TestMemoryPerCPUFree: the free pages on the kernel's per-CPU lists count as
+// available; a zoneinfo that is missing or cannot be parsed leaves MemAvailable alone.
+func TestMemoryPerCPUFree(t *testing.T) {
+	const mib = int64(1) << 20
+	page := int64(os.Getpagesize())
+	for _, tc := range []struct {
+		name     string
+		zoneinfo string // "" = no file
+		want     int64
+	}{
+		{"no zoneinfo", "", 4000 * mib},
+		{"two CPUs' lists", "Node 0, zone   Normal\n  pages free 10\n  pagesets\n    cpu: 0\n              count:    100\n    cpu: 1\n              count:    28\n", 4000*mib + 128*page},
+		{"malformed", "Node 0, zone   Normal\n  pagesets\n    cpu: 0\n              count:    many\n", 4000 * mib},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := fakeHost(t, 8000*mib, 4000*mib)
+			if tc.zoneinfo != "" {
+				admissiontest.WriteFiles(t, filepath.Dir(h.Proc), map[string]string{"proc/zoneinfo": tc.zoneinfo})
+			}
+			m := h.Memory(nil, 0, nil, 512*mib, 0.1)
+			if !m.Known || m.AvailableBytes != tc.want || m.TotalBytes != 8000*mib {
+				t.Fatalf("available %d, total %d (known %v); want %d, %d", m.AvailableBytes, m.TotalBytes, m.Known, tc.want, 8000*mib)
+			}
+			if m.FreeBytes != tc.want-512*mib {
+				t.Errorf("free %d MiB, want %d MiB", m.FreeBytes/mib, (tc.want-512*mib)/mib)
 			}
 		})
 	}

@@ -98,14 +98,18 @@ type WaveSummary struct {
 	PrivateMBPerFork float64 `json:"private_mb_per_fork"`
 	// HostMemoryDisturbed says why private_mb_per_fork, as measured, is no figure:
 	// something outside the wave moved the host's memory (WaveResult.HostDisturbed).
-	HostMemoryDisturbed  string             `json:"host_memory_disturbed,omitempty"`
-	MemAvailableBeforeMB float64            `json:"mem_available_before_mb"`
-	MemAvailableAfterMB  float64            `json:"mem_available_after_mb"`
-	CPUUserMSP50         float64            `json:"cpu_user_ms_p50"`
-	CPUSysMSP50          float64            `json:"cpu_sys_ms_p50"`
-	AnonMBP50            float64            `json:"anon_mb_p50"`
-	MemoryMBP50          *report.MemSummary `json:"memory_mb_p50"` // null when no fork's memory was read
-	Isolation            IsoReport          `json:"isolation"`
+	HostMemoryDisturbed  string  `json:"host_memory_disturbed,omitempty"`
+	MemAvailableBeforeMB float64 `json:"mem_available_before_mb"`
+	MemAvailableAfterMB  float64 `json:"mem_available_after_mb"`
+	// PerCPUFreeBeforeMB and PerCPUFreeAfterMB are what mem_available_before_mb and
+	// mem_available_after_mb count of the free pages on the kernel's per-CPU lists.
+	PerCPUFreeBeforeMB float64            `json:"per_cpu_free_before_mb"`
+	PerCPUFreeAfterMB  float64            `json:"per_cpu_free_after_mb"`
+	CPUUserMSP50       float64            `json:"cpu_user_ms_p50"`
+	CPUSysMSP50        float64            `json:"cpu_sys_ms_p50"`
+	AnonMBP50          float64            `json:"anon_mb_p50"`
+	MemoryMBP50        *report.MemSummary `json:"memory_mb_p50"` // null when no fork's memory was read
+	Isolation          IsoReport          `json:"isolation"`
 	// TCGThreadForks counts ready forks per TCG thread mode (only under TCG).
 	TCGThreadForks map[string]int `json:"tcg_thread_forks,omitzero"`
 	// OtherVCPUs are the vCPUs of the budget that other state directories' forkvm VMs
@@ -172,6 +176,7 @@ func waveSummary(wr *WaveResult, pc report.Percentiles, f forkStats, iso IsoRepo
 		N: wr.N, Ready: wr.ReadyCount(), Failed: wr.Failed, Refused: wr.AdmissionCount,
 		WallS: report.Round3(wr.Wall.Seconds()), ForkP50MS: report.Round3(pc.P50), ForkP95MS: report.Round3(pc.P95), ForkMaxMS: report.Round3(pc.Max),
 		PrivateMBPerFork: report.Round3(wr.PrivateMBPerFork()), HostMemoryDisturbed: wr.HostDisturbed, MemAvailableBeforeMB: report.Round3(wr.MemBeforeMB), MemAvailableAfterMB: report.Round3(wr.MemAfterMB),
+		PerCPUFreeBeforeMB: report.Round3(wr.PerCPUFreeBeforeMB), PerCPUFreeAfterMB: report.Round3(wr.PerCPUFreeAfterMB),
 		CPUUserMSP50: report.Round3(report.Median(f.cpuUser)), CPUSysMSP50: report.Round3(report.Median(f.cpuSys)), AnonMBP50: report.Round3(report.Median(f.anon)),
 		MemoryMBP50:    report.SummarizeMem(f.mems),
 		Isolation:      iso,
@@ -222,7 +227,7 @@ type FitDecision struct {
 }
 
 // MemoryFit is the memory side of the budget: whether the largest wave's forks fit in
-// MemAvailable above the engine's reserve (Config.MemoryReserveMiB), at the host memory
+// available memory above the engine's reserve (Config.MemoryReserveMiB), at the host memory
 // per fork measured in the default pass.
 type MemoryFit struct {
 	AvailableMB float64 `json:"available_mb"`
@@ -468,7 +473,7 @@ func RunFanout(r *Env, settings *FanoutSettings, keepWorld bool, idleWindow time
 	r.res.Method = fmt.Sprintf("Each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world VM that dirtied %d MB of RAM (and wrote a disk file). "+
 		"Wall = first fork start → last fork ready (its agent answered with its own token); fork latency = each fork's start → ready. "+
 		"A wave is complete when all N forks were ready; only a complete wave gives a waveN figure or the headline. "+
-		"Host memory per fork = MemAvailable drop from before the wave to all ready / ready forks (the published definition); the breakdown is engine VM.Memory at ready. "+
+		"Host memory per fork = drop of available memory (MemAvailable + the kernel's per-CPU free pages, which MemAvailable leaves out) from before the wave to all ready / ready forks (the published definition); the breakdown is engine VM.Memory at ready. "+
 		"After a wave each fork runs `sh -c true`; idle QEMU CPU is read over %v. %s %s Forks are deleted before the next wave.",
 		r.shape.DirtyMB, idleWindow, memMethod, isoMethod(r))
 	r.methodShort = fmt.Sprintf("each wave is one ForkMany of N forks started at once from a pinned checkpoint of a world that dirtied %d MB; "+
@@ -546,7 +551,7 @@ func fanoutDefaultPass(r *Env, w *World, settings *FanoutSettings, fit *FitDecis
 			perFork = max(perFork, o.wr.MemPerForkEstimate())
 		}
 	}
-	fit.Memory = memoryFit(measure.SettledMemAvailableMB(r.ctx), float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
+	fit.Memory = memoryFit(measure.SettledAvailableMB(r.ctx), float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
 	return defaults, nil
 }
 
@@ -638,7 +643,7 @@ func memoryPerFork(o *waveOutcome) MemoryPerFork {
 	for _, m := range o.mems {
 		ms = append(ms, m)
 	}
-	return MemoryPerFork{Definition: "host memory the wave added (MemAvailable before − after all ready, MiB) / ready forks",
+	return MemoryPerFork{Definition: "host memory the wave added (available memory, MemAvailable + per-CPU free pages, before − after all ready, MiB) / ready forks",
 		HostAddedMB: report.Round3(o.wr.PrivateMBPerFork()), Disturbed: o.wr.HostDisturbed, Forks: o.wr.ReadyCount(), BreakdownP50: report.SummarizeMem(ms)}
 }
 

@@ -36,7 +36,7 @@ func (s *PopulationSettings) Check() error {
 }
 
 // PopulationStep is the population's state after a number of sandboxes
-// (extra.steps[]): the counts, the host's MemAvailable and the memory budget's view
+// (extra.steps[]): the counts, the host's available memory (MemAvailable + per-CPU free pages) and the memory budget's view
 // beside it, the vCPU budget and the parked images on disk.
 type PopulationStep struct {
 	Sandboxes      int     `json:"sandboxes"`
@@ -94,7 +94,7 @@ func RunPopulation(r *Env, s *PopulationSettings) error {
 	r.res.Extra["running_cap"] = limit
 	r.res.Extra["running_cap_basis"] = capNote
 	r.logf("running cap %d (%s)", limit, capNote)
-	memStart := measure.MemAvailableMB()
+	memStart := measure.AvailableMB()
 	stop := p.grow(s.Sandboxes, limit)
 	asked, woken, wakeStop := 0, 0, ""
 	if stop == "" || strings.HasPrefix(stop, "admission") {
@@ -178,7 +178,7 @@ func (p *population) grow(n, limit int) string {
 		p.forkLat = append(p.forkLat, s.LatencyMS)
 		if i%every == 0 {
 			st := p.step()
-			r.logf("%d sandboxes: %d running, %d parked (%.0f MiB on disk); MemAvailable %.0f MiB, budget %.0f MiB free (%d more forks)",
+			r.logf("%d sandboxes: %d running, %d parked (%.0f MiB on disk); available %.0f MiB, budget %.0f MiB free (%d more forks)",
 				st.Sandboxes, st.Running, st.Parked, st.ParkedDiskMiB, st.MemAvailableMB, st.BudgetFreeMB, st.BudgetMoreForks)
 		}
 	}
@@ -320,7 +320,7 @@ func (p *population) step() PopulationStep {
 	r := p.r
 	b := r.e.Budget()
 	st := PopulationStep{Sandboxes: len(p.running) + len(p.parked), Running: len(p.running), Parked: len(p.parked),
-		MemAvailableMB: report.Round3(measure.MemAvailableMB()), VCPUsUsed: b.Used, VCPUsTotal: b.Total,
+		MemAvailableMB: report.Round3(measure.AvailableMB()), VCPUsUsed: b.Used, VCPUsTotal: b.Total,
 		ParkedDiskMiB: report.Round3(float64(r.e.ParkedBytes()) / (1 << 20))}
 	if m := b.Memory; m.Known {
 		commit := p.commit(m)
@@ -363,7 +363,7 @@ func (p *population) result(s *PopulationSettings, limit int, memStartMB float64
 	if stop != "" && !strings.HasPrefix(stop, "admission") {
 		r.incomplete = true
 	}
-	r.res.Method = fmt.Sprintf("Population: %d sandboxes asked, forked one by one from a pinned checkpoint of the world (dirtied %d MB; the world itself deleted), each until its first `sh -c true` answered (fork → first command), then it writes its name to /dev/shm/id; before each fork the oldest running ones are parked (engine.Park: park ms, its image's bytes on disk) while %d run (the running cap: %s) or the budget has no room for one more now (other engines' VMs on the host count), and a fork refused by admission parks the oldest and is tried again. Then %s of the parked ones, chosen at random, are woken (engine.Wake; room made the same way) until their first `sh -c true` answered (wake → first command) and each must still hold its name. Every %d sandboxes and at the end: the counts, MemAvailable, the memory budget's view (free for VMs, what a fork commits, how many more running forks it admits), the vCPU budget and the parked images on disk. An admission refusal while forking with none of ours running is the measured limit (the wake still runs); one of a wake makes the run incomplete; any other failure stops the run and is a failure; the figures so far are kept. value = sandboxes held at the end (running + parked); percentiles: wake → first command.",
+	r.res.Method = fmt.Sprintf("Population: %d sandboxes asked, forked one by one from a pinned checkpoint of the world (dirtied %d MB; the world itself deleted), each until its first `sh -c true` answered (fork → first command), then it writes its name to /dev/shm/id; before each fork the oldest running ones are parked (engine.Park: park ms, its image's bytes on disk) while %d run (the running cap: %s) or the budget has no room for one more now (other engines' VMs on the host count), and a fork refused by admission parks the oldest and is tried again. Then %s of the parked ones, chosen at random, are woken (engine.Wake; room made the same way) until their first `sh -c true` answered (wake → first command) and each must still hold its name. Every %d sandboxes and at the end: the counts, available memory (MemAvailable + the kernel's per-CPU free pages), the memory budget's view (free for VMs, what a fork commits, how many more running forks it admits), the vCPU budget and the parked images on disk. An admission refusal while forking with none of ours running is the measured limit (the wake still runs); one of a wake makes the run incomplete; any other failure stops the run and is a failure; the figures so far are kept. value = sandboxes held at the end (running + parked); percentiles: wake → first command.",
 		s.Sandboxes, r.shape.DirtyMB, limit, r.res.Extra["running_cap_basis"], map[bool]string{true: "all", false: fmt.Sprint(s.Sample)}[s.All], max(1, s.Sandboxes/20))
 	note := stop
 	if note == "" {
@@ -373,12 +373,12 @@ func (p *population) result(s *PopulationSettings, limit int, memStartMB float64
 		note += "; wake stopped: " + wakeStop
 	}
 	var tb strings.Builder
-	tb.WriteString("| sandboxes | running | parked | parked on disk MiB | MemAvailable MiB | budget free MiB | commit/fork MiB | more forks | vCPUs used/total |\n|---|---|---|---|---|---|---|---|---|\n")
+	tb.WriteString("| sandboxes | running | parked | parked on disk MiB | available MiB | budget free MiB | commit/fork MiB | more forks | vCPUs used/total |\n|---|---|---|---|---|---|---|---|---|\n")
 	for _, st := range p.steps {
 		fmt.Fprintf(&tb, "| %d | %d | %d | %.0f | %.0f | %.0f | %.0f | %d | %d/%d |\n", st.Sandboxes, st.Running, st.Parked, st.ParkedDiskMiB, st.MemAvailableMB,
 			st.BudgetFreeMB, st.BudgetCommitMB, st.BudgetMoreForks, st.VCPUsUsed, st.VCPUsTotal)
 	}
-	r.section("## Population\n\n%d sandboxes held (%d running, %d parked; %s). Woken: %d answered of %d asked, wake → first command p50 %.0f ms, p99 %.0f ms (fork → first command p50 %.0f ms, p99 %.0f ms); park p50 %.0f ms; %.1f MiB on disk per parked sandbox (p50), %.0f MiB in all. MemAvailable %.0f MiB at the start, %.0f MiB at the end; the budget's view at the end: %.0f MiB free, %.0f MiB per fork, %d more running forks.\n\n%s\n",
+	r.section("## Population\n\n%d sandboxes held (%d running, %d parked; %s). Woken: %d answered of %d asked, wake → first command p50 %.0f ms, p99 %.0f ms (fork → first command p50 %.0f ms, p99 %.0f ms); park p50 %.0f ms; %.1f MiB on disk per parked sandbox (p50), %.0f MiB in all. Available memory %.0f MiB at the start, %.0f MiB at the end; the budget's view at the end: %.0f MiB free, %.0f MiB per fork, %d more running forks.\n\n%s\n",
 		last.Sandboxes, last.Running, last.Parked, note, woken, asked, wk.P50, wk.P99, fk.P50, fk.P99, pk.P50, report.Median(p.diskMiB), last.ParkedDiskMiB,
 		memStartMB, last.MemAvailableMB, last.BudgetFreeMB, last.BudgetCommitMB, last.BudgetMoreForks, tb.String())
 }

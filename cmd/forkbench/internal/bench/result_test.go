@@ -53,7 +53,7 @@ func sortedKeys(keys ...string) string {
 
 // The keys of fanout's extra.waves.<label> (result.json consumers read them).
 var waveKeys = []string{"n", "complete", "ok", "ready", "failed", "refused", "wall_s", "fork_p50_ms", "fork_p95_ms", "fork_max_ms",
-	"private_mb_per_fork", "mem_available_before_mb", "mem_available_after_mb", "cpu_user_ms_p50", "cpu_sys_ms_p50",
+	"private_mb_per_fork", "mem_available_before_mb", "mem_available_after_mb", "per_cpu_free_before_mb", "per_cpu_free_after_mb", "cpu_user_ms_p50", "cpu_sys_ms_p50",
 	"anon_mb_p50", "memory_mb_p50", "isolation", "other_vcpus_at_start"}
 
 var (

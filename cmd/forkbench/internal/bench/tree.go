@@ -89,7 +89,7 @@ type TreeLevel struct {
 	LineageMB      float64 `json:"lineage_mb"`
 	WrittenMB      int     `json:"written_mb"`
 	GuestWrittenMB float64 `json:"guest_written_mb"`
-	// HostMemPerForkMB: MemAvailable drop while the level's children run, per child.
+	// HostMemPerForkMB: drop of available memory (measure.AvailableMB) while the level's children run, per child.
 	HostMemPerForkMB float64 `json:"host_mem_per_fork_mb"`
 	// Verified children saw every ancestor's file with its md5 and no sibling's file.
 	Verified int `json:"verified"`
@@ -155,7 +155,7 @@ func runTree(r *Env, depth, branch, writeMB int) ([]TreeLevel, float64, error) {
 	if len(ckOfFork) > 0 && w.CheckpointMS > 0 {
 		r.res.Extra["checkpoint_of_fork_vs_world"] = report.Round3(pc.P50 / w.CheckpointMS)
 	}
-	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files (lineage MB: the world file's frozen data + each delta checkpoint's own layer), against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = MemAvailable drop across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
+	r.res.Method = fmt.Sprintf("A world (dirtied %d MB) and its pinned checkpoint t0; then for each of %d levels: engine.Fork of the running node by name (implicit checkpoint, until ready), a pinned checkpoint of the node (levels >= 1: a fork; ms = engine Timings.Total), when the world has no disk the stock path on the same node (engine Baseline: full save to a file, restore into anonymous RAM until ready), %d children forked serially until their first `sh -c true` (fork ms), each writing %d MB of random data to /dev/shm and then checked: md5 of every ancestor's file and none of its siblings'. RAM files MB = allocated storage of all checkpoint RAM files (lineage MB: the world file's frozen data + each delta checkpoint's own layer), against what the benchmark wrote and what the guests wrote (world checkpoint file data + each checkpointed node's own copied-on-write guest pages); host memory per fork = drop of available memory (MemAvailable + the kernel's per-CPU free pages) across the level's forks / forks. The first child is the next node; its siblings are deleted. Percentiles are over the checkpoints of forks.",
 		r.shape.DirtyMB, depth, branch, writeMB)
 	r.section("%s\ncheckpoint of a fork p50 %.0f ms over %d levels.\n\n", treeTable(levels), pc.P50, len(ckOfFork))
 	return levels, w.CheckpointMS, nil
@@ -223,7 +223,7 @@ func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
 // their latency and the host memory they added.
 func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
 	r := t.r
-	avail0, _ := procinfo.MemAvailable()
+	avail0, _ := procinfo.Available()
 	var children []*engine.VM
 	var lat []float64
 	var injected float64
@@ -243,7 +243,7 @@ func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
 	if len(children) > 0 {
 		L.ChildrenInjectedMBAverage = report.Round3(injected / float64(len(children)))
 	}
-	if avail1, err := procinfo.MemAvailable(); err == nil && len(children) > 0 {
+	if avail1, err := procinfo.Available(); err == nil && len(children) > 0 {
 		L.HostMemPerForkMB = report.Round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
 	}
 	L.Ready, L.ForkP50MS = len(children), report.Round3(report.Median(lat))

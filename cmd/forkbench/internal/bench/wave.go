@@ -46,6 +46,9 @@ type WaveResult struct {
 	FailedErrs  []string
 	MemBeforeMB float64
 	MemAfterMB  float64
+	// PerCPUFreeBeforeMB and PerCPUFreeAfterMB are the parts of MemBeforeMB and
+	// MemAfterMB on the kernel's per-CPU lists, which MemAvailable leaves out.
+	PerCPUFreeBeforeMB, PerCPUFreeAfterMB float64
 	// HostDisturbed says why MemBeforeMB − MemAfterMB cannot stand for the memory the
 	// wave's forks added ("" when it can or when nothing was read to judge it by), and
 	// OwnPrivateMB is the mean private memory of its forks as read (0: not read).
@@ -58,7 +61,8 @@ type WaveResult struct {
 // ReadyCount is the number of forks that became ready.
 func (w *WaveResult) ReadyCount() int { return len(w.Ready) }
 
-// PrivateMBPerFork is host memory added (MemAvailable drop) per ready fork.
+// PrivateMBPerFork is host memory added (the drop of available memory, MemAvailable
+// plus the kernel's per-CPU free pages: measure.AvailableMB) per ready fork.
 func (w *WaveResult) PrivateMBPerFork() float64 {
 	if len(w.Ready) == 0 || w.MemBeforeMB < 0 || w.MemAfterMB < 0 {
 		return 0
@@ -105,17 +109,18 @@ func (w *WaveResult) judgeHostMemory(mems map[string]report.ForkMem) {
 	w.OwnPrivateMB, w.HostDisturbed = hostMemoryDisturbed(w.PrivateMBPerFork(), own)
 }
 
-// hostMemoryDisturbed judges a wave's host figure (MemAvailable drop per fork, MiB)
-// against its forks' own memory: MemAvailable is the whole host's, so a process outside
+// hostMemoryDisturbed judges a wave's host figure (drop of available memory per fork, MiB)
+// against its forks' own memory: available memory is the whole host's, so a process outside
 // the wave that frees or takes memory while it runs moves it too (a build beside the
 // benchmark freed more than four forks took, and the figure went negative). A fork's
 // private pages did not exist before the wave and are its alone, so their mean is a floor
 // of what each fork added; its resident pages, the shared ones counted in every fork, are
 // a ceiling. It returns the mean private memory and why perFork is outside [floor/4,
 // ceiling×1.25 + 16 MiB] ("" inside). The slack is wide because the host's figure is
-// legitimately somewhat below the floor (a large wave's is a fifth below its forks'
-// private mean) and above the ceiling by the kernel's own memory per process: it catches
-// a figure moved by something else, not a small error.
+// legitimately somewhat below the floor (a page of the RAM file that only one fork
+// mapped counts as its private, though it was resident before the wave) and above the
+// ceiling by the kernel's own memory per process: it catches a figure moved by
+// something else, not a small error.
 func hostMemoryDisturbed(perFork float64, own []report.ForkMem) (float64, string) {
 	var private, resident float64
 	for _, m := range own {
@@ -126,9 +131,9 @@ func hostMemoryDisturbed(perFork float64, own []report.ForkMem) (float64, string
 	resident /= float64(len(own))
 	switch floor, ceiling := private/4, resident*1.25+16; {
 	case perFork < floor:
-		return private, fmt.Sprintf("MemAvailable fell %.1f MiB per fork, less than a quarter of the forks' own private memory (%.1f MiB): another process freed memory during the wave", perFork, private)
+		return private, fmt.Sprintf("Available memory fell %.1f MiB per fork, less than a quarter of the forks' own private memory (%.1f MiB): another process freed memory during the wave", perFork, private)
 	case perFork > ceiling:
-		return private, fmt.Sprintf("MemAvailable fell %.1f MiB per fork, more than the forks' resident memory allows (%.1f MiB, shared pages counted in each): another process took memory during the wave", perFork, resident)
+		return private, fmt.Sprintf("Available memory fell %.1f MiB per fork, more than the forks' resident memory allows (%.1f MiB, shared pages counted in each): another process took memory during the wave", perFork, resident)
 	}
 	return private, ""
 }
@@ -165,7 +170,8 @@ func runWave(r *Env, label, src string, n int, opts *engine.ManyOptions, onReady
 	w.Budget, w.ForkCPUs = r.e.Budget(), r.shape.CPUs
 	w.Budget.Overcommit = opts.Overcommit
 	w.Budget.Total = int(float64(w.Budget.HostCPUs) * opts.Overcommit)
-	w.MemBeforeMB = measure.SettledMemAvailableMB(r.ctx)
+	w.MemBeforeMB = measure.SettledAvailableMB(r.ctx)
+	w.PerCPUFreeBeforeMB = measure.PerCPUFreeMB()
 	pl := &progressLine{on: r.progress, label: label, n: n, t0: time.Now()}
 	if r.counterEvery > 0 {
 		ram := ""
@@ -215,7 +221,8 @@ func runWave(r *Env, label, src string, n int, opts *engine.ManyOptions, onReady
 	if ready > 0 {
 		w.Wall = w.LastReady.Sub(w.FirstStart)
 	}
-	w.MemAfterMB = measure.MemAvailableMB()
+	w.MemAfterMB = measure.AvailableMB()
+	w.PerCPUFreeAfterMB = measure.PerCPUFreeMB()
 	for _, ev := range w.Events {
 		if ev.VM != nil && ev.Err == nil {
 			w.Ready = append(w.Ready, ev.VM)
@@ -296,7 +303,7 @@ type IdleCPU struct {
 	TotalCores float64       // QEMU user+sys CPU of all N forks / Window
 	PerForkPct float64       // TotalCores / N, in percent of one core
 	// HostMBPerFork is host memory added per ready fork at the window's end (the
-	// MemAvailable drop since before the wave, after the forks' first commands and
+	// drop of available memory since before the wave, after the forks' first commands and
 	// whatever same-page merging did meanwhile); 0 when not read.
 	HostMBPerFork float64
 	// KSMEnd is the kernel's same-page merging at the window's end, and KSMCPUPct the
@@ -328,7 +335,7 @@ func measureIdle(r *Env, w *WaveResult, window time.Duration) IdleCPU {
 		return IdleCPU{}
 	}
 	after, k1, el := sample(), measure.ReadKSM(), time.Since(t0)
-	avail := measure.MemAvailableMB()
+	avail := measure.AvailableMB()
 	var res IdleCPU
 	var used time.Duration
 	for pid, b := range before {

@@ -1,6 +1,6 @@
 // Package measure is what forkbench reads from the host beside the engine: the build and
 // host it ran on, other VMs, host counters sampled during waves (/proc/vmstat, PSI, a
-// checkpoint file's residency), a fork's memory breakdown, MemAvailable, page faults by
+// checkpoint file's residency), a fork's memory breakdown, available memory (MemAvailable and the per-CPU free pages), page faults by
 // class (--faults), perf record (--perf) and the Chrome trace and its Perfetto bundle.
 package measure
 

@@ -10,28 +10,41 @@ import (
 	"github.com/forkvm/forkvm/procinfo"
 )
 
-// MemAvailableMB is MemAvailable in MB (-1 when unknown).
-func MemAvailableMB() float64 {
-	v, err := procinfo.MemAvailable()
+// AvailableMB is the host's available memory in MB (-1 when unknown): MemAvailable plus
+// the free pages on the kernel's per-CPU lists (procinfo.Available), so that a drop
+// across a wave is what the wave took, not what it took less what it drew from those
+// lists.
+func AvailableMB() float64 {
+	v, err := procinfo.Available()
 	if err != nil {
 		return -1
 	}
 	return float64(v) / (1 << 20)
 }
 
-// SettledMemAvailableMB waits (up to 5 s, untimed by the benchmarks) until MemAvailable
+// PerCPUFreeMB is the free memory on the kernel's per-CPU lists in MB (-1 when
+// unknown): the part of AvailableMB that MemAvailable leaves out.
+func PerCPUFreeMB() float64 {
+	v, err := procinfo.PerCPUFree()
+	if err != nil {
+		return -1
+	}
+	return float64(v) / (1 << 20)
+}
+
+// SettledAvailableMB waits (up to 5 s, untimed by the benchmarks) until AvailableMB
 // stops moving — memory freed by a just-deleted VM or wave is returned asynchronously, and
 // a baseline taken too early makes "memory added per fork" too small, even negative —
 // then returns it.
-func SettledMemAvailableMB(ctx context.Context) float64 {
-	prev := MemAvailableMB()
+func SettledAvailableMB(ctx context.Context) float64 {
+	prev := AvailableMB()
 	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
 		select {
 		case <-ctx.Done():
 			return prev
 		case <-time.After(250 * time.Millisecond):
 		}
-		cur := MemAvailableMB()
+		cur := AvailableMB()
 		if cur < 0 || math.Abs(cur-prev) < 2 {
 			return cur
 		}

@@ -17,7 +17,7 @@ type SVGWave struct {
 	LatMS    []float64 // fork start → ready of the ready forks
 	ReadyAtS []float64 // each ready fork's ready time since the wave's first start
 	Mem      *MemSummary
-	// HostAddedMB is host memory the wave added per fork (MemAvailable drop / forks).
+	// HostAddedMB is host memory the wave added per fork (drop of available memory / forks).
 	HostAddedMB float64
 }
 
