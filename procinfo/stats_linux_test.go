@@ -93,15 +93,16 @@ func TestProcessMappings(t *testing.T) {
 	}
 }
 
-// TestAvailableFollowsAllocation allocates and frees 128 MiB five times: the drop of
-// Available across each allocation must be within 15% of it (the median of the five,
-// so that another process's allocation or free during one of them does not decide).
-// MemAvailable alone, whose figures are logged, misses what the allocation took from
-// the per-CPU lists that earlier frees filled.
+// TestAvailableFollowsAllocation allocates and frees 128 MiB nine times: the drop of
+// Available across each allocation must be within 25% of it (the median of the nine,
+// so that another process's allocations or frees during a few of them, as other tests
+// start and end VMs, do not decide). MemAvailable alone, whose figures are logged,
+// misses what the allocation took from the per-CPU lists that the previous trial's
+// free filled (on this kernel: -97%).
 func TestAvailableFollowsAllocation(t *testing.T) {
 	const size = 128 << 20
 	var errs, rawErrs []float64
-	for range 5 {
+	for range 9 {
 		before, err := Available()
 		if err != nil {
 			t.Fatal(err)
@@ -128,8 +129,8 @@ func TestAvailableFollowsAllocation(t *testing.T) {
 	}
 	sort.Float64s(errs)
 	sort.Float64s(rawErrs)
-	t.Logf("relative error of the drop: Available %.3f, MemAvailable alone %.3f (medians of 5)", errs[2], rawErrs[2])
-	if math.Abs(errs[2]) > 0.15 {
-		t.Errorf("Available's drop across a 128 MiB allocation is off by %.0f%% (median of 5: %.3f)", 100*errs[2], errs)
+	t.Logf("relative error of the drop: Available %.3f, MemAvailable alone %.3f (medians of 9)", errs[4], rawErrs[4])
+	if math.Abs(errs[4]) > 0.25 {
+		t.Errorf("Available's drop across a 128 MiB allocation is off by %.0f%% (median of 9: %.3f)", 100*errs[4], errs)
 	}
 }
