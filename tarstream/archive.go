@@ -32,7 +32,9 @@ const maxTrailing = 1 << 20
 // name) and carry permission bits (with set-ID and sticky bits), modification time (to
 // the nanosecond, PAX) and owner ids; files that are hard links of one another stay hard
 // links. FIFOs, sockets and device nodes are skipped, as are entries that vanish while
-// the tree is walked. Contents are streamed: WriteTar holds one chunk at a time.
+// the tree is walked, or that are no longer regular files when opened (never waited on:
+// a file replaced by a FIFO must not hang the copy). Contents are streamed: WriteTar
+// holds one chunk at a time.
 //
 // A missing src fails with an error wrapping ErrSourceMissing.
 func WriteTar(ctx context.Context, w io.Writer, src, name string) error {
@@ -88,6 +90,11 @@ func WriteTar(ctx context.Context, w io.Writer, src, name string) error {
 	return tw.Close()
 }
 
+// errNotRegular reports a path that was to be copied as a regular file but is
+// something else by the time it is opened (replaced after the walk saw it); the entry is
+// skipped.
+var errNotRegular = errors.New("not a regular file")
+
 type archiveWriter struct {
 	ctx   context.Context
 	tw    *tar.Writer
@@ -97,6 +104,9 @@ type archiveWriter struct {
 // add writes the entry rel for the file system object p (not followed).
 func (aw *archiveWriter) add(p, rel string, fi fs.FileInfo) error {
 	m := fi.Mode()
+	if m.IsRegular() {
+		return aw.addFile(p, rel)
+	}
 	hdr := &tar.Header{Name: rel, ModTime: fi.ModTime(), Mode: int64(tarMode(m)), Format: tar.FormatPAX}
 	fillOwner(hdr, fi)
 	switch {
@@ -111,41 +121,49 @@ func (aw *archiveWriter) add(p, rel string, fi fs.FileInfo) error {
 			return fmt.Errorf("vsockd: copy %s: %w", p, err)
 		}
 		hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, t
-	case m.IsRegular():
-		if key, ok := hardLinkKey(fi); ok {
-			if first, seen := aw.links[key]; seen {
-				hdr.Typeflag, hdr.Linkname = tar.TypeLink, first
-				return aw.header(hdr)
-			}
-			aw.links[key] = rel
-		}
-		f, err := os.OpenFile(p, os.O_RDONLY|oNoFollow, 0)
-		if errors.Is(err, fs.ErrNotExist) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("vsockd: copy %s: %w", p, err)
-		}
-		defer f.Close()
-		hdr.Typeflag, hdr.Size = tar.TypeReg, fi.Size()
-		if err := aw.header(hdr); err != nil {
-			return err
-		}
-		n, err := io.CopyN(aw.tw, ctxReader{aw.ctx, f}, hdr.Size)
-		if err != nil {
-			if aw.ctx.Err() != nil {
-				return aw.ctx.Err()
-			}
-			if errors.Is(err, io.EOF) {
-				return fmt.Errorf("vsockd: copy %s: the file shrank from %d to %d bytes while copied", p, hdr.Size, n)
-			}
-			return fmt.Errorf("vsockd: copy %s: %w", p, err)
-		}
-		return nil
 	default:
 		return nil // FIFO, socket, device: no data to copy
 	}
 	return aw.header(hdr)
+}
+
+// addFile writes the entry rel for the regular file p with its contents. The entry
+// describes the file opened, not the one the walk saw: p may have been replaced since.
+// What is no longer a regular file by then (a FIFO, a device, a directory, a symlink) is
+// skipped as the walk skips such files, and is never waited on (see openRegular).
+func (aw *archiveWriter) addFile(p, rel string) error {
+	f, fi, err := openRegular(p)
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotRegular) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("vsockd: copy %s: %w", p, err)
+	}
+	defer f.Close()
+	hdr := &tar.Header{Name: rel, ModTime: fi.ModTime(), Mode: int64(tarMode(fi.Mode())), Format: tar.FormatPAX}
+	fillOwner(hdr, fi)
+	if key, ok := hardLinkKey(fi); ok {
+		if first, seen := aw.links[key]; seen {
+			hdr.Typeflag, hdr.Linkname = tar.TypeLink, first
+			return aw.header(hdr)
+		}
+		aw.links[key] = rel
+	}
+	hdr.Typeflag, hdr.Size = tar.TypeReg, fi.Size()
+	if err := aw.header(hdr); err != nil {
+		return err
+	}
+	n, err := io.CopyN(aw.tw, ctxReader{aw.ctx, f}, hdr.Size)
+	if err != nil {
+		if aw.ctx.Err() != nil {
+			return aw.ctx.Err()
+		}
+		if errors.Is(err, io.EOF) {
+			return fmt.Errorf("vsockd: copy %s: the file shrank from %d to %d bytes while copied", p, hdr.Size, n)
+		}
+		return fmt.Errorf("vsockd: copy %s: %w", p, err)
+	}
+	return nil
 }
 
 func (aw *archiveWriter) header(hdr *tar.Header) error {

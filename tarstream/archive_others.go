@@ -4,6 +4,7 @@ package tarstream
 
 import (
 	"archive/tar"
+	"fmt"
 	"io/fs"
 	"os"
 	"time"
@@ -21,4 +22,23 @@ func setTimes(p string, mtime time.Time) {
 	if st, err := os.Lstat(p); err == nil && st.Mode()&fs.ModeSymlink == 0 && !mtime.IsZero() {
 		_ = os.Chtimes(p, mtime, mtime)
 	}
+}
+
+// openRegular opens p for reading if it is a regular file (errNotRegular if not), and
+// returns it with its attributes (see the unix one: here no open waits for a writer).
+func openRegular(p string) (*os.File, fs.FileInfo, error) {
+	f, err := os.Open(p)
+	if err != nil {
+		return nil, nil, err
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, nil, fmt.Errorf("%w: %s is a %v", errNotRegular, p, fi.Mode().Type())
+	}
+	return f, fi, nil
 }

@@ -4,7 +4,10 @@ package tarstream
 
 import (
 	"archive/tar"
+	"errors"
+	"fmt"
 	"io/fs"
+	"os"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -30,4 +33,43 @@ func fillOwner(hdr *tar.Header, fi fs.FileInfo) {
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 		hdr.Uid, hdr.Gid = int(st.Uid), int(st.Gid)
 	}
+}
+
+// openRegular opens p for reading if it is a regular file, and returns it with its
+// attributes. The open never waits: p may have been replaced since it was looked at,
+// and a plain open of a FIFO waits for a writer that may never come (a device, for
+// carrier), past any context. So p is opened O_NONBLOCK (and O_NOFOLLOW: a symlink
+// fails with ELOOP), what was opened is looked at through its descriptor, anything but
+// a regular file is refused with errNotRegular, and O_NONBLOCK is cleared before the
+// reads.
+func openRegular(p string) (*os.File, fs.FileInfo, error) {
+	var fd int
+	var err error
+	for {
+		fd, err = unix.Open(p, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOFOLLOW|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if errors.Is(err, unix.ELOOP) {
+		return nil, nil, fmt.Errorf("%w: %s is a symlink", errNotRegular, p)
+	}
+	if err != nil {
+		return nil, nil, &fs.PathError{Op: "open", Path: p, Err: err}
+	}
+	if err := unix.SetNonblock(fd, false); err != nil {
+		unix.Close(fd)
+		return nil, nil, &fs.PathError{Op: "fcntl", Path: p, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), p)
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, nil, fmt.Errorf("%w: %s is a %v", errNotRegular, p, fi.Mode().Type())
+	}
+	return f, fi, nil
 }
