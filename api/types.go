@@ -614,7 +614,9 @@ type ExecRequest struct {
 	// is not there runs with gid = uid and HOME=/.
 	User string
 	// TTY runs the process on a pseudo terminal of Rows x Cols; all output
-	// arrives on Stdout and Stderr is unused.
+	// arrives on Stdout and Stderr is unused. The end of Stdin reaches it as the
+	// terminal's end-of-file character (^D), so a program that reads its input
+	// to the end (cat) ends.
 	TTY        bool
 	Rows, Cols uint16
 	Term       string // TERM in TTY mode; default "xterm"

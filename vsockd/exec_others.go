@@ -31,8 +31,8 @@ type output struct {
 }
 
 func (p *proc) outputs() []output                         { return nil }
-func (p *proc) stdinWriter() *os.File                     { return nil }
-func (p *proc) closeStdin()                               {}
+func (p *proc) writeStdin([]byte) (int, error)            { return 0, ErrUnsupported }
+func (p *proc) endStdin() error                           { return nil }
 func (p *proc) markExited(time.Duration)                  {}
 func (p *proc) signal(int)                                {}
 func (p *proc) kill()                                     {}

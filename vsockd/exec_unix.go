@@ -162,6 +162,11 @@ type proc struct {
 	stdinOnce sync.Once
 	closeOnce sync.Once
 
+	// What went to the terminal (TTY mode), for endStdin: whether anything was written,
+	// the last byte, and whether the input ended. feedStdin's goroutine alone uses them.
+	ttyWrote, ttyEnded bool
+	ttyLast            byte
+
 	// The cgroup the process started in (Server.ExecCgroup), given back once it ended.
 	cgroups    *execCgroups
 	cgroup     *os.File
@@ -189,15 +194,82 @@ func (p *proc) outputs() []output {
 	return []output{{TypeStdout, p.stdout}, {TypeStderr, p.stderr}}
 }
 
-func (p *proc) stdinWriter() *os.File {
-	if p.tty != nil {
-		return p.tty
+// writeStdin writes the host's input b to the command: its stdin pipe or its terminal.
+// Input after the terminal's input ended (endStdin) fails, as it does on a closed pipe.
+func (p *proc) writeStdin(b []byte) (int, error) {
+	if p.tty == nil {
+		return p.stdin.Write(b)
 	}
-	return p.stdin
+	if p.ttyEnded {
+		return 0, fmt.Errorf("write %s: input ended: %w", p.tty.Name(), os.ErrClosed)
+	}
+	n, err := p.tty.Write(b)
+	if n > 0 {
+		p.ttyWrote, p.ttyLast = true, b[n-1]
+	}
+	return n, err
 }
 
-// closeStdin closes the stdin pipe. In TTY mode it does nothing: the
-// terminal stays open until the process exits.
+// endStdin ends the command's input when the host's stdin ended (StdinClose). A stdin
+// pipe is closed. A terminal cannot be: closing its master hangs up the command's
+// session and loses the output still to come, so the end is typed as a user types it:
+// the terminal's end-of-file character (VEOF, ^D). In canonical mode a read of an
+// empty line then returns 0, which programs take for the end of their input (cat
+// exits); after a partial line a VEOF only hands the line over, so a second one
+// follows. A terminal in non-canonical (raw) mode has no end of file: the one VEOF
+// reaches the program as the key that ends input in programs that read keys (shells).
+func (p *proc) endStdin() error {
+	if p.tty == nil {
+		p.closeStdin()
+		return nil
+	}
+	var err error
+	p.stdinOnce.Do(func() {
+		var eof []byte
+		if eof, err = ttyEOF(p.tty, p.ttyWrote, p.ttyLast); err == nil && len(eof) > 0 {
+			_, err = p.tty.Write(eof)
+		}
+		p.ttyEnded = true
+	})
+	return err
+}
+
+// ttyEOF is what ends the input of the terminal whose master is f (see endStdin), given
+// the last byte written to it (wrote false: none): VEOF, twice after a partial line in
+// canonical mode; nothing where VEOF is disabled. A line is partial unless its last
+// byte ends a line: newline, carriage return where ICRNL makes it one, VEOL, VEOL2, or
+// VEOF itself.
+func ttyEOF(f *os.File, wrote bool, last byte) ([]byte, error) {
+	sc, err := f.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var t *unix.Termios
+	var terr error
+	if err := sc.Control(func(fd uintptr) { t, terr = unix.IoctlGetTermios(int(fd), ioctlGetTermios) }); err != nil {
+		return nil, err
+	}
+	if terr != nil {
+		return nil, fmt.Errorf("terminal attributes of %s: %w", f.Name(), terr)
+	}
+	veof := t.Cc[unix.VEOF]
+	if veof == vdisable {
+		return nil, nil
+	}
+	if t.Lflag&unix.ICANON == 0 || !wrote {
+		return []byte{veof}, nil
+	}
+	switch {
+	case last == '\n', last == veof,
+		last == '\r' && t.Iflag&unix.ICRNL != 0 && t.Iflag&unix.IGNCR == 0,
+		last == t.Cc[unix.VEOL] && last != vdisable,
+		last == t.Cc[unix.VEOL2] && last != vdisable:
+		return []byte{veof}, nil
+	}
+	return []byte{veof, veof}, nil
+}
+
+// closeStdin closes the stdin pipe (pipe mode; see endStdin for a terminal).
 func (p *proc) closeStdin() {
 	if p.stdin != nil {
 		p.stdinOnce.Do(func() { p.stdin.Close() })

@@ -438,7 +438,7 @@ func (ss *session) feedStdin(st *gstream, p *proc) {
 		}
 		switch f.Type {
 		case TypeStdin:
-			if _, err := p.stdinWriter().Write(f.Payload); err != nil {
+			if _, err := p.writeStdin(f.Payload); err != nil {
 				// The process closed its stdin: discard further input but
 				// keep returning credit so the host is not stalled.
 				ss.srv.logf("vsockd: stdin: %v", err)
@@ -446,7 +446,9 @@ func (ss *session) feedStdin(st *gstream, p *proc) {
 			st.in.release(len(f.Payload))
 			ss.send(st.gen, windowFrame(st.id, len(f.Payload)))
 		case TypeStdinClose:
-			p.closeStdin()
+			if err := p.endStdin(); err != nil {
+				ss.srv.logf("vsockd: end of stdin: %v", err)
+			}
 		}
 	}
 }
