@@ -620,9 +620,10 @@ type ExecRequest struct {
 	TTY        bool
 	Rows, Cols uint16
 	Term       string // TERM in TTY mode; default "xterm"
-	// Timeout, if positive, is enforced by the guest: the process group is
-	// killed with SIGKILL and the exit code is ExitCodeTimeout. The host bounds
-	// it too (vsockd.ClientConfig.TimeoutGrace).
+	// Timeout, if positive, is enforced by the guest: the command is killed
+	// with SIGKILL, with everything it started (its cgroup; its process group
+	// where the guest gives it no cgroup), and the exit code is
+	// ExitCodeTimeout. The host bounds it too (vsockd.ClientConfig.TimeoutGrace).
 	Timeout time.Duration
 	Stdin   io.Reader // nil: empty stdin
 	Stdout  io.Writer // nil: discarded
@@ -640,7 +641,8 @@ type Process interface {
 	// command is killed and ctx's error returned.
 	Wait(ctx context.Context) (int, error)
 	// Signal sends sig to the command's process group (in the guest: a Linux signal
-	// number, whatever the host).
+	// number, whatever the host); SIGKILL kills everything the command started,
+	// children that left the group included (its cgroup, where it has one).
 	Signal(ctx context.Context, sig syscall.Signal) error
 	// Resize changes the command's terminal size (TTY only).
 	Resize(ctx context.Context, rows, cols uint16) error

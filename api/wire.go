@@ -128,7 +128,8 @@ type ExecBody struct {
 
 // ExecInput is one line a client sends on an attached exec's connection: exactly one
 // field is set. Stdin is base64 in JSON; StdinEOF closes the command's stdin; Signal
-// sends a signal to its process group; Resize changes its terminal's size.
+// sends a signal to its process group (SIGKILL: to all it started); Resize changes its
+// terminal's size.
 type ExecInput struct {
 	Stdin    []byte      `json:"stdin,omitempty"`
 	StdinEOF bool        `json:"stdin_eof,omitempty"`

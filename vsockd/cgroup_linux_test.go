@@ -122,3 +122,24 @@ func TestExecCgroupsFallBack(t *testing.T) {
 	}
 	c.release(f, p)
 }
+
+// TestExecCgroupsSpentNotReused: a cgroup killed through cgroup.kill is never given to
+// another command (the kernel kills what is cloned into it afterwards), even once empty.
+func TestExecCgroupsSpentNotReused(t *testing.T) {
+	parent := openDir(t, t.TempDir())
+	var c execCgroups
+	cg, path := c.take(parent, 0)
+	if !c.killNow(path) {
+		t.Fatal("killNow wrote no cgroup.kill")
+	}
+	setPopulated(t, path, false)
+	c.release(cg, path)
+	cg2, path2 := c.take(parent, 0)
+	if path2 == path {
+		t.Fatalf("took the killed cgroup %q again", path)
+	}
+	cg2.Close()
+	for _, f := range c.idle {
+		f.Close()
+	}
+}

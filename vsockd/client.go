@@ -53,7 +53,7 @@ type ClientConfig struct {
 	ReadTimeout time.Duration
 	// TimeoutGrace is how long after an ExecRequest.Timeout the host waits for
 	// the guest to report the command's end (0: DefaultTimeoutGrace). Past it,
-	// Wait sends SIGKILL to the command's process group itself and returns
+	// Wait sends the command SIGKILL itself (see Process.Signal) and returns
 	// ExitCodeTimeout with an error: a guest too loaded to run its own timer (a
 	// fork bomb) cannot stretch the timeout.
 	TimeoutGrace time.Duration
@@ -775,7 +775,7 @@ func (p *Process) feedStdin(r io.Reader) {
 }
 
 // Wait waits for the process to exit and returns its exit code (see Run).
-// If ctx ends first, Wait sends SIGKILL to the process group, aborts the
+// If ctx ends first, Wait sends SIGKILL (see Signal), aborts the
 // stream and returns ctx.Err().
 func (p *Process) Wait(ctx context.Context) (int, error) {
 	var bound <-chan time.Time
@@ -788,10 +788,10 @@ func (p *Process) Wait(ctx context.Context) (int, error) {
 	case <-p.done:
 		return p.code, p.err
 	case <-bound:
-		// The guest did not end the command in time: kill its process group from
-		// here and stop waiting (what it still prints is dropped).
+		// The guest did not end the command in time: kill it from here and stop
+		// waiting (what it still prints is dropped).
 		p.kill()
-		err := fmt.Errorf("vsockd: exec %q: the guest had not ended the command %v after its %v timeout; sent SIGKILL to its process group and stopped waiting: %w",
+		err := fmt.Errorf("vsockd: exec %q: the guest had not ended the command %v after its %v timeout; sent it SIGKILL and stopped waiting: %w",
 			p.req.Argv[0], time.Since(p.started.Add(p.req.Timeout)).Round(time.Millisecond), p.req.Timeout, context.DeadlineExceeded)
 		p.c.abort(p.st, err, true)
 		return ExitCodeTimeout, err
@@ -802,7 +802,7 @@ func (p *Process) Wait(ctx context.Context) (int, error) {
 	return -1, ctx.Err()
 }
 
-// kill sends SIGKILL to the process group, bounded by a second.
+// kill sends SIGKILL (see Signal), bounded by a second.
 func (p *Process) kill() {
 	kctx, cancel := context.WithTimeout(p.c.ctx, time.Second)
 	p.Signal(kctx, syscall.SIGKILL)
@@ -832,7 +832,9 @@ func (p *Process) Resize(ctx context.Context, rows, cols uint16) error {
 }
 
 // Signal sends signal sig to the process group of the process. sig is a Linux signal
-// number (the guest's), whatever the host.
+// number (the guest's), whatever the host. SIGKILL kills everything the process
+// started where the guest gives it a cgroup of its own (the agent does), children that
+// left its process group (setsid) included.
 func (p *Process) Signal(ctx context.Context, sig syscall.Signal) error {
 	return p.c.sendJSON(ctx, TypeSignal, p.st.id, signalWire{Signal: int(sig)})
 }

@@ -3,6 +3,7 @@
 package vsockd
 
 import (
+	"context"
 	"os"
 	"sync/atomic"
 	"time"
@@ -36,6 +37,7 @@ func (p *proc) endStdin() error                           { return nil }
 func (p *proc) markExited(time.Duration)                  {}
 func (p *proc) signal(int)                                {}
 func (p *proc) kill()                                     {}
+func (p *proc) waitKilled(context.Context)                {}
 func (p *proc) resize(rows, cols uint16) error            { return ErrUnsupported }
 func (p *proc) closeFiles()                               {}
 func (p *proc) releaseCgroup()                            {}

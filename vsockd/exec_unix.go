@@ -3,6 +3,7 @@
 package vsockd
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -170,15 +171,27 @@ type proc struct {
 	// The cgroup the process started in (Server.ExecCgroup), given back once it ended.
 	cgroups    *execCgroups
 	cgroup     *os.File
-	cgroupPath string
+	cgroupPath string // "" where it has none of its own
 	cgroupOnce sync.Once
+
+	// cgMu is held while the cgroup is killed, so that it is not given back (and
+	// reused by the next command) meanwhile; cgReleased says it was given back.
+	cgMu       sync.Mutex
+	cgReleased bool
+	cgKillOnce sync.Once
+	cgKilled   atomic.Bool // its cgroup was killed: see waitKilled
 }
 
 // releaseCgroup gives the process's cgroup back to its Server once the process has
-// ended (or never started).
+// ended (or never started), once a kill of it under way is done.
 func (p *proc) releaseCgroup() {
 	if p.cgroups != nil {
-		p.cgroupOnce.Do(func() { p.cgroups.release(p.cgroup, p.cgroupPath) })
+		p.cgroupOnce.Do(func() {
+			p.cgMu.Lock()
+			p.cgReleased = true
+			p.cgMu.Unlock()
+			p.cgroups.release(p.cgroup, p.cgroupPath)
+		})
 	}
 }
 
@@ -316,9 +329,20 @@ func readReady(f *os.File, buf []byte) (int, error) {
 	return n, nil
 }
 
-// signal sends sig to the process group unless the process has already
-// been reaped (its pid could have been reused).
+// signal sends the host's signal sig to the command: SIGKILL kills it and all it
+// started (kill); any other signal goes to its process group alone, as a terminal's
+// does, for the command to pass on or not.
 func (p *proc) signal(sig int) {
+	if sig == sigKill {
+		p.kill()
+		return
+	}
+	p.signalGroup(sig)
+}
+
+// signalGroup sends sig to the process group unless the process has already been reaped
+// (its pid could have been reused).
+func (p *proc) signalGroup(sig int) {
 	if p.exited.Load() {
 		return
 	}
@@ -327,7 +351,62 @@ func (p *proc) signal(sig int) {
 	}
 }
 
-func (p *proc) kill() { p.signal(sigKill) }
+// cgroupKillMax bounds the wait for a killed command's cgroup to empty (killFrozen's
+// work, waitKilled): a task that cannot die (stuck in the kernel) must not hold up the
+// exec's end past the host's TimeoutGrace.
+const cgroupKillMax = 2 * time.Second
+
+// kill ends the command with SIGKILL (the host's kill, a timeout, a stream's reset)
+// unless it has already been reaped. Its process group is killed, as before; where the
+// command has a cgroup of its own, everything in it is too: a child that left the
+// process group (setsid, a daemonising shell) escapes the group but not the cgroup, and
+// otherwise ran on after the exec ended, holding its output pipes. A command that ended
+// by itself is never killed this way: the daemons it left are meant to stay.
+//
+// kill runs on the connection's reader, so it never waits: cgroup.kill is one write;
+// on kernels without it, the freeze-and-kill goes on on a goroutine holding cgMu.
+func (p *proc) kill() {
+	if p.exited.Load() {
+		return
+	}
+	p.signalGroup(sigKill)
+	if p.cgroupPath == "" {
+		return // in the shared parent cgroup, or none: its other tasks are not ours
+	}
+	p.cgKillOnce.Do(func() {
+		p.cgMu.Lock()
+		if p.cgReleased {
+			p.cgMu.Unlock()
+			return
+		}
+		p.cgKilled.Store(true)
+		if p.cgroups.killNow(p.cgroupPath) {
+			p.cgMu.Unlock()
+			return
+		}
+		go func() {
+			defer p.cgMu.Unlock()
+			ctx, cancel := context.WithTimeout(context.Background(), cgroupKillMax)
+			defer cancel()
+			p.cgroups.killFrozen(ctx, p.cgroupPath)
+		}()
+	})
+}
+
+// waitKilled waits, once the command's cgroup was killed, until nothing is left in it
+// and the kill is done (the cgroup thawed), or ctx ends, or cgroupKillMax passed: so
+// that the exec's end means its tasks are gone. It returns at once for a command not
+// killed that way.
+func (p *proc) waitKilled(ctx context.Context) {
+	if !p.cgKilled.Load() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, cgroupKillMax)
+	defer cancel()
+	waitCgroupEmpty(ctx, p.cgroupPath)
+	p.cgMu.Lock() // held by killFrozen's goroutine, itself bounded by cgroupKillMax
+	p.cgMu.Unlock()
+}
 
 func (p *proc) resize(rows, cols uint16) error {
 	if p.tty == nil {

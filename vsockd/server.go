@@ -473,11 +473,12 @@ wait:
 		case <-timer:
 			timedOut = true
 			timer = nil
-			p.signal(sigKill)
+			p.kill()
 		case <-st.ctx.Done():
 			return // dropped: drop killed the process; the reaper collects it
 		}
 	}
+	p.waitKilled(st.ctx) // a killed command's cgroup empties before its Exit
 	p.markExited(ss.srv.drain())
 	done := make(chan struct{})
 	go func() { pumps.Wait(); close(done) }()
