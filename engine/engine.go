@@ -44,6 +44,9 @@ type Engine struct {
 	digests digestCache
 	// forking tracks forks under way per checkpoint (a forced delete cancels them).
 	forking forkGuard
+	// creates tracks the creates under way: Close ends them before it lets the state
+	// directory go.
+	creates createGuard
 	// pauseBoost raises the engine's own threads while a guest is paused for a
 	// checkpoint (ckWriter.pauseLocked).
 	pauseBoost platform.SelfBoost
@@ -252,8 +255,11 @@ func (e *Engine) unlock() {
 // do not outlive their engine.
 func (e *Engine) Close() error {
 	e.closeOnce.Do(func() {
-		// Refuse new work and new pool spawns, stop background spawns and wait for them,
+		// Refuse new creates and end those under way first: each kills its QEMU and
+		// removes its files while the state directory is still this engine's. Then
+		// refuse new work and new pool spawns, stop background spawns and wait for them,
 		// then kill the pooled processes.
+		e.creates.close()
 		e.prot.endAll()
 		defer e.captures.Close() // after the checkpoints under way, if any
 		vms := e.vms.close()
