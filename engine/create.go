@@ -233,11 +233,13 @@ func portError(err error, pubs []PortForward) error {
 }
 
 // newBootVM checks what booting spec from the guest image needs (valid spec, QEMU,
-// image), reserves the name and returns an unstarted VM whose launch boots that image,
-// its directory created. A VM booting a root image records imageMiB, the image disk's
-// size, as its DiskMiB when that is larger (every later overlay, a checkpoint's or a
-// fork's, is created with it). The caller must unreserve spec.Name and discard the VM
-// on failure.
+// image) and returns an unstarted VM whose launch boots that image, its directory
+// created. A VM booting a root image records imageMiB, the image disk's size, as its
+// DiskMiB when that is larger (every later overlay, a checkpoint's or a fork's, is
+// created with it). The caller holds spec.Name's reservation (registry.reserve) from
+// before the first call until the VM is registered or failed, across every VM it makes
+// again under that name (bootAgain, handOver): a name given back in between could be
+// taken by a concurrent create or fork. The caller discards the VM on failure.
 func (e *Engine) newBootVM(ctx context.Context, spec Spec, imageMiB int) (*VM, error) {
 	if err := ValidateSpec(spec); err != nil {
 		return nil, err
@@ -257,9 +259,6 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec, imageMiB int) (*VM, e
 	if err != nil {
 		return nil, err
 	}
-	if err := e.vms.reserve(spec.Name); err != nil {
-		return nil, err
-	}
 	launch := bootLaunch(e.paths, qemu, spec.Name, spec, e.cfg.accel, e.cfg, kernel, initrd, e.newCID())
 	if spec.Image != "" {
 		spec.DiskMiB = max(imageMiB, spec.DiskMiB)
@@ -271,7 +270,6 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec, imageMiB int) (*VM, e
 	}, e.paths)
 	e.count(vm)
 	if err := os.Mkdir(vm.dir(), 0o700); err != nil {
-		e.vms.unreserve(spec.Name)
 		return nil, fmt.Errorf("engine: create %s: %w", vm.dir(), err)
 	}
 	return vm, nil
@@ -316,12 +314,18 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (_ *VM, err error) {
 		return nil, err
 	}
 	defer res.release()
+	// The name is reserved once for the whole create, however many times its VM is
+	// made (newBootVM); released after the VM is registered, or discarded (the defer
+	// below runs first).
+	if err := e.vms.reserve(spec.Name); err != nil {
+		return nil, err
+	}
+	defer e.vms.unreserve(spec.Name)
 	vm, err := e.newBootVM(ctx, spec, imageMiB)
 	if err != nil {
 		return nil, err
 	}
 	clock.watch(vm)
-	defer e.vms.unreserve(spec.Name)
 	ok := false
 	defer func() {
 		if !ok && vm != nil {
@@ -432,12 +436,12 @@ func (g *createGuard) close() {
 }
 
 // bootAgain discards vm, whose restore from the boot cache's entry key failed with err,
-// and returns an unstarted VM of spec made afresh under the same name and admission
-// (newBootVM), the clock started over, for a cold boot. An entry at fault is set aside;
-// any other failure is logged with why at level. It returns err itself where ctx ended.
+// and returns an unstarted VM of spec made afresh under the same name, reservation and
+// admission (newBootVM), the clock started over, for a cold boot. An entry at fault is
+// set aside; any other failure is logged with why at level. It returns err itself
+// where ctx ended.
 func (e *Engine) bootAgain(ctx context.Context, vm *VM, spec Spec, imageMiB int, key string, err error, clock *phaseClock, level slog.Level, why string) (*VM, *phaseClock, error) {
-	e.discard(vm)
-	e.vms.unreserve(spec.Name)
+	e.discard(vm) // the name stays reserved (newBootVM)
 	if ctx.Err() != nil {
 		return nil, clock, err
 	}
@@ -533,8 +537,7 @@ func (e *Engine) handOver(ctx context.Context, cold *VM, spec Spec, imageMiB int
 		return cold, clock, nil
 	}
 	booted := cold.snapshot().Timings
-	e.discard(cold)
-	e.vms.unreserve(spec.Name)
+	e.discard(cold) // the name stays reserved (newBootVM)
 	clock.skip()
 	clock.begin("prepare")
 	vm, err := e.newBootVM(ctx, spec, imageMiB)
@@ -550,7 +553,7 @@ func (e *Engine) handOver(ctx context.Context, cold *VM, spec Spec, imageMiB int
 			e.discard(vm)
 			return nil, clock, err
 		}
-		return vm, clock, nil // Create unreserves the name once it is registered
+		return vm, clock, nil
 	}
 	touchBoot(dir)
 	err = vm.update(func(s *vmState) {

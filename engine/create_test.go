@@ -3,12 +3,16 @@ package engine
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"math/rand"
 	"net"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 	"unicode"
 )
 
@@ -322,5 +326,89 @@ func TestCheckPortsFree(t *testing.T) {
 	}
 	if err := portError(qe, nil); errors.Is(err, ErrPortInUse) {
 		t.Errorf("portError without forwards: %v", err)
+	}
+}
+
+// gapMarker is a PhaseMarker that, at each start of a create's "prepare" phase, tries
+// to reserve the create's name as a concurrent create or fork of the same name would,
+// and records whether it was admitted (then gives the name back).
+type gapMarker struct {
+	e        *Engine
+	mu       sync.Mutex
+	tries    int
+	admitted []int // the tries whose reserve succeeded
+}
+
+func (m *gapMarker) PhaseStart(owner, phase string) {
+	if phase != "prepare" {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.tries++
+	if m.e.vms.reserve(owner) == nil {
+		m.admitted = append(m.admitted, m.tries)
+		m.e.vms.unreserve(owner)
+	}
+}
+
+func (m *gapMarker) PhaseEnd(owner, phase string) {}
+
+// TestBootRemakeKeepsName: a create that starts its VM over under the same name (a
+// boot cache restore that failed, a boot handed over to a new QEMU) keeps the name
+// reserved all along. The VM discarded and its directory gone, a name given back
+// before the new VM reserved it again could be taken by a concurrent create or fork
+// of the same name, and the create would then release that other one's reservation.
+func TestBootRemakeKeepsName(t *testing.T) {
+	const key = "0123456789abcdef0123456789abcdef"
+	for _, tc := range []struct {
+		name   string
+		remake func(e *Engine, vm *VM, spec Spec, clock *phaseClock) (*VM, error)
+	}{
+		{"restore failed", func(e *Engine, vm *VM, spec Spec, clock *phaseClock) (*VM, error) {
+			vm, _, err := e.bootAgain(t.Context(), vm, spec, 0, key, errors.New("restore failed"), clock, slog.LevelInfo, "boot cache: restore failed")
+			return vm, err
+		}},
+		{"hand-over", func(e *Engine, vm *VM, spec Spec, clock *phaseClock) (*VM, error) {
+			// An entry whose record says it has a root image overlay, the VM none: its
+			// restore fails at once as the entry's fault, and the VM boots again (the
+			// fake QEMU exits at once: that boot fails).
+			dir := filepath.Join(e.bootRoot(), key)
+			if err := os.MkdirAll(dir, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			rec := &bootRecord{Version: bootVersion, Key: key, From: "w", CreatedAt: time.Now().UTC(), StateSize: 4096, TopSize: 4096}
+			if err := writeJSONSync(filepath.Join(dir, bootRecordFile), rec); err != nil {
+				t.Fatal(err)
+			}
+			vm, _, err := e.handOver(t.Context(), vm, spec, 0, nil, nil, key, clock)
+			return vm, err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := bootEngine(t, "exit 1")
+			spec := Spec{Name: "b1", CPUs: 1, MemoryMiB: 64}
+			if err := e.vms.reserve(spec.Name); err != nil {
+				t.Fatal(err)
+			}
+			vm := newVM(e.paths.vmDir(spec.Name), e.log, &manifest{Version: manifestVersion, Name: spec.Name, Spec: spec, Token: newToken(), State: StateStarting,
+				Launch: bootLaunch(e.paths, e.cfg.QEMU, spec.Name, spec, AccelTCG, e.cfg, e.cfg.Kernel, e.cfg.Initrd, 0)}, e.paths)
+			if err := os.Mkdir(vm.dir(), 0o700); err != nil {
+				t.Fatal(err)
+			}
+			m := &gapMarker{e: e}
+			vm, err := tc.remake(e, vm, spec, markPhases(m, spec.Name))
+			if vm != nil {
+				e.discard(vm)
+			}
+			m.mu.Lock()
+			defer m.mu.Unlock()
+			if m.tries == 0 {
+				t.Fatalf("no prepare phase began (%v)", err)
+			}
+			if len(m.admitted) > 0 {
+				t.Errorf("a concurrent reserve of %s was admitted while the create made its VM again (tries %v of %d)", spec.Name, m.admitted, m.tries)
+			}
+		})
 	}
 }

@@ -684,11 +684,14 @@ func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, er
 	clock := markPhases(e.cfg.Markers, spec.Name)
 	clock.begin("prepare")
 	defer clock.abandon() // a failure ends its phase's marker
+	if err := e.vms.reserve(spec.Name); err != nil {
+		return nil, err
+	}
+	defer e.vms.unreserve(spec.Name)
 	vm, err := e.newBootVM(ctx, spec, 0)
 	if err != nil {
 		return nil, err
 	}
-	defer e.vms.unreserve(spec.Name)
 	vm.modify(func(s *vmState) {
 		s.Launch.RAM = ramBacking{Anonymous: true}
 		s.Launch.Incoming = true
