@@ -26,6 +26,10 @@ import (
 type Checkpoint struct {
 	Manifest checkpointManifest
 	Dir      string
+	// gen is the checkpoint's generation in its store (checkpointStore.read; 0 for one
+	// not read from the store): work started on this checkpoint (a warm pool, a
+	// flatten) is tied to it, not to the name, which a later checkpoint may take.
+	gen uint64
 }
 
 // Name is the checkpoint's name (as VM.Name is a VM's).
@@ -85,10 +89,86 @@ type checkpointStore struct {
 	// held names the checkpoints that VMs kept aside at recovery (their manifests
 	// unreadable) were forked from: never collected while they are kept.
 	held map[string]bool
-	// beforeRemove, when set, is called with a checkpoint's name before its files go
-	// (no lock of the store held): the background work on it ends first, and its warm
-	// pool goes.
-	beforeRemove func(name string)
+	// beforeRemove, when set, is called with a checkpoint's name and generation before
+	// its files go (no lock of the store held), the generation already retired: the
+	// background work on it ends first, and its warm pool goes.
+	beforeRemove func(name string, gen uint64)
+
+	// life orders a checkpoint's removal against the work tied to its generation:
+	// remove takes it to retire the generation (retire) and to rename the directory
+	// away; read takes it shared, so that a manifest and the generation it is given go
+	// together, and so does what must happen only while that generation is current
+	// (whileCurrent). Taken before mu.
+	life sync.RWMutex
+	// gens holds, under mu, the generation of each checkpoint read since it was
+	// committed: a number given to no other checkpoint, whatever its name. removing
+	// counts the removals under way per name (between retire and the rename of the
+	// directory): read refuses such a checkpoint (ErrNotFound), so that it is given no
+	// new generation while it goes.
+	gens     map[string]uint64
+	lastGen  uint64
+	removing map[string]int
+}
+
+// generation returns name's generation, giving it the next one if it has none; s.life
+// held (shared at least) and the checkpoint's directory read.
+func (s *checkpointStore) generation(name string) uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if g := s.gens[name]; g != 0 {
+		return g
+	}
+	if s.gens == nil {
+		s.gens = map[string]uint64{}
+	}
+	s.lastGen++
+	s.gens[name] = s.lastGen
+	return s.lastGen
+}
+
+// retire ends name's generation for its removal and returns it (0: it had none, so
+// nothing was tied to it). The removal is counted (removing) until remove renamed the
+// directory away.
+func (s *checkpointStore) retire(name string) uint64 {
+	s.life.Lock()
+	defer s.life.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	g := s.gens[name]
+	delete(s.gens, name)
+	if s.removing == nil {
+		s.removing = map[string]int{}
+	}
+	s.removing[name]++
+	return g
+}
+
+// current reports whether gen is the generation of the checkpoint that now holds
+// name (never for 0: a checkpoint not read from the store).
+func (s *checkpointStore) current(name string, gen uint64) bool {
+	s.life.RLock()
+	defer s.life.RUnlock()
+	return s.currentLocked(name, gen)
+}
+
+// currentLocked is current with s.life held.
+func (s *checkpointStore) currentLocked(name string, gen uint64) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return gen != 0 && s.gens[name] == gen
+}
+
+// whileCurrent runs fn while c is still the checkpoint of its name (its generation is
+// current: it is not being removed, nor replaced by another of the name), and no
+// removal can begin until fn returns; else it returns an error wrapping ErrNotFound.
+// fn must not call the store.
+func (s *checkpointStore) whileCurrent(c *Checkpoint, fn func() error) error {
+	s.life.RLock()
+	defer s.life.RUnlock()
+	if !s.currentLocked(c.Manifest.Name, c.gen) {
+		return fmt.Errorf("%w: checkpoint %s (deleted since it was read)", ErrNotFound, c.Manifest.Name)
+	}
+	return fn()
 }
 
 func (s *checkpointStore) exists(name string) bool {
@@ -96,10 +176,19 @@ func (s *checkpointStore) exists(name string) bool {
 	return err == nil
 }
 
-// read reads and decodes a checkpoint's manifest without verifying its files.
+// read reads and decodes a checkpoint's manifest without verifying its files, and gives
+// the checkpoint its generation. A checkpoint being removed is not found.
 func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 	if err := ValidateName(name); err != nil {
 		return nil, err
+	}
+	s.life.RLock()
+	defer s.life.RUnlock()
+	s.mu.Lock()
+	going := s.removing[name] > 0
+	s.mu.Unlock()
+	if going {
+		return nil, fmt.Errorf("%w: checkpoint %s (being deleted)", ErrNotFound, name)
 	}
 	dir := s.paths.checkpointDir(name)
 	b, err := os.ReadFile(filepath.Join(dir, manifestFile))
@@ -116,7 +205,7 @@ func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 	if ck.Name != name {
 		return nil, fmt.Errorf("%w: %s: manifest names %q", ErrCheckpointCorrupt, name, ck.Name)
 	}
-	return &Checkpoint{Manifest: *ck, Dir: dir}, nil
+	return &Checkpoint{Manifest: *ck, Dir: dir, gen: s.generation(name)}, nil
 }
 
 // load reads and verifies a checkpoint.
@@ -272,14 +361,17 @@ func (s *checkpointStore) save(c *Checkpoint) error {
 	return rewriteCheckpointManifest(s.paths, c.Dir, &c.Manifest)
 }
 
-// remove deletes a checkpoint's directory and RAM file. The directory is first renamed
+// remove deletes a checkpoint's directory and RAM file. Its generation is retired
+// first, so that no work started on it (a warm pool, a flatten) takes hold once its
+// removal began (beforeRemove ends what is under way). The directory is then renamed
 // to a half-written checkpoint's name, the one atomic step: a crash at any later point
 // leaves no committed checkpoint without its RAM file (the next engine start reaps the
 // renamed directory and the RAM files nothing owns), where removing the RAM file first
 // left a checkpoint that no longer loaded yet still held its name.
 func (s *checkpointStore) remove(name string) {
+	gen := s.retire(name)
 	if s.beforeRemove != nil {
-		s.beforeRemove(name)
+		s.beforeRemove(name, gen)
 	}
 	dir := s.paths.checkpointDir(name)
 	var ramPath string
@@ -288,9 +380,16 @@ func (s *checkpointStore) remove(name string) {
 			ramPath = ck.RAMPath
 		}
 	}
+	s.life.Lock()
 	if gone := s.paths.tmpCheckpointDir(name); os.Rename(dir, gone) == nil {
 		dir = gone
 	}
+	s.mu.Lock()
+	if s.removing[name]--; s.removing[name] <= 0 {
+		delete(s.removing, name)
+	}
+	s.mu.Unlock()
+	s.life.Unlock()
 	if ramPath != "" {
 		os.Remove(ramPath)
 	}

@@ -100,9 +100,9 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.pools = &poolSet{}
 	e.flat = newFlattener()
 	e.prot = newProtector()
-	e.cks.beforeRemove = func(name string) {
+	e.cks.beforeRemove = func(name string, gen uint64) {
 		e.flat.forget(name)
-		e.dropPool(name)
+		e.dropPool(name, gen)
 	}
 	e.adm = &admitter{
 		hostCPUs: runtime.NumCPU(), overcommit: r.Overcommit, maxOvercommit: r.MaxOvercommit,

@@ -38,52 +38,69 @@ func sameWarm(o, p WarmOptions) bool {
 
 // warmPool is the set of pooled QEMUs of one checkpoint.
 type warmPool struct {
+	// gen is the generation of the checkpoint (Checkpoint.gen) the pool's processes
+	// run: only forks of that checkpoint claim them, only spawns for it fill the pool.
+	gen     uint64
 	opts    WarmOptions
 	target  int
 	ready   []*VM
 	filling int // spawns in flight
 }
 
-// poolSet holds the warm pools by checkpoint name. Spawning and claiming are the
-// engine's (Engine.Warm, refill, claimPooled); this type only keeps the books, and only
-// its methods touch them.
+// poolSet holds the warm pools by checkpoint name, each tied to one generation of the
+// checkpoint of that name. Spawning and claiming are the engine's (Engine.Warm, refill,
+// claimPooled); this type only keeps the books, and only its methods touch them.
 //
 // Concurrency: mu guards every pool. A claim takes the first ready process under mu, so
 // two forks never get the same one; closed is set under mu before Close waits for
-// background spawns, so none can start after that (see Engine.refill).
+// background spawns, so none can start after that (see Engine.refill). A pool is made
+// (resize) only while its checkpoint's generation is current, checked under mu; a
+// checkpoint's removal retires the generation before it drops the pool (under mu), so
+// that no pool of a removed checkpoint is left behind.
 type poolSet struct {
 	mu     sync.Mutex
 	pools  map[string]*warmPool
 	closed bool
 }
 
-// pool returns the pool of ck, creating it.
-func (s *poolSet) pool(ck string, opts WarmOptions) *warmPool {
+// pool returns the pool of ck's generation gen, creating it, and the ready processes of
+// a pool of another generation of ck it replaced (for the caller to discard).
+func (s *poolSet) pool(ck string, gen uint64, opts WarmOptions) (*warmPool, []*VM) {
 	if s.pools == nil {
 		s.pools = map[string]*warmPool{}
 	}
 	p := s.pools[ck]
+	var stale []*VM
+	if p != nil && p.gen != gen {
+		stale, p = p.ready, nil
+	}
 	if p == nil {
-		p = &warmPool{opts: opts}
+		p = &warmPool{gen: gen, opts: opts}
 		s.pools[ck] = p
 	}
-	return p
+	return p, stale
 }
 
-// resize sets the target of ck's pool to n processes of opts, creating the pool, and
+// resize sets the target of c's pool to n processes of opts, creating the pool, and
 // returns it with the ready processes it no longer wants (all of them when opts differ
-// from the pool's), for the caller to discard. ErrClosed once the engine closes.
-func (s *poolSet) resize(ck string, n int, opts WarmOptions) (p *warmPool, drop []*VM, err error) {
+// from the pool's), for the caller to discard. current says whether c is still the
+// checkpoint of its name (checkpointStore.current): ErrNotFound where it is not (it
+// was removed since it was read), ErrClosed once the engine closes.
+func (s *poolSet) resize(c *Checkpoint, n int, opts WarmOptions, current func(name string, gen uint64) bool) (p *warmPool, drop []*VM, err error) {
+	ck := c.Manifest.Name
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		return nil, nil, ErrClosed
 	}
-	p = s.pool(ck, opts)
+	if !current(ck, c.gen) {
+		return nil, nil, fmt.Errorf("%w: checkpoint %s (deleted since it was read)", ErrNotFound, ck)
+	}
+	p, drop = s.pool(ck, c.gen, opts)
 	p.target = n
 	if !sameWarm(p.opts, opts) {
 		// A different kind of pool: replace every pooled process.
-		drop, p.ready, p.opts = p.ready, nil, opts
+		drop, p.ready, p.opts = append(drop, p.ready...), nil, opts
 	}
 	for len(p.ready) > n {
 		drop = append(drop, p.ready[len(p.ready)-1])
@@ -92,23 +109,24 @@ func (s *poolSet) resize(ck string, n int, opts WarmOptions) (p *warmPool, drop 
 	return p, drop, nil
 }
 
-// progress returns how many processes of p are ready and how many are spawning.
-func (s *poolSet) progress(p *warmPool) (ready, filling int) {
+// progress returns how many processes of ck's pool p are ready and how many are
+// spawning, and whether p is still ck's pool (not dropped: its checkpoint went).
+func (s *poolSet) progress(ck string, p *warmPool) (ready, filling int, kept bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(p.ready), p.filling
+	return len(p.ready), p.filling, s.pools[ck] == p
 }
 
 // startSpawn counts one more spawn for ck's pool, and adds it to wg, when the pool
-// wants one (it is below its target counting spawns in flight, and the engine is not
-// closed): the pool and the options to spawn under. wg is added to under mu after
-// closed is checked: close sets closed under mu before the engine waits on wg, so no
-// spawn can start after that wait ended.
-func (s *poolSet) startSpawn(ck string, wg *sync.WaitGroup) (p *warmPool, opts WarmOptions, ok bool) {
+// wants one (it is the pool of ck's generation gen, below its target counting spawns
+// in flight, and the engine is not closed): the pool and the options to spawn under.
+// wg is added to under mu after closed is checked: close sets closed under mu before
+// the engine waits on wg, so no spawn can start after that wait ended.
+func (s *poolSet) startSpawn(ck string, gen uint64, wg *sync.WaitGroup) (p *warmPool, opts WarmOptions, ok bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p = s.pools[ck]
-	if s.closed || p == nil || len(p.ready)+p.filling >= p.target {
+	if s.closed || p == nil || p.gen != gen || len(p.ready)+p.filling >= p.target {
 		return nil, WarmOptions{}, false
 	}
 	p.filling++
@@ -164,12 +182,13 @@ func (s *poolSet) uses(h hostProbe) []admission.QEMU {
 	return out
 }
 
-// take removes and returns the first ready process of ck's pool, or nil.
-func (s *poolSet) take(ck string) *VM {
+// take removes and returns the first ready process of ck's pool of generation gen, or
+// nil.
+func (s *poolSet) take(ck string, gen uint64) *VM {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p := s.pools[ck]
-	if p == nil || len(p.ready) == 0 {
+	if p == nil || p.gen != gen || len(p.ready) == 0 {
 		return nil
 	}
 	vm := p.ready[0]
@@ -177,15 +196,16 @@ func (s *poolSet) take(ck string) *VM {
 	return vm
 }
 
-// drop removes ck's pool and returns its ready processes, for the caller to discard: its
-// checkpoint is going. A spawn still in flight for it settles into no pool, and is
-// discarded (settle), so a new checkpoint of the same name never gets a process of this
-// one.
-func (s *poolSet) drop(ck string) []*VM {
+// drop removes ck's pool of generation gen, if it has one, and returns its ready
+// processes, for the caller to discard: its checkpoint is going. A spawn still in
+// flight for it settles into no pool, and is discarded (settle), so a new checkpoint
+// of the same name never gets a process of this one. A pool of another generation is
+// another checkpoint's: drop leaves it.
+func (s *poolSet) drop(ck string, gen uint64) []*VM {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p := s.pools[ck]
-	if p == nil {
+	if p == nil || p.gen != gen {
 		return nil
 	}
 	delete(s.pools, ck)
@@ -228,7 +248,7 @@ func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) 
 	if err := compatible(ctx, e.bins, e.cfg.accel, &c.Manifest); err != nil {
 		return err
 	}
-	p, drop, err := e.pools.resize(ck, n, o)
+	p, drop, err := e.pools.resize(c, n, o, e.cks.current)
 	if err != nil {
 		return err
 	}
@@ -237,7 +257,10 @@ func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) 
 	}
 	e.refill(c)
 	for {
-		ready, filling := e.pools.progress(p)
+		ready, filling, kept := e.pools.progress(ck, p)
+		if !kept {
+			return fmt.Errorf("%w: checkpoint %s (deleted while its pool filled)", ErrNotFound, ck)
+		}
 		if ready >= n {
 			return nil
 		}
@@ -264,11 +287,12 @@ func (e *Engine) PoolSize(ctx context.Context, ck string) (int, error) {
 	return e.pools.size(ck), nil
 }
 
-// refill starts spawns in the background until the pool of c reaches its target.
+// refill starts spawns in the background until the pool of c reaches its target (none
+// when the pool of c's name is another checkpoint's).
 func (e *Engine) refill(c *Checkpoint) {
 	name := c.Manifest.Name
 	for {
-		p, opts, ok := e.pools.startSpawn(name, &e.bgWG)
+		p, opts, ok := e.pools.startSpawn(name, c.gen, &e.bgWG)
 		if !ok {
 			return
 		}
@@ -304,11 +328,12 @@ func (e *Engine) refill(c *Checkpoint) {
 	}
 }
 
-// dropPool kills the warm pool of checkpoint ck, which is being removed: its processes
-// run ck's RAM and device state and would otherwise be counted by the budget until the
-// engine closes, or be handed to the forks of a new checkpoint of the same name.
-func (e *Engine) dropPool(ck string) {
-	for _, vm := range e.pools.drop(ck) {
+// dropPool kills the warm pool of checkpoint ck of generation gen, which is being
+// removed: its processes run ck's RAM and device state and would otherwise be counted
+// by the budget until the engine closes, or be handed to the forks of a new checkpoint
+// of the same name.
+func (e *Engine) dropPool(ck string, gen uint64) {
+	for _, vm := range e.pools.drop(ck, gen) {
 		e.discard(vm)
 	}
 }
@@ -405,10 +430,11 @@ func (vm *VM) resumeRestored(ctx context.Context) error {
 	return sayHello(ctx, ag, vm.Target())
 }
 
-// claimPooled takes a ready pooled process of checkpoint c, if any, and renames it to
-// name: its directories are renamed (bound unix sockets stay reachable under the new
-// path; QEMU keeps its open files) and its manifest rewritten. The QEMU process keeps
-// its pool name as its process title.
+// claimPooled takes a ready pooled process of checkpoint c (of its generation: never
+// one of an earlier checkpoint of the name), if any, and renames it to name: its
+// directories are renamed (bound unix sockets stay reachable under the new path; QEMU
+// keeps its open files) and its manifest rewritten. The QEMU process keeps its pool
+// name as its process title.
 //
 // A process found dead, or that cannot be renamed, is discarded and nil returned; the
 // pool is refilled either way.
@@ -417,7 +443,7 @@ func (vm *VM) resumeRestored(ctx context.Context) error {
 // process leaves the pool and released by the caller once the fork is registered or
 // failed.
 func (e *Engine) claimPooled(c *Checkpoint, name string) (vm *VM, res *reservation) {
-	if vm, res = e.adm.claim(func() *VM { return e.pools.take(c.Manifest.Name) }); vm == nil {
+	if vm, res = e.adm.claim(func() *VM { return e.pools.take(c.Manifest.Name, c.gen) }); vm == nil {
 		return nil, nil
 	}
 	// The pool is one process short, whether this claim succeeds or discards it.

@@ -2,13 +2,16 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/forkvm/forkvm/engine/internal/qemu"
+	"golang.org/x/sys/unix"
 )
 
 // pooledSleeper puts a pooled process of checkpoint ck into e's pool (a sleep standing
@@ -37,7 +40,11 @@ func pooledSleeper(t *testing.T, e *Engine, ck string) (vm *VM, exited <-chan st
 		}
 	}
 	vm = adoptVM(e.paths.vmDir(name), e.log, m, e.paths)
-	p, _, err := e.pools.resize(ck, e.pools.size(ck)+1, WarmOptions{})
+	c, err := e.cks.read(ck)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, _, err := e.pools.resize(c, e.pools.size(ck)+1, WarmOptions{}, e.cks.current)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -178,4 +185,79 @@ func TestClaimKeepsPooledMemoryCounted(t *testing.T) {
 		t.Errorf("budget once released (the fork not registered) = %d vCPUs, %d bytes; want 0", b.Used, b.Memory.CommittedBytes)
 	}
 	e.discard(vm)
+}
+
+// TestWarmRacingCheckpointDelete: a Warm whose checkpoint is deleted (and made again
+// under the same name) after Warm read it fails with ErrNotFound and leaves no pool:
+// the delete dropped the checkpoint's pool before Warm made one, and a pool made after
+// that would be one for a gone checkpoint, its processes running that checkpoint's RAM
+// and device state, counted by the budget until the engine closes, and handed to the
+// forks of a new checkpoint of the same name.
+func TestWarmRacingCheckpointDelete(t *testing.T) {
+	for _, again := range []bool{false, true} {
+		name := "deleted"
+		if again {
+			name = "deleted and made again"
+		}
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			reached, resume := filepath.Join(dir, "reached"), filepath.Join(dir, "resume")
+			for _, p := range []string{reached, resume} {
+				if err := unix.Mkfifo(p, 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Warm asks QEMU's version (compatible) between reading the checkpoint and
+			// making its pool: the fake QEMU says it is there, then waits to be let go.
+			// Started for anything else, it exits at once (a spawn that fails).
+			e := bootEngine(t, "exit 1")
+			script := "#!/bin/sh\ncase \"$1\" in --version) echo reached > " + reached + "; cat " + resume +
+				" >/dev/null; echo 'QEMU emulator version 10.0.2 (fake)'; exit 0;; esac\nexit 1\n"
+			if err := os.WriteFile(e.cfg.QEMU, []byte(script), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			cfg := e.Config()
+			writeCheckpoint(t, &cfg, "ck", nil)
+			done := make(chan error, 1)
+			go func() { done <- e.Warm(t.Context(), "ck", 1, nil) }()
+			inVersion := make(chan struct{})
+			go func() {
+				os.ReadFile(reached)
+				close(inVersion)
+			}()
+			select {
+			case <-inVersion:
+			case err := <-done:
+				t.Fatalf("Warm returned before it asked QEMU's version: %v", err)
+			case <-time.After(30 * time.Second):
+				t.Fatal("Warm never asked QEMU's version")
+			}
+			if err := e.DeleteCheckpoint(t.Context(), "ck", nil); err != nil {
+				t.Fatal(err)
+			}
+			if again {
+				writeCheckpoint(t, &cfg, "ck", func(m *checkpointManifest) { m.Append += " new" })
+				if _, err := e.cks.read("ck"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := os.WriteFile(resume, []byte("go\n"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-done:
+				if !errors.Is(err, ErrNotFound) {
+					t.Errorf("Warm of a checkpoint deleted under it: %v, want ErrNotFound", err)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("Warm never returned")
+			}
+			e.pools.mu.Lock()
+			p := e.pools.pools["ck"]
+			e.pools.mu.Unlock()
+			if p != nil {
+				t.Errorf("a pool of ck (target %d) outlived the checkpoint Warm read", p.target)
+			}
+		})
+	}
 }
