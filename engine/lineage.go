@@ -55,6 +55,9 @@ type flattener struct {
 	running string
 	stop    context.CancelFunc
 	done    chan struct{}
+	// beforeCommit, when set, is called with the checkpoint's name by a flatten whose
+	// file is written, before it commits it (tests change the checkpoint there).
+	beforeCommit func(name string)
 }
 
 // forget drops checkpoint name from the background flattens, for its deletion: out of
@@ -228,7 +231,7 @@ func (e *Engine) queueFlattens() {
 
 // flatten writes checkpoint name's flattened RAM file: a sparse copy of its root file,
 // every layer applied (their checksums verified first), its holes recorded, renamed into
-// place.
+// place, as long as the checkpoint it read is still there (else ErrNotFound).
 func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error) {
 	e.flat.mu.Lock()
 	defer e.flat.mu.Unlock()
@@ -270,10 +273,24 @@ func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	if f := e.flat.beforeCommit; f != nil {
+		f(name)
+	}
+	// The hole list and the file go by the name, which a checkpoint made after c's
+	// removal takes (its forks would map this file as their memory): each is written
+	// only while c is still the checkpoint of its name (whileCurrent), which holds off
+	// c's removal meanwhile (that removes what was written). Otherwise the flatten
+	// fails with ErrNotFound.
+	//
 	// The hole list first: a committed flat file always has one (see punchFlat).
 	holes, err := memfile.Holes(tmp)
 	if err == nil {
-		err = writeFileAtomic(filepath.Join(c.Dir, flatHolesFile), memfile.EncodeRanges(holes))
+		err = e.cks.whileCurrent(c, func() error {
+			return writeFileAtomic(filepath.Join(c.Dir, flatHolesFile), memfile.EncodeRanges(holes))
+		})
+	}
+	if errors.Is(err, ErrNotFound) {
+		return nil, err
 	}
 	if err != nil {
 		return nil, fmt.Errorf("engine: flatten %s: holes: %w", name, err)
@@ -285,14 +302,15 @@ func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error
 	if err := durable.File(tmp); err != nil {
 		return nil, fmt.Errorf("engine: flatten %s: %w", name, err)
 	}
-	if err := os.Rename(tmp, final); err != nil {
-		return nil, fmt.Errorf("engine: flatten %s: %w", name, err)
-	}
-	durable.Dir(filepath.Dir(final))
-	if !e.cks.exists(name) {
-		// Deleted meanwhile: its removal may have run before the rename.
-		os.Remove(final)
-		return nil, fmt.Errorf("%w: checkpoint %s (deleted while it was flattened)", ErrNotFound, name)
+	err = e.cks.whileCurrent(c, func() error {
+		if err := os.Rename(tmp, final); err != nil {
+			return fmt.Errorf("engine: flatten %s: %w", name, err)
+		}
+		durable.Dir(filepath.Dir(final))
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
 	return &FlattenStats{Path: final, RootBytes: fs.Bytes, BaseLayers: base.Layers, LayerBytes: applied, Allocated: allocatedBytes(final), Took: time.Since(t0)}, nil
 }

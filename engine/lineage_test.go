@@ -487,3 +487,55 @@ func TestPinBaseConcurrent(t *testing.T) {
 		}
 	}
 }
+
+// TestFlattenTiedToCheckpoint: a flatten commits its file only into the checkpoint it
+// read. One whose checkpoint is deleted and made again under the same name before it
+// commits fails with ErrNotFound and leaves the new checkpoint without a flattened
+// file (and its hole list) of the old one's data, which the new one's forks would map
+// as their memory; a flatten of the new one then writes its own.
+func TestFlattenTiedToCheckpoint(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.FlattenMiB = -1
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"}) // page 0 from layer d1: 'd'
+	remade := false
+	e.flat.beforeCommit = func(name string) {
+		if remade || name != "d2" {
+			return
+		}
+		remade = true
+		if err := e.DeleteCheckpoint(t.Context(), "d2", &DeleteCheckpointOptions{Force: true}); err != nil {
+			t.Errorf("delete d2 under its flatten: %v", err)
+		}
+		writeDeltaCheckpoint(t, cfg, "d2", root, []string{"x1", "d2"}) // page 0: 'x'
+	}
+	if _, err := e.Flatten(t.Context(), "d2"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("flatten of a checkpoint deleted and made again under it: %v, want ErrNotFound", err)
+	}
+	if !remade {
+		t.Fatal("the flatten never reached its commit")
+	}
+	flat := filepath.Join(cfg.RAMDir, "ck-d2.flat")
+	if exists(flat) {
+		b, _ := os.ReadFile(flat)
+		t.Errorf("the new d2 has a flattened file (page 0 starts %q) that it never flattened", b[0])
+	}
+	if p := filepath.Join(cfg.StateDir, "checkpoints", "d2", flatHolesFile); exists(p) {
+		t.Errorf("the old flatten wrote its hole list into the new d2: %s", p)
+	}
+	st, err := e.Flatten(t.Context(), "d2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Already {
+		t.Error("the flatten of the new d2 found one done already")
+	}
+	b, err := os.ReadFile(st.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b[0] != 'x' {
+		t.Errorf("page 0 of the new d2's flattened file starts %q, want 'x' (its own layer)", b[0])
+	}
+}
