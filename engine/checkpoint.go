@@ -36,7 +36,14 @@ type CheckpointOptions = api.CheckpointOptions
 //
 // The checkpoint is named like a VM is by Spec.Name and a fork by ForkOptions.Name:
 // by the caller, or generated when empty. Its name is returned as Checkpoint.Name.
-func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *CheckpointOptions) (*Checkpoint, error) {
+// A checkpoint that Close ends, or one after Close, fails with an error wrapping
+// ErrClosed.
+func (e *Engine) Checkpoint(ctx context.Context, vmName, name string, opts *CheckpointOptions) (_ *Checkpoint, err error) {
+	ctx, leave, err := e.op(ctx, "checkpoint of "+vmName)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	var o CheckpointOptions
 	if opts != nil {
 		o = *opts

@@ -592,7 +592,12 @@ func (e *Engine) CheckpointInfo(name string) (CheckpointInfo, error) {
 
 // SetPinned pins or unpins a checkpoint. Unpinning a checkpoint whose forks are all gone
 // deletes it.
-func (e *Engine) SetPinned(ctx context.Context, name string, pinned bool) error {
+func (e *Engine) SetPinned(ctx context.Context, name string, pinned bool) (err error) {
+	ctx, leave, err := e.op(ctx, "pin "+name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	c, err := e.cks.load(ctx, name)
 	if err != nil {
 		return err

@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -279,13 +278,13 @@ func (e *Engine) newBootVM(ctx context.Context, spec Spec, imageMiB int) (*VM, e
 // spec.Name is required; zero CPUs and MemoryMiB take the defaults (SpecWithDefaults).
 // A create that Close ends, or one after Close, fails with an error wrapping ErrClosed.
 func (e *Engine) Create(ctx context.Context, spec Spec) (_ *VM, err error) {
-	ctx, leave, err := e.creates.enter(ctx)
+	ctx, leave, err := e.op(ctx, "create "+spec.Name)
 	if err != nil {
 		return nil, err
 	}
 	// Registered before every clean-up below, so that it runs after them: Close waits
 	// for the create's QEMU to be killed and its files removed.
-	defer func() { err = leave(spec.Name, err) }()
+	defer func() { err = leave(err) }()
 	clock := markPhases(e.cfg.Markers, spec.Name)
 	clock.begin("prepare")
 	defer func() { clock.abandon() }() // a failure ends its phase's marker
@@ -340,7 +339,9 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (_ *VM, err error) {
 		if err == nil {
 			touchBoot(dir)
 			res.bind(vm)
-			e.vms.add(vm)
+			if err := e.vms.add(vm); err != nil {
+				return nil, err
+			}
 			ok = true
 			return vm, nil
 		}
@@ -367,72 +368,11 @@ func (e *Engine) Create(ctx context.Context, spec Spec) (_ *VM, err error) {
 		}
 	}
 	res.bind(vm)
-	e.vms.add(vm)
+	if err := e.vms.add(vm); err != nil {
+		return nil, err
+	}
 	ok = true
 	return vm, nil
-}
-
-// createGuard tracks the creates under way, so that Close can end them before it
-// releases the state directory: a create it let run on would start its QEMU, or write
-// and remove its files, with the directory's lock gone (another engine may hold it
-// by then), and register its VM with an engine that no longer serves it. Close
-// refuses new creates, cancels those under way and waits for them; each cleans up
-// after itself (its QEMU killed, its files removed) before it leaves. The zero value
-// is ready for use.
-type createGuard struct {
-	mu     sync.Mutex
-	closed bool
-	wg     sync.WaitGroup
-	// under holds every create under way.
-	under map[*createTicket]bool
-}
-
-// createTicket is one create under way.
-type createTicket struct{ cancel context.CancelCauseFunc }
-
-// errCreateClosed is the cause a create under way is cancelled with by Close.
-var errCreateClosed = fmt.Errorf("%w: the engine was closed while the VM was created", ErrClosed)
-
-// enter registers a create: it returns the context to create under (cancelled, with
-// errCreateClosed as its cause, when the engine closes) and leave, to call once the
-// create succeeded or cleaned up after itself, with its name and error: it returns the
-// error to report (one wrapping ErrClosed when Close ended it). ErrClosed once the
-// engine closed.
-func (g *createGuard) enter(ctx context.Context) (context.Context, func(name string, err error) error, error) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.closed {
-		return nil, nil, ErrClosed
-	}
-	if g.under == nil {
-		g.under = map[*createTicket]bool{}
-	}
-	cctx, cancel := context.WithCancelCause(ctx)
-	t := &createTicket{cancel: cancel}
-	g.under[t] = true
-	g.wg.Add(1)
-	return cctx, func(name string, err error) error {
-		if err != nil && !errors.Is(err, ErrClosed) && errors.Is(context.Cause(cctx), errCreateClosed) {
-			err = fmt.Errorf("engine: create %s: %w: %w", name, errCreateClosed, err)
-		}
-		g.mu.Lock()
-		delete(g.under, t)
-		g.mu.Unlock()
-		cancel(nil)
-		g.wg.Done()
-		return err
-	}, nil
-}
-
-// close refuses new creates, cancels those under way and waits until each has left.
-func (g *createGuard) close() {
-	g.mu.Lock()
-	g.closed = true
-	for t := range g.under {
-		t.cancel(errCreateClosed)
-	}
-	g.mu.Unlock()
-	g.wg.Wait()
 }
 
 // bootAgain discards vm, whose restore from the boot cache's entry key failed with err,

@@ -24,7 +24,12 @@ func (e *Engine) Fence(ctx context.Context, name string) error {
 }
 
 // remove is Delete, or Fence with fence.
-func (e *Engine) remove(ctx context.Context, name string, fence bool) error {
+func (e *Engine) remove(ctx context.Context, name string, fence bool) (err error) {
+	ctx, leave, err := e.op(ctx, "delete "+name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	vm, err := e.vms.get(name)
 	if err != nil {
 		return err
@@ -70,7 +75,12 @@ type DeleteCheckpointOptions = api.DeleteCheckpointOptions
 
 // DeleteCheckpoint removes a checkpoint and its files. A checkpoint with a corrupt
 // manifest can be deleted too (only explicitly: it is never collected).
-func (e *Engine) DeleteCheckpoint(ctx context.Context, name string, opts *DeleteCheckpointOptions) error {
+func (e *Engine) DeleteCheckpoint(ctx context.Context, name string, opts *DeleteCheckpointOptions) (err error) {
+	ctx, leave, err := e.op(ctx, "delete checkpoint "+name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	if err := ValidateName(name); err != nil {
 		return err
 	}

@@ -44,9 +44,10 @@ type Engine struct {
 	digests digestCache
 	// forking tracks forks under way per checkpoint (a forced delete cancels them).
 	forking forkGuard
-	// creates tracks the creates under way: Close ends them before it lets the state
+	// ops tracks the operations under way that start QEMUs or write state (creates,
+	// forks, checkpoints, imports, ...): Close ends them before it lets the state
 	// directory go.
-	creates createGuard
+	ops opGuard
 	// pauseBoost raises the engine's own threads while a guest is paused for a
 	// checkpoint (ckWriter.pauseLocked).
 	pauseBoost platform.SelfBoost
@@ -252,14 +253,20 @@ func (e *Engine) unlock() {
 // Close releases the engine. Running VMs keep running (they are separate processes) and
 // are re-found by the next engine on the same state directory; their consoles, served in
 // this process until now, are handed to one keeper process that outlives it. Warm pools
-// do not outlive their engine.
+// do not outlive their engine. The operations under way that start QEMUs or write state
+// (creates, forks and waves, checkpoints, imports, restores, wakes, parks, deletes...)
+// are cancelled first and waited for, each cleaning up after itself, and an import left
+// open is aborted: nothing of theirs runs or is written once the state directory's lock
+// is released. They fail with errors wrapping ErrClosed, as does every such operation
+// after Close.
 func (e *Engine) Close() error {
 	e.closeOnce.Do(func() {
-		// Refuse new creates and end those under way first: each kills its QEMU and
-		// removes its files while the state directory is still this engine's. Then
-		// refuse new work and new pool spawns, stop background spawns and wait for them,
-		// then kill the pooled processes.
-		e.creates.close()
+		// Refuse new operations and end those under way first (opGuard): each kills
+		// its QEMU and removes its files while the state directory is still this
+		// engine's, and an import left open is aborted. Then refuse new work and new
+		// pool spawns, stop background spawns and wait for them, then kill the pooled
+		// processes.
+		e.ops.close()
 		e.prot.endAll()
 		defer e.captures.Close() // after the checkpoints under way, if any
 		vms := e.vms.close()
@@ -405,12 +412,19 @@ func (r *registry) get(name string) (*VM, error) {
 
 // add registers a VM. The registry keeps its parent itself, so that listing a
 // checkpoint's forks never waits on a VM's lock (a checkpoint holds it for its length).
-func (r *registry) add(vm *VM) {
+// A closed registry refuses it (ErrClosed): Close released the VMs it had, and a VM
+// added afterwards would be served by no engine and released by none; the caller
+// discards it (its QEMU killed, its files removed) as any VM that failed to become one.
+func (r *registry) add(vm *VM) error {
 	name, parent := vm.Name(), vm.snapshot().Parent
 	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return fmt.Errorf("engine: register %s: %w", name, ErrClosed)
+	}
 	r.vms[name] = vm
 	r.parents[name] = parent
-	r.mu.Unlock()
+	return nil
 }
 
 // setParent records a registered VM's new parent (a handoff makes a world a fork).

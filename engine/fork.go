@@ -29,8 +29,14 @@ type ForkOptions = api.ForkOptions
 // the checkpoint's frozen chain (a copy of the per-checkpoint template) or a reflink.
 // A fork of a running fork (private RAM, a delta checkpoint) starts its QEMU while that
 // checkpoint is taken, so the two overlap; it goes on only once the checkpoint is
-// committed and is the one its QEMU was started for.
-func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (*VM, error) {
+// committed and is the one its QEMU was started for. A fork that Close ends, or one
+// after Close, fails with an error wrapping ErrClosed.
+func (e *Engine) Fork(ctx context.Context, src string, opts *ForkOptions) (_ *VM, err error) {
+	ctx, leave, err := e.op(ctx, "fork of "+src)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	var o ForkOptions
 	if opts != nil {
 		o = *opts
@@ -382,7 +388,9 @@ func (e *Engine) readyFork(ctx context.Context, vm *VM, c *Checkpoint, clock *ph
 	if err := e.restoreFork(ctx, vm, c, clock); err != nil {
 		return err
 	}
-	e.vms.add(vm)
+	if err := e.vms.add(vm); err != nil {
+		return err
+	}
 	e.cks.markForked(c.Manifest.Name)
 	e.flattenLater(&c.Manifest)
 	return nil

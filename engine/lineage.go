@@ -104,7 +104,12 @@ type FlattenStats struct {
 // Flatten writes delta checkpoint name's flattened RAM file now, if it has none yet
 // (see Config.FlattenMiB): forks started afterwards map it and share every inherited
 // page. A world checkpoint is refused with ErrInvalidSpec (it is flat already).
-func (e *Engine) Flatten(ctx context.Context, name string) (*FlattenStats, error) {
+func (e *Engine) Flatten(ctx context.Context, name string) (_ *FlattenStats, err error) {
+	ctx, leave, err := e.op(ctx, "flatten "+name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	return e.flatten(ctx, name)
 }
 

@@ -633,7 +633,12 @@ func (e *Engine) Baseline() *Baseline { return &Baseline{e} }
 // Save writes a full save of the running VM vmName to path, stopping the guest while it
 // saves; the VM runs again afterwards. Migration bandwidth is unlimited (libvirt lifts
 // QEMU's network default too).
-func (b *Baseline) Save(ctx context.Context, vmName, path string) (time.Duration, error) {
+func (b *Baseline) Save(ctx context.Context, vmName, path string) (_ time.Duration, err error) {
+	ctx, leave, err := b.e.op(ctx, "save "+vmName)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { err = leave(err) }()
 	vm, err := b.e.vms.get(vmName)
 	if err != nil {
 		return 0, err
@@ -676,9 +681,15 @@ func (b *Baseline) save(ctx context.Context, vm *VM, s *vmState, path string) (t
 // Restore starts a new VM named spec.Name from a full save made by Save of a VM with
 // spec's shape, with anonymous RAM (no RAM file, no copy-on-write sharing), and returns
 // once its agent answered. The save was taken stopped, so Restore sends cont. A disk is
-// not restored (the comparison is about memory state).
-func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, error) {
+// not restored (the comparison is about memory state). A restore that Close ends, or
+// one after Close, fails with an error wrapping ErrClosed.
+func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (_ *VM, err error) {
 	e := b.e
+	ctx, leave, err := e.op(ctx, "restore "+spec.Name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	spec.Forkable = false
 	spec.DiskMiB = 0
 	clock := markPhases(e.cfg.Markers, spec.Name)
@@ -728,7 +739,9 @@ func (b *Baseline) Restore(ctx context.Context, path string, spec Spec) (*VM, er
 	if err := vm.becomeReady(ctx, "restore", clock, vm.hello); err != nil {
 		return nil, err
 	}
-	e.vms.add(vm)
+	if err := e.vms.add(vm); err != nil {
+		return nil, err
+	}
 	ok = true
 	return vm, nil
 }

@@ -125,7 +125,12 @@ func (p *parkState) bytes() int64 { return p.StateSize + p.LayerSize }
 // (ParkResult.Already). A VM created without Forkable (anonymous RAM) cannot be parked
 // (ErrNotForkable); a disk that cannot hold the image refuses it (ErrDiskBudget), the
 // VM running on.
-func (e *Engine) Park(ctx context.Context, name string) (*api.ParkResult, error) {
+func (e *Engine) Park(ctx context.Context, name string) (_ *api.ParkResult, err error) {
+	ctx, leave, err := e.op(ctx, "park "+name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	start := time.Now()
 	vm, err := e.vms.get(name)
 	if err != nil {
@@ -236,7 +241,12 @@ type WakeOptions struct {
 // returns once its agent answered. Waking a running VM does nothing
 // (WakeResult.Already). The wake is admitted like a fork (ErrAdmission); a wake that
 // fails before its commit leaves the VM parked.
-func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (*api.WakeResult, error) {
+func (e *Engine) Wake(ctx context.Context, name string, opts *WakeOptions) (_ *api.WakeResult, err error) {
+	ctx, leaveOp, err := e.op(ctx, "wake "+name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leaveOp(err) }()
 	start := time.Now()
 	var o WakeOptions
 	if opts != nil {
@@ -505,7 +515,12 @@ func diskFree(path string) (int64, error) {
 }
 
 // SetNoPark records whether the VM opts out of a daemon's idle parking (Spec.NoPark).
-func (e *Engine) SetNoPark(name string, noPark bool) error {
+func (e *Engine) SetNoPark(name string, noPark bool) (err error) {
+	_, leave, err := e.op(context.Background(), "set no-park of "+name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	vm, err := e.vms.get(name)
 	if err != nil {
 		return err

@@ -138,7 +138,12 @@ func (e *Engine) SetProtectionCopier(c ProtectionCopier) {
 // protection in the VM's manifest and starts its loop in this engine, whose first point
 // is taken at once. Protecting a protected VM changes its interval. The VM must be
 // forkable (ErrNotForkable) and running or parked.
-func (e *Engine) Protect(ctx context.Context, name string, opts *ProtectOptions) (*ProtectionInfo, error) {
+func (e *Engine) Protect(ctx context.Context, name string, opts *ProtectOptions) (_ *ProtectionInfo, err error) {
+	_, leave, err := e.op(ctx, "protect "+name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	var o ProtectOptions
 	if opts != nil {
 		o = *opts
@@ -195,6 +200,11 @@ func (e *Engine) startProtection(name string, every time.Duration) {
 // (a daemon's start: the engine that protected them may be gone) and returns their
 // names.
 func (e *Engine) ResumeProtection() []string {
+	_, leave, err := e.op(context.Background(), "resume protection")
+	if err != nil {
+		return nil
+	}
+	defer leave(nil)
 	var names []string
 	for _, inf := range e.List() {
 		if inf.Protection != nil && inf.Reason != frozenReason {
@@ -215,7 +225,12 @@ func (e *Engine) ResumeProtection() []string {
 // it stopped (the manifest records it). Its protection loop stops until Thaw. Freezing
 // a frozen VM does nothing; a VM whose QEMU is gone is ErrNotRunning, a parked one
 // ErrParked.
-func (e *Engine) Freeze(ctx context.Context, name string) error {
+func (e *Engine) Freeze(ctx context.Context, name string) (err error) {
+	ctx, leave, err := e.op(ctx, "freeze "+name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	vm, err := e.vms.get(name)
 	if err != nil {
 		return err
@@ -250,7 +265,12 @@ func (e *Engine) Freeze(ctx context.Context, name string) error {
 
 // Thaw runs a frozen VM's guest again (see Freeze) and restarts its protection loop if
 // it is protected. A VM that is not frozen is left alone.
-func (e *Engine) Thaw(ctx context.Context, name string) error {
+func (e *Engine) Thaw(ctx context.Context, name string) (err error) {
+	ctx, leave, err := e.op(ctx, "thaw "+name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	vm, err := e.vms.get(name)
 	if err != nil {
 		return err
@@ -292,7 +312,12 @@ func (vm *VM) errIfFrozen() error {
 // Unprotect ends VM name's protection and deletes its protection points (a point a
 // revived VM runs from is unpinned instead: it goes with that VM). Unprotecting a VM
 // that is not protected does nothing.
-func (e *Engine) Unprotect(ctx context.Context, name string) error {
+func (e *Engine) Unprotect(ctx context.Context, name string) (err error) {
+	ctx, leave, err := e.op(ctx, "unprotect "+name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	vm, err := e.vms.get(name)
 	if err != nil {
 		return err
@@ -326,6 +351,11 @@ func (e *Engine) unprotected(ctx context.Context, name string) {
 // is unpinned instead): the stale points of a VM that runs elsewhere now. The points
 // taken since (its new owner's, of which this engine may hold copies for it) stay.
 func (e *Engine) DropPoints(ctx context.Context, name, keep string, before time.Time) {
+	ctx, leave, err := e.op(ctx, "drop points of "+name)
+	if err != nil {
+		return
+	}
+	defer leave(nil)
 	e.dropPoints(ctx, name, keep, before)
 }
 
@@ -348,6 +378,9 @@ func (e *Engine) protectLoop(ctx context.Context, name string, every time.Durati
 		if errors.Is(err, ErrNotFound) {
 			return // deleted
 		}
+		if errors.Is(err, ErrClosed) {
+			return // the engine closes (Close ends the loop)
+		}
 		if err != nil {
 			// The last complete point stays; its age grows until a point completes.
 			args := []any{"vm", name, "err", err}
@@ -369,7 +402,12 @@ func (e *Engine) protectLoop(ctx context.Context, name string, every time.Durati
 // tests and callers that want a point at a moment of their choosing) and returns the
 // VM's protection afterwards. A parked VM gets none (it does not change while parked).
 // A failed point leaves the last complete one in place; it is counted and reported.
-func (e *Engine) ProtectNow(ctx context.Context, name string) (*ProtectionInfo, error) {
+func (e *Engine) ProtectNow(ctx context.Context, name string) (_ *ProtectionInfo, err error) {
+	ctx, leave, err := e.op(ctx, "protect "+name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	unlock := e.prot.lock(name)
 	defer unlock()
 	vm, err := e.vms.get(name)
@@ -469,7 +507,12 @@ func (e *Engine) dropPoint(ctx context.Context, ck string) {
 // so its agent, hostname and MAC are the VM's. It returns once the agent answered.
 // The point must be one of name's (ErrInvalidSpec) and no VM of that name may exist
 // here (ErrExists). The revived VM is not protected until Protect.
-func (e *Engine) Revive(ctx context.Context, ck, name, token string) (*VM, error) {
+func (e *Engine) Revive(ctx context.Context, ck, name, token string) (_ *VM, err error) {
+	ctx, leave, err := e.op(ctx, "revive "+name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	if err := ValidateName(name); err != nil {
 		return nil, err
 	}

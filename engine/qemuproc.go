@@ -325,7 +325,12 @@ func (p *qemuProc) cont(ctx context.Context, op string) error {
 // once, without waiting for the engine to see space back (it does so by itself, checking
 // every second). If the write still fails, QEMU pauses it again. A VM that is not paused
 // is left alone.
-func (e *Engine) Resume(ctx context.Context, name string) error {
+func (e *Engine) Resume(ctx context.Context, name string) (err error) {
+	ctx, leave, err := e.op(ctx, "resume "+name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	vm, err := e.vms.get(name)
 	if err != nil {
 		return err

@@ -108,7 +108,9 @@ func recoverVMs(ctx context.Context, paths layout, reg *registry, log *slog.Logg
 			// until the user deletes it), never reaped as half-made.
 			// A manifest rewrite the crash cut short (writeJSON's temporary file).
 			os.Remove(filepath.Join(dir, manifestFile+".tmp"))
-			reg.add(vm)
+			if err := reg.add(vm); err != nil {
+				return nil, err // never: the registry of an engine being opened is not closed
+			}
 			if m.State == StateRunning && vm.alive() {
 				consoles = append(consoles, console.Console{RunDir: m.Launch.RunDir, Log: m.Launch.SerialLog})
 			}

@@ -228,7 +228,12 @@ func exportFiles(l layout, ck *checkpointManifest, dir string) ([]exportFile, er
 // manifest and every file a fork needs, with content digests (computed on the first
 // export and kept in the manifest) and data extents. The checkpoint is verified first
 // (ErrNotFound, ErrCheckpointCorrupt).
-func (e *Engine) ExportCheckpoint(ctx context.Context, name string) (*api.CheckpointExport, error) {
+func (e *Engine) ExportCheckpoint(ctx context.Context, name string) (_ *api.CheckpointExport, err error) {
+	ctx, leave, err := e.op(ctx, "export "+name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	c, err := e.cks.load(ctx, name)
 	if err != nil {
 		return nil, err
@@ -415,7 +420,9 @@ func (s *checkpointStore) recordDigests(name string, ds map[string]fileDigest) e
 // CheckpointImport is a checkpoint being brought from another host (Engine.ImportCheckpoint):
 // Fetch lists the files to transfer, Create writes each one (checked against its digest
 // as it arrives), Commit makes the checkpoint visible and Abort drops it. Its methods
-// are not safe for concurrent use, but files may be written concurrently.
+// are not safe for concurrent use, but files may be written concurrently. The engine's
+// Close aborts an import still open (its temporary files are in the engine's
+// directories, its name reserved there); its methods then fail with ErrClosed.
 type CheckpointImport struct {
 	e    *Engine
 	name string
@@ -423,10 +430,14 @@ type CheckpointImport struct {
 	// Present: a checkpoint of this name and content is here already; nothing to do.
 	Present bool
 
-	files            []*importFile
-	tmp, ramTmp      string
-	layersTmp        string
+	files       []*importFile
+	tmp, ramTmp string
+	layersTmp   string
+	// mu guards what Abort changes: Close aborts an import open (held, released by
+	// the import's end) whatever its caller does meanwhile.
+	mu               sync.Mutex
 	reserved, closed bool
+	held             func()
 }
 
 // importFile is one file of an import: where it is written (or, had, where this host
@@ -448,7 +459,16 @@ type importFile struct {
 // the same checkpoint is here already (Present). Files this host has with the same
 // digest (boot files and base images in the host's blob store, the current guest
 // image's kernel and initrd) are not fetched again. Abort or Commit it.
-func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport) (*CheckpointImport, error) {
+func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport) (_ *CheckpointImport, err error) {
+	what := "import"
+	if exp != nil {
+		what += " " + exp.Checkpoint
+	}
+	ctx, leave, err := e.op(ctx, what)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	if exp == nil {
 		return nil, fmt.Errorf("%w: no export", ErrInvalidSpec)
 	}
@@ -489,6 +509,10 @@ func (e *Engine) ImportCheckpoint(ctx context.Context, exp *api.CheckpointExport
 			imp.Abort()
 		}
 	}()
+	// Open between calls, it is no operation Close waits for: Close aborts it.
+	if imp.held, err = e.ops.hold(imp.Abort); err != nil {
+		return nil, err
+	}
 	imp.tmp = e.paths.tmpCheckpointDir(name)
 	if err := os.Mkdir(imp.tmp, 0o700); err != nil {
 		return nil, fmt.Errorf("engine: import %s: %w", name, err)
@@ -786,6 +810,7 @@ func (imp *CheckpointImport) Skipped() int {
 // a file whose layout matters (api.CheckpointFile.Layout: a delta layer), which gets
 // every byte of every range. Close checks the content digest.
 type FileWriter struct {
+	e    *Engine
 	f    *os.File
 	h    *memfile.ContentHash
 	file *importFile
@@ -797,7 +822,12 @@ type FileWriter struct {
 
 // Create starts writing the file the export calls name (ErrNotFound if it is not one
 // to fetch).
-func (imp *CheckpointImport) Create(name string) (*FileWriter, error) {
+func (imp *CheckpointImport) Create(name string) (_ *FileWriter, err error) {
+	_, leave, err := imp.e.op(context.Background(), "import "+imp.name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	for _, f := range imp.files {
 		if f.Name != name || f.had != "" {
 			continue
@@ -818,16 +848,21 @@ func (imp *CheckpointImport) Create(name string) (*FileWriter, error) {
 			fd.Close()
 			return nil, fmt.Errorf("engine: import %s: %w", imp.name, err)
 		}
-		return &FileWriter{f: fd, h: memfile.NewContentHash(f.Size), file: f}, nil
+		return &FileWriter{f: fd, h: memfile.NewContentHash(f.Size), file: f, e: imp.e}, nil
 	}
 	return nil, fmt.Errorf("%w: import %s: no file %q to fetch", ErrNotFound, imp.name, name)
 }
 
 // WriteRange writes n bytes from r at off (ranges in increasing order, page aligned).
-func (w *FileWriter) WriteRange(ctx context.Context, off, n int64, r io.Reader) error {
+func (w *FileWriter) WriteRange(ctx context.Context, off, n int64, r io.Reader) (err error) {
 	if w.err != nil {
 		return w.err
 	}
+	ctx, leave, err := w.e.op(ctx, "import "+w.file.Name)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	if off < 0 || n < 0 || off > w.file.Size || n > w.file.Size-off {
 		w.err = fmt.Errorf("%w: import %s: range %d+%d outside its %d bytes", ErrInvalidSpec, w.file.Name, off, n, w.file.Size)
 		return w.err
@@ -872,7 +907,15 @@ func (w *FileWriter) WriteRange(ctx context.Context, off, n int64, r io.Reader) 
 }
 
 // Close finishes the file: its content must match the export's digest (ErrDigest).
-func (w *FileWriter) Close() error {
+// After the engine's Close (which aborted the import) it only closes the file
+// (ErrClosed).
+func (w *FileWriter) Close() (err error) {
+	_, leave, err := w.e.op(context.Background(), "import "+w.file.Name)
+	if err != nil {
+		w.f.Close()
+		return err
+	}
+	defer func() { err = leave(err) }()
 	cerr := w.f.Close()
 	if w.err != nil {
 		return w.err
@@ -892,8 +935,13 @@ func (w *FileWriter) Close() error {
 // verified: its manifest gets this host's paths (its boot files where this host keeps
 // them), and the renames commit it as a checkpoint of this host's is. The engine then
 // loads and verifies it as it would its own. A failure leaves nothing.
-func (imp *CheckpointImport) Commit(ctx context.Context) (*Checkpoint, error) {
+func (imp *CheckpointImport) Commit(ctx context.Context) (_ *Checkpoint, err error) {
 	e := imp.e
+	ctx, leave, err := e.op(ctx, "import "+imp.name)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = leave(err) }()
 	if imp.Present {
 		return e.cks.load(ctx, imp.name)
 	}
@@ -1014,7 +1062,14 @@ func (imp *CheckpointImport) rename(final string) error {
 }
 
 // Abort drops an import that was not committed: its temporary files and its name.
+// It may be called at any time, more than once.
 func (imp *CheckpointImport) Abort() {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	if imp.held != nil {
+		imp.held()
+		imp.held = nil
+	}
 	if !imp.closed {
 		imp.closed = true
 		if imp.tmp != "" {

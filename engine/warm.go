@@ -232,7 +232,12 @@ func (s *poolSet) close() []*VM {
 // ends. n = 0 empties the pool. Pooled processes count against the vCPU budget; the pool
 // is refilled in the background after each claim and emptied by Close. A crashed engine's
 // pooled processes are reaped by the next engine.
-func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) error {
+func (e *Engine) Warm(ctx context.Context, ck string, n int, opts *WarmOptions) (err error) {
+	ctx, leave, err := e.op(ctx, "warm "+ck)
+	if err != nil {
+		return err
+	}
+	defer func() { err = leave(err) }()
 	var o WarmOptions
 	if opts != nil {
 		o = *opts

@@ -49,6 +49,10 @@ func forkFailed(i int, nm string, err error) ForkEvent {
 // checkpoint is taken: its Timings count that prepare and spawn, which ran before its
 // event's Start.
 //
+// Close ends a wave under way: its forks not ready yet fail with errors wrapping
+// ErrClosed, and those made ready are kept (Close leaves running VMs running). A wave
+// after Close is refused with ErrClosed.
+//
 // Concurrency: one goroutine per fork, gated by a semaphore; events go to a channel
 // buffered for all n, so a slow reader never stalls forking.
 func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOptions) (<-chan ForkEvent, error) {
@@ -59,13 +63,20 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 	if n == 0 && len(o.Names) > 0 {
 		n = len(o.Names) // the names say how many: no count to keep in step with them
 	}
-	p, err := e.plan(ctx, src, n, o)
+	// The whole wave is one operation (its implicit checkpoint, its early fork, its
+	// forks, their clean-up and the checkpoint's collection): Close waits for it.
+	ctx, leave, err := e.op(ctx, "forks of "+src)
 	if err != nil {
 		return nil, err
+	}
+	p, err := e.plan(ctx, src, n, o)
+	if err != nil {
+		return nil, leave(err)
 	}
 	out := make(chan ForkEvent, n)
 	go func() {
 		defer close(out)
+		defer leave(nil)
 		e.runPlan(ctx, p, out, true)
 	}()
 	return out, nil
@@ -74,8 +85,10 @@ func (e *Engine) ForkMany(ctx context.Context, src string, n int, opts *ManyOpti
 // runPlan forks every fork of p, up to p.conc at once, and sends one event per fork to
 // out (which has room for all of them), then collects an implicit checkpoint. When ctx
 // ends, forks not yet started fail with its error and, with deleteOnCancel, every fork
-// made ready is deleted before runPlan returns (ForkMany's contract). A refused plan
-// fails every fork with the refusal.
+// made ready is deleted before runPlan returns (ForkMany's contract), unless Close
+// ended ctx: the forks made ready are then running VMs of the engine, which Close
+// leaves running as it does every other. A refused plan fails every fork with the
+// refusal.
 func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent, deleteOnCancel bool) {
 	if p.refused != nil {
 		for i, nm := range p.names {
@@ -97,7 +110,7 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 			if i == 0 {
 				e.dropEarly(p.early)
 			}
-			out <- forkFailed(i, nm, ctx.Err())
+			out <- forkFailed(i, nm, closedErr(ctx, "fork "+nm, ctx.Err()))
 			continue
 		}
 		wg.Add(1)
@@ -114,7 +127,7 @@ func (e *Engine) runPlan(ctx context.Context, p *forkPlan, out chan<- ForkEvent,
 		}(i)
 	}
 	wg.Wait()
-	if deleteOnCancel && ctx.Err() != nil {
+	if deleteOnCancel && ctx.Err() != nil && !closing(ctx) {
 		e.deleteAll(made)
 	}
 }
@@ -139,7 +152,7 @@ func (e *Engine) forkEvent(ctx context.Context, p *forkPlan, i int) ForkEvent {
 			vm = nil
 		}
 	}
-	ev.VM, ev.Err = vm, err
+	ev.VM, ev.Err = vm, closedErr(ctx, "fork "+ev.Name, err)
 	if vm != nil {
 		inf := vm.Info()
 		ev.ForkEvent.VM, ev.Timings, ev.Spans, ev.Counters = &inf, inf.Timings, inf.Spans, inf.Counters
