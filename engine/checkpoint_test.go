@@ -793,3 +793,57 @@ func TestForkGuardPause(t *testing.T) {
 		t.Fatal("enter still waits after the pause ended")
 	}
 }
+
+// TestRemoveHoldsName: a checkpoint's removal keeps its name from being taken until
+// its files are gone. Its directory renamed away, the name was free, and the removal
+// then deleted the RAM file, layers and flattened file at the name: a checkpoint of
+// the same name made in that window (a Checkpoint or an import commits by those
+// names) lost them to the old removal, and would not load.
+func TestRemoveHoldsName(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.FlattenMiB = -1
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	writeDeltaCheckpoint(t, cfg, "d2", root, []string{"d1", "d2"})
+	if _, err := e.Flatten(t.Context(), "d2"); err != nil {
+		t.Fatal(err)
+	}
+	tries, remade := 0, false
+	e.cks.afterRename = func(name string) {
+		if name != "d2" {
+			return
+		}
+		tries++
+		if err := e.vms.reserve("d2"); err != nil {
+			return // held: nothing can take the name meanwhile
+		}
+		// The name was free: a checkpoint of it is committed, as Checkpoint would.
+		writeDeltaCheckpoint(t, cfg, "d2", root, []string{"x1", "d2"})
+		if _, err := e.Flatten(t.Context(), "d2"); err != nil {
+			t.Errorf("flatten of the new d2: %v", err)
+		}
+		e.vms.unreserve("d2")
+		remade = true
+	}
+	if err := e.DeleteCheckpoint(t.Context(), "d2", nil); err != nil {
+		t.Fatal(err)
+	}
+	if tries != 1 {
+		t.Fatalf("the removal renamed the directory %d times, want 1", tries)
+	}
+	if remade {
+		t.Error("the name of a checkpoint being removed was reserved before its files were gone")
+		if _, err := e.LoadCheckpoint(t.Context(), "d2"); err != nil {
+			t.Errorf("the checkpoint made in the window lost its files to the old removal: %v", err)
+		}
+		for _, p := range []string{e.paths.checkpointLayers("d2"), e.paths.checkpointFlat("d2")} {
+			if !exists(p) {
+				t.Errorf("the checkpoint made in the window lost %s to the old removal", p)
+			}
+		}
+	}
+	// Once removed, the name is free again.
+	if err := e.vms.reserve("d2"); err != nil {
+		t.Errorf("reserve after the removal: %v", err)
+	}
+}

@@ -93,6 +93,13 @@ type checkpointStore struct {
 	// its files go (no lock of the store held), the generation already retired: the
 	// background work on it ends first, and its warm pool goes.
 	beforeRemove func(name string, gen uint64)
+	// afterRename, when set, is called with a checkpoint's name by its removal once its
+	// directory is renamed away, before its files go (tests take the name there).
+	afterRename func(name string)
+	// holdName, when set, keeps a name from being reserved for a VM or checkpoint until
+	// release is called (registry.hold): a removal holds its checkpoint's name while it
+	// deletes the files that go by that name.
+	holdName func(name string) (release func())
 
 	// life orders a checkpoint's removal against the work tied to its generation:
 	// remove takes it to retire the generation (retire) and to rename the directory
@@ -368,7 +375,16 @@ func (s *checkpointStore) save(c *Checkpoint) error {
 // leaves no committed checkpoint without its RAM file (the next engine start reaps the
 // renamed directory and the RAM files nothing owns), where removing the RAM file first
 // left a checkpoint that no longer loaded yet still held its name.
+//
+// The RAM file, layers and flattened file are then deleted by the checkpoint's name,
+// so the name is held (holdName) from the start until they are gone: with the
+// directory renamed away, a checkpoint of the same name could otherwise be committed
+// meanwhile (Checkpoint, an import: both commit by those names), and lose them to
+// this removal.
 func (s *checkpointStore) remove(name string) {
+	if s.holdName != nil {
+		defer s.holdName(name)()
+	}
 	gen := s.retire(name)
 	if s.beforeRemove != nil {
 		s.beforeRemove(name, gen)
@@ -390,6 +406,9 @@ func (s *checkpointStore) remove(name string) {
 	}
 	s.mu.Unlock()
 	s.life.Unlock()
+	if s.afterRename != nil {
+		s.afterRename(name)
+	}
 	if ramPath != "" {
 		os.Remove(ramPath)
 	}

@@ -97,7 +97,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	}
 	e.bins = &qemuBins{qemu: r.QEMU, qemuImg: r.QEMUImg, kernel: r.Kernel, initrd: r.Initrd, cacheDir: r.CacheDir}
 	e.vms = newRegistry(e.paths)
-	e.cks = &checkpointStore{paths: e.paths, log: e.log, verified: map[string]string{}}
+	e.cks = &checkpointStore{paths: e.paths, log: e.log, verified: map[string]string{}, holdName: e.vms.hold}
 	e.pools = &poolSet{}
 	e.flat = newFlattener()
 	e.prot = newProtector()
@@ -356,11 +356,14 @@ type registry struct {
 	vms      map[string]*VM
 	parents  map[string]string // VM name -> the checkpoint it was forked from
 	reserved map[string]bool   // names being created (not yet in vms or on disk)
-	closed   bool
+	// held counts the holds of each name (hold): a checkpoint being removed keeps its
+	// name until its files are gone.
+	held   map[string]int
+	closed bool
 }
 
 func newRegistry(paths layout) *registry {
-	return &registry{paths: paths, vms: map[string]*VM{}, parents: map[string]string{}, reserved: map[string]bool{}}
+	return &registry{paths: paths, vms: map[string]*VM{}, parents: map[string]string{}, reserved: map[string]bool{}, held: map[string]int{}}
 }
 
 // reserve claims a valid, unused name for a VM or checkpoint being made; release it
@@ -377,6 +380,9 @@ func (r *registry) reserve(name string) error {
 	if r.reserved[name] || r.vms[name] != nil {
 		return fmt.Errorf("%w: %s", ErrExists, name)
 	}
+	if r.held[name] > 0 {
+		return fmt.Errorf("%w: %s (a checkpoint being deleted)", ErrExists, name)
+	}
 	if _, err := os.Stat(r.paths.checkpointDir(name)); err == nil {
 		return fmt.Errorf("%w: %s (a checkpoint)", ErrExists, name)
 	}
@@ -391,6 +397,27 @@ func (r *registry) unreserve(name string) {
 	r.mu.Lock()
 	delete(r.reserved, name)
 	r.mu.Unlock()
+}
+
+// hold keeps name from being reserved (ErrExists) until release is called, whatever
+// is on disk meanwhile: a checkpoint's removal holds its name from before its
+// directory is renamed away until its files, which go by the name, are gone, so that
+// no checkpoint of the name is committed in between (see checkpointStore.remove).
+// Holds of one name count; a closed registry holds too (reserve refuses anyway).
+func (r *registry) hold(name string) (release func()) {
+	r.mu.Lock()
+	r.held[name]++
+	r.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			r.mu.Lock()
+			if r.held[name]--; r.held[name] <= 0 {
+				delete(r.held, name)
+			}
+			r.mu.Unlock()
+		})
+	}
 }
 
 // get returns the named VM.
