@@ -847,3 +847,109 @@ func TestRemoveHoldsName(t *testing.T) {
 		t.Errorf("reserve after the removal: %v", err)
 	}
 }
+
+// TestRemoveOnce: a checkpoint is removed once, by whichever removal claims it first;
+// another removal of it (a delete, or a collection when its last fork went) sees it
+// gone: a delete returns ErrNotFound, a collection does nothing. Two ran remove, and
+// the second, going by the name, retired no generation, renamed whatever directory
+// held the name by then and deleted its files: a checkpoint of the same name made
+// after the first removal went with it.
+func TestRemoveOnce(t *testing.T) {
+	t.Run("delete during a delete", func(t *testing.T) {
+		cfg := testConfig(t)
+		e := newTestEngine(t, cfg)
+		writeCheckpoint(t, cfg, "ck", nil)
+		orig := e.cks.beforeRemove
+		nested := 0
+		var second error
+		e.cks.beforeRemove = func(name string, gen uint64) {
+			if nested++; nested == 1 {
+				second = e.DeleteCheckpoint(t.Context(), "ck", &DeleteCheckpointOptions{Force: true})
+			}
+			orig(name, gen)
+		}
+		if err := e.DeleteCheckpoint(t.Context(), "ck", &DeleteCheckpointOptions{Force: true}); err != nil {
+			t.Fatalf("first delete: %v", err)
+		}
+		if nested == 0 {
+			t.Fatal("the first delete never reached its removal")
+		}
+		if !errors.Is(second, ErrNotFound) {
+			t.Errorf("a delete while the checkpoint was being removed: %v, want ErrNotFound", second)
+		}
+		if nested != 1 {
+			t.Errorf("the checkpoint's removal ran %d times, want once", nested)
+		}
+		if exists(filepath.Join(cfg.StateDir, "checkpoints", "ck")) {
+			t.Error("the checkpoint is still there")
+		}
+	})
+	t.Run("forced delete of a collectable checkpoint with forks", func(t *testing.T) {
+		// The delete ends the forks first, and the collection each one's end starts
+		// would remove the checkpoint under the delete: it is left to the delete, which
+		// succeeds.
+		cfg := testConfig(t)
+		e := newTestEngine(t, cfg)
+		writeCheckpoint(t, cfg, "ck", nil)
+		touch(t, filepath.Join(cfg.StateDir, "checkpoints", "ck", forkedMarker), 0)
+		fork := vmManifest(cfg, "f1", StateRunning, 0)
+		fork.Parent = "ck"
+		writeVMManifest(t, e.paths.vmsDir(), "f1", fork)
+		if err := e.vms.add(newVM(e.paths.vmDir("f1"), e.log, fork, e.paths)); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.DeleteCheckpoint(t.Context(), "ck", &DeleteCheckpointOptions{Force: true}); err != nil {
+			t.Errorf("forced delete: %v", err)
+		}
+		if exists(filepath.Join(cfg.StateDir, "checkpoints", "ck")) || e.vms.has("f1") {
+			t.Error("the checkpoint or its fork survived the delete")
+		}
+	})
+	t.Run("corrupt", func(t *testing.T) {
+		// A checkpoint whose manifest cannot be read is removed (explicitly) once too.
+		cfg := testConfig(t)
+		e := newTestEngine(t, cfg)
+		dir := filepath.Join(cfg.StateDir, "checkpoints", "bad")
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "manifest.json"), []byte("{"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.DeleteCheckpoint(t.Context(), "bad", nil); err != nil {
+			t.Fatalf("delete of a corrupt checkpoint: %v", err)
+		}
+		if exists(dir) {
+			t.Error("the corrupt checkpoint is still there")
+		}
+		if err := e.DeleteCheckpoint(t.Context(), "bad", nil); !errors.Is(err, ErrNotFound) {
+			t.Errorf("second delete: %v, want ErrNotFound", err)
+		}
+	})
+	t.Run("collection after a delete", func(t *testing.T) {
+		cfg := testConfig(t)
+		e := newTestEngine(t, cfg)
+		writeCheckpoint(t, cfg, "ck", func(c *checkpointManifest) { c.Implicit = true }) // collectable
+		remade := false
+		// The collection read ck and asks for its forks; meanwhile ck is deleted (forced:
+		// no pause of it) and a checkpoint of the same name, pinned, is made.
+		e.cks.collect("ck", func(string) int {
+			if err := e.DeleteCheckpoint(t.Context(), "ck", &DeleteCheckpointOptions{Force: true}); err != nil {
+				t.Fatalf("delete under the collection: %v", err)
+			}
+			writeCheckpoint(t, cfg, "ck", func(c *checkpointManifest) { c.Pinned = true })
+			remade = true
+			return 0
+		})
+		if !remade {
+			t.Fatal("the collection never counted the forks")
+		}
+		c, err := e.LoadCheckpoint(t.Context(), "ck")
+		if err != nil {
+			t.Fatalf("the checkpoint made after the delete went with the old one's collection: %v", err)
+		}
+		if !c.Manifest.Pinned {
+			t.Error("the checkpoint of the name is not the one made after the delete")
+		}
+	})
+}

@@ -102,14 +102,14 @@ type checkpointStore struct {
 	holdName func(name string) (release func())
 
 	// life orders a checkpoint's removal against the work tied to its generation:
-	// remove takes it to retire the generation (retire) and to rename the directory
-	// away; read takes it shared, so that a manifest and the generation it is given go
-	// together, and so does what must happen only while that generation is current
-	// (whileCurrent). Taken before mu.
+	// remove takes it to claim the checkpoint, retiring its generation (claim), and to
+	// rename the directory away; read takes it shared, so that a manifest and the
+	// generation it is given go together, and so does what must happen only while that
+	// generation is current (whileCurrent). Taken before mu.
 	life sync.RWMutex
 	// gens holds, under mu, the generation of each checkpoint read since it was
 	// committed: a number given to no other checkpoint, whatever its name. removing
-	// counts the removals under way per name (between retire and the rename of the
+	// counts the removals under way per name (between claim and the rename of the
 	// directory): read refuses such a checkpoint (ErrNotFound), so that it is given no
 	// new generation while it goes.
 	gens     map[string]uint64
@@ -133,21 +133,27 @@ func (s *checkpointStore) generation(name string) uint64 {
 	return s.lastGen
 }
 
-// retire ends name's generation for its removal and returns it (0: it had none, so
-// nothing was tied to it). The removal is counted (removing) until remove renamed the
-// directory away.
-func (s *checkpointStore) retire(name string) uint64 {
+// claim starts the removal of checkpoint c: only while c's generation is still the
+// current one of its name, which claim retires, so that a checkpoint is removed once,
+// by the first removal that claims it, and never is one of the name that was read
+// after c (a later checkpoint). The removal is counted (removing) until remove renamed
+// the directory away. false: c is gone already (removed, or being removed), or was
+// never read from the store (its generation is 0).
+func (s *checkpointStore) claim(c *Checkpoint) bool {
+	name := c.Manifest.Name
 	s.life.Lock()
 	defer s.life.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	g := s.gens[name]
+	if c.gen == 0 || s.gens[name] != c.gen {
+		return false
+	}
 	delete(s.gens, name)
 	if s.removing == nil {
 		s.removing = map[string]int{}
 	}
 	s.removing[name]++
-	return g
+	return true
 }
 
 // current reports whether gen is the generation of the checkpoint that now holds
@@ -213,6 +219,26 @@ func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 		return nil, fmt.Errorf("%w: %s: manifest names %q", ErrCheckpointCorrupt, name, ck.Name)
 	}
 	return &Checkpoint{Manifest: *ck, Dir: dir, gen: s.generation(name)}, nil
+}
+
+// readAny is read, and for a checkpoint whose manifest cannot be read (corrupt, or
+// missing from a directory that is there) one that has only its name, directory and
+// generation: enough to remove it (an explicit delete removes such a checkpoint too).
+func (s *checkpointStore) readAny(name string) (*Checkpoint, error) {
+	c, err := s.read(name)
+	if err == nil || !errors.Is(err, ErrCheckpointCorrupt) && !errors.Is(err, ErrNotFound) {
+		return c, err
+	}
+	s.life.RLock()
+	defer s.life.RUnlock()
+	s.mu.Lock()
+	going := s.removing[name] > 0
+	s.mu.Unlock()
+	dir := s.paths.checkpointDir(name)
+	if _, serr := os.Stat(dir); going || errors.Is(serr, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w: checkpoint %s", ErrNotFound, name)
+	}
+	return &Checkpoint{Manifest: checkpointManifest{Name: name}, Dir: dir, gen: s.generation(name)}, nil
 }
 
 // load reads and verifies a checkpoint.
@@ -368,9 +394,13 @@ func (s *checkpointStore) save(c *Checkpoint) error {
 	return rewriteCheckpointManifest(s.paths, c.Dir, &c.Manifest)
 }
 
-// remove deletes a checkpoint's directory and RAM file. Its generation is retired
-// first, so that no work started on it (a warm pool, a flatten) takes hold once its
-// removal began (beforeRemove ends what is under way). The directory is then renamed
+// remove deletes checkpoint c's directory and RAM file, once: c is claimed first
+// (claim), which retires its generation, so that no work started on it (a warm pool, a
+// flatten) takes hold once its removal began (beforeRemove ends what is under way), and
+// so that another removal of it, or of the name, sees it gone (ErrNotFound) instead of
+// removing it again, or removing the checkpoint that took its name since (the name is
+// all the files go by). c must have been read from the store (read, readAny): one
+// that was not is never removed (ErrNotFound). The directory is then renamed
 // to a half-written checkpoint's name, the one atomic step: a crash at any later point
 // leaves no committed checkpoint without its RAM file (the next engine start reaps the
 // renamed directory and the RAM files nothing owns), where removing the RAM file first
@@ -381,11 +411,14 @@ func (s *checkpointStore) save(c *Checkpoint) error {
 // directory renamed away, a checkpoint of the same name could otherwise be committed
 // meanwhile (Checkpoint, an import: both commit by those names), and lose them to
 // this removal.
-func (s *checkpointStore) remove(name string) {
+func (s *checkpointStore) remove(c *Checkpoint) error {
+	name, gen := c.Manifest.Name, c.gen
+	if !s.claim(c) {
+		return fmt.Errorf("%w: checkpoint %s (deleted meanwhile)", ErrNotFound, name)
+	}
 	if s.holdName != nil {
 		defer s.holdName(name)()
 	}
-	gen := s.retire(name)
 	if s.beforeRemove != nil {
 		s.beforeRemove(name, gen)
 	}
@@ -419,6 +452,7 @@ func (s *checkpointStore) remove(name string) {
 	s.mu.Lock()
 	delete(s.verified, name)
 	s.mu.Unlock()
+	return nil
 }
 
 // punch gives back the storage that forks faulted into the holes the checkpoint's RAM
@@ -509,9 +543,9 @@ func (s *checkpointStore) collect(name string, forks func(string) int) {
 	s.mu.Unlock()
 	// Collection runs after the request that ended the last fork, on no caller's
 	// context: the hash is bounded by the checkpoint's size.
-	if forks(name) == 0 && !held && s.verify(context.Background(), c) == nil {
-		s.log.Info("deleting unpinned checkpoint (no forks left)", "checkpoint", name)
-		s.remove(name)
+	// A removal that finds c gone (another removal took it) does nothing.
+	if forks(name) == 0 && !held && s.verify(context.Background(), c) == nil && s.remove(c) == nil {
+		s.log.Info("deleted unpinned checkpoint (no forks left)", "checkpoint", name)
 	}
 }
 
@@ -635,11 +669,14 @@ func (e *Engine) SetPinned(ctx context.Context, name string, pinned bool) (err e
 // is not registered yet, so forksOf does not count it, and collecting the checkpoint
 // then would remove it under that fork, which would become ready with its parent gone.
 // While it decides, new forks of name wait (forkGuard.pause); one under way keeps the
-// checkpoint (collected later with its last fork, or by the next engine's start).
+// checkpoint (collected later with its last fork, or by the next engine's start). A
+// forced delete of name under way removes it itself: it deletes the checkpoint's forks
+// first, and the collection each one's end would start is left to it (a checkpoint is
+// removed once: the delete would find it gone).
 func (e *Engine) collect(name string) {
 	end, making := e.forking.pause(name)
 	defer end()
-	if making > 0 {
+	if making > 0 || e.forking.stopping(name) {
 		return
 	}
 	e.cks.collect(name, e.vms.forksOf)

@@ -74,7 +74,10 @@ func (e *Engine) Reap(ctx context.Context) []string {
 type DeleteCheckpointOptions = api.DeleteCheckpointOptions
 
 // DeleteCheckpoint removes a checkpoint and its files. A checkpoint with a corrupt
-// manifest can be deleted too (only explicitly: it is never collected).
+// manifest can be deleted too (only explicitly: it is never collected). It removes the
+// checkpoint it found at the start, once: one removed meanwhile by another delete or
+// its collection is ErrNotFound, and a checkpoint of the name made since is not
+// touched.
 func (e *Engine) DeleteCheckpoint(ctx context.Context, name string, opts *DeleteCheckpointOptions) (err error) {
 	ctx, leave, err := e.op(ctx, "delete checkpoint "+name)
 	if err != nil {
@@ -84,11 +87,12 @@ func (e *Engine) DeleteCheckpoint(ctx context.Context, name string, opts *Delete
 	if err := ValidateName(name); err != nil {
 		return err
 	}
-	if !e.cks.exists(name) {
-		return fmt.Errorf("%w: checkpoint %s", ErrNotFound, name)
+	c, err := e.cks.readAny(name)
+	if err != nil {
+		return err
 	}
 	force := opts != nil && opts.Force
-	if c, err := e.cks.read(name); err == nil && c.Manifest.RAMMethod == "handoff" {
+	if c.Manifest.RAMMethod == "handoff" {
 		if vm, err := e.vms.get(c.Manifest.Source); err == nil && vm.Info().Parent == name {
 			return fmt.Errorf("%w: %s is the handoff checkpoint of vm %s, which runs from it; delete vm %s first (an unpinned checkpoint goes with it)",
 				ErrInUse, name, c.Manifest.Source, c.Manifest.Source)
@@ -127,6 +131,5 @@ func (e *Engine) DeleteCheckpoint(ctx context.Context, name string, opts *Delete
 			return err
 		}
 	}
-	e.cks.remove(name)
-	return nil
+	return e.cks.remove(c)
 }

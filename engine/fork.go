@@ -490,6 +490,13 @@ func (g *forkGuard) waitUnpaused(ctx context.Context, ck string) error {
 	}
 }
 
+// stopping reports whether a forced delete of ck is under way (stop).
+func (g *forkGuard) stopping(ck string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.stopped[ck] > 0
+}
+
 // stop refuses new forks of ck, cancels those under way and waits for them (or ctx);
 // end lets forks of the name start again.
 func (g *forkGuard) stop(ctx context.Context, ck string) (end func(), err error) {

@@ -1003,13 +1003,22 @@ func (imp *CheckpointImport) Commit(ctx context.Context) (_ *Checkpoint, err err
 		return nil, err
 	}
 	imp.closed = true
+	// Loaded (read and verified) while its name is still reserved, so that it is the
+	// checkpoint just committed; one that fails is removed by its generation (never a
+	// checkpoint of the name made after a delete of this one).
+	c, err := e.cks.read(imp.name)
+	if err == nil {
+		if err = e.cks.verify(ctx, c); err != nil {
+			_ = e.cks.remove(c)
+		}
+	} else if bare, berr := e.cks.readAny(imp.name); berr == nil {
+		_ = e.cks.remove(bare)
+	}
 	if imp.reserved {
 		e.vms.unreserve(imp.name)
 		imp.reserved = false
 	}
-	c, err := e.cks.load(ctx, imp.name)
 	if err != nil {
-		e.cks.remove(imp.name)
 		return nil, err
 	}
 	e.log.Info("imported checkpoint", "checkpoint", imp.name, "files", len(imp.files), "had", imp.Skipped())
