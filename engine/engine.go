@@ -102,7 +102,7 @@ func New(ctx context.Context, cfg *Config) (*Engine, error) {
 	e.flat = newFlattener()
 	e.prot = newProtector()
 	e.cks.beforeRemove = func(name string, gen uint64) {
-		e.flat.forget(name)
+		e.flat.forget(name, gen)
 		e.dropPool(name, gen)
 	}
 	e.adm = &admitter{

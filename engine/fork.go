@@ -392,7 +392,7 @@ func (e *Engine) readyFork(ctx context.Context, vm *VM, c *Checkpoint, clock *ph
 		return err
 	}
 	e.cks.markForked(c.Manifest.Name)
-	e.flattenLater(&c.Manifest)
+	e.flattenLater(c)
 	return nil
 }
 

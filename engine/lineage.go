@@ -47,12 +47,12 @@ import (
 type flattener struct {
 	mu      sync.Mutex // serializes flattens
 	qmu     sync.Mutex
-	queued  map[string]bool
+	queued  map[flatJob]bool
 	wake    chan struct{}
-	pending []string
-	// running is the checkpoint the background loop flattens ("": none); stop
+	pending []flatJob
+	// running is the checkpoint the background loop flattens (zero: none); stop
 	// cancels that flatten and done is closed once it has ended.
-	running string
+	running flatJob
 	stop    context.CancelFunc
 	done    chan struct{}
 	// beforeCommit, when set, is called with the checkpoint's name by a flatten whose
@@ -60,17 +60,29 @@ type flattener struct {
 	beforeCommit func(name string)
 }
 
-// forget drops checkpoint name from the background flattens, for its deletion: out of
-// the queue, and a flatten of it under way cancelled and waited for (it removes its
-// temporary files), so that nothing of the checkpoint is written after it is gone.
-func (f *flattener) forget(name string) {
+// flatJob is a background flatten: of checkpoint name's generation gen
+// (Checkpoint.gen), the checkpoint its policy decided on. A later checkpoint of the
+// name is another job: the flatten of one never stands for the other's, and the
+// removal of one never drops the other's.
+type flatJob struct {
+	name string
+	gen  uint64
+}
+
+// forget drops the background flatten of checkpoint name of generation gen, for its
+// deletion: out of the queue, and a flatten of it under way cancelled and waited for
+// (it removes its temporary files), so that nothing of the checkpoint is written
+// after it is gone. Another generation's flatten (a checkpoint that took the name
+// since) is left alone.
+func (f *flattener) forget(name string, gen uint64) {
+	job := flatJob{name, gen}
 	f.qmu.Lock()
-	if f.queued[name] {
-		delete(f.queued, name)
-		f.pending = slices.DeleteFunc(f.pending, func(n string) bool { return n == name })
+	if f.queued[job] {
+		delete(f.queued, job)
+		f.pending = slices.DeleteFunc(f.pending, func(j flatJob) bool { return j == job })
 	}
 	var done chan struct{}
-	if f.running == name {
+	if f.running == job {
 		f.stop()
 		done = f.done
 	}
@@ -81,7 +93,7 @@ func (f *flattener) forget(name string) {
 }
 
 func newFlattener() *flattener {
-	return &flattener{queued: map[string]bool{}, wake: make(chan struct{}, 1)}
+	return &flattener{queued: map[flatJob]bool{}, wake: make(chan struct{}, 1)}
 }
 
 // FlattenStats describe a flatten.
@@ -110,7 +122,7 @@ func (e *Engine) Flatten(ctx context.Context, name string) (_ *FlattenStats, err
 		return nil, err
 	}
 	defer func() { err = leave(err) }()
-	return e.flatten(ctx, name)
+	return e.flatten(ctx, name, 0)
 }
 
 // flatPath returns the committed flattened RAM file of checkpoint ck, or "" when it has
@@ -135,13 +147,15 @@ func layersBytes(ck *checkpointManifest) int64 {
 	return n
 }
 
-// flattenLater queues checkpoint ck for a background flatten when the policy says so.
-// An implicit checkpoint (a fork of a running VM) is never flattened: it serves the
-// forks made with it, all prepared before any flatten could finish, and goes with them;
-// flattening it would only take CPU and disk from whatever runs next (typically a
-// checkpoint of the forked node, which the copy would slow down).
-func (e *Engine) flattenLater(ck *checkpointManifest) {
-	if ck.Kind != checkpointKindDelta || ck.Implicit || e.cfg.FlattenMiB < 0 || !memfile.ExtractSupported {
+// flattenLater queues checkpoint c for a background flatten when the policy says so,
+// tied to its generation (flatJob): one not read from the store has none, and is not
+// queued. An implicit checkpoint (a fork of a running VM) is never flattened: it serves
+// the forks made with it, all prepared before any flatten could finish, and goes with
+// them; flattening it would only take CPU and disk from whatever runs next (typically
+// a checkpoint of the forked node, which the copy would slow down).
+func (e *Engine) flattenLater(c *Checkpoint) {
+	ck := &c.Manifest
+	if ck.Kind != checkpointKindDelta || ck.Implicit || c.gen == 0 || e.cfg.FlattenMiB < 0 || !memfile.ExtractSupported {
 		return
 	}
 	if layersBytes(ck) < e.cfg.FlattenMiB<<20 {
@@ -156,10 +170,11 @@ func (e *Engine) flattenLater(ck *checkpointManifest) {
 		return
 	}
 	f := e.flat
+	job := flatJob{ck.Name, c.gen}
 	f.qmu.Lock()
-	if !f.queued[ck.Name] {
-		f.queued[ck.Name] = true
-		f.pending = append(f.pending, ck.Name)
+	if !f.queued[job] {
+		f.queued[job] = true
+		f.pending = append(f.pending, job)
 	}
 	f.qmu.Unlock()
 	select {
@@ -180,14 +195,15 @@ func (e *Engine) flattenLoop(ctx context.Context) {
 		var stop context.CancelFunc
 		var done chan struct{}
 		f.qmu.Lock()
-		var name string
+		var job flatJob
 		if len(f.pending) > 0 {
-			name, f.pending = f.pending[0], f.pending[1:]
+			job, f.pending = f.pending[0], f.pending[1:]
 			fctx, stop = context.WithCancel(ctx)
 			done = make(chan struct{})
-			f.running, f.stop, f.done = name, stop, done
+			f.running, f.stop, f.done = job, stop, done
 		}
 		f.qmu.Unlock()
+		name := job.name
 		if name == "" {
 			select {
 			case <-ctx.Done():
@@ -196,12 +212,12 @@ func (e *Engine) flattenLoop(ctx context.Context) {
 				continue
 			}
 		}
-		st, err := e.flatten(fctx, name)
+		st, err := e.flatten(fctx, name, job.gen)
 		forgotten := fctx.Err() != nil && ctx.Err() == nil
 		stop()
 		f.qmu.Lock()
-		delete(f.queued, name)
-		f.running = ""
+		delete(f.queued, job)
+		f.running = flatJob{}
 		f.qmu.Unlock()
 		close(done)
 		if forgotten {
@@ -229,20 +245,25 @@ func (e *Engine) queueFlattens() {
 			continue
 		}
 		if _, err := os.Stat(filepath.Join(c.Dir, forkedMarker)); err == nil {
-			e.flattenLater(&c.Manifest)
+			e.flattenLater(c)
 		}
 	}
 }
 
 // flatten writes checkpoint name's flattened RAM file: a sparse copy of its root file,
 // every layer applied (their checksums verified first), its holes recorded, renamed into
-// place, as long as the checkpoint it read is still there (else ErrNotFound).
-func (e *Engine) flatten(ctx context.Context, name string) (*FlattenStats, error) {
+// place, as long as the checkpoint it read is still there (else ErrNotFound). gen, when
+// not 0, is the generation to flatten (a background flatten's, flatJob): a checkpoint
+// of the name of another generation is not flattened (ErrNotFound).
+func (e *Engine) flatten(ctx context.Context, name string, gen uint64) (*FlattenStats, error) {
 	e.flat.mu.Lock()
 	defer e.flat.mu.Unlock()
 	c, err := e.cks.load(ctx, name)
 	if err != nil {
 		return nil, err
+	}
+	if gen != 0 && c.gen != gen {
+		return nil, fmt.Errorf("%w: checkpoint %s (the one queued was deleted)", ErrNotFound, name)
 	}
 	ck := &c.Manifest
 	if ck.Kind != checkpointKindDelta {
@@ -427,7 +448,7 @@ func (e *Engine) flattenForWave(ctx context.Context, p *forkPlan) {
 	if n < 2 || !worthFlattening(inject, file, n) {
 		return
 	}
-	st, err := e.flatten(ctx, ck.Name)
+	st, err := e.flatten(ctx, ck.Name, p.ck.gen)
 	if err != nil {
 		if ctx.Err() == nil {
 			e.log.Warn("flatten before a wave failed: its forks copy the layers", "checkpoint", ck.Name, "forks", n, "err", err)

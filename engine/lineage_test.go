@@ -138,8 +138,8 @@ func TestFlattenPolicy(t *testing.T) {
 			if tc.layers > 0 {
 				ck.Layers = []ramLayer{{Checkpoint: "c", Size: tc.layers}}
 			}
-			e.flattenLater(ck)
-			if got := e.flat.queued["c"]; got != tc.queued {
+			e.flattenLater(&Checkpoint{Manifest: *ck, gen: 1})
+			if got := e.flat.queued[flatJob{"c", 1}]; got != tc.queued {
 				t.Errorf("queued %v, want %v", got, tc.queued)
 			}
 			if strings.Contains(tc.name, "deep") && len(e.flat.pending) != 1 {
@@ -153,24 +153,29 @@ func TestFlattenPolicy(t *testing.T) {
 // flatten of it under way is cancelled and waited for before forget returns.
 func TestFlattenerForget(t *testing.T) {
 	f := newFlattener()
-	f.queued["a"], f.queued["b"] = true, true
-	f.pending = []string{"a", "b"}
-	f.forget("a")
-	if f.queued["a"] || !slices.Equal(f.pending, []string{"b"}) {
+	a, b := flatJob{"a", 1}, flatJob{"b", 2}
+	f.queued[a], f.queued[b] = true, true
+	f.pending = []flatJob{a, b}
+	f.forget("a", 1)
+	if f.queued[a] || !slices.Equal(f.pending, []flatJob{b}) {
 		t.Fatalf("after forget(a): queued %v pending %v", f.queued, f.pending)
 	}
-	f.forget("nothing") // neither queued nor running: a no-op
+	f.forget("b", 3) // another generation of b: left queued
+	if !f.queued[b] || !slices.Equal(f.pending, []flatJob{b}) {
+		t.Fatalf("after forget(b) of another generation: queued %v pending %v", f.queued, f.pending)
+	}
+	f.forget("nothing", 4) // neither queued nor running: a no-op
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	var ended atomic.Bool
-	f.running, f.stop, f.done = "c", cancel, done
+	f.running, f.stop, f.done = flatJob{"c", 5}, cancel, done
 	go func() {
 		<-ctx.Done()
 		time.Sleep(20 * time.Millisecond) // the flatten removing its temporary files
 		ended.Store(true)
 		close(done)
 	}()
-	f.forget("c")
+	f.forget("c", 5)
 	if !ended.Load() {
 		t.Fatal("forget returned before the flatten it cancelled ended")
 	}
@@ -537,5 +542,61 @@ func TestFlattenTiedToCheckpoint(t *testing.T) {
 	}
 	if b[0] != 'x' {
 		t.Errorf("page 0 of the new d2's flattened file starts %q, want 'x' (its own layer)", b[0])
+	}
+}
+
+// TestForgetTiedToGeneration: what a checkpoint's removal does to the background
+// flattens (flattener.forget, from checkpointStore.beforeRemove) is tied to the
+// generation it removes: the removal of an earlier checkpoint of a name leaves the
+// flatten queued for the one that holds the name now, which goes on. By name, the old
+// removal dequeued (or cancelled) the new checkpoint's flatten.
+func TestForgetTiedToGeneration(t *testing.T) {
+	cfg := testConfig(t)
+	e := newTestEngine(t, cfg)
+	root := writeCheckpoint(t, cfg, "root", func(c *checkpointManifest) { c.Pinned = true })
+	// A delta checkpoint with a live fork: its fork's copy of its layers costs more than
+	// a flattened file (the root holds no data), so it is flattened in the background.
+	forked := func(name string) {
+		t.Helper()
+		writeDeltaCheckpoint(t, cfg, name, root, []string{"p1", name})
+		touch(t, filepath.Join(cfg.StateDir, "checkpoints", name, forkedMarker), 0)
+		fork := vmManifest(cfg, "f-"+name, StateRunning, 0)
+		fork.Parent = name
+		e.vms.add(newVM(e.paths.vmDir(fork.Name), e.log, fork, layout{}))
+	}
+	// The old d2: read (given its generation), then deleted; a new d2 takes the name.
+	forked("d2")
+	old, err := e.cks.read("d2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.DeleteCheckpoint(t.Context(), "d2", &DeleteCheckpointOptions{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	forked("a")
+	forked("d2")
+	forked("z")
+	// Flattens wait (the test holds the flattens' lock) while a, d2 and z are queued,
+	// in that order; the loop takes a and waits in its flatten.
+	var flattened []string
+	last := make(chan struct{})
+	e.flat.mu.Lock()
+	e.flat.beforeCommit = func(name string) {
+		flattened = append(flattened, name)
+		if name == "z" {
+			close(last)
+		}
+	}
+	e.queueFlattens()
+	// The old d2's removal, done with its background work now: its generation's.
+	e.cks.beforeRemove("d2", old.gen)
+	e.flat.mu.Unlock()
+	select {
+	case <-last:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the queued flattens never reached z (flattened %v)", flattened)
+	}
+	if !slices.Contains(flattened, "d2") {
+		t.Errorf("the new d2's queued flatten was dropped by the old d2's removal (flattened %v)", flattened)
 	}
 }
