@@ -45,6 +45,13 @@ type warmPool struct {
 	target  int
 	ready   []*VM
 	filling int // spawns in flight
+	// ctx is cancelled (stop) when the pool is dropped, replaced or closed: its spawns
+	// in flight run under it, each counted by spawns until it ended, so that none runs
+	// on for a pool that is gone (its QEMU would keep the removed checkpoint's RAM file
+	// mapped, and be counted, until its start ended by itself).
+	ctx    context.Context
+	stop   context.CancelFunc
+	spawns sync.WaitGroup
 }
 
 // poolSet holds the warm pools by checkpoint name, each tied to one generation of the
@@ -72,10 +79,12 @@ func (s *poolSet) pool(ck string, gen uint64, opts WarmOptions) (*warmPool, []*V
 	p := s.pools[ck]
 	var stale []*VM
 	if p != nil && p.gen != gen {
+		p.stop()
 		stale, p = p.ready, nil
 	}
 	if p == nil {
 		p = &warmPool{gen: gen, opts: opts}
+		p.ctx, p.stop = context.WithCancel(context.Background())
 		s.pools[ck] = p
 	}
 	return p, stale
@@ -117,11 +126,13 @@ func (s *poolSet) progress(ck string, p *warmPool) (ready, filling int, kept boo
 	return len(p.ready), p.filling, s.pools[ck] == p
 }
 
-// startSpawn counts one more spawn for ck's pool, and adds it to wg, when the pool
-// wants one (it is the pool of ck's generation gen, below its target counting spawns
-// in flight, and the engine is not closed): the pool and the options to spawn under.
-// wg is added to under mu after closed is checked: close sets closed under mu before
-// the engine waits on wg, so no spawn can start after that wait ended.
+// startSpawn counts one more spawn for ck's pool, and adds it to wg and to the pool's
+// spawns, when the pool wants one (it is the pool of ck's generation gen, below its
+// target counting spawns in flight, and the engine is not closed): the pool and the
+// options to spawn under; the spawn runs under the pool's ctx. wg is added to under
+// mu after closed is checked: close sets closed under mu before the engine waits on
+// wg, so no spawn can start after that wait ended; so is the pool's, while the pool is
+// ck's: drop removes it under mu before its spawns are waited for.
 func (s *poolSet) startSpawn(ck string, gen uint64, wg *sync.WaitGroup) (p *warmPool, opts WarmOptions, ok bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -131,6 +142,7 @@ func (s *poolSet) startSpawn(ck string, gen uint64, wg *sync.WaitGroup) (p *warm
 	}
 	p.filling++
 	wg.Add(1)
+	p.spawns.Add(1)
 	return p, p.opts, true
 }
 
@@ -197,21 +209,22 @@ func (s *poolSet) take(ck string, gen uint64) *VM {
 }
 
 // drop removes ck's pool of generation gen, if it has one, and returns its ready
-// processes, for the caller to discard: its checkpoint is going. A spawn still in
-// flight for it settles into no pool, and is discarded (settle), so a new checkpoint
-// of the same name never gets a process of this one. A pool of another generation is
-// another checkpoint's: drop leaves it.
-func (s *poolSet) drop(ck string, gen uint64) []*VM {
+// processes, for the caller to discard, and the pool (nil: none), whose spawns in
+// flight drop cancels: its checkpoint is going. Such a spawn settles into no pool and
+// is discarded (settle), so a new checkpoint of the same name never gets a process of
+// this one. A pool of another generation is another checkpoint's: drop leaves it.
+func (s *poolSet) drop(ck string, gen uint64) ([]*VM, *warmPool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p := s.pools[ck]
 	if p == nil || p.gen != gen {
-		return nil
+		return nil, nil
 	}
 	delete(s.pools, ck)
+	p.stop()
 	ready := p.ready
 	p.ready, p.target = nil, 0
-	return ready
+	return ready, p
 }
 
 // close refuses new spawns and returns every ready process, for the caller to kill.
@@ -221,6 +234,7 @@ func (s *poolSet) close() []*VM {
 	s.closed = true
 	var all []*VM
 	for _, p := range s.pools {
+		p.stop()
 		all = append(all, p.ready...)
 		p.ready, p.target = nil, 0
 	}
@@ -305,16 +319,26 @@ func (e *Engine) refill(c *Checkpoint) {
 		if err != nil {
 			e.log.Warn("warm pool refill refused", "checkpoint", name, "err", err)
 			e.pools.settle(name, p, nil, opts)
+			p.spawns.Done()
 			e.bgWG.Done()
 			return
 		}
 		go func() {
 			defer e.bgWG.Done()
+			defer p.spawns.Done()
 			defer res.release()
+			// Ended by Close (e.bg) or by the pool's end (dropped with its checkpoint).
+			ctx, cancel := context.WithCancel(e.bg)
+			defer cancel()
+			defer context.AfterFunc(p.ctx, cancel)()
 			for {
-				vm, err := e.spawnPooled(e.bg, c, opts)
+				vm, err := e.spawnPooled(ctx, c, opts)
 				if err != nil {
-					e.log.Warn("warm pool spawn failed", "checkpoint", name, "err", err)
+					if ctx.Err() != nil {
+						e.log.Debug("warm pool spawn ended: its pool is gone", "checkpoint", name, "err", err)
+					} else {
+						e.log.Warn("warm pool spawn failed", "checkpoint", name, "err", err)
+					}
 					vm = nil
 				}
 				again, kept := e.pools.settle(name, p, vm, opts)
@@ -336,10 +360,16 @@ func (e *Engine) refill(c *Checkpoint) {
 // dropPool kills the warm pool of checkpoint ck of generation gen, which is being
 // removed: its processes run ck's RAM and device state and would otherwise be counted
 // by the budget until the engine closes, or be handed to the forks of a new checkpoint
-// of the same name.
+// of the same name. Its spawns in flight are cancelled and waited for (each kills its
+// QEMU and removes its files), so that none maps the checkpoint's RAM file once the
+// removal deletes it.
 func (e *Engine) dropPool(ck string, gen uint64) {
-	for _, vm := range e.pools.drop(ck, gen) {
+	ready, p := e.pools.drop(ck, gen)
+	for _, vm := range ready {
 		e.discard(vm)
+	}
+	if p != nil {
+		p.spawns.Wait()
 	}
 }
 

@@ -7,6 +7,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -260,4 +263,56 @@ func TestWarmRacingCheckpointDelete(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestDroppedPoolEndsItsSpawns: a checkpoint's removal ends the warm-pool spawns under
+// way for it, not only its ready processes: by the time the delete returns, the QEMU a
+// spawn started is killed and its files are gone. A spawn left to run on kept the
+// removed checkpoint's RAM file mapped (its memory not given back) and its process
+// counted until its start ended by itself, only to be discarded then.
+func TestDroppedPoolEndsItsSpawns(t *testing.T) {
+	e, started := holdingEngine(t)
+	forkableCheckpoint(t, e, "ck")
+	warmed := make(chan error, 1)
+	ended := make(chan struct{})
+	go func() {
+		defer close(ended)
+		warmed <- e.Warm(t.Context(), "ck", 1, nil)
+	}()
+	pid := started(ended) // the pool's spawn, waiting in its start
+	if err := e.DeleteCheckpoint(t.Context(), "ck", nil); err != nil {
+		t.Fatal(err)
+	}
+	if !processGone(pid) {
+		t.Errorf("the dropped pool's spawn (pid %d) still runs after the delete returned", pid)
+		syscall.Kill(pid, syscall.SIGKILL)
+	}
+	ents, _ := os.ReadDir(e.paths.vmsDir())
+	for _, ent := range ents {
+		t.Errorf("the dropped pool's spawn left %s", ent.Name())
+	}
+	select {
+	case err := <-warmed:
+		if !errors.Is(err, ErrNotFound) {
+			t.Errorf("Warm of a checkpoint deleted under it: %v, want ErrNotFound", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Warm never returned")
+	}
+}
+
+// processGone reports whether process pid has exited (a zombie not yet reaped counts
+// as exited).
+func processGone(pid int) bool {
+	if syscall.Kill(pid, 0) != nil {
+		return true
+	}
+	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	if err != nil {
+		return true
+	}
+	// pid (comm) S ...: the state follows the last ')'.
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i < 0 || i+2 >= len(s) || s[i+2] == 'Z' || s[i+2] == 'X'
 }
