@@ -142,10 +142,19 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 // Each stage's duration is a lap of one phase clock. held, when set, is the fork's
 // admission, made before its checkpoint was taken (admitSource); forkOne releases it.
 // early, when set, is this fork already spawned while c was being taken (earlyFork):
-// it goes on from inject when it matches c, else it is dropped and the fork made anew.
+// it goes on from inject when it matches c, else it is dropped and the fork made anew
+// under the name it reserved, held across (given back in between, it could be taken).
 func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held *reservation, early *earlyFork) (*VM, error) {
-	if f := e.takeEarly(early, c); f != nil {
+	f, named := e.takeEarly(early, c)
+	if f != nil {
 		return e.forkEarly(ctx, c, f, held)
+	}
+	if named && early.name != name {
+		e.vms.unreserve(early.name) // never: the early fork is this fork, by its name
+		named = false
+	}
+	if named {
+		defer e.vms.unreserve(name)
 	}
 	clock := markPhases(e.cfg.Markers, name)
 	clock.begin("prepare")
@@ -154,10 +163,12 @@ func (e *Engine) forkOne(ctx context.Context, c *Checkpoint, name string, overco
 	if err := e.forkChecks(ctx, c, publish); err != nil {
 		return nil, err
 	}
-	if err := e.vms.reserve(name); err != nil {
-		return nil, err
+	if !named {
+		if err := e.vms.reserve(name); err != nil {
+			return nil, err
+		}
+		defer e.vms.unreserve(name)
 	}
-	defer e.vms.unreserve(name)
 	fctx, cancel := context.WithTimeout(ctx, e.cfg.ForkTimeout)
 	defer cancel()
 

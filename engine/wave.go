@@ -466,10 +466,13 @@ func (f *earlyFork) spawn(ctx context.Context, e *Engine, w *ckWriter, ck *check
 }
 
 // takeEarly returns f when its process is a fork of the committed checkpoint c as
-// predicted; otherwise it drops f and returns nil. nil f: nil.
-func (e *Engine) takeEarly(f *earlyFork, c *Checkpoint) *earlyFork {
+// predicted; otherwise it drops f and returns nil, with named set when this drop kept
+// f's name reserved for the caller, which makes the fork anew under it and unreserves
+// it (a name given back here could be taken before the fork reserved it again: a
+// spurious ErrExists). nil f, or one dropped already: nil, not named.
+func (e *Engine) takeEarly(f *earlyFork, c *Checkpoint) (_ *earlyFork, named bool) {
 	if f == nil {
-		return nil
+		return nil, false
 	}
 	taken := false
 	f.once.Do(func() {
@@ -479,12 +482,13 @@ func (e *Engine) takeEarly(f *earlyFork, c *Checkpoint) *earlyFork {
 			return
 		}
 		e.log.Info("early fork dropped: made anew", "vm", f.name, "checkpoint", c.Manifest.Name, "err", f.err)
-		e.discardEarly(f)
+		e.discardEarly(f, true)
+		named = true
 	})
 	if taken {
-		return f
+		return f, false
 	}
-	return nil
+	return nil, named
 }
 
 // matches says whether c, committed, is the checkpoint f's process was started for.
@@ -513,13 +517,14 @@ func (e *Engine) dropEarly(f *earlyFork) {
 	}
 	f.once.Do(func() {
 		<-f.ready
-		e.discardEarly(f)
+		e.discardEarly(f, false)
 	})
 }
 
-// discardEarly kills f's process and removes its files; the fork's admission is not
-// f's to release (the plan's fork goes on with it).
-func (e *Engine) discardEarly(f *earlyFork) {
+// discardEarly kills f's process and removes its files, and gives its name back unless
+// keepName (the fork made anew under it holds it on); the fork's admission is not f's
+// to release (the plan's fork goes on with it).
+func (e *Engine) discardEarly(f *earlyFork, keepName bool) {
 	if f.vm != nil {
 		e.discard(f.vm) // a failed set-up removed what it made itself
 	}
@@ -529,7 +534,9 @@ func (e *Engine) discardEarly(f *earlyFork) {
 	if f.done != nil {
 		f.done()
 	}
-	e.vms.unreserve(f.name)
+	if !keepName {
+		e.vms.unreserve(f.name)
+	}
 }
 
 // forkEarly makes the fork of c from f, taken (takeEarly): its QEMU runs and waits for

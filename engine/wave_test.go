@@ -327,3 +327,42 @@ func TestEarlyForkMatches(t *testing.T) {
 		})
 	}
 }
+
+// TestDroppedEarlyForkKeepsName: a wave's first fork whose early fork is dropped (its
+// spawn failed, or the checkpoint committed is not the one it was started for) is made
+// anew under the name the early fork reserved, held all along. Given back when the
+// early fork was dropped and reserved again by the fork, the name could be taken in
+// between by another create, fork or checkpoint: the fork then failed with a spurious
+// ErrExists.
+func TestDroppedEarlyForkKeepsName(t *testing.T) {
+	e := bootEngine(t, "exit 1") // the fork made anew fails at its spawn
+	forkableCheckpoint(t, e, "ck")
+	c, err := e.cks.load(t.Context(), "ck")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &gapMarker{e: e}
+	e.cfg.Markers = m
+	// An early fork whose spawn failed, its name reserved as startEarly reserves it.
+	if err := e.vms.reserve("f1"); err != nil {
+		t.Fatal(err)
+	}
+	ready := make(chan struct{})
+	close(ready)
+	early := &earlyFork{name: "f1", ready: ready, err: errors.New("spawn failed")}
+	if vm, err := e.forkOne(t.Context(), c, "f1", 0, nil, nil, early); err == nil {
+		e.discard(vm)
+		t.Error("the fork of the exiting fake QEMU succeeded")
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.tries == 0 {
+		t.Fatal("the fork made anew began no prepare phase")
+	}
+	if len(m.admitted) > 0 {
+		t.Errorf("a concurrent reserve of f1 was admitted between the early fork's drop and the fork made anew (tries %v of %d)", m.admitted, m.tries)
+	}
+	if err := e.vms.reserve("f1"); err != nil {
+		t.Errorf("the name is still held after the fork ended: %v", err)
+	}
+}
