@@ -128,7 +128,7 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 			return nil, err
 		}
 		e.log.Info("checkpoint", "checkpoint", name, "vm", vmName, "total", w.ck.Timings.Total, "parked", true)
-		return w.checkpoint(), nil
+		return e.committed(w), nil
 	}
 	kind := e.checkpointKind(m, o)
 	if d, ok := kind.(*deltaCheckpoint); ok {
@@ -145,13 +145,21 @@ func (e *Engine) checkpoint(ctx context.Context, vmName, name string, o Checkpoi
 		}
 		if w.committed {
 			// Handoff: the checkpoint exists, only the VM's restart failed.
-			return w.checkpoint(), err
+			return e.committed(w), err
 		}
 		return nil, err
 	}
 	ck := w.ck
 	e.log.Info("checkpoint", "checkpoint", name, "vm", vmName, "total", ck.Timings.Total, "paused", ck.Timings.Paused)
-	return w.checkpoint(), nil
+	return e.committed(w), nil
+}
+
+// committed is the checkpoint w committed, with its generation in the store (adopt):
+// what is started on it (a plan's forks) is tied to it, as to a checkpoint read.
+func (e *Engine) committed(w *ckWriter) *Checkpoint {
+	c := w.checkpoint()
+	c.gen = e.cks.adopt(c.Manifest.Name)
+	return c
 }
 
 // checkpointKind chooses how a VM whose manifest is m is checkpointed: a world (share=on

@@ -221,6 +221,21 @@ func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 	return &Checkpoint{Manifest: *ck, Dir: dir, gen: s.generation(name)}, nil
 }
 
+// adopt gives the checkpoint just committed under name its generation (0 when it is
+// gone already, or being removed), as read does. Its maker calls it while the name is
+// still reserved, so the checkpoint at the name is the one it committed.
+func (s *checkpointStore) adopt(name string) uint64 {
+	s.life.RLock()
+	defer s.life.RUnlock()
+	s.mu.Lock()
+	going := s.removing[name] > 0
+	s.mu.Unlock()
+	if _, err := os.Stat(filepath.Join(s.paths.checkpointDir(name), manifestFile)); going || err != nil {
+		return 0
+	}
+	return s.generation(name)
+}
+
 // readAny is read, and for a checkpoint whose manifest cannot be read (corrupt, or
 // missing from a directory that is there) one that has only its name, directory and
 // generation: enough to remove it (an explicit delete removes such a checkpoint too).

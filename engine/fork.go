@@ -107,7 +107,9 @@ func (e *Engine) resolveSource(ctx context.Context, src string, pin bool, early 
 
 // forkFrom makes one fork of checkpoint c (forkOne) under the fork guard: refused while
 // the checkpoint is being deleted, and failed with an error wrapping ErrNotFound when a
-// forced delete cancels it. held, when set, is the fork's admission, made before its
+// forced delete cancels it, or when c is no longer the checkpoint of its name (deleted
+// since it was loaded, maybe replaced by another of the name, whose files the fork
+// would take: they go by the name). held, when set, is the fork's admission, made before its
 // checkpoint was taken (admitSource); it is released when forkFrom returns (it is
 // idempotent: forkOne releases it as soon as the fork is registered or failed).
 func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overcommit float64, publish []PortForward, held *reservation, early *earlyFork) (*VM, error) {
@@ -117,7 +119,9 @@ func (e *Engine) forkFrom(ctx context.Context, c *Checkpoint, name string, overc
 		return nil, err
 	}
 	defer leave()
-	if !e.cks.exists(c.Manifest.Name) {
+	// Checked once entered: a removal from here on cancels the fork (forced), or waits
+	// for it or refuses (collection, delete without force).
+	if !e.cks.current(c.Manifest.Name, c.gen) {
 		return nil, fmt.Errorf("%w: checkpoint %s was deleted", ErrNotFound, c.Manifest.Name)
 	}
 	vm, err := e.forkOne(gctx, c, name, overcommit, publish, held, early)

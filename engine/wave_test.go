@@ -366,3 +366,28 @@ func TestDroppedEarlyForkKeepsName(t *testing.T) {
 		t.Errorf("the name is still held after the fork ended: %v", err)
 	}
 }
+
+// TestForkOfReplacedCheckpoint: a fork goes on only from the checkpoint it loaded. One
+// whose checkpoint was deleted before the fork entered it, and a checkpoint of the same
+// name made meanwhile, fails with ErrNotFound: the files of a checkpoint go by its name,
+// so the fork would otherwise restore the new checkpoint's device state and map its RAM
+// file under the old one's manifest, and count as a fork of the new one.
+func TestForkOfReplacedCheckpoint(t *testing.T) {
+	e := bootEngine(t, "exit 1") // a fork that went on would fail at its spawn
+	forkableCheckpoint(t, e, "ck")
+	old, err := e.cks.load(t.Context(), "ck")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.DeleteCheckpoint(t.Context(), "ck", &DeleteCheckpointOptions{Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	forkableCheckpoint(t, e, "ck")
+	vm, err := e.forkFrom(t.Context(), old, "f1", 0, nil, nil, nil)
+	if err == nil {
+		e.discard(vm)
+	}
+	if !errors.Is(err, ErrNotFound) {
+		t.Errorf("fork of a checkpoint replaced under it: %v, want ErrNotFound", err)
+	}
+}
