@@ -52,3 +52,6 @@ func (e *execError) Error() string { return e.msg }
 
 // readReady is a read whose deadline passed: without unix, nothing more is read.
 func readReady(*os.File, []byte) (int, error) { return 0, os.ErrDeadlineExceeded }
+
+// outputLeft is what an output holds after the exit: without unix, nothing known.
+func outputLeft(*os.File) (int, bool) { return 0, false }

@@ -329,6 +329,27 @@ func readReady(f *os.File, buf []byte) (int, error) {
 	return n, nil
 }
 
+// outputLeft reports, without reading, what the output f (a pipe's read end, or a pty
+// master) holds for a process that exited: queued, the bytes in it now (FIONREAD; on a
+// pty master, those its terminal has processed), and closed, whether no process holds
+// its other end any more (POLLHUP), so that nothing can be added to what it holds.
+func outputLeft(f *os.File) (queued int, closed bool) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0, false
+	}
+	rc.Control(func(fd uintptr) {
+		if n, err := unix.IoctlGetInt(int(fd), fionread); err == nil {
+			queued = n
+		}
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		if n, err := unix.Poll(pfd, 0); err == nil && n > 0 && pfd[0].Revents&unix.POLLHUP != 0 {
+			closed = true
+		}
+	})
+	return queued, closed
+}
+
 // signal sends the host's signal sig to the command: SIGKILL kills it and all it
 // started (kill); any other signal goes to its process group alone, as a terminal's
 // does, for the command to pass on or not.

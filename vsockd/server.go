@@ -24,7 +24,8 @@ const drainIdle = 250 * time.Millisecond
 // exited: a descendant that holds the pipes and writes more often than drainIdle (a
 // server started with & that logs a heartbeat) kept the command from ever ending. Only
 // waiting counts: what the process wrote before it exited is in the pipe already, and
-// is read however slowly the host grants credit for it.
+// is read whole, however slowly the host grants credit for it and however long the
+// guest takes to read it (see readAfterExit).
 const drainMax = 2 * time.Second
 
 // drainCap is the server's drainMax (drainMaxTest where a test set one).
@@ -390,27 +391,19 @@ func (ss *session) startExec(f Frame) {
 // pumpOutput copies one output fd to the host within the stream's credit.
 func (ss *session) pumpOutput(st *gstream, t FrameType, f *os.File, exited *atomic.Bool) {
 	buf := make([]byte, chunkSize)
-	var waited time.Duration // reading after the exit (drainMax)
+	var d afterExit
 	for {
-		after := exited.Load()
-		if after {
-			left := ss.srv.drainCap() - waited
-			if left <= 0 {
-				return // a descendant's output, written after the process exited
+		var n int
+		var err error
+		if exited.Load() {
+			n, err = ss.readAfterExit(f, buf, &d)
+		} else {
+			n, err = f.Read(buf)
+			if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+				// markExited's deadline: the process exited; what is left is read by
+				// readAfterExit's rules.
+				continue
 			}
-			f.SetReadDeadline(time.Now().Add(min(ss.srv.drain(), left)))
-		}
-		t0 := time.Now()
-		n, err := f.Read(buf)
-		if after {
-			waited += time.Since(t0)
-		}
-		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
-			// The deadline can pass while this goroutine waits for a CPU rather than
-			// for output (a loaded guest, or the host granting credit late): what the
-			// process wrote before it exited is in the pipe still. Only an empty pipe
-			// is idle.
-			n, err = readReady(f, buf)
 		}
 		data := buf[:n]
 		for len(data) > 0 {
@@ -424,9 +417,68 @@ func (ss *session) pumpOutput(st *gstream, t FrameType, f *os.File, exited *atom
 			data = data[k:]
 		}
 		if err != nil {
-			return // EOF, EIO (pty), deadline after exit, or closed
+			return // EOF, EIO (pty), idle or drainMax after exit, or closed
 		}
 	}
+}
+
+// afterExit is what an output pump knows once the process exited (readAfterExit).
+type afterExit struct {
+	seen   bool          // the exit was seen: owed is set
+	owed   int           // bytes the output held when the exit was seen, not read yet
+	waited time.Duration // waiting for new output since (drainMax)
+}
+
+// errDrained ends an output pump whose wait for a descendant's output used up drainMax.
+var errDrained = errors.New("vsockd: output drained")
+
+// readAfterExit reads f for a process that exited. What the process wrote before it
+// exited is read whole and costs none of drainMax: the bytes f held when the exit was
+// seen (owed), and all that is left once no process holds the output's other end any
+// more (nothing can be added then; the reads end with EOF, or EIO on a pty). Such reads
+// never wait. Only then does drainMax bound the wait for a descendant's output (a
+// server started with & that holds the pipe): a read waits at most drainIdle, and
+// counts no more than that however long it took.
+//
+// Before, every read after the exit counted its whole duration, even one that returned
+// output already there: a guest stalled for drainMax inside one read (a loaded host not
+// running its vCPU) ended the pump with the rest of the command's own output unread.
+// Reads of a pty are short (the terminal writes the "\r\n" of ONLCR apart from the line
+// before it), so even a command's last line could lose its end: "50 100\r\n" came as
+// "50 100".
+func (ss *session) readAfterExit(f *os.File, buf []byte, d *afterExit) (int, error) {
+	queued, closed := outputLeft(f)
+	if !d.seen {
+		d.seen, d.owed = true, queued
+	}
+	if closed || d.owed > 0 {
+		n, err := readReady(f, buf)
+		if n > 0 {
+			d.owed = max(0, d.owed-n)
+			return n, nil
+		}
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			return 0, err // EOF, EIO (pty), or closed
+		}
+		d.owed = 0 // empty after all: wait as for a descendant's output
+	}
+	left := ss.srv.drainCap() - d.waited
+	if left <= 0 {
+		return 0, errDrained // a descendant's output, written after the process exited
+	}
+	wait := min(ss.srv.drain(), left)
+	f.SetReadDeadline(time.Now().Add(wait))
+	t0 := time.Now()
+	n, err := f.Read(buf)
+	// A read waits at most wait for output; longer, it waited for a CPU (a loaded
+	// guest, a host not running the vCPU), which is no output's wait.
+	d.waited += min(time.Since(t0), wait)
+	if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+		// The deadline can pass while this goroutine waits for a CPU rather than for
+		// output: only an empty output is idle.
+		n, err = readReady(f, buf)
+	}
+	return n, err
 }
 
 // feedStdin writes Stdin frames to the process and returns credit.

@@ -314,6 +314,57 @@ func TestOutputOfDescendantsBounded(t *testing.T) {
 	}
 }
 
+// TestOutputWholeAfterStalledRead: what a command wrote before it exited reaches the
+// host whole even where the first read after its exit took all of drainMax (here a
+// drainMax of 1 ns; in a VM, a guest whose vCPU the loaded host did not run during that
+// read). A slow host leaves the output full at the exit, to be read in several reads.
+// Before, every read after the exit counted its whole duration towards drainMax, and
+// the pump stopped after the first: each command lost the rest of its output (a TTY
+// exec's "50 100\r\n" came as "50 100" in TestServeDaemon, which then waited for the
+// end of the line for ever).
+func TestOutputWholeAfterStalledRead(t *testing.T) {
+	c := pairWith(t, &Server{drainMaxTest: time.Nanosecond}, nil)
+	for _, tc := range []struct {
+		name, script string
+		n            int // zero bytes before "end"
+		tty          bool
+	}{
+		{"pipe", "head -c 600000 /dev/zero; echo end", 600000, false},
+		{"tty", "head -c 300000 /dev/zero; echo end", 300000, true},
+		// A descendant holds the pipe: what it held at the exit is the command's.
+		{"pipe held by a descendant", "sleep 3 & head -c 600000 /dev/zero; echo end", 600000, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			want := strings.Repeat("\x00", tc.n) + "end\n"
+			atOnce(t, 4, func(i int) error {
+				out := &slowWriter{delay: time.Millisecond}
+				start := time.Now()
+				code, err := c.Run(tctx(t), &ExecRequest{Argv: []string{"sh", "-c", tc.script}, TTY: tc.tty, Stdout: out})
+				took := time.Since(start)
+				got := strings.ReplaceAll(out.String(), "\r\n", "\n")
+				if err != nil || code != 0 || got != want {
+					return fmt.Errorf("exec %d: code %d err %v: %d bytes of output, want %d, ending %q", i, code, err, len(got), len(want), got[max(0, len(got)-8):])
+				}
+				if took > 2500*time.Millisecond {
+					return fmt.Errorf("exec %d took %v: it waited for the descendant's output", i, took)
+				}
+				return nil
+			})
+		})
+	}
+}
+
+// slowWriter collects output, taking delay over each write.
+type slowWriter struct {
+	delay time.Duration
+	syncBuffer
+}
+
+func (w *slowWriter) Write(p []byte) (int, error) {
+	time.Sleep(w.delay)
+	return w.syncBuffer.Write(p)
+}
+
 func TestPutGetFile(t *testing.T) {
 	c := pair(t, nil)
 	dir := t.TempDir()

@@ -14,6 +14,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// fionread is FIONREAD (TIOCINQ): the bytes a pipe or terminal holds.
+const fionread = unix.TIOCINQ
+
 // ioctl numbers from <linux/random.h>.
 const (
 	rndAddEntropy = 0x40085203 // _IOW('R', 0x03, int[2])

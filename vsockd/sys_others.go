@@ -4,6 +4,10 @@ package vsockd
 
 import "time"
 
+// fionread is FIONREAD on macOS and the BSDs (_IOR('f', 127, int)): the bytes a pipe
+// or terminal holds.
+const fionread = 0x4004667f
+
 // processStart approximates boot time on platforms without a boot clock.
 var processStart = time.Now()
 
