@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"os"
@@ -244,6 +245,99 @@ func mustRun(t testing.TB, vm *engine.VM, script string) string {
 		t.Fatalf("%s: %q exited %d: %s%s", vm.Name(), script, code, out, errs)
 	}
 	return strings.TrimSpace(out)
+}
+
+// outputLines reads a command's output as it comes, for a test that waits for lines of
+// it: each wait is bounded, and one that fails shows all the output read so far, the
+// part of a line included. A read of an exec's output on a pipe that nobody closes (a
+// client's Stdout writer) waited for ever once the output had ended without the line.
+type outputLines struct {
+	t    testing.TB
+	what string
+	stop func() // ends the reads (closes the pipe, kills the command)
+	more chan struct{}
+
+	mu   sync.Mutex
+	all  []byte // everything read
+	next int    // where the next line starts in all
+	err  error  // what ended the reads
+}
+
+// readLines starts reading r, the output of what; stop must make a read of r return
+// (the test calls it when a wait fails, and at its end).
+func readLines(t testing.TB, what string, r io.Reader, stop func()) *outputLines {
+	o := &outputLines{t: t, what: what, stop: stop, more: make(chan struct{}, 1)}
+	t.Cleanup(stop)
+	go func() {
+		b := make([]byte, 4096)
+		for {
+			n, err := r.Read(b)
+			o.mu.Lock()
+			o.all = append(o.all, b[:n]...)
+			o.err = err
+			o.mu.Unlock()
+			select {
+			case o.more <- struct{}{}:
+			default:
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return o
+}
+
+// line returns the next line, its "\n" included, waiting at most d for it.
+func (o *outputLines) line(d time.Duration) string {
+	o.t.Helper()
+	return o.lineWith("", d)
+}
+
+// lineWith returns the next line that contains s, waiting at most d in all: the lines
+// before it are skipped.
+func (o *outputLines) lineWith(s string, d time.Duration) string {
+	o.t.Helper()
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	for {
+		o.mu.Lock()
+		for {
+			i := bytes.IndexByte(o.all[o.next:], '\n')
+			if i < 0 {
+				break
+			}
+			l := string(o.all[o.next : o.next+i+1])
+			o.next += i + 1
+			if strings.Contains(l, s) {
+				o.mu.Unlock()
+				return l
+			}
+		}
+		err := o.err
+		o.mu.Unlock()
+		want := "line"
+		if s != "" {
+			want = fmt.Sprintf("line with %q", s)
+		}
+		if err != nil {
+			o.fail("the output ended (%v) with no %s", err, want)
+		}
+		select {
+		case <-o.more:
+		case <-timer.C:
+			o.fail("no %s in %v", want, d)
+		}
+	}
+}
+
+func (o *outputLines) fail(format string, args ...any) {
+	o.t.Helper()
+	o.stop()
+	o.mu.Lock()
+	all := string(o.all)
+	o.mu.Unlock()
+	o.t.Fatalf("%s: %s; all it wrote: %q", o.what, fmt.Sprintf(format, args...), all)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -175,8 +175,10 @@ func spawnWithNet(t testing.TB, qemu, passt, b string) (time.Duration, [4]int64)
 		}
 	}
 	defer conn.Close()
-	if _, err := bufio.NewReader(conn).ReadString('\n'); err != nil {
-		t.Fatalf("%s: qmp greeting: %v", b, err)
+	conn.SetReadDeadline(time.Now().Add(time.Minute)) // a QEMU that never greets fails the test
+	greeting, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil {
+		t.Fatalf("%s: qmp greeting: %v (read: %q)", b, err, greeting)
 	}
 	d := time.Since(t0)
 	var m [4]int64

@@ -1,7 +1,6 @@
 package tests
 
 import (
-	"bufio"
 	"bytes"
 	"crypto/md5"
 	"crypto/rand"
@@ -104,7 +103,7 @@ func TestServeCLI(t *testing.T) {
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		line, _ := bufio.NewReader(stdout).ReadString('\n')
+		line := readLines(t, "forkvm exec", stdout, func() { cmd.Process.Kill() }).line(time.Minute)
 		if line != "started\n" {
 			cmd.Process.Kill()
 			cmd.Wait()
@@ -259,7 +258,7 @@ func TestServeCLI(t *testing.T) {
 	if err := att.Start(); err != nil {
 		t.Fatal(err)
 	}
-	if line, _ := bufio.NewReader(aout).ReadString('\n'); line != "up\n" {
+	if line := readLines(t, "attached forkvm exec", aout, func() { att.Process.Kill() }).line(time.Minute); line != "up\n" {
 		t.Fatalf("attached exec: %q", line)
 	}
 	attDone := make(chan error, 1)
@@ -286,7 +285,7 @@ func TestServeCLI(t *testing.T) {
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() { defer wg.Done(); long.Wait() }()
-	if line, _ := bufio.NewReader(lout).ReadString('\n'); line != "holding\n" {
+	if line := readLines(t, "holding forkvm exec", lout, func() { long.Process.Kill() }).line(time.Minute); line != "holding\n" {
 		t.Fatalf("holding exec: %q", line)
 	}
 	t0 := time.Now()

@@ -1,7 +1,6 @@
 package tests
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
@@ -113,18 +112,19 @@ func TestServeDaemon(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lines := bufio.NewReader(pout)
+	// Each wait for a line is bounded: nothing closes poutW, so a read of an output
+	// that ended without the line waited for ever.
+	lines := readLines(t, "attached exec", pout, func() { pout.CloseWithError(errors.New("test: no longer read")) })
 	go pinW.Write([]byte("x\n"))
-	if l1, _ := lines.ReadString('\n'); l1 != "got:x\n" {
+	if l1 := lines.line(time.Minute); l1 != "got:x\n" {
 		t.Errorf("attached stdin: %q", l1)
 	}
-	if l2, _ := lines.ReadString('\n'); l2 != "ready\n" {
+	if l2 := lines.line(time.Minute); l2 != "ready\n" {
 		t.Errorf("attached: %q", l2)
 	}
 	if err := p.Signal(ctx, syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	go io.Copy(io.Discard, pout)
 	if code, err := p.Wait(ctx); code != 5 || err != nil {
 		t.Errorf("attached exec after SIGTERM: %d %v, want 5", code, err)
 	}
@@ -136,25 +136,15 @@ func TestServeDaemon(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tlines := bufio.NewReader(tout)
-	if l, _ := tlines.ReadString('\n'); !strings.Contains(l, "24 80") {
+	tlines := readLines(t, "tty exec", tout, func() { tout.CloseWithError(errors.New("test: no longer read")) })
+	if l := tlines.line(time.Minute); !strings.Contains(l, "24 80") {
 		t.Errorf("tty size: %q", l)
 	}
 	if err := p.Resize(ctx, 50, 100); err != nil {
 		t.Fatal(err)
 	}
 	go tinW.Write([]byte("\n"))
-	for {
-		l, err := tlines.ReadString('\n')
-		if strings.Contains(l, "50 100") {
-			break
-		}
-		if err != nil {
-			t.Errorf("tty size after resize: not seen (%v)", err)
-			break
-		}
-	}
-	go io.Copy(io.Discard, tout)
+	tlines.lineWith("50 100", time.Minute) // the size after the resize
 	if code, err := p.Wait(ctx); code != 0 || err != nil {
 		t.Errorf("tty exec: %d %v", code, err)
 	}
