@@ -40,6 +40,9 @@ type execCgroups struct {
 	// noKillFile makes killNow fail, so that a kill freezes the cgroup and kills its
 	// tasks one by one as on kernels without cgroup.kill (tests).
 	noKillFile bool
+	// afterGroupKill, where a test sets it, runs in a kill between the process
+	// group's SIGKILL and the cgroup's.
+	afterGroupKill func(*proc)
 }
 
 // take returns the cgroup a command starts in, open, and its path for release: an idle

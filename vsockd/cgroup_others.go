@@ -8,8 +8,9 @@ import (
 	"syscall"
 )
 
-// execCgroups has no cgroups to give: cgroups are Linux's.
-type execCgroups struct{}
+// execCgroups has no cgroups to give: cgroups are Linux's. afterGroupKill is never
+// called (take gives no cgroup to kill).
+type execCgroups struct{ afterGroupKill func(*proc) }
 
 func (*execCgroups) take(*os.File, int) (*os.File, string) { return nil, "" }
 func (*execCgroups) prepare(*os.File, int, int)            {}

@@ -178,3 +178,52 @@ func TestExecKillReachesCgroup(t *testing.T) {
 		}
 	}
 }
+
+// TestExecKillExitRace: the host's SIGKILL reaches the process group before the
+// command's cgroup; the exit it brings can be reaped before the cgroup's kill starts
+// (here: held until the exec's exit is marked, or a second passed, as it does where the
+// Exit waits for the kill). The Exit must still wait for that kill: the setsid child
+// dead and the cgroup thawed when the exec ends. Before, the mark that makes the Exit
+// wait was set after the group's SIGKILL, and the Exit went first.
+func TestExecKillExitRace(t *testing.T) {
+	for _, noKillFile := range []bool{false, true} {
+		t.Run(fmt.Sprintf("freeze=%v", noKillFile), func(t *testing.T) {
+			cg := testCgroup(t)
+			srv := &Server{ExecCgroup: cg, drainMaxTest: 300 * time.Millisecond}
+			srv.cgroups.noKillFile = noKillFile
+			srv.cgroups.afterGroupKill = func(p *proc) {
+				for deadline := time.Now().Add(time.Second); !p.exited.Load() && time.Now().Before(deadline); {
+					time.Sleep(time.Millisecond)
+				}
+			}
+			c := pairWith(t, srv, nil)
+			out := &lineWriter{first: make(chan string, 1)}
+			p, err := c.Start(tctx(t), &ExecRequest{Argv: escapee, Stdout: out})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var pid int
+			select {
+			case line := <-out.first:
+				if pid, err = strconv.Atoi(line); err != nil {
+					t.Fatalf("first line %q", line)
+				}
+			case <-tctx(t).Done():
+				t.Fatal("no pid printed")
+			}
+			cmdCgroup := filepath.Join(cg.Name(), filepath.Base(cgroupOf(t, pid)))
+			if err := p.Signal(tctx(t), syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			if code, err := p.Wait(tctx(t)); err != nil || code != 128+int(syscall.SIGKILL) {
+				t.Fatalf("exec: code %d, %v", code, err)
+			}
+			if !cgroupEmpty(cg.Name()) {
+				t.Fatalf("the setsid child %d outlived the exec's end", pid)
+			}
+			if b, err := os.ReadFile(filepath.Join(cmdCgroup, "cgroup.freeze")); err == nil && string(b) != "0\n" {
+				t.Fatalf("the command's cgroup is left frozen: %q", b)
+			}
+		})
+	}
+}

@@ -390,8 +390,8 @@ func (p *proc) kill() {
 	if p.exited.Load() {
 		return
 	}
-	p.signalGroup(sigKill)
 	if p.cgroupPath == "" {
+		p.signalGroup(sigKill)
 		return // in the shared parent cgroup, or none: its other tasks are not ours
 	}
 	p.cgKillOnce.Do(func() {
@@ -400,7 +400,15 @@ func (p *proc) kill() {
 			p.cgMu.Unlock()
 			return
 		}
+		// Marked before the process group's SIGKILL: the exit it brings must find the
+		// mark, so that the Exit waits for this kill (waitKilled, which takes cgMu,
+		// held until the kill is done). Marked after, an exit reaped in between sent
+		// the Exit with the cgroup still frozen or its escaped tasks alive.
 		p.cgKilled.Store(true)
+		p.signalGroup(sigKill)
+		if h := p.cgroups.afterGroupKill; h != nil {
+			h(p)
+		}
 		if p.cgroups.killNow(p.cgroupPath) {
 			p.cgMu.Unlock()
 			return
@@ -412,6 +420,7 @@ func (p *proc) kill() {
 			p.cgroups.killFrozen(ctx, p.cgroupPath)
 		}()
 	})
+	p.signalGroup(sigKill) // a kill after the first, or of a cgroup given back
 }
 
 // waitKilled waits, once the command's cgroup was killed, until nothing is left in it
@@ -424,9 +433,11 @@ func (p *proc) waitKilled(ctx context.Context) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, cgroupKillMax)
 	defer cancel()
-	waitCgroupEmpty(ctx, p.cgroupPath)
-	p.cgMu.Lock() // held by killFrozen's goroutine, itself bounded by cgroupKillMax
+	// The kill first (cgMu is held until cgroup.kill is written, or killFrozen's
+	// goroutine, itself bounded by cgroupKillMax, is done), then the tasks' ends.
+	p.cgMu.Lock()
 	p.cgMu.Unlock()
+	waitCgroupEmpty(ctx, p.cgroupPath)
 }
 
 func (p *proc) resize(rows, cols uint16) error {
