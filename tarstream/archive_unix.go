@@ -13,9 +13,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// oNoFollow makes an open fail on a symlink instead of following it.
-const oNoFollow = unix.O_NOFOLLOW
-
 // inodeKey identifies a file across its hard links.
 type inodeKey struct{ dev, ino uint64 }
 

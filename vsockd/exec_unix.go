@@ -179,7 +179,8 @@ type proc struct {
 	cgMu       sync.Mutex
 	cgReleased bool
 	cgKillOnce sync.Once
-	cgKilled   atomic.Bool // its cgroup was killed: see waitKilled
+	cgKilled   atomic.Bool   // its cgroup was killed: see waitKilled
+	cgKillDone chan struct{} // closed once that kill is done; set before cgKilled
 }
 
 // releaseCgroup gives the process's cgroup back to its Server once the process has
@@ -401,20 +402,24 @@ func (p *proc) kill() {
 			return
 		}
 		// Marked before the process group's SIGKILL: the exit it brings must find the
-		// mark, so that the Exit waits for this kill (waitKilled, which takes cgMu,
-		// held until the kill is done). Marked after, an exit reaped in between sent
-		// the Exit with the cgroup still frozen or its escaped tasks alive.
+		// mark, so that the Exit waits for this kill (waitKilled, on cgKillDone).
+		// Marked after, an exit reaped in between sent the Exit with the cgroup still
+		// frozen or its escaped tasks alive.
+		done := make(chan struct{})
+		p.cgKillDone = done
 		p.cgKilled.Store(true)
 		p.signalGroup(sigKill)
 		if h := p.cgroups.afterGroupKill; h != nil {
 			h(p)
 		}
 		if p.cgroups.killNow(p.cgroupPath) {
+			close(done)
 			p.cgMu.Unlock()
 			return
 		}
 		go func() {
 			defer p.cgMu.Unlock()
+			defer close(done)
 			ctx, cancel := context.WithTimeout(context.Background(), cgroupKillMax)
 			defer cancel()
 			p.cgroups.killFrozen(ctx, p.cgroupPath)
@@ -433,10 +438,12 @@ func (p *proc) waitKilled(ctx context.Context) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, cgroupKillMax)
 	defer cancel()
-	// The kill first (cgMu is held until cgroup.kill is written, or killFrozen's
-	// goroutine, itself bounded by cgroupKillMax, is done), then the tasks' ends.
-	p.cgMu.Lock()
-	p.cgMu.Unlock()
+	// The kill first (cgroup.kill written, or killFrozen's goroutine, itself bounded
+	// by cgroupKillMax, done), then the tasks' ends.
+	select {
+	case <-p.cgKillDone:
+	case <-ctx.Done():
+	}
 	waitCgroupEmpty(ctx, p.cgroupPath)
 }
 
