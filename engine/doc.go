@@ -67,7 +67,10 @@
 // lock for its lifetime). Their consoles, bounded to 1 MiB of log (VM.Logs), are served
 // inside the Engine while it runs; Close hands those of the VMs that run on to one
 // console keeper, a re-executed copy of the program embedding the engine, and a VM
-// whose Engine was killed has its console served again by the next Engine. After a crash (kill -9 of the process embedding the engine,
+// whose Engine was killed has its console served again by the next Engine. Operations
+// under way when Close is called (creates, forks, waves, checkpoints, imports, parks,
+// wakes, deletes) are cancelled and waited for, each cleaning up after itself; they
+// fail with errors wrapping ErrClosed. After a crash (kill -9 of the process embedding the engine,
 // e.g. mid-wave) the next Engine re-adopts every VM that was confirmed ready, told to
 // its caller or not, and kills and removes every one still on its way; a checkpoint
 // the crash cut short leaves nothing, and its VM is resumed with the disk chain QEMU
