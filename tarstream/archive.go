@@ -674,3 +674,18 @@ func (c ctxReader) Read(p []byte) (int, error) {
 	}
 	return c.r.Read(p)
 }
+
+// regularOrClose returns f's attributes where f, opened as path p, is a regular file;
+// else it closes f and returns an error wrapping errNotRegular (or Stat's).
+func regularOrClose(f *os.File, p string) (*os.File, fs.FileInfo, error) {
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, nil, fmt.Errorf("%w: %s is a %v", errNotRegular, p, fi.Mode().Type())
+	}
+	return f, fi, nil
+}

@@ -4,7 +4,6 @@ package tarstream
 
 import (
 	"archive/tar"
-	"fmt"
 	"io/fs"
 	"os"
 	"time"
@@ -31,14 +30,5 @@ func openRegular(p string) (*os.File, fs.FileInfo, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	fi, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, nil, err
-	}
-	if !fi.Mode().IsRegular() {
-		f.Close()
-		return nil, nil, fmt.Errorf("%w: %s is a %v", errNotRegular, p, fi.Mode().Type())
-	}
-	return f, fi, nil
+	return regularOrClose(f, p)
 }

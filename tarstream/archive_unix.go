@@ -58,15 +58,5 @@ func openRegular(p string) (*os.File, fs.FileInfo, error) {
 		unix.Close(fd)
 		return nil, nil, &fs.PathError{Op: "fcntl", Path: p, Err: err}
 	}
-	f := os.NewFile(uintptr(fd), p)
-	fi, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, nil, err
-	}
-	if !fi.Mode().IsRegular() {
-		f.Close()
-		return nil, nil, fmt.Errorf("%w: %s is a %v", errNotRegular, p, fi.Mode().Type())
-	}
-	return f, fi, nil
+	return regularOrClose(os.NewFile(uintptr(fd), p), p)
 }

@@ -104,6 +104,27 @@ func cgroupOf(t *testing.T, pid int) string {
 // holds its output, printing its pid first; the command waits for it.
 var escapee = []string{"sh", "-c", `setsid sh -c 'echo $$; exec sleep 1000' & wait`}
 
+// startPrintingPid starts req, whose command prints a pid as its first line to out,
+// and returns the process and that pid.
+func startPrintingPid(t *testing.T, c *Client, req *ExecRequest, out *lineWriter) (*Process, int) {
+	t.Helper()
+	p, err := c.Start(tctx(t), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case line := <-out.first:
+		pid, err := strconv.Atoi(line)
+		if err != nil {
+			t.Fatalf("first line %q", line)
+		}
+		return p, pid
+	case <-tctx(t).Done():
+		t.Fatal("no pid printed")
+	}
+	return nil, 0
+}
+
 // TestExecKillReachesCgroup: a kill of an exec (the host's SIGKILL, the guest's timeout)
 // ends everything in the command's cgroup, a child that called setsid too, before the
 // exec's Exit; a command that exits by itself leaves its daemons running. Both ways of
@@ -126,19 +147,7 @@ func TestExecKillReachesCgroup(t *testing.T) {
 				case "exit":
 					req.Argv = []string{"sh", "-c", `setsid sh -c 'exec sleep 1000' </dev/null >/dev/null 2>&1 & echo $!`}
 				}
-				p, err := c.Start(tctx(t), req)
-				if err != nil {
-					t.Fatal(err)
-				}
-				var pid int
-				select {
-				case line := <-out.first:
-					if pid, err = strconv.Atoi(line); err != nil {
-						t.Fatalf("first line %q", line)
-					}
-				case <-tctx(t).Done():
-					t.Fatal("no pid printed")
-				}
+				p, pid := startPrintingPid(t, c, req, out)
 				// The escaped child is in the command's cgroup, below the test's.
 				cgPath := cgroupOf(t, pid)
 				if filepath.Base(filepath.Dir(cgPath)) != filepath.Base(cg.Name()) {
@@ -198,19 +207,7 @@ func TestExecKillExitRace(t *testing.T) {
 			}
 			c := pairWith(t, srv, nil)
 			out := &lineWriter{first: make(chan string, 1)}
-			p, err := c.Start(tctx(t), &ExecRequest{Argv: escapee, Stdout: out})
-			if err != nil {
-				t.Fatal(err)
-			}
-			var pid int
-			select {
-			case line := <-out.first:
-				if pid, err = strconv.Atoi(line); err != nil {
-					t.Fatalf("first line %q", line)
-				}
-			case <-tctx(t).Done():
-				t.Fatal("no pid printed")
-			}
+			p, pid := startPrintingPid(t, c, &ExecRequest{Argv: escapee, Stdout: out}, out)
 			cmdCgroup := filepath.Join(cg.Name(), filepath.Base(cgroupOf(t, pid)))
 			if err := p.Signal(tctx(t), syscall.SIGKILL); err != nil {
 				t.Fatal(err)
