@@ -59,12 +59,12 @@ func TestProcessCPU(t *testing.T) {
 }
 
 func TestAvailable(t *testing.T) {
-	n, err := Available()
+	n, pcp, err := Available()
 	if errors.Is(err, ErrUnsupported) {
 		t.Skip(err)
 	}
-	if err != nil || n <= 0 {
-		t.Fatalf("Available = %d, %v", n, err)
+	if err != nil || n <= 0 || pcp < 0 || pcp > n {
+		t.Fatalf("Available = %d (per-CPU lists %d), %v", n, pcp, err)
 	}
-	t.Logf("Available %d MiB", n>>20)
+	t.Logf("Available %d MiB, %d MiB of it on per-CPU lists", n>>20, pcp>>20)
 }

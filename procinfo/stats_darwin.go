@@ -149,7 +149,7 @@ func ProcessCPU(pid int) (user, sys time.Duration, err error) {
 }
 
 // Available is not implemented on darwin; it returns ErrUnsupported.
-func Available() (int64, error) { return 0, ErrUnsupported }
+func Available() (avail, perCPU int64, err error) { return 0, 0, ErrUnsupported }
 
 // PerCPUFree is not implemented on darwin; it returns ErrUnsupported.
 func PerCPUFree() (int64, error) { return 0, ErrUnsupported }

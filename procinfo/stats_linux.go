@@ -134,17 +134,17 @@ func ProcessCPU(pid int) (user, sys time.Duration, err error) {
 // /proc/meminfo plus the free pages on the kernel's per-CPU lists (PerCPUFree), which
 // MemAvailable leaves out and which can hold hundreds of MiB that a process just freed.
 // A difference of two MemAvailable readings misses what moved onto or off those lists;
-// one of two Available readings does not.
-func Available() (int64, error) {
+// one of two Available readings does not. perCPU is the lists' part of avail.
+func Available() (avail, perCPU int64, err error) {
 	v, err := procKB("/proc/meminfo", "MemAvailable")
 	if err != nil {
-		return 0, fmt.Errorf("procinfo: meminfo: %w", err)
+		return 0, 0, fmt.Errorf("procinfo: meminfo: %w", err)
 	}
 	pcp, err := PerCPUFree()
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	return v + pcp, nil
+	return v + pcp, pcp, nil
 }
 
 // PerCPUFree returns the bytes of free pages on the kernel's per-CPU lists

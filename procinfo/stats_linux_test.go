@@ -103,7 +103,7 @@ func TestAvailableFollowsAllocation(t *testing.T) {
 	const size = 128 << 20
 	var errs, rawErrs []float64
 	for range 9 {
-		before, err := Available()
+		before, _, err := Available()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -115,7 +115,7 @@ func TestAvailableFollowsAllocation(t *testing.T) {
 		for i := 0; i < size; i += os.Getpagesize() {
 			b[i] = 1
 		}
-		after, err := Available()
+		after, _, err := Available()
 		rawAfter, _ := procKB("/proc/meminfo", "MemAvailable")
 		if err := unix.Munmap(b); err != nil {
 			t.Fatal(err)

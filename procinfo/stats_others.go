@@ -11,7 +11,7 @@ func ProcessMemory(pid int) (*ProcMem, error) { return nil, ErrUnsupported }
 func ProcessCPU(pid int) (user, sys time.Duration, err error) { return 0, 0, ErrUnsupported }
 
 // Available is not implemented on this platform; it returns ErrUnsupported.
-func Available() (int64, error) { return 0, ErrUnsupported }
+func Available() (avail, perCPU int64, err error) { return 0, 0, ErrUnsupported }
 
 // PerCPUFree is not implemented on this platform; it returns ErrUnsupported.
 func PerCPUFree() (int64, error) { return 0, ErrUnsupported }

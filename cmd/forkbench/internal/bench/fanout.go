@@ -551,7 +551,7 @@ func fanoutDefaultPass(r *Env, w *World, settings *FanoutSettings, fit *FitDecis
 			perFork = max(perFork, o.wr.MemPerForkEstimate())
 		}
 	}
-	fit.Memory = memoryFit(measure.SettledAvailableMB(r.ctx), float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
+	fit.Memory = memoryFit(measure.SettledAvailable(r.ctx).MB, float64(r.e.Config().MemoryReserveMiB), perFork, maxWave)
 	return defaults, nil
 }
 

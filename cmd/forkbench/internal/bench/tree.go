@@ -89,7 +89,7 @@ type TreeLevel struct {
 	LineageMB      float64 `json:"lineage_mb"`
 	WrittenMB      int     `json:"written_mb"`
 	GuestWrittenMB float64 `json:"guest_written_mb"`
-	// HostMemPerForkMB: drop of available memory (measure.AvailableMB) while the level's children run, per child.
+	// HostMemPerForkMB: drop of available memory (procinfo.Available) while the level's children run, per child.
 	HostMemPerForkMB float64 `json:"host_mem_per_fork_mb"`
 	// Verified children saw every ancestor's file with its md5 and no sibling's file.
 	Verified int `json:"verified"`
@@ -223,7 +223,7 @@ func (t *treeWalk) checkpointNode(lvl int, L *TreeLevel) error {
 // their latency and the host memory they added.
 func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
 	r := t.r
-	avail0, _ := procinfo.Available()
+	avail0, _, _ := procinfo.Available()
 	var children []*engine.VM
 	var lat []float64
 	var injected float64
@@ -243,7 +243,7 @@ func (t *treeWalk) forkChildren(lvl, branch int, L *TreeLevel) []*engine.VM {
 	if len(children) > 0 {
 		L.ChildrenInjectedMBAverage = report.Round3(injected / float64(len(children)))
 	}
-	if avail1, err := procinfo.Available(); err == nil && len(children) > 0 {
+	if avail1, _, err := procinfo.Available(); err == nil && len(children) > 0 {
 		L.HostMemPerForkMB = report.Round3(float64(avail0-avail1) / float64(len(children)) / (1 << 20))
 	}
 	L.Ready, L.ForkP50MS = len(children), report.Round3(report.Median(lat))

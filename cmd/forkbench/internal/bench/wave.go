@@ -170,8 +170,8 @@ func runWave(r *Env, label, src string, n int, opts *engine.ManyOptions, onReady
 	w.Budget, w.ForkCPUs = r.e.Budget(), r.shape.CPUs
 	w.Budget.Overcommit = opts.Overcommit
 	w.Budget.Total = int(float64(w.Budget.HostCPUs) * opts.Overcommit)
-	w.MemBeforeMB = measure.SettledAvailableMB(r.ctx)
-	w.PerCPUFreeBeforeMB = measure.PerCPUFreeMB()
+	before := measure.SettledAvailable(r.ctx)
+	w.MemBeforeMB, w.PerCPUFreeBeforeMB = before.MB, before.PerCPUMB
 	pl := &progressLine{on: r.progress, label: label, n: n, t0: time.Now()}
 	if r.counterEvery > 0 {
 		ram := ""
@@ -221,8 +221,8 @@ func runWave(r *Env, label, src string, n int, opts *engine.ManyOptions, onReady
 	if ready > 0 {
 		w.Wall = w.LastReady.Sub(w.FirstStart)
 	}
-	w.MemAfterMB = measure.AvailableMB()
-	w.PerCPUFreeAfterMB = measure.PerCPUFreeMB()
+	after := measure.AvailableNow()
+	w.MemAfterMB, w.PerCPUFreeAfterMB = after.MB, after.PerCPUMB
 	for _, ev := range w.Events {
 		if ev.VM != nil && ev.Err == nil {
 			w.Ready = append(w.Ready, ev.VM)

@@ -10,42 +10,38 @@ import (
 	"github.com/forkvm/forkvm/procinfo"
 )
 
-// AvailableMB is the host's available memory in MB (-1 when unknown): MemAvailable plus
-// the free pages on the kernel's per-CPU lists (procinfo.Available), so that a drop
+// Avail is a reading of the host's available memory in MB (-1 when unknown): MemAvailable
+// plus the free pages on the kernel's per-CPU lists (procinfo.Available), so that a drop
 // across a wave is what the wave took, not what it took less what it drew from those
-// lists.
-func AvailableMB() float64 {
-	v, err := procinfo.Available()
+// lists; PerCPUMB is the lists' part of it, from the same reading.
+type Avail struct{ MB, PerCPUMB float64 }
+
+// AvailableNow reads the host's available memory.
+func AvailableNow() Avail {
+	v, pcp, err := procinfo.Available()
 	if err != nil {
-		return -1
+		return Avail{-1, -1}
 	}
-	return float64(v) / (1 << 20)
+	return Avail{float64(v) / (1 << 20), float64(pcp) / (1 << 20)}
 }
 
-// PerCPUFreeMB is the free memory on the kernel's per-CPU lists in MB (-1 when
-// unknown): the part of AvailableMB that MemAvailable leaves out.
-func PerCPUFreeMB() float64 {
-	v, err := procinfo.PerCPUFree()
-	if err != nil {
-		return -1
-	}
-	return float64(v) / (1 << 20)
-}
+// AvailableMB is AvailableNow's MB.
+func AvailableMB() float64 { return AvailableNow().MB }
 
-// SettledAvailableMB waits (up to 5 s, untimed by the benchmarks) until AvailableMB
-// stops moving — memory freed by a just-deleted VM or wave is returned asynchronously, and
-// a baseline taken too early makes "memory added per fork" too small, even negative —
-// then returns it.
-func SettledAvailableMB(ctx context.Context) float64 {
-	prev := AvailableMB()
+// SettledAvailable waits (up to 5 s, untimed by the benchmarks) until the available
+// memory stops moving — memory freed by a just-deleted VM or wave is returned
+// asynchronously, and a baseline taken too early makes "memory added per fork" too
+// small, even negative — then returns its last reading.
+func SettledAvailable(ctx context.Context) Avail {
+	prev := AvailableNow()
 	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
 		select {
 		case <-ctx.Done():
 			return prev
 		case <-time.After(250 * time.Millisecond):
 		}
-		cur := AvailableMB()
-		if cur < 0 || math.Abs(cur-prev) < 2 {
+		cur := AvailableNow()
+		if cur.MB < 0 || math.Abs(cur.MB-prev.MB) < 2 {
 			return cur
 		}
 		prev = cur
