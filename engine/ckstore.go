@@ -189,6 +189,14 @@ func (s *checkpointStore) exists(name string) bool {
 	return err == nil
 }
 
+// beingRemoved reports whether a removal of name is under way (between its claim and the
+// rename of its directory); s.life held (shared at least).
+func (s *checkpointStore) beingRemoved(name string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.removing[name] > 0
+}
+
 // read reads and decodes a checkpoint's manifest without verifying its files, and gives
 // the checkpoint its generation. A checkpoint being removed is not found.
 func (s *checkpointStore) read(name string) (*Checkpoint, error) {
@@ -197,9 +205,7 @@ func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 	}
 	s.life.RLock()
 	defer s.life.RUnlock()
-	s.mu.Lock()
-	going := s.removing[name] > 0
-	s.mu.Unlock()
+	going := s.beingRemoved(name)
 	if going {
 		return nil, fmt.Errorf("%w: checkpoint %s (being deleted)", ErrNotFound, name)
 	}
@@ -227,9 +233,7 @@ func (s *checkpointStore) read(name string) (*Checkpoint, error) {
 func (s *checkpointStore) adopt(name string) uint64 {
 	s.life.RLock()
 	defer s.life.RUnlock()
-	s.mu.Lock()
-	going := s.removing[name] > 0
-	s.mu.Unlock()
+	going := s.beingRemoved(name)
 	if _, err := os.Stat(filepath.Join(s.paths.checkpointDir(name), manifestFile)); going || err != nil {
 		return 0
 	}
@@ -246,9 +250,7 @@ func (s *checkpointStore) readAny(name string) (*Checkpoint, error) {
 	}
 	s.life.RLock()
 	defer s.life.RUnlock()
-	s.mu.Lock()
-	going := s.removing[name] > 0
-	s.mu.Unlock()
+	going := s.beingRemoved(name)
 	dir := s.paths.checkpointDir(name)
 	if _, serr := os.Stat(dir); going || errors.Is(serr, os.ErrNotExist) {
 		return nil, fmt.Errorf("%w: checkpoint %s", ErrNotFound, name)

@@ -78,14 +78,7 @@ func TestCloseEndsCreatesUnderWay(t *testing.T) {
 		t.Fatal("no pid from the fake QEMU")
 	}
 	vmDir := e.paths.vmDir("c1")
-	e.Close()
-	if err := syscall.Kill(pid, 0); err == nil {
-		t.Errorf("the create's QEMU (pid %d) still runs after Close returned", pid)
-		syscall.Kill(pid, syscall.SIGKILL)
-	}
-	if exists(vmDir) {
-		t.Errorf("the create's directory %s is still there after Close returned", vmDir)
-	}
+	closeAndCheckGone(t, e, pid, vmDir)
 	cancel() // before the fix: what ends the create
 	select {
 	case r := <-done:
@@ -210,14 +203,7 @@ func TestCloseEndsOperationsUnderWay(t *testing.T) {
 			}()
 			pid := started(done)
 			vmDir := e.paths.vmDir(tc.vm)
-			e.Close()
-			if err := syscall.Kill(pid, 0); err == nil {
-				t.Errorf("the QEMU (pid %d) still runs after Close returned", pid)
-				syscall.Kill(pid, syscall.SIGKILL)
-			}
-			if exists(vmDir) {
-				t.Errorf("%s is still there after Close returned", vmDir)
-			}
+			closeAndCheckGone(t, e, pid, vmDir)
 			cancel() // before the fix: what ends the operation
 			select {
 			case <-done:
@@ -299,5 +285,19 @@ func TestRegisterIntoClosedRegistry(t *testing.T) {
 	}
 	if e.vms.has("v1") {
 		t.Error("a VM was registered into a closed registry")
+	}
+}
+
+// closeAndCheckGone closes e and checks that the QEMU pid an operation under way started
+// and its VM's directory vmDir are gone once Close returned (a QEMU left is killed).
+func closeAndCheckGone(t *testing.T, e *Engine, pid int, vmDir string) {
+	t.Helper()
+	e.Close()
+	if err := syscall.Kill(pid, 0); err == nil {
+		t.Errorf("the QEMU (pid %d) still runs after Close returned", pid)
+		syscall.Kill(pid, syscall.SIGKILL)
+	}
+	if exists(vmDir) {
+		t.Errorf("%s is still there after Close returned", vmDir)
 	}
 }
